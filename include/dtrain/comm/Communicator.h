@@ -1,0 +1,138 @@
+// Communicator: the one interface every strategy uses to talk to other ranks (DESIGN.md,
+// src/comm). Async by default: every op returns a Work. Ops a backend lacks natively
+// (reduce_scatter, uneven allgather, bfloat16 reductions) are implemented here once, as ring
+// algorithms over the backend's point-to-point ops, so every backend offers the full set.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dtrain/comm/Options.h"
+#include "dtrain/comm/Work.h"
+
+namespace dtrain::comm {
+
+class Communicator;
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+/// A group of ranks that can run collectives together. Every member must issue the same
+/// sequence of collectives (as with MPI/c10d).
+class Communicator {
+ public:
+  Communicator(int rank, int size, std::string name, std::vector<int> global_ranks,
+               Milliseconds timeout);
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  /// Human-readable group name used in errors ("world", "dp", ...).
+  const std::string& name() const { return name_; }
+  /// global_ranks()[i] is the world rank of this group's rank i.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  Milliseconds timeout() const { return timeout_; }
+  virtual std::string backend_name() const = 0;
+
+  /// In-place allreduce of `tensor` (any layout; contiguous is fastest).
+  virtual WorkPtr allreduce(at::Tensor tensor, const AllreduceOptions& options = {}) = 0;
+  /// In-place broadcast from options.root.
+  virtual WorkPtr broadcast(at::Tensor tensor, const BroadcastOptions& options = {}) = 0;
+  /// Gathers every rank's `input` into the flat `output` in rank order (ring algorithm:
+  /// each rank sends and receives (size-1)/size of the output).
+  virtual WorkPtr allgather(at::Tensor output, at::Tensor input,
+                            const AllgatherOptions& options = {});
+  /// Reduces the flat `input` across ranks and leaves share `rank()` in `output` (ring
+  /// algorithm: each rank sends (size-1)/size of the input, as a ring reduce-scatter does).
+  virtual WorkPtr reduce_scatter(at::Tensor output, at::Tensor input,
+                                 const ReduceScatterOptions& options = {});
+  virtual WorkPtr send(at::Tensor tensor, int dst, const P2POptions& options = {});
+  virtual WorkPtr recv(at::Tensor tensor, int src, const P2POptions& options = {});
+  virtual WorkPtr barrier(const BarrierOptions& options = {}) = 0;
+
+  /// Collective over this communicator: all members call it with the same `ranks` (ranks of
+  /// this group). Returns the new group for members and nullptr for the others.
+  virtual CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& name) = 0;
+  /// Collective: ranks with equal `color` form a group, ordered by (key, rank). A negative
+  /// color means "no group" (returns nullptr).
+  CommunicatorPtr split(int color, int key, const std::string& name);
+
+  /// Total bytes this rank has sent through point-to-point ops (ring algorithms included).
+  int64_t bytes_sent() const { return bytes_sent_.load(); }
+
+ protected:
+  /// Backend point-to-point with an unchecked tag (internal algorithms use tags above the
+  /// user range).
+  virtual WorkPtr send_tagged(at::Tensor tensor, int dst, int tag, Milliseconds timeout) = 0;
+  virtual WorkPtr recv_tagged(at::Tensor tensor, int src, int tag, Milliseconds timeout) = 0;
+
+  /// Runs `body` on this communicator's op thread, in issue order; returns its Work.
+  WorkPtr run_async(std::string description, Milliseconds timeout, std::function<void()> body);
+  /// Ring reduce-scatter / allgather / allreduce bodies (run on the op thread).
+  void ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                           const std::vector<int64_t>& counts, ReduceOp op, int64_t sequence,
+                           Milliseconds timeout, const std::string& what);
+  void ring_allgather(const at::Tensor& output, const at::Tensor& input,
+                      const std::vector<int64_t>& counts, int64_t sequence, Milliseconds timeout,
+                      const std::string& what, int step_base = 0);
+  WorkPtr ring_allreduce(at::Tensor tensor, ReduceOp op, Milliseconds timeout,
+                         const std::string& what);
+
+  Milliseconds resolve(Milliseconds timeout) const;
+  /// "allreduce(sum, 4 x Float) on group 'world' (world ranks [0,1]) at rank 0".
+  std::string describe(const std::string& op_and_args) const;
+  int64_t next_sequence() { return sequence_++; }
+  void count_sent(int64_t bytes) { bytes_sent_ += bytes; }
+
+ private:
+  void op_thread_main();
+  void exchange(const at::Tensor& send_buf, const at::Tensor& recv_buf, int64_t sequence,
+                int step, Milliseconds timeout, const std::string& what);
+
+  int rank_;
+  int size_;
+  std::string name_;
+  std::vector<int> global_ranks_;
+  Milliseconds timeout_;
+  int64_t sequence_ = 0;
+  std::atomic<int64_t> bytes_sent_{0};
+
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::thread op_thread_;
+};
+
+/// How to join the world. Defaults suit one machine.
+struct InitOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  /// Default timeout of every op and of rendezvous.
+  Milliseconds timeout{std::chrono::seconds(120)};
+  /// "gloo" (CPU) or "nccl" (CUDA builds of LibTorch only).
+  std::string backend = "gloo";
+  /// Network interface for the data plane ("" = the address that reaches master_addr).
+  std::string interface;
+  /// Backend worker threads per communicator.
+  int backend_threads = 2;
+};
+
+/// Joins the world described by `options` (rank 0 hosts the TCP rendezvous store).
+CommunicatorPtr init(const InitOptions& options);
+
+/// Element size-aware description helper: "1024 x BFloat16".
+std::string shape_string(const at::Tensor& tensor);
+
+}  // namespace dtrain::comm

@@ -1,0 +1,50 @@
+// Per-call options for communication ops, each with defaults (gloo's AllreduceOptions style).
+// A timeout of zero means "the communicator's default timeout".
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+namespace dtrain::comm {
+
+enum class ReduceOp { Sum, Avg, Max, Min };
+const char* to_string(ReduceOp op);
+
+struct AllreduceOptions {
+  ReduceOp op = ReduceOp::Sum;
+  std::chrono::milliseconds timeout{0};
+};
+
+struct BroadcastOptions {
+  int root = 0;
+  std::chrono::milliseconds timeout{0};
+};
+
+/// Allgather into one flat output. `counts[i]` = elements contributed by rank i; empty means
+/// every rank contributes input.numel().
+struct AllgatherOptions {
+  std::vector<int64_t> counts;
+  std::chrono::milliseconds timeout{0};
+};
+
+/// Reduce-scatter of one flat input. `counts[i]` = elements of the result kept by rank i;
+/// empty means equal shares of input.numel() / size.
+struct ReduceScatterOptions {
+  ReduceOp op = ReduceOp::Sum;
+  std::vector<int64_t> counts;
+  std::chrono::milliseconds timeout{0};
+};
+
+/// Point-to-point. User tags must be in [0, kMaxUserTag).
+struct P2POptions {
+  int tag = 0;
+  std::chrono::milliseconds timeout{0};
+};
+constexpr int kMaxUserTag = 1 << 20;
+
+struct BarrierOptions {
+  std::chrono::milliseconds timeout{0};
+};
+
+}  // namespace dtrain::comm

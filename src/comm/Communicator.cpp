@@ -1,0 +1,311 @@
+// Communicator base: the op thread, and the ring algorithms (reduce-scatter, allgather, and
+// allreduce for dtypes the backend cannot reduce) built on point-to-point ops, so that every
+// backend supports every op with ring-optimal traffic.
+#include "dtrain/comm/Communicator.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <climits>
+#include <map>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::comm {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+  }
+  return "?";
+}
+
+std::string shape_string(const at::Tensor& tensor) {
+  return concat(tensor.numel(), " x ", tensor.scalar_type());
+}
+
+Communicator::Communicator(int rank, int size, std::string name, std::vector<int> global_ranks,
+                           Milliseconds timeout)
+    : rank_(rank),
+      size_(size),
+      name_(std::move(name)),
+      global_ranks_(std::move(global_ranks)),
+      timeout_(timeout) {
+  DTRAIN_CHECK(size_ >= 1 && rank_ >= 0 && rank_ < size_, "invalid rank ", rank_, " of ", size_);
+  DTRAIN_CHECK_EQ(static_cast<int>(global_ranks_.size()), size_, "group '", name_, "'");
+}
+
+Communicator::~Communicator() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (op_thread_.joinable()) op_thread_.join();
+}
+
+Milliseconds Communicator::resolve(Milliseconds timeout) const {
+  return timeout.count() > 0 ? timeout : timeout_;
+}
+
+std::string Communicator::describe(const std::string& op_and_args) const {
+  std::string ranks;
+  for (size_t i = 0; i < global_ranks_.size(); ++i) {
+    ranks += (i ? "," : "") + std::to_string(global_ranks_[i]);
+  }
+  return concat(op_and_args, " on group '", name_, "' (world ranks [", ranks, "]) at rank ", rank_,
+             " (world rank ", global_ranks_[rank_], ")");
+}
+
+WorkPtr Communicator::run_async(std::string description, Milliseconds timeout,
+                                std::function<void()> body) {
+  auto work = std::make_shared<PromiseWork>(std::move(description), timeout);
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    DTRAIN_CHECK(!stopping_, "communicator '", name_, "' is shutting down");
+    if (!op_thread_.joinable()) op_thread_ = std::thread([this] { op_thread_main(); });
+    queue_.emplace_back([work, body = std::move(body)] {
+      try {
+        body();
+        work->finish();
+      } catch (...) {
+        work->finish(std::current_exception());
+      }
+    });
+  }
+  queue_cv_.notify_one();
+  return work;
+}
+
+void Communicator::op_thread_main() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(queue_mutex_);
+      queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+namespace {
+
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> offsets(counts.size() + 1, 0);
+  for (size_t i = 0; i < counts.size(); ++i) offsets[i + 1] = offsets[i] + counts[i];
+  return offsets;
+}
+
+std::vector<int64_t> even_counts(int64_t numel, int parts) {
+  std::vector<int64_t> counts(parts, numel / parts);
+  for (int64_t i = 0; i < numel % parts; ++i) counts[i] += 1;
+  return counts;
+}
+
+at::ScalarType accumulation_type(at::ScalarType type) {
+  return (type == at::kBFloat16 || type == at::kHalf) ? at::kFloat : type;
+}
+
+void accumulate(at::Tensor& into, const at::Tensor& incoming, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg: into.add_(incoming); break;
+    case ReduceOp::Max: at::maximum_out(into, into, incoming); break;
+    case ReduceOp::Min: at::minimum_out(into, into, incoming); break;
+  }
+}
+
+}  // namespace
+
+void Communicator::exchange(const at::Tensor& send_buf, const at::Tensor& recv_buf,
+                            int64_t sequence, int step, Milliseconds timeout,
+                            const std::string& what) {
+  const int right = (rank_ + 1) % size_;
+  const int left = (rank_ - 1 + size_) % size_;
+  const int64_t span = INT_MAX - kMaxUserTag;
+  const int tag =
+      kMaxUserTag + static_cast<int>((sequence * 2 * size_ + step) % span);
+  auto fail = [&](const char* direction, int peer, const std::exception& e) {
+    DTRAIN_THROW(CommError, describe(what), ": step ", step, " ", direction, " rank ", peer,
+                 " (world rank ", global_ranks_[peer], ") failed: ", e.what());
+  };
+  WorkPtr receive, transmit;
+  try {
+    if (recv_buf.defined() && recv_buf.numel() > 0) {
+      receive = recv_tagged(recv_buf, left, tag, timeout);
+    }
+  } catch (const std::exception& e) {
+    fail("receiving from", left, e);
+  }
+  try {
+    if (send_buf.defined() && send_buf.numel() > 0) {
+      transmit = send_tagged(send_buf, right, tag, timeout);
+      count_sent(send_buf.numel() * send_buf.element_size());
+    }
+  } catch (const std::exception& e) {
+    fail("sending to", right, e);
+  }
+  try {
+    if (receive) receive->wait(timeout);
+  } catch (const std::exception& e) {
+    fail("receiving from", left, e);
+  }
+  try {
+    if (transmit) transmit->wait(timeout);
+  } catch (const std::exception& e) {
+    fail("sending to", right, e);
+  }
+}
+
+void Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                       const std::vector<int64_t>& counts, ReduceOp op,
+                                       int64_t sequence, Milliseconds timeout,
+                                       const std::string& what) {
+  const auto offsets = offsets_of(counts);
+  auto chunk = [&](const at::Tensor& flat, int index) {
+    return flat.narrow(0, offsets[index], counts[index]);
+  };
+  const auto wire_type = input.scalar_type();
+  at::Tensor acc = input.reshape({-1}).to(accumulation_type(wire_type), /*non_blocking=*/false,
+                                          /*copy=*/true);
+  for (int step = 0; step < size_ - 1; ++step) {
+    const int send_index = ((rank_ - step - 1) % size_ + size_) % size_;
+    const int recv_index = ((rank_ - step - 2) % size_ + size_) % size_;
+    at::Tensor send_buf = chunk(acc, send_index).to(wire_type).contiguous();
+    at::Tensor recv_buf = at::empty({counts[recv_index]}, input.options());
+    exchange(send_buf, recv_buf, sequence, step, timeout, what);
+    at::Tensor target = chunk(acc, recv_index);
+    accumulate(target, recv_buf.to(acc.scalar_type()), op);
+  }
+  at::Tensor mine = chunk(acc, rank_);
+  if (op == ReduceOp::Avg) mine.div_(size_);
+  output.reshape({-1}).copy_(mine);
+}
+
+void Communicator::ring_allgather(const at::Tensor& output, const at::Tensor& input,
+                                  const std::vector<int64_t>& counts, int64_t sequence,
+                                  Milliseconds timeout, const std::string& what,
+                                  int step_base) {
+  const auto offsets = offsets_of(counts);
+  at::Tensor flat = output.is_contiguous() ? output.view({-1}) : output.reshape({-1}).clone();
+  auto chunk = [&](int index) { return flat.narrow(0, offsets[index], counts[index]); };
+  chunk(rank_).copy_(input.reshape({-1}));
+  for (int step = 0; step < size_ - 1; ++step) {
+    const int send_index = ((rank_ - step) % size_ + size_) % size_;
+    const int recv_index = ((rank_ - step - 1) % size_ + size_) % size_;
+    exchange(chunk(send_index), chunk(recv_index), sequence, step_base + step, timeout, what);
+  }
+  if (!output.is_contiguous()) output.copy_(flat.view(output.sizes()));
+}
+
+WorkPtr Communicator::allgather(at::Tensor output, at::Tensor input,
+                                const AllgatherOptions& options) {
+  std::vector<int64_t> counts = options.counts;
+  if (counts.empty()) counts.assign(size_, input.numel());
+  const std::string what = concat("allgather(", shape_string(input), ")");
+  DTRAIN_CHECK(static_cast<int>(counts.size()) == size_, describe(what), ": counts has ",
+               counts.size(), " entries for ", size_, " ranks");
+  DTRAIN_CHECK(input.numel() == counts[rank_], describe(what), ": input has ", input.numel(),
+               " elements but counts[", rank_, "] = ", counts[rank_]);
+  DTRAIN_CHECK(output.numel() == offsets_of(counts).back(), describe(what), ": output has ",
+               output.numel(), " elements, expected ", offsets_of(counts).back());
+  DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what),
+               ": output dtype ", output.scalar_type(), " != input dtype ", input.scalar_type());
+  const auto timeout = resolve(options.timeout);
+  const int64_t sequence = next_sequence();
+  return run_async(describe(what), timeout, [=] {
+    ring_allgather(output, input, counts, sequence, timeout, what);
+  });
+}
+
+WorkPtr Communicator::reduce_scatter(at::Tensor output, at::Tensor input,
+                                     const ReduceScatterOptions& options) {
+  const std::string what =
+      concat("reduce_scatter(", to_string(options.op), ", ", shape_string(input), ")");
+  std::vector<int64_t> counts = options.counts;
+  if (counts.empty()) {
+    DTRAIN_CHECK(input.numel() % size_ == 0, describe(what), ": input of ", input.numel(),
+                 " elements does not split evenly over ", size_,
+                 " ranks; pass options.counts for uneven shares");
+    counts.assign(size_, input.numel() / size_);
+  }
+  DTRAIN_CHECK(static_cast<int>(counts.size()) == size_, describe(what), ": counts has ",
+               counts.size(), " entries for ", size_, " ranks");
+  DTRAIN_CHECK(input.numel() == offsets_of(counts).back(), describe(what), ": input has ",
+               input.numel(), " elements but counts add up to ", offsets_of(counts).back());
+  DTRAIN_CHECK(output.numel() == counts[rank_], describe(what), ": output has ", output.numel(),
+               " elements, expected counts[", rank_, "] = ", counts[rank_]);
+  DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what),
+               ": output dtype ", output.scalar_type(), " != input dtype ", input.scalar_type());
+  DTRAIN_CHECK(options.op != ReduceOp::Avg || at::isFloatingType(input.scalar_type()),
+               describe(what), ": avg needs a floating-point tensor");
+  const auto timeout = resolve(options.timeout);
+  const int64_t sequence = next_sequence();
+  return run_async(describe(what), timeout, [=] {
+    ring_reduce_scatter(output, input, counts, options.op, sequence, timeout, what);
+  });
+}
+
+WorkPtr Communicator::ring_allreduce(at::Tensor tensor, ReduceOp op, Milliseconds timeout,
+                                     const std::string& what) {
+  const int64_t sequence = next_sequence();
+  return run_async(describe(what), timeout, [=] {
+    at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.reshape({-1}).clone();
+    const auto counts = even_counts(flat.numel(), size_);
+    at::Tensor mine = at::empty({counts[rank_]}, flat.options());
+    ring_reduce_scatter(mine, flat, counts, op, sequence, timeout, what);
+    ring_allgather(flat, mine, counts, sequence, timeout, what + " [allgather phase]",
+                   /*step_base=*/size_);
+    if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
+  });
+}
+
+WorkPtr Communicator::send(at::Tensor tensor, int dst, const P2POptions& options) {
+  const std::string what = concat("send(", shape_string(tensor), " to rank ", dst, ", tag ",
+                               options.tag, ")");
+  DTRAIN_CHECK(options.tag >= 0 && options.tag < kMaxUserTag, describe(what),
+               ": tag must be in [0, ", kMaxUserTag, ")");
+  DTRAIN_CHECK(dst >= 0 && dst < size_ && dst != rank_, describe(what), ": bad destination");
+  DTRAIN_CHECK(tensor.is_contiguous(), describe(what), ": tensor must be contiguous");
+  count_sent(tensor.numel() * tensor.element_size());
+  return send_tagged(tensor, dst, options.tag, resolve(options.timeout));
+}
+
+WorkPtr Communicator::recv(at::Tensor tensor, int src, const P2POptions& options) {
+  const std::string what = concat("recv(", shape_string(tensor), " from rank ", src, ", tag ",
+                               options.tag, ")");
+  DTRAIN_CHECK(options.tag >= 0 && options.tag < kMaxUserTag, describe(what),
+               ": tag must be in [0, ", kMaxUserTag, ")");
+  DTRAIN_CHECK(src >= 0 && src < size_ && src != rank_, describe(what), ": bad source");
+  DTRAIN_CHECK(tensor.is_contiguous(), describe(what), ": tensor must be contiguous");
+  return recv_tagged(tensor, src, options.tag, resolve(options.timeout));
+}
+
+CommunicatorPtr Communicator::split(int color, int key, const std::string& name) {
+  at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)},
+                               at::kLong);
+  at::Tensor all = at::empty({2 * size_}, at::kLong);
+  allgather(all, mine)->wait();
+  std::map<int64_t, std::vector<std::pair<int64_t, int>>> members;  // color -> (key, rank)
+  for (int r = 0; r < size_; ++r) {
+    const int64_t c = all[2 * r].item<int64_t>();
+    if (c >= 0) members[c].emplace_back(all[2 * r + 1].item<int64_t>(), r);
+  }
+  CommunicatorPtr result;
+  for (auto& [c, entries] : members) {  // same order on every rank
+    std::sort(entries.begin(), entries.end());
+    std::vector<int> ranks;
+    for (const auto& entry : entries) ranks.push_back(entry.second);
+    auto group = new_group(ranks, concat(name, c));
+    if (c == color) result = group;
+  }
+  return result;
+}
+
+}  // namespace dtrain::comm

@@ -1,0 +1,73 @@
+// Builds the DP, PP and TP communicators of a ProcessGrid (every rank creates every group in
+// the same order, keeping the ones it belongs to).
+#include "dtrain/comm/ProcessGrid.h"
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::comm {
+
+ProcessGrid::ProcessGrid(CommunicatorPtr world, int tensor_parallel, int pipeline_parallel)
+    : world_(std::move(world)), pp_size_(pipeline_parallel), tp_size_(tensor_parallel) {
+  DTRAIN_CHECK(world_, "ProcessGrid needs a world communicator");
+  const int world_size = world_->size();
+  DTRAIN_CHECK_INPUT(tp_size_ >= 1 && pp_size_ >= 1 && world_size % (tp_size_ * pp_size_) == 0,
+                     "world size ", world_size, " is not divisible by tensor-parallel size ",
+                     tp_size_, " x pipeline-parallel size ", pp_size_);
+  dp_size_ = world_size / (tp_size_ * pp_size_);
+  coordinates_ = coordinates_of(world_->rank());
+
+  auto make = [&](const std::vector<int>& ranks, const std::string& name) -> CommunicatorPtr {
+    if (static_cast<int>(ranks.size()) == world_size) return world_;  // the whole world
+    return world_->new_group(ranks, name);
+  };
+  auto keep = [](CommunicatorPtr& slot, CommunicatorPtr group) {
+    if (group) slot = std::move(group);
+  };
+  for (int pp = 0; pp < pp_size_; ++pp) {
+    for (int dp = 0; dp < dp_size_; ++dp) {
+      std::vector<int> ranks;
+      for (int tp = 0; tp < tp_size_; ++tp) ranks.push_back(world_rank_of({dp, pp, tp}));
+      keep(tp_, make(ranks, concat("tp[pp=", pp, ",dp=", dp, "]")));
+    }
+  }
+  for (int pp = 0; pp < pp_size_; ++pp) {
+    for (int tp = 0; tp < tp_size_; ++tp) {
+      std::vector<int> ranks;
+      for (int dp = 0; dp < dp_size_; ++dp) ranks.push_back(world_rank_of({dp, pp, tp}));
+      keep(dp_, make(ranks, concat("dp[pp=", pp, ",tp=", tp, "]")));
+    }
+  }
+  for (int dp = 0; dp < dp_size_; ++dp) {
+    for (int tp = 0; tp < tp_size_; ++tp) {
+      std::vector<int> ranks;
+      for (int pp = 0; pp < pp_size_; ++pp) ranks.push_back(world_rank_of({dp, pp, tp}));
+      keep(pp_, make(ranks, concat("pp[dp=", dp, ",tp=", tp, "]")));
+    }
+  }
+  DTRAIN_CHECK(dp_ && pp_ && tp_, "ProcessGrid: rank ", world_->rank(),
+               " did not land in every group");
+}
+
+int ProcessGrid::world_rank_of(const GridCoordinates& c) const {
+  return c.pp * (dp_size_ * tp_size_) + c.dp * tp_size_ + c.tp;
+}
+
+GridCoordinates ProcessGrid::coordinates_of(int world_rank) const {
+  GridCoordinates c;
+  c.tp = world_rank % tp_size_;
+  c.dp = (world_rank / tp_size_) % dp_size_;
+  c.pp = world_rank / (tp_size_ * dp_size_);
+  return c;
+}
+
+int ProcessGrid::prev_stage_world_rank() const {
+  if (is_first_stage()) return -1;
+  return world_rank_of({coordinates_.dp, coordinates_.pp - 1, coordinates_.tp});
+}
+
+int ProcessGrid::next_stage_world_rank() const {
+  if (is_last_stage()) return -1;
+  return world_rank_of({coordinates_.dp, coordinates_.pp + 1, coordinates_.tp});
+}
+
+}  // namespace dtrain::comm

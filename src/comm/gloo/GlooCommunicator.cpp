@@ -1,0 +1,271 @@
+// Wraps c10d's ProcessGroupGloo: native allreduce/broadcast/barrier/send/recv, with dtrain's
+// timeouts and error messages; AVG and bfloat16 (which Gloo 1.13 lacks) are added here.
+#include "comm/gloo/GlooCommunicator.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::comm::gloo_backend {
+
+namespace {
+
+std::string first_line(const std::string& text) {
+  const auto end = text.find('\n');
+  return end == std::string::npos ? text : text.substr(0, end);
+}
+
+/// A c10d Work plus dtrain's description, timeout, and a completion step run once after a
+/// successful wait (dividing for AVG, copying back into a non-contiguous tensor).
+/// Runs a c10d call that may throw synchronously (e.g. posting to a closed connection).
+template <typename Call>
+c10::intrusive_ptr<c10d::Work> issue(const std::string& description, Call&& call) {
+  try {
+    return call();
+  } catch (const std::exception& e) {
+    DTRAIN_THROW(CommError, description, " failed: ", first_line(e.what()));
+  }
+}
+
+class C10dWork : public Work {
+ public:
+  C10dWork(c10::intrusive_ptr<c10d::Work> work, std::string description, Milliseconds timeout,
+           std::function<void()> then = nullptr)
+      : work_(std::move(work)),
+        description_(std::move(description)),
+        timeout_(timeout),
+        then_(std::move(then)) {}
+
+  void wait(Milliseconds timeout) override {
+    try {
+      work_->wait(timeout);
+    } catch (const std::exception& e) {
+      const std::string cause = first_line(e.what());
+      if (cause.find("timed out") != std::string::npos ||
+          cause.find("Timed out") != std::string::npos) {
+        DTRAIN_THROW(TimeoutError, "timed out after ", timeout.count(), " ms: ", description_,
+                     " (", cause, ")");
+      }
+      DTRAIN_THROW(CommError, description_, " failed: ", cause);
+    }
+    std::call_once(then_once_, [this] {
+      if (then_) then_();
+    });
+  }
+  bool is_completed() override { return work_->isCompleted(); }
+  const std::string& description() const override { return description_; }
+  Milliseconds default_timeout() const override { return timeout_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string description_;
+  Milliseconds timeout_;
+  std::function<void()> then_;
+  std::once_flag then_once_;
+};
+
+bool gloo_reduces(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kChar:
+    case at::kByte:
+    case at::kInt:
+    case at::kLong: return true;
+    default: return false;
+  }
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg: return c10d::ReduceOp::SUM;
+    case ReduceOp::Max: return c10d::ReduceOp::MAX;
+    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroupGloo> make_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Milliseconds timeout,
+    const std::shared_ptr<::gloo::transport::Device>& device, int threads,
+    const std::string& what) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(device);
+  options->threads = threads;
+  try {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+  } catch (const std::exception& e) {
+    DTRAIN_THROW(CommError, "connecting ", what, " (rank ", rank, " of ", size,
+                 ") failed: ", first_line(e.what()));
+  }
+}
+
+}  // namespace
+
+GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store,
+                                   std::string store_prefix, int rank, int size,
+                                   std::string name, std::vector<int> global_ranks,
+                                   Milliseconds timeout,
+                                   std::shared_ptr<::gloo::transport::Device> device, int threads)
+    : Communicator(rank, size, std::move(name), std::move(global_ranks), timeout),
+      root_store_(std::move(root_store)),
+      store_prefix_(std::move(store_prefix)),
+      device_(std::move(device)),
+      threads_(threads) {
+  auto store = c10::make_intrusive<c10d::PrefixStore>(store_prefix_, root_store_);
+  group_ = make_group(store, rank, size, timeout, device_, threads_,
+                      concat("group '", this->name(), "'"));
+}
+
+GlooCommunicator::~GlooCommunicator() = default;
+
+WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, const AllreduceOptions& options) {
+  const std::string what =
+      concat("allreduce(", to_string(options.op), ", ", shape_string(tensor), ")");
+  const auto timeout = resolve(options.timeout);
+  const bool floating = at::isFloatingType(tensor.scalar_type());
+  DTRAIN_CHECK(options.op != ReduceOp::Avg || floating, describe(what),
+               ": avg needs a floating-point tensor");
+  if (size() == 1) return completed_work(describe(what));
+  if (!gloo_reduces(tensor.scalar_type())) {
+    DTRAIN_CHECK(floating, "backend gloo does not support ", describe(what));
+    return ring_allreduce(tensor, options.op, timeout, what);  // bfloat16
+  }
+  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  std::vector<at::Tensor> tensors{buffer};
+  c10d::AllreduceOptions c10d_options;
+  c10d_options.reduceOp = to_c10d(options.op);
+  c10d_options.timeout = timeout;
+  auto work = issue(describe(what), [&] { return group_->allreduce(tensors, c10d_options); });
+  const int world = size();
+  const bool average = options.op == ReduceOp::Avg;
+  return std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
+    if (average) buffer.div_(world);
+    if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+  });
+}
+
+WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& options) {
+  const std::string what =
+      concat("broadcast(", shape_string(tensor), " from rank ", options.root, ")");
+  DTRAIN_CHECK(options.root >= 0 && options.root < size(), describe(what), ": bad root");
+  const auto timeout = resolve(options.timeout);
+  if (size() == 1) return completed_work(describe(what));
+  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  // Broadcast moves bytes only, so dtypes Gloo cannot reduce travel as a same-size type.
+  at::Tensor wire = buffer;
+  if (!gloo_reduces(buffer.scalar_type())) {
+    switch (buffer.element_size()) {
+      case 1: wire = buffer.view(at::kByte); break;
+      case 2: wire = buffer.view(at::kHalf); break;
+      case 4: wire = buffer.view(at::kInt); break;
+      case 8: wire = buffer.view(at::kLong); break;
+      default: DTRAIN_THROW(Error, "backend gloo does not support ", describe(what));
+    }
+  }
+  std::vector<at::Tensor> tensors{wire};
+  c10d::BroadcastOptions c10d_options;
+  c10d_options.rootRank = options.root;
+  c10d_options.timeout = timeout;
+  auto work = issue(describe(what), [&] { return group_->broadcast(tensors, c10d_options); });
+  return std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
+    if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+  });
+}
+
+WorkPtr GlooCommunicator::barrier(const BarrierOptions& options) {
+  const auto timeout = resolve(options.timeout);
+  if (size() == 1) return completed_work(describe("barrier"));
+  c10d::BarrierOptions c10d_options;
+  c10d_options.timeout = timeout;
+  auto work = issue(describe("barrier"), [&] { return group_->barrier(c10d_options); });
+  return std::make_shared<C10dWork>(work, describe("barrier"), timeout);
+}
+
+WorkPtr GlooCommunicator::send_tagged(at::Tensor tensor, int dst, int tag,
+                                      Milliseconds timeout) {
+  std::vector<at::Tensor> tensors{tensor};
+  const std::string what = concat("send(", shape_string(tensor), " to rank ", dst, ", tag ", tag, ")");
+  auto work = issue(describe(what), [&] { return group_->send(tensors, dst, tag); });
+  return std::make_shared<C10dWork>(work, describe(what), timeout);
+}
+
+WorkPtr GlooCommunicator::recv_tagged(at::Tensor tensor, int src, int tag,
+                                      Milliseconds timeout) {
+  std::vector<at::Tensor> tensors{tensor};
+  const std::string what =
+      concat("recv(", shape_string(tensor), " from rank ", src, ", tag ", tag, ")");
+  auto work = issue(describe(what), [&] { return group_->recv(tensors, src, tag); });
+  return std::make_shared<C10dWork>(work, describe(what), timeout);
+}
+
+CommunicatorPtr GlooCommunicator::new_group(const std::vector<int>& ranks,
+                                            const std::string& name) {
+  const int index = groups_created_++;
+  DTRAIN_CHECK(!ranks.empty(), "new_group('", name, "') with no ranks on group '", this->name(),
+               "'");
+  int my_rank = -1;
+  std::vector<int> global;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    DTRAIN_CHECK(ranks[i] >= 0 && ranks[i] < size(), "new_group('", name, "'): rank ",
+                 ranks[i], " is not in group '", this->name(), "' of size ", size());
+    if (ranks[i] == rank()) my_rank = static_cast<int>(i);
+    global.push_back(global_ranks()[ranks[i]]);
+  }
+  if (my_rank < 0) return nullptr;
+  return std::make_shared<GlooCommunicator>(root_store_, concat(store_prefix_, "/", index), my_rank,
+                                            static_cast<int>(ranks.size()),
+                                            name.empty() ? concat("group", index) : name, global,
+                                            timeout(), device_, threads_);
+}
+
+CommunicatorPtr create_world(const InitOptions& options) {
+  DTRAIN_CHECK_INPUT(options.world_size >= 1, "world size must be >= 1, got ",
+                     options.world_size);
+  DTRAIN_CHECK_INPUT(options.rank >= 0 && options.rank < options.world_size, "rank ",
+                     options.rank, " is outside the world of size ", options.world_size);
+  DTRAIN_CHECK_INPUT(options.master_port > 0 && options.master_port < 65536,
+                     "master port must be in 1..65535, got ", options.master_port);
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(options.master_port);
+  store_options.isServer = options.rank == 0;
+  store_options.numWorkers = options.world_size;
+  store_options.waitWorkers = false;
+  store_options.timeout = options.timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(options.master_addr, store_options);
+  } catch (const std::exception& e) {
+    DTRAIN_THROW(CommError, "rank ", options.rank, " could not ",
+                 options.rank == 0 ? "host" : "reach", " the rendezvous store at ",
+                 options.master_addr, ":", options.master_port, ": ", first_line(e.what()));
+  }
+  std::shared_ptr<::gloo::transport::Device> device;
+  std::string interface = options.interface;
+  if (interface.empty()) {
+    if (const char* env = std::getenv("GLOO_SOCKET_IFNAME")) interface = env;
+  }
+  const bool loopback = options.master_addr.rfind("127.", 0) == 0 ||
+                        options.master_addr == "localhost" || options.master_addr == "::1";
+  if (!interface.empty()) {
+    device = c10d::ProcessGroupGloo::createDeviceForInterface(interface);
+  } else if (loopback) {
+    device = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  } else {
+    device = c10d::ProcessGroupGloo::createDefaultDevice();
+  }
+  std::vector<int> global(options.world_size);
+  for (int r = 0; r < options.world_size; ++r) global[r] = r;
+  return std::make_shared<GlooCommunicator>(store, "world", options.rank, options.world_size,
+                                            "world", global, options.timeout, device,
+                                            options.backend_threads);
+}
+
+}  // namespace dtrain::comm::gloo_backend

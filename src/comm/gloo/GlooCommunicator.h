@@ -1,0 +1,41 @@
+// The c10d ProcessGroupGloo backend. All LibTorch-1.13-specific c10d code lives in this folder.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "dtrain/comm/Communicator.h"
+
+namespace dtrain::comm::gloo_backend {
+
+class GlooCommunicator : public Communicator {
+ public:
+  GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store, std::string store_prefix,
+                   int rank, int size, std::string name, std::vector<int> global_ranks,
+                   Milliseconds timeout, std::shared_ptr<::gloo::transport::Device> device,
+                   int threads);
+  ~GlooCommunicator() override;
+
+  std::string backend_name() const override { return "gloo"; }
+  WorkPtr allreduce(at::Tensor tensor, const AllreduceOptions& options) override;
+  WorkPtr broadcast(at::Tensor tensor, const BroadcastOptions& options) override;
+  WorkPtr barrier(const BarrierOptions& options) override;
+  CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& name) override;
+
+ protected:
+  WorkPtr send_tagged(at::Tensor tensor, int dst, int tag, Milliseconds timeout) override;
+  WorkPtr recv_tagged(at::Tensor tensor, int src, int tag, Milliseconds timeout) override;
+
+ private:
+  c10::intrusive_ptr<c10d::Store> root_store_;
+  std::string store_prefix_;
+  std::shared_ptr<::gloo::transport::Device> device_;
+  int threads_;
+  int groups_created_ = 0;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+};
+
+/// Rendezvous through a TCPStore at options.master_addr:master_port and connect the world.
+CommunicatorPtr create_world(const InitOptions& options);
+
+}  // namespace dtrain::comm::gloo_backend

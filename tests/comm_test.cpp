@@ -1,0 +1,271 @@
+// Communicator ops across ranks-as-threads: every op, dtypes incl. bfloat16, uneven sizes,
+// subgroups, the process grid, ring traffic volume, timeouts and dead peers.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "RankThreads.h"
+#include "dtrain/comm/ProcessGrid.h"
+
+using namespace dtrain;
+using namespace std::chrono_literals;
+using comm::CommunicatorPtr;
+using dtrain::test::run_ranks;
+
+namespace {
+
+// Rank-dependent data every rank can also compute for the others.
+torch::Tensor data_of(int rank, int64_t numel, torch::Dtype dtype) {
+  return (torch::arange(numel, torch::kDouble) * 0.5 + rank * 3 + 1).to(dtype);
+}
+
+double tolerance(torch::Dtype dtype) {
+  return dtype == torch::kBFloat16 ? 0.1 : dtype == torch::kHalf ? 0.05 : 1e-6;
+}
+
+}  // namespace
+
+class AllreduceTest : public ::testing::TestWithParam<std::tuple<int, torch::Dtype>> {};
+
+TEST_P(AllreduceTest, SumAvgMaxMatchLocalReduction) {
+  const auto [world, dtype] = GetParam();
+  for (int64_t numel : {1, 7, 1000}) {  // 7 and 1000 do not split evenly over 3 or 4 ranks
+    run_ranks(world, [&, world = world, dtype = dtype](const CommunicatorPtr& comm) {
+      torch::Tensor expected_sum = torch::zeros({numel}, torch::kDouble);
+      torch::Tensor expected_max = torch::full({numel}, -1e9, torch::kDouble);
+      for (int r = 0; r < world; ++r) {
+        expected_sum += data_of(r, numel, dtype).to(torch::kDouble);
+        expected_max = torch::maximum(expected_max, data_of(r, numel, dtype).to(torch::kDouble));
+      }
+      auto sum = data_of(comm->rank(), numel, dtype);
+      comm->allreduce(sum)->wait();
+      EXPECT_TRUE(torch::allclose(sum.to(torch::kDouble), expected_sum, 0.01, tolerance(dtype)))
+          << dtype << " sum numel " << numel;
+      if (torch::isFloatingType(dtype)) {
+        auto avg = data_of(comm->rank(), numel, dtype);
+        comm->allreduce(avg, {comm::ReduceOp::Avg})->wait();
+        EXPECT_TRUE(torch::allclose(avg.to(torch::kDouble), expected_sum / world, 0.01,
+                                    tolerance(dtype)));
+      }
+      auto max = data_of(comm->rank(), numel, dtype);
+      comm->allreduce(max, {comm::ReduceOp::Max})->wait();
+      EXPECT_TRUE(torch::allclose(max.to(torch::kDouble), expected_max));
+    });
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Dtypes, AllreduceTest,
+    ::testing::Combine(::testing::Values(1, 2, 3),
+                       ::testing::Values(torch::kFloat, torch::kDouble, torch::kLong,
+                                         torch::kHalf, torch::kBFloat16)));
+
+TEST(Comm, AllreduceNonContiguousWritesBack) {
+  run_ranks(2, [](const CommunicatorPtr& comm) {
+    auto base = torch::ones({4, 6}) * (comm->rank() + 1);
+    auto view = base.t();  // non-contiguous
+    comm->allreduce(view)->wait();
+    EXPECT_TRUE(torch::allclose(base, torch::full({4, 6}, 3.0)));
+  });
+}
+
+TEST(Comm, BroadcastFromEveryRootIncludingBFloat16) {
+  run_ranks(3, [](const CommunicatorPtr& comm) {
+    for (int root = 0; root < 3; ++root) {
+      for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kLong}) {
+        auto t = data_of(comm->rank(), 33, dtype);
+        comm->broadcast(t, {root})->wait();
+        EXPECT_TRUE(torch::equal(t, data_of(root, 33, dtype))) << root << " " << dtype;
+      }
+    }
+  });
+}
+
+TEST(Comm, AllgatherEqualAndUnevenCounts) {
+  run_ranks(3, [](const CommunicatorPtr& comm) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      auto out = torch::empty({3 * 5}, dtype);
+      comm->allgather(out, data_of(comm->rank(), 5, dtype))->wait();
+      for (int r = 0; r < 3; ++r) {
+        EXPECT_TRUE(torch::equal(out.narrow(0, 5 * r, 5), data_of(r, 5, dtype)));
+      }
+    }
+    const std::vector<int64_t> counts{2, 0, 5};
+    auto out = torch::empty({7});
+    comm->allgather(out, data_of(comm->rank(), counts[comm->rank()], torch::kFloat), {counts})
+        ->wait();
+    EXPECT_TRUE(torch::equal(out.narrow(0, 0, 2), data_of(0, 2, torch::kFloat)));
+    EXPECT_TRUE(torch::equal(out.narrow(0, 2, 5), data_of(2, 5, torch::kFloat)));
+  });
+}
+
+TEST(Comm, ReduceScatterMatchesAllreduceShareAndMovesRingBytes) {
+  for (int world : {2, 4}) {
+    run_ranks(world, [world](const CommunicatorPtr& comm) {
+      const int64_t share = 1000;
+      torch::Tensor full_sum = torch::zeros({share * world});
+      for (int r = 0; r < world; ++r) full_sum += data_of(r, share * world, torch::kFloat);
+      auto input = data_of(comm->rank(), share * world, torch::kFloat);
+      auto output = torch::empty({share});
+      const int64_t before = comm->bytes_sent();
+      comm->reduce_scatter(output, input)->wait();
+      const int64_t sent = comm->bytes_sent() - before;
+      EXPECT_TRUE(torch::allclose(output, full_sum.narrow(0, share * comm->rank(), share)));
+      // A ring reduce-scatter sends (N-1)/N of the input; an allreduce would send twice that.
+      EXPECT_EQ(sent, (world - 1) * share * 4);
+
+      auto avg = torch::empty({share});
+      comm->reduce_scatter(avg, input, {comm::ReduceOp::Avg})->wait();
+      EXPECT_TRUE(torch::allclose(avg, output / world));
+    });
+  }
+}
+
+TEST(Comm, ReduceScatterUnevenCountsAndBFloat16) {
+  run_ranks(3, [](const CommunicatorPtr& comm) {
+    const std::vector<int64_t> counts{4, 1, 6};
+    torch::Tensor full_sum = torch::zeros({11}, torch::kDouble);
+    for (int r = 0; r < 3; ++r) full_sum += data_of(r, 11, torch::kBFloat16).to(torch::kDouble);
+    int64_t offset = 0;
+    for (int r = 0; r < comm->rank(); ++r) offset += counts[r];
+    auto output = torch::empty({counts[comm->rank()]}, torch::kBFloat16);
+    comm->reduce_scatter(output, data_of(comm->rank(), 11, torch::kBFloat16),
+                         {comm::ReduceOp::Sum, counts})
+        ->wait();
+    EXPECT_TRUE(torch::allclose(output.to(torch::kDouble),
+                                full_sum.narrow(0, offset, counts[comm->rank()]), 0.01, 0.1));
+  });
+}
+
+TEST(Comm, ReduceScatterRejectsBadShapes) {
+  run_ranks(2, [](const CommunicatorPtr& comm) {
+    auto output = torch::empty({3});
+    EXPECT_THROW(comm->reduce_scatter(output, torch::ones({7})), Error);
+    EXPECT_THROW(comm->reduce_scatter(output, torch::ones({8})), Error);
+  });
+}
+
+TEST(Comm, SendRecvWithTagsAndBFloat16) {
+  run_ranks(2, [](const CommunicatorPtr& comm) {
+    if (comm->rank() == 0) {
+      comm->send(torch::arange(5, torch::kFloat), 1, {7})->wait();
+      comm->send(torch::full({3}, 2.5, torch::kBFloat16), 1, {8})->wait();
+    } else {
+      auto a = torch::empty({5});
+      auto b = torch::empty({3}, torch::kBFloat16);
+      auto wb = comm->recv(b, 0, {8});  // posted out of order: tags keep them apart
+      auto wa = comm->recv(a, 0, {7});
+      wa->wait();
+      wb->wait();
+      EXPECT_TRUE(torch::equal(a, torch::arange(5, torch::kFloat)));
+      EXPECT_TRUE(torch::equal(b, torch::full({3}, 2.5, torch::kBFloat16)));
+    }
+    EXPECT_THROW(comm->send(torch::ones({1}), 1 - comm->rank(), {comm::kMaxUserTag}), Error);
+  });
+}
+
+TEST(Comm, NewGroupAndSplit) {
+  run_ranks(4, [](const CommunicatorPtr& comm) {
+    auto evens = comm->new_group({0, 2}, "evens");
+    EXPECT_EQ(evens != nullptr, comm->rank() % 2 == 0);
+    if (evens) {
+      EXPECT_EQ(evens->size(), 2);
+      EXPECT_EQ(evens->rank(), comm->rank() / 2);
+      auto t = torch::full({3}, static_cast<float>(comm->rank()));
+      evens->allreduce(t)->wait();
+      EXPECT_TRUE(torch::allclose(t, torch::full({3}, 2.0f)));
+    }
+    // Split by parity, ordered by descending rank.
+    auto half = comm->split(comm->rank() % 2, -comm->rank(), "parity");
+    ASSERT_TRUE(half);
+    EXPECT_EQ(half->size(), 2);
+    EXPECT_EQ(half->rank(), comm->rank() < 2 ? 1 : 0);
+    auto t = torch::full({1}, static_cast<float>(comm->rank()));
+    half->allreduce(t)->wait();
+    EXPECT_FLOAT_EQ(t.item<float>(), comm->rank() % 2 == 0 ? 2.0f : 4.0f);
+    auto none = comm->split(comm->rank() == 3 ? -1 : 0, 0, "most");
+    EXPECT_EQ(none == nullptr, comm->rank() == 3);
+  });
+}
+
+TEST(Comm, ProcessGridTwoByTwoByTwo) {
+  run_ranks(8, [](const CommunicatorPtr& world) {
+    comm::ProcessGrid grid(world, /*tp=*/2, /*pp=*/2);
+    const int r = world->rank();
+    EXPECT_EQ(grid.dp_size(), 2);
+    const auto c = grid.coordinates();
+    EXPECT_EQ(grid.world_rank_of(c), r);
+    EXPECT_EQ(c.tp, r % 2);
+    EXPECT_EQ(c.dp, (r / 2) % 2);
+    EXPECT_EQ(c.pp, r / 4);
+    // Each group's members: sum of world ranks tells exactly who is in it.
+    auto sum_over = [&](const CommunicatorPtr& group) {
+      auto t = torch::full({1}, static_cast<float>(r));
+      group->allreduce(t)->wait();
+      return static_cast<int>(t.item<float>());
+    };
+    EXPECT_EQ(sum_over(grid.tp()), 2 * (r - r % 2) + 1);     // {r, r^1}
+    EXPECT_EQ(sum_over(grid.dp()), 2 * (r - (r & 2)) + 2);   // {r, r^2}
+    EXPECT_EQ(sum_over(grid.pp()), 2 * (r - (r & 4)) + 4);   // {r, r^4}
+    EXPECT_EQ(grid.tp()->global_ranks()[grid.tp()->rank()], r);
+    EXPECT_EQ(grid.next_stage_world_rank(), c.pp == 0 ? r + 4 : -1);
+    EXPECT_EQ(grid.prev_stage_world_rank(), c.pp == 1 ? r - 4 : -1);
+  }, 60s);
+}
+
+TEST(Comm, OneRankWorldIsAValidGrid) {
+  run_ranks(1, [](const CommunicatorPtr& world) {
+    comm::ProcessGrid grid(world);
+    auto t = torch::ones({3});
+    grid.dp()->allreduce(t, {comm::ReduceOp::Avg})->wait();
+    EXPECT_TRUE(torch::equal(t, torch::ones({3})));
+    auto out = torch::empty({3});
+    grid.dp()->reduce_scatter(out, t)->wait();
+    EXPECT_TRUE(torch::equal(out, t));
+  });
+}
+
+TEST(Comm, TimeoutNamesOpGroupAndRank) {
+  run_ranks(2, [](const CommunicatorPtr& comm) {
+    if (comm->rank() == 0) {
+      auto t = torch::ones({4});
+      try {
+        comm->allreduce(t)->wait(200ms);
+        ADD_FAILURE() << "allreduce without a peer did not time out";
+      } catch (const TimeoutError& e) {
+        const std::string message = e.what();
+        EXPECT_NE(message.find("allreduce"), std::string::npos) << message;
+        EXPECT_NE(message.find("'world'"), std::string::npos) << message;
+        EXPECT_NE(message.find("world ranks [0,1]"), std::string::npos) << message;
+        EXPECT_NE(message.find("at rank 0"), std::string::npos) << message;
+      }
+    }
+    std::this_thread::sleep_for(1500ms);  // let rank 0's pending gloo op expire
+  }, 1000ms);
+}
+
+TEST(Comm, DeadPeerNamesThePeer) {
+  run_ranks(2, [](CommunicatorPtr comm) {
+    if (comm->rank() == 1) {
+      comm.reset();  // closes rank 1's connections, as a crashed process would
+      return;
+    }
+    std::this_thread::sleep_for(200ms);
+    auto out = torch::empty({8});
+    try {
+      comm->allgather(out, torch::ones({4}))->wait();
+      ADD_FAILURE() << "allgather with a dead peer succeeded";
+    } catch (const CommError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("allgather"), std::string::npos) << message;
+      EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+    }
+  }, 3000ms);
+}
+
+TEST(Comm, UnknownBackendIsAnInputError) {
+  comm::InitOptions options;
+  options.backend = "mpi";
+  EXPECT_THROW(comm::init(options), InputError);
+  options.backend = "nccl";
+  EXPECT_THROW(comm::init(options), InputError);
+}
