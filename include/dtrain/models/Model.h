@@ -1,0 +1,34 @@
+// Model: a LibTorch module plus its forward function, so the Trainer and strategies can train
+// any user module (anything with `at::Tensor forward(at::Tensor)`) without knowing its type.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+
+namespace dtrain {
+
+struct Model {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+
+  Model() = default;
+  Model(std::shared_ptr<torch::nn::Module> m, std::function<at::Tensor(const at::Tensor&)> f)
+      : module(std::move(m)), forward(std::move(f)) {}
+  /// From a module type with `forward(Tensor)`.
+  template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>>>
+  Model(std::shared_ptr<M> m)  // NOLINT(google-explicit-constructor): intended conversion
+      : module(m), forward([raw = m.get()](const at::Tensor& x) { return raw->forward(x); }) {}
+  /// From a TORCH_MODULE holder (torch::nn::Sequential, user modules).
+  template <typename M>
+  Model(const torch::nn::ModuleHolder<M>& holder)  // NOLINT(google-explicit-constructor)
+      : Model(holder.ptr()) {}
+
+  at::Tensor operator()(const at::Tensor& x) const { return forward(x); }
+};
+
+}  // namespace dtrain

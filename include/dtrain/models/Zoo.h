@@ -1,0 +1,28 @@
+// Reference models: an MLP, a small CNN and a ResNet-style CNN, built by name.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dtrain/models/Model.h"
+
+namespace dtrain::models {
+
+struct ModelSpec {
+  /// "mlp", "cnn" or "resnet".
+  std::string name = "cnn";
+  /// One example's shape, e.g. {1, 28, 28}.
+  std::vector<int64_t> input_shape{1, 28, 28};
+  int64_t classes = 10;
+  /// MLP hidden widths.
+  std::vector<int64_t> hidden{256, 256};
+};
+
+/// Builds the named model with freshly initialized parameters (uses the global torch RNG).
+Model make_model(const ModelSpec& spec);
+
+/// Names make_model accepts.
+std::vector<std::string> model_names();
+
+}  // namespace dtrain::models

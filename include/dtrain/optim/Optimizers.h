@@ -1,0 +1,36 @@
+// Optimizers by name (LibTorch's SGD / Adam / AdamW / Adagrad) and the factory type strategies
+// receive, so a strategy can build an optimizer over the parameters it owns (e.g. a shard).
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dtrain::optim {
+
+struct OptimizerSpec {
+  /// "sgd", "adam", "adamw" or "adagrad".
+  std::string name = "sgd";
+  double lr = 0.01;
+  double momentum = 0.0;  // sgd
+  bool nesterov = false;  // sgd
+  double weight_decay = 0.0;
+  double beta1 = 0.9;  // adam, adamw
+  double beta2 = 0.999;
+  double eps = 1e-8;  // adam, adamw; adagrad uses 1e-10 unless set
+};
+
+using OptimizerPtr = std::unique_ptr<torch::optim::Optimizer>;
+using OptimizerFactory = std::function<OptimizerPtr(std::vector<at::Tensor> parameters)>;
+
+OptimizerPtr make_optimizer(std::vector<at::Tensor> parameters, const OptimizerSpec& spec);
+/// A factory that builds `spec` over whatever parameters it is given.
+OptimizerFactory optimizer_factory(OptimizerSpec spec);
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
+double learning_rate(const torch::optim::Optimizer& optimizer);
+
+}  // namespace dtrain::optim

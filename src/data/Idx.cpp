@@ -1,0 +1,84 @@
+// IDX parsing over zlib's gz* API (which also reads uncompressed files transparently).
+#include "dtrain/data/Idx.h"
+
+#include <ATen/ATen.h>
+#include <zlib.h>
+
+#include <memory>
+#include <sys/stat.h>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::data {
+
+namespace {
+
+struct GzCloser {
+  void operator()(gzFile file) const { gzclose(file); }
+};
+
+int64_t read_bytes(gzFile file, void* into, int64_t count, const std::string& path) {
+  auto* out = static_cast<char*>(into);
+  int64_t done = 0;
+  while (done < count) {
+    const unsigned chunk = static_cast<unsigned>(std::min<int64_t>(count - done, 1 << 30));
+    const int got = gzread(file, out + done, chunk);
+    if (got < 0) {
+      int code = 0;
+      const char* message = gzerror(file, &code);
+      DTRAIN_THROW(InputError, path, ": corrupt data at byte ", done, ": ", message);
+    }
+    if (got == 0) break;
+    done += got;
+  }
+  return done;
+}
+
+uint32_t big_endian(const unsigned char* b) {
+  return (uint32_t(b[0]) << 24) | (uint32_t(b[1]) << 16) | (uint32_t(b[2]) << 8) | uint32_t(b[3]);
+}
+
+}  // namespace
+
+at::Tensor read_idx(const std::string& path, int expected_dims) {
+  struct stat info {};
+  DTRAIN_CHECK_INPUT(::stat(path.c_str(), &info) == 0, path, ": file not found");
+  std::unique_ptr<gzFile_s, GzCloser> file(gzopen(path.c_str(), "rb"));
+  DTRAIN_CHECK_INPUT(file != nullptr, path, ": cannot open");
+
+  unsigned char magic[4];
+  DTRAIN_CHECK_INPUT(read_bytes(file.get(), magic, 4, path) == 4, path,
+                     ": truncated: shorter than the 4-byte IDX magic number");
+  DTRAIN_CHECK_INPUT(magic[0] == 0 && magic[1] == 0, path,
+                     ": not an IDX file (magic number must start with two zero bytes, found 0x",
+                     std::hex, int(magic[0]), " 0x", int(magic[1]), ")");
+  DTRAIN_CHECK_INPUT(magic[2] == 0x08, path, ": IDX element type 0x", std::hex, int(magic[2]),
+                     " is not unsigned byte (0x08)");
+  const int dims = magic[3];
+  DTRAIN_CHECK_INPUT(dims == expected_dims, path, ": IDX file has ", dims,
+                     " dimensions, expected ", expected_dims);
+
+  std::vector<int64_t> sizes(dims);
+  int64_t total = 1;
+  for (int d = 0; d < dims; ++d) {
+    unsigned char raw[4];
+    DTRAIN_CHECK_INPUT(read_bytes(file.get(), raw, 4, path) == 4, path,
+                       ": truncated header: dimension ", d, " missing (byte offset ", 4 + 4 * d,
+                       ")");
+    sizes[d] = big_endian(raw);
+    DTRAIN_CHECK_INPUT(sizes[d] > 0 && sizes[d] < (1 << 28), path, ": dimension ", d,
+                       " has implausible size ", sizes[d]);
+    total *= sizes[d];
+  }
+  const int64_t header = 4 + 4 * dims;
+  at::Tensor data = at::empty(sizes, at::kByte);
+  const int64_t got = read_bytes(file.get(), data.data_ptr(), total, path);
+  DTRAIN_CHECK_INPUT(got == total, path, ": truncated: header promises ", total,
+                     " data bytes after byte offset ", header, ", file has ", got);
+  unsigned char extra;
+  DTRAIN_CHECK_INPUT(read_bytes(file.get(), &extra, 1, path) == 0, path,
+                     ": trailing data after the ", total, " bytes the header describes");
+  return data;
+}
+
+}  // namespace dtrain::data

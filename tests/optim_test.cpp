@@ -1,0 +1,81 @@
+// Schedules, the linear scaling rule, optimizer construction and model shapes.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/optim/LrSchedule.h"
+#include "dtrain/optim/Optimizers.h"
+
+using namespace dtrain;
+
+TEST(LrSchedule, LinearWarmupThenCosineReachesFloor) {
+  optim::ScheduleSpec spec;
+  spec.decay = "cosine";
+  spec.warmup_steps = 4;
+  spec.min_lr_fraction = 0.1;
+  optim::LrSchedule schedule(1.0, 104, spec);
+  EXPECT_DOUBLE_EQ(schedule.at(0), 0.25);
+  EXPECT_DOUBLE_EQ(schedule.at(3), 1.0);
+  EXPECT_DOUBLE_EQ(schedule.at(4), 1.0);
+  EXPECT_NEAR(schedule.at(54), 0.55, 1e-12);  // halfway: floor + (1-floor)/2
+  EXPECT_NEAR(schedule.at(104), 0.1, 1e-12);
+  EXPECT_NEAR(schedule.at(500), 0.1, 1e-12);
+}
+
+TEST(LrSchedule, StepDecay) {
+  optim::ScheduleSpec spec;
+  spec.decay = "step";
+  spec.step_size = 10;
+  spec.gamma = 0.5;
+  optim::LrSchedule schedule(0.8, 100, spec);
+  EXPECT_DOUBLE_EQ(schedule.at(9), 0.8);
+  EXPECT_DOUBLE_EQ(schedule.at(10), 0.4);
+  EXPECT_DOUBLE_EQ(schedule.at(25), 0.2);
+}
+
+TEST(LrSchedule, BadSpecsAreInputErrors) {
+  optim::ScheduleSpec spec;
+  spec.decay = "linear-ish";
+  EXPECT_THROW(optim::LrSchedule(0.1, 10, spec), InputError);
+  EXPECT_THROW(optim::linear_scaled_lr(0.1, 256, 0), InputError);
+}
+
+TEST(LinearScaling, ScalesWithGlobalBatch) {
+  EXPECT_DOUBLE_EQ(optim::linear_scaled_lr(0.1, 1024, 256), 0.4);
+}
+
+TEST(Optimizers, EveryNameBuildsAndStepsAndLrIsSettable) {
+  for (const std::string name : {"sgd", "adam", "adamw", "adagrad"}) {
+    auto w = torch::ones({3}, torch::requires_grad());
+    optim::OptimizerSpec spec;
+    spec.name = name;
+    spec.lr = 0.1;
+    spec.momentum = name == "sgd" ? 0.9 : 0.0;
+    auto optimizer = optim::make_optimizer({w}, spec);
+    (w * w).sum().backward();
+    optimizer->step();
+    EXPECT_TRUE((w < 1).all().item<bool>()) << name;
+    optim::set_learning_rate(*optimizer, 0.02);
+    EXPECT_DOUBLE_EQ(optim::learning_rate(*optimizer), 0.02);
+  }
+  optim::OptimizerSpec bad;
+  bad.name = "lion";
+  EXPECT_THROW(optim::make_optimizer({torch::ones({1}, torch::requires_grad())}, bad), InputError);
+  bad.name = "sgd";
+  bad.nesterov = true;
+  EXPECT_THROW(optim::make_optimizer({torch::ones({1}, torch::requires_grad())}, bad), InputError);
+}
+
+TEST(Models, ZooShapes) {
+  for (const auto& name : models::model_names()) {
+    models::ModelSpec spec;
+    spec.name = name;
+    auto model = models::make_model(spec);
+    auto out = model(torch::randn({2, 1, 28, 28}));
+    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 10})) << name;
+  }
+  models::ModelSpec bad;
+  bad.name = "gpt9";
+  EXPECT_THROW(models::make_model(bad), InputError);
+}
