@@ -1,0 +1,95 @@
+// Strategy: how a model and optimizer are wrapped, stepped and saved across ranks (DESIGN.md).
+// The Trainer owns the loop and knows no strategy's internals; a new strategy is a new folder
+// under src/parallel plus one line in the registry (Registry.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/data/Dataset.h"
+#include "dtrain/models/Model.h"
+#include "dtrain/optim/Optimizers.h"
+
+namespace dtrain::parallel {
+
+/// Loss of a batch: (model output, targets) -> scalar (mean over the batch).
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& targets)>;
+/// Cross-entropy over class logits (the default loss).
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
+
+struct StepResult {
+  /// Mean loss over this rank's micro-batches.
+  double loss = 0.0;
+  /// Examples this rank processed.
+  int64_t samples = 0;
+  /// Global gradient norm before clipping (when clipping is on), else -1.
+  double grad_norm = -1.0;
+  /// Strategy-specific timings and counters (e.g. "exposed_comm_ms").
+  std::map<std::string, double> metrics;
+};
+
+struct MemoryReport {
+  int64_t parameter_bytes = 0;
+  int64_t gradient_bytes = 0;
+  int64_t optimizer_bytes = 0;
+  int64_t total() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
+};
+
+/// Options every strategy understands; strategy-specific ones are ignored by the others.
+struct StrategyOptions {
+  /// Gradient bucket size for the reducer.
+  int64_t bucket_cap_bytes = 25LL * 1024 * 1024;
+  /// "none", "fp16" or "bf16": dtype the gradients travel in.
+  std::string grad_compression = "none";
+  /// Parameters that get no gradient in a step: false = treat their gradient as zero (and say
+  /// so once), true = fail the step with an error naming them (after the collectives finish,
+  /// so peers never hang).
+  bool error_on_unused_parameters = false;
+  /// Broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each step.
+  bool broadcast_buffers = true;
+  /// Clip gradients to this global L2 norm before the step (0 = off).
+  double max_grad_norm = 0.0;
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  virtual std::string name() const = 0;
+
+  /// Collective. Takes ownership of training `model`; builds its optimizer with `make_optimizer`
+  /// over the parameters this rank updates.
+  virtual void setup(Model model, const optim::OptimizerFactory& make_optimizer,
+                     std::shared_ptr<comm::ProcessGrid> grid) = 0;
+
+  /// Collective. One optimizer step over `micro_batches` (gradient accumulation: gradients are
+  /// synchronized once, after the last micro-batch). The loss of each micro-batch is divided by
+  /// the number of micro-batches so the step matches one batch of their combined size.
+  virtual StepResult train_step(const std::vector<data::Batch>& micro_batches,
+                                const LossFn& loss) = 0;
+
+  /// The full model for evaluation (forward only).
+  virtual Model& model() = 0;
+  virtual torch::optim::Optimizer& optimizer() = 0;
+
+  /// Collective. Writes this strategy's state (model, optimizer) into the existing `directory`.
+  virtual void save(const std::string& directory) = 0;
+  /// Collective. Restores state written by save().
+  virtual void load(const std::string& directory) = 0;
+
+  /// Bytes of parameters, gradients and optimizer state this rank holds.
+  virtual MemoryReport memory_report() const = 0;
+};
+
+using StrategyPtr = std::unique_ptr<Strategy>;
+
+/// Builds a registered strategy by name ("ddp", ...); InputError for unknown names.
+StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options);
+std::vector<std::string> strategy_names();
+
+}  // namespace dtrain::parallel

@@ -1,0 +1,97 @@
+// Reducer: gradient synchronization for data parallelism (PyTorch DDP's reducer, flashlight's
+// CoalescingReducer). Gradients are copied into size-capped buckets from AccumulateGrad post-hooks
+// as backward produces them; each bucket's allreduce starts as soon as its last gradient is ready,
+// overlapping the rest of backward, and finalize() waits for all of them before the step.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/Communicator.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace dtrain::parallel {
+
+struct ReducerOptions {
+  int64_t bucket_cap_bytes = 25LL * 1024 * 1024;
+  /// Undefined: gradients travel in their own dtype; kHalf / kBFloat16: compressed.
+  at::ScalarType wire_dtype = at::ScalarType::Undefined;
+  bool error_on_unused_parameters = false;
+};
+
+struct ReducerStats {
+  int64_t buckets = 0;
+  int64_t bytes_per_step = 0;
+  /// Last step: time from the end of backward until every bucket was reduced (the
+  /// communication that did not overlap with backward).
+  double exposed_comm_ms = 0.0;
+  /// Last step: buckets launched before backward ended (overlapped).
+  int64_t buckets_launched_during_backward = 0;
+  /// Names of parameters that got no gradient in the last synchronized step.
+  std::vector<std::string> unused_parameters;
+};
+
+class Reducer {
+ public:
+  /// `names[i]` names `parameters[i]` in error messages. Buckets are filled in reverse
+  /// parameter order (roughly the order backward produces gradients).
+  Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> names,
+          comm::CommunicatorPtr comm, ReducerOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  /// While false, hooks do nothing and gradients just accumulate locally (no_sync).
+  void set_sync(bool sync) { sync_ = sync; }
+  bool sync() const { return sync_; }
+  /// Call before the synchronized backward pass of a step.
+  void prepare_for_backward();
+  /// Waits for every bucket and writes averaged gradients back into each parameter's .grad.
+  void finalize();
+  const ReducerStats& stats() const { return stats_; }
+  /// Parameter indices of each bucket (for tests and tools).
+  std::vector<std::vector<size_t>> bucket_layout() const;
+
+ private:
+  struct Bucket {
+    std::vector<size_t> parameters;  // indices into parameters_
+    std::vector<int64_t> offsets;    // element offset of each parameter in `flat`
+    at::Tensor flat;                 // gradients, in the parameters' dtype
+    at::Tensor wire;                 // compressed copy (or == flat)
+    size_t pending = 0;
+    comm::WorkPtr work;
+  };
+
+  void mark_ready(size_t parameter);
+  void on_backward_end();
+  void launch_ready_buckets();
+
+  std::vector<at::Tensor> parameters_;
+  std::vector<std::string> names_;
+  comm::CommunicatorPtr comm_;
+  ReducerOptions options_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> locator_;  // parameter -> (bucket, slot)
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  std::mutex mutex_;
+  bool sync_ = true;
+  bool in_backward_ = false;
+  bool backward_ended_ = false;
+  std::vector<bool> ready_;
+  size_t next_bucket_ = 0;
+  std::chrono::steady_clock::time_point backward_end_time_;
+  ReducerStats stats_;
+};
+
+}  // namespace dtrain::parallel

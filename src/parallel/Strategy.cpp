@@ -1,0 +1,39 @@
+// The strategy registry and the shared default loss. Adding a strategy: one line in kRegistry.
+#include "dtrain/parallel/Strategy.h"
+
+#include <torch/torch.h>
+
+#include "dtrain/common/Error.h"
+#include "parallel/ddp/DdpStrategy.h"
+
+namespace dtrain::parallel {
+
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits, targets);
+}
+
+namespace {
+
+using Factory = StrategyPtr (*)(const StrategyOptions&);
+const std::vector<std::pair<std::string, Factory>> kRegistry = {
+    {"ddp", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<DdpStrategy>(o); }},
+};
+
+}  // namespace
+
+std::vector<std::string> strategy_names() {
+  std::vector<std::string> names;
+  for (const auto& entry : kRegistry) names.push_back(entry.first);
+  return names;
+}
+
+StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options) {
+  for (const auto& entry : kRegistry) {
+    if (entry.first == name) return entry.second(options);
+  }
+  std::string known;
+  for (const auto& entry : kRegistry) known += (known.empty() ? "" : ", ") + entry.first;
+  DTRAIN_THROW(InputError, "unknown strategy '", name, "' (available: ", known, ")");
+}
+
+}  // namespace dtrain::parallel

@@ -1,0 +1,131 @@
+// DDP: broadcast initial state from rank 0, accumulate locally for k-1 micro-batches, reduce
+// on the last, clip, step.
+#include "parallel/ddp/DdpStrategy.h"
+
+#include <torch/torch.h>
+
+#include <iostream>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/optim/StateSize.h"
+
+namespace dtrain::parallel {
+
+namespace {
+
+at::ScalarType wire_dtype_of(const std::string& compression) {
+  if (compression == "none") return at::ScalarType::Undefined;
+  if (compression == "fp16") return at::kHalf;
+  if (compression == "bf16") return at::kBFloat16;
+  DTRAIN_THROW(InputError, "unknown gradient compression '", compression,
+               "' (expected none, fp16 or bf16)");
+}
+
+}  // namespace
+
+DdpStrategy::DdpStrategy(StrategyOptions options) : options_(std::move(options)) {
+  wire_dtype_of(options_.grad_compression);  // validate early
+}
+
+void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
+                        std::shared_ptr<comm::ProcessGrid> grid) {
+  model_ = std::move(model);
+  grid_ = std::move(grid);
+  comm_ = grid_->dp();
+  std::vector<std::string> names;
+  for (const auto& item : model_.module->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    parameters_.push_back(item.value());
+    names.push_back(item.key());
+  }
+  DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters");
+  {
+    torch::NoGradGuard no_grad;
+    std::vector<comm::WorkPtr> works;
+    for (auto& p : parameters_) works.push_back(comm_->broadcast(p, {0}));
+    for (auto& b : model_.module->buffers()) works.push_back(comm_->broadcast(b, {0}));
+    comm::wait_all(works);
+  }
+  optimizer_ = make_optimizer(parameters_);
+  ReducerOptions reducer_options;
+  reducer_options.bucket_cap_bytes = options_.bucket_cap_bytes;
+  reducer_options.wire_dtype = wire_dtype_of(options_.grad_compression);
+  reducer_options.error_on_unused_parameters = options_.error_on_unused_parameters;
+  reducer_ = std::make_unique<Reducer>(parameters_, names, comm_, reducer_options);
+}
+
+void DdpStrategy::broadcast_buffers() {
+  torch::NoGradGuard no_grad;
+  std::vector<comm::WorkPtr> works;
+  for (auto& b : model_.module->buffers()) works.push_back(comm_->broadcast(b, {0}));
+  comm::wait_all(works);
+}
+
+StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches,
+                                   const LossFn& loss) {
+  DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
+  model_.module->train();
+  optimizer_->zero_grad();
+  if (options_.broadcast_buffers && comm_->size() > 1) broadcast_buffers();
+  StepResult result;
+  const auto count = static_cast<double>(micro_batches.size());
+  for (size_t i = 0; i < micro_batches.size(); ++i) {
+    const bool last = i + 1 == micro_batches.size();
+    reducer_->set_sync(last);
+    if (last) reducer_->prepare_for_backward();
+    const auto& batch = micro_batches[i];
+    at::Tensor value = loss(model_.forward(batch.inputs), batch.targets);
+    (value / count).backward();
+    result.loss += value.item<double>() / count;
+    result.samples += batch.inputs.size(0);
+  }
+  reducer_->finalize();
+  const auto& stats = reducer_->stats();
+  if (!stats.unused_parameters.empty() && !warned_unused_ && comm_->rank() == 0) {
+    std::cerr << "dtrain: warning: " << stats.unused_parameters.size()
+              << " parameter(s) got no gradient (first: " << stats.unused_parameters.front()
+              << "); their gradient is taken as zero\n";
+    warned_unused_ = true;
+  }
+  if (options_.max_grad_norm > 0) {
+    result.grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, options_.max_grad_norm);
+  }
+  optimizer_->step();
+  result.metrics["exposed_comm_ms"] = stats.exposed_comm_ms;
+  result.metrics["buckets_overlapped"] = static_cast<double>(stats.buckets_launched_during_backward);
+  return result;
+}
+
+void DdpStrategy::save(const std::string& directory) {
+  if (comm_->rank() != 0) return;  // replicas are identical; rank 0 writes them
+  torch::save(model_.module, directory + "/model.pt");
+  torch::save(*optimizer_, directory + "/optimizer.pt");
+}
+
+void DdpStrategy::load(const std::string& directory) {
+  for (const std::string file : {"model.pt", "optimizer.pt"}) {
+    const std::string path = directory + "/" + file;
+    try {
+      if (file == "model.pt") {
+        torch::load(model_.module, path);
+      } else {
+        torch::load(*optimizer_, path);
+      }
+    } catch (const c10::Error& e) {
+      DTRAIN_THROW(InputError, "checkpoint ", path, " does not match this model/optimizer: ",
+                   e.what_without_backtrace());
+    }
+  }
+}
+
+MemoryReport DdpStrategy::memory_report() const {
+  MemoryReport report;
+  for (const auto& p : parameters_) {
+    report.parameter_bytes += p.numel() * p.element_size();
+    report.gradient_bytes += p.numel() * p.element_size();
+  }
+  report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
+  return report;
+}
+
+}  // namespace dtrain::parallel

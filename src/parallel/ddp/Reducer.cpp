@@ -1,0 +1,190 @@
+// Bucketed, overlapped gradient allreduce driven by autograd hooks.
+#include "dtrain/parallel/ddp/Reducer.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <map>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::parallel {
+
+Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> names,
+                 comm::CommunicatorPtr comm, ReducerOptions options)
+    : parameters_(std::move(parameters)),
+      names_(std::move(names)),
+      comm_(std::move(comm)),
+      options_(options) {
+  DTRAIN_CHECK(comm_, "Reducer needs a communicator");
+  DTRAIN_CHECK_EQ(parameters_.size(), names_.size(), "one name per parameter");
+  DTRAIN_CHECK(options_.bucket_cap_bytes > 0, "bucket cap must be > 0 bytes");
+  // Assign parameters to buckets in reverse order, one open bucket per dtype.
+  std::map<at::ScalarType, size_t> open;  // dtype -> bucket index
+  std::map<size_t, int64_t> bucket_bytes;
+  locator_.resize(parameters_.size());
+  for (size_t k = parameters_.size(); k-- > 0;) {
+    const at::Tensor& p = parameters_[k];
+    DTRAIN_CHECK(p.requires_grad(), "parameter ", names_[k], " does not require grad");
+    const int64_t bytes = p.numel() * p.element_size();
+    auto it = open.find(p.scalar_type());
+    if (it == open.end() || bucket_bytes[it->second] + bytes > options_.bucket_cap_bytes) {
+      buckets_.emplace_back();
+      open[p.scalar_type()] = buckets_.size() - 1;
+      it = open.find(p.scalar_type());
+    }
+    Bucket& bucket = buckets_[it->second];
+    const int64_t offset = bucket.offsets.empty()
+                               ? 0
+                               : bucket.offsets.back() + parameters_[bucket.parameters.back()].numel();
+    locator_[k] = {it->second, bucket.parameters.size()};
+    bucket.parameters.push_back(k);
+    bucket.offsets.push_back(offset);
+    bucket_bytes[it->second] += bytes;
+  }
+  for (auto& bucket : buckets_) {
+    const at::Tensor& first = parameters_[bucket.parameters.front()];
+    const int64_t total = bucket.offsets.back() + parameters_[bucket.parameters.back()].numel();
+    bucket.flat = at::zeros({total}, first.options().requires_grad(false));
+    const bool compress = options_.wire_dtype != at::ScalarType::Undefined &&
+                          options_.wire_dtype != first.scalar_type();
+    bucket.wire = compress ? at::empty({total}, bucket.flat.options().dtype(options_.wire_dtype))
+                           : bucket.flat;
+    bucket.pending = bucket.parameters.size();
+    stats_.bytes_per_step += total * bucket.wire.element_size();
+  }
+  stats_.buckets = static_cast<int64_t>(buckets_.size());
+  ready_.assign(parameters_.size(), false);
+
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[k]);
+    DTRAIN_CHECK(accumulator, "parameter ", names_[k], " is not a leaf tensor");
+    hook_keys_.push_back(accumulator->add_post_hook(
+        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, k](const torch::autograd::variable_list& outputs,
+                      const torch::autograd::variable_list&) {
+              mark_ready(k);
+              return outputs;
+            })));
+    accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+Reducer::~Reducer() {
+  for (size_t k = 0; k < accumulators_.size(); ++k) {
+    accumulators_[k]->del_post_hook(hook_keys_[k]);
+  }
+}
+
+std::vector<std::vector<size_t>> Reducer::bucket_layout() const {
+  std::vector<std::vector<size_t>> layout;
+  for (const auto& bucket : buckets_) layout.push_back(bucket.parameters);
+  return layout;
+}
+
+void Reducer::prepare_for_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DTRAIN_CHECK(next_bucket_ == 0 && !backward_ended_,
+               "Reducer: a new backward pass started before finalize() of the previous one");
+}
+
+void Reducer::mark_ready(size_t k) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!sync_) return;
+  DTRAIN_CHECK(!backward_ended_, "Reducer: gradient of ", names_[k],
+               " arrived after backward ended; call finalize() before the next backward");
+  DTRAIN_CHECK(!ready_[k], "Reducer: gradient of ", names_[k],
+               " was produced twice in one backward pass (reentrant backward or a parameter "
+               "reused across backward calls)");
+  if (!in_backward_) {
+    in_backward_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
+  }
+  ready_[k] = true;
+  const auto [b, slot] = locator_[k];
+  Bucket& bucket = buckets_[b];
+  at::Tensor view = bucket.flat.narrow(0, bucket.offsets[slot], parameters_[k].numel());
+  const at::Tensor& grad = parameters_[k].grad();
+  if (grad.defined()) {
+    view.copy_(grad.reshape({-1}));
+  } else {
+    view.zero_();
+  }
+  if (--bucket.pending == 0) launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
+  const int world = comm_->size();
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    Bucket& bucket = buckets_[next_bucket_++];
+    bucket.flat.div_(world);  // average before the wire cast: keeps fp16 in range
+    if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
+    bucket.work = comm_->allreduce(bucket.wire);
+    if (!backward_ended_) ++stats_.buckets_launched_during_backward;
+  }
+}
+
+void Reducer::on_backward_end() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (backward_ended_) return;
+  backward_ended_ = true;
+  backward_end_time_ = std::chrono::steady_clock::now();
+  stats_.unused_parameters.clear();
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    if (ready_[k]) continue;
+    // No gradient this step: contribute zeros so every rank still runs every bucket.
+    stats_.unused_parameters.push_back(names_[k]);
+    ready_[k] = true;
+    const auto [b, slot] = locator_[k];
+    buckets_[b].flat.narrow(0, buckets_[b].offsets[slot], parameters_[k].numel()).zero_();
+    --buckets_[b].pending;
+  }
+  launch_ready_buckets();
+}
+
+void Reducer::finalize() {
+  if (!sync_) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!backward_ended_) {
+      stats_.buckets_launched_during_backward = 0;
+    }
+  }
+  if (!backward_ended_) on_backward_end();  // no gradient reached any hook this step
+  for (auto& bucket : buckets_) {
+    bucket.work->wait();
+    bucket.work.reset();
+    if (!bucket.wire.is_same(bucket.flat)) bucket.flat.copy_(bucket.wire);
+    for (size_t slot = 0; slot < bucket.parameters.size(); ++slot) {
+      at::Tensor& p = parameters_[bucket.parameters[slot]];
+      at::Tensor reduced = bucket.flat.narrow(0, bucket.offsets[slot], p.numel()).view(p.sizes());
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(reduced);
+      } else {
+        p.mutable_grad() = reduced.clone();
+      }
+    }
+  }
+  stats_.exposed_comm_ms = std::chrono::duration<double, std::milli>(
+                               std::chrono::steady_clock::now() - backward_end_time_)
+                               .count();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ready_.assign(parameters_.size(), false);
+    for (auto& bucket : buckets_) bucket.pending = bucket.parameters.size();
+    next_bucket_ = 0;
+    in_backward_ = false;
+    backward_ended_ = false;
+  }
+  if (options_.error_on_unused_parameters && !stats_.unused_parameters.empty()) {
+    std::string names;
+    for (const auto& name : stats_.unused_parameters) names += (names.empty() ? "" : ", ") + name;
+    DTRAIN_THROW(Error, "rank ", comm_->rank(), ": parameters received no gradient this step: ",
+                 names, " (turn off error_on_unused_parameters to treat them as zero)");
+  }
+}
+
+}  // namespace dtrain::parallel
