@@ -227,3 +227,31 @@ TEST(Ddp, BucketsFollowTheCapAndLaunchDuringBackward) {
     EXPECT_EQ(report.optimizer_bytes, 0);  // plain SGD keeps no state
   });
 }
+
+TEST(Ddp, ParametersReassignedBySetKeepSynchronizing) {
+  // torch::load(module, file) re-assigns parameters with set_, which gives them new autograd
+  // nodes; the reducer must follow them or gradients silently stop being reduced.
+  at::set_num_threads(1);
+  run_ranks(2, [](const comm::CommunicatorPtr& comm) {
+    models::ModelSpec spec;
+    spec.name = "mlp";
+    spec.input_shape = {8};
+    spec.hidden = {8};
+    parallel::DdpStrategy ddp({});
+    ddp.setup(models::make_model(spec), optim::optimizer_factory({}),
+              std::make_shared<comm::ProcessGrid>(comm));
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : ddp.model().module->parameters()) p.set_(p.detach().clone());
+    }
+    data::Batch batch{torch::randn({4, 8}) * (comm->rank() + 1), torch::randint(0, 10, {4})};
+    ddp.train_step({batch}, parallel::cross_entropy);
+    EXPECT_TRUE(ddp.reducer().stats().unused_parameters.empty());
+    for (const auto& p : ddp.model().module->parameters()) {
+      auto mine = p.grad().clone();
+      auto root = mine.clone();
+      comm->broadcast(root, {0})->wait();
+      EXPECT_TRUE(torch::equal(mine, root));  // reduced: identical on both ranks
+    }
+  });
+}

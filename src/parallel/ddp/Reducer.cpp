@@ -59,17 +59,26 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   stats_.buckets = static_cast<int64_t>(buckets_.size());
   ready_.assign(parameters_.size(), false);
 
+  accumulators_.resize(parameters_.size());
+  hook_keys_.resize(parameters_.size());
+  attach_hooks();
+}
+
+void Reducer::attach_hooks() {
   for (size_t k = 0; k < parameters_.size(); ++k) {
     auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[k]);
     DTRAIN_CHECK(accumulator, "parameter ", names_[k], " is not a leaf tensor");
-    hook_keys_.push_back(accumulator->add_post_hook(
+    if (accumulator == accumulators_[k]) continue;
+    // New node: first call, or the parameter was re-assigned (e.g. torch::load uses set_).
+    if (accumulators_[k]) accumulators_[k]->del_post_hook(hook_keys_[k]);
+    hook_keys_[k] = accumulator->add_post_hook(
         std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [this, k](const torch::autograd::variable_list& outputs,
                       const torch::autograd::variable_list&) {
               mark_ready(k);
               return outputs;
-            })));
-    accumulators_.push_back(std::move(accumulator));
+            }));
+    accumulators_[k] = std::move(accumulator);
   }
 }
 
@@ -89,6 +98,7 @@ void Reducer::prepare_for_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   DTRAIN_CHECK(next_bucket_ == 0 && !backward_ended_,
                "Reducer: a new backward pass started before finalize() of the previous one");
+  attach_hooks();
 }
 
 void Reducer::mark_ready(size_t k) {

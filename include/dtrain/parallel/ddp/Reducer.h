@@ -53,7 +53,8 @@ class Reducer {
   /// While false, hooks do nothing and gradients just accumulate locally (no_sync).
   void set_sync(bool sync) { sync_ = sync; }
   bool sync() const { return sync_; }
-  /// Call before the synchronized backward pass of a step.
+  /// Call before the forward of the synchronized micro-batch of a step. Re-attaches hooks to
+  /// parameters whose autograd node changed since the last step (weights loaded with set_).
   void prepare_for_backward();
   /// Waits for every bucket and writes averaged gradients back into each parameter's .grad.
   void finalize();
@@ -71,6 +72,7 @@ class Reducer {
     comm::WorkPtr work;
   };
 
+  void attach_hooks();
   void mark_ready(size_t parameter);
   void on_backward_end();
   void launch_ready_buckets();

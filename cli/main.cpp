@@ -1,0 +1,241 @@
+// The dtrain command line: argument parsing only; the work is in the library.
+//   dtrain train  [flags | --config FILE.toml]   train a model (optionally on --nproc local ranks)
+//   dtrain launch --nproc-per-node N -- PROGRAM  start N ranks of any program (torchrun-style)
+#include <CLI/CLI.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/launch/Launcher.h"
+#include "dtrain/train/Job.h"
+
+namespace {
+
+constexpr int kInputErrorExit = 2;
+
+std::string self_executable() {
+  char path[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (n <= 0) return "dtrain";
+  path[n] = '\0';
+  return path;
+}
+
+void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
+  auto& t = job.trainer;
+  // A flag given twice (config file, then command line) keeps the last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // Handled by expand_config() before parsing (CLI11 2.1 ignores configs of subcommands).
+  app.add_option("--config", "Read options from a TOML file (keys are long flag names; flags on "
+                             "the command line win)");
+  app.add_option("--model", job.model, "Model: mlp, cnn, resnet")->capture_default_str();
+  app.add_option("--hidden", job.hidden, "MLP hidden layer widths")
+      ->capture_default_str()
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_option("--dataset", job.dataset, "Data set: fashion-mnist, synthetic")
+      ->capture_default_str();
+  app.add_option("--data-dir", job.data_dir,
+                 "Fashion-MNIST directory (default $DTRAIN_DATA_DIR or "
+                 "/usr/share/datasets/fashion-mnist)");
+  app.add_option("--synthetic-examples", job.synthetic_examples,
+                 "Training examples of the synthetic data set")->capture_default_str();
+  app.add_option("--strategy", t.strategy, "Parallel strategy: ddp")->capture_default_str();
+  app.add_option("--nproc", job.nproc, "Local ranks to launch")->capture_default_str();
+  app.add_option("--threads", job.threads, "Threads per rank (default: cores / ranks)");
+  app.add_option("--backend", job.backend, "Communication backend: gloo, nccl")
+      ->capture_default_str();
+  app.add_option("--comm-timeout", job.comm_timeout_ms, "Timeout of every collective (ms)")
+      ->capture_default_str();
+  app.add_option("--epochs", t.epochs, "Epochs")->capture_default_str();
+  app.add_option("--batch-size", t.batch_size, "Examples per rank per micro-batch")
+      ->capture_default_str();
+  app.add_option("--accumulation", t.accumulation_steps,
+                 "Micro-batches per optimizer step (gradient accumulation)")
+      ->capture_default_str();
+  app.add_option("--max-steps", t.max_steps, "Train this many steps (0 = all epochs)")
+      ->capture_default_str();
+  app.add_option("--stop-at-step", t.stop_at_step,
+                 "Checkpoint and halt at this step, keeping the schedule (resume later)")
+      ->capture_default_str();
+  app.add_option("--optimizer", t.optimizer.name, "sgd, adam, adamw, adagrad")
+      ->capture_default_str();
+  app.add_option("--lr", t.optimizer.lr, "Learning rate")->capture_default_str();
+  app.add_option("--momentum", t.optimizer.momentum, "SGD momentum")->capture_default_str();
+  app.add_flag("--nesterov", t.optimizer.nesterov, "Nesterov momentum (SGD)");
+  app.add_option("--weight-decay", t.optimizer.weight_decay, "Weight decay")
+      ->capture_default_str();
+  app.add_option("--lr-decay", t.schedule.decay, "constant, step, cosine")->capture_default_str();
+  app.add_option("--warmup-steps", t.schedule.warmup_steps, "Linear warmup steps")
+      ->capture_default_str();
+  app.add_option("--lr-step-size", t.schedule.step_size, "Steps between step decays")
+      ->capture_default_str();
+  app.add_option("--lr-gamma", t.schedule.gamma, "Step decay factor")->capture_default_str();
+  app.add_option("--reference-batch", t.reference_batch,
+                 "Linear scaling rule: lr x global batch / this (0 = off)")
+      ->capture_default_str();
+  app.add_option("--max-grad-norm", t.strategy_options.max_grad_norm,
+                 "Clip gradients to this global norm (0 = off)")->capture_default_str();
+  app.add_option("--bucket-cap-mb", [&t](const CLI::results_t& values) {
+                   t.strategy_options.bucket_cap_bytes =
+                       static_cast<int64_t>(std::stod(values.at(0)) * 1024 * 1024);
+                   return t.strategy_options.bucket_cap_bytes > 0;
+                 }, "Gradient bucket size in MiB (default 25)");
+  app.add_option("--grad-compression", t.strategy_options.grad_compression,
+                 "Gradient wire dtype: none, fp16, bf16")->capture_default_str();
+  app.add_flag("--error-on-unused-parameters", t.strategy_options.error_on_unused_parameters,
+               "Fail a step when a parameter gets no gradient (default: treat as zero)");
+  app.add_option("--seed", t.seed, "Random seed")->capture_default_str();
+  app.add_option("--checkpoint-dir", t.checkpoint_dir, "Directory for checkpoints");
+  app.add_option("--checkpoint-every", t.checkpoint_every,
+                 "Also checkpoint every N steps (0 = epoch ends only)")->capture_default_str();
+  app.add_option("--keep-checkpoints", t.keep_checkpoints, "Checkpoints to keep")
+      ->capture_default_str();
+  app.add_flag("!--no-resume", t.resume, "Start fresh even if --checkpoint-dir has one");
+  app.add_option("--metrics", t.metrics_file, "JSONL metrics file");
+  app.add_option("--log-every", t.log_every, "Steps between metrics records")
+      ->capture_default_str();
+  app.add_flag("!--no-progress", t.progress, "No progress bar");
+}
+
+int run_train(const dtrain::train::JobConfig& job, const std::vector<std::string>& args) {
+  dtrain::train::validate_job(job);
+  const bool worker = std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr ||
+                      std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
+  if (job.nproc > 1 && !worker) {
+    dtrain::launch::LaunchOptions launch;
+    launch.nproc_per_node = job.nproc;
+    launch.threads = job.threads;
+    launch.command.push_back(self_executable());
+    launch.command.insert(launch.command.end(), args.begin(), args.end());
+    return dtrain::launch::launch(launch);
+  }
+  const auto result = dtrain::train::run_job(job);
+  if (result.rank == 0) {
+    const auto& fit = result.fit;
+    std::printf("trained %lld steps (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s\n",
+                static_cast<long long>(fit.steps), static_cast<long long>(fit.global_batch),
+                result.world_size, result.world_size == 1 ? "" : "s",
+                job.trainer.strategy.c_str(), fit.seconds, fit.samples_per_second);
+    if (fit.validation) {
+      std::printf("test accuracy: %.2f%% (%lld examples), test loss %.4f\n",
+                  fit.validation->accuracy * 100, static_cast<long long>(fit.validation->examples),
+                  fit.validation->loss);
+    }
+  }
+  return 0;
+}
+
+// Replaces `--config FILE` after the `train` subcommand by the flags the TOML file sets, placed
+// before the other command-line flags so that those win.
+std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App& train) {
+  auto at = std::find(args.begin(), args.end(), "train");
+  if (at == args.end()) return args;
+  std::vector<std::string> rest(at + 1, args.end());
+  std::string path;
+  for (size_t i = 0; i < rest.size(); ++i) {
+    if (rest[i] == "--config" && i + 1 < rest.size()) {
+      path = rest[i + 1];
+      rest.erase(rest.begin() + i, rest.begin() + i + 2);
+      break;
+    }
+    if (rest[i].rfind("--config=", 0) == 0) {
+      path = rest[i].substr(9);
+      rest.erase(rest.begin() + i);
+      break;
+    }
+  }
+  if (path.empty()) return args;
+  DTRAIN_CHECK_INPUT(::access(path.c_str(), R_OK) == 0, "config file ", path,
+                     " cannot be read");
+  std::vector<CLI::ConfigItem> items;
+  try {
+    items = CLI::ConfigTOML().from_file(path);
+  } catch (const std::exception& e) {
+    DTRAIN_THROW(dtrain::InputError, "config file ", path, " is not valid TOML: ", e.what());
+  }
+  std::vector<std::string> injected;
+  for (const auto& item : items) {
+    if (item.name == "++" || item.name == "--") continue;  // section markers
+    // Keys may stand at the top level or in a [train] table.
+    std::string key = item.parents.empty() ? item.name : item.fullname();
+    if (item.parents.size() == 1 && item.parents.front() == "train") key = item.name;
+    const CLI::Option* option = train.get_option_no_throw("--" + key);
+    DTRAIN_CHECK_INPUT(option != nullptr && key != "config", "config file ", path,
+                       ": unknown key '", key, "' (keys are `dtrain train` flag names)");
+    if (option->get_expected_max() == 0) {  // a flag: key = true / false
+      const std::string value = item.inputs.empty() ? "true" : item.inputs.front();
+      DTRAIN_CHECK_INPUT(value == "true" || value == "false", "config file ", path, ": key '",
+                         key, "' takes true or false, got '", value, "'");
+      if (value == "true") injected.push_back("--" + key);
+      continue;
+    }
+    injected.push_back("--" + key);
+    injected.insert(injected.end(), item.inputs.begin(), item.inputs.end());
+  }
+  std::vector<std::string> out(args.begin(), at + 1);
+  out.insert(out.end(), injected.begin(), injected.end());
+  out.insert(out.end(), rest.begin(), rest.end());
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dtrain: distributed training for LibTorch", "dtrain"};
+  app.require_subcommand(1);
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return dtrain::concat("dtrain: error: ", e.what(), " (see --help)\n");
+  });
+
+  dtrain::train::JobConfig job;
+  auto* train = app.add_subcommand("train", "Train a model, on --nproc local ranks");
+  add_train_options(*train, job);
+
+  dtrain::launch::LaunchOptions launch;
+  auto* launch_cmd = app.add_subcommand(
+      "launch", "Start ranks of a program with torchrun's environment (RANK, WORLD_SIZE, ...)");
+  launch_cmd->add_option("--nproc-per-node", launch.nproc_per_node, "Ranks on this node")
+      ->capture_default_str();
+  launch_cmd->add_option("--nnodes", launch.nnodes, "Nodes")->capture_default_str();
+  launch_cmd->add_option("--node-rank", launch.node_rank, "This node's index")
+      ->capture_default_str();
+  launch_cmd->add_option("--master-addr", launch.master_addr, "Rendezvous address")
+      ->capture_default_str();
+  launch_cmd->add_option("--master-port", launch.master_port,
+                         "Rendezvous port (default: a free port; required for --nnodes > 1)");
+  launch_cmd->add_option("--threads", launch.threads, "Threads per rank (default cores/ranks)");
+  launch_cmd->add_option("--grace", launch.grace_seconds,
+                         "Seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->capture_default_str();
+  launch_cmd->add_flag("!--no-prefix", launch.prefix_output, "Do not prefix lines with the rank");
+  launch_cmd->add_option("command", launch.command, "-- PROGRAM [ARGS...]")->required();
+
+  std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    args = expand_config(args, *train);
+    std::vector<std::string> reversed(args.rbegin(), args.rend());
+    app.parse(reversed);  // CLI11 takes the arguments in reverse order
+  } catch (const dtrain::InputError& e) {
+    std::fprintf(stderr, "dtrain: error: %s\n", e.message().c_str());
+    return kInputErrorExit;
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : kInputErrorExit;
+  }
+  try {
+    if (train->parsed()) return run_train(job, args);
+    if (launch_cmd->parsed()) return dtrain::launch::launch(launch);
+  } catch (const dtrain::InputError& e) {
+    std::fprintf(stderr, "dtrain: error: %s\n", e.message().c_str());
+    return kInputErrorExit;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,36 @@
+// Rank discovery (torchrun's variables, else Slurm's, else Open MPI's, else a 1-rank world) and
+// joining the world it describes.
+#pragma once
+
+#include <string>
+
+#include "dtrain/comm/Communicator.h"
+
+namespace dtrain::launch {
+
+struct RankInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  /// Where it came from: "env" (RANK/WORLD_SIZE), "slurm", "openmpi" or "single".
+  std::string source = "single";
+};
+
+/// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; falls back
+/// to SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/... and OMPI_COMM_WORLD_*. Malformed values are
+/// InputErrors naming the variable.
+RankInfo discover_rank();
+
+/// Threads for this rank's tensor ops: $DTRAIN_THREADS, else cores / local ranks (at least 1).
+int default_threads(int local_world_size);
+
+/// Sets LibTorch's intra-op thread count (it starts with 1).
+void set_threads(int threads);
+
+/// discover_rank(), set_threads(default), then comm::init. `timeout_ms` 0 keeps the default.
+comm::CommunicatorPtr init_from_env(const std::string& backend = "gloo", int64_t timeout_ms = 0);
+
+}  // namespace dtrain::launch

@@ -1,0 +1,37 @@
+// The local launcher behind `dtrain launch` (torchrun's job on one node): starts one process per
+// local rank with torchrun's environment variables, prefixes each rank's output lines, and when
+// a rank fails stops the others within seconds and reports which rank failed and how.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace dtrain::launch {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  /// 0 = pick a free port (single node only).
+  int master_port = 0;
+  /// Threads per rank (0 = cores / nproc_per_node).
+  int threads = 0;
+  /// Seconds between SIGTERM and SIGKILL when stopping ranks.
+  double grace_seconds = 3.0;
+  /// Prefix every output line with "[rank N] ".
+  bool prefix_output = true;
+  /// Program and arguments (PATH is searched).
+  std::vector<std::string> command;
+  /// Extra environment variables ("NAME=value") for every rank.
+  std::vector<std::string> extra_env;
+};
+
+/// Runs the ranks to completion. Returns 0 when all succeed; otherwise prints which rank failed
+/// (exit code or signal) to stderr and returns that rank's exit code (128 + signal for a signal).
+int launch(const LaunchOptions& options);
+
+/// Validates options (InputError naming the offending option).
+void validate(const LaunchOptions& options);
+
+}  // namespace dtrain::launch

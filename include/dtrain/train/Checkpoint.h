@@ -1,0 +1,49 @@
+// Checkpoint directories: one per step (`step-00000120/`), written under a temporary name and
+// renamed when complete, with `meta.json` recording strategy, world layout, step and tensor
+// shapes, and a `latest` file naming the newest complete checkpoint.
+#pragma once
+
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dtrain::train {
+
+struct TensorInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string dtype;
+};
+
+struct CheckpointMeta {
+  int format_version = 1;
+  std::string strategy;
+  int world_size = 1;
+  int dp = 1, pp = 1, tp = 1;
+  int64_t step = 0;
+  int64_t epoch = 0;
+  uint64_t seed = 0;
+  int64_t global_batch = 0;
+  std::vector<TensorInfo> tensors;
+};
+
+std::string checkpoint_name(int64_t step);
+/// Writes meta.json into `directory`.
+void write_meta(const std::string& directory, const CheckpointMeta& meta);
+/// Reads and validates meta.json; InputError naming the file and field on problems.
+CheckpointMeta read_meta(const std::string& directory);
+/// The newest complete checkpoint under `root`, if any (from `latest`, verified to exist).
+std::optional<std::string> latest_checkpoint(const std::string& root);
+/// Atomically points `root/latest` at `name`.
+void set_latest(const std::string& root, const std::string& name);
+/// Compares a checkpoint's tensor list with the model's; InputError naming the first mismatch.
+void check_compatible(const CheckpointMeta& saved, const std::vector<TensorInfo>& model,
+                      const std::string& directory);
+/// Fails with an InputError now, before training, if checkpoints cannot be written to `root`.
+void ensure_writable(const std::string& root);
+/// Removes all but the newest `keep` complete checkpoints under `root`.
+void prune_checkpoints(const std::string& root, int keep);
+
+}  // namespace dtrain::train

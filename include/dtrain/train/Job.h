@@ -1,0 +1,43 @@
+// A training job as the CLI describes it (model, data set, trainer options, ranks), and running
+// it in one rank process. Kept out of cli/ so it is testable and the CLI only parses arguments.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dtrain/train/Trainer.h"
+
+namespace dtrain::train {
+
+struct JobConfig {
+  /// "mlp", "cnn" or "resnet".
+  std::string model = "cnn";
+  std::vector<int64_t> hidden{256, 256};
+  /// "fashion-mnist" or "synthetic".
+  std::string dataset = "fashion-mnist";
+  std::string data_dir;
+  int64_t synthetic_examples = 8192;
+  TrainerOptions trainer;
+  /// Local ranks to launch (1 = run in this process).
+  int nproc = 1;
+  /// Threads per rank (0 = cores / local ranks).
+  int threads = 0;
+  std::string backend = "gloo";
+  int64_t comm_timeout_ms = 120000;
+};
+
+/// Checks everything that can be checked before any rank starts: names, ranges, the data set's
+/// files, the checkpoint directory. InputError naming the flag or file.
+void validate_job(const JobConfig& job);
+
+struct JobResult {
+  FitResult fit;
+  int rank = 0;
+  int world_size = 1;
+};
+
+/// Runs the job in this process as the rank the environment describes (see Environment.h).
+JobResult run_job(const JobConfig& job);
+
+}  // namespace dtrain::train

@@ -1,0 +1,106 @@
+// Trainer: the training loop shared by every strategy — sampling, gradient accumulation, the
+// learning-rate schedule, evaluation, checkpoints (atomic, resumable), JSONL metrics and a
+// progress bar on rank 0. The strategy is a single option.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/data/Dataset.h"
+#include "dtrain/models/Model.h"
+#include "dtrain/optim/LrSchedule.h"
+#include "dtrain/optim/Optimizers.h"
+#include "dtrain/parallel/Strategy.h"
+
+namespace dtrain::train {
+
+struct TrainerOptions {
+  /// A registered strategy name (parallel::strategy_names()).
+  std::string strategy = "ddp";
+  parallel::StrategyOptions strategy_options;
+  int64_t epochs = 1;
+  /// Examples per rank per micro-batch.
+  int64_t batch_size = 64;
+  /// Micro-batches per optimizer step (gradients are synchronized once per step).
+  int64_t accumulation_steps = 1;
+  optim::OptimizerSpec optimizer;
+  optim::ScheduleSpec schedule;
+  /// > 0: the linear scaling rule, lr = optimizer.lr * global batch / reference_batch.
+  int64_t reference_batch = 0;
+  uint64_t seed = 0;
+  /// Where checkpoints go ("" = none). Saved at the end of every epoch and every
+  /// `checkpoint_every` steps (0 = epoch ends only).
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  int keep_checkpoints = 3;
+  /// Continue from the newest checkpoint in checkpoint_dir when there is one.
+  bool resume = true;
+  /// JSONL metrics file written by rank 0 ("" = none).
+  std::string metrics_file;
+  int64_t log_every = 10;
+  /// Progress bar on rank 0.
+  bool progress = true;
+  /// Train for this many optimizer steps in total (0 = all epochs); the schedule spans them.
+  int64_t max_steps = 0;
+  /// Halt when this step is reached (0 = never) without changing the schedule or the run's
+  /// length: for time-sliced jobs that resume from their checkpoint later.
+  int64_t stop_at_step = 0;
+  int64_t eval_batch_size = 1000;
+  int tensor_parallel = 1;
+  int pipeline_parallel = 1;
+  parallel::LossFn loss = parallel::cross_entropy;
+};
+
+struct EvalResult {
+  double loss = 0.0;
+  double accuracy = 0.0;
+  int64_t examples = 0;
+};
+
+struct FitResult {
+  /// Optimizer steps done in total, and the step this run started from (> 0 when resumed).
+  int64_t steps = 0;
+  int64_t start_step = 0;
+  /// This rank's loss at every step this run did.
+  std::vector<double> losses;
+  std::optional<EvalResult> validation;
+  double seconds = 0.0;
+  double samples_per_second = 0.0;
+  int64_t global_batch = 0;
+  double learning_rate = 0.0;
+};
+
+class Trainer {
+ public:
+  /// `world` = nullptr: a 1-rank world. Seeds LibTorch's RNG with options.seed, so a model
+  /// built after the Trainer is reproducible.
+  explicit Trainer(TrainerOptions options, comm::CommunicatorPtr world = nullptr);
+  ~Trainer();
+
+  /// Collective. Trains `model` on `train`, evaluating on `validation` (if given) after every
+  /// epoch.
+  FitResult fit(Model model, const data::TensorDataset& train,
+                const data::TensorDataset* validation = nullptr);
+  /// Collective. Loss and accuracy over `dataset`, each rank evaluating a share.
+  EvalResult evaluate(const data::TensorDataset& dataset);
+
+  parallel::Strategy& strategy() { return *strategy_; }
+  const std::shared_ptr<comm::ProcessGrid>& grid() const { return grid_; }
+  const TrainerOptions& options() const { return options_; }
+
+ private:
+  void save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch);
+  int64_t restore_checkpoint(int64_t global_batch);
+  std::vector<struct TensorInfo> model_tensors() const;
+
+  TrainerOptions options_;
+  comm::CommunicatorPtr world_;
+  std::shared_ptr<comm::ProcessGrid> grid_;
+  parallel::StrategyPtr strategy_;
+};
+
+}  // namespace dtrain::train

@@ -1,0 +1,162 @@
+// Checkpoint metadata, the `latest` pointer, and directory housekeeping.
+#include "dtrain/train/Checkpoint.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "dtrain/common/Error.h"
+
+namespace fs = std::filesystem;
+
+namespace dtrain::train {
+
+namespace {
+
+void write_atomically(const std::string& path, const std::string& content) {
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::trunc);
+    DTRAIN_CHECK_INPUT(out.good(), "cannot write ", temporary);
+    out << content;
+    out.flush();
+    DTRAIN_CHECK_INPUT(out.good(), "writing ", temporary, " failed (disk full?)");
+  }
+  std::error_code error;
+  fs::rename(temporary, path, error);
+  DTRAIN_CHECK_INPUT(!error, "cannot rename ", temporary, " to ", path, ": ", error.message());
+}
+
+}  // namespace
+
+std::string checkpoint_name(int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%08lld", static_cast<long long>(step));
+  return name;
+}
+
+void write_meta(const std::string& directory, const CheckpointMeta& meta) {
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const auto& t : meta.tensors) {
+    tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", t.dtype}});
+  }
+  nlohmann::json json = {
+      {"format_version", meta.format_version},
+      {"strategy", meta.strategy},
+      {"world_size", meta.world_size},
+      {"layout", {{"dp", meta.dp}, {"pp", meta.pp}, {"tp", meta.tp}}},
+      {"step", meta.step},
+      {"epoch", meta.epoch},
+      {"seed", meta.seed},
+      {"global_batch", meta.global_batch},
+      {"tensors", tensors},
+  };
+  write_atomically(directory + "/meta.json", json.dump(2) + "\n");
+}
+
+CheckpointMeta read_meta(const std::string& directory) {
+  const std::string path = directory + "/meta.json";
+  std::ifstream in(path);
+  DTRAIN_CHECK_INPUT(in.good(), "checkpoint metadata ", path, " is missing");
+  nlohmann::json json;
+  try {
+    in >> json;
+  } catch (const nlohmann::json::exception& e) {
+    DTRAIN_THROW(InputError, "checkpoint metadata ", path, " is not valid JSON: ", e.what());
+  }
+  CheckpointMeta meta;
+  try {
+    meta.format_version = json.at("format_version").get<int>();
+    DTRAIN_CHECK_INPUT(meta.format_version == 1, path, ": unsupported format_version ",
+                       meta.format_version);
+    meta.strategy = json.at("strategy").get<std::string>();
+    meta.world_size = json.at("world_size").get<int>();
+    meta.dp = json.at("layout").at("dp").get<int>();
+    meta.pp = json.at("layout").at("pp").get<int>();
+    meta.tp = json.at("layout").at("tp").get<int>();
+    meta.step = json.at("step").get<int64_t>();
+    meta.epoch = json.at("epoch").get<int64_t>();
+    meta.seed = json.at("seed").get<uint64_t>();
+    meta.global_batch = json.at("global_batch").get<int64_t>();
+    for (const auto& t : json.at("tensors")) {
+      meta.tensors.push_back({t.at("name").get<std::string>(),
+                              t.at("shape").get<std::vector<int64_t>>(),
+                              t.at("dtype").get<std::string>()});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    DTRAIN_THROW(InputError, "checkpoint metadata ", path, " is incomplete: ", e.what());
+  }
+  return meta;
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& root) {
+  std::ifstream in(root + "/latest");
+  if (!in.good()) return std::nullopt;
+  std::string name;
+  std::getline(in, name);
+  const std::string directory = root + "/" + name;
+  DTRAIN_CHECK_INPUT(!name.empty() && fs::is_directory(directory), root,
+                     "/latest names checkpoint '", name, "', which does not exist");
+  return directory;
+}
+
+void set_latest(const std::string& root, const std::string& name) {
+  write_atomically(root + "/latest", name + "\n");
+}
+
+void check_compatible(const CheckpointMeta& saved, const std::vector<TensorInfo>& model,
+                      const std::string& directory) {
+  for (size_t i = 0; i < std::max(saved.tensors.size(), model.size()); ++i) {
+    DTRAIN_CHECK_INPUT(i < saved.tensors.size(), "checkpoint ", directory, " lacks tensor '",
+                       model[i].name, "' of the model");
+    DTRAIN_CHECK_INPUT(i < model.size(), "checkpoint ", directory, " has tensor '",
+                       saved.tensors[i].name, "' that the model lacks");
+    const auto& a = saved.tensors[i];
+    const auto& b = model[i];
+    auto shape = [](const std::vector<int64_t>& s) {
+      std::string out = "[";
+      for (size_t k = 0; k < s.size(); ++k) out += (k ? "," : "") + std::to_string(s[k]);
+      return out + "]";
+    };
+    DTRAIN_CHECK_INPUT(a.name == b.name && a.shape == b.shape && a.dtype == b.dtype,
+                       "checkpoint ", directory, " does not match the model: first mismatch at ",
+                       "tensor ", i, ": checkpoint has '", a.name, "' ", shape(a.shape), " ",
+                       a.dtype, ", model has '", b.name, "' ", shape(b.shape), " ", b.dtype);
+  }
+}
+
+void ensure_writable(const std::string& root) {
+  std::error_code error;
+  fs::create_directories(root, error);
+  DTRAIN_CHECK_INPUT(!error, "checkpoint directory ", root, " cannot be created: ",
+                     error.message());
+  const std::string probe = root + "/.write-test";
+  {
+    std::ofstream out(probe);
+    DTRAIN_CHECK_INPUT(out.good() && (out << "ok").good(), "checkpoint directory ", root,
+                       " is not writable");
+  }
+  fs::remove(probe, error);
+}
+
+void prune_checkpoints(const std::string& root, int keep) {
+  if (keep <= 0) return;
+  std::vector<std::string> complete;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory() && name.rfind("step-", 0) == 0 &&
+        name.find(".tmp") == std::string::npos) {
+      complete.push_back(name);
+    }
+  }
+  std::sort(complete.begin(), complete.end());
+  for (size_t i = 0; i + keep < complete.size(); ++i) {
+    std::error_code error;
+    fs::remove_all(root + "/" + complete[i], error);
+  }
+}
+
+}  // namespace dtrain::train

@@ -1,0 +1,297 @@
+// The training loop.
+#include "dtrain/train/Trainer.h"
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/common/Net.h"
+#include "dtrain/data/DistributedSampler.h"
+#include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/Metrics.h"
+#include "dtrain/train/Progress.h"
+
+namespace fs = std::filesystem;
+
+namespace dtrain::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
+
+void validate(const TrainerOptions& o) {
+  DTRAIN_CHECK_INPUT(o.epochs >= 1, "epochs must be >= 1, got ", o.epochs);
+  DTRAIN_CHECK_INPUT(o.batch_size >= 1, "batch size must be >= 1, got ", o.batch_size);
+  DTRAIN_CHECK_INPUT(o.accumulation_steps >= 1, "accumulation steps must be >= 1, got ",
+                     o.accumulation_steps);
+  DTRAIN_CHECK_INPUT(o.checkpoint_every >= 0, "checkpoint interval must be >= 0, got ",
+                     o.checkpoint_every);
+  DTRAIN_CHECK_INPUT(o.log_every >= 1, "log interval must be >= 1, got ", o.log_every);
+  DTRAIN_CHECK_INPUT(o.max_steps >= 0, "max steps must be >= 0, got ", o.max_steps);
+  DTRAIN_CHECK_INPUT(o.stop_at_step >= 0, "stop-at step must be >= 0, got ", o.stop_at_step);
+  DTRAIN_CHECK_INPUT(o.eval_batch_size >= 1, "eval batch size must be >= 1");
+}
+
+}  // namespace
+
+Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
+    : options_(std::move(options)), world_(std::move(world)) {
+  validate(options_);
+  if (!world_) {
+    comm::InitOptions single;
+    single.master_port = free_port();
+    world_ = comm::init(single);
+  }
+  torch::manual_seed(options_.seed);
+  grid_ = std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
+                                              options_.pipeline_parallel);
+  strategy_ = parallel::make_strategy(options_.strategy, options_.strategy_options);
+  if (!options_.checkpoint_dir.empty() && world_->rank() == 0) {
+    ensure_writable(options_.checkpoint_dir);
+  }
+}
+
+Trainer::~Trainer() = default;
+
+std::vector<TensorInfo> Trainer::model_tensors() const {
+  std::vector<TensorInfo> tensors;
+  auto& module = *strategy_->model().module;
+  for (const auto& item : module.named_parameters()) {
+    tensors.push_back({item.key(), item.value().sizes().vec(), dtype_name(item.value())});
+  }
+  for (const auto& item : module.named_buffers()) {
+    tensors.push_back({item.key(), item.value().sizes().vec(), dtype_name(item.value())});
+  }
+  return tensors;
+}
+
+void Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch) {
+  const std::string root = options_.checkpoint_dir;
+  const std::string name = checkpoint_name(step);
+  const std::string staging = root + "/" + name + ".tmp";
+  const bool leader = world_->rank() == 0;
+  if (leader) {
+    fs::remove_all(staging);
+    fs::create_directories(staging);
+  }
+  world_->barrier()->wait();
+  strategy_->save(staging);
+  torch::save(at::detail::getDefaultCPUGenerator().get_state(),
+              concat(staging, "/rng-rank", world_->rank(), ".pt"));
+  if (leader) {
+    CheckpointMeta meta;
+    meta.strategy = strategy_->name();
+    meta.world_size = world_->size();
+    meta.dp = grid_->dp_size();
+    meta.pp = grid_->pp_size();
+    meta.tp = grid_->tp_size();
+    meta.step = step;
+    meta.epoch = epoch;
+    meta.seed = options_.seed;
+    meta.global_batch = global_batch;
+    meta.tensors = model_tensors();
+    write_meta(staging, meta);
+  }
+  world_->barrier()->wait();  // every rank's files are in place
+  if (leader) {
+    const std::string final_dir = root + "/" + name;
+    fs::remove_all(final_dir);
+    fs::rename(staging, final_dir);
+    set_latest(root, name);
+    prune_checkpoints(root, options_.keep_checkpoints);
+  }
+  world_->barrier()->wait();
+}
+
+int64_t Trainer::restore_checkpoint(int64_t global_batch) {
+  if (options_.checkpoint_dir.empty() || !options_.resume) return 0;
+  const auto directory = latest_checkpoint(options_.checkpoint_dir);
+  if (!directory) return 0;
+  const CheckpointMeta meta = read_meta(*directory);
+  check_compatible(meta, model_tensors(), *directory);
+  DTRAIN_CHECK_INPUT(meta.global_batch == global_batch, "checkpoint ", *directory,
+                     " was trained with global batch ", meta.global_batch,
+                     "; resuming with global batch ", global_batch,
+                     " would change the data order (match the batch or disable resume)");
+  DTRAIN_CHECK_INPUT(meta.strategy == strategy_->name(), "checkpoint ", *directory,
+                     " was written by strategy ", meta.strategy, ", this run uses ",
+                     strategy_->name());
+  strategy_->load(*directory);
+  std::string rng = concat(*directory, "/rng-rank", world_->rank(), ".pt");
+  if (!fs::exists(rng)) rng = *directory + "/rng-rank0.pt";  // world grew: reuse rank 0's
+  at::Tensor state;
+  torch::load(state, rng);
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+  return meta.step;
+}
+
+EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
+  auto& model = strategy_->model();
+  model.module->eval();
+  torch::NoGradGuard no_grad;
+  const int rank = world_->rank();
+  const int world = world_->size();
+  double sums[3] = {0, 0, 0};  // loss * n, correct, n
+  for (int64_t begin = 0; begin < dataset.size(); begin += options_.eval_batch_size * world) {
+    const int64_t mine = begin + rank * options_.eval_batch_size;
+    const int64_t end = std::min(mine + options_.eval_batch_size, dataset.size());
+    if (mine >= end) continue;
+    auto batch = dataset.slice(mine, end);
+    at::Tensor output = model(batch.inputs);
+    const auto n = static_cast<double>(end - mine);
+    sums[0] += options_.loss(output, batch.targets).item<double>() * n;
+    sums[1] += output.argmax(1).eq(batch.targets).sum().item<double>();
+    sums[2] += n;
+  }
+  at::Tensor totals = at::tensor({sums[0], sums[1], sums[2]}, at::kDouble);
+  world_->allreduce(totals)->wait();
+  EvalResult result;
+  result.examples = static_cast<int64_t>(totals[2].item<double>());
+  if (result.examples > 0) {
+    result.loss = totals[0].item<double>() / result.examples;
+    result.accuracy = totals[1].item<double>() / result.examples;
+  }
+  model.module->train();
+  return result;
+}
+
+FitResult Trainer::fit(Model model, const data::TensorDataset& train,
+                       const data::TensorDataset* validation) {
+  const int rank = world_->rank();
+  const int dp_size = grid_->dp_size();
+  const int64_t local_step_batch = options_.batch_size * options_.accumulation_steps;
+  const int64_t global_batch = local_step_batch * dp_size;
+  data::DistributedSampler sampler(train.size(), dp_size, grid_->coordinates().dp,
+                                   {true, options_.seed, true});
+  const int64_t steps_per_epoch = sampler.num_samples() / local_step_batch;
+  DTRAIN_CHECK_INPUT(steps_per_epoch >= 1, "a step needs ", global_batch,
+                     " examples (batch ", options_.batch_size, " x accumulation ",
+                     options_.accumulation_steps, " x ", dp_size,
+                     " ranks) but the training set has ", train.size());
+  int64_t total_steps = steps_per_epoch * options_.epochs;
+  if (options_.max_steps > 0) total_steps = std::min(total_steps, options_.max_steps);
+
+  optim::OptimizerSpec spec = options_.optimizer;
+  if (options_.reference_batch > 0) {
+    spec.lr = optim::linear_scaled_lr(spec.lr, global_batch, options_.reference_batch);
+  }
+  const optim::LrSchedule schedule(spec.lr, total_steps, options_.schedule);
+  strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
+  torch::manual_seed(options_.seed + 1000003ULL * static_cast<uint64_t>(rank + 1));
+
+  FitResult result;
+  result.global_batch = global_batch;
+  result.learning_rate = spec.lr;
+  const int64_t start_step = restore_checkpoint(global_batch);
+  result.start_step = start_step;
+  result.steps = start_step;
+
+  const bool leader = rank == 0;
+  MetricsWriter metrics(leader ? options_.metrics_file : "", start_step > 0);
+  ProgressBar progress(stdout, ProgressBar::is_terminal(stdout),
+                       std::max<int64_t>(1, steps_per_epoch / 10));
+  if (leader && start_step > 0 && options_.progress) {
+    std::printf("resumed from step %lld\n", static_cast<long long>(start_step));
+  }
+
+  const auto start = Clock::now();
+  double train_seconds = 0.0;
+  int64_t samples = 0;
+  std::vector<int64_t> order;
+  int64_t order_epoch = -1;
+  const int64_t last_step = options_.stop_at_step > 0 ? std::min(total_steps, options_.stop_at_step)
+                                                      : total_steps;
+  for (int64_t step = start_step; step < last_step; ++step) {
+    const int64_t epoch = step / steps_per_epoch;
+    const int64_t in_epoch = step % steps_per_epoch;
+    if (epoch != order_epoch) {
+      sampler.set_epoch(epoch);
+      order = sampler.indices();
+      order_epoch = epoch;
+    }
+    const double lr = schedule.at(step);
+    optim::set_learning_rate(strategy_->optimizer(), lr);
+    std::vector<data::Batch> micro_batches;
+    for (int64_t m = 0; m < options_.accumulation_steps; ++m) {
+      const int64_t begin = in_epoch * local_step_batch + m * options_.batch_size;
+      micro_batches.push_back(train.get(std::vector<int64_t>(
+          order.begin() + begin, order.begin() + begin + options_.batch_size)));
+    }
+    const auto step_start = Clock::now();
+    const parallel::StepResult step_result = strategy_->train_step(micro_batches, options_.loss);
+    const double step_seconds = seconds_since(step_start);
+    train_seconds += step_seconds;
+    samples += step_result.samples * dp_size;
+    result.losses.push_back(step_result.loss);
+    result.steps = step + 1;
+    const double throughput = samples / std::max(train_seconds, 1e-9);
+
+    if (leader && ((step + 1) % options_.log_every == 0 || step + 1 == total_steps)) {
+      MetricRecord record{{"event", std::string("step")},
+                          {"step", step + 1},
+                          {"epoch", epoch},
+                          {"loss", step_result.loss},
+                          {"lr", lr},
+                          {"step_ms", step_seconds * 1e3},
+                          {"samples_per_s", throughput}};
+      if (step_result.grad_norm >= 0) record["grad_norm"] = step_result.grad_norm;
+      for (const auto& [key, value] : step_result.metrics) record[key] = value;
+      metrics.write(record);
+    }
+    if (leader && options_.progress) {
+      const double eta = (total_steps - step - 1) * train_seconds / (step + 1 - start_step);
+      progress.update(epoch, options_.epochs, in_epoch + 1, steps_per_epoch, step_result.loss,
+                      throughput, eta);
+    }
+    const bool epoch_end = in_epoch + 1 == steps_per_epoch || step + 1 == total_steps;
+    const bool halting = step + 1 == last_step;
+    if (epoch_end && validation != nullptr) {
+      result.validation = evaluate(*validation);
+      if (leader) {
+        metrics.write({{"event", std::string("eval")},
+                       {"step", step + 1},
+                       {"epoch", epoch},
+                       {"val_loss", result.validation->loss},
+                       {"val_accuracy", result.validation->accuracy}});
+      }
+    }
+    if (leader && options_.progress && epoch_end) {
+      progress.finish_epoch(result.validation
+                                ? concat("val acc ", result.validation->accuracy * 100, "%")
+                                : std::string());
+    }
+    const bool periodic = options_.checkpoint_every > 0 && (step + 1) % options_.checkpoint_every == 0;
+    if (!options_.checkpoint_dir.empty() && (periodic || epoch_end || halting)) {
+      save_checkpoint(step + 1, epoch, global_batch);
+    }
+  }
+  result.seconds = seconds_since(start);
+  result.samples_per_second = samples / std::max(train_seconds, 1e-9);
+  if (leader) {
+    MetricRecord summary{{"event", std::string("summary")},
+                         {"steps", result.steps},
+                         {"start_step", start_step},
+                         {"seconds", result.seconds},
+                         {"samples_per_s", result.samples_per_second},
+                         {"global_batch", global_batch},
+                         {"world_size", static_cast<int64_t>(world_->size())},
+                         {"strategy", strategy_->name()}};
+    if (!result.losses.empty()) summary["final_loss"] = result.losses.back();
+    if (result.validation) summary["val_accuracy"] = result.validation->accuracy;
+    metrics.write(summary);
+  }
+  return result;
+}
+
+}  // namespace dtrain::train

@@ -1,0 +1,216 @@
+// The launcher and the CLI as a user runs them: real processes, exit codes, messages.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <filesystem>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <sys/wait.h>
+
+#include "TempDir.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/launch/Environment.h"
+
+using dtrain::test::TempDir;
+
+namespace {
+
+struct Output {
+  int code = -1;
+  std::string text;  // stdout + stderr
+  double seconds = 0;
+};
+
+Output run(const std::string& command) {
+  const auto start = std::chrono::steady_clock::now();
+  Output out;
+  std::FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+  std::array<char, 4096> buffer{};
+  while (std::fgets(buffer.data(), buffer.size(), pipe)) out.text += buffer.data();
+  const int status = ::pclose(pipe);
+  out.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  out.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return out;
+}
+
+const std::string kDtrain = DTRAIN_CLI_PATH;
+
+bool has(const Output& out, const std::string& needle) {
+  return out.text.find(needle) != std::string::npos;
+}
+
+}  // namespace
+
+TEST(Launcher, SetsTorchrunEnvironmentAndPrefixesOutput) {
+  const auto out = run(kDtrain + " launch --nproc-per-node 3 --threads 1 -- sh -c "
+                                 "'echo id=$RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/"
+                                 "$DTRAIN_THREADS/$MASTER_ADDR'");
+  EXPECT_EQ(out.code, 0) << out.text;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(has(out, "[rank " + std::to_string(r) + "] id=" + std::to_string(r) + "/3/" +
+                             std::to_string(r) + "/3/1/127.0.0.1"))
+        << out.text;
+  }
+}
+
+TEST(Launcher, AFailingRankStopsTheOthersAndIsNamed) {
+  const auto out = run(kDtrain + " launch --nproc-per-node 3 --grace 1 -- sh -c "
+                                 "'if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; sleep 60'");
+  EXPECT_EQ(out.code, 3) << out.text;
+  EXPECT_TRUE(has(out, "rank 1")) << out.text;
+  EXPECT_TRUE(has(out, "exited with code 3")) << out.text;
+  EXPECT_LT(out.seconds, 15) << "the other ranks were not stopped";
+}
+
+TEST(Launcher, AKilledRankIsReportedWithItsSignal) {
+  const auto out = run(kDtrain + " launch --nproc-per-node 2 --grace 1 -- sh -c "
+                                 "'if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; sleep 60'");
+  EXPECT_EQ(out.code, 128 + 9) << out.text;
+  EXPECT_TRUE(has(out, "rank 0")) << out.text;
+  EXPECT_TRUE(has(out, "signal 9")) << out.text;
+  EXPECT_LT(out.seconds, 15);
+}
+
+TEST(Launcher, BadOptionsAreOneLineErrors) {
+  auto out = run(kDtrain + " launch --nproc-per-node 0 -- true");
+  EXPECT_EQ(out.code, 2);
+  EXPECT_TRUE(has(out, "--nproc-per-node must be >= 1")) << out.text;
+  out = run(kDtrain + " launch --nnodes 2 --node-rank 0 -- true");
+  EXPECT_EQ(out.code, 2);
+  EXPECT_TRUE(has(out, "--master-port is required")) << out.text;
+  out = run(kDtrain + " launch --nproc-per-node 1 -- /nonexistent/program");
+  EXPECT_EQ(out.code, 127) << out.text;
+  EXPECT_TRUE(has(out, "cannot run /nonexistent/program")) << out.text;
+}
+
+TEST(Cli, HelpOnEverySubcommand) {
+  for (const std::string sub : {"", " train", " launch"}) {
+    const auto out = run(kDtrain + sub + " --help");
+    EXPECT_EQ(out.code, 0) << sub;
+    EXPECT_TRUE(has(out, "Usage:")) << sub;
+  }
+  EXPECT_TRUE(has(run(kDtrain + " train --help"), "--checkpoint-dir"));
+}
+
+TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
+  TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {" train --bogus", "--bogus"},
+      {" train --lr abc", "--lr"},
+      {" train --model transformer9", "unknown model 'transformer9'"},
+      {" train --strategy zero9", "unknown strategy 'zero9'"},
+      {" train --epochs 0", "epochs must be >= 1"},
+      {" train --lr -1", "learning rate must be > 0"},
+      {" train --data-dir " + dir.path() + "/none", dir.path() + "/none does not exist"},
+      {" train --data-dir " + dir.path(), "train"},  // an empty directory: no IDX files
+      {" train --checkpoint-dir /proc/forbidden", "/proc/forbidden"},
+      {" train --config " + dir.path() + "/missing.toml", "missing.toml cannot be read"},
+      {" train --grad-compression int4", "unknown gradient compression 'int4'"},
+  };
+  for (const auto& [args, needle] : cases) {
+    const auto out = run(kDtrain + args);
+    EXPECT_EQ(out.code, 2) << args << "\n" << out.text;
+    EXPECT_TRUE(has(out, needle)) << args << "\n" << out.text;
+    EXPECT_TRUE(has(out, "error")) << args;
+    EXPECT_LE(std::count(out.text.begin(), out.text.end(), '\n'), 1) << args << "\n" << out.text;
+  }
+}
+
+TEST(Cli, ConfigFileSetsFlagsAndCommandLineWins) {
+  TempDir dir;
+  std::FILE* file = std::fopen((dir / "job.toml").c_str(), "w");
+  std::fputs("# a job\n[train]\ndataset = \"synthetic\"\nmodel = \"mlp\"\nhidden = [32]\n"
+             "batch-size = 4\nsynthetic-examples = 256\nmax-steps = 3\n",
+             file);
+  std::fclose(file);
+  auto out = run(kDtrain + " train --no-progress --config " + (dir / "job.toml") +
+                 " --batch-size 8");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "trained 3 steps (global batch 8, 1 rank")) << out.text;
+  file = std::fopen((dir / "bad.toml").c_str(), "w");
+  std::fputs("learning_rate = 0.1\n", file);
+  std::fclose(file);
+  out = run(kDtrain + " train --config " + (dir / "bad.toml"));
+  EXPECT_EQ(out.code, 2);
+  EXPECT_TRUE(has(out, "unknown key 'learning_rate'")) << out.text;
+}
+
+TEST(Cli, TrainOnTwoRanksEndToEnd) {
+  TempDir dir;
+  const auto out = run(kDtrain + " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+                                 "--synthetic-examples 512 --epochs 2 --no-progress --metrics " +
+                       (dir / "m.jsonl") + " --checkpoint-dir " + (dir / "ckpt"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "[rank 0] trained 8 steps (global batch 128, 2 ranks, ddp)")) << out.text;
+  EXPECT_TRUE(has(out, "test accuracy")) << out.text;
+  EXPECT_TRUE(std::filesystem::exists(dir / "ckpt/step-00000008/model.pt"));
+  // Running again resumes from the final checkpoint and trains no further.
+  const auto again = run(kDtrain + " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+                                   "--synthetic-examples 512 --epochs 2 --checkpoint-dir " +
+                         (dir / "ckpt"));
+  EXPECT_EQ(again.code, 0) << again.text;
+  EXPECT_TRUE(has(again, "resumed from step 8")) << again.text;
+}
+
+// Rank discovery reads the process environment: each case sets it, checks, and clears it.
+class Discovery : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                             "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                             "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_JOB_ID",
+                             "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                             "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
+      ::unsetenv(name);
+    }
+  }
+};
+
+TEST_F(Discovery, TorchrunSlurmOpenMpiAndSingle) {
+  auto info = dtrain::launch::discover_rank();
+  EXPECT_EQ(info.source, "single");
+  EXPECT_EQ(info.world_size, 1);
+
+  ::setenv("SLURM_PROCID", "5", 1);
+  ::setenv("SLURM_NTASKS", "8", 1);
+  ::setenv("SLURM_LOCALID", "1", 1);
+  ::setenv("SLURM_NNODES", "2", 1);
+  ::setenv("SLURM_JOB_NODELIST", "gpu[07-08]", 1);
+  ::setenv("SLURM_JOB_ID", "123", 1);
+  info = dtrain::launch::discover_rank();
+  EXPECT_EQ(info.source, "slurm");
+  EXPECT_EQ(info.rank, 5);
+  EXPECT_EQ(info.world_size, 8);
+  EXPECT_EQ(info.local_rank, 1);
+  EXPECT_EQ(info.local_world_size, 4);
+  EXPECT_EQ(info.master_addr, "gpu07");
+  EXPECT_EQ(info.master_port, 20123);
+  TearDown();
+
+  ::setenv("OMPI_COMM_WORLD_RANK", "2", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  ::setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
+  ::setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+  ::setenv("MASTER_ADDR", "10.0.0.1", 1);
+  info = dtrain::launch::discover_rank();
+  EXPECT_EQ(info.source, "openmpi");
+  EXPECT_EQ(info.rank, 2);
+  EXPECT_EQ(info.local_world_size, 2);
+  EXPECT_EQ(info.master_addr, "10.0.0.1");
+  TearDown();
+
+  ::setenv("RANK", "1", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("MASTER_PORT", "4000", 1);
+  info = dtrain::launch::discover_rank();
+  EXPECT_EQ(info.source, "env");
+  EXPECT_EQ(info.master_port, 4000);
+  ::setenv("RANK", "two", 1);
+  EXPECT_THROW(dtrain::launch::discover_rank(), dtrain::InputError);
+  ::setenv("RANK", "2", 1);
+  EXPECT_THROW(dtrain::launch::discover_rank(), dtrain::InputError);
+}

@@ -1,0 +1,214 @@
+// Trainer: a resumed run continues the uninterrupted loss trajectory; checkpoints are atomic and
+// validated; metrics are JSONL; the linear scaling rule; bad options fail before training.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "RankThreads.h"
+#include "TempDir.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/Trainer.h"
+
+using namespace dtrain;
+using namespace std::chrono_literals;
+using dtrain::test::run_ranks;
+using dtrain::test::TempDir;
+
+namespace {
+
+models::ModelSpec mlp_spec() {
+  models::ModelSpec spec;
+  spec.name = "mlp";
+  spec.input_shape = {16};
+  spec.hidden = {32};
+  spec.classes = 4;
+  return spec;
+}
+
+train::TrainerOptions base_options() {
+  train::TrainerOptions o;
+  o.batch_size = 8;
+  o.epochs = 3;
+  o.optimizer.name = "adam";
+  o.optimizer.lr = 0.01;
+  o.schedule.decay = "cosine";
+  o.schedule.warmup_steps = 3;
+  o.seed = 9;
+  o.progress = false;
+  return o;
+}
+
+struct RunOutput {
+  std::vector<double> losses;
+  std::vector<at::Tensor> weights;
+  int64_t start_step = 0;
+};
+
+RunOutput run(int world, const train::TrainerOptions& options, uint64_t init_seed) {
+  const auto dataset = data::make_synthetic(160, {16}, 4, 2);
+  RunOutput out;
+  // Rank threads share LibTorch's global generator: initialize before they start.
+  std::vector<Model> models;
+  for (int r = 0; r < world; ++r) {
+    torch::manual_seed(init_seed + r);
+    models.push_back(models::make_model(mlp_spec()));
+  }
+  run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
+    train::Trainer trainer(options, comm);
+    auto result = trainer.fit(models[comm->rank()], dataset);
+    if (comm->rank() == 0) {
+      out.losses = result.losses;
+      out.start_step = result.start_step;
+      for (const auto& p : trainer.strategy().model().module->parameters()) {
+        out.weights.push_back(p.detach().clone());
+      }
+    }
+  }, 60s);
+  return out;
+}
+
+}  // namespace
+
+TEST(Trainer, ResumedRunContinuesTheSameLossTrajectory) {
+  at::set_num_threads(1);
+  for (int world : {1, 2}) {
+    TempDir dir;
+    auto options = base_options();
+    options.max_steps = world == 1 ? 40 : 20;
+    const RunOutput full = run(world, options, 1);
+    ASSERT_EQ(static_cast<int64_t>(full.losses.size()), options.max_steps);
+
+    options.checkpoint_dir = dir.path();
+    options.checkpoint_every = 7;  // mid-epoch (an epoch is 20 / world steps)
+    auto first = options;
+    first.stop_at_step = 7;  // as if the job were killed after the step-7 checkpoint
+    run(world, first, 1);
+    // A fresh process with a different initialization: everything must come from the checkpoint.
+    const RunOutput resumed = run(world, options, 12345);
+    EXPECT_EQ(resumed.start_step, 7);
+    ASSERT_EQ(resumed.losses.size(), full.losses.size() - 7);
+    for (size_t i = 0; i < resumed.losses.size(); ++i) {
+      EXPECT_NEAR(resumed.losses[i], full.losses[i + 7], 1e-6) << "step " << i + 7;
+    }
+    for (size_t i = 0; i < full.weights.size(); ++i) {
+      EXPECT_LE((full.weights[i] - resumed.weights[i]).abs().max().item<double>(), 1e-6);
+    }
+  }
+}
+
+TEST(Trainer, CheckpointsAreAtomicAndPruned) {
+  at::set_num_threads(1);
+  TempDir dir;
+  auto options = base_options();
+  options.checkpoint_dir = dir.path();
+  options.checkpoint_every = 4;
+  options.keep_checkpoints = 2;
+  options.max_steps = 16;
+  run(1, options, 1);
+  EXPECT_EQ(*train::latest_checkpoint(dir.path()), dir / "step-00000016");
+  EXPECT_TRUE(std::filesystem::exists(dir / "step-00000012"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "step-00000008"));
+  const auto meta = train::read_meta(dir / "step-00000016");
+  EXPECT_EQ(meta.strategy, "ddp");
+  EXPECT_EQ(meta.step, 16);
+  EXPECT_EQ(meta.tensors.front().name, "layers.0.weight");
+  EXPECT_EQ(meta.tensors.front().shape, (std::vector<int64_t>{32, 16}));
+  // A half-written checkpoint (a crash during save) is never picked up.
+  std::filesystem::create_directories(dir / "step-00000020.tmp");
+  EXPECT_EQ(*train::latest_checkpoint(dir.path()), dir / "step-00000016");
+}
+
+TEST(Trainer, BadCheckpointsAreNamedErrors) {
+  at::set_num_threads(1);
+  TempDir dir;
+  auto options = base_options();
+  options.checkpoint_dir = dir.path();
+  options.max_steps = 4;
+  run(1, options, 1);
+  const std::string checkpoint = dir / "step-00000004";
+  // A different model: the first mismatching tensor is named.
+  options.max_steps = 8;
+  const auto dataset = data::make_synthetic(160, {16}, 4, 2);
+  auto other = mlp_spec();
+  other.hidden = {24};
+  try {
+    train::Trainer trainer(options);
+    trainer.fit(models::make_model(other), dataset);
+    ADD_FAILURE() << "loaded a checkpoint of another model";
+  } catch (const InputError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("layers.0.weight"), std::string::npos) << message;
+    EXPECT_NE(message.find("[32,16]"), std::string::npos) << message;
+    EXPECT_NE(message.find("[24,16]"), std::string::npos) << message;
+  }
+  // Corrupt metadata names the file; the checkpoint itself is left alone.
+  std::ofstream(checkpoint + "/meta.json") << "{ not json";
+  try {
+    train::Trainer trainer(options);
+    trainer.fit(models::make_model(mlp_spec()), dataset);
+    ADD_FAILURE() << "loaded a corrupt checkpoint";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(checkpoint + "/meta.json"), std::string::npos);
+  }
+  EXPECT_TRUE(std::filesystem::exists(checkpoint + "/model.pt"));
+}
+
+TEST(Trainer, UnwritableCheckpointDirFailsBeforeTraining) {
+  auto options = base_options();
+  options.checkpoint_dir = "/proc/dtrain-cannot-write-here";
+  EXPECT_THROW(train::Trainer trainer(options), InputError);
+}
+
+TEST(Trainer, MetricsAreJsonLinesWithASummary) {
+  at::set_num_threads(1);
+  TempDir dir;
+  auto options = base_options();
+  options.metrics_file = dir / "metrics.jsonl";
+  options.log_every = 5;
+  options.max_steps = 20;
+  const auto dataset = data::make_synthetic(160, {16}, 4, 2);
+  train::Trainer trainer(options);
+  trainer.fit(models::make_model(mlp_spec()), dataset, &dataset);
+  std::ifstream in(options.metrics_file);
+  std::string line;
+  int steps = 0, evals = 0, summaries = 0;
+  while (std::getline(in, line)) {
+    const auto record = nlohmann::json::parse(line);
+    const std::string event = record.at("event");
+    steps += event == "step";
+    evals += event == "eval";
+    summaries += event == "summary";
+    if (event == "step") {
+      EXPECT_GT(record.at("samples_per_s").get<double>(), 0);
+      EXPECT_TRUE(record.contains("exposed_comm_ms"));
+    }
+    if (event == "summary") EXPECT_EQ(record.at("steps").get<int>(), 20);
+  }
+  EXPECT_EQ(steps, 4);
+  EXPECT_EQ(evals, 1);  // the epoch end (an epoch is 20 steps)
+  EXPECT_EQ(summaries, 1);
+}
+
+TEST(Trainer, LinearScalingRuleAndAccumulation) {
+  at::set_num_threads(1);
+  auto options = base_options();
+  options.reference_batch = 8;
+  options.accumulation_steps = 2;
+  options.max_steps = 2;
+  const auto dataset = data::make_synthetic(160, {16}, 4, 2);
+  train::Trainer trainer(options);
+  auto result = trainer.fit(models::make_model(mlp_spec()), dataset);
+  EXPECT_EQ(result.global_batch, 16);
+  EXPECT_DOUBLE_EQ(result.learning_rate, 0.02);  // 0.01 x 16 / 8
+}
+
+TEST(Trainer, TooLittleDataIsAnInputError) {
+  auto options = base_options();
+  options.batch_size = 512;
+  const auto dataset = data::make_synthetic(100, {16}, 4, 2);
+  train::Trainer trainer(options);
+  EXPECT_THROW(trainer.fit(models::make_model(mlp_spec()), dataset), InputError);
+}
