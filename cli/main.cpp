@@ -89,6 +89,13 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
                  "Gradient wire dtype: none, fp16, bf16")->capture_default_str();
   app.add_flag("--error-on-unused-parameters", t.strategy_options.error_on_unused_parameters,
                "Fail a step when a parameter gets no gradient (default: treat as zero)");
+  app.add_option("--precision", t.strategy_options.precision,
+                 "fp32, bf16-mixed, fp16-mixed (CUDA only), bf16")->capture_default_str();
+  app.add_option("--loss-scaling", t.strategy_options.loss_scaling,
+                 "auto (dynamic for fp16-mixed), dynamic, none")->capture_default_str();
+  app.add_option("--checkpointing", job.checkpointing,
+                 "Activation checkpointing: none, sqrt, or a segment count")
+      ->capture_default_str();
   app.add_option("--seed", t.seed, "Random seed")->capture_default_str();
   app.add_option("--checkpoint-dir", t.checkpoint_dir, "Directory for checkpoints");
   app.add_option("--checkpoint-every", t.checkpoint_every,

@@ -2,15 +2,22 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/comm/Communicator.h"
 #include "comm/gloo/GlooCommunicator.h"
+#ifdef DTRAIN_WITH_NCCL
+#include "comm/nccl/NcclCommunicator.h"
+#endif
 
 namespace dtrain::comm {
 
 CommunicatorPtr init(const InitOptions& options) {
   if (options.backend == "gloo") return gloo_backend::create_world(options);
   if (options.backend == "nccl") {
+#ifdef DTRAIN_WITH_NCCL
+    return nccl_backend::create_world(options);
+#else
     DTRAIN_THROW(InputError,
-                 "backend nccl is not available: this dtrain was built against a LibTorch "
-                 "without CUDA (see src/comm/nccl/README.md); use --backend gloo");
+                 "backend nccl is not available: this dtrain was built without "
+                 "-DDTRAIN_WITH_NCCL=ON (it needs a CUDA build of LibTorch); use --backend gloo");
+#endif
   }
   DTRAIN_THROW(InputError, "unknown communication backend '", options.backend,
                "' (expected gloo or nccl)");

@@ -7,6 +7,7 @@
 #include "dtrain/common/Net.h"
 #include "dtrain/data/FashionMnist.h"
 #include "dtrain/launch/Environment.h"
+#include "dtrain/memory/Checkpoint.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/train/Checkpoint.h"
 
@@ -40,6 +41,7 @@ void validate_job(const JobConfig& job) {
   DTRAIN_CHECK_INPUT(job.comm_timeout_ms > 0, "--comm-timeout must be > 0");
   DTRAIN_CHECK_INPUT(job.synthetic_examples >= 1, "--synthetic-examples must be >= 1");
   for (auto width : job.hidden) DTRAIN_CHECK_INPUT(width >= 1, "--hidden widths must be >= 1");
+  memory::parse_segments(job.checkpointing, 1);
   // Build throwaway objects to validate their options with their own messages.
   optim::LrSchedule(job.trainer.optimizer.lr, 1, job.trainer.schedule);
   optim::make_optimizer({torch::zeros({1}, torch::requires_grad())}, job.trainer.optimizer);
@@ -78,6 +80,7 @@ JobResult run_job(const JobConfig& job) {
   models::ModelSpec spec;
   spec.name = job.model;
   spec.hidden = job.hidden;
+  spec.checkpointing = job.checkpointing;
   spec.input_shape = train_set.input_shape();
   spec.classes = 10;
   JobResult result;

@@ -267,9 +267,11 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
       }
     }
     if (leader && options_.progress && epoch_end) {
-      progress.finish_epoch(result.validation
-                                ? concat("val acc ", result.validation->accuracy * 100, "%")
-                                : std::string());
+      char note[64] = "";
+      if (result.validation) {
+        std::snprintf(note, sizeof(note), "val acc %.2f%%", result.validation->accuracy * 100);
+      }
+      progress.finish_epoch(note);
     }
     const bool periodic = options_.checkpoint_every > 0 && (step + 1) % options_.checkpoint_every == 0;
     if (!options_.checkpoint_dir.empty() && (periodic || epoch_end || halting)) {

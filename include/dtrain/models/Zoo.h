@@ -17,6 +17,8 @@ struct ModelSpec {
   int64_t classes = 10;
   /// MLP hidden widths.
   std::vector<int64_t> hidden{256, 256};
+  /// Activation checkpointing: "none", "sqrt" (round(sqrt(layers)) segments) or a segment count.
+  std::string checkpointing = "none";
 };
 
 /// Builds the named model with freshly initialized parameters (uses the global torch RNG).

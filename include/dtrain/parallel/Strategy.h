@@ -43,8 +43,9 @@ struct MemoryReport {
 
 /// Options every strategy understands; strategy-specific ones are ignored by the others.
 struct StrategyOptions {
-  /// Gradient bucket size for the reducer.
+  /// Gradient bucket size for the reducer, and the (smaller) cap of its first bucket.
   int64_t bucket_cap_bytes = 25LL * 1024 * 1024;
+  int64_t first_bucket_cap_bytes = 1024 * 1024;
   /// "none", "fp16" or "bf16": dtype the gradients travel in.
   std::string grad_compression = "none";
   /// Parameters that get no gradient in a step: false = treat their gradient as zero (and say
@@ -55,6 +56,13 @@ struct StrategyOptions {
   bool broadcast_buffers = true;
   /// Clip gradients to this global L2 norm before the step (0 = off).
   double max_grad_norm = 0.0;
+  /// "fp32", "bf16-mixed", "fp16-mixed" or "bf16" (precision/Precision.h).
+  std::string precision = "fp32";
+  /// "auto" (dynamic for fp16-mixed, else none), "dynamic" or "none".
+  std::string loss_scaling = "auto";
+  /// Initial scale and growth interval of the dynamic loss scaler.
+  double loss_scale_init = 65536.0;
+  int64_t loss_scale_growth_interval = 2000;
 };
 
 class Strategy {

@@ -14,6 +14,8 @@ struct JobConfig {
   /// "mlp", "cnn" or "resnet".
   std::string model = "cnn";
   std::vector<int64_t> hidden{256, 256};
+  /// Activation checkpointing: "none", "sqrt" or a segment count.
+  std::string checkpointing = "none";
   /// "fashion-mnist" or "synthetic".
   std::string dataset = "fashion-mnist";
   std::string data_dir;

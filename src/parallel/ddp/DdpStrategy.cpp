@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <fstream>
 #include <iostream>
 
 #include "dtrain/common/Error.h"
@@ -25,6 +26,17 @@ at::ScalarType wire_dtype_of(const std::string& compression) {
 
 DdpStrategy::DdpStrategy(StrategyOptions options) : options_(std::move(options)) {
   wire_dtype_of(options_.grad_compression);  // validate early
+  precision_ = precision::parse_precision(options_.precision);
+  precision::check_supported(precision_);
+  const std::string& scaling = options_.loss_scaling;
+  DTRAIN_CHECK_INPUT(scaling == "auto" || scaling == "dynamic" || scaling == "none",
+                     "unknown loss scaling '", scaling, "' (expected auto, dynamic or none)");
+  if (scaling == "dynamic" || (scaling == "auto" && precision_ == precision::Precision::Fp16Mixed)) {
+    precision::LossScalerOptions scaler_options;
+    scaler_options.init_scale = options_.loss_scale_init;
+    scaler_options.growth_interval = options_.loss_scale_growth_interval;
+    scaler_ = std::make_unique<precision::LossScaler>(scaler_options);
+  }
 }
 
 void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
@@ -32,6 +44,7 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
   model_ = std::move(model);
   grid_ = std::move(grid);
   comm_ = grid_->dp();
+  if (precision_ == precision::Precision::Bf16) model_.module->to(at::kBFloat16);
   std::vector<std::string> names;
   for (const auto& item : model_.module->named_parameters()) {
     if (!item.value().requires_grad()) continue;
@@ -49,6 +62,7 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
   optimizer_ = make_optimizer(parameters_);
   ReducerOptions reducer_options;
   reducer_options.bucket_cap_bytes = options_.bucket_cap_bytes;
+  reducer_options.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
   reducer_options.wire_dtype = wire_dtype_of(options_.grad_compression);
   reducer_options.error_on_unused_parameters = options_.error_on_unused_parameters;
   reducer_ = std::make_unique<Reducer>(parameters_, names, comm_, reducer_options);
@@ -65,7 +79,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
                                    const LossFn& loss) {
   DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
   model_.module->train();
-  optimizer_->zero_grad();
+  reducer_->zero_grad();
   if (options_.broadcast_buffers && comm_->size() > 1) broadcast_buffers();
   StepResult result;
   const auto count = static_cast<double>(micro_batches.size());
@@ -74,8 +88,17 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     reducer_->set_sync(last);
     if (last) reducer_->prepare_for_backward();
     const auto& batch = micro_batches[i];
-    at::Tensor value = loss(model_.forward(batch.inputs), batch.targets);
-    (value / count).backward();
+    at::Tensor value;
+    {
+      precision::AutocastScope autocast(precision_);
+      const at::Tensor inputs = precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
+                                    ? batch.inputs.to(at::kBFloat16)
+                                    : batch.inputs;
+      value = loss(model_.forward(inputs), batch.targets);
+    }
+    at::Tensor objective = micro_batches.size() == 1 ? value : value / count;
+    if (scaler_) objective = scaler_->scale(objective);
+    objective.backward();
     result.loss += value.item<double>() / count;
     result.samples += batch.inputs.size(0);
   }
@@ -87,10 +110,20 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
               << "); their gradient is taken as zero\n";
     warned_unused_ = true;
   }
-  if (options_.max_grad_norm > 0) {
-    result.grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, options_.max_grad_norm);
+  bool skip = false;
+  if (scaler_) {
+    skip = scaler_->unscale_and_check(parameters_, comm_);  // the same answer on every rank
+    scaler_->update(skip);
+    result.metrics["loss_scale"] = scaler_->scale_value();
+    result.metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
   }
-  optimizer_->step();
+  result.metrics["step_skipped"] = skip ? 1.0 : 0.0;
+  if (!skip) {
+    if (options_.max_grad_norm > 0) {
+      result.grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, options_.max_grad_norm);
+    }
+    optimizer_->step();
+  }
   result.metrics["exposed_comm_ms"] = stats.exposed_comm_ms;
   result.metrics["buckets_overlapped"] = static_cast<double>(stats.buckets_launched_during_backward);
   return result;
@@ -100,21 +133,27 @@ void DdpStrategy::save(const std::string& directory) {
   if (comm_->rank() != 0) return;  // replicas are identical; rank 0 writes them
   torch::save(model_.module, directory + "/model.pt");
   torch::save(*optimizer_, directory + "/optimizer.pt");
+  if (scaler_) torch::save(scaler_->state(), directory + "/loss_scaler.pt");
 }
 
 void DdpStrategy::load(const std::string& directory) {
-  for (const std::string file : {"model.pt", "optimizer.pt"}) {
+  auto load_file = [&](const std::string& file, const std::function<void(const std::string&)>& read) {
     const std::string path = directory + "/" + file;
     try {
-      if (file == "model.pt") {
-        torch::load(model_.module, path);
-      } else {
-        torch::load(*optimizer_, path);
-      }
+      read(path);
     } catch (const c10::Error& e) {
-      DTRAIN_THROW(InputError, "checkpoint ", path, " does not match this model/optimizer: ",
-                   e.what_without_backtrace());
+      DTRAIN_THROW(InputError, "checkpoint file ", path, " cannot be loaded into this ",
+                   "model/optimizer: ", e.what_without_backtrace());
     }
+  };
+  load_file("model.pt", [&](const std::string& path) { torch::load(model_.module, path); });
+  load_file("optimizer.pt", [&](const std::string& path) { torch::load(*optimizer_, path); });
+  if (scaler_ && std::ifstream(directory + "/loss_scaler.pt").good()) {
+    load_file("loss_scaler.pt", [&](const std::string& path) {
+      at::Tensor state;
+      torch::load(state, path);
+      scaler_->load_state(state);
+    });
   }
 }
 

@@ -3,6 +3,8 @@
 #pragma once
 
 #include "dtrain/parallel/Strategy.h"
+#include "dtrain/precision/LossScaler.h"
+#include "dtrain/precision/Precision.h"
 #include "dtrain/parallel/ddp/Reducer.h"
 
 namespace dtrain::parallel {
@@ -21,6 +23,8 @@ class DdpStrategy : public Strategy {
   void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
   const Reducer& reducer() const { return *reducer_; }
+  /// The dynamic loss scaler, or null when loss scaling is off.
+  precision::LossScaler* loss_scaler() { return scaler_.get(); }
 
  private:
   void broadcast_buffers();
@@ -32,6 +36,8 @@ class DdpStrategy : public Strategy {
   std::vector<at::Tensor> parameters_;
   optim::OptimizerPtr optimizer_;
   std::unique_ptr<Reducer> reducer_;
+  precision::Precision precision_ = precision::Precision::Fp32;
+  std::unique_ptr<precision::LossScaler> scaler_;
   bool warned_unused_ = false;
 };
 

@@ -21,7 +21,8 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
       options_(options) {
   DTRAIN_CHECK(comm_, "Reducer needs a communicator");
   DTRAIN_CHECK_EQ(parameters_.size(), names_.size(), "one name per parameter");
-  DTRAIN_CHECK(options_.bucket_cap_bytes > 0, "bucket cap must be > 0 bytes");
+  DTRAIN_CHECK_INPUT(options_.bucket_cap_bytes > 0 && options_.first_bucket_cap_bytes > 0,
+                     "bucket caps must be > 0 bytes");
   // Assign parameters to buckets in reverse order, one open bucket per dtype.
   std::map<at::ScalarType, size_t> open;  // dtype -> bucket index
   std::map<size_t, int64_t> bucket_bytes;
@@ -31,19 +32,25 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
     DTRAIN_CHECK(p.requires_grad(), "parameter ", names_[k], " does not require grad");
     const int64_t bytes = p.numel() * p.element_size();
     auto it = open.find(p.scalar_type());
-    if (it == open.end() || bucket_bytes[it->second] + bytes > options_.bucket_cap_bytes) {
+    if (it == open.end()) {
       buckets_.emplace_back();
-      open[p.scalar_type()] = buckets_.size() - 1;
-      it = open.find(p.scalar_type());
+      it = open.emplace(p.scalar_type(), buckets_.size() - 1).first;
     }
-    Bucket& bucket = buckets_[it->second];
+    const size_t index = it->second;
+    Bucket& bucket = buckets_[index];
     const int64_t offset = bucket.offsets.empty()
                                ? 0
                                : bucket.offsets.back() + parameters_[bucket.parameters.back()].numel();
-    locator_[k] = {it->second, bucket.parameters.size()};
+    locator_[k] = {index, bucket.parameters.size()};
     bucket.parameters.push_back(k);
     bucket.offsets.push_back(offset);
-    bucket_bytes[it->second] += bytes;
+    bucket_bytes[index] += bytes;
+    // Close a bucket once it reaches its cap (PyTorch's rule): a large gradient then launches
+    // with the small ones before it instead of waiting for the layers after it.
+    const int64_t cap = index == 0
+                            ? std::min(options_.first_bucket_cap_bytes, options_.bucket_cap_bytes)
+                            : options_.bucket_cap_bytes;
+    if (bucket_bytes[index] >= cap) open.erase(it);
   }
   for (auto& bucket : buckets_) {
     const at::Tensor& first = parameters_[bucket.parameters.front()];
@@ -58,6 +65,7 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());
   ready_.assign(parameters_.size(), false);
+  for (size_t k = 0; k < parameters_.size(); ++k) alias_grad(k, /*keep_values=*/true);
 
   accumulators_.resize(parameters_.size());
   hook_keys_.resize(parameters_.size());
@@ -88,6 +96,43 @@ Reducer::~Reducer() {
   }
 }
 
+void Reducer::alias_grad(size_t k, bool keep_values) {
+  const auto [b, slot] = locator_[k];
+  const Bucket& bucket = buckets_[b];
+  at::Tensor& p = parameters_[k];
+  const int64_t offset = bucket.offsets[slot];
+  const void* expected = static_cast<const char*>(bucket.flat.data_ptr()) +
+                         offset * bucket.flat.element_size();
+  const at::Tensor& grad = p.grad();
+  if (grad.defined() && grad.data_ptr() == expected && grad.sizes() == p.sizes() &&
+      grad.is_contiguous()) {
+    return;
+  }
+  at::Tensor slot_view = bucket.flat.narrow(0, offset, p.numel());
+  if (keep_values && grad.defined()) {
+    slot_view.copy_(grad.reshape({-1}));
+  } else {
+    slot_view.zero_();
+  }
+  // A plain tensor sharing the bucket's storage (not an autograd view, so optimizers may
+  // detach_() and zero_() it): backward accumulates straight into the bucket.
+  at::Tensor alias = at::empty({0}, bucket.flat.options());
+  alias.set_(bucket.flat.storage(), bucket.flat.storage_offset() + offset, p.sizes(),
+             c10::contiguous_strides(p.sizes()));
+  p.mutable_grad() = alias;
+}
+
+void Reducer::zero_grad() {
+  for (auto& bucket : buckets_) bucket.flat.zero_();
+  for (size_t k = 0; k < parameters_.size(); ++k) alias_grad(k, /*keep_values=*/false);
+}
+
+std::vector<at::Tensor> Reducer::bucket_buffers() const {
+  std::vector<at::Tensor> buffers;
+  for (const auto& bucket : buckets_) buffers.push_back(bucket.wire);
+  return buffers;
+}
+
 std::vector<std::vector<size_t>> Reducer::bucket_layout() const {
   std::vector<std::vector<size_t>> layout;
   for (const auto& bucket : buckets_) layout.push_back(bucket.parameters);
@@ -114,15 +159,8 @@ void Reducer::mark_ready(size_t k) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
   }
   ready_[k] = true;
-  const auto [b, slot] = locator_[k];
-  Bucket& bucket = buckets_[b];
-  at::Tensor view = bucket.flat.narrow(0, bucket.offsets[slot], parameters_[k].numel());
-  const at::Tensor& grad = parameters_[k].grad();
-  if (grad.defined()) {
-    view.copy_(grad.reshape({-1}));
-  } else {
-    view.zero_();
-  }
+  alias_grad(k, /*keep_values=*/true);  // usually a no-op: AccumulateGrad wrote into the bucket
+  Bucket& bucket = buckets_[locator_[k].first];
   if (--bucket.pending == 0) launch_ready_buckets();
 }
 
@@ -145,12 +183,12 @@ void Reducer::on_backward_end() {
   stats_.unused_parameters.clear();
   for (size_t k = 0; k < parameters_.size(); ++k) {
     if (ready_[k]) continue;
-    // No gradient this step: contribute zeros so every rank still runs every bucket.
+    // No gradient in this backward: contribute what the slot holds (zero, or what earlier
+    // no_sync micro-batches accumulated) so every rank still runs every bucket.
     stats_.unused_parameters.push_back(names_[k]);
     ready_[k] = true;
-    const auto [b, slot] = locator_[k];
-    buckets_[b].flat.narrow(0, buckets_[b].offsets[slot], parameters_[k].numel()).zero_();
-    --buckets_[b].pending;
+    alias_grad(k, /*keep_values=*/true);
+    --buckets_[locator_[k].first].pending;
   }
   launch_ready_buckets();
 }
@@ -168,15 +206,6 @@ void Reducer::finalize() {
     bucket.work->wait();
     bucket.work.reset();
     if (!bucket.wire.is_same(bucket.flat)) bucket.flat.copy_(bucket.wire);
-    for (size_t slot = 0; slot < bucket.parameters.size(); ++slot) {
-      at::Tensor& p = parameters_[bucket.parameters[slot]];
-      at::Tensor reduced = bucket.flat.narrow(0, bucket.offsets[slot], p.numel()).view(p.sizes());
-      if (p.grad().defined()) {
-        p.mutable_grad().copy_(reduced);
-      } else {
-        p.mutable_grad() = reduced.clone();
-      }
-    }
   }
   stats_.exposed_comm_ms = std::chrono::duration<double, std::milli>(
                                std::chrono::steady_clock::now() - backward_end_time_)

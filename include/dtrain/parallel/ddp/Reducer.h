@@ -1,7 +1,8 @@
 // Reducer: gradient synchronization for data parallelism (PyTorch DDP's reducer, flashlight's
-// CoalescingReducer). Gradients are copied into size-capped buckets from AccumulateGrad post-hooks
-// as backward produces them; each bucket's allreduce starts as soon as its last gradient is ready,
-// overlapping the rest of backward, and finalize() waits for all of them before the step.
+// CoalescingReducer). Parameters' .grad tensors share storage with size-capped flat buckets
+// (PyTorch's gradient_as_bucket_view), so backward accumulates straight into them; an
+// AccumulateGrad post-hook marks each gradient ready, each bucket's allreduce starts as soon as
+// its last gradient is, overlapping the rest of backward, and finalize() waits for all of them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,6 +24,9 @@ namespace dtrain::parallel {
 
 struct ReducerOptions {
   int64_t bucket_cap_bytes = 25LL * 1024 * 1024;
+  /// Cap of the first bucket (the last layers' gradients), kept small so communication starts
+  /// early in backward (PyTorch DDP's 1 MiB first bucket).
+  int64_t first_bucket_cap_bytes = 1024 * 1024;
   /// Undefined: gradients travel in their own dtype; kHalf / kBFloat16: compressed.
   at::ScalarType wire_dtype = at::ScalarType::Undefined;
   bool error_on_unused_parameters = false;
@@ -56,11 +60,16 @@ class Reducer {
   /// Call before the forward of the synchronized micro-batch of a step. Re-attaches hooks to
   /// parameters whose autograd node changed since the last step (weights loaded with set_).
   void prepare_for_backward();
-  /// Waits for every bucket and writes averaged gradients back into each parameter's .grad.
+  /// Waits for every bucket; afterwards each parameter's .grad holds the average.
   void finalize();
+  /// Zeroes every gradient (the buckets) for the next step.
+  void zero_grad();
   const ReducerStats& stats() const { return stats_; }
   /// Parameter indices of each bucket (for tests and tools).
   std::vector<std::vector<size_t>> bucket_layout() const;
+  /// The flat communication buffer of each bucket (for benchmarks that time the allreduces
+  /// alone).
+  std::vector<at::Tensor> bucket_buffers() const;
 
  private:
   struct Bucket {
@@ -73,6 +82,8 @@ class Reducer {
   };
 
   void attach_hooks();
+  /// Points parameter k's .grad at its bucket slot (copying a replaced gradient in, or zeroing).
+  void alias_grad(size_t k, bool keep_values);
   void mark_ready(size_t parameter);
   void on_backward_end();
   void launch_ready_buckets();

@@ -1,0 +1,98 @@
+// One rank of the DDP benchmark (start it with `dtrain launch`): times full training steps of
+// dtrain's DDP on the MLP or CNN with synthetic data, the communication left exposed after
+// backward, and the same gradient allreduces run alone. Rank 0 prints one JSON line.
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "dtrain/launch/Environment.h"
+#include "dtrain/models/Zoo.h"
+#include "parallel/ddp/DdpStrategy.h"
+
+using namespace dtrain;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+double ms_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dtrain DDP step benchmark (one rank; start with dtrain launch)"};
+  std::string model = "cnn";
+  int64_t batch = 64, steps = 30, warmup = 5;
+  double bucket_cap_mb = 25;
+  app.add_option("--model", model, "mlp or cnn")->capture_default_str();
+  app.add_option("--batch", batch, "Examples per rank per step")->capture_default_str();
+  app.add_option("--steps", steps, "Measured steps")->capture_default_str();
+  app.add_option("--warmup", warmup, "Unmeasured steps first")->capture_default_str();
+  app.add_option("--bucket-cap-mb", bucket_cap_mb, "Gradient bucket cap (MiB)")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto world = launch::init_from_env();
+  torch::manual_seed(0);
+  models::ModelSpec spec;
+  spec.name = model;
+  parallel::StrategyOptions options;
+  options.bucket_cap_bytes = static_cast<int64_t>(bucket_cap_mb * 1024 * 1024);
+  parallel::DdpStrategy ddp(options);
+  optim::OptimizerSpec sgd;
+  sgd.lr = 0.01;
+  sgd.momentum = 0.9;
+  ddp.setup(models::make_model(spec), optim::optimizer_factory(sgd),
+            std::make_shared<comm::ProcessGrid>(world));
+  std::vector<data::Batch> batches;
+  for (int i = 0; i < 4; ++i) {
+    batches.push_back({torch::randn({batch, 1, 28, 28}), torch::randint(0, 10, {batch})});
+  }
+  // exposed_ms: after the LAST rank's backward ends, how long until the gradients are reduced;
+  // the earlier ranks wait longer, but that extra wait is load imbalance, reported as skew_ms.
+  std::vector<double> step_ms, exposed_ms, skew_ms;
+  for (int64_t i = 0; i < warmup + steps; ++i) {
+    world->barrier()->wait();  // start every step together, as a synchronized job does
+    const auto start = Clock::now();
+    auto result = ddp.train_step({batches[i % batches.size()]}, parallel::cross_entropy);
+    const double elapsed = ms_since(start);
+    if (i >= warmup) {
+      step_ms.push_back(elapsed);
+      const double mine = result.metrics.at("exposed_comm_ms");
+      auto low = torch::full({1}, mine, torch::kDouble);
+      auto high = low.clone();
+      world->allreduce(low, {comm::ReduceOp::Min})->wait();
+      world->allreduce(high, {comm::ReduceOp::Max})->wait();
+      exposed_ms.push_back(low.item<double>());
+      skew_ms.push_back(high.item<double>() - low.item<double>());
+    }
+  }
+  // The same bucket allreduces with nothing to overlap: the communication a step must hide.
+  std::vector<double> allreduce_ms;
+  auto buffers = ddp.reducer().bucket_buffers();
+  for (int64_t i = 0; i < warmup + steps; ++i) {
+    world->barrier()->wait();
+    const auto start = Clock::now();
+    std::vector<comm::WorkPtr> works;
+    for (auto& buffer : buffers) works.push_back(world->allreduce(buffer));
+    comm::wait_all(works);
+    if (i >= warmup) allreduce_ms.push_back(ms_since(start));
+  }
+  if (world->rank() == 0) {
+    const double step = median(step_ms);
+    std::printf(
+        "{\"impl\": \"dtrain\", \"model\": \"%s\", \"world\": %d, \"batch\": %lld, "
+        "\"threads\": %d, \"buckets\": %zu, \"step_ms\": %.3f, \"samples_per_s\": %.1f, "
+        "\"exposed_comm_ms\": %.3f, \"skew_ms\": %.3f, \"allreduce_ms\": %.3f}\n",
+        model.c_str(), world->size(), static_cast<long long>(batch), at::get_num_threads(),
+        buffers.size(), step, batch * world->size() * 1000.0 / step, median(exposed_ms),
+        median(skew_ms), median(allreduce_ms));
+  }
+  return 0;
+}

@@ -1,0 +1,82 @@
+"""One rank of the PyTorch reference for the DDP benchmark: the same models, batch, optimizer
+and thread count as bench/ddp_bench.cpp, trained with torch.nn.parallel.DistributedDataParallel
+over gloo. Start it with `dtrain launch` (torchrun's variables); rank 0 prints one JSON line.
+Run with Debian's interpreter: /usr/bin/python3."""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256),
+                                    nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x):
+        return self.layers(x.flatten(1))
+
+
+class Cnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = nn.Linear(64 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        h = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)
+        return self.fc2(F.relu(self.fc1(h.flatten(1))))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="cnn", choices=["mlp", "cnn"])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25)
+    args = parser.parse_args()
+
+    torch.set_num_threads(int(os.environ.get("DTRAIN_THREADS", "1")))
+    dist.init_process_group("gloo")  # env:// from the launcher
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = Mlp() if args.model == "mlp" else Cnn()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    batches = [(torch.randn(args.batch, 1, 28, 28), torch.randint(0, 10, (args.batch,)))
+               for _ in range(4)]
+    step_ms = []
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        inputs, targets = batches[i % len(batches)]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(ddp(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        loss.item()
+        elapsed = (time.perf_counter() - start) * 1e3
+        if i >= args.warmup:
+            step_ms.append(elapsed)
+    if dist.get_rank() == 0:
+        step = statistics.median(step_ms)
+        print(json.dumps({"impl": "pytorch", "model": args.model, "world": world,
+                          "batch": args.batch, "threads": torch.get_num_threads(),
+                          "step_ms": round(step, 3),
+                          "samples_per_s": round(args.batch * world * 1000.0 / step, 1)}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+// The c10d ProcessGroupNCCL backend (CUDA builds only; see NcclCommunicator.cpp).
+#pragma once
+
+#include "dtrain/comm/Communicator.h"
+
+namespace dtrain::comm::nccl_backend {
+
+CommunicatorPtr create_world(const InitOptions& options);
+
+}  // namespace dtrain::comm::nccl_backend

@@ -1,0 +1,66 @@
+// Precision names and the CPU autocast scope (LibTorch 1.13's at::autocast CPU API).
+#include "dtrain/precision/Precision.h"
+
+#include <ATen/autocast_mode.h>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::precision {
+
+Precision parse_precision(const std::string& name) {
+  if (name == "fp32") return Precision::Fp32;
+  if (name == "bf16-mixed") return Precision::Bf16Mixed;
+  if (name == "fp16-mixed") return Precision::Fp16Mixed;
+  if (name == "bf16") return Precision::Bf16;
+  DTRAIN_THROW(InputError, "unknown precision '", name,
+               "' (expected fp32, bf16-mixed, fp16-mixed or bf16)");
+}
+
+std::string to_string(Precision precision) {
+  switch (precision) {
+    case Precision::Fp32: return "fp32";
+    case Precision::Bf16Mixed: return "bf16-mixed";
+    case Precision::Fp16Mixed: return "fp16-mixed";
+    case Precision::Bf16: return "bf16";
+  }
+  return "?";
+}
+
+void check_supported(Precision precision) {
+  // LibTorch 1.13 has no fp16 matmul/convolution kernels on CPU, and dtrain trains on CPU
+  // tensors; fp16 autocast would fail deep inside the first Linear layer.
+  DTRAIN_CHECK_INPUT(precision != Precision::Fp16Mixed,
+                     "precision fp16-mixed needs a CUDA device: LibTorch has no fp16 matmul on "
+                     "CPU; use --precision bf16-mixed (same memory savings, no loss scaling "
+                     "needed)");
+}
+
+at::ScalarType compute_dtype(Precision precision) {
+  switch (precision) {
+    case Precision::Fp32: return at::kFloat;
+    case Precision::Fp16Mixed: return at::kHalf;
+    case Precision::Bf16Mixed:
+    case Precision::Bf16: return at::kBFloat16;
+  }
+  return at::kFloat;
+}
+
+AutocastScope::AutocastScope(Precision precision) {
+  if (precision != Precision::Bf16Mixed && precision != Precision::Fp16Mixed) return;
+  active_ = true;
+  previous_enabled_ = at::autocast::is_cpu_enabled();
+  previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
+  at::autocast::set_autocast_cpu_dtype(compute_dtype(precision));
+  at::autocast::set_cpu_enabled(true);
+  at::autocast::increment_nesting();
+}
+
+AutocastScope::~AutocastScope() {
+  if (!active_) return;
+  // Leaving the outermost scope drops autocast's cache of casted weights (they change each step).
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_cpu_enabled(previous_enabled_);
+  at::autocast::set_autocast_cpu_dtype(previous_dtype_);
+}
+
+}  // namespace dtrain::precision
