@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <array>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -110,6 +112,10 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --checkpoint-dir /proc/forbidden", "/proc/forbidden"},
       {" train --config " + dir.path() + "/missing.toml", "missing.toml cannot be read"},
       {" train --grad-compression int4", "unknown gradient compression 'int4'"},
+      {" train --precision fp16-mixed", "use --precision bf16-mixed"},
+      {" train --precision fp8", "unknown precision 'fp8'"},
+      {" train --checkpointing lots", "--checkpointing must be none, sqrt or a segment count"},
+      {" train --loss-scaling maybe", "unknown loss scaling 'maybe'"},
   };
   for (const auto& [args, needle] : cases) {
     const auto out = run(kDtrain + args);
@@ -137,6 +143,19 @@ TEST(Cli, ConfigFileSetsFlagsAndCommandLineWins) {
   out = run(kDtrain + " train --config " + (dir / "bad.toml"));
   EXPECT_EQ(out.code, 2);
   EXPECT_TRUE(has(out, "unknown key 'learning_rate'")) << out.text;
+}
+
+TEST(Cli, MixedPrecisionAndCheckpointingTrain) {
+  TempDir dir;
+  const auto out = run(kDtrain + " train --threads 1 --dataset synthetic --model cnn "
+                                 "--synthetic-examples 256 --max-steps 4 --no-progress "
+                                 "--precision bf16-mixed --checkpointing sqrt --loss-scaling "
+                                 "dynamic --metrics " + (dir / "m.jsonl"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  std::ifstream metrics(dir / "m.jsonl");
+  std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  EXPECT_NE(all.find("\"loss_scale\""), std::string::npos) << all;
+  EXPECT_NE(all.find("\"skipped_steps\""), std::string::npos) << all;
 }
 
 TEST(Cli, TrainOnTwoRanksEndToEnd) {
