@@ -29,6 +29,23 @@ double rss_mb() {  // current resident set
   return 0;
 }
 
+double status_mb(const std::string& key) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size())) / 1024.0;
+  }
+  return 0;
+}
+
+// Resets the kernel's peak-RSS counter (VmHWM) to the current RSS; false where not allowed.
+bool reset_peak() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.close();
+  return clear.good();
+}
+
 double peak_rss_mb() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
@@ -54,7 +71,9 @@ struct BlockImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     const auto b = x.size(0), t = x.size(1), d = x.size(2);
-    auto parts = qkv(ln1(x)).view({b, t, 3, heads, d / heads}).permute({2, 0, 3, 1, 4});
+    // unbind, as Python's `q, k, v = tensor` does (three selects would each back-propagate a
+    // full-size zero tensor).
+    auto parts = qkv(ln1(x)).view({b, t, 3, heads, d / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
     auto att = torch::softmax(torch::matmul(parts[0], parts[1].transpose(-2, -1)) /
                                   std::sqrt(static_cast<double>(d / heads)),
                               -1);
@@ -130,8 +149,14 @@ int main(int argc, char** argv) {
   }
   torch::optim::SGD optimizer(module->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   const double baseline = rss_mb();
+  double state_rss = 0;  // after warm-up: parameters, gradients and optimizer state allocated
+  bool peak_reset = false;
   std::vector<double> step_ms;
   for (int64_t i = 0; i < warmup + steps; ++i) {
+    if (i == warmup) {
+      state_rss = rss_mb();
+      peak_reset = reset_peak();
+    }
     const auto start = std::chrono::steady_clock::now();
     optimizer.zero_grad();
     at::Tensor loss;
@@ -149,11 +174,14 @@ int main(int argc, char** argv) {
             .count();
     if (i >= warmup) step_ms.push_back(ms);
   }
+  // Activation memory: the peak of the measured steps above the memory before them.
+  const double activation = peak_reset ? status_mb("VmHWM:") - state_rss : -1;
   std::sort(step_ms.begin(), step_ms.end());
   std::printf("{\"impl\": \"dtrain\", \"model\": \"%s\", \"precision\": \"%s\", \"segments\": %lld, "
               "\"batch\": %lld, \"step_ms\": %.3f, \"peak_rss_mb\": %.1f, \"baseline_rss_mb\": "
-              "%.1f}\n",
+              "%.1f, \"activation_mb\": %.1f}\n",
               model.c_str(), precision_name.c_str(), static_cast<long long>(segments),
-              static_cast<long long>(batch), step_ms[step_ms.size() / 2], peak_rss_mb(), baseline);
+              static_cast<long long>(batch), step_ms[step_ms.size() / 2], peak_rss_mb(), baseline,
+              activation);
   return 0;
 }

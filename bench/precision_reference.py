@@ -65,6 +65,14 @@ class Block(nn.Module):
         return h + self.down(F.gelu(self.up(self.ln2(h))))
 
 
+def status_mb(key):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key):
+                return float(line.split()[1]) / 1024.0
+    return 0.0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="mlp")
@@ -97,8 +105,17 @@ def main():
         classify = False
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
     baseline = rss_mb()
+    state_rss, peak_reset = 0.0, False
     times = []
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:  # after warm-up: parameters, gradients, optimizer state allocated
+            state_rss = rss_mb()
+            try:
+                with open("/proc/self/clear_refs", "w") as clear:
+                    clear.write("5")  # reset the peak-RSS counter (VmHWM)
+                peak_reset = True
+            except OSError:
+                pass
         start = time.perf_counter()
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
@@ -114,7 +131,9 @@ def main():
     print(json.dumps({"impl": "pytorch", "model": args.model, "precision": args.precision,
                       "segments": args.segments, "batch": args.batch,
                       "step_ms": round(times[len(times) // 2], 3), "peak_rss_mb": round(peak, 1),
-                      "baseline_rss_mb": round(baseline, 1)}))
+                      "baseline_rss_mb": round(baseline, 1),
+                      "activation_mb": round(status_mb("VmHWM:") - state_rss, 1)
+                      if peak_reset else -1}))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,11 @@ def run(build, impl, args):
         command = [os.path.join(build, "bench", "precision_bench")] + args
     else:
         command = ["/usr/bin/python3", os.path.join(ROOT, "bench", "precision_reference.py")] + args
-    out = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    # A fixed mmap threshold makes glibc return every large freed block to the OS at once, so
+    # peak RSS follows live tensor memory (the default threshold grows after large frees and
+    # keeps freed tensors in the heap). The same for both sides.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     if out.returncode != 0:
         sys.exit(f"failed: {' '.join(command)}\n{out.stderr[-2000:]}")
     return json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
@@ -72,8 +76,7 @@ def main():
         return statistics.median(r[field] for r in results[(impl,) + key])
 
     def activation(impl, key):
-        return statistics.median(r["peak_rss_mb"] - r["baseline_rss_mb"]
-                                 for r in results[(impl,) + key])
+        return statistics.median(r["activation_mb"] for r in results[(impl,) + key])
 
     out = []
     if "A" in args.parts:
