@@ -69,16 +69,21 @@ struct BlockImpl : torch::nn::Module {
     register_module("up", up);
     register_module("down", down);
   }
+  // ATen's linear, as Python's nn.Linear calls: it fuses the bias into one addmm for 3-D
+  // inputs, where the C++ frontend's torch::nn::Linear runs matmul then a separate add.
+  static at::Tensor linear(const torch::nn::Linear& layer, const at::Tensor& x) {
+    return torch::linear(x, layer->weight, layer->bias);
+  }
   at::Tensor forward(const at::Tensor& x) {
     const auto b = x.size(0), t = x.size(1), d = x.size(2);
     // unbind, as Python's `q, k, v = tensor` does (three selects would each back-propagate a
     // full-size zero tensor).
-    auto parts = qkv(ln1(x)).view({b, t, 3, heads, d / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
+    auto parts = linear(qkv, ln1(x)).view({b, t, 3, heads, d / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
     auto att = torch::softmax(torch::matmul(parts[0], parts[1].transpose(-2, -1)) /
                                   std::sqrt(static_cast<double>(d / heads)),
                               -1);
-    auto h = x + proj(torch::matmul(att, parts[2]).transpose(1, 2).reshape({b, t, d}));
-    return h + down(torch::gelu(up(ln2(h))));
+    auto h = x + linear(proj, torch::matmul(att, parts[2]).transpose(1, 2).reshape({b, t, d}));
+    return h + linear(down, torch::gelu(linear(up, ln2(h))));
   }
   int64_t heads;
   torch::nn::LayerNorm ln1;
