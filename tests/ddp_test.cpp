@@ -298,3 +298,42 @@ TEST(Ddp, GradientFromAnEarlierMicroBatchSurvivesWhenUnusedInTheLast) {
     EXPECT_TRUE(torch::allclose(net->head_b->weight.grad(), expected, 1e-5, 1e-6));
   });
 }
+
+TEST(Ddp, TheFirstLayerGetsTheLastBucketToItself) {
+  run_ranks(1, [](const comm::CommunicatorPtr& comm) {
+    models::ModelSpec spec;  // cnn: conv1.{weight,bias}=0,1 ... fc2.{weight,bias}=6,7
+    spec.input_shape = {1, 12, 12};
+    auto model = models::make_model(spec);
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    for (const auto& item : model.module->named_parameters()) {
+      params.push_back(item.value());
+      names.push_back(item.key());
+    }
+    parallel::ReducerOptions options;  // everything fits the 1 MiB first bucket
+    parallel::Reducer isolated(params, names, comm, options);
+    EXPECT_EQ(isolated.bucket_layout(),
+              (std::vector<std::vector<size_t>>{{7, 6, 5, 4, 3, 2}, {1, 0}}));
+    options.isolate_first_layer = false;
+    parallel::Reducer together(params, names, comm, options);
+    EXPECT_EQ(together.bucket_layout(),
+              (std::vector<std::vector<size_t>>{{7, 6, 5, 4, 3, 2, 1, 0}}));
+  });
+}
+
+TEST(Ddp, AFirstLayerLargerThanTheRestOfItsBucketStaysInIt) {
+  run_ranks(1, [](const comm::CommunicatorPtr& comm) {
+    models::ModelSpec spec;  // mlp 784-256-256-10: layers.0 holds most of the bytes
+    spec.name = "mlp";
+    auto model = models::make_model(spec);
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    for (const auto& item : model.module->named_parameters()) {
+      params.push_back(item.value());
+      names.push_back(item.key());
+    }
+    parallel::Reducer reducer(params, names, comm, {});
+    EXPECT_EQ(reducer.bucket_layout(),
+              (std::vector<std::vector<size_t>>{{5, 4, 3, 2, 1, 0}}));
+  });
+}

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+
 #include "RankThreads.h"
 #include "dtrain/memory/Checkpoint.h"
 #include "dtrain/models/Zoo.h"
@@ -128,6 +130,30 @@ TEST(LossScaler, DdpSkipsAnInjectedOverflowOnEveryRankAndStaysInSync) {
     EXPECT_TRUE(torch::equal(mine, root)) << "replicas diverged";
     EXPECT_FALSE(torch::equal(mine, before));
   });
+}
+
+TEST(LossScaler, StateTravelsWithTheCheckpoint) {
+  at::set_num_threads(1);
+  const std::string dir = ::testing::TempDir() + "/dtrain-scaler-ckpt";
+  std::filesystem::create_directories(dir);
+  run_ranks(1, [&](const comm::CommunicatorPtr& comm) {
+    auto net = std::make_shared<Poisoned>();
+    parallel::DdpStrategy ddp({.loss_scaling = "dynamic", .loss_scale_init = 1024});
+    ddp.setup(Model(net), optim::optimizer_factory({}), std::make_shared<comm::ProcessGrid>(comm));
+    net->poison = true;
+    ddp.train_step({{torch::randn({4, 6}), torch::randint(0, 3, {4})}}, parallel::cross_entropy);
+    ddp.save(dir);
+
+    auto fresh = std::make_shared<Poisoned>();
+    parallel::DdpStrategy resumed({.loss_scaling = "dynamic", .loss_scale_init = 1024});
+    resumed.setup(Model(fresh), optim::optimizer_factory({}),
+                  std::make_shared<comm::ProcessGrid>(comm));
+    EXPECT_EQ(resumed.loss_scaler()->scale_value(), 1024.0);
+    resumed.load(dir);
+    EXPECT_EQ(resumed.loss_scaler()->scale_value(), 512.0);
+    EXPECT_EQ(resumed.loss_scaler()->skipped_steps(), 1);
+  });
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Precision, Bf16MixedKeepsFp32MasterWeightsAndTracksFp32) {

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <map>
 
 #include "dtrain/common/Error.h"
@@ -23,34 +24,22 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   DTRAIN_CHECK_EQ(parameters_.size(), names_.size(), "one name per parameter");
   DTRAIN_CHECK_INPUT(options_.bucket_cap_bytes > 0 && options_.first_bucket_cap_bytes > 0,
                      "bucket caps must be > 0 bytes");
-  // Assign parameters to buckets in reverse order, one open bucket per dtype.
-  std::map<at::ScalarType, size_t> open;  // dtype -> bucket index
-  std::map<size_t, int64_t> bucket_bytes;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    DTRAIN_CHECK(parameters_[k].requires_grad(), "parameter ", names_[k],
+                 " does not require grad");
+  }
+  // Each bucket as a list of parameter indices, in launch order.
   locator_.resize(parameters_.size());
-  for (size_t k = parameters_.size(); k-- > 0;) {
-    const at::Tensor& p = parameters_[k];
-    DTRAIN_CHECK(p.requires_grad(), "parameter ", names_[k], " does not require grad");
-    const int64_t bytes = p.numel() * p.element_size();
-    auto it = open.find(p.scalar_type());
-    if (it == open.end()) {
-      buckets_.emplace_back();
-      it = open.emplace(p.scalar_type(), buckets_.size() - 1).first;
+  for (auto& group : assign_buckets()) {
+    Bucket bucket;
+    int64_t offset = 0;
+    for (size_t k : group) {
+      locator_[k] = {buckets_.size(), bucket.parameters.size()};
+      bucket.parameters.push_back(k);
+      bucket.offsets.push_back(offset);
+      offset += parameters_[k].numel();
     }
-    const size_t index = it->second;
-    Bucket& bucket = buckets_[index];
-    const int64_t offset = bucket.offsets.empty()
-                               ? 0
-                               : bucket.offsets.back() + parameters_[bucket.parameters.back()].numel();
-    locator_[k] = {index, bucket.parameters.size()};
-    bucket.parameters.push_back(k);
-    bucket.offsets.push_back(offset);
-    bucket_bytes[index] += bytes;
-    // Close a bucket once it reaches its cap (PyTorch's rule): a large gradient then launches
-    // with the small ones before it instead of waiting for the layers after it.
-    const int64_t cap = index == 0
-                            ? std::min(options_.first_bucket_cap_bytes, options_.bucket_cap_bytes)
-                            : options_.bucket_cap_bytes;
-    if (bucket_bytes[index] >= cap) open.erase(it);
+    buckets_.push_back(std::move(bucket));
   }
   for (auto& bucket : buckets_) {
     const at::Tensor& first = parameters_[bucket.parameters.front()];
@@ -70,6 +59,66 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   accumulators_.resize(parameters_.size());
   hook_keys_.resize(parameters_.size());
   attach_hooks();
+}
+
+std::vector<std::vector<size_t>> Reducer::assign_buckets() const {
+  // Reverse parameter order (roughly the order backward produces gradients), one open bucket
+  // per dtype; a bucket closes once it reaches its cap (PyTorch's rule), the first one at the
+  // small first-bucket cap so communication starts early.
+  std::vector<std::vector<size_t>> groups;
+  std::vector<int64_t> group_bytes;
+  std::map<at::ScalarType, size_t> open;  // dtype -> group index
+  for (size_t k = parameters_.size(); k-- > 0;) {
+    const at::Tensor& p = parameters_[k];
+    auto it = open.find(p.scalar_type());
+    if (it == open.end()) {
+      groups.emplace_back();
+      group_bytes.push_back(0);
+      it = open.emplace(p.scalar_type(), groups.size() - 1).first;
+    }
+    const size_t index = it->second;
+    groups[index].push_back(k);
+    group_bytes[index] += p.numel() * p.element_size();
+    const int64_t cap = index == 0
+                            ? std::min(options_.first_bucket_cap_bytes, options_.bucket_cap_bytes)
+                            : options_.bucket_cap_bytes;
+    if (group_bytes[index] >= cap) open.erase(it);
+  }
+  // The first layer's gradients arrive last, when backward is over: nothing hides their
+  // allreduce. When the rest of their bucket is at least as large as they are, give them a
+  // bucket of their own: the rest then launches while the first layer's backward still runs,
+  // halving (or better) the exposed tail for the price of one more, overlapped, collective.
+  if (options_.isolate_first_layer && !groups.empty()) {
+    auto module_of = [this](size_t k) {
+      const auto dot = names_[k].rfind('.');
+      return dot == std::string::npos ? std::string() : names_[k].substr(0, dot);
+    };
+    auto bytes_of = [this](auto begin, auto end) {
+      int64_t total = 0;
+      for (auto it = begin; it != end; ++it) {
+        total += parameters_[*it].numel() * parameters_[*it].element_size();
+      }
+      return total;
+    };
+    for (auto& group : groups) {
+      if (group.back() != 0) continue;  // the bucket holding parameter 0
+      const std::string first_module = module_of(0);
+      auto split = std::find_if(group.begin(), group.end(), [&](size_t k) {
+        return module_of(k) == first_module;
+      });
+      const bool contiguous = std::all_of(split, group.end(), [&](size_t k) {
+        return module_of(k) == first_module;
+      });
+      if (split != group.begin() && contiguous &&
+          bytes_of(group.begin(), split) >= bytes_of(split, group.end())) {
+        std::vector<size_t> tail(split, group.end());
+        group.erase(split, group.end());
+        groups.push_back(std::move(tail));
+      }
+      break;
+    }
+  }
+  return groups;
 }
 
 void Reducer::attach_hooks() {

@@ -30,6 +30,9 @@ struct ReducerOptions {
   /// Undefined: gradients travel in their own dtype; kHalf / kBFloat16: compressed.
   at::ScalarType wire_dtype = at::ScalarType::Undefined;
   bool error_on_unused_parameters = false;
+  /// Give the first layer's parameters (their gradients come last) a bucket of their own when
+  /// the rest of their bucket is at least as large as they are.
+  bool isolate_first_layer = true;
 };
 
 struct ReducerStats {
@@ -81,6 +84,7 @@ class Reducer {
     comm::WorkPtr work;
   };
 
+  std::vector<std::vector<size_t>> assign_buckets() const;
   void attach_hooks();
   /// Points parameter k's .grad at its bucket slot (copying a replaced gradient in, or zeroing).
   void alias_grad(size_t k, bool keep_values);
