@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "Oracle.h"
 #include "RankThreads.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/models/Zoo.h"
@@ -11,11 +12,10 @@
 
 using namespace dtrain;
 using namespace std::chrono_literals;
-using dtrain::test::run_ranks;
+using namespace dtrain::test;
 
 namespace {
 
-constexpr int64_t kGlobalBatch = 32;
 constexpr int kSteps = 20;
 
 optim::OptimizerSpec sgd_momentum() {
@@ -27,86 +27,18 @@ optim::OptimizerSpec sgd_momentum() {
   return spec;
 }
 
-std::vector<at::Tensor> snapshot(const Model& model) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : model.module->parameters()) out.push_back(p.detach().clone());
-  return out;
-}
-
-void restore(Model& model, const std::vector<at::Tensor>& values) {
-  torch::NoGradGuard no_grad;
-  auto params = model.module->parameters();
-  for (size_t i = 0; i < params.size(); ++i) params[i].copy_(values[i]);
-}
-
-double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
-  }
-  return worst;
-}
-
-struct Fixture {
-  models::ModelSpec spec;
-  data::TensorDataset dataset;
-  std::vector<at::Tensor> initial;
-};
-
 Fixture make_setup(const std::string& model_name) {
-  Fixture s;
-  s.spec.name = model_name;
-  s.spec.input_shape = {1, 12, 12};
-  s.spec.hidden = {48, 32};
-  s.dataset = data::make_synthetic(kGlobalBatch * kSteps, s.spec.input_shape, 10, 3);
-  torch::manual_seed(11);
-  s.initial = snapshot(models::make_model(s.spec));
-  return s;
+  models::ModelSpec spec;
+  spec.name = model_name;
+  spec.input_shape = {1, 12, 12};
+  spec.hidden = {48, 32};
+  return make_fixture(spec, sgd_momentum(), kSteps);
 }
 
-// Plain single-process training on the global batches (the oracle).
-std::vector<at::Tensor> train_single(const Fixture& s, int steps) {
-  Model model = models::make_model(s.spec);
-  restore(model, s.initial);
-  auto optimizer = optim::make_optimizer(model.module->parameters(), sgd_momentum());
-  data::DistributedSampler sampler(s.dataset.size(), 1, 0, {true, 5, true});
-  auto order = sampler.indices();
-  for (int step = 0; step < steps; ++step) {
-    std::vector<int64_t> idx(order.begin() + step * kGlobalBatch,
-                             order.begin() + (step + 1) * kGlobalBatch);
-    auto batch = s.dataset.get(idx);
-    optimizer->zero_grad();
-    parallel::cross_entropy(model(batch.inputs), batch.targets).backward();
-    optimizer->step();
-  }
-  return snapshot(model);
-}
-
-// The same on `world` ranks with `micro` micro-batches per step.
-std::vector<at::Tensor> train_ddp(const Fixture& s, int world, int steps,
+std::vector<at::Tensor> train_ddp(const Fixture& f, int world, int steps,
                                   const parallel::StrategyOptions& options, int micro = 1) {
-  std::vector<at::Tensor> result;
-  run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
-    Model model = models::make_model(s.spec);
-    if (comm->rank() == 0) restore(model, s.initial);  // others get it by broadcast
-    auto grid = std::make_shared<comm::ProcessGrid>(comm);
-    parallel::DdpStrategy ddp(options);
-    ddp.setup(model, optim::optimizer_factory(sgd_momentum()), grid);
-    data::DistributedSampler sampler(s.dataset.size(), world, comm->rank(), {true, 5, true});
-    auto order = sampler.indices();
-    const int64_t local = kGlobalBatch / world;
-    for (int step = 0; step < steps; ++step) {
-      std::vector<data::Batch> micro_batches;
-      for (int m = 0; m < micro; ++m) {
-        const int64_t begin = step * local + m * (local / micro);
-        std::vector<int64_t> idx(order.begin() + begin, order.begin() + begin + local / micro);
-        micro_batches.push_back(s.dataset.get(idx));
-      }
-      ddp.train_step(micro_batches, parallel::cross_entropy);
-    }
-    if (comm->rank() == world - 1) result = snapshot(ddp.model());
-  }, 60s);
-  return result;
+  return train_distributed(
+      f, world, steps, [&] { return std::make_unique<parallel::DdpStrategy>(options); }, micro);
 }
 
 }  // namespace
@@ -116,7 +48,7 @@ class DdpEquivalence : public ::testing::TestWithParam<std::tuple<std::string, i
 TEST_P(DdpEquivalence, MatchesSingleProcessOnTheGlobalBatch) {
   at::set_num_threads(1);
   const auto [model_name, world] = GetParam();
-  Fixture s = make_setup(model_name);
+  auto s = make_setup(model_name);
   auto expected = train_single(s, kSteps);
   parallel::StrategyOptions options;
   options.bucket_cap_bytes = 16 * 1024;  // several buckets even for these small models
@@ -131,7 +63,7 @@ INSTANTIATE_TEST_SUITE_P(Models, DdpEquivalence,
 
 TEST(Ddp, GradientAccumulationMatchesTheFullBatch) {
   at::set_num_threads(1);
-  Fixture s = make_setup("mlp");
+  auto s = make_setup("mlp");
   auto expected = train_single(s, 10);
   auto got = train_ddp(s, 2, 10, {}, /*micro=*/4);
   EXPECT_LE(max_abs_diff(expected, got), 1e-5);
@@ -139,7 +71,7 @@ TEST(Ddp, GradientAccumulationMatchesTheFullBatch) {
 
 TEST(Ddp, CompressedGradientsStayClose) {
   at::set_num_threads(1);
-  Fixture s = make_setup("mlp");
+  auto s = make_setup("mlp");
   auto expected = train_single(s, 10);
   for (const std::string compression : {"fp16", "bf16"}) {
     parallel::StrategyOptions options;

@@ -5,6 +5,7 @@
 
 #include "dtrain/common/Error.h"
 #include "parallel/ddp/DdpStrategy.h"
+#include "parallel/zero/ZeroStrategy.h"
 
 namespace dtrain::parallel {
 
@@ -17,6 +18,7 @@ namespace {
 using Factory = StrategyPtr (*)(const StrategyOptions&);
 const std::vector<std::pair<std::string, Factory>> kRegistry = {
     {"ddp", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<DdpStrategy>(o); }},
+    {"zero1", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ZeroStrategy>(o); }},
 };
 
 }  // namespace

@@ -59,7 +59,7 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
     for (auto& b : model_.module->buffers()) works.push_back(comm_->broadcast(b, {0}));
     comm::wait_all(works);
   }
-  optimizer_ = make_optimizer(parameters_);
+  build_optimizer(make_optimizer);
   ReducerOptions reducer_options;
   reducer_options.bucket_cap_bytes = options_.bucket_cap_bytes;
   reducer_options.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
@@ -122,12 +122,18 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     if (options_.max_grad_norm > 0) {
       result.grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, options_.max_grad_norm);
     }
-    optimizer_->step();
+    apply_update();
   }
   result.metrics["exposed_comm_ms"] = stats.exposed_comm_ms;
   result.metrics["buckets_overlapped"] = static_cast<double>(stats.buckets_launched_during_backward);
   return result;
 }
+
+void DdpStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
+  optimizer_ = make_optimizer(parameters_);
+}
+
+void DdpStrategy::apply_update() { optimizer_->step(); }
 
 void DdpStrategy::save(const std::string& directory) {
   if (comm_->rank() != 0) return;  // replicas are identical; rank 0 writes them

@@ -26,7 +26,12 @@ class DdpStrategy : public Strategy {
   /// The dynamic loss scaler, or null when loss scaling is off.
   precision::LossScaler* loss_scaler() { return scaler_.get(); }
 
- private:
+ protected:
+  /// Builds optimizer_ over the parameters this rank updates (all of them, for DDP).
+  virtual void build_optimizer(const optim::OptimizerFactory& make_optimizer);
+  /// Applies the update once gradients are averaged (and unscaled, clipped).
+  virtual void apply_update();
+
   void broadcast_buffers();
 
   StrategyOptions options_;

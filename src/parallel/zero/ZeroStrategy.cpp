@@ -1,0 +1,131 @@
+// ZeRO-1: the flat parameter buffer, the shard optimizer, and the allgather after each update.
+#include "parallel/zero/ZeroStrategy.h"
+
+#include <torch/torch.h>
+
+#include <fstream>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/optim/StateSize.h"
+
+namespace dtrain::parallel {
+
+namespace {
+
+// A plain tensor sharing `base`'s storage at [offset, offset + numel) with `sizes` (not an
+// autograd view, so it can be a leaf parameter or an optimizer's parameter).
+at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor out = at::empty({0}, base.options());
+  out.set_(base.storage(), base.storage_offset() + offset, sizes,
+           c10::contiguous_strides(sizes));
+  return out;
+}
+
+}  // namespace
+
+ZeroStrategy::ZeroStrategy(StrategyOptions options) : DdpStrategy(std::move(options)) {
+  DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16,
+                     "zero1 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
+}
+
+void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
+  const int world = comm_->size();
+  const int rank = comm_->rank();
+  const auto dtype = parameters_.front().scalar_type();
+  for (const auto& p : parameters_) {
+    DTRAIN_CHECK_INPUT(p.scalar_type() == dtype, "zero1 needs parameters of one dtype; ",
+                       "found ", dtype, " and ", p.scalar_type());
+    offsets_.push_back(total_numel_);
+    total_numel_ += p.numel();
+  }
+  shard_numel_ = (total_numel_ + world - 1) / world;
+  flat_ = at::zeros({shard_numel_ * world}, parameters_.front().options().requires_grad(false));
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < parameters_.size(); ++k) {
+      at::Tensor& p = parameters_[k];
+      flat_.narrow(0, offsets_[k], p.numel()).copy_(p.reshape({-1}));
+      // The parameter now lives in flat_ (its autograd node changes; the Reducer re-attaches).
+      p.set_(flat_.storage(), offsets_[k], p.sizes(), c10::contiguous_strides(p.sizes()));
+    }
+  }
+  shard_ = alias(flat_, rank * shard_numel_, {shard_numel_}).requires_grad_(true);
+  optimizer_ = make_optimizer({shard_});
+}
+
+void ZeroStrategy::apply_update() {
+  // This rank's part of the averaged gradients, in flat order (padding stays zero); it exists
+  // only during the update, so gradients cost 4P + nothing persistent per shard.
+  at::Tensor shard_grad = at::zeros({shard_numel_}, flat_.options());
+  const int64_t begin = comm_->rank() * shard_numel_;
+  const int64_t end = begin + shard_numel_;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    const int64_t p_begin = offsets_[k];
+    const int64_t p_end = p_begin + parameters_[k].numel();
+    const int64_t lo = std::max(begin, p_begin);
+    const int64_t hi = std::min(end, p_end);
+    if (lo >= hi) continue;
+    const at::Tensor& grad = parameters_[k].grad();
+    at::Tensor target = shard_grad.narrow(0, lo - begin, hi - lo);
+    if (grad.defined()) {
+      target.copy_(grad.reshape({-1}).narrow(0, lo - p_begin, hi - lo));
+    } else {
+      target.zero_();
+    }
+  }
+  shard_.mutable_grad() = shard_grad;
+  optimizer_->step();
+  shard_.mutable_grad().reset();
+  torch::NoGradGuard no_grad;
+  comm_->allgather(flat_, shard_.detach())->wait();
+}
+
+void ZeroStrategy::save(const std::string& directory) {
+  if (comm_->rank() == 0) torch::save(model_.module, directory + "/model.pt");
+  torch::save(*optimizer_, concat(directory, "/optimizer-shard", comm_->rank(), "-of-",
+                                  comm_->size(), ".pt"));
+  if (scaler_ && comm_->rank() == 0) {
+    torch::save(scaler_->state(), directory + "/loss_scaler.pt");
+  }
+}
+
+void ZeroStrategy::load(const std::string& directory) {
+  const std::string shard_file = concat(directory, "/optimizer-shard", comm_->rank(), "-of-",
+                                        comm_->size(), ".pt");
+  DTRAIN_CHECK_INPUT(std::ifstream(shard_file).good(), "checkpoint ", directory,
+                     " has no optimizer shard for rank ", comm_->rank(), " of ", comm_->size(),
+                     " (", shard_file, "): zero1 resumes at the world size it was saved with");
+  try {
+    torch::load(model_.module, directory + "/model.pt");
+    torch::load(*optimizer_, shard_file);
+    if (scaler_ && std::ifstream(directory + "/loss_scaler.pt").good()) {
+      at::Tensor state;
+      torch::load(state, directory + "/loss_scaler.pt");
+      scaler_->load_state(state);
+    }
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, "checkpoint ", directory, " cannot be loaded into this zero1 ",
+                 "model/optimizer: ", e.what_without_backtrace());
+  }
+  // torch::load re-assigned the parameters (set_); put them back into flat_.
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    at::Tensor& p = parameters_[k];
+    at::Tensor loaded = p.detach().clone();
+    p.set_(flat_.storage(), offsets_[k], loaded.sizes(), c10::contiguous_strides(loaded.sizes()));
+    p.copy_(loaded);
+  }
+}
+
+MemoryReport ZeroStrategy::memory_report() const {
+  MemoryReport report;
+  for (const auto& p : parameters_) {
+    report.parameter_bytes += p.numel() * p.element_size();
+    report.gradient_bytes += p.numel() * p.element_size();
+  }
+  report.parameter_bytes += (flat_.numel() - total_numel_) * flat_.element_size();  // padding
+  report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
+  return report;
+}
+
+}  // namespace dtrain::parallel

@@ -1,0 +1,106 @@
+// The correctness oracle of every synchronous strategy: plain single-process training on global
+// batch B, against a strategy on N ranks whose per-rank batches together make up B.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+
+#include "RankThreads.h"
+#include "dtrain/data/DistributedSampler.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/Strategy.h"
+
+namespace dtrain::test {
+
+inline std::vector<at::Tensor> snapshot(const Model& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : model.module->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+inline void restore(Model& model, const std::vector<at::Tensor>& values) {
+  torch::NoGradGuard no_grad;
+  auto params = model.module->parameters();
+  for (size_t i = 0; i < params.size(); ++i) params[i].copy_(values[i]);
+}
+
+inline double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return worst;
+}
+
+struct Fixture {
+  models::ModelSpec spec;
+  data::TensorDataset dataset;
+  std::vector<at::Tensor> initial;
+  int64_t global_batch = 32;
+  optim::OptimizerSpec optimizer;
+};
+
+inline Fixture make_fixture(const models::ModelSpec& spec, const optim::OptimizerSpec& optimizer,
+                            int steps, int64_t global_batch = 32) {
+  Fixture f;
+  f.spec = spec;
+  f.optimizer = optimizer;
+  f.global_batch = global_batch;
+  std::vector<int64_t> shape = spec.input_shape;
+  f.dataset = data::make_synthetic(global_batch * steps, shape, spec.classes, 3);
+  torch::manual_seed(11);
+  f.initial = snapshot(models::make_model(spec));
+  return f;
+}
+
+/// Single-process training on the global batches.
+inline std::vector<at::Tensor> train_single(const Fixture& f, int steps) {
+  Model model = models::make_model(f.spec);
+  restore(model, f.initial);
+  auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
+  auto order = data::DistributedSampler(f.dataset.size(), 1, 0, {true, 5, true}).indices();
+  for (int step = 0; step < steps; ++step) {
+    auto batch = f.dataset.get(std::vector<int64_t>(order.begin() + step * f.global_batch,
+                                                    order.begin() + (step + 1) * f.global_batch));
+    optimizer->zero_grad();
+    parallel::cross_entropy(model(batch.inputs), batch.targets).backward();
+    optimizer->step();
+  }
+  return snapshot(model);
+}
+
+/// The same on `world` rank threads with the strategy `make` builds, `micro` micro-batches per
+/// step. Returns the last rank's final weights.
+inline std::vector<at::Tensor> train_distributed(
+    const Fixture& f, int world, int steps, const std::function<parallel::StrategyPtr()>& make,
+    int micro = 1) {
+  std::vector<at::Tensor> result;
+  // Rank threads share LibTorch's RNG: build the replicas before they start.
+  std::vector<Model> replicas;
+  for (int r = 0; r < world; ++r) {
+    replicas.push_back(models::make_model(f.spec));
+    if (r == 0) restore(replicas.back(), f.initial);  // the others get it by broadcast
+  }
+  run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
+    auto strategy = make();
+    strategy->setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer),
+                    std::make_shared<comm::ProcessGrid>(comm));
+    auto order =
+        data::DistributedSampler(f.dataset.size(), world, comm->rank(), {true, 5, true}).indices();
+    const int64_t local = f.global_batch / world;
+    for (int step = 0; step < steps; ++step) {
+      std::vector<data::Batch> micro_batches;
+      for (int m = 0; m < micro; ++m) {
+        const int64_t begin = step * local + m * (local / micro);
+        micro_batches.push_back(f.dataset.get(
+            std::vector<int64_t>(order.begin() + begin, order.begin() + begin + local / micro)));
+      }
+      strategy->train_step(micro_batches, parallel::cross_entropy);
+    }
+    if (comm->rank() == world - 1) result = snapshot(strategy->model());
+  }, std::chrono::seconds(60));
+  return result;
+}
+
+}  // namespace dtrain::test
