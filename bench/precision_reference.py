@@ -12,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint_sequential
 
+from reference_models import Cnn, Mlp
+
 
 def rss_mb():
     with open("/proc/self/status") as status:
@@ -19,30 +21,6 @@ def rss_mb():
             if line.startswith("VmRSS:"):
                 return float(line.split()[1]) / 1024.0
     return 0.0
-
-
-class Mlp(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024),
-                                    nn.ReLU(), nn.Linear(1024, 10))
-
-    def forward(self, x):
-        return self.layers(x.flatten(1))
-
-
-class Cnn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
-        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
-        self.fc1 = nn.Linear(64 * 7 * 7, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        h = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        h = F.max_pool2d(F.relu(self.conv2(h)), 2)
-        return self.fc2(F.relu(self.fc1(h.flatten(1))))
 
 
 class Block(nn.Module):
@@ -87,7 +65,7 @@ def main():
     torch.manual_seed(0)
     classify = True
     if args.model in ("mlp", "cnn"):
-        module = Mlp() if args.model == "mlp" else Cnn()
+        module = Mlp((1024, 1024)) if args.model == "mlp" else Cnn()
         forward = module
         inputs = torch.randn(args.batch, 1, 28, 28)
         targets = torch.randint(0, 10, (args.batch,))

@@ -25,6 +25,17 @@ inline void restore(Model& model, const std::vector<at::Tensor>& values) {
   for (size_t i = 0; i < params.size(); ++i) params[i].copy_(values[i]);
 }
 
+/// A model's trainable parameters and their names, in registration order.
+inline std::pair<std::vector<at::Tensor>, std::vector<std::string>> parameters_of(
+    const Model& model) {
+  std::pair<std::vector<at::Tensor>, std::vector<std::string>> out;
+  for (const auto& item : model.module->named_parameters()) {
+    out.first.push_back(item.value());
+    out.second.push_back(item.key());
+  }
+  return out;
+}
+
 inline double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   double worst = 0;
   for (size_t i = 0; i < a.size(); ++i) {

@@ -236,12 +236,7 @@ TEST(Ddp, TheFirstLayerGetsTheLastBucketToItself) {
     models::ModelSpec spec;  // cnn: conv1.{weight,bias}=0,1 ... fc2.{weight,bias}=6,7
     spec.input_shape = {1, 12, 12};
     auto model = models::make_model(spec);
-    std::vector<at::Tensor> params;
-    std::vector<std::string> names;
-    for (const auto& item : model.module->named_parameters()) {
-      params.push_back(item.value());
-      names.push_back(item.key());
-    }
+    const auto [params, names] = parameters_of(model);
     parallel::ReducerOptions options;  // everything fits the 1 MiB first bucket
     parallel::Reducer isolated(params, names, comm, options);
     EXPECT_EQ(isolated.bucket_layout(),
@@ -258,12 +253,7 @@ TEST(Ddp, AFirstLayerLargerThanTheRestOfItsBucketStaysInIt) {
     models::ModelSpec spec;  // mlp 784-256-256-10: layers.0 holds most of the bytes
     spec.name = "mlp";
     auto model = models::make_model(spec);
-    std::vector<at::Tensor> params;
-    std::vector<std::string> names;
-    for (const auto& item : model.module->named_parameters()) {
-      params.push_back(item.value());
-      names.push_back(item.key());
-    }
+    const auto [params, names] = parameters_of(model);
     parallel::Reducer reducer(params, names, comm, {});
     EXPECT_EQ(reducer.bucket_layout(),
               (std::vector<std::vector<size_t>>{{5, 4, 3, 2, 1, 0}}));

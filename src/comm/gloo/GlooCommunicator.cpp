@@ -9,65 +9,12 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "comm/C10dWork.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::comm::gloo_backend {
 
 namespace {
-
-std::string first_line(const std::string& text) {
-  const auto end = text.find('\n');
-  return end == std::string::npos ? text : text.substr(0, end);
-}
-
-/// A c10d Work plus dtrain's description, timeout, and a completion step run once after a
-/// successful wait (dividing for AVG, copying back into a non-contiguous tensor).
-/// Runs a c10d call that may throw synchronously (e.g. posting to a closed connection).
-template <typename Call>
-c10::intrusive_ptr<c10d::Work> issue(const std::string& description, Call&& call) {
-  try {
-    return call();
-  } catch (const std::exception& e) {
-    DTRAIN_THROW(CommError, description, " failed: ", first_line(e.what()));
-  }
-}
-
-class C10dWork : public Work {
- public:
-  C10dWork(c10::intrusive_ptr<c10d::Work> work, std::string description, Milliseconds timeout,
-           std::function<void()> then = nullptr)
-      : work_(std::move(work)),
-        description_(std::move(description)),
-        timeout_(timeout),
-        then_(std::move(then)) {}
-
-  void wait(Milliseconds timeout) override {
-    try {
-      work_->wait(timeout);
-    } catch (const std::exception& e) {
-      const std::string cause = first_line(e.what());
-      if (cause.find("timed out") != std::string::npos ||
-          cause.find("Timed out") != std::string::npos) {
-        DTRAIN_THROW(TimeoutError, "timed out after ", timeout.count(), " ms: ", description_,
-                     " (", cause, ")");
-      }
-      DTRAIN_THROW(CommError, description_, " failed: ", cause);
-    }
-    std::call_once(then_once_, [this] {
-      if (then_) then_();
-    });
-  }
-  bool is_completed() override { return work_->isCompleted(); }
-  const std::string& description() const override { return description_; }
-  Milliseconds default_timeout() const override { return timeout_; }
-
- private:
-  c10::intrusive_ptr<c10d::Work> work_;
-  std::string description_;
-  Milliseconds timeout_;
-  std::function<void()> then_;
-  std::once_flag then_once_;
-};
 
 bool gloo_reduces(at::ScalarType type) {
   switch (type) {

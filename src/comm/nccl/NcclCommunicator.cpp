@@ -5,37 +5,13 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "comm/C10dWork.h"
 #include "comm/nccl/NcclCommunicator.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::comm::nccl_backend {
 
 namespace {
-
-class NcclWork : public Work {
- public:
-  NcclWork(c10::intrusive_ptr<c10d::Work> work, std::string description, Milliseconds timeout,
-           std::function<void()> then = nullptr)
-      : work_(std::move(work)), description_(std::move(description)), timeout_(timeout),
-        then_(std::move(then)) {}
-  void wait(Milliseconds timeout) override {
-    try {
-      work_->wait(timeout);
-    } catch (const std::exception& e) {
-      DTRAIN_THROW(CommError, description_, " failed: ", e.what());
-    }
-    if (then_) std::exchange(then_, nullptr)();
-  }
-  bool is_completed() override { return work_->isCompleted(); }
-  const std::string& description() const override { return description_; }
-  Milliseconds default_timeout() const override { return timeout_; }
-
- private:
-  c10::intrusive_ptr<c10d::Work> work_;
-  std::string description_;
-  Milliseconds timeout_;
-  std::function<void()> then_;
-};
 
 class NcclCommunicator : public Communicator {
  public:
@@ -58,19 +34,19 @@ class NcclCommunicator : public Communicator {
                  : options.op == ReduceOp::Min ? c10d::ReduceOp::MIN
                  : options.op == ReduceOp::Avg ? c10d::ReduceOp::AVG
                                                : c10d::ReduceOp::SUM;
-    return std::make_shared<NcclWork>(group_->allreduce(tensors, o), what,
+    return std::make_shared<C10dWork>(group_->allreduce(tensors, o), what,
                                       resolve(options.timeout));
   }
   WorkPtr broadcast(at::Tensor tensor, const BroadcastOptions& options) override {
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions o;
     o.rootRank = options.root;
-    return std::make_shared<NcclWork>(group_->broadcast(tensors, o),
+    return std::make_shared<C10dWork>(group_->broadcast(tensors, o),
                                       describe(concat("broadcast(", shape_string(tensor), ")")),
                                       resolve(options.timeout));
   }
   WorkPtr barrier(const BarrierOptions& options) override {
-    return std::make_shared<NcclWork>(group_->barrier(), describe("barrier"),
+    return std::make_shared<C10dWork>(group_->barrier(), describe("barrier"),
                                       resolve(options.timeout));
   }
   CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& name) override {
@@ -90,12 +66,12 @@ class NcclCommunicator : public Communicator {
  protected:
   WorkPtr send_tagged(at::Tensor tensor, int dst, int tag, Milliseconds timeout) override {
     std::vector<at::Tensor> tensors{tensor};
-    return std::make_shared<NcclWork>(group_->send(tensors, dst, tag),
+    return std::make_shared<C10dWork>(group_->send(tensors, dst, tag),
                                       describe(concat("send to rank ", dst)), timeout);
   }
   WorkPtr recv_tagged(at::Tensor tensor, int src, int tag, Milliseconds timeout) override {
     std::vector<at::Tensor> tensors{tensor};
-    return std::make_shared<NcclWork>(group_->recv(tensors, src, tag),
+    return std::make_shared<C10dWork>(group_->recv(tensors, src, tag),
                                       describe(concat("recv from rank ", src)), timeout);
   }
 

@@ -1,0 +1,36 @@
+"""The PyTorch twins of dtrain's reference models (src/models/Zoo.cpp), shared by the reference
+benchmarks."""
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Mlp(nn.Module):
+    """784 -> hidden... -> 10 with ReLU, as dtrain's `mlp`."""
+
+    def __init__(self, hidden=(256, 256)):
+        super().__init__()
+        layers, width = [], 784
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, 10))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.layers(x.flatten(1))
+
+
+class Cnn(nn.Module):
+    """Two 3x3 conv blocks and a two-layer head, as dtrain's `cnn`."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = nn.Linear(64 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        h = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)
+        return self.fc2(F.relu(self.fc1(h.flatten(1))))
