@@ -1,0 +1,25 @@
+# Runs scripts/plot-metrics on a small metrics file and checks it wrote a PNG; a file that is not
+# JSON must fail with the file and line named.
+file(REMOVE_RECURSE ${WORK})
+file(MAKE_DIRECTORY ${WORK})
+file(WRITE ${WORK}/m.jsonl
+"{\"event\":\"step\",\"step\":10,\"loss\":2.1,\"lr\":0.01}
+{\"event\":\"step\",\"step\":20,\"loss\":1.5,\"lr\":0.02}
+{\"event\":\"eval\",\"step\":20,\"val_accuracy\":0.71}
+{\"event\":\"summary\",\"strategy\":\"ddp\",\"world_size\":2,\"global_batch\":128,\"samples_per_s\":3000}
+")
+execute_process(COMMAND ${SCRIPT} ${WORK}/m.jsonl -o ${WORK}/m.png RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "plot-metrics failed (${rc}): ${err}")
+endif()
+file(READ ${WORK}/m.png magic LIMIT 4 HEX)
+if(NOT magic STREQUAL "89504e47")
+  message(FATAL_ERROR "plot-metrics did not write a PNG (magic ${magic})")
+endif()
+file(WRITE ${WORK}/bad.jsonl "{\"event\":\"step\",\"step\":1,\"loss\":1}\nnot json\n")
+execute_process(COMMAND ${SCRIPT} ${WORK}/bad.jsonl RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT err MATCHES "bad.jsonl:2")
+  message(FATAL_ERROR "a corrupt metrics file was not reported with its line: ${rc} ${err}")
+endif()
+message(STATUS "PlotMetrics: 2 checks passed")
