@@ -1,6 +1,7 @@
 // The dtrain command line: argument parsing only; the work is in the library.
 //   dtrain train  [flags | --config FILE.toml]   train a model (optionally on --nproc local ranks)
 //   dtrain launch --nproc-per-node N -- PROGRAM  start N ranks of any program (torchrun-style)
+//   dtrain ckpt consolidate|inspect CHECKPOINT   convert / describe checkpoints
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -12,6 +13,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Launcher.h"
+#include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Job.h"
 
 namespace {
@@ -223,6 +225,22 @@ int main(int argc, char** argv) {
   launch_cmd->add_option("command", launch.command, "-- PROGRAM [ARGS...]")->required();
 
   std::vector<std::string> args(argv + 1, argv + argc);
+  auto* ckpt = app.add_subcommand("ckpt", "Inspect and convert checkpoints");
+  ckpt->require_subcommand(1);
+  std::string checkpoint_path, output_path;
+  auto* consolidate = ckpt->add_subcommand(
+      "consolidate", "Write a checkpoint's model as one name -> tensor file for Python torch.load "
+                     "and C++ torch::pickle_load");
+  consolidate->add_option("checkpoint", checkpoint_path,
+                          "A checkpoint, or a checkpoint directory (its newest)")
+      ->required();
+  consolidate->add_option("-o,--output", output_path, "File to write (default CHECKPOINT/"
+                                                       "consolidated.pt)");
+  auto* inspect = ckpt->add_subcommand("inspect", "Print a checkpoint's metadata and tensors");
+  inspect->add_option("checkpoint", checkpoint_path,
+                      "A checkpoint, or a checkpoint directory (its newest)")
+      ->required();
+
   try {
     args = expand_config(args, *train);
     std::vector<std::string> reversed(args.rbegin(), args.rend());
@@ -235,6 +253,38 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : kInputErrorExit;
   }
   try {
+    if (consolidate->parsed()) {
+      const std::string checkpoint = dtrain::train::resolve_checkpoint(checkpoint_path);
+      if (output_path.empty()) output_path = checkpoint + "/consolidated.pt";
+      const auto count = dtrain::train::consolidate_checkpoint(checkpoint, output_path);
+      std::printf("wrote %lld tensors of %s to %s (torch.load in Python, "
+                  "torch::pickle_load in C++)\n",
+                  static_cast<long long>(count), checkpoint.c_str(), output_path.c_str());
+      return 0;
+    }
+    if (inspect->parsed()) {
+      const std::string checkpoint = dtrain::train::resolve_checkpoint(checkpoint_path);
+      const auto meta = dtrain::train::read_meta(checkpoint);
+      int64_t elements = 0;
+      for (const auto& t : meta.tensors) {
+        int64_t n = 1;
+        for (auto d : t.shape) n *= d;
+        elements += n;
+      }
+      std::printf("%s\n  strategy %s, world %d (dp %d x pp %d x tp %d), step %lld, epoch %lld, "
+                  "seed %llu, global batch %lld\n  %zu tensors, %lld elements\n",
+                  checkpoint.c_str(), meta.strategy.c_str(), meta.world_size, meta.dp, meta.pp,
+                  meta.tp, static_cast<long long>(meta.step), static_cast<long long>(meta.epoch),
+                  static_cast<unsigned long long>(meta.seed),
+                  static_cast<long long>(meta.global_batch), meta.tensors.size(),
+                  static_cast<long long>(elements));
+      for (const auto& t : meta.tensors) {
+        std::string shape;
+        for (size_t i = 0; i < t.shape.size(); ++i) shape += (i ? "x" : "") + std::to_string(t.shape[i]);
+        std::printf("  %-40s %-14s %s\n", t.name.c_str(), shape.c_str(), t.dtype.c_str());
+      }
+      return 0;
+    }
     if (train->parsed()) return run_train(job, args);
     if (launch_cmd->parsed()) return dtrain::launch::launch(launch);
   } catch (const dtrain::InputError& e) {

@@ -90,7 +90,7 @@ TEST(Launcher, BadOptionsAreOneLineErrors) {
 }
 
 TEST(Cli, HelpOnEverySubcommand) {
-  for (const std::string sub : {"", " train", " launch"}) {
+  for (const std::string sub : {"", " train", " launch", " ckpt consolidate", " ckpt inspect"}) {
     const auto out = run(kDtrain + sub + " --help");
     EXPECT_EQ(out.code, 0) << sub;
     EXPECT_TRUE(has(out, "Usage:")) << sub;
@@ -167,6 +167,16 @@ TEST(Cli, TrainOnTwoRanksEndToEnd) {
   EXPECT_TRUE(has(out, "[rank 0] trained 8 steps (global batch 128, 2 ranks, ddp)")) << out.text;
   EXPECT_TRUE(has(out, "test accuracy")) << out.text;
   EXPECT_TRUE(std::filesystem::exists(dir / "ckpt/step-00000008/model.pt"));
+  const auto inspect = run(kDtrain + " ckpt inspect " + (dir / "ckpt"));
+  EXPECT_EQ(inspect.code, 0) << inspect.text;
+  EXPECT_TRUE(has(inspect, "strategy ddp, world 2")) << inspect.text;
+  EXPECT_TRUE(has(inspect, "layers.0.weight")) << inspect.text;
+  const auto consolidated = run(kDtrain + " ckpt consolidate " + (dir / "ckpt") + " -o " +
+                                (dir / "model.pt"));
+  EXPECT_EQ(consolidated.code, 0) << consolidated.text;
+  EXPECT_TRUE(std::filesystem::exists(dir / "model.pt"));
+  const auto missing = run(kDtrain + " ckpt consolidate " + (dir / "none"));
+  EXPECT_EQ(missing.code, 2) << missing.text;
   // Running again resumes from the final checkpoint and trains no further.
   const auto again = run(kDtrain + " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
                                    "--synthetic-examples 512 --epochs 2 --checkpoint-dir " +

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "RankThreads.h"
@@ -211,4 +213,54 @@ TEST(Trainer, TooLittleDataIsAnInputError) {
   const auto dataset = data::make_synthetic(100, {16}, 4, 2);
   train::Trainer trainer(options);
   EXPECT_THROW(trainer.fit(models::make_model(mlp_spec()), dataset), InputError);
+}
+
+TEST(Checkpoint, ConsolidatedFileLoadsInCppAndPython) {
+  at::set_num_threads(1);
+  TempDir dir;
+  auto options = base_options();
+  options.checkpoint_dir = dir.path();
+  options.max_steps = 3;
+  models::ModelSpec spec;  // a ResNet: parameters and BatchNorm buffers
+  spec.name = "resnet";
+  spec.input_shape = {1, 12, 12};
+  spec.classes = 4;
+  const auto dataset = data::make_synthetic(160, {1, 12, 12}, 4, 2);
+  train::Trainer trainer(options);
+  trainer.fit(models::make_model(spec), dataset);
+  const std::string checkpoint = train::resolve_checkpoint(dir.path());
+  EXPECT_EQ(checkpoint, dir / "step-00000003");
+  const std::string file = dir / "consolidated.pt";
+  const auto count = train::consolidate_checkpoint(checkpoint, file);
+
+  auto& module = *trainer.strategy().model().module;
+  std::map<std::string, at::Tensor> live;
+  for (const auto& item : module.named_parameters()) live[item.key()] = item.value();
+  for (const auto& item : module.named_buffers()) live[item.key()] = item.value();
+  EXPECT_EQ(count, static_cast<int64_t>(live.size()));
+  double sum = 0;
+  const auto loaded = train::load_consolidated(file);
+  ASSERT_EQ(loaded.size(), live.size());
+  for (const auto& [name, tensor] : loaded) {
+    ASSERT_TRUE(live.count(name)) << name;
+    EXPECT_TRUE(torch::equal(tensor, live[name])) << name;
+    sum += tensor.to(torch::kDouble).sum().item<double>();
+  }
+  // Python PyTorch reads the same file with a plain torch.load.
+  const std::string command =
+      "/usr/bin/python3 -c \"import sys, torch; sd = torch.load(sys.argv[1]); "
+      "print(len(sd), repr(float(sum(v.double().sum() for v in sd.values()))))\" " + file;
+  std::FILE* pipe = ::popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  long python_count = -1;
+  double python_sum = 0;
+  const int fields = std::fscanf(pipe, "%ld %lf", &python_count, &python_sum);
+  ::pclose(pipe);
+  ASSERT_EQ(fields, 2) << "python could not read " << file;
+  EXPECT_EQ(python_count, static_cast<long>(live.size()));
+  EXPECT_NEAR(python_sum, sum, 1e-9 * std::max(1.0, std::abs(sum)));
+
+  EXPECT_THROW(train::resolve_checkpoint(dir / "nothing-here"), InputError);
+  std::ofstream(dir / "junk.pt") << "not a pickle";
+  EXPECT_THROW(train::load_consolidated(dir / "junk.pt"), InputError);
 }

@@ -2,8 +2,13 @@
 #include "dtrain/train/Checkpoint.h"
 
 #include <nlohmann/json.hpp>
+#include <torch/serialize.h>
+#include <torch/serialize/input-archive.h>
 
 #include <algorithm>
+#include <deque>
+#include <iterator>
+#include <sstream>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -157,6 +162,82 @@ void prune_checkpoints(const std::string& root, int keep) {
     std::error_code error;
     fs::remove_all(root + "/" + complete[i], error);
   }
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  if (fs::exists(path + "/meta.json")) return path;
+  const auto latest = latest_checkpoint(path);
+  DTRAIN_CHECK_INPUT(latest.has_value(), path,
+                     " is neither a checkpoint (no meta.json) nor a checkpoint directory (no "
+                     "latest)");
+  return *latest;
+}
+
+int64_t consolidate_checkpoint(const std::string& directory, const std::string& output) {
+  const CheckpointMeta meta = read_meta(directory);
+  const std::string model_path = directory + "/model.pt";
+  DTRAIN_CHECK_INPUT(fs::exists(model_path), "checkpoint ", directory, " has no model.pt");
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(model_path);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, model_path, " is not a LibTorch archive: ",
+                 e.what_without_backtrace());
+  }
+  c10::Dict<std::string, at::Tensor> tensors;
+  for (const auto& info : meta.tensors) {
+    // "layers.0.weight": archive "layers" -> archive "0" -> tensor "weight".
+    std::vector<std::string> parts;
+    std::stringstream stream(info.name);
+    for (std::string part; std::getline(stream, part, '.');) parts.push_back(part);
+    std::deque<torch::serialize::InputArchive> chain;  // stable addresses
+    torch::serialize::InputArchive* current = &archive;
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      chain.emplace_back();
+      DTRAIN_CHECK_INPUT(current->try_read(parts[i], chain.back()), model_path,
+                         " has no module '", parts[i], "' for tensor '", info.name, "'");
+      current = &chain.back();
+    }
+    at::Tensor value;
+    const bool found = current->try_read(parts.back(), value, /*is_buffer=*/false) ||
+                       current->try_read(parts.back(), value, /*is_buffer=*/true);
+    DTRAIN_CHECK_INPUT(found, model_path, " lacks tensor '", info.name,
+                       "' that meta.json lists");
+    DTRAIN_CHECK_INPUT(value.sizes().vec() == info.shape, model_path, ": tensor '", info.name,
+                       "' has shape ", value.sizes(), " but meta.json says another");
+    tensors.insert(info.name, value.detach());
+  }
+  const std::vector<char> bytes = torch::pickle_save(tensors);
+  const std::string temporary = output + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    DTRAIN_CHECK_INPUT(out.good(), "cannot write ", temporary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    DTRAIN_CHECK_INPUT(out.good(), "writing ", temporary, " failed (disk full?)");
+  }
+  std::error_code error;
+  fs::rename(temporary, output, error);
+  DTRAIN_CHECK_INPUT(!error, "cannot rename ", temporary, " to ", output, ": ", error.message());
+  return static_cast<int64_t>(meta.tensors.size());
+}
+
+std::vector<std::pair<std::string, at::Tensor>> load_consolidated(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DTRAIN_CHECK_INPUT(in.good(), "cannot read ", path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, path, " is not a consolidated checkpoint: ",
+                 e.what_without_backtrace());
+  }
+  DTRAIN_CHECK_INPUT(value.isGenericDict(), path, " does not hold a name -> tensor dict");
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& entry : value.toGenericDict()) {
+    out.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  return out;
 }
 
 }  // namespace dtrain::train

@@ -4,6 +4,8 @@
 #pragma once
 
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -45,5 +47,18 @@ void check_compatible(const CheckpointMeta& saved, const std::vector<TensorInfo>
 void ensure_writable(const std::string& root);
 /// Removes all but the newest `keep` complete checkpoints under `root`.
 void prune_checkpoints(const std::string& root, int keep);
+
+/// A checkpoint directory, or the newest checkpoint when `path` is a checkpoint root (has
+/// `latest`).
+std::string resolve_checkpoint(const std::string& path);
+
+/// Writes every tensor meta.json lists (parameters and buffers, by their full names) from the
+/// checkpoint's model into one file made with torch::pickle_save: a name -> tensor dict that
+/// Python loads with torch.load and C++ with torch::pickle_load (load_consolidated). Written to a
+/// temporary name and renamed. Returns the number of tensors.
+int64_t consolidate_checkpoint(const std::string& directory, const std::string& output);
+
+/// Reads a consolidated file (name -> tensor, in the checkpoint's order).
+std::vector<std::pair<std::string, at::Tensor>> load_consolidated(const std::string& path);
 
 }  // namespace dtrain::train
