@@ -1,15 +1,18 @@
-// One rank of the DDP benchmark (start it with `dtrain launch`): times full training steps of
-// dtrain's DDP on the MLP or CNN with synthetic data, the communication left exposed after
-// backward, and the same gradient allreduces run alone. Rank 0 prints one JSON line.
+// One rank of the data-parallel benchmarks (start it with `dtrain launch`): times full training
+// steps of a strategy (ddp, zero1) on the MLP or CNN with synthetic data, the communication left
+// exposed after backward, the same gradient allreduces run alone, and each rank's peak memory.
+// Rank 0 prints one JSON line.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <sys/resource.h>
 
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/Strategy.h"
 #include "parallel/ddp/DdpStrategy.h"
 
 using namespace dtrain;
@@ -27,28 +30,38 @@ double ms_since(Clock::time_point t) {
 
 int main(int argc, char** argv) {
   CLI::App app{"dtrain DDP step benchmark (one rank; start with dtrain launch)"};
-  std::string model = "cnn";
+  std::string model = "cnn", strategy_name = "ddp", optimizer_name = "sgd";
+  std::vector<int64_t> hidden{256, 256};
   int64_t batch = 64, steps = 30, warmup = 5;
   double bucket_cap_mb = 25;
+  bool comm_baseline = true;
   app.add_option("--model", model, "mlp or cnn")->capture_default_str();
   app.add_option("--batch", batch, "Examples per rank per step")->capture_default_str();
   app.add_option("--steps", steps, "Measured steps")->capture_default_str();
   app.add_option("--warmup", warmup, "Unmeasured steps first")->capture_default_str();
   app.add_option("--bucket-cap-mb", bucket_cap_mb, "Gradient bucket cap (MiB)")
       ->capture_default_str();
+  app.add_option("--strategy", strategy_name, "ddp or zero1")->capture_default_str();
+  app.add_option("--optimizer", optimizer_name, "sgd (momentum 0.9) or adam")
+      ->capture_default_str();
+  app.add_option("--hidden", hidden, "MLP hidden widths")->capture_default_str();
+  app.add_flag("!--no-comm-baseline", comm_baseline, "Skip timing the allreduces alone");
   CLI11_PARSE(app, argc, argv);
 
   auto world = launch::init_from_env();
   torch::manual_seed(0);
   models::ModelSpec spec;
   spec.name = model;
+  spec.hidden = hidden;
   parallel::StrategyOptions options;
   options.bucket_cap_bytes = static_cast<int64_t>(bucket_cap_mb * 1024 * 1024);
-  parallel::DdpStrategy ddp(options);
-  optim::OptimizerSpec sgd;
-  sgd.lr = 0.01;
-  sgd.momentum = 0.9;
-  ddp.setup(models::make_model(spec), optim::optimizer_factory(sgd),
+  auto strategy = parallel::make_strategy(strategy_name, options);
+  auto& ddp = dynamic_cast<parallel::DdpStrategy&>(*strategy);  // ddp and zero1 both are
+  optim::OptimizerSpec optimizer;
+  optimizer.name = optimizer_name;
+  optimizer.lr = optimizer_name == "adam" ? 1e-4 : 0.01;
+  optimizer.momentum = optimizer_name == "sgd" ? 0.9 : 0.0;
+  ddp.setup(models::make_model(spec), optim::optimizer_factory(optimizer),
             std::make_shared<comm::ProcessGrid>(world));
   std::vector<data::Batch> batches;
   for (int i = 0; i < 4; ++i) {
@@ -76,7 +89,7 @@ int main(int argc, char** argv) {
   // The same bucket allreduces with nothing to overlap: the communication a step must hide.
   std::vector<double> allreduce_ms;
   auto buffers = ddp.reducer().bucket_buffers();
-  for (int64_t i = 0; i < warmup + steps; ++i) {
+  for (int64_t i = 0; comm_baseline && i < warmup + steps; ++i) {
     world->barrier()->wait();
     const auto start = Clock::now();
     std::vector<comm::WorkPtr> works;
@@ -84,15 +97,24 @@ int main(int argc, char** argv) {
     comm::wait_all(works);
     if (i >= warmup) allreduce_ms.push_back(ms_since(start));
   }
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto peak = torch::full({1}, usage.ru_maxrss / 1024.0, torch::kDouble);  // MB, max over ranks
+  world->allreduce(peak, {comm::ReduceOp::Max})->wait();
+  const auto report = ddp.memory_report();
   if (world->rank() == 0) {
     const double step = median(step_ms);
     std::printf(
         "{\"impl\": \"dtrain\", \"model\": \"%s\", \"world\": %d, \"batch\": %lld, "
         "\"threads\": %d, \"buckets\": %zu, \"step_ms\": %.3f, \"samples_per_s\": %.1f, "
-        "\"exposed_comm_ms\": %.3f, \"skew_ms\": %.3f, \"allreduce_ms\": %.3f}\n",
+        "\"exposed_comm_ms\": %.3f, \"skew_ms\": %.3f, \"allreduce_ms\": %.3f, "
+        "\"strategy\": \"%s\", \"peak_rss_mb\": %.1f, \"param_mb\": %.1f, \"grad_mb\": %.1f, "
+        "\"optimizer_mb\": %.1f}\n",
         model.c_str(), world->size(), static_cast<long long>(batch), at::get_num_threads(),
         buffers.size(), step, batch * world->size() * 1000.0 / step, median(exposed_ms),
-        median(skew_ms), median(allreduce_ms));
+        median(skew_ms), median(allreduce_ms), strategy_name.c_str(), peak.item<double>(),
+        report.parameter_bytes / 1048576.0, report.gradient_bytes / 1048576.0,
+        report.optimizer_bytes / 1048576.0);
   }
   return 0;
 }

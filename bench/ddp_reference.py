@@ -5,6 +5,7 @@ Run with Debian's interpreter: /usr/bin/python3."""
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -23,15 +24,28 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--bucket-cap-mb", type=float, default=25)
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "zero1"],
+                        help="zero1: torch.distributed.optim.ZeroRedundancyOptimizer")
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[256, 256])
+    parser.add_argument("--no-comm-baseline", action="store_true", help="(dtrain's flag; ignored)")
     args = parser.parse_args()
 
     torch.set_num_threads(int(os.environ.get("DTRAIN_THREADS", "1")))
     dist.init_process_group("gloo")  # env:// from the launcher
     world = dist.get_world_size()
     torch.manual_seed(0)
-    model = Mlp() if args.model == "mlp" else Cnn()
+    model = Mlp(args.hidden) if args.model == "mlp" else Cnn()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    if args.optimizer == "adam":
+        kind, settings = torch.optim.Adam, {"lr": 1e-4}
+    else:
+        kind, settings = torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}
+    if args.strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=kind, **settings)
+    else:
+        optimizer = kind(ddp.parameters(), **settings)
     batches = [(torch.randn(args.batch, 1, 28, 28), torch.randint(0, 10, (args.batch,)))
                for _ in range(4)]
     step_ms = []
@@ -47,12 +61,16 @@ def main():
         elapsed = (time.perf_counter() - start) * 1e3
         if i >= args.warmup:
             step_ms.append(elapsed)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
+                        dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # MB, the largest rank
     if dist.get_rank() == 0:
         step = statistics.median(step_ms)
         print(json.dumps({"impl": "pytorch", "model": args.model, "world": world,
                           "batch": args.batch, "threads": torch.get_num_threads(),
-                          "step_ms": round(step, 3),
-                          "samples_per_s": round(args.batch * world * 1000.0 / step, 1)}))
+                          "strategy": args.strategy, "step_ms": round(step, 3),
+                          "samples_per_s": round(args.batch * world * 1000.0 / step, 1),
+                          "peak_rss_mb": round(peak.item(), 1)}))
     dist.destroy_process_group()
 
 

@@ -16,9 +16,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_once(build, impl, model, world, batch, steps, bucket_cap_mb):
+def run_once(build, impl, model, world, batch, steps, bucket_cap_mb, extra=()):
     args = ["--model", model, "--batch", str(batch), "--steps", str(steps),
-            "--bucket-cap-mb", str(bucket_cap_mb)]
+            "--bucket-cap-mb", str(bucket_cap_mb)] + list(extra)
     if impl == "dtrain":
         program = [os.path.join(build, "bench", "ddp_bench")] + args
     else:

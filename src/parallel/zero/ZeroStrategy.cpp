@@ -49,35 +49,35 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
       p.set_(flat_.storage(), offsets_[k], p.sizes(), c10::contiguous_strides(p.sizes()));
     }
   }
-  shard_ = alias(flat_, rank * shard_numel_, {shard_numel_}).requires_grad_(true);
-  optimizer_ = make_optimizer({shard_});
+  // The optimizer gets this rank's shard as one piece per parameter it overlaps (each a leaf
+  // aliasing flat_): optimizers loop over parameters, so their temporaries stay the size of one
+  // parameter instead of the whole shard, and each piece's gradient can alias the Reducer's
+  // bucket storage directly.
+  const int64_t begin = rank * shard_numel_;
+  const int64_t end = std::min(begin + shard_numel_, total_numel_);
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    const int64_t lo = std::max(begin, offsets_[k]);
+    const int64_t hi = std::min(end, offsets_[k] + parameters_[k].numel());
+    if (lo >= hi) continue;
+    pieces_.push_back({k, lo - offsets_[k], alias(flat_, lo, {hi - lo}).requires_grad_(true)});
+  }
+  std::vector<at::Tensor> shard;
+  for (const auto& piece : pieces_) shard.push_back(piece.tensor);
+  optimizer_ = make_optimizer(shard);
 }
 
 void ZeroStrategy::apply_update() {
-  // This rank's part of the averaged gradients, in flat order (padding stays zero); it exists
-  // only during the update, so gradients cost 4P + nothing persistent per shard.
-  at::Tensor shard_grad = at::zeros({shard_numel_}, flat_.options());
-  const int64_t begin = comm_->rank() * shard_numel_;
-  const int64_t end = begin + shard_numel_;
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    const int64_t p_begin = offsets_[k];
-    const int64_t p_end = p_begin + parameters_[k].numel();
-    const int64_t lo = std::max(begin, p_begin);
-    const int64_t hi = std::min(end, p_end);
-    if (lo >= hi) continue;
-    const at::Tensor& grad = parameters_[k].grad();
-    at::Tensor target = shard_grad.narrow(0, lo - begin, hi - lo);
-    if (grad.defined()) {
-      target.copy_(grad.reshape({-1}).narrow(0, lo - p_begin, hi - lo));
-    } else {
-      target.zero_();
-    }
+  // Each piece's gradient is the matching slice of its parameter's averaged gradient (which
+  // lives in the Reducer's buckets): no copies.
+  for (auto& piece : pieces_) {
+    const at::Tensor& grad = parameters_[piece.parameter].grad();
+    DTRAIN_CHECK(grad.defined() && grad.is_contiguous(), "zero1: parameter ",
+                 piece.parameter, " has no contiguous gradient after the reduction");
+    piece.tensor.mutable_grad() = alias(grad, piece.offset, {piece.tensor.numel()});
   }
-  shard_.mutable_grad() = shard_grad;
   optimizer_->step();
-  shard_.mutable_grad().reset();
   torch::NoGradGuard no_grad;
-  comm_->allgather(flat_, shard_.detach())->wait();
+  comm_->allgather(flat_, flat_.narrow(0, comm_->rank() * shard_numel_, shard_numel_))->wait();
 }
 
 void ZeroStrategy::save(const std::string& directory) {

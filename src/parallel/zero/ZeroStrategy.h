@@ -24,8 +24,15 @@ class ZeroStrategy : public DdpStrategy {
   void apply_update() override;
 
  private:
-  at::Tensor flat_;        // all parameters, padded; the parameters alias it
-  at::Tensor shard_;       // this rank's slice of flat_, the optimizer's only parameter
+  /// Part of parameter `parameter` (from element `offset`) inside this rank's shard.
+  struct Piece {
+    size_t parameter;
+    int64_t offset;
+    at::Tensor tensor;  // aliases flat_; an optimizer parameter
+  };
+
+  at::Tensor flat_;  // all parameters, padded; the parameters alias it
+  std::vector<Piece> pieces_;
   int64_t total_numel_ = 0;
   int64_t shard_numel_ = 0;
   std::vector<int64_t> offsets_;  // of each parameter in flat_
