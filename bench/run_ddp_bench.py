@@ -16,6 +16,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def emit(table, markdown_path):
+    """Prints a result table and, when asked, writes it to a Markdown file."""
+    print(table)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(table + "\n")
+
+
 def run_once(build, impl, model, world, batch, steps, bucket_cap_mb, extra=()):
     args = ["--model", model, "--batch", str(batch), "--steps", str(steps),
             "--bucket-cap-mb", str(bucket_cap_mb)] + list(extra)
@@ -81,11 +89,7 @@ def main():
             f"{ours_ms / ref_ms:.3f} | {statistics.median(r['samples_per_s'] for r in ours):.0f} | "
             f"{statistics.median(r['samples_per_s'] for r in ref):.0f} | {overlap} | "
             f"{skew:.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+    emit("\n".join(lines), args.markdown)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import statistics
 import subprocess
 import sys
 
+from run_ddp_bench import emit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -118,11 +120,7 @@ def main():
             out.append(f"| {label} | {ms:.0f} | {ms / base_ms - 1:+.0%} | {act:.0f} | "
                        f"{base_act / act:.2f}x | {theory:.0f} | {p_ms:.0f} | {p_act:.0f} | "
                        f"{act / p_act:.2f} |")
-    text = "\n".join(out)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(out), args.markdown)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import argparse
 import os
 import statistics
 
-from run_ddp_bench import ROOT, run_once
+from run_ddp_bench import ROOT, emit, run_once
 
 HIDDEN = ["3584"] * 8
 
@@ -58,11 +58,7 @@ def main():
             lines.append(f"| {world} | {name} | {med(key, 'step_ms'):.0f} | "
                          f"{med(key, 'step_ms') / base:.2f} | {med(key, 'peak_rss_mb'):.0f} | "
                          f"{state} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+    emit("\n".join(lines), args.markdown)
 
 
 if __name__ == "__main__":
