@@ -146,3 +146,19 @@ TEST(Zero1, SavesAndResumesItsShards) {
   });
   std::filesystem::remove_all(dir);
 }
+
+TEST(Zero1, MixedPrecisionMatchesDdpAndPureBf16IsRefused) {
+  at::set_num_threads(1);
+  auto f = make_fixture(odd_mlp(), adam(), 8);
+  parallel::StrategyOptions mixed;
+  mixed.precision = "bf16-mixed";
+  const auto ddp = train_distributed(
+      f, 2, 8, [&] { return std::make_unique<parallel::DdpStrategy>(mixed); });
+  const auto zero = train_distributed(
+      f, 2, 8, [&] { return std::make_unique<parallel::ZeroStrategy>(mixed); });
+  EXPECT_LE(max_abs_diff(ddp, zero), 1e-5);
+  const auto fp32 = train_distributed(
+      f, 2, 8, [] { return std::make_unique<parallel::ZeroStrategy>(parallel::StrategyOptions{}); });
+  EXPECT_GT(max_abs_diff(fp32, zero), 0.0) << "bf16-mixed changed nothing: autocast not applied?";
+  EXPECT_THROW(parallel::ZeroStrategy({.precision = "bf16"}), InputError);
+}
