@@ -13,6 +13,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Launcher.h"
+#include "dtrain/parallel/Strategy.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Job.h"
 
@@ -46,7 +47,12 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
                  "/usr/share/datasets/fashion-mnist)");
   app.add_option("--synthetic-examples", job.synthetic_examples,
                  "Training examples of the synthetic data set")->capture_default_str();
-  app.add_option("--strategy", t.strategy, "Parallel strategy: ddp")->capture_default_str();
+  std::string strategies;
+  for (const auto& name : dtrain::parallel::strategy_names()) {
+    strategies += (strategies.empty() ? "" : ", ") + name;
+  }
+  app.add_option("--strategy", t.strategy, "Parallel strategy: " + strategies)
+      ->capture_default_str();
   app.add_option("--nproc", job.nproc, "Local ranks to launch")->capture_default_str();
   app.add_option("--threads", job.threads, "Threads per rank (default: cores / ranks)");
   app.add_option("--backend", job.backend, "Communication backend: gloo, nccl")

@@ -1,6 +1,6 @@
-// ZeRO-1: trains to the same weights as single-process / DDP training (Adam, parameter counts
-// that do not divide by N, accumulation, clipping), holds 8P/N bytes of Adam state, and saves
-// and resumes its sharded optimizer state.
+// ZeRO-1 and ZeRO-2: train to the same weights as single-process / DDP training (Adam, parameter
+// counts that do not divide by N, accumulation, clipping), hold the ZeRO formulas' memory, and
+// save and resume their sharded optimizer state.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -33,32 +33,35 @@ optim::OptimizerSpec adam() {
 
 }  // namespace
 
-class ZeroEquivalence : public ::testing::TestWithParam<int> {};
+class ZeroEquivalence : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
-TEST_P(ZeroEquivalence, Zero1MatchesSingleProcessAdam) {
+TEST_P(ZeroEquivalence, MatchesSingleProcessAdam) {
   at::set_num_threads(1);
-  const int world = GetParam();
+  const auto [stage, world] = GetParam();
   auto f = make_fixture(odd_mlp(), adam(), 20);
   const auto expected = train_single(f, 20);
-  const auto got = train_distributed(f, world, 20, [] {
-    return std::make_unique<parallel::ZeroStrategy>(parallel::StrategyOptions{});
+  const auto got = train_distributed(f, world, 20, [stage = stage] {
+    return std::make_unique<parallel::ZeroStrategy>(parallel::StrategyOptions{}, stage);
   });
   EXPECT_GT(max_abs_diff(expected, f.initial), 1e-2) << "training did not move the weights";
   EXPECT_LE(max_abs_diff(expected, got), 1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, ZeroEquivalence, ::testing::Values(2, 4));
+INSTANTIATE_TEST_SUITE_P(StagesAndWorlds, ZeroEquivalence,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Values(2, 4)));
 
-TEST(Zero1, MatchesDdpWithAccumulationAndGlobalNormClipping) {
+TEST(Zero, MatchesDdpWithAccumulationAndGlobalNormClipping) {
   at::set_num_threads(1);
   auto f = make_fixture(odd_mlp(), adam(), 10);
   parallel::StrategyOptions options;
   options.max_grad_norm = 0.05;  // small enough to clip every step
   const auto ddp = train_distributed(
       f, 2, 10, [&] { return std::make_unique<parallel::DdpStrategy>(options); }, 2);
-  const auto zero = train_distributed(
-      f, 2, 10, [&] { return std::make_unique<parallel::ZeroStrategy>(options); }, 2);
-  EXPECT_LE(max_abs_diff(ddp, zero), 1e-5);
+  for (int stage : {1, 2}) {  // stage 2: the norm is summed over gradient shards
+    const auto zero = train_distributed(
+        f, 2, 10, [&] { return std::make_unique<parallel::ZeroStrategy>(options, stage); }, 2);
+    EXPECT_LE(max_abs_diff(ddp, zero), 1e-5) << "stage " << stage;
+  }
 }
 
 TEST(Zero1, MemoryReportFollowsTheZeroFormula) {
@@ -78,6 +81,17 @@ TEST(Zero1, MemoryReportFollowsTheZeroFormula) {
       EXPECT_EQ(report.parameter_bytes, 4 * shard * world);  // 4P + padding
       EXPECT_EQ(report.gradient_bytes, 4 * p);                // 4P
       EXPECT_EQ(report.optimizer_bytes, 8 * mine);            // 8P/N (the last shard is short)
+
+      parallel::ZeroStrategy zero2({}, 2);
+      zero2.setup(models::make_model(odd_mlp()), optim::optimizer_factory(adam()), grid);
+      zero2.train_step({batch}, parallel::cross_entropy);
+      const auto report2 = zero2.memory_report();
+      EXPECT_EQ(report2.parameter_bytes, 4 * shard * world);  // 4P + padding
+      EXPECT_EQ(report2.gradient_bytes, 4 * shard);           // 4P/N (+ padding)
+      EXPECT_EQ(report2.optimizer_bytes, 8 * mine);           // 8P/N
+      for (const auto& p : zero2.model().module->parameters()) {
+        EXPECT_FALSE(p.grad().defined()) << "a full gradient outlived its reduce-scatter";
+      }
 
       parallel::DdpStrategy ddp({});
       ddp.setup(models::make_model(odd_mlp()), optim::optimizer_factory(adam()), grid);
@@ -147,13 +161,16 @@ TEST(Zero1, SavesAndResumesItsShards) {
   std::filesystem::remove_all(dir);
 }
 
-TEST(Zero1, MixedPrecisionMatchesDdpAndPureBf16IsRefused) {
+TEST(Zero, MixedPrecisionMatchesDdpAndPureBf16IsRefused) {
   at::set_num_threads(1);
   auto f = make_fixture(odd_mlp(), adam(), 8);
   parallel::StrategyOptions mixed;
   mixed.precision = "bf16-mixed";
   const auto ddp = train_distributed(
       f, 2, 8, [&] { return std::make_unique<parallel::DdpStrategy>(mixed); });
+  const auto zero2 = train_distributed(
+      f, 2, 8, [&] { return std::make_unique<parallel::ZeroStrategy>(mixed, 2); });
+  EXPECT_LE(max_abs_diff(ddp, zero2), 1e-5);
   const auto zero = train_distributed(
       f, 2, 8, [&] { return std::make_unique<parallel::ZeroStrategy>(mixed); });
   EXPECT_LE(max_abs_diff(ddp, zero), 1e-5);

@@ -18,7 +18,8 @@ namespace {
 using Factory = StrategyPtr (*)(const StrategyOptions&);
 const std::vector<std::pair<std::string, Factory>> kRegistry = {
     {"ddp", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<DdpStrategy>(o); }},
-    {"zero1", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ZeroStrategy>(o); }},
+    {"zero1", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ZeroStrategy>(o, 1); }},
+    {"zero2", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ZeroStrategy>(o, 2); }},
 };
 
 }  // namespace

@@ -65,6 +65,7 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
   reducer_options.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
   reducer_options.wire_dtype = wire_dtype_of(options_.grad_compression);
   reducer_options.error_on_unused_parameters = options_.error_on_unused_parameters;
+  configure_reducer(reducer_options);
   reducer_ = std::make_unique<Reducer>(parameters_, names, comm_, reducer_options);
 }
 
@@ -85,8 +86,9 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   const auto count = static_cast<double>(micro_batches.size());
   for (size_t i = 0; i < micro_batches.size(); ++i) {
     const bool last = i + 1 == micro_batches.size();
-    reducer_->set_sync(last);
-    if (last) reducer_->prepare_for_backward();
+    const bool sync = last || reduce_every_micro_batch();
+    reducer_->set_sync(sync);
+    if (sync) reducer_->prepare_for_backward();
     const auto& batch = micro_batches[i];
     at::Tensor value;
     {
@@ -101,6 +103,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     objective.backward();
     result.loss += value.item<double>() / count;
     result.samples += batch.inputs.size(0);
+    if (sync && !last) reducer_->finalize();
   }
   reducer_->finalize();
   const auto& stats = reducer_->stats();
@@ -112,21 +115,38 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   }
   bool skip = false;
   if (scaler_) {
-    skip = scaler_->unscale_and_check(parameters_, comm_);  // the same answer on every rank
+    skip = scaler_->unscale_and_check(gradient_holders(), comm_);  // the same on every rank
     scaler_->update(skip);
     result.metrics["loss_scale"] = scaler_->scale_value();
     result.metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
   }
   result.metrics["step_skipped"] = skip ? 1.0 : 0.0;
   if (!skip) {
-    if (options_.max_grad_norm > 0) {
-      result.grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, options_.max_grad_norm);
-    }
+    if (options_.max_grad_norm > 0) result.grad_norm = clip_gradients(options_.max_grad_norm);
     apply_update();
   }
   result.metrics["exposed_comm_ms"] = stats.exposed_comm_ms;
   result.metrics["buckets_overlapped"] = static_cast<double>(stats.buckets_launched_during_backward);
   return result;
+}
+
+double DdpStrategy::clip_gradients(double max_norm) {
+  const auto holders = gradient_holders();
+  if (!gradients_sharded()) return torch::nn::utils::clip_grad_norm_(holders, max_norm);
+  // Each rank holds part of the gradients: the global norm sums every rank's squares.
+  at::Tensor squares = at::zeros({1}, at::kDouble);
+  for (const auto& t : holders) {
+    if (t.grad().defined()) squares += t.grad().to(at::kDouble).pow(2).sum();
+  }
+  comm_->allreduce(squares)->wait();
+  const double norm = std::sqrt(squares.item<double>());
+  const double factor = max_norm / (norm + 1e-6);
+  if (factor < 1.0) {
+    for (const auto& t : holders) {
+      if (t.grad().defined()) t.grad().mul_(factor);
+    }
+  }
+  return norm;
 }
 
 void DdpStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {

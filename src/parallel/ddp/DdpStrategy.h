@@ -31,8 +31,19 @@ class DdpStrategy : public Strategy {
   virtual void build_optimizer(const optim::OptimizerFactory& make_optimizer);
   /// Applies the update once gradients are averaged (and unscaled, clipped).
   virtual void apply_update();
+  /// Adjusts the Reducer before it is built (ZeRO-2 switches it to reduce-scatter).
+  virtual void configure_reducer(ReducerOptions& options) {}
+  /// Reduce after every micro-batch instead of accumulating locally (sharded gradients cannot
+  /// accumulate unreduced).
+  virtual bool reduce_every_micro_batch() const { return false; }
+  /// The tensors whose .grad the update uses (loss-scaler check, clipping).
+  virtual std::vector<at::Tensor> gradient_holders() const { return parameters_; }
+  /// Whether each rank holds only part of the gradients (the clipping norm is then allreduced).
+  virtual bool gradients_sharded() const { return false; }
 
   void broadcast_buffers();
+  /// Scales gradients to at most `max_norm` in global L2 norm; returns the norm before.
+  double clip_gradients(double max_norm);
 
   StrategyOptions options_;
   Model model_;

@@ -29,32 +29,55 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
                  " does not require grad");
   }
   // Each bucket as a list of parameter indices, in launch order.
+  std::vector<int64_t> flat_offsets(parameters_.size() + 1, 0);  // the flat order (sharded mode)
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    flat_offsets[k + 1] = flat_offsets[k] + parameters_[k].numel();
+  }
   locator_.resize(parameters_.size());
   for (auto& group : assign_buckets()) {
     Bucket bucket;
-    int64_t offset = 0;
+    // Sharded mode lays a bucket out in ascending parameter order, so it is one slice of the
+    // flat order and a reduce-scatter can hand each rank its part.
+    const size_t lowest = *std::min_element(group.begin(), group.end());
     for (size_t k : group) {
       locator_[k] = {buckets_.size(), bucket.parameters.size()};
       bucket.parameters.push_back(k);
-      bucket.offsets.push_back(offset);
-      offset += parameters_[k].numel();
+      bucket.offsets.push_back(sharded() ? flat_offsets[k] - flat_offsets[lowest]
+                                         : bucket.numel);
+      bucket.numel += parameters_[k].numel();
     }
+    if (sharded()) {
+      DTRAIN_CHECK(*std::max_element(group.begin(), group.end()) - lowest + 1 == group.size(),
+                   "Reducer: sharded mode needs parameters of one dtype");
+      bucket.flat_begin = flat_offsets[lowest];
+      const int64_t S = options_.shard_numel;
+      for (int r = 0; r < comm_->size(); ++r) {
+        const int64_t lo = std::max(bucket.flat_begin, r * S);
+        const int64_t hi = std::min(bucket.flat_begin + bucket.numel, (r + 1) * S);
+        bucket.counts.push_back(std::max<int64_t>(0, hi - lo));
+      }
+    }
+    bucket.pending = bucket.parameters.size();
     buckets_.push_back(std::move(bucket));
   }
+  if (sharded()) {
+    DTRAIN_CHECK(options_.shard_grad.defined() &&
+                     options_.shard_grad.numel() == options_.shard_numel &&
+                     options_.shard_numel * comm_->size() >= flat_offsets.back(),
+                 "Reducer: shard_grad must hold shard_numel elements covering all parameters");
+  }
   for (auto& bucket : buckets_) {
-    const at::Tensor& first = parameters_[bucket.parameters.front()];
-    const int64_t total = bucket.offsets.back() + parameters_[bucket.parameters.back()].numel();
-    bucket.flat = at::zeros({total}, first.options().requires_grad(false));
-    const bool compress = options_.wire_dtype != at::ScalarType::Undefined &&
-                          options_.wire_dtype != first.scalar_type();
-    bucket.wire = compress ? at::empty({total}, bucket.flat.options().dtype(options_.wire_dtype))
-                           : bucket.flat;
-    bucket.pending = bucket.parameters.size();
-    stats_.bytes_per_step += total * bucket.wire.element_size();
+    if (!sharded()) allocate(bucket);
+    const auto wire_dtype = options_.wire_dtype != at::ScalarType::Undefined
+                                ? options_.wire_dtype
+                                : parameters_[bucket.parameters.front()].scalar_type();
+    stats_.bytes_per_step += bucket.numel * static_cast<int64_t>(c10::elementSize(wire_dtype));
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());
   ready_.assign(parameters_.size(), false);
-  for (size_t k = 0; k < parameters_.size(); ++k) alias_grad(k, /*keep_values=*/true);
+  if (!sharded()) {
+    for (size_t k = 0; k < parameters_.size(); ++k) alias_grad(k, /*keep_values=*/true);
+  }
 
   accumulators_.resize(parameters_.size());
   hook_keys_.resize(parameters_.size());
@@ -145,9 +168,34 @@ Reducer::~Reducer() {
   }
 }
 
+void Reducer::allocate(Bucket& bucket) {
+  const at::Tensor& first = parameters_[bucket.parameters.front()];
+  bucket.flat = at::zeros({bucket.numel}, first.options().requires_grad(false));
+  const bool compress = options_.wire_dtype != at::ScalarType::Undefined &&
+                        options_.wire_dtype != first.scalar_type();
+  bucket.wire = compress ? at::empty({bucket.numel}, bucket.flat.options().dtype(options_.wire_dtype))
+                         : bucket.flat;
+}
+
+void Reducer::complete_sharded(Bucket& bucket) {
+  bucket.work->wait();
+  bucket.work.reset();
+  const int rank = comm_->rank();
+  if (bucket.counts[rank] > 0) {
+    const int64_t lo = std::max(bucket.flat_begin, rank * options_.shard_numel);
+    options_.shard_grad.narrow(0, lo - rank * options_.shard_numel, bucket.counts[rank])
+        .add_(bucket.received.to(options_.shard_grad.scalar_type()));
+  }
+  bucket.received.reset();
+  for (size_t k : bucket.parameters) parameters_[k].mutable_grad().reset();
+  bucket.flat.reset();
+  bucket.wire.reset();
+}
+
 void Reducer::alias_grad(size_t k, bool keep_values) {
   const auto [b, slot] = locator_[k];
-  const Bucket& bucket = buckets_[b];
+  Bucket& bucket = buckets_[b];
+  if (!bucket.flat.defined()) allocate(bucket);  // sharded mode: on first use
   at::Tensor& p = parameters_[k];
   const int64_t offset = bucket.offsets[slot];
   const void* expected = static_cast<const char*>(bucket.flat.data_ptr()) +
@@ -172,6 +220,11 @@ void Reducer::alias_grad(size_t k, bool keep_values) {
 }
 
 void Reducer::zero_grad() {
+  if (sharded()) {  // no full gradients between steps
+    options_.shard_grad.zero_();
+    for (auto& p : parameters_) p.mutable_grad().reset();
+    return;
+  }
   for (auto& bucket : buckets_) bucket.flat.zero_();
   for (size_t k = 0; k < parameters_.size(); ++k) alias_grad(k, /*keep_values=*/false);
 }
@@ -211,6 +264,11 @@ void Reducer::mark_ready(size_t k) {
   alias_grad(k, /*keep_values=*/true);  // usually a no-op: AccumulateGrad wrote into the bucket
   Bucket& bucket = buckets_[locator_[k].first];
   if (--bucket.pending == 0) launch_ready_buckets();
+  if (sharded()) {  // release full gradients as soon as their reduction is done
+    for (size_t b = 0; b < next_bucket_; ++b) {
+      if (buckets_[b].work && buckets_[b].work->is_completed()) complete_sharded(buckets_[b]);
+    }
+  }
 }
 
 void Reducer::launch_ready_buckets() {
@@ -219,7 +277,13 @@ void Reducer::launch_ready_buckets() {
     Bucket& bucket = buckets_[next_bucket_++];
     bucket.flat.div_(world);  // average before the wire cast: keeps fp16 in range
     if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
-    bucket.work = comm_->allreduce(bucket.wire);
+    if (sharded()) {
+      bucket.received = at::empty({bucket.counts[comm_->rank()]}, bucket.wire.options());
+      bucket.work = comm_->reduce_scatter(bucket.received, bucket.wire,
+                                          {comm::ReduceOp::Sum, bucket.counts});
+    } else {
+      bucket.work = comm_->allreduce(bucket.wire);
+    }
     if (!backward_ended_) ++stats_.buckets_launched_during_backward;
   }
 }
@@ -252,6 +316,10 @@ void Reducer::finalize() {
   }
   if (!backward_ended_) on_backward_end();  // no gradient reached any hook this step
   for (auto& bucket : buckets_) {
+    if (sharded()) {
+      if (bucket.work) complete_sharded(bucket);
+      continue;
+    }
     bucket.work->wait();
     bucket.work.reset();
     if (!bucket.wire.is_same(bucket.flat)) bucket.flat.copy_(bucket.wire);

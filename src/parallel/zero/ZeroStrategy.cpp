@@ -23,9 +23,24 @@ at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes) 
 
 }  // namespace
 
-ZeroStrategy::ZeroStrategy(StrategyOptions options) : DdpStrategy(std::move(options)) {
-  DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16,
-                     "zero1 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
+ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
+    : DdpStrategy(std::move(options)), stage_(stage) {
+  DTRAIN_CHECK(stage_ == 1 || stage_ == 2, "ZeroStrategy stage must be 1 or 2, got ", stage_);
+  DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16, name(),
+                     " keeps fp32 master weights; use --precision bf16-mixed, not bf16");
+}
+
+void ZeroStrategy::configure_reducer(ReducerOptions& options) {
+  if (stage_ < 2) return;
+  options.shard_numel = shard_numel_;
+  options.shard_grad = shard_grad_;
+}
+
+std::vector<at::Tensor> ZeroStrategy::gradient_holders() const {
+  if (stage_ < 2) return parameters_;
+  std::vector<at::Tensor> holders;
+  for (const auto& piece : pieces_) holders.push_back(piece.tensor);
+  return holders;
 }
 
 void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
@@ -61,15 +76,23 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
     if (lo >= hi) continue;
     pieces_.push_back({k, lo - offsets_[k], alias(flat_, lo, {hi - lo}).requires_grad_(true)});
   }
+  if (stage_ >= 2) {  // the gradient shard the Reducer reduce-scatters into
+    shard_grad_ = at::zeros({shard_numel_}, flat_.options());
+    for (auto& piece : pieces_) {
+      const int64_t lo = offsets_[piece.parameter] + piece.offset;
+      piece.tensor.mutable_grad() = alias(shard_grad_, lo - begin, {piece.tensor.numel()});
+    }
+  }
   std::vector<at::Tensor> shard;
   for (const auto& piece : pieces_) shard.push_back(piece.tensor);
   optimizer_ = make_optimizer(shard);
 }
 
 void ZeroStrategy::apply_update() {
-  // Each piece's gradient is the matching slice of its parameter's averaged gradient (which
-  // lives in the Reducer's buckets): no copies.
+  // Stage 1: each piece's gradient is the matching slice of its parameter's averaged gradient
+  // (which lives in the Reducer's buckets): no copies. Stage 2: they alias shard_grad_ already.
   for (auto& piece : pieces_) {
+    if (stage_ >= 2) break;
     const at::Tensor& grad = parameters_[piece.parameter].grad();
     DTRAIN_CHECK(grad.defined() && grad.is_contiguous(), "zero1: parameter ",
                  piece.parameter, " has no contiguous gradient after the reduction");
@@ -94,7 +117,7 @@ void ZeroStrategy::load(const std::string& directory) {
                                         comm_->size(), ".pt");
   DTRAIN_CHECK_INPUT(std::ifstream(shard_file).good(), "checkpoint ", directory,
                      " has no optimizer shard for rank ", comm_->rank(), " of ", comm_->size(),
-                     " (", shard_file, "): zero1 resumes at the world size it was saved with");
+                     " (", shard_file, "): ", name(), " resumes at the world size it was saved with");
   try {
     torch::load(model_.module, directory + "/model.pt");
     torch::load(*optimizer_, shard_file);
@@ -104,8 +127,8 @@ void ZeroStrategy::load(const std::string& directory) {
       scaler_->load_state(state);
     }
   } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, "checkpoint ", directory, " cannot be loaded into this zero1 ",
-                 "model/optimizer: ", e.what_without_backtrace());
+    DTRAIN_THROW(InputError, "checkpoint ", directory, " cannot be loaded into this ", name(),
+                 " model/optimizer: ", e.what_without_backtrace());
   }
   // torch::load re-assigned the parameters (set_); put them back into flat_.
   torch::NoGradGuard no_grad;
@@ -124,6 +147,7 @@ MemoryReport ZeroStrategy::memory_report() const {
     report.gradient_bytes += p.numel() * p.element_size();
   }
   report.parameter_bytes += (flat_.numel() - total_numel_) * flat_.element_size();  // padding
+  if (stage_ >= 2) report.gradient_bytes = shard_grad_.numel() * shard_grad_.element_size();
   report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
   return report;
 }

@@ -1,7 +1,8 @@
-// ZeRO stage 1 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-// Parameter Models"): data parallelism in which each rank keeps optimizer state only for its
-// shard of the parameters. Gradients are averaged by DDP's Reducer; each rank updates its shard;
-// an allgather then gives every rank the full updated parameters.
+// ZeRO stages 1 and 2 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+// Parameter Models"): data parallelism in which each rank keeps optimizer state (stage 1) and
+// gradients (stage 2) only for its shard of the parameters. Stage 1 averages full gradients with
+// DDP's Reducer; stage 2 has the Reducer reduce-scatter each bucket into the rank's gradient shard
+// and free it. Each rank updates its shard; an allgather gives every rank the updated parameters.
 #pragma once
 
 #include "parallel/ddp/DdpStrategy.h"
@@ -10,8 +11,8 @@ namespace dtrain::parallel {
 
 class ZeroStrategy : public DdpStrategy {
  public:
-  explicit ZeroStrategy(StrategyOptions options);
-  std::string name() const override { return "zero1"; }
+  ZeroStrategy(StrategyOptions options, int stage = 1);
+  std::string name() const override { return stage_ == 1 ? "zero1" : "zero2"; }
   void save(const std::string& directory) override;
   void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
@@ -22,6 +23,10 @@ class ZeroStrategy : public DdpStrategy {
  protected:
   void build_optimizer(const optim::OptimizerFactory& make_optimizer) override;
   void apply_update() override;
+  void configure_reducer(ReducerOptions& options) override;
+  bool reduce_every_micro_batch() const override { return stage_ >= 2; }
+  std::vector<at::Tensor> gradient_holders() const override;
+  bool gradients_sharded() const override { return stage_ >= 2; }
 
  private:
   /// Part of parameter `parameter` (from element `offset`) inside this rank's shard.
@@ -31,7 +36,9 @@ class ZeroStrategy : public DdpStrategy {
     at::Tensor tensor;  // aliases flat_; an optimizer parameter
   };
 
-  at::Tensor flat_;  // all parameters, padded; the parameters alias it
+  int stage_;
+  at::Tensor flat_;        // all parameters, padded; the parameters alias it
+  at::Tensor shard_grad_;  // stage 2: this rank's gradient shard (the pieces' grads alias it)
   std::vector<Piece> pieces_;
   int64_t total_numel_ = 0;
   int64_t shard_numel_ = 0;

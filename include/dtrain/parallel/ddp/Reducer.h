@@ -33,6 +33,12 @@ struct ReducerOptions {
   /// Give the first layer's parameters (their gradients come last) a bucket of their own when
   /// the rest of their bucket is at least as large as they are.
   bool isolate_first_layer = true;
+  /// ZeRO-2 (> 0): instead of allreducing, reduce-scatter each bucket so this rank receives only
+  /// its shard of the flat order (all parameters concatenated in the order given, padded to
+  /// shard_numel x ranks), averaged and added into `shard_grad`; bucket buffers exist only from a
+  /// bucket's first gradient until its reduction, and parameters' .grad are released with them.
+  int64_t shard_numel = 0;
+  at::Tensor shard_grad;
 };
 
 struct ReducerStats {
@@ -78,13 +84,23 @@ class Reducer {
   struct Bucket {
     std::vector<size_t> parameters;  // indices into parameters_
     std::vector<int64_t> offsets;    // element offset of each parameter in `flat`
+    int64_t numel = 0;
     at::Tensor flat;                 // gradients, in the parameters' dtype
     at::Tensor wire;                 // compressed copy (or == flat)
     size_t pending = 0;
     comm::WorkPtr work;
+    // Reduce-scatter mode: where the bucket sits in the flat order, and what this rank receives.
+    int64_t flat_begin = 0;
+    std::vector<int64_t> counts;
+    at::Tensor received;
   };
 
   std::vector<std::vector<size_t>> assign_buckets() const;
+  bool sharded() const { return options_.shard_numel > 0; }
+  void allocate(Bucket& bucket);
+  /// Reduce-scatter mode: waits for the bucket, adds what this rank received into shard_grad,
+  /// frees the bucket and its parameters' gradients.
+  void complete_sharded(Bucket& bucket);
   void attach_hooks();
   /// Points parameter k's .grad at its bucket slot (copying a replaced gradient in, or zeroing).
   void alias_grad(size_t k, bool keep_values);
