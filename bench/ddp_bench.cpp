@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "Unmeasured steps first")->capture_default_str();
   app.add_option("--bucket-cap-mb", bucket_cap_mb, "Gradient bucket cap (MiB)")
       ->capture_default_str();
-  app.add_option("--strategy", strategy_name, "ddp or zero1")->capture_default_str();
+  app.add_option("--strategy", strategy_name, "ddp, zero1 or zero2")->capture_default_str();
   app.add_option("--optimizer", optimizer_name, "sgd (momentum 0.9) or adam")
       ->capture_default_str();
   app.add_option("--hidden", hidden, "MLP hidden widths")->capture_default_str();
@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
   parallel::StrategyOptions options;
   options.bucket_cap_bytes = static_cast<int64_t>(bucket_cap_mb * 1024 * 1024);
   auto strategy = parallel::make_strategy(strategy_name, options);
-  auto& ddp = dynamic_cast<parallel::DdpStrategy&>(*strategy);  // ddp and zero1 both are
+  auto& ddp = dynamic_cast<parallel::DdpStrategy&>(*strategy);  // ddp and zero1/2 all are
   optim::OptimizerSpec optimizer;
   optimizer.name = optimizer_name;
   optimizer.lr = optimizer_name == "adam" ? 1e-4 : 0.01;

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""ZeRO benchmark driver: step time and peak resident memory per rank of dtrain's ddp and zero1
-against PyTorch's DistributedDataParallel and ZeroRedundancyOptimizer (ZeRO-1), with Adam, on the
+"""ZeRO benchmark driver: step time and peak resident memory per rank of dtrain's ddp, zero1 and
+zero2 against PyTorch's DistributedDataParallel and ZeroRedundancyOptimizer (ZeRO-1), with Adam, on the
 same ~93M-parameter MLP (784 -> 8 x 3584 -> 10) at 2 and 4 ranks; sides alternated over rounds,
 medians reported. Uses bench/ddp_bench and bench/ddp_reference.py through run_ddp_bench.run_once.
 
@@ -26,7 +26,8 @@ def main():
     parser.add_argument("--markdown")
     args = parser.parse_args()
     results = {}
-    sides = [("dtrain", "ddp"), ("pytorch", "ddp"), ("dtrain", "zero1"), ("pytorch", "zero1")]
+    sides = [("dtrain", "ddp"), ("pytorch", "ddp"), ("dtrain", "zero1"), ("pytorch", "zero1"),
+             ("dtrain", "zero2")]
     for round_index in range(args.rounds):
         for world in (int(w) for w in args.worlds.split(",")):
             order = sides if round_index % 2 == 0 else list(reversed(sides))
@@ -49,6 +50,7 @@ def main():
         for impl, strategy in sides:
             key = (impl, strategy, world)
             name = {("dtrain", "ddp"): "dtrain ddp", ("dtrain", "zero1"): "dtrain zero1",
+                    ("dtrain", "zero2"): "dtrain zero2",
                     ("pytorch", "ddp"): "PyTorch DDP + Adam",
                     ("pytorch", "zero1"): "PyTorch DDP + ZeroRedundancyOptimizer"}[(impl, strategy)]
             state = "n/a"

@@ -118,6 +118,12 @@ TEST(Comm, ReduceScatterMatchesAllreduceShareAndMovesRingBytes) {
       auto avg = torch::empty({share});
       comm->reduce_scatter(avg, input, {comm::ReduceOp::Avg})->wait();
       EXPECT_TRUE(torch::allclose(avg, output / world));
+
+      comm::ReduceScatterOptions scratch;  // may accumulate in the input: same result, no copy
+      scratch.input_is_scratch = true;
+      auto in_place = torch::empty({share});
+      comm->reduce_scatter(in_place, input.clone(), scratch)->wait();
+      EXPECT_TRUE(torch::equal(in_place, output));
     });
   }
 }

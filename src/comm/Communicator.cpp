@@ -166,14 +166,17 @@ void Communicator::exchange(const at::Tensor& send_buf, const at::Tensor& recv_b
 void Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                                        const std::vector<int64_t>& counts, ReduceOp op,
                                        int64_t sequence, Milliseconds timeout,
-                                       const std::string& what) {
+                                       const std::string& what, bool input_is_scratch) {
   const auto offsets = offsets_of(counts);
   auto chunk = [&](const at::Tensor& flat, int index) {
     return flat.narrow(0, offsets[index], counts[index]);
   };
   const auto wire_type = input.scalar_type();
-  at::Tensor acc = input.reshape({-1}).to(accumulation_type(wire_type), /*non_blocking=*/false,
-                                          /*copy=*/true);
+  const bool in_place = input_is_scratch && input.is_contiguous() &&
+                        accumulation_type(wire_type) == wire_type;
+  at::Tensor acc = in_place ? input.view({-1})
+                            : input.reshape({-1}).to(accumulation_type(wire_type),
+                                                     /*non_blocking=*/false, /*copy=*/true);
   for (int step = 0; step < size_ - 1; ++step) {
     const int send_index = ((rank_ - step - 1) % size_ + size_) % size_;
     const int recv_index = ((rank_ - step - 2) % size_ + size_) % size_;
@@ -248,7 +251,8 @@ WorkPtr Communicator::reduce_scatter(at::Tensor output, at::Tensor input,
   const auto timeout = resolve(options.timeout);
   const int64_t sequence = next_sequence();
   return run_async(describe(what), timeout, [=] {
-    ring_reduce_scatter(output, input, counts, options.op, sequence, timeout, what);
+    ring_reduce_scatter(output, input, counts, options.op, sequence, timeout, what,
+                        options.input_is_scratch);
   });
 }
 

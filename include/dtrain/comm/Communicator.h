@@ -80,7 +80,8 @@ class Communicator {
   /// Ring reduce-scatter / allgather / allreduce bodies (run on the op thread).
   void ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                            const std::vector<int64_t>& counts, ReduceOp op, int64_t sequence,
-                           Milliseconds timeout, const std::string& what);
+                           Milliseconds timeout, const std::string& what,
+                           bool input_is_scratch = false);
   void ring_allgather(const at::Tensor& output, const at::Tensor& input,
                       const std::vector<int64_t>& counts, int64_t sequence, Milliseconds timeout,
                       const std::string& what, int step_base = 0);

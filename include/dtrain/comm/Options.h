@@ -34,6 +34,9 @@ struct ReduceScatterOptions {
   ReduceOp op = ReduceOp::Sum;
   std::vector<int64_t> counts;
   std::chrono::milliseconds timeout{0};
+  /// The input is scratch: the reduction may accumulate in it (no copy of the input), leaving
+  /// it undefined afterwards. Ignored for 16-bit inputs, which accumulate in fp32.
+  bool input_is_scratch = false;
 };
 
 /// Point-to-point. User tags must be in [0, kMaxUserTag).

@@ -279,8 +279,10 @@ void Reducer::launch_ready_buckets() {
     if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
     if (sharded()) {
       bucket.received = at::empty({bucket.counts[comm_->rank()]}, bucket.wire.options());
-      bucket.work = comm_->reduce_scatter(bucket.received, bucket.wire,
-                                          {comm::ReduceOp::Sum, bucket.counts});
+      comm::ReduceScatterOptions options;
+      options.counts = bucket.counts;
+      options.input_is_scratch = true;  // the bucket is freed once reduced
+      bucket.work = comm_->reduce_scatter(bucket.received, bucket.wire, options);
     } else {
       bucket.work = comm_->allreduce(bucket.wire);
     }
