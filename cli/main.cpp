@@ -118,9 +118,11 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
 }
 
 int run_train(const dtrain::train::JobConfig& job, const std::vector<std::string>& args) {
-  dtrain::train::validate_job(job);
   const bool worker = std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr ||
                       std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
+  // Check everything once, before any rank starts; ranks (already checked by their launcher, or
+  // started by Slurm / mpirun) get the same named errors from run_job itself.
+  if (!worker) dtrain::train::validate_job(job);
   if (job.nproc > 1 && !worker) {
     dtrain::launch::LaunchOptions launch;
     launch.nproc_per_node = job.nproc;

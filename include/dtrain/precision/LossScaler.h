@@ -39,7 +39,6 @@ class LossScaler {
 
   double scale_value() const { return scale_; }
   int64_t skipped_steps() const { return skipped_; }
-  int64_t clean_steps_in_a_row() const { return growth_tracker_; }
 
   /// State for checkpoints: [scale, growth tracker, skipped steps] as float64.
   at::Tensor state() const;

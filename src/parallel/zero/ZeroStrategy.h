@@ -17,9 +17,6 @@ class ZeroStrategy : public DdpStrategy {
   void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
 
-  /// Elements per shard (the flat parameter vector padded to a multiple of the world size).
-  int64_t shard_numel() const { return shard_numel_; }
-
  protected:
   void build_optimizer(const optim::OptimizerFactory& make_optimizer) override;
   void apply_update() override;
