@@ -93,6 +93,13 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
                        static_cast<int64_t>(std::stod(values.at(0)) * 1024 * 1024);
                    return t.strategy_options.bucket_cap_bytes > 0;
                  }, "Gradient bucket size in MiB (default 25)");
+  app.add_option("--zero3-min-unit-params", t.strategy_options.zero3_min_unit_params,
+                 "zero3: merge consecutive model stages into units of at least this many "
+                 "parameters (0 = one unit per stage)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("!--no-zero3-prefetch", t.strategy_options.zero3_prefetch,
+               "zero3: do not gather the next unit while the current one computes");
   app.add_option("--grad-compression", t.strategy_options.grad_compression,
                  "Gradient wire dtype: none, fp16, bf16")->capture_default_str();
   app.add_flag("--error-on-unused-parameters", t.strategy_options.error_on_unused_parameters,
@@ -237,8 +244,8 @@ int main(int argc, char** argv) {
   ckpt->require_subcommand(1);
   std::string checkpoint_path, output_path;
   auto* consolidate = ckpt->add_subcommand(
-      "consolidate", "Write a checkpoint's model as one name -> tensor file for Python torch.load "
-                     "and C++ torch::pickle_load");
+      "consolidate", "Join a checkpoint's shards (any strategy, any world size) into one full-model "
+                     "file for C++ torch::load(module, file) and Python torch.load(file)");
   consolidate->add_option("checkpoint", checkpoint_path,
                           "A checkpoint, or a checkpoint directory (its newest)")
       ->required();

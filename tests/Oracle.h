@@ -109,6 +109,7 @@ inline std::vector<at::Tensor> train_distributed(
       }
       strategy->train_step(micro_batches, parallel::cross_entropy);
     }
+    strategy->materialize();  // ZeRO-3: gather the full parameters
     if (comm->rank() == world - 1) result = snapshot(strategy->model());
   }, std::chrono::seconds(60));
   return result;

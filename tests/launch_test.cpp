@@ -161,15 +161,16 @@ TEST(Cli, MixedPrecisionAndCheckpointingTrain) {
 TEST(Cli, TrainOnTwoRanksEndToEnd) {
   TempDir dir;
   const auto out = run(kDtrain + " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
-                                 "--synthetic-examples 512 --epochs 2 --no-progress --metrics " +
+                                 "--strategy zero3 --synthetic-examples 512 --epochs 2 "
+                                 "--no-progress --metrics " +
                        (dir / "m.jsonl") + " --checkpoint-dir " + (dir / "ckpt"));
   EXPECT_EQ(out.code, 0) << out.text;
-  EXPECT_TRUE(has(out, "[rank 0] trained 8 steps (global batch 128, 2 ranks, ddp)")) << out.text;
+  EXPECT_TRUE(has(out, "[rank 0] trained 8 steps (global batch 128, 2 ranks, zero3)")) << out.text;
   EXPECT_TRUE(has(out, "test accuracy")) << out.text;
-  EXPECT_TRUE(std::filesystem::exists(dir / "ckpt/step-00000008/model.pt"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "ckpt/step-00000008/state-1-of-2.pt"));
   const auto inspect = run(kDtrain + " ckpt inspect " + (dir / "ckpt"));
   EXPECT_EQ(inspect.code, 0) << inspect.text;
-  EXPECT_TRUE(has(inspect, "strategy ddp, world 2")) << inspect.text;
+  EXPECT_TRUE(has(inspect, "strategy zero3, world 2")) << inspect.text;
   EXPECT_TRUE(has(inspect, "layers.0.weight")) << inspect.text;
   const auto consolidated = run(kDtrain + " ckpt consolidate " + (dir / "ckpt") + " -o " +
                                 (dir / "model.pt"));

@@ -21,6 +21,22 @@ std::vector<at::Tensor> concat_parameters(
   return all;
 }
 
+// Runs `stages` in order, checkpointed in `segments` segments.
+at::Tensor run_stages(const std::vector<Stage>& stages, int64_t segments, const at::Tensor& x) {
+  if (segments <= 1) {
+    at::Tensor h = x;
+    for (const auto& stage : stages) h = stage.forward(h);
+    return h;
+  }
+  std::vector<memory::SegmentFn> functions;
+  std::vector<std::vector<at::Tensor>> parameters;
+  for (const auto& stage : stages) {
+    functions.push_back(stage.forward);
+    parameters.push_back(concat_parameters(stage.modules));
+  }
+  return memory::checkpoint_stages(functions, parameters, segments, x);
+}
+
 int64_t product(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (auto s : shape) n *= s;
@@ -42,6 +58,21 @@ struct MlpImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     return memory::checkpoint_sequential(layers, segments, x.flatten(1));
+  }
+  /// One stage per Linear (with the ReLU after it); the first also flattens.
+  std::vector<Stage> stages() {
+    std::vector<Stage> out;
+    const auto children = layers->children();
+    for (size_t i = 0; i < children.size(); i += 2) {
+      const bool last = i + 1 >= children.size();
+      auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(children[i]);
+      out.push_back({"layers." + std::to_string(i), {children[i]},
+                     [linear, first = i == 0, last](const at::Tensor& x) {
+                       at::Tensor h = linear->forward(first ? x.flatten(1) : x);
+                       return last ? h : torch::relu(h);
+                     }});
+    }
+    return out;
   }
   int64_t segments;
   torch::nn::Sequential layers;
@@ -67,12 +98,15 @@ struct CnnImpl : torch::nn::Module {
       h = torch::max_pool2d(torch::relu(conv2(h)), 2);
       return fc2(torch::relu(fc1(h.flatten(1))));
     }
-    return memory::checkpoint_stages(
-        {[this](const at::Tensor& h) { return torch::max_pool2d(torch::relu(conv1(h)), 2); },
-         [this](const at::Tensor& h) { return torch::max_pool2d(torch::relu(conv2(h)), 2); },
-         [this](const at::Tensor& h) { return fc2(torch::relu(fc1(h.flatten(1)))); }},
-        {conv1->parameters(), conv2->parameters(), concat_parameters({fc1.ptr(), fc2.ptr()})},
-        segments, x);
+    return run_stages(stages(), segments, x);
+  }
+  std::vector<Stage> stages() {
+    return {{"conv1", {conv1.ptr()},
+             [this](const at::Tensor& h) { return torch::max_pool2d(torch::relu(conv1(h)), 2); }},
+            {"conv2", {conv2.ptr()},
+             [this](const at::Tensor& h) { return torch::max_pool2d(torch::relu(conv2(h)), 2); }},
+            {"head", {fc1.ptr(), fc2.ptr()},
+             [this](const at::Tensor& h) { return fc2(torch::relu(fc1(h.flatten(1)))); }}};
   }
   int64_t segments;
   torch::nn::Conv2d conv1, conv2;
@@ -122,21 +156,20 @@ struct ResNetImpl : torch::nn::Module {
     register_module("blocks", blocks);
     register_module("head", head);
   }
-  at::Tensor forward(const at::Tensor& x) {
-    std::vector<memory::SegmentFn> stages{
-        [this](const at::Tensor& h) { return torch::relu(stem_bn(stem(h))); }};
-    std::vector<std::vector<at::Tensor>> parameters{concat_parameters({stem.ptr(), stem_bn.ptr()})};
+  at::Tensor forward(const at::Tensor& x) { return run_stages(stages(), segments, x); }
+  std::vector<Stage> stages() {
+    std::vector<Stage> out{{"stem", {stem.ptr(), stem_bn.ptr()},
+                            [this](const at::Tensor& h) { return torch::relu(stem_bn(stem(h))); }}};
     for (size_t i = 0; i < blocks->size(); ++i) {
-      stages.push_back([this, i](const at::Tensor& h) {
-        return (blocks->begin() + static_cast<std::ptrdiff_t>(i))->forward(h);
-      });
-      parameters.push_back(blocks->children()[i]->parameters());
+      out.push_back({"blocks." + std::to_string(i), {blocks->children()[i]},
+                     [this, i](const at::Tensor& h) {
+                       return (blocks->begin() + static_cast<std::ptrdiff_t>(i))->forward(h);
+                     }});
     }
-    stages.push_back([this](const at::Tensor& h) {
-      return head(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));
-    });
-    parameters.push_back(head->parameters());
-    return memory::checkpoint_stages(stages, parameters, segments, x);
+    out.push_back({"head", {head.ptr()}, [this](const at::Tensor& h) {
+                     return head(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));
+                   }});
+    return out;
   }
   int64_t segments;
   torch::nn::Conv2d stem;
@@ -145,6 +178,15 @@ struct ResNetImpl : torch::nn::Module {
   torch::nn::Linear head;
 };
 
+template <typename M>
+Model with_stages(std::shared_ptr<M> module) {
+  Model model(module);
+  model.stages = module->stages();
+  // Strategies that run the stages themselves (ZeRO-3) checkpoint stage by stage.
+  for (size_t i = 0; i + 1 < model.stages.size(); ++i) model.stages[i].checkpoint = module->segments > 1;
+  return model;
+}
+
 }  // namespace
 
 std::vector<std::string> model_names() { return {"mlp", "cnn", "resnet"}; }
@@ -152,22 +194,38 @@ std::vector<std::string> model_names() { return {"mlp", "cnn", "resnet"}; }
 Model make_model(const ModelSpec& spec) {
   DTRAIN_CHECK_INPUT(spec.classes >= 2, "model needs at least 2 classes, got ", spec.classes);
   if (spec.name == "mlp") {
-    return Model(std::make_shared<MlpImpl>(product(spec.input_shape), spec.hidden, spec.classes,
-                                           spec.checkpointing));
+    return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), spec.hidden,
+                                                 spec.classes, spec.checkpointing));
   }
   const bool image = spec.input_shape.size() == 3;
   if (spec.name == "cnn") {
     DTRAIN_CHECK_INPUT(image && spec.input_shape[1] >= 4 && spec.input_shape[2] >= 4,
                        "model cnn needs image inputs [C, H>=4, W>=4]");
-    return Model(std::make_shared<CnnImpl>(spec.input_shape[0], spec.input_shape[1],
-                                           spec.input_shape[2], spec.classes,
-                                           spec.checkpointing));
+    return with_stages(std::make_shared<CnnImpl>(spec.input_shape[0], spec.input_shape[1],
+                                                 spec.input_shape[2], spec.classes,
+                                                 spec.checkpointing));
   }
   if (spec.name == "resnet") {
     DTRAIN_CHECK_INPUT(image, "model resnet needs image inputs [C, H, W]");
-    return Model(std::make_shared<ResNetImpl>(spec.input_shape[0], spec.classes, spec.checkpointing));
+    return with_stages(
+        std::make_shared<ResNetImpl>(spec.input_shape[0], spec.classes, spec.checkpointing));
   }
   DTRAIN_THROW(InputError, "unknown model '", spec.name, "' (expected mlp, cnn or resnet)");
 }
 
 }  // namespace dtrain::models
+
+namespace dtrain {
+
+Model sequential_model(const torch::nn::Sequential& sequential) {
+  Model model(sequential);
+  const auto children = sequential->children();
+  for (size_t i = 0; i < children.size(); ++i) {
+    model.stages.push_back({std::to_string(i), {children[i]}, [impl = sequential.ptr(), i](const at::Tensor& x) {
+                              return (impl->begin() + static_cast<std::ptrdiff_t>(i))->forward(x);
+                            }});
+  }
+  return model;
+}
+
+}  // namespace dtrain

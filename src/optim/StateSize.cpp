@@ -3,11 +3,100 @@
 
 #include <torch/optim.h>
 
+#include "dtrain/common/Error.h"
+
 namespace dtrain::optim {
 
 namespace {
+
 int64_t bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
+
+std::string key_of(const at::Tensor& parameter) {
+  return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+}
+
+void put(ParamState& state, const std::string& name, const at::Tensor& t) {
+  if (t.defined()) state[name] = t.detach().reshape({-1});
+}
+
+at::Tensor step_tensor(int64_t step) { return at::scalar_tensor(step, at::kLong); }
+
+// `name` from `state`, shaped like `parameter` (a copy); undefined when absent.
+at::Tensor take(const ParamState& state, const std::string& name, const at::Tensor& parameter) {
+  auto it = state.find(name);
+  if (it == state.end()) return {};
+  DTRAIN_CHECK_INPUT(it->second.numel() == parameter.numel(), "optimizer state '", name, "' has ",
+                     it->second.numel(), " elements for a parameter of ", parameter.numel());
+  return it->second.to(parameter.options().requires_grad(false)).reshape(parameter.sizes()).clone();
+}
+
+int64_t take_step(const ParamState& state) {
+  auto it = state.find("step");
+  return it == state.end() ? 0 : it->second.item<int64_t>();
+}
+
 }  // namespace
+
+ParamState get_param_state(const torch::optim::Optimizer& optimizer, const at::Tensor& parameter) {
+  ParamState out;
+  auto it = optimizer.state().find(key_of(parameter));
+  if (it == optimizer.state().end()) return out;
+  const auto* state = it->second.get();
+  if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
+    put(out, "momentum_buffer", s->momentum_buffer());
+  } else if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
+    out["step"] = step_tensor(a->step());
+    put(out, "exp_avg", a->exp_avg());
+    put(out, "exp_avg_sq", a->exp_avg_sq());
+    put(out, "max_exp_avg_sq", a->max_exp_avg_sq());
+  } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
+    out["step"] = step_tensor(w->step());
+    put(out, "exp_avg", w->exp_avg());
+    put(out, "exp_avg_sq", w->exp_avg_sq());
+    put(out, "max_exp_avg_sq", w->max_exp_avg_sq());
+  } else if (auto* g = dynamic_cast<const torch::optim::AdagradParamState*>(state)) {
+    out["step"] = step_tensor(g->step());
+    put(out, "sum", g->sum());
+  } else {
+    DTRAIN_THROW(Error, "optimizer state of an unsupported optimizer class");
+  }
+  return out;
+}
+
+void set_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
+                     const ParamState& state) {
+  const std::string key = key_of(parameter);
+  optimizer.state().erase(key);
+  if (state.empty()) return;
+  std::unique_ptr<torch::optim::OptimizerParamState> made;
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer)) {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(take(state, "momentum_buffer", parameter));
+    made = std::move(s);
+  } else if (dynamic_cast<torch::optim::Adam*>(&optimizer)) {
+    auto a = std::make_unique<torch::optim::AdamParamState>();
+    a->step(take_step(state));
+    a->exp_avg(take(state, "exp_avg", parameter));
+    a->exp_avg_sq(take(state, "exp_avg_sq", parameter));
+    a->max_exp_avg_sq(take(state, "max_exp_avg_sq", parameter));
+    made = std::move(a);
+  } else if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) {
+    auto w = std::make_unique<torch::optim::AdamWParamState>();
+    w->step(take_step(state));
+    w->exp_avg(take(state, "exp_avg", parameter));
+    w->exp_avg_sq(take(state, "exp_avg_sq", parameter));
+    w->max_exp_avg_sq(take(state, "max_exp_avg_sq", parameter));
+    made = std::move(w);
+  } else if (dynamic_cast<torch::optim::Adagrad*>(&optimizer)) {
+    auto g = std::make_unique<torch::optim::AdagradParamState>();
+    g->step(take_step(state));
+    g->sum(take(state, "sum", parameter));
+    made = std::move(g);
+  } else {
+    DTRAIN_THROW(Error, "optimizer state of an unsupported optimizer class");
+  }
+  optimizer.state()[key] = std::move(made);
+}
 
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
   int64_t total = 0;

@@ -5,6 +5,7 @@
 
 #include "dtrain/common/Error.h"
 #include "parallel/ddp/DdpStrategy.h"
+#include "parallel/zero/Zero3Strategy.h"
 #include "parallel/zero/ZeroStrategy.h"
 
 namespace dtrain::parallel {
@@ -20,6 +21,7 @@ const std::vector<std::pair<std::string, Factory>> kRegistry = {
     {"ddp", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<DdpStrategy>(o); }},
     {"zero1", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ZeroStrategy>(o, 1); }},
     {"zero2", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ZeroStrategy>(o, 2); }},
+    {"zero3", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<Zero3Strategy>(o); }},
 };
 
 }  // namespace

@@ -4,9 +4,11 @@
 #include <nlohmann/json.hpp>
 #include <torch/serialize.h>
 #include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <algorithm>
-#include <deque>
+#include <map>
+#include <tuple>
 #include <iterator>
 #include <sstream>
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include <fstream>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/parallel/StateShards.h"
 
 namespace fs = std::filesystem;
 
@@ -46,7 +49,8 @@ std::string checkpoint_name(int64_t step) {
 void write_meta(const std::string& directory, const CheckpointMeta& meta) {
   nlohmann::json tensors = nlohmann::json::array();
   for (const auto& t : meta.tensors) {
-    tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", t.dtype}});
+    tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", t.dtype},
+                       {"kind", t.buffer ? "buffer" : "parameter"}});
   }
   nlohmann::json json = {
       {"format_version", meta.format_version},
@@ -89,7 +93,8 @@ CheckpointMeta read_meta(const std::string& directory) {
     for (const auto& t : json.at("tensors")) {
       meta.tensors.push_back({t.at("name").get<std::string>(),
                               t.at("shape").get<std::vector<int64_t>>(),
-                              t.at("dtype").get<std::string>()});
+                              t.at("dtype").get<std::string>(),
+                              t.value("kind", std::string("parameter")) == "buffer"});
     }
   } catch (const nlohmann::json::exception& e) {
     DTRAIN_THROW(InputError, "checkpoint metadata ", path, " is incomplete: ", e.what());
@@ -173,71 +178,72 @@ std::string resolve_checkpoint(const std::string& path) {
   return *latest;
 }
 
+namespace {
+
+at::ScalarType scalar_type_named(const std::string& name, const std::string& directory) {
+  for (auto type : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong, at::kInt,
+                    at::kShort, at::kChar, at::kByte, at::kBool}) {
+    if (name == c10::toString(type)) return type;
+  }
+  DTRAIN_THROW(InputError, directory, "/meta.json: unknown dtype '", name, "'");
+}
+
+// A module-shaped archive being built: tensors of this module, and its submodules by name.
+struct ArchiveNode {
+  std::vector<std::tuple<std::string, at::Tensor, bool>> tensors;  // name, value, is_buffer
+  std::map<std::string, ArchiveNode> children;
+  std::vector<std::string> child_order;
+
+  void add(const std::string& path, const at::Tensor& value, bool is_buffer) {
+    const auto dot = path.find('.');
+    if (dot == std::string::npos) {
+      tensors.emplace_back(path, value, is_buffer);
+      return;
+    }
+    const std::string head = path.substr(0, dot);
+    if (!children.count(head)) child_order.push_back(head);
+    children[head].add(path.substr(dot + 1), value, is_buffer);
+  }
+  void write(torch::serialize::OutputArchive& archive) const {
+    for (const auto& [name, value, is_buffer] : tensors) archive.write(name, value, is_buffer);
+    for (const auto& name : child_order) {
+      torch::serialize::OutputArchive child;
+      children.at(name).write(child);
+      archive.write(name, child);
+    }
+  }
+};
+
+}  // namespace
+
 int64_t consolidate_checkpoint(const std::string& directory, const std::string& output) {
   const CheckpointMeta meta = read_meta(directory);
-  const std::string model_path = directory + "/model.pt";
-  DTRAIN_CHECK_INPUT(fs::exists(model_path), "checkpoint ", directory, " has no model.pt");
-  torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(model_path);
-  } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, model_path, " is not a LibTorch archive: ",
-                 e.what_without_backtrace());
-  }
-  c10::Dict<std::string, at::Tensor> tensors;
+  std::vector<parallel::PieceRef> parameters;
+  parallel::NamedTensors buffers;
+  ArchiveNode root;
   for (const auto& info : meta.tensors) {
-    // "layers.0.weight": archive "layers" -> archive "0" -> tensor "weight".
-    std::vector<std::string> parts;
-    std::stringstream stream(info.name);
-    for (std::string part; std::getline(stream, part, '.');) parts.push_back(part);
-    std::deque<torch::serialize::InputArchive> chain;  // stable addresses
-    torch::serialize::InputArchive* current = &archive;
-    for (size_t i = 0; i + 1 < parts.size(); ++i) {
-      chain.emplace_back();
-      DTRAIN_CHECK_INPUT(current->try_read(parts[i], chain.back()), model_path,
-                         " has no module '", parts[i], "' for tensor '", info.name, "'");
-      current = &chain.back();
+    const auto dtype = scalar_type_named(info.dtype, directory);
+    at::Tensor value = at::zeros(info.shape, at::TensorOptions().dtype(dtype));
+    if (info.buffer) {
+      buffers.emplace_back(info.name, value);
+    } else {
+      parameters.push_back({info.name, 0, value, info.shape});
     }
-    at::Tensor value;
-    const bool found = current->try_read(parts.back(), value, /*is_buffer=*/false) ||
-                       current->try_read(parts.back(), value, /*is_buffer=*/true);
-    DTRAIN_CHECK_INPUT(found, model_path, " lacks tensor '", info.name,
-                       "' that meta.json lists");
-    DTRAIN_CHECK_INPUT(value.sizes().vec() == info.shape, model_path, ": tensor '", info.name,
-                       "' has shape ", value.sizes(), " but meta.json says another");
-    tensors.insert(info.name, value.detach());
+    root.add(info.name, value, info.buffer);
   }
-  const std::vector<char> bytes = torch::pickle_save(tensors);
+  parallel::read_state_shards(directory, parameters, nullptr, {}, &buffers);
+  torch::serialize::OutputArchive archive;
+  root.write(archive);
   const std::string temporary = output + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    DTRAIN_CHECK_INPUT(out.good(), "cannot write ", temporary);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    DTRAIN_CHECK_INPUT(out.good(), "writing ", temporary, " failed (disk full?)");
+  try {
+    archive.save_to(temporary);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, "cannot write ", temporary, ": ", e.what_without_backtrace());
   }
   std::error_code error;
   fs::rename(temporary, output, error);
   DTRAIN_CHECK_INPUT(!error, "cannot rename ", temporary, " to ", output, ": ", error.message());
   return static_cast<int64_t>(meta.tensors.size());
-}
-
-std::vector<std::pair<std::string, at::Tensor>> load_consolidated(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DTRAIN_CHECK_INPUT(in.good(), "cannot read ", path);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  c10::IValue value;
-  try {
-    value = torch::pickle_load(bytes);
-  } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, path, " is not a consolidated checkpoint: ",
-                 e.what_without_backtrace());
-  }
-  DTRAIN_CHECK_INPUT(value.isGenericDict(), path, " does not hold a name -> tensor dict");
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& entry : value.toGenericDict()) {
-    out.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
-  }
-  return out;
 }
 
 }  // namespace dtrain::train

@@ -69,7 +69,7 @@ std::vector<TensorInfo> Trainer::model_tensors() const {
     tensors.push_back({item.key(), item.value().sizes().vec(), dtype_name(item.value())});
   }
   for (const auto& item : module.named_buffers()) {
-    tensors.push_back({item.key(), item.value().sizes().vec(), dtype_name(item.value())});
+    tensors.push_back({item.key(), item.value().sizes().vec(), dtype_name(item.value()), true});
   }
   return tensors;
 }
@@ -122,9 +122,6 @@ int64_t Trainer::restore_checkpoint(int64_t global_batch) {
                      " was trained with global batch ", meta.global_batch,
                      "; resuming with global batch ", global_batch,
                      " would change the data order (match the batch or disable resume)");
-  DTRAIN_CHECK_INPUT(meta.strategy == strategy_->name(), "checkpoint ", *directory,
-                     " was written by strategy ", meta.strategy, ", this run uses ",
-                     strategy_->name());
   strategy_->load(*directory);
   std::string rng = concat(*directory, "/rng-rank", world_->rank(), ".pt");
   if (!fs::exists(rng)) rng = *directory + "/rng-rank0.pt";  // world grew: reuse rank 0's
@@ -146,7 +143,11 @@ EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
   for (int64_t begin = 0; begin < dataset.size(); begin += options_.eval_batch_size * world) {
     const int64_t mine = begin + rank * options_.eval_batch_size;
     const int64_t end = std::min(mine + options_.eval_batch_size, dataset.size());
-    if (mine >= end) continue;
+    if (mine >= end) {
+      // A forward can be collective (ZeRO-3 gathers parameters): every rank runs as many.
+      model(dataset.slice(0, 1).inputs);
+      continue;
+    }
     auto batch = dataset.slice(mine, end);
     at::Tensor output = model(batch.inputs);
     const auto n = static_cast<double>(end - mine);

@@ -9,12 +9,31 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <vector>
+
+namespace torch::nn {
+class Sequential;
+}
 
 namespace dtrain {
+
+/// One step of a model's sequential decomposition (what ZeRO-3 gathers as a unit, what a
+/// pipeline would place on a stage): `forward` uses only the parameters of `modules`.
+struct Stage {
+  std::string name;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  /// Recompute this stage's activations in backward instead of keeping them (activation
+  /// checkpointing), for strategies that run the stages themselves.
+  bool checkpoint = false;
+};
 
 struct Model {
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;
+  /// Optional: forward(x) == stages[n-1].forward(... stages[0].forward(x)). Empty when the model
+  /// is opaque (strategies then treat it as one piece).
+  std::vector<Stage> stages;
 
   Model() = default;
   Model(std::shared_ptr<torch::nn::Module> m, std::function<at::Tensor(const at::Tensor&)> f)
@@ -30,5 +49,8 @@ struct Model {
 
   at::Tensor operator()(const at::Tensor& x) const { return forward(x); }
 };
+
+/// A Sequential as a Model with one stage per child.
+Model sequential_model(const torch::nn::Sequential& sequential);
 
 }  // namespace dtrain

@@ -1,10 +1,25 @@
-// Bytes held in an optimizer's per-parameter state (momentum, Adam moments, Adagrad sums).
+// An optimizer's per-parameter state (momentum, Adam moments, Adagrad sums): its size, and
+// access in a form that does not depend on the optimizer's class, so sharded checkpoints can cut
+// and re-join it (SGD, Adam, AdamW and Adagrad).
 #pragma once
 
 #include <torch/optim/optimizer.h>
 
+#include <map>
+#include <string>
+
 namespace dtrain::optim {
 
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
+
+/// Named state tensors: element-wise ones ("exp_avg", "momentum_buffer", ...) flattened to 1-D,
+/// scalars ("step") as 0-dim int64.
+using ParamState = std::map<std::string, at::Tensor>;
+
+/// The state `optimizer` keeps for `parameter` (empty before its first step).
+ParamState get_param_state(const torch::optim::Optimizer& optimizer, const at::Tensor& parameter);
+/// Replaces it with `state` (get_param_state's form, copied; empty = no state).
+void set_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
+                     const ParamState& state);
 
 }  // namespace dtrain::optim

@@ -63,6 +63,11 @@ struct StrategyOptions {
   /// Initial scale and growth interval of the dynamic loss scaler.
   double loss_scale_init = 65536.0;
   int64_t loss_scale_growth_interval = 2000;
+  /// ZeRO-3: units gathered as one are the model's stages (Model::stages), consecutive ones
+  /// merged until a unit has at least this many parameters (0 = one unit per stage).
+  int64_t zero3_min_unit_params = 0;
+  /// ZeRO-3: gather the next unit's parameters while the current one computes.
+  bool zero3_prefetch = true;
 };
 
 class Strategy {
@@ -92,6 +97,10 @@ class Strategy {
 
   /// Bytes of parameters, gradients and optimizer state this rank holds.
   virtual MemoryReport memory_report() const = 0;
+
+  /// Collective. Makes model()'s parameters hold their full values until the next forward or
+  /// step (ZeRO-3 gathers them; other strategies hold them always): for reading or exporting.
+  virtual void materialize() {}
 };
 
 using StrategyPtr = std::unique_ptr<Strategy>;

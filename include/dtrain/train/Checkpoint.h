@@ -17,6 +17,7 @@ struct TensorInfo {
   std::string name;
   std::vector<int64_t> shape;
   std::string dtype;
+  bool buffer = false;  // a module buffer (e.g. BatchNorm statistics), not a parameter
 };
 
 struct CheckpointMeta {
@@ -52,13 +53,11 @@ void prune_checkpoints(const std::string& root, int keep);
 /// `latest`).
 std::string resolve_checkpoint(const std::string& path);
 
-/// Writes every tensor meta.json lists (parameters and buffers, by their full names) from the
-/// checkpoint's model into one file made with torch::pickle_save: a name -> tensor dict that
-/// Python loads with torch.load and C++ with torch::pickle_load (load_consolidated). Written to a
-/// temporary name and renamed. Returns the number of tensors.
+/// Joins the checkpoint's state files into one LibTorch archive of the full model (every
+/// parameter and buffer meta.json lists, nested by module path like torch::save(module)): C++
+/// reads it with torch::load(module, file), Python with torch.load(file).state_dict(). Works for
+/// every strategy and world size. Written to a temporary name and renamed. Returns the number of
+/// tensors.
 int64_t consolidate_checkpoint(const std::string& directory, const std::string& output);
-
-/// Reads a consolidated file (name -> tensor, in the checkpoint's order).
-std::vector<std::pair<std::string, at::Tensor>> load_consolidated(const std::string& path);
 
 }  // namespace dtrain::train

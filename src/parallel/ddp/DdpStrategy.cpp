@@ -9,6 +9,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/StateSize.h"
+#include "dtrain/parallel/StateShards.h"
 
 namespace dtrain::parallel {
 
@@ -45,11 +46,10 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
   grid_ = std::move(grid);
   comm_ = grid_->dp();
   if (precision_ == precision::Precision::Bf16) model_.module->to(at::kBFloat16);
-  std::vector<std::string> names;
   for (const auto& item : model_.module->named_parameters()) {
     if (!item.value().requires_grad()) continue;
     parameters_.push_back(item.value());
-    names.push_back(item.key());
+    names_.push_back(item.key());
   }
   DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters");
   {
@@ -60,6 +60,10 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
     comm::wait_all(works);
   }
   build_optimizer(make_optimizer);
+  build_gradient_sync(names_);
+}
+
+void DdpStrategy::build_gradient_sync(const std::vector<std::string>& names) {
   ReducerOptions reducer_options;
   reducer_options.bucket_cap_bytes = options_.bucket_cap_bytes;
   reducer_options.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
@@ -80,15 +84,16 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
                                    const LossFn& loss) {
   DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
   model_.module->train();
-  reducer_->zero_grad();
+  GradientSync& sync_engine = gradient_sync();
+  sync_engine.zero_grad();
   if (options_.broadcast_buffers && comm_->size() > 1) broadcast_buffers();
   StepResult result;
   const auto count = static_cast<double>(micro_batches.size());
   for (size_t i = 0; i < micro_batches.size(); ++i) {
     const bool last = i + 1 == micro_batches.size();
     const bool sync = last || reduce_every_micro_batch();
-    reducer_->set_sync(sync);
-    if (sync) reducer_->prepare_for_backward();
+    sync_engine.set_sync(sync);
+    if (sync) sync_engine.prepare_for_backward();
     const auto& batch = micro_batches[i];
     at::Tensor value;
     {
@@ -103,10 +108,10 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     objective.backward();
     result.loss += value.item<double>() / count;
     result.samples += batch.inputs.size(0);
-    if (sync && !last) reducer_->finalize();
+    if (sync && !last) sync_engine.finalize();
   }
-  reducer_->finalize();
-  const auto& stats = reducer_->stats();
+  sync_engine.finalize();
+  const auto& stats = sync_engine.stats();
   if (!stats.unused_parameters.empty() && !warned_unused_ && comm_->rank() == 0) {
     std::cerr << "dtrain: warning: " << stats.unused_parameters.size()
               << " parameter(s) got no gradient (first: " << stats.unused_parameters.front()
@@ -127,6 +132,9 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   }
   result.metrics["exposed_comm_ms"] = stats.exposed_comm_ms;
   result.metrics["buckets_overlapped"] = static_cast<double>(stats.buckets_launched_during_backward);
+  if (stats.peak_transient_bytes > 0) {
+    result.metrics["peak_transient_mb"] = static_cast<double>(stats.peak_transient_bytes) / (1 << 20);
+  }
   return result;
 }
 
@@ -155,31 +163,47 @@ void DdpStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer)
 
 void DdpStrategy::apply_update() { optimizer_->step(); }
 
+std::vector<PieceRef> DdpStrategy::whole_parameters() const {
+  std::vector<PieceRef> pieces;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    pieces.push_back({names_[k], 0, parameters_[k], parameters_[k].sizes().vec()});
+  }
+  return pieces;
+}
+
+NamedTensors DdpStrategy::named_buffers() const {
+  NamedTensors buffers;
+  for (const auto& item : model_.module->named_buffers()) buffers.emplace_back(item.key(), item.value());
+  return buffers;
+}
+
 void DdpStrategy::save(const std::string& directory) {
   if (comm_->rank() != 0) return;  // replicas are identical; rank 0 writes them
-  torch::save(model_.module, directory + "/model.pt");
-  torch::save(*optimizer_, directory + "/optimizer.pt");
-  if (scaler_) torch::save(scaler_->state(), directory + "/loss_scaler.pt");
+  write_state_shard(directory, 0, 1, whole_parameters(), optimizer_.get(), named_buffers());
+  save_loss_scaler(directory);
 }
 
 void DdpStrategy::load(const std::string& directory) {
-  auto load_file = [&](const std::string& file, const std::function<void(const std::string&)>& read) {
-    const std::string path = directory + "/" + file;
-    try {
-      read(path);
-    } catch (const c10::Error& e) {
-      DTRAIN_THROW(InputError, "checkpoint file ", path, " cannot be loaded into this ",
-                   "model/optimizer: ", e.what_without_backtrace());
-    }
-  };
-  load_file("model.pt", [&](const std::string& path) { torch::load(model_.module, path); });
-  load_file("optimizer.pt", [&](const std::string& path) { torch::load(*optimizer_, path); });
-  if (scaler_ && std::ifstream(directory + "/loss_scaler.pt").good()) {
-    load_file("loss_scaler.pt", [&](const std::string& path) {
-      at::Tensor state;
-      torch::load(state, path);
-      scaler_->load_state(state);
-    });
+  const NamedTensors buffers = named_buffers();
+  const auto whole = whole_parameters();
+  read_state_shards(directory, whole, optimizer_.get(), whole, &buffers);
+  load_loss_scaler(directory);
+}
+
+void DdpStrategy::save_loss_scaler(const std::string& directory) const {
+  if (scaler_ && comm_->rank() == 0) torch::save(scaler_->state(), directory + "/loss_scaler.pt");
+}
+
+void DdpStrategy::load_loss_scaler(const std::string& directory) {
+  const std::string path = directory + "/loss_scaler.pt";
+  if (!scaler_ || !std::ifstream(path).good()) return;
+  try {
+    at::Tensor state;
+    torch::load(state, path);
+    scaler_->load_state(state);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, "checkpoint file ", path, " is not a loss-scaler state: ",
+                 e.what_without_backtrace());
   }
 }
 

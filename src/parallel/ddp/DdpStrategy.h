@@ -2,6 +2,7 @@
 // bucketed Reducer, overlapped with backward.
 #pragma once
 
+#include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"
@@ -33,6 +34,10 @@ class DdpStrategy : public Strategy {
   virtual void apply_update();
   /// Adjusts the Reducer before it is built (ZeRO-2 switches it to reduce-scatter).
   virtual void configure_reducer(ReducerOptions& options) {}
+  /// Builds the gradient synchronizer (the Reducer unless overridden) over parameters_.
+  virtual void build_gradient_sync(const std::vector<std::string>& names);
+  /// What synchronizes gradients each step.
+  virtual GradientSync& gradient_sync() { return *reducer_; }
   /// Reduce after every micro-batch instead of accumulating locally (sharded gradients cannot
   /// accumulate unreduced).
   virtual bool reduce_every_micro_batch() const { return false; }
@@ -42,6 +47,11 @@ class DdpStrategy : public Strategy {
   virtual bool gradients_sharded() const { return false; }
 
   void broadcast_buffers();
+  /// Every parameter, whole, as checkpoint pieces.
+  std::vector<PieceRef> whole_parameters() const;
+  NamedTensors named_buffers() const;
+  void save_loss_scaler(const std::string& directory) const;
+  void load_loss_scaler(const std::string& directory);
   /// Scales gradients to at most `max_norm` in global L2 norm; returns the norm before.
   double clip_gradients(double max_norm);
 
@@ -50,6 +60,7 @@ class DdpStrategy : public Strategy {
   std::shared_ptr<comm::ProcessGrid> grid_;
   comm::CommunicatorPtr comm_;
   std::vector<at::Tensor> parameters_;
+  std::vector<std::string> names_;  // of parameters_
   optim::OptimizerPtr optimizer_;
   std::unique_ptr<Reducer> reducer_;
   precision::Precision precision_ = precision::Precision::Fp32;

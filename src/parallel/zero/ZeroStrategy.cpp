@@ -3,8 +3,6 @@
 
 #include <torch/torch.h>
 
-#include <fstream>
-
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/StateSize.h"
 
@@ -103,41 +101,26 @@ void ZeroStrategy::apply_update() {
   comm_->allgather(flat_, flat_.narrow(0, comm_->rank() * shard_numel_, shard_numel_))->wait();
 }
 
-void ZeroStrategy::save(const std::string& directory) {
-  if (comm_->rank() == 0) torch::save(model_.module, directory + "/model.pt");
-  torch::save(*optimizer_, concat(directory, "/optimizer-shard", comm_->rank(), "-of-",
-                                  comm_->size(), ".pt"));
-  if (scaler_ && comm_->rank() == 0) {
-    torch::save(scaler_->state(), directory + "/loss_scaler.pt");
+std::vector<PieceRef> ZeroStrategy::shard_pieces() const {
+  std::vector<PieceRef> pieces;
+  for (const auto& piece : pieces_) {
+    pieces.push_back({names_[piece.parameter], piece.offset, piece.tensor,
+                      parameters_[piece.parameter].sizes().vec()});
   }
+  return pieces;
+}
+
+void ZeroStrategy::save(const std::string& directory) {
+  write_state_shard(directory, comm_->rank(), comm_->size(), shard_pieces(), optimizer_.get(),
+                    comm_->rank() == 0 ? named_buffers() : NamedTensors{});
+  save_loss_scaler(directory);
 }
 
 void ZeroStrategy::load(const std::string& directory) {
-  const std::string shard_file = concat(directory, "/optimizer-shard", comm_->rank(), "-of-",
-                                        comm_->size(), ".pt");
-  DTRAIN_CHECK_INPUT(std::ifstream(shard_file).good(), "checkpoint ", directory,
-                     " has no optimizer shard for rank ", comm_->rank(), " of ", comm_->size(),
-                     " (", shard_file, "): ", name(), " resumes at the world size it was saved with");
-  try {
-    torch::load(model_.module, directory + "/model.pt");
-    torch::load(*optimizer_, shard_file);
-    if (scaler_ && std::ifstream(directory + "/loss_scaler.pt").good()) {
-      at::Tensor state;
-      torch::load(state, directory + "/loss_scaler.pt");
-      scaler_->load_state(state);
-    }
-  } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, "checkpoint ", directory, " cannot be loaded into this ", name(),
-                 " model/optimizer: ", e.what_without_backtrace());
-  }
-  // torch::load re-assigned the parameters (set_); put them back into flat_.
-  torch::NoGradGuard no_grad;
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    at::Tensor& p = parameters_[k];
-    at::Tensor loaded = p.detach().clone();
-    p.set_(flat_.storage(), offsets_[k], loaded.sizes(), c10::contiguous_strides(loaded.sizes()));
-    p.copy_(loaded);
-  }
+  // Every rank holds all parameters (they alias flat_) and the state of its shard's pieces.
+  const NamedTensors buffers = named_buffers();
+  read_state_shards(directory, whole_parameters(), optimizer_.get(), shard_pieces(), &buffers);
+  load_loss_scaler(directory);
 }
 
 MemoryReport ZeroStrategy::memory_report() const {

@@ -33,6 +33,9 @@ class ZeroStrategy : public DdpStrategy {
     at::Tensor tensor;  // aliases flat_; an optimizer parameter
   };
 
+  /// This rank's pieces, for checkpoints.
+  std::vector<PieceRef> shard_pieces() const;
+
   int stage_;
   at::Tensor flat_;        // all parameters, padded; the parameters alias it
   at::Tensor shard_grad_;  // stage 2: this rank's gradient shard (the pieces' grads alias it)

@@ -51,29 +51,47 @@ struct ReducerStats {
   int64_t buckets_launched_during_backward = 0;
   /// Names of parameters that got no gradient in the last synchronized step.
   std::vector<std::string> unused_parameters;
+  /// ZeRO-3: most bytes of gathered parameters and unsharded gradients held at once this step.
+  int64_t peak_transient_bytes = 0;
 };
 
-class Reducer {
+/// What a data-parallel strategy needs from its gradient synchronizer, once per step:
+/// zero_grad(); per micro-batch set_sync(), prepare_for_backward(), backward; finalize().
+/// The Reducer (DDP, ZeRO-1/2) and ZeRO-3's parameter sharder implement it.
+class GradientSync {
+ public:
+  virtual ~GradientSync() = default;
+  /// While false, gradients just accumulate locally (no_sync).
+  virtual void set_sync(bool sync) = 0;
+  /// Before the forward of a synchronized micro-batch.
+  virtual void prepare_for_backward() = 0;
+  /// After backward: waits for every reduction.
+  virtual void finalize() = 0;
+  virtual void zero_grad() = 0;
+  virtual const ReducerStats& stats() const = 0;
+};
+
+class Reducer : public GradientSync {
  public:
   /// `names[i]` names `parameters[i]` in error messages. Buckets are filled in reverse
   /// parameter order (roughly the order backward produces gradients).
   Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> names,
           comm::CommunicatorPtr comm, ReducerOptions options);
-  ~Reducer();
+  ~Reducer() override;
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
   /// While false, hooks do nothing and gradients just accumulate locally (no_sync).
-  void set_sync(bool sync) { sync_ = sync; }
+  void set_sync(bool sync) override { sync_ = sync; }
   bool sync() const { return sync_; }
   /// Call before the forward of the synchronized micro-batch of a step. Re-attaches hooks to
   /// parameters whose autograd node changed since the last step (weights loaded with set_).
-  void prepare_for_backward();
+  void prepare_for_backward() override;
   /// Waits for every bucket; afterwards each parameter's .grad holds the average.
-  void finalize();
+  void finalize() override;
   /// Zeroes every gradient (the buckets) for the next step.
-  void zero_grad();
-  const ReducerStats& stats() const { return stats_; }
+  void zero_grad() override;
+  const ReducerStats& stats() const override { return stats_; }
   /// Parameter indices of each bucket (for tests and tools).
   std::vector<std::vector<size_t>> bucket_layout() const;
   /// The flat communication buffer of each bucket (for benchmarks that time the allreduces

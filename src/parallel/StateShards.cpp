@@ -1,0 +1,228 @@
+// Sharded checkpoint files: pieces of parameters and their optimizer state, re-joined at load
+// for whatever pieces the loading strategy and world size need.
+#include "dtrain/parallel/StateShards.h"
+
+#include <torch/serialize.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <regex>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/optim/StateSize.h"
+
+namespace fs = std::filesystem;
+
+namespace dtrain::parallel {
+
+namespace {
+
+// `t` flattened (scalars stay 0-dim), owning exactly its elements: pickling a view would
+// write its whole storage.
+at::Tensor compact(const at::Tensor& t) {
+  const at::Tensor flat = t.dim() == 0 ? t.detach() : t.detach().reshape({-1});
+  const bool exact = flat.is_contiguous() && flat.storage_offset() == 0 &&
+                     flat.storage().nbytes() == static_cast<size_t>(flat.numel() * flat.element_size());
+  return exact ? flat : flat.clone();
+}
+
+// The number of files M of directory's state-R-of-M.pt set, checking that all are present.
+int count_state_files(const std::string& directory) {
+  static const std::regex pattern(R"(state-(\d+)-of-(\d+)\.pt)");
+  int ranks = 0;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(directory, error)) {
+    std::smatch match;
+    const std::string name = entry.path().filename().string();
+    if (!std::regex_match(name, match, pattern)) continue;
+    const int m = std::stoi(match[2].str());
+    DTRAIN_CHECK_INPUT(ranks == 0 || ranks == m, "checkpoint ", directory,
+                       " mixes state files of ", ranks, " and ", m, " ranks");
+    ranks = m;
+  }
+  DTRAIN_CHECK_INPUT(!error, "cannot list checkpoint ", directory, ": ", error.message());
+  DTRAIN_CHECK_INPUT(ranks > 0, "checkpoint ", directory, " has no state-R-of-N.pt files");
+  for (int r = 0; r < ranks; ++r) {
+    DTRAIN_CHECK_INPUT(fs::exists(state_file(directory, r, ranks)), "checkpoint ", directory,
+                       " is incomplete: ", state_file(directory, r, ranks), " is missing");
+  }
+  return ranks;
+}
+
+c10::impl::GenericDict load_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DTRAIN_CHECK_INPUT(in.good(), "cannot read ", path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, path, " is not a dtrain state file: ", e.what_without_backtrace());
+  }
+  DTRAIN_CHECK_INPUT(value.isGenericDict() && value.toGenericDict().contains("pieces"), path,
+                     " is not a dtrain state file (no 'pieces')");
+  return value.toGenericDict();
+}
+
+}  // namespace
+
+std::string state_file(const std::string& directory, int rank, int ranks) {
+  return concat(directory, "/state-", rank, "-of-", ranks, ".pt");
+}
+
+void write_state_shard(const std::string& directory, int rank, int ranks,
+                       const std::vector<PieceRef>& pieces,
+                       const torch::optim::Optimizer* optimizer, const NamedTensors& buffers) {
+  torch::NoGradGuard no_grad;
+  c10::impl::GenericList list(c10::AnyType::get());
+  for (const auto& piece : pieces) {
+    c10::Dict<std::string, at::Tensor> tensors;
+    tensors.insert("param", compact(piece.tensor));
+    if (optimizer) {
+      for (const auto& [key, value] : optim::get_param_state(*optimizer, piece.tensor)) {
+        tensors.insert(key, compact(value));
+      }
+    }
+    c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+    entry.insert("name", piece.name);
+    entry.insert("offset", piece.offset);
+    entry.insert("shape", c10::List<int64_t>(piece.shape));
+    entry.insert("tensors", tensors);
+    list.push_back(entry);
+  }
+  c10::Dict<std::string, at::Tensor> buffer_dict;
+  for (const auto& [name, tensor] : buffers) {
+    buffer_dict.insert(name, compact(tensor).view(tensor.sizes()));
+  }
+  c10::impl::GenericDict file(c10::StringType::get(), c10::AnyType::get());
+  file.insert("format", "dtrain-state-1");
+  file.insert("pieces", list);
+  file.insert("buffers", buffer_dict);
+  const std::vector<char> bytes = torch::pickle_save(file);
+  const std::string path = state_file(directory, rank, ranks);
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    DTRAIN_CHECK_INPUT(out.good(), "cannot write ", temporary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    DTRAIN_CHECK_INPUT(out.good(), "writing ", temporary, " failed (disk full?)");
+  }
+  std::error_code error;
+  fs::rename(temporary, path, error);
+  DTRAIN_CHECK_INPUT(!error, "cannot rename ", temporary, " to ", path, ": ", error.message());
+}
+
+void read_state_shards(const std::string& directory, const std::vector<PieceRef>& values,
+                       torch::optim::Optimizer* optimizer, const std::vector<PieceRef>& states,
+                       const NamedTensors* buffers) {
+  torch::NoGradGuard no_grad;
+  const int ranks = count_state_files(directory);
+  std::multimap<std::string, size_t> value_index, state_index;
+  for (size_t i = 0; i < values.size(); ++i) value_index.emplace(values[i].name, i);
+  if (optimizer) {
+    for (size_t i = 0; i < states.size(); ++i) state_index.emplace(states[i].name, i);
+  }
+  std::vector<int64_t> value_covered(values.size(), 0), state_covered(states.size(), 0);
+  std::vector<optim::ParamState> assembled(states.size());
+  std::vector<bool> buffer_found(buffers ? buffers->size() : 0, false);
+
+  for (int r = 0; r < ranks; ++r) {
+    const std::string path = state_file(directory, r, ranks);
+    const auto file = load_file(path);
+    try {
+      for (const auto& item : file.at("pieces").toList()) {
+        const auto entry = item.get().toGenericDict();
+        const std::string name = entry.at("name").toStringRef();
+        const int64_t offset = entry.at("offset").toInt();
+        const auto tensors = entry.at("tensors").toGenericDict();
+        const at::Tensor param = tensors.at("param").toTensor();
+        const int64_t numel = param.numel();
+        const std::vector<int64_t> shape = entry.at("shape").toIntVector();
+        auto check_shape = [&](const PieceRef& want) {
+          DTRAIN_CHECK_INPUT(want.shape.empty() || want.shape == shape, "checkpoint ", directory,
+                             " does not match the model: '", name, "' has shape ",
+                             c10::IntArrayRef(shape), " there and ", c10::IntArrayRef(want.shape),
+                             " in the model (", path, ")");
+        };
+        // Copies elements [lo, hi) of this piece into `target` (whose first element is `base`).
+        auto copy_run = [&](const at::Tensor& from, const at::Tensor& target, int64_t base,
+                            int64_t lo, int64_t hi) {
+          target.view({-1}).narrow(0, lo - base, hi - lo).copy_(from.narrow(0, lo - offset, hi - lo));
+        };
+        auto range = value_index.equal_range(name);
+        for (auto it = range.first; it != range.second; ++it) {
+          const PieceRef& want = values[it->second];
+          check_shape(want);
+          const int64_t lo = std::max(offset, want.offset);
+          const int64_t hi = std::min(offset + numel, want.offset + want.tensor.numel());
+          if (lo >= hi) continue;
+          copy_run(param, want.tensor, want.offset, lo, hi);
+          value_covered[it->second] += hi - lo;
+        }
+        range = state_index.equal_range(name);
+        for (auto it = range.first; it != range.second; ++it) {
+          const PieceRef& want = states[it->second];
+          check_shape(want);
+          const int64_t lo = std::max(offset, want.offset);
+          const int64_t hi = std::min(offset + numel, want.offset + want.tensor.numel());
+          if (lo >= hi) continue;
+          auto& state = assembled[it->second];
+          for (const auto& kv : tensors) {
+            const std::string key = kv.key().toStringRef();
+            if (key == "param") continue;
+            const at::Tensor t = kv.value().toTensor();
+            if (t.dim() == 0) {  // a scalar such as Adam's step
+              state[key] = t.clone();
+              continue;
+            }
+            DTRAIN_CHECK_INPUT(t.numel() == numel, path, ": state '", key, "' of '", name,
+                               "' has ", t.numel(), " elements, its piece ", numel);
+            auto slot = state.find(key);
+            if (slot == state.end()) {
+              slot = state.emplace(key, at::zeros({want.tensor.numel()}, t.options())).first;
+            }
+            copy_run(t, slot->second, want.offset, lo, hi);
+          }
+          state_covered[it->second] += hi - lo;
+        }
+      }
+      if (buffers) {
+        const auto saved = file.at("buffers").toGenericDict();
+        for (size_t i = 0; i < buffers->size(); ++i) {
+          const auto& [name, target] = (*buffers)[i];
+          if (!saved.contains(name)) continue;
+          const at::Tensor value = saved.at(name).toTensor();
+          DTRAIN_CHECK_INPUT(value.sizes() == target.sizes(), path, ": buffer '", name,
+                             "' has shape ", value.sizes(), ", the model's ", target.sizes());
+          target.copy_(value);
+          buffer_found[i] = true;
+        }
+      }
+    } catch (const c10::Error& e) {
+      DTRAIN_THROW(InputError, path, " is malformed: ", e.what_without_backtrace());
+    }
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    DTRAIN_CHECK_INPUT(value_covered[i] == values[i].tensor.numel(), "checkpoint ", directory,
+                       " covers ", value_covered[i], " of elements [", values[i].offset, ", ",
+                       values[i].offset + values[i].tensor.numel(), ") of '", values[i].name,
+                       "' (a different model?)");
+  }
+  for (size_t i = 0; optimizer && i < states.size(); ++i) {
+    const bool has_state = !assembled[i].empty();
+    DTRAIN_CHECK_INPUT(!has_state || state_covered[i] == states[i].tensor.numel(), "checkpoint ",
+                       directory, " has optimizer state for only ", state_covered[i],
+                       " of elements [", states[i].offset, ", ",
+                       states[i].offset + states[i].tensor.numel(), ") of '", states[i].name, "'");
+    optim::set_param_state(*optimizer, states[i].tensor, assembled[i]);
+  }
+  for (size_t i = 0; i < buffer_found.size(); ++i) {
+    DTRAIN_CHECK_INPUT(buffer_found[i], "checkpoint ", directory, " lacks buffer '",
+                       (*buffers)[i].first, "'");
+  }
+}
+
+}  // namespace dtrain::parallel

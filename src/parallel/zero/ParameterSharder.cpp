@@ -1,0 +1,334 @@
+// ZeRO-3 parameter sharding: per-unit flat shards, gathered on demand, freed after use.
+#include "parallel/zero/ParameterSharder.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/memory/Checkpoint.h"
+
+namespace dtrain::parallel {
+
+namespace {
+
+// A plain tensor on `base`'s storage at [offset, offset + numel) (not an autograd view).
+at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor out = at::empty({0}, base.options());
+  out.set_(base.storage(), base.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+  return out;
+}
+
+// Frees / re-allocates a storage in place: every tensor on it (the parameters, and the views
+// autograd saved for backward) sees the change, as in PyTorch FSDP's storage resize.
+void free_storage(const at::Tensor& t) {
+  c10::Storage storage = t.storage();
+  storage.set_data_ptr_noswap(at::DataPtr(nullptr, storage.device()));
+  storage.set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t, size_t nbytes) {
+  c10::Storage storage = t.storage();
+  storage.set_data_ptr_noswap(storage.allocator()->allocate(nbytes));
+  storage.set_nbytes(nbytes);
+}
+
+int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+}  // namespace
+
+ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
+                                   std::vector<std::string> names, std::vector<ShardUnit> units,
+                                   comm::CommunicatorPtr comm, bool prefetch,
+                                   bool error_on_unused_parameters)
+    : parameters_(std::move(parameters)),
+      names_(std::move(names)),
+      comm_(std::move(comm)),
+      prefetch_(prefetch),
+      error_on_unused_(error_on_unused_parameters) {
+  DTRAIN_CHECK(!parameters_.empty() && parameters_.size() == names_.size(),
+               "ParameterSharder needs named parameters");
+  const auto dtype = parameters_.front().scalar_type();
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    DTRAIN_CHECK_INPUT(parameters_[k].scalar_type() == dtype, "zero3 needs parameters of one ",
+                       "dtype; ", names_[0], " is ", dtype, ", ", names_[k], " is ",
+                       parameters_[k].scalar_type());
+  }
+  const int world = comm_->size();
+  const int rank = comm_->rank();
+  locator_.assign(parameters_.size(), {SIZE_MAX, 0});
+  int64_t total_shard = 0;
+  for (auto& spec : units) {
+    Unit unit;
+    unit.spec = std::move(spec);
+    for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
+      const size_t k = unit.spec.parameters[slot];
+      DTRAIN_CHECK(k < parameters_.size(), "unit ", unit.spec.name, ": bad parameter index");
+      DTRAIN_CHECK_INPUT(locator_[k].first == SIZE_MAX, "zero3: parameter ", names_[k],
+                         " belongs to two units (", units_.at(locator_[k].first).spec.name,
+                         " and ", unit.spec.name, "); shared parameters are not supported");
+      locator_[k] = {units_.size(), slot};
+      unit.offsets.push_back(unit.numel);
+      unit.numel += parameters_[k].numel();
+    }
+    unit.shard = (unit.numel + world - 1) / world;
+    unit.base = total_shard;
+    total_shard += unit.shard;
+    units_.push_back(std::move(unit));
+  }
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    DTRAIN_CHECK_INPUT(locator_[k].first != SIZE_MAX, "zero3: parameter ", names_[k],
+                       " belongs to no stage of the model (every parameter must be used by "
+                       "exactly one Model::stages entry)");
+  }
+  const auto options = parameters_.front().options().requires_grad(false);
+  shard_params_ = at::zeros({total_shard}, options);
+  shard_grad_ = at::zeros({total_shard}, options);
+  torch::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    unit.full = at::zeros({unit.shard * world}, options);
+    for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
+      at::Tensor& p = parameters_[unit.spec.parameters[slot]];
+      unit.full.narrow(0, unit.offsets[slot], p.numel()).copy_(p.reshape({-1}));
+      p.set_(unit.full.storage(), unit.offsets[slot], p.sizes(), c10::contiguous_strides(p.sizes()));
+    }
+    shard_params_.narrow(0, unit.base, unit.shard).copy_(unit.full.narrow(0, rank * unit.shard, unit.shard));
+    free_storage(unit.full);
+    // The optimizer's pieces: each parameter's run inside this rank's part of the unit.
+    const int64_t begin = rank * unit.shard;
+    const int64_t end = begin + unit.shard;
+    for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
+      const size_t k = unit.spec.parameters[slot];
+      const int64_t lo = std::max(begin, unit.offsets[slot]);
+      const int64_t hi = std::min(end, unit.offsets[slot] + parameters_[k].numel());
+      if (lo >= hi) continue;
+      Piece piece{k, lo - unit.offsets[slot],
+                  alias(shard_params_, unit.base + lo - begin, {hi - lo}).requires_grad_(true)};
+      piece.tensor.mutable_grad() = alias(shard_grad_, unit.base + lo - begin, {hi - lo});
+      pieces_.push_back(std::move(piece));
+    }
+    stats_.bytes_per_step += unit.shard * world * unit.full.element_size();
+  }
+  stats_.buckets = static_cast<int64_t>(units_.size());
+  ready_.assign(parameters_.size(), false);
+  accumulators_.resize(parameters_.size());
+  hook_keys_.resize(parameters_.size());
+  attach_hooks();
+}
+
+ParameterSharder::~ParameterSharder() {
+  for (size_t k = 0; k < accumulators_.size(); ++k) {
+    if (accumulators_[k]) accumulators_[k]->del_post_hook(hook_keys_[k]);
+  }
+  for (auto& unit : units_) {  // no collective may still write into freed memory
+    try {
+      if (unit.gather_work) unit.gather_work->wait();
+      if (unit.reduce_work) unit.reduce_work->wait();
+    } catch (...) {
+    }
+  }
+}
+
+void ParameterSharder::track(int64_t bytes) {
+  transient_ += bytes;
+  peak_transient_ = std::max(peak_transient_, transient_);
+}
+
+void ParameterSharder::gather(Unit& unit) {
+  if (unit.gathered) return;
+  allocate_storage(unit.full, static_cast<size_t>(bytes_of(unit.full)));
+  track(bytes_of(unit.full));
+  unit.gathered = true;  // once gather_work completes
+  unit.gather_work =
+      comm_->allgather(unit.full, shard_params_.narrow(0, unit.base, unit.shard));
+}
+
+void ParameterSharder::wait_gathered(Unit& unit) {
+  if (!unit.gather_work) return;
+  unit.gather_work->wait();
+  unit.gather_work.reset();
+}
+
+void ParameterSharder::release(Unit& unit) {
+  if (!unit.gathered) return;
+  wait_gathered(unit);  // the allgather must not write into freed memory
+  free_storage(unit.full);
+  track(-bytes_of(unit.full));
+  unit.gathered = false;
+}
+
+at::Tensor ParameterSharder::run(const at::Tensor& input) {
+  const bool grad = torch::autograd::GradMode::is_enabled();
+  at::Tensor h = input;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = units_[u];
+    gather(unit);
+    wait_gathered(unit);
+    if (prefetch_ && u + 1 < units_.size()) gather(units_[u + 1]);
+    auto body = [&unit](const at::Tensor& x) {
+      at::Tensor y = x;
+      for (const auto& forward : unit.spec.forwards) y = forward(y);
+      return y;
+    };
+    if (grad && unit.spec.checkpoint) {
+      std::vector<at::Tensor> used;
+      for (size_t k : unit.spec.parameters) used.push_back(parameters_[k]);
+      h = memory::checkpoint(body, h, used);
+    } else {
+      h = body(h);
+    }
+    if (grad && h.requires_grad()) {
+      h.register_hook([this, u](const at::Tensor&) { pre_backward(u); });
+    }
+    // The last unit's backward comes first: keep it gathered when backward follows.
+    if (!grad || u + 1 < units_.size()) release(unit);
+  }
+  return h;
+}
+
+void ParameterSharder::gather_all() {
+  for (auto& unit : units_) gather(unit);
+  for (auto& unit : units_) wait_gathered(unit);
+}
+
+void ParameterSharder::set_sync(bool sync) {
+  DTRAIN_CHECK(sync, "zero3 synchronizes every micro-batch");
+}
+
+void ParameterSharder::attach_hooks() {
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[k]);
+    DTRAIN_CHECK(accumulator, "parameter ", names_[k], " is not a leaf tensor");
+    if (accumulator == accumulators_[k]) continue;
+    if (accumulators_[k]) accumulators_[k]->del_post_hook(hook_keys_[k]);
+    hook_keys_[k] = accumulator->add_post_hook(
+        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, k](const torch::autograd::variable_list& outputs,
+                      const torch::autograd::variable_list&) {
+              on_gradient(k);
+              return outputs;
+            }));
+    accumulators_[k] = std::move(accumulator);
+  }
+}
+
+void ParameterSharder::prepare_for_backward() {
+  DTRAIN_CHECK(!in_backward_ && in_flight_.empty(),
+               "zero3: a new backward pass started before finalize() of the previous one");
+  attach_hooks();
+  for (auto& unit : units_) {
+    unit.pending = unit.spec.parameters.size();
+    unit.reduced = false;
+  }
+  ready_.assign(parameters_.size(), false);
+}
+
+void ParameterSharder::pre_backward(size_t u) {
+  if (!in_backward_) {
+    in_backward_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
+  }
+  Unit& unit = units_[u];
+  gather(unit);
+  wait_gathered(unit);
+  if (prefetch_ && u > 0 && !units_[u - 1].reduced) gather(units_[u - 1]);
+}
+
+void ParameterSharder::on_gradient(size_t k) {
+  const auto [u, slot] = locator_[k];
+  Unit& unit = units_[u];
+  at::Tensor& p = parameters_[k];
+  DTRAIN_CHECK(!ready_[k] && !backward_ended_, "zero3: gradient of ", names_[k],
+               " arrived twice or after backward ended");
+  ready_[k] = true;
+  if (!unit.grad_flat.defined()) {
+    unit.grad_flat = at::zeros({unit.full.numel()}, shard_grad_.options());
+    track(bytes_of(unit.grad_flat));
+  }
+  unit.grad_flat.narrow(0, unit.offsets[slot], p.numel()).copy_(p.grad().reshape({-1}));
+  p.mutable_grad().reset();
+  if (--unit.pending == 0) launch_reduction(unit);
+  // Fold in finished reductions, and bound those in flight to two so unreduced gradients do not
+  // pile up when communication lags backward.
+  while (!in_flight_.empty() && (in_flight_.size() > 2 ||
+                                 units_[in_flight_.front()].reduce_work->is_completed())) {
+    complete_reduction(units_[in_flight_.front()]);
+  }
+}
+
+void ParameterSharder::launch_reduction(Unit& unit) {
+  unit.reduced = true;
+  release(unit);  // every use of its parameters in this backward is done
+  unit.grad_flat.div_(comm_->size());
+  unit.received = at::empty({unit.shard}, shard_grad_.options());
+  track(bytes_of(unit.received));
+  comm::ReduceScatterOptions options;
+  options.input_is_scratch = true;
+  unit.reduce_work = comm_->reduce_scatter(unit.received, unit.grad_flat, options);
+  in_flight_.push_back(static_cast<size_t>(&unit - units_.data()));
+  if (!backward_ended_) ++stats_.buckets_launched_during_backward;
+}
+
+void ParameterSharder::complete_reduction(Unit& unit) {
+  unit.reduce_work->wait();
+  unit.reduce_work.reset();
+  shard_grad_.narrow(0, unit.base, unit.shard).add_(unit.received);
+  track(-bytes_of(unit.received) - bytes_of(unit.grad_flat));
+  unit.received.reset();
+  unit.grad_flat.reset();
+  in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(),
+                             static_cast<size_t>(&unit - units_.data())));
+}
+
+void ParameterSharder::on_backward_end() {
+  if (backward_ended_) return;
+  backward_ended_ = true;
+  backward_end_time_ = std::chrono::steady_clock::now();
+  stats_.unused_parameters.clear();
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    if (!ready_[k]) stats_.unused_parameters.push_back(names_[k]);
+  }
+  // Units with parameters that got no gradient still reduce (those count as zero), in unit
+  // order from the last, so every rank issues the same collectives.
+  for (size_t u = units_.size(); u-- > 0;) {
+    Unit& unit = units_[u];
+    if (unit.reduced) continue;
+    if (!unit.grad_flat.defined()) {
+      unit.grad_flat = at::zeros({unit.full.numel()}, shard_grad_.options());
+      track(bytes_of(unit.grad_flat));
+    }
+    launch_reduction(unit);
+  }
+  for (auto& unit : units_) release(unit);
+}
+
+void ParameterSharder::finalize() {
+  if (!in_backward_) stats_.buckets_launched_during_backward = 0;
+  if (!backward_ended_) on_backward_end();  // no gradient reached any hook
+  while (!in_flight_.empty()) complete_reduction(units_[in_flight_.front()]);
+  stats_.exposed_comm_ms = std::chrono::duration<double, std::milli>(
+                               std::chrono::steady_clock::now() - backward_end_time_)
+                               .count();
+  stats_.peak_transient_bytes = peak_transient_;
+  in_backward_ = false;
+  backward_ended_ = false;
+  if (error_on_unused_ && !stats_.unused_parameters.empty()) {
+    std::string names;
+    for (const auto& name : stats_.unused_parameters) names += (names.empty() ? "" : ", ") + name;
+    DTRAIN_THROW(Error, "rank ", comm_->rank(), ": parameters received no gradient this step: ",
+                 names, " (turn off error_on_unused_parameters to treat them as zero)");
+  }
+}
+
+void ParameterSharder::zero_grad() {
+  shard_grad_.zero_();
+  for (auto& p : parameters_) p.mutable_grad().reset();
+  peak_transient_ = transient_;
+  stats_.buckets_launched_during_backward = 0;
+}
+
+}  // namespace dtrain::parallel

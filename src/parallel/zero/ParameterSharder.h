@@ -1,0 +1,127 @@
+// ParameterSharder: ZeRO-3 / FSDP parameter sharding. The model is cut into units (its stages,
+// optionally merged); each unit's parameters are flattened, padded to a multiple of the world
+// size and split, and each rank stores only its shard. The parameters stay the module's own
+// leaf tensors, but their storage is freed between uses: run() all-gathers a unit's storage just
+// before its forward (prefetching the next unit's meanwhile) and frees it afterwards; a hook on
+// the unit's output gathers it again just before its backward (prefetching the unit before);
+// once every parameter of the unit has its gradient, the unit's gradient is reduce-scattered into
+// this rank's gradient shard and the parameters are freed again (PyTorch FSDP's
+// FULL_SHARD). LibTorch has no module hooks, so the units come from Model::stages.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/Communicator.h"
+#include "dtrain/parallel/ddp/Reducer.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace dtrain::parallel {
+
+struct ShardUnit {
+  std::string name;
+  std::vector<size_t> parameters;  // indices into the sharder's parameters
+  std::vector<std::function<at::Tensor(const at::Tensor&)>> forwards;  // applied in order
+  /// Activation checkpointing: keep only the unit's input; recompute in backward (after the
+  /// pre-backward gather).
+  bool checkpoint = false;
+};
+
+class ParameterSharder : public GradientSync {
+ public:
+  /// A run of one parameter's elements inside this rank's shard: an optimizer parameter that
+  /// aliases shard_parameters() (its .grad aliases shard_gradients()).
+  struct Piece {
+    size_t parameter;
+    int64_t offset;  // of the run within the flattened parameter
+    at::Tensor tensor;
+  };
+
+  /// Collective. Takes the full, identical-on-every-rank `parameters` (leaves), shards them and
+  /// frees their storage.
+  ParameterSharder(std::vector<at::Tensor> parameters, std::vector<std::string> names,
+                   std::vector<ShardUnit> units, comm::CommunicatorPtr comm, bool prefetch,
+                   bool error_on_unused_parameters);
+  ~ParameterSharder() override;
+  ParameterSharder(const ParameterSharder&) = delete;
+  ParameterSharder& operator=(const ParameterSharder&) = delete;
+
+  /// Collective. The model's forward, unit by unit, gathering and freeing parameters.
+  at::Tensor run(const at::Tensor& input);
+  /// Collective. Gathers every unit (full parameters until the next run()).
+  void gather_all();
+
+  // GradientSync. Every micro-batch is synchronized (sharded gradients cannot accumulate
+  // unreduced), so set_sync(false) is refused.
+  void set_sync(bool sync) override;
+  void prepare_for_backward() override;
+  void finalize() override;
+  void zero_grad() override;
+  const ReducerStats& stats() const override { return stats_; }
+
+  const std::vector<Piece>& pieces() const { return pieces_; }
+  const at::Tensor& shard_parameters() const { return shard_params_; }
+  const at::Tensor& shard_gradients() const { return shard_grad_; }
+  size_t unit_count() const { return units_.size(); }
+  /// Most bytes of gathered parameters and unsharded gradients held at once since the last
+  /// zero_grad().
+  int64_t peak_transient_bytes() const { return peak_transient_; }
+
+ private:
+  struct Unit {
+    ShardUnit spec;
+    std::vector<int64_t> offsets;  // of each parameter in the unit's flat order
+    int64_t numel = 0;             // unpadded
+    int64_t shard = 0;             // elements per rank
+    int64_t base = 0;              // of this unit's shard in shard_params_ / shard_grad_
+    at::Tensor full;               // shard x ranks elements; storage freed when not gathered
+    bool gathered = false;
+    comm::WorkPtr gather_work;
+    // Backward.
+    size_t pending = 0;
+    bool reduced = false;
+    at::Tensor grad_flat;
+    at::Tensor received;
+    comm::WorkPtr reduce_work;
+  };
+
+  void gather(Unit& unit);  // starts the allgather (no-op when gathered or in flight)
+  void wait_gathered(Unit& unit);
+  void release(Unit& unit);
+  void pre_backward(size_t u);
+  void on_gradient(size_t k);
+  void launch_reduction(Unit& unit);
+  void complete_reduction(Unit& unit);
+  void on_backward_end();
+  void attach_hooks();
+  void track(int64_t bytes);
+
+  std::vector<at::Tensor> parameters_;
+  std::vector<std::string> names_;
+  comm::CommunicatorPtr comm_;
+  bool prefetch_;
+  bool error_on_unused_;
+  std::vector<Unit> units_;
+  std::vector<std::pair<size_t, size_t>> locator_;  // parameter -> (unit, slot)
+  at::Tensor shard_params_, shard_grad_;
+  std::vector<Piece> pieces_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  std::vector<bool> ready_;
+  std::vector<size_t> in_flight_;  // units whose reduction is running, oldest first
+  bool in_backward_ = false;
+  bool backward_ended_ = false;
+  std::chrono::steady_clock::time_point backward_end_time_;
+  int64_t transient_ = 0, peak_transient_ = 0;
+  ReducerStats stats_;
+};
+
+}  // namespace dtrain::parallel
