@@ -5,7 +5,6 @@ Run with Debian's interpreter: /usr/bin/python3."""
 import argparse
 import json
 import os
-import resource
 import statistics
 import time
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from reference_models import Cnn, Mlp
+from reference_models import Cnn, Mlp, peak_rss_mb, reset_peak, status_mb
 
 
 def main():
@@ -49,7 +48,10 @@ def main():
     batches = [(torch.randn(args.batch, 1, 28, 28), torch.randint(0, 10, (args.batch,)))
                for _ in range(4)]
     step_ms = []
+    peak_reset = False
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:  # state allocated: measure the steps' own peak from here
+            peak_reset = reset_peak()
         dist.barrier()
         start = time.perf_counter()
         inputs, targets = batches[i % len(batches)]
@@ -61,16 +63,18 @@ def main():
         elapsed = (time.perf_counter() - start) * 1e3
         if i >= args.warmup:
             step_ms.append(elapsed)
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
-                        dtype=torch.float64)
+    peak = torch.tensor([peak_rss_mb()], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # MB, the largest rank
+    step_peak = torch.tensor([status_mb("VmHWM:") if peak_reset else -1.0], dtype=torch.float64)
+    dist.all_reduce(step_peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         step = statistics.median(step_ms)
         print(json.dumps({"impl": "pytorch", "model": args.model, "world": world,
                           "batch": args.batch, "threads": torch.get_num_threads(),
                           "strategy": args.strategy, "step_ms": round(step, 3),
                           "samples_per_s": round(args.batch * world * 1000.0 / step, 1),
-                          "peak_rss_mb": round(peak.item(), 1)}))
+                          "peak_rss_mb": round(peak.item(), 1),
+                          "step_peak_rss_mb": round(step_peak.item(), 1)}))
     dist.destroy_process_group()
 
 

@@ -11,46 +11,16 @@
 #include <string>
 #include <sys/resource.h>
 
+#include "BenchMemory.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/memory/Checkpoint.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/precision/Precision.h"
 
 using namespace dtrain;
+using namespace dtrain::bench;
 
 namespace {
-
-double rss_mb() {  // current resident set
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  }
-  return 0;
-}
-
-double status_mb(const std::string& key) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size())) / 1024.0;
-  }
-  return 0;
-}
-
-// Resets the kernel's peak-RSS counter (VmHWM) to the current RSS; false where not allowed.
-bool reset_peak() {
-  std::ofstream clear("/proc/self/clear_refs");
-  clear << "5";
-  clear.close();
-  return clear.good();
-}
-
-double peak_rss_mb() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss / 1024.0;
-}
 
 // A pre-norm transformer block (attention + 4x MLP), written out so the PyTorch twin is the same.
 struct BlockImpl : torch::nn::Module {

@@ -4,7 +4,6 @@ for --segments. One configuration per process; prints one JSON line. Run with /u
 import argparse
 import json
 import math
-import resource
 import time
 
 import torch
@@ -12,15 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint_sequential
 
-from reference_models import Cnn, Mlp
-
-
-def rss_mb():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) / 1024.0
-    return 0.0
+from reference_models import Cnn, Mlp, peak_rss_mb, reset_peak, rss_mb, status_mb
 
 
 class Block(nn.Module):
@@ -41,14 +32,6 @@ class Block(nn.Module):
         att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // self.heads), -1)
         h = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
         return h + self.down(F.gelu(self.up(self.ln2(h))))
-
-
-def status_mb(key):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key):
-                return float(line.split()[1]) / 1024.0
-    return 0.0
 
 
 def main():
@@ -88,12 +71,7 @@ def main():
     for i in range(args.warmup + args.steps):
         if i == args.warmup:  # after warm-up: parameters, gradients, optimizer state allocated
             state_rss = rss_mb()
-            try:
-                with open("/proc/self/clear_refs", "w") as clear:
-                    clear.write("5")  # reset the peak-RSS counter (VmHWM)
-                peak_reset = True
-            except OSError:
-                pass
+            peak_reset = reset_peak()
         start = time.perf_counter()
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
@@ -105,7 +83,7 @@ def main():
         if i >= args.warmup:
             times.append((time.perf_counter() - start) * 1e3)
     times.sort()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    peak = peak_rss_mb()
     print(json.dumps({"impl": "pytorch", "model": args.model, "precision": args.precision,
                       "segments": args.segments, "batch": args.batch,
                       "step_ms": round(times[len(times) // 2], 3), "peak_rss_mb": round(peak, 1),

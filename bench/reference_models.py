@@ -1,7 +1,43 @@
 """The PyTorch twins of dtrain's reference models (src/models/Zoo.cpp), shared by the reference
 benchmarks."""
+import resource
+
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def status_mb(key):
+    """A /proc/self/status field in MB ("VmRSS:", "VmHWM:"), 0 when absent."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key):
+                return float(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def rss_mb():
+    return status_mb("VmRSS:")
+
+
+_peak_before_reset = 0.0
+
+
+def peak_rss_mb():
+    """Peak resident set of the whole process life, MB (across reset_peak() calls)."""
+    return max(_peak_before_reset, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+
+
+def reset_peak():
+    """Resets the kernel's peak-RSS counter (VmHWM, which ru_maxrss follows) to the current RSS,
+    so status_mb("VmHWM:") measures from now on; False where not allowed."""
+    global _peak_before_reset
+    _peak_before_reset = peak_rss_mb()
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class Mlp(nn.Module):

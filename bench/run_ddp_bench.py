@@ -24,7 +24,7 @@ def emit(table, markdown_path):
             f.write(table + "\n")
 
 
-def run_once(build, impl, model, world, batch, steps, bucket_cap_mb, extra=()):
+def run_once(build, impl, model, world, batch, steps, bucket_cap_mb, extra=(), env=None):
     args = ["--model", model, "--batch", str(batch), "--steps", str(steps),
             "--bucket-cap-mb", str(bucket_cap_mb)] + list(extra)
     if impl == "dtrain":
@@ -34,7 +34,8 @@ def run_once(build, impl, model, world, batch, steps, bucket_cap_mb, extra=()):
     threads = max(1, (os.cpu_count() or 1) // world)
     command = [os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node",
                str(world), "--threads", str(threads), "--"] + program
-    out = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, **(env or {})))
     if out.returncode != 0:
         sys.exit(f"failed ({out.returncode}): {' '.join(command)}\n{out.stderr[-2000:]}")
     for line in out.stdout.splitlines():

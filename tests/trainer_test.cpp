@@ -61,6 +61,7 @@ RunOutput run(int world, const train::TrainerOptions& options, uint64_t init_see
   run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
     train::Trainer trainer(options, comm);
     auto result = trainer.fit(models[comm->rank()], dataset);
+    trainer.strategy().materialize();  // zero3: gather the full parameters
     if (comm->rank() == 0) {
       out.losses = result.losses;
       out.start_step = result.start_step;
@@ -99,6 +100,38 @@ TEST(Trainer, ResumedRunContinuesTheSameLossTrajectory) {
       EXPECT_LE((full.weights[i] - resumed.weights[i]).abs().max().item<double>(), 1e-6);
     }
   }
+}
+
+// zero3 on 4 ranks -> ddp on 2 -> zero1 on 3, one global batch of 12: the same weights as an
+// uninterrupted run.
+TEST(Trainer, ResumesAcrossStrategiesAndWorldSizes) {
+  at::set_num_threads(1);
+  TempDir dir;
+  auto options = base_options();
+  options.max_steps = 12;
+  auto with = [&options](const std::string& strategy, int world) {
+    auto o = options;
+    o.strategy = strategy;
+    o.batch_size = 12 / world;
+    return o;
+  };
+  const RunOutput full = run(2, with("ddp", 2), 1);
+  options.checkpoint_dir = dir.path();
+  options.checkpoint_every = 4;
+  auto first = with("zero3", 4);
+  first.stop_at_step = 4;
+  run(4, first, 1);
+  auto second = with("ddp", 2);
+  second.stop_at_step = 8;
+  EXPECT_EQ(run(2, second, 777).start_step, 4);
+  const RunOutput last = run(3, with("zero1", 3), 999);
+  EXPECT_EQ(last.start_step, 8);
+  ASSERT_EQ(last.weights.size(), full.weights.size());
+  for (size_t i = 0; i < full.weights.size(); ++i) {
+    EXPECT_LE((full.weights[i] - last.weights[i]).abs().max().item<double>(), 1e-5);
+  }
+  EXPECT_EQ(train::read_meta(dir / "step-00000012").strategy, "zero1");
+  EXPECT_EQ(train::read_meta(dir / "step-00000008").world_size, 2);
 }
 
 TEST(Trainer, CheckpointsAreAtomicAndPruned) {

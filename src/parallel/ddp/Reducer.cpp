@@ -265,8 +265,18 @@ void Reducer::mark_ready(size_t k) {
   Bucket& bucket = buckets_[locator_[k].first];
   if (--bucket.pending == 0) launch_ready_buckets();
   if (sharded()) {  // release full gradients as soon as their reduction is done
+    size_t in_flight = 0;
     for (size_t b = 0; b < next_bucket_; ++b) {
       if (buckets_[b].work && buckets_[b].work->is_completed()) complete_sharded(buckets_[b]);
+      in_flight += buckets_[b].work ? 1 : 0;
+    }
+    // When communication lags backward, wait for the oldest rather than let unreduced buckets
+    // pile up (DeepSpeed's reduce_bucket_size bound).
+    for (size_t b = 0; b < next_bucket_ && in_flight > kMaxReductionsInFlight; ++b) {
+      if (buckets_[b].work) {
+        complete_sharded(buckets_[b]);
+        --in_flight;
+      }
     }
   }
 }

@@ -252,9 +252,9 @@ void ParameterSharder::on_gradient(size_t k) {
   unit.grad_flat.narrow(0, unit.offsets[slot], p.numel()).copy_(p.grad().reshape({-1}));
   p.mutable_grad().reset();
   if (--unit.pending == 0) launch_reduction(unit);
-  // Fold in finished reductions, and bound those in flight to two so unreduced gradients do not
-  // pile up when communication lags backward.
-  while (!in_flight_.empty() && (in_flight_.size() > 2 ||
+  // Fold in finished reductions, and bound those in flight so unreduced gradients do not pile up
+  // when communication lags backward.
+  while (!in_flight_.empty() && (in_flight_.size() > kMaxReductionsInFlight ||
                                  units_[in_flight_.front()].reduce_work->is_completed())) {
     complete_reduction(units_[in_flight_.front()]);
   }

@@ -22,6 +22,10 @@ struct Node;
 
 namespace dtrain::parallel {
 
+/// Sharded modes (ZeRO-2/3): reductions running at once before backward waits for the oldest, so
+/// full gradients awaiting reduction stay bounded when communication lags backward.
+constexpr size_t kMaxReductionsInFlight = 2;
+
 struct ReducerOptions {
   int64_t bucket_cap_bytes = 25LL * 1024 * 1024;
   /// Cap of the first bucket (the last layers' gradients), kept small so communication starts
