@@ -276,6 +276,7 @@ TEST(Zero, MixedPrecisionMatchesDdpAndPureBf16IsRefused) {
   EXPECT_GT(max_abs_diff(fp32, zero), 0.0) << "bf16-mixed changed nothing: autocast not applied?";
   EXPECT_THROW(parallel::ZeroStrategy({.precision = "bf16"}), InputError);
   EXPECT_THROW(parallel::Zero3Strategy({.precision = "bf16"}), InputError);
+  EXPECT_THROW(parallel::Zero3Strategy({.grad_compression = "fp16"}), InputError);
 }
 
 // Sharded checkpoints reshard: zero3 on 4 ranks -> ddp on 2 -> zero1 on 3 (-> zero2 on 2 ->

@@ -35,6 +35,25 @@ int64_t take_step(const ParamState& state) {
   return it == state.end() ? 0 : it->second.item<int64_t>();
 }
 
+// Adam and AdamW keep the same fields in different classes.
+template <typename S>
+void get_adam(ParamState& out, const S& s) {
+  out["step"] = step_tensor(s.step());
+  put(out, "exp_avg", s.exp_avg());
+  put(out, "exp_avg_sq", s.exp_avg_sq());
+  put(out, "max_exp_avg_sq", s.max_exp_avg_sq());
+}
+
+template <typename S>
+std::unique_ptr<S> make_adam(const ParamState& state, const at::Tensor& parameter) {
+  auto s = std::make_unique<S>();
+  s->step(take_step(state));
+  s->exp_avg(take(state, "exp_avg", parameter));
+  s->exp_avg_sq(take(state, "exp_avg_sq", parameter));
+  s->max_exp_avg_sq(take(state, "max_exp_avg_sq", parameter));
+  return s;
+}
+
 }  // namespace
 
 ParamState get_param_state(const torch::optim::Optimizer& optimizer, const at::Tensor& parameter) {
@@ -45,15 +64,9 @@ ParamState get_param_state(const torch::optim::Optimizer& optimizer, const at::T
   if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
     put(out, "momentum_buffer", s->momentum_buffer());
   } else if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
-    out["step"] = step_tensor(a->step());
-    put(out, "exp_avg", a->exp_avg());
-    put(out, "exp_avg_sq", a->exp_avg_sq());
-    put(out, "max_exp_avg_sq", a->max_exp_avg_sq());
+    get_adam(out, *a);
   } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
-    out["step"] = step_tensor(w->step());
-    put(out, "exp_avg", w->exp_avg());
-    put(out, "exp_avg_sq", w->exp_avg_sq());
-    put(out, "max_exp_avg_sq", w->max_exp_avg_sq());
+    get_adam(out, *w);
   } else if (auto* g = dynamic_cast<const torch::optim::AdagradParamState*>(state)) {
     out["step"] = step_tensor(g->step());
     put(out, "sum", g->sum());
@@ -74,19 +87,9 @@ void set_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& param
     s->momentum_buffer(take(state, "momentum_buffer", parameter));
     made = std::move(s);
   } else if (dynamic_cast<torch::optim::Adam*>(&optimizer)) {
-    auto a = std::make_unique<torch::optim::AdamParamState>();
-    a->step(take_step(state));
-    a->exp_avg(take(state, "exp_avg", parameter));
-    a->exp_avg_sq(take(state, "exp_avg_sq", parameter));
-    a->max_exp_avg_sq(take(state, "max_exp_avg_sq", parameter));
-    made = std::move(a);
+    made = make_adam<torch::optim::AdamParamState>(state, parameter);
   } else if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) {
-    auto w = std::make_unique<torch::optim::AdamWParamState>();
-    w->step(take_step(state));
-    w->exp_avg(take(state, "exp_avg", parameter));
-    w->exp_avg_sq(take(state, "exp_avg_sq", parameter));
-    w->max_exp_avg_sq(take(state, "max_exp_avg_sq", parameter));
-    made = std::move(w);
+    made = make_adam<torch::optim::AdamWParamState>(state, parameter);
   } else if (dynamic_cast<torch::optim::Adagrad*>(&optimizer)) {
     auto g = std::make_unique<torch::optim::AdagradParamState>();
     g->step(take_step(state));

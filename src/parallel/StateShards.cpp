@@ -152,12 +152,16 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
                             int64_t lo, int64_t hi) {
           target.view({-1}).narrow(0, lo - base, hi - lo).copy_(from.narrow(0, lo - offset, hi - lo));
         };
+        // The elements [lo, hi) this piece has of `want` (empty when lo >= hi).
+        auto overlap = [&](const PieceRef& want) {
+          check_shape(want);
+          return std::make_pair(std::max(offset, want.offset),
+                                std::min(offset + numel, want.offset + want.tensor.numel()));
+        };
         auto range = value_index.equal_range(name);
         for (auto it = range.first; it != range.second; ++it) {
           const PieceRef& want = values[it->second];
-          check_shape(want);
-          const int64_t lo = std::max(offset, want.offset);
-          const int64_t hi = std::min(offset + numel, want.offset + want.tensor.numel());
+          const auto [lo, hi] = overlap(want);
           if (lo >= hi) continue;
           copy_run(param, want.tensor, want.offset, lo, hi);
           value_covered[it->second] += hi - lo;
@@ -165,9 +169,7 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
         range = state_index.equal_range(name);
         for (auto it = range.first; it != range.second; ++it) {
           const PieceRef& want = states[it->second];
-          check_shape(want);
-          const int64_t lo = std::max(offset, want.offset);
-          const int64_t hi = std::min(offset + numel, want.offset + want.tensor.numel());
+          const auto [lo, hi] = overlap(want);
           if (lo >= hi) continue;
           auto& state = assembled[it->second];
           for (const auto& kv : tensors) {

@@ -178,23 +178,19 @@ NamedTensors DdpStrategy::named_buffers() const {
 }
 
 void DdpStrategy::save(const std::string& directory) {
-  if (comm_->rank() != 0) return;  // replicas are identical; rank 0 writes them
-  write_state_shard(directory, 0, 1, whole_parameters(), optimizer_.get(), named_buffers());
-  save_loss_scaler(directory);
+  const bool leader = comm_->rank() == 0;
+  if (state_sharded()) {
+    write_state_shard(directory, comm_->rank(), comm_->size(), state_pieces(), optimizer_.get(),
+                      leader ? named_buffers() : NamedTensors{});
+  } else if (leader) {  // replicas are identical; rank 0 writes them
+    write_state_shard(directory, 0, 1, state_pieces(), optimizer_.get(), named_buffers());
+  }
+  if (scaler_ && leader) torch::save(scaler_->state(), directory + "/loss_scaler.pt");
 }
 
 void DdpStrategy::load(const std::string& directory) {
   const NamedTensors buffers = named_buffers();
-  const auto whole = whole_parameters();
-  read_state_shards(directory, whole, optimizer_.get(), whole, &buffers);
-  load_loss_scaler(directory);
-}
-
-void DdpStrategy::save_loss_scaler(const std::string& directory) const {
-  if (scaler_ && comm_->rank() == 0) torch::save(scaler_->state(), directory + "/loss_scaler.pt");
-}
-
-void DdpStrategy::load_loss_scaler(const std::string& directory) {
+  read_state_shards(directory, value_pieces(), optimizer_.get(), state_pieces(), &buffers);
   const std::string path = directory + "/loss_scaler.pt";
   if (!scaler_ || !std::ifstream(path).good()) return;
   try {

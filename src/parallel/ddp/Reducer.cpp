@@ -11,6 +11,7 @@
 #include <map>
 
 #include "dtrain/common/Error.h"
+#include "parallel/ddp/GradHooks.h"
 
 namespace dtrain::parallel {
 
@@ -79,9 +80,8 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
     for (size_t k = 0; k < parameters_.size(); ++k) alias_grad(k, /*keep_values=*/true);
   }
 
-  accumulators_.resize(parameters_.size());
-  hook_keys_.resize(parameters_.size());
-  attach_hooks();
+  hooks_ = std::make_unique<GradReadyHooks>([this](size_t k) { mark_ready(k); });
+  hooks_->attach(parameters_, names_);
 }
 
 std::vector<std::vector<size_t>> Reducer::assign_buckets() const {
@@ -144,29 +144,32 @@ std::vector<std::vector<size_t>> Reducer::assign_buckets() const {
   return groups;
 }
 
-void Reducer::attach_hooks() {
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[k]);
-    DTRAIN_CHECK(accumulator, "parameter ", names_[k], " is not a leaf tensor");
+GradReadyHooks::~GradReadyHooks() {
+  for (size_t k = 0; k < accumulators_.size(); ++k) {
+    if (accumulators_[k]) accumulators_[k]->del_post_hook(keys_[k]);
+  }
+}
+
+void GradReadyHooks::attach(const std::vector<at::Tensor>& parameters,
+                            const std::vector<std::string>& names) {
+  accumulators_.resize(parameters.size());
+  keys_.resize(parameters.size());
+  for (size_t k = 0; k < parameters.size(); ++k) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(parameters[k]);
+    DTRAIN_CHECK(accumulator, "parameter ", names[k], " is not a leaf tensor");
     if (accumulator == accumulators_[k]) continue;
-    // New node: first call, or the parameter was re-assigned (e.g. torch::load uses set_).
-    if (accumulators_[k]) accumulators_[k]->del_post_hook(hook_keys_[k]);
-    hook_keys_[k] = accumulator->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, k](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list&) {
-              mark_ready(k);
-              return outputs;
-            }));
+    if (accumulators_[k]) accumulators_[k]->del_post_hook(keys_[k]);
+    keys_[k] = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, k](const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list&) {
+          on_ready_(k);
+          return outputs;
+        }));
     accumulators_[k] = std::move(accumulator);
   }
 }
 
-Reducer::~Reducer() {
-  for (size_t k = 0; k < accumulators_.size(); ++k) {
-    accumulators_[k]->del_post_hook(hook_keys_[k]);
-  }
-}
+Reducer::~Reducer() = default;
 
 void Reducer::allocate(Bucket& bucket) {
   const at::Tensor& first = parameters_[bucket.parameters.front()];
@@ -245,7 +248,7 @@ void Reducer::prepare_for_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   DTRAIN_CHECK(next_bucket_ == 0 && !backward_ended_,
                "Reducer: a new backward pass started before finalize() of the previous one");
-  attach_hooks();
+  hooks_->attach(parameters_, names_);
 }
 
 void Reducer::mark_ready(size_t k) {

@@ -4,10 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/Checkpoint.h"
@@ -115,15 +112,12 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
   }
   stats_.buckets = static_cast<int64_t>(units_.size());
   ready_.assign(parameters_.size(), false);
-  accumulators_.resize(parameters_.size());
-  hook_keys_.resize(parameters_.size());
-  attach_hooks();
+  hooks_ = std::make_unique<GradReadyHooks>([this](size_t k) { on_gradient(k); });
+  hooks_->attach(parameters_, names_);
 }
 
 ParameterSharder::~ParameterSharder() {
-  for (size_t k = 0; k < accumulators_.size(); ++k) {
-    if (accumulators_[k]) accumulators_[k]->del_post_hook(hook_keys_[k]);
-  }
+  hooks_.reset();
   for (auto& unit : units_) {  // no collective may still write into freed memory
     try {
       if (unit.gather_work) unit.gather_work->wait();
@@ -199,27 +193,10 @@ void ParameterSharder::set_sync(bool sync) {
   DTRAIN_CHECK(sync, "zero3 synchronizes every micro-batch");
 }
 
-void ParameterSharder::attach_hooks() {
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[k]);
-    DTRAIN_CHECK(accumulator, "parameter ", names_[k], " is not a leaf tensor");
-    if (accumulator == accumulators_[k]) continue;
-    if (accumulators_[k]) accumulators_[k]->del_post_hook(hook_keys_[k]);
-    hook_keys_[k] = accumulator->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, k](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list&) {
-              on_gradient(k);
-              return outputs;
-            }));
-    accumulators_[k] = std::move(accumulator);
-  }
-}
-
 void ParameterSharder::prepare_for_backward() {
   DTRAIN_CHECK(!in_backward_ && in_flight_.empty(),
                "zero3: a new backward pass started before finalize() of the previous one");
-  attach_hooks();
+  hooks_->attach(parameters_, names_);
   for (auto& unit : units_) {
     unit.pending = unit.spec.parameters.size();
     unit.reduced = false;

@@ -19,10 +19,7 @@
 
 #include "dtrain/comm/Communicator.h"
 #include "dtrain/parallel/ddp/Reducer.h"
-
-namespace torch::autograd {
-struct Node;
-}
+#include "parallel/ddp/GradHooks.h"
 
 namespace dtrain::parallel {
 
@@ -101,7 +98,6 @@ class ParameterSharder : public GradientSync {
   void launch_reduction(Unit& unit);
   void complete_reduction(Unit& unit);
   void on_backward_end();
-  void attach_hooks();
   void track(int64_t bytes);
 
   std::vector<at::Tensor> parameters_;
@@ -113,8 +109,7 @@ class ParameterSharder : public GradientSync {
   std::vector<std::pair<size_t, size_t>> locator_;  // parameter -> (unit, slot)
   at::Tensor shard_params_, shard_grad_;
   std::vector<Piece> pieces_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
+  std::unique_ptr<GradReadyHooks> hooks_;
   std::vector<bool> ready_;
   std::vector<size_t> in_flight_;  // units whose reduction is running, oldest first
   bool in_backward_ = false;

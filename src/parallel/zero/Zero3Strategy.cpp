@@ -14,6 +14,9 @@ namespace dtrain::parallel {
 Zero3Strategy::Zero3Strategy(StrategyOptions options) : DdpStrategy(std::move(options)) {
   DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16,
                      "zero3 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
+  DTRAIN_CHECK_INPUT(options_.grad_compression == "none", "zero3 reduce-scatters gradients in "
+                     "their own dtype; --grad-compression ", options_.grad_compression,
+                     " is for ddp, zero1 and zero2");
   DTRAIN_CHECK_INPUT(options_.zero3_min_unit_params >= 0,
                      "zero3 minimum unit size must be >= 0 parameters");
 }
@@ -79,27 +82,13 @@ std::vector<at::Tensor> Zero3Strategy::gradient_holders() const {
 
 void Zero3Strategy::materialize() { sharder_->gather_all(); }
 
-std::vector<PieceRef> Zero3Strategy::shard_pieces() const {
+std::vector<PieceRef> Zero3Strategy::state_pieces() const {
   std::vector<PieceRef> pieces;
   for (const auto& piece : sharder_->pieces()) {
     pieces.push_back({names_[piece.parameter], piece.offset, piece.tensor,
                       parameters_[piece.parameter].sizes().vec()});
   }
   return pieces;
-}
-
-void Zero3Strategy::save(const std::string& directory) {
-  write_state_shard(directory, comm_->rank(), comm_->size(), shard_pieces(), optimizer_.get(),
-                    comm_->rank() == 0 ? named_buffers() : NamedTensors{});
-  save_loss_scaler(directory);
-}
-
-void Zero3Strategy::load(const std::string& directory) {
-  // Only this rank's shard: values and optimizer state of its pieces.
-  const NamedTensors buffers = named_buffers();
-  const auto pieces = shard_pieces();
-  read_state_shards(directory, pieces, optimizer_.get(), pieces, &buffers);
-  load_loss_scaler(directory);
 }
 
 MemoryReport Zero3Strategy::memory_report() const {

@@ -13,8 +13,6 @@ class Zero3Strategy : public DdpStrategy {
  public:
   explicit Zero3Strategy(StrategyOptions options);
   std::string name() const override { return "zero3"; }
-  void save(const std::string& directory) override;
-  void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
   void materialize() override;
   /// The sharder (for tests and benchmarks).
@@ -27,12 +25,15 @@ class Zero3Strategy : public DdpStrategy {
   bool reduce_every_micro_batch() const override { return true; }
   std::vector<at::Tensor> gradient_holders() const override;
   bool gradients_sharded() const override { return true; }
+  /// Checkpoints: each rank writes and loads only its shard's pieces.
+  std::vector<PieceRef> state_pieces() const override;
+  bool state_sharded() const override { return true; }
+  std::vector<PieceRef> value_pieces() const override { return state_pieces(); }
 
  private:
   /// The units: the model's stages, consecutive ones merged up to options_.zero3_min_unit_params
   /// (the whole model when it has no stages).
   std::vector<ShardUnit> make_units() const;
-  std::vector<PieceRef> shard_pieces() const;
 
   std::unique_ptr<ParameterSharder> sharder_;
 };

@@ -101,26 +101,13 @@ void ZeroStrategy::apply_update() {
   comm_->allgather(flat_, flat_.narrow(0, comm_->rank() * shard_numel_, shard_numel_))->wait();
 }
 
-std::vector<PieceRef> ZeroStrategy::shard_pieces() const {
+std::vector<PieceRef> ZeroStrategy::state_pieces() const {
   std::vector<PieceRef> pieces;
   for (const auto& piece : pieces_) {
     pieces.push_back({names_[piece.parameter], piece.offset, piece.tensor,
                       parameters_[piece.parameter].sizes().vec()});
   }
   return pieces;
-}
-
-void ZeroStrategy::save(const std::string& directory) {
-  write_state_shard(directory, comm_->rank(), comm_->size(), shard_pieces(), optimizer_.get(),
-                    comm_->rank() == 0 ? named_buffers() : NamedTensors{});
-  save_loss_scaler(directory);
-}
-
-void ZeroStrategy::load(const std::string& directory) {
-  // Every rank holds all parameters (they alias flat_) and the state of its shard's pieces.
-  const NamedTensors buffers = named_buffers();
-  read_state_shards(directory, whole_parameters(), optimizer_.get(), shard_pieces(), &buffers);
-  load_loss_scaler(directory);
 }
 
 MemoryReport ZeroStrategy::memory_report() const {

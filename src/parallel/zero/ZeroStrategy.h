@@ -13,8 +13,6 @@ class ZeroStrategy : public DdpStrategy {
  public:
   ZeroStrategy(StrategyOptions options, int stage = 1);
   std::string name() const override { return stage_ == 1 ? "zero1" : "zero2"; }
-  void save(const std::string& directory) override;
-  void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
 
  protected:
@@ -24,6 +22,9 @@ class ZeroStrategy : public DdpStrategy {
   bool reduce_every_micro_batch() const override { return stage_ >= 2; }
   std::vector<at::Tensor> gradient_holders() const override;
   bool gradients_sharded() const override { return stage_ >= 2; }
+  /// Checkpoints: each rank writes its shard's pieces; loads fill every (replicated) parameter.
+  std::vector<PieceRef> state_pieces() const override;
+  bool state_sharded() const override { return true; }
 
  private:
   /// Part of parameter `parameter` (from element `offset`) inside this rank's shard.
@@ -33,8 +34,6 @@ class ZeroStrategy : public DdpStrategy {
     at::Tensor tensor;  // aliases flat_; an optimizer parameter
   };
 
-  /// This rank's pieces, for checkpoints.
-  std::vector<PieceRef> shard_pieces() const;
 
   int stage_;
   at::Tensor flat_;        // all parameters, padded; the parameters alias it

@@ -16,11 +16,9 @@
 
 #include "dtrain/comm/Communicator.h"
 
-namespace torch::autograd {
-struct Node;
-}
-
 namespace dtrain::parallel {
+
+class GradReadyHooks;
 
 /// Sharded modes (ZeRO-2/3): reductions running at once before backward waits for the oldest, so
 /// full gradients awaiting reduction stay bounded when communication lags backward.
@@ -123,7 +121,6 @@ class Reducer : public GradientSync {
   /// Reduce-scatter mode: waits for the bucket, adds what this rank received into shard_grad,
   /// frees the bucket and its parameters' gradients.
   void complete_sharded(Bucket& bucket);
-  void attach_hooks();
   /// Points parameter k's .grad at its bucket slot (copying a replaced gradient in, or zeroing).
   void alias_grad(size_t k, bool keep_values);
   void mark_ready(size_t parameter);
@@ -136,8 +133,7 @@ class Reducer : public GradientSync {
   ReducerOptions options_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> locator_;  // parameter -> (bucket, slot)
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
+  std::unique_ptr<GradReadyHooks> hooks_;
 
   std::mutex mutex_;
   bool sync_ = true;
