@@ -86,6 +86,48 @@ TEST(Zero3, UnitsOfAnyGranularityAndConvolutionsMatchSingleProcess) {
             1e-5);
 }
 
+TEST(Zero3, SequentialModelsGetOneUnitPerParameterizedStage) {
+  at::set_num_threads(1);
+  torch::manual_seed(6);
+  auto build = [] {
+    return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(144, 9), torch::nn::ReLU(),
+                                 torch::nn::Linear(9, 10), torch::nn::ReLU());
+  };
+  std::vector<torch::nn::Sequential> nets{build(), build()};
+  auto reference = build();
+  {
+    torch::NoGradGuard no_grad;
+    auto from = nets[0]->parameters();
+    auto to = reference->parameters();
+    for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+  }
+  const auto inputs = torch::randn({8, 1, 12, 12});
+  const auto targets = torch::randint(0, 10, {8});
+  auto optimizer = optim::make_optimizer(reference->parameters(), adam());
+  for (int step = 0; step < 4; ++step) {
+    optimizer->zero_grad();
+    parallel::cross_entropy(reference->forward(inputs), targets).backward();
+    optimizer->step();
+  }
+  std::vector<at::Tensor> got;
+  run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
+    parallel::Zero3Strategy zero3({});
+    zero3.setup(sequential_model(nets[comm->rank()]), optim::optimizer_factory(adam()),
+                std::make_shared<comm::ProcessGrid>(comm));
+    EXPECT_EQ(zero3.sharder().unit_count(), 2u);  // Flatten+Linear, ReLU+Linear+ReLU
+    const int64_t half = 4 * comm->rank();
+    for (int step = 0; step < 4; ++step) {
+      zero3.train_step({{inputs.narrow(0, half, 4), targets.narrow(0, half, 4)}},
+                       parallel::cross_entropy);
+    }
+    zero3.materialize();
+    if (comm->rank() == 0) got = snapshot(zero3.model());
+  });
+  std::vector<at::Tensor> expected;
+  for (const auto& p : reference->parameters()) expected.push_back(p.detach());
+  EXPECT_LE(max_abs_diff(expected, got), 1e-5);
+}
+
 TEST(Zero3, ModelWithoutStagesIsOneUnit) {
   at::set_num_threads(1);
   auto f = make_fixture(odd_deep_mlp(), adam(), 6);

@@ -59,7 +59,16 @@ std::vector<ShardUnit> Zero3Strategy::make_units() const {
         }
       }
     }
-    if (open_numel >= options_.zero3_min_unit_params) open = false;
+    // A unit closes once it has parameters (stages without any, such as activations, join
+    // their neighbours) and reaches the minimum size.
+    if (!unit.parameters.empty() && open_numel >= options_.zero3_min_unit_params) open = false;
+  }
+  if (units.size() > 1 && units.back().parameters.empty()) {  // trailing parameter-free stages
+    ShardUnit tail = std::move(units.back());
+    units.pop_back();
+    units.back().name += "+" + tail.name;
+    for (auto& forward : tail.forwards) units.back().forwards.push_back(std::move(forward));
+    units.back().checkpoint = units.back().checkpoint || tail.checkpoint;
   }
   return units;
 }
