@@ -301,6 +301,23 @@ TEST(Checkpoint, ConsolidatedFileLoadsInCppAndPython) {
   ASSERT_EQ(fields, 2) << "python could not read " << file;
   EXPECT_EQ(python_count, static_cast<long>(live.size()));
   EXPECT_NEAR(python_sum, sum, 1e-9 * std::max(1.0, std::abs(sum)));
+  // The state files themselves are plain pickles too: one piece per parameter (DDP), with its
+  // Adam moments, and the buffers.
+  const std::string state_command =
+      "/usr/bin/python3 -W ignore -c \"import sys, torch; d = torch.load(sys.argv[1]); "
+      "print(len(d['pieces']), len(d['buffers']), "
+      "sorted(d['pieces'][0]['tensors'].keys()) == ['exp_avg', 'exp_avg_sq', 'param', 'step'])\" " +
+      checkpoint + "/state-0-of-1.pt";
+  pipe = ::popen(state_command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  long pieces = -1, buffers = -1;
+  char keys_ok[16] = {0};
+  const int state_fields = std::fscanf(pipe, "%ld %ld %15s", &pieces, &buffers, keys_ok);
+  ::pclose(pipe);
+  ASSERT_EQ(state_fields, 3);
+  EXPECT_EQ(pieces, static_cast<long>(module.named_parameters().size()));
+  EXPECT_EQ(buffers, static_cast<long>(module.named_buffers().size()));
+  EXPECT_STREQ(keys_ok, "True");
 
   EXPECT_THROW(train::resolve_checkpoint(dir / "nothing-here"), InputError);
   std::ofstream(checkpoint + "/state-0-of-1.pt") << "not a pickle";
