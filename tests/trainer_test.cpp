@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -178,6 +179,22 @@ TEST(Trainer, BadCheckpointsAreNamedErrors) {
     EXPECT_NE(message.find("layers.0.weight"), std::string::npos) << message;
     EXPECT_NE(message.find("[32,16]"), std::string::npos) << message;
     EXPECT_NE(message.find("[24,16]"), std::string::npos) << message;
+  }
+  // A checkpoint of the earlier format is named as such.
+  {
+    std::ifstream in(checkpoint + "/meta.json");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto at = text.find("\"format_version\": 2");
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, 19, "\"format_version\": 1");
+    std::ofstream(checkpoint + "/meta.json") << text;
+    try {
+      train::Trainer trainer(options);
+      trainer.fit(models::make_model(mlp_spec()), dataset);
+      ADD_FAILURE() << "loaded a format-1 checkpoint";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("format_version 1"), std::string::npos) << e.what();
+    }
   }
   // Corrupt metadata names the file; the checkpoint itself is left alone.
   std::ofstream(checkpoint + "/meta.json") << "{ not json";

@@ -79,8 +79,12 @@ CheckpointMeta read_meta(const std::string& directory) {
   CheckpointMeta meta;
   try {
     meta.format_version = json.at("format_version").get<int>();
-    DTRAIN_CHECK_INPUT(meta.format_version == 1, path, ": unsupported format_version ",
-                       meta.format_version);
+    DTRAIN_CHECK_INPUT(meta.format_version != 1, path, ": format_version 1 (model.pt + ",
+                       "optimizer.pt, from an earlier dtrain) cannot be loaded; this build reads ",
+                       "format_version ", kCheckpointFormat, " (state-R-of-N.pt shards)");
+    DTRAIN_CHECK_INPUT(meta.format_version == kCheckpointFormat, path,
+                       ": unsupported format_version ", meta.format_version, " (this build reads ",
+                       kCheckpointFormat, ")");
     meta.strategy = json.at("strategy").get<std::string>();
     meta.world_size = json.at("world_size").get<int>();
     meta.dp = json.at("layout").at("dp").get<int>();

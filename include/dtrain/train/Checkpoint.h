@@ -20,8 +20,11 @@ struct TensorInfo {
   bool buffer = false;  // a module buffer (e.g. BatchNorm statistics), not a parameter
 };
 
+/// 2: state-R-of-N.pt shards (parallel/StateShards.h); 1 was model.pt + optimizer.pt.
+constexpr int kCheckpointFormat = 2;
+
 struct CheckpointMeta {
-  int format_version = 1;
+  int format_version = kCheckpointFormat;
   std::string strategy;
   int world_size = 1;
   int dp = 1, pp = 1, tp = 1;
