@@ -20,23 +20,60 @@ at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes) 
   return out;
 }
 
-// Frees / re-allocates a storage in place: every tensor on it (the parameters, and the views
-// autograd saved for backward) sees the change, as in PyTorch FSDP's storage resize.
-void free_storage(const at::Tensor& t) {
-  c10::Storage storage = t.storage();
-  storage.set_data_ptr_noswap(at::DataPtr(nullptr, storage.device()));
-  storage.set_nbytes(0);
+
+}  // namespace
+
+at::DataPtr BufferPool::take(size_t nbytes) {
+  // The smallest cached buffer that fits without wasting more than half of it.
+  auto best = cached_.end();
+  for (auto it = cached_.begin(); it != cached_.end(); ++it) {
+    if (it->first >= nbytes && it->first <= 2 * nbytes &&
+        (best == cached_.end() || it->first < best->first)) {
+      best = it;
+    }
+  }
+  if (best != cached_.end()) {
+    at::DataPtr ptr = std::move(best->second);
+    cached_.erase(best);
+    return ptr;
+  }
+  at::DataPtr ptr = allocator_->allocate(nbytes);
+  capacity_[ptr.get()] = nbytes;
+  held_ += static_cast<int64_t>(nbytes);
+  peak_ = std::max(peak_, held_);
+  return ptr;
 }
 
-void allocate_storage(const at::Tensor& t, size_t nbytes) {
+void BufferPool::give(at::DataPtr ptr) {
+  if (!ptr.get()) return;
+  const size_t capacity = capacity_.at(ptr.get());
+  if (cached_.size() < max_cached_) {
+    cached_.emplace_back(capacity, std::move(ptr));
+    return;
+  }
+  capacity_.erase(ptr.get());
+  held_ -= static_cast<int64_t>(capacity);
+}
+
+void BufferPool::attach(const at::Tensor& t, int64_t numel) {
   c10::Storage storage = t.storage();
-  storage.set_data_ptr_noswap(storage.allocator()->allocate(nbytes));
+  const size_t nbytes = static_cast<size_t>(numel) * t.element_size();
+  storage.set_data_ptr_noswap(take(nbytes));
   storage.set_nbytes(nbytes);
 }
 
-int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+void BufferPool::detach(const at::Tensor& t) {
+  c10::Storage storage = t.storage();
+  give(storage.set_data_ptr(at::DataPtr(nullptr, storage.device())));
+  storage.set_nbytes(0);
+}
 
-}  // namespace
+at::Tensor BufferPool::empty(int64_t numel, const at::TensorOptions& options) {
+  at::Tensor t = at::empty({0}, options);
+  attach(t, numel);
+  t.set_(t.storage(), 0, {numel}, {1});
+  return t;
+}
 
 ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
                                    std::vector<std::string> names, std::vector<ShardUnit> units,
@@ -46,7 +83,8 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
       names_(std::move(names)),
       comm_(std::move(comm)),
       prefetch_(prefetch),
-      error_on_unused_(error_on_unused_parameters) {
+      error_on_unused_(error_on_unused_parameters),
+      pool_(c10::GetAllocator(parameters_.front().device().type()), 4) {
   DTRAIN_CHECK(!parameters_.empty() && parameters_.size() == names_.size(),
                "ParameterSharder needs named parameters");
   const auto dtype = parameters_.front().scalar_type();
@@ -94,7 +132,9 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
       p.set_(unit.full.storage(), unit.offsets[slot], p.sizes(), c10::contiguous_strides(p.sizes()));
     }
     shard_params_.narrow(0, unit.base, unit.shard).copy_(unit.full.narrow(0, rank * unit.shard, unit.shard));
-    free_storage(unit.full);
+    c10::Storage storage = unit.full.storage();  // from now on its memory comes from pool_
+    storage.set_data_ptr_noswap(at::DataPtr(nullptr, storage.device()));
+    storage.set_nbytes(0);
     // The optimizer's pieces: each parameter's run inside this rank's part of the unit.
     const int64_t begin = rank * unit.shard;
     const int64_t end = begin + unit.shard;
@@ -127,15 +167,9 @@ ParameterSharder::~ParameterSharder() {
   }
 }
 
-void ParameterSharder::track(int64_t bytes) {
-  transient_ += bytes;
-  peak_transient_ = std::max(peak_transient_, transient_);
-}
-
 void ParameterSharder::gather(Unit& unit) {
   if (unit.gathered) return;
-  allocate_storage(unit.full, static_cast<size_t>(bytes_of(unit.full)));
-  track(bytes_of(unit.full));
+  pool_.attach(unit.full, unit.full.numel());
   unit.gathered = true;  // once gather_work completes
   unit.gather_work =
       comm_->allgather(unit.full, shard_params_.narrow(0, unit.base, unit.shard));
@@ -150,8 +184,7 @@ void ParameterSharder::wait_gathered(Unit& unit) {
 void ParameterSharder::release(Unit& unit) {
   if (!unit.gathered) return;
   wait_gathered(unit);  // the allgather must not write into freed memory
-  free_storage(unit.full);
-  track(-bytes_of(unit.full));
+  pool_.detach(unit.full);
   unit.gathered = false;
 }
 
@@ -223,8 +256,7 @@ void ParameterSharder::on_gradient(size_t k) {
                " arrived twice or after backward ended");
   ready_[k] = true;
   if (!unit.grad_flat.defined()) {
-    unit.grad_flat = at::zeros({unit.full.numel()}, shard_grad_.options());
-    track(bytes_of(unit.grad_flat));
+    unit.grad_flat = pool_.empty(unit.full.numel(), shard_grad_.options()).zero_();
   }
   unit.grad_flat.narrow(0, unit.offsets[slot], p.numel()).copy_(p.grad().reshape({-1}));
   p.mutable_grad().reset();
@@ -241,8 +273,7 @@ void ParameterSharder::launch_reduction(Unit& unit) {
   unit.reduced = true;
   release(unit);  // every use of its parameters in this backward is done
   unit.grad_flat.div_(comm_->size());
-  unit.received = at::empty({unit.shard}, shard_grad_.options());
-  track(bytes_of(unit.received));
+  unit.received = pool_.empty(unit.shard, shard_grad_.options());
   comm::ReduceScatterOptions options;
   options.input_is_scratch = true;
   unit.reduce_work = comm_->reduce_scatter(unit.received, unit.grad_flat, options);
@@ -254,7 +285,8 @@ void ParameterSharder::complete_reduction(Unit& unit) {
   unit.reduce_work->wait();
   unit.reduce_work.reset();
   shard_grad_.narrow(0, unit.base, unit.shard).add_(unit.received);
-  track(-bytes_of(unit.received) - bytes_of(unit.grad_flat));
+  pool_.detach(unit.received);
+  pool_.detach(unit.grad_flat);
   unit.received.reset();
   unit.grad_flat.reset();
   in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(),
@@ -275,9 +307,8 @@ void ParameterSharder::on_backward_end() {
     Unit& unit = units_[u];
     if (unit.reduced) continue;
     if (!unit.grad_flat.defined()) {
-      unit.grad_flat = at::zeros({unit.full.numel()}, shard_grad_.options());
-      track(bytes_of(unit.grad_flat));
-    }
+    unit.grad_flat = pool_.empty(unit.full.numel(), shard_grad_.options()).zero_();
+  }
     launch_reduction(unit);
   }
   for (auto& unit : units_) release(unit);
@@ -290,7 +321,7 @@ void ParameterSharder::finalize() {
   stats_.exposed_comm_ms = std::chrono::duration<double, std::milli>(
                                std::chrono::steady_clock::now() - backward_end_time_)
                                .count();
-  stats_.peak_transient_bytes = peak_transient_;
+  stats_.peak_transient_bytes = pool_.peak();
   in_backward_ = false;
   backward_ended_ = false;
   if (error_on_unused_ && !stats_.unused_parameters.empty()) {
@@ -304,7 +335,7 @@ void ParameterSharder::finalize() {
 void ParameterSharder::zero_grad() {
   shard_grad_.zero_();
   for (auto& p : parameters_) p.mutable_grad().reset();
-  peak_transient_ = transient_;
+  pool_.reset_peak();
   stats_.buckets_launched_during_backward = 0;
 }
 

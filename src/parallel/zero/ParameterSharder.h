@@ -15,6 +15,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "dtrain/comm/Communicator.h"
@@ -22,6 +24,35 @@
 #include "parallel/ddp/GradHooks.h"
 
 namespace dtrain::parallel {
+
+/// Memory for gathered parameters and unsharded gradients: buffers freed by one unit are reused
+/// by the next (units are often equal in size), so a step does not fault fresh pages in for
+/// every gather, as a caching allocator does for FSDP on CUDA. At most `max_cached` idle buffers
+/// are kept.
+class BufferPool {
+ public:
+  BufferPool(at::Allocator* allocator, size_t max_cached)
+      : allocator_(allocator), max_cached_(max_cached) {}
+  /// Points `t`'s storage at a pooled buffer of `numel` elements / hands it back (storage empty).
+  void attach(const at::Tensor& t, int64_t numel);
+  void detach(const at::Tensor& t);
+  /// A 1-D tensor of `numel` uninitialized elements on a pooled buffer (detach() it when done).
+  at::Tensor empty(int64_t numel, const at::TensorOptions& options);
+  /// Bytes allocated and not yet returned to the system (in use or cached), and their peak.
+  int64_t held() const { return held_; }
+  int64_t peak() const { return peak_; }
+  void reset_peak() { peak_ = held_; }
+
+ private:
+  at::DataPtr take(size_t nbytes);
+  void give(at::DataPtr ptr);
+
+  at::Allocator* allocator_;
+  size_t max_cached_;
+  std::vector<std::pair<size_t, at::DataPtr>> cached_;  // capacity, buffer
+  std::unordered_map<void*, size_t> capacity_;          // of every buffer handed out
+  int64_t held_ = 0, peak_ = 0;
+};
 
 struct ShardUnit {
   std::string name;
@@ -68,9 +99,9 @@ class ParameterSharder : public GradientSync {
   const at::Tensor& shard_parameters() const { return shard_params_; }
   const at::Tensor& shard_gradients() const { return shard_grad_; }
   size_t unit_count() const { return units_.size(); }
-  /// Most bytes of gathered parameters and unsharded gradients held at once since the last
-  /// zero_grad().
-  int64_t peak_transient_bytes() const { return peak_transient_; }
+  /// Most bytes of gathered parameters and unsharded gradients held at once (including idle
+  /// pooled buffers) since the last zero_grad().
+  int64_t peak_transient_bytes() const { return pool_.peak(); }
 
  private:
   struct Unit {
@@ -98,13 +129,13 @@ class ParameterSharder : public GradientSync {
   void launch_reduction(Unit& unit);
   void complete_reduction(Unit& unit);
   void on_backward_end();
-  void track(int64_t bytes);
 
   std::vector<at::Tensor> parameters_;
   std::vector<std::string> names_;
   comm::CommunicatorPtr comm_;
   bool prefetch_;
   bool error_on_unused_;
+  BufferPool pool_;
   std::vector<Unit> units_;
   std::vector<std::pair<size_t, size_t>> locator_;  // parameter -> (unit, slot)
   at::Tensor shard_params_, shard_grad_;
@@ -115,7 +146,6 @@ class ParameterSharder : public GradientSync {
   bool in_backward_ = false;
   bool backward_ended_ = false;
   std::chrono::steady_clock::time_point backward_end_time_;
-  int64_t transient_ = 0, peak_transient_ = 0;
   ReducerStats stats_;
 };
 

@@ -20,9 +20,10 @@ namespace dtrain::parallel {
 
 class GradReadyHooks;
 
-/// Sharded modes (ZeRO-2/3): reductions running at once before backward waits for the oldest, so
-/// full gradients awaiting reduction stay bounded when communication lags backward.
-constexpr size_t kMaxReductionsInFlight = 2;
+/// Sharded modes (ZeRO-2/3): reductions left running while backward goes on; beyond this,
+/// backward waits for the oldest, so unreduced gradients stay bounded when communication lags
+/// (one: as fast as two in bench/run_zero_bench.py, with less memory).
+constexpr size_t kMaxReductionsInFlight = 1;
 
 struct ReducerOptions {
   int64_t bucket_cap_bytes = 25LL * 1024 * 1024;
