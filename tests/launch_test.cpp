@@ -47,6 +47,18 @@ bool has(const Output& out, const std::string& needle) {
 
 }  // namespace
 
+TEST(Environment, AllocatorTuningYieldsToTheUsersChoice) {
+  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "DTRAIN_NO_MALLOC_TUNING"}) {
+    ::unsetenv(name);
+  }
+  EXPECT_TRUE(dtrain::launch::tune_allocator());  // glibc: applied
+  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "DTRAIN_NO_MALLOC_TUNING"}) {
+    ::setenv(name, "131072", 1);
+    EXPECT_FALSE(dtrain::launch::tune_allocator()) << name;
+    ::unsetenv(name);
+  }
+}
+
 TEST(Launcher, SetsTorchrunEnvironmentAndPrefixesOutput) {
   const auto out = run(kDtrain + " launch --nproc-per-node 3 --threads 1 -- sh -c "
                                  "'echo id=$RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/"

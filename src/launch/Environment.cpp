@@ -1,6 +1,10 @@
 // Environment-variable rank discovery for torchrun-style, Slurm and Open MPI launches.
 #include "dtrain/launch/Environment.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <ATen/Parallel.h>
 
 #include <cstdlib>
@@ -93,9 +97,22 @@ void set_threads(int threads) {
   at::set_num_threads(threads);
 }
 
+bool tune_allocator() {
+#if defined(__GLIBC__)
+  if (env("MALLOC_MMAP_THRESHOLD_") || env("MALLOC_TRIM_THRESHOLD_") ||
+      env("DTRAIN_NO_MALLOC_TUNING")) {
+    return false;
+  }
+  return mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, 512 << 20) == 1;
+#else
+  return false;
+#endif
+}
+
 comm::CommunicatorPtr init_from_env(const std::string& backend, int64_t timeout_ms) {
   const RankInfo info = discover_rank();
   set_threads(default_threads(info.local_world_size));
+  tune_allocator();
   comm::InitOptions options;
   options.rank = info.rank;
   options.world_size = info.world_size;

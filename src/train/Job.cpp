@@ -56,6 +56,7 @@ JobResult run_job(const JobConfig& job) {
   const launch::RankInfo info = launch::discover_rank();
   launch::set_threads(job.threads > 0 ? job.threads
                                       : launch::default_threads(info.local_world_size));
+  launch::tune_allocator();
   comm::InitOptions init;
   init.rank = info.rank;
   init.world_size = info.world_size;

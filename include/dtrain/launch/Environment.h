@@ -30,7 +30,16 @@ int default_threads(int local_world_size);
 /// Sets LibTorch's intra-op thread count (it starts with 1).
 void set_threads(int threads);
 
-/// discover_rank(), set_threads(default), then comm::init. `timeout_ms` 0 keeps the default.
+/// glibc malloc, tuned for a training loop: blocks under 32 MiB come from the heap and freed
+/// memory up to 512 MiB is kept for reuse, instead of every large temporary (an optimizer's,
+/// a gradient bucket) being mmapped, page-faulted in and unmapped again each step (measured:
+/// LibTorch's Adam step on 100M parameters 535 -> 180 ms; docs/DESIGN-notes.md). Not applied
+/// when MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ are set (the user chose) or
+/// DTRAIN_NO_MALLOC_TUNING is; returns whether it was applied (false off glibc).
+bool tune_allocator();
+
+/// discover_rank(), set_threads(default), tune_allocator(), then comm::init. `timeout_ms` 0
+/// keeps the default.
 comm::CommunicatorPtr init_from_env(const std::string& backend = "gloo", int64_t timeout_ms = 0);
 
 }  // namespace dtrain::launch
