@@ -8,9 +8,8 @@ Memory per rank, three ways: the whole run's peak RSS (includes building the ful
 sharding it), the peak RSS of the measured steps (the kernel's VmHWM reset after warm-up), and
 the model state each strategy holds (parameters + gradients + optimizer state, from
 memory_report(); for zero3 plus the most gathered parameters and unsharded gradients held at once
-during a step). glibc's malloc runs with its defaults, as users run it (fixing its mmap threshold
-makes every freed-and-regathered unit buffer fault its pages in again, which costs zero3 ~2x).
-Uses bench/ddp_bench and bench/ddp_reference.py through run_ddp_bench.run_once.
+during a step). dtrain's processes tune glibc malloc as `dtrain train` does
+(launch::tune_allocator); the PyTorch side runs as users run it, with glibc's defaults. Uses bench/ddp_bench and bench/ddp_reference.py through run_ddp_bench.run_once.
 
   bench/run_zero_bench.py --rounds 2 [--markdown FILE]
 """
