@@ -22,7 +22,7 @@ Zero3Strategy::Zero3Strategy(StrategyOptions options) : DdpStrategy(std::move(op
 }
 
 std::vector<ShardUnit> Zero3Strategy::make_units() const {
-  std::unordered_map<const void*, size_t> index;  // parameter storage identity -> index
+  std::unordered_map<const void*, size_t> index;  // parameter (TensorImpl) -> index
   for (size_t k = 0; k < parameters_.size(); ++k) index[parameters_[k].unsafeGetTensorImpl()] = k;
   std::vector<ShardUnit> units;
   if (model_.stages.empty()) {
