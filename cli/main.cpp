@@ -97,7 +97,13 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
                  "zero3: merge consecutive model stages into units of at least this many "
                  "parameters (0 = one unit per stage)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Validator(
+          [](std::string& value) {
+            return value.find_first_not_of("0123456789") == std::string::npos
+                       ? std::string()
+                       : "must be a whole number >= 0, got " + value;
+          },
+          "INT>=0"));
   app.add_flag("!--no-zero3-prefetch", t.strategy_options.zero3_prefetch,
                "zero3: do not gather the next unit while the current one computes");
   app.add_option("--grad-compression", t.strategy_options.grad_compression,

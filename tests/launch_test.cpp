@@ -125,6 +125,8 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --config " + dir.path() + "/missing.toml", "missing.toml cannot be read"},
       {" train --grad-compression int4", "unknown gradient compression 'int4'"},
       {" train --precision fp16-mixed", "use --precision bf16-mixed"},
+      {" train --zero3-min-unit-params -5", "must be a whole number >= 0, got -5"},
+      {" train --strategy zero3 --grad-compression fp16", "zero3 reduce-scatters gradients"},
       {" train --precision fp8", "unknown precision 'fp8'"},
       {" train --checkpointing lots", "--checkpointing must be none, sqrt or a segment count"},
       {" train --loss-scaling maybe", "unknown loss scaling 'maybe'"},
