@@ -278,8 +278,8 @@ int main(int argc, char** argv) {
       const std::string checkpoint = dtrain::train::resolve_checkpoint(checkpoint_path);
       if (output_path.empty()) output_path = checkpoint + "/consolidated.pt";
       const auto count = dtrain::train::consolidate_checkpoint(checkpoint, output_path);
-      std::printf("wrote %lld tensors of %s to %s (torch.load in Python, "
-                  "torch::pickle_load in C++)\n",
+      std::printf("wrote %lld tensors of %s to %s (torch::load(model, file) in C++, "
+                  "torch.load(file).state_dict() in Python)\n",
                   static_cast<long long>(count), checkpoint.c_str(), output_path.c_str());
       return 0;
     }

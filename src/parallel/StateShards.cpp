@@ -11,6 +11,7 @@
 #include <map>
 #include <regex>
 
+#include "common/Files.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/StateSize.h"
 
@@ -102,17 +103,7 @@ void write_state_shard(const std::string& directory, int rank, int ranks,
   file.insert("pieces", list);
   file.insert("buffers", buffer_dict);
   const std::vector<char> bytes = torch::pickle_save(file);
-  const std::string path = state_file(directory, rank, ranks);
-  const std::string temporary = path + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    DTRAIN_CHECK_INPUT(out.good(), "cannot write ", temporary);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    DTRAIN_CHECK_INPUT(out.good(), "writing ", temporary, " failed (disk full?)");
-  }
-  std::error_code error;
-  fs::rename(temporary, path, error);
-  DTRAIN_CHECK_INPUT(!error, "cannot rename ", temporary, " to ", path, ": ", error.message());
+  write_file_atomically(state_file(directory, rank, ranks), bytes.data(), bytes.size());
 }
 
 void read_state_shards(const std::string& directory, const std::vector<PieceRef>& values,

@@ -3,18 +3,16 @@
 
 #include <nlohmann/json.hpp>
 #include <torch/serialize.h>
-#include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
 #include <map>
 #include <tuple>
-#include <iterator>
-#include <sstream>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 
+#include "common/Files.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/parallel/StateShards.h"
 
@@ -25,17 +23,7 @@ namespace dtrain::train {
 namespace {
 
 void write_atomically(const std::string& path, const std::string& content) {
-  const std::string temporary = path + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    DTRAIN_CHECK_INPUT(out.good(), "cannot write ", temporary);
-    out << content;
-    out.flush();
-    DTRAIN_CHECK_INPUT(out.good(), "writing ", temporary, " failed (disk full?)");
-  }
-  std::error_code error;
-  fs::rename(temporary, path, error);
-  DTRAIN_CHECK_INPUT(!error, "cannot rename ", temporary, " to ", path, ": ", error.message());
+  write_file_atomically(path, content.data(), content.size());
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // bucketed Reducer, overlapped with backward.
 #pragma once
 
+#include "dtrain/common/Error.h"
 #include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/precision/LossScaler.h"
@@ -23,7 +24,11 @@ class DdpStrategy : public Strategy {
   void save(const std::string& directory) override;
   void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
-  const Reducer& reducer() const { return *reducer_; }
+  /// The Reducer (ddp, zero1, zero2; zero3 has none).
+  const Reducer& reducer() const {
+    DTRAIN_CHECK(reducer_, name(), " has no Reducer");
+    return *reducer_;
+  }
   /// The dynamic loss scaler, or null when loss scaling is off.
   precision::LossScaler* loss_scaler() { return scaler_.get(); }
 

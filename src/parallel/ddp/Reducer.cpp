@@ -11,6 +11,7 @@
 #include <map>
 
 #include "dtrain/common/Error.h"
+#include "parallel/Alias.h"
 #include "parallel/ddp/GradHooks.h"
 
 namespace dtrain::parallel {
@@ -216,10 +217,7 @@ void Reducer::alias_grad(size_t k, bool keep_values) {
   }
   // A plain tensor sharing the bucket's storage (not an autograd view, so optimizers may
   // detach_() and zero_() it): backward accumulates straight into the bucket.
-  at::Tensor alias = at::empty({0}, bucket.flat.options());
-  alias.set_(bucket.flat.storage(), bucket.flat.storage_offset() + offset, p.sizes(),
-             c10::contiguous_strides(p.sizes()));
-  p.mutable_grad() = alias;
+  p.mutable_grad() = alias_storage(bucket.flat, offset, p.sizes());
 }
 
 void Reducer::zero_grad() {

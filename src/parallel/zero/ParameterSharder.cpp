@@ -8,17 +8,12 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/Checkpoint.h"
+#include "parallel/Alias.h"
 
 namespace dtrain::parallel {
 
 namespace {
 
-// A plain tensor on `base`'s storage at [offset, offset + numel) (not an autograd view).
-at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes) {
-  at::Tensor out = at::empty({0}, base.options());
-  out.set_(base.storage(), base.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
-  return out;
-}
 
 
 }  // namespace
@@ -144,8 +139,8 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
       const int64_t hi = std::min(end, unit.offsets[slot] + parameters_[k].numel());
       if (lo >= hi) continue;
       Piece piece{k, lo - unit.offsets[slot],
-                  alias(shard_params_, unit.base + lo - begin, {hi - lo}).requires_grad_(true)};
-      piece.tensor.mutable_grad() = alias(shard_grad_, unit.base + lo - begin, {hi - lo});
+                  alias_storage(shard_params_, unit.base + lo - begin, {hi - lo}).requires_grad_(true)};
+      piece.tensor.mutable_grad() = alias_storage(shard_grad_, unit.base + lo - begin, {hi - lo});
       pieces_.push_back(std::move(piece));
     }
     stats_.bytes_per_step += unit.shard * world * unit.full.element_size();

@@ -5,21 +5,10 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/StateSize.h"
+#include "parallel/Alias.h"
 
 namespace dtrain::parallel {
 
-namespace {
-
-// A plain tensor sharing `base`'s storage at [offset, offset + numel) with `sizes` (not an
-// autograd view, so it can be a leaf parameter or an optimizer's parameter).
-at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes) {
-  at::Tensor out = at::empty({0}, base.options());
-  out.set_(base.storage(), base.storage_offset() + offset, sizes,
-           c10::contiguous_strides(sizes));
-  return out;
-}
-
-}  // namespace
 
 ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
     : DdpStrategy(std::move(options)), stage_(stage) {
@@ -72,13 +61,13 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
     const int64_t lo = std::max(begin, offsets_[k]);
     const int64_t hi = std::min(end, offsets_[k] + parameters_[k].numel());
     if (lo >= hi) continue;
-    pieces_.push_back({k, lo - offsets_[k], alias(flat_, lo, {hi - lo}).requires_grad_(true)});
+    pieces_.push_back({k, lo - offsets_[k], alias_storage(flat_, lo, {hi - lo}).requires_grad_(true)});
   }
   if (stage_ >= 2) {  // the gradient shard the Reducer reduce-scatters into
     shard_grad_ = at::zeros({shard_numel_}, flat_.options());
     for (auto& piece : pieces_) {
       const int64_t lo = offsets_[piece.parameter] + piece.offset;
-      piece.tensor.mutable_grad() = alias(shard_grad_, lo - begin, {piece.tensor.numel()});
+      piece.tensor.mutable_grad() = alias_storage(shard_grad_, lo - begin, {piece.tensor.numel()});
     }
   }
   std::vector<at::Tensor> shard;
@@ -94,7 +83,7 @@ void ZeroStrategy::apply_update() {
     const at::Tensor& grad = parameters_[piece.parameter].grad();
     DTRAIN_CHECK(grad.defined() && grad.is_contiguous(), "zero1: parameter ",
                  piece.parameter, " has no contiguous gradient after the reduction");
-    piece.tensor.mutable_grad() = alias(grad, piece.offset, {piece.tensor.numel()});
+    piece.tensor.mutable_grad() = alias_storage(grad, piece.offset, {piece.tensor.numel()});
   }
   optimizer_->step();
   torch::NoGradGuard no_grad;
