@@ -7,9 +7,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
+#include <limits>
+#include <type_traits>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Launcher.h"
@@ -29,6 +34,61 @@ std::string self_executable() {
   return path;
 }
 
+// CLI11 2.1 converts numbers leniently: out-of-range integers are clamped, "-1" wraps into an
+// unsigned, "inf" and "1e999" pass as floats. Every numeric option is checked by this instead:
+// the whole text must be a number of the option's type, in its range, and finite.
+template <typename T>
+std::string check_number(const std::string& text) {
+  const char* begin = text.c_str();
+  char* end = nullptr;
+  errno = 0;
+  if (text.empty()) return "expects a number, got an empty value";
+  if constexpr (std::is_floating_point_v<T>) {
+    const double value = std::strtod(begin, &end);
+    if (end == begin || *end != '\0') return "expects a number, got '" + text + "'";
+    if (errno == ERANGE && std::abs(value) > 1) return "'" + text + "' is out of range";
+    if (!std::isfinite(value)) return "expects a finite number, got '" + text + "'";
+  } else {
+    const bool negative = text.find('-') != std::string::npos;
+    if (std::is_unsigned_v<T> && negative) {
+      return "expects a whole number >= 0, got '" + text + "'";
+    }
+    const long long value = std::strtoll(begin, &end, 10);
+    if (end == begin || *end != '\0') return "expects a whole number, got '" + text + "'";
+    const bool fits = errno != ERANGE &&
+                      value >= static_cast<long long>(std::numeric_limits<T>::min()) &&
+                      (std::is_unsigned_v<T> ||
+                       value <= static_cast<long long>(std::numeric_limits<T>::max()));
+    if (!fits) {
+      return dtrain::concat("'", text, "' is out of range (", +std::numeric_limits<T>::min(),
+                            " .. ", +std::numeric_limits<T>::max(), ")");
+    }
+  }
+  return "";
+}
+
+template <typename T>
+struct element_of {
+  using type = T;
+};
+template <typename T>
+struct element_of<std::vector<T>> {
+  using type = T;
+};
+
+// app.add_option, with check_number for numeric values (and vectors of them).
+template <typename T>
+CLI::Option* add(CLI::App& app, const std::string& name, T& value,
+                 const std::string& description) {
+  CLI::Option* option = app.add_option(name, value, description);
+  using Element = typename element_of<T>::type;
+  if constexpr (std::is_arithmetic_v<Element> && !std::is_same_v<Element, bool>) {
+    option->check(CLI::Validator([](std::string& text) { return check_number<Element>(text); },
+                                 ""));
+  }
+  return option;
+}
+
 void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   auto& t = job.trainer;
   // A flag given twice (config file, then command line) keeps the last value.
@@ -36,96 +96,90 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   // Handled by expand_config() before parsing (CLI11 2.1 ignores configs of subcommands).
   app.add_option("--config", "Read options from a TOML file (keys are long flag names; flags on "
                              "the command line win)");
-  app.add_option("--model", job.model, "Model: mlp, cnn, resnet")->capture_default_str();
-  app.add_option("--hidden", job.hidden, "MLP hidden layer widths")
+  add(app, "--model", job.model, "Model: mlp, cnn, resnet")->capture_default_str();
+  add(app, "--hidden", job.hidden, "MLP hidden layer widths")
       ->capture_default_str()
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app.add_option("--dataset", job.dataset, "Data set: fashion-mnist, synthetic")
+  add(app, "--dataset", job.dataset, "Data set: fashion-mnist, synthetic")
       ->capture_default_str();
-  app.add_option("--data-dir", job.data_dir,
+  add(app, "--data-dir", job.data_dir,
                  "Fashion-MNIST directory (default $DTRAIN_DATA_DIR or "
                  "/usr/share/datasets/fashion-mnist)");
-  app.add_option("--synthetic-examples", job.synthetic_examples,
+  add(app, "--synthetic-examples", job.synthetic_examples,
                  "Training examples of the synthetic data set")->capture_default_str();
   std::string strategies;
   for (const auto& name : dtrain::parallel::strategy_names()) {
     strategies += (strategies.empty() ? "" : ", ") + name;
   }
-  app.add_option("--strategy", t.strategy, "Parallel strategy: " + strategies)
+  add(app, "--strategy", t.strategy, "Parallel strategy: " + strategies)
       ->capture_default_str();
-  app.add_option("--nproc", job.nproc, "Local ranks to launch")->capture_default_str();
-  app.add_option("--threads", job.threads, "Threads per rank (default: cores / ranks)");
-  app.add_option("--backend", job.backend, "Communication backend: gloo, nccl")
+  add(app, "--nproc", job.nproc, "Local ranks to launch")->capture_default_str();
+  add(app, "--threads", job.threads, "Threads per rank (default: cores / ranks)");
+  add(app, "--backend", job.backend, "Communication backend: gloo, nccl")
       ->capture_default_str();
-  app.add_option("--comm-timeout", job.comm_timeout_ms, "Timeout of every collective (ms)")
+  add(app, "--comm-timeout", job.comm_timeout_ms, "Timeout of every collective (ms)")
       ->capture_default_str();
-  app.add_option("--epochs", t.epochs, "Epochs")->capture_default_str();
-  app.add_option("--batch-size", t.batch_size, "Examples per rank per micro-batch")
+  add(app, "--epochs", t.epochs, "Epochs")->capture_default_str();
+  add(app, "--batch-size", t.batch_size, "Examples per rank per micro-batch")
       ->capture_default_str();
-  app.add_option("--accumulation", t.accumulation_steps,
+  add(app, "--accumulation", t.accumulation_steps,
                  "Micro-batches per optimizer step (gradient accumulation)")
       ->capture_default_str();
-  app.add_option("--max-steps", t.max_steps, "Train this many steps (0 = all epochs)")
+  add(app, "--max-steps", t.max_steps, "Train this many steps (0 = all epochs)")
       ->capture_default_str();
-  app.add_option("--stop-at-step", t.stop_at_step,
+  add(app, "--stop-at-step", t.stop_at_step,
                  "Checkpoint and halt at this step, keeping the schedule (resume later)")
       ->capture_default_str();
-  app.add_option("--optimizer", t.optimizer.name, "sgd, adam, adamw, adagrad")
+  add(app, "--optimizer", t.optimizer.name, "sgd, adam, adamw, adagrad")
       ->capture_default_str();
-  app.add_option("--lr", t.optimizer.lr, "Learning rate")->capture_default_str();
-  app.add_option("--momentum", t.optimizer.momentum, "SGD momentum")->capture_default_str();
+  add(app, "--lr", t.optimizer.lr, "Learning rate")->capture_default_str();
+  add(app, "--momentum", t.optimizer.momentum, "SGD momentum")->capture_default_str();
   app.add_flag("--nesterov", t.optimizer.nesterov, "Nesterov momentum (SGD)");
-  app.add_option("--weight-decay", t.optimizer.weight_decay, "Weight decay")
+  add(app, "--weight-decay", t.optimizer.weight_decay, "Weight decay")
       ->capture_default_str();
-  app.add_option("--lr-decay", t.schedule.decay, "constant, step, cosine")->capture_default_str();
-  app.add_option("--warmup-steps", t.schedule.warmup_steps, "Linear warmup steps")
+  add(app, "--lr-decay", t.schedule.decay, "constant, step, cosine")->capture_default_str();
+  add(app, "--warmup-steps", t.schedule.warmup_steps, "Linear warmup steps")
       ->capture_default_str();
-  app.add_option("--lr-step-size", t.schedule.step_size, "Steps between step decays")
+  add(app, "--lr-step-size", t.schedule.step_size, "Steps between step decays")
       ->capture_default_str();
-  app.add_option("--lr-gamma", t.schedule.gamma, "Step decay factor")->capture_default_str();
-  app.add_option("--reference-batch", t.reference_batch,
+  add(app, "--lr-gamma", t.schedule.gamma, "Step decay factor")->capture_default_str();
+  add(app, "--reference-batch", t.reference_batch,
                  "Linear scaling rule: lr x global batch / this (0 = off)")
       ->capture_default_str();
-  app.add_option("--max-grad-norm", t.strategy_options.max_grad_norm,
+  add(app, "--max-nonfinite-steps", t.max_nonfinite_steps,
+      "Stop with an error after this many consecutive steps with a non-finite loss or gradient "
+      "norm (0 = never)")
+      ->capture_default_str();
+  add(app, "--max-grad-norm", t.strategy_options.max_grad_norm,
                  "Clip gradients to this global norm (0 = off)")->capture_default_str();
-  app.add_option("--bucket-cap-mb", [&t](const CLI::results_t& values) {
-                   t.strategy_options.bucket_cap_bytes =
-                       static_cast<int64_t>(std::stod(values.at(0)) * 1024 * 1024);
-                   return t.strategy_options.bucket_cap_bytes > 0;
-                 }, "Gradient bucket size in MiB (default 25)");
-  app.add_option("--zero3-min-unit-params", t.strategy_options.zero3_min_unit_params,
+  add(app, "--bucket-cap-mb", job.bucket_cap_mb, "Gradient bucket size in MiB")
+      ->capture_default_str();
+  add(app, "--zero3-min-unit-params", t.strategy_options.zero3_min_unit_params,
                  "zero3: merge consecutive model stages into units of at least this many "
                  "parameters (0 = one unit per stage)")
-      ->capture_default_str()
-      ->check(CLI::Validator(
-          [](std::string& value) {
-            return value.find_first_not_of("0123456789") == std::string::npos
-                       ? std::string()
-                       : "must be a whole number >= 0, got " + value;
-          },
-          "INT>=0"));
+      ->capture_default_str();
   app.add_flag("!--no-zero3-prefetch", t.strategy_options.zero3_prefetch,
                "zero3: do not gather the next unit while the current one computes");
-  app.add_option("--grad-compression", t.strategy_options.grad_compression,
+  add(app, "--grad-compression", t.strategy_options.grad_compression,
                  "Gradient wire dtype: none, fp16, bf16")->capture_default_str();
   app.add_flag("--error-on-unused-parameters", t.strategy_options.error_on_unused_parameters,
                "Fail a step when a parameter gets no gradient (default: treat as zero)");
-  app.add_option("--precision", t.strategy_options.precision,
+  add(app, "--precision", t.strategy_options.precision,
                  "fp32, bf16-mixed, fp16-mixed (CUDA only), bf16")->capture_default_str();
-  app.add_option("--loss-scaling", t.strategy_options.loss_scaling,
+  add(app, "--loss-scaling", t.strategy_options.loss_scaling,
                  "auto (dynamic for fp16-mixed), dynamic, none")->capture_default_str();
-  app.add_option("--checkpointing", job.checkpointing,
+  add(app, "--checkpointing", job.checkpointing,
                  "Activation checkpointing: none, sqrt, or a segment count")
       ->capture_default_str();
-  app.add_option("--seed", t.seed, "Random seed")->capture_default_str();
-  app.add_option("--checkpoint-dir", t.checkpoint_dir, "Directory for checkpoints");
-  app.add_option("--checkpoint-every", t.checkpoint_every,
+  add(app, "--seed", t.seed, "Random seed")->capture_default_str();
+  add(app, "--checkpoint-dir", t.checkpoint_dir, "Directory for checkpoints");
+  add(app, "--checkpoint-every", t.checkpoint_every,
                  "Also checkpoint every N steps (0 = epoch ends only)")->capture_default_str();
-  app.add_option("--keep-checkpoints", t.keep_checkpoints, "Checkpoints to keep")
+  add(app, "--keep-checkpoints", t.keep_checkpoints, "Checkpoints to keep")
       ->capture_default_str();
   app.add_flag("!--no-resume", t.resume, "Start fresh even if --checkpoint-dir has one");
-  app.add_option("--metrics", t.metrics_file, "JSONL metrics file");
-  app.add_option("--log-every", t.log_every, "Steps between metrics records")
+  add(app, "--metrics", t.metrics_file, "JSONL metrics file");
+  add(app, "--log-every", t.log_every, "Steps between metrics records")
       ->capture_default_str();
   app.add_flag("!--no-progress", t.progress, "No progress bar");
 }
@@ -180,8 +234,10 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI
     }
   }
   if (path.empty()) return args;
-  DTRAIN_CHECK_INPUT(::access(path.c_str(), R_OK) == 0, "config file ", path,
-                     " cannot be read");
+  DTRAIN_CHECK_INPUT(std::filesystem::is_regular_file(path) && ::access(path.c_str(), R_OK) == 0,
+                     "config file ", path,
+                     std::filesystem::is_directory(path) ? " is a directory, not a TOML file"
+                                                          : " cannot be read");
   std::vector<CLI::ConfigItem> items;
   try {
     items = CLI::ConfigTOML().from_file(path);
@@ -213,6 +269,39 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI
   return out;
 }
 
+// `dtrain ckpt verify PATH`: one line per checkpoint; exit 2 when any does not verify.
+int verify_checkpoints(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> directories;
+  if (fs::exists(path + "/meta.json")) {
+    directories.push_back(path);
+  } else {
+    for (const auto& name : dtrain::train::list_checkpoints(path)) {
+      directories.push_back(path + "/" + name);
+    }
+    DTRAIN_CHECK_INPUT(!directories.empty(), path,
+                       " is neither a checkpoint (no meta.json) nor a directory of checkpoints");
+  }
+  int damaged = 0;
+  for (const auto& directory : directories) {
+    bool unverifiable = false;
+    const std::string problem = dtrain::train::verify_checkpoint(directory, &unverifiable);
+    if (!problem.empty()) {
+      ++damaged;
+      std::printf("DAMAGED  %s: %s\n", directory.c_str(), problem.c_str());
+    } else {
+      std::printf("%s %s%s\n", unverifiable ? "NO SUMS " : "ok      ", directory.c_str(),
+                  unverifiable ? " (written before dtrain recorded checksums)" : "");
+    }
+  }
+  if (damaged > 0) {
+    std::fprintf(stderr, "dtrain: error: %d of %zu checkpoints do not verify\n", damaged,
+                 directories.size());
+    return kInputErrorExit;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -229,17 +318,17 @@ int main(int argc, char** argv) {
   dtrain::launch::LaunchOptions launch;
   auto* launch_cmd = app.add_subcommand(
       "launch", "Start ranks of a program with torchrun's environment (RANK, WORLD_SIZE, ...)");
-  launch_cmd->add_option("--nproc-per-node", launch.nproc_per_node, "Ranks on this node")
+  add(*launch_cmd, "--nproc-per-node", launch.nproc_per_node, "Ranks on this node")
       ->capture_default_str();
-  launch_cmd->add_option("--nnodes", launch.nnodes, "Nodes")->capture_default_str();
-  launch_cmd->add_option("--node-rank", launch.node_rank, "This node's index")
+  add(*launch_cmd, "--nnodes", launch.nnodes, "Nodes")->capture_default_str();
+  add(*launch_cmd, "--node-rank", launch.node_rank, "This node's index")
       ->capture_default_str();
-  launch_cmd->add_option("--master-addr", launch.master_addr, "Rendezvous address")
+  add(*launch_cmd, "--master-addr", launch.master_addr, "Rendezvous address")
       ->capture_default_str();
-  launch_cmd->add_option("--master-port", launch.master_port,
+  add(*launch_cmd, "--master-port", launch.master_port,
                          "Rendezvous port (default: a free port; required for --nnodes > 1)");
-  launch_cmd->add_option("--threads", launch.threads, "Threads per rank (default cores/ranks)");
-  launch_cmd->add_option("--grace", launch.grace_seconds,
+  add(*launch_cmd, "--threads", launch.threads, "Threads per rank (default cores/ranks)");
+  add(*launch_cmd, "--grace", launch.grace_seconds,
                          "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->capture_default_str();
   launch_cmd->add_flag("!--no-prefix", launch.prefix_output, "Do not prefix lines with the rank");
@@ -257,6 +346,12 @@ int main(int argc, char** argv) {
       ->required();
   consolidate->add_option("-o,--output", output_path, "File to write (default CHECKPOINT/"
                                                        "consolidated.pt)");
+  auto* verify = ckpt->add_subcommand(
+      "verify", "Check every file of a checkpoint (or of every checkpoint under a checkpoint "
+                "directory) against the checksums recorded when it was saved; exit 2 if any is "
+                "damaged");
+  verify->add_option("checkpoint", checkpoint_path, "A checkpoint, or a checkpoint directory")
+      ->required();
   auto* inspect = ckpt->add_subcommand("inspect", "Print a checkpoint's metadata and tensors");
   inspect->add_option("checkpoint", checkpoint_path,
                       "A checkpoint, or a checkpoint directory (its newest)")
@@ -283,6 +378,7 @@ int main(int argc, char** argv) {
                   static_cast<long long>(count), checkpoint.c_str(), output_path.c_str());
       return 0;
     }
+    if (verify->parsed()) return verify_checkpoints(checkpoint_path);
     if (inspect->parsed()) {
       const std::string checkpoint = dtrain::train::resolve_checkpoint(checkpoint_path);
       const auto meta = dtrain::train::read_meta(checkpoint);

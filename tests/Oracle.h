@@ -1,5 +1,12 @@
 // The correctness oracle of every synchronous strategy: plain single-process training on global
 // batch B, against a strategy on N ranks whose per-rank batches together make up B.
+//
+// It runs in float64 by default (models and inputs converted): the two sides sum the same
+// gradients in a different order, and in float32 that difference, amplified by Adam over a few
+// steps, depends on which GEMM and convolution kernels the CPU picks (3.7e-5 on one AMD EPYC,
+// under 1e-5 elsewhere). In float64 it stays at rounding level (epsilon 2.2e-16, a few hundred
+// operations deep), so kTightBound holds on any CPU and is still orders of magnitude below what
+// a lost gradient, micro-batch or shard costs (tests check that too, with the faults below).
 #pragma once
 
 #include <torch/torch.h>
@@ -44,8 +51,29 @@ inline double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<a
   return worst;
 }
 
+/// The bound for float64 equivalence tests.
+constexpr double kTightBound = 1e-10;
+
+/// Builds the spec's model in `dtype` (parameters and buffers).
+inline Model make_model_as(const models::ModelSpec& spec, at::ScalarType dtype) {
+  Model model = models::make_model(spec);
+  model.module->to(dtype);
+  return model;
+}
+
+/// A loss that leaves rank `dropped_rank`'s gradient out (multiplied by zero), to check that an
+/// equivalence test notices a missing contribution.
+inline parallel::LossFn drop_rank_gradient(int dropped_rank, const comm::CommunicatorPtr& comm) {
+  return [dropped_rank, comm](const at::Tensor& output, const at::Tensor& target) {
+    auto loss = parallel::cross_entropy(output, target);
+    return comm->rank() == dropped_rank ? loss * 0.0 : loss;
+  };
+}
+
 struct Fixture {
   models::ModelSpec spec;
+  /// float64 unless a test is about a 16-bit or float32 path.
+  at::ScalarType dtype = at::kDouble;
   data::TensorDataset dataset;
   std::vector<at::Tensor> initial;
   int64_t global_batch = 32;
@@ -53,21 +81,24 @@ struct Fixture {
 };
 
 inline Fixture make_fixture(const models::ModelSpec& spec, const optim::OptimizerSpec& optimizer,
-                            int steps, int64_t global_batch = 32) {
+                            int steps, int64_t global_batch = 32,
+                            at::ScalarType dtype = at::kDouble) {
   Fixture f;
   f.spec = spec;
   f.optimizer = optimizer;
   f.global_batch = global_batch;
+  f.dtype = dtype;
   std::vector<int64_t> shape = spec.input_shape;
-  f.dataset = data::make_synthetic(global_batch * steps, shape, spec.classes, 3);
+  auto synthetic = data::make_synthetic(global_batch * steps, shape, spec.classes, 3);
+  f.dataset = data::TensorDataset(synthetic.raw_inputs().to(dtype), synthetic.targets());
   torch::manual_seed(11);
-  f.initial = snapshot(models::make_model(spec));
+  f.initial = snapshot(make_model_as(spec, dtype));
   return f;
 }
 
 /// Single-process training on the global batches.
 inline std::vector<at::Tensor> train_single(const Fixture& f, int steps) {
-  Model model = models::make_model(f.spec);
+  Model model = make_model_as(f.spec, f.dtype);
   restore(model, f.initial);
   auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
   auto order = data::DistributedSampler(f.dataset.size(), 1, 0, {true, 5, true}).indices();
@@ -82,15 +113,17 @@ inline std::vector<at::Tensor> train_single(const Fixture& f, int steps) {
 }
 
 /// The same on `world` rank threads with the strategy `make` builds, `micro` micro-batches per
-/// step. Returns the last rank's final weights.
+/// step. Returns the last rank's final weights. `loss_for` (optional) gives each rank its loss
+/// function, for fault injection.
 inline std::vector<at::Tensor> train_distributed(
     const Fixture& f, int world, int steps, const std::function<parallel::StrategyPtr()>& make,
-    int micro = 1) {
+    int micro = 1,
+    const std::function<parallel::LossFn(const comm::CommunicatorPtr&)>& loss_for = nullptr) {
   std::vector<at::Tensor> result;
   // Rank threads share LibTorch's RNG: build the replicas before they start.
   std::vector<Model> replicas;
   for (int r = 0; r < world; ++r) {
-    replicas.push_back(models::make_model(f.spec));
+    replicas.push_back(make_model_as(f.spec, f.dtype));
     if (r == 0) restore(replicas.back(), f.initial);  // the others get it by broadcast
   }
   run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
@@ -107,7 +140,7 @@ inline std::vector<at::Tensor> train_distributed(
         micro_batches.push_back(f.dataset.get(
             std::vector<int64_t>(order.begin() + begin, order.begin() + begin + local / micro)));
       }
-      strategy->train_step(micro_batches, parallel::cross_entropy);
+      strategy->train_step(micro_batches, loss_for ? loss_for(comm) : parallel::cross_entropy);
     }
     strategy->materialize();  // ZeRO-3: gather the full parameters
     if (comm->rank() == world - 1) result = snapshot(strategy->model());

@@ -79,6 +79,13 @@ TEST(Idx, CorruptFilesNameFileAndProblem) {
   expect_input_error(dir / "long", 1, "trailing data");
   write_raw(dir / "tiny", "\x00\x00");
   expect_input_error(dir / "tiny", 1, "shorter than");
+  // Absurd dimensions: refused from the file size, before any allocation.
+  write_raw(dir / "huge", idx_bytes({1u << 27, 1u << 27, 28}, 100));
+  expect_input_error(dir / "huge", 3, "more than this 116-byte file can hold");
+  write_gz(dir / "huge.gz", idx_bytes({1u << 27, 1u << 27, 28}, 100));
+  expect_input_error(dir / "huge.gz", 3, "gzip file can hold");
+  write_raw(dir / "overflow", idx_bytes({(1u << 28) - 1, (1u << 28) - 1, (1u << 28) - 1}, 0));
+  expect_input_error(dir / "overflow", 3, "more than 2^63");
   // A gzip stream cut in the middle.
   write_gz(dir / "cut.gz", idx_bytes({100, 28, 28}, 78400));
   std::filesystem::resize_file(dir / "cut.gz", std::filesystem::file_size(dir / "cut.gz") / 2);

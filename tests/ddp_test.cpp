@@ -27,12 +27,12 @@ optim::OptimizerSpec sgd_momentum() {
   return spec;
 }
 
-Fixture make_setup(const std::string& model_name) {
+Fixture make_setup(const std::string& model_name, at::ScalarType dtype = at::kDouble) {
   models::ModelSpec spec;
   spec.name = model_name;
   spec.input_shape = {1, 12, 12};
   spec.hidden = {48, 32};
-  return make_fixture(spec, sgd_momentum(), kSteps);
+  return make_fixture(spec, sgd_momentum(), kSteps, 32, dtype);
 }
 
 std::vector<at::Tensor> train_ddp(const Fixture& f, int world, int steps,
@@ -54,7 +54,7 @@ TEST_P(DdpEquivalence, MatchesSingleProcessOnTheGlobalBatch) {
   options.bucket_cap_bytes = 16 * 1024;  // several buckets even for these small models
   auto got = train_ddp(s, world, kSteps, options);
   EXPECT_GT(max_abs_diff(expected, s.initial), 1e-2) << "training did not move the weights";
-  EXPECT_LE(max_abs_diff(expected, got), 1e-5);
+  EXPECT_LE(max_abs_diff(expected, got), kTightBound);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, DdpEquivalence,
@@ -66,12 +66,32 @@ TEST(Ddp, GradientAccumulationMatchesTheFullBatch) {
   auto s = make_setup("mlp");
   auto expected = train_single(s, 10);
   auto got = train_ddp(s, 2, 10, {}, /*micro=*/4);
-  EXPECT_LE(max_abs_diff(expected, got), 1e-5);
+  EXPECT_LE(max_abs_diff(expected, got), kTightBound);
+}
+
+// The oracle's bound is tight enough to notice one rank's gradient or one micro-batch missing.
+TEST(Ddp, TheOracleNoticesALostGradientOrMicroBatch) {
+  at::set_num_threads(1);
+  auto s = make_setup("mlp");
+  const auto expected = train_single(s, 10);
+  auto make = [] { return std::make_unique<parallel::DdpStrategy>(parallel::StrategyOptions{}); };
+  const auto lost_rank = train_distributed(s, 2, 10, make, 1, [](const comm::CommunicatorPtr& c) {
+    return drop_rank_gradient(1, c);
+  });
+  EXPECT_GT(max_abs_diff(expected, lost_rank), 1e6 * kTightBound);
+  const auto lost_micro = train_distributed(s, 2, 10, make, 2, [](const comm::CommunicatorPtr& c) {
+    auto calls = std::make_shared<int>(0);  // rank 0 drops its second micro-batch every step
+    return parallel::LossFn([c, calls](const at::Tensor& out, const at::Tensor& target) {
+      const auto loss = parallel::cross_entropy(out, target);
+      return c->rank() == 0 && (*calls)++ % 2 == 1 ? loss * 0.0 : loss;
+    });
+  });
+  EXPECT_GT(max_abs_diff(expected, lost_micro), 1e6 * kTightBound);
 }
 
 TEST(Ddp, CompressedGradientsStayClose) {
   at::set_num_threads(1);
-  auto s = make_setup("mlp");
+  auto s = make_setup("mlp", at::kFloat);  // 16-bit wire formats of float32 gradients
   auto expected = train_single(s, 10);
   for (const std::string compression : {"fp16", "bf16"}) {
     parallel::StrategyOptions options;

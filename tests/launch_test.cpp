@@ -96,13 +96,24 @@ TEST(Launcher, BadOptionsAreOneLineErrors) {
   out = run(kDtrain + " launch --nnodes 2 --node-rank 0 -- true");
   EXPECT_EQ(out.code, 2);
   EXPECT_TRUE(has(out, "--master-port is required")) << out.text;
-  out = run(kDtrain + " launch --nproc-per-node 1 -- /nonexistent/program");
-  EXPECT_EQ(out.code, 127) << out.text;
-  EXPECT_TRUE(has(out, "cannot run /nonexistent/program")) << out.text;
+  // A program that cannot run is one error before any rank starts, not one per rank.
+  out = run(kDtrain + " launch --nproc-per-node 3 -- /nonexistent/program");
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "program '/nonexistent/program' does not exist")) << out.text;
+  EXPECT_FALSE(has(out, "[rank")) << out.text;
+  out = run(kDtrain + " launch --nproc-per-node 2 -- no-such-program-dtrain");
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "is not found in PATH")) << out.text;
+  for (const std::string grace : {"-1", "nan", "1e999"}) {
+    out = run(kDtrain + " launch --grace " + grace + " -- true");
+    EXPECT_EQ(out.code, 2) << grace << "\n" << out.text;
+    EXPECT_TRUE(has(out, "--grace")) << out.text;
+  }
 }
 
 TEST(Cli, HelpOnEverySubcommand) {
-  for (const std::string sub : {"", " train", " launch", " ckpt consolidate", " ckpt inspect"}) {
+  for (const std::string sub :
+       {"", " train", " launch", " ckpt consolidate", " ckpt inspect", " ckpt verify"}) {
     const auto out = run(kDtrain + sub + " --help");
     EXPECT_EQ(out.code, 0) << sub;
     EXPECT_TRUE(has(out, "Usage:")) << sub;
@@ -125,7 +136,22 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --config " + dir.path() + "/missing.toml", "missing.toml cannot be read"},
       {" train --grad-compression int4", "unknown gradient compression 'int4'"},
       {" train --precision fp16-mixed", "use --precision bf16-mixed"},
-      {" train --zero3-min-unit-params -5", "must be a whole number >= 0, got -5"},
+      {" train --zero3-min-unit-params -5", "--zero3-min-unit-params must be >= 0, got -5"},
+      // Numbers are checked whole, in range and finite, for every numeric flag.
+      {" train --bucket-cap-mb abc", "--bucket-cap-mb: expects a number, got 'abc'"},
+      {" train --bucket-cap-mb 0", "--bucket-cap-mb must be in (0, 1048576]"},
+      {" train --lr inf", "--lr: expects a finite number, got 'inf'"},
+      {" train --lr nan", "--lr: expects a finite number"},
+      {" train --lr 1e999", "--lr: '1e999' is out of range"},
+      {" train --lr 0.1x", "--lr: expects a number, got '0.1x'"},
+      {" train --epochs 99999999999999999999", "--epochs: '99999999999999999999' is out of range"},
+      {" train --nproc 4294967297", "--nproc: '4294967297' is out of range"},
+      {" train --seed -1", "--seed: expects a whole number >= 0, got '-1'"},
+      {" train --hidden 32 x", "--hidden: expects a whole number, got 'x'"},
+      {" train --keep-checkpoints -2", "checkpoints to keep must be >= 0"},
+      {" train --max-nonfinite-steps -1", "max non-finite steps must be >= 0"},
+      {" train --config " + dir.path(), "is a directory, not a TOML file"},
+      {" ckpt verify " + dir.path() + "/none", "neither a checkpoint"},
       {" train --strategy zero3 --grad-compression fp16", "zero3 reduce-scatters gradients"},
       {" train --precision fp8", "unknown precision 'fp8'"},
       {" train --checkpointing lots", "--checkpointing must be none, sqrt or a segment count"},
@@ -138,6 +164,34 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
     EXPECT_TRUE(has(out, "error")) << args;
     EXPECT_LE(std::count(out.text.begin(), out.text.end(), '\n'), 1) << args << "\n" << out.text;
   }
+}
+
+// `dtrain train` with no flags trains the main job's model: its defaults are the config's.
+TEST(Cli, DefaultsAreThoseOfTheMainJob) {
+  const auto help = run(kDtrain + " train --help");
+  std::ifstream config(std::string(DTRAIN_SOURCE_DIR) + "/configs/fashion-mnist-ddp.toml");
+  std::string line;
+  int checked = 0;
+  while (std::getline(config, line)) {
+    const auto eq = line.find(" = ");
+    if (line.empty() || line[0] == '#' || eq == std::string::npos) continue;
+    const std::string key = line.substr(0, eq);
+    std::string value = line.substr(eq + 3);
+    value = value.substr(0, value.find(' '));
+    if (!value.empty() && value.front() == '"') value = value.substr(1, value.size() - 2);
+    if (key == "nproc" || key == "seed") continue;  // the job runs 2 ranks; any seed is good
+    const auto at = help.text.find("--" + key + " ");
+    ASSERT_NE(at, std::string::npos) << key;
+    const auto end = help.text.find('\n', at);
+    const std::string row = help.text.substr(at, end - at);
+    const auto equals = row.find('=');  // "--lr FLOAT=0.05   Learning rate"
+    ASSERT_NE(equals, std::string::npos) << row;
+    const std::string shown = row.substr(equals + 1, row.find(' ', equals) - equals - 1);
+    EXPECT_DOUBLE_EQ(std::atof(shown.c_str()), std::atof(value.c_str())) << key << ": " << row;
+    if (std::atof(value.c_str()) == 0) EXPECT_EQ(shown, value) << key;
+    ++checked;
+  }
+  EXPECT_GE(checked, 10);
 }
 
 TEST(Cli, ConfigFileSetsFlagsAndCommandLineWins) {
@@ -174,6 +228,7 @@ TEST(Cli, MixedPrecisionAndCheckpointingTrain) {
 
 TEST(Cli, TrainOnTwoRanksEndToEnd) {
   TempDir dir;
+  int train_again_from = 8;
   const auto out = run(kDtrain + " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
                                  "--strategy zero3 --synthetic-examples 512 --epochs 2 "
                                  "--no-progress --metrics " +
@@ -192,12 +247,33 @@ TEST(Cli, TrainOnTwoRanksEndToEnd) {
   EXPECT_TRUE(std::filesystem::exists(dir / "model.pt"));
   const auto missing = run(kDtrain + " ckpt consolidate " + (dir / "none"));
   EXPECT_EQ(missing.code, 2) << missing.text;
+  auto verified = run(kDtrain + " ckpt verify " + (dir / "ckpt"));
+  EXPECT_EQ(verified.code, 0) << verified.text;
+  EXPECT_TRUE(has(verified, "ok       " + (dir / "ckpt/step-00000008"))) << verified.text;
+  {  // one byte flipped in a state file: verify and consolidate refuse it, naming the file
+    const std::string state = dir / "ckpt/step-00000008/state-1-of-2.pt";
+    std::fstream file(state, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(200);
+    const char byte = static_cast<char>(file.get() ^ 1);
+    file.seekp(200);
+    file.put(byte);
+  }
+  verified = run(kDtrain + " ckpt verify " + (dir / "ckpt"));
+  EXPECT_EQ(verified.code, 2) << verified.text;
+  EXPECT_TRUE(has(verified, "DAMAGED  " + (dir / "ckpt/step-00000008") + ": " +
+                                (dir / "ckpt/step-00000008/state-1-of-2.pt") + " is damaged"))
+      << verified.text;
+  const auto refused = run(kDtrain + " ckpt consolidate " + (dir / "ckpt"));
+  EXPECT_EQ(refused.code, 2) << refused.text;
+  EXPECT_TRUE(has(refused, "state-1-of-2.pt is damaged")) << refused.text;
+  std::filesystem::remove_all(dir / "ckpt/step-00000008");  // back to the epoch-1 checkpoint
+  train_again_from = 4;
   // Running again resumes from the final checkpoint and trains no further.
   const auto again = run(kDtrain + " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
                                    "--synthetic-examples 512 --epochs 2 --checkpoint-dir " +
                          (dir / "ckpt"));
   EXPECT_EQ(again.code, 0) << again.text;
-  EXPECT_TRUE(has(again, "resumed from step 8")) << again.text;
+  EXPECT_TRUE(has(again, "resumed from step " + std::to_string(train_again_from))) << again.text;
 }
 
 // Rank discovery reads the process environment: each case sets it, checks, and clears it.

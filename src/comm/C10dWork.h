@@ -13,10 +13,7 @@
 
 namespace dtrain::comm {
 
-inline std::string first_line(const std::string& text) {
-  const auto end = text.find('\n');
-  return end == std::string::npos ? text : text.substr(0, end);
-}
+using dtrain::first_line;
 
 /// Runs a c10d call that may throw synchronously (e.g. posting to a closed connection).
 template <typename Call>

@@ -68,9 +68,19 @@ at::Tensor read_idx(const std::string& path, int expected_dims) {
     sizes[d] = big_endian(raw);
     DTRAIN_CHECK_INPUT(sizes[d] > 0 && sizes[d] < (1 << 28), path, ": dimension ", d,
                        " has implausible size ", sizes[d]);
-    total *= sizes[d];
+    DTRAIN_CHECK_INPUT(!__builtin_mul_overflow(total, sizes[d], &total), path,
+                       ": the header's dimensions multiply to more than 2^63 bytes");
   }
   const int64_t header = 4 + 4 * dims;
+  // Bound the allocation by what the file can hold before making it: an uncompressed file holds
+  // exactly its size less the header; deflate expands at most 1032:1.
+  const bool gzipped = gzdirect(file.get()) == 0;
+  const int64_t file_bytes = static_cast<int64_t>(info.st_size);
+  const int64_t capacity = gzipped ? file_bytes * 1032 : file_bytes - header;
+  DTRAIN_CHECK_INPUT(total <= capacity, path, ": the header (dimensions ", c10::IntArrayRef(sizes),
+                     ") promises ", total, " data bytes after byte offset ", header,
+                     ", more than this ", file_bytes, "-byte", gzipped ? " gzip" : "",
+                     " file can hold");
   at::Tensor data = at::empty(sizes, at::kByte);
   const int64_t got = read_bytes(file.get(), data.data_ptr(), total, path);
   DTRAIN_CHECK_INPUT(got == total, path, ": truncated: header promises ", total,

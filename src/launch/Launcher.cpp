@@ -5,10 +5,13 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <thread>
@@ -86,7 +89,34 @@ void validate(const LaunchOptions& o) {
   DTRAIN_CHECK_INPUT(o.nnodes == 1 || o.master_port > 0,
                      "--master-port is required with --nnodes > 1 (every node must agree on it)");
   DTRAIN_CHECK_INPUT(o.threads >= 0, "--threads must be >= 1, got ", o.threads);
+  DTRAIN_CHECK_INPUT(std::isfinite(o.grace_seconds) && o.grace_seconds >= 0 &&
+                         o.grace_seconds <= 3600,
+                     "--grace must be between 0 and 3600 seconds, got ", o.grace_seconds);
   DTRAIN_CHECK_INPUT(!o.command.empty(), "no program to launch (put it after --)");
+  DTRAIN_CHECK_INPUT(!find_program(o.command.front()).empty(), "program '", o.command.front(),
+                     "' ", o.command.front().find('/') == std::string::npos
+                               ? "is not found in PATH"
+                               : "does not exist or is not executable");
+}
+
+std::string find_program(const std::string& name) {
+  auto executable = [](const std::string& path) {
+    struct stat info {};
+    return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode) &&
+           ::access(path.c_str(), X_OK) == 0;
+  };
+  if (name.empty()) return "";
+  if (name.find('/') != std::string::npos) return executable(name) ? name : "";
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    const size_t end = std::min(dirs.find(':', start), dirs.size());
+    const std::string dir = end > start ? dirs.substr(start, end - start) : ".";
+    if (executable(dir + "/" + name)) return dir + "/" + name;
+    start = end + 1;
+  }
+  return "";
 }
 
 int launch(const LaunchOptions& options) {

@@ -3,14 +3,16 @@
 
 #include <nlohmann/json.hpp>
 #include <torch/serialize.h>
+#include <zlib.h>
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
-#include <map>
-#include <tuple>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <regex>
+#include <tuple>
 
 #include "common/Files.h"
 #include "dtrain/common/Error.h"
@@ -26,7 +28,68 @@ void write_atomically(const std::string& path, const std::string& content) {
   write_file_atomically(path, content.data(), content.size());
 }
 
+constexpr const char* kMetaChecksumKey = "meta_crc32";
+
+uint32_t crc_of(const std::string& text) {
+  return static_cast<uint32_t>(
+      ::crc32(0L, reinterpret_cast<const Bytef*>(text.data()), static_cast<uInt>(text.size())));
+}
+
 }  // namespace
+
+FileDigest digest_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DTRAIN_CHECK_INPUT(in.good(), "cannot read ", path);
+  FileDigest digest;
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  std::vector<char> chunk(1 << 20);
+  while (in) {
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    const std::streamsize got = in.gcount();
+    if (got <= 0) break;
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(chunk.data()), static_cast<uInt>(got));
+    digest.bytes += got;
+  }
+  DTRAIN_CHECK_INPUT(in.eof(), "reading ", path, " failed");
+  digest.crc32 = static_cast<uint32_t>(crc);
+  return digest;
+}
+
+void record_files(const std::string& directory, CheckpointMeta& meta) {
+  meta.files.clear();
+  for (const auto& entry : fs::directory_iterator(directory)) {
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_regular_file() || name == "meta.json") continue;
+    meta.files[name] = digest_file(entry.path().string());
+  }
+}
+
+std::string verify_checkpoint(const std::string& directory, bool* unverifiable) {
+  if (unverifiable) *unverifiable = false;
+  CheckpointMeta meta;
+  try {
+    meta = read_meta(directory);
+  } catch (const InputError& e) {
+    return e.message();
+  }
+  if (meta.files.empty()) {
+    if (unverifiable) *unverifiable = true;
+    return "";
+  }
+  for (const auto& [name, want] : meta.files) {
+    const std::string path = directory + "/" + name;
+    if (!fs::is_regular_file(path)) return concat(path, " is missing");
+    const FileDigest got = digest_file(path);
+    if (got.bytes != want.bytes) {
+      return concat(path, " is damaged: ", got.bytes, " bytes, meta.json recorded ", want.bytes);
+    }
+    if (got.crc32 != want.crc32) {
+      return concat(path, " is damaged: its checksum (CRC-32 ", got.crc32,
+                    ") differs from the one meta.json recorded (", want.crc32, ")");
+    }
+  }
+  return "";
+}
 
 std::string checkpoint_name(int64_t step) {
   char name[32];
@@ -51,6 +114,12 @@ void write_meta(const std::string& directory, const CheckpointMeta& meta) {
       {"global_batch", meta.global_batch},
       {"tensors", tensors},
   };
+  nlohmann::json files = nlohmann::json::object();
+  for (const auto& [name, digest] : meta.files) {
+    files[name] = {{"bytes", digest.bytes}, {"crc32", digest.crc32}};
+  }
+  json["files"] = files;
+  json[kMetaChecksumKey] = crc_of(json.dump());
   write_atomically(directory + "/meta.json", json.dump(2) + "\n");
 }
 
@@ -66,6 +135,13 @@ CheckpointMeta read_meta(const std::string& directory) {
   }
   CheckpointMeta meta;
   try {
+    if (json.is_object() && json.contains(kMetaChecksumKey)) {
+      const auto recorded = json.at(kMetaChecksumKey).get<uint32_t>();
+      nlohmann::json content = json;
+      content.erase(kMetaChecksumKey);
+      DTRAIN_CHECK_INPUT(crc_of(content.dump()) == recorded, path,
+                         " is damaged: its content does not match its checksum");
+    }
     meta.format_version = json.at("format_version").get<int>();
     DTRAIN_CHECK_INPUT(meta.format_version != 1, path, ": format_version 1 (model.pt + ",
                        "optimizer.pt, from an earlier dtrain) cannot be loaded; this build reads ",
@@ -88,6 +164,13 @@ CheckpointMeta read_meta(const std::string& directory) {
                               t.at("dtype").get<std::string>(),
                               t.value("kind", std::string("parameter")) == "buffer"});
     }
+    if (json.contains("files")) {
+      for (const auto& [name, digest] : json.at("files").items()) {
+        DTRAIN_CHECK_INPUT(name.find('/') == std::string::npos && name != ".." && name != ".",
+                           path, ": file name '", name, "' is not a plain name");
+        meta.files[name] = {digest.at("bytes").get<int64_t>(), digest.at("crc32").get<uint32_t>()};
+      }
+    }
   } catch (const nlohmann::json::exception& e) {
     DTRAIN_THROW(InputError, "checkpoint metadata ", path, " is incomplete: ", e.what());
   }
@@ -95,10 +178,9 @@ CheckpointMeta read_meta(const std::string& directory) {
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& root) {
-  std::ifstream in(root + "/latest");
-  if (!in.good()) return std::nullopt;
-  std::string name;
-  std::getline(in, name);
+  const auto latest = latest_checkpoint_name(root);
+  if (!latest) return std::nullopt;
+  const std::string name = *latest;
   const std::string directory = root + "/" + name;
   DTRAIN_CHECK_INPUT(!name.empty() && fs::is_directory(directory), root,
                      "/latest names checkpoint '", name, "', which does not exist");
@@ -144,21 +226,44 @@ void ensure_writable(const std::string& root) {
   fs::remove(probe, error);
 }
 
-void prune_checkpoints(const std::string& root, int keep) {
-  if (keep <= 0) return;
+std::vector<std::string> list_checkpoints(const std::string& root) {
+  static const std::regex pattern(R"(step-\d{8})");
   std::vector<std::string> complete;
-  for (const auto& entry : fs::directory_iterator(root)) {
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(root, error)) {
     const std::string name = entry.path().filename().string();
-    if (entry.is_directory() && name.rfind("step-", 0) == 0 &&
-        name.find(".tmp") == std::string::npos) {
-      complete.push_back(name);
-    }
+    if (entry.is_directory() && std::regex_match(name, pattern)) complete.push_back(name);
   }
   std::sort(complete.begin(), complete.end());
+  return complete;
+}
+
+std::optional<std::string> latest_checkpoint_name(const std::string& root) {
+  std::ifstream in(root + "/latest");
+  if (!in.good()) return std::nullopt;
+  std::string name;
+  std::getline(in, name);
+  return name;
+}
+
+void prune_checkpoints(const std::string& root, int keep, const std::string& newest) {
+  if (keep <= 0) return;
+  auto complete = list_checkpoints(root);
+  complete.erase(std::upper_bound(complete.begin(), complete.end(), newest), complete.end());
   for (size_t i = 0; i + keep < complete.size(); ++i) {
     std::error_code error;
     fs::remove_all(root + "/" + complete[i], error);
   }
+}
+
+std::string set_aside_damaged(const std::string& directory) {
+  std::string target = directory + ".damaged";
+  for (int i = 1; fs::exists(target); ++i) target = concat(directory, ".damaged.", i);
+  std::error_code error;
+  fs::rename(directory, target, error);
+  DTRAIN_CHECK_INPUT(!error, "cannot rename damaged checkpoint ", directory, " to ", target, ": ",
+                     error.message());
+  return target;
 }
 
 std::string resolve_checkpoint(const std::string& path) {
@@ -209,6 +314,8 @@ struct ArchiveNode {
 }  // namespace
 
 int64_t consolidate_checkpoint(const std::string& directory, const std::string& output) {
+  const std::string problem = verify_checkpoint(directory);
+  DTRAIN_CHECK_INPUT(problem.empty(), "checkpoint ", directory, " does not verify: ", problem);
   const CheckpointMeta meta = read_meta(directory);
   std::vector<parallel::PieceRef> parameters;
   parallel::NamedTensors buffers;

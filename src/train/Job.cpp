@@ -27,6 +27,16 @@ std::string joined(const std::vector<std::string>& names) {
 
 }  // namespace
 
+JobConfig::JobConfig() {
+  trainer.epochs = 5;
+  trainer.optimizer.name = "sgd";
+  trainer.optimizer.lr = 0.05;
+  trainer.optimizer.momentum = 0.9;
+  trainer.optimizer.weight_decay = 5e-4;
+  trainer.schedule.decay = "cosine";
+  trainer.schedule.warmup_steps = 100;
+}
+
 void validate_job(const JobConfig& job) {
   DTRAIN_CHECK_INPUT(contains(models::model_names(), job.model), "--model: unknown model '",
                      job.model, "' (expected ", joined(models::model_names()), ")");
@@ -41,6 +51,12 @@ void validate_job(const JobConfig& job) {
   DTRAIN_CHECK_INPUT(job.comm_timeout_ms > 0, "--comm-timeout must be > 0");
   DTRAIN_CHECK_INPUT(job.synthetic_examples >= 1, "--synthetic-examples must be >= 1");
   for (auto width : job.hidden) DTRAIN_CHECK_INPUT(width >= 1, "--hidden widths must be >= 1");
+  DTRAIN_CHECK_INPUT(job.bucket_cap_mb > 0 && job.bucket_cap_mb <= 1 << 20,
+                     "--bucket-cap-mb must be in (0, 1048576], got ", job.bucket_cap_mb);
+  DTRAIN_CHECK_INPUT(job.trainer.strategy_options.zero3_min_unit_params >= 0,
+                     "--zero3-min-unit-params must be >= 0, got ",
+                     job.trainer.strategy_options.zero3_min_unit_params);
+  validate(job.trainer);
   memory::parse_segments(job.checkpointing, 1);
   // Build throwaway objects to validate their options with their own messages.
   optim::LrSchedule(job.trainer.optimizer.lr, 1, job.trainer.schedule);
@@ -77,7 +93,10 @@ JobResult run_job(const JobConfig& job) {
     test_set = data::make_synthetic(std::max<int64_t>(job.synthetic_examples / 8, 1), shape, 10,
                                     job.trainer.seed + 1);
   }
-  Trainer trainer(job.trainer, world);
+  TrainerOptions options = job.trainer;
+  options.strategy_options.bucket_cap_bytes =
+      static_cast<int64_t>(job.bucket_cap_mb * 1024 * 1024);
+  Trainer trainer(options, world);
   models::ModelSpec spec;
   spec.name = job.model;
   spec.hidden = job.hidden;

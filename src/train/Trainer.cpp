@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 
@@ -28,6 +29,8 @@ double seconds_since(Clock::time_point start) {
 
 std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
 
+}  // namespace
+
 void validate(const TrainerOptions& o) {
   DTRAIN_CHECK_INPUT(o.epochs >= 1, "epochs must be >= 1, got ", o.epochs);
   DTRAIN_CHECK_INPUT(o.batch_size >= 1, "batch size must be >= 1, got ", o.batch_size);
@@ -39,9 +42,11 @@ void validate(const TrainerOptions& o) {
   DTRAIN_CHECK_INPUT(o.max_steps >= 0, "max steps must be >= 0, got ", o.max_steps);
   DTRAIN_CHECK_INPUT(o.stop_at_step >= 0, "stop-at step must be >= 0, got ", o.stop_at_step);
   DTRAIN_CHECK_INPUT(o.eval_batch_size >= 1, "eval batch size must be >= 1");
+  DTRAIN_CHECK_INPUT(o.max_nonfinite_steps >= 0, "max non-finite steps must be >= 0, got ",
+                     o.max_nonfinite_steps);
+  DTRAIN_CHECK_INPUT(o.keep_checkpoints >= 0, "checkpoints to keep must be >= 0, got ",
+                     o.keep_checkpoints);
 }
-
-}  // namespace
 
 Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
     : options_(std::move(options)), world_(std::move(world)) {
@@ -87,6 +92,7 @@ void Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch)
   strategy_->save(staging);
   torch::save(at::detail::getDefaultCPUGenerator().get_state(),
               concat(staging, "/rng-rank", world_->rank(), ".pt"));
+  world_->barrier()->wait();  // every rank's files are in place
   if (leader) {
     CheckpointMeta meta;
     meta.strategy = strategy_->name();
@@ -99,34 +105,94 @@ void Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch)
     meta.seed = options_.seed;
     meta.global_batch = global_batch;
     meta.tensors = model_tensors();
+    // Digests read back from the files on disk, so the checkpoint that replaces older ones has
+    // been verified as written.
+    record_files(staging, meta);
     write_meta(staging, meta);
-  }
-  world_->barrier()->wait();  // every rank's files are in place
-  if (leader) {
     const std::string final_dir = root + "/" + name;
     fs::remove_all(final_dir);
     fs::rename(staging, final_dir);
     set_latest(root, name);
-    prune_checkpoints(root, options_.keep_checkpoints);
+    prune_checkpoints(root, options_.keep_checkpoints, name);
   }
   world_->barrier()->wait();
 }
 
+std::string Trainer::choose_checkpoint() {
+  const std::string& root = options_.checkpoint_dir;
+  // Rank 0 verifies; everyone loads what it chose. Candidates: the one `latest` names, then
+  // older ones, newest first.
+  int64_t chosen = -1;  // index into `names`; -1 none; -2 some exist, none verifies
+  std::vector<std::string> names = list_checkpoints(root);
+  std::string newest_problem;
+  if (world_->rank() == 0 && !names.empty()) {
+    std::string latest_name;
+    if (const auto latest = latest_checkpoint_name(root)) latest_name = *latest;
+    int damaged = 0;
+    std::vector<std::string> set_aside;
+    for (int64_t i = static_cast<int64_t>(names.size()) - 1; i >= 0; --i) {
+      if (!latest_name.empty() && names[i] > latest_name) continue;  // another run's, newer
+      const std::string directory = root + "/" + names[i];
+      bool unverifiable = false;
+      const std::string problem = verify_checkpoint(directory, &unverifiable);
+      if (problem.empty()) {
+        if (unverifiable) {
+          std::fprintf(stderr, "dtrain: warning: checkpoint %s has no checksums (an older "
+                               "dtrain wrote it); resuming from it unverified\n",
+                       directory.c_str());
+        }
+        chosen = i;
+        break;
+      }
+      if (damaged++ == 0) newest_problem = problem;
+      std::fprintf(stderr, "dtrain: checkpoint %s does not verify: %s\n", directory.c_str(),
+                   problem.c_str());
+      set_aside.push_back(directory);
+    }
+    if (chosen >= 0) {
+      // Damaged newer checkpoints move aside (kept, never loaded or counted by pruning again).
+      for (const auto& directory : set_aside) {
+        const std::string moved = set_aside_damaged(directory);
+        std::fprintf(stderr, "dtrain: kept it as %s; resuming from the newest checkpoint that "
+                             "verifies, %s\n",
+                     moved.c_str(), names[chosen].c_str());
+      }
+      if (!set_aside.empty()) set_latest(root, names[chosen]);
+    } else if (damaged > 0) {
+      chosen = -2;
+    }
+  }
+  at::Tensor decision = at::tensor({chosen}, at::kLong);
+  world_->broadcast(decision, {0})->wait();
+  chosen = decision.item<int64_t>();
+  DTRAIN_CHECK_INPUT(chosen != -2, "no checkpoint under ", root, " verifies (",
+                     newest_problem.empty() ? "rank 0 names the damage" : newest_problem,
+                     "; nothing was changed): repair or move them, or start fresh with "
+                     "--no-resume");
+  if (chosen < 0) return "";
+  return root + "/" + names[chosen];
+}
+
 int64_t Trainer::restore_checkpoint(int64_t global_batch) {
   if (options_.checkpoint_dir.empty() || !options_.resume) return 0;
-  const auto directory = latest_checkpoint(options_.checkpoint_dir);
-  if (!directory) return 0;
-  const CheckpointMeta meta = read_meta(*directory);
-  check_compatible(meta, model_tensors(), *directory);
-  DTRAIN_CHECK_INPUT(meta.global_batch == global_batch, "checkpoint ", *directory,
+  const std::string directory = choose_checkpoint();
+  if (directory.empty()) return 0;
+  const CheckpointMeta meta = read_meta(directory);
+  check_compatible(meta, model_tensors(), directory);
+  DTRAIN_CHECK_INPUT(meta.global_batch == global_batch, "checkpoint ", directory,
                      " was trained with global batch ", meta.global_batch,
                      "; resuming with global batch ", global_batch,
                      " would change the data order (match the batch or disable resume)");
-  strategy_->load(*directory);
-  std::string rng = concat(*directory, "/rng-rank", world_->rank(), ".pt");
-  if (!fs::exists(rng)) rng = *directory + "/rng-rank0.pt";  // world grew: reuse rank 0's
+  strategy_->load(directory);
+  std::string rng = concat(directory, "/rng-rank", world_->rank(), ".pt");
+  if (!fs::exists(rng)) rng = directory + "/rng-rank0.pt";  // world grew: reuse rank 0's
   at::Tensor state;
-  torch::load(state, rng);
+  try {
+    torch::load(state, rng);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, rng, " is not a random-generator state: ",
+                 first_line(e.what_without_backtrace()));
+  }
   at::Generator generator = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(state);
@@ -211,6 +277,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   int64_t samples = 0;
   std::vector<int64_t> order;
   int64_t order_epoch = -1;
+  int64_t nonfinite_steps = 0;
   const int64_t last_step = options_.stop_at_step > 0 ? std::min(total_steps, options_.stop_at_step)
                                                       : total_steps;
   for (int64_t step = start_step; step < last_step; ++step) {
@@ -230,8 +297,31 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
           order.begin() + begin, order.begin() + begin + options_.batch_size)));
     }
     const auto step_start = Clock::now();
-    const parallel::StepResult step_result = strategy_->train_step(micro_batches, options_.loss);
+    parallel::StepResult step_result = strategy_->train_step(micro_batches, options_.loss);
+    // The loss every rank reports is the mean over ranks; the sum is non-finite when any
+    // rank's is, so all ranks agree on stopping.
+    at::Tensor loss_sum = at::tensor({step_result.loss}, at::kDouble);
+    world_->allreduce(loss_sum)->wait();
+    step_result.loss = loss_sum.item<double>() / world_->size();
     const double step_seconds = seconds_since(step_start);
+    const auto skipped = step_result.metrics.find("step_skipped");
+    const bool finite = std::isfinite(step_result.loss) &&
+                        (step_result.grad_norm < 0 || std::isfinite(step_result.grad_norm));
+    if (!finite && !(skipped != step_result.metrics.end() && skipped->second > 0)) {
+      ++nonfinite_steps;
+    } else if (finite) {
+      nonfinite_steps = 0;
+    }
+    if (options_.max_nonfinite_steps > 0 && nonfinite_steps >= options_.max_nonfinite_steps) {
+      if (leader && options_.progress) progress.finish_epoch("stopped");
+      DTRAIN_THROW(Error, "training diverged: the loss (", step_result.loss, ")",
+                   step_result.grad_norm >= 0 ? concat(" or gradient norm (", step_result.grad_norm, ")")
+                                              : std::string(),
+                   " was not finite for ", nonfinite_steps, " consecutive steps, the last at step ",
+                   step + 1, " (limit --max-nonfinite-steps ", options_.max_nonfinite_steps,
+                   "); no checkpoint was written since; try a lower --lr, --max-grad-norm or "
+                   "--precision fp32");
+    }
     train_seconds += step_seconds;
     samples += step_result.samples * dp_size;
     result.losses.push_back(step_result.loss);
@@ -275,7 +365,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
       progress.finish_epoch(note);
     }
     const bool periodic = options_.checkpoint_every > 0 && (step + 1) % options_.checkpoint_every == 0;
-    if (!options_.checkpoint_dir.empty() && (periodic || epoch_end || halting)) {
+    if (!options_.checkpoint_dir.empty() && (periodic || epoch_end || halting) &&
+        nonfinite_steps == 0) {
       save_checkpoint(step + 1, epoch, global_batch);
     }
   }

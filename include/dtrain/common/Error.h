@@ -55,6 +55,12 @@ std::string concat(const Args&... args) {
   return out.str();
 }
 
+/// The first line of `text` (c10 errors append backtraces and context on further lines).
+inline std::string first_line(const std::string& text) {
+  const auto end = text.find('\n');
+  return end == std::string::npos ? text : text.substr(0, end);
+}
+
 }  // namespace dtrain
 
 /// Throws ErrorType(message) with file:line when `cond` is false.

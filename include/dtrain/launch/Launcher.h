@@ -31,7 +31,12 @@ struct LaunchOptions {
 /// (exit code or signal) to stderr and returns that rank's exit code (128 + signal for a signal).
 int launch(const LaunchOptions& options);
 
-/// Validates options (InputError naming the offending option).
+/// Validates options (InputError naming the offending option, or the program when it cannot be
+/// found: one error before any rank starts).
 void validate(const LaunchOptions& options);
+
+/// The path execvp would run for `name` (searched in PATH unless it contains '/'), or "" when
+/// there is no such executable file.
+std::string find_program(const std::string& name);
 
 }  // namespace dtrain::launch

@@ -1,9 +1,9 @@
 // Checkpoint directories: one per step (`step-00000120/`), written under a temporary name and
-// renamed when complete, with `meta.json` recording strategy, world layout, step and tensor
-// shapes, and a `latest` file naming the newest complete checkpoint.
+// renamed when complete, with `meta.json` recording strategy, world layout, step, tensor
+// shapes and a checksum of every file, and a `latest` file naming the newest complete checkpoint.
 #pragma once
 
-
+#include <map>
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -23,6 +23,13 @@ struct TensorInfo {
 /// 2: state-R-of-N.pt shards (parallel/StateShards.h); 1 was model.pt + optimizer.pt.
 constexpr int kCheckpointFormat = 2;
 
+/// Size and CRC-32 of one file of a checkpoint.
+struct FileDigest {
+  int64_t bytes = 0;
+  uint32_t crc32 = 0;
+  bool operator==(const FileDigest& o) const { return bytes == o.bytes && crc32 == o.crc32; }
+};
+
 struct CheckpointMeta {
   int format_version = kCheckpointFormat;
   std::string strategy;
@@ -33,13 +40,26 @@ struct CheckpointMeta {
   uint64_t seed = 0;
   int64_t global_batch = 0;
   std::vector<TensorInfo> tensors;
+  /// Every other file of the checkpoint (name -> digest), taken from the files on disk at save
+  /// time. Empty for checkpoints written before dtrain recorded checksums.
+  std::map<std::string, FileDigest> files;
 };
 
 std::string checkpoint_name(int64_t step);
-/// Writes meta.json into `directory`.
+/// Writes meta.json into `directory` (with a checksum of its own content).
 void write_meta(const std::string& directory, const CheckpointMeta& meta);
-/// Reads and validates meta.json; InputError naming the file and field on problems.
+/// Reads and validates meta.json (its own checksum too); InputError naming the file and field.
 CheckpointMeta read_meta(const std::string& directory);
+/// Size and CRC-32 of a file; InputError naming it when it cannot be read.
+FileDigest digest_file(const std::string& path);
+/// Digests every file in `directory` except meta.json into `meta.files`.
+void record_files(const std::string& directory, CheckpointMeta& meta);
+/// Checks meta.json and every file it lists against its digest. Returns "" when the checkpoint
+/// verifies, else one sentence naming the damaged or missing file. A checkpoint without
+/// digests (older dtrain) verifies with `*unverifiable` set.
+std::string verify_checkpoint(const std::string& directory, bool* unverifiable = nullptr);
+/// The complete checkpoints (`step-NNNNNNNN` directories) under `root`, oldest first.
+std::vector<std::string> list_checkpoints(const std::string& root);
 /// The newest complete checkpoint under `root`, if any (from `latest`, verified to exist).
 std::optional<std::string> latest_checkpoint(const std::string& root);
 /// Atomically points `root/latest` at `name`.
@@ -49,8 +69,14 @@ void check_compatible(const CheckpointMeta& saved, const std::vector<TensorInfo>
                       const std::string& directory);
 /// Fails with an InputError now, before training, if checkpoints cannot be written to `root`.
 void ensure_writable(const std::string& root);
-/// Removes all but the newest `keep` complete checkpoints under `root`.
-void prune_checkpoints(const std::string& root, int keep);
+/// The name `root/latest` holds, if the file exists.
+std::optional<std::string> latest_checkpoint_name(const std::string& root);
+/// Removes all but the newest `keep` complete checkpoints up to `newest` (by name) under
+/// `root`: checkpoints after it (another run's) and set-aside damaged ones (`NAME.damaged`) stay.
+void prune_checkpoints(const std::string& root, int keep, const std::string& newest);
+/// Renames a damaged checkpoint to `NAME.damaged` (kept for inspection, never loaded or pruned);
+/// returns the new path.
+std::string set_aside_damaged(const std::string& directory);
 
 /// A checkpoint directory, or the newest checkpoint when `path` is a checkpoint root (has
 /// `latest`).

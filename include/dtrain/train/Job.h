@@ -10,7 +10,10 @@
 
 namespace dtrain::train {
 
+/// `dtrain train`'s defaults are those of the main job (configs/fashion-mnist-ddp.toml), so a
+/// first command with no flags trains a good model.
 struct JobConfig {
+  JobConfig();
   /// "mlp", "cnn" or "resnet".
   std::string model = "cnn";
   std::vector<int64_t> hidden{256, 256};
@@ -21,6 +24,8 @@ struct JobConfig {
   std::string data_dir;
   int64_t synthetic_examples = 8192;
   TrainerOptions trainer;
+  /// Gradient bucket size (sets trainer.strategy_options.bucket_cap_bytes in run_job).
+  double bucket_cap_mb = 25;
   /// Local ranks to launch (1 = run in this process).
   int nproc = 1;
   /// Threads per rank (0 = cores / local ranks).

@@ -50,10 +50,17 @@ struct TrainerOptions {
   /// length: for time-sliced jobs that resume from their checkpoint later.
   int64_t stop_at_step = 0;
   int64_t eval_batch_size = 1000;
+  /// Stop with an error after this many consecutive steps whose loss (averaged over ranks) or
+  /// gradient norm is not finite (0 = never). Steps the loss scaler skipped do not count. No
+  /// checkpoint is written while the latest step was non-finite.
+  int64_t max_nonfinite_steps = 3;
   int tensor_parallel = 1;
   int pipeline_parallel = 1;
   parallel::LossFn loss = parallel::cross_entropy;
 };
+
+/// InputError naming the first option out of range.
+void validate(const TrainerOptions& options);
 
 struct EvalResult {
   double loss = 0.0;
@@ -95,6 +102,9 @@ class Trainer {
  private:
   void save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch);
   int64_t restore_checkpoint(int64_t global_batch);
+  /// Collective. The newest checkpoint that verifies ("" for none); damaged newer ones are set
+  /// aside, and InputError when checkpoints exist but none verifies.
+  std::string choose_checkpoint();
   std::vector<struct TensorInfo> model_tensors() const;
 
   TrainerOptions options_;
