@@ -115,6 +115,12 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       ->capture_default_str();
   add(app, "--nproc", job.nproc, "Local ranks to launch")->capture_default_str();
   add(app, "--threads", job.threads, "Threads per rank (default: cores / ranks)");
+  add(app, "--interface", job.interface,
+      "Network interface for rank-to-rank traffic (default: the one that reaches MASTER_ADDR)");
+  add(app, "--max-restarts", job.max_restarts,
+      "With --nproc: restart the ranks this many times after a failure, resuming from the "
+      "newest checkpoint")
+      ->capture_default_str();
   add(app, "--backend", job.backend, "Communication backend: gloo, nccl")
       ->capture_default_str();
   add(app, "--comm-timeout", job.comm_timeout_ms, "Timeout of every collective (ms)")
@@ -194,6 +200,8 @@ int run_train(const dtrain::train::JobConfig& job, const std::vector<std::string
     dtrain::launch::LaunchOptions launch;
     launch.nproc_per_node = job.nproc;
     launch.threads = job.threads;
+    launch.max_restarts = job.max_restarts;
+    launch.interface = job.interface;
     launch.command.push_back(self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     return dtrain::launch::launch(launch);
@@ -328,6 +336,19 @@ int main(int argc, char** argv) {
   add(*launch_cmd, "--master-port", launch.master_port,
                          "Rendezvous port (default: a free port; required for --nnodes > 1)");
   add(*launch_cmd, "--threads", launch.threads, "Threads per rank (default cores/ranks)");
+  add(*launch_cmd, "--interface", launch.interface,
+      "Network interface for the ranks' traffic (default: the one that reaches --master-addr; "
+      "sets GLOO_SOCKET_IFNAME)");
+  add(*launch_cmd, "--max-restarts", launch.max_restarts,
+      "Restart the job this many times after a failure (training resumes from its newest "
+      "checkpoint)")
+      ->capture_default_str();
+  add(*launch_cmd, "--rdzv-timeout", launch.rendezvous_timeout_seconds,
+      "Seconds for every node to join (and to reach the store)")
+      ->capture_default_str();
+  add(*launch_cmd, "--heartbeat-timeout", launch.heartbeat_timeout_seconds,
+      "Seconds without a heartbeat before another node counts as failed")
+      ->capture_default_str();
   add(*launch_cmd, "--grace", launch.grace_seconds,
                          "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->capture_default_str();

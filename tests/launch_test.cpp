@@ -11,9 +11,11 @@
 #include <cstdlib>
 #include <string>
 #include <sys/wait.h>
+#include <thread>
 
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Net.h"
 #include "dtrain/launch/Environment.h"
 
 using dtrain::test::TempDir;
@@ -111,6 +113,84 @@ TEST(Launcher, BadOptionsAreOneLineErrors) {
   }
 }
 
+namespace {
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+}  // namespace
+
+// --max-restarts: a rank SIGKILLed mid-run (after the step-4 checkpoint, at step 6) restarts the
+// job, which resumes from step 4 and ends with the same weights and optimizer state as a run
+// that never failed. A failure in every attempt exhausts the restarts with the usual message.
+TEST(Launcher, RestartsAfterAKilledRankAndEndsWithTheSameWeights) {
+  TempDir dir;
+  const std::string job = " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+                          "--hidden 32 --synthetic-examples 512 --batch-size 32 --epochs 2 "
+                          "--no-progress --checkpoint-every 4 --checkpoint-dir ";
+  const auto straight = run(kDtrain + job + (dir / "straight"));
+  ASSERT_EQ(straight.code, 0) << straight.text;
+  const auto restarted = run("DTRAIN_SIMULATE_FAILURE=1:6:1 " + kDtrain + job +
+                             (dir / "restarted") + " --max-restarts 1");
+  EXPECT_EQ(restarted.code, 0) << restarted.text;
+  EXPECT_TRUE(has(restarted, "rank 1 (pid")) << restarted.text;
+  EXPECT_TRUE(has(restarted, "killed by signal 9")) << restarted.text;
+  EXPECT_TRUE(has(restarted, "restarting the job (restart 1 of 1)")) << restarted.text;
+  EXPECT_TRUE(has(restarted, "resumed from step 4")) << restarted.text;
+  EXPECT_TRUE(has(restarted, "succeeded after 1 restart")) << restarted.text;
+  EXPECT_TRUE(has(restarted, "stopped at step 6, resumed from step 4 (2 steps lost)"))
+      << restarted.text;
+  const std::string final_state = "/step-00000016/state-0-of-1.pt";
+  const std::string expected = file_bytes(dir / "straight" + final_state);
+  ASSERT_FALSE(expected.empty());
+  EXPECT_TRUE(file_bytes(dir / "restarted" + final_state) == expected)
+      << "the restarted run ended with other weights or optimizer state";
+
+  const auto exhausted = run("DTRAIN_SIMULATE_FAILURE=1:2 " + kDtrain + job + (dir / "again") +
+                             " --max-restarts 1");
+  EXPECT_EQ(exhausted.code, 128 + 9) << exhausted.text;
+  EXPECT_TRUE(has(exhausted, "failed: rank 1")) << exhausted.text;
+  EXPECT_TRUE(has(exhausted, "(after 1 restart)")) << exhausted.text;
+}
+
+// Two nodes (two launchers on 127.0.0.1): a rank dying on one node stops the other node's ranks
+// within seconds, both launchers naming the node, rank and signal; a launcher that dies is
+// noticed by its heartbeat; a node that never comes is named when the rendezvous times out.
+TEST(Launcher, AFailureOnOneNodeStopsEveryNode) {
+  const int port = dtrain::free_port();
+  auto node = [&](int rank, const std::string& extra, const std::string& program) {
+    return kDtrain + " launch --nnodes 2 --nproc-per-node 1 --grace 1 --rdzv-timeout 30 " +
+           "--master-port " + std::to_string(port) + " --node-rank " + std::to_string(rank) +
+           extra + " -- " + program;
+  };
+  const std::string killer = "sh -c 'if [ \"$RANK\" = 1 ]; then sleep 1; kill -9 $$; fi; sleep 60'";
+  Output first, second;
+  std::thread other([&] { second = run(node(1, "", killer)); });
+  first = run(node(0, "", killer));
+  other.join();
+  EXPECT_EQ(first.code, 128 + 9) << first.text;
+  EXPECT_TRUE(has(first, "failed: node 1 rank 1 (pid")) << first.text;
+  EXPECT_TRUE(has(first, "killed by signal 9")) << first.text;
+  EXPECT_LT(first.seconds, 15) << "node 0's rank was not stopped";
+  EXPECT_EQ(second.code, 128 + 9) << second.text;
+
+  // Node 1's launcher is SIGKILLed (by its own rank, so after it joined; the rank dies with
+  // it): node 0 notices the silence.
+  std::thread dying([&] {
+    second = run(node(1, " --heartbeat-timeout 3", "sh -c 'kill -9 $PPID; sleep 60'"));
+  });
+  first = run(node(0, " --heartbeat-timeout 3", "sleep 60"));
+  dying.join();
+  EXPECT_EQ(first.code, 1) << first.text;
+  EXPECT_TRUE(has(first, "node 1's launcher stopped responding")) << first.text;
+  EXPECT_LT(first.seconds, 15);
+
+  first = run(kDtrain + " launch --nnodes 2 --node-rank 0 --rdzv-timeout 2 --master-port " +
+              std::to_string(port) + " -- true");
+  EXPECT_EQ(first.code, 1) << first.text;
+  EXPECT_TRUE(has(first, "node 1 did not join within 2 s")) << first.text;
+}
+
 TEST(Cli, HelpOnEverySubcommand) {
   for (const std::string sub :
        {"", " train", " launch", " ckpt consolidate", " ckpt inspect", " ckpt verify"}) {
@@ -188,7 +268,9 @@ TEST(Cli, DefaultsAreThoseOfTheMainJob) {
     ASSERT_NE(equals, std::string::npos) << row;
     const std::string shown = row.substr(equals + 1, row.find(' ', equals) - equals - 1);
     EXPECT_DOUBLE_EQ(std::atof(shown.c_str()), std::atof(value.c_str())) << key << ": " << row;
-    if (std::atof(value.c_str()) == 0) EXPECT_EQ(shown, value) << key;
+    if (std::atof(value.c_str()) == 0) {
+      EXPECT_EQ(shown, value) << key;
+    }
     ++checked;
   }
   EXPECT_GE(checked, 10);

@@ -76,6 +76,8 @@ RankInfo discover_rank() {
     info.local_world_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", info.world_size);
   }
   if (const char* addr = env("MASTER_ADDR")) info.master_addr = addr;
+  info.store_hosted_by_launcher = env("DTRAIN_AGENT_STORE") != nullptr;
+  if (const char* prefix = env("DTRAIN_STORE_PREFIX")) info.store_prefix = prefix;
   info.master_port = env_int("MASTER_PORT", info.master_port);
   DTRAIN_CHECK_INPUT(info.world_size >= 1, "world size (", info.source, ") must be >= 1");
   DTRAIN_CHECK_INPUT(info.rank < info.world_size, "rank ", info.rank,
@@ -109,17 +111,24 @@ bool tune_allocator() {
 #endif
 }
 
-comm::CommunicatorPtr init_from_env(const std::string& backend, int64_t timeout_ms) {
-  const RankInfo info = discover_rank();
-  set_threads(default_threads(info.local_world_size));
-  tune_allocator();
+comm::InitOptions init_options(const RankInfo& info) {
   comm::InitOptions options;
   options.rank = info.rank;
   options.world_size = info.world_size;
   options.master_addr = info.master_addr;
   options.master_port = info.master_port;
+  options.store_hosted_by_launcher = info.store_hosted_by_launcher;
+  options.store_prefix = info.store_prefix;
   // A lone process needs no agreed port: take a free one so runs never collide.
   if (info.world_size == 1 && !env("MASTER_PORT")) options.master_port = free_port();
+  return options;
+}
+
+comm::CommunicatorPtr init_from_env(const std::string& backend, int64_t timeout_ms) {
+  const RankInfo info = discover_rank();
+  set_threads(default_threads(info.local_world_size));
+  tune_allocator();
+  comm::InitOptions options = init_options(info);
   options.backend = backend;
   if (timeout_ms > 0) options.timeout = std::chrono::milliseconds(timeout_ms);
   return comm::init(options);

@@ -1,4 +1,5 @@
-// fork/exec of local ranks, output multiplexing with rank prefixes, and failure propagation.
+// fork/exec of local ranks, output multiplexing with rank prefixes, and failure propagation
+// across nodes through the rendezvous store: heartbeats, the first failure, restarts.
 #include "dtrain/launch/Launcher.h"
 
 #include <fcntl.h>
@@ -10,12 +11,16 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <climits>
 #include <cmath>
+#include <fstream>
+#include <optional>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <thread>
 
+#include "dtrain/comm/Store.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
 #include "dtrain/launch/Environment.h"
@@ -89,6 +94,14 @@ void validate(const LaunchOptions& o) {
   DTRAIN_CHECK_INPUT(o.nnodes == 1 || o.master_port > 0,
                      "--master-port is required with --nnodes > 1 (every node must agree on it)");
   DTRAIN_CHECK_INPUT(o.threads >= 0, "--threads must be >= 1, got ", o.threads);
+  DTRAIN_CHECK_INPUT(o.max_restarts >= 0 && o.max_restarts <= 1000,
+                     "--max-restarts must be in 0..1000, got ", o.max_restarts);
+  DTRAIN_CHECK_INPUT(o.rendezvous_timeout_seconds > 0 && o.rendezvous_timeout_seconds <= 86400,
+                     "--rdzv-timeout must be in (0, 86400] seconds, got ",
+                     o.rendezvous_timeout_seconds);
+  DTRAIN_CHECK_INPUT(o.heartbeat_timeout_seconds >= 2 && o.heartbeat_timeout_seconds <= 3600,
+                     "--heartbeat-timeout must be in [2, 3600] seconds, got ",
+                     o.heartbeat_timeout_seconds);
   DTRAIN_CHECK_INPUT(std::isfinite(o.grace_seconds) && o.grace_seconds >= 0 &&
                          o.grace_seconds <= 3600,
                      "--grace must be between 0 and 3600 seconds, got ", o.grace_seconds);
@@ -119,23 +132,132 @@ std::string find_program(const std::string& name) {
   return "";
 }
 
-int launch(const LaunchOptions& options) {
-  validate(options);
-  const int port = options.master_port > 0 ? options.master_port : free_port();
-  const int world = options.nproc_per_node * options.nnodes;
-  const int threads =
-      options.threads > 0 ? options.threads : default_threads(options.nproc_per_node);
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How an attempt ended.
+struct Outcome {
+  bool failed = false;
+  int code = 0;             // the exit code the launcher returns
+  std::string description;  // "node 1 rank 1 (pid 4242) exited with code 3"
+  bool interrupted = false; // the user stopped the job: no restart
+};
+
+// Keys of the launchers' protocol in the store (the ranks' keys carry "attempt-N/").
+std::string attempt_key(int attempt, const std::string& name) {
+  return concat("dtrain-agent/", attempt, "/", name);
+}
+std::string heartbeat_key(int node) { return concat("dtrain-agent/heartbeat/", node); }
+
+// "code|kind|text" <-> Outcome.
+std::string encode(const Outcome& o) {
+  return concat(o.code, "|", o.interrupted ? "interrupt" : "failure", "|", o.description);
+}
+Outcome decode(const std::string& value) {
+  Outcome o;
+  o.failed = true;
+  const auto first = value.find('|');
+  const auto second = value.find('|', first + 1);
+  if (first == std::string::npos || second == std::string::npos) {
+    o.code = 1;
+    o.description = value;
+    return o;
+  }
+  o.code = std::atoi(value.substr(0, first).c_str());
+  o.interrupted = value.substr(first + 1, second - first - 1) == "interrupt";
+  o.description = value.substr(second + 1);
+  return o;
+}
+
+// The step a run has reached, and the step its latest attempt resumed from, as the Trainer of
+// rank 0 writes them (DTRAIN_PROGRESS_FILE: "START STEP").
+struct Progress {
+  int64_t start = -1;
+  int64_t step = -1;
+};
+Progress read_progress(const std::string& path) {
+  Progress p;
+  std::ifstream in(path);
+  if (!(in >> p.start >> p.step)) return {};
+  return p;
+}
+
+class Attempt {
+ public:
+  Attempt(const LaunchOptions& options, comm::Store& store, int attempt, int port, int threads,
+          const std::string& progress_file)
+      : o_(options), store_(store), attempt_(attempt), port_(port), threads_(threads),
+        progress_file_(progress_file) {}
+
+  // Every node joins the attempt, or CommError naming the missing ones after the timeout.
+  void rendezvous() {
+    store_.set(attempt_key(attempt_, concat("node/", o_.node_rank)), "joined");
+    store_.add(attempt_key(attempt_, "joined"), 1);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(
+                                             o_.rendezvous_timeout_seconds * 1e3));
+    while (store_.add(attempt_key(attempt_, "joined"), 0) < o_.nnodes) {
+      store_.add(heartbeat_key(o_.node_rank), 1);
+      if (g_forward_signal != 0) {
+        DTRAIN_THROW(CommError, "interrupted by signal ", g_forward_signal,
+                     " while waiting for the other nodes");
+      }
+      if (Clock::now() > deadline) {
+        std::string missing;
+        for (int n = 0; n < o_.nnodes; ++n) {
+          if (!store_.check(attempt_key(attempt_, concat("node/", n)))) {
+            missing += concat(missing.empty() ? "" : ", ", n);
+          }
+        }
+        DTRAIN_THROW(CommError, "rendezvous at ", store_.address(), " (attempt ", attempt_,
+                     "): node", missing.find(',') == std::string::npos ? " " : "s ", missing,
+                     " did not join within ", o_.rendezvous_timeout_seconds,
+                     " s (--rdzv-timeout)");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+
+  Outcome run();
+
+ private:
+  void spawn();
+  // Publishes `mine` as the job's failure unless another is there first; returns the first.
+  Outcome publish(const Outcome& mine) {
+    try {
+      return decode(store_.set_if_absent(attempt_key(attempt_, "failure"), encode(mine)));
+    } catch (const CommError&) {
+      return mine;  // the store is gone: nobody else can be told
+    }
+  }
+  void begin_stop(int signal);
+  void tick();
+
+  const LaunchOptions& o_;
+  comm::Store& store_;
+  const int attempt_;
+  const int port_;
+  const int threads_;
+  const std::string progress_file_;
+  std::vector<Rank> ranks_;
+  bool stopping_ = false;
+  bool killed_ = false;
+  Clock::time_point stop_deadline_{};
+  Outcome outcome_;
+  std::optional<Outcome> local_failure_;  // published after a short settling time
+  Clock::time_point local_failure_at_{};
+  Clock::time_point next_tick_{};
+  std::vector<int64_t> last_beat_;
+  std::vector<Clock::time_point> last_beat_change_;
+};
+
+void Attempt::spawn() {
+  const int world = o_.nproc_per_node * o_.nnodes;
   const bool tty = ::isatty(STDOUT_FILENO) == 1;
-
-  std::vector<Rank> ranks(options.nproc_per_node);
-  struct sigaction action {};
-  action.sa_handler = on_signal;
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
-
-  for (int local = 0; local < options.nproc_per_node; ++local) {
-    Rank& r = ranks[local];
-    r.rank = options.node_rank * options.nproc_per_node + local;
+  ranks_.assign(o_.nproc_per_node, Rank{});
+  for (int local = 0; local < o_.nproc_per_node; ++local) {
+    Rank& r = ranks_[local];
+    r.rank = o_.node_rank * o_.nproc_per_node + local;
     int out_pipe[2], err_pipe[2];
     DTRAIN_CHECK(::pipe(out_pipe) == 0 && ::pipe(err_pipe) == 0, "pipe() failed: ",
                  std::strerror(errno));
@@ -143,15 +265,21 @@ int launch(const LaunchOptions& options) {
         concat("RANK=", r.rank),
         concat("WORLD_SIZE=", world),
         concat("LOCAL_RANK=", local),
-        concat("LOCAL_WORLD_SIZE=", options.nproc_per_node),
-        concat("GROUP_RANK=", options.node_rank),
-        concat("MASTER_ADDR=", options.master_addr),
-        concat("MASTER_PORT=", port),
-        concat("DTRAIN_THREADS=", threads),
-        concat("OMP_NUM_THREADS=", threads),
+        concat("LOCAL_WORLD_SIZE=", o_.nproc_per_node),
+        concat("GROUP_RANK=", o_.node_rank),
+        concat("MASTER_ADDR=", o_.master_addr),
+        concat("MASTER_PORT=", port_),
+        concat("DTRAIN_THREADS=", threads_),
+        concat("OMP_NUM_THREADS=", threads_),
+        "DTRAIN_AGENT_STORE=1",
+        concat("DTRAIN_STORE_PREFIX=attempt-", attempt_, "/"),
+        concat("DTRAIN_RESTART_COUNT=", attempt_),
+        concat("TORCHELASTIC_RESTART_COUNT=", attempt_),
     };
+    if (!o_.interface.empty()) env.push_back("GLOO_SOCKET_IFNAME=" + o_.interface);
+    if (!progress_file_.empty()) env.push_back("DTRAIN_PROGRESS_FILE=" + progress_file_);
     if (tty && r.rank == 0) env.push_back("DTRAIN_PROGRESS_TTY=1");
-    env.insert(env.end(), options.extra_env.begin(), options.extra_env.end());
+    env.insert(env.end(), o_.extra_env.begin(), o_.extra_env.end());
     const pid_t pid = ::fork();
     DTRAIN_CHECK(pid >= 0, "fork() failed: ", std::strerror(errno));
     if (pid == 0) {
@@ -165,7 +293,7 @@ int launch(const LaunchOptions& options) {
       ::close(err_pipe[1]);
       for (const auto& entry : env) ::putenv(const_cast<char*>(entry.c_str()));
       std::vector<char*> argv;
-      for (const auto& arg : options.command) argv.push_back(const_cast<char*>(arg.c_str()));
+      for (const auto& arg : o_.command) argv.push_back(const_cast<char*>(arg.c_str()));
       argv.push_back(nullptr);
       ::execvp(argv[0], argv.data());
       std::fprintf(stderr, "dtrain launch: cannot run %s: %s\n", argv[0], std::strerror(errno));
@@ -179,34 +307,78 @@ int launch(const LaunchOptions& options) {
     r.err_fd = err_pipe[0];
     r.running = true;
   }
+}
 
-  auto prefix_of = [&](const Rank& r) {
-    return options.prefix_output ? concat("[rank ", r.rank, "] ") : std::string();
-  };
-  auto signal_all = [&](int signal) {
-    for (auto& r : ranks) {
-      if (r.running) ::kill(-r.pid, signal);
+void Attempt::begin_stop(int signal) {
+  if (stopping_) return;
+  stopping_ = true;
+  for (auto& r : ranks_) {
+    if (r.running) ::kill(-r.pid, signal);
+  }
+  stop_deadline_ = Clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(o_.grace_seconds * 1e3));
+}
+
+// Twice a second: heartbeat, the job's failure, the other nodes' heartbeats.
+void Attempt::tick() {
+  const auto now = Clock::now();
+  if (now < next_tick_) return;
+  next_tick_ = now + std::chrono::milliseconds(500);
+  try {
+    store_.add(heartbeat_key(o_.node_rank), 1);
+    if (local_failure_ && !outcome_.failed &&
+        (o_.nnodes == 1 || now - local_failure_at_ >= std::chrono::seconds(1))) {
+      outcome_ = publish(*local_failure_);
+      return;
     }
-  };
+    if (!outcome_.failed && store_.check(attempt_key(attempt_, "failure"))) {
+      outcome_ = decode(store_.get(attempt_key(attempt_, "failure")));
+      begin_stop(SIGTERM);
+      return;
+    }
+    if (outcome_.failed) return;
+    const auto limit =
+        std::chrono::milliseconds(static_cast<int64_t>(o_.heartbeat_timeout_seconds * 1e3));
+    for (int n = 0; n < o_.nnodes; ++n) {
+      if (n == o_.node_rank || store_.check(attempt_key(attempt_, concat("done/", n)))) continue;
+      const int64_t beat = store_.add(heartbeat_key(n), 0);
+      if (beat != last_beat_[n]) {
+        last_beat_[n] = beat;
+        last_beat_change_[n] = now;
+      } else if (now - last_beat_change_[n] > limit) {
+        Outcome lost;
+        lost.failed = true;
+        lost.code = 1;
+        lost.description = concat("node ", n, "'s launcher stopped responding (no heartbeat for ",
+                                  o_.heartbeat_timeout_seconds, " s)");
+        outcome_ = publish(lost);
+        begin_stop(SIGTERM);
+        return;
+      }
+    }
+  } catch (const CommError& e) {
+    if (outcome_.failed) return;
+    outcome_.failed = true;
+    outcome_.code = 1;
+    outcome_.description = concat("lost the rendezvous store at ", store_.address(),
+                                  o_.node_rank == 0 ? "" : " (node 0's launcher is gone?)", ": ",
+                                  e.message());
+    begin_stop(SIGTERM);
+  }
+}
 
-  int failed_rank = -1;
-  int failed_status = 0;
-  std::chrono::steady_clock::time_point stop_deadline{};
-  bool stopping = false;
-  bool killed = false;
-  auto begin_stop = [&](int signal) {
-    if (stopping) return;
-    stopping = true;
-    signal_all(signal);
-    stop_deadline = std::chrono::steady_clock::now() +
-                    std::chrono::milliseconds(static_cast<int64_t>(options.grace_seconds * 1e3));
+Outcome Attempt::run() {
+  spawn();
+  last_beat_.assign(o_.nnodes, -1);
+  last_beat_change_.assign(o_.nnodes, Clock::now());
+  auto prefix_of = [&](const Rank& r) {
+    return o_.prefix_output ? concat("[rank ", r.rank, "] ") : std::string();
   };
-
   for (;;) {
     // Drain output.
     std::vector<pollfd> fds;
     std::vector<std::pair<Rank*, bool>> owners;  // (rank, is_stderr)
-    for (auto& r : ranks) {
+    for (auto& r : ranks_) {
       if (r.out_fd >= 0) {
         fds.push_back({r.out_fd, POLLIN, 0});
         owners.push_back({&r, false});
@@ -238,7 +410,7 @@ int launch(const LaunchOptions& options) {
 
     // Reap.
     bool any_running = false;
-    for (auto& r : ranks) {
+    for (auto& r : ranks_) {
       if (!r.running) continue;
       int status = 0;
       const pid_t done = ::waitpid(r.pid, &status, WNOHANG);
@@ -246,36 +418,165 @@ int launch(const LaunchOptions& options) {
         r.running = false;
         r.status = status;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && failed_rank < 0 && !stopping) {
-          failed_rank = r.rank;
-          failed_status = status;
-          std::fprintf(stderr, "dtrain launch: rank %d (pid %d) %s; stopping the other ranks\n",
-                       r.rank, static_cast<int>(r.pid), describe_status(status).c_str());
+        if (!ok && !stopping_ && !local_failure_) {
+          Outcome mine;
+          mine.failed = true;
+          mine.code = exit_code_of(status);
+          if (mine.code == 0) mine.code = 1;
+          mine.description = concat(o_.nnodes > 1 ? concat("node ", o_.node_rank, " ") : "",
+                                    "rank ", r.rank, " (pid ", r.pid, ") ",
+                                    describe_status(status));
+          local_failure_ = mine;
+          local_failure_at_ = Clock::now();
+          std::fprintf(stderr, "dtrain launch: %s; stopping the other ranks\n",
+                       mine.description.c_str());
           begin_stop(SIGTERM);
         }
       } else {
         any_running = true;
       }
     }
-    if (g_forward_signal != 0 && !stopping) begin_stop(g_forward_signal);
-    if (stopping && !killed && any_running && std::chrono::steady_clock::now() > stop_deadline) {
-      signal_all(SIGKILL);
-      killed = true;
+    if (g_forward_signal != 0 && !stopping_) {
+      Outcome interrupt;
+      interrupt.failed = true;
+      interrupt.interrupted = true;
+      interrupt.code = 128 + g_forward_signal;
+      interrupt.description = concat("node ", o_.node_rank, "'s launcher was interrupted (signal ",
+                                     g_forward_signal, ")");
+      outcome_ = publish(interrupt);
+      begin_stop(g_forward_signal);
+    }
+    tick();
+    if (stopping_ && !killed_ && any_running && Clock::now() > stop_deadline_) {
+      for (auto& r : ranks_) {
+        if (r.running) ::kill(-r.pid, SIGKILL);
+      }
+      killed_ = true;
     }
     bool any_output = false;
-    for (const auto& r : ranks) any_output = any_output || r.out_fd >= 0 || r.err_fd >= 0;
-    if (!any_running && !any_output) break;
-    if (!any_running && killed) break;  // a grandchild may hold a pipe open: do not wait on it
+    for (const auto& r : ranks_) any_output = any_output || r.out_fd >= 0 || r.err_fd >= 0;
+    const bool finished = !any_running && (!any_output || killed_);  // a grandchild may hold a pipe
+    if (!finished) continue;
+    // A rank failing because another node's rank failed first (a broken connection) must not
+    // be reported as the cause: give that node's failure a second to arrive.
+    while (local_failure_ && !outcome_.failed && o_.nnodes > 1 &&
+           Clock::now() - local_failure_at_ < std::chrono::seconds(1)) {
+      tick();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (local_failure_ && !outcome_.failed) outcome_ = publish(*local_failure_);
+    if (outcome_.failed) return outcome_;
+    break;
   }
 
-  if (failed_rank >= 0) {
-    std::fprintf(stderr, "dtrain launch: failed: rank %d %s\n", failed_rank,
-                 describe_status(failed_status).c_str());
-    const int code = exit_code_of(failed_status);
-    return code == 0 ? 1 : code;
+  // Every local rank succeeded. Node 0 hosts the store: it stays until every node is done (or
+  // one fails, which ends the job all the same).
+  try {
+    store_.set(attempt_key(attempt_, concat("done/", o_.node_rank)), "1");
+    store_.add(attempt_key(attempt_, "done"), 1);
+    while (o_.node_rank == 0 && store_.add(attempt_key(attempt_, "done"), 0) < o_.nnodes) {
+      tick();
+      if (outcome_.failed) return outcome_;
+      if (g_forward_signal != 0) {
+        outcome_ = {true, 128 + g_forward_signal, "interrupted while waiting for other nodes", true};
+        return outcome_;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  } catch (const CommError& e) {
+    return {true, 1, concat("lost the rendezvous store at ", store_.address(), ": ", e.message()),
+            false};
   }
-  if (g_forward_signal != 0) return 128 + g_forward_signal;
-  return 0;
+  return {};
+}
+
+}  // namespace
+
+int launch(const LaunchOptions& options) {
+  validate(options);
+  const int port = options.master_port > 0 ? options.master_port : free_port();
+  const int threads =
+      options.threads > 0 ? options.threads : default_threads(options.nproc_per_node);
+
+  struct sigaction action {};
+  action.sa_handler = on_signal;
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+
+  comm::Store::Options store_options;
+  store_options.host = options.master_addr;
+  store_options.port = port;
+  store_options.is_server = options.node_rank == 0;
+  store_options.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(options.rendezvous_timeout_seconds * 1e3));
+  std::unique_ptr<comm::Store> store;
+  try {
+    store = std::make_unique<comm::Store>(store_options);
+  } catch (const CommError& e) {
+    std::fprintf(stderr, "dtrain launch: node %d: %s\n", options.node_rank, e.message().c_str());
+    return 1;
+  }
+  // Rank 0 reports its step here, so restarts can say how many steps they cost.
+  std::string progress_file;
+  if (options.node_rank == 0) {
+    char name[] = "/tmp/dtrain-progress-XXXXXX";
+    const int fd = ::mkstemp(name);
+    if (fd >= 0) {
+      ::close(fd);
+      progress_file = name;
+    }
+  }
+  struct Cleanup {
+    std::string path;
+    ~Cleanup() {
+      if (!path.empty()) ::unlink(path.c_str());
+    }
+  } cleanup{progress_file};
+
+  std::vector<std::string> restart_notes;
+  int64_t reached_before_restart = -1;
+  auto note_resume = [&] {
+    if (reached_before_restart < 0 || progress_file.empty()) return;
+    const Progress now = read_progress(progress_file);
+    if (now.start < 0) return;
+    restart_notes.push_back(concat("restart ", restart_notes.size() + 1, ": stopped at step ",
+                                   reached_before_restart, ", resumed from step ", now.start,
+                                   " (", std::max<int64_t>(0, reached_before_restart - now.start),
+                                   " steps lost)"));
+    reached_before_restart = -1;
+  };
+  for (int attempt = 0;; ++attempt) {
+    Outcome outcome;
+    try {
+      if (!progress_file.empty()) std::ofstream(progress_file, std::ios::trunc);
+      Attempt run(options, *store, attempt, port, threads, progress_file);
+      run.rendezvous();
+      outcome = run.run();
+    } catch (const CommError& e) {
+      outcome = {true, 1, e.message(), false};
+    }
+    note_resume();
+    if (!outcome.failed) {
+      if (attempt > 0) {
+        std::fprintf(stderr, "dtrain launch: the job succeeded after %d restart%s\n", attempt,
+                     attempt == 1 ? "" : "s");
+        for (const auto& note : restart_notes) {
+          std::fprintf(stderr, "dtrain launch:   %s\n", note.c_str());
+        }
+      }
+      return 0;
+    }
+    if (outcome.interrupted || attempt >= options.max_restarts) {
+      std::fprintf(stderr, "dtrain launch: failed: %s%s\n", outcome.description.c_str(),
+                   attempt > 0 ? concat(" (after ", attempt, " restart",
+                                        attempt == 1 ? "" : "s", ")").c_str()
+                               : "");
+      return outcome.code == 0 ? 1 : outcome.code;
+    }
+    if (!progress_file.empty()) reached_before_restart = read_progress(progress_file).step;
+    std::fprintf(stderr, "dtrain launch: %s; restarting the job (restart %d of %d)\n",
+                 outcome.description.c_str(), attempt + 1, options.max_restarts);
+  }
 }
 
 }  // namespace dtrain::launch

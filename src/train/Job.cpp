@@ -4,7 +4,6 @@
 #include <torch/torch.h>
 
 #include "dtrain/common/Error.h"
-#include "dtrain/common/Net.h"
 #include "dtrain/data/FashionMnist.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/memory/Checkpoint.h"
@@ -73,14 +72,10 @@ JobResult run_job(const JobConfig& job) {
   launch::set_threads(job.threads > 0 ? job.threads
                                       : launch::default_threads(info.local_world_size));
   launch::tune_allocator();
-  comm::InitOptions init;
-  init.rank = info.rank;
-  init.world_size = info.world_size;
-  init.master_addr = info.master_addr;
-  init.master_port = info.master_port;
+  comm::InitOptions init = launch::init_options(info);
   init.backend = job.backend;
   init.timeout = std::chrono::milliseconds(job.comm_timeout_ms);
-  if (info.world_size == 1 && info.source == "single") init.master_port = free_port();
+  init.interface = job.interface;
   auto world = comm::init(init);
 
   data::TensorDataset train_set, test_set;

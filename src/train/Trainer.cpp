@@ -4,8 +4,13 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "dtrain/common/Error.h"
@@ -22,6 +27,66 @@ namespace dtrain::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Tells `dtrain launch` (DTRAIN_PROGRESS_FILE) where the run resumed and the step it has reached,
+// so a restart can report the steps it cost. One small pwrite per step.
+class ProgressReport {
+ public:
+  ProgressReport(const char* path, int64_t start) : start_(start) {
+    if (path != nullptr && *path != '\0') fd_ = ::open(path, O_WRONLY | O_CLOEXEC);
+    reached(start);
+  }
+  ~ProgressReport() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void reached(int64_t step) {
+    if (fd_ < 0) return;
+    char line[64];
+    const int n = std::snprintf(line, sizeof(line), "%20lld %20lld\n",
+                                static_cast<long long>(start_), static_cast<long long>(step));
+    if (::pwrite(fd_, line, n, 0) != n) {
+      ::close(fd_);
+      fd_ = -1;
+    }
+  }
+
+ private:
+  int fd_ = -1;
+  int64_t start_;
+};
+
+// DTRAIN_SIMULATE_FAILURE="RANK:STEP[:ATTEMPTS]": rank RANK kills itself (SIGKILL) when it
+// reaches STEP, in the first ATTEMPTS attempts of a launch (default all): for testing restarts
+// and failure handling the way a crashed machine would fail.
+struct SimulatedFailure {
+  int rank = -1;
+  int64_t step = -1;
+  bool armed = false;
+
+  static SimulatedFailure from_env(int my_rank) {
+    SimulatedFailure f;
+    const char* spec = std::getenv("DTRAIN_SIMULATE_FAILURE");
+    if (spec == nullptr || *spec == '\0') return f;
+    long long rank = -1, step = -1, attempts = -1;
+    const int fields = std::sscanf(spec, "%lld:%lld:%lld", &rank, &step, &attempts);
+    DTRAIN_CHECK_INPUT(fields >= 2 && rank >= 0 && step >= 1,
+                       "DTRAIN_SIMULATE_FAILURE='", spec, "' is not RANK:STEP[:ATTEMPTS]");
+    const char* restart = std::getenv("DTRAIN_RESTART_COUNT");
+    const long long attempt = restart ? std::atoll(restart) : 0;
+    f.rank = static_cast<int>(rank);
+    f.step = step;
+    f.armed = rank == my_rank && (fields < 3 || attempt < attempts);
+    return f;
+  }
+  void maybe_fire(int64_t reached) const {
+    if (armed && reached == step) {
+      std::fprintf(stderr, "dtrain: DTRAIN_SIMULATE_FAILURE: rank %d kills itself at step %lld\n",
+                   rank, static_cast<long long>(step));
+      std::fflush(stderr);
+      ::raise(SIGKILL);
+    }
+  }
+};
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -265,6 +330,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   result.steps = start_step;
 
   const bool leader = rank == 0;
+  ProgressReport report(leader ? std::getenv("DTRAIN_PROGRESS_FILE") : nullptr, start_step);
+  const auto simulated_failure = SimulatedFailure::from_env(rank);
   MetricsWriter metrics(leader ? options_.metrics_file : "", start_step > 0);
   ProgressBar progress(stdout, ProgressBar::is_terminal(stdout),
                        std::max<int64_t>(1, steps_per_epoch / 10));
@@ -326,6 +393,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     samples += step_result.samples * dp_size;
     result.losses.push_back(step_result.loss);
     result.steps = step + 1;
+    report.reached(step + 1);
     const double throughput = samples / std::max(train_seconds, 1e-9);
 
     if (leader && ((step + 1) % options_.log_every == 0 || step + 1 == total_steps)) {
@@ -369,6 +437,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
         nonfinite_steps == 0) {
       save_checkpoint(step + 1, epoch, global_batch);
     }
+    simulated_failure.maybe_fire(step + 1);
   }
   result.seconds = seconds_since(start);
   result.samples_per_second = samples / std::max(train_seconds, 1e-9);

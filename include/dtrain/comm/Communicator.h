@@ -124,13 +124,19 @@ struct InitOptions {
   Milliseconds timeout{std::chrono::seconds(120)};
   /// "gloo" (CPU) or "nccl" (CUDA builds of LibTorch only).
   std::string backend = "gloo";
-  /// Network interface for the data plane ("" = the address that reaches master_addr).
+  /// Network interface for the data plane ("" = $GLOO_SOCKET_IFNAME, else the local address
+  /// from which master_addr is reached: its route).
   std::string interface;
+  /// The rendezvous store is hosted by the launcher (`dtrain launch`), not by rank 0.
+  bool store_hosted_by_launcher = false;
+  /// Prefix of this job's keys in the store (a launcher's restarts each use their own).
+  std::string store_prefix;
   /// Backend worker threads per communicator.
   int backend_threads = 2;
 };
 
-/// Joins the world described by `options` (rank 0 hosts the TCP rendezvous store).
+/// Joins the world described by `options` (rank 0 hosts the TCP rendezvous store unless the
+/// launcher does).
 CommunicatorPtr init(const InitOptions& options);
 
 /// Element size-aware description helper: "1024 x BFloat16".

@@ -17,7 +17,15 @@ struct RankInfo {
   int master_port = 29500;
   /// Where it came from: "env" (RANK/WORLD_SIZE), "slurm", "openmpi" or "single".
   std::string source = "single";
+  /// Set by `dtrain launch` (DTRAIN_AGENT_STORE, DTRAIN_STORE_PREFIX): the launcher hosts the
+  /// rendezvous store, and this attempt's keys carry the prefix.
+  bool store_hosted_by_launcher = false;
+  std::string store_prefix;
 };
+
+/// The comm::InitOptions that join the world `info` describes (a lone process gets a free
+/// port); backend, timeout and interface are left at their defaults.
+comm::InitOptions init_options(const RankInfo& info);
 
 /// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; falls back
 /// to SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/... and OMPI_COMM_WORLD_*. Malformed values are

@@ -1,6 +1,11 @@
-// The local launcher behind `dtrain launch` (torchrun's job on one node): starts one process per
-// local rank with torchrun's environment variables, prefixes each rank's output lines, and when
-// a rank fails stops the others within seconds and reports which rank failed and how.
+// The launcher behind `dtrain launch` (torchrun's agent, one per node): starts one process per
+// local rank with torchrun's environment variables and prefixes each rank's output lines. The
+// launchers of a job meet in the rendezvous store, which node 0's launcher hosts (its ranks
+// connect to it too): they join each attempt together, keep a heartbeat there, and publish the
+// first failure, so a rank or launcher failing on any node stops the ranks on every node within
+// seconds, each launcher naming the failed node, rank and exit code or signal. With
+// --max-restarts K the job is started again (up to K times) after a failure; training resumes
+// from its newest checkpoint.
 #pragma once
 
 #include <string>
@@ -25,6 +30,15 @@ struct LaunchOptions {
   std::vector<std::string> command;
   /// Extra environment variables ("NAME=value") for every rank.
   std::vector<std::string> extra_env;
+  /// Network interface for the ranks' data plane (exported as GLOO_SOCKET_IFNAME; "" = the
+  /// route to master_addr).
+  std::string interface;
+  /// Restarts of the whole job after a failure (torchrun's --max-restarts).
+  int max_restarts = 0;
+  /// Seconds every node may take to join an attempt (and to connect to the store).
+  double rendezvous_timeout_seconds = 300;
+  /// Seconds without a heartbeat after which another node's launcher counts as failed.
+  double heartbeat_timeout_seconds = 10;
 };
 
 /// Runs the ranks to completion. Returns 0 when all succeed; otherwise prints which rank failed

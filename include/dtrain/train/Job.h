@@ -31,6 +31,12 @@ struct JobConfig {
   /// Threads per rank (0 = cores / local ranks).
   int threads = 0;
   std::string backend = "gloo";
+  /// Network interface for the data plane ("" = $GLOO_SOCKET_IFNAME, else the route to
+  /// MASTER_ADDR).
+  std::string interface;
+  /// --nproc > 1: restart the local ranks this many times after a failure (dtrain launch's
+  /// --max-restarts); the run resumes from its newest checkpoint.
+  int max_restarts = 0;
   int64_t comm_timeout_ms = 120000;
 };
 

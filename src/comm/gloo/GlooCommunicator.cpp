@@ -6,11 +6,13 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 
 #include "comm/C10dWork.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Net.h"
 
 namespace dtrain::comm::gloo_backend {
 
@@ -182,7 +184,7 @@ CommunicatorPtr create_world(const InitOptions& options) {
                      "master port must be in 1..65535, got ", options.master_port);
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(options.master_port);
-  store_options.isServer = options.rank == 0;
+  store_options.isServer = options.rank == 0 && !options.store_hosted_by_launcher;
   store_options.numWorkers = options.world_size;
   store_options.waitWorkers = false;
   store_options.timeout = options.timeout;
@@ -191,22 +193,34 @@ CommunicatorPtr create_world(const InitOptions& options) {
     store = c10::make_intrusive<c10d::TCPStore>(options.master_addr, store_options);
   } catch (const std::exception& e) {
     DTRAIN_THROW(CommError, "rank ", options.rank, " could not ",
-                 options.rank == 0 ? "host" : "reach", " the rendezvous store at ",
-                 options.master_addr, ":", options.master_port, ": ", first_line(e.what()));
+                 store_options.isServer ? "host" : "reach", " the rendezvous store at ",
+                 options.master_addr, ":", options.master_port, " within ",
+                 options.timeout.count() / 1000.0, " s: ", first_line(e.what()));
+  }
+  if (!options.store_prefix.empty()) {
+    store = c10::make_intrusive<c10d::PrefixStore>(options.store_prefix, store);
   }
   std::shared_ptr<::gloo::transport::Device> device;
   std::string interface = options.interface;
   if (interface.empty()) {
     if (const char* env = std::getenv("GLOO_SOCKET_IFNAME")) interface = env;
   }
-  const bool loopback = options.master_addr.rfind("127.", 0) == 0 ||
-                        options.master_addr == "localhost" || options.master_addr == "::1";
   if (!interface.empty()) {
     device = c10d::ProcessGroupGloo::createDeviceForInterface(interface);
-  } else if (loopback) {
+  } else if (is_loopback(options.master_addr)) {
     device = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   } else {
-    device = c10d::ProcessGroupGloo::createDefaultDevice();
+    // Not the host name (Debian maps it to 127.0.1.1, which the other hosts cannot reach): the
+    // address this host reaches the master from.
+    const LocalRoute route = route_to(options.master_addr);
+    const char* local_rank = std::getenv("LOCAL_RANK");
+    if (local_rank == nullptr || std::string(local_rank) == "0") {
+      std::fprintf(stderr, "dtrain: rank %d reaches %s from %s%s%s (set --interface or "
+                           "GLOO_SOCKET_IFNAME to choose another)\n",
+                   options.rank, options.master_addr.c_str(), route.address.c_str(),
+                   route.interface.empty() ? "" : " on ", route.interface.c_str());
+    }
+    device = c10d::ProcessGroupGloo::createDeviceForHostname(route.address);
   }
   std::vector<int> global(options.world_size);
   for (int r = 0; r < options.world_size; ++r) global[r] = r;
