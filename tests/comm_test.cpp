@@ -257,6 +257,35 @@ TEST(Comm, TimeoutNamesOpGroupAndRank) {
   });
 }
 
+// A rank that never arrives at a collective is named by the ranks that time out in it, with
+// how far it got (each rank's count of collectives, published to the store once a second).
+TEST(Comm, ATimedOutCollectiveNamesTheRanksThatDidNotArrive) {
+  std::atomic<int> timed_out{0};
+  run_ranks(3, [&](const comm::CommunicatorPtr& comm) {
+    auto t = torch::ones({4});
+    comm->allreduce(t)->wait();
+    if (comm->rank() == 2) {  // stops here; stays connected until the others have timed out
+      for (int i = 0; i < 2000 && timed_out < 2; ++i) std::this_thread::sleep_for(10ms);
+      EXPECT_EQ(timed_out, 2);
+      return;
+    }
+    try {
+      comm->allreduce(t)->wait(1500ms);
+      ADD_FAILURE() << "allreduce without rank 2 did not time out";
+    } catch (const TimeoutError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("did not arrive: rank 2 (world rank 2) has issued 1 collectives on "
+                             "this group, this one is #2 (its last: allreduce(sum, 4 x Float))"),
+                std::string::npos)
+          << message;
+      EXPECT_NE(message.find("arrived: ranks " + std::to_string(1 - comm->rank())),
+                std::string::npos)
+          << message;
+    }
+    ++timed_out;
+  });
+}
+
 TEST(Comm, DeadPeerNamesThePeer) {
   run_ranks(2, [](CommunicatorPtr comm) {
     if (comm->rank() == 1) {

@@ -341,7 +341,7 @@ TEST(Trainer, MetricsAreJsonLinesWithASummary) {
       EXPECT_GT(record.at("samples_per_s").get<double>(), 0);
       EXPECT_TRUE(record.contains("exposed_comm_ms"));
     }
-    if (event == "summary") EXPECT_EQ(record.at("steps").get<int>(), 20);
+    if (event == "summary") { EXPECT_EQ(record.at("steps").get<int>(), 20); }
   }
   EXPECT_EQ(steps, 4);
   EXPECT_EQ(evals, 1);  // the epoch end (an epoch is 20 steps)

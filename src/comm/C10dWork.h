@@ -44,7 +44,7 @@ class C10dWork : public Work {
       if (cause.find("timed out") != std::string::npos ||
           cause.find("Timed out") != std::string::npos) {
         DTRAIN_THROW(TimeoutError, "timed out after ", timeout.count(), " ms: ", description_,
-                     " (", cause, ")");
+                     " (", cause, ")", timeout_diagnosis());
       }
       DTRAIN_THROW(CommError, description_, " failed: ", cause);
     }

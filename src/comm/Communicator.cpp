@@ -6,7 +6,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
+#include <cstdlib>
+#include <thread>
 #include <map>
 
 #include "dtrain/common/Error.h"
@@ -25,6 +28,140 @@ const char* to_string(ReduceOp op) {
 
 std::string shape_string(const at::Tensor& tensor) {
   return concat(tensor.numel(), " x ", tensor.scalar_type());
+}
+
+// ---- progress board: how many collectives each rank has issued -------------------------------
+
+struct ProgressState {
+  std::shared_ptr<ProgressBoard> board;
+  std::string key_prefix;
+  int rank = 0;
+  std::vector<int> global_ranks;
+  std::atomic<int64_t> issued{0};
+  std::mutex mutex;
+  std::string last_op;  // guarded by mutex
+
+  static int64_t now_ms() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+  void publish_now() {
+    std::string op;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      op = last_op;
+    }
+    board->publish(concat(key_prefix, rank), concat(issued.load(), "|", now_ms(), "|", op));
+  }
+  // Which ranks have not issued collective #index (this rank's timed-out one).
+  std::string diagnose(int64_t index) {
+    publish_now();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));  // the others' next report
+    std::string missing, arrived;
+    for (int r = 0; r < static_cast<int>(global_ranks.size()); ++r) {
+      if (r == rank) continue;
+      const auto value = board->read(concat(key_prefix, r));
+      const std::string who = concat("rank ", r, " (world rank ", global_ranks[r], ")");
+      if (!value) {
+        missing += concat(missing.empty() ? "" : "; ", who,
+                          " has reported no progress (not started, or died before its first "
+                          "report)");
+        continue;
+      }
+      const auto bar1 = value->find('|');
+      const auto bar2 = value->find('|', bar1 + 1);
+      const int64_t count = std::atoll(value->substr(0, bar1).c_str());
+      const double age = (now_ms() - std::atoll(value->substr(bar1 + 1, bar2 - bar1 - 1).c_str())) / 1e3;
+      if (count >= index) {
+        arrived += concat(arrived.empty() ? "" : ", ", r);
+        continue;
+      }
+      const std::string last = bar2 == std::string::npos ? "" : value->substr(bar2 + 1);
+      missing += concat(missing.empty() ? "" : "; ", who, " has issued ", count,
+                        " collectives on this group, this one is #", index,
+                        last.empty() ? "" : concat(" (its last: ", last, ")"), ", reported ",
+                        std::max(0.0, age), " s ago");
+    }
+    if (missing.empty()) {
+      return "; every rank of the group issued this collective (so a transport problem, not a "
+             "rank that did not arrive)";
+    }
+    return concat("; did not arrive: ", missing,
+                  arrived.empty() ? "" : concat("; arrived: ranks ", arrived));
+  }
+};
+
+namespace {
+
+// One thread per process publishes every tracked group's count about once a second, also when
+// the ranks' own threads are stuck. Deliberately never destroyed: it may be inside a store call
+// at exit.
+class ProgressPublisher {
+ public:
+  static ProgressPublisher& instance() {
+    static auto* publisher = new ProgressPublisher;
+    return *publisher;
+  }
+  void add(const std::shared_ptr<ProgressState>& state) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    states_.push_back(state);
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { run(); }).detach();
+    }
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      std::vector<std::shared_ptr<ProgressState>> live;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        std::vector<std::weak_ptr<ProgressState>> kept;
+        for (const auto& weak : states_) {
+          if (auto state = weak.lock()) {
+            live.push_back(state);
+            kept.push_back(weak);
+          }
+        }
+        states_.swap(kept);
+      }
+      for (const auto& state : live) {
+        try {
+          state->publish_now();
+        } catch (...) {  // the store is gone (the job is ending): nothing to report to
+        }
+      }
+    }
+  }
+  std::mutex mutex_;
+  std::vector<std::weak_ptr<ProgressState>> states_;
+  bool started_ = false;
+};
+
+}  // namespace
+
+void Communicator::track_progress(std::shared_ptr<ProgressBoard> board,
+                                  const std::string& key_prefix) {
+  auto state = std::make_shared<ProgressState>();
+  state->board = std::move(board);
+  state->key_prefix = key_prefix;
+  state->rank = rank_;
+  state->global_ranks = global_ranks_;
+  progress_ = state;
+  ProgressPublisher::instance().add(state);
+}
+
+void Communicator::note_collective(const std::string& op_and_args, Work& work) {
+  if (!progress_) return;
+  const int64_t index = ++progress_->issued;
+  {
+    std::lock_guard<std::mutex> lock(progress_->mutex);
+    progress_->last_op = op_and_args;
+  }
+  work.set_timeout_diagnosis([state = progress_, index] { return state->diagnose(index); });
 }
 
 Communicator::Communicator(int rank, int size, std::string name, std::vector<int> global_ranks,
@@ -63,6 +200,7 @@ std::string Communicator::describe(const std::string& op_and_args) const {
 WorkPtr Communicator::run_async(std::string description, Milliseconds timeout,
                                 std::function<void()> body) {
   auto work = std::make_shared<PromiseWork>(std::move(description), timeout);
+  note_collective(work->description().substr(0, work->description().find(" on group '")), *work);
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     DTRAIN_CHECK(!stopping_, "communicator '", name_, "' is shutting down");

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +24,19 @@ namespace dtrain::comm {
 
 class Communicator;
 using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+/// Where the members of a group report how many collectives they have issued (the rendezvous
+/// store), so that a timed-out collective can name the ranks that did not arrive (NCCL's desync
+/// report). Backends without a store have none.
+class ProgressBoard {
+ public:
+  virtual ~ProgressBoard() = default;
+  virtual void publish(const std::string& key, const std::string& value) = 0;
+  /// The value at `key`, or nullopt (does not wait).
+  virtual std::optional<std::string> read(const std::string& key) = 0;
+};
+
+struct ProgressState;
 
 /// A group of ranks that can run collectives together. Every member must issue the same
 /// sequence of collectives (as with MPI/c10d).
@@ -88,6 +102,13 @@ class Communicator {
   WorkPtr ring_allreduce(at::Tensor tensor, ReduceOp op, Milliseconds timeout,
                          const std::string& what);
 
+  /// Backends with a store call this once: this rank's count of issued collectives is published
+  /// there about once a second under `key_prefix` + rank.
+  void track_progress(std::shared_ptr<ProgressBoard> board, const std::string& key_prefix);
+  /// Counts a collective as issued (call once where the backend starts it) and attaches the
+  /// who-did-not-arrive report to its Work's timeout error.
+  void note_collective(const std::string& op_and_args, Work& work);
+
   Milliseconds resolve(Milliseconds timeout) const;
   /// "allreduce(sum, 4 x Float) on group 'world' (world ranks [0,1]) at rank 0".
   std::string describe(const std::string& op_and_args) const;
@@ -106,6 +127,7 @@ class Communicator {
   Milliseconds timeout_;
   int64_t sequence_ = 0;
   std::atomic<int64_t> bytes_sent_{0};
+  std::shared_ptr<ProgressState> progress_;
 
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;

@@ -27,6 +27,19 @@ class Work {
   /// "allreduce(sum, 1024 x float) on group world [rank 0 of 2]", used in error messages.
   virtual const std::string& description() const = 0;
   virtual Milliseconds default_timeout() const = 0;
+
+  /// For collectives: called when the op times out, returns which ranks did not arrive (from
+  /// the group's progress board), appended to the TimeoutError's message.
+  void set_timeout_diagnosis(std::function<std::string()> diagnose) {
+    diagnose_ = std::move(diagnose);
+  }
+
+ protected:
+  /// "" or "; did not arrive: ..." (never throws).
+  std::string timeout_diagnosis() const;
+
+ private:
+  std::function<std::string()> diagnose_;
 };
 using WorkPtr = std::shared_ptr<Work>;
 

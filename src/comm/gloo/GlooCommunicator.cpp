@@ -56,6 +56,23 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_group(
   }
 }
 
+// The progress board in the rendezvous store.
+class StoreBoard : public ProgressBoard {
+ public:
+  explicit StoreBoard(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void publish(const std::string& key, const std::string& value) override {
+    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::optional<std::string> read(const std::string& key) override {
+    if (!store_->check({key})) return std::nullopt;
+    const auto bytes = store_->get(key);
+    return std::string(bytes.begin(), bytes.end());
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
 }  // namespace
 
 GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store,
@@ -71,6 +88,7 @@ GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store,
   auto store = c10::make_intrusive<c10d::PrefixStore>(store_prefix_, root_store_);
   group_ = make_group(store, rank, size, timeout, device_, threads_,
                       concat("group '", this->name(), "'"));
+  track_progress(std::make_shared<StoreBoard>(root_store_), concat("progress/", store_prefix_, "/"));
 }
 
 GlooCommunicator::~GlooCommunicator() = default;
@@ -95,10 +113,12 @@ WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, const AllreduceOptions& o
   auto work = issue(describe(what), [&] { return group_->allreduce(tensors, c10d_options); });
   const int world = size();
   const bool average = options.op == ReduceOp::Avg;
-  return std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
+  auto result = std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
     if (average) buffer.div_(world);
     if (!buffer.is_same(tensor)) tensor.copy_(buffer);
   });
+  note_collective(what, *result);
+  return result;
 }
 
 WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& options) {
@@ -124,9 +144,11 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& o
   c10d_options.rootRank = options.root;
   c10d_options.timeout = timeout;
   auto work = issue(describe(what), [&] { return group_->broadcast(tensors, c10d_options); });
-  return std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
+  auto result = std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
     if (!buffer.is_same(tensor)) tensor.copy_(buffer);
   });
+  note_collective(what, *result);
+  return result;
 }
 
 WorkPtr GlooCommunicator::barrier(const BarrierOptions& options) {
@@ -135,7 +157,9 @@ WorkPtr GlooCommunicator::barrier(const BarrierOptions& options) {
   c10d::BarrierOptions c10d_options;
   c10d_options.timeout = timeout;
   auto work = issue(describe("barrier"), [&] { return group_->barrier(c10d_options); });
-  return std::make_shared<C10dWork>(work, describe("barrier"), timeout);
+  auto result = std::make_shared<C10dWork>(work, describe("barrier"), timeout);
+  note_collective("barrier", *result);
+  return result;
 }
 
 WorkPtr GlooCommunicator::send_tagged(at::Tensor tensor, int dst, int tag,
