@@ -131,6 +131,11 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   add(app, "--accumulation", t.accumulation_steps,
                  "Micro-batches per optimizer step (gradient accumulation)")
       ->capture_default_str();
+  add(app, "--global-batch", t.global_batch,
+      "Examples per optimizer step at any world size: sets --accumulation to this / "
+      "(batch size x ranks); elastic jobs keep their step and data order across sizes "
+      "(0 = batch size x accumulation x ranks)")
+      ->capture_default_str();
   add(app, "--max-steps", t.max_steps, "Train this many steps (0 = all epochs)")
       ->capture_default_str();
   add(app, "--stop-at-step", t.stop_at_step,
@@ -328,9 +333,15 @@ int main(int argc, char** argv) {
       "launch", "Start ranks of a program with torchrun's environment (RANK, WORLD_SIZE, ...)");
   add(*launch_cmd, "--nproc-per-node", launch.nproc_per_node, "Ranks on this node")
       ->capture_default_str();
-  add(*launch_cmd, "--nnodes", launch.nnodes, "Nodes")->capture_default_str();
-  add(*launch_cmd, "--node-rank", launch.node_rank, "This node's index")
+  std::string nnodes_text = "1";
+  launch_cmd
+      ->add_option("--nnodes", nnodes_text,
+                   "Nodes: N, or MIN:MAX for an elastic job (it starts with MIN..MAX nodes and "
+                   "restarts at the new size when a node leaves or joins)")
       ->capture_default_str();
+  add(*launch_cmd, "--node-rank", launch.node_rank,
+      "This node's index (required with --nnodes N > 1; elastic: 0 on the host at "
+      "--master-addr, left out elsewhere)");
   add(*launch_cmd, "--master-addr", launch.master_addr, "Rendezvous address")
       ->capture_default_str();
   add(*launch_cmd, "--master-port", launch.master_port,
@@ -345,6 +356,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   add(*launch_cmd, "--rdzv-timeout", launch.rendezvous_timeout_seconds,
       "Seconds for every node to join (and to reach the store)")
+      ->capture_default_str();
+  add(*launch_cmd, "--rdzv-last-call", launch.last_call_seconds,
+      "Elastic: seconds the host waits for more nodes once MIN have joined")
       ->capture_default_str();
   add(*launch_cmd, "--heartbeat-timeout", launch.heartbeat_timeout_seconds,
       "Seconds without a heartbeat before another node counts as failed")
@@ -424,7 +438,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (train->parsed()) return run_train(job, args);
-    if (launch_cmd->parsed()) return dtrain::launch::launch(launch);
+    if (launch_cmd->parsed()) {
+      dtrain::launch::parse_nnodes(nnodes_text, launch);
+      return dtrain::launch::launch(launch);
+    }
   } catch (const dtrain::InputError& e) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.message().c_str());
     return kInputErrorExit;

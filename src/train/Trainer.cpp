@@ -58,19 +58,30 @@ class ProgressReport {
 // DTRAIN_SIMULATE_FAILURE="RANK:STEP[:ATTEMPTS]": rank RANK kills itself (SIGKILL) when it
 // reaches STEP, in the first ATTEMPTS attempts of a launch (default all): for testing restarts
 // and failure handling the way a crashed machine would fail.
+// DTRAIN_SIMULATE_FAILURE=RANK:STEP[:ATTEMPTS][:node]: RANK kills itself at STEP (in the first
+// ATTEMPTS attempts); with ":node" it kills its launcher first (a node lost; the rank follows
+// through its parent-death signal). DTRAIN_SIMULATE_SLOW_STEP_MS=N: every rank sleeps N ms after
+// each step (to give tests time to act on a running job).
 struct SimulatedFailure {
+  int slow_ms = 0;
   int rank = -1;
   int64_t step = -1;
   bool armed = false;
+  bool node = false;
 
   static SimulatedFailure from_env(int my_rank) {
     SimulatedFailure f;
+    if (const char* slow = std::getenv("DTRAIN_SIMULATE_SLOW_STEP_MS")) {
+      f.slow_ms = std::max(0, std::atoi(slow));
+    }
     const char* spec = std::getenv("DTRAIN_SIMULATE_FAILURE");
     if (spec == nullptr || *spec == '\0') return f;
     long long rank = -1, step = -1, attempts = -1;
     const int fields = std::sscanf(spec, "%lld:%lld:%lld", &rank, &step, &attempts);
+    const std::string text = spec;
+    f.node = text.size() > 5 && text.compare(text.size() - 5, 5, ":node") == 0;
     DTRAIN_CHECK_INPUT(fields >= 2 && rank >= 0 && step >= 1,
-                       "DTRAIN_SIMULATE_FAILURE='", spec, "' is not RANK:STEP[:ATTEMPTS]");
+                       "DTRAIN_SIMULATE_FAILURE='", spec, "' is not RANK:STEP[:ATTEMPTS][:node]");
     const char* restart = std::getenv("DTRAIN_RESTART_COUNT");
     const long long attempt = restart ? std::atoll(restart) : 0;
     f.rank = static_cast<int>(rank);
@@ -79,10 +90,13 @@ struct SimulatedFailure {
     return f;
   }
   void maybe_fire(int64_t reached) const {
+    if (slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
     if (armed && reached == step) {
-      std::fprintf(stderr, "dtrain: DTRAIN_SIMULATE_FAILURE: rank %d kills itself at step %lld\n",
-                   rank, static_cast<long long>(step));
+      std::fprintf(stderr, "dtrain: DTRAIN_SIMULATE_FAILURE: rank %d kills %s at step %lld\n",
+                   rank, node ? "its launcher and itself" : "itself",
+                   static_cast<long long>(step));
       std::fflush(stderr);
+      if (node) ::kill(::getppid(), SIGKILL);
       ::raise(SIGKILL);
     }
   }
@@ -101,6 +115,10 @@ void validate(const TrainerOptions& o) {
   DTRAIN_CHECK_INPUT(o.batch_size >= 1, "batch size must be >= 1, got ", o.batch_size);
   DTRAIN_CHECK_INPUT(o.accumulation_steps >= 1, "accumulation steps must be >= 1, got ",
                      o.accumulation_steps);
+  DTRAIN_CHECK_INPUT(o.global_batch >= 0, "global batch must be >= 0, got ", o.global_batch);
+  DTRAIN_CHECK_INPUT(o.global_batch == 0 || o.accumulation_steps == 1,
+                     "give the global batch or the accumulation steps, not both (the global "
+                     "batch sets the accumulation steps)");
   DTRAIN_CHECK_INPUT(o.checkpoint_every >= 0, "checkpoint interval must be >= 0, got ",
                      o.checkpoint_every);
   DTRAIN_CHECK_INPUT(o.log_every >= 1, "log interval must be >= 1, got ", o.log_every);
@@ -302,6 +320,15 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                        const data::TensorDataset* validation) {
   const int rank = world_->rank();
   const int dp_size = grid_->dp_size();
+  if (options_.global_batch > 0) {
+    const int64_t per_micro_batch = options_.batch_size * dp_size;
+    DTRAIN_CHECK_INPUT(options_.global_batch % per_micro_batch == 0, "global batch ",
+                       options_.global_batch, " is not a whole number of micro-batches of ",
+                       options_.batch_size, " x ", dp_size, " data-parallel ranks (",
+                       per_micro_batch, ")");
+    options_.accumulation_steps = options_.global_batch / per_micro_batch;
+    options_.global_batch = 0;  // a second fit() derives nothing new from it
+  }
   const int64_t local_step_batch = options_.batch_size * options_.accumulation_steps;
   const int64_t global_batch = local_step_batch * dp_size;
   data::DistributedSampler sampler(train.size(), dp_size, grid_->coordinates().dp,

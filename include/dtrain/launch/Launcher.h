@@ -5,7 +5,11 @@
 // first failure, so a rank or launcher failing on any node stops the ranks on every node within
 // seconds, each launcher naming the failed node, rank and exit code or signal. With
 // --max-restarts K the job is started again (up to K times) after a failure; training resumes
-// from its newest checkpoint.
+// from its newest checkpoint. With --nnodes MIN:MAX the job is elastic: node 0's launcher (the
+// store's host) closes each attempt's rendezvous once MIN nodes have joined and no other came
+// within the last call (or MAX have), numbering the others in the order they joined; a node
+// that leaves costs a restart, one that arrives while the job runs below MAX makes the job
+// restart at the new size (not counted), and training resumes by resharding its checkpoint.
 #pragma once
 
 #include <string>
@@ -15,8 +19,14 @@ namespace dtrain::launch {
 
 struct LaunchOptions {
   int nproc_per_node = 1;
+  /// Nodes (the maximum when min_nodes > 0).
   int nnodes = 1;
-  int node_rank = 0;
+  /// > 0: elastic (--nnodes MIN:MAX): an attempt starts with any number of nodes in
+  /// [min_nodes, nnodes].
+  int min_nodes = 0;
+  /// This node's index; -1 = not given (0 on a single node; elastic nodes other than the host
+  /// are numbered at each rendezvous).
+  int node_rank = -1;
   std::string master_addr = "127.0.0.1";
   /// 0 = pick a free port (single node only).
   int master_port = 0;
@@ -39,7 +49,13 @@ struct LaunchOptions {
   double rendezvous_timeout_seconds = 300;
   /// Seconds without a heartbeat after which another node's launcher counts as failed.
   double heartbeat_timeout_seconds = 10;
+  /// Elastic: seconds the host waits for more nodes once min_nodes have joined.
+  double last_call_seconds = 10;
 };
+
+/// Parses --nnodes: "N" or "MIN:MAX" into options.min_nodes / options.nnodes (InputError
+/// otherwise).
+void parse_nnodes(const std::string& text, LaunchOptions& options);
 
 /// Runs the ranks to completion. Returns 0 when all succeed; otherwise prints which rank failed
 /// (exit code or signal) to stderr and returns that rank's exit code (128 + signal for a signal).

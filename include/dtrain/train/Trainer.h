@@ -27,6 +27,11 @@ struct TrainerOptions {
   int64_t batch_size = 64;
   /// Micro-batches per optimizer step (gradients are synchronized once per step).
   int64_t accumulation_steps = 1;
+  /// > 0: keep this global batch at any world size (DeepSpeed's train_batch_size): the
+  /// micro-batches per step become global_batch / (batch_size x data-parallel ranks), which
+  /// must be whole. Elastic jobs use it so a restart at another world size keeps the step, the
+  /// data order and the learning rate. It replaces accumulation_steps.
+  int64_t global_batch = 0;
   optim::OptimizerSpec optimizer;
   optim::ScheduleSpec schedule;
   /// > 0: the linear scaling rule, lr = optimizer.lr * global batch / reference_batch.
