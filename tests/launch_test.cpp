@@ -345,6 +345,12 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "give --node-rank 0 on the node that hosts the rendezvous"},
       {" launch --nnodes 1:2 -- true", "--master-port is required with several nodes"},
       {" launch --rdzv-last-call -1 -- true", "--rdzv-last-call"},
+      {" launch --nproc-per-node 2", "command is required"},
+      {" ckpt consolidate " + dir.path() + "/none", "neither a checkpoint"},
+      {" ckpt consolidate " + dir.path() + " -o /proc/x.pt", "neither a checkpoint"},
+      {" ckpt inspect " + dir.path(), "neither a checkpoint"},
+      {" ckpt verify", "checkpoint is required"},
+      {" ckpt", "A subcommand is required"},
   };
   for (const auto& [args, needle] : cases) {
     const auto out = run(kDtrain + args);
