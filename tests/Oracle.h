@@ -51,6 +51,15 @@ inline double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<a
   return worst;
 }
 
+/// The optimizer of the equivalence tests: Adam amplifies any difference in the gradients.
+inline optim::OptimizerSpec adam() {
+  optim::OptimizerSpec spec;
+  spec.name = "adam";
+  spec.lr = 0.01;
+  spec.weight_decay = 1e-4;
+  return spec;
+}
+
 /// The bound for float64 equivalence tests.
 constexpr double kTightBound = 1e-10;
 

@@ -1,9 +1,17 @@
 // Pipeline parallelism: schedules (their order, their ideal timeline, deadlock freedom).
 #include <gtest/gtest.h>
 
-#include "dtrain/common/Error.h"
-#include "dtrain/parallel/pipeline/Schedule.h"
+#include <map>
+#include <mutex>
 
+#include "Oracle.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/parallel/pipeline/Partition.h"
+#include "dtrain/parallel/pipeline/Schedule.h"
+#include "parallel/pipeline/PipelineStrategy.h"
+
+using namespace dtrain;
+using namespace dtrain::test;
 using namespace dtrain::parallel::pipeline;
 
 namespace {
@@ -100,4 +108,190 @@ TEST(Schedule, BadSpecsAreNamed) {
             std::string::npos);
   EXPECT_THROW(schedule_kind_named("zigzag"), dtrain::InputError);
   EXPECT_THROW(build_schedule({ScheduleKind::GPipe, 2, 4, 1}, 2), dtrain::InputError);
+}
+
+TEST(Partition, BalancesParametersContiguously) {
+  const auto p = balanced_partition({4, 0, 4, 0, 4, 0, 4, 0}, 2);
+  EXPECT_EQ(p.begin, (std::vector<int>{0, 3, 8}));  // 8 + 8, ties keep the earliest cut
+  EXPECT_EQ(balanced_partition({1, 1, 1, 9}, 2).begin, (std::vector<int>{0, 3, 4}));
+  EXPECT_EQ(balanced_partition({2, 2, 2, 2, 2, 2}, 3).begin, (std::vector<int>{0, 2, 4, 6}));
+  EXPECT_EQ(partition_from_counts("1,3", 4, 2).begin, (std::vector<int>{0, 1, 4}));
+  EXPECT_THROW(balanced_partition({1, 1}, 3), InputError);
+  EXPECT_THROW(partition_from_counts("1,2", 4, 2), InputError);
+  EXPECT_THROW(partition_from_counts("1,x", 4, 2), InputError);
+  EXPECT_THROW(partition_from_counts("1,3", 4, 3), InputError);
+}
+
+namespace {
+
+models::ModelSpec deep_mlp() {
+  models::ModelSpec spec;
+  spec.name = "mlp";
+  spec.input_shape = {1, 5, 5};
+  spec.classes = 3;
+  spec.hidden = {12, 10, 8};
+  return spec;
+}
+
+struct PipelineRun {
+  int pp = 2;
+  int dp = 1;
+  int micro = 4;
+  std::string schedule = "1f1b";
+  double clip = 0;
+  int dropped_rank = -1;  // its loss is multiplied by zero
+};
+
+// Trains f on pp x dp rank threads and returns every parameter by name (from DP replica 0).
+std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
+                                                 const PipelineRun& run) {
+  const int world = run.pp * run.dp;
+  std::vector<Model> replicas;
+  for (int r = 0; r < world; ++r) {
+    replicas.push_back(make_model_as(f.spec, f.dtype));
+    restore(replicas.back(), f.initial);
+  }
+  std::map<std::string, at::Tensor> result;
+  std::mutex mutex;
+  run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
+    auto grid = std::make_shared<comm::ProcessGrid>(comm, 1, run.pp);
+    parallel::StrategyOptions options;
+    options.pipeline_schedule = run.schedule;
+    options.max_grad_norm = run.clip;
+    PipelineStrategy strategy(options);
+    strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
+    const int dp_rank = grid->coordinates().dp;
+    auto order =
+        data::DistributedSampler(f.dataset.size(), run.dp, dp_rank, {true, 5, true}).indices();
+    const int64_t local = f.global_batch / run.dp;
+    const int64_t each = local / run.micro;
+    parallel::LossFn loss = parallel::cross_entropy;
+    if (comm->rank() == run.dropped_rank) loss = drop_rank_gradient(run.dropped_rank, comm);
+    for (int step = 0; step < steps; ++step) {
+      std::vector<data::Batch> micro_batches;
+      for (int m = 0; m < run.micro; ++m) {
+        const int64_t begin = step * local + m * each;
+        micro_batches.push_back(f.dataset.get(
+            std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each)));
+      }
+      strategy.train_step(micro_batches, loss);
+    }
+    if (dp_rank != 0) return;
+    std::lock_guard<std::mutex> lock(mutex);
+    for (size_t i = 0; i < strategy.local_parameters().size(); ++i) {
+      result[strategy.local_parameter_names()[i]] =
+          strategy.local_parameters()[i].detach().clone();
+    }
+  }, std::chrono::seconds(60));
+  return result;
+}
+
+double max_difference(const Fixture& f, const std::vector<at::Tensor>& expected,
+                      const std::map<std::string, at::Tensor>& got) {
+  const auto names = parameters_of(make_model_as(f.spec, f.dtype)).second;
+  EXPECT_EQ(got.size(), names.size()) << "a parameter was not trained by any stage";
+  double worst = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto it = got.find(names[i]);
+    if (it == got.end()) return INFINITY;
+    worst = std::max(worst, (expected[i] - it->second).abs().max().item<double>());
+  }
+  return worst;
+}
+
+}  // namespace
+
+// The oracle, in float64: P = 2 and 4 stages, M = 1, 4, 8 micro-batches, both schedules, with
+// and without data parallelism (2 x 2), with global-norm clipping; and a lost gradient shows.
+TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
+  at::set_num_threads(1);
+  const int steps = 4;
+  auto f = make_fixture(deep_mlp(), adam(), steps);
+  const auto expected = train_single(f, steps);
+  ASSERT_GT(max_abs_diff(expected, f.initial), 1e-3) << "training did not move the weights";
+  for (const std::string schedule : {"gpipe", "1f1b"}) {
+    for (int pp : {2, 4}) {
+      for (int micro : {1, 4, 8}) {
+        if (schedule == "1f1b" && micro < pp) continue;
+        SCOPED_TRACE(concat(schedule, " P=", pp, " M=", micro));
+        PipelineRun run;
+        run.pp = pp;
+        run.micro = micro;
+        run.schedule = schedule;
+        EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+      }
+    }
+    SCOPED_TRACE(concat(schedule, " 2 x 2"));
+    PipelineRun run{2, 2, 4, schedule};
+    EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  }
+}
+
+// Global-norm clipping across stages and replicas, activation checkpointing inside stages; the
+// oracle notices one rank's loss (hence its micro-batches' gradients) left out.
+TEST(Pipeline, ClipsByTheGlobalNormChecksActivationsAndNoticesALostGradient) {
+  at::set_num_threads(1);
+  const int steps = 3;
+  optim::OptimizerSpec sgd;
+  sgd.name = "sgd";
+  sgd.lr = 0.5;
+  auto f = make_fixture(deep_mlp(), sgd, steps);
+  // Single-process training with the same clipping.
+  Model single = make_model_as(f.spec, f.dtype);
+  restore(single, f.initial);
+  auto optimizer = optim::make_optimizer(single.module->parameters(), f.optimizer);
+  auto order = data::DistributedSampler(f.dataset.size(), 1, 0, {true, 5, true}).indices();
+  double clipped_below = 0;
+  for (int step = 0; step < steps; ++step) {
+    auto batch = f.dataset.get(std::vector<int64_t>(order.begin() + step * f.global_batch,
+                                                    order.begin() + (step + 1) * f.global_batch));
+    optimizer->zero_grad();
+    parallel::cross_entropy(single(batch.inputs), batch.targets).backward();
+    clipped_below = torch::nn::utils::clip_grad_norm_(single.module->parameters(), 0.05);
+    optimizer->step();
+  }
+  ASSERT_GT(clipped_below, 0.05) << "the bound does not clip";
+  const auto expected = snapshot(single);
+  PipelineRun run{2, 2, 4, "1f1b", 0.05};
+  EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+
+  auto checkpointed = f;
+  checkpointed.spec.checkpointing = "2";
+  run.clip = 0;
+  const auto plain = train_single(f, steps);
+  EXPECT_LE(max_difference(checkpointed, plain, train_pipeline(checkpointed, steps, run)),
+            kTightBound);
+
+  run.dropped_rank = 3;  // the last stage of replica 1
+  EXPECT_GT(max_difference(f, plain, train_pipeline(f, steps, run)), 1e6 * kTightBound);
+}
+
+TEST(Pipeline, BadLayoutsAreNamedBeforeAnyWork) {
+  auto message = [](const std::function<void()>& body) {
+    try {
+      body();
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
+    auto grid = std::make_shared<comm::ProcessGrid>(comm, 1, 2);
+    Model one_stage = sequential_model(torch::nn::Sequential(torch::nn::Linear(25, 3)));
+    PipelineStrategy strategy({});
+    EXPECT_NE(message([&] {
+                strategy.setup(one_stage, optim::optimizer_factory(adam()), grid);
+              }).find("the model has 1 stage, fewer than the 2 pipeline ranks"),
+              std::string::npos);
+    Model opaque(models::make_model(deep_mlp()).module, [](const at::Tensor& x) { return x; });
+    EXPECT_NE(message([&] {
+                PipelineStrategy(parallel::StrategyOptions{}).setup(
+                    opaque, optim::optimizer_factory(adam()), grid);
+              }).find("needs a model described as stages"),
+              std::string::npos);
+    parallel::StrategyOptions options;
+    options.pipeline_schedule = "zigzag";
+    EXPECT_NE(message([&] { PipelineStrategy{options}; }).find("unknown pipeline schedule"),
+              std::string::npos);
+  });
 }

@@ -39,14 +39,6 @@ parallel::StrategyPtr make_zero(int stage, const parallel::StrategyOptions& opti
   return std::make_unique<parallel::ZeroStrategy>(options, stage);
 }
 
-optim::OptimizerSpec adam() {
-  optim::OptimizerSpec spec;
-  spec.name = "adam";
-  spec.lr = 0.01;
-  spec.weight_decay = 1e-4;
-  return spec;
-}
-
 }  // namespace
 
 class ZeroEquivalence : public ::testing::TestWithParam<std::tuple<int, int>> {};

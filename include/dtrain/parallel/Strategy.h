@@ -68,6 +68,11 @@ struct StrategyOptions {
   int64_t zero3_min_unit_params = 0;
   /// ZeRO-3: gather the next unit's parameters while the current one computes.
   bool zero3_prefetch = true;
+  /// Pipeline (over the grid's PP group): "gpipe" or "1f1b"; the step's micro-batches are the
+  /// pipeline's micro-batches.
+  std::string pipeline_schedule = "1f1b";
+  /// Pipeline: stages placed by "params" (parameter count) or "S1,S2,..." (stages per rank).
+  std::string pipeline_balance = "params";
 };
 
 class Strategy {
