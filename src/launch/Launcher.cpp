@@ -180,7 +180,6 @@ struct Outcome {
   std::string description;  // "node 1 rank 1 (pid 4242) exited with code 3"
   bool interrupted = false; // the user stopped the job: no restart
   bool resize = false;      // elastic: a node is waiting to join; restart at the new size
-  bool final = false;       // the rendezvous itself failed: no restart
 };
 
 // Keys of the launchers' protocol in the store (the ranks' keys carry "attempt-N/").
