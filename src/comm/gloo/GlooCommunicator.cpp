@@ -49,7 +49,17 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_group(
   options->devices.push_back(device);
   options->threads = threads;
   try {
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+    // Gloo's connect returns on one side of a pair before the other side has finished its
+    // handshake; a member that then drops the group at once (a test body ending, a group
+    // used for nothing) closes the socket under the peer, which fails with "connection
+    // closed by peer". Nobody leaves until every member is connected.
+    if (size > 1) {
+      c10d::BarrierOptions barrier;
+      barrier.timeout = timeout;
+      group->barrier(barrier)->wait(timeout);
+    }
+    return group;
   } catch (const std::exception& e) {
     DTRAIN_THROW(CommError, "connecting ", what, " (rank ", rank, " of ", size,
                  ") failed: ", first_line(e.what()));
