@@ -113,6 +113,25 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   }
   add(app, "--strategy", t.strategy, "Parallel strategy: " + strategies)
       ->capture_default_str();
+  add(app, "--pipeline-parallel", t.pipeline_parallel,
+      "Pipeline stages: the model's stages are split over this many ranks (the rest of the "
+      "world makes each stage data-parallel with --strategy ddp or zero1)")
+      ->capture_default_str();
+  add(app, "--micro-batches", job.micro_batches,
+      "Micro-batches per optimizer step (the pipeline's M; sets --accumulation)");
+  add(app, "--schedule", t.strategy_options.pipeline_schedule,
+      "Pipeline schedule: gpipe, 1f1b, interleaved")
+      ->capture_default_str();
+  add(app, "--virtual-stages", t.strategy_options.pipeline_virtual_stages,
+      "Interleaved schedule: model chunks per pipeline rank")
+      ->capture_default_str();
+  add(app, "--pipeline-balance", t.strategy_options.pipeline_balance,
+      "Place pipeline stages by params (parameter count), time (measured forward + backward) "
+      "or S1,S2,... (model stages per pipeline stage)")
+      ->capture_default_str();
+  add(app, "--trace", t.trace_file,
+      "Write a Chrome/Perfetto trace of every rank (forward, backward, recv, sync, optimizer "
+      "spans) to this file; scripts/plot-timeline draws it");
   add(app, "--nproc", job.nproc, "Local ranks to launch")->capture_default_str();
   add(app, "--threads", job.threads, "Threads per rank (default: cores / ranks)");
   add(app, "--interface", job.interface,
@@ -217,7 +236,11 @@ int run_train(const dtrain::train::JobConfig& job, const std::vector<std::string
     std::printf("trained %lld steps (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s\n",
                 static_cast<long long>(fit.steps), static_cast<long long>(fit.global_batch),
                 result.world_size, result.world_size == 1 ? "" : "s",
-                job.trainer.strategy.c_str(), fit.seconds, fit.samples_per_second);
+                job.trainer.pipeline_parallel > 1
+                    ? dtrain::concat(job.trainer.pipeline_parallel, "-stage pipeline x ",
+                                     job.trainer.strategy).c_str()
+                    : job.trainer.strategy.c_str(),
+                fit.seconds, fit.samples_per_second);
     if (fit.validation) {
       std::printf("test accuracy: %.2f%% (%lld examples), test loss %.4f\n",
                   fit.validation->accuracy * 100, static_cast<long long>(fit.validation->examples),

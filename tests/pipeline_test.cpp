@@ -140,6 +140,12 @@ struct PipelineRun {
   std::string schedule = "1f1b";
   double clip = 0;
   int dropped_rank = -1;  // its loss is multiplied by zero
+  int chunks = 1;         // virtual stages per rank (interleaved)
+  std::string data_parallel = "ddp";
+  std::string precision = "fp32";
+  std::string loss_scaling = "auto";
+  double loss_scale_init = 65536;
+  std::vector<std::map<std::string, double>>* metrics = nullptr;  // each rank's last step's
 };
 
 // Trains f on pp x dp rank threads and returns every parameter by name (from DP replica 0).
@@ -158,6 +164,11 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
     parallel::StrategyOptions options;
     options.pipeline_schedule = run.schedule;
     options.max_grad_norm = run.clip;
+    options.pipeline_virtual_stages = run.chunks;
+    options.pipeline_data_parallel = run.data_parallel;
+    options.precision = run.precision;
+    options.loss_scaling = run.loss_scaling;
+    options.loss_scale_init = run.loss_scale_init;
     PipelineStrategy strategy(options);
     strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
     const int dp_rank = grid->coordinates().dp;
@@ -174,7 +185,11 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
         micro_batches.push_back(f.dataset.get(
             std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each)));
       }
-      strategy.train_step(micro_batches, loss);
+      const auto step_result = strategy.train_step(micro_batches, loss);
+      if (run.metrics) {
+        std::lock_guard<std::mutex> lock(mutex);
+        (*run.metrics)[comm->rank()] = step_result.metrics;
+      }
     }
     if (dp_rank != 0) return;
     std::lock_guard<std::mutex> lock(mutex);
@@ -224,6 +239,58 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
     SCOPED_TRACE(concat(schedule, " 2 x 2"));
     PipelineRun run{2, 2, 4, schedule};
     EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  }
+  // Interleaved: 2 chunks per rank (4 virtual stages, the last rank handing back to the first).
+  for (int micro : {2, 4, 8}) {
+    SCOPED_TRACE(concat("interleaved P=2 V=2 M=", micro));
+    PipelineRun run;
+    run.micro = micro;
+    run.schedule = "interleaved";
+    run.chunks = 2;
+    EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  }
+  // zero1 over each stage's DP group: optimizer state sharded, same weights.
+  for (const std::string schedule : {"1f1b", "interleaved"}) {
+    SCOPED_TRACE(concat(schedule, " 2 x 2 zero1"));
+    PipelineRun run{2, 2, 4, schedule};
+    run.chunks = schedule == "interleaved" ? 2 : 1;
+    run.data_parallel = "zero1";
+    EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  }
+}
+
+// bf16-mixed: activations cross stages as bf16 and the pipeline computes what single-process
+// mixed-precision training does (float32 weights; a looser bound). A loss scale so large that
+// gradients overflow is skipped by every stage and replica alike.
+TEST(Pipeline, Bf16MixedMatchesSingleProcessAndLossScalingSkipsTogether) {
+  at::set_num_threads(1);
+  const int steps = 3;
+  auto f = make_fixture(deep_mlp(), adam(), steps, 32, at::kFloat);
+  parallel::StrategyOptions mixed;
+  mixed.precision = "bf16-mixed";
+  // The same micro-batches as the 2 x 2 pipeline's (bf16 rounds each micro-batch's gradient).
+  const auto expected = train_distributed(
+      f, 2, steps, [&] { return parallel::make_strategy("ddp", mixed); }, 4);
+  const auto fp32 = train_single(f, steps);
+  PipelineRun run{2, 2, 4, "1f1b"};
+  run.precision = "bf16-mixed";
+  const double difference = max_difference(f, expected, train_pipeline(f, steps, run));
+  EXPECT_LE(difference, 1e-5);
+  // The bound separates: fp32 training is much further from bf16-mixed than that.
+  EXPECT_GT(max_abs_diff(expected, fp32), 100 * std::max(difference, 1e-7));
+
+  // A scale that overflows float32 (the scaled loss is inf): every rank skips the step, no
+  // stage's weights move, and all halve their scale.
+  std::vector<std::map<std::string, double>> metrics(4);
+  PipelineRun overflow{2, 2, 4, "gpipe"};
+  overflow.precision = "bf16-mixed";
+  overflow.loss_scaling = "dynamic";
+  overflow.loss_scale_init = 1e39;
+  overflow.metrics = &metrics;
+  EXPECT_EQ(max_difference(f, f.initial, train_pipeline(f, 1, overflow)), 0.0);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(metrics[r]["step_skipped"], 1.0) << "rank " << r;
+    EXPECT_EQ(metrics[r]["loss_scale"], 5e38) << "rank " << r;
   }
 }
 
@@ -281,7 +348,7 @@ TEST(Pipeline, BadLayoutsAreNamedBeforeAnyWork) {
     PipelineStrategy strategy({});
     EXPECT_NE(message([&] {
                 strategy.setup(one_stage, optim::optimizer_factory(adam()), grid);
-              }).find("the model has 1 stage, fewer than the 2 pipeline ranks"),
+              }).find("the model has 1 stage, fewer than the 2 pipeline stages"),
               std::string::npos);
     Model opaque(models::make_model(deep_mlp()).module, [](const at::Tensor& x) { return x; });
     EXPECT_NE(message([&] {

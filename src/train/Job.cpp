@@ -8,6 +8,8 @@
 #include "dtrain/launch/Environment.h"
 #include "dtrain/memory/Checkpoint.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/pipeline/Partition.h"
+#include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/train/Checkpoint.h"
 
 namespace dtrain::train {
@@ -22,6 +24,64 @@ std::string joined(const std::vector<std::string>& names) {
   std::string out;
   for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
   return out;
+}
+
+models::ModelSpec model_spec(const JobConfig& job, std::vector<int64_t> input_shape) {
+  models::ModelSpec spec;
+  spec.name = job.model;
+  spec.hidden = job.hidden;
+  spec.checkpointing = job.checkpointing;
+  spec.input_shape = std::move(input_shape);
+  spec.classes = 10;
+  return spec;
+}
+
+// Pipeline layouts that cannot work, named before any rank starts: P that does not divide the
+// local ranks, a schedule the micro-batches cannot fill, more stages than the model has.
+void validate_pipeline(const JobConfig& job, const TrainerOptions& trainer) {
+  const int pp = trainer.pipeline_parallel;
+  DTRAIN_CHECK_INPUT(pp >= 1, "--pipeline-parallel must be >= 1, got ", pp);
+  const bool pipelined = pp > 1 || trainer.strategy == "pipeline";
+  if (!pipelined) {
+    parallel::make_strategy(trainer.strategy, trainer.strategy_options);  // its own checks
+    auto options = trainer.strategy_options;
+    options.pipeline_data_parallel = "ddp";
+    parallel::make_strategy("pipeline", options);  // the pipeline flags, even when unused
+    return;
+  }
+  DTRAIN_CHECK_INPUT(trainer.strategy == "ddp" || trainer.strategy == "zero1" ||
+                         trainer.strategy == "pipeline",
+                     "--pipeline-parallel combines with --strategy ddp or zero1 (the data "
+                     "parallelism of each stage), not ", trainer.strategy,
+                     " (zero2 and zero3 shard the gradients and parameters the micro-batches "
+                     "accumulate)");
+  DTRAIN_CHECK_INPUT(job.nproc % pp == 0, "--pipeline-parallel ", pp, " does not divide the ",
+                     job.nproc, " ranks of --nproc (ranks = pipeline stages x data-parallel "
+                     "replicas)");
+  auto options = trainer.strategy_options;
+  if (trainer.strategy != "pipeline") options.pipeline_data_parallel = trainer.strategy;
+  parallel::make_strategy("pipeline", options);  // schedule, balance, precision
+  int64_t micro_batches = trainer.accumulation_steps;
+  if (trainer.global_batch > 0) {
+    const int64_t replicas = std::max(1, job.nproc / pp);
+    micro_batches = trainer.global_batch / (trainer.batch_size * replicas);
+  }
+  const auto kind = parallel::pipeline::schedule_kind_named(options.pipeline_schedule);
+  parallel::pipeline::validate({kind, pp, static_cast<int>(std::max<int64_t>(micro_batches, 1)),
+                                options.pipeline_virtual_stages});
+  const Model model = models::make_model(model_spec(job, {1, 28, 28}));
+  const int stages = static_cast<int>(model.stages.size());
+  const int virtual_stages = pp * options.pipeline_virtual_stages;
+  DTRAIN_CHECK_INPUT(stages >= virtual_stages, "--pipeline-parallel ", pp,
+                     options.pipeline_virtual_stages > 1
+                         ? concat(" x --virtual-stages ", options.pipeline_virtual_stages)
+                         : std::string(),
+                     " needs ", virtual_stages, " model stages, but --model ", job.model,
+                     " has ", stages, " (an MLP has one per hidden layer plus the output)");
+  const std::string& balance = options.pipeline_balance;
+  if (balance != "params" && balance != "time") {
+    parallel::pipeline::partition_from_counts(balance, stages, virtual_stages);
+  }
 }
 
 }  // namespace
@@ -55,16 +115,31 @@ void validate_job(const JobConfig& job) {
   DTRAIN_CHECK_INPUT(job.trainer.strategy_options.zero3_min_unit_params >= 0,
                      "--zero3-min-unit-params must be >= 0, got ",
                      job.trainer.strategy_options.zero3_min_unit_params);
-  validate(job.trainer);
+  const TrainerOptions trainer = trainer_options(job);
+  validate(trainer);
   memory::parse_segments(job.checkpointing, 1);
+  validate_pipeline(job, trainer);
   // Build throwaway objects to validate their options with their own messages.
   optim::LrSchedule(job.trainer.optimizer.lr, 1, job.trainer.schedule);
   optim::make_optimizer({torch::zeros({1}, torch::requires_grad())}, job.trainer.optimizer);
-  parallel::make_strategy(job.trainer.strategy, job.trainer.strategy_options);
   if (job.dataset == "fashion-mnist") {
     data::load_fashion_mnist(job.data_dir, data::Split::Test);  // checks the files
   }
   if (!job.trainer.checkpoint_dir.empty()) ensure_writable(job.trainer.checkpoint_dir);
+}
+
+TrainerOptions trainer_options(const JobConfig& job) {
+  TrainerOptions options = job.trainer;
+  DTRAIN_CHECK_INPUT(job.micro_batches >= 0, "--micro-batches must be >= 1, got ",
+                     job.micro_batches);
+  if (job.micro_batches > 0) {
+    DTRAIN_CHECK_INPUT(options.accumulation_steps == 1 && options.global_batch == 0,
+                       "give --micro-batches, --accumulation or --global-batch, not two of them "
+                       "(each sets the micro-batches per step)");
+    options.accumulation_steps = job.micro_batches;
+  }
+  options.strategy_options.bucket_cap_bytes = static_cast<int64_t>(job.bucket_cap_mb * 1024 * 1024);
+  return options;
 }
 
 JobResult run_job(const JobConfig& job) {
@@ -88,18 +163,10 @@ JobResult run_job(const JobConfig& job) {
     test_set = data::make_synthetic(std::max<int64_t>(job.synthetic_examples / 8, 1), shape, 10,
                                     job.trainer.seed + 1);
   }
-  TrainerOptions options = job.trainer;
-  options.strategy_options.bucket_cap_bytes =
-      static_cast<int64_t>(job.bucket_cap_mb * 1024 * 1024);
-  Trainer trainer(options, world);
-  models::ModelSpec spec;
-  spec.name = job.model;
-  spec.hidden = job.hidden;
-  spec.checkpointing = job.checkpointing;
-  spec.input_shape = train_set.input_shape();
-  spec.classes = 10;
+  Trainer trainer(trainer_options(job), world);
   JobResult result;
-  result.fit = trainer.fit(models::make_model(spec), train_set, &test_set);
+  result.fit = trainer.fit(models::make_model(model_spec(job, train_set.input_shape())), train_set,
+                           &test_set);
   result.rank = trainer.grid()->world()->rank();
   result.world_size = trainer.grid()->world()->size();
   return result;

@@ -11,10 +11,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
+#include "dtrain/common/Trace.h"
+#include "common/Files.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Metrics.h"
@@ -140,6 +143,13 @@ Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
     world_ = comm::init(single);
   }
   torch::manual_seed(options_.seed);
+  if (options_.pipeline_parallel > 1 || options_.strategy == "pipeline") {
+    // The pipeline wraps the data-parallel strategy the user chose for its stages.
+    if (options_.strategy != "pipeline") {
+      options_.strategy_options.pipeline_data_parallel = options_.strategy;
+    }
+    options_.strategy = "pipeline";
+  }
   grid_ = std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
                                               options_.pipeline_parallel);
   strategy_ = parallel::make_strategy(options_.strategy, options_.strategy_options);
@@ -283,22 +293,25 @@ int64_t Trainer::restore_checkpoint(int64_t global_batch) {
 }
 
 EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
+  trace::Span span("evaluate", "evaluate");
   auto& model = strategy_->model();
   model.module->eval();
   torch::NoGradGuard no_grad;
-  const int rank = world_->rank();
-  const int world = world_->size();
+  // Each data-parallel replica evaluates a share; within a replica every rank sees the same
+  // examples, and the ranks holding the output (a pipeline's last stage) count them.
+  const int replica = grid_->coordinates().dp;
+  const int replicas = grid_->dp_size();
+  const bool counts = grid_->coordinates().tp == 0;
   double sums[3] = {0, 0, 0};  // loss * n, correct, n
-  for (int64_t begin = 0; begin < dataset.size(); begin += options_.eval_batch_size * world) {
-    const int64_t mine = begin + rank * options_.eval_batch_size;
+  for (int64_t begin = 0; begin < dataset.size();
+       begin += options_.eval_batch_size * replicas) {
+    const int64_t mine = begin + replica * options_.eval_batch_size;
     const int64_t end = std::min(mine + options_.eval_batch_size, dataset.size());
-    if (mine >= end) {
-      // A forward can be collective (ZeRO-3 gathers parameters): every rank runs as many.
-      model(dataset.slice(0, 1).inputs);
-      continue;
-    }
-    auto batch = dataset.slice(mine, end);
-    at::Tensor output = model(batch.inputs);
+    // A forward can be collective (ZeRO-3 gathers parameters, a pipeline passes activations):
+    // every rank runs as many, a replica without examples left on one example.
+    auto batch = mine < end ? dataset.slice(mine, end) : dataset.slice(0, 1);
+    at::Tensor output = strategy_->evaluate_forward(batch.inputs);
+    if (mine >= end || !output.defined() || !counts) continue;
     const auto n = static_cast<double>(end - mine);
     sums[0] += options_.loss(output, batch.targets).item<double>() * n;
     sums[1] += output.argmax(1).eq(batch.targets).sum().item<double>();
@@ -314,6 +327,32 @@ EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
   }
   model.module->train();
   return result;
+}
+
+void Trainer::write_trace() {
+  // Every rank's spans to every rank (the ranks may be on other hosts), rank 0 writes the file.
+  const std::string mine = trace::to_json_events(trace::events(), world_->rank());
+  if (trace::dropped() > 0) {
+    std::fprintf(stderr, "dtrain: rank %d: the trace kept its first %zu spans and dropped %lld\n",
+                 world_->rank(), trace::events().size(), static_cast<long long>(trace::dropped()));
+  }
+  trace::stop();
+  at::Tensor length = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
+  at::Tensor lengths = at::empty({world_->size()}, at::kLong);
+  world_->allgather(lengths, length)->wait();
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor padded = at::zeros({longest}, at::kByte);
+  std::memcpy(padded.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({longest * world_->size()}, at::kByte);
+  world_->allgather(all, padded)->wait();
+  if (world_->rank() != 0) return;
+  std::vector<std::string> fragments;
+  for (int r = 0; r < world_->size(); ++r) {
+    const char* base = reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest;
+    fragments.emplace_back(base, static_cast<size_t>(lengths[r].item<int64_t>()));
+  }
+  const std::string text = trace::trace_file(fragments);
+  write_file_atomically(options_.trace_file, text.data(), text.size());
 }
 
 FitResult Trainer::fit(Model model, const data::TensorDataset& train,
@@ -346,7 +385,14 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     spec.lr = optim::linear_scaled_lr(spec.lr, global_batch, options_.reference_batch);
   }
   const optim::LrSchedule schedule(spec.lr, total_steps, options_.schedule);
+  if (!options_.trace_file.empty()) trace::start();
+  strategy_->prepare(train.slice(0, std::min<int64_t>(options_.batch_size, train.size())));
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
+  const parallel::DataNeeds needs = strategy_->data_needs();
+  if (rank == 0 && options_.progress) {
+    const std::string layout = strategy_->layout();
+    if (!layout.empty()) std::printf("%s\n", layout.c_str());
+  }
   torch::manual_seed(options_.seed + 1000003ULL * static_cast<uint64_t>(rank + 1));
 
   FitResult result;
@@ -387,9 +433,17 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     std::vector<data::Batch> micro_batches;
     for (int64_t m = 0; m < options_.accumulation_steps; ++m) {
       const int64_t begin = in_epoch * local_step_batch + m * options_.batch_size;
-      micro_batches.push_back(train.get(std::vector<int64_t>(
-          order.begin() + begin, order.begin() + begin + options_.batch_size)));
+      const std::vector<int64_t> indices(order.begin() + begin,
+                                         order.begin() + begin + options_.batch_size);
+      if (needs.inputs) {
+        micro_batches.push_back(train.get(indices));
+      } else if (needs.targets) {
+        micro_batches.push_back({at::Tensor(), train.targets().index_select(0, at::tensor(indices))});
+      } else {
+        micro_batches.emplace_back();
+      }
     }
+    trace::Span step_span("step", concat("step ", step + 1));
     const auto step_start = Clock::now();
     parallel::StepResult step_result = strategy_->train_step(micro_batches, options_.loss);
     // The loss every rank reports is the mean over ranks; the sum is non-finite when any
@@ -462,11 +516,13 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     const bool periodic = options_.checkpoint_every > 0 && (step + 1) % options_.checkpoint_every == 0;
     if (!options_.checkpoint_dir.empty() && (periodic || epoch_end || halting) &&
         nonfinite_steps == 0) {
+      trace::Span checkpoint_span("checkpoint", concat("checkpoint ", step + 1));
       save_checkpoint(step + 1, epoch, global_batch);
     }
     simulated_failure.maybe_fire(step + 1);
   }
   result.seconds = seconds_since(start);
+  if (!options_.trace_file.empty()) write_trace();
   result.samples_per_second = samples / std::max(train_seconds, 1e-9);
   if (leader) {
     MetricRecord summary{{"event", std::string("summary")},

@@ -68,11 +68,26 @@ struct StrategyOptions {
   int64_t zero3_min_unit_params = 0;
   /// ZeRO-3: gather the next unit's parameters while the current one computes.
   bool zero3_prefetch = true;
-  /// Pipeline (over the grid's PP group): "gpipe" or "1f1b"; the step's micro-batches are the
-  /// pipeline's micro-batches.
+  /// Pipeline (over the grid's PP group): "gpipe", "1f1b" or "interleaved"; the step's
+  /// micro-batches are the pipeline's micro-batches.
   std::string pipeline_schedule = "1f1b";
-  /// Pipeline: stages placed by "params" (parameter count) or "S1,S2,..." (stages per rank).
+  /// Pipeline: model chunks per rank (interleaved only): the model is cut into chunks x P
+  /// virtual stages, rank r running virtual stages r, r + P, ...
+  int pipeline_virtual_stages = 1;
+  /// Pipeline: stages placed by "params" (parameter count), "time" (forward + backward time of
+  /// each stage measured on the example batch, see Strategy::prepare) or "S1,S2,..." (stages per
+  /// virtual stage).
   std::string pipeline_balance = "params";
+  /// Pipeline: how each stage's replicas share their work over the DP group: "ddp" (averaged
+  /// gradients) or "zero1" (and each replica keeps the optimizer state of its shard only).
+  std::string pipeline_data_parallel = "ddp";
+};
+
+/// What of each micro-batch a rank reads (a pipeline's middle stages read neither; the first
+/// reads inputs, the last targets).
+struct DataNeeds {
+  bool inputs = true;
+  bool targets = true;
 };
 
 class Strategy {
@@ -102,6 +117,22 @@ class Strategy {
 
   /// Bytes of parameters, gradients and optimizer state this rank holds.
   virtual MemoryReport memory_report() const = 0;
+
+  /// Before setup(): one micro-batch of the training data, for strategies that measure the model
+  /// (the pipeline's balance by time).
+  virtual void prepare(const data::Batch& example) { (void)example; }
+
+  /// What this rank reads of each micro-batch; the Trainer leaves out the rest (after setup()).
+  virtual DataNeeds data_needs() const { return {}; }
+
+  /// Collective over the ranks that share `inputs` (every rank of a data-parallel replica gets
+  /// the same). The model's output for evaluation (no gradients), on the ranks that hold it; an
+  /// undefined tensor on the others (pipeline stages before the last).
+  virtual at::Tensor evaluate_forward(const at::Tensor& inputs) { return model()(inputs); }
+
+  /// A line describing how the model was laid out over the ranks ("" when there is nothing to
+  /// say), printed by the Trainer after setup().
+  virtual std::string layout() const { return ""; }
 
   /// Collective. Makes model()'s parameters hold their full values until the next forward or
   /// step (ZeRO-3 gathers them; other strategies hold them always): for reading or exporting.

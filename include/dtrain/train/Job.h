@@ -24,6 +24,8 @@ struct JobConfig {
   std::string data_dir;
   int64_t synthetic_examples = 8192;
   TrainerOptions trainer;
+  /// > 0: micro-batches per step (the pipeline's M); sets trainer.accumulation_steps.
+  int64_t micro_batches = 0;
   /// Gradient bucket size (sets trainer.strategy_options.bucket_cap_bytes in run_job).
   double bucket_cap_mb = 25;
   /// Local ranks to launch (1 = run in this process).
@@ -49,6 +51,9 @@ struct JobResult {
   int rank = 0;
   int world_size = 1;
 };
+
+/// The Trainer's options for `job` (micro_batches folded into the accumulation steps).
+TrainerOptions trainer_options(const JobConfig& job);
 
 /// Runs the job in this process as the rank the environment describes (see Environment.h).
 JobResult run_job(const JobConfig& job);

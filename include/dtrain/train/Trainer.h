@@ -60,7 +60,11 @@ struct TrainerOptions {
   /// checkpoint is written while the latest step was non-finite.
   int64_t max_nonfinite_steps = 3;
   int tensor_parallel = 1;
+  /// > 1: pipeline parallelism over this many ranks (the "pipeline" strategy, its stages made
+  /// data-parallel by `strategy`: ddp or zero1); the accumulation steps are its micro-batches.
   int pipeline_parallel = 1;
+  /// Chrome / Perfetto trace of every rank's spans, written at the end of fit() ("" = none).
+  std::string trace_file;
   parallel::LossFn loss = parallel::cross_entropy;
 };
 
@@ -111,6 +115,8 @@ class Trainer {
   /// aside, and InputError when checkpoints exist but none verifies.
   std::string choose_checkpoint();
   std::vector<struct TensorInfo> model_tensors() const;
+  /// Collective. Gathers every rank's trace spans; rank 0 writes options.trace_file.
+  void write_trace();
 
   TrainerOptions options_;
   comm::CommunicatorPtr world_;

@@ -4,40 +4,22 @@
 
 #include <torch/torch.h>
 
-#include <fstream>
 #include <iostream>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Trace.h"
 #include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/StateShards.h"
+#include "parallel/StrategySupport.h"
 
 namespace dtrain::parallel {
 
-namespace {
-
-at::ScalarType wire_dtype_of(const std::string& compression) {
-  if (compression == "none") return at::ScalarType::Undefined;
-  if (compression == "fp16") return at::kHalf;
-  if (compression == "bf16") return at::kBFloat16;
-  DTRAIN_THROW(InputError, "unknown gradient compression '", compression,
-               "' (expected none, fp16 or bf16)");
-}
-
-}  // namespace
 
 DdpStrategy::DdpStrategy(StrategyOptions options) : options_(std::move(options)) {
-  wire_dtype_of(options_.grad_compression);  // validate early
+  reducer_options_from(options_);  // validate early
   precision_ = precision::parse_precision(options_.precision);
   precision::check_supported(precision_);
-  const std::string& scaling = options_.loss_scaling;
-  DTRAIN_CHECK_INPUT(scaling == "auto" || scaling == "dynamic" || scaling == "none",
-                     "unknown loss scaling '", scaling, "' (expected auto, dynamic or none)");
-  if (scaling == "dynamic" || (scaling == "auto" && precision_ == precision::Precision::Fp16Mixed)) {
-    precision::LossScalerOptions scaler_options;
-    scaler_options.init_scale = options_.loss_scale_init;
-    scaler_options.growth_interval = options_.loss_scale_growth_interval;
-    scaler_ = std::make_unique<precision::LossScaler>(scaler_options);
-  }
+  scaler_ = make_loss_scaler(options_, precision_);
 }
 
 void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
@@ -64,11 +46,7 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
 }
 
 void DdpStrategy::build_gradient_sync(const std::vector<std::string>& names) {
-  ReducerOptions reducer_options;
-  reducer_options.bucket_cap_bytes = options_.bucket_cap_bytes;
-  reducer_options.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
-  reducer_options.wire_dtype = wire_dtype_of(options_.grad_compression);
-  reducer_options.error_on_unused_parameters = options_.error_on_unused_parameters;
+  ReducerOptions reducer_options = reducer_options_from(options_);
   configure_reducer(reducer_options);
   reducer_ = std::make_unique<Reducer>(parameters_, names, comm_, reducer_options);
 }
@@ -97,6 +75,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     const auto& batch = micro_batches[i];
     at::Tensor value;
     {
+      trace::Span span("forward", concat("F", i));
       precision::AutocastScope autocast(precision_);
       const at::Tensor inputs = precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
                                     ? batch.inputs.to(at::kBFloat16)
@@ -105,12 +84,18 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     }
     at::Tensor objective = micro_batches.size() == 1 ? value : value / count;
     if (scaler_) objective = scaler_->scale(objective);
-    objective.backward();
+    {
+      trace::Span span("backward", concat("B", i));
+      objective.backward();
+    }
     result.loss += value.item<double>() / count;
     result.samples += batch.inputs.size(0);
     if (sync && !last) sync_engine.finalize();
   }
-  sync_engine.finalize();
+  {
+    trace::Span span("sync", "gradient reduction");
+    sync_engine.finalize();
+  }
   const auto& stats = sync_engine.stats();
   if (!stats.unused_parameters.empty() && !warned_unused_ && comm_->rank() == 0) {
     std::cerr << "dtrain: warning: " << stats.unused_parameters.size()
@@ -127,6 +112,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   }
   result.metrics["step_skipped"] = skip ? 1.0 : 0.0;
   if (!skip) {
+    trace::Span span("optimizer", "step");
     if (options_.max_grad_norm > 0) result.grad_norm = clip_gradients(options_.max_grad_norm);
     apply_update();
   }
@@ -185,22 +171,13 @@ void DdpStrategy::save(const std::string& directory) {
   } else if (leader) {  // replicas are identical; rank 0 writes them
     write_state_shard(directory, 0, 1, state_pieces(), optimizer_.get(), named_buffers());
   }
-  if (scaler_ && leader) torch::save(scaler_->state(), directory + "/loss_scaler.pt");
+  if (scaler_ && leader) save_loss_scaler(*scaler_, directory);
 }
 
 void DdpStrategy::load(const std::string& directory) {
   const NamedTensors buffers = named_buffers();
   read_state_shards(directory, value_pieces(), optimizer_.get(), state_pieces(), &buffers);
-  const std::string path = directory + "/loss_scaler.pt";
-  if (!scaler_ || !std::ifstream(path).good()) return;
-  try {
-    at::Tensor state;
-    torch::load(state, path);
-    scaler_->load_state(state);
-  } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, "checkpoint file ", path, " is not a loss-scaler state: ",
-                 e.what_without_backtrace());
-  }
+  if (scaler_) load_loss_scaler(*scaler_, directory);
 }
 
 MemoryReport DdpStrategy::memory_report() const {

@@ -2,26 +2,113 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Trace.h"
 #include "dtrain/memory/Checkpoint.h"
 #include "dtrain/optim/StateSize.h"
+#include "parallel/StrategySupport.h"
 #include "parallel/pipeline/StageLink.h"
 
 namespace dtrain::parallel::pipeline {
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Forward + backward seconds of each model stage on `input` (median of `repeats` after one
+// warm-up), each stage fed the previous one's output.
+std::vector<double> time_stages(const std::vector<Stage>& stages, at::Tensor input, int repeats) {
+  std::vector<double> seconds;
+  for (const auto& stage : stages) {
+    std::vector<double> runs;
+    at::Tensor output;
+    for (int r = 0; r <= repeats; ++r) {
+      at::Tensor x = input.is_floating_point() ? input.detach().requires_grad_(true) : input;
+      const auto start = Clock::now();
+      at::Tensor y = stage.forward(x);
+      if (y.requires_grad()) y.backward(at::ones_like(y));
+      if (r > 0) runs.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      output = y.detach();
+    }
+    std::nth_element(runs.begin(), runs.begin() + runs.size() / 2, runs.end());
+    seconds.push_back(runs[runs.size() / 2]);
+    input = output;
+  }
+  for (const auto& stage : stages) {
+    for (const auto& module : stage.modules) module->zero_grad();
+  }
+  return seconds;
+}
+
+}  // namespace
+
 PipelineStrategy::PipelineStrategy(StrategyOptions options)
-    : options_(std::move(options)), kind_(schedule_kind_named(options_.pipeline_schedule)) {
-  DTRAIN_CHECK_INPUT(kind_ != ScheduleKind::Interleaved,
-                     "the pipeline executor runs gpipe and 1f1b; interleaved is not available "
-                     "yet");
-  DTRAIN_CHECK_INPUT(options_.precision == "fp32", "pipeline parallelism runs fp32 for now, not ",
-                     options_.precision);
+    : options_(std::move(options)),
+      kind_(schedule_kind_named(options_.pipeline_schedule)),
+      chunks_per_rank_(options_.pipeline_virtual_stages) {
+  DTRAIN_CHECK_INPUT(chunks_per_rank_ >= 1, "virtual stages per pipeline rank must be >= 1, got ",
+                     chunks_per_rank_);
+  DTRAIN_CHECK_INPUT(chunks_per_rank_ == 1 || kind_ == ScheduleKind::Interleaved,
+                     "--virtual-stages ", chunks_per_rank_,
+                     " needs --schedule interleaved (gpipe and 1f1b run one chunk per rank)");
+  DTRAIN_CHECK_INPUT(kind_ != ScheduleKind::Interleaved || chunks_per_rank_ >= 2,
+                     "the interleaved schedule needs --virtual-stages >= 2 (with 1 it is 1f1b)");
+  const std::string& dp = options_.pipeline_data_parallel;
+  DTRAIN_CHECK_INPUT(dp == "ddp" || dp == "zero1", "pipeline stages are data-parallel by ddp "
+                     "or zero1, not '", dp, "' (zero2 and zero3 shard the gradients and "
+                     "parameters that the micro-batches accumulate)");
+  zero1_ = dp == "zero1";
+  const std::string& balance = options_.pipeline_balance;
+  DTRAIN_CHECK_INPUT(!balance.empty(), "--pipeline-balance is empty (params, time or S1,S2,...)");
+  DTRAIN_CHECK_INPUT(balance == "params" || balance == "time" ||
+                         balance.find_first_not_of("0123456789, ") == std::string::npos,
+                     "unknown --pipeline-balance '", balance,
+                     "' (expected params, time or stage counts S1,S2,...)");
+  reducer_options_from(options_);  // validate early
+  precision_ = precision::parse_precision(options_.precision);
+  precision::check_supported(precision_);
+  DTRAIN_CHECK_INPUT(!zero1_ || precision_ != precision::Precision::Bf16,
+                     "zero1 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
+  scaler_ = make_loss_scaler(options_, precision_);
 }
 
 PipelineStrategy::~PipelineStrategy() = default;
+
+void PipelineStrategy::prepare(const data::Batch& example) { example_ = example; }
+
+std::vector<double> PipelineStrategy::stage_costs() {
+  if (options_.pipeline_balance == "time") {
+    DTRAIN_CHECK(example_.inputs.defined(),
+                 "--pipeline-balance time needs an example batch (Strategy::prepare)");
+    // Every rank measures the whole model; rank 0's numbers are used so all agree.
+    at::Tensor input = example_.inputs;
+    if (precision_ == precision::Precision::Bf16 && input.is_floating_point()) {
+      input = input.to(at::kBFloat16);
+    }
+    std::vector<double> seconds;
+    {
+      precision::AutocastScope autocast(precision_);
+      seconds = time_stages(model_.stages, input, 3);
+    }
+    at::Tensor agreed = at::tensor(seconds, at::kDouble);
+    grid_->world()->broadcast(agreed, {0})->wait();
+    return std::vector<double>(agreed.data_ptr<double>(), agreed.data_ptr<double>() + agreed.numel());
+  }
+  std::vector<double> costs;
+  for (const auto& stage : model_.stages) {
+    double count = 0;
+    for (const auto& module : stage.modules) {
+      for (const auto& p : module->parameters()) count += static_cast<double>(p.numel());
+    }
+    costs.push_back(count);
+  }
+  return costs;
+}
 
 void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
                              std::shared_ptr<comm::ProcessGrid> grid) {
@@ -31,49 +118,121 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                      "pipeline parallelism needs a model described as stages (Model::stages: "
                      "sequential_model() or the Zoo's models)");
   const int ranks = grid_->pp_size();
-  std::vector<double> costs;
-  for (const auto& stage : model_.stages) {
-    double count = 0;
-    for (const auto& module : stage.modules) {
-      for (const auto& p : module->parameters()) count += p.numel();
-    }
-    costs.push_back(count);
-  }
-  partition_ = options_.pipeline_balance == "params"
-                   ? balanced_partition(costs, ranks)
-                   : partition_from_counts(options_.pipeline_balance,
-                                           static_cast<int>(costs.size()), ranks);
-  const int me = grid_->coordinates().pp;
-  stages_.assign(model_.stages.begin() + partition_.first(me),
-                 model_.stages.begin() + partition_.end(me));
+  const int virtual_stages = ranks * chunks_per_rank_;
+  const int n = static_cast<int>(model_.stages.size());
+  DTRAIN_CHECK_INPUT(chunks_per_rank_ == 1 || ranks >= 2,
+                     "the interleaved schedule needs at least 2 pipeline ranks");
+  DTRAIN_CHECK_INPUT(n >= virtual_stages, "the model has ", n, " stage", n == 1 ? "" : "s",
+                     ", fewer than the ", virtual_stages, chunks_per_rank_ > 1 ? " virtual" : "",
+                     " pipeline stages asked for (", ranks, " ranks",
+                     chunks_per_rank_ > 1 ? concat(" x ", chunks_per_rank_, " chunks") : "",
+                     "; each needs at least one)");
+  if (precision_ == precision::Precision::Bf16) model_.module->to(at::kBFloat16);
+  costs_ = stage_costs();
+  const std::string& balance = options_.pipeline_balance;
+  partition_ = balance == "params" || balance == "time"
+                   ? balanced_partition(costs_, virtual_stages)
+                   : partition_from_counts(balance, n, virtual_stages);
 
   std::unordered_map<const void*, std::string> name_of;
   for (const auto& item : model_.module->named_parameters()) {
     name_of[item.value().unsafeGetTensorImpl()] = item.key();
   }
+  const int me = grid_->coordinates().pp;
   std::unordered_set<const void*> seen;
-  for (const auto& stage : stages_) {
-    for (const auto& module : stage.modules) {
-      for (const auto& p : module->parameters()) {
-        if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
-        parameters_.push_back(p);
-        const auto it = name_of.find(p.unsafeGetTensorImpl());
-        names_.push_back(it == name_of.end() ? std::string("?") : it->second);
+  for (int c = 0; c < chunks_per_rank_; ++c) {
+    Chunk chunk;
+    chunk.virtual_stage = virtual_stage(c, me, ranks);
+    chunk.stages.assign(model_.stages.begin() + partition_.first(chunk.virtual_stage),
+                        model_.stages.begin() + partition_.end(chunk.virtual_stage));
+    for (const auto& stage : chunk.stages) {
+      for (const auto& module : stage.modules) {
+        for (const auto& p : module->parameters()) {
+          if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+          chunk.parameters.push_back(parameters_.size());
+          parameters_.push_back(p);
+          const auto it = name_of.find(p.unsafeGetTensorImpl());
+          names_.push_back(it == name_of.end() ? std::string("?") : it->second);
+        }
       }
     }
+    chunks_.push_back(std::move(chunk));
   }
-  // Replicas of a stage start equal (as DDP's do).
+  // Every stage starts from world rank 0's model, as DDP's replicas do (the first pipeline
+  // rank's copy, then each stage's first replica's).
+  if (grid_->pp_size() > 1) {
+    torch::NoGradGuard no_grad;
+    std::vector<comm::WorkPtr> works;
+    for (auto& p : model_.module->parameters()) works.push_back(grid_->pp()->broadcast(p, {0}));
+    for (auto& b : model_.module->buffers()) works.push_back(grid_->pp()->broadcast(b, {0}));
+    comm::wait_all(works);
+  }
   if (grid_->dp_size() > 1) {
     torch::NoGradGuard no_grad;
-    for (auto& p : parameters_) grid_->dp()->broadcast(p, {0})->wait();
+    std::vector<comm::WorkPtr> works;
+    for (auto& p : parameters_) works.push_back(grid_->dp()->broadcast(p, {0}));
+    for (auto& [name, b] : local_buffers()) works.push_back(grid_->dp()->broadcast(b, {0}));
+    comm::wait_all(works);
   }
-  optimizer_ = make_optimizer(parameters_);
-  link_ = std::make_unique<StageLink>(grid_->pp());
+  if (zero1_ && !parameters_.empty()) {
+    shards_ = FlatShards(parameters_, grid_->dp_size(), grid_->coordinates().dp, "pipeline zero1");
+    optimizer_ = make_optimizer(shards_.piece_tensors());
+  } else {
+    optimizer_ = make_optimizer(parameters_);
+  }
+  const ReducerOptions reducer_options = reducer_options_from(options_);
+  for (const auto& chunk : chunks_) {
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    for (size_t k : chunk.parameters) {
+      params.push_back(parameters_[k]);
+      names.push_back(names_[k]);
+    }
+    reducers_.push_back(params.empty() ? nullptr
+                                       : std::make_unique<Reducer>(params, names, grid_->dp(),
+                                                                   reducer_options));
+  }
+  link_ = std::make_unique<StageLink>(grid_->pp(), virtual_stages);
 }
 
-at::Tensor PipelineStrategy::run_stages(const at::Tensor& input) const {
+DataNeeds PipelineStrategy::data_needs() const {
+  DataNeeds needs{false, false};
+  for (const auto& chunk : chunks_) {
+    needs.inputs = needs.inputs || first_virtual(chunk);
+    needs.targets = needs.targets || last_virtual(chunk);
+  }
+  return needs;
+}
+
+std::string PipelineStrategy::layout() const {
+  const std::vector<double> share = shares(partition_, costs_);
+  const bool timed = options_.pipeline_balance == "time";
+  std::string text = concat("pipeline: ", grid_->pp_size(), " stage", grid_->pp_size() == 1 ? "" : "s");
+  if (chunks_per_rank_ > 1) text += concat(" x ", chunks_per_rank_, " chunks");
+  text += concat(" x ", grid_->dp_size(), " ", options_.pipeline_data_parallel, " replica",
+                 grid_->dp_size() == 1 ? "" : "s", ", schedule ", to_string(kind_),
+                 "; split by ", timed ? "measured time" : options_.pipeline_balance == "params"
+                                                             ? "parameters"
+                                                             : "hand",
+                 ":");
+  for (int v = 0; v < partition_.ranks(); ++v) {
+    const int first = partition_.first(v), last = partition_.end(v) - 1;
+    text += concat(v ? "," : "", " ", chunks_per_rank_ > 1 ? "virtual stage " : "rank ", v,
+                   " (model stages ", first, first == last ? "" : concat("-", last), ") ");
+    char percent[16];
+    std::snprintf(percent, sizeof(percent), "%.1f%%", 100.0 * share[v]);
+    text += percent;
+  }
+  const double largest = *std::max_element(share.begin(), share.end());
+  char imbalance[64];
+  std::snprintf(imbalance, sizeof(imbalance), "; largest / even share %.2f",
+                largest * partition_.ranks());
+  return text + imbalance;
+}
+
+at::Tensor PipelineStrategy::run_chunk(const Chunk& chunk, const at::Tensor& input) const {
   at::Tensor x = input;
-  for (const auto& stage : stages_) {
+  for (const auto& stage : chunk.stages) {
     if (stage.checkpoint && torch::GradMode::is_enabled()) {
       std::vector<at::Tensor> params;
       for (const auto& module : stage.modules) {
@@ -89,115 +248,260 @@ at::Tensor PipelineStrategy::run_stages(const at::Tensor& input) const {
 
 StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_batches,
                                         const LossFn& loss) {
+  DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
+  model_.module->train();
   const int ranks = grid_->pp_size();
   const int me = grid_->coordinates().pp;
-  const bool first = me == 0;
-  const bool last = me == ranks - 1;
   const int count = static_cast<int>(micro_batches.size());
-  const auto actions = build_schedule({kind_, ranks, count, 1}, me);
-  for (auto& p : parameters_) {
-    if (p.grad().defined()) p.mutable_grad().zero_();
+  const auto actions = build_schedule({kind_, ranks, count, chunks_per_rank_}, me);
+  // Each chunk's gradients are reduced over DP during its last backward of the step.
+  std::vector<size_t> last_backward(chunks_.size(), actions.size());
+  for (size_t i = 0; i < actions.size(); ++i) {
+    if (actions[i].kind == Action::Backward) last_backward[actions[i].chunk] = i;
+  }
+  for (auto& reducer : reducers_) {
+    if (!reducer) continue;
+    reducer->zero_grad();
+    reducer->set_sync(false);
   }
 
   StepResult result;
-  // Per micro-batch: the stage's input (for its gradient) and output (or the loss).
-  std::map<int, std::pair<at::Tensor, at::Tensor>> kept;
+  // Per (chunk, micro-batch): the chunk's input (for its gradient) and output (or the loss).
+  std::map<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>> kept;
+  size_t peak_kept = 0;
   double loss_sum = 0;
   auto post_ahead = [&](const Action& a) {
-    if (a.kind == Action::Forward && !first) link_->post_recv(StageLink::Activation, a.micro_batch);
-    if (a.kind == Action::Backward && !last) link_->post_recv(StageLink::Gradient, a.micro_batch);
+    const Chunk& chunk = chunks_[a.chunk];
+    const int s = chunk.virtual_stage;
+    if (a.kind == Action::Forward && !first_virtual(chunk)) {
+      link_->post_recv(StageLink::Activation, s - 1, a.micro_batch);
+    }
+    if (a.kind == Action::Backward && !last_virtual(chunk)) {
+      link_->post_recv(StageLink::Gradient, s, a.micro_batch);
+    }
   };
   for (size_t i = 0; i < actions.size(); ++i) {
     if (i + 1 < actions.size()) post_ahead(actions[i + 1]);
     const Action& a = actions[i];
+    const Chunk& chunk = chunks_[a.chunk];
+    const int s = chunk.virtual_stage;
     const data::Batch& batch = micro_batches[a.micro_batch];
+    // Spans cover compute only; waiting for a neighbour is its own "recv" span.
+    const std::string label = concat(a.micro_batch, chunks_per_rank_ > 1 ? concat(".", a.chunk) : "");
     if (a.kind == Action::Forward) {
-      at::Tensor x = first ? batch.inputs : link_->recv(StageLink::Activation, a.micro_batch);
-      if (!first) x.requires_grad_(true);
-      at::Tensor y = run_stages(x);
-      if (last) {
-        at::Tensor l = loss(y, batch.targets) / count;
-        loss_sum += l.item<double>();
-        kept[a.micro_batch] = {x, l};
+      at::Tensor x;
+      if (first_virtual(chunk)) {
+        x = precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
+                ? batch.inputs.to(at::kBFloat16)
+                : batch.inputs;
       } else {
-        link_->send(StageLink::Activation, a.micro_batch, y.detach());
-        kept[a.micro_batch] = {x, y};
+        trace::Span wait("recv", "activation " + label);
+        x = link_->recv(StageLink::Activation, s - 1, a.micro_batch);
+        x.requires_grad_(true);
       }
-      result.samples += batch.inputs.size(0);
+      trace::Span span("forward", "F" + label);
+      if (a.chunk == 0) result.samples += x.size(0);
+      at::Tensor y;
+      {
+        precision::AutocastScope autocast(precision_);
+        y = run_chunk(chunk, x);
+        if (last_virtual(chunk)) y = loss(y, batch.targets) / count;
+      }
+      if (last_virtual(chunk)) {
+        loss_sum += y.item<double>();
+        kept[{a.chunk, a.micro_batch}] = {x, scaler_ ? scaler_->scale(y) : y};
+      } else {
+        link_->send(StageLink::Activation, s, a.micro_batch, y.detach());
+        kept[{a.chunk, a.micro_batch}] = {x, y};
+      }
+      peak_kept = std::max(peak_kept, kept.size());
     } else {
-      auto node = kept.extract(a.micro_batch);
-      DTRAIN_CHECK(!node.empty(), "pipeline stage ", me, ": backward of micro-batch ",
+      at::Tensor upstream;
+      if (!last_virtual(chunk)) {
+        trace::Span wait("recv", "gradient " + label);
+        upstream = link_->recv(StageLink::Gradient, s, a.micro_batch);
+      }
+      trace::Span span("backward", "B" + label);
+      auto node = kept.extract({a.chunk, a.micro_batch});
+      DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": backward of micro-batch ",
                    a.micro_batch, " before its forward");
       auto [x, y] = node.mapped();
-      if (last) {
+      Reducer* reducer = reducers_[a.chunk].get();
+      if (reducer && i == last_backward[a.chunk]) {
+        reducer->set_sync(true);
+        reducer->prepare_for_backward();
+      }
+      if (last_virtual(chunk)) {
         y.backward();
       } else {
-        y.backward(link_->recv(StageLink::Gradient, a.micro_batch));
+        y.backward(upstream);
       }
-      if (!first) {
+      if (!first_virtual(chunk)) {
         at::Tensor g = x.grad();
         if (!g.defined()) g = at::zeros_like(x);
-        link_->send(StageLink::Gradient, a.micro_batch, g);
+        link_->send(StageLink::Gradient, s - 1, a.micro_batch, g);
       }
     }
+    if (observer_) observer_(a);
   }
-  link_->finish_sends();
-  average_gradients_over_dp();
-  result.grad_norm = clip_gradients();
-  optimizer_->step();
+  {
+    trace::Span span("sync", "sends and gradient reduction");
+    link_->finish_sends();
+    for (auto& reducer : reducers_) {
+      if (reducer) reducer->finalize();
+    }
+  }
+  bool skip = false;
+  if (scaler_) {
+    // Every stage and replica takes the same decision.
+    skip = scaler_->unscale_and_check(parameters_, grid_->world());
+    scaler_->update(skip);
+    result.metrics["loss_scale"] = scaler_->scale_value();
+    result.metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
+  }
+  result.metrics["step_skipped"] = skip ? 1.0 : 0.0;
+  result.metrics["peak_live_micro_batches"] = static_cast<double>(peak_kept);
+  if (!skip) {
+    trace::Span span("optimizer", "step");
+    result.grad_norm = clip_gradients();
+    if (zero1_ && !parameters_.empty()) {
+      shards_.alias_parameter_gradients(parameters_);
+      optimizer_->step();
+      shards_.allgather(grid_->dp());
+    } else {
+      optimizer_->step();
+    }
+  }
 
   // The loss lives on the last stage: every rank reports it.
-  at::Tensor reported = at::full({1}, last ? loss_sum : 0.0, at::kDouble);
+  at::Tensor reported = at::full({1}, loss_sum, at::kDouble);
   grid_->pp()->allreduce(reported)->wait();
   result.loss = reported.item<double>();
   return result;
-}
-
-void PipelineStrategy::average_gradients_over_dp() {
-  std::vector<at::Tensor> grads;
-  for (auto& p : parameters_) {
-    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-    grads.push_back(p.grad().reshape(-1));
-  }
-  if (grid_->dp_size() == 1 || grads.empty()) return;
-  at::Tensor flat = at::cat(grads);
-  grid_->dp()->allreduce(flat, {comm::ReduceOp::Avg})->wait();
-  int64_t offset = 0;
-  for (auto& p : parameters_) {
-    const int64_t n = p.numel();
-    p.mutable_grad().copy_(flat.narrow(0, offset, n).view_as(p));
-    offset += n;
-  }
 }
 
 double PipelineStrategy::clip_gradients() {
   if (options_.max_grad_norm <= 0) return -1.0;
   // Each stage's replicas hold equal (averaged) gradients: the norm sums over stages.
   at::Tensor square = at::zeros({1}, at::kDouble);
-  for (auto& p : parameters_) square += p.grad().to(at::kDouble).pow(2).sum();
+  for (auto& p : parameters_) {
+    if (p.grad().defined()) square += p.grad().to(at::kDouble).pow(2).sum();
+  }
   grid_->pp()->allreduce(square)->wait();
   const double norm = std::sqrt(square.item<double>());
   const double coefficient = options_.max_grad_norm / (norm + 1e-6);
   if (coefficient < 1.0) {
-    for (auto& p : parameters_) p.mutable_grad().mul_(coefficient);
+    for (auto& p : parameters_) {
+      if (p.grad().defined()) p.mutable_grad().mul_(coefficient);
+    }
   }
   return norm;
 }
 
+at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
+  at::Tensor output;
+  for (const auto& chunk : chunks_) {
+    const int s = chunk.virtual_stage;
+    at::Tensor x;
+    if (first_virtual(chunk)) {
+      x = precision_ == precision::Precision::Bf16 && inputs.is_floating_point()
+              ? inputs.to(at::kBFloat16)
+              : inputs;
+    } else {
+      x = link_->recv_any(s - 1);
+    }
+    at::Tensor y = run_chunk(chunk, x);
+    if (last_virtual(chunk)) {
+      output = y;
+    } else {
+      link_->send_any(s, y);
+    }
+  }
+  return output;
+}
+
+std::vector<PieceRef> PipelineStrategy::whole_pieces() const {
+  std::vector<PieceRef> pieces;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    pieces.push_back({names_[k], 0, parameters_[k], parameters_[k].sizes().vec()});
+  }
+  return pieces;
+}
+
+NamedTensors PipelineStrategy::local_buffers() const {
+  std::unordered_set<const void*> mine;
+  for (const auto& chunk : chunks_) {
+    for (const auto& stage : chunk.stages) {
+      for (const auto& module : stage.modules) {
+        for (const auto& b : module->buffers()) mine.insert(b.unsafeGetTensorImpl());
+      }
+    }
+  }
+  NamedTensors buffers;
+  for (const auto& item : model_.module->named_buffers()) {
+    if (mine.count(item.value().unsafeGetTensorImpl())) buffers.emplace_back(item.key(), item.value());
+  }
+  return buffers;
+}
+
 void PipelineStrategy::save(const std::string& directory) {
-  DTRAIN_THROW(InputError, "pipeline checkpoints are not written yet (", directory, ")");
+  // The same files as DDP and ZeRO write (global parameter names), one set per stage: a
+  // pipelined checkpoint loads into any pipeline size or data-parallel strategy.
+  const int stage = grid_->coordinates().pp;
+  const int replica = grid_->coordinates().dp;
+  const bool tp_leader = grid_->coordinates().tp == 0;
+  if (zero1_) {
+    if (tp_leader) {
+      write_state_shard(directory, stage * grid_->dp_size() + replica,
+                        grid_->pp_size() * grid_->dp_size(),
+                        parameters_.empty() ? std::vector<PieceRef>{}
+                                            : shards_.state_pieces(names_, parameters_),
+                        optimizer_.get(), replica == 0 ? local_buffers() : NamedTensors{});
+    }
+  } else if (replica == 0 && tp_leader) {
+    write_state_shard(directory, stage, grid_->pp_size(), whole_pieces(), optimizer_.get(),
+                      local_buffers());
+  }
+  if (scaler_ && grid_->world()->rank() == 0) save_loss_scaler(*scaler_, directory);
 }
 
 void PipelineStrategy::load(const std::string& directory) {
-  DTRAIN_THROW(InputError, "pipeline checkpoints cannot be read yet (", directory, ")");
+  const NamedTensors buffers = local_buffers();
+  const std::vector<PieceRef> values = whole_pieces();
+  read_state_shards(directory, values, optimizer_.get(),
+                    zero1_ && !parameters_.empty() ? shards_.state_pieces(names_, parameters_)
+                                                   : values,
+                    &buffers);
+  if (scaler_) load_loss_scaler(*scaler_, directory);
+}
+
+void PipelineStrategy::materialize() {
+  torch::NoGradGuard no_grad;
+  std::unordered_set<const void*> seen;
+  std::vector<comm::WorkPtr> works;
+  auto share = [&](const at::Tensor& t, int owner) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) {
+      works.push_back(grid_->pp()->broadcast(t, {owner}));
+    }
+  };
+  for (int v = 0; v < partition_.ranks(); ++v) {
+    for (int i = partition_.first(v); i < partition_.end(v); ++i) {
+      for (const auto& module : model_.stages[i].modules) {
+        for (const auto& p : module->parameters()) share(p, v % grid_->pp_size());
+        for (const auto& b : module->buffers()) share(b, v % grid_->pp_size());
+      }
+    }
+  }
+  comm::wait_all(works);
 }
 
 MemoryReport PipelineStrategy::memory_report() const {
   MemoryReport report;
   for (const auto& p : parameters_) {
     report.parameter_bytes += p.numel() * p.element_size();
-    if (p.grad().defined()) report.gradient_bytes += p.grad().numel() * p.grad().element_size();
+    report.gradient_bytes += p.numel() * p.element_size();
   }
+  report.parameter_bytes += shards_.padding_bytes();
   if (optimizer_) report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
   return report;
 }

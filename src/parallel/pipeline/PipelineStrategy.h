@@ -1,15 +1,25 @@
-// Pipeline parallelism over the grid's PP group, with data parallelism over its DP group: this
-// rank runs a contiguous run of the model's stages, exchanging activations and their gradients
-// with its neighbours in the order a schedule gives (Schedule.h), then averages its stages'
-// gradients over its DP group and steps an optimizer over its own parameters only.
+// Pipeline parallelism over the grid's PP group, with data parallelism over its DP group: the
+// model's stages are cut into V x P contiguous virtual stages; this rank runs virtual stages
+// r, r + P, ... (its chunks), exchanging activations and their gradients with its neighbours in
+// the order a schedule gives (Schedule.h). Each chunk's gradients are averaged over the DP group
+// by a Reducer as the chunk's last backward of the step runs; the optimizer covers this rank's
+// parameters only (or, with zero1, its DP shard of them).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/pipeline/Partition.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
+#include "dtrain/precision/LossScaler.h"
+#include "dtrain/precision/Precision.h"
+#include "parallel/zero/FlatShards.h"
+
+namespace dtrain::parallel {
+class Reducer;
+}
 
 namespace dtrain::parallel::pipeline {
 
@@ -20,37 +30,70 @@ class PipelineStrategy : public Strategy {
   explicit PipelineStrategy(StrategyOptions options);
   ~PipelineStrategy() override;
   std::string name() const override { return "pipeline"; }
+  void prepare(const data::Batch& example) override;
   void setup(Model model, const optim::OptimizerFactory& make_optimizer,
              std::shared_ptr<comm::ProcessGrid> grid) override;
   StepResult train_step(const std::vector<data::Batch>& micro_batches,
                         const LossFn& loss) override;
+  DataNeeds data_needs() const override;
+  at::Tensor evaluate_forward(const at::Tensor& inputs) override;
+  std::string layout() const override;
   /// This rank's copy of the whole model; only its own stages' parameters are trained here.
   Model& model() override { return model_; }
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
   void save(const std::string& directory) override;
   void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
+  /// Collective over the pipeline: every rank's copy of the model gets each stage's current
+  /// values from the rank that trains it.
+  void materialize() override;
 
+  /// Virtual stage v runs model stages [partition().first(v), partition().end(v)).
   const Partition& partition() const { return partition_; }
   /// The parameters this rank trains (its stages'), with their names in the whole model.
   const std::vector<at::Tensor>& local_parameters() const { return parameters_; }
   const std::vector<std::string>& local_parameter_names() const { return names_; }
+  /// Called after each action of a step (for profilers and benchmarks: e.g. memory in use once
+  /// a forward's activations are kept).
+  void set_action_observer(std::function<void(const Action&)> observer) {
+    observer_ = std::move(observer);
+  }
 
  private:
-  at::Tensor run_stages(const at::Tensor& x) const;
-  void average_gradients_over_dp();
+  struct Chunk {
+    int virtual_stage = 0;
+    std::vector<Stage> stages;
+    std::vector<size_t> parameters;  // indices into parameters_
+  };
+  std::vector<double> stage_costs();
+  at::Tensor run_chunk(const Chunk& chunk, const at::Tensor& x) const;
+  bool first_virtual(const Chunk& chunk) const { return chunk.virtual_stage == 0; }
+  bool last_virtual(const Chunk& chunk) const {
+    return chunk.virtual_stage == partition_.ranks() - 1;
+  }
+  std::vector<PieceRef> whole_pieces() const;
+  NamedTensors local_buffers() const;
   double clip_gradients();
 
   StrategyOptions options_;
   ScheduleKind kind_;
+  int chunks_per_rank_;
+  precision::Precision precision_;
+  std::unique_ptr<precision::LossScaler> scaler_;
+  bool zero1_ = false;
   Model model_;
   std::shared_ptr<comm::ProcessGrid> grid_;
-  Partition partition_;
-  std::vector<Stage> stages_;  // this rank's
+  data::Batch example_;
+  std::vector<double> costs_;
+  Partition partition_;  // over V x P virtual stages
+  std::vector<Chunk> chunks_;
   std::vector<at::Tensor> parameters_;
   std::vector<std::string> names_;
+  std::vector<std::unique_ptr<Reducer>> reducers_;  // one per chunk
+  FlatShards shards_;                               // zero1
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<StageLink> link_;
+  std::function<void(const Action&)> observer_;
 };
 
 }  // namespace dtrain::parallel::pipeline

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "dtrain/common/Error.h"
 
 namespace dtrain::parallel::pipeline {
@@ -9,10 +11,12 @@ namespace dtrain::parallel::pipeline {
 namespace {
 
 constexpr int kMaxDims = 8;
-// Header: [ndim, sizes..., dtype]; on its own tag, sent once per direction.
+// Header: [ndim, sizes..., dtype].
 constexpr int kHeaderLength = kMaxDims + 2;
-int header_tag(int direction) { return comm::kMaxUserTag - 2 + direction; }
-int data_tag(int direction, int micro_batch) { return micro_batch * 2 + direction; }
+// Reserved tags at the top of the user range, 4 per boundary: the training headers of each
+// direction, then evaluation's header and data.
+constexpr int kEvalHeader = 2;
+constexpr int kEvalData = 3;
 
 const char* direction_name(int direction) {
   return direction == StageLink::Activation ? "activation" : "gradient";
@@ -20,11 +24,33 @@ const char* direction_name(int direction) {
 
 }  // namespace
 
-StageLink::StageLink(comm::CommunicatorPtr pp) : pp_(std::move(pp)), stage_(pp_->rank()) {}
+StageLink::StageLink(comm::CommunicatorPtr pp, int virtual_stages)
+    : pp_(std::move(pp)),
+      stage_(pp_->rank()),
+      ranks_(pp_->size()),
+      virtual_stages_(virtual_stages) {
+  DTRAIN_CHECK(virtual_stages_ >= ranks_ && virtual_stages_ % ranks_ == 0,
+               "pipeline: ", virtual_stages_, " virtual stages over ", ranks_, " ranks");
+}
 
-int StageLink::peer(Direction direction, bool sending) const {
-  const bool to_next = (direction == Activation) == sending;
-  return to_next ? stage_ + 1 : stage_ - 1;
+int StageLink::peer(Direction direction, int boundary, bool sending) const {
+  // The activation goes from virtual stage `boundary` to `boundary + 1`.
+  const bool from_lower = (direction == Activation) == sending;
+  const int other = from_lower ? boundary + 1 : boundary;
+  return other % ranks_;
+}
+
+int StageLink::header_tag(int channel, int boundary) const {
+  return comm::kMaxUserTag - 1 - (boundary * 4 + channel);
+}
+
+int StageLink::data_tag(Direction direction, int boundary, int micro_batch) const {
+  const int64_t boundaries = virtual_stages_ - 1;
+  const int64_t tag = (micro_batch * boundaries + boundary) * 2 + direction;
+  DTRAIN_CHECK_INPUT(tag < comm::kMaxUserTag - 4 * boundaries, "pipeline: ", micro_batch + 1,
+                     " micro-batches over ", virtual_stages_,
+                     " virtual stages exceed the point-to-point tag space");
+  return static_cast<int>(tag);
 }
 
 std::string StageLink::describe(const Meta& meta) const {
@@ -33,61 +59,122 @@ std::string StageLink::describe(const Meta& meta) const {
   return concat(out, "] ", c10::toString(meta.dtype));
 }
 
-void StageLink::send(Direction direction, int micro_batch, const at::Tensor& tensor) {
-  DTRAIN_CHECK(micro_batch * 2 + 1 < comm::kMaxUserTag - 2, "too many micro-batches");
-  const int dst = peer(direction, true);
+at::Tensor StageLink::header_of(const at::Tensor& tensor, Direction direction) const {
+  DTRAIN_CHECK_INPUT(tensor.dim() <= kMaxDims, "pipeline stage ", stage_, " sends a ",
+                     tensor.dim(), "-dimensional ", direction_name(direction), " (at most ",
+                     kMaxDims, ")");
+  at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
+  auto* h = header.data_ptr<int64_t>();
+  h[0] = tensor.dim();
+  for (int64_t i = 0; i < tensor.dim(); ++i) h[1 + i] = tensor.size(i);
+  h[kHeaderLength - 1] = static_cast<int64_t>(tensor.scalar_type());
+  return header;
+}
+
+StageLink::Meta StageLink::read_header(const at::Tensor& header, const char* what) const {
+  const auto* h = header.data_ptr<int64_t>();
+  const int64_t dims = h[0];
+  const int64_t dtype = h[kHeaderLength - 1];
+  DTRAIN_CHECK(dims >= 0 && dims <= kMaxDims && dtype >= 0 &&
+                   dtype < static_cast<int64_t>(at::ScalarType::NumOptions),
+               "pipeline stage ", stage_, " received a malformed ", what, " header");
+  Meta meta;
+  for (int64_t i = 0; i < dims; ++i) meta.sizes.push_back(h[1 + i]);
+  meta.dtype = static_cast<at::ScalarType>(dtype);
+  return meta;
+}
+
+void StageLink::send(Direction direction, int boundary, int micro_batch, const at::Tensor& tensor) {
+  release_sends([](const Send& send) { return send.work->is_completed(); });
+  const int dst = peer(direction, boundary, true);
   const Meta meta{tensor.sizes().vec(), tensor.scalar_type()};
-  if (!sent_[direction]) {
-    DTRAIN_CHECK_INPUT(tensor.dim() <= kMaxDims, "pipeline stage ", stage_, " sends a ",
-                       tensor.dim(), "-dimensional ", direction_name(direction), " (at most ",
-                       kMaxDims, ")");
-    at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
-    header[0] = tensor.dim();
-    for (int64_t i = 0; i < tensor.dim(); ++i) header[1 + i] = tensor.size(i);
-    header[kHeaderLength - 1] = static_cast<int64_t>(tensor.scalar_type());
-    sends_.emplace_back(header, pp_->send(header, dst, {header_tag(direction)}));
-    sent_[direction] = meta;
+  const auto key = std::make_pair(static_cast<int>(direction), boundary);
+  const auto agreed = sent_.find(key);
+  if (agreed == sent_.end()) {
+    at::Tensor header = header_of(tensor, direction);
+    sends_.push_back({-1, boundary, micro_batch, header,
+                      pp_->send(header, dst, {header_tag(direction, boundary)})});
+    sent_.emplace(key, meta);
   } else {
-    const Meta& agreed = *sent_[direction];
-    DTRAIN_CHECK_INPUT(agreed.sizes == meta.sizes && agreed.dtype == meta.dtype,
-                       "pipeline stage ", stage_, ": the ", direction_name(direction),
-                       " of micro-batch ", micro_batch, " for stage ", dst, " is ",
-                       describe(meta), " but the stages agreed on ", describe(agreed),
+    DTRAIN_CHECK_INPUT(agreed->second.sizes == meta.sizes && agreed->second.dtype == meta.dtype,
+                       "pipeline stage ", direction == Activation ? boundary : boundary + 1,
+                       ": the ", direction_name(direction), " of micro-batch ", micro_batch,
+                       " for stage ", direction == Activation ? boundary + 1 : boundary, " is ",
+                       describe(meta), " but the stages agreed on ", describe(agreed->second),
                        " at the first micro-batch (every micro-batch must have the same shape)");
   }
   at::Tensor data = tensor.contiguous();
-  sends_.emplace_back(data, pp_->send(data, dst, {data_tag(direction, micro_batch)}));
+  sends_.push_back({direction, boundary, micro_batch, data,
+                    pp_->send(data, dst, {data_tag(direction, boundary, micro_batch)})});
 }
 
-void StageLink::post_recv(Direction direction, int micro_batch) {
-  if (!expected_[direction] || posted_.count({direction, micro_batch})) return;
-  const Meta& meta = *expected_[direction];
+void StageLink::post_recv(Direction direction, int boundary, int micro_batch) {
+  const auto expected = expected_.find({static_cast<int>(direction), boundary});
+  if (expected == expected_.end()) return;
+  const auto key = std::make_tuple(static_cast<int>(direction), boundary, micro_batch);
+  if (posted_.count(key)) return;
+  const Meta& meta = expected->second;
   at::Tensor buffer = at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype));
-  auto work = pp_->recv(buffer, peer(direction, false), {data_tag(direction, micro_batch)});
-  posted_[{direction, micro_batch}] = {buffer, work};
+  auto work = pp_->recv(buffer, peer(direction, boundary, false),
+                        {data_tag(direction, boundary, micro_batch)});
+  posted_[key] = {buffer, work};
 }
 
-at::Tensor StageLink::recv(Direction direction, int micro_batch) {
-  if (!expected_[direction]) {
+at::Tensor StageLink::recv(Direction direction, int boundary, int micro_batch) {
+  const auto key = std::make_pair(static_cast<int>(direction), boundary);
+  if (!expected_.count(key)) {
     at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
-    pp_->recv(header, peer(direction, false), {header_tag(direction)})->wait();
-    const int64_t dims = header[0].item<int64_t>();
-    DTRAIN_CHECK(dims >= 0 && dims <= kMaxDims, "pipeline stage ", stage_,
-                 " received a malformed ", direction_name(direction), " header");
-    Meta meta;
-    for (int64_t i = 0; i < dims; ++i) meta.sizes.push_back(header[1 + i].item<int64_t>());
-    meta.dtype = static_cast<at::ScalarType>(header[kHeaderLength - 1].item<int64_t>());
-    expected_[direction] = meta;
+    pp_->recv(header, peer(direction, boundary, false), {header_tag(direction, boundary)})->wait();
+    expected_.emplace(key, read_header(header, direction_name(direction)));
   }
-  post_recv(direction, micro_batch);
-  auto entry = posted_.extract({direction, micro_batch});
+  post_recv(direction, boundary, micro_batch);
+  auto entry = posted_.extract(std::make_tuple(key.first, boundary, micro_batch));
   entry.mapped().second->wait();
+  if (direction == Gradient) {
+    // The next stage used this micro-batch's activation before sending its gradient: that send
+    // is done and its buffer (an activation) can go now, not at the end of the step. (Gloo's
+    // send work reports completion only when waited for.)
+    release_sends([&](const Send& send) {
+      return send.direction == Activation && send.boundary == boundary &&
+             send.micro_batch == micro_batch;
+    });
+  }
   return entry.mapped().first;
 }
 
+void StageLink::release_sends(const std::function<bool(const Send&)>& done) {
+  sends_.erase(std::remove_if(sends_.begin(), sends_.end(),
+                              [&](Send& send) {
+                                if (!done(send)) return false;
+                                send.work->wait();  // immediate; surfaces a failure
+                                return true;
+                              }),
+               sends_.end());
+}
+
 void StageLink::finish_sends() {
-  for (auto& [tensor, work] : sends_) work->wait();
+  for (auto& send : sends_) send.work->wait();
   sends_.clear();
+}
+
+void StageLink::send_any(int boundary, const at::Tensor& tensor) {
+  const int dst = peer(Activation, boundary, true);
+  at::Tensor header = header_of(tensor, Activation);
+  at::Tensor data = tensor.contiguous();
+  auto header_work = pp_->send(header, dst, {header_tag(kEvalHeader, boundary)});
+  auto data_work = pp_->send(data, dst, {header_tag(kEvalData, boundary)});
+  header_work->wait();
+  data_work->wait();
+}
+
+at::Tensor StageLink::recv_any(int boundary) {
+  const int src = peer(Activation, boundary, false);
+  at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
+  pp_->recv(header, src, {header_tag(kEvalHeader, boundary)})->wait();
+  const Meta meta = read_header(header, "evaluation");
+  at::Tensor data = at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype));
+  pp_->recv(data, src, {header_tag(kEvalData, boundary)})->wait();
+  return data;
 }
 
 }  // namespace dtrain::parallel::pipeline

@@ -1,15 +1,20 @@
-// The pipeline's point-to-point layer, kept apart from the schedules: activations go to the next
-// stage and their gradients to the previous one over the PP communicator, sends asynchronous and
-// receives posted ahead of the action that needs them. Shapes and dtypes are agreed once per
-// direction (a small header before the first tensor) and every later send is checked against
-// them, so a mismatch is an error naming the stage, micro-batch and shapes, not a wrong-sized
-// receive.
+// The pipeline's point-to-point layer, kept apart from the schedules. The model is cut into
+// V x P virtual stages; virtual stage s lives on pipeline rank s % P, so consecutive ones sit on
+// consecutive ranks (with V > 1 the last rank hands on to the first). Boundary b joins virtual
+// stages b and b + 1: activations cross it forward, their gradients backward. Sends are
+// asynchronous and receives are posted ahead of the action that needs them. For training, the
+// shape and dtype crossing each boundary in each direction are agreed once (a small header
+// before the first tensor) and every later send is checked against them, so a mismatch is an
+// error naming the stage, micro-batch and shapes, never a wrong-sized receive or a hang. For
+// evaluation (shapes vary with the batch), every tensor travels with its header.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -21,32 +26,51 @@ class StageLink {
  public:
   enum Direction { Activation = 0, Gradient = 1 };
 
-  /// `pp`: the pipeline communicator; this rank is stage pp->rank().
-  explicit StageLink(comm::CommunicatorPtr pp);
+  /// `pp`: the pipeline communicator (this rank is pp->rank()); `virtual_stages`: V x P.
+  StageLink(comm::CommunicatorPtr pp, int virtual_stages);
 
-  /// Sends `tensor` (activation: to the next stage; gradient: to the previous one).
-  void send(Direction direction, int micro_batch, const at::Tensor& tensor);
-  /// Posts the receive of micro-batch's tensor from the neighbour, once its shape is agreed.
-  void post_recv(Direction direction, int micro_batch);
+  /// Sends the tensor crossing `boundary` for `micro_batch` (an activation from virtual stage
+  /// boundary to boundary + 1; a gradient the other way).
+  void send(Direction direction, int boundary, int micro_batch, const at::Tensor& tensor);
+  /// Posts the receive of that tensor, once its shape is agreed (a no-op before, or if posted).
+  void post_recv(Direction direction, int boundary, int micro_batch);
   /// The received tensor (posting and waiting as needed).
-  at::Tensor recv(Direction direction, int micro_batch);
+  at::Tensor recv(Direction direction, int boundary, int micro_batch);
   /// Waits for every send of the step to complete.
   void finish_sends();
+
+  /// Evaluation: an activation of any shape crosses `boundary` forward (blocking).
+  void send_any(int boundary, const at::Tensor& tensor);
+  at::Tensor recv_any(int boundary);
 
  private:
   struct Meta {
     std::vector<int64_t> sizes;
     at::ScalarType dtype;
   };
-  int peer(Direction direction, bool sending) const;
+  int peer(Direction direction, int boundary, bool sending) const;
+  int data_tag(Direction direction, int boundary, int micro_batch) const;
+  int header_tag(int channel, int boundary) const;
+  at::Tensor header_of(const at::Tensor& tensor, Direction direction) const;
+  Meta read_header(const at::Tensor& header, const char* what) const;
   std::string describe(const Meta& meta) const;
 
   comm::CommunicatorPtr pp_;
   int stage_;
-  std::optional<Meta> sent_[2];      // what this rank agreed to send, per direction
-  std::optional<Meta> expected_[2];  // what it agreed to receive
-  std::map<std::pair<int, int>, std::pair<at::Tensor, comm::WorkPtr>> posted_;
-  std::vector<std::pair<at::Tensor, comm::WorkPtr>> sends_;
+  int ranks_;
+  int virtual_stages_;
+  // Per (direction, boundary): what this rank agreed to send / to receive.
+  std::map<std::pair<int, int>, Meta> sent_, expected_;
+  std::map<std::tuple<int, int, int>, std::pair<at::Tensor, comm::WorkPtr>> posted_;
+  struct Send {
+    int direction;  // -1: a header
+    int boundary;
+    int micro_batch;
+    at::Tensor buffer;
+    comm::WorkPtr work;
+  };
+  void release_sends(const std::function<bool(const Send&)>& done);
+  std::vector<Send> sends_;
 };
 
 }  // namespace dtrain::parallel::pipeline

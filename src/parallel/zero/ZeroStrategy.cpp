@@ -5,7 +5,6 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/StateSize.h"
-#include "parallel/Alias.h"
 
 namespace dtrain::parallel {
 
@@ -19,84 +18,33 @@ ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
 
 void ZeroStrategy::configure_reducer(ReducerOptions& options) {
   if (stage_ < 2) return;
-  options.shard_numel = shard_numel_;
+  options.shard_numel = shards_.shard_numel();
   options.shard_grad = shard_grad_;
 }
 
 std::vector<at::Tensor> ZeroStrategy::gradient_holders() const {
-  if (stage_ < 2) return parameters_;
-  std::vector<at::Tensor> holders;
-  for (const auto& piece : pieces_) holders.push_back(piece.tensor);
-  return holders;
+  return stage_ < 2 ? parameters_ : shards_.piece_tensors();
 }
 
 void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
-  const int world = comm_->size();
-  const int rank = comm_->rank();
-  const auto dtype = parameters_.front().scalar_type();
-  for (const auto& p : parameters_) {
-    DTRAIN_CHECK_INPUT(p.scalar_type() == dtype, "zero1 needs parameters of one dtype; ",
-                       "found ", dtype, " and ", p.scalar_type());
-    offsets_.push_back(total_numel_);
-    total_numel_ += p.numel();
-  }
-  shard_numel_ = (total_numel_ + world - 1) / world;
-  flat_ = at::zeros({shard_numel_ * world}, parameters_.front().options().requires_grad(false));
-  {
-    torch::NoGradGuard no_grad;
-    for (size_t k = 0; k < parameters_.size(); ++k) {
-      at::Tensor& p = parameters_[k];
-      flat_.narrow(0, offsets_[k], p.numel()).copy_(p.reshape({-1}));
-      // The parameter now lives in flat_ (its autograd node changes; the Reducer re-attaches).
-      p.set_(flat_.storage(), offsets_[k], p.sizes(), c10::contiguous_strides(p.sizes()));
-    }
-  }
-  // The optimizer gets this rank's shard as one piece per parameter it overlaps (each a leaf
-  // aliasing flat_): optimizers loop over parameters, so their temporaries stay the size of one
-  // parameter instead of the whole shard, and each piece's gradient can alias the Reducer's
-  // bucket storage directly.
-  const int64_t begin = rank * shard_numel_;
-  const int64_t end = std::min(begin + shard_numel_, total_numel_);
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    const int64_t lo = std::max(begin, offsets_[k]);
-    const int64_t hi = std::min(end, offsets_[k] + parameters_[k].numel());
-    if (lo >= hi) continue;
-    pieces_.push_back({k, lo - offsets_[k], alias_storage(flat_, lo, {hi - lo}).requires_grad_(true)});
-  }
+  shards_ = FlatShards(parameters_, comm_->size(), comm_->rank(), name());
   if (stage_ >= 2) {  // the gradient shard the Reducer reduce-scatters into
-    shard_grad_ = at::zeros({shard_numel_}, flat_.options());
-    for (auto& piece : pieces_) {
-      const int64_t lo = offsets_[piece.parameter] + piece.offset;
-      piece.tensor.mutable_grad() = alias_storage(shard_grad_, lo - begin, {piece.tensor.numel()});
-    }
+    shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
+    shards_.alias_shard_gradient(shard_grad_);
   }
-  std::vector<at::Tensor> shard;
-  for (const auto& piece : pieces_) shard.push_back(piece.tensor);
-  optimizer_ = make_optimizer(shard);
+  optimizer_ = make_optimizer(shards_.piece_tensors());
 }
 
 void ZeroStrategy::apply_update() {
   // Stage 1: each piece's gradient is the matching slice of its parameter's averaged gradient
   // (which lives in the Reducer's buckets): no copies. Stage 2: they alias shard_grad_ already.
-  for (auto& piece : pieces_) {
-    if (stage_ >= 2) break;
-    const at::Tensor& grad = parameters_[piece.parameter].grad();
-    DTRAIN_CHECK(grad.defined() && grad.is_contiguous(), "zero1: parameter ",
-                 piece.parameter, " has no contiguous gradient after the reduction");
-    piece.tensor.mutable_grad() = alias_storage(grad, piece.offset, {piece.tensor.numel()});
-  }
+  if (stage_ < 2) shards_.alias_parameter_gradients(parameters_);
   optimizer_->step();
-  torch::NoGradGuard no_grad;
-  comm_->allgather(flat_, flat_.narrow(0, comm_->rank() * shard_numel_, shard_numel_))->wait();
+  shards_.allgather(comm_);
 }
 
 std::vector<PieceRef> ZeroStrategy::state_pieces() const {
-  std::vector<PieceRef> pieces;
-  for (const auto& piece : pieces_) {
-    pieces.push_back({names_[piece.parameter], piece.offset, piece.tensor,
-                      parameters_[piece.parameter].sizes().vec()});
-  }
-  return pieces;
+  return shards_.state_pieces(names_, parameters_);
 }
 
 MemoryReport ZeroStrategy::memory_report() const {
@@ -105,7 +53,7 @@ MemoryReport ZeroStrategy::memory_report() const {
     report.parameter_bytes += p.numel() * p.element_size();
     report.gradient_bytes += p.numel() * p.element_size();
   }
-  report.parameter_bytes += (flat_.numel() - total_numel_) * flat_.element_size();  // padding
+  report.parameter_bytes += shards_.padding_bytes();
   if (stage_ >= 2) report.gradient_bytes = shard_grad_.numel() * shard_grad_.element_size();
   report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
   return report;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "parallel/ddp/DdpStrategy.h"
+#include "parallel/zero/FlatShards.h"
 
 namespace dtrain::parallel {
 
@@ -27,21 +28,9 @@ class ZeroStrategy : public DdpStrategy {
   bool state_sharded() const override { return true; }
 
  private:
-  /// Part of parameter `parameter` (from element `offset`) inside this rank's shard.
-  struct Piece {
-    size_t parameter;
-    int64_t offset;
-    at::Tensor tensor;  // aliases flat_; an optimizer parameter
-  };
-
-
   int stage_;
-  at::Tensor flat_;        // all parameters, padded; the parameters alias it
+  FlatShards shards_;
   at::Tensor shard_grad_;  // stage 2: this rank's gradient shard (the pieces' grads alias it)
-  std::vector<Piece> pieces_;
-  int64_t total_numel_ = 0;
-  int64_t shard_numel_ = 0;
-  std::vector<int64_t> offsets_;  // of each parameter in flat_
 };
 
 }  // namespace dtrain::parallel
