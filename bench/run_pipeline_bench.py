@@ -56,9 +56,9 @@ def main():
                         "--micro-batches", "8", "--global-batch", str(8 * MICRO)] + steps, False))
     for schedule in ("gpipe", "1f1b"):
         for m in (2, 8):
-            configs.append(((schedule, m, 128 // m), ["--schedule", schedule, "--micro-batches",
-                            str(m), "--global-batch", "128"] + steps, True))
-    configs.append((("gpipe", 1, 128), ["--schedule", "gpipe", "--micro-batches", "1",
+            configs.append(((schedule, m, 128 // m, "fixed"), ["--schedule", schedule,
+                            "--micro-batches", str(m), "--global-batch", "128"] + steps, True))
+    configs.append((("gpipe", 1, 128, "fixed"), ["--schedule", "gpipe", "--micro-batches", "1",
                     "--global-batch", "128"] + steps, True))
 
     results = {}
@@ -84,7 +84,7 @@ def main():
         "activation peak MB stage 0 / stage 1 |",
         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, _, pipeline in configs:
-        if not pipeline or label[2] != MICRO:
+        if not pipeline or len(label) != 3:
             continue
         schedule, m, _ = label
         tput = med(label, "samples_per_s")
@@ -99,9 +99,9 @@ def main():
               "| schedule | M | micro-batch | step (ms) | samples/s | bubble measured | bubble formula |",
               "|---|---|---|---|---|---|---|"]
     for label, _, pipeline in configs:
-        if not pipeline or label[2] * label[1] != 128 or label[2] == MICRO:
+        if len(label) != 4:
             continue
-        schedule, m, each = label
+        schedule, m, each, _ = label
         lines.append(f"| {schedule} | {m} | {each} | {med(label, 'step_ms'):.0f} | "
                      f"{med(label, 'samples_per_s'):.0f} | {100 * med(label, 'bubble'):.1f}% | "
                      f"{100 * med(label, 'bubble_formula'):.1f}% |")

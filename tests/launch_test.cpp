@@ -158,6 +158,36 @@ TEST(Launcher, RestartsAfterAKilledRankAndEndsWithTheSameWeights) {
   EXPECT_TRUE(has(exhausted, "(after 1 restart)")) << exhausted.text;
 }
 
+// A pipeline stage dying: its neighbour, blocked waiting for the next step's activation or
+// gradient, is stopped by the launcher (not left to the 2-minute collective timeout), the
+// failure is named; with a restart the pipelined job resumes from its checkpoint and ends with
+// the uninterrupted run's weights and optimizer state, byte for byte.
+TEST(Launcher, APipelineStageDyingStopsItsNeighboursAndARestartResumes) {
+  TempDir dir;
+  const std::string job = " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+                          "--hidden 32 32 --synthetic-examples 512 --batch-size 16 "
+                          "--pipeline-parallel 2 --micro-batches 2 --epochs 1 --no-progress "
+                          "--checkpoint-every 4 --checkpoint-dir ";
+  const auto straight = run(kDtrain + job + (dir / "straight"));
+  ASSERT_EQ(straight.code, 0) << straight.text;
+  const auto died = run("DTRAIN_SIMULATE_FAILURE=1:6 " + kDtrain + job + (dir / "died"));
+  EXPECT_EQ(died.code, 128 + 9) << died.text;
+  EXPECT_TRUE(has(died, "rank 1 (pid")) << died.text;
+  EXPECT_TRUE(has(died, "killed by signal 9")) << died.text;
+  EXPECT_LT(died.seconds, 30) << died.text;
+  const auto restarted = run("DTRAIN_SIMULATE_FAILURE=1:6:1 " + kDtrain + job +
+                             (dir / "restarted") + " --max-restarts 1");
+  EXPECT_EQ(restarted.code, 0) << restarted.text;
+  EXPECT_TRUE(has(restarted, "resumed from step 4")) << restarted.text;
+  for (const std::string file : {"state-0-of-2.pt", "state-1-of-2.pt"}) {
+    const std::string final_state = "/step-00000016/" + file;
+    const std::string expected = file_bytes(dir / "straight" + final_state);
+    ASSERT_FALSE(expected.empty()) << file;
+    EXPECT_TRUE(file_bytes(dir / "restarted" + final_state) == expected)
+        << file << ": the restarted pipeline ended with other weights or optimizer state";
+  }
+}
+
 // Two nodes (two launchers on 127.0.0.1): a rank dying on one node stops the other node's ranks
 // within seconds, both launchers naming the node, rank and signal; a launcher that dies is
 // noticed by its heartbeat; a node that never comes is named when the rendezvous times out.

@@ -1,6 +1,7 @@
 // Pipeline parallelism: schedules (their order, their ideal timeline, deadlock freedom).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <mutex>
 
@@ -331,6 +332,48 @@ TEST(Pipeline, ClipsByTheGlobalNormChecksActivationsAndNoticesALostGradient) {
 
   run.dropped_rank = 3;  // the last stage of replica 1
   EXPECT_GT(max_difference(f, plain, train_pipeline(f, steps, run)), 1e6 * kTightBound);
+}
+
+// --pipeline-balance time measures the stages: a stage with no parameters but most of the
+// compute gets a rank to itself, where balancing by parameters would pair it with a layer.
+TEST(Pipeline, BalanceByTimeFollowsMeasuredCostNotParameters) {
+  at::set_num_threads(1);
+  run_ranks(2, [](const comm::CommunicatorPtr& comm) {
+    auto grid = std::make_shared<comm::ProcessGrid>(comm, 1, 2);
+    auto make = [] {
+      torch::manual_seed(1);
+      torch::nn::Sequential net(torch::nn::Linear(64, 64), torch::nn::Linear(64, 64),
+                                torch::nn::Linear(64, 64), torch::nn::Linear(64, 4));
+      Model model = sequential_model(net);
+      const at::Tensor mixing = torch::randn({64, 64}) / 8;
+      Stage heavy;  // no parameters, many matmuls
+      heavy.name = "heavy";
+      heavy.forward = [mixing](const at::Tensor& x) {
+        at::Tensor y = x;
+        for (int i = 0; i < 300; ++i) y = torch::tanh(y.matmul(mixing));
+        return y;
+      };
+      model.stages.insert(model.stages.begin(), heavy);
+      auto forward = model.forward;
+      model.forward = [heavy, forward](const at::Tensor& x) { return forward(heavy.forward(x)); };
+      return model;
+    };
+    const data::Batch example{torch::randn({32, 64}), torch::zeros({32}, at::kLong)};
+    for (const std::string balance : {"params", "time"}) {
+      parallel::StrategyOptions options;
+      options.pipeline_balance = balance;
+      options.pipeline_schedule = "gpipe";
+      PipelineStrategy strategy(options);
+      strategy.prepare(example);
+      strategy.setup(make(), optim::optimizer_factory(adam()), grid);
+      EXPECT_EQ(strategy.partition().end(0), balance == "time" ? 1 : 3) << balance;
+      EXPECT_NE(strategy.layout().find(balance == "time" ? "measured time" : "parameters"),
+                std::string::npos) << strategy.layout();
+      // It trains either way.
+      std::vector<data::Batch> micro_batches{example};
+      EXPECT_TRUE(std::isfinite(strategy.train_step(micro_batches, parallel::cross_entropy).loss));
+    }
+  }, std::chrono::seconds(60));
 }
 
 TEST(Pipeline, BadLayoutsAreNamedBeforeAnyWork) {

@@ -166,12 +166,18 @@ TEST(Precision, Bf16MixedKeepsFp32MasterWeightsAndTracksFp32) {
   const auto everything = data.slice(0, 256);
   std::map<std::string, std::pair<double, double>> losses;  // full-data loss before, after
   for (const std::string mode : {"fp32", "bf16-mixed", "bf16"}) {
-    run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
+    // Rank threads share LibTorch's generator: build both replicas before they start (seeding
+    // inside the threads raced, so rank 0's initial model varied from run to run).
+    std::vector<Model> replicas;
+    for (int r = 0; r < 2; ++r) {
       torch::manual_seed(4);
+      replicas.push_back(models::make_model(spec));
+    }
+    run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
       parallel::DdpStrategy ddp({.precision = mode});
       optim::OptimizerSpec sgd;
       sgd.lr = 0.1;
-      ddp.setup(models::make_model(spec), optim::optimizer_factory(sgd),
+      ddp.setup(replicas[comm->rank()], optim::optimizer_factory(sgd),
                 std::make_shared<comm::ProcessGrid>(comm));
       auto full_loss = [&] {
         torch::NoGradGuard no_grad;

@@ -165,8 +165,31 @@ TEST(Trainer, PipelinedRunsEvaluateAndResumeAtOtherSizesAndStrategies) {
     o.batch_size = 12 / (dp * micro);
     return o;
   };
+  TempDir dir;
   const RunOutput full = run(2, with("ddp", 1, 2, 1), 1, deep, true);
-  const RunOutput pipelined = run(4, with("zero1", 2, 2, 2), 1, deep, true);
+  auto traced = with("zero1", 2, 2, 2);
+  traced.trace_file = dir / "trace.json";
+  const RunOutput pipelined = run(4, traced, 1, deep, true);
+  // The trace: a track per rank, each with its forwards and backwards (12 steps x 2).
+  std::ifstream trace_file(traced.trace_file);
+  const auto trace = nlohmann::json::parse(trace_file);
+  std::map<std::pair<int, std::string>, int> spans;
+  for (const auto& event : trace["traceEvents"]) {
+    if (event["ph"] != "X") continue;
+    std::string category = event["cat"];
+    if (category == "recv") category += " " + event["name"].get<std::string>().substr(0, 8);
+    ++spans[{event["pid"].get<int>(), category}];
+  }
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ((spans[{rank, "forward"}]), 24) << rank;
+    EXPECT_EQ((spans[{rank, "backward"}]), 24) << rank;
+    EXPECT_EQ((spans[{rank, "step"}]), 12) << rank;
+  }
+  // Ranks 0, 1 are the first stage (they wait for gradients), 2, 3 the last (activations).
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ((spans[{rank, "recv gradient"}]), rank < 2 ? 24 : 0) << rank;
+    EXPECT_EQ((spans[{rank, "recv activati"}]), rank < 2 ? 0 : 24) << rank;
+  }
   ASSERT_TRUE(full.validation && pipelined.validation);
   EXPECT_EQ(pipelined.validation->examples, 40);
   EXPECT_NEAR(pipelined.validation->loss, full.validation->loss, 1e-10);
@@ -179,8 +202,7 @@ TEST(Trainer, PipelinedRunsEvaluateAndResumeAtOtherSizesAndStrategies) {
     EXPECT_LE((full.weights[i] - pipelined.weights[i]).abs().max().item<double>(), 1e-10);
   }
 
-  TempDir dir;
-  options.checkpoint_dir = dir.path();
+  options.checkpoint_dir = dir / "checkpoints";
   options.checkpoint_every = 3;
   auto first = with("zero1", 2, 2, 2);
   first.stop_at_step = 3;
@@ -199,12 +221,12 @@ TEST(Trainer, PipelinedRunsEvaluateAndResumeAtOtherSizesAndStrategies) {
   for (size_t i = 0; i < full.weights.size(); ++i) {
     EXPECT_LE((full.weights[i] - last.weights[i]).abs().max().item<double>(), 1e-10);
   }
-  const auto meta = train::read_meta(dir / "step-00000006");
+  const auto meta = train::read_meta(dir / "checkpoints/step-00000006");
   EXPECT_EQ(meta.strategy, "pipeline");
   EXPECT_EQ(meta.pp, 4);
   // The whole model from a pipelined checkpoint.
   const auto consolidated = dir / "whole.pt";
-  EXPECT_EQ(train::consolidate_checkpoint(dir / "step-00000009", consolidated),
+  EXPECT_EQ(train::consolidate_checkpoint(dir / "checkpoints/step-00000009", consolidated),
             static_cast<int64_t>(full.weights.size()));
 }
 

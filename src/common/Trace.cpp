@@ -1,6 +1,5 @@
 #include "dtrain/common/Trace.h"
 
-#include <atomic>
 #include <chrono>
 #include <mutex>
 
@@ -15,12 +14,14 @@ struct Recorder {
   int64_t dropped = 0;
 };
 
+// Per thread: a rank is a process in real runs, but tests run ranks as threads of one process,
+// and each must record only its own spans. Spans are opened on the thread that runs fit().
 Recorder& recorder() {
-  static auto* r = new Recorder;  // leaked: spans may end during static destruction
-  return *r;
+  thread_local Recorder r;
+  return r;
 }
 
-std::atomic<bool> g_enabled{false};
+thread_local bool g_enabled = false;
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -56,7 +57,7 @@ void start(int64_t max_events) {
 
 void stop() { g_enabled = false; }
 
-bool enabled() { return g_enabled.load(std::memory_order_relaxed); }
+bool enabled() { return g_enabled; }
 
 std::vector<Event> events() {
   auto& r = recorder();

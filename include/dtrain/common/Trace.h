@@ -1,6 +1,7 @@
 // Timeline traces (Chrome / Perfetto "trace event" JSON): spans such as forward, backward, recv,
-// allreduce and the optimizer step, recorded per process while tracing is on. A Span costs one
-// check of a flag when tracing is off. The Trainer starts tracing for `--trace FILE`, gathers
+// allreduce and the optimizer step, recorded per thread (the thread that trains: a rank's main
+// thread, or a rank thread in tests) while tracing is on. A Span costs one check of a
+// thread-local flag when tracing is off. The Trainer starts tracing for `--trace FILE`, gathers
 // every rank's spans at the end and writes one file with a track per rank;
 // scripts/plot-timeline draws it.
 #pragma once
@@ -18,7 +19,7 @@ struct Event {
   int64_t duration_us = 0;
 };
 
-/// Starts recording this process's spans (clearing earlier ones); at most `max_events` are kept
+/// Starts recording this thread's spans (clearing earlier ones); at most `max_events` are kept
 /// (later ones are counted as dropped).
 void start(int64_t max_events = 2000000);
 void stop();

@@ -331,7 +331,9 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
         reducer->set_sync(true);
         reducer->prepare_for_backward();
       }
-      if (last_virtual(chunk)) {
+      if (!y.requires_grad()) {
+        // Nothing before this point needs a gradient (a first stage without parameters).
+      } else if (last_virtual(chunk)) {
         y.backward();
       } else {
         y.backward(upstream);
