@@ -502,7 +502,11 @@ void Attempt::tick() {
       }
     }
     if (local_failure_) {
-      if (nnodes_ == 1 || now - local_failure_at_ >= kSettle) outcome_ = publish(blame(now));
+      // A rank killed by a signal is a cause, never a consequence of another failure: it is
+      // published at once. Other failures (an exit after a broken connection) wait, so that
+      // the failure that caused them reaches the store first (first published wins).
+      const bool cause = local_failure_->code > 128;
+      if (nnodes_ == 1 || cause || now - local_failure_at_ >= kSettle) outcome_ = publish(blame(now));
       return;
     }
     if (o_.min_nodes > 0 && node_rank_ == 0 && nnodes_ < o_.nnodes &&
