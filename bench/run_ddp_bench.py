@@ -34,6 +34,11 @@ def run_once(build, impl, model, world, batch, steps, bucket_cap_mb, extra=(), e
     threads = max(1, (os.cpu_count() or 1) // world)
     command = [os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node",
                str(world), "--threads", str(threads), "--"] + program
+    return run_json(command, env)
+
+
+def run_json(command, env=None):
+    """Runs a benchmark command and returns the JSON line it prints (exits on failure)."""
     out = subprocess.run(command, capture_output=True, text=True, timeout=900,
                          env=dict(os.environ, **(env or {})))
     if out.returncode != 0:

@@ -12,11 +12,10 @@ stage's activation peak (bytes of live tensors after a forward, above the step's
   bench/run_pipeline_bench.py --rounds 3 [--markdown FILE]
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
+
+from run_ddp_bench import run_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MICRO = 64
@@ -26,13 +25,7 @@ def run(build, args, pipeline=True):
     program = [os.path.join(build, "bench", "pipeline_bench")] + args
     command = ([os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node", "2",
                 "--threads", "1", "--"] + program) if pipeline else program
-    out = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        sys.exit(f"failed ({out.returncode}): {' '.join(command)}\n{out.stderr[-2000:]}")
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            return json.loads(line)
-    sys.exit(f"no result from: {' '.join(command)}\n{out.stdout[-2000:]}")
+    return run_json(command)
 
 
 def main():

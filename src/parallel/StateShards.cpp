@@ -70,6 +70,15 @@ c10::impl::GenericDict load_file(const std::string& path) {
 
 }  // namespace
 
+std::vector<PieceRef> whole_pieces(const std::vector<std::string>& names,
+                                   const std::vector<at::Tensor>& parameters) {
+  std::vector<PieceRef> pieces;
+  for (size_t k = 0; k < parameters.size(); ++k) {
+    pieces.push_back({names[k], 0, parameters[k], parameters[k].sizes().vec()});
+  }
+  return pieces;
+}
+
 std::string state_file(const std::string& directory, int rank, int ranks) {
   return concat(directory, "/state-", rank, "-of-", ranks, ".pt");
 }

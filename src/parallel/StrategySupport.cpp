@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <fstream>
 
 #include "dtrain/common/Error.h"
@@ -37,6 +38,23 @@ std::unique_ptr<precision::LossScaler> make_loss_scaler(const StrategyOptions& o
   scaler_options.init_scale = options.loss_scale_init;
   scaler_options.growth_interval = options.loss_scale_growth_interval;
   return std::make_unique<precision::LossScaler>(scaler_options);
+}
+
+double clip_by_global_norm(const std::vector<at::Tensor>& holders,
+                           const comm::CommunicatorPtr& sum_over, double max_norm) {
+  at::Tensor squares = at::zeros({1}, at::kDouble);
+  for (const auto& t : holders) {
+    if (t.grad().defined()) squares += t.grad().to(at::kDouble).pow(2).sum();
+  }
+  sum_over->allreduce(squares)->wait();
+  const double norm = std::sqrt(squares.item<double>());
+  const double factor = max_norm / (norm + 1e-6);
+  if (factor < 1.0) {
+    for (const auto& t : holders) {
+      if (t.grad().defined()) t.grad().mul_(factor);
+    }
+  }
+  return norm;
 }
 
 void save_loss_scaler(const precision::LossScaler& scaler, const std::string& directory) {

@@ -21,6 +21,12 @@ ReducerOptions reducer_options_from(const StrategyOptions& options);
 std::unique_ptr<precision::LossScaler> make_loss_scaler(const StrategyOptions& options,
                                                         precision::Precision precision);
 
+/// Scales the gradients of `holders` so their global L2 norm is at most `max_norm`, the squared
+/// norm summed over `sum_over` (the ranks holding disjoint parts of the gradients). Collective;
+/// returns the norm before clipping.
+double clip_by_global_norm(const std::vector<at::Tensor>& holders,
+                           const comm::CommunicatorPtr& sum_over, double max_norm);
+
 /// The scaler's state in a checkpoint directory: written by the caller's chosen rank; read if
 /// present (InputError naming the file when it is not a scaler state).
 void save_loss_scaler(const precision::LossScaler& scaler, const std::string& directory);

@@ -35,6 +35,10 @@ struct PieceRef {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+/// Each of `parameters` whole (offset 0), named by `names`.
+std::vector<PieceRef> whole_pieces(const std::vector<std::string>& names,
+                                   const std::vector<at::Tensor>& parameters);
+
 /// The file rank `rank` of `ranks` writes in `directory`.
 std::string state_file(const std::string& directory, int rank, int ranks);
 

@@ -128,19 +128,7 @@ double DdpStrategy::clip_gradients(double max_norm) {
   const auto holders = gradient_holders();
   if (!gradients_sharded()) return torch::nn::utils::clip_grad_norm_(holders, max_norm);
   // Each rank holds part of the gradients: the global norm sums every rank's squares.
-  at::Tensor squares = at::zeros({1}, at::kDouble);
-  for (const auto& t : holders) {
-    if (t.grad().defined()) squares += t.grad().to(at::kDouble).pow(2).sum();
-  }
-  comm_->allreduce(squares)->wait();
-  const double norm = std::sqrt(squares.item<double>());
-  const double factor = max_norm / (norm + 1e-6);
-  if (factor < 1.0) {
-    for (const auto& t : holders) {
-      if (t.grad().defined()) t.grad().mul_(factor);
-    }
-  }
-  return norm;
+  return clip_by_global_norm(holders, comm_, max_norm);
 }
 
 void DdpStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
@@ -148,14 +136,6 @@ void DdpStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer)
 }
 
 void DdpStrategy::apply_update() { optimizer_->step(); }
-
-std::vector<PieceRef> DdpStrategy::whole_parameters() const {
-  std::vector<PieceRef> pieces;
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    pieces.push_back({names_[k], 0, parameters_[k], parameters_[k].sizes().vec()});
-  }
-  return pieces;
-}
 
 NamedTensors DdpStrategy::named_buffers() const {
   NamedTensors buffers;

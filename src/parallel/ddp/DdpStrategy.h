@@ -55,11 +55,10 @@ class DdpStrategy : public Strategy {
   /// Checkpoints: the pieces whose values and optimizer state this rank's state file holds
   /// (every parameter whole for DDP, whose rank 0 alone writes), whether every rank writes a
   /// file, and the pieces whose values a load fills (every parameter whole unless sharded).
-  virtual std::vector<PieceRef> state_pieces() const { return whole_parameters(); }
+  virtual std::vector<PieceRef> state_pieces() const { return whole_pieces(names_, parameters_); }
   virtual bool state_sharded() const { return false; }
-  virtual std::vector<PieceRef> value_pieces() const { return whole_parameters(); }
+  virtual std::vector<PieceRef> value_pieces() const { return whole_pieces(names_, parameters_); }
   /// Every parameter, whole, as checkpoint pieces.
-  std::vector<PieceRef> whole_parameters() const;
   NamedTensors named_buffers() const;
   /// Scales gradients to at most `max_norm` in global L2 norm; returns the norm before.
   double clip_gradients(double max_norm);

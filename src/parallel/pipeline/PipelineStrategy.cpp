@@ -385,19 +385,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
 double PipelineStrategy::clip_gradients() {
   if (options_.max_grad_norm <= 0) return -1.0;
   // Each stage's replicas hold equal (averaged) gradients: the norm sums over stages.
-  at::Tensor square = at::zeros({1}, at::kDouble);
-  for (auto& p : parameters_) {
-    if (p.grad().defined()) square += p.grad().to(at::kDouble).pow(2).sum();
-  }
-  grid_->pp()->allreduce(square)->wait();
-  const double norm = std::sqrt(square.item<double>());
-  const double coefficient = options_.max_grad_norm / (norm + 1e-6);
-  if (coefficient < 1.0) {
-    for (auto& p : parameters_) {
-      if (p.grad().defined()) p.mutable_grad().mul_(coefficient);
-    }
-  }
-  return norm;
+  return clip_by_global_norm(parameters_, grid_->pp(), options_.max_grad_norm);
 }
 
 at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
@@ -420,14 +408,6 @@ at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
     }
   }
   return output;
-}
-
-std::vector<PieceRef> PipelineStrategy::whole_pieces() const {
-  std::vector<PieceRef> pieces;
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    pieces.push_back({names_[k], 0, parameters_[k], parameters_[k].sizes().vec()});
-  }
-  return pieces;
 }
 
 NamedTensors PipelineStrategy::local_buffers() const {
@@ -461,7 +441,7 @@ void PipelineStrategy::save(const std::string& directory) {
                         optimizer_.get(), replica == 0 ? local_buffers() : NamedTensors{});
     }
   } else if (replica == 0 && tp_leader) {
-    write_state_shard(directory, stage, grid_->pp_size(), whole_pieces(), optimizer_.get(),
+    write_state_shard(directory, stage, grid_->pp_size(), whole_pieces(names_, parameters_), optimizer_.get(),
                       local_buffers());
   }
   if (scaler_ && grid_->world()->rank() == 0) save_loss_scaler(*scaler_, directory);
@@ -469,7 +449,7 @@ void PipelineStrategy::save(const std::string& directory) {
 
 void PipelineStrategy::load(const std::string& directory) {
   const NamedTensors buffers = local_buffers();
-  const std::vector<PieceRef> values = whole_pieces();
+  const std::vector<PieceRef> values = whole_pieces(names_, parameters_);
   read_state_shards(directory, values, optimizer_.get(),
                     zero1_ && !parameters_.empty() ? shards_.state_pieces(names_, parameters_)
                                                    : values,

@@ -71,7 +71,6 @@ class PipelineStrategy : public Strategy {
   bool last_virtual(const Chunk& chunk) const {
     return chunk.virtual_stage == partition_.ranks() - 1;
   }
-  std::vector<PieceRef> whole_pieces() const;
   NamedTensors local_buffers() const;
   double clip_gradients();
 
