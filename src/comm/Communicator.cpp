@@ -9,6 +9,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <map>
 
@@ -28,6 +29,23 @@ const char* to_string(ReduceOp op) {
 
 std::string shape_string(const at::Tensor& tensor) {
   return concat(tensor.numel(), " x ", tensor.scalar_type());
+}
+
+std::vector<std::string> allgather_strings(Communicator& comm, const std::string& text) {
+  at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong);
+  at::Tensor lengths = at::empty({comm.size()}, at::kLong);
+  comm.allgather(lengths, length)->wait();
+  const int64_t longest = std::max<int64_t>(lengths.max().item<int64_t>(), 1);
+  at::Tensor padded = at::zeros({longest}, at::kByte);
+  std::memcpy(padded.data_ptr(), text.data(), text.size());
+  at::Tensor all = at::empty({longest * comm.size()}, at::kByte);
+  comm.allgather(all, padded)->wait();
+  std::vector<std::string> out;
+  for (int r = 0; r < comm.size(); ++r) {
+    const char* base = reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest;
+    out.emplace_back(base, static_cast<size_t>(lengths[r].item<int64_t>()));
+  }
+  return out;
 }
 
 // ---- progress board: how many collectives each rank has issued -------------------------------

@@ -164,4 +164,8 @@ CommunicatorPtr init(const InitOptions& options);
 /// Element size-aware description helper: "1024 x BFloat16".
 std::string shape_string(const at::Tensor& tensor);
 
+/// Every member's `text` in rank order, on every member (two allgathers: lengths, then the
+/// padded bytes). For small reports such as trace fragments, not for bulk data.
+std::vector<std::string> allgather_strings(Communicator& comm, const std::string& text);
+
 }  // namespace dtrain::comm
