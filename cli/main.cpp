@@ -2,6 +2,7 @@
 //   dtrain train  [flags | --config FILE.toml]   train a model (optionally on --nproc local ranks)
 //   dtrain launch --nproc-per-node N -- PROGRAM  start N ranks of any program (torchrun-style)
 //   dtrain ckpt consolidate|inspect CHECKPOINT   convert / describe checkpoints
+//   dtrain generate --checkpoint DIR --prompt P  sample text from a language-model checkpoint
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -20,6 +21,7 @@
 #include "dtrain/launch/Launcher.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/Generate.h"
 #include "dtrain/train/Job.h"
 
 namespace {
@@ -96,11 +98,27 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   // Handled by expand_config() before parsing (CLI11 2.1 ignores configs of subcommands).
   app.add_option("--config", "Read options from a TOML file (keys are long flag names; flags on "
                              "the command line win)");
-  add(app, "--model", job.model, "Model: mlp, cnn, resnet")->capture_default_str();
+  add(app, "--model", job.model, "Model: mlp, cnn, resnet, gpt (the language model, on the text data set)")
+      ->capture_default_str();
+  add(app, "--layers", job.gpt.layers, "gpt: transformer blocks")->capture_default_str();
+  add(app, "--heads", job.gpt.heads, "gpt: attention heads")->capture_default_str();
+  add(app, "--width", job.gpt.width, "gpt: model width (a multiple of --heads)")
+      ->capture_default_str();
+  add(app, "--context", job.gpt.context, "gpt: tokens per example (the attention window)")
+      ->capture_default_str();
+  add(app, "--dropout", job.gpt.dropout, "gpt: dropout probability")->capture_default_str();
+  app.add_flag("--tied-embeddings", job.gpt.tied_embeddings,
+               "gpt: the output layer reuses the token embedding's weight");
   add(app, "--hidden", job.hidden, "MLP hidden layer widths")
       ->capture_default_str()
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  add(app, "--dataset", job.dataset, "Data set: fashion-mnist, synthetic")
+  add(app, "--dataset", job.dataset, "Data set: fashion-mnist, synthetic, text")
+      ->capture_default_str();
+  add(app, "--text-file", job.text_file,
+      "--dataset text: a UTF-8 text file or a directory of them (default --data-dir, else "
+      "Debian's fortunes in /usr/share/games/fortunes)");
+  add(app, "--validation-fraction", job.validation_fraction,
+      "--dataset text: share of the text (its end) held out for validation")
       ->capture_default_str();
   add(app, "--data-dir", job.data_dir,
                  "Fashion-MNIST directory (default $DTRAIN_DATA_DIR or "
@@ -209,6 +227,8 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       ->capture_default_str();
   app.add_flag("!--no-resume", t.resume, "Start fresh even if --checkpoint-dir has one");
   add(app, "--metrics", t.metrics_file, "JSONL metrics file");
+  add(app, "--eval-every", t.eval_every, "Also evaluate every N steps (0 = epoch ends only)")
+      ->capture_default_str();
   add(app, "--log-every", t.log_every, "Steps between metrics records")
       ->capture_default_str();
   app.add_flag("!--no-progress", t.progress, "No progress bar");
@@ -241,7 +261,12 @@ int run_train(const dtrain::train::JobConfig& job, const std::vector<std::string
                                      job.trainer.strategy).c_str()
                     : job.trainer.strategy.c_str(),
                 fit.seconds, fit.samples_per_second);
-    if (fit.validation) {
+    if (fit.validation && job.dataset == "text") {
+      std::printf("validation loss: %.4f nats/char (%.3f bits/char) over %lld windows, "
+                  "next-character accuracy %.2f%%\n",
+                  fit.validation->loss, fit.validation->loss / std::log(2.0),
+                  static_cast<long long>(fit.validation->examples), fit.validation->accuracy * 100);
+    } else if (fit.validation) {
       std::printf("test accuracy: %.2f%% (%lld examples), test loss %.4f\n",
                   fit.validation->accuracy * 100, static_cast<long long>(fit.validation->examples),
                   fit.validation->loss);
@@ -415,6 +440,24 @@ int main(int argc, char** argv) {
                       "A checkpoint, or a checkpoint directory (its newest)")
       ->required();
 
+  dtrain::train::GenerateOptions generate_options;
+  auto* generate = app.add_subcommand(
+      "generate", "Sample text from a language-model checkpoint (--model gpt --dataset text)");
+  generate->add_option("--checkpoint", generate_options.checkpoint,
+                       "A checkpoint, or a checkpoint directory (its newest)")
+      ->required();
+  generate->add_option("--prompt", generate_options.prompt, "Text to continue");
+  add(*generate, "--tokens", generate_options.tokens, "Characters to generate")
+      ->capture_default_str();
+  add(*generate, "--temperature", generate_options.temperature,
+      "Sampling temperature (0 = always the most likely character)")
+      ->capture_default_str();
+  add(*generate, "--top-k", generate_options.top_k,
+      "Sample among the k most likely characters only (0 = all)")
+      ->capture_default_str();
+  add(*generate, "--seed", generate_options.seed, "Random seed")->capture_default_str();
+  add(*generate, "--threads", generate_options.threads, "Threads (default: all cores)");
+
   try {
     args = expand_config(args, *train);
     std::vector<std::string> reversed(args.rbegin(), args.rend());
@@ -437,6 +480,14 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (verify->parsed()) return verify_checkpoints(checkpoint_path);
+    if (generate->parsed()) {
+      dtrain::train::generate_text(generate_options, [](const std::string& piece) {
+        std::fputs(piece.c_str(), stdout);
+        std::fflush(stdout);
+      });
+      std::fputs("\n", stdout);
+      return 0;
+    }
     if (inspect->parsed()) {
       const std::string checkpoint = dtrain::train::resolve_checkpoint(checkpoint_path);
       const auto meta = dtrain::train::read_meta(checkpoint);

@@ -14,20 +14,57 @@ TensorDataset::TensorDataset(at::Tensor inputs, at::Tensor targets, Transform tr
                ") disagree on the number of examples");
 }
 
-int64_t TensorDataset::size() const { return inputs_.defined() ? inputs_.size(0) : 0; }
+TensorDataset TensorDataset::windows(at::Tensor tokens, int64_t context, int64_t stride) {
+  DTRAIN_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong,
+               "a token stream is a 1-D int64 tensor, got ", tokens.sizes(), " ",
+               tokens.scalar_type());
+  DTRAIN_CHECK(context >= 1 && stride >= 1, "windows need context >= 1 and stride >= 1");
+  DTRAIN_CHECK_INPUT(tokens.size(0) >= context + 1, "a stream of ", tokens.size(0),
+                     " tokens is too short for one window of ", context,
+                     " tokens and its next-token targets (needs ", context + 1, ")");
+  TensorDataset dataset;
+  dataset.inputs_ = tokens.contiguous();
+  dataset.context_ = context;
+  dataset.stride_ = stride;
+  return dataset;
+}
+
+int64_t TensorDataset::size() const {
+  if (!inputs_.defined()) return 0;
+  if (context_ > 0) return (inputs_.size(0) - context_ - 1) / stride_ + 1;
+  return inputs_.size(0);
+}
+
+at::Tensor TensorDataset::window_index(const at::Tensor& starts, int64_t shift) const {
+  return (starts * stride_ + shift).unsqueeze(1) + at::arange(context_, at::kLong).unsqueeze(0);
+}
 
 Batch TensorDataset::get(const std::vector<int64_t>& indices) const {
   at::Tensor index = at::tensor(indices, at::kLong);
+  if (context_ > 0) {
+    return {inputs_.index({window_index(index, 0)}), inputs_.index({window_index(index, 1)})};
+  }
   at::Tensor x = inputs_.index_select(0, index);
   return {transform_ ? transform_(x) : x, targets_.index_select(0, index)};
 }
 
+at::Tensor TensorDataset::get_targets(const std::vector<int64_t>& indices) const {
+  at::Tensor index = at::tensor(indices, at::kLong);
+  if (context_ > 0) return inputs_.index({window_index(index, 1)});
+  return targets_.index_select(0, index);
+}
+
 Batch TensorDataset::slice(int64_t begin, int64_t end) const {
+  if (context_ > 0) {
+    at::Tensor starts = at::arange(begin, end, at::kLong);
+    return {inputs_.index({window_index(starts, 0)}), inputs_.index({window_index(starts, 1)})};
+  }
   at::Tensor x = inputs_.slice(0, begin, end);
   return {transform_ ? transform_(x) : x, targets_.slice(0, begin, end)};
 }
 
 std::vector<int64_t> TensorDataset::input_shape() const {
+  if (context_ > 0) return {context_};
   auto sizes = inputs_.sizes().vec();
   sizes.erase(sizes.begin());
   return sizes;

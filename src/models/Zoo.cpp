@@ -189,9 +189,14 @@ Model with_stages(std::shared_ptr<M> module) {
 
 }  // namespace
 
-std::vector<std::string> model_names() { return {"mlp", "cnn", "resnet"}; }
+std::vector<std::string> model_names() { return {"mlp", "cnn", "resnet", "gpt"}; }
 
 Model make_model(const ModelSpec& spec) {
+  if (spec.name == "gpt") {
+    GptConfig config = spec.gpt;
+    config.checkpointing = spec.checkpointing;
+    return make_gpt(config);
+  }
   DTRAIN_CHECK_INPUT(spec.classes >= 2, "model needs at least 2 classes, got ", spec.classes);
   if (spec.name == "mlp") {
     return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), spec.hidden,
@@ -210,7 +215,7 @@ Model make_model(const ModelSpec& spec) {
     return with_stages(
         std::make_shared<ResNetImpl>(spec.input_shape[0], spec.classes, spec.checkpointing));
   }
-  DTRAIN_THROW(InputError, "unknown model '", spec.name, "' (expected mlp, cnn or resnet)");
+  DTRAIN_THROW(InputError, "unknown model '", spec.name, "' (expected mlp, cnn, resnet or gpt)");
 }
 
 }  // namespace dtrain::models

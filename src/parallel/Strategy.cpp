@@ -12,6 +12,10 @@
 namespace dtrain::parallel {
 
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
+  if (logits.dim() > 2) {
+    // Per-token predictions [B, T, V] against [B, T]: the mean over every token.
+    return torch::nn::functional::cross_entropy(logits.flatten(0, -2), targets.reshape({-1}));
+  }
   return torch::nn::functional::cross_entropy(logits, targets);
 }
 

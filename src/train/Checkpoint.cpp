@@ -119,6 +119,7 @@ void write_meta(const std::string& directory, const CheckpointMeta& meta) {
     files[name] = {{"bytes", digest.bytes}, {"crc32", digest.crc32}};
   }
   json["files"] = files;
+  if (!meta.extras.empty()) json["extras"] = meta.extras;
   json[kMetaChecksumKey] = crc_of(json.dump());
   write_atomically(directory + "/meta.json", json.dump(2) + "\n");
 }
@@ -163,6 +164,9 @@ CheckpointMeta read_meta(const std::string& directory) {
                               t.at("shape").get<std::vector<int64_t>>(),
                               t.at("dtype").get<std::string>(),
                               t.value("kind", std::string("parameter")) == "buffer"});
+    }
+    if (json.contains("extras")) {
+      meta.extras = json.at("extras").get<std::map<std::string, std::string>>();
     }
     if (json.contains("files")) {
       for (const auto& [name, digest] : json.at("files").items()) {

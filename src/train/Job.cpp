@@ -5,6 +5,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/data/FashionMnist.h"
+#include "dtrain/data/Text.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/memory/Checkpoint.h"
 #include "dtrain/models/Zoo.h"
@@ -26,9 +27,12 @@ std::string joined(const std::vector<std::string>& names) {
   return out;
 }
 
-models::ModelSpec model_spec(const JobConfig& job, std::vector<int64_t> input_shape) {
+models::ModelSpec model_spec(const JobConfig& job, std::vector<int64_t> input_shape,
+                            int64_t vocabulary = 2) {
   models::ModelSpec spec;
   spec.name = job.model;
+  spec.gpt = job.gpt;
+  spec.gpt.vocab = vocabulary;
   spec.hidden = job.hidden;
   spec.checkpointing = job.checkpointing;
   spec.input_shape = std::move(input_shape);
@@ -72,6 +76,9 @@ void validate_pipeline(const JobConfig& job, const TrainerOptions& trainer) {
   const Model model = models::make_model(model_spec(job, {1, 28, 28}));
   const int stages = static_cast<int>(model.stages.size());
   const int virtual_stages = pp * options.pipeline_virtual_stages;
+  DTRAIN_CHECK_INPUT(!(job.model == "gpt" && job.gpt.tied_embeddings),
+                     "--tied-embeddings shares one weight between the first and the last "
+                     "pipeline stage, which the pipeline does not support: leave it out");
   DTRAIN_CHECK_INPUT(stages >= virtual_stages, "--pipeline-parallel ", pp,
                      options.pipeline_virtual_stages > 1
                          ? concat(" x --virtual-stages ", options.pipeline_virtual_stages)
@@ -102,9 +109,22 @@ void validate_job(const JobConfig& job) {
   DTRAIN_CHECK_INPUT(contains(parallel::strategy_names(), job.trainer.strategy),
                      "--strategy: unknown strategy '", job.trainer.strategy, "' (available: ",
                      joined(parallel::strategy_names()), ")");
-  DTRAIN_CHECK_INPUT(job.dataset == "fashion-mnist" || job.dataset == "synthetic",
+  DTRAIN_CHECK_INPUT(job.dataset == "fashion-mnist" || job.dataset == "synthetic" ||
+                         job.dataset == "text",
                      "--dataset: unknown data set '", job.dataset,
-                     "' (expected fashion-mnist or synthetic)");
+                     "' (expected fashion-mnist, synthetic or text)");
+  DTRAIN_CHECK_INPUT((job.model == "gpt") == (job.dataset == "text"),
+                     job.model == "gpt"
+                         ? "--model gpt is a language model: use it with --dataset text"
+                         : concat("--dataset text needs --model gpt (not ", job.model, ")"));
+  if (job.model == "gpt") {
+    models::GptConfig config = job.gpt;
+    config.vocab = 2;  // from the text, checked when it is read
+    models::validate(config);
+    DTRAIN_CHECK_INPUT(!(job.gpt.tied_embeddings && job.trainer.strategy == "zero3"),
+                       "--tied-embeddings with zero3: the shared weight would be gathered by two "
+                       "units; leave --tied-embeddings out or use zero1/zero2");
+  }
   DTRAIN_CHECK_INPUT(job.nproc >= 1, "--nproc must be >= 1, got ", job.nproc);
   DTRAIN_CHECK_INPUT(job.threads >= 0, "--threads must be >= 1, got ", job.threads);
   DTRAIN_CHECK_INPUT(job.comm_timeout_ms > 0, "--comm-timeout must be > 0");
@@ -125,7 +145,18 @@ void validate_job(const JobConfig& job) {
   if (job.dataset == "fashion-mnist") {
     data::load_fashion_mnist(job.data_dir, data::Split::Test);  // checks the files
   }
+  if (job.dataset == "text") {
+    DTRAIN_CHECK_INPUT(job.validation_fraction > 0 && job.validation_fraction < 1,
+                       "--validation-fraction must be in (0, 1), got ", job.validation_fraction);
+    data::load_text(text_path(job), job.gpt.context, job.validation_fraction);  // checks it
+  }
   if (!job.trainer.checkpoint_dir.empty()) ensure_writable(job.trainer.checkpoint_dir);
+}
+
+std::string text_path(const JobConfig& job) {
+  if (!job.text_file.empty()) return job.text_file;
+  if (!job.data_dir.empty()) return job.data_dir;
+  return data::kFortunesDir;
 }
 
 TrainerOptions trainer_options(const JobConfig& job) {
@@ -154,7 +185,29 @@ JobResult run_job(const JobConfig& job) {
   auto world = comm::init(init);
 
   data::TensorDataset train_set, test_set;
-  if (job.dataset == "fashion-mnist") {
+  TrainerOptions options = trainer_options(job);
+  int64_t vocabulary = 2;
+  if (job.dataset == "text") {
+    data::TextData text = data::load_text(text_path(job), job.gpt.context, job.validation_fraction);
+    train_set = text.train;
+    test_set = text.validation;
+    vocabulary = text.tokenizer.size();
+    options.token_loss = true;
+    models::GptConfig config = job.gpt;
+    config.vocab = vocabulary;
+    options.checkpoint_extras["model"] = models::to_json(config);
+    options.checkpoint_extras["vocabulary"] = text.tokenizer.vocabulary_utf8();
+    if (world->rank() == 0) {
+      std::printf("text: %s, %lld characters (%lld for training, %lld for validation), "
+                  "vocabulary of %lld; GPT of %lld parameters\n",
+                  text.origin.c_str(),
+                  static_cast<long long>(text.train_tokens + text.validation_tokens),
+                  static_cast<long long>(text.train_tokens),
+                  static_cast<long long>(text.validation_tokens),
+                  static_cast<long long>(vocabulary),
+                  static_cast<long long>(models::gpt_parameter_count(config)));
+    }
+  } else if (job.dataset == "fashion-mnist") {
     train_set = data::load_fashion_mnist(job.data_dir, data::Split::Train);
     test_set = data::load_fashion_mnist(job.data_dir, data::Split::Test);
   } else {
@@ -163,10 +216,10 @@ JobResult run_job(const JobConfig& job) {
     test_set = data::make_synthetic(std::max<int64_t>(job.synthetic_examples / 8, 1), shape, 10,
                                     job.trainer.seed + 1);
   }
-  Trainer trainer(trainer_options(job), world);
+  Trainer trainer(options, world);
   JobResult result;
-  result.fit = trainer.fit(models::make_model(model_spec(job, train_set.input_shape())), train_set,
-                           &test_set);
+  result.fit = trainer.fit(models::make_model(model_spec(job, train_set.input_shape(), vocabulary)),
+                           train_set, &test_set);
   result.rank = trainer.grid()->world()->rank();
   result.world_size = trainer.grid()->world()->size();
   return result;

@@ -63,6 +63,15 @@ void ProgressBar::update(int64_t epoch, int64_t epochs, int64_t step_in_epoch,
   std::fflush(out_);
 }
 
+void ProgressBar::note(const std::string& text) {
+  if (interactive_) {
+    std::fprintf(out_, "\r%s\033[K\n%s", text.c_str(), last_line_.c_str());
+  } else {
+    std::fprintf(out_, "%s\n", text.c_str());
+  }
+  std::fflush(out_);
+}
+
 void ProgressBar::finish_epoch(const std::string& note) {
   if (interactive_) {
     std::fprintf(out_, "\r%s%s%s\033[K\n", last_line_.c_str(), note.empty() ? "" : "  ",

@@ -29,6 +29,19 @@ namespace dtrain::train {
 
 namespace {
 
+// "val acc 87.10%" for a classifier; "val 1.62 nats/token (2.34 bits)" for a language model.
+std::string describe_eval_as(const EvalResult& eval, bool tokens) {
+  char text[96];
+  if (tokens) {
+    std::snprintf(text, sizeof(text), "val %.4f nats/token (%.3f bits), next-token acc %.1f%%",
+                  eval.loss, eval.loss / std::log(2.0), eval.accuracy * 100);
+  } else {
+    std::snprintf(text, sizeof(text), "val acc %.2f%%", eval.accuracy * 100);
+  }
+  return text;
+}
+
+
 using Clock = std::chrono::steady_clock;
 
 // Tells `dtrain launch` (DTRAIN_PROGRESS_FILE) where the run resumed and the step it has reached,
@@ -128,6 +141,7 @@ void validate(const TrainerOptions& o) {
   DTRAIN_CHECK_INPUT(o.max_steps >= 0, "max steps must be >= 0, got ", o.max_steps);
   DTRAIN_CHECK_INPUT(o.stop_at_step >= 0, "stop-at step must be >= 0, got ", o.stop_at_step);
   DTRAIN_CHECK_INPUT(o.eval_batch_size >= 1, "eval batch size must be >= 1");
+  DTRAIN_CHECK_INPUT(o.eval_every >= 0, "--eval-every must be >= 0, got ", o.eval_every);
   DTRAIN_CHECK_INPUT(o.max_nonfinite_steps >= 0, "max non-finite steps must be >= 0, got ",
                      o.max_nonfinite_steps);
   DTRAIN_CHECK_INPUT(o.keep_checkpoints >= 0, "checkpoints to keep must be >= 0, got ",
@@ -198,6 +212,7 @@ void Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch)
     meta.seed = options_.seed;
     meta.global_batch = global_batch;
     meta.tensors = model_tensors();
+    meta.extras = options_.checkpoint_extras;
     // Digests read back from the files on disk, so the checkpoint that replaces older ones has
     // been verified as written.
     record_files(staging, meta);
@@ -314,7 +329,10 @@ EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
     if (mine >= end || !output.defined() || !counts) continue;
     const auto n = static_cast<double>(end - mine);
     sums[0] += options_.loss(output, batch.targets).item<double>() * n;
-    sums[1] += output.argmax(1).eq(batch.targets).sum().item<double>();
+    // Classes on the last dimension: [B, K] for a classifier, [B, T, V] for a language model
+    // (each example's accuracy is then its share of tokens predicted).
+    sums[1] += output.argmax(-1).eq(batch.targets).to(at::kDouble).reshape({output.size(0), -1})
+                   .mean(1).sum().item<double>();
     sums[2] += n;
   }
   at::Tensor totals = at::tensor({sums[0], sums[1], sums[2]}, at::kDouble);
@@ -337,20 +355,8 @@ void Trainer::write_trace() {
                  world_->rank(), trace::events().size(), static_cast<long long>(trace::dropped()));
   }
   trace::stop();
-  at::Tensor length = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
-  at::Tensor lengths = at::empty({world_->size()}, at::kLong);
-  world_->allgather(lengths, length)->wait();
-  const int64_t longest = lengths.max().item<int64_t>();
-  at::Tensor padded = at::zeros({longest}, at::kByte);
-  std::memcpy(padded.data_ptr(), mine.data(), mine.size());
-  at::Tensor all = at::empty({longest * world_->size()}, at::kByte);
-  world_->allgather(all, padded)->wait();
+  const std::vector<std::string> fragments = comm::allgather_strings(*world_, mine);
   if (world_->rank() != 0) return;
-  std::vector<std::string> fragments;
-  for (int r = 0; r < world_->size(); ++r) {
-    const char* base = reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest;
-    fragments.emplace_back(base, static_cast<size_t>(lengths[r].item<int64_t>()));
-  }
   const std::string text = trace::trace_file(fragments);
   write_file_atomically(options_.trace_file, text.data(), text.size());
 }
@@ -438,7 +444,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
       if (needs.inputs) {
         micro_batches.push_back(train.get(indices));
       } else if (needs.targets) {
-        micro_batches.push_back({at::Tensor(), train.targets().index_select(0, at::tensor(indices))});
+        micro_batches.push_back({at::Tensor(), train.get_targets(indices)});
       } else {
         micro_batches.emplace_back();
       }
@@ -496,22 +502,25 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     }
     const bool epoch_end = in_epoch + 1 == steps_per_epoch || step + 1 == total_steps;
     const bool halting = step + 1 == last_step;
-    if (epoch_end && validation != nullptr) {
+    const bool eval_due = options_.eval_every > 0 && (step + 1) % options_.eval_every == 0;
+    if ((epoch_end || eval_due) && validation != nullptr) {
       result.validation = evaluate(*validation);
       if (leader) {
-        metrics.write({{"event", std::string("eval")},
-                       {"step", step + 1},
-                       {"epoch", epoch},
-                       {"val_loss", result.validation->loss},
-                       {"val_accuracy", result.validation->accuracy}});
+        MetricRecord record{{"event", std::string("eval")},
+                            {"step", step + 1},
+                            {"epoch", epoch},
+                            {"seconds", seconds_since(start)},
+                            {"val_loss", result.validation->loss},
+                            {"val_accuracy", result.validation->accuracy}};
+        if (options_.token_loss) record["val_bits_per_token"] = result.validation->loss / std::log(2.0);
+        metrics.write(record);
+        if (options_.progress && !epoch_end) {
+          progress.note(concat("step ", step + 1, ": ", describe_eval_as(*result.validation, options_.token_loss)));
+        }
       }
     }
     if (leader && options_.progress && epoch_end) {
-      char note[64] = "";
-      if (result.validation) {
-        std::snprintf(note, sizeof(note), "val acc %.2f%%", result.validation->accuracy * 100);
-      }
-      progress.finish_epoch(note);
+      progress.finish_epoch(result.validation ? describe_eval_as(*result.validation, options_.token_loss) : "");
     }
     const bool periodic = options_.checkpoint_every > 0 && (step + 1) % options_.checkpoint_every == 0;
     if (!options_.checkpoint_dir.empty() && (periodic || epoch_end || halting) &&

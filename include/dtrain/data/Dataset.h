@@ -23,20 +23,34 @@ class TensorDataset {
   /// uint8 pixels -> normalized float).
   TensorDataset(at::Tensor inputs, at::Tensor targets, Transform transform = nullptr);
 
+  /// A token stream (1-D int64) read as windows for next-token prediction: example i is
+  /// tokens[i * stride, i * stride + context) and its targets the same window shifted by one.
+  /// Nothing is copied until a batch is gathered. stride 1 gives every window (training, with a
+  /// sampler's random order: random windows); stride = context tiles the stream (evaluation).
+  static TensorDataset windows(at::Tensor tokens, int64_t context, int64_t stride);
+
   int64_t size() const;
   /// The examples at `indices` (int64), transformed.
   Batch get(const std::vector<int64_t>& indices) const;
+  /// Only their targets (for ranks that need no inputs, e.g. a pipeline's last stage).
+  at::Tensor get_targets(const std::vector<int64_t>& indices) const;
   /// Examples [begin, end) in order.
   Batch slice(int64_t begin, int64_t end) const;
   /// Shape of one input example (without the batch dimension).
   std::vector<int64_t> input_shape() const;
+  /// The stored tensors (for windows: the token stream, and no targets).
   const at::Tensor& raw_inputs() const { return inputs_; }
   const at::Tensor& targets() const { return targets_; }
+  /// > 0 for a windowed token stream.
+  int64_t context() const { return context_; }
 
  private:
+  at::Tensor window_index(const at::Tensor& starts, int64_t shift) const;
   at::Tensor inputs_;
   at::Tensor targets_;
   Transform transform_;
+  int64_t context_ = 0;
+  int64_t stride_ = 1;
 };
 
 /// A learnable synthetic classification set: Gaussian inputs labelled by a fixed random linear

@@ -5,12 +5,13 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/models/Gpt.h"
 #include "dtrain/models/Model.h"
 
 namespace dtrain::models {
 
 struct ModelSpec {
-  /// "mlp", "cnn" or "resnet".
+  /// "mlp", "cnn", "resnet" or "gpt".
   std::string name = "cnn";
   /// One example's shape, e.g. {1, 28, 28}.
   std::vector<int64_t> input_shape{1, 28, 28};
@@ -19,6 +20,8 @@ struct ModelSpec {
   std::vector<int64_t> hidden{256, 256};
   /// Activation checkpointing: "none", "sqrt" (round(sqrt(layers)) segments) or a segment count.
   std::string checkpointing = "none";
+  /// The GPT model's sizes (its vocabulary from the data; checkpointing from above).
+  GptConfig gpt;
 };
 
 /// Builds the named model with freshly initialized parameters (uses the global torch RNG).

@@ -43,6 +43,9 @@ struct CheckpointMeta {
   /// Every other file of the checkpoint (name -> digest), taken from the files on disk at save
   /// time. Empty for checkpoints written before dtrain recorded checksums.
   std::map<std::string, FileDigest> files;
+  /// What else a job needs to use the model (e.g. "model": the GPT sizes as JSON,
+  /// "vocabulary": the tokenizer's characters), written under "extras".
+  std::map<std::string, std::string> extras;
 };
 
 std::string checkpoint_name(int64_t step);

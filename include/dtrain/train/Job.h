@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/models/Gpt.h"
 #include "dtrain/train/Trainer.h"
 
 namespace dtrain::train {
@@ -14,14 +15,22 @@ namespace dtrain::train {
 /// first command with no flags trains a good model.
 struct JobConfig {
   JobConfig();
-  /// "mlp", "cnn" or "resnet".
+  /// "mlp", "cnn", "resnet" or "gpt" (with the text data set).
   std::string model = "cnn";
+  /// GPT sizes (--layers --heads --width --context --dropout --tied-embeddings); the
+  /// vocabulary comes from the text.
+  models::GptConfig gpt;
   std::vector<int64_t> hidden{256, 256};
   /// Activation checkpointing: "none", "sqrt" or a segment count.
   std::string checkpointing = "none";
-  /// "fashion-mnist" or "synthetic".
+  /// "fashion-mnist", "synthetic" or "text".
   std::string dataset = "fashion-mnist";
   std::string data_dir;
+  /// --dataset text: a UTF-8 file or a directory of them ("" = --data-dir, else Debian's
+  /// fortunes).
+  std::string text_file;
+  /// --dataset text: the share of the stream held out for validation (its end).
+  double validation_fraction = 0.1;
   int64_t synthetic_examples = 8192;
   TrainerOptions trainer;
   /// > 0: micro-batches per step (the pipeline's M); sets trainer.accumulation_steps.
@@ -51,6 +60,9 @@ struct JobResult {
   int rank = 0;
   int world_size = 1;
 };
+
+/// Where --dataset text reads: --text-file, else --data-dir, else the fortunes directory.
+std::string text_path(const JobConfig& job);
 
 /// The Trainer's options for `job` (micro_batches folded into the accumulation steps).
 TrainerOptions trainer_options(const JobConfig& job);

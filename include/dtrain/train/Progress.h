@@ -20,6 +20,8 @@ class ProgressBar {
               double loss, double samples_per_second, double eta_seconds);
   /// Ends the current line (epoch finished) with an optional note (e.g. validation accuracy).
   void finish_epoch(const std::string& note);
+  /// Prints `text` on its own line (above the live bar on a terminal).
+  void note(const std::string& text);
 
   /// "1:02:03" / "4:05".
   static std::string format_duration(double seconds);

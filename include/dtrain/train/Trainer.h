@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,13 @@ struct TrainerOptions {
   /// length: for time-sliced jobs that resume from their checkpoint later.
   int64_t stop_at_step = 0;
   int64_t eval_batch_size = 1000;
+  /// > 0: also evaluate every N steps (else at epoch ends only).
+  int64_t eval_every = 0;
+  /// The outputs are per-token predictions (a language model): validation loss is reported in
+  /// nats and bits per token, accuracy as the share of next tokens predicted.
+  bool token_loss = false;
+  /// Written into every checkpoint's meta.json (CheckpointMeta::extras).
+  std::map<std::string, std::string> checkpoint_extras;
   /// Stop with an error after this many consecutive steps whose loss (averaged over ranks) or
   /// gradient norm is not finite (0 = never). Steps the loss scaler skipped do not count. No
   /// checkpoint is written while the latest step was non-finite.

@@ -1,0 +1,121 @@
+// `dtrain generate`: rebuild the GPT from a checkpoint and sample from it autoregressively.
+#include "dtrain/train/Generate.h"
+
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+#include <unistd.h>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/data/Text.h"
+#include "dtrain/models/Gpt.h"
+#include "dtrain/train/Checkpoint.h"
+
+namespace dtrain::train {
+
+std::string generate_text(const GenerateOptions& options,
+                          const std::function<void(const std::string&)>& on_token) {
+  DTRAIN_CHECK_INPUT(options.tokens >= 0, "--tokens must be >= 0, got ", options.tokens);
+  DTRAIN_CHECK_INPUT(options.temperature >= 0, "--temperature must be >= 0, got ",
+                     options.temperature);
+  DTRAIN_CHECK_INPUT(options.top_k >= 0, "--top-k must be >= 0, got ", options.top_k);
+  at::set_num_threads(options.threads > 0
+                          ? options.threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  const std::string checkpoint = resolve_checkpoint(options.checkpoint);
+  const CheckpointMeta meta = read_meta(checkpoint);
+  const auto model_it = meta.extras.find("model");
+  const auto vocab_it = meta.extras.find("vocabulary");
+  DTRAIN_CHECK_INPUT(model_it != meta.extras.end() && vocab_it != meta.extras.end(), checkpoint,
+                     " holds no language model (dtrain generate reads checkpoints of "
+                     "--model gpt --dataset text)");
+  const models::GptConfig config =
+      models::gpt_config_from_json(model_it->second, checkpoint + "/meta.json");
+  const data::CharTokenizer tokenizer = data::CharTokenizer::from_vocabulary(vocab_it->second);
+  DTRAIN_CHECK_INPUT(tokenizer.size() == config.vocab, checkpoint, "/meta.json: a vocabulary of ",
+                     tokenizer.size(), " characters for a model of ", config.vocab);
+
+  torch::manual_seed(options.seed);
+  Model model = models::make_gpt(config);
+  // The full model from the shards, through a private temporary file.
+  char path[] = "/tmp/dtrain-generate-XXXXXX";
+  const int fd = ::mkstemp(path);
+  DTRAIN_CHECK(fd >= 0, "cannot create a temporary file in /tmp");
+  ::close(fd);
+  try {
+    consolidate_checkpoint(checkpoint, path);
+    torch::serialize::InputArchive archive;
+    archive.load_from(path);
+    // By name (the archive nests by module path, and has no entries for modules without
+    // tensors, such as dropout, so Module::load would refuse it).
+    torch::NoGradGuard no_grad;
+    auto load = [&](const std::string& name, at::Tensor& target) {
+      torch::serialize::InputArchive* level = &archive;
+      std::vector<torch::serialize::InputArchive> nested;
+      nested.reserve(16);
+      size_t begin = 0;
+      for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', begin)) {
+        nested.emplace_back();
+        DTRAIN_CHECK_INPUT(level->try_read(name.substr(begin, dot - begin), nested.back()),
+                           checkpoint, " has no tensor ", name);
+        level = &nested.back();
+        begin = dot + 1;
+      }
+      at::Tensor value;
+      DTRAIN_CHECK_INPUT(level->try_read(name.substr(begin), value), checkpoint,
+                         " has no tensor ", name);
+      DTRAIN_CHECK_INPUT(value.sizes() == target.sizes(), checkpoint, ": ", name, " is ",
+                         value.sizes(), ", the model's is ", target.sizes());
+      target.copy_(value);
+    };
+    for (auto& item : model.module->named_parameters()) load(item.key(), item.value());
+    for (auto& item : model.module->named_buffers()) load(item.key(), item.value());
+  } catch (...) {
+    std::filesystem::remove(path);
+    throw;
+  }
+  std::filesystem::remove(path);
+  model.module->eval();
+
+  std::vector<int64_t> ids;
+  if (options.prompt.empty()) {
+    try {
+      ids = tokenizer.encode("\n");
+    } catch (const InputError&) {
+      ids = {0};
+    }
+  } else {
+    ids = tokenizer.encode(options.prompt);
+  }
+  std::string text = options.prompt;
+  if (on_token) on_token(options.prompt);
+  at::Generator generator = at::detail::createCPUGenerator(options.seed);
+  torch::NoGradGuard no_grad;
+  for (int64_t i = 0; i < options.tokens; ++i) {
+    const auto begin = ids.size() > static_cast<size_t>(config.context)
+                           ? ids.end() - config.context
+                           : ids.begin();
+    at::Tensor input = at::tensor(std::vector<int64_t>(begin, ids.end()), at::kLong).unsqueeze(0);
+    at::Tensor logits = model(input).select(1, input.size(1) - 1).squeeze(0).to(at::kDouble);
+    int64_t next = 0;
+    if (options.temperature == 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      logits = logits / options.temperature;
+      if (options.top_k > 0 && options.top_k < logits.size(0)) {
+        const at::Tensor kth = std::get<0>(logits.topk(options.top_k)).select(0, options.top_k - 1);
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<double>::infinity());
+      }
+      next = at::multinomial(at::softmax(logits, 0), 1, false, generator).item<int64_t>();
+    }
+    ids.push_back(next);
+    const std::string piece = tokenizer.decode({next});
+    text += piece;
+    if (on_token) on_token(piece);
+  }
+  return text;
+}
+
+}  // namespace dtrain::train
