@@ -423,7 +423,7 @@ int main(int argc, char** argv) {
   std::string checkpoint_path, output_path;
   auto* consolidate = ckpt->add_subcommand(
       "consolidate", "Join a checkpoint's shards (any strategy, any world size) into one full-model "
-                     "file for C++ torch::load(module, file) and Python torch.load(file)");
+                     "file for C++ (dtrain::train::load_consolidated) and Python torch.load(file)");
   consolidate->add_option("checkpoint", checkpoint_path,
                           "A checkpoint, or a checkpoint directory (its newest)")
       ->required();
@@ -474,8 +474,8 @@ int main(int argc, char** argv) {
       const std::string checkpoint = dtrain::train::resolve_checkpoint(checkpoint_path);
       if (output_path.empty()) output_path = checkpoint + "/consolidated.pt";
       const auto count = dtrain::train::consolidate_checkpoint(checkpoint, output_path);
-      std::printf("wrote %lld tensors of %s to %s (torch::load(model, file) in C++, "
-                  "torch.load(file).state_dict() in Python)\n",
+      std::printf("wrote %lld tensors of %s to %s (C++: dtrain::train::load_consolidated(module, "
+                  "file); Python: torch.load(file).state_dict())\n",
                   static_cast<long long>(count), checkpoint.c_str(), output_path.c_str());
       return 0;
     }

@@ -250,7 +250,7 @@ TEST(Gpt, TrainsOnTextCheckpointsItsVocabularyAndGenerates) {
   job.trainer.optimizer.momentum = 0;
   job.trainer.optimizer.weight_decay = 0;
   job.trainer.batch_size = 16;
-  job.trainer.max_steps = 30;
+  job.trainer.max_steps = 150;
   job.trainer.eval_every = 10;
   job.trainer.progress = false;
   job.trainer.checkpoint_dir = dir + "/ckpt";
@@ -275,6 +275,8 @@ TEST(Gpt, TrainsOnTextCheckpointsItsVocabularyAndGenerates) {
       train::generate_text(options, [&](const std::string& piece) { streamed += piece; });
   EXPECT_EQ(greedy, streamed);
   EXPECT_EQ(greedy.size(), 5u + 12u);
+  // The trained weights were loaded: the greedy continuation is the repeated sentence.
+  EXPECT_EQ(greedy, "the cat sat on th") << greedy;
   EXPECT_EQ(greedy.rfind("the c", 0), 0u);
   EXPECT_EQ(train::generate_text(options), greedy);  // greedy is deterministic
   options.temperature = 1.0;
@@ -285,6 +287,37 @@ TEST(Gpt, TrainsOnTextCheckpointsItsVocabularyAndGenerates) {
   options.prompt = "dog";
   EXPECT_NE(input_error([&] { train::generate_text(options); })
                 .find("character 1 ('d', U+0064) is not in the model's vocabulary"),
+            std::string::npos);
+  // The consolidated file loads into a fresh GPT (whose Dropout modules hold no tensors, so
+  // torch::load refuses it) and gives the trained model: the same greedy continuation.
+  train::consolidate_checkpoint(train::resolve_checkpoint(dir + "/ckpt"), dir + "/whole.pt");
+  torch::manual_seed(99);
+  Model fresh = models::make_gpt(models::gpt_config_from_json(meta.extras.at("model"), "m"));
+  train::load_consolidated(*fresh.module, dir + "/whole.pt");
+  fresh.module->eval();
+  {
+    torch::NoGradGuard no_grad;
+    const auto tokenizer = data::CharTokenizer::from_vocabulary(meta.extras.at("vocabulary"));
+    auto ids = tokenizer.encode("the c");
+    for (int i = 0; i < 12; ++i) {
+      const auto first = ids.end() - static_cast<std::ptrdiff_t>(std::min<size_t>(ids.size(), 8));
+      at::Tensor window = at::tensor(std::vector<int64_t>(first, ids.end()), at::kLong).unsqueeze(0);
+      ids.push_back(fresh(window).select(1, window.size(1) - 1).argmax(-1).item<int64_t>());
+    }
+    EXPECT_EQ(tokenizer.decode(ids), greedy);
+  }
+  EXPECT_THROW(torch::load(fresh.module, dir + "/whole.pt"), c10::Error);
+
+  // A checkpoint of a model that is not a language model (no sizes or vocabulary recorded).
+  const std::string other = dir + "/not-a-language-model";
+  fs::copy(train::resolve_checkpoint(dir + "/ckpt"), other);
+  auto stripped = train::read_meta(other);
+  stripped.extras.clear();
+  train::write_meta(other, stripped);
+  train::GenerateOptions elsewhere = options;
+  elsewhere.checkpoint = other;
+  elsewhere.prompt = "the";
+  EXPECT_NE(input_error([&] { train::generate_text(elsewhere); }).find("holds no language model"),
             std::string::npos);
   options.prompt = "the";
   options.top_k = -1;

@@ -3,10 +3,12 @@
 
 #include <nlohmann/json.hpp>
 #include <torch/serialize.h>
+#include <torch/nn/module.h>
 #include <zlib.h>
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
+#include <deque>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -316,6 +318,35 @@ struct ArchiveNode {
 };
 
 }  // namespace
+
+void load_consolidated(torch::nn::Module& module, const std::string& file) {
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(file);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, file, " is not a LibTorch archive: ", e.what_without_backtrace());
+  }
+  torch::NoGradGuard no_grad;
+  auto load = [&](const std::string& name, at::Tensor& target) {
+    torch::serialize::InputArchive* level = &archive;
+    std::deque<torch::serialize::InputArchive> nested;  // stable addresses
+    size_t begin = 0;
+    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', begin)) {
+      nested.emplace_back();
+      DTRAIN_CHECK_INPUT(level->try_read(name.substr(begin, dot - begin), nested.back()), file,
+                         " has no tensor ", name);
+      level = &nested.back();
+      begin = dot + 1;
+    }
+    at::Tensor value;
+    DTRAIN_CHECK_INPUT(level->try_read(name.substr(begin), value), file, " has no tensor ", name);
+    DTRAIN_CHECK_INPUT(value.sizes() == target.sizes(), file, ": ", name, " is ", value.sizes(),
+                       ", the model's is ", target.sizes());
+    target.copy_(value);
+  };
+  for (auto& item : module.named_parameters()) load(item.key(), item.value());
+  for (auto& item : module.named_buffers()) load(item.key(), item.value());
+}
 
 int64_t consolidate_checkpoint(const std::string& directory, const std::string& output) {
   const std::string problem = verify_checkpoint(directory);

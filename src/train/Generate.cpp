@@ -3,14 +3,12 @@
 
 #include <torch/torch.h>
 
-#include <cstdlib>
-#include <filesystem>
 #include <thread>
-#include <unistd.h>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/data/Text.h"
 #include "dtrain/models/Gpt.h"
+#include "dtrain/parallel/StateShards.h"
 #include "dtrain/train/Checkpoint.h"
 
 namespace dtrain::train {
@@ -39,44 +37,22 @@ std::string generate_text(const GenerateOptions& options,
 
   torch::manual_seed(options.seed);
   Model model = models::make_gpt(config);
-  // The full model from the shards, through a private temporary file.
-  char path[] = "/tmp/dtrain-generate-XXXXXX";
-  const int fd = ::mkstemp(path);
-  DTRAIN_CHECK(fd >= 0, "cannot create a temporary file in /tmp");
-  ::close(fd);
-  try {
-    consolidate_checkpoint(checkpoint, path);
-    torch::serialize::InputArchive archive;
-    archive.load_from(path);
-    // By name (the archive nests by module path, and has no entries for modules without
-    // tensors, such as dropout, so Module::load would refuse it).
+  // The weights straight from the shards (any strategy and layout), checksums verified first.
+  const std::string problem = verify_checkpoint(checkpoint);
+  DTRAIN_CHECK_INPUT(problem.empty(), "checkpoint ", checkpoint, " does not verify: ", problem);
+  {
     torch::NoGradGuard no_grad;
-    auto load = [&](const std::string& name, at::Tensor& target) {
-      torch::serialize::InputArchive* level = &archive;
-      std::vector<torch::serialize::InputArchive> nested;
-      nested.reserve(16);
-      size_t begin = 0;
-      for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', begin)) {
-        nested.emplace_back();
-        DTRAIN_CHECK_INPUT(level->try_read(name.substr(begin, dot - begin), nested.back()),
-                           checkpoint, " has no tensor ", name);
-        level = &nested.back();
-        begin = dot + 1;
-      }
-      at::Tensor value;
-      DTRAIN_CHECK_INPUT(level->try_read(name.substr(begin), value), checkpoint,
-                         " has no tensor ", name);
-      DTRAIN_CHECK_INPUT(value.sizes() == target.sizes(), checkpoint, ": ", name, " is ",
-                         value.sizes(), ", the model's is ", target.sizes());
-      target.copy_(value);
-    };
-    for (auto& item : model.module->named_parameters()) load(item.key(), item.value());
-    for (auto& item : model.module->named_buffers()) load(item.key(), item.value());
-  } catch (...) {
-    std::filesystem::remove(path);
-    throw;
+    std::vector<std::string> names;
+    std::vector<at::Tensor> parameters;
+    for (const auto& item : model.module->named_parameters()) {
+      names.push_back(item.key());
+      parameters.push_back(item.value());
+    }
+    parallel::NamedTensors buffers;
+    for (const auto& item : model.module->named_buffers()) buffers.emplace_back(item.key(), item.value());
+    parallel::read_state_shards(checkpoint, parallel::whole_pieces(names, parameters), nullptr, {},
+                                &buffers);
   }
-  std::filesystem::remove(path);
   model.module->eval();
 
   std::vector<int64_t> ids;

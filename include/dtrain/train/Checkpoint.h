@@ -11,6 +11,10 @@
 #include <string>
 #include <vector>
 
+namespace torch::nn {
+class Module;
+}
+
 namespace dtrain::train {
 
 struct TensorInfo {
@@ -87,9 +91,14 @@ std::string resolve_checkpoint(const std::string& path);
 
 /// Joins the checkpoint's state files into one LibTorch archive of the full model (every
 /// parameter and buffer meta.json lists, nested by module path like torch::save(module)): C++
-/// reads it with torch::load(module, file), Python with torch.load(file).state_dict(). Works for
+/// reads it with load_consolidated (below), Python with torch.load(file).state_dict(). Works for
 /// every strategy and world size. Written to a temporary name and renamed. Returns the number of
 /// tensors.
 int64_t consolidate_checkpoint(const std::string& directory, const std::string& output);
+/// Loads a consolidated file into `module` by parameter and buffer name. torch::load(module,
+/// file) reads it too when every submodule holds tensors, but refuses a module with tensor-less
+/// children (ReLU, Dropout: "No such serialized submodule"), which the file cannot list.
+/// InputError naming a tensor the file lacks or whose shape differs.
+void load_consolidated(torch::nn::Module& module, const std::string& file);
 
 }  // namespace dtrain::train
