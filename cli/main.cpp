@@ -109,6 +109,10 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   add(app, "--dropout", job.gpt.dropout, "gpt: dropout probability")->capture_default_str();
   app.add_flag("--tied-embeddings", job.gpt.tied_embeddings,
                "gpt: the output layer reuses the token embedding's weight");
+  app.add_flag("--sequence-parallel", job.gpt.sequence_parallel,
+               "gpt with --tensor-parallel: split LayerNorm, dropout and residual activations "
+               "along the sequence too (Megatron's sequence parallelism; --context a multiple "
+               "of T)");
   add(app, "--hidden", job.hidden, "MLP hidden layer widths")
       ->capture_default_str()
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
@@ -134,6 +138,10 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   add(app, "--pipeline-parallel", t.pipeline_parallel,
       "Pipeline stages: the model's stages are split over this many ranks (the rest of the "
       "world makes each stage data-parallel with --strategy ddp or zero1)")
+      ->capture_default_str();
+  add(app, "--tensor-parallel", t.tensor_parallel,
+      "Tensor-parallel ranks: each layer's matrices are split over this many ranks (Megatron-"
+      "style; --model gpt). With --pipeline-parallel P the world is DP x P x T")
       ->capture_default_str();
   add(app, "--micro-batches", job.micro_batches,
       "Micro-batches per optimizer step (the pipeline's M; sets --accumulation)");
@@ -256,10 +264,13 @@ int run_train(const dtrain::train::JobConfig& job, const std::vector<std::string
     std::printf("trained %lld steps (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s\n",
                 static_cast<long long>(fit.steps), static_cast<long long>(fit.global_batch),
                 result.world_size, result.world_size == 1 ? "" : "s",
-                job.trainer.pipeline_parallel > 1
-                    ? dtrain::concat(job.trainer.pipeline_parallel, "-stage pipeline x ",
-                                     job.trainer.strategy).c_str()
-                    : job.trainer.strategy.c_str(),
+                dtrain::concat(job.trainer.pipeline_parallel > 1
+                                   ? dtrain::concat(job.trainer.pipeline_parallel, "-stage pipeline x ")
+                                   : std::string(),
+                               job.trainer.strategy,
+                               job.trainer.tensor_parallel > 1
+                                   ? dtrain::concat(" x tensor-parallel ", job.trainer.tensor_parallel)
+                                   : std::string()).c_str(),
                 fit.seconds, fit.samples_per_second);
     if (fit.validation && job.dataset == "text") {
       std::printf("validation loss: %.4f nats/char (%.3f bits/char) over %lld windows, "

@@ -37,14 +37,17 @@ inline void run_ranks(int world_size,
     });
   }
   for (auto& thread : threads) thread.join();
+  // Every failing rank's error: the first one is often only a peer's disconnection.
+  std::string report;
   for (int rank = 0; rank < world_size; ++rank) {
     if (!errors[rank]) continue;
     try {
       std::rethrow_exception(errors[rank]);
     } catch (const std::exception& e) {
-      throw std::runtime_error("rank " + std::to_string(rank) + ": " + e.what());
+      report += (report.empty() ? "" : "\n") + std::string("rank ") + std::to_string(rank) + ": " + e.what();
     }
   }
+  if (!report.empty()) throw std::runtime_error(report);
 }
 
 }  // namespace dtrain::test

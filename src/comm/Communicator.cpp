@@ -172,6 +172,23 @@ void Communicator::track_progress(std::shared_ptr<ProgressBoard> board,
   ProgressPublisher::instance().add(state);
 }
 
+std::map<std::string, Communicator::Tally> Communicator::tally() const {
+  std::lock_guard<std::mutex> lock(tally_mutex_);
+  return tally_;
+}
+
+void Communicator::reset_tally() {
+  std::lock_guard<std::mutex> lock(tally_mutex_);
+  tally_.clear();
+}
+
+void Communicator::count_collective(const char* op, int64_t elements) {
+  std::lock_guard<std::mutex> lock(tally_mutex_);
+  Tally& entry = tally_[op];
+  entry.count += 1;
+  entry.elements += elements;
+}
+
 void Communicator::note_collective(const std::string& op_and_args, Work& work) {
   if (!progress_) return;
   const int64_t index = ++progress_->issued;
@@ -237,6 +254,9 @@ WorkPtr Communicator::run_async(std::string description, Milliseconds timeout,
 }
 
 void Communicator::op_thread_main() {
+  // Communication moves values; it is never part of an autograd graph (and grad mode is
+  // per thread: a caller's no-grad views must stay writable here).
+  at::NoGradGuard no_grad;
   for (;;) {
     std::function<void()> task;
     {
@@ -377,6 +397,7 @@ WorkPtr Communicator::allgather(at::Tensor output, at::Tensor input,
   DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what),
                ": output dtype ", output.scalar_type(), " != input dtype ", input.scalar_type());
   const auto timeout = resolve(options.timeout);
+  if (size_ > 1) count_collective("allgather", output.numel());
   const int64_t sequence = next_sequence();
   return run_async(describe(what), timeout, [=] {
     ring_allgather(output, input, counts, sequence, timeout, what);
@@ -405,6 +426,7 @@ WorkPtr Communicator::reduce_scatter(at::Tensor output, at::Tensor input,
   DTRAIN_CHECK(options.op != ReduceOp::Avg || at::isFloatingType(input.scalar_type()),
                describe(what), ": avg needs a floating-point tensor");
   const auto timeout = resolve(options.timeout);
+  if (size_ > 1) count_collective("reduce_scatter", input.numel());
   const int64_t sequence = next_sequence();
   return run_async(describe(what), timeout, [=] {
     ring_reduce_scatter(output, input, counts, options.op, sequence, timeout, what,

@@ -3,34 +3,53 @@
 // scaled-dot-product attention.
 #include "dtrain/models/Gpt.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <limits>
+#include <mutex>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/Checkpoint.h"
+#include "dtrain/parallel/tensor/CrossEntropy.h"
+#include "dtrain/parallel/tensor/Layers.h"
+#include "dtrain/parallel/tensor/Mappings.h"
+#include "dtrain/parallel/tensor/Random.h"
 
 namespace dtrain::models {
 
 namespace {
 
-void init_linear(torch::nn::Linear& linear, double std) {
-  torch::NoGradGuard no_grad;
-  linear->weight.normal_(0.0, std);
-  if (linear->bias.defined()) linear->bias.zero_();
-}
+namespace tp = parallel::tensor;
+
+struct Shared {
+  comm::CommunicatorPtr group;  // the tensor-parallel group (null: serial)
+  std::shared_ptr<tp::RngTracker> rng;
+  double dropout = 0.0;
+  // Sequence parallelism: outside attention and the MLP, activations are [b, t / T, h], each
+  // rank holding a contiguous part of the sequence.
+  bool sequence_parallel = false;
+  int size() const { return group ? group->size() : 1; }
+  int rank() const { return group ? group->rank() : 0; }
+  // Dropout outside the split layers: replicated activations share a mask; sequence parts are
+  // different positions, so they get their own.
+  at::Generator& outer_rng() const { return sequence_parallel ? rng->parallel() : rng->replicated(); }
+};
 
 struct GptEmbeddingImpl : torch::nn::Module {
-  GptEmbeddingImpl(const GptConfig& c)
-      : token(c.vocab, c.width), position(c.context, c.width), dropout(c.dropout) {
+  GptEmbeddingImpl(const GptConfig& c, Shared shared)
+      : token(tp::VocabParallelEmbeddingOptions(c.vocab, c.width)
+                  .init_std(0.02)
+                  .sequence_parallel(shared.sequence_parallel),
+              shared.group),
+        position(c.context, c.width),
+        shared(std::move(shared)) {
     register_module("token", token);
     register_module("position", position);
-    register_module("dropout", dropout);
     torch::NoGradGuard no_grad;
-    token->weight.normal_(0.0, 0.02);
     position->weight.normal_(0.0, 0.02);
   }
   at::Tensor forward(const at::Tensor& ids) {
@@ -41,95 +60,131 @@ struct GptEmbeddingImpl : torch::nn::Module {
     DTRAIN_CHECK_INPUT(t <= position->weight.size(0), "a sequence of ", t,
                        " tokens is longer than the model's context of ",
                        position->weight.size(0));
-    at::Tensor positions = at::arange(t, ids.options());
-    return dropout(token(ids) + position(positions).unsqueeze(0));
+    int64_t first = 0, count = t;
+    if (shared.sequence_parallel) {
+      DTRAIN_CHECK_INPUT(t % shared.size() == 0, "sequence parallelism splits a sequence of ", t,
+                         " tokens over ", shared.size(),
+                         " tensor-parallel ranks: the length must be a multiple of it");
+      count = t / shared.size();
+      first = shared.rank() * count;
+    }
+    at::Tensor positions = at::arange(first, first + count, ids.options());
+    return tp::dropout(token(ids) + position(positions).unsqueeze(0), shared.dropout,
+                       is_training(), shared.outer_rng());
   }
-  torch::nn::Embedding token;
+  tp::VocabParallelEmbedding token;
   torch::nn::Embedding position;
-  torch::nn::Dropout dropout;
+  Shared shared;
 };
 TORCH_MODULE(GptEmbedding);
 
+// Attention's heads and the MLP's hidden columns are split over the tensor-parallel group: QKV
+// and fc1 column-parallel, proj and fc2 row-parallel. QKV's output features are ordered
+// [head, (q, k, v), head dim] so that a contiguous block of them is whole heads.
 struct GptBlockImpl : torch::nn::Module {
-  GptBlockImpl(const GptConfig& c)
-      : heads(c.heads),
+  GptBlockImpl(const GptConfig& c, Shared shared_)
+      : local_heads(c.heads / shared_.size()),
         ln1(torch::nn::LayerNormOptions({c.width})),
-        qkv(c.width, 3 * c.width),
-        proj(c.width, c.width),
+        qkv(tp::ColumnParallelLinearOptions(c.width, 3 * c.width)
+                .init_std(0.02)
+                .sequence_parallel(shared_.sequence_parallel),
+            shared_.group),
+        proj(tp::RowParallelLinearOptions(c.width, c.width)
+                 .init_std(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)))
+                 .sequence_parallel(shared_.sequence_parallel),
+             shared_.group),
         ln2(torch::nn::LayerNormOptions({c.width})),
-        fc1(c.width, 4 * c.width),
-        fc2(4 * c.width, c.width),
-        attn_dropout(c.dropout),
-        resid_dropout(c.dropout) {
+        fc1(tp::ColumnParallelLinearOptions(c.width, 4 * c.width)
+                .init_std(0.02)
+                .sequence_parallel(shared_.sequence_parallel),
+            shared_.group),
+        fc2(tp::RowParallelLinearOptions(4 * c.width, c.width)
+                .init_std(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)))
+                .sequence_parallel(shared_.sequence_parallel),
+            shared_.group),
+        shared(std::move(shared_)) {
     register_module("ln1", ln1);
     register_module("qkv", qkv);
     register_module("proj", proj);
     register_module("ln2", ln2);
     register_module("fc1", fc1);
     register_module("fc2", fc2);
-    register_module("attn_dropout", attn_dropout);
-    register_module("resid_dropout", resid_dropout);
-    const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(c.layers));
-    init_linear(qkv, 0.02);
-    init_linear(proj, residual_std);
-    init_linear(fc1, 0.02);
-    init_linear(fc2, residual_std);
   }
 
   at::Tensor attention(const at::Tensor& x) {
-    const int64_t b = x.size(0), t = x.size(1), w = x.size(2), d = w / heads;
-    auto parts = qkv(x).split(w, -1);
-    auto shape = [&](const at::Tensor& y) { return y.view({b, t, heads, d}).transpose(1, 2); };
-    at::Tensor q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
+    const at::Tensor packed = qkv(x);  // [b, t, local heads x 3 x d] (whole sequence)
+    const int64_t b = packed.size(0), t = packed.size(1);
+    const int64_t d = packed.size(-1) / (3 * local_heads);
+    const at::Tensor heads = packed.view({b, t, local_heads, 3, d});
+    auto part = [&](int64_t i) { return heads.select(3, i).transpose(1, 2); };  // [b, h, t, d]
+    const at::Tensor q = part(0), k = part(1), v = part(2);
     at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
-    at::Tensor future = at::ones({t, t}, x.options().dtype(at::kBool)).triu(1);
+    at::Tensor future = at::ones({t, t}, packed.options().dtype(at::kBool)).triu(1);
     scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-    at::Tensor weights = attn_dropout(at::softmax(scores, -1));
-    at::Tensor y = at::matmul(weights, v).transpose(1, 2).reshape({b, t, w});
-    return resid_dropout(proj(y));
+    // Each rank's heads are its own: their dropout masks differ across the group.
+    at::Tensor weights = tp::dropout(at::softmax(scores, -1), shared.dropout, is_training(),
+                                     shared.rng->parallel());
+    at::Tensor y = at::matmul(weights, v).transpose(1, 2).reshape({b, t, local_heads * d});
+    return tp::dropout(proj(y), shared.dropout, is_training(), shared.outer_rng());
   }
-  at::Tensor mlp(const at::Tensor& x) { return resid_dropout(fc2(at::gelu(fc1(x)))); }
+  at::Tensor mlp(const at::Tensor& x) {
+    return tp::dropout(fc2(at::gelu(fc1(x))), shared.dropout, is_training(), shared.outer_rng());
+  }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = x + attention(ln1(x));
     return h + mlp(ln2(h));
   }
 
-  int64_t heads;
+  int64_t local_heads;
   torch::nn::LayerNorm ln1;
-  torch::nn::Linear qkv, proj;
+  tp::ColumnParallelLinear qkv;
+  tp::RowParallelLinear proj;
   torch::nn::LayerNorm ln2;
-  torch::nn::Linear fc1, fc2;
-  torch::nn::Dropout attn_dropout, resid_dropout;
+  tp::ColumnParallelLinear fc1;
+  tp::RowParallelLinear fc2;
+  Shared shared;
 };
 TORCH_MODULE(GptBlock);
 
+// Under tensor parallelism the output is this rank's block of the logits (vocab-parallel).
 struct GptHeadImpl : torch::nn::Module {
-  GptHeadImpl(const GptConfig& c, const GptEmbedding& embedding)
-      : ln(torch::nn::LayerNormOptions({c.width})) {
+  GptHeadImpl(const GptConfig& c, const GptEmbedding& embedding, Shared shared_)
+      : ln(torch::nn::LayerNormOptions({c.width})), shared(std::move(shared_)) {
     register_module("ln", ln);
     if (c.tied_embeddings) {
       tied = embedding;  // not registered: the parameter belongs to the embedding
     } else {
-      out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)));
-      init_linear(out, 0.02);
+      out = register_module(
+          "out", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.width, c.vocab)
+                                              .bias(false)
+                                              .init_std(0.02)
+                                              .sequence_parallel(shared.sequence_parallel),
+                                          shared.group));
     }
   }
   at::Tensor forward(const at::Tensor& x) {
-    const at::Tensor& weight = tied ? tied->token->weight : out->weight;
-    return at::linear(ln(x), weight);
+    if (out) return out(ln(x));
+    const at::Tensor h = shared.sequence_parallel ? tp::gather_from_sequence(ln(x), shared.group)
+                                                  : tp::copy_to_group(ln(x), shared.group);
+    return at::linear(h, tied->token->weight);
+  }
+  int64_t vocab_start() const {
+    return out ? out->output_start() : tied->token->vocab_start();
   }
   torch::nn::LayerNorm ln;
-  torch::nn::Linear out{nullptr};
+  tp::ColumnParallelLinear out{nullptr};
   GptEmbedding tied{nullptr};
+  Shared shared;
 };
 TORCH_MODULE(GptHead);
 
-struct GptImpl : torch::nn::Module {
-  explicit GptImpl(const GptConfig& c) : embedding(c), head(nullptr) {
+struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
+  GptImpl(const GptConfig& c, const Shared& shared)
+      : embedding(c, shared), head(nullptr), sequence_parallel(shared.sequence_parallel) {
     register_module("embedding", embedding);
-    for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c));
+    for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c, shared));
     register_module("blocks", blocks);
-    head = register_module("head", GptHead(c, embedding));
+    head = register_module("head", GptHead(c, embedding, shared));
     segments = memory::parse_segments(c.checkpointing, c.layers);
   }
   at::Tensor block(size_t i, const at::Tensor& h) {
@@ -165,10 +220,26 @@ struct GptImpl : torch::nn::Module {
     return out;
   }
 
+  tp::ParameterSplits local_splits() const override { return {}; }
+  // Under sequence parallelism each rank's LayerNorms, position embeddings and the biases
+  // added after a reduce-scatter see only its part of the sequence.
+  std::vector<std::string> partial_gradients() const override {
+    if (!sequence_parallel) return {};
+    std::vector<std::string> names{"embedding.position.weight", "head.ln.weight", "head.ln.bias"};
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      const std::string b = "blocks." + std::to_string(i) + ".";
+      for (const char* p : {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias"}) {
+        names.push_back(b + p);
+      }
+    }
+    return names;
+  }
+
   GptEmbedding embedding;
   torch::nn::ModuleList blocks;
   GptHead head;
   int64_t segments = 1;
+  bool sequence_parallel = false;
 };
 
 }  // namespace
@@ -184,11 +255,37 @@ void validate(const GptConfig& c) {
                      c.dropout);
 }
 
-Model make_gpt(const GptConfig& config) {
+Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
   validate(config);
-  auto module = std::make_shared<GptImpl>(config);
+  Shared shared;
+  shared.group = tensor_parallel && tensor_parallel->size() > 1 ? tensor_parallel : nullptr;
+  shared.dropout = config.dropout;
+  shared.sequence_parallel = config.sequence_parallel && shared.group;
+  const int ranks = shared.size();
+  DTRAIN_CHECK_INPUT(config.heads % ranks == 0, "--heads (", config.heads,
+                     ") must be a multiple of --tensor-parallel (", ranks, ")");
+  DTRAIN_CHECK_INPUT(config.vocab >= ranks, "a vocabulary of ", config.vocab,
+                     " cannot be split over ", ranks, " tensor-parallel ranks");
+  uint64_t dropout_seed = 0;
+  {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    // The same on every rank built from the same seed.
+    dropout_seed = generator.get<at::CPUGeneratorImpl>()->random64();
+  }
+  shared.rng = std::make_shared<tp::RngTracker>(dropout_seed, shared.group ? shared.group->rank() : 0);
+  auto module = std::make_shared<GptImpl>(config, shared);
   Model model(module);
   model.stages = module->stages();
+  if (shared.group) {
+    const int64_t start = module->head->vocab_start();
+    model.loss = [group = shared.group, start](const at::Tensor& logits, const at::Tensor& targets) {
+      return tp::vocab_parallel_cross_entropy(logits, targets, group, start);
+    };
+    model.predict = [group = shared.group, start](const at::Tensor& logits) {
+      return tp::vocab_parallel_argmax(logits, group, start);
+    };
+  }
   return model;
 }
 

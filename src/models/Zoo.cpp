@@ -191,12 +191,16 @@ Model with_stages(std::shared_ptr<M> module) {
 
 std::vector<std::string> model_names() { return {"mlp", "cnn", "resnet", "gpt"}; }
 
-Model make_model(const ModelSpec& spec) {
+Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
   if (spec.name == "gpt") {
     GptConfig config = spec.gpt;
     config.checkpointing = spec.checkpointing;
-    return make_gpt(config);
+    return make_gpt(config, tensor_parallel);
   }
+  DTRAIN_CHECK_INPUT(!tensor_parallel || tensor_parallel->size() == 1, "--model ", spec.name,
+                     " has no tensor-parallel layers; --tensor-parallel ",
+                     tensor_parallel ? tensor_parallel->size() : 1,
+                     " needs --model gpt (or a model built from parallel/tensor/Layers.h)");
   DTRAIN_CHECK_INPUT(spec.classes >= 2, "model needs at least 2 classes, got ", spec.classes);
   if (spec.name == "mlp") {
     return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), spec.hidden,

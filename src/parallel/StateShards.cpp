@@ -68,7 +68,49 @@ c10::impl::GenericDict load_file(const std::string& path) {
   return value.toGenericDict();
 }
 
+// Positions in the full tensor (flattened) of elements [offset, offset + numel) of a block
+// [start, start + length) along `dim` of a tensor of `shape` (dim < 0: the whole tensor).
+// Increasing, as a block of a row-major tensor is visited in order.
+at::Tensor full_positions(const std::vector<int64_t>& shape, int64_t dim, int64_t start,
+                          int64_t length, int64_t offset, int64_t numel) {
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  if (dim < 0) return at::arange(offset, offset + numel, options);
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= shape[d];
+  for (size_t d = dim + 1; d < shape.size(); ++d) inner *= shape[d];
+  const at::Tensor positions = (at::arange(outer, options) * (shape[dim] * inner)).view({outer, 1, 1}) +
+                               ((at::arange(length, options) + start) * inner).view({1, length, 1}) +
+                               at::arange(inner, options).view({1, 1, inner});
+  return positions.view({-1}).narrow(0, offset, numel);
+}
+
+// Which elements a stored piece gives a wanted piece: a run [lo, hi) when both count elements
+// of the same block, else matching position lists (into the wanted piece, into the stored one).
+struct Transfer {
+  int64_t lo = 0, hi = 0;
+  at::Tensor into_want, from_have;
+  int64_t count() const { return into_want.defined() ? into_want.numel() : std::max<int64_t>(0, hi - lo); }
+};
+
 }  // namespace
+
+std::vector<PieceRef> with_splits(std::vector<PieceRef> pieces,
+                                  const tensor::ParameterSplits& splits, bool keep_replicated) {
+  std::vector<PieceRef> out;
+  for (auto& piece : pieces) {
+    const auto it = splits.find(piece.name);
+    if (it == splits.end()) {
+      if (keep_replicated) out.push_back(std::move(piece));
+      continue;
+    }
+    piece.shape = it->second.full_shape;
+    piece.split_dim = it->second.dim;
+    piece.split_start = it->second.start;
+    piece.split_length = it->second.length;
+    out.push_back(std::move(piece));
+  }
+  return out;
+}
 
 std::vector<PieceRef> whole_pieces(const std::vector<std::string>& names,
                                    const std::vector<at::Tensor>& parameters) {
@@ -100,6 +142,9 @@ void write_state_shard(const std::string& directory, int rank, int ranks,
     entry.insert("name", piece.name);
     entry.insert("offset", piece.offset);
     entry.insert("shape", c10::List<int64_t>(piece.shape));
+    if (piece.split_dim >= 0) {
+      entry.insert("split", c10::List<int64_t>({piece.split_dim, piece.split_start, piece.split_length}));
+    }
     entry.insert("tensors", tensors);
     list.push_back(entry);
   }
@@ -141,36 +186,68 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
         const at::Tensor param = tensors.at("param").toTensor();
         const int64_t numel = param.numel();
         const std::vector<int64_t> shape = entry.at("shape").toIntVector();
+        int64_t split_dim = -1, split_start = 0, split_length = 0;
+        if (entry.contains("split")) {
+          const std::vector<int64_t> split = entry.at("split").toIntVector();
+          DTRAIN_CHECK_INPUT(split.size() == 3 && split[0] >= 0 &&
+                                 split[0] < static_cast<int64_t>(shape.size()),
+                             path, ": piece of '", name, "' has a malformed split");
+          split_dim = split[0], split_start = split[1], split_length = split[2];
+        }
         auto check_shape = [&](const PieceRef& want) {
           DTRAIN_CHECK_INPUT(want.shape.empty() || want.shape == shape, "checkpoint ", directory,
                              " does not match the model: '", name, "' has shape ",
                              c10::IntArrayRef(shape), " there and ", c10::IntArrayRef(want.shape),
                              " in the model (", path, ")");
         };
-        // Copies elements [lo, hi) of this piece into `target` (whose first element is `base`).
-        auto copy_run = [&](const at::Tensor& from, const at::Tensor& target, int64_t base,
-                            int64_t lo, int64_t hi) {
-          target.view({-1}).narrow(0, lo - base, hi - lo).copy_(from.narrow(0, lo - offset, hi - lo));
-        };
-        // The elements [lo, hi) this piece has of `want` (empty when lo >= hi).
+        // The elements this piece has of `want`.
         auto overlap = [&](const PieceRef& want) {
           check_shape(want);
-          return std::make_pair(std::max(offset, want.offset),
-                                std::min(offset + numel, want.offset + want.tensor.numel()));
+          Transfer transfer;
+          const bool same_block = want.split_dim == split_dim &&
+                                  (split_dim < 0 || (want.split_start == split_start &&
+                                                     want.split_length == split_length));
+          if (same_block) {
+            transfer.lo = std::max(offset, want.offset);
+            transfer.hi = std::min(offset + numel, want.offset + want.tensor.numel());
+            return transfer;
+          }
+          const at::Tensor wanted = full_positions(shape, want.split_dim, want.split_start,
+                                                   want.split_length, want.offset,
+                                                   want.tensor.numel());
+          const at::Tensor have = full_positions(shape, split_dim, split_start, split_length,
+                                                 offset, numel);
+          if (have.numel() == 0 || wanted.numel() == 0) return transfer;
+          const at::Tensor where = at::searchsorted(have, wanted).clamp_max(have.numel() - 1);
+          const at::Tensor found = have.index_select(0, where).eq(wanted).nonzero().view({-1});
+          transfer.into_want = found;
+          transfer.from_have = where.index_select(0, found);
+          return transfer;
+        };
+        // Copies what `transfer` names of this piece's `from` into `target` (a run starting at
+        // element `base`).
+        auto copy = [&](const Transfer& t, const at::Tensor& from, const at::Tensor& target,
+                        int64_t base) {
+          if (t.into_want.defined()) {
+            target.view({-1}).index_copy_(0, t.into_want, from.index_select(0, t.from_have));
+          } else if (t.lo < t.hi) {
+            target.view({-1}).narrow(0, t.lo - base, t.hi - t.lo)
+                .copy_(from.narrow(0, t.lo - offset, t.hi - t.lo));
+          }
         };
         auto range = value_index.equal_range(name);
         for (auto it = range.first; it != range.second; ++it) {
           const PieceRef& want = values[it->second];
-          const auto [lo, hi] = overlap(want);
-          if (lo >= hi) continue;
-          copy_run(param, want.tensor, want.offset, lo, hi);
-          value_covered[it->second] += hi - lo;
+          const Transfer transfer = overlap(want);
+          if (transfer.count() == 0) continue;
+          copy(transfer, param, want.tensor, want.offset);
+          value_covered[it->second] += transfer.count();
         }
         range = state_index.equal_range(name);
         for (auto it = range.first; it != range.second; ++it) {
           const PieceRef& want = states[it->second];
-          const auto [lo, hi] = overlap(want);
-          if (lo >= hi) continue;
+          const Transfer transfer = overlap(want);
+          if (transfer.count() == 0) continue;
           auto& state = assembled[it->second];
           for (const auto& kv : tensors) {
             const std::string key = kv.key().toStringRef();
@@ -186,9 +263,9 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
             if (slot == state.end()) {
               slot = state.emplace(key, at::zeros({want.tensor.numel()}, t.options())).first;
             }
-            copy_run(t, slot->second, want.offset, lo, hi);
+            copy(transfer, t, slot->second, want.offset);
           }
-          state_covered[it->second] += hi - lo;
+          state_covered[it->second] += transfer.count();
         }
       }
       if (buffers) {

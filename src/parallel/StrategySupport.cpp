@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 
@@ -41,12 +42,20 @@ std::unique_ptr<precision::LossScaler> make_loss_scaler(const StrategyOptions& o
 }
 
 double clip_by_global_norm(const std::vector<at::Tensor>& holders,
-                           const comm::CommunicatorPtr& sum_over, double max_norm) {
+                           const std::vector<comm::CommunicatorPtr>& sum_over, double max_norm,
+                           const std::vector<bool>& counted) {
+  DTRAIN_CHECK(counted.empty() || counted.size() == holders.size(),
+               "clip_by_global_norm: ", counted.size(), " flags for ", holders.size(), " holders");
   at::Tensor squares = at::zeros({1}, at::kDouble);
-  for (const auto& t : holders) {
-    if (t.grad().defined()) squares += t.grad().to(at::kDouble).pow(2).sum();
+  for (size_t i = 0; i < holders.size(); ++i) {
+    const at::Tensor& t = holders[i];
+    if (t.grad().defined() && (counted.empty() || counted[i])) {
+      squares += t.grad().to(at::kDouble).pow(2).sum();
+    }
   }
-  sum_over->allreduce(squares)->wait();
+  for (const auto& group : sum_over) {
+    if (group && group->size() > 1) group->allreduce(squares)->wait();
+  }
   const double norm = std::sqrt(squares.item<double>());
   const double factor = max_norm / (norm + 1e-6);
   if (factor < 1.0) {
@@ -55,6 +64,57 @@ double clip_by_global_norm(const std::vector<at::Tensor>& holders,
     }
   }
   return norm;
+}
+
+std::vector<PieceRef> TensorParallelLayout::for_writing(std::vector<PieceRef> pieces) const {
+  return with_splits(std::move(pieces), splits, /*keep_replicated=*/rank == 0);
+}
+
+std::vector<PieceRef> TensorParallelLayout::for_reading(std::vector<PieceRef> pieces) const {
+  return with_splits(std::move(pieces), splits);
+}
+
+std::vector<bool> TensorParallelLayout::counted(const std::vector<std::string>& names) const {
+  std::vector<bool> flags;
+  for (const auto& name : names) flags.push_back(rank == 0 || splits.count(name) > 0);
+  return flags;
+}
+
+void TensorParallelLayout::sum_partial_gradients(const std::vector<at::Tensor>& parameters,
+                                                 const std::vector<std::string>& names) const {
+  if (partial.empty() || size == 1) return;
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (std::find(partial.begin(), partial.end(), names[i]) == partial.end()) continue;
+    if (!parameters[i].grad().defined()) parameters[i].mutable_grad() = at::zeros_like(parameters[i]);
+    grads.push_back(parameters[i].grad());
+  }
+  // Every TP rank holds the same replicated parameters, so the flat buffers line up.
+  if (grads.empty()) return;
+  std::vector<at::Tensor> flat_parts;
+  for (const auto& g : grads) flat_parts.push_back(g.reshape({-1}));
+  at::Tensor flat = at::cat(flat_parts);
+  group->allreduce(flat)->wait();
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat.narrow(0, offset, g.numel()).view(g.sizes()));
+    offset += g.numel();
+  }
+}
+
+TensorParallelLayout tensor_parallel_layout(const torch::nn::Module& module,
+                                            const comm::ProcessGrid& grid) {
+  TensorParallelLayout layout;
+  layout.splits = tensor::parameter_splits(module);
+  layout.partial = tensor::partial_gradient_parameters(module);
+  layout.group = grid.tp();
+  layout.rank = grid.coordinates().tp;
+  layout.size = grid.tp_size();
+  DTRAIN_CHECK_INPUT(layout.size == 1 || !layout.splits.empty(), "--tensor-parallel ",
+                     layout.size, ": the model has no tensor-parallel layers (build it over the "
+                     "grid's TP group: make_model(spec, grid->tp()))");
+  return layout;
 }
 
 void save_loss_scaler(const precision::LossScaler& scaler, const std::string& directory) {

@@ -5,7 +5,9 @@
 #include <memory>
 #include <string>
 
+#include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/tensor/Split.h"
 #include "dtrain/parallel/ddp/Reducer.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"
@@ -22,10 +24,40 @@ std::unique_ptr<precision::LossScaler> make_loss_scaler(const StrategyOptions& o
                                                         precision::Precision precision);
 
 /// Scales the gradients of `holders` so their global L2 norm is at most `max_norm`, the squared
-/// norm summed over `sum_over` (the ranks holding disjoint parts of the gradients). Collective;
+/// norm summed over each group of `sum_over` in turn (groups of ranks holding disjoint parts of
+/// the gradients: ZeRO's DP shards, pipeline stages, tensor-parallel blocks). `counted[i]`
+/// false leaves holder i out of this rank's sum (a parameter replicated across a
+/// tensor-parallel group is counted by one of its ranks); empty = all counted. Collective;
 /// returns the norm before clipping.
 double clip_by_global_norm(const std::vector<at::Tensor>& holders,
-                           const comm::CommunicatorPtr& sum_over, double max_norm);
+                           const std::vector<comm::CommunicatorPtr>& sum_over, double max_norm,
+                           const std::vector<bool>& counted = {});
+
+/// What a data-parallel or pipeline strategy needs to know of tensor parallelism: which
+/// parameters are blocks of larger tensors, and this rank's place in the TP group.
+struct TensorParallelLayout {
+  tensor::ParameterSplits splits;
+  /// Replicated parameters whose gradients are partial sums over the TP group.
+  std::vector<std::string> partial;
+  comm::CommunicatorPtr group;
+  int rank = 0;
+  int size = 1;
+  /// Sums the gradients of the `partial` ones among `parameters` (named by `names`) over the
+  /// TP group, in one allreduce. Collective over the group when there are any.
+  void sum_partial_gradients(const std::vector<at::Tensor>& parameters,
+                             const std::vector<std::string>& names) const;
+  /// Checkpoint pieces this rank writes: blocks marked; replicated parameters at TP rank 0 only.
+  std::vector<PieceRef> for_writing(std::vector<PieceRef> pieces) const;
+  /// Checkpoint pieces this rank reads (blocks marked).
+  std::vector<PieceRef> for_reading(std::vector<PieceRef> pieces) const;
+  /// Whether this rank counts each named parameter in a global norm.
+  std::vector<bool> counted(const std::vector<std::string>& names) const;
+};
+
+/// The layout of `module` on `grid`. InputError when the grid has a TP group of several ranks
+/// but the model has no tensor-parallel layers (it was not built over grid.tp()).
+TensorParallelLayout tensor_parallel_layout(const torch::nn::Module& module,
+                                            const comm::ProcessGrid& grid);
 
 /// The scaler's state in a checkpoint directory: written by the caller's chosen rank; read if
 /// present (InputError naming the file when it is not a scaler state).

@@ -59,7 +59,11 @@ void validate_pipeline(const JobConfig& job, const TrainerOptions& trainer) {
                      "parallelism of each stage), not ", trainer.strategy,
                      " (zero2 and zero3 shard the gradients and parameters the micro-batches "
                      "accumulate)");
-  DTRAIN_CHECK_INPUT(job.nproc % pp == 0, "--pipeline-parallel ", pp, " does not divide the ",
+  DTRAIN_CHECK_INPUT(job.nproc % (pp * trainer.tensor_parallel) == 0, "--pipeline-parallel ", pp,
+                     trainer.tensor_parallel > 1
+                         ? concat(" x --tensor-parallel ", trainer.tensor_parallel)
+                         : std::string(),
+                     " does not divide the ",
                      job.nproc, " ranks of --nproc (ranks = pipeline stages x data-parallel "
                      "replicas)");
   auto options = trainer.strategy_options;
@@ -67,7 +71,7 @@ void validate_pipeline(const JobConfig& job, const TrainerOptions& trainer) {
   parallel::make_strategy("pipeline", options);  // schedule, balance, precision
   int64_t micro_batches = trainer.accumulation_steps;
   if (trainer.global_batch > 0) {
-    const int64_t replicas = std::max(1, job.nproc / pp);
+    const int64_t replicas = std::max(1, job.nproc / (pp * trainer.tensor_parallel));
     micro_batches = trainer.global_batch / (trainer.batch_size * replicas);
   }
   const auto kind = parallel::pipeline::schedule_kind_named(options.pipeline_schedule);
@@ -126,6 +130,29 @@ void validate_job(const JobConfig& job) {
                        "units; leave --tied-embeddings out or use zero1/zero2");
   }
   DTRAIN_CHECK_INPUT(job.nproc >= 1, "--nproc must be >= 1, got ", job.nproc);
+  const int tp = job.trainer.tensor_parallel;
+  DTRAIN_CHECK_INPUT(tp >= 1, "--tensor-parallel must be >= 1, got ", tp);
+  DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel || tp > 1,
+                     "--sequence-parallel splits the sequence over the tensor-parallel ranks: "
+                     "it needs --tensor-parallel 2 or more");
+  if (tp > 1) {
+    DTRAIN_CHECK_INPUT(job.model == "gpt", "--tensor-parallel ", tp, " needs --model gpt (the "
+                       "model with tensor-parallel layers), not ", job.model);
+    DTRAIN_CHECK_INPUT(job.gpt.heads % tp == 0, "--tensor-parallel ", tp,
+                       " must divide --heads (", job.gpt.heads, "): each rank takes whole heads");
+    DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel || job.gpt.context % tp == 0,
+                       "--sequence-parallel splits the --context of ", job.gpt.context,
+                       " tokens over --tensor-parallel ", tp, ": it must be a multiple of it");
+    DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel || (job.trainer.strategy != "zero2" &&
+                                                      job.trainer.strategy != "zero3"),
+                       "--sequence-parallel sums LayerNorm gradients over the tensor-parallel "
+                       "ranks before the data-parallel update: use --strategy ddp or zero1, not ",
+                       job.trainer.strategy);
+    DTRAIN_CHECK_INPUT(job.nproc % (tp * std::max(1, job.trainer.pipeline_parallel)) == 0,
+                       "--nproc ", job.nproc, " is not a multiple of --tensor-parallel ", tp,
+                       " x --pipeline-parallel ", job.trainer.pipeline_parallel,
+                       " (ranks = data-parallel x pipeline x tensor-parallel)");
+  }
   DTRAIN_CHECK_INPUT(job.threads >= 0, "--threads must be >= 1, got ", job.threads);
   DTRAIN_CHECK_INPUT(job.comm_timeout_ms > 0, "--comm-timeout must be > 0");
   DTRAIN_CHECK_INPUT(job.synthetic_examples >= 1, "--synthetic-examples must be >= 1");
@@ -218,8 +245,9 @@ JobResult run_job(const JobConfig& job) {
   }
   Trainer trainer(options, world);
   JobResult result;
-  result.fit = trainer.fit(models::make_model(model_spec(job, train_set.input_shape(), vocabulary)),
-                           train_set, &test_set);
+  result.fit = trainer.fit(
+      models::make_model(model_spec(job, train_set.input_shape(), vocabulary), trainer.grid()->tp()),
+      train_set, &test_set);
   result.rank = trainer.grid()->world()->rank();
   result.world_size = trainer.grid()->world()->size();
   return result;

@@ -19,6 +19,7 @@
 #include "dtrain/common/Trace.h"
 #include "common/Files.h"
 #include "dtrain/data/DistributedSampler.h"
+#include "dtrain/parallel/tensor/Split.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Metrics.h"
 #include "dtrain/train/Progress.h"
@@ -177,8 +178,12 @@ Trainer::~Trainer() = default;
 std::vector<TensorInfo> Trainer::model_tensors() const {
   std::vector<TensorInfo> tensors;
   auto& module = *strategy_->model().module;
+  // Full shapes: a tensor-parallel rank holds blocks of them.
+  const auto splits = parallel::tensor::parameter_splits(module);
   for (const auto& item : module.named_parameters()) {
-    tensors.push_back({item.key(), item.value().sizes().vec(), dtype_name(item.value())});
+    tensors.push_back({item.key(),
+                       parallel::tensor::full_shape(splits, item.key(), item.value().sizes().vec()),
+                       dtype_name(item.value())});
   }
   for (const auto& item : module.named_buffers()) {
     tensors.push_back({item.key(), item.value().sizes().vec(), dtype_name(item.value()), true});
@@ -316,7 +321,7 @@ EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
   // examples, and the ranks holding the output (a pipeline's last stage) count them.
   const int replica = grid_->coordinates().dp;
   const int replicas = grid_->dp_size();
-  const bool counts = grid_->coordinates().tp == 0;
+  const bool counts = grid_->coordinates().tp == 0;  // TP ranks compute the same values
   double sums[3] = {0, 0, 0};  // loss * n, correct, n
   for (int64_t begin = 0; begin < dataset.size();
        begin += options_.eval_batch_size * replicas) {
@@ -326,12 +331,16 @@ EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
     // every rank runs as many, a replica without examples left on one example.
     auto batch = mine < end ? dataset.slice(mine, end) : dataset.slice(0, 1);
     at::Tensor output = strategy_->evaluate_forward(batch.inputs);
-    if (mine >= end || !output.defined() || !counts) continue;
-    const auto n = static_cast<double>(end - mine);
-    sums[0] += options_.loss(output, batch.targets).item<double>() * n;
+    if (mine >= end || !output.defined()) continue;
+    // A tensor-parallel model's loss and prediction are collective over its TP group.
+    const double loss = options_.loss(output, batch.targets).item<double>();
     // Classes on the last dimension: [B, K] for a classifier, [B, T, V] for a language model
     // (each example's accuracy is then its share of tokens predicted).
-    sums[1] += output.argmax(-1).eq(batch.targets).to(at::kDouble).reshape({output.size(0), -1})
+    const at::Tensor predicted = predict_ ? predict_(output) : output.argmax(-1);
+    if (!counts) continue;
+    const auto n = static_cast<double>(end - mine);
+    sums[0] += loss * n;
+    sums[1] += predicted.eq(batch.targets).to(at::kDouble).reshape({output.size(0), -1})
                    .mean(1).sum().item<double>();
     sums[2] += n;
   }
@@ -392,6 +401,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   }
   const optim::LrSchedule schedule(spec.lr, total_steps, options_.schedule);
   if (!options_.trace_file.empty()) trace::start();
+  if (model.loss) options_.loss = model.loss;  // e.g. a tensor-parallel model's vocab-parallel loss
+  predict_ = model.predict;
   strategy_->prepare(train.slice(0, std::min<int64_t>(options_.batch_size, train.size())));
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
   const parallel::DataNeeds needs = strategy_->data_needs();

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -83,6 +84,17 @@ class Communicator {
   /// Total bytes this rank has sent through point-to-point ops (ring algorithms included).
   int64_t bytes_sent() const { return bytes_sent_.load(); }
 
+  /// Collectives this rank issued on this group of more than one rank, by op ("allreduce",
+  /// "broadcast", "allgather", "reduce_scatter"): how many, and their elements (the tensor's
+  /// for allreduce and broadcast, the gathered output's or the scattered input's for the
+  /// others). For tests and reports of what a strategy communicates.
+  struct Tally {
+    int64_t count = 0;
+    int64_t elements = 0;
+  };
+  std::map<std::string, Tally> tally() const;
+  void reset_tally();
+
  protected:
   /// Backend point-to-point with an unchecked tag (internal algorithms use tags above the
   /// user range).
@@ -114,6 +126,7 @@ class Communicator {
   std::string describe(const std::string& op_and_args) const;
   int64_t next_sequence() { return sequence_++; }
   void count_sent(int64_t bytes) { bytes_sent_ += bytes; }
+  void count_collective(const char* op, int64_t elements);
 
  private:
   void op_thread_main();
@@ -128,6 +141,8 @@ class Communicator {
   int64_t sequence_ = 0;
   std::atomic<int64_t> bytes_sent_{0};
   std::shared_ptr<ProgressState> progress_;
+  mutable std::mutex tally_mutex_;
+  std::map<std::string, Tally> tally_;
 
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;

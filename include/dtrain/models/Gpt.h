@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "dtrain/comm/Communicator.h"
 #include "dtrain/models/Model.h"
 
 namespace dtrain::models {
@@ -23,14 +24,24 @@ struct GptConfig {
   bool tied_embeddings = false;
   /// Activation checkpointing: "none", "sqrt" or a segment count (over the blocks).
   std::string checkpointing = "none";
+  /// With a tensor-parallel group: Megatron's sequence parallelism (LayerNorm, dropout and
+  /// residual regions split along the sequence, whose length must then be a multiple of the
+  /// group; allreduces become reduce-scatter + allgather). A layout choice: not in to_json.
+  bool sequence_parallel = false;
 };
 
 /// InputError naming the field for sizes that cannot make a model.
 void validate(const GptConfig& config);
 
 /// The model, initialized as GPT-2 (normal(0, 0.02) weights, residual projections scaled by
-/// 1/sqrt(2 x layers), zero biases) from the global LibTorch generator.
-Model make_gpt(const GptConfig& config);
+/// 1/sqrt(2 x layers), zero biases) from the global LibTorch generator. With a
+/// `tensor_parallel` group of T > 1 ranks (ProcessGrid::tp()), attention heads, MLP columns
+/// and the vocabulary are split over it (parallel/tensor/Layers.h): every rank draws the full
+/// initialization and keeps its block, so the model equals the serial one built from the same
+/// seed; its output is then this rank's block of the logits, and Model::loss / Model::predict
+/// are the vocab-parallel cross-entropy and argmax. Dropout draws from the model's own
+/// generators (parallel/tensor/Random.h), seeded from the global one.
+Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel = nullptr);
 
 /// The sizes as JSON (what a checkpoint records), and back (InputError naming a missing or bad
 /// field, with `origin`).

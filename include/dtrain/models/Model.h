@@ -34,6 +34,12 @@ struct Model {
   /// Optional: forward(x) == stages[n-1].forward(... stages[0].forward(x)). Empty when the model
   /// is opaque (strategies then treat it as one piece).
   std::vector<Stage> stages;
+  /// Optional: the model's own loss, (output, targets) -> scalar mean, which the Trainer uses
+  /// instead of its configured one (a tensor-parallel model's output is a block of the logits,
+  /// whose loss is vocab-parallel).
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
+  /// Optional: predicted classes from the output (default: argmax over the last dimension).
+  std::function<at::Tensor(const at::Tensor&)> predict;
 
   Model() = default;
   Model(std::shared_ptr<torch::nn::Module> m, std::function<at::Tensor(const at::Tensor&)> f)

@@ -24,8 +24,10 @@ struct ModelSpec {
   GptConfig gpt;
 };
 
-/// Builds the named model with freshly initialized parameters (uses the global torch RNG).
-Model make_model(const ModelSpec& spec);
+/// Builds the named model with freshly initialized parameters (uses the global torch RNG),
+/// its layers split over `tensor_parallel` (ProcessGrid::tp(); only the GPT model has
+/// tensor-parallel layers: InputError for the others when the group has more than one rank).
+Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel = nullptr);
 
 /// Names make_model accepts.
 std::vector<std::string> model_names();

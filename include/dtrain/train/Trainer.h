@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <map>
@@ -130,6 +131,8 @@ class Trainer {
   comm::CommunicatorPtr world_;
   std::shared_ptr<comm::ProcessGrid> grid_;
   parallel::StrategyPtr strategy_;
+  /// The model's own prediction (Model::predict), if any.
+  std::function<at::Tensor(const at::Tensor&)> predict_;
 };
 
 }  // namespace dtrain::train

@@ -111,6 +111,7 @@ WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, const AllreduceOptions& o
   DTRAIN_CHECK(options.op != ReduceOp::Avg || floating, describe(what),
                ": avg needs a floating-point tensor");
   if (size() == 1) return completed_work(describe(what));
+  count_collective("allreduce", tensor.numel());
   if (!gloo_reduces(tensor.scalar_type())) {
     DTRAIN_CHECK(floating, "backend gloo does not support ", describe(what));
     return ring_allreduce(tensor, options.op, timeout, what);  // bfloat16
@@ -137,6 +138,7 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& o
   DTRAIN_CHECK(options.root >= 0 && options.root < size(), describe(what), ": bad root");
   const auto timeout = resolve(options.timeout);
   if (size() == 1) return completed_work(describe(what));
+  count_collective("broadcast", tensor.numel());
   at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
   // Broadcast moves bytes only, so dtypes Gloo cannot reduce travel as a same-size type.
   at::Tensor wire = buffer;

@@ -34,6 +34,11 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
     names_.push_back(item.key());
   }
   DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters");
+  tp_ = tensor_parallel_layout(*model_.module, *grid_);
+  DTRAIN_CHECK_INPUT(tp_.partial.empty() || !gradients_sharded(), name(),
+                     " shards the gradients that sequence parallelism sums over the "
+                     "tensor-parallel group first; use ddp or zero1 (or leave out "
+                     "--sequence-parallel)");
   {
     torch::NoGradGuard no_grad;
     std::vector<comm::WorkPtr> works;
@@ -95,6 +100,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   {
     trace::Span span("sync", "gradient reduction");
     sync_engine.finalize();
+    tp_.sum_partial_gradients(parameters_, names_);
   }
   const auto& stats = sync_engine.stats();
   if (!stats.unused_parameters.empty() && !warned_unused_ && comm_->rank() == 0) {
@@ -105,7 +111,8 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   }
   bool skip = false;
   if (scaler_) {
-    skip = scaler_->unscale_and_check(gradient_holders(), comm_);  // the same on every rank
+    // The same decision on every rank (a TP rank's blocks can overflow alone).
+    skip = scaler_->unscale_and_check(gradient_holders(), grid_->world());
     scaler_->update(skip);
     result.metrics["loss_scale"] = scaler_->scale_value();
     result.metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
@@ -126,9 +133,17 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
 
 double DdpStrategy::clip_gradients(double max_norm) {
   const auto holders = gradient_holders();
-  if (!gradients_sharded()) return torch::nn::utils::clip_grad_norm_(holders, max_norm);
-  // Each rank holds part of the gradients: the global norm sums every rank's squares.
-  return clip_by_global_norm(holders, comm_, max_norm);
+  // Sharded gradients: each DP rank holds part of them (its pieces, in state_pieces() order).
+  // Tensor parallelism: each TP rank holds blocks of the split ones, and the replicated ones
+  // count once.
+  std::vector<std::string> names;
+  if (gradients_sharded()) {
+    for (const auto& piece : state_pieces()) names.push_back(piece.name);
+  } else {
+    names = names_;
+  }
+  return clip_by_global_norm(holders, {gradients_sharded() ? comm_ : nullptr, grid_->tp()},
+                             max_norm, tp_.counted(names));
 }
 
 void DdpStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
@@ -144,19 +159,25 @@ NamedTensors DdpStrategy::named_buffers() const {
 }
 
 void DdpStrategy::save(const std::string& directory) {
+  // One file per TP rank of each DP rank that writes; buffers and replicated parameters come
+  // from TP rank 0.
   const bool leader = comm_->rank() == 0;
+  const NamedTensors buffers = leader && tp_.rank == 0 ? named_buffers() : NamedTensors{};
   if (state_sharded()) {
-    write_state_shard(directory, comm_->rank(), comm_->size(), state_pieces(), optimizer_.get(),
-                      leader ? named_buffers() : NamedTensors{});
-  } else if (leader) {  // replicas are identical; rank 0 writes them
-    write_state_shard(directory, 0, 1, state_pieces(), optimizer_.get(), named_buffers());
+    write_state_shard(directory, tp_.rank * comm_->size() + comm_->rank(),
+                      comm_->size() * tp_.size, tp_.for_writing(state_pieces()), optimizer_.get(),
+                      buffers);
+  } else if (leader) {  // replicas are identical; DP rank 0 writes them
+    write_state_shard(directory, tp_.rank, tp_.size, tp_.for_writing(state_pieces()),
+                      optimizer_.get(), buffers);
   }
-  if (scaler_ && leader) save_loss_scaler(*scaler_, directory);
+  if (scaler_ && grid_->world()->rank() == 0) save_loss_scaler(*scaler_, directory);
 }
 
 void DdpStrategy::load(const std::string& directory) {
   const NamedTensors buffers = named_buffers();
-  read_state_shards(directory, value_pieces(), optimizer_.get(), state_pieces(), &buffers);
+  read_state_shards(directory, tp_.for_reading(value_pieces()), optimizer_.get(),
+                    tp_.for_reading(state_pieces()), &buffers);
   if (scaler_) load_loss_scaler(*scaler_, directory);
 }
 

@@ -8,6 +8,7 @@
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"
 #include "dtrain/parallel/ddp/Reducer.h"
+#include "parallel/StrategySupport.h"
 
 namespace dtrain::parallel {
 
@@ -73,6 +74,9 @@ class DdpStrategy : public Strategy {
   std::unique_ptr<Reducer> reducer_;
   precision::Precision precision_ = precision::Precision::Fp32;
   std::unique_ptr<precision::LossScaler> scaler_;
+  /// Tensor parallelism: each TP rank holds blocks of the split parameters; gradients are
+  /// reduced over the DP group only.
+  TensorParallelLayout tp_;
   bool warned_unused_ = false;
 };
 

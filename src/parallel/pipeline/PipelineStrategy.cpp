@@ -107,7 +107,11 @@ std::vector<double> PipelineStrategy::stage_costs() {
     }
     costs.push_back(count);
   }
-  return costs;
+  // Tensor-parallel ranks can hold blocks of unequal size (a vocabulary that does not divide):
+  // world rank 0's counts are used so every rank places the stages alike.
+  at::Tensor agreed = at::tensor(costs, at::kDouble);
+  grid_->world()->broadcast(agreed, {0})->wait();
+  return std::vector<double>(agreed.data_ptr<double>(), agreed.data_ptr<double>() + agreed.numel());
 }
 
 void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
@@ -128,6 +132,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                      chunks_per_rank_ > 1 ? concat(" x ", chunks_per_rank_, " chunks") : "",
                      "; each needs at least one)");
   if (precision_ == precision::Precision::Bf16) model_.module->to(at::kBFloat16);
+  tp_ = tensor_parallel_layout(*model_.module, *grid_);
   costs_ = stage_costs();
   const std::string& balance = options_.pipeline_balance;
   partition_ = balance == "params" || balance == "time"
@@ -362,6 +367,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     for (auto& reducer : reducers_) {
       if (reducer) reducer->finalize();
     }
+    tp_.sum_partial_gradients(parameters_, names_);
   }
   bool skip = false;
   if (scaler_) {
@@ -394,8 +400,10 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
 
 double PipelineStrategy::clip_gradients() {
   if (options_.max_grad_norm <= 0) return -1.0;
-  // Each stage's replicas hold equal (averaged) gradients: the norm sums over stages.
-  return clip_by_global_norm(parameters_, grid_->pp(), options_.max_grad_norm);
+  // Each stage's replicas hold equal (averaged) gradients: the norm sums over stages, and over
+  // the tensor-parallel blocks (replicated parameters counted once).
+  return clip_by_global_norm(parameters_, {grid_->pp(), grid_->tp()}, options_.max_grad_norm,
+                             tp_.counted(names_));
 }
 
 at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
@@ -437,32 +445,33 @@ NamedTensors PipelineStrategy::local_buffers() const {
 }
 
 void PipelineStrategy::save(const std::string& directory) {
-  // The same files as DDP and ZeRO write (global parameter names), one set per stage: a
-  // pipelined checkpoint loads into any pipeline size or data-parallel strategy.
+  // The same files as DDP and ZeRO write (global parameter names), one set per stage and
+  // tensor-parallel rank: a pipelined checkpoint loads into any pipeline size or data-parallel
+  // strategy. Buffers and replicated parameters come from TP rank 0.
   const int stage = grid_->coordinates().pp;
   const int replica = grid_->coordinates().dp;
-  const bool tp_leader = grid_->coordinates().tp == 0;
+  const int writer = stage * tp_.size + tp_.rank;
+  const int writers = grid_->pp_size() * tp_.size;
+  const NamedTensors buffers = replica == 0 && tp_.rank == 0 ? local_buffers() : NamedTensors{};
   if (zero1_) {
-    if (tp_leader) {
-      write_state_shard(directory, stage * grid_->dp_size() + replica,
-                        grid_->pp_size() * grid_->dp_size(),
-                        parameters_.empty() ? std::vector<PieceRef>{}
-                                            : shards_.state_pieces(names_, parameters_),
-                        optimizer_.get(), replica == 0 ? local_buffers() : NamedTensors{});
-    }
-  } else if (replica == 0 && tp_leader) {
-    write_state_shard(directory, stage, grid_->pp_size(), whole_pieces(names_, parameters_), optimizer_.get(),
-                      local_buffers());
+    write_state_shard(directory, writer * grid_->dp_size() + replica, writers * grid_->dp_size(),
+                      parameters_.empty() ? std::vector<PieceRef>{}
+                                          : tp_.for_writing(shards_.state_pieces(names_, parameters_)),
+                      optimizer_.get(), buffers);
+  } else if (replica == 0) {
+    write_state_shard(directory, writer, writers, tp_.for_writing(whole_pieces(names_, parameters_)),
+                      optimizer_.get(), buffers);
   }
   if (scaler_ && grid_->world()->rank() == 0) save_loss_scaler(*scaler_, directory);
 }
 
 void PipelineStrategy::load(const std::string& directory) {
   const NamedTensors buffers = local_buffers();
-  const std::vector<PieceRef> values = whole_pieces(names_, parameters_);
+  const std::vector<PieceRef> values = tp_.for_reading(whole_pieces(names_, parameters_));
   read_state_shards(directory, values, optimizer_.get(),
-                    zero1_ && !parameters_.empty() ? shards_.state_pieces(names_, parameters_)
-                                                   : values,
+                    zero1_ && !parameters_.empty()
+                        ? tp_.for_reading(shards_.state_pieces(names_, parameters_))
+                        : values,
                     &buffers);
   if (scaler_) load_loss_scaler(*scaler_, directory);
 }

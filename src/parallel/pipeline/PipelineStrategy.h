@@ -15,6 +15,7 @@
 #include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"
+#include "parallel/StrategySupport.h"
 #include "parallel/zero/FlatShards.h"
 
 namespace dtrain::parallel {
@@ -79,6 +80,7 @@ class PipelineStrategy : public Strategy {
   int chunks_per_rank_;
   precision::Precision precision_;
   std::unique_ptr<precision::LossScaler> scaler_;
+  TensorParallelLayout tp_;
   bool zero1_ = false;
   Model model_;
   std::shared_ptr<comm::ProcessGrid> grid_;

@@ -1,0 +1,183 @@
+// Paired autograd functions of tensor parallelism (see Mappings.h). The collectives move
+// the split dimension to the front, so every rank's share is one contiguous run of a flat
+// buffer, in rank order, as the Communicator's allgather and reduce_scatter lay them out.
+#include "dtrain/parallel/tensor/Mappings.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/custom_class.h>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/common/Trace.h"
+#include "dtrain/parallel/tensor/Split.h"
+
+namespace dtrain::parallel::tensor {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool trivial(const comm::CommunicatorPtr& group) { return !group || group->size() == 1; }
+
+struct GroupHolder : torch::CustomClassHolder {
+  comm::CommunicatorPtr group;
+};
+
+void keep_group(AutogradContext* ctx, const comm::CommunicatorPtr& group, int64_t dim = 0) {
+  auto holder = c10::make_intrusive<GroupHolder>();
+  holder->group = group;
+  ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(holder));
+  ctx->saved_data["dim"] = dim;
+}
+
+comm::CommunicatorPtr group_of(AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
+}
+
+int64_t normalize(const at::Tensor& x, int64_t dim) {
+  DTRAIN_CHECK(x.dim() > 0, "a tensor-parallel split needs a tensor with dimensions");
+  return dim < 0 ? dim + x.dim() : dim;
+}
+
+at::Tensor allreduce_sum(const at::Tensor& x, const comm::CommunicatorPtr& group) {
+  trace::Span span("comm", "tp allreduce");
+  at::Tensor out = x.contiguous().clone();
+  group->allreduce(out)->wait();
+  return out;
+}
+
+at::Tensor share(const at::Tensor& x, const comm::CommunicatorPtr& group, int64_t dim) {
+  const auto [start, length] = split_range(x.size(dim), group->size(), group->rank());
+  return x.narrow(dim, start, length);
+}
+
+// Every rank's share along `dim` in rank order; `total` is the gathered size of `dim` (shares
+// by split_range), or -1 when every rank holds as many as this one.
+at::Tensor allgather_along(const at::Tensor& x, const comm::CommunicatorPtr& group, int64_t dim,
+                           int64_t total) {
+  trace::Span span("comm", "tp allgather");
+  const at::Tensor moved = x.movedim(dim, 0).contiguous();
+  const int ranks = group->size();
+  if (total < 0) total = moved.size(0) * ranks;
+  const int64_t inner = moved.size(0) == 0 ? 0 : moved.numel() / moved.size(0);
+  std::vector<int64_t> counts;
+  for (int r = 0; r < ranks; ++r) counts.push_back(split_range(total, ranks, r).second * inner);
+  DTRAIN_CHECK(counts[group->rank()] == moved.numel(), "gather along dimension ", dim, " of ",
+               x.sizes(), " over group '", group->name(), "': this rank's share should have ",
+               split_range(total, ranks, group->rank()).second, " rows of ", total);
+  std::vector<int64_t> shape = moved.sizes().vec();
+  shape[0] = total;
+  at::Tensor output = at::empty(shape, moved.options());
+  comm::AllgatherOptions options;
+  options.counts = counts;
+  group->allgather(output.view({-1}), moved.view({-1}), options)->wait();
+  return output.movedim(0, dim);
+}
+
+at::Tensor reduce_scatter_along(const at::Tensor& x, const comm::CommunicatorPtr& group,
+                                int64_t dim) {
+  DTRAIN_CHECK_INPUT(x.size(dim) % group->size() == 0, "sequence parallelism splits dimension ",
+                     dim, " of ", x.sizes(), " over ", group->size(),
+                     " ranks of group '", group->name(), "': it must divide evenly");
+  trace::Span span("comm", "tp reduce-scatter");
+  const at::Tensor moved = x.movedim(dim, 0).contiguous();
+  std::vector<int64_t> shape = moved.sizes().vec();
+  shape[0] /= group->size();
+  at::Tensor output = at::empty(shape, moved.options());
+  group->reduce_scatter(output.view({-1}), moved.view({-1}))->wait();
+  return output.movedim(0, dim);
+}
+
+struct CopyToGroup : torch::autograd::Function<CopyToGroup> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::CommunicatorPtr g) {
+    keep_group(ctx, g);
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {allreduce_sum(grads[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFromGroup : torch::autograd::Function<ReduceFromGroup> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::CommunicatorPtr g) {
+    return allreduce_sum(x, g);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+struct ScatterToGroup : torch::autograd::Function<ScatterToGroup> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::CommunicatorPtr g,
+                            int64_t dim) {
+    keep_group(ctx, g, dim);
+    ctx->saved_data["total"] = x.size(dim);
+    return share(x, g, dim).contiguous();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {allgather_along(grads[0], group_of(ctx), ctx->saved_data["dim"].toInt(),
+                            ctx->saved_data["total"].toInt()),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+struct GatherFromGroup : torch::autograd::Function<GatherFromGroup> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::CommunicatorPtr g,
+                            int64_t dim, int64_t total) {
+    keep_group(ctx, g, dim);
+    return allgather_along(x, g, dim, total);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {share(grads[0], group_of(ctx), ctx->saved_data["dim"].toInt()).contiguous(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::CommunicatorPtr g) {
+    keep_group(ctx, g, 1);
+    return allgather_along(x, g, 1, -1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {reduce_scatter_along(grads[0], group_of(ctx), 1), at::Tensor()};
+  }
+};
+
+struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::CommunicatorPtr g) {
+    keep_group(ctx, g, 1);
+    return reduce_scatter_along(x, g, 1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {allgather_along(grads[0], group_of(ctx), 1, -1), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor copy_to_group(const at::Tensor& x, const comm::CommunicatorPtr& group) {
+  return trivial(group) ? x : CopyToGroup::apply(x, group);
+}
+
+at::Tensor reduce_from_group(const at::Tensor& x, const comm::CommunicatorPtr& group) {
+  return trivial(group) ? x : ReduceFromGroup::apply(x, group);
+}
+
+at::Tensor scatter_to_group(const at::Tensor& x, const comm::CommunicatorPtr& group, int64_t dim) {
+  return trivial(group) ? x : ScatterToGroup::apply(x, group, normalize(x, dim));
+}
+
+at::Tensor gather_from_group(const at::Tensor& x, const comm::CommunicatorPtr& group, int64_t dim,
+                             int64_t total) {
+  return trivial(group) ? x : GatherFromGroup::apply(x, group, normalize(x, dim), total);
+}
+
+at::Tensor gather_from_sequence(const at::Tensor& x, const comm::CommunicatorPtr& group) {
+  return trivial(group) ? x : GatherFromSequence::apply(x, group);
+}
+
+at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const comm::CommunicatorPtr& group) {
+  return trivial(group) ? x : ReduceScatterToSequence::apply(x, group);
+}
+
+}  // namespace dtrain::parallel::tensor
