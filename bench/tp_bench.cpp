@@ -15,6 +15,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <new>
 
 #include "dtrain/common/Trace.h"
 #include "dtrain/comm/ProcessGrid.h"
@@ -29,31 +31,30 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Counts the bytes of live CPU tensors.
+// Counts the bytes of live CPU tensors. Data and context are the same pointer (some kernels
+// allocate raw buffers, which LibTorch requires of an allocator): a 64-byte header before the
+// data keeps the size.
 class CountingAllocator : public at::Allocator {
  public:
-  explicit CountingAllocator(at::Allocator* base) : base_(base) {}
   at::DataPtr allocate(size_t n) const override {
-    at::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
+    void* block = nullptr;
+    if (posix_memalign(&block, kHeader, n + kHeader) != 0) throw std::bad_alloc();
+    *static_cast<size_t*>(block) = n;
     in_use_ += static_cast<int64_t>(n);
-    auto* context = new Context{std::move(inner), n};
-    return {data, context, &release, at::Device(at::kCPU)};
+    void* data = static_cast<char*>(block) + kHeader;
+    return {data, data, &release, at::Device(at::kCPU)};
   }
-  at::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  at::DeleterFnPtr raw_deleter() const override { return &release; }
   static int64_t in_use() { return in_use_.load(); }
 
  private:
-  struct Context {
-    at::DataPtr inner;
-    size_t bytes;
-  };
-  static void release(void* pointer) {
-    auto* context = static_cast<Context*>(pointer);
-    in_use_ -= static_cast<int64_t>(context->bytes);
-    delete context;
+  static constexpr size_t kHeader = 64;
+  static void release(void* data) {
+    if (!data) return;
+    void* block = static_cast<char*>(data) - kHeader;
+    in_use_ -= static_cast<int64_t>(*static_cast<size_t*>(block));
+    std::free(block);
   }
-  at::Allocator* base_;
   static std::atomic<int64_t> in_use_;
 };
 std::atomic<int64_t> CountingAllocator::in_use_{0};
@@ -88,7 +89,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "--single: intra-op threads")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  static CountingAllocator counting(c10::GetCPUAllocator());
+  static CountingAllocator counting;
   c10::SetCPUAllocator(&counting, /*priority=*/100);
   comm::CommunicatorPtr world;
   if (single) {
