@@ -152,6 +152,7 @@ void validate(const TrainerOptions& o) {
 Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
     : options_(std::move(options)), world_(std::move(world)) {
   validate(options_);
+  loss_ = options_.loss;
   if (!world_) {
     comm::InitOptions single;
     single.master_port = free_port();
@@ -333,7 +334,7 @@ EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
     at::Tensor output = strategy_->evaluate_forward(batch.inputs);
     if (mine >= end || !output.defined()) continue;
     // A tensor-parallel model's loss and prediction are collective over its TP group.
-    const double loss = options_.loss(output, batch.targets).item<double>();
+    const double loss = loss_(output, batch.targets).item<double>();
     // Classes on the last dimension: [B, K] for a classifier, [B, T, V] for a language model
     // (each example's accuracy is then its share of tokens predicted).
     const at::Tensor predicted = predict_ ? predict_(output) : output.argmax(-1);
@@ -401,7 +402,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   }
   const optim::LrSchedule schedule(spec.lr, total_steps, options_.schedule);
   if (!options_.trace_file.empty()) trace::start();
-  if (model.loss) options_.loss = model.loss;  // e.g. a tensor-parallel model's vocab-parallel loss
+  // The model's own loss when it has one (a tensor-parallel model's vocab-parallel loss).
+  loss_ = model.loss ? parallel::LossFn(model.loss) : options_.loss;
   predict_ = model.predict;
   strategy_->prepare(train.slice(0, std::min<int64_t>(options_.batch_size, train.size())));
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
@@ -462,7 +464,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     }
     trace::Span step_span("step", concat("step ", step + 1));
     const auto step_start = Clock::now();
-    parallel::StepResult step_result = strategy_->train_step(micro_batches, options_.loss);
+    parallel::StepResult step_result = strategy_->train_step(micro_batches, loss_);
     // The loss every rank reports is the mean over ranks; the sum is non-finite when any
     // rank's is, so all ranks agree on stopping.
     at::Tensor loss_sum = at::tensor({step_result.loss}, at::kDouble);

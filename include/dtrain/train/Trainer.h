@@ -131,7 +131,9 @@ class Trainer {
   comm::CommunicatorPtr world_;
   std::shared_ptr<comm::ProcessGrid> grid_;
   parallel::StrategyPtr strategy_;
-  /// The model's own prediction (Model::predict), if any.
+  /// The loss and prediction of the model being trained: Model::loss / Model::predict when it
+  /// has them, else options.loss and argmax.
+  parallel::LossFn loss_ = parallel::cross_entropy;
   std::function<at::Tensor(const at::Tensor&)> predict_;
 };
 
