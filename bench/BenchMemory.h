@@ -1,12 +1,18 @@
-// Process memory probes shared by the benchmarks (Linux /proc): current and peak resident set,
-// and resetting the peak so a phase (e.g. the measured steps) can be measured on its own.
+// Memory probes and small helpers shared by the benchmarks: current and peak resident set
+// (Linux /proc), resetting the peak so a phase (e.g. the measured steps) can be measured on its
+// own, an allocator that counts the bytes of live CPU tensors, and the median.
 #pragma once
 
+#include <c10/core/Allocator.h>
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <fstream>
+#include <new>
 #include <string>
+#include <vector>
 
 namespace dtrain::bench {
 
@@ -44,6 +50,43 @@ inline bool reset_peak() {
   clear << "5";
   clear.close();
   return clear.good();
+}
+
+/// Counts the bytes of live CPU tensors; install with
+/// `c10::SetCPUAllocator(&allocator, /*priority=*/100)` before any tensor is made. Data and
+/// context are the same pointer (some kernels allocate raw buffers through raw_deleter(), which
+/// LibTorch requires of an allocator): a 64-byte header before the data keeps the size.
+class CountingAllocator : public at::Allocator {
+ public:
+  at::DataPtr allocate(size_t n) const override {
+    void* block = nullptr;
+    if (posix_memalign(&block, kHeader, n + kHeader) != 0) throw std::bad_alloc();
+    *static_cast<size_t*>(block) = n;
+    in_use() += static_cast<int64_t>(n);
+    void* data = static_cast<char*>(block) + kHeader;
+    return {data, data, &release, at::Device(at::kCPU)};
+  }
+  at::DeleterFnPtr raw_deleter() const override { return &release; }
+  /// Bytes of live tensors now.
+  static int64_t bytes_in_use() { return in_use().load(); }
+
+ private:
+  static constexpr size_t kHeader = 64;
+  static std::atomic<int64_t>& in_use() {
+    static std::atomic<int64_t> bytes{0};
+    return bytes;
+  }
+  static void release(void* data) {
+    if (!data) return;
+    void* block = static_cast<char*>(data) - kHeader;
+    in_use() -= static_cast<int64_t>(*static_cast<size_t*>(block));
+    std::free(block);
+  }
+};
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 }  // namespace dtrain::bench

@@ -17,12 +17,9 @@
 
 using namespace dtrain;
 using Clock = std::chrono::steady_clock;
+using bench::median;
 
 namespace {
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }

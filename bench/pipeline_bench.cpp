@@ -10,11 +10,11 @@
 #include <CLI/CLI.hpp>
 #include <c10/core/CPUAllocator.h>
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <cstdio>
 
+#include "BenchMemory.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Model.h"
@@ -23,42 +23,9 @@
 
 using namespace dtrain;
 using Clock = std::chrono::steady_clock;
+using bench::median;
 
 namespace {
-
-// Counts the bytes of live CPU tensors.
-class CountingAllocator : public at::Allocator {
- public:
-  explicit CountingAllocator(at::Allocator* base) : base_(base) {}
-  at::DataPtr allocate(size_t n) const override {
-    at::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    in_use_ += static_cast<int64_t>(n);
-    auto* context = new Context{std::move(inner), n};
-    return {data, context, &release, at::Device(at::kCPU)};
-  }
-  at::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  static int64_t in_use() { return in_use_.load(); }
-
- private:
-  struct Context {
-    at::DataPtr inner;
-    size_t bytes;
-  };
-  static void release(void* pointer) {
-    auto* context = static_cast<Context*>(pointer);
-    in_use_ -= static_cast<int64_t>(context->bytes);
-    delete context;
-  }
-  at::Allocator* base_;
-  static std::atomic<int64_t> in_use_;
-};
-std::atomic<int64_t> CountingAllocator::in_use_{0};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 Model wide_mlp(int64_t width, int layers) {
   torch::nn::Sequential net;
@@ -107,7 +74,7 @@ int main(int argc, char** argv) {
   app.add_option("--trace", trace_path, "Write the last measured step's trace (Chrome JSON)");
   CLI11_PARSE(app, argc, argv);
 
-  static CountingAllocator counting(c10::GetCPUAllocator());
+  static bench::CountingAllocator counting;
   c10::SetCPUAllocator(&counting, /*priority=*/100);
   torch::manual_seed(0);
   Model model = wide_mlp(width, layers);
@@ -160,7 +127,7 @@ int main(int argc, char** argv) {
   int64_t base = 0, peak = 0;
   strategy.set_action_observer([&](const parallel::pipeline::Action& a) {
     if (a.kind == parallel::pipeline::Action::Forward) {
-      peak = std::max(peak, CountingAllocator::in_use() - base);
+      peak = std::max(peak, bench::CountingAllocator::bytes_in_use() - base);
     }
   });
 
@@ -169,7 +136,7 @@ int main(int argc, char** argv) {
     const bool measured = step >= warmup;
     if (measured) trace::start();
     world->barrier()->wait();
-    base = CountingAllocator::in_use();
+    base = bench::CountingAllocator::bytes_in_use();
     peak = 0;
     const auto start = Clock::now();
     strategy.train_step(micro_batches, parallel::cross_entropy);

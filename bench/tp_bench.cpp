@@ -12,12 +12,10 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <new>
 
+#include "BenchMemory.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/launch/Environment.h"
@@ -28,43 +26,7 @@
 
 using namespace dtrain;
 using Clock = std::chrono::steady_clock;
-
-namespace {
-
-// Counts the bytes of live CPU tensors. Data and context are the same pointer (some kernels
-// allocate raw buffers, which LibTorch requires of an allocator): a 64-byte header before the
-// data keeps the size.
-class CountingAllocator : public at::Allocator {
- public:
-  at::DataPtr allocate(size_t n) const override {
-    void* block = nullptr;
-    if (posix_memalign(&block, kHeader, n + kHeader) != 0) throw std::bad_alloc();
-    *static_cast<size_t*>(block) = n;
-    in_use_ += static_cast<int64_t>(n);
-    void* data = static_cast<char*>(block) + kHeader;
-    return {data, data, &release, at::Device(at::kCPU)};
-  }
-  at::DeleterFnPtr raw_deleter() const override { return &release; }
-  static int64_t in_use() { return in_use_.load(); }
-
- private:
-  static constexpr size_t kHeader = 64;
-  static void release(void* data) {
-    if (!data) return;
-    void* block = static_cast<char*>(data) - kHeader;
-    in_use_ -= static_cast<int64_t>(*static_cast<size_t*>(block));
-    std::free(block);
-  }
-  static std::atomic<int64_t> in_use_;
-};
-std::atomic<int64_t> CountingAllocator::in_use_{0};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-}  // namespace
+using bench::median;
 
 int main(int argc, char** argv) {
   CLI::App app{"dtrain tensor-parallel benchmark (one rank; start with dtrain launch, or --single)"};
@@ -89,7 +51,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "--single: intra-op threads")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  static CountingAllocator counting;
+  static bench::CountingAllocator counting;
   c10::SetCPUAllocator(&counting, /*priority=*/100);
   comm::CommunicatorPtr world;
   if (single) {
@@ -127,11 +89,11 @@ int main(int argc, char** argv) {
     const bool measured = step >= warmup;
     if (world) world->barrier()->wait();
     if (measured) trace::start();
-    const int64_t base = CountingAllocator::in_use();
+    const int64_t base = bench::CountingAllocator::bytes_in_use();
     const auto start = Clock::now();
     optimizer->zero_grad();
     at::Tensor loss = loss_of(model(ids));
-    const double peak_mb = static_cast<double>(CountingAllocator::in_use() - base) / (1 << 20);
+    const double peak_mb = static_cast<double>(bench::CountingAllocator::bytes_in_use() - base) / (1 << 20);
     loss.backward();
     layout.sum_partial_gradients(parameters, names);
     optimizer->step();

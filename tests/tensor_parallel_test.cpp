@@ -6,8 +6,10 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <mutex>
+#include <tuple>
 
 #include "Oracle.h"
 #include "RankThreads.h"
@@ -18,6 +20,8 @@
 #include "dtrain/parallel/tensor/Layers.h"
 #include "dtrain/parallel/tensor/Mappings.h"
 #include "dtrain/parallel/tensor/Random.h"
+#include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/Generate.h"
 #include "parallel/StrategySupport.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/pipeline/PipelineStrategy.h"
@@ -298,6 +302,9 @@ struct GridRun {
   bool tied = false;
   bool drop_tp_rank_gradient = false;
   bool sequence_parallel = false;
+  /// With a dynamic loss scaler: one element of every split parameter's gradient on TP rank 1
+  /// is set to inf in this step (-1 = never), an overflow only that rank sees.
+  int overflow_step = -1;
 };
 
 struct GptData {
@@ -312,8 +319,10 @@ GptData gpt_data(int steps) {
   return d;
 }
 
-// Plain single-process training of the serial model (Adam, optional clipping).
-Named train_serial(const GptData& d, int steps, double max_grad_norm, bool tied) {
+// Plain single-process training of the serial model (Adam, optional clipping); the optimizer
+// step of `skipped_step` is left out (its batch is still consumed).
+Named train_serial(const GptData& d, int steps, double max_grad_norm, bool tied,
+                   int skipped_step = -1) {
   Model model = build_gpt(tiny_gpt(tied), nullptr);
   auto optimizer = optim::make_optimizer(model.module->parameters(), test::adam());
   auto order = data::DistributedSampler(d.dataset.size(), 1, 0, {true, 5, true}).indices();
@@ -323,7 +332,7 @@ Named train_serial(const GptData& d, int steps, double max_grad_norm, bool tied)
     optimizer->zero_grad();
     parallel::cross_entropy(model(batch.inputs), batch.targets).backward();
     if (max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(model.module->parameters(), max_grad_norm);
-    optimizer->step();
+    if (step != skipped_step) optimizer->step();
   }
   return named_values(model);
 }
@@ -331,6 +340,7 @@ Named train_serial(const GptData& d, int steps, double max_grad_norm, bool tied)
 parallel::StrategyPtr make_strategy(const GridRun& run) {
   parallel::StrategyOptions options;
   options.max_grad_norm = run.max_grad_norm;
+  if (run.overflow_step >= 0) options.loss_scaling = "dynamic";
   if (run.pp > 1) {
     options.pipeline_data_parallel = run.strategy;
     return parallel::make_strategy("pipeline", options);
@@ -339,8 +349,11 @@ parallel::StrategyPtr make_strategy(const GridRun& run) {
 }
 
 // Trains on the grid; returns the worst difference of any rank's parameters from `serial`.
-double train_on_grid(const GptData& d, int steps, const GridRun& run, const Named& serial) {
+// `skipped` (optional) gets each rank's count of steps the loss scaler skipped.
+double train_on_grid(const GptData& d, int steps, const GridRun& run, const Named& serial,
+                     std::vector<double>* skipped = nullptr) {
   std::vector<double> worst(run.world, 0.0);
+  if (skipped) skipped->assign(run.world, -1.0);
   test::run_ranks(run.world, [&](const comm::CommunicatorPtr& world) {
     auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
     auto config = tiny_gpt(run.tied);
@@ -350,6 +363,19 @@ double train_on_grid(const GptData& d, int steps, const GridRun& run, const Name
     if (run.drop_tp_rank_gradient && grid->coordinates().tp == 1) {
       loss = [inner = loss](const at::Tensor& o, const at::Tensor& t) { return inner(o, t) * 0.0; };
     }
+    int current_step = 0;
+    if (run.overflow_step >= 0 && grid->coordinates().tp == 1) {
+      const auto splits = tp::parameter_splits(*model.module);
+      for (const auto& item : model.module->named_parameters()) {
+        if (!splits.count(item.key())) continue;
+        item.value().register_hook([&current_step, &run](const at::Tensor& grad) {
+          if (current_step != run.overflow_step) return at::Tensor();
+          at::Tensor poisoned = grad.clone();
+          poisoned.view({-1})[0] = std::numeric_limits<double>::infinity();
+          return poisoned;
+        });
+      }
+    }
     auto strategy = make_strategy(run);
     strategy->setup(model, optim::optimizer_factory(test::adam()), grid);
     const int dp = grid->dp_size();
@@ -357,13 +383,17 @@ double train_on_grid(const GptData& d, int steps, const GridRun& run, const Name
                                           {true, 5, true}).indices();
     const int64_t local = d.global_batch / dp;
     for (int step = 0; step < steps; ++step) {
+      current_step = step;
       std::vector<data::Batch> micro_batches;
       for (int m = 0; m < run.micro; ++m) {
         const int64_t begin = step * local + m * (local / run.micro);
         micro_batches.push_back(d.dataset.get(
             std::vector<int64_t>(order.begin() + begin, order.begin() + begin + local / run.micro)));
       }
-      strategy->train_step(micro_batches, loss);
+      const auto result = strategy->train_step(micro_batches, loss);
+      if (skipped && result.metrics.count("skipped_steps")) {
+        (*skipped)[world->rank()] = result.metrics.at("skipped_steps");
+      }
     }
     strategy->materialize();
     worst[world->rank()] = max_block_diff(named_values(strategy->model()), serial,
@@ -408,6 +438,30 @@ TEST(TensorParallel, ShardedStrategiesTiedWeightsAndClippingCountReplicasOnce) {
   GridRun run;
   run.world = 2, run.tp = 2, run.tied = true;
   EXPECT_LT(train_on_grid(d, steps, run, tied), test::kTightBound) << "tied";
+}
+
+TEST(TensorParallel, AnOverflowOnOneTensorParallelRankSkipsTheStepOnAll) {
+  // Only TP rank 1 sees an inf (in its own block of a split weight): every rank must skip that
+  // step, so all equal serial training without it; a rank that stepped would equal the run
+  // that kept it.
+  const int steps = 3;
+  const GptData d = gpt_data(steps);
+  const Named without_step_1 = train_serial(d, steps, 0.0, false, /*skipped_step=*/1);
+  const Named all_steps = train_serial(d, steps, 0.0, false);
+  GridRun run;
+  run.world = 2, run.tp = 2, run.overflow_step = 1;
+  std::vector<double> skipped;
+  EXPECT_LT(train_on_grid(d, steps, run, without_step_1, &skipped), test::kTightBound) << "TP 2";
+  EXPECT_EQ(skipped, std::vector<double>(2, 1.0));
+  GridRun piped = run;
+  piped.world = 4, piped.pp = 2, piped.micro = 2;
+  EXPECT_LT(train_on_grid(d, steps, piped, without_step_1, &skipped), test::kTightBound)
+      << "PP 2 x TP 2";
+  EXPECT_EQ(skipped, std::vector<double>(4, 1.0));
+  // Without the overflow, the same scaled run keeps every step.
+  run.overflow_step = steps + 1;
+  EXPECT_LT(train_on_grid(d, steps, run, all_steps, &skipped), test::kTightBound);
+  EXPECT_EQ(skipped, std::vector<double>(2, 0.0));
 }
 
 TEST(TensorParallel, CheckpointsResumeAtOtherSizesAndConsolidate) {
@@ -478,7 +532,50 @@ TEST(TensorParallel, CheckpointsResumeAtOtherSizesAndConsolidate) {
     EXPECT_LT(run_steps(reader, 1, steps, "", dir), test::kTightBound)
         << "resumed at world " << reader.world << " TP " << reader.tp << " PP " << reader.pp;
   }
+
+  // `dtrain generate` samples from a TP checkpoint and from a PP x TP one: its greedy text is
+  // that of the serial model after the same step (so the blocks were joined, not left random).
+  const std::string piped_dir = dir + "-pp";
+  fs::remove_all(piped_dir);
+  fs::create_directories(piped_dir);
+  run_steps(GridRun{4, 2, 2, "ddp", 2}, 0, 1, piped_dir, "");
+  const std::string vocabulary = "abcdefghijk";
+  std::string expected;
+  {
+    const Named after_one = train_serial(d, 1, 0.0, false);
+    torch::NoGradGuard no_grad;
+    Model serial_model = build_gpt(tiny_gpt(), nullptr);
+    for (auto& [name, p] : named_parameters(serial_model)) p.copy_(after_one.at(name));
+    serial_model.module->to(at::kFloat);
+    serial_model.module->eval();
+    std::vector<int64_t> ids = {0, 3};  // "ad"
+    for (int i = 0; i < 10; ++i) {
+      const auto first = ids.end() - static_cast<std::ptrdiff_t>(std::min<size_t>(ids.size(), 6));
+      at::Tensor window = at::tensor(std::vector<int64_t>(first, ids.end()), at::kLong).unsqueeze(0);
+      ids.push_back(serial_model(window).select(1, window.size(1) - 1).argmax(-1).item<int64_t>());
+    }
+    for (int64_t id : ids) expected += vocabulary[id];
+  }
+  for (const auto& [checkpoint, tp_size, pp_size] :
+       {std::tuple{dir, 2, 1}, std::tuple{piped_dir, 2, 2}}) {
+    train::CheckpointMeta meta;
+    meta.strategy = pp_size > 1 ? "pipeline" : "zero1";
+    meta.world_size = 4;
+    meta.tp = tp_size, meta.pp = pp_size, meta.dp = 4 / (tp_size * pp_size);
+    meta.extras["model"] = models::to_json(tiny_gpt());
+    meta.extras["vocabulary"] = vocabulary;
+    train::record_files(checkpoint, meta);
+    train::write_meta(checkpoint, meta);
+    train::GenerateOptions options;
+    options.checkpoint = checkpoint;
+    options.prompt = "ad";
+    options.tokens = 10;
+    options.temperature = 0;
+    options.threads = 1;
+    EXPECT_EQ(train::generate_text(options), expected) << "TP " << tp_size << " PP " << pp_size;
+  }
   fs::remove_all(dir);
+  fs::remove_all(piped_dir);
 }
 
 TEST(TensorParallel, SequenceParallelGptEqualsTheSerialModel) {

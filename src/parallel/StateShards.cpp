@@ -225,11 +225,13 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
           return transfer;
         };
         // Copies what `transfer` names of this piece's `from` into `target` (a run starting at
-        // element `base`).
+        // element `base`), cast to the target's dtype (a float64 checkpoint read by a float32
+        // model, as the contiguous path's copy_ does).
         auto copy = [&](const Transfer& t, const at::Tensor& from, const at::Tensor& target,
                         int64_t base) {
           if (t.into_want.defined()) {
-            target.view({-1}).index_copy_(0, t.into_want, from.index_select(0, t.from_have));
+            target.view({-1}).index_copy_(
+                0, t.into_want, from.index_select(0, t.from_have).to(target.scalar_type()));
           } else if (t.lo < t.hi) {
             target.view({-1}).narrow(0, t.lo - base, t.hi - t.lo)
                 .copy_(from.narrow(0, t.lo - offset, t.hi - t.lo));
