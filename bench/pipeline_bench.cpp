@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
   int64_t width = 2048, global_batch = 128;
   bool single = false;
   std::string trace_path;
+  std::string transport = "auto";
   bool input_grad = true;
   app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved")->capture_default_str();
   app.add_option("--micro-batches", micro, "M")->capture_default_str();
@@ -71,6 +72,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "--single: intra-op threads")->capture_default_str();
   app.add_flag("--input-grad,!--no-input-grad", input_grad,
                "Inputs require a gradient, so every stage does equal work (default on)");
+  app.add_option("--pipeline-transport", transport,
+                 "auto (shared memory between the two local ranks) or comm (Gloo)")
+      ->capture_default_str();
   app.add_option("--trace", trace_path, "Write the last measured step's trace (Chrome JSON)");
   CLI11_PARSE(app, argc, argv);
 
@@ -122,6 +126,7 @@ int main(int argc, char** argv) {
   parallel::StrategyOptions options;
   options.pipeline_schedule = schedule;
   options.pipeline_virtual_stages = chunks;
+  options.pipeline_transport = transport;
   parallel::pipeline::PipelineStrategy strategy(options);
   strategy.setup(model, optim::optimizer_factory(sgd), grid);
   int64_t base = 0, peak = 0;

@@ -2,8 +2,9 @@
 """Pipeline benchmark driver: dtrain's pipeline (P = 2 ranks, 1 thread each, started by dtrain
 launch) on an MLP of 8 equal Linear(2048, 2048) + ReLU layers, under GPipe, 1F1B and interleaved
 1F1B (V = 2) for M = 1, 2, 4, 8, 16 micro-batches of 64 examples, against one process training
-the same global batch with 2 threads and with 1 thread; and, at a fixed global batch of 128, the
-cost of cutting it into small micro-batches. Configurations are run in turn within a round, in
+the same global batch with 2 threads and with 1 thread; at a fixed global batch of 128, the
+cost of cutting it into small micro-batches; and the stages' shared-memory transport against
+Gloo. Configurations are run in turn within a round, in
 reverse order on odd rounds; medians over rounds. Figures per run are medians over its steps:
 step time (slowest rank), the bubble measured from the trace (mean idle share of the ranks
 between the step's first and last forward/backward on any rank) next to (P-1)/(VM+P-1), and each
@@ -53,6 +54,13 @@ def main():
                             "--micro-batches", str(m), "--global-batch", "128"] + steps, True))
     configs.append((("gpipe", 1, 128, "fixed"), ["--schedule", "gpipe", "--micro-batches", "1",
                     "--global-batch", "128"] + steps, True))
+    # The same as the main table's through Gloo instead of shared memory between the stages.
+    for schedule in ("1f1b", "interleaved"):
+        for m in (4, 8):
+            extra = ["--virtual-stages", "2"] if schedule == "interleaved" else []
+            configs.append(((schedule, m, MICRO, "comm", "transport"),
+                            ["--schedule", schedule, "--micro-batches", str(m), "--global-batch",
+                             str(MICRO * m), "--pipeline-transport", "comm"] + extra + steps, True))
 
     results = {}
     for r in range(args.rounds):
@@ -98,6 +106,18 @@ def main():
         lines.append(f"| {schedule} | {m} | {each} | {med(label, 'step_ms'):.0f} | "
                      f"{med(label, 'samples_per_s'):.0f} | {100 * med(label, 'bubble'):.1f}% | "
                      f"{100 * med(label, 'bubble_formula'):.1f}% |")
+    lines += ["", "Transport between the stages: shared memory (the default, `--pipeline-transport "
+              "auto`) against the communicator (Gloo, `--pipeline-transport comm`):", "",
+              "| schedule | M | step (ms) shared memory | step (ms) Gloo | Gloo / shared memory | "
+              "bubble shared memory | bubble Gloo |", "|---|---|---|---|---|---|---|"]
+    for label, _, pipeline in configs:
+        if len(label) != 5:
+            continue
+        schedule, m, each, _, _ = label
+        shm = (schedule, m, each)
+        lines.append(f"| {schedule} | {m} | {med(shm, 'step_ms'):.0f} | {med(label, 'step_ms'):.0f} | "
+                     f"{med(label, 'step_ms') / med(shm, 'step_ms'):.2f}x | "
+                     f"{100 * med(shm, 'bubble'):.1f}% | {100 * med(label, 'bubble'):.1f}% |")
     g8, f8 = ("gpipe", 8, MICRO), ("1f1b", 8, MICRO)
     lines += ["", f"Targets: M=8 throughput / naive: 1F1B {med(f8, 'samples_per_s') / naive:.2f}x, "
               f"GPipe {med(g8, 'samples_per_s') / naive:.2f}x (>= 1.6x); 1F1B / GPipe stage-0 "

@@ -155,6 +155,10 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       "Place pipeline stages by params (parameter count), time (measured forward + backward) "
       "or S1,S2,... (model stages per pipeline stage)")
       ->capture_default_str();
+  add(app, "--pipeline-transport", t.strategy_options.pipeline_transport,
+      "Pipeline activations and gradients travel through auto (shared memory between stages on "
+      "the same machine, else the communicator) or comm (always the communicator)")
+      ->capture_default_str();
   add(app, "--trace", t.trace_file,
       "Write a Chrome/Perfetto trace of every rank (forward, backward, recv, sync, optimizer "
       "spans) to this file; scripts/plot-timeline draws it");

@@ -6,6 +6,7 @@
 #include <atomic>
 
 #include "RankThreads.h"
+#include "comm/SharedMemoryChannel.h"
 #include "dtrain/comm/ProcessGrid.h"
 
 using namespace dtrain;
@@ -116,7 +117,9 @@ TEST(Comm, ReduceScatterMatchesAllreduceShareAndMovesRingBytes) {
       EXPECT_EQ(sent, (world - 1) * share * 4);
 
       auto avg = torch::empty({share});
-      comm->reduce_scatter(avg, input, {comm::ReduceOp::Avg})->wait();
+      comm::ReduceScatterOptions average;
+      average.op = comm::ReduceOp::Avg;
+      comm->reduce_scatter(avg, input, average)->wait();
       EXPECT_TRUE(torch::allclose(avg, output / world));
 
       comm::ReduceScatterOptions scratch;  // may accumulate in the input: same result, no copy
@@ -311,4 +314,78 @@ TEST(Comm, UnknownBackendIsAnInputError) {
   EXPECT_THROW(comm::init(options), InputError);
   options.backend = "nccl";
   EXPECT_THROW(comm::init(options), InputError);
+}
+
+// Shared-memory point-to-point (the pipeline's same-machine transport): messages found by tag
+// in any order, messages far larger than the ring streamed through it, both ends sending large
+// messages to each other at once (each takes in the other's while its ring is full, so neither
+// blocks forever), a length mismatch and a missing message named.
+TEST(SharedMemoryChannel, DeliversByTagThroughASmallRingInBothDirectionsAtOnce) {
+  run_ranks(2, [](const CommunicatorPtr& comm) {
+    comm::SharedMemoryChannel channel(comm, {{0, 1}, {1, 0}}, /*ring_bytes=*/4096);
+    ASSERT_TRUE(channel.connected(0, 1));
+    ASSERT_TRUE(channel.connected(1, 0));
+    const int me = comm->rank(), other = 1 - me;
+    const auto big = [](int rank) { return data_of(rank, 300000, torch::kFloat); };
+    // Out of order: the receiver asks for the small message first; the big one is kept.
+    if (me == 0) {
+      channel.send(1, 5, big(0), "big");
+      channel.send(1, 6, data_of(7, 3, torch::kLong), "small");
+    } else {
+      EXPECT_TRUE(torch::equal(channel.recv(0, 6, {3}, torch::kLong, "small"),
+                               data_of(7, 3, torch::kLong)));
+      EXPECT_TRUE(torch::equal(channel.recv(0, 5, {300000}, torch::kFloat, "big"), big(0)));
+    }
+    // Both send 1.2 MB through 4 KB rings before receiving.
+    for (int round = 0; round < 3; ++round) {
+      channel.send(other, 100 + round, big(me), "crossing");
+    }
+    for (int round = 0; round < 3; ++round) {
+      EXPECT_TRUE(torch::equal(channel.recv(other, 100 + round, {300000}, torch::kFloat, "crossing"),
+                               big(other)));
+    }
+    // A message of another length is named, not reinterpreted.
+    if (me == 0) {
+      channel.send(1, 9, torch::zeros({10}), "short");
+    } else {
+      try {
+        channel.recv(0, 9, {11}, torch::kFloat, "the activation of micro-batch 3");
+        ADD_FAILURE() << "a length mismatch was accepted";
+      } catch (const CommError& e) {
+        const std::string text = e.what();
+        EXPECT_NE(text.find("the activation of micro-batch 3"), std::string::npos) << text;
+        EXPECT_NE(text.find("received 40 bytes, expected 44"), std::string::npos) << text;
+      }
+    }
+    comm->barrier()->wait();
+  });
+}
+
+TEST(SharedMemoryChannel, AMessageNeverSentTimesOutNamingGroupAndPeer) {
+  std::atomic<bool> done{false};
+  run_ranks(2, [&](const CommunicatorPtr& comm) {
+    // Only 0 -> 1 asked for: the other direction is not connected.
+    comm::SharedMemoryChannel channel(comm, {{0, 1}});
+    EXPECT_TRUE(channel.connected(0, 1));
+    EXPECT_FALSE(channel.connected(1, 0));
+    if (comm->rank() == 1) {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        channel.recv(0, 1, {4}, torch::kFloat, "the gradient of micro-batch 0");
+        ADD_FAILURE() << "a receive with no sender returned";
+      } catch (const TimeoutError& e) {
+        const std::string text = e.what();
+        EXPECT_NE(text.find("the gradient of micro-batch 0"), std::string::npos) << text;
+        EXPECT_NE(text.find("group 'world', rank 1 with rank 0 = world rank 0"), std::string::npos)
+            << text;
+        EXPECT_NE(text.find("timed out after 3000 ms"), std::string::npos) << text;
+      }
+      EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+      done = true;
+    } else {
+      // Stay alive (bounded) until rank 1 has seen its timeout.
+      for (int i = 0; i < 1000 && !done; ++i) std::this_thread::sleep_for(10ms);
+      EXPECT_TRUE(done);
+    }
+  }, 3s);
 }

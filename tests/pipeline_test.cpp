@@ -61,8 +61,12 @@ TEST(Schedule, IdealTimelinesMatchTheBubbleFormula) {
           const auto sim = simulate(spec, all_ranks(spec), 1.0, 2.0);
           for (double idle : sim.idle_share) EXPECT_NEAR(idle, bubble_formula(spec), 1e-9);
           for (int r = 0; r < p; ++r) {
-            if (kind == ScheduleKind::GPipe) EXPECT_EQ(sim.peak_live[r], m);
-            if (kind == ScheduleKind::OneFOneB) EXPECT_EQ(sim.peak_live[r], std::min(m, p - r));
+            if (kind == ScheduleKind::GPipe) {
+              EXPECT_EQ(sim.peak_live[r], m);
+            }
+            if (kind == ScheduleKind::OneFOneB) {
+              EXPECT_EQ(sim.peak_live[r], std::min(m, p - r));
+            }
           }
         }
       }
@@ -146,6 +150,7 @@ struct PipelineRun {
   std::string precision = "fp32";
   std::string loss_scaling = "auto";
   double loss_scale_init = 65536;
+  std::string transport = "auto";  // "comm": Gloo only, no shared memory
   std::vector<std::map<std::string, double>>* metrics = nullptr;  // each rank's last step's
 };
 
@@ -170,6 +175,7 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
     options.precision = run.precision;
     options.loss_scaling = run.loss_scaling;
     options.loss_scale_init = run.loss_scale_init;
+    options.pipeline_transport = run.transport;
     PipelineStrategy strategy(options);
     strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
     const int dp_rank = grid->coordinates().dp;
@@ -248,6 +254,14 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
     run.micro = micro;
     run.schedule = "interleaved";
     run.chunks = 2;
+    EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  }
+  // The same through the communicator alone (no shared memory between the stages).
+  for (const std::string schedule : {"gpipe", "1f1b", "interleaved"}) {
+    SCOPED_TRACE(concat(schedule, " 2 x 2 over the communicator"));
+    PipelineRun run{2, 2, 4, schedule};
+    run.chunks = schedule == "interleaved" ? 2 : 1;
+    run.transport = "comm";
     EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
   }
   // zero1 over each stage's DP group: optimizer state sharded, same weights.
@@ -402,6 +416,11 @@ TEST(Pipeline, BadLayoutsAreNamedBeforeAnyWork) {
     parallel::StrategyOptions options;
     options.pipeline_schedule = "zigzag";
     EXPECT_NE(message([&] { PipelineStrategy{options}; }).find("unknown pipeline schedule"),
+              std::string::npos);
+    parallel::StrategyOptions transport;
+    transport.pipeline_transport = "pigeon";
+    EXPECT_NE(message([&] { PipelineStrategy{transport}; })
+                  .find("unknown --pipeline-transport 'pigeon' (expected auto or comm)"),
               std::string::npos);
   });
 }

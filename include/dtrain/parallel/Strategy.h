@@ -81,6 +81,10 @@ struct StrategyOptions {
   /// Pipeline: how each stage's replicas share their work over the DP group: "ddp" (averaged
   /// gradients) or "zero1" (and each replica keeps the optimizer state of its shard only).
   std::string pipeline_data_parallel = "ddp";
+  /// Pipeline: how activations and their gradients travel between stages: "auto" (through
+  /// shared memory between stages on the same machine, the communicator otherwise) or "comm"
+  /// (always the communicator).
+  std::string pipeline_transport = "auto";
 };
 
 /// What of each micro-batch a rank reads (a pipeline's middle stages read neither; the first

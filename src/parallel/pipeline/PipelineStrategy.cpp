@@ -63,6 +63,9 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
                      "or zero1, not '", dp, "' (zero2 and zero3 shard the gradients and "
                      "parameters that the micro-batches accumulate)");
   zero1_ = dp == "zero1";
+  const std::string& transport = options_.pipeline_transport;
+  DTRAIN_CHECK_INPUT(transport == "auto" || transport == "comm", "unknown --pipeline-transport '",
+                     transport, "' (expected auto or comm)");
   const std::string& balance = options_.pipeline_balance;
   DTRAIN_CHECK_INPUT(!balance.empty(), "--pipeline-balance is empty (params, time or S1,S2,...)");
   DTRAIN_CHECK_INPUT(balance == "params" || balance == "time" ||
@@ -197,7 +200,8 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                                        : std::make_unique<Reducer>(params, names, grid_->dp(),
                                                                    reducer_options));
   }
-  link_ = std::make_unique<StageLink>(grid_->pp(), virtual_stages);
+  link_ = std::make_unique<StageLink>(grid_->pp(), virtual_stages,
+                                      options_.pipeline_transport == "auto");
 }
 
 DataNeeds PipelineStrategy::data_needs() const {

@@ -24,13 +24,25 @@ const char* direction_name(int direction) {
 
 }  // namespace
 
-StageLink::StageLink(comm::CommunicatorPtr pp, int virtual_stages)
+StageLink::StageLink(comm::CommunicatorPtr pp, int virtual_stages, bool shared_memory)
     : pp_(std::move(pp)),
       stage_(pp_->rank()),
       ranks_(pp_->size()),
       virtual_stages_(virtual_stages) {
   DTRAIN_CHECK(virtual_stages_ >= ranks_ && virtual_stages_ % ranks_ == 0,
                "pipeline: ", virtual_stages_, " virtual stages over ", ranks_, " ranks");
+  if (shared_memory && ranks_ > 1) {
+    std::vector<std::pair<int, int>> pairs;
+    for (int b = 0; b + 1 < virtual_stages_; ++b) {
+      pairs.emplace_back(b % ranks_, (b + 1) % ranks_);
+      pairs.emplace_back((b + 1) % ranks_, b % ranks_);
+    }
+    shm_ = std::make_unique<comm::SharedMemoryChannel>(pp_, pairs);
+  }
+}
+
+bool StageLink::shared_memory_with(int peer, bool sending) const {
+  return shm_ && (sending ? shm_->connected(stage_, peer) : shm_->connected(peer, stage_));
 }
 
 int StageLink::peer(Direction direction, int boundary, bool sending) const {
@@ -87,13 +99,20 @@ StageLink::Meta StageLink::read_header(const at::Tensor& header, const char* wha
 void StageLink::send(Direction direction, int boundary, int micro_batch, const at::Tensor& tensor) {
   release_sends([](const Send& send) { return send.work->is_completed(); });
   const int dst = peer(direction, boundary, true);
+  const bool shared = shared_memory_with(dst, true);
   const Meta meta{tensor.sizes().vec(), tensor.scalar_type()};
   const auto key = std::make_pair(static_cast<int>(direction), boundary);
   const auto agreed = sent_.find(key);
   if (agreed == sent_.end()) {
     at::Tensor header = header_of(tensor, direction);
-    sends_.push_back({-1, boundary, micro_batch, header,
-                      pp_->send(header, dst, {header_tag(direction, boundary)})});
+    if (shared) {
+      shm_->send(dst, header_tag(direction, boundary), header,
+                 concat("pipeline send of the ", direction_name(direction), " header at boundary ",
+                        boundary));
+    } else {
+      sends_.push_back({-1, boundary, micro_batch, header,
+                        pp_->send(header, dst, {header_tag(direction, boundary)})});
+    }
     sent_.emplace(key, meta);
   } else {
     DTRAIN_CHECK_INPUT(agreed->second.sizes == meta.sizes && agreed->second.dtype == meta.dtype,
@@ -104,6 +123,12 @@ void StageLink::send(Direction direction, int boundary, int micro_batch, const a
                        " at the first micro-batch (every micro-batch must have the same shape)");
   }
   at::Tensor data = tensor.contiguous();
+  if (shared) {
+    shm_->send(dst, data_tag(direction, boundary, micro_batch), data,
+               concat("pipeline send of the ", direction_name(direction), " of micro-batch ",
+                      micro_batch, " at boundary ", boundary));
+    return;
+  }
   sends_.push_back({direction, boundary, micro_batch, data,
                     pp_->send(data, dst, {data_tag(direction, boundary, micro_batch)})});
 }
@@ -111,6 +136,8 @@ void StageLink::send(Direction direction, int boundary, int micro_batch, const a
 void StageLink::post_recv(Direction direction, int boundary, int micro_batch) {
   const auto expected = expected_.find({static_cast<int>(direction), boundary});
   if (expected == expected_.end()) return;
+  // Shared memory needs nothing posted: the sender's copy is already in the ring.
+  if (shared_memory_with(peer(direction, boundary, false), false)) return;
   const auto key = std::make_tuple(static_cast<int>(direction), boundary, micro_batch);
   if (posted_.count(key)) return;
   const Meta& meta = expected->second;
@@ -122,10 +149,25 @@ void StageLink::post_recv(Direction direction, int boundary, int micro_batch) {
 
 at::Tensor StageLink::recv(Direction direction, int boundary, int micro_batch) {
   const auto key = std::make_pair(static_cast<int>(direction), boundary);
+  const int src = peer(direction, boundary, false);
+  const bool shared = shared_memory_with(src, false);
   if (!expected_.count(key)) {
-    at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
-    pp_->recv(header, peer(direction, boundary, false), {header_tag(direction, boundary)})->wait();
+    at::Tensor header;
+    if (shared) {
+      header = shm_->recv(src, header_tag(direction, boundary), {kHeaderLength}, at::kLong,
+                          concat("pipeline receive of the ", direction_name(direction),
+                                 " header at boundary ", boundary));
+    } else {
+      header = at::zeros({kHeaderLength}, at::kLong);
+      pp_->recv(header, src, {header_tag(direction, boundary)})->wait();
+    }
     expected_.emplace(key, read_header(header, direction_name(direction)));
+  }
+  if (shared) {
+    const Meta& meta = expected_.at(key);
+    return shm_->recv(src, data_tag(direction, boundary, micro_batch), meta.sizes, meta.dtype,
+                      concat("pipeline receive of the ", direction_name(direction),
+                             " of micro-batch ", micro_batch, " at boundary ", boundary));
   }
   post_recv(direction, boundary, micro_batch);
   auto entry = posted_.extract(std::make_tuple(key.first, boundary, micro_batch));
@@ -161,6 +203,12 @@ void StageLink::send_any(int boundary, const at::Tensor& tensor) {
   const int dst = peer(Activation, boundary, true);
   at::Tensor header = header_of(tensor, Activation);
   at::Tensor data = tensor.contiguous();
+  if (shared_memory_with(dst, true)) {
+    const std::string what = concat("pipeline evaluation send at boundary ", boundary);
+    shm_->send(dst, header_tag(kEvalHeader, boundary), header, what);
+    shm_->send(dst, header_tag(kEvalData, boundary), data, what);
+    return;
+  }
   auto header_work = pp_->send(header, dst, {header_tag(kEvalHeader, boundary)});
   auto data_work = pp_->send(data, dst, {header_tag(kEvalData, boundary)});
   header_work->wait();
@@ -169,6 +217,13 @@ void StageLink::send_any(int boundary, const at::Tensor& tensor) {
 
 at::Tensor StageLink::recv_any(int boundary) {
   const int src = peer(Activation, boundary, false);
+  if (shared_memory_with(src, false)) {
+    const std::string what = concat("pipeline evaluation receive at boundary ", boundary);
+    const Meta meta = read_header(
+        shm_->recv(src, header_tag(kEvalHeader, boundary), {kHeaderLength}, at::kLong, what),
+        "evaluation");
+    return shm_->recv(src, header_tag(kEvalData, boundary), meta.sizes, meta.dtype, what);
+  }
   at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
   pp_->recv(header, src, {header_tag(kEvalHeader, boundary)})->wait();
   const Meta meta = read_header(header, "evaluation");

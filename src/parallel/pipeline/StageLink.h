@@ -6,18 +6,22 @@
 // shape and dtype crossing each boundary in each direction are agreed once (a small header
 // before the first tensor) and every later send is checked against them, so a mismatch is an
 // error naming the stage, micro-batch and shapes, never a wrong-sized receive or a hang. For
-// evaluation (shapes vary with the batch), every tensor travels with its header.
+// evaluation (shapes vary with the batch), every tensor travels with its header. Between stages
+// on the same machine the tensors go through shared-memory rings (comm/SharedMemoryChannel.h):
+// a send is a copy into the ring and a receive a copy out, with no transport thread to wake.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "comm/SharedMemoryChannel.h"
 #include "dtrain/comm/Communicator.h"
 
 namespace dtrain::parallel::pipeline {
@@ -26,8 +30,12 @@ class StageLink {
  public:
   enum Direction { Activation = 0, Gradient = 1 };
 
-  /// `pp`: the pipeline communicator (this rank is pp->rank()); `virtual_stages`: V x P.
-  StageLink(comm::CommunicatorPtr pp, int virtual_stages);
+  /// Collective over `pp`, the pipeline communicator (this rank is pp->rank());
+  /// `virtual_stages`: V x P. `shared_memory`: neighbours on this machine exchange through
+  /// shared memory (else everything goes through `pp`).
+  StageLink(comm::CommunicatorPtr pp, int virtual_stages, bool shared_memory = true);
+  /// Whether tensors to (sending) or from `peer` go through shared memory.
+  bool shared_memory_with(int peer, bool sending) const;
 
   /// Sends the tensor crossing `boundary` for `micro_batch` (an activation from virtual stage
   /// boundary to boundary + 1; a gradient the other way).
@@ -71,6 +79,7 @@ class StageLink {
   };
   void release_sends(const std::function<bool(const Send&)>& done);
   std::vector<Send> sends_;
+  std::unique_ptr<comm::SharedMemoryChannel> shm_;
 };
 
 }  // namespace dtrain::parallel::pipeline
