@@ -9,22 +9,61 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <limits>
+#include <thread>
 #include <type_traits>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Launcher.h"
+#include "dtrain/parallel/ps/ShardServer.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Generate.h"
 #include "dtrain/train/Job.h"
 
 namespace {
+
+volatile std::sig_atomic_t g_stop_serving = 0;
+
+// `dtrain ps serve`: one parameter-server shard until SIGINT or SIGTERM.
+int serve_shard(dtrain::parallel::ps::ShardServerOptions options, const std::string& shard_text) {
+  const auto slash = shard_text.find('/');
+  int shard = -1, shards = -1;
+  try {
+    if (slash != std::string::npos) {
+      size_t used = 0;
+      shard = std::stoi(shard_text.substr(0, slash), &used);
+      if (used != slash) shard = -1;
+      shards = std::stoi(shard_text.substr(slash + 1), &used);
+      if (used != shard_text.size() - slash - 1) shards = -1;
+    }
+  } catch (const std::exception&) {
+    shard = shards = -1;
+  }
+  DTRAIN_CHECK_INPUT(shard >= 0 && shards >= 1 && shard < shards, "--shard '", shard_text,
+                     "': expected I/N with 0 <= I < N (this shard's index and the shard count)");
+  options.shard = shard;
+  options.shards = shards;
+  dtrain::parallel::ps::ShardServer server(options);
+  std::signal(SIGINT, [](int) { g_stop_serving = 1; });
+  std::signal(SIGTERM, [](int) { g_stop_serving = 1; });
+  std::printf("parameter-server shard %d/%d listening on %s (port %d), optimizer %s, lr %g\n",
+              shard, shards, options.listen.c_str(), server.port(), options.optimizer.name.c_str(),
+              options.optimizer.lr);
+  std::fflush(stdout);
+  while (!g_stop_serving) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  server.shutdown();
+  std::printf("parameter-server shard %d/%d stopped at version %lld\n", shard, shards,
+              static_cast<long long>(server.shard().version()));
+  return 0;
+}
 
 constexpr int kInputErrorExit = 2;
 
@@ -473,6 +512,21 @@ int main(int argc, char** argv) {
   add(*generate, "--seed", generate_options.seed, "Random seed")->capture_default_str();
   add(*generate, "--threads", generate_options.threads, "Threads (default: all cores)");
 
+  auto* ps = app.add_subcommand("ps", "Parameter server (Downpour / Sandblaster)");
+  ps->require_subcommand(1);
+  dtrain::parallel::ps::ShardServerOptions ps_options;
+  ps_options.listen = "0.0.0.0:29600";
+  std::string shard_text = "0/1";
+  auto* serve = ps->add_subcommand("serve", "Serve one parameter-server shard until interrupted");
+  serve->add_option("--listen", ps_options.listen, "host:port to listen on (port 0: any free one)")
+      ->capture_default_str();
+  serve->add_option("--shard", shard_text, "I/N: this shard's index and the number of shards")
+      ->capture_default_str();
+  serve->add_option("--optimizer", ps_options.optimizer.name,
+                    "Optimizer applied to pushed gradients: adagrad, sgd or adam")
+      ->capture_default_str();
+  add(*serve, "--lr", ps_options.optimizer.lr, "Learning rate")->capture_default_str();
+
   try {
     args = expand_config(args, *train);
     std::vector<std::string> reversed(args.rbegin(), args.rend());
@@ -526,6 +580,7 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
+    if (serve->parsed()) return serve_shard(ps_options, shard_text);
     if (train->parsed()) return run_train(job, args);
     if (launch_cmd->parsed()) {
       dtrain::launch::parse_nnodes(nnodes_text, launch);

@@ -321,7 +321,7 @@ TEST(Launcher, ElasticJobsRestartAtTheNewSizeAndReshard) {
 
 TEST(Cli, HelpOnEverySubcommand) {
   for (const std::string sub :
-       {"", " train", " launch", " ckpt consolidate", " ckpt inspect", " ckpt verify"}) {
+       {"", " train", " launch", " ckpt consolidate", " ckpt inspect", " ckpt verify", " ps serve"}) {
     const auto out = run(kDtrain + sub + " --help");
     EXPECT_EQ(out.code, 0) << sub;
     EXPECT_TRUE(has(out, "Usage:")) << sub;
@@ -406,6 +406,11 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" ckpt inspect " + dir.path(), "neither a checkpoint"},
       {" ckpt verify", "checkpoint is required"},
       {" ckpt", "A subcommand is required"},
+      {" train --pipeline-transport pigeon", "unknown --pipeline-transport 'pigeon'"},
+      {" ps serve --shard 2/2", "--shard '2/2': expected I/N with 0 <= I < N"},
+      {" ps serve --shard x", "--shard 'x': expected I/N"},
+      {" ps serve --optimizer rmsprop", "unknown parameter-server optimizer 'rmsprop'"},
+      {" ps serve --lr 0", "the parameter server's learning rate must be > 0"},
   };
   for (const auto& [args, needle] : cases) {
     const auto out = run(kDtrain + args);
@@ -414,6 +419,21 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
     EXPECT_TRUE(has(out, "error")) << args;
     EXPECT_LE(std::count(out.text.begin(), out.text.end(), '\n'), 1) << args << "\n" << out.text;
   }
+}
+
+// `dtrain ps serve` runs a shard until SIGTERM, saying where it listens and where it stopped.
+TEST(Cli, PsServeRunsAShardUntilTerminated) {
+  TempDir dir;
+  const std::string log = dir.path() + "/serve.log";
+  // Waits (at most 10 s) for the shard to say it listens, then stops it.
+  const auto out = run("sh -c '" + kDtrain + " ps serve --listen 127.0.0.1:0 --shard 1/2 > " + log +
+                       " 2>&1 & for i in $(seq 100); do grep -q listening " + log +
+                       " && break; sleep 0.1; done; kill -TERM $!; wait $!; code=$?; cat " + log +
+                       "; exit $code'");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "parameter-server shard 1/2 listening on 127.0.0.1:0 (port ")) << out.text;
+  EXPECT_TRUE(has(out, "optimizer adagrad")) << out.text;
+  EXPECT_TRUE(has(out, "parameter-server shard 1/2 stopped at version 0")) << out.text;
 }
 
 // `dtrain train` with no flags trains the main job's model: its defaults are the config's.

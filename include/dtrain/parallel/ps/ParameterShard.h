@@ -1,0 +1,67 @@
+// One parameter-server shard's state, without the network: its contiguous range [begin, end)
+// of the model's flat float32 parameters, the version (updates applied), and the optimizer that
+// applies pushed gradients to the range (SGD, Adagrad - DistBelief's choice for Downpour, robust
+// to stale gradients - or Adam), each update under one lock so pulls see whole versions.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <utility>
+
+namespace dtrain::parallel::ps {
+
+/// Balanced contiguous ranges of `total` elements over `shards`: shard i gets
+/// [i * total / shards, (i + 1) * total / shards) (a large tensor may span shards).
+std::pair<int64_t, int64_t> shard_range(int64_t total, int shard, int shards);
+
+struct ShardOptimizer {
+  /// "sgd", "adagrad" or "adam".
+  std::string name = "adagrad";
+  double lr = 0.01;
+  /// Adagrad: initial accumulator value (as torch.optim.Adagrad) and epsilon.
+  double initial_accumulator = 0.0;
+  double eps = 1e-10;
+  /// Adam.
+  double beta1 = 0.9, beta2 = 0.999, adam_eps = 1e-8;
+};
+
+class ParameterShard {
+ public:
+  ParameterShard(int shard, int shards, ShardOptimizer optimizer);
+
+  /// Sets the initial parameters for a model of `total` elements; `values` must be exactly
+  /// this shard's range. Returns "" or why not (already initialized: "initialized").
+  std::string initialize(int64_t total, const at::Tensor& values);
+
+  bool initialized() const;
+  int shard() const { return shard_; }
+  int shards() const { return shards_; }
+  int64_t begin() const;
+  int64_t end() const;
+  int64_t total() const;
+  int64_t version() const;
+  const ShardOptimizer& optimizer() const { return optimizer_; }
+
+  /// A copy of elements [begin, end) (within the range) and the version they belong to.
+  at::Tensor read(int64_t begin, int64_t end, int64_t* version) const;
+  /// Applies `gradient` for elements [begin, begin + numel) computed at `computed_version`.
+  /// Returns "" (and the new version and the staleness) or why it was refused (nothing changed).
+  std::string apply(int64_t begin, const at::Tensor& gradient, int64_t computed_version,
+                    int64_t* version, int64_t* staleness);
+
+ private:
+  const int shard_, shards_;
+  const ShardOptimizer optimizer_;
+  mutable std::mutex mutex_;
+  int64_t begin_ = 0, end_ = 0, total_ = 0;
+  int64_t version_ = 0;
+  bool initialized_ = false;
+  at::Tensor values_;               // float32 [end - begin)
+  at::Tensor state1_, state2_;  // Adagrad: sum of squares; Adam: first and second moments
+  at::Tensor steps_;            // Adam: updates each element has had (pushes may be partial)
+};
+
+}  // namespace dtrain::parallel::ps

@@ -1,0 +1,107 @@
+#include "comm/rpc/TensorMessage.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::rpc {
+
+DType to_wire(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return FLOAT32;
+    case at::kDouble: return FLOAT64;
+    case at::kBFloat16: return BFLOAT16;
+    case at::kHalf: return FLOAT16;
+    case at::kLong: return INT64;
+    case at::kInt: return INT32;
+    case at::kByte: return UINT8;
+    case at::kChar: return INT8;
+    default: break;
+  }
+  DTRAIN_THROW(InputError, "tensors of ", type, " cannot be sent (dtrain/tensor.proto has no such dtype)");
+}
+
+at::ScalarType from_wire(DType type) {
+  switch (type) {
+    case FLOAT32: return at::kFloat;
+    case FLOAT64: return at::kDouble;
+    case BFLOAT16: return at::kBFloat16;
+    case FLOAT16: return at::kHalf;
+    case INT64: return at::kLong;
+    case INT32: return at::kInt;
+    case UINT8: return at::kByte;
+    case INT8: return at::kChar;
+    default: break;
+  }
+  DTRAIN_THROW(InputError, "unknown wire dtype ", static_cast<int>(type));
+}
+
+const char* dtype_name(DType type) {
+  return DType_IsValid(type) ? DType_Name(type).c_str() : "(invalid)";
+}
+
+void for_each_chunk(const at::Tensor& flat, int64_t offset, const std::string& name,
+                    int64_t chunk_bytes, const std::function<bool(TensorChunk&)>& emit,
+                    const std::vector<int64_t>& shape) {
+  DTRAIN_CHECK(flat.dim() == 1 && flat.is_contiguous(), "for_each_chunk needs a flat contiguous tensor");
+  const int64_t item = static_cast<int64_t>(flat.element_size());
+  const int64_t per_chunk = std::max<int64_t>(1, std::min(chunk_bytes, kMaxChunkBytes) / item);
+  const auto* bytes = static_cast<const char*>(flat.data_ptr());
+  const int64_t n = flat.numel();
+  int64_t start = 0;
+  do {
+    const int64_t count = std::min(per_chunk, n - start);
+    TensorChunk chunk;
+    chunk.set_name(name);
+    chunk.set_dtype(to_wire(flat.scalar_type()));
+    if (start == 0) {
+      if (shape.empty()) {
+        chunk.add_shape(n);
+      } else {
+        for (int64_t d : shape) chunk.add_shape(d);
+      }
+    }
+    chunk.set_offset(offset + start);
+    chunk.set_data(bytes + start * item, static_cast<size_t>(count * item));
+    if (!emit(chunk)) return;
+    start += count;
+  } while (start < n);
+}
+
+std::string check_chunk(const TensorChunk& chunk, const ChunkRule& rule, const std::string& where) {
+  const DType expected = to_wire(rule.dtype);
+  if (chunk.dtype() != expected) {
+    return concat(where, ": field 'dtype' is ", dtype_name(chunk.dtype()), ", expected ",
+                  dtype_name(expected));
+  }
+  const int64_t bytes = static_cast<int64_t>(chunk.data().size());
+  if (bytes > rule.max_bytes) {
+    return concat(where, ": field 'data' holds ", bytes, " bytes, more than the ", rule.max_bytes,
+                  " a chunk may");
+  }
+  const int64_t item = static_cast<int64_t>(c10::elementSize(rule.dtype));
+  if (bytes % item != 0) {
+    return concat(where, ": field 'data' holds ", bytes, " bytes, not a whole number of ",
+                  dtype_name(expected), " elements");
+  }
+  const int64_t count = bytes / item;
+  if (chunk.offset() < rule.begin || chunk.offset() > rule.end || count > rule.end - chunk.offset()) {
+    return concat(where, ": field 'offset' ", chunk.offset(), " with ", count,
+                  " elements is outside [", rule.begin, ", ", rule.end, ")");
+  }
+  return "";
+}
+
+int64_t chunk_elements(const TensorChunk& chunk) {
+  return static_cast<int64_t>(chunk.data().size() / c10::elementSize(from_wire(chunk.dtype())));
+}
+
+void copy_chunk(const TensorChunk& chunk, const at::Tensor& flat, int64_t base) {
+  const int64_t item = static_cast<int64_t>(flat.element_size());
+  std::memcpy(static_cast<char*>(flat.data_ptr()) + (chunk.offset() - base) * item,
+              chunk.data().data(), chunk.data().size());
+}
+
+}  // namespace dtrain::rpc
