@@ -182,6 +182,30 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       "Tensor-parallel ranks: each layer's matrices are split over this many ranks (Megatron-"
       "style; --model gpt). With --pipeline-parallel P the world is DP x P x T")
       ->capture_default_str();
+  app.add_option("--ps", t.strategy_options.ps_addresses,
+                 "--strategy downpour: the parameter-server shards, HOST:PORT,... in shard order "
+                 "(each started with dtrain ps serve)")
+      ->delimiter(',');
+  add(app, "--ps-shards", job.ps_shards,
+      "--strategy downpour: start this many parameter-server shards here, in the launching "
+      "process (instead of --ps)")
+      ->capture_default_str();
+  add(app, "--ps-optimizer", job.ps_optimizer,
+      "--ps-shards: the shards' optimizer (adagrad, sgd or adam) at --lr")
+      ->capture_default_str();
+  add(app, "--n-fetch", t.strategy_options.ps_n_fetch,
+      "--strategy downpour: fetch fresh parameters every N steps (in the background)")
+      ->capture_default_str();
+  add(app, "--n-push", t.strategy_options.ps_n_push,
+      "--strategy downpour: push the gradients accumulated over N steps (in the background)")
+      ->capture_default_str();
+  add(app, "--max-staleness", t.strategy_options.ps_max_staleness,
+      "--strategy downpour: a worker whose parameters are more than this many server versions "
+      "old waits for a fresh pull (-1: no cap)")
+      ->capture_default_str();
+  add(app, "--ps-timeout-ms", t.strategy_options.ps_rpc_timeout_ms,
+      "--strategy downpour: deadline of every parameter-server call")
+      ->capture_default_str();
   add(app, "--micro-batches", job.micro_batches,
       "Micro-batches per optimizer step (the pipeline's M; sets --accumulation)");
   add(app, "--schedule", t.strategy_options.pipeline_schedule,
@@ -285,12 +309,49 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   app.add_flag("!--no-progress", t.progress, "No progress bar");
 }
 
-int run_train(const dtrain::train::JobConfig& job, const std::vector<std::string>& args) {
+// --strategy downpour --ps-shards N: the shards run in this (the launching) process, on free
+// local ports; the ranks get their addresses as --ps.
+std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shards(
+    dtrain::train::JobConfig& job, std::vector<std::string>& args) {
+  std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> servers;
+  if (job.trainer.strategy != "downpour" || job.ps_shards <= 0) return servers;
+  std::string addresses;
+  for (int i = 0; i < job.ps_shards; ++i) {
+    dtrain::parallel::ps::ShardServerOptions options;
+    options.shard = i;
+    options.shards = job.ps_shards;
+    options.optimizer.name = job.ps_optimizer;
+    options.optimizer.lr = job.trainer.optimizer.lr;
+    servers.push_back(std::make_unique<dtrain::parallel::ps::ShardServer>(options));
+    addresses += (i == 0 ? "" : ",") + servers.back()->address();
+    job.trainer.strategy_options.ps_addresses.push_back(servers.back()->address());
+  }
+  job.ps_shards = 0;
+  std::vector<std::string> kept;  // the ranks connect to these shards instead of starting more
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--ps-shards" || args[i] == "--ps-optimizer") {
+      ++i;
+    } else if (args[i].rfind("--ps-shards=", 0) != 0 && args[i].rfind("--ps-optimizer=", 0) != 0) {
+      kept.push_back(args[i]);
+    }
+  }
+  args = kept;
+  args.push_back("--ps");
+  args.push_back(addresses);
+  std::printf("parameter server: %d shard%s at %s, %s at lr %g\n", static_cast<int>(servers.size()),
+              servers.size() == 1 ? "" : "s", addresses.c_str(), job.ps_optimizer.c_str(),
+              job.trainer.optimizer.lr);
+  std::fflush(stdout);
+  return servers;
+}
+
+int run_train(dtrain::train::JobConfig job, std::vector<std::string> args) {
   const bool worker = std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr ||
                       std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
   // Check everything once, before any rank starts; ranks (already checked by their launcher, or
   // started by Slurm / mpirun) get the same named errors from run_job itself.
   if (!worker) dtrain::train::validate_job(job);
+  const auto shards = worker ? decltype(start_local_shards(job, args)){} : start_local_shards(job, args);
   if (job.nproc > 1 && !worker) {
     dtrain::launch::LaunchOptions launch;
     launch.nproc_per_node = job.nproc;

@@ -411,6 +411,11 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" ps serve --shard x", "--shard 'x': expected I/N"},
       {" ps serve --optimizer rmsprop", "unknown parameter-server optimizer 'rmsprop'"},
       {" ps serve --lr 0", "the parameter server's learning rate must be > 0"},
+      {" train --strategy downpour", "--strategy downpour needs the parameter-server shards"},
+      {" train --strategy downpour --ps-shards 2 --ps 127.0.0.1:1", "--ps and --ps-shards both given"},
+      {" train --strategy downpour --ps-shards 1 --n-fetch 0", "--n-fetch must be at least 1"},
+      {" train --strategy downpour --ps-shards 1 --max-staleness -2", "--max-staleness must be -1"},
+      {" train --strategy ddp --ps 127.0.0.1:1", "--ps and --ps-shards are for --strategy downpour"},
   };
   for (const auto& [args, needle] : cases) {
     const auto out = run(kDtrain + args);
@@ -434,6 +439,26 @@ TEST(Cli, PsServeRunsAShardUntilTerminated) {
   EXPECT_TRUE(has(out, "parameter-server shard 1/2 listening on 127.0.0.1:0 (port ")) << out.text;
   EXPECT_TRUE(has(out, "optimizer adagrad")) << out.text;
   EXPECT_TRUE(has(out, "parameter-server shard 1/2 stopped at version 0")) << out.text;
+}
+
+// One command starts the shards and the workers; rank 0 writes the final model as a normal
+// checkpoint, which the checkpoint tools read.
+TEST(Cli, DownpourStartsShardsAndWorkers) {
+  TempDir dir;
+  const auto out = run(kDtrain + " train --strategy downpour --nproc 2 --ps-shards 2 --threads 1 "
+                                 "--dataset synthetic --model mlp --synthetic-examples 512 "
+                                 "--max-steps 12 --no-progress --checkpoint-dir " +
+                       (dir / "ckpt") + " --metrics " + (dir / "m.jsonl"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "parameter server: 2 shards at 127.0.0.1:")) << out.text;
+  EXPECT_TRUE(has(out, "test accuracy")) << out.text;
+  const auto verify = run(kDtrain + " ckpt verify " + (dir / "ckpt"));
+  EXPECT_EQ(verify.code, 0) << verify.text;
+  const auto inspect = run(kDtrain + " ckpt inspect " + (dir / "ckpt"));
+  EXPECT_TRUE(has(inspect, "strategy downpour")) << inspect.text;
+  std::ifstream metrics(dir / "m.jsonl");
+  std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  EXPECT_NE(all.find("\"staleness\""), std::string::npos) << all;
 }
 
 // `dtrain train` with no flags trains the main job's model: its defaults are the config's.

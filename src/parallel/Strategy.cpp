@@ -6,6 +6,7 @@
 #include "dtrain/common/Error.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/pipeline/PipelineStrategy.h"
+#include "parallel/ps/DownpourStrategy.h"
 #include "parallel/zero/Zero3Strategy.h"
 #include "parallel/zero/ZeroStrategy.h"
 
@@ -28,6 +29,7 @@ const std::vector<std::pair<std::string, Factory>> kRegistry = {
     {"zero2", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ZeroStrategy>(o, 2); }},
     {"zero3", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<Zero3Strategy>(o); }},
     {"pipeline", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<pipeline::PipelineStrategy>(o); }},
+    {"downpour", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ps::DownpourStrategy>(o); }},
 };
 
 }  // namespace

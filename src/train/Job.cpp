@@ -113,6 +113,27 @@ void validate_job(const JobConfig& job) {
   DTRAIN_CHECK_INPUT(contains(parallel::strategy_names(), job.trainer.strategy),
                      "--strategy: unknown strategy '", job.trainer.strategy, "' (available: ",
                      joined(parallel::strategy_names()), ")");
+  if (job.trainer.strategy == "downpour") {
+    const auto& o = job.trainer.strategy_options;
+    DTRAIN_CHECK_INPUT(!o.ps_addresses.empty() || job.ps_shards > 0,
+                       "--strategy downpour needs the parameter-server shards: --ps "
+                       "HOST:PORT,... (servers started with dtrain ps serve) or --ps-shards N "
+                       "(started by this command)");
+    DTRAIN_CHECK_INPUT(o.ps_addresses.empty() || job.ps_shards == 0,
+                       "--ps and --ps-shards both given: use --ps for servers that are already "
+                       "running, --ps-shards to start them here");
+    DTRAIN_CHECK_INPUT(o.ps_n_fetch >= 1, "--n-fetch must be at least 1 (got ", o.ps_n_fetch, ")");
+    DTRAIN_CHECK_INPUT(o.ps_n_push >= 1, "--n-push must be at least 1 (got ", o.ps_n_push, ")");
+    DTRAIN_CHECK_INPUT(o.ps_max_staleness >= -1, "--max-staleness must be -1 (no cap) or at "
+                       "least 0 (got ", o.ps_max_staleness, ")");
+    DTRAIN_CHECK_INPUT(job.trainer.pipeline_parallel <= 1 && job.trainer.tensor_parallel <= 1,
+                       "--strategy downpour workers are replicas of the whole model: "
+                       "--pipeline-parallel and --tensor-parallel are not supported with it");
+  } else {
+    DTRAIN_CHECK_INPUT(job.ps_shards == 0 && job.trainer.strategy_options.ps_addresses.empty(),
+                       "--ps and --ps-shards are for --strategy downpour (not ",
+                       job.trainer.strategy, ")");
+  }
   DTRAIN_CHECK_INPUT(job.dataset == "fashion-mnist" || job.dataset == "synthetic" ||
                          job.dataset == "text",
                      "--dataset: unknown data set '", job.dataset,

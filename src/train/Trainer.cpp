@@ -192,7 +192,7 @@ std::vector<TensorInfo> Trainer::model_tensors() const {
   return tensors;
 }
 
-void Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch) {
+void Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch, bool alone) {
   const std::string root = options_.checkpoint_dir;
   const std::string name = checkpoint_name(step);
   const std::string staging = root + "/" + name + ".tmp";
@@ -201,11 +201,11 @@ void Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch)
     fs::remove_all(staging);
     fs::create_directories(staging);
   }
-  world_->barrier()->wait();
+  if (!alone) world_->barrier()->wait();
   strategy_->save(staging);
   torch::save(at::detail::getDefaultCPUGenerator().get_state(),
               concat(staging, "/rng-rank", world_->rank(), ".pt"));
-  world_->barrier()->wait();  // every rank's files are in place
+  if (!alone) world_->barrier()->wait();  // every rank's files are in place
   if (leader) {
     CheckpointMeta meta;
     meta.strategy = strategy_->name();
@@ -229,7 +229,7 @@ void Trainer::save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch)
     set_latest(root, name);
     prune_checkpoints(root, options_.keep_checkpoints, name);
   }
-  world_->barrier()->wait();
+  if (!alone) world_->barrier()->wait();
 }
 
 std::string Trainer::choose_checkpoint() {
@@ -314,14 +314,18 @@ int64_t Trainer::restore_checkpoint(int64_t global_batch) {
 }
 
 EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
+  return evaluate_on(dataset, false);
+}
+
+EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) {
   trace::Span span("evaluate", "evaluate");
   auto& model = strategy_->model();
   model.module->eval();
   torch::NoGradGuard no_grad;
   // Each data-parallel replica evaluates a share; within a replica every rank sees the same
   // examples, and the ranks holding the output (a pipeline's last stage) count them.
-  const int replica = grid_->coordinates().dp;
-  const int replicas = grid_->dp_size();
+  const int replica = alone ? 0 : grid_->coordinates().dp;
+  const int replicas = alone ? 1 : grid_->dp_size();
   const bool counts = grid_->coordinates().tp == 0;  // TP ranks compute the same values
   double sums[3] = {0, 0, 0};  // loss * n, correct, n
   for (int64_t begin = 0; begin < dataset.size();
@@ -346,7 +350,7 @@ EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
     sums[2] += n;
   }
   at::Tensor totals = at::tensor({sums[0], sums[1], sums[2]}, at::kDouble);
-  world_->allreduce(totals)->wait();
+  if (!alone) world_->allreduce(totals)->wait();
   EvalResult result;
   result.examples = static_cast<int64_t>(totals[2].item<double>());
   if (result.examples > 0) {
@@ -439,7 +443,16 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   int64_t nonfinite_steps = 0;
   const int64_t last_step = options_.stop_at_step > 0 ? std::min(total_steps, options_.stop_at_step)
                                                       : total_steps;
-  for (int64_t step = start_step; step < last_step; ++step) {
+  // Asynchronous workers (a parameter server's) each run through their own share of the data as
+  // fast as they can, with no per-step collective; the run ends when all of them together have
+  // made the worker steps of the synchronous run (steps x replicas), however they were shared
+  // out. One worker left alone would make them all: that bounds its loop.
+  const bool async = !strategy_->synchronous();
+  const int64_t loop_end = async ? start_step + (last_step - start_step) * dp_size : last_step;
+  auto global_step = [&](int64_t local) {
+    return async ? start_step + strategy_->global_steps() / dp_size : local;
+  };
+  for (int64_t step = start_step; step < loop_end; ++step) {
     const int64_t epoch = step / steps_per_epoch;
     const int64_t in_epoch = step % steps_per_epoch;
     if (epoch != order_epoch) {
@@ -466,10 +479,14 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     const auto step_start = Clock::now();
     parallel::StepResult step_result = strategy_->train_step(micro_batches, loss_);
     // The loss every rank reports is the mean over ranks; the sum is non-finite when any
-    // rank's is, so all ranks agree on stopping.
-    at::Tensor loss_sum = at::tensor({step_result.loss}, at::kDouble);
-    world_->allreduce(loss_sum)->wait();
-    step_result.loss = loss_sum.item<double>() / world_->size();
+    // rank's is, so all ranks agree on stopping. (Asynchronous workers report their own.)
+    if (!async) {
+      at::Tensor loss_sum = at::tensor({step_result.loss}, at::kDouble);
+      world_->allreduce(loss_sum)->wait();
+      step_result.loss = loss_sum.item<double>() / world_->size();
+    }
+    const int64_t reached = global_step(step + 1);
+    const bool done = async && reached >= last_step;
     const double step_seconds = seconds_since(step_start);
     const auto skipped = step_result.metrics.find("step_skipped");
     const bool finite = std::isfinite(step_result.loss) &&
@@ -490,21 +507,22 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                    "--precision fp32");
     }
     train_seconds += step_seconds;
-    samples += step_result.samples * dp_size;
+    samples += step_result.samples * (async ? 1 : dp_size);
     result.losses.push_back(step_result.loss);
-    result.steps = step + 1;
-    report.reached(step + 1);
+    result.steps = reached;
+    report.reached(reached);
     const double throughput = samples / std::max(train_seconds, 1e-9);
 
     if (leader && ((step + 1) % options_.log_every == 0 || step + 1 == total_steps)) {
       MetricRecord record{{"event", std::string("step")},
-                          {"step", step + 1},
+                          {"step", reached},
                           {"epoch", epoch},
                           {"loss", step_result.loss},
                           {"lr", lr},
                           {"step_ms", step_seconds * 1e3},
                           {"samples_per_s", throughput}};
       if (step_result.grad_norm >= 0) record["grad_norm"] = step_result.grad_norm;
+      if (async) record["worker_step"] = step + 1;
       for (const auto& [key, value] : step_result.metrics) record[key] = value;
       metrics.write(record);
     }
@@ -514,13 +532,14 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                       throughput, eta);
     }
     const bool epoch_end = in_epoch + 1 == steps_per_epoch || step + 1 == total_steps;
-    const bool halting = step + 1 == last_step;
+    const bool halting = async ? done : step + 1 == last_step;
     const bool eval_due = options_.eval_every > 0 && (step + 1) % options_.eval_every == 0;
-    if ((epoch_end || eval_due) && validation != nullptr) {
-      result.validation = evaluate(*validation);
+    // Asynchronous: rank 0 alone evaluates, and the final evaluation comes after the loop.
+    if ((epoch_end || eval_due) && validation != nullptr && (!async || (leader && !halting))) {
+      result.validation = evaluate_on(*validation, async);
       if (leader) {
         MetricRecord record{{"event", std::string("eval")},
-                            {"step", step + 1},
+                            {"step", reached},
                             {"epoch", epoch},
                             {"seconds", seconds_since(start)},
                             {"val_loss", result.validation->loss},
@@ -537,11 +556,37 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     }
     const bool periodic = options_.checkpoint_every > 0 && (step + 1) % options_.checkpoint_every == 0;
     if (!options_.checkpoint_dir.empty() && (periodic || epoch_end || halting) &&
-        nonfinite_steps == 0) {
-      trace::Span checkpoint_span("checkpoint", concat("checkpoint ", step + 1));
-      save_checkpoint(step + 1, epoch, global_batch);
+        nonfinite_steps == 0 && (!async || (leader && !halting))) {
+      trace::Span checkpoint_span("checkpoint", concat("checkpoint ", reached));
+      save_checkpoint(reached, epoch, global_batch, async);
     }
     simulated_failure.maybe_fire(step + 1);
+    if (done) break;
+  }
+  if (async) {
+    // Every worker sends what it holds; once all have, rank 0 takes the newest parameters for
+    // the final evaluation and checkpoint.
+    strategy_->finish();
+    world_->barrier()->wait();
+    if (leader) {
+      strategy_->finish();
+      result.steps = global_step(result.steps);
+      report.reached(result.steps);
+      if (validation != nullptr) {
+        result.validation = evaluate_on(*validation, true);
+        metrics.write({{"event", std::string("eval")},
+                       {"step", result.steps},
+                       {"seconds", seconds_since(start)},
+                       {"val_loss", result.validation->loss},
+                       {"val_accuracy", result.validation->accuracy}});
+        if (options_.progress) progress.note(describe_eval_as(*result.validation, options_.token_loss));
+      }
+      if (!options_.checkpoint_dir.empty() && nonfinite_steps == 0) {
+        save_checkpoint(result.steps, result.steps / std::max<int64_t>(1, steps_per_epoch),
+                        global_batch, true);
+      }
+    }
+    world_->barrier()->wait();
   }
   result.seconds = seconds_since(start);
   if (!options_.trace_file.empty()) write_trace();

@@ -85,6 +85,17 @@ struct StrategyOptions {
   /// shared memory between stages on the same machine, the communicator otherwise) or "comm"
   /// (always the communicator).
   std::string pipeline_transport = "auto";
+  /// Downpour (parameter server): "host:port" of every shard, in shard order.
+  std::vector<std::string> ps_addresses{};
+  /// Downpour: fetch fresh parameters every n_fetch steps and push the gradients accumulated
+  /// over n_push steps (DistBelief's names); both in the background, beside compute.
+  int ps_n_fetch = 1;
+  int ps_n_push = 1;
+  /// Downpour: a worker whose parameters are more than this many server versions behind the
+  /// newest it knows of (its own unapplied pushes included) waits for a fresh pull (-1 = no cap).
+  int64_t ps_max_staleness = -1;
+  /// Downpour: deadline of every parameter-server RPC.
+  int64_t ps_rpc_timeout_ms = 30000;
 };
 
 /// What of each micro-batch a rank reads (a pipeline's middle stages read neither; the first
@@ -141,6 +152,18 @@ class Strategy {
   /// Collective. Makes model()'s parameters hold their full values until the next forward or
   /// step (ZeRO-3 gathers them; other strategies hold them always): for reading or exporting.
   virtual void materialize() {}
+
+  /// False for asynchronous strategies (parameter-server workers): their ranks do not step
+  /// together, so the Trainer makes no per-step collective, and rank 0 alone evaluates and
+  /// checkpoints (save() is then not collective). The run ends when global_steps() reaches its
+  /// budget, however the steps were shared out.
+  virtual bool synchronous() const { return true; }
+  /// Asynchronous: worker steps applied so far by every worker together (as the servers count
+  /// them); -1 for synchronous strategies.
+  virtual int64_t global_steps() const { return -1; }
+  /// Asynchronous: after this worker's last step, sends what it still holds (pending gradients)
+  /// and makes model() hold the newest parameters.
+  virtual void finish() {}
 };
 
 using StrategyPtr = std::unique_ptr<Strategy>;

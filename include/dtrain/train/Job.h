@@ -49,6 +49,10 @@ struct JobConfig {
   /// --max-restarts); the run resumes from its newest checkpoint.
   int max_restarts = 0;
   int64_t comm_timeout_ms = 120000;
+  /// --strategy downpour without --ps: parameter-server shards to start in the launching
+  /// process, with this optimizer (their learning rate is --lr).
+  int ps_shards = 0;
+  std::string ps_optimizer = "adagrad";
 };
 
 /// Checks everything that can be checked before any rank starts: names, ranges, the data set's

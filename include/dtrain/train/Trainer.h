@@ -118,7 +118,10 @@ class Trainer {
   const TrainerOptions& options() const { return options_; }
 
  private:
-  void save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch);
+  /// Collective unless `alone` (an asynchronous strategy's rank 0 saving by itself).
+  void save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch, bool alone = false);
+  /// evaluate(); `alone`: this rank evaluates the whole set by itself (not collective).
+  EvalResult evaluate_on(const data::TensorDataset& dataset, bool alone);
   int64_t restore_checkpoint(int64_t global_batch);
   /// Collective. The newest checkpoint that verifies ("" for none); damaged newer ones are set
   /// aside, and InputError when checkpoints exist but none verifies.

@@ -91,6 +91,8 @@ void PsClient::describe_all() {
                        ", but it was given as shard ", i, " of ", shards(),
                        " (list the shards in order, all of them)");
   });
+  // Shards already initialized (by another worker) tell the model's size.
+  if (total_ < 0 && shards_[0]->info.initialized()) total_ = shards_[0]->info.total();
 }
 
 bool PsClient::initialize(const at::Tensor& flat) {
@@ -127,6 +129,7 @@ bool PsClient::initialize(const at::Tensor& flat) {
 }
 
 std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
+  if (total_ < 0) describe_all();
   DTRAIN_CHECK(total_ == flat.numel() && flat.scalar_type() == at::kFloat && flat.is_contiguous(),
                "pull into ", flat.numel(), " elements; the model has ", total_, " (initialize first)");
   std::vector<int64_t> versions(shards(), 0);

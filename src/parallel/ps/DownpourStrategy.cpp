@@ -1,0 +1,315 @@
+#include "parallel/ps/DownpourStrategy.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/common/Trace.h"
+#include "dtrain/optim/StateSize.h"
+
+namespace dtrain::parallel::ps {
+
+namespace {
+
+constexpr int kStalenessBins = 17;  // 0..15, then 16 or more
+
+int64_t newest(const std::vector<int64_t>& versions) {
+  return versions.empty() ? 0 : *std::max_element(versions.begin(), versions.end());
+}
+
+int64_t oldest(const std::vector<int64_t>& versions) {
+  return versions.empty() ? 0 : *std::min_element(versions.begin(), versions.end());
+}
+
+double ms_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+DownpourStrategy::DownpourStrategy(StrategyOptions options) : options_(std::move(options)) {}
+
+DownpourStrategy::~DownpourStrategy() {
+  try {
+    stop();
+  } catch (...) {
+    // A failed push at teardown was already reported by the step or finish() that saw it.
+  }
+}
+
+void DownpourStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
+                             std::shared_ptr<comm::ProcessGrid> grid) {
+  DTRAIN_CHECK_INPUT(!options_.ps_addresses.empty(),
+                     "--strategy downpour needs the parameter-server shards: --ps HOST:PORT,... "
+                     "(servers started with dtrain ps serve) or --ps-shards N (started here)");
+  DTRAIN_CHECK_INPUT(options_.ps_n_fetch >= 1, "--n-fetch must be at least 1 (got ",
+                     options_.ps_n_fetch, ")");
+  DTRAIN_CHECK_INPUT(options_.ps_n_push >= 1, "--n-push must be at least 1 (got ",
+                     options_.ps_n_push, ")");
+  DTRAIN_CHECK_INPUT(options_.ps_max_staleness >= -1, "--max-staleness must be -1 (no cap) or ",
+                     "at least 0 (got ", options_.ps_max_staleness, ")");
+  DTRAIN_CHECK_INPUT(options_.precision == "fp32", "--strategy downpour trains in fp32 (the shards "
+                     "hold float32 parameters); --precision ", options_.precision,
+                     " is not supported with it");
+  DTRAIN_CHECK_INPUT(grid->pp_size() == 1 && grid->tp_size() == 1,
+                     "--strategy downpour workers are replicas of the whole model: pipeline and "
+                     "tensor parallelism are not supported with it");
+  model_ = std::move(model);
+  grid_ = std::move(grid);
+  for (const auto& item : model_.module->named_parameters()) {
+    DTRAIN_CHECK_INPUT(item.value().scalar_type() == at::kFloat, "--strategy downpour: parameter ",
+                       item.key(), " is ", item.value().scalar_type(), ", not float32");
+    names_.push_back(item.key());
+    parameters_.push_back(item.value());
+    numel_ += item.value().numel();
+  }
+  optimizer_ = make_optimizer(parameters_);
+  PsClientOptions client;
+  client.rpc_timeout = std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
+  client.worker = grid_->world()->rank();
+  client_ = std::make_unique<PsClient>(options_.ps_addresses, client);
+  accumulated_ = at::zeros({numel_}, at::kFloat);
+  staleness_counts_.assign(kStalenessBins, 0);
+}
+
+at::Tensor DownpourStrategy::flat_parameters() const {
+  std::vector<at::Tensor> flat;
+  for (const auto& p : parameters_) flat.push_back(p.detach().reshape({-1}));
+  return at::cat(flat);
+}
+
+void DownpourStrategy::set_parameters(const at::Tensor& flat) {
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& p : parameters_) {
+    p.copy_(flat.slice(0, offset, offset + p.numel()).view_as(p));
+    offset += p.numel();
+  }
+}
+
+void DownpourStrategy::start() {
+  // The first worker's parameters (its initialization, or a checkpoint it loaded) become the
+  // shards' unless they already hold some (another worker was first, or a restarted shard
+  // resumed its own checkpoint); every worker then trains from the shards' values.
+  client_->initialize(flat_parameters());
+  incoming_ = at::empty({numel_}, at::kFloat);
+  versions_ = client_->pull(incoming_);
+  set_parameters(incoming_);
+  newest_version_ = newest(versions_);
+  started_ = true;
+  thread_ = std::thread([this] { background(); });
+}
+
+void DownpourStrategy::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void DownpourStrategy::background() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    changed_.wait(lock, [&] {
+      return push_pending_ || (pull_requested_ && !pull_landed_) || stopping_ || error_;
+    });
+    if (error_) return;
+    try {
+      if (push_pending_) {  // pushes first: a pull requested after a push includes it
+        const at::Tensor gradient = outgoing_;
+        const std::vector<int64_t> versions = outgoing_versions_;
+        lock.unlock();
+        trace::Span span("comm", "ps push");
+        const PushResult result = client_->push(gradient, versions);
+        lock.lock();
+        push_pending_ = false;
+        ++pushes_done_;
+        newest_version_ = std::max(newest_version_, newest(result.versions));
+        last_staleness_ = newest(result.staleness);
+        ++staleness_counts_[std::min<int64_t>(last_staleness_, kStalenessBins - 1)];
+      } else if (pull_requested_ && !pull_landed_) {
+        const int64_t covers = pushes_done_;
+        pull_requested_ = false;
+        lock.unlock();
+        trace::Span span("comm", "ps pull");
+        const std::vector<int64_t> versions = client_->pull(incoming_);
+        lock.lock();
+        incoming_versions_ = versions;
+        incoming_covers_ = covers;
+        pull_landed_ = true;
+        newest_version_ = std::max(newest_version_, newest(versions));
+      } else if (stopping_) {
+        return;
+      }
+    } catch (...) {
+      if (!lock.owns_lock()) lock.lock();
+      error_ = std::current_exception();
+    }
+    changed_.notify_all();
+  }
+}
+
+void DownpourStrategy::rethrow_background_error() {
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool DownpourStrategy::apply_landed_pull(std::unique_lock<std::mutex>& lock) {
+  (void)lock;
+  if (!pull_landed_) return false;
+  set_parameters(incoming_);
+  versions_ = incoming_versions_;
+  pushes_reflected_ = incoming_covers_;
+  pull_landed_ = false;
+  changed_.notify_all();
+  return true;
+}
+
+void DownpourStrategy::pull_now(std::unique_lock<std::mutex>& lock, const char* why) {
+  // Bounded by the deadline: each round is at most a push and a pull, each within its own.
+  const auto limit = 3 * std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  const int64_t wanted = pushes_issued_;
+  while (true) {
+    if (apply_landed_pull(lock) && pushes_reflected_ >= wanted) return;
+    pull_requested_ = true;
+    changed_.notify_all();
+    const bool landed = changed_.wait_until(lock, deadline, [&] { return pull_landed_ || error_; });
+    rethrow_background_error();
+    DTRAIN_CHECK_T(TimeoutError, landed, "downpour worker ", grid_->world()->rank(),
+                   ": a pull for ", why, " did not land within ", limit.count(), " ms");
+  }
+}
+
+void DownpourStrategy::queue_push(std::unique_lock<std::mutex>& lock) {
+  // One push in flight at a time: the next waits for the previous (bounded by its deadline).
+  const auto limit = 3 * std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
+  const bool free = changed_.wait_for(lock, limit, [&] { return !push_pending_ || error_; });
+  rethrow_background_error();
+  DTRAIN_CHECK_T(TimeoutError, free, "downpour worker ", grid_->world()->rank(),
+                 ": the previous push did not finish within ", limit.count(), " ms");
+  std::swap(outgoing_, accumulated_);
+  if (!accumulated_.defined()) accumulated_ = at::empty({numel_}, at::kFloat);
+  accumulated_.zero_();
+  outgoing_versions_ = accumulated_versions_;
+  push_pending_ = true;
+  ++pushes_issued_;
+  steps_accumulated_ = 0;
+  changed_.notify_all();
+}
+
+StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_batches,
+                                        const LossFn& loss) {
+  if (!started_) start();
+  StepResult result;
+  std::unique_lock<std::mutex> lock(mutex_);
+  rethrow_background_error();
+  apply_landed_pull(lock);
+  double wait_ms = 0.0;
+  if (options_.ps_max_staleness >= 0) {
+    // How far behind the shards the model is: the newest version seen, or at least this
+    // worker's own pushes not yet in its parameters.
+    const int64_t mine = oldest(versions_);
+    const int64_t server = std::max(newest_version_, mine + (pushes_issued_ - pushes_reflected_));
+    if (server - mine > options_.ps_max_staleness) {
+      const auto wait_start = std::chrono::steady_clock::now();
+      pull_now(lock, "--max-staleness");
+      wait_ms = ms_since(wait_start);
+    }
+  }
+  const std::vector<int64_t> computed_on = versions_;
+  lock.unlock();
+
+  for (auto& p : parameters_) p.mutable_grad() = at::Tensor();
+  const auto count = static_cast<double>(micro_batches.size());
+  for (const auto& batch : micro_batches) {
+    trace::Span span("compute", "forward+backward");
+    at::Tensor l = loss(model_(batch.inputs), batch.targets);
+    result.loss += l.item<double>() / count;
+    result.samples += batch.inputs.size(0);
+    (l / count).backward();
+  }
+  if (options_.max_grad_norm > 0) {
+    result.grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, options_.max_grad_norm);
+  }
+  {
+    torch::NoGradGuard no_grad;
+    int64_t offset = 0;
+    for (const auto& p : parameters_) {
+      if (p.grad().defined()) {
+        accumulated_.slice(0, offset, offset + p.numel()).add_(p.grad().reshape({-1}));
+      }
+      offset += p.numel();
+    }
+  }
+  if (steps_accumulated_++ == 0) accumulated_versions_ = computed_on;
+  ++steps_since_fetch_;
+
+  lock.lock();
+  if (steps_accumulated_ >= options_.ps_n_push) {
+    const auto wait_start = std::chrono::steady_clock::now();
+    queue_push(lock);
+    wait_ms += ms_since(wait_start);
+  }
+  if (steps_since_fetch_ >= options_.ps_n_fetch) {
+    pull_requested_ = true;
+    steps_since_fetch_ = 0;
+  }
+  changed_.notify_all();
+  result.metrics["ps_version"] = static_cast<double>(newest_version_);
+  result.metrics["staleness"] = static_cast<double>(last_staleness_);
+  result.metrics["param_age"] = static_cast<double>(newest_version_ - oldest(computed_on));
+  result.metrics["ps_wait_ms"] = wait_ms;
+  return result;
+}
+
+int64_t DownpourStrategy::global_steps() const {
+  // The shards' count, plus this worker's steps they have not counted yet (pushes in flight,
+  // the accumulation): the worker's own steps are never missed, others' may be late.
+  std::lock_guard<std::mutex> lock(mutex_);
+  return (newest_version_ + pushes_issued_ - pushes_done_) * options_.ps_n_push +
+         steps_accumulated_;
+}
+
+void DownpourStrategy::finish() {
+  if (!started_) return;
+  std::unique_lock<std::mutex> lock(mutex_);
+  rethrow_background_error();
+  if (steps_accumulated_ > 0) queue_push(lock);  // the last, partial accumulation
+  pull_now(lock, "the end of training");
+}
+
+void DownpourStrategy::save(const std::string& directory) {
+  if (started_) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    rethrow_background_error();
+    pull_now(lock, "a checkpoint");
+  }
+  write_state_shard(directory, 0, 1, pieces(), nullptr, buffers());
+}
+
+void DownpourStrategy::load(const std::string& directory) {
+  const NamedTensors b = buffers();
+  read_state_shards(directory, pieces(), nullptr, {}, &b);
+}
+
+std::vector<PieceRef> DownpourStrategy::pieces() const { return whole_pieces(names_, parameters_); }
+
+NamedTensors DownpourStrategy::buffers() const {
+  NamedTensors b;
+  for (const auto& item : model_.module->named_buffers()) b.emplace_back(item.key(), item.value());
+  return b;
+}
+
+MemoryReport DownpourStrategy::memory_report() const {
+  MemoryReport report;
+  report.parameter_bytes = numel_ * 4 * 2;  // the model and the landing buffer of pulls
+  report.gradient_bytes = numel_ * 4 * 3;   // .grad, the accumulation and the push in flight
+  report.optimizer_bytes = 0;               // on the shards
+  return report;
+}
+
+}  // namespace dtrain::parallel::ps

@@ -1,0 +1,94 @@
+// Downpour SGD (DistBelief): each rank is a model replica training on its own part of the data
+// against the parameter-server shards, never waiting for the other replicas. It pushes the
+// gradients it accumulated over n_push steps and fetches fresh parameters every n_fetch steps,
+// both on a background thread beside compute; the shards apply the updates (their optimizer).
+#pragma once
+
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/ps/PsClient.h"
+
+namespace dtrain::parallel::ps {
+
+class DownpourStrategy : public Strategy {
+ public:
+  explicit DownpourStrategy(StrategyOptions options);
+  ~DownpourStrategy() override;
+  std::string name() const override { return "downpour"; }
+  void setup(Model model, const optim::OptimizerFactory& make_optimizer,
+             std::shared_ptr<comm::ProcessGrid> grid) override;
+  StepResult train_step(const std::vector<data::Batch>& micro_batches,
+                        const LossFn& loss) override;
+  Model& model() override { return model_; }
+  /// A local optimizer over the replica's parameters, kept for the Strategy interface: the
+  /// shards' optimizers apply the updates (learning rates set on this one have no effect).
+  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
+  /// Not collective: writes the shards' newest parameters (pulled now) as a one-file checkpoint.
+  void save(const std::string& directory) override;
+  /// The replica's parameters; the shards take them at the first step unless already set.
+  void load(const std::string& directory) override;
+  MemoryReport memory_report() const override;
+  bool synchronous() const override { return false; }
+  int64_t global_steps() const override;
+  void finish() override;
+
+ private:
+  void start();
+  void stop();
+  void background();
+  void rethrow_background_error();
+  /// Copies a pull that has landed into the model; returns whether there was one.
+  bool apply_landed_pull(std::unique_lock<std::mutex>& lock);
+  /// Requests a pull that includes every push made so far and waits for it (bounded).
+  void pull_now(std::unique_lock<std::mutex>& lock, const char* why);
+  /// Hands the accumulated gradient to the background thread (after the previous push).
+  void queue_push(std::unique_lock<std::mutex>& lock);
+  at::Tensor flat_parameters() const;
+  void set_parameters(const at::Tensor& flat);
+  std::vector<PieceRef> pieces() const;
+  NamedTensors buffers() const;
+
+  StrategyOptions options_;
+  Model model_;
+  std::shared_ptr<comm::ProcessGrid> grid_;
+  std::vector<at::Tensor> parameters_;
+  std::vector<std::string> names_;
+  optim::OptimizerPtr optimizer_;
+  std::unique_ptr<PsClient> client_;
+  int64_t numel_ = 0;
+  bool started_ = false;
+
+  // Worker side (the training thread).
+  at::Tensor accumulated_;               // gradients since the last push
+  int steps_accumulated_ = 0;
+  std::vector<int64_t> accumulated_versions_;  // versions the oldest of them was computed on
+  int steps_since_fetch_ = 0;
+  std::vector<int64_t> versions_;        // versions of the parameters the model holds
+  int64_t pushes_reflected_ = 0;         // own pushes included in them
+
+  // Shared with the background thread, under mutex_.
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::thread thread_;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  bool push_pending_ = false;
+  at::Tensor outgoing_;                  // the gradient being pushed
+  std::vector<int64_t> outgoing_versions_;
+  int64_t pushes_issued_ = 0, pushes_done_ = 0;
+  bool pull_requested_ = false, pull_landed_ = false;
+  at::Tensor incoming_;                  // parameters pulled, not yet in the model
+  std::vector<int64_t> incoming_versions_;
+  int64_t incoming_covers_ = 0;          // own pushes done before that pull began
+  int64_t newest_version_ = 0;           // newest server version seen (replies, pulls)
+  int64_t last_staleness_ = 0;           // of the last push (max over shards)
+  std::vector<int64_t> staleness_counts_;  // histogram of push staleness (last bin: more)
+};
+
+}  // namespace dtrain::parallel::ps

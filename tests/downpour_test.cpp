@@ -1,0 +1,250 @@
+// Downpour SGD workers (--strategy downpour) against in-process parameter-server shards: one
+// worker with n_fetch = n_push = 1 and SGD on the shards is single-process SGD step for step (and
+// is not when it fetches less often); the staleness cap makes a worker wait for fresh
+// parameters; several workers train one model through the Trainer without stepping together;
+// a shard that goes away is an error naming it, within the deadline.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <thread>
+
+#include "RankThreads.h"
+#include "TempDir.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/ps/PsClient.h"
+#include "dtrain/parallel/ps/ShardServer.h"
+#include "dtrain/train/Trainer.h"
+
+using namespace dtrain;
+using namespace dtrain::parallel::ps;
+using namespace std::chrono_literals;
+using dtrain::test::run_ranks;
+
+namespace {
+
+models::ModelSpec mlp_spec() {
+  models::ModelSpec spec;
+  spec.name = "mlp";
+  spec.input_shape = {16};
+  spec.hidden = {32};
+  spec.classes = 4;
+  return spec;
+}
+
+// Shards with `optimizer` at `lr`, on free local ports.
+struct Shards {
+  std::vector<std::unique_ptr<ShardServer>> servers;
+  Shards(int n, const std::string& optimizer, double lr) {
+    for (int i = 0; i < n; ++i) {
+      ShardServerOptions options;
+      options.shard = i;
+      options.shards = n;
+      options.optimizer.name = optimizer;
+      options.optimizer.lr = lr;
+      servers.push_back(std::make_unique<ShardServer>(options));
+    }
+  }
+  std::vector<std::string> addresses() const {
+    std::vector<std::string> out;
+    for (const auto& s : servers) out.push_back(s->address());
+    return out;
+  }
+  int64_t version() const { return servers[0]->shard().version(); }
+};
+
+train::TrainerOptions sgd_options() {
+  train::TrainerOptions o;
+  o.batch_size = 8;
+  o.epochs = 1;
+  o.max_steps = 15;
+  o.optimizer.name = "sgd";
+  o.optimizer.lr = 0.1;
+  o.seed = 3;
+  o.progress = false;
+  return o;
+}
+
+struct Outcome {
+  train::FitResult fit;
+  std::vector<at::Tensor> weights;
+};
+
+// `world` workers (rank threads) with `options`; rank 0's result and final weights.
+Outcome run(int world, const train::TrainerOptions& options, const data::TensorDataset& dataset,
+        const data::TensorDataset* validation = nullptr) {
+  std::vector<Model> models;
+  for (int r = 0; r < world; ++r) {
+    torch::manual_seed(11);  // the same initialization as the reference run
+    models.push_back(models::make_model(mlp_spec()));
+  }
+  Outcome out;
+  run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
+    train::Trainer trainer(options, comm);
+    auto fit = trainer.fit(models[comm->rank()], dataset, validation);
+    if (comm->rank() == 0) {
+      out.fit = fit;
+      for (const auto& p : trainer.strategy().model().module->parameters()) {
+        out.weights.push_back(p.detach().clone());
+      }
+    }
+  }, 60s);
+  return out;
+}
+
+double max_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  return worst;
+}
+
+data::TensorDataset synthetic(int64_t n, uint64_t seed) {
+  return data::make_synthetic(n, {16}, 4, seed);
+}
+
+}  // namespace
+
+TEST(Downpour, OneWorkerWithSgdOnTheShardsIsSingleProcessSgdStepForStep) {
+  at::set_num_threads(1);
+  const auto dataset = synthetic(160, 2);
+  const Outcome reference = run(1, sgd_options(), dataset);
+  ASSERT_EQ(reference.fit.losses.size(), 15u);
+
+  // n_fetch = n_push = 1: every step computes on the parameters its predecessor's push made.
+  auto options = sgd_options();
+  options.strategy = "downpour";
+  options.strategy_options.ps_max_staleness = 0;
+  {
+    Shards shards(2, "sgd", 0.1);
+    options.strategy_options.ps_addresses = shards.addresses();
+    const Outcome downpour = run(1, options, dataset);
+    ASSERT_EQ(downpour.fit.losses.size(), reference.fit.losses.size());
+    for (size_t i = 0; i < reference.fit.losses.size(); ++i) {
+      EXPECT_NEAR(downpour.fit.losses[i], reference.fit.losses[i], 1e-6) << "step " << i + 1;
+    }
+    EXPECT_LE(max_diff(downpour.weights, reference.weights), 1e-6);
+    EXPECT_EQ(shards.version(), 15);
+  }
+  // Fetching every 2nd step with the staleness cap at 0 still waits for each push's result...
+  options.strategy_options.ps_n_fetch = 2;
+  {
+    Shards shards(2, "sgd", 0.1);
+    options.strategy_options.ps_addresses = shards.addresses();
+    EXPECT_LE(max_diff(run(1, options, dataset).weights, reference.weights), 1e-6);
+  }
+  // ...and without the cap every 2nd step computes on parameters one update old: the oracle
+  // sees it.
+  options.strategy_options.ps_max_staleness = -1;
+  {
+    Shards shards(2, "sgd", 0.1);
+    options.strategy_options.ps_addresses = shards.addresses();
+    EXPECT_GT(max_diff(run(1, options, dataset).weights, reference.weights), 1e-4);
+  }
+}
+
+TEST(Downpour, TheStalenessCapBoundsTheAgeOfTheParametersAWorkerComputesOn) {
+  at::set_num_threads(1);
+  const auto dataset = synthetic(64, 4);
+  for (int64_t cap : {1, -1}) {
+    Shards shards(1, "adagrad", 0.05);
+    std::vector<double> ages;
+    run_ranks(1, [&](const comm::CommunicatorPtr& comm) {
+      parallel::StrategyOptions options;
+      options.ps_addresses = shards.addresses();
+      options.ps_n_fetch = 5;
+      options.ps_max_staleness = cap;
+      auto strategy = parallel::make_strategy("downpour", options);
+      torch::manual_seed(1);
+      optim::OptimizerSpec spec;
+      strategy->setup(models::make_model(mlp_spec()), optim::optimizer_factory(spec),
+                      std::make_shared<comm::ProcessGrid>(comm));
+      for (int step = 0; step < 20; ++step) {
+        const auto batch = dataset.slice((step % 8) * 8, (step % 8) * 8 + 8);
+        auto result = strategy->train_step({batch}, parallel::cross_entropy);
+        ages.push_back(result.metrics.at("param_age"));
+        std::this_thread::sleep_for(2ms);  // lets the push replies land
+      }
+      strategy->finish();
+    });
+    const double oldest = *std::max_element(ages.begin(), ages.end());
+    if (cap >= 0) {
+      EXPECT_LE(oldest, static_cast<double>(cap));
+    } else {
+      EXPECT_GE(oldest, 2.0) << "without a cap, 5 steps between fetches leave the parameters "
+                                "several of this worker's own updates behind";
+    }
+    EXPECT_EQ(shards.version(), 20);
+  }
+}
+
+TEST(Downpour, WorkersTrainOneModelThroughTheTrainerWithoutSteppingTogether) {
+  at::set_num_threads(1);
+  const auto dataset = synthetic(320, 5);
+  const auto held_out = synthetic(80, 6);
+  test::TempDir dir;
+  Shards shards(2, "adagrad", 0.05);
+  auto options = sgd_options();
+  options.strategy = "downpour";
+  options.max_steps = 20;  // 20 global steps = 40 worker steps between the two workers
+  options.strategy_options.ps_addresses = shards.addresses();
+  options.strategy_options.ps_n_fetch = 2;
+  options.strategy_options.ps_n_push = 2;
+  options.checkpoint_dir = dir.path();
+  options.checkpoint_every = 5;
+  const Outcome result = run(2, options, dataset, &held_out);
+  // The run ends on the workers' combined budget (each push holds 2 worker steps).
+  EXPECT_GE(shards.version() * 2, 40);
+  EXPECT_LE(shards.version() * 2, 40 + 2 * 2);
+  EXPECT_GE(result.fit.steps, 20);
+  ASSERT_TRUE(result.fit.validation.has_value());
+  EXPECT_EQ(result.fit.validation->examples, 80);
+  EXPECT_LT(result.fit.losses.back(), result.fit.losses.front());
+  // Rank 0's model after fit() is the shards' final state.
+  PsClient client(shards.addresses());
+  at::Tensor flat = at::empty({shards.servers[0]->shard().total()});
+  client.pull(flat);
+  std::vector<at::Tensor> pieces;
+  for (const auto& w : result.weights) pieces.push_back(w.reshape({-1}));
+  EXPECT_TRUE(at::equal(at::cat(pieces), flat));
+  // A checkpoint for the end of training, written by rank 0 alone, resumable by ddp.
+  const std::string latest = dir.path() + "/latest";
+  ASSERT_TRUE(std::filesystem::exists(latest));
+  auto resume = sgd_options();
+  resume.checkpoint_dir = dir.path();
+  resume.max_steps = result.fit.steps + 2;
+  const Outcome continued = run(2, resume, dataset);
+  EXPECT_EQ(continued.fit.start_step, result.fit.steps);
+}
+
+TEST(Downpour, AShardThatGoesAwayIsNamedWithinTheDeadline) {
+  at::set_num_threads(1);
+  const auto dataset = synthetic(64, 7);
+  Shards shards(1, "sgd", 0.05);
+  const std::string address = shards.addresses()[0];
+  run_ranks(1, [&](const comm::CommunicatorPtr& comm) {
+    parallel::StrategyOptions options;
+    options.ps_addresses = {address};
+    options.ps_rpc_timeout_ms = 1000;
+    auto strategy = parallel::make_strategy("downpour", options);
+    optim::OptimizerSpec spec;
+    strategy->setup(models::make_model(mlp_spec()), optim::optimizer_factory(spec),
+                    std::make_shared<comm::ProcessGrid>(comm));
+    for (int step = 0; step < 3; ++step) {
+      strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
+    }
+    shards.servers[0]->shutdown();
+    const auto start = std::chrono::steady_clock::now();
+    std::string error;
+    for (int step = 0; step < 50 && error.empty(); ++step) {
+      try {
+        strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
+        std::this_thread::sleep_for(20ms);
+      } catch (const Error& e) {
+        error = e.what();
+      }
+    }
+    EXPECT_NE(error.find("parameter server " + address), std::string::npos) << error;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  });
+}
