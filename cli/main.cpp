@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/launch/Environment.h"
 #include "dtrain/launch/Launcher.h"
 #include "dtrain/parallel/ps/ShardServer.h"
 #include "dtrain/parallel/Strategy.h"
@@ -33,7 +34,8 @@ namespace {
 volatile std::sig_atomic_t g_stop_serving = 0;
 
 // `dtrain ps serve`: one parameter-server shard until SIGINT or SIGTERM.
-int serve_shard(dtrain::parallel::ps::ShardServerOptions options, const std::string& shard_text) {
+int serve_shard(dtrain::parallel::ps::ShardServerOptions options, const std::string& shard_text,
+                double report_s) {
   const auto slash = shard_text.find('/');
   int shard = -1, shards = -1;
   try {
@@ -51,17 +53,45 @@ int serve_shard(dtrain::parallel::ps::ShardServerOptions options, const std::str
                      "': expected I/N with 0 <= I < N (this shard's index and the shard count)");
   options.shard = shard;
   options.shards = shards;
+  DTRAIN_CHECK_INPUT(report_s >= 0, "--report-every must be >= 0 seconds");
+  dtrain::parallel::ps::check_shard_optimizer(options.optimizer);
+  dtrain::launch::tune_allocator();  // megabyte messages: no mmap/munmap per message
   dtrain::parallel::ps::ShardServer server(options);
   std::signal(SIGINT, [](int) { g_stop_serving = 1; });
   std::signal(SIGTERM, [](int) { g_stop_serving = 1; });
-  std::printf("parameter-server shard %d/%d listening on %s (port %d), optimizer %s, lr %g\n",
+  if (server.resumed_version() >= 0) {
+    std::printf("parameter-server shard %d/%d resumed from %s at version %lld\n", shard, shards,
+                dtrain::parallel::ps::shard_checkpoint_file(options.checkpoint_dir, shard, shards).c_str(),
+                static_cast<long long>(server.resumed_version()));
+  }
+  std::printf("parameter-server shard %d/%d listening on %s (port %d), optimizer %s, lr %g (%s)%s%s\n",
               shard, shards, options.listen.c_str(), server.port(), options.optimizer.name.c_str(),
-              options.optimizer.lr);
+              options.optimizer.lr, options.optimizer.schedule.decay.c_str(),
+              options.auth_token.empty() ? "" : ", token required",
+              options.tls_cert.empty() ? "" : ", TLS");
   std::fflush(stdout);
-  while (!g_stop_serving) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto last_report = std::chrono::steady_clock::now();
+  int64_t last_version = server.shard().version();
+  while (!g_stop_serving) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto now = std::chrono::steady_clock::now();
+    const double since = std::chrono::duration<double>(now - last_report).count();
+    if (report_s > 0 && since >= report_s) {
+      const int64_t version = server.shard().version();
+      if (version != last_version) {
+        std::printf("parameter-server shard %d/%d: version %lld, %.1f updates/s, lr %g\n", shard,
+                    shards, static_cast<long long>(version), (version - last_version) / since,
+                    server.shard().current_lr());
+        std::fflush(stdout);
+      }
+      last_version = version;
+      last_report = now;
+    }
+  }
   server.shutdown();
-  std::printf("parameter-server shard %d/%d stopped at version %lld\n", shard, shards,
-              static_cast<long long>(server.shard().version()));
+  std::printf("parameter-server shard %d/%d stopped at version %lld%s\n", shard, shards,
+              static_cast<long long>(server.shard().version()),
+              options.checkpoint_dir.empty() ? "" : " (checkpoint saved)");
   return 0;
 }
 
@@ -191,8 +221,38 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       "process (instead of --ps)")
       ->capture_default_str();
   add(app, "--ps-optimizer", job.ps_optimizer,
-      "--ps-shards: the shards' optimizer (adagrad, sgd or adam) at --lr")
+      "--ps-shards: the shards' optimizer (adagrad, sgd or adam)")
       ->capture_default_str();
+  add(app, "--ps-lr", job.ps_lr,
+      "--ps-shards: the shards' learning rate (the job's decay and warmup become their "
+      "schedule, by version)")
+      ->capture_default_str();
+  add(app, "--ps-auth-token-file", job.ps_auth_token_file,
+      "--strategy downpour: file holding the shards' token (sent with every call; --ps-shards "
+      "shards require it)");
+  app.add_flag("--ps-tls", t.strategy_options.ps_tls,
+               "--strategy downpour: connect to the shards with TLS (system roots unless "
+               "--ps-tls-ca)");
+  add(app, "--ps-tls-ca", t.strategy_options.ps_tls_ca,
+      "--strategy downpour: PEM file of the certificates to trust (implies --ps-tls)");
+  add(app, "--ps-retry-ms", t.strategy_options.ps_retry_ms,
+      "--strategy downpour: how long an unreachable shard (restarting?) is retried, with "
+      "back-off, before the worker fails")
+      ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--simulate-slowdown",
+         [&t](const std::string& text) {
+           int rank = -1;
+           double factor = 0;
+           char tail = 0;
+           DTRAIN_CHECK_INPUT(std::sscanf(text.c_str(), "%d:%lf%c", &rank, &factor, &tail) == 2 &&
+                                  rank >= 0 && factor >= 1 && std::isfinite(factor),
+                              "--simulate-slowdown '", text,
+                              "': expected RANK:FACTOR with RANK >= 0 and FACTOR >= 1");
+           t.slowdown_rank = rank;
+           t.slowdown_factor = factor;
+         },
+         "RANK:FACTOR: rank RANK takes FACTOR times as long per step (a straggler, for testing)");
   add(app, "--n-fetch", t.strategy_options.ps_n_fetch,
       "--strategy downpour: fetch fresh parameters every N steps (in the background)")
       ->capture_default_str();
@@ -315,13 +375,23 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
     dtrain::train::JobConfig& job, std::vector<std::string>& args) {
   std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> servers;
   if (job.trainer.strategy != "downpour" || job.ps_shards <= 0) return servers;
+  const int64_t total_worker_steps = dtrain::train::planned_steps(job);
   std::string addresses;
   for (int i = 0; i < job.ps_shards; ++i) {
     dtrain::parallel::ps::ShardServerOptions options;
     options.shard = i;
     options.shards = job.ps_shards;
     options.optimizer.name = job.ps_optimizer;
-    options.optimizer.lr = job.trainer.optimizer.lr;
+    options.optimizer.lr = job.ps_lr;
+    // The job's schedule by version: one version per push, n_push worker steps each.
+    const auto& o = job.trainer.strategy_options;
+    const int64_t steps = std::max<int64_t>(1, job.nproc);
+    options.optimizer.schedule = job.trainer.schedule;
+    options.optimizer.schedule.warmup_steps = job.trainer.schedule.warmup_steps * steps / o.ps_n_push;
+    options.optimizer.schedule.step_size =
+        std::max<int64_t>(1, job.trainer.schedule.step_size * steps / o.ps_n_push);
+    options.optimizer.total_versions = total_worker_steps * steps / o.ps_n_push;
+    options.auth_token = job.trainer.strategy_options.ps_auth_token;
     servers.push_back(std::make_unique<dtrain::parallel::ps::ShardServer>(options));
     addresses += (i == 0 ? "" : ",") + servers.back()->address();
     job.trainer.strategy_options.ps_addresses.push_back(servers.back()->address());
@@ -329,18 +399,23 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
   job.ps_shards = 0;
   std::vector<std::string> kept;  // the ranks connect to these shards instead of starting more
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--ps-shards" || args[i] == "--ps-optimizer") {
-      ++i;
-    } else if (args[i].rfind("--ps-shards=", 0) != 0 && args[i].rfind("--ps-optimizer=", 0) != 0) {
-      kept.push_back(args[i]);
+    bool dropped = false;
+    for (const char* flag : {"--ps-shards", "--ps-optimizer", "--ps-lr"}) {
+      if (args[i] == flag) {
+        ++i;
+        dropped = true;
+      } else if (args[i].rfind(std::string(flag) + "=", 0) == 0) {
+        dropped = true;
+      }
     }
+    if (!dropped) kept.push_back(args[i]);
   }
   args = kept;
   args.push_back("--ps");
   args.push_back(addresses);
-  std::printf("parameter server: %d shard%s at %s, %s at lr %g\n", static_cast<int>(servers.size()),
-              servers.size() == 1 ? "" : "s", addresses.c_str(), job.ps_optimizer.c_str(),
-              job.trainer.optimizer.lr);
+  std::printf("parameter server: %d shard%s at %s, %s at lr %g (%s)\n",
+              static_cast<int>(servers.size()), servers.size() == 1 ? "" : "s", addresses.c_str(),
+              job.ps_optimizer.c_str(), job.ps_lr, job.trainer.schedule.decay.c_str());
   std::fflush(stdout);
   return servers;
 }
@@ -351,6 +426,10 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args) {
   // Check everything once, before any rank starts; ranks (already checked by their launcher, or
   // started by Slurm / mpirun) get the same named errors from run_job itself.
   if (!worker) dtrain::train::validate_job(job);
+  if (!job.trainer.strategy_options.ps_tls_ca.empty()) job.trainer.strategy_options.ps_tls = true;
+  if (!job.ps_auth_token_file.empty()) {
+    job.trainer.strategy_options.ps_auth_token = dtrain::parallel::ps::read_token_file(job.ps_auth_token_file);
+  }
   const auto shards = worker ? decltype(start_local_shards(job, args)){} : start_local_shards(job, args);
   if (job.nproc > 1 && !worker) {
     dtrain::launch::LaunchOptions launch;
@@ -358,6 +437,8 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args) {
     launch.threads = job.threads;
     launch.max_restarts = job.max_restarts;
     launch.interface = job.interface;
+    // Downpour workers are independent: one that fails leaves the others running.
+    launch.tolerate_failures = job.trainer.strategy == "downpour";
     launch.command.push_back(self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     return dtrain::launch::launch(launch);
@@ -587,6 +668,35 @@ int main(int argc, char** argv) {
                     "Optimizer applied to pushed gradients: adagrad, sgd or adam")
       ->capture_default_str();
   add(*serve, "--lr", ps_options.optimizer.lr, "Learning rate")->capture_default_str();
+  add(*serve, "--lr-decay", ps_options.optimizer.schedule.decay,
+      "Schedule by version: constant, step or cosine")
+      ->capture_default_str();
+  add(*serve, "--warmup-versions", ps_options.optimizer.schedule.warmup_steps,
+      "Linear warmup over this many updates")
+      ->capture_default_str();
+  add(*serve, "--total-versions", ps_options.optimizer.total_versions,
+      "Updates the schedule spans (cosine decays to its end)")
+      ->capture_default_str();
+  add(*serve, "--lr-step-size", ps_options.optimizer.schedule.step_size,
+      "Step decay: updates between decays")
+      ->capture_default_str();
+  add(*serve, "--lr-gamma", ps_options.optimizer.schedule.gamma, "Step decay factor")
+      ->capture_default_str();
+  add(*serve, "--checkpoint-dir", ps_options.checkpoint_dir,
+      "Save the shard (values, optimizer state, version) here every --checkpoint-interval "
+      "seconds and at exit, atomically; resume from it at start");
+  add(*serve, "--checkpoint-interval", ps_options.checkpoint_interval_s,
+      "Seconds between shard checkpoints")
+      ->capture_default_str();
+  std::string serve_token_file;
+  add(*serve, "--auth-token-file", serve_token_file,
+      "Every call must carry the token in this file (UNAUTHENTICATED otherwise)");
+  add(*serve, "--tls-cert", ps_options.tls_cert, "PEM certificate chain: serve TLS");
+  add(*serve, "--tls-key", ps_options.tls_key, "PEM private key of --tls-cert");
+  double serve_report_s = 10;
+  add(*serve, "--report-every", serve_report_s,
+      "Seconds between the shard's traffic lines (0 = none)")
+      ->capture_default_str();
 
   try {
     args = expand_config(args, *train);
@@ -641,7 +751,10 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
-    if (serve->parsed()) return serve_shard(ps_options, shard_text);
+    if (serve->parsed()) {
+      if (!serve_token_file.empty()) ps_options.auth_token = dtrain::parallel::ps::read_token_file(serve_token_file);
+      return serve_shard(ps_options, shard_text, serve_report_s);
+    }
     if (train->parsed()) return run_train(job, args);
     if (launch_cmd->parsed()) {
       dtrain::launch::parse_nnodes(nnodes_text, launch);

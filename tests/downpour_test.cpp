@@ -10,6 +10,7 @@
 
 #include "RankThreads.h"
 #include "TempDir.h"
+#include <filesystem>
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Strategy.h"
@@ -226,6 +227,7 @@ TEST(Downpour, AShardThatGoesAwayIsNamedWithinTheDeadline) {
     parallel::StrategyOptions options;
     options.ps_addresses = {address};
     options.ps_rpc_timeout_ms = 1000;
+    options.ps_retry_ms = 1500;
     auto strategy = parallel::make_strategy("downpour", options);
     optim::OptimizerSpec spec;
     strategy->setup(models::make_model(mlp_spec()), optim::optimizer_factory(spec),
@@ -234,6 +236,7 @@ TEST(Downpour, AShardThatGoesAwayIsNamedWithinTheDeadline) {
       strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
     }
     shards.servers[0]->shutdown();
+    shards.servers[0].reset();
     const auto start = std::chrono::steady_clock::now();
     std::string error;
     for (int step = 0; step < 50 && error.empty(); ++step) {
@@ -245,6 +248,79 @@ TEST(Downpour, AShardThatGoesAwayIsNamedWithinTheDeadline) {
       }
     }
     EXPECT_NE(error.find("parameter server " + address), std::string::npos) << error;
+    // Retried for the retry window (the shard might have been restarting), then named.
+    EXPECT_NE(error.find("unreachable for 1500 ms"), std::string::npos) << error;
+    EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms);
     EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+    std::printf("%s\n", error.c_str());
+  });
+}
+
+// A shard that dies and comes back from its checkpoint: the worker retries until it is back,
+// notices the restart, reports the updates lost since the checkpoint, and trains on from the
+// resumed version (pushes computed on lost versions are accepted as of the resumed one).
+TEST(Downpour, AShardRestartedFromItsCheckpointIsRetriedAndItsLostUpdatesReported) {
+  at::set_num_threads(1);
+  dtrain::test::TempDir dir;
+  const auto dataset = synthetic(64, 5);
+  ShardServerOptions base;
+  base.shards = 2;
+  base.optimizer.name = "adagrad";
+  base.optimizer.lr = 0.05;
+  base.checkpoint_dir = dir.path();
+  base.checkpoint_interval_s = 1000;  // saved when the test says (and at shutdown)
+  std::vector<std::unique_ptr<ShardServer>> servers;
+  for (int i = 0; i < 2; ++i) {
+    ShardServerOptions o = base;
+    o.shard = i;
+    servers.push_back(std::make_unique<ShardServer>(o));
+  }
+  const std::vector<std::string> addresses = {servers[0]->address(), servers[1]->address()};
+  const std::string file = shard_checkpoint_file(dir.path(), 1, 2);
+  run_ranks(1, [&](const comm::CommunicatorPtr& comm) {
+    parallel::StrategyOptions options;
+    options.ps_addresses = addresses;
+    options.ps_rpc_timeout_ms = 2000;
+    options.ps_retry_ms = 20000;
+    options.ps_max_staleness = 0;  // every step waits for its push: versions are exact
+    auto strategy = parallel::make_strategy("downpour", options);
+    optim::OptimizerSpec spec;
+    strategy->setup(models::make_model(mlp_spec()), optim::optimizer_factory(spec),
+                    std::make_shared<comm::ProcessGrid>(comm));
+    // Waits (bounded) for the last push to land on shard 1.
+    auto reach = [&](int64_t version) {
+      for (int i = 0; i < 500 && servers[1]->shard().version() < version; ++i) {
+        std::this_thread::sleep_for(10ms);
+      }
+      ASSERT_EQ(servers[1]->shard().version(), version);
+    };
+    for (int step = 0; step < 5; ++step) strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
+    reach(5);
+    EXPECT_EQ(servers[1]->save_checkpoint(), 5);
+    std::filesystem::copy_file(file, dir / "saved-at-5.pt");
+    for (int step = 0; step < 4; ++step) strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
+    reach(9);
+    // The shard dies as if killed: the state it had since version 5 is gone.
+    servers[1].reset();
+    std::filesystem::copy_file(dir / "saved-at-5.pt", file,
+                               std::filesystem::copy_options::overwrite_existing);
+    std::thread restart([&] {
+      std::this_thread::sleep_for(700ms);  // the worker retries meanwhile
+      ShardServerOptions o = base;
+      o.shard = 1;
+      o.listen = addresses[1];
+      servers[1] = std::make_unique<ShardServer>(o);
+    });
+    parallel::StepResult result;
+    for (int step = 0; step < 4; ++step) {
+      result = strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
+    }
+    restart.join();
+    strategy->finish();  // every push in
+    EXPECT_EQ(servers[1]->resumed_version(), 5);
+    EXPECT_EQ(result.metrics.at("ps_lost_updates"), 4.0);  // versions 6..9 of shard 1
+    EXPECT_EQ(servers[1]->shard().version(), 5 + 4);        // trained on from the checkpoint
+    EXPECT_EQ(servers[0]->shard().version(), 9 + 4);        // the other shard lost nothing
+    EXPECT_TRUE(std::isfinite(result.loss));
   });
 }

@@ -416,6 +416,14 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --strategy downpour --ps-shards 1 --n-fetch 0", "--n-fetch must be at least 1"},
       {" train --strategy downpour --ps-shards 1 --max-staleness -2", "--max-staleness must be -1"},
       {" train --strategy ddp --ps 127.0.0.1:1", "--ps and --ps-shards are for --strategy downpour"},
+      {" train --strategy downpour --ps-shards 1 --ps-lr 0", "--ps-lr must be > 0"},
+      {" train --simulate-slowdown 1", "--simulate-slowdown '1': expected RANK:FACTOR"},
+      {" train --simulate-slowdown 3:2 --nproc 2", "--simulate-slowdown: rank 3 is not one of the 2"},
+      {" train --strategy downpour --ps 127.0.0.1:1 --ps-auth-token-file " + dir.path() + "/none",
+       "cannot read the token file"},
+      {" ps serve --lr-decay cosine", "needs --total-versions"},
+      {" ps serve --tls-cert x.pem", "TLS needs both --tls-cert and --tls-key"},
+      {" ps serve --auth-token-file " + dir.path() + "/none", "cannot read the token file"},
   };
   for (const auto& [args, needle] : cases) {
     const auto out = run(kDtrain + args);
@@ -459,6 +467,67 @@ TEST(Cli, DownpourStartsShardsAndWorkers) {
   std::ifstream metrics(dir / "m.jsonl");
   std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
   EXPECT_NE(all.find("\"staleness\""), std::string::npos) << all;
+}
+
+// Faults with processes. A Downpour worker killed mid-run: the launcher reports it and keeps
+// the others, which finish the run's budget; rank 0 names the worker that never finished.
+TEST(Cli, DownpourGoesOnWhenAWorkerIsKilled) {
+  TempDir dir;
+  const auto out = run("DTRAIN_SIMULATE_FAILURE=1:8 " + kDtrain +
+                       " train --strategy downpour --nproc 3 --ps-shards 2 --threads 1 "
+                       "--dataset synthetic --model mlp --synthetic-examples 768 --max-steps 20 "
+                       "--no-progress --checkpoint-dir " + (dir / "ckpt") + " --metrics " +
+                       (dir / "m.jsonl"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "rank 1 kills itself at step 8")) << out.text;
+  EXPECT_TRUE(has(out, "the other ranks go on")) << out.text;
+  EXPECT_TRUE(has(out, "worker(s) 1 (quiet for")) << out.text;
+  EXPECT_TRUE(has(out, "test accuracy")) << out.text;
+  EXPECT_EQ(run(kDtrain + " ckpt verify " + (dir / "ckpt")).code, 0);
+  // The budget (20 steps x 3 workers) was made by the two that lived.
+  std::ifstream metrics(dir / "m.jsonl");
+  std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  auto number = [&](const std::string& key) {
+    const auto at = all.find("\"" + key + "\":");
+    return at == std::string::npos ? -1.0 : std::atof(all.c_str() + at + key.size() + 3);
+  };
+  EXPECT_GE(number("worker1_pushes"), 7) << all;  // its 8th step's push may have been cut off
+  EXPECT_LE(number("worker1_pushes"), 8) << all;
+  EXPECT_GE(number("shard0_version"), 60) << all;
+  EXPECT_GT(number("worker0_pushes") + number("worker2_pushes"), 2 * 20 - 8) << all;
+}
+
+// A shard process killed (SIGKILL) and started again: the workers retry until it is back, it
+// resumes from its checkpoint, the run completes, and the updates it lost are reported.
+TEST(Cli, DownpourSurvivesAShardKilledAndRestarted) {
+  TempDir dir;
+  const int port0 = dtrain::free_port(), port1 = dtrain::free_port();
+  const std::string serve = kDtrain + " ps serve --checkpoint-dir " + dir.path() +
+                            " --checkpoint-interval 0.3 --report-every 0";
+  const std::string script =
+      serve + " --listen 127.0.0.1:" + std::to_string(port0) + " --shard 0/2 > " + (dir / "s0.log") +
+      " 2>&1 & s0=$!\n" +
+      serve + " --listen 127.0.0.1:" + std::to_string(port1) + " --shard 1/2 > " + (dir / "s1.log") +
+      " 2>&1 & s1=$!\n"
+      "DTRAIN_SIMULATE_SLOW_STEP_MS=25 " + kDtrain +
+      " train --strategy downpour --nproc 2 --threads 1 --ps 127.0.0.1:" + std::to_string(port0) +
+      ",127.0.0.1:" + std::to_string(port1) +
+      " --dataset synthetic --model mlp --synthetic-examples 2048 --max-steps 120 --no-progress "
+      "--ps-timeout-ms 5000 > " + (dir / "train.log") + " 2>&1 & t=$!\n"
+      "for i in $(seq 200); do grep -q 'resumed\\|version [1-9]' " + (dir / "s1.log") +
+      " 2>/dev/null; [ -s " + (dir / "shard-1-of-2.pt") + " ] && break; sleep 0.05; done\n"
+      "sleep 1; kill -KILL $s1; wait $s1; sleep 0.7\n" +
+      serve + " --listen 127.0.0.1:" + std::to_string(port1) + " --shard 1/2 >> " + (dir / "s1.log") +
+      " 2>&1 & s1=$!\n"
+      "wait $t; code=$?; kill -TERM $s0 $s1; wait $s0 $s1; cat " + (dir / "train.log") + " " +
+      (dir / "s1.log") + "; exit $code\n";
+  std::ofstream(dir / "run.sh") << script;
+  const auto out = run("sh " + (dir / "run.sh"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "parameter-server shard 1/2 resumed from")) << out.text;
+  EXPECT_TRUE(has(out, "(shard 1) restarted from its checkpoint at version")) << out.text;
+  EXPECT_TRUE(has(out, "updates lost")) << out.text;
+  EXPECT_TRUE(has(out, "test accuracy")) << out.text;
 }
 
 // `dtrain train` with no flags trains the main job's model: its defaults are the config's.

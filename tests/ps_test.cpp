@@ -1,13 +1,15 @@
-// Parameter server, slice 1: shard arithmetic against torch's optimizers and against one
+// Parameter server: shard arithmetic against torch's optimizers and against one
 // unsharded range, the gRPC shard service with a client (chunked streams, initialization by the
 // first worker, Downpour with one worker equal to single-process SGD step for step), malformed
-// and fuzzed messages refused with the field named and no state change, and deadlines.
+// and fuzzed messages refused with the field named and no state change, deadlines, the
+// learning-rate schedule by version, shard checkpoints, tokens and TLS.
 #include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
 #include <torch/torch.h>
 
 #include <random>
 
+#include "TempDir.h"
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
@@ -74,7 +76,8 @@ TEST(ParameterServer, ShardsSplitEvenlyAndApplyTorchsOptimizersOnTheirSlices) {
       for (size_t i = 0; i < grads.size(); ++i) {
         int64_t version = -1, staleness = -1;
         ASSERT_EQ(shard.apply(begin, grads[i].slice(0, begin, end).contiguous(),
-                              static_cast<int64_t>(i), &version, &staleness), "");
+                              static_cast<int64_t>(i), 0, false, &version, &staleness,
+                              nullptr), "");
         EXPECT_EQ(version, static_cast<int64_t>(i) + 1);
         EXPECT_EQ(staleness, 0);
       }
@@ -87,7 +90,8 @@ TEST(ParameterServer, ShardsSplitEvenlyAndApplyTorchsOptimizersOnTheirSlices) {
     ASSERT_EQ(whole.initialize(n, start.clone()), "");
     for (size_t i = 0; i < grads.size(); ++i) {
       int64_t version = -1, staleness = -1;
-      ASSERT_EQ(whole.apply(0, grads[i], static_cast<int64_t>(i), &version, &staleness), "");
+      ASSERT_EQ(whole.apply(0, grads[i], static_cast<int64_t>(i), 0, false, &version, &staleness,
+                          nullptr), "");
     }
     EXPECT_TRUE(at::equal(joined, whole.read(0, n, nullptr))) << name;
     // Against torch's optimizer in float32: a few ulps (Adam's bias corrections are ordered
@@ -101,8 +105,8 @@ TEST(ParameterServer, ShardsSplitEvenlyAndApplyTorchsOptimizersOnTheirSlices) {
   ASSERT_EQ(shard.initialize(4, at::ones({4})), "");
   EXPECT_EQ(shard.initialize(4, at::ones({4})), "initialized");
   int64_t v = 0, st = 0;
-  EXPECT_NE(shard.apply(0, at::ones({4}), 1, &v, &st).find("a version from the future"), std::string::npos);
-  EXPECT_NE(shard.apply(2, at::ones({4}), 0, &v, &st).find("outside the shard's range [0, 4)"), std::string::npos);
+  EXPECT_NE(shard.apply(0, at::ones({4}), 1, 0, false, &v, &st, nullptr).find("a version from the future"), std::string::npos);
+  EXPECT_NE(shard.apply(2, at::ones({4}), 0, 0, false, &v, &st, nullptr).find("outside the shard's range [0, 4)"), std::string::npos);
   EXPECT_EQ(shard.version(), 0);
   EXPECT_TRUE(at::equal(shard.read(0, 4, nullptr), at::ones({4})));
   EXPECT_THROW(ParameterShard(2, 2, optimizer("sgd", 0.1)), InputError);
@@ -320,4 +324,133 @@ TEST(ParameterServer, AShardThatNeverAnswersIsNamedWithinTheDeadline) {
               std::string::npos)
         << e.what();
   }
+}
+
+// The learning-rate schedule runs on the shard, by version: warmup then cosine decay, as the
+// Trainer's schedule does by step.
+TEST(ParameterServer, TheShardAppliesTheLearningRateScheduleByVersion) {
+  ShardOptimizer o = optimizer("sgd", 0.2);
+  o.schedule.decay = "cosine";
+  o.schedule.warmup_steps = 3;
+  o.total_versions = 10;
+  ParameterShard shard(0, 1, o);
+  ASSERT_EQ(shard.initialize(2, at::zeros({2})), "");
+  const optim::LrSchedule expected(0.2, 10, o.schedule);
+  for (int64_t v = 0; v < 10; ++v) {
+    int64_t version = 0, staleness = 0;
+    double lr = 0;
+    EXPECT_DOUBLE_EQ(shard.current_lr(), expected.at(v));
+    const at::Tensor before = shard.read(0, 2, nullptr);
+    ASSERT_EQ(shard.apply(0, at::ones({2}), v, 0, false, &version, &staleness, &lr), "");
+    EXPECT_DOUBLE_EQ(lr, expected.at(v)) << v;
+    // SGD moved the values by exactly that rate.
+    EXPECT_NEAR((before - shard.read(0, 2, nullptr))[0].item<double>(), expected.at(v), 1e-6);
+  }
+  EXPECT_LT(expected.at(9), expected.at(3));  // it did decay
+  o.total_versions = 0;
+  EXPECT_THROW(ParameterShard(0, 1, o), InputError);  // cosine needs its end
+}
+
+// A shard checkpoint restores values, optimizer state and version exactly; a damaged file or
+// another shard's is refused with the file named.
+TEST(ParameterServer, ShardCheckpointsRoundTripAndDamagedOnesAreNamed) {
+  dtrain::test::TempDir dir;
+  for (const std::string name : {"adagrad", "adam"}) {
+    ParameterShard shard(1, 2, optimizer(name, 0.05));
+    ASSERT_EQ(shard.initialize(10, random_vector(5, 1)), "");
+    int64_t version = 0, staleness = 0;
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_EQ(shard.apply(5, random_vector(5, 10 + i), i, 0, false, &version, &staleness, nullptr), "");
+    }
+    const std::string file = dir / (name + ".pt");
+    EXPECT_EQ(shard.save(file), 3);
+    ParameterShard restored(1, 2, optimizer(name, 0.05));
+    EXPECT_EQ(restored.load(file), 3);
+    EXPECT_EQ(restored.version(), 3);
+    // The next update is the same on both: the optimizer state came back too.
+    ASSERT_EQ(shard.apply(5, random_vector(5, 20), 3, 0, false, &version, &staleness, nullptr), "");
+    ASSERT_EQ(restored.apply(5, random_vector(5, 20), 3, 0, false, &version, &staleness, nullptr), "");
+    EXPECT_TRUE(at::equal(shard.read(5, 10, nullptr), restored.read(5, 10, nullptr))) << name;
+    ParameterShard other(0, 2, optimizer(name, 0.05));
+    try {
+      other.load(file);
+      ADD_FAILURE() << "another shard's checkpoint was loaded";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("belongs to shard 1/2, this is shard 0/2"), std::string::npos)
+          << e.what();
+    }
+  }
+  std::FILE* f = std::fopen((dir / "bad.pt").c_str(), "w");
+  std::fputs("not a checkpoint", f);
+  std::fclose(f);
+  ParameterShard shard(0, 1, optimizer("sgd", 0.1));
+  try {
+    shard.load(dir / "bad.pt");
+    ADD_FAILURE() << "a damaged checkpoint was loaded";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir / "bad.pt"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(shard.initialized());
+}
+
+// With a token, every call must carry it: none or a wrong one is UNAUTHENTICATED (named); with
+// TLS, a client trusting the certificate trains and a plaintext one is refused.
+TEST(ParameterServer, TokensAndTlsGuardEveryCall) {
+  dtrain::test::TempDir dir;
+  ShardServerOptions options;
+  options.auth_token = "s3cret-token";
+  ShardServer server(options);
+  auto expect_refused = [&](const std::string& token) {
+    PsClientOptions client;
+    client.rpc_timeout = 2000ms;
+    client.auth_token = token;
+    try {
+      PsClient c({server.address()}, client);
+      ADD_FAILURE() << "a call with token '" << token << "' was accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("refused Describe as unauthenticated"), std::string::npos)
+          << e.what();
+    }
+  };
+  expect_refused("");
+  expect_refused("s3cret-tokeN");
+  expect_refused("s3cret-token-and-more");
+  PsClientOptions good;
+  good.auth_token = "s3cret-token";
+  PsClient client({server.address()}, good);
+  EXPECT_TRUE(client.initialize(at::ones({6})));
+  at::Tensor flat = at::zeros({6});
+  client.pull(flat);
+  EXPECT_TRUE(at::equal(flat, at::ones({6})));
+  // Raw call without metadata: the status itself.
+  auto stub = dtrain::ps::ParameterServer::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  dtrain::ps::ShardInfo info;
+  EXPECT_EQ(stub->Describe(&context, {}, &info).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+
+  if (std::system("command -v openssl > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl is not installed: the TLS half of this test needs it to make a "
+                    "throwaway certificate (scripts/setup installs it)";
+  }
+  const std::string make_cert =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
+      "subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " + (dir / "key.pem") + " -out " +
+      (dir / "cert.pem") + " > /dev/null 2>&1";
+  ASSERT_EQ(std::system(make_cert.c_str()), 0) << make_cert;
+  ShardServerOptions tls_options;
+  tls_options.tls_cert = dir / "cert.pem";
+  tls_options.tls_key = dir / "key.pem";
+  ShardServer tls_server(tls_options);
+  PsClientOptions tls_client;
+  tls_client.tls = true;
+  tls_client.tls_ca = dir / "cert.pem";
+  PsClient secure({tls_server.address()}, tls_client);
+  EXPECT_TRUE(secure.initialize(at::full({4}, 2.0)));
+  at::Tensor pulled = at::zeros({4});
+  secure.pull(pulled);
+  EXPECT_TRUE(at::equal(pulled, at::full({4}, 2.0)));
+  PsClientOptions plain;
+  plain.rpc_timeout = 1500ms;
+  EXPECT_THROW(PsClient({tls_server.address()}, plain), Error);
 }

@@ -596,7 +596,10 @@ Outcome Attempt::run() {
         r.running = false;
         r.status = status;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && !stopping_ && !local_failure_) {
+        if (!ok && !stopping_ && o_.tolerate_failures && r.rank != 0) {
+          std::fprintf(stderr, "dtrain launch: rank %d (pid %d) %s; the other ranks go on\n",
+                       r.rank, static_cast<int>(r.pid), describe_status(status).c_str());
+        } else if (!ok && !stopping_ && !local_failure_) {
           Outcome mine;
           mine.failed = true;
           mine.code = exit_code_of(status);

@@ -3,6 +3,8 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
+
 #include "dtrain/common/Error.h"
 #include "dtrain/data/FashionMnist.h"
 #include "dtrain/data/Text.h"
@@ -126,6 +128,15 @@ void validate_job(const JobConfig& job) {
     DTRAIN_CHECK_INPUT(o.ps_n_push >= 1, "--n-push must be at least 1 (got ", o.ps_n_push, ")");
     DTRAIN_CHECK_INPUT(o.ps_max_staleness >= -1, "--max-staleness must be -1 (no cap) or at "
                        "least 0 (got ", o.ps_max_staleness, ")");
+    DTRAIN_CHECK_INPUT(job.ps_optimizer == "adagrad" || job.ps_optimizer == "sgd" ||
+                           job.ps_optimizer == "adam",
+                       "--ps-optimizer: unknown parameter-server optimizer '", job.ps_optimizer,
+                       "' (adagrad, sgd or adam)");
+    DTRAIN_CHECK_INPUT(job.ps_lr > 0 && std::isfinite(job.ps_lr), "--ps-lr must be > 0, got ",
+                       job.ps_lr);
+    DTRAIN_CHECK_INPUT(o.ps_retry_ms >= 0, "--ps-retry-ms must be >= 0, got ", o.ps_retry_ms);
+    DTRAIN_CHECK_INPUT(o.ps_rpc_timeout_ms >= 1, "--ps-timeout-ms must be >= 1, got ",
+                       o.ps_rpc_timeout_ms);
     DTRAIN_CHECK_INPUT(job.trainer.pipeline_parallel <= 1 && job.trainer.tensor_parallel <= 1,
                        "--strategy downpour workers are replicas of the whole model: "
                        "--pipeline-parallel and --tensor-parallel are not supported with it");
@@ -134,6 +145,9 @@ void validate_job(const JobConfig& job) {
                        "--ps and --ps-shards are for --strategy downpour (not ",
                        job.trainer.strategy, ")");
   }
+  DTRAIN_CHECK_INPUT(job.trainer.slowdown_rank < std::max(1, job.nproc),
+                     "--simulate-slowdown: rank ", job.trainer.slowdown_rank, " is not one of the ",
+                     std::max(1, job.nproc), " ranks");
   DTRAIN_CHECK_INPUT(job.dataset == "fashion-mnist" || job.dataset == "synthetic" ||
                          job.dataset == "text",
                      "--dataset: unknown data set '", job.dataset,
@@ -219,6 +233,25 @@ TrainerOptions trainer_options(const JobConfig& job) {
   }
   options.strategy_options.bucket_cap_bytes = static_cast<int64_t>(job.bucket_cap_mb * 1024 * 1024);
   return options;
+}
+
+int64_t planned_steps(const JobConfig& job) {
+  const TrainerOptions options = trainer_options(job);
+  int64_t examples = job.synthetic_examples;
+  if (job.dataset == "text") {
+    examples = data::load_text(text_path(job), job.gpt.context, job.validation_fraction).train.size();
+  } else if (job.dataset == "fashion-mnist") {
+    examples = data::load_fashion_mnist(job.data_dir, data::Split::Train).size();
+  }
+  const int64_t dp = std::max<int64_t>(1, job.nproc / std::max(1, options.pipeline_parallel *
+                                                                      options.tensor_parallel));
+  const int64_t accumulation = options.global_batch > 0
+                                   ? std::max<int64_t>(1, options.global_batch / (options.batch_size * dp))
+                                   : options.accumulation_steps;
+  const int64_t per_epoch = std::max<int64_t>(1, examples / dp / (options.batch_size * accumulation));
+  int64_t steps = per_epoch * options.epochs;
+  if (options.max_steps > 0) steps = std::min(steps, options.max_steps);
+  return steps;
 }
 
 JobResult run_job(const JobConfig& job) {

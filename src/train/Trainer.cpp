@@ -487,6 +487,10 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     }
     const int64_t reached = global_step(step + 1);
     const bool done = async && reached >= last_step;
+    if (rank == options_.slowdown_rank && options_.slowdown_factor > 1.0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(
+          (options_.slowdown_factor - 1.0) * seconds_since(step_start)));
+    }
     const double step_seconds = seconds_since(step_start);
     const auto skipped = step_result.metrics.find("step_skipped");
     const bool finite = std::isfinite(step_result.loss) &&
@@ -564,12 +568,16 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     if (done) break;
   }
   if (async) {
-    // Every worker sends what it holds; once all have, rank 0 takes the newest parameters for
-    // the final evaluation and checkpoint.
+    // Every worker sends what it holds and leaves (no collective: a worker that died must not
+    // stop the others); rank 0 waits for the others' last updates, then takes the newest
+    // parameters for the final evaluation and checkpoint.
     strategy_->finish();
-    world_->barrier()->wait();
     if (leader) {
-      strategy_->finish();
+      const std::string missing = strategy_->await_workers();
+      if (!missing.empty()) std::fprintf(stderr, "%s\n", missing.c_str());
+      MetricRecord run{{"event", std::string("strategy")}};
+      for (const auto& [key, value] : strategy_->run_metrics()) run[key] = value;
+      if (run.size() > 1) metrics.write(run);
       result.steps = global_step(result.steps);
       report.reached(result.steps);
       if (validation != nullptr) {
@@ -586,7 +594,6 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                         global_batch, true);
       }
     }
-    world_->barrier()->wait();
   }
   result.seconds = seconds_since(start);
   if (!options_.trace_file.empty()) write_trace();

@@ -43,6 +43,10 @@ struct LaunchOptions {
   /// Network interface for the ranks' data plane (exported as GLOO_SOCKET_IFNAME; "" = the
   /// route to master_addr).
   std::string interface;
+  /// A rank other than 0 failing does not stop the others (asynchronous workers such as
+  /// Downpour's are independent): it is reported and the job goes on; rank 0 failing still
+  /// stops the job.
+  bool tolerate_failures = false;
   /// Restarts of the whole job after a failure (torchrun's --max-restarts).
   int max_restarts = 0;
   /// Seconds every node may take to join an attempt (and to connect to the store).

@@ -96,6 +96,12 @@ struct StrategyOptions {
   int64_t ps_max_staleness = -1;
   /// Downpour: deadline of every parameter-server RPC.
   int64_t ps_rpc_timeout_ms = 30000;
+  /// Downpour: how long an unreachable shard (restarting?) is retried before it is an error.
+  int64_t ps_retry_ms = 60000;
+  /// Downpour: the shards' token ("" = none) and TLS (trusting ps_tls_ca, "" = system roots).
+  std::string ps_auth_token{};
+  bool ps_tls = false;
+  std::string ps_tls_ca{};
 };
 
 /// What of each micro-batch a rank reads (a pipeline's middle stages read neither; the first
@@ -164,6 +170,13 @@ class Strategy {
   /// Asynchronous: after this worker's last step, sends what it still holds (pending gradients)
   /// and makes model() hold the newest parameters.
   virtual void finish() {}
+  /// Asynchronous, rank 0 after finish(): waits (bounded) until the other workers' last
+  /// updates are in, or they went quiet (a worker that died), then takes the newest parameters.
+  /// Returns a sentence about workers that did not finish ("" when all did).
+  virtual std::string await_workers() { return ""; }
+  /// Numbers about the whole run for the metrics file's "strategy" record, on rank 0 at the end
+  /// (the parameter server's: staleness histogram, traffic per shard, pushes per worker).
+  virtual std::map<std::string, double> run_metrics() { return {}; }
 };
 
 using StrategyPtr = std::unique_ptr<Strategy>;

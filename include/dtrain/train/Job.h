@@ -50,14 +50,22 @@ struct JobConfig {
   int max_restarts = 0;
   int64_t comm_timeout_ms = 120000;
   /// --strategy downpour without --ps: parameter-server shards to start in the launching
-  /// process, with this optimizer (their learning rate is --lr).
+  /// process, with this optimizer at ps_lr (the job's --lr-decay and --warmup-steps become the
+  /// shards' schedule by version).
   int ps_shards = 0;
   std::string ps_optimizer = "adagrad";
+  double ps_lr = 0.01;
+  /// The shards' token file ("" = none): workers send it, --ps-shards shards require it.
+  std::string ps_auth_token_file;
 };
 
 /// Checks everything that can be checked before any rank starts: names, ranges, the data set's
 /// files, the checkpoint directory. InputError naming the flag or file.
 void validate_job(const JobConfig& job);
+
+/// The optimizer steps the job will make (its epochs over the training set at its global batch,
+/// or --max-steps when fewer), as the Trainer counts them; loads the training set to count it.
+int64_t planned_steps(const JobConfig& job);
 
 struct JobResult {
   FitResult fit;

@@ -56,6 +56,11 @@ struct TrainerOptions {
   /// Halt when this step is reached (0 = never) without changing the schedule or the run's
   /// length: for time-sliced jobs that resume from their checkpoint later.
   int64_t stop_at_step = 0;
+  /// --simulate-slowdown RANK:FACTOR: rank `slowdown_rank` takes `slowdown_factor` times as long
+  /// per step (it sleeps the difference after each step): a straggler, for tests and
+  /// benchmarks. -1 = none.
+  int slowdown_rank = -1;
+  double slowdown_factor = 1.0;
   int64_t eval_batch_size = 1000;
   /// > 0: also evaluate every N steps (else at epoch ends only).
   int64_t eval_every = 0;

@@ -5,15 +5,18 @@
 #include <algorithm>
 #include <chrono>
 
+#include <cstdio>
+#include <set>
+#include <thread>
+
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/optim/StateSize.h"
+#include "dtrain/ps.pb.h"
 
 namespace dtrain::parallel::ps {
 
 namespace {
-
-constexpr int kStalenessBins = 17;  // 0..15, then 16 or more
 
 int64_t newest(const std::vector<int64_t>& versions) {
   return versions.empty() ? 0 : *std::max_element(versions.begin(), versions.end());
@@ -69,9 +72,24 @@ void DownpourStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   PsClientOptions client;
   client.rpc_timeout = std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
   client.worker = grid_->world()->rank();
+  client.retry_window = std::chrono::milliseconds(options_.ps_retry_ms);
+  client.auth_token = options_.ps_auth_token;
+  client.tls = options_.ps_tls;
+  client.tls_ca = options_.ps_tls_ca;
   client_ = std::make_unique<PsClient>(options_.ps_addresses, client);
+  const int worker = client.worker;
+  client_->on_restart([worker](const ShardRestart& r) {
+    std::fprintf(stderr,
+                 "downpour worker %d: parameter server %s (shard %d) restarted from its checkpoint "
+                 "at version %lld; it had reached at least version %lld: %lld updates lost\n",
+                 worker, r.address.c_str(), r.shard, static_cast<long long>(r.resumed_version),
+                 static_cast<long long>(r.seen_version), static_cast<long long>(r.lost));
+  });
   accumulated_ = at::zeros({numel_}, at::kFloat);
-  staleness_counts_.assign(kStalenessBins, 0);
+}
+
+std::chrono::milliseconds DownpourStrategy::wait_limit() const {
+  return 3 * std::chrono::milliseconds(options_.ps_rpc_timeout_ms + options_.ps_retry_ms);
 }
 
 at::Tensor DownpourStrategy::flat_parameters() const {
@@ -122,15 +140,16 @@ void DownpourStrategy::background() {
       if (push_pending_) {  // pushes first: a pull requested after a push includes it
         const at::Tensor gradient = outgoing_;
         const std::vector<int64_t> versions = outgoing_versions_;
+        const bool last = outgoing_last_;
         lock.unlock();
         trace::Span span("comm", "ps push");
-        const PushResult result = client_->push(gradient, versions);
+        const PushResult result = client_->push(gradient, versions, last);
         lock.lock();
         push_pending_ = false;
         ++pushes_done_;
         newest_version_ = std::max(newest_version_, newest(result.versions));
         last_staleness_ = newest(result.staleness);
-        ++staleness_counts_[std::min<int64_t>(last_staleness_, kStalenessBins - 1)];
+        last_lr_ = result.lr.empty() ? 0.0 : result.lr[0];
       } else if (pull_requested_ && !pull_landed_) {
         const int64_t covers = pushes_done_;
         pull_requested_ = false;
@@ -169,8 +188,8 @@ bool DownpourStrategy::apply_landed_pull(std::unique_lock<std::mutex>& lock) {
 }
 
 void DownpourStrategy::pull_now(std::unique_lock<std::mutex>& lock, const char* why) {
-  // Bounded by the deadline: each round is at most a push and a pull, each within its own.
-  const auto limit = 3 * std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
+  // Bounded: each round is at most a push and a pull, each within its deadline and retries.
+  const auto limit = wait_limit();
   const auto deadline = std::chrono::steady_clock::now() + limit;
   const int64_t wanted = pushes_issued_;
   while (true) {
@@ -184,9 +203,9 @@ void DownpourStrategy::pull_now(std::unique_lock<std::mutex>& lock, const char* 
   }
 }
 
-void DownpourStrategy::queue_push(std::unique_lock<std::mutex>& lock) {
+void DownpourStrategy::queue_push(std::unique_lock<std::mutex>& lock, bool last) {
   // One push in flight at a time: the next waits for the previous (bounded by its deadline).
-  const auto limit = 3 * std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
+  const auto limit = wait_limit();
   const bool free = changed_.wait_for(lock, limit, [&] { return !push_pending_ || error_; });
   rethrow_background_error();
   DTRAIN_CHECK_T(TimeoutError, free, "downpour worker ", grid_->world()->rank(),
@@ -195,6 +214,7 @@ void DownpourStrategy::queue_push(std::unique_lock<std::mutex>& lock) {
   if (!accumulated_.defined()) accumulated_ = at::empty({numel_}, at::kFloat);
   accumulated_.zero_();
   outgoing_versions_ = accumulated_versions_;
+  outgoing_last_ = last;
   push_pending_ = true;
   ++pushes_issued_;
   steps_accumulated_ = 0;
@@ -223,6 +243,7 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
   const std::vector<int64_t> computed_on = versions_;
   lock.unlock();
 
+  const auto compute_start = std::chrono::steady_clock::now();
   for (auto& p : parameters_) p.mutable_grad() = at::Tensor();
   const auto count = static_cast<double>(micro_batches.size());
   for (const auto& batch : micro_batches) {
@@ -246,6 +267,7 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
     }
   }
   if (steps_accumulated_++ == 0) accumulated_versions_ = computed_on;
+  step_seconds_ += (ms_since(compute_start) / 1e3 - step_seconds_) / static_cast<double>(++steps_done_);
   ++steps_since_fetch_;
 
   lock.lock();
@@ -263,6 +285,8 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
   result.metrics["staleness"] = static_cast<double>(last_staleness_);
   result.metrics["param_age"] = static_cast<double>(newest_version_ - oldest(computed_on));
   result.metrics["ps_wait_ms"] = wait_ms;
+  result.metrics["ps_lr"] = last_lr_;
+  result.metrics["ps_lost_updates"] = static_cast<double>(client_->lost_updates());
   return result;
 }
 
@@ -278,8 +302,93 @@ void DownpourStrategy::finish() {
   if (!started_) return;
   std::unique_lock<std::mutex> lock(mutex_);
   rethrow_background_error();
-  if (steps_accumulated_ > 0) queue_push(lock);  // the last, partial accumulation
+  // The last, partial accumulation, marked as this worker's final push so that rank 0 knows
+  // it is done (with nothing to push, a Done call says so once the pushes are in).
+  const bool pending = steps_accumulated_ > 0;
+  if (pending) queue_push(lock, true);
   pull_now(lock, "the end of training");
+  if (!pending) {
+    lock.unlock();
+    client_->done();
+  }
+}
+
+std::string DownpourStrategy::await_workers() {
+  if (!started_) return "";
+  // A worker is done when its final push has reached every shard. One that has pushed nothing
+  // for a while is taken for gone (killed, its machine lost): waiting for it ends after
+  // max(2 s, 20 steps' compute) of quiet, at most the RPC deadline.
+  const double quiet_s = std::min(std::max(2.0, 20.0 * step_seconds_ * options_.ps_n_push),
+                                  options_.ps_rpc_timeout_ms / 1e3);
+  const auto deadline = std::chrono::steady_clock::now() + wait_limit();
+  std::string missing;
+  while (true) {
+    std::map<int, std::pair<int, double>> seen;  // worker -> (shards it finished on, quiet s)
+    const auto infos = client_->describe();
+    for (const auto& info : infos) {
+      for (const auto& w : info.workers()) {
+        auto& entry = seen[w.worker()];
+        entry.first += w.finished() ? 1 : 0;
+        entry.second = std::max(entry.second, w.last_push_age_s());
+      }
+    }
+    bool waiting = false;
+    missing.clear();
+    for (const auto& [worker, entry] : seen) {
+      if (entry.first == client_->shards()) continue;
+      if (entry.second < quiet_s) {
+        waiting = true;
+      } else {
+        missing += concat(missing.empty() ? "" : ", ", worker, " (quiet for ",
+                          static_cast<int>(entry.second), " s)");
+      }
+    }
+    if (!waiting || std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  rethrow_background_error();
+  pull_now(lock, "the final model");
+  if (missing.empty()) return "";
+  return concat("downpour: worker(s) ", missing, " stopped pushing without finishing (gone?); the "
+                "final model holds every update the shards received");
+}
+
+std::map<std::string, double> DownpourStrategy::run_metrics() {
+  std::map<std::string, double> m;
+  if (!started_) return m;
+  const auto infos = client_->describe();
+  std::vector<int64_t> histogram;
+  std::map<int, int64_t> pushes;
+  for (size_t i = 0; i < infos.size(); ++i) {
+    const auto& info = infos[i];
+    const double up = std::max(info.uptime_s(), 1e-9);
+    const std::string shard = concat("shard", i, "_");
+    m[shard + "pushes_per_s"] = info.pushes() / up;
+    m[shard + "pulls_per_s"] = info.pulls() / up;
+    m[shard + "mb_in_per_s"] = info.bytes_in() / up / 1e6;
+    m[shard + "mb_out_per_s"] = info.bytes_out() / up / 1e6;
+    m[shard + "version"] = static_cast<double>(info.version());
+    if (histogram.empty()) histogram.assign(info.staleness_histogram_size(), 0);
+    for (int b = 0; b < info.staleness_histogram_size() && b < static_cast<int>(histogram.size()); ++b) {
+      histogram[b] += info.staleness_histogram(b);
+    }
+    if (i == 0) {
+      for (const auto& w : info.workers()) pushes[w.worker()] = w.pushes();
+    }
+  }
+  // Staleness per push, over all shards' counts (each push counts once per shard).
+  for (size_t b = 0; b < histogram.size(); ++b) {
+    if (histogram[b] == 0) continue;
+    const bool rest = b + 1 == histogram.size();
+    m[concat("staleness_", b, rest ? "_or_more" : "")] =
+        static_cast<double>(histogram[b]) / static_cast<double>(infos.size());
+  }
+  for (const auto& [worker, count] : pushes) {
+    m[concat("worker", worker, "_pushes")] = static_cast<double>(count);
+  }
+  m["lost_updates"] = static_cast<double>(client_->lost_updates());
+  return m;
 }
 
 void DownpourStrategy::save(const std::string& directory) {

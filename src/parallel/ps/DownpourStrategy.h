@@ -4,7 +4,9 @@
 // both on a background thread beside compute; the shards apply the updates (their optimizer).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
+#include <map>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -37,6 +39,8 @@ class DownpourStrategy : public Strategy {
   bool synchronous() const override { return false; }
   int64_t global_steps() const override;
   void finish() override;
+  std::string await_workers() override;
+  std::map<std::string, double> run_metrics() override;
 
  private:
   void start();
@@ -48,7 +52,9 @@ class DownpourStrategy : public Strategy {
   /// Requests a pull that includes every push made so far and waits for it (bounded).
   void pull_now(std::unique_lock<std::mutex>& lock, const char* why);
   /// Hands the accumulated gradient to the background thread (after the previous push).
-  void queue_push(std::unique_lock<std::mutex>& lock);
+  void queue_push(std::unique_lock<std::mutex>& lock, bool last = false);
+  /// Bound of the waits on the background thread: an RPC's deadline and its retries, thrice.
+  std::chrono::milliseconds wait_limit() const;
   at::Tensor flat_parameters() const;
   void set_parameters(const at::Tensor& flat);
   std::vector<PieceRef> pieces() const;
@@ -79,6 +85,7 @@ class DownpourStrategy : public Strategy {
   bool stopping_ = false;
   std::exception_ptr error_;
   bool push_pending_ = false;
+  bool outgoing_last_ = false;
   at::Tensor outgoing_;                  // the gradient being pushed
   std::vector<int64_t> outgoing_versions_;
   int64_t pushes_issued_ = 0, pushes_done_ = 0;
@@ -88,7 +95,9 @@ class DownpourStrategy : public Strategy {
   int64_t incoming_covers_ = 0;          // own pushes done before that pull began
   int64_t newest_version_ = 0;           // newest server version seen (replies, pulls)
   int64_t last_staleness_ = 0;           // of the last push (max over shards)
-  std::vector<int64_t> staleness_counts_;  // histogram of push staleness (last bin: more)
+  double last_lr_ = 0;                   // the shards' learning rate at the last push
+  double step_seconds_ = 0;              // mean compute time of a step (for await_workers)
+  int64_t steps_done_ = 0;
 };
 
 }  // namespace dtrain::parallel::ps

@@ -1,7 +1,13 @@
 #include "dtrain/parallel/ps/ParameterShard.h"
 
-#include <ATen/ATen.h>
+#include <torch/serialize.h>
+#include <torch/torch.h>
 
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "common/Files.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::parallel::ps {
@@ -10,15 +16,60 @@ std::pair<int64_t, int64_t> shard_range(int64_t total, int shard, int shards) {
   return {total * shard / shards, total * (shard + 1) / shards};
 }
 
+void check_shard_optimizer(const ShardOptimizer& optimizer) {
+  const std::string& name = optimizer.name;
+  DTRAIN_CHECK_INPUT(name == "sgd" || name == "adagrad" || name == "adam",
+                     "unknown parameter-server optimizer '", name, "' (sgd, adagrad or adam)");
+  DTRAIN_CHECK_INPUT(optimizer.lr > 0, "the parameter server's learning rate must be > 0, got ",
+                     optimizer.lr);
+  const std::string& decay = optimizer.schedule.decay;
+  DTRAIN_CHECK_INPUT(decay == "constant" || decay == "step" || decay == "cosine",
+                     "--lr-decay: unknown schedule '", decay, "' (constant, step or cosine)");
+  DTRAIN_CHECK_INPUT(optimizer.schedule.warmup_steps >= 0 && optimizer.total_versions >= 0,
+                     "the parameter server's warmup and total versions must be >= 0");
+  DTRAIN_CHECK_INPUT(decay != "cosine" || optimizer.total_versions > 0,
+                     "--lr-decay cosine on the parameter server needs --total-versions (the "
+                     "updates the schedule spans)");
+  DTRAIN_CHECK_INPUT(decay != "step" || optimizer.schedule.step_size > 0,
+                     "--lr-step-size must be > 0");
+}
+
 ParameterShard::ParameterShard(int shard, int shards, ShardOptimizer optimizer)
     : shard_(shard), shards_(shards), optimizer_(std::move(optimizer)) {
   DTRAIN_CHECK_INPUT(shards >= 1 && shard >= 0 && shard < shards, "--shard ", shard, "/", shards,
                      ": expected I/N with 0 <= I < N");
-  const std::string& name = optimizer_.name;
-  DTRAIN_CHECK_INPUT(name == "sgd" || name == "adagrad" || name == "adam",
-                     "unknown parameter-server optimizer '", name, "' (sgd, adagrad or adam)");
-  DTRAIN_CHECK_INPUT(optimizer_.lr > 0, "the parameter server's learning rate must be > 0, got ",
-                     optimizer_.lr);
+  check_shard_optimizer(optimizer_);
+}
+
+namespace {
+
+double lr_at(const ShardOptimizer& o, int64_t version) {
+  if (o.schedule.decay == "constant" && o.schedule.warmup_steps == 0) return o.lr;
+  return optim::LrSchedule(o.lr, std::max<int64_t>(o.total_versions, 1), o.schedule).at(version);
+}
+
+}  // namespace
+
+double ParameterShard::current_lr() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return lr_at(optimizer_, version_);
+}
+
+void ParameterShard::mark_done(int worker) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  WorkerRecord& record = workers_[worker];
+  if (record.pushes == 0) record.last_push = std::chrono::steady_clock::now();
+  record.finished = true;
+}
+
+std::vector<int64_t> ParameterShard::staleness_histogram() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return staleness_counts_;
+}
+
+std::map<int, WorkerRecord> ParameterShard::workers() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return workers_;
 }
 
 std::string ParameterShard::initialize(int64_t total, const at::Tensor& values) {
@@ -75,8 +126,17 @@ at::Tensor ParameterShard::read(int64_t begin, int64_t end, int64_t* version) co
   return values_.narrow(0, begin - begin_, end - begin).clone();
 }
 
+void ParameterShard::visit(int64_t begin, int64_t end,
+                           const std::function<void(const at::Tensor&, int64_t)>& f) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DTRAIN_CHECK(initialized_ && begin >= begin_ && end <= end_ && begin <= end,
+               "read of [", begin, ", ", end, ") from shard [", begin_, ", ", end_, ")");
+  f(values_.narrow(0, begin - begin_, end - begin), version_);
+}
+
 std::string ParameterShard::apply(int64_t begin, const at::Tensor& gradient,
-                                  int64_t computed_version, int64_t* version, int64_t* staleness) {
+                                  int64_t computed_version, int worker, bool last,
+                                  int64_t* version, int64_t* staleness, double* applied_lr) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!initialized_) return "the shard has no parameters yet (Initialize first)";
   const int64_t n = gradient.numel();
@@ -90,7 +150,7 @@ std::string ParameterShard::apply(int64_t begin, const at::Tensor& gradient,
                   ", but the shard is at version ", version_, " (a version from the future)");
   }
   at::Tensor w = values_.narrow(0, begin - begin_, n);
-  const double lr = optimizer_.lr;
+  const double lr = lr_at(optimizer_, version_);
   if (optimizer_.name == "sgd") {
     w.add_(gradient, -lr);
   } else if (optimizer_.name == "adagrad") {
@@ -108,10 +168,102 @@ std::string ParameterShard::apply(int64_t begin, const at::Tensor& gradient,
     const at::Tensor correction2 = 1 - at::pow(optimizer_.beta2, t);
     w.sub_(m / correction1 / ((v / correction2).sqrt_().add_(optimizer_.adam_eps)) * lr);
   }
-  if (staleness) *staleness = version_ - computed_version;
+  const int64_t stale = version_ - computed_version;
+  ++staleness_counts_[std::min<int64_t>(stale, kStalenessBins - 1)];
+  WorkerRecord& record = workers_[worker];
+  ++record.pushes;
+  record.last_push = std::chrono::steady_clock::now();
+  record.finished = last;
+  if (staleness) *staleness = stale;
+  if (applied_lr) *applied_lr = lr;
   ++version_;
   if (version) *version = version_;
   return "";
+}
+
+int64_t ParameterShard::save(const std::string& path) const {
+  c10::impl::GenericDict file(c10::StringType::get(), c10::AnyType::get());
+  int64_t version = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!initialized_) return -1;
+    version = version_;
+    file.insert("format", "dtrain-ps-shard-1");
+    file.insert("shard", static_cast<int64_t>(shard_));
+    file.insert("shards", static_cast<int64_t>(shards_));
+    file.insert("optimizer", optimizer_.name);
+    file.insert("total", total_);
+    file.insert("version", version_);
+    c10::Dict<std::string, at::Tensor> tensors;
+    tensors.insert("values", values_.clone());
+    if (state1_.defined()) tensors.insert("state1", state1_.clone());
+    if (state2_.defined()) tensors.insert("state2", state2_.clone());
+    if (steps_.defined()) tensors.insert("steps", steps_.clone());
+    tensors.insert("staleness", at::tensor(staleness_counts_, at::kLong));
+    file.insert("tensors", tensors);
+  }
+  const std::vector<char> bytes = torch::pickle_save(file);  // outside the lock: pushes go on
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  write_file_atomically(path, bytes.data(), bytes.size());
+  return version;
+}
+
+int64_t ParameterShard::load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DTRAIN_CHECK_INPUT(in.good(), "cannot read the shard checkpoint ", path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, path, " is not a parameter-server shard checkpoint (damaged?): ",
+                 e.what_without_backtrace());
+  }
+  DTRAIN_CHECK_INPUT(value.isGenericDict() && value.toGenericDict().contains("format") &&
+                         value.toGenericDict().at("format").toStringRef() == "dtrain-ps-shard-1",
+                     path, " is not a parameter-server shard checkpoint");
+  const auto file = value.toGenericDict();
+  try {
+    const int64_t shard = file.at("shard").toInt(), shards = file.at("shards").toInt();
+    DTRAIN_CHECK_INPUT(shard == shard_ && shards == shards_, path, " belongs to shard ", shard, "/",
+                       shards, ", this is shard ", shard_, "/", shards_);
+    const std::string optimizer = file.at("optimizer").toStringRef();
+    DTRAIN_CHECK_INPUT(optimizer == optimizer_.name, path, " holds ", optimizer,
+                       " state, this shard runs ", optimizer_.name);
+    const int64_t total = file.at("total").toInt();
+    const auto [begin, end] = shard_range(total, shard_, shards_);
+    const auto tensors = file.at("tensors").toGenericDict();
+    auto tensor = [&](const char* key) {
+      DTRAIN_CHECK_INPUT(tensors.contains(key), path, ": no '", key, "' tensor");
+      at::Tensor t = tensors.at(key).toTensor();
+      DTRAIN_CHECK_INPUT(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == end - begin,
+                         path, ": '", key, "' holds ", t.numel(), " ", t.scalar_type(),
+                         " elements, the shard's range ", end - begin, " float32");
+      return t;
+    };
+    std::lock_guard<std::mutex> lock(mutex_);
+    values_ = tensor("values");
+    if (optimizer_.name == "adagrad") state1_ = tensor("state1");
+    if (optimizer_.name == "adam") {
+      state1_ = tensor("state1");
+      state2_ = tensor("state2");
+      steps_ = tensor("steps");
+    }
+    if (tensors.contains("staleness")) {
+      const at::Tensor counts = tensors.at("staleness").toTensor();
+      for (int64_t i = 0; i < std::min<int64_t>(counts.numel(), kStalenessBins); ++i) {
+        staleness_counts_[i] = counts[i].item<int64_t>();
+      }
+    }
+    begin_ = begin;
+    end_ = end;
+    total_ = total;
+    version_ = file.at("version").toInt();
+    initialized_ = true;
+    return version_;
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, path, " is a malformed shard checkpoint: ", e.what_without_backtrace());
+  }
 }
 
 }  // namespace dtrain::parallel::ps

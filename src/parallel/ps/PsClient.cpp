@@ -7,6 +7,7 @@
 #include <functional>
 #include <thread>
 
+#include "comm/rpc/Security.h"
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/ps.grpc.pb.h"
@@ -18,12 +19,23 @@ struct PsClient::Shard {
   std::string address;
   std::unique_ptr<dtrain::ps::ParameterServer::Stub> stub;
   dtrain::ps::ShardInfo info;
+  uint64_t incarnation = 0;           // of the shard as first described
+  // Newest version seen from this incarnation of the shard: every version this worker computed
+  // on since the restart was seen, so a newer one is from before it (lost).
+  int64_t seen_version = 0;
 };
 
 namespace {
 
 void set_deadline(grpc::ClientContext& context, std::chrono::milliseconds timeout) {
   context.set_deadline(std::chrono::system_clock::now() + timeout);
+}
+
+// The shard cannot be reached, or went away during the call (this client never cancels its
+// own calls, so CANCELLED means a server shutting down): it may be restarting.
+bool retryable(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+         status.error_code() == grpc::StatusCode::CANCELLED;
 }
 
 [[noreturn]] void fail(const std::string& rpc_name, const std::string& address,
@@ -35,6 +47,11 @@ void set_deadline(grpc::ClientContext& context, std::chrono::milliseconds timeou
   if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
     DTRAIN_THROW(InputError, "parameter server ", address, " refused ", rpc_name, ": ",
                  status.error_message());
+  }
+  if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+    DTRAIN_THROW(InputError, "parameter server ", address, " refused ", rpc_name,
+                 " as unauthenticated: ", status.error_message(),
+                 " (give the shards' token with --ps-auth-token-file)");
   }
   DTRAIN_THROW(CommError, "parameter server ", address, ": ", rpc_name, " failed (",
                status.error_code(), "): ", status.error_message());
@@ -66,26 +83,102 @@ PsClient::PsClient(std::vector<std::string> addresses, PsClientOptions options)
   DTRAIN_CHECK_INPUT(!addresses_.empty(), "no parameter-server shards given (--ps HOST:PORT,...)");
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(static_cast<int>(rpc::kMaxChunkBytes + (1 << 20)));
+  // A restarted shard is found again within about a second (gRPC's default backs off to 120 s).
+  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  rpc::tune_bulk_transfer(arguments);
+  rpc::RpcSecurity security;
+  security.tls = options_.tls;
+  security.tls_ca = options_.tls_ca;
+  const auto credentials = rpc::channel_credentials(security);
   for (const auto& address : addresses_) {
     auto shard = std::make_unique<Shard>();
     shard->address = address;
     shard->stub = dtrain::ps::ParameterServer::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), arguments));
+        grpc::CreateCustomChannel(address, credentials, arguments));
     shards_.push_back(std::move(shard));
   }
   describe_all();
+  for (auto& s : shards_) {
+    s->incarnation = s->info.incarnation();
+    s->seen_version = s->info.version();
+  }
+}
+
+int64_t PsClient::lost_updates() const {
+  std::lock_guard<std::mutex> lock(restart_mutex_);
+  return lost_updates_;
+}
+
+void PsClient::with_retry(int i, const char* rpc_name, const Call& call) {
+  Shard& s = *shards_[i];
+  const auto give_up = std::chrono::steady_clock::now() + options_.retry_window;
+  auto pause = std::chrono::milliseconds(50);
+  grpc::Status status;
+  for (int attempt = 0;; ++attempt) {
+    if (attempt > 0) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(2000));
+      // Back: did it restart? (A failed look is another retry.)
+      grpc::ClientContext context;
+      set_deadline(context, options_.rpc_timeout);
+      rpc::add_token(context, options_.auth_token);
+      dtrain::ps::ShardInfo info;
+      const grpc::Status look = s.stub->Describe(&context, {}, &info);
+      if (!look.ok()) {
+        if (retryable(look) && std::chrono::steady_clock::now() < give_up) continue;
+        status = look;
+        rpc_name = "Describe";
+        break;
+      }
+      s.info = info;
+      check_restart(s);
+    }
+    grpc::ClientContext context;
+    set_deadline(context, options_.rpc_timeout);
+    rpc::add_token(context, options_.auth_token);
+    status = call(s, context);
+    if (status.ok()) return;
+    if (!retryable(status) || std::chrono::steady_clock::now() >= give_up) break;
+  }
+  if (retryable(status)) {
+    DTRAIN_THROW(CommError, "parameter server ", s.address, ": ", rpc_name,
+                 " failed: unreachable for ", options_.retry_window.count(), " ms (",
+                 status.error_message(), ")");
+  }
+  fail(rpc_name, s.address, status, options_.rpc_timeout);
+}
+
+void PsClient::check_restart(Shard& s) {
+  if (s.info.incarnation() == s.incarnation) return;
+  s.incarnation = s.info.incarnation();
+  DTRAIN_CHECK_T(CommError, s.info.initialized(), "parameter server ", s.address,
+                 " restarted without a checkpoint: its parameters are gone (start the shards "
+                 "with --checkpoint-dir to survive restarts)");
+  ShardRestart restart;
+  restart.address = s.address;
+  restart.shard = s.info.shard();
+  restart.resumed_version = s.info.resumed_version();
+  restart.seen_version = s.seen_version;
+  restart.lost = std::max<int64_t>(0, s.seen_version - s.info.resumed_version());
+  s.seen_version = s.info.version();
+  {
+    std::lock_guard<std::mutex> lock(restart_mutex_);
+    lost_updates_ += restart.lost;
+  }
+  if (on_restart_) on_restart_(restart);
 }
 
 PsClient::~PsClient() = default;
 
 void PsClient::describe_all() {
   for_each_shard(shards(), [&](int i) {
-    Shard& s = *shards_[i];
-    grpc::ClientContext context;
-    set_deadline(context, options_.rpc_timeout);
-    context.set_wait_for_ready(true);  // a shard still starting up: wait for it (bounded)
-    const grpc::Status status = s.stub->Describe(&context, {}, &s.info);
-    if (!status.ok()) fail("Describe", s.address, status, options_.rpc_timeout);
+    with_retry(i, "Describe", [&](Shard& s, grpc::ClientContext& context) {
+      context.set_wait_for_ready(true);  // a shard still starting up: wait for it (bounded)
+      return s.stub->Describe(&context, {}, &s.info);
+    });
+    const Shard& s = *shards_[i];
     DTRAIN_CHECK_INPUT(s.info.shard() == i && s.info.shards() == shards(), "parameter server ",
                        s.address, " is shard ", s.info.shard(), "/", s.info.shards(),
                        ", but it was given as shard ", i, " of ", shards(),
@@ -95,30 +188,47 @@ void PsClient::describe_all() {
   if (total_ < 0 && shards_[0]->info.initialized()) total_ = shards_[0]->info.total();
 }
 
+void PsClient::done() {
+  for_each_shard(shards(), [&](int i) {
+    with_retry(i, "Done", [&](Shard& s, grpc::ClientContext& context) {
+      dtrain::ps::DoneRequest request;
+      request.set_worker(options_.worker);
+      dtrain::ps::PushReply reply;
+      return s.stub->Done(&context, request, &reply);
+    });
+  });
+}
+
+std::vector<dtrain::ps::ShardInfo> PsClient::describe() {
+  describe_all();
+  std::vector<dtrain::ps::ShardInfo> infos;
+  for (const auto& s : shards_) infos.push_back(s->info);
+  return infos;
+}
+
 bool PsClient::initialize(const at::Tensor& flat) {
   DTRAIN_CHECK(flat.scalar_type() == at::kFloat && flat.dim() == 1, "initialize takes flat float32");
   total_ = flat.numel();
   std::vector<char> created(shards(), 0);
   for_each_shard(shards(), [&](int i) {
-    Shard& s = *shards_[i];
     const auto [begin, end] = shard_range(total_, i, shards());
-    grpc::ClientContext context;
-    set_deadline(context, options_.rpc_timeout);
-    dtrain::ps::PushReply reply;
-    auto writer = s.stub->Initialize(&context, &reply);
-    rpc::for_each_chunk(flat.narrow(0, begin, end - begin), begin, "", options_.chunk_bytes,
-                        [&](rpc::TensorChunk& chunk) {
-                          dtrain::ps::PushChunk message;
-                          message.set_worker(options_.worker);
-                          message.set_total(total_);
-                          message.mutable_chunk()->Swap(&chunk);
-                          return writer->Write(message);
-                        });
-    writer->WritesDone();
-    const grpc::Status status = writer->Finish();
-    if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS) return;
-    if (!status.ok()) fail("Initialize", s.address, status, options_.rpc_timeout);
-    created[i] = 1;
+    with_retry(i, "Initialize", [&](Shard& s, grpc::ClientContext& context) {
+      dtrain::ps::PushReply reply;
+      auto writer = s.stub->Initialize(&context, &reply);
+      rpc::for_each_chunk(flat.narrow(0, begin, end - begin), begin, "", options_.chunk_bytes,
+                          [&](rpc::TensorChunk& chunk) {
+                            dtrain::ps::PushChunk message;
+                            message.set_worker(options_.worker);
+                            message.set_total(total_);
+                            message.mutable_chunk()->Swap(&chunk);
+                            return writer->Write(message);
+                          });
+      writer->WritesDone();
+      grpc::Status status = writer->Finish();
+      if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS) return grpc::Status::OK;
+      if (status.ok()) created[i] = 1;
+      return status;
+    });
   });
   describe_all();
   for (const auto& s : shards_) {
@@ -134,70 +244,81 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
                "pull into ", flat.numel(), " elements; the model has ", total_, " (initialize first)");
   std::vector<int64_t> versions(shards(), 0);
   for_each_shard(shards(), [&](int i) {
-    Shard& s = *shards_[i];
     const auto [begin, end] = shard_range(total_, i, shards());
-    grpc::ClientContext context;
-    set_deadline(context, options_.rpc_timeout);
-    dtrain::ps::PullRequest request;
-    request.set_begin(begin);
-    request.set_end(end);
-    request.set_chunk_bytes(options_.chunk_bytes);
-    auto reader = s.stub->Pull(&context, request);
-    dtrain::ps::PullChunk message;
-    rpc::ChunkRule rule;
-    rule.begin = begin;
-    rule.end = end;
+    std::string problem;
     int64_t received = 0;
     int64_t version = -1;
-    std::string problem;
-    while (reader->Read(&message)) {
-      if (!problem.empty()) continue;
-      problem = rpc::check_chunk(message.chunk(), rule, concat("Pull reply from ", s.address));
-      if (problem.empty() && version >= 0 && message.version() != version) {
-        problem = concat("Pull reply from ", s.address, " mixes versions ", version, " and ", message.version());
+    with_retry(i, "Pull", [&](Shard& s, grpc::ClientContext& context) {
+      dtrain::ps::PullRequest request;
+      request.set_begin(begin);
+      request.set_end(end);
+      request.set_chunk_bytes(options_.chunk_bytes);
+      auto reader = s.stub->Pull(&context, request);
+      dtrain::ps::PullChunk message;
+      rpc::ChunkRule rule;
+      rule.begin = begin;
+      rule.end = end;
+      problem.clear();
+      received = 0;
+      version = -1;
+      while (reader->Read(&message)) {
+        if (!problem.empty()) continue;
+        problem = rpc::check_chunk(message.chunk(), rule, concat("Pull reply from ", s.address));
+        if (problem.empty() && version >= 0 && message.version() != version) {
+          problem = concat("Pull reply from ", s.address, " mixes versions ", version, " and ",
+                           message.version());
+        }
+        if (!problem.empty()) continue;
+        version = message.version();
+        rpc::copy_chunk(message.chunk(), flat, 0);
+        received += rpc::chunk_elements(message.chunk());
       }
-      if (!problem.empty()) continue;
-      version = message.version();
-      rpc::copy_chunk(message.chunk(), flat, 0);
-      received += rpc::chunk_elements(message.chunk());
-    }
-    const grpc::Status status = reader->Finish();
-    if (!status.ok()) fail("Pull", s.address, status, options_.rpc_timeout);
+      return reader->Finish();
+    });
+    Shard& s = *shards_[i];
     DTRAIN_CHECK_T(CommError, problem.empty(), problem);
     DTRAIN_CHECK_T(CommError, received == end - begin, "Pull from parameter server ", s.address,
                    " returned ", received, " of ", end - begin, " parameters");
     versions[i] = version;
+    s.seen_version = std::max(s.seen_version, version);
   });
   return versions;
 }
 
-PushResult PsClient::push(const at::Tensor& gradient, const std::vector<int64_t>& versions) {
+PushResult PsClient::push(const at::Tensor& gradient, const std::vector<int64_t>& versions,
+                          bool last) {
   DTRAIN_CHECK(total_ == gradient.numel() && gradient.scalar_type() == at::kFloat &&
                    gradient.is_contiguous() && static_cast<int>(versions.size()) == shards(),
                "push of ", gradient.numel(), " elements; the model has ", total_);
   PushResult result;
   result.versions.assign(shards(), 0);
   result.staleness.assign(shards(), 0);
+  result.lr.assign(shards(), 0.0);
   for_each_shard(shards(), [&](int i) {
-    Shard& s = *shards_[i];
     const auto [begin, end] = shard_range(total_, i, shards());
-    grpc::ClientContext context;
-    set_deadline(context, options_.rpc_timeout);
     dtrain::ps::PushReply reply;
-    auto writer = s.stub->Push(&context, &reply);
-    rpc::for_each_chunk(gradient.narrow(0, begin, end - begin), begin, "", options_.chunk_bytes,
-                        [&](rpc::TensorChunk& chunk) {
-                          dtrain::ps::PushChunk message;
-                          message.set_worker(options_.worker);
-                          message.set_computed_version(versions[i]);
-                          message.mutable_chunk()->Swap(&chunk);
-                          return writer->Write(message);
-                        });
-    writer->WritesDone();
-    const grpc::Status status = writer->Finish();
-    if (!status.ok()) fail("Push", s.address, status, options_.rpc_timeout);
+    with_retry(i, "Push", [&](Shard& s, grpc::ClientContext& context) {
+      auto writer = s.stub->Push(&context, &reply);
+      // After a restart the gradient may have been computed on a version the shard lost: it
+      // counts as computed on the newest the worker has seen since.
+      const int64_t computed = std::min(versions[i], s.seen_version);
+      rpc::for_each_chunk(gradient.narrow(0, begin, end - begin), begin, "", options_.chunk_bytes,
+                          [&](rpc::TensorChunk& chunk) {
+                            dtrain::ps::PushChunk message;
+                            message.set_worker(options_.worker);
+                            message.set_computed_version(computed);
+                            message.set_last(last);
+                            message.mutable_chunk()->Swap(&chunk);
+                            return writer->Write(message);
+                          });
+      writer->WritesDone();
+      return writer->Finish();
+    });
+    Shard& s = *shards_[i];
+    s.seen_version = std::max(s.seen_version, reply.version());
     result.versions[i] = reply.version();
     result.staleness[i] = reply.staleness();
+    result.lr[i] = reply.lr();
   });
   return result;
 }

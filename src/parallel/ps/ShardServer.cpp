@@ -3,6 +3,11 @@
 #include <ATen/ATen.h>
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
+#include <filesystem>
+#include <random>
+
+#include "comm/rpc/Security.h"
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/ps.grpc.pb.h"
@@ -15,11 +20,58 @@ grpc::Status invalid(const std::string& why) {
   return {grpc::StatusCode::INVALID_ARGUMENT, why};
 }
 
+// Float32 buffers kept for reuse: a shard streams megabytes per call, and fresh buffers would
+// cost a page fault per 4 KB on every call.
+class BufferPool {
+ public:
+  class Lease {
+   public:
+    Lease(BufferPool* pool, at::Tensor buffer) : pool_(pool), buffer_(std::move(buffer)) {}
+    Lease(Lease&& other) noexcept : pool_(other.pool_), buffer_(std::move(other.buffer_)) {
+      other.pool_ = nullptr;
+    }
+    Lease(const Lease&) = delete;
+    ~Lease() {
+      if (pool_) pool_->give_back(std::move(buffer_));
+    }
+    const at::Tensor& tensor() const { return buffer_; }
+
+   private:
+    BufferPool* pool_;
+    at::Tensor buffer_;
+  };
+
+  /// A buffer of at least n elements (its first n are the caller's to use).
+  Lease take(int64_t n) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (size_t i = 0; i < free_.size(); ++i) {
+        if (free_[i].numel() >= n) {
+          at::Tensor buffer = std::move(free_[i]);
+          free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
+          return Lease(this, buffer);
+        }
+      }
+    }
+    return Lease(this, at::empty({n}, at::kFloat));
+  }
+
+ private:
+  void give_back(at::Tensor buffer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (free_.size() < 8) free_.push_back(std::move(buffer));
+  }
+  std::mutex mutex_;
+  std::vector<at::Tensor> free_;
+};
+
 // Reads a stream of chunks that must follow each other from the first one's offset, within
-// `rule`; fills `values` (float32) and returns "" or why the stream was refused.
+// `rule`, into `buffer` (elements [rule.begin, rule.end) of the index space; empty: parts are
+// gathered and joined); sets `values` to the elements received and returns "" or why the
+// stream was refused.
 std::string read_stream(grpc::ServerReader<dtrain::ps::PushChunk>* reader, rpc::ChunkRule rule,
                         const char* rpc_name, int64_t* first_offset, at::Tensor* values,
-                        dtrain::ps::PushChunk* head) {
+                        dtrain::ps::PushChunk* head, const at::Tensor& buffer = {}) {
   dtrain::ps::PushChunk chunk;
   std::vector<at::Tensor> parts;
   int64_t next = -1;
@@ -43,29 +95,49 @@ std::string read_stream(grpc::ServerReader<dtrain::ps::PushChunk>* reader, rpc::
       continue;
     }
     const int64_t n = rpc::chunk_elements(chunk.chunk());
-    at::Tensor part = at::empty({n}, at::kFloat);
-    rpc::copy_chunk(chunk.chunk(), part, chunk.chunk().offset());
-    parts.push_back(part);
+    if (buffer.defined()) {
+      rpc::copy_chunk(chunk.chunk(), buffer, rule.begin);
+    } else {
+      at::Tensor part = at::empty({n}, at::kFloat);
+      rpc::copy_chunk(chunk.chunk(), part, chunk.chunk().offset());
+      parts.push_back(part);
+    }
     next = chunk.chunk().offset() + n;
   }
   if (!problem.empty()) return problem;
-  if (parts.empty()) return concat(rpc_name, ": the stream held no chunks");
-  *values = parts.size() == 1 ? parts[0] : at::cat(parts);
+  if (next < 0) return concat(rpc_name, ": the stream held no chunks");
+  if (buffer.defined()) {
+    *values = buffer.narrow(0, *first_offset - rule.begin, next - *first_offset);
+  } else {
+    *values = parts.size() == 1 ? parts[0] : at::cat(parts);
+  }
   if (values->numel() == 0) return concat(rpc_name, ": the chunks hold no elements");
   return "";
 }
 
 }  // namespace
 
+std::string read_token_file(const std::string& path) { return rpc::read_token_file(path); }
+
+std::string shard_checkpoint_file(const std::string& dir, int shard, int shards) {
+  return concat(dir, "/shard-", shard, "-of-", shards, ".pt");
+}
+
 class ShardService final : public dtrain::ps::ParameterServer::Service {
  public:
   explicit ShardService(const ShardServerOptions& options)
-      : shard_(options.shard, options.shards, options.optimizer) {}
+      : shard_(options.shard, options.shards, options.optimizer), token_(options.auth_token),
+        incarnation_(std::random_device{}() * 0x100000001ULL ^ std::random_device{}()),
+        started_(std::chrono::steady_clock::now()) {}
 
   ParameterShard& shard() { return shard_; }
+  void set_resumed(int64_t version) { resumed_version_ = version; }
+  void set_saved(int64_t version) { saved_version_ = version; }
 
-  grpc::Status Describe(grpc::ServerContext*, const dtrain::ps::DescribeRequest*,
+  grpc::Status Describe(grpc::ServerContext* context, const dtrain::ps::DescribeRequest*,
                         dtrain::ps::ShardInfo* info) override {
+    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    const auto now = std::chrono::steady_clock::now();
     info->set_shard(shard_.shard());
     info->set_shards(shard_.shards());
     info->set_initialized(shard_.initialized());
@@ -74,11 +146,32 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
     info->set_total(shard_.total());
     info->set_version(shard_.version());
     info->set_optimizer(shard_.optimizer().name);
+    const int64_t saved = saved_version_.load();
+    info->set_unsaved_updates(shard_.initialized() && saved >= 0 ? shard_.version() - saved
+                                                                 : shard_.version());
+    info->set_resumed_version(resumed_version_);
+    info->set_incarnation(incarnation_);
+    info->set_lr(shard_.current_lr());
+    info->set_pushes(pushes_.load());
+    info->set_pulls(pulls_.load());
+    info->set_bytes_in(bytes_in_.load());
+    info->set_bytes_out(bytes_out_.load());
+    info->set_uptime_s(std::chrono::duration<double>(now - started_).count());
+    for (const int64_t count : shard_.staleness_histogram()) info->add_staleness_histogram(count);
+    for (const auto& [id, record] : shard_.workers()) {
+      auto* worker = info->add_workers();
+      worker->set_worker(id);
+      worker->set_pushes(record.pushes);
+      worker->set_last_push_age_s(std::chrono::duration<double>(now - record.last_push).count());
+      worker->set_finished(record.finished);
+    }
     return grpc::Status::OK;
   }
 
-  grpc::Status Initialize(grpc::ServerContext*, grpc::ServerReader<dtrain::ps::PushChunk>* reader,
+  grpc::Status Initialize(grpc::ServerContext* context,
+                          grpc::ServerReader<dtrain::ps::PushChunk>* reader,
                           dtrain::ps::PushReply* reply) override {
+    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
     // The range is known only from `total`, so read the first chunk's total before checking.
     rpc::ChunkRule rule;
     rule.end = INT64_MAX;
@@ -106,6 +199,7 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
 
   grpc::Status Pull(grpc::ServerContext* context, const dtrain::ps::PullRequest* request,
                     grpc::ServerWriter<dtrain::ps::PullChunk>* writer) override {
+    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
     if (!shard_.initialized()) {
       return {grpc::StatusCode::FAILED_PRECONDITION, "the shard has no parameters yet"};
     }
@@ -118,23 +212,32 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
       return invalid(concat("Pull: field 'chunk_bytes' is ", request->chunk_bytes(),
                             " (0 to ", rpc::kMaxChunkBytes, ")"));
     }
-    int64_t version = 0;
-    const at::Tensor values = shard_.read(begin, end, &version);
+    // The messages are made from the shard's values under its lock (one copy, one version),
+    // then sent without it.
+    std::vector<dtrain::ps::PullChunk> messages;
+    shard_.visit(begin, end, [&](const at::Tensor& values, int64_t version) {
+      rpc::for_each_chunk(values, begin, "", request->chunk_bytes() > 0 ? request->chunk_bytes()
+                                                                        : rpc::kDefaultChunkBytes,
+                          [&](rpc::TensorChunk& chunk) {
+                            messages.emplace_back();
+                            messages.back().set_version(version);
+                            messages.back().mutable_chunk()->Swap(&chunk);
+                            return true;
+                          });
+    });
     bool open = true;
-    rpc::for_each_chunk(values, begin, "", request->chunk_bytes() > 0 ? request->chunk_bytes()
-                                                                      : rpc::kDefaultChunkBytes,
-                        [&](rpc::TensorChunk& chunk) {
-                          dtrain::ps::PullChunk message;
-                          message.set_version(version);
-                          message.mutable_chunk()->Swap(&chunk);
-                          open = !context->IsCancelled() && writer->Write(message);
-                          return open;
-                        });
+    for (const auto& message : messages) {
+      open = !context->IsCancelled() && writer->Write(message);
+      if (!open) break;
+    }
+    ++pulls_;
+    bytes_out_ += (end - begin) * 4;
     return open ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
 
-  grpc::Status Push(grpc::ServerContext*, grpc::ServerReader<dtrain::ps::PushChunk>* reader,
+  grpc::Status Push(grpc::ServerContext* context, grpc::ServerReader<dtrain::ps::PushChunk>* reader,
                     dtrain::ps::PushReply* reply) override {
+    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
     if (!shard_.initialized()) {
       return {grpc::StatusCode::FAILED_PRECONDITION, "the shard has no parameters yet"};
     }
@@ -144,33 +247,105 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
     int64_t first = 0;
     at::Tensor gradient;
     dtrain::ps::PushChunk head;
-    const std::string problem = read_stream(reader, rule, "Push", &first, &gradient, &head);
+    const BufferPool::Lease lease = pool_.take(rule.end - rule.begin);
+    const std::string problem =
+        read_stream(reader, rule, "Push", &first, &gradient, &head, lease.tensor());
     if (!problem.empty()) return invalid(problem);
     int64_t version = 0, staleness = 0;
-    const std::string why = shard_.apply(first, gradient, head.computed_version(), &version, &staleness);
+    double lr = 0;
+    const std::string why = shard_.apply(first, gradient, head.computed_version(), head.worker(),
+                                         head.last(), &version, &staleness, &lr);
     if (!why.empty()) return invalid("Push: " + why);
+    ++pushes_;
+    bytes_in_ += gradient.numel() * 4;
     reply->set_version(version);
     reply->set_staleness(staleness);
+    reply->set_lr(lr);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Done(grpc::ServerContext* context, const dtrain::ps::DoneRequest* request,
+                    dtrain::ps::PushReply* reply) override {
+    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    shard_.mark_done(request->worker());
+    reply->set_version(shard_.version());
     return grpc::Status::OK;
   }
 
  private:
   ParameterShard shard_;
+  const std::string token_;
+  const uint64_t incarnation_;
+  const std::chrono::steady_clock::time_point started_;
+  int64_t resumed_version_ = -1;
+  std::atomic<int64_t> saved_version_{-1};
+  std::atomic<int64_t> pushes_{0}, pulls_{0}, bytes_in_{0}, bytes_out_{0};
+  BufferPool pool_;
 };
 
 ShardServer::ShardServer(const ShardServerOptions& options)
     : options_(options), service_(std::make_unique<ShardService>(options)) {
+  DTRAIN_CHECK_INPUT(options.checkpoint_interval_s > 0,
+                     "--checkpoint-interval must be > 0 seconds, got ", options.checkpoint_interval_s);
+  if (!options.checkpoint_dir.empty()) {
+    const std::string file =
+        shard_checkpoint_file(options.checkpoint_dir, options.shard, options.shards);
+    if (std::filesystem::exists(file)) {
+      resumed_version_ = service_->shard().load(file);
+      service_->set_resumed(resumed_version_);
+      service_->set_saved(resumed_version_);
+    }
+  }
+  rpc::RpcSecurity security;
+  security.tls_cert = options.tls_cert;
+  security.tls_key = options.tls_key;
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port_);
+  builder.AddListeningPort(options.listen, rpc::server_credentials(security), &port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(rpc::kMaxChunkBytes + (1 << 20)));
+  rpc::tune_bulk_transfer(builder);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   DTRAIN_CHECK_INPUT(server_ && port_ > 0, "parameter-server shard ", options.shard, "/",
                      options.shards, " cannot listen on ", options.listen,
                      " (address in use or not this machine's?)");
+  if (!options.checkpoint_dir.empty()) {
+    saver_ = std::thread([this] {
+      std::unique_lock<std::mutex> lock(saver_mutex_);
+      const auto interval = std::chrono::duration<double>(options_.checkpoint_interval_s);
+      while (!saver_wake_.wait_for(lock, interval, [&] { return stopping_; })) {
+        lock.unlock();
+        try {
+          save_checkpoint();
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "parameter-server shard %d/%d: checkpoint failed: %s\n",
+                       options_.shard, options_.shards, e.what());
+        }
+        lock.lock();
+      }
+    });
+  }
 }
 
-ShardServer::~ShardServer() { shutdown(); }
+int64_t ShardServer::save_checkpoint() {
+  if (options_.checkpoint_dir.empty()) return -1;
+  std::lock_guard<std::mutex> lock(save_mutex_);
+  const ParameterShard& shard = service_->shard();
+  if (!shard.initialized() || shard.version() == saved_version_) return saved_version_;
+  const int64_t version = shard.save(
+      shard_checkpoint_file(options_.checkpoint_dir, options_.shard, options_.shards));
+  saved_version_ = version;
+  service_->set_saved(version);
+  return version;
+}
+
+ShardServer::~ShardServer() {
+  try {
+    shutdown();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "parameter-server shard %d/%d: %s\n", options_.shard, options_.shards,
+                 e.what());
+  }
+}
 
 std::string ShardServer::address() const {
   const auto colon = options_.listen.rfind(':');
@@ -183,6 +358,13 @@ const ParameterShard& ShardServer::shard() const { return service_->shard(); }
 
 void ShardServer::shutdown() {
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  {
+    std::lock_guard<std::mutex> lock(saver_mutex_);
+    stopping_ = true;
+  }
+  saver_wake_.notify_all();
+  if (saver_.joinable()) saver_.join();
+  save_checkpoint();
 }
 
 void ShardServer::wait() {

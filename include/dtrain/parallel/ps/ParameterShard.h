@@ -6,10 +6,16 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
+
+#include "dtrain/optim/LrSchedule.h"
 
 namespace dtrain::parallel::ps {
 
@@ -26,6 +32,22 @@ struct ShardOptimizer {
   double eps = 1e-10;
   /// Adam.
   double beta1 = 0.9, beta2 = 0.999, adam_eps = 1e-8;
+  /// The learning-rate schedule, by version (update count): warmup, step or cosine decay.
+  optim::ScheduleSpec schedule;
+  /// Versions the schedule spans (cosine decays to its end; 0 = no end: cosine refused).
+  int64_t total_versions = 0;
+};
+
+/// Checks the optimizer's name, rate and schedule (InputError naming the flag).
+void check_shard_optimizer(const ShardOptimizer& optimizer);
+
+/// Staleness histogram bins: 0 .. kStalenessBins - 2, the last bin counts the rest.
+constexpr int kStalenessBins = 33;
+
+struct WorkerRecord {
+  int64_t pushes = 0;
+  std::chrono::steady_clock::time_point last_push;
+  bool finished = false;
 };
 
 class ParameterShard {
@@ -47,10 +69,28 @@ class ParameterShard {
 
   /// A copy of elements [begin, end) (within the range) and the version they belong to.
   at::Tensor read(int64_t begin, int64_t end, int64_t* version) const;
-  /// Applies `gradient` for elements [begin, begin + numel) computed at `computed_version`.
-  /// Returns "" (and the new version and the staleness) or why it was refused (nothing changed).
+  /// Calls f(view of elements [begin, end), version) under the shard's lock (f must not keep
+  /// the view).
+  void visit(int64_t begin, int64_t end,
+             const std::function<void(const at::Tensor&, int64_t)>& f) const;
+  /// Applies `gradient` for elements [begin, begin + numel) computed at `computed_version`
+  /// by `worker` (`last`: its final push). Returns "" (and the new version, the staleness and
+  /// the learning rate used) or why it was refused (nothing changed).
   std::string apply(int64_t begin, const at::Tensor& gradient, int64_t computed_version,
-                    int64_t* version, int64_t* staleness);
+                    int worker, bool last, int64_t* version, int64_t* staleness, double* lr);
+  /// Records that `worker` stopped (its final push carried no gradient).
+  void mark_done(int worker);
+  /// The learning rate of the next update.
+  double current_lr() const;
+  std::vector<int64_t> staleness_histogram() const;
+  std::map<int, WorkerRecord> workers() const;
+
+  /// Writes the parameters, optimizer state and version to `path` atomically (a reader sees
+  /// the previous file or this one). Returns the version written (-1: nothing, uninitialized).
+  int64_t save(const std::string& path) const;
+  /// Restores what save() wrote (InputError naming the file when it is damaged or belongs to
+  /// another shard, model size or optimizer). Returns the version resumed.
+  int64_t load(const std::string& path);
 
  private:
   const int shard_, shards_;
@@ -59,9 +99,11 @@ class ParameterShard {
   int64_t begin_ = 0, end_ = 0, total_ = 0;
   int64_t version_ = 0;
   bool initialized_ = false;
-  at::Tensor values_;               // float32 [end - begin)
+  at::Tensor values_;           // float32 [end - begin)
   at::Tensor state1_, state2_;  // Adagrad: sum of squares; Adam: first and second moments
   at::Tensor steps_;            // Adam: updates each element has had (pushes may be partial)
+  std::vector<int64_t> staleness_counts_ = std::vector<int64_t>(kStalenessBins, 0);
+  std::map<int, WorkerRecord> workers_;
 };
 
 }  // namespace dtrain::parallel::ps

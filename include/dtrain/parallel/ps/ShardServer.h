@@ -1,10 +1,17 @@
 // A parameter-server shard as a gRPC service (dtrain/ps.proto): `dtrain ps serve` runs one, and
 // tests start them in-process. Every request is checked before it touches the shard: a
-// malformed one gets INVALID_ARGUMENT naming the field and changes nothing.
+// malformed one gets INVALID_ARGUMENT naming the field and changes nothing; with a token, a
+// call without it gets UNAUTHENTICATED. With a checkpoint directory the shard saves its slice
+// and optimizer state every interval (atomically) and at shutdown, and resumes from it when
+// started again.
 #pragma once
 
+#include <condition_variable>
+#include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "dtrain/parallel/ps/ParameterShard.h"
 
@@ -20,7 +27,21 @@ struct ShardServerOptions {
   int shard = 0;
   int shards = 1;
   ShardOptimizer optimizer;
+  /// "" = no checkpoints. The file is DIR/shard-I-of-N.pt.
+  std::string checkpoint_dir;
+  /// Seconds between checkpoints (only when the version moved).
+  double checkpoint_interval_s = 30;
+  /// Token every call must carry ("" = none); TLS certificate and key ("" = plaintext).
+  std::string auth_token;
+  std::string tls_cert, tls_key;
 };
+
+/// The token in a token file, surrounding whitespace removed (InputError naming the file when
+/// it cannot be read or is empty).
+std::string read_token_file(const std::string& path);
+
+/// DIR/shard-I-of-N.pt.
+std::string shard_checkpoint_file(const std::string& dir, int shard, int shards);
 
 class ShardService;
 
@@ -37,7 +58,11 @@ class ShardServer {
   /// "host:port" clients can dial.
   std::string address() const;
   const ParameterShard& shard() const;
-  /// Stops accepting calls and ends those in flight.
+  /// The version resumed from the checkpoint at start (-1: started empty).
+  int64_t resumed_version() const { return resumed_version_; }
+  /// Saves the checkpoint now (if there is a directory and parameters); returns its version.
+  int64_t save_checkpoint();
+  /// Stops accepting calls, ends those in flight and saves a last checkpoint.
   void shutdown();
   /// Blocks until shutdown().
   void wait();
@@ -47,6 +72,13 @@ class ShardServer {
   std::unique_ptr<ShardService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  int64_t resumed_version_ = -1;
+  std::mutex save_mutex_;  // one save at a time
+  int64_t saved_version_ = -1;
+  std::mutex saver_mutex_;
+  std::condition_variable saver_wake_;
+  bool stopping_ = false;
+  std::thread saver_;
 };
 
 }  // namespace dtrain::parallel::ps

@@ -1,0 +1,50 @@
+// Who may call a dtrain gRPC service, shared by the parameter server and federated learning:
+// an optional shared token every call carries as "authorization: Bearer TOKEN" metadata
+// (checked in constant time; a missing or wrong one is UNAUTHENTICATED), and optional TLS (the
+// server's certificate and key; clients trust the CA file they are given).
+#pragma once
+
+#include <memory>
+#include <string>
+
+namespace grpc {
+class ChannelArguments;
+class ServerBuilder;
+class ChannelCredentials;
+class ClientContext;
+class ServerContext;
+class ServerCredentials;
+class Status;
+}  // namespace grpc
+
+namespace dtrain::rpc {
+
+struct RpcSecurity {
+  /// Shared token ("" = none); read from a file with read_token_file.
+  std::string token;
+  /// Server: PEM certificate chain and private key files (both or neither).
+  std::string tls_cert, tls_key;
+  /// Client: PEM file of the certificates to trust ("" with `tls` = the system's roots).
+  std::string tls_ca;
+  /// Client: connect with TLS.
+  bool tls = false;
+};
+
+/// The token in `path`, surrounding whitespace removed (InputError naming the file when it
+/// cannot be read or holds no token).
+std::string read_token_file(const std::string& path);
+
+std::shared_ptr<grpc::ServerCredentials> server_credentials(const RpcSecurity& security);
+std::shared_ptr<grpc::ChannelCredentials> channel_credentials(const RpcSecurity& security);
+
+/// OK when the call carries `token` (or no token is required), else UNAUTHENTICATED.
+grpc::Status check_token(const grpc::ServerContext& context, const std::string& token);
+/// Adds the token to an outgoing call (nothing when empty).
+void add_token(grpc::ClientContext& context, const std::string& token);
+
+/// HTTP/2 settings for streaming tensors (megabytes per stream rather than small calls):
+/// large flow-control windows and frames, so a stream is not held back by window updates.
+void tune_bulk_transfer(grpc::ChannelArguments& arguments);
+void tune_bulk_transfer(grpc::ServerBuilder& builder);
+
+}  // namespace dtrain::rpc
