@@ -546,6 +546,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                             {"step", reached},
                             {"epoch", epoch},
                             {"seconds", seconds_since(start)},
+                       {"train_seconds", train_seconds},
+                            {"train_seconds", train_seconds},
                             {"val_loss", result.validation->loss},
                             {"val_accuracy", result.validation->accuracy}};
         if (options_.token_loss) record["val_bits_per_token"] = result.validation->loss / std::log(2.0);
@@ -585,6 +587,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
         metrics.write({{"event", std::string("eval")},
                        {"step", result.steps},
                        {"seconds", seconds_since(start)},
+                       {"train_seconds", train_seconds},
                        {"val_loss", result.validation->loss},
                        {"val_accuracy", result.validation->accuracy}});
         if (options_.progress) progress.note(describe_eval_as(*result.validation, options_.token_loss));

@@ -3,9 +3,11 @@
 #include <torch/serialize.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 
 #include "common/Files.h"
 #include "dtrain/common/Error.h"
@@ -53,6 +55,71 @@ double lr_at(const ShardOptimizer& o, int64_t version) {
 double ParameterShard::current_lr() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return lr_at(optimizer_, version_);
+}
+
+std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::vector<double>* dots) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!initialized_) return "the shard has no parameters yet (Initialize first)";
+  // Checked whole first, against the vectors that will exist when each op runs.
+  std::set<std::string> names{"x"};
+  for (const auto& [name, tensor] : vectors_) names.insert(name);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const VectorOp& op = ops[i];
+    const std::string where = concat("vector op ", i);
+    auto valid_name = [](const std::string& n) { return !n.empty() && n.size() <= 64; };
+    if (!valid_name(op.dst)) return concat(where, ": field 'dst' must name a vector (1 to 64 characters)");
+    const bool reads_src = op.kind == VectorOp::Copy || op.kind == VectorOp::Axpy || op.kind == VectorOp::Dot;
+    if (reads_src && names.count(op.src) == 0) {
+      return concat(where, ": field 'src' names vector '", op.src, "', which the shard does not have");
+    }
+    const bool creates = op.kind == VectorOp::Zero || op.kind == VectorOp::Copy;
+    if (!creates && names.count(op.dst) == 0) {
+      return concat(where, ": field 'dst' names vector '", op.dst, "', which the shard does not have");
+    }
+    if (!std::isfinite(op.alpha)) return concat(where, ": field 'alpha' is not finite");
+    if (creates) names.insert(op.dst);
+    if (static_cast<int>(names.size()) > kMaxVectors + 1) {
+      return concat(where, ": more than ", kMaxVectors, " vectors on one shard");
+    }
+  }
+  auto vector = [&](const std::string& name) -> at::Tensor& {
+    if (name == "x") return values_;
+    at::Tensor& v = vectors_[name];
+    if (!v.defined()) v = at::zeros_like(values_);
+    return v;
+  };
+  for (const VectorOp& op : ops) {
+    switch (op.kind) {
+      case VectorOp::Zero: vector(op.dst).zero_(); break;
+      case VectorOp::Copy: vector(op.dst).copy_(vector(op.src)); break;
+      case VectorOp::Scale: vector(op.dst).mul_(op.alpha); break;
+      case VectorOp::Axpy: vector(op.dst).add_(vector(op.src), op.alpha); break;
+      case VectorOp::Dot:
+        dots->push_back(at::dot(vector(op.dst).to(at::kDouble), vector(op.src).to(at::kDouble))
+                            .item<double>());
+        break;
+    }
+  }
+  return "";
+}
+
+std::string ParameterShard::accumulate(const std::string& name, int64_t begin,
+                                       const at::Tensor& gradient) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!initialized_) return "the shard has no parameters yet (Initialize first)";
+  const int64_t n = gradient.numel();
+  if (gradient.scalar_type() != at::kFloat || gradient.dim() != 1 || begin < begin_ ||
+      begin + n > end_) {
+    return concat("a gradient for [", begin, ", ", begin + n, ") is outside the shard's range [",
+                  begin_, ", ", end_, ")");
+  }
+  if (name == "x") return "field 'accumulate' may not name the parameters 'x'";
+  const auto found = vectors_.find(name);
+  if (found == vectors_.end()) {
+    return concat("field 'accumulate' names vector '", name, "', which the shard does not have");
+  }
+  found->second.narrow(0, begin - begin_, n).add_(gradient);
+  return "";
 }
 
 void ParameterShard::mark_done(int worker) {

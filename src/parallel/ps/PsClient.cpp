@@ -285,6 +285,55 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
   return versions;
 }
 
+void PsClient::accumulate(const at::Tensor& gradient, const std::string& vector) {
+  DTRAIN_CHECK(total_ == gradient.numel() && gradient.scalar_type() == at::kFloat &&
+                   gradient.is_contiguous(),
+               "accumulate of ", gradient.numel(), " elements; the model has ", total_);
+  for_each_shard(shards(), [&](int i) {
+    const auto [begin, end] = shard_range(total_, i, shards());
+    with_retry(i, "Push", [&](Shard& s, grpc::ClientContext& context) {
+      dtrain::ps::PushReply reply;
+      auto writer = s.stub->Push(&context, &reply);
+      rpc::for_each_chunk(gradient.narrow(0, begin, end - begin), begin, "", options_.chunk_bytes,
+                          [&](rpc::TensorChunk& chunk) {
+                            dtrain::ps::PushChunk message;
+                            message.set_worker(options_.worker);
+                            message.set_accumulate(vector);
+                            message.mutable_chunk()->Swap(&chunk);
+                            return writer->Write(message);
+                          });
+      writer->WritesDone();
+      return writer->Finish();
+    });
+  });
+}
+
+std::vector<double> PsClient::vector_ops(const std::vector<VectorOp>& ops) {
+  dtrain::ps::VectorRequest request;
+  for (const auto& op : ops) {
+    auto* out = request.add_ops();
+    out->set_kind(static_cast<dtrain::ps::VectorOp::Kind>(op.kind));
+    out->set_dst(op.dst);
+    out->set_src(op.src);
+    out->set_alpha(op.alpha);
+  }
+  std::vector<std::vector<double>> partial(shards());
+  for_each_shard(shards(), [&](int i) {
+    with_retry(i, "Vector", [&](Shard& s, grpc::ClientContext& context) {
+      dtrain::ps::VectorReply reply;
+      grpc::Status status = s.stub->Vector(&context, request, &reply);
+      partial[i].assign(reply.dots().begin(), reply.dots().end());
+      return status;
+    });
+  });
+  std::vector<double> dots(partial[0].size(), 0.0);
+  for (const auto& p : partial) {
+    DTRAIN_CHECK_T(CommError, p.size() == dots.size(), "shards returned different numbers of dot products");
+    for (size_t k = 0; k < dots.size(); ++k) dots[k] += p[k];
+  }
+  return dots;
+}
+
 PushResult PsClient::push(const at::Tensor& gradient, const std::vector<int64_t>& versions,
                           bool last) {
   DTRAIN_CHECK(total_ == gradient.numel() && gradient.scalar_type() == at::kFloat &&

@@ -251,6 +251,14 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
     const std::string problem =
         read_stream(reader, rule, "Push", &first, &gradient, &head, lease.tensor());
     if (!problem.empty()) return invalid(problem);
+    if (!head.accumulate().empty()) {
+      const std::string why = shard_.accumulate(head.accumulate(), first, gradient);
+      if (!why.empty()) return invalid("Push: " + why);
+      ++pushes_;
+      bytes_in_ += gradient.numel() * 4;
+      reply->set_version(shard_.version());
+      return grpc::Status::OK;
+    }
     int64_t version = 0, staleness = 0;
     double lr = 0;
     const std::string why = shard_.apply(first, gradient, head.computed_version(), head.worker(),
@@ -261,6 +269,28 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
     reply->set_version(version);
     reply->set_staleness(staleness);
     reply->set_lr(lr);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Vector(grpc::ServerContext* context, const dtrain::ps::VectorRequest* request,
+                      dtrain::ps::VectorReply* reply) override {
+    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    std::vector<VectorOp> ops;
+    for (int i = 0; i < request->ops_size(); ++i) {
+      const auto& op = request->ops(i);
+      if (!dtrain::ps::VectorOp::Kind_IsValid(op.kind())) {
+        return invalid(concat("Vector: vector op ", i, ": field 'kind' is ", op.kind()));
+      }
+      ops.push_back({static_cast<VectorOp::Kind>(op.kind()), op.dst(), op.src(), op.alpha()});
+    }
+    std::vector<double> dots;
+    const std::string why = shard_.vector_ops(ops, &dots);
+    if (!why.empty()) {
+      return why.rfind("the shard has no", 0) == 0
+                 ? grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why)
+                 : invalid("Vector: " + why);
+    }
+    for (const double d : dots) reply->add_dots(d);
     return grpc::Status::OK;
   }
 

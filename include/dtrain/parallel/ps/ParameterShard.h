@@ -44,6 +44,21 @@ void check_shard_optimizer(const ShardOptimizer& optimizer);
 /// Staleness histogram bins: 0 .. kStalenessBins - 2, the last bin counts the rest.
 constexpr int kStalenessBins = 33;
 
+/// A vector command on the shard's slice (Sandblaster L-BFGS): the coordinator sends these so
+/// that parameter-sized vectors never leave the shards. Vectors are named; "x" is the
+/// parameters themselves, others are created by the first Zero or Copy into them.
+struct VectorOp {
+  enum Kind { Zero, Copy, Scale, Axpy, Dot };
+  Kind kind = Zero;
+  /// Zero/Scale: dst; Copy: dst = src; Axpy: dst += alpha * src; Dot: dst . src (a partial sum
+  /// over the slice, in float64).
+  std::string dst, src;
+  double alpha = 0.0;
+};
+
+/// Most named vectors a shard keeps (besides "x"): a bound on what a request can allocate.
+constexpr int kMaxVectors = 256;
+
 struct WorkerRecord {
   int64_t pushes = 0;
   std::chrono::steady_clock::time_point last_push;
@@ -78,6 +93,12 @@ class ParameterShard {
   /// the learning rate used) or why it was refused (nothing changed).
   std::string apply(int64_t begin, const at::Tensor& gradient, int64_t computed_version,
                     int worker, bool last, int64_t* version, int64_t* staleness, double* lr);
+  /// Runs `ops` in order on the slice, all under the lock; Dot results are appended to `dots`.
+  /// Returns "" or why the batch was refused (checked whole first: nothing changed).
+  std::string vector_ops(const std::vector<VectorOp>& ops, std::vector<double>* dots);
+  /// Adds `gradient` (elements [begin, begin + numel)) into the named vector (not "x"): the
+  /// workers' gradients of Sandblaster's work units. Returns "" or why not (nothing changed).
+  std::string accumulate(const std::string& name, int64_t begin, const at::Tensor& gradient);
   /// Records that `worker` stopped (its final push carried no gradient).
   void mark_done(int worker);
   /// The learning rate of the next update.
@@ -104,6 +125,7 @@ class ParameterShard {
   at::Tensor steps_;            // Adam: updates each element has had (pushes may be partial)
   std::vector<int64_t> staleness_counts_ = std::vector<int64_t>(kStalenessBins, 0);
   std::map<int, WorkerRecord> workers_;
+  std::map<std::string, at::Tensor> vectors_;  // Sandblaster's named vectors (not "x")
 };
 
 }  // namespace dtrain::parallel::ps

@@ -8,6 +8,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "dtrain/parallel/ps/ParameterShard.h"
+
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -77,6 +79,10 @@ class PsClient {
   /// (`last`: this worker's final push).
   PushResult push(const at::Tensor& gradient, const std::vector<int64_t>& versions,
                   bool last = false);
+  /// Adds `gradient` (float32, the model's size) into the named vector on every shard.
+  void accumulate(const at::Tensor& gradient, const std::string& vector);
+  /// Runs vector commands on every shard (in parallel); returns each Dot summed over shards.
+  std::vector<double> vector_ops(const std::vector<VectorOp>& ops);
   /// Tells every shard this worker has stopped (when its last push carried no gradient).
   void done();
   /// Every shard's description now (traffic, staleness histogram, workers).
