@@ -57,6 +57,17 @@ double ParameterShard::current_lr() const {
   return lr_at(optimizer_, version_);
 }
 
+std::string ParameterShard::check_gradient(int64_t begin, const at::Tensor& gradient) const {
+  if (!initialized_) return "the shard has no parameters yet (Initialize first)";
+  const int64_t n = gradient.numel();
+  if (gradient.scalar_type() != at::kFloat || gradient.dim() != 1 || begin < begin_ ||
+      begin + n > end_) {
+    return concat("a gradient for [", begin, ", ", begin + n, ") is outside the shard's range [",
+                  begin_, ", ", end_, ")");
+  }
+  return "";
+}
+
 std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::vector<double>* dots) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!initialized_) return "the shard has no parameters yet (Initialize first)";
@@ -106,13 +117,8 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
 std::string ParameterShard::accumulate(const std::string& name, int64_t begin,
                                        const at::Tensor& gradient) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!initialized_) return "the shard has no parameters yet (Initialize first)";
+  if (std::string why = check_gradient(begin, gradient); !why.empty()) return why;
   const int64_t n = gradient.numel();
-  if (gradient.scalar_type() != at::kFloat || gradient.dim() != 1 || begin < begin_ ||
-      begin + n > end_) {
-    return concat("a gradient for [", begin, ", ", begin + n, ") is outside the shard's range [",
-                  begin_, ", ", end_, ")");
-  }
   if (name == "x") return "field 'accumulate' may not name the parameters 'x'";
   const auto found = vectors_.find(name);
   if (found == vectors_.end()) {
@@ -205,13 +211,8 @@ std::string ParameterShard::apply(int64_t begin, const at::Tensor& gradient,
                                   int64_t computed_version, int worker, bool last,
                                   int64_t* version, int64_t* staleness, double* applied_lr) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!initialized_) return "the shard has no parameters yet (Initialize first)";
+  if (std::string why = check_gradient(begin, gradient); !why.empty()) return why;
   const int64_t n = gradient.numel();
-  if (gradient.scalar_type() != at::kFloat || gradient.dim() != 1 || begin < begin_ ||
-      begin + n > end_) {
-    return concat("a gradient for [", begin, ", ", begin + n, ") is outside the shard's range [",
-                  begin_, ", ", end_, ")");
-  }
   if (computed_version < 0 || computed_version > version_) {
     return concat("field 'computed_version' is ", computed_version,
                   ", but the shard is at version ", version_, " (a version from the future)");

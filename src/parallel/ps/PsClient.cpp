@@ -57,6 +57,21 @@ bool retryable(const grpc::Status& status) {
                status.error_code(), "): ", status.error_message());
 }
 
+// Streams `values` (elements from `begin` of the flat vector) as PushChunks, `fill` setting each
+// message's other fields; returns the call's status.
+template <typename Fill>
+grpc::Status send_chunks(grpc::ClientWriter<dtrain::ps::PushChunk>& writer, const at::Tensor& values,
+                         int64_t begin, int64_t chunk_bytes, const Fill& fill) {
+  rpc::for_each_chunk(values, begin, "", chunk_bytes, [&](rpc::TensorChunk& chunk) {
+    dtrain::ps::PushChunk message;
+    fill(message);
+    message.mutable_chunk()->Swap(&chunk);
+    return writer.Write(message);
+  });
+  writer.WritesDone();
+  return writer.Finish();
+}
+
 // Runs f(i) for every shard on its own thread; rethrows the first failure.
 void for_each_shard(int n, const std::function<void(int)>& f) {
   std::vector<std::exception_ptr> errors(n);
@@ -215,16 +230,11 @@ bool PsClient::initialize(const at::Tensor& flat) {
     with_retry(i, "Initialize", [&](Shard& s, grpc::ClientContext& context) {
       dtrain::ps::PushReply reply;
       auto writer = s.stub->Initialize(&context, &reply);
-      rpc::for_each_chunk(flat.narrow(0, begin, end - begin), begin, "", options_.chunk_bytes,
-                          [&](rpc::TensorChunk& chunk) {
-                            dtrain::ps::PushChunk message;
-                            message.set_worker(options_.worker);
-                            message.set_total(total_);
-                            message.mutable_chunk()->Swap(&chunk);
-                            return writer->Write(message);
-                          });
-      writer->WritesDone();
-      grpc::Status status = writer->Finish();
+      grpc::Status status = send_chunks(*writer, flat.narrow(0, begin, end - begin), begin,
+                                        options_.chunk_bytes, [&](dtrain::ps::PushChunk& message) {
+                                          message.set_worker(options_.worker);
+                                          message.set_total(total_);
+                                        });
       if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS) return grpc::Status::OK;
       if (status.ok()) created[i] = 1;
       return status;
@@ -294,16 +304,11 @@ void PsClient::accumulate(const at::Tensor& gradient, const std::string& vector)
     with_retry(i, "Push", [&](Shard& s, grpc::ClientContext& context) {
       dtrain::ps::PushReply reply;
       auto writer = s.stub->Push(&context, &reply);
-      rpc::for_each_chunk(gradient.narrow(0, begin, end - begin), begin, "", options_.chunk_bytes,
-                          [&](rpc::TensorChunk& chunk) {
-                            dtrain::ps::PushChunk message;
-                            message.set_worker(options_.worker);
-                            message.set_accumulate(vector);
-                            message.mutable_chunk()->Swap(&chunk);
-                            return writer->Write(message);
-                          });
-      writer->WritesDone();
-      return writer->Finish();
+      return send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin,
+                         options_.chunk_bytes, [&](dtrain::ps::PushChunk& message) {
+                           message.set_worker(options_.worker);
+                           message.set_accumulate(vector);
+                         });
     });
   });
 }
@@ -351,17 +356,12 @@ PushResult PsClient::push(const at::Tensor& gradient, const std::vector<int64_t>
       // After a restart the gradient may have been computed on a version the shard lost: it
       // counts as computed on the newest the worker has seen since.
       const int64_t computed = std::min(versions[i], s.seen_version);
-      rpc::for_each_chunk(gradient.narrow(0, begin, end - begin), begin, "", options_.chunk_bytes,
-                          [&](rpc::TensorChunk& chunk) {
-                            dtrain::ps::PushChunk message;
-                            message.set_worker(options_.worker);
-                            message.set_computed_version(computed);
-                            message.set_last(last);
-                            message.mutable_chunk()->Swap(&chunk);
-                            return writer->Write(message);
-                          });
-      writer->WritesDone();
-      return writer->Finish();
+      return send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin,
+                         options_.chunk_bytes, [&](dtrain::ps::PushChunk& message) {
+                           message.set_worker(options_.worker);
+                           message.set_computed_version(computed);
+                           message.set_last(last);
+                         });
     });
     Shard& s = *shards_[i];
     s.seen_version = std::max(s.seen_version, reply.version());

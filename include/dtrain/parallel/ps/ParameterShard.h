@@ -114,6 +114,8 @@ class ParameterShard {
   int64_t load(const std::string& path);
 
  private:
+  /// "" or why a gradient for [begin, begin + numel) cannot be taken (the lock is held).
+  std::string check_gradient(int64_t begin, const at::Tensor& gradient) const;
   const int shard_, shards_;
   const ShardOptimizer optimizer_;
   mutable std::mutex mutex_;
