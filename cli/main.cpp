@@ -598,6 +598,9 @@ int main(int argc, char** argv) {
       "Restart the job this many times after a failure (training resumes from its newest "
       "checkpoint)")
       ->capture_default_str();
+  launch_cmd->add_flag("--tolerate-failures", launch.tolerate_failures,
+                       "A rank other than 0 failing does not stop the others (independent "
+                       "workers: --strategy downpour)");
   add(*launch_cmd, "--rdzv-timeout", launch.rendezvous_timeout_seconds,
       "Seconds for every node to join (and to reach the store)")
       ->capture_default_str();

@@ -3,7 +3,8 @@
 # 10.231.0.2), a `dtrain launch` in each. Checks that training across them works with no
 # interface given (the host name resolves to loopback here, as on Debian), that each node prints
 # the address it chose, and that a rank killed on one host stops the other host within seconds,
-# both launchers naming the failed node, rank and signal. Exit 77 (skipped) where namespaces
+# both launchers naming the failed node, rank and signal; and Downpour across the hosts against
+# a token-guarded parameter-server shard, surviving a worker killed on one host. Exit 77 (skipped) where namespaces
 # cannot be made.
 # Usage: multihost_test.sh PATH/TO/dtrain
 set -uo pipefail
@@ -68,4 +69,30 @@ seconds=$(( $(date +%s) - start ))
 grep -q "failed: node 1 rank 1 (pid [0-9]*) was killed by signal 9" "$work/a2.log" || fail "node 0 did not name the failed rank"
 (( seconds < 30 )) || fail "took $seconds s to stop"
 echo "ok: a rank killed on host b stopped host a in ${seconds} s"
-echo "2 passed, 0 failed"
+# 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
+#    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
+printf 'multihost-token\n' > "$work/token"
+ip netns exec "$a" timeout -s KILL 120 "$dtrain" ps serve --listen 10.231.0.1:29741 --shard 0/1 \
+  --auth-token-file "$work/token" --report-every 0 > "$work/ps.log" 2>&1 &
+shard=$!
+job=(train --strategy downpour --ps 10.231.0.1:29741 --ps-auth-token-file "$work/token"
+     --dataset synthetic --model mlp --hidden 32 --synthetic-examples 1024 --batch-size 32
+     --epochs 1 --no-progress --threads 1 --ps-timeout-ms 10000)
+ps_launch() {  # NODE NAMESPACE [ENV=VALUE...]
+  local node=$1 ns=$2
+  shift 2
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 1 \
+    --master-addr 10.231.0.1 --master-port $((port + 1)) --node-rank "$node" --tolerate-failures \
+    -- "$dtrain" "${job[@]}"
+}
+ps_launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b3.log" 2>&1 &
+other=$!
+ps_launch 0 "$a" > "$work/a3.log" 2>&1 || fail "downpour node 0 failed (exit $?)"
+wait $other
+kill -TERM $shard; wait $shard
+grep -q "rank 1 kills itself at step 3" "$work/b3.log" || fail "the worker on host b was not killed"
+grep -q "the other ranks go on" "$work/b3.log" || fail "host b's launcher did not keep going"
+grep -q "trained 16 steps (global batch 64, 2 ranks, downpour)" "$work/a3.log" || fail "no downpour summary on host a"
+grep -q "worker(s) 1 (quiet for" "$work/a3.log" || fail "host a did not name the worker that left"
+echo "ok: downpour across two hosts with a token, a worker killed on host b"
+echo "3 passed, 0 failed"
