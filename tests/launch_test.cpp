@@ -331,6 +331,8 @@ TEST(Cli, HelpOnEverySubcommand) {
 
 TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
   TempDir dir;
+  std::filesystem::create_directories(dir / "damaged");
+  std::ofstream(dir / "damaged/shard-0-of-1.pt") << "not a checkpoint";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {" train --bogus", "--bogus"},
       {" train --lr abc", "--lr"},
@@ -424,6 +426,9 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" ps serve --lr-decay cosine", "needs --total-versions"},
       {" ps serve --tls-cert x.pem", "TLS needs both --tls-cert and --tls-key"},
       {" ps serve --auth-token-file " + dir.path() + "/none", "cannot read the token file"},
+      {" ps serve --checkpoint-interval 0", "--checkpoint-interval must be > 0 seconds"},
+      {" ps serve --listen 127.0.0.1:0 --checkpoint-dir " + dir.path() + "/damaged",
+       "damaged/shard-0-of-1.pt is not a parameter-server shard checkpoint"},
   };
   for (const auto& [args, needle] : cases) {
     const auto out = run(kDtrain + args);

@@ -6,7 +6,6 @@
 #include <chrono>
 
 #include <cstdio>
-#include <set>
 #include <thread>
 
 #include "dtrain/common/Error.h"
