@@ -213,11 +213,11 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       "style; --model gpt). With --pipeline-parallel P the world is DP x P x T")
       ->capture_default_str();
   app.add_option("--ps", t.strategy_options.ps_addresses,
-                 "--strategy downpour: the parameter-server shards, HOST:PORT,... in shard order "
+                 "--strategy downpour/sandblaster: the parameter-server shards, HOST:PORT,... in shard order "
                  "(each started with dtrain ps serve)")
       ->delimiter(',');
   add(app, "--ps-shards", job.ps_shards,
-      "--strategy downpour: start this many parameter-server shards here, in the launching "
+      "--strategy downpour/sandblaster: start this many parameter-server shards here, in the launching "
       "process (instead of --ps)")
       ->capture_default_str();
   add(app, "--ps-optimizer", job.ps_optimizer,
@@ -228,15 +228,15 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       "schedule, by version)")
       ->capture_default_str();
   add(app, "--ps-auth-token-file", job.ps_auth_token_file,
-      "--strategy downpour: file holding the shards' token (sent with every call; --ps-shards "
+      "--strategy downpour/sandblaster: file holding the shards' token (sent with every call; --ps-shards "
       "shards require it)");
   app.add_flag("--ps-tls", t.strategy_options.ps_tls,
-               "--strategy downpour: connect to the shards with TLS (system roots unless "
+               "--strategy downpour/sandblaster: connect to the shards with TLS (system roots unless "
                "--ps-tls-ca)");
   add(app, "--ps-tls-ca", t.strategy_options.ps_tls_ca,
-      "--strategy downpour: PEM file of the certificates to trust (implies --ps-tls)");
+      "--strategy downpour/sandblaster: PEM file of the certificates to trust (implies --ps-tls)");
   add(app, "--ps-retry-ms", t.strategy_options.ps_retry_ms,
-      "--strategy downpour: how long an unreachable shard (restarting?) is retried, with "
+      "--strategy downpour/sandblaster: how long an unreachable shard (restarting?) is retried, with "
       "back-off, before the worker fails")
       ->capture_default_str();
   app.add_option_function<std::string>(
@@ -264,7 +264,17 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       "old waits for a fresh pull (-1: no cap)")
       ->capture_default_str();
   add(app, "--ps-timeout-ms", t.strategy_options.ps_rpc_timeout_ms,
-      "--strategy downpour: deadline of every parameter-server call")
+      "--strategy downpour/sandblaster: deadline of every parameter-server call")
+      ->capture_default_str();
+  add(app, "--work-units", t.strategy_options.sb_work_units,
+      "--strategy sandblaster: work units each evaluation of the loss is cut into, handed out "
+      "to workers as they ask (0: 10 per worker)")
+      ->capture_default_str();
+  app.add_flag("!--no-backup-tasks", t.strategy_options.sb_backup_tasks,
+               "--strategy sandblaster: no backup copies of the units still running near an "
+               "evaluation's end (a straggler then sets the pace)");
+  add(app, "--lbfgs-history", t.strategy_options.sb_history,
+      "--strategy sandblaster: L-BFGS history pairs (kept on the shards)")
       ->capture_default_str();
   add(app, "--micro-batches", job.micro_batches,
       "Micro-batches per optimizer step (the pipeline's M; sets --accumulation)");
@@ -369,13 +379,14 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   app.add_flag("!--no-progress", t.progress, "No progress bar");
 }
 
-// --strategy downpour --ps-shards N: the shards run in this (the launching) process, on free
-// local ports; the ranks get their addresses as --ps.
+// --strategy downpour/sandblaster --ps-shards N: the shards run in this (the launching)
+// process, on free local ports; the ranks get their addresses as --ps.
 std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shards(
     dtrain::train::JobConfig& job, std::vector<std::string>& args) {
   std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> servers;
-  if (job.trainer.strategy != "downpour" || job.ps_shards <= 0) return servers;
-  const int64_t total_worker_steps = dtrain::train::planned_steps(job);
+  if (!dtrain::train::uses_parameter_server(job) || job.ps_shards <= 0) return servers;
+  const bool downpour = job.trainer.strategy == "downpour";
+  const int64_t total_worker_steps = downpour ? dtrain::train::planned_steps(job) : 0;
   std::string addresses;
   for (int i = 0; i < job.ps_shards; ++i) {
     dtrain::parallel::ps::ShardServerOptions options;
@@ -386,7 +397,8 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
     // The job's schedule by version: one version per push, n_push worker steps each.
     const auto& o = job.trainer.strategy_options;
     const int64_t steps = std::max<int64_t>(1, job.nproc);
-    options.optimizer.schedule = job.trainer.schedule;
+    // (Sandblaster's shards apply no updates: L-BFGS steps through vector commands.)
+    if (downpour) options.optimizer.schedule = job.trainer.schedule;
     options.optimizer.schedule.warmup_steps = job.trainer.schedule.warmup_steps * steps / o.ps_n_push;
     options.optimizer.schedule.step_size =
         std::max<int64_t>(1, job.trainer.schedule.step_size * steps / o.ps_n_push);
@@ -413,9 +425,11 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
   args = kept;
   args.push_back("--ps");
   args.push_back(addresses);
-  std::printf("parameter server: %d shard%s at %s, %s at lr %g (%s)\n",
-              static_cast<int>(servers.size()), servers.size() == 1 ? "" : "s", addresses.c_str(),
-              job.ps_optimizer.c_str(), job.ps_lr, job.trainer.schedule.decay.c_str());
+  std::printf("parameter server: %d shard%s at %s, %s\n", static_cast<int>(servers.size()),
+              servers.size() == 1 ? "" : "s", addresses.c_str(),
+              downpour ? dtrain::concat(job.ps_optimizer, " at lr ", job.ps_lr, " (",
+                                        job.trainer.schedule.decay, ")").c_str()
+                       : "vector commands of Sandblaster's L-BFGS");
   std::fflush(stdout);
   return servers;
 }
@@ -437,8 +451,9 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args) {
     launch.threads = job.threads;
     launch.max_restarts = job.max_restarts;
     launch.interface = job.interface;
-    // Downpour workers are independent: one that fails leaves the others running.
-    launch.tolerate_failures = job.trainer.strategy == "downpour";
+    // Parameter-server workers are independent: one that fails leaves the others running
+    // (Sandblaster hands its work units to the others).
+    launch.tolerate_failures = dtrain::train::uses_parameter_server(job);
     launch.command.push_back(self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     return dtrain::launch::launch(launch);

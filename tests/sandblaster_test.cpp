@@ -7,15 +7,21 @@
 #include <grpcpp/grpcpp.h>
 #include <torch/torch.h>
 
+#include <sys/wait.h>
+
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/data/FashionMnist.h"
 #include "dtrain/ps.grpc.pb.h"
+#include "dtrain/sandblaster.grpc.pb.h"
 #include "dtrain/parallel/ps/PsClient.h"
 #include "dtrain/parallel/ps/Sandblaster.h"
 #include "dtrain/parallel/ps/ShardServer.h"
+#include "dtrain/parallel/ps/WorkQueue.h"
 
 using namespace dtrain;
 using namespace dtrain::parallel::ps;
@@ -92,6 +98,33 @@ at::Tensor loss_of(const at::Tensor& w, const at::Tensor& b, const at::Tensor& x
          static_cast<double>(total);
 }
 
+// Full-batch L-BFGS in one process (strong-Wolfe line search): the reference Sandblaster must
+// reach. Loss: mean cross-entropy of a linear model plus 0.5 * l2 * |W|^2 (and |b|^2 when
+// `bias_too`).
+double torch_lbfgs_loss(const at::Tensor& x, const at::Tensor& y, double l2, bool bias_too) {
+  const int64_t n = x.size(0), features = x.size(1);
+  at::Tensor w = torch::zeros({10, features}, torch::requires_grad());
+  at::Tensor b = torch::zeros({10}, torch::requires_grad());
+  auto full_loss = [&] {
+    at::Tensor l = loss_of(w, b, x, y, n) + 0.5 * l2 * w.pow(2).sum();
+    return bias_too ? l + 0.5 * l2 * b.pow(2).sum() : l;
+  };
+  torch::optim::LBFGS reference({w, b}, torch::optim::LBFGSOptions(1.0)
+                                            .max_iter(500)
+                                            .max_eval(1000)
+                                            .history_size(10)
+                                            .tolerance_grad(1e-6)
+                                            .tolerance_change(1e-12)
+                                            .line_search_fn("strong_wolfe"));
+  reference.step([&] {
+    reference.zero_grad();
+    at::Tensor l = full_loss();
+    l.backward();
+    return l;
+  });
+  return full_loss().item<double>();
+}
+
 }  // namespace
 
 TEST(Sandblaster, LbfgsOnTheShardsReachesTorchsLbfgsLoss) {
@@ -109,22 +142,7 @@ TEST(Sandblaster, LbfgsOnTheShardsReachesTorchsLbfgsLoss) {
   };
 
   // The reference: single-process full-batch L-BFGS with a strong-Wolfe line search.
-  at::Tensor w = torch::zeros({10, 784}, torch::requires_grad());
-  at::Tensor b = torch::zeros({10}, torch::requires_grad());
-  torch::optim::LBFGS reference({w, b}, torch::optim::LBFGSOptions(1.0)
-                                            .max_iter(500)
-                                            .max_eval(1000)
-                                            .history_size(10)
-                                            .tolerance_grad(1e-6)
-                                            .tolerance_change(1e-12)
-                                            .line_search_fn("strong_wolfe"));
-  reference.step([&] {
-    reference.zero_grad();
-    at::Tensor l = full_loss(w, b);
-    l.backward();
-    return l;
-  });
-  const double expected = full_loss(w, b).item<double>();
+  const double expected = torch_lbfgs_loss(x, y, kL2, false);
 
   // Sandblaster: the model lives on 2 shards; each evaluation computes the work units' losses
   // and gradients at the shards' x and adds each unit's gradient into their g.
@@ -133,7 +151,7 @@ TEST(Sandblaster, LbfgsOnTheShardsReachesTorchsLbfgsLoss) {
     PsClient client(shards.addresses);
     client.initialize(at::zeros({10 * 784 + 10}));
     at::Tensor flat = at::zeros({10 * 784 + 10});
-    auto evaluate = [&] {
+    auto evaluate = [&](int64_t round) {
       client.pull(flat);
       at::Tensor wu = flat.slice(0, 0, 7840).view({10, 784}).clone().requires_grad_(true);
       at::Tensor bu = flat.slice(0, 7840).clone().requires_grad_(true);
@@ -145,7 +163,12 @@ TEST(Sandblaster, LbfgsOnTheShardsReachesTorchsLbfgsLoss) {
         wu.mutable_grad() = at::Tensor();
         bu.mutable_grad() = at::Tensor();
         l.backward();
-        client.accumulate(at::cat({wu.grad().reshape({-1}), bu.grad()}), "g");
+        const at::Tensor gradient = at::cat({wu.grad().reshape({-1}), bu.grad()});
+        EXPECT_EQ(client.accumulate(gradient, "g", round, u), 0);
+        // A backup copy of the unit finishing second, and a late copy of the previous round,
+        // are ignored by every shard.
+        if (u == 1) EXPECT_EQ(client.accumulate(gradient, "g", round, u), 2);
+        if (u == 2 && round > 1) EXPECT_EQ(client.accumulate(gradient, "g", round - 1, u), 2);
         f += l.item<double>();
       }
       return f;
@@ -222,4 +245,218 @@ TEST(Sandblaster, FuzzedVectorBatchesRunWholeOrChangeNothing) {
   EXPECT_GT(refused, 50);
   EXPECT_GT(run, 20);
   std::printf("%d batches run, %d refused\n", run, refused);
+}
+
+// The work queue hands out every unit once, then backup copies of the units still running;
+// the first report of a unit counts; a unit whose worker went silent is handed out again.
+TEST(Sandblaster, WorkUnitsBackupCopiesAndLostUnits) {
+  using std::chrono::milliseconds;
+  WorkQueueOptions options;
+  options.min_lost = milliseconds(200);
+  WorkQueue queue(options);
+  queue.open(1, 3);
+  const Assignment a = queue.next(0, milliseconds(0));
+  const Assignment b = queue.next(1, milliseconds(0));
+  const Assignment c = queue.next(2, milliseconds(0));
+  ASSERT_EQ(a.kind, Assignment::Unit);
+  EXPECT_EQ(std::vector<int64_t>({a.unit, b.unit, c.unit}), std::vector<int64_t>({0, 1, 2}));
+  EXPECT_FALSE(a.backup || b.backup || c.backup);
+  EXPECT_TRUE(queue.finish(2, 1, 2, 0.25, 0.01));
+  // Worker 2 is idle: it gets a backup copy of the unit running longest (unit 0).
+  const Assignment backup = queue.next(2, milliseconds(0));
+  ASSERT_EQ(backup.kind, Assignment::Unit);
+  EXPECT_EQ(backup.unit, 0);
+  EXPECT_TRUE(backup.backup);
+  EXPECT_TRUE(queue.finish(2, 1, 0, 0.5, 0.01));   // the backup wins
+  EXPECT_FALSE(queue.finish(0, 1, 0, 0.5, 0.01));  // the original, late: does not count
+  EXPECT_FALSE(queue.finish(0, 1, 2, 0.5, 0.01));  // a unit already done
+  // Unit 1's worker went silent: past the lost bound, an idle worker gets it again (a second
+  // copy is a backup already, so with backups off it is the lost-unit rule that hands it out).
+  WorkQueueOptions no_backups = options;
+  no_backups.backup_tasks = false;
+  WorkQueue quiet(no_backups);
+  quiet.open(1, 2);
+  quiet.next(0, milliseconds(0));
+  quiet.next(1, milliseconds(0));
+  EXPECT_TRUE(quiet.finish(0, 1, 0, 1.0, 0.001));
+  EXPECT_EQ(quiet.next(0, milliseconds(0)).kind, Assignment::Wait);  // no backups, not lost yet
+  const Assignment again = quiet.next(0, milliseconds(2000));
+  ASSERT_EQ(again.kind, Assignment::Unit);
+  EXPECT_EQ(again.unit, 1);
+  EXPECT_TRUE(quiet.finish(0, 1, 1, 2.0, 0.001));
+  EXPECT_DOUBLE_EQ(quiet.wait_round(milliseconds(100)), 3.0);
+  EXPECT_EQ(quiet.stats().reissued, 1);
+  EXPECT_EQ(quiet.stats().backups_won, 1);
+  // A round nobody finishes is an error naming the missing units within the bound; a closed
+  // queue tells workers the run is over.
+  quiet.open(2, 2);
+  try {
+    quiet.wait_round(milliseconds(300));
+    ADD_FAILURE() << "a stalled round was waited for forever";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("unit 0 (not handed out), unit 1"), std::string::npos)
+        << e.what();
+  }
+  quiet.close("stop");
+  const Assignment done = quiet.next(1, milliseconds(0));
+  EXPECT_EQ(done.kind, Assignment::Done);
+  EXPECT_EQ(done.reason, "stop");
+  EXPECT_EQ(quiet.workers_not_told_done(), std::vector<int>({0}));
+}
+
+namespace {
+
+struct Output {
+  int code = -1;
+  std::string text;
+};
+
+Output run(const std::string& command) {
+  Output out;
+  std::FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof buffer, pipe)) out.text += buffer;
+  const int status = ::pclose(pipe);
+  out.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return out;
+}
+
+double metric(const std::string& all, const std::string& key) {
+  const auto at = all.rfind("\"" + key + "\":");
+  return at == std::string::npos ? -1.0 : std::atof(all.c_str() + at + key.size() + 3);
+}
+
+}  // namespace
+
+// `dtrain train --strategy sandblaster` over worker processes: logistic regression of the
+// synthetic set reaches single-process L-BFGS's loss within 1e-4 relative, even though worker 1
+// dies holding a work unit (after pushing its gradient, before reporting it): the unit is handed
+// out again, its second gradient ignored by the shards, and the run completes.
+TEST(Sandblaster, WorkerProcessesReachTorchsLbfgsLossWhenAWorkerDiesHoldingAUnit) {
+  const int64_t examples = 1000;
+  const double l2 = 1e-2;
+  const data::TensorDataset set = data::make_synthetic(examples, {1, 28, 28}, 10, 3);
+  const data::Batch all = set.slice(0, examples);
+  at::set_num_threads(1);
+  const double expected =
+      torch_lbfgs_loss(all.inputs.reshape({examples, 784}).to(at::kFloat), all.targets, l2, true);
+  const std::string dir = ::testing::TempDir() + "sandblaster-processes";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const Output out = run(
+      "DTRAIN_SIMULATE_FAILURE=1:5 " + std::string(DTRAIN_CLI_PATH) +
+      " train --strategy sandblaster --nproc 3 --ps-shards 2 --threads 1 --dataset synthetic "
+      "--synthetic-examples 1000 --seed 3 --model linear --weight-decay 0.01 --max-steps 300 "
+      "--work-units 20 --no-backup-tasks --no-progress --metrics " + dir + "/m.jsonl "
+      "--checkpoint-dir " + dir + "/ckpt");
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_NE(out.text.find("rank 1 kills itself"), std::string::npos) << out.text;
+  std::ifstream file(dir + "/m.jsonl");
+  const std::string metrics((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const double got = metric(metrics, "final_loss");
+  std::printf("torch LBFGS %.8f, Sandblaster over processes %.8f (%g iterations, %g reissued)\n",
+              expected, got, metric(metrics, "iterations"), metric(metrics, "units_reissued"));
+  EXPECT_LT(std::abs(got - expected) / expected, 1e-4) << metrics;
+  EXPECT_GE(metric(metrics, "units_reissued"), 1) << metrics;
+  EXPECT_EQ(metric(metrics, "worker1_units"), 4) << metrics;  // its 5th never reported
+  EXPECT_EQ(run(std::string(DTRAIN_CLI_PATH) + " ckpt verify " + dir + "/ckpt").code, 0);
+}
+
+// The coordinator's service: without the token a call is UNAUTHENTICATED; random and mutated
+// requests are answered (OK, or INVALID_ARGUMENT / FAILED_PRECONDITION naming the field) and a
+// refused one changes nothing; keyed pushes with a bad unit are refused by the shard.
+TEST(Sandblaster, CoordinatorServiceRefusesBadCallsAndChangesNothing) {
+  WorkQueue queue;
+  WorkCoordinatorOptions options;
+  options.auth_token = "secret";
+  WorkCoordinatorServer server(queue, options);
+  auto stub = dtrain::sandblaster::WorkCoordinator::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server.port()), grpc::InsecureChannelCredentials()));
+  queue.open(1, 4);
+  auto call_get = [&](const dtrain::sandblaster::WorkRequest& request, bool token) {
+    grpc::ClientContext context;
+    if (token) context.AddMetadata("authorization", "Bearer secret");
+    dtrain::sandblaster::WorkReply reply;
+    return stub->GetWork(&context, request, &reply);
+  };
+  auto call_finish = [&](const dtrain::sandblaster::UnitResult& request) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer secret");
+    dtrain::sandblaster::FinishReply reply;
+    return stub->Finish(&context, request, &reply);
+  };
+  dtrain::sandblaster::WorkRequest good;
+  good.set_worker(0);
+  good.set_examples(100);
+  EXPECT_EQ(call_get(good, false).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(queue.stats().issued, 0);
+  ASSERT_TRUE(call_get(good, true).ok());
+  EXPECT_EQ(queue.stats().issued, 1);
+  dtrain::sandblaster::WorkRequest other = good;
+  other.set_examples(99);  // another data set
+  const grpc::Status mismatch = call_get(other, true);
+  EXPECT_EQ(mismatch.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(mismatch.error_message().find("every worker must cut the same data"), std::string::npos);
+  std::mt19937 random(7);
+  int refused = 0;
+  for (int i = 0; i < 200; ++i) {
+    const WorkStats before = queue.stats();
+    // Random bytes (a quarter) or a valid message with fields set to random edge values.
+    std::string bytes(random() % 40, '\0');
+    for (auto& b : bytes) b = static_cast<char>(random());
+    auto pick = [&](std::initializer_list<double> values) {
+      return *(values.begin() + random() % values.size());
+    };
+    grpc::Status status;
+    if (i % 2 == 0) {
+      dtrain::sandblaster::WorkRequest request;
+      if (i % 4 == 0) {
+        if (!request.ParseFromString(bytes)) continue;
+        if (request.wait_ms() >= 0 && request.wait_ms() <= 5000) request.set_wait_ms(0);
+      } else {
+        request.set_worker(static_cast<int>(pick({-3, 0, 1, 2})));
+        request.set_examples(static_cast<int64_t>(pick({-1, 0, 99, 100})));
+        request.set_wait_ms(static_cast<int64_t>(pick({-5, 0, 6000})));
+      }
+      status = call_get(request, true);
+    } else {
+      dtrain::sandblaster::UnitResult request;
+      if (i % 4 == 1) {
+        if (!request.ParseFromString(bytes)) continue;
+      } else {
+        request.set_worker(static_cast<int>(pick({-1, 0, 3})));
+        request.set_round(static_cast<int64_t>(pick({-1, 0, 1, 2})));
+        request.set_unit(static_cast<int64_t>(pick({-1, 0, 3, 5, 1 << 21})));
+        request.set_loss(pick({std::nan(""), INFINITY, 0.5}));
+        request.set_seconds(pick({-1.0, std::nan(""), 0.1}));
+      }
+      status = call_finish(request);
+    }
+    if (!status.ok()) {
+      ++refused;
+      EXPECT_TRUE(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
+                  status.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+          << status.error_message();
+      const bool named = status.error_message().find("field '") != std::string::npos ||
+                         status.error_message().find("training examples") != std::string::npos;
+      EXPECT_TRUE(named) << status.error_message();
+      const WorkStats after = queue.stats();
+      EXPECT_EQ(after.issued, before.issued);
+      EXPECT_EQ(after.late_reports, before.late_reports);
+    }
+  }
+  EXPECT_GT(refused, 20);
+  // The shard's side: a keyed push with a unit out of range is refused naming the field.
+  Shards shards(1);
+  PsClient client(shards.addresses);
+  client.initialize(at::zeros({8}));
+  client.vector_ops({{VectorOp::Zero, "g", "", 0.0, 1}});
+  try {
+    client.accumulate(at::ones({8}), "g", 1, kMaxUnits);
+    ADD_FAILURE() << "a unit out of range was accumulated";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("field 'unit'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(client.vector_ops({{VectorOp::Scale, "g", "", 1.0, 2}}), InputError);  // round on SCALE
+  EXPECT_EQ(client.vector_ops({{VectorOp::Dot, "g", "g", 0.0}})[0], 0.0);
 }

@@ -189,7 +189,7 @@ Model with_stages(std::shared_ptr<M> module) {
 
 }  // namespace
 
-std::vector<std::string> model_names() { return {"mlp", "cnn", "resnet", "gpt"}; }
+std::vector<std::string> model_names() { return {"mlp", "linear", "cnn", "resnet", "gpt"}; }
 
 Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
   if (spec.name == "gpt") {
@@ -202,6 +202,10 @@ Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_para
                      tensor_parallel ? tensor_parallel->size() : 1,
                      " needs --model gpt (or a model built from parallel/tensor/Layers.h)");
   DTRAIN_CHECK_INPUT(spec.classes >= 2, "model needs at least 2 classes, got ", spec.classes);
+  if (spec.name == "linear") {  // multinomial logistic regression: one Linear layer
+    return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), std::vector<int64_t>{},
+                                                 spec.classes, spec.checkpointing));
+  }
   if (spec.name == "mlp") {
     return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), spec.hidden,
                                                  spec.classes, spec.checkpointing));
@@ -219,7 +223,7 @@ Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_para
     return with_stages(
         std::make_shared<ResNetImpl>(spec.input_shape[0], spec.classes, spec.checkpointing));
   }
-  DTRAIN_THROW(InputError, "unknown model '", spec.name, "' (expected mlp, cnn, resnet or gpt)");
+  DTRAIN_THROW(InputError, "unknown model '", spec.name, "' (expected mlp, linear, cnn, resnet or gpt)");
 }
 
 }  // namespace dtrain::models

@@ -7,6 +7,7 @@
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/pipeline/PipelineStrategy.h"
 #include "parallel/ps/DownpourStrategy.h"
+#include "parallel/ps/SandblasterStrategy.h"
 #include "parallel/zero/Zero3Strategy.h"
 #include "parallel/zero/ZeroStrategy.h"
 
@@ -30,6 +31,7 @@ const std::vector<std::pair<std::string, Factory>> kRegistry = {
     {"zero3", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<Zero3Strategy>(o); }},
     {"pipeline", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<pipeline::PipelineStrategy>(o); }},
     {"downpour", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ps::DownpourStrategy>(o); }},
+    {"sandblaster", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ps::SandblasterStrategy>(o); }},
 };
 
 }  // namespace

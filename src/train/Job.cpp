@@ -109,16 +109,21 @@ JobConfig::JobConfig() {
   trainer.schedule.warmup_steps = 100;
 }
 
+bool uses_parameter_server(const JobConfig& job) {
+  return job.trainer.strategy == "downpour" || job.trainer.strategy == "sandblaster";
+}
+
 void validate_job(const JobConfig& job) {
   DTRAIN_CHECK_INPUT(contains(models::model_names(), job.model), "--model: unknown model '",
                      job.model, "' (expected ", joined(models::model_names()), ")");
   DTRAIN_CHECK_INPUT(contains(parallel::strategy_names(), job.trainer.strategy),
                      "--strategy: unknown strategy '", job.trainer.strategy, "' (available: ",
                      joined(parallel::strategy_names()), ")");
-  if (job.trainer.strategy == "downpour") {
+  if (uses_parameter_server(job)) {
     const auto& o = job.trainer.strategy_options;
+    const std::string& strategy = job.trainer.strategy;
     DTRAIN_CHECK_INPUT(!o.ps_addresses.empty() || job.ps_shards > 0,
-                       "--strategy downpour needs the parameter-server shards: --ps "
+                       "--strategy ", strategy, " needs the parameter-server shards: --ps "
                        "HOST:PORT,... (servers started with dtrain ps serve) or --ps-shards N "
                        "(started by this command)");
     DTRAIN_CHECK_INPUT(o.ps_addresses.empty() || job.ps_shards == 0,
@@ -138,11 +143,15 @@ void validate_job(const JobConfig& job) {
     DTRAIN_CHECK_INPUT(o.ps_rpc_timeout_ms >= 1, "--ps-timeout-ms must be >= 1, got ",
                        o.ps_rpc_timeout_ms);
     DTRAIN_CHECK_INPUT(job.trainer.pipeline_parallel <= 1 && job.trainer.tensor_parallel <= 1,
-                       "--strategy downpour workers are replicas of the whole model: "
+                       "--strategy ", strategy, " workers are replicas of the whole model: "
                        "--pipeline-parallel and --tensor-parallel are not supported with it");
+    DTRAIN_CHECK_INPUT(o.sb_work_units >= 0 && o.sb_work_units <= (1 << 20),
+                       "--work-units must be 0 (10 per worker) to 1048576, got ", o.sb_work_units);
+    DTRAIN_CHECK_INPUT(o.sb_history >= 1 && o.sb_history <= 100,
+                       "--lbfgs-history must be 1 to 100 pairs, got ", o.sb_history);
   } else {
     DTRAIN_CHECK_INPUT(job.ps_shards == 0 && job.trainer.strategy_options.ps_addresses.empty(),
-                       "--ps and --ps-shards are for --strategy downpour (not ",
+                       "--ps and --ps-shards are for --strategy downpour or sandblaster (not ",
                        job.trainer.strategy, ")");
   }
   DTRAIN_CHECK_INPUT(job.trainer.slowdown_rank < std::max(1, job.nproc),

@@ -45,6 +45,9 @@ std::string describe_eval_as(const EvalResult& eval, bool tokens) {
 
 using Clock = std::chrono::steady_clock;
 
+/// Iterations of a strategy that runs its own loop (Sandblaster L-BFGS) without --max-steps.
+constexpr int64_t kDrivenIterations = 100;
+
 // Tells `dtrain launch` (DTRAIN_PROGRESS_FILE) where the run resumed and the step it has reached,
 // so a restart can report the steps it cost. One small pwrite per step.
 class ProgressReport {
@@ -399,6 +402,10 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                      " ranks) but the training set has ", train.size());
   int64_t total_steps = steps_per_epoch * options_.epochs;
   if (options_.max_steps > 0) total_steps = std::min(total_steps, options_.max_steps);
+  // A strategy running its own loop (Sandblaster L-BFGS) counts its iterations as steps:
+  // --max-steps of them, else kDrivenIterations.
+  const bool driven = strategy_->drives_loop();
+  if (driven) total_steps = options_.max_steps > 0 ? options_.max_steps : kDrivenIterations;
 
   optim::OptimizerSpec spec = options_.optimizer;
   if (options_.reference_batch > 0) {
@@ -448,7 +455,9 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   // made the worker steps of the synchronous run (steps x replicas), however they were shared
   // out. One worker left alone would make them all: that bounds its loop.
   const bool async = !strategy_->synchronous();
-  const int64_t loop_end = async ? start_step + (last_step - start_step) * dp_size : last_step;
+  const int64_t loop_end = driven ? start_step
+                           : async ? start_step + (last_step - start_step) * dp_size
+                                   : last_step;
   auto global_step = [&](int64_t local) {
     return async ? start_step + strategy_->global_steps() / dp_size : local;
   };
@@ -546,7 +555,6 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                             {"step", reached},
                             {"epoch", epoch},
                             {"seconds", seconds_since(start)},
-                       {"train_seconds", train_seconds},
                             {"train_seconds", train_seconds},
                             {"val_loss", result.validation->loss},
                             {"val_accuracy", result.validation->accuracy}};
@@ -569,7 +577,87 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     simulated_failure.maybe_fire(step + 1);
     if (done) break;
   }
-  if (async) {
+  // Asynchronous strategies at the end, on rank 0 alone: the strategy's run record, the final
+  // evaluation (of the newest parameters) and checkpoint at `steps`.
+  auto finish_alone = [&](int64_t steps, int64_t epoch) {
+    MetricRecord run{{"event", std::string("strategy")}};
+    for (const auto& [key, value] : strategy_->run_metrics()) run[key] = value;
+    if (run.size() > 1) metrics.write(run);
+    result.steps = steps;
+    report.reached(steps);
+    if (validation != nullptr) {
+      result.validation = evaluate_on(*validation, true);
+      metrics.write({{"event", std::string("eval")},
+                     {"step", steps},
+                     {"seconds", seconds_since(start)},
+                     {"train_seconds", train_seconds},
+                     {"val_loss", result.validation->loss},
+                     {"val_accuracy", result.validation->accuracy}});
+      if (options_.progress) progress.note(describe_eval_as(*result.validation, options_.token_loss));
+    }
+    if (!options_.checkpoint_dir.empty() && nonfinite_steps == 0) {
+      save_checkpoint(steps, epoch, global_batch, true);
+    }
+  };
+  if (driven) {
+    parallel::LoopContext context;
+    context.train = &train;
+    context.loss = loss_;
+    context.max_iterations = std::max<int64_t>(0, last_step - start_step);
+    context.chunk = options_.eval_batch_size;
+    context.slowdown = rank == options_.slowdown_rank ? options_.slowdown_factor : 1.0;
+    context.weight_decay = spec.weight_decay;
+    context.stall_ms = world_->timeout().count();
+    context.on_iteration = [&](const parallel::IterationReport& iteration) {
+      const int64_t reached = start_step + iteration.iteration;
+      train_seconds += iteration.seconds;
+      samples += iteration.evaluations * train.size();
+      result.losses.push_back(iteration.loss);
+      result.steps = reached;
+      report.reached(reached);
+      const double throughput = samples / std::max(train_seconds, 1e-9);
+      MetricRecord record{{"event", std::string("step")},
+                          {"step", reached},
+                          {"epoch", int64_t{0}},
+                          {"loss", iteration.loss},
+                          {"step_ms", iteration.seconds * 1e3},
+                          {"samples_per_s", throughput}};
+      if (iteration.grad_norm >= 0) record["grad_norm"] = iteration.grad_norm;
+      for (const auto& [key, value] : iteration.metrics) record[key] = value;
+      metrics.write(record);
+      if (options_.progress) {
+        const double eta = (last_step - reached) * train_seconds / std::max<int64_t>(1, reached - start_step);
+        progress.update(0, 1, reached, total_steps, iteration.loss, throughput, eta);
+      }
+      if (validation != nullptr && options_.eval_every > 0 && reached % options_.eval_every == 0) {
+        result.validation = evaluate_on(*validation, true);
+        metrics.write({{"event", std::string("eval")},
+                       {"step", reached},
+                       {"seconds", seconds_since(start)},
+                       {"train_seconds", train_seconds},
+                       {"val_loss", result.validation->loss},
+                       {"val_accuracy", result.validation->accuracy}});
+        if (options_.progress) {
+          progress.note(concat("iteration ", reached, ": ",
+                               describe_eval_as(*result.validation, options_.token_loss)));
+        }
+      }
+      if (!options_.checkpoint_dir.empty() && options_.checkpoint_every > 0 &&
+          reached % options_.checkpoint_every == 0) {
+        save_checkpoint(reached, 0, global_batch, true);
+      }
+    };
+    // A simulated failure (DTRAIN_SIMULATE_FAILURE=RANK:N) fires after the rank's N-th unit
+    // of work, computed and sent but not yet reported.
+    context.on_work = [&](int64_t done) { simulated_failure.maybe_fire(done); };
+    const int64_t iterations = strategy_->run_loop(context);
+    if (leader) {
+      if (options_.progress) progress.finish_epoch("");
+      finish_alone(start_step + iterations, 0);
+    }
+  }
+  if (driven) result.global_batch = train.size();  // every iteration uses the whole set
+  if (async && !driven) {
     // Every worker sends what it holds and leaves (no collective: a worker that died must not
     // stop the others); rank 0 waits for the others' last updates, then takes the newest
     // parameters for the final evaluation and checkpoint.
@@ -577,25 +665,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     if (leader) {
       const std::string missing = strategy_->await_workers();
       if (!missing.empty()) std::fprintf(stderr, "%s\n", missing.c_str());
-      MetricRecord run{{"event", std::string("strategy")}};
-      for (const auto& [key, value] : strategy_->run_metrics()) run[key] = value;
-      if (run.size() > 1) metrics.write(run);
-      result.steps = global_step(result.steps);
-      report.reached(result.steps);
-      if (validation != nullptr) {
-        result.validation = evaluate_on(*validation, true);
-        metrics.write({{"event", std::string("eval")},
-                       {"step", result.steps},
-                       {"seconds", seconds_since(start)},
-                       {"train_seconds", train_seconds},
-                       {"val_loss", result.validation->loss},
-                       {"val_accuracy", result.validation->accuracy}});
-        if (options_.progress) progress.note(describe_eval_as(*result.validation, options_.token_loss));
-      }
-      if (!options_.checkpoint_dir.empty() && nonfinite_steps == 0) {
-        save_checkpoint(result.steps, result.steps / std::max<int64_t>(1, steps_per_epoch),
-                        global_batch, true);
-      }
+      const int64_t steps = global_step(result.steps);
+      finish_alone(steps, steps / std::max<int64_t>(1, steps_per_epoch));
     }
   }
   result.seconds = seconds_since(start);
@@ -607,7 +678,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                          {"start_step", start_step},
                          {"seconds", result.seconds},
                          {"samples_per_s", result.samples_per_second},
-                         {"global_batch", global_batch},
+                         {"global_batch", result.global_batch},
                          {"world_size", static_cast<int64_t>(world_->size())},
                          {"strategy", strategy_->name()}};
     if (!result.losses.empty()) summary["final_loss"] = result.losses.back();

@@ -11,7 +11,7 @@
 namespace dtrain::models {
 
 struct ModelSpec {
-  /// "mlp", "cnn", "resnet" or "gpt".
+  /// "mlp", "linear" (logistic regression), "cnn", "resnet" or "gpt".
   std::string name = "cnn";
   /// One example's shape, e.g. {1, 28, 28}.
   std::vector<int64_t> input_shape{1, 28, 28};

@@ -102,6 +102,45 @@ struct StrategyOptions {
   std::string ps_auth_token{};
   bool ps_tls = false;
   std::string ps_tls_ca{};
+  /// Sandblaster: work units per evaluation of the loss (0 = 10 per worker) and backup copies
+  /// of the units still running near an evaluation's end; L-BFGS history pairs.
+  int64_t sb_work_units = 0;
+  bool sb_backup_tasks = true;
+  int sb_history = 10;
+};
+
+/// One iteration of a strategy that runs its own loop (Sandblaster: an L-BFGS iteration).
+struct IterationReport {
+  /// Iterations done so far in this run.
+  int64_t iteration = 0;
+  double loss = 0.0;
+  double grad_norm = -1.0;
+  /// Wall time of the iteration and the passes over the training set it made.
+  double seconds = 0.0;
+  int64_t evaluations = 0;
+  std::map<std::string, double> metrics;
+};
+
+/// What a strategy that runs its own loop gets from the Trainer.
+struct LoopContext {
+  const data::TensorDataset* train = nullptr;
+  LossFn loss;
+  /// Iterations to run at most (the Trainer's steps).
+  int64_t max_iterations = 100;
+  /// Examples per forward when a strategy computes over a range of the data.
+  int64_t chunk = 256;
+  /// This rank's slowdown (--simulate-slowdown): its work takes this many times as long.
+  double slowdown = 1.0;
+  /// The objective's L2 term, 0.5 * weight_decay * |params|^2 (the optimizer's weight decay).
+  double weight_decay = 0.0;
+  /// Bound of a wait for the other ranks' work (the job's --comm-timeout).
+  int64_t stall_ms = 120000;
+  /// On rank 0 after every iteration, with model() holding the iteration's parameters (the
+  /// Trainer writes metrics, evaluates and checkpoints there).
+  std::function<void(const IterationReport&)> on_iteration;
+  /// On every rank after each piece of work it computed and sent, before reporting it (the
+  /// count so far): the Trainer's simulated failures fire here (a worker dying with a unit).
+  std::function<void(int64_t)> on_work;
 };
 
 /// What of each micro-batch a rank reads (a pipeline's middle stages read neither; the first
@@ -177,6 +216,17 @@ class Strategy {
   /// Numbers about the whole run for the metrics file's "strategy" record, on rank 0 at the end
   /// (the parameter server's: staleness histogram, traffic per shard, pushes per worker).
   virtual std::map<std::string, double> run_metrics() { return {}; }
+
+  /// True for strategies that run their own loop over the training set instead of the
+  /// Trainer's batch loop (Sandblaster L-BFGS: a coordinator hands out work units); they are
+  /// asynchronous (synchronous() false: rank 0 alone evaluates and checkpoints).
+  virtual bool drives_loop() const { return false; }
+  /// Every rank: runs the loop until it ends, calling context.on_iteration on rank 0; model()
+  /// then holds the final parameters on rank 0. Returns the iterations run.
+  virtual int64_t run_loop(const LoopContext& context) {
+    (void)context;
+    return 0;
+  }
 };
 
 using StrategyPtr = std::unique_ptr<Strategy>;

@@ -59,6 +59,9 @@ struct JobConfig {
   std::string ps_auth_token_file;
 };
 
+/// --strategy downpour or sandblaster: the job trains against parameter-server shards.
+bool uses_parameter_server(const JobConfig& job);
+
 /// Checks everything that can be checked before any rank starts: names, ranges, the data set's
 /// files, the checkpoint directory. InputError naming the flag or file.
 void validate_job(const JobConfig& job);

@@ -31,7 +31,7 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-DownpourStrategy::DownpourStrategy(StrategyOptions options) : options_(std::move(options)) {}
+DownpourStrategy::DownpourStrategy(StrategyOptions options) : ReplicaStrategy(std::move(options)) {}
 
 DownpourStrategy::~DownpourStrategy() {
   try {
@@ -43,67 +43,18 @@ DownpourStrategy::~DownpourStrategy() {
 
 void DownpourStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
                              std::shared_ptr<comm::ProcessGrid> grid) {
-  DTRAIN_CHECK_INPUT(!options_.ps_addresses.empty(),
-                     "--strategy downpour needs the parameter-server shards: --ps HOST:PORT,... "
-                     "(servers started with dtrain ps serve) or --ps-shards N (started here)");
   DTRAIN_CHECK_INPUT(options_.ps_n_fetch >= 1, "--n-fetch must be at least 1 (got ",
                      options_.ps_n_fetch, ")");
   DTRAIN_CHECK_INPUT(options_.ps_n_push >= 1, "--n-push must be at least 1 (got ",
                      options_.ps_n_push, ")");
   DTRAIN_CHECK_INPUT(options_.ps_max_staleness >= -1, "--max-staleness must be -1 (no cap) or ",
                      "at least 0 (got ", options_.ps_max_staleness, ")");
-  DTRAIN_CHECK_INPUT(options_.precision == "fp32", "--strategy downpour trains in fp32 (the shards "
-                     "hold float32 parameters); --precision ", options_.precision,
-                     " is not supported with it");
-  DTRAIN_CHECK_INPUT(grid->pp_size() == 1 && grid->tp_size() == 1,
-                     "--strategy downpour workers are replicas of the whole model: pipeline and "
-                     "tensor parallelism are not supported with it");
-  model_ = std::move(model);
-  grid_ = std::move(grid);
-  for (const auto& item : model_.module->named_parameters()) {
-    DTRAIN_CHECK_INPUT(item.value().scalar_type() == at::kFloat, "--strategy downpour: parameter ",
-                       item.key(), " is ", item.value().scalar_type(), ", not float32");
-    names_.push_back(item.key());
-    parameters_.push_back(item.value());
-    numel_ += item.value().numel();
-  }
-  optimizer_ = make_optimizer(parameters_);
-  PsClientOptions client;
-  client.rpc_timeout = std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
-  client.worker = grid_->world()->rank();
-  client.retry_window = std::chrono::milliseconds(options_.ps_retry_ms);
-  client.auth_token = options_.ps_auth_token;
-  client.tls = options_.ps_tls;
-  client.tls_ca = options_.ps_tls_ca;
-  client_ = std::make_unique<PsClient>(options_.ps_addresses, client);
-  const int worker = client.worker;
-  client_->on_restart([worker](const ShardRestart& r) {
-    std::fprintf(stderr,
-                 "downpour worker %d: parameter server %s (shard %d) restarted from its checkpoint "
-                 "at version %lld; it had reached at least version %lld: %lld updates lost\n",
-                 worker, r.address.c_str(), r.shard, static_cast<long long>(r.resumed_version),
-                 static_cast<long long>(r.seen_version), static_cast<long long>(r.lost));
-  });
+  setup_replica(std::move(model), make_optimizer, std::move(grid));
   accumulated_ = at::zeros({numel_}, at::kFloat);
 }
 
 std::chrono::milliseconds DownpourStrategy::wait_limit() const {
   return 3 * std::chrono::milliseconds(options_.ps_rpc_timeout_ms + options_.ps_retry_ms);
-}
-
-at::Tensor DownpourStrategy::flat_parameters() const {
-  std::vector<at::Tensor> flat;
-  for (const auto& p : parameters_) flat.push_back(p.detach().reshape({-1}));
-  return at::cat(flat);
-}
-
-void DownpourStrategy::set_parameters(const at::Tensor& flat) {
-  torch::NoGradGuard no_grad;
-  int64_t offset = 0;
-  for (auto& p : parameters_) {
-    p.copy_(flat.slice(0, offset, offset + p.numel()).view_as(p));
-    offset += p.numel();
-  }
 }
 
 void DownpourStrategy::start() {
@@ -396,20 +347,7 @@ void DownpourStrategy::save(const std::string& directory) {
     rethrow_background_error();
     pull_now(lock, "a checkpoint");
   }
-  write_state_shard(directory, 0, 1, pieces(), nullptr, buffers());
-}
-
-void DownpourStrategy::load(const std::string& directory) {
-  const NamedTensors b = buffers();
-  read_state_shards(directory, pieces(), nullptr, {}, &b);
-}
-
-std::vector<PieceRef> DownpourStrategy::pieces() const { return whole_pieces(names_, parameters_); }
-
-NamedTensors DownpourStrategy::buffers() const {
-  NamedTensors b;
-  for (const auto& item : model_.module->named_buffers()) b.emplace_back(item.key(), item.value());
-  return b;
+  write_replica(directory);
 }
 
 MemoryReport DownpourStrategy::memory_report() const {

@@ -12,13 +12,11 @@
 #include <mutex>
 #include <thread>
 
-#include "dtrain/parallel/StateShards.h"
-#include "dtrain/parallel/Strategy.h"
-#include "dtrain/parallel/ps/PsClient.h"
+#include "parallel/ps/ReplicaStrategy.h"
 
 namespace dtrain::parallel::ps {
 
-class DownpourStrategy : public Strategy {
+class DownpourStrategy : public ReplicaStrategy {
  public:
   explicit DownpourStrategy(StrategyOptions options);
   ~DownpourStrategy() override;
@@ -27,16 +25,9 @@ class DownpourStrategy : public Strategy {
              std::shared_ptr<comm::ProcessGrid> grid) override;
   StepResult train_step(const std::vector<data::Batch>& micro_batches,
                         const LossFn& loss) override;
-  Model& model() override { return model_; }
-  /// A local optimizer over the replica's parameters, kept for the Strategy interface: the
-  /// shards' optimizers apply the updates (learning rates set on this one have no effect).
-  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
   /// Not collective: writes the shards' newest parameters (pulled now) as a one-file checkpoint.
   void save(const std::string& directory) override;
-  /// The replica's parameters; the shards take them at the first step unless already set.
-  void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
-  bool synchronous() const override { return false; }
   int64_t global_steps() const override;
   void finish() override;
   std::string await_workers() override;
@@ -55,19 +46,6 @@ class DownpourStrategy : public Strategy {
   void queue_push(std::unique_lock<std::mutex>& lock, bool last = false);
   /// Bound of the waits on the background thread: an RPC's deadline and its retries, thrice.
   std::chrono::milliseconds wait_limit() const;
-  at::Tensor flat_parameters() const;
-  void set_parameters(const at::Tensor& flat);
-  std::vector<PieceRef> pieces() const;
-  NamedTensors buffers() const;
-
-  StrategyOptions options_;
-  Model model_;
-  std::shared_ptr<comm::ProcessGrid> grid_;
-  std::vector<at::Tensor> parameters_;
-  std::vector<std::string> names_;
-  optim::OptimizerPtr optimizer_;
-  std::unique_ptr<PsClient> client_;
-  int64_t numel_ = 0;
   bool started_ = false;
 
   // Worker side (the training thread).

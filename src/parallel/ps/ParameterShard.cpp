@@ -88,6 +88,10 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
       return concat(where, ": field 'dst' names vector '", op.dst, "', which the shard does not have");
     }
     if (!std::isfinite(op.alpha)) return concat(where, ": field 'alpha' is not finite");
+    if (op.round < 0 || (op.round > 0 && op.kind != VectorOp::Zero)) {
+      return concat(where, ": field 'round' is ", op.round, " (ZERO may open a round > 0; other "
+                    "ops carry 0)");
+    }
     if (creates) names.insert(op.dst);
     if (static_cast<int>(names.size()) > kMaxVectors + 1) {
       return concat(where, ": more than ", kMaxVectors, " vectors on one shard");
@@ -101,7 +105,10 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
   };
   for (const VectorOp& op : ops) {
     switch (op.kind) {
-      case VectorOp::Zero: vector(op.dst).zero_(); break;
+      case VectorOp::Zero:
+        vector(op.dst).zero_();
+        if (op.round > 0) rounds_[op.dst] = Round{op.round, {}};
+        break;
       case VectorOp::Copy: vector(op.dst).copy_(vector(op.src)); break;
       case VectorOp::Scale: vector(op.dst).mul_(op.alpha); break;
       case VectorOp::Axpy: vector(op.dst).add_(vector(op.src), op.alpha); break;
@@ -115,14 +122,28 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
 }
 
 std::string ParameterShard::accumulate(const std::string& name, int64_t begin,
-                                       const at::Tensor& gradient) {
+                                       const at::Tensor& gradient, int64_t round, int64_t unit,
+                                       bool* ignored) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (ignored != nullptr) *ignored = false;
+  if (round < 0) return concat("field 'round' is ", round, " (0 or a round > 0)");
+  if (round > 0 && (unit < 0 || unit >= kMaxUnits)) {
+    return concat("field 'unit' is ", unit, " (0 to ", kMaxUnits - 1, ")");
+  }
   if (std::string why = check_gradient(begin, gradient); !why.empty()) return why;
   const int64_t n = gradient.numel();
   if (name == "x") return "field 'accumulate' may not name the parameters 'x'";
   const auto found = vectors_.find(name);
   if (found == vectors_.end()) {
     return concat("field 'accumulate' names vector '", name, "', which the shard does not have");
+  }
+  if (round > 0) {
+    const auto open = rounds_.find(name);
+    if (open == rounds_.end() || open->second.round != round ||
+        !open->second.units.insert(unit).second) {
+      if (ignored != nullptr) *ignored = true;
+      return "";
+    }
   }
   found->second.narrow(0, begin - begin_, n).add_(gradient);
   return "";

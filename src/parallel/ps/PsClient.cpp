@@ -295,22 +295,29 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
   return versions;
 }
 
-void PsClient::accumulate(const at::Tensor& gradient, const std::string& vector) {
+int PsClient::accumulate(const at::Tensor& gradient, const std::string& vector, int64_t round,
+                         int64_t unit) {
   DTRAIN_CHECK(total_ == gradient.numel() && gradient.scalar_type() == at::kFloat &&
                    gradient.is_contiguous(),
                "accumulate of ", gradient.numel(), " elements; the model has ", total_);
+  std::vector<char> ignored(shards(), 0);
   for_each_shard(shards(), [&](int i) {
     const auto [begin, end] = shard_range(total_, i, shards());
     with_retry(i, "Push", [&](Shard& s, grpc::ClientContext& context) {
       dtrain::ps::PushReply reply;
       auto writer = s.stub->Push(&context, &reply);
-      return send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin,
-                         options_.chunk_bytes, [&](dtrain::ps::PushChunk& message) {
-                           message.set_worker(options_.worker);
-                           message.set_accumulate(vector);
-                         });
+      grpc::Status status = send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin,
+                                        options_.chunk_bytes, [&](dtrain::ps::PushChunk& message) {
+                                          message.set_worker(options_.worker);
+                                          message.set_accumulate(vector);
+                                          message.set_round(round);
+                                          message.set_unit(unit);
+                                        });
+      ignored[i] = reply.ignored();
+      return status;
     });
   });
+  return static_cast<int>(std::count(ignored.begin(), ignored.end(), 1));
 }
 
 std::vector<double> PsClient::vector_ops(const std::vector<VectorOp>& ops) {
@@ -321,6 +328,7 @@ std::vector<double> PsClient::vector_ops(const std::vector<VectorOp>& ops) {
     out->set_dst(op.dst);
     out->set_src(op.src);
     out->set_alpha(op.alpha);
+    out->set_round(op.round);
   }
   std::vector<std::vector<double>> partial(shards());
   for_each_shard(shards(), [&](int i) {

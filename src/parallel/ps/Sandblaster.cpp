@@ -36,12 +36,18 @@ std::vector<double> LbfgsCoordinator::ops(const std::vector<VectorOp>& batch) {
   return client_.vector_ops(batch);
 }
 
-LbfgsResult LbfgsCoordinator::run(const LossEvaluation& evaluate) {
+LbfgsResult LbfgsCoordinator::run(const LossEvaluation& evaluate,
+                                  const IterationCallback& on_iteration) {
   LbfgsResult result;
   auto evaluate_at_x = [&] {
-    ops({zero("g")});
     ++result.evaluations;
-    const double f = evaluate();
+    VectorOp open = zero("g");
+    open.round = ++rounds_;
+    ops({open});
+    double f = evaluate(open.round);
+    if (options_.weight_decay > 0) {
+      f += 0.5 * options_.weight_decay * ops({axpy("g", options_.weight_decay, "x"), dot("x", "x")})[0];
+    }
     DTRAIN_CHECK(std::isfinite(f), "Sandblaster: the loss is not finite (", f, ")");
     return f;
   };
@@ -128,6 +134,7 @@ LbfgsResult LbfgsCoordinator::run(const LossEvaluation& evaluate) {
     result.losses.push_back(f);
     result.loss = f;
     result.grad_norm = std::sqrt(gg);
+    if (on_iteration) on_iteration(result);
     if (result.grad_norm <= options_.tolerance_grad) {
       result.stop_reason = "gradient below tolerance";
       break;

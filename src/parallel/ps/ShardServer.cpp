@@ -252,11 +252,14 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
         read_stream(reader, rule, "Push", &first, &gradient, &head, lease.tensor());
     if (!problem.empty()) return invalid(problem);
     if (!head.accumulate().empty()) {
-      const std::string why = shard_.accumulate(head.accumulate(), first, gradient);
+      bool ignored = false;
+      const std::string why = shard_.accumulate(head.accumulate(), first, gradient, head.round(),
+                                                head.unit(), &ignored);
       if (!why.empty()) return invalid("Push: " + why);
       ++pushes_;
       bytes_in_ += gradient.numel() * 4;
       reply->set_version(shard_.version());
+      reply->set_ignored(ignored);
       return grpc::Status::OK;
     }
     int64_t version = 0, staleness = 0;
@@ -281,7 +284,8 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
       if (!dtrain::ps::VectorOp::Kind_IsValid(op.kind())) {
         return invalid(concat("Vector: vector op ", i, ": field 'kind' is ", op.kind()));
       }
-      ops.push_back({static_cast<VectorOp::Kind>(op.kind()), op.dst(), op.src(), op.alpha()});
+      ops.push_back({static_cast<VectorOp::Kind>(op.kind()), op.dst(), op.src(), op.alpha(),
+                     op.round()});
     }
     std::vector<double> dots;
     const std::string why = shard_.vector_ops(ops, &dots);

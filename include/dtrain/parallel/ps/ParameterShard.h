@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,7 +55,12 @@ struct VectorOp {
   /// over the slice, in float64).
   std::string dst, src;
   double alpha = 0.0;
+  /// Zero only, when > 0: opens accumulation round `round` of dst (see accumulate()).
+  int64_t round = 0;
 };
+
+/// Largest work-unit number a keyed accumulate may carry (a bound on what a round records).
+constexpr int64_t kMaxUnits = int64_t{1} << 20;
 
 /// Most named vectors a shard keeps (besides "x"): a bound on what a request can allocate.
 constexpr int kMaxVectors = 256;
@@ -97,8 +103,12 @@ class ParameterShard {
   /// Returns "" or why the batch was refused (checked whole first: nothing changed).
   std::string vector_ops(const std::vector<VectorOp>& ops, std::vector<double>* dots);
   /// Adds `gradient` (elements [begin, begin + numel)) into the named vector (not "x"): the
-  /// workers' gradients of Sandblaster's work units. Returns "" or why not (nothing changed).
-  std::string accumulate(const std::string& name, int64_t begin, const at::Tensor& gradient);
+  /// workers' gradients of Sandblaster's work units. Keyed (`round` > 0): added only when
+  /// `round` is the vector's open round (the last Zero with that round) and `unit` was not yet
+  /// added in it, else `*ignored` is set - a backup copy, a retry or a late unit of an earlier
+  /// round counts once or not at all. Returns "" or why not (nothing changed).
+  std::string accumulate(const std::string& name, int64_t begin, const at::Tensor& gradient,
+                         int64_t round = 0, int64_t unit = 0, bool* ignored = nullptr);
   /// Records that `worker` stopped (its final push carried no gradient).
   void mark_done(int worker);
   /// The learning rate of the next update.
@@ -128,6 +138,11 @@ class ParameterShard {
   std::vector<int64_t> staleness_counts_ = std::vector<int64_t>(kStalenessBins, 0);
   std::map<int, WorkerRecord> workers_;
   std::map<std::string, at::Tensor> vectors_;  // Sandblaster's named vectors (not "x")
+  struct Round {
+    int64_t round = 0;
+    std::set<int64_t> units;  // added in it
+  };
+  std::map<std::string, Round> rounds_;  // open accumulation rounds, by vector
 };
 
 }  // namespace dtrain::parallel::ps

@@ -79,8 +79,11 @@ class PsClient {
   /// (`last`: this worker's final push).
   PushResult push(const at::Tensor& gradient, const std::vector<int64_t>& versions,
                   bool last = false);
-  /// Adds `gradient` (float32, the model's size) into the named vector on every shard.
-  void accumulate(const at::Tensor& gradient, const std::string& vector);
+  /// Adds `gradient` (float32, the model's size) into the named vector on every shard; keyed
+  /// by a work unit (`round` > 0, see ParameterShard::accumulate), returns the shards that
+  /// ignored it (another copy of the unit was first there, or the round is over).
+  int accumulate(const at::Tensor& gradient, const std::string& vector, int64_t round = 0,
+                 int64_t unit = 0);
   /// Runs vector commands on every shard (in parallel); returns each Dot summed over shards.
   std::vector<double> vector_ops(const std::vector<VectorOp>& ops);
   /// Tells every shard this worker has stopped (when its last push carried no gradient).

@@ -26,6 +26,9 @@ struct LbfgsOptions {
   /// Backtracking line search: Armijo's sufficient-decrease constant and its most halvings.
   double armijo = 1e-4;
   int max_line_search = 25;
+  /// Adds 0.5 * weight_decay * |x|^2 to the objective (on the shards: its gradient is an axpy
+  /// of x into g), making a problem such as logistic regression strictly convex.
+  double weight_decay = 0.0;
 };
 
 struct LbfgsResult {
@@ -39,15 +42,18 @@ struct LbfgsResult {
   std::string stop_reason;
 };
 
-/// Evaluates the loss at the shards' "x" and adds its gradient into the shards' "g" (the
-/// coordinator zeroes "g" first); returns the loss.
-using LossEvaluation = std::function<double()>;
+/// Evaluates the loss at the shards' "x" and adds its gradient into the shards' "g"; returns
+/// the loss. The coordinator zeroes "g" first, opening accumulation round `round` (1, 2, ...):
+/// gradients pushed keyed by (round, unit) count once per unit.
+using LossEvaluation = std::function<double(int64_t round)>;
+/// Called after every iteration with the result so far (the shards' "x" is the iteration's).
+using IterationCallback = std::function<void(const LbfgsResult&)>;
 
 class LbfgsCoordinator {
  public:
   LbfgsCoordinator(PsClient& client, LbfgsOptions options);
   /// Runs L-BFGS from the shards' current "x"; leaves the result in "x".
-  LbfgsResult run(const LossEvaluation& evaluate);
+  LbfgsResult run(const LossEvaluation& evaluate, const IterationCallback& on_iteration = {});
   /// Vector commands sent so far (each call runs on all shards).
   int64_t commands() const { return commands_; }
 
@@ -56,6 +62,7 @@ class LbfgsCoordinator {
   PsClient& client_;
   LbfgsOptions options_;
   int64_t commands_ = 0;
+  int64_t rounds_ = 0;
 };
 
 }  // namespace dtrain::parallel::ps

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Sandblaster L-BFGS with a straggler: time per L-BFGS iteration (and per evaluation of the
+loss, a pass over the training set) with --workers workers (default 4) on Fashion-MNIST, the
+MLP, --work-units units per evaluation, 2 parameter-server shards. Three configurations:
+no straggler; the last rank slowed 3x (--simulate-slowdown) with backup tasks; the same
+without backup tasks (--no-backup-tasks). The figures are the coordinator's own clock
+(seconds_per_iteration / seconds_per_evaluation in the metrics' "strategy" record: the run
+without start-up and the final evaluation). Runs alternate within a round (reversed on odd
+rounds). Prints one line per run, then medians and the ratios to the straggler-free time.
+
+  bench/run_sandblaster_straggler.py --rounds 3 [--iterations 15 --markdown FILE]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(dtrain, extra, args, log):
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "m.jsonl")
+        command = [dtrain, "train", "--strategy", "sandblaster", "--ps-shards", "2",
+                   "--nproc", str(args.workers), "--model", args.model,
+                   "--max-steps", str(args.iterations), "--work-units", str(args.units),
+                   "--no-progress", "--metrics", metrics] + extra
+        out = subprocess.run(command, capture_output=True, text=True)
+        log.write(" ".join(command) + "\n" + out.stdout + out.stderr)
+        if out.returncode != 0:
+            raise SystemExit(f"failed: {' '.join(command)}\n{out.stdout}{out.stderr}")
+        records = [json.loads(line) for line in open(metrics)]
+    return [r for r in records if r.get("event") == "strategy"][-1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtrain", default=os.path.join(ROOT, "build", "dtrain"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=15)
+    parser.add_argument("--units", type=int, default=40)
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--log", default=os.path.join(ROOT, "bench", "results-sandblaster.log"))
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+    slow = ["--simulate-slowdown", f"{args.workers - 1}:3"]
+    configs = [("no straggler", []), ("3x straggler, backup tasks", slow),
+               ("3x straggler, no backup tasks", slow + ["--no-backup-tasks"])]
+    results = {name: [] for name, _ in configs}
+    with open(args.log, "w") as log:
+        for round_ in range(args.rounds):
+            order = configs if round_ % 2 == 0 else list(reversed(configs))
+            for name, extra in order:
+                r = run(args.dtrain, extra, args, log)
+                results[name].append(r)
+                print(f"round {round_ + 1} {name:32s} {r['seconds_per_iteration']:.3f} s/iteration "
+                      f"{r['seconds_per_evaluation']:.3f} s/evaluation ({int(r['iterations'])} "
+                      f"iterations, {int(r['evaluations'])} evaluations, "
+                      f"{int(r.get('backups_issued', 0))} backups, "
+                      f"{int(r.get('backups_won', 0))} won; units by worker "
+                      + ", ".join(str(int(r.get(f"worker{w}_units", 0))) for w in range(args.workers))
+                      + ")", flush=True)
+    base = statistics.median(r["seconds_per_iteration"] for r in results[configs[0][0]])
+    base_eval = statistics.median(r["seconds_per_evaluation"] for r in results[configs[0][0]])
+    lines = ["| configuration | s / iteration (median) | ratio | s / evaluation (median) | ratio | backups issued / won (median) |",
+             "|---|---|---|---|---|---|"]
+    for name, _ in configs:
+        it = statistics.median(r["seconds_per_iteration"] for r in results[name])
+        ev = statistics.median(r["seconds_per_evaluation"] for r in results[name])
+        issued = statistics.median(r.get("backups_issued", 0) for r in results[name])
+        won = statistics.median(r.get("backups_won", 0) for r in results[name])
+        lines.append(f"| {name} | {it:.3f} | {it / base:.2f} | {ev:.3f} | {ev / base_eval:.2f} | "
+                     f"{issued:.0f} / {won:.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

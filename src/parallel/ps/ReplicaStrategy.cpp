@@ -1,0 +1,83 @@
+#include "parallel/ps/ReplicaStrategy.h"
+
+#include <torch/torch.h>
+
+#include <cstdio>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::parallel::ps {
+
+void ReplicaStrategy::setup_replica(Model model, const optim::OptimizerFactory& make_optimizer,
+                                    std::shared_ptr<comm::ProcessGrid> grid) {
+  const std::string strategy = concat("--strategy ", name());
+  DTRAIN_CHECK_INPUT(!options_.ps_addresses.empty(), strategy,
+                     " needs the parameter-server shards: --ps HOST:PORT,... (servers started "
+                     "with dtrain ps serve) or --ps-shards N (started here)");
+  DTRAIN_CHECK_INPUT(options_.precision == "fp32", strategy, " trains in fp32 (the shards hold "
+                     "float32 parameters); --precision ", options_.precision,
+                     " is not supported with it");
+  DTRAIN_CHECK_INPUT(grid->pp_size() == 1 && grid->tp_size() == 1, strategy,
+                     " workers are replicas of the whole model: pipeline and tensor parallelism "
+                     "are not supported with it");
+  model_ = std::move(model);
+  grid_ = std::move(grid);
+  for (const auto& item : model_.module->named_parameters()) {
+    DTRAIN_CHECK_INPUT(item.value().scalar_type() == at::kFloat, strategy, ": parameter ",
+                       item.key(), " is ", item.value().scalar_type(), ", not float32");
+    names_.push_back(item.key());
+    parameters_.push_back(item.value());
+    numel_ += item.value().numel();
+  }
+  optimizer_ = make_optimizer(parameters_);
+  PsClientOptions client;
+  client.rpc_timeout = std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
+  client.worker = grid_->world()->rank();
+  client.retry_window = std::chrono::milliseconds(options_.ps_retry_ms);
+  client.auth_token = options_.ps_auth_token;
+  client.tls = options_.ps_tls;
+  client.tls_ca = options_.ps_tls_ca;
+  client_ = std::make_unique<PsClient>(options_.ps_addresses, client);
+  client_->on_restart([worker = client.worker, label = name()](const ShardRestart& r) {
+    std::fprintf(stderr,
+                 "%s worker %d: parameter server %s (shard %d) restarted from its checkpoint "
+                 "at version %lld; it had reached at least version %lld: %lld updates lost\n",
+                 label.c_str(), worker, r.address.c_str(), r.shard,
+                 static_cast<long long>(r.resumed_version), static_cast<long long>(r.seen_version),
+                 static_cast<long long>(r.lost));
+  });
+}
+
+at::Tensor ReplicaStrategy::flat_parameters() const {
+  std::vector<at::Tensor> flat;
+  for (const auto& p : parameters_) flat.push_back(p.detach().reshape({-1}));
+  return at::cat(flat);
+}
+
+void ReplicaStrategy::set_parameters(const at::Tensor& flat) {
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& p : parameters_) {
+    p.copy_(flat.slice(0, offset, offset + p.numel()).view_as(p));
+    offset += p.numel();
+  }
+}
+
+void ReplicaStrategy::write_replica(const std::string& directory) const {
+  write_state_shard(directory, 0, 1, pieces(), nullptr, buffers());
+}
+
+void ReplicaStrategy::load(const std::string& directory) {
+  const NamedTensors b = buffers();
+  read_state_shards(directory, pieces(), nullptr, {}, &b);
+}
+
+std::vector<PieceRef> ReplicaStrategy::pieces() const { return whole_pieces(names_, parameters_); }
+
+NamedTensors ReplicaStrategy::buffers() const {
+  NamedTensors b;
+  for (const auto& item : model_.module->named_buffers()) b.emplace_back(item.key(), item.value());
+  return b;
+}
+
+}  // namespace dtrain::parallel::ps

@@ -1,0 +1,50 @@
+// What the parameter-server strategies (Downpour, Sandblaster) share: each rank is a worker
+// holding a replica of the whole model, its parameters in flat order (float32, as the shards
+// keep them), a client of every shard, and checkpoints of the shards' parameters written by one
+// rank alone.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/ps/PsClient.h"
+
+namespace dtrain::parallel::ps {
+
+class ReplicaStrategy : public Strategy {
+ public:
+  explicit ReplicaStrategy(StrategyOptions options) : options_(std::move(options)) {}
+  Model& model() override { return model_; }
+  /// A local optimizer over the replica's parameters, kept for the Strategy interface: the
+  /// shards make the updates (learning rates set on this one have no effect).
+  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
+  /// The replica's parameters; the shards take them at the start unless they hold some.
+  void load(const std::string& directory) override;
+  bool synchronous() const override { return false; }
+
+ protected:
+  /// The checks every parameter-server strategy makes (shards given, fp32, no pipeline or
+  /// tensor parallelism, float32 parameters), then takes the model and connects to the shards.
+  void setup_replica(Model model, const optim::OptimizerFactory& make_optimizer,
+                     std::shared_ptr<comm::ProcessGrid> grid);
+  at::Tensor flat_parameters() const;
+  void set_parameters(const at::Tensor& flat);
+  /// Writes the replica's parameters (and buffers) as a one-file checkpoint.
+  void write_replica(const std::string& directory) const;
+  std::vector<PieceRef> pieces() const;
+  NamedTensors buffers() const;
+
+  StrategyOptions options_;
+  Model model_;
+  std::shared_ptr<comm::ProcessGrid> grid_;
+  std::vector<at::Tensor> parameters_;
+  std::vector<std::string> names_;
+  optim::OptimizerPtr optimizer_;
+  std::unique_ptr<PsClient> client_;
+  int64_t numel_ = 0;
+};
+
+}  // namespace dtrain::parallel::ps

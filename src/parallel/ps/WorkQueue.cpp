@@ -1,0 +1,287 @@
+#include "dtrain/parallel/ps/WorkQueue.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "comm/rpc/Security.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/sandblaster.grpc.pb.h"
+
+namespace dtrain::parallel::ps {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace
+
+WorkQueue::WorkQueue(WorkQueueOptions options) : options_(options) {
+  DTRAIN_CHECK_INPUT(options_.max_copies >= 1, "a work unit needs at least one copy");
+  last_progress_ = Clock::now();
+}
+
+void WorkQueue::open(int64_t round, int64_t units) {
+  DTRAIN_CHECK(units >= 1, "a round needs work units");
+  std::lock_guard<std::mutex> lock(mutex_);
+  DTRAIN_CHECK(round > round_, "round ", round, " opened after round ", round_);
+  round_ = round;
+  units_.assign(static_cast<size_t>(units), UnitState{});
+  next_pending_ = 0;
+  done_ = 0;
+  loss_ = 0.0;
+  last_progress_ = Clock::now();
+  ++stats_.rounds;
+  changed_.notify_all();
+}
+
+double WorkQueue::median_seconds() const {
+  if (seconds_.empty()) return 0.0;
+  std::vector<double> sorted = seconds_;
+  std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(sorted.size() / 2),
+                   sorted.end());
+  return sorted[sorted.size() / 2];
+}
+
+Assignment WorkQueue::next(int worker, std::chrono::milliseconds wait) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  workers_.emplace(worker, false);
+  const auto deadline = Clock::now() + wait;
+  while (true) {
+    if (closed_) {
+      workers_[worker] = true;
+      Assignment done;
+      done.kind = Assignment::Done;
+      done.reason = reason_;
+      return done;
+    }
+    const auto units = static_cast<int64_t>(units_.size());
+    if (round_ > 0 && done_ < units) {
+      const auto now = Clock::now();
+      auto hand_out = [&](int64_t unit, bool copy) {
+        units_[static_cast<size_t>(unit)].running.push_back({worker, now, copy});
+        ++stats_.issued;
+        Assignment a;
+        a.kind = Assignment::Unit;
+        a.round = round_;
+        a.unit = unit;
+        a.units = units;
+        a.backup = copy;
+        return a;
+      };
+      if (next_pending_ < units) return hand_out(next_pending_++, false);
+      auto holds = [&](const UnitState& u) {
+        return std::any_of(u.running.begin(), u.running.end(),
+                           [&](const Copy& c) { return c.worker == worker; });
+      };
+      // A unit whose every copy has run far longer than units take: its workers died.
+      if (!seconds_.empty()) {
+        const double lost_after = std::max(
+            options_.lost_factor * median_seconds(),
+            std::chrono::duration<double>(options_.min_lost).count());
+        for (int64_t i = 0; i < units; ++i) {
+          UnitState& u = units_[static_cast<size_t>(i)];
+          if (u.done || holds(u)) continue;
+          const bool lost = std::all_of(u.running.begin(), u.running.end(), [&](const Copy& c) {
+            return seconds_between(c.start, now) > lost_after;
+          });
+          if (lost) {
+            ++stats_.reissued;
+            return hand_out(i, true);
+          }
+        }
+      }
+      // Backup tasks: a copy of the unit running longest, when it has room for one more.
+      if (options_.backup_tasks) {
+        int64_t best = -1;
+        Clock::time_point oldest = now;
+        for (int64_t i = 0; i < units; ++i) {
+          const UnitState& u = units_[static_cast<size_t>(i)];
+          if (u.done || holds(u) || static_cast<int>(u.running.size()) >= options_.max_copies ||
+              u.running.empty()) {
+            continue;
+          }
+          if (u.running.front().start <= oldest) {
+            oldest = u.running.front().start;
+            best = i;
+          }
+        }
+        if (best >= 0) {
+          ++stats_.backups;
+          return hand_out(best, true);
+        }
+      }
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) return {};
+    // Re-checked every 50 ms: a unit can become lost without anything being reported.
+    changed_.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(50)));
+  }
+}
+
+bool WorkQueue::finish(int worker, int64_t round, int64_t unit, double loss, double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (round != round_ || unit < 0 || unit >= static_cast<int64_t>(units_.size())) {
+    ++stats_.late_reports;
+    return false;
+  }
+  UnitState& u = units_[static_cast<size_t>(unit)];
+  bool copy = false;
+  const auto mine = std::find_if(u.running.begin(), u.running.end(),
+                                 [&](const Copy& c) { return c.worker == worker; });
+  if (mine != u.running.end()) {
+    copy = mine->copy;
+    u.running.erase(mine);
+  }
+  if (u.done) {
+    ++stats_.late_reports;
+    return false;
+  }
+  u.done = true;
+  u.running.clear();
+  ++done_;
+  loss_ += loss;
+  if (seconds_.size() >= 1000) seconds_.erase(seconds_.begin());
+  seconds_.push_back(seconds);
+  if (copy) ++stats_.backups_won;
+  ++stats_.units_by_worker[worker];
+  last_progress_ = Clock::now();
+  changed_.notify_all();
+  return true;
+}
+
+double WorkQueue::wait_round(std::chrono::milliseconds stall) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (done_ < static_cast<int64_t>(units_.size())) {
+    DTRAIN_CHECK(!closed_, "Sandblaster: the run was stopped (", reason_, ")");
+    if (Clock::now() - last_progress_ > stall) {
+      std::string missing;
+      int listed = 0;
+      for (size_t i = 0; i < units_.size() && listed < 8; ++i) {
+        if (units_[i].done) continue;
+        missing += concat(listed++ ? ", " : "", "unit ", i);
+        if (units_[i].running.empty()) missing += " (not handed out)";
+        for (const Copy& c : units_[i].running) missing += concat(" (worker ", c.worker, ")");
+      }
+      DTRAIN_THROW(CommError, "Sandblaster: no work unit of evaluation ", round_, " finished for ",
+                   stall.count(), " ms; ", units_.size() - static_cast<size_t>(done_), " of ",
+                   units_.size(), " missing: ", missing,
+                   " - are the workers alive and reaching the coordinator?");
+    }
+    changed_.wait_for(lock, std::chrono::milliseconds(100));
+  }
+  return loss_;
+}
+
+void WorkQueue::close(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  closed_ = true;
+  reason_ = reason;
+  changed_.notify_all();
+}
+
+std::vector<int> WorkQueue::workers_not_told_done() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int> out;
+  for (const auto& [worker, told] : workers_) {
+    if (!told) out.push_back(worker);
+  }
+  return out;
+}
+
+WorkStats WorkQueue::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+std::string WorkQueue::check_examples(int worker, int64_t examples) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (examples_ < 0) examples_ = examples;
+  if (examples == examples_) return "";
+  return concat("worker ", worker, " has ", examples, " training examples, the first worker had ",
+                examples_, ": every worker must cut the same data into work units");
+}
+
+// The gRPC face of the queue: requests are checked before they reach it.
+class WorkCoordinatorService final : public dtrain::sandblaster::WorkCoordinator::Service {
+ public:
+  WorkCoordinatorService(WorkQueue& queue, std::string token)
+      : queue_(queue), token_(std::move(token)) {}
+
+  grpc::Status GetWork(grpc::ServerContext* context, const dtrain::sandblaster::WorkRequest* request,
+                       dtrain::sandblaster::WorkReply* reply) override {
+    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    if (request->worker() < 0) return invalid(concat("GetWork: field 'worker' is ", request->worker()));
+    if (request->examples() <= 0) {
+      return invalid(concat("GetWork: field 'examples' is ", request->examples(), " (must be > 0)"));
+    }
+    if (request->wait_ms() < 0 || request->wait_ms() > 5000) {
+      return invalid(concat("GetWork: field 'wait_ms' is ", request->wait_ms(), " (0 to 5000)"));
+    }
+    if (std::string why = queue_.check_examples(request->worker(), request->examples()); !why.empty()) {
+      return {grpc::StatusCode::FAILED_PRECONDITION, "GetWork: " + why};
+    }
+    const Assignment a = queue_.next(request->worker(), std::chrono::milliseconds(request->wait_ms()));
+    reply->set_kind(a.kind == Assignment::Unit   ? dtrain::sandblaster::WorkReply::UNIT
+                    : a.kind == Assignment::Done ? dtrain::sandblaster::WorkReply::DONE
+                                                 : dtrain::sandblaster::WorkReply::WAIT);
+    reply->set_round(a.round);
+    reply->set_unit(a.unit);
+    reply->set_units(a.units);
+    reply->set_backup(a.backup);
+    reply->set_reason(a.reason);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Finish(grpc::ServerContext* context, const dtrain::sandblaster::UnitResult* request,
+                      dtrain::sandblaster::FinishReply* reply) override {
+    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    if (request->worker() < 0) return invalid(concat("Finish: field 'worker' is ", request->worker()));
+    if (request->round() < 1) return invalid(concat("Finish: field 'round' is ", request->round()));
+    if (request->unit() < 0 || request->unit() >= kMaxUnitsPerRound) {
+      return invalid(concat("Finish: field 'unit' is ", request->unit()));
+    }
+    if (!std::isfinite(request->loss())) return invalid("Finish: field 'loss' is not finite");
+    if (!(request->seconds() >= 0) || !std::isfinite(request->seconds())) {
+      return invalid(concat("Finish: field 'seconds' is ", request->seconds()));
+    }
+    reply->set_counted(queue_.finish(request->worker(), request->round(), request->unit(),
+                                     request->loss(), request->seconds()));
+    return grpc::Status::OK;
+  }
+
+ private:
+  static constexpr int64_t kMaxUnitsPerRound = int64_t{1} << 20;
+  static grpc::Status invalid(const std::string& why) {
+    return {grpc::StatusCode::INVALID_ARGUMENT, why};
+  }
+  WorkQueue& queue_;
+  std::string token_;
+};
+
+WorkCoordinatorServer::WorkCoordinatorServer(WorkQueue& queue, const WorkCoordinatorOptions& options)
+    : service_(std::make_unique<WorkCoordinatorService>(queue, options.auth_token)) {
+  rpc::RpcSecurity security;
+  security.tls_cert = options.tls_cert;
+  security.tls_key = options.tls_key;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, rpc::server_credentials(security), &port_);
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  DTRAIN_CHECK_INPUT(server_ && port_ > 0, "the Sandblaster coordinator cannot listen on ",
+                     options.listen, " (address in use or not this machine's?)");
+}
+
+WorkCoordinatorServer::~WorkCoordinatorServer() { shutdown(); }
+
+void WorkCoordinatorServer::shutdown() {
+  if (server_ && !stopped_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  stopped_ = true;
+}
+
+}  // namespace dtrain::parallel::ps
