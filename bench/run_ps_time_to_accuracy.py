@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Time to a test accuracy on Fashion-MNIST with --workers workers (default 4): Downpour (Adagrad on 2 shards)
 against synchronous DDP, with equal workers and with one worker slowed 3x
-(--simulate-slowdown LAST:3). Every run is the main job's CNN for --epochs epochs, evaluated every
---eval-every global steps (the full test set, by rank 0; a Downpour worker makes about a
-1/workers of the global steps, so its rank 0 evaluates every eval-every / workers of its own steps while
-the others train on). Two clocks for the time to the target, at the first evaluation at or above
-it: wall seconds (evaluation included) and training seconds (rank 0's clock without its
-evaluations; for Downpour this leaves in what the other workers trained while rank 0 evaluated,
-which favours it, so the table gives both). Runs alternate within a
-round (reversed on odd rounds). Prints one line per run, then a table with medians and the
-Downpour / DDP ratios, and Downpour's staleness histogram.
+(--simulate-slowdown RANK:3, the last rank unless --slow-rank). Every run is the main job's CNN
+for --epochs epochs with an evaluation point every --eval-every global steps (a Downpour worker
+makes about 1/workers of the global steps, so its rank 0 marks one every eval-every / workers
+of its own steps). By default the runs use --defer-eval: at each point rank 0 copies the
+parameters and the copies are evaluated (whole test set) after training, each with the clock
+of its moment, so both sides' times leave evaluation out; --inline-eval evaluates during
+training instead (Downpour's rank 0 then pauses its own training for every evaluation while
+the others train on). Two clocks at the first evaluation at or above the target: wall seconds
+from the start, and rank 0's training seconds. Runs alternate within a round (reversed on odd
+rounds). Prints one line per run, then a table with medians and the Downpour / DDP ratios, and
+Downpour's staleness histogram.
 
   bench/run_ps_time_to_accuracy.py --rounds 1 [--epochs 3 --target 0.88 --markdown FILE]
 """
@@ -23,19 +25,21 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(dtrain, extra, epochs, eval_every, log, workers):
+def run(dtrain, extra, epochs, eval_every, log, workers, inline_eval):
     if "downpour" in extra:
         eval_every = max(1, eval_every // workers)
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         command = [dtrain, "train", "--nproc", str(workers), "--epochs", str(epochs), "--no-progress",
                    "--eval-every", str(eval_every), "--metrics", metrics] + extra
+        if not inline_eval:
+            command.append("--defer-eval")
         out = subprocess.run(command, capture_output=True, text=True)
         log.write(" ".join(command) + "\n" + out.stdout + out.stderr)
         if out.returncode != 0:
             raise SystemExit(f"failed: {' '.join(command)}\n{out.stdout}{out.stderr}")
         records = [json.loads(line) for line in open(metrics)]
-    evals = [r for r in records if r.get("event") == "eval"]
+    evals = sorted((r for r in records if r.get("event") == "eval"), key=lambda r: r["seconds"])
     summary = [r for r in records if r.get("event") == "summary"][-1]
     strategy = [r for r in records if r.get("event") == "strategy"]
     return evals, summary, strategy[-1] if strategy else {}
@@ -52,9 +56,15 @@ def main():
     parser.add_argument("--target", type=float, default=0.88)
     parser.add_argument("--log", default=os.path.join(ROOT, "bench", "results-ps-accuracy.log"))
     parser.add_argument("--markdown")
+    parser.add_argument("--inline-eval", action="store_true",
+                        help="evaluate during training (default: --defer-eval, evaluation off the clock)")
+    parser.add_argument("--ps-lr", type=float)
+    parser.add_argument("--slow-rank", type=int, help="the straggler (default: the last rank)")
     args = parser.parse_args()
     downpour = ["--strategy", "downpour", "--ps-shards", "2"]
-    last = args.workers - 1
+    last = args.workers - 1 if args.slow_rank is None else args.slow_rank
+    if args.ps_lr is not None:
+        downpour += ["--ps-lr", str(args.ps_lr)]
     slow = ["--simulate-slowdown", f"{last}:3"]
     slowed = f"rank {last} slowed 3x"
     configs = [("ddp", []), ("downpour", downpour), (f"ddp, {slowed}", slow),
@@ -65,7 +75,7 @@ def main():
             order = configs if r % 2 == 0 else list(reversed(configs))
             for label, extra in order:
                 evals, summary, strategy = run(args.dtrain, extra, args.epochs, args.eval_every, log,
-                                               args.workers)
+                                               args.workers, args.inline_eval)
                 hit = next((e["seconds"] for e in evals if e["val_accuracy"] >= args.target), None)
                 hit_train = next((e["train_seconds"] for e in evals
                                   if e["val_accuracy"] >= args.target), None)

@@ -374,6 +374,10 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   add(app, "--metrics", t.metrics_file, "JSONL metrics file");
   add(app, "--eval-every", t.eval_every, "Also evaluate every N steps (0 = epoch ends only)")
       ->capture_default_str();
+  app.add_flag("--defer-eval", t.defer_eval,
+               "Evaluate after training, on copies of the parameters taken at each evaluation "
+               "point (recorded with their moment's clock: time to accuracy without the "
+               "evaluations)");
   add(app, "--log-every", t.log_every, "Steps between metrics records")
       ->capture_default_str();
   app.add_flag("!--no-progress", t.progress, "No progress bar");

@@ -534,3 +534,42 @@ TEST(Checkpoint, ConsolidatedFileLoadsInCppAndPython) {
   std::ofstream(checkpoint + "/state-0-of-1.pt") << "not a pickle";
   EXPECT_THROW(train::consolidate_checkpoint(checkpoint, dir / "again.pt"), InputError);
 }
+
+// --defer-eval: the evaluations made after training, on the copies taken at each evaluation
+// point, equal those made during training at the same steps (2 DDP ranks), and the deferred
+// records carry the clock of their moment.
+TEST(Trainer, DeferredEvaluationsEqualThoseMadeDuringTraining) {
+  TempDir dir;
+  auto evals = [&](bool defer) {
+    auto options = base_options();
+    options.metrics_file = dir / (defer ? "deferred.jsonl" : "inline.jsonl");
+    options.eval_every = 7;
+    options.defer_eval = defer;
+    run(2, options, 5, mlp_spec(), true);
+    std::ifstream in(options.metrics_file);
+    std::map<int64_t, std::pair<double, double>> by_step;  // step -> (loss, seconds)
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.at("event") != "eval") continue;
+      EXPECT_EQ(record.contains("deferred"), defer);
+      by_step[record.at("step").get<int64_t>()] = {record.at("val_loss").get<double>(),
+                                                   record.at("seconds").get<double>()};
+    }
+    return by_step;
+  };
+  const auto during = evals(false), after = evals(true);
+  ASSERT_EQ(during.size(), after.size());
+  ASSERT_GE(during.size(), 4u);  // every 7 steps and the 3 epoch ends
+  double previous = 0;
+  for (const auto& [step, value] : during) {
+    ASSERT_EQ(after.count(step), 1u) << step;
+    EXPECT_NEAR(after.at(step).first, value.first, 1e-12) << step;
+    EXPECT_GE(after.at(step).second, previous);
+    previous = after.at(step).second;
+  }
+  auto options = base_options();
+  options.defer_eval = true;
+  options.strategy = "zero3";
+  EXPECT_THROW(train::Trainer trainer(options), InputError);
+}

@@ -132,6 +132,10 @@ std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t
 
 void validate(const TrainerOptions& o) {
   DTRAIN_CHECK_INPUT(o.epochs >= 1, "epochs must be >= 1, got ", o.epochs);
+  DTRAIN_CHECK_INPUT(!o.defer_eval || (o.strategy != "zero3" && o.strategy != "pipeline" &&
+                                       o.pipeline_parallel <= 1 && o.tensor_parallel <= 1),
+                     "--defer-eval copies the whole model on rank 0: not with zero3, pipeline or "
+                     "tensor parallelism");
   DTRAIN_CHECK_INPUT(o.batch_size >= 1, "batch size must be >= 1, got ", o.batch_size);
   DTRAIN_CHECK_INPUT(o.accumulation_steps >= 1, "accumulation steps must be >= 1, got ",
                      o.accumulation_steps);
@@ -444,6 +448,29 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
 
   const auto start = Clock::now();
   double train_seconds = 0.0;
+  // --defer-eval: the parameters (and buffers) at each evaluation point, evaluated at the end.
+  struct Snapshot {
+    int64_t step = 0, epoch = 0;
+    double seconds = 0, train_seconds = 0;
+    std::vector<at::Tensor> state;
+  };
+  std::vector<Snapshot> snapshots;
+  auto model_tensors_now = [&] {
+    std::vector<at::Tensor> out;
+    for (const auto& p : strategy_->model().module->parameters()) out.push_back(p.detach());
+    for (const auto& b : strategy_->model().module->buffers()) out.push_back(b.detach());
+    return out;
+  };
+  auto model_state = [&] {
+    std::vector<at::Tensor> copy;
+    for (const auto& t : model_tensors_now()) copy.push_back(t.clone());
+    return copy;
+  };
+  auto set_model_state = [&](const std::vector<at::Tensor>& state) {
+    torch::NoGradGuard no_grad;
+    const std::vector<at::Tensor> now = model_tensors_now();
+    for (size_t i = 0; i < now.size(); ++i) now[i].copy_(state[i]);
+  };
   int64_t samples = 0;
   std::vector<int64_t> order;
   int64_t order_epoch = -1;
@@ -547,8 +574,13 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     const bool epoch_end = in_epoch + 1 == steps_per_epoch || step + 1 == total_steps;
     const bool halting = async ? done : step + 1 == last_step;
     const bool eval_due = options_.eval_every > 0 && (step + 1) % options_.eval_every == 0;
-    // Asynchronous: rank 0 alone evaluates, and the final evaluation comes after the loop.
-    if ((epoch_end || eval_due) && validation != nullptr && (!async || (leader && !halting))) {
+    // Deferred: rank 0 keeps a copy of the parameters, evaluated after training.
+    if ((epoch_end || eval_due) && validation != nullptr && options_.defer_eval) {
+      if (leader && (!async || !halting)) {
+        snapshots.push_back({reached, epoch, seconds_since(start), train_seconds, model_state()});
+      }
+    } else if ((epoch_end || eval_due) && validation != nullptr && (!async || (leader && !halting))) {
+      // Asynchronous: rank 0 alone evaluates, and the final evaluation comes after the loop.
       result.validation = evaluate_on(*validation, async);
       if (leader) {
         MetricRecord record{{"event", std::string("eval")},
@@ -670,6 +702,25 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     }
   }
   result.seconds = seconds_since(start);
+  if (leader && !snapshots.empty()) {
+    // The deferred evaluations, on the clock of the moment each copy was taken.
+    const std::vector<at::Tensor> final_state = model_state();
+    std::optional<EvalResult> last;
+    for (const Snapshot& snapshot : snapshots) {
+      set_model_state(snapshot.state);
+      last = evaluate_on(*validation, true);
+      metrics.write({{"event", std::string("eval")},
+                     {"step", snapshot.step},
+                     {"epoch", snapshot.epoch},
+                     {"seconds", snapshot.seconds},
+                     {"train_seconds", snapshot.train_seconds},
+                     {"deferred", int64_t{1}},
+                     {"val_loss", last->loss},
+                     {"val_accuracy", last->accuracy}});
+    }
+    set_model_state(final_state);
+    if (!result.validation) result.validation = last;
+  }
   if (!options_.trace_file.empty()) write_trace();
   result.samples_per_second = samples / std::max(train_seconds, 1e-9);
   if (leader) {

@@ -67,6 +67,11 @@ struct TrainerOptions {
   int64_t eval_batch_size = 256;
   /// > 0: also evaluate every N steps (else at epoch ends only).
   int64_t eval_every = 0;
+  /// Evaluate after training instead: rank 0 copies the parameters at each evaluation point
+  /// and evaluates the copies at the end, each recorded with the clock of its moment - the
+  /// run's time leaves evaluation out (time-to-accuracy measurements). Strategies whose rank 0
+  /// holds the whole model only (not zero3, pipeline or tensor parallelism).
+  bool defer_eval = false;
   /// The outputs are per-token predictions (a language model): validation loss is reported in
   /// nats and bits per token, accuracy as the share of next tokens predicted.
   bool token_loss = false;

@@ -71,12 +71,16 @@ void for_each_chunk(const at::Tensor& flat, int64_t offset, const std::string& n
 }
 
 std::string check_chunk(const TensorChunk& chunk, const ChunkRule& rule, const std::string& where) {
+  return check_chunk_meta(chunk, static_cast<int64_t>(chunk.data().size()), rule, where);
+}
+
+std::string check_chunk_meta(const TensorChunk& chunk, int64_t bytes, const ChunkRule& rule,
+                             const std::string& where) {
   const DType expected = to_wire(rule.dtype);
   if (chunk.dtype() != expected) {
     return concat(where, ": field 'dtype' is ", dtype_name(chunk.dtype()), ", expected ",
                   dtype_name(expected));
   }
-  const int64_t bytes = static_cast<int64_t>(chunk.data().size());
   if (bytes > rule.max_bytes) {
     return concat(where, ": field 'data' holds ", bytes, " bytes, more than the ", rule.max_bytes,
                   " a chunk may");

@@ -44,6 +44,9 @@ struct ChunkRule {
 
 /// "" when `chunk` obeys `rule`, else one sentence naming the bad field (prefixed by `where`).
 std::string check_chunk(const TensorChunk& chunk, const ChunkRule& rule, const std::string& where);
+/// check_chunk for a chunk whose data (`bytes` long) travels beside it (BulkMessage.h).
+std::string check_chunk_meta(const TensorChunk& chunk, int64_t bytes, const ChunkRule& rule,
+                             const std::string& where);
 
 /// Elements in a chunk that passed check_chunk.
 int64_t chunk_elements(const TensorChunk& chunk);

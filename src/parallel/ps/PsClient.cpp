@@ -12,12 +12,23 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/ps.grpc.pb.h"
 #include "dtrain/parallel/ps/ParameterShard.h"
+#include "parallel/ps/PsWire.h"
 
 namespace dtrain::parallel::ps {
 
 struct PsClient::Shard {
   std::string address;
+  std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<dtrain::ps::ParameterServer::Stub> stub;
+  // The streaming methods, whose payloads travel beside protobuf (rpc::Bulk).
+  std::unique_ptr<grpc::internal::RpcMethod> initialize, pull, push;
+
+  using Writer = grpc::ClientWriter<rpc::Bulk<dtrain::ps::PushChunk>>;
+  std::unique_ptr<Writer> writer(const grpc::internal::RpcMethod& method,
+                                 grpc::ClientContext& context, dtrain::ps::PushReply* reply) {
+    return std::unique_ptr<Writer>(grpc::internal::ClientWriterFactory<
+        rpc::Bulk<dtrain::ps::PushChunk>>::Create(channel.get(), method, &context, reply));
+  }
   dtrain::ps::ShardInfo info;
   uint64_t incarnation = 0;           // of the shard as first described
   // Newest version seen from this incarnation of the shard: every version this worker computed
@@ -57,17 +68,27 @@ bool retryable(const grpc::Status& status) {
                status.error_code(), "): ", status.error_message());
 }
 
-// Streams `values` (elements from `begin` of the flat vector) as PushChunks, `fill` setting each
-// message's other fields; returns the call's status.
+// Streams `values` (elements from `begin` of the flat vector, float32, kept alive by
+// `owner`) as PushChunks whose payloads point into it, `fill` setting each message's other
+// fields; returns the call's status.
 template <typename Fill>
-grpc::Status send_chunks(grpc::ClientWriter<dtrain::ps::PushChunk>& writer, const at::Tensor& values,
-                         int64_t begin, int64_t chunk_bytes, const Fill& fill) {
-  rpc::for_each_chunk(values, begin, "", chunk_bytes, [&](rpc::TensorChunk& chunk) {
-    dtrain::ps::PushChunk message;
-    fill(message);
-    message.mutable_chunk()->Swap(&chunk);
-    return writer.Write(message);
-  });
+grpc::Status send_chunks(grpc::ClientWriter<rpc::Bulk<dtrain::ps::PushChunk>>& writer,
+                         const at::Tensor& values, int64_t begin, int64_t chunk_bytes,
+                         const std::shared_ptr<const void>& owner, const Fill& fill) {
+  const int64_t n = values.numel();
+  const int64_t per_chunk = std::max<int64_t>(1, chunk_bytes / 4);
+  for (int64_t at = 0; at < n; at += per_chunk) {
+    rpc::Bulk<dtrain::ps::PushChunk> message;
+    fill(message.meta);
+    rpc::TensorChunk* chunk = message.meta.mutable_chunk();
+    chunk->set_dtype(rpc::FLOAT32);
+    chunk->set_offset(begin + at);
+    if (at == 0) chunk->add_shape(n);
+    message.data = static_cast<const char*>(values.data_ptr()) + at * 4;
+    message.bytes = std::min(per_chunk, n - at) * 4;
+    message.owner = owner;
+    if (!writer.Write(message)) break;
+  }
   writer.WritesDone();
   return writer.Finish();
 }
@@ -110,8 +131,15 @@ PsClient::PsClient(std::vector<std::string> addresses, PsClientOptions options)
   for (const auto& address : addresses_) {
     auto shard = std::make_unique<Shard>();
     shard->address = address;
-    shard->stub = dtrain::ps::ParameterServer::NewStub(
-        grpc::CreateCustomChannel(address, credentials, arguments));
+    shard->channel = grpc::CreateCustomChannel(address, credentials, arguments);
+    shard->stub = dtrain::ps::ParameterServer::NewStub(shard->channel);
+    using grpc::internal::RpcMethod;
+    shard->initialize = std::make_unique<RpcMethod>(kPsMethodName[kInitialize],
+                                                    RpcMethod::CLIENT_STREAMING, shard->channel);
+    shard->pull = std::make_unique<RpcMethod>(kPsMethodName[kPull], RpcMethod::SERVER_STREAMING,
+                                              shard->channel);
+    shard->push = std::make_unique<RpcMethod>(kPsMethodName[kPush], RpcMethod::CLIENT_STREAMING,
+                                              shard->channel);
     shards_.push_back(std::move(shard));
   }
   describe_all();
@@ -224,14 +252,15 @@ std::vector<dtrain::ps::ShardInfo> PsClient::describe() {
 bool PsClient::initialize(const at::Tensor& flat) {
   DTRAIN_CHECK(flat.scalar_type() == at::kFloat && flat.dim() == 1, "initialize takes flat float32");
   total_ = flat.numel();
+  const auto owner = std::make_shared<const at::Tensor>(flat.contiguous());
   std::vector<char> created(shards(), 0);
   for_each_shard(shards(), [&](int i) {
     const auto [begin, end] = shard_range(total_, i, shards());
     with_retry(i, "Initialize", [&](Shard& s, grpc::ClientContext& context) {
       dtrain::ps::PushReply reply;
-      auto writer = s.stub->Initialize(&context, &reply);
-      grpc::Status status = send_chunks(*writer, flat.narrow(0, begin, end - begin), begin,
-                                        options_.chunk_bytes, [&](dtrain::ps::PushChunk& message) {
+      auto writer = s.writer(*s.initialize, context, &reply);
+      grpc::Status status = send_chunks(*writer, owner->narrow(0, begin, end - begin), begin,
+                                        options_.chunk_bytes, owner, [&](dtrain::ps::PushChunk& message) {
                                           message.set_worker(options_.worker);
                                           message.set_total(total_);
                                         });
@@ -263,25 +292,31 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
       request.set_begin(begin);
       request.set_end(end);
       request.set_chunk_bytes(options_.chunk_bytes);
-      auto reader = s.stub->Pull(&context, request);
-      dtrain::ps::PullChunk message;
+      std::unique_ptr<grpc::ClientReader<rpc::Bulk<dtrain::ps::PullChunk>>> reader(
+          grpc::internal::ClientReaderFactory<rpc::Bulk<dtrain::ps::PullChunk>>::Create(
+              s.channel.get(), *s.pull, &context, request));
       rpc::ChunkRule rule;
       rule.begin = begin;
       rule.end = end;
       problem.clear();
       received = 0;
       version = -1;
+      const std::string where = concat("Pull reply from ", s.address);
+      // Each payload is checked, then copied once, from gRPC's slices into `flat`.
+      rpc::Bulk<dtrain::ps::PullChunk> message;
+      message.place = [&](const dtrain::ps::PullChunk& meta, int64_t bytes, std::string* why) -> char* {
+        *why = rpc::check_chunk_meta(meta.chunk(), bytes, rule, where);
+        if (why->empty() && version >= 0 && meta.version() != version) {
+          *why = concat(where, " mixes versions ", version, " and ", meta.version());
+        }
+        return why->empty() ? static_cast<char*>(flat.data_ptr()) + meta.chunk().offset() * 4 : nullptr;
+      };
       while (reader->Read(&message)) {
         if (!problem.empty()) continue;
-        problem = rpc::check_chunk(message.chunk(), rule, concat("Pull reply from ", s.address));
-        if (problem.empty() && version >= 0 && message.version() != version) {
-          problem = concat("Pull reply from ", s.address, " mixes versions ", version, " and ",
-                           message.version());
-        }
+        problem = message.refused;
         if (!problem.empty()) continue;
-        version = message.version();
-        rpc::copy_chunk(message.chunk(), flat, 0);
-        received += rpc::chunk_elements(message.chunk());
+        version = message.meta.version();
+        received += message.received / 4;
       }
       return reader->Finish();
     });
@@ -300,14 +335,15 @@ int PsClient::accumulate(const at::Tensor& gradient, const std::string& vector, 
   DTRAIN_CHECK(total_ == gradient.numel() && gradient.scalar_type() == at::kFloat &&
                    gradient.is_contiguous(),
                "accumulate of ", gradient.numel(), " elements; the model has ", total_);
+  const auto owner = std::make_shared<const at::Tensor>(gradient);
   std::vector<char> ignored(shards(), 0);
   for_each_shard(shards(), [&](int i) {
     const auto [begin, end] = shard_range(total_, i, shards());
     with_retry(i, "Push", [&](Shard& s, grpc::ClientContext& context) {
       dtrain::ps::PushReply reply;
-      auto writer = s.stub->Push(&context, &reply);
+      auto writer = s.writer(*s.push, context, &reply);
       grpc::Status status = send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin,
-                                        options_.chunk_bytes, [&](dtrain::ps::PushChunk& message) {
+                                        options_.chunk_bytes, owner, [&](dtrain::ps::PushChunk& message) {
                                           message.set_worker(options_.worker);
                                           message.set_accumulate(vector);
                                           message.set_round(round);
@@ -356,16 +392,17 @@ PushResult PsClient::push(const at::Tensor& gradient, const std::vector<int64_t>
   result.versions.assign(shards(), 0);
   result.staleness.assign(shards(), 0);
   result.lr.assign(shards(), 0.0);
+  const auto owner = std::make_shared<const at::Tensor>(gradient);
   for_each_shard(shards(), [&](int i) {
     const auto [begin, end] = shard_range(total_, i, shards());
     dtrain::ps::PushReply reply;
     with_retry(i, "Push", [&](Shard& s, grpc::ClientContext& context) {
-      auto writer = s.stub->Push(&context, &reply);
+      auto writer = s.writer(*s.push, context, &reply);
       // After a restart the gradient may have been computed on a version the shard lost: it
       // counts as computed on the newest the worker has seen since.
       const int64_t computed = std::min(versions[i], s.seen_version);
       return send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin,
-                         options_.chunk_bytes, [&](dtrain::ps::PushChunk& message) {
+                         options_.chunk_bytes, owner, [&](dtrain::ps::PushChunk& message) {
                            message.set_worker(options_.worker);
                            message.set_computed_version(computed);
                            message.set_last(last);

@@ -11,6 +11,7 @@
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/ps.grpc.pb.h"
+#include "parallel/ps/PsWire.h"
 
 namespace dtrain::parallel::ps {
 
@@ -22,12 +23,13 @@ grpc::Status invalid(const std::string& why) {
 
 // Float32 buffers kept for reuse: a shard streams megabytes per call, and fresh buffers would
 // cost a page fault per 4 KB on every call.
-class BufferPool {
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
  public:
   class Lease {
    public:
-    Lease(BufferPool* pool, at::Tensor buffer) : pool_(pool), buffer_(std::move(buffer)) {}
-    Lease(Lease&& other) noexcept : pool_(other.pool_), buffer_(std::move(other.buffer_)) {
+    Lease(std::shared_ptr<BufferPool> pool, at::Tensor buffer)
+        : pool_(std::move(pool)), buffer_(std::move(buffer)) {}
+    Lease(Lease&& other) noexcept : pool_(std::move(other.pool_)), buffer_(std::move(other.buffer_)) {
       other.pool_ = nullptr;
     }
     Lease(const Lease&) = delete;
@@ -37,7 +39,7 @@ class BufferPool {
     const at::Tensor& tensor() const { return buffer_; }
 
    private:
-    BufferPool* pool_;
+    std::shared_ptr<BufferPool> pool_;  // a lease held by gRPC may outlive the service
     at::Tensor buffer_;
   };
 
@@ -49,11 +51,11 @@ class BufferPool {
         if (free_[i].numel() >= n) {
           at::Tensor buffer = std::move(free_[i]);
           free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
-          return Lease(this, buffer);
+          return Lease(shared_from_this(), buffer);
         }
       }
     }
-    return Lease(this, at::empty({n}, at::kFloat));
+    return Lease(shared_from_this(), at::empty({n}, at::kFloat));
   }
 
  private:
@@ -67,49 +69,63 @@ class BufferPool {
 
 // Reads a stream of chunks that must follow each other from the first one's offset, within
 // `rule`, into `buffer` (elements [rule.begin, rule.end) of the index space; empty: parts are
-// gathered and joined); sets `values` to the elements received and returns "" or why the
-// stream was refused.
-std::string read_stream(grpc::ServerReader<dtrain::ps::PushChunk>* reader, rpc::ChunkRule rule,
-                        const char* rpc_name, int64_t* first_offset, at::Tensor* values,
-                        dtrain::ps::PushChunk* head, const at::Tensor& buffer = {}) {
-  dtrain::ps::PushChunk chunk;
+// gathered and joined); each payload is copied once, from gRPC's slices to its place. Sets
+// `values` to the elements received and returns "" or why the stream was refused.
+std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* reader,
+                        rpc::ChunkRule rule, const char* rpc_name, int64_t* first_offset,
+                        at::Tensor* values, dtrain::ps::PushChunk* head,
+                        const at::Tensor& buffer = {}) {
+  rpc::Bulk<dtrain::ps::PushChunk> chunk;
   std::vector<at::Tensor> parts;
   int64_t next = -1;
   int64_t index = 0;
   std::string problem;
+  // Checks a chunk's fields against the rule and the chunks before it ("" or why not).
+  auto check = [&](const dtrain::ps::PushChunk& meta, int64_t bytes) {
+    const std::string where = concat(rpc_name, " chunk ", index);
+    std::string why = rpc::check_chunk_meta(meta.chunk(), bytes, rule, where);
+    if (!why.empty() || next < 0) return why;
+    if (meta.chunk().offset() != next) {
+      return concat(where, ": field 'offset' is ", meta.chunk().offset(), ", expected ", next,
+                    " (chunks must follow each other)");
+    }
+    if (meta.computed_version() != head->computed_version()) {
+      return concat(where, ": field 'computed_version' is ", meta.computed_version(),
+                    ", the first chunk's ", head->computed_version());
+    }
+    return std::string();
+  };
+  chunk.place = [&](const dtrain::ps::PushChunk& meta, int64_t bytes, std::string* why) -> char* {
+    if (!problem.empty()) {  // draining the stream: nothing is kept
+      *why = problem;
+      return nullptr;
+    }
+    *why = check(meta, bytes);
+    if (!why->empty()) return nullptr;
+    if (buffer.defined()) {
+      return static_cast<char*>(buffer.data_ptr()) + (meta.chunk().offset() - rule.begin) * 4;
+    }
+    parts.push_back(at::empty({bytes / 4}, at::kFloat));
+    return static_cast<char*>(parts.back().data_ptr());
+  };
   while (reader->Read(&chunk)) {
     if (!problem.empty()) continue;  // drain the stream, apply nothing
-    const std::string where = concat(rpc_name, " chunk ", index++);
-    problem = rpc::check_chunk(chunk.chunk(), rule, where);
+    problem = chunk.refused.empty() && chunk.received == 0 ? check(chunk.meta, 0) : chunk.refused;
+    ++index;
     if (!problem.empty()) continue;
     if (next < 0) {
-      *head = chunk;
-      *first_offset = chunk.chunk().offset();
-    } else if (chunk.chunk().offset() != next) {
-      problem = concat(where, ": field 'offset' is ", chunk.chunk().offset(), ", expected ", next,
-                       " (chunks must follow each other)");
-      continue;
-    } else if (chunk.computed_version() != head->computed_version()) {
-      problem = concat(where, ": field 'computed_version' is ", chunk.computed_version(),
-                       ", the first chunk's ", head->computed_version());
-      continue;
+      *head = chunk.meta;
+      *first_offset = chunk.meta.chunk().offset();
+      next = *first_offset;
     }
-    const int64_t n = rpc::chunk_elements(chunk.chunk());
-    if (buffer.defined()) {
-      rpc::copy_chunk(chunk.chunk(), buffer, rule.begin);
-    } else {
-      at::Tensor part = at::empty({n}, at::kFloat);
-      rpc::copy_chunk(chunk.chunk(), part, chunk.chunk().offset());
-      parts.push_back(part);
-    }
-    next = chunk.chunk().offset() + n;
+    next += chunk.received / 4;
   }
   if (!problem.empty()) return problem;
   if (next < 0) return concat(rpc_name, ": the stream held no chunks");
   if (buffer.defined()) {
     *values = buffer.narrow(0, *first_offset - rule.begin, next - *first_offset);
   } else {
-    *values = parts.size() == 1 ? parts[0] : at::cat(parts);
+    *values = parts.empty() ? at::empty({0}, at::kFloat) : parts.size() == 1 ? parts[0] : at::cat(parts);
   }
   if (values->numel() == 0) return concat(rpc_name, ": the chunks hold no elements");
   return "";
@@ -123,19 +139,64 @@ std::string shard_checkpoint_file(const std::string& dir, int shard, int shards)
   return concat(dir, "/shard-", shard, "-of-", shards, ".pt");
 }
 
-class ShardService final : public dtrain::ps::ParameterServer::Service {
+class ShardService final : public grpc::Service {
  public:
   explicit ShardService(const ShardServerOptions& options)
       : shard_(options.shard, options.shards, options.optimizer), token_(options.auth_token),
         incarnation_(std::random_device{}() * 0x100000001ULL ^ std::random_device{}()),
-        started_(std::chrono::steady_clock::now()) {}
+        started_(std::chrono::steady_clock::now()) {
+    // Registered by hand rather than through the generated ParameterServer::Service:
+    // Initialize, Pull and Push carry their tensor payloads beside protobuf (rpc::Bulk).
+    using grpc::internal::RpcMethod;
+    using grpc::internal::RpcServiceMethod;
+    using Self = ShardService;
+    using Chunks = grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>;
+    AddMethod(new RpcServiceMethod(
+        kPsMethodName[kDescribe], RpcMethod::NORMAL_RPC,
+        new grpc::internal::RpcMethodHandler<Self, dtrain::ps::DescribeRequest, dtrain::ps::ShardInfo>(
+            [](Self* s, grpc::ServerContext* c, const dtrain::ps::DescribeRequest* q,
+               dtrain::ps::ShardInfo* r) { return s->Describe(c, q, r); },
+            this)));
+    AddMethod(new RpcServiceMethod(
+        kPsMethodName[kInitialize], RpcMethod::CLIENT_STREAMING,
+        new grpc::internal::ClientStreamingHandler<Self, rpc::Bulk<dtrain::ps::PushChunk>, dtrain::ps::PushReply>(
+            [](Self* s, grpc::ServerContext* c, Chunks* q, dtrain::ps::PushReply* r) {
+              return s->Initialize(c, q, r);
+            },
+            this)));
+    AddMethod(new RpcServiceMethod(
+        kPsMethodName[kPull], RpcMethod::SERVER_STREAMING,
+        new grpc::internal::ServerStreamingHandler<Self, dtrain::ps::PullRequest, rpc::Bulk<dtrain::ps::PullChunk>>(
+            [](Self* s, grpc::ServerContext* c, const dtrain::ps::PullRequest* q,
+               grpc::ServerWriter<rpc::Bulk<dtrain::ps::PullChunk>>* w) { return s->Pull(c, q, w); },
+            this)));
+    AddMethod(new RpcServiceMethod(
+        kPsMethodName[kPush], RpcMethod::CLIENT_STREAMING,
+        new grpc::internal::ClientStreamingHandler<Self, rpc::Bulk<dtrain::ps::PushChunk>, dtrain::ps::PushReply>(
+            [](Self* s, grpc::ServerContext* c, Chunks* q, dtrain::ps::PushReply* r) {
+              return s->Push(c, q, r);
+            },
+            this)));
+    AddMethod(new RpcServiceMethod(
+        kPsMethodName[kDone], RpcMethod::NORMAL_RPC,
+        new grpc::internal::RpcMethodHandler<Self, dtrain::ps::DoneRequest, dtrain::ps::PushReply>(
+            [](Self* s, grpc::ServerContext* c, const dtrain::ps::DoneRequest* q,
+               dtrain::ps::PushReply* r) { return s->Done(c, q, r); },
+            this)));
+    AddMethod(new RpcServiceMethod(
+        kPsMethodName[kVector], RpcMethod::NORMAL_RPC,
+        new grpc::internal::RpcMethodHandler<Self, dtrain::ps::VectorRequest, dtrain::ps::VectorReply>(
+            [](Self* s, grpc::ServerContext* c, const dtrain::ps::VectorRequest* q,
+               dtrain::ps::VectorReply* r) { return s->Vector(c, q, r); },
+            this)));
+  }
 
   ParameterShard& shard() { return shard_; }
   void set_resumed(int64_t version) { resumed_version_ = version; }
   void set_saved(int64_t version) { saved_version_ = version; }
 
   grpc::Status Describe(grpc::ServerContext* context, const dtrain::ps::DescribeRequest*,
-                        dtrain::ps::ShardInfo* info) override {
+                        dtrain::ps::ShardInfo* info) {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
     const auto now = std::chrono::steady_clock::now();
     info->set_shard(shard_.shard());
@@ -169,8 +230,8 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
   }
 
   grpc::Status Initialize(grpc::ServerContext* context,
-                          grpc::ServerReader<dtrain::ps::PushChunk>* reader,
-                          dtrain::ps::PushReply* reply) override {
+                          grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* reader,
+                          dtrain::ps::PushReply* reply) {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
     // The range is known only from `total`, so read the first chunk's total before checking.
     rpc::ChunkRule rule;
@@ -198,7 +259,7 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
   }
 
   grpc::Status Pull(grpc::ServerContext* context, const dtrain::ps::PullRequest* request,
-                    grpc::ServerWriter<dtrain::ps::PullChunk>* writer) override {
+                    grpc::ServerWriter<rpc::Bulk<dtrain::ps::PullChunk>>* writer) {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
     if (!shard_.initialized()) {
       return {grpc::StatusCode::FAILED_PRECONDITION, "the shard has no parameters yet"};
@@ -212,31 +273,40 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
       return invalid(concat("Pull: field 'chunk_bytes' is ", request->chunk_bytes(),
                             " (0 to ", rpc::kMaxChunkBytes, ")"));
     }
-    // The messages are made from the shard's values under its lock (one copy, one version),
-    // then sent without it.
-    std::vector<dtrain::ps::PullChunk> messages;
-    shard_.visit(begin, end, [&](const at::Tensor& values, int64_t version) {
-      rpc::for_each_chunk(values, begin, "", request->chunk_bytes() > 0 ? request->chunk_bytes()
-                                                                        : rpc::kDefaultChunkBytes,
-                          [&](rpc::TensorChunk& chunk) {
-                            messages.emplace_back();
-                            messages.back().set_version(version);
-                            messages.back().mutable_chunk()->Swap(&chunk);
-                            return true;
-                          });
+    // The range is copied once from the shard's values under its lock (one version), into a
+    // pooled buffer the payloads then point at while they are sent without the lock; shared
+    // with their slices, which give it back to the pool when gRPC is done with them.
+    const auto lease = std::make_shared<BufferPool::Lease>(pool_->take(end - begin));
+    const at::Tensor snapshot = lease->tensor().narrow(0, 0, end - begin);
+    int64_t version = 0;
+    shard_.visit(begin, end, [&](const at::Tensor& values, int64_t v) {
+      snapshot.copy_(values);
+      version = v;
     });
+    const int64_t per_chunk = std::max<int64_t>(
+        1, (request->chunk_bytes() > 0 ? request->chunk_bytes() : rpc::kDefaultChunkBytes) / 4);
     bool open = true;
-    for (const auto& message : messages) {
+    for (int64_t at = begin; at < end && open; at += per_chunk) {
+      rpc::Bulk<dtrain::ps::PullChunk> message;
+      message.meta.set_version(version);
+      rpc::TensorChunk* chunk = message.meta.mutable_chunk();
+      chunk->set_dtype(rpc::FLOAT32);
+      chunk->set_offset(at);
+      if (at == begin) chunk->add_shape(end - begin);
+      const int64_t n = std::min(per_chunk, end - at);
+      message.data = static_cast<const char*>(snapshot.data_ptr()) + (at - begin) * 4;
+      message.bytes = n * 4;
+      message.owner = lease;
       open = !context->IsCancelled() && writer->Write(message);
-      if (!open) break;
     }
     ++pulls_;
     bytes_out_ += (end - begin) * 4;
     return open ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
 
-  grpc::Status Push(grpc::ServerContext* context, grpc::ServerReader<dtrain::ps::PushChunk>* reader,
-                    dtrain::ps::PushReply* reply) override {
+  grpc::Status Push(grpc::ServerContext* context,
+                    grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* reader,
+                    dtrain::ps::PushReply* reply) {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
     if (!shard_.initialized()) {
       return {grpc::StatusCode::FAILED_PRECONDITION, "the shard has no parameters yet"};
@@ -247,7 +317,7 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
     int64_t first = 0;
     at::Tensor gradient;
     dtrain::ps::PushChunk head;
-    const BufferPool::Lease lease = pool_.take(rule.end - rule.begin);
+    const BufferPool::Lease lease = pool_->take(rule.end - rule.begin);
     const std::string problem =
         read_stream(reader, rule, "Push", &first, &gradient, &head, lease.tensor());
     if (!problem.empty()) return invalid(problem);
@@ -276,7 +346,7 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
   }
 
   grpc::Status Vector(grpc::ServerContext* context, const dtrain::ps::VectorRequest* request,
-                      dtrain::ps::VectorReply* reply) override {
+                      dtrain::ps::VectorReply* reply) {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
     std::vector<VectorOp> ops;
     for (int i = 0; i < request->ops_size(); ++i) {
@@ -299,7 +369,7 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
   }
 
   grpc::Status Done(grpc::ServerContext* context, const dtrain::ps::DoneRequest* request,
-                    dtrain::ps::PushReply* reply) override {
+                    dtrain::ps::PushReply* reply) {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
     shard_.mark_done(request->worker());
     reply->set_version(shard_.version());
@@ -314,7 +384,7 @@ class ShardService final : public dtrain::ps::ParameterServer::Service {
   int64_t resumed_version_ = -1;
   std::atomic<int64_t> saved_version_{-1};
   std::atomic<int64_t> pushes_{0}, pulls_{0}, bytes_in_{0}, bytes_out_{0};
-  BufferPool pool_;
+  std::shared_ptr<BufferPool> pool_ = std::make_shared<BufferPool>();
 };
 
 ShardServer::ShardServer(const ShardServerOptions& options)

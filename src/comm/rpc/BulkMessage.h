@@ -1,0 +1,108 @@
+// Tensor payloads beside protobuf: a gRPC message holding a TensorChunk (dtrain/tensor.proto)
+// whose `data` bytes go straight between the tensor and gRPC's slices. On the wire it is the
+// same protobuf message (any protobuf peer reads it), but a sender copies the payload once (or
+// not at all, given its `owner`) instead of into the message and again into slices, a receiver
+// parses every other field with protobuf and copies the payload once, from the slices to where
+// `place` says, instead of into a string and again into the tensor. Used with gRPC's codegen
+// handlers and readers in place of the generated message type (grpc::SerializationTraits).
+#pragma once
+
+#include <grpcpp/impl/serialization_traits.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/status.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "dtrain/tensor.pb.h"
+
+namespace dtrain::rpc {
+
+/// The field number of the TensorChunk in message type M (specialized per message).
+template <class M>
+struct ChunkField;
+
+template <class M>
+struct Bulk {
+  /// Every field; the chunk's `data` stays empty (the payload travels below).
+  M meta;
+  /// Sending: the payload. With an `owner` (what keeps `data` valid: a tensor, a pooled
+  /// buffer), gRPC's slices point at it and hold the owner until gRPC is done with them; without
+  /// one, the payload is copied when the message is serialized.
+  const char* data = nullptr;
+  int64_t bytes = 0;
+  std::shared_ptr<const void> owner;
+  /// Receiving: after the other fields are parsed, says where the payload of `bytes` goes
+  /// (nullptr and a reason in *why to refuse the message: the read then fails).
+  std::function<char*(const M& meta, int64_t bytes, std::string* why)> place;
+  /// Receiving: the payload's size, and why `place` refused it ("" when it did not).
+  int64_t received = 0;
+  std::string refused;
+};
+
+/// Wire encoding of a message: `rest` (its serialized fields but the chunk), the chunk field's
+/// number, the chunk without data (`chunk`), then the payload.
+grpc::Status encode_bulk(const std::string& rest, int chunk_field, const std::string& chunk,
+                         const char* data, int64_t bytes, const std::shared_ptr<const void>& owner,
+                         grpc::ByteBuffer* out);
+
+/// Splits a received message into `rest` (its fields but the chunk), `chunk` (the chunk's fields
+/// but data) and the payload's position; `copy_payload(dst)` then copies it. INTERNAL status
+/// when the bytes are not a well-formed message.
+class BulkReader {
+ public:
+  grpc::Status parse(grpc::ByteBuffer* buffer, int chunk_field, std::string* rest,
+                     std::string* chunk);
+  int64_t payload_bytes() const { return payload_bytes_; }
+  void copy_payload(char* dst) const;
+
+ private:
+  std::vector<grpc::Slice> slices_;
+  size_t payload_slice_ = 0, payload_pos_ = 0;
+  int64_t payload_bytes_ = 0;
+};
+
+}  // namespace dtrain::rpc
+
+namespace grpc {
+
+template <class M>
+class SerializationTraits<dtrain::rpc::Bulk<M>, void> {
+ public:
+  static Status Serialize(const dtrain::rpc::Bulk<M>& message, ByteBuffer* buffer, bool* own_buffer) {
+    *own_buffer = true;
+    M rest = message.meta;
+    const dtrain::rpc::TensorChunk chunk = rest.chunk();
+    rest.clear_chunk();
+    return dtrain::rpc::encode_bulk(rest.SerializeAsString(), dtrain::rpc::ChunkField<M>::value,
+                                    chunk.SerializeAsString(), message.data, message.bytes,
+                                    message.owner, buffer);
+  }
+  static Status Deserialize(ByteBuffer* buffer, dtrain::rpc::Bulk<M>* message) {
+    dtrain::rpc::BulkReader reader;
+    std::string rest, chunk;
+    Status status = reader.parse(buffer, dtrain::rpc::ChunkField<M>::value, &rest, &chunk);
+    buffer->Clear();
+    if (!status.ok()) return status;
+    if (!message->meta.ParseFromString(rest) ||
+        !message->meta.mutable_chunk()->ParseFromString(chunk)) {
+      return Status(StatusCode::INTERNAL, "a message that does not parse");
+    }
+    message->received = reader.payload_bytes();
+    message->refused.clear();
+    if (reader.payload_bytes() == 0) return Status::OK;
+    char* dst = message->place ? message->place(message->meta, reader.payload_bytes(), &message->refused)
+                               : nullptr;
+    if (dst == nullptr) {
+      if (message->refused.empty()) message->refused = "a payload nobody expected";
+      // The message is well formed: the reader sees `refused` and answers for it.
+      return Status::OK;
+    }
+    reader.copy_payload(dst);
+    return Status::OK;
+  }
+};
+
+}  // namespace grpc

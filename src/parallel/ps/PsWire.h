@@ -1,0 +1,28 @@
+// The parameter server's wire details shared by the shard and its client: which field of each
+// streamed message is its TensorChunk (for payloads that travel beside protobuf, BulkMessage.h)
+// and the methods' full names (the service is registered by hand, ShardServer.cpp).
+#pragma once
+
+#include "comm/rpc/BulkMessage.h"
+#include "dtrain/ps.pb.h"
+
+namespace dtrain::rpc {
+template <>
+struct ChunkField<dtrain::ps::PullChunk> {
+  static constexpr int value = 2;  // PullChunk.chunk
+};
+template <>
+struct ChunkField<dtrain::ps::PushChunk> {
+  static constexpr int value = 4;  // PushChunk.chunk
+};
+}  // namespace dtrain::rpc
+
+namespace dtrain::parallel::ps {
+
+enum PsMethod { kDescribe, kInitialize, kPull, kPush, kDone, kVector };
+inline constexpr const char* kPsMethodName[] = {
+    "/dtrain.ps.ParameterServer/Describe", "/dtrain.ps.ParameterServer/Initialize",
+    "/dtrain.ps.ParameterServer/Pull",     "/dtrain.ps.ParameterServer/Push",
+    "/dtrain.ps.ParameterServer/Done",     "/dtrain.ps.ParameterServer/Vector"};
+
+}  // namespace dtrain::parallel::ps
