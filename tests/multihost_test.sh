@@ -3,9 +3,10 @@
 # 10.231.0.2), a `dtrain launch` in each. Checks that training across them works with no
 # interface given (the host name resolves to loopback here, as on Debian), that each node prints
 # the address it chose, and that a rank killed on one host stops the other host within seconds,
-# both launchers naming the failed node, rank and signal; and Downpour across the hosts against
-# a token-guarded parameter-server shard, surviving a worker killed on one host. Exit 77 (skipped) where namespaces
-# cannot be made.
+# both launchers naming the failed node, rank and signal; Downpour across the hosts against a
+# token-guarded parameter-server shard, surviving a worker killed on one host; and Sandblaster
+# with its coordinator on one host and the shard on the other. Exit 77 (skipped) where
+# namespaces cannot be made.
 # Usage: multihost_test.sh PATH/TO/dtrain
 set -uo pipefail
 dtrain=$1
@@ -95,4 +96,22 @@ grep -q "the other ranks go on" "$work/b3.log" || fail "host b's launcher did no
 grep -q "trained 16 steps (global batch 64, 2 ranks, downpour)" "$work/a3.log" || fail "no downpour summary on host a"
 grep -q "worker(s) 1 (quiet for" "$work/a3.log" || fail "host a did not name the worker that left"
 echo "ok: downpour across two hosts with a token, a worker killed on host b"
-echo "3 passed, 0 failed"
+
+# 4. Sandblaster across the hosts: the shard on host b (token), rank 0 and its coordinator on
+#    host a (listening on every interface, reached as MASTER_ADDR), a worker on each host.
+ip netns exec "$b" timeout -s KILL 120 "$dtrain" ps serve --listen 10.231.0.2:29742 --shard 0/1 \
+  --auth-token-file "$work/token" --report-every 0 > "$work/ps4.log" 2>&1 &
+shard=$!
+job=(train --strategy sandblaster --ps 10.231.0.2:29742 --ps-auth-token-file "$work/token"
+     --dataset synthetic --model linear --synthetic-examples 512 --max-steps 5 --work-units 8
+     --no-progress --threads 1 --metrics "$work/m4.jsonl")
+port=$((port + 2))
+ps_launch 1 "$b" > "$work/b4.log" 2>&1 &
+other=$!
+ps_launch 0 "$a" > "$work/a4.log" 2>&1 || fail "sandblaster node 0 failed (exit $?)"
+wait $other || fail "sandblaster node 1 failed"
+kill -TERM $shard; wait $shard
+grep -q "2 ranks, sandblaster)" "$work/a4.log" || fail "no sandblaster summary on host a"
+grep -q '"worker1_units":[1-9]' "$work/m4.jsonl" || fail "the worker on host b did no work unit"
+echo "ok: sandblaster across two hosts, the coordinator on host a, the shard on host b"
+echo "4 passed, 0 failed"

@@ -147,48 +147,18 @@ class ShardService final : public grpc::Service {
         started_(std::chrono::steady_clock::now()) {
     // Registered by hand rather than through the generated ParameterServer::Service:
     // Initialize, Pull and Push carry their tensor payloads beside protobuf (rpc::Bulk).
-    using grpc::internal::RpcMethod;
-    using grpc::internal::RpcServiceMethod;
-    using Self = ShardService;
-    using Chunks = grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>;
-    AddMethod(new RpcServiceMethod(
-        kPsMethodName[kDescribe], RpcMethod::NORMAL_RPC,
-        new grpc::internal::RpcMethodHandler<Self, dtrain::ps::DescribeRequest, dtrain::ps::ShardInfo>(
-            [](Self* s, grpc::ServerContext* c, const dtrain::ps::DescribeRequest* q,
-               dtrain::ps::ShardInfo* r) { return s->Describe(c, q, r); },
-            this)));
-    AddMethod(new RpcServiceMethod(
-        kPsMethodName[kInitialize], RpcMethod::CLIENT_STREAMING,
-        new grpc::internal::ClientStreamingHandler<Self, rpc::Bulk<dtrain::ps::PushChunk>, dtrain::ps::PushReply>(
-            [](Self* s, grpc::ServerContext* c, Chunks* q, dtrain::ps::PushReply* r) {
-              return s->Initialize(c, q, r);
-            },
-            this)));
-    AddMethod(new RpcServiceMethod(
-        kPsMethodName[kPull], RpcMethod::SERVER_STREAMING,
-        new grpc::internal::ServerStreamingHandler<Self, dtrain::ps::PullRequest, rpc::Bulk<dtrain::ps::PullChunk>>(
-            [](Self* s, grpc::ServerContext* c, const dtrain::ps::PullRequest* q,
+    add_unary(kDescribe, &ShardService::Describe);
+    add_chunks(kInitialize, &ShardService::Initialize);
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kPsMethodName[kPull], grpc::internal::RpcMethod::SERVER_STREAMING,
+        new grpc::internal::ServerStreamingHandler<ShardService, dtrain::ps::PullRequest,
+                                                   rpc::Bulk<dtrain::ps::PullChunk>>(
+            [](ShardService* s, grpc::ServerContext* c, const dtrain::ps::PullRequest* q,
                grpc::ServerWriter<rpc::Bulk<dtrain::ps::PullChunk>>* w) { return s->Pull(c, q, w); },
             this)));
-    AddMethod(new RpcServiceMethod(
-        kPsMethodName[kPush], RpcMethod::CLIENT_STREAMING,
-        new grpc::internal::ClientStreamingHandler<Self, rpc::Bulk<dtrain::ps::PushChunk>, dtrain::ps::PushReply>(
-            [](Self* s, grpc::ServerContext* c, Chunks* q, dtrain::ps::PushReply* r) {
-              return s->Push(c, q, r);
-            },
-            this)));
-    AddMethod(new RpcServiceMethod(
-        kPsMethodName[kDone], RpcMethod::NORMAL_RPC,
-        new grpc::internal::RpcMethodHandler<Self, dtrain::ps::DoneRequest, dtrain::ps::PushReply>(
-            [](Self* s, grpc::ServerContext* c, const dtrain::ps::DoneRequest* q,
-               dtrain::ps::PushReply* r) { return s->Done(c, q, r); },
-            this)));
-    AddMethod(new RpcServiceMethod(
-        kPsMethodName[kVector], RpcMethod::NORMAL_RPC,
-        new grpc::internal::RpcMethodHandler<Self, dtrain::ps::VectorRequest, dtrain::ps::VectorReply>(
-            [](Self* s, grpc::ServerContext* c, const dtrain::ps::VectorRequest* q,
-               dtrain::ps::VectorReply* r) { return s->Vector(c, q, r); },
-            this)));
+    add_chunks(kPush, &ShardService::Push);
+    add_unary(kDone, &ShardService::Done);
+    add_unary(kVector, &ShardService::Vector);
   }
 
   ParameterShard& shard() { return shard_; }
@@ -377,6 +347,29 @@ class ShardService final : public grpc::Service {
   }
 
  private:
+  using Chunks = grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>;
+  template <class Request, class Reply>
+  void add_unary(PsMethod method,
+                 grpc::Status (ShardService::*f)(grpc::ServerContext*, const Request*, Reply*)) {
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kPsMethodName[method], grpc::internal::RpcMethod::NORMAL_RPC,
+        new grpc::internal::RpcMethodHandler<ShardService, Request, Reply>(
+            [f](ShardService* s, grpc::ServerContext* c, const Request* q, Reply* r) {
+              return (s->*f)(c, q, r);
+            },
+            this)));
+  }
+  void add_chunks(PsMethod method, grpc::Status (ShardService::*f)(grpc::ServerContext*, Chunks*,
+                                                                   dtrain::ps::PushReply*)) {
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kPsMethodName[method], grpc::internal::RpcMethod::CLIENT_STREAMING,
+        new grpc::internal::ClientStreamingHandler<ShardService, rpc::Bulk<dtrain::ps::PushChunk>,
+                                                   dtrain::ps::PushReply>(
+            [f](ShardService* s, grpc::ServerContext* c, Chunks* q, dtrain::ps::PushReply* r) {
+              return (s->*f)(c, q, r);
+            },
+            this)));
+  }
   ParameterShard shard_;
   const std::string token_;
   const uint64_t incarnation_;
