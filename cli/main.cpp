@@ -619,7 +619,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   launch_cmd->add_flag("--tolerate-failures", launch.tolerate_failures,
                        "A rank other than 0 failing does not stop the others (independent "
-                       "workers: --strategy downpour)");
+                       "workers: --strategy downpour or sandblaster)");
   add(*launch_cmd, "--rdzv-timeout", launch.rendezvous_timeout_seconds,
       "Seconds for every node to join (and to reach the store)")
       ->capture_default_str();

@@ -347,7 +347,8 @@ TEST(Sandblaster, WorkerProcessesReachTorchsLbfgsLossWhenAWorkerDiesHoldingAUnit
       "DTRAIN_SIMULATE_FAILURE=1:5 " + std::string(DTRAIN_CLI_PATH) +
       " train --strategy sandblaster --nproc 3 --ps-shards 2 --threads 1 --dataset synthetic "
       "--synthetic-examples 1000 --seed 3 --model linear --weight-decay 0.01 --max-steps 300 "
-      "--work-units 20 --no-backup-tasks --no-progress --metrics " + dir + "/m.jsonl "
+      "--work-units 20 --no-backup-tasks --no-progress --eval-every 5 --defer-eval --metrics " +
+      dir + "/m.jsonl "
       "--checkpoint-dir " + dir + "/ckpt");
   ASSERT_EQ(out.code, 0) << out.text;
   EXPECT_NE(out.text.find("rank 1 kills itself"), std::string::npos) << out.text;
@@ -359,6 +360,10 @@ TEST(Sandblaster, WorkerProcessesReachTorchsLbfgsLossWhenAWorkerDiesHoldingAUnit
   EXPECT_LT(std::abs(got - expected) / expected, 1e-4) << metrics;
   EXPECT_GE(metric(metrics, "units_reissued"), 1) << metrics;
   EXPECT_EQ(metric(metrics, "worker1_units"), 4) << metrics;  // its 5th never reported
+  // Iteration 5's parameters were kept and evaluated after the run (--defer-eval).
+  EXPECT_NE(metrics.find("\"deferred\":1,\"epoch\":0,\"event\":\"eval\",\"seconds\""),
+            std::string::npos) << metrics;
+  EXPECT_NE(out.text.find("sandblaster: L-BFGS stopped after"), std::string::npos) << out.text;
   EXPECT_EQ(run(std::string(DTRAIN_CLI_PATH) + " ckpt verify " + dir + "/ckpt").code, 0);
 }
 

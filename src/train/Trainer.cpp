@@ -661,7 +661,11 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
         const double eta = (last_step - reached) * train_seconds / std::max<int64_t>(1, reached - start_step);
         progress.update(0, 1, reached, total_steps, iteration.loss, throughput, eta);
       }
-      if (validation != nullptr && options_.eval_every > 0 && reached % options_.eval_every == 0) {
+      const bool eval_due = validation != nullptr && options_.eval_every > 0 &&
+                            reached % options_.eval_every == 0;
+      if (eval_due && options_.defer_eval) {
+        snapshots.push_back({reached, 0, seconds_since(start), train_seconds, model_state()});
+      } else if (eval_due) {
         result.validation = evaluate_on(*validation, true);
         metrics.write({{"event", std::string("eval")},
                        {"step", reached},

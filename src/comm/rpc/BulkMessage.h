@@ -12,11 +12,13 @@
 #include <grpcpp/support/status.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
-#include "dtrain/tensor.pb.h"
+#include "comm/rpc/TensorMessage.h"
 
 namespace dtrain::rpc {
 
@@ -41,6 +43,34 @@ struct Bulk {
   int64_t received = 0;
   std::string refused;
 };
+
+/// Cuts `flat` (1-D, contiguous; its element 0 is index `offset` of the index space) into
+/// Bulk<M> messages of at most `chunk_bytes` (and kMaxChunkBytes) whose payloads point into it,
+/// kept alive by `owner`; `fill` sets each message's other fields, the first chunk carries the
+/// flat length as its shape, an empty tensor is one empty chunk. Stops when `emit` returns
+/// false (a closed stream).
+template <class M, class Fill, class Emit>
+void for_each_bulk(const at::Tensor& flat, int64_t offset, int64_t chunk_bytes,
+                   const std::shared_ptr<const void>& owner, const Fill& fill, const Emit& emit) {
+  const auto item = static_cast<int64_t>(flat.element_size());
+  const int64_t per_chunk = std::max<int64_t>(1, std::min(chunk_bytes, kMaxChunkBytes) / item);
+  const auto* bytes = static_cast<const char*>(flat.data_ptr());
+  const int64_t n = flat.numel();
+  int64_t start = 0;
+  do {
+    Bulk<M> message;
+    fill(message.meta);
+    TensorChunk* chunk = message.meta.mutable_chunk();
+    chunk->set_dtype(to_wire(flat.scalar_type()));
+    chunk->set_offset(offset + start);
+    if (start == 0) chunk->add_shape(n);
+    message.data = bytes + start * item;
+    message.bytes = std::min(per_chunk, n - start) * item;
+    message.owner = owner;
+    if (!emit(message)) return;
+    start += per_chunk;
+  } while (start < n);
+}
 
 /// Wire encoding of a message: `rest` (its serialized fields but the chunk), the chunk field's
 /// number, the chunk without data (`chunk`), then the payload.

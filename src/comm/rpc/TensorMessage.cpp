@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include <cstring>
-
 #include "dtrain/common/Error.h"
 
 namespace dtrain::rpc {
@@ -42,40 +40,8 @@ const char* dtype_name(DType type) {
   return DType_IsValid(type) ? DType_Name(type).c_str() : "(invalid)";
 }
 
-void for_each_chunk(const at::Tensor& flat, int64_t offset, const std::string& name,
-                    int64_t chunk_bytes, const std::function<bool(TensorChunk&)>& emit,
-                    const std::vector<int64_t>& shape) {
-  DTRAIN_CHECK(flat.dim() == 1 && flat.is_contiguous(), "for_each_chunk needs a flat contiguous tensor");
-  const int64_t item = static_cast<int64_t>(flat.element_size());
-  const int64_t per_chunk = std::max<int64_t>(1, std::min(chunk_bytes, kMaxChunkBytes) / item);
-  const auto* bytes = static_cast<const char*>(flat.data_ptr());
-  const int64_t n = flat.numel();
-  int64_t start = 0;
-  do {
-    const int64_t count = std::min(per_chunk, n - start);
-    TensorChunk chunk;
-    chunk.set_name(name);
-    chunk.set_dtype(to_wire(flat.scalar_type()));
-    if (start == 0) {
-      if (shape.empty()) {
-        chunk.add_shape(n);
-      } else {
-        for (int64_t d : shape) chunk.add_shape(d);
-      }
-    }
-    chunk.set_offset(offset + start);
-    chunk.set_data(bytes + start * item, static_cast<size_t>(count * item));
-    if (!emit(chunk)) return;
-    start += count;
-  } while (start < n);
-}
-
-std::string check_chunk(const TensorChunk& chunk, const ChunkRule& rule, const std::string& where) {
-  return check_chunk_meta(chunk, static_cast<int64_t>(chunk.data().size()), rule, where);
-}
-
-std::string check_chunk_meta(const TensorChunk& chunk, int64_t bytes, const ChunkRule& rule,
-                             const std::string& where) {
+std::string check_chunk(const TensorChunk& chunk, int64_t bytes, const ChunkRule& rule,
+                        const std::string& where) {
   const DType expected = to_wire(rule.dtype);
   if (chunk.dtype() != expected) {
     return concat(where, ": field 'dtype' is ", dtype_name(chunk.dtype()), ", expected ",
@@ -96,16 +62,6 @@ std::string check_chunk_meta(const TensorChunk& chunk, int64_t bytes, const Chun
                   " elements is outside [", rule.begin, ", ", rule.end, ")");
   }
   return "";
-}
-
-int64_t chunk_elements(const TensorChunk& chunk) {
-  return static_cast<int64_t>(chunk.data().size() / c10::elementSize(from_wire(chunk.dtype())));
-}
-
-void copy_chunk(const TensorChunk& chunk, const at::Tensor& flat, int64_t base) {
-  const int64_t item = static_cast<int64_t>(flat.element_size());
-  std::memcpy(static_cast<char*>(flat.data_ptr()) + (chunk.offset() - base) * item,
-              chunk.data().data(), chunk.data().size());
 }
 
 }  // namespace dtrain::rpc

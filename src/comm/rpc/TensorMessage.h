@@ -1,13 +1,13 @@
 // Tensors to and from gRPC messages (dtrain/tensor.proto), shared by the parameter server and
-// federated learning: a flat tensor is cut into chunks of raw little-endian bytes no larger
-// than a limit, and chunks are checked field by field before anything is copied, so a malformed
-// message is refused with a sentence naming the field and changes nothing.
+// federated learning: a flat tensor travels as chunks of raw little-endian bytes no larger than
+// a limit (cut and sent by BulkMessage.h), and chunks are checked field by field before anything
+// is copied, so a malformed message is refused with a sentence naming the field and changes
+// nothing.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <functional>
 #include <string>
 
 #include "dtrain/tensor.pb.h"
@@ -26,13 +26,6 @@ DType to_wire(at::ScalarType type);
 at::ScalarType from_wire(DType type);
 const char* dtype_name(DType type);
 
-/// Emits `flat` (1-D, contiguous) as chunks of at most `chunk_bytes` bytes whose offsets start
-/// at `offset`; the first chunk carries `shape` (default: the flat length). Stops early when
-/// `emit` returns false (a closed stream).
-void for_each_chunk(const at::Tensor& flat, int64_t offset, const std::string& name,
-                    int64_t chunk_bytes, const std::function<bool(TensorChunk&)>& emit,
-                    const std::vector<int64_t>& shape = {});
-
 /// What a receiver accepts: elements of `dtype` within [begin, end) of its index space, chunks
 /// no larger than `max_bytes`.
 struct ChunkRule {
@@ -42,16 +35,9 @@ struct ChunkRule {
   int64_t max_bytes = kMaxChunkBytes;
 };
 
-/// "" when `chunk` obeys `rule`, else one sentence naming the bad field (prefixed by `where`).
-std::string check_chunk(const TensorChunk& chunk, const ChunkRule& rule, const std::string& where);
-/// check_chunk for a chunk whose data (`bytes` long) travels beside it (BulkMessage.h).
-std::string check_chunk_meta(const TensorChunk& chunk, int64_t bytes, const ChunkRule& rule,
-                             const std::string& where);
-
-/// Elements in a chunk that passed check_chunk.
-int64_t chunk_elements(const TensorChunk& chunk);
-
-/// Copies a checked chunk into `flat`, whose element 0 is index `base` of the index space.
-void copy_chunk(const TensorChunk& chunk, const at::Tensor& flat, int64_t base);
+/// "" when `chunk`, whose data is `bytes` long (it travels beside the chunk's fields:
+/// BulkMessage.h), obeys `rule`, else one sentence naming the bad field (prefixed by `where`).
+std::string check_chunk(const TensorChunk& chunk, int64_t bytes, const ChunkRule& rule,
+                        const std::string& where);
 
 }  // namespace dtrain::rpc

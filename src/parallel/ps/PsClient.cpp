@@ -68,27 +68,16 @@ bool retryable(const grpc::Status& status) {
                status.error_code(), "): ", status.error_message());
 }
 
-// Streams `values` (elements from `begin` of the flat vector, float32, kept alive by
-// `owner`) as PushChunks whose payloads point into it, `fill` setting each message's other
-// fields; returns the call's status.
+// Streams `values` (elements from `begin` of the flat vector, kept alive by `owner`) as
+// PushChunks whose payloads point into it, `fill` setting each message's other fields;
+// returns the call's status.
 template <typename Fill>
 grpc::Status send_chunks(grpc::ClientWriter<rpc::Bulk<dtrain::ps::PushChunk>>& writer,
                          const at::Tensor& values, int64_t begin, int64_t chunk_bytes,
                          const std::shared_ptr<const void>& owner, const Fill& fill) {
-  const int64_t n = values.numel();
-  const int64_t per_chunk = std::max<int64_t>(1, chunk_bytes / 4);
-  for (int64_t at = 0; at < n; at += per_chunk) {
-    rpc::Bulk<dtrain::ps::PushChunk> message;
-    fill(message.meta);
-    rpc::TensorChunk* chunk = message.meta.mutable_chunk();
-    chunk->set_dtype(rpc::FLOAT32);
-    chunk->set_offset(begin + at);
-    if (at == 0) chunk->add_shape(n);
-    message.data = static_cast<const char*>(values.data_ptr()) + at * 4;
-    message.bytes = std::min(per_chunk, n - at) * 4;
-    message.owner = owner;
-    if (!writer.Write(message)) break;
-  }
+  rpc::for_each_bulk<dtrain::ps::PushChunk>(
+      values, begin, chunk_bytes, owner, fill,
+      [&](const rpc::Bulk<dtrain::ps::PushChunk>& message) { return writer.Write(message); });
   writer.WritesDone();
   return writer.Finish();
 }
@@ -305,7 +294,7 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
       // Each payload is checked, then copied once, from gRPC's slices into `flat`.
       rpc::Bulk<dtrain::ps::PullChunk> message;
       message.place = [&](const dtrain::ps::PullChunk& meta, int64_t bytes, std::string* why) -> char* {
-        *why = rpc::check_chunk_meta(meta.chunk(), bytes, rule, where);
+        *why = rpc::check_chunk(meta.chunk(), bytes, rule, where);
         if (why->empty() && version >= 0 && meta.version() != version) {
           *why = concat(where, " mixes versions ", version, " and ", meta.version());
         }

@@ -174,8 +174,6 @@ void SandblasterStrategy::work(const LoopContext& context) {
     dtrain::sandblaster::FinishReply finished;
     call("Finish", [&](grpc::ClientContext& rpc) { return stub->Finish(&rpc, result, &finished); });
     ++units_done_;
-    unit_seconds_ += result.seconds();
-    if (!finished.counted()) ++reports_late_;
   }
 }
 
@@ -276,6 +274,10 @@ int64_t SandblasterStrategy::run_loop(const LoopContext& context) {
                  "(died or still computing a unit)\n", silent.size() == 1 ? "" : "s", who.c_str());
   }
   server_->shutdown();
+  std::printf("sandblaster: L-BFGS stopped after %lld iterations (%lld evaluations): %s\n",
+              static_cast<long long>(iterations_), static_cast<long long>(evaluations_),
+              stop_reason_.c_str());
+  std::fflush(stdout);
   std::lock_guard<std::recursive_mutex> lock(model_mutex_);
   pull_into_model();
   model_round_ = 0;

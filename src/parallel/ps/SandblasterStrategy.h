@@ -51,8 +51,7 @@ class SandblasterStrategy : public ReplicaStrategy {
   int64_t model_round_ = 0;  // the round whose parameters the model holds (0: none / stale)
   int64_t iterations_ = 0;
   // Worker counters.
-  int64_t units_done_ = 0, reports_late_ = 0, pushes_ignored_ = 0;
-  double unit_seconds_ = 0;
+  int64_t units_done_ = 0, pushes_ignored_ = 0;
   // Rank 0: the run.
   std::string stop_reason_;
   double seconds_per_iteration_ = 0, seconds_per_evaluation_ = 0;

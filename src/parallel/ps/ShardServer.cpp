@@ -83,7 +83,7 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
   // Checks a chunk's fields against the rule and the chunks before it ("" or why not).
   auto check = [&](const dtrain::ps::PushChunk& meta, int64_t bytes) {
     const std::string where = concat(rpc_name, " chunk ", index);
-    std::string why = rpc::check_chunk_meta(meta.chunk(), bytes, rule, where);
+    std::string why = rpc::check_chunk(meta.chunk(), bytes, rule, where);
     if (!why.empty() || next < 0) return why;
     if (meta.chunk().offset() != next) {
       return concat(where, ": field 'offset' is ", meta.chunk().offset(), ", expected ", next,
@@ -253,22 +253,14 @@ class ShardService final : public grpc::Service {
       snapshot.copy_(values);
       version = v;
     });
-    const int64_t per_chunk = std::max<int64_t>(
-        1, (request->chunk_bytes() > 0 ? request->chunk_bytes() : rpc::kDefaultChunkBytes) / 4);
     bool open = true;
-    for (int64_t at = begin; at < end && open; at += per_chunk) {
-      rpc::Bulk<dtrain::ps::PullChunk> message;
-      message.meta.set_version(version);
-      rpc::TensorChunk* chunk = message.meta.mutable_chunk();
-      chunk->set_dtype(rpc::FLOAT32);
-      chunk->set_offset(at);
-      if (at == begin) chunk->add_shape(end - begin);
-      const int64_t n = std::min(per_chunk, end - at);
-      message.data = static_cast<const char*>(snapshot.data_ptr()) + (at - begin) * 4;
-      message.bytes = n * 4;
-      message.owner = lease;
-      open = !context->IsCancelled() && writer->Write(message);
-    }
+    rpc::for_each_bulk<dtrain::ps::PullChunk>(
+        snapshot, begin, request->chunk_bytes() > 0 ? request->chunk_bytes() : rpc::kDefaultChunkBytes,
+        lease, [&](dtrain::ps::PullChunk& meta) { meta.set_version(version); },
+        [&](const rpc::Bulk<dtrain::ps::PullChunk>& message) {
+          open = !context->IsCancelled() && writer->Write(message);
+          return open;
+        });
     ++pulls_;
     bytes_out_ += (end - begin) * 4;
     return open ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
