@@ -72,13 +72,15 @@ struct Outcome {
   std::vector<at::Tensor> weights;
 };
 
-// `world` workers (rank threads) with `options`; rank 0's result and final weights.
+// `world` workers (rank threads) with `options`, the model in the dataset's dtype; rank 0's
+// result and final weights.
 Outcome run(int world, const train::TrainerOptions& options, const data::TensorDataset& dataset,
         const data::TensorDataset* validation = nullptr) {
   std::vector<Model> models;
   for (int r = 0; r < world; ++r) {
     torch::manual_seed(11);  // the same initialization as the reference run
     models.push_back(models::make_model(mlp_spec()));
+    models.back().module->to(dataset.raw_inputs().scalar_type());
   }
   Outcome out;
   run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
@@ -106,9 +108,16 @@ data::TensorDataset synthetic(int64_t n, uint64_t seed) {
 
 }  // namespace
 
+// The oracle runs in float64 (the shards then hold float64), so its bound holds on any CPU.
+constexpr double kTightBound = 1e-12;
+
+data::TensorDataset in_float64(const data::TensorDataset& d) {
+  return data::TensorDataset(d.raw_inputs().to(at::kDouble), d.targets());
+}
+
 TEST(Downpour, OneWorkerWithSgdOnTheShardsIsSingleProcessSgdStepForStep) {
   at::set_num_threads(1);
-  const auto dataset = synthetic(160, 2);
+  const auto dataset = in_float64(synthetic(160, 2));
   const Outcome reference = run(1, sgd_options(), dataset);
   ASSERT_EQ(reference.fit.losses.size(), 15u);
 
@@ -122,17 +131,30 @@ TEST(Downpour, OneWorkerWithSgdOnTheShardsIsSingleProcessSgdStepForStep) {
     const Outcome downpour = run(1, options, dataset);
     ASSERT_EQ(downpour.fit.losses.size(), reference.fit.losses.size());
     for (size_t i = 0; i < reference.fit.losses.size(); ++i) {
-      EXPECT_NEAR(downpour.fit.losses[i], reference.fit.losses[i], 1e-6) << "step " << i + 1;
+      EXPECT_NEAR(downpour.fit.losses[i], reference.fit.losses[i], kTightBound) << "step " << i + 1;
     }
-    EXPECT_LE(max_diff(downpour.weights, reference.weights), 1e-6);
+    EXPECT_LE(max_diff(downpour.weights, reference.weights), kTightBound);
     EXPECT_EQ(shards.version(), 15);
+    EXPECT_EQ(shards.servers[0]->shard().dtype(), at::kDouble);
+  }
+  // The bound notices one step's gradient left out of the pushes (its loss times zero).
+  {
+    Shards shards(2, "sgd", 0.1);
+    auto lossy = options;
+    lossy.strategy_options.ps_addresses = shards.addresses();
+    auto calls = std::make_shared<int>(0);
+    lossy.loss = [calls](const at::Tensor& out, const at::Tensor& target) {
+      const auto loss = parallel::cross_entropy(out, target);
+      return ++*calls == 7 ? loss * 0.0 : loss;
+    };
+    EXPECT_GT(max_diff(run(1, lossy, dataset).weights, reference.weights), 1e6 * kTightBound);
   }
   // Fetching every 2nd step with the staleness cap at 0 still waits for each push's result...
   options.strategy_options.ps_n_fetch = 2;
   {
     Shards shards(2, "sgd", 0.1);
     options.strategy_options.ps_addresses = shards.addresses();
-    EXPECT_LE(max_diff(run(1, options, dataset).weights, reference.weights), 1e-6);
+    EXPECT_LE(max_diff(run(1, options, dataset).weights, reference.weights), kTightBound);
   }
   // ...and without the cap every 2nd step computes on parameters one update old: the oracle
   // sees it.

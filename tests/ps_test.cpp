@@ -24,9 +24,9 @@ using namespace std::chrono_literals;
 
 namespace {
 
-at::Tensor random_vector(int64_t n, uint64_t seed) {
+at::Tensor random_vector(int64_t n, uint64_t seed, at::ScalarType dtype = at::kFloat) {
   at::Generator g = at::detail::createCPUGenerator(seed);
-  return at::randn({n}, g, at::kFloat);
+  return at::randn({n}, g, dtype);
 }
 
 // Applies `steps` gradients with torch's optimizer to a copy of `start`.
@@ -62,13 +62,14 @@ TEST(ParameterServer, ShardsSplitEvenlyAndApplyTorchsOptimizersOnTheirSlices) {
   EXPECT_EQ(shard_range(10, 1, 3), (std::pair<int64_t, int64_t>{3, 6}));
   EXPECT_EQ(shard_range(10, 2, 3), (std::pair<int64_t, int64_t>{6, 10}));
   const int64_t n = 101;
-  const at::Tensor start = random_vector(n, 1);
+  // In float64, so the comparison with torch's optimizers is tight on any CPU.
+  const at::Tensor start = random_vector(n, 1, at::kDouble);
   std::vector<at::Tensor> grads;
-  for (int i = 0; i < 4; ++i) grads.push_back(random_vector(n, 10 + i));
+  for (int i = 0; i < 4; ++i) grads.push_back(random_vector(n, 10 + i, at::kDouble));
   for (const std::string name : {"sgd", "adagrad", "adam"}) {
     const at::Tensor expected = torch_reference(name, start, grads, 0.05);
     // Two shards, each updating its own slice, give what one unsharded update gives.
-    at::Tensor joined = at::empty({n});
+    at::Tensor joined = at::empty({n}, at::kDouble);
     for (int s = 0; s < 2; ++s) {
       ParameterShard shard(s, 2, optimizer(name, 0.05));
       const auto [begin, end] = shard_range(n, s, 2);
@@ -94,9 +95,9 @@ TEST(ParameterServer, ShardsSplitEvenlyAndApplyTorchsOptimizersOnTheirSlices) {
                           nullptr), "");
     }
     EXPECT_TRUE(at::equal(joined, whole.read(0, n, nullptr))) << name;
-    // Against torch's optimizer in float32: a few ulps (Adam's bias corrections are ordered
-    // differently), relative to the values' size.
-    EXPECT_LT(((joined - expected).abs() / expected.abs().clamp_min(1.0)).max().item<double>(), 1e-5)
+    // Against torch's optimizer: a few ulps (Adam's bias corrections are ordered differently),
+    // relative to the values' size.
+    EXPECT_LT(((joined - expected).abs() / expected.abs().clamp_min(1.0)).max().item<double>(), 1e-13)
         << name;
     EXPECT_GT((expected - start).abs().max().item<double>(), 1e-3) << name << " did not move";
   }
@@ -107,8 +108,13 @@ TEST(ParameterServer, ShardsSplitEvenlyAndApplyTorchsOptimizersOnTheirSlices) {
   int64_t v = 0, st = 0;
   EXPECT_NE(shard.apply(0, at::ones({4}), 1, 0, false, &v, &st, nullptr).find("a version from the future"), std::string::npos);
   EXPECT_NE(shard.apply(2, at::ones({4}), 0, 0, false, &v, &st, nullptr).find("outside the shard's range [0, 4)"), std::string::npos);
+  EXPECT_NE(shard.apply(0, at::ones({4}, at::kDouble), 0, 0, false, &v, &st, nullptr)
+                .find("a gradient of Double for a shard of Float parameters"), std::string::npos);
   EXPECT_EQ(shard.version(), 0);
   EXPECT_TRUE(at::equal(shard.read(0, 4, nullptr), at::ones({4})));
+  ParameterShard ints(0, 1, optimizer("sgd", 0.1));
+  EXPECT_NE(ints.initialize(4, at::ones({4}, at::kLong)).find("float32 or float64"), std::string::npos);
+  EXPECT_FALSE(ints.initialized());
   EXPECT_THROW(ParameterShard(2, 2, optimizer("sgd", 0.1)), InputError);
   EXPECT_THROW(ParameterShard(0, 1, optimizer("rmsprop", 0.1)), InputError);
 }
@@ -144,8 +150,11 @@ TEST(ParameterServer, OneDownpourWorkerTrainsLikeSingleProcessSgd) {
   PsClientOptions options;
   options.chunk_bytes = 256;  // many chunks per tensor
   PsClient client(ps.addresses, options);
+  // In float64 (the shards take the dtype of Initialize), so the bound is tight on any CPU.
   auto worker = small_mlp();
   auto reference = small_mlp();
+  worker->to(at::kDouble);
+  reference->to(at::kDouble);
   const at::Tensor initial = torch::nn::utils::parameters_to_vector(worker->parameters()).detach();
   EXPECT_TRUE(client.initialize(initial));
   // A second worker finds the shards initialized and keeps the first one's values.
@@ -155,7 +164,7 @@ TEST(ParameterServer, OneDownpourWorkerTrainsLikeSingleProcessSgd) {
   torch::optim::SGD sgd(reference->parameters(), torch::optim::SGDOptions(0.1));
   at::Tensor flat = at::empty_like(initial);
   for (int step = 0; step < 5; ++step) {
-    const at::Tensor x = random_vector(8 * 12, 100 + step).view({8, 12});
+    const at::Tensor x = random_vector(8 * 12, 100 + step, at::kDouble).view({8, 12});
     const at::Tensor y = at::randint(5, {8}, at::detail::createCPUGenerator(200 + step), at::kLong);
     const auto versions = client.pull(flat);
     EXPECT_EQ(versions, std::vector<int64_t>(2, step));
@@ -175,8 +184,24 @@ TEST(ParameterServer, OneDownpourWorkerTrainsLikeSingleProcessSgd) {
   }
   client.pull(flat);
   const at::Tensor expected = torch::nn::utils::parameters_to_vector(reference->parameters()).detach();
-  EXPECT_LT((flat - expected).abs().max().item<double>(), 1e-6);
+  EXPECT_LT((flat - expected).abs().max().item<double>(), 1e-12);
   EXPECT_GT((expected - initial).abs().max().item<double>(), 1e-3);
+  // The shards hold float64 now: a float32 client is told so, and a float32 push is refused.
+  PsClient single(ps.addresses, options);
+  EXPECT_THROW(
+      {
+        try {
+          single.initialize(initial.to(at::kFloat));
+        } catch (const InputError& e) {
+          EXPECT_NE(std::string(e.what()).find("holds FLOAT64 parameters, this worker's are Float"),
+                    std::string::npos) << e.what();
+          throw;
+        }
+      },
+      InputError);
+  EXPECT_THROW(single.push(at::zeros_like(initial, at::kFloat), {5, 5}), InputError);
+  client.pull(flat);
+  EXPECT_LT((flat - expected).abs().max().item<double>(), 1e-12);  // the refused push changed nothing
 }
 
 namespace {
@@ -205,6 +230,39 @@ dtrain::ps::PushChunk gradient_chunk(int64_t offset, int64_t n, int64_t version 
 }
 
 }  // namespace
+
+// A pull sends the shard's values without copying them; an update while a view is held writes
+// into a copy (the view keeps its version), and once no view is held updates stay in place.
+TEST(ParameterServer, PullsShareTheValuesAndUpdatesCopyOnlyWhileAViewIsHeld) {
+  ParameterShard shard(0, 1, optimizer("sgd", 1.0));
+  ASSERT_EQ(shard.initialize(6, at::zeros({6})), "");
+  auto where = [&] { return shard.share(0, 1, nullptr).data_ptr(); };
+  const void* first = where();
+  int64_t version = -1, v = 0, st = 0;
+  const at::Tensor view = shard.share(2, 5, &version);
+  EXPECT_EQ(version, 0);
+  EXPECT_EQ(view.data_ptr(), static_cast<const char*>(first) + 2 * sizeof(float));
+  ASSERT_EQ(shard.apply(0, at::ones({6}), 0, 0, false, &v, &st, nullptr), "");
+  EXPECT_TRUE(at::equal(view, at::zeros({3})));        // still version 0
+  EXPECT_TRUE(at::equal(shard.read(0, 6, nullptr), -at::ones({6})));
+  const void* second = where();
+  EXPECT_NE(second, first);
+  ASSERT_EQ(shard.apply(0, at::ones({6}), 1, 0, false, &v, &st, nullptr), "");
+  EXPECT_EQ(where(), second);  // no view held: in place
+  // Over gRPC: a finished pull leaves no view behind, so the next push updates in place.
+  ShardServerOptions options;
+  options.optimizer = optimizer("sgd", 1.0);
+  ShardServer server(options);
+  PsClient client({server.address()});
+  client.initialize(at::zeros({1000}));
+  at::Tensor flat = at::empty({1000});
+  const auto versions = client.pull(flat);
+  const void* before = server.shard().share(0, 1, nullptr).data_ptr();
+  client.push(at::ones({1000}), versions);
+  EXPECT_EQ(server.shard().share(0, 1, nullptr).data_ptr(), before);
+  client.pull(flat);
+  EXPECT_TRUE(at::equal(flat, -at::ones({1000})));
+}
 
 TEST(ParameterServer, MalformedAndFuzzedMessagesAreRefusedAndChangeNothing) {
   ShardServerOptions options;
@@ -355,23 +413,27 @@ TEST(ParameterServer, TheShardAppliesTheLearningRateScheduleByVersion) {
 // another shard's is refused with the file named.
 TEST(ParameterServer, ShardCheckpointsRoundTripAndDamagedOnesAreNamed) {
   dtrain::test::TempDir dir;
-  for (const std::string name : {"adagrad", "adam"}) {
-    ParameterShard shard(1, 2, optimizer(name, 0.05));
-    ASSERT_EQ(shard.initialize(10, random_vector(5, 1)), "");
+  for (const std::string name : {"adagrad", "adam", "adam64"}) {
+    // adam64: a float64 shard keeps its dtype through the file.
+    const at::ScalarType dtype = name == "adam64" ? at::kDouble : at::kFloat;
+    const std::string opt = name == "adam64" ? "adam" : name;
+    ParameterShard shard(1, 2, optimizer(opt, 0.05));
+    ASSERT_EQ(shard.initialize(10, random_vector(5, 1, dtype)), "");
     int64_t version = 0, staleness = 0;
     for (int i = 0; i < 3; ++i) {
-      ASSERT_EQ(shard.apply(5, random_vector(5, 10 + i), i, 0, false, &version, &staleness, nullptr), "");
+      ASSERT_EQ(shard.apply(5, random_vector(5, 10 + i, dtype), i, 0, false, &version, &staleness, nullptr), "");
     }
     const std::string file = dir / (name + ".pt");
     EXPECT_EQ(shard.save(file), 3);
-    ParameterShard restored(1, 2, optimizer(name, 0.05));
+    ParameterShard restored(1, 2, optimizer(opt, 0.05));
     EXPECT_EQ(restored.load(file), 3);
     EXPECT_EQ(restored.version(), 3);
+    EXPECT_EQ(restored.dtype(), dtype);
     // The next update is the same on both: the optimizer state came back too.
-    ASSERT_EQ(shard.apply(5, random_vector(5, 20), 3, 0, false, &version, &staleness, nullptr), "");
-    ASSERT_EQ(restored.apply(5, random_vector(5, 20), 3, 0, false, &version, &staleness, nullptr), "");
+    ASSERT_EQ(shard.apply(5, random_vector(5, 20, dtype), 3, 0, false, &version, &staleness, nullptr), "");
+    ASSERT_EQ(restored.apply(5, random_vector(5, 20, dtype), 3, 0, false, &version, &staleness, nullptr), "");
     EXPECT_TRUE(at::equal(shard.read(5, 10, nullptr), restored.read(5, 10, nullptr))) << name;
-    ParameterShard other(0, 2, optimizer(name, 0.05));
+    ParameterShard other(0, 2, optimizer(opt, 0.05));
     try {
       other.load(file);
       ADD_FAILURE() << "another shard's checkpoint was loaded";

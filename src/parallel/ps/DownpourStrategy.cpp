@@ -50,7 +50,7 @@ void DownpourStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   DTRAIN_CHECK_INPUT(options_.ps_max_staleness >= -1, "--max-staleness must be -1 (no cap) or ",
                      "at least 0 (got ", options_.ps_max_staleness, ")");
   setup_replica(std::move(model), make_optimizer, std::move(grid));
-  accumulated_ = at::zeros({numel_}, at::kFloat);
+  accumulated_ = at::zeros({numel_}, dtype_);
 }
 
 std::chrono::milliseconds DownpourStrategy::wait_limit() const {
@@ -62,7 +62,7 @@ void DownpourStrategy::start() {
   // shards' unless they already hold some (another worker was first, or a restarted shard
   // resumed its own checkpoint); every worker then trains from the shards' values.
   client_->initialize(flat_parameters());
-  incoming_ = at::empty({numel_}, at::kFloat);
+  incoming_ = at::empty({numel_}, dtype_);
   versions_ = client_->pull(incoming_);
   set_parameters(incoming_);
   newest_version_ = newest(versions_);
@@ -161,7 +161,7 @@ void DownpourStrategy::queue_push(std::unique_lock<std::mutex>& lock, bool last)
   DTRAIN_CHECK_T(TimeoutError, free, "downpour worker ", grid_->world()->rank(),
                  ": the previous push did not finish within ", limit.count(), " ms");
   std::swap(outgoing_, accumulated_);
-  if (!accumulated_.defined()) accumulated_ = at::empty({numel_}, at::kFloat);
+  if (!accumulated_.defined()) accumulated_ = at::empty({numel_}, dtype_);
   accumulated_.zero_();
   outgoing_versions_ = accumulated_versions_;
   outgoing_last_ = last;
@@ -352,8 +352,9 @@ void DownpourStrategy::save(const std::string& directory) {
 
 MemoryReport DownpourStrategy::memory_report() const {
   MemoryReport report;
-  report.parameter_bytes = numel_ * 4 * 2;  // the model and the landing buffer of pulls
-  report.gradient_bytes = numel_ * 4 * 3;   // .grad, the accumulation and the push in flight
+  const auto item = static_cast<int64_t>(c10::elementSize(dtype_));
+  report.parameter_bytes = numel_ * item * 2;  // the model and the landing buffer of pulls
+  report.gradient_bytes = numel_ * item * 3;   // .grad, the accumulation and the push in flight
   report.optimizer_bytes = 0;               // on the shards
   return report;
 }

@@ -3,6 +3,7 @@
 #include <torch/serialize.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -60,8 +61,11 @@ double ParameterShard::current_lr() const {
 std::string ParameterShard::check_gradient(int64_t begin, const at::Tensor& gradient) const {
   if (!initialized_) return "the shard has no parameters yet (Initialize first)";
   const int64_t n = gradient.numel();
-  if (gradient.scalar_type() != at::kFloat || gradient.dim() != 1 || begin < begin_ ||
-      begin + n > end_) {
+  if (gradient.scalar_type() != values_.scalar_type()) {
+    return concat("a gradient of ", gradient.scalar_type(), " for a shard of ",
+                  values_.scalar_type(), " parameters");
+  }
+  if (gradient.dim() != 1 || begin < begin_ || begin + n > end_) {
     return concat("a gradient for [", begin, ", ", begin + n, ") is outside the shard's range [",
                   begin_, ", ", end_, ")");
   }
@@ -97,6 +101,10 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
       return concat(where, ": more than ", kMaxVectors, " vectors on one shard");
     }
   }
+  const bool writes_x = std::any_of(ops.begin(), ops.end(), [](const VectorOp& op) {
+    return op.dst == "x" && op.kind != VectorOp::Dot;
+  });
+  if (writes_x) own_values();
   auto vector = [&](const std::string& name) -> at::Tensor& {
     if (name == "x") return values_;
     at::Tensor& v = vectors_[name];
@@ -171,7 +179,11 @@ std::string ParameterShard::initialize(int64_t total, const at::Tensor& values) 
   if (initialized_) return "initialized";
   if (total < shards_) return concat("field 'total' is ", total, ", fewer parameters than the ", shards_, " shards");
   const auto [begin, end] = shard_range(total, shard_, shards_);
-  if (values.scalar_type() != at::kFloat || values.dim() != 1 || values.numel() != end - begin) {
+  if (values.scalar_type() != at::kFloat && values.scalar_type() != at::kDouble) {
+    return concat("the initial values are ", values.scalar_type(), " (a shard holds float32 or "
+                  "float64 parameters)");
+  }
+  if (values.dim() != 1 || values.numel() != end - begin) {
     return concat("the initial values hold ", values.numel(), " elements, shard ", shard_, "/",
                   shards_, " of ", total, " parameters holds ", end - begin);
   }
@@ -189,6 +201,11 @@ std::string ParameterShard::initialize(int64_t total, const at::Tensor& values) 
   version_ = 0;
   initialized_ = true;
   return "";
+}
+
+at::ScalarType ParameterShard::dtype() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return initialized_ ? values_.scalar_type() : at::kFloat;
 }
 
 bool ParameterShard::initialized() const {
@@ -220,12 +237,17 @@ at::Tensor ParameterShard::read(int64_t begin, int64_t end, int64_t* version) co
   return values_.narrow(0, begin - begin_, end - begin).clone();
 }
 
-void ParameterShard::visit(int64_t begin, int64_t end,
-                           const std::function<void(const at::Tensor&, int64_t)>& f) const {
+at::Tensor ParameterShard::share(int64_t begin, int64_t end, int64_t* version) const {
   std::lock_guard<std::mutex> lock(mutex_);
   DTRAIN_CHECK(initialized_ && begin >= begin_ && end <= end_ && begin <= end,
                "read of [", begin, ", ", end, ") from shard [", begin_, ", ", end_, ")");
-  f(values_.narrow(0, begin - begin_, end - begin), version_);
+  if (version) *version = version_;
+  return values_.narrow(0, begin - begin_, end - begin);
+}
+
+void ParameterShard::own_values() {
+  // values_ holds one reference to its storage; every view handed out by share() one more.
+  if (values_.storage().use_count() > 1) values_ = values_.clone();
 }
 
 std::string ParameterShard::apply(int64_t begin, const at::Tensor& gradient,
@@ -238,6 +260,7 @@ std::string ParameterShard::apply(int64_t begin, const at::Tensor& gradient,
     return concat("field 'computed_version' is ", computed_version,
                   ", but the shard is at version ", version_, " (a version from the future)");
   }
+  own_values();
   at::Tensor w = values_.narrow(0, begin - begin_, n);
   const double lr = lr_at(optimizer_, version_);
   if (optimizer_.name == "sgd") {
@@ -322,12 +345,17 @@ int64_t ParameterShard::load(const std::string& path) {
     const int64_t total = file.at("total").toInt();
     const auto [begin, end] = shard_range(total, shard_, shards_);
     const auto tensors = file.at("tensors").toGenericDict();
+    // The parameters' dtype (float32 or float64) is the state's.
+    at::ScalarType dtype = at::kFloat;
+    if (tensors.contains("values")) dtype = tensors.at("values").toTensor().scalar_type();
+    DTRAIN_CHECK_INPUT(dtype == at::kFloat || dtype == at::kDouble, path, ": the parameters are ",
+                       dtype, " (float32 or float64 expected)");
     auto tensor = [&](const char* key) {
       DTRAIN_CHECK_INPUT(tensors.contains(key), path, ": no '", key, "' tensor");
       at::Tensor t = tensors.at(key).toTensor();
-      DTRAIN_CHECK_INPUT(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == end - begin,
+      DTRAIN_CHECK_INPUT(t.scalar_type() == dtype && t.dim() == 1 && t.numel() == end - begin,
                          path, ": '", key, "' holds ", t.numel(), " ", t.scalar_type(),
-                         " elements, the shard's range ", end - begin, " float32");
+                         " elements, the shard's range ", end - begin, " ", dtype);
       return t;
     };
     std::lock_guard<std::mutex> lock(mutex_);

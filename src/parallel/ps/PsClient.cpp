@@ -239,7 +239,9 @@ std::vector<dtrain::ps::ShardInfo> PsClient::describe() {
 }
 
 bool PsClient::initialize(const at::Tensor& flat) {
-  DTRAIN_CHECK(flat.scalar_type() == at::kFloat && flat.dim() == 1, "initialize takes flat float32");
+  DTRAIN_CHECK((flat.scalar_type() == at::kFloat || flat.scalar_type() == at::kDouble) &&
+                   flat.dim() == 1,
+               "initialize takes flat float32 or float64");
   total_ = flat.numel();
   const auto owner = std::make_shared<const at::Tensor>(flat.contiguous());
   std::vector<char> created(shards(), 0);
@@ -262,14 +264,18 @@ bool PsClient::initialize(const at::Tensor& flat) {
   for (const auto& s : shards_) {
     DTRAIN_CHECK_INPUT(s->info.total() == total_, "parameter server ", s->address, " holds a model of ",
                        s->info.total(), " parameters, this worker's has ", total_);
+    DTRAIN_CHECK_INPUT(s->info.dtype() == rpc::to_wire(flat.scalar_type()), "parameter server ",
+                       s->address, " holds ", rpc::dtype_name(s->info.dtype()),
+                       " parameters, this worker's are ", flat.scalar_type());
   }
   return std::all_of(created.begin(), created.end(), [](char c) { return c != 0; });
 }
 
 std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
   if (total_ < 0) describe_all();
-  DTRAIN_CHECK(total_ == flat.numel() && flat.scalar_type() == at::kFloat && flat.is_contiguous(),
-               "pull into ", flat.numel(), " elements; the model has ", total_, " (initialize first)");
+  DTRAIN_CHECK(total_ == flat.numel() && flat.is_contiguous(), "pull into ", flat.numel(),
+               " elements; the model has ", total_, " (initialize first)");
+  const auto item = static_cast<int64_t>(flat.element_size());
   std::vector<int64_t> versions(shards(), 0);
   for_each_shard(shards(), [&](int i) {
     const auto [begin, end] = shard_range(total_, i, shards());
@@ -287,6 +293,7 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
       rpc::ChunkRule rule;
       rule.begin = begin;
       rule.end = end;
+      rule.dtype = flat.scalar_type();
       problem.clear();
       received = 0;
       version = -1;
@@ -298,14 +305,14 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
         if (why->empty() && version >= 0 && meta.version() != version) {
           *why = concat(where, " mixes versions ", version, " and ", meta.version());
         }
-        return why->empty() ? static_cast<char*>(flat.data_ptr()) + meta.chunk().offset() * 4 : nullptr;
+        return why->empty() ? static_cast<char*>(flat.data_ptr()) + meta.chunk().offset() * item : nullptr;
       };
       while (reader->Read(&message)) {
         if (!problem.empty()) continue;
         problem = message.refused;
         if (!problem.empty()) continue;
         version = message.meta.version();
-        received += message.received / 4;
+        received += message.received / item;
       }
       return reader->Finish();
     });
@@ -321,8 +328,7 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
 
 int PsClient::accumulate(const at::Tensor& gradient, const std::string& vector, int64_t round,
                          int64_t unit) {
-  DTRAIN_CHECK(total_ == gradient.numel() && gradient.scalar_type() == at::kFloat &&
-                   gradient.is_contiguous(),
+  DTRAIN_CHECK(total_ == gradient.numel() && gradient.is_contiguous(),
                "accumulate of ", gradient.numel(), " elements; the model has ", total_);
   const auto owner = std::make_shared<const at::Tensor>(gradient);
   std::vector<char> ignored(shards(), 0);
@@ -374,8 +380,8 @@ std::vector<double> PsClient::vector_ops(const std::vector<VectorOp>& ops) {
 
 PushResult PsClient::push(const at::Tensor& gradient, const std::vector<int64_t>& versions,
                           bool last) {
-  DTRAIN_CHECK(total_ == gradient.numel() && gradient.scalar_type() == at::kFloat &&
-                   gradient.is_contiguous() && static_cast<int>(versions.size()) == shards(),
+  DTRAIN_CHECK(total_ == gradient.numel() && gradient.is_contiguous() &&
+                   static_cast<int>(versions.size()) == shards(),
                "push of ", gradient.numel(), " elements; the model has ", total_);
   PushResult result;
   result.versions.assign(shards(), 0);

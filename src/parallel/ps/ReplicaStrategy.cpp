@@ -14,17 +14,22 @@ void ReplicaStrategy::setup_replica(Model model, const optim::OptimizerFactory& 
   DTRAIN_CHECK_INPUT(!options_.ps_addresses.empty(), strategy,
                      " needs the parameter-server shards: --ps HOST:PORT,... (servers started "
                      "with dtrain ps serve) or --ps-shards N (started here)");
-  DTRAIN_CHECK_INPUT(options_.precision == "fp32", strategy, " trains in fp32 (the shards hold "
-                     "float32 parameters); --precision ", options_.precision,
+  DTRAIN_CHECK_INPUT(options_.precision == "fp32", strategy, " trains in the model's own dtype "
+                     "(the shards hold the parameters in it); --precision ", options_.precision,
                      " is not supported with it");
   DTRAIN_CHECK_INPUT(grid->pp_size() == 1 && grid->tp_size() == 1, strategy,
                      " workers are replicas of the whole model: pipeline and tensor parallelism "
                      "are not supported with it");
   model_ = std::move(model);
   grid_ = std::move(grid);
+  bool first = true;
   for (const auto& item : model_.module->named_parameters()) {
-    DTRAIN_CHECK_INPUT(item.value().scalar_type() == at::kFloat, strategy, ": parameter ",
-                       item.key(), " is ", item.value().scalar_type(), ", not float32");
+    const at::ScalarType type = item.value().scalar_type();
+    if (first) dtype_ = type;
+    first = false;
+    DTRAIN_CHECK_INPUT((type == at::kFloat || type == at::kDouble) && type == dtype_, strategy,
+                       ": parameter ", item.key(), " is ", type, "; the shards hold float32 or "
+                       "float64 parameters, all of one dtype (the first is ", dtype_, ")");
     names_.push_back(item.key());
     parameters_.push_back(item.value());
     numel_ += item.value().numel();

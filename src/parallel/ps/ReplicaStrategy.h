@@ -1,6 +1,6 @@
 // What the parameter-server strategies (Downpour, Sandblaster) share: each rank is a worker
-// holding a replica of the whole model, its parameters in flat order (float32, as the shards
-// keep them), a client of every shard, and checkpoints of the shards' parameters written by one
+// holding a replica of the whole model, its parameters in flat order (float32, or float64 for
+// exact comparisons: the shards keep the model's dtype), a client of every shard, and checkpoints of the shards' parameters written by one
 // rank alone.
 #pragma once
 
@@ -27,7 +27,7 @@ class ReplicaStrategy : public Strategy {
 
  protected:
   /// The checks every parameter-server strategy makes (shards given, fp32, no pipeline or
-  /// tensor parallelism, float32 parameters), then takes the model and connects to the shards.
+  /// tensor parallelism, parameters all float32 or all float64), then takes the model and connects to the shards.
   void setup_replica(Model model, const optim::OptimizerFactory& make_optimizer,
                      std::shared_ptr<comm::ProcessGrid> grid);
   at::Tensor flat_parameters() const;
@@ -45,6 +45,7 @@ class ReplicaStrategy : public Strategy {
   optim::OptimizerPtr optimizer_;
   std::unique_ptr<PsClient> client_;
   int64_t numel_ = 0;
+  at::ScalarType dtype_ = at::kFloat;  // of every parameter
 };
 
 }  // namespace dtrain::parallel::ps

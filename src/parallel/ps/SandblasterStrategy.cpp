@@ -77,7 +77,7 @@ StepResult SandblasterStrategy::train_step(const std::vector<data::Batch>&, cons
 }
 
 void SandblasterStrategy::pull_into_model() {
-  at::Tensor flat = at::empty({numel_}, at::kFloat);
+  at::Tensor flat = at::empty({numel_}, dtype_);
   client_->pull(flat);
   set_parameters(flat);
 }
@@ -108,7 +108,7 @@ double SandblasterStrategy::compute_unit(const LoopContext& context, int64_t rou
   }
   std::vector<at::Tensor> grads;
   for (const auto& p : parameters_) {
-    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, at::kFloat));
+    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, dtype_));
   }
   pushes_ignored_ += client_->accumulate(at::cat(grads), "g", round, unit);
   return loss;
@@ -315,8 +315,9 @@ void SandblasterStrategy::save(const std::string& directory) {
 
 MemoryReport SandblasterStrategy::memory_report() const {
   MemoryReport report;
-  report.parameter_bytes = numel_ * 4 * 2;  // the model and the pulled copy
-  report.gradient_bytes = numel_ * 4 * 2;   // .grad and the flat push
+  const auto item = static_cast<int64_t>(c10::elementSize(dtype_));
+  report.parameter_bytes = numel_ * item * 2;  // the model and the pulled copy
+  report.gradient_bytes = numel_ * item * 2;   // .grad and the flat push
   report.optimizer_bytes = 0;               // the L-BFGS history lives on the shards
   return report;
 }

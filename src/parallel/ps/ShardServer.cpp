@@ -21,7 +21,7 @@ grpc::Status invalid(const std::string& why) {
   return {grpc::StatusCode::INVALID_ARGUMENT, why};
 }
 
-// Float32 buffers kept for reuse: a shard streams megabytes per call, and fresh buffers would
+// Buffers kept for reuse: a shard streams megabytes per call, and fresh buffers would
 // cost a page fault per 4 KB on every call.
 class BufferPool : public std::enable_shared_from_this<BufferPool> {
  public:
@@ -43,19 +43,19 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     at::Tensor buffer_;
   };
 
-  /// A buffer of at least n elements (its first n are the caller's to use).
-  Lease take(int64_t n) {
+  /// A buffer of at least n elements of `dtype` (its first n are the caller's to use).
+  Lease take(int64_t n, at::ScalarType dtype) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (size_t i = 0; i < free_.size(); ++i) {
-        if (free_[i].numel() >= n) {
+        if (free_[i].numel() >= n && free_[i].scalar_type() == dtype) {
           at::Tensor buffer = std::move(free_[i]);
           free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
           return Lease(shared_from_this(), buffer);
         }
       }
     }
-    return Lease(shared_from_this(), at::empty({n}, at::kFloat));
+    return Lease(shared_from_this(), at::empty({n}, dtype));
   }
 
  private:
@@ -68,13 +68,14 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
 };
 
 // Reads a stream of chunks that must follow each other from the first one's offset, within
-// `rule`, into `buffer` (elements [rule.begin, rule.end) of the index space; empty: parts are
-// gathered and joined); each payload is copied once, from gRPC's slices to its place. Sets
+// `rule`, into `buffer` (elements [rule.begin, rule.end) of the index space, of rule.dtype;
+// empty: parts are gathered and joined); each payload is copied once, from gRPC's slices to its
+// place. `any_float`: the first chunk's dtype, float32 or float64, sets rule.dtype. Sets
 // `values` to the elements received and returns "" or why the stream was refused.
 std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* reader,
                         rpc::ChunkRule rule, const char* rpc_name, int64_t* first_offset,
                         at::Tensor* values, dtrain::ps::PushChunk* head,
-                        const at::Tensor& buffer = {}) {
+                        const at::Tensor& buffer = {}, bool any_float = false) {
   rpc::Bulk<dtrain::ps::PushChunk> chunk;
   std::vector<at::Tensor> parts;
   int64_t next = -1;
@@ -83,6 +84,7 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
   // Checks a chunk's fields against the rule and the chunks before it ("" or why not).
   auto check = [&](const dtrain::ps::PushChunk& meta, int64_t bytes) {
     const std::string where = concat(rpc_name, " chunk ", index);
+    if (any_float && next < 0 && meta.chunk().dtype() == rpc::FLOAT64) rule.dtype = at::kDouble;
     std::string why = rpc::check_chunk(meta.chunk(), bytes, rule, where);
     if (!why.empty() || next < 0) return why;
     if (meta.chunk().offset() != next) {
@@ -103,9 +105,10 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
     *why = check(meta, bytes);
     if (!why->empty()) return nullptr;
     if (buffer.defined()) {
-      return static_cast<char*>(buffer.data_ptr()) + (meta.chunk().offset() - rule.begin) * 4;
+      return static_cast<char*>(buffer.data_ptr()) +
+             (meta.chunk().offset() - rule.begin) * buffer.element_size();
     }
-    parts.push_back(at::empty({bytes / 4}, at::kFloat));
+    parts.push_back(at::empty({bytes / static_cast<int64_t>(c10::elementSize(rule.dtype))}, rule.dtype));
     return static_cast<char*>(parts.back().data_ptr());
   };
   while (reader->Read(&chunk)) {
@@ -118,14 +121,14 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
       *first_offset = chunk.meta.chunk().offset();
       next = *first_offset;
     }
-    next += chunk.received / 4;
+    next += chunk.received / static_cast<int64_t>(c10::elementSize(rule.dtype));
   }
   if (!problem.empty()) return problem;
   if (next < 0) return concat(rpc_name, ": the stream held no chunks");
   if (buffer.defined()) {
     *values = buffer.narrow(0, *first_offset - rule.begin, next - *first_offset);
   } else {
-    *values = parts.empty() ? at::empty({0}, at::kFloat) : parts.size() == 1 ? parts[0] : at::cat(parts);
+    *values = parts.empty() ? at::empty({0}, rule.dtype) : parts.size() == 1 ? parts[0] : at::cat(parts);
   }
   if (values->numel() == 0) return concat(rpc_name, ": the chunks hold no elements");
   return "";
@@ -177,6 +180,7 @@ class ShardService final : public grpc::Service {
     info->set_total(shard_.total());
     info->set_version(shard_.version());
     info->set_optimizer(shard_.optimizer().name);
+    info->set_dtype(rpc::to_wire(shard_.dtype()));
     const int64_t saved = saved_version_.load();
     info->set_unsaved_updates(shard_.initialized() && saved >= 0 ? shard_.version() - saved
                                                                  : shard_.version());
@@ -209,7 +213,8 @@ class ShardService final : public grpc::Service {
     int64_t first = 0;
     at::Tensor values;
     dtrain::ps::PushChunk head;
-    const std::string problem = read_stream(reader, rule, "Initialize", &first, &values, &head);
+    const std::string problem =
+        read_stream(reader, rule, "Initialize", &first, &values, &head, {}, /*any_float=*/true);
     if (!problem.empty()) return invalid(problem);
     const int64_t total = head.total();
     const auto [begin, end] = shard_range(total, shard_.shard(), shard_.shards());
@@ -243,26 +248,20 @@ class ShardService final : public grpc::Service {
       return invalid(concat("Pull: field 'chunk_bytes' is ", request->chunk_bytes(),
                             " (0 to ", rpc::kMaxChunkBytes, ")"));
     }
-    // The range is copied once from the shard's values under its lock (one version), into a
-    // pooled buffer the payloads then point at while they are sent without the lock; shared
-    // with their slices, which give it back to the pool when gRPC is done with them.
-    const auto lease = std::make_shared<BufferPool::Lease>(pool_->take(end - begin));
-    const at::Tensor snapshot = lease->tensor().narrow(0, 0, end - begin);
+    // The payloads point into the shard's values themselves (one version: an update arriving
+    // while gRPC still holds them writes into a copy), held by their slices until sent.
     int64_t version = 0;
-    shard_.visit(begin, end, [&](const at::Tensor& values, int64_t v) {
-      snapshot.copy_(values);
-      version = v;
-    });
+    const auto snapshot = std::make_shared<const at::Tensor>(shard_.share(begin, end, &version));
     bool open = true;
     rpc::for_each_bulk<dtrain::ps::PullChunk>(
-        snapshot, begin, request->chunk_bytes() > 0 ? request->chunk_bytes() : rpc::kDefaultChunkBytes,
-        lease, [&](dtrain::ps::PullChunk& meta) { meta.set_version(version); },
+        *snapshot, begin, request->chunk_bytes() > 0 ? request->chunk_bytes() : rpc::kDefaultChunkBytes,
+        snapshot, [&](dtrain::ps::PullChunk& meta) { meta.set_version(version); },
         [&](const rpc::Bulk<dtrain::ps::PullChunk>& message) {
           open = !context->IsCancelled() && writer->Write(message);
           return open;
         });
     ++pulls_;
-    bytes_out_ += (end - begin) * 4;
+    bytes_out_ += static_cast<int64_t>(snapshot->nbytes());
     return open ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
 
@@ -276,10 +275,11 @@ class ShardService final : public grpc::Service {
     rpc::ChunkRule rule;
     rule.begin = shard_.begin();
     rule.end = shard_.end();
+    rule.dtype = shard_.dtype();
     int64_t first = 0;
     at::Tensor gradient;
     dtrain::ps::PushChunk head;
-    const BufferPool::Lease lease = pool_->take(rule.end - rule.begin);
+    const BufferPool::Lease lease = pool_->take(rule.end - rule.begin, rule.dtype);
     const std::string problem =
         read_stream(reader, rule, "Push", &first, &gradient, &head, lease.tensor());
     if (!problem.empty()) return invalid(problem);
@@ -289,7 +289,7 @@ class ShardService final : public grpc::Service {
                                                 head.unit(), &ignored);
       if (!why.empty()) return invalid("Push: " + why);
       ++pushes_;
-      bytes_in_ += gradient.numel() * 4;
+      bytes_in_ += gradient.nbytes();
       reply->set_version(shard_.version());
       reply->set_ignored(ignored);
       return grpc::Status::OK;
@@ -300,7 +300,7 @@ class ShardService final : public grpc::Service {
                                          head.last(), &version, &staleness, &lr);
     if (!why.empty()) return invalid("Push: " + why);
     ++pushes_;
-    bytes_in_ += gradient.numel() * 4;
+    bytes_in_ += gradient.nbytes();
     reply->set_version(version);
     reply->set_staleness(staleness);
     reply->set_lr(lr);

@@ -1,7 +1,8 @@
 // One parameter-server shard's state, without the network: its contiguous range [begin, end)
-// of the model's flat float32 parameters, the version (updates applied), and the optimizer that
-// applies pushed gradients to the range (SGD, Adagrad - DistBelief's choice for Downpour, robust
-// to stale gradients - or Adam), each update under one lock so pulls see whole versions.
+// of the model's flat parameters (float32, or float64 for exact comparisons), the version
+// (updates applied), and the optimizer that applies pushed gradients to the range (SGD, Adagrad
+// - DistBelief's choice for Downpour, robust to stale gradients - or Adam), each update under
+// one lock so pulls see whole versions.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -76,10 +77,13 @@ class ParameterShard {
   ParameterShard(int shard, int shards, ShardOptimizer optimizer);
 
   /// Sets the initial parameters for a model of `total` elements; `values` must be exactly
-  /// this shard's range. Returns "" or why not (already initialized: "initialized").
+  /// this shard's range, float32 or float64 (the dtype every later gradient must have).
+  /// Returns "" or why not (already initialized: "initialized").
   std::string initialize(int64_t total, const at::Tensor& values);
 
   bool initialized() const;
+  /// The parameters' dtype, set by initialize() or load() (float32 before either).
+  at::ScalarType dtype() const;
   int shard() const { return shard_; }
   int shards() const { return shards_; }
   int64_t begin() const;
@@ -90,10 +94,10 @@ class ParameterShard {
 
   /// A copy of elements [begin, end) (within the range) and the version they belong to.
   at::Tensor read(int64_t begin, int64_t end, int64_t* version) const;
-  /// Calls f(view of elements [begin, end), version) under the shard's lock (f must not keep
-  /// the view).
-  void visit(int64_t begin, int64_t end,
-             const std::function<void(const at::Tensor&, int64_t)>& f) const;
+  /// Elements [begin, end) without a copy, and their version: a view the caller may keep (a
+  /// pull sending it). Updates never write into values such a view still sees: one that finds
+  /// a view held writes into a fresh copy (copy on write), so the view stays one version.
+  at::Tensor share(int64_t begin, int64_t end, int64_t* version) const;
   /// Applies `gradient` for elements [begin, begin + numel) computed at `computed_version`
   /// by `worker` (`last`: its final push). Returns "" (and the new version, the staleness and
   /// the learning rate used) or why it was refused (nothing changed).
@@ -126,13 +130,16 @@ class ParameterShard {
  private:
   /// "" or why a gradient for [begin, begin + numel) cannot be taken (the lock is held).
   std::string check_gradient(int64_t begin, const at::Tensor& gradient) const;
+  /// Before writing the values (the lock is held): copies them first if a share() view of
+  /// them is still held.
+  void own_values();
   const int shard_, shards_;
   const ShardOptimizer optimizer_;
   mutable std::mutex mutex_;
   int64_t begin_ = 0, end_ = 0, total_ = 0;
   int64_t version_ = 0;
   bool initialized_ = false;
-  at::Tensor values_;           // float32 [end - begin)
+  at::Tensor values_;           // float32 or float64 [end - begin)
   at::Tensor state1_, state2_;  // Adagrad: sum of squares; Adam: first and second moments
   at::Tensor steps_;            // Adam: updates each element has had (pushes may be partial)
   std::vector<int64_t> staleness_counts_ = std::vector<int64_t>(kStalenessBins, 0);

@@ -70,16 +70,19 @@ class PsClient {
   ~PsClient();
 
   int shards() const { return static_cast<int>(addresses_.size()); }
-  /// Sets every uninitialized shard to its range of `flat` (float32). Returns true when this
-  /// call initialized all of them, false if some already were (pull to get their values).
+  /// Sets every uninitialized shard to its range of `flat` (float32 or float64: the dtype of
+  /// every later pull and push; InputError if shards initialized before hold another). Returns
+  /// true when this call initialized all of them, false if some already were (pull to get their
+  /// values).
   bool initialize(const at::Tensor& flat);
-  /// Fills `flat` (float32, the model's size) from all shards; returns each shard's version.
+  /// Fills `flat` (the shards' dtype, the model's size) from all shards; returns each shard's
+  /// version.
   std::vector<int64_t> pull(const at::Tensor& flat);
-  /// Pushes `gradient` (float32, the model's size), each shard's range computed at `versions`
+  /// Pushes `gradient` (the shards' dtype, the model's size), each shard's range computed at `versions`
   /// (`last`: this worker's final push).
   PushResult push(const at::Tensor& gradient, const std::vector<int64_t>& versions,
                   bool last = false);
-  /// Adds `gradient` (float32, the model's size) into the named vector on every shard; keyed
+  /// Adds `gradient` (the shards' dtype, the model's size) into the named vector on every shard; keyed
   /// by a work unit (`round` > 0, see ParameterShard::accumulate), returns the shards that
   /// ignored it (another copy of the unit was first there, or the round is over).
   int accumulate(const at::Tensor& gradient, const std::string& vector, int64_t round = 0,
