@@ -3,6 +3,8 @@
 //   dtrain launch --nproc-per-node N -- PROGRAM  start N ranks of any program (torchrun-style)
 //   dtrain ckpt consolidate|inspect CHECKPOINT   convert / describe checkpoints
 //   dtrain generate --checkpoint DIR --prompt P  sample text from a language-model checkpoint
+//   dtrain ps serve --shard I/N                  a parameter-server shard
+//   dtrain fl simulate --clients N ...           federated learning, clients simulated
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -28,8 +30,12 @@
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Generate.h"
 #include "dtrain/train/Job.h"
+#include "Federated.h"
+#include "Options.h"
 
 namespace {
+
+using dtrain::cli::add;
 
 volatile std::sig_atomic_t g_stop_serving = 0;
 
@@ -103,61 +109,6 @@ std::string self_executable() {
   if (n <= 0) return "dtrain";
   path[n] = '\0';
   return path;
-}
-
-// CLI11 2.1 converts numbers leniently: out-of-range integers are clamped, "-1" wraps into an
-// unsigned, "inf" and "1e999" pass as floats. Every numeric option is checked by this instead:
-// the whole text must be a number of the option's type, in its range, and finite.
-template <typename T>
-std::string check_number(const std::string& text) {
-  const char* begin = text.c_str();
-  char* end = nullptr;
-  errno = 0;
-  if (text.empty()) return "expects a number, got an empty value";
-  if constexpr (std::is_floating_point_v<T>) {
-    const double value = std::strtod(begin, &end);
-    if (end == begin || *end != '\0') return "expects a number, got '" + text + "'";
-    if (errno == ERANGE && std::abs(value) > 1) return "'" + text + "' is out of range";
-    if (!std::isfinite(value)) return "expects a finite number, got '" + text + "'";
-  } else {
-    const bool negative = text.find('-') != std::string::npos;
-    if (std::is_unsigned_v<T> && negative) {
-      return "expects a whole number >= 0, got '" + text + "'";
-    }
-    const long long value = std::strtoll(begin, &end, 10);
-    if (end == begin || *end != '\0') return "expects a whole number, got '" + text + "'";
-    const bool fits = errno != ERANGE &&
-                      value >= static_cast<long long>(std::numeric_limits<T>::min()) &&
-                      (std::is_unsigned_v<T> ||
-                       value <= static_cast<long long>(std::numeric_limits<T>::max()));
-    if (!fits) {
-      return dtrain::concat("'", text, "' is out of range (", +std::numeric_limits<T>::min(),
-                            " .. ", +std::numeric_limits<T>::max(), ")");
-    }
-  }
-  return "";
-}
-
-template <typename T>
-struct element_of {
-  using type = T;
-};
-template <typename T>
-struct element_of<std::vector<T>> {
-  using type = T;
-};
-
-// app.add_option, with check_number for numeric values (and vectors of them).
-template <typename T>
-CLI::Option* add(CLI::App& app, const std::string& name, T& value,
-                 const std::string& description) {
-  CLI::Option* option = app.add_option(name, value, description);
-  using Element = typename element_of<T>::type;
-  if constexpr (std::is_arithmetic_v<Element> && !std::is_same_v<Element, bool>) {
-    option->check(CLI::Validator([](std::string& text) { return check_number<Element>(text); },
-                                 ""));
-  }
-  return option;
 }
 
 void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
@@ -720,6 +671,8 @@ int main(int argc, char** argv) {
       "Seconds between the shard's traffic lines (0 = none)")
       ->capture_default_str();
 
+  dtrain::cli::FederatedCommands federated(app);
+
   try {
     args = expand_config(args, *train);
     std::vector<std::string> reversed(args.rbegin(), args.rend());
@@ -778,6 +731,7 @@ int main(int argc, char** argv) {
       return serve_shard(ps_options, shard_text, serve_report_s);
     }
     if (train->parsed()) return run_train(job, args);
+    if (federated.parsed()) return federated.run();
     if (launch_cmd->parsed()) {
       dtrain::launch::parse_nnodes(nnodes_text, launch);
       return dtrain::launch::launch(launch);

@@ -22,4 +22,15 @@ execute_process(COMMAND ${SCRIPT} ${WORK}/bad.jsonl RESULT_VARIABLE rc ERROR_VAR
 if(rc EQUAL 0 OR NOT err MATCHES "bad.jsonl:2")
   message(FATAL_ERROR "a corrupt metrics file was not reported with its line: ${rc} ${err}")
 endif()
-message(STATUS "PlotMetrics: 2 checks passed")
+# A federated run's rounds.
+file(WRITE ${WORK}/fl.jsonl
+"{\"event\":\"round\",\"round\":1,\"applied\":1,\"train_loss\":1.2,\"test_loss\":1.0,\"test_accuracy\":0.6,\"uplink_bytes\":1000}
+{\"event\":\"round\",\"round\":2,\"applied\":1,\"train_loss\":0.9,\"test_loss\":0.8,\"test_accuracy\":0.7,\"uplink_bytes\":1000}
+")
+execute_process(COMMAND ${SCRIPT} ${WORK}/fl.jsonl -o ${WORK}/fl.png RESULT_VARIABLE rc
+                ERROR_VARIABLE err)
+file(READ ${WORK}/fl.png magic LIMIT 4 HEX)
+if(NOT rc EQUAL 0 OR NOT magic STREQUAL "89504e47")
+  message(FATAL_ERROR "plot-metrics did not draw a federated run (${rc}): ${err}")
+endif()
+message(STATUS "PlotMetrics: 3 checks passed")

@@ -1,0 +1,101 @@
+// FedAvg's two halves (McMahan et al. 2017): a client trains the global model on its own
+// examples for E epochs of batch B and returns the change (its update), and the server averages
+// the updates weighted by the clients' example counts and applies the average with a server
+// optimizer: plain FedAvg (SGD at rate 1: the average becomes the model), FedAvgM (momentum)
+// or FedAdam (Reddi et al. 2021). FedSGD is E = 1 with the full local batch; FedProx adds
+// mu/2 ||w - w_global||^2 to the local objective (Li et al. 2020).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dtrain/data/Dataset.h"
+#include "dtrain/models/Model.h"
+#include "dtrain/parallel/Strategy.h"
+
+namespace dtrain::federated {
+
+struct LocalTraining {
+  /// E: passes over the local training examples.
+  int64_t epochs = 5;
+  /// B: local batch size (0 = all local examples in one batch: FedSGD's full batch).
+  int64_t batch = 10;
+  /// Local SGD.
+  double lr = 0.05;
+  double momentum = 0.0;
+  double weight_decay = 0.0;
+  /// FedProx's proximal weight mu (0 = plain FedAvg).
+  double prox_mu = 0.0;
+};
+
+/// InputError naming the flag out of range.
+void validate(const LocalTraining& options);
+
+struct ClientUpdate {
+  /// The trained local parameters minus the global ones, flat (the model's dtype).
+  at::Tensor delta;
+  /// Local training examples (the update's weight).
+  int64_t examples = 0;
+  /// Mean training loss over the local steps, and the steps taken.
+  double loss = 0.0;
+  int64_t steps = 0;
+};
+
+/// The model's parameters as one flat tensor (a copy), and back.
+at::Tensor flatten_parameters(const Model& model);
+void load_flat_parameters(Model& model, const at::Tensor& flat);
+
+/// Sets `model` to `global` and trains it on `data`'s examples `indices` as `options` say
+/// (each epoch in an order drawn from `seed`); returns the update.
+ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::TensorDataset& data,
+                           const std::vector<int64_t>& indices, const LocalTraining& options,
+                           uint64_t seed, const parallel::LossFn& loss = parallel::cross_entropy);
+
+/// The example-weighted mean of updates, summed in float64 whatever the updates' dtype.
+class WeightedMean {
+ public:
+  void add(const at::Tensor& update, double weight);
+  int64_t count() const { return count_; }
+  double total_weight() const { return weight_; }
+  /// The mean, in `dtype` (InputError-free: undefined when nothing was added).
+  at::Tensor mean(at::ScalarType dtype) const;
+
+ private:
+  at::Tensor sum_;
+  double weight_ = 0.0;
+  int64_t count_ = 0;
+};
+
+struct ServerOptimizerSpec {
+  /// "sgd" (FedAvg; with momentum > 0: FedAvgM) or "adam" (FedAdam).
+  std::string name = "sgd";
+  /// The server's rate on the averaged update (1 with sgd: the average becomes the model).
+  double lr = 1.0;
+  double momentum = 0.0;
+  /// FedAdam: moments' decay and tau (its epsilon, the adaptivity's floor).
+  double beta1 = 0.9, beta2 = 0.99, tau = 1e-3;
+};
+
+void validate(const ServerOptimizerSpec& spec);
+
+/// Applies averaged updates to the global model; its state (momentum, Adam's moments) is part
+/// of the server's checkpoint.
+class ServerOptimizer {
+ public:
+  explicit ServerOptimizer(ServerOptimizerSpec spec);
+  /// global += the step for `average` (an averaged update: a direction of descent).
+  void step(at::Tensor& global, const at::Tensor& average);
+  /// Named state tensors (empty for plain FedAvg), for checkpoints.
+  std::vector<std::pair<std::string, at::Tensor>> state() const;
+  void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state);
+  const ServerOptimizerSpec& spec() const { return spec_; }
+
+ private:
+  ServerOptimizerSpec spec_;
+  at::Tensor first_, second_;
+};
+
+}  // namespace dtrain::federated

@@ -1,0 +1,83 @@
+// The federated server's logic without the network, shared by `dtrain fl simulate` (clients as
+// threads) and the gRPC server: the global model, the rounds, the selection of K clients among
+// those available (seeded by the round, so a resumed server selects as the first run would
+// have), the updates of the selected clients checked and averaged by example count, and the
+// round closed with those that finished if at least `min_clients` did (else retried). Saved
+// after every round, atomically; resumed from the file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "dtrain/parallel/federated/FedAvg.h"
+
+namespace dtrain::federated {
+
+struct RoundServerOptions {
+  /// K: clients selected per round (all available ones when fewer).
+  int64_t clients_per_round = 10;
+  /// A round is applied when at least this many selected clients finished (else retried).
+  int64_t min_clients = 1;
+  ServerOptimizerSpec optimizer;
+  uint64_t seed = 0;
+};
+
+struct RoundOutcome {
+  /// The round the updates were for, and whether they were applied (false: too few finished,
+  /// the round is retried with a new selection).
+  int64_t round = 0;
+  bool applied = false;
+  int64_t selected = 0, finished = 0, dropped = 0;
+  /// Example-weighted mean of the finished clients' training losses.
+  double train_loss = 0.0;
+  int64_t examples = 0;
+};
+
+class RoundServer {
+ public:
+  RoundServer(at::Tensor initial, RoundServerOptions options);
+
+  /// Rounds applied so far (the next round's number).
+  int64_t round() const;
+  /// A copy of the global model (flat).
+  at::Tensor global() const;
+  const RoundServerOptions& options() const { return options_; }
+
+  /// Opens the next round (or reopens a retried one): selects K of `available` at random
+  /// (seeded by the round and attempt) and returns them.
+  std::vector<std::string> select(const std::vector<std::string>& available);
+  bool selected(const std::string& client) const;
+  /// Takes a selected client's update for the open round. "" or why it was refused (not
+  /// selected, already sent, wrong size or dtype, NaN/Inf, no examples): nothing changed.
+  std::string submit(const std::string& client, const at::Tensor& delta, int64_t examples,
+                     double train_loss = 0.0);
+  /// Ends the open round: applies the mean update of those that finished if at least
+  /// min_clients did; the rest count as dropped.
+  RoundOutcome close();
+
+  /// Writes the global model, optimizer state and round to `path` atomically.
+  void save(const std::string& path) const;
+  /// Restores what save() wrote; InputError naming the file if it is damaged or holds another
+  /// model size or optimizer.
+  void load(const std::string& path);
+
+ private:
+  const RoundServerOptions options_;
+  mutable std::mutex mutex_;
+  at::Tensor global_;
+  ServerOptimizer optimizer_;
+  int64_t round_ = 0;
+  int64_t attempt_ = 0;  // retries of the open round
+  std::set<std::string> selected_;
+  std::map<std::string, int64_t> submitted_;  // client -> examples
+  WeightedMean mean_;
+  double loss_sum_ = 0.0;
+};
+
+}  // namespace dtrain::federated

@@ -1,0 +1,77 @@
+// `dtrain fl simulate`: federated learning research on one machine - many clients, each a
+// partition of a training set, trained as tasks on a pool of threads against the same server
+// logic (RoundServer) the gRPC server runs. Per round: the global model's test accuracy and
+// loss, clients selected / finished / dropped, uplink and downlink bytes, round time; a
+// metrics file, a progress bar, the server's checkpoint after every round (a rerun with the same
+// directory resumes).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtrain/data/Dataset.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/federated/FedAvg.h"
+#include "dtrain/parallel/federated/Partition.h"
+#include "dtrain/parallel/federated/RoundServer.h"
+
+namespace dtrain::federated {
+
+struct SimulationOptions {
+  int64_t clients = 100;
+  /// C: the fraction of clients selected per round (at least one).
+  double fraction = 0.1;
+  int64_t rounds = 50;
+  /// Clients that must finish for a round to count (0 = 1).
+  int64_t min_clients = 0;
+  PartitionSpec partition;
+  double local_test_fraction = 0.2;
+  LocalTraining local;
+  ServerOptimizerSpec server;
+  /// A selected client drops out before sending its update with this probability.
+  double dropout = 0.0;
+  /// Worker threads training clients (0 = the cores); each uses one LibTorch thread.
+  int threads = 0;
+  uint64_t seed = 0;
+  /// Evaluate the global model on the test set every this many rounds (and the last).
+  int64_t eval_every = 1;
+  /// Stop once the test accuracy reaches this (0 = run every round).
+  double target_accuracy = 0.0;
+  std::string metrics_file;
+  /// The server's checkpoint goes to DIR/server.pt after every round; resumed from it.
+  std::string checkpoint_dir;
+  bool progress = true;
+};
+
+/// `--algorithm fedavg|fedsgd`: fedsgd sets E = 1 and the full local batch.
+void apply_algorithm(const std::string& algorithm, LocalTraining* local);
+
+struct SimulationRound {
+  RoundOutcome outcome;
+  /// < 0 when the round was not evaluated.
+  double test_accuracy = -1.0, test_loss = -1.0;
+  int64_t uplink_bytes = 0, downlink_bytes = 0;
+  double seconds = 0.0;
+};
+
+struct SimulationResult {
+  std::vector<SimulationRound> rounds;
+  /// The first round (1-based count of applied rounds) whose evaluation reached
+  /// target_accuracy, 0 if none did.
+  int64_t rounds_to_target = 0;
+  int64_t start_round = 0;
+  /// Rounds applied in all (the server's round at the end).
+  int64_t rounds_done = 0;
+  at::Tensor global;
+};
+
+/// The global model's mean loss and accuracy on `data` (batches of `batch`).
+std::pair<double, double> evaluate_model(Model& model, const data::TensorDataset& data,
+                                         int64_t batch = 1000);
+
+SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDataset& train,
+                          const data::TensorDataset& test, const SimulationOptions& options);
+
+}  // namespace dtrain::federated

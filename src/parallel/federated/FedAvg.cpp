@@ -1,0 +1,165 @@
+#include "dtrain/parallel/federated/FedAvg.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/optim/Optimizers.h"
+
+namespace dtrain::federated {
+
+void validate(const LocalTraining& o) {
+  DTRAIN_CHECK_INPUT(o.epochs >= 1, "--local-epochs must be >= 1, got ", o.epochs);
+  DTRAIN_CHECK_INPUT(o.batch >= 0, "--local-batch must be >= 0 (0 = the whole local set), got ",
+                     o.batch);
+  DTRAIN_CHECK_INPUT(o.lr > 0 && std::isfinite(o.lr), "--lr must be > 0, got ", o.lr);
+  DTRAIN_CHECK_INPUT(o.momentum >= 0 && o.momentum < 1, "--momentum must be in [0, 1), got ",
+                     o.momentum);
+  DTRAIN_CHECK_INPUT(o.weight_decay >= 0, "--weight-decay must be >= 0, got ", o.weight_decay);
+  DTRAIN_CHECK_INPUT(o.prox_mu >= 0 && std::isfinite(o.prox_mu), "--prox-mu must be >= 0, got ",
+                     o.prox_mu);
+}
+
+void validate(const ServerOptimizerSpec& s) {
+  DTRAIN_CHECK_INPUT(s.name == "sgd" || s.name == "adam", "--server-optimizer '", s.name,
+                     "': expected sgd (FedAvg; FedAvgM with --server-momentum) or adam (FedAdam)");
+  DTRAIN_CHECK_INPUT(s.lr > 0 && std::isfinite(s.lr), "--server-lr must be > 0, got ", s.lr);
+  DTRAIN_CHECK_INPUT(s.momentum >= 0 && s.momentum < 1, "--server-momentum must be in [0, 1), got ",
+                     s.momentum);
+  DTRAIN_CHECK_INPUT(s.beta1 >= 0 && s.beta1 < 1 && s.beta2 >= 0 && s.beta2 < 1 && s.tau > 0,
+                     "FedAdam needs 0 <= beta1, beta2 < 1 and tau > 0");
+}
+
+at::Tensor flatten_parameters(const Model& model) {
+  std::vector<at::Tensor> flat;
+  for (const auto& p : model.module->parameters()) flat.push_back(p.detach().reshape({-1}));
+  return at::cat(flat);
+}
+
+void load_flat_parameters(Model& model, const at::Tensor& flat) {
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& p : model.module->parameters()) {
+    p.copy_(flat.slice(0, offset, offset + p.numel()).view_as(p));
+    offset += p.numel();
+  }
+  DTRAIN_CHECK(offset == flat.numel(), "a flat vector of ", flat.numel(),
+               " elements for a model of ", offset);
+}
+
+ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::TensorDataset& data,
+                           const std::vector<int64_t>& indices, const LocalTraining& options,
+                           uint64_t seed, const parallel::LossFn& loss) {
+  DTRAIN_CHECK_INPUT(!indices.empty(), "a client without training examples");
+  load_flat_parameters(model, global);
+  model.module->train();
+  std::vector<at::Tensor> parameters = model.module->parameters();
+  // FedProx's anchor: the global parameters, shaped as the model's.
+  std::vector<at::Tensor> anchor;
+  if (options.prox_mu > 0) {
+    for (const auto& p : parameters) anchor.push_back(p.detach().clone());
+  }
+  optim::OptimizerSpec spec;
+  spec.name = "sgd";
+  spec.lr = options.lr;
+  spec.momentum = options.momentum;
+  spec.weight_decay = options.weight_decay;
+  auto optimizer = optim::make_optimizer(parameters, spec);
+  const auto n = static_cast<int64_t>(indices.size());
+  const int64_t batch = options.batch > 0 ? std::min(options.batch, n) : n;
+  std::vector<int64_t> order = indices;
+  std::mt19937_64 rng(seed);
+  ClientUpdate update;
+  update.examples = n;
+  double loss_sum = 0;
+  for (int64_t epoch = 0; epoch < options.epochs; ++epoch) {
+    if (batch < n) std::shuffle(order.begin(), order.end(), rng);
+    for (int64_t begin = 0; begin < n; begin += batch) {
+      const std::vector<int64_t> chosen(order.begin() + begin,
+                                        order.begin() + std::min(n, begin + batch));
+      const data::Batch b = data.get(chosen);
+      optimizer->zero_grad();
+      at::Tensor value = loss(model(b.inputs), b.targets);
+      value.backward();
+      if (options.prox_mu > 0) {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < parameters.size(); ++i) {
+          at::Tensor& g = parameters[i].mutable_grad();
+          if (g.defined()) g.add_(parameters[i] - anchor[i], options.prox_mu);
+        }
+      }
+      optimizer->step();
+      loss_sum += value.item<double>();
+      ++update.steps;
+    }
+  }
+  update.loss = loss_sum / static_cast<double>(update.steps);
+  update.delta = flatten_parameters(model) - global;
+  return update;
+}
+
+void WeightedMean::add(const at::Tensor& update, double weight) {
+  DTRAIN_CHECK(weight > 0, "an update of weight ", weight);
+  const at::Tensor u = update.to(at::kDouble);
+  if (!sum_.defined()) {
+    sum_ = u * weight;
+  } else {
+    DTRAIN_CHECK(sum_.numel() == u.numel(), "updates of ", sum_.numel(), " and ", u.numel(),
+                 " elements");
+    sum_.add_(u, weight);
+  }
+  weight_ += weight;
+  ++count_;
+}
+
+at::Tensor WeightedMean::mean(at::ScalarType dtype) const {
+  if (!sum_.defined()) return {};
+  return (sum_ / weight_).to(dtype);
+}
+
+ServerOptimizer::ServerOptimizer(ServerOptimizerSpec spec) : spec_(std::move(spec)) {
+  validate(spec_);
+}
+
+void ServerOptimizer::step(at::Tensor& global, const at::Tensor& average) {
+  torch::NoGradGuard no_grad;
+  if (spec_.name == "sgd") {
+    if (spec_.momentum == 0) {
+      global.add_(average, spec_.lr);
+      return;
+    }
+    if (!first_.defined()) first_ = at::zeros_like(average);
+    first_.mul_(spec_.momentum).add_(average);  // FedAvgM: v = beta v + delta
+    global.add_(first_, spec_.lr);
+    return;
+  }
+  if (!first_.defined()) {
+    first_ = at::zeros_like(average);
+    second_ = at::full_like(average, spec_.tau * spec_.tau);  // Reddi et al.: v_0 = tau^2
+  }
+  first_.mul_(spec_.beta1).add_(average, 1 - spec_.beta1);
+  second_.mul_(spec_.beta2).addcmul_(average, average, 1 - spec_.beta2);
+  global.addcdiv_(first_, second_.sqrt().add_(spec_.tau), spec_.lr);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ServerOptimizer::state() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (first_.defined()) out.emplace_back("first", first_);
+  if (second_.defined()) out.emplace_back("second", second_);
+  return out;
+}
+
+void ServerOptimizer::load_state(const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  first_ = at::Tensor();
+  second_ = at::Tensor();
+  for (const auto& [name, tensor] : state) {
+    if (name == "first") first_ = tensor.clone();
+    if (name == "second") second_ = tensor.clone();
+  }
+}
+
+}  // namespace dtrain::federated

@@ -1,0 +1,185 @@
+#include "dtrain/parallel/federated/RoundServer.h"
+
+#include <torch/serialize.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+
+#include "common/Files.h"
+#include "dtrain/common/Error.h"
+
+namespace dtrain::federated {
+
+namespace {
+constexpr const char* kFormat = "dtrain-fl-server-1";
+}
+
+RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
+    : options_(std::move(options)), global_(initial.detach().clone()),
+      optimizer_(options_.optimizer) {
+  DTRAIN_CHECK_INPUT(options_.clients_per_round >= 1, "--clients-per-round must be >= 1, got ",
+                     options_.clients_per_round);
+  DTRAIN_CHECK_INPUT(options_.min_clients >= 1 && options_.min_clients <= options_.clients_per_round,
+                     "--min-clients must be in [1, clients per round = ",
+                     options_.clients_per_round, "], got ", options_.min_clients);
+  DTRAIN_CHECK_INPUT(global_.dim() == 1 && (global_.scalar_type() == at::kFloat ||
+                                            global_.scalar_type() == at::kDouble),
+                     "the global model must be a flat float32 or float64 vector");
+}
+
+int64_t RoundServer::round() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return round_;
+}
+
+at::Tensor RoundServer::global() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return global_.clone();
+}
+
+std::vector<std::string> RoundServer::select(const std::vector<std::string>& available) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::string> pool(available);
+  std::sort(pool.begin(), pool.end());
+  pool.erase(std::unique(pool.begin(), pool.end()), pool.end());
+  // Seeded by (seed, round, attempt): the same selection after a restart.
+  std::seed_seq seq{static_cast<uint64_t>(options_.seed), static_cast<uint64_t>(round_),
+                    static_cast<uint64_t>(attempt_)};
+  std::mt19937_64 rng(seq);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  pool.resize(std::min<size_t>(pool.size(), static_cast<size_t>(options_.clients_per_round)));
+  selected_ = std::set<std::string>(pool.begin(), pool.end());
+  submitted_.clear();
+  mean_ = WeightedMean();
+  loss_sum_ = 0;
+  return pool;
+}
+
+bool RoundServer::selected(const std::string& client) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return selected_.count(client) > 0;
+}
+
+std::string RoundServer::submit(const std::string& client, const at::Tensor& delta,
+                                int64_t examples, double train_loss) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (selected_.count(client) == 0) {
+    return concat("client '", client, "' was not selected for round ", round_);
+  }
+  if (submitted_.count(client) > 0) {
+    return concat("client '", client, "' already sent its update for round ", round_);
+  }
+  if (!delta.defined() || delta.dim() != 1 || delta.numel() != global_.numel()) {
+    return concat("client '", client, "': the update holds ", delta.defined() ? delta.numel() : 0,
+                  " elements, the model ", global_.numel());
+  }
+  if (delta.scalar_type() != global_.scalar_type()) {
+    return concat("client '", client, "': the update is ", delta.scalar_type(), ", the model ",
+                  global_.scalar_type());
+  }
+  if (examples < 1) return concat("client '", client, "': ", examples, " examples");
+  if (!at::isfinite(delta).all().item<bool>()) {
+    return concat("client '", client, "': the update holds NaN or Inf values");
+  }
+  mean_.add(delta, static_cast<double>(examples));
+  submitted_[client] = examples;
+  loss_sum_ += train_loss * static_cast<double>(examples);
+  return "";
+}
+
+RoundOutcome RoundServer::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  RoundOutcome out;
+  out.round = round_;
+  out.selected = static_cast<int64_t>(selected_.size());
+  out.finished = static_cast<int64_t>(submitted_.size());
+  out.dropped = out.selected - out.finished;
+  out.examples = static_cast<int64_t>(mean_.total_weight());
+  if (out.examples > 0) out.train_loss = loss_sum_ / static_cast<double>(out.examples);
+  out.applied = out.finished >= options_.min_clients;
+  if (out.applied) {
+    optimizer_.step(global_, mean_.mean(global_.scalar_type()));
+    ++round_;
+    attempt_ = 0;
+  } else {
+    ++attempt_;
+  }
+  selected_.clear();
+  submitted_.clear();
+  mean_ = WeightedMean();
+  loss_sum_ = 0;
+  return out;
+}
+
+void RoundServer::save(const std::string& path) const {
+  c10::impl::GenericDict file(c10::StringType::get(), c10::AnyType::get());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    file.insert("format", kFormat);
+    file.insert("round", round_);
+    file.insert("optimizer", optimizer_.spec().name);
+    c10::Dict<std::string, at::Tensor> tensors;
+    tensors.insert("global", global_.clone());
+    for (const auto& [name, tensor] : optimizer_.state()) tensors.insert(name, tensor.clone());
+    file.insert("tensors", tensors);
+  }
+  const std::vector<char> bytes = torch::pickle_save(file);
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent);
+  write_file_atomically(path, bytes.data(), bytes.size());
+}
+
+void RoundServer::load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DTRAIN_CHECK_INPUT(in.good(), "cannot read the federated server checkpoint ", path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, path, " is not a federated server checkpoint (damaged?): ",
+                 e.what_without_backtrace());
+  }
+  DTRAIN_CHECK_INPUT(value.isGenericDict() && value.toGenericDict().contains("format") &&
+                         value.toGenericDict().at("format").toStringRef() == kFormat,
+                     path, " is not a federated server checkpoint");
+  const auto file = value.toGenericDict();
+  try {
+    const std::string optimizer = file.at("optimizer").toStringRef();
+    DTRAIN_CHECK_INPUT(optimizer == optimizer_.spec().name, path, " holds ", optimizer,
+                       " server-optimizer state, this server runs ",
+                       optimizer_.spec().name);
+    const auto tensors = file.at("tensors").toGenericDict();
+    DTRAIN_CHECK_INPUT(tensors.contains("global"), path, ": no global model");
+    const at::Tensor global = tensors.at("global").toTensor();
+    std::lock_guard<std::mutex> lock(mutex_);
+    DTRAIN_CHECK_INPUT(global.dim() == 1 && global.numel() == global_.numel() &&
+                           global.scalar_type() == global_.scalar_type(),
+                       path, " holds a model of ", global.numel(), " ", global.scalar_type(),
+                       " parameters, this server's has ", global_.numel(), " ",
+                       global_.scalar_type());
+    std::vector<std::pair<std::string, at::Tensor>> state;
+    for (const char* name : {"first", "second"}) {
+      if (!tensors.contains(name)) continue;
+      const at::Tensor t = tensors.at(name).toTensor();
+      DTRAIN_CHECK_INPUT(t.sizes() == global.sizes() && t.scalar_type() == global.scalar_type(),
+                         path, ": optimizer state '", name, "' does not match the model");
+      state.emplace_back(name, t);
+    }
+    global_ = global.clone();
+    optimizer_.load_state(state);
+    round_ = file.at("round").toInt();
+    attempt_ = 0;
+    selected_.clear();
+    submitted_.clear();
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, path, " is a malformed federated server checkpoint: ",
+                 e.what_without_backtrace());
+  }
+}
+
+}  // namespace dtrain::federated

@@ -1,0 +1,211 @@
+#include "dtrain/parallel/federated/Simulation.h"
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/train/Metrics.h"
+#include "dtrain/train/Progress.h"
+
+namespace dtrain::federated {
+
+void apply_algorithm(const std::string& algorithm, LocalTraining* local) {
+  if (algorithm == "fedavg") return;
+  DTRAIN_CHECK_INPUT(algorithm == "fedsgd", "--algorithm '", algorithm,
+                     "': expected fedavg or fedsgd");
+  local->epochs = 1;
+  local->batch = 0;
+}
+
+std::pair<double, double> evaluate_model(Model& model, const data::TensorDataset& data,
+                                         int64_t batch) {
+  torch::NoGradGuard no_grad;
+  model.module->eval();
+  double loss = 0, correct = 0;
+  for (int64_t begin = 0; begin < data.size(); begin += batch) {
+    const data::Batch b = data.slice(begin, std::min(data.size(), begin + batch));
+    const at::Tensor out = model(b.inputs);
+    loss += parallel::cross_entropy(out, b.targets).item<double>() * b.targets.size(0);
+    correct += out.argmax(-1).eq(b.targets).sum().item<double>();
+  }
+  model.module->train();
+  const auto n = static_cast<double>(std::max<int64_t>(1, data.size()));
+  return {loss / n, correct / n};
+}
+
+namespace {
+
+Model build(const models::ModelSpec& spec, at::ScalarType dtype) {
+  Model model = models::make_model(spec);
+  if (dtype == at::kDouble) model.module->to(at::kDouble);
+  return model;
+}
+
+uint64_t mix(uint64_t seed, uint64_t a, uint64_t b) {
+  std::seed_seq seq{seed, a, b};
+  uint32_t words[2];
+  seq.generate(words, words + 2);
+  return (static_cast<uint64_t>(words[0]) << 32) | words[1];
+}
+
+}  // namespace
+
+SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDataset& train,
+                          const data::TensorDataset& test, const SimulationOptions& options) {
+  validate(options.local);
+  validate(options.server);
+  DTRAIN_CHECK_INPUT(options.fraction > 0 && options.fraction <= 1,
+                     "--fraction must be in (0, 1], got ", options.fraction);
+  DTRAIN_CHECK_INPUT(options.rounds >= 1, "--rounds must be >= 1, got ", options.rounds);
+  DTRAIN_CHECK_INPUT(options.dropout >= 0 && options.dropout < 1,
+                     "--dropout must be in [0, 1), got ", options.dropout);
+  DTRAIN_CHECK_INPUT(options.eval_every >= 1, "--eval-every must be >= 1, got ", options.eval_every);
+  DTRAIN_CHECK_INPUT(options.threads >= 0, "--threads must be >= 0, got ", options.threads);
+  const std::vector<ClientIndices> clients =
+      partition(train.targets(), options.clients, options.partition, options.seed,
+                options.local_test_fraction);
+  const at::ScalarType dtype =
+      train.raw_inputs().scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  torch::manual_seed(options.seed);
+  Model global_model = build(spec, dtype);
+  RoundServerOptions server_options;
+  server_options.clients_per_round = std::max<int64_t>(
+      1, static_cast<int64_t>(std::llround(options.fraction * static_cast<double>(options.clients))));
+  server_options.min_clients =
+      std::min(server_options.clients_per_round, std::max<int64_t>(1, options.min_clients));
+  server_options.optimizer = options.server;
+  server_options.seed = options.seed;
+  RoundServer server(flatten_parameters(global_model), server_options);
+  const std::string checkpoint =
+      options.checkpoint_dir.empty() ? "" : options.checkpoint_dir + "/server.pt";
+  SimulationResult result;
+  if (!checkpoint.empty() && std::filesystem::exists(checkpoint)) {
+    server.load(checkpoint);
+    result.start_round = server.round();
+  }
+  const int threads = options.threads > 0
+                          ? options.threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  std::vector<Model> replicas;
+  for (int t = 0; t < threads; ++t) replicas.push_back(build(spec, dtype));
+  std::vector<std::string> ids;
+  for (int64_t c = 0; c < options.clients; ++c) ids.push_back(std::to_string(c));
+
+  train::MetricsWriter metrics(options.metrics_file, result.start_round > 0);
+  train::ProgressBar bar(stderr, train::ProgressBar::is_terminal(stderr),
+                         std::max<int64_t>(1, options.rounds / 20));
+  const auto started = std::chrono::steady_clock::now();
+  constexpr int kMaxRetries = 10;  // consecutive rounds too few clients finished
+  int retries = 0;
+  while (server.round() < options.rounds) {
+    const auto round_start = std::chrono::steady_clock::now();
+    const int64_t round = server.round();
+    const std::vector<std::string> selected = server.select(ids);
+    const at::Tensor global = server.global();
+    std::atomic<size_t> next{0};
+    std::atomic<int64_t> uplink{0};
+    std::vector<std::exception_ptr> errors(threads);
+    auto work = [&](int t) {
+      try {
+        if (threads > 1) at::set_num_threads(1);
+        for (size_t i = next++; i < selected.size(); i = next++) {
+          const int64_t c = std::stoll(selected[i]);
+          std::mt19937_64 draw(mix(options.seed, static_cast<uint64_t>(round) * 2 + 1,
+                                   static_cast<uint64_t>(c)));
+          if (options.dropout > 0 &&
+              std::uniform_real_distribution<double>(0, 1)(draw) < options.dropout) {
+            continue;  // this client leaves before it sends anything
+          }
+          const ClientUpdate update =
+              train_locally(replicas[t], global, train, clients[c].train, options.local,
+                            mix(options.seed, static_cast<uint64_t>(round) * 2, c));
+          const std::string why =
+              server.submit(selected[i], update.delta, update.examples, update.loss);
+          DTRAIN_CHECK(why.empty(), why);
+          uplink += static_cast<int64_t>(update.delta.nbytes());
+        }
+      } catch (...) {
+        errors[t] = std::current_exception();
+      }
+    };
+    if (threads == 1) {
+      work(0);
+    } else {
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t) pool.emplace_back(work, t);
+      for (auto& th : pool) th.join();
+    }
+    for (const auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+    SimulationRound record;
+    record.outcome = server.close();
+    record.uplink_bytes = uplink.load();
+    record.downlink_bytes = static_cast<int64_t>(selected.size()) * static_cast<int64_t>(global.nbytes());
+    if (!record.outcome.applied) {
+      DTRAIN_CHECK_T(Error, ++retries < kMaxRetries, "round ", round + 1, ": only ",
+                     record.outcome.finished, " of ", record.outcome.selected,
+                     " clients finished, ", kMaxRetries, " times in a row (--min-clients ",
+                     server_options.min_clients, ")");
+    } else {
+      retries = 0;
+    }
+    const int64_t done = server.round();
+    if (record.outcome.applied && (done % options.eval_every == 0 || done == options.rounds)) {
+      load_flat_parameters(global_model, server.global());
+      std::tie(record.test_loss, record.test_accuracy) = evaluate_model(global_model, test);
+    }
+    record.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - round_start).count();
+    if (!checkpoint.empty() && record.outcome.applied) server.save(checkpoint);
+    train::MetricRecord line{{"event", std::string("round")},
+                             {"round", done},
+                             {"applied", static_cast<int64_t>(record.outcome.applied)},
+                             {"selected", record.outcome.selected},
+                             {"finished", record.outcome.finished},
+                             {"dropped", record.outcome.dropped},
+                             {"train_loss", record.outcome.train_loss},
+                             {"uplink_bytes", record.uplink_bytes},
+                             {"downlink_bytes", record.downlink_bytes},
+                             {"round_s", record.seconds}};
+    if (record.test_accuracy >= 0) {
+      line["test_accuracy"] = record.test_accuracy;
+      line["test_loss"] = record.test_loss;
+    }
+    metrics.write(line);
+    result.rounds.push_back(record);
+    if (options.progress) {
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      const auto rounds_here = static_cast<double>(done - result.start_round);
+      const double eta = rounds_here > 0
+                             ? elapsed / rounds_here * static_cast<double>(options.rounds - done)
+                             : NAN;
+      bar.update(0, 1, done, options.rounds, record.outcome.train_loss,
+                 static_cast<double>(record.outcome.examples) / std::max(1e-9, record.seconds), eta);
+      if (record.test_accuracy >= 0) {
+        bar.note(concat("round ", done, ": test accuracy ", record.test_accuracy, ", loss ",
+                        record.test_loss, " (", record.outcome.finished, "/",
+                        record.outcome.selected, " clients)"));
+      }
+    }
+    if (options.target_accuracy > 0 && record.test_accuracy >= options.target_accuracy &&
+        result.rounds_to_target == 0) {
+      result.rounds_to_target = done;
+      break;
+    }
+  }
+  result.global = server.global();
+  result.rounds_done = server.round();
+  return result;
+}
+
+}  // namespace dtrain::federated
