@@ -1,37 +1,147 @@
-// `dtrain fl simulate`: flags into SimulationOptions, the data set loaded, a summary printed.
+// `dtrain fl simulate|serve|client`: flags into the federated options, data sets loaded,
+// summaries printed.
 #include "Federated.h"
 
 #include <ATen/Parallel.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <numeric>
 #include <thread>
 
+#include <torch/torch.h>
+
 #include "Options.h"
+#include "dtrain/comm/TokenFile.h"
 #include "dtrain/data/FashionMnist.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/federated/Client.h"
+#include "dtrain/parallel/federated/Server.h"
 #include "dtrain/parallel/federated/Simulation.h"
 
 namespace dtrain::cli {
 
-struct FederatedCommands::Options {
-  CLI::App* simulate = nullptr;
-  federated::SimulationOptions sim;
-  std::string partition = "iid";
+namespace {
+
+// Flags the simulation and the server share: the clients' plan, the server optimizer, the
+// model, the data.
+struct Shared {
+  federated::LocalTraining local;
+  federated::ServerOptimizerSpec server;
+  std::string compression = "none";
   std::string algorithm = "fedavg";
   std::string model = "mlp";
   std::vector<int64_t> hidden{200, 200};
   std::string dataset = "fashion-mnist";
   std::string data_dir;
   int64_t synthetic_examples = 4000;
+  uint64_t seed = 0;
+  int threads = 0;
+};
+
+void add_plan(CLI::App& c, Shared& s) {
+  add(c, "--algorithm", s.algorithm, "fedavg, or fedsgd (E = 1 and the full local batch)")
+      ->capture_default_str();
+  add(c, "--local-epochs", s.local.epochs, "E: local passes over a client's examples")
+      ->capture_default_str();
+  add(c, "--local-batch", s.local.batch, "B: local batch size (0 = a client's whole set)")
+      ->capture_default_str();
+  add(c, "--lr", s.local.lr, "Local SGD learning rate")->capture_default_str();
+  add(c, "--momentum", s.local.momentum, "Local SGD momentum")->capture_default_str();
+  add(c, "--weight-decay", s.local.weight_decay, "Local L2 weight decay")->capture_default_str();
+  add(c, "--prox-mu", s.local.prox_mu, "FedProx's proximal term mu (0 = FedAvg)")
+      ->capture_default_str();
+  add(c, "--compression", s.compression,
+      "How clients compress updates: none, q8 (8-bit, stochastic rounding) or topk:FRACTION "
+      "(the largest FRACTION of elements, with error feedback)")
+      ->capture_default_str();
+  add(c, "--server-optimizer", s.server.name,
+      "Applied to the averaged update: sgd (FedAvg; FedAvgM with --server-momentum) or adam "
+      "(FedAdam)")
+      ->capture_default_str();
+  add(c, "--server-lr", s.server.lr, "The server optimizer's rate (1 with sgd: plain FedAvg)")
+      ->capture_default_str();
+  add(c, "--server-momentum", s.server.momentum, "FedAvgM's momentum")->capture_default_str();
+  add(c, "--model", s.model, "mlp, cnn or linear")->capture_default_str();
+  add(c, "--hidden", s.hidden, "MLP hidden widths (McMahan et al.'s 2NN: 200 200)")
+      ->capture_default_str();
+  add(c, "--seed", s.seed, "Random seed (model, selection, local order)")->capture_default_str();
+}
+
+void add_data(CLI::App& c, Shared& s, const char* use) {
+  add(c, "--dataset", s.dataset, std::string("fashion-mnist or synthetic: ") + use)
+      ->capture_default_str();
+  add(c, "--data-dir", s.data_dir,
+      "Fashion-MNIST IDX files (default: $DTRAIN_DATA_DIR or Debian's dataset-fashion-mnist)");
+  add(c, "--synthetic-examples", s.synthetic_examples, "--dataset synthetic: training examples")
+      ->capture_default_str();
+  add(c, "--threads", s.threads, "LibTorch threads (default: the cores)");
+}
+
+models::ModelSpec model_spec(const Shared& s, const std::string& name,
+                             const std::vector<int64_t>& hidden) {
+  DTRAIN_CHECK_INPUT(name == "mlp" || name == "cnn" || name == "linear", "--model '", name,
+                     "': expected mlp, cnn or linear");
+  models::ModelSpec spec;
+  spec.name = name;
+  spec.hidden = hidden;
+  if (s.dataset == "synthetic") spec.input_shape = {1, 28, 28};
+  return spec;
+}
+
+// The set's training or test split.
+data::TensorDataset load(const Shared& s, bool train) {
+  DTRAIN_CHECK_INPUT(s.dataset == "fashion-mnist" || s.dataset == "synthetic", "--dataset '",
+                     s.dataset, "': expected fashion-mnist or synthetic");
+  if (s.dataset == "fashion-mnist") {
+    return data::load_fashion_mnist(s.data_dir, train ? data::Split::Train : data::Split::Test);
+  }
+  DTRAIN_CHECK_INPUT(s.synthetic_examples >= 2, "--synthetic-examples must be >= 2");
+  return train ? data::make_synthetic(s.synthetic_examples, {1, 28, 28}, 10, s.seed + 1)
+               : data::make_synthetic(std::max<int64_t>(1000, s.synthetic_examples / 5),
+                                      {1, 28, 28}, 10, s.seed + 2);
+}
+
+void set_threads(int threads) {
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  at::set_num_threads(threads > 0 ? threads : cores);
+}
+
+std::string default_client_id() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0 || !federated::valid_client_id(host)) {
+    std::snprintf(host, sizeof host, "client");
+  }
+  return concat(host, "-", ::getpid());
+}
+
+}  // namespace
+
+struct FederatedCommands::Options {
+  CLI::App* simulate_cmd = nullptr;
+  CLI::App* serve_cmd = nullptr;
+  CLI::App* client_cmd = nullptr;
+  Shared sim_shared, serve_shared, client_shared;
+  federated::SimulationOptions sim;
+  std::string partition = "iid";
+  federated::ServerOptions server;
+  std::string server_token_file, client_tokens_file;
+  federated::ClientOptions client;
+  std::string client_token_file, client_partition, available = "always";
+  int64_t wait_ms = 10000;
+  bool error_feedback = true;
 };
 
 FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<Options>()) {
   auto* fl = app.add_subcommand("fl", "Federated learning (FedAvg and its relatives)");
   fl->require_subcommand(1);
   Options& o = *options_;
+
+  // simulate
   auto& s = o.sim;
-  o.simulate = fl->add_subcommand(
+  o.simulate_cmd = fl->add_subcommand(
       "simulate", "Simulate many clients in one process against the federated server's logic");
-  CLI::App& c = *o.simulate;
+  CLI::App& c = *o.simulate_cmd;
   c.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   add(c, "--clients", s.clients, "Clients (each a partition of the training set)")
       ->capture_default_str();
@@ -48,38 +158,13 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(c, "--local-test-fraction", s.local_test_fraction,
       "Share of each client's examples held out as its local test set")
       ->capture_default_str();
-  add(c, "--algorithm", o.algorithm, "fedavg, or fedsgd (E = 1 and the full local batch)")
-      ->capture_default_str();
-  add(c, "--local-epochs", s.local.epochs, "E: local passes over a client's examples")
-      ->capture_default_str();
-  add(c, "--local-batch", s.local.batch, "B: local batch size (0 = a client's whole set)")
-      ->capture_default_str();
-  add(c, "--lr", s.local.lr, "Local SGD learning rate")->capture_default_str();
-  add(c, "--momentum", s.local.momentum, "Local SGD momentum")->capture_default_str();
-  add(c, "--weight-decay", s.local.weight_decay, "Local L2 weight decay")->capture_default_str();
-  add(c, "--prox-mu", s.local.prox_mu, "FedProx's proximal term mu (0 = FedAvg)")
-      ->capture_default_str();
-  add(c, "--server-optimizer", s.server.name,
-      "Applied to the averaged update: sgd (FedAvg; FedAvgM with --server-momentum) or adam "
-      "(FedAdam)")
-      ->capture_default_str();
-  add(c, "--server-lr", s.server.lr, "The server optimizer's rate (1 with sgd: plain FedAvg)")
-      ->capture_default_str();
-  add(c, "--server-momentum", s.server.momentum, "FedAvgM's momentum")->capture_default_str();
+  add_plan(c, o.sim_shared);
+  c.add_flag("!--no-error-feedback", o.error_feedback,
+             "topk: drop what was not sent instead of keeping it for the next update");
   add(c, "--dropout", s.dropout,
       "Probability that a selected client drops out before sending its update")
       ->capture_default_str();
-  add(c, "--model", o.model, "mlp, cnn or linear")->capture_default_str();
-  add(c, "--hidden", o.hidden, "MLP hidden widths (McMahan et al.'s 2NN: 200 200)")
-      ->capture_default_str();
-  add(c, "--dataset", o.dataset, "fashion-mnist or synthetic")->capture_default_str();
-  add(c, "--data-dir", o.data_dir,
-      "Fashion-MNIST IDX files (default: $DTRAIN_DATA_DIR or Debian's dataset-fashion-mnist)");
-  add(c, "--synthetic-examples", o.synthetic_examples, "--dataset synthetic: training examples")
-      ->capture_default_str();
-  add(c, "--threads", s.threads, "Threads training clients (default: the cores)");
-  add(c, "--seed", s.seed, "Random seed (partition, selection, local order)")
-      ->capture_default_str();
+  add_data(c, o.sim_shared, "the clients' data and the test set");
   add(c, "--eval-every", s.eval_every, "Evaluate the global model every N rounds")
       ->capture_default_str();
   add(c, "--target-accuracy", s.target_accuracy,
@@ -89,53 +174,204 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(c, "--checkpoint-dir", s.checkpoint_dir,
       "Save the server (model, optimizer, round) here every round; resume from it");
   c.add_flag("!--no-progress", s.progress, "No progress bar");
+
+  // serve
+  auto& v = o.server;
+  o.serve_cmd = fl->add_subcommand("serve", "Run the federated server (clients: dtrain fl client)");
+  CLI::App& sv = *o.serve_cmd;
+  sv.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  add(sv, "--listen", v.listen, "HOST:PORT to serve on")->capture_default_str();
+  add(sv, "--rounds", v.rounds, "Rounds")->capture_default_str();
+  add(sv, "--clients-per-round", v.clients_per_round, "K: clients selected each round")
+      ->capture_default_str();
+  add(sv, "--min-clients", v.min_clients,
+      "A round counts when at least this many selected clients finished (0 = 1); else it is "
+      "retried; also the fewest waiting clients a round starts with after --selection-timeout")
+      ->capture_default_str();
+  add(sv, "--round-timeout", v.round_timeout_s,
+      "Seconds a round waits for its clients' updates (stragglers are dropped)")
+      ->capture_default_str();
+  add(sv, "--selection-timeout", v.selection_timeout_s,
+      "Seconds to wait for K clients before starting a round with fewer")
+      ->capture_default_str();
+  add(sv, "--wait-timeout", v.wait_timeout_s,
+      "Seconds with fewer than --min-clients waiting before giving up")
+      ->capture_default_str();
+  add_plan(sv, o.serve_shared);
+  add_data(sv, o.serve_shared, "the test set the global model is evaluated on");
+  add(sv, "--eval-every", v.eval_every, "Evaluate the global model every N rounds")
+      ->capture_default_str();
+  add(sv, "--auth-token-file", o.server_token_file, "A token every call must carry");
+  add(sv, "--client-tokens", o.client_tokens_file,
+      "File of 'CLIENT_ID TOKEN' lines: each client's calls must carry its own token");
+  add(sv, "--tls-cert", v.tls_cert, "PEM certificate chain: serve TLS");
+  add(sv, "--tls-key", v.tls_key, "PEM private key of --tls-cert");
+  add(sv, "--metrics-file", v.metrics_file, "JSON Lines: one record per round");
+  add(sv, "--checkpoint-dir", v.checkpoint_dir,
+      "Save the server (model, optimizer, round) here every round; resume from it");
+  sv.add_flag("!--no-progress", v.progress, "No progress bar");
+
+  // client
+  auto& k = o.client;
+  o.client_cmd = fl->add_subcommand("client", "Take part in federated training (a device)");
+  CLI::App& cl = *o.client_cmd;
+  cl.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  add(cl, "--server", k.server, "HOST:PORT of dtrain fl serve")->required();
+  add(cl, "--client-id", k.client_id, "This client's id (default: HOSTNAME-PID)");
+  add(cl, "--partition", o.client_partition,
+      "I/N: train on the I-th of N label-skewed slices of the training set (demos); default: "
+      "all of it");
+  add_data(cl, o.client_shared, "this client's own training examples");
+  add(cl, "--seed", o.client_shared.seed, "--dataset synthetic: the seed it is made from")
+      ->capture_default_str();
+  add(cl, "--available", o.available,
+      "When this client may train: local-time windows like 22:00-06:00 (comma-separated), or "
+      "always; it leaves a round when its window closes")
+      ->capture_default_str();
+  add(cl, "--auth-token-file", o.client_token_file, "The token this client's calls carry");
+  cl.add_flag("--tls", k.tls, "Connect with TLS");
+  add(cl, "--tls-ca", k.tls_ca, "PEM certificates to trust (default: the system's)");
+  add(cl, "--wait-ms", o.wait_ms, "A check-in waits this long to be selected")
+      ->capture_default_str();
+  add(cl, "--max-rounds", k.max_rounds, "Leave after training this many rounds (0 = until done)")
+      ->capture_default_str();
+  cl.add_flag("!--no-error-feedback", k.error_feedback,
+              "topk: drop what was not sent instead of keeping it for the next update");
 }
 
 FederatedCommands::~FederatedCommands() = default;
 
-bool FederatedCommands::parsed() const { return options_->simulate->parsed(); }
+bool FederatedCommands::parsed() const {
+  return options_->simulate_cmd->parsed() || options_->serve_cmd->parsed() ||
+         options_->client_cmd->parsed();
+}
 
 int FederatedCommands::run() {
+  if (options_->serve_cmd->parsed()) return serve();
+  if (options_->client_cmd->parsed()) return client();
+  return simulate();
+}
+
+int FederatedCommands::simulate() {
   Options& o = *options_;
   auto& s = o.sim;
+  const Shared& sh = o.sim_shared;
   s.partition = federated::parse_partition(o.partition);
-  federated::apply_algorithm(o.algorithm, &s.local);
-  DTRAIN_CHECK_INPUT(o.dataset == "fashion-mnist" || o.dataset == "synthetic", "--dataset '",
-                     o.dataset, "': expected fashion-mnist or synthetic");
-  models::ModelSpec spec;
-  spec.name = o.model;
-  spec.hidden = o.hidden;
-  DTRAIN_CHECK_INPUT(o.model == "mlp" || o.model == "cnn" || o.model == "linear", "--model '",
-                     o.model, "': expected mlp, cnn or linear");
-  data::TensorDataset train, test;
-  if (o.dataset == "fashion-mnist") {
-    train = data::load_fashion_mnist(o.data_dir, data::Split::Train);
-    test = data::load_fashion_mnist(o.data_dir, data::Split::Test);
-  } else {
-    DTRAIN_CHECK_INPUT(o.synthetic_examples >= 2, "--synthetic-examples must be >= 2");
-    spec.input_shape = {1, 28, 28};
-    train = data::make_synthetic(o.synthetic_examples, spec.input_shape, 10, s.seed + 1);
-    test = data::make_synthetic(std::max<int64_t>(1000, o.synthetic_examples / 5),
-                                spec.input_shape, 10, s.seed + 2);
-  }
-  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  at::set_num_threads(cores);  // evaluation; client threads use one each
+  s.local = sh.local;
+  s.server = sh.server;
+  s.seed = sh.seed;
+  s.threads = sh.threads;
+  federated::apply_algorithm(sh.algorithm, &s.local);
+  s.compression = federated::parse_compression(sh.compression);
+  s.compression.error_feedback = o.error_feedback;
+  const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
+  const data::TensorDataset train = load(sh, true), test = load(sh, false);
+  set_threads(0);  // evaluation; client threads use one each
   const auto result = federated::simulate(spec, train, test, s);
-  double accuracy = -1;
+  double accuracy = -1, uplink = 0;
+  int64_t applied = 0;
   for (const auto& r : result.rounds) {
     if (r.test_accuracy >= 0) accuracy = r.test_accuracy;
+    if (r.outcome.applied) {
+      uplink += static_cast<double>(r.uplink_bytes);
+      ++applied;
+    }
   }
   std::printf("federated %s, %lld clients (%s), C = %g, E = %lld, B = %lld: %lld rounds",
-              o.algorithm.c_str(), static_cast<long long>(s.clients),
+              sh.algorithm.c_str(), static_cast<long long>(s.clients),
               federated::to_string(s.partition).c_str(), s.fraction,
               static_cast<long long>(s.local.epochs), static_cast<long long>(s.local.batch),
               static_cast<long long>(result.rounds_done));
   if (accuracy >= 0) std::printf(", test accuracy %.4f", accuracy);
+  if (applied > 0) {
+    std::printf(", uplink %.0f bytes per round (%s)", uplink / static_cast<double>(applied),
+                federated::to_string(s.compression).c_str());
+  }
   if (result.rounds_to_target > 0) {
     std::printf(", reached %.3f in round %lld", s.target_accuracy,
                 static_cast<long long>(result.rounds_to_target));
   }
   std::printf("\n");
+  return 0;
+}
+
+int FederatedCommands::serve() {
+  Options& o = *options_;
+  auto& v = o.server;
+  const Shared& sh = o.serve_shared;
+  v.local = sh.local;
+  federated::apply_algorithm(sh.algorithm, &v.local);
+  v.optimizer = sh.server;
+  v.compression = federated::parse_compression(sh.compression);
+  v.model = sh.model;
+  v.hidden = sh.hidden;
+  v.seed = sh.seed;
+  if (!o.server_token_file.empty()) v.token = rpc::read_token_file(o.server_token_file);
+  if (!o.client_tokens_file.empty()) v.client_tokens = federated::read_client_tokens(o.client_tokens_file);
+  const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
+  const data::TensorDataset test = load(sh, false);
+  set_threads(sh.threads);
+  torch::manual_seed(sh.seed);
+  Model model = models::make_model(spec);
+  federated::Server server(federated::flatten_parameters(model), v, [&](const at::Tensor& global) {
+    federated::load_flat_parameters(model, global);
+    return federated::evaluate_model(model, test);
+  });
+  std::fprintf(stderr, "fl server: listening on %s (port %d), %lld rounds of %lld clients\n",
+               v.listen.c_str(), server.port(), static_cast<long long>(v.rounds),
+               static_cast<long long>(v.clients_per_round));
+  if (server.round() > 0) {
+    std::fprintf(stderr, "fl server: resumed at round %lld from %s/server.pt\n",
+                 static_cast<long long>(server.round()), v.checkpoint_dir.c_str());
+  }
+  const federated::ServerResult result = server.run();
+  double accuracy = -1;
+  for (const auto& r : result.rounds) {
+    if (r.test_accuracy >= 0) accuracy = r.test_accuracy;
+  }
+  std::printf("fl server: %lld rounds", static_cast<long long>(result.rounds_done));
+  if (accuracy >= 0) std::printf(", test accuracy %.4f", accuracy);
+  std::printf(", %lld updates refused, %lld late\n", static_cast<long long>(result.refused),
+              static_cast<long long>(result.late));
+  return 0;
+}
+
+int FederatedCommands::client() {
+  Options& o = *options_;
+  auto& k = o.client;
+  const Shared& sh = o.client_shared;
+  if (k.client_id.empty()) k.client_id = default_client_id();
+  if (!o.client_token_file.empty()) k.token = rpc::read_token_file(o.client_token_file);
+  k.available = federated::parse_availability(o.available);
+  k.wait = std::chrono::milliseconds(o.wait_ms);
+  set_threads(sh.threads);
+  data::TensorDataset train = load(sh, true);
+  std::vector<int64_t> indices;
+  if (o.client_partition.empty()) {
+    indices.resize(static_cast<size_t>(train.size()));
+    std::iota(indices.begin(), indices.end(), 0);
+  } else {
+    long long index = -1, count = -1;
+    char extra = 0;
+    DTRAIN_CHECK_INPUT(std::sscanf(o.client_partition.c_str(), "%lld/%lld%c", &index, &count, &extra) == 2 &&
+                           count >= 1 && index >= 0 && index < count,
+                       "--partition '", o.client_partition, "': expected I/N with 0 <= I < N");
+    indices = federated::partition_slice(train.targets(), index, count).train;
+  }
+  const Shared shared = sh;
+  federated::Client client(
+      [shared](const std::string& name, const std::vector<int64_t>& hidden) {
+        return models::make_model(model_spec(shared, name, hidden));
+      },
+      std::move(train), std::move(indices), k);
+  const federated::ClientReport report = client.run();
+  std::printf("fl client %s: %lld rounds trained, %lld left (unavailable), %lld uploads refused; "
+              "uplink %lld bytes, downlink %lld bytes; %s\n",
+              k.client_id.c_str(), static_cast<long long>(report.rounds_trained),
+              static_cast<long long>(report.rounds_abandoned),
+              static_cast<long long>(report.uploads_refused),
+              static_cast<long long>(report.uplink_bytes),
+              static_cast<long long>(report.downlink_bytes), report.done_reason.c_str());
   return 0;
 }
 

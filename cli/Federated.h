@@ -18,6 +18,9 @@ class FederatedCommands {
   int run();
 
  private:
+  int simulate();
+  int serve();
+  int client();
   struct Options;
   std::unique_ptr<Options> options_;
 };

@@ -30,6 +30,7 @@
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Generate.h"
 #include "dtrain/train/Job.h"
+#include "dtrain/comm/TokenFile.h"
 #include "Federated.h"
 #include "Options.h"
 
@@ -397,7 +398,7 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args) {
   if (!worker) dtrain::train::validate_job(job);
   if (!job.trainer.strategy_options.ps_tls_ca.empty()) job.trainer.strategy_options.ps_tls = true;
   if (!job.ps_auth_token_file.empty()) {
-    job.trainer.strategy_options.ps_auth_token = dtrain::parallel::ps::read_token_file(job.ps_auth_token_file);
+    job.trainer.strategy_options.ps_auth_token = dtrain::rpc::read_token_file(job.ps_auth_token_file);
   }
   const auto shards = worker ? decltype(start_local_shards(job, args)){} : start_local_shards(job, args);
   if (job.nproc > 1 && !worker) {
@@ -727,7 +728,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (serve->parsed()) {
-      if (!serve_token_file.empty()) ps_options.auth_token = dtrain::parallel::ps::read_token_file(serve_token_file);
+      if (!serve_token_file.empty()) ps_options.auth_token = dtrain::rpc::read_token_file(serve_token_file);
       return serve_shard(ps_options, shard_text, serve_report_s);
     }
     if (train->parsed()) return run_train(job, args);

@@ -14,10 +14,20 @@
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <thread>
+
+#include "dtrain/federated.grpc.pb.h"
+#include "dtrain/parallel/federated/Client.h"
+#include "dtrain/parallel/federated/Compression.h"
 #include "dtrain/parallel/federated/FedAvg.h"
 #include "dtrain/parallel/federated/Partition.h"
 #include "dtrain/parallel/federated/RoundServer.h"
+#include "dtrain/parallel/federated/Server.h"
 #include "dtrain/parallel/federated/Simulation.h"
+#include "parallel/federated/FlWire.h"
 
 using namespace dtrain;
 using namespace dtrain::federated;
@@ -343,7 +353,10 @@ TEST(Simulation, AResumedRunEndsWhereAnUninterruptedOneDoes) {
     EXPECT_EQ(r.outcome.finished + r.outcome.dropped, 3);
     dropped += r.outcome.dropped;
     if (r.outcome.applied) {
-      EXPECT_EQ(r.uplink_bytes, r.outcome.finished * 8 * straight.global.numel());
+      // Measured on the upload's messages: the float64 update and a few header bytes.
+      const int64_t payload = r.outcome.finished * 8 * straight.global.numel();
+      EXPECT_GE(r.uplink_bytes, payload);
+      EXPECT_LE(r.uplink_bytes, payload + r.outcome.finished * 100);
     }
   }
   test::TempDir dir;
@@ -364,4 +377,402 @@ TEST(Simulation, AResumedRunEndsWhereAnUninterruptedOneDoes) {
   }
   EXPECT_EQ(evaluated, 5);  // one line per applied round, evaluated, across the two runs
   EXPECT_GT(dropped, 0);
+}
+
+namespace {
+
+// The bytes an encoded update takes in its upload's messages.
+int64_t upload_bytes(const EncodedUpdate& encoded) {
+  int64_t bytes = 0;
+  for (const auto& m : wire::update_messages(encoded, "c", 1, 10, 0.0, 1 << 20)) {
+    bytes += wire::message_bytes(m);
+  }
+  return bytes;
+}
+
+// Through the upload's messages and back, as the server reads them.
+at::Tensor round_trip(const EncodedUpdate& encoded, int64_t n, at::ScalarType dtype) {
+  dtrain::fl::UpdateChunk header;
+  EncodedUpdate received;
+  at::Tensor out;
+  const auto messages = wire::update_messages(encoded, "c", 1, 10, 0.0, 4096);
+  EXPECT_EQ(wire::read_update(messages, n, &header, &received), "");
+  EXPECT_EQ(decode_update(received, n, dtype, &out), "");
+  return out;
+}
+
+}  // namespace
+
+// 8-bit quantization with stochastic rounding: every decoded element is within one step of the
+// value, the mean of many decodings converges to it (unbiased; rounding to the nearest level
+// would not, and the bound sees that), and the upload is >= 3.9x smaller than float32's.
+TEST(Compression, EightBitStochasticRoundingIsUnbiasedAndFourTimesSmaller) {
+  const int64_t n = 2500;  // two whole blocks and a partial one
+  at::Generator gen = at::detail::createCPUGenerator(3);
+  const at::Tensor x = at::randn({n}, gen, at::kFloat) * 0.01;
+  const CompressionSpec spec = parse_compression("q8");
+  const int trials = 400;
+  at::Tensor sum = at::zeros({n}, at::kDouble);
+  at::Tensor step;
+  for (int t = 0; t < trials; ++t) {
+    const EncodedUpdate encoded = encode_update(x, spec, nullptr, 100 + t);
+    const at::Tensor* s = &encoded.parts[2].second;
+    ASSERT_EQ(encoded.parts[2].first, "step");
+    step = s->to(at::kDouble).repeat_interleave(kQuantBlock).slice(0, 0, n);
+    const at::Tensor decoded = round_trip(encoded, n, at::kFloat).to(at::kDouble);
+    EXPECT_TRUE(((decoded - x.to(at::kDouble)).abs() <= step * (1 + 1e-6)).all().item<bool>());
+    sum += decoded;
+  }
+  // Each rounding's error has a standard deviation <= step / 2: the mean's is step / (2 sqrt T).
+  const at::Tensor bound = 6 * step / (2 * std::sqrt(static_cast<double>(trials)));
+  const at::Tensor mean_error = (sum / trials - x.to(at::kDouble)).abs();
+  EXPECT_TRUE((mean_error <= bound).all().item<bool>())
+      << "largest bias " << (mean_error / bound).max().item<double>() << " of the bound";
+  // Rounding to the nearest level is biased by up to half a step: the same bound catches it.
+  const EncodedUpdate first = encode_update(x, spec, nullptr, 1);
+  const at::Tensor lo = first.parts[1].second.to(at::kDouble).repeat_interleave(kQuantBlock).slice(0, 0, n);
+  const at::Tensor nearest = lo + at::round((x.to(at::kDouble) - lo) / step) * step;
+  EXPECT_FALSE(((nearest - x.to(at::kDouble)).abs() <= bound).all().item<bool>());
+  // Bytes: 1 per element and 8 per block against 4 per element (a model of 100k parameters).
+  const at::Tensor big = at::randn({100000}, gen, at::kFloat);
+  const double ratio = static_cast<double>(upload_bytes(encode_update(big, {}, nullptr, 0))) /
+                       static_cast<double>(upload_bytes(encode_update(big, spec, nullptr, 0)));
+  EXPECT_GE(ratio, 3.9);
+  EXPECT_LT(ratio, 4.0);
+}
+
+// Top-k with error feedback loses nothing, it only delays: after several updates, what was sent
+// plus the residual left on the client is exactly the sum of the updates (float64). Without
+// error feedback the unsent part is gone, and the same check fails.
+TEST(Compression, TopKWithErrorFeedbackSendsEverythingEventually) {
+  const int64_t n = 1000;
+  const CompressionSpec spec = parse_compression("topk:0.02");
+  CompressionSpec no_feedback = spec;
+  no_feedback.error_feedback = false;
+  for (const CompressionSpec& s : {spec, no_feedback}) {
+    at::Tensor residual, sent = at::zeros({n}, at::kDouble), total = at::zeros({n}, at::kDouble);
+    for (int round = 0; round < 6; ++round) {
+      const at::Tensor delta = at::randn({n}, at::detail::createCPUGenerator(40 + round), at::kDouble);
+      const EncodedUpdate encoded = encode_update(delta, s, &residual, 0);
+      EXPECT_EQ(encoded.parts[0].second.numel(), 20);  // ceil(0.02 n)
+      EXPECT_EQ(encoded.parts[0].second.scalar_type(), at::kInt);
+      sent += round_trip(encoded, n, at::kDouble);
+      total += delta;
+    }
+    const at::Tensor left = residual.defined() ? residual : at::zeros({n}, at::kDouble);
+    const double error = (sent + left - total).abs().max().item<double>();
+    if (s.error_feedback) {
+      EXPECT_LE(error, kTightBound);
+    } else {
+      EXPECT_GT(error, 1.0);
+    }
+  }
+  // 2% of float32 elements as (int32 index, float32 value): >= 20x fewer bytes.
+  const at::Tensor x = at::randn({100000}, at::detail::createCPUGenerator(9));
+  at::Tensor r;
+  EXPECT_GE(static_cast<double>(upload_bytes(encode_update(x, {}, nullptr, 0))) /
+                static_cast<double>(upload_bytes(encode_update(x, spec, &r, 0))),
+            24.0);
+}
+
+// A malformed encoding or upload is refused with the field named; nothing is decoded.
+TEST(Compression, MalformedUpdatesAreRefusedByName) {
+  const int64_t n = 10;
+  at::Tensor out;
+  auto why = [&](EncodedUpdate e) {
+    out = at::Tensor();
+    const std::string reason = decode_update(e, n, at::kFloat, &out);
+    EXPECT_FALSE(out.defined()) << reason;
+    return reason;
+  };
+  auto has = [](const std::string& text, const std::string& part) {
+    return text.find(part) != std::string::npos;
+  };
+  EXPECT_TRUE(has(why({"none", {{"delta", at::ones({9})}}}), "holds 9 elements, expected 10"));
+  EXPECT_TRUE(has(why({"none", {{"delta", at::full({10}, NAN)}}}), "NaN or Inf"));
+  EXPECT_TRUE(has(why({"none", {{"delta", at::ones({10}, at::kLong)}}}), "part 'delta'"));
+  EXPECT_TRUE(has(why({"zip", {{"delta", at::ones({10})}}}), "unknown encoding 'zip'"));
+  EXPECT_TRUE(has(why({"q8", {{"q", at::ones({10}, at::kByte)}, {"lo", at::zeros({1})}}}), "2 parts, not 3"));
+  EXPECT_TRUE(has(why({"q8", {{"q", at::ones({10}, at::kByte)}, {"lo", at::zeros({1})},
+                              {"step", -at::ones({1})}}}), "negative step"));
+  EXPECT_TRUE(has(why({"topk", {{"indices", at::tensor({3, 10}, at::kInt)}, {"values", at::ones({2})}}}),
+                  "outside [0, 10)"));
+  EXPECT_TRUE(has(why({"topk", {{"indices", at::tensor({3, 3}, at::kInt)}, {"values", at::ones({2})}}}),
+                  "not strictly increasing"));
+  EXPECT_TRUE(has(why({"topk", {{"indices", at::tensor({3}, at::kInt)}, {"values", at::ones({2})}}}),
+                  "holds 2 elements, expected 1"));
+  // The messages: an unknown part, a part longer than the model, a gap, a part cut short.
+  wire::PartsReader reader({{"delta", n}});
+  dtrain::rpc::TensorChunk chunk;
+  chunk.set_name("weights");
+  EXPECT_TRUE(has(reader.add(chunk, "chunk 0"), "field 'name' is 'weights'"));
+  chunk.set_name("delta");
+  chunk.set_dtype(dtrain::rpc::FLOAT32);
+  chunk.add_shape(11);
+  EXPECT_TRUE(has(reader.add(chunk, "chunk 0"), "field 'shape'"));
+  chunk.set_shape(0, 10);
+  chunk.set_data(std::string(16, '\0'));
+  EXPECT_EQ(reader.add(chunk, "chunk 0"), "");
+  chunk.set_offset(5);
+  EXPECT_TRUE(has(reader.add(chunk, "chunk 1"), "part 'delta' continues at 4"));
+  wire::Parts parts;
+  EXPECT_TRUE(has(reader.finish(&parts), "ended after 4 of its 10 elements"));
+  chunk.set_offset(4);
+  chunk.set_data(std::string(28, '\0'));
+  EXPECT_TRUE(has(reader.add(chunk, "chunk 1"), "outside [0, 10)"));
+}
+
+// Top-k of 5% with error feedback converges, only later: in twice the rounds it gets the global
+// model's training loss below what sending everything reaches; dropping what was not sent (no
+// error feedback) ends at least 1.5x higher in the same rounds. Float64, a fixed seed: the same on any CPU.
+TEST(Compression, TopKWithErrorFeedbackConvergesAndWithoutItLags) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(800, 17);
+  const auto test = synthetic64(400, 18);
+  SimulationOptions options;
+  options.clients = 10;
+  options.fraction = 0.5;
+  options.rounds = 30;
+  options.local.epochs = 1;
+  options.local.batch = 20;
+  options.local.lr = 0.1;
+  options.threads = 1;
+  options.progress = false;
+  auto final_loss = [&](const std::string& compression, bool feedback) {
+    options.compression = parse_compression(compression);
+    options.compression.error_feedback = feedback;
+    const auto result = simulate(mlp_spec(), train, test, options);
+    // The global model's loss on all training examples: what the rounds minimize.
+    Model model = model64(0);
+    load_flat_parameters(model, result.global);
+    return evaluate_model(model, train).first;
+  };
+  const double plain = final_loss("none", true);
+  options.rounds = 60;
+  const double with_feedback = final_loss("topk:0.05", true);
+  const double without = final_loss("topk:0.05", false);
+  std::printf("training loss: uncompressed after 30 rounds %.4f; top-5%% after 60 rounds: with "
+              "error feedback %.4f, without %.4f\n", plain, with_feedback, without);
+  EXPECT_LT(with_feedback, plain);
+  EXPECT_GT(without, with_feedback * 1.5);
+}
+
+// ---- The gRPC server and clients (in-process, on 127.0.0.1) ----
+
+namespace {
+
+// The client's model: the test's float64 MLP, whatever the server names.
+Client::ModelFactory test_model() {
+  return [](const std::string&, const std::vector<int64_t>&) { return model64(0); };
+}
+
+ServerOptions server_options(int64_t rounds, int64_t k) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.rounds = rounds;
+  o.clients_per_round = k;
+  o.local.epochs = 1;
+  o.local.batch = 0;  // full batch: the order of examples does not matter
+  o.local.lr = 0.1;
+  o.round_timeout_s = 30;
+  o.wait_timeout_s = 30;
+  o.progress = false;
+  return o;
+}
+
+ClientOptions client_options(const Server& server, const std::string& id) {
+  ClientOptions o;
+  o.server = server.address();
+  o.client_id = id;
+  o.wait = std::chrono::milliseconds(500);
+  o.retry_window = std::chrono::milliseconds(5000);
+  return o;
+}
+
+// Runs `clients` (each its id, examples and options tweak) against `server` in threads.
+std::vector<ClientReport> run_clients(
+    Server& server, const data::TensorDataset& train,
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& clients,
+    ServerResult* result, const std::function<void(ClientOptions&)>& tweak = nullptr) {
+  std::vector<ClientReport> reports(clients.size());
+  std::vector<std::string> errors(clients.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < clients.size(); ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        at::set_num_threads(1);
+        ClientOptions o = client_options(server, clients[i].first);
+        if (tweak) tweak(o);
+        Client client(test_model(), train, clients[i].second, o);
+        reports[i] = client.run();
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+      }
+    });
+  }
+  *result = server.run();
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < clients.size(); ++i) EXPECT_EQ(errors[i], "") << clients[i].first;
+  return reports;
+}
+
+}  // namespace
+
+// Three client processes' worth of clients (threads) over gRPC: every round selects all three,
+// and after 3 rounds the global model is exactly (float64, 1e-12) what FedAvg computed in one
+// process gives: the protocol moves the model and the updates without changing a bit.
+TEST(FederatedServer, ClientsOverGrpcTrainTheModelFedAvgComputesInProcess) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(90, 21);
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> clients = {
+      {"a", range(0, 20)}, {"b", range(20, 50)}, {"c", range(50, 90)}};
+  const at::Tensor initial = flatten_parameters(model64(0));
+  Server server(initial, server_options(3, 3));
+  ServerResult result;
+  const auto reports = run_clients(server, train, clients, &result);
+  ASSERT_EQ(result.rounds_done, 3);
+  // The reference: the example-weighted mean of each client's full-batch step, three times.
+  at::Tensor global = initial.clone();
+  Model model = model64(0);
+  LocalTraining plan = server_options(3, 3).local;
+  for (int round = 0; round < 3; ++round) {
+    WeightedMean mean;
+    for (const auto& [id, indices] : clients) {
+      const ClientUpdate u = train_locally(model, global, train, indices, plan, 0);
+      mean.add(u.delta, static_cast<double>(u.examples));
+    }
+    global += mean.mean(at::kDouble);
+  }
+  EXPECT_LE((result.global - global).abs().max().item<double>(), kTightBound);
+  EXPECT_GT((result.global - initial).abs().max().item<double>(), 1e-3);
+  for (const auto& r : result.rounds) {
+    EXPECT_EQ(r.outcome.selected, 3);
+    EXPECT_EQ(r.outcome.finished, 3);
+    // Measured: each client's float64 update (and each download) plus message headers.
+    EXPECT_GE(r.uplink_bytes, 3 * 8 * initial.numel());
+    EXPECT_LE(r.uplink_bytes, 3 * 8 * initial.numel() + 3 * 100);
+    EXPECT_GE(r.downlink_bytes, 3 * 8 * initial.numel());
+  }
+  for (const auto& report : reports) {
+    EXPECT_EQ(report.rounds_trained, 3);
+    EXPECT_EQ(report.done_reason, "the last round is over");
+  }
+}
+
+// A straggler past the round's deadline is dropped and the round closes with those that
+// finished (>= --min-clients); a client whose availability ends mid-round leaves it.
+TEST(FederatedServer, StragglersAreDroppedAndTheRoundClosesWithTheRest) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(90, 22);
+  ServerOptions options = server_options(2, 3);
+  options.min_clients = 2;
+  options.round_timeout_s = 2;
+  Server server(flatten_parameters(model64(0)), options);
+  std::atomic<int> asked{0};
+  ServerResult result;
+  const auto reports = run_clients(
+      server, train, {{"a", range(0, 30)}, {"b", range(30, 60)}, {"slow", range(60, 90)}}, &result,
+      [&](ClientOptions& o) {
+        if (o.client_id != "slow") return;
+        // Available for its check-ins, gone as soon as it starts training.
+        o.available = [&] { return ++asked % 2 == 1; };
+      });
+  ASSERT_EQ(result.rounds_done, 2);
+  for (const auto& r : result.rounds) {
+    EXPECT_TRUE(r.outcome.applied);
+    EXPECT_EQ(r.outcome.finished, 2);
+    EXPECT_EQ(r.outcome.dropped, 1);
+  }
+  EXPECT_EQ(reports[2].rounds_trained, 0);
+  EXPECT_GE(reports[2].rounds_abandoned, 2);
+}
+
+// Per-client tokens: a client without its token is refused by name; an update from a client
+// that was not selected and one holding NaN are refused and logged, and the round goes on with
+// the selected client's real update.
+TEST(FederatedServer, BadClientsAndBadUpdatesAreRefusedWithoutAffectingTheRound) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(40, 23);
+  ServerOptions options = server_options(1, 1);
+  options.client_tokens = {{"a", "token-a"}, {"b", "token-b"}};
+  const at::Tensor initial = flatten_parameters(model64(0));
+  Server server(initial, options);
+  // A wrong token: refused at check-in, an InputError naming the reason.
+  {
+    ClientOptions o = client_options(server, "b");
+    o.token = "token-a";
+    Client intruder(test_model(), train, range(0, 10), o);
+    try {
+      intruder.run();
+      ADD_FAILURE() << "a client with another's token took part";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("token is wrong"), std::string::npos) << e.what();
+    }
+  }
+  // Client a trains; its first local step waits until the bad uploads were made.
+  std::atomic<bool> bad_done{false};
+  ServerResult result;
+  std::thread bad([&] {
+    auto stub = dtrain::fl::Federated::NewStub(
+        grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+    auto upload = [&](const std::string& id, const std::string& token, const at::Tensor& delta) {
+      grpc::ClientContext context;
+      context.AddMetadata("authorization", "Bearer " + token);
+      dtrain::fl::UploadReply reply;
+      auto writer = stub->Upload(&context, &reply);
+      for (const auto& m : wire::update_messages(encode_update(delta, {}, nullptr, 0), id, 1, 10,
+                                                 0.0, 1 << 20)) {
+        writer->Write(m);
+      }
+      writer->WritesDone();
+      return writer->Finish();
+    };
+    const at::Tensor zeros = at::zeros_like(initial);
+    // Until round 1 is open (bounded).
+    grpc::Status status;
+    for (int i = 0; i < 200; ++i) {
+      status = upload("b", "token-b", zeros);
+      if (status.error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_NE(status.error_message().find("'b' was not selected"), std::string::npos)
+        << status.error_message();
+    status = upload("a", "token-a", at::full_like(initial, NAN));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("NaN or Inf"), std::string::npos) << status.error_message();
+    EXPECT_EQ(upload("a", "token-b", zeros).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    bad_done = true;
+  });
+  const auto reports = run_clients(server, train, {{"a", range(0, 40)}}, &result, [&](ClientOptions& o) {
+    o.token = "token-a";
+    // The first call is before its check-in; the later ones are its local steps.
+    o.available = [&, calls = std::make_shared<int>(0)] {
+      for (int i = 0; ++*calls > 1 && i < 400 && !bad_done; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      }
+      return true;
+    };
+  });
+  bad.join();
+  ASSERT_EQ(result.rounds_done, 1);
+  EXPECT_EQ(result.refused, 2);
+  EXPECT_EQ(reports[0].rounds_trained, 1);
+  // The round's model is a's update alone.
+  Model model = model64(0);
+  const ClientUpdate u = train_locally(model, initial, train, range(0, 40), options.local, 0);
+  EXPECT_LE((result.global - (initial + u.delta)).abs().max().item<double>(), kTightBound);
+}
+
+TEST(FederatedServer, AvailabilityWindowsCrossMidnight) {
+  EXPECT_TRUE(available_at("22:00-06:00", 23 * 60));
+  EXPECT_TRUE(available_at("22:00-06:00", 5 * 60 + 59));
+  EXPECT_FALSE(available_at("22:00-06:00", 6 * 60));
+  EXPECT_FALSE(available_at("22:00-06:00", 12 * 60));
+  EXPECT_TRUE(available_at("09:00-10:00,13:00-14:30", 14 * 60 + 29));
+  EXPECT_FALSE(available_at("09:00-10:00,13:00-14:30", 11 * 60));
+  EXPECT_TRUE(available_at("always", 0));
+  EXPECT_THROW(available_at("25:00-06:00", 0), InputError);
+  EXPECT_THROW(available_at("22:00", 0), InputError);
+  EXPECT_THROW(available_at("08:00-08:00", 0), InputError);
 }

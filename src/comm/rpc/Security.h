@@ -7,6 +7,8 @@
 #include <memory>
 #include <string>
 
+#include "dtrain/comm/TokenFile.h"
+
 namespace grpc {
 class ChannelArguments;
 class ServerBuilder;
@@ -29,10 +31,6 @@ struct RpcSecurity {
   /// Client: connect with TLS.
   bool tls = false;
 };
-
-/// The token in `path`, surrounding whitespace removed (InputError naming the file when it
-/// cannot be read or holds no token).
-std::string read_token_file(const std::string& path);
 
 std::shared_ptr<grpc::ServerCredentials> server_credentials(const RpcSecurity& security);
 std::shared_ptr<grpc::ChannelCredentials> channel_credentials(const RpcSecurity& security);

@@ -53,7 +53,8 @@ void load_flat_parameters(Model& model, const at::Tensor& flat) {
 
 ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::TensorDataset& data,
                            const std::vector<int64_t>& indices, const LocalTraining& options,
-                           uint64_t seed, const parallel::LossFn& loss) {
+                           uint64_t seed, const parallel::LossFn& loss,
+                           const std::function<bool()>& keep_going) {
   DTRAIN_CHECK_INPUT(!indices.empty(), "a client without training examples");
   load_flat_parameters(model, global);
   model.module->train();
@@ -81,6 +82,10 @@ ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::T
     for (int64_t begin = 0; begin < n; begin += batch) {
       const std::vector<int64_t> chosen(order.begin() + begin,
                                         order.begin() + std::min(n, begin + batch));
+      if (keep_going && !keep_going()) {
+        update.completed = false;
+        return update;
+      }
       const data::Batch b = data.get(chosen);
       optimizer->zero_grad();
       at::Tensor value = loss(model(b.inputs), b.targets);

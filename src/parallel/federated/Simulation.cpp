@@ -11,8 +11,11 @@
 #include <random>
 #include <thread>
 
+#include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/train/Metrics.h"
+#include "parallel/federated/FlWire.h"
+#include "parallel/federated/RoundLog.h"
 #include "dtrain/train/Progress.h"
 
 namespace dtrain::federated {
@@ -47,6 +50,17 @@ Model build(const models::ModelSpec& spec, at::ScalarType dtype) {
   Model model = models::make_model(spec);
   if (dtype == at::kDouble) model.module->to(at::kDouble);
   return model;
+}
+
+// The bytes of the model's download messages (what each selected client receives).
+int64_t download_bytes(const at::Tensor& global) {
+  int64_t bytes = 0;
+  wire::for_each_chunk({{"", global}}, rpc::kDefaultChunkBytes, [&](rpc::TensorChunk&& chunk) {
+    dtrain::fl::ModelChunk message;
+    *message.mutable_chunk() = std::move(chunk);
+    bytes += wire::message_bytes(message);
+  });
+  return bytes;
 }
 
 uint64_t mix(uint64_t seed, uint64_t a, uint64_t b) {
@@ -98,13 +112,12 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   for (int t = 0; t < threads; ++t) replicas.push_back(build(spec, dtype));
   std::vector<std::string> ids;
   for (int64_t c = 0; c < options.clients; ++c) ids.push_back(std::to_string(c));
+  // Top-k's error feedback: what each client has not sent yet (a client is trained by one
+  // thread per round, so its entry is never shared).
+  std::vector<at::Tensor> residuals(static_cast<size_t>(options.clients));
+  const int64_t numel = server.global().numel();
 
-  train::MetricsWriter metrics(options.metrics_file, result.start_round > 0);
-  train::ProgressBar bar(stderr, train::ProgressBar::is_terminal(stderr),
-                         std::max<int64_t>(1, options.rounds / 20));
-  const auto started = std::chrono::steady_clock::now();
-  constexpr int kMaxRetries = 10;  // consecutive rounds too few clients finished
-  int retries = 0;
+  RoundLog log(options.metrics_file, options.progress, options.rounds, result.start_round);
   while (server.round() < options.rounds) {
     const auto round_start = std::chrono::steady_clock::now();
     const int64_t round = server.round();
@@ -127,10 +140,24 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           const ClientUpdate update =
               train_locally(replicas[t], global, train, clients[c].train, options.local,
                             mix(options.seed, static_cast<uint64_t>(round) * 2, c));
-          const std::string why =
-              server.submit(selected[i], update.delta, update.examples, update.loss);
-          DTRAIN_CHECK(why.empty(), why);
-          uplink += static_cast<int64_t>(update.delta.nbytes());
+          // The update travels as a deployed client sends it (encoded, in the upload's
+          // messages) and is read back as the server reads it; its bytes are those messages'.
+          const EncodedUpdate encoded =
+              encode_update(update.delta, options.compression, &residuals[static_cast<size_t>(c)],
+                            mix(options.seed ^ 0x51ed27U, static_cast<uint64_t>(round), c));
+          const auto messages = wire::update_messages(encoded, selected[i], round + 1,
+                                                      update.examples, update.loss,
+                                                      rpc::kDefaultChunkBytes);
+          int64_t bytes = 0;
+          for (const auto& m : messages) bytes += wire::message_bytes(m);
+          dtrain::fl::UpdateChunk header;
+          EncodedUpdate received;
+          at::Tensor dense;
+          std::string why = wire::read_update(messages, numel, &header, &received);
+          if (why.empty()) why = decode_update(received, numel, global.scalar_type(), &dense);
+          if (why.empty()) why = server.submit(selected[i], dense, header.examples(), header.train_loss());
+          DTRAIN_CHECK(why.empty(), "client ", selected[i], ": ", why);
+          uplink += bytes;
         }
       } catch (...) {
         errors[t] = std::current_exception();
@@ -146,18 +173,10 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     for (const auto& e : errors) {
       if (e) std::rethrow_exception(e);
     }
-    SimulationRound record;
+    RoundRecord record;
     record.outcome = server.close();
     record.uplink_bytes = uplink.load();
-    record.downlink_bytes = static_cast<int64_t>(selected.size()) * static_cast<int64_t>(global.nbytes());
-    if (!record.outcome.applied) {
-      DTRAIN_CHECK_T(Error, ++retries < kMaxRetries, "round ", round + 1, ": only ",
-                     record.outcome.finished, " of ", record.outcome.selected,
-                     " clients finished, ", kMaxRetries, " times in a row (--min-clients ",
-                     server_options.min_clients, ")");
-    } else {
-      retries = 0;
-    }
+    record.downlink_bytes = static_cast<int64_t>(selected.size()) * download_bytes(global);
     const int64_t done = server.round();
     if (record.outcome.applied && (done % options.eval_every == 0 || done == options.rounds)) {
       load_flat_parameters(global_model, server.global());
@@ -166,37 +185,8 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     record.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - round_start).count();
     if (!checkpoint.empty() && record.outcome.applied) server.save(checkpoint);
-    train::MetricRecord line{{"event", std::string("round")},
-                             {"round", done},
-                             {"applied", static_cast<int64_t>(record.outcome.applied)},
-                             {"selected", record.outcome.selected},
-                             {"finished", record.outcome.finished},
-                             {"dropped", record.outcome.dropped},
-                             {"train_loss", record.outcome.train_loss},
-                             {"uplink_bytes", record.uplink_bytes},
-                             {"downlink_bytes", record.downlink_bytes},
-                             {"round_s", record.seconds}};
-    if (record.test_accuracy >= 0) {
-      line["test_accuracy"] = record.test_accuracy;
-      line["test_loss"] = record.test_loss;
-    }
-    metrics.write(line);
+    log.report(record, done, server_options.min_clients);
     result.rounds.push_back(record);
-    if (options.progress) {
-      const double elapsed =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-      const auto rounds_here = static_cast<double>(done - result.start_round);
-      const double eta = rounds_here > 0
-                             ? elapsed / rounds_here * static_cast<double>(options.rounds - done)
-                             : NAN;
-      bar.update(0, 1, done, options.rounds, record.outcome.train_loss,
-                 static_cast<double>(record.outcome.examples) / std::max(1e-9, record.seconds), eta);
-      if (record.test_accuracy >= 0) {
-        bar.note(concat("round ", done, ": test accuracy ", record.test_accuracy, ", loss ",
-                        record.test_loss, " (", record.outcome.finished, "/",
-                        record.outcome.selected, " clients)"));
-      }
-    }
     if (options.target_accuracy > 0 && record.test_accuracy >= options.target_accuracy &&
         result.rounds_to_target == 0) {
       result.rounds_to_target = done;

@@ -136,7 +136,6 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
 
 }  // namespace
 
-std::string read_token_file(const std::string& path) { return rpc::read_token_file(path); }
 
 std::string shard_checkpoint_file(const std::string& dir, int shard, int shards) {
   return concat(dir, "/shard-", shard, "-of-", shards, ".pt");

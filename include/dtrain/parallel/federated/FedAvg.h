@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,8 @@ struct ClientUpdate {
   /// Mean training loss over the local steps, and the steps taken.
   double loss = 0.0;
   int64_t steps = 0;
+  /// False when `keep_going` ended local training early (the update is then not sent).
+  bool completed = true;
 };
 
 /// The model's parameters as one flat tensor (a copy), and back.
@@ -49,10 +52,12 @@ at::Tensor flatten_parameters(const Model& model);
 void load_flat_parameters(Model& model, const at::Tensor& flat);
 
 /// Sets `model` to `global` and trains it on `data`'s examples `indices` as `options` say
-/// (each epoch in an order drawn from `seed`); returns the update.
+/// (each epoch in an order drawn from `seed`); returns the update. `keep_going` (if given) is
+/// asked before every local step: false stops training (completed = false).
 ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::TensorDataset& data,
                            const std::vector<int64_t>& indices, const LocalTraining& options,
-                           uint64_t seed, const parallel::LossFn& loss = parallel::cross_entropy);
+                           uint64_t seed, const parallel::LossFn& loss = parallel::cross_entropy,
+                           const std::function<bool()>& keep_going = nullptr);
 
 /// The example-weighted mean of updates, summed in float64 whatever the updates' dtype.
 class WeightedMean {

@@ -39,6 +39,16 @@ struct RoundOutcome {
   int64_t examples = 0;
 };
 
+/// A round as it is reported (metrics file, progress): its outcome, the global model's test
+/// figures after it, the bytes that moved and its time.
+struct RoundRecord {
+  RoundOutcome outcome;
+  /// < 0 when the round was not evaluated.
+  double test_accuracy = -1.0, test_loss = -1.0;
+  int64_t uplink_bytes = 0, downlink_bytes = 0;
+  double seconds = 0.0;
+};
+
 class RoundServer {
  public:
   RoundServer(at::Tensor initial, RoundServerOptions options);

@@ -13,6 +13,7 @@
 
 #include "dtrain/data/Dataset.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/federated/Compression.h"
 #include "dtrain/parallel/federated/FedAvg.h"
 #include "dtrain/parallel/federated/Partition.h"
 #include "dtrain/parallel/federated/RoundServer.h"
@@ -30,6 +31,8 @@ struct SimulationOptions {
   double local_test_fraction = 0.2;
   LocalTraining local;
   ServerOptimizerSpec server;
+  /// How clients compress their updates (uplink bytes are measured on the encoded messages).
+  CompressionSpec compression;
   /// A selected client drops out before sending its update with this probability.
   double dropout = 0.0;
   /// Worker threads training clients (0 = the cores); each uses one LibTorch thread.
@@ -48,16 +51,8 @@ struct SimulationOptions {
 /// `--algorithm fedavg|fedsgd`: fedsgd sets E = 1 and the full local batch.
 void apply_algorithm(const std::string& algorithm, LocalTraining* local);
 
-struct SimulationRound {
-  RoundOutcome outcome;
-  /// < 0 when the round was not evaluated.
-  double test_accuracy = -1.0, test_loss = -1.0;
-  int64_t uplink_bytes = 0, downlink_bytes = 0;
-  double seconds = 0.0;
-};
-
 struct SimulationResult {
-  std::vector<SimulationRound> rounds;
+  std::vector<RoundRecord> rounds;
   /// The first round (1-based count of applied rounds) whose evaluation reached
   /// target_accuracy, 0 if none did.
   int64_t rounds_to_target = 0;

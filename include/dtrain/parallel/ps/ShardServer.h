@@ -36,10 +36,6 @@ struct ShardServerOptions {
   std::string tls_cert, tls_key;
 };
 
-/// The token in a token file, surrounding whitespace removed (InputError naming the file when
-/// it cannot be read or is empty).
-std::string read_token_file(const std::string& path);
-
 /// DIR/shard-I-of-N.pt.
 std::string shard_checkpoint_file(const std::string& dir, int shard, int shards);
 

@@ -1,0 +1,85 @@
+// A federated client (`dtrain fl client`, or embedded in an application with its own data and
+// model): checks in with the server while it is available, and when selected downloads the
+// round's model, trains it on its own examples as the round's plan says (epochs, batch, rate,
+// FedProx's mu), compresses the update as the plan says (keeping top-k's error-feedback residual
+// between rounds) and uploads it before the deadline. If its availability ends mid-round it
+// leaves the round (the server drops it). Unreachable servers are retried with back-off within
+// a window; every call has a deadline.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtrain/data/Dataset.h"
+#include "dtrain/models/Model.h"
+
+namespace dtrain::federated {
+
+/// When a client may train: local-time windows "HH:MM-HH:MM" (a window may cross midnight),
+/// comma-separated; "always" for none. InputError naming --available otherwise.
+std::function<bool()> parse_availability(const std::string& text);
+/// The same windows at a given time of day (minutes after midnight): for tests and traces.
+bool available_at(const std::string& text, int minute_of_day);
+
+struct ClientOptions {
+  /// HOST:PORT of `dtrain fl serve`.
+  std::string server;
+  /// 1 to 128 of [A-Za-z0-9._-].
+  std::string client_id;
+  /// The token this client's calls carry ("" = none); TLS: the CA file to trust.
+  std::string token;
+  bool tls = false;
+  std::string tls_ca;
+  /// Whether the client may train now (idle, charging, on Wi-Fi...); null = always. Checked
+  /// before each check-in and between local batches.
+  std::function<bool()> available;
+  /// A check-in waits this long to be selected before asking again.
+  std::chrono::milliseconds wait{10000};
+  /// Deadline of every call (a download or upload: per call as a whole).
+  std::chrono::milliseconds rpc_timeout{60000};
+  /// How long an unreachable server is retried (with back-off) before giving up.
+  std::chrono::milliseconds retry_window{60000};
+  /// Keep what top-k did not send for the next update.
+  bool error_feedback = true;
+  /// Leave after this many trained rounds (0 = until the server says DONE).
+  int64_t max_rounds = 0;
+  /// Threads for local training (0 = keep LibTorch's setting).
+  int threads = 0;
+};
+
+struct ClientReport {
+  int64_t rounds_trained = 0;
+  /// Rounds left because availability ended, or refused/late at upload.
+  int64_t rounds_abandoned = 0, uploads_refused = 0;
+  int64_t uplink_bytes = 0, downlink_bytes = 0;
+  /// Why the client stopped ("the last round is over", ...).
+  std::string done_reason;
+};
+
+class Client {
+ public:
+  /// Builds the model the server names (its architecture name and MLP hidden widths); an
+  /// application with its own model ignores them. Its parameter count must be the server's.
+  using ModelFactory =
+      std::function<Model(const std::string& name, const std::vector<int64_t>& hidden)>;
+
+  /// `train` and `indices`: the client's own examples.
+  Client(ModelFactory make_model, data::TensorDataset train, std::vector<int64_t> indices,
+         ClientOptions options);
+  ~Client();
+  /// Takes part in rounds until the server says DONE (or max_rounds). Throws CommError naming
+  /// the server when it stays unreachable past the retry window, InputError when it refuses
+  /// this client (token, id) or its model does not match.
+  ClientReport run();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace dtrain::federated

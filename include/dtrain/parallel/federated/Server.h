@@ -1,0 +1,101 @@
+// `dtrain fl serve`: the federated server as a gRPC service (proto/dtrain/federated.proto)
+// around RoundServer. Clients check in and wait; a round starts when K of them are waiting (or,
+// after --selection-timeout, at least --min-clients), selects K at random (seeded by the round),
+// tells them to train with the round's plan, streams them the global model and takes their
+// (possibly compressed) updates until all arrive or the round's deadline passes; stragglers are
+// dropped and the round is applied if at least --min-clients finished, else retried with a new
+// selection. Per round: a metrics line, the progress bar, the checkpoint (resumed at start).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/parallel/federated/Compression.h"
+#include "dtrain/parallel/federated/FedAvg.h"
+#include "dtrain/parallel/federated/RoundServer.h"
+
+namespace dtrain::federated {
+
+struct ServerOptions {
+  /// HOST:PORT (port 0: any free port; see Server::port()).
+  std::string listen = "0.0.0.0:0";
+  int64_t rounds = 10;
+  int64_t clients_per_round = 10;
+  /// A round is applied when at least this many selected clients finished (0 = 1).
+  int64_t min_clients = 0;
+  /// Seconds a round waits for the selected clients' updates.
+  double round_timeout_s = 120;
+  /// Seconds to wait for K waiting clients before starting a round with fewer (at least
+  /// min_clients of them).
+  double selection_timeout_s = 30;
+  /// Seconds without enough clients (fewer than min_clients waiting) before giving up.
+  double wait_timeout_s = 600;
+  /// The clients' plan.
+  LocalTraining local;
+  CompressionSpec compression;
+  ServerOptimizerSpec optimizer;
+  /// The model as clients built from flags make it (told to them at selection).
+  std::string model = "mlp";
+  std::vector<int64_t> hidden{200, 200};
+  uint64_t seed = 0;
+  /// A shared token every call must carry ("" = none) ...
+  std::string token;
+  /// ... or one per client id (client -> token; every call must carry its client's).
+  std::map<std::string, std::string> client_tokens;
+  /// TLS: PEM certificate chain and key files (both or neither).
+  std::string tls_cert, tls_key;
+  /// Server checkpoint DIR/server.pt after every applied round; resumed at start.
+  std::string checkpoint_dir;
+  std::string metrics_file;
+  bool progress = true;
+  /// Evaluate the global model every this many rounds (and after the last).
+  int64_t eval_every = 1;
+};
+
+/// "client token" lines (# comments and blank lines skipped); InputError naming the file and
+/// line for anything else, a duplicate client or a bad id.
+std::map<std::string, std::string> read_client_tokens(const std::string& path);
+
+/// Client ids: 1 to 128 characters of [A-Za-z0-9._-].
+bool valid_client_id(const std::string& id);
+
+struct ServerResult {
+  std::vector<RoundRecord> rounds;
+  int64_t start_round = 0, rounds_done = 0;
+  at::Tensor global;
+  /// Updates refused (and why, the last few), uploads too late.
+  int64_t refused = 0, late = 0;
+  std::vector<std::string> refusals;
+};
+
+class Server {
+ public:
+  /// `evaluate`: the global model's (test loss, test accuracy), or null for none.
+  using Evaluate = std::function<std::pair<double, double>(const at::Tensor& global)>;
+  Server(at::Tensor initial, ServerOptions options, Evaluate evaluate = nullptr);
+  ~Server();
+  int port() const;
+  /// Rounds applied so far (more than 0 when resumed from a checkpoint).
+  int64_t round() const;
+  /// The address clients on this machine reach ("127.0.0.1:PORT" for a wildcard listen).
+  std::string address() const;
+  /// Runs the rounds; returns when the last is applied (clients checking in afterwards are told
+  /// DONE for a few seconds, then the service stops).
+  ServerResult run();
+  /// Makes run() return after the current round (from another thread or a signal handler's
+  /// watcher).
+  void stop();
+
+ private:
+  class Service;
+  std::unique_ptr<Service> service_;
+};
+
+}  // namespace dtrain::federated

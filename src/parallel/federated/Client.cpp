@@ -1,0 +1,264 @@
+#include "dtrain/parallel/federated/Client.h"
+
+#include <ATen/Parallel.h>
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <sstream>
+#include <thread>
+
+#include "comm/rpc/Security.h"
+#include "comm/rpc/TensorMessage.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/federated.grpc.pb.h"
+#include "dtrain/parallel/federated/Compression.h"
+#include "dtrain/parallel/federated/FedAvg.h"
+#include "dtrain/parallel/federated/Server.h"
+#include "parallel/federated/FlWire.h"
+
+namespace dtrain::federated {
+
+namespace {
+
+// [start, end) minutes after midnight; end <= start crosses midnight.
+struct Window {
+  int start = 0, end = 0;
+  bool contains(int minute) const {
+    return start < end ? minute >= start && minute < end : minute >= start || minute < end;
+  }
+};
+
+int parse_time(const std::string& text, const std::string& whole) {
+  int hours = -1, minutes = -1;
+  char extra = 0;
+  const int got = std::sscanf(text.c_str(), "%d:%d%c", &hours, &minutes, &extra);
+  DTRAIN_CHECK_INPUT(got == 2 && text.size() == 5 && hours >= 0 && hours < 24 && minutes >= 0 &&
+                         minutes < 60,
+                     "--available '", whole, "': '", text, "' is not a time HH:MM (00:00 to 23:59)");
+  return hours * 60 + minutes;
+}
+
+std::vector<Window> parse_windows(const std::string& text) {
+  std::vector<Window> windows;
+  if (text == "always") return windows;
+  std::stringstream parts(text);
+  std::string part;
+  while (std::getline(parts, part, ',')) {
+    const auto dash = part.find('-');
+    DTRAIN_CHECK_INPUT(dash != std::string::npos, "--available '", text, "': '", part,
+                       "' is not a window HH:MM-HH:MM");
+    Window w{parse_time(part.substr(0, dash), text), parse_time(part.substr(dash + 1), text)};
+    DTRAIN_CHECK_INPUT(w.start != w.end, "--available '", text, "': '", part, "' is empty");
+    windows.push_back(w);
+  }
+  DTRAIN_CHECK_INPUT(!windows.empty(), "--available '", text,
+                     "': expected always or windows like 22:00-06:00");
+  return windows;
+}
+
+bool in_windows(const std::vector<Window>& windows, int minute) {
+  if (windows.empty()) return true;
+  return std::any_of(windows.begin(), windows.end(),
+                     [&](const Window& w) { return w.contains(minute); });
+}
+
+bool retryable(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+         status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+}
+
+}  // namespace
+
+std::function<bool()> parse_availability(const std::string& text) {
+  const std::vector<Window> windows = parse_windows(text);
+  if (windows.empty()) return nullptr;
+  return [windows] {
+    const std::time_t now = std::time(nullptr);
+    std::tm local{};
+    localtime_r(&now, &local);
+    return in_windows(windows, local.tm_hour * 60 + local.tm_min);
+  };
+}
+
+bool available_at(const std::string& text, int minute_of_day) {
+  return in_windows(parse_windows(text), minute_of_day);
+}
+
+struct Client::State {
+  ModelFactory make_model;
+  data::TensorDataset train;
+  std::vector<int64_t> indices;
+  ClientOptions options;
+  std::unique_ptr<dtrain::fl::Federated::Stub> stub;
+  Model model;
+  bool built = false;
+  at::Tensor residual;  // top-k's error feedback
+
+  // Runs `call` (fresh context, deadline `timeout`, the token) until it succeeds, fails with a
+  // status that is not UNAVAILABLE/DEADLINE_EXCEEDED, or the retry window is over.
+  template <class Call>
+  grpc::Status with_retry(const char* name, std::chrono::milliseconds timeout, const Call& call) {
+    const auto give_up = std::chrono::steady_clock::now() + options.retry_window;
+    auto pause = std::chrono::milliseconds(100);
+    for (;;) {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + timeout);
+      rpc::add_token(context, options.token);
+      const grpc::Status status = call(context);
+      if (!retryable(status)) return status;
+      DTRAIN_CHECK_T(CommError, std::chrono::steady_clock::now() < give_up,
+                     "federated client '", options.client_id, "': ", name, " to the server ",
+                     options.server, " failed for ", options.retry_window.count(),
+                     " ms (unreachable?): ", status.error_message());
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(2000));
+    }
+  }
+};
+
+Client::Client(ModelFactory make_model, data::TensorDataset train, std::vector<int64_t> indices,
+               ClientOptions options)
+    : state_(std::make_unique<State>()) {
+  DTRAIN_CHECK_INPUT(valid_client_id(options.client_id), "--client-id '", options.client_id,
+                     "' is not a client id (1 to 128 of [A-Za-z0-9._-])");
+  DTRAIN_CHECK_INPUT(!indices.empty(), "federated client '", options.client_id,
+                     "' has no training examples");
+  DTRAIN_CHECK_INPUT(!options.server.empty(), "--server HOST:PORT is required");
+  state_->make_model = std::move(make_model);
+  state_->train = std::move(train);
+  state_->indices = std::move(indices);
+  state_->options = std::move(options);
+  rpc::RpcSecurity security;
+  security.tls = state_->options.tls;
+  security.tls_ca = state_->options.tls_ca;
+  grpc::ChannelArguments arguments;
+  rpc::tune_bulk_transfer(arguments);
+  arguments.SetMaxReceiveMessageSize(static_cast<int>(rpc::kMaxChunkBytes + (1 << 20)));
+  state_->stub = dtrain::fl::Federated::NewStub(grpc::CreateCustomChannel(
+      state_->options.server, rpc::channel_credentials(security), arguments));
+}
+
+Client::~Client() = default;
+
+ClientReport Client::run() {
+  State& s = *state_;
+  const ClientOptions& o = s.options;
+  ClientReport report;
+  if (o.threads > 0) at::set_num_threads(o.threads);
+  const auto examples = static_cast<int64_t>(s.indices.size());
+  auto refused = [&](const char* call, const grpc::Status& status) {
+    const bool input = status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+                       status.error_code() == grpc::StatusCode::INVALID_ARGUMENT;
+    const std::string text = concat("federated client '", o.client_id, "': the server ", o.server,
+                                    " refused ", call, ": ", status.error_message());
+    if (input) DTRAIN_THROW(InputError, text);
+    DTRAIN_THROW(CommError, text);
+  };
+  for (;;) {
+    if (o.available && !o.available()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      continue;
+    }
+    dtrain::fl::CheckInRequest request;
+    request.set_client_id(o.client_id);
+    request.set_examples(examples);
+    request.set_wait_ms(o.wait.count());
+    dtrain::fl::CheckInReply reply;
+    grpc::Status status = s.with_retry("CheckIn", o.wait + o.rpc_timeout, [&](grpc::ClientContext& c) {
+      return s.stub->CheckIn(&c, request, &reply);
+    });
+    if (!status.ok()) refused("CheckIn", status);
+    if (reply.action() == dtrain::fl::CheckInReply::DONE) {
+      report.done_reason = reply.reason();
+      return report;
+    }
+    if (reply.action() != dtrain::fl::CheckInReply::TRAIN) continue;
+
+    // Selected: the model the server names, once.
+    const int64_t round = reply.round();
+    if (!s.built) {
+      std::vector<int64_t> hidden(reply.hidden().begin(), reply.hidden().end());
+      s.model = s.make_model(reply.model(), hidden);
+      s.built = true;
+    }
+    at::Tensor global = flatten_parameters(s.model);
+    DTRAIN_CHECK_INPUT(global.numel() == reply.parameters(), "federated client '", o.client_id,
+                       "': the server's model has ", reply.parameters(),
+                       " parameters, this client's ", global.numel());
+    // Download the round's model.
+    wire::PartsReader parts({{"", global.numel()}});
+    std::string problem;
+    int64_t down_bytes = 0;
+    status = s.with_retry("Download", o.rpc_timeout, [&](grpc::ClientContext& c) {
+      dtrain::fl::DownloadRequest download;
+      download.set_client_id(o.client_id);
+      download.set_round(round);
+      parts = wire::PartsReader({{"", global.numel()}});
+      problem.clear();
+      down_bytes = 0;
+      auto reader = s.stub->Download(&c, download);
+      dtrain::fl::ModelChunk chunk;
+      for (int64_t i = 0; reader->Read(&chunk); ++i) {
+        down_bytes += wire::message_bytes(chunk);
+        if (problem.empty()) problem = parts.add(chunk.chunk(), concat("model chunk ", i));
+      }
+      return reader->Finish();
+    });
+    if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;  // round over
+    if (!status.ok()) refused("Download", status);
+    wire::Parts model_parts;
+    if (problem.empty()) problem = parts.finish(&model_parts);
+    DTRAIN_CHECK_T(CommError, problem.empty() && model_parts.size() == 1, "federated client '",
+                   o.client_id, "': the server ", o.server, " sent a malformed model: ", problem);
+    report.downlink_bytes += down_bytes;
+    global = model_parts[0].second.to(global.scalar_type());
+
+    // Train as the plan says, while available.
+    LocalTraining plan;
+    plan.epochs = reply.plan().epochs();
+    plan.batch = reply.plan().batch();
+    plan.lr = reply.plan().lr();
+    plan.momentum = reply.plan().momentum();
+    plan.weight_decay = reply.plan().weight_decay();
+    plan.prox_mu = reply.plan().prox_mu();
+    validate(plan);
+    CompressionSpec compression = parse_compression(reply.plan().compression());
+    compression.error_feedback = o.error_feedback;
+    const ClientUpdate update = train_locally(s.model, global, s.train, s.indices, plan,
+                                              reply.seed(), parallel::cross_entropy, o.available);
+    if (!update.completed) {
+      ++report.rounds_abandoned;
+      continue;
+    }
+    const EncodedUpdate encoded = encode_update(update.delta, compression, &s.residual, reply.seed());
+    const auto messages = wire::update_messages(encoded, o.client_id, round, update.examples,
+                                                update.loss, rpc::kDefaultChunkBytes);
+    dtrain::fl::UploadReply uploaded;
+    status = s.with_retry("Upload", o.rpc_timeout, [&](grpc::ClientContext& c) {
+      auto writer = s.stub->Upload(&c, &uploaded);
+      for (const auto& m : messages) {
+        if (!writer->Write(m)) break;
+      }
+      writer->WritesDone();
+      return writer->Finish();
+    });
+    if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+        status.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
+      // Too late, or refused (the server logs why); the next round is another chance.
+      ++report.uploads_refused;
+      continue;
+    }
+    if (!status.ok()) refused("Upload", status);
+    report.uplink_bytes += uploaded.bytes();
+    ++report.rounds_trained;
+    if (o.max_rounds > 0 && report.rounds_trained >= o.max_rounds) {
+      report.done_reason = concat("trained ", report.rounds_trained, " rounds (--max-rounds)");
+      return report;
+    }
+  }
+}
+
+}  // namespace dtrain::federated

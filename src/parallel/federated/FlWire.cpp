@@ -1,0 +1,138 @@
+#include "parallel/federated/FlWire.h"
+
+#include <cstring>
+
+#include "comm/rpc/BulkMessage.h"
+#include "dtrain/common/Error.h"
+
+namespace dtrain::federated::wire {
+
+int64_t message_bytes(const google::protobuf::MessageLite& message) {
+  return static_cast<int64_t>(message.ByteSizeLong()) + 5;
+}
+
+void for_each_chunk(const Parts& parts, int64_t chunk_bytes,
+                    const std::function<void(dtrain::rpc::TensorChunk&&)>& emit) {
+  for (const auto& [name, tensor] : parts) {
+    const at::Tensor flat = tensor.contiguous().view({-1});
+    rpc::for_each_bulk<dtrain::fl::UpdateChunk>(
+        flat, 0, chunk_bytes, nullptr,
+        [&](dtrain::fl::UpdateChunk& meta) { meta.mutable_chunk()->set_name(name); },
+        [&](const rpc::Bulk<dtrain::fl::UpdateChunk>& message) {
+          rpc::TensorChunk chunk = message.meta.chunk();
+          chunk.set_data(message.data, static_cast<size_t>(message.bytes));
+          emit(std::move(chunk));
+          return true;
+        });
+  }
+}
+
+std::vector<dtrain::fl::UpdateChunk> update_messages(const EncodedUpdate& update,
+                                                      const std::string& client, int64_t round,
+                                                      int64_t examples, double train_loss,
+                                                      int64_t chunk_bytes) {
+  std::vector<dtrain::fl::UpdateChunk> messages;
+  for_each_chunk(update.parts, chunk_bytes, [&](rpc::TensorChunk&& chunk) {
+    dtrain::fl::UpdateChunk message;
+    if (messages.empty()) {
+      message.set_client_id(client);
+      message.set_round(round);
+      message.set_examples(examples);
+      message.set_train_loss(train_loss);
+      message.set_encoding(update.encoding);
+    }
+    *message.mutable_chunk() = std::move(chunk);
+    messages.push_back(std::move(message));
+  });
+  return messages;
+}
+
+PartsReader::PartsReader(std::map<std::string, int64_t> limits) : limits_(std::move(limits)) {}
+
+std::string PartsReader::add(const rpc::TensorChunk& chunk, const std::string& where) {
+  const auto limit = limits_.find(chunk.name());
+  if (limit == limits_.end()) {
+    return concat(where, ": field 'name' is '", chunk.name().substr(0, 64), "', not a part this "
+                  "message may carry");
+  }
+  const rpc::DType d = chunk.dtype();
+  if (d != rpc::FLOAT32 && d != rpc::FLOAT64 && d != rpc::UINT8 && d != rpc::INT32 &&
+      d != rpc::INT64) {
+    return concat(where, ": field 'dtype' is ", rpc::dtype_name(d),
+                  " (FLOAT32, FLOAT64, UINT8, INT32 or INT64)");
+  }
+  auto found = parts_.find(chunk.name());
+  if (found == parts_.end()) {
+    if (chunk.shape_size() != 1 || chunk.shape(0) < 0 || chunk.shape(0) > limit->second) {
+      return concat(where, ": field 'shape' of part '", chunk.name(), "' must be one length in [0, ",
+                    limit->second, "]");
+    }
+    if (chunk.offset() != 0) {
+      return concat(where, ": field 'offset' is ", chunk.offset(), ", a part's first chunk starts at 0");
+    }
+    Part part;
+    part.tensor = at::empty({chunk.shape(0)}, at::TensorOptions(rpc::from_wire(d)));
+    found = parts_.emplace(chunk.name(), std::move(part)).first;
+    order_.push_back(chunk.name());
+  } else if (chunk.offset() != found->second.next) {
+    return concat(where, ": field 'offset' is ", chunk.offset(), ", part '", chunk.name(),
+                  "' continues at ", found->second.next);
+  }
+  Part& part = found->second;
+  rpc::ChunkRule rule;
+  rule.dtype = part.tensor.scalar_type();
+  rule.begin = 0;
+  rule.end = part.tensor.numel();
+  const auto bytes = static_cast<int64_t>(chunk.data().size());
+  std::string why = rpc::check_chunk(chunk, bytes, rule, where);
+  if (!why.empty()) return why;
+  std::memcpy(static_cast<char*>(part.tensor.data_ptr()) + part.next * part.tensor.element_size(),
+              chunk.data().data(), static_cast<size_t>(bytes));
+  part.next += bytes / static_cast<int64_t>(part.tensor.element_size());
+  return "";
+}
+
+std::string PartsReader::finish(Parts* parts) const {
+  parts->clear();
+  for (const auto& name : order_) {
+    const Part& part = parts_.at(name);
+    if (part.next != part.tensor.numel()) {
+      return concat("part '", name, "' ended after ", part.next, " of its ", part.tensor.numel(),
+                    " elements");
+    }
+    parts->emplace_back(name, part.tensor);
+  }
+  return "";
+}
+
+UpdateReader::UpdateReader(int64_t numel)
+    // Every part an encoding may carry, none longer than the model.
+    : parts_({{"delta", numel}, {"q", numel}, {"lo", numel}, {"step", numel},
+              {"indices", numel}, {"values", numel}}) {}
+
+std::string UpdateReader::add(const dtrain::fl::UpdateChunk& message) {
+  if (messages_ == 0) {
+    header_ = message;
+    header_.clear_chunk();
+  }
+  return parts_.add(message.chunk(), concat("update chunk ", messages_++));
+}
+
+std::string UpdateReader::finish(EncodedUpdate* update) const {
+  if (messages_ == 0) return "an upload without messages";
+  update->encoding = header_.encoding();
+  return parts_.finish(&update->parts);
+}
+
+std::string read_update(const std::vector<dtrain::fl::UpdateChunk>& messages, int64_t numel,
+                        dtrain::fl::UpdateChunk* header, EncodedUpdate* update) {
+  UpdateReader reader(numel);
+  for (const auto& message : messages) {
+    const std::string why = reader.add(message);
+    if (!why.empty()) return why;
+  }
+  *header = reader.header();
+  return reader.finish(update);
+}
+
+}  // namespace dtrain::federated::wire

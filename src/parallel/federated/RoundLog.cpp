@@ -1,0 +1,60 @@
+#include "parallel/federated/RoundLog.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::federated {
+
+RoundLog::RoundLog(const std::string& metrics_file, bool progress, int64_t rounds,
+                   int64_t start_round)
+    : metrics_(metrics_file, start_round > 0),
+      bar_(stderr, train::ProgressBar::is_terminal(stderr), std::max<int64_t>(1, rounds / 20)),
+      progress_(progress), rounds_(rounds), start_round_(start_round) {}
+
+void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clients,
+                      int max_retries) {
+  const RoundOutcome& outcome = record.outcome;
+  train::MetricRecord line{{"event", std::string("round")},
+                           {"round", done},
+                           {"applied", static_cast<int64_t>(outcome.applied)},
+                           {"selected", outcome.selected},
+                           {"finished", outcome.finished},
+                           {"dropped", outcome.dropped},
+                           {"train_loss", outcome.train_loss},
+                           {"uplink_bytes", record.uplink_bytes},
+                           {"downlink_bytes", record.downlink_bytes},
+                           {"round_s", record.seconds}};
+  if (record.test_accuracy >= 0) {
+    line["test_accuracy"] = record.test_accuracy;
+    line["test_loss"] = record.test_loss;
+  }
+  metrics_.write(line);
+  if (progress_) {
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+    const auto rounds_here = static_cast<double>(done - start_round_);
+    const double eta =
+        rounds_here > 0 ? elapsed / rounds_here * static_cast<double>(rounds_ - done) : NAN;
+    bar_.update(0, 1, done, rounds_, outcome.train_loss,
+                static_cast<double>(outcome.examples) / std::max(1e-9, record.seconds), eta);
+    if (record.test_accuracy >= 0) {
+      bar_.note(concat("round ", done, ": test accuracy ", record.test_accuracy, ", loss ",
+                       record.test_loss, " (", outcome.finished, "/", outcome.selected,
+                       " clients)"));
+    } else if (!outcome.applied) {
+      bar_.note(concat("round ", done + 1, ": only ", outcome.finished, " of ", outcome.selected,
+                       " clients finished (--min-clients ", min_clients, "); retried"));
+    }
+  }
+  if (outcome.applied) {
+    retries_ = 0;
+    return;
+  }
+  DTRAIN_CHECK_T(Error, ++retries_ < max_retries, "round ", done + 1, ": only ", outcome.finished,
+                 " of ", outcome.selected, " clients finished, ", max_retries,
+                 " times in a row (--min-clients ", min_clients, ")");
+}
+
+}  // namespace dtrain::federated

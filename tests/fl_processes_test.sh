@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# `dtrain fl serve` and three `dtrain fl client` processes on 127.0.0.1: the server is killed
+# (SIGKILL) once round 1 is in its metrics and restarted on the same port; it resumes from its
+# checkpoint, the same client processes reconnect (retrying with back-off) and the run completes
+# round 4, every client told the training is over. Bad flags and a damaged checkpoint exit
+# non-zero with the flag or file named (the checkpoint left as it was).
+# Usage: fl_processes_test.sh PATH/TO/dtrain
+set -uo pipefail
+dtrain=$1
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "FAILED: $*"; for f in "$work"/*.log; do echo "--- $f"; cat "$f"; done; exit 1; }
+
+data="--dataset synthetic --synthetic-examples 3000 --seed 1"
+serve() {
+  "$dtrain" fl serve --listen "127.0.0.1:$1" --rounds 4 --clients-per-round 3 --hidden 64 \
+    --local-epochs 3 --local-batch 10 --compression topk:0.1 $data --checkpoint-dir "$work/ck" \
+    --metrics-file "$work/m.jsonl" --round-timeout 30 --no-progress >>"$work/server.log" 2>&1 &
+  server=$!
+  pids+=("$server")
+}
+serve 0
+port=
+for _ in $(seq 100); do
+  port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$work/server.log" | head -1)
+  [[ -n $port ]] && break
+  sleep 0.1
+done
+[[ -n $port ]] || fail "the server did not say its port"
+for i in 0 1 2; do
+  "$dtrain" fl client --server "127.0.0.1:$port" --partition "$i/3" --client-id "dev$i" $data \
+    --threads 1 --wait-ms 1000 >"$work/client$i.log" 2>&1 &
+  clients[$i]=$!
+  pids+=("${clients[$i]}")
+done
+# Kill the server once round 1 is recorded (bounded wait).
+for _ in $(seq 600); do
+  grep -q "\"round\":1," "$work/m.jsonl" 2>/dev/null && break
+  sleep 0.1
+done
+grep -q "\"round\":1," "$work/m.jsonl" || fail "round 1 never finished"
+kill -9 "$server"
+wait "$server" 2>/dev/null
+killed_at=$(grep -c '"event":"round"' "$work/m.jsonl")
+[[ $killed_at -lt 4 ]] || fail "the run was over before the server could be killed"
+sleep 1
+serve "$port"
+for i in 0 1 2; do
+  wait "${clients[$i]}" || fail "client $i exited with $?"
+  grep -q "the last round is over" "$work/client$i.log" || fail "client $i was not told the run is over"
+done
+wait "$server" || fail "the restarted server exited with $?"
+grep -q "resumed at round [123]" "$work/server.log" || fail "the restarted server did not resume"
+grep -q "fl server: 4 rounds" "$work/server.log" || fail "the restarted server did not finish round 4"
+tail -1 "$work/m.jsonl" | grep -q '"round":4,' || fail "the metrics do not end with round 4"
+
+# Bad input: one clear error, non-zero exit, nothing lost.
+out=$("$dtrain" fl serve --compression zip 2>&1) && fail "a bad --compression was taken"
+grep -q -- "--compression 'zip'" <<<"$out" || fail "bad --compression not named: $out"
+out=$("$dtrain" fl client --server 127.0.0.1:1 --partition 5/4 $data 2>&1) && fail "a bad --partition was taken"
+grep -q -- "--partition '5/4'" <<<"$out" || fail "bad --partition not named: $out"
+out=$("$dtrain" fl client --server 127.0.0.1:1 --available 25:00-01:00 $data 2>&1) && fail "a bad --available was taken"
+grep -q -- "--available '25:00-01:00'" <<<"$out" || fail "bad --available not named: $out"
+head -c 100 "$work/ck/server.pt" >"$work/damaged.pt"
+mkdir -p "$work/bad" && cp "$work/damaged.pt" "$work/bad/server.pt"
+out=$("$dtrain" fl serve --listen 127.0.0.1:0 $data --hidden 64 --checkpoint-dir "$work/bad" 2>&1) &&
+  fail "a damaged checkpoint was taken"
+grep -q "$work/bad/server.pt" <<<"$out" || fail "the damaged checkpoint was not named: $out"
+cmp -s "$work/damaged.pt" "$work/bad/server.pt" || fail "the damaged checkpoint was changed"
+echo "FederatedProcesses: passed (server killed after $killed_at rounds, resumed, 4 rounds done)"
