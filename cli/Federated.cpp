@@ -161,6 +161,12 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add_plan(c, o.sim_shared);
   c.add_flag("!--no-error-feedback", o.error_feedback,
              "topk: drop what was not sent instead of keeping it for the next update");
+  c.add_flag("--secure-aggregation", s.secure_aggregation,
+             "Secure aggregation (Bonawitz et al. 2017): the server learns only each round's sum");
+  add(c, "--secagg-threshold", s.secagg_threshold,
+      "Secure aggregation's t as a fraction of the round's clients (0 = a majority); rounds "
+      "with fewer survivors abort")
+      ->capture_default_str();
   add(c, "--dropout", s.dropout,
       "Probability that a selected client drops out before sending its update")
       ->capture_default_str();

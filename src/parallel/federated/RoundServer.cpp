@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -88,6 +89,29 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
   mean_.add(delta, static_cast<double>(examples));
   submitted_[client] = examples;
   loss_sum_ += train_loss * static_cast<double>(examples);
+  return "";
+}
+
+std::string RoundServer::submit_sum(const at::Tensor& weighted_sum, double examples,
+                                    const std::vector<std::string>& clients, double loss_sum) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& client : clients) {
+    if (selected_.count(client) == 0 || submitted_.count(client) > 0) {
+      return concat("client '", client, "' was not selected for round ", round_,
+                    " or is already counted");
+    }
+  }
+  if (!weighted_sum.defined() || weighted_sum.dim() != 1 || weighted_sum.numel() != global_.numel()) {
+    return concat("an aggregate of ", weighted_sum.defined() ? weighted_sum.numel() : 0,
+                  " elements for a model of ", global_.numel());
+  }
+  if (!(examples >= 1)) return concat("an aggregate of ", examples, " examples");
+  if (!at::isfinite(weighted_sum).all().item<bool>() || !std::isfinite(loss_sum)) {
+    return "the aggregate holds NaN or Inf values";
+  }
+  mean_.add(weighted_sum.to(at::kDouble) / examples, examples);
+  for (const auto& client : clients) submitted_[client] = 0;
+  loss_sum_ += loss_sum;
   return "";
 }
 

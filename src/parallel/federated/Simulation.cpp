@@ -16,6 +16,7 @@
 #include "dtrain/train/Metrics.h"
 #include "parallel/federated/FlWire.h"
 #include "parallel/federated/RoundLog.h"
+#include "parallel/federated/SecureRound.h"
 #include "dtrain/train/Progress.h"
 
 namespace dtrain::federated {
@@ -63,6 +64,11 @@ int64_t download_bytes(const at::Tensor& global) {
   return bytes;
 }
 
+int64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
 uint64_t mix(uint64_t seed, uint64_t a, uint64_t b) {
   std::seed_seq seq{seed, a, b};
   uint32_t words[2];
@@ -83,6 +89,11 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
                      "--dropout must be in [0, 1), got ", options.dropout);
   DTRAIN_CHECK_INPUT(options.eval_every >= 1, "--eval-every must be >= 1, got ", options.eval_every);
   DTRAIN_CHECK_INPUT(options.threads >= 0, "--threads must be >= 0, got ", options.threads);
+  DTRAIN_CHECK_INPUT(!options.secure_aggregation || options.compression.kind == CompressionSpec::None,
+                     "--secure-aggregation sends masked 32-bit words, which do not compress: it "
+                     "cannot be combined with --compression ", to_string(options.compression));
+  DTRAIN_CHECK_INPUT(options.secagg_threshold >= 0 && options.secagg_threshold <= 1,
+                     "--secagg-threshold must be a fraction in [0, 1], got ", options.secagg_threshold);
   const std::vector<ClientIndices> clients =
       partition(train.targets(), options.clients, options.partition, options.seed,
                 options.local_test_fraction);
@@ -118,6 +129,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   const int64_t numel = server.global().numel();
 
   RoundLog log(options.metrics_file, options.progress, options.rounds, result.start_round);
+  uint64_t attempt = 0;  // retries of the current round
   while (server.round() < options.rounds) {
     const auto round_start = std::chrono::steady_clock::now();
     const int64_t round = server.round();
@@ -125,13 +137,30 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     const at::Tensor global = server.global();
     std::atomic<size_t> next{0};
     std::atomic<int64_t> uplink{0};
+    std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0};
+    // Secure aggregation: keys and shares before anyone trains.
+    std::unique_ptr<SecureRound> secure;
+    if (options.secure_aggregation) {
+      std::vector<int64_t> examples;
+      for (const auto& id : selected) {
+        examples.push_back(static_cast<int64_t>(clients[std::stoll(id)].train.size()));
+      }
+      const auto k = static_cast<int>(selected.size());
+      const int threshold = options.secagg_threshold > 0
+                                ? static_cast<int>(std::ceil(options.secagg_threshold * k))
+                                : k / 2 + 1;
+      secure = std::make_unique<SecureRound>(selected, examples, numel, std::max(2, threshold),
+                                             options.secagg_frac_bits);
+    }
     std::vector<std::exception_ptr> errors(threads);
     auto work = [&](int t) {
       try {
         if (threads > 1) at::set_num_threads(1);
         for (size_t i = next++; i < selected.size(); i = next++) {
           const int64_t c = std::stoll(selected[i]);
-          std::mt19937_64 draw(mix(options.seed, static_cast<uint64_t>(round) * 2 + 1,
+          // A retried round draws its dropouts anew.
+          std::mt19937_64 draw(mix(options.seed + attempt * 0x9E3779B97F4A7C15ULL,
+                                   static_cast<uint64_t>(round) * 2 + 1,
                                    static_cast<uint64_t>(c)));
           if (options.dropout > 0 &&
               std::uniform_real_distribution<double>(0, 1)(draw) < options.dropout) {
@@ -140,14 +169,22 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           const ClientUpdate update =
               train_locally(replicas[t], global, train, clients[c].train, options.local,
                             mix(options.seed, static_cast<uint64_t>(round) * 2, c));
+          if (secure) {
+            secure->mask(i, update);
+            continue;
+          }
           // The update travels as a deployed client sends it (encoded, in the upload's
           // messages) and is read back as the server reads it; its bytes are those messages'.
+          auto start = std::chrono::steady_clock::now();
           const EncodedUpdate encoded =
               encode_update(update.delta, options.compression, &residuals[static_cast<size_t>(c)],
                             mix(options.seed ^ 0x51ed27U, static_cast<uint64_t>(round), c));
           const auto messages = wire::update_messages(encoded, selected[i], round + 1,
                                                       update.examples, update.loss,
                                                       rpc::kDefaultChunkBytes);
+          client_ns += nanoseconds_since(start);
+          ++senders;
+          start = std::chrono::steady_clock::now();
           int64_t bytes = 0;
           for (const auto& m : messages) bytes += wire::message_bytes(m);
           dtrain::fl::UpdateChunk header;
@@ -156,6 +193,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           std::string why = wire::read_update(messages, numel, &header, &received);
           if (why.empty()) why = decode_update(received, numel, global.scalar_type(), &dense);
           if (why.empty()) why = server.submit(selected[i], dense, header.examples(), header.train_loss());
+          server_ns += nanoseconds_since(start);
           DTRAIN_CHECK(why.empty(), "client ", selected[i], ": ", why);
           uplink += bytes;
         }
@@ -174,10 +212,26 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       if (e) std::rethrow_exception(e);
     }
     RoundRecord record;
+    if (secure) {
+      const std::string why = secure->finish(server);
+      // Too few clients left for the masks to come off: the round has no updates (retried).
+      if (!why.empty() && options.progress) std::fprintf(stderr, "round %lld: %s\n",
+                                                          static_cast<long long>(round + 1), why.c_str());
+      uplink += secure->uplink_bytes();
+      record.server_aggregation_s = secure->server_seconds();
+      record.client_aggregation_s = secure->client_seconds();
+    } else {
+      record.server_aggregation_s = static_cast<double>(server_ns.load()) * 1e-9;
+      record.client_aggregation_s =
+          static_cast<double>(client_ns.load()) * 1e-9 / static_cast<double>(std::max<int64_t>(1, senders));
+    }
+    const auto closing = std::chrono::steady_clock::now();
     record.outcome = server.close();
+    record.server_aggregation_s += static_cast<double>(nanoseconds_since(closing)) * 1e-9;
     record.uplink_bytes = uplink.load();
     record.downlink_bytes = static_cast<int64_t>(selected.size()) * download_bytes(global);
     const int64_t done = server.round();
+    attempt = record.outcome.applied ? 0 : attempt + 1;
     if (record.outcome.applied && (done % options.eval_every == 0 || done == options.rounds)) {
       load_flat_parameters(global_model, server.global());
       std::tie(record.test_loss, record.test_accuracy) = evaluate_model(global_model, test);

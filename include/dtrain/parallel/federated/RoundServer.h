@@ -47,6 +47,10 @@ struct RoundRecord {
   double test_accuracy = -1.0, test_loss = -1.0;
   int64_t uplink_bytes = 0, downlink_bytes = 0;
   double seconds = 0.0;
+  /// Time spent aggregating: the server's (reading, checking, averaging; with secure
+  /// aggregation its protocol work) and a client's on average (encoding; with secure
+  /// aggregation its protocol work), training not included. 0 when not measured.
+  double server_aggregation_s = 0.0, client_aggregation_s = 0.0;
 };
 
 class RoundServer {
@@ -67,6 +71,12 @@ class RoundServer {
   /// selected, already sent, wrong size or dtype, NaN/Inf, no examples): nothing changed.
   std::string submit(const std::string& client, const at::Tensor& delta, int64_t examples,
                      double train_loss = 0.0);
+  /// Secure aggregation: the finished clients' updates arrive only as their example-weighted
+  /// sum (`examples` in all, `loss_sum` their example-weighted training losses); the server
+  /// never sees one. "" or why refused (a client not selected or already counted, a wrong size,
+  /// NaN/Inf, no examples).
+  std::string submit_sum(const at::Tensor& weighted_sum, double examples,
+                         const std::vector<std::string>& clients, double loss_sum);
   /// Ends the open round: applies the mean update of those that finished if at least
   /// min_clients did; the rest count as dropped.
   RoundOutcome close();

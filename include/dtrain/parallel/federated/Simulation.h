@@ -33,6 +33,12 @@ struct SimulationOptions {
   ServerOptimizerSpec server;
   /// How clients compress their updates (uplink bytes are measured on the encoded messages).
   CompressionSpec compression;
+  /// Secure aggregation (Bonawitz et al.): the server learns only the sum of each round's
+  /// updates. Threshold t = ceil(secagg_threshold x K) (0: a majority, floor(K/2) + 1); inputs
+  /// in fixed point with secagg_frac_bits fraction bits. Not with compression.
+  bool secure_aggregation = false;
+  double secagg_threshold = 0.0;
+  int secagg_frac_bits = 16;
   /// A selected client drops out before sending its update with this probability.
   double dropout = 0.0;
   /// Worker threads training clients (0 = the cores); each uses one LibTorch thread.

@@ -1,0 +1,123 @@
+// Secure aggregation (Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving
+// Machine Learning", CCS 2017; the semi-honest protocol): the server learns the sum of the
+// round's client inputs and nothing about any single one, even when clients drop out.
+//
+// Inputs are vectors of integers modulo 2^32 (updates in fixed point: to_fixed). Each client u
+//  0. makes two X25519 key pairs, c (to encrypt shares) and s (to agree masks), and advertises
+//     the public halves;
+//  1. draws a self-mask seed b_u, cuts s_u's secret key and b_u into Shamir t-of-n shares (over
+//     GF(2^61 - 1), 4 bytes of secret per field element), and sends each other client v its
+//     shares encrypted for v (crypto_box with X25519 + XChaCha20-Poly1305; the server only
+//     forwards ciphertexts);
+//  2. sends y_u = x_u + PRG(b_u) + sum over v of +-PRG(s_uv) (mod 2^32), s_uv the X25519
+//     agreement of u's and v's s keys, the sign by id order, PRG = the ChaCha20 keystream;
+//  3. for the clients that sent y (U3), reveals its shares of their b; for those that shared
+//     keys but sent no y (dropped), its shares of their s secret keys.
+// The server rebuilds each survivor's b and each dropped client's s key from any t shares,
+// removes the self masks and the pairwise masks left by dropped clients, and obtains exactly
+// the sum of the survivors' x (pairwise masks between survivors cancel). With fewer than t
+// clients at any step the round aborts with an error saying how many were left.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dtrain::federated::secagg {
+
+using Key = std::array<uint8_t, 32>;
+
+/// Fixed point modulo 2^32: round(x * 2^frac_bits), each element clipped to +-bound first (so
+/// that `clients` inputs cannot overflow the sum: bound <= (2^31 - 1) / (2^frac_bits clients)).
+/// Returns int32 (two's complement of the residue).
+at::Tensor to_fixed(const at::Tensor& x, int frac_bits, double bound);
+/// The largest bound for `clients` inputs at `frac_bits`.
+double fixed_bound(int frac_bits, int64_t clients);
+/// A sum of fixed-point values back to float64.
+at::Tensor from_fixed(const at::Tensor& sum, int frac_bits);
+
+struct PublicKeys {
+  uint32_t id = 0;
+  Key c_public{}, s_public{};
+};
+
+/// u's shares for v, encrypted for v.
+struct SealedShares {
+  uint32_t from = 0, to = 0;
+  std::vector<uint8_t> ciphertext;
+};
+
+/// What a surviving client reveals in step 3: (owner id, share) pairs.
+struct Reveal {
+  uint32_t from = 0;
+  std::map<uint32_t, std::vector<uint64_t>> b_shares;   // survivors' self-mask seeds
+  std::map<uint32_t, std::vector<uint64_t>> sk_shares;  // dropped clients' s secret keys
+};
+
+/// A client's side of one round. Ids are 1..2^32-1 (0 is not a Shamir point), unique per round.
+class ClientSession {
+ public:
+  ClientSession(uint32_t id, int64_t elements, int threshold);
+  ~ClientSession();
+  uint32_t id() const;
+  /// Step 0.
+  PublicKeys advertise();
+  /// Step 1: the round's advertised keys (U1, this client's included) -> its sealed shares,
+  /// one per other client.
+  std::vector<SealedShares> share_keys(const std::vector<PublicKeys>& u1);
+  /// The sealed shares addressed to this client; throws Error naming the sender whose
+  /// ciphertext does not open.
+  void receive(const std::vector<SealedShares>& mine);
+  /// Step 2: the masked input (int32 holding residues mod 2^32) for the clients that shared
+  /// keys (U2, this client's included).
+  at::Tensor masked_input(const at::Tensor& fixed, const std::vector<uint32_t>& u2);
+  /// Step 3: the shares the server needs, given the clients that sent masked input (U3).
+  Reveal reveal(const std::vector<uint32_t>& u3);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+/// The server's side of one round: collects, routes and unmasks.
+class ServerSession {
+ public:
+  ServerSession(int64_t elements, int threshold);
+  ~ServerSession();
+  void add_keys(const PublicKeys& keys);
+  /// U1 (at least `threshold` clients, else Error).
+  std::vector<PublicKeys> advertised() const;
+  void add_shares(const std::vector<SealedShares>& from_one_client);
+  /// U2: the clients that sent shares; and what each of them is to receive.
+  std::vector<uint32_t> shared() const;
+  std::vector<SealedShares> shares_for(uint32_t client) const;
+  void add_masked(uint32_t client, const at::Tensor& masked);
+  /// U3 (at least `threshold`, else Error).
+  std::vector<uint32_t> masked() const;
+  void add_reveal(const Reveal& reveal);
+  /// The sum of the survivors' inputs mod 2^32 (int32). Error when fewer than `threshold`
+  /// clients revealed, naming how many did.
+  at::Tensor finish();
+  /// Clients whose inputs are in the sum.
+  int64_t survivors() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+/// Shamir sharing over GF(2^61 - 1), exposed for tests: `secret` (each element < 2^61 - 1) into
+/// shares for points 1..n, any `threshold` of which rebuild it.
+std::vector<std::vector<uint64_t>> shamir_split(const std::vector<uint64_t>& secret,
+                                                int threshold, const std::vector<uint32_t>& points);
+std::vector<uint64_t> shamir_join(const std::map<uint32_t, std::vector<uint64_t>>& shares);
+
+/// The ChaCha20 keystream of `seed` as `elements` int32 (the PRG).
+at::Tensor expand_mask(const Key& seed, int64_t elements);
+
+}  // namespace dtrain::federated::secagg

@@ -1,0 +1,139 @@
+#include "parallel/federated/SecureRound.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::federated {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+int64_t reveal_bytes(const secagg::Reveal& r) {
+  int64_t bytes = 4;
+  for (const auto& entry : r.b_shares) bytes += 4 + 8 * static_cast<int64_t>(entry.second.size());
+  for (const auto& entry : r.sk_shares) bytes += 4 + 8 * static_cast<int64_t>(entry.second.size());
+  return bytes;
+}
+
+}  // namespace
+
+SecureRound::SecureRound(const std::vector<std::string>& selected,
+                         const std::vector<int64_t>& examples, int64_t numel, int threshold,
+                         int frac_bits)
+    : selected_(selected), numel_(numel), frac_bits_(frac_bits) {
+  const auto n = selected.size();
+  DTRAIN_CHECK_INPUT(n >= 2, "secure aggregation needs at least 2 clients per round, got ", n);
+  DTRAIN_CHECK_INPUT(threshold >= 2 && threshold <= static_cast<int>(n),
+                     "the secure-aggregation threshold must be in [2, ", n, "], got ", threshold);
+  ref_ = static_cast<double>(*std::max_element(examples.begin(), examples.end()));
+  bound_ = secagg::fixed_bound(frac_bits_, static_cast<int64_t>(n));
+  // Elements: the weighted update, the weighted loss, the example count.
+  const int64_t elements = numel_ + 2;
+  masked_.resize(n);
+  client_s_.assign(n, 0.0);
+  errors_.resize(n);
+  auto start = Clock::now();
+  server_ = std::make_unique<secagg::ServerSession>(elements, threshold);
+  server_s_ += since(start);
+  // Keys, then shares, routed by the server.
+  for (size_t i = 0; i < n; ++i) {
+    start = Clock::now();
+    clients_.push_back(std::make_unique<secagg::ClientSession>(static_cast<uint32_t>(i + 1),
+                                                               elements, threshold));
+    const secagg::PublicKeys keys = clients_.back()->advertise();
+    client_s_[i] += since(start);
+    uplink_ += 4 + 64;
+    start = Clock::now();
+    server_->add_keys(keys);
+    server_s_ += since(start);
+  }
+  start = Clock::now();
+  const auto u1 = server_->advertised();
+  server_s_ += since(start);
+  for (size_t i = 0; i < n; ++i) {
+    start = Clock::now();
+    const auto sealed = clients_[i]->share_keys(u1);
+    client_s_[i] += since(start);
+    for (const auto& s : sealed) uplink_ += 8 + static_cast<int64_t>(s.ciphertext.size());
+    start = Clock::now();
+    server_->add_shares(sealed);
+    server_s_ += since(start);
+  }
+  start = Clock::now();
+  u2_ = server_->shared();
+  std::vector<std::vector<secagg::SealedShares>> inbox;
+  for (size_t i = 0; i < n; ++i) inbox.push_back(server_->shares_for(static_cast<uint32_t>(i + 1)));
+  server_s_ += since(start);
+  for (size_t i = 0; i < n; ++i) {
+    start = Clock::now();
+    clients_[i]->receive(inbox[i]);
+    client_s_[i] += since(start);
+  }
+}
+
+void SecureRound::mask(size_t i, const ClientUpdate& update) {
+  const auto start = Clock::now();
+  const double weight = static_cast<double>(update.examples) / ref_;
+  const at::Tensor weighted = at::cat({update.delta.to(at::kDouble) * weight,
+                                       at::full({1}, update.loss * weight, at::kDouble)});
+  const at::Tensor input =
+      at::cat({secagg::to_fixed(weighted, frac_bits_, bound_),
+               at::full({1}, update.examples, at::kInt)});
+  masked_[i] = clients_[i]->masked_input(input, u2_);
+  client_s_[i] += since(start);
+  uplink_ += 4 + 4 * masked_[i].numel();
+}
+
+double SecureRound::client_seconds() const {
+  return std::accumulate(client_s_.begin(), client_s_.end(), 0.0) /
+         static_cast<double>(std::max<size_t>(1, client_s_.size()));
+}
+
+std::string SecureRound::finish(RoundServer& server) {
+  auto start = Clock::now();
+  std::vector<std::string> finished;
+  for (size_t i = 0; i < masked_.size(); ++i) {
+    if (!masked_[i].defined()) continue;
+    server_->add_masked(static_cast<uint32_t>(i + 1), masked_[i]);
+    finished.push_back(selected_[i]);
+  }
+  std::vector<uint32_t> u3;
+  try {
+    u3 = server_->masked();
+  } catch (const Error& e) {
+    server_s_ += since(start);
+    return e.what();
+  }
+  server_s_ += since(start);
+  for (const uint32_t id : u3) {
+    start = Clock::now();
+    const secagg::Reveal reveal = clients_[id - 1]->reveal(u3);
+    client_s_[id - 1] += since(start);
+    uplink_ += reveal_bytes(reveal);
+    start = Clock::now();
+    server_->add_reveal(reveal);
+    server_s_ += since(start);
+  }
+  start = Clock::now();
+  const at::Tensor sum = server_->finish();
+  const at::Tensor values = secagg::from_fixed(sum.narrow(0, 0, numel_ + 1), frac_bits_);
+  const double examples = static_cast<double>(sum[numel_ + 1].item<int32_t>());
+  // Sums of (examples / ref) x update: back to example-weighted sums.
+  const at::Tensor weighted_sum = values.narrow(0, 0, numel_) * ref_;
+  const double loss_sum = values[numel_].item<double>() * ref_;
+  const std::string why = server.submit_sum(weighted_sum, examples, finished, loss_sum);
+  server_s_ += since(start);
+  return why;
+}
+
+}  // namespace dtrain::federated
