@@ -28,6 +28,7 @@ namespace {
 struct Shared {
   federated::LocalTraining local;
   federated::ServerOptimizerSpec server;
+  federated::DpSpec dp;
   std::string compression = "none";
   std::string algorithm = "fedavg";
   std::string model = "mlp";
@@ -62,6 +63,15 @@ void add_plan(CLI::App& c, Shared& s) {
   add(c, "--server-lr", s.server.lr, "The server optimizer's rate (1 with sgd: plain FedAvg)")
       ->capture_default_str();
   add(c, "--server-momentum", s.server.momentum, "FedAvgM's momentum")->capture_default_str();
+  add(c, "--dp-clip", s.dp.clip,
+      "Differential privacy (DP-FedAvg): clip each client's update to this L2 norm and weight "
+      "clients equally (0 = off)")
+      ->capture_default_str();
+  add(c, "--dp-noise", s.dp.noise_multiplier,
+      "Gaussian noise on the round's sum, standard deviation this x --dp-clip")
+      ->capture_default_str();
+  add(c, "--dp-delta", s.dp.delta, "The delta of the (epsilon, delta) reported per round")
+      ->capture_default_str();
   add(c, "--model", s.model, "mlp, cnn or linear")->capture_default_str();
   add(c, "--hidden", s.hidden, "MLP hidden widths (McMahan et al.'s 2NN: 200 200)")
       ->capture_default_str();
@@ -124,6 +134,7 @@ struct FederatedCommands::Options {
   Shared sim_shared, serve_shared, client_shared;
   federated::SimulationOptions sim;
   std::string partition = "iid";
+  std::string availability_trace = "always";
   federated::ServerOptions server;
   std::string server_token_file, client_tokens_file;
   federated::ClientOptions client;
@@ -167,11 +178,25 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       "Secure aggregation's t as a fraction of the round's clients (0 = a majority); rounds "
       "with fewer survivors abort")
       ->capture_default_str();
+  add(c, "--availability", o.availability_trace,
+      "Who can be selected when: always, or diurnal:HOURS (each client, in its own time zone, "
+      "available HOURS a day; a client whose window closes mid-round leaves it)")
+      ->capture_default_str();
+  add(c, "--round-minutes", s.availability.round_minutes,
+      "Simulated minutes per round (moves the diurnal clock)")
+      ->capture_default_str();
   add(c, "--dropout", s.dropout,
       "Probability that a selected client drops out before sending its update")
       ->capture_default_str();
   add_data(c, o.sim_shared, "the clients' data and the test set");
   add(c, "--eval-every", s.eval_every, "Evaluate the global model every N rounds")
+      ->capture_default_str();
+  add(c, "--personalize-epochs", s.personalize_epochs,
+      "After training, each client fine-tunes the global model for this many epochs on its own "
+      "examples; both are tested on its local test set (0 = no personalization)")
+      ->capture_default_str();
+  add(c, "--personalize-layers", s.personalize_layers,
+      "Fine-tune only the last N layers (0 = all)")
       ->capture_default_str();
   add(c, "--target-accuracy", s.target_accuracy,
       "Stop once the global model's test accuracy reaches this (0 = never)")
@@ -263,8 +288,12 @@ int FederatedCommands::simulate() {
   auto& s = o.sim;
   const Shared& sh = o.sim_shared;
   s.partition = federated::parse_partition(o.partition);
+  const double round_minutes = s.availability.round_minutes;
+  s.availability = federated::parse_availability_trace(o.availability_trace);
+  s.availability.round_minutes = round_minutes;
   s.local = sh.local;
   s.server = sh.server;
+  s.dp = sh.dp;
   s.seed = sh.seed;
   s.threads = sh.threads;
   federated::apply_algorithm(sh.algorithm, &s.local);
@@ -289,6 +318,9 @@ int FederatedCommands::simulate() {
               static_cast<long long>(s.local.epochs), static_cast<long long>(s.local.batch),
               static_cast<long long>(result.rounds_done));
   if (accuracy >= 0) std::printf(", test accuracy %.4f", accuracy);
+  if (!result.rounds.empty() && result.rounds.back().dp_epsilon >= 0) {
+    std::printf(", (%.3g, %g)-DP", result.rounds.back().dp_epsilon, s.dp.delta);
+  }
   if (applied > 0) {
     std::printf(", uplink %.0f bytes per round (%s)", uplink / static_cast<double>(applied),
                 federated::to_string(s.compression).c_str());
@@ -298,6 +330,15 @@ int FederatedCommands::simulate() {
                 static_cast<long long>(result.rounds_to_target));
   }
   std::printf("\n");
+  if (s.personalize_epochs > 0) {
+    std::printf("personalization (%lld epochs, %s): mean local test accuracy of %zu clients: "
+                "global model %.4f, personalized %.4f\n",
+                static_cast<long long>(s.personalize_epochs),
+                s.personalize_layers == 0 ? "all layers"
+                                          : concat("last ", s.personalize_layers, " layers").c_str(),
+                result.personalization.global_accuracy.size(), result.personalization.mean_global,
+                result.personalization.mean_personalized);
+  }
   return 0;
 }
 
@@ -308,6 +349,7 @@ int FederatedCommands::serve() {
   v.local = sh.local;
   federated::apply_algorithm(sh.algorithm, &v.local);
   v.optimizer = sh.server;
+  v.dp = sh.dp;
   v.compression = federated::parse_compression(sh.compression);
   v.model = sh.model;
   v.hidden = sh.hidden;

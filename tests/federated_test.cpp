@@ -25,6 +25,8 @@
 #include "dtrain/parallel/federated/FedAvg.h"
 #include "dtrain/parallel/federated/Partition.h"
 #include "dtrain/parallel/federated/RoundServer.h"
+#include "dtrain/parallel/federated/Personalization.h"
+#include "dtrain/parallel/federated/Privacy.h"
 #include "dtrain/parallel/federated/SecureAggregation.h"
 #include "dtrain/parallel/federated/Server.h"
 #include "dtrain/parallel/federated/Simulation.h"
@@ -1001,4 +1003,151 @@ TEST(SecureAggregation, SimulatedRoundsWithSecureAggregationMatchPlaintextFedAvg
   // Compression cannot be combined with it.
   options.compression = parse_compression("q8");
   EXPECT_THROW(simulate(mlp_spec(), train, test, options), InputError);
+}
+
+// ---- Differential privacy ----
+
+// The sampled Gaussian's RDP from the binomial expansion equals a direct numerical integration
+// of E_{N(0, z^2)}[((1 - q) + q exp((2x - 1) / (2 z^2)))^alpha]; at q = 1 it is the Gaussian's
+// alpha / (2 z^2).
+TEST(Privacy, SampledGaussianRdpMatchesItsIntegralAndTheGaussianAtFullSampling) {
+  for (const double q : {0.01, 0.1, 0.5}) {
+    for (const double z : {0.8, 1.5, 4.0}) {
+      for (int alpha = 2; alpha <= 8; ++alpha) {
+        // Trapezoid over +-40 z with 400k steps: far below the checked 1e-9 relative error.
+        const int64_t steps = 400000;
+        const double lo = -40 * z, hi = 40 * z, h = (hi - lo) / steps;
+        const at::Tensor x = at::linspace(lo, hi, steps + 1, at::kDouble);
+        const at::Tensor density = at::exp(-x.pow(2) / (2 * z * z)) / (z * std::sqrt(2 * M_PI));
+        const at::Tensor ratio = (1 - q) + q * at::exp((2 * x - 1) / (2 * z * z));
+        const at::Tensor f = density * ratio.pow(alpha);
+        const double integral = (f.sum().item<double>() - 0.5 * (f[0].item<double>() + f[-1].item<double>())) * h;
+        const double expected = std::log(integral) / (alpha - 1);
+        EXPECT_NEAR(sampled_gaussian_rdp(q, z, alpha), expected, 1e-9 * std::max(1.0, expected))
+            << "q " << q << " z " << z << " alpha " << alpha;
+      }
+    }
+  }
+  EXPECT_NEAR(sampled_gaussian_rdp(1.0, 2.0, 7), 7 / (2 * 4.0), 1e-12);
+  EXPECT_EQ(sampled_gaussian_rdp(0.0, 2.0, 7), 0.0);
+  // Epsilon grows with rounds and shrinks with noise; no noise is no privacy.
+  const double base = dp_epsilon(0.01, 1.1, 1000, 1e-5).first;
+  EXPECT_GT(dp_epsilon(0.01, 1.1, 4000, 1e-5).first, base);
+  EXPECT_LT(dp_epsilon(0.01, 2.0, 1000, 1e-5).first, base);
+  EXPECT_TRUE(std::isinf(dp_epsilon(0.01, 0.0, 10, 1e-5).first));
+}
+
+// The server refuses updates above the clip, weighs clients equally, and adds noise of
+// standard deviation z S to the sum before dividing by the selected clients.
+TEST(Privacy, TheServerChecksTheClipAndAddsNoiseOfTheRightSize) {
+  const int64_t n = 20000;
+  RoundServerOptions options;
+  options.clients_per_round = 5;
+  options.dp.clip = 2.0;
+  options.dp.noise_multiplier = 1.5;
+  RoundServer server(at::zeros({n}, at::kDouble), options);
+  const auto chosen = server.select({"a", "b", "c", "d", "e"});
+  ASSERT_EQ(chosen.size(), 5u);
+  const std::string refused = server.submit("a", at::full({n}, 1.0, at::kDouble), 10);
+  EXPECT_NE(refused.find("exceeds the clip 2"), std::string::npos) << refused;
+  for (const auto& id : chosen) EXPECT_EQ(server.submit(id, at::zeros({n}, at::kDouble), 10), "");
+  server.close();
+  // All updates were zero: what moved is the noise / 5, standard deviation 1.5 x 2 / 5 = 0.6.
+  const double sd = server.global().std().item<double>();
+  EXPECT_NEAR(sd, 0.6, 0.6 * 0.03);
+  // Without noise, equal weights whatever the example counts: mean = (u1 + u2) / selected.
+  RoundServerOptions plain = options;
+  plain.clients_per_round = 2;
+  plain.dp.noise_multiplier = 0;
+  RoundServer exact(at::zeros({4}, at::kDouble), plain);
+  exact.select({"a", "b"});
+  EXPECT_EQ(exact.submit("a", at::full({4}, 0.5, at::kDouble), 1), "");
+  EXPECT_EQ(exact.submit("b", at::full({4}, -0.25, at::kDouble), 1000), "");
+  exact.close();
+  EXPECT_TRUE(at::allclose(exact.global(), at::full({4}, 0.125, at::kDouble), 0, 1e-15));
+  // And clip_update scales down only what is above the norm.
+  const at::Tensor big = at::full({4}, 3.0, at::kDouble);  // norm 6
+  EXPECT_NEAR(clip_update(big, 2.0).norm().item<double>(), 2.0, 1e-12);
+  EXPECT_TRUE(at::equal(clip_update(big, 10.0), big));
+}
+
+// ---- Personalization ----
+
+// Fine-tuning only the last layer leaves every other parameter at the global value; on clients
+// of one class each, the fine-tuned models beat the global one on the clients' own tests.
+TEST(Personalization, FineTuningTheLastLayerKeepsTheRestAndHelpsOnSkewedClients) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(600, 41);
+  Model model = model64(0);
+  const auto groups = parameter_groups(model);
+  ASSERT_GE(groups.size(), 2u);
+  const at::Tensor global = flatten_parameters(model);
+  LocalTraining plan;
+  plan.epochs = 3;
+  plan.batch = 10;
+  plan.lr = 0.1;
+  fine_tune(model, global, train, range(0, 100), plan, 1, 0);
+  // Parameters in order: all but the last group's must not have moved.
+  int64_t frozen = 0;
+  for (size_t g = 0; g + 1 < groups.size(); ++g) {
+    for (const auto& name : groups[g]) frozen += model.module->named_parameters()[name].numel();
+  }
+  const at::Tensor after = flatten_parameters(model);
+  EXPECT_TRUE(at::equal(after.narrow(0, 0, frozen), global.narrow(0, 0, frozen)));
+  EXPECT_GT((after.narrow(0, frozen, global.numel() - frozen) -
+             global.narrow(0, frozen, global.numel() - frozen)).abs().max().item<double>(), 1e-3);
+  for (auto& p : model.module->parameters()) EXPECT_TRUE(p.requires_grad());
+  EXPECT_THROW(fine_tune(model, global, train, range(0, 10), plan, 99, 0), InputError);
+  // Clients of one class each (shards:1), the global model untrained: fine-tuning wins.
+  const auto clients = partition(train.targets(), 8, parse_partition("shards:1"), 3, 0.3);
+  const PersonalizationReport report =
+      personalize(mlp_spec(), global, train, clients, plan, 0, 2, 7);
+  ASSERT_EQ(report.global_accuracy.size(), 8u);
+  EXPECT_GT(report.mean_personalized, report.mean_global + 0.3);
+  EXPECT_GT(report.mean_personalized, 0.9);
+}
+
+// ---- Availability ----
+
+// A diurnal trace: each client is available its `hours` a day (a fixed local window), clients'
+// windows are spread over the day, and the simulation selects only among those available and
+// loses those whose window closes mid-round.
+TEST(Availability, DiurnalTracesDriveWhoCanBeSelected) {
+  const AvailabilityTrace trace = parse_availability_trace("diurnal:6");
+  for (int64_t c = 0; c < 20; ++c) {
+    int on = 0;
+    for (int minute = 0; minute < 1440; ++minute) on += trace.available(c, minute, 3);
+    EXPECT_NEAR(on, 360, 1) << "client " << c;
+  }
+  for (const double minute : {0.0, 400.0, 1000.0}) {
+    int on = 0;
+    for (int64_t c = 0; c < 1000; ++c) on += trace.available(c, minute, 3);
+    EXPECT_NEAR(on, 250, 60) << "at minute " << minute;  // a quarter, binomial sd 14
+  }
+  EXPECT_TRUE(parse_availability_trace("always").available(5, 123, 0));
+  EXPECT_THROW(parse_availability_trace("diurnal:30"), InputError);
+  EXPECT_THROW(parse_availability_trace("sometimes"), InputError);
+
+  at::set_num_threads(1);
+  const auto train = synthetic64(400, 51);
+  const auto test = synthetic64(100, 52);
+  SimulationOptions options;
+  options.clients = 40;
+  options.fraction = 0.25;
+  options.rounds = 8;
+  options.local.epochs = 1;
+  options.availability = trace;
+  options.availability.round_minutes = 90;
+  options.threads = 1;
+  options.progress = false;
+  const auto result = simulate(mlp_spec(), train, test, options);
+  int64_t dropped = 0;
+  for (const auto& r : result.rounds) {
+    EXPECT_GT(r.available, 0);
+    EXPECT_LT(r.available, 40);
+    EXPECT_EQ(r.outcome.selected, std::min<int64_t>(10, r.available));
+    dropped += r.outcome.dropped;
+  }
+  // 90-minute rounds in 6-hour windows: about a quarter of the selected leave mid-round.
+  EXPECT_GT(dropped, 0);
 }

@@ -16,6 +16,7 @@
 #include "dtrain/federated.grpc.pb.h"
 #include "dtrain/parallel/federated/Compression.h"
 #include "dtrain/parallel/federated/FedAvg.h"
+#include "dtrain/parallel/federated/Privacy.h"
 #include "dtrain/parallel/federated/Server.h"
 #include "parallel/federated/FlWire.h"
 
@@ -227,8 +228,9 @@ ClientReport Client::run() {
     validate(plan);
     CompressionSpec compression = parse_compression(reply.plan().compression());
     compression.error_feedback = o.error_feedback;
-    const ClientUpdate update = train_locally(s.model, global, s.train, s.indices, plan,
-                                              reply.seed(), parallel::cross_entropy, o.available);
+    ClientUpdate update = train_locally(s.model, global, s.train, s.indices, plan, reply.seed(),
+                                        parallel::cross_entropy, o.available);
+    if (reply.plan().clip_norm() > 0) update.delta = clip_update(update.delta, reply.plan().clip_norm());
     if (!update.completed) {
       ++report.rounds_abandoned;
       continue;

@@ -26,6 +26,8 @@ void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clien
                            {"uplink_bytes", record.uplink_bytes},
                            {"downlink_bytes", record.downlink_bytes},
                            {"round_s", record.seconds}};
+  if (record.dp_epsilon >= 0) line["dp_epsilon"] = record.dp_epsilon;
+  if (record.available >= 0) line["available"] = record.available;
   if (record.server_aggregation_s > 0) line["server_aggregation_s"] = record.server_aggregation_s;
   if (record.client_aggregation_s > 0) line["client_aggregation_s"] = record.client_aggregation_s;
   if (record.test_accuracy >= 0) {

@@ -21,6 +21,8 @@ class RoundLog {
   /// Reports `record`; `done` is the server's round after it. Throws when `max_retries` rounds
   /// in a row closed without enough finishers.
   void report(const RoundRecord& record, int64_t done, int64_t min_clients, int max_retries = 10);
+  /// Any other record (e.g. the personalization summary).
+  void write(const train::MetricRecord& record) { metrics_.write(record); }
 
  private:
   train::MetricsWriter metrics_;

@@ -10,6 +10,9 @@
 #include <iterator>
 #include <random>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <sodium.h>
+
 #include "common/Files.h"
 #include "dtrain/common/Error.h"
 
@@ -22,6 +25,8 @@ constexpr const char* kFormat = "dtrain-fl-server-1";
 RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
     : options_(std::move(options)), global_(initial.detach().clone()),
       optimizer_(options_.optimizer) {
+  validate(options_.dp);
+  DTRAIN_CHECK(sodium_init() >= 0, "libsodium failed to initialize");
   DTRAIN_CHECK_INPUT(options_.clients_per_round >= 1, "--clients-per-round must be >= 1, got ",
                      options_.clients_per_round);
   DTRAIN_CHECK_INPUT(options_.min_clients >= 1 && options_.min_clients <= options_.clients_per_round,
@@ -86,9 +91,19 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
   if (!at::isfinite(delta).all().item<bool>()) {
     return concat("client '", client, "': the update holds NaN or Inf values");
   }
-  mean_.add(delta, static_cast<double>(examples));
+  // With differential privacy every client counts once and no update may exceed the clip.
+  double weight = static_cast<double>(examples);
+  if (options_.dp.enabled()) {
+    const double norm = delta.to(at::kDouble).norm().item<double>();
+    if (norm > options_.dp.clip * (1 + 1e-6)) {
+      return concat("client '", client, "': the update's L2 norm ", norm, " exceeds the clip ",
+                    options_.dp.clip, " (--dp-clip)");
+    }
+    weight = 1.0;
+  }
+  mean_.add(delta, weight);
   submitted_[client] = examples;
-  loss_sum_ += train_loss * static_cast<double>(examples);
+  loss_sum_ += train_loss * weight;
   return "";
 }
 
@@ -126,7 +141,20 @@ RoundOutcome RoundServer::close() {
   if (out.examples > 0) out.train_loss = loss_sum_ / static_cast<double>(out.examples);
   out.applied = out.finished >= options_.min_clients;
   if (out.applied) {
-    optimizer_.step(global_, mean_.mean(global_.scalar_type()));
+    at::Tensor average = mean_.mean(global_.scalar_type());
+    if (options_.dp.enabled()) {
+      // DP-FedAvg: (the sum of clipped updates + N(0, (z S)^2)) / the selected clients.
+      at::Tensor sum = mean_.mean(at::kDouble) * mean_.total_weight();
+      if (options_.dp.noise_multiplier > 0) {
+        uint64_t seed = 0;
+        randombytes_buf(&seed, sizeof seed);
+        at::Generator generator = at::detail::createCPUGenerator(seed);
+        sum += at::randn(sum.sizes(), generator, at::kDouble) *
+               (options_.dp.noise_multiplier * options_.dp.clip);
+      }
+      average = (sum / static_cast<double>(out.selected)).to(global_.scalar_type());
+    }
+    optimizer_.step(global_, average);
     ++round_;
     attempt_ = 0;
   } else {

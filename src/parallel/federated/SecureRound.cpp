@@ -83,12 +83,13 @@ SecureRound::SecureRound(const std::vector<std::string>& selected,
 
 void SecureRound::mask(size_t i, const ClientUpdate& update) {
   const auto start = Clock::now();
-  const double weight = static_cast<double>(update.examples) / ref_;
+  // Examples / ref: ref is the largest count given (all 1 with differential privacy: equal weights).
+  const double weight = ref_ == 1.0 ? 1.0 : static_cast<double>(update.examples) / ref_;
   const at::Tensor weighted = at::cat({update.delta.to(at::kDouble) * weight,
                                        at::full({1}, update.loss * weight, at::kDouble)});
   const at::Tensor input =
       at::cat({secagg::to_fixed(weighted, frac_bits_, bound_),
-               at::full({1}, update.examples, at::kInt)});
+               at::full({1}, ref_ == 1.0 ? int64_t{1} : update.examples, at::kInt)});
   masked_[i] = clients_[i]->masked_input(input, u2_);
   client_s_[i] += since(start);
   uplink_ += 4 + 4 * masked_[i].numel();

@@ -145,6 +145,7 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       plan->set_momentum(o_.local.momentum);
       plan->set_weight_decay(o_.local.weight_decay);
       plan->set_prox_mu(o_.local.prox_mu);
+      plan->set_clip_norm(o_.dp.clip);
       plan->set_compression(o_.compression.kind == CompressionSpec::TopK
                                 ? concat("topk:", o_.compression.fraction)
                                 : to_string(o_.compression));
@@ -294,6 +295,12 @@ class Server::Service final : public dtrain::fl::Federated::Service {
         std::tie(record.test_loss, record.test_accuracy) = evaluate_(rounds_.global());
       }
       record.seconds = std::chrono::duration<double>(Clock::now() - round_start).count();
+      if (o_.dp.enabled()) {
+        std::lock_guard<std::mutex> seen(mutex_);
+        const double q = std::min(1.0, static_cast<double>(o_.clients_per_round) /
+                                           static_cast<double>(std::max<size_t>(1, known_.size())));
+        record.dp_epsilon = dp_epsilon(q, o_.dp.noise_multiplier, done, o_.dp.delta).first;
+      }
       if (!checkpoint_.empty() && record.outcome.applied) rounds_.save(checkpoint_);
       log.report(record, done, min_clients);
       result.rounds.push_back(record);
@@ -326,6 +333,7 @@ class Server::Service final : public dtrain::fl::Federated::Service {
                        " is more than --clients-per-round ", o.clients_per_round);
     r.optimizer = o.optimizer;
     r.seed = o.seed;
+    r.dp = o.dp;
     return r;
   }
 

@@ -78,6 +78,31 @@ uint64_t mix(uint64_t seed, uint64_t a, uint64_t b) {
 
 }  // namespace
 
+AvailabilityTrace parse_availability_trace(const std::string& text) {
+  AvailabilityTrace trace;
+  if (text == "always") return trace;
+  if (text.rfind("diurnal:", 0) == 0) {
+    const std::string number = text.substr(8);
+    char* end = nullptr;
+    const double hours = std::strtod(number.c_str(), &end);
+    DTRAIN_CHECK_INPUT(!number.empty() && *end == '\0' && hours > 0 && hours <= 24,
+                       "--availability '", text, "': diurnal takes hours a day in (0, 24]");
+    trace.kind = AvailabilityTrace::Diurnal;
+    trace.hours = hours;
+    return trace;
+  }
+  DTRAIN_THROW(InputError, "--availability '", text, "': expected always or diurnal:HOURS");
+}
+
+bool AvailabilityTrace::available(int64_t client, double minute, uint64_t seed) const {
+  if (kind == Always) return true;
+  // The client's time zone: a fixed offset drawn from (seed, client).
+  std::mt19937_64 draw(mix(seed ^ 0xA11CE5ULL, 0, static_cast<uint64_t>(client)));
+  const double offset = std::uniform_real_distribution<double>(0, 1440)(draw);
+  const double local = std::fmod(minute + offset, 1440.0);
+  return local < hours * 60;
+}
+
 SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDataset& train,
                           const data::TensorDataset& test, const SimulationOptions& options) {
   validate(options.local);
@@ -89,6 +114,9 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
                      "--dropout must be in [0, 1), got ", options.dropout);
   DTRAIN_CHECK_INPUT(options.eval_every >= 1, "--eval-every must be >= 1, got ", options.eval_every);
   DTRAIN_CHECK_INPUT(options.threads >= 0, "--threads must be >= 0, got ", options.threads);
+  DTRAIN_CHECK_INPUT(options.availability.round_minutes > 0, "--round-minutes must be > 0");
+  DTRAIN_CHECK_INPUT(options.personalize_epochs >= 0 && options.personalize_layers >= 0,
+                     "--personalize-epochs and --personalize-layers must be >= 0");
   DTRAIN_CHECK_INPUT(!options.secure_aggregation || options.compression.kind == CompressionSpec::None,
                      "--secure-aggregation sends masked 32-bit words, which do not compress: it "
                      "cannot be combined with --compression ", to_string(options.compression));
@@ -108,6 +136,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       std::min(server_options.clients_per_round, std::max<int64_t>(1, options.min_clients));
   server_options.optimizer = options.server;
   server_options.seed = options.seed;
+  server_options.dp = options.dp;
   RoundServer server(flatten_parameters(global_model), server_options);
   const std::string checkpoint =
       options.checkpoint_dir.empty() ? "" : options.checkpoint_dir + "/server.pt";
@@ -130,10 +159,17 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
 
   RoundLog log(options.metrics_file, options.progress, options.rounds, result.start_round);
   uint64_t attempt = 0;  // retries of the current round
+  int64_t attempts_total = server.round();  // rounds tried since the (simulated) start
   while (server.round() < options.rounds) {
     const auto round_start = std::chrono::steady_clock::now();
     const int64_t round = server.round();
-    const std::vector<std::string> selected = server.select(ids);
+    // Simulated time: every attempt at a round takes round_minutes.
+    const double minute = static_cast<double>(attempts_total++) * options.availability.round_minutes;
+    std::vector<std::string> available;
+    for (int64_t c = 0; c < options.clients; ++c) {
+      if (options.availability.available(c, minute, options.seed)) available.push_back(ids[c]);
+    }
+    const std::vector<std::string> selected = server.select(available);
     const at::Tensor global = server.global();
     std::atomic<size_t> next{0};
     std::atomic<int64_t> uplink{0};
@@ -149,6 +185,8 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       const int threshold = options.secagg_threshold > 0
                                 ? static_cast<int>(std::ceil(options.secagg_threshold * k))
                                 : k / 2 + 1;
+      // With differential privacy every client counts once.
+      if (options.dp.enabled()) std::fill(examples.begin(), examples.end(), 1);
       secure = std::make_unique<SecureRound>(selected, examples, numel, std::max(2, threshold),
                                              options.secagg_frac_bits);
     }
@@ -166,9 +204,14 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
               std::uniform_real_distribution<double>(0, 1)(draw) < options.dropout) {
             continue;  // this client leaves before it sends anything
           }
-          const ClientUpdate update =
+          if (!options.availability.available(c, minute + options.availability.round_minutes,
+                                              options.seed)) {
+            continue;  // its window closes before the round ends: it leaves the round
+          }
+          ClientUpdate update =
               train_locally(replicas[t], global, train, clients[c].train, options.local,
                             mix(options.seed, static_cast<uint64_t>(round) * 2, c));
+          if (options.dp.enabled()) update.delta = clip_update(update.delta, options.dp.clip);
           if (secure) {
             secure->mask(i, update);
             continue;
@@ -212,6 +255,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       if (e) std::rethrow_exception(e);
     }
     RoundRecord record;
+    record.available = static_cast<int64_t>(available.size());
     if (secure) {
       const std::string why = secure->finish(server);
       // Too few clients left for the masks to come off: the round has no updates (retried).
@@ -232,6 +276,12 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     record.downlink_bytes = static_cast<int64_t>(selected.size()) * download_bytes(global);
     const int64_t done = server.round();
     attempt = record.outcome.applied ? 0 : attempt + 1;
+    if (options.dp.enabled()) {
+      record.dp_epsilon = dp_epsilon(static_cast<double>(server_options.clients_per_round) /
+                                         static_cast<double>(options.clients),
+                                     options.dp.noise_multiplier, done, options.dp.delta)
+                              .first;
+    }
     if (record.outcome.applied && (done % options.eval_every == 0 || done == options.rounds)) {
       load_flat_parameters(global_model, server.global());
       std::tie(record.test_loss, record.test_accuracy) = evaluate_model(global_model, test);
@@ -249,6 +299,18 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   }
   result.global = server.global();
   result.rounds_done = server.round();
+  if (options.personalize_epochs > 0) {
+    LocalTraining plan = options.local;
+    plan.epochs = options.personalize_epochs;
+    result.personalization = personalize(spec, result.global, train, clients, plan,
+                                         options.personalize_layers, threads, options.seed);
+    log.write({{"event", std::string("personalization")},
+               {"clients", static_cast<int64_t>(result.personalization.global_accuracy.size())},
+               {"epochs", options.personalize_epochs},
+               {"layers", options.personalize_layers},
+               {"global_accuracy", result.personalization.mean_global},
+               {"personalized_accuracy", result.personalization.mean_personalized}});
+  }
   return result;
 }
 

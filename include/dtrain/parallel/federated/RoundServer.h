@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dtrain/parallel/federated/FedAvg.h"
+#include "dtrain/parallel/federated/Privacy.h"
 
 namespace dtrain::federated {
 
@@ -26,6 +27,10 @@ struct RoundServerOptions {
   int64_t min_clients = 1;
   ServerOptimizerSpec optimizer;
   uint64_t seed = 0;
+  /// Differential privacy: updates must be within dp.clip (L2), count equally, and the round's
+  /// sum gets Gaussian noise of standard deviation dp.noise_multiplier x dp.clip before it is
+  /// divided by the number of selected clients.
+  DpSpec dp;
 };
 
 struct RoundOutcome {
@@ -47,6 +52,10 @@ struct RoundRecord {
   double test_accuracy = -1.0, test_loss = -1.0;
   int64_t uplink_bytes = 0, downlink_bytes = 0;
   double seconds = 0.0;
+  /// Clients available to be selected (< 0: not tracked).
+  int64_t available = -1;
+  /// Differential privacy: epsilon (at the spec's delta) spent so far; < 0 without it.
+  double dp_epsilon = -1.0;
   /// Time spent aggregating: the server's (reading, checking, averaging; with secure
   /// aggregation its protocol work) and a client's on average (encoding; with secure
   /// aggregation its protocol work), training not included. 0 when not measured.

@@ -41,6 +41,10 @@ struct ServerOptions {
   LocalTraining local;
   CompressionSpec compression;
   ServerOptimizerSpec optimizer;
+  /// Differential privacy: clients clip to dp.clip (told in the plan; the server refuses
+  /// updates above it), the server adds the noise. Epsilon is reported with the sampling rate
+  /// K / (clients seen so far), an upper bound of the true rate.
+  DpSpec dp;
   /// The model as clients built from flags make it (told to them at selection).
   std::string model = "mlp";
   std::vector<int64_t> hidden{200, 200};

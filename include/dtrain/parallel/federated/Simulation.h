@@ -16,9 +16,27 @@
 #include "dtrain/parallel/federated/Compression.h"
 #include "dtrain/parallel/federated/FedAvg.h"
 #include "dtrain/parallel/federated/Partition.h"
+#include "dtrain/parallel/federated/Personalization.h"
+#include "dtrain/parallel/federated/Privacy.h"
 #include "dtrain/parallel/federated/RoundServer.h"
 
 namespace dtrain::federated {
+
+/// Who can take part when, in simulation: everyone always, or a diurnal trace - each client
+/// has its own time zone (a uniform offset) and is available `hours` a day (its local night,
+/// from 00:00); simulated time advances `round_minutes` per round attempt. A client whose
+/// window closes during a round leaves it (dropped).
+struct AvailabilityTrace {
+  enum Kind { Always, Diurnal };
+  Kind kind = Always;
+  double hours = 8.0;
+  double round_minutes = 10.0;
+  /// Whether `client` is available at simulated minute `minute` (0 = the run's start).
+  bool available(int64_t client, double minute, uint64_t seed) const;
+};
+
+/// "always" or "diurnal:HOURS" (InputError naming --availability otherwise).
+AvailabilityTrace parse_availability_trace(const std::string& text);
 
 struct SimulationOptions {
   int64_t clients = 100;
@@ -39,6 +57,10 @@ struct SimulationOptions {
   bool secure_aggregation = false;
   double secagg_threshold = 0.0;
   int secagg_frac_bits = 16;
+  /// Differential privacy (DP-FedAvg): clients clip, the server adds noise; epsilon per round.
+  DpSpec dp;
+  /// Availability of the clients over simulated time (selection only among those available).
+  AvailabilityTrace availability;
   /// A selected client drops out before sending its update with this probability.
   double dropout = 0.0;
   /// Worker threads training clients (0 = the cores); each uses one LibTorch thread.
@@ -48,6 +70,11 @@ struct SimulationOptions {
   int64_t eval_every = 1;
   /// Stop once the test accuracy reaches this (0 = run every round).
   double target_accuracy = 0.0;
+  /// Personalization after the last round: every client fine-tunes the global model for this
+  /// many epochs (0 = none) on its training examples, only the last personalize_layers
+  /// parameter groups (0 = all), and both models are tested on its own test examples.
+  int64_t personalize_epochs = 0;
+  int64_t personalize_layers = 0;
   std::string metrics_file;
   /// The server's checkpoint goes to DIR/server.pt after every round; resumed from it.
   std::string checkpoint_dir;
@@ -66,6 +93,8 @@ struct SimulationResult {
   /// Rounds applied in all (the server's round at the end).
   int64_t rounds_done = 0;
   at::Tensor global;
+  /// With personalize_epochs > 0.
+  PersonalizationReport personalization;
 };
 
 /// The global model's mean loss and accuracy on `data` (batches of `batch`).
