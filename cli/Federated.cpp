@@ -232,6 +232,14 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add_data(sv, o.serve_shared, "the test set the global model is evaluated on");
   add(sv, "--eval-every", v.eval_every, "Evaluate the global model every N rounds")
       ->capture_default_str();
+  sv.add_flag("--secure-aggregation", v.secure_aggregation,
+              "Secure aggregation (Bonawitz et al. 2017): the server learns only each round's sum");
+  add(sv, "--secagg-threshold", v.secagg_threshold,
+      "Secure aggregation's t as a fraction of the round's clients (0 = a majority)")
+      ->capture_default_str();
+  add(sv, "--secagg-step-timeout", v.secagg_step_timeout_s,
+      "Seconds each secure-aggregation step (keys, shares, reveals) waits for the clients")
+      ->capture_default_str();
   add(sv, "--auth-token-file", o.server_token_file, "A token every call must carry");
   add(sv, "--client-tokens", o.client_tokens_file,
       "File of 'CLIENT_ID TOKEN' lines: each client's calls must carry its own token");

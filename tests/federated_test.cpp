@@ -1151,3 +1151,58 @@ TEST(Availability, DiurnalTracesDriveWhoCanBeSelected) {
   // 90-minute rounds in 6-hour windows: about a quarter of the selected leave mid-round.
   EXPECT_GT(dropped, 0);
 }
+
+// Secure aggregation over gRPC: four client threads, every round all four selected; after two
+// rounds the model is plaintext FedAvg's up to the fixed point. Then one client leaves each
+// round after sharing its keys (it becomes unavailable when training starts): the survivors'
+// reveals let the server remove its masks and the rounds are applied with three.
+TEST(FederatedServer, SecureAggregationOverGrpcSumsTheUpdatesAndSurvivesADropout) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(120, 61);
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> clients = {
+      {"a", range(0, 20)}, {"b", range(20, 50)}, {"c", range(50, 90)}, {"d", range(90, 120)}};
+  const at::Tensor initial = flatten_parameters(model64(0));
+  ServerOptions options = server_options(2, 4);
+  options.secure_aggregation = true;
+  Server server(initial, options);
+  ServerResult result;
+  run_clients(server, train, clients, &result);
+  ASSERT_EQ(result.rounds_done, 2);
+  at::Tensor global = initial.clone();
+  Model model = model64(0);
+  for (int round = 0; round < 2; ++round) {
+    WeightedMean mean;
+    for (const auto& [id, indices] : clients) {
+      const ClientUpdate u = train_locally(model, global, train, indices, options.local, 0);
+      mean.add(u.delta, static_cast<double>(u.examples));
+    }
+    global += mean.mean(at::kDouble);
+  }
+  const double difference = (result.global - global).abs().max().item<double>();
+  EXPECT_LT(difference, 1e-4);
+  EXPECT_GT(difference, 0.0);  // fixed point: not the plaintext computation
+  for (const auto& r : result.rounds) {
+    EXPECT_EQ(r.outcome.finished, 4);
+    EXPECT_GT(r.server_aggregation_s, 0.0);
+  }
+
+  // One client leaves after its keys and shares, each round: t = 3 of 4 survive it.
+  ServerOptions dropping = options;
+  dropping.round_timeout_s = 2.5;
+  dropping.secagg_step_timeout_s = 5;
+  dropping.secagg_threshold = 0.75;
+  Server second(initial, dropping);
+  std::atomic<int> asked{0};
+  ServerResult with_dropout;
+  const auto reports = run_clients(second, train, clients, &with_dropout, [&](ClientOptions& o) {
+    if (o.client_id != "d") return;
+    o.available = [&] { return ++asked % 2 == 1; };  // check-ins yes, training no
+  });
+  ASSERT_EQ(with_dropout.rounds_done, 2);
+  for (const auto& r : with_dropout.rounds) {
+    EXPECT_TRUE(r.outcome.applied);
+    EXPECT_EQ(r.outcome.finished, 3);
+    EXPECT_EQ(r.outcome.dropped, 1);
+  }
+  EXPECT_EQ(reports[3].rounds_trained, 0);
+}

@@ -2,7 +2,8 @@
 # `dtrain fl serve` and three `dtrain fl client` processes on 127.0.0.1: the server is killed
 # (SIGKILL) once round 1 is in its metrics and restarted on the same port; it resumes from its
 # checkpoint, the same client processes reconnect (retrying with back-off) and the run completes
-# round 4, every client told the training is over. Bad flags and a damaged checkpoint exit
+# round 4, every client told the training is over. Then 2 rounds with secure aggregation over
+# 3 client processes. Bad flags and a damaged checkpoint exit
 # non-zero with the flag or file named (the checkpoint left as it was).
 # Usage: fl_processes_test.sh PATH/TO/dtrain
 set -uo pipefail
@@ -59,6 +60,29 @@ grep -q "resumed at round [123]" "$work/server.log" || fail "the restarted serve
 grep -q "fl server: 4 rounds" "$work/server.log" || fail "the restarted server did not finish round 4"
 tail -1 "$work/m.jsonl" | grep -q '"round":4,' || fail "the metrics do not end with round 4"
 
+# Secure aggregation across processes: 2 rounds of 3 clients, the server sees only sums.
+"$dtrain" fl serve --listen 127.0.0.1:0 --rounds 2 --clients-per-round 3 --hidden 32 $data \
+  --secure-aggregation --metrics-file "$work/secure.jsonl" --no-progress >"$work/secure-server.log" 2>&1 &
+server=$!
+pids+=("$server")
+port=
+for _ in $(seq 100); do
+  port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$work/secure-server.log" | head -1)
+  [[ -n $port ]] && break
+  sleep 0.1
+done
+[[ -n $port ]] || fail "the secure server did not say its port"
+for i in 0 1 2; do
+  "$dtrain" fl client --server "127.0.0.1:$port" --partition "$i/3" --client-id "s$i" $data \
+    --threads 1 --wait-ms 1000 >"$work/secure-client$i.log" 2>&1 &
+  clients[$i]=$!
+  pids+=("${clients[$i]}")
+done
+for i in 0 1 2; do wait "${clients[$i]}" || fail "secure client $i exited with $?"; done
+wait "$server" || fail "the secure server exited with $?"
+grep -q "fl server: 2 rounds" "$work/secure-server.log" || fail "secure aggregation did not finish 2 rounds"
+[[ $(grep -c '"finished":3' "$work/secure.jsonl") -eq 2 ]] || fail "secure rounds did not count 3 clients each"
+
 # Bad input: one clear error, non-zero exit, nothing lost.
 out=$("$dtrain" fl serve --compression zip 2>&1) && fail "a bad --compression was taken"
 grep -q -- "--compression 'zip'" <<<"$out" || fail "bad --compression not named: $out"
@@ -72,4 +96,4 @@ out=$("$dtrain" fl serve --listen 127.0.0.1:0 $data --hidden 64 --checkpoint-dir
   fail "a damaged checkpoint was taken"
 grep -q "$work/bad/server.pt" <<<"$out" || fail "the damaged checkpoint was not named: $out"
 cmp -s "$work/damaged.pt" "$work/bad/server.pt" || fail "the damaged checkpoint was changed"
-echo "FederatedProcesses: passed (server killed after $killed_at rounds, resumed, 4 rounds done)"
+echo "FederatedProcesses: passed (server killed after $killed_at rounds, resumed, 4 rounds done; secure aggregation over processes)"

@@ -4,6 +4,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <chrono>
 #include <cstring>
 #include <ctime>
@@ -17,8 +19,10 @@
 #include "dtrain/parallel/federated/Compression.h"
 #include "dtrain/parallel/federated/FedAvg.h"
 #include "dtrain/parallel/federated/Privacy.h"
+#include "dtrain/parallel/federated/SecureAggregation.h"
 #include "dtrain/parallel/federated/Server.h"
 #include "parallel/federated/FlWire.h"
+#include "parallel/federated/SecureRound.h"
 
 namespace dtrain::federated {
 
@@ -189,6 +193,81 @@ ClientReport Client::run() {
     DTRAIN_CHECK_INPUT(global.numel() == reply.parameters(), "federated client '", o.client_id,
                        "': the server's model has ", reply.parameters(),
                        " parameters, this client's ", global.numel());
+    // Secure aggregation: keys and shares before training.
+    const bool secure = reply.has_secagg() && reply.secagg().id() != 0;
+    std::unique_ptr<secagg::ClientSession> session;
+    std::vector<uint32_t> u2;
+    int64_t secure_bytes = 0;
+    const auto round_deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(reply.deadline_ms());
+    // One protocol step: send (once), then ask until the reply is ready or the round is over.
+    auto step = [&](dtrain::fl::SecAggRequest request, dtrain::fl::SecAggReply* answer) {
+      request.set_client_id(o.client_id);
+      request.set_round(round);
+      request.set_wait_ms(std::min<int64_t>(o.wait.count(), 5000));
+      for (bool first = true;; first = false) {
+        request.set_send(first);
+        if (first) secure_bytes += wire::message_bytes(request);
+        grpc::Status st = s.with_retry("SecAgg", o.rpc_timeout + o.wait, [&](grpc::ClientContext& c) {
+          return s.stub->SecAgg(&c, request, answer);
+        });
+        if (!st.ok()) return st;
+        if (answer->ready()) return st;
+        if (std::chrono::steady_clock::now() > round_deadline) {
+          return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "the round's deadline passed");
+        }
+        if (first) {  // the payload is in: ask again without it
+          request.clear_keys();
+          request.clear_shares();
+          request.clear_reveal();
+        }
+      }
+    };
+    if (secure) {
+      const auto& setup = reply.secagg();
+      session = std::make_unique<secagg::ClientSession>(setup.id(), global.numel() + 2,
+                                                        setup.threshold());
+      const secagg::PublicKeys mine = session->advertise();
+      dtrain::fl::SecAggRequest keys;
+      keys.set_step(dtrain::fl::SecAggRequest::KEYS);
+      keys.mutable_keys()->set_id(mine.id);
+      keys.mutable_keys()->set_c_public(mine.c_public.data(), 32);
+      keys.mutable_keys()->set_s_public(mine.s_public.data(), 32);
+      dtrain::fl::SecAggReply answer;
+      status = step(keys, &answer);
+      if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
+      if (!status.ok()) refused("SecAgg", status);
+      std::vector<secagg::PublicKeys> u1;
+      for (const auto& k : answer.keys()) {
+        DTRAIN_CHECK_T(CommError, k.c_public().size() == 32 && k.s_public().size() == 32,
+                       "federated client '", o.client_id, "': malformed keys from the server");
+        secagg::PublicKeys p;
+        p.id = k.id();
+        std::memcpy(p.c_public.data(), k.c_public().data(), 32);
+        std::memcpy(p.s_public.data(), k.s_public().data(), 32);
+        u1.push_back(p);
+      }
+      dtrain::fl::SecAggRequest shares;
+      shares.set_step(dtrain::fl::SecAggRequest::SHARES);
+      for (const auto& sealed : session->share_keys(u1)) {
+        auto* share = shares.add_shares();
+        share->set_from(sealed.from);
+        share->set_to(sealed.to);
+        share->set_ciphertext(sealed.ciphertext.data(), sealed.ciphertext.size());
+      }
+      answer.Clear();
+      status = step(shares, &answer);
+      if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
+      if (!status.ok()) refused("SecAgg", status);
+      u2.assign(answer.shared().begin(), answer.shared().end());
+      std::vector<secagg::SealedShares> inbox;
+      for (const auto& share : answer.inbox()) {
+        inbox.push_back({share.from(), share.to(),
+                         std::vector<uint8_t>(share.ciphertext().begin(), share.ciphertext().end())});
+      }
+      session->receive(inbox);
+    }
+
     // Download the round's model.
     wire::PartsReader parts({{"", global.numel()}});
     std::string problem;
@@ -235,7 +314,28 @@ ClientReport Client::run() {
       ++report.rounds_abandoned;
       continue;
     }
-    const EncodedUpdate encoded = encode_update(update.delta, compression, &s.residual, reply.seed());
+    // A diverged local training has nothing to send (the server would refuse it; under secure
+    // aggregation it could not even tell, so the client must not send it).
+    if (!std::isfinite(update.loss) || !at::isfinite(update.delta).all().item<bool>()) {
+      std::fprintf(stderr, "federated client '%s': round %lld: local training diverged (loss %g); "
+                   "leaving the round\n", o.client_id.c_str(), static_cast<long long>(round),
+                   update.loss);
+      ++report.rounds_abandoned;
+      continue;
+    }
+    EncodedUpdate encoded;
+    if (secure) {
+      const auto& setup = reply.secagg();
+      // With differential privacy (a clip in the plan) every client weighs 1.
+      const int64_t weight = reply.plan().clip_norm() > 0 ? 1 : update.examples;
+      const at::Tensor input =
+          secure_input(update, weight, setup.ref(), setup.frac_bits(),
+                       secagg::fixed_bound(setup.frac_bits(), static_cast<int64_t>(u2.size())));
+      encoded.encoding = "secagg";
+      encoded.parts.emplace_back("masked", session->masked_input(input, u2));
+    } else {
+      encoded = encode_update(update.delta, compression, &s.residual, reply.seed());
+    }
     const auto messages = wire::update_messages(encoded, o.client_id, round, update.examples,
                                                 update.loss, rpc::kDefaultChunkBytes);
     dtrain::fl::UploadReply uploaded;
@@ -254,6 +354,35 @@ ClientReport Client::run() {
       continue;
     }
     if (!status.ok()) refused("Upload", status);
+    if (secure) {
+      dtrain::fl::SecAggRequest survivors;
+      survivors.set_step(dtrain::fl::SecAggRequest::SURVIVORS);
+      dtrain::fl::SecAggReply answer;
+      status = step(survivors, &answer);
+      if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
+      if (!status.ok()) refused("SecAgg", status);
+      const secagg::Reveal reveal =
+          session->reveal(std::vector<uint32_t>(answer.masked().begin(), answer.masked().end()));
+      dtrain::fl::SecAggRequest shares;
+      shares.set_step(dtrain::fl::SecAggRequest::REVEAL);
+      for (const auto& [owner, words] : reveal.b_shares) {
+        auto* r = shares.add_reveal();
+        r->set_owner(owner);
+        r->set_self_mask(true);
+        for (uint64_t w : words) r->add_words(w);
+      }
+      for (const auto& [owner, words] : reveal.sk_shares) {
+        auto* r = shares.add_reveal();
+        r->set_owner(owner);
+        r->set_self_mask(false);
+        for (uint64_t w : words) r->add_words(w);
+      }
+      answer.Clear();
+      status = step(shares, &answer);
+      if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
+      if (!status.ok()) refused("SecAgg", status);
+      report.uplink_bytes += secure_bytes;
+    }
     report.uplink_bytes += uploaded.bytes();
     ++report.rounds_trained;
     if (o.max_rounds > 0 && report.rounds_trained >= o.max_rounds) {

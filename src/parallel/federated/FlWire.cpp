@@ -108,7 +108,7 @@ std::string PartsReader::finish(Parts* parts) const {
 UpdateReader::UpdateReader(int64_t numel)
     // Every part an encoding may carry, none longer than the model.
     : parts_({{"delta", numel}, {"q", numel}, {"lo", numel}, {"step", numel},
-              {"indices", numel}, {"values", numel}}) {}
+              {"indices", numel}, {"values", numel}, {"masked", numel + 2}}) {}
 
 std::string UpdateReader::add(const dtrain::fl::UpdateChunk& message) {
   if (messages_ == 0) {

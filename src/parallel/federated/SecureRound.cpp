@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <numeric>
 
 #include "dtrain/common/Error.h"
@@ -27,6 +28,24 @@ int64_t reveal_bytes(const secagg::Reveal& r) {
 
 }  // namespace
 
+at::Tensor secure_input(const ClientUpdate& update, int64_t weight, int64_t ref, int frac_bits,
+                        double bound) {
+  const double scale = static_cast<double>(weight) / static_cast<double>(ref);
+  const at::Tensor weighted = at::cat({update.delta.to(at::kDouble) * scale,
+                                       at::full({1}, update.loss * scale, at::kDouble)});
+  return at::cat({secagg::to_fixed(weighted, frac_bits, bound), at::full({1}, weight, at::kInt)});
+}
+
+SecureSum secure_sum(const at::Tensor& sum, int64_t numel, int64_t ref, int frac_bits) {
+  const at::Tensor values = secagg::from_fixed(sum.narrow(0, 0, numel + 1), frac_bits);
+  SecureSum out;
+  // Sums of (weight / ref) x update: back to weighted sums.
+  out.weighted_sum = values.narrow(0, 0, numel) * static_cast<double>(ref);
+  out.loss_sum = values[numel].item<double>() * static_cast<double>(ref);
+  out.weight = static_cast<double>(sum[numel + 1].item<int32_t>());
+  return out;
+}
+
 SecureRound::SecureRound(const std::vector<std::string>& selected,
                          const std::vector<int64_t>& examples, int64_t numel, int threshold,
                          int frac_bits)
@@ -35,7 +54,8 @@ SecureRound::SecureRound(const std::vector<std::string>& selected,
   DTRAIN_CHECK_INPUT(n >= 2, "secure aggregation needs at least 2 clients per round, got ", n);
   DTRAIN_CHECK_INPUT(threshold >= 2 && threshold <= static_cast<int>(n),
                      "the secure-aggregation threshold must be in [2, ", n, "], got ", threshold);
-  ref_ = static_cast<double>(*std::max_element(examples.begin(), examples.end()));
+  weights_ = examples;
+  ref_ = *std::max_element(examples.begin(), examples.end());
   bound_ = secagg::fixed_bound(frac_bits_, static_cast<int64_t>(n));
   // Elements: the weighted update, the weighted loss, the example count.
   const int64_t elements = numel_ + 2;
@@ -82,14 +102,11 @@ SecureRound::SecureRound(const std::vector<std::string>& selected,
 }
 
 void SecureRound::mask(size_t i, const ClientUpdate& update) {
+  // A diverged client sends nothing (the server could not tell its garbage from an update).
+  if (!std::isfinite(update.loss) || !at::isfinite(update.delta).all().item<bool>()) return;
   const auto start = Clock::now();
-  // Examples / ref: ref is the largest count given (all 1 with differential privacy: equal weights).
-  const double weight = ref_ == 1.0 ? 1.0 : static_cast<double>(update.examples) / ref_;
-  const at::Tensor weighted = at::cat({update.delta.to(at::kDouble) * weight,
-                                       at::full({1}, update.loss * weight, at::kDouble)});
-  const at::Tensor input =
-      at::cat({secagg::to_fixed(weighted, frac_bits_, bound_),
-               at::full({1}, ref_ == 1.0 ? int64_t{1} : update.examples, at::kInt)});
+  // The weight given for client i: its examples (all 1 with differential privacy).
+  const at::Tensor input = secure_input(update, weights_[i], ref_, frac_bits_, bound_);
   masked_[i] = clients_[i]->masked_input(input, u2_);
   client_s_[i] += since(start);
   uplink_ += 4 + 4 * masked_[i].numel();
@@ -126,13 +143,8 @@ std::string SecureRound::finish(RoundServer& server) {
     server_s_ += since(start);
   }
   start = Clock::now();
-  const at::Tensor sum = server_->finish();
-  const at::Tensor values = secagg::from_fixed(sum.narrow(0, 0, numel_ + 1), frac_bits_);
-  const double examples = static_cast<double>(sum[numel_ + 1].item<int32_t>());
-  // Sums of (examples / ref) x update: back to example-weighted sums.
-  const at::Tensor weighted_sum = values.narrow(0, 0, numel_) * ref_;
-  const double loss_sum = values[numel_].item<double>() * ref_;
-  const std::string why = server.submit_sum(weighted_sum, examples, finished, loss_sum);
+  const SecureSum total = secure_sum(server_->finish(), numel_, ref_, frac_bits_);
+  const std::string why = server.submit_sum(total.weighted_sum, total.weight, finished, total.loss_sum);
   server_s_ += since(start);
   return why;
 }

@@ -20,6 +20,20 @@
 
 namespace dtrain::federated {
 
+/// A client's input to secure aggregation: its update and loss times weight / ref in fixed point
+/// (clipped to `bound`), then `weight` as an integer (weight: its examples, or 1 for equal
+/// weights; ref: the round's largest weight, public).
+at::Tensor secure_input(const ClientUpdate& update, int64_t weight, int64_t ref, int frac_bits,
+                        double bound);
+
+/// What the unmasked sum of secure_input()s holds: the weighted sum of updates, the sum of
+/// weights and the weighted sum of losses.
+struct SecureSum {
+  at::Tensor weighted_sum;
+  double weight = 0.0, loss_sum = 0.0;
+};
+SecureSum secure_sum(const at::Tensor& sum, int64_t numel, int64_t ref, int frac_bits);
+
 class SecureRound {
  public:
   /// `examples[i]`: selected client i's example count; `threshold`: t (>= 2, <= the clients).
@@ -39,7 +53,9 @@ class SecureRound {
   const std::vector<std::string> selected_;
   const int64_t numel_;
   const int frac_bits_;
-  double ref_ = 1.0, bound_ = 0.0;
+  std::vector<int64_t> weights_;
+  int64_t ref_ = 1;
+  double bound_ = 0.0;
   std::vector<std::unique_ptr<secagg::ClientSession>> clients_;
   std::unique_ptr<secagg::ServerSession> server_;
   std::vector<at::Tensor> masked_;

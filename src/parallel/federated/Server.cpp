@@ -3,6 +3,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -18,6 +20,8 @@
 #include "dtrain/federated.grpc.pb.h"
 #include "parallel/federated/FlWire.h"
 #include "parallel/federated/RoundLog.h"
+#include "parallel/federated/SecureRound.h"
+#include "dtrain/parallel/federated/SecureAggregation.h"
 
 namespace dtrain::federated {
 
@@ -78,6 +82,14 @@ class Server::Service final : public dtrain::fl::Federated::Service {
                            o_.wait_timeout_s > 0,
                        "--round-timeout and --wait-timeout must be > 0, --selection-timeout >= 0");
     DTRAIN_CHECK_INPUT(o_.eval_every >= 1, "--eval-every must be >= 1, got ", o_.eval_every);
+    DTRAIN_CHECK_INPUT(!o_.secure_aggregation || o_.compression.kind == CompressionSpec::None,
+                       "--secure-aggregation sends masked 32-bit words, which do not compress: it "
+                       "cannot be combined with --compression");
+    DTRAIN_CHECK_INPUT(!o_.secure_aggregation || o_.clients_per_round >= 2,
+                       "--secure-aggregation needs --clients-per-round >= 2");
+    DTRAIN_CHECK_INPUT(o_.secagg_threshold >= 0 && o_.secagg_threshold <= 1 &&
+                           o_.secagg_step_timeout_s > 0,
+                       "--secagg-threshold must be in [0, 1] and --secagg-step-timeout > 0");
     DTRAIN_CHECK_INPUT(o_.token.empty() || o_.client_tokens.empty(),
                        "give either --auth-token-file or --client-tokens, not both");
     if (!o_.checkpoint_dir.empty()) {
@@ -125,6 +137,7 @@ class Server::Service final : public dtrain::fl::Federated::Service {
     const int64_t wait_ms = std::clamp<int64_t>(request->wait_ms(), 0, kMaxWaitMs);
     std::unique_lock<std::mutex> lock(mutex_);
     known_.insert(id);
+    examples_[id] = request->examples();
     auto selected_now = [&] { return open_ && selected_.count(id) > 0 && finished_.count(id) == 0; };
     if (!selected_now() && !done_) {
       ++waiting_[id];
@@ -154,6 +167,13 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       for (int64_t h : o_.hidden) reply->add_hidden(h);
       reply->set_seed(id_hash(id) ^ (static_cast<uint64_t>(open_round_) * 0x9E3779B97F4A7C15ULL) ^
                       o_.seed);
+      if (secure_) {
+        auto* setup = reply->mutable_secagg();
+        setup->set_id(secure_->ids.at(id));
+        setup->set_threshold(secure_->threshold);
+        setup->set_frac_bits(o_.secagg_frac_bits);
+        setup->set_ref(secure_->ref);
+      }
     } else if (done_) {
       reply->set_action(dtrain::fl::CheckInReply::DONE);
       reply->set_reason(stopping_ ? "the server stopped" : "the last round is over");
@@ -221,7 +241,14 @@ class Server::Service final : public dtrain::fl::Federated::Service {
     EncodedUpdate encoded;
     at::Tensor dense;
     std::string why = update.finish(&encoded);
-    if (why.empty()) why = decode_update(encoded, numel_, dtype_, &dense);
+    const bool masked = encoded.encoding == "secagg";
+    if (why.empty() && !masked) why = decode_update(encoded, numel_, dtype_, &dense);
+    if (why.empty() && masked &&
+        (encoded.parts.size() != 1 || encoded.parts[0].first != "masked" ||
+         encoded.parts[0].second.scalar_type() != at::kInt ||
+         encoded.parts[0].second.numel() != numel_ + 2)) {
+      why = concat("a secagg update must be one int32 part 'masked' of ", numel_ + 2, " elements");
+    }
     if (!why.empty()) return refuse(id, "Upload: " + why);
     std::lock_guard<std::mutex> lock(mutex_);
     if (!open_ || open_round_ != update.header().round()) {
@@ -229,13 +256,154 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       return {grpc::StatusCode::FAILED_PRECONDITION,
               concat("Upload: round ", update.header().round(), " closed before the update arrived")};
     }
-    why = rounds_.submit(id, dense, update.header().examples(), update.header().train_loss());
-    if (!why.empty()) return refuse_locked(id, "Upload: " + why);
+    if (masked != static_cast<bool>(secure_)) {
+      return refuse_locked(id, secure_ ? "Upload: this round uses secure aggregation (encoding secagg)"
+                                       : "Upload: this round does not use secure aggregation");
+    }
+    if (masked) {
+      if (secure_->phase != SecureState::Masking) return too_late(id, "the masked input");
+      const auto start = Clock::now();
+      try {
+        secure_->session->add_masked(secure_->ids.at(id), encoded.parts[0].second);
+      } catch (const Error& e) {
+        return refuse_locked(id, concat("Upload: ", e.what()));
+      }
+      secure_->sent_masked.insert(secure_->ids.at(id));
+      secure_->server_s += std::chrono::duration<double>(Clock::now() - start).count();
+    } else {
+      why = rounds_.submit(id, dense, update.header().examples(), update.header().train_loss());
+      if (!why.empty()) return refuse_locked(id, "Upload: " + why);
+    }
     finished_.insert(id);
     uplink_ += bytes;
     changed_.notify_all();
     reply->set_accepted(true);
     reply->set_bytes(bytes);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status SecAgg(grpc::ServerContext* context, const dtrain::fl::SecAggRequest* request,
+                      dtrain::fl::SecAggReply* reply) override {
+    const std::string& id = request->client_id();
+    if (!valid_client_id(id)) {
+      return invalid("SecAgg: field 'client_id' must be 1 to 128 of [A-Za-z0-9._-]");
+    }
+    if (grpc::Status s = authorize(*context, id); !s.ok()) return s;
+    using Step = dtrain::fl::SecAggRequest;
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!open_ || !secure_ || selected_.count(id) == 0 || request->round() != open_round_) {
+      return {grpc::StatusCode::FAILED_PRECONDITION,
+              concat("SecAgg: client '", id, "' is not in a secure round ", request->round())};
+    }
+    SecureState& st = *secure_;
+    const uint64_t generation = secure_generation_;
+    if (st.phase == SecureState::Aborted) {
+      return {grpc::StatusCode::FAILED_PRECONDITION,
+              concat("SecAgg: round ", open_round_, " was aborted: ", st.abort_reason)};
+    }
+    const uint32_t me = st.ids.at(id);
+    uplink_ += wire::message_bytes(*request);
+    if (request->send()) {
+      const auto start = Clock::now();
+      try {
+        switch (request->step()) {
+          case Step::KEYS: {
+            if (st.phase != SecureState::Keys) return too_late(id, "KEYS");
+            const auto& k = request->keys();
+            if (k.id() != me || k.c_public().size() != 32 || k.s_public().size() != 32) {
+              return invalid(concat("SecAgg KEYS: field 'keys' must carry id ", me,
+                                    " and two 32-byte public keys"));
+            }
+            secagg::PublicKeys keys;
+            keys.id = me;
+            std::memcpy(keys.c_public.data(), k.c_public().data(), 32);
+            std::memcpy(keys.s_public.data(), k.s_public().data(), 32);
+            st.session->add_keys(keys);
+            st.sent_keys.insert(me);
+            break;
+          }
+          case Step::SHARES: {
+            if (st.phase != SecureState::Shares) return too_late(id, "SHARES");
+            std::vector<secagg::SealedShares> sealed;
+            for (const auto& share : request->shares()) {
+              if (share.from() != me) {
+                return invalid(concat("SecAgg SHARES: field 'from' is ", share.from(), ", not ", me));
+              }
+              sealed.push_back({share.from(), share.to(),
+                                std::vector<uint8_t>(share.ciphertext().begin(), share.ciphertext().end())});
+            }
+            st.session->add_shares(sealed);
+            st.sent_shares.insert(me);
+            break;
+          }
+          case Step::REVEAL: {
+            if (st.phase != SecureState::Reveal) return too_late(id, "REVEAL");
+            secagg::Reveal reveal;
+            reveal.from = me;
+            for (const auto& r : request->reveal()) {
+              if (r.words_size() != 8) {
+                return invalid(concat("SecAgg REVEAL: field 'words' holds ", r.words_size(),
+                                      " words, a share holds 8"));
+              }
+              auto& into = r.self_mask() ? reveal.b_shares : reveal.sk_shares;
+              into[r.owner()] = std::vector<uint64_t>(r.words().begin(), r.words().end());
+            }
+            st.session->add_reveal(reveal);
+            st.sent_reveal.insert(me);
+            break;
+          }
+          case Step::SURVIVORS:
+            break;
+          default:
+            return invalid(concat("SecAgg: field 'step' is ", static_cast<int>(request->step())));
+        }
+      } catch (const Error& e) {
+        return refuse_locked(id, concat("SecAgg: ", e.what()));
+      }
+      st.server_s += std::chrono::duration<double>(Clock::now() - start).count();
+      changed_.notify_all();
+    }
+    // The step's reply is ready once the protocol has moved past it.
+    const SecureState::Phase needed =
+        request->step() == Step::KEYS      ? SecureState::Shares
+        : request->step() == Step::SHARES  ? SecureState::Masking
+        : request->step() == Step::SURVIVORS ? SecureState::Reveal
+                                             : SecureState::Keys;
+    const int64_t wait_ms = std::clamp<int64_t>(request->wait_ms(), 0, kMaxWaitMs);
+    changed_.wait_until(lock, Clock::now() + std::chrono::milliseconds(wait_ms), [&] {
+      return stopping_ || !secure_ || secure_->phase >= needed;
+    });
+    // (The round may have ended while waiting: `st` is then gone.)
+    if (!secure_ || generation != secure_generation_ || !open_ ||
+        secure_->phase == SecureState::Aborted) {
+      return {grpc::StatusCode::FAILED_PRECONDITION,
+              concat("SecAgg: round ", request->round(), " was aborted or is over",
+                     secure_ && generation == secure_generation_ ? ": " + secure_->abort_reason
+                                                                 : std::string())};
+    }
+    if (secure_->phase < needed) {
+      reply->set_ready(false);
+      return grpc::Status::OK;
+    }
+    reply->set_ready(true);
+    if (request->step() == Step::KEYS) {
+      for (const auto& k : st.u1) {
+        auto* keys = reply->add_keys();
+        keys->set_id(k.id);
+        keys->set_c_public(k.c_public.data(), 32);
+        keys->set_s_public(k.s_public.data(), 32);
+      }
+    } else if (request->step() == Step::SHARES) {
+      for (uint32_t v : st.u2) reply->add_shared(v);
+      for (const auto& sealed : st.session->shares_for(me)) {
+        auto* share = reply->add_inbox();
+        share->set_from(sealed.from);
+        share->set_to(sealed.to);
+        share->set_ciphertext(sealed.ciphertext.data(), sealed.ciphertext.size());
+      }
+    } else if (request->step() == Step::SURVIVORS) {
+      for (uint32_t v : st.u3) reply->add_masked(v);
+    }
     return grpc::Status::OK;
   }
 
@@ -278,17 +446,26 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(o_.round_timeout_s));
       uplink_ = downlink_ = 0;
+      if (o_.secure_aggregation) start_secure(chosen);
       open_ = true;
       changed_.notify_all();
-      changed_.wait_until(lock, deadline_,
-                          [&] { return stopping_ || finished_.size() == selected_.size(); });
+      RoundRecord record;
+      if (secure_) {
+        run_secure(lock, &record);
+      } else {
+        changed_.wait_until(lock, deadline_,
+                            [&] { return stopping_ || finished_.size() == selected_.size(); });
+      }
       open_ = false;
       selected_.clear();
-      RoundRecord record;
+      secure_.reset();
+      changed_.notify_all();
       record.uplink_bytes = uplink_;
       record.downlink_bytes = downlink_;
       lock.unlock();
+      const auto closing = Clock::now();
       record.outcome = rounds_.close();
+      record.server_aggregation_s += std::chrono::duration<double>(Clock::now() - closing).count();
       const int64_t done = rounds_.round();
       if (evaluate_ && record.outcome.applied &&
           (done % o_.eval_every == 0 || done == o_.rounds)) {
@@ -335,6 +512,102 @@ class Server::Service final : public dtrain::fl::Federated::Service {
     r.seed = o.seed;
     r.dp = o.dp;
     return r;
+  }
+
+
+  // The open round's secure aggregation.
+  struct SecureState {
+    enum Phase { Keys, Shares, Masking, Reveal, Done, Aborted };
+    Phase phase = Keys;
+    std::unique_ptr<secagg::ServerSession> session;
+    std::map<std::string, uint32_t> ids;
+    std::map<uint32_t, std::string> names;
+    int threshold = 2;
+    int64_t ref = 1;
+    std::set<uint32_t> sent_keys, sent_shares, sent_masked, sent_reveal;
+    std::vector<secagg::PublicKeys> u1;
+    std::vector<uint32_t> u2, u3;
+    std::string abort_reason;
+    double server_s = 0.0;
+  };
+
+  grpc::Status too_late(const std::string& id, const char* what) {
+    ++late_;
+    return {grpc::StatusCode::FAILED_PRECONDITION,
+            concat("SecAgg: client '", id, "' sent ", what, " after that step of round ",
+                   open_round_, " was over")};
+  }
+
+  // Protocol ids 1..K in selection order, t, and the weight reference (the largest example
+  // count checked in, or 1 with differential privacy's equal weights).
+  void start_secure(const std::vector<std::string>& chosen) {
+    secure_ = std::make_unique<SecureState>();
+    ++secure_generation_;
+    SecureState& st = *secure_;
+    const auto k = static_cast<int>(chosen.size());
+    st.threshold = std::max(2, o_.secagg_threshold > 0
+                                   ? static_cast<int>(std::ceil(o_.secagg_threshold * k))
+                                   : k / 2 + 1);
+    for (int i = 0; i < k; ++i) {
+      st.ids[chosen[i]] = static_cast<uint32_t>(i + 1);
+      st.names[static_cast<uint32_t>(i + 1)] = chosen[i];
+      if (!o_.dp.enabled()) st.ref = std::max(st.ref, examples_[chosen[i]]);
+    }
+    st.session = std::make_unique<secagg::ServerSession>(numel_ + 2, std::min(st.threshold, std::max(2, k)));
+  }
+
+  // Drives the protocol's steps for the open round (the lock held, released while waiting);
+  // the unmasked sum is submitted to the RoundServer, or the round aborted (nothing submitted).
+  void run_secure(std::unique_lock<std::mutex>& lock, RoundRecord* record) {
+    SecureState& st = *secure_;
+    const auto step_limit = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(o_.secagg_step_timeout_s));
+    auto wait_for = [&](const std::set<uint32_t>& sent, size_t expected, Clock::time_point until) {
+      changed_.wait_until(lock, until, [&] { return stopping_ || sent.size() >= expected; });
+    };
+    auto abort = [&](const std::string& why) {
+      st.phase = SecureState::Aborted;
+      st.abort_reason = why;
+      changed_.notify_all();
+      std::fprintf(stderr, "fl server: round %lld: %s\n", static_cast<long long>(open_round_),
+                   why.c_str());
+    };
+    try {
+      if (st.threshold > static_cast<int>(st.ids.size())) {
+        throw Error(concat("secure aggregation: ", st.ids.size(), " clients selected, fewer than "
+                           "the threshold ", st.threshold), __FILE__, __LINE__);
+      }
+      wait_for(st.sent_keys, st.ids.size(), std::min(deadline_, Clock::now() + step_limit));
+      st.u1 = st.session->advertised();
+      st.phase = SecureState::Shares;
+      changed_.notify_all();
+      wait_for(st.sent_shares, st.u1.size(), std::min(deadline_, Clock::now() + step_limit));
+      st.u2 = st.session->shared();
+      st.phase = SecureState::Masking;
+      changed_.notify_all();
+      wait_for(st.sent_masked, st.u2.size(), deadline_);
+      st.u3 = st.session->masked();
+      st.phase = SecureState::Reveal;
+      changed_.notify_all();
+      wait_for(st.sent_reveal, st.u3.size(), Clock::now() + step_limit);
+      const auto start = Clock::now();
+      const SecureSum total = secure_sum(st.session->finish(), numel_, st.ref, o_.secagg_frac_bits);
+      std::vector<std::string> finished;
+      for (uint32_t v : st.u3) finished.push_back(st.names.at(v));
+      const std::string why =
+          rounds_.submit_sum(total.weighted_sum, total.weight, finished, total.loss_sum);
+      st.server_s += std::chrono::duration<double>(Clock::now() - start).count();
+      if (!why.empty()) {
+        abort("secure aggregation: the sum was refused: " + why);
+      } else {
+        st.phase = SecureState::Done;
+        finished_.insert(finished.begin(), finished.end());
+      }
+    } catch (const Error& e) {
+      abort(e.what());
+    }
+    record->server_aggregation_s = st.server_s;
+    changed_.notify_all();
   }
 
   grpc::Status authorize(const grpc::ServerContext& context, const std::string& id) const {
@@ -384,6 +657,9 @@ class Server::Service final : public dtrain::fl::Federated::Service {
   std::condition_variable changed_;
   std::map<std::string, int> waiting_;  // client -> CheckIn calls waiting now
   std::set<std::string> known_, told_done_;
+  std::map<std::string, int64_t> examples_;  // client -> examples at its last check-in
+  std::unique_ptr<SecureState> secure_;
+  uint64_t secure_generation_ = 0;  // one per secure round attempt
   bool open_ = false, done_ = false, stopping_ = false;
   int64_t open_round_ = 0;
   std::set<std::string> selected_, finished_;

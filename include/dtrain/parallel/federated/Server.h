@@ -61,6 +61,14 @@ struct ServerOptions {
   bool progress = true;
   /// Evaluate the global model every this many rounds (and after the last).
   int64_t eval_every = 1;
+  /// Secure aggregation (Bonawitz et al. 2017): the server learns only each round's sum.
+  /// Threshold t = ceil(secagg_threshold x K) (0: a majority); each of the protocol's steps but
+  /// the masked inputs (which wait for training, until the round's deadline) waits at most
+  /// secagg_step_timeout_s for the round's clients.
+  bool secure_aggregation = false;
+  double secagg_threshold = 0.0;
+  double secagg_step_timeout_s = 30.0;
+  int secagg_frac_bits = 16;
 };
 
 /// "client token" lines (# comments and blank lines skipped); InputError naming the file and
