@@ -14,37 +14,25 @@ while another trains. Runs alternate plaintext and secure (A B A B) --repeats ti
   bench/run_fl_secagg.py [--repeats 3 --rounds 3 --markdown FILE]
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fl_bench import DTRAIN, ROOT, simulate, table
 
 
 def run(dtrain, secure, dropout, args, log):
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = os.path.join(tmp, "m.jsonl")
-        command = [dtrain, "fl", "simulate", "--clients", str(args.clients), "--fraction", "1",
-                   "--hidden", "128", "--local-epochs", "1", "--local-batch", "0",
-                   "--rounds", str(args.rounds), "--dropout", str(dropout), "--threads", "1",
-                   "--eval-every", str(args.rounds), "--no-progress", "--metrics-file", metrics]
-        if secure:
-            command += ["--secure-aggregation", "--secagg-threshold", "0.6"]
-        out = subprocess.run(command, capture_output=True, text=True)
-        log.write(" ".join(command) + "\n" + out.stdout + out.stderr)
-        log.flush()
-        if out.returncode != 0:
-            raise SystemExit(f"failed: {' '.join(command)}\n{out.stdout}{out.stderr}")
-        rounds = [json.loads(line) for line in open(metrics)]
-    return [r for r in rounds if r.get("event") == "round" and r.get("applied")]
+    flags = ["--clients", str(args.clients), "--fraction", "1", "--hidden", "128",
+             "--local-epochs", "1", "--local-batch", "0", "--rounds", str(args.rounds),
+             "--dropout", str(dropout), "--threads", "1", "--eval-every", str(args.rounds)]
+    if secure:
+        flags += ["--secure-aggregation", "--secagg-threshold", "0.6"]
+    return simulate(dtrain, flags, log)[0]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtrain", default=os.path.join(ROOT, "build", "dtrain"))
+    parser.add_argument("--dtrain", default=DTRAIN)
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
@@ -83,11 +71,7 @@ def main():
             lines.append(f"| {int(dropout * 100)}% | {'secure' if secure else 'plaintext'} | "
                          f"{1e3 * server:.2f} | {1e3 * client:.3f} | {uplink:,.0f} | {survivors:g} | "
                          f"{server / base[0]:.1f} | {client / base[1]:.1f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+    table(lines, args.markdown)
 
 
 if __name__ == "__main__":

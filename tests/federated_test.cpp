@@ -1206,3 +1206,43 @@ TEST(FederatedServer, SecureAggregationOverGrpcSumsTheUpdatesAndSurvivesADropout
   }
   EXPECT_EQ(reports[3].rounds_trained, 0);
 }
+
+// TLS: a client trusting the server's certificate trains a round; one speaking plaintext to it
+// gets nowhere and says which server it could not reach.
+TEST(FederatedServer, TlsClientsTrainAndPlaintextOnesAreTurnedAway) {
+  if (std::system("command -v openssl > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl is not installed: this test needs it to make a throwaway "
+                    "certificate (scripts/setup installs it)";
+  }
+  test::TempDir dir;
+  const std::string make_cert =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
+      "subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " + (dir / "key.pem") + " -out " +
+      (dir / "cert.pem") + " > /dev/null 2>&1";
+  ASSERT_EQ(std::system(make_cert.c_str()), 0) << make_cert;
+  at::set_num_threads(1);
+  const auto train = synthetic64(40, 71);
+  ServerOptions options = server_options(1, 1);
+  options.tls_cert = dir / "cert.pem";
+  options.tls_key = dir / "key.pem";
+  Server server(flatten_parameters(model64(0)), options);
+  {
+    ClientOptions plain = client_options(server, "p");
+    plain.retry_window = std::chrono::milliseconds(1500);
+    plain.rpc_timeout = std::chrono::milliseconds(1000);
+    Client client(test_model(), train, range(0, 10), plain);
+    try {
+      client.run();
+      ADD_FAILURE() << "a plaintext client reached a TLS server";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find(server.address()), std::string::npos) << e.what();
+    }
+  }
+  ServerResult result;
+  const auto reports = run_clients(server, train, {{"a", range(0, 40)}}, &result, [&](ClientOptions& o) {
+    o.tls = true;
+    o.tls_ca = dir / "cert.pem";
+  });
+  EXPECT_EQ(result.rounds_done, 1);
+  EXPECT_EQ(reports[0].rounds_trained, 1);
+}

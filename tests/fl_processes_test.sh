@@ -18,6 +18,16 @@ trap cleanup EXIT
 fail() { echo "FAILED: $*"; for f in "$work"/*.log; do echo "--- $f"; cat "$f"; done; exit 1; }
 
 data="--dataset synthetic --synthetic-examples 3000 --seed 1"
+# The port a server wrote to its log ("(port N)"), waiting for it (bounded).
+port_of() {
+  local p=
+  for _ in $(seq 100); do
+    p=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$1" | head -1)
+    [[ -n $p ]] && break
+    sleep 0.1
+  done
+  echo "$p"
+}
 serve() {
   "$dtrain" fl serve --listen "127.0.0.1:$1" --rounds 4 --clients-per-round 3 --hidden 64 \
     --local-epochs 3 --local-batch 10 --compression topk:0.1 $data --checkpoint-dir "$work/ck" \
@@ -26,12 +36,7 @@ serve() {
   pids+=("$server")
 }
 serve 0
-port=
-for _ in $(seq 100); do
-  port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$work/server.log" | head -1)
-  [[ -n $port ]] && break
-  sleep 0.1
-done
+port=$(port_of "$work/server.log")
 [[ -n $port ]] || fail "the server did not say its port"
 for i in 0 1 2; do
   "$dtrain" fl client --server "127.0.0.1:$port" --partition "$i/3" --client-id "dev$i" $data \
@@ -65,12 +70,7 @@ tail -1 "$work/m.jsonl" | grep -q '"round":4,' || fail "the metrics do not end w
   --secure-aggregation --metrics-file "$work/secure.jsonl" --no-progress >"$work/secure-server.log" 2>&1 &
 server=$!
 pids+=("$server")
-port=
-for _ in $(seq 100); do
-  port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$work/secure-server.log" | head -1)
-  [[ -n $port ]] && break
-  sleep 0.1
-done
+port=$(port_of "$work/secure-server.log")
 [[ -n $port ]] || fail "the secure server did not say its port"
 for i in 0 1 2; do
   "$dtrain" fl client --server "127.0.0.1:$port" --partition "$i/3" --client-id "s$i" $data \

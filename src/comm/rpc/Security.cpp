@@ -1,5 +1,7 @@
 #include "comm/rpc/Security.h"
 
+#include "comm/rpc/TensorMessage.h"
+
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
@@ -101,6 +103,35 @@ void tune_bulk_transfer(grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kLookahead);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kFrame);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, kWriteBuffer);
+}
+
+}  // namespace dtrain::rpc
+
+namespace dtrain::rpc {
+
+std::unique_ptr<grpc::Server> start_server(const std::string& who, const std::string& listen,
+                                           const std::string& tls_cert, const std::string& tls_key,
+                                           grpc::Service* service, bool bulk, int* port) {
+  RpcSecurity security;
+  security.tls_cert = tls_cert;
+  security.tls_key = tls_key;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(listen, server_credentials(security), port);
+  if (bulk) {
+    builder.SetMaxReceiveMessageSize(static_cast<int>(kMaxChunkBytes + (1 << 20)));
+    tune_bulk_transfer(builder);
+  }
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  DTRAIN_CHECK_INPUT(server && *port > 0, who, " cannot listen on ", listen,
+                     " (address in use or not this machine's?)");
+  return server;
+}
+
+std::string local_address(const std::string& listen, int port) {
+  std::string host = listen.substr(0, listen.rfind(':'));
+  if (host == "0.0.0.0" || host == "[::]" || host.empty()) host = "127.0.0.1";
+  return concat(host, ":", port);
 }
 
 }  // namespace dtrain::rpc

@@ -11,6 +11,8 @@
 
 namespace grpc {
 class ChannelArguments;
+class Server;
+class Service;
 class ServerBuilder;
 class ChannelCredentials;
 class ClientContext;
@@ -44,5 +46,15 @@ void add_token(grpc::ClientContext& context, const std::string& token);
 /// large flow-control windows and frames, so a stream is not held back by window updates.
 void tune_bulk_transfer(grpc::ChannelArguments& arguments);
 void tune_bulk_transfer(grpc::ServerBuilder& builder);
+
+/// Starts `service` on `listen` (HOST:PORT; port 0 picks one, written to *port) with the TLS
+/// of `tls_cert`/`tls_key` (both or neither); `bulk`: messages up to a chunk and HTTP/2 tuned
+/// for tensors. InputError naming `who` and the address when it cannot listen.
+std::unique_ptr<grpc::Server> start_server(const std::string& who, const std::string& listen,
+                                           const std::string& tls_cert, const std::string& tls_key,
+                                           grpc::Service* service, bool bulk, int* port);
+/// The address a process on this machine reaches a server listening on `listen` at `port`
+/// by ("127.0.0.1:PORT" for a wildcard host).
+std::string local_address(const std::string& listen, int port);
 
 }  // namespace dtrain::rpc

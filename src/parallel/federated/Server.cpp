@@ -96,17 +96,8 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       checkpoint_ = o_.checkpoint_dir + "/server.pt";
       if (std::filesystem::exists(checkpoint_)) rounds_.load(checkpoint_);
     }
-    rpc::RpcSecurity security;
-    security.tls_cert = o_.tls_cert;
-    security.tls_key = o_.tls_key;
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort(o_.listen, rpc::server_credentials(security), &port_);
-    builder.SetMaxReceiveMessageSize(static_cast<int>(rpc::kMaxChunkBytes + (1 << 20)));
-    rpc::tune_bulk_transfer(builder);
-    builder.RegisterService(this);
-    server_ = builder.BuildAndStart();
-    DTRAIN_CHECK_INPUT(server_ && port_ > 0, "the federated server cannot listen on ", o_.listen,
-                       " (address in use or not this machine's?)");
+    server_ = rpc::start_server("the federated server", o_.listen, o_.tls_cert, o_.tls_key, this,
+                                true, &port_);
   }
 
   ~Service() override {
@@ -680,10 +671,7 @@ int Server::port() const { return service_->port(); }
 int64_t Server::round() const { return service_->round(); }
 
 std::string Server::address() const {
-  const std::string& listen = service_->options().listen;
-  std::string host = listen.substr(0, listen.rfind(':'));
-  if (host == "0.0.0.0" || host == "[::]" || host.empty()) host = "127.0.0.1";
-  return concat(host, ":", port());
+  return rpc::local_address(service_->options().listen, port());
 }
 
 ServerResult Server::run() { return service_->run(); }

@@ -384,18 +384,9 @@ ShardServer::ShardServer(const ShardServerOptions& options)
       service_->set_saved(resumed_version_);
     }
   }
-  rpc::RpcSecurity security;
-  security.tls_cert = options.tls_cert;
-  security.tls_key = options.tls_key;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, rpc::server_credentials(security), &port_);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(rpc::kMaxChunkBytes + (1 << 20)));
-  rpc::tune_bulk_transfer(builder);
-  builder.RegisterService(service_.get());
-  server_ = builder.BuildAndStart();
-  DTRAIN_CHECK_INPUT(server_ && port_ > 0, "parameter-server shard ", options.shard, "/",
-                     options.shards, " cannot listen on ", options.listen,
-                     " (address in use or not this machine's?)");
+  server_ = rpc::start_server(concat("parameter-server shard ", options.shard, "/", options.shards),
+                              options.listen, options.tls_cert, options.tls_key, service_.get(),
+                              true, &port_);
   if (!options.checkpoint_dir.empty()) {
     saver_ = std::thread([this] {
       std::unique_lock<std::mutex> lock(saver_mutex_);
@@ -435,12 +426,7 @@ ShardServer::~ShardServer() {
   }
 }
 
-std::string ShardServer::address() const {
-  const auto colon = options_.listen.rfind(':');
-  std::string host = options_.listen.substr(0, colon);
-  if (host == "0.0.0.0" || host == "[::]" || host.empty()) host = "127.0.0.1";
-  return concat(host, ":", port_);
-}
+std::string ShardServer::address() const { return rpc::local_address(options_.listen, port_); }
 
 const ParameterShard& ShardServer::shard() const { return service_->shard(); }
 

@@ -266,15 +266,8 @@ class WorkCoordinatorService final : public dtrain::sandblaster::WorkCoordinator
 
 WorkCoordinatorServer::WorkCoordinatorServer(WorkQueue& queue, const WorkCoordinatorOptions& options)
     : service_(std::make_unique<WorkCoordinatorService>(queue, options.auth_token)) {
-  rpc::RpcSecurity security;
-  security.tls_cert = options.tls_cert;
-  security.tls_key = options.tls_key;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, rpc::server_credentials(security), &port_);
-  builder.RegisterService(service_.get());
-  server_ = builder.BuildAndStart();
-  DTRAIN_CHECK_INPUT(server_ && port_ > 0, "the Sandblaster coordinator cannot listen on ",
-                     options.listen, " (address in use or not this machine's?)");
+  server_ = rpc::start_server("the Sandblaster coordinator", options.listen, options.tls_cert,
+                              options.tls_key, service_.get(), false, &port_);
 }
 
 WorkCoordinatorServer::~WorkCoordinatorServer() { shutdown(); }

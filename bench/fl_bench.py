@@ -1,0 +1,39 @@
+"""What the federated-learning benchmark scripts share: running a command with its output kept
+in the log (stopping with it on failure), running `dtrain fl simulate` and reading its round
+records, and printing (and optionally writing) a markdown table."""
+import json
+import os
+import subprocess
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTRAIN = os.path.join(ROOT, "build", "dtrain")
+
+
+def run_logged(command, log):
+    """Runs `command`, appends it and its output to `log`; its stdout, or exits on failure."""
+    out = subprocess.run(command, capture_output=True, text=True)
+    log.write(" ".join(command) + "\n" + out.stdout + out.stderr)
+    log.flush()
+    if out.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(command)}\n{out.stdout}{out.stderr}")
+    return out.stdout
+
+
+def simulate(dtrain, flags, log):
+    """`dtrain fl simulate FLAGS` with a metrics file: (its applied round records, stdout)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "m.jsonl")
+        stdout = run_logged([dtrain, "fl", "simulate", "--no-progress", "--metrics-file", metrics]
+                            + flags, log)
+        records = [json.loads(line) for line in open(metrics)]
+    return [r for r in records if r.get("event") == "round" and r.get("applied")], stdout
+
+
+def table(lines, markdown):
+    """Prints the table's lines and writes them to `markdown` when given."""
+    text = "\n".join(lines)
+    print(text)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(text + "\n")

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Rounds to a test accuracy (default 85%) on Fashion-MNIST with 100 clients and C = 0.1:
+FedAvg (E = 5, B = 10) against FedSGD (E = 1, the full local batch), on an IID partition and on
+McMahan et al.'s pathological non-IID one (shards:2, each client about 2 classes), McMahan's
+2NN (MLP 200-200). As in the paper, each method gets its best local learning rate from a small
+grid (--fedavg-lrs, --fedsgd-lrs); every run uses the same seeds. A run stops at the target or
+at --max-rounds (then it counts as "not reached"). Round counts do not depend on the machine's
+speed, so runs need not alternate. Prints a line per run, then a table of the best rate per
+method and partition (median over --seeds) and FedSGD / FedAvg, for the target and for the
+lower --also accuracies the same runs passed on the way.
+
+  bench/run_fl_rounds.py [--seeds 0 1 --max-rounds 3000 --markdown FILE]
+"""
+import argparse
+import os
+import statistics
+
+from fl_bench import DTRAIN, ROOT, simulate, table
+
+
+def run(dtrain, algorithm, partition, lr, seed, args, log):
+    """The first round whose evaluation reached each threshold (None: not within the cap)."""
+    flags = ["--algorithm", algorithm, "--partition", partition, "--lr", str(lr), "--seed",
+             str(seed), "--clients", "100", "--fraction", "0.1", "--rounds", str(args.max_rounds),
+             "--target-accuracy", str(args.target), "--eval-every", "1"]
+    if algorithm == "fedavg":
+        flags += ["--local-epochs", "5", "--local-batch", "10"]
+    rounds, _ = simulate(dtrain, flags, log)
+    return {t: next((r["round"] for r in rounds if r.get("test_accuracy", 0) >= t), None)
+            for t in args.thresholds}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtrain", default=DTRAIN)
+    parser.add_argument("--target", type=float, default=0.85)
+    parser.add_argument("--also", type=float, nargs="*", default=[0.80])
+    parser.add_argument("--max-rounds", type=int, default=3000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--partitions", nargs="+", default=["iid", "shards:2"])
+    parser.add_argument("--fedavg-lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
+    parser.add_argument("--fedsgd-lrs", type=float, nargs="+", default=[0.2, 0.3, 0.5])
+    parser.add_argument("--log", default=os.path.join(ROOT, "bench", "results-fl-rounds.log"))
+    parser.add_argument("--markdown", help="also write the table here")
+    args = parser.parse_args()
+
+    args.thresholds = sorted(set(args.also + [args.target]))
+    best = {}
+    with open(args.log, "w") as log:
+        for partition in args.partitions:
+            for algorithm, lrs in (("fedavg", args.fedavg_lrs), ("fedsgd", args.fedsgd_lrs)):
+                for lr in lrs:
+                    runs = [run(args.dtrain, algorithm, partition, lr, seed, args, log)
+                            for seed in args.seeds]
+                    for t in args.thresholds:
+                        counts = [r[t] for r in runs]
+                        # Not reached counts as more than the cap.
+                        median = statistics.median(c if c else args.max_rounds + 1 for c in counts)
+                        line = f"{partition} {algorithm} lr {lr}: rounds to {t} {counts}"
+                        print(line, flush=True)
+                        log.write("# " + line + "\n")
+                        key = (partition, algorithm, t)
+                        if key not in best or median < best[key][0]:
+                            best[key] = (median, lr, counts)
+
+    def shown(median):
+        return f"not within {args.max_rounds}" if median > args.max_rounds else f"{median:g}"
+
+    lines = [f"| partition | accuracy | FedAvg (E = 5, B = 10): rounds (lr) | FedSGD: rounds (lr) "
+             f"| FedSGD / FedAvg |", "|---|---|---|---|---|"]
+    for partition in args.partitions:
+        for t in args.thresholds:
+            avg, sgd = best[(partition, "fedavg", t)], best[(partition, "fedsgd", t)]
+            ratio = f"{sgd[0] / avg[0]:.1f}x" if avg[0] <= args.max_rounds else "-"
+            if sgd[0] > args.max_rounds and avg[0] <= args.max_rounds:
+                ratio = f"> {args.max_rounds / avg[0]:.0f}x"
+            lines.append(f"| {partition} | {100 * t:g}% | {shown(avg[0])} ({avg[1]:g}) | "
+                         f"{shown(sgd[0])} ({sgd[1]:g}) | **{ratio}** |")
+    table(lines, args.markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Scale: round time of `dtrain fl simulate` with 1000 clients (Fashion-MNIST's 60,000 training
+examples cut IID, 48 training examples each), McMahan's 2NN, E = 1, B = 10, two client threads,
+C = 0.1 (100 clients a round) and C = 1 (all 1000). Next to it, alternating (A B A B), the
+machine's own speed for the same work without federated learning: `dtrain train` of the same
+model at batch 10 on one thread (samples/s, doubled for the two cores: an upper bound for two
+threads of batch-10 steps). Reports median round time, the local-training samples/s it implies
+and its ratio to that bound, and the share of the round spent aggregating (server + clients,
+the simulation's clocks).
+
+  bench/run_fl_scale.py [--repeats 3 --rounds 3 --markdown FILE]
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+from fl_bench import DTRAIN, ROOT, run_logged, simulate, table
+
+
+def simulate_round(dtrain, fraction, args, log):
+    return simulate(dtrain, ["--clients", "1000", "--fraction", str(fraction), "--local-epochs",
+                             "1", "--local-batch", "10", "--rounds", str(args.rounds),
+                             "--threads", "2", "--eval-every", str(args.rounds)], log)[0]
+
+
+def reference(dtrain, args, log):
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "m.jsonl")
+        command = [dtrain, "train", "--nproc", "1", "--threads", "1", "--model", "mlp",
+                   "--batch-size", "10", "--max-steps", "2000", "--no-progress",
+                   "--eval-every", "0", "--metrics", metrics]
+        run_logged(command, log)
+        summary = [json.loads(line) for line in open(metrics) if '"summary"' in line][-1]
+    return summary["samples_per_s"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtrain", default=DTRAIN)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--log", default=os.path.join(ROOT, "bench", "results-fl-scale.log"))
+    parser.add_argument("--markdown", help="also write the table here")
+    args = parser.parse_args()
+
+    rounds = {0.1: [], 1.0: []}
+    limits = []
+    with open(args.log, "w") as log:
+        for repeat in range(args.repeats):
+            for fraction in (0.1, 1.0):
+                rounds[fraction] += simulate_round(args.dtrain, fraction, args, log)
+                limits.append(reference(args.dtrain, args, log))
+                print(f"repeat {repeat} C = {fraction}: round s "
+                      f"{[round(r['round_s'], 2) for r in rounds[fraction][-args.rounds:]]}, "
+                      f"reference {limits[-1]:.0f} samples/s on one thread", flush=True)
+    limit = 2 * statistics.median(limits)
+    lines = ["| clients a round | round s (median) | local-training samples/s | of the "
+             "2-thread bound | aggregation share of the round |", "|---|---|---|---|---|"]
+    for fraction, rows in rounds.items():
+        seconds = statistics.median(r["round_s"] for r in rows)
+        # E = 1: each finished client's examples are trained once.
+        samples = statistics.median(r["finished"] * 48 / r["round_s"] for r in rows)
+        aggregation = statistics.median(
+            (r.get("server_aggregation_s", 0) + r.get("client_aggregation_s", 0) * r["finished"])
+            / r["round_s"] for r in rows)
+        lines.append(f"| {int(1000 * fraction)} | {seconds:.2f} | {samples:,.0f} | "
+                     f"{samples / limit:.2f} | {100 * aggregation:.1f}% |")
+    lines.append(f"| bound: 2 x one-thread `dtrain train`, batch 10 | | {limit:,.0f} | 1.00 | |")
+    table(lines, args.markdown)
+
+
+if __name__ == "__main__":
+    main()
