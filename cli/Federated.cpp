@@ -276,6 +276,13 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       ->capture_default_str();
   cl.add_flag("!--no-error-feedback", k.error_feedback,
               "topk: drop what was not sent instead of keeping it for the next update");
+  add(cl, "--personalize-epochs", k.personalize_epochs,
+      "When training is over, fine-tune the final model for this many epochs on this client's "
+      "examples (0 = no personalization); with --partition, both are tested on its held-out 20%")
+      ->capture_default_str();
+  add(cl, "--personalize-layers", k.personalize_layers, "Fine-tune only the last N layers (0 = all)")
+      ->capture_default_str();
+  add(cl, "--save-model", k.save_model, "Save the personalized model here (torch::save)");
 }
 
 FederatedCommands::~FederatedCommands() = default;
@@ -412,7 +419,9 @@ int FederatedCommands::client() {
     DTRAIN_CHECK_INPUT(std::sscanf(o.client_partition.c_str(), "%lld/%lld%c", &index, &count, &extra) == 2 &&
                            count >= 1 && index >= 0 && index < count,
                        "--partition '", o.client_partition, "': expected I/N with 0 <= I < N");
-    indices = federated::partition_slice(train.targets(), index, count).train;
+    const federated::ClientIndices slice = federated::partition_slice(train.targets(), index, count);
+    indices = slice.train;
+    k.test_indices = slice.test;
   }
   const Shared shared = sh;
   federated::Client client(
@@ -428,6 +437,11 @@ int FederatedCommands::client() {
               static_cast<long long>(report.uploads_refused),
               static_cast<long long>(report.uplink_bytes),
               static_cast<long long>(report.downlink_bytes), report.done_reason.c_str());
+  if (report.personalized_accuracy >= 0) {
+    std::printf("fl client %s: personalized (%lld epochs): local test accuracy %.4f, the global "
+                "model's %.4f\n", k.client_id.c_str(), static_cast<long long>(k.personalize_epochs),
+                report.personalized_accuracy, report.global_accuracy);
+  }
   return 0;
 }
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <set>
@@ -1245,4 +1246,32 @@ TEST(FederatedServer, TlsClientsTrainAndPlaintextOnesAreTurnedAway) {
   });
   EXPECT_EQ(result.rounds_done, 1);
   EXPECT_EQ(reports[0].rounds_trained, 1);
+}
+
+// A deployed client personalizes once training is over: it downloads the final model (the
+// server waits for that before stopping), fine-tunes it on its own examples, tests both on its
+// held-out examples and saves the result.
+TEST(FederatedServer, ClientsPersonalizeTheFinalModelAndSaveIt) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(400, 81);
+  // Two clients of one class each: the global model is poor on each, fine-tuning fixes that.
+  const auto parts = partition(train.targets(), 2, parse_partition("shards:1"), 5, 0.25);
+  test::TempDir dir;
+  Server server(flatten_parameters(model64(0)), server_options(2, 2));
+  ServerResult result;
+  const auto reports = run_clients(server, train, {{"a", parts[0].train}, {"b", parts[1].train}},
+                                   &result, [&](ClientOptions& o) {
+    const size_t c = o.client_id == "a" ? 0 : 1;
+    o.personalize_epochs = 3;
+    o.test_indices = parts[c].test;
+    o.save_model = dir / (o.client_id + ".pt");
+  });
+  ASSERT_EQ(result.rounds_done, 2);
+  for (const auto& report : reports) {
+    EXPECT_GE(report.global_accuracy, 0.0);
+    EXPECT_GT(report.personalized_accuracy, report.global_accuracy);
+    EXPECT_GT(report.personalized_accuracy, 0.9);
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "a.pt"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "b.pt"));
 }

@@ -1,6 +1,7 @@
 #include "dtrain/parallel/federated/Client.h"
 
 #include <ATen/Parallel.h>
+#include <torch/serialize.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "dtrain/federated.grpc.pb.h"
 #include "dtrain/parallel/federated/Compression.h"
 #include "dtrain/parallel/federated/FedAvg.h"
+#include "dtrain/parallel/federated/Personalization.h"
 #include "dtrain/parallel/federated/Privacy.h"
 #include "dtrain/parallel/federated/SecureAggregation.h"
 #include "dtrain/parallel/federated/Server.h"
@@ -162,6 +164,59 @@ ClientReport Client::run() {
     if (input) DTRAIN_THROW(InputError, text);
     DTRAIN_THROW(CommError, text);
   };
+  // Downloads round `round`'s model (0: the final one, once training is over) into *global.
+  auto download = [&](int64_t round, at::Tensor* global) {
+    wire::PartsReader parts({{"", global->numel()}});
+    std::string problem;
+    int64_t down_bytes = 0;
+    const grpc::Status status = s.with_retry("Download", o.rpc_timeout, [&](grpc::ClientContext& c) {
+      dtrain::fl::DownloadRequest request;
+      request.set_client_id(o.client_id);
+      request.set_round(round);
+      parts = wire::PartsReader({{"", global->numel()}});
+      problem.clear();
+      down_bytes = 0;
+      auto reader = s.stub->Download(&c, request);
+      dtrain::fl::ModelChunk chunk;
+      for (int64_t i = 0; reader->Read(&chunk); ++i) {
+        down_bytes += wire::message_bytes(chunk);
+        if (problem.empty()) problem = parts.add(chunk.chunk(), concat("model chunk ", i));
+      }
+      return reader->Finish();
+    });
+    if (!status.ok()) return status;
+    wire::Parts model_parts;
+    if (problem.empty()) problem = parts.finish(&model_parts);
+    DTRAIN_CHECK_T(CommError, problem.empty() && model_parts.size() == 1, "federated client '",
+                   o.client_id, "': the server ", o.server, " sent a malformed model: ", problem);
+    report.downlink_bytes += down_bytes;
+    *global = model_parts[0].second.to(global->scalar_type());
+    return status;
+  };
+  LocalTraining last_plan;
+  // After the last round: fine-tune the final model on this client's data (personalization).
+  auto personalize = [&] {
+    if (o.personalize_epochs <= 0) return;
+    if (!s.built) {
+      std::fprintf(stderr, "federated client '%s': never selected, so it does not know the "
+                   "model: no personalization\n", o.client_id.c_str());
+      return;
+    }
+    at::Tensor final_model = flatten_parameters(s.model);
+    const grpc::Status status = download(0, &final_model);
+    if (!status.ok()) refused("Download of the final model", status);
+    LocalTraining plan = last_plan;
+    plan.epochs = o.personalize_epochs;
+    if (!o.test_indices.empty()) {
+      load_flat_parameters(s.model, final_model);
+      report.global_accuracy = accuracy_on(s.model, s.train, o.test_indices);
+    }
+    fine_tune(s.model, final_model, s.train, s.indices, plan, o.personalize_layers, 1);
+    if (!o.test_indices.empty()) {
+      report.personalized_accuracy = accuracy_on(s.model, s.train, o.test_indices);
+    }
+    if (!o.save_model.empty()) torch::save(s.model.module, o.save_model);
+  };
   for (;;) {
     if (o.available && !o.available()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -171,6 +226,7 @@ ClientReport Client::run() {
     request.set_client_id(o.client_id);
     request.set_examples(examples);
     request.set_wait_ms(o.wait.count());
+    request.set_final_model(o.personalize_epochs > 0 && s.built);
     dtrain::fl::CheckInReply reply;
     grpc::Status status = s.with_retry("CheckIn", o.wait + o.rpc_timeout, [&](grpc::ClientContext& c) {
       return s.stub->CheckIn(&c, request, &reply);
@@ -178,6 +234,7 @@ ClientReport Client::run() {
     if (!status.ok()) refused("CheckIn", status);
     if (reply.action() == dtrain::fl::CheckInReply::DONE) {
       report.done_reason = reply.reason();
+      personalize();
       return report;
     }
     if (reply.action() != dtrain::fl::CheckInReply::TRAIN) continue;
@@ -269,32 +326,9 @@ ClientReport Client::run() {
     }
 
     // Download the round's model.
-    wire::PartsReader parts({{"", global.numel()}});
-    std::string problem;
-    int64_t down_bytes = 0;
-    status = s.with_retry("Download", o.rpc_timeout, [&](grpc::ClientContext& c) {
-      dtrain::fl::DownloadRequest download;
-      download.set_client_id(o.client_id);
-      download.set_round(round);
-      parts = wire::PartsReader({{"", global.numel()}});
-      problem.clear();
-      down_bytes = 0;
-      auto reader = s.stub->Download(&c, download);
-      dtrain::fl::ModelChunk chunk;
-      for (int64_t i = 0; reader->Read(&chunk); ++i) {
-        down_bytes += wire::message_bytes(chunk);
-        if (problem.empty()) problem = parts.add(chunk.chunk(), concat("model chunk ", i));
-      }
-      return reader->Finish();
-    });
+    status = download(round, &global);
     if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;  // round over
     if (!status.ok()) refused("Download", status);
-    wire::Parts model_parts;
-    if (problem.empty()) problem = parts.finish(&model_parts);
-    DTRAIN_CHECK_T(CommError, problem.empty() && model_parts.size() == 1, "federated client '",
-                   o.client_id, "': the server ", o.server, " sent a malformed model: ", problem);
-    report.downlink_bytes += down_bytes;
-    global = model_parts[0].second.to(global.scalar_type());
 
     // Train as the plan says, while available.
     LocalTraining plan;
@@ -305,6 +339,7 @@ ClientReport Client::run() {
     plan.weight_decay = reply.plan().weight_decay();
     plan.prox_mu = reply.plan().prox_mu();
     validate(plan);
+    last_plan = plan;
     CompressionSpec compression = parse_compression(reply.plan().compression());
     compression.error_feedback = o.error_feedback;
     ClientUpdate update = train_locally(s.model, global, s.train, s.indices, plan, reply.seed(),

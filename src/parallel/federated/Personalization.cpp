@@ -51,8 +51,6 @@ ClientUpdate fine_tune(Model& model, const at::Tensor& global, const data::Tenso
   return update;
 }
 
-namespace {
-
 double accuracy_on(Model& model, const data::TensorDataset& data, const std::vector<int64_t>& indices) {
   torch::NoGradGuard no_grad;
   model.module->eval();
@@ -61,8 +59,6 @@ double accuracy_on(Model& model, const data::TensorDataset& data, const std::vec
   model.module->train();
   return correct / static_cast<double>(indices.size());
 }
-
-}  // namespace
 
 PersonalizationReport personalize(const models::ModelSpec& spec, const at::Tensor& global,
                                   const data::TensorDataset& train,

@@ -168,7 +168,8 @@ class Server::Service final : public dtrain::fl::Federated::Service {
     } else if (done_) {
       reply->set_action(dtrain::fl::CheckInReply::DONE);
       reply->set_reason(stopping_ ? "the server stopped" : "the last round is over");
-      told_done_.insert(id);
+      // One that wants the final model is done when it has downloaded it.
+      if (!request->final_model()) told_done_.insert(id);
       changed_.notify_all();
     } else {
       reply->set_action(dtrain::fl::CheckInReply::WAIT);
@@ -186,12 +187,16 @@ class Server::Service final : public dtrain::fl::Federated::Service {
     at::Tensor model;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!open_ || selected_.count(id) == 0 || request->round() != open_round_) {
+      // Round 0 once training is over: the final model (for personalization).
+      if (done_ && request->round() == 0) {
+        model = rounds_.global();
+      } else if (!open_ || selected_.count(id) == 0 || request->round() != open_round_) {
         return {grpc::StatusCode::FAILED_PRECONDITION,
                 concat("Download: client '", id, "' is not selected for round ", request->round(),
                        open_ ? concat(" (round ", open_round_, " is open)") : " (no round is open)")};
+      } else {
+        model = round_model_;
       }
-      model = round_model_;
     }
     int64_t bytes = 0;
     bool open = true;
@@ -205,6 +210,10 @@ class Server::Service final : public dtrain::fl::Federated::Service {
     });
     std::lock_guard<std::mutex> lock(mutex_);
     downlink_ += bytes;
+    if (done_ && request->round() == 0) {
+      told_done_.insert(id);
+      changed_.notify_all();
+    }
     return open ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
 

@@ -50,6 +50,15 @@ struct ClientOptions {
   int64_t max_rounds = 0;
   /// Threads for local training (0 = keep LibTorch's setting).
   int threads = 0;
+  /// Personalization once training is over: fine-tune the final global model for this many
+  /// epochs (0 = none) on the client's examples, only the last personalize_layers parameter
+  /// groups (0 = all), with the last round's plan otherwise; test both on `test_indices`
+  /// (examples of the same data set, kept out of training) and save the result to
+  /// `save_model` (torch::save of the module; "" = not saved).
+  int64_t personalize_epochs = 0;
+  int64_t personalize_layers = 0;
+  std::vector<int64_t> test_indices;
+  std::string save_model;
 };
 
 struct ClientReport {
@@ -59,6 +68,9 @@ struct ClientReport {
   int64_t uplink_bytes = 0, downlink_bytes = 0;
   /// Why the client stopped ("the last round is over", ...).
   std::string done_reason;
+  /// With personalization and test examples: accuracy of the final global model and of the
+  /// personalized one on them (< 0 when not measured).
+  double global_accuracy = -1.0, personalized_accuracy = -1.0;
 };
 
 class Client {
