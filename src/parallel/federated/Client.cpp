@@ -351,7 +351,7 @@ ClientReport Client::run() {
     }
     // A diverged local training has nothing to send (the server would refuse it; under secure
     // aggregation it could not even tell, so the client must not send it).
-    if (!std::isfinite(update.loss) || !at::isfinite(update.delta).all().item<bool>()) {
+    if (!std::isfinite(update.loss) || !all_finite(update.delta)) {
       std::fprintf(stderr, "federated client '%s': round %lld: local training diverged (loss %g); "
                    "leaving the round\n", o.client_id.c_str(), static_cast<long long>(round),
                    update.loss);

@@ -11,6 +11,10 @@
 
 namespace dtrain::federated {
 
+bool all_finite(const at::Tensor& t) {
+  return t.numel() == 0 || std::isfinite(t.sum(at::kDouble).item<double>());
+}
+
 CompressionSpec parse_compression(const std::string& text) {
   CompressionSpec spec;
   if (text == "none") return spec;
@@ -154,7 +158,7 @@ std::string check_parts(const EncodedUpdate& encoded,
 }
 
 std::string check_finite(const at::Tensor& t, const std::string& name) {
-  if (t.numel() > 0 && !at::isfinite(t).all().item<bool>()) {
+  if (!all_finite(t)) {
     return concat("part '", name, "' holds NaN or Inf values");
   }
   return "";

@@ -109,13 +109,14 @@ ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::T
 
 void WeightedMean::add(const at::Tensor& update, double weight) {
   DTRAIN_CHECK(weight > 0, "an update of weight ", weight);
-  const at::Tensor u = update.to(at::kDouble);
   if (!sum_.defined()) {
-    sum_ = u * weight;
+    sum_ = update.to(at::kDouble) * weight;
   } else {
-    DTRAIN_CHECK(sum_.numel() == u.numel(), "updates of ", sum_.numel(), " and ", u.numel(),
-                 " elements");
-    sum_.add_(u, weight);
+    DTRAIN_CHECK(sum_.numel() == update.numel(), "updates of ", sum_.numel(), " and ",
+                 update.numel(), " elements");
+    // Into the float64 sum without a float64 copy of the update (its elements are widened as
+    // they are added: the same sum, one pass, no allocation).
+    sum_.add_(update, weight);
   }
   weight_ += weight;
   ++count_;

@@ -30,6 +30,7 @@ void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clien
   if (record.available >= 0) line["available"] = record.available;
   if (record.server_aggregation_s > 0) line["server_aggregation_s"] = record.server_aggregation_s;
   if (record.client_aggregation_s > 0) line["client_aggregation_s"] = record.client_aggregation_s;
+  if (record.client_training_s > 0) line["client_training_s"] = record.client_training_s;
   if (record.test_accuracy >= 0) {
     line["test_accuracy"] = record.test_accuracy;
     line["test_loss"] = record.test_loss;

@@ -1,5 +1,7 @@
 #include "dtrain/parallel/federated/RoundServer.h"
 
+#include "dtrain/parallel/federated/Compression.h"
+
 #include <torch/serialize.h>
 #include <torch/torch.h>
 
@@ -88,7 +90,7 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
                   global_.scalar_type());
   }
   if (examples < 1) return concat("client '", client, "': ", examples, " examples");
-  if (!at::isfinite(delta).all().item<bool>()) {
+  if (!all_finite(delta)) {
     return concat("client '", client, "': the update holds NaN or Inf values");
   }
   // With differential privacy every client counts once and no update may exceed the clip.
@@ -121,7 +123,7 @@ std::string RoundServer::submit_sum(const at::Tensor& weighted_sum, double examp
                   " elements for a model of ", global_.numel());
   }
   if (!(examples >= 1)) return concat("an aggregate of ", examples, " examples");
-  if (!at::isfinite(weighted_sum).all().item<bool>() || !std::isfinite(loss_sum)) {
+  if (!all_finite(weighted_sum) || !std::isfinite(loss_sum)) {
     return "the aggregate holds NaN or Inf values";
   }
   mean_.add(weighted_sum.to(at::kDouble) / examples, examples);

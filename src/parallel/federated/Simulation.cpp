@@ -173,7 +173,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     const at::Tensor global = server.global();
     std::atomic<size_t> next{0};
     std::atomic<int64_t> uplink{0};
-    std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0};
+    std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0}, training_ns{0}, trained{0};
     // Secure aggregation: keys and shares before anyone trains.
     std::unique_ptr<SecureRound> secure;
     if (options.secure_aggregation) {
@@ -208,9 +208,12 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
                                               options.seed)) {
             continue;  // its window closes before the round ends: it leaves the round
           }
+          const auto training = std::chrono::steady_clock::now();
           ClientUpdate update =
               train_locally(replicas[t], global, train, clients[c].train, options.local,
                             mix(options.seed, static_cast<uint64_t>(round) * 2, c));
+          training_ns += nanoseconds_since(training);
+          ++trained;
           if (options.dp.enabled()) update.delta = clip_update(update.delta, options.dp.clip);
           if (secure) {
             secure->mask(i, update);
@@ -273,6 +276,8 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     record.outcome = server.close();
     record.server_aggregation_s += static_cast<double>(nanoseconds_since(closing)) * 1e-9;
     record.uplink_bytes = uplink.load();
+    record.client_training_s =
+        static_cast<double>(training_ns.load()) * 1e-9 / static_cast<double>(std::max<int64_t>(1, trained));
     record.downlink_bytes = static_cast<int64_t>(selected.size()) * download_bytes(global);
     const int64_t done = server.round();
     attempt = record.outcome.applied ? 0 : attempt + 1;

@@ -25,6 +25,11 @@ struct CompressionSpec {
   bool error_feedback = true;
 };
 
+/// Whether every element of `t` is finite: one pass (the float64 sum is finite exactly when no
+/// element is NaN or Inf, for float32 and for float64 values below 1e300), where at::isfinite
+/// makes several and allocates (3-4x slower on a model-sized update).
+bool all_finite(const at::Tensor& t);
+
 /// "none", "q8" or "topk:FRACTION" (e.g. topk:0.01); InputError naming --compression otherwise.
 CompressionSpec parse_compression(const std::string& text);
 std::string to_string(const CompressionSpec& spec);

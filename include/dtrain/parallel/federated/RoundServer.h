@@ -60,6 +60,8 @@ struct RoundRecord {
   /// aggregation its protocol work) and a client's on average (encoding; with secure
   /// aggregation its protocol work), training not included. 0 when not measured.
   double server_aggregation_s = 0.0, client_aggregation_s = 0.0;
+  /// A client's local training time on average (simulation; 0 when not measured).
+  double client_training_s = 0.0;
 };
 
 class RoundServer {
