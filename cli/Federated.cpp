@@ -48,6 +48,8 @@ void add_plan(CLI::App& c, Shared& s) {
   add(c, "--local-batch", s.local.batch, "B: local batch size (0 = a client's whole set)")
       ->capture_default_str();
   add(c, "--lr", s.local.lr, "Local SGD learning rate")->capture_default_str();
+  add(c, "--lr-decay", s.local.lr_decay, "The local rate is multiplied by this every round")
+      ->capture_default_str();
   add(c, "--momentum", s.local.momentum, "Local SGD momentum")->capture_default_str();
   add(c, "--weight-decay", s.local.weight_decay, "Local L2 weight decay")->capture_default_str();
   add(c, "--prox-mu", s.local.prox_mu, "FedProx's proximal term mu (0 = FedAvg)")

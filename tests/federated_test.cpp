@@ -1283,3 +1283,14 @@ TEST(FederatedServer, ClientsPersonalizeTheFinalModelAndSaveIt) {
   EXPECT_TRUE(std::filesystem::exists(dir / "a.pt"));
   EXPECT_TRUE(std::filesystem::exists(dir / "b.pt"));
 }
+
+TEST(FedAvg, TheLocalRateDecaysByRound) {
+  LocalTraining plan;
+  plan.lr = 0.1;
+  plan.lr_decay = 0.9;
+  EXPECT_DOUBLE_EQ(plan_for_round(plan, 0).lr, 0.1);
+  EXPECT_NEAR(plan_for_round(plan, 3).lr, 0.1 * 0.729, 1e-15);
+  EXPECT_EQ(plan_for_round(plan, 3).lr_decay, 1.0);
+  plan.lr_decay = 1.5;
+  EXPECT_THROW(validate(plan), InputError);
+}

@@ -17,11 +17,20 @@ void validate(const LocalTraining& o) {
   DTRAIN_CHECK_INPUT(o.batch >= 0, "--local-batch must be >= 0 (0 = the whole local set), got ",
                      o.batch);
   DTRAIN_CHECK_INPUT(o.lr > 0 && std::isfinite(o.lr), "--lr must be > 0, got ", o.lr);
+  DTRAIN_CHECK_INPUT(o.lr_decay > 0 && o.lr_decay <= 1, "--lr-decay must be in (0, 1], got ",
+                     o.lr_decay);
   DTRAIN_CHECK_INPUT(o.momentum >= 0 && o.momentum < 1, "--momentum must be in [0, 1), got ",
                      o.momentum);
   DTRAIN_CHECK_INPUT(o.weight_decay >= 0, "--weight-decay must be >= 0, got ", o.weight_decay);
   DTRAIN_CHECK_INPUT(o.prox_mu >= 0 && std::isfinite(o.prox_mu), "--prox-mu must be >= 0, got ",
                      o.prox_mu);
+}
+
+LocalTraining plan_for_round(const LocalTraining& plan, int64_t round) {
+  LocalTraining out = plan;
+  out.lr = plan.lr * std::pow(plan.lr_decay, static_cast<double>(round));
+  out.lr_decay = 1.0;
+  return out;
 }
 
 void validate(const ServerOptimizerSpec& s) {

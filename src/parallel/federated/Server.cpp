@@ -145,7 +145,7 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       auto* plan = reply->mutable_plan();
       plan->set_epochs(o_.local.epochs);
       plan->set_batch(o_.local.batch);
-      plan->set_lr(o_.local.lr);
+      plan->set_lr(plan_for_round(o_.local, open_round_ - 1).lr);
       plan->set_momentum(o_.local.momentum);
       plan->set_weight_decay(o_.local.weight_decay);
       plan->set_prox_mu(o_.local.prox_mu);

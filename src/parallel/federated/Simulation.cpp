@@ -171,6 +171,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     }
     const std::vector<std::string> selected = server.select(available);
     const at::Tensor global = server.global();
+    const LocalTraining round_plan = plan_for_round(options.local, round);
     std::atomic<size_t> next{0};
     std::atomic<int64_t> uplink{0};
     std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0}, training_ns{0}, trained{0};
@@ -210,7 +211,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           }
           const auto training = std::chrono::steady_clock::now();
           ClientUpdate update =
-              train_locally(replicas[t], global, train, clients[c].train, options.local,
+              train_locally(replicas[t], global, train, clients[c].train, round_plan,
                             mix(options.seed, static_cast<uint64_t>(round) * 2, c));
           training_ns += nanoseconds_since(training);
           ++trained;

@@ -26,6 +26,9 @@ struct LocalTraining {
   int64_t batch = 10;
   /// Local SGD.
   double lr = 0.05;
+  /// The local rate of round r (0-based) is lr x lr_decay^r (1 = constant; McMahan et al.
+  /// decay it by about 0.99 a round in some experiments).
+  double lr_decay = 1.0;
   double momentum = 0.0;
   double weight_decay = 0.0;
   /// FedProx's proximal weight mu (0 = plain FedAvg).
@@ -34,6 +37,9 @@ struct LocalTraining {
 
 /// InputError naming the flag out of range.
 void validate(const LocalTraining& options);
+
+/// `plan` for round `round` (0-based): its rate decayed.
+LocalTraining plan_for_round(const LocalTraining& plan, int64_t round);
 
 struct ClientUpdate {
   /// The trained local parameters minus the global ones, flat (the model's dtype).
