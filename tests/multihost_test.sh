@@ -4,8 +4,9 @@
 # interface given (the host name resolves to loopback here, as on Debian), that each node prints
 # the address it chose, and that a rank killed on one host stops the other host within seconds,
 # both launchers naming the failed node, rank and signal; Downpour across the hosts against a
-# token-guarded parameter-server shard, surviving a worker killed on one host; and Sandblaster
-# with its coordinator on one host and the shard on the other. Exit 77 (skipped) where
+# token-guarded parameter-server shard, surviving a worker killed on one host; Sandblaster
+# with its coordinator on one host and the shard on the other; and federated learning with
+# the server on one host and clients on both. Exit 77 (skipped) where
 # namespaces cannot be made.
 # Usage: multihost_test.sh PATH/TO/dtrain
 set -uo pipefail
@@ -114,4 +115,27 @@ kill -TERM $shard; wait $shard
 grep -q "2 ranks, sandblaster)" "$work/a4.log" || fail "no sandblaster summary on host a"
 grep -q '"worker1_units":[1-9]' "$work/m4.jsonl" || fail "the worker on host b did no work unit"
 echo "ok: sandblaster across two hosts, the coordinator on host a, the shard on host b"
-echo "4 passed, 0 failed"
+
+# 5. Federated learning across the hosts: the server on host a (per-client tokens, secure
+#    aggregation), a client on each host; 2 rounds, each summing both clients' masked updates.
+printf 'ca token-a\ncb token-b\n' > "$work/clients"
+printf 'token-a\n' > "$work/token-a"
+printf 'token-b\n' > "$work/token-b"
+fl=(--dataset synthetic --synthetic-examples 512 --seed 1)
+ip netns exec "$a" timeout -s KILL 120 "$dtrain" fl serve --listen 10.231.0.1:29751 --rounds 2 \
+  --clients-per-round 2 --hidden 32 --secure-aggregation --client-tokens "$work/clients" \
+  --no-progress --metrics-file "$work/fl.jsonl" "${fl[@]}" > "$work/fl-server.log" 2>&1 &
+server=$!
+ip netns exec "$b" timeout -s KILL 120 "$dtrain" fl client --server 10.231.0.1:29751 --client-id cb \
+  --auth-token-file "$work/token-b" --partition 1/2 --threads 1 --wait-ms 1000 "${fl[@]}" \
+  > "$work/fl-b.log" 2>&1 &
+client_b=$!
+ip netns exec "$a" timeout -s KILL 120 "$dtrain" fl client --server 10.231.0.1:29751 --client-id ca \
+  --auth-token-file "$work/token-a" --partition 0/2 --threads 1 --wait-ms 1000 "${fl[@]}" \
+  > "$work/fl-a.log" 2>&1 || fail "the federated client on host a failed (exit $?)"
+wait $client_b || fail "the federated client on host b failed"
+wait $server || fail "the federated server failed"
+grep -q "fl client cb: 2 rounds trained" "$work/fl-b.log" || fail "the client on host b did not train 2 rounds"
+[[ $(grep -c '"finished":2' "$work/fl.jsonl") -eq 2 ]] || fail "the rounds did not sum both clients"
+echo "ok: federated learning across two hosts, securely aggregated"
+echo "5 passed, 0 failed"
