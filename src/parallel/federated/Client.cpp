@@ -22,7 +22,7 @@
 #include "dtrain/parallel/federated/Personalization.h"
 #include "dtrain/parallel/federated/Privacy.h"
 #include "dtrain/parallel/federated/SecureAggregation.h"
-#include "dtrain/parallel/federated/Server.h"
+#include "dtrain/parallel/federated/RoundServer.h"
 #include "parallel/federated/FlWire.h"
 #include "parallel/federated/SecureRound.h"
 

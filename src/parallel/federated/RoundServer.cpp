@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +23,13 @@ namespace dtrain::federated {
 
 namespace {
 constexpr const char* kFormat = "dtrain-fl-server-1";
+}
+
+bool valid_client_id(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
 }
 
 RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)

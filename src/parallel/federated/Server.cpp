@@ -27,13 +27,6 @@ namespace dtrain::federated {
 
 using Clock = std::chrono::steady_clock;
 
-bool valid_client_id(const std::string& id) {
-  if (id.empty() || id.size() > 128) return false;
-  return std::all_of(id.begin(), id.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
-  });
-}
-
 std::map<std::string, std::string> read_client_tokens(const std::string& path) {
   std::ifstream in(path);
   DTRAIN_CHECK_INPUT(in.good(), "cannot read the client tokens file ", path);

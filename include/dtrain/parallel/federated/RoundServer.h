@@ -20,6 +20,9 @@
 
 namespace dtrain::federated {
 
+/// Client ids: 1 to 128 characters of [A-Za-z0-9._-].
+bool valid_client_id(const std::string& id);
+
 struct RoundServerOptions {
   /// K: clients selected per round (all available ones when fewer).
   int64_t clients_per_round = 10;

@@ -75,9 +75,6 @@ struct ServerOptions {
 /// line for anything else, a duplicate client or a bad id.
 std::map<std::string, std::string> read_client_tokens(const std::string& path);
 
-/// Client ids: 1 to 128 characters of [A-Za-z0-9._-].
-bool valid_client_id(const std::string& id);
-
 struct ServerResult {
   std::vector<RoundRecord> rounds;
   int64_t start_round = 0, rounds_done = 0;
