@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <random>
 #include <set>
 
 #include "TempDir.h"
@@ -1293,4 +1294,112 @@ TEST(FedAvg, TheLocalRateDecaysByRound) {
   EXPECT_EQ(plan_for_round(plan, 3).lr_decay, 1.0);
   plan.lr_decay = 1.5;
   EXPECT_THROW(validate(plan), InputError);
+}
+
+// The client-tokens file: each bad line is named; a duplicate client or a bad id too.
+TEST(FederatedServer, ClientTokenFilesAreCheckedLineByLine) {
+  test::TempDir dir;
+  auto write = [&](const std::string& text) {
+    std::ofstream(dir / "tokens") << text;
+    return dir / "tokens";
+  };
+  EXPECT_EQ(read_client_tokens(write("# phones\na t1\n\nb t2\n")),
+            (std::map<std::string, std::string>{{"a", "t1"}, {"b", "t2"}}));
+  auto message = [&](const std::string& text) {
+    try {
+      read_client_tokens(write(text));
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(message("a t1\nb\n").find("tokens:2: expected 'CLIENT_ID TOKEN'"), std::string::npos);
+  EXPECT_NE(message("a t1 extra\n").find("tokens:1"), std::string::npos);
+  EXPECT_NE(message("a t1\na t2\n").find("tokens:2: client 'a' is listed twice"), std::string::npos);
+  EXPECT_NE(message("a/b t1\n").find("is not a client id"), std::string::npos);
+  EXPECT_NE(message("# nobody\n").find("lists no clients"), std::string::npos);
+  EXPECT_NE(message("").find("lists no clients"), std::string::npos);
+}
+
+// Random and mutated upload streams from the selected client: each is refused (or, being
+// late or malformed, ignored), the server does not fall over, and the client's real update is
+// then taken as if nothing had happened.
+TEST(FederatedServer, FuzzedUploadsAreRefusedAndChangeNothing) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(40, 91);
+  const at::Tensor initial = flatten_parameters(model64(0));
+  const int64_t n = initial.numel();
+  Server server(initial, server_options(1, 1));
+  std::atomic<bool> fuzzed{false};
+  int refused = 0, accepted = 0;
+  std::thread fuzzer([&] {
+    auto stub = dtrain::fl::Federated::NewStub(
+        grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+    std::mt19937 random(17);
+    auto pick = [&](std::initializer_list<std::string> values) {
+      return *(values.begin() + random() % values.size());
+    };
+    // Until round 1 is open (bounded): an empty-stream probe.
+    for (int i = 0; i < 200; ++i) {
+      grpc::ClientContext context;
+      dtrain::fl::UploadReply reply;
+      auto writer = stub->Upload(&context, &reply);
+      dtrain::fl::UpdateChunk probe;
+      probe.set_client_id("a");
+      probe.set_round(1);
+      probe.set_encoding("zip");
+      writer->Write(probe);
+      writer->WritesDone();
+      if (writer->Finish().error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    for (int i = 0; i < 150; ++i) {
+      grpc::ClientContext context;
+      dtrain::fl::UploadReply reply;
+      auto writer = stub->Upload(&context, &reply);
+      const int messages = 1 + static_cast<int>(random() % 3);
+      for (int m = 0; m < messages; ++m) {
+        dtrain::fl::UpdateChunk chunk;
+        chunk.set_client_id(random() % 8 == 0 ? "zz" : "a");
+        chunk.set_round(random() % 8 == 0 ? 2 : 1);
+        chunk.set_examples(static_cast<int64_t>(random() % 3) - 1);
+        chunk.set_encoding(pick({"none", "q8", "topk", "secagg", "zip", ""}));
+        auto* t = chunk.mutable_chunk();
+        t->set_name(pick({"delta", "q", "lo", "step", "indices", "values", "masked", "x"}));
+        t->set_dtype(static_cast<dtrain::rpc::DType>(random() % 10));
+        if (random() % 4 != 0) t->add_shape(random() % 2 == 0 ? n : static_cast<int64_t>(random() % (2 * n)));
+        t->set_offset(random() % 4 == 0 ? static_cast<int64_t>(random() % n) : 0);
+        std::string data(random() % 4096, '\0');
+        for (auto& b : data) b = static_cast<char>(random());
+        t->set_data(data);
+        writer->Write(chunk);
+      }
+      writer->WritesDone();
+      const grpc::Status status = writer->Finish();
+      if (status.ok()) {
+        ++accepted;
+      } else {
+        ++refused;
+      }
+    }
+    fuzzed = true;
+  });
+  ServerResult result;
+  const auto reports = run_clients(server, train, {{"a", range(0, 40)}}, &result, [&](ClientOptions& o) {
+    // Its first local step waits until the fuzzing is over.
+    o.available = [&, calls = std::make_shared<int>(0)] {
+      for (int i = 0; ++*calls > 1 && i < 800 && !fuzzed; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      }
+      return true;
+    };
+  });
+  fuzzer.join();
+  EXPECT_EQ(accepted, 0);
+  EXPECT_EQ(refused, 150);
+  ASSERT_EQ(result.rounds_done, 1);
+  EXPECT_EQ(reports[0].rounds_trained, 1);
+  Model model = model64(0);
+  const ClientUpdate u = train_locally(model, initial, train, range(0, 40), server_options(1, 1).local, 0);
+  EXPECT_LE((result.global - (initial + u.delta)).abs().max().item<double>(), kTightBound);
 }
