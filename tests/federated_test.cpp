@@ -1403,3 +1403,25 @@ TEST(FederatedServer, FuzzedUploadsAreRefusedAndChangeNothing) {
   const ClientUpdate u = train_locally(model, initial, train, range(0, 40), server_options(1, 1).local, 0);
   EXPECT_LE((result.global - (initial + u.delta)).abs().max().item<double>(), kTightBound);
 }
+
+// Clients whose local training diverges leave the round (nothing non-finite reaches the
+// server); a run where all of them do stops after 10 tries of a round, saying so.
+TEST(Simulation, DivergedClientsLeaveTheRoundAndADivergedRunStops) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(200, 95);
+  const auto test = synthetic64(50, 96);
+  SimulationOptions options;
+  options.clients = 4;
+  options.fraction = 1.0;
+  options.rounds = 3;
+  options.local.lr = 1e300;  // the first step overflows
+  options.threads = 1;
+  options.progress = false;
+  try {
+    simulate(mlp_spec(), train, test, options);
+    ADD_FAILURE() << "a diverged run went on";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("round 1: only 0 of 4 clients finished, 10 times in a row"),
+              std::string::npos) << e.what();
+  }
+}

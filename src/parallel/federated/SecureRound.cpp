@@ -103,8 +103,6 @@ SecureRound::SecureRound(const std::vector<std::string>& selected,
 }
 
 void SecureRound::mask(size_t i, const ClientUpdate& update) {
-  // A diverged client sends nothing (the server could not tell its garbage from an update).
-  if (!std::isfinite(update.loss) || !all_finite(update.delta)) return;
   const auto start = Clock::now();
   // The weight given for client i: its examples (all 1 with differential privacy).
   const at::Tensor input = secure_input(update, weights_[i], ref_, frac_bits_, bound_);

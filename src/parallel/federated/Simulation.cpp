@@ -175,6 +175,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     std::atomic<size_t> next{0};
     std::atomic<int64_t> uplink{0};
     std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0}, training_ns{0}, trained{0};
+    std::atomic<int64_t> diverged{0};
     // Secure aggregation: keys and shares before anyone trains.
     std::unique_ptr<SecureRound> secure;
     if (options.secure_aggregation) {
@@ -216,6 +217,12 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           training_ns += nanoseconds_since(training);
           ++trained;
           if (options.dp.enabled()) update.delta = clip_update(update.delta, options.dp.clip);
+          // A diverged client leaves the round, as a deployed one does (the server would refuse
+          // its update; under secure aggregation it could not even tell).
+          if (!std::isfinite(update.loss) || !all_finite(update.delta)) {
+            ++diverged;
+            continue;
+          }
           if (secure) {
             secure->mask(i, update);
             continue;
@@ -257,6 +264,11 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     }
     for (const auto& e : errors) {
       if (e) std::rethrow_exception(e);
+    }
+    if (diverged > 0) {
+      std::fprintf(stderr, "round %lld: the local training of %lld client(s) diverged (NaN/Inf); "
+                   "they left the round (a smaller --lr?)\n", static_cast<long long>(round + 1),
+                   static_cast<long long>(diverged.load()));
     }
     RoundRecord record;
     record.available = static_cast<int64_t>(available.size());
