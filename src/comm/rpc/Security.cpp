@@ -128,6 +128,11 @@ std::unique_ptr<grpc::Server> start_server(const std::string& who, const std::st
   return server;
 }
 
+bool server_went_away(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+         status.error_code() == grpc::StatusCode::CANCELLED;
+}
+
 std::string local_address(const std::string& listen, int port) {
   std::string host = listen.substr(0, listen.rfind(':'));
   if (host == "0.0.0.0" || host == "[::]" || host.empty()) host = "127.0.0.1";

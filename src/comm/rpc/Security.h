@@ -53,6 +53,10 @@ void tune_bulk_transfer(grpc::ServerBuilder& builder);
 std::unique_ptr<grpc::Server> start_server(const std::string& who, const std::string& listen,
                                            const std::string& tls_cert, const std::string& tls_key,
                                            grpc::Service* service, bool bulk, int* port);
+/// The server could not be reached, or went away during the call (CANCELLED: dtrain's clients
+/// never cancel their own calls, so it is a server shutting down): it may be restarting.
+bool server_went_away(const grpc::Status& status);
+
 /// The address a process on this machine reaches a server listening on `listen` at `port`
 /// by ("127.0.0.1:PORT" for a wildcard host).
 std::string local_address(const std::string& listen, int port);

@@ -72,8 +72,10 @@ bool in_windows(const std::vector<Window>& windows, int minute) {
                      [&](const Window& w) { return w.contains(minute); });
 }
 
+// Unreachable, gone (restarting?) or silent past the call's deadline: worth another try
+// within the retry window.
 bool retryable(const grpc::Status& status) {
-  return status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+  return rpc::server_went_away(status) ||
          status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
 }
 

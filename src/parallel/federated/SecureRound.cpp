@@ -62,7 +62,6 @@ SecureRound::SecureRound(const std::vector<std::string>& selected,
   const int64_t elements = numel_ + 2;
   masked_.resize(n);
   client_s_.assign(n, 0.0);
-  errors_.resize(n);
   auto start = Clock::now();
   server_ = std::make_unique<secagg::ServerSession>(elements, threshold);
   server_s_ += since(start);

@@ -60,7 +60,6 @@ class SecureRound {
   std::unique_ptr<secagg::ServerSession> server_;
   std::vector<at::Tensor> masked_;
   std::vector<double> client_s_;
-  std::vector<std::string> errors_;
   double server_s_ = 0.0;
   std::atomic<int64_t> uplink_{0};
   std::vector<uint32_t> u2_;

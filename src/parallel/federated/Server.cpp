@@ -254,6 +254,10 @@ class Server::Service final : public dtrain::fl::Federated::Service {
                                        : "Upload: this round does not use secure aggregation");
     }
     if (masked) {
+      // (Selected when the stream began; a retried round may have selected others since.)
+      if (secure_->ids.count(id) == 0) {
+        return refuse_locked(id, concat("Upload: client '", id, "' is not in this secure round"));
+      }
       if (secure_->phase != SecureState::Masking) return too_late(id, "the masked input");
       const auto start = Clock::now();
       try {

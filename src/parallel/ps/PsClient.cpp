@@ -42,12 +42,8 @@ void set_deadline(grpc::ClientContext& context, std::chrono::milliseconds timeou
   context.set_deadline(std::chrono::system_clock::now() + timeout);
 }
 
-// The shard cannot be reached, or went away during the call (this client never cancels its
-// own calls, so CANCELLED means a server shutting down): it may be restarting.
-bool retryable(const grpc::Status& status) {
-  return status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-         status.error_code() == grpc::StatusCode::CANCELLED;
-}
+// The shard cannot be reached or went away: it may be restarting.
+bool retryable(const grpc::Status& status) { return rpc::server_went_away(status); }
 
 [[noreturn]] void fail(const std::string& rpc_name, const std::string& address,
                        const grpc::Status& status, std::chrono::milliseconds timeout) {
