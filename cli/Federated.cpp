@@ -318,7 +318,7 @@ int FederatedCommands::simulate() {
   s.compression.error_feedback = o.error_feedback;
   const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
   const data::TensorDataset train = load(sh, true), test = load(sh, false);
-  set_threads(0);  // evaluation; client threads use one each
+  set_threads(sh.threads);  // evaluation (--threads, or the cores); client threads use one each
   const auto result = federated::simulate(spec, train, test, s);
   double accuracy = -1, uplink = 0;
   int64_t applied = 0;

@@ -78,7 +78,7 @@ PersonalizationReport personalize(const models::ModelSpec& spec, const at::Tenso
   std::vector<std::exception_ptr> errors(static_cast<size_t>(threads));
   auto work = [&](int t) {
     try {
-      if (threads > 1) at::set_num_threads(1);
+      at::set_num_threads(1);  // a new thread would start with the default (the cores)
       Model model = models::make_model(spec);
       model.module->to(global.scalar_type());
       for (size_t i = next++; i < tested.size(); i = next++) {

@@ -3,8 +3,6 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -21,6 +19,7 @@
 #include "parallel/federated/FlWire.h"
 #include "parallel/federated/RoundLog.h"
 #include "parallel/federated/SecureRound.h"
+#include "parallel/federated/SecureServerRound.h"
 #include "dtrain/parallel/federated/SecureAggregation.h"
 
 namespace dtrain::federated {
@@ -258,7 +257,7 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       if (secure_->ids.count(id) == 0) {
         return refuse_locked(id, concat("Upload: client '", id, "' is not in this secure round"));
       }
-      if (secure_->phase != SecureState::Masking) return too_late(id, "the masked input");
+      if (secure_->phase != SecureServerRound::Masking) return too_late(id, "the masked input");
       const auto start = Clock::now();
       try {
         secure_->session->add_masked(secure_->ids.at(id), encoded.parts[0].second);
@@ -286,15 +285,14 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       return invalid("SecAgg: field 'client_id' must be 1 to 128 of [A-Za-z0-9._-]");
     }
     if (grpc::Status s = authorize(*context, id); !s.ok()) return s;
-    using Step = dtrain::fl::SecAggRequest;
     std::unique_lock<std::mutex> lock(mutex_);
     if (!open_ || !secure_ || selected_.count(id) == 0 || request->round() != open_round_) {
       return {grpc::StatusCode::FAILED_PRECONDITION,
               concat("SecAgg: client '", id, "' is not in a secure round ", request->round())};
     }
-    SecureState& st = *secure_;
+    SecureServerRound& st = *secure_;
     const uint64_t generation = secure_generation_;
-    if (st.phase == SecureState::Aborted) {
+    if (st.phase == SecureServerRound::Aborted) {
       return {grpc::StatusCode::FAILED_PRECONDITION,
               concat("SecAgg: round ", open_round_, " was aborted: ", st.abort_reason)};
     }
@@ -302,77 +300,26 @@ class Server::Service final : public dtrain::fl::Federated::Service {
     uplink_ += wire::message_bytes(*request);
     if (request->send()) {
       const auto start = Clock::now();
-      try {
-        switch (request->step()) {
-          case Step::KEYS: {
-            if (st.phase != SecureState::Keys) return too_late(id, "KEYS");
-            const auto& k = request->keys();
-            if (k.id() != me || k.c_public().size() != 32 || k.s_public().size() != 32) {
-              return invalid(concat("SecAgg KEYS: field 'keys' must carry id ", me,
-                                    " and two 32-byte public keys"));
-            }
-            secagg::PublicKeys keys;
-            keys.id = me;
-            std::memcpy(keys.c_public.data(), k.c_public().data(), 32);
-            std::memcpy(keys.s_public.data(), k.s_public().data(), 32);
-            st.session->add_keys(keys);
-            st.sent_keys.insert(me);
-            break;
-          }
-          case Step::SHARES: {
-            if (st.phase != SecureState::Shares) return too_late(id, "SHARES");
-            std::vector<secagg::SealedShares> sealed;
-            for (const auto& share : request->shares()) {
-              if (share.from() != me) {
-                return invalid(concat("SecAgg SHARES: field 'from' is ", share.from(), ", not ", me));
-              }
-              sealed.push_back({share.from(), share.to(),
-                                std::vector<uint8_t>(share.ciphertext().begin(), share.ciphertext().end())});
-            }
-            st.session->add_shares(sealed);
-            st.sent_shares.insert(me);
-            break;
-          }
-          case Step::REVEAL: {
-            if (st.phase != SecureState::Reveal) return too_late(id, "REVEAL");
-            secagg::Reveal reveal;
-            reveal.from = me;
-            for (const auto& r : request->reveal()) {
-              if (r.words_size() != 8) {
-                return invalid(concat("SecAgg REVEAL: field 'words' holds ", r.words_size(),
-                                      " words, a share holds 8"));
-              }
-              auto& into = r.self_mask() ? reveal.b_shares : reveal.sk_shares;
-              into[r.owner()] = std::vector<uint64_t>(r.words().begin(), r.words().end());
-            }
-            st.session->add_reveal(reveal);
-            st.sent_reveal.insert(me);
-            break;
-          }
-          case Step::SURVIVORS:
-            break;
-          default:
-            return invalid(concat("SecAgg: field 'step' is ", static_cast<int>(request->step())));
-        }
-      } catch (const Error& e) {
-        return refuse_locked(id, concat("SecAgg: ", e.what()));
+      const SecureServerRound::StepResult done = st.apply(*request, me);
+      switch (done.kind) {
+        case SecureServerRound::StepResult::Late: return too_late(id, done.why.c_str());
+        case SecureServerRound::StepResult::Malformed: return invalid(done.why);
+        case SecureServerRound::StepResult::Refused:
+          return refuse_locked(id, concat("SecAgg: ", done.why));
+        case SecureServerRound::StepResult::Applied: break;
       }
       st.server_s += std::chrono::duration<double>(Clock::now() - start).count();
       changed_.notify_all();
     }
     // The step's reply is ready once the protocol has moved past it.
-    const SecureState::Phase needed =
-        request->step() == Step::KEYS      ? SecureState::Shares
-        : request->step() == Step::SHARES  ? SecureState::Masking
-        : request->step() == Step::SURVIVORS ? SecureState::Reveal
-                                             : SecureState::Keys;
+    const SecureServerRound::Phase needed = SecureServerRound::ready_at(request->step());
     const int64_t wait_ms = std::clamp<int64_t>(request->wait_ms(), 0, kMaxWaitMs);
     changed_.wait_until(lock, Clock::now() + std::chrono::milliseconds(wait_ms), [&] {
       return stopping_ || !secure_ || secure_->phase >= needed;
     });
     // (The round may have ended while waiting: `st` is then gone.)
     if (!secure_ || generation != secure_generation_ || !open_ ||
-        secure_->phase == SecureState::Aborted) {
+        secure_->phase == SecureServerRound::Aborted) {
       return {grpc::StatusCode::FAILED_PRECONDITION,
               concat("SecAgg: round ", request->round(), " was aborted or is over",
                      secure_ && generation == secure_generation_ ? ": " + secure_->abort_reason
@@ -383,24 +330,7 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       return grpc::Status::OK;
     }
     reply->set_ready(true);
-    if (request->step() == Step::KEYS) {
-      for (const auto& k : st.u1) {
-        auto* keys = reply->add_keys();
-        keys->set_id(k.id);
-        keys->set_c_public(k.c_public.data(), 32);
-        keys->set_s_public(k.s_public.data(), 32);
-      }
-    } else if (request->step() == Step::SHARES) {
-      for (uint32_t v : st.u2) reply->add_shared(v);
-      for (const auto& sealed : st.session->shares_for(me)) {
-        auto* share = reply->add_inbox();
-        share->set_from(sealed.from);
-        share->set_to(sealed.to);
-        share->set_ciphertext(sealed.ciphertext.data(), sealed.ciphertext.size());
-      }
-    } else if (request->step() == Step::SURVIVORS) {
-      for (uint32_t v : st.u3) reply->add_masked(v);
-    }
+    st.fill_reply(request->step(), me, reply);
     return grpc::Status::OK;
   }
 
@@ -512,22 +442,6 @@ class Server::Service final : public dtrain::fl::Federated::Service {
   }
 
 
-  // The open round's secure aggregation.
-  struct SecureState {
-    enum Phase { Keys, Shares, Masking, Reveal, Done, Aborted };
-    Phase phase = Keys;
-    std::unique_ptr<secagg::ServerSession> session;
-    std::map<std::string, uint32_t> ids;
-    std::map<uint32_t, std::string> names;
-    int threshold = 2;
-    int64_t ref = 1;
-    std::set<uint32_t> sent_keys, sent_shares, sent_masked, sent_reveal;
-    std::vector<secagg::PublicKeys> u1;
-    std::vector<uint32_t> u2, u3;
-    std::string abort_reason;
-    double server_s = 0.0;
-  };
-
   grpc::Status too_late(const std::string& id, const char* what) {
     ++late_;
     return {grpc::StatusCode::FAILED_PRECONDITION,
@@ -535,35 +449,28 @@ class Server::Service final : public dtrain::fl::Federated::Service {
                    open_round_, " was over")};
   }
 
-  // Protocol ids 1..K in selection order, t, and the weight reference (the largest example
-  // count checked in, or 1 with differential privacy's equal weights).
+  // The weight reference: the largest example count checked in (1 with differential
+  // privacy's equal weights).
   void start_secure(const std::vector<std::string>& chosen) {
-    secure_ = std::make_unique<SecureState>();
-    ++secure_generation_;
-    SecureState& st = *secure_;
-    const auto k = static_cast<int>(chosen.size());
-    st.threshold = std::max(2, o_.secagg_threshold > 0
-                                   ? static_cast<int>(std::ceil(o_.secagg_threshold * k))
-                                   : k / 2 + 1);
-    for (int i = 0; i < k; ++i) {
-      st.ids[chosen[i]] = static_cast<uint32_t>(i + 1);
-      st.names[static_cast<uint32_t>(i + 1)] = chosen[i];
-      if (!o_.dp.enabled()) st.ref = std::max(st.ref, examples_[chosen[i]]);
+    int64_t ref = 1;
+    if (!o_.dp.enabled()) {
+      for (const auto& id : chosen) ref = std::max(ref, examples_[id]);
     }
-    st.session = std::make_unique<secagg::ServerSession>(numel_ + 2, std::min(st.threshold, std::max(2, k)));
+    secure_ = std::make_unique<SecureServerRound>(chosen, o_.secagg_threshold, ref, numel_);
+    ++secure_generation_;
   }
 
   // Drives the protocol's steps for the open round (the lock held, released while waiting);
   // the unmasked sum is submitted to the RoundServer, or the round aborted (nothing submitted).
   void run_secure(std::unique_lock<std::mutex>& lock, RoundRecord* record) {
-    SecureState& st = *secure_;
+    SecureServerRound& st = *secure_;
     const auto step_limit = std::chrono::duration_cast<Clock::duration>(
         std::chrono::duration<double>(o_.secagg_step_timeout_s));
     auto wait_for = [&](const std::set<uint32_t>& sent, size_t expected, Clock::time_point until) {
       changed_.wait_until(lock, until, [&] { return stopping_ || sent.size() >= expected; });
     };
     auto abort = [&](const std::string& why) {
-      st.phase = SecureState::Aborted;
+      st.phase = SecureServerRound::Aborted;
       st.abort_reason = why;
       changed_.notify_all();
       std::fprintf(stderr, "fl server: round %lld: %s\n", static_cast<long long>(open_round_),
@@ -576,15 +483,15 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       }
       wait_for(st.sent_keys, st.ids.size(), std::min(deadline_, Clock::now() + step_limit));
       st.u1 = st.session->advertised();
-      st.phase = SecureState::Shares;
+      st.phase = SecureServerRound::Shares;
       changed_.notify_all();
       wait_for(st.sent_shares, st.u1.size(), std::min(deadline_, Clock::now() + step_limit));
       st.u2 = st.session->shared();
-      st.phase = SecureState::Masking;
+      st.phase = SecureServerRound::Masking;
       changed_.notify_all();
       wait_for(st.sent_masked, st.u2.size(), deadline_);
       st.u3 = st.session->masked();
-      st.phase = SecureState::Reveal;
+      st.phase = SecureServerRound::Reveal;
       changed_.notify_all();
       wait_for(st.sent_reveal, st.u3.size(), Clock::now() + step_limit);
       const auto start = Clock::now();
@@ -597,7 +504,7 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       if (!why.empty()) {
         abort("secure aggregation: the sum was refused: " + why);
       } else {
-        st.phase = SecureState::Done;
+        st.phase = SecureServerRound::Done;
         finished_.insert(finished.begin(), finished.end());
       }
     } catch (const Error& e) {
@@ -655,7 +562,7 @@ class Server::Service final : public dtrain::fl::Federated::Service {
   std::map<std::string, int> waiting_;  // client -> CheckIn calls waiting now
   std::set<std::string> known_, told_done_;
   std::map<std::string, int64_t> examples_;  // client -> examples at its last check-in
-  std::unique_ptr<SecureState> secure_;
+  std::unique_ptr<SecureServerRound> secure_;
   uint64_t secure_generation_ = 0;  // one per secure round attempt
   bool open_ = false, done_ = false, stopping_ = false;
   int64_t open_round_ = 0;

@@ -256,7 +256,13 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       }
     };
     if (threads == 1) {
+      // One client thread trains with one intra-op thread too, as each of several does: the
+      // process's setting (often the cores, for evaluation) would run batch-10 steps on
+      // several OpenMP threads, 10-40x slower where the cores are busy or shared.
+      const int saved = at::get_num_threads();
+      at::set_num_threads(1);
       work(0);
+      at::set_num_threads(saved);
     } else {
       std::vector<std::thread> pool;
       for (int t = 0; t < threads; ++t) pool.emplace_back(work, t);
