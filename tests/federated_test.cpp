@@ -33,6 +33,7 @@
 #include "dtrain/parallel/federated/Server.h"
 #include "dtrain/parallel/federated/Simulation.h"
 #include "parallel/federated/FlWire.h"
+#include "parallel/federated/SecureServerRound.h"
 
 using namespace dtrain;
 using namespace dtrain::federated;
@@ -830,6 +831,95 @@ SecAggRound secure_round(int n, int threshold, int64_t elements, int drop_before
 }
 
 }  // namespace
+
+// The server's side of a secure round over gRPC, without gRPC: each step is taken only in its
+// phase (a late one is named as late), a message whose fields are wrong is named by field, one
+// the protocol refuses (a duplicate) is refused, and the replies carry what the phase produced.
+TEST(SecureServerRound, StepsAreTakenInTheirPhaseAndBadOnesAreNamedByField) {
+  using Request = dtrain::fl::SecAggRequest;
+  using Result = SecureServerRound::StepResult;
+  SecureServerRound round({"a", "b", "c"}, 0.0, 7, 4);
+  EXPECT_EQ(round.threshold, 2);  // a majority of 3
+  EXPECT_EQ(round.ids.at("c"), 3u);
+  EXPECT_EQ(round.names.at(1), "a");
+  EXPECT_EQ(round.ref, 7);
+  std::vector<std::unique_ptr<secagg::ClientSession>> clients;
+  for (uint32_t id = 1; id <= 3; ++id) clients.push_back(std::make_unique<secagg::ClientSession>(id, 6, 2));
+  std::vector<secagg::PublicKeys> keys;
+  for (auto& c : clients) keys.push_back(c->advertise());
+  auto keys_request = [](const secagg::PublicKeys& k) {
+    Request r;
+    r.set_step(Request::KEYS);
+    r.set_send(true);
+    r.mutable_keys()->set_id(k.id);
+    r.mutable_keys()->set_c_public(k.c_public.data(), 32);
+    r.mutable_keys()->set_s_public(k.s_public.data(), 32);
+    return r;
+  };
+  Request shares_early;
+  shares_early.set_step(Request::SHARES);
+  Result r = round.apply(shares_early, 1);
+  EXPECT_EQ(r.kind, Result::Late);
+  EXPECT_EQ(r.why, "SHARES");
+  r = round.apply(keys_request(keys[1]), 1);  // client 1 sending client 2's keys
+  EXPECT_EQ(r.kind, Result::Malformed);
+  EXPECT_NE(r.why.find("field 'keys' must carry id 1"), std::string::npos) << r.why;
+  Request short_key = keys_request(keys[0]);
+  short_key.mutable_keys()->set_s_public("too short");
+  EXPECT_EQ(round.apply(short_key, 1).kind, Result::Malformed);
+  Request unknown;
+  unknown.set_step(static_cast<Request::Step>(9));
+  r = round.apply(unknown, 1);
+  EXPECT_EQ(r.kind, Result::Malformed);
+  EXPECT_NE(r.why.find("field 'step' is 9"), std::string::npos) << r.why;
+  for (uint32_t id = 1; id <= 3; ++id) {
+    EXPECT_EQ(round.apply(keys_request(keys[id - 1]), id).kind, Result::Applied);
+  }
+  r = round.apply(keys_request(keys[0]), 1);  // twice
+  EXPECT_EQ(r.kind, Result::Refused);
+  EXPECT_NE(r.why.find("advertised keys twice"), std::string::npos) << r.why;
+  EXPECT_EQ(round.sent_keys, (std::set<uint32_t>{1, 2, 3}));
+
+  round.u1 = round.session->advertised();
+  round.phase = SecureServerRound::Shares;
+  EXPECT_EQ(round.apply(keys_request(keys[0]), 1).kind, Result::Late);
+  dtrain::fl::SecAggReply reply;
+  round.fill_reply(Request::KEYS, 2, &reply);
+  ASSERT_EQ(reply.keys_size(), 3);
+  EXPECT_EQ(reply.keys(2).id(), 3u);
+  EXPECT_EQ(reply.keys(2).s_public(), std::string(reinterpret_cast<const char*>(keys[2].s_public.data()), 32));
+  auto shares_request = [](const std::vector<secagg::SealedShares>& sealed) {
+    Request r;
+    r.set_step(Request::SHARES);
+    r.set_send(true);
+    for (const auto& s : sealed) {
+      auto* share = r.add_shares();
+      share->set_from(s.from);
+      share->set_to(s.to);
+      share->set_ciphertext(s.ciphertext.data(), s.ciphertext.size());
+    }
+    return r;
+  };
+  const auto from_2 = clients[1]->share_keys(round.u1);
+  r = round.apply(shares_request(from_2), 1);  // client 1 forwarding client 2's shares
+  EXPECT_EQ(r.kind, Result::Malformed);
+  EXPECT_NE(r.why.find("field 'from' is 2, not 1"), std::string::npos) << r.why;
+  EXPECT_EQ(round.apply(shares_request(from_2), 2).kind, Result::Applied);
+  EXPECT_EQ(round.apply(shares_request(clients[0]->share_keys(round.u1)), 1).kind, Result::Applied);
+  round.u2 = round.session->shared();
+  round.phase = SecureServerRound::Masking;
+  reply.Clear();
+  round.fill_reply(Request::SHARES, 1, &reply);
+  EXPECT_EQ(std::vector<uint32_t>(reply.shared().begin(), reply.shared().end()),
+            (std::vector<uint32_t>{1, 2}));
+  ASSERT_EQ(reply.inbox_size(), 1);  // client 2's share for client 1 (client 3 sent none)
+  EXPECT_EQ(reply.inbox(0).from(), 2u);
+  EXPECT_EQ(reply.inbox(0).to(), 1u);
+
+  EXPECT_EQ(SecureServerRound::ready_at(Request::KEYS), SecureServerRound::Shares);
+  EXPECT_EQ(SecureServerRound::ready_at(Request::SHARES), SecureServerRound::Masking);
+  EXPECT_EQ(SecureServerRound::ready_at(Request::SURVIVORS), SecureServerRound::Reveal);
+}
 
 TEST(SecureAggregation, ShamirRebuildsFromAnyThresholdSharesAndNotFromFewer) {
   const std::vector<uint64_t> secret{1, 0xffffffffULL, 12345, 0};
