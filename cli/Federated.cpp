@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <numeric>
 #include <thread>
@@ -142,6 +143,8 @@ struct FederatedCommands::Options {
   federated::ClientOptions client;
   std::string client_token_file, client_partition, available = "always";
   int64_t wait_ms = 10000;
+  double rpc_timeout_s = 60, retry_window_s = 60;
+  bool client_quiet = false;
   bool error_feedback = true;
 };
 
@@ -274,6 +277,15 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(cl, "--tls-ca", k.tls_ca, "PEM certificates to trust (default: the system's)");
   add(cl, "--wait-ms", o.wait_ms, "A check-in waits this long to be selected")
       ->capture_default_str();
+  add(cl, "--rpc-timeout", o.rpc_timeout_s,
+      "Seconds a call may take (a download or upload as a whole); calls within a round also end "
+      "at its deadline")
+      ->capture_default_str();
+  add(cl, "--retry-window", o.retry_window_s,
+      "Seconds an unreachable server is retried (with back-off) before the client gives up")
+      ->capture_default_str();
+  cl.add_flag("--quiet", o.client_quiet,
+              "No progress lines (selected, update sent, rounds left and why, the server unreachable)");
   add(cl, "--max-rounds", k.max_rounds, "Leave after training this many rounds (0 = until done)")
       ->capture_default_str();
   cl.add_flag("!--no-error-feedback", k.error_feedback,
@@ -409,6 +421,18 @@ int FederatedCommands::client() {
   if (!o.client_token_file.empty()) k.token = rpc::read_token_file(o.client_token_file);
   k.available = federated::parse_availability(o.available);
   k.wait = std::chrono::milliseconds(o.wait_ms);
+  DTRAIN_CHECK_INPUT(o.rpc_timeout_s > 0, "--rpc-timeout ", o.rpc_timeout_s,
+                     ": expected a positive number of seconds");
+  DTRAIN_CHECK_INPUT(o.retry_window_s >= 0, "--retry-window ", o.retry_window_s,
+                     ": expected 0 or more seconds");
+  k.rpc_timeout = std::chrono::milliseconds(std::llround(o.rpc_timeout_s * 1000));
+  k.retry_window = std::chrono::milliseconds(std::llround(o.retry_window_s * 1000));
+  if (!o.client_quiet) {
+    const std::string id = k.client_id;
+    k.log = [id](const std::string& line) {
+      std::fprintf(stderr, "fl client %s: %s\n", id.c_str(), line.c_str());
+    };
+  }
   set_threads(sh.threads);
   data::TensorDataset train = load(sh, true);
   std::vector<int64_t> indices;
@@ -432,10 +456,12 @@ int FederatedCommands::client() {
       },
       std::move(train), std::move(indices), k);
   const federated::ClientReport report = client.run();
-  std::printf("fl client %s: %lld rounds trained, %lld left (unavailable), %lld uploads refused; "
-              "uplink %lld bytes, downlink %lld bytes; %s\n",
+  std::printf("fl client %s: %lld rounds trained, %lld left (unavailable), %lld missed (closed "
+              "or past the deadline), %lld uploads refused; uplink %lld bytes, downlink %lld "
+              "bytes; %s\n",
               k.client_id.c_str(), static_cast<long long>(report.rounds_trained),
               static_cast<long long>(report.rounds_abandoned),
+              static_cast<long long>(report.rounds_missed),
               static_cast<long long>(report.uploads_refused),
               static_cast<long long>(report.uplink_bytes),
               static_cast<long long>(report.downlink_bytes), report.done_reason.c_str());

@@ -88,6 +88,8 @@ out=$("$dtrain" fl serve --compression zip 2>&1) && fail "a bad --compression wa
 grep -q -- "--compression 'zip'" <<<"$out" || fail "bad --compression not named: $out"
 out=$("$dtrain" fl client --server 127.0.0.1:1 --partition 5/4 $data 2>&1) && fail "a bad --partition was taken"
 grep -q -- "--partition '5/4'" <<<"$out" || fail "bad --partition not named: $out"
+out=$("$dtrain" fl client --server 127.0.0.1:1 --rpc-timeout 0 $data 2>&1) && fail "a zero --rpc-timeout was taken"
+grep -q -- "--rpc-timeout 0" <<<"$out" || fail "bad --rpc-timeout not named: $out"
 out=$("$dtrain" fl client --server 127.0.0.1:1 --available 25:00-01:00 $data 2>&1) && fail "a bad --available was taken"
 grep -q -- "--available '25:00-01:00'" <<<"$out" || fail "bad --available not named: $out"
 head -c 100 "$work/ck/server.pt" >"$work/damaged.pt"

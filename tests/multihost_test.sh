@@ -5,9 +5,11 @@
 # the address it chose, and that a rank killed on one host stops the other host within seconds,
 # both launchers naming the failed node, rank and signal; Downpour across the hosts against a
 # token-guarded parameter-server shard, surviving a worker killed on one host; Sandblaster
-# with its coordinator on one host and the shard on the other; and federated learning with
-# the server on one host and clients on both. Exit 77 (skipped) where
-# namespaces cannot be made.
+# with its coordinator on one host and the shard on the other; federated learning with the
+# server on one host and clients on both; and a network partition mid-round (host b's link
+# down while its client trains: the round closes at its deadline without it, the client leaves
+# the round at the same deadline rather than waiting on its call, and rejoins once the link is
+# back). Exit 77 (skipped) where namespaces cannot be made.
 # Usage: multihost_test.sh PATH/TO/dtrain
 set -uo pipefail
 dtrain=$1
@@ -138,4 +140,47 @@ wait $server || fail "the federated server failed"
 grep -q "fl client cb: 2 rounds trained" "$work/fl-b.log" || fail "the client on host b did not train 2 rounds"
 [[ $(grep -c '"finished":2' "$work/fl.jsonl") -eq 2 ]] || fail "the rounds did not sum both clients"
 echo "ok: federated learning across two hosts, securely aggregated"
-echo "5 passed, 0 failed"
+
+# 6. A network partition mid-round: once the client on host b says it was selected for round
+#    R (R >= 2), host b's link goes down (no reset reaches either side: the client is silent,
+#    not gone) until round R is in the server's metrics. Round R must close at its deadline with
+#    host a's client alone (--min-clients 1), the client on host b must leave round R at that
+#    deadline (its upload's call ends there, not at --rpc-timeout), and once the link is back it
+#    must train again (the server waits up to 10 s for 2 clients). Tried for R = 2, 3, 4 in case
+#    host b's upload got out before its link went down.
+fl=(--dataset synthetic --synthetic-examples 4000 --seed 1)
+ip netns exec "$a" timeout -s KILL 120 "$dtrain" fl serve --listen 10.231.0.1:29752 --rounds 8 \
+  --clients-per-round 2 --min-clients 1 --round-timeout 5 --selection-timeout 10 \
+  --local-epochs 20 --hidden 32 --no-progress --metrics-file "$work/p.jsonl" "${fl[@]}" \
+  > "$work/p-server.log" 2>&1 &
+server=$!
+for side in a b; do
+  ns=$a; [[ $side == b ]] && ns=$b
+  ip netns exec "$ns" timeout -s KILL 120 "$dtrain" fl client --server 10.231.0.1:29752 \
+    --client-id "p$side" --partition "$([[ $side == a ]] && echo 0 || echo 1)/2" --threads 1 \
+    --wait-ms 1000 "${fl[@]}" > "$work/p-$side.log" 2>&1 &
+  eval "client_$side=\$!"
+done
+cut_round=
+for r in 2 3 4; do
+  for _ in $(seq 1500); do grep -q "round $r: selected" "$work/p-b.log" && break; sleep 0.02; done
+  grep -q "round $r: selected" "$work/p-b.log" || fail "the client on host b was not selected for round $r"
+  ip -n "$b" link set "vb$id" down
+  for _ in $(seq 300); do grep -q "\"round\":$r," "$work/p.jsonl" && break; sleep 0.1; done
+  sleep 1
+  ip -n "$b" link set "vb$id" up
+  grep "\"round\":$r," "$work/p.jsonl" | grep -q '"dropped":1' && { cut_round=$r; break; }
+done
+[[ -n $cut_round ]] || fail "no round dropped the partitioned client (its uploads got out first)"
+wait $client_a || fail "the client on host a failed during the partition (exit $?)"
+wait $client_b || fail "the partitioned client on host b failed (exit $?)"
+wait $server || fail "the server failed during the partition (exit $?)"
+grep "\"round\":$cut_round," "$work/p.jsonl" | grep -q '"finished":1' ||
+  fail "round $cut_round did not close with host a's client"
+grep -q "fl server: 8 rounds" "$work/p-server.log" || fail "the run did not finish its 8 rounds"
+grep -q "round $cut_round: left before its update was sent: Upload: the round's deadline passed" \
+  "$work/p-b.log" || fail "the partitioned client did not leave round $cut_round at its deadline"
+rejoined=$(sed -n 's/.*round \([0-9]*\): update sent.*/\1/p' "$work/p-b.log" | tail -1)
+[[ ${rejoined:-0} -gt $cut_round ]] || fail "the client on host b did not train after the partition"
+echo "ok: a partition of host b in round $cut_round: dropped at the deadline, rejoined in round $rejoined"
+echo "6 passed, 0 failed"

@@ -99,6 +99,12 @@ void tune_bulk_transfer(grpc::ChannelArguments& arguments) {
   arguments.SetInt(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, kWriteBuffer);
 }
 
+void reconnect_quickly(grpc::ChannelArguments& arguments) {
+  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+}
+
 void tune_bulk_transfer(grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kLookahead);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kFrame);

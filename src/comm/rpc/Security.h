@@ -46,6 +46,10 @@ void add_token(grpc::ClientContext& context, const std::string& token);
 /// large flow-control windows and frames, so a stream is not held back by window updates.
 void tune_bulk_transfer(grpc::ChannelArguments& arguments);
 void tune_bulk_transfer(grpc::ServerBuilder& builder);
+/// Reconnect back-off of 100 ms growing to 1 s: a server that restarts or a network that heals
+/// is found again within about a second (gRPC's default backs off up to 120 s, longer than the
+/// clients' retry windows).
+void reconnect_quickly(grpc::ChannelArguments& arguments);
 
 /// Starts `service` on `listen` (HOST:PORT; port 0 picks one, written to *port) with the TLS
 /// of `tls_cert`/`tls_key` (both or neither); `bulk`: messages up to a chunk and HTTP/2 tuned

@@ -96,6 +96,8 @@ bool available_at(const std::string& text, int minute_of_day) {
   return in_windows(parse_windows(text), minute_of_day);
 }
 
+using Steady = std::chrono::steady_clock;
+
 struct Client::State {
   ModelFactory make_model;
   data::TensorDataset train;
@@ -106,23 +108,48 @@ struct Client::State {
   bool built = false;
   at::Tensor residual;  // top-k's error feedback
 
-  // Runs `call` (fresh context, deadline `timeout`, the token) until it succeeds, fails with a
-  // status that is not UNAVAILABLE/DEADLINE_EXCEEDED, or the retry window is over.
+  void say(const std::string& line) const {
+    if (options.log) options.log(line);
+  }
+
+  // Runs `call` (fresh context, the token, deadline `timeout` but not past `until`) until it
+  // succeeds or fails with a status that is not UNAVAILABLE/CANCELLED/DEADLINE_EXCEEDED. Past
+  // `until` (a round's deadline) it returns DEADLINE_EXCEEDED; past the retry window it throws
+  // CommError naming the call and the server.
   template <class Call>
-  grpc::Status with_retry(const char* name, std::chrono::milliseconds timeout, const Call& call) {
-    const auto give_up = std::chrono::steady_clock::now() + options.retry_window;
+  grpc::Status with_retry(const char* name, std::chrono::milliseconds timeout, const Call& call,
+                          Steady::time_point until = Steady::time_point::max()) {
+    const auto give_up = Steady::now() + options.retry_window;
     auto pause = std::chrono::milliseconds(100);
+    bool retrying = false;
     for (;;) {
+      const auto now = Steady::now();
+      if (now >= until) {
+        return {grpc::StatusCode::DEADLINE_EXCEEDED, concat(name, ": the round's deadline passed")};
+      }
       grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + timeout);
+      context.set_deadline(std::chrono::system_clock::now() +
+                           std::min<Steady::duration>(timeout, until - now));
       rpc::add_token(context, options.token);
       const grpc::Status status = call(context);
-      if (!retryable(status)) return status;
-      DTRAIN_CHECK_T(CommError, std::chrono::steady_clock::now() < give_up,
+      if (!retryable(status)) {
+        if (retrying) say(concat("reached the server ", options.server, " again"));
+        return status;
+      }
+      if (Steady::now() >= until) {
+        return {grpc::StatusCode::DEADLINE_EXCEEDED,
+                concat(name, ": the round's deadline passed (", status.error_message(), ")")};
+      }
+      DTRAIN_CHECK_T(CommError, Steady::now() < give_up,
                      "federated client '", options.client_id, "': ", name, " to the server ",
                      options.server, " failed for ", options.retry_window.count(),
                      " ms (unreachable?): ", status.error_message());
-      std::this_thread::sleep_for(pause);
+      if (!retrying) {
+        say(concat(name, " to the server ", options.server, " failed (", status.error_message(),
+                   "); retrying for up to ", options.retry_window.count() / 1000, " s"));
+        retrying = true;
+      }
+      std::this_thread::sleep_for(std::min<Steady::duration>(pause, until - Steady::now()));
       pause = std::min(pause * 2, std::chrono::milliseconds(2000));
     }
   }
@@ -145,6 +172,7 @@ Client::Client(ModelFactory make_model, data::TensorDataset train, std::vector<i
   security.tls_ca = state_->options.tls_ca;
   grpc::ChannelArguments arguments;
   rpc::tune_bulk_transfer(arguments);
+  rpc::reconnect_quickly(arguments);
   arguments.SetMaxReceiveMessageSize(static_cast<int>(rpc::kMaxChunkBytes + (1 << 20)));
   state_->stub = dtrain::fl::Federated::NewStub(grpc::CreateCustomChannel(
       state_->options.server, rpc::channel_credentials(security), arguments));
@@ -166,8 +194,10 @@ ClientReport Client::run() {
     if (input) DTRAIN_THROW(InputError, text);
     DTRAIN_THROW(CommError, text);
   };
-  // Downloads round `round`'s model (0: the final one, once training is over) into *global.
-  auto download = [&](int64_t round, at::Tensor* global) {
+  // Downloads round `round`'s model (0: the final one, once training is over) into *global,
+  // by the round's deadline `until`.
+  auto download = [&](int64_t round, at::Tensor* global,
+                      Steady::time_point until = Steady::time_point::max()) {
     wire::PartsReader parts({{"", global->numel()}});
     std::string problem;
     int64_t down_bytes = 0;
@@ -185,7 +215,7 @@ ClientReport Client::run() {
         if (problem.empty()) problem = parts.add(chunk.chunk(), concat("model chunk ", i));
       }
       return reader->Finish();
-    });
+    }, until);
     if (!status.ok()) return status;
     wire::Parts model_parts;
     if (problem.empty()) problem = parts.finish(&model_parts);
@@ -236,6 +266,7 @@ ClientReport Client::run() {
     if (!status.ok()) refused("CheckIn", status);
     if (reply.action() == dtrain::fl::CheckInReply::DONE) {
       report.done_reason = reply.reason();
+      s.say(concat("the server says ", reply.reason()));
       personalize();
       return report;
     }
@@ -257,10 +288,24 @@ ClientReport Client::run() {
     std::unique_ptr<secagg::ClientSession> session;
     std::vector<uint32_t> u2;
     int64_t secure_bytes = 0;
-    const auto round_deadline =
-        std::chrono::steady_clock::now() + std::chrono::milliseconds(reply.deadline_ms());
-    // One protocol step: send (once), then ask until the reply is ready or the round is over.
-    auto step = [&](dtrain::fl::SecAggRequest request, dtrain::fl::SecAggReply* answer) {
+    const auto round_deadline = Steady::now() + std::chrono::milliseconds(reply.deadline_ms());
+    s.say(concat("round ", round, ": selected (", reply.plan().epochs(), " epochs, batch ",
+                 reply.plan().batch(), ", ", examples, " examples", secure ? ", secure" : "",
+                 "; deadline in ", reply.deadline_ms() / 1000.0, " s)"));
+    // The round is over for this client (it closed, was aborted, or its deadline passed before
+    // `what`): back to checking in.
+    auto missed = [&](const char* what, const grpc::Status& st) {
+      ++report.rounds_missed;
+      s.say(concat("round ", round, ": left before ", what, ": ", st.error_message()));
+    };
+    auto round_over = [](const grpc::Status& st) {
+      return st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+             st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    };
+    // One protocol step: send (once), then ask until the reply is ready or the round is over
+    // (the steps before the upload also end at the round's deadline, `until`).
+    auto step = [&](dtrain::fl::SecAggRequest request, dtrain::fl::SecAggReply* answer,
+                    Steady::time_point until) {
       request.set_client_id(o.client_id);
       request.set_round(round);
       request.set_wait_ms(std::min<int64_t>(o.wait.count(), 5000));
@@ -269,10 +314,10 @@ ClientReport Client::run() {
         if (first) secure_bytes += wire::message_bytes(request);
         grpc::Status st = s.with_retry("SecAgg", o.rpc_timeout + o.wait, [&](grpc::ClientContext& c) {
           return s.stub->SecAgg(&c, request, answer);
-        });
+        }, until);
         if (!st.ok()) return st;
         if (answer->ready()) return st;
-        if (std::chrono::steady_clock::now() > round_deadline) {
+        if (Steady::now() > round_deadline) {
           return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "the round's deadline passed");
         }
         if (first) {  // the payload is in: ask again without it
@@ -293,8 +338,11 @@ ClientReport Client::run() {
       keys.mutable_keys()->set_c_public(mine.c_public.data(), 32);
       keys.mutable_keys()->set_s_public(mine.s_public.data(), 32);
       dtrain::fl::SecAggReply answer;
-      status = step(keys, &answer);
-      if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
+      status = step(keys, &answer, round_deadline);
+      if (round_over(status)) {
+        missed("its keys were taken", status);
+        continue;
+      }
       if (!status.ok()) refused("SecAgg", status);
       std::vector<secagg::PublicKeys> u1;
       for (const auto& k : answer.keys()) {
@@ -315,8 +363,11 @@ ClientReport Client::run() {
         share->set_ciphertext(sealed.ciphertext.data(), sealed.ciphertext.size());
       }
       answer.Clear();
-      status = step(shares, &answer);
-      if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
+      status = step(shares, &answer, round_deadline);
+      if (round_over(status)) {
+        missed("its key shares were taken", status);
+        continue;
+      }
       if (!status.ok()) refused("SecAgg", status);
       u2.assign(answer.shared().begin(), answer.shared().end());
       std::vector<secagg::SealedShares> inbox;
@@ -328,8 +379,11 @@ ClientReport Client::run() {
     }
 
     // Download the round's model.
-    status = download(round, &global);
-    if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;  // round over
+    status = download(round, &global, round_deadline);
+    if (round_over(status)) {
+      missed("the model was downloaded", status);
+      continue;
+    }
     if (!status.ok()) refused("Download", status);
 
     // Train as the plan says, while available.
@@ -349,6 +403,7 @@ ClientReport Client::run() {
     if (reply.plan().clip_norm() > 0) update.delta = clip_update(update.delta, reply.plan().clip_norm());
     if (!update.completed) {
       ++report.rounds_abandoned;
+      s.say(concat("round ", round, ": left (no longer available)"));
       continue;
     }
     // A diverged local training has nothing to send (the server would refuse it; under secure
@@ -383,11 +438,16 @@ ClientReport Client::run() {
       }
       writer->WritesDone();
       return writer->Finish();
-    });
+    }, round_deadline);
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      missed("its update was sent", status);
+      continue;
+    }
     if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
         status.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
       // Too late, or refused (the server logs why); the next round is another chance.
       ++report.uploads_refused;
+      s.say(concat("round ", round, ": update not taken: ", status.error_message()));
       continue;
     }
     if (!status.ok()) refused("Upload", status);
@@ -395,7 +455,7 @@ ClientReport Client::run() {
       dtrain::fl::SecAggRequest survivors;
       survivors.set_step(dtrain::fl::SecAggRequest::SURVIVORS);
       dtrain::fl::SecAggReply answer;
-      status = step(survivors, &answer);
+      status = step(survivors, &answer, Steady::time_point::max());
       if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
       if (!status.ok()) refused("SecAgg", status);
       const secagg::Reveal reveal =
@@ -415,13 +475,15 @@ ClientReport Client::run() {
         for (uint64_t w : words) r->add_words(w);
       }
       answer.Clear();
-      status = step(shares, &answer);
+      status = step(shares, &answer, Steady::time_point::max());
       if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
       if (!status.ok()) refused("SecAgg", status);
       report.uplink_bytes += secure_bytes;
     }
     report.uplink_bytes += uploaded.bytes();
     ++report.rounds_trained;
+    s.say(concat("round ", round, ": update sent (", uploaded.bytes(), " bytes", secure ? ", masked" : "",
+                 ")"));
     if (o.max_rounds > 0 && report.rounds_trained >= o.max_rounds) {
       report.done_reason = concat("trained ", report.rounds_trained, " rounds (--max-rounds)");
       return report;

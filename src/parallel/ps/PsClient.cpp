@@ -104,10 +104,7 @@ PsClient::PsClient(std::vector<std::string> addresses, PsClientOptions options)
   DTRAIN_CHECK_INPUT(!addresses_.empty(), "no parameter-server shards given (--ps HOST:PORT,...)");
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(static_cast<int>(rpc::kMaxChunkBytes + (1 << 20)));
-  // A restarted shard is found again within about a second (gRPC's default backs off to 120 s).
-  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  rpc::reconnect_quickly(arguments);  // a restarted shard is found again within a second
   rpc::tune_bulk_transfer(arguments);
   rpc::RpcSecurity security;
   security.tls = options_.tls;

@@ -40,10 +40,15 @@ struct ClientOptions {
   std::function<bool()> available;
   /// A check-in waits this long to be selected before asking again.
   std::chrono::milliseconds wait{10000};
-  /// Deadline of every call (a download or upload: per call as a whole).
+  /// Deadline of every call (a download or upload: per call as a whole). Calls within a round
+  /// (its secure-aggregation steps before the upload, the download, the upload) also end at
+  /// the round's deadline: past it the client leaves the round, counted as missed.
   std::chrono::milliseconds rpc_timeout{60000};
   /// How long an unreachable server is retried (with back-off) before giving up.
   std::chrono::milliseconds retry_window{60000};
+  /// Progress lines: selected for a round, update sent, a round left and why, the server
+  /// unreachable and reached again, done (null = silent).
+  std::function<void(const std::string&)> log;
   /// Keep what top-k did not send for the next update.
   bool error_feedback = true;
   /// Leave after this many trained rounds (0 = until the server says DONE).
@@ -63,8 +68,10 @@ struct ClientOptions {
 
 struct ClientReport {
   int64_t rounds_trained = 0;
-  /// Rounds left because availability ended, or refused/late at upload.
-  int64_t rounds_abandoned = 0, uploads_refused = 0;
+  /// Rounds left because availability ended (or local training diverged); uploads the server
+  /// refused or took as late; rounds left because they closed or their deadline passed before
+  /// this client was done (a slow client, or a network that failed mid-round).
+  int64_t rounds_abandoned = 0, uploads_refused = 0, rounds_missed = 0;
   int64_t uplink_bytes = 0, downlink_bytes = 0;
   /// Why the client stopped ("the last round is over", ...).
   std::string done_reason;
