@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <map>
+#include <mutex>
 #include <random>
 #include <set>
 
@@ -691,6 +693,53 @@ TEST(FederatedServer, StragglersAreDroppedAndTheRoundClosesWithTheRest) {
   }
   EXPECT_EQ(reports[2].rounds_trained, 0);
   EXPECT_GE(reports[2].rounds_abandoned, 2);
+}
+
+// A client still training when the round's deadline passes does not send its update into a
+// closed round: its upload's call ends at the deadline the check-in named, it counts the round
+// as missed and says so, and the server never sees a late upload. The other client's lines
+// trace its round (selected, update sent, told it is over).
+TEST(FederatedServer, AClientPastTheRoundsDeadlineLeavesWithoutUploading) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(60, 24);
+  ServerOptions options = server_options(1, 2);
+  options.min_clients = 1;
+  options.round_timeout_s = 1.5;
+  Server server(flatten_parameters(model64(0)), options);
+  std::mutex mutex;
+  std::map<std::string, std::vector<std::string>> lines;
+  ServerResult result;
+  const auto reports = run_clients(
+      server, train, {{"a", range(0, 30)}, {"late", range(30, 60)}}, &result,
+      [&](ClientOptions& o) {
+        const std::string id = o.client_id;
+        o.log = [&, id](const std::string& line) {
+          std::lock_guard<std::mutex> lock(mutex);
+          lines[id].push_back(line);
+        };
+        if (id != "late") return;
+        // Available; the first check during local training takes 2.5 s (past the deadline).
+        o.available = [calls = std::make_shared<int>(0)] {
+          if (++*calls == 2) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+          return true;
+        };
+      });
+  ASSERT_EQ(result.rounds_done, 1);
+  EXPECT_EQ(result.rounds[0].outcome.finished, 1);
+  EXPECT_EQ(result.rounds[0].outcome.dropped, 1);
+  EXPECT_EQ(result.late, 0);
+  EXPECT_EQ(reports[1].rounds_trained, 0);
+  EXPECT_EQ(reports[1].rounds_missed, 1);
+  EXPECT_EQ(reports[1].uploads_refused, 0);
+  auto has = [&](const std::string& id, const std::string& text) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return std::any_of(lines[id].begin(), lines[id].end(),
+                       [&](const std::string& l) { return l.find(text) != std::string::npos; });
+  };
+  EXPECT_TRUE(has("late", "round 1: left before its update was sent: Upload: the round's deadline passed"));
+  EXPECT_TRUE(has("a", "round 1: selected (1 epochs, batch 0, 30 examples; deadline in"));
+  EXPECT_TRUE(has("a", "round 1: update sent ("));
+  EXPECT_TRUE(has("a", "the server says the last round is over"));
 }
 
 // Per-client tokens: a client without its token is refused by name; an update from a client
