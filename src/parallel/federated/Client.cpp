@@ -302,8 +302,9 @@ ClientReport Client::run() {
       return st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
              st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
     };
-    // One protocol step: send (once), then ask until the reply is ready or the round is over
-    // (the steps before the upload also end at the round's deadline, `until`).
+    // One protocol step: send (once), then ask until the reply is ready or `until` (the round's
+    // deadline for the steps before the upload; the reveals come after it, by the server's
+    // step timeout, so those get --rpc-timeout more).
     auto step = [&](dtrain::fl::SecAggRequest request, dtrain::fl::SecAggReply* answer,
                     Steady::time_point until) {
       request.set_client_id(o.client_id);
@@ -317,8 +318,8 @@ ClientReport Client::run() {
         }, until);
         if (!st.ok()) return st;
         if (answer->ready()) return st;
-        if (Steady::now() > round_deadline) {
-          return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "the round's deadline passed");
+        if (Steady::now() > until) {
+          return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "SecAgg: the step's deadline passed");
         }
         if (first) {  // the payload is in: ask again without it
           request.clear_keys();
@@ -455,8 +456,12 @@ ClientReport Client::run() {
       dtrain::fl::SecAggRequest survivors;
       survivors.set_step(dtrain::fl::SecAggRequest::SURVIVORS);
       dtrain::fl::SecAggReply answer;
-      status = step(survivors, &answer, Steady::time_point::max());
-      if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
+      const auto reveal_until = round_deadline + o.rpc_timeout;
+      status = step(survivors, &answer, reveal_until);
+      if (round_over(status)) {
+        missed("the survivors were named", status);
+        continue;
+      }
       if (!status.ok()) refused("SecAgg", status);
       const secagg::Reveal reveal =
           session->reveal(std::vector<uint32_t>(answer.masked().begin(), answer.masked().end()));
@@ -475,8 +480,11 @@ ClientReport Client::run() {
         for (uint64_t w : words) r->add_words(w);
       }
       answer.Clear();
-      status = step(shares, &answer, Steady::time_point::max());
-      if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;
+      status = step(shares, &answer, reveal_until);
+      if (round_over(status)) {
+        missed("its reveals were taken", status);
+        continue;
+      }
       if (!status.ok()) refused("SecAgg", status);
       report.uplink_bytes += secure_bytes;
     }
