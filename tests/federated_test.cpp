@@ -1348,6 +1348,109 @@ TEST(FederatedServer, SecureAggregationOverGrpcSumsTheUpdatesAndSurvivesADropout
   EXPECT_EQ(reports[3].rounds_trained, 0);
 }
 
+// A masked upload whose stream began while its client was selected but ends after the secure
+// round was retried without it (the first attempt aborted: nobody sent keys) is refused by
+// name, and the retried round sums its own clients' inputs only.
+TEST(FederatedServer, AMaskedUploadFromBeforeARetryIsRefusedAndTheRetrySumsItsOwnClients) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(60, 62);
+  const at::Tensor initial = flatten_parameters(model64(0));
+  ServerOptions options = server_options(1, 2);
+  options.secure_aggregation = true;
+  options.secagg_step_timeout_s = 1;
+  options.round_timeout_s = 3;  // also the linger for x and y, who never hear the run is over
+  Server server(initial, options);
+  ServerResult result;
+  std::thread serving([&] { result = server.run(); });
+  auto stub = dtrain::fl::Federated::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  auto within = [](int seconds) {
+    return std::chrono::system_clock::now() + std::chrono::seconds(seconds);
+  };
+  // x and y check in together: the first attempt at round 1 selects them.
+  std::vector<dtrain::fl::CheckInReply> replies(2);
+  std::vector<std::thread> checkins;
+  for (int i = 0; i < 2; ++i) {
+    checkins.emplace_back([&, i] {
+      dtrain::fl::CheckInRequest request;
+      request.set_client_id(i == 0 ? "x" : "y");
+      request.set_examples(10);
+      request.set_wait_ms(10000);
+      grpc::ClientContext context;
+      context.set_deadline(within(20));
+      EXPECT_TRUE(stub->CheckIn(&context, request, &replies[i]).ok());
+    });
+  }
+  for (auto& t : checkins) t.join();
+  ASSERT_EQ(replies[0].action(), dtrain::fl::CheckInReply::TRAIN);
+  ASSERT_EQ(replies[1].action(), dtrain::fl::CheckInReply::TRAIN);
+  // x opens a masked upload while selected (its first message is taken)...
+  EncodedUpdate masked;
+  masked.encoding = "secagg";
+  masked.parts.emplace_back("masked", at::zeros({initial.numel() + 2}, at::kInt));
+  const auto messages = wire::update_messages(masked, "x", 1, 10, 0.0, 256);
+  ASSERT_GT(messages.size(), 1u);
+  grpc::ClientContext upload_context;
+  upload_context.set_deadline(within(30));
+  dtrain::fl::UploadReply uploaded;
+  auto writer = stub->Upload(&upload_context, &uploaded);
+  ASSERT_TRUE(writer->Write(messages[0]));
+  // ...neither sends keys, so the attempt aborts after the step timeout and the round is
+  // retried with a and b, who check in only now; a holds its local training until x's
+  // upload is over, so the retried round is open when it ends.
+  std::atomic<bool> x_done{false};
+  std::atomic<bool> a_selected{false};
+  std::vector<std::thread> clients;
+  std::vector<std::string> errors(2);
+  for (int i = 0; i < 2; ++i) {
+    clients.emplace_back([&, i] {
+      try {
+        at::set_num_threads(1);
+        ClientOptions o = client_options(server, i == 0 ? "a" : "b");
+        if (i == 0) {
+          o.log = [&](const std::string& line) {
+            if (line.find("round 1: selected") != std::string::npos) a_selected = true;
+          };
+          o.available = [&] {  // once selected (training), held until x's upload is over
+            for (int k = 0; a_selected && k < 400 && !x_done; ++k) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(25));
+            }
+            return true;
+          };
+        }
+        Client client(test_model(), train, i == 0 ? range(0, 20) : range(20, 60), o);
+        client.run();
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+      }
+    });
+  }
+  for (int k = 0; k < 400 && !a_selected; ++k) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  EXPECT_TRUE(a_selected);
+  for (size_t i = 1; i < messages.size(); ++i) writer->Write(messages[i]);
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  x_done = true;
+  for (auto& t : clients) t.join();
+  serving.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_NE(status.error_message().find("client 'x' is not in this secure round"), std::string::npos)
+      << status.error_message();
+  ASSERT_EQ(result.rounds_done, 1);
+  EXPECT_EQ(result.rounds.back().outcome.finished, 2);
+  EXPECT_EQ(result.refused, 1);
+  // The round's model: a's and b's updates, example-weighted (fixed point: within 1e-4).
+  Model model = model64(0);
+  WeightedMean mean;
+  for (const auto& indices : {range(0, 20), range(20, 60)}) {
+    const ClientUpdate u = train_locally(model, initial, train, indices, options.local, 0);
+    mean.add(u.delta, static_cast<double>(u.examples));
+  }
+  EXPECT_LT((result.global - (initial + mean.mean(at::kDouble))).abs().max().item<double>(), 1e-4);
+}
+
 // TLS: a client trusting the server's certificate trains a round; one speaking plaintext to it
 // gets nowhere and says which server it could not reach.
 TEST(FederatedServer, TlsClientsTrainAndPlaintextOnesAreTurnedAway) {
