@@ -75,7 +75,8 @@ void add_plan(CLI::App& c, Shared& s) {
       ->capture_default_str();
   add(c, "--dp-delta", s.dp.delta, "The delta of the (epsilon, delta) reported per round")
       ->capture_default_str();
-  add(c, "--model", s.model, "mlp, cnn or linear")->capture_default_str();
+  add(c, "--model", s.model,
+      "mlp, cnn, fedavg-cnn (McMahan et al.'s CNN: 5x5 convolutions, a 512-unit layer) or linear")->capture_default_str();
   add(c, "--hidden", s.hidden, "MLP hidden widths (McMahan et al.'s 2NN: 200 200)")
       ->capture_default_str();
   add(c, "--seed", s.seed, "Random seed (model, selection, local order)")->capture_default_str();
@@ -93,8 +94,8 @@ void add_data(CLI::App& c, Shared& s, const char* use) {
 
 models::ModelSpec model_spec(const Shared& s, const std::string& name,
                              const std::vector<int64_t>& hidden) {
-  DTRAIN_CHECK_INPUT(name == "mlp" || name == "cnn" || name == "linear", "--model '", name,
-                     "': expected mlp, cnn or linear");
+  DTRAIN_CHECK_INPUT(name == "mlp" || name == "cnn" || name == "fedavg-cnn" || name == "linear",
+                     "--model '", name, "': expected mlp, cnn, fedavg-cnn or linear");
   models::ModelSpec spec;
   spec.name = name;
   spec.hidden = hidden;

@@ -119,7 +119,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   // Handled by expand_config() before parsing (CLI11 2.1 ignores configs of subcommands).
   app.add_option("--config", "Read options from a TOML file (keys are long flag names; flags on "
                              "the command line win)");
-  add(app, "--model", job.model, "Model: mlp, cnn, resnet, gpt (the language model, on the text data set)")
+  add(app, "--model", job.model, "Model: mlp, linear, cnn, fedavg-cnn (McMahan et al.'s CNN), resnet, gpt (the language model, on the text data set)")
       ->capture_default_str();
   add(app, "--layers", job.gpt.layers, "gpt: transformer blocks")->capture_default_str();
   add(app, "--heads", job.gpt.heads, "gpt: attention heads")->capture_default_str();

@@ -76,6 +76,12 @@ TEST(Models, ZooShapes) {
     auto out = model(torch::randn({2, 1, 28, 28}));
     EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 10})) << name;
   }
+  // McMahan et al.'s FedAvg CNN has 1,663,370 parameters on 28x28 inputs (their count).
+  models::ModelSpec fedavg;
+  fedavg.name = "fedavg-cnn";
+  int64_t parameters = 0;
+  for (const auto& p : models::make_model(fedavg).module->parameters()) parameters += p.numel();
+  EXPECT_EQ(parameters, 1663370);
   models::ModelSpec bad;
   bad.name = "gpt9";
   EXPECT_THROW(models::make_model(bad), InputError);
