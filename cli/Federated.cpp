@@ -5,9 +5,11 @@
 #include <ATen/Parallel.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <random>
 #include <thread>
 
 #include <torch/torch.h>
@@ -143,6 +145,7 @@ struct FederatedCommands::Options {
   std::string server_token_file, client_tokens_file;
   federated::ClientOptions client;
   std::string client_token_file, client_partition, available = "always";
+  double client_test_fraction = -1;  // < 0: 0.2 with --partition, else 0
   int64_t wait_ms = 10000;
   double rpc_timeout_s = 60, retry_window_s = 60;
   bool client_quiet = false;
@@ -266,6 +269,9 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(cl, "--partition", o.client_partition,
       "I/N: train on the I-th of N label-skewed slices of the training set (demos); default: "
       "all of it");
+  add(cl, "--local-test-fraction", o.client_test_fraction,
+      "The share of this client's examples held out to test personalization (default: 0.2 "
+      "with --partition, else 0: all of them train)");
   add_data(cl, o.client_shared, "this client's own training examples");
   add(cl, "--seed", o.client_shared.seed, "--dataset synthetic: the seed it is made from")
       ->capture_default_str();
@@ -293,7 +299,8 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
               "topk: drop what was not sent instead of keeping it for the next update");
   add(cl, "--personalize-epochs", k.personalize_epochs,
       "When training is over, fine-tune the final model for this many epochs on this client's "
-      "examples (0 = no personalization); with --partition, both are tested on its held-out 20%")
+      "examples (0 = no personalization); both are tested on its held-out examples "
+      "(--local-test-fraction)")
       ->capture_default_str();
   add(cl, "--personalize-layers", k.personalize_layers, "Fine-tune only the last N layers (0 = all)")
       ->capture_default_str();
@@ -436,17 +443,32 @@ int FederatedCommands::client() {
   }
   set_threads(sh.threads);
   data::TensorDataset train = load(sh, true);
+  const double test_fraction =
+      o.client_test_fraction >= 0 ? o.client_test_fraction : o.client_partition.empty() ? 0 : 0.2;
+  DTRAIN_CHECK_INPUT(test_fraction < 1, "--local-test-fraction must be in [0, 1), got ",
+                     test_fraction);
   std::vector<int64_t> indices;
   if (o.client_partition.empty()) {
+    // Its own examples: a seeded shuffle, the last share held out (none by default).
     indices.resize(static_cast<size_t>(train.size()));
     std::iota(indices.begin(), indices.end(), 0);
+    const auto test = static_cast<int64_t>(std::floor(test_fraction * static_cast<double>(indices.size())));
+    DTRAIN_CHECK_INPUT(static_cast<int64_t>(indices.size()) - test >= 1, "--local-test-fraction ",
+                       test_fraction, " leaves none of the ", indices.size(),
+                       " examples to train on");
+    if (test > 0) {
+      std::shuffle(indices.begin(), indices.end(), std::mt19937_64(sh.seed));
+      k.test_indices.assign(indices.end() - test, indices.end());
+      indices.resize(indices.size() - static_cast<size_t>(test));
+    }
   } else {
     long long index = -1, count = -1;
     char extra = 0;
     DTRAIN_CHECK_INPUT(std::sscanf(o.client_partition.c_str(), "%lld/%lld%c", &index, &count, &extra) == 2 &&
                            count >= 1 && index >= 0 && index < count,
                        "--partition '", o.client_partition, "': expected I/N with 0 <= I < N");
-    const federated::ClientIndices slice = federated::partition_slice(train.targets(), index, count);
+    const federated::ClientIndices slice =
+        federated::partition_slice(train.targets(), index, count, test_fraction);
     indices = slice.train;
     k.test_indices = slice.test;
   }

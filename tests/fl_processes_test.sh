@@ -3,7 +3,7 @@
 # (SIGKILL) once round 1 is in its metrics and restarted on the same port; it resumes from its
 # checkpoint, the same client processes reconnect (retrying with back-off) and the run completes
 # round 4, every client told the training is over. Then 2 rounds with secure aggregation over
-# 3 client processes. Bad flags and a damaged checkpoint exit
+# 3 client processes (one with its own data, testing its personalized model on a held-out quarter). Bad flags and a damaged checkpoint exit
 # non-zero with the flag or file named (the checkpoint left as it was).
 # Usage: fl_processes_test.sh PATH/TO/dtrain
 set -uo pipefail
@@ -72,8 +72,11 @@ server=$!
 pids+=("$server")
 port=$(port_of "$work/secure-server.log")
 [[ -n $port ]] || fail "the secure server did not say its port"
+# Client s2 brings all of its own examples (no --partition), holds out a quarter and tests
+# its personalized model on them.
+own=("--partition 0/3" "--partition 1/3" "--local-test-fraction 0.25 --personalize-epochs 1")
 for i in 0 1 2; do
-  "$dtrain" fl client --server "127.0.0.1:$port" --partition "$i/3" --client-id "s$i" $data \
+  "$dtrain" fl client --server "127.0.0.1:$port" ${own[$i]} --client-id "s$i" $data \
     --threads 1 --wait-ms 1000 >"$work/secure-client$i.log" 2>&1 &
   clients[$i]=$!
   pids+=("${clients[$i]}")
@@ -82,6 +85,8 @@ for i in 0 1 2; do wait "${clients[$i]}" || fail "secure client $i exited with $
 wait "$server" || fail "the secure server exited with $?"
 grep -q "fl server: 2 rounds" "$work/secure-server.log" || fail "secure aggregation did not finish 2 rounds"
 [[ $(grep -c '"finished":3' "$work/secure.jsonl") -eq 2 ]] || fail "secure rounds did not count 3 clients each"
+grep -q "personalized (1 epochs): local test accuracy [01]\.[0-9]*, the global model's [01]\.[0-9]*" \
+  "$work/secure-client2.log" || fail "the client with its own data did not test its personalized model"
 
 # Bad input: one clear error, non-zero exit, nothing lost.
 out=$("$dtrain" fl serve --compression zip 2>&1) && fail "a bad --compression was taken"
@@ -92,6 +97,8 @@ out=$("$dtrain" fl client --server 127.0.0.1:1 --rpc-timeout 0 $data 2>&1) && fa
 grep -q -- "--rpc-timeout 0" <<<"$out" || fail "bad --rpc-timeout not named: $out"
 out=$("$dtrain" fl client --server 127.0.0.1:1 --available 25:00-01:00 $data 2>&1) && fail "a bad --available was taken"
 grep -q -- "--available '25:00-01:00'" <<<"$out" || fail "bad --available not named: $out"
+out=$("$dtrain" fl client --server 127.0.0.1:1 --local-test-fraction 1 $data 2>&1) && fail "--local-test-fraction 1 was taken"
+grep -q -- "--local-test-fraction must be in \[0, 1), got 1" <<<"$out" || fail "bad --local-test-fraction not named: $out"
 head -c 100 "$work/ck/server.pt" >"$work/damaged.pt"
 mkdir -p "$work/bad" && cp "$work/damaged.pt" "$work/bad/server.pt"
 out=$("$dtrain" fl serve --listen 127.0.0.1:0 $data --hidden 64 --checkpoint-dir "$work/bad" 2>&1) &&
