@@ -1,6 +1,6 @@
 """What the federated-learning benchmark scripts share: running a command with its output kept
 in the log (stopping with it on failure), running `dtrain fl simulate` and reading its round
-records, and printing (and optionally writing) a markdown table."""
+records (report.py prints the tables)."""
 import json
 import os
 import subprocess
@@ -34,11 +34,3 @@ def simulate(dtrain, flags, log, allow_failure=False):
         records = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
     return [r for r in records if r.get("event") == "round" and r.get("applied")], stdout
 
-
-def table(lines, markdown):
-    """Prints the table's lines and writes them to `markdown` when given."""
-    text = "\n".join(lines)
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")

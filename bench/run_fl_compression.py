@@ -16,7 +16,8 @@ import argparse
 import os
 import statistics
 
-from fl_bench import DTRAIN, ROOT, simulate, table
+from fl_bench import DTRAIN, ROOT, simulate
+from report import table
 
 CONFIGS = [("none", ["--compression", "none"]),
            ("q8", ["--compression", "q8"]),

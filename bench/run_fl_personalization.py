@@ -15,7 +15,8 @@ import os
 import re
 import tempfile
 
-from fl_bench import DTRAIN, ROOT, run_logged, table
+from fl_bench import DTRAIN, ROOT, run_logged
+from report import table
 
 
 def simulate(dtrain, partition, args, checkpoint, extra, log):

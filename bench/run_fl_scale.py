@@ -17,7 +17,8 @@ import os
 import statistics
 import tempfile
 
-from fl_bench import DTRAIN, ROOT, run_logged, simulate, table
+from fl_bench import DTRAIN, ROOT, run_logged, simulate
+from report import table
 
 
 def simulate_round(dtrain, fraction, args, log):

@@ -17,7 +17,8 @@ import argparse
 import os
 import statistics
 
-from fl_bench import DTRAIN, ROOT, simulate, table
+from fl_bench import DTRAIN, ROOT, simulate
+from report import table
 
 
 def run(dtrain, secure, dropout, args, log):

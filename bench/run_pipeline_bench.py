@@ -17,6 +17,7 @@ import os
 import statistics
 
 from run_ddp_bench import run_json
+from report import table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MICRO = 64
@@ -125,11 +126,7 @@ def main():
               f" (P/M = 0.25); interleaved bubble at M=8 "
               f"{100 * med(('interleaved', 8, MICRO), 'bubble'):.1f}% against 1F1B "
               f"{100 * med(f8, 'bubble'):.1f}%."]
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+    table(lines, args.markdown)
 
 
 if __name__ == "__main__":

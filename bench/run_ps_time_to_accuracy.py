@@ -22,6 +22,8 @@ import statistics
 import subprocess
 import tempfile
 
+from report import emit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -118,10 +120,7 @@ def main():
     text = "\n".join(rows) + f"\n\nStaleness of the pushes (downpour, {slowed}, last round): " + \
         ", ".join(f"{k[len('staleness_'):]}: {v:g}" for k, v in
                   sorted(histogram.items(), key=lambda kv: int(kv[0].split("_")[1]))) + "\n"
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
+    emit(text, args.markdown)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import statistics
 import subprocess
 import tempfile
 
+from report import table
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -75,11 +77,7 @@ def main():
         won = statistics.median(r.get("backups_won", 0) for r in results[name])
         lines.append(f"| {name} | {it:.3f} | {it / base:.2f} | {ev:.3f} | {ev / base_eval:.2f} | "
                      f"{issued:.0f} / {won:.0f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+    table(lines, args.markdown)
 
 
 if __name__ == "__main__":

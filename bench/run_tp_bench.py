@@ -14,6 +14,7 @@ import os
 import statistics
 
 from run_ddp_bench import run_json
+from report import table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,11 +67,7 @@ def main():
             f"{med(label, 'model_state_mb') / med(base, 'model_state_mb'):.3f} | "
             f"{med(label, 'activation_peak_mb'):.1f} | "
             f"{med(label, 'activation_peak_mb') / med('T=2', 'activation_peak_mb'):.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+    table(lines, args.markdown)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "RankThreads.h"
+#include "SmallModels.h"
 #include "TempDir.h"
 #include <filesystem>
 #include "dtrain/common/Error.h"
@@ -25,14 +26,7 @@ using dtrain::test::run_ranks;
 
 namespace {
 
-models::ModelSpec mlp_spec() {
-  models::ModelSpec spec;
-  spec.name = "mlp";
-  spec.input_shape = {16};
-  spec.hidden = {32};
-  spec.classes = 4;
-  return spec;
-}
+models::ModelSpec mlp_spec() { return test::small_mlp(16, 32, 4); }
 
 // Shards with `optimizer` at `lr`, on free local ports.
 struct Shards {

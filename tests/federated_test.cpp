@@ -15,6 +15,7 @@
 #include <random>
 #include <set>
 
+#include "SmallModels.h"
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
@@ -60,14 +61,7 @@ double mean_classes(const at::Tensor& labels, const std::vector<ClientIndices>& 
   return sum / static_cast<double>(parts.size());
 }
 
-models::ModelSpec mlp_spec() {
-  models::ModelSpec spec;
-  spec.name = "mlp";
-  spec.input_shape = {12};
-  spec.hidden = {16};
-  spec.classes = 4;
-  return spec;
-}
+models::ModelSpec mlp_spec() { return test::small_mlp(12, 16, 4); }
 
 data::TensorDataset synthetic64(int64_t n, uint64_t seed) {
   const auto d = data::make_synthetic(n, {12}, 4, seed);

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "RankThreads.h"
+#include "SmallModels.h"
 #include "TempDir.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/train/Checkpoint.h"
@@ -24,14 +25,7 @@ using dtrain::test::TempDir;
 
 namespace {
 
-models::ModelSpec mlp_spec() {
-  models::ModelSpec spec;
-  spec.name = "mlp";
-  spec.input_shape = {16};
-  spec.hidden = {32};
-  spec.classes = 4;
-  return spec;
-}
+models::ModelSpec mlp_spec() { return test::small_mlp(16, 32, 4); }
 
 train::TrainerOptions base_options() {
   train::TrainerOptions o;
