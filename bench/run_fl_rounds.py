@@ -8,8 +8,8 @@ convolutions, a 512-unit layer; their Table 2, for E = 5 and B = 10, is for it).
 paper, each method gets its best local learning rate from a small grid (--fedavg-lrs,
 --fedsgd-lrs); every run uses the same seeds. A run stops at the target or at --max-rounds
 (then it counts as "not reached"). Round counts do not depend on the machine's speed, so runs
-need not alternate, and --jobs 2 --threads 1 runs two at once. Prints a line per run, then a table of the best rate per
-method and partition (median over --seeds) and FedSGD / FedAvg, for the target and for the
+need not alternate, and --jobs 2 --threads 1 runs two at once. Prints a line per run, then a
+table of the best rate per method and partition (median over --seeds) and FedSGD / FedAvg, for the target and for the
 lower --also accuracies the same runs passed on the way.
 
   bench/run_fl_rounds.py [--model mlp|cnn|fedavg-cnn --seeds 0 1 --max-rounds 3000
