@@ -9,8 +9,8 @@ paper, each method gets its best local learning rate from a small grid (--fedavg
 --fedsgd-lrs); every run uses the same seeds. A run stops at the target or at --max-rounds
 (then it counts as "not reached"). Round counts do not depend on the machine's speed, so runs
 need not alternate, and --jobs 2 --threads 1 runs two at once. Prints a line per run, then a
-table of the best rate per method and partition (median over --seeds) and FedSGD / FedAvg, for the target and for the
-lower --also accuracies the same runs passed on the way.
+table of the best rate per method and partition (median over --seeds) and FedSGD / FedAvg,
+for the target and for the lower --also accuracies the same runs passed on the way.
 
   bench/run_fl_rounds.py [--model mlp|cnn|fedavg-cnn --seeds 0 1 --max-rounds 3000
                           --jobs 2 --threads 1 --markdown FILE]
