@@ -17,6 +17,7 @@
 #include "Options.h"
 #include "dtrain/comm/TokenFile.h"
 #include "dtrain/data/FashionMnist.h"
+#include "dtrain/launch/Environment.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/federated/Client.h"
 #include "dtrain/parallel/federated/Server.h"
@@ -118,9 +119,14 @@ data::TensorDataset load(const Shared& s, bool train) {
                                       {1, 28, 28}, 10, s.seed + 2);
 }
 
-void set_threads(int threads) {
+// Threads for tensor ops, and glibc malloc kept from mmapping each large temporary (a FedSGD
+// client's full-batch activations, a model-sized update): without it a CNN round of
+// `fl simulate` spends about 40% of its time in the kernel faulting pages in (BENCHMARKS.md).
+// Called before the data loads: tuned later, the loop still unmapped twice as often.
+void set_up_process(int threads) {
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   at::set_num_threads(threads > 0 ? threads : cores);
+  launch::tune_allocator();
 }
 
 std::string default_client_id() {
@@ -337,8 +343,8 @@ int FederatedCommands::simulate() {
   s.compression = federated::parse_compression(sh.compression);
   s.compression.error_feedback = o.error_feedback;
   const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
+  set_up_process(sh.threads);  // evaluation (--threads, or the cores); client threads use one each
   const data::TensorDataset train = load(sh, true), test = load(sh, false);
-  set_threads(sh.threads);  // evaluation (--threads, or the cores); client threads use one each
   const auto result = federated::simulate(spec, train, test, s);
   double accuracy = -1, uplink = 0;
   int64_t applied = 0;
@@ -394,8 +400,8 @@ int FederatedCommands::serve() {
   if (!o.server_token_file.empty()) v.token = rpc::read_token_file(o.server_token_file);
   if (!o.client_tokens_file.empty()) v.client_tokens = federated::read_client_tokens(o.client_tokens_file);
   const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
+  set_up_process(sh.threads);
   const data::TensorDataset test = load(sh, false);
-  set_threads(sh.threads);
   torch::manual_seed(sh.seed);
   Model model = models::make_model(spec);
   federated::Server server(federated::flatten_parameters(model), v, [&](const at::Tensor& global) {
@@ -441,7 +447,7 @@ int FederatedCommands::client() {
       std::fprintf(stderr, "fl client %s: %s\n", id.c_str(), line.c_str());
     };
   }
-  set_threads(sh.threads);
+  set_up_process(sh.threads);
   data::TensorDataset train = load(sh, true);
   const double test_fraction =
       o.client_test_fraction >= 0 ? o.client_test_fraction : o.client_partition.empty() ? 0 : 0.2;
