@@ -2,7 +2,6 @@
 // summaries printed.
 #include "Federated.h"
 
-#include <ATen/Parallel.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,7 +9,6 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
-#include <thread>
 
 #include <torch/torch.h>
 
@@ -92,7 +90,7 @@ void add_data(CLI::App& c, Shared& s, const char* use) {
       "Fashion-MNIST IDX files (default: $DTRAIN_DATA_DIR or Debian's dataset-fashion-mnist)");
   add(c, "--synthetic-examples", s.synthetic_examples, "--dataset synthetic: training examples")
       ->capture_default_str();
-  add(c, "--threads", s.threads, "LibTorch threads (default: the cores)");
+  add(c, "--threads", s.threads, "LibTorch threads (default: $DTRAIN_THREADS, else the cores)");
 }
 
 models::ModelSpec model_spec(const Shared& s, const std::string& name,
@@ -119,13 +117,12 @@ data::TensorDataset load(const Shared& s, bool train) {
                                       {1, 28, 28}, 10, s.seed + 2);
 }
 
-// Threads for tensor ops, and glibc malloc kept from mmapping each large temporary (a FedSGD
-// client's full-batch activations, a model-sized update): without it a CNN round of
-// `fl simulate` spends about 40% of its time in the kernel faulting pages in (BENCHMARKS.md).
-// Called before the data loads: tuned later, the loop still unmapped twice as often.
+// Threads for tensor ops (--threads, else $DTRAIN_THREADS or the cores), and glibc malloc kept
+// from mmapping each large temporary (a FedSGD client's full-batch activations): without it a
+// FedSGD round with the CNN spends 45% of its time in the kernel (BENCHMARKS.md). Called before
+// the data loads: tuned after it, the rounds still unmapped 1.6x as often.
 void set_up_process(int threads) {
-  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  at::set_num_threads(threads > 0 ? threads : cores);
+  launch::set_threads(threads > 0 ? threads : launch::default_threads(1));
   launch::tune_allocator();
 }
 
