@@ -650,6 +650,39 @@ TEST(Cli, TrainOnTwoRanksEndToEnd) {
   EXPECT_TRUE(has(again, "resumed from step " + std::to_string(train_again_from))) << again.text;
 }
 
+// Batch jobs log with --no-progress: a resumed run still says from which step and checkpoint,
+// and under which layout it was saved and now runs (a TP=2 GPT resumed at TP=1); a `latest`
+// file naming a checkpoint that does not exist is named, and the newest one resumed.
+TEST(Cli, AResumedRunSaysSoWithoutProgressBars) {
+  TempDir dir;
+  {
+    std::ofstream text(dir / "text.txt");
+    for (int i = 0; i < 200; ++i) text << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
+  const std::string job = " train --threads 1 --model gpt --dataset text --text-file " +
+                          (dir / "text.txt") + " --layers 1 --heads 2 --width 16 --context 16 "
+                          "--batch-size 8 --max-steps 6 --no-progress --checkpoint-dir " + (dir / "ckpt");
+  const auto first = run(kDtrain + job + " --nproc 2 --tensor-parallel 2 --stop-at-step 2");
+  ASSERT_EQ(first.code, 0) << first.text;
+  EXPECT_FALSE(has(first, "resumed")) << first.text;
+  const auto second = run(kDtrain + job + " --nproc 1 --stop-at-step 4");
+  ASSERT_EQ(second.code, 0) << second.text;
+  EXPECT_TRUE(has(second, "dtrain: resumed from step 2 of " + (dir / "ckpt/step-00000002") +
+                              " (saved by ddp on 2 ranks (DP 1 x PP 1 x TP 2); now ddp on 1 rank "
+                              "(DP 1 x PP 1 x TP 1))"))
+      << second.text;
+  {
+    std::ofstream latest(dir / "ckpt/latest", std::ios::trunc);
+    latest << "step-00000099\n";
+  }
+  const auto third = run(kDtrain + job + " --nproc 1");
+  ASSERT_EQ(third.code, 0) << third.text;
+  EXPECT_TRUE(has(third, (dir / "ckpt") + "/latest names checkpoint 'step-00000099', which does "
+                         "not exist; resuming from the newest checkpoint that verifies"))
+      << third.text;
+  EXPECT_TRUE(has(third, "dtrain: resumed from step 4 of " + (dir / "ckpt/step-00000004"))) << third.text;
+}
+
 // Rank discovery reads the process environment: each case sets it, checks, and clears it.
 class Discovery : public ::testing::Test {
  protected:

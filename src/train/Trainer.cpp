@@ -30,6 +30,11 @@ namespace dtrain::train {
 
 namespace {
 
+// "4 ranks (DP 2 x PP 2 x TP 1)": how a run or a checkpoint is laid out.
+std::string describe_layout(int world, int dp, int pp, int tp) {
+  return concat(world, world == 1 ? " rank" : " ranks", " (DP ", dp, " x PP ", pp, " x TP ", tp, ")");
+}
+
 // "val acc 87.10%" for a classifier; "val 1.62 nats/token (2.34 bits)" for a language model.
 std::string describe_eval_as(const EvalResult& eval, bool tokens) {
   char text[96];
@@ -249,6 +254,12 @@ std::string Trainer::choose_checkpoint() {
   if (world_->rank() == 0 && !names.empty()) {
     std::string latest_name;
     if (const auto latest = latest_checkpoint_name(root)) latest_name = *latest;
+    if (!latest_name.empty() && std::find(names.begin(), names.end(), latest_name) == names.end()) {
+      std::fprintf(stderr, "dtrain: warning: %s/latest names checkpoint '%s', which does not exist; "
+                           "resuming from the newest checkpoint that verifies\n",
+                   root.c_str(), latest_name.c_str());
+      latest_name.clear();
+    }
     int damaged = 0;
     std::vector<std::string> set_aside;
     for (int64_t i = static_cast<int64_t>(names.size()) - 1; i >= 0; --i) {
@@ -317,6 +328,15 @@ int64_t Trainer::restore_checkpoint(int64_t global_batch) {
   at::Generator generator = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(state);
+  // What happened, whatever the progress display: batch logs run with --no-progress.
+  if (world_->rank() == 0) {
+    std::printf("dtrain: resumed from step %lld of %s (saved by %s on %s; now %s on %s)\n",
+                static_cast<long long>(meta.step), directory.c_str(), meta.strategy.c_str(),
+                describe_layout(meta.world_size, meta.dp, meta.pp, meta.tp).c_str(),
+                strategy_->name().c_str(),
+                describe_layout(world_->size(), grid_->dp_size(), grid_->pp_size(), grid_->tp_size()).c_str());
+    std::fflush(stdout);
+  }
   return meta.step;
 }
 
@@ -442,9 +462,6 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   MetricsWriter metrics(leader ? options_.metrics_file : "", start_step > 0);
   ProgressBar progress(stdout, ProgressBar::is_terminal(stdout),
                        std::max<int64_t>(1, steps_per_epoch / 10));
-  if (leader && start_step > 0 && options_.progress) {
-    std::printf("resumed from step %lld\n", static_cast<long long>(start_step));
-  }
 
   const auto start = Clock::now();
   double train_seconds = 0.0;
