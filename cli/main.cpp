@@ -61,6 +61,7 @@ int serve_shard(dtrain::parallel::ps::ShardServerOptions options, const std::str
   options.shard = shard;
   options.shards = shards;
   DTRAIN_CHECK_INPUT(report_s >= 0, "--report-every must be >= 0 seconds");
+  DTRAIN_CHECK_INPUT(options.max_workers >= 1, "--max-workers must be >= 1, got ", options.max_workers);
   dtrain::parallel::ps::check_shard_optimizer(options.optimizer);
   dtrain::launch::tune_allocator();  // megabyte messages: no mmap/munmap per message
   dtrain::parallel::ps::ShardServer server(options);
@@ -667,6 +668,9 @@ int main(int argc, char** argv) {
       "Every call must carry the token in this file (UNAUTHENTICATED otherwise)");
   add(*serve, "--tls-cert", ps_options.tls_cert, "PEM certificate chain: serve TLS");
   add(*serve, "--tls-key", ps_options.tls_key, "PEM private key of --tls-cert");
+  add(*serve, "--max-workers", ps_options.max_workers,
+      "Worker ids run from 0 to this - 1 (pushes from others are refused)")
+      ->capture_default_str();
   double serve_report_s = 10;
   add(*serve, "--report-every", serve_report_s,
       "Seconds between the shard's traffic lines (0 = none)")

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <thread>
 
 #include "RankThreads.h"
@@ -157,6 +158,45 @@ TEST(Downpour, OneWorkerWithSgdOnTheShardsIsSingleProcessSgdStepForStep) {
     Shards shards(2, "sgd", 0.1);
     options.strategy_options.ps_addresses = shards.addresses();
     EXPECT_GT(max_diff(run(1, options, dataset).weights, reference.weights), 1e-4);
+  }
+}
+
+// A step whose gradient holds NaN (a worker's bug, a flipped bit) is left out of the pushes,
+// said and counted; the shared model stays finite and the run is single-process SGD with that
+// step's gradient zeroed (the worker's 15 steps make 14 updates).
+TEST(Downpour, AStepWhoseGradientIsNotFiniteIsSkippedAndTheShardsStayFinite) {
+  at::set_num_threads(1);
+  const auto dataset = in_float64(synthetic(160, 2));
+  auto zeroed = [](int bad_call, double factor) {
+    auto calls = std::make_shared<int>(0);
+    return [calls, bad_call, factor](const at::Tensor& out, const at::Tensor& target) {
+      const auto loss = parallel::cross_entropy(out, target);
+      return ++*calls == bad_call ? loss * factor : loss;
+    };
+  };
+  auto reference_options = sgd_options();
+  reference_options.loss = zeroed(7, 0.0);
+  const Outcome reference = run(1, reference_options, dataset);
+
+  auto options = sgd_options();
+  options.strategy = "downpour";
+  options.strategy_options.ps_max_staleness = 0;
+  options.loss = zeroed(7, std::numeric_limits<double>::quiet_NaN());
+  Shards shards(2, "sgd", 0.1);
+  options.strategy_options.ps_addresses = shards.addresses();
+  testing::internal::CaptureStderr();
+  const Outcome downpour = run(1, options, dataset);
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("downpour worker 0: step 7's non-finite gradient: element "), std::string::npos)
+      << said;
+  EXPECT_NE(said.find("; its update is skipped"), std::string::npos) << said;
+  EXPECT_EQ(shards.version(), 14);
+  EXPECT_TRUE(std::isnan(downpour.fit.losses.at(6)));
+  EXPECT_LE(max_diff(downpour.weights, reference.weights), kTightBound);
+  for (const auto& server : shards.servers) {
+    EXPECT_TRUE(at::isfinite(server->shard().read(server->shard().begin(), server->shard().end(), nullptr))
+                    .all()
+                    .item<bool>());
   }
 }
 

@@ -227,10 +227,15 @@ TEST(Sandblaster, FuzzedVectorBatchesRunWholeOrChangeNothing) {
     } else {
       for (int k = 0, count = 1 + static_cast<int>(random() % 4); k < count; ++k) {
         auto* op = request.add_ops();
-        op->set_kind(static_cast<dtrain::ps::VectorOp::Kind>(random() % 7));  // 5, 6 invalid
+        const auto kind = static_cast<dtrain::ps::VectorOp::Kind>(random() % 7);  // 5, 6 invalid
+        op->set_kind(kind);
         op->set_dst(names[random() % names.size()]);
-        op->set_src(names[random() % names.size()]);
-        op->set_alpha(random() % 10 == 0 ? std::nan("") : 0.5);
+        // Mostly the fields the kind uses; now and then one it does not (refused).
+        const bool reads_src = kind == dtrain::ps::VectorOp::COPY ||
+                               kind == dtrain::ps::VectorOp::AXPY || kind == dtrain::ps::VectorOp::DOT;
+        const bool uses_alpha = kind == dtrain::ps::VectorOp::SCALE || kind == dtrain::ps::VectorOp::AXPY;
+        if (reads_src || random() % 16 == 0) op->set_src(names[random() % names.size()]);
+        if (uses_alpha || random() % 16 == 0) op->set_alpha(random() % 10 == 0 ? std::nan("") : 0.5);
       }
     }
     const auto before = state();

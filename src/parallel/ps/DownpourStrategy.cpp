@@ -29,6 +29,14 @@ double ms_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Lines about lost updates: the first few of each kind, then a note that the rest are counted.
+constexpr int64_t kLoggedLosses = 5;
+void log_loss(int rank, int64_t count, const std::string& what) {
+  if (count > kLoggedLosses) return;
+  std::fprintf(stderr, "downpour worker %d: %s%s\n", rank, what.c_str(),
+               count == kLoggedLosses ? " (further ones are counted in the metrics)" : "");
+}
+
 }  // namespace
 
 DownpourStrategy::DownpourStrategy(StrategyOptions options) : ReplicaStrategy(std::move(options)) {}
@@ -97,6 +105,11 @@ void DownpourStrategy::background() {
         lock.lock();
         push_pending_ = false;
         ++pushes_done_;
+        for (const std::string& why : result.refused) {
+          if (why.empty()) continue;
+          log_loss(grid_->world()->rank(), ++refused_pushes_,
+                   concat(why, "; that update is lost there, training goes on"));
+        }
         newest_version_ = std::max(newest_version_, newest(result.versions));
         last_staleness_ = newest(result.staleness);
         last_lr_ = result.lr.empty() ? 0.0 : result.lr[0];
@@ -206,7 +219,20 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
   if (options_.max_grad_norm > 0) {
     result.grad_norm = torch::nn::utils::clip_grad_norm_(parameters_, options_.max_grad_norm);
   }
+  // A gradient holding NaN or Inf would poison the shared model for every worker (the shards
+  // refuse it too): this step's is left out, said and counted.
+  std::string nonfinite;
   {
+    int64_t offset = 0;
+    for (const auto& p : parameters_) {
+      if (p.grad().defined() && nonfinite.empty()) nonfinite = check_finite(p.grad().reshape({-1}), offset);
+      offset += p.numel();
+    }
+  }
+  if (!nonfinite.empty()) {
+    log_loss(grid_->world()->rank(), ++skipped_steps_,
+             concat("step ", steps_done_ + 1, "'s ", nonfinite, "; its update is skipped"));
+  } else {
     torch::NoGradGuard no_grad;
     int64_t offset = 0;
     for (const auto& p : parameters_) {
@@ -216,7 +242,7 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
       offset += p.numel();
     }
   }
-  if (steps_accumulated_++ == 0) accumulated_versions_ = computed_on;
+  if (nonfinite.empty() && steps_accumulated_++ == 0) accumulated_versions_ = computed_on;
   step_seconds_ += (ms_since(compute_start) / 1e3 - step_seconds_) / static_cast<double>(++steps_done_);
   ++steps_since_fetch_;
 
@@ -237,6 +263,8 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
   result.metrics["ps_wait_ms"] = wait_ms;
   result.metrics["ps_lr"] = last_lr_;
   result.metrics["ps_lost_updates"] = static_cast<double>(client_->lost_updates());
+  result.metrics["ps_skipped_steps"] = static_cast<double>(skipped_steps_);
+  result.metrics["ps_refused_pushes"] = static_cast<double>(refused_pushes_);
   return result;
 }
 
@@ -277,6 +305,7 @@ std::string DownpourStrategy::await_workers() {
     const auto infos = client_->describe();
     for (const auto& info : infos) {
       for (const auto& w : info.workers()) {
+        if (w.pushes() == 0 && !w.finished()) continue;  // only refused pushes: never took part
         auto& entry = seen[w.worker()];
         entry.first += w.finished() ? 1 : 0;
         entry.second = std::max(entry.second, w.last_push_age_s());
@@ -338,6 +367,9 @@ std::map<std::string, double> DownpourStrategy::run_metrics() {
     m[concat("worker", worker, "_pushes")] = static_cast<double>(count);
   }
   m["lost_updates"] = static_cast<double>(client_->lost_updates());
+  int64_t refused = 0;
+  for (const auto& info : infos) refused += info.refused_pushes();
+  m["refused_pushes"] = static_cast<double>(refused);
   return m;
 }
 

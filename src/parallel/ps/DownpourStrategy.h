@@ -76,6 +76,8 @@ class DownpourStrategy : public ReplicaStrategy {
   double last_lr_ = 0;                   // the shards' learning rate at the last push
   double step_seconds_ = 0;              // mean compute time of a step (for await_workers)
   int64_t steps_done_ = 0;
+  int64_t skipped_steps_ = 0;            // steps whose gradient held NaN or Inf (not pushed)
+  int64_t refused_pushes_ = 0;           // pushes a shard refused as non-finite
 };
 
 }  // namespace dtrain::parallel::ps

@@ -58,6 +58,18 @@ double ParameterShard::current_lr() const {
   return lr_at(optimizer_, version_);
 }
 
+std::string check_finite(const at::Tensor& values, int64_t first_index) {
+  // One reduction answers for the common case: a sum is finite only if every element is (or
+  // it overflowed, which the exact look below tells apart).
+  if (values.numel() == 0 || std::isfinite(values.sum().item<double>())) return "";
+  const at::Tensor bad = at::isfinite(values).logical_not_().nonzero();
+  if (bad.numel() == 0) return "";
+  const int64_t i = bad[0][0].item<int64_t>();
+  const double value = values[i].item<double>();
+  return concat(kNonFiniteGradient, ": element ", first_index + i,
+                " of the model's parameters is ", std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf");
+}
+
 std::string ParameterShard::check_gradient(int64_t begin, const at::Tensor& gradient) const {
   if (!initialized_) return "the shard has no parameters yet (Initialize first)";
   const int64_t n = gradient.numel();
@@ -69,7 +81,7 @@ std::string ParameterShard::check_gradient(int64_t begin, const at::Tensor& grad
     return concat("a gradient for [", begin, ", ", begin + n, ") is outside the shard's range [",
                   begin_, ", ", end_, ")");
   }
-  return "";
+  return check_finite(gradient, begin);
 }
 
 std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::vector<double>* dots) {
@@ -81,17 +93,23 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
   for (size_t i = 0; i < ops.size(); ++i) {
     const VectorOp& op = ops[i];
     const std::string where = concat("vector op ", i);
-    auto valid_name = [](const std::string& n) { return !n.empty() && n.size() <= 64; };
-    if (!valid_name(op.dst)) return concat(where, ": field 'dst' must name a vector (1 to 64 characters)");
+    auto valid_name = [](const std::string& n) { return !n.empty() && n.size() <= kMaxVectorName; };
+    if (!valid_name(op.dst)) {
+      return concat(where, ": field 'dst' must name a vector (1 to ", kMaxVectorName, " characters)");
+    }
     const bool reads_src = op.kind == VectorOp::Copy || op.kind == VectorOp::Axpy || op.kind == VectorOp::Dot;
     if (reads_src && names.count(op.src) == 0) {
-      return concat(where, ": field 'src' names vector '", op.src, "', which the shard does not have");
+      return concat(where, ": field 'src' names vector '", op.src.substr(0, kMaxVectorName),
+                    "', which the shard does not have");
     }
+    if (!reads_src && !op.src.empty()) return concat(where, ": field 'src' must be empty for this kind");
     const bool creates = op.kind == VectorOp::Zero || op.kind == VectorOp::Copy;
     if (!creates && names.count(op.dst) == 0) {
       return concat(where, ": field 'dst' names vector '", op.dst, "', which the shard does not have");
     }
     if (!std::isfinite(op.alpha)) return concat(where, ": field 'alpha' is not finite");
+    const bool uses_alpha = op.kind == VectorOp::Scale || op.kind == VectorOp::Axpy;
+    if (!uses_alpha && op.alpha != 0.0) return concat(where, ": field 'alpha' must be 0 for this kind");
     if (op.round < 0 || (op.round > 0 && op.kind != VectorOp::Zero)) {
       return concat(where, ": field 'round' is ", op.round, " (ZERO may open a round > 0; other "
                     "ops carry 0)");
@@ -101,30 +119,50 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
       return concat(where, ": more than ", kMaxVectors, " vectors on one shard");
     }
   }
-  const bool writes_x = std::any_of(ops.begin(), ops.end(), [](const VectorOp& op) {
-    return op.dst == "x" && op.kind != VectorOp::Dot;
-  });
-  if (writes_x) own_values();
-  auto vector = [&](const std::string& name) -> at::Tensor& {
+  // The ops write into copies of the vectors they change, kept only if the parameters stay
+  // finite (an overflowing SCALE or AXPY into x is refused as a whole, like a bad field).
+  std::map<std::string, at::Tensor> staged;
+  auto read = [&](const std::string& name) -> const at::Tensor& {
+    if (const auto found = staged.find(name); found != staged.end()) return found->second;
     if (name == "x") return values_;
-    at::Tensor& v = vectors_[name];
-    if (!v.defined()) v = at::zeros_like(values_);
-    return v;
+    return vectors_.at(name);
   };
+  auto write = [&](const std::string& name) -> at::Tensor& {
+    if (const auto found = staged.find(name); found != staged.end()) return found->second;
+    at::Tensor copy = read(name).clone();
+    return staged[name] = std::move(copy);
+  };
+  const size_t dots_before = dots->size();
   for (const VectorOp& op : ops) {
     switch (op.kind) {
-      case VectorOp::Zero:
-        vector(op.dst).zero_();
-        if (op.round > 0) rounds_[op.dst] = Round{op.round, {}};
-        break;
-      case VectorOp::Copy: vector(op.dst).copy_(vector(op.src)); break;
-      case VectorOp::Scale: vector(op.dst).mul_(op.alpha); break;
-      case VectorOp::Axpy: vector(op.dst).add_(vector(op.src), op.alpha); break;
+      case VectorOp::Zero: staged[op.dst] = at::zeros_like(values_); break;
+      case VectorOp::Copy: staged[op.dst] = read(op.src).clone(); break;
+      case VectorOp::Scale: write(op.dst).mul_(op.alpha); break;
+      case VectorOp::Axpy: write(op.dst).add_(read(op.src), op.alpha); break;
       case VectorOp::Dot:
-        dots->push_back(at::dot(vector(op.dst).to(at::kDouble), vector(op.src).to(at::kDouble))
+        dots->push_back(at::dot(read(op.dst).to(at::kDouble), read(op.src).to(at::kDouble))
                             .item<double>());
         break;
     }
+  }
+  if (const auto x = staged.find("x"); x != staged.end()) {
+    std::string why = check_finite(x->second, begin_);
+    if (!why.empty()) {
+      dots->resize(dots_before);
+      return concat("the ops would leave the parameters non-finite (", why.substr(why.find(": ") + 2),
+                    "); nothing changed");
+    }
+  }
+  for (auto& [name, tensor] : staged) {
+    // A share() view of the old values keeps them: that view stays one version.
+    if (name == "x") {
+      values_ = std::move(tensor);
+    } else {
+      vectors_[name] = std::move(tensor);
+    }
+  }
+  for (const VectorOp& op : ops) {
+    if (op.kind == VectorOp::Zero && op.round > 0) rounds_[op.dst] = Round{op.round, {}};
   }
   return "";
 }
@@ -141,6 +179,9 @@ std::string ParameterShard::accumulate(const std::string& name, int64_t begin,
   if (std::string why = check_gradient(begin, gradient); !why.empty()) return why;
   const int64_t n = gradient.numel();
   if (name == "x") return "field 'accumulate' may not name the parameters 'x'";
+  if (name.size() > kMaxVectorName) {
+    return concat("field 'accumulate' is ", name.size(), " characters long (at most ", kMaxVectorName, ")");
+  }
   const auto found = vectors_.find(name);
   if (found == vectors_.end()) {
     return concat("field 'accumulate' names vector '", name, "', which the shard does not have");
@@ -162,6 +203,13 @@ void ParameterShard::mark_done(int worker) {
   WorkerRecord& record = workers_[worker];
   if (record.pushes == 0) record.last_push = std::chrono::steady_clock::now();
   record.finished = true;
+}
+
+void ParameterShard::count_refusal(int worker) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  WorkerRecord& record = workers_[worker];
+  if (record.pushes == 0 && record.refused == 0) record.last_push = std::chrono::steady_clock::now();
+  ++record.refused;
 }
 
 std::vector<int64_t> ParameterShard::staleness_histogram() const {

@@ -197,6 +197,10 @@ void PsClient::check_restart(Shard& s) {
 
 PsClient::~PsClient() = default;
 
+bool PushResult::any_refused() const {
+  return std::any_of(refused.begin(), refused.end(), [](const std::string& r) { return !r.empty(); });
+}
+
 void PsClient::describe_all() {
   for_each_shard(shards(), [&](int i) {
     with_retry(i, "Describe", [&](Shard& s, grpc::ClientContext& context) {
@@ -380,6 +384,7 @@ PushResult PsClient::push(const at::Tensor& gradient, const std::vector<int64_t>
   result.versions.assign(shards(), 0);
   result.staleness.assign(shards(), 0);
   result.lr.assign(shards(), 0.0);
+  result.refused.assign(shards(), "");
   const auto owner = std::make_shared<const at::Tensor>(gradient);
   for_each_shard(shards(), [&](int i) {
     const auto [begin, end] = shard_range(total_, i, shards());
@@ -389,14 +394,24 @@ PushResult PsClient::push(const at::Tensor& gradient, const std::vector<int64_t>
       // After a restart the gradient may have been computed on a version the shard lost: it
       // counts as computed on the newest the worker has seen since.
       const int64_t computed = std::min(versions[i], s.seen_version);
-      return send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin,
-                         options_.chunk_bytes, owner, [&](dtrain::ps::PushChunk& message) {
-                           message.set_worker(options_.worker);
-                           message.set_computed_version(computed);
-                           message.set_last(last);
-                         });
+      const grpc::Status status = send_chunks(
+          *writer, gradient.narrow(0, begin, end - begin), begin, options_.chunk_bytes, owner,
+          [&](dtrain::ps::PushChunk& message) {
+            message.set_worker(options_.worker);
+            message.set_computed_version(computed);
+            message.set_last(last);
+          });
+      // A gradient with NaN or Inf costs this update, not the worker (the shard is unchanged).
+      if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
+          status.error_details() == kNonFiniteDetails) {
+        result.refused[i] = concat("parameter server ", s.address, " refused the push: ",
+                                   status.error_message());
+        return grpc::Status::OK;
+      }
+      return status;
     });
     Shard& s = *shards_[i];
+    if (!result.refused[i].empty()) return;
     s.seen_version = std::max(s.seen_version, reply.version());
     result.versions[i] = reply.version();
     result.staleness[i] = reply.staleness();

@@ -67,14 +67,44 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   std::vector<at::Tensor> free_;
 };
 
+// "" when `meta`'s fields other than the tensor's place agree with the stream's first chunk
+// (`head`), else why not (prefixed by `where`).
+std::string check_same_header(const dtrain::ps::PushChunk& meta, const dtrain::ps::PushChunk& head,
+                              const std::string& where) {
+  auto differs = [&](const char* field, auto mine, auto first) {
+    return concat(where, ": field '", field, "' is ", mine, ", the first chunk's ", first);
+  };
+  if (meta.computed_version() != head.computed_version()) {
+    return differs("computed_version", meta.computed_version(), head.computed_version());
+  }
+  if (meta.worker() != head.worker()) return differs("worker", meta.worker(), head.worker());
+  if (meta.total() != head.total()) return differs("total", meta.total(), head.total());
+  if (meta.last() != head.last()) return differs("last", meta.last(), head.last());
+  if (meta.round() != head.round()) return differs("round", meta.round(), head.round());
+  if (meta.unit() != head.unit()) return differs("unit", meta.unit(), head.unit());
+  if (meta.accumulate() != head.accumulate()) {
+    return concat(where, ": field 'accumulate' differs from the first chunk's");
+  }
+  const auto& shape = meta.chunk().shape();
+  const auto& first = head.chunk().shape();
+  if (!shape.empty() && (shape.size() != 1 || first.size() != 1 || shape[0] != first[0])) {
+    return concat(where, ": field 'shape' differs from the first chunk's (later chunks may leave "
+                  "it empty)");
+  }
+  return "";
+}
+
 // Reads a stream of chunks that must follow each other from the first one's offset, within
 // `rule`, into `buffer` (elements [rule.begin, rule.end) of the index space, of rule.dtype;
 // empty: parts are gathered and joined); each payload is copied once, from gRPC's slices to its
-// place. `any_float`: the first chunk's dtype, float32 or float64, sets rule.dtype. Sets
-// `values` to the elements received and returns "" or why the stream was refused.
+// place. `any_float`: the first chunk's dtype, float32 or float64, sets rule.dtype. Every chunk
+// names no tensor, the first one's shape is empty or the stream's length, and the other fields
+// are the first chunk's. Sets `values` to the elements received, `*worker` to the first chunk's
+// worker field (even when refused; -1 when none came), and returns "" or why the stream was
+// refused.
 std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* reader,
                         rpc::ChunkRule rule, const char* rpc_name, int64_t* first_offset,
-                        at::Tensor* values, dtrain::ps::PushChunk* head,
+                        at::Tensor* values, dtrain::ps::PushChunk* head, int* worker,
                         const at::Tensor& buffer = {}, bool any_float = false) {
   rpc::Bulk<dtrain::ps::PushChunk> chunk;
   std::vector<at::Tensor> parts;
@@ -86,16 +116,25 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
     const std::string where = concat(rpc_name, " chunk ", index);
     if (any_float && next < 0 && meta.chunk().dtype() == rpc::FLOAT64) rule.dtype = at::kDouble;
     std::string why = rpc::check_chunk(meta.chunk(), bytes, rule, where);
-    if (!why.empty() || next < 0) return why;
+    if (!why.empty()) return why;
+    if (!meta.chunk().name().empty()) {
+      return concat(where, ": field 'name' must be empty (a shard holds one tensor)");
+    }
+    if (next < 0) {
+      const auto& shape = meta.chunk().shape();
+      const int64_t room = rule.end - meta.chunk().offset();
+      if (shape.size() > 1 || (shape.size() == 1 && (shape[0] < 1 || shape[0] > room))) {
+        return concat(where, ": field 'shape' must be empty or the stream's length, 1 to ", room,
+                      " elements from offset ", meta.chunk().offset(), " (got ",
+                      shape.size() == 1 ? concat(shape[0]) : concat(shape.size(), " dimensions"), ")");
+      }
+      return std::string();
+    }
     if (meta.chunk().offset() != next) {
       return concat(where, ": field 'offset' is ", meta.chunk().offset(), ", expected ", next,
                     " (chunks must follow each other)");
     }
-    if (meta.computed_version() != head->computed_version()) {
-      return concat(where, ": field 'computed_version' is ", meta.computed_version(),
-                    ", the first chunk's ", head->computed_version());
-    }
-    return std::string();
+    return check_same_header(meta, *head, where);
   };
   chunk.place = [&](const dtrain::ps::PushChunk& meta, int64_t bytes, std::string* why) -> char* {
     if (!problem.empty()) {  // draining the stream: nothing is kept
@@ -111,7 +150,9 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
     parts.push_back(at::empty({bytes / static_cast<int64_t>(c10::elementSize(rule.dtype))}, rule.dtype));
     return static_cast<char*>(parts.back().data_ptr());
   };
+  *worker = -1;
   while (reader->Read(&chunk)) {
+    if (index == 0) *worker = chunk.meta.worker();
     if (!problem.empty()) continue;  // drain the stream, apply nothing
     problem = chunk.refused.empty() && chunk.received == 0 ? check(chunk.meta, 0) : chunk.refused;
     ++index;
@@ -131,6 +172,10 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
     *values = parts.empty() ? at::empty({0}, rule.dtype) : parts.size() == 1 ? parts[0] : at::cat(parts);
   }
   if (values->numel() == 0) return concat(rpc_name, ": the chunks hold no elements");
+  if (head->chunk().shape_size() == 1 && head->chunk().shape(0) != values->numel()) {
+    return concat(rpc_name, ": field 'shape' says ", head->chunk().shape(0),
+                  " elements, the chunks carry ", values->numel());
+  }
   return "";
 }
 
@@ -145,6 +190,7 @@ class ShardService final : public grpc::Service {
  public:
   explicit ShardService(const ShardServerOptions& options)
       : shard_(options.shard, options.shards, options.optimizer), token_(options.auth_token),
+        max_workers_(options.max_workers),
         incarnation_(std::random_device{}() * 0x100000001ULL ^ std::random_device{}()),
         started_(std::chrono::steady_clock::now()) {
     // Registered by hand rather than through the generated ParameterServer::Service:
@@ -191,6 +237,8 @@ class ShardService final : public grpc::Service {
     info->set_bytes_in(bytes_in_.load());
     info->set_bytes_out(bytes_out_.load());
     info->set_uptime_s(std::chrono::duration<double>(now - started_).count());
+    info->set_refused_pushes(refused_.load());
+    info->set_max_workers(max_workers_);
     for (const int64_t count : shard_.staleness_histogram()) info->add_staleness_histogram(count);
     for (const auto& [id, record] : shard_.workers()) {
       auto* worker = info->add_workers();
@@ -198,6 +246,7 @@ class ShardService final : public grpc::Service {
       worker->set_pushes(record.pushes);
       worker->set_last_push_age_s(std::chrono::duration<double>(now - record.last_push).count());
       worker->set_finished(record.finished);
+      worker->set_refused(record.refused);
     }
     return grpc::Status::OK;
   }
@@ -212,9 +261,11 @@ class ShardService final : public grpc::Service {
     int64_t first = 0;
     at::Tensor values;
     dtrain::ps::PushChunk head;
-    const std::string problem =
-        read_stream(reader, rule, "Initialize", &first, &values, &head, {}, /*any_float=*/true);
+    int worker = -1;
+    const std::string problem = read_stream(reader, rule, "Initialize", &first, &values, &head,
+                                            &worker, {}, /*any_float=*/true);
     if (!problem.empty()) return invalid(problem);
+    if (std::string why = check_worker("Initialize", worker); !why.empty()) return invalid(why);
     const int64_t total = head.total();
     const auto [begin, end] = shard_range(total, shard_.shard(), shard_.shards());
     if (total <= 0) return invalid(concat("Initialize: field 'total' is ", total));
@@ -278,15 +329,25 @@ class ShardService final : public grpc::Service {
     int64_t first = 0;
     at::Tensor gradient;
     dtrain::ps::PushChunk head;
+    int worker = -1;
     const BufferPool::Lease lease = pool_->take(rule.end - rule.begin, rule.dtype);
-    const std::string problem =
-        read_stream(reader, rule, "Push", &first, &gradient, &head, lease.tensor());
-    if (!problem.empty()) return invalid(problem);
+    std::string why = read_stream(reader, rule, "Push", &first, &gradient, &head, &worker, lease.tensor());
+    if (why.empty()) why = check_worker("Push", worker);
+    if (why.empty() && head.total() != 0 && head.total() != shard_.total()) {
+      why = concat("Push: field 'total' is ", head.total(), ", the model has ", shard_.total(),
+                   " parameters (0 leaves it out)");
+    }
+    if (why.empty() && head.accumulate().empty() && (head.round() != 0 || head.unit() != 0)) {
+      why = "Push: fields 'round' and 'unit' belong to an accumulate push (0 otherwise)";
+    }
+    if (why.empty() && !head.accumulate().empty() && (head.computed_version() != 0 || head.last())) {
+      why = "Push: an accumulate push carries no 'computed_version' or 'last'";
+    }
+    if (!why.empty()) return refuse(worker, why);
     if (!head.accumulate().empty()) {
       bool ignored = false;
-      const std::string why = shard_.accumulate(head.accumulate(), first, gradient, head.round(),
-                                                head.unit(), &ignored);
-      if (!why.empty()) return invalid("Push: " + why);
+      why = shard_.accumulate(head.accumulate(), first, gradient, head.round(), head.unit(), &ignored);
+      if (!why.empty()) return refuse(worker, concat("Push from worker ", worker, ": ", why));
       ++pushes_;
       bytes_in_ += gradient.nbytes();
       reply->set_version(shard_.version());
@@ -295,9 +356,9 @@ class ShardService final : public grpc::Service {
     }
     int64_t version = 0, staleness = 0;
     double lr = 0;
-    const std::string why = shard_.apply(first, gradient, head.computed_version(), head.worker(),
-                                         head.last(), &version, &staleness, &lr);
-    if (!why.empty()) return invalid("Push: " + why);
+    why = shard_.apply(first, gradient, head.computed_version(), head.worker(), head.last(),
+                       &version, &staleness, &lr);
+    if (!why.empty()) return refuse(worker, concat("Push from worker ", worker, ": ", why));
     ++pushes_;
     bytes_in_ += gradient.nbytes();
     reply->set_version(version);
@@ -309,6 +370,10 @@ class ShardService final : public grpc::Service {
   grpc::Status Vector(grpc::ServerContext* context, const dtrain::ps::VectorRequest* request,
                       dtrain::ps::VectorReply* reply) {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    if (request->ops_size() > kMaxVectorOps) {
+      return invalid(concat("Vector: ", request->ops_size(), " ops in one request (at most ",
+                            kMaxVectorOps, ")"));
+    }
     std::vector<VectorOp> ops;
     for (int i = 0; i < request->ops_size(); ++i) {
       const auto& op = request->ops(i);
@@ -332,12 +397,38 @@ class ShardService final : public grpc::Service {
   grpc::Status Done(grpc::ServerContext* context, const dtrain::ps::DoneRequest* request,
                     dtrain::ps::PushReply* reply) {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    if (std::string why = check_worker("Done", request->worker()); !why.empty()) return invalid(why);
     shard_.mark_done(request->worker());
     reply->set_version(shard_.version());
     return grpc::Status::OK;
   }
 
  private:
+  std::string check_worker(const char* rpc_name, int worker) const {
+    if (worker >= 0 && worker < max_workers_) return "";
+    return concat(rpc_name, ": field 'worker' is ", worker, " (0 to ", max_workers_ - 1,
+                  ", --max-workers)");
+  }
+
+  // A refused push: counted (per worker when the id is valid), logged for the first few of each
+  // worker, answered INVALID_ARGUMENT; a non-finite gradient's answer carries the details
+  // "non-finite" so a worker can skip that update and go on.
+  grpc::Status refuse(int worker, const std::string& why) {
+    ++refused_;
+    const bool known = check_worker("", worker).empty();
+    if (known) shard_.count_refusal(worker);
+    const bool nonfinite = why.find(kNonFiniteGradient) != std::string::npos;
+    const int64_t logged = known ? shard_.workers()[worker].refused : refused_.load();
+    if (logged <= kLoggedRefusals) {
+      std::fprintf(stderr, "parameter-server shard %d/%d: refused a push: %s%s\n", shard_.shard(),
+                   shard_.shards(), why.c_str(),
+                   logged == kLoggedRefusals ? " (further refusals are counted in Describe)" : "");
+    }
+    return {grpc::StatusCode::INVALID_ARGUMENT, why, nonfinite ? kNonFiniteDetails : ""};
+  }
+  static constexpr int64_t kLoggedRefusals = 5;
+  static constexpr int kMaxVectorOps = 4096;
+
   using Chunks = grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>;
   template <class Request, class Reply>
   void add_unary(PsMethod method,
@@ -363,6 +454,8 @@ class ShardService final : public grpc::Service {
   }
   ParameterShard shard_;
   const std::string token_;
+  const int max_workers_;
+  std::atomic<int64_t> refused_{0};
   const uint64_t incarnation_;
   const std::chrono::steady_clock::time_point started_;
   int64_t resumed_version_ = -1;
@@ -375,6 +468,7 @@ ShardServer::ShardServer(const ShardServerOptions& options)
     : options_(options), service_(std::make_unique<ShardService>(options)) {
   DTRAIN_CHECK_INPUT(options.checkpoint_interval_s > 0,
                      "--checkpoint-interval must be > 0 seconds, got ", options.checkpoint_interval_s);
+  DTRAIN_CHECK_INPUT(options.max_workers >= 1, "--max-workers must be >= 1, got ", options.max_workers);
   if (!options.checkpoint_dir.empty()) {
     const std::string file =
         shard_checkpoint_file(options.checkpoint_dir, options.shard, options.shards);

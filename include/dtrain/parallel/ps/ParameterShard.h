@@ -66,10 +66,23 @@ constexpr int64_t kMaxUnits = int64_t{1} << 20;
 /// Most named vectors a shard keeps (besides "x"): a bound on what a request can allocate.
 constexpr int kMaxVectors = 256;
 
+/// Longest vector name (Sandblaster's named vectors, a push's `accumulate`).
+constexpr size_t kMaxVectorName = 64;
+
+/// How every refusal of a gradient holding NaN or Inf begins (the service answers those with
+/// the error details "non-finite", so a worker can skip the update instead of stopping).
+constexpr const char* kNonFiniteGradient = "non-finite gradient";
+
+/// "" when every element of `values` is finite, else kNonFiniteGradient and the first bad
+/// element, numbered from `first_index` (its index in the model's flat parameters).
+std::string check_finite(const at::Tensor& values, int64_t first_index);
+
 struct WorkerRecord {
   int64_t pushes = 0;
   std::chrono::steady_clock::time_point last_push;
   bool finished = false;
+  /// Pushes the shard refused (each changed nothing).
+  int64_t refused = 0;
 };
 
 class ParameterShard {
@@ -100,11 +113,14 @@ class ParameterShard {
   at::Tensor share(int64_t begin, int64_t end, int64_t* version) const;
   /// Applies `gradient` for elements [begin, begin + numel) computed at `computed_version`
   /// by `worker` (`last`: its final push). Returns "" (and the new version, the staleness and
-  /// the learning rate used) or why it was refused (nothing changed).
+  /// the learning rate used) or why it was refused (nothing changed): among others a gradient
+  /// holding NaN or Inf (kNonFiniteGradient), which would make every parameter it reaches
+  /// non-finite for every worker.
   std::string apply(int64_t begin, const at::Tensor& gradient, int64_t computed_version,
                     int worker, bool last, int64_t* version, int64_t* staleness, double* lr);
   /// Runs `ops` in order on the slice, all under the lock; Dot results are appended to `dots`.
-  /// Returns "" or why the batch was refused (checked whole first: nothing changed).
+  /// Returns "" or why the batch was refused (checked whole first, and refused too when it
+  /// would leave the parameters non-finite: nothing changed).
   std::string vector_ops(const std::vector<VectorOp>& ops, std::vector<double>* dots);
   /// Adds `gradient` (elements [begin, begin + numel)) into the named vector (not "x"): the
   /// workers' gradients of Sandblaster's work units. Keyed (`round` > 0): added only when
@@ -115,6 +131,8 @@ class ParameterShard {
                          int64_t round = 0, int64_t unit = 0, bool* ignored = nullptr);
   /// Records that `worker` stopped (its final push carried no gradient).
   void mark_done(int worker);
+  /// Counts a push of `worker`'s that was refused (shown per worker by workers()).
+  void count_refusal(int worker);
   /// The learning rate of the next update.
   double current_lr() const;
   std::vector<int64_t> staleness_histogram() const;
@@ -128,7 +146,8 @@ class ParameterShard {
   int64_t load(const std::string& path);
 
  private:
-  /// "" or why a gradient for [begin, begin + numel) cannot be taken (the lock is held).
+  /// "" or why a gradient for [begin, begin + numel) cannot be taken: outside the range, of
+  /// another dtype, or not finite (the lock is held).
   std::string check_gradient(int64_t begin, const at::Tensor& gradient) const;
   /// Before writing the values (the lock is held): copies them first if a share() view of
   /// them is still held.

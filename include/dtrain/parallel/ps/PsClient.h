@@ -61,6 +61,11 @@ struct PushResult {
   std::vector<int64_t> staleness;
   /// The learning rate each shard applied.
   std::vector<double> lr;
+  /// Per shard: "" when it applied the update, else why it refused it for a gradient holding
+  /// NaN or Inf (the shard changed nothing; its version and staleness above are 0). Every other
+  /// refusal throws.
+  std::vector<std::string> refused;
+  bool any_refused() const;
 };
 
 class PsClient {

@@ -1,7 +1,8 @@
 // A parameter-server shard as a gRPC service (dtrain/ps.proto): `dtrain ps serve` runs one, and
 // tests start them in-process. Every request is checked before it touches the shard: a
-// malformed one gets INVALID_ARGUMENT naming the field and changes nothing; with a token, a
-// call without it gets UNAUTHENTICATED. With a checkpoint directory the shard saves its slice
+// malformed one (or a gradient holding NaN or Inf) gets INVALID_ARGUMENT naming the field (the
+// worker and first bad element) and changes nothing, counted per worker in Describe; with a
+// token, a call without it gets UNAUTHENTICATED. With a checkpoint directory the shard saves its slice
 // and optimizer state every interval (atomically) and at shutdown, and resumes from it when
 // started again.
 #pragma once
@@ -34,6 +35,8 @@ struct ShardServerOptions {
   /// Token every call must carry ("" = none); TLS certificate and key ("" = plaintext).
   std::string auth_token;
   std::string tls_cert, tls_key;
+  /// Worker ids run from 0 to max_workers - 1 (a bound on what the shard records per worker).
+  int max_workers = 65536;
 };
 
 /// DIR/shard-I-of-N.pt.
