@@ -198,14 +198,20 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
            int rank = -1;
            double factor = 0;
            char tail = 0;
-           DTRAIN_CHECK_INPUT(std::sscanf(text.c_str(), "%d:%lf%c", &rank, &factor, &tail) == 2 &&
+           std::string rate = text;
+           const bool spin = text.size() > 5 && text.compare(text.size() - 5, 5, ":spin") == 0;
+           if (spin) rate.resize(text.size() - 5);
+           DTRAIN_CHECK_INPUT(std::sscanf(rate.c_str(), "%d:%lf%c", &rank, &factor, &tail) == 2 &&
                                   rank >= 0 && factor >= 1 && std::isfinite(factor),
                               "--simulate-slowdown '", text,
-                              "': expected RANK:FACTOR with RANK >= 0 and FACTOR >= 1");
+                              "': expected RANK:FACTOR[:spin] with RANK >= 0 and FACTOR >= 1");
            t.slowdown_rank = rank;
            t.slowdown_factor = factor;
+           t.slowdown_spin = spin;
          },
-         "RANK:FACTOR: rank RANK takes FACTOR times as long per step (a straggler, for testing)");
+         "RANK:FACTOR[:spin]: rank RANK takes FACTOR times as long per step (a straggler, for "
+         "testing): it sleeps the difference, or with :spin keeps its core busy (a slow "
+         "machine's capacity is lost)");
   add(app, "--n-fetch", t.strategy_options.ps_n_fetch,
       "--strategy downpour: fetch fresh parameters every N steps (in the background)")
       ->capture_default_str();
@@ -226,6 +232,10 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
   app.add_flag("!--no-backup-tasks", t.strategy_options.sb_backup_tasks,
                "--strategy sandblaster: no backup copies of the units still running near an "
                "evaluation's end (a straggler then sets the pace)");
+  add(app, "--work-unit-sizing", t.strategy_options.sb_unit_sizing,
+      "--strategy sandblaster: tapered (the last 2 x workers units a half and a quarter of the "
+      "others' size: an evaluation ends on small units) or uniform")
+      ->capture_default_str();
   add(app, "--lbfgs-history", t.strategy_options.sb_history,
       "--strategy sandblaster: L-BFGS history pairs (kept on the shards)")
       ->capture_default_str();

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/data/FashionMnist.h"
@@ -312,6 +313,60 @@ TEST(Sandblaster, WorkUnitsBackupCopiesAndLostUnits) {
   EXPECT_EQ(done.kind, Assignment::Done);
   EXPECT_EQ(done.reason, "stop");
   EXPECT_EQ(quiet.workers_not_told_done(), std::vector<int>({0}));
+}
+
+// Tapered units: the last 2 x workers are a half and a quarter of the others, contiguous and
+// covering the set (equal when there are too few units); an idle worker gets a backup copy only
+// where its copy would finish first (from the speeds its reports measured), or of a unit running
+// past what its worker's speed predicts.
+TEST(Sandblaster, TaperedUnitsEndSmallAndBackupsGoWhereACopyFinishesFirst) {
+  using std::chrono::milliseconds;
+  const std::vector<int64_t> tapered = unit_bounds(7000, 20, 2, true);
+  ASSERT_EQ(tapered.size(), 21u);
+  EXPECT_EQ(tapered.front(), 0);
+  EXPECT_EQ(tapered.back(), 7000);
+  auto size = [&](const std::vector<int64_t>& b, size_t i) { return b[i + 1] - b[i]; };
+  EXPECT_EQ(size(tapered, 0), 400);   // 7000 * 4 / (4 * 16 + 2 * 2 + 2 * 1)
+  EXPECT_EQ(size(tapered, 16), 200);
+  EXPECT_EQ(size(tapered, 19), 100);
+  const std::vector<int64_t> equal = unit_bounds(7000, 20, 2, false);
+  for (size_t i = 0; i < 20; ++i) EXPECT_EQ(size(equal, i), 350);
+  EXPECT_EQ(unit_bounds(7000, 6, 2, true), unit_bounds(7000, 6, 2, false));  // too few to taper
+
+  WorkQueueOptions options;
+  options.tapered_units = false;
+  options.workers = 2;
+  WorkQueue queue(options);
+  EXPECT_EQ(queue.check_examples(0, 1200), "");
+  queue.open(1, 4);
+  // Worker 1 computes 300 examples in 0.3 s, worker 0 in 0.9 s (the reports set the speeds).
+  const Assignment first = queue.next(1, milliseconds(0));
+  EXPECT_EQ(std::make_pair(first.begin, first.end), std::make_pair(int64_t{0}, int64_t{300}));
+  queue.next(0, milliseconds(0));
+  EXPECT_TRUE(queue.finish(1, 1, 0, 0.1, 0.3));
+  EXPECT_TRUE(queue.finish(0, 1, 1, 0.1, 0.9));
+  EXPECT_EQ(queue.next(1, milliseconds(0)).unit, 2);
+  EXPECT_EQ(queue.next(0, milliseconds(0)).unit, 3);
+  EXPECT_TRUE(queue.finish(0, 1, 3, 0.1, 0.9));
+  // The slow worker idle, the fast one due in 0.3 s: a copy taking 0.9 s would not win.
+  EXPECT_EQ(queue.next(0, milliseconds(0)).kind, Assignment::Wait);
+  // Past 0.3 s the unit runs longer than its worker's speed predicts: then it is copied.
+  std::this_thread::sleep_for(milliseconds(350));
+  const Assignment late = queue.next(0, milliseconds(0));
+  EXPECT_EQ(late.kind, Assignment::Unit);
+  EXPECT_EQ(late.unit, 2);
+  EXPECT_TRUE(late.backup);
+  // The other way round: the fast worker idle while the slow one holds the last unit.
+  queue.open(2, 4);
+  EXPECT_EQ(queue.next(0, milliseconds(0)).unit, 0);
+  for (int64_t unit = 1; unit < 4; ++unit) {
+    EXPECT_EQ(queue.next(1, milliseconds(0)).unit, unit);
+    EXPECT_TRUE(queue.finish(1, 2, unit, 0.1, 0.3));
+  }
+  const Assignment copy = queue.next(1, milliseconds(0));
+  EXPECT_EQ(copy.kind, Assignment::Unit);
+  EXPECT_EQ(copy.unit, 0);
+  EXPECT_TRUE(copy.backup);
 }
 
 namespace {

@@ -18,6 +18,7 @@
 #include "dtrain/common/Net.h"
 #include "dtrain/common/Trace.h"
 #include "common/Files.h"
+#include "common/Straggler.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/parallel/tensor/Split.h"
 #include "dtrain/train/Checkpoint.h"
@@ -541,8 +542,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     const int64_t reached = global_step(step + 1);
     const bool done = async && reached >= last_step;
     if (rank == options_.slowdown_rank && options_.slowdown_factor > 1.0) {
-      std::this_thread::sleep_for(std::chrono::duration<double>(
-          (options_.slowdown_factor - 1.0) * seconds_since(step_start)));
+      straggle((options_.slowdown_factor - 1.0) * seconds_since(step_start), options_.slowdown_spin);
     }
     const double step_seconds = seconds_since(step_start);
     const auto skipped = step_result.metrics.find("step_skipped");
@@ -655,6 +655,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     context.max_iterations = std::max<int64_t>(0, last_step - start_step);
     context.chunk = options_.eval_batch_size;
     context.slowdown = rank == options_.slowdown_rank ? options_.slowdown_factor : 1.0;
+    context.slowdown_spin = options_.slowdown_spin;
     context.weight_decay = spec.weight_decay;
     context.stall_ms = world_->timeout().count();
     context.on_iteration = [&](const parallel::IterationReport& iteration) {

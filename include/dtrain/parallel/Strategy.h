@@ -107,6 +107,9 @@ struct StrategyOptions {
   int64_t sb_work_units = 0;
   bool sb_backup_tasks = true;
   int sb_history = 10;
+  /// Sandblaster: "tapered" (the last units smaller, so an evaluation ends on small ones) or
+  /// "uniform" unit sizes.
+  std::string sb_unit_sizing = "tapered";
 };
 
 /// One iteration of a strategy that runs its own loop (Sandblaster: an L-BFGS iteration).
@@ -129,8 +132,10 @@ struct LoopContext {
   int64_t max_iterations = 100;
   /// Examples per forward when a strategy computes over a range of the data.
   int64_t chunk = 256;
-  /// This rank's slowdown (--simulate-slowdown): its work takes this many times as long.
+  /// This rank's slowdown (--simulate-slowdown): its work takes this many times as long,
+  /// sleeping the difference or (spin) keeping its core busy.
   double slowdown = 1.0;
+  bool slowdown_spin = false;
   /// The objective's L2 term, 0.5 * weight_decay * |params|^2 (the optimizer's weight decay).
   double weight_decay = 0.0;
   /// Bound of a wait for the other ranks' work (the job's --comm-timeout).

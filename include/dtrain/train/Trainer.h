@@ -56,11 +56,13 @@ struct TrainerOptions {
   /// Halt when this step is reached (0 = never) without changing the schedule or the run's
   /// length: for time-sliced jobs that resume from their checkpoint later.
   int64_t stop_at_step = 0;
-  /// --simulate-slowdown RANK:FACTOR: rank `slowdown_rank` takes `slowdown_factor` times as long
-  /// per step (it sleeps the difference after each step): a straggler, for tests and
+  /// --simulate-slowdown RANK:FACTOR[:spin]: rank `slowdown_rank` takes `slowdown_factor` times
+  /// as long per step (it sleeps the difference after each step, or with `slowdown_spin` keeps
+  /// its core busy for it, as a slow machine's capacity is lost): a straggler, for tests and
   /// benchmarks. -1 = none.
   int slowdown_rank = -1;
   double slowdown_factor = 1.0;
+  bool slowdown_spin = false;
   /// Examples per evaluation forward. 256 keeps the CNN's activations (~25 MB a layer) under
   /// the 32 MB mmap threshold the ranks set: at 1000 every batch's 100 MB activations were
   /// fresh mappings, page-faulted in, and evaluating the test set took 7x longer.

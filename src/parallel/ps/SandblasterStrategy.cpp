@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "comm/rpc/Security.h"
+#include "common/Straggler.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/parallel/ps/Sandblaster.h"
 #include "dtrain/sandblaster.grpc.pb.h"
@@ -40,6 +41,8 @@ void SandblasterStrategy::setup(Model model, const optim::OptimizerFactory& make
                      options_.sb_work_units);
   DTRAIN_CHECK_INPUT(options_.sb_history >= 1 && options_.sb_history <= 100,
                      "--lbfgs-history must be 1 to 100 pairs, got ", options_.sb_history);
+  DTRAIN_CHECK_INPUT(options_.sb_unit_sizing == "tapered" || options_.sb_unit_sizing == "uniform",
+                     "--work-unit-sizing '", options_.sb_unit_sizing, "': tapered or uniform");
   setup_replica(std::move(model), make_optimizer, std::move(grid));
   rank_ = grid_->world()->rank();
   workers_ = grid_->world()->size();
@@ -52,6 +55,8 @@ void SandblasterStrategy::setup(Model model, const optim::OptimizerFactory& make
     const bool local = workers_ == 1 || loopback(host);
     WorkQueueOptions queue;
     queue.backup_tasks = options_.sb_backup_tasks;
+    queue.tapered_units = options_.sb_unit_sizing == "tapered";
+    queue.workers = workers_;
     queue_ = std::make_unique<WorkQueue>(queue);
     WorkCoordinatorOptions server;
     server.listen = local ? "127.0.0.1:0" : "0.0.0.0:0";
@@ -83,7 +88,7 @@ void SandblasterStrategy::pull_into_model() {
 }
 
 double SandblasterStrategy::compute_unit(const LoopContext& context, int64_t round, int64_t unit,
-                                         int64_t units) {
+                                         int64_t begin, int64_t end) {
   std::lock_guard<std::recursive_mutex> lock(model_mutex_);
   if (model_round_ != round) {  // the parameters of this evaluation, once per round
     pull_into_model();
@@ -95,7 +100,6 @@ double SandblasterStrategy::compute_unit(const LoopContext& context, int64_t rou
   for (auto& p : parameters_) p.mutable_grad() = at::Tensor();
   const data::TensorDataset& train = *context.train;
   const int64_t n = train.size();
-  const int64_t begin = unit * n / units, end = (unit + 1) * n / units;
   double loss = 0.0;
   for (int64_t b = begin; b < end; b += context.chunk) {
     const int64_t e = std::min(end, b + context.chunk);
@@ -155,14 +159,16 @@ void SandblasterStrategy::work(const LoopContext& context) {
       return;
     }
     if (reply.kind() != dtrain::sandblaster::WorkReply::UNIT) continue;
-    DTRAIN_CHECK(reply.units() >= 1 && reply.unit() >= 0 && reply.unit() < reply.units(),
+    DTRAIN_CHECK(reply.units() >= 1 && reply.unit() >= 0 && reply.unit() < reply.units() &&
+                     reply.begin() >= 0 && reply.begin() < reply.end() &&
+                     reply.end() <= context.train->size(),
                  "Sandblaster worker ", rank_, ": the coordinator sent unit ", reply.unit(), " of ",
-                 reply.units());
+                 reply.units(), " over examples [", reply.begin(), ", ", reply.end(), ") of ",
+                 context.train->size());
     const auto start = Clock::now();
-    const double loss = compute_unit(context, reply.round(), reply.unit(), reply.units());
+    const double loss = compute_unit(context, reply.round(), reply.unit(), reply.begin(), reply.end());
     if (context.slowdown > 1.0) {
-      std::this_thread::sleep_for(
-          std::chrono::duration<double>((context.slowdown - 1.0) * seconds_since(start)));
+      straggle((context.slowdown - 1.0) * seconds_since(start), context.slowdown_spin);
     }
     if (context.on_work) context.on_work(units_done_ + 1);
     dtrain::sandblaster::UnitResult result;

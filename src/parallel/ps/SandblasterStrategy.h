@@ -35,7 +35,8 @@ class SandblasterStrategy : public ReplicaStrategy {
   /// The worker loop (every rank): units until the coordinator says the run is over.
   void work(const LoopContext& context);
   /// Computes one unit's loss and gradient and adds the gradient into the shards' "g".
-  double compute_unit(const LoopContext& context, int64_t round, int64_t unit, int64_t units);
+  /// Computes unit `unit` of evaluation `round`: examples [begin, end).
+  double compute_unit(const LoopContext& context, int64_t round, int64_t unit, int64_t begin, int64_t end);
   /// The coordinator (rank 0, its own thread): L-BFGS over the shards.
   void coordinate(const LoopContext& context);
   void pull_into_model();

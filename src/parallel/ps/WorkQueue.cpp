@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "comm/rpc/Security.h"
 #include "dtrain/common/Error.h"
@@ -21,6 +22,22 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 
 }  // namespace
 
+std::vector<int64_t> unit_bounds(int64_t examples, int64_t units, int workers, bool tapered) {
+  DTRAIN_CHECK(units >= 1 && examples >= 0 && workers >= 1, "unit_bounds(", examples, ", ", units,
+               ", ", workers, ")");
+  // In quarters of a body unit: body units 4, then `workers` units of 2 and `workers` of 1.
+  const int64_t tail = 2 * int64_t{workers};
+  const bool taper = tapered && units >= 2 * tail && examples >= 4 * units;
+  std::vector<int64_t> bounds(static_cast<size_t>(units) + 1, 0);
+  const int64_t total = taper ? 4 * (units - tail) + 3 * int64_t{workers} : units;
+  int64_t sum = 0;
+  for (int64_t i = 0; i < units; ++i) {
+    sum += !taper ? 1 : i < units - tail ? 4 : i < units - workers ? 2 : 1;
+    bounds[static_cast<size_t>(i) + 1] = examples * sum / total;
+  }
+  return bounds;
+}
+
 WorkQueue::WorkQueue(WorkQueueOptions options) : options_(options) {
   DTRAIN_CHECK_INPUT(options_.max_copies >= 1, "a work unit needs at least one copy");
   last_progress_ = Clock::now();
@@ -32,6 +49,8 @@ void WorkQueue::open(int64_t round, int64_t units) {
   DTRAIN_CHECK(round > round_, "round ", round, " opened after round ", round_);
   round_ = round;
   units_.assign(static_cast<size_t>(units), UnitState{});
+  bounds_.clear();
+  if (examples_ > 0) bounds_ = unit_bounds(examples_, units, options_.workers, options_.tapered_units);
   next_pending_ = 0;
   done_ = 0;
   loss_ = 0.0;
@@ -72,6 +91,10 @@ Assignment WorkQueue::next(int worker, std::chrono::milliseconds wait) {
         a.unit = unit;
         a.units = units;
         a.backup = copy;
+        if (!bounds_.empty()) {
+          a.begin = bounds_[static_cast<size_t>(unit)];
+          a.end = bounds_[static_cast<size_t>(unit) + 1];
+        }
         return a;
       };
       if (next_pending_ < units) return hand_out(next_pending_++, false);
@@ -96,21 +119,10 @@ Assignment WorkQueue::next(int worker, std::chrono::milliseconds wait) {
           }
         }
       }
-      // Backup tasks: a copy of the unit running longest, when it has room for one more.
+      // Backup tasks: a copy of the unit expected to finish last, when this worker's copy
+      // would finish before it.
       if (options_.backup_tasks) {
-        int64_t best = -1;
-        Clock::time_point oldest = now;
-        for (int64_t i = 0; i < units; ++i) {
-          const UnitState& u = units_[static_cast<size_t>(i)];
-          if (u.done || holds(u) || static_cast<int>(u.running.size()) >= options_.max_copies ||
-              u.running.empty()) {
-            continue;
-          }
-          if (u.running.front().start <= oldest) {
-            oldest = u.running.front().start;
-            best = i;
-          }
-        }
+        const int64_t best = backup_candidate(worker, now);
         if (best >= 0) {
           ++stats_.backups;
           return hand_out(best, true);
@@ -124,11 +136,64 @@ Assignment WorkQueue::next(int worker, std::chrono::milliseconds wait) {
   }
 }
 
+double WorkQueue::expected_seconds(int worker, int64_t unit) const {
+  const auto rate = rate_.find(worker);
+  if (bounds_.empty() || rate == rate_.end()) return -1.0;
+  const auto i = static_cast<size_t>(unit);
+  return static_cast<double>(bounds_[i + 1] - bounds_[i]) / rate->second;
+}
+
+int64_t WorkQueue::backup_candidate(int worker, Clock::time_point now) const {
+  // A copy whose worker has no measured speed yet, or that runs past what its speed predicts,
+  // is of unknown remaining time: those come first (the one running longest), as the worker is
+  // likely slow or gone; among the rest, the one expected to finish last, if this worker's copy
+  // would finish before it.
+  int64_t best = -1;
+  double best_score = -1.0;
+  for (int64_t i = 0; i < static_cast<int64_t>(units_.size()); ++i) {
+    const UnitState& u = units_[static_cast<size_t>(i)];
+    if (u.done || u.running.empty() || static_cast<int>(u.running.size()) >= options_.max_copies) continue;
+    bool held = false, unknown = false;
+    double remaining = std::numeric_limits<double>::infinity(), elapsed = 0.0;
+    for (const Copy& c : u.running) {
+      held = held || c.worker == worker;
+      const double running = seconds_between(c.start, now);
+      elapsed = std::max(elapsed, running);
+      const double expected = expected_seconds(c.worker, i);
+      if (expected < 0 || running > expected) {
+        unknown = true;
+      } else {
+        remaining = std::min(remaining, expected - running);
+      }
+    }
+    if (held) continue;
+    double score = 0.0;
+    if (unknown) {
+      score = 1e12 + elapsed;
+    } else {
+      const double mine = expected_seconds(worker, i);
+      if (mine >= 0 && mine >= remaining) continue;  // a copy would not finish first
+      score = remaining;
+    }
+    if (score > best_score) {
+      best_score = score;
+      best = i;
+    }
+  }
+  return best;
+}
+
 bool WorkQueue::finish(int worker, int64_t round, int64_t unit, double loss, double seconds) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (round != round_ || unit < 0 || unit >= static_cast<int64_t>(units_.size())) {
     ++stats_.late_reports;
     return false;
+  }
+  if (!bounds_.empty() && seconds > 0) {  // this worker's speed, smoothed over its units
+    const auto i = static_cast<size_t>(unit);
+    const double rate = static_cast<double>(bounds_[i + 1] - bounds_[i]) / seconds;
+    const auto known = rate_.find(worker);
+    rate_[worker] = known == rate_.end() ? rate : 0.7 * known->second + 0.3 * rate;
   }
   UnitState& u = units_[static_cast<size_t>(unit)];
   bool copy = false;
@@ -201,7 +266,13 @@ WorkStats WorkQueue::stats() const {
 
 std::string WorkQueue::check_examples(int worker, int64_t examples) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (examples_ < 0) examples_ = examples;
+  if (examples_ < 0) {
+    examples_ = examples;
+    if (round_ > 0 && bounds_.empty()) {
+      bounds_ = unit_bounds(examples_, static_cast<int64_t>(units_.size()), options_.workers,
+                            options_.tapered_units);
+    }
+  }
   if (examples == examples_) return "";
   return concat("worker ", worker, " has ", examples, " training examples, the first worker had ",
                 examples_, ": every worker must cut the same data into work units");
@@ -234,6 +305,8 @@ class WorkCoordinatorService final : public dtrain::sandblaster::WorkCoordinator
     reply->set_unit(a.unit);
     reply->set_units(a.units);
     reply->set_backup(a.backup);
+    reply->set_begin(a.begin);
+    reply->set_end(a.end);
     reply->set_reason(a.reason);
     return grpc::Status::OK;
   }

@@ -31,12 +31,25 @@ struct WorkQueueOptions {
   /// presumed lost - its worker died - and handed out again.
   double lost_factor = 5.0;
   std::chrono::milliseconds min_lost{2000};
+  /// Unit sizes: tapered (the last 2 x `workers` units half and a quarter of the others' size,
+  /// so an evaluation ends on small units) or equal.
+  bool tapered_units = true;
+  /// Workers expected (for the taper).
+  int workers = 1;
 };
+
+/// Bounds of `units` contiguous units over `examples` (units + 1 values from 0 to examples):
+/// equal, or tapered as WorkQueueOptions says (equal when there are fewer than 4 x workers
+/// units or examples for them).
+std::vector<int64_t> unit_bounds(int64_t examples, int64_t units, int workers, bool tapered);
 
 struct Assignment {
   enum Kind { Wait, Unit, Done };
   Kind kind = Wait;
   int64_t round = 0, unit = 0, units = 0;
+  /// The unit's examples [begin, end) (0, 0 while the training-set size is unknown: no worker
+  /// has reported it through check_examples()).
+  int64_t begin = 0, end = 0;
   bool backup = false;
   /// Done: why ("" when the run finished).
   std::string reason;
@@ -88,6 +101,12 @@ class WorkQueue {
     std::vector<Copy> running;
   };
   double median_seconds() const;
+  /// Seconds `worker` is expected to take for `unit` (its measured examples per second; < 0
+  /// when unknown). The lock is held.
+  double expected_seconds(int worker, int64_t unit) const;
+  /// The unit an idle `worker` should copy: the running one expected to finish last, when this
+  /// worker's copy is expected to finish before it; -1 for none (the lock is held).
+  int64_t backup_candidate(int worker, std::chrono::steady_clock::time_point now) const;
   WorkQueueOptions options_;
   mutable std::mutex mutex_;
   std::condition_variable changed_;
@@ -100,6 +119,8 @@ class WorkQueue {
   bool closed_ = false;
   std::string reason_;
   std::vector<double> seconds_;  // of counted units
+  std::vector<int64_t> bounds_;  // of the open round's units (empty until examples_ is known)
+  std::map<int, double> rate_;   // examples per second each worker computed, smoothed
   std::map<int, bool> workers_;  // worker -> told Done
   int64_t examples_ = -1;
   WorkStats stats_;
