@@ -27,7 +27,7 @@
 #include "dtrain/common/Net.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/parallel/ps/PsClient.h"
-#include "dtrain/parallel/ps/ShardServer.h"
+#include "dtrain/services/ps/ShardServer.h"
 
 using namespace dtrain;
 using Clock = std::chrono::steady_clock;

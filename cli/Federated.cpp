@@ -17,9 +17,9 @@
 #include "dtrain/data/FashionMnist.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Zoo.h"
-#include "dtrain/parallel/federated/Client.h"
-#include "dtrain/parallel/federated/Server.h"
-#include "dtrain/parallel/federated/Simulation.h"
+#include "dtrain/services/federated/Client.h"
+#include "dtrain/services/federated/Server.h"
+#include "dtrain/services/federated/Simulation.h"
 
 namespace dtrain::cli {
 

@@ -25,7 +25,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/launch/Launcher.h"
-#include "dtrain/parallel/ps/ShardServer.h"
+#include "dtrain/services/ps/ShardServer.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Generate.h"

@@ -17,7 +17,7 @@
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/ps/PsClient.h"
-#include "dtrain/parallel/ps/ShardServer.h"
+#include "dtrain/services/ps/ShardServer.h"
 #include "dtrain/train/Trainer.h"
 
 using namespace dtrain;

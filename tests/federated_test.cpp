@@ -25,18 +25,18 @@
 #include <thread>
 
 #include "dtrain/federated.grpc.pb.h"
-#include "dtrain/parallel/federated/Client.h"
-#include "dtrain/parallel/federated/Compression.h"
-#include "dtrain/parallel/federated/FedAvg.h"
-#include "dtrain/parallel/federated/Partition.h"
-#include "dtrain/parallel/federated/RoundServer.h"
-#include "dtrain/parallel/federated/Personalization.h"
-#include "dtrain/parallel/federated/Privacy.h"
-#include "dtrain/parallel/federated/SecureAggregation.h"
-#include "dtrain/parallel/federated/Server.h"
-#include "dtrain/parallel/federated/Simulation.h"
-#include "parallel/federated/FlWire.h"
-#include "parallel/federated/SecureServerRound.h"
+#include "dtrain/services/federated/Client.h"
+#include "dtrain/services/federated/Compression.h"
+#include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/Partition.h"
+#include "dtrain/services/federated/RoundServer.h"
+#include "dtrain/services/federated/Personalization.h"
+#include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/SecureAggregation.h"
+#include "dtrain/services/federated/Server.h"
+#include "dtrain/services/federated/Simulation.h"
+#include "services/federated/FlWire.h"
+#include "services/federated/SecureServerRound.h"
 
 using namespace dtrain;
 using namespace dtrain::federated;

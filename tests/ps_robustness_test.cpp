@@ -12,7 +12,7 @@
 
 #include "dtrain/ps.grpc.pb.h"
 #include "dtrain/parallel/ps/PsClient.h"
-#include "dtrain/parallel/ps/ShardServer.h"
+#include "dtrain/services/ps/ShardServer.h"
 
 using namespace dtrain;
 using namespace dtrain::parallel::ps;

@@ -14,9 +14,9 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
 #include "dtrain/ps.grpc.pb.h"
-#include "dtrain/parallel/ps/ParameterShard.h"
+#include "dtrain/services/ps/ParameterShard.h"
 #include "dtrain/parallel/ps/PsClient.h"
-#include "dtrain/parallel/ps/ShardServer.h"
+#include "dtrain/services/ps/ShardServer.h"
 
 using namespace dtrain;
 using namespace dtrain::parallel::ps;

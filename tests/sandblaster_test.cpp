@@ -21,7 +21,7 @@
 #include "dtrain/sandblaster.grpc.pb.h"
 #include "dtrain/parallel/ps/PsClient.h"
 #include "dtrain/parallel/ps/Sandblaster.h"
-#include "dtrain/parallel/ps/ShardServer.h"
+#include "dtrain/services/ps/ShardServer.h"
 #include "dtrain/parallel/ps/WorkQueue.h"
 
 using namespace dtrain;

@@ -16,10 +16,10 @@
 #include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/models/Gpt.h"
 #include "dtrain/parallel/StateShards.h"
-#include "dtrain/parallel/tensor/CrossEntropy.h"
-#include "dtrain/parallel/tensor/Layers.h"
-#include "dtrain/parallel/tensor/Mappings.h"
-#include "dtrain/parallel/tensor/Random.h"
+#include "dtrain/nn/tensor/CrossEntropy.h"
+#include "dtrain/nn/tensor/Layers.h"
+#include "dtrain/nn/tensor/Mappings.h"
+#include "dtrain/nn/tensor/Random.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Generate.h"
 #include "parallel/StrategySupport.h"
@@ -29,7 +29,7 @@
 
 namespace fs = std::filesystem;
 using namespace dtrain;
-namespace tp = dtrain::parallel::tensor;
+namespace tp = dtrain::tensor;
 
 namespace {
 

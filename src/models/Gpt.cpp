@@ -14,16 +14,16 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/Checkpoint.h"
-#include "dtrain/parallel/tensor/CrossEntropy.h"
-#include "dtrain/parallel/tensor/Layers.h"
-#include "dtrain/parallel/tensor/Mappings.h"
-#include "dtrain/parallel/tensor/Random.h"
+#include "dtrain/nn/tensor/CrossEntropy.h"
+#include "dtrain/nn/tensor/Layers.h"
+#include "dtrain/nn/tensor/Mappings.h"
+#include "dtrain/nn/tensor/Random.h"
 
 namespace dtrain::models {
 
 namespace {
 
-namespace tp = parallel::tensor;
+namespace tp = tensor;
 
 struct Shared {
   comm::CommunicatorPtr group;  // the tensor-parallel group (null: serial)

@@ -204,7 +204,7 @@ Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_para
   DTRAIN_CHECK_INPUT(!tensor_parallel || tensor_parallel->size() == 1, "--model ", spec.name,
                      " has no tensor-parallel layers; --tensor-parallel ",
                      tensor_parallel ? tensor_parallel->size() : 1,
-                     " needs --model gpt (or a model built from parallel/tensor/Layers.h)");
+                     " needs --model gpt (or a model built from nn/tensor/Layers.h)");
   DTRAIN_CHECK_INPUT(spec.classes >= 2, "model needs at least 2 classes, got ", spec.classes);
   if (spec.name == "linear") {  // multinomial logistic regression: one Linear layer
     return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), std::vector<int64_t>{},

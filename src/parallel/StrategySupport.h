@@ -7,7 +7,7 @@
 
 #include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/Strategy.h"
-#include "dtrain/parallel/tensor/Split.h"
+#include "dtrain/nn/tensor/Split.h"
 #include "dtrain/parallel/ddp/Reducer.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"

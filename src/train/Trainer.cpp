@@ -20,7 +20,7 @@
 #include "common/Files.h"
 #include "common/Straggler.h"
 #include "dtrain/data/DistributedSampler.h"
-#include "dtrain/parallel/tensor/Split.h"
+#include "dtrain/nn/tensor/Split.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Metrics.h"
 #include "dtrain/train/Progress.h"
@@ -193,10 +193,10 @@ std::vector<TensorInfo> Trainer::model_tensors() const {
   std::vector<TensorInfo> tensors;
   auto& module = *strategy_->model().module;
   // Full shapes: a tensor-parallel rank holds blocks of them.
-  const auto splits = parallel::tensor::parameter_splits(module);
+  const auto splits = tensor::parameter_splits(module);
   for (const auto& item : module.named_parameters()) {
     tensors.push_back({item.key(),
-                       parallel::tensor::full_shape(splits, item.key(), item.value().sizes().vec()),
+                       tensor::full_shape(splits, item.key(), item.value().sizes().vec()),
                        dtype_name(item.value())});
   }
   for (const auto& item : module.named_buffers()) {

@@ -36,11 +36,11 @@ void validate(const GptConfig& config);
 /// The model, initialized as GPT-2 (normal(0, 0.02) weights, residual projections scaled by
 /// 1/sqrt(2 x layers), zero biases) from the global LibTorch generator. With a
 /// `tensor_parallel` group of T > 1 ranks (ProcessGrid::tp()), attention heads, MLP columns
-/// and the vocabulary are split over it (parallel/tensor/Layers.h): every rank draws the full
+/// and the vocabulary are split over it (nn/tensor/Layers.h): every rank draws the full
 /// initialization and keeps its block, so the model equals the serial one built from the same
 /// seed; its output is then this rank's block of the logits, and Model::loss / Model::predict
 /// are the vocab-parallel cross-entropy and argmax. Dropout draws from the model's own
-/// generators (parallel/tensor/Random.h), seeded from the global one.
+/// generators (nn/tensor/Random.h), seeded from the global one.
 Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel = nullptr);
 
 /// The sizes as JSON (what a checkpoint records), and back (InputError naming a missing or bad

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "dtrain/parallel/tensor/Split.h"
+#include "dtrain/nn/tensor/Split.h"
 
 namespace torch::optim {
 class Optimizer;

@@ -1,14 +1,14 @@
 // Vocab-parallel cross-entropy as one autograd function: the forward reduces the row maxima,
 // then the sums of exponentials and the target logits; the backward is local (softmax minus
 // the one-hot target, each rank for its block).
-#include "dtrain/parallel/tensor/CrossEntropy.h"
+#include "dtrain/nn/tensor/CrossEntropy.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/torch.h>
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::parallel::tensor {
+namespace dtrain::tensor {
 
 namespace {
 
@@ -83,4 +83,4 @@ at::Tensor vocab_parallel_argmax(const at::Tensor& logits, const comm::Communica
   return all_ids.gather(0, best_rank.unsqueeze(0)).squeeze(0).view(values.sizes());
 }
 
-}  // namespace dtrain::parallel::tensor
+}  // namespace dtrain::tensor

@@ -1,14 +1,14 @@
 // Column-, row- and vocab-parallel layers (see Layers.h).
-#include "dtrain/parallel/tensor/Layers.h"
+#include "dtrain/nn/tensor/Layers.h"
 
 #include <torch/torch.h>
 
 #include <cmath>
 
 #include "dtrain/common/Error.h"
-#include "dtrain/parallel/tensor/Mappings.h"
+#include "dtrain/nn/tensor/Mappings.h"
 
-namespace dtrain::parallel::tensor {
+namespace dtrain::tensor {
 
 namespace {
 
@@ -152,4 +152,4 @@ void VocabParallelEmbeddingImpl::copy_from_full(const at::Tensor& w) {
   weight.copy_(w.narrow(0, start_, length_));
 }
 
-}  // namespace dtrain::parallel::tensor
+}  // namespace dtrain::tensor

@@ -1,16 +1,16 @@
 // Paired autograd functions of tensor parallelism (see Mappings.h). The collectives move
 // the split dimension to the front, so every rank's share is one contiguous run of a flat
 // buffer, in rank order, as the Communicator's allgather and reduce_scatter lay them out.
-#include "dtrain/parallel/tensor/Mappings.h"
+#include "dtrain/nn/tensor/Mappings.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
-#include "dtrain/parallel/tensor/Split.h"
+#include "dtrain/nn/tensor/Split.h"
 
-namespace dtrain::parallel::tensor {
+namespace dtrain::tensor {
 
 namespace {
 
@@ -180,4 +180,4 @@ at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const comm::Communica
   return trivial(group) ? x : ReduceScatterToSequence::apply(x, group);
 }
 
-}  // namespace dtrain::parallel::tensor
+}  // namespace dtrain::tensor

@@ -1,10 +1,10 @@
 // The tensor-parallel RNG tracker and dropout with an explicit generator.
-#include "dtrain/parallel/tensor/Random.h"
+#include "dtrain/nn/tensor/Random.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
-namespace dtrain::parallel::tensor {
+namespace dtrain::tensor {
 
 namespace {
 // Megatron's offset between the replicated and the per-rank seeds.
@@ -22,4 +22,4 @@ at::Tensor dropout(const at::Tensor& x, double p, bool training, at::Generator& 
   return x * keep * (1.0 / (1.0 - p));
 }
 
-}  // namespace dtrain::parallel::tensor
+}  // namespace dtrain::tensor

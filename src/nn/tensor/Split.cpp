@@ -1,11 +1,11 @@
 // Parameter splits of tensor-parallel modules, collected by name over a module tree.
-#include "dtrain/parallel/tensor/Split.h"
+#include "dtrain/nn/tensor/Split.h"
 
 #include <torch/nn/module.h>
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::parallel::tensor {
+namespace dtrain::tensor {
 
 std::pair<int64_t, int64_t> split_range(int64_t n, int parts, int index) {
   DTRAIN_CHECK(parts >= 1 && index >= 0 && index < parts, "split_range: index ", index,
@@ -43,4 +43,4 @@ std::vector<int64_t> full_shape(const ParameterSplits& splits, const std::string
   return it == splits.end() ? local : it->second.full_shape;
 }
 
-}  // namespace dtrain::parallel::tensor
+}  // namespace dtrain::tensor

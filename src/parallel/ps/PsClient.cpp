@@ -11,7 +11,7 @@
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/ps.grpc.pb.h"
-#include "dtrain/parallel/ps/ParameterShard.h"
+#include "dtrain/parallel/ps/ShardProtocol.h"
 #include "parallel/ps/PsWire.h"
 
 namespace dtrain::parallel::ps {

@@ -1,4 +1,4 @@
-#include "dtrain/parallel/federated/Client.h"
+#include "dtrain/services/federated/Client.h"
 
 #include <ATen/Parallel.h>
 #include <torch/serialize.h>
@@ -17,14 +17,14 @@
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/federated.grpc.pb.h"
-#include "dtrain/parallel/federated/Compression.h"
-#include "dtrain/parallel/federated/FedAvg.h"
-#include "dtrain/parallel/federated/Personalization.h"
-#include "dtrain/parallel/federated/Privacy.h"
-#include "dtrain/parallel/federated/SecureAggregation.h"
-#include "dtrain/parallel/federated/RoundServer.h"
-#include "parallel/federated/FlWire.h"
-#include "parallel/federated/SecureRound.h"
+#include "dtrain/services/federated/Compression.h"
+#include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/Personalization.h"
+#include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/SecureAggregation.h"
+#include "dtrain/services/federated/RoundServer.h"
+#include "services/federated/FlWire.h"
+#include "services/federated/SecureRound.h"
 
 namespace dtrain::federated {
 

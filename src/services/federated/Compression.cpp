@@ -1,4 +1,4 @@
-#include "dtrain/parallel/federated/Compression.h"
+#include "dtrain/services/federated/Compression.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

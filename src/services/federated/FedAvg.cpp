@@ -1,4 +1,4 @@
-#include "dtrain/parallel/federated/FedAvg.h"
+#include "dtrain/services/federated/FedAvg.h"
 
 #include <torch/torch.h>
 

@@ -1,4 +1,4 @@
-#include "parallel/federated/FlWire.h"
+#include "services/federated/FlWire.h"
 
 #include <cstring>
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "dtrain/federated.pb.h"
-#include "dtrain/parallel/federated/Compression.h"
+#include "dtrain/services/federated/Compression.h"
 
 namespace dtrain::federated::wire {
 

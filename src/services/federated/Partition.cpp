@@ -1,4 +1,4 @@
-#include "dtrain/parallel/federated/Partition.h"
+#include "dtrain/services/federated/Partition.h"
 
 #include <ATen/ATen.h>
 

@@ -1,4 +1,4 @@
-#include "dtrain/parallel/federated/Personalization.h"
+#include "dtrain/services/federated/Personalization.h"
 
 #include <torch/torch.h>
 

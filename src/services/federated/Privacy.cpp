@@ -1,4 +1,4 @@
-#include "dtrain/parallel/federated/Privacy.h"
+#include "dtrain/services/federated/Privacy.h"
 
 #include <ATen/ATen.h>
 

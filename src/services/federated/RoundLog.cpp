@@ -1,4 +1,4 @@
-#include "parallel/federated/RoundLog.h"
+#include "services/federated/RoundLog.h"
 
 #include <algorithm>
 #include <cmath>

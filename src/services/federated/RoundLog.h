@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "dtrain/parallel/federated/RoundServer.h"
+#include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/train/Metrics.h"
 #include "dtrain/train/Progress.h"
 

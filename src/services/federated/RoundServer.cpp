@@ -1,6 +1,6 @@
-#include "dtrain/parallel/federated/RoundServer.h"
+#include "dtrain/services/federated/RoundServer.h"
 
-#include "dtrain/parallel/federated/Compression.h"
+#include "dtrain/services/federated/Compression.h"
 
 #include <torch/serialize.h>
 #include <torch/torch.h>

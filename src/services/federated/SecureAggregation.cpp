@@ -1,4 +1,4 @@
-#include "dtrain/parallel/federated/SecureAggregation.h"
+#include "dtrain/services/federated/SecureAggregation.h"
 
 #include <ATen/ATen.h>
 #include <sodium.h>

@@ -1,4 +1,4 @@
-#include "parallel/federated/SecureRound.h"
+#include "services/federated/SecureRound.h"
 
 #include <ATen/ATen.h>
 
@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "dtrain/common/Error.h"
-#include "dtrain/parallel/federated/Compression.h"
+#include "dtrain/services/federated/Compression.h"
 
 namespace dtrain::federated {
 

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/parallel/federated/FedAvg.h"
-#include "dtrain/parallel/federated/RoundServer.h"
-#include "dtrain/parallel/federated/SecureAggregation.h"
+#include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/RoundServer.h"
+#include "dtrain/services/federated/SecureAggregation.h"
 
 namespace dtrain::federated {
 

@@ -1,4 +1,4 @@
-#include "parallel/federated/SecureServerRound.h"
+#include "services/federated/SecureServerRound.h"
 
 #include <algorithm>
 #include <cmath>

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "dtrain/federated.pb.h"
-#include "dtrain/parallel/federated/SecureAggregation.h"
+#include "dtrain/services/federated/SecureAggregation.h"
 
 namespace dtrain::federated {
 

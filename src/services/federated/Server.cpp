@@ -1,4 +1,4 @@
-#include "dtrain/parallel/federated/Server.h"
+#include "dtrain/services/federated/Server.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -16,11 +16,11 @@
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/federated.grpc.pb.h"
-#include "parallel/federated/FlWire.h"
-#include "parallel/federated/RoundLog.h"
-#include "parallel/federated/SecureRound.h"
-#include "parallel/federated/SecureServerRound.h"
-#include "dtrain/parallel/federated/SecureAggregation.h"
+#include "services/federated/FlWire.h"
+#include "services/federated/RoundLog.h"
+#include "services/federated/SecureRound.h"
+#include "services/federated/SecureServerRound.h"
+#include "dtrain/services/federated/SecureAggregation.h"
 
 namespace dtrain::federated {
 

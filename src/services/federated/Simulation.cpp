@@ -1,4 +1,4 @@
-#include "dtrain/parallel/federated/Simulation.h"
+#include "dtrain/services/federated/Simulation.h"
 
 #include <torch/torch.h>
 
@@ -14,9 +14,9 @@
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/train/Metrics.h"
-#include "parallel/federated/FlWire.h"
-#include "parallel/federated/RoundLog.h"
-#include "parallel/federated/SecureRound.h"
+#include "services/federated/FlWire.h"
+#include "services/federated/RoundLog.h"
+#include "services/federated/SecureRound.h"
 #include "dtrain/train/Progress.h"
 
 namespace dtrain::federated {

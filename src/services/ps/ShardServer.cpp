@@ -1,4 +1,4 @@
-#include "dtrain/parallel/ps/ShardServer.h"
+#include "dtrain/services/ps/ShardServer.h"
 
 #include <ATen/ATen.h>
 #include <grpcpp/grpcpp.h>

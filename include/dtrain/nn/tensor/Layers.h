@@ -13,9 +13,9 @@
 #include <torch/nn/pimpl.h>
 
 #include "dtrain/comm/Communicator.h"
-#include "dtrain/parallel/tensor/Split.h"
+#include "dtrain/nn/tensor/Split.h"
 
-namespace dtrain::parallel::tensor {
+namespace dtrain::tensor {
 
 struct ColumnParallelLinearOptions {
   ColumnParallelLinearOptions(int64_t in_features, int64_t out_features)
@@ -127,4 +127,4 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParall
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
-}  // namespace dtrain::parallel::tensor
+}  // namespace dtrain::tensor

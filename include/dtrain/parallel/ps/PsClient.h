@@ -8,7 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "dtrain/parallel/ps/ParameterShard.h"
+#include "dtrain/parallel/ps/ShardProtocol.h"
 
 #include <chrono>
 #include <cstdint>

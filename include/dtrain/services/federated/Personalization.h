@@ -13,8 +13,8 @@
 #include "dtrain/data/Dataset.h"
 #include "dtrain/models/Model.h"
 #include "dtrain/models/Zoo.h"
-#include "dtrain/parallel/federated/FedAvg.h"
-#include "dtrain/parallel/federated/Partition.h"
+#include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/Partition.h"
 
 namespace dtrain::federated {
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/parallel/federated/FedAvg.h"
-#include "dtrain/parallel/federated/Privacy.h"
+#include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/Privacy.h"
 
 namespace dtrain::federated {
 

@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "dtrain/parallel/federated/Compression.h"
-#include "dtrain/parallel/federated/FedAvg.h"
-#include "dtrain/parallel/federated/RoundServer.h"
+#include "dtrain/services/federated/Compression.h"
+#include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/RoundServer.h"
 
 namespace dtrain::federated {
 

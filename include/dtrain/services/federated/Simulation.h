@@ -13,12 +13,12 @@
 
 #include "dtrain/data/Dataset.h"
 #include "dtrain/models/Zoo.h"
-#include "dtrain/parallel/federated/Compression.h"
-#include "dtrain/parallel/federated/FedAvg.h"
-#include "dtrain/parallel/federated/Partition.h"
-#include "dtrain/parallel/federated/Personalization.h"
-#include "dtrain/parallel/federated/Privacy.h"
-#include "dtrain/parallel/federated/RoundServer.h"
+#include "dtrain/services/federated/Compression.h"
+#include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/Partition.h"
+#include "dtrain/services/federated/Personalization.h"
+#include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/RoundServer.h"
 
 namespace dtrain::federated {
 

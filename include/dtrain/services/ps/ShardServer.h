@@ -14,7 +14,7 @@
 #include <string>
 #include <thread>
 
-#include "dtrain/parallel/ps/ParameterShard.h"
+#include "dtrain/services/ps/ParameterShard.h"
 
 namespace grpc {
 class Server;

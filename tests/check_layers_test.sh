@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# scripts/check-layers passes on the tree, and fails naming the file, line and layers when a
+# copy of the tree gets an include that runs up (common -> train) or sideways (data -> optim).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$root/scripts/check-layers" --root "$root"
+cp -r "$root/src" "$root/include" "$root/cli" "$work/"
+echo '#include "dtrain/train/Trainer.h"' >> "$work/src/common/Error.cpp"
+echo '#include "dtrain/optim/LrSchedule.h"' >> "$work/src/data/Dataset.cpp"
+if out=$("$root/scripts/check-layers" --root "$work" 2>&1); then
+  echo "FAIL: an upward include passed the layer check"; exit 1
+fi
+line=$(wc -l < "$work/src/common/Error.cpp")
+for expected in \
+    "src/common/Error.cpp:$line: common (level 0) includes dtrain/train/Trainer.h, a layer above: train (level 5)" \
+    "src/data/Dataset.cpp:" "includes dtrain/optim/LrSchedule.h, a sibling on its level: optim (level 2)" \
+    "2 include(s) against the layers"; do
+  if [[ $out != *"$expected"* ]]; then
+    echo "FAIL: the layer check did not say: $expected"; echo "$out"; exit 1
+  fi
+done
+echo "$out"
+echo "check-layers: passes the tree, refuses an upward and a sideways include"
