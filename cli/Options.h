@@ -36,10 +36,9 @@ inline std::string check_number(const std::string& text) {
     }
     const long long value = std::strtoll(begin, &end, 10);
     if (end == begin || *end != '\0') return "expects a whole number, got '" + text + "'";
-    const bool fits = errno != ERANGE &&
-                      value >= static_cast<long long>(std::numeric_limits<T>::min()) &&
-                      (std::is_unsigned_v<T> ||
-                       value <= static_cast<long long>(std::numeric_limits<T>::max()));
+    const bool fits =
+        errno != ERANGE && value >= static_cast<long long>(std::numeric_limits<T>::min()) &&
+        (std::is_unsigned_v<T> || value <= static_cast<long long>(std::numeric_limits<T>::max()));
     if (!fits) {
       return dtrain::concat("'", text, "' is out of range (", +std::numeric_limits<T>::min(),
                             " .. ", +std::numeric_limits<T>::max(), ")");
@@ -59,13 +58,12 @@ struct element_of<std::vector<T>> {
 
 // app.add_option, with check_number for numeric values (and vectors of them).
 template <typename T>
-CLI::Option* add(CLI::App& app, const std::string& name, T& value,
-                 const std::string& description) {
+CLI::Option* add(CLI::App& app, const std::string& name, T& value, const std::string& description) {
   CLI::Option* option = app.add_option(name, value, description);
   using Element = typename element_of<T>::type;
   if constexpr (std::is_arithmetic_v<Element> && !std::is_same_v<Element, bool>) {
-    option->check(CLI::Validator([](std::string& text) { return check_number<Element>(text); },
-                                 ""));
+    option->check(
+        CLI::Validator([](std::string& text) { return check_number<Element>(text); }, ""));
   }
   return option;
 }

@@ -1,6 +1,6 @@
 // `dtrain fl simulate|serve|client`: flags into the federated options, data sets loaded,
 // summaries printed.
-#include "Federated.h"
+#include "Command.h"
 
 #include <unistd.h>
 
@@ -22,6 +22,22 @@
 #include "dtrain/services/federated/Simulation.h"
 
 namespace dtrain::cli {
+
+class FederatedCommands final : public Command {
+ public:
+  /// Adds `fl` and its subcommands to `app`.
+  explicit FederatedCommands(CLI::App& app);
+  ~FederatedCommands();
+  bool parsed() const override;
+  int run(const std::vector<std::string>& args) override;
+
+ private:
+  int simulate();
+  int serve();
+  int client();
+  struct Options;
+  std::unique_ptr<Options> options_;
+};
 
 namespace {
 
@@ -77,7 +93,8 @@ void add_plan(CLI::App& c, Shared& s) {
   add(c, "--dp-delta", s.dp.delta, "The delta of the (epsilon, delta) reported per round")
       ->capture_default_str();
   add(c, "--model", s.model,
-      "mlp, cnn, fedavg-cnn (McMahan et al.'s CNN: 5x5 convolutions, a 512-unit layer) or linear")->capture_default_str();
+      "mlp, cnn, fedavg-cnn (McMahan et al.'s CNN: 5x5 convolutions, a 512-unit layer) or linear")
+      ->capture_default_str();
   add(c, "--hidden", s.hidden, "MLP hidden widths (McMahan et al.'s 2NN: 200 200)")
       ->capture_default_str();
   add(c, "--seed", s.seed, "Random seed (model, selection, local order)")->capture_default_str();
@@ -207,8 +224,7 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       "After training, each client fine-tunes the global model for this many epochs on its own "
       "examples; both are tested on its local test set (0 = no personalization)")
       ->capture_default_str();
-  add(c, "--personalize-layers", s.personalize_layers,
-      "Fine-tune only the last N layers (0 = all)")
+  add(c, "--personalize-layers", s.personalize_layers, "Fine-tune only the last N layers (0 = all)")
       ->capture_default_str();
   add(c, "--target-accuracy", s.target_accuracy,
       "Stop once the global model's test accuracy reaches this (0 = never)")
@@ -294,8 +310,9 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(cl, "--retry-window", o.retry_window_s,
       "Seconds an unreachable server is retried (with back-off) before the client gives up")
       ->capture_default_str();
-  cl.add_flag("--quiet", o.client_quiet,
-              "No progress lines (selected, update sent, rounds left and why, the server unreachable)");
+  cl.add_flag(
+      "--quiet", o.client_quiet,
+      "No progress lines (selected, update sent, rounds left and why, the server unreachable)");
   add(cl, "--max-rounds", k.max_rounds, "Leave after training this many rounds (0 = until done)")
       ->capture_default_str();
   cl.add_flag("!--no-error-feedback", k.error_feedback,
@@ -305,7 +322,8 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       "examples (0 = no personalization); both are tested on its held-out examples "
       "(--local-test-fraction)")
       ->capture_default_str();
-  add(cl, "--personalize-layers", k.personalize_layers, "Fine-tune only the last N layers (0 = all)")
+  add(cl, "--personalize-layers", k.personalize_layers,
+      "Fine-tune only the last N layers (0 = all)")
       ->capture_default_str();
   add(cl, "--save-model", k.save_model, "Save the personalized model here (torch::save)");
 }
@@ -317,7 +335,7 @@ bool FederatedCommands::parsed() const {
          options_->client_cmd->parsed();
 }
 
-int FederatedCommands::run() {
+int FederatedCommands::run(const std::vector<std::string>&) {
   if (options_->serve_cmd->parsed()) return serve();
   if (options_->client_cmd->parsed()) return client();
   return simulate();
@@ -371,13 +389,14 @@ int FederatedCommands::simulate() {
   }
   std::printf("\n");
   if (s.personalize_epochs > 0) {
-    std::printf("personalization (%lld epochs, %s): mean local test accuracy of %zu clients: "
-                "global model %.4f, personalized %.4f\n",
-                static_cast<long long>(s.personalize_epochs),
-                s.personalize_layers == 0 ? "all layers"
-                                          : concat("last ", s.personalize_layers, " layers").c_str(),
-                result.personalization.global_accuracy.size(), result.personalization.mean_global,
-                result.personalization.mean_personalized);
+    std::printf(
+        "personalization (%lld epochs, %s): mean local test accuracy of %zu clients: "
+        "global model %.4f, personalized %.4f\n",
+        static_cast<long long>(s.personalize_epochs),
+        s.personalize_layers == 0 ? "all layers"
+                                  : concat("last ", s.personalize_layers, " layers").c_str(),
+        result.personalization.global_accuracy.size(), result.personalization.mean_global,
+        result.personalization.mean_personalized);
   }
   return 0;
 }
@@ -395,7 +414,8 @@ int FederatedCommands::serve() {
   v.hidden = sh.hidden;
   v.seed = sh.seed;
   if (!o.server_token_file.empty()) v.token = rpc::read_token_file(o.server_token_file);
-  if (!o.client_tokens_file.empty()) v.client_tokens = federated::read_client_tokens(o.client_tokens_file);
+  if (!o.client_tokens_file.empty())
+    v.client_tokens = federated::read_client_tokens(o.client_tokens_file);
   const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
   set_up_process(sh.threads);
   const data::TensorDataset test = load(sh, false);
@@ -446,8 +466,9 @@ int FederatedCommands::client() {
   }
   set_up_process(sh.threads);
   data::TensorDataset train = load(sh, true);
-  const double test_fraction =
-      o.client_test_fraction >= 0 ? o.client_test_fraction : o.client_partition.empty() ? 0 : 0.2;
+  const double test_fraction = o.client_test_fraction >= 0  ? o.client_test_fraction
+                               : o.client_partition.empty() ? 0
+                                                            : 0.2;
   DTRAIN_CHECK_INPUT(test_fraction < 1, "--local-test-fraction must be in [0, 1), got ",
                      test_fraction);
   std::vector<int64_t> indices;
@@ -455,7 +476,8 @@ int FederatedCommands::client() {
     // Its own examples: a seeded shuffle, the last share held out (none by default).
     indices.resize(static_cast<size_t>(train.size()));
     std::iota(indices.begin(), indices.end(), 0);
-    const auto test = static_cast<int64_t>(std::floor(test_fraction * static_cast<double>(indices.size())));
+    const auto test =
+        static_cast<int64_t>(std::floor(test_fraction * static_cast<double>(indices.size())));
     DTRAIN_CHECK_INPUT(static_cast<int64_t>(indices.size()) - test >= 1, "--local-test-fraction ",
                        test_fraction, " leaves none of the ", indices.size(),
                        " examples to train on");
@@ -467,9 +489,10 @@ int FederatedCommands::client() {
   } else {
     long long index = -1, count = -1;
     char extra = 0;
-    DTRAIN_CHECK_INPUT(std::sscanf(o.client_partition.c_str(), "%lld/%lld%c", &index, &count, &extra) == 2 &&
-                           count >= 1 && index >= 0 && index < count,
-                       "--partition '", o.client_partition, "': expected I/N with 0 <= I < N");
+    DTRAIN_CHECK_INPUT(
+        std::sscanf(o.client_partition.c_str(), "%lld/%lld%c", &index, &count, &extra) == 2 &&
+            count >= 1 && index >= 0 && index < count,
+        "--partition '", o.client_partition, "': expected I/N with 0 <= I < N");
     const federated::ClientIndices slice =
         federated::partition_slice(train.targets(), index, count, test_fraction);
     indices = slice.train;
@@ -482,21 +505,26 @@ int FederatedCommands::client() {
       },
       std::move(train), std::move(indices), k);
   const federated::ClientReport report = client.run();
-  std::printf("fl client %s: %lld rounds trained, %lld left (unavailable), %lld missed (closed "
-              "or past the deadline), %lld uploads refused; uplink %lld bytes, downlink %lld "
-              "bytes; %s\n",
-              k.client_id.c_str(), static_cast<long long>(report.rounds_trained),
-              static_cast<long long>(report.rounds_abandoned),
-              static_cast<long long>(report.rounds_missed),
-              static_cast<long long>(report.uploads_refused),
-              static_cast<long long>(report.uplink_bytes),
-              static_cast<long long>(report.downlink_bytes), report.done_reason.c_str());
+  std::printf(
+      "fl client %s: %lld rounds trained, %lld left (unavailable), %lld missed (closed "
+      "or past the deadline), %lld uploads refused; uplink %lld bytes, downlink %lld "
+      "bytes; %s\n",
+      k.client_id.c_str(), static_cast<long long>(report.rounds_trained),
+      static_cast<long long>(report.rounds_abandoned), static_cast<long long>(report.rounds_missed),
+      static_cast<long long>(report.uploads_refused), static_cast<long long>(report.uplink_bytes),
+      static_cast<long long>(report.downlink_bytes), report.done_reason.c_str());
   if (report.personalized_accuracy >= 0) {
-    std::printf("fl client %s: personalized (%lld epochs): local test accuracy %.4f, the global "
-                "model's %.4f\n", k.client_id.c_str(), static_cast<long long>(k.personalize_epochs),
-                report.personalized_accuracy, report.global_accuracy);
+    std::printf(
+        "fl client %s: personalized (%lld epochs): local test accuracy %.4f, the global "
+        "model's %.4f\n",
+        k.client_id.c_str(), static_cast<long long>(k.personalize_epochs),
+        report.personalized_accuracy, report.global_accuracy);
   }
   return 0;
+}
+
+std::unique_ptr<Command> federated_command(CLI::App& app) {
+  return std::make_unique<FederatedCommands>(app);
 }
 
 }  // namespace dtrain::cli

@@ -1,0 +1,52 @@
+// `dtrain generate`: samples text from a language-model checkpoint (--model gpt --dataset text).
+#include <cstdio>
+
+#include "Command.h"
+#include "Options.h"
+#include "dtrain/train/Generate.h"
+
+namespace dtrain::cli {
+
+namespace {
+
+class GenerateCommand final : public Command {
+ public:
+  explicit GenerateCommand(CLI::App& app) {
+    app_ = app.add_subcommand(
+        "generate", "Sample text from a language-model checkpoint (--model gpt --dataset text)");
+    app_->add_option("--checkpoint", options_.checkpoint,
+                     "A checkpoint, or a checkpoint directory (its newest)")
+        ->required();
+    app_->add_option("--prompt", options_.prompt, "Text to continue");
+    add(*app_, "--tokens", options_.tokens, "Characters to generate")->capture_default_str();
+    add(*app_, "--temperature", options_.temperature,
+        "Sampling temperature (0 = always the most likely character)")
+        ->capture_default_str();
+    add(*app_, "--top-k", options_.top_k,
+        "Sample among the k most likely characters only (0 = all)")
+        ->capture_default_str();
+    add(*app_, "--seed", options_.seed, "Random seed")->capture_default_str();
+    add(*app_, "--threads", options_.threads, "Threads (default: all cores)");
+  }
+  bool parsed() const override { return app_->parsed(); }
+  int run(const std::vector<std::string>&) override {
+    dtrain::train::generate_text(options_, [](const std::string& piece) {
+      std::fputs(piece.c_str(), stdout);
+      std::fflush(stdout);
+    });
+    std::fputs("\n", stdout);
+    return 0;
+  }
+
+ private:
+  CLI::App* app_ = nullptr;
+  dtrain::train::GenerateOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> generate_command(CLI::App& app) {
+  return std::make_unique<GenerateCommand>(app);
+}
+
+}  // namespace dtrain::cli

@@ -1,0 +1,73 @@
+// `dtrain launch`: starts ranks of any program with torchrun's environment (RANK, WORLD_SIZE,
+// MASTER_ADDR, ...), on one node or several, static or elastic, with restarts.
+#include "Command.h"
+#include "Options.h"
+#include "dtrain/launch/Launcher.h"
+
+namespace dtrain::cli {
+
+namespace {
+
+class LaunchCommand final : public Command {
+ public:
+  explicit LaunchCommand(CLI::App& app)
+      : app_(app.add_subcommand(
+            "launch",
+            "Start ranks of a program with torchrun's environment (RANK, WORLD_SIZE, ...)")) {
+    add(*app_, "--nproc-per-node", launch_.nproc_per_node, "Ranks on this node")
+        ->capture_default_str();
+    app_->add_option("--nnodes", nnodes_,
+                     "Nodes: N, or MIN:MAX for an elastic job (it starts with MIN..MAX nodes and "
+                     "restarts at the new size when a node leaves or joins)")
+        ->capture_default_str();
+    add(*app_, "--node-rank", launch_.node_rank,
+        "This node's index (required with --nnodes N > 1; elastic: 0 on the host at "
+        "--master-addr, left out elsewhere)");
+    add(*app_, "--master-addr", launch_.master_addr, "Rendezvous address")->capture_default_str();
+    add(*app_, "--master-port", launch_.master_port,
+        "Rendezvous port (default: a free port; required for --nnodes > 1)");
+    add(*app_, "--threads", launch_.threads, "Threads per rank (default cores/ranks)");
+    add(*app_, "--interface", launch_.interface,
+        "Network interface for the ranks' traffic (default: the one that reaches --master-addr; "
+        "sets GLOO_SOCKET_IFNAME)");
+    add(*app_, "--max-restarts", launch_.max_restarts,
+        "Restart the job this many times after a failure (training resumes from its newest "
+        "checkpoint)")
+        ->capture_default_str();
+    app_->add_flag("--tolerate-failures", launch_.tolerate_failures,
+                   "A rank other than 0 failing does not stop the others (independent "
+                   "workers: --strategy downpour or sandblaster)");
+    add(*app_, "--rdzv-timeout", launch_.rendezvous_timeout_seconds,
+        "Seconds for every node to join (and to reach the store)")
+        ->capture_default_str();
+    add(*app_, "--rdzv-last-call", launch_.last_call_seconds,
+        "Elastic: seconds the host waits for more nodes once MIN have joined")
+        ->capture_default_str();
+    add(*app_, "--heartbeat-timeout", launch_.heartbeat_timeout_seconds,
+        "Seconds without a heartbeat before another node counts as failed")
+        ->capture_default_str();
+    add(*app_, "--grace", launch_.grace_seconds,
+        "Seconds between SIGTERM and SIGKILL when stopping ranks")
+        ->capture_default_str();
+    app_->add_flag("!--no-prefix", launch_.prefix_output, "Do not prefix lines with the rank");
+    app_->add_option("command", launch_.command, "-- PROGRAM [ARGS...]")->required();
+  }
+  bool parsed() const override { return app_->parsed(); }
+  int run(const std::vector<std::string>&) override {
+    dtrain::launch::parse_nnodes(nnodes_, launch_);
+    return dtrain::launch::launch(launch_);
+  }
+
+ private:
+  CLI::App* app_;
+  dtrain::launch::LaunchOptions launch_;
+  std::string nnodes_ = "1";
+};
+
+}  // namespace
+
+std::unique_ptr<Command> launch_command(CLI::App& app) {
+  return std::make_unique<LaunchCommand>(app);
+}
+
+}  // namespace dtrain::cli

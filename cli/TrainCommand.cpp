@@ -1,0 +1,464 @@
+// `dtrain train`: trains a reference model (the job's options are its flags, or a TOML file's
+// keys); with --nproc N it starts N local ranks of itself, with --ps-shards N the shards.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+
+#include "Command.h"
+#include "Options.h"
+#include "dtrain/comm/TokenFile.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/launch/Launcher.h"
+#include "dtrain/parallel/Strategy.h"
+#include "dtrain/services/ps/ShardServer.h"
+#include "dtrain/train/Job.h"
+
+namespace dtrain::cli {
+
+namespace {
+
+std::string self_executable() {
+  char path[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (n <= 0) return "dtrain";
+  path[n] = '\0';
+  return path;
+}
+
+void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
+  auto& t = job.trainer;
+  // A flag given twice (config file, then command line) keeps the last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // Handled by expand_config() before parsing (CLI11 2.1 ignores configs of subcommands).
+  app.add_option("--config",
+                 "Read options from a TOML file (keys are long flag names; flags on "
+                 "the command line win)");
+  add(app, "--model", job.model,
+      "Model: mlp, linear, cnn, fedavg-cnn (McMahan et al.'s CNN), resnet, gpt (the language "
+      "model, on the text data set)")
+      ->capture_default_str();
+  add(app, "--layers", job.gpt.layers, "gpt: transformer blocks")->capture_default_str();
+  add(app, "--heads", job.gpt.heads, "gpt: attention heads")->capture_default_str();
+  add(app, "--width", job.gpt.width, "gpt: model width (a multiple of --heads)")
+      ->capture_default_str();
+  add(app, "--context", job.gpt.context, "gpt: tokens per example (the attention window)")
+      ->capture_default_str();
+  add(app, "--dropout", job.gpt.dropout, "gpt: dropout probability")->capture_default_str();
+  app.add_flag("--tied-embeddings", job.gpt.tied_embeddings,
+               "gpt: the output layer reuses the token embedding's weight");
+  app.add_flag("--sequence-parallel", job.gpt.sequence_parallel,
+               "gpt with --tensor-parallel: split LayerNorm, dropout and residual activations "
+               "along the sequence too (Megatron's sequence parallelism; --context a multiple "
+               "of T)");
+  add(app, "--hidden", job.hidden, "MLP hidden layer widths")
+      ->capture_default_str()
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  add(app, "--dataset", job.dataset, "Data set: fashion-mnist, synthetic, text")
+      ->capture_default_str();
+  add(app, "--text-file", job.text_file,
+      "--dataset text: a UTF-8 text file or a directory of them (default --data-dir, else "
+      "Debian's fortunes in /usr/share/games/fortunes)");
+  add(app, "--validation-fraction", job.validation_fraction,
+      "--dataset text: share of the text (its end) held out for validation")
+      ->capture_default_str();
+  add(app, "--data-dir", job.data_dir,
+      "Fashion-MNIST directory (default $DTRAIN_DATA_DIR or "
+      "/usr/share/datasets/fashion-mnist)");
+  add(app, "--synthetic-examples", job.synthetic_examples,
+      "Training examples of the synthetic data set")
+      ->capture_default_str();
+  std::string strategies;
+  for (const auto& name : dtrain::parallel::strategy_names()) {
+    strategies += (strategies.empty() ? "" : ", ") + name;
+  }
+  add(app, "--strategy", t.strategy, "Parallel strategy: " + strategies)->capture_default_str();
+  add(app, "--pipeline-parallel", t.pipeline_parallel,
+      "Pipeline stages: the model's stages are split over this many ranks (the rest of the "
+      "world makes each stage data-parallel with --strategy ddp or zero1)")
+      ->capture_default_str();
+  add(app, "--tensor-parallel", t.tensor_parallel,
+      "Tensor-parallel ranks: each layer's matrices are split over this many ranks (Megatron-"
+      "style; --model gpt). With --pipeline-parallel P the world is DP x P x T")
+      ->capture_default_str();
+  app.add_option("--ps", t.strategy_options.ps_addresses,
+                 "--strategy downpour/sandblaster: the parameter-server shards, HOST:PORT,... in "
+                 "shard order "
+                 "(each started with dtrain ps serve)")
+      ->delimiter(',');
+  add(app, "--ps-shards", job.ps_shards,
+      "--strategy downpour/sandblaster: start this many parameter-server shards here, in the "
+      "launching "
+      "process (instead of --ps)")
+      ->capture_default_str();
+  add(app, "--ps-optimizer", job.ps_optimizer,
+      "--ps-shards: the shards' optimizer (adagrad, sgd or adam)")
+      ->capture_default_str();
+  add(app, "--ps-lr", job.ps_lr,
+      "--ps-shards: the shards' learning rate (the job's decay and warmup become their "
+      "schedule, by version)")
+      ->capture_default_str();
+  add(app, "--ps-auth-token-file", job.ps_auth_token_file,
+      "--strategy downpour/sandblaster: file holding the shards' token (sent with every call; "
+      "--ps-shards "
+      "shards require it)");
+  app.add_flag(
+      "--ps-tls", t.strategy_options.ps_tls,
+      "--strategy downpour/sandblaster: connect to the shards with TLS (system roots unless "
+      "--ps-tls-ca)");
+  add(app, "--ps-tls-ca", t.strategy_options.ps_tls_ca,
+      "--strategy downpour/sandblaster: PEM file of the certificates to trust (implies --ps-tls)");
+  add(app, "--ps-retry-ms", t.strategy_options.ps_retry_ms,
+      "--strategy downpour/sandblaster: how long an unreachable shard (restarting?) is retried, "
+      "with "
+      "back-off, before the worker fails")
+      ->capture_default_str();
+  app.add_option_function<std::string>(
+      "--simulate-slowdown",
+      [&t](const std::string& text) {
+        int rank = -1;
+        double factor = 0;
+        char tail = 0;
+        std::string rate = text;
+        const bool spin = text.size() > 5 && text.compare(text.size() - 5, 5, ":spin") == 0;
+        if (spin) rate.resize(text.size() - 5);
+        DTRAIN_CHECK_INPUT(std::sscanf(rate.c_str(), "%d:%lf%c", &rank, &factor, &tail) == 2 &&
+                               rank >= 0 && factor >= 1 && std::isfinite(factor),
+                           "--simulate-slowdown '", text,
+                           "': expected RANK:FACTOR[:spin] with RANK >= 0 and FACTOR >= 1");
+        t.slowdown_rank = rank;
+        t.slowdown_factor = factor;
+        t.slowdown_spin = spin;
+      },
+      "RANK:FACTOR[:spin]: rank RANK takes FACTOR times as long per step (a straggler, for "
+      "testing): it sleeps the difference, or with :spin keeps its core busy (a slow "
+      "machine's capacity is lost)");
+  add(app, "--n-fetch", t.strategy_options.ps_n_fetch,
+      "--strategy downpour: fetch fresh parameters every N steps (in the background)")
+      ->capture_default_str();
+  add(app, "--n-push", t.strategy_options.ps_n_push,
+      "--strategy downpour: push the gradients accumulated over N steps (in the background)")
+      ->capture_default_str();
+  add(app, "--max-staleness", t.strategy_options.ps_max_staleness,
+      "--strategy downpour: a worker whose parameters are more than this many server versions "
+      "old waits for a fresh pull (-1: no cap)")
+      ->capture_default_str();
+  add(app, "--ps-timeout-ms", t.strategy_options.ps_rpc_timeout_ms,
+      "--strategy downpour/sandblaster: deadline of every parameter-server call")
+      ->capture_default_str();
+  add(app, "--work-units", t.strategy_options.sb_work_units,
+      "--strategy sandblaster: work units each evaluation of the loss is cut into, handed out "
+      "to workers as they ask (0: 10 per worker)")
+      ->capture_default_str();
+  app.add_flag("!--no-backup-tasks", t.strategy_options.sb_backup_tasks,
+               "--strategy sandblaster: no backup copies of the units still running near an "
+               "evaluation's end (a straggler then sets the pace)");
+  add(app, "--work-unit-sizing", t.strategy_options.sb_unit_sizing,
+      "--strategy sandblaster: tapered (the last 2 x workers units a half and a quarter of the "
+      "others' size: an evaluation ends on small units) or uniform")
+      ->capture_default_str();
+  add(app, "--lbfgs-history", t.strategy_options.sb_history,
+      "--strategy sandblaster: L-BFGS history pairs (kept on the shards)")
+      ->capture_default_str();
+  add(app, "--micro-batches", job.micro_batches,
+      "Micro-batches per optimizer step (the pipeline's M; sets --accumulation)");
+  add(app, "--schedule", t.strategy_options.pipeline_schedule,
+      "Pipeline schedule: gpipe, 1f1b, interleaved")
+      ->capture_default_str();
+  add(app, "--virtual-stages", t.strategy_options.pipeline_virtual_stages,
+      "Interleaved schedule: model chunks per pipeline rank")
+      ->capture_default_str();
+  add(app, "--pipeline-balance", t.strategy_options.pipeline_balance,
+      "Place pipeline stages by params (parameter count), time (measured forward + backward) "
+      "or S1,S2,... (model stages per pipeline stage)")
+      ->capture_default_str();
+  add(app, "--pipeline-transport", t.strategy_options.pipeline_transport,
+      "Pipeline activations and gradients travel through auto (shared memory between stages on "
+      "the same machine, else the communicator) or comm (always the communicator)")
+      ->capture_default_str();
+  add(app, "--trace", t.trace_file,
+      "Write a Chrome/Perfetto trace of every rank (forward, backward, recv, sync, optimizer "
+      "spans) to this file; scripts/plot-timeline draws it");
+  add(app, "--nproc", job.nproc, "Local ranks to launch")->capture_default_str();
+  add(app, "--threads", job.threads, "Threads per rank (default: cores / ranks)");
+  add(app, "--interface", job.interface,
+      "Network interface for rank-to-rank traffic (default: the one that reaches MASTER_ADDR)");
+  add(app, "--max-restarts", job.max_restarts,
+      "With --nproc: restart the ranks this many times after a failure, resuming from the "
+      "newest checkpoint")
+      ->capture_default_str();
+  add(app, "--backend", job.backend, "Communication backend: gloo, nccl")->capture_default_str();
+  add(app, "--comm-timeout", job.comm_timeout_ms, "Timeout of every collective (ms)")
+      ->capture_default_str();
+  add(app, "--epochs", t.epochs, "Epochs")->capture_default_str();
+  add(app, "--batch-size", t.batch_size, "Examples per rank per micro-batch")
+      ->capture_default_str();
+  add(app, "--accumulation", t.accumulation_steps,
+      "Micro-batches per optimizer step (gradient accumulation)")
+      ->capture_default_str();
+  add(app, "--global-batch", t.global_batch,
+      "Examples per optimizer step at any world size: sets --accumulation to this / "
+      "(batch size x ranks); elastic jobs keep their step and data order across sizes "
+      "(0 = batch size x accumulation x ranks)")
+      ->capture_default_str();
+  add(app, "--max-steps", t.max_steps, "Train this many steps (0 = all epochs)")
+      ->capture_default_str();
+  add(app, "--stop-at-step", t.stop_at_step,
+      "Checkpoint and halt at this step, keeping the schedule (resume later)")
+      ->capture_default_str();
+  add(app, "--optimizer", t.optimizer.name, "sgd, adam, adamw, adagrad")->capture_default_str();
+  add(app, "--lr", t.optimizer.lr, "Learning rate")->capture_default_str();
+  add(app, "--momentum", t.optimizer.momentum, "SGD momentum")->capture_default_str();
+  app.add_flag("--nesterov", t.optimizer.nesterov, "Nesterov momentum (SGD)");
+  add(app, "--weight-decay", t.optimizer.weight_decay, "Weight decay")->capture_default_str();
+  add(app, "--lr-decay", t.schedule.decay, "constant, step, cosine")->capture_default_str();
+  add(app, "--warmup-steps", t.schedule.warmup_steps, "Linear warmup steps")->capture_default_str();
+  add(app, "--lr-step-size", t.schedule.step_size, "Steps between step decays")
+      ->capture_default_str();
+  add(app, "--lr-gamma", t.schedule.gamma, "Step decay factor")->capture_default_str();
+  add(app, "--reference-batch", t.reference_batch,
+      "Linear scaling rule: lr x global batch / this (0 = off)")
+      ->capture_default_str();
+  add(app, "--max-nonfinite-steps", t.max_nonfinite_steps,
+      "Stop with an error after this many consecutive steps with a non-finite loss or gradient "
+      "norm (0 = never)")
+      ->capture_default_str();
+  add(app, "--max-grad-norm", t.strategy_options.max_grad_norm,
+      "Clip gradients to this global norm (0 = off)")
+      ->capture_default_str();
+  add(app, "--bucket-cap-mb", job.bucket_cap_mb, "Gradient bucket size in MiB")
+      ->capture_default_str();
+  add(app, "--zero3-min-unit-params", t.strategy_options.zero3_min_unit_params,
+      "zero3: merge consecutive model stages into units of at least this many "
+      "parameters (0 = one unit per stage)")
+      ->capture_default_str();
+  app.add_flag("!--no-zero3-prefetch", t.strategy_options.zero3_prefetch,
+               "zero3: do not gather the next unit while the current one computes");
+  add(app, "--grad-compression", t.strategy_options.grad_compression,
+      "Gradient wire dtype: none, fp16, bf16")
+      ->capture_default_str();
+  app.add_flag("--error-on-unused-parameters", t.strategy_options.error_on_unused_parameters,
+               "Fail a step when a parameter gets no gradient (default: treat as zero)");
+  add(app, "--precision", t.strategy_options.precision,
+      "fp32, bf16-mixed, fp16-mixed (CUDA only), bf16")
+      ->capture_default_str();
+  add(app, "--loss-scaling", t.strategy_options.loss_scaling,
+      "auto (dynamic for fp16-mixed), dynamic, none")
+      ->capture_default_str();
+  add(app, "--checkpointing", job.checkpointing,
+      "Activation checkpointing: none, sqrt, or a segment count")
+      ->capture_default_str();
+  add(app, "--seed", t.seed, "Random seed")->capture_default_str();
+  add(app, "--checkpoint-dir", t.checkpoint_dir, "Directory for checkpoints");
+  add(app, "--checkpoint-every", t.checkpoint_every,
+      "Also checkpoint every N steps (0 = epoch ends only)")
+      ->capture_default_str();
+  add(app, "--keep-checkpoints", t.keep_checkpoints, "Checkpoints to keep")->capture_default_str();
+  app.add_flag("!--no-resume", t.resume, "Start fresh even if --checkpoint-dir has one");
+  add(app, "--metrics", t.metrics_file, "JSONL metrics file");
+  add(app, "--eval-every", t.eval_every, "Also evaluate every N steps (0 = epoch ends only)")
+      ->capture_default_str();
+  app.add_flag("--defer-eval", t.defer_eval,
+               "Evaluate after training, on copies of the parameters taken at each evaluation "
+               "point (recorded with their moment's clock: time to accuracy without the "
+               "evaluations)");
+  add(app, "--log-every", t.log_every, "Steps between metrics records")->capture_default_str();
+  app.add_flag("!--no-progress", t.progress, "No progress bar");
+}
+
+// --strategy downpour/sandblaster --ps-shards N: the shards run in this (the launching)
+// process, on free local ports; the ranks get their addresses as --ps.
+std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shards(
+    dtrain::train::JobConfig& job, std::vector<std::string>& args) {
+  std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> servers;
+  if (!dtrain::train::uses_parameter_server(job) || job.ps_shards <= 0) return servers;
+  const bool downpour = job.trainer.strategy == "downpour";
+  const int64_t total_worker_steps = downpour ? dtrain::train::planned_steps(job) : 0;
+  std::string addresses;
+  for (int i = 0; i < job.ps_shards; ++i) {
+    dtrain::parallel::ps::ShardServerOptions options;
+    options.shard = i;
+    options.shards = job.ps_shards;
+    options.optimizer.name = job.ps_optimizer;
+    options.optimizer.lr = job.ps_lr;
+    // The job's schedule by version: one version per push, n_push worker steps each.
+    const auto& o = job.trainer.strategy_options;
+    const int64_t steps = std::max<int64_t>(1, job.nproc);
+    // (Sandblaster's shards apply no updates: L-BFGS steps through vector commands.)
+    if (downpour) options.optimizer.schedule = job.trainer.schedule;
+    options.optimizer.schedule.warmup_steps =
+        job.trainer.schedule.warmup_steps * steps / o.ps_n_push;
+    options.optimizer.schedule.step_size =
+        std::max<int64_t>(1, job.trainer.schedule.step_size * steps / o.ps_n_push);
+    options.optimizer.total_versions = total_worker_steps * steps / o.ps_n_push;
+    options.auth_token = job.trainer.strategy_options.ps_auth_token;
+    servers.push_back(std::make_unique<dtrain::parallel::ps::ShardServer>(options));
+    addresses += (i == 0 ? "" : ",") + servers.back()->address();
+    job.trainer.strategy_options.ps_addresses.push_back(servers.back()->address());
+  }
+  job.ps_shards = 0;
+  std::vector<std::string> kept;  // the ranks connect to these shards instead of starting more
+  for (size_t i = 0; i < args.size(); ++i) {
+    bool dropped = false;
+    for (const char* flag : {"--ps-shards", "--ps-optimizer", "--ps-lr"}) {
+      if (args[i] == flag) {
+        ++i;
+        dropped = true;
+      } else if (args[i].rfind(std::string(flag) + "=", 0) == 0) {
+        dropped = true;
+      }
+    }
+    if (!dropped) kept.push_back(args[i]);
+  }
+  args = kept;
+  args.push_back("--ps");
+  args.push_back(addresses);
+  std::printf("parameter server: %d shard%s at %s, %s\n", static_cast<int>(servers.size()),
+              servers.size() == 1 ? "" : "s", addresses.c_str(),
+              downpour ? dtrain::concat(job.ps_optimizer, " at lr ", job.ps_lr, " (",
+                                        job.trainer.schedule.decay, ")")
+                             .c_str()
+                       : "vector commands of Sandblaster's L-BFGS");
+  std::fflush(stdout);
+  return servers;
+}
+
+int run_train(dtrain::train::JobConfig job, std::vector<std::string> args) {
+  const bool worker = std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr ||
+                      std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
+  // Check everything once, before any rank starts; ranks (already checked by their launcher, or
+  // started by Slurm / mpirun) get the same named errors from run_job itself.
+  if (!worker) dtrain::train::validate_job(job);
+  if (!job.trainer.strategy_options.ps_tls_ca.empty()) job.trainer.strategy_options.ps_tls = true;
+  if (!job.ps_auth_token_file.empty()) {
+    job.trainer.strategy_options.ps_auth_token =
+        dtrain::rpc::read_token_file(job.ps_auth_token_file);
+  }
+  const auto shards =
+      worker ? decltype(start_local_shards(job, args)){} : start_local_shards(job, args);
+  if (job.nproc > 1 && !worker) {
+    dtrain::launch::LaunchOptions launch;
+    launch.nproc_per_node = job.nproc;
+    launch.threads = job.threads;
+    launch.max_restarts = job.max_restarts;
+    launch.interface = job.interface;
+    // Parameter-server workers are independent: one that fails leaves the others running
+    // (Sandblaster hands its work units to the others).
+    launch.tolerate_failures = dtrain::train::uses_parameter_server(job);
+    launch.command.push_back(self_executable());
+    launch.command.insert(launch.command.end(), args.begin(), args.end());
+    return dtrain::launch::launch(launch);
+  }
+  const auto result = dtrain::train::run_job(job);
+  if (result.rank == 0) {
+    const auto& fit = result.fit;
+    std::printf(
+        "trained %lld steps (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s\n",
+        static_cast<long long>(fit.steps), static_cast<long long>(fit.global_batch),
+        result.world_size, result.world_size == 1 ? "" : "s",
+        dtrain::concat(job.trainer.pipeline_parallel > 1
+                           ? dtrain::concat(job.trainer.pipeline_parallel, "-stage pipeline x ")
+                           : std::string(),
+                       job.trainer.strategy,
+                       job.trainer.tensor_parallel > 1
+                           ? dtrain::concat(" x tensor-parallel ", job.trainer.tensor_parallel)
+                           : std::string())
+            .c_str(),
+        fit.seconds, fit.samples_per_second);
+    if (fit.validation && job.dataset == "text") {
+      std::printf(
+          "validation loss: %.4f nats/char (%.3f bits/char) over %lld windows, "
+          "next-character accuracy %.2f%%\n",
+          fit.validation->loss, fit.validation->loss / std::log(2.0),
+          static_cast<long long>(fit.validation->examples), fit.validation->accuracy * 100);
+    } else if (fit.validation) {
+      std::printf("test accuracy: %.2f%% (%lld examples), test loss %.4f\n",
+                  fit.validation->accuracy * 100, static_cast<long long>(fit.validation->examples),
+                  fit.validation->loss);
+    }
+  }
+  return 0;
+}
+
+// Replaces `--config FILE` after the `train` subcommand by the flags the TOML file sets, placed
+// before the other command-line flags so that those win.
+std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App& train) {
+  auto at = std::find(args.begin(), args.end(), "train");
+  if (at == args.end()) return args;
+  std::vector<std::string> rest(at + 1, args.end());
+  std::string path;
+  for (size_t i = 0; i < rest.size(); ++i) {
+    if (rest[i] == "--config" && i + 1 < rest.size()) {
+      path = rest[i + 1];
+      rest.erase(rest.begin() + i, rest.begin() + i + 2);
+      break;
+    }
+    if (rest[i].rfind("--config=", 0) == 0) {
+      path = rest[i].substr(9);
+      rest.erase(rest.begin() + i);
+      break;
+    }
+  }
+  if (path.empty()) return args;
+  DTRAIN_CHECK_INPUT(
+      std::filesystem::is_regular_file(path) && ::access(path.c_str(), R_OK) == 0, "config file ",
+      path,
+      std::filesystem::is_directory(path) ? " is a directory, not a TOML file" : " cannot be read");
+  std::vector<CLI::ConfigItem> items;
+  try {
+    items = CLI::ConfigTOML().from_file(path);
+  } catch (const std::exception& e) {
+    DTRAIN_THROW(dtrain::InputError, "config file ", path, " is not valid TOML: ", e.what());
+  }
+  std::vector<std::string> injected;
+  for (const auto& item : items) {
+    if (item.name == "++" || item.name == "--") continue;  // section markers
+    // Keys may stand at the top level or in a [train] table.
+    std::string key = item.parents.empty() ? item.name : item.fullname();
+    if (item.parents.size() == 1 && item.parents.front() == "train") key = item.name;
+    const CLI::Option* option = train.get_option_no_throw("--" + key);
+    DTRAIN_CHECK_INPUT(option != nullptr && key != "config", "config file ", path,
+                       ": unknown key '", key, "' (keys are `dtrain train` flag names)");
+    if (option->get_expected_max() == 0) {  // a flag: key = true / false
+      const std::string value = item.inputs.empty() ? "true" : item.inputs.front();
+      DTRAIN_CHECK_INPUT(value == "true" || value == "false", "config file ", path, ": key '", key,
+                         "' takes true or false, got '", value, "'");
+      if (value == "true") injected.push_back("--" + key);
+      continue;
+    }
+    injected.push_back("--" + key);
+    injected.insert(injected.end(), item.inputs.begin(), item.inputs.end());
+  }
+  std::vector<std::string> out(args.begin(), at + 1);
+  out.insert(out.end(), injected.begin(), injected.end());
+  out.insert(out.end(), rest.begin(), rest.end());
+  return out;
+}
+
+class TrainCommand final : public Command {
+ public:
+  explicit TrainCommand(CLI::App& app)
+      : app_(app.add_subcommand("train", "Train a model, on --nproc local ranks")) {
+    add_train_options(*app_, job_);
+  }
+  std::vector<std::string> expand(const std::vector<std::string>& args) override {
+    return expand_config(args, *app_);
+  }
+  bool parsed() const override { return app_->parsed(); }
+  int run(const std::vector<std::string>& args) override { return run_train(job_, args); }
+
+ private:
+  CLI::App* app_;
+  dtrain::train::JobConfig job_;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> train_command(CLI::App& app) {
+  return std::make_unique<TrainCommand>(app);
+}
+
+}  // namespace dtrain::cli
