@@ -1,0 +1,63 @@
+// What the launchers of one job share, beside the store they meet in: how an attempt ended
+// (Outcome, as published in the store), the keys of their protocol, who takes part in an
+// attempt (Membership), and the signal a launcher forwards to its ranks.
+#pragma once
+
+#include <signal.h>
+
+#include <chrono>
+#include <string>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::launch::agent {
+
+using Clock = std::chrono::steady_clock;
+
+// How an attempt ended.
+struct Outcome {
+  bool failed = false;
+  int code = 0;              // the exit code the launcher returns
+  std::string description;   // "node 1 rank 1 (pid 4242) exited with code 3"
+  bool interrupted = false;  // the user stopped the job: no restart
+  bool resize = false;       // elastic: a node is waiting to join; restart at the new size
+};
+
+// Keys of the launchers' protocol in the store (the ranks' keys carry "attempt-N/").
+inline std::string attempt_key(int attempt, const std::string& name) {
+  return concat("dtrain-agent/", attempt, "/", name);
+}
+inline std::string heartbeat_key(int attempt, int node) {
+  return attempt_key(attempt, concat("heartbeat/", node));
+}
+// The attempt the host is at; the job's result once it is over ("code|kind|text").
+inline const std::string kCurrentKey = "dtrain-agent/current";
+inline const std::string kResultKey = "dtrain-agent/result";
+
+// "code|kind|text" <-> Outcome.
+std::string encode(const Outcome& o);
+Outcome decode(const std::string& value);
+
+// Who takes part in an attempt, as its rendezvous decided.
+struct Membership {
+  int node_rank = 0;
+  int nnodes = 1;
+  int restarts_used = 0;  // failures restarted from before this attempt (the same on every node)
+};
+
+inline std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1e3));
+}
+
+// How long a local rank's failure waits before it is published as the job's: long enough for
+// another node's failure (the root cause, when ours is a broken connection) to arrive first, or
+// for its heartbeat to fall silent.
+constexpr std::chrono::milliseconds kSettle{1500};
+
+/// The signal (SIGINT, SIGTERM) the launcher caught, to forward to its ranks (0: none).
+extern volatile sig_atomic_t g_forward_signal;
+
+/// CommError naming what was being waited for once a signal was caught.
+void check_interrupt(const char* waiting_for);
+
+}  // namespace dtrain::launch::agent

@@ -1,0 +1,341 @@
+#include "launch/Attempt.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "dtrain/common/Net.h"
+#include "dtrain/launch/Environment.h"
+
+namespace dtrain::launch::agent {
+
+namespace {
+
+// Writes complete segments of `buffer` with a prefix. '\r' segments (progress bars) are redrawn
+// in place; '\n' segments are lines.
+void flush_lines(std::string& buffer, const std::string& prefix, std::FILE* out, bool all) {
+  size_t start = 0;
+  for (size_t i = 0; i < buffer.size(); ++i) {
+    if (buffer[i] != '\n' && buffer[i] != '\r') continue;
+    const std::string segment = buffer.substr(start, i - start);
+    if (buffer[i] == '\r') {
+      if (!segment.empty()) std::fprintf(out, "%s%s", prefix.c_str(), segment.c_str());
+      std::fputc('\r', out);
+    } else {
+      std::fprintf(out, "%s%s\n", prefix.c_str(), segment.c_str());
+    }
+    start = i + 1;
+  }
+  buffer.erase(0, start);
+  if (all && !buffer.empty()) {
+    std::fprintf(out, "%s%s\n", prefix.c_str(), buffer.c_str());
+    buffer.clear();
+  }
+  std::fflush(out);
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return concat("exited with code ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    return concat("was killed by signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)),
+                  ")");
+  }
+  return "ended";
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+}  // namespace
+
+void Attempt::spawn() {
+  const int world = o_.nproc_per_node * nnodes_;
+  const bool tty = ::isatty(STDOUT_FILENO) == 1;
+  ranks_.assign(o_.nproc_per_node, Rank{});
+  for (int local = 0; local < o_.nproc_per_node; ++local) {
+    Rank& r = ranks_[local];
+    r.rank = node_rank_ * o_.nproc_per_node + local;
+    int out_pipe[2], err_pipe[2];
+    DTRAIN_CHECK(::pipe(out_pipe) == 0 && ::pipe(err_pipe) == 0,
+                 "pipe() failed: ", std::strerror(errno));
+    std::vector<std::string> env = {
+        concat("RANK=", r.rank),
+        concat("WORLD_SIZE=", world),
+        concat("LOCAL_RANK=", local),
+        concat("LOCAL_WORLD_SIZE=", o_.nproc_per_node),
+        concat("GROUP_RANK=", node_rank_),
+        concat("MASTER_ADDR=", o_.master_addr),
+        concat("MASTER_PORT=", port_),
+        concat("DTRAIN_THREADS=", threads_),
+        concat("OMP_NUM_THREADS=", threads_),
+        "DTRAIN_AGENT_STORE=1",
+        concat("DTRAIN_STORE_PREFIX=attempt-", attempt_, "/"),
+        concat("DTRAIN_RESTART_COUNT=", attempt_),
+        concat("TORCHELASTIC_RESTART_COUNT=", attempt_),
+    };
+    if (!o_.interface.empty()) env.push_back("GLOO_SOCKET_IFNAME=" + o_.interface);
+    if (!progress_file_.empty()) env.push_back("DTRAIN_PROGRESS_FILE=" + progress_file_);
+    if (tty && r.rank == 0) env.push_back("DTRAIN_PROGRESS_TTY=1");
+    env.insert(env.end(), o_.extra_env.begin(), o_.extra_env.end());
+    const pid_t pid = ::fork();
+    DTRAIN_CHECK(pid >= 0, "fork() failed: ", std::strerror(errno));
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
+      ::setpgid(0, 0);
+      ::dup2(out_pipe[1], STDOUT_FILENO);
+      ::dup2(err_pipe[1], STDERR_FILENO);
+      ::close(out_pipe[0]);
+      ::close(err_pipe[0]);
+      ::close(out_pipe[1]);
+      ::close(err_pipe[1]);
+      for (const auto& entry : env) ::putenv(const_cast<char*>(entry.c_str()));
+      std::vector<char*> argv;
+      for (const auto& arg : o_.command) argv.push_back(const_cast<char*>(arg.c_str()));
+      argv.push_back(nullptr);
+      ::execvp(argv[0], argv.data());
+      std::fprintf(stderr, "dtrain launch: cannot run %s: %s\n", argv[0], std::strerror(errno));
+      ::_exit(127);
+    }
+    ::close(out_pipe[1]);
+    ::close(err_pipe[1]);
+    ::setpgid(pid, pid);  // (also done in the child) so signals reach its whole group
+    r.pid = pid;
+    r.out_fd = out_pipe[0];
+    r.err_fd = err_pipe[0];
+    r.running = true;
+  }
+}
+
+void Attempt::begin_stop(int signal) {
+  if (stopping_) return;
+  stopping_ = true;
+  for (auto& r : ranks_) {
+    if (r.running) ::kill(-r.pid, signal);
+  }
+  stop_deadline_ =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_seconds * 1e3));
+}
+
+// Twice a second: heartbeat, the job's failure, the other nodes' heartbeats.
+// A local rank's failure, or the silence of another node's launcher that came first (when a
+// node dies, its peers' ranks fail on broken connections before its heartbeat times out).
+Outcome Attempt::blame(Clock::time_point now) const {
+  Outcome blamed = *local_failure_;
+  for (int n = 0; n < nnodes_; ++n) {
+    if (n == node_rank_ || last_beat_[n] < 0) continue;
+    const double silent = std::chrono::duration<double>(now - last_beat_change_[n]).count();
+    if (silent >= 1.2) {  // heartbeats come every 0.5 s
+      blamed.description =
+          concat("node ", n, "'s launcher stopped responding (no heartbeat for ",
+                 std::round(silent * 10) / 10, " s), and then ", local_failure_->description);
+      break;
+    }
+  }
+  return blamed;
+}
+
+// Twice a second: heartbeat, the job's failure, the other nodes' heartbeats.
+void Attempt::tick() {
+  const auto now = Clock::now();
+  if (now < next_tick_) return;
+  next_tick_ = now + std::chrono::milliseconds(500);
+  try {
+    store_.add(heartbeat_key(attempt_, node_rank_), 1);
+    if (!outcome_.failed && store_.check(attempt_key(attempt_, "failure"))) {
+      outcome_ = decode(store_.get(attempt_key(attempt_, "failure")));
+      begin_stop(SIGTERM);
+      return;
+    }
+    if (outcome_.failed) return;
+    for (int n = 0; n < nnodes_; ++n) {
+      if (n == node_rank_ || store_.check(attempt_key(attempt_, concat("done/", n)))) continue;
+      const int64_t beat = store_.add(heartbeat_key(attempt_, n), 0);
+      if (beat != last_beat_[n]) {
+        last_beat_[n] = beat;
+        last_beat_change_[n] = now;
+      }
+    }
+    if (local_failure_) {
+      // A rank killed by a signal is a cause, never a consequence of another failure: it is
+      // published at once. Other failures (an exit after a broken connection) wait, so that
+      // the failure that caused them reaches the store first (first published wins).
+      const bool cause = local_failure_->code > 128;
+      if (nnodes_ == 1 || cause || now - local_failure_at_ >= kSettle)
+        outcome_ = publish(blame(now));
+      return;
+    }
+    if (o_.min_nodes > 0 && node_rank_ == 0 && nnodes_ < o_.nnodes &&
+        store_.add(attempt_key(attempt_, "waiting"), 0) > 0) {
+      Outcome resize;
+      resize.failed = true;
+      resize.resize = true;
+      resize.description = concat("a node is waiting to join (the job runs on ", nnodes_,
+                                  " of at most ", o_.nnodes, " nodes)");
+      outcome_ = publish(resize);
+      begin_stop(SIGTERM);
+      return;
+    }
+    for (int n = 0; n < nnodes_; ++n) {
+      if (n == node_rank_ || last_beat_[n] < 0 ||
+          now - last_beat_change_[n] <= millis(o_.heartbeat_timeout_seconds)) {
+        continue;
+      }
+      Outcome lost;
+      lost.failed = true;
+      lost.code = 1;
+      lost.description = concat("node ", n, "'s launcher stopped responding (no heartbeat for ",
+                                o_.heartbeat_timeout_seconds, " s)");
+      outcome_ = publish(lost);
+      begin_stop(SIGTERM);
+      return;
+    }
+  } catch (const CommError& e) {
+    if (outcome_.failed) return;
+    outcome_.failed = true;
+    outcome_.code = 1;
+    outcome_.description =
+        concat("lost the rendezvous store at ", store_.address(),
+               node_rank_ == 0 ? "" : " (node 0's launcher is gone?)", ": ", e.message());
+    begin_stop(SIGTERM);
+  }
+}
+
+Outcome Attempt::run() {
+  spawn();
+  last_beat_.assign(nnodes_, -1);
+  last_beat_change_.assign(nnodes_, Clock::now());
+  auto prefix_of = [&](const Rank& r) {
+    return o_.prefix_output ? concat("[rank ", r.rank, "] ") : std::string();
+  };
+  for (;;) {
+    // Drain output.
+    std::vector<pollfd> fds;
+    std::vector<std::pair<Rank*, bool>> owners;  // (rank, is_stderr)
+    for (auto& r : ranks_) {
+      if (r.out_fd >= 0) {
+        fds.push_back({r.out_fd, POLLIN, 0});
+        owners.push_back({&r, false});
+      }
+      if (r.err_fd >= 0) {
+        fds.push_back({r.err_fd, POLLIN, 0});
+        owners.push_back({&r, true});
+      }
+    }
+    if (!fds.empty()) ::poll(fds.data(), fds.size(), 50);
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      Rank& r = *owners[i].first;
+      const bool is_err = owners[i].second;
+      char chunk[8192];
+      const ssize_t n = ::read(fds[i].fd, chunk, sizeof(chunk));
+      std::string& buffer = is_err ? r.err_buffer : r.out_buffer;
+      std::FILE* sink = is_err ? stderr : stdout;
+      if (n > 0) {
+        buffer.append(chunk, static_cast<size_t>(n));
+        flush_lines(buffer, prefix_of(r), sink, false);
+      } else {
+        flush_lines(buffer, prefix_of(r), sink, true);
+        ::close(fds[i].fd);
+        (is_err ? r.err_fd : r.out_fd) = -1;
+      }
+    }
+    if (fds.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+
+    // Reap.
+    bool any_running = false;
+    for (auto& r : ranks_) {
+      if (!r.running) continue;
+      int status = 0;
+      const pid_t done = ::waitpid(r.pid, &status, WNOHANG);
+      if (done == r.pid) {
+        r.running = false;
+        r.status = status;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && !stopping_ && o_.tolerate_failures && r.rank != 0) {
+          std::fprintf(stderr, "dtrain launch: rank %d (pid %d) %s; the other ranks go on\n",
+                       r.rank, static_cast<int>(r.pid), describe_status(status).c_str());
+        } else if (!ok && !stopping_ && !local_failure_) {
+          Outcome mine;
+          mine.failed = true;
+          mine.code = exit_code_of(status);
+          if (mine.code == 0) mine.code = 1;
+          mine.description = concat(nnodes_ > 1 ? concat("node ", node_rank_, " ") : "", "rank ",
+                                    r.rank, " (pid ", r.pid, ") ", describe_status(status));
+          local_failure_ = mine;
+          local_failure_at_ = Clock::now();
+          std::fprintf(stderr, "dtrain launch: %s; stopping the other ranks\n",
+                       mine.description.c_str());
+          begin_stop(SIGTERM);
+        }
+      } else {
+        any_running = true;
+      }
+    }
+    if (g_forward_signal != 0 && !stopping_) {
+      Outcome interrupt;
+      interrupt.failed = true;
+      interrupt.interrupted = true;
+      interrupt.code = 128 + g_forward_signal;
+      interrupt.description = concat("node ", node_rank_, "'s launcher was interrupted (signal ",
+                                     g_forward_signal, ")");
+      outcome_ = publish(interrupt);
+      begin_stop(g_forward_signal);
+    }
+    tick();
+    if (stopping_ && !killed_ && any_running && Clock::now() > stop_deadline_) {
+      for (auto& r : ranks_) {
+        if (r.running) ::kill(-r.pid, SIGKILL);
+      }
+      killed_ = true;
+    }
+    bool any_output = false;
+    for (const auto& r : ranks_) any_output = any_output || r.out_fd >= 0 || r.err_fd >= 0;
+    const bool finished = !any_running && (!any_output || killed_);  // a grandchild may hold a pipe
+    if (!finished) continue;
+    // A rank failing because another node's rank failed first (a broken connection) must not
+    // be reported as the cause: give that node's failure a second to arrive.
+    while (local_failure_ && !outcome_.failed && nnodes_ > 1 &&
+           Clock::now() - local_failure_at_ < kSettle + std::chrono::milliseconds(600)) {
+      tick();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (local_failure_ && !outcome_.failed) outcome_ = publish(blame(Clock::now()));
+    if (outcome_.failed) return outcome_;
+    break;
+  }
+
+  // Every local rank succeeded. Node 0 hosts the store: it stays until every node is done (or
+  // one fails, which ends the job all the same).
+  try {
+    store_.set(attempt_key(attempt_, concat("done/", node_rank_)), "1");
+    store_.add(attempt_key(attempt_, "done"), 1);
+    while (node_rank_ == 0 && store_.add(attempt_key(attempt_, "done"), 0) < nnodes_) {
+      tick();
+      if (outcome_.failed) return outcome_;
+      if (g_forward_signal != 0) {
+        outcome_ = {true, 128 + g_forward_signal, "interrupted while waiting for other nodes",
+                    true};
+        return outcome_;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  } catch (const CommError& e) {
+    return {true, 1, concat("lost the rendezvous store at ", store_.address(), ": ", e.message()),
+            false};
+  }
+  return {};
+}
+
+}  // namespace dtrain::launch::agent

@@ -1,0 +1,79 @@
+// One attempt of a job on this node: its local ranks spawned with torchrun's environment, their
+// output multiplexed with rank prefixes, the node's heartbeat and the other nodes' watched in
+// the store, the first failure anywhere published and every rank stopped.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/Store.h"
+#include "dtrain/launch/Launcher.h"
+#include "launch/Agent.h"
+
+namespace dtrain::launch::agent {
+
+struct Rank {
+  int rank = 0;
+  pid_t pid = -1;
+  int out_fd = -1;  // read ends
+  int err_fd = -1;
+  std::string out_buffer;
+  std::string err_buffer;
+  bool running = false;
+  int status = 0;
+};
+
+class Attempt {
+ public:
+  Attempt(const LaunchOptions& options, comm::Store& store, int attempt, Membership membership,
+          int port, int threads, const std::string& progress_file)
+      : o_(options),
+        store_(store),
+        attempt_(attempt),
+        node_rank_(membership.node_rank),
+        nnodes_(membership.nnodes),
+        port_(port),
+        threads_(threads),
+        progress_file_(progress_file) {}
+
+  Outcome run();
+
+ private:
+  void spawn();
+  // Publishes `mine` as the job's failure unless another is there first; returns the first.
+  Outcome publish(const Outcome& mine) {
+    try {
+      return decode(store_.set_if_absent(attempt_key(attempt_, "failure"), encode(mine)));
+    } catch (const CommError&) {
+      return mine;  // the store is gone: nobody else can be told
+    }
+  }
+  void begin_stop(int signal);
+  void tick();
+  Outcome blame(Clock::time_point now) const;
+
+  const LaunchOptions& o_;
+  comm::Store& store_;
+  const int attempt_;
+  const int node_rank_;
+  const int nnodes_;
+  const int port_;
+  const int threads_;
+  const std::string progress_file_;
+  std::vector<Rank> ranks_;
+  bool stopping_ = false;
+  bool killed_ = false;
+  Clock::time_point stop_deadline_{};
+  Outcome outcome_;
+  std::optional<Outcome> local_failure_;  // published after a short settling time
+  Clock::time_point local_failure_at_{};
+  Clock::time_point next_tick_{};
+  std::vector<int64_t> last_beat_;
+  std::vector<Clock::time_point> last_beat_change_;
+};
+
+}  // namespace dtrain::launch::agent
