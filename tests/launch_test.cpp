@@ -683,6 +683,37 @@ TEST(Cli, AResumedRunSaysSoWithoutProgressBars) {
   EXPECT_TRUE(has(third, "dtrain: resumed from step 4 of " + (dir / "ckpt/step-00000004"))) << third.text;
 }
 
+// Each model trains with its own recipe unless told otherwise: the GPT gets AdamW, weight decay,
+// its batch and clipping (not the image models' SGD), and a flag or a config key keeps its value;
+// an image model's recipe is the defaults, so nothing is said.
+TEST(Cli, EachModelTrainsWithItsRecipeAndFlagsOrConfigKeysWin) {
+  TempDir dir;
+  {
+    std::ofstream text(dir / "text.txt");
+    for (int i = 0; i < 100; ++i) text << "a recipe for every model " << i << "\n";
+    std::ofstream config(dir / "gpt.toml");
+    config << "batch-size = 8\nwarmup-steps = 3\n";
+  }
+  const std::string gpt = kDtrain + " train --threads 1 --model gpt --dataset text --text-file " +
+                          (dir / "text.txt") + " --layers 1 --heads 2 --width 16 --context 16 "
+                          "--max-steps 2 --no-progress";
+  const auto plain = run(gpt);
+  ASSERT_EQ(plain.code, 0) << plain.text;
+  EXPECT_TRUE(has(plain, "model gpt: its training recipe sets --optimizer adamw, --lr 0.002, "
+                         "--momentum 0, --weight-decay 0.1, --batch-size 32, --max-grad-norm 1 "
+                         "(a flag or config key overrides each)"))
+      << plain.text;
+  const auto flags = run(gpt + " --lr 0.01 --config " + (dir / "gpt.toml"));
+  ASSERT_EQ(flags.code, 0) << flags.text;
+  EXPECT_TRUE(has(flags, "model gpt: its training recipe sets --optimizer adamw, --momentum 0, "
+                         "--weight-decay 0.1, --max-grad-norm 1 (a flag"))
+      << flags.text;
+  const auto image = run(kDtrain + " train --threads 1 --dataset synthetic --model mlp "
+                                   "--synthetic-examples 256 --max-steps 1 --no-progress");
+  ASSERT_EQ(image.code, 0) << image.text;
+  EXPECT_FALSE(has(image, "training recipe")) << image.text;
+}
+
 // Rank discovery reads the process environment: each case sets it, checks, and clears it.
 class Discovery : public ::testing::Test {
  protected:

@@ -191,8 +191,61 @@ Model with_stages(std::shared_ptr<M> module) {
 
 }  // namespace
 
+namespace {
+
+// The main job's recipe (configs/fashion-mnist-ddp.toml): SGD with momentum, cosine decay after
+// a short warmup.
+TrainingRecipe image_recipe() {
+  TrainingRecipe r;
+  r.optimizer.name = "sgd";
+  r.optimizer.lr = 0.05;
+  r.optimizer.momentum = 0.9;
+  r.optimizer.weight_decay = 5e-4;
+  r.schedule.decay = "cosine";
+  r.schedule.warmup_steps = 100;
+  r.batch_size = 64;
+  return r;
+}
+
+// configs/fortunes-gpt.toml's: AdamW with decoupled weight decay, cosine decay, clipping (the
+// image recipe's SGD leaves the GPT at 3.35 nats/char after 300 steps).
+TrainingRecipe gpt_recipe() {
+  TrainingRecipe r;
+  r.optimizer.name = "adamw";
+  r.optimizer.lr = 0.002;
+  r.optimizer.weight_decay = 0.1;
+  r.schedule.decay = "cosine";
+  r.schedule.warmup_steps = 100;
+  r.batch_size = 32;
+  r.max_grad_norm = 1.0;
+  return r;
+}
+
+struct Registered {
+  const char* name;
+  TrainingRecipe (*recipe)();
+};
+
+// Every model by name, with its recipe (make_model builds them).
+constexpr Registered kModels[] = {{"mlp", image_recipe},    {"linear", image_recipe},
+                                  {"cnn", image_recipe},    {"fedavg-cnn", image_recipe},
+                                  {"resnet", image_recipe}, {"gpt", gpt_recipe}};
+
+}  // namespace
+
 std::vector<std::string> model_names() {
-  return {"mlp", "linear", "cnn", "fedavg-cnn", "resnet", "gpt"};
+  std::vector<std::string> names;
+  for (const auto& m : kModels) names.emplace_back(m.name);
+  return names;
+}
+
+TrainingRecipe training_recipe(const std::string& model) {
+  for (const auto& m : kModels) {
+    if (model == m.name) return m.recipe();
+  }
+  std::string known;
+  for (const auto& m : kModels) known += concat(known.empty() ? "" : ", ", m.name);
+  DTRAIN_THROW(InputError, "--model: unknown model '", model, "' (expected ", known, ")");
 }
 
 Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {

@@ -101,12 +101,35 @@ void validate_pipeline(const JobConfig& job, const TrainerOptions& trainer) {
 
 JobConfig::JobConfig() {
   trainer.epochs = 5;
-  trainer.optimizer.name = "sgd";
-  trainer.optimizer.lr = 0.05;
-  trainer.optimizer.momentum = 0.9;
-  trainer.optimizer.weight_decay = 5e-4;
-  trainer.schedule.decay = "cosine";
-  trainer.schedule.warmup_steps = 100;
+  // The default model's recipe (the main job: configs/fashion-mnist-ddp.toml).
+  const models::TrainingRecipe recipe = models::training_recipe(model);
+  trainer.optimizer = recipe.optimizer;
+  trainer.schedule = recipe.schedule;
+  trainer.batch_size = recipe.batch_size;
+  trainer.strategy_options.max_grad_norm = recipe.max_grad_norm;
+}
+
+std::string apply_model_recipe(JobConfig& job, const std::vector<std::string>& given) {
+  if (!contains(models::model_names(), job.model)) return "";  // validate_job names it
+  const models::TrainingRecipe recipe = models::training_recipe(job.model);
+  auto& t = job.trainer;
+  std::string set;
+  auto take = [&](const char* flag, auto& field, const auto& value) {
+    if (contains(given, flag)) return;
+    if (field != value) set += concat(set.empty() ? "" : ", ", "--", flag, " ", value);
+    field = value;
+  };
+  take("optimizer", t.optimizer.name, recipe.optimizer.name);
+  take("lr", t.optimizer.lr, recipe.optimizer.lr);
+  take("momentum", t.optimizer.momentum, recipe.optimizer.momentum);
+  take("weight-decay", t.optimizer.weight_decay, recipe.optimizer.weight_decay);
+  take("lr-decay", t.schedule.decay, recipe.schedule.decay);
+  take("warmup-steps", t.schedule.warmup_steps, recipe.schedule.warmup_steps);
+  take("batch-size", t.batch_size, recipe.batch_size);
+  take("max-grad-norm", t.strategy_options.max_grad_norm, recipe.max_grad_norm);
+  if (set.empty()) return "";
+  return concat("model ", job.model, ": its training recipe sets ", set,
+                " (a flag or config key overrides each)");
 }
 
 bool uses_parameter_server(const JobConfig& job) {

@@ -1,4 +1,5 @@
-// Reference models: an MLP, a small CNN and a ResNet-style CNN, built by name.
+// The model registry: reference models (an MLP, logistic regression, small CNNs, a ResNet-style
+// CNN, the GPT) built by name, each with the training recipe it gets by default.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +8,8 @@
 
 #include "dtrain/models/Gpt.h"
 #include "dtrain/models/Model.h"
+#include "dtrain/optim/LrSchedule.h"
+#include "dtrain/optim/OptimizerSpec.h"
 
 namespace dtrain::models {
 
@@ -31,5 +34,20 @@ Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_para
 
 /// Names make_model accepts.
 std::vector<std::string> model_names();
+
+/// How a model trains unless told otherwise: the optimizer, its schedule, the batch per rank
+/// and gradient clipping (`dtrain train` applies it to each of these a flag or config key does
+/// not set). The image models share the main job's (SGD with momentum, cosine decay); the GPT
+/// has configs/fortunes-gpt.toml's (AdamW, clipping).
+struct TrainingRecipe {
+  optim::OptimizerSpec optimizer;
+  optim::ScheduleSpec schedule;
+  int64_t batch_size = 64;
+  /// 0 = no clipping.
+  double max_grad_norm = 0.0;
+};
+
+/// The named model's recipe (InputError naming an unknown model).
+TrainingRecipe training_recipe(const std::string& model);
 
 }  // namespace dtrain::models

@@ -9,19 +9,9 @@
 #include <string>
 #include <vector>
 
-namespace dtrain::optim {
+#include "dtrain/optim/OptimizerSpec.h"
 
-struct OptimizerSpec {
-  /// "sgd", "adam", "adamw" or "adagrad".
-  std::string name = "sgd";
-  double lr = 0.01;
-  double momentum = 0.0;  // sgd
-  bool nesterov = false;  // sgd
-  double weight_decay = 0.0;
-  double beta1 = 0.9;  // adam, adamw
-  double beta2 = 0.999;
-  double eps = 1e-8;  // adam, adamw; adagrad uses 1e-10 unless set
-};
+namespace dtrain::optim {
 
 using OptimizerPtr = std::unique_ptr<torch::optim::Optimizer>;
 using OptimizerFactory = std::function<OptimizerPtr(std::vector<at::Tensor> parameters)>;

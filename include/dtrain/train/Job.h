@@ -66,6 +66,12 @@ bool uses_parameter_server(const JobConfig& job);
 /// files, the checkpoint directory. InputError naming the flag or file.
 void validate_job(const JobConfig& job);
 
+/// Sets every field of the job's model's training recipe (models::training_recipe: optimizer,
+/// learning rate, momentum, weight decay, schedule, warmup, batch size, clipping) whose flag
+/// is not in `given` (long flag names without dashes, e.g. "lr": what the command line or a
+/// config file set). Returns a line saying what it set ("" when nothing).
+std::string apply_model_recipe(JobConfig& job, const std::vector<std::string>& given);
+
 /// The optimizer steps the job will make (its epochs over the training set at its global batch,
 /// or --max-steps when fewer), as the Trainer counts them; loads the training set to count it.
 int64_t planned_steps(const JobConfig& job);

@@ -1,0 +1,21 @@
+// Which optimizer and its hyper-parameters, by name: plain data, light to include (a model's
+// training recipe, a job's options); Optimizers.h builds it.
+#pragma once
+
+#include <string>
+
+namespace dtrain::optim {
+
+struct OptimizerSpec {
+  /// "sgd", "adam", "adamw" or "adagrad".
+  std::string name = "sgd";
+  double lr = 0.01;
+  double momentum = 0.0;  // sgd
+  bool nesterov = false;  // sgd
+  double weight_decay = 0.0;
+  double beta1 = 0.9;  // adam, adamw
+  double beta2 = 0.999;
+  double eps = 1e-8;  // adam, adamw; adagrad uses 1e-10 unless set
+};
+
+}  // namespace dtrain::optim
