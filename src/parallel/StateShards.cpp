@@ -11,7 +11,7 @@
 #include <map>
 #include <regex>
 
-#include "common/Files.h"
+#include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/StateSize.h"
 
@@ -54,18 +54,10 @@ int count_state_files(const std::string& directory) {
 }
 
 c10::impl::GenericDict load_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DTRAIN_CHECK_INPUT(in.good(), "cannot read ", path);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  c10::IValue value;
-  try {
-    value = torch::pickle_load(bytes);
-  } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, path, " is not a dtrain state file: ", e.what_without_backtrace());
-  }
-  DTRAIN_CHECK_INPUT(value.isGenericDict() && value.toGenericDict().contains("pieces"), path,
-                     " is not a dtrain state file (no 'pieces')");
-  return value.toGenericDict();
+  // (No format check: the pieces are what a state file must hold.)
+  c10::impl::GenericDict file = load_pickled_dict(path, "dtrain state file");
+  DTRAIN_CHECK_INPUT(file.contains("pieces"), path, " is not a dtrain state file (no 'pieces')");
+  return file;
 }
 
 // Positions in the full tensor (flattened) of elements [offset, offset + numel) of a block
@@ -156,8 +148,7 @@ void write_state_shard(const std::string& directory, int rank, int ranks,
   file.insert("format", "dtrain-state-1");
   file.insert("pieces", list);
   file.insert("buffers", buffer_dict);
-  const std::vector<char> bytes = torch::pickle_save(file);
-  write_file_atomically(state_file(directory, rank, ranks), bytes.data(), bytes.size());
+  save_pickled_dict(state_file(directory, rank, ranks), file);
 }
 
 void read_state_shards(const std::string& directory, const std::vector<PieceRef>& values,

@@ -16,7 +16,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <sodium.h>
 
-#include "common/Files.h"
+#include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::federated {
@@ -189,27 +189,11 @@ void RoundServer::save(const std::string& path) const {
     for (const auto& [name, tensor] : optimizer_.state()) tensors.insert(name, tensor.clone());
     file.insert("tensors", tensors);
   }
-  const std::vector<char> bytes = torch::pickle_save(file);
-  const auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent);
-  write_file_atomically(path, bytes.data(), bytes.size());
+  save_pickled_dict(path, file);
 }
 
 void RoundServer::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DTRAIN_CHECK_INPUT(in.good(), "cannot read the federated server checkpoint ", path);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  c10::IValue value;
-  try {
-    value = torch::pickle_load(bytes);
-  } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, path, " is not a federated server checkpoint (damaged?): ",
-                 e.what_without_backtrace());
-  }
-  DTRAIN_CHECK_INPUT(value.isGenericDict() && value.toGenericDict().contains("format") &&
-                         value.toGenericDict().at("format").toStringRef() == kFormat,
-                     path, " is not a federated server checkpoint");
-  const auto file = value.toGenericDict();
+  const auto file = load_pickled_dict(path, "federated server checkpoint", kFormat);
   try {
     const std::string optimizer = file.at("optimizer").toStringRef();
     DTRAIN_CHECK_INPUT(optimizer == optimizer_.spec().name, path, " holds ", optimizer,

@@ -10,7 +10,7 @@
 #include <iterator>
 #include <set>
 
-#include "common/Files.h"
+#include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::parallel::ps {
@@ -346,27 +346,12 @@ int64_t ParameterShard::save(const std::string& path) const {
     tensors.insert("staleness", at::tensor(staleness_counts_, at::kLong));
     file.insert("tensors", tensors);
   }
-  const std::vector<char> bytes = torch::pickle_save(file);  // outside the lock: pushes go on
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
-  write_file_atomically(path, bytes.data(), bytes.size());
+  save_pickled_dict(path, file);  // outside the lock: pushes go on
   return version;
 }
 
 int64_t ParameterShard::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DTRAIN_CHECK_INPUT(in.good(), "cannot read the shard checkpoint ", path);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  c10::IValue value;
-  try {
-    value = torch::pickle_load(bytes);
-  } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, path, " is not a parameter-server shard checkpoint (damaged?): ",
-                 e.what_without_backtrace());
-  }
-  DTRAIN_CHECK_INPUT(value.isGenericDict() && value.toGenericDict().contains("format") &&
-                         value.toGenericDict().at("format").toStringRef() == "dtrain-ps-shard-1",
-                     path, " is not a parameter-server shard checkpoint");
-  const auto file = value.toGenericDict();
+  const auto file = load_pickled_dict(path, "parameter-server shard checkpoint", "dtrain-ps-shard-1");
   try {
     const int64_t shard = file.at("shard").toInt(), shards = file.at("shards").toInt();
     DTRAIN_CHECK_INPUT(shard == shard_ && shards == shards_, path, " belongs to shard ", shard, "/",
