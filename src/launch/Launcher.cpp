@@ -3,23 +3,14 @@
 // failure or a change of nodes, up to --max-restarts, saying what each restart cost.
 #include "dtrain/launch/Launcher.h"
 
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <climits>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
-#include <iostream>
-#include <optional>
-#include <thread>
 
 #include "dtrain/comm/Store.h"
 #include "dtrain/common/Error.h"

@@ -2,12 +2,9 @@
 // for whatever pieces the loading strategy and world size need.
 #include "dtrain/parallel/StateShards.h"
 
-#include <torch/serialize.h>
 #include <torch/torch.h>
 
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <regex>
 

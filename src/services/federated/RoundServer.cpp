@@ -2,15 +2,11 @@
 
 #include "dtrain/services/federated/Compression.h"
 
-#include <torch/serialize.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <random>
 
 #include <ATen/CPUGeneratorImpl.h>

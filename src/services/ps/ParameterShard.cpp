@@ -1,13 +1,9 @@
 #include "dtrain/services/ps/ParameterShard.h"
 
-#include <torch/serialize.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <set>
 
 #include "common/PickledFile.h"
