@@ -10,6 +10,8 @@
 #include <cstdio>
 
 #include "BenchMemory.h"
+#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/zero/Zero3Options.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Strategy.h"
@@ -55,7 +57,7 @@ int main(int argc, char** argv) {
   spec.hidden = hidden;
   parallel::StrategyOptions options;
   options.bucket_cap_bytes = static_cast<int64_t>(bucket_cap_mb * 1024 * 1024);
-  options.zero3_min_unit_params = min_unit_params;
+  options.of<dtrain::parallel::Zero3Options>().min_unit_params = min_unit_params;
   auto strategy = parallel::make_strategy(strategy_name, options);
   auto& ddp = dynamic_cast<parallel::DdpStrategy&>(*strategy);  // ddp and zero1/2/3 all are
   optim::OptimizerSpec optimizer;

@@ -15,6 +15,7 @@
 #include <cstdio>
 
 #include "BenchMemory.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Model.h"
@@ -124,9 +125,9 @@ int main(int argc, char** argv) {
   const int P = world->size();
   auto grid = std::make_shared<comm::ProcessGrid>(world, 1, P);
   parallel::StrategyOptions options;
-  options.pipeline_schedule = schedule;
-  options.pipeline_virtual_stages = chunks;
-  options.pipeline_transport = transport;
+  options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = schedule;
+  options.of<dtrain::parallel::pipeline::PipelineOptions>().virtual_stages = chunks;
+  options.of<dtrain::parallel::pipeline::PipelineOptions>().transport = transport;
   parallel::pipeline::PipelineStrategy strategy(options);
   strategy.setup(model, optim::optimizer_factory(sgd), grid);
   int64_t base = 0, peak = 0;

@@ -9,9 +9,11 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <variant>
 #include <vector>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Flags.h"
 
 namespace dtrain::cli {
 
@@ -66,6 +68,24 @@ CLI::Option* add(CLI::App& app, const std::string& name, T& value, const std::st
         CLI::Validator([](std::string& text) { return check_number<Element>(text); }, ""));
   }
   return option;
+}
+
+// Flags declared where their options live (a strategy's, dtrain/common/Flags.h) as CLI11 options.
+inline void add_flags(CLI::App& app, const FlagSet& flags) {
+  for (const Flag& flag : flags.flags()) {
+    CLI::Option* option = std::visit(
+        [&](auto* field) -> CLI::Option* {
+          using T = std::remove_pointer_t<decltype(field)>;
+          if constexpr (std::is_same_v<T, bool>) {
+            return app.add_flag((flag.negated ? "!" : "") + flag.name, *field, flag.help);
+          } else {
+            return add(app, flag.name, *field, flag.help);
+          }
+        },
+        flag.target);
+    if (flag.delimiter != 0) option->delimiter(flag.delimiter);
+    if (flag.show_default) option->capture_default_str();
+  }
 }
 
 }  // namespace dtrain::cli

@@ -13,7 +13,8 @@
 #include "dtrain/comm/TokenFile.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Launcher.h"
-#include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/services/ps/ShardServer.h"
 #include "dtrain/train/Job.h"
 
@@ -29,7 +30,7 @@ std::string self_executable() {
   return path;
 }
 
-void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
+void add_train_options(CLI::App& app, dtrain::train::JobConfig& job, dtrain::FlagSet& strategy_flags) {
   auto& t = job.trainer;
   // A flag given twice (config file, then command line) keeps the last value.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -87,11 +88,9 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       "Tensor-parallel ranks: each layer's matrices are split over this many ranks (Megatron-"
       "style; --model gpt). With --pipeline-parallel P the world is DP x P x T")
       ->capture_default_str();
-  app.add_option("--ps", t.strategy_options.ps_addresses,
-                 "--strategy downpour/sandblaster: the parameter-server shards, HOST:PORT,... in "
-                 "shard order "
-                 "(each started with dtrain ps serve)")
-      ->delimiter(',');
+  // Each strategy's own flags (Registry.h): --ps, --n-fetch, --schedule, --zero3-..., ...
+  dtrain::parallel::declare_strategy_flags(strategy_flags, t.strategy_options);
+  add_flags(app, strategy_flags);
   add(app, "--ps-shards", job.ps_shards,
       "--strategy downpour/sandblaster: start this many parameter-server shards here, in the "
       "launching "
@@ -108,17 +107,6 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       "--strategy downpour/sandblaster: file holding the shards' token (sent with every call; "
       "--ps-shards "
       "shards require it)");
-  app.add_flag(
-      "--ps-tls", t.strategy_options.ps_tls,
-      "--strategy downpour/sandblaster: connect to the shards with TLS (system roots unless "
-      "--ps-tls-ca)");
-  add(app, "--ps-tls-ca", t.strategy_options.ps_tls_ca,
-      "--strategy downpour/sandblaster: PEM file of the certificates to trust (implies --ps-tls)");
-  add(app, "--ps-retry-ms", t.strategy_options.ps_retry_ms,
-      "--strategy downpour/sandblaster: how long an unreachable shard (restarting?) is retried, "
-      "with "
-      "back-off, before the worker fails")
-      ->capture_default_str();
   app.add_option_function<std::string>(
       "--simulate-slowdown",
       [&t](const std::string& text) {
@@ -139,49 +127,8 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       "RANK:FACTOR[:spin]: rank RANK takes FACTOR times as long per step (a straggler, for "
       "testing): it sleeps the difference, or with :spin keeps its core busy (a slow "
       "machine's capacity is lost)");
-  add(app, "--n-fetch", t.strategy_options.ps_n_fetch,
-      "--strategy downpour: fetch fresh parameters every N steps (in the background)")
-      ->capture_default_str();
-  add(app, "--n-push", t.strategy_options.ps_n_push,
-      "--strategy downpour: push the gradients accumulated over N steps (in the background)")
-      ->capture_default_str();
-  add(app, "--max-staleness", t.strategy_options.ps_max_staleness,
-      "--strategy downpour: a worker whose parameters are more than this many server versions "
-      "old waits for a fresh pull (-1: no cap)")
-      ->capture_default_str();
-  add(app, "--ps-timeout-ms", t.strategy_options.ps_rpc_timeout_ms,
-      "--strategy downpour/sandblaster: deadline of every parameter-server call")
-      ->capture_default_str();
-  add(app, "--work-units", t.strategy_options.sb_work_units,
-      "--strategy sandblaster: work units each evaluation of the loss is cut into, handed out "
-      "to workers as they ask (0: 10 per worker)")
-      ->capture_default_str();
-  app.add_flag("!--no-backup-tasks", t.strategy_options.sb_backup_tasks,
-               "--strategy sandblaster: no backup copies of the units still running near an "
-               "evaluation's end (a straggler then sets the pace)");
-  add(app, "--work-unit-sizing", t.strategy_options.sb_unit_sizing,
-      "--strategy sandblaster: tapered (the last 2 x workers units a half and a quarter of the "
-      "others' size: an evaluation ends on small units) or uniform")
-      ->capture_default_str();
-  add(app, "--lbfgs-history", t.strategy_options.sb_history,
-      "--strategy sandblaster: L-BFGS history pairs (kept on the shards)")
-      ->capture_default_str();
   add(app, "--micro-batches", job.micro_batches,
       "Micro-batches per optimizer step (the pipeline's M; sets --accumulation)");
-  add(app, "--schedule", t.strategy_options.pipeline_schedule,
-      "Pipeline schedule: gpipe, 1f1b, interleaved")
-      ->capture_default_str();
-  add(app, "--virtual-stages", t.strategy_options.pipeline_virtual_stages,
-      "Interleaved schedule: model chunks per pipeline rank")
-      ->capture_default_str();
-  add(app, "--pipeline-balance", t.strategy_options.pipeline_balance,
-      "Place pipeline stages by params (parameter count), time (measured forward + backward) "
-      "or S1,S2,... (model stages per pipeline stage)")
-      ->capture_default_str();
-  add(app, "--pipeline-transport", t.strategy_options.pipeline_transport,
-      "Pipeline activations and gradients travel through auto (shared memory between stages on "
-      "the same machine, else the communicator) or comm (always the communicator)")
-      ->capture_default_str();
   add(app, "--trace", t.trace_file,
       "Write a Chrome/Perfetto trace of every rank (forward, backward, recv, sync, optimizer "
       "spans) to this file; scripts/plot-timeline draws it");
@@ -234,12 +181,6 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job) {
       ->capture_default_str();
   add(app, "--bucket-cap-mb", job.bucket_cap_mb, "Gradient bucket size in MiB")
       ->capture_default_str();
-  add(app, "--zero3-min-unit-params", t.strategy_options.zero3_min_unit_params,
-      "zero3: merge consecutive model stages into units of at least this many "
-      "parameters (0 = one unit per stage)")
-      ->capture_default_str();
-  app.add_flag("!--no-zero3-prefetch", t.strategy_options.zero3_prefetch,
-               "zero3: do not gather the next unit while the current one computes");
   add(app, "--grad-compression", t.strategy_options.grad_compression,
       "Gradient wire dtype: none, fp16, bf16")
       ->capture_default_str();
@@ -278,7 +219,11 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
     dtrain::train::JobConfig& job, std::vector<std::string>& args) {
   std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> servers;
   if (!dtrain::train::uses_parameter_server(job) || job.ps_shards <= 0) return servers;
-  const bool downpour = job.trainer.strategy == "downpour";
+  // Downpour's shards apply the updates (their optimizer, the job's schedule by version);
+  // Sandblaster's apply none: L-BFGS steps through vector commands.
+  const bool downpour = dtrain::parallel::strategy_info(job.trainer.strategy).server_optimizer;
+  auto& ps = job.trainer.strategy_options.of<dtrain::parallel::ps::PsOptions>();
+  const int n_push = job.trainer.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().n_push;
   const int64_t total_worker_steps = downpour ? dtrain::train::planned_steps(job) : 0;
   std::string addresses;
   for (int i = 0; i < job.ps_shards; ++i) {
@@ -288,19 +233,17 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
     options.optimizer.name = job.ps_optimizer;
     options.optimizer.lr = job.ps_lr;
     // The job's schedule by version: one version per push, n_push worker steps each.
-    const auto& o = job.trainer.strategy_options;
     const int64_t steps = std::max<int64_t>(1, job.nproc);
-    // (Sandblaster's shards apply no updates: L-BFGS steps through vector commands.)
     if (downpour) options.optimizer.schedule = job.trainer.schedule;
     options.optimizer.schedule.warmup_steps =
-        job.trainer.schedule.warmup_steps * steps / o.ps_n_push;
+        job.trainer.schedule.warmup_steps * steps / n_push;
     options.optimizer.schedule.step_size =
-        std::max<int64_t>(1, job.trainer.schedule.step_size * steps / o.ps_n_push);
-    options.optimizer.total_versions = total_worker_steps * steps / o.ps_n_push;
-    options.auth_token = job.trainer.strategy_options.ps_auth_token;
+        std::max<int64_t>(1, job.trainer.schedule.step_size * steps / n_push);
+    options.optimizer.total_versions = total_worker_steps * steps / n_push;
+    options.auth_token = ps.auth_token;
     servers.push_back(std::make_unique<dtrain::parallel::ps::ShardServer>(options));
     addresses += (i == 0 ? "" : ",") + servers.back()->address();
-    job.trainer.strategy_options.ps_addresses.push_back(servers.back()->address());
+    ps.addresses.push_back(servers.back()->address());
   }
   job.ps_shards = 0;
   std::vector<std::string> kept;  // the ranks connect to these shards instead of starting more
@@ -337,9 +280,8 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
   // started by Slurm / mpirun) get the same named errors from run_job itself.
   if (!worker) dtrain::train::validate_job(job);
   if (!worker && !recipe.empty()) std::printf("%s\n", recipe.c_str());
-  if (!job.trainer.strategy_options.ps_tls_ca.empty()) job.trainer.strategy_options.ps_tls = true;
   if (!job.ps_auth_token_file.empty()) {
-    job.trainer.strategy_options.ps_auth_token =
+    job.trainer.strategy_options.of<dtrain::parallel::ps::PsOptions>().auth_token =
         dtrain::rpc::read_token_file(job.ps_auth_token_file);
   }
   const auto shards =
@@ -447,7 +389,7 @@ class TrainCommand final : public Command {
  public:
   explicit TrainCommand(CLI::App& app)
       : app_(app.add_subcommand("train", "Train a model, on --nproc local ranks")) {
-    add_train_options(*app_, job_);
+    add_train_options(*app_, job_, strategy_flags_);
   }
   std::vector<std::string> expand(const std::vector<std::string>& args) override {
     return expand_config(args, *app_);
@@ -467,6 +409,7 @@ class TrainCommand final : public Command {
  private:
   CLI::App* app_;
   dtrain::train::JobConfig job_;
+  dtrain::FlagSet strategy_flags_;  // bound into job_.trainer.strategy_options
 };
 
 }  // namespace

@@ -13,6 +13,9 @@
 #include "SmallModels.h"
 #include "TempDir.h"
 #include <filesystem>
+#include "dtrain/parallel/Loops.h"
+#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Strategy.h"
@@ -119,10 +122,10 @@ TEST(Downpour, OneWorkerWithSgdOnTheShardsIsSingleProcessSgdStepForStep) {
   // n_fetch = n_push = 1: every step computes on the parameters its predecessor's push made.
   auto options = sgd_options();
   options.strategy = "downpour";
-  options.strategy_options.ps_max_staleness = 0;
+  options.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().max_staleness = 0;
   {
     Shards shards(2, "sgd", 0.1);
-    options.strategy_options.ps_addresses = shards.addresses();
+    options.strategy_options.of<dtrain::parallel::ps::PsOptions>().addresses = shards.addresses();
     const Outcome downpour = run(1, options, dataset);
     ASSERT_EQ(downpour.fit.losses.size(), reference.fit.losses.size());
     for (size_t i = 0; i < reference.fit.losses.size(); ++i) {
@@ -136,7 +139,7 @@ TEST(Downpour, OneWorkerWithSgdOnTheShardsIsSingleProcessSgdStepForStep) {
   {
     Shards shards(2, "sgd", 0.1);
     auto lossy = options;
-    lossy.strategy_options.ps_addresses = shards.addresses();
+    lossy.strategy_options.of<dtrain::parallel::ps::PsOptions>().addresses = shards.addresses();
     auto calls = std::make_shared<int>(0);
     lossy.loss = [calls](const at::Tensor& out, const at::Tensor& target) {
       const auto loss = parallel::cross_entropy(out, target);
@@ -145,18 +148,18 @@ TEST(Downpour, OneWorkerWithSgdOnTheShardsIsSingleProcessSgdStepForStep) {
     EXPECT_GT(max_diff(run(1, lossy, dataset).weights, reference.weights), 1e6 * kTightBound);
   }
   // Fetching every 2nd step with the staleness cap at 0 still waits for each push's result...
-  options.strategy_options.ps_n_fetch = 2;
+  options.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().n_fetch = 2;
   {
     Shards shards(2, "sgd", 0.1);
-    options.strategy_options.ps_addresses = shards.addresses();
+    options.strategy_options.of<dtrain::parallel::ps::PsOptions>().addresses = shards.addresses();
     EXPECT_LE(max_diff(run(1, options, dataset).weights, reference.weights), kTightBound);
   }
   // ...and without the cap every 2nd step computes on parameters one update old: the oracle
   // sees it.
-  options.strategy_options.ps_max_staleness = -1;
+  options.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().max_staleness = -1;
   {
     Shards shards(2, "sgd", 0.1);
-    options.strategy_options.ps_addresses = shards.addresses();
+    options.strategy_options.of<dtrain::parallel::ps::PsOptions>().addresses = shards.addresses();
     EXPECT_GT(max_diff(run(1, options, dataset).weights, reference.weights), 1e-4);
   }
 }
@@ -180,10 +183,10 @@ TEST(Downpour, AStepWhoseGradientIsNotFiniteIsSkippedAndTheShardsStayFinite) {
 
   auto options = sgd_options();
   options.strategy = "downpour";
-  options.strategy_options.ps_max_staleness = 0;
+  options.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().max_staleness = 0;
   options.loss = zeroed(7, std::numeric_limits<double>::quiet_NaN());
   Shards shards(2, "sgd", 0.1);
-  options.strategy_options.ps_addresses = shards.addresses();
+  options.strategy_options.of<dtrain::parallel::ps::PsOptions>().addresses = shards.addresses();
   testing::internal::CaptureStderr();
   const Outcome downpour = run(1, options, dataset);
   const std::string said = testing::internal::GetCapturedStderr();
@@ -208,9 +211,9 @@ TEST(Downpour, TheStalenessCapBoundsTheAgeOfTheParametersAWorkerComputesOn) {
     std::vector<double> ages;
     run_ranks(1, [&](const comm::CommunicatorPtr& comm) {
       parallel::StrategyOptions options;
-      options.ps_addresses = shards.addresses();
-      options.ps_n_fetch = 5;
-      options.ps_max_staleness = cap;
+      options.of<dtrain::parallel::ps::PsOptions>().addresses = shards.addresses();
+      options.of<dtrain::parallel::ps::DownpourOptions>().n_fetch = 5;
+      options.of<dtrain::parallel::ps::DownpourOptions>().max_staleness = cap;
       auto strategy = parallel::make_strategy("downpour", options);
       torch::manual_seed(1);
       optim::OptimizerSpec spec;
@@ -222,7 +225,7 @@ TEST(Downpour, TheStalenessCapBoundsTheAgeOfTheParametersAWorkerComputesOn) {
         ages.push_back(result.metrics.at("param_age"));
         std::this_thread::sleep_for(2ms);  // lets the push replies land
       }
-      strategy->finish();
+      parallel::as_asynchronous(*strategy).finish();
     });
     const double oldest = *std::max_element(ages.begin(), ages.end());
     if (cap >= 0) {
@@ -244,9 +247,9 @@ TEST(Downpour, WorkersTrainOneModelThroughTheTrainerWithoutSteppingTogether) {
   auto options = sgd_options();
   options.strategy = "downpour";
   options.max_steps = 20;  // 20 global steps = 40 worker steps between the two workers
-  options.strategy_options.ps_addresses = shards.addresses();
-  options.strategy_options.ps_n_fetch = 2;
-  options.strategy_options.ps_n_push = 2;
+  options.strategy_options.of<dtrain::parallel::ps::PsOptions>().addresses = shards.addresses();
+  options.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().n_fetch = 2;
+  options.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().n_push = 2;
   options.checkpoint_dir = dir.path();
   options.checkpoint_every = 5;
   const Outcome result = run(2, options, dataset, &held_out);
@@ -281,9 +284,9 @@ TEST(Downpour, AShardThatGoesAwayIsNamedWithinTheDeadline) {
   const std::string address = shards.addresses()[0];
   run_ranks(1, [&](const comm::CommunicatorPtr& comm) {
     parallel::StrategyOptions options;
-    options.ps_addresses = {address};
-    options.ps_rpc_timeout_ms = 1000;
-    options.ps_retry_ms = 1500;
+    options.of<dtrain::parallel::ps::PsOptions>().addresses = {address};
+    options.of<dtrain::parallel::ps::PsOptions>().rpc_timeout_ms = 1000;
+    options.of<dtrain::parallel::ps::PsOptions>().retry_ms = 1500;
     auto strategy = parallel::make_strategy("downpour", options);
     optim::OptimizerSpec spec;
     strategy->setup(models::make_model(mlp_spec()), optim::optimizer_factory(spec),
@@ -335,10 +338,10 @@ TEST(Downpour, AShardRestartedFromItsCheckpointIsRetriedAndItsLostUpdatesReporte
   const std::string file = shard_checkpoint_file(dir.path(), 1, 2);
   run_ranks(1, [&](const comm::CommunicatorPtr& comm) {
     parallel::StrategyOptions options;
-    options.ps_addresses = addresses;
-    options.ps_rpc_timeout_ms = 2000;
-    options.ps_retry_ms = 20000;
-    options.ps_max_staleness = 0;  // every step waits for its push: versions are exact
+    options.of<dtrain::parallel::ps::PsOptions>().addresses = addresses;
+    options.of<dtrain::parallel::ps::PsOptions>().rpc_timeout_ms = 2000;
+    options.of<dtrain::parallel::ps::PsOptions>().retry_ms = 20000;
+    options.of<dtrain::parallel::ps::DownpourOptions>().max_staleness = 0;  // every step waits for its push: versions are exact
     auto strategy = parallel::make_strategy("downpour", options);
     optim::OptimizerSpec spec;
     strategy->setup(models::make_model(mlp_spec()), optim::optimizer_factory(spec),
@@ -372,7 +375,7 @@ TEST(Downpour, AShardRestartedFromItsCheckpointIsRetriedAndItsLostUpdatesReporte
       result = strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
     }
     restart.join();
-    strategy->finish();  // every push in
+    parallel::as_asynchronous(*strategy).finish();  // every push in
     EXPECT_EQ(servers[1]->resumed_version(), 5);
     EXPECT_EQ(result.metrics.at("ps_lost_updates"), 4.0);  // versions 6..9 of shard 1
     EXPECT_EQ(servers[1]->shard().version(), 5 + 4);        // trained on from the checkpoint

@@ -6,6 +6,8 @@
 #include <mutex>
 
 #include "Oracle.h"
+#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/parallel/pipeline/Partition.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
@@ -168,14 +170,14 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
   run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
     auto grid = std::make_shared<comm::ProcessGrid>(comm, 1, run.pp);
     parallel::StrategyOptions options;
-    options.pipeline_schedule = run.schedule;
+    options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = run.schedule;
     options.max_grad_norm = run.clip;
-    options.pipeline_virtual_stages = run.chunks;
-    options.pipeline_data_parallel = run.data_parallel;
+    options.of<dtrain::parallel::pipeline::PipelineOptions>().virtual_stages = run.chunks;
+    options.of<dtrain::parallel::pipeline::PipelineOptions>().data_parallel = run.data_parallel;
     options.precision = run.precision;
     options.loss_scaling = run.loss_scaling;
     options.loss_scale_init = run.loss_scale_init;
-    options.pipeline_transport = run.transport;
+    options.of<dtrain::parallel::pipeline::PipelineOptions>().transport = run.transport;
     PipelineStrategy strategy(options);
     strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
     const int dp_rank = grid->coordinates().dp;
@@ -375,8 +377,8 @@ TEST(Pipeline, BalanceByTimeFollowsMeasuredCostNotParameters) {
     const data::Batch example{torch::randn({32, 64}), torch::zeros({32}, at::kLong)};
     for (const std::string balance : {"params", "time"}) {
       parallel::StrategyOptions options;
-      options.pipeline_balance = balance;
-      options.pipeline_schedule = "gpipe";
+      options.of<dtrain::parallel::pipeline::PipelineOptions>().balance = balance;
+      options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = "gpipe";
       PipelineStrategy strategy(options);
       strategy.prepare(example);
       strategy.setup(make(), optim::optimizer_factory(adam()), grid);
@@ -414,11 +416,11 @@ TEST(Pipeline, BadLayoutsAreNamedBeforeAnyWork) {
               }).find("needs a model described as stages"),
               std::string::npos);
     parallel::StrategyOptions options;
-    options.pipeline_schedule = "zigzag";
+    options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = "zigzag";
     EXPECT_NE(message([&] { PipelineStrategy{options}; }).find("unknown pipeline schedule"),
               std::string::npos);
     parallel::StrategyOptions transport;
-    transport.pipeline_transport = "pigeon";
+    transport.of<dtrain::parallel::pipeline::PipelineOptions>().transport = "pigeon";
     EXPECT_NE(message([&] { PipelineStrategy{transport}; })
                   .find("unknown --pipeline-transport 'pigeon' (expected auto or comm)"),
               std::string::npos);

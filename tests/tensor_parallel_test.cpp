@@ -11,6 +11,8 @@
 #include <mutex>
 #include <tuple>
 
+#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "Oracle.h"
 #include "RankThreads.h"
 #include "dtrain/comm/ProcessGrid.h"
@@ -342,7 +344,7 @@ parallel::StrategyPtr make_strategy(const GridRun& run) {
   options.max_grad_norm = run.max_grad_norm;
   if (run.overflow_step >= 0) options.loss_scaling = "dynamic";
   if (run.pp > 1) {
-    options.pipeline_data_parallel = run.strategy;
+    options.of<dtrain::parallel::pipeline::PipelineOptions>().data_parallel = run.strategy;
     return parallel::make_strategy("pipeline", options);
   }
   return parallel::make_strategy(run.strategy, options);

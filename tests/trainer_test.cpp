@@ -14,6 +14,7 @@
 #include "RankThreads.h"
 #include "SmallModels.h"
 #include "TempDir.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Trainer.h"
@@ -202,12 +203,12 @@ TEST(Trainer, PipelinedRunsEvaluateAndResumeAtOtherSizesAndStrategies) {
   first.stop_at_step = 3;
   run(4, first, 1, deep);
   auto second = with("ddp", 4, 1, 4);
-  second.strategy_options.pipeline_schedule = "gpipe";
+  second.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = "gpipe";
   second.stop_at_step = 6;
   EXPECT_EQ(run(4, second, 777, deep).start_step, 3);
   auto third = with("ddp", 2, 1, 4);
-  third.strategy_options.pipeline_schedule = "interleaved";
-  third.strategy_options.pipeline_virtual_stages = 2;
+  third.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = "interleaved";
+  third.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().virtual_stages = 2;
   third.stop_at_step = 9;
   EXPECT_EQ(run(2, third, 778, deep).start_step, 6);
   const RunOutput last = run(3, with("ddp", 1, 3, 1), 999, deep);

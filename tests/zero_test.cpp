@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <numeric>
 
+#include "dtrain/parallel/zero/Zero3Options.h"
 #include "Oracle.h"
 #include "TempDir.h"
 #include "parallel/ddp/DdpStrategy.h"
@@ -67,8 +68,8 @@ TEST(Zero3, UnitsOfAnyGranularityAndConvolutionsMatchSingleProcess) {
   auto f = make_fixture(odd_deep_mlp(), adam(), 10);
   const auto expected = train_single(f, 10);
   parallel::StrategyOptions merged;
-  merged.zero3_min_unit_params = 1100;  // layers 0 and 1 in one unit, layer 2 alone
-  merged.zero3_prefetch = false;
+  merged.of<dtrain::parallel::Zero3Options>().min_unit_params = 1100;  // layers 0 and 1 in one unit, layer 2 alone
+  merged.of<dtrain::parallel::Zero3Options>().prefetch = false;
   EXPECT_LE(max_abs_diff(expected, train_distributed(f, 2, 10, [&] { return make_zero(3, merged); })),
             kTightBound);
   models::ModelSpec cnn;

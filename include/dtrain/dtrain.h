@@ -14,6 +14,8 @@
 #include "dtrain/models/Zoo.h"
 #include "dtrain/optim/LrSchedule.h"
 #include "dtrain/optim/Optimizers.h"
+#include "dtrain/parallel/Loops.h"
+#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/nn/tensor/CrossEntropy.h"
 #include "dtrain/nn/tensor/Layers.h"

@@ -1,15 +1,10 @@
-// The strategy registry and the shared default loss. Adding a strategy: one line in kRegistry.
+// The default loss, and the checked views of a strategy as an asynchronous worker or a loop.
 #include "dtrain/parallel/Strategy.h"
 
 #include <torch/torch.h>
 
 #include "dtrain/common/Error.h"
-#include "parallel/ddp/DdpStrategy.h"
-#include "parallel/pipeline/PipelineStrategy.h"
-#include "parallel/ps/DownpourStrategy.h"
-#include "parallel/ps/SandblasterStrategy.h"
-#include "parallel/zero/Zero3Strategy.h"
-#include "parallel/zero/ZeroStrategy.h"
+#include "dtrain/parallel/Loops.h"
 
 namespace dtrain::parallel {
 
@@ -21,34 +16,18 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
   return torch::nn::functional::cross_entropy(logits, targets);
 }
 
-namespace {
-
-using Factory = StrategyPtr (*)(const StrategyOptions&);
-const std::vector<std::pair<std::string, Factory>> kRegistry = {
-    {"ddp", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<DdpStrategy>(o); }},
-    {"zero1", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ZeroStrategy>(o, 1); }},
-    {"zero2", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ZeroStrategy>(o, 2); }},
-    {"zero3", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<Zero3Strategy>(o); }},
-    {"pipeline", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<pipeline::PipelineStrategy>(o); }},
-    {"downpour", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ps::DownpourStrategy>(o); }},
-    {"sandblaster", [](const StrategyOptions& o) -> StrategyPtr { return std::make_unique<ps::SandblasterStrategy>(o); }},
-};
-
-}  // namespace
-
-std::vector<std::string> strategy_names() {
-  std::vector<std::string> names;
-  for (const auto& entry : kRegistry) names.push_back(entry.first);
-  return names;
+AsynchronousWorker& as_asynchronous(Strategy& strategy) {
+  auto* worker = dynamic_cast<AsynchronousWorker*>(&strategy);
+  DTRAIN_CHECK(worker != nullptr, "strategy ", strategy.name(), " is registered as "
+               "asynchronous but does not implement parallel::AsynchronousWorker");
+  return *worker;
 }
 
-StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options) {
-  for (const auto& entry : kRegistry) {
-    if (entry.first == name) return entry.second(options);
-  }
-  std::string known;
-  for (const auto& entry : kRegistry) known += (known.empty() ? "" : ", ") + entry.first;
-  DTRAIN_THROW(InputError, "unknown strategy '", name, "' (available: ", known, ")");
+DrivenLoop& as_driven(Strategy& strategy) {
+  auto* loop = dynamic_cast<DrivenLoop*>(&strategy);
+  DTRAIN_CHECK(loop != nullptr, "strategy ", strategy.name(), " is registered as driving its "
+               "own loop but does not implement parallel::DrivenLoop");
+  return *loop;
 }
 
 }  // namespace dtrain::parallel

@@ -11,8 +11,8 @@
 #include "dtrain/launch/Environment.h"
 #include "dtrain/memory/Checkpoint.h"
 #include "dtrain/models/Zoo.h"
-#include "dtrain/parallel/pipeline/Partition.h"
-#include "dtrain/parallel/pipeline/Schedule.h"
+#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/train/Checkpoint.h"
 
 namespace dtrain::train {
@@ -23,9 +23,9 @@ bool contains(const std::vector<std::string>& names, const std::string& name) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
 
-std::string joined(const std::vector<std::string>& names) {
+std::string joined(const std::vector<std::string>& names, const char* separator = ", ") {
   std::string out;
-  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  for (const auto& n : names) out += (out.empty() ? "" : separator) + n;
   return out;
 }
 
@@ -42,59 +42,31 @@ models::ModelSpec model_spec(const JobConfig& job, std::vector<int64_t> input_sh
   return spec;
 }
 
-// Pipeline layouts that cannot work, named before any rank starts: P that does not divide the
-// local ranks, a schedule the micro-batches cannot fill, more stages than the model has.
-void validate_pipeline(const JobConfig& job, const TrainerOptions& trainer) {
-  const int pp = trainer.pipeline_parallel;
-  DTRAIN_CHECK_INPUT(pp >= 1, "--pipeline-parallel must be >= 1, got ", pp);
-  const bool pipelined = pp > 1 || trainer.strategy == "pipeline";
-  if (!pipelined) {
-    parallel::make_strategy(trainer.strategy, trainer.strategy_options);  // its own checks
-    auto options = trainer.strategy_options;
-    options.pipeline_data_parallel = "ddp";
-    parallel::make_strategy("pipeline", options);  // the pipeline flags, even when unused
-    return;
-  }
-  DTRAIN_CHECK_INPUT(trainer.strategy == "ddp" || trainer.strategy == "zero1" ||
-                         trainer.strategy == "pipeline",
-                     "--pipeline-parallel combines with --strategy ddp or zero1 (the data "
-                     "parallelism of each stage), not ", trainer.strategy,
-                     " (zero2 and zero3 shard the gradients and parameters the micro-batches "
-                     "accumulate)");
-  DTRAIN_CHECK_INPUT(job.nproc % (pp * trainer.tensor_parallel) == 0, "--pipeline-parallel ", pp,
-                     trainer.tensor_parallel > 1
-                         ? concat(" x --tensor-parallel ", trainer.tensor_parallel)
-                         : std::string(),
-                     " does not divide the ",
-                     job.nproc, " ranks of --nproc (ranks = pipeline stages x data-parallel "
-                     "replicas)");
-  auto options = trainer.strategy_options;
-  if (trainer.strategy != "pipeline") options.pipeline_data_parallel = trainer.strategy;
-  parallel::make_strategy("pipeline", options);  // schedule, balance, precision
-  int64_t micro_batches = trainer.accumulation_steps;
+// The strategy's rules against the job's layout (ranks, pipeline, tensor parallelism, the
+// model), named before any rank starts; the strategy's constructor checks the rest.
+void validate_strategy(const JobConfig& job, const TrainerOptions& trainer) {
+  parallel::Layout layout;
+  layout.strategy = trainer.strategy;
+  layout.ranks = job.nproc;
+  layout.pipeline_parallel = trainer.pipeline_parallel;
+  layout.tensor_parallel = trainer.tensor_parallel;
+  layout.sequence_parallel = job.model == "gpt" && job.gpt.sequence_parallel;
+  layout.tied_parameters = job.model == "gpt" && job.gpt.tied_embeddings;
+  layout.defer_eval = trainer.defer_eval;
+  layout.model = job.model;
+  layout.micro_batches = trainer.accumulation_steps;
+  const int pp = std::max(1, trainer.pipeline_parallel);
+  const int tp = std::max(1, trainer.tensor_parallel);
   if (trainer.global_batch > 0) {
-    const int64_t replicas = std::max(1, job.nproc / (pp * trainer.tensor_parallel));
-    micro_batches = trainer.global_batch / (trainer.batch_size * replicas);
+    const int64_t replicas = std::max(1, job.nproc / (pp * tp));
+    layout.micro_batches = trainer.global_batch / (trainer.batch_size * replicas);
   }
-  const auto kind = parallel::pipeline::schedule_kind_named(options.pipeline_schedule);
-  parallel::pipeline::validate({kind, pp, static_cast<int>(std::max<int64_t>(micro_batches, 1)),
-                                options.pipeline_virtual_stages});
-  const Model model = models::make_model(model_spec(job, {1, 28, 28}));
-  const int stages = static_cast<int>(model.stages.size());
-  const int virtual_stages = pp * options.pipeline_virtual_stages;
-  DTRAIN_CHECK_INPUT(!(job.model == "gpt" && job.gpt.tied_embeddings),
-                     "--tied-embeddings shares one weight between the first and the last "
-                     "pipeline stage, which the pipeline does not support: leave it out");
-  DTRAIN_CHECK_INPUT(stages >= virtual_stages, "--pipeline-parallel ", pp,
-                     options.pipeline_virtual_stages > 1
-                         ? concat(" x --virtual-stages ", options.pipeline_virtual_stages)
-                         : std::string(),
-                     " needs ", virtual_stages, " model stages, but --model ", job.model,
-                     " has ", stages, " (an MLP has one per hidden layer plus the output)");
-  const std::string& balance = options.pipeline_balance;
-  if (balance != "params" && balance != "time") {
-    parallel::pipeline::partition_from_counts(balance, stages, virtual_stages);
+  if (pp > 1) {
+    layout.model_stages =
+        static_cast<int>(models::make_model(model_spec(job, {1, 28, 28})).stages.size());
   }
+  auto options = trainer.strategy_options;
+  parallel::make_strategy(parallel::resolve_strategy(layout, options), options);
 }
 
 }  // namespace
@@ -133,49 +105,36 @@ std::string apply_model_recipe(JobConfig& job, const std::vector<std::string>& g
 }
 
 bool uses_parameter_server(const JobConfig& job) {
-  return job.trainer.strategy == "downpour" || job.trainer.strategy == "sandblaster";
+  return parallel::strategy_info(job.trainer.strategy).parameter_server;
 }
 
 void validate_job(const JobConfig& job) {
   DTRAIN_CHECK_INPUT(contains(models::model_names(), job.model), "--model: unknown model '",
                      job.model, "' (expected ", joined(models::model_names()), ")");
-  DTRAIN_CHECK_INPUT(contains(parallel::strategy_names(), job.trainer.strategy),
-                     "--strategy: unknown strategy '", job.trainer.strategy, "' (available: ",
-                     joined(parallel::strategy_names()), ")");
-  if (uses_parameter_server(job)) {
-    const auto& o = job.trainer.strategy_options;
-    const std::string& strategy = job.trainer.strategy;
-    DTRAIN_CHECK_INPUT(!o.ps_addresses.empty() || job.ps_shards > 0,
-                       "--strategy ", strategy, " needs the parameter-server shards: --ps "
+  const parallel::StrategyInfo& strategy = parallel::strategy_info(job.trainer.strategy);
+  const auto& addresses = job.trainer.strategy_options.of<parallel::ps::PsOptions>().addresses;
+  if (strategy.parameter_server) {
+    DTRAIN_CHECK_INPUT(!addresses.empty() || job.ps_shards > 0,
+                       "--strategy ", strategy.name, " needs the parameter-server shards: --ps "
                        "HOST:PORT,... (servers started with dtrain ps serve) or --ps-shards N "
                        "(started by this command)");
-    DTRAIN_CHECK_INPUT(o.ps_addresses.empty() || job.ps_shards == 0,
+    DTRAIN_CHECK_INPUT(addresses.empty() || job.ps_shards == 0,
                        "--ps and --ps-shards both given: use --ps for servers that are already "
                        "running, --ps-shards to start them here");
-    DTRAIN_CHECK_INPUT(o.ps_n_fetch >= 1, "--n-fetch must be at least 1 (got ", o.ps_n_fetch, ")");
-    DTRAIN_CHECK_INPUT(o.ps_n_push >= 1, "--n-push must be at least 1 (got ", o.ps_n_push, ")");
-    DTRAIN_CHECK_INPUT(o.ps_max_staleness >= -1, "--max-staleness must be -1 (no cap) or at "
-                       "least 0 (got ", o.ps_max_staleness, ")");
     DTRAIN_CHECK_INPUT(job.ps_optimizer == "adagrad" || job.ps_optimizer == "sgd" ||
                            job.ps_optimizer == "adam",
                        "--ps-optimizer: unknown parameter-server optimizer '", job.ps_optimizer,
                        "' (adagrad, sgd or adam)");
     DTRAIN_CHECK_INPUT(job.ps_lr > 0 && std::isfinite(job.ps_lr), "--ps-lr must be > 0, got ",
                        job.ps_lr);
-    DTRAIN_CHECK_INPUT(o.ps_retry_ms >= 0, "--ps-retry-ms must be >= 0, got ", o.ps_retry_ms);
-    DTRAIN_CHECK_INPUT(o.ps_rpc_timeout_ms >= 1, "--ps-timeout-ms must be >= 1, got ",
-                       o.ps_rpc_timeout_ms);
-    DTRAIN_CHECK_INPUT(job.trainer.pipeline_parallel <= 1 && job.trainer.tensor_parallel <= 1,
-                       "--strategy ", strategy, " workers are replicas of the whole model: "
-                       "--pipeline-parallel and --tensor-parallel are not supported with it");
-    DTRAIN_CHECK_INPUT(o.sb_work_units >= 0 && o.sb_work_units <= (1 << 20),
-                       "--work-units must be 0 (10 per worker) to 1048576, got ", o.sb_work_units);
-    DTRAIN_CHECK_INPUT(o.sb_history >= 1 && o.sb_history <= 100,
-                       "--lbfgs-history must be 1 to 100 pairs, got ", o.sb_history);
   } else {
-    DTRAIN_CHECK_INPUT(job.ps_shards == 0 && job.trainer.strategy_options.ps_addresses.empty(),
-                       "--ps and --ps-shards are for --strategy downpour or sandblaster (not ",
-                       job.trainer.strategy, ")");
+    std::vector<std::string> ps_strategies;
+    for (const auto& info : parallel::strategies()) {
+      if (info.parameter_server) ps_strategies.push_back(info.name);
+    }
+    DTRAIN_CHECK_INPUT(job.ps_shards == 0 && addresses.empty(), "--ps and --ps-shards are for "
+                       "--strategy ", joined(ps_strategies, " or "), " (not ", strategy.name,
+                       ")");
   }
   DTRAIN_CHECK_INPUT(job.trainer.slowdown_rank < std::max(1, job.nproc),
                      "--simulate-slowdown: rank ", job.trainer.slowdown_rank, " is not one of the ",
@@ -192,9 +151,6 @@ void validate_job(const JobConfig& job) {
     models::GptConfig config = job.gpt;
     config.vocab = 2;  // from the text, checked when it is read
     models::validate(config);
-    DTRAIN_CHECK_INPUT(!(job.gpt.tied_embeddings && job.trainer.strategy == "zero3"),
-                       "--tied-embeddings with zero3: the shared weight would be gathered by two "
-                       "units; leave --tied-embeddings out or use zero1/zero2");
   }
   DTRAIN_CHECK_INPUT(job.nproc >= 1, "--nproc must be >= 1, got ", job.nproc);
   const int tp = job.trainer.tensor_parallel;
@@ -210,11 +166,6 @@ void validate_job(const JobConfig& job) {
     DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel || job.gpt.context % tp == 0,
                        "--sequence-parallel splits the --context of ", job.gpt.context,
                        " tokens over --tensor-parallel ", tp, ": it must be a multiple of it");
-    DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel || (job.trainer.strategy != "zero2" &&
-                                                      job.trainer.strategy != "zero3"),
-                       "--sequence-parallel sums LayerNorm gradients over the tensor-parallel "
-                       "ranks before the data-parallel update: use --strategy ddp or zero1, not ",
-                       job.trainer.strategy);
     DTRAIN_CHECK_INPUT(job.nproc % (tp * std::max(1, job.trainer.pipeline_parallel)) == 0,
                        "--nproc ", job.nproc, " is not a multiple of --tensor-parallel ", tp,
                        " x --pipeline-parallel ", job.trainer.pipeline_parallel,
@@ -226,13 +177,10 @@ void validate_job(const JobConfig& job) {
   for (auto width : job.hidden) DTRAIN_CHECK_INPUT(width >= 1, "--hidden widths must be >= 1");
   DTRAIN_CHECK_INPUT(job.bucket_cap_mb > 0 && job.bucket_cap_mb <= 1 << 20,
                      "--bucket-cap-mb must be in (0, 1048576], got ", job.bucket_cap_mb);
-  DTRAIN_CHECK_INPUT(job.trainer.strategy_options.zero3_min_unit_params >= 0,
-                     "--zero3-min-unit-params must be >= 0, got ",
-                     job.trainer.strategy_options.zero3_min_unit_params);
   const TrainerOptions trainer = trainer_options(job);
   validate(trainer);
   memory::parse_segments(job.checkpointing, 1);
-  validate_pipeline(job, trainer);
+  validate_strategy(job, trainer);
   // Build throwaway objects to validate their options with their own messages.
   optim::LrSchedule(job.trainer.optimizer.lr, 1, job.trainer.schedule);
   optim::make_optimizer({torch::zeros({1}, torch::requires_grad())}, job.trainer.optimizer);

@@ -1,6 +1,7 @@
-// Trainer: the training loop shared by every strategy — sampling, gradient accumulation, the
+// Trainer: training shared by every strategy - sampling, gradient accumulation, the
 // learning-rate schedule, evaluation, checkpoints (atomic, resumable), JSONL metrics and a
-// progress bar on rank 0. The strategy is a single option.
+// progress bar on rank 0. The strategy is a single option; the registry says which runner
+// (synchronous steps, asynchronous workers, the strategy's own loop) drives it.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include "dtrain/models/Model.h"
 #include "dtrain/optim/LrSchedule.h"
 #include "dtrain/optim/Optimizers.h"
+#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/Strategy.h"
 
 namespace dtrain::train {
@@ -149,6 +151,8 @@ class Trainer {
   comm::CommunicatorPtr world_;
   std::shared_ptr<comm::ProcessGrid> grid_;
   parallel::StrategyPtr strategy_;
+  /// Which runner drives it (the registry's word).
+  parallel::Loop loop_ = parallel::Loop::kSteps;
   /// The loss and prediction of the model being trained: Model::loss / Model::predict when it
   /// has them, else options.loss and argmax.
   parallel::LossFn loss_ = parallel::cross_entropy;

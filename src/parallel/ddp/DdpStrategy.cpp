@@ -15,6 +15,17 @@
 namespace dtrain::parallel {
 
 
+StrategyInfo ddp_strategy() {
+  StrategyInfo info;
+  info.name = "ddp";
+  info.summary = "data parallelism: bucketed gradient all-reduce overlapped with backward";
+  info.pipeline_stages = true;
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    return std::make_unique<DdpStrategy>(options);
+  };
+  return info;
+}
+
 DdpStrategy::DdpStrategy(StrategyOptions options) : options_(std::move(options)) {
   reducer_options_from(options_);  // validate early
   precision_ = precision::parse_precision(options_.precision);

@@ -4,6 +4,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"
@@ -11,6 +12,8 @@
 #include "parallel/StrategySupport.h"
 
 namespace dtrain::parallel {
+
+StrategyInfo ddp_strategy();
 
 class DdpStrategy : public Strategy {
  public:

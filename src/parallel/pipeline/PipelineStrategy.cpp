@@ -45,33 +45,100 @@ std::vector<double> time_stages(const std::vector<Stage>& stages, at::Tensor inp
   return seconds;
 }
 
-}  // namespace
-
-PipelineStrategy::PipelineStrategy(StrategyOptions options)
-    : options_(std::move(options)),
-      kind_(schedule_kind_named(options_.pipeline_schedule)),
-      chunks_per_rank_(options_.pipeline_virtual_stages) {
-  DTRAIN_CHECK_INPUT(chunks_per_rank_ >= 1, "virtual stages per pipeline rank must be >= 1, got ",
-                     chunks_per_rank_);
-  DTRAIN_CHECK_INPUT(chunks_per_rank_ == 1 || kind_ == ScheduleKind::Interleaved,
-                     "--virtual-stages ", chunks_per_rank_,
+void check_options(const PipelineOptions& o) {
+  const ScheduleKind kind = schedule_kind_named(o.schedule);
+  DTRAIN_CHECK_INPUT(o.virtual_stages >= 1, "virtual stages per pipeline rank must be >= 1, got ",
+                     o.virtual_stages);
+  DTRAIN_CHECK_INPUT(o.virtual_stages == 1 || kind == ScheduleKind::Interleaved,
+                     "--virtual-stages ", o.virtual_stages,
                      " needs --schedule interleaved (gpipe and 1f1b run one chunk per rank)");
-  DTRAIN_CHECK_INPUT(kind_ != ScheduleKind::Interleaved || chunks_per_rank_ >= 2,
+  DTRAIN_CHECK_INPUT(kind != ScheduleKind::Interleaved || o.virtual_stages >= 2,
                      "the interleaved schedule needs --virtual-stages >= 2 (with 1 it is 1f1b)");
-  const std::string& dp = options_.pipeline_data_parallel;
-  DTRAIN_CHECK_INPUT(dp == "ddp" || dp == "zero1", "pipeline stages are data-parallel by ddp "
-                     "or zero1, not '", dp, "' (zero2 and zero3 shard the gradients and "
-                     "parameters that the micro-batches accumulate)");
-  zero1_ = dp == "zero1";
-  const std::string& transport = options_.pipeline_transport;
-  DTRAIN_CHECK_INPUT(transport == "auto" || transport == "comm", "unknown --pipeline-transport '",
-                     transport, "' (expected auto or comm)");
-  const std::string& balance = options_.pipeline_balance;
+  DTRAIN_CHECK_INPUT(o.data_parallel == "ddp" || o.data_parallel == "zero1",
+                     "pipeline stages are data-parallel by ddp or zero1, not '", o.data_parallel,
+                     "' (zero2 and zero3 shard the gradients and parameters that the "
+                     "micro-batches accumulate)");
+  DTRAIN_CHECK_INPUT(o.transport == "auto" || o.transport == "comm",
+                     "unknown --pipeline-transport '", o.transport, "' (expected auto or comm)");
+  const std::string& balance = o.balance;
   DTRAIN_CHECK_INPUT(!balance.empty(), "--pipeline-balance is empty (params, time or S1,S2,...)");
   DTRAIN_CHECK_INPUT(balance == "params" || balance == "time" ||
                          balance.find_first_not_of("0123456789, ") == std::string::npos,
                      "unknown --pipeline-balance '", balance,
                      "' (expected params, time or stage counts S1,S2,...)");
+}
+
+// Layouts that cannot work, named before any rank starts: P that does not divide the ranks, a
+// schedule the micro-batches cannot fill, more stages than the model has, a tied weight.
+void check_layout(const PipelineOptions& o, const Layout& layout) {
+  const int pp = layout.pipeline_parallel;
+  const int tp = layout.tensor_parallel;
+  DTRAIN_CHECK_INPUT(layout.ranks == 0 || layout.ranks % (pp * tp) == 0, "--pipeline-parallel ",
+                     pp, tp > 1 ? concat(" x --tensor-parallel ", tp) : std::string(),
+                     " does not divide the ", layout.ranks, " ranks of --nproc (ranks = pipeline "
+                     "stages x data-parallel replicas)");
+  validate({schedule_kind_named(o.schedule), pp,
+            static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), o.virtual_stages});
+  DTRAIN_CHECK_INPUT(!layout.tied_parameters,
+                     "--tied-embeddings shares one weight between the first and the last "
+                     "pipeline stage, which the pipeline does not support: leave it out");
+  if (layout.model_stages == 0) return;
+  const int virtual_stages = pp * o.virtual_stages;
+  DTRAIN_CHECK_INPUT(layout.model_stages >= virtual_stages, "--pipeline-parallel ", pp,
+                     o.virtual_stages > 1 ? concat(" x --virtual-stages ", o.virtual_stages)
+                                          : std::string(),
+                     " needs ", virtual_stages, " model stages, but --model ", layout.model,
+                     " has ", layout.model_stages,
+                     " (an MLP has one per hidden layer plus the output)");
+  if (o.balance != "params" && o.balance != "time") {
+    partition_from_counts(o.balance, layout.model_stages, virtual_stages);
+  }
+}
+
+}  // namespace
+
+StrategyInfo pipeline_strategy() {
+  StrategyInfo info;
+  info.name = "pipeline";
+  info.summary = "pipeline parallelism (GPipe, 1F1B, interleaved), stages data-parallel";
+  info.pipelines = true;
+  info.whole_model_on_rank0 = false;
+  info.set_stage_strategy = [](StrategyOptions& options, const std::string& stage_strategy) {
+    options.of<PipelineOptions>().data_parallel = stage_strategy;
+  };
+  OptionGroup own;
+  own.name = "pipeline";
+  own.declare = [](FlagSet& flags, StrategyOptions& options) {
+    auto& o = options.of<PipelineOptions>();
+    flags.add("--schedule", o.schedule, "Pipeline schedule: gpipe, 1f1b, interleaved");
+    flags.add("--virtual-stages", o.virtual_stages,
+              "Interleaved schedule: model chunks per pipeline rank");
+    flags.add("--pipeline-balance", o.balance,
+              "Place pipeline stages by params (parameter count), time (measured forward + "
+              "backward) or S1,S2,... (model stages per pipeline stage)");
+    flags.add("--pipeline-transport", o.transport,
+              "Pipeline activations and gradients travel through auto (shared memory between "
+              "stages on the same machine, else the communicator) or comm (always the "
+              "communicator)");
+  };
+  own.check = [](const StrategyOptions& options) { check_options(options.of<PipelineOptions>()); };
+  info.options = {own};
+  info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
+    check_layout(options.of<PipelineOptions>(), layout);
+  };
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    return std::make_unique<PipelineStrategy>(options);
+  };
+  return info;
+}
+
+PipelineStrategy::PipelineStrategy(StrategyOptions options)
+    : options_(std::move(options)),
+      pipe_(options_.of<PipelineOptions>()),
+      kind_(schedule_kind_named(pipe_.schedule)),
+      chunks_per_rank_(pipe_.virtual_stages) {
+  check_options(pipe_);
+  zero1_ = pipe_.data_parallel == "zero1";
   reducer_options_from(options_);  // validate early
   precision_ = precision::parse_precision(options_.precision);
   precision::check_supported(precision_);
@@ -85,7 +152,7 @@ PipelineStrategy::~PipelineStrategy() = default;
 void PipelineStrategy::prepare(const data::Batch& example) { example_ = example; }
 
 std::vector<double> PipelineStrategy::stage_costs() {
-  if (options_.pipeline_balance == "time") {
+  if (pipe_.balance == "time") {
     DTRAIN_CHECK(example_.inputs.defined(),
                  "--pipeline-balance time needs an example batch (Strategy::prepare)");
     // Every rank measures the whole model; rank 0's numbers are used so all agree.
@@ -137,7 +204,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   if (precision_ == precision::Precision::Bf16) model_.module->to(at::kBFloat16);
   tp_ = tensor_parallel_layout(*model_.module, *grid_);
   costs_ = stage_costs();
-  const std::string& balance = options_.pipeline_balance;
+  const std::string& balance = pipe_.balance;
   partition_ = balance == "params" || balance == "time"
                    ? balanced_partition(costs_, virtual_stages)
                    : partition_from_counts(balance, n, virtual_stages);
@@ -201,7 +268,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                                                                    reducer_options));
   }
   link_ = std::make_unique<StageLink>(grid_->pp(), virtual_stages,
-                                      options_.pipeline_transport == "auto");
+                                      pipe_.transport == "auto");
 }
 
 DataNeeds PipelineStrategy::data_needs() const {
@@ -215,12 +282,12 @@ DataNeeds PipelineStrategy::data_needs() const {
 
 std::string PipelineStrategy::layout() const {
   const std::vector<double> share = shares(partition_, costs_);
-  const bool timed = options_.pipeline_balance == "time";
+  const bool timed = pipe_.balance == "time";
   std::string text = concat("pipeline: ", grid_->pp_size(), " stage", grid_->pp_size() == 1 ? "" : "s");
   if (chunks_per_rank_ > 1) text += concat(" x ", chunks_per_rank_, " chunks");
-  text += concat(" x ", grid_->dp_size(), " ", options_.pipeline_data_parallel, " replica",
+  text += concat(" x ", grid_->dp_size(), " ", pipe_.data_parallel, " replica",
                  grid_->dp_size() == 1 ? "" : "s", ", schedule ", to_string(kind_),
-                 "; split by ", timed ? "measured time" : options_.pipeline_balance == "params"
+                 "; split by ", timed ? "measured time" : pipe_.balance == "params"
                                                              ? "parameters"
                                                              : "hand",
                  ":");

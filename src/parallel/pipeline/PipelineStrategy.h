@@ -10,7 +10,9 @@
 #include <map>
 #include <memory>
 
+#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/parallel/pipeline/Partition.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/precision/LossScaler.h"
@@ -25,6 +27,8 @@ class Reducer;
 namespace dtrain::parallel::pipeline {
 
 class StageLink;
+
+StrategyInfo pipeline_strategy();
 
 class PipelineStrategy : public Strategy {
  public:
@@ -76,6 +80,7 @@ class PipelineStrategy : public Strategy {
   double clip_gradients();
 
   StrategyOptions options_;
+  PipelineOptions pipe_;
   ScheduleKind kind_;
   int chunks_per_rank_;
   precision::Precision precision_;

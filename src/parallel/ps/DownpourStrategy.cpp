@@ -37,9 +37,50 @@ void log_loss(int rank, int64_t count, const std::string& what) {
                count == kLoggedLosses ? " (further ones are counted in the metrics)" : "");
 }
 
+void check_options(const DownpourOptions& o) {
+  DTRAIN_CHECK_INPUT(o.n_fetch >= 1, "--n-fetch must be at least 1 (got ", o.n_fetch, ")");
+  DTRAIN_CHECK_INPUT(o.n_push >= 1, "--n-push must be at least 1 (got ", o.n_push, ")");
+  DTRAIN_CHECK_INPUT(o.max_staleness >= -1, "--max-staleness must be -1 (no cap) or at least 0 "
+                     "(got ", o.max_staleness, ")");
+}
+
 }  // namespace
 
-DownpourStrategy::DownpourStrategy(StrategyOptions options) : ReplicaStrategy(std::move(options)) {}
+StrategyInfo downpour_strategy() {
+  StrategyInfo info;
+  info.name = "downpour";
+  info.summary = "Downpour SGD: asynchronous workers against parameter-server shards";
+  info.loop = Loop::kAsynchronous;
+  info.parameter_server = true;
+  info.server_optimizer = true;
+  OptionGroup own;
+  own.name = "downpour";
+  own.declare = [](FlagSet& flags, StrategyOptions& options) {
+    auto& o = options.of<DownpourOptions>();
+    flags.add("--n-fetch", o.n_fetch,
+              "--strategy downpour: fetch fresh parameters every N steps (in the background)");
+    flags.add("--n-push", o.n_push,
+              "--strategy downpour: push the gradients accumulated over N steps (in the "
+              "background)");
+    flags.add("--max-staleness", o.max_staleness,
+              "--strategy downpour: a worker whose parameters are more than this many server "
+              "versions old waits for a fresh pull (-1: no cap)");
+  };
+  own.check = [](const StrategyOptions& options) { check_options(options.of<DownpourOptions>()); };
+  info.options = {connection_options(), own};
+  info.check_layout = [](const StrategyOptions&, const Layout& layout) {
+    check_replica_layout("downpour", layout);
+  };
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    return std::make_unique<DownpourStrategy>(options);
+  };
+  return info;
+}
+
+DownpourStrategy::DownpourStrategy(StrategyOptions options)
+    : ReplicaStrategy(std::move(options)), downpour_(options_.of<DownpourOptions>()) {
+  check_options(downpour_);
+}
 
 DownpourStrategy::~DownpourStrategy() {
   try {
@@ -51,18 +92,12 @@ DownpourStrategy::~DownpourStrategy() {
 
 void DownpourStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
                              std::shared_ptr<comm::ProcessGrid> grid) {
-  DTRAIN_CHECK_INPUT(options_.ps_n_fetch >= 1, "--n-fetch must be at least 1 (got ",
-                     options_.ps_n_fetch, ")");
-  DTRAIN_CHECK_INPUT(options_.ps_n_push >= 1, "--n-push must be at least 1 (got ",
-                     options_.ps_n_push, ")");
-  DTRAIN_CHECK_INPUT(options_.ps_max_staleness >= -1, "--max-staleness must be -1 (no cap) or ",
-                     "at least 0 (got ", options_.ps_max_staleness, ")");
   setup_replica(std::move(model), make_optimizer, std::move(grid));
   accumulated_ = at::zeros({numel_}, dtype_);
 }
 
 std::chrono::milliseconds DownpourStrategy::wait_limit() const {
-  return 3 * std::chrono::milliseconds(options_.ps_rpc_timeout_ms + options_.ps_retry_ms);
+  return 3 * std::chrono::milliseconds(ps_.rpc_timeout_ms + ps_.retry_ms);
 }
 
 void DownpourStrategy::start() {
@@ -192,12 +227,12 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
   rethrow_background_error();
   apply_landed_pull(lock);
   double wait_ms = 0.0;
-  if (options_.ps_max_staleness >= 0) {
+  if (downpour_.max_staleness >= 0) {
     // How far behind the shards the model is: the newest version seen, or at least this
     // worker's own pushes not yet in its parameters.
     const int64_t mine = oldest(versions_);
     const int64_t server = std::max(newest_version_, mine + (pushes_issued_ - pushes_reflected_));
-    if (server - mine > options_.ps_max_staleness) {
+    if (server - mine > downpour_.max_staleness) {
       const auto wait_start = std::chrono::steady_clock::now();
       pull_now(lock, "--max-staleness");
       wait_ms = ms_since(wait_start);
@@ -247,12 +282,12 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
   ++steps_since_fetch_;
 
   lock.lock();
-  if (steps_accumulated_ >= options_.ps_n_push) {
+  if (steps_accumulated_ >= downpour_.n_push) {
     const auto wait_start = std::chrono::steady_clock::now();
     queue_push(lock);
     wait_ms += ms_since(wait_start);
   }
-  if (steps_since_fetch_ >= options_.ps_n_fetch) {
+  if (steps_since_fetch_ >= downpour_.n_fetch) {
     pull_requested_ = true;
     steps_since_fetch_ = 0;
   }
@@ -272,7 +307,7 @@ int64_t DownpourStrategy::global_steps() const {
   // The shards' count, plus this worker's steps they have not counted yet (pushes in flight,
   // the accumulation): the worker's own steps are never missed, others' may be late.
   std::lock_guard<std::mutex> lock(mutex_);
-  return (newest_version_ + pushes_issued_ - pushes_done_) * options_.ps_n_push +
+  return (newest_version_ + pushes_issued_ - pushes_done_) * downpour_.n_push +
          steps_accumulated_;
 }
 
@@ -296,8 +331,8 @@ std::string DownpourStrategy::await_workers() {
   // A worker is done when its final push has reached every shard. One that has pushed nothing
   // for a while is taken for gone (killed, its machine lost): waiting for it ends after
   // max(2 s, 20 steps' compute) of quiet, at most the RPC deadline.
-  const double quiet_s = std::min(std::max(2.0, 20.0 * step_seconds_ * options_.ps_n_push),
-                                  options_.ps_rpc_timeout_ms / 1e3);
+  const double quiet_s = std::min(std::max(2.0, 20.0 * step_seconds_ * downpour_.n_push),
+                                  ps_.rpc_timeout_ms / 1e3);
   const auto deadline = std::chrono::steady_clock::now() + wait_limit();
   std::string missing;
   while (true) {

@@ -12,11 +12,14 @@
 #include <mutex>
 #include <thread>
 
+#include "dtrain/parallel/Loops.h"
 #include "parallel/ps/ReplicaStrategy.h"
 
 namespace dtrain::parallel::ps {
 
-class DownpourStrategy : public ReplicaStrategy {
+StrategyInfo downpour_strategy();
+
+class DownpourStrategy : public ReplicaStrategy, public AsynchronousWorker {
  public:
   explicit DownpourStrategy(StrategyOptions options);
   ~DownpourStrategy() override;
@@ -46,6 +49,7 @@ class DownpourStrategy : public ReplicaStrategy {
   void queue_push(std::unique_lock<std::mutex>& lock, bool last = false);
   /// Bound of the waits on the background thread: an RPC's deadline and its retries, thrice.
   std::chrono::milliseconds wait_limit() const;
+  DownpourOptions downpour_;
   bool started_ = false;
 
   // Worker side (the training thread).

@@ -8,10 +8,53 @@
 
 namespace dtrain::parallel::ps {
 
+namespace {
+
+void check_connection(const PsOptions& o) {
+  DTRAIN_CHECK_INPUT(o.retry_ms >= 0, "--ps-retry-ms must be >= 0, got ", o.retry_ms);
+  DTRAIN_CHECK_INPUT(o.rpc_timeout_ms >= 1, "--ps-timeout-ms must be >= 1, got ",
+                     o.rpc_timeout_ms);
+}
+
+}  // namespace
+
+OptionGroup connection_options() {
+  OptionGroup group;
+  group.name = "parameter-server connection";
+  group.declare = [](FlagSet& flags, StrategyOptions& options) {
+    auto& o = options.of<PsOptions>();
+    flags.add_list("--ps", o.addresses,
+                   "--strategy downpour/sandblaster: the parameter-server shards, HOST:PORT,... "
+                   "in shard order (each started with dtrain ps serve)");
+    flags.add("--ps-timeout-ms", o.rpc_timeout_ms,
+              "--strategy downpour/sandblaster: deadline of every parameter-server call");
+    flags.add("--ps-retry-ms", o.retry_ms,
+              "--strategy downpour/sandblaster: how long an unreachable shard (restarting?) is "
+              "retried, with back-off, before the worker fails");
+    flags.add("--ps-tls", o.tls,
+              "--strategy downpour/sandblaster: connect to the shards with TLS (system roots "
+              "unless --ps-tls-ca)")
+        .show_default = false;
+    flags.add("--ps-tls-ca", o.tls_ca,
+              "--strategy downpour/sandblaster: PEM file of the certificates to trust (implies "
+              "--ps-tls)")
+        .show_default = false;
+  };
+  group.check = [](const StrategyOptions& options) { check_connection(options.of<PsOptions>()); };
+  return group;
+}
+
+void check_replica_layout(const std::string& strategy, const Layout& layout) {
+  DTRAIN_CHECK_INPUT(layout.pipeline_parallel <= 1 && layout.tensor_parallel <= 1,
+                     "--strategy ", strategy, " workers are replicas of the whole model: "
+                     "--pipeline-parallel and --tensor-parallel are not supported with it");
+}
+
 void ReplicaStrategy::setup_replica(Model model, const optim::OptimizerFactory& make_optimizer,
                                     std::shared_ptr<comm::ProcessGrid> grid) {
   const std::string strategy = concat("--strategy ", name());
-  DTRAIN_CHECK_INPUT(!options_.ps_addresses.empty(), strategy,
+  check_connection(ps_);
+  DTRAIN_CHECK_INPUT(!ps_.addresses.empty(), strategy,
                      " needs the parameter-server shards: --ps HOST:PORT,... (servers started "
                      "with dtrain ps serve) or --ps-shards N (started here)");
   DTRAIN_CHECK_INPUT(options_.precision == "fp32", strategy, " trains in the model's own dtype "
@@ -36,13 +79,13 @@ void ReplicaStrategy::setup_replica(Model model, const optim::OptimizerFactory& 
   }
   optimizer_ = make_optimizer(parameters_);
   PsClientOptions client;
-  client.rpc_timeout = std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
+  client.rpc_timeout = std::chrono::milliseconds(ps_.rpc_timeout_ms);
   client.worker = grid_->world()->rank();
-  client.retry_window = std::chrono::milliseconds(options_.ps_retry_ms);
-  client.auth_token = options_.ps_auth_token;
-  client.tls = options_.ps_tls;
-  client.tls_ca = options_.ps_tls_ca;
-  client_ = std::make_unique<PsClient>(options_.ps_addresses, client);
+  client.retry_window = std::chrono::milliseconds(ps_.retry_ms);
+  client.auth_token = ps_.auth_token;
+  client.tls = ps_.tls || !ps_.tls_ca.empty();
+  client.tls_ca = ps_.tls_ca;
+  client_ = std::make_unique<PsClient>(ps_.addresses, client);
   client_->on_restart([worker = client.worker, label = name()](const ShardRestart& r) {
     std::fprintf(stderr,
                  "%s worker %d: parameter server %s (shard %d) restarted from its checkpoint "

@@ -9,21 +9,28 @@
 #include <vector>
 
 #include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/parallel/ps/PsClient.h"
 
 namespace dtrain::parallel::ps {
 
+/// The shards' connection flags (--ps, --ps-timeout-ms, ...), shared by both strategies.
+OptionGroup connection_options();
+/// Workers are whole-model replicas: no pipeline or tensor parallelism.
+void check_replica_layout(const std::string& strategy, const Layout& layout);
+
 class ReplicaStrategy : public Strategy {
  public:
-  explicit ReplicaStrategy(StrategyOptions options) : options_(std::move(options)) {}
+  explicit ReplicaStrategy(StrategyOptions options)
+      : options_(std::move(options)), ps_(options_.of<PsOptions>()) {}
   Model& model() override { return model_; }
   /// A local optimizer over the replica's parameters, kept for the Strategy interface: the
   /// shards make the updates (learning rates set on this one have no effect).
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
   /// The replica's parameters; the shards take them at the start unless they hold some.
   void load(const std::string& directory) override;
-  bool synchronous() const override { return false; }
 
  protected:
   /// The checks every parameter-server strategy makes (shards given, fp32, no pipeline or
@@ -38,6 +45,7 @@ class ReplicaStrategy : public Strategy {
   NamedTensors buffers() const;
 
   StrategyOptions options_;
+  PsOptions ps_;
   Model model_;
   std::shared_ptr<comm::ProcessGrid> grid_;
   std::vector<at::Tensor> parameters_;

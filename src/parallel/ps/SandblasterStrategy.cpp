@@ -28,25 +28,65 @@ bool loopback(const std::string& host) {
   return host.empty() || host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
+void check_options(const SandblasterOptions& o) {
+  DTRAIN_CHECK_INPUT(o.work_units >= 0 && o.work_units <= (1 << 20),
+                     "--work-units must be 0 (10 per worker) to 1048576, got ", o.work_units);
+  DTRAIN_CHECK_INPUT(o.history >= 1 && o.history <= 100,
+                     "--lbfgs-history must be 1 to 100 pairs, got ", o.history);
+  DTRAIN_CHECK_INPUT(o.unit_sizing == "tapered" || o.unit_sizing == "uniform",
+                     "--work-unit-sizing '", o.unit_sizing, "': tapered or uniform");
+}
+
 }  // namespace
 
-SandblasterStrategy::SandblasterStrategy(StrategyOptions options) : ReplicaStrategy(std::move(options)) {}
+StrategyInfo sandblaster_strategy() {
+  StrategyInfo info;
+  info.name = "sandblaster";
+  info.summary = "Sandblaster L-BFGS: a coordinator hands out work units over the shards";
+  info.loop = Loop::kDriven;
+  info.parameter_server = true;
+  OptionGroup own;
+  own.name = "sandblaster";
+  own.declare = [](FlagSet& flags, StrategyOptions& options) {
+    auto& o = options.of<SandblasterOptions>();
+    flags.add("--work-units", o.work_units,
+              "--strategy sandblaster: work units each evaluation of the loss is cut into, "
+              "handed out to workers as they ask (0: 10 per worker)");
+    flags.add_negated("--no-backup-tasks", o.backup_tasks,
+                      "--strategy sandblaster: no backup copies of the units still running near "
+                      "an evaluation's end (a straggler then sets the pace)");
+    flags.add("--work-unit-sizing", o.unit_sizing,
+              "--strategy sandblaster: tapered (the last 2 x workers units a half and a quarter "
+              "of the others' size: an evaluation ends on small units) or uniform");
+    flags.add("--lbfgs-history", o.history,
+              "--strategy sandblaster: L-BFGS history pairs (kept on the shards)");
+  };
+  own.check = [](const StrategyOptions& options) {
+    check_options(options.of<SandblasterOptions>());
+  };
+  info.options = {connection_options(), own};
+  info.check_layout = [](const StrategyOptions&, const Layout& layout) {
+    check_replica_layout("sandblaster", layout);
+  };
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    return std::make_unique<SandblasterStrategy>(options);
+  };
+  return info;
+}
+
+SandblasterStrategy::SandblasterStrategy(StrategyOptions options)
+    : ReplicaStrategy(std::move(options)), sb_(options_.of<SandblasterOptions>()) {
+  check_options(sb_);
+}
 
 SandblasterStrategy::~SandblasterStrategy() = default;
 
 void SandblasterStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
                                 std::shared_ptr<comm::ProcessGrid> grid) {
-  DTRAIN_CHECK_INPUT(options_.sb_work_units >= 0 && options_.sb_work_units <= (1 << 20),
-                     "--work-units must be 0 (10 per worker) to 1048576, got ",
-                     options_.sb_work_units);
-  DTRAIN_CHECK_INPUT(options_.sb_history >= 1 && options_.sb_history <= 100,
-                     "--lbfgs-history must be 1 to 100 pairs, got ", options_.sb_history);
-  DTRAIN_CHECK_INPUT(options_.sb_unit_sizing == "tapered" || options_.sb_unit_sizing == "uniform",
-                     "--work-unit-sizing '", options_.sb_unit_sizing, "': tapered or uniform");
   setup_replica(std::move(model), make_optimizer, std::move(grid));
   rank_ = grid_->world()->rank();
   workers_ = grid_->world()->size();
-  units_ = options_.sb_work_units > 0 ? options_.sb_work_units : 10 * int64_t{workers_};
+  units_ = sb_.work_units > 0 ? sb_.work_units : 10 * int64_t{workers_};
   // Rank 0 hosts the coordinator; the others learn its address (one collective, at the start).
   std::string address;
   if (rank_ == 0) {
@@ -54,13 +94,13 @@ void SandblasterStrategy::setup(Model model, const optim::OptimizerFactory& make
     const std::string host = master != nullptr ? master : "";
     const bool local = workers_ == 1 || loopback(host);
     WorkQueueOptions queue;
-    queue.backup_tasks = options_.sb_backup_tasks;
-    queue.tapered_units = options_.sb_unit_sizing == "tapered";
+    queue.backup_tasks = sb_.backup_tasks;
+    queue.tapered_units = sb_.unit_sizing == "tapered";
     queue.workers = workers_;
     queue_ = std::make_unique<WorkQueue>(queue);
     WorkCoordinatorOptions server;
     server.listen = local ? "127.0.0.1:0" : "0.0.0.0:0";
-    server.auth_token = options_.ps_auth_token;
+    server.auth_token = ps_.auth_token;
     server_ = std::make_unique<WorkCoordinatorServer>(*queue_, server);
     address = concat(local ? std::string("127.0.0.1") : host, ":", server_->port());
   }
@@ -68,11 +108,11 @@ void SandblasterStrategy::setup(Model model, const optim::OptimizerFactory& make
 }
 
 std::string SandblasterStrategy::layout() const {
-  return concat("sandblaster: L-BFGS (history ", options_.sb_history, ") over ",
-                options_.ps_addresses.size(), " parameter-server shard",
-                options_.ps_addresses.size() == 1 ? "" : "s", ", ", workers_, " worker",
+  return concat("sandblaster: L-BFGS (history ", sb_.history, ") over ",
+                ps_.addresses.size(), " parameter-server shard",
+                ps_.addresses.size() == 1 ? "" : "s", ", ", workers_, " worker",
                 workers_ == 1 ? "" : "s", ", ", units_, " work units per evaluation, backup tasks ",
-                options_.sb_backup_tasks ? "on" : "off", "; coordinator at ",
+                sb_.backup_tasks ? "on" : "off", "; coordinator at ",
                 coordinator_address_);
 }
 
@@ -122,15 +162,15 @@ void SandblasterStrategy::work(const LoopContext& context) {
   rpc::RpcSecurity security;  // the coordinator serves plaintext (with the shards' token)
   auto stub = dtrain::sandblaster::WorkCoordinator::NewStub(
       grpc::CreateChannel(coordinator_address_, rpc::channel_credentials(security)));
-  const auto rpc_timeout = std::chrono::milliseconds(options_.ps_rpc_timeout_ms);
+  const auto rpc_timeout = std::chrono::milliseconds(ps_.rpc_timeout_ms);
   constexpr int64_t kWaitMs = 1000;
   auto call = [&](const char* name, const std::function<grpc::Status(grpc::ClientContext&)>& f) {
     // Unreachable (restarting, or not listening yet) is retried with back-off in the window.
-    const auto give_up = Clock::now() + std::chrono::milliseconds(options_.ps_retry_ms);
+    const auto give_up = Clock::now() + std::chrono::milliseconds(ps_.retry_ms);
     auto pause = std::chrono::milliseconds(50);
     while (true) {
       grpc::ClientContext rpc;
-      rpc::add_token(rpc, options_.ps_auth_token);
+      rpc::add_token(rpc, ps_.auth_token);
       rpc.set_deadline(std::chrono::system_clock::now() + rpc_timeout +
                        std::chrono::milliseconds(kWaitMs));
       const grpc::Status status = f(rpc);
@@ -185,7 +225,7 @@ void SandblasterStrategy::work(const LoopContext& context) {
 
 void SandblasterStrategy::coordinate(const LoopContext& context) {
   LbfgsOptions options;
-  options.history = options_.sb_history;
+  options.history = sb_.history;
   options.max_iterations = static_cast<int>(std::max<int64_t>(1, context.max_iterations));
   options.weight_decay = context.weight_decay;
   LbfgsCoordinator lbfgs(*client_, options);

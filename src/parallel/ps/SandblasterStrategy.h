@@ -9,12 +9,15 @@
 #include <memory>
 #include <mutex>
 
+#include "dtrain/parallel/Loops.h"
 #include "parallel/ps/ReplicaStrategy.h"
 #include "dtrain/parallel/ps/WorkQueue.h"
 
 namespace dtrain::parallel::ps {
 
-class SandblasterStrategy : public ReplicaStrategy {
+StrategyInfo sandblaster_strategy();
+
+class SandblasterStrategy : public ReplicaStrategy, public DrivenLoop {
  public:
   explicit SandblasterStrategy(StrategyOptions options);
   ~SandblasterStrategy() override;
@@ -25,8 +28,6 @@ class SandblasterStrategy : public ReplicaStrategy {
   /// Not collective: the shards' parameters (pulled now) as a one-file checkpoint.
   void save(const std::string& directory) override;
   MemoryReport memory_report() const override;
-  int64_t global_steps() const override { return iterations_; }
-  bool drives_loop() const override { return true; }
   int64_t run_loop(const LoopContext& context) override;
   std::map<std::string, double> run_metrics() override;
   std::string layout() const override;
@@ -40,6 +41,7 @@ class SandblasterStrategy : public ReplicaStrategy {
   /// The coordinator (rank 0, its own thread): L-BFGS over the shards.
   void coordinate(const LoopContext& context);
   void pull_into_model();
+  SandblasterOptions sb_;
   int rank_ = 0, workers_ = 1;
   int64_t units_ = 0;
   std::string coordinator_address_;

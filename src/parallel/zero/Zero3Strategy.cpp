@@ -8,17 +8,56 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/StateSize.h"
+#include "parallel/zero/ZeroStrategy.h"
 
 namespace dtrain::parallel {
 
-Zero3Strategy::Zero3Strategy(StrategyOptions options) : DdpStrategy(std::move(options)) {
+namespace {
+
+void check_options(const Zero3Options& o) {
+  DTRAIN_CHECK_INPUT(o.min_unit_params >= 0, "--zero3-min-unit-params must be >= 0, got ",
+                     o.min_unit_params);
+}
+
+}  // namespace
+
+StrategyInfo zero3_strategy() {
+  StrategyInfo info;
+  info.name = "zero3";
+  info.summary = "ZeRO stage 3 (FSDP): parameters sharded too, gathered unit by unit";
+  info.whole_model_on_rank0 = false;
+  OptionGroup own;
+  own.name = "zero3";
+  own.declare = [](FlagSet& flags, StrategyOptions& options) {
+    auto& o = options.of<Zero3Options>();
+    flags.add("--zero3-min-unit-params", o.min_unit_params,
+              "zero3: merge consecutive model stages into units of at least this many "
+              "parameters (0 = one unit per stage)");
+    flags.add_negated("--no-zero3-prefetch", o.prefetch,
+                      "zero3: do not gather the next unit while the current one computes");
+  };
+  own.check = [](const StrategyOptions& options) { check_options(options.of<Zero3Options>()); };
+  info.options = {own};
+  info.check_layout = [](const StrategyOptions&, const Layout& layout) {
+    DTRAIN_CHECK_INPUT(!layout.tied_parameters,
+                       "--tied-embeddings with zero3: the shared weight would be gathered by two "
+                       "units; leave --tied-embeddings out or use zero1/zero2");
+    check_no_sequence_parallel("zero3", layout);
+  };
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    return std::make_unique<Zero3Strategy>(options);
+  };
+  return info;
+}
+
+Zero3Strategy::Zero3Strategy(StrategyOptions options)
+    : DdpStrategy(std::move(options)), zero3_(options_.of<Zero3Options>()) {
+  check_options(zero3_);
   DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16,
                      "zero3 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
   DTRAIN_CHECK_INPUT(options_.grad_compression == "none", "zero3 reduce-scatters gradients in "
                      "their own dtype; --grad-compression ", options_.grad_compression,
                      " is for ddp, zero1 and zero2");
-  DTRAIN_CHECK_INPUT(options_.zero3_min_unit_params >= 0,
-                     "zero3 minimum unit size must be >= 0 parameters");
 }
 
 std::vector<ShardUnit> Zero3Strategy::make_units() const {
@@ -61,7 +100,7 @@ std::vector<ShardUnit> Zero3Strategy::make_units() const {
     }
     // A unit closes once it has parameters (stages without any, such as activations, join
     // their neighbours) and reaches the minimum size.
-    if (!unit.parameters.empty() && open_numel >= options_.zero3_min_unit_params) open = false;
+    if (!unit.parameters.empty() && open_numel >= zero3_.min_unit_params) open = false;
   }
   if (units.size() > 1 && units.back().parameters.empty()) {  // trailing parameter-free stages
     ShardUnit tail = std::move(units.back());
@@ -75,7 +114,7 @@ std::vector<ShardUnit> Zero3Strategy::make_units() const {
 
 void Zero3Strategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
   sharder_ = std::make_unique<ParameterSharder>(parameters_, names_, make_units(), comm_,
-                                                options_.zero3_prefetch,
+                                                zero3_.prefetch,
                                                 options_.error_on_unused_parameters);
   model_.forward = [sharder = sharder_.get()](const at::Tensor& x) { return sharder->run(x); };
   std::vector<at::Tensor> shard;

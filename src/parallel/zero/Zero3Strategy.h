@@ -4,10 +4,13 @@
 // checkpoints) is DdpStrategy's step with the sharder as its gradient synchronizer.
 #pragma once
 
+#include "dtrain/parallel/zero/Zero3Options.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/zero/ParameterSharder.h"
 
 namespace dtrain::parallel {
+
+StrategyInfo zero3_strategy();
 
 class Zero3Strategy : public DdpStrategy {
  public:
@@ -31,10 +34,11 @@ class Zero3Strategy : public DdpStrategy {
   std::vector<PieceRef> value_pieces() const override { return state_pieces(); }
 
  private:
-  /// The units: the model's stages, consecutive ones merged up to options_.zero3_min_unit_params
+  /// The units: the model's stages, consecutive ones merged up to zero3_.min_unit_params
   /// (the whole model when it has no stages).
   std::vector<ShardUnit> make_units() const;
 
+  Zero3Options zero3_;
   std::unique_ptr<ParameterSharder> sharder_;
 };
 

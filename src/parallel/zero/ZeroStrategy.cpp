@@ -9,6 +9,37 @@
 namespace dtrain::parallel {
 
 
+StrategyInfo zero1_strategy() {
+  StrategyInfo info;
+  info.name = "zero1";
+  info.summary = "ZeRO stage 1: data parallelism with the optimizer state sharded";
+  info.pipeline_stages = true;
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    return std::make_unique<ZeroStrategy>(options, 1);
+  };
+  return info;
+}
+
+void check_no_sequence_parallel(const std::string& strategy, const Layout& layout) {
+  DTRAIN_CHECK_INPUT(!layout.sequence_parallel,
+                     "--sequence-parallel sums LayerNorm gradients over the tensor-parallel "
+                     "ranks before the data-parallel update: use --strategy ddp or zero1, not ",
+                     strategy);
+}
+
+StrategyInfo zero2_strategy() {
+  StrategyInfo info;
+  info.name = "zero2";
+  info.summary = "ZeRO stage 2: optimizer state and gradients sharded (reduce-scatter)";
+  info.check_layout = [](const StrategyOptions&, const Layout& layout) {
+    check_no_sequence_parallel("zero2", layout);
+  };
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    return std::make_unique<ZeroStrategy>(options, 2);
+  };
+  return info;
+}
+
 ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
     : DdpStrategy(std::move(options)), stage_(stage) {
   DTRAIN_CHECK(stage_ == 1 || stage_ == 2, "ZeroStrategy stage must be 1 or 2, got ", stage_);

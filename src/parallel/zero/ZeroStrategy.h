@@ -10,6 +10,12 @@
 
 namespace dtrain::parallel {
 
+/// ZeRO stage 1 (optimizer state sharded) and stage 2 (gradients too).
+StrategyInfo zero1_strategy();
+StrategyInfo zero2_strategy();
+/// --sequence-parallel refused (ZeRO-2 and 3 reduce-scatter before LayerNorm sums).
+void check_no_sequence_parallel(const std::string& strategy, const Layout& layout);
+
 class ZeroStrategy : public DdpStrategy {
  public:
   ZeroStrategy(StrategyOptions options, int stage = 1);

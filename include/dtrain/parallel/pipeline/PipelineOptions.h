@@ -1,0 +1,29 @@
+// The pipeline strategy's own options (StrategyOptions::of<pipeline::PipelineOptions>()); its
+// flags are declared beside it (src/parallel/pipeline/PipelineStrategy.cpp).
+#pragma once
+
+#include <string>
+
+namespace dtrain::parallel::pipeline {
+
+struct PipelineOptions {
+  /// "gpipe", "1f1b" or "interleaved"; the step's micro-batches are the pipeline's.
+  std::string schedule = "1f1b";
+  /// Model chunks per rank (interleaved only): the model is cut into chunks x P virtual
+  /// stages, rank r running virtual stages r, r + P, ...
+  int virtual_stages = 1;
+  /// Stages placed by "params" (parameter count), "time" (forward + backward time of each
+  /// stage measured on the example batch, see Strategy::prepare) or "S1,S2,..." (stages per
+  /// virtual stage).
+  std::string balance = "params";
+  /// How each stage's replicas share their work over the DP group: "ddp" (averaged gradients)
+  /// or "zero1" (each replica keeps the optimizer state of its shard only). Set from --strategy
+  /// by parallel::resolve_strategy.
+  std::string data_parallel = "ddp";
+  /// How activations and their gradients travel between stages: "auto" (shared memory between
+  /// stages on the same machine, the communicator otherwise) or "comm" (always the
+  /// communicator).
+  std::string transport = "auto";
+};
+
+}  // namespace dtrain::parallel::pipeline

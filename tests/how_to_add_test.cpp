@@ -1,0 +1,208 @@
+// docs/ARCHITECTURE.md's "How to add" sections, followed from outside the library: each test
+// adds a strategy, a federated aggregator or a model the way the document says, and checks it
+// is reached by name, gets its options, obeys the combination rules and trains correctly.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "Oracle.h"
+#include "RankThreads.h"
+#include "SmallModels.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/common/Flags.h"
+#include "dtrain/parallel/Registry.h"
+#include "dtrain/train/Trainer.h"
+
+using namespace dtrain;
+using namespace std::chrono_literals;
+
+namespace {
+
+// ---- A strategy ---------------------------------------------------------------------------
+// The simplest data parallelism: a whole replica per rank, each gradient all-reduced on its own
+// after backward. Its own options struct, flag and check, as a strategy in src/parallel/ has.
+
+struct PlainOptions {
+  /// "avg" (correct) or "sum" (each rank's gradient counted world-size times: a fault the
+  /// oracle must notice).
+  std::string reduce = "avg";
+};
+
+class PlainAllreduce : public parallel::Strategy {
+ public:
+  explicit PlainAllreduce(const parallel::StrategyOptions& options)
+      : reduce_(options.of<PlainOptions>().reduce) {
+    check(options.of<PlainOptions>());
+  }
+  static void check(const PlainOptions& o) {
+    DTRAIN_CHECK_INPUT(o.reduce == "avg" || o.reduce == "sum", "--plain-reduce '", o.reduce,
+                       "': avg or sum");
+  }
+  std::string name() const override { return "plain-allreduce"; }
+  void setup(Model model, const optim::OptimizerFactory& make_optimizer,
+             std::shared_ptr<comm::ProcessGrid> grid) override {
+    model_ = std::move(model);
+    world_ = grid->world();
+    torch::NoGradGuard no_grad;
+    for (auto& p : model_.module->parameters()) world_->broadcast(p, {0})->wait();
+    optimizer_ = make_optimizer(model_.module->parameters());
+  }
+  parallel::StepResult train_step(const std::vector<data::Batch>& micro_batches,
+                                  const parallel::LossFn& loss) override {
+    optimizer_->zero_grad();
+    parallel::StepResult result;
+    for (const auto& batch : micro_batches) {
+      at::Tensor l = loss(model_(batch.inputs), batch.targets) / double(micro_batches.size());
+      l.backward();
+      result.loss += l.item<double>();
+      result.samples += batch.inputs.size(0);
+    }
+    for (auto& p : model_.module->parameters()) {
+      world_->allreduce(p.mutable_grad())->wait();
+      if (reduce_ == "avg") p.mutable_grad().div_(world_->size());
+    }
+    optimizer_->step();
+    return result;
+  }
+  Model& model() override { return model_; }
+  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
+  void save(const std::string& directory) override {
+    if (world_->rank() == 0) torch::save(model_.module->parameters(), directory + "/plain.pt");
+  }
+  void load(const std::string& directory) override {
+    std::vector<at::Tensor> saved;
+    torch::load(saved, directory + "/plain.pt");
+    torch::NoGradGuard no_grad;
+    auto parameters = model_.module->parameters();
+    for (size_t i = 0; i < parameters.size(); ++i) parameters[i].copy_(saved[i]);
+  }
+  parallel::MemoryReport memory_report() const override {
+    parallel::MemoryReport report;
+    for (const auto& p : model_.module->parameters()) {
+      report.parameter_bytes += p.numel() * p.element_size();
+    }
+    report.gradient_bytes = report.parameter_bytes;
+    return report;
+  }
+
+ private:
+  std::string reduce_;
+  Model model_;
+  comm::CommunicatorPtr world_;
+  optim::OptimizerPtr optimizer_;
+};
+
+// The one registry entry (a built-in strategy's is a line in src/parallel/Registry.cpp).
+parallel::StrategyInfo plain_allreduce() {
+  parallel::StrategyInfo info;
+  info.name = "plain-allreduce";
+  info.summary = "each gradient all-reduced after backward (a test of the registry)";
+  info.loop = parallel::Loop::kSteps;
+  parallel::OptionGroup own;
+  own.name = "plain-allreduce";
+  own.declare = [](FlagSet& flags, parallel::StrategyOptions& options) {
+    flags.add("--plain-reduce", options.of<PlainOptions>().reduce,
+              "--strategy plain-allreduce: avg or sum");
+  };
+  own.check = [](const parallel::StrategyOptions& options) {
+    PlainAllreduce::check(options.of<PlainOptions>());
+  };
+  info.options = {own};
+  info.check_layout = [](const parallel::StrategyOptions&, const parallel::Layout& layout) {
+    DTRAIN_CHECK_INPUT(layout.tensor_parallel == 1, "--strategy plain-allreduce replicates the "
+                       "whole model: no --tensor-parallel");
+  };
+  info.make = [](const parallel::StrategyOptions& options) -> parallel::StrategyPtr {
+    return std::make_unique<PlainAllreduce>(options);
+  };
+  return info;
+}
+
+void register_plain_allreduce_once() {
+  static const bool registered = [] {
+    parallel::register_strategy(plain_allreduce());
+    return true;
+  }();
+  (void)registered;
+}
+
+// Final weights of a Trainer run on `world` rank threads (float64 model and data).
+std::vector<at::Tensor> train_with(const train::TrainerOptions& options, int world) {
+  const auto synthetic = data::make_synthetic(128, {12}, 3, 4);
+  const data::TensorDataset dataset(synthetic.raw_inputs().to(at::kDouble), synthetic.targets());
+  std::vector<Model> models;
+  for (int r = 0; r < world; ++r) {
+    torch::manual_seed(5 + r);  // different on each rank: setup must broadcast rank 0's
+    models.push_back(models::make_model(test::small_mlp(12, 16, 3)));
+    models.back().module->to(at::kDouble);
+  }
+  std::vector<at::Tensor> weights;
+  test::run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
+    train::Trainer trainer(options, comm);
+    trainer.fit(models[comm->rank()], dataset);
+    if (comm->rank() == 0) weights = test::snapshot(trainer.strategy().model());
+  }, 60s);
+  return weights;
+}
+
+}  // namespace
+
+TEST(HowToAdd, AStrategyIsReachedByNameGetsItsFlagsAndObeysTheOracle) {
+  register_plain_allreduce_once();
+  const auto names = parallel::strategy_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "plain-allreduce"), names.end());
+  EXPECT_THROW(parallel::register_strategy(plain_allreduce()), InputError);  // the name is taken
+
+  // Its flag is declared with every strategy's, once, bound into its own options struct.
+  parallel::StrategyOptions options;
+  FlagSet flags;
+  parallel::declare_strategy_flags(flags, options);
+  int declared = 0;
+  for (const Flag& flag : flags.flags()) {
+    if (flag.name != "--plain-reduce") continue;
+    ++declared;
+    *std::get<std::string*>(flag.target) = "sum";  // what the parser does with the flag
+  }
+  EXPECT_EQ(declared, 1);
+  EXPECT_EQ(options.of<PlainOptions>().reduce, "sum");
+
+  // Its checks and combination rules run before any rank starts.
+  parallel::Layout layout;
+  layout.strategy = "plain-allreduce";
+  EXPECT_EQ(parallel::resolve_strategy(layout, options), "plain-allreduce");
+  options.of<PlainOptions>().reduce = "median";
+  EXPECT_THROW(parallel::resolve_strategy(layout, options), InputError);
+  options.of<PlainOptions>().reduce = "avg";
+  layout.tensor_parallel = 2;
+  EXPECT_THROW(parallel::resolve_strategy(layout, options), InputError);
+  layout.tensor_parallel = 1;
+  layout.pipeline_parallel = 2;  // not declared a pipeline's stage strategy
+  try {
+    parallel::resolve_strategy(layout, options);
+    ADD_FAILURE() << "a pipeline of plain-allreduce stages was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--pipeline-parallel combines with --strategy ddp"),
+              std::string::npos)
+        << e.what();
+  }
+
+  // The oracle: on 2 ranks it equals single-process training on the same global batch.
+  train::TrainerOptions o;
+  o.batch_size = 8;
+  o.epochs = 2;
+  o.optimizer.name = "sgd";  // scale-sensitive, so a gradient counted twice shows
+  o.optimizer.lr = 0.1;
+  o.progress = false;
+  o.seed = 3;
+  train::TrainerOptions single = o;
+  single.strategy = "ddp";
+  single.batch_size = 16;
+  const auto expected = train_with(single, 1);
+  o.strategy = "plain-allreduce";
+  const auto got = train_with(o, 2);
+  EXPECT_LE(test::max_abs_diff(expected, got), test::kTightBound);
+  // ... and the bound notices a fault: gradients summed instead of averaged.
+  o.strategy_options.of<PlainOptions>().reduce = "sum";
+  EXPECT_GT(test::max_abs_diff(expected, train_with(o, 2)), 1e-4);
+}
