@@ -17,6 +17,7 @@
 #include "dtrain/data/FashionMnist.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/services/federated/Aggregator.h"
 #include "dtrain/services/federated/Client.h"
 #include "dtrain/services/federated/Server.h"
 #include "dtrain/services/federated/Simulation.h"
@@ -59,7 +60,14 @@ struct Shared {
 };
 
 void add_plan(CLI::App& c, Shared& s) {
-  add(c, "--algorithm", s.algorithm, "fedavg, or fedsgd (E = 1 and the full local batch)")
+  std::string algorithms;
+  for (const auto& name : federated::aggregator_names()) {
+    algorithms += (algorithms.empty() ? "" : ", ") + name;
+  }
+  add(c, "--algorithm", s.algorithm,
+      "The aggregator: " + algorithms + " (fedsgd: E = 1 and the full local batch; fedavg with "
+      "--server-optimizer adam is fedadam, with --server-momentum fedavgm, with --prox-mu "
+      "fedprox)")
       ->capture_default_str();
   add(c, "--local-epochs", s.local.epochs, "E: local passes over a client's examples")
       ->capture_default_str();
@@ -354,7 +362,7 @@ int FederatedCommands::simulate() {
   s.dp = sh.dp;
   s.seed = sh.seed;
   s.threads = sh.threads;
-  federated::apply_algorithm(sh.algorithm, &s.local);
+  s.algorithm = sh.algorithm;
   s.compression = federated::parse_compression(sh.compression);
   s.compression.error_feedback = o.error_feedback;
   const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
@@ -406,7 +414,7 @@ int FederatedCommands::serve() {
   auto& v = o.server;
   const Shared& sh = o.serve_shared;
   v.local = sh.local;
-  federated::apply_algorithm(sh.algorithm, &v.local);
+  v.algorithm = sh.algorithm;
   v.optimizer = sh.server;
   v.dp = sh.dp;
   v.compression = federated::parse_compression(sh.compression);

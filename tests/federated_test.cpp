@@ -175,7 +175,7 @@ TEST(FedAvg, OneClientWithOneFullBatchEpochIsCentralizedGradientDescent) {
   options.rounds = 6;
   options.local_test_fraction = 0.0;
   options.local.lr = 0.3;
-  apply_algorithm("fedsgd", &options.local);
+  options.algorithm = "fedsgd";
   options.threads = 1;
   options.progress = false;
   options.seed = 9;
@@ -202,9 +202,9 @@ TEST(FedAvg, TheExampleWeightedMeanOfTwoClientsIsGradientDescentOnTheirUnion) {
   const std::vector<int64_t> a = range(0, 30), b = range(30, 90);
   Model replica = model64(4);
   const at::Tensor start = flatten_parameters(replica);
-  LocalTraining local;
-  local.lr = 0.5;
-  apply_algorithm("fedsgd", &local);
+  LocalTraining base;
+  base.lr = 0.5;
+  const LocalTraining local = make_aggregator("fedsgd", {})->configure(base, 0);
   auto run_round = [&](bool drop_b, bool unweighted) {
     RoundServerOptions options;
     options.clients_per_round = 2;
@@ -310,6 +310,49 @@ TEST(ServerOptimizer, FedAvgMAndFedAdamFollowTheirUpdateRules) {
   ServerOptimizerSpec bad;
   bad.name = "rmsprop";
   EXPECT_THROW(ServerOptimizer{bad}, InputError);
+}
+
+// The built-in aggregators: --algorithm's older spellings resolve to them, each configures the
+// clients' plan as its algorithm says, and FedAvgM / FedAdam step as their server optimizers.
+TEST(Aggregator, BuiltInsConfigureTheirPlansAndTheOldSpellingsResolve) {
+  AggregatorOptions options;
+  LocalTraining plan;
+  plan.epochs = 5;
+  plan.batch = 10;
+  plan.lr = 0.1;
+  plan.lr_decay = 0.5;
+  EXPECT_EQ(resolve_algorithm("fedavg", options, plan), "fedavg");
+  EXPECT_EQ(resolve_algorithm("fedsgd", options, plan), "fedsgd");
+  LocalTraining prox = plan;
+  prox.prox_mu = 0.01;
+  EXPECT_EQ(resolve_algorithm("fedavg", options, prox), "fedprox");
+  options.server.momentum = 0.9;
+  EXPECT_EQ(resolve_algorithm("fedavg", options, plan), "fedavgm");
+  options.server.name = "adam";
+  EXPECT_EQ(resolve_algorithm("fedavg", options, plan), "fedadam");
+
+  const AggregatorOptions plain;
+  const LocalTraining sgd = make_aggregator("fedsgd", plain)->configure(plan, 2);
+  EXPECT_EQ(sgd.epochs, 1);
+  EXPECT_EQ(sgd.batch, 0);
+  EXPECT_DOUBLE_EQ(sgd.lr, 0.1 * 0.25);  // the rate still decays by round
+  EXPECT_EQ(make_aggregator("fedavg", plain)->configure(plan, 0).epochs, 5);
+  EXPECT_THROW(make_aggregator("fedprox", plain)->configure(plan, 0), InputError);  // mu = 0
+  EXPECT_DOUBLE_EQ(make_aggregator("fedprox", plain)->configure(prox, 0).prox_mu, 0.01);
+  EXPECT_THROW(make_aggregator("fedavgm", plain), InputError);  // no momentum
+  EXPECT_THROW(make_aggregator("trimmed-mean", plain), InputError);
+
+  // FedAvgM: v = 0.9 v + mean, global += lr v.
+  AggregatorOptions momentum;
+  momentum.server.momentum = 0.9;
+  auto fedavgm = make_aggregator("fedavgm", momentum);
+  at::Tensor global = at::zeros({2}, at::kDouble);
+  const at::Tensor mean = at::tensor({1.0, -2.0}, at::kDouble);
+  fedavgm->aggregate(global, {0, mean, {}});
+  fedavgm->aggregate(global, {1, mean, {}});
+  EXPECT_TRUE(global.allclose(mean * 2.9));
+  EXPECT_EQ(fedavgm->state_kind(), "sgd");
+  EXPECT_EQ(make_aggregator("fedadam", plain)->state_kind(), "adam");
 }
 
 TEST(FedAvg, TheProximalTermKeepsTheLocalModelNearTheGlobalOne) {

@@ -12,6 +12,9 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Flags.h"
 #include "dtrain/parallel/Registry.h"
+#include "dtrain/services/federated/Aggregator.h"
+#include "dtrain/services/federated/RoundServer.h"
+#include "dtrain/services/federated/Simulation.h"
 #include "dtrain/train/Trainer.h"
 
 using namespace dtrain;
@@ -205,4 +208,92 @@ TEST(HowToAdd, AStrategyIsReachedByNameGetsItsFlagsAndObeysTheOracle) {
   // ... and the bound notices a fault: gradients summed instead of averaged.
   o.strategy_options.of<PlainOptions>().reduce = "sum";
   EXPECT_GT(test::max_abs_diff(expected, train_with(o, 2)), 1e-4);
+}
+
+// ---- A federated aggregator --------------------------------------------------------------
+// The coordinate-wise median of the updates (Yin et al. 2018, robust to a few outliers): it
+// needs each client's update, so secure aggregation and differential privacy refuse it.
+
+namespace {
+
+class Median : public federated::Aggregator {
+ public:
+  std::string name() const override { return "median"; }
+  bool needs_individual_updates() const override { return true; }
+  void aggregate(at::Tensor& global, const federated::RoundUpdates& round) override {
+    std::vector<at::Tensor> deltas;
+    for (const auto& update : round.updates) deltas.push_back(update.delta);
+    // torch's median of an even count is the lower middle value.
+    global.add_(std::get<0>(at::stack(deltas).median(0)));
+  }
+};
+
+void register_median_once() {
+  static const bool registered = [] {
+    federated::register_aggregator(
+        {"median", "coordinate-wise median of the updates (a test of the registry)",
+         [](const federated::AggregatorOptions&) -> federated::AggregatorPtr {
+           return std::make_unique<Median>();
+         }});
+    return true;
+  }();
+  (void)registered;
+}
+
+}  // namespace
+
+TEST(HowToAdd, AFederatedAggregatorGetsEachUpdateAndIsRefusedWhereOnlySumsAreSeen) {
+  register_median_once();
+  const auto names = federated::aggregator_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "median"), names.end());
+
+  // A round: three clients, one an outlier; the median ignores it, the mean would not.
+  federated::RoundServerOptions options;
+  options.algorithm = "median";
+  options.clients_per_round = 3;
+  const at::Tensor start = at::zeros({3}, at::kDouble);
+  federated::RoundServer server(start, options);
+  ASSERT_EQ(server.select({"a", "b", "c"}).size(), 3u);
+  EXPECT_EQ(server.submit("a", at::tensor({1.0, 2.0, 3.0}, at::kDouble), 10), "");
+  EXPECT_EQ(server.submit("b", at::tensor({2.0, 3.0, 4.0}, at::kDouble), 10), "");
+  EXPECT_EQ(server.submit("c", at::tensor({1e6, -1e6, 1e6}, at::kDouble), 10), "");
+  EXPECT_TRUE(server.close().applied);
+  EXPECT_TRUE(server.global().equal(at::tensor({2.0, 2.0, 4.0}, at::kDouble)));
+  // Its updates only arrive one by one: a secure sum is refused (nothing changes).
+  server.select({"a", "b"});
+  EXPECT_NE(server.submit_sum(at::ones({3}, at::kDouble), 2, {"a", "b"}, 0.0), "");
+
+  // Where the server sees only the (noised) sum, a clear error before the first round.
+  for (int privacy = 0; privacy < 2; ++privacy) {
+    federated::RoundServerOptions refused = options;
+    refused.secure_aggregation = privacy == 0;
+    if (privacy == 1) refused.dp.clip = 1.0;
+    try {
+      federated::RoundServer bad(start, refused);
+      ADD_FAILURE() << "median accepted with " << (privacy ? "differential privacy" : "secagg");
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("--algorithm median needs each client's update"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+
+  // And it runs a simulation end to end, reached by name like the built-in ones.
+  at::set_num_threads(1);
+  const auto synthetic = data::make_synthetic(240, {12}, 4, 6);
+  const data::TensorDataset train(synthetic.raw_inputs().to(at::kDouble), synthetic.targets());
+  const auto held_out = data::make_synthetic(60, {12}, 4, 7);
+  const data::TensorDataset test(held_out.raw_inputs().to(at::kDouble), held_out.targets());
+  federated::SimulationOptions simulation;
+  simulation.algorithm = "median";
+  simulation.clients = 6;
+  simulation.fraction = 0.5;
+  simulation.rounds = 3;
+  simulation.local.epochs = 1;
+  simulation.local.batch = 8;
+  simulation.threads = 1;
+  simulation.progress = false;
+  const auto result = federated::simulate(test::small_mlp(12, 16, 4), train, test, simulation);
+  EXPECT_EQ(result.rounds_done, 3);
+  EXPECT_TRUE(at::isfinite(result.global).all().item<bool>());
 }

@@ -29,9 +29,14 @@ bool valid_client_id(const std::string& id) {
 }
 
 RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
-    : options_(std::move(options)), global_(initial.detach().clone()),
-      optimizer_(options_.optimizer) {
+    : options_(std::move(options)), global_(initial.detach().clone()) {
   validate(options_.dp);
+  const AggregatorOptions aggregation{options_.optimizer};
+  aggregator_ = make_aggregator(resolve_algorithm(options_.algorithm, aggregation, options_.local),
+                                aggregation);
+  check_combination(*aggregator_, options_.secure_aggregation, options_.dp.enabled());
+  validate(options_.local);
+  aggregator_->configure(options_.local, 0);  // its checks of the plan, before any round
   DTRAIN_CHECK(sodium_init() >= 0, "libsodium failed to initialize");
   DTRAIN_CHECK_INPUT(options_.clients_per_round >= 1, "--clients-per-round must be >= 1, got ",
                      options_.clients_per_round);
@@ -67,8 +72,14 @@ std::vector<std::string> RoundServer::select(const std::vector<std::string>& ava
   selected_ = std::set<std::string>(pool.begin(), pool.end());
   submitted_.clear();
   mean_ = WeightedMean();
+  updates_.clear();
   loss_sum_ = 0;
   return pool;
+}
+
+LocalTraining RoundServer::plan() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return aggregator_->configure(options_.local, round_);
 }
 
 bool RoundServer::selected(const std::string& client) const {
@@ -108,6 +119,7 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
     weight = 1.0;
   }
   mean_.add(delta, weight);
+  if (aggregator_->needs_individual_updates()) updates_.push_back({client, delta.clone(), weight});
   submitted_[client] = examples;
   loss_sum_ += train_loss * weight;
   return "";
@@ -116,6 +128,10 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
 std::string RoundServer::submit_sum(const at::Tensor& weighted_sum, double examples,
                                     const std::vector<std::string>& clients, double loss_sum) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (aggregator_->needs_individual_updates()) {
+    return concat("--algorithm ", aggregator_->name(), " needs each client's update, not their "
+                  "sum");
+  }
   for (const auto& client : clients) {
     if (selected_.count(client) == 0 || submitted_.count(client) > 0) {
       return concat("client '", client, "' was not selected for round ", round_,
@@ -160,7 +176,7 @@ RoundOutcome RoundServer::close() {
       }
       average = (sum / static_cast<double>(out.selected)).to(global_.scalar_type());
     }
-    optimizer_.step(global_, average);
+    aggregator_->aggregate(global_, {round_, average, std::move(updates_)});
     ++round_;
     attempt_ = 0;
   } else {
@@ -169,6 +185,7 @@ RoundOutcome RoundServer::close() {
   selected_.clear();
   submitted_.clear();
   mean_ = WeightedMean();
+  updates_.clear();
   loss_sum_ = 0;
   return out;
 }
@@ -179,10 +196,10 @@ void RoundServer::save(const std::string& path) const {
     std::lock_guard<std::mutex> lock(mutex_);
     file.insert("format", kFormat);
     file.insert("round", round_);
-    file.insert("optimizer", optimizer_.spec().name);
+    file.insert("optimizer", aggregator_->state_kind());
     c10::Dict<std::string, at::Tensor> tensors;
     tensors.insert("global", global_.clone());
-    for (const auto& [name, tensor] : optimizer_.state()) tensors.insert(name, tensor.clone());
+    for (const auto& [name, tensor] : aggregator_->state()) tensors.insert(name, tensor.clone());
     file.insert("tensors", tensors);
   }
   save_pickled_dict(path, file);
@@ -192,9 +209,9 @@ void RoundServer::load(const std::string& path) {
   const auto file = load_pickled_dict(path, "federated server checkpoint", kFormat);
   try {
     const std::string optimizer = file.at("optimizer").toStringRef();
-    DTRAIN_CHECK_INPUT(optimizer == optimizer_.spec().name, path, " holds ", optimizer,
+    DTRAIN_CHECK_INPUT(optimizer == aggregator_->state_kind(), path, " holds ", optimizer,
                        " server-optimizer state, this server runs ",
-                       optimizer_.spec().name);
+                       aggregator_->state_kind());
     const auto tensors = file.at("tensors").toGenericDict();
     DTRAIN_CHECK_INPUT(tensors.contains("global"), path, ": no global model");
     const at::Tensor global = tensors.at("global").toTensor();
@@ -205,15 +222,16 @@ void RoundServer::load(const std::string& path) {
                        " parameters, this server's has ", global_.numel(), " ",
                        global_.scalar_type());
     std::vector<std::pair<std::string, at::Tensor>> state;
-    for (const char* name : {"first", "second"}) {
-      if (!tensors.contains(name)) continue;
-      const at::Tensor t = tensors.at(name).toTensor();
+    for (const auto& entry : tensors) {
+      const std::string name = entry.key().toStringRef();
+      if (name == "global") continue;
+      const at::Tensor t = entry.value().toTensor();
       DTRAIN_CHECK_INPUT(t.sizes() == global.sizes() && t.scalar_type() == global.scalar_type(),
                          path, ": optimizer state '", name, "' does not match the model");
       state.emplace_back(name, t);
     }
     global_ = global.clone();
-    optimizer_.load_state(state);
+    aggregator_->load_state(state);
     round_ = file.at("round").toInt();
     attempt_ = 0;
     selected_.clear();

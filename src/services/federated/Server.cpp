@@ -135,12 +135,13 @@ class Server::Service final : public dtrain::fl::Federated::Service {
       reply->set_deadline_ms(std::max<int64_t>(
           0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now()).count()));
       auto* plan = reply->mutable_plan();
-      plan->set_epochs(o_.local.epochs);
-      plan->set_batch(o_.local.batch);
-      plan->set_lr(plan_for_round(o_.local, open_round_ - 1).lr);
-      plan->set_momentum(o_.local.momentum);
-      plan->set_weight_decay(o_.local.weight_decay);
-      plan->set_prox_mu(o_.local.prox_mu);
+      const LocalTraining local = rounds_.plan();  // the aggregator's, for the open round
+      plan->set_epochs(local.epochs);
+      plan->set_batch(local.batch);
+      plan->set_lr(local.lr);
+      plan->set_momentum(local.momentum);
+      plan->set_weight_decay(local.weight_decay);
+      plan->set_prox_mu(local.prox_mu);
       plan->set_clip_norm(o_.dp.clip);
       plan->set_compression(o_.compression.kind == CompressionSpec::TopK
                                 ? concat("topk:", o_.compression.fraction)
@@ -435,7 +436,10 @@ class Server::Service final : public dtrain::fl::Federated::Service {
     r.min_clients = std::min(o.clients_per_round, std::max<int64_t>(1, o.min_clients));
     DTRAIN_CHECK_INPUT(o.min_clients <= o.clients_per_round, "--min-clients ", o.min_clients,
                        " is more than --clients-per-round ", o.clients_per_round);
+    r.algorithm = o.algorithm;
     r.optimizer = o.optimizer;
+    r.local = o.local;
+    r.secure_aggregation = o.secure_aggregation;
     r.seed = o.seed;
     r.dp = o.dp;
     return r;

@@ -21,13 +21,6 @@
 
 namespace dtrain::federated {
 
-void apply_algorithm(const std::string& algorithm, LocalTraining* local) {
-  if (algorithm == "fedavg") return;
-  DTRAIN_CHECK_INPUT(algorithm == "fedsgd", "--algorithm '", algorithm,
-                     "': expected fedavg or fedsgd");
-  local->epochs = 1;
-  local->batch = 0;
-}
 
 std::pair<double, double> evaluate_model(Model& model, const data::TensorDataset& data,
                                          int64_t batch) {
@@ -134,7 +127,10 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       1, static_cast<int64_t>(std::llround(options.fraction * static_cast<double>(options.clients))));
   server_options.min_clients =
       std::min(server_options.clients_per_round, std::max<int64_t>(1, options.min_clients));
+  server_options.algorithm = options.algorithm;
   server_options.optimizer = options.server;
+  server_options.local = options.local;
+  server_options.secure_aggregation = options.secure_aggregation;
   server_options.seed = options.seed;
   server_options.dp = options.dp;
   RoundServer server(flatten_parameters(global_model), server_options);
@@ -171,7 +167,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     }
     const std::vector<std::string> selected = server.select(available);
     const at::Tensor global = server.global();
-    const LocalTraining round_plan = plan_for_round(options.local, round);
+    const LocalTraining round_plan = server.plan();
     std::atomic<size_t> next{0};
     std::atomic<int64_t> uplink{0};
     std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0}, training_ns{0}, trained{0};

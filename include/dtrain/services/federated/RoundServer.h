@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/services/federated/Aggregator.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Privacy.h"
 
@@ -28,7 +29,14 @@ struct RoundServerOptions {
   int64_t clients_per_round = 10;
   /// A round is applied when at least this many selected clients finished (else retried).
   int64_t min_clients = 1;
+  /// The aggregator (--algorithm: fedavg, fedsgd, fedprox, fedavgm, fedadam or a registered
+  /// one; resolve_algorithm maps the older spellings) and the server optimizer it applies.
+  std::string algorithm = "fedavg";
   ServerOptimizerSpec optimizer;
+  /// The clients' plan as the flags give it; plan() is the aggregator's for the open round.
+  LocalTraining local;
+  /// Secure aggregation reveals only the round's sum (checked against the aggregator).
+  bool secure_aggregation = false;
   uint64_t seed = 0;
   /// Differential privacy: updates must be within dp.clip (L2), count equally, and the round's
   /// sum gets Gaussian noise of standard deviation dp.noise_multiplier x dp.clip before it is
@@ -76,6 +84,9 @@ class RoundServer {
   /// A copy of the global model (flat).
   at::Tensor global() const;
   const RoundServerOptions& options() const { return options_; }
+  /// What the selected clients train with in the next round (the aggregator's configure).
+  LocalTraining plan() const;
+  const Aggregator& aggregator() const { return *aggregator_; }
 
   /// Opens the next round (or reopens a retried one): selects K of `available` at random
   /// (seeded by the round and attempt) and returns them.
@@ -105,12 +116,13 @@ class RoundServer {
   const RoundServerOptions options_;
   mutable std::mutex mutex_;
   at::Tensor global_;
-  ServerOptimizer optimizer_;
+  AggregatorPtr aggregator_;
   int64_t round_ = 0;
   int64_t attempt_ = 0;  // retries of the open round
   std::set<std::string> selected_;
   std::map<std::string, int64_t> submitted_;  // client -> examples
   WeightedMean mean_;
+  std::vector<WeightedUpdate> updates_;  // kept when the aggregator needs them
   double loss_sum_ = 0.0;
 };
 

@@ -38,6 +38,8 @@ struct ServerOptions {
   /// Seconds without enough clients (fewer than min_clients waiting) before giving up.
   double wait_timeout_s = 600;
   /// The clients' plan.
+  /// The aggregator (Aggregator.h) and the clients' plan as the flags give it.
+  std::string algorithm = "fedavg";
   LocalTraining local;
   CompressionSpec compression;
   ServerOptimizerSpec optimizer;

@@ -47,6 +47,8 @@ struct SimulationOptions {
   int64_t min_clients = 0;
   PartitionSpec partition;
   double local_test_fraction = 0.2;
+  /// The aggregator (Aggregator.h: fedavg, fedsgd, fedprox, fedavgm, fedadam, or registered).
+  std::string algorithm = "fedavg";
   LocalTraining local;
   ServerOptimizerSpec server;
   /// How clients compress their updates (uplink bytes are measured on the encoded messages).
@@ -81,8 +83,6 @@ struct SimulationOptions {
   bool progress = true;
 };
 
-/// `--algorithm fedavg|fedsgd`: fedsgd sets E = 1 and the full local batch.
-void apply_algorithm(const std::string& algorithm, LocalTraining* local);
 
 struct SimulationResult {
   std::vector<RoundRecord> rounds;
