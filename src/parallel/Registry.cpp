@@ -81,16 +81,18 @@ const StrategyInfo& strategy_info(const std::string& name) {
   for (const auto& info : strategies()) {
     if (info.name == name) return info;
   }
-  DTRAIN_THROW(InputError, "--strategy: unknown strategy '", name, "' (available: ",
-               joined(strategy_names(), ", "), ")");
+  DTRAIN_THROW(InputError, "--strategy: unknown strategy '", name,
+               "' (available: ", joined(strategy_names(), ", "), ")");
 }
 
 void register_strategy(StrategyInfo info) {
-  DTRAIN_CHECK_INPUT(!info.name.empty() && info.make, "register_strategy: a strategy needs a "
+  DTRAIN_CHECK_INPUT(!info.name.empty() && info.make,
+                     "register_strategy: a strategy needs a "
                      "name and a factory");
   const auto names = strategy_names();
   DTRAIN_CHECK_INPUT(std::find(names.begin(), names.end(), info.name) == names.end(),
-                     "register_strategy: a strategy named '", info.name, "' is registered "
+                     "register_strategy: a strategy named '", info.name,
+                     "' is registered "
                      "already");
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().push_back(std::move(info));
@@ -123,8 +125,11 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
       if (info.pipeline_stages) stage_strategies.push_back(info.name);
     }
     DTRAIN_CHECK_INPUT(named.pipeline_stages, "--pipeline-parallel combines with --strategy ",
-                       joined(stage_strategies, " or "), " (the data parallelism of each stage), "
-                       "not ", named.name, " (it shards or moves the gradients and parameters "
+                       joined(stage_strategies, " or "),
+                       " (the data parallelism of each stage), "
+                       "not ",
+                       named.name,
+                       " (it shards or moves the gradients and parameters "
                        "the micro-batches accumulate)");
     const auto pipeline = std::find_if(strategies().begin(), strategies().end(),
                                        [](const StrategyInfo& info) { return info.pipelines; });
@@ -133,11 +138,11 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
     if (pipeline->check_layout) pipeline->check_layout(options, layout);
     runs = &*pipeline;
   }
-  DTRAIN_CHECK_INPUT(!layout.defer_eval || (runs->whole_model_on_rank0 &&
-                                            layout.tensor_parallel <= 1),
-                     "--defer-eval copies the whole model on rank 0: not with ", runs->name,
-                     layout.tensor_parallel > 1 ? " and tensor parallelism" : "",
-                     " (use a strategy that keeps the whole model on rank 0)");
+  DTRAIN_CHECK_INPUT(
+      !layout.defer_eval || (runs->whole_model_on_rank0 && layout.tensor_parallel <= 1),
+      "--defer-eval copies the whole model on rank 0: not with ", runs->name,
+      layout.tensor_parallel > 1 ? " and tensor parallelism" : "",
+      " (use a strategy that keeps the whole model on rank 0)");
   return runs->name;
 }
 

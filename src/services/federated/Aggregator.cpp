@@ -52,7 +52,8 @@ class FedProx : public OptimizerAggregator {
  public:
   using OptimizerAggregator::OptimizerAggregator;
   LocalTraining configure(const LocalTraining& plan, int64_t round) const override {
-    DTRAIN_CHECK_INPUT(plan.prox_mu > 0, "--algorithm fedprox needs its proximal weight: "
+    DTRAIN_CHECK_INPUT(plan.prox_mu > 0,
+                       "--algorithm fedprox needs its proximal weight: "
                        "--prox-mu > 0");
     return plan_for_round(plan, round);
   }
@@ -82,7 +83,8 @@ std::vector<AggregatorInfo> built_in() {
        }},
       {"fedavgm", "FedAvgM: the mean applied with server momentum (--server-momentum)",
        [](const AggregatorOptions& o) -> AggregatorPtr {
-         DTRAIN_CHECK_INPUT(o.server.momentum > 0, "--algorithm fedavgm needs "
+         DTRAIN_CHECK_INPUT(o.server.momentum > 0,
+                            "--algorithm fedavgm needs "
                             "--server-momentum > 0 (0.9 in Hsu et al. 2019)");
          return std::make_unique<OptimizerAggregator>("fedavgm", with_name(o.server, "sgd"));
        }},

@@ -107,6 +107,7 @@ struct Client::State {
   Model model;
   bool built = false;
   at::Tensor residual;  // top-k's error feedback
+  LocalTraining last_plan;  // the plan of the last round trained (personalization reuses it)
 
   void say(const std::string& line) const {
     if (options.log) options.log(line);
@@ -180,318 +181,387 @@ Client::Client(ModelFactory make_model, data::TensorDataset train, std::vector<i
 
 Client::~Client() = default;
 
-ClientReport Client::run() {
-  State& s = *state_;
-  const ClientOptions& o = s.options;
-  ClientReport report;
-  if (o.threads > 0) at::set_num_threads(o.threads);
-  const auto examples = static_cast<int64_t>(s.indices.size());
-  auto refused = [&](const char* call, const grpc::Status& status) {
+// One round as this client lives it, step by step.
+struct ClientRound {
+  dtrain::fl::CheckInReply reply;
+  int64_t round = 0;
+  at::Tensor global;
+  bool secure = false;
+  std::unique_ptr<secagg::ClientSession> session;
+  std::vector<uint32_t> u2;  // the clients whose key shares were taken
+  int64_t secure_bytes = 0;
+  Steady::time_point deadline;
+  ClientUpdate update;
+  int64_t uploaded_bytes = 0;
+};
+
+namespace {
+
+// The round is over for this client: it closed, was aborted, or its deadline passed.
+bool round_over(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+         status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+}
+
+}  // namespace
+
+// The steps of a round; each returns false when the client leaves the round (it goes back to
+// checking in), and throws when the server refuses it for good.
+class Client::Steps {
+ public:
+  Steps(State& state, ClientReport& report) : s_(state), o_(state.options), report_(report) {}
+
+  // Checks in (waiting up to --wait for a round); the reply says train, wait or stop.
+  dtrain::fl::CheckInReply check_in() {
+    dtrain::fl::CheckInRequest request;
+    request.set_client_id(o_.client_id);
+    request.set_examples(static_cast<int64_t>(s_.indices.size()));
+    request.set_wait_ms(o_.wait.count());
+    request.set_final_model(o_.personalize_epochs > 0 && s_.built);
+    dtrain::fl::CheckInReply reply;
+    const grpc::Status status =
+        s_.with_retry("CheckIn", o_.wait + o_.rpc_timeout, [&](grpc::ClientContext& c) {
+          return s_.stub->CheckIn(&c, request, &reply);
+        });
+    if (!status.ok()) refused("CheckIn", status);
+    return reply;
+  }
+
+  // Selected: the model the server names (built once) and the round's deadline.
+  ClientRound begin(dtrain::fl::CheckInReply reply) {
+    ClientRound r;
+    r.reply = std::move(reply);
+    r.round = r.reply.round();
+    if (!s_.built) {
+      std::vector<int64_t> hidden(r.reply.hidden().begin(), r.reply.hidden().end());
+      s_.model = s_.make_model(r.reply.model(), hidden);
+      s_.built = true;
+    }
+    r.global = flatten_parameters(s_.model);
+    DTRAIN_CHECK_INPUT(r.global.numel() == r.reply.parameters(), "federated client '",
+                       o_.client_id, "': the server's model has ", r.reply.parameters(),
+                       " parameters, this client's ", r.global.numel());
+    r.secure = r.reply.has_secagg() && r.reply.secagg().id() != 0;
+    r.deadline = Steady::now() + std::chrono::milliseconds(r.reply.deadline_ms());
+    s_.say(concat("round ", r.round, ": selected (", r.reply.plan().epochs(), " epochs, batch ",
+                  r.reply.plan().batch(), ", ", s_.indices.size(), " examples",
+                  r.secure ? ", secure" : "", "; deadline in ", r.reply.deadline_ms() / 1000.0,
+                  " s)"));
+    return r;
+  }
+
+  // Secure aggregation before training: advertise keys, then share them.
+  bool exchange_keys(ClientRound& r) {
+    const auto& setup = r.reply.secagg();
+    r.session = std::make_unique<secagg::ClientSession>(setup.id(), r.global.numel() + 2,
+                                                        setup.threshold());
+    const secagg::PublicKeys mine = r.session->advertise();
+    dtrain::fl::SecAggRequest keys;
+    keys.set_step(dtrain::fl::SecAggRequest::KEYS);
+    keys.mutable_keys()->set_id(mine.id);
+    keys.mutable_keys()->set_c_public(mine.c_public.data(), 32);
+    keys.mutable_keys()->set_s_public(mine.s_public.data(), 32);
+    dtrain::fl::SecAggReply answer;
+    if (!secagg_step(r, keys, &answer, r.deadline, "its keys were taken")) return false;
+    std::vector<secagg::PublicKeys> u1;
+    for (const auto& k : answer.keys()) {
+      DTRAIN_CHECK_T(CommError, k.c_public().size() == 32 && k.s_public().size() == 32,
+                     "federated client '", o_.client_id, "': malformed keys from the server");
+      secagg::PublicKeys p;
+      p.id = k.id();
+      std::memcpy(p.c_public.data(), k.c_public().data(), 32);
+      std::memcpy(p.s_public.data(), k.s_public().data(), 32);
+      u1.push_back(p);
+    }
+    dtrain::fl::SecAggRequest shares;
+    shares.set_step(dtrain::fl::SecAggRequest::SHARES);
+    for (const auto& sealed : r.session->share_keys(u1)) {
+      auto* share = shares.add_shares();
+      share->set_from(sealed.from);
+      share->set_to(sealed.to);
+      share->set_ciphertext(sealed.ciphertext.data(), sealed.ciphertext.size());
+    }
+    answer.Clear();
+    if (!secagg_step(r, shares, &answer, r.deadline, "its key shares were taken")) return false;
+    r.u2.assign(answer.shared().begin(), answer.shared().end());
+    std::vector<secagg::SealedShares> inbox;
+    for (const auto& share : answer.inbox()) {
+      inbox.push_back({share.from(), share.to(),
+                       std::vector<uint8_t>(share.ciphertext().begin(), share.ciphertext().end())});
+    }
+    r.session->receive(inbox);
+    return true;
+  }
+
+  // The round's model.
+  bool fetch_model(ClientRound& r) {
+    const grpc::Status status = download(r.round, &r.global, r.deadline);
+    if (round_over(status)) return missed(r, "the model was downloaded", status);
+    if (!status.ok()) refused("Download", status);
+    return true;
+  }
+
+  // Trains as the plan says, while available; false when it left (unavailable, diverged).
+  bool train(ClientRound& r) {
+    const LocalTraining plan = plan_of(r.reply.plan());
+    s_.last_plan = plan;
+    r.update = train_locally(s_.model, r.global, s_.train, s_.indices, plan, r.reply.seed(),
+                             parallel::cross_entropy, o_.available);
+    if (r.reply.plan().clip_norm() > 0) {
+      r.update.delta = clip_update(r.update.delta, r.reply.plan().clip_norm());
+    }
+    if (!r.update.completed) {
+      ++report_.rounds_abandoned;
+      s_.say(concat("round ", r.round, ": left (no longer available)"));
+      return false;
+    }
+    // A diverged local training has nothing to send (the server would refuse it; under secure
+    // aggregation it could not even tell, so the client must not send it).
+    if (!std::isfinite(r.update.loss) || !all_finite(r.update.delta)) {
+      std::fprintf(stderr,
+                   "federated client '%s': round %lld: local training diverged (loss %g); "
+                   "leaving the round\n",
+                   o_.client_id.c_str(), static_cast<long long>(r.round), r.update.loss);
+      ++report_.rounds_abandoned;
+      return false;
+    }
+    return true;
+  }
+
+  // Encodes (compressed, or masked under secure aggregation) and uploads the update.
+  bool upload(ClientRound& r) {
+    EncodedUpdate encoded;
+    if (r.secure) {
+      const auto& setup = r.reply.secagg();
+      // With differential privacy (a clip in the plan) every client weighs 1.
+      const int64_t weight = r.reply.plan().clip_norm() > 0 ? 1 : r.update.examples;
+      const at::Tensor input =
+          secure_input(r.update, weight, setup.ref(), setup.frac_bits(),
+                       secagg::fixed_bound(setup.frac_bits(), static_cast<int64_t>(r.u2.size())));
+      encoded.encoding = "secagg";
+      encoded.parts.emplace_back("masked", r.session->masked_input(input, r.u2));
+    } else {
+      CompressionSpec compression = parse_compression(r.reply.plan().compression());
+      compression.error_feedback = o_.error_feedback;
+      encoded = encode_update(r.update.delta, compression, &s_.residual, r.reply.seed());
+    }
+    const auto messages = wire::update_messages(encoded, o_.client_id, r.round, r.update.examples,
+                                                r.update.loss, rpc::kDefaultChunkBytes);
+    dtrain::fl::UploadReply uploaded;
+    const grpc::Status status = s_.with_retry(
+        "Upload", o_.rpc_timeout,
+        [&](grpc::ClientContext& c) {
+          auto writer = s_.stub->Upload(&c, &uploaded);
+          for (const auto& m : messages) {
+            if (!writer->Write(m)) break;
+          }
+          writer->WritesDone();
+          return writer->Finish();
+        },
+        r.deadline);
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return missed(r, "its update was sent", status);
+    }
+    if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+        status.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
+      // Too late, or refused (the server logs why); the next round is another chance.
+      ++report_.uploads_refused;
+      s_.say(concat("round ", r.round, ": update not taken: ", status.error_message()));
+      return false;
+    }
+    if (!status.ok()) refused("Upload", status);
+    r.uploaded_bytes = uploaded.bytes();
+    return true;
+  }
+
+  // Secure aggregation after the upload: learn who survived, reveal their shares.
+  bool reveal(ClientRound& r) {
+    dtrain::fl::SecAggRequest survivors;
+    survivors.set_step(dtrain::fl::SecAggRequest::SURVIVORS);
+    dtrain::fl::SecAggReply answer;
+    // The reveals come after the round's deadline, by the server's step timeout.
+    const auto reveal_until = r.deadline + o_.rpc_timeout;
+    if (!secagg_step(r, survivors, &answer, reveal_until, "the survivors were named")) {
+      return false;
+    }
+    const secagg::Reveal reveal =
+        r.session->reveal(std::vector<uint32_t>(answer.masked().begin(), answer.masked().end()));
+    dtrain::fl::SecAggRequest shares;
+    shares.set_step(dtrain::fl::SecAggRequest::REVEAL);
+    for (const auto& [owner, words] : reveal.b_shares) {
+      auto* item = shares.add_reveal();
+      item->set_owner(owner);
+      item->set_self_mask(true);
+      for (uint64_t w : words) item->add_words(w);
+    }
+    for (const auto& [owner, words] : reveal.sk_shares) {
+      auto* item = shares.add_reveal();
+      item->set_owner(owner);
+      item->set_self_mask(false);
+      for (uint64_t w : words) item->add_words(w);
+    }
+    answer.Clear();
+    return secagg_step(r, shares, &answer, reveal_until, "its reveals were taken");
+  }
+
+  void finish(const ClientRound& r) {
+    if (r.secure) report_.uplink_bytes += r.secure_bytes;
+    report_.uplink_bytes += r.uploaded_bytes;
+    ++report_.rounds_trained;
+    s_.say(concat("round ", r.round, ": update sent (", r.uploaded_bytes, " bytes",
+                  r.secure ? ", masked" : "", ")"));
+  }
+
+  // After the last round: fine-tune the final model on this client's data (personalization).
+  void personalize() {
+    if (o_.personalize_epochs <= 0) return;
+    if (!s_.built) {
+      std::fprintf(stderr,
+                   "federated client '%s': never selected, so it does not know the model: no "
+                   "personalization\n",
+                   o_.client_id.c_str());
+      return;
+    }
+    at::Tensor final_model = flatten_parameters(s_.model);
+    const grpc::Status status = download(0, &final_model);
+    if (!status.ok()) refused("Download of the final model", status);
+    LocalTraining plan = s_.last_plan;
+    plan.epochs = o_.personalize_epochs;
+    if (!o_.test_indices.empty()) {
+      load_flat_parameters(s_.model, final_model);
+      report_.global_accuracy = accuracy_on(s_.model, s_.train, o_.test_indices);
+    }
+    fine_tune(s_.model, final_model, s_.train, s_.indices, plan, o_.personalize_layers, 1);
+    if (!o_.test_indices.empty()) {
+      report_.personalized_accuracy = accuracy_on(s_.model, s_.train, o_.test_indices);
+    }
+    if (!o_.save_model.empty()) torch::save(s_.model.module, o_.save_model);
+  }
+
+ private:
+  [[noreturn]] void refused(const char* call, const grpc::Status& status) const {
     const bool input = status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
                        status.error_code() == grpc::StatusCode::INVALID_ARGUMENT;
-    const std::string text = concat("federated client '", o.client_id, "': the server ", o.server,
-                                    " refused ", call, ": ", status.error_message());
+    const std::string text = concat("federated client '", o_.client_id, "': the server ",
+                                    o_.server, " refused ", call, ": ", status.error_message());
     if (input) DTRAIN_THROW(InputError, text);
     DTRAIN_THROW(CommError, text);
-  };
+  }
+
+  // Counts a round this client left before `what` (false, for the step to return).
+  bool missed(const ClientRound& r, const char* what, const grpc::Status& status) {
+    ++report_.rounds_missed;
+    s_.say(concat("round ", r.round, ": left before ", what, ": ", status.error_message()));
+    return false;
+  }
+
+  static LocalTraining plan_of(const dtrain::fl::TrainingPlan& wire) {
+    LocalTraining plan;
+    plan.epochs = wire.epochs();
+    plan.batch = wire.batch();
+    plan.lr = wire.lr();
+    plan.momentum = wire.momentum();
+    plan.weight_decay = wire.weight_decay();
+    plan.prox_mu = wire.prox_mu();
+    validate(plan);
+    return plan;
+  }
+
   // Downloads round `round`'s model (0: the final one, once training is over) into *global,
   // by the round's deadline `until`.
-  auto download = [&](int64_t round, at::Tensor* global,
-                      Steady::time_point until = Steady::time_point::max()) {
+  grpc::Status download(int64_t round, at::Tensor* global,
+                        Steady::time_point until = Steady::time_point::max()) {
     wire::PartsReader parts({{"", global->numel()}});
     std::string problem;
     int64_t down_bytes = 0;
-    const grpc::Status status = s.with_retry("Download", o.rpc_timeout, [&](grpc::ClientContext& c) {
-      dtrain::fl::DownloadRequest request;
-      request.set_client_id(o.client_id);
-      request.set_round(round);
-      parts = wire::PartsReader({{"", global->numel()}});
-      problem.clear();
-      down_bytes = 0;
-      auto reader = s.stub->Download(&c, request);
-      dtrain::fl::ModelChunk chunk;
-      for (int64_t i = 0; reader->Read(&chunk); ++i) {
-        down_bytes += wire::message_bytes(chunk);
-        if (problem.empty()) problem = parts.add(chunk.chunk(), concat("model chunk ", i));
-      }
-      return reader->Finish();
-    }, until);
+    const grpc::Status status = s_.with_retry(
+        "Download", o_.rpc_timeout,
+        [&](grpc::ClientContext& c) {
+          dtrain::fl::DownloadRequest request;
+          request.set_client_id(o_.client_id);
+          request.set_round(round);
+          parts = wire::PartsReader({{"", global->numel()}});
+          problem.clear();
+          down_bytes = 0;
+          auto reader = s_.stub->Download(&c, request);
+          dtrain::fl::ModelChunk chunk;
+          for (int64_t i = 0; reader->Read(&chunk); ++i) {
+            down_bytes += wire::message_bytes(chunk);
+            if (problem.empty()) problem = parts.add(chunk.chunk(), concat("model chunk ", i));
+          }
+          return reader->Finish();
+        },
+        until);
     if (!status.ok()) return status;
     wire::Parts model_parts;
     if (problem.empty()) problem = parts.finish(&model_parts);
     DTRAIN_CHECK_T(CommError, problem.empty() && model_parts.size() == 1, "federated client '",
-                   o.client_id, "': the server ", o.server, " sent a malformed model: ", problem);
-    report.downlink_bytes += down_bytes;
+                   o_.client_id, "': the server ", o_.server, " sent a malformed model: ",
+                   problem);
+    report_.downlink_bytes += down_bytes;
     *global = model_parts[0].second.to(global->scalar_type());
     return status;
-  };
-  LocalTraining last_plan;
-  // After the last round: fine-tune the final model on this client's data (personalization).
-  auto personalize = [&] {
-    if (o.personalize_epochs <= 0) return;
-    if (!s.built) {
-      std::fprintf(stderr, "federated client '%s': never selected, so it does not know the "
-                   "model: no personalization\n", o.client_id.c_str());
-      return;
+  }
+
+  // One protocol step: send (once), then ask until the reply is ready or `until`. False (the
+  // round missed) when the round is over before `what`.
+  bool secagg_step(ClientRound& r, dtrain::fl::SecAggRequest request,
+                   dtrain::fl::SecAggReply* answer, Steady::time_point until, const char* what) {
+    request.set_client_id(o_.client_id);
+    request.set_round(r.round);
+    request.set_wait_ms(std::min<int64_t>(o_.wait.count(), 5000));
+    grpc::Status status;
+    for (bool first = true;; first = false) {
+      request.set_send(first);
+      if (first) r.secure_bytes += wire::message_bytes(request);
+      status = s_.with_retry(
+          "SecAgg", o_.rpc_timeout + o_.wait,
+          [&](grpc::ClientContext& c) { return s_.stub->SecAgg(&c, request, answer); }, until);
+      if (!status.ok() || answer->ready()) break;
+      if (Steady::now() > until) {
+        status = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                              "SecAgg: the step's deadline passed");
+        break;
+      }
+      if (first) {  // the payload is in: ask again without it
+        request.clear_keys();
+        request.clear_shares();
+        request.clear_reveal();
+      }
     }
-    at::Tensor final_model = flatten_parameters(s.model);
-    const grpc::Status status = download(0, &final_model);
-    if (!status.ok()) refused("Download of the final model", status);
-    LocalTraining plan = last_plan;
-    plan.epochs = o.personalize_epochs;
-    if (!o.test_indices.empty()) {
-      load_flat_parameters(s.model, final_model);
-      report.global_accuracy = accuracy_on(s.model, s.train, o.test_indices);
-    }
-    fine_tune(s.model, final_model, s.train, s.indices, plan, o.personalize_layers, 1);
-    if (!o.test_indices.empty()) {
-      report.personalized_accuracy = accuracy_on(s.model, s.train, o.test_indices);
-    }
-    if (!o.save_model.empty()) torch::save(s.model.module, o.save_model);
-  };
+    if (round_over(status)) return missed(r, what, status);
+    if (!status.ok()) refused("SecAgg", status);
+    return true;
+  }
+
+  State& s_;
+  const ClientOptions& o_;
+  ClientReport& report_;
+};
+
+ClientReport Client::run() {
+  const ClientOptions& o = state_->options;
+  ClientReport report;
+  if (o.threads > 0) at::set_num_threads(o.threads);
+  Steps steps(*state_, report);
   for (;;) {
     if (o.available && !o.available()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
       continue;
     }
-    dtrain::fl::CheckInRequest request;
-    request.set_client_id(o.client_id);
-    request.set_examples(examples);
-    request.set_wait_ms(o.wait.count());
-    request.set_final_model(o.personalize_epochs > 0 && s.built);
-    dtrain::fl::CheckInReply reply;
-    grpc::Status status = s.with_retry("CheckIn", o.wait + o.rpc_timeout, [&](grpc::ClientContext& c) {
-      return s.stub->CheckIn(&c, request, &reply);
-    });
-    if (!status.ok()) refused("CheckIn", status);
+    dtrain::fl::CheckInReply reply = steps.check_in();
     if (reply.action() == dtrain::fl::CheckInReply::DONE) {
       report.done_reason = reply.reason();
-      s.say(concat("the server says ", reply.reason()));
-      personalize();
+      state_->say(concat("the server says ", reply.reason()));
+      steps.personalize();
       return report;
     }
     if (reply.action() != dtrain::fl::CheckInReply::TRAIN) continue;
-
-    // Selected: the model the server names, once.
-    const int64_t round = reply.round();
-    if (!s.built) {
-      std::vector<int64_t> hidden(reply.hidden().begin(), reply.hidden().end());
-      s.model = s.make_model(reply.model(), hidden);
-      s.built = true;
-    }
-    at::Tensor global = flatten_parameters(s.model);
-    DTRAIN_CHECK_INPUT(global.numel() == reply.parameters(), "federated client '", o.client_id,
-                       "': the server's model has ", reply.parameters(),
-                       " parameters, this client's ", global.numel());
-    // Secure aggregation: keys and shares before training.
-    const bool secure = reply.has_secagg() && reply.secagg().id() != 0;
-    std::unique_ptr<secagg::ClientSession> session;
-    std::vector<uint32_t> u2;
-    int64_t secure_bytes = 0;
-    const auto round_deadline = Steady::now() + std::chrono::milliseconds(reply.deadline_ms());
-    s.say(concat("round ", round, ": selected (", reply.plan().epochs(), " epochs, batch ",
-                 reply.plan().batch(), ", ", examples, " examples", secure ? ", secure" : "",
-                 "; deadline in ", reply.deadline_ms() / 1000.0, " s)"));
-    // The round is over for this client (it closed, was aborted, or its deadline passed before
-    // `what`): back to checking in.
-    auto missed = [&](const char* what, const grpc::Status& st) {
-      ++report.rounds_missed;
-      s.say(concat("round ", round, ": left before ", what, ": ", st.error_message()));
-    };
-    auto round_over = [](const grpc::Status& st) {
-      return st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
-             st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
-    };
-    // One protocol step: send (once), then ask until the reply is ready or `until` (the round's
-    // deadline for the steps before the upload; the reveals come after it, by the server's
-    // step timeout, so those get --rpc-timeout more).
-    auto step = [&](dtrain::fl::SecAggRequest request, dtrain::fl::SecAggReply* answer,
-                    Steady::time_point until) {
-      request.set_client_id(o.client_id);
-      request.set_round(round);
-      request.set_wait_ms(std::min<int64_t>(o.wait.count(), 5000));
-      for (bool first = true;; first = false) {
-        request.set_send(first);
-        if (first) secure_bytes += wire::message_bytes(request);
-        grpc::Status st = s.with_retry("SecAgg", o.rpc_timeout + o.wait, [&](grpc::ClientContext& c) {
-          return s.stub->SecAgg(&c, request, answer);
-        }, until);
-        if (!st.ok()) return st;
-        if (answer->ready()) return st;
-        if (Steady::now() > until) {
-          return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "SecAgg: the step's deadline passed");
-        }
-        if (first) {  // the payload is in: ask again without it
-          request.clear_keys();
-          request.clear_shares();
-          request.clear_reveal();
-        }
-      }
-    };
-    if (secure) {
-      const auto& setup = reply.secagg();
-      session = std::make_unique<secagg::ClientSession>(setup.id(), global.numel() + 2,
-                                                        setup.threshold());
-      const secagg::PublicKeys mine = session->advertise();
-      dtrain::fl::SecAggRequest keys;
-      keys.set_step(dtrain::fl::SecAggRequest::KEYS);
-      keys.mutable_keys()->set_id(mine.id);
-      keys.mutable_keys()->set_c_public(mine.c_public.data(), 32);
-      keys.mutable_keys()->set_s_public(mine.s_public.data(), 32);
-      dtrain::fl::SecAggReply answer;
-      status = step(keys, &answer, round_deadline);
-      if (round_over(status)) {
-        missed("its keys were taken", status);
-        continue;
-      }
-      if (!status.ok()) refused("SecAgg", status);
-      std::vector<secagg::PublicKeys> u1;
-      for (const auto& k : answer.keys()) {
-        DTRAIN_CHECK_T(CommError, k.c_public().size() == 32 && k.s_public().size() == 32,
-                       "federated client '", o.client_id, "': malformed keys from the server");
-        secagg::PublicKeys p;
-        p.id = k.id();
-        std::memcpy(p.c_public.data(), k.c_public().data(), 32);
-        std::memcpy(p.s_public.data(), k.s_public().data(), 32);
-        u1.push_back(p);
-      }
-      dtrain::fl::SecAggRequest shares;
-      shares.set_step(dtrain::fl::SecAggRequest::SHARES);
-      for (const auto& sealed : session->share_keys(u1)) {
-        auto* share = shares.add_shares();
-        share->set_from(sealed.from);
-        share->set_to(sealed.to);
-        share->set_ciphertext(sealed.ciphertext.data(), sealed.ciphertext.size());
-      }
-      answer.Clear();
-      status = step(shares, &answer, round_deadline);
-      if (round_over(status)) {
-        missed("its key shares were taken", status);
-        continue;
-      }
-      if (!status.ok()) refused("SecAgg", status);
-      u2.assign(answer.shared().begin(), answer.shared().end());
-      std::vector<secagg::SealedShares> inbox;
-      for (const auto& share : answer.inbox()) {
-        inbox.push_back({share.from(), share.to(),
-                         std::vector<uint8_t>(share.ciphertext().begin(), share.ciphertext().end())});
-      }
-      session->receive(inbox);
-    }
-
-    // Download the round's model.
-    status = download(round, &global, round_deadline);
-    if (round_over(status)) {
-      missed("the model was downloaded", status);
-      continue;
-    }
-    if (!status.ok()) refused("Download", status);
-
-    // Train as the plan says, while available.
-    LocalTraining plan;
-    plan.epochs = reply.plan().epochs();
-    plan.batch = reply.plan().batch();
-    plan.lr = reply.plan().lr();
-    plan.momentum = reply.plan().momentum();
-    plan.weight_decay = reply.plan().weight_decay();
-    plan.prox_mu = reply.plan().prox_mu();
-    validate(plan);
-    last_plan = plan;
-    CompressionSpec compression = parse_compression(reply.plan().compression());
-    compression.error_feedback = o.error_feedback;
-    ClientUpdate update = train_locally(s.model, global, s.train, s.indices, plan, reply.seed(),
-                                        parallel::cross_entropy, o.available);
-    if (reply.plan().clip_norm() > 0) update.delta = clip_update(update.delta, reply.plan().clip_norm());
-    if (!update.completed) {
-      ++report.rounds_abandoned;
-      s.say(concat("round ", round, ": left (no longer available)"));
-      continue;
-    }
-    // A diverged local training has nothing to send (the server would refuse it; under secure
-    // aggregation it could not even tell, so the client must not send it).
-    if (!std::isfinite(update.loss) || !all_finite(update.delta)) {
-      std::fprintf(stderr, "federated client '%s': round %lld: local training diverged (loss %g); "
-                   "leaving the round\n", o.client_id.c_str(), static_cast<long long>(round),
-                   update.loss);
-      ++report.rounds_abandoned;
-      continue;
-    }
-    EncodedUpdate encoded;
-    if (secure) {
-      const auto& setup = reply.secagg();
-      // With differential privacy (a clip in the plan) every client weighs 1.
-      const int64_t weight = reply.plan().clip_norm() > 0 ? 1 : update.examples;
-      const at::Tensor input =
-          secure_input(update, weight, setup.ref(), setup.frac_bits(),
-                       secagg::fixed_bound(setup.frac_bits(), static_cast<int64_t>(u2.size())));
-      encoded.encoding = "secagg";
-      encoded.parts.emplace_back("masked", session->masked_input(input, u2));
-    } else {
-      encoded = encode_update(update.delta, compression, &s.residual, reply.seed());
-    }
-    const auto messages = wire::update_messages(encoded, o.client_id, round, update.examples,
-                                                update.loss, rpc::kDefaultChunkBytes);
-    dtrain::fl::UploadReply uploaded;
-    status = s.with_retry("Upload", o.rpc_timeout, [&](grpc::ClientContext& c) {
-      auto writer = s.stub->Upload(&c, &uploaded);
-      for (const auto& m : messages) {
-        if (!writer->Write(m)) break;
-      }
-      writer->WritesDone();
-      return writer->Finish();
-    }, round_deadline);
-    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-      missed("its update was sent", status);
-      continue;
-    }
-    if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
-        status.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
-      // Too late, or refused (the server logs why); the next round is another chance.
-      ++report.uploads_refused;
-      s.say(concat("round ", round, ": update not taken: ", status.error_message()));
-      continue;
-    }
-    if (!status.ok()) refused("Upload", status);
-    if (secure) {
-      dtrain::fl::SecAggRequest survivors;
-      survivors.set_step(dtrain::fl::SecAggRequest::SURVIVORS);
-      dtrain::fl::SecAggReply answer;
-      const auto reveal_until = round_deadline + o.rpc_timeout;
-      status = step(survivors, &answer, reveal_until);
-      if (round_over(status)) {
-        missed("the survivors were named", status);
-        continue;
-      }
-      if (!status.ok()) refused("SecAgg", status);
-      const secagg::Reveal reveal =
-          session->reveal(std::vector<uint32_t>(answer.masked().begin(), answer.masked().end()));
-      dtrain::fl::SecAggRequest shares;
-      shares.set_step(dtrain::fl::SecAggRequest::REVEAL);
-      for (const auto& [owner, words] : reveal.b_shares) {
-        auto* r = shares.add_reveal();
-        r->set_owner(owner);
-        r->set_self_mask(true);
-        for (uint64_t w : words) r->add_words(w);
-      }
-      for (const auto& [owner, words] : reveal.sk_shares) {
-        auto* r = shares.add_reveal();
-        r->set_owner(owner);
-        r->set_self_mask(false);
-        for (uint64_t w : words) r->add_words(w);
-      }
-      answer.Clear();
-      status = step(shares, &answer, reveal_until);
-      if (round_over(status)) {
-        missed("its reveals were taken", status);
-        continue;
-      }
-      if (!status.ok()) refused("SecAgg", status);
-      report.uplink_bytes += secure_bytes;
-    }
-    report.uplink_bytes += uploaded.bytes();
-    ++report.rounds_trained;
-    s.say(concat("round ", round, ": update sent (", uploaded.bytes(), " bytes", secure ? ", masked" : "",
-                 ")"));
+    ClientRound round = steps.begin(std::move(reply));
+    if (round.secure && !steps.exchange_keys(round)) continue;
+    if (!steps.fetch_model(round) || !steps.train(round) || !steps.upload(round)) continue;
+    if (round.secure && !steps.reveal(round)) continue;
+    steps.finish(round);
     if (o.max_rounds > 0 && report.rounds_trained >= o.max_rounds) {
       report.done_reason = concat("trained ", report.rounds_trained, " rounds (--max-rounds)");
       return report;

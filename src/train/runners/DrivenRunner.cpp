@@ -80,8 +80,7 @@ class DrivenRunner : public Runner {
                                  describe_eval_as(*run.result.validation, o.token_loss)));
       }
     }
-    if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 &&
-        reached % o.checkpoint_every == 0) {
+    if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 && reached % o.checkpoint_every == 0) {
       run.save(reached, 0, true);
     }
   }

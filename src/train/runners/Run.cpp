@@ -61,8 +61,8 @@ ProgressReport::~ProgressReport() {
 void ProgressReport::reached(int64_t step) {
   if (fd_ < 0) return;
   char line[64];
-  const int n = std::snprintf(line, sizeof(line), "%20lld %20lld\n",
-                              static_cast<long long>(start_), static_cast<long long>(step));
+  const int n = std::snprintf(line, sizeof(line), "%20lld %20lld\n", static_cast<long long>(start_),
+                              static_cast<long long>(step));
   if (::pwrite(fd_, line, n, 0) != n) {
     ::close(fd_);
     fd_ = -1;
@@ -124,12 +124,10 @@ Run::Run(const TrainerOptions& options, parallel::Strategy& strategy, comm::Comm
 void Run::evaluate_and_record(int64_t step, std::optional<int64_t> epoch, bool alone) {
   result.validation = evaluate(alone);
   if (!leader) return;
-  MetricRecord record{{"event", std::string("eval")},
-                      {"step", step},
-                      {"seconds", seconds_since(start)},
-                      {"train_seconds", train_seconds},
-                      {"val_loss", result.validation->loss},
-                      {"val_accuracy", result.validation->accuracy}};
+  MetricRecord record{
+      {"event", std::string("eval")},        {"step", step},
+      {"seconds", seconds_since(start)},     {"train_seconds", train_seconds},
+      {"val_loss", result.validation->loss}, {"val_accuracy", result.validation->accuracy}};
   if (epoch) record["epoch"] = *epoch;
   if (options.token_loss) record["val_bits_per_token"] = result.validation->loss / std::log(2.0);
   metrics.write(record);
@@ -185,13 +183,13 @@ void Run::check_finite(const parallel::StepResult& step, int64_t step_number) {
   }
   if (options.max_nonfinite_steps == 0 || nonfinite_steps < options.max_nonfinite_steps) return;
   if (leader && options.progress) progress.finish_epoch("stopped");
-  DTRAIN_THROW(Error, "training diverged: the loss (", step.loss, ")",
-               step.grad_norm >= 0 ? concat(" or gradient norm (", step.grad_norm, ")")
-                                   : std::string(),
-               " was not finite for ", nonfinite_steps, " consecutive steps, the last at step ",
-               step_number, " (limit --max-nonfinite-steps ", options.max_nonfinite_steps,
-               "); no checkpoint was written since; try a lower --lr, --max-grad-norm or "
-               "--precision fp32");
+  DTRAIN_THROW(
+      Error, "training diverged: the loss (", step.loss, ")",
+      step.grad_norm >= 0 ? concat(" or gradient norm (", step.grad_norm, ")") : std::string(),
+      " was not finite for ", nonfinite_steps, " consecutive steps, the last at step ", step_number,
+      " (limit --max-nonfinite-steps ", options.max_nonfinite_steps,
+      "); no checkpoint was written since; try a lower --lr, --max-grad-norm or "
+      "--precision fp32");
 }
 
 void Run::finish_alone(const std::map<std::string, double>& run_metrics, int64_t steps,

@@ -110,8 +110,7 @@ struct Run {
   void check_finite(const parallel::StepResult& step, int64_t step_number);
   /// Asynchronous strategies at the end, on rank 0 alone: the strategy's run record, the final
   /// evaluation (of the newest parameters) and checkpoint at `steps`.
-  void finish_alone(const std::map<std::string, double>& run_metrics, int64_t steps,
-                    int64_t epoch);
+  void finish_alone(const std::map<std::string, double>& run_metrics, int64_t steps, int64_t epoch);
 
  private:
   struct Snapshot {

@@ -102,13 +102,10 @@ void StepRunner::run(Run& run) {
     const double throughput = run.samples / std::max(run.train_seconds, 1e-9);
 
     if (run.leader && ((step + 1) % o.log_every == 0 || step + 1 == run.total_steps)) {
-      MetricRecord record{{"event", std::string("step")},
-                          {"step", reached},
-                          {"epoch", epoch},
-                          {"loss", result.loss},
-                          {"lr", lr},
-                          {"step_ms", step_seconds * 1e3},
-                          {"samples_per_s", throughput}};
+      MetricRecord record{
+          {"event", std::string("step")}, {"step", reached}, {"epoch", epoch},
+          {"loss", result.loss},          {"lr", lr},        {"step_ms", step_seconds * 1e3},
+          {"samples_per_s", throughput}};
       if (result.grad_norm >= 0) record["grad_norm"] = result.grad_norm;
       if (async) record["worker_step"] = step + 1;
       for (const auto& [key, value] : result.metrics) record[key] = value;
@@ -137,9 +134,8 @@ void StepRunner::run(Run& run) {
       }
     }
     if (run.leader && o.progress && epoch_end) {
-      run.progress.finish_epoch(run.result.validation
-                                    ? describe_eval_as(*run.result.validation, o.token_loss)
-                                    : "");
+      run.progress.finish_epoch(
+          run.result.validation ? describe_eval_as(*run.result.validation, o.token_loss) : "");
     }
     const bool periodic = o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0;
     if (!o.checkpoint_dir.empty() && (periodic || epoch_end || halting) &&

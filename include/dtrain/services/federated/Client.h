@@ -98,6 +98,7 @@ class Client {
 
  private:
   struct State;
+  class Steps;
   std::unique_ptr<State> state_;
 };
 

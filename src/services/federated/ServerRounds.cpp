@@ -1,0 +1,124 @@
+// The federated server's round loop: wait for enough clients (K, or --min-clients after the
+// selection timeout), select, open the round, wait for the updates (or run the secure phases),
+// close it through RoundServer (the aggregator), evaluate, checkpoint, report; then tell every
+// client that training is over.
+#include <algorithm>
+#include <cstdio>
+#include <tuple>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/services/federated/Privacy.h"
+#include "services/federated/RoundLog.h"
+#include "services/federated/ServerService.h"
+
+namespace dtrain::federated {
+
+ServerResult Server::Service::run() {
+  ServerResult result;
+  result.start_round = rounds_.round();
+  const int64_t min_clients = std::max<int64_t>(1, o_.min_clients);
+  RoundLog log(o_.metrics_file, o_.progress, o_.rounds, result.start_round);
+  while (rounds_.round() < o_.rounds) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (stopping_) break;
+    // Wait for K clients, or for min_clients once the selection timeout has passed.
+    const auto waiting_since = Clock::now();
+    const auto selection_deadline =
+        waiting_since + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(o_.selection_timeout_s));
+    const auto give_up = waiting_since + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(o_.wait_timeout_s));
+    auto enough = [&] {
+      const auto n = static_cast<int64_t>(waiting_.size());
+      return stopping_ || n >= o_.clients_per_round ||
+             (n >= min_clients && Clock::now() >= selection_deadline);
+    };
+    while (!enough()) {
+      DTRAIN_CHECK_T(TimeoutError, Clock::now() < give_up, "federated server, round ",
+                     rounds_.round() + 1, ": ", waiting_.size(), " clients waiting after ",
+                     o_.wait_timeout_s, " s, fewer than --min-clients ", min_clients,
+                     " (--wait-timeout)");
+      changed_.wait_until(lock, std::min(Clock::now() + std::chrono::milliseconds(200), give_up));
+    }
+    if (stopping_) break;
+    const auto round_start = Clock::now();
+    std::vector<std::string> ids;
+    for (const auto& entry : waiting_) ids.push_back(entry.first);
+    const std::vector<std::string> chosen = rounds_.select(ids);
+    selected_ = std::set<std::string>(chosen.begin(), chosen.end());
+    finished_.clear();
+    round_model_ = rounds_.global();
+    open_round_ = rounds_.round() + 1;
+    deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(o_.round_timeout_s));
+    uplink_ = downlink_ = 0;
+    if (o_.secure_aggregation) start_secure(chosen);
+    open_ = true;
+    changed_.notify_all();
+    RoundRecord record;
+    if (secure_) {
+      run_secure(lock, &record);
+    } else {
+      changed_.wait_until(lock, deadline_,
+                          [&] { return stopping_ || finished_.size() == selected_.size(); });
+    }
+    open_ = false;
+    selected_.clear();
+    secure_.reset();
+    changed_.notify_all();
+    record.uplink_bytes = uplink_;
+    record.downlink_bytes = downlink_;
+    lock.unlock();
+    const auto closing = Clock::now();
+    record.outcome = rounds_.close();
+    record.server_aggregation_s += std::chrono::duration<double>(Clock::now() - closing).count();
+    const int64_t done = rounds_.round();
+    if (evaluate_ && record.outcome.applied && (done % o_.eval_every == 0 || done == o_.rounds)) {
+      std::tie(record.test_loss, record.test_accuracy) = evaluate_(rounds_.global());
+    }
+    record.seconds = std::chrono::duration<double>(Clock::now() - round_start).count();
+    if (o_.dp.enabled()) {
+      std::lock_guard<std::mutex> seen(mutex_);
+      const double q = std::min(1.0, static_cast<double>(o_.clients_per_round) /
+                                         static_cast<double>(std::max<size_t>(1, known_.size())));
+      record.dp_epsilon = dp_epsilon(q, o_.dp.noise_multiplier, done, o_.dp.delta).first;
+    }
+    if (!checkpoint_.empty() && record.outcome.applied) rounds_.save(checkpoint_);
+    log.report(record, done, min_clients);
+    result.rounds.push_back(record);
+  }
+  // Tell every client that checked in that training is over (those still training find out
+  // when they next check in), within a bounded linger.
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_ = true;
+  changed_.notify_all();
+  const auto linger_end =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(std::min(o_.round_timeout_s, 30.0)));
+  changed_.wait_until(lock, linger_end, [&] {
+    return std::includes(told_done_.begin(), told_done_.end(), known_.begin(), known_.end());
+  });
+  result.rounds_done = rounds_.round();
+  result.global = rounds_.global();
+  result.refused = refused_;
+  result.late = late_;
+  result.refusals = refusals_;
+  return result;
+}
+
+RoundServerOptions Server::Service::round_options(const ServerOptions& o) {
+  RoundServerOptions r;
+  r.clients_per_round = o.clients_per_round;
+  r.min_clients = std::min(o.clients_per_round, std::max<int64_t>(1, o.min_clients));
+  DTRAIN_CHECK_INPUT(o.min_clients <= o.clients_per_round, "--min-clients ", o.min_clients,
+                     " is more than --clients-per-round ", o.clients_per_round);
+  r.algorithm = o.algorithm;
+  r.optimizer = o.optimizer;
+  r.local = o.local;
+  r.secure_aggregation = o.secure_aggregation;
+  r.seed = o.seed;
+  r.dp = o.dp;
+  return r;
+}
+
+}  // namespace dtrain::federated
