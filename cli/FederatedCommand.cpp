@@ -118,10 +118,22 @@ void add_data(CLI::App& c, Shared& s, const char* use) {
   add(c, "--threads", s.threads, "LibTorch threads (default: $DTRAIN_THREADS, else the cores)");
 }
 
+// The registered models federated learning can train: classifiers whose state is parameters.
+std::string federated_models() {
+  std::string names;
+  for (const auto& name : models::model_names()) {
+    const models::ModelInfo model = models::model_info(name);
+    if (!model.language_model && model.parameters_only) names += (names.empty() ? "" : ", ") + name;
+  }
+  return names;
+}
+
 models::ModelSpec model_spec(const Shared& s, const std::string& name,
                              const std::vector<int64_t>& hidden) {
-  DTRAIN_CHECK_INPUT(name == "mlp" || name == "cnn" || name == "fedavg-cnn" || name == "linear",
-                     "--model '", name, "': expected mlp, cnn, fedavg-cnn or linear");
+  const models::ModelInfo model = models::model_info(name);
+  DTRAIN_CHECK_INPUT(!model.language_model && model.parameters_only, "--model '", name, "': ",
+                     "federated learning averages parameters of classifiers: expected ",
+                     federated_models());
   models::ModelSpec spec;
   spec.name = name;
   spec.hidden = hidden;

@@ -15,6 +15,8 @@
 #include "dtrain/services/federated/Aggregator.h"
 #include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/Simulation.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/train/Job.h"
 #include "dtrain/train/Trainer.h"
 
 using namespace dtrain;
@@ -296,4 +298,110 @@ TEST(HowToAdd, AFederatedAggregatorGetsEachUpdateAndIsRefusedWhereOnlySumsAreSee
   const auto result = federated::simulate(test::small_mlp(12, 16, 4), train, test, simulation);
   EXPECT_EQ(result.rounds_done, 3);
   EXPECT_TRUE(at::isfinite(result.global).all().item<bool>());
+}
+
+// ---- A model -----------------------------------------------------------------------------
+// A two-layer perceptron described as stages, registered with its own recipe: reached by name,
+// cut into units by zero3 (which then equals single-process training), refused where it lacks
+// a capability.
+
+namespace {
+
+models::ModelInfo two_layer() {
+  models::ModelInfo info;
+  info.name = "two-layer";
+  info.summary = "Linear-Tanh-Linear (a test of the model registry)";
+  info.build = [](const models::ModelSpec& spec, const comm::CommunicatorPtr&) {
+    int64_t inputs = 1;
+    for (int64_t d : spec.input_shape) inputs *= d;
+    return sequential_model(torch::nn::Sequential(torch::nn::Flatten(),
+                                                  torch::nn::Linear(inputs, 24), torch::nn::Tanh(),
+                                                  torch::nn::Linear(24, spec.classes)));
+  };
+  info.recipe.optimizer.name = "adam";
+  info.recipe.optimizer.lr = 0.02;
+  info.recipe.batch_size = 16;
+  return info;
+}
+
+void register_two_layer_once() {
+  static const bool registered = [] {
+    models::register_model(two_layer());
+    return true;
+  }();
+  (void)registered;
+}
+
+}  // namespace
+
+TEST(HowToAdd, AModelIsBuiltByNameCutIntoStagesAndRefusedWhereItCannotGo) {
+  register_two_layer_once();
+  const auto names = models::model_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "two-layer"), names.end());
+  EXPECT_EQ(models::training_recipe("two-layer").optimizer.name, "adam");
+  EXPECT_EQ(models::training_recipe("two-layer").batch_size, 16);
+  EXPECT_THROW(models::register_model(two_layer()), InputError);
+
+  models::ModelSpec spec;
+  spec.name = "two-layer";
+  spec.input_shape = {12};
+  spec.classes = 3;
+  EXPECT_EQ(models::make_model(spec).stages.size(), 4u);  // flatten, linear, tanh, linear
+
+  // zero3 gathers it unit by unit (its stages) and still equals single-process training.
+  train::TrainerOptions o;
+  o.batch_size = 8;
+  o.epochs = 2;
+  o.optimizer.name = "adam";
+  o.optimizer.lr = 0.02;
+  o.progress = false;
+  o.seed = 4;
+  o.strategy = "zero3";
+  train::TrainerOptions single = o;
+  single.strategy = "ddp";
+  single.batch_size = 16;
+  const auto synthetic = data::make_synthetic(128, {12}, 3, 4);
+  const data::TensorDataset dataset(synthetic.raw_inputs().to(at::kDouble), synthetic.targets());
+  auto run = [&](const train::TrainerOptions& options, int world) {
+    std::vector<Model> replicas;
+    for (int r = 0; r < world; ++r) {
+      torch::manual_seed(8);
+      replicas.push_back(models::make_model(spec));
+      replicas.back().module->to(at::kDouble);
+    }
+    std::vector<at::Tensor> weights;
+    test::run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
+      train::Trainer trainer(options, comm);
+      trainer.fit(replicas[comm->rank()], dataset);
+      trainer.strategy().materialize();
+      if (comm->rank() == 0) weights = test::snapshot(trainer.strategy().model());
+    }, 60s);
+    return weights;
+  };
+  EXPECT_LE(test::max_abs_diff(run(single, 1), run(o, 2)), test::kTightBound);
+
+  // It has no tensor-parallel layers and is no language model: the job says so by name.
+  train::JobConfig job;
+  job.model = "two-layer";
+  job.dataset = "synthetic";
+  job.nproc = 2;
+  auto refusal = [&] {
+    try {
+      train::validate_job(job);
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  job.trainer.tensor_parallel = 2;
+  EXPECT_NE(refusal().find("--tensor-parallel 2 needs --model gpt or another model with "
+                           "tensor-parallel layers, not two-layer"),
+            std::string::npos)
+      << refusal();
+  job.trainer.tensor_parallel = 1;
+  EXPECT_EQ(refusal(), "accepted");
+  job.dataset = "text";
+  EXPECT_NE(refusal().find("--dataset text needs --model gpt or another language model"),
+            std::string::npos)
+      << refusal();
 }

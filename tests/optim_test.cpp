@@ -4,6 +4,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/optim/FlatOptimizer.h"
 #include "dtrain/optim/LrSchedule.h"
 #include "dtrain/optim/Optimizers.h"
 
@@ -65,6 +66,43 @@ TEST(Optimizers, EveryNameBuildsAndStepsAndLrIsSettable) {
   bad.name = "sgd";
   bad.nesterov = true;
   EXPECT_THROW(optim::make_optimizer({torch::ones({1}, torch::requires_grad())}, bad), InputError);
+}
+
+// The flat rules (the parameter server's shards, the federated server) are the same optimizers
+// as LibTorch's: each name with a flat rule, stepped over a range at a time, lands where
+// LibTorch's optimizer does on the whole tensor (float64).
+TEST(FlatOptimizer, EachFlatRuleMatchesLibTorchsOptimizerOfTheSameName) {
+  for (const std::string name : {"sgd", "adagrad", "adam"}) {
+    ASSERT_TRUE(optim::has_flat_rule(name)) << name;
+    optim::OptimizerSpec spec;
+    spec.name = name;
+    spec.lr = 0.05;
+    spec.momentum = name == "sgd" ? 0.9 : 0.0;
+    spec.eps = name == "adagrad" ? 1e-10 : 1e-8;
+    at::Tensor reference = at::linspace(-1, 1, 12, at::kDouble).requires_grad_(true);
+    auto torch_optimizer = optim::make_optimizer({reference}, spec);
+    optim::FlatRule rule;
+    rule.name = name;
+    rule.momentum = spec.momentum;
+    rule.adam_eps = spec.eps;
+    optim::FlatOptimizer flat(rule);
+    at::Tensor values = at::linspace(-1, 1, 12, at::kDouble);
+    flat.init(values);
+    for (int step = 0; step < 6; ++step) {
+      const at::Tensor gradient = at::sin(values * (step + 1)) + 0.1 * step;
+      reference.mutable_grad() = gradient.clone();
+      torch_optimizer->step();
+      // Two pushes of half the tensor each: ranges are stepped independently.
+      flat.step(values, 0, gradient.narrow(0, 0, 6), spec.lr);
+      flat.step(values, 6, gradient.narrow(0, 6, 6), spec.lr);
+    }
+    EXPECT_LE((values - reference.detach()).abs().max().item<double>(), 1e-12) << name;
+    EXPECT_GT((values - at::linspace(-1, 1, 12, at::kDouble)).abs().max().item<double>(), 1e-2);
+  }
+  EXPECT_FALSE(optim::has_flat_rule("adamw"));
+  optim::FlatRule unknown;
+  unknown.name = "adamw";
+  EXPECT_THROW(optim::FlatOptimizer{unknown}, InputError);
 }
 
 TEST(Models, ZooShapes) {

@@ -5,6 +5,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <mutex>
+
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/Checkpoint.h"
 
@@ -221,67 +224,123 @@ TrainingRecipe gpt_recipe() {
   return r;
 }
 
-struct Registered {
-  const char* name;
-  TrainingRecipe (*recipe)();
-};
+Model build_linear(const ModelSpec& spec) {  // multinomial logistic regression: one layer
+  return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), std::vector<int64_t>{},
+                                               spec.classes, spec.checkpointing));
+}
 
-// Every model by name, with its recipe (make_model builds them).
-constexpr Registered kModels[] = {{"mlp", image_recipe},    {"linear", image_recipe},
-                                  {"cnn", image_recipe},    {"fedavg-cnn", image_recipe},
-                                  {"resnet", image_recipe}, {"gpt", gpt_recipe}};
+Model build_mlp(const ModelSpec& spec) {
+  return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), spec.hidden,
+                                               spec.classes, spec.checkpointing));
+}
+
+Model build_cnn(const ModelSpec& spec) {
+  const auto& shape = spec.input_shape;
+  DTRAIN_CHECK_INPUT(shape.size() == 3 && shape[1] >= 4 && shape[2] >= 4, "model ", spec.name,
+                     " needs image inputs [C, H>=4, W>=4]");
+  const bool fedavg = spec.name == "fedavg-cnn";
+  return with_stages(std::make_shared<CnnImpl>(shape[0], shape[1], shape[2], spec.classes,
+                                               spec.checkpointing, fedavg ? 5 : 3,
+                                               fedavg ? 512 : 128));
+}
+
+Model build_resnet(const ModelSpec& spec) {
+  DTRAIN_CHECK_INPUT(spec.input_shape.size() == 3, "model resnet needs image inputs [C, H, W]");
+  return with_stages(
+      std::make_shared<ResNetImpl>(spec.input_shape[0], spec.classes, spec.checkpointing));
+}
+
+Model build_gpt(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
+  GptConfig config = spec.gpt;
+  config.checkpointing = spec.checkpointing;
+  return make_gpt(config, tensor_parallel);
+}
+
+// Every model by name: how it is built, what it can do, its recipe. Adding a model: a builder
+// and one line here (or register_model from outside the library).
+std::vector<ModelInfo> built_in() {
+  auto classifier = [](const char* name, const char* summary, Model (*build)(const ModelSpec&)) {
+    ModelInfo info;
+    info.name = name;
+    info.summary = summary;
+    info.build = [build](const ModelSpec& spec, const comm::CommunicatorPtr&) {
+      return build(spec);
+    };
+    info.recipe = image_recipe();
+    return info;
+  };
+  std::vector<ModelInfo> all = {
+      classifier("mlp", "multilayer perceptron (--hidden widths)", build_mlp),
+      classifier("linear", "multinomial logistic regression", build_linear),
+      classifier("cnn", "a small CNN (3x3 convolutions)", build_cnn),
+      classifier("fedavg-cnn", "McMahan et al.'s CNN (5x5 convolutions, a 512-unit layer)",
+                 build_cnn),
+      classifier("resnet", "a ResNet-style CNN (BatchNorm)", build_resnet),
+  };
+  all.back().parameters_only = false;  // BatchNorm's running statistics
+  ModelInfo gpt;
+  gpt.name = "gpt";
+  gpt.summary = "a GPT language model (on the text data set)";
+  gpt.language_model = true;
+  gpt.tensor_parallel = true;
+  gpt.recipe = gpt_recipe();
+  gpt.build = build_gpt;
+  all.push_back(gpt);
+  return all;
+}
+
+std::mutex& registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::vector<ModelInfo>& registry() {
+  static std::vector<ModelInfo> all = built_in();
+  return all;
+}
 
 }  // namespace
 
 std::vector<std::string> model_names() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
   std::vector<std::string> names;
-  for (const auto& m : kModels) names.emplace_back(m.name);
+  for (const auto& m : registry()) names.push_back(m.name);
   return names;
 }
 
-TrainingRecipe training_recipe(const std::string& model) {
-  for (const auto& m : kModels) {
-    if (model == m.name) return m.recipe();
+ModelInfo model_info(const std::string& name) {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    for (const auto& m : registry()) {
+      if (m.name == name) return m;
+    }
   }
   std::string known;
-  for (const auto& m : kModels) known += concat(known.empty() ? "" : ", ", m.name);
-  DTRAIN_THROW(InputError, "--model: unknown model '", model, "' (expected ", known, ")");
+  for (const auto& n : model_names()) known += concat(known.empty() ? "" : ", ", n);
+  DTRAIN_THROW(InputError, "--model: unknown model '", name, "' (expected ", known, ")");
 }
 
+void register_model(ModelInfo info) {
+  DTRAIN_CHECK_INPUT(!info.name.empty() && info.build,
+                     "register_model: a model needs a name and a builder");
+  const auto names = model_names();
+  DTRAIN_CHECK_INPUT(std::find(names.begin(), names.end(), info.name) == names.end(),
+                     "register_model: a model named '", info.name, "' is registered already");
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().push_back(std::move(info));
+}
+
+TrainingRecipe training_recipe(const std::string& model) { return model_info(model).recipe; }
+
 Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
-  if (spec.name == "gpt") {
-    GptConfig config = spec.gpt;
-    config.checkpointing = spec.checkpointing;
-    return make_gpt(config, tensor_parallel);
-  }
-  DTRAIN_CHECK_INPUT(!tensor_parallel || tensor_parallel->size() == 1, "--model ", spec.name,
-                     " has no tensor-parallel layers; --tensor-parallel ",
+  const ModelInfo info = model_info(spec.name);
+  DTRAIN_CHECK_INPUT(info.tensor_parallel || !tensor_parallel || tensor_parallel->size() == 1,
+                     "--model ", spec.name, " has no tensor-parallel layers; --tensor-parallel ",
                      tensor_parallel ? tensor_parallel->size() : 1,
                      " needs --model gpt (or a model built from nn/tensor/Layers.h)");
-  DTRAIN_CHECK_INPUT(spec.classes >= 2, "model needs at least 2 classes, got ", spec.classes);
-  if (spec.name == "linear") {  // multinomial logistic regression: one Linear layer
-    return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), std::vector<int64_t>{},
-                                                 spec.classes, spec.checkpointing));
-  }
-  if (spec.name == "mlp") {
-    return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), spec.hidden,
-                                                 spec.classes, spec.checkpointing));
-  }
-  const bool image = spec.input_shape.size() == 3;
-  if (spec.name == "cnn" || spec.name == "fedavg-cnn") {
-    DTRAIN_CHECK_INPUT(image && spec.input_shape[1] >= 4 && spec.input_shape[2] >= 4, "model ",
-                       spec.name, " needs image inputs [C, H>=4, W>=4]");
-    const bool fedavg = spec.name == "fedavg-cnn";
-    return with_stages(std::make_shared<CnnImpl>(
-        spec.input_shape[0], spec.input_shape[1], spec.input_shape[2], spec.classes,
-        spec.checkpointing, fedavg ? 5 : 3, fedavg ? 512 : 128));
-  }
-  if (spec.name == "resnet") {
-    DTRAIN_CHECK_INPUT(image, "model resnet needs image inputs [C, H, W]");
-    return with_stages(
-        std::make_shared<ResNetImpl>(spec.input_shape[0], spec.classes, spec.checkpointing));
-  }
-  DTRAIN_THROW(InputError, "unknown model '", spec.name, "' (expected mlp, linear, cnn, fedavg-cnn, resnet or gpt)");
+  DTRAIN_CHECK_INPUT(info.language_model || spec.classes >= 2,
+                     "model needs at least 2 classes, got ", spec.classes);
+  return info.build(spec, tensor_parallel);
 }
 
 }  // namespace dtrain::models

@@ -50,8 +50,9 @@ void validate_strategy(const JobConfig& job, const TrainerOptions& trainer) {
   layout.ranks = job.nproc;
   layout.pipeline_parallel = trainer.pipeline_parallel;
   layout.tensor_parallel = trainer.tensor_parallel;
-  layout.sequence_parallel = job.model == "gpt" && job.gpt.sequence_parallel;
-  layout.tied_parameters = job.model == "gpt" && job.gpt.tied_embeddings;
+  const bool language_model = models::model_info(job.model).language_model;
+  layout.sequence_parallel = language_model && job.gpt.sequence_parallel;
+  layout.tied_parameters = language_model && job.gpt.tied_embeddings;
   layout.defer_eval = trainer.defer_eval;
   layout.model = job.model;
   layout.micro_batches = trainer.accumulation_steps;
@@ -143,11 +144,14 @@ void validate_job(const JobConfig& job) {
                          job.dataset == "text",
                      "--dataset: unknown data set '", job.dataset,
                      "' (expected fashion-mnist, synthetic or text)");
-  DTRAIN_CHECK_INPUT((job.model == "gpt") == (job.dataset == "text"),
-                     job.model == "gpt"
-                         ? "--model gpt is a language model: use it with --dataset text"
-                         : concat("--dataset text needs --model gpt (not ", job.model, ")"));
-  if (job.model == "gpt") {
+  const models::ModelInfo model = models::model_info(job.model);
+  DTRAIN_CHECK_INPUT(model.language_model == (job.dataset == "text"),
+                     model.language_model
+                         ? concat("--model ", job.model, " is a language model: use it with "
+                                  "--dataset text")
+                         : concat("--dataset text needs --model gpt or another language "
+                                  "model (not ", job.model, ")"));
+  if (model.language_model) {
     models::GptConfig config = job.gpt;
     config.vocab = 2;  // from the text, checked when it is read
     models::validate(config);
@@ -159,8 +163,8 @@ void validate_job(const JobConfig& job) {
                      "--sequence-parallel splits the sequence over the tensor-parallel ranks: "
                      "it needs --tensor-parallel 2 or more");
   if (tp > 1) {
-    DTRAIN_CHECK_INPUT(job.model == "gpt", "--tensor-parallel ", tp, " needs --model gpt (the "
-                       "model with tensor-parallel layers), not ", job.model);
+    DTRAIN_CHECK_INPUT(model.tensor_parallel, "--tensor-parallel ", tp, " needs --model gpt or "
+                       "another model with tensor-parallel layers, not ", job.model);
     DTRAIN_CHECK_INPUT(job.gpt.heads % tp == 0, "--tensor-parallel ", tp,
                        " must divide --heads (", job.gpt.heads, "): each rank takes whole heads");
     DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel || job.gpt.context % tp == 0,

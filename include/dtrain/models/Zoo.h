@@ -1,8 +1,10 @@
 // The model registry: reference models (an MLP, logistic regression, small CNNs, a ResNet-style
-// CNN, the GPT) built by name, each with the training recipe it gets by default.
+// CNN, the GPT) built by name, each with its capabilities and the training recipe it gets by
+// default. The CLI, federated learning and the job's validation ask it.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -32,8 +34,6 @@ struct ModelSpec {
 /// tensor-parallel layers: InputError for the others when the group has more than one rank).
 Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel = nullptr);
 
-/// Names make_model accepts.
-std::vector<std::string> model_names();
 
 /// How a model trains unless told otherwise: the optimizer, its schedule, the batch per rank
 /// and gradient clipping (`dtrain train` applies it to each of these a flag or config key does
@@ -49,5 +49,31 @@ struct TrainingRecipe {
 
 /// The named model's recipe (InputError naming an unknown model).
 TrainingRecipe training_recipe(const std::string& model);
+
+/// A registered model: how it is built, what it can do, how it trains by default.
+struct ModelInfo {
+  std::string name;
+  /// One line for --help.
+  std::string summary;
+  /// Builds it (its layers over `tensor_parallel` when it has tensor-parallel layers); the
+  /// model describes itself as stages (Model::stages) so zero3 and pipelines can cut it.
+  std::function<Model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel)> build;
+  /// Has tensor-parallel layers (--tensor-parallel > 1).
+  bool tensor_parallel = false;
+  /// Predicts tokens (trains on --dataset text), rather than classifying examples.
+  bool language_model = false;
+  /// Its whole state is its parameters (no buffers such as BatchNorm's statistics): federated
+  /// learning, which averages parameters, can train it.
+  bool parameters_only = true;
+  TrainingRecipe recipe;
+};
+
+/// Every registered model's name, built-in ones first.
+std::vector<std::string> model_names();
+/// InputError naming the registered models for an unknown name.
+ModelInfo model_info(const std::string& name);
+/// Adds a model (InputError when the name is taken); for code outside the library, before it
+/// is used.
+void register_model(ModelInfo info);
 
 }  // namespace dtrain::models

@@ -17,6 +17,9 @@ using OptimizerPtr = std::unique_ptr<torch::optim::Optimizer>;
 using OptimizerFactory = std::function<OptimizerPtr(std::vector<at::Tensor> parameters)>;
 
 OptimizerPtr make_optimizer(std::vector<at::Tensor> parameters, const OptimizerSpec& spec);
+/// Whether `name` also has a flat rule (FlatOptimizer.h), and the names that do ("sgd, ...").
+bool has_flat_rule(const std::string& name);
+std::string flat_rule_names();
 /// A factory that builds `spec` over whatever parameters it is given.
 OptimizerFactory optimizer_factory(OptimizerSpec spec);
 

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/optim/FlatOptimizer.h"
 #include "dtrain/optim/Optimizers.h"
 
 namespace dtrain::federated {
@@ -136,45 +137,40 @@ at::Tensor WeightedMean::mean(at::ScalarType dtype) const {
   return (sum_ / weight_).to(dtype);
 }
 
-ServerOptimizer::ServerOptimizer(ServerOptimizerSpec spec) : spec_(std::move(spec)) {
-  validate(spec_);
+namespace {
+
+// The server optimizer as optim's flat rule. The averaged update is a direction of descent,
+// so it is stepped as a gradient at rate -lr: global += lr x the rule's step. FedAdam (Reddi
+// et al.) is Adam without bias correction, its second moment starting at tau^2, epsilon tau.
+optim::FlatRule flat_rule(const ServerOptimizerSpec& spec) {
+  validate(spec);
+  optim::FlatRule rule;
+  rule.name = spec.name;
+  rule.momentum = spec.momentum;
+  rule.beta1 = spec.beta1;
+  rule.beta2 = spec.beta2;
+  rule.adam_eps = spec.tau;
+  rule.bias_correction = false;
+  rule.initial_second = spec.tau * spec.tau;
+  return rule;
 }
+
+}  // namespace
+
+ServerOptimizer::ServerOptimizer(ServerOptimizerSpec spec)
+    : spec_(std::move(spec)), flat_(flat_rule(spec_)) {}
 
 void ServerOptimizer::step(at::Tensor& global, const at::Tensor& average) {
   torch::NoGradGuard no_grad;
-  if (spec_.name == "sgd") {
-    if (spec_.momentum == 0) {
-      global.add_(average, spec_.lr);
-      return;
-    }
-    if (!first_.defined()) first_ = at::zeros_like(average);
-    first_.mul_(spec_.momentum).add_(average);  // FedAvgM: v = beta v + delta
-    global.add_(first_, spec_.lr);
-    return;
-  }
-  if (!first_.defined()) {
-    first_ = at::zeros_like(average);
-    second_ = at::full_like(average, spec_.tau * spec_.tau);  // Reddi et al.: v_0 = tau^2
-  }
-  first_.mul_(spec_.beta1).add_(average, 1 - spec_.beta1);
-  second_.mul_(spec_.beta2).addcmul_(average, average, 1 - spec_.beta2);
-  global.addcdiv_(first_, second_.sqrt().add_(spec_.tau), spec_.lr);
+  flat_.step(global, 0, average, -spec_.lr);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> ServerOptimizer::state() const {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  if (first_.defined()) out.emplace_back("first", first_);
-  if (second_.defined()) out.emplace_back("second", second_);
-  return out;
+  return flat_.state();
 }
 
 void ServerOptimizer::load_state(const std::vector<std::pair<std::string, at::Tensor>>& state) {
-  first_ = at::Tensor();
-  second_ = at::Tensor();
-  for (const auto& [name, tensor] : state) {
-    if (name == "first") first_ = tensor.clone();
-    if (name == "second") second_ = tensor.clone();
-  }
+  flat_.load_state(state);
 }
 
 }  // namespace dtrain::federated

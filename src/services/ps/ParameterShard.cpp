@@ -8,13 +8,36 @@
 
 #include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/optim/Optimizers.h"
 
 namespace dtrain::parallel::ps {
 
+namespace {
+
+// The shard's optimizer as optim's flat rule (bias-corrected Adam per element: pushes may
+// cover parts of the shard).
+optim::FlatRule flat_rule(const ShardOptimizer& o) {
+  check_shard_optimizer(o);
+  optim::FlatRule rule;
+  rule.name = o.name;
+  rule.initial_accumulator = o.initial_accumulator;
+  rule.adagrad_eps = o.eps;
+  rule.beta1 = o.beta1;
+  rule.beta2 = o.beta2;
+  rule.adam_eps = o.adam_eps;
+  return rule;
+}
+
+// The state's names in shard checkpoints.
+const std::pair<const char*, const char*> kStateNames[] = {
+    {"first", "state1"}, {"second", "state2"}, {"steps", "steps"}};
+
+}  // namespace
+
 void check_shard_optimizer(const ShardOptimizer& optimizer) {
   const std::string& name = optimizer.name;
-  DTRAIN_CHECK_INPUT(name == "sgd" || name == "adagrad" || name == "adam",
-                     "unknown parameter-server optimizer '", name, "' (sgd, adagrad or adam)");
+  DTRAIN_CHECK_INPUT(optim::has_flat_rule(name), "unknown parameter-server optimizer '", name,
+                     "' (", optim::flat_rule_names(), ")");
   DTRAIN_CHECK_INPUT(optimizer.lr > 0, "the parameter server's learning rate must be > 0, got ",
                      optimizer.lr);
   const std::string& decay = optimizer.schedule.decay;
@@ -30,10 +53,9 @@ void check_shard_optimizer(const ShardOptimizer& optimizer) {
 }
 
 ParameterShard::ParameterShard(int shard, int shards, ShardOptimizer optimizer)
-    : shard_(shard), shards_(shards), optimizer_(std::move(optimizer)) {
+    : shard_(shard), shards_(shards), optimizer_(std::move(optimizer)), flat_(flat_rule(optimizer_)) {
   DTRAIN_CHECK_INPUT(shards >= 1 && shard >= 0 && shard < shards, "--shard ", shard, "/", shards,
                      ": expected I/N with 0 <= I < N");
-  check_shard_optimizer(optimizer_);
 }
 
 namespace {
@@ -219,13 +241,7 @@ std::string ParameterShard::initialize(int64_t total, const at::Tensor& values) 
   end_ = end;
   total_ = total;
   values_ = values.clone();
-  if (optimizer_.name == "adagrad") {
-    state1_ = at::full_like(values_, optimizer_.initial_accumulator);
-  } else if (optimizer_.name == "adam") {
-    state1_ = at::zeros_like(values_);
-    state2_ = at::zeros_like(values_);
-    steps_ = at::zeros_like(values_);
-  }
+  flat_.init(values_);
   version_ = 0;
   initialized_ = true;
   return "";
@@ -283,31 +299,13 @@ std::string ParameterShard::apply(int64_t begin, const at::Tensor& gradient,
                                   int64_t* version, int64_t* staleness, double* applied_lr) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (std::string why = check_gradient(begin, gradient); !why.empty()) return why;
-  const int64_t n = gradient.numel();
   if (computed_version < 0 || computed_version > version_) {
     return concat("field 'computed_version' is ", computed_version,
                   ", but the shard is at version ", version_, " (a version from the future)");
   }
   own_values();
-  at::Tensor w = values_.narrow(0, begin - begin_, n);
   const double lr = lr_at(optimizer_, version_);
-  if (optimizer_.name == "sgd") {
-    w.add_(gradient, -lr);
-  } else if (optimizer_.name == "adagrad") {
-    at::Tensor sum = state1_.narrow(0, begin - begin_, n);
-    sum.addcmul_(gradient, gradient);
-    w.addcdiv_(gradient, sum.sqrt().add_(optimizer_.eps), -lr);
-  } else {
-    at::Tensor m = state1_.narrow(0, begin - begin_, n);
-    at::Tensor v = state2_.narrow(0, begin - begin_, n);
-    at::Tensor t = steps_.narrow(0, begin - begin_, n);
-    t.add_(1);
-    m.mul_(optimizer_.beta1).add_(gradient, 1 - optimizer_.beta1);
-    v.mul_(optimizer_.beta2).addcmul_(gradient, gradient, 1 - optimizer_.beta2);
-    const at::Tensor correction1 = 1 - at::pow(optimizer_.beta1, t);
-    const at::Tensor correction2 = 1 - at::pow(optimizer_.beta2, t);
-    w.sub_(m / correction1 / ((v / correction2).sqrt_().add_(optimizer_.adam_eps)) * lr);
-  }
+  flat_.step(values_, begin - begin_, gradient, lr);
   const int64_t stale = version_ - computed_version;
   ++staleness_counts_[std::min<int64_t>(stale, kStalenessBins - 1)];
   WorkerRecord& record = workers_[worker];
@@ -336,9 +334,11 @@ int64_t ParameterShard::save(const std::string& path) const {
     file.insert("version", version_);
     c10::Dict<std::string, at::Tensor> tensors;
     tensors.insert("values", values_.clone());
-    if (state1_.defined()) tensors.insert("state1", state1_.clone());
-    if (state2_.defined()) tensors.insert("state2", state2_.clone());
-    if (steps_.defined()) tensors.insert("steps", steps_.clone());
+    for (const auto& [name, tensor] : flat_.state()) {
+      for (const auto& [flat_name, saved_name] : kStateNames) {
+        if (name == flat_name) tensors.insert(saved_name, tensor.clone());
+      }
+    }
     tensors.insert("staleness", at::tensor(staleness_counts_, at::kLong));
     file.insert("tensors", tensors);
   }
@@ -373,12 +373,16 @@ int64_t ParameterShard::load(const std::string& path) {
     };
     std::lock_guard<std::mutex> lock(mutex_);
     values_ = tensor("values");
-    if (optimizer_.name == "adagrad") state1_ = tensor("state1");
-    if (optimizer_.name == "adam") {
-      state1_ = tensor("state1");
-      state2_ = tensor("state2");
-      steps_ = tensor("steps");
+    // The state the shard's optimizer keeps (as init() makes it), each tensor required.
+    optim::FlatOptimizer fresh(flat_.rule());
+    fresh.init(values_);
+    std::vector<std::pair<std::string, at::Tensor>> state;
+    for (const auto& item : fresh.state()) {
+      for (const auto& [flat_name, saved_name] : kStateNames) {
+        if (item.first == flat_name) state.emplace_back(flat_name, tensor(saved_name));
+      }
     }
+    flat_.load_state(state);
     if (tensors.contains("staleness")) {
       const at::Tensor counts = tensors.at("staleness").toTensor();
       for (int64_t i = 0; i < std::min<int64_t>(counts.numel(), kStalenessBins); ++i) {

@@ -15,6 +15,7 @@
 
 #include "dtrain/data/Dataset.h"
 #include "dtrain/models/Model.h"
+#include "dtrain/optim/FlatOptimizer.h"
 #include "dtrain/parallel/Strategy.h"
 
 namespace dtrain::federated {
@@ -106,7 +107,7 @@ class ServerOptimizer {
 
  private:
   ServerOptimizerSpec spec_;
-  at::Tensor first_, second_;
+  optim::FlatOptimizer flat_;
 };
 
 }  // namespace dtrain::federated

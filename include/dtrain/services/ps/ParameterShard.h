@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "dtrain/optim/FlatOptimizer.h"
 #include "dtrain/optim/LrSchedule.h"
 #include "dtrain/parallel/ps/ShardProtocol.h"
 
@@ -126,8 +127,7 @@ class ParameterShard {
   int64_t version_ = 0;
   bool initialized_ = false;
   at::Tensor values_;           // float32 or float64 [end - begin)
-  at::Tensor state1_, state2_;  // Adagrad: sum of squares; Adam: first and second moments
-  at::Tensor steps_;            // Adam: updates each element has had (pushes may be partial)
+  optim::FlatOptimizer flat_;  // its state: Adagrad's sums; Adam's moments and steps per element
   std::vector<int64_t> staleness_counts_ = std::vector<int64_t>(kStalenessBins, 0);
   std::map<int, WorkerRecord> workers_;
   std::map<std::string, at::Tensor> vectors_;  // Sandblaster's named vectors (not "x")
