@@ -1,6 +1,7 @@
 // `dtrain fl simulate|serve|client`: flags into the federated options, data sets loaded,
 // summaries printed.
 #include "Command.h"
+#include "CommonFlags.h"
 
 #include <unistd.h>
 
@@ -59,6 +60,16 @@ struct Shared {
   int threads = 0;
 };
 
+// The registered models federated learning can train: classifiers whose state is parameters.
+std::string federated_models() {
+  std::string names;
+  for (const auto& name : models::model_names()) {
+    const models::ModelInfo model = models::model_info(name);
+    if (!model.language_model && model.parameters_only) names += (names.empty() ? "" : ", ") + name;
+  }
+  return names;
+}
+
 void add_plan(CLI::App& c, Shared& s) {
   std::string algorithms;
   for (const auto& name : federated::aggregator_names()) {
@@ -73,11 +84,9 @@ void add_plan(CLI::App& c, Shared& s) {
       ->capture_default_str();
   add(c, "--local-batch", s.local.batch, "B: local batch size (0 = a client's whole set)")
       ->capture_default_str();
-  add(c, "--lr", s.local.lr, "Local SGD learning rate")->capture_default_str();
+  add_sgd_flags(c, s.local.lr, s.local.momentum, s.local.weight_decay, "Local");
   add(c, "--lr-decay", s.local.lr_decay, "The local rate is multiplied by this every round")
       ->capture_default_str();
-  add(c, "--momentum", s.local.momentum, "Local SGD momentum")->capture_default_str();
-  add(c, "--weight-decay", s.local.weight_decay, "Local L2 weight decay")->capture_default_str();
   add(c, "--prox-mu", s.local.prox_mu, "FedProx's proximal term mu (0 = FedAvg)")
       ->capture_default_str();
   add(c, "--compression", s.compression,
@@ -100,32 +109,17 @@ void add_plan(CLI::App& c, Shared& s) {
       ->capture_default_str();
   add(c, "--dp-delta", s.dp.delta, "The delta of the (epsilon, delta) reported per round")
       ->capture_default_str();
-  add(c, "--model", s.model,
-      "mlp, cnn, fedavg-cnn (McMahan et al.'s CNN: 5x5 convolutions, a 512-unit layer) or linear")
-      ->capture_default_str();
-  add(c, "--hidden", s.hidden, "MLP hidden widths (McMahan et al.'s 2NN: 200 200)")
-      ->capture_default_str();
-  add(c, "--seed", s.seed, "Random seed (model, selection, local order)")->capture_default_str();
+  add_model_flags(c, s.model, s.hidden,
+                  federated_models() + " (fedavg-cnn: McMahan et al.'s CNN, 5x5 convolutions "
+                  "and a 512-unit layer)",
+                  "McMahan et al.'s 2NN: 200 200");
+  add_seed_flag(c, s.seed, "model, selection, local order");
 }
 
 void add_data(CLI::App& c, Shared& s, const char* use) {
-  add(c, "--dataset", s.dataset, std::string("fashion-mnist or synthetic: ") + use)
-      ->capture_default_str();
-  add(c, "--data-dir", s.data_dir,
-      "Fashion-MNIST IDX files (default: $DTRAIN_DATA_DIR or Debian's dataset-fashion-mnist)");
-  add(c, "--synthetic-examples", s.synthetic_examples, "--dataset synthetic: training examples")
-      ->capture_default_str();
-  add(c, "--threads", s.threads, "LibTorch threads (default: $DTRAIN_THREADS, else the cores)");
-}
-
-// The registered models federated learning can train: classifiers whose state is parameters.
-std::string federated_models() {
-  std::string names;
-  for (const auto& name : models::model_names()) {
-    const models::ModelInfo model = models::model_info(name);
-    if (!model.language_model && model.parameters_only) names += (names.empty() ? "" : ", ") + name;
-  }
-  return names;
+  add_data_flags(c, s.dataset, s.data_dir, s.synthetic_examples,
+                 std::string("fashion-mnist or synthetic: ") + use);
+  add_threads_flag(c, s.threads, "$DTRAIN_THREADS, else the cores");
 }
 
 models::ModelSpec model_spec(const Shared& s, const std::string& name,
@@ -238,8 +232,9 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       "Probability that a selected client drops out before sending its update")
       ->capture_default_str();
   add_data(c, o.sim_shared, "the clients' data and the test set");
-  add(c, "--eval-every", s.eval_every, "Evaluate the global model every N rounds")
-      ->capture_default_str();
+  add_run_flags(c, s.checkpoint_dir, s.eval_every, s.progress,
+                "Save the server (model, optimizer, round) here every round; resume from it",
+                "rounds");
   add(c, "--personalize-epochs", s.personalize_epochs,
       "After training, each client fine-tunes the global model for this many epochs on its own "
       "examples; both are tested on its local test set (0 = no personalization)")
@@ -250,9 +245,6 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       "Stop once the global model's test accuracy reaches this (0 = never)")
       ->capture_default_str();
   add(c, "--metrics-file", s.metrics_file, "JSON Lines: one record per round");
-  add(c, "--checkpoint-dir", s.checkpoint_dir,
-      "Save the server (model, optimizer, round) here every round; resume from it");
-  c.add_flag("!--no-progress", s.progress, "No progress bar");
 
   // serve
   auto& v = o.server;
@@ -278,8 +270,9 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       ->capture_default_str();
   add_plan(sv, o.serve_shared);
   add_data(sv, o.serve_shared, "the test set the global model is evaluated on");
-  add(sv, "--eval-every", v.eval_every, "Evaluate the global model every N rounds")
-      ->capture_default_str();
+  add_run_flags(sv, v.checkpoint_dir, v.eval_every, v.progress,
+                "Save the server (model, optimizer, round) here every round; resume from it",
+                "rounds");
   sv.add_flag("--secure-aggregation", v.secure_aggregation,
               "Secure aggregation (Bonawitz et al. 2017): the server learns only each round's sum");
   add(sv, "--secagg-threshold", v.secagg_threshold,
@@ -294,9 +287,6 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(sv, "--tls-cert", v.tls_cert, "PEM certificate chain: serve TLS");
   add(sv, "--tls-key", v.tls_key, "PEM private key of --tls-cert");
   add(sv, "--metrics-file", v.metrics_file, "JSON Lines: one record per round");
-  add(sv, "--checkpoint-dir", v.checkpoint_dir,
-      "Save the server (model, optimizer, round) here every round; resume from it");
-  sv.add_flag("!--no-progress", v.progress, "No progress bar");
 
   // client
   auto& k = o.client;
@@ -312,8 +302,7 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       "The share of this client's examples held out to test personalization (default: 0.2 "
       "with --partition, else 0: all of them train)");
   add_data(cl, o.client_shared, "this client's own training examples");
-  add(cl, "--seed", o.client_shared.seed, "--dataset synthetic: the seed it is made from")
-      ->capture_default_str();
+  add_seed_flag(cl, o.client_shared.seed, "--dataset synthetic: the one it is made from");
   add(cl, "--available", o.available,
       "When this client may train: local-time windows like 22:00-06:00 (comma-separated), or "
       "always; it leaves a round when its window closes")

@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "Command.h"
+#include "CommonFlags.h"
 #include "Options.h"
 #include "dtrain/comm/TokenFile.h"
 #include "dtrain/common/Error.h"
@@ -38,13 +39,14 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job, dtrain::Fla
   app.add_option("--config",
                  "Read options from a TOML file (keys are long flag names; flags on "
                  "the command line win)");
-  add(app, "--model", job.model,
-      "Model: mlp, linear, cnn, fedavg-cnn (McMahan et al.'s CNN), resnet, gpt (the language "
-      "model, on the text data set). Each trains with its own recipe unless flags say "
-      "otherwise: the optimizer, lr, momentum, weight decay, lr decay, warmup, batch size and "
-      "clipping shown here are the image models'; gpt's is adamw at 0.002, weight decay 0.1, "
-      "batch 32, clipping 1.0")
-      ->capture_default_str();
+  add_model_flags(
+      app, job.model, job.hidden,
+      "mlp, linear, cnn, fedavg-cnn (McMahan et al.'s CNN), resnet, gpt (the language model, on "
+      "the text data set). Each trains with its own recipe unless flags say otherwise: the "
+      "optimizer, lr, momentum, weight decay, lr decay, warmup, batch size and clipping shown "
+      "here are the image models'; gpt's is adamw at 0.002, weight decay 0.1, batch 32, "
+      "clipping 1.0",
+      "256 256");
   add(app, "--layers", job.gpt.layers, "gpt: transformer blocks")->capture_default_str();
   add(app, "--heads", job.gpt.heads, "gpt: attention heads")->capture_default_str();
   add(app, "--width", job.gpt.width, "gpt: model width (a multiple of --heads)")
@@ -58,22 +60,13 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job, dtrain::Fla
                "gpt with --tensor-parallel: split LayerNorm, dropout and residual activations "
                "along the sequence too (Megatron's sequence parallelism; --context a multiple "
                "of T)");
-  add(app, "--hidden", job.hidden, "MLP hidden layer widths")
-      ->capture_default_str()
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  add(app, "--dataset", job.dataset, "Data set: fashion-mnist, synthetic, text")
-      ->capture_default_str();
+  add_data_flags(app, job.dataset, job.data_dir, job.synthetic_examples,
+                 "fashion-mnist, synthetic, text");
   add(app, "--text-file", job.text_file,
       "--dataset text: a UTF-8 text file or a directory of them (default --data-dir, else "
       "Debian's fortunes in /usr/share/games/fortunes)");
   add(app, "--validation-fraction", job.validation_fraction,
       "--dataset text: share of the text (its end) held out for validation")
-      ->capture_default_str();
-  add(app, "--data-dir", job.data_dir,
-      "Fashion-MNIST directory (default $DTRAIN_DATA_DIR or "
-      "/usr/share/datasets/fashion-mnist)");
-  add(app, "--synthetic-examples", job.synthetic_examples,
-      "Training examples of the synthetic data set")
       ->capture_default_str();
   std::string strategies;
   for (const auto& name : dtrain::parallel::strategy_names()) {
@@ -133,7 +126,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job, dtrain::Fla
       "Write a Chrome/Perfetto trace of every rank (forward, backward, recv, sync, optimizer "
       "spans) to this file; scripts/plot-timeline draws it");
   add(app, "--nproc", job.nproc, "Local ranks to launch")->capture_default_str();
-  add(app, "--threads", job.threads, "Threads per rank (default: cores / ranks)");
+  add_threads_flag(app, job.threads, "cores / ranks");
   add(app, "--interface", job.interface,
       "Network interface for rank-to-rank traffic (default: the one that reaches MASTER_ADDR)");
   add(app, "--max-restarts", job.max_restarts,
@@ -160,10 +153,8 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job, dtrain::Fla
       "Checkpoint and halt at this step, keeping the schedule (resume later)")
       ->capture_default_str();
   add(app, "--optimizer", t.optimizer.name, "sgd, adam, adamw, adagrad")->capture_default_str();
-  add(app, "--lr", t.optimizer.lr, "Learning rate")->capture_default_str();
-  add(app, "--momentum", t.optimizer.momentum, "SGD momentum")->capture_default_str();
+  add_sgd_flags(app, t.optimizer.lr, t.optimizer.momentum, t.optimizer.weight_decay, "");
   app.add_flag("--nesterov", t.optimizer.nesterov, "Nesterov momentum (SGD)");
-  add(app, "--weight-decay", t.optimizer.weight_decay, "Weight decay")->capture_default_str();
   add(app, "--lr-decay", t.schedule.decay, "constant, step, cosine")->capture_default_str();
   add(app, "--warmup-steps", t.schedule.warmup_steps, "Linear warmup steps")->capture_default_str();
   add(app, "--lr-step-size", t.schedule.step_size, "Steps between step decays")
@@ -195,22 +186,20 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job, dtrain::Fla
   add(app, "--checkpointing", job.checkpointing,
       "Activation checkpointing: none, sqrt, or a segment count")
       ->capture_default_str();
-  add(app, "--seed", t.seed, "Random seed")->capture_default_str();
-  add(app, "--checkpoint-dir", t.checkpoint_dir, "Directory for checkpoints");
+  add_seed_flag(app, t.seed, "model, data order");
+  add_run_flags(app, t.checkpoint_dir, t.eval_every, t.progress, "Directory for checkpoints",
+                "steps (0 = epoch ends only)");
   add(app, "--checkpoint-every", t.checkpoint_every,
       "Also checkpoint every N steps (0 = epoch ends only)")
       ->capture_default_str();
   add(app, "--keep-checkpoints", t.keep_checkpoints, "Checkpoints to keep")->capture_default_str();
   app.add_flag("!--no-resume", t.resume, "Start fresh even if --checkpoint-dir has one");
   add(app, "--metrics", t.metrics_file, "JSONL metrics file");
-  add(app, "--eval-every", t.eval_every, "Also evaluate every N steps (0 = epoch ends only)")
-      ->capture_default_str();
   app.add_flag("--defer-eval", t.defer_eval,
                "Evaluate after training, on copies of the parameters taken at each evaluation "
                "point (recorded with their moment's clock: time to accuracy without the "
                "evaluations)");
   add(app, "--log-every", t.log_every, "Steps between metrics records")->capture_default_str();
-  app.add_flag("!--no-progress", t.progress, "No progress bar");
 }
 
 // --strategy downpour/sandblaster --ps-shards N: the shards run in this (the launching)

@@ -1,0 +1,67 @@
+// Flags that mean the same thing in `dtrain train` and `dtrain fl ...`, declared once here:
+// each command binds them to its own fields and says what they are for in its help. (Two
+// names differ in meaning between the commands and keep their names, as flags do: --dropout
+// is the GPT's dropout in train, a client's chance to drop out in fl; --lr-decay is train's
+// schedule, fl's per-round factor of the local rate.)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "Options.h"
+
+namespace dtrain::cli {
+
+/// --dataset, --data-dir, --synthetic-examples.
+inline void add_data_flags(CLI::App& app, std::string& dataset, std::string& data_dir,
+                           int64_t& synthetic_examples, const std::string& datasets) {
+  add(app, "--dataset", dataset, "Data set: " + datasets)->capture_default_str();
+  add(app, "--data-dir", data_dir,
+      "Fashion-MNIST IDX files (default: $DTRAIN_DATA_DIR, else Debian's "
+      "/usr/share/datasets/fashion-mnist)");
+  add(app, "--synthetic-examples", synthetic_examples,
+      "--dataset synthetic: training examples")
+      ->capture_default_str();
+}
+
+/// --model (a name of the model registry) and --hidden (the MLP's widths).
+inline void add_model_flags(CLI::App& app, std::string& model, std::vector<int64_t>& hidden,
+                            const std::string& models, const std::string& hidden_default) {
+  add(app, "--model", model, "Model: " + models)->capture_default_str();
+  add(app, "--hidden", hidden, "MLP hidden layer widths (" + hidden_default + ")")
+      ->capture_default_str()
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+}
+
+/// --lr, --momentum, --weight-decay of an optimizer (`whose`: "" for the trainer's, "Local"
+/// for a federated client's SGD).
+inline void add_sgd_flags(CLI::App& app, double& lr, double& momentum, double& weight_decay,
+                          const std::string& whose) {
+  const std::string prefix = whose.empty() ? "" : whose + " ";
+  add(app, "--lr", lr, whose.empty() ? "Learning rate" : prefix + "learning rate")
+      ->capture_default_str();
+  add(app, "--momentum", momentum, prefix + "SGD momentum")->capture_default_str();
+  add(app, "--weight-decay", weight_decay, prefix + "L2 weight decay")->capture_default_str();
+}
+
+/// --seed.
+inline void add_seed_flag(CLI::App& app, uint64_t& seed, const std::string& what) {
+  add(app, "--seed", seed, "Random seed (" + what + ")")->capture_default_str();
+}
+
+/// --threads.
+inline void add_threads_flag(CLI::App& app, int& threads, const std::string& default_is) {
+  add(app, "--threads", threads, "LibTorch threads per process (default: " + default_is + ")");
+}
+
+/// --checkpoint-dir, --eval-every (in the command's `unit`s) and --no-progress.
+inline void add_run_flags(CLI::App& app, std::string& checkpoint_dir, int64_t& eval_every,
+                          bool& progress, const std::string& checkpoints,
+                          const std::string& unit) {
+  add(app, "--checkpoint-dir", checkpoint_dir, checkpoints);
+  add(app, "--eval-every", eval_every, "Also evaluate every N " + unit)->capture_default_str();
+  app.add_flag("!--no-progress", progress, "No progress bar");
+}
+
+}  // namespace dtrain::cli
