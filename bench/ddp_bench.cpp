@@ -10,11 +10,11 @@
 #include <cstdio>
 
 #include "BenchMemory.h"
-#include "dtrain/parallel/Registry.h"
-#include "dtrain/parallel/zero/Zero3Options.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/zero/Zero3Options.h"
 #include "parallel/ddp/DdpStrategy.h"
 
 using namespace dtrain;
@@ -45,8 +45,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--hidden", hidden, "MLP hidden widths")->capture_default_str();
   int64_t min_unit_params = 0;
-  app.add_option("--zero3-min-unit-params", min_unit_params, "zero3: merge stages into units of "
-                 "at least this many parameters")->capture_default_str();
+  app.add_option("--zero3-min-unit-params", min_unit_params,
+                 "zero3: merge stages into units of "
+                 "at least this many parameters")
+      ->capture_default_str();
   app.add_flag("!--no-comm-baseline", comm_baseline, "Skip timing the allreduces alone");
   CLI11_PARSE(app, argc, argv);
 
@@ -108,8 +110,7 @@ int main(int argc, char** argv) {
     if (i >= warmup) allreduce_ms.push_back(ms_since(start));
   }
   // MB, max over ranks: the whole run's peak, and the measured steps' peak.
-  auto peak = torch::tensor({bench::peak_rss_mb(),
-                             peak_reset ? bench::status_mb("VmHWM:") : -1.0},
+  auto peak = torch::tensor({bench::peak_rss_mb(), peak_reset ? bench::status_mb("VmHWM:") : -1.0},
                             torch::kDouble);
   world->allreduce(peak, {comm::ReduceOp::Max})->wait();
   const auto report = ddp.memory_report();

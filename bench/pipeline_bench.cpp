@@ -7,18 +7,18 @@
 // prints one JSON line.
 #include <torch/torch.h>
 
-#include <CLI/CLI.hpp>
 #include <c10/core/CPUAllocator.h>
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <cstdio>
+#include <fstream>
 
 #include "BenchMemory.h"
-#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Model.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
 #include "parallel/pipeline/PipelineStrategy.h"
 
@@ -115,9 +115,10 @@ int main(int argc, char** argv) {
       }
     }
     const double ms = median(times);
-    std::printf("{\"mode\": \"single\", \"threads\": %d, \"M\": %d, \"step_ms\": %.3f, "
-                "\"samples_per_s\": %.1f}\n",
-                threads, micro, ms, global_batch / ms * 1e3);
+    std::printf(
+        "{\"mode\": \"single\", \"threads\": %d, \"M\": %d, \"step_ms\": %.3f, "
+        "\"samples_per_s\": %.1f}\n",
+        threads, micro, ms, global_batch / ms * 1e3);
     return 0;
   }
 
@@ -160,7 +161,8 @@ int main(int argc, char** argv) {
     at::Tensor lo = at::tensor({first}, at::kDouble), hi = at::tensor({last}, at::kDouble);
     world->allreduce(lo, {comm::ReduceOp::Min})->wait();
     world->allreduce(hi, {comm::ReduceOp::Max})->wait();
-    at::Tensor idle = at::tensor({1.0 - busy / (hi.item<double>() - lo.item<double>())}, at::kDouble);
+    at::Tensor idle =
+        at::tensor({1.0 - busy / (hi.item<double>() - lo.item<double>())}, at::kDouble);
     world->allreduce(idle, {comm::ReduceOp::Avg})->wait();
     at::Tensor peaks_all = at::zeros({P}, at::kDouble);
     peaks_all[grid->coordinates().pp] = static_cast<double>(peak) / (1 << 20);
@@ -188,12 +190,13 @@ int main(int argc, char** argv) {
     const double formula = parallel::pipeline::bubble_formula(
         {parallel::pipeline::schedule_kind_named(schedule), P, micro, chunks});
     const double ms = median(times);
-    std::printf("{\"mode\": \"pipeline\", \"schedule\": \"%s\", \"P\": %d, \"M\": %d, \"V\": %d, "
-                "\"step_ms\": %.3f, \"samples_per_s\": %.1f, \"bubble\": %.4f, "
-                "\"bubble_formula\": %.4f, \"act_peak_mb_first\": %.3f, "
-                "\"act_peak_mb_last\": %.3f}\n",
-                schedule.c_str(), P, micro, chunks, ms, global_batch / ms * 1e3, median(bubbles),
-                formula, median(first_stage), median(last_stage));
+    std::printf(
+        "{\"mode\": \"pipeline\", \"schedule\": \"%s\", \"P\": %d, \"M\": %d, \"V\": %d, "
+        "\"step_ms\": %.3f, \"samples_per_s\": %.1f, \"bubble\": %.4f, "
+        "\"bubble_formula\": %.4f, \"act_peak_mb_first\": %.3f, "
+        "\"act_peak_mb_last\": %.3f}\n",
+        schedule.c_str(), P, micro, chunks, ms, global_batch / ms * 1e3, median(bubbles), formula,
+        median(first_stage), median(last_stage));
   }
   return 0;
 }

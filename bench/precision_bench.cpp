@@ -3,13 +3,13 @@
 // (--segments). Prints one JSON line. bench/precision_reference.py is its PyTorch twin.
 #include <torch/torch.h>
 
+#include <sys/resource.h>
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <string>
-#include <sys/resource.h>
 
 #include "BenchMemory.h"
 #include "dtrain/launch/Environment.h"
@@ -48,7 +48,8 @@ struct BlockImpl : torch::nn::Module {
     const auto b = x.size(0), t = x.size(1), d = x.size(2);
     // unbind, as Python's `q, k, v = tensor` does (three selects would each back-propagate a
     // full-size zero tensor).
-    auto parts = linear(qkv, ln1(x)).view({b, t, 3, heads, d / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
+    auto parts =
+        linear(qkv, ln1(x)).view({b, t, 3, heads, d / heads}).permute({2, 0, 3, 1, 4}).unbind(0);
     auto att = torch::softmax(torch::matmul(parts[0], parts[1].transpose(-2, -1)) /
                                   std::sqrt(static_cast<double>(d / heads)),
                               -1);
@@ -145,18 +146,18 @@ int main(int argc, char** argv) {
     optimizer.step();
     loss.item<double>();
     const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-            .count();
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (i >= warmup) step_ms.push_back(ms);
   }
   // Activation memory: the peak of the measured steps above the memory before them.
   const double activation = peak_reset ? status_mb("VmHWM:") - state_rss : -1;
   std::sort(step_ms.begin(), step_ms.end());
-  std::printf("{\"impl\": \"dtrain\", \"model\": \"%s\", \"precision\": \"%s\", \"segments\": %lld, "
-              "\"batch\": %lld, \"step_ms\": %.3f, \"peak_rss_mb\": %.1f, \"baseline_rss_mb\": "
-              "%.1f, \"activation_mb\": %.1f}\n",
-              model.c_str(), precision_name.c_str(), static_cast<long long>(segments),
-              static_cast<long long>(batch), step_ms[step_ms.size() / 2], peak_rss_mb(), baseline,
-              activation);
+  std::printf(
+      "{\"impl\": \"dtrain\", \"model\": \"%s\", \"precision\": \"%s\", \"segments\": %lld, "
+      "\"batch\": %lld, \"step_ms\": %.3f, \"peak_rss_mb\": %.1f, \"baseline_rss_mb\": "
+      "%.1f, \"activation_mb\": %.1f}\n",
+      model.c_str(), precision_name.c_str(), static_cast<long long>(segments),
+      static_cast<long long>(batch), step_ms[step_ms.size() / 2], peak_rss_mb(), baseline,
+      activation);
   return 0;
 }

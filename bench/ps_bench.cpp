@@ -6,7 +6,6 @@
 // The shards run in processes of their own (`dtrain ps serve`) unless --in-process.
 #include <torch/torch.h>
 
-#include <CLI/CLI.hpp>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -14,6 +13,7 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -92,9 +92,11 @@ int main(int argc, char** argv) {
   app.add_option("--shards", shards, "Parameter-server shards")->capture_default_str();
   app.add_option("--rounds", rounds, "Pull + push rounds (each next to a loopback measurement)")
       ->capture_default_str();
-  app.add_option("--chunk-mb", chunk_mb, "Streamed chunk size, MB (at most 3)")->capture_default_str();
+  app.add_option("--chunk-mb", chunk_mb, "Streamed chunk size, MB (at most 3)")
+      ->capture_default_str();
   app.add_flag("--in-process", in_process, "Shards in this process (default: dtrain ps serve)");
-  app.add_option("--dtrain", dtrain_path, "The dtrain executable (for ps serve)")->capture_default_str();
+  app.add_option("--dtrain", dtrain_path, "The dtrain executable (for ps serve)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(1);
   launch::tune_allocator();  // as the workers (run_job) and dtrain ps serve do
@@ -149,24 +151,27 @@ int main(int argc, char** argv) {
         ps_rates.push_back(2.0 * bytes / (pull_s + push_s));
         pull_rates.push_back(bytes / pull_s);
         push_rates.push_back(bytes / push_s);
-        std::printf("{\"round\":%d,\"side\":\"ps\",\"pull_gb_s\":%.3f,\"push_gb_s\":%.3f,"
-                    "\"pull_push_gb_s\":%.3f}\n",
-                    r, bytes / pull_s / 1e9, bytes / push_s / 1e9, ps_rates.back() / 1e9);
+        std::printf(
+            "{\"round\":%d,\"side\":\"ps\",\"pull_gb_s\":%.3f,\"push_gb_s\":%.3f,"
+            "\"pull_push_gb_s\":%.3f}\n",
+            r, bytes / pull_s / 1e9, bytes / push_s / 1e9, ps_rates.back() / 1e9);
       } else {
         loop_rates.push_back(loopback_bytes_per_s(2 * bytes));
-        std::printf("{\"round\":%d,\"side\":\"loopback\",\"gb_s\":%.3f}\n", r, loop_rates.back() / 1e9);
+        std::printf("{\"round\":%d,\"side\":\"loopback\",\"gb_s\":%.3f}\n", r,
+                    loop_rates.back() / 1e9);
       }
       std::fflush(stdout);
     }
   }
   std::vector<double> ratios;
   for (size_t i = 0; i < ps_rates.size(); ++i) ratios.push_back(ps_rates[i] / loop_rates[i]);
-  std::printf("{\"summary\":true,\"params\":%lld,\"shards\":%d,\"rounds\":%d,\"chunk_mb\":%g,"
-              "\"in_process\":%s,\"pull_gb_s\":%.3f,\"push_gb_s\":%.3f,\"pull_push_gb_s\":%.3f,"
-              "\"loopback_gb_s\":%.3f,\"ratio_median\":%.3f}\n",
-              static_cast<long long>(params), shards, rounds, chunk_mb, in_process ? "true" : "false",
-              median(pull_rates) / 1e9, median(push_rates) / 1e9, median(ps_rates) / 1e9,
-              median(loop_rates) / 1e9, median(ratios));
+  std::printf(
+      "{\"summary\":true,\"params\":%lld,\"shards\":%d,\"rounds\":%d,\"chunk_mb\":%g,"
+      "\"in_process\":%s,\"pull_gb_s\":%.3f,\"push_gb_s\":%.3f,\"pull_push_gb_s\":%.3f,"
+      "\"loopback_gb_s\":%.3f,\"ratio_median\":%.3f}\n",
+      static_cast<long long>(params), shards, rounds, chunk_mb, in_process ? "true" : "false",
+      median(pull_rates) / 1e9, median(push_rates) / 1e9, median(ps_rates) / 1e9,
+      median(loop_rates) / 1e9, median(ratios));
   for (const pid_t pid : children) {
     ::kill(pid, SIGTERM);
     ::waitpid(pid, nullptr, 0);

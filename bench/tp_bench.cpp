@@ -8,16 +8,16 @@
 // CPU allocator). Rank 0 prints one JSON line.
 #include <torch/torch.h>
 
-#include <CLI/CLI.hpp>
 #include <c10/core/CPUAllocator.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 
 #include "BenchMemory.h"
-#include "dtrain/common/Trace.h"
 #include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/common/Trace.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Gpt.h"
 #include "dtrain/optim/Optimizers.h"
@@ -29,7 +29,8 @@ using Clock = std::chrono::steady_clock;
 using bench::median;
 
 int main(int argc, char** argv) {
-  CLI::App app{"dtrain tensor-parallel benchmark (one rank; start with dtrain launch, or --single)"};
+  CLI::App app{
+      "dtrain tensor-parallel benchmark (one rank; start with dtrain launch, or --single)"};
   models::GptConfig config;
   config.vocab = 128;
   config.layers = 2;
@@ -79,7 +80,8 @@ int main(int argc, char** argv) {
   auto optimizer = optim::make_optimizer(parameters, adam);
   at::Generator generator = at::detail::createCPUGenerator(1);
   const at::Tensor ids = at::randint(config.vocab, {batch, config.context}, generator, at::kLong);
-  const at::Tensor targets = at::randint(config.vocab, {batch, config.context}, generator, at::kLong);
+  const at::Tensor targets =
+      at::randint(config.vocab, {batch, config.context}, generator, at::kLong);
   auto loss_of = [&](const at::Tensor& out) {
     return model.loss ? model.loss(out, targets) : parallel::cross_entropy(out, targets);
   };
@@ -93,7 +95,8 @@ int main(int argc, char** argv) {
     const auto start = Clock::now();
     optimizer->zero_grad();
     at::Tensor loss = loss_of(model(ids));
-    const double peak_mb = static_cast<double>(bench::CountingAllocator::bytes_in_use() - base) / (1 << 20);
+    const double peak_mb =
+        static_cast<double>(bench::CountingAllocator::bytes_in_use() - base) / (1 << 20);
     loss.backward();
     layout.sum_partial_gradients(parameters, names);
     optimizer->step();
@@ -122,15 +125,15 @@ int main(int argc, char** argv) {
   const int64_t optimizer_bytes = optim::optimizer_state_bytes(*optimizer);
   if (!world || world->rank() == 0) {
     const double ms = median(times);
-    std::printf("{\"T\": %d, \"threads\": %d, \"sequence_parallel\": %s, \"step_ms\": %.1f, "
-                "\"tokens_per_s\": %.1f, \"comm_share\": %.4f, \"param_mb\": %.2f, "
-                "\"grad_mb\": %.2f, \"adam_mb\": %.2f, \"model_state_mb\": %.2f, "
-                "\"activation_peak_mb\": %.2f}\n",
-                T, single ? threads : 1, config.sequence_parallel ? "true" : "false", ms,
-                static_cast<double>(batch * config.context) / ms * 1e3, median(shares),
-                parameter_bytes / 1048576.0, parameter_bytes / 1048576.0,
-                optimizer_bytes / 1048576.0, (2.0 * parameter_bytes + optimizer_bytes) / 1048576.0,
-                median(peaks));
+    std::printf(
+        "{\"T\": %d, \"threads\": %d, \"sequence_parallel\": %s, \"step_ms\": %.1f, "
+        "\"tokens_per_s\": %.1f, \"comm_share\": %.4f, \"param_mb\": %.2f, "
+        "\"grad_mb\": %.2f, \"adam_mb\": %.2f, \"model_state_mb\": %.2f, "
+        "\"activation_peak_mb\": %.2f}\n",
+        T, single ? threads : 1, config.sequence_parallel ? "true" : "false", ms,
+        static_cast<double>(batch * config.context) / ms * 1e3, median(shares),
+        parameter_bytes / 1048576.0, parameter_bytes / 1048576.0, optimizer_bytes / 1048576.0,
+        (2.0 * parameter_bytes + optimizer_bytes) / 1048576.0, median(peaks));
   }
   return 0;
 }

@@ -20,8 +20,7 @@ inline void add_data_flags(CLI::App& app, std::string& dataset, std::string& dat
   add(app, "--data-dir", data_dir,
       "Fashion-MNIST IDX files (default: $DTRAIN_DATA_DIR, else Debian's "
       "/usr/share/datasets/fashion-mnist)");
-  add(app, "--synthetic-examples", synthetic_examples,
-      "--dataset synthetic: training examples")
+  add(app, "--synthetic-examples", synthetic_examples, "--dataset synthetic: training examples")
       ->capture_default_str();
 }
 
@@ -57,8 +56,7 @@ inline void add_threads_flag(CLI::App& app, int& threads, const std::string& def
 
 /// --checkpoint-dir, --eval-every (in the command's `unit`s) and --no-progress.
 inline void add_run_flags(CLI::App& app, std::string& checkpoint_dir, int64_t& eval_every,
-                          bool& progress, const std::string& checkpoints,
-                          const std::string& unit) {
+                          bool& progress, const std::string& checkpoints, const std::string& unit) {
   add(app, "--checkpoint-dir", checkpoint_dir, checkpoints);
   add(app, "--eval-every", eval_every, "Also evaluate every N " + unit)->capture_default_str();
   app.add_flag("!--no-progress", progress, "No progress bar");

@@ -76,9 +76,10 @@ void add_plan(CLI::App& c, Shared& s) {
     algorithms += (algorithms.empty() ? "" : ", ") + name;
   }
   add(c, "--algorithm", s.algorithm,
-      "The aggregator: " + algorithms + " (fedsgd: E = 1 and the full local batch; fedavg with "
-      "--server-optimizer adam is fedadam, with --server-momentum fedavgm, with --prox-mu "
-      "fedprox)")
+      "The aggregator: " + algorithms +
+          " (fedsgd: E = 1 and the full local batch; fedavg with "
+          "--server-optimizer adam is fedadam, with --server-momentum fedavgm, with --prox-mu "
+          "fedprox)")
       ->capture_default_str();
   add(c, "--local-epochs", s.local.epochs, "E: local passes over a client's examples")
       ->capture_default_str();
@@ -110,8 +111,9 @@ void add_plan(CLI::App& c, Shared& s) {
   add(c, "--dp-delta", s.dp.delta, "The delta of the (epsilon, delta) reported per round")
       ->capture_default_str();
   add_model_flags(c, s.model, s.hidden,
-                  federated_models() + " (fedavg-cnn: McMahan et al.'s CNN, 5x5 convolutions "
-                  "and a 512-unit layer)",
+                  federated_models() +
+                      " (fedavg-cnn: McMahan et al.'s CNN, 5x5 convolutions "
+                      "and a 512-unit layer)",
                   "McMahan et al.'s 2NN: 200 200");
   add_seed_flag(c, s.seed, "model, selection, local order");
 }
@@ -125,8 +127,8 @@ void add_data(CLI::App& c, Shared& s, const char* use) {
 models::ModelSpec model_spec(const Shared& s, const std::string& name,
                              const std::vector<int64_t>& hidden) {
   const models::ModelInfo model = models::model_info(name);
-  DTRAIN_CHECK_INPUT(!model.language_model && model.parameters_only, "--model '", name, "': ",
-                     "federated learning averages parameters of classifiers: expected ",
+  DTRAIN_CHECK_INPUT(!model.language_model && model.parameters_only, "--model '", name,
+                     "': ", "federated learning averages parameters of classifiers: expected ",
                      federated_models());
   models::ModelSpec spec;
   spec.name = name;

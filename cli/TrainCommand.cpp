@@ -31,7 +31,8 @@ std::string self_executable() {
   return path;
 }
 
-void add_train_options(CLI::App& app, dtrain::train::JobConfig& job, dtrain::FlagSet& strategy_flags) {
+void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
+                       dtrain::FlagSet& strategy_flags) {
   auto& t = job.trainer;
   // A flag given twice (config file, then command line) keeps the last value.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -212,7 +213,8 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
   // Sandblaster's apply none: L-BFGS steps through vector commands.
   const bool downpour = dtrain::parallel::strategy_info(job.trainer.strategy).server_optimizer;
   auto& ps = job.trainer.strategy_options.of<dtrain::parallel::ps::PsOptions>();
-  const int n_push = job.trainer.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().n_push;
+  const int n_push =
+      job.trainer.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().n_push;
   const int64_t total_worker_steps = downpour ? dtrain::train::planned_steps(job) : 0;
   std::string addresses;
   for (int i = 0; i < job.ps_shards; ++i) {
@@ -224,8 +226,7 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
     // The job's schedule by version: one version per push, n_push worker steps each.
     const int64_t steps = std::max<int64_t>(1, job.nproc);
     if (downpour) options.optimizer.schedule = job.trainer.schedule;
-    options.optimizer.schedule.warmup_steps =
-        job.trainer.schedule.warmup_steps * steps / n_push;
+    options.optimizer.schedule.warmup_steps = job.trainer.schedule.warmup_steps * steps / n_push;
     options.optimizer.schedule.step_size =
         std::max<int64_t>(1, job.trainer.schedule.step_size * steps / n_push);
     options.optimizer.total_versions = total_worker_steps * steps / n_push;

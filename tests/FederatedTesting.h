@@ -47,8 +47,9 @@ inline Model model64(uint64_t seed) {
 }
 
 // Full-batch gradient descent on examples `indices` from `start`, `steps` steps.
-inline at::Tensor gradient_descent(const data::TensorDataset& data, const std::vector<int64_t>& indices,
-                            const at::Tensor& start, double lr, int steps) {
+inline at::Tensor gradient_descent(const data::TensorDataset& data,
+                                   const std::vector<int64_t>& indices, const at::Tensor& start,
+                                   double lr, int steps) {
   Model model = model64(0);
   load_flat_parameters(model, start);
   auto params = model.module->parameters();
@@ -67,6 +68,5 @@ inline std::vector<int64_t> range(int64_t begin, int64_t end) {
   std::iota(out.begin(), out.end(), begin);
   return out;
 }
-
 
 }  // namespace dtrain::federated::testing

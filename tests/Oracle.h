@@ -135,25 +135,29 @@ inline std::vector<at::Tensor> train_distributed(
     replicas.push_back(make_model_as(f.spec, f.dtype));
     if (r == 0) restore(replicas.back(), f.initial);  // the others get it by broadcast
   }
-  run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
-    auto strategy = make();
-    strategy->setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer),
-                    std::make_shared<comm::ProcessGrid>(comm));
-    auto order =
-        data::DistributedSampler(f.dataset.size(), world, comm->rank(), {true, 5, true}).indices();
-    const int64_t local = f.global_batch / world;
-    for (int step = 0; step < steps; ++step) {
-      std::vector<data::Batch> micro_batches;
-      for (int m = 0; m < micro; ++m) {
-        const int64_t begin = step * local + m * (local / micro);
-        micro_batches.push_back(f.dataset.get(
-            std::vector<int64_t>(order.begin() + begin, order.begin() + begin + local / micro)));
-      }
-      strategy->train_step(micro_batches, loss_for ? loss_for(comm) : parallel::cross_entropy);
-    }
-    strategy->materialize();  // ZeRO-3: gather the full parameters
-    if (comm->rank() == world - 1) result = snapshot(strategy->model());
-  }, std::chrono::seconds(60));
+  run_ranks(
+      world,
+      [&](const comm::CommunicatorPtr& comm) {
+        auto strategy = make();
+        strategy->setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer),
+                        std::make_shared<comm::ProcessGrid>(comm));
+        auto order =
+            data::DistributedSampler(f.dataset.size(), world, comm->rank(), {true, 5, true})
+                .indices();
+        const int64_t local = f.global_batch / world;
+        for (int step = 0; step < steps; ++step) {
+          std::vector<data::Batch> micro_batches;
+          for (int m = 0; m < micro; ++m) {
+            const int64_t begin = step * local + m * (local / micro);
+            micro_batches.push_back(f.dataset.get(std::vector<int64_t>(
+                order.begin() + begin, order.begin() + begin + local / micro)));
+          }
+          strategy->train_step(micro_batches, loss_for ? loss_for(comm) : parallel::cross_entropy);
+        }
+        strategy->materialize();  // ZeRO-3: gather the full parameters
+        if (comm->rank() == world - 1) result = snapshot(strategy->model());
+      },
+      std::chrono::seconds(60));
   return result;
 }
 

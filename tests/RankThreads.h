@@ -14,8 +14,7 @@
 
 namespace dtrain::test {
 
-inline void run_ranks(int world_size,
-                      const std::function<void(const comm::CommunicatorPtr&)>& body,
+inline void run_ranks(int world_size, const std::function<void(const comm::CommunicatorPtr&)>& body,
                       std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   const int port = free_port();
   std::vector<std::exception_ptr> errors(world_size);
@@ -44,7 +43,8 @@ inline void run_ranks(int world_size,
     try {
       std::rethrow_exception(errors[rank]);
     } catch (const std::exception& e) {
-      report += (report.empty() ? "" : "\n") + std::string("rank ") + std::to_string(rank) + ": " + e.what();
+      report += (report.empty() ? "" : "\n") + std::string("rank ") + std::to_string(rank) + ": " +
+                e.what();
     }
   }
   if (!report.empty()) throw std::runtime_error(report);

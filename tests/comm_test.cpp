@@ -46,8 +46,8 @@ TEST_P(AllreduceTest, SumAvgMaxMatchLocalReduction) {
       if (torch::isFloatingType(dtype)) {
         auto avg = data_of(comm->rank(), numel, dtype);
         comm->allreduce(avg, {comm::ReduceOp::Avg})->wait();
-        EXPECT_TRUE(torch::allclose(avg.to(torch::kDouble), expected_sum / world, 0.01,
-                                    tolerance(dtype)));
+        EXPECT_TRUE(
+            torch::allclose(avg.to(torch::kDouble), expected_sum / world, 0.01, tolerance(dtype)));
       }
       auto max = data_of(comm->rank(), numel, dtype);
       comm->allreduce(max, {comm::ReduceOp::Max})->wait();
@@ -56,11 +56,11 @@ TEST_P(AllreduceTest, SumAvgMaxMatchLocalReduction) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Dtypes, AllreduceTest,
-    ::testing::Combine(::testing::Values(1, 2, 3),
-                       ::testing::Values(torch::kFloat, torch::kDouble, torch::kLong,
-                                         torch::kHalf, torch::kBFloat16)));
+INSTANTIATE_TEST_SUITE_P(Dtypes, AllreduceTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3),
+                                            ::testing::Values(torch::kFloat, torch::kDouble,
+                                                              torch::kLong, torch::kHalf,
+                                                              torch::kBFloat16)));
 
 TEST(Comm, AllreduceNonContiguousWritesBack) {
   run_ranks(2, [](const CommunicatorPtr& comm) {
@@ -199,28 +199,31 @@ TEST(Comm, NewGroupAndSplit) {
 }
 
 TEST(Comm, ProcessGridTwoByTwoByTwo) {
-  run_ranks(8, [](const CommunicatorPtr& world) {
-    comm::ProcessGrid grid(world, /*tp=*/2, /*pp=*/2);
-    const int r = world->rank();
-    EXPECT_EQ(grid.dp_size(), 2);
-    const auto c = grid.coordinates();
-    EXPECT_EQ(grid.world_rank_of(c), r);
-    EXPECT_EQ(c.tp, r % 2);
-    EXPECT_EQ(c.dp, (r / 2) % 2);
-    EXPECT_EQ(c.pp, r / 4);
-    // Each group's members: sum of world ranks tells exactly who is in it.
-    auto sum_over = [&](const CommunicatorPtr& group) {
-      auto t = torch::full({1}, static_cast<float>(r));
-      group->allreduce(t)->wait();
-      return static_cast<int>(t.item<float>());
-    };
-    EXPECT_EQ(sum_over(grid.tp()), 2 * (r - r % 2) + 1);     // {r, r^1}
-    EXPECT_EQ(sum_over(grid.dp()), 2 * (r - (r & 2)) + 2);   // {r, r^2}
-    EXPECT_EQ(sum_over(grid.pp()), 2 * (r - (r & 4)) + 4);   // {r, r^4}
-    EXPECT_EQ(grid.tp()->global_ranks()[grid.tp()->rank()], r);
-    EXPECT_EQ(grid.next_stage_world_rank(), c.pp == 0 ? r + 4 : -1);
-    EXPECT_EQ(grid.prev_stage_world_rank(), c.pp == 1 ? r - 4 : -1);
-  }, 60s);
+  run_ranks(
+      8,
+      [](const CommunicatorPtr& world) {
+        comm::ProcessGrid grid(world, /*tp=*/2, /*pp=*/2);
+        const int r = world->rank();
+        EXPECT_EQ(grid.dp_size(), 2);
+        const auto c = grid.coordinates();
+        EXPECT_EQ(grid.world_rank_of(c), r);
+        EXPECT_EQ(c.tp, r % 2);
+        EXPECT_EQ(c.dp, (r / 2) % 2);
+        EXPECT_EQ(c.pp, r / 4);
+        // Each group's members: sum of world ranks tells exactly who is in it.
+        auto sum_over = [&](const CommunicatorPtr& group) {
+          auto t = torch::full({1}, static_cast<float>(r));
+          group->allreduce(t)->wait();
+          return static_cast<int>(t.item<float>());
+        };
+        EXPECT_EQ(sum_over(grid.tp()), 2 * (r - r % 2) + 1);    // {r, r^1}
+        EXPECT_EQ(sum_over(grid.dp()), 2 * (r - (r & 2)) + 2);  // {r, r^2}
+        EXPECT_EQ(sum_over(grid.pp()), 2 * (r - (r & 4)) + 4);  // {r, r^4}
+        EXPECT_EQ(grid.tp()->global_ranks()[grid.tp()->rank()], r);
+        EXPECT_EQ(grid.next_stage_world_rank(), c.pp == 0 ? r + 4 : -1);
+        EXPECT_EQ(grid.prev_stage_world_rank(), c.pp == 1 ? r - 4 : -1);
+      },
+      60s);
 }
 
 TEST(Comm, OneRankWorldIsAValidGrid) {
@@ -341,8 +344,8 @@ TEST(SharedMemoryChannel, DeliversByTagThroughASmallRingInBothDirectionsAtOnce) 
       channel.send(other, 100 + round, big(me), "crossing");
     }
     for (int round = 0; round < 3; ++round) {
-      EXPECT_TRUE(torch::equal(channel.recv(other, 100 + round, {300000}, torch::kFloat, "crossing"),
-                               big(other)));
+      EXPECT_TRUE(torch::equal(
+          channel.recv(other, 100 + round, {300000}, torch::kFloat, "crossing"), big(other)));
     }
     // A message of another length is named, not reinterpreted.
     if (me == 0) {
@@ -363,29 +366,33 @@ TEST(SharedMemoryChannel, DeliversByTagThroughASmallRingInBothDirectionsAtOnce) 
 
 TEST(SharedMemoryChannel, AMessageNeverSentTimesOutNamingGroupAndPeer) {
   std::atomic<bool> done{false};
-  run_ranks(2, [&](const CommunicatorPtr& comm) {
-    // Only 0 -> 1 asked for: the other direction is not connected.
-    comm::SharedMemoryChannel channel(comm, {{0, 1}});
-    EXPECT_TRUE(channel.connected(0, 1));
-    EXPECT_FALSE(channel.connected(1, 0));
-    if (comm->rank() == 1) {
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        channel.recv(0, 1, {4}, torch::kFloat, "the gradient of micro-batch 0");
-        ADD_FAILURE() << "a receive with no sender returned";
-      } catch (const TimeoutError& e) {
-        const std::string text = e.what();
-        EXPECT_NE(text.find("the gradient of micro-batch 0"), std::string::npos) << text;
-        EXPECT_NE(text.find("group 'world', rank 1 with rank 0 = world rank 0"), std::string::npos)
-            << text;
-        EXPECT_NE(text.find("timed out after 3000 ms"), std::string::npos) << text;
-      }
-      EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
-      done = true;
-    } else {
-      // Stay alive (bounded) until rank 1 has seen its timeout.
-      for (int i = 0; i < 1000 && !done; ++i) std::this_thread::sleep_for(10ms);
-      EXPECT_TRUE(done);
-    }
-  }, 3s);
+  run_ranks(
+      2,
+      [&](const CommunicatorPtr& comm) {
+        // Only 0 -> 1 asked for: the other direction is not connected.
+        comm::SharedMemoryChannel channel(comm, {{0, 1}});
+        EXPECT_TRUE(channel.connected(0, 1));
+        EXPECT_FALSE(channel.connected(1, 0));
+        if (comm->rank() == 1) {
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            channel.recv(0, 1, {4}, torch::kFloat, "the gradient of micro-batch 0");
+            ADD_FAILURE() << "a receive with no sender returned";
+          } catch (const TimeoutError& e) {
+            const std::string text = e.what();
+            EXPECT_NE(text.find("the gradient of micro-batch 0"), std::string::npos) << text;
+            EXPECT_NE(text.find("group 'world', rank 1 with rank 0 = world rank 0"),
+                      std::string::npos)
+                << text;
+            EXPECT_NE(text.find("timed out after 3000 ms"), std::string::npos) << text;
+          }
+          EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+          done = true;
+        } else {
+          // Stay alive (bounded) until rank 1 has seen its timeout.
+          for (int i = 0; i < 1000 && !done; ++i) std::this_thread::sleep_for(10ms);
+          EXPECT_TRUE(done);
+        }
+      },
+      3s);
 }

@@ -75,9 +75,8 @@ TEST(Ddp, TheOracleNoticesALostGradientOrMicroBatch) {
   auto s = make_setup("mlp");
   const auto expected = train_single(s, 10);
   auto make = [] { return std::make_unique<parallel::DdpStrategy>(parallel::StrategyOptions{}); };
-  const auto lost_rank = train_distributed(s, 2, 10, make, 1, [](const comm::CommunicatorPtr& c) {
-    return drop_rank_gradient(1, c);
-  });
+  const auto lost_rank = train_distributed(
+      s, 2, 10, make, 1, [](const comm::CommunicatorPtr& c) { return drop_rank_gradient(1, c); });
   EXPECT_GT(max_abs_diff(expected, lost_rank), 1e6 * kTightBound);
   const auto lost_micro = train_distributed(s, 2, 10, make, 2, [](const comm::CommunicatorPtr& c) {
     auto calls = std::make_shared<int>(0);  // rank 0 drops its second micro-batch every step
@@ -124,32 +123,36 @@ struct TwoHeads : torch::nn::Module {
 TEST(Ddp, UnusedParametersAreZeroOrNamedNeverAHang) {
   at::set_num_threads(1);
   for (bool strict : {false, true}) {
-    run_ranks(2, [strict](const comm::CommunicatorPtr& comm) {
-      auto net = std::make_shared<TwoHeads>();
-      net->use_b = comm->rank() == 1;
-      parallel::StrategyOptions options;
-      options.error_on_unused_parameters = strict;
-      parallel::DdpStrategy ddp(options);
-      ddp.setup(Model(net), optim::optimizer_factory({}), std::make_shared<comm::ProcessGrid>(comm));
-      data::Batch batch{torch::randn({8, 4}), torch::randint(0, 2, {8})};
-      if (!strict) {
-        ddp.train_step({batch}, parallel::cross_entropy);
-        EXPECT_EQ(ddp.reducer().stats().unused_parameters.size(), 2u);  // weight + bias
-        // Gradients agree across ranks even though each rank used a different head.
-        auto g = net->head_b->weight.grad().clone();
-        auto other = g.clone();
-        comm->broadcast(other, {0})->wait();
-        EXPECT_TRUE(torch::allclose(g, other));
-      } else {
-        try {
-          ddp.train_step({batch}, parallel::cross_entropy);
-          ADD_FAILURE() << "no error for unused parameters";
-        } catch (const Error& e) {
-          const std::string unused = comm->rank() == 0 ? "head_b.weight" : "head_a.weight";
-          EXPECT_NE(std::string(e.what()).find(unused), std::string::npos) << e.what();
-        }
-      }
-    }, 20s);
+    run_ranks(
+        2,
+        [strict](const comm::CommunicatorPtr& comm) {
+          auto net = std::make_shared<TwoHeads>();
+          net->use_b = comm->rank() == 1;
+          parallel::StrategyOptions options;
+          options.error_on_unused_parameters = strict;
+          parallel::DdpStrategy ddp(options);
+          ddp.setup(Model(net), optim::optimizer_factory({}),
+                    std::make_shared<comm::ProcessGrid>(comm));
+          data::Batch batch{torch::randn({8, 4}), torch::randint(0, 2, {8})};
+          if (!strict) {
+            ddp.train_step({batch}, parallel::cross_entropy);
+            EXPECT_EQ(ddp.reducer().stats().unused_parameters.size(), 2u);  // weight + bias
+            // Gradients agree across ranks even though each rank used a different head.
+            auto g = net->head_b->weight.grad().clone();
+            auto other = g.clone();
+            comm->broadcast(other, {0})->wait();
+            EXPECT_TRUE(torch::allclose(g, other));
+          } else {
+            try {
+              ddp.train_step({batch}, parallel::cross_entropy);
+              ADD_FAILURE() << "no error for unused parameters";
+            } catch (const Error& e) {
+              const std::string unused = comm->rank() == 0 ? "head_b.weight" : "head_a.weight";
+              EXPECT_NE(std::string(e.what()).find(unused), std::string::npos) << e.what();
+            }
+          }
+        },
+        20s);
   }
 }
 
@@ -238,12 +241,13 @@ TEST(Ddp, GradientFromAnEarlierMicroBatchSurvivesWhenUnusedInTheLast) {
       for (size_t i = 0; i < params.size(); ++i) params[i].copy_(initial[i]);
     }
     parallel::DdpStrategy ddp({});
-    ddp.setup(Model(net->shared_from_this(), [net](const at::Tensor& x) {
-                // Alternate heads by call: 1st micro-batch head_b, 2nd head_a.
-                auto out = net->forward(x);
-                net->use_b = !net->use_b;
-                return out;
-              }),
+    ddp.setup(Model(net->shared_from_this(),
+                    [net](const at::Tensor& x) {
+                      // Alternate heads by call: 1st micro-batch head_b, 2nd head_a.
+                      auto out = net->forward(x);
+                      net->use_b = !net->use_b;
+                      return out;
+                    }),
               optim::optimizer_factory({}), std::make_shared<comm::ProcessGrid>(comm));
     net->use_b = true;
     ddp.train_step({first, second}, parallel::cross_entropy);  // same data on both ranks
@@ -275,7 +279,6 @@ TEST(Ddp, AFirstLayerLargerThanTheRestOfItsBucketStaysInIt) {
     auto model = models::make_model(spec);
     const auto [params, names] = parameters_of(model);
     parallel::Reducer reducer(params, names, comm, {});
-    EXPECT_EQ(reducer.bucket_layout(),
-              (std::vector<std::vector<size_t>>{{5, 4, 3, 2, 1, 0}}));
+    EXPECT_EQ(reducer.bucket_layout(), (std::vector<std::vector<size_t>>{{5, 4, 3, 2, 1, 0}}));
   });
 }

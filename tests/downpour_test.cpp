@@ -9,17 +9,17 @@
 #include <limits>
 #include <thread>
 
+#include <filesystem>
 #include "RankThreads.h"
 #include "SmallModels.h"
 #include "TempDir.h"
-#include <filesystem>
-#include "dtrain/parallel/Loops.h"
-#include "dtrain/parallel/Registry.h"
-#include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/Loops.h"
+#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/ps/PsClient.h"
+#include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/services/ps/ShardServer.h"
 #include "dtrain/train/Trainer.h"
 
@@ -73,7 +73,7 @@ struct Outcome {
 // `world` workers (rank threads) with `options`, the model in the dataset's dtype; rank 0's
 // result and final weights.
 Outcome run(int world, const train::TrainerOptions& options, const data::TensorDataset& dataset,
-        const data::TensorDataset* validation = nullptr) {
+            const data::TensorDataset* validation = nullptr) {
   std::vector<Model> models;
   for (int r = 0; r < world; ++r) {
     torch::manual_seed(11);  // the same initialization as the reference run
@@ -81,22 +81,26 @@ Outcome run(int world, const train::TrainerOptions& options, const data::TensorD
     models.back().module->to(dataset.raw_inputs().scalar_type());
   }
   Outcome out;
-  run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
-    train::Trainer trainer(options, comm);
-    auto fit = trainer.fit(models[comm->rank()], dataset, validation);
-    if (comm->rank() == 0) {
-      out.fit = fit;
-      for (const auto& p : trainer.strategy().model().module->parameters()) {
-        out.weights.push_back(p.detach().clone());
-      }
-    }
-  }, 60s);
+  run_ranks(
+      world,
+      [&](const comm::CommunicatorPtr& comm) {
+        train::Trainer trainer(options, comm);
+        auto fit = trainer.fit(models[comm->rank()], dataset, validation);
+        if (comm->rank() == 0) {
+          out.fit = fit;
+          for (const auto& p : trainer.strategy().model().module->parameters()) {
+            out.weights.push_back(p.detach().clone());
+          }
+        }
+      },
+      60s);
   return out;
 }
 
 double max_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
   return worst;
 }
 
@@ -190,16 +194,18 @@ TEST(Downpour, AStepWhoseGradientIsNotFiniteIsSkippedAndTheShardsStayFinite) {
   testing::internal::CaptureStderr();
   const Outcome downpour = run(1, options, dataset);
   const std::string said = testing::internal::GetCapturedStderr();
-  EXPECT_NE(said.find("downpour worker 0: step 7's non-finite gradient: element "), std::string::npos)
+  EXPECT_NE(said.find("downpour worker 0: step 7's non-finite gradient: element "),
+            std::string::npos)
       << said;
   EXPECT_NE(said.find("; its update is skipped"), std::string::npos) << said;
   EXPECT_EQ(shards.version(), 14);
   EXPECT_TRUE(std::isnan(downpour.fit.losses.at(6)));
   EXPECT_LE(max_diff(downpour.weights, reference.weights), kTightBound);
   for (const auto& server : shards.servers) {
-    EXPECT_TRUE(at::isfinite(server->shard().read(server->shard().begin(), server->shard().end(), nullptr))
-                    .all()
-                    .item<bool>());
+    EXPECT_TRUE(
+        at::isfinite(server->shard().read(server->shard().begin(), server->shard().end(), nullptr))
+            .all()
+            .item<bool>());
   }
 }
 
@@ -341,7 +347,8 @@ TEST(Downpour, AShardRestartedFromItsCheckpointIsRetriedAndItsLostUpdatesReporte
     options.of<dtrain::parallel::ps::PsOptions>().addresses = addresses;
     options.of<dtrain::parallel::ps::PsOptions>().rpc_timeout_ms = 2000;
     options.of<dtrain::parallel::ps::PsOptions>().retry_ms = 20000;
-    options.of<dtrain::parallel::ps::DownpourOptions>().max_staleness = 0;  // every step waits for its push: versions are exact
+    options.of<dtrain::parallel::ps::DownpourOptions>().max_staleness =
+        0;  // every step waits for its push: versions are exact
     auto strategy = parallel::make_strategy("downpour", options);
     optim::OptimizerSpec spec;
     strategy->setup(models::make_model(mlp_spec()), optim::optimizer_factory(spec),
@@ -353,11 +360,13 @@ TEST(Downpour, AShardRestartedFromItsCheckpointIsRetriedAndItsLostUpdatesReporte
       }
       ASSERT_EQ(servers[1]->shard().version(), version);
     };
-    for (int step = 0; step < 5; ++step) strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
+    for (int step = 0; step < 5; ++step)
+      strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
     reach(5);
     EXPECT_EQ(servers[1]->save_checkpoint(), 5);
     std::filesystem::copy_file(file, dir / "saved-at-5.pt");
-    for (int step = 0; step < 4; ++step) strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
+    for (int step = 0; step < 4; ++step)
+      strategy->train_step({dataset.slice(0, 8)}, parallel::cross_entropy);
     reach(9);
     // The shard dies as if killed: the state it had since version 5 is gone.
     servers[1].reset();
@@ -378,8 +387,8 @@ TEST(Downpour, AShardRestartedFromItsCheckpointIsRetriedAndItsLostUpdatesReporte
     parallel::as_asynchronous(*strategy).finish();  // every push in
     EXPECT_EQ(servers[1]->resumed_version(), 5);
     EXPECT_EQ(result.metrics.at("ps_lost_updates"), 4.0);  // versions 6..9 of shard 1
-    EXPECT_EQ(servers[1]->shard().version(), 5 + 4);        // trained on from the checkpoint
-    EXPECT_EQ(servers[0]->shard().version(), 9 + 4);        // the other shard lost nothing
+    EXPECT_EQ(servers[1]->shard().version(), 5 + 4);       // trained on from the checkpoint
+    EXPECT_EQ(servers[0]->shard().version(), 9 + 4);       // the other shard lost nothing
     EXPECT_TRUE(std::isfinite(result.loss));
   });
 }

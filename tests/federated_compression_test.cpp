@@ -7,35 +7,35 @@
 
 #include <filesystem>
 #include <fstream>
-#include <numeric>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <set>
 
+#include <grpcpp/grpcpp.h>
 #include "SmallModels.h"
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
-#include <grpcpp/grpcpp.h>
 
 #include <atomic>
 #include <thread>
 
+#include "FederatedTesting.h"
 #include "dtrain/federated.grpc.pb.h"
 #include "dtrain/services/federated/Client.h"
 #include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Partition.h"
-#include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/SecureAggregation.h"
 #include "dtrain/services/federated/Server.h"
 #include "dtrain/services/federated/Simulation.h"
 #include "services/federated/FlWire.h"
 #include "services/federated/SecureServerRound.h"
-#include "FederatedTesting.h"
 
 using namespace dtrain;
 using namespace dtrain::federated;
@@ -92,7 +92,8 @@ TEST(Compression, EightBitStochasticRoundingIsUnbiasedAndFourTimesSmaller) {
       << "largest bias " << (mean_error / bound).max().item<double>() << " of the bound";
   // Rounding to the nearest level is biased by up to half a step: the same bound catches it.
   const EncodedUpdate first = encode_update(x, spec, nullptr, 1);
-  const at::Tensor lo = first.parts[1].second.to(at::kDouble).repeat_interleave(kQuantBlock).slice(0, 0, n);
+  const at::Tensor lo =
+      first.parts[1].second.to(at::kDouble).repeat_interleave(kQuantBlock).slice(0, 0, n);
   const at::Tensor nearest = lo + at::round((x.to(at::kDouble) - lo) / step) * step;
   EXPECT_FALSE(((nearest - x.to(at::kDouble)).abs() <= bound).all().item<bool>());
   // Bytes: 1 per element and 8 per block against 4 per element (a model of 100k parameters).
@@ -114,7 +115,8 @@ TEST(Compression, TopKWithErrorFeedbackSendsEverythingEventually) {
   for (const CompressionSpec& s : {spec, no_feedback}) {
     at::Tensor residual, sent = at::zeros({n}, at::kDouble), total = at::zeros({n}, at::kDouble);
     for (int round = 0; round < 6; ++round) {
-      const at::Tensor delta = at::randn({n}, at::detail::createCPUGenerator(40 + round), at::kDouble);
+      const at::Tensor delta =
+          at::randn({n}, at::detail::createCPUGenerator(40 + round), at::kDouble);
       const EncodedUpdate encoded = encode_update(delta, s, &residual, 0);
       EXPECT_EQ(encoded.parts[0].second.numel(), 20);  // ceil(0.02 n)
       EXPECT_EQ(encoded.parts[0].second.scalar_type(), at::kInt);
@@ -154,15 +156,21 @@ TEST(Compression, MalformedUpdatesAreRefusedByName) {
   EXPECT_TRUE(has(why({"none", {{"delta", at::full({10}, NAN)}}}), "NaN or Inf"));
   EXPECT_TRUE(has(why({"none", {{"delta", at::ones({10}, at::kLong)}}}), "part 'delta'"));
   EXPECT_TRUE(has(why({"zip", {{"delta", at::ones({10})}}}), "unknown encoding 'zip'"));
-  EXPECT_TRUE(has(why({"q8", {{"q", at::ones({10}, at::kByte)}, {"lo", at::zeros({1})}}}), "2 parts, not 3"));
-  EXPECT_TRUE(has(why({"q8", {{"q", at::ones({10}, at::kByte)}, {"lo", at::zeros({1})},
-                              {"step", -at::ones({1})}}}), "negative step"));
-  EXPECT_TRUE(has(why({"topk", {{"indices", at::tensor({3, 10}, at::kInt)}, {"values", at::ones({2})}}}),
-                  "outside [0, 10)"));
-  EXPECT_TRUE(has(why({"topk", {{"indices", at::tensor({3, 3}, at::kInt)}, {"values", at::ones({2})}}}),
-                  "not strictly increasing"));
-  EXPECT_TRUE(has(why({"topk", {{"indices", at::tensor({3}, at::kInt)}, {"values", at::ones({2})}}}),
-                  "holds 2 elements, expected 1"));
+  EXPECT_TRUE(has(why({"q8", {{"q", at::ones({10}, at::kByte)}, {"lo", at::zeros({1})}}}),
+                  "2 parts, not 3"));
+  EXPECT_TRUE(has(
+      why({"q8",
+           {{"q", at::ones({10}, at::kByte)}, {"lo", at::zeros({1})}, {"step", -at::ones({1})}}}),
+      "negative step"));
+  EXPECT_TRUE(
+      has(why({"topk", {{"indices", at::tensor({3, 10}, at::kInt)}, {"values", at::ones({2})}}}),
+          "outside [0, 10)"));
+  EXPECT_TRUE(
+      has(why({"topk", {{"indices", at::tensor({3, 3}, at::kInt)}, {"values", at::ones({2})}}}),
+          "not strictly increasing"));
+  EXPECT_TRUE(
+      has(why({"topk", {{"indices", at::tensor({3}, at::kInt)}, {"values", at::ones({2})}}}),
+          "holds 2 elements, expected 1"));
   // The messages: an unknown part, a part longer than the model, a gap, a part cut short.
   wire::PartsReader reader({{"delta", n}});
   dtrain::rpc::TensorChunk chunk;
@@ -186,7 +194,8 @@ TEST(Compression, MalformedUpdatesAreRefusedByName) {
 
 // Top-k of 5% with error feedback converges, only later: in twice the rounds it gets the global
 // model's training loss below what sending everything reaches; dropping what was not sent (no
-// error feedback) ends at least 1.5x higher in the same rounds. Float64, a fixed seed: the same on any CPU.
+// error feedback) ends at least 1.5x higher in the same rounds. Float64, a fixed seed: the same on
+// any CPU.
 TEST(Compression, TopKWithErrorFeedbackConvergesAndWithoutItLags) {
   at::set_num_threads(1);
   const auto train = synthetic64(800, 17);
@@ -213,12 +222,13 @@ TEST(Compression, TopKWithErrorFeedbackConvergesAndWithoutItLags) {
   options.rounds = 60;
   const double with_feedback = final_loss("topk:0.05", true);
   const double without = final_loss("topk:0.05", false);
-  std::printf("training loss: uncompressed after 30 rounds %.4f; top-5%% after 60 rounds: with "
-              "error feedback %.4f, without %.4f\n", plain, with_feedback, without);
+  std::printf(
+      "training loss: uncompressed after 30 rounds %.4f; top-5%% after 60 rounds: with "
+      "error feedback %.4f, without %.4f\n",
+      plain, with_feedback, without);
   EXPECT_LT(with_feedback, plain);
   EXPECT_GT(without, with_feedback * 1.5);
 }
-
 
 // ---- Differential privacy ----
 
@@ -236,7 +246,8 @@ TEST(Privacy, SampledGaussianRdpMatchesItsIntegralAndTheGaussianAtFullSampling) 
         const at::Tensor density = at::exp(-x.pow(2) / (2 * z * z)) / (z * std::sqrt(2 * M_PI));
         const at::Tensor ratio = (1 - q) + q * at::exp((2 * x - 1) / (2 * z * z));
         const at::Tensor f = density * ratio.pow(alpha);
-        const double integral = (f.sum().item<double>() - 0.5 * (f[0].item<double>() + f[-1].item<double>())) * h;
+        const double integral =
+            (f.sum().item<double>() - 0.5 * (f[0].item<double>() + f[-1].item<double>())) * h;
         const double expected = std::log(integral) / (alpha - 1);
         EXPECT_NEAR(sampled_gaussian_rdp(q, z, alpha), expected, 1e-9 * std::max(1.0, expected))
             << "q " << q << " z " << z << " alpha " << alpha;

@@ -10,35 +10,35 @@
 
 #include <filesystem>
 #include <fstream>
-#include <numeric>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <set>
 
+#include <grpcpp/grpcpp.h>
 #include "SmallModels.h"
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
-#include <grpcpp/grpcpp.h>
 
 #include <atomic>
 #include <thread>
 
+#include "FederatedTesting.h"
 #include "dtrain/federated.grpc.pb.h"
 #include "dtrain/services/federated/Client.h"
 #include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Partition.h"
-#include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/SecureAggregation.h"
 #include "dtrain/services/federated/Server.h"
 #include "dtrain/services/federated/Simulation.h"
 #include "services/federated/FlWire.h"
 #include "services/federated/SecureServerRound.h"
-#include "FederatedTesting.h"
 
 using namespace dtrain;
 using namespace dtrain::federated;
@@ -133,8 +133,9 @@ TEST(FedAvg, OneClientWithOneFullBatchEpochIsCentralizedGradientDescent) {
   EXPECT_LE((result.global - expected).abs().max().item<double>(), kTightBound);
   EXPECT_GT((expected - start).abs().max().item<double>(), 1e-3);
   // One step fewer is far outside the bound.
-  EXPECT_GT((gradient_descent(train, range(0, 64), start, 0.3, 5) - expected).abs().max().item<double>(),
-            1e6 * kTightBound);
+  EXPECT_GT(
+      (gradient_descent(train, range(0, 64), start, 0.3, 5) - expected).abs().max().item<double>(),
+      1e6 * kTightBound);
   EXPECT_EQ(result.rounds[0].outcome.finished, 1);
   EXPECT_GE(result.rounds[5].test_accuracy, 0.0);
 }
@@ -309,7 +310,8 @@ TEST(FedAvg, TheProximalTermKeepsTheLocalModelNearTheGlobalOne) {
   local.epochs = 5;
   local.batch = 10;
   local.lr = 0.1;
-  const double free = train_locally(replica, start, data, range(0, 80), local, 1).delta.norm().item<double>();
+  const double free =
+      train_locally(replica, start, data, range(0, 80), local, 1).delta.norm().item<double>();
   local.prox_mu = 5.0;
   const auto prox = train_locally(replica, start, data, range(0, 80), local, 1);
   EXPECT_LT(prox.delta.norm().item<double>(), 0.5 * free);
@@ -369,7 +371,6 @@ TEST(Simulation, AResumedRunEndsWhereAnUninterruptedOneDoes) {
   EXPECT_GT(dropped, 0);
 }
 
-
 // ---- Personalization ----
 
 // Fine-tuning only the last layer leaves every other parameter at the global value; on clients
@@ -394,7 +395,11 @@ TEST(Personalization, FineTuningTheLastLayerKeepsTheRestAndHelpsOnSkewedClients)
   const at::Tensor after = flatten_parameters(model);
   EXPECT_TRUE(at::equal(after.narrow(0, 0, frozen), global.narrow(0, 0, frozen)));
   EXPECT_GT((after.narrow(0, frozen, global.numel() - frozen) -
-             global.narrow(0, frozen, global.numel() - frozen)).abs().max().item<double>(), 1e-3);
+             global.narrow(0, frozen, global.numel() - frozen))
+                .abs()
+                .max()
+                .item<double>(),
+            1e-3);
   for (auto& p : model.module->parameters()) EXPECT_TRUE(p.requires_grad());
   EXPECT_THROW(fine_tune(model, global, train, range(0, 10), plan, 99, 0), InputError);
   // Clients of one class each (shards:1), the global model untrained: fine-tuning wins.
@@ -484,7 +489,9 @@ TEST(Simulation, DivergedClientsLeaveTheRoundAndADivergedRunStops) {
     simulate(mlp_spec(), train, test, options);
     ADD_FAILURE() << "a diverged run went on";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("round 1: only 0 of 4 clients finished, 10 times in a row"),
-              std::string::npos) << e.what();
+    EXPECT_NE(
+        std::string(e.what()).find("round 1: only 0 of 4 clients finished, 10 times in a row"),
+        std::string::npos)
+        << e.what();
   }
 }

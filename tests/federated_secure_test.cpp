@@ -7,35 +7,35 @@
 
 #include <filesystem>
 #include <fstream>
-#include <numeric>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <set>
 
+#include <grpcpp/grpcpp.h>
 #include "SmallModels.h"
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
-#include <grpcpp/grpcpp.h>
 
 #include <atomic>
 #include <thread>
 
+#include "FederatedTesting.h"
 #include "dtrain/federated.grpc.pb.h"
 #include "dtrain/services/federated/Client.h"
 #include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Partition.h"
-#include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/SecureAggregation.h"
 #include "dtrain/services/federated/Server.h"
 #include "dtrain/services/federated/Simulation.h"
 #include "services/federated/FlWire.h"
 #include "services/federated/SecureServerRound.h"
-#include "FederatedTesting.h"
 
 using namespace dtrain;
 using namespace dtrain::federated;
@@ -46,8 +46,8 @@ using namespace dtrain::federated::testing;
 namespace {
 
 struct SecAggRound {
-  at::Tensor sum;                 // the server's result
-  at::Tensor plain;               // the survivors' inputs summed in the clear (mod 2^32)
+  at::Tensor sum;                  // the server's result
+  at::Tensor plain;                // the survivors' inputs summed in the clear (mod 2^32)
   std::vector<at::Tensor> masked;  // what the server saw from each survivor
 };
 
@@ -59,8 +59,8 @@ SecAggRound secure_round(int n, int threshold, int64_t elements, int drop_before
   std::vector<std::unique_ptr<ClientSession>> clients;
   ServerSession server(elements, threshold);
   for (int i = 0; i < n; ++i) {
-    clients.push_back(std::make_unique<ClientSession>(static_cast<uint32_t>(100 + 7 * i), elements,
-                                                      threshold));
+    clients.push_back(
+        std::make_unique<ClientSession>(static_cast<uint32_t>(100 + 7 * i), elements, threshold));
     server.add_keys(clients.back()->advertise());
   }
   const auto u1 = server.advertised();
@@ -71,8 +71,8 @@ SecAggRound secure_round(int n, int threshold, int64_t elements, int drop_before
   out.plain = at::zeros({elements}, at::kLong);
   at::Generator gen = at::detail::createCPUGenerator(seed);
   for (int i = drop_before_masking; i < n; ++i) {
-    const at::Tensor x = at::randint(-(int64_t{1} << 31), int64_t{1} << 31, {elements}, gen, at::kLong)
-                             .to(at::kInt);
+    const at::Tensor x =
+        at::randint(-(int64_t{1} << 31), int64_t{1} << 31, {elements}, gen, at::kLong).to(at::kInt);
     const at::Tensor y = clients[i]->masked_input(x, u2);
     server.add_masked(clients[i]->id(), y);
     out.masked.push_back(y);
@@ -102,7 +102,8 @@ TEST(SecureServerRound, StepsAreTakenInTheirPhaseAndBadOnesAreNamedByField) {
   EXPECT_EQ(round.names.at(1), "a");
   EXPECT_EQ(round.ref, 7);
   std::vector<std::unique_ptr<secagg::ClientSession>> clients;
-  for (uint32_t id = 1; id <= 3; ++id) clients.push_back(std::make_unique<secagg::ClientSession>(id, 6, 2));
+  for (uint32_t id = 1; id <= 3; ++id)
+    clients.push_back(std::make_unique<secagg::ClientSession>(id, 6, 2));
   std::vector<secagg::PublicKeys> keys;
   for (auto& c : clients) keys.push_back(c->advertise());
   auto keys_request = [](const secagg::PublicKeys& k) {
@@ -145,7 +146,8 @@ TEST(SecureServerRound, StepsAreTakenInTheirPhaseAndBadOnesAreNamedByField) {
   round.fill_reply(Request::KEYS, 2, &reply);
   ASSERT_EQ(reply.keys_size(), 3);
   EXPECT_EQ(reply.keys(2).id(), 3u);
-  EXPECT_EQ(reply.keys(2).s_public(), std::string(reinterpret_cast<const char*>(keys[2].s_public.data()), 32));
+  EXPECT_EQ(reply.keys(2).s_public(),
+            std::string(reinterpret_cast<const char*>(keys[2].s_public.data()), 32));
   auto shares_request = [](const std::vector<secagg::SealedShares>& sealed) {
     Request r;
     r.set_step(Request::SHARES);
@@ -183,7 +185,8 @@ TEST(SecureAggregation, ShamirRebuildsFromAnyThresholdSharesAndNotFromFewer) {
   const std::vector<uint64_t> secret{1, 0xffffffffULL, 12345, 0};
   const std::vector<uint32_t> points{3, 9, 27, 81, 243};
   const auto shares = secagg::shamir_split(secret, 3, points);
-  for (const auto& pick : std::vector<std::vector<int>>{{0, 1, 2}, {4, 2, 0}, {1, 3, 4}, {0, 1, 2, 3, 4}}) {
+  for (const auto& pick :
+       std::vector<std::vector<int>>{{0, 1, 2}, {4, 2, 0}, {1, 3, 4}, {0, 1, 2, 3, 4}}) {
     std::map<uint32_t, std::vector<uint64_t>> some;
     for (int i : pick) some[points[i]] = shares[i];
     EXPECT_EQ(secagg::shamir_join(some), secret);
@@ -215,15 +218,19 @@ TEST(SecureAggregation, BelowTheThresholdTheRoundAbortsSayingHowManyWereLeft) {
     secure_round(10, 6, 100, 5, 0);  // 5 masked inputs < 6
     ADD_FAILURE() << "a round below the threshold was aggregated";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("5 clients sent masked inputs, fewer than the threshold 6"),
-              std::string::npos) << e.what();
+    EXPECT_NE(
+        std::string(e.what()).find("5 clients sent masked inputs, fewer than the threshold 6"),
+        std::string::npos)
+        << e.what();
   }
   try {
     secure_round(10, 6, 100, 2, 3);  // 8 masked, 5 reveal
     ADD_FAILURE() << "masks were removed with too few reveals";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("5 clients revealed their shares, fewer than the threshold 6"),
-              std::string::npos) << e.what();
+    EXPECT_NE(
+        std::string(e.what()).find("5 clients revealed their shares, fewer than the threshold 6"),
+        std::string::npos)
+        << e.what();
   }
 }
 
@@ -253,13 +260,15 @@ TEST(SecureAggregation, OneMaskedUploadIsIndistinguishableFromUniformNoise) {
   const double chi2 = ((counts - expected).pow(2) / expected).sum().item<double>();
   EXPECT_LT(chi2, 400.0);
   // The ramp itself is perfectly "structured": the same statistic is enormous.
-  const at::Tensor ramp_bytes = at::from_blob(ramp.data_ptr(), {elements * 4}, at::kByte).to(at::kLong);
+  const at::Tensor ramp_bytes =
+      at::from_blob(ramp.data_ptr(), {elements * 4}, at::kByte).to(at::kLong);
   const at::Tensor ramp_counts = at::bincount(ramp_bytes, {}, 256).to(at::kDouble);
   EXPECT_GT(((ramp_counts - expected).pow(2) / expected).sum().item<double>(), 1e4);
   // Correlation of the masked words (as unsigned) with the input: |r| < 4 / sqrt(n).
   const at::Tensor u = (y.to(at::kLong) & int64_t{0xffffffff}).to(at::kDouble);
   const at::Tensor x = ramp.to(at::kDouble);
-  const double r = (((u - u.mean()) * (x - x.mean())).mean() / (u.std(false) * x.std(false))).item<double>();
+  const double r =
+      (((u - u.mean()) * (x - x.mean())).mean() / (u.std(false) * x.std(false))).item<double>();
   EXPECT_LT(std::abs(r), 4.0 / std::sqrt(static_cast<double>(elements)));
 }
 
@@ -286,7 +295,8 @@ TEST(SecureAggregation, TamperedOrMisroutedSharesDoNotOpen) {
     clients[0]->receive({misrouted});
     ADD_FAILURE() << "shares for another client opened";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("from client 2 do not open"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("from client 2 do not open"), std::string::npos)
+        << e.what();
   }
 }
 

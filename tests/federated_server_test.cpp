@@ -7,35 +7,35 @@
 
 #include <filesystem>
 #include <fstream>
-#include <numeric>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <set>
 
+#include <grpcpp/grpcpp.h>
 #include "SmallModels.h"
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
-#include <grpcpp/grpcpp.h>
 
 #include <atomic>
 #include <thread>
 
+#include "FederatedTesting.h"
 #include "dtrain/federated.grpc.pb.h"
 #include "dtrain/services/federated/Client.h"
 #include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Partition.h"
-#include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/SecureAggregation.h"
 #include "dtrain/services/federated/Server.h"
 #include "dtrain/services/federated/Simulation.h"
 #include "services/federated/FlWire.h"
 #include "services/federated/SecureServerRound.h"
-#include "FederatedTesting.h"
 
 using namespace dtrain;
 using namespace dtrain::federated;
@@ -76,8 +76,8 @@ ClientOptions client_options(const Server& server, const std::string& id) {
 // Runs `clients` (each its id, examples and options tweak) against `server` in threads.
 std::vector<ClientReport> run_clients(
     Server& server, const data::TensorDataset& train,
-    const std::vector<std::pair<std::string, std::vector<int64_t>>>& clients,
-    ServerResult* result, const std::function<void(ClientOptions&)>& tweak = nullptr) {
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& clients, ServerResult* result,
+    const std::function<void(ClientOptions&)>& tweak = nullptr) {
   std::vector<ClientReport> reports(clients.size());
   std::vector<std::string> errors(clients.size());
   std::vector<std::thread> threads;
@@ -185,21 +185,23 @@ TEST(FederatedServer, AClientPastTheRoundsDeadlineLeavesWithoutUploading) {
   std::mutex mutex;
   std::map<std::string, std::vector<std::string>> lines;
   ServerResult result;
-  const auto reports = run_clients(
-      server, train, {{"a", range(0, 30)}, {"late", range(30, 60)}}, &result,
-      [&](ClientOptions& o) {
-        const std::string id = o.client_id;
-        o.log = [&, id](const std::string& line) {
-          std::lock_guard<std::mutex> lock(mutex);
-          lines[id].push_back(line);
-        };
-        if (id != "late") return;
-        // Available; the first check during local training takes 2.5 s (past the deadline).
-        o.available = [calls = std::make_shared<int>(0)] {
-          if (++*calls == 2) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-          return true;
-        };
-      });
+  const auto reports =
+      run_clients(server, train, {{"a", range(0, 30)}, {"late", range(30, 60)}}, &result,
+                  [&](ClientOptions& o) {
+                    const std::string id = o.client_id;
+                    o.log = [&, id](const std::string& line) {
+                      std::lock_guard<std::mutex> lock(mutex);
+                      lines[id].push_back(line);
+                    };
+                    if (id != "late") return;
+                    // Available; the first check during local training takes 2.5 s (past the
+                    // deadline).
+                    o.available = [calls = std::make_shared<int>(0)] {
+                      if (++*calls == 2)
+                        std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+                      return true;
+                    };
+                  });
   ASSERT_EQ(result.rounds_done, 1);
   EXPECT_EQ(result.rounds[0].outcome.finished, 1);
   EXPECT_EQ(result.rounds[0].outcome.dropped, 1);
@@ -212,7 +214,8 @@ TEST(FederatedServer, AClientPastTheRoundsDeadlineLeavesWithoutUploading) {
     return std::any_of(lines[id].begin(), lines[id].end(),
                        [&](const std::string& l) { return l.find(text) != std::string::npos; });
   };
-  EXPECT_TRUE(has("late", "round 1: left before its update was sent: Upload: the round's deadline passed"));
+  EXPECT_TRUE(
+      has("late", "round 1: left before its update was sent: Upload: the round's deadline passed"));
   EXPECT_TRUE(has("a", "round 1: selected (1 epochs, batch 0, 30 examples; deadline in"));
   EXPECT_TRUE(has("a", "round 1: update sent ("));
   EXPECT_TRUE(has("a", "the server says the last round is over"));
@@ -251,8 +254,8 @@ TEST(FederatedServer, BadClientsAndBadUpdatesAreRefusedWithoutAffectingTheRound)
       context.AddMetadata("authorization", "Bearer " + token);
       dtrain::fl::UploadReply reply;
       auto writer = stub->Upload(&context, &reply);
-      for (const auto& m : wire::update_messages(encode_update(delta, {}, nullptr, 0), id, 1, 10,
-                                                 0.0, 1 << 20)) {
+      for (const auto& m :
+           wire::update_messages(encode_update(delta, {}, nullptr, 0), id, 1, 10, 0.0, 1 << 20)) {
         writer->Write(m);
       }
       writer->WritesDone();
@@ -271,20 +274,22 @@ TEST(FederatedServer, BadClientsAndBadUpdatesAreRefusedWithoutAffectingTheRound)
         << status.error_message();
     status = upload("a", "token-a", at::full_like(initial, NAN));
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-    EXPECT_NE(status.error_message().find("NaN or Inf"), std::string::npos) << status.error_message();
+    EXPECT_NE(status.error_message().find("NaN or Inf"), std::string::npos)
+        << status.error_message();
     EXPECT_EQ(upload("a", "token-b", zeros).error_code(), grpc::StatusCode::UNAUTHENTICATED);
     bad_done = true;
   });
-  const auto reports = run_clients(server, train, {{"a", range(0, 40)}}, &result, [&](ClientOptions& o) {
-    o.token = "token-a";
-    // The first call is before its check-in; the later ones are its local steps.
-    o.available = [&, calls = std::make_shared<int>(0)] {
-      for (int i = 0; ++*calls > 1 && i < 400 && !bad_done; ++i) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(25));
-      }
-      return true;
-    };
-  });
+  const auto reports =
+      run_clients(server, train, {{"a", range(0, 40)}}, &result, [&](ClientOptions& o) {
+        o.token = "token-a";
+        // The first call is before its check-in; the later ones are its local steps.
+        o.available = [&, calls = std::make_shared<int>(0)] {
+          for (int i = 0; ++*calls > 1 && i < 400 && !bad_done; ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(25));
+          }
+          return true;
+        };
+      });
   bad.join();
   ASSERT_EQ(result.rounds_done, 1);
   EXPECT_EQ(result.refused, 2);
@@ -307,7 +312,6 @@ TEST(FederatedServer, AvailabilityWindowsCrossMidnight) {
   EXPECT_THROW(available_at("22:00", 0), InputError);
   EXPECT_THROW(available_at("08:00-08:00", 0), InputError);
 }
-
 
 TEST(FederatedServer, SecureAggregationOverGrpcSumsTheUpdatesAndSurvivesADropout) {
   at::set_num_threads(1);
@@ -437,7 +441,8 @@ TEST(FederatedServer, AMaskedUploadFromBeforeARetryIsRefusedAndTheRetrySumsItsOw
       }
     });
   }
-  for (int k = 0; k < 400 && !a_selected; ++k) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  for (int k = 0; k < 400 && !a_selected; ++k)
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
   EXPECT_TRUE(a_selected);
   for (size_t i = 1; i < messages.size(); ++i) writer->Write(messages[i]);
   writer->WritesDone();
@@ -448,7 +453,8 @@ TEST(FederatedServer, AMaskedUploadFromBeforeARetryIsRefusedAndTheRetrySumsItsOw
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
-  EXPECT_NE(status.error_message().find("client 'x' is not in this secure round"), std::string::npos)
+  EXPECT_NE(status.error_message().find("client 'x' is not in this secure round"),
+            std::string::npos)
       << status.error_message();
   ASSERT_EQ(result.rounds_done, 1);
   EXPECT_EQ(result.rounds.back().outcome.finished, 2);
@@ -473,8 +479,8 @@ TEST(FederatedServer, TlsClientsTrainAndPlaintextOnesAreTurnedAway) {
   test::TempDir dir;
   const std::string make_cert =
       "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
-      "subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " + (dir / "key.pem") + " -out " +
-      (dir / "cert.pem") + " > /dev/null 2>&1";
+      "subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " +
+      (dir / "key.pem") + " -out " + (dir / "cert.pem") + " > /dev/null 2>&1";
   ASSERT_EQ(std::system(make_cert.c_str()), 0) << make_cert;
   at::set_num_threads(1);
   const auto train = synthetic64(40, 71);
@@ -495,10 +501,11 @@ TEST(FederatedServer, TlsClientsTrainAndPlaintextOnesAreTurnedAway) {
     }
   }
   ServerResult result;
-  const auto reports = run_clients(server, train, {{"a", range(0, 40)}}, &result, [&](ClientOptions& o) {
-    o.tls = true;
-    o.tls_ca = dir / "cert.pem";
-  });
+  const auto reports =
+      run_clients(server, train, {{"a", range(0, 40)}}, &result, [&](ClientOptions& o) {
+        o.tls = true;
+        o.tls_ca = dir / "cert.pem";
+      });
   EXPECT_EQ(result.rounds_done, 1);
   EXPECT_EQ(reports[0].rounds_trained, 1);
 }
@@ -519,11 +526,12 @@ TEST(FederatedServer, ClientsPersonalizeTheFinalModelAndSaveIt) {
   ServerResult result;
   const auto reports = run_clients(server, train, {{"a", parts[0].train}, {"b", parts[1].train}},
                                    &result, [&](ClientOptions& o) {
-    const size_t c = o.client_id == "a" ? 0 : 1;
-    o.personalize_epochs = 20;  // full-batch steps, the plan's batch
-    o.test_indices = parts[c].test;
-    o.save_model = dir / (o.client_id + ".pt");
-  });
+                                     const size_t c = o.client_id == "a" ? 0 : 1;
+                                     o.personalize_epochs =
+                                         20;  // full-batch steps, the plan's batch
+                                     o.test_indices = parts[c].test;
+                                     o.save_model = dir / (o.client_id + ".pt");
+                                   });
   ASSERT_EQ(result.rounds_done, 1);
   double global = 0, personalized = 0;
   for (const auto& report : reports) {
@@ -538,7 +546,6 @@ TEST(FederatedServer, ClientsPersonalizeTheFinalModelAndSaveIt) {
   EXPECT_TRUE(std::filesystem::exists(dir / "a.pt"));
   EXPECT_TRUE(std::filesystem::exists(dir / "b.pt"));
 }
-
 
 TEST(FederatedServer, ClientTokenFilesAreCheckedLineByLine) {
   test::TempDir dir;
@@ -558,7 +565,8 @@ TEST(FederatedServer, ClientTokenFilesAreCheckedLineByLine) {
   };
   EXPECT_NE(message("a t1\nb\n").find("tokens:2: expected 'CLIENT_ID TOKEN'"), std::string::npos);
   EXPECT_NE(message("a t1 extra\n").find("tokens:1"), std::string::npos);
-  EXPECT_NE(message("a t1\na t2\n").find("tokens:2: client 'a' is listed twice"), std::string::npos);
+  EXPECT_NE(message("a t1\na t2\n").find("tokens:2: client 'a' is listed twice"),
+            std::string::npos);
   EXPECT_NE(message("a/b t1\n").find("is not a client id"), std::string::npos);
   EXPECT_NE(message("# nobody\n").find("lists no clients"), std::string::npos);
   EXPECT_NE(message("").find("lists no clients"), std::string::npos);
@@ -610,7 +618,8 @@ TEST(FederatedServer, FuzzedUploadsAreRefusedAndChangeNothing) {
         auto* t = chunk.mutable_chunk();
         t->set_name(pick({"delta", "q", "lo", "step", "indices", "values", "masked", "x"}));
         t->set_dtype(static_cast<dtrain::rpc::DType>(random() % 10));
-        if (random() % 4 != 0) t->add_shape(random() % 2 == 0 ? n : static_cast<int64_t>(random() % (2 * n)));
+        if (random() % 4 != 0)
+          t->add_shape(random() % 2 == 0 ? n : static_cast<int64_t>(random() % (2 * n)));
         t->set_offset(random() % 4 == 0 ? static_cast<int64_t>(random() % n) : 0);
         std::string data(random() % 4096, '\0');
         for (auto& b : data) b = static_cast<char>(random());
@@ -628,22 +637,24 @@ TEST(FederatedServer, FuzzedUploadsAreRefusedAndChangeNothing) {
     fuzzed = true;
   });
   ServerResult result;
-  const auto reports = run_clients(server, train, {{"a", range(0, 40)}}, &result, [&](ClientOptions& o) {
-    // Its first local step waits until the fuzzing is over.
-    o.available = [&, calls = std::make_shared<int>(0)] {
-      for (int i = 0; ++*calls > 1 && i < 800 && !fuzzed; ++i) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(25));
-      }
-      return true;
-    };
-  });
+  const auto reports =
+      run_clients(server, train, {{"a", range(0, 40)}}, &result, [&](ClientOptions& o) {
+        // Its first local step waits until the fuzzing is over.
+        o.available = [&, calls = std::make_shared<int>(0)] {
+          for (int i = 0; ++*calls > 1 && i < 800 && !fuzzed; ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(25));
+          }
+          return true;
+        };
+      });
   fuzzer.join();
   EXPECT_EQ(accepted, 0);
   EXPECT_EQ(refused, 150);
   ASSERT_EQ(result.rounds_done, 1);
   EXPECT_EQ(reports[0].rounds_trained, 1);
   Model model = model64(0);
-  const ClientUpdate u = train_locally(model, initial, train, range(0, 40), server_options(1, 1).local, 0);
+  const ClientUpdate u =
+      train_locally(model, initial, train, range(0, 40), server_options(1, 1).local, 0);
   EXPECT_LE((result.global - (initial + u.delta)).abs().max().item<double>(), kTightBound);
 }
 

@@ -25,8 +25,8 @@ using namespace dtrain;
 namespace {
 
 std::string scratch(const std::string& name) {
-  const auto dir = fs::temp_directory_path() /
-                   ("dtrain-gpt-test-" + std::to_string(::getpid()) + "-" + name);
+  const auto dir =
+      fs::temp_directory_path() / ("dtrain-gpt-test-" + std::to_string(::getpid()) + "-" + name);
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir.string();
@@ -66,11 +66,13 @@ TEST(Text, Utf8RoundTripsAndNamesTheOffsetOfBadBytes) {
   EXPECT_EQ(cps[6], 0x20ACu);
   EXPECT_EQ(cps[8], 0x1D11Eu);
   EXPECT_EQ(data::encode_utf8(cps), text);
-  EXPECT_NE(input_error([] { data::decode_utf8(std::string("ab\0c", 4), "f.bin"); })
-                .find("f.bin is not text: a NUL byte at offset 2"),
+  EXPECT_NE(input_error([] {
+              data::decode_utf8(std::string("ab\0c", 4), "f.bin");
+            }).find("f.bin is not text: a NUL byte at offset 2"),
             std::string::npos);
-  EXPECT_NE(input_error([] { data::decode_utf8("abc\xFF", "g"); })
-                .find("malformed sequence at byte offset 3 (byte 0xFF)"),
+  EXPECT_NE(input_error([] {
+              data::decode_utf8("abc\xFF", "g");
+            }).find("malformed sequence at byte offset 3 (byte 0xFF)"),
             std::string::npos);
   // Overlong '/', a lone continuation byte, a truncated sequence, a surrogate.
   for (const char* bad : {"\xC0\xAF", "\x80", "\xE2\x82", "\xED\xA0\x80"}) {
@@ -87,8 +89,9 @@ TEST(Text, TokenizerRoundTripsAndNamesCharactersOutsideItsVocabulary) {
   EXPECT_EQ(tokenizer.decode(ids), "world");
   const auto again = data::CharTokenizer::from_vocabulary(tokenizer.vocabulary_utf8());
   EXPECT_EQ(again.encode("h\xC3\xB6"), tokenizer.encode("h\xC3\xB6"));
-  EXPECT_NE(input_error([&] { tokenizer.encode("hex"); })
-                .find("character 3 ('x', U+0078) is not in the model's vocabulary"),
+  EXPECT_NE(input_error([&] {
+              tokenizer.encode("hex");
+            }).find("character 3 ('x', U+0078) is not in the model's vocabulary"),
             std::string::npos);
 }
 
@@ -115,8 +118,9 @@ TEST(Text, LoadsSplitsContiguouslyAndShiftsTargetsByOne) {
   EXPECT_EQ(held_out.targets[0][3].item<int64_t>(), all[48]);
 
   write(dir + "/short.txt", "abcdefgh");
-  EXPECT_NE(input_error([&] { data::load_text(dir + "/short.txt", 4, 0.2); })
-                .find("too short for windows of --context 4"),
+  EXPECT_NE(input_error([&] {
+              data::load_text(dir + "/short.txt", 4, 0.2);
+            }).find("too short for windows of --context 4"),
             std::string::npos);
   write(dir + "/empty.txt", "");
   EXPECT_NE(input_error([&] { data::load_text(dir + "/empty.txt", 4); }).find("is empty"),
@@ -124,8 +128,7 @@ TEST(Text, LoadsSplitsContiguouslyAndShiftsTargetsByOne) {
   write(dir + "/binary", std::string("PK\x03\x04\0\0", 6));
   EXPECT_NE(input_error([&] { data::load_text(dir + "/binary", 4); }).find("NUL byte"),
             std::string::npos);
-  EXPECT_NE(input_error([&] { data::load_text(dir + "/missing.txt", 4); })
-                .find("does not exist"),
+  EXPECT_NE(input_error([&] { data::load_text(dir + "/missing.txt", 4); }).find("does not exist"),
             std::string::npos);
 }
 
@@ -154,8 +157,9 @@ TEST(Gpt, EachPositionSeesOnlyItsPast) {
   ASSERT_EQ(a.sizes(), (std::vector<int64_t>{2, 6, 11}));
   EXPECT_EQ((a.narrow(1, 0, 4) - b.narrow(1, 0, 4)).abs().max().item<double>(), 0.0);
   EXPECT_GT((a.narrow(1, 4, 2) - b.narrow(1, 4, 2)).abs().max().item<double>(), 1e-6);
-  EXPECT_NE(input_error([&] { model(torch::zeros({1, 7}, at::kLong)); })
-                .find("longer than the model's context of 6"),
+  EXPECT_NE(input_error([&] {
+              model(torch::zeros({1, 7}, at::kLong));
+            }).find("longer than the model's context of 6"),
             std::string::npos);
 }
 
@@ -181,7 +185,9 @@ TEST(Gpt, StagesComposeToTheModelAndTyingSharesTheEmbedding) {
   config.tied_embeddings = true;
   Model model = models::make_gpt(config);
   model.stages.back().forward(torch::randn({1, 2, 8})).sum().backward();
-  EXPECT_GT(model.module->named_parameters()["embedding.token.weight"].grad().abs().sum().item<double>(), 0);
+  EXPECT_GT(
+      model.module->named_parameters()["embedding.token.weight"].grad().abs().sum().item<double>(),
+      0);
   EXPECT_NE(input_error([] {
               auto c = tiny_gpt();
               c.width = 9;
@@ -219,9 +225,9 @@ TEST(Gpt, DataParallelAndZero3TrainLikeOneProcessInFloat64) {
       return std::make_unique<parallel::DdpStrategy>(parallel::StrategyOptions{});
     });
     EXPECT_LT(test::max_abs_diff(single, ddp), test::kTightBound) << checkpointing;
-    const auto zero3 = test::train_distributed(f, 2, steps, [] {
-      return std::make_unique<parallel::Zero3Strategy>(parallel::StrategyOptions{});
-    }, 2);
+    const auto zero3 = test::train_distributed(
+        f, 2, steps,
+        [] { return std::make_unique<parallel::Zero3Strategy>(parallel::StrategyOptions{}); }, 2);
     EXPECT_LT(test::max_abs_diff(single, zero3), test::kTightBound) << checkpointing;
     // The oracle notices one rank's gradient left out.
     const auto dropped = test::train_distributed(
@@ -285,8 +291,9 @@ TEST(Gpt, TrainsOnTextCheckpointsItsVocabularyAndGenerates) {
   const std::string sampled = train::generate_text(options);
   EXPECT_EQ(sampled, train::generate_text(options));  // so is a seeded sample
   options.prompt = "dog";
-  EXPECT_NE(input_error([&] { train::generate_text(options); })
-                .find("character 1 ('d', U+0064) is not in the model's vocabulary"),
+  EXPECT_NE(input_error([&] {
+              train::generate_text(options);
+            }).find("character 1 ('d', U+0064) is not in the model's vocabulary"),
             std::string::npos);
   // The consolidated file loads into a fresh GPT (whose Dropout modules hold no tensors, so
   // torch::load refuses it) and gives the trained model: the same greedy continuation.
@@ -301,7 +308,8 @@ TEST(Gpt, TrainsOnTextCheckpointsItsVocabularyAndGenerates) {
     auto ids = tokenizer.encode("the c");
     for (int i = 0; i < 12; ++i) {
       const auto first = ids.end() - static_cast<std::ptrdiff_t>(std::min<size_t>(ids.size(), 8));
-      at::Tensor window = at::tensor(std::vector<int64_t>(first, ids.end()), at::kLong).unsqueeze(0);
+      at::Tensor window =
+          at::tensor(std::vector<int64_t>(first, ids.end()), at::kLong).unsqueeze(0);
       ids.push_back(fresh(window).select(1, window.size(1) - 1).argmax(-1).item<int64_t>());
     }
     EXPECT_EQ(tokenizer.decode(ids), greedy);
@@ -326,13 +334,13 @@ TEST(Gpt, TrainsOnTextCheckpointsItsVocabularyAndGenerates) {
   // Flags that cannot work together are named before anything runs.
   train::JobConfig bad = job;
   bad.dataset = "fashion-mnist";
-  EXPECT_NE(input_error([&] { train::validate_job(bad); })
-                .find("--model gpt is a language model: use it with --dataset text"),
+  EXPECT_NE(input_error([&] {
+              train::validate_job(bad);
+            }).find("--model gpt is a language model: use it with --dataset text"),
             std::string::npos);
   bad = job;
   bad.model = "mlp";
-  EXPECT_NE(input_error([&] { train::validate_job(bad); })
-                .find("--dataset text needs --model gpt"),
+  EXPECT_NE(input_error([&] { train::validate_job(bad); }).find("--dataset text needs --model gpt"),
             std::string::npos);
   bad = job;
   bad.gpt.context = 4000;

@@ -11,11 +11,11 @@
 #include "SmallModels.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Flags.h"
+#include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Registry.h"
 #include "dtrain/services/federated/Aggregator.h"
 #include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/Simulation.h"
-#include "dtrain/models/Zoo.h"
 #include "dtrain/train/Job.h"
 #include "dtrain/train/Trainer.h"
 
@@ -115,7 +115,8 @@ parallel::StrategyInfo plain_allreduce() {
   };
   info.options = {own};
   info.check_layout = [](const parallel::StrategyOptions&, const parallel::Layout& layout) {
-    DTRAIN_CHECK_INPUT(layout.tensor_parallel == 1, "--strategy plain-allreduce replicates the "
+    DTRAIN_CHECK_INPUT(layout.tensor_parallel == 1,
+                       "--strategy plain-allreduce replicates the "
                        "whole model: no --tensor-parallel");
   };
   info.make = [](const parallel::StrategyOptions& options) -> parallel::StrategyPtr {
@@ -143,11 +144,14 @@ std::vector<at::Tensor> train_with(const train::TrainerOptions& options, int wor
     models.back().module->to(at::kDouble);
   }
   std::vector<at::Tensor> weights;
-  test::run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
-    train::Trainer trainer(options, comm);
-    trainer.fit(models[comm->rank()], dataset);
-    if (comm->rank() == 0) weights = test::snapshot(trainer.strategy().model());
-  }, 60s);
+  test::run_ranks(
+      world,
+      [&](const comm::CommunicatorPtr& comm) {
+        train::Trainer trainer(options, comm);
+        trainer.fit(models[comm->rank()], dataset);
+        if (comm->rank() == 0) weights = test::snapshot(trainer.strategy().model());
+      },
+      60s);
   return weights;
 }
 
@@ -370,12 +374,15 @@ TEST(HowToAdd, AModelIsBuiltByNameCutIntoStagesAndRefusedWhereItCannotGo) {
       replicas.back().module->to(at::kDouble);
     }
     std::vector<at::Tensor> weights;
-    test::run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
-      train::Trainer trainer(options, comm);
-      trainer.fit(replicas[comm->rank()], dataset);
-      trainer.strategy().materialize();
-      if (comm->rank() == 0) weights = test::snapshot(trainer.strategy().model());
-    }, 60s);
+    test::run_ranks(
+        world,
+        [&](const comm::CommunicatorPtr& comm) {
+          train::Trainer trainer(options, comm);
+          trainer.fit(replicas[comm->rank()], dataset);
+          trainer.strategy().materialize();
+          if (comm->rank() == 0) weights = test::snapshot(trainer.strategy().model());
+        },
+        60s);
     return weights;
   };
   EXPECT_LE(test::max_abs_diff(run(single, 1), run(o, 2)), test::kTightBound);

@@ -1,17 +1,17 @@
 // The launcher and the CLI as a user runs them: real processes, exit codes, messages.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
-#include <sys/wait.h>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -41,8 +41,7 @@ Output run(const std::string& command) {
   while (std::fgets(buffer.data(), buffer.size(), pipe)) out.text += buffer.data();
   const int status = ::pclose(pipe);
   out.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  out.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return out;
 }
 
@@ -55,11 +54,13 @@ bool has(const Output& out, const std::string& needle) {
 }  // namespace
 
 TEST(Environment, AllocatorTuningYieldsToTheUsersChoice) {
-  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "DTRAIN_NO_MALLOC_TUNING"}) {
+  for (const char* name :
+       {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "DTRAIN_NO_MALLOC_TUNING"}) {
     ::unsetenv(name);
   }
   EXPECT_TRUE(dtrain::launch::tune_allocator());  // glibc: applied
-  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "DTRAIN_NO_MALLOC_TUNING"}) {
+  for (const char* name :
+       {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "DTRAIN_NO_MALLOC_TUNING"}) {
     ::setenv(name, "131072", 1);
     EXPECT_FALSE(dtrain::launch::tune_allocator()) << name;
     ::unsetenv(name);
@@ -67,9 +68,10 @@ TEST(Environment, AllocatorTuningYieldsToTheUsersChoice) {
 }
 
 TEST(Launcher, SetsTorchrunEnvironmentAndPrefixesOutput) {
-  const auto out = run(kDtrain + " launch --nproc-per-node 3 --threads 1 -- sh -c "
-                                 "'echo id=$RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/"
-                                 "$DTRAIN_THREADS/$MASTER_ADDR'");
+  const auto out = run(kDtrain +
+                       " launch --nproc-per-node 3 --threads 1 -- sh -c "
+                       "'echo id=$RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/"
+                       "$DTRAIN_THREADS/$MASTER_ADDR'");
   EXPECT_EQ(out.code, 0) << out.text;
   for (int r = 0; r < 3; ++r) {
     EXPECT_TRUE(has(out, "[rank " + std::to_string(r) + "] id=" + std::to_string(r) + "/3/" +
@@ -79,8 +81,9 @@ TEST(Launcher, SetsTorchrunEnvironmentAndPrefixesOutput) {
 }
 
 TEST(Launcher, AFailingRankStopsTheOthersAndIsNamed) {
-  const auto out = run(kDtrain + " launch --nproc-per-node 3 --grace 1 -- sh -c "
-                                 "'if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; sleep 60'");
+  const auto out = run(kDtrain +
+                       " launch --nproc-per-node 3 --grace 1 -- sh -c "
+                       "'if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; sleep 60'");
   EXPECT_EQ(out.code, 3) << out.text;
   EXPECT_TRUE(has(out, "rank 1")) << out.text;
   EXPECT_TRUE(has(out, "exited with code 3")) << out.text;
@@ -88,8 +91,9 @@ TEST(Launcher, AFailingRankStopsTheOthersAndIsNamed) {
 }
 
 TEST(Launcher, AKilledRankIsReportedWithItsSignal) {
-  const auto out = run(kDtrain + " launch --nproc-per-node 2 --grace 1 -- sh -c "
-                                 "'if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; sleep 60'");
+  const auto out = run(kDtrain +
+                       " launch --nproc-per-node 2 --grace 1 -- sh -c "
+                       "'if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; sleep 60'");
   EXPECT_EQ(out.code, 128 + 9) << out.text;
   EXPECT_TRUE(has(out, "rank 0")) << out.text;
   EXPECT_TRUE(has(out, "signal 9")) << out.text;
@@ -130,9 +134,10 @@ std::string file_bytes(const std::string& path) {
 // that never failed. A failure in every attempt exhausts the restarts with the usual message.
 TEST(Launcher, RestartsAfterAKilledRankAndEndsWithTheSameWeights) {
   TempDir dir;
-  const std::string job = " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
-                          "--hidden 32 --synthetic-examples 512 --batch-size 32 --epochs 2 "
-                          "--no-progress --checkpoint-every 4 --checkpoint-dir ";
+  const std::string job =
+      " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+      "--hidden 32 --synthetic-examples 512 --batch-size 32 --epochs 2 "
+      "--no-progress --checkpoint-every 4 --checkpoint-dir ";
   const auto straight = run(kDtrain + job + (dir / "straight"));
   ASSERT_EQ(straight.code, 0) << straight.text;
   const auto restarted = run("DTRAIN_SIMULATE_FAILURE=1:6:1 " + kDtrain + job +
@@ -151,8 +156,8 @@ TEST(Launcher, RestartsAfterAKilledRankAndEndsWithTheSameWeights) {
   EXPECT_TRUE(file_bytes(dir / "restarted" + final_state) == expected)
       << "the restarted run ended with other weights or optimizer state";
 
-  const auto exhausted = run("DTRAIN_SIMULATE_FAILURE=1:2 " + kDtrain + job + (dir / "again") +
-                             " --max-restarts 1");
+  const auto exhausted =
+      run("DTRAIN_SIMULATE_FAILURE=1:2 " + kDtrain + job + (dir / "again") + " --max-restarts 1");
   EXPECT_EQ(exhausted.code, 128 + 9) << exhausted.text;
   EXPECT_TRUE(has(exhausted, "failed: rank 1")) << exhausted.text;
   EXPECT_TRUE(has(exhausted, "(after 1 restart)")) << exhausted.text;
@@ -164,10 +169,11 @@ TEST(Launcher, RestartsAfterAKilledRankAndEndsWithTheSameWeights) {
 // the uninterrupted run's weights and optimizer state, byte for byte.
 TEST(Launcher, APipelineStageDyingStopsItsNeighboursAndARestartResumes) {
   TempDir dir;
-  const std::string job = " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
-                          "--hidden 32 32 --synthetic-examples 512 --batch-size 16 "
-                          "--pipeline-parallel 2 --micro-batches 2 --epochs 1 --no-progress "
-                          "--checkpoint-every 4 --checkpoint-dir ";
+  const std::string job =
+      " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+      "--hidden 32 32 --synthetic-examples 512 --batch-size 16 "
+      "--pipeline-parallel 2 --micro-batches 2 --epochs 1 --no-progress "
+      "--checkpoint-every 4 --checkpoint-dir ";
   const auto straight = run(kDtrain + job + (dir / "straight"));
   ASSERT_EQ(straight.code, 0) << straight.text;
   const auto died = run("DTRAIN_SIMULATE_FAILURE=1:6 " + kDtrain + job + (dir / "died"));
@@ -211,9 +217,8 @@ TEST(Launcher, AFailureOnOneNodeStopsEveryNode) {
 
   // Node 1's launcher is SIGKILLed (by its own rank, so after it joined; the rank dies with
   // it): node 0 notices the silence.
-  std::thread dying([&] {
-    second = run(node(1, " --heartbeat-timeout 3", "sh -c 'kill -9 $PPID; sleep 60'"));
-  });
+  std::thread dying(
+      [&] { second = run(node(1, " --heartbeat-timeout 3", "sh -c 'kill -9 $PPID; sleep 60'")); });
   first = run(node(0, " --heartbeat-timeout 3", "sleep 60"));
   dying.join();
   EXPECT_EQ(first.code, 1) << first.text;
@@ -265,24 +270,24 @@ double max_difference(const std::map<std::string, at::Tensor>& a,
 TEST(Launcher, ElasticJobsRestartAtTheNewSizeAndReshard) {
   TempDir dir;
   const int port = dtrain::free_port();
-  const std::string job = " train --threads 1 --dataset synthetic --model mlp --hidden 32 "
-                          "--synthetic-examples 512 --batch-size 32 --global-batch 64 "
-                          "--epochs 3 --no-progress --checkpoint-every 4 --checkpoint-dir ";
+  const std::string job =
+      " train --threads 1 --dataset synthetic --model mlp --hidden 32 "
+      "--synthetic-examples 512 --batch-size 32 --global-batch 64 "
+      "--epochs 3 --no-progress --checkpoint-every 4 --checkpoint-dir ";
   const auto straight = run(kDtrain + job + (dir / "straight") + " --nproc 2");
   ASSERT_EQ(straight.code, 0) << straight.text;
   const auto expected = final_parameters(dir / "straight");
   ASSERT_FALSE(expected.empty());
   auto elastic = [&](const std::string& env, const std::string& flags, const std::string& out) {
     return env + kDtrain + " launch --nnodes 1:2 --nproc-per-node 1 --grace 1 " +
-           "--rdzv-timeout 60 --heartbeat-timeout 3 --master-port " + std::to_string(port) +
-           flags + " -- " + kDtrain + job + (dir / out);
+           "--rdzv-timeout 60 --heartbeat-timeout 3 --master-port " + std::to_string(port) + flags +
+           " -- " + kDtrain + job + (dir / out);
   };
 
   // A node leaves: rank 1 kills its launcher (and so itself) at step 6.
   Output host, joiner;
-  std::thread second([&] {
-    joiner = run(elastic("DTRAIN_SIMULATE_FAILURE=1:6:node ", "", "leave"));
-  });
+  std::thread second(
+      [&] { joiner = run(elastic("DTRAIN_SIMULATE_FAILURE=1:6:node ", "", "leave")); });
   host = run(elastic("", " --node-rank 0 --rdzv-last-call 5 --max-restarts 1", "leave"));
   second.join();
   EXPECT_EQ(host.code, 0) << host.text;
@@ -296,8 +301,8 @@ TEST(Launcher, ElasticJobsRestartAtTheNewSizeAndReshard) {
 
   // A node joins: the host runs alone until its step-8 checkpoint, then the second node comes.
   std::thread first([&] {
-    host = run(elastic("DTRAIN_SIMULATE_SLOW_STEP_MS=150 ", " --node-rank 0 --rdzv-last-call 0",
-                       "join"));
+    host = run(
+        elastic("DTRAIN_SIMULATE_SLOW_STEP_MS=150 ", " --node-rank 0 --rdzv-last-call 0", "join"));
   });
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (!std::filesystem::exists(dir / "join/step-00000008") &&
@@ -309,8 +314,9 @@ TEST(Launcher, ElasticJobsRestartAtTheNewSizeAndReshard) {
   EXPECT_EQ(host.code, 0) << host.text;
   EXPECT_EQ(joiner.code, 0) << joiner.text;
   EXPECT_TRUE(has(joiner, "waits to join it at its next restart")) << joiner.text;
-  EXPECT_TRUE(has(host, "a node is waiting to join (the job runs on 1 of at most 2 nodes); "
-                        "restarting the job at the new size"))
+  EXPECT_TRUE(has(host,
+                  "a node is waiting to join (the job runs on 1 of at most 2 nodes); "
+                  "restarting the job at the new size"))
       << host.text;
   EXPECT_TRUE(has(host, "restart 1 (resize)")) << host.text;
   EXPECT_TRUE(has(host, "on 2 nodes")) << host.text;
@@ -320,8 +326,8 @@ TEST(Launcher, ElasticJobsRestartAtTheNewSizeAndReshard) {
 }
 
 TEST(Cli, HelpOnEverySubcommand) {
-  for (const std::string sub :
-       {"", " train", " launch", " ckpt consolidate", " ckpt inspect", " ckpt verify", " ps serve"}) {
+  for (const std::string sub : {"", " train", " launch", " ckpt consolidate", " ckpt inspect",
+                                " ckpt verify", " ps serve"}) {
     const auto out = run(kDtrain + sub + " --help");
     EXPECT_EQ(out.code, 0) << sub;
     EXPECT_TRUE(has(out, "Usage:")) << sub;
@@ -369,7 +375,8 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --global-batch 64 --accumulation 2", "not both"},
       {" train --dataset synthetic --global-batch 100 --batch-size 32",
        "global batch 100 is not a whole number of micro-batches of 32 x 1"},
-      {" train --pipeline-parallel 3 --nproc 4", "--pipeline-parallel 3 does not divide the 4 ranks"},
+      {" train --pipeline-parallel 3 --nproc 4",
+       "--pipeline-parallel 3 does not divide the 4 ranks"},
       {" train --model mlp --tensor-parallel 2 --nproc 2", "--tensor-parallel 2 needs --model gpt"},
       {" train --model gpt --dataset text --tensor-parallel 3 --nproc 3",
        "--tensor-parallel 3 must divide --heads (4)"},
@@ -377,21 +384,24 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--nproc 3 is not a multiple of --tensor-parallel 2"},
       {" train --model gpt --dataset text --sequence-parallel --nproc 2",
        "--sequence-parallel splits the sequence over the tensor-parallel ranks"},
-      {" train --model gpt --dataset text --tensor-parallel 2 --nproc 2 --strategy zero2 --sequence-parallel",
+      {" train --model gpt --dataset text --tensor-parallel 2 --nproc 2 --strategy zero2 "
+       "--sequence-parallel",
        "use --strategy ddp or zero1, not zero2"},
       {" train --model mlp --pipeline-parallel 4 --nproc 4 --schedule gpipe",
        "needs 4 model stages, but --model mlp has 3"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2",
        "the 1f1b schedule needs at least as many micro-batches as pipeline stages"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 3 --schedule "
-       "interleaved --virtual-stages 2", "micro-batches (3) to be a multiple of"},
+       "interleaved --virtual-stages 2",
+       "micro-batches (3) to be a multiple of"},
       {" train --pipeline-parallel 2 --nproc 2 --strategy zero3",
        "--pipeline-parallel combines with --strategy ddp or zero1"},
       {" train --schedule zigzag", "unknown pipeline schedule 'zigzag'"},
       {" train --virtual-stages 2", "--virtual-stages 2 needs --schedule interleaved"},
       {" train --micro-batches 4 --accumulation 2", "not two of them"},
       {" train --pipeline-balance 1,x", "unknown --pipeline-balance '1,x'"},
-      {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --pipeline-balance 1,1",
+      {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --pipeline-balance "
+       "1,1",
        "places 2 stages, the model has 3"},
       {" train --pipeline-parallel 0", "--pipeline-parallel must be >= 1"},
       {" launch --nnodes 2:1 -- true", "--nnodes 2:1: MIN:MAX needs 1 <= MIN <= MAX"},
@@ -414,16 +424,20 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" ps serve --optimizer rmsprop", "unknown parameter-server optimizer 'rmsprop'"},
       {" ps serve --lr 0", "the parameter server's learning rate must be > 0"},
       {" train --strategy downpour", "--strategy downpour needs the parameter-server shards"},
-      {" train --strategy downpour --ps-shards 2 --ps 127.0.0.1:1", "--ps and --ps-shards both given"},
+      {" train --strategy downpour --ps-shards 2 --ps 127.0.0.1:1",
+       "--ps and --ps-shards both given"},
       {" train --strategy downpour --ps-shards 1 --n-fetch 0", "--n-fetch must be at least 1"},
       {" train --strategy downpour --ps-shards 1 --max-staleness -2", "--max-staleness must be -1"},
-      {" train --strategy ddp --ps 127.0.0.1:1", "--ps and --ps-shards are for --strategy downpour"},
+      {" train --strategy ddp --ps 127.0.0.1:1",
+       "--ps and --ps-shards are for --strategy downpour"},
       {" train --strategy downpour --ps-shards 1 --ps-lr 0", "--ps-lr must be > 0"},
       {" train --strategy sandblaster", "--strategy sandblaster needs the parameter-server shards"},
       {" train --strategy sandblaster --ps-shards 1 --work-units -1", "--work-units must be 0"},
-      {" train --strategy sandblaster --ps-shards 1 --lbfgs-history 0", "--lbfgs-history must be 1 to 100"},
+      {" train --strategy sandblaster --ps-shards 1 --lbfgs-history 0",
+       "--lbfgs-history must be 1 to 100"},
       {" train --simulate-slowdown 1", "--simulate-slowdown '1': expected RANK:FACTOR"},
-      {" train --simulate-slowdown 3:2 --nproc 2", "--simulate-slowdown: rank 3 is not one of the 2"},
+      {" train --simulate-slowdown 3:2 --nproc 2",
+       "--simulate-slowdown: rank 3 is not one of the 2"},
       {" train --strategy downpour --ps 127.0.0.1:1 --ps-auth-token-file " + dir.path() + "/none",
        "cannot read the token file"},
       {" ps serve --lr-decay cosine", "needs --total-versions"},
@@ -461,9 +475,10 @@ TEST(Cli, PsServeRunsAShardUntilTerminated) {
 // checkpoint, which the checkpoint tools read.
 TEST(Cli, DownpourStartsShardsAndWorkers) {
   TempDir dir;
-  const auto out = run(kDtrain + " train --strategy downpour --nproc 2 --ps-shards 2 --threads 1 "
-                                 "--dataset synthetic --model mlp --synthetic-examples 512 "
-                                 "--max-steps 12 --no-progress --checkpoint-dir " +
+  const auto out = run(kDtrain +
+                       " train --strategy downpour --nproc 2 --ps-shards 2 --threads 1 "
+                       "--dataset synthetic --model mlp --synthetic-examples 512 "
+                       "--max-steps 12 --no-progress --checkpoint-dir " +
                        (dir / "ckpt") + " --metrics " + (dir / "m.jsonl"));
   EXPECT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(has(out, "parameter server: 2 shards at 127.0.0.1:")) << out.text;
@@ -484,8 +499,8 @@ TEST(Cli, DownpourGoesOnWhenAWorkerIsKilled) {
   const auto out = run("DTRAIN_SIMULATE_FAILURE=1:8 " + kDtrain +
                        " train --strategy downpour --nproc 3 --ps-shards 2 --threads 1 "
                        "--dataset synthetic --model mlp --synthetic-examples 768 --max-steps 20 "
-                       "--no-progress --checkpoint-dir " + (dir / "ckpt") + " --metrics " +
-                       (dir / "m.jsonl"));
+                       "--no-progress --checkpoint-dir " +
+                       (dir / "ckpt") + " --metrics " + (dir / "m.jsonl"));
   EXPECT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(has(out, "rank 1 kills itself at step 8")) << out.text;
   EXPECT_TRUE(has(out, "the other ranks go on")) << out.text;
@@ -513,22 +528,27 @@ TEST(Cli, DownpourSurvivesAShardKilledAndRestarted) {
   const std::string serve = kDtrain + " ps serve --checkpoint-dir " + dir.path() +
                             " --checkpoint-interval 0.3 --report-every 0";
   const std::string script =
-      serve + " --listen 127.0.0.1:" + std::to_string(port0) + " --shard 0/2 > " + (dir / "s0.log") +
-      " 2>&1 & s0=$!\n" +
-      serve + " --listen 127.0.0.1:" + std::to_string(port1) + " --shard 1/2 > " + (dir / "s1.log") +
+      serve + " --listen 127.0.0.1:" + std::to_string(port0) + " --shard 0/2 > " +
+      (dir / "s0.log") + " 2>&1 & s0=$!\n" + serve +
+      " --listen 127.0.0.1:" + std::to_string(port1) + " --shard 1/2 > " + (dir / "s1.log") +
       " 2>&1 & s1=$!\n"
-      "DTRAIN_SIMULATE_SLOW_STEP_MS=25 " + kDtrain +
+      "DTRAIN_SIMULATE_SLOW_STEP_MS=25 " +
+      kDtrain +
       " train --strategy downpour --nproc 2 --threads 1 --ps 127.0.0.1:" + std::to_string(port0) +
       ",127.0.0.1:" + std::to_string(port1) +
       " --dataset synthetic --model mlp --synthetic-examples 2048 --max-steps 120 --no-progress "
-      "--ps-timeout-ms 5000 > " + (dir / "train.log") + " 2>&1 & t=$!\n"
-      "for i in $(seq 200); do grep -q 'resumed\\|version [1-9]' " + (dir / "s1.log") +
-      " 2>/dev/null; [ -s " + (dir / "shard-1-of-2.pt") + " ] && break; sleep 0.05; done\n"
+      "--ps-timeout-ms 5000 > " +
+      (dir / "train.log") +
+      " 2>&1 & t=$!\n"
+      "for i in $(seq 200); do grep -q 'resumed\\|version [1-9]' " +
+      (dir / "s1.log") + " 2>/dev/null; [ -s " + (dir / "shard-1-of-2.pt") +
+      " ] && break; sleep 0.05; done\n"
       "sleep 1; kill -KILL $s1; wait $s1; sleep 0.7\n" +
-      serve + " --listen 127.0.0.1:" + std::to_string(port1) + " --shard 1/2 >> " + (dir / "s1.log") +
+      serve + " --listen 127.0.0.1:" + std::to_string(port1) + " --shard 1/2 >> " +
+      (dir / "s1.log") +
       " 2>&1 & s1=$!\n"
-      "wait $t; code=$?; kill -TERM $s0 $s1; wait $s0 $s1; cat " + (dir / "train.log") + " " +
-      (dir / "s1.log") + "; exit $code\n";
+      "wait $t; code=$?; kill -TERM $s0 $s1; wait $s0 $s1; cat " +
+      (dir / "train.log") + " " + (dir / "s1.log") + "; exit $code\n";
   std::ofstream(dir / "run.sh") << script;
   const auto out = run("sh " + (dir / "run.sh"));
   EXPECT_EQ(out.code, 0) << out.text;
@@ -571,12 +591,13 @@ TEST(Cli, DefaultsAreThoseOfTheMainJob) {
 TEST(Cli, ConfigFileSetsFlagsAndCommandLineWins) {
   TempDir dir;
   std::FILE* file = std::fopen((dir / "job.toml").c_str(), "w");
-  std::fputs("# a job\n[train]\ndataset = \"synthetic\"\nmodel = \"mlp\"\nhidden = [32]\n"
-             "batch-size = 4\nsynthetic-examples = 256\nmax-steps = 3\n",
-             file);
+  std::fputs(
+      "# a job\n[train]\ndataset = \"synthetic\"\nmodel = \"mlp\"\nhidden = [32]\n"
+      "batch-size = 4\nsynthetic-examples = 256\nmax-steps = 3\n",
+      file);
   std::fclose(file);
-  auto out = run(kDtrain + " train --no-progress --config " + (dir / "job.toml") +
-                 " --batch-size 8");
+  auto out =
+      run(kDtrain + " train --no-progress --config " + (dir / "job.toml") + " --batch-size 8");
   EXPECT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(has(out, "trained 3 steps (global batch 8, 1 rank")) << out.text;
   file = std::fopen((dir / "bad.toml").c_str(), "w");
@@ -589,10 +610,12 @@ TEST(Cli, ConfigFileSetsFlagsAndCommandLineWins) {
 
 TEST(Cli, MixedPrecisionAndCheckpointingTrain) {
   TempDir dir;
-  const auto out = run(kDtrain + " train --threads 1 --dataset synthetic --model cnn "
-                                 "--synthetic-examples 256 --max-steps 4 --no-progress "
-                                 "--precision bf16-mixed --checkpointing sqrt --loss-scaling "
-                                 "dynamic --metrics " + (dir / "m.jsonl"));
+  const auto out = run(kDtrain +
+                       " train --threads 1 --dataset synthetic --model cnn "
+                       "--synthetic-examples 256 --max-steps 4 --no-progress "
+                       "--precision bf16-mixed --checkpointing sqrt --loss-scaling "
+                       "dynamic --metrics " +
+                       (dir / "m.jsonl"));
   EXPECT_EQ(out.code, 0) << out.text;
   std::ifstream metrics(dir / "m.jsonl");
   std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
@@ -603,9 +626,10 @@ TEST(Cli, MixedPrecisionAndCheckpointingTrain) {
 TEST(Cli, TrainOnTwoRanksEndToEnd) {
   TempDir dir;
   int train_again_from = 8;
-  const auto out = run(kDtrain + " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
-                                 "--strategy zero3 --synthetic-examples 512 --epochs 2 "
-                                 "--no-progress --metrics " +
+  const auto out = run(kDtrain +
+                       " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+                       "--strategy zero3 --synthetic-examples 512 --epochs 2 "
+                       "--no-progress --metrics " +
                        (dir / "m.jsonl") + " --checkpoint-dir " + (dir / "ckpt"));
   EXPECT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(has(out, "[rank 0] trained 8 steps (global batch 128, 2 ranks, zero3)")) << out.text;
@@ -615,8 +639,8 @@ TEST(Cli, TrainOnTwoRanksEndToEnd) {
   EXPECT_EQ(inspect.code, 0) << inspect.text;
   EXPECT_TRUE(has(inspect, "strategy zero3, world 2")) << inspect.text;
   EXPECT_TRUE(has(inspect, "layers.0.weight")) << inspect.text;
-  const auto consolidated = run(kDtrain + " ckpt consolidate " + (dir / "ckpt") + " -o " +
-                                (dir / "model.pt"));
+  const auto consolidated =
+      run(kDtrain + " ckpt consolidate " + (dir / "ckpt") + " -o " + (dir / "model.pt"));
   EXPECT_EQ(consolidated.code, 0) << consolidated.text;
   EXPECT_TRUE(std::filesystem::exists(dir / "model.pt"));
   const auto missing = run(kDtrain + " ckpt consolidate " + (dir / "none"));
@@ -643,8 +667,9 @@ TEST(Cli, TrainOnTwoRanksEndToEnd) {
   std::filesystem::remove_all(dir / "ckpt/step-00000008");  // back to the epoch-1 checkpoint
   train_again_from = 4;
   // Running again resumes from the final checkpoint and trains no further.
-  const auto again = run(kDtrain + " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
-                                   "--synthetic-examples 512 --epochs 2 --checkpoint-dir " +
+  const auto again = run(kDtrain +
+                         " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+                         "--synthetic-examples 512 --epochs 2 --checkpoint-dir " +
                          (dir / "ckpt"));
   EXPECT_EQ(again.code, 0) << again.text;
   EXPECT_TRUE(has(again, "resumed from step " + std::to_string(train_again_from))) << again.text;
@@ -657,11 +682,14 @@ TEST(Cli, AResumedRunSaysSoWithoutProgressBars) {
   TempDir dir;
   {
     std::ofstream text(dir / "text.txt");
-    for (int i = 0; i < 200; ++i) text << "the quick brown fox jumps over the lazy dog " << i << "\n";
+    for (int i = 0; i < 200; ++i)
+      text << "the quick brown fox jumps over the lazy dog " << i << "\n";
   }
   const std::string job = " train --threads 1 --model gpt --dataset text --text-file " +
-                          (dir / "text.txt") + " --layers 1 --heads 2 --width 16 --context 16 "
-                          "--batch-size 8 --max-steps 6 --no-progress --checkpoint-dir " + (dir / "ckpt");
+                          (dir / "text.txt") +
+                          " --layers 1 --heads 2 --width 16 --context 16 "
+                          "--batch-size 8 --max-steps 6 --no-progress --checkpoint-dir " +
+                          (dir / "ckpt");
   const auto first = run(kDtrain + job + " --nproc 2 --tensor-parallel 2 --stop-at-step 2");
   ASSERT_EQ(first.code, 0) << first.text;
   EXPECT_FALSE(has(first, "resumed")) << first.text;
@@ -677,10 +705,12 @@ TEST(Cli, AResumedRunSaysSoWithoutProgressBars) {
   }
   const auto third = run(kDtrain + job + " --nproc 1");
   ASSERT_EQ(third.code, 0) << third.text;
-  EXPECT_TRUE(has(third, (dir / "ckpt") + "/latest names checkpoint 'step-00000099', which does "
-                         "not exist; resuming from the newest checkpoint that verifies"))
+  EXPECT_TRUE(has(third, (dir / "ckpt") +
+                             "/latest names checkpoint 'step-00000099', which does "
+                             "not exist; resuming from the newest checkpoint that verifies"))
       << third.text;
-  EXPECT_TRUE(has(third, "dtrain: resumed from step 4 of " + (dir / "ckpt/step-00000004"))) << third.text;
+  EXPECT_TRUE(has(third, "dtrain: resumed from step 4 of " + (dir / "ckpt/step-00000004")))
+      << third.text;
 }
 
 // Each model trains with its own recipe unless told otherwise: the GPT gets AdamW, weight decay,
@@ -695,21 +725,25 @@ TEST(Cli, EachModelTrainsWithItsRecipeAndFlagsOrConfigKeysWin) {
     config << "batch-size = 8\nwarmup-steps = 3\n";
   }
   const std::string gpt = kDtrain + " train --threads 1 --model gpt --dataset text --text-file " +
-                          (dir / "text.txt") + " --layers 1 --heads 2 --width 16 --context 16 "
+                          (dir / "text.txt") +
+                          " --layers 1 --heads 2 --width 16 --context 16 "
                           "--max-steps 2 --no-progress";
   const auto plain = run(gpt);
   ASSERT_EQ(plain.code, 0) << plain.text;
-  EXPECT_TRUE(has(plain, "model gpt: its training recipe sets --optimizer adamw, --lr 0.002, "
-                         "--momentum 0, --weight-decay 0.1, --batch-size 32, --max-grad-norm 1 "
-                         "(a flag or config key overrides each)"))
+  EXPECT_TRUE(has(plain,
+                  "model gpt: its training recipe sets --optimizer adamw, --lr 0.002, "
+                  "--momentum 0, --weight-decay 0.1, --batch-size 32, --max-grad-norm 1 "
+                  "(a flag or config key overrides each)"))
       << plain.text;
   const auto flags = run(gpt + " --lr 0.01 --config " + (dir / "gpt.toml"));
   ASSERT_EQ(flags.code, 0) << flags.text;
-  EXPECT_TRUE(has(flags, "model gpt: its training recipe sets --optimizer adamw, --momentum 0, "
-                         "--weight-decay 0.1, --max-grad-norm 1 (a flag"))
+  EXPECT_TRUE(has(flags,
+                  "model gpt: its training recipe sets --optimizer adamw, --momentum 0, "
+                  "--weight-decay 0.1, --max-grad-norm 1 (a flag"))
       << flags.text;
-  const auto image = run(kDtrain + " train --threads 1 --dataset synthetic --model mlp "
-                                   "--synthetic-examples 256 --max-steps 1 --no-progress");
+  const auto image = run(kDtrain +
+                         " train --threads 1 --dataset synthetic --model mlp "
+                         "--synthetic-examples 256 --max-steps 1 --no-progress");
   ASSERT_EQ(image.code, 0) << image.text;
   EXPECT_FALSE(has(image, "training recipe")) << image.text;
 }
@@ -718,11 +752,11 @@ TEST(Cli, EachModelTrainsWithItsRecipeAndFlagsOrConfigKeysWin) {
 class Discovery : public ::testing::Test {
  protected:
   void TearDown() override {
-    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                             "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                             "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_JOB_ID",
-                             "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                             "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
+    for (const char* name :
+         {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+          "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_JOB_NODELIST",
+          "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
       ::unsetenv(name);
     }
   }

@@ -6,10 +6,10 @@
 #include <mutex>
 
 #include "Oracle.h"
-#include "dtrain/parallel/Registry.h"
-#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/pipeline/Partition.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
 #include "parallel/pipeline/PipelineStrategy.h"
 
@@ -111,8 +111,7 @@ TEST(Schedule, BadSpecsAreNamed) {
             std::string::npos);
   EXPECT_NE(message({ScheduleKind::GPipe, 2, 4, 2}).find("need the interleaved schedule"),
             std::string::npos);
-  EXPECT_NE(message({ScheduleKind::GPipe, 0, 4, 1}).find("stages must be >= 1"),
-            std::string::npos);
+  EXPECT_NE(message({ScheduleKind::GPipe, 0, 4, 1}).find("stages must be >= 1"), std::string::npos);
   EXPECT_THROW(schedule_kind_named("zigzag"), dtrain::InputError);
   EXPECT_THROW(build_schedule({ScheduleKind::GPipe, 2, 4, 1}, 2), dtrain::InputError);
 }
@@ -167,46 +166,49 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
   }
   std::map<std::string, at::Tensor> result;
   std::mutex mutex;
-  run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
-    auto grid = std::make_shared<comm::ProcessGrid>(comm, 1, run.pp);
-    parallel::StrategyOptions options;
-    options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = run.schedule;
-    options.max_grad_norm = run.clip;
-    options.of<dtrain::parallel::pipeline::PipelineOptions>().virtual_stages = run.chunks;
-    options.of<dtrain::parallel::pipeline::PipelineOptions>().data_parallel = run.data_parallel;
-    options.precision = run.precision;
-    options.loss_scaling = run.loss_scaling;
-    options.loss_scale_init = run.loss_scale_init;
-    options.of<dtrain::parallel::pipeline::PipelineOptions>().transport = run.transport;
-    PipelineStrategy strategy(options);
-    strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
-    const int dp_rank = grid->coordinates().dp;
-    auto order =
-        data::DistributedSampler(f.dataset.size(), run.dp, dp_rank, {true, 5, true}).indices();
-    const int64_t local = f.global_batch / run.dp;
-    const int64_t each = local / run.micro;
-    parallel::LossFn loss = parallel::cross_entropy;
-    if (comm->rank() == run.dropped_rank) loss = drop_rank_gradient(run.dropped_rank, comm);
-    for (int step = 0; step < steps; ++step) {
-      std::vector<data::Batch> micro_batches;
-      for (int m = 0; m < run.micro; ++m) {
-        const int64_t begin = step * local + m * each;
-        micro_batches.push_back(f.dataset.get(
-            std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each)));
-      }
-      const auto step_result = strategy.train_step(micro_batches, loss);
-      if (run.metrics) {
+  run_ranks(
+      world,
+      [&](const comm::CommunicatorPtr& comm) {
+        auto grid = std::make_shared<comm::ProcessGrid>(comm, 1, run.pp);
+        parallel::StrategyOptions options;
+        options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = run.schedule;
+        options.max_grad_norm = run.clip;
+        options.of<dtrain::parallel::pipeline::PipelineOptions>().virtual_stages = run.chunks;
+        options.of<dtrain::parallel::pipeline::PipelineOptions>().data_parallel = run.data_parallel;
+        options.precision = run.precision;
+        options.loss_scaling = run.loss_scaling;
+        options.loss_scale_init = run.loss_scale_init;
+        options.of<dtrain::parallel::pipeline::PipelineOptions>().transport = run.transport;
+        PipelineStrategy strategy(options);
+        strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
+        const int dp_rank = grid->coordinates().dp;
+        auto order =
+            data::DistributedSampler(f.dataset.size(), run.dp, dp_rank, {true, 5, true}).indices();
+        const int64_t local = f.global_batch / run.dp;
+        const int64_t each = local / run.micro;
+        parallel::LossFn loss = parallel::cross_entropy;
+        if (comm->rank() == run.dropped_rank) loss = drop_rank_gradient(run.dropped_rank, comm);
+        for (int step = 0; step < steps; ++step) {
+          std::vector<data::Batch> micro_batches;
+          for (int m = 0; m < run.micro; ++m) {
+            const int64_t begin = step * local + m * each;
+            micro_batches.push_back(f.dataset.get(
+                std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each)));
+          }
+          const auto step_result = strategy.train_step(micro_batches, loss);
+          if (run.metrics) {
+            std::lock_guard<std::mutex> lock(mutex);
+            (*run.metrics)[comm->rank()] = step_result.metrics;
+          }
+        }
+        if (dp_rank != 0) return;
         std::lock_guard<std::mutex> lock(mutex);
-        (*run.metrics)[comm->rank()] = step_result.metrics;
-      }
-    }
-    if (dp_rank != 0) return;
-    std::lock_guard<std::mutex> lock(mutex);
-    for (size_t i = 0; i < strategy.local_parameters().size(); ++i) {
-      result[strategy.local_parameter_names()[i]] =
-          strategy.local_parameters()[i].detach().clone();
-    }
-  }, std::chrono::seconds(60));
+        for (size_t i = 0; i < strategy.local_parameters().size(); ++i) {
+          result[strategy.local_parameter_names()[i]] =
+              strategy.local_parameters()[i].detach().clone();
+        }
+      },
+      std::chrono::seconds(60));
   return result;
 }
 
@@ -354,42 +356,49 @@ TEST(Pipeline, ClipsByTheGlobalNormChecksActivationsAndNoticesALostGradient) {
 // compute gets a rank to itself, where balancing by parameters would pair it with a layer.
 TEST(Pipeline, BalanceByTimeFollowsMeasuredCostNotParameters) {
   at::set_num_threads(1);
-  run_ranks(2, [](const comm::CommunicatorPtr& comm) {
-    auto grid = std::make_shared<comm::ProcessGrid>(comm, 1, 2);
-    auto make = [] {
-      torch::manual_seed(1);
-      torch::nn::Sequential net(torch::nn::Linear(64, 64), torch::nn::Linear(64, 64),
-                                torch::nn::Linear(64, 64), torch::nn::Linear(64, 4));
-      Model model = sequential_model(net);
-      const at::Tensor mixing = torch::randn({64, 64}) / 8;
-      Stage heavy;  // no parameters, many matmuls
-      heavy.name = "heavy";
-      heavy.forward = [mixing](const at::Tensor& x) {
-        at::Tensor y = x;
-        for (int i = 0; i < 300; ++i) y = torch::tanh(y.matmul(mixing));
-        return y;
-      };
-      model.stages.insert(model.stages.begin(), heavy);
-      auto forward = model.forward;
-      model.forward = [heavy, forward](const at::Tensor& x) { return forward(heavy.forward(x)); };
-      return model;
-    };
-    const data::Batch example{torch::randn({32, 64}), torch::zeros({32}, at::kLong)};
-    for (const std::string balance : {"params", "time"}) {
-      parallel::StrategyOptions options;
-      options.of<dtrain::parallel::pipeline::PipelineOptions>().balance = balance;
-      options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = "gpipe";
-      PipelineStrategy strategy(options);
-      strategy.prepare(example);
-      strategy.setup(make(), optim::optimizer_factory(adam()), grid);
-      EXPECT_EQ(strategy.partition().end(0), balance == "time" ? 1 : 3) << balance;
-      EXPECT_NE(strategy.layout().find(balance == "time" ? "measured time" : "parameters"),
-                std::string::npos) << strategy.layout();
-      // It trains either way.
-      std::vector<data::Batch> micro_batches{example};
-      EXPECT_TRUE(std::isfinite(strategy.train_step(micro_batches, parallel::cross_entropy).loss));
-    }
-  }, std::chrono::seconds(60));
+  run_ranks(
+      2,
+      [](const comm::CommunicatorPtr& comm) {
+        auto grid = std::make_shared<comm::ProcessGrid>(comm, 1, 2);
+        auto make = [] {
+          torch::manual_seed(1);
+          torch::nn::Sequential net(torch::nn::Linear(64, 64), torch::nn::Linear(64, 64),
+                                    torch::nn::Linear(64, 64), torch::nn::Linear(64, 4));
+          Model model = sequential_model(net);
+          const at::Tensor mixing = torch::randn({64, 64}) / 8;
+          Stage heavy;  // no parameters, many matmuls
+          heavy.name = "heavy";
+          heavy.forward = [mixing](const at::Tensor& x) {
+            at::Tensor y = x;
+            for (int i = 0; i < 300; ++i) y = torch::tanh(y.matmul(mixing));
+            return y;
+          };
+          model.stages.insert(model.stages.begin(), heavy);
+          auto forward = model.forward;
+          model.forward = [heavy, forward](const at::Tensor& x) {
+            return forward(heavy.forward(x));
+          };
+          return model;
+        };
+        const data::Batch example{torch::randn({32, 64}), torch::zeros({32}, at::kLong)};
+        for (const std::string balance : {"params", "time"}) {
+          parallel::StrategyOptions options;
+          options.of<dtrain::parallel::pipeline::PipelineOptions>().balance = balance;
+          options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = "gpipe";
+          PipelineStrategy strategy(options);
+          strategy.prepare(example);
+          strategy.setup(make(), optim::optimizer_factory(adam()), grid);
+          EXPECT_EQ(strategy.partition().end(0), balance == "time" ? 1 : 3) << balance;
+          EXPECT_NE(strategy.layout().find(balance == "time" ? "measured time" : "parameters"),
+                    std::string::npos)
+              << strategy.layout();
+          // It trains either way.
+          std::vector<data::Batch> micro_batches{example};
+          EXPECT_TRUE(
+              std::isfinite(strategy.train_step(micro_batches, parallel::cross_entropy).loss));
+        }
+      },
+      std::chrono::seconds(60));
 }
 
 TEST(Pipeline, BadLayoutsAreNamedBeforeAnyWork) {
@@ -411,8 +420,8 @@ TEST(Pipeline, BadLayoutsAreNamedBeforeAnyWork) {
               std::string::npos);
     Model opaque(models::make_model(deep_mlp()).module, [](const at::Tensor& x) { return x; });
     EXPECT_NE(message([&] {
-                PipelineStrategy(parallel::StrategyOptions{}).setup(
-                    opaque, optim::optimizer_factory(adam()), grid);
+                PipelineStrategy(parallel::StrategyOptions{})
+                    .setup(opaque, optim::optimizer_factory(adam()), grid);
               }).find("needs a model described as stages"),
               std::string::npos);
     parallel::StrategyOptions options;
@@ -421,8 +430,9 @@ TEST(Pipeline, BadLayoutsAreNamedBeforeAnyWork) {
               std::string::npos);
     parallel::StrategyOptions transport;
     transport.of<dtrain::parallel::pipeline::PipelineOptions>().transport = "pigeon";
-    EXPECT_NE(message([&] { PipelineStrategy{transport}; })
-                  .find("unknown --pipeline-transport 'pigeon' (expected auto or comm)"),
+    EXPECT_NE(message([&] {
+                PipelineStrategy{transport};
+              }).find("unknown --pipeline-transport 'pigeon' (expected auto or comm)"),
               std::string::npos);
   });
 }

@@ -47,8 +47,11 @@ TEST(Precision, AutocastScopeComputesInBf16AndRestores) {
 }
 
 TEST(LossScaler, ScalesUnscalesBacksOffGrowsAndStopsBelowTheMinimum) {
-  precision::LossScaler scaler({.init_scale = 8, .growth_factor = 2, .backoff_factor = 0.5,
-                                .growth_interval = 2, .min_scale = 1});
+  precision::LossScaler scaler({.init_scale = 8,
+                                .growth_factor = 2,
+                                .backoff_factor = 0.5,
+                                .growth_interval = 2,
+                                .min_scale = 1});
   EXPECT_DOUBLE_EQ(scaler.scale(torch::ones({1})).item<double>(), 8.0);
   auto w = torch::ones({3}, torch::requires_grad());
   w.mutable_grad() = torch::full({3}, 16.0);

@@ -4,14 +4,14 @@
 // (or the worker and first bad element) named, change neither the parameters nor the version,
 // and are counted per worker; valid pushes after them all apply. PsClient reports a non-finite
 // refusal as a lost update instead of an error.
-#include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <limits>
 
-#include "dtrain/ps.grpc.pb.h"
 #include "dtrain/parallel/ps/PsClient.h"
+#include "dtrain/ps.grpc.pb.h"
 #include "dtrain/services/ps/ShardServer.h"
 
 using namespace dtrain;
@@ -54,7 +54,9 @@ class Raw {
     writer->WritesDone();
     return writer->Finish();
   }
-  grpc::Status push(const std::vector<dtrain::ps::PushChunk>& chunks) { return stream(false, chunks); }
+  grpc::Status push(const std::vector<dtrain::ps::PushChunk>& chunks) {
+    return stream(false, chunks);
+  }
 
   // The shard's parameters and the version they belong to.
   at::Tensor pull(int64_t* version) {
@@ -116,7 +118,8 @@ std::vector<double> ones(int64_t n) { return std::vector<double>(static_cast<siz
 
 }  // namespace
 
-TEST(ParameterServerRobustness, AnIndependentClientsBadRequestsChangeNothingAndValidPushesAllApply) {
+TEST(ParameterServerRobustness,
+     AnIndependentClientsBadRequestsChangeNothingAndValidPushesAllApply) {
   ShardServerOptions options;
   options.optimizer.name = "sgd";
   options.optimizer.lr = kLr;
@@ -145,11 +148,14 @@ TEST(ParameterServerRobustness, AnIndependentClientsBadRequestsChangeNothingAndV
   std::vector<double> g = ones(kN);
   g[5] = nan;
   g[9] = inf;
-  refused(raw.push({chunk(0, g)}), "Push from worker 1: non-finite gradient: element 5 of the "
-                                   "model's parameters is nan", true);
+  refused(raw.push({chunk(0, g)}),
+          "Push from worker 1: non-finite gradient: element 5 of the "
+          "model's parameters is nan",
+          true);
   g = ones(32);
   g[31] = inf;
-  refused(raw.push({chunk(0, ones(32)), chunk(32, g)}), "element 63 of the model's parameters is inf", true);
+  refused(raw.push({chunk(0, ones(32)), chunk(32, g)}),
+          "element 63 of the model's parameters is inf", true);
   g = ones(8);
   g[0] = -inf;
   refused(raw.push({chunk(40, g)}), "element 40 of the model's parameters is -inf", true);
@@ -181,7 +187,8 @@ TEST(ParameterServerRobustness, AnIndependentClientsBadRequestsChangeNothingAndV
   // Worker ids: out of range, or changing within a stream.
   refused(raw.push({chunk(0, ones(4), -1)}), "Push: field 'worker' is -1 (0 to 7, --max-workers)");
   refused(raw.push({chunk(0, ones(4), 8)}), "field 'worker' is 8 (0 to 7");
-  refused(raw.push({chunk(0, ones(4), 1), chunk(4, ones(4), 2)}), "field 'worker' is 2, the first chunk's 1");
+  refused(raw.push({chunk(0, ones(4), 1), chunk(4, ones(4), 2)}),
+          "field 'worker' is 2, the first chunk's 1");
   of_worker_1 += 1;
   {
     const grpc::Status status = raw.done(-5);
@@ -192,20 +199,25 @@ TEST(ParameterServerRobustness, AnIndependentClientsBadRequestsChangeNothingAndV
   // Malformed vector commands (Sandblaster's): checked whole, and a batch that would leave the
   // parameters non-finite is refused whole too (its Copy into "w" did not happen).
   using Kind = dtrain::ps::VectorOp;
-  auto vector_refused = [&](const std::vector<dtrain::ps::VectorOp>& ops, const std::string& named) {
+  auto vector_refused = [&](const std::vector<dtrain::ps::VectorOp>& ops,
+                            const std::string& named) {
     const grpc::Status status = raw.vector(ops);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << named;
     EXPECT_NE(status.error_message().find(named), std::string::npos) << status.error_message();
   };
   vector_refused({op(Kind::SCALE, "x", "", nan)}, "vector op 0: field 'alpha' is not finite");
-  vector_refused({op(Kind::COPY, "w", "x"), op(Kind::SCALE, "x", "", 1e300), op(Kind::SCALE, "x", "", 1e300)},
-                 "the ops would leave the parameters non-finite (element 0 of the model's "
-                 "parameters is -inf); nothing changed");
-  vector_refused({op(Kind::DOT, "x", "w")}, "field 'src' names vector 'w', which the shard does not have");
+  vector_refused(
+      {op(Kind::COPY, "w", "x"), op(Kind::SCALE, "x", "", 1e300), op(Kind::SCALE, "x", "", 1e300)},
+      "the ops would leave the parameters non-finite (element 0 of the model's "
+      "parameters is -inf); nothing changed");
+  vector_refused({op(Kind::DOT, "x", "w")},
+                 "field 'src' names vector 'w', which the shard does not have");
   vector_refused({op(Kind::ZERO, "v", "x")}, "field 'src' must be empty for this kind");
   vector_refused({op(Kind::COPY, "v", "x", 2.0)}, "field 'alpha' must be 0 for this kind");
-  vector_refused({op(Kind::ZERO, std::string(65, 'v'))}, "field 'dst' must name a vector (1 to 64 characters)");
-  vector_refused(std::vector<dtrain::ps::VectorOp>(5000, op(Kind::ZERO, "v")), "5000 ops in one request");
+  vector_refused({op(Kind::ZERO, std::string(65, 'v'))},
+                 "field 'dst' must name a vector (1 to 64 characters)");
+  vector_refused(std::vector<dtrain::ps::VectorOp>(5000, op(Kind::ZERO, "v")),
+                 "5000 ops in one request");
 
   // Nothing changed; every refused push is counted, and worker 1's as its own.
   EXPECT_TRUE(at::equal(raw.pull(&version), initial));

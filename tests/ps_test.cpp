@@ -3,8 +3,8 @@
 // first worker, Downpour with one worker equal to single-process SGD step for step), malformed
 // and fuzzed messages refused with the field named and no state change, deadlines, the
 // learning-rate schedule by version, shard checkpoints, tokens and TLS.
-#include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <random>
@@ -13,9 +13,9 @@
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
+#include "dtrain/parallel/ps/PsClient.h"
 #include "dtrain/ps.grpc.pb.h"
 #include "dtrain/services/ps/ParameterShard.h"
-#include "dtrain/parallel/ps/PsClient.h"
 #include "dtrain/services/ps/ShardServer.h"
 
 using namespace dtrain;
@@ -34,12 +34,16 @@ at::Tensor torch_reference(const std::string& name, const at::Tensor& start,
                            const std::vector<at::Tensor>& grads, double lr) {
   at::Tensor p = start.clone().requires_grad_(true);
   std::unique_ptr<torch::optim::Optimizer> opt;
-  if (name == "sgd") opt = std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{p}, torch::optim::SGDOptions(lr));
+  if (name == "sgd")
+    opt = std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{p},
+                                              torch::optim::SGDOptions(lr));
   if (name == "adagrad") {
     opt = std::make_unique<torch::optim::Adagrad>(std::vector<at::Tensor>{p},
                                                   torch::optim::AdagradOptions(lr).eps(1e-10));
   }
-  if (name == "adam") opt = std::make_unique<torch::optim::Adam>(std::vector<at::Tensor>{p}, torch::optim::AdamOptions(lr));
+  if (name == "adam")
+    opt = std::make_unique<torch::optim::Adam>(std::vector<at::Tensor>{p},
+                                               torch::optim::AdamOptions(lr));
   for (const auto& g : grads) {
     p.mutable_grad() = g.clone();
     opt->step();
@@ -77,8 +81,8 @@ TEST(ParameterServer, ShardsSplitEvenlyAndApplyTorchsOptimizersOnTheirSlices) {
       for (size_t i = 0; i < grads.size(); ++i) {
         int64_t version = -1, staleness = -1;
         ASSERT_EQ(shard.apply(begin, grads[i].slice(0, begin, end).contiguous(),
-                              static_cast<int64_t>(i), 0, false, &version, &staleness,
-                              nullptr), "");
+                              static_cast<int64_t>(i), 0, false, &version, &staleness, nullptr),
+                  "");
         EXPECT_EQ(version, static_cast<int64_t>(i) + 1);
         EXPECT_EQ(staleness, 0);
       }
@@ -92,12 +96,14 @@ TEST(ParameterServer, ShardsSplitEvenlyAndApplyTorchsOptimizersOnTheirSlices) {
     for (size_t i = 0; i < grads.size(); ++i) {
       int64_t version = -1, staleness = -1;
       ASSERT_EQ(whole.apply(0, grads[i], static_cast<int64_t>(i), 0, false, &version, &staleness,
-                          nullptr), "");
+                            nullptr),
+                "");
     }
     EXPECT_TRUE(at::equal(joined, whole.read(0, n, nullptr))) << name;
     // Against torch's optimizer: a few ulps (Adam's bias corrections are ordered differently),
     // relative to the values' size.
-    EXPECT_LT(((joined - expected).abs() / expected.abs().clamp_min(1.0)).max().item<double>(), 1e-13)
+    EXPECT_LT(((joined - expected).abs() / expected.abs().clamp_min(1.0)).max().item<double>(),
+              1e-13)
         << name;
     EXPECT_GT((expected - start).abs().max().item<double>(), 1e-3) << name << " did not move";
   }
@@ -106,14 +112,20 @@ TEST(ParameterServer, ShardsSplitEvenlyAndApplyTorchsOptimizersOnTheirSlices) {
   ASSERT_EQ(shard.initialize(4, at::ones({4})), "");
   EXPECT_EQ(shard.initialize(4, at::ones({4})), "initialized");
   int64_t v = 0, st = 0;
-  EXPECT_NE(shard.apply(0, at::ones({4}), 1, 0, false, &v, &st, nullptr).find("a version from the future"), std::string::npos);
-  EXPECT_NE(shard.apply(2, at::ones({4}), 0, 0, false, &v, &st, nullptr).find("outside the shard's range [0, 4)"), std::string::npos);
+  EXPECT_NE(shard.apply(0, at::ones({4}), 1, 0, false, &v, &st, nullptr)
+                .find("a version from the future"),
+            std::string::npos);
+  EXPECT_NE(shard.apply(2, at::ones({4}), 0, 0, false, &v, &st, nullptr)
+                .find("outside the shard's range [0, 4)"),
+            std::string::npos);
   EXPECT_NE(shard.apply(0, at::ones({4}, at::kDouble), 0, 0, false, &v, &st, nullptr)
-                .find("a gradient of Double for a shard of Float parameters"), std::string::npos);
+                .find("a gradient of Double for a shard of Float parameters"),
+            std::string::npos);
   EXPECT_EQ(shard.version(), 0);
   EXPECT_TRUE(at::equal(shard.read(0, 4, nullptr), at::ones({4})));
   ParameterShard ints(0, 1, optimizer("sgd", 0.1));
-  EXPECT_NE(ints.initialize(4, at::ones({4}, at::kLong)).find("float32 or float64"), std::string::npos);
+  EXPECT_NE(ints.initialize(4, at::ones({4}, at::kLong)).find("float32 or float64"),
+            std::string::npos);
   EXPECT_FALSE(ints.initialized());
   EXPECT_THROW(ParameterShard(2, 2, optimizer("sgd", 0.1)), InputError);
   EXPECT_THROW(ParameterShard(0, 1, optimizer("rmsprop", 0.1)), InputError);
@@ -138,7 +150,8 @@ struct TwoShards {
 
 torch::nn::Sequential small_mlp() {
   torch::manual_seed(3);
-  return torch::nn::Sequential(torch::nn::Linear(12, 16), torch::nn::Tanh(), torch::nn::Linear(16, 5));
+  return torch::nn::Sequential(torch::nn::Linear(12, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 5));
 }
 
 }  // namespace
@@ -183,7 +196,8 @@ TEST(ParameterServer, OneDownpourWorkerTrainsLikeSingleProcessSgd) {
     sgd.step();
   }
   client.pull(flat);
-  const at::Tensor expected = torch::nn::utils::parameters_to_vector(reference->parameters()).detach();
+  const at::Tensor expected =
+      torch::nn::utils::parameters_to_vector(reference->parameters()).detach();
   EXPECT_LT((flat - expected).abs().max().item<double>(), 1e-12);
   EXPECT_GT((expected - initial).abs().max().item<double>(), 1e-3);
   // The shards hold float64 now: a float32 client is told so, and a float32 push is refused.
@@ -194,14 +208,16 @@ TEST(ParameterServer, OneDownpourWorkerTrainsLikeSingleProcessSgd) {
           single.initialize(initial.to(at::kFloat));
         } catch (const InputError& e) {
           EXPECT_NE(std::string(e.what()).find("holds FLOAT64 parameters, this worker's are Float"),
-                    std::string::npos) << e.what();
+                    std::string::npos)
+              << e.what();
           throw;
         }
       },
       InputError);
   EXPECT_THROW(single.push(at::zeros_like(initial, at::kFloat), {5, 5}), InputError);
   client.pull(flat);
-  EXPECT_LT((flat - expected).abs().max().item<double>(), 1e-12);  // the refused push changed nothing
+  EXPECT_LT((flat - expected).abs().max().item<double>(),
+            1e-12);  // the refused push changed nothing
 }
 
 namespace {
@@ -243,7 +259,7 @@ TEST(ParameterServer, PullsShareTheValuesAndUpdatesCopyOnlyWhileAViewIsHeld) {
   EXPECT_EQ(version, 0);
   EXPECT_EQ(view.data_ptr(), static_cast<const char*>(first) + 2 * sizeof(float));
   ASSERT_EQ(shard.apply(0, at::ones({6}), 0, 0, false, &v, &st, nullptr), "");
-  EXPECT_TRUE(at::equal(view, at::zeros({3})));        // still version 0
+  EXPECT_TRUE(at::equal(view, at::zeros({3})));  // still version 0
   EXPECT_TRUE(at::equal(shard.read(0, 6, nullptr), -at::ones({6})));
   const void* second = where();
   EXPECT_NE(second, first);
@@ -285,7 +301,8 @@ TEST(ParameterServer, MalformedAndFuzzedMessagesAreRefusedAndChangeNothing) {
   wrong_dtype.mutable_chunk()->set_dtype(rpc::FLOAT64);
   refused({wrong_dtype}, "field 'dtype' is FLOAT64, expected FLOAT32");
   refused({gradient_chunk(60, 8)}, "field 'offset' 60 with 8 elements is outside [0, 64)");
-  refused({gradient_chunk(0, 8, 5)}, "field 'computed_version' is 5, but the shard is at version 0");
+  refused({gradient_chunk(0, 8, 5)},
+          "field 'computed_version' is 5, but the shard is at version 0");
   refused({gradient_chunk(0, 8), gradient_chunk(16, 8)}, "field 'offset' is 16, expected 8");
   auto ragged = gradient_chunk(0, 8);
   ragged.mutable_chunk()->mutable_data()->push_back('x');
@@ -304,7 +321,8 @@ TEST(ParameterServer, MalformedAndFuzzedMessagesAreRefusedAndChangeNothing) {
     }
     const grpc::Status status = reader->Finish();
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-    EXPECT_NE(status.error_message().find("fields 'begin', 'end' ask for [10, 100)"), std::string::npos);
+    EXPECT_NE(status.error_message().find("fields 'begin', 'end' ask for [10, 100)"),
+              std::string::npos);
   }
 
   // Fuzz: random bytes and single-byte mutations of a valid message. Whatever is refused
@@ -421,7 +439,9 @@ TEST(ParameterServer, ShardCheckpointsRoundTripAndDamagedOnesAreNamed) {
     ASSERT_EQ(shard.initialize(10, random_vector(5, 1, dtype)), "");
     int64_t version = 0, staleness = 0;
     for (int i = 0; i < 3; ++i) {
-      ASSERT_EQ(shard.apply(5, random_vector(5, 10 + i, dtype), i, 0, false, &version, &staleness, nullptr), "");
+      ASSERT_EQ(shard.apply(5, random_vector(5, 10 + i, dtype), i, 0, false, &version, &staleness,
+                            nullptr),
+                "");
     }
     const std::string file = dir / (name + ".pt");
     EXPECT_EQ(shard.save(file), 3);
@@ -430,15 +450,20 @@ TEST(ParameterServer, ShardCheckpointsRoundTripAndDamagedOnesAreNamed) {
     EXPECT_EQ(restored.version(), 3);
     EXPECT_EQ(restored.dtype(), dtype);
     // The next update is the same on both: the optimizer state came back too.
-    ASSERT_EQ(shard.apply(5, random_vector(5, 20, dtype), 3, 0, false, &version, &staleness, nullptr), "");
-    ASSERT_EQ(restored.apply(5, random_vector(5, 20, dtype), 3, 0, false, &version, &staleness, nullptr), "");
+    ASSERT_EQ(
+        shard.apply(5, random_vector(5, 20, dtype), 3, 0, false, &version, &staleness, nullptr),
+        "");
+    ASSERT_EQ(
+        restored.apply(5, random_vector(5, 20, dtype), 3, 0, false, &version, &staleness, nullptr),
+        "");
     EXPECT_TRUE(at::equal(shard.read(5, 10, nullptr), restored.read(5, 10, nullptr))) << name;
     ParameterShard other(0, 2, optimizer(opt, 0.05));
     try {
       other.load(file);
       ADD_FAILURE() << "another shard's checkpoint was loaded";
     } catch (const InputError& e) {
-      EXPECT_NE(std::string(e.what()).find("belongs to shard 1/2, this is shard 0/2"), std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("belongs to shard 1/2, this is shard 0/2"),
+                std::string::npos)
           << e.what();
     }
   }
@@ -470,7 +495,8 @@ TEST(ParameterServer, TokensAndTlsGuardEveryCall) {
       PsClient c({server.address()}, client);
       ADD_FAILURE() << "a call with token '" << token << "' was accepted";
     } catch (const InputError& e) {
-      EXPECT_NE(std::string(e.what()).find("refused Describe as unauthenticated"), std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("refused Describe as unauthenticated"),
+                std::string::npos)
           << e.what();
     }
   };
@@ -497,8 +523,8 @@ TEST(ParameterServer, TokensAndTlsGuardEveryCall) {
   }
   const std::string make_cert =
       "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
-      "subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " + (dir / "key.pem") + " -out " +
-      (dir / "cert.pem") + " > /dev/null 2>&1";
+      "subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " +
+      (dir / "key.pem") + " -out " + (dir / "cert.pem") + " > /dev/null 2>&1";
   ASSERT_EQ(std::system(make_cert.c_str()), 0) << make_cert;
   ShardServerOptions tls_options;
   tls_options.tls_cert = dir / "cert.pem";

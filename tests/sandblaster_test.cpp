@@ -3,8 +3,8 @@
 // never holds a parameter-sized vector - reaches torch::optim::LBFGS's final loss on logistic
 // regression of Fashion-MNIST pixels (and does not when a work unit is left out); fuzzed vector
 // batches run whole or change nothing.
-#include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <sys/wait.h>
@@ -17,12 +17,12 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/data/FashionMnist.h"
-#include "dtrain/ps.grpc.pb.h"
-#include "dtrain/sandblaster.grpc.pb.h"
 #include "dtrain/parallel/ps/PsClient.h"
 #include "dtrain/parallel/ps/Sandblaster.h"
-#include "dtrain/services/ps/ShardServer.h"
 #include "dtrain/parallel/ps/WorkQueue.h"
+#include "dtrain/ps.grpc.pb.h"
+#include "dtrain/sandblaster.grpc.pb.h"
+#include "dtrain/services/ps/ShardServer.h"
 
 using namespace dtrain;
 using namespace dtrain::parallel::ps;
@@ -78,7 +78,8 @@ TEST(Sandblaster, VectorCommandsAreTheUnshardedArithmeticAndBadOnesChangeNothing
     ADD_FAILURE() << "a batch with a missing vector was run";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("vector op 1: field 'src' names vector 'nowhere'"),
-              std::string::npos) << e.what();
+              std::string::npos)
+        << e.what();
   }
   at::Tensor pulled = at::zeros({n});
   client.pull(pulled);
@@ -213,7 +214,8 @@ TEST(Sandblaster, FuzzedVectorBatchesRunWholeOrChangeNothing) {
   auto stub = dtrain::ps::ParameterServer::NewStub(
       grpc::CreateChannel(shards.addresses[0], grpc::InsecureChannelCredentials()));
   auto state = [&] {  // x . x, g . g, x . g
-    return client.vector_ops({{VectorOp::Dot, "x", "x", 0.0}, {VectorOp::Dot, "g", "g", 0.0},
+    return client.vector_ops({{VectorOp::Dot, "x", "x", 0.0},
+                              {VectorOp::Dot, "g", "g", 0.0},
                               {VectorOp::Dot, "x", "g", 0.0}});
   };
   std::mt19937 random(11);
@@ -233,10 +235,13 @@ TEST(Sandblaster, FuzzedVectorBatchesRunWholeOrChangeNothing) {
         op->set_dst(names[random() % names.size()]);
         // Mostly the fields the kind uses; now and then one it does not (refused).
         const bool reads_src = kind == dtrain::ps::VectorOp::COPY ||
-                               kind == dtrain::ps::VectorOp::AXPY || kind == dtrain::ps::VectorOp::DOT;
-        const bool uses_alpha = kind == dtrain::ps::VectorOp::SCALE || kind == dtrain::ps::VectorOp::AXPY;
+                               kind == dtrain::ps::VectorOp::AXPY ||
+                               kind == dtrain::ps::VectorOp::DOT;
+        const bool uses_alpha =
+            kind == dtrain::ps::VectorOp::SCALE || kind == dtrain::ps::VectorOp::AXPY;
         if (reads_src || random() % 16 == 0) op->set_src(names[random() % names.size()]);
-        if (uses_alpha || random() % 16 == 0) op->set_alpha(random() % 10 == 0 ? std::nan("") : 0.5);
+        if (uses_alpha || random() % 16 == 0)
+          op->set_alpha(random() % 10 == 0 ? std::nan("") : 0.5);
       }
     }
     const auto before = state();
@@ -326,7 +331,7 @@ TEST(Sandblaster, TaperedUnitsEndSmallAndBackupsGoWhereACopyFinishesFirst) {
   EXPECT_EQ(tapered.front(), 0);
   EXPECT_EQ(tapered.back(), 7000);
   auto size = [&](const std::vector<int64_t>& b, size_t i) { return b[i + 1] - b[i]; };
-  EXPECT_EQ(size(tapered, 0), 400);   // 7000 * 4 / (4 * 16 + 2 * 2 + 2 * 1)
+  EXPECT_EQ(size(tapered, 0), 400);  // 7000 * 4 / (4 * 16 + 2 * 2 + 2 * 1)
   EXPECT_EQ(size(tapered, 16), 200);
   EXPECT_EQ(size(tapered, 19), 100);
   const std::vector<int64_t> equal = unit_bounds(7000, 20, 2, false);
@@ -408,17 +413,20 @@ TEST(Sandblaster, WorkerProcessesReachTorchsLbfgsLossWhenAWorkerDiesHoldingAUnit
   const std::string dir = ::testing::TempDir() + "sandblaster-processes";
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  const Output out = run(
-      "DTRAIN_SIMULATE_FAILURE=1:5 " + std::string(DTRAIN_CLI_PATH) +
-      " train --strategy sandblaster --nproc 3 --ps-shards 2 --threads 1 --dataset synthetic "
-      "--synthetic-examples 1000 --seed 3 --model linear --weight-decay 0.01 --max-steps 300 "
-      "--work-units 20 --no-backup-tasks --no-progress --eval-every 5 --defer-eval --metrics " +
-      dir + "/m.jsonl "
-      "--checkpoint-dir " + dir + "/ckpt");
+  const Output out =
+      run("DTRAIN_SIMULATE_FAILURE=1:5 " + std::string(DTRAIN_CLI_PATH) +
+          " train --strategy sandblaster --nproc 3 --ps-shards 2 --threads 1 --dataset synthetic "
+          "--synthetic-examples 1000 --seed 3 --model linear --weight-decay 0.01 --max-steps 300 "
+          "--work-units 20 --no-backup-tasks --no-progress --eval-every 5 --defer-eval --metrics " +
+          dir +
+          "/m.jsonl "
+          "--checkpoint-dir " +
+          dir + "/ckpt");
   ASSERT_EQ(out.code, 0) << out.text;
   EXPECT_NE(out.text.find("rank 1 kills itself"), std::string::npos) << out.text;
   std::ifstream file(dir + "/m.jsonl");
-  const std::string metrics((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const std::string metrics((std::istreambuf_iterator<char>(file)),
+                            std::istreambuf_iterator<char>());
   const double got = metric(metrics, "final_loss");
   std::printf("torch LBFGS %.8f, Sandblaster over processes %.8f (%g iterations, %g reissued)\n",
               expected, got, metric(metrics, "iterations"), metric(metrics, "units_reissued"));
@@ -427,7 +435,8 @@ TEST(Sandblaster, WorkerProcessesReachTorchsLbfgsLossWhenAWorkerDiesHoldingAUnit
   EXPECT_EQ(metric(metrics, "worker1_units"), 4) << metrics;  // its 5th never reported
   // Iteration 5's parameters were kept and evaluated after the run (--defer-eval).
   EXPECT_NE(metrics.find("\"deferred\":1,\"epoch\":0,\"event\":\"eval\",\"seconds\""),
-            std::string::npos) << metrics;
+            std::string::npos)
+      << metrics;
   EXPECT_NE(out.text.find("sandblaster: L-BFGS stopped after"), std::string::npos) << out.text;
   EXPECT_EQ(run(std::string(DTRAIN_CLI_PATH) + " ckpt verify " + dir + "/ckpt").code, 0);
 }
@@ -466,7 +475,8 @@ TEST(Sandblaster, CoordinatorServiceRefusesBadCallsAndChangesNothing) {
   other.set_examples(99);  // another data set
   const grpc::Status mismatch = call_get(other, true);
   EXPECT_EQ(mismatch.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_NE(mismatch.error_message().find("every worker must cut the same data"), std::string::npos);
+  EXPECT_NE(mismatch.error_message().find("every worker must cut the same data"),
+            std::string::npos);
   std::mt19937 random(7);
   int refused = 0;
   for (int i = 0; i < 200; ++i) {
@@ -527,6 +537,7 @@ TEST(Sandblaster, CoordinatorServiceRefusesBadCallsAndChangesNothing) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("field 'unit'"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(client.vector_ops({{VectorOp::Scale, "g", "", 1.0, 2}}), InputError);  // round on SCALE
+  EXPECT_THROW(client.vector_ops({{VectorOp::Scale, "g", "", 1.0, 2}}),
+               InputError);  // round on SCALE
   EXPECT_EQ(client.vector_ops({{VectorOp::Dot, "g", "g", 0.0}})[0], 0.0);
 }

@@ -11,17 +11,17 @@
 #include <mutex>
 #include <tuple>
 
-#include "dtrain/parallel/Registry.h"
-#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "Oracle.h"
 #include "RankThreads.h"
 #include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/models/Gpt.h"
-#include "dtrain/parallel/StateShards.h"
 #include "dtrain/nn/tensor/CrossEntropy.h"
 #include "dtrain/nn/tensor/Layers.h"
 #include "dtrain/nn/tensor/Mappings.h"
 #include "dtrain/nn/tensor/Random.h"
+#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Generate.h"
 #include "parallel/StrategySupport.h"
@@ -74,7 +74,8 @@ Named named_values(const Model& model) {
 at::Tensor block_of(const at::Tensor& full, const tp::ParameterSplits& splits,
                     const std::string& name) {
   const auto it = splits.find(name);
-  return it == splits.end() ? full : full.narrow(it->second.dim, it->second.start, it->second.length);
+  return it == splits.end() ? full
+                            : full.narrow(it->second.dim, it->second.start, it->second.length);
 }
 
 // Largest difference between a rank's parameters (or their gradients) and the serial ones.
@@ -159,7 +160,8 @@ TEST(TensorParallel, LayersAndTheLossEqualTheSerialOnesInFloat64) {
   };
   std::vector<at::Tensor> leaves;
   for (const auto& t : {input, w1, b1, w2, b2, table}) leaves.push_back(t.clone().requires_grad_());
-  const at::Tensor logits = serial(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5]);
+  const at::Tensor logits =
+      serial(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5]);
   const at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, 7}), targets.reshape({-1}));
   loss.backward();
 
@@ -167,12 +169,15 @@ TEST(TensorParallel, LayersAndTheLossEqualTheSerialOnesInFloat64) {
     test::run_ranks(ranks, [&](const comm::CommunicatorPtr& group) {
       tp::ColumnParallelLinear first(tp::ColumnParallelLinearOptions(6, 5), group);
       tp::RowParallelLinear second(tp::RowParallelLinearOptions(5, 7), group);
-      tp::ColumnParallelLinear gathered(tp::ColumnParallelLinearOptions(6, 5).gather_output(true), group);
-      tp::RowParallelLinear unsplit_input(tp::RowParallelLinearOptions(5, 7).input_is_parallel(false), group);
+      tp::ColumnParallelLinear gathered(tp::ColumnParallelLinearOptions(6, 5).gather_output(true),
+                                        group);
+      tp::RowParallelLinear unsplit_input(
+          tp::RowParallelLinearOptions(5, 7).input_is_parallel(false), group);
       tp::VocabParallelEmbedding embedding(tp::VocabParallelEmbeddingOptions(7, 6), group);
       tp::ColumnParallelLinear head(tp::ColumnParallelLinearOptions(5, 7), group);
-      for (auto* m : std::initializer_list<torch::nn::Module*>{first.get(), second.get(), gathered.get(),
-                                                               unsplit_input.get(), embedding.get(), head.get()}) {
+      for (auto* m : std::initializer_list<torch::nn::Module*>{first.get(), second.get(),
+                                                               gathered.get(), unsplit_input.get(),
+                                                               embedding.get(), head.get()}) {
         m->to(at::kDouble);
       }
       first->copy_from_full(w1, b1);
@@ -199,12 +204,20 @@ TEST(TensorParallel, LayersAndTheLossEqualTheSerialOnesInFloat64) {
       parallel_loss.backward();
       EXPECT_LT((x.grad() - leaves[0].grad()).abs().max().item<double>(), 1e-12);
       const int64_t s = head->output_start(), n = head->output_length();
-      EXPECT_LT((head->weight.grad() - leaves[3].grad().narrow(0, s, n)).abs().max().item<double>(), 1e-12);
-      EXPECT_LT((head->bias.grad() - leaves[4].grad().narrow(0, s, n)).abs().max().item<double>(), 1e-12);
+      EXPECT_LT((head->weight.grad() - leaves[3].grad().narrow(0, s, n)).abs().max().item<double>(),
+                1e-12);
+      EXPECT_LT((head->bias.grad() - leaves[4].grad().narrow(0, s, n)).abs().max().item<double>(),
+                1e-12);
       const int64_t es = embedding->vocab_start(), en = embedding->vocab_length();
-      EXPECT_LT((embedding->weight.grad() - leaves[5].grad().narrow(0, es, en)).abs().max().item<double>(), 1e-12);
+      EXPECT_LT((embedding->weight.grad() - leaves[5].grad().narrow(0, es, en))
+                    .abs()
+                    .max()
+                    .item<double>(),
+                1e-12);
       const int64_t gs = gathered->output_start(), gn = gathered->output_length();
-      EXPECT_LT((gathered->weight.grad() - leaves[1].grad().narrow(0, gs, gn)).abs().max().item<double>(), 1e-12);
+      EXPECT_LT(
+          (gathered->weight.grad() - leaves[1].grad().narrow(0, gs, gn)).abs().max().item<double>(),
+          1e-12);
     });
   }
 }
@@ -232,12 +245,14 @@ TEST(TensorParallel, GptEqualsTheSerialModelForTwoAndFourRanks) {
         const at::Tensor block = model(ids);
         const auto& head = splits.count("head.out.weight") ? splits.at("head.out.weight")
                                                            : splits.at("embedding.token.weight");
-        EXPECT_LT((block - logits.narrow(-1, head.start, head.length)).abs().max().item<double>(), 1e-12);
+        EXPECT_LT((block - logits.narrow(-1, head.start, head.length)).abs().max().item<double>(),
+                  1e-12);
         ASSERT_TRUE(model.loss);
         model.loss(block, targets).backward();
         Named grads;
         for (const auto& [name, p] : named_parameters(model)) grads[name] = p.grad();
-        EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12) << "tied " << tied << " T " << ranks;
+        EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12)
+            << "tied " << tied << " T " << ranks;
       });
     }
   }
@@ -279,7 +294,8 @@ TEST(TensorParallel, DropoutMasksAgreeWhereReplicatedAndDifferWhereSplit) {
   const double kept = replicated[0].ne(0).sum().item<double>();
   EXPECT_GT(kept, 400);
   EXPECT_LT(kept, 600);
-  EXPECT_LT((replicated[0].masked_select(replicated[0].ne(0)) - 2.0).abs().max().item<double>(), 1e-12);
+  EXPECT_LT((replicated[0].masked_select(replicated[0].ne(0)) - 2.0).abs().max().item<double>(),
+            1e-12);
   // In the model: with dropout on, the replicated residual stream stays equal on both ranks.
   auto config = tiny_gpt();
   config.dropout = 0.3;
@@ -333,7 +349,8 @@ Named train_serial(const GptData& d, int steps, double max_grad_norm, bool tied,
                                                     order.begin() + (step + 1) * d.global_batch));
     optimizer->zero_grad();
     parallel::cross_entropy(model(batch.inputs), batch.targets).backward();
-    if (max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(model.module->parameters(), max_grad_norm);
+    if (max_grad_norm > 0)
+      torch::nn::utils::clip_grad_norm_(model.module->parameters(), max_grad_norm);
     if (step != skipped_step) optimizer->step();
   }
   return named_values(model);
@@ -356,51 +373,57 @@ double train_on_grid(const GptData& d, int steps, const GridRun& run, const Name
                      std::vector<double>* skipped = nullptr) {
   std::vector<double> worst(run.world, 0.0);
   if (skipped) skipped->assign(run.world, -1.0);
-  test::run_ranks(run.world, [&](const comm::CommunicatorPtr& world) {
-    auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
-    auto config = tiny_gpt(run.tied);
-    config.sequence_parallel = run.sequence_parallel;
-    Model model = build_gpt(config, grid->tp());
-    parallel::LossFn loss = model.loss ? parallel::LossFn(model.loss) : parallel::cross_entropy;
-    if (run.drop_tp_rank_gradient && grid->coordinates().tp == 1) {
-      loss = [inner = loss](const at::Tensor& o, const at::Tensor& t) { return inner(o, t) * 0.0; };
-    }
-    int current_step = 0;
-    if (run.overflow_step >= 0 && grid->coordinates().tp == 1) {
-      const auto splits = tp::parameter_splits(*model.module);
-      for (const auto& item : model.module->named_parameters()) {
-        if (!splits.count(item.key())) continue;
-        item.value().register_hook([&current_step, &run](const at::Tensor& grad) {
-          if (current_step != run.overflow_step) return at::Tensor();
-          at::Tensor poisoned = grad.clone();
-          poisoned.view({-1})[0] = std::numeric_limits<double>::infinity();
-          return poisoned;
-        });
-      }
-    }
-    auto strategy = make_strategy(run);
-    strategy->setup(model, optim::optimizer_factory(test::adam()), grid);
-    const int dp = grid->dp_size();
-    auto order = data::DistributedSampler(d.dataset.size(), dp, grid->coordinates().dp,
-                                          {true, 5, true}).indices();
-    const int64_t local = d.global_batch / dp;
-    for (int step = 0; step < steps; ++step) {
-      current_step = step;
-      std::vector<data::Batch> micro_batches;
-      for (int m = 0; m < run.micro; ++m) {
-        const int64_t begin = step * local + m * (local / run.micro);
-        micro_batches.push_back(d.dataset.get(
-            std::vector<int64_t>(order.begin() + begin, order.begin() + begin + local / run.micro)));
-      }
-      const auto result = strategy->train_step(micro_batches, loss);
-      if (skipped && result.metrics.count("skipped_steps")) {
-        (*skipped)[world->rank()] = result.metrics.at("skipped_steps");
-      }
-    }
-    strategy->materialize();
-    worst[world->rank()] = max_block_diff(named_values(strategy->model()), serial,
-                                          tp::parameter_splits(*strategy->model().module));
-  }, std::chrono::seconds(90));
+  test::run_ranks(
+      run.world,
+      [&](const comm::CommunicatorPtr& world) {
+        auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
+        auto config = tiny_gpt(run.tied);
+        config.sequence_parallel = run.sequence_parallel;
+        Model model = build_gpt(config, grid->tp());
+        parallel::LossFn loss = model.loss ? parallel::LossFn(model.loss) : parallel::cross_entropy;
+        if (run.drop_tp_rank_gradient && grid->coordinates().tp == 1) {
+          loss = [inner = loss](const at::Tensor& o, const at::Tensor& t) {
+            return inner(o, t) * 0.0;
+          };
+        }
+        int current_step = 0;
+        if (run.overflow_step >= 0 && grid->coordinates().tp == 1) {
+          const auto splits = tp::parameter_splits(*model.module);
+          for (const auto& item : model.module->named_parameters()) {
+            if (!splits.count(item.key())) continue;
+            item.value().register_hook([&current_step, &run](const at::Tensor& grad) {
+              if (current_step != run.overflow_step) return at::Tensor();
+              at::Tensor poisoned = grad.clone();
+              poisoned.view({-1})[0] = std::numeric_limits<double>::infinity();
+              return poisoned;
+            });
+          }
+        }
+        auto strategy = make_strategy(run);
+        strategy->setup(model, optim::optimizer_factory(test::adam()), grid);
+        const int dp = grid->dp_size();
+        auto order =
+            data::DistributedSampler(d.dataset.size(), dp, grid->coordinates().dp, {true, 5, true})
+                .indices();
+        const int64_t local = d.global_batch / dp;
+        for (int step = 0; step < steps; ++step) {
+          current_step = step;
+          std::vector<data::Batch> micro_batches;
+          for (int m = 0; m < run.micro; ++m) {
+            const int64_t begin = step * local + m * (local / run.micro);
+            micro_batches.push_back(d.dataset.get(std::vector<int64_t>(
+                order.begin() + begin, order.begin() + begin + local / run.micro)));
+          }
+          const auto result = strategy->train_step(micro_batches, loss);
+          if (skipped && result.metrics.count("skipped_steps")) {
+            (*skipped)[world->rank()] = result.metrics.at("skipped_steps");
+          }
+        }
+        strategy->materialize();
+        worst[world->rank()] = max_block_diff(named_values(strategy->model()), serial,
+                                              tp::parameter_splits(*strategy->model().module));
+      },
+      std::chrono::seconds(90));
   return *std::max_element(worst.begin(), worst.end());
 }
 
@@ -470,7 +493,8 @@ TEST(TensorParallel, CheckpointsResumeAtOtherSizesAndConsolidate) {
   const int steps = 3;
   const GptData d = gpt_data(steps);
   const Named serial = train_serial(d, steps, 0.0, false);
-  const auto dir = (fs::temp_directory_path() / ("dtrain-tp-ckpt-" + std::to_string(::getpid()))).string();
+  const auto dir =
+      (fs::temp_directory_path() / ("dtrain-tp-ckpt-" + std::to_string(::getpid()))).string();
   fs::remove_all(dir);
   fs::create_directories(dir);
   // A step at TP = 2 (zero1 over 2 replicas), saved; two more at TP = 1, 4, PP 2 x TP 2 and
@@ -478,37 +502,42 @@ TEST(TensorParallel, CheckpointsResumeAtOtherSizesAndConsolidate) {
   auto run_steps = [&](const GridRun& run, int first, int last, const std::string& save_to,
                        const std::string& load_from) {
     std::vector<double> worst(run.world, 0.0);
-    test::run_ranks(run.world, [&](const comm::CommunicatorPtr& world) {
-      auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
-      Model model = build_gpt(tiny_gpt(), grid->tp());
-      parallel::LossFn loss = model.loss ? parallel::LossFn(model.loss) : parallel::cross_entropy;
-      auto strategy = make_strategy(run);
-      strategy->setup(model, optim::optimizer_factory(test::adam()), grid);
-      if (!load_from.empty()) strategy->load(load_from);
-      const int dp = grid->dp_size();
-      auto order = data::DistributedSampler(d.dataset.size(), dp, grid->coordinates().dp,
-                                            {true, 5, true}).indices();
-      const int64_t local = d.global_batch / dp;
-      for (int step = first; step < last; ++step) {
-        std::vector<data::Batch> micro_batches;
-        for (int m = 0; m < run.micro; ++m) {
-          const int64_t begin = step * local + m * (local / run.micro);
-          micro_batches.push_back(d.dataset.get(std::vector<int64_t>(
-              order.begin() + begin, order.begin() + begin + local / run.micro)));
-        }
-        strategy->train_step(micro_batches, loss);
-      }
-      if (!save_to.empty()) {
-        world->barrier()->wait();
-        strategy->save(save_to);
-        world->barrier()->wait();
-      }
-      strategy->materialize();
-      if (last == steps) {
-        worst[world->rank()] = max_block_diff(named_values(strategy->model()), serial,
-                                              tp::parameter_splits(*strategy->model().module));
-      }
-    }, std::chrono::seconds(90));
+    test::run_ranks(
+        run.world,
+        [&](const comm::CommunicatorPtr& world) {
+          auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
+          Model model = build_gpt(tiny_gpt(), grid->tp());
+          parallel::LossFn loss =
+              model.loss ? parallel::LossFn(model.loss) : parallel::cross_entropy;
+          auto strategy = make_strategy(run);
+          strategy->setup(model, optim::optimizer_factory(test::adam()), grid);
+          if (!load_from.empty()) strategy->load(load_from);
+          const int dp = grid->dp_size();
+          auto order = data::DistributedSampler(d.dataset.size(), dp, grid->coordinates().dp,
+                                                {true, 5, true})
+                           .indices();
+          const int64_t local = d.global_batch / dp;
+          for (int step = first; step < last; ++step) {
+            std::vector<data::Batch> micro_batches;
+            for (int m = 0; m < run.micro; ++m) {
+              const int64_t begin = step * local + m * (local / run.micro);
+              micro_batches.push_back(d.dataset.get(std::vector<int64_t>(
+                  order.begin() + begin, order.begin() + begin + local / run.micro)));
+            }
+            strategy->train_step(micro_batches, loss);
+          }
+          if (!save_to.empty()) {
+            world->barrier()->wait();
+            strategy->save(save_to);
+            world->barrier()->wait();
+          }
+          strategy->materialize();
+          if (last == steps) {
+            worst[world->rank()] = max_block_diff(named_values(strategy->model()), serial,
+                                                  tp::parameter_splits(*strategy->model().module));
+          }
+        },
+        std::chrono::seconds(90));
     return *std::max_element(worst.begin(), worst.end());
   };
   GridRun writer;
@@ -530,7 +559,8 @@ TEST(TensorParallel, CheckpointsResumeAtOtherSizesAndConsolidate) {
     Model before = build_gpt(tiny_gpt(), nullptr);
     EXPECT_GT(test::max_abs_diff(params, test::snapshot(before)), 1e-4);  // it was trained
   }
-  for (GridRun reader : {GridRun{1, 1, 1}, GridRun{4, 4, 1}, GridRun{4, 2, 2, "ddp", 2}, GridRun{2, 1, 1, "zero2"}}) {
+  for (GridRun reader : {GridRun{1, 1, 1}, GridRun{4, 4, 1}, GridRun{4, 2, 2, "ddp", 2},
+                         GridRun{2, 1, 1, "zero2"}}) {
     EXPECT_LT(run_steps(reader, 1, steps, "", dir), test::kTightBound)
         << "resumed at world " << reader.world << " TP " << reader.tp << " PP " << reader.pp;
   }
@@ -553,7 +583,8 @@ TEST(TensorParallel, CheckpointsResumeAtOtherSizesAndConsolidate) {
     std::vector<int64_t> ids = {0, 3};  // "ad"
     for (int i = 0; i < 10; ++i) {
       const auto first = ids.end() - static_cast<std::ptrdiff_t>(std::min<size_t>(ids.size(), 6));
-      at::Tensor window = at::tensor(std::vector<int64_t>(first, ids.end()), at::kLong).unsqueeze(0);
+      at::Tensor window =
+          at::tensor(std::vector<int64_t>(first, ids.end()), at::kLong).unsqueeze(0);
       ids.push_back(serial_model(window).select(1, window.size(1) - 1).argmax(-1).item<int64_t>());
     }
     for (int64_t id : ids) expected += vocabulary[id];
@@ -599,10 +630,12 @@ TEST(TensorParallel, SequenceParallelGptEqualsTheSerialModel) {
         const auto& head = splits.count("head.out.weight") ? splits.at("head.out.weight")
                                                            : splits.at("embedding.token.weight");
         const at::Tensor block = model(ids);  // the whole sequence, this rank's vocabulary block
-        EXPECT_LT((block - logits.narrow(-1, head.start, head.length)).abs().max().item<double>(), 1e-12);
+        EXPECT_LT((block - logits.narrow(-1, head.start, head.length)).abs().max().item<double>(),
+                  1e-12);
         model.loss(block, targets).backward();
         // Replicated parameters hold partial gradients until the strategy sums them.
-        parallel::TensorParallelLayout layout = parallel::tensor_parallel_layout(*model.module, *grid);
+        parallel::TensorParallelLayout layout =
+            parallel::tensor_parallel_layout(*model.module, *grid);
         EXPECT_EQ(layout.partial.size(), 3u + 6u * 2);
         std::vector<at::Tensor> params;
         std::vector<std::string> names;
@@ -615,7 +648,8 @@ TEST(TensorParallel, SequenceParallelGptEqualsTheSerialModel) {
         EXPECT_GT(max_block_diff(grads, serial_grads, splits), 1e-6);  // partial sums differ
         layout.sum_partial_gradients(params, names);
         for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
-        EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12) << "tied " << tied << " T " << ranks;
+        EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12)
+            << "tied " << tied << " T " << ranks;
       });
     }
   }

@@ -4,18 +4,18 @@
 #include <torch/torch.h>
 
 #include <cstdio>
-#include <limits>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "RankThreads.h"
 #include "SmallModels.h"
 #include "TempDir.h"
-#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Trainer.h"
 
@@ -64,19 +64,22 @@ RunOutput run(int world, const train::TrainerOptions& options, uint64_t init_see
     models.push_back(models::make_model(spec));
     models.back().module->to(at::kDouble);
   }
-  run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
-    train::Trainer trainer(options, comm);
-    auto result = trainer.fit(models[comm->rank()], dataset, validate ? &validation : nullptr);
-    trainer.strategy().materialize();  // zero3, pipeline: gather the full parameters
-    if (comm->rank() == 0) {
-      out.validation = result.validation;
-      out.losses = result.losses;
-      out.start_step = result.start_step;
-      for (const auto& p : trainer.strategy().model().module->parameters()) {
-        out.weights.push_back(p.detach().clone());
-      }
-    }
-  }, 60s);
+  run_ranks(
+      world,
+      [&](const comm::CommunicatorPtr& comm) {
+        train::Trainer trainer(options, comm);
+        auto result = trainer.fit(models[comm->rank()], dataset, validate ? &validation : nullptr);
+        trainer.strategy().materialize();  // zero3, pipeline: gather the full parameters
+        if (comm->rank() == 0) {
+          out.validation = result.validation;
+          out.losses = result.losses;
+          out.start_step = result.start_step;
+          for (const auto& p : trainer.strategy().model().module->parameters()) {
+            out.weights.push_back(p.detach().clone());
+          }
+        }
+      },
+      60s);
   return out;
 }
 
@@ -426,7 +429,9 @@ TEST(Trainer, MetricsAreJsonLinesWithASummary) {
       EXPECT_GT(record.at("samples_per_s").get<double>(), 0);
       EXPECT_TRUE(record.contains("exposed_comm_ms"));
     }
-    if (event == "summary") { EXPECT_EQ(record.at("steps").get<int>(), 20); }
+    if (event == "summary") {
+      EXPECT_EQ(record.at("steps").get<int>(), 20);
+    }
   }
   EXPECT_EQ(steps, 4);
   EXPECT_EQ(evals, 1);  // the epoch end (an epoch is 20 steps)
@@ -496,8 +501,10 @@ TEST(Checkpoint, ConsolidatedFileLoadsInCppAndPython) {
   EXPECT_EQ(compared, live.size());
   // Python PyTorch reads the same file with torch.load.
   const std::string command =
-      "/usr/bin/python3 -W ignore -c \"import sys, torch; sd = torch.load(sys.argv[1]).state_dict(); "
-      "print(len(sd), repr(float(sum(v.double().sum() for v in sd.values()))))\" " + file;
+      "/usr/bin/python3 -W ignore -c \"import sys, torch; sd = "
+      "torch.load(sys.argv[1]).state_dict(); "
+      "print(len(sd), repr(float(sum(v.double().sum() for v in sd.values()))))\" " +
+      file;
   std::FILE* pipe = ::popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
   long python_count = -1;

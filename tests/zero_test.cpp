@@ -8,9 +8,9 @@
 #include <filesystem>
 #include <numeric>
 
-#include "dtrain/parallel/zero/Zero3Options.h"
 #include "Oracle.h"
 #include "TempDir.h"
+#include "dtrain/parallel/zero/Zero3Options.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/zero/Zero3Strategy.h"
 #include "parallel/zero/ZeroStrategy.h"
@@ -53,10 +53,9 @@ TEST_P(ZeroEquivalence, MatchesSingleProcessAdam) {
   EXPECT_GT(max_abs_diff(expected, f.initial), 1e-2) << "training did not move the weights";
   EXPECT_LE(max_abs_diff(expected, got), kTightBound);
   // ... and the bound notices one rank's gradient left out of the reduction.
-  const auto lost = train_distributed(f, world, 4, [stage = stage] { return make_zero(stage); }, 1,
-                                      [](const comm::CommunicatorPtr& c) {
-                                        return drop_rank_gradient(0, c);
-                                      });
+  const auto lost = train_distributed(
+      f, world, 4, [stage = stage] { return make_zero(stage); }, 1,
+      [](const comm::CommunicatorPtr& c) { return drop_rank_gradient(0, c); });
   EXPECT_GT(max_abs_diff(train_single(f, 4), lost), 1e6 * kTightBound);
 }
 
@@ -68,21 +67,25 @@ TEST(Zero3, UnitsOfAnyGranularityAndConvolutionsMatchSingleProcess) {
   auto f = make_fixture(odd_deep_mlp(), adam(), 10);
   const auto expected = train_single(f, 10);
   parallel::StrategyOptions merged;
-  merged.of<dtrain::parallel::Zero3Options>().min_unit_params = 1100;  // layers 0 and 1 in one unit, layer 2 alone
+  merged.of<dtrain::parallel::Zero3Options>().min_unit_params =
+      1100;  // layers 0 and 1 in one unit, layer 2 alone
   merged.of<dtrain::parallel::Zero3Options>().prefetch = false;
-  EXPECT_LE(max_abs_diff(expected, train_distributed(f, 2, 10, [&] { return make_zero(3, merged); })),
-            kTightBound);
+  EXPECT_LE(
+      max_abs_diff(expected, train_distributed(f, 2, 10, [&] { return make_zero(3, merged); })),
+      kTightBound);
   models::ModelSpec cnn;
   cnn.input_shape = {1, 8, 8};
   auto g = make_fixture(cnn, adam(), 6, 16);
-  EXPECT_LE(max_abs_diff(train_single(g, 6), train_distributed(g, 2, 6, [] { return make_zero(3); })),
-            kTightBound);
+  EXPECT_LE(
+      max_abs_diff(train_single(g, 6), train_distributed(g, 2, 6, [] { return make_zero(3); })),
+      kTightBound);
   // Activation checkpointing: units recompute their forward (after the pre-backward gather).
   auto checkpointed = odd_deep_mlp();
   checkpointed.checkpointing = "3";
   auto h = make_fixture(checkpointed, adam(), 6);
-  EXPECT_LE(max_abs_diff(train_single(h, 6), train_distributed(h, 2, 6, [] { return make_zero(3); })),
-            kTightBound);
+  EXPECT_LE(
+      max_abs_diff(train_single(h, 6), train_distributed(h, 2, 6, [] { return make_zero(3); })),
+      kTightBound);
 }
 
 TEST(Zero3, SequentialModelsGetOneUnitPerParameterizedStage) {
@@ -145,10 +148,11 @@ TEST(Zero3, ModelWithoutStagesIsOneUnit) {
     zero3.setup(replicas[comm->rank()], optim::optimizer_factory(adam()),
                 std::make_shared<comm::ProcessGrid>(comm));
     EXPECT_EQ(zero3.sharder().unit_count(), 1u);
-    auto order = data::DistributedSampler(f.dataset.size(), 2, comm->rank(), {true, 5, true}).indices();
+    auto order =
+        data::DistributedSampler(f.dataset.size(), 2, comm->rank(), {true, 5, true}).indices();
     for (int step = 0; step < 6; ++step) {
       zero3.train_step({f.dataset.get(std::vector<int64_t>(order.begin() + step * 16,
-                                                            order.begin() + (step + 1) * 16))},
+                                                           order.begin() + (step + 1) * 16))},
                        parallel::cross_entropy);
     }
     zero3.materialize();
@@ -165,7 +169,8 @@ TEST(Zero, MatchesDdpWithAccumulationAndGlobalNormClipping) {
   const auto ddp = train_distributed(
       f, 2, 10, [&] { return std::make_unique<parallel::DdpStrategy>(options); }, 2);
   for (int stage : {1, 2, 3}) {  // stages 2, 3: the norm is summed over gradient shards
-    const auto zero = train_distributed(f, 2, 10, [&] { return make_zero(stage, options); }, 2);
+    const auto zero = train_distributed(
+        f, 2, 10, [&] { return make_zero(stage, options); }, 2);
     EXPECT_LE(max_abs_diff(ddp, zero), kTightBound) << "stage " << stage;
   }
 }
@@ -185,8 +190,8 @@ TEST(Zero1, MemoryReportFollowsTheZeroFormula) {
       const int64_t mine = std::min(p, (comm->rank() + 1) * shard) - comm->rank() * shard;
       const auto report = zero.memory_report();
       EXPECT_EQ(report.parameter_bytes, 4 * shard * world);  // 4P + padding
-      EXPECT_EQ(report.gradient_bytes, 4 * p);                // 4P
-      EXPECT_EQ(report.optimizer_bytes, 8 * mine);            // 8P/N (the last shard is short)
+      EXPECT_EQ(report.gradient_bytes, 4 * p);               // 4P
+      EXPECT_EQ(report.optimizer_bytes, 8 * mine);           // 8P/N (the last shard is short)
 
       parallel::ZeroStrategy zero2({}, 2);
       zero2.setup(models::make_model(odd_mlp()), optim::optimizer_factory(adam()), grid);
@@ -306,18 +311,19 @@ TEST(Zero, MixedPrecisionMatchesDdpAndPureBf16IsRefused) {
   auto f = make_fixture(odd_mlp(), adam(), 8, 32, at::kFloat);
   parallel::StrategyOptions mixed;
   mixed.precision = "bf16-mixed";
-  const auto ddp = train_distributed(
-      f, 2, 8, [&] { return std::make_unique<parallel::DdpStrategy>(mixed); });
+  const auto ddp =
+      train_distributed(f, 2, 8, [&] { return std::make_unique<parallel::DdpStrategy>(mixed); });
   const auto zero2 = train_distributed(
       f, 2, 8, [&] { return std::make_unique<parallel::ZeroStrategy>(mixed, 2); });
   EXPECT_LE(max_abs_diff(ddp, zero2), 1e-5);
-  const auto zero = train_distributed(
-      f, 2, 8, [&] { return std::make_unique<parallel::ZeroStrategy>(mixed); });
+  const auto zero =
+      train_distributed(f, 2, 8, [&] { return std::make_unique<parallel::ZeroStrategy>(mixed); });
   EXPECT_LE(max_abs_diff(ddp, zero), 1e-5);
   EXPECT_LE(max_abs_diff(ddp, train_distributed(f, 2, 8, [&] { return make_zero(3, mixed); })),
             1e-5);
-  const auto fp32 = train_distributed(
-      f, 2, 8, [] { return std::make_unique<parallel::ZeroStrategy>(parallel::StrategyOptions{}); });
+  const auto fp32 = train_distributed(f, 2, 8, [] {
+    return std::make_unique<parallel::ZeroStrategy>(parallel::StrategyOptions{});
+  });
   EXPECT_GT(max_abs_diff(fp32, zero), 0.0) << "bf16-mixed changed nothing: autocast not applied?";
   EXPECT_THROW(parallel::ZeroStrategy({.precision = "bf16"}), InputError);
   EXPECT_THROW(parallel::Zero3Strategy({.precision = "bf16"}), InputError);
@@ -331,7 +337,8 @@ TEST(ShardedCheckpoint, ReshardsAcrossStrategiesAndWorldSizes) {
   TempDir dir;
   const int64_t global = 12;  // divisible by 2, 3 and 4
   const int steps_per_phase = 3;
-  const std::vector<std::pair<int, int>> phases{{3, 4}, {0, 2}, {1, 3}, {2, 2}, {3, 3}};  // stage, N
+  const std::vector<std::pair<int, int>> phases{
+      {3, 4}, {0, 2}, {1, 3}, {2, 2}, {3, 3}};  // stage, N
   const int total = steps_per_phase * static_cast<int>(phases.size());
   const auto synthetic = data::make_synthetic(global * total, {1, 12, 12}, 10, 7);
   const data::TensorDataset dataset(synthetic.raw_inputs().to(at::kDouble), synthetic.targets());
@@ -357,30 +364,36 @@ TEST(ShardedCheckpoint, ReshardsAcrossStrategiesAndWorldSizes) {
     const auto [stage, world] = phases[phase];
     std::vector<Model> replicas;
     for (int r = 0; r < world; ++r) {
-      replicas.push_back(make_model_as(odd_deep_mlp(), at::kDouble));  // random: loading must overwrite
+      replicas.push_back(
+          make_model_as(odd_deep_mlp(), at::kDouble));  // random: loading must overwrite
       if (phase == 0) restore(replicas.back(), initial);
     }
     const std::string load_dir = dir / ("phase" + std::to_string(phase));
     const std::string save_dir = dir / ("phase" + std::to_string(phase + 1));
     std::filesystem::create_directories(save_dir);
-    run_ranks(world, [&, stage = stage, world = world](const comm::CommunicatorPtr& comm) {
-      auto strategy = stage == 0 ? std::make_unique<parallel::DdpStrategy>(parallel::StrategyOptions{})
-                                 : make_zero(stage);
-      strategy->setup(replicas[comm->rank()], optim::optimizer_factory(adam()),
-                      std::make_shared<comm::ProcessGrid>(comm));
-      if (phase > 0) strategy->load(load_dir);
-      const int64_t local = global / world;
-      for (int s = 0; s < steps_per_phase; ++s) {
-        const auto batch = global_batch(static_cast<int>(phase) * steps_per_phase + s);
-        strategy->train_step({{batch.inputs.narrow(0, comm->rank() * local, local),
-                               batch.targets.narrow(0, comm->rank() * local, local)}},
-                             parallel::cross_entropy);
-      }
-      comm->barrier()->wait();
-      strategy->save(save_dir);
-      strategy->materialize();
-      if (comm->rank() == 0 && phase + 1 == phases.size()) resumed = snapshot(strategy->model());
-    }, std::chrono::seconds(60));
+    run_ranks(
+        world,
+        [&, stage = stage, world = world](const comm::CommunicatorPtr& comm) {
+          auto strategy = stage == 0
+                              ? std::make_unique<parallel::DdpStrategy>(parallel::StrategyOptions{})
+                              : make_zero(stage);
+          strategy->setup(replicas[comm->rank()], optim::optimizer_factory(adam()),
+                          std::make_shared<comm::ProcessGrid>(comm));
+          if (phase > 0) strategy->load(load_dir);
+          const int64_t local = global / world;
+          for (int s = 0; s < steps_per_phase; ++s) {
+            const auto batch = global_batch(static_cast<int>(phase) * steps_per_phase + s);
+            strategy->train_step({{batch.inputs.narrow(0, comm->rank() * local, local),
+                                   batch.targets.narrow(0, comm->rank() * local, local)}},
+                                 parallel::cross_entropy);
+          }
+          comm->barrier()->wait();
+          strategy->save(save_dir);
+          strategy->materialize();
+          if (comm->rank() == 0 && phase + 1 == phases.size())
+            resumed = snapshot(strategy->model());
+        },
+        std::chrono::seconds(60));
   }
   EXPECT_GT(max_abs_diff(snapshot(single), initial), 1e-2);
   EXPECT_LE(max_abs_diff(snapshot(single), resumed), kTightBound);

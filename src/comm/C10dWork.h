@@ -43,8 +43,8 @@ class C10dWork : public Work {
       const std::string cause = first_line(e.what());
       if (cause.find("timed out") != std::string::npos ||
           cause.find("Timed out") != std::string::npos) {
-        DTRAIN_THROW(TimeoutError, "timed out after ", timeout.count(), " ms: ", description_,
-                     " (", cause, ")", timeout_diagnosis());
+        DTRAIN_THROW(TimeoutError, "timed out after ", timeout.count(), " ms: ", description_, " (",
+                     cause, ")", timeout_diagnosis());
       }
       DTRAIN_THROW(CommError, description_, " failed: ", cause);
     }

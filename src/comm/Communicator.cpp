@@ -10,8 +10,8 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <map>
+#include <thread>
 
 #include "dtrain/common/Error.h"
 
@@ -19,10 +19,14 @@ namespace dtrain::comm {
 
 const char* to_string(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Avg: return "avg";
-    case ReduceOp::Max: return "max";
-    case ReduceOp::Min: return "min";
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Avg:
+      return "avg";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
   }
   return "?";
 }
@@ -90,7 +94,8 @@ struct ProgressState {
       const auto bar1 = value->find('|');
       const auto bar2 = value->find('|', bar1 + 1);
       const int64_t count = std::atoll(value->substr(0, bar1).c_str());
-      const double age = (now_ms() - std::atoll(value->substr(bar1 + 1, bar2 - bar1 - 1).c_str())) / 1e3;
+      const double age =
+          (now_ms() - std::atoll(value->substr(bar1 + 1, bar2 - bar1 - 1).c_str())) / 1e3;
       if (count >= index) {
         arrived += concat(arrived.empty() ? "" : ", ", r);
         continue;
@@ -229,7 +234,7 @@ std::string Communicator::describe(const std::string& op_and_args) const {
     ranks += (i ? "," : "") + std::to_string(global_ranks_[i]);
   }
   return concat(op_and_args, " on group '", name_, "' (world ranks [", ranks, "]) at rank ", rank_,
-             " (world rank ", global_ranks_[rank_], ")");
+                " (world rank ", global_ranks_[rank_], ")");
 }
 
 WorkPtr Communicator::run_async(std::string description, Milliseconds timeout,
@@ -291,9 +296,15 @@ at::ScalarType accumulation_type(at::ScalarType type) {
 void accumulate(at::Tensor& into, const at::Tensor& incoming, ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: into.add_(incoming); break;
-    case ReduceOp::Max: at::maximum_out(into, into, incoming); break;
-    case ReduceOp::Min: at::minimum_out(into, into, incoming); break;
+    case ReduceOp::Avg:
+      into.add_(incoming);
+      break;
+    case ReduceOp::Max:
+      at::maximum_out(into, into, incoming);
+      break;
+    case ReduceOp::Min:
+      at::minimum_out(into, into, incoming);
+      break;
   }
 }
 
@@ -305,8 +316,7 @@ void Communicator::exchange(const at::Tensor& send_buf, const at::Tensor& recv_b
   const int right = (rank_ + 1) % size_;
   const int left = (rank_ - 1 + size_) % size_;
   const int64_t span = INT_MAX - kMaxUserTag;
-  const int tag =
-      kMaxUserTag + static_cast<int>((sequence * 2 * size_ + step) % span);
+  const int tag = kMaxUserTag + static_cast<int>((sequence * 2 * size_ + step) % span);
   auto fail = [&](const char* direction, int peer, const std::exception& e) {
     DTRAIN_THROW(CommError, describe(what), ": step ", step, " ", direction, " rank ", peer,
                  " (world rank ", global_ranks_[peer], ") failed: ", e.what());
@@ -348,8 +358,8 @@ void Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Tenso
     return flat.narrow(0, offsets[index], counts[index]);
   };
   const auto wire_type = input.scalar_type();
-  const bool in_place = input_is_scratch && input.is_contiguous() &&
-                        accumulation_type(wire_type) == wire_type;
+  const bool in_place =
+      input_is_scratch && input.is_contiguous() && accumulation_type(wire_type) == wire_type;
   at::Tensor acc = in_place ? input.view({-1})
                             : input.reshape({-1}).to(accumulation_type(wire_type),
                                                      /*non_blocking=*/false, /*copy=*/true);
@@ -369,8 +379,7 @@ void Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Tenso
 
 void Communicator::ring_allgather(const at::Tensor& output, const at::Tensor& input,
                                   const std::vector<int64_t>& counts, int64_t sequence,
-                                  Milliseconds timeout, const std::string& what,
-                                  int step_base) {
+                                  Milliseconds timeout, const std::string& what, int step_base) {
   const auto offsets = offsets_of(counts);
   at::Tensor flat = output.is_contiguous() ? output.view({-1}) : output.reshape({-1}).clone();
   auto chunk = [&](int index) { return flat.narrow(0, offsets[index], counts[index]); };
@@ -394,14 +403,13 @@ WorkPtr Communicator::allgather(at::Tensor output, at::Tensor input,
                " elements but counts[", rank_, "] = ", counts[rank_]);
   DTRAIN_CHECK(output.numel() == offsets_of(counts).back(), describe(what), ": output has ",
                output.numel(), " elements, expected ", offsets_of(counts).back());
-  DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what),
-               ": output dtype ", output.scalar_type(), " != input dtype ", input.scalar_type());
+  DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what), ": output dtype ",
+               output.scalar_type(), " != input dtype ", input.scalar_type());
   const auto timeout = resolve(options.timeout);
   if (size_ > 1) count_collective("allgather", output.numel());
   const int64_t sequence = next_sequence();
-  return run_async(describe(what), timeout, [=] {
-    ring_allgather(output, input, counts, sequence, timeout, what);
-  });
+  return run_async(describe(what), timeout,
+                   [=] { ring_allgather(output, input, counts, sequence, timeout, what); });
 }
 
 WorkPtr Communicator::reduce_scatter(at::Tensor output, at::Tensor input,
@@ -421,8 +429,8 @@ WorkPtr Communicator::reduce_scatter(at::Tensor output, at::Tensor input,
                input.numel(), " elements but counts add up to ", offsets_of(counts).back());
   DTRAIN_CHECK(output.numel() == counts[rank_], describe(what), ": output has ", output.numel(),
                " elements, expected counts[", rank_, "] = ", counts[rank_]);
-  DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what),
-               ": output dtype ", output.scalar_type(), " != input dtype ", input.scalar_type());
+  DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what), ": output dtype ",
+               output.scalar_type(), " != input dtype ", input.scalar_type());
   DTRAIN_CHECK(options.op != ReduceOp::Avg || at::isFloatingType(input.scalar_type()),
                describe(what), ": avg needs a floating-point tensor");
   const auto timeout = resolve(options.timeout);
@@ -449,8 +457,8 @@ WorkPtr Communicator::ring_allreduce(at::Tensor tensor, ReduceOp op, Millisecond
 }
 
 WorkPtr Communicator::send(at::Tensor tensor, int dst, const P2POptions& options) {
-  const std::string what = concat("send(", shape_string(tensor), " to rank ", dst, ", tag ",
-                               options.tag, ")");
+  const std::string what =
+      concat("send(", shape_string(tensor), " to rank ", dst, ", tag ", options.tag, ")");
   DTRAIN_CHECK(options.tag >= 0 && options.tag < kMaxUserTag, describe(what),
                ": tag must be in [0, ", kMaxUserTag, ")");
   DTRAIN_CHECK(dst >= 0 && dst < size_ && dst != rank_, describe(what), ": bad destination");
@@ -460,8 +468,8 @@ WorkPtr Communicator::send(at::Tensor tensor, int dst, const P2POptions& options
 }
 
 WorkPtr Communicator::recv(at::Tensor tensor, int src, const P2POptions& options) {
-  const std::string what = concat("recv(", shape_string(tensor), " from rank ", src, ", tag ",
-                               options.tag, ")");
+  const std::string what =
+      concat("recv(", shape_string(tensor), " from rank ", src, ", tag ", options.tag, ")");
   DTRAIN_CHECK(options.tag >= 0 && options.tag < kMaxUserTag, describe(what),
                ": tag must be in [0, ", kMaxUserTag, ")");
   DTRAIN_CHECK(src >= 0 && src < size_ && src != rank_, describe(what), ": bad source");
@@ -470,8 +478,7 @@ WorkPtr Communicator::recv(at::Tensor tensor, int src, const P2POptions& options
 }
 
 CommunicatorPtr Communicator::split(int color, int key, const std::string& name) {
-  at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)},
-                               at::kLong);
+  at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
   at::Tensor all = at::empty({2 * size_}, at::kLong);
   allgather(all, mine)->wait();
   std::map<int64_t, std::vector<std::pair<int64_t, int>>> members;  // color -> (key, rank)

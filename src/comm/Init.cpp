@@ -1,7 +1,7 @@
 // Chooses the communication backend named in InitOptions (configure-time availability).
-#include "dtrain/common/Error.h"
-#include "dtrain/comm/Communicator.h"
 #include "comm/gloo/GlooCommunicator.h"
+#include "dtrain/comm/Communicator.h"
+#include "dtrain/common/Error.h"
 #ifdef DTRAIN_WITH_NCCL
 #include "comm/nccl/NcclCommunicator.h"
 #endif

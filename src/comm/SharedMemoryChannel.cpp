@@ -41,7 +41,8 @@ struct Control {
   uint32_t magic = 0;
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block fits its page");
-static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
+static_assert(std::atomic<uint64_t>::is_always_lock_free &&
+                  std::atomic<uint32_t>::is_always_lock_free,
               "shared-memory atomics must be lock-free");
 
 struct MessageHeader {
@@ -236,8 +237,8 @@ SharedMemoryChannel::SharedMemoryChannel(const CommunicatorPtr& group,
   // Both ends keep a ring only if the receiver could map it; then the name can go.
   const std::vector<std::string> receivers = allgather_strings(*group_, opened);
   for (auto& [key, ring] : made) {
-    const bool both = receivers[key.second].find(concat(key.first, "-", key.second, " ")) !=
-                      std::string::npos;
+    const bool both =
+        receivers[key.second].find(concat(key.first, "-", key.second, " ")) != std::string::npos;
     if (key.first == me) ::unlink(ring->path.c_str());
     if (both) rings_[key] = std::move(ring);
   }
@@ -335,7 +336,8 @@ at::Tensor SharedMemoryChannel::take(int src, int64_t tag, const std::string& wh
       stash_[{src, in->header.tag}].push_back(message);
       continue;
     }
-    if (!progressed) wait_on(&in->control->data_seq, seen, deadline, kAliveCheck, pids_[src], where, timeout);
+    if (!progressed)
+      wait_on(&in->control->data_seq, seen, deadline, kAliveCheck, pids_[src], where, timeout);
   }
 }
 
@@ -346,7 +348,8 @@ at::Tensor SharedMemoryChannel::recv_bytes(int src, int64_t tag, const std::stri
 at::Tensor SharedMemoryChannel::recv(int src, int64_t tag, at::IntArrayRef sizes,
                                      at::ScalarType dtype, const std::string& what) {
   at::Tensor bytes = take(src, tag, what);
-  const int64_t expected = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t expected =
+      c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
   DTRAIN_CHECK_T(CommError, bytes.numel() == expected, describe(what, src), ": received ",
                  bytes.numel(), " bytes, expected ", expected);
   if (expected == 0) return at::empty(sizes, at::TensorOptions().dtype(dtype));

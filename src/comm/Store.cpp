@@ -19,8 +19,8 @@ std::string text_of(const std::vector<uint8_t>& bytes) { return {bytes.begin(), 
 }  // namespace
 
 Store::Store(const Options& options) : options_(options), impl_(std::make_unique<Impl>()) {
-  DTRAIN_CHECK_INPUT(options.port > 0 && options.port < 65536, "store port must be in 1..65535, got ",
-                     options.port);
+  DTRAIN_CHECK_INPUT(options.port > 0 && options.port < 65536,
+                     "store port must be in 1..65535, got ", options.port);
   c10d::TCPStoreOptions tcp;
   tcp.port = static_cast<uint16_t>(options.port);
   tcp.isServer = options.is_server;
@@ -49,8 +49,8 @@ auto guarded(const std::string& address, const std::string& op, Call&& call) -> 
   try {
     return call();
   } catch (const std::exception& e) {
-    DTRAIN_THROW(CommError, "rendezvous store ", address, ": ", op, " failed: ",
-                 first_line(e.what()));
+    DTRAIN_THROW(CommError, "rendezvous store ", address, ": ", op,
+                 " failed: ", first_line(e.what()));
   }
 }
 
@@ -73,9 +73,8 @@ bool Store::check(const std::string& key) {
 }
 
 std::string Store::set_if_absent(const std::string& key, const std::string& value) {
-  return guarded(address(), "compare_set(" + key + ")", [&] {
-    return text_of(impl_->store->compareSet(key, {}, bytes_of(value)));
-  });
+  return guarded(address(), "compare_set(" + key + ")",
+                 [&] { return text_of(impl_->store->compareSet(key, {}, bytes_of(value))); });
 }
 
 }  // namespace dtrain::comm

@@ -90,9 +90,8 @@ Span::~Span() {
 }
 
 std::string to_json_events(const std::vector<Event>& events, int rank) {
-  std::string out = "{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": " +
-                    std::to_string(rank) + ", \"args\": {\"name\": \"rank " +
-                    std::to_string(rank) + "\"}}";
+  std::string out = "{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": " + std::to_string(rank) +
+                    ", \"args\": {\"name\": \"rank " + std::to_string(rank) + "\"}}";
   for (const auto& e : events) {
     out += ",\n{\"ph\": \"X\", \"pid\": " + std::to_string(rank) + ", \"tid\": 0, \"cat\": \"" +
            escaped(e.category) + "\", \"name\": \"" + escaped(e.name) +

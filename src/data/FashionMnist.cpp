@@ -3,8 +3,8 @@
 
 #include <ATen/ATen.h>
 
-#include <cstdlib>
 #include <sys/stat.h>
+#include <cstdlib>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/data/Idx.h"
@@ -48,8 +48,8 @@ TensorDataset load_fashion_mnist(const std::string& directory, Split split) {
   const std::string label_path = find_file(dir, prefix + "-labels-idx1-ubyte");
   at::Tensor images = read_idx(image_path, 3);
   at::Tensor labels = read_idx(label_path, 1);
-  DTRAIN_CHECK_INPUT(images.size(1) == 28 && images.size(2) == 28, image_path,
-                     ": images are ", images.size(1), "x", images.size(2), ", expected 28x28");
+  DTRAIN_CHECK_INPUT(images.size(1) == 28 && images.size(2) == 28, image_path, ": images are ",
+                     images.size(1), "x", images.size(2), ", expected 28x28");
   DTRAIN_CHECK_INPUT(images.size(0) == labels.size(0), image_path, " has ", images.size(0),
                      " images but ", label_path, " has ", labels.size(0), " labels");
   DTRAIN_CHECK_INPUT(labels.max().item<int>() <= 9, label_path, ": label ",

@@ -4,8 +4,8 @@
 #include <ATen/ATen.h>
 #include <zlib.h>
 
-#include <memory>
 #include <sys/stat.h>
+#include <memory>
 
 #include "dtrain/common/Error.h"
 
@@ -55,8 +55,8 @@ at::Tensor read_idx(const std::string& path, int expected_dims) {
   DTRAIN_CHECK_INPUT(magic[2] == 0x08, path, ": IDX element type 0x", std::hex, int(magic[2]),
                      " is not unsigned byte (0x08)");
   const int dims = magic[3];
-  DTRAIN_CHECK_INPUT(dims == expected_dims, path, ": IDX file has ", dims,
-                     " dimensions, expected ", expected_dims);
+  DTRAIN_CHECK_INPUT(dims == expected_dims, path, ": IDX file has ", dims, " dimensions, expected ",
+                     expected_dims);
 
   std::vector<int64_t> sizes(dims);
   int64_t total = 1;

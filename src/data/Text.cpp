@@ -49,8 +49,8 @@ std::vector<char32_t> decode_utf8(const std::string& text, const std::string& or
     if (!ok) {
       char hex[8];
       std::snprintf(hex, sizeof(hex), "0x%02X", lead);
-      DTRAIN_THROW(InputError, origin, " is not UTF-8 text: malformed sequence at byte offset ",
-                   i, " (byte ", hex, ")");
+      DTRAIN_THROW(InputError, origin, " is not UTF-8 text: malformed sequence at byte offset ", i,
+                   " (byte ", hex, ")");
     }
     out.push_back(cp);
     i += length;

@@ -28,8 +28,7 @@ int env_int(const char* name, int fallback) {
   char* end = nullptr;
   const long parsed = std::strtol(value, &end, 10);
   DTRAIN_CHECK_INPUT(end && *end == '\0' && parsed >= 0 && parsed < (1L << 30),
-                     "environment variable ", name, "='", value,
-                     "' is not a non-negative integer");
+                     "environment variable ", name, "='", value, "' is not a non-negative integer");
   return static_cast<int>(parsed);
 }
 

@@ -86,8 +86,8 @@ struct CheckpointBackward : torch::autograd::Node {
 at::Tensor checkpoint(const SegmentFn& fn, const at::Tensor& x,
                       const std::vector<at::Tensor>& parameters) {
   if (!torch::GradMode::is_enabled()) return fn(x);
-  auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(),
-                                                  torch::autograd::deleteNode);
+  auto node =
+      std::shared_ptr<CheckpointBackward>(new CheckpointBackward(), torch::autograd::deleteNode);
   node->fn = fn;
   node->input = x.detach();
   node->input_requires_grad = x.requires_grad();
@@ -128,8 +128,10 @@ int64_t parse_segments(const std::string& value, int64_t layers) {
   if (value == "sqrt") return sqrt_segments(layers);
   char* end = nullptr;
   const long long k = std::strtoll(value.c_str(), &end, 10);
-  DTRAIN_CHECK_INPUT(end && *end == '\0' && k >= 1, "--checkpointing must be none, sqrt or a "
-                     "segment count >= 1, got '", value, "'");
+  DTRAIN_CHECK_INPUT(end && *end == '\0' && k >= 1,
+                     "--checkpointing must be none, sqrt or a "
+                     "segment count >= 1, got '",
+                     value, "'");
   return std::min<int64_t>(k, std::max<int64_t>(layers, 1));
 }
 

@@ -36,7 +36,9 @@ struct Shared {
   int rank() const { return group ? group->rank() : 0; }
   // Dropout outside the split layers: replicated activations share a mask; sequence parts are
   // different positions, so they get their own.
-  at::Generator& outer_rng() const { return sequence_parallel ? rng->parallel() : rng->replicated(); }
+  at::Generator& outer_rng() const {
+    return sequence_parallel ? rng->parallel() : rng->replicated();
+  }
 };
 
 struct GptEmbeddingImpl : torch::nn::Module {
@@ -58,8 +60,7 @@ struct GptEmbeddingImpl : torch::nn::Module {
                        " ", ids.scalar_type());
     const int64_t t = ids.size(1);
     DTRAIN_CHECK_INPUT(t <= position->weight.size(0), "a sequence of ", t,
-                       " tokens is longer than the model's context of ",
-                       position->weight.size(0));
+                       " tokens is longer than the model's context of ", position->weight.size(0));
     int64_t first = 0, count = t;
     if (shared.sequence_parallel) {
       DTRAIN_CHECK_INPUT(t % shared.size() == 0, "sequence parallelism splits a sequence of ", t,
@@ -69,8 +70,8 @@ struct GptEmbeddingImpl : torch::nn::Module {
       first = shared.rank() * count;
     }
     at::Tensor positions = at::arange(first, first + count, ids.options());
-    return tp::dropout(token(ids) + position(positions).unsqueeze(0), shared.dropout,
-                       is_training(), shared.outer_rng());
+    return tp::dropout(token(ids) + position(positions).unsqueeze(0), shared.dropout, is_training(),
+                       shared.outer_rng());
   }
   tp::VocabParallelEmbedding token;
   torch::nn::Embedding position;
@@ -118,12 +119,13 @@ struct GptBlockImpl : torch::nn::Module {
     const at::Tensor heads = packed.view({b, t, local_heads, 3, d});
     auto part = [&](int64_t i) { return heads.select(3, i).transpose(1, 2); };  // [b, h, t, d]
     const at::Tensor q = part(0), k = part(1), v = part(2);
-    at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
+    at::Tensor scores =
+        at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
     at::Tensor future = at::ones({t, t}, packed.options().dtype(at::kBool)).triu(1);
     scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
     // Each rank's heads are its own: their dropout masks differ across the group.
-    at::Tensor weights = tp::dropout(at::softmax(scores, -1), shared.dropout, is_training(),
-                                     shared.rng->parallel());
+    at::Tensor weights =
+        tp::dropout(at::softmax(scores, -1), shared.dropout, is_training(), shared.rng->parallel());
     at::Tensor y = at::matmul(weights, v).transpose(1, 2).reshape({b, t, local_heads * d});
     return tp::dropout(proj(y), shared.dropout, is_training(), shared.outer_rng());
   }
@@ -168,9 +170,7 @@ struct GptHeadImpl : torch::nn::Module {
                                                   : tp::copy_to_group(ln(x), shared.group);
     return at::linear(h, tied->token->weight);
   }
-  int64_t vocab_start() const {
-    return out ? out->output_start() : tied->token->vocab_start();
-  }
+  int64_t vocab_start() const { return out ? out->output_start() : tied->token->vocab_start(); }
   torch::nn::LayerNorm ln;
   tp::ColumnParallelLinear out{nullptr};
   GptEmbedding tied{nullptr};
@@ -198,21 +198,21 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
       functions.push_back([this, i](const at::Tensor& x) { return block(i, x); });
       parameters.push_back(blocks[i]->parameters());
     }
-    h = segments > 1 ? memory::checkpoint_stages(functions, parameters, segments, h)
-                     : [&] {
-                         for (auto& f : functions) h = f(h);
-                         return h;
-                       }();
+    h = segments > 1 ? memory::checkpoint_stages(functions, parameters, segments, h) : [&] {
+      for (auto& f : functions) h = f(h);
+      return h;
+    }();
     return head(h);
   }
   std::vector<Stage> stages() {
     std::vector<Stage> out;
     std::vector<std::shared_ptr<torch::nn::Module>> head_modules{head.ptr()};
-    out.push_back({"embedding", {embedding.ptr()},
-                   [this](const at::Tensor& ids) { return embedding(ids); }});
+    out.push_back(
+        {"embedding", {embedding.ptr()}, [this](const at::Tensor& ids) { return embedding(ids); }});
     for (size_t i = 0; i < blocks->size(); ++i) {
-      Stage stage{"blocks." + std::to_string(i), {blocks[i]},
-                  [this, i](const at::Tensor& h) { return block(i, h); }};
+      Stage stage{"blocks." + std::to_string(i), {blocks[i]}, [this, i](const at::Tensor& h) {
+                    return block(i, h);
+                  }};
       stage.checkpoint = segments > 1;
       out.push_back(stage);
     }
@@ -228,7 +228,8 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
     std::vector<std::string> names{"embedding.position.weight", "head.ln.weight", "head.ln.bias"};
     for (size_t i = 0; i < blocks->size(); ++i) {
       const std::string b = "blocks." + std::to_string(i) + ".";
-      for (const char* p : {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias"}) {
+      for (const char* p :
+           {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias"}) {
         names.push_back(b + p);
       }
     }
@@ -273,13 +274,15 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
     // The same on every rank built from the same seed.
     dropout_seed = generator.get<at::CPUGeneratorImpl>()->random64();
   }
-  shared.rng = std::make_shared<tp::RngTracker>(dropout_seed, shared.group ? shared.group->rank() : 0);
+  shared.rng =
+      std::make_shared<tp::RngTracker>(dropout_seed, shared.group ? shared.group->rank() : 0);
   auto module = std::make_shared<GptImpl>(config, shared);
   Model model(module);
   model.stages = module->stages();
   if (shared.group) {
     const int64_t start = module->head->vocab_start();
-    model.loss = [group = shared.group, start](const at::Tensor& logits, const at::Tensor& targets) {
+    model.loss = [group = shared.group, start](const at::Tensor& logits,
+                                               const at::Tensor& targets) {
       return tp::vocab_parallel_cross_entropy(logits, targets, group, start);
     };
     model.predict = [group = shared.group, start](const at::Tensor& logits) {
@@ -290,10 +293,10 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
 }
 
 std::string to_json(const GptConfig& c) {
-  return nlohmann::json{{"model", "gpt"},          {"vocab", c.vocab},
-                        {"layers", c.layers},      {"heads", c.heads},
-                        {"width", c.width},        {"context", c.context},
-                        {"dropout", c.dropout},    {"tied_embeddings", c.tied_embeddings}}
+  return nlohmann::json{{"model", "gpt"},       {"vocab", c.vocab},
+                        {"layers", c.layers},   {"heads", c.heads},
+                        {"width", c.width},     {"context", c.context},
+                        {"dropout", c.dropout}, {"tied_embeddings", c.tied_embeddings}}
       .dump();
 }
 
@@ -317,8 +320,8 @@ GptConfig gpt_config_from_json(const std::string& text, const std::string& origi
 
 int64_t gpt_parameter_count(const GptConfig& c) {
   const int64_t w = c.width;
-  const int64_t block = 2 * 2 * w + (w * 3 * w + 3 * w) + (w * w + w) + (w * 4 * w + 4 * w) +
-                        (4 * w * w + w);
+  const int64_t block =
+      2 * 2 * w + (w * 3 * w + 3 * w) + (w * w + w) + (w * 4 * w + 4 * w) + (4 * w * w + w);
   return c.vocab * w + c.context * w + c.layers * block + 2 * w +
          (c.tied_embeddings ? 0 : w * c.vocab);
 }

@@ -69,7 +69,8 @@ struct MlpImpl : torch::nn::Module {
     for (size_t i = 0; i < children.size(); i += 2) {
       const bool last = i + 1 >= children.size();
       auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(children[i]);
-      out.push_back({"layers." + std::to_string(i), {children[i]},
+      out.push_back({"layers." + std::to_string(i),
+                     {children[i]},
                      [linear, first = i == 0, last](const at::Tensor& x) {
                        at::Tensor h = linear->forward(first ? x.flatten(1) : x);
                        return last ? h : torch::relu(h);
@@ -106,12 +107,15 @@ struct CnnImpl : torch::nn::Module {
     return run_stages(stages(), segments, x);
   }
   std::vector<Stage> stages() {
-    return {{"conv1", {conv1.ptr()},
+    return {{"conv1",
+             {conv1.ptr()},
              [this](const at::Tensor& h) { return torch::max_pool2d(torch::relu(conv1(h)), 2); }},
-            {"conv2", {conv2.ptr()},
+            {"conv2",
+             {conv2.ptr()},
              [this](const at::Tensor& h) { return torch::max_pool2d(torch::relu(conv2(h)), 2); }},
-            {"head", {fc1.ptr(), fc2.ptr()},
-             [this](const at::Tensor& h) { return fc2(torch::relu(fc1(h.flatten(1)))); }}};
+            {"head", {fc1.ptr(), fc2.ptr()}, [this](const at::Tensor& h) {
+               return fc2(torch::relu(fc1(h.flatten(1))));
+             }}};
   }
   int64_t segments;
   torch::nn::Conv2d conv1, conv2;
@@ -130,8 +134,8 @@ struct ResidualBlockImpl : torch::nn::Module {
     register_module("bn2", bn2);
     if (stride != 1 || in != out) {
       shortcut = register_module(
-          "shortcut", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).stride(stride)
-                                            .bias(false)));
+          "shortcut",
+          torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)));
     }
   }
   at::Tensor forward(const at::Tensor& x) {
@@ -163,13 +167,14 @@ struct ResNetImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) { return run_stages(stages(), segments, x); }
   std::vector<Stage> stages() {
-    std::vector<Stage> out{{"stem", {stem.ptr(), stem_bn.ptr()},
-                            [this](const at::Tensor& h) { return torch::relu(stem_bn(stem(h))); }}};
+    std::vector<Stage> out{{"stem", {stem.ptr(), stem_bn.ptr()}, [this](const at::Tensor& h) {
+                              return torch::relu(stem_bn(stem(h)));
+                            }}};
     for (size_t i = 0; i < blocks->size(); ++i) {
-      out.push_back({"blocks." + std::to_string(i), {blocks->children()[i]},
-                     [this, i](const at::Tensor& h) {
-                       return (blocks->begin() + static_cast<std::ptrdiff_t>(i))->forward(h);
-                     }});
+      out.push_back(
+          {"blocks." + std::to_string(i), {blocks->children()[i]}, [this, i](const at::Tensor& h) {
+             return (blocks->begin() + static_cast<std::ptrdiff_t>(i))->forward(h);
+           }});
     }
     out.push_back({"head", {head.ptr()}, [this](const at::Tensor& h) {
                      return head(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));
@@ -188,7 +193,8 @@ Model with_stages(std::shared_ptr<M> module) {
   Model model(module);
   model.stages = module->stages();
   // Strategies that run the stages themselves (ZeRO-3) checkpoint stage by stage.
-  for (size_t i = 0; i + 1 < model.stages.size(); ++i) model.stages[i].checkpoint = module->segments > 1;
+  for (size_t i = 0; i + 1 < model.stages.size(); ++i)
+    model.stages[i].checkpoint = module->segments > 1;
   return model;
 }
 
@@ -230,8 +236,8 @@ Model build_linear(const ModelSpec& spec) {  // multinomial logistic regression:
 }
 
 Model build_mlp(const ModelSpec& spec) {
-  return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), spec.hidden,
-                                               spec.classes, spec.checkpointing));
+  return with_stages(std::make_shared<MlpImpl>(product(spec.input_shape), spec.hidden, spec.classes,
+                                               spec.checkpointing));
 }
 
 Model build_cnn(const ModelSpec& spec) {
@@ -351,9 +357,10 @@ Model sequential_model(const torch::nn::Sequential& sequential) {
   Model model(sequential);
   const auto children = sequential->children();
   for (size_t i = 0; i < children.size(); ++i) {
-    model.stages.push_back({std::to_string(i), {children[i]}, [impl = sequential.ptr(), i](const at::Tensor& x) {
-                              return (impl->begin() + static_cast<std::ptrdiff_t>(i))->forward(x);
-                            }});
+    model.stages.push_back(
+        {std::to_string(i), {children[i]}, [impl = sequential.ptr(), i](const at::Tensor& x) {
+           return (impl->begin() + static_cast<std::ptrdiff_t>(i))->forward(x);
+         }});
   }
   return model;
 }

@@ -10,8 +10,7 @@ namespace dtrain::optim {
 
 LrSchedule::LrSchedule(double base_lr, int64_t total_steps, ScheduleSpec spec)
     : base_lr_(base_lr), total_steps_(std::max<int64_t>(total_steps, 1)), spec_(std::move(spec)) {
-  DTRAIN_CHECK_INPUT(spec_.decay == "constant" || spec_.decay == "step" ||
-                         spec_.decay == "cosine",
+  DTRAIN_CHECK_INPUT(spec_.decay == "constant" || spec_.decay == "step" || spec_.decay == "cosine",
                      "unknown lr decay '", spec_.decay, "' (expected constant, step or cosine)");
   DTRAIN_CHECK_INPUT(spec_.warmup_steps >= 0, "warmup steps must be >= 0, got ",
                      spec_.warmup_steps);
@@ -29,7 +28,8 @@ double LrSchedule::at(int64_t step) const {
     return base_lr_ * std::pow(spec_.gamma, static_cast<double>(t / spec_.step_size));
   }
   if (spec_.decay == "cosine") {
-    const double span = static_cast<double>(std::max<int64_t>(total_steps_ - spec_.warmup_steps, 1));
+    const double span =
+        static_cast<double>(std::max<int64_t>(total_steps_ - spec_.warmup_steps, 1));
     const double progress = std::min(1.0, static_cast<double>(t) / span);
     const double floor = base_lr_ * spec_.min_lr_fraction;
     return floor + (base_lr_ - floor) * 0.5 * (1.0 + std::cos(M_PI * progress));

@@ -22,11 +22,10 @@ const Entry kOptimizers[] = {
      [](std::vector<at::Tensor> parameters, const OptimizerSpec& spec) -> OptimizerPtr {
        DTRAIN_CHECK_INPUT(spec.momentum >= 0, "momentum must be >= 0, got ", spec.momentum);
        DTRAIN_CHECK_INPUT(!spec.nesterov || spec.momentum > 0, "nesterov needs momentum > 0");
-       return std::make_unique<torch::optim::SGD>(parameters,
-                                                  torch::optim::SGDOptions(spec.lr)
-                                                      .momentum(spec.momentum)
-                                                      .nesterov(spec.nesterov)
-                                                      .weight_decay(spec.weight_decay));
+       return std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(spec.lr)
+                                                                  .momentum(spec.momentum)
+                                                                  .nesterov(spec.nesterov)
+                                                                  .weight_decay(spec.weight_decay));
      }},
     {"adam", true,
      [](std::vector<at::Tensor> parameters, const OptimizerSpec& spec) -> OptimizerPtr {
@@ -64,8 +63,7 @@ std::string names_where(bool flat_only) {
 
 OptimizerPtr make_optimizer(std::vector<at::Tensor> parameters, const OptimizerSpec& spec) {
   DTRAIN_CHECK_INPUT(spec.lr > 0, "learning rate must be > 0, got ", spec.lr);
-  DTRAIN_CHECK_INPUT(spec.weight_decay >= 0, "weight decay must be >= 0, got ",
-                     spec.weight_decay);
+  DTRAIN_CHECK_INPUT(spec.weight_decay >= 0, "weight decay must be >= 0, got ", spec.weight_decay);
   for (const Entry& entry : kOptimizers) {
     if (spec.name == entry.name) return entry.make(std::move(parameters), spec);
   }

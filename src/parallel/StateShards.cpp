@@ -22,8 +22,9 @@ namespace {
 // write its whole storage.
 at::Tensor compact(const at::Tensor& t) {
   const at::Tensor flat = t.dim() == 0 ? t.detach() : t.detach().reshape({-1});
-  const bool exact = flat.is_contiguous() && flat.storage_offset() == 0 &&
-                     flat.storage().nbytes() == static_cast<size_t>(flat.numel() * flat.element_size());
+  const bool exact =
+      flat.is_contiguous() && flat.storage_offset() == 0 &&
+      flat.storage().nbytes() == static_cast<size_t>(flat.numel() * flat.element_size());
   return exact ? flat : flat.clone();
 }
 
@@ -37,8 +38,8 @@ int count_state_files(const std::string& directory) {
     const std::string name = entry.path().filename().string();
     if (!std::regex_match(name, match, pattern)) continue;
     const int m = std::stoi(match[2].str());
-    DTRAIN_CHECK_INPUT(ranks == 0 || ranks == m, "checkpoint ", directory,
-                       " mixes state files of ", ranks, " and ", m, " ranks");
+    DTRAIN_CHECK_INPUT(ranks == 0 || ranks == m, "checkpoint ", directory, " mixes state files of ",
+                       ranks, " and ", m, " ranks");
     ranks = m;
   }
   DTRAIN_CHECK_INPUT(!error, "cannot list checkpoint ", directory, ": ", error.message());
@@ -67,9 +68,10 @@ at::Tensor full_positions(const std::vector<int64_t>& shape, int64_t dim, int64_
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= shape[d];
   for (size_t d = dim + 1; d < shape.size(); ++d) inner *= shape[d];
-  const at::Tensor positions = (at::arange(outer, options) * (shape[dim] * inner)).view({outer, 1, 1}) +
-                               ((at::arange(length, options) + start) * inner).view({1, length, 1}) +
-                               at::arange(inner, options).view({1, 1, inner});
+  const at::Tensor positions =
+      (at::arange(outer, options) * (shape[dim] * inner)).view({outer, 1, 1}) +
+      ((at::arange(length, options) + start) * inner).view({1, length, 1}) +
+      at::arange(inner, options).view({1, 1, inner});
   return positions.view({-1}).narrow(0, offset, numel);
 }
 
@@ -78,7 +80,9 @@ at::Tensor full_positions(const std::vector<int64_t>& shape, int64_t dim, int64_
 struct Transfer {
   int64_t lo = 0, hi = 0;
   at::Tensor into_want, from_have;
-  int64_t count() const { return into_want.defined() ? into_want.numel() : std::max<int64_t>(0, hi - lo); }
+  int64_t count() const {
+    return into_want.defined() ? into_want.numel() : std::max<int64_t>(0, hi - lo);
+  }
 };
 
 }  // namespace
@@ -132,7 +136,8 @@ void write_state_shard(const std::string& directory, int rank, int ranks,
     entry.insert("offset", piece.offset);
     entry.insert("shape", c10::List<int64_t>(piece.shape));
     if (piece.split_dim >= 0) {
-      entry.insert("split", c10::List<int64_t>({piece.split_dim, piece.split_start, piece.split_length}));
+      entry.insert("split",
+                   c10::List<int64_t>({piece.split_dim, piece.split_start, piece.split_length}));
     }
     entry.insert("tensors", tensors);
     list.push_back(entry);
@@ -177,9 +182,9 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
         int64_t split_dim = -1, split_start = 0, split_length = 0;
         if (entry.contains("split")) {
           const std::vector<int64_t> split = entry.at("split").toIntVector();
-          DTRAIN_CHECK_INPUT(split.size() == 3 && split[0] >= 0 &&
-                                 split[0] < static_cast<int64_t>(shape.size()),
-                             path, ": piece of '", name, "' has a malformed split");
+          DTRAIN_CHECK_INPUT(
+              split.size() == 3 && split[0] >= 0 && split[0] < static_cast<int64_t>(shape.size()),
+              path, ": piece of '", name, "' has a malformed split");
           split_dim = split[0], split_start = split[1], split_length = split[2];
         }
         auto check_shape = [&](const PieceRef& want) {
@@ -192,19 +197,19 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
         auto overlap = [&](const PieceRef& want) {
           check_shape(want);
           Transfer transfer;
-          const bool same_block = want.split_dim == split_dim &&
-                                  (split_dim < 0 || (want.split_start == split_start &&
-                                                     want.split_length == split_length));
+          const bool same_block =
+              want.split_dim == split_dim && (split_dim < 0 || (want.split_start == split_start &&
+                                                                want.split_length == split_length));
           if (same_block) {
             transfer.lo = std::max(offset, want.offset);
             transfer.hi = std::min(offset + numel, want.offset + want.tensor.numel());
             return transfer;
           }
-          const at::Tensor wanted = full_positions(shape, want.split_dim, want.split_start,
-                                                   want.split_length, want.offset,
-                                                   want.tensor.numel());
-          const at::Tensor have = full_positions(shape, split_dim, split_start, split_length,
-                                                 offset, numel);
+          const at::Tensor wanted =
+              full_positions(shape, want.split_dim, want.split_start, want.split_length,
+                             want.offset, want.tensor.numel());
+          const at::Tensor have =
+              full_positions(shape, split_dim, split_start, split_length, offset, numel);
           if (have.numel() == 0 || wanted.numel() == 0) return transfer;
           const at::Tensor where = at::searchsorted(have, wanted).clamp_max(have.numel() - 1);
           const at::Tensor found = have.index_select(0, where).eq(wanted).nonzero().view({-1});
@@ -221,7 +226,8 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
             target.view({-1}).index_copy_(
                 0, t.into_want, from.index_select(0, t.from_have).to(target.scalar_type()));
           } else if (t.lo < t.hi) {
-            target.view({-1}).narrow(0, t.lo - base, t.hi - t.lo)
+            target.view({-1})
+                .narrow(0, t.lo - base, t.hi - t.lo)
                 .copy_(from.narrow(0, t.lo - offset, t.hi - t.lo));
           }
         };
@@ -247,8 +253,8 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
               state[key] = t.clone();
               continue;
             }
-            DTRAIN_CHECK_INPUT(t.numel() == numel, path, ": state '", key, "' of '", name,
-                               "' has ", t.numel(), " elements, its piece ", numel);
+            DTRAIN_CHECK_INPUT(t.numel() == numel, path, ": state '", key, "' of '", name, "' has ",
+                               t.numel(), " elements, its piece ", numel);
             auto slot = state.find(key);
             if (slot == state.end()) {
               slot = state.emplace(key, at::zeros({want.tensor.numel()}, t.options())).first;

@@ -18,14 +18,16 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
 
 AsynchronousWorker& as_asynchronous(Strategy& strategy) {
   auto* worker = dynamic_cast<AsynchronousWorker*>(&strategy);
-  DTRAIN_CHECK(worker != nullptr, "strategy ", strategy.name(), " is registered as "
+  DTRAIN_CHECK(worker != nullptr, "strategy ", strategy.name(),
+               " is registered as "
                "asynchronous but does not implement parallel::AsynchronousWorker");
   return *worker;
 }
 
 DrivenLoop& as_driven(Strategy& strategy) {
   auto* loop = dynamic_cast<DrivenLoop*>(&strategy);
-  DTRAIN_CHECK(loop != nullptr, "strategy ", strategy.name(), " is registered as driving its "
+  DTRAIN_CHECK(loop != nullptr, "strategy ", strategy.name(),
+               " is registered as driving its "
                "own loop but does not implement parallel::DrivenLoop");
   return *loop;
 }

@@ -87,7 +87,8 @@ void TensorParallelLayout::sum_partial_gradients(const std::vector<at::Tensor>& 
   std::vector<at::Tensor> grads;
   for (size_t i = 0; i < parameters.size(); ++i) {
     if (std::find(partial.begin(), partial.end(), names[i]) == partial.end()) continue;
-    if (!parameters[i].grad().defined()) parameters[i].mutable_grad() = at::zeros_like(parameters[i]);
+    if (!parameters[i].grad().defined())
+      parameters[i].mutable_grad() = at::zeros_like(parameters[i]);
     grads.push_back(parameters[i].grad());
   }
   // Every TP rank holds the same replicated parameters, so the flat buffers line up.
@@ -111,8 +112,8 @@ TensorParallelLayout tensor_parallel_layout(const torch::nn::Module& module,
   layout.group = grid.tp();
   layout.rank = grid.coordinates().tp;
   layout.size = grid.tp_size();
-  DTRAIN_CHECK_INPUT(layout.size == 1 || !layout.splits.empty(), "--tensor-parallel ",
-                     layout.size, ": the model has no tensor-parallel layers (build it over the "
+  DTRAIN_CHECK_INPUT(layout.size == 1 || !layout.splits.empty(), "--tensor-parallel ", layout.size,
+                     ": the model has no tensor-parallel layers (build it over the "
                      "grid's TP group: make_model(spec, grid->tp()))");
   return layout;
 }
@@ -129,8 +130,8 @@ void load_loss_scaler(precision::LossScaler& scaler, const std::string& director
     torch::load(state, path);
     scaler.load_state(state);
   } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, "checkpoint file ", path, " is not a loss-scaler state: ",
-                 e.what_without_backtrace());
+    DTRAIN_THROW(InputError, "checkpoint file ", path,
+                 " is not a loss-scaler state: ", e.what_without_backtrace());
   }
 }
 

@@ -5,9 +5,9 @@
 #include <memory>
 #include <string>
 
+#include "dtrain/nn/tensor/Split.h"
 #include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/Strategy.h"
-#include "dtrain/nn/tensor/Split.h"
 #include "dtrain/parallel/ddp/Reducer.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"

@@ -18,10 +18,14 @@ Precision parse_precision(const std::string& name) {
 
 std::string to_string(Precision precision) {
   switch (precision) {
-    case Precision::Fp32: return "fp32";
-    case Precision::Bf16Mixed: return "bf16-mixed";
-    case Precision::Fp16Mixed: return "fp16-mixed";
-    case Precision::Bf16: return "bf16";
+    case Precision::Fp32:
+      return "fp32";
+    case Precision::Bf16Mixed:
+      return "bf16-mixed";
+    case Precision::Fp16Mixed:
+      return "fp16-mixed";
+    case Precision::Bf16:
+      return "bf16";
   }
   return "?";
 }
@@ -37,10 +41,13 @@ void check_supported(Precision precision) {
 
 at::ScalarType compute_dtype(Precision precision) {
   switch (precision) {
-    case Precision::Fp32: return at::kFloat;
-    case Precision::Fp16Mixed: return at::kHalf;
+    case Precision::Fp32:
+      return at::kFloat;
+    case Precision::Fp16Mixed:
+      return at::kHalf;
     case Precision::Bf16Mixed:
-    case Precision::Bf16: return at::kBFloat16;
+    case Precision::Bf16:
+      return at::kBFloat16;
   }
   return at::kFloat;
 }

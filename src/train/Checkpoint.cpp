@@ -1,15 +1,15 @@
 // Checkpoint metadata, the `latest` pointer, and directory housekeeping.
 #include "dtrain/train/Checkpoint.h"
 
-#include <nlohmann/json.hpp>
-#include <torch/serialize.h>
 #include <torch/nn/module.h>
-#include <zlib.h>
+#include <torch/serialize.h>
 #include <torch/serialize/output-archive.h>
+#include <zlib.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <deque>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -102,7 +102,9 @@ std::string checkpoint_name(int64_t step) {
 void write_meta(const std::string& directory, const CheckpointMeta& meta) {
   nlohmann::json tensors = nlohmann::json::array();
   for (const auto& t : meta.tensors) {
-    tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", t.dtype},
+    tensors.push_back({{"name", t.name},
+                       {"shape", t.shape},
+                       {"dtype", t.dtype},
                        {"kind", t.buffer ? "buffer" : "parameter"}});
   }
   nlohmann::json json = {
@@ -172,8 +174,8 @@ CheckpointMeta read_meta(const std::string& directory) {
     }
     if (json.contains("files")) {
       for (const auto& [name, digest] : json.at("files").items()) {
-        DTRAIN_CHECK_INPUT(name.find('/') == std::string::npos && name != ".." && name != ".",
-                           path, ": file name '", name, "' is not a plain name");
+        DTRAIN_CHECK_INPUT(name.find('/') == std::string::npos && name != ".." && name != ".", path,
+                           ": file name '", name, "' is not a plain name");
         meta.files[name] = {digest.at("bytes").get<int64_t>(), digest.at("crc32").get<uint32_t>()};
       }
     }
@@ -211,18 +213,18 @@ void check_compatible(const CheckpointMeta& saved, const std::vector<TensorInfo>
       for (size_t k = 0; k < s.size(); ++k) out += (k ? "," : "") + std::to_string(s[k]);
       return out + "]";
     };
-    DTRAIN_CHECK_INPUT(a.name == b.name && a.shape == b.shape && a.dtype == b.dtype,
-                       "checkpoint ", directory, " does not match the model: first mismatch at ",
-                       "tensor ", i, ": checkpoint has '", a.name, "' ", shape(a.shape), " ",
-                       a.dtype, ", model has '", b.name, "' ", shape(b.shape), " ", b.dtype);
+    DTRAIN_CHECK_INPUT(a.name == b.name && a.shape == b.shape && a.dtype == b.dtype, "checkpoint ",
+                       directory, " does not match the model: first mismatch at ", "tensor ", i,
+                       ": checkpoint has '", a.name, "' ", shape(a.shape), " ", a.dtype,
+                       ", model has '", b.name, "' ", shape(b.shape), " ", b.dtype);
   }
 }
 
 void ensure_writable(const std::string& root) {
   std::error_code error;
   fs::create_directories(root, error);
-  DTRAIN_CHECK_INPUT(!error, "checkpoint directory ", root, " cannot be created: ",
-                     error.message());
+  DTRAIN_CHECK_INPUT(!error, "checkpoint directory ", root,
+                     " cannot be created: ", error.message());
   const std::string probe = root + "/.write-test";
   {
     std::ofstream out(probe);

@@ -49,7 +49,8 @@ std::string generate_text(const GenerateOptions& options,
       parameters.push_back(item.value());
     }
     parallel::NamedTensors buffers;
-    for (const auto& item : model.module->named_buffers()) buffers.emplace_back(item.key(), item.value());
+    for (const auto& item : model.module->named_buffers())
+      buffers.emplace_back(item.key(), item.value());
     parallel::read_state_shards(checkpoint, parallel::whole_pieces(names, parameters), nullptr, {},
                                 &buffers);
   }
@@ -70,9 +71,8 @@ std::string generate_text(const GenerateOptions& options,
   at::Generator generator = at::detail::createCPUGenerator(options.seed);
   torch::NoGradGuard no_grad;
   for (int64_t i = 0; i < options.tokens; ++i) {
-    const auto begin = ids.size() > static_cast<size_t>(config.context)
-                           ? ids.end() - config.context
-                           : ids.begin();
+    const auto begin =
+        ids.size() > static_cast<size_t>(config.context) ? ids.end() - config.context : ids.begin();
     at::Tensor input = at::tensor(std::vector<int64_t>(begin, ids.end()), at::kLong).unsqueeze(0);
     at::Tensor logits = model(input).select(1, input.size(1) - 1).squeeze(0).to(at::kDouble);
     int64_t next = 0;

@@ -30,7 +30,7 @@ std::string joined(const std::vector<std::string>& names, const char* separator 
 }
 
 models::ModelSpec model_spec(const JobConfig& job, std::vector<int64_t> input_shape,
-                            int64_t vocabulary = 2) {
+                             int64_t vocabulary = 2) {
   models::ModelSpec spec;
   spec.name = job.model;
   spec.gpt = job.gpt;
@@ -115,17 +115,17 @@ void validate_job(const JobConfig& job) {
   const parallel::StrategyInfo& strategy = parallel::strategy_info(job.trainer.strategy);
   const auto& addresses = job.trainer.strategy_options.of<parallel::ps::PsOptions>().addresses;
   if (strategy.parameter_server) {
-    DTRAIN_CHECK_INPUT(!addresses.empty() || job.ps_shards > 0,
-                       "--strategy ", strategy.name, " needs the parameter-server shards: --ps "
+    DTRAIN_CHECK_INPUT(!addresses.empty() || job.ps_shards > 0, "--strategy ", strategy.name,
+                       " needs the parameter-server shards: --ps "
                        "HOST:PORT,... (servers started with dtrain ps serve) or --ps-shards N "
                        "(started by this command)");
     DTRAIN_CHECK_INPUT(addresses.empty() || job.ps_shards == 0,
                        "--ps and --ps-shards both given: use --ps for servers that are already "
                        "running, --ps-shards to start them here");
-    DTRAIN_CHECK_INPUT(job.ps_optimizer == "adagrad" || job.ps_optimizer == "sgd" ||
-                           job.ps_optimizer == "adam",
-                       "--ps-optimizer: unknown parameter-server optimizer '", job.ps_optimizer,
-                       "' (adagrad, sgd or adam)");
+    DTRAIN_CHECK_INPUT(
+        job.ps_optimizer == "adagrad" || job.ps_optimizer == "sgd" || job.ps_optimizer == "adam",
+        "--ps-optimizer: unknown parameter-server optimizer '", job.ps_optimizer,
+        "' (adagrad, sgd or adam)");
     DTRAIN_CHECK_INPUT(job.ps_lr > 0 && std::isfinite(job.ps_lr), "--ps-lr must be > 0, got ",
                        job.ps_lr);
   } else {
@@ -133,24 +133,27 @@ void validate_job(const JobConfig& job) {
     for (const auto& info : parallel::strategies()) {
       if (info.parameter_server) ps_strategies.push_back(info.name);
     }
-    DTRAIN_CHECK_INPUT(job.ps_shards == 0 && addresses.empty(), "--ps and --ps-shards are for "
-                       "--strategy ", joined(ps_strategies, " or "), " (not ", strategy.name,
-                       ")");
+    DTRAIN_CHECK_INPUT(job.ps_shards == 0 && addresses.empty(),
+                       "--ps and --ps-shards are for "
+                       "--strategy ",
+                       joined(ps_strategies, " or "), " (not ", strategy.name, ")");
   }
   DTRAIN_CHECK_INPUT(job.trainer.slowdown_rank < std::max(1, job.nproc),
                      "--simulate-slowdown: rank ", job.trainer.slowdown_rank, " is not one of the ",
                      std::max(1, job.nproc), " ranks");
-  DTRAIN_CHECK_INPUT(job.dataset == "fashion-mnist" || job.dataset == "synthetic" ||
-                         job.dataset == "text",
-                     "--dataset: unknown data set '", job.dataset,
-                     "' (expected fashion-mnist, synthetic or text)");
+  DTRAIN_CHECK_INPUT(
+      job.dataset == "fashion-mnist" || job.dataset == "synthetic" || job.dataset == "text",
+      "--dataset: unknown data set '", job.dataset,
+      "' (expected fashion-mnist, synthetic or text)");
   const models::ModelInfo model = models::model_info(job.model);
   DTRAIN_CHECK_INPUT(model.language_model == (job.dataset == "text"),
                      model.language_model
-                         ? concat("--model ", job.model, " is a language model: use it with "
+                         ? concat("--model ", job.model,
+                                  " is a language model: use it with "
                                   "--dataset text")
                          : concat("--dataset text needs --model gpt or another language "
-                                  "model (not ", job.model, ")"));
+                                  "model (not ",
+                                  job.model, ")"));
   if (model.language_model) {
     models::GptConfig config = job.gpt;
     config.vocab = 2;  // from the text, checked when it is read
@@ -163,10 +166,12 @@ void validate_job(const JobConfig& job) {
                      "--sequence-parallel splits the sequence over the tensor-parallel ranks: "
                      "it needs --tensor-parallel 2 or more");
   if (tp > 1) {
-    DTRAIN_CHECK_INPUT(model.tensor_parallel, "--tensor-parallel ", tp, " needs --model gpt or "
-                       "another model with tensor-parallel layers, not ", job.model);
-    DTRAIN_CHECK_INPUT(job.gpt.heads % tp == 0, "--tensor-parallel ", tp,
-                       " must divide --heads (", job.gpt.heads, "): each rank takes whole heads");
+    DTRAIN_CHECK_INPUT(model.tensor_parallel, "--tensor-parallel ", tp,
+                       " needs --model gpt or "
+                       "another model with tensor-parallel layers, not ",
+                       job.model);
+    DTRAIN_CHECK_INPUT(job.gpt.heads % tp == 0, "--tensor-parallel ", tp, " must divide --heads (",
+                       job.gpt.heads, "): each rank takes whole heads");
     DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel || job.gpt.context % tp == 0,
                        "--sequence-parallel splits the --context of ", job.gpt.context,
                        " tokens over --tensor-parallel ", tp, ": it must be a multiple of it");
@@ -223,16 +228,19 @@ int64_t planned_steps(const JobConfig& job) {
   const TrainerOptions options = trainer_options(job);
   int64_t examples = job.synthetic_examples;
   if (job.dataset == "text") {
-    examples = data::load_text(text_path(job), job.gpt.context, job.validation_fraction).train.size();
+    examples =
+        data::load_text(text_path(job), job.gpt.context, job.validation_fraction).train.size();
   } else if (job.dataset == "fashion-mnist") {
     examples = data::load_fashion_mnist(job.data_dir, data::Split::Train).size();
   }
-  const int64_t dp = std::max<int64_t>(1, job.nproc / std::max(1, options.pipeline_parallel *
-                                                                      options.tensor_parallel));
-  const int64_t accumulation = options.global_batch > 0
-                                   ? std::max<int64_t>(1, options.global_batch / (options.batch_size * dp))
-                                   : options.accumulation_steps;
-  const int64_t per_epoch = std::max<int64_t>(1, examples / dp / (options.batch_size * accumulation));
+  const int64_t dp = std::max<int64_t>(
+      1, job.nproc / std::max(1, options.pipeline_parallel * options.tensor_parallel));
+  const int64_t accumulation =
+      options.global_batch > 0
+          ? std::max<int64_t>(1, options.global_batch / (options.batch_size * dp))
+          : options.accumulation_steps;
+  const int64_t per_epoch =
+      std::max<int64_t>(1, examples / dp / (options.batch_size * accumulation));
   int64_t steps = per_epoch * options.epochs;
   if (options.max_steps > 0) steps = std::min(steps, options.max_steps);
   return steps;
@@ -263,14 +271,13 @@ JobResult run_job(const JobConfig& job) {
     options.checkpoint_extras["model"] = models::to_json(config);
     options.checkpoint_extras["vocabulary"] = text.tokenizer.vocabulary_utf8();
     if (world->rank() == 0) {
-      std::printf("text: %s, %lld characters (%lld for training, %lld for validation), "
-                  "vocabulary of %lld; GPT of %lld parameters\n",
-                  text.origin.c_str(),
-                  static_cast<long long>(text.train_tokens + text.validation_tokens),
-                  static_cast<long long>(text.train_tokens),
-                  static_cast<long long>(text.validation_tokens),
-                  static_cast<long long>(vocabulary),
-                  static_cast<long long>(models::gpt_parameter_count(config)));
+      std::printf(
+          "text: %s, %lld characters (%lld for training, %lld for validation), "
+          "vocabulary of %lld; GPT of %lld parameters\n",
+          text.origin.c_str(), static_cast<long long>(text.train_tokens + text.validation_tokens),
+          static_cast<long long>(text.train_tokens), static_cast<long long>(text.validation_tokens),
+          static_cast<long long>(vocabulary),
+          static_cast<long long>(models::gpt_parameter_count(config)));
     }
   } else if (job.dataset == "fashion-mnist") {
     train_set = data::load_fashion_mnist(job.data_dir, data::Split::Train);
@@ -283,9 +290,9 @@ JobResult run_job(const JobConfig& job) {
   }
   Trainer trainer(options, world);
   JobResult result;
-  result.fit = trainer.fit(
-      models::make_model(model_spec(job, train_set.input_shape(), vocabulary), trainer.grid()->tp()),
-      train_set, &test_set);
+  result.fit = trainer.fit(models::make_model(model_spec(job, train_set.input_shape(), vocabulary),
+                                              trainer.grid()->tp()),
+                           train_set, &test_set);
   result.rank = trainer.grid()->world()->rank();
   result.world_size = trainer.grid()->world()->size();
   return result;

@@ -45,7 +45,8 @@ void ProgressBar::update(int64_t epoch, int64_t epochs, int64_t step_in_epoch,
   }
   last_draw_ = now;
   constexpr int kWidth = 24;
-  const int filled = static_cast<int>(kWidth * step_in_epoch / std::max<int64_t>(1, steps_per_epoch));
+  const int filled =
+      static_cast<int>(kWidth * step_in_epoch / std::max<int64_t>(1, steps_per_epoch));
   std::string bar(filled, '#');
   bar.append(kWidth - filled, '.');
   char line[256];

@@ -11,10 +11,10 @@
 #include <cstring>
 #include <filesystem>
 
+#include "common/Files.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
 #include "dtrain/common/Trace.h"
-#include "common/Files.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/nn/tensor/Split.h"
 #include "dtrain/train/Checkpoint.h"
@@ -30,7 +30,8 @@ namespace {
 
 // "4 ranks (DP 2 x PP 2 x TP 1)": how a run or a checkpoint is laid out.
 std::string describe_layout(int world, int dp, int pp, int tp) {
-  return concat(world, world == 1 ? " rank" : " ranks", " (DP ", dp, " x PP ", pp, " x TP ", tp, ")");
+  return concat(world, world == 1 ? " rank" : " ranks", " (DP ", dp, " x PP ", pp, " x TP ", tp,
+                ")");
 }
 
 std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
@@ -159,8 +160,9 @@ std::string Trainer::choose_checkpoint() {
     std::string latest_name;
     if (const auto latest = latest_checkpoint_name(root)) latest_name = *latest;
     if (!latest_name.empty() && std::find(names.begin(), names.end(), latest_name) == names.end()) {
-      std::fprintf(stderr, "dtrain: warning: %s/latest names checkpoint '%s', which does not exist; "
-                           "resuming from the newest checkpoint that verifies\n",
+      std::fprintf(stderr,
+                   "dtrain: warning: %s/latest names checkpoint '%s', which does not exist; "
+                   "resuming from the newest checkpoint that verifies\n",
                    root.c_str(), latest_name.c_str());
       latest_name.clear();
     }
@@ -173,8 +175,9 @@ std::string Trainer::choose_checkpoint() {
       const std::string problem = verify_checkpoint(directory, &unverifiable);
       if (problem.empty()) {
         if (unverifiable) {
-          std::fprintf(stderr, "dtrain: warning: checkpoint %s has no checksums (an older "
-                               "dtrain wrote it); resuming from it unverified\n",
+          std::fprintf(stderr,
+                       "dtrain: warning: checkpoint %s has no checksums (an older "
+                       "dtrain wrote it); resuming from it unverified\n",
                        directory.c_str());
         }
         chosen = i;
@@ -189,8 +192,9 @@ std::string Trainer::choose_checkpoint() {
       // Damaged newer checkpoints move aside (kept, never loaded or counted by pruning again).
       for (const auto& directory : set_aside) {
         const std::string moved = set_aside_damaged(directory);
-        std::fprintf(stderr, "dtrain: kept it as %s; resuming from the newest checkpoint that "
-                             "verifies, %s\n",
+        std::fprintf(stderr,
+                     "dtrain: kept it as %s; resuming from the newest checkpoint that "
+                     "verifies, %s\n",
                      moved.c_str(), names[chosen].c_str());
       }
       if (!set_aside.empty()) set_latest(root, names[chosen]);
@@ -226,19 +230,21 @@ int64_t Trainer::restore_checkpoint(int64_t global_batch) {
   try {
     torch::load(state, rng);
   } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, rng, " is not a random-generator state: ",
-                 first_line(e.what_without_backtrace()));
+    DTRAIN_THROW(InputError, rng,
+                 " is not a random-generator state: ", first_line(e.what_without_backtrace()));
   }
   at::Generator generator = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(state);
   // What happened, whatever the progress display: batch logs run with --no-progress.
   if (world_->rank() == 0) {
-    std::printf("dtrain: resumed from step %lld of %s (saved by %s on %s; now %s on %s)\n",
-                static_cast<long long>(meta.step), directory.c_str(), meta.strategy.c_str(),
-                describe_layout(meta.world_size, meta.dp, meta.pp, meta.tp).c_str(),
-                strategy_->name().c_str(),
-                describe_layout(world_->size(), grid_->dp_size(), grid_->pp_size(), grid_->tp_size()).c_str());
+    std::printf(
+        "dtrain: resumed from step %lld of %s (saved by %s on %s; now %s on %s)\n",
+        static_cast<long long>(meta.step), directory.c_str(), meta.strategy.c_str(),
+        describe_layout(meta.world_size, meta.dp, meta.pp, meta.tp).c_str(),
+        strategy_->name().c_str(),
+        describe_layout(world_->size(), grid_->dp_size(), grid_->pp_size(), grid_->tp_size())
+            .c_str());
     std::fflush(stdout);
   }
   return meta.step;
@@ -258,9 +264,8 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
   const int replica = alone ? 0 : grid_->coordinates().dp;
   const int replicas = alone ? 1 : grid_->dp_size();
   const bool counts = grid_->coordinates().tp == 0;  // TP ranks compute the same values
-  double sums[3] = {0, 0, 0};  // loss * n, correct, n
-  for (int64_t begin = 0; begin < dataset.size();
-       begin += options_.eval_batch_size * replicas) {
+  double sums[3] = {0, 0, 0};                        // loss * n, correct, n
+  for (int64_t begin = 0; begin < dataset.size(); begin += options_.eval_batch_size * replicas) {
     const int64_t mine = begin + replica * options_.eval_batch_size;
     const int64_t end = std::min(mine + options_.eval_batch_size, dataset.size());
     // A forward can be collective (ZeRO-3 gathers parameters, a pipeline passes activations):
@@ -276,8 +281,12 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
     if (!counts) continue;
     const auto n = static_cast<double>(end - mine);
     sums[0] += loss * n;
-    sums[1] += predicted.eq(batch.targets).to(at::kDouble).reshape({output.size(0), -1})
-                   .mean(1).sum().item<double>();
+    sums[1] += predicted.eq(batch.targets)
+                   .to(at::kDouble)
+                   .reshape({output.size(0), -1})
+                   .mean(1)
+                   .sum()
+                   .item<double>();
     sums[2] += n;
   }
   at::Tensor totals = at::tensor({sums[0], sums[1], sums[2]}, at::kDouble);
@@ -351,8 +360,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
 
   Run run(options_, *strategy_, *world_, train, validation, start_step, steps_per_epoch);
   run.total_steps = total_steps;
-  run.last_step = options_.stop_at_step > 0 ? std::min(total_steps, options_.stop_at_step)
-                                            : total_steps;
+  run.last_step =
+      options_.stop_at_step > 0 ? std::min(total_steps, options_.stop_at_step) : total_steps;
   run.dp_size = dp_size;
   run.dp_rank = grid_->coordinates().dp;
   run.local_step_batch = local_step_batch;

@@ -130,8 +130,8 @@ class Communicator {
 
  private:
   void op_thread_main();
-  void exchange(const at::Tensor& send_buf, const at::Tensor& recv_buf, int64_t sequence,
-                int step, Milliseconds timeout, const std::string& what);
+  void exchange(const at::Tensor& send_buf, const at::Tensor& recv_buf, int64_t sequence, int step,
+                Milliseconds timeout, const std::string& what);
 
   int rank_;
   int size_;

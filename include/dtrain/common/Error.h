@@ -64,11 +64,11 @@ inline std::string first_line(const std::string& text) {
 }  // namespace dtrain
 
 /// Throws ErrorType(message) with file:line when `cond` is false.
-#define DTRAIN_CHECK_T(ErrorType, cond, ...)                                    \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      throw ErrorType(::dtrain::concat(__VA_ARGS__), __FILE__, __LINE__);          \
-    }                                                                           \
+#define DTRAIN_CHECK_T(ErrorType, cond, ...)                              \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      throw ErrorType(::dtrain::concat(__VA_ARGS__), __FILE__, __LINE__); \
+    }                                                                     \
   } while (false)
 
 #define DTRAIN_CHECK(cond, ...) DTRAIN_CHECK_T(::dtrain::Error, cond, __VA_ARGS__)

@@ -17,8 +17,7 @@ struct SamplerOptions {
 
 class DistributedSampler {
  public:
-  DistributedSampler(int64_t dataset_size, int num_replicas, int rank,
-                     SamplerOptions options = {});
+  DistributedSampler(int64_t dataset_size, int num_replicas, int rank, SamplerOptions options = {});
 
   void set_epoch(int64_t epoch) { epoch_ = epoch; }
   int64_t epoch() const { return epoch_; }

@@ -17,8 +17,8 @@ struct GptConfig {
   int64_t vocab = 0;
   int64_t layers = 4;
   int64_t heads = 4;
-  int64_t width = 256;   ///< model width (a multiple of heads)
-  int64_t context = 128; ///< longest sequence (position embeddings)
+  int64_t width = 256;    ///< model width (a multiple of heads)
+  int64_t context = 128;  ///< longest sequence (position embeddings)
   double dropout = 0.0;
   /// The output layer reuses the token embedding's weight (GPT-2's weight tying).
   bool tied_embeddings = false;

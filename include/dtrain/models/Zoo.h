@@ -34,7 +34,6 @@ struct ModelSpec {
 /// tensor-parallel layers: InputError for the others when the group has more than one rank).
 Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel = nullptr);
 
-
 /// How a model trains unless told otherwise: the optimizer, its schedule, the batch per rank
 /// and gradient clipping (`dtrain train` applies it to each of these a flag or config key does
 /// not set). The image models share the main job's (SGD with momentum, cosine decay); the GPT

@@ -4,11 +4,11 @@
 // with the matching run of every element-wise optimizer state tensor, plus scalars such as
 // Adam's step. A tensor-parallel rank's parameter is a block of the full tensor along one
 // dimension (tensor/Split.h): its pieces are runs of that block, recorded with the block
-// ("split": [dim, start, length]) so any other layout can find its elements. DDP's rank 0 owns whole parameters; a ZeRO rank owns its shard. Loading asks for
-// runs (a whole parameter, or a shard's piece) and assembles them from whichever files overlap,
-// so N ranks resume what M ranks wrote. Files are torch::pickle_save dicts (Python reads them
-// with torch.load): {"pieces": [{"name", "offset", "tensors": {"param", "exp_avg", ...}}],
-// "buffers": {name: tensor}}.
+// ("split": [dim, start, length]) so any other layout can find its elements. DDP's rank 0 owns
+// whole parameters; a ZeRO rank owns its shard. Loading asks for runs (a whole parameter, or a
+// shard's piece) and assembles them from whichever files overlap, so N ranks resume what M ranks
+// wrote. Files are torch::pickle_save dicts (Python reads them with torch.load): {"pieces":
+// [{"name", "offset", "tensors": {"param", "exp_avg", ...}}], "buffers": {name: tensor}}.
 #pragma once
 
 #include <ATen/core/Tensor.h>

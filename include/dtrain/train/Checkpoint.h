@@ -3,8 +3,8 @@
 // shapes and a checksum of every file, and a `latest` file naming the newest complete checkpoint.
 #pragma once
 
-#include <map>
 #include <ATen/core/Tensor.h>
+#include <map>
 
 #include <cstdint>
 #include <optional>

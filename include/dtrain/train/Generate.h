@@ -10,18 +10,18 @@
 namespace dtrain::train {
 
 struct GenerateOptions {
-  std::string checkpoint;  ///< a checkpoint, or a checkpoint directory (its newest)
-  std::string prompt;      ///< "" = start from a newline (or the first character)
-  int64_t tokens = 200;    ///< characters to add
+  std::string checkpoint;    ///< a checkpoint, or a checkpoint directory (its newest)
+  std::string prompt;        ///< "" = start from a newline (or the first character)
+  int64_t tokens = 200;      ///< characters to add
   double temperature = 1.0;  ///< 0 = always the most likely character
   int64_t top_k = 0;         ///< > 0: sample among the k most likely only
   uint64_t seed = 0;
-  int threads = 0;           ///< 0 = all cores
+  int threads = 0;  ///< 0 = all cores
 };
 
 /// The prompt followed by the sampled continuation; `on_token` (optional) sees the prompt once
-/// it is accepted, then each new piece of text as it is sampled. InputError for a checkpoint without a language model, a prompt
-/// with characters outside its vocabulary, or bad options.
+/// it is accepted, then each new piece of text as it is sampled. InputError for a checkpoint
+/// without a language model, a prompt with characters outside its vocabulary, or bad options.
 std::string generate_text(const GenerateOptions& options,
                           const std::function<void(const std::string&)>& on_token = nullptr);
 

@@ -26,17 +26,22 @@ bool gloo_reduces(at::ScalarType type) {
     case at::kChar:
     case at::kByte:
     case at::kInt:
-    case at::kLong: return true;
-    default: return false;
+    case at::kLong:
+      return true;
+    default:
+      return false;
   }
 }
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: return c10d::ReduceOp::SUM;
-    case ReduceOp::Max: return c10d::ReduceOp::MAX;
-    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+    case ReduceOp::Avg:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::Max:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::Min:
+      return c10d::ReduceOp::MIN;
   }
   return c10d::ReduceOp::SUM;
 }
@@ -86,9 +91,8 @@ class StoreBoard : public ProgressBoard {
 }  // namespace
 
 GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store,
-                                   std::string store_prefix, int rank, int size,
-                                   std::string name, std::vector<int> global_ranks,
-                                   Milliseconds timeout,
+                                   std::string store_prefix, int rank, int size, std::string name,
+                                   std::vector<int> global_ranks, Milliseconds timeout,
                                    std::shared_ptr<::gloo::transport::Device> device, int threads)
     : Communicator(rank, size, std::move(name), std::move(global_ranks), timeout),
       root_store_(std::move(root_store)),
@@ -98,7 +102,8 @@ GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store,
   auto store = c10::make_intrusive<c10d::PrefixStore>(store_prefix_, root_store_);
   group_ = make_group(store, rank, size, timeout, device_, threads_,
                       concat("group '", this->name(), "'"));
-  track_progress(std::make_shared<StoreBoard>(root_store_), concat("progress/", store_prefix_, "/"));
+  track_progress(std::make_shared<StoreBoard>(root_store_),
+                 concat("progress/", store_prefix_, "/"));
 }
 
 GlooCommunicator::~GlooCommunicator() = default;
@@ -144,11 +149,20 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& o
   at::Tensor wire = buffer;
   if (!gloo_reduces(buffer.scalar_type())) {
     switch (buffer.element_size()) {
-      case 1: wire = buffer.view(at::kByte); break;
-      case 2: wire = buffer.view(at::kHalf); break;
-      case 4: wire = buffer.view(at::kInt); break;
-      case 8: wire = buffer.view(at::kLong); break;
-      default: DTRAIN_THROW(Error, "backend gloo does not support ", describe(what));
+      case 1:
+        wire = buffer.view(at::kByte);
+        break;
+      case 2:
+        wire = buffer.view(at::kHalf);
+        break;
+      case 4:
+        wire = buffer.view(at::kInt);
+        break;
+      case 8:
+        wire = buffer.view(at::kLong);
+        break;
+      default:
+        DTRAIN_THROW(Error, "backend gloo does not support ", describe(what));
     }
   }
   std::vector<at::Tensor> tensors{wire};
@@ -174,16 +188,15 @@ WorkPtr GlooCommunicator::barrier(const BarrierOptions& options) {
   return result;
 }
 
-WorkPtr GlooCommunicator::send_tagged(at::Tensor tensor, int dst, int tag,
-                                      Milliseconds timeout) {
+WorkPtr GlooCommunicator::send_tagged(at::Tensor tensor, int dst, int tag, Milliseconds timeout) {
   std::vector<at::Tensor> tensors{tensor};
-  const std::string what = concat("send(", shape_string(tensor), " to rank ", dst, ", tag ", tag, ")");
+  const std::string what =
+      concat("send(", shape_string(tensor), " to rank ", dst, ", tag ", tag, ")");
   auto work = issue(describe(what), [&] { return group_->send(tensors, dst, tag); });
   return std::make_shared<C10dWork>(work, describe(what), timeout);
 }
 
-WorkPtr GlooCommunicator::recv_tagged(at::Tensor tensor, int src, int tag,
-                                      Milliseconds timeout) {
+WorkPtr GlooCommunicator::recv_tagged(at::Tensor tensor, int src, int tag, Milliseconds timeout) {
   std::vector<at::Tensor> tensors{tensor};
   const std::string what =
       concat("recv(", shape_string(tensor), " from rank ", src, ", tag ", tag, ")");
@@ -199,23 +212,21 @@ CommunicatorPtr GlooCommunicator::new_group(const std::vector<int>& ranks,
   int my_rank = -1;
   std::vector<int> global;
   for (size_t i = 0; i < ranks.size(); ++i) {
-    DTRAIN_CHECK(ranks[i] >= 0 && ranks[i] < size(), "new_group('", name, "'): rank ",
-                 ranks[i], " is not in group '", this->name(), "' of size ", size());
+    DTRAIN_CHECK(ranks[i] >= 0 && ranks[i] < size(), "new_group('", name, "'): rank ", ranks[i],
+                 " is not in group '", this->name(), "' of size ", size());
     if (ranks[i] == rank()) my_rank = static_cast<int>(i);
     global.push_back(global_ranks()[ranks[i]]);
   }
   if (my_rank < 0) return nullptr;
-  return std::make_shared<GlooCommunicator>(root_store_, concat(store_prefix_, "/", index), my_rank,
-                                            static_cast<int>(ranks.size()),
-                                            name.empty() ? concat("group", index) : name, global,
-                                            timeout(), device_, threads_);
+  return std::make_shared<GlooCommunicator>(
+      root_store_, concat(store_prefix_, "/", index), my_rank, static_cast<int>(ranks.size()),
+      name.empty() ? concat("group", index) : name, global, timeout(), device_, threads_);
 }
 
 CommunicatorPtr create_world(const InitOptions& options) {
-  DTRAIN_CHECK_INPUT(options.world_size >= 1, "world size must be >= 1, got ",
-                     options.world_size);
-  DTRAIN_CHECK_INPUT(options.rank >= 0 && options.rank < options.world_size, "rank ",
-                     options.rank, " is outside the world of size ", options.world_size);
+  DTRAIN_CHECK_INPUT(options.world_size >= 1, "world size must be >= 1, got ", options.world_size);
+  DTRAIN_CHECK_INPUT(options.rank >= 0 && options.rank < options.world_size, "rank ", options.rank,
+                     " is outside the world of size ", options.world_size);
   DTRAIN_CHECK_INPUT(options.master_port > 0 && options.master_port < 65536,
                      "master port must be in 1..65535, got ", options.master_port);
   c10d::TCPStoreOptions store_options;
@@ -251,8 +262,9 @@ CommunicatorPtr create_world(const InitOptions& options) {
     const LocalRoute route = route_to(options.master_addr);
     const char* local_rank = std::getenv("LOCAL_RANK");
     if (local_rank == nullptr || std::string(local_rank) == "0") {
-      std::fprintf(stderr, "dtrain: rank %d reaches %s from %s%s%s (set --interface or "
-                           "GLOO_SOCKET_IFNAME to choose another)\n",
+      std::fprintf(stderr,
+                   "dtrain: rank %d reaches %s from %s%s%s (set --interface or "
+                   "GLOO_SOCKET_IFNAME to choose another)\n",
                    options.rank, options.master_addr.c_str(), route.address.c_str(),
                    route.interface.empty() ? "" : " on ", route.interface.c_str());
     }

@@ -10,10 +10,9 @@ namespace dtrain::comm::gloo_backend {
 
 class GlooCommunicator : public Communicator {
  public:
-  GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store, std::string store_prefix,
-                   int rank, int size, std::string name, std::vector<int> global_ranks,
-                   Milliseconds timeout, std::shared_ptr<::gloo::transport::Device> device,
-                   int threads);
+  GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store, std::string store_prefix, int rank,
+                   int size, std::string name, std::vector<int> global_ranks, Milliseconds timeout,
+                   std::shared_ptr<::gloo::transport::Device> device, int threads);
   ~GlooCommunicator() override;
 
   std::string backend_name() const override { return "gloo"; }

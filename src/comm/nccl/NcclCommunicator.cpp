@@ -18,7 +18,8 @@ class NcclCommunicator : public Communicator {
   NcclCommunicator(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank, int size,
                    std::string name, std::vector<int> global, Milliseconds timeout)
       : Communicator(rank, size, std::move(name), std::move(global), timeout),
-        store_(std::move(store)), prefix_(std::move(prefix)) {
+        store_(std::move(store)),
+        prefix_(std::move(prefix)) {
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
     group_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(
@@ -26,8 +27,8 @@ class NcclCommunicator : public Communicator {
   }
   std::string backend_name() const override { return "nccl"; }
   WorkPtr allreduce(at::Tensor tensor, const AllreduceOptions& options) override {
-    const auto what = describe(concat("allreduce(", to_string(options.op), ", ",
-                                      shape_string(tensor), ")"));
+    const auto what =
+        describe(concat("allreduce(", to_string(options.op), ", ", shape_string(tensor), ")"));
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions o;
     o.reduceOp = options.op == ReduceOp::Max   ? c10d::ReduceOp::MAX

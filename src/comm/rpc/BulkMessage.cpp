@@ -90,13 +90,16 @@ bool copy_field(Cursor& in, uint64_t tag, std::string* out) {
       if (!in.varint(&value)) return false;
       if (out) put_varint(*out, value);
       return true;
-    case 1: return in.take(8, out);
-    case 5: return in.take(4, out);
+    case 1:
+      return in.take(8, out);
+    case 5:
+      return in.take(4, out);
     case kLengthDelimited:
       if (!in.varint(&value)) return false;
       if (out) put_varint(*out, value);
       return in.take(value, out);
-    default: return false;  // groups are not used by dtrain's messages
+    default:
+      return false;  // groups are not used by dtrain's messages
   }
 }
 
@@ -121,9 +124,9 @@ grpc::Status encode_bulk(const std::string& rest, int chunk_field, const std::st
     if (owner) {
       // The slice holds a reference to the owner until gRPC releases it.
       auto* hold = new std::shared_ptr<const void>(owner);
-      slices.emplace_back(const_cast<char*>(data), static_cast<size_t>(bytes),
-                          [](void* held) { delete static_cast<std::shared_ptr<const void>*>(held); },
-                          hold);
+      slices.emplace_back(
+          const_cast<char*>(data), static_cast<size_t>(bytes),
+          [](void* held) { delete static_cast<std::shared_ptr<const void>*>(held); }, hold);
     } else {
       grpc_slice copy = grpc_slice_malloc(static_cast<size_t>(bytes));
       std::memcpy(GRPC_SLICE_START_PTR(copy), data, static_cast<size_t>(bytes));

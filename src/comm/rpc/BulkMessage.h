@@ -11,8 +11,8 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/status.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -101,7 +101,8 @@ namespace grpc {
 template <class M>
 class SerializationTraits<dtrain::rpc::Bulk<M>, void> {
  public:
-  static Status Serialize(const dtrain::rpc::Bulk<M>& message, ByteBuffer* buffer, bool* own_buffer) {
+  static Status Serialize(const dtrain::rpc::Bulk<M>& message, ByteBuffer* buffer,
+                          bool* own_buffer) {
     *own_buffer = true;
     M rest = message.meta;
     const dtrain::rpc::TensorChunk chunk = rest.chunk();
@@ -123,8 +124,9 @@ class SerializationTraits<dtrain::rpc::Bulk<M>, void> {
     message->received = reader.payload_bytes();
     message->refused.clear();
     if (reader.payload_bytes() == 0) return Status::OK;
-    char* dst = message->place ? message->place(message->meta, reader.payload_bytes(), &message->refused)
-                               : nullptr;
+    char* dst = message->place
+                    ? message->place(message->meta, reader.payload_bytes(), &message->refused)
+                    : nullptr;
     if (dst == nullptr) {
       if (message->refused.empty()) message->refused = "a payload nobody expected";
       // The message is well formed: the reader sees `refused` and answers for it.

@@ -34,7 +34,8 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     allreduce(maxima, group, comm::ReduceOp::Max);
     const at::Tensor shifted = rows - maxima.unsqueeze(-1);
     const at::Tensor exps = shifted.exp();
-    const at::Tensor outside = flat_targets.lt(vocab_start).logical_or(flat_targets.ge(vocab_start + block));
+    const at::Tensor outside =
+        flat_targets.lt(vocab_start).logical_or(flat_targets.ge(vocab_start + block));
     const at::Tensor local = (flat_targets - vocab_start).masked_fill(outside, 0);
     const at::Tensor target_logit =
         shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0);
@@ -55,8 +56,8 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     grad.scatter_add_(1, local.unsqueeze(1), -inside.unsqueeze(1));
     grad.mul_(grads[0].to(grad.scalar_type()) / static_cast<double>(grad.size(0)));
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {grad.view(ctx->saved_data["shape"].toIntVector()).to(dtype), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+    return {grad.view(ctx->saved_data["shape"].toIntVector()).to(dtype), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 

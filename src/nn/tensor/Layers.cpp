@@ -117,8 +117,8 @@ void RowParallelLinearImpl::copy_from_full(const at::Tensor& w, const at::Tensor
   }
 }
 
-VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const VocabParallelEmbeddingOptions& options_,
-                                                       comm::CommunicatorPtr group_)
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(
+    const VocabParallelEmbeddingOptions& options_, comm::CommunicatorPtr group_)
     : options(options_), group(std::move(group_)) {
   DTRAIN_CHECK_INPUT(options.embedding_dim() >= 1 && options.num_embeddings() >= size_of(group),
                      "an embedding of ", options.num_embeddings(), " x ", options.embedding_dim(),

@@ -31,7 +31,8 @@ void keep_group(AutogradContext* ctx, const comm::CommunicatorPtr& group, int64_
 }
 
 comm::CommunicatorPtr group_of(AutogradContext* ctx) {
-  return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
+  return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())
+      ->group;
 }
 
 int64_t normalize(const at::Tensor& x, int64_t dim) {
@@ -77,8 +78,8 @@ at::Tensor allgather_along(const at::Tensor& x, const comm::CommunicatorPtr& gro
 at::Tensor reduce_scatter_along(const at::Tensor& x, const comm::CommunicatorPtr& group,
                                 int64_t dim) {
   DTRAIN_CHECK_INPUT(x.size(dim) % group->size() == 0, "sequence parallelism splits dimension ",
-                     dim, " of ", x.sizes(), " over ", group->size(),
-                     " ranks of group '", group->name(), "': it must divide evenly");
+                     dim, " of ", x.sizes(), " over ", group->size(), " ranks of group '",
+                     group->name(), "': it must divide evenly");
   trace::Span span("comm", "tp reduce-scatter");
   const at::Tensor moved = x.movedim(dim, 0).contiguous();
   std::vector<int64_t> shape = moved.sizes().vec();

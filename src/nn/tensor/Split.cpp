@@ -8,8 +8,8 @@
 namespace dtrain::tensor {
 
 std::pair<int64_t, int64_t> split_range(int64_t n, int parts, int index) {
-  DTRAIN_CHECK(parts >= 1 && index >= 0 && index < parts, "split_range: index ", index,
-               " of ", parts, " parts");
+  DTRAIN_CHECK(parts >= 1 && index >= 0 && index < parts, "split_range: index ", index, " of ",
+               parts, " parts");
   const int64_t base = n / parts, extra = n % parts;
   const int64_t start = index * base + std::min<int64_t>(index, extra);
   return {start, base + (index < extra ? 1 : 0)};

@@ -14,7 +14,6 @@
 
 namespace dtrain::parallel {
 
-
 StrategyInfo ddp_strategy() {
   StrategyInfo info;
   info.name = "ddp";
@@ -93,9 +92,10 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     {
       trace::Span span("forward", concat("F", i));
       precision::AutocastScope autocast(precision_);
-      const at::Tensor inputs = precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
-                                    ? batch.inputs.to(at::kBFloat16)
-                                    : batch.inputs;
+      const at::Tensor inputs =
+          precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
+              ? batch.inputs.to(at::kBFloat16)
+              : batch.inputs;
       value = loss(model_.forward(inputs), batch.targets);
     }
     at::Tensor objective = micro_batches.size() == 1 ? value : value / count;
@@ -135,9 +135,11 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     apply_update();
   }
   result.metrics["exposed_comm_ms"] = stats.exposed_comm_ms;
-  result.metrics["buckets_overlapped"] = static_cast<double>(stats.buckets_launched_during_backward);
+  result.metrics["buckets_overlapped"] =
+      static_cast<double>(stats.buckets_launched_during_backward);
   if (stats.peak_transient_bytes > 0) {
-    result.metrics["peak_transient_mb"] = static_cast<double>(stats.peak_transient_bytes) / (1 << 20);
+    result.metrics["peak_transient_mb"] =
+        static_cast<double>(stats.peak_transient_bytes) / (1 << 20);
   }
   return result;
 }
@@ -165,7 +167,8 @@ void DdpStrategy::apply_update() { optimizer_->step(); }
 
 NamedTensors DdpStrategy::named_buffers() const {
   NamedTensors buffers;
-  for (const auto& item : model_.module->named_buffers()) buffers.emplace_back(item.key(), item.value());
+  for (const auto& item : model_.module->named_buffers())
+    buffers.emplace_back(item.key(), item.value());
   return buffers;
 }
 
@@ -175,9 +178,8 @@ void DdpStrategy::save(const std::string& directory) {
   const bool leader = comm_->rank() == 0;
   const NamedTensors buffers = leader && tp_.rank == 0 ? named_buffers() : NamedTensors{};
   if (state_sharded()) {
-    write_state_shard(directory, tp_.rank * comm_->size() + comm_->rank(),
-                      comm_->size() * tp_.size, tp_.for_writing(state_pieces()), optimizer_.get(),
-                      buffers);
+    write_state_shard(directory, tp_.rank * comm_->size() + comm_->rank(), comm_->size() * tp_.size,
+                      tp_.for_writing(state_pieces()), optimizer_.get(), buffers);
   } else if (leader) {  // replicas are identical; DP rank 0 writes them
     write_state_shard(directory, tp_.rank, tp_.size, tp_.for_writing(state_pieces()),
                       optimizer_.get(), buffers);

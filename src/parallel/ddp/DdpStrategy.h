@@ -3,12 +3,12 @@
 #pragma once
 
 #include "dtrain/common/Error.h"
-#include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/ddp/Reducer.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"
-#include "dtrain/parallel/ddp/Reducer.h"
 #include "parallel/StrategySupport.h"
 
 namespace dtrain::parallel {
@@ -21,8 +21,7 @@ class DdpStrategy : public Strategy {
   std::string name() const override { return "ddp"; }
   void setup(Model model, const optim::OptimizerFactory& make_optimizer,
              std::shared_ptr<comm::ProcessGrid> grid) override;
-  StepResult train_step(const std::vector<data::Batch>& micro_batches,
-                        const LossFn& loss) override;
+  StepResult train_step(const std::vector<data::Batch>& micro_batches, const LossFn& loss) override;
   Model& model() override { return model_; }
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
   void save(const std::string& directory) override;

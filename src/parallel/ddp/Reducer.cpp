@@ -27,8 +27,7 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   DTRAIN_CHECK_INPUT(options_.bucket_cap_bytes > 0 && options_.first_bucket_cap_bytes > 0,
                      "bucket caps must be > 0 bytes");
   for (size_t k = 0; k < parameters_.size(); ++k) {
-    DTRAIN_CHECK(parameters_[k].requires_grad(), "parameter ", names_[k],
-                 " does not require grad");
+    DTRAIN_CHECK(parameters_[k].requires_grad(), "parameter ", names_[k], " does not require grad");
   }
   // Each bucket as a list of parameter indices, in launch order.
   std::vector<int64_t> flat_offsets(parameters_.size() + 1, 0);  // the flat order (sharded mode)
@@ -44,8 +43,7 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
     for (size_t k : group) {
       locator_[k] = {buckets_.size(), bucket.parameters.size()};
       bucket.parameters.push_back(k);
-      bucket.offsets.push_back(sharded() ? flat_offsets[k] - flat_offsets[lowest]
-                                         : bucket.numel);
+      bucket.offsets.push_back(sharded() ? flat_offsets[k] - flat_offsets[lowest] : bucket.numel);
       bucket.numel += parameters_[k].numel();
     }
     if (sharded()) {
@@ -127,12 +125,10 @@ std::vector<std::vector<size_t>> Reducer::assign_buckets() const {
     for (auto& group : groups) {
       if (group.back() != 0) continue;  // the bucket holding parameter 0
       const std::string first_module = module_of(0);
-      auto split = std::find_if(group.begin(), group.end(), [&](size_t k) {
-        return module_of(k) == first_module;
-      });
-      const bool contiguous = std::all_of(split, group.end(), [&](size_t k) {
-        return module_of(k) == first_module;
-      });
+      auto split = std::find_if(group.begin(), group.end(),
+                                [&](size_t k) { return module_of(k) == first_module; });
+      const bool contiguous =
+          std::all_of(split, group.end(), [&](size_t k) { return module_of(k) == first_module; });
       if (split != group.begin() && contiguous &&
           bytes_of(group.begin(), split) >= bytes_of(split, group.end())) {
         std::vector<size_t> tail(split, group.end());
@@ -177,8 +173,9 @@ void Reducer::allocate(Bucket& bucket) {
   bucket.flat = at::zeros({bucket.numel}, first.options().requires_grad(false));
   const bool compress = options_.wire_dtype != at::ScalarType::Undefined &&
                         options_.wire_dtype != first.scalar_type();
-  bucket.wire = compress ? at::empty({bucket.numel}, bucket.flat.options().dtype(options_.wire_dtype))
-                         : bucket.flat;
+  bucket.wire = compress
+                    ? at::empty({bucket.numel}, bucket.flat.options().dtype(options_.wire_dtype))
+                    : bucket.flat;
 }
 
 void Reducer::complete_sharded(Bucket& bucket) {
@@ -202,8 +199,8 @@ void Reducer::alias_grad(size_t k, bool keep_values) {
   if (!bucket.flat.defined()) allocate(bucket);  // sharded mode: on first use
   at::Tensor& p = parameters_[k];
   const int64_t offset = bucket.offsets[slot];
-  const void* expected = static_cast<const char*>(bucket.flat.data_ptr()) +
-                         offset * bucket.flat.element_size();
+  const void* expected =
+      static_cast<const char*>(bucket.flat.data_ptr()) + offset * bucket.flat.element_size();
   const at::Tensor& grad = p.grad();
   if (grad.defined() && grad.data_ptr() == expected && grad.sizes() == p.sizes() &&
       grad.is_contiguous()) {
@@ -351,8 +348,9 @@ void Reducer::finalize() {
   if (options_.error_on_unused_parameters && !stats_.unused_parameters.empty()) {
     std::string names;
     for (const auto& name : stats_.unused_parameters) names += (names.empty() ? "" : ", ") + name;
-    DTRAIN_THROW(Error, "rank ", comm_->rank(), ": parameters received no gradient this step: ",
-                 names, " (turn off error_on_unused_parameters to treat them as zero)");
+    DTRAIN_THROW(Error, "rank ", comm_->rank(),
+                 ": parameters received no gradient this step: ", names,
+                 " (turn off error_on_unused_parameters to treat them as zero)");
   }
 }
 

@@ -73,9 +73,10 @@ void check_options(const PipelineOptions& o) {
 void check_layout(const PipelineOptions& o, const Layout& layout) {
   const int pp = layout.pipeline_parallel;
   const int tp = layout.tensor_parallel;
-  DTRAIN_CHECK_INPUT(layout.ranks == 0 || layout.ranks % (pp * tp) == 0, "--pipeline-parallel ",
-                     pp, tp > 1 ? concat(" x --tensor-parallel ", tp) : std::string(),
-                     " does not divide the ", layout.ranks, " ranks of --nproc (ranks = pipeline "
+  DTRAIN_CHECK_INPUT(layout.ranks == 0 || layout.ranks % (pp * tp) == 0, "--pipeline-parallel ", pp,
+                     tp > 1 ? concat(" x --tensor-parallel ", tp) : std::string(),
+                     " does not divide the ", layout.ranks,
+                     " ranks of --nproc (ranks = pipeline "
                      "stages x data-parallel replicas)");
   validate({schedule_kind_named(o.schedule), pp,
             static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), o.virtual_stages});
@@ -84,12 +85,11 @@ void check_layout(const PipelineOptions& o, const Layout& layout) {
                      "pipeline stage, which the pipeline does not support: leave it out");
   if (layout.model_stages == 0) return;
   const int virtual_stages = pp * o.virtual_stages;
-  DTRAIN_CHECK_INPUT(layout.model_stages >= virtual_stages, "--pipeline-parallel ", pp,
-                     o.virtual_stages > 1 ? concat(" x --virtual-stages ", o.virtual_stages)
-                                          : std::string(),
-                     " needs ", virtual_stages, " model stages, but --model ", layout.model,
-                     " has ", layout.model_stages,
-                     " (an MLP has one per hidden layer plus the output)");
+  DTRAIN_CHECK_INPUT(
+      layout.model_stages >= virtual_stages, "--pipeline-parallel ", pp,
+      o.virtual_stages > 1 ? concat(" x --virtual-stages ", o.virtual_stages) : std::string(),
+      " needs ", virtual_stages, " model stages, but --model ", layout.model, " has ",
+      layout.model_stages, " (an MLP has one per hidden layer plus the output)");
   if (o.balance != "params" && o.balance != "time") {
     partition_from_counts(o.balance, layout.model_stages, virtual_stages);
   }
@@ -167,7 +167,8 @@ std::vector<double> PipelineStrategy::stage_costs() {
     }
     at::Tensor agreed = at::tensor(seconds, at::kDouble);
     grid_->world()->broadcast(agreed, {0})->wait();
-    return std::vector<double>(agreed.data_ptr<double>(), agreed.data_ptr<double>() + agreed.numel());
+    return std::vector<double>(agreed.data_ptr<double>(),
+                               agreed.data_ptr<double>() + agreed.numel());
   }
   std::vector<double> costs;
   for (const auto& stage : model_.stages) {
@@ -263,12 +264,11 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
       params.push_back(parameters_[k]);
       names.push_back(names_[k]);
     }
-    reducers_.push_back(params.empty() ? nullptr
-                                       : std::make_unique<Reducer>(params, names, grid_->dp(),
-                                                                   reducer_options));
+    reducers_.push_back(
+        params.empty() ? nullptr
+                       : std::make_unique<Reducer>(params, names, grid_->dp(), reducer_options));
   }
-  link_ = std::make_unique<StageLink>(grid_->pp(), virtual_stages,
-                                      pipe_.transport == "auto");
+  link_ = std::make_unique<StageLink>(grid_->pp(), virtual_stages, pipe_.transport == "auto");
 }
 
 DataNeeds PipelineStrategy::data_needs() const {
@@ -283,13 +283,14 @@ DataNeeds PipelineStrategy::data_needs() const {
 std::string PipelineStrategy::layout() const {
   const std::vector<double> share = shares(partition_, costs_);
   const bool timed = pipe_.balance == "time";
-  std::string text = concat("pipeline: ", grid_->pp_size(), " stage", grid_->pp_size() == 1 ? "" : "s");
+  std::string text =
+      concat("pipeline: ", grid_->pp_size(), " stage", grid_->pp_size() == 1 ? "" : "s");
   if (chunks_per_rank_ > 1) text += concat(" x ", chunks_per_rank_, " chunks");
   text += concat(" x ", grid_->dp_size(), " ", pipe_.data_parallel, " replica",
-                 grid_->dp_size() == 1 ? "" : "s", ", schedule ", to_string(kind_),
-                 "; split by ", timed ? "measured time" : pipe_.balance == "params"
-                                                             ? "parameters"
-                                                             : "hand",
+                 grid_->dp_size() == 1 ? "" : "s", ", schedule ", to_string(kind_), "; split by ",
+                 timed                       ? "measured time"
+                 : pipe_.balance == "params" ? "parameters"
+                                             : "hand",
                  ":");
   for (int v = 0; v < partition_.ranks(); ++v) {
     const int first = partition_.first(v), last = partition_.end(v) - 1;
@@ -371,7 +372,8 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     const int s = chunk.virtual_stage;
     const data::Batch& batch = micro_batches[a.micro_batch];
     // Spans cover compute only; waiting for a neighbour is its own "recv" span.
-    const std::string label = concat(a.micro_batch, chunks_per_rank_ > 1 ? concat(".", a.chunk) : "");
+    const std::string label =
+        concat(a.micro_batch, chunks_per_rank_ > 1 ? concat(".", a.chunk) : "");
     if (a.kind == Action::Forward) {
       at::Tensor x;
       if (first_virtual(chunk)) {
@@ -408,8 +410,8 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       }
       trace::Span span("backward", "B" + label);
       auto node = kept.extract({a.chunk, a.micro_batch});
-      DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": backward of micro-batch ",
-                   a.micro_batch, " before its forward");
+      DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": backward of micro-batch ", a.micro_batch,
+                   " before its forward");
       auto [x, y] = node.mapped();
       Reducer* reducer = reducers_[a.chunk].get();
       if (reducer && i == last_backward[a.chunk]) {
@@ -510,7 +512,8 @@ NamedTensors PipelineStrategy::local_buffers() const {
   }
   NamedTensors buffers;
   for (const auto& item : model_.module->named_buffers()) {
-    if (mine.count(item.value().unsafeGetTensorImpl())) buffers.emplace_back(item.key(), item.value());
+    if (mine.count(item.value().unsafeGetTensorImpl()))
+      buffers.emplace_back(item.key(), item.value());
   }
   return buffers;
 }
@@ -526,12 +529,14 @@ void PipelineStrategy::save(const std::string& directory) {
   const NamedTensors buffers = replica == 0 && tp_.rank == 0 ? local_buffers() : NamedTensors{};
   if (zero1_) {
     write_state_shard(directory, writer * grid_->dp_size() + replica, writers * grid_->dp_size(),
-                      parameters_.empty() ? std::vector<PieceRef>{}
-                                          : tp_.for_writing(shards_.state_pieces(names_, parameters_)),
+                      parameters_.empty()
+                          ? std::vector<PieceRef>{}
+                          : tp_.for_writing(shards_.state_pieces(names_, parameters_)),
                       optimizer_.get(), buffers);
   } else if (replica == 0) {
-    write_state_shard(directory, writer, writers, tp_.for_writing(whole_pieces(names_, parameters_)),
-                      optimizer_.get(), buffers);
+    write_state_shard(directory, writer, writers,
+                      tp_.for_writing(whole_pieces(names_, parameters_)), optimizer_.get(),
+                      buffers);
   }
   if (scaler_ && grid_->world()->rank() == 0) save_loss_scaler(*scaler_, directory);
 }

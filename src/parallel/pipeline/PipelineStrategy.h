@@ -12,8 +12,8 @@
 
 #include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/Strategy.h"
-#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/parallel/pipeline/Partition.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"
@@ -38,8 +38,7 @@ class PipelineStrategy : public Strategy {
   void prepare(const data::Batch& example) override;
   void setup(Model model, const optim::OptimizerFactory& make_optimizer,
              std::shared_ptr<comm::ProcessGrid> grid) override;
-  StepResult train_step(const std::vector<data::Batch>& micro_batches,
-                        const LossFn& loss) override;
+  StepResult train_step(const std::vector<data::Batch>& micro_batches, const LossFn& loss) override;
   DataNeeds data_needs() const override;
   at::Tensor evaluate_forward(const at::Tensor& inputs) override;
   std::string layout() const override;

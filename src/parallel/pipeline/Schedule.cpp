@@ -21,9 +21,12 @@ ScheduleKind schedule_kind_named(const std::string& name) {
 
 const char* to_string(ScheduleKind kind) {
   switch (kind) {
-    case ScheduleKind::GPipe: return "gpipe";
-    case ScheduleKind::OneFOneB: return "1f1b";
-    case ScheduleKind::Interleaved: return "interleaved";
+    case ScheduleKind::GPipe:
+      return "gpipe";
+    case ScheduleKind::OneFOneB:
+      return "1f1b";
+    case ScheduleKind::Interleaved:
+      return "interleaved";
   }
   return "?";
 }
@@ -37,19 +40,18 @@ void validate(const ScheduleSpec& spec) {
   DTRAIN_CHECK_INPUT(spec.stages >= 1, "pipeline stages must be >= 1, got ", spec.stages);
   DTRAIN_CHECK_INPUT(spec.micro_batches >= 1, "micro-batches must be >= 1, got ",
                      spec.micro_batches);
-  DTRAIN_CHECK_INPUT(spec.chunks >= 1, "virtual stages per rank must be >= 1, got ",
-                     spec.chunks);
-  DTRAIN_CHECK_INPUT(spec.chunks == 1 || spec.kind == ScheduleKind::Interleaved,
-                     "virtual stages (", spec.chunks, ") need the interleaved schedule, not ",
-                     to_string(spec.kind));
+  DTRAIN_CHECK_INPUT(spec.chunks >= 1, "virtual stages per rank must be >= 1, got ", spec.chunks);
+  DTRAIN_CHECK_INPUT(spec.chunks == 1 || spec.kind == ScheduleKind::Interleaved, "virtual stages (",
+                     spec.chunks, ") need the interleaved schedule, not ", to_string(spec.kind));
   DTRAIN_CHECK_INPUT(spec.kind != ScheduleKind::OneFOneB || spec.micro_batches >= spec.stages,
                      "the 1f1b schedule needs at least as many micro-batches as pipeline stages "
-                     "(got ", spec.micro_batches, " micro-batches for ", spec.stages,
+                     "(got ",
+                     spec.micro_batches, " micro-batches for ", spec.stages,
                      " stages): use more micro-batches or --schedule gpipe");
-  DTRAIN_CHECK_INPUT(spec.kind != ScheduleKind::Interleaved ||
-                         spec.micro_batches % spec.stages == 0,
-                     "the interleaved schedule needs micro-batches (", spec.micro_batches,
-                     ") to be a multiple of the pipeline stages (", spec.stages, ")");
+  DTRAIN_CHECK_INPUT(
+      spec.kind != ScheduleKind::Interleaved || spec.micro_batches % spec.stages == 0,
+      "the interleaved schedule needs micro-batches (", spec.micro_batches,
+      ") to be a multiple of the pipeline stages (", spec.stages, ")");
 }
 
 namespace {
@@ -70,8 +72,8 @@ Action interleaved_action(const ScheduleSpec& spec, int k, bool forward) {
 
 std::vector<Action> build_schedule(const ScheduleSpec& spec, int rank) {
   validate(spec);
-  DTRAIN_CHECK_INPUT(rank >= 0 && rank < spec.stages, "pipeline rank ", rank,
-                     " is outside 0..", spec.stages - 1);
+  DTRAIN_CHECK_INPUT(rank >= 0 && rank < spec.stages, "pipeline rank ", rank, " is outside 0..",
+                     spec.stages - 1);
   const int p = spec.stages;
   const int m = spec.micro_batches;
   std::vector<Action> actions;
@@ -117,17 +119,17 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
   const int p = spec.stages;
   const int v = spec.chunks;
   const int last_stage = p * v - 1;
-  DTRAIN_CHECK_INPUT(static_cast<int>(per_rank.size()) == p, "a schedule for ", p,
-                     " ranks has ", per_rank.size(), " lists");
+  DTRAIN_CHECK_INPUT(static_cast<int>(per_rank.size()) == p, "a schedule for ", p, " ranks has ",
+                     per_rank.size(), " lists");
   // Every (kind, micro-batch, virtual stage) exactly once, on its rank.
   using Key = std::tuple<int, int, int>;
   std::map<Key, double> finished;  // end time of each completed action
   for (int r = 0; r < p; ++r) {
     std::map<Key, int> seen;
     for (const auto& a : per_rank[r]) {
-      DTRAIN_CHECK_INPUT(a.micro_batch >= 0 && a.micro_batch < spec.micro_batches &&
-                             a.chunk >= 0 && a.chunk < v,
-                         "rank ", r, "'s action ", to_string(a), " is out of range");
+      DTRAIN_CHECK_INPUT(
+          a.micro_batch >= 0 && a.micro_batch < spec.micro_batches && a.chunk >= 0 && a.chunk < v,
+          "rank ", r, "'s action ", to_string(a), " is out of range");
       const int times = ++seen[Key(a.kind, a.micro_batch, a.chunk)];
       DTRAIN_CHECK_INPUT(times == 1, "rank ", r, " runs ", to_string(a), " twice");
     }

@@ -72,9 +72,8 @@ std::string StageLink::describe(const Meta& meta) const {
 }
 
 at::Tensor StageLink::header_of(const at::Tensor& tensor, Direction direction) const {
-  DTRAIN_CHECK_INPUT(tensor.dim() <= kMaxDims, "pipeline stage ", stage_, " sends a ",
-                     tensor.dim(), "-dimensional ", direction_name(direction), " (at most ",
-                     kMaxDims, ")");
+  DTRAIN_CHECK_INPUT(tensor.dim() <= kMaxDims, "pipeline stage ", stage_, " sends a ", tensor.dim(),
+                     "-dimensional ", direction_name(direction), " (at most ", kMaxDims, ")");
   at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
   auto* h = header.data_ptr<int64_t>();
   h[0] = tensor.dim();

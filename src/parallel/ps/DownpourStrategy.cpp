@@ -26,7 +26,8 @@ int64_t oldest(const std::vector<int64_t>& versions) {
 }
 
 double ms_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
 }
 
 // Lines about lost updates: the first few of each kind, then a note that the rest are counted.
@@ -40,8 +41,10 @@ void log_loss(int rank, int64_t count, const std::string& what) {
 void check_options(const DownpourOptions& o) {
   DTRAIN_CHECK_INPUT(o.n_fetch >= 1, "--n-fetch must be at least 1 (got ", o.n_fetch, ")");
   DTRAIN_CHECK_INPUT(o.n_push >= 1, "--n-push must be at least 1 (got ", o.n_push, ")");
-  DTRAIN_CHECK_INPUT(o.max_staleness >= -1, "--max-staleness must be -1 (no cap) or at least 0 "
-                     "(got ", o.max_staleness, ")");
+  DTRAIN_CHECK_INPUT(o.max_staleness >= -1,
+                     "--max-staleness must be -1 (no cap) or at least 0 "
+                     "(got ",
+                     o.max_staleness, ")");
 }
 
 }  // namespace
@@ -260,7 +263,8 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
   {
     int64_t offset = 0;
     for (const auto& p : parameters_) {
-      if (p.grad().defined() && nonfinite.empty()) nonfinite = check_finite(p.grad().reshape({-1}), offset);
+      if (p.grad().defined() && nonfinite.empty())
+        nonfinite = check_finite(p.grad().reshape({-1}), offset);
       offset += p.numel();
     }
   }
@@ -278,7 +282,8 @@ StepResult DownpourStrategy::train_step(const std::vector<data::Batch>& micro_ba
     }
   }
   if (nonfinite.empty() && steps_accumulated_++ == 0) accumulated_versions_ = computed_on;
-  step_seconds_ += (ms_since(compute_start) / 1e3 - step_seconds_) / static_cast<double>(++steps_done_);
+  step_seconds_ +=
+      (ms_since(compute_start) / 1e3 - step_seconds_) / static_cast<double>(++steps_done_);
   ++steps_since_fetch_;
 
   lock.lock();
@@ -307,8 +312,7 @@ int64_t DownpourStrategy::global_steps() const {
   // The shards' count, plus this worker's steps they have not counted yet (pushes in flight,
   // the accumulation): the worker's own steps are never missed, others' may be late.
   std::lock_guard<std::mutex> lock(mutex_);
-  return (newest_version_ + pushes_issued_ - pushes_done_) * downpour_.n_push +
-         steps_accumulated_;
+  return (newest_version_ + pushes_issued_ - pushes_done_) * downpour_.n_push + steps_accumulated_;
 }
 
 void DownpourStrategy::finish() {
@@ -331,8 +335,8 @@ std::string DownpourStrategy::await_workers() {
   // A worker is done when its final push has reached every shard. One that has pushed nothing
   // for a while is taken for gone (killed, its machine lost): waiting for it ends after
   // max(2 s, 20 steps' compute) of quiet, at most the RPC deadline.
-  const double quiet_s = std::min(std::max(2.0, 20.0 * step_seconds_ * downpour_.n_push),
-                                  ps_.rpc_timeout_ms / 1e3);
+  const double quiet_s =
+      std::min(std::max(2.0, 20.0 * step_seconds_ * downpour_.n_push), ps_.rpc_timeout_ms / 1e3);
   const auto deadline = std::chrono::steady_clock::now() + wait_limit();
   std::string missing;
   while (true) {
@@ -364,7 +368,8 @@ std::string DownpourStrategy::await_workers() {
   rethrow_background_error();
   pull_now(lock, "the final model");
   if (missing.empty()) return "";
-  return concat("downpour: worker(s) ", missing, " stopped pushing without finishing (gone?); the "
+  return concat("downpour: worker(s) ", missing,
+                " stopped pushing without finishing (gone?); the "
                 "final model holds every update the shards received");
 }
 
@@ -384,7 +389,8 @@ std::map<std::string, double> DownpourStrategy::run_metrics() {
     m[shard + "mb_out_per_s"] = info.bytes_out() / up / 1e6;
     m[shard + "version"] = static_cast<double>(info.version());
     if (histogram.empty()) histogram.assign(info.staleness_histogram_size(), 0);
-    for (int b = 0; b < info.staleness_histogram_size() && b < static_cast<int>(histogram.size()); ++b) {
+    for (int b = 0; b < info.staleness_histogram_size() && b < static_cast<int>(histogram.size());
+         ++b) {
       histogram[b] += info.staleness_histogram(b);
     }
     if (i == 0) {
@@ -422,7 +428,7 @@ MemoryReport DownpourStrategy::memory_report() const {
   const auto item = static_cast<int64_t>(c10::elementSize(dtype_));
   report.parameter_bytes = numel_ * item * 2;  // the model and the landing buffer of pulls
   report.gradient_bytes = numel_ * item * 3;   // .grad, the accumulation and the push in flight
-  report.optimizer_bytes = 0;               // on the shards
+  report.optimizer_bytes = 0;                  // on the shards
   return report;
 }
 

@@ -6,8 +6,8 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <map>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -26,8 +26,7 @@ class DownpourStrategy : public ReplicaStrategy, public AsynchronousWorker {
   std::string name() const override { return "downpour"; }
   void setup(Model model, const optim::OptimizerFactory& make_optimizer,
              std::shared_ptr<comm::ProcessGrid> grid) override;
-  StepResult train_step(const std::vector<data::Batch>& micro_batches,
-                        const LossFn& loss) override;
+  StepResult train_step(const std::vector<data::Batch>& micro_batches, const LossFn& loss) override;
   /// Not collective: writes the shards' newest parameters (pulled now) as a one-file checkpoint.
   void save(const std::string& directory) override;
   MemoryReport memory_report() const override;
@@ -53,12 +52,12 @@ class DownpourStrategy : public ReplicaStrategy, public AsynchronousWorker {
   bool started_ = false;
 
   // Worker side (the training thread).
-  at::Tensor accumulated_;               // gradients since the last push
+  at::Tensor accumulated_;  // gradients since the last push
   int steps_accumulated_ = 0;
   std::vector<int64_t> accumulated_versions_;  // versions the oldest of them was computed on
   int steps_since_fetch_ = 0;
-  std::vector<int64_t> versions_;        // versions of the parameters the model holds
-  int64_t pushes_reflected_ = 0;         // own pushes included in them
+  std::vector<int64_t> versions_;  // versions of the parameters the model holds
+  int64_t pushes_reflected_ = 0;   // own pushes included in them
 
   // Shared with the background thread, under mutex_.
   mutable std::mutex mutex_;
@@ -68,20 +67,20 @@ class DownpourStrategy : public ReplicaStrategy, public AsynchronousWorker {
   std::exception_ptr error_;
   bool push_pending_ = false;
   bool outgoing_last_ = false;
-  at::Tensor outgoing_;                  // the gradient being pushed
+  at::Tensor outgoing_;  // the gradient being pushed
   std::vector<int64_t> outgoing_versions_;
   int64_t pushes_issued_ = 0, pushes_done_ = 0;
   bool pull_requested_ = false, pull_landed_ = false;
-  at::Tensor incoming_;                  // parameters pulled, not yet in the model
+  at::Tensor incoming_;  // parameters pulled, not yet in the model
   std::vector<int64_t> incoming_versions_;
-  int64_t incoming_covers_ = 0;          // own pushes done before that pull began
-  int64_t newest_version_ = 0;           // newest server version seen (replies, pulls)
-  int64_t last_staleness_ = 0;           // of the last push (max over shards)
-  double last_lr_ = 0;                   // the shards' learning rate at the last push
-  double step_seconds_ = 0;              // mean compute time of a step (for await_workers)
+  int64_t incoming_covers_ = 0;  // own pushes done before that pull began
+  int64_t newest_version_ = 0;   // newest server version seen (replies, pulls)
+  int64_t last_staleness_ = 0;   // of the last push (max over shards)
+  double last_lr_ = 0;           // the shards' learning rate at the last push
+  double step_seconds_ = 0;      // mean compute time of a step (for await_workers)
   int64_t steps_done_ = 0;
-  int64_t skipped_steps_ = 0;            // steps whose gradient held NaN or Inf (not pushed)
-  int64_t refused_pushes_ = 0;           // pushes a shard refused as non-finite
+  int64_t skipped_steps_ = 0;   // steps whose gradient held NaN or Inf (not pushed)
+  int64_t refused_pushes_ = 0;  // pushes a shard refused as non-finite
 };
 
 }  // namespace dtrain::parallel::ps

@@ -10,8 +10,8 @@
 #include "comm/rpc/Security.h"
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
-#include "dtrain/ps.grpc.pb.h"
 #include "dtrain/parallel/ps/ShardProtocol.h"
+#include "dtrain/ps.grpc.pb.h"
 #include "parallel/ps/PsWire.h"
 
 namespace dtrain::parallel::ps {
@@ -26,11 +26,12 @@ struct PsClient::Shard {
   using Writer = grpc::ClientWriter<rpc::Bulk<dtrain::ps::PushChunk>>;
   std::unique_ptr<Writer> writer(const grpc::internal::RpcMethod& method,
                                  grpc::ClientContext& context, dtrain::ps::PushReply* reply) {
-    return std::unique_ptr<Writer>(grpc::internal::ClientWriterFactory<
-        rpc::Bulk<dtrain::ps::PushChunk>>::Create(channel.get(), method, &context, reply));
+    return std::unique_ptr<Writer>(
+        grpc::internal::ClientWriterFactory<rpc::Bulk<dtrain::ps::PushChunk>>::Create(
+            channel.get(), method, &context, reply));
   }
   dtrain::ps::ShardInfo info;
-  uint64_t incarnation = 0;           // of the shard as first described
+  uint64_t incarnation = 0;  // of the shard as first described
   // Newest version seen from this incarnation of the shard: every version this worker computed
   // on since the restart was seen, so a newer one is from before it (lost).
   int64_t seen_version = 0;
@@ -198,7 +199,8 @@ void PsClient::check_restart(Shard& s) {
 PsClient::~PsClient() = default;
 
 bool PushResult::any_refused() const {
-  return std::any_of(refused.begin(), refused.end(), [](const std::string& r) { return !r.empty(); });
+  return std::any_of(refused.begin(), refused.end(),
+                     [](const std::string& r) { return !r.empty(); });
 }
 
 void PsClient::describe_all() {
@@ -236,9 +238,9 @@ std::vector<dtrain::ps::ShardInfo> PsClient::describe() {
 }
 
 bool PsClient::initialize(const at::Tensor& flat) {
-  DTRAIN_CHECK((flat.scalar_type() == at::kFloat || flat.scalar_type() == at::kDouble) &&
-                   flat.dim() == 1,
-               "initialize takes flat float32 or float64");
+  DTRAIN_CHECK(
+      (flat.scalar_type() == at::kFloat || flat.scalar_type() == at::kDouble) && flat.dim() == 1,
+      "initialize takes flat float32 or float64");
   total_ = flat.numel();
   const auto owner = std::make_shared<const at::Tensor>(flat.contiguous());
   std::vector<char> created(shards(), 0);
@@ -247,11 +249,12 @@ bool PsClient::initialize(const at::Tensor& flat) {
     with_retry(i, "Initialize", [&](Shard& s, grpc::ClientContext& context) {
       dtrain::ps::PushReply reply;
       auto writer = s.writer(*s.initialize, context, &reply);
-      grpc::Status status = send_chunks(*writer, owner->narrow(0, begin, end - begin), begin,
-                                        options_.chunk_bytes, owner, [&](dtrain::ps::PushChunk& message) {
-                                          message.set_worker(options_.worker);
-                                          message.set_total(total_);
-                                        });
+      grpc::Status status =
+          send_chunks(*writer, owner->narrow(0, begin, end - begin), begin, options_.chunk_bytes,
+                      owner, [&](dtrain::ps::PushChunk& message) {
+                        message.set_worker(options_.worker);
+                        message.set_total(total_);
+                      });
       if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS) return grpc::Status::OK;
       if (status.ok()) created[i] = 1;
       return status;
@@ -259,8 +262,9 @@ bool PsClient::initialize(const at::Tensor& flat) {
   });
   describe_all();
   for (const auto& s : shards_) {
-    DTRAIN_CHECK_INPUT(s->info.total() == total_, "parameter server ", s->address, " holds a model of ",
-                       s->info.total(), " parameters, this worker's has ", total_);
+    DTRAIN_CHECK_INPUT(s->info.total() == total_, "parameter server ", s->address,
+                       " holds a model of ", s->info.total(), " parameters, this worker's has ",
+                       total_);
     DTRAIN_CHECK_INPUT(s->info.dtype() == rpc::to_wire(flat.scalar_type()), "parameter server ",
                        s->address, " holds ", rpc::dtype_name(s->info.dtype()),
                        " parameters, this worker's are ", flat.scalar_type());
@@ -297,12 +301,14 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
       const std::string where = concat("Pull reply from ", s.address);
       // Each payload is checked, then copied once, from gRPC's slices into `flat`.
       rpc::Bulk<dtrain::ps::PullChunk> message;
-      message.place = [&](const dtrain::ps::PullChunk& meta, int64_t bytes, std::string* why) -> char* {
+      message.place = [&](const dtrain::ps::PullChunk& meta, int64_t bytes,
+                          std::string* why) -> char* {
         *why = rpc::check_chunk(meta.chunk(), bytes, rule, where);
         if (why->empty() && version >= 0 && meta.version() != version) {
           *why = concat(where, " mixes versions ", version, " and ", meta.version());
         }
-        return why->empty() ? static_cast<char*>(flat.data_ptr()) + meta.chunk().offset() * item : nullptr;
+        return why->empty() ? static_cast<char*>(flat.data_ptr()) + meta.chunk().offset() * item
+                            : nullptr;
       };
       while (reader->Read(&message)) {
         if (!problem.empty()) continue;
@@ -325,8 +331,8 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
 
 int PsClient::accumulate(const at::Tensor& gradient, const std::string& vector, int64_t round,
                          int64_t unit) {
-  DTRAIN_CHECK(total_ == gradient.numel() && gradient.is_contiguous(),
-               "accumulate of ", gradient.numel(), " elements; the model has ", total_);
+  DTRAIN_CHECK(total_ == gradient.numel() && gradient.is_contiguous(), "accumulate of ",
+               gradient.numel(), " elements; the model has ", total_);
   const auto owner = std::make_shared<const at::Tensor>(gradient);
   std::vector<char> ignored(shards(), 0);
   for_each_shard(shards(), [&](int i) {
@@ -334,13 +340,14 @@ int PsClient::accumulate(const at::Tensor& gradient, const std::string& vector, 
     with_retry(i, "Push", [&](Shard& s, grpc::ClientContext& context) {
       dtrain::ps::PushReply reply;
       auto writer = s.writer(*s.push, context, &reply);
-      grpc::Status status = send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin,
-                                        options_.chunk_bytes, owner, [&](dtrain::ps::PushChunk& message) {
-                                          message.set_worker(options_.worker);
-                                          message.set_accumulate(vector);
-                                          message.set_round(round);
-                                          message.set_unit(unit);
-                                        });
+      grpc::Status status =
+          send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin, options_.chunk_bytes,
+                      owner, [&](dtrain::ps::PushChunk& message) {
+                        message.set_worker(options_.worker);
+                        message.set_accumulate(vector);
+                        message.set_round(round);
+                        message.set_unit(unit);
+                      });
       ignored[i] = reply.ignored();
       return status;
     });
@@ -369,7 +376,8 @@ std::vector<double> PsClient::vector_ops(const std::vector<VectorOp>& ops) {
   });
   std::vector<double> dots(partial[0].size(), 0.0);
   for (const auto& p : partial) {
-    DTRAIN_CHECK_T(CommError, p.size() == dots.size(), "shards returned different numbers of dot products");
+    DTRAIN_CHECK_T(CommError, p.size() == dots.size(),
+                   "shards returned different numbers of dot products");
     for (size_t k = 0; k < dots.size(); ++k) dots[k] += p[k];
   }
   return dots;
@@ -394,18 +402,18 @@ PushResult PsClient::push(const at::Tensor& gradient, const std::vector<int64_t>
       // After a restart the gradient may have been computed on a version the shard lost: it
       // counts as computed on the newest the worker has seen since.
       const int64_t computed = std::min(versions[i], s.seen_version);
-      const grpc::Status status = send_chunks(
-          *writer, gradient.narrow(0, begin, end - begin), begin, options_.chunk_bytes, owner,
-          [&](dtrain::ps::PushChunk& message) {
-            message.set_worker(options_.worker);
-            message.set_computed_version(computed);
-            message.set_last(last);
-          });
+      const grpc::Status status =
+          send_chunks(*writer, gradient.narrow(0, begin, end - begin), begin, options_.chunk_bytes,
+                      owner, [&](dtrain::ps::PushChunk& message) {
+                        message.set_worker(options_.worker);
+                        message.set_computed_version(computed);
+                        message.set_last(last);
+                      });
       // A gradient with NaN or Inf costs this update, not the worker (the shard is unchanged).
       if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
           status.error_details() == kNonFiniteDetails) {
-        result.refused[i] = concat("parameter server ", s.address, " refused the push: ",
-                                   status.error_message());
+        result.refused[i] =
+            concat("parameter server ", s.address, " refused the push: ", status.error_message());
         return grpc::Status::OK;
       }
       return status;

@@ -12,8 +12,7 @@ namespace {
 
 void check_connection(const PsOptions& o) {
   DTRAIN_CHECK_INPUT(o.retry_ms >= 0, "--ps-retry-ms must be >= 0, got ", o.retry_ms);
-  DTRAIN_CHECK_INPUT(o.rpc_timeout_ms >= 1, "--ps-timeout-ms must be >= 1, got ",
-                     o.rpc_timeout_ms);
+  DTRAIN_CHECK_INPUT(o.rpc_timeout_ms >= 1, "--ps-timeout-ms must be >= 1, got ", o.rpc_timeout_ms);
 }
 
 }  // namespace
@@ -31,13 +30,15 @@ OptionGroup connection_options() {
     flags.add("--ps-retry-ms", o.retry_ms,
               "--strategy downpour/sandblaster: how long an unreachable shard (restarting?) is "
               "retried, with back-off, before the worker fails");
-    flags.add("--ps-tls", o.tls,
-              "--strategy downpour/sandblaster: connect to the shards with TLS (system roots "
-              "unless --ps-tls-ca)")
+    flags
+        .add("--ps-tls", o.tls,
+             "--strategy downpour/sandblaster: connect to the shards with TLS (system roots "
+             "unless --ps-tls-ca)")
         .show_default = false;
-    flags.add("--ps-tls-ca", o.tls_ca,
-              "--strategy downpour/sandblaster: PEM file of the certificates to trust (implies "
-              "--ps-tls)")
+    flags
+        .add("--ps-tls-ca", o.tls_ca,
+             "--strategy downpour/sandblaster: PEM file of the certificates to trust (implies "
+             "--ps-tls)")
         .show_default = false;
   };
   group.check = [](const StrategyOptions& options) { check_connection(options.of<PsOptions>()); };
@@ -45,8 +46,9 @@ OptionGroup connection_options() {
 }
 
 void check_replica_layout(const std::string& strategy, const Layout& layout) {
-  DTRAIN_CHECK_INPUT(layout.pipeline_parallel <= 1 && layout.tensor_parallel <= 1,
-                     "--strategy ", strategy, " workers are replicas of the whole model: "
+  DTRAIN_CHECK_INPUT(layout.pipeline_parallel <= 1 && layout.tensor_parallel <= 1, "--strategy ",
+                     strategy,
+                     " workers are replicas of the whole model: "
                      "--pipeline-parallel and --tensor-parallel are not supported with it");
 }
 
@@ -57,9 +59,10 @@ void ReplicaStrategy::setup_replica(Model model, const optim::OptimizerFactory& 
   DTRAIN_CHECK_INPUT(!ps_.addresses.empty(), strategy,
                      " needs the parameter-server shards: --ps HOST:PORT,... (servers started "
                      "with dtrain ps serve) or --ps-shards N (started here)");
-  DTRAIN_CHECK_INPUT(options_.precision == "fp32", strategy, " trains in the model's own dtype "
-                     "(the shards hold the parameters in it); --precision ", options_.precision,
-                     " is not supported with it");
+  DTRAIN_CHECK_INPUT(options_.precision == "fp32", strategy,
+                     " trains in the model's own dtype "
+                     "(the shards hold the parameters in it); --precision ",
+                     options_.precision, " is not supported with it");
   DTRAIN_CHECK_INPUT(grid->pp_size() == 1 && grid->tp_size() == 1, strategy,
                      " workers are replicas of the whole model: pipeline and tensor parallelism "
                      "are not supported with it");
@@ -71,8 +74,10 @@ void ReplicaStrategy::setup_replica(Model model, const optim::OptimizerFactory& 
     if (first) dtype_ = type;
     first = false;
     DTRAIN_CHECK_INPUT((type == at::kFloat || type == at::kDouble) && type == dtype_, strategy,
-                       ": parameter ", item.key(), " is ", type, "; the shards hold float32 or "
-                       "float64 parameters, all of one dtype (the first is ", dtype_, ")");
+                       ": parameter ", item.key(), " is ", type,
+                       "; the shards hold float32 or "
+                       "float64 parameters, all of one dtype (the first is ",
+                       dtype_, ")");
     names_.push_back(item.key());
     parameters_.push_back(item.value());
     numel_ += item.value().numel();

@@ -1,18 +1,18 @@
 // What the parameter-server strategies (Downpour, Sandblaster) share: each rank is a worker
 // holding a replica of the whole model, its parameters in flat order (float32, or float64 for
-// exact comparisons: the shards keep the model's dtype), a client of every shard, and checkpoints of the shards' parameters written by one
-// rank alone.
+// exact comparisons: the shards keep the model's dtype), a client of every shard, and checkpoints
+// of the shards' parameters written by one rank alone.
 #pragma once
 
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/Strategy.h"
-#include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/parallel/ps/PsClient.h"
+#include "dtrain/parallel/ps/PsOptions.h"
 
 namespace dtrain::parallel::ps {
 
@@ -34,7 +34,8 @@ class ReplicaStrategy : public Strategy {
 
  protected:
   /// The checks every parameter-server strategy makes (shards given, fp32, no pipeline or
-  /// tensor parallelism, parameters all float32 or all float64), then takes the model and connects to the shards.
+  /// tensor parallelism, parameters all float32 or all float64), then takes the model and connects
+  /// to the shards.
   void setup_replica(Model model, const optim::OptimizerFactory& make_optimizer,
                      std::shared_ptr<comm::ProcessGrid> grid);
   at::Tensor flat_parameters() const;

@@ -10,7 +10,9 @@ namespace dtrain::parallel::ps {
 namespace {
 
 VectorOp zero(const std::string& v) { return {VectorOp::Zero, v, "", 0.0}; }
-VectorOp copy(const std::string& dst, const std::string& src) { return {VectorOp::Copy, dst, src, 0.0}; }
+VectorOp copy(const std::string& dst, const std::string& src) {
+  return {VectorOp::Copy, dst, src, 0.0};
+}
 VectorOp scale(const std::string& v, double alpha) { return {VectorOp::Scale, v, "", alpha}; }
 VectorOp axpy(const std::string& dst, double alpha, const std::string& src) {
   return {VectorOp::Axpy, dst, src, alpha};
@@ -46,7 +48,8 @@ LbfgsResult LbfgsCoordinator::run(const LossEvaluation& evaluate,
     ops({open});
     double f = evaluate(open.round);
     if (options_.weight_decay > 0) {
-      f += 0.5 * options_.weight_decay * ops({axpy("g", options_.weight_decay, "x"), dot("x", "x")})[0];
+      f += 0.5 * options_.weight_decay *
+           ops({axpy("g", options_.weight_decay, "x"), dot("x", "x")})[0];
     }
     DTRAIN_CHECK(std::isfinite(f), "Sandblaster: the loss is not finite (", f, ")");
     return f;
@@ -117,8 +120,9 @@ LbfgsResult LbfgsCoordinator::run(const LossEvaluation& evaluate,
     // The new pair s = x - xp, y = g - gp, kept when its curvature y.s is positive.
     const std::string slot = free_slots.back();
     const std::string s = "s" + slot, y = "y" + slot;
-    const std::vector<double> dots = ops({copy(s, "x"), axpy(s, -1.0, "xp"), copy(y, "g"),
-                                          axpy(y, -1.0, "gp"), dot(y, s), dot(y, y), dot("g", "g")});
+    const std::vector<double> dots =
+        ops({copy(s, "x"), axpy(s, -1.0, "xp"), copy(y, "g"), axpy(y, -1.0, "gp"), dot(y, s),
+             dot(y, y), dot("g", "g")});
     const double ys = dots[0], yy = dots[1];
     gg = dots[2];
     if (ys > 1e-10 * std::max(1.0, yy)) {

@@ -108,16 +108,16 @@ void SandblasterStrategy::setup(Model model, const optim::OptimizerFactory& make
 }
 
 std::string SandblasterStrategy::layout() const {
-  return concat("sandblaster: L-BFGS (history ", sb_.history, ") over ",
-                ps_.addresses.size(), " parameter-server shard",
-                ps_.addresses.size() == 1 ? "" : "s", ", ", workers_, " worker",
-                workers_ == 1 ? "" : "s", ", ", units_, " work units per evaluation, backup tasks ",
-                sb_.backup_tasks ? "on" : "off", "; coordinator at ",
-                coordinator_address_);
+  return concat("sandblaster: L-BFGS (history ", sb_.history, ") over ", ps_.addresses.size(),
+                " parameter-server shard", ps_.addresses.size() == 1 ? "" : "s", ", ", workers_,
+                " worker", workers_ == 1 ? "" : "s", ", ", units_,
+                " work units per evaluation, backup tasks ", sb_.backup_tasks ? "on" : "off",
+                "; coordinator at ", coordinator_address_);
 }
 
 StepResult SandblasterStrategy::train_step(const std::vector<data::Batch>&, const LossFn&) {
-  DTRAIN_THROW(Error, "--strategy sandblaster runs its own loop (work units handed out by its "
+  DTRAIN_THROW(Error,
+               "--strategy sandblaster runs its own loop (work units handed out by its "
                "coordinator), not the Trainer's steps");
 }
 
@@ -175,8 +175,8 @@ void SandblasterStrategy::work(const LoopContext& context) {
                        std::chrono::milliseconds(kWaitMs));
       const grpc::Status status = f(rpc);
       if (status.ok()) return;
-      const bool retry = status.error_code() == grpc::StatusCode::UNAVAILABLE &&
-                         Clock::now() + pause < give_up;
+      const bool retry =
+          status.error_code() == grpc::StatusCode::UNAVAILABLE && Clock::now() + pause < give_up;
       if (!retry) {
         DTRAIN_THROW(CommError, "Sandblaster worker ", rank_, ": ", name, " to the coordinator at ",
                      coordinator_address_, " failed: ", status.error_message(), " (",
@@ -206,7 +206,8 @@ void SandblasterStrategy::work(const LoopContext& context) {
                  reply.units(), " over examples [", reply.begin(), ", ", reply.end(), ") of ",
                  context.train->size());
     const auto start = Clock::now();
-    const double loss = compute_unit(context, reply.round(), reply.unit(), reply.begin(), reply.end());
+    const double loss =
+        compute_unit(context, reply.round(), reply.unit(), reply.begin(), reply.end());
     if (context.slowdown > 1.0) {
       straggle((context.slowdown - 1.0) * seconds_since(start), context.slowdown_spin);
     }
@@ -273,8 +274,8 @@ void SandblasterStrategy::coordinate(const LoopContext& context) {
 }
 
 int64_t SandblasterStrategy::run_loop(const LoopContext& context) {
-  DTRAIN_CHECK(context.train != nullptr && context.train->size() >= units_, "Sandblaster: ",
-               units_, " work units need at least as many training examples (the set has ",
+  DTRAIN_CHECK(context.train != nullptr && context.train->size() >= units_, "Sandblaster: ", units_,
+               " work units need at least as many training examples (the set has ",
                context.train ? context.train->size() : 0, ")");
   // The first worker's parameters (its initialization or a loaded checkpoint) become the
   // shards' unless they hold some already.
@@ -316,8 +317,10 @@ int64_t SandblasterStrategy::run_loop(const LoopContext& context) {
   if (!silent.empty()) {
     std::string who;
     for (int w : silent) who += concat(who.empty() ? "" : ", ", w);
-    std::fprintf(stderr, "sandblaster: worker%s %s did not come back for work before the end "
-                 "(died or still computing a unit)\n", silent.size() == 1 ? "" : "s", who.c_str());
+    std::fprintf(stderr,
+                 "sandblaster: worker%s %s did not come back for work before the end "
+                 "(died or still computing a unit)\n",
+                 silent.size() == 1 ? "" : "s", who.c_str());
   }
   server_->shutdown();
   std::printf("sandblaster: L-BFGS stopped after %lld iterations (%lld evaluations): %s\n",
@@ -364,7 +367,7 @@ MemoryReport SandblasterStrategy::memory_report() const {
   const auto item = static_cast<int64_t>(c10::elementSize(dtype_));
   report.parameter_bytes = numel_ * item * 2;  // the model and the pulled copy
   report.gradient_bytes = numel_ * item * 2;   // .grad and the flat push
-  report.optimizer_bytes = 0;               // the L-BFGS history lives on the shards
+  report.optimizer_bytes = 0;                  // the L-BFGS history lives on the shards
   return report;
 }
 

@@ -10,8 +10,8 @@
 #include <mutex>
 
 #include "dtrain/parallel/Loops.h"
-#include "parallel/ps/ReplicaStrategy.h"
 #include "dtrain/parallel/ps/WorkQueue.h"
+#include "parallel/ps/ReplicaStrategy.h"
 
 namespace dtrain::parallel::ps {
 
@@ -37,7 +37,8 @@ class SandblasterStrategy : public ReplicaStrategy, public DrivenLoop {
   void work(const LoopContext& context);
   /// Computes one unit's loss and gradient and adds the gradient into the shards' "g".
   /// Computes unit `unit` of evaluation `round`: examples [begin, end).
-  double compute_unit(const LoopContext& context, int64_t round, int64_t unit, int64_t begin, int64_t end);
+  double compute_unit(const LoopContext& context, int64_t round, int64_t unit, int64_t begin,
+                      int64_t end);
   /// The coordinator (rank 0, its own thread): L-BFGS over the shards.
   void coordinate(const LoopContext& context);
   void pull_into_model();

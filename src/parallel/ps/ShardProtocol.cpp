@@ -20,8 +20,10 @@ std::string check_finite(const at::Tensor& values, int64_t first_index) {
   if (bad.numel() == 0) return "";
   const int64_t i = bad[0][0].item<int64_t>();
   const double value = values[i].item<double>();
-  return concat(kNonFiniteGradient, ": element ", first_index + i,
-                " of the model's parameters is ", std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf");
+  return concat(kNonFiniteGradient, ": element ", first_index + i, " of the model's parameters is ",
+                std::isnan(value) ? "nan"
+                : value > 0       ? "inf"
+                                  : "-inf");
 }
 
 }  // namespace dtrain::parallel::ps

@@ -50,7 +50,8 @@ void WorkQueue::open(int64_t round, int64_t units) {
   round_ = round;
   units_.assign(static_cast<size_t>(units), UnitState{});
   bounds_.clear();
-  if (examples_ > 0) bounds_ = unit_bounds(examples_, units, options_.workers, options_.tapered_units);
+  if (examples_ > 0)
+    bounds_ = unit_bounds(examples_, units, options_.workers, options_.tapered_units);
   next_pending_ = 0;
   done_ = 0;
   loss_ = 0.0;
@@ -104,9 +105,9 @@ Assignment WorkQueue::next(int worker, std::chrono::milliseconds wait) {
       };
       // A unit whose every copy has run far longer than units take: its workers died.
       if (!seconds_.empty()) {
-        const double lost_after = std::max(
-            options_.lost_factor * median_seconds(),
-            std::chrono::duration<double>(options_.min_lost).count());
+        const double lost_after =
+            std::max(options_.lost_factor * median_seconds(),
+                     std::chrono::duration<double>(options_.min_lost).count());
         for (int64_t i = 0; i < units; ++i) {
           UnitState& u = units_[static_cast<size_t>(i)];
           if (u.done || holds(u)) continue;
@@ -152,7 +153,8 @@ int64_t WorkQueue::backup_candidate(int worker, Clock::time_point now) const {
   double best_score = -1.0;
   for (int64_t i = 0; i < static_cast<int64_t>(units_.size()); ++i) {
     const UnitState& u = units_[static_cast<size_t>(i)];
-    if (u.done || u.running.empty() || static_cast<int>(u.running.size()) >= options_.max_copies) continue;
+    if (u.done || u.running.empty() || static_cast<int>(u.running.size()) >= options_.max_copies)
+      continue;
     bool held = false, unknown = false;
     double remaining = std::numeric_limits<double>::infinity(), elapsed = 0.0;
     for (const Copy& c : u.running) {
@@ -284,20 +286,25 @@ class WorkCoordinatorService final : public dtrain::sandblaster::WorkCoordinator
   WorkCoordinatorService(WorkQueue& queue, std::string token)
       : queue_(queue), token_(std::move(token)) {}
 
-  grpc::Status GetWork(grpc::ServerContext* context, const dtrain::sandblaster::WorkRequest* request,
+  grpc::Status GetWork(grpc::ServerContext* context,
+                       const dtrain::sandblaster::WorkRequest* request,
                        dtrain::sandblaster::WorkReply* reply) override {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
-    if (request->worker() < 0) return invalid(concat("GetWork: field 'worker' is ", request->worker()));
+    if (request->worker() < 0)
+      return invalid(concat("GetWork: field 'worker' is ", request->worker()));
     if (request->examples() <= 0) {
-      return invalid(concat("GetWork: field 'examples' is ", request->examples(), " (must be > 0)"));
+      return invalid(
+          concat("GetWork: field 'examples' is ", request->examples(), " (must be > 0)"));
     }
     if (request->wait_ms() < 0 || request->wait_ms() > 5000) {
       return invalid(concat("GetWork: field 'wait_ms' is ", request->wait_ms(), " (0 to 5000)"));
     }
-    if (std::string why = queue_.check_examples(request->worker(), request->examples()); !why.empty()) {
+    if (std::string why = queue_.check_examples(request->worker(), request->examples());
+        !why.empty()) {
       return {grpc::StatusCode::FAILED_PRECONDITION, "GetWork: " + why};
     }
-    const Assignment a = queue_.next(request->worker(), std::chrono::milliseconds(request->wait_ms()));
+    const Assignment a =
+        queue_.next(request->worker(), std::chrono::milliseconds(request->wait_ms()));
     reply->set_kind(a.kind == Assignment::Unit   ? dtrain::sandblaster::WorkReply::UNIT
                     : a.kind == Assignment::Done ? dtrain::sandblaster::WorkReply::DONE
                                                  : dtrain::sandblaster::WorkReply::WAIT);
@@ -314,7 +321,8 @@ class WorkCoordinatorService final : public dtrain::sandblaster::WorkCoordinator
   grpc::Status Finish(grpc::ServerContext* context, const dtrain::sandblaster::UnitResult* request,
                       dtrain::sandblaster::FinishReply* reply) override {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
-    if (request->worker() < 0) return invalid(concat("Finish: field 'worker' is ", request->worker()));
+    if (request->worker() < 0)
+      return invalid(concat("Finish: field 'worker' is ", request->worker()));
     if (request->round() < 1) return invalid(concat("Finish: field 'round' is ", request->round()));
     if (request->unit() < 0 || request->unit() >= kMaxUnitsPerRound) {
       return invalid(concat("Finish: field 'unit' is ", request->unit()));
@@ -337,7 +345,8 @@ class WorkCoordinatorService final : public dtrain::sandblaster::WorkCoordinator
   std::string token_;
 };
 
-WorkCoordinatorServer::WorkCoordinatorServer(WorkQueue& queue, const WorkCoordinatorOptions& options)
+WorkCoordinatorServer::WorkCoordinatorServer(WorkQueue& queue,
+                                             const WorkCoordinatorOptions& options)
     : service_(std::make_unique<WorkCoordinatorService>(queue, options.auth_token)) {
   server_ = rpc::start_server("the Sandblaster coordinator", options.listen, options.tls_cert,
                               options.tls_key, service_.get(), false, &port_);
@@ -346,7 +355,8 @@ WorkCoordinatorServer::WorkCoordinatorServer(WorkQueue& queue, const WorkCoordin
 WorkCoordinatorServer::~WorkCoordinatorServer() { shutdown(); }
 
 void WorkCoordinatorServer::shutdown() {
-  if (server_ && !stopped_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (server_ && !stopped_)
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   stopped_ = true;
 }
 

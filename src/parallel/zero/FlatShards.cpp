@@ -38,7 +38,8 @@ FlatShards::FlatShards(std::vector<at::Tensor>& parameters, int ranks, int rank,
     const int64_t lo = std::max(begin, offsets_[k]);
     const int64_t hi = std::min(end, offsets_[k] + parameters[k].numel());
     if (lo >= hi) continue;
-    pieces_.push_back({k, lo - offsets_[k], alias_storage(flat_, lo, {hi - lo}).requires_grad_(true)});
+    pieces_.push_back(
+        {k, lo - offsets_[k], alias_storage(flat_, lo, {hi - lo}).requires_grad_(true)});
   }
 }
 
@@ -64,7 +65,8 @@ void FlatShards::alias_parameter_gradients(const std::vector<at::Tensor>& parame
 void FlatShards::alias_shard_gradient(const at::Tensor& shard_grad) {
   for (auto& piece : pieces_) {
     const int64_t lo = offsets_[piece.parameter] + piece.offset;
-    piece.tensor.mutable_grad() = alias_storage(shard_grad, lo - shard_begin(), {piece.tensor.numel()});
+    piece.tensor.mutable_grad() =
+        alias_storage(shard_grad, lo - shard_begin(), {piece.tensor.numel()});
   }
 }
 

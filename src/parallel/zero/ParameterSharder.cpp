@@ -12,11 +12,7 @@
 
 namespace dtrain::parallel {
 
-namespace {
-
-
-
-}  // namespace
+namespace {}  // namespace
 
 at::DataPtr BufferPool::take(size_t nbytes) {
   // The smallest cached buffer that fits without wasting more than half of it.
@@ -99,8 +95,8 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
       const size_t k = unit.spec.parameters[slot];
       DTRAIN_CHECK(k < parameters_.size(), "unit ", unit.spec.name, ": bad parameter index");
       DTRAIN_CHECK_INPUT(locator_[k].first == SIZE_MAX, "zero3: parameter ", names_[k],
-                         " belongs to two units (", units_.at(locator_[k].first).spec.name,
-                         " and ", unit.spec.name, "); shared parameters are not supported");
+                         " belongs to two units (", units_.at(locator_[k].first).spec.name, " and ",
+                         unit.spec.name, "); shared parameters are not supported");
       locator_[k] = {units_.size(), slot};
       unit.offsets.push_back(unit.numel);
       unit.numel += parameters_[k].numel();
@@ -124,9 +120,11 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
     for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
       at::Tensor& p = parameters_[unit.spec.parameters[slot]];
       unit.full.narrow(0, unit.offsets[slot], p.numel()).copy_(p.reshape({-1}));
-      p.set_(unit.full.storage(), unit.offsets[slot], p.sizes(), c10::contiguous_strides(p.sizes()));
+      p.set_(unit.full.storage(), unit.offsets[slot], p.sizes(),
+             c10::contiguous_strides(p.sizes()));
     }
-    shard_params_.narrow(0, unit.base, unit.shard).copy_(unit.full.narrow(0, rank * unit.shard, unit.shard));
+    shard_params_.narrow(0, unit.base, unit.shard)
+        .copy_(unit.full.narrow(0, rank * unit.shard, unit.shard));
     c10::Storage storage = unit.full.storage();  // from now on its memory comes from pool_
     storage.set_data_ptr_noswap(at::DataPtr(nullptr, storage.device()));
     storage.set_nbytes(0);
@@ -138,8 +136,9 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
       const int64_t lo = std::max(begin, unit.offsets[slot]);
       const int64_t hi = std::min(end, unit.offsets[slot] + parameters_[k].numel());
       if (lo >= hi) continue;
-      Piece piece{k, lo - unit.offsets[slot],
-                  alias_storage(shard_params_, unit.base + lo - begin, {hi - lo}).requires_grad_(true)};
+      Piece piece{
+          k, lo - unit.offsets[slot],
+          alias_storage(shard_params_, unit.base + lo - begin, {hi - lo}).requires_grad_(true)};
       piece.tensor.mutable_grad() = alias_storage(shard_grad_, unit.base + lo - begin, {hi - lo});
       pieces_.push_back(std::move(piece));
     }
@@ -166,8 +165,7 @@ void ParameterSharder::gather(Unit& unit) {
   if (unit.gathered) return;
   pool_.attach(unit.full, unit.full.numel());
   unit.gathered = true;  // once gather_work completes
-  unit.gather_work =
-      comm_->allgather(unit.full, shard_params_.narrow(0, unit.base, unit.shard));
+  unit.gather_work = comm_->allgather(unit.full, shard_params_.narrow(0, unit.base, unit.shard));
 }
 
 void ParameterSharder::wait_gathered(Unit& unit) {
@@ -284,8 +282,8 @@ void ParameterSharder::complete_reduction(Unit& unit) {
   pool_.detach(unit.grad_flat);
   unit.received.reset();
   unit.grad_flat.reset();
-  in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(),
-                             static_cast<size_t>(&unit - units_.data())));
+  in_flight_.erase(
+      std::find(in_flight_.begin(), in_flight_.end(), static_cast<size_t>(&unit - units_.data())));
 }
 
 void ParameterSharder::on_backward_end() {
@@ -302,8 +300,8 @@ void ParameterSharder::on_backward_end() {
     Unit& unit = units_[u];
     if (unit.reduced) continue;
     if (!unit.grad_flat.defined()) {
-    unit.grad_flat = pool_.empty(unit.full.numel(), shard_grad_.options()).zero_();
-  }
+      unit.grad_flat = pool_.empty(unit.full.numel(), shard_grad_.options()).zero_();
+    }
     launch_reduction(unit);
   }
   for (auto& unit : units_) release(unit);
@@ -322,8 +320,9 @@ void ParameterSharder::finalize() {
   if (error_on_unused_ && !stats_.unused_parameters.empty()) {
     std::string names;
     for (const auto& name : stats_.unused_parameters) names += (names.empty() ? "" : ", ") + name;
-    DTRAIN_THROW(Error, "rank ", comm_->rank(), ": parameters received no gradient this step: ",
-                 names, " (turn off error_on_unused_parameters to treat them as zero)");
+    DTRAIN_THROW(Error, "rank ", comm_->rank(),
+                 ": parameters received no gradient this step: ", names,
+                 " (turn off error_on_unused_parameters to treat them as zero)");
   }
 }
 

@@ -55,9 +55,10 @@ Zero3Strategy::Zero3Strategy(StrategyOptions options)
   check_options(zero3_);
   DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16,
                      "zero3 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
-  DTRAIN_CHECK_INPUT(options_.grad_compression == "none", "zero3 reduce-scatters gradients in "
-                     "their own dtype; --grad-compression ", options_.grad_compression,
-                     " is for ddp, zero1 and zero2");
+  DTRAIN_CHECK_INPUT(options_.grad_compression == "none",
+                     "zero3 reduce-scatters gradients in "
+                     "their own dtype; --grad-compression ",
+                     options_.grad_compression, " is for ddp, zero1 and zero2");
 }
 
 std::vector<ShardUnit> Zero3Strategy::make_units() const {
@@ -113,9 +114,9 @@ std::vector<ShardUnit> Zero3Strategy::make_units() const {
 }
 
 void Zero3Strategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
-  sharder_ = std::make_unique<ParameterSharder>(parameters_, names_, make_units(), comm_,
-                                                zero3_.prefetch,
-                                                options_.error_on_unused_parameters);
+  sharder_ =
+      std::make_unique<ParameterSharder>(parameters_, names_, make_units(), comm_, zero3_.prefetch,
+                                         options_.error_on_unused_parameters);
   model_.forward = [sharder = sharder_.get()](const at::Tensor& x) { return sharder->run(x); };
   std::vector<at::Tensor> shard;
   for (const auto& piece : sharder_->pieces()) shard.push_back(piece.tensor);

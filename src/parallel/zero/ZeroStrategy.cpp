@@ -8,7 +8,6 @@
 
 namespace dtrain::parallel {
 
-
 StrategyInfo zero1_strategy() {
   StrategyInfo info;
   info.name = "zero1";

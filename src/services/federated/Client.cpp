@@ -1,13 +1,13 @@
 #include "dtrain/services/federated/Client.h"
 
 #include <ATen/Parallel.h>
-#include <torch/serialize.h>
 #include <grpcpp/grpcpp.h>
+#include <torch/serialize.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <chrono>
 #include <cstring>
 #include <ctime>
 #include <sstream>
@@ -21,8 +21,8 @@
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
-#include "dtrain/services/federated/SecureAggregation.h"
 #include "dtrain/services/federated/RoundServer.h"
+#include "dtrain/services/federated/SecureAggregation.h"
 #include "services/federated/FlWire.h"
 #include "services/federated/SecureRound.h"
 
@@ -42,9 +42,9 @@ int parse_time(const std::string& text, const std::string& whole) {
   int hours = -1, minutes = -1;
   char extra = 0;
   const int got = std::sscanf(text.c_str(), "%d:%d%c", &hours, &minutes, &extra);
-  DTRAIN_CHECK_INPUT(got == 2 && text.size() == 5 && hours >= 0 && hours < 24 && minutes >= 0 &&
-                         minutes < 60,
-                     "--available '", whole, "': '", text, "' is not a time HH:MM (00:00 to 23:59)");
+  DTRAIN_CHECK_INPUT(
+      got == 2 && text.size() == 5 && hours >= 0 && hours < 24 && minutes >= 0 && minutes < 60,
+      "--available '", whole, "': '", text, "' is not a time HH:MM (00:00 to 23:59)");
   return hours * 60 + minutes;
 }
 
@@ -106,7 +106,7 @@ struct Client::State {
   std::unique_ptr<dtrain::fl::Federated::Stub> stub;
   Model model;
   bool built = false;
-  at::Tensor residual;  // top-k's error feedback
+  at::Tensor residual;      // top-k's error feedback
   LocalTraining last_plan;  // the plan of the last round trained (personalization reuses it)
 
   void say(const std::string& line) const {
@@ -141,10 +141,9 @@ struct Client::State {
         return {grpc::StatusCode::DEADLINE_EXCEEDED,
                 concat(name, ": the round's deadline passed (", status.error_message(), ")")};
       }
-      DTRAIN_CHECK_T(CommError, Steady::now() < give_up,
-                     "federated client '", options.client_id, "': ", name, " to the server ",
-                     options.server, " failed for ", options.retry_window.count(),
-                     " ms (unreachable?): ", status.error_message());
+      DTRAIN_CHECK_T(CommError, Steady::now() < give_up, "federated client '", options.client_id,
+                     "': ", name, " to the server ", options.server, " failed for ",
+                     options.retry_window.count(), " ms (unreachable?): ", status.error_message());
       if (!retrying) {
         say(concat(name, " to the server ", options.server, " failed (", status.error_message(),
                    "); retrying for up to ", options.retry_window.count() / 1000, " s"));
@@ -219,10 +218,9 @@ class Client::Steps {
     request.set_wait_ms(o_.wait.count());
     request.set_final_model(o_.personalize_epochs > 0 && s_.built);
     dtrain::fl::CheckInReply reply;
-    const grpc::Status status =
-        s_.with_retry("CheckIn", o_.wait + o_.rpc_timeout, [&](grpc::ClientContext& c) {
-          return s_.stub->CheckIn(&c, request, &reply);
-        });
+    const grpc::Status status = s_.with_retry(
+        "CheckIn", o_.wait + o_.rpc_timeout,
+        [&](grpc::ClientContext& c) { return s_.stub->CheckIn(&c, request, &reply); });
     if (!status.ok()) refused("CheckIn", status);
     return reply;
   }
@@ -238,8 +236,8 @@ class Client::Steps {
       s_.built = true;
     }
     r.global = flatten_parameters(s_.model);
-    DTRAIN_CHECK_INPUT(r.global.numel() == r.reply.parameters(), "federated client '",
-                       o_.client_id, "': the server's model has ", r.reply.parameters(),
+    DTRAIN_CHECK_INPUT(r.global.numel() == r.reply.parameters(), "federated client '", o_.client_id,
+                       "': the server's model has ", r.reply.parameters(),
                        " parameters, this client's ", r.global.numel());
     r.secure = r.reply.has_secagg() && r.reply.secagg().id() != 0;
     r.deadline = Steady::now() + std::chrono::milliseconds(r.reply.deadline_ms());
@@ -442,8 +440,8 @@ class Client::Steps {
   [[noreturn]] void refused(const char* call, const grpc::Status& status) const {
     const bool input = status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
                        status.error_code() == grpc::StatusCode::INVALID_ARGUMENT;
-    const std::string text = concat("federated client '", o_.client_id, "': the server ",
-                                    o_.server, " refused ", call, ": ", status.error_message());
+    const std::string text = concat("federated client '", o_.client_id, "': the server ", o_.server,
+                                    " refused ", call, ": ", status.error_message());
     if (input) DTRAIN_THROW(InputError, text);
     DTRAIN_THROW(CommError, text);
   }
@@ -496,8 +494,7 @@ class Client::Steps {
     wire::Parts model_parts;
     if (problem.empty()) problem = parts.finish(&model_parts);
     DTRAIN_CHECK_T(CommError, problem.empty() && model_parts.size() == 1, "federated client '",
-                   o_.client_id, "': the server ", o_.server, " sent a malformed model: ",
-                   problem);
+                   o_.client_id, "': the server ", o_.server, " sent a malformed model: ", problem);
     report_.downlink_bytes += down_bytes;
     *global = model_parts[0].second.to(global->scalar_type());
     return status;
@@ -519,8 +516,8 @@ class Client::Steps {
           [&](grpc::ClientContext& c) { return s_.stub->SecAgg(&c, request, answer); }, until);
       if (!status.ok() || answer->ready()) break;
       if (Steady::now() > until) {
-        status = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                              "SecAgg: the step's deadline passed");
+        status =
+            grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "SecAgg: the step's deadline passed");
         break;
       }
       if (first) {  // the payload is in: ask again without it

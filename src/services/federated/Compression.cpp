@@ -26,9 +26,9 @@ CompressionSpec parse_compression(const std::string& text) {
     const std::string number = text.substr(5);
     char* end = nullptr;
     const double fraction = std::strtod(number.c_str(), &end);
-    DTRAIN_CHECK_INPUT(!number.empty() && end != nullptr && *end == '\0' && fraction > 0 &&
-                           fraction <= 1,
-                       "--compression '", text, "': topk takes a fraction in (0, 1], e.g. topk:0.01");
+    DTRAIN_CHECK_INPUT(
+        !number.empty() && end != nullptr && *end == '\0' && fraction > 0 && fraction <= 1,
+        "--compression '", text, "': topk takes a fraction in (0, 1], e.g. topk:0.01");
     spec.kind = CompressionSpec::TopK;
     spec.fraction = fraction;
     return spec;
@@ -38,10 +38,12 @@ CompressionSpec parse_compression(const std::string& text) {
 
 std::string to_string(const CompressionSpec& spec) {
   switch (spec.kind) {
-    case CompressionSpec::Quant8: return "q8";
+    case CompressionSpec::Quant8:
+      return "q8";
     case CompressionSpec::TopK:
       return concat("topk:", spec.fraction, spec.error_feedback ? "" : " (no error feedback)");
-    case CompressionSpec::None: break;
+    case CompressionSpec::None:
+      break;
   }
   return "none";
 }
@@ -54,9 +56,9 @@ int64_t EncodedUpdate::payload_bytes() const {
 
 EncodedUpdate encode_update(const at::Tensor& delta, const CompressionSpec& spec,
                             at::Tensor* residual, uint64_t seed) {
-  DTRAIN_CHECK(delta.dim() == 1 && (delta.scalar_type() == at::kFloat ||
-                                    delta.scalar_type() == at::kDouble),
-               "an update must be a flat float32 or float64 tensor");
+  DTRAIN_CHECK(
+      delta.dim() == 1 && (delta.scalar_type() == at::kFloat || delta.scalar_type() == at::kDouble),
+      "an update must be a flat float32 or float64 tensor");
   EncodedUpdate out;
   const int64_t n = delta.numel();
   switch (spec.kind) {
@@ -74,8 +76,9 @@ EncodedUpdate encode_update(const at::Tensor& delta, const CompressionSpec& spec
               .view({blocks, kQuantBlock});
       // Padding must not widen a block's range: the last block's padding copies its first value.
       if (blocks * kQuantBlock > n) {
-        padded[blocks - 1].slice(0, n - (blocks - 1) * kQuantBlock).fill_(
-            delta[(blocks - 1) * kQuantBlock].item<double>());
+        padded[blocks - 1]
+            .slice(0, n - (blocks - 1) * kQuantBlock)
+            .fill_(delta[(blocks - 1) * kQuantBlock].item<double>());
       }
       const at::Tensor lo = std::get<0>(padded.min(1)).to(at::kFloat);
       const at::Tensor hi = std::get<0>(padded.max(1));
@@ -87,8 +90,9 @@ EncodedUpdate encode_update(const at::Tensor& delta, const CompressionSpec& spec
       const at::Tensor safe = step.to(at::kDouble).clamp_min(1e-300).unsqueeze(1);
       const at::Tensor scaled = (padded - lo.to(at::kDouble).unsqueeze(1)) / safe;
       const at::Tensor noise = at::rand({blocks, kQuantBlock}, generator, at::kDouble);
-      const at::Tensor q = at::floor(scaled + noise).clamp(0, 255).where(
-          step.unsqueeze(1) > 0, at::zeros({1}, at::kDouble));
+      const at::Tensor q = at::floor(scaled + noise)
+                               .clamp(0, 255)
+                               .where(step.unsqueeze(1) > 0, at::zeros({1}, at::kDouble));
       out.parts.emplace_back("q", q.reshape({-1}).slice(0, 0, n).to(at::kByte).contiguous());
       out.parts.emplace_back("lo", lo.contiguous());
       out.parts.emplace_back("step", step.contiguous());
@@ -103,7 +107,8 @@ EncodedUpdate encode_update(const at::Tensor& delta, const CompressionSpec& spec
         acc = delta + residual->to(delta.scalar_type());
       }
       const auto k = std::min<int64_t>(
-          n, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(spec.fraction * static_cast<double>(n)))));
+          n, std::max<int64_t>(
+                 1, static_cast<int64_t>(std::ceil(spec.fraction * static_cast<double>(n)))));
       const at::Tensor chosen = std::get<1>(acc.abs().topk(k, 0, true, false));
       const at::Tensor indices = std::get<0>(chosen.sort());
       const at::Tensor values = acc.index_select(0, indices);
@@ -132,15 +137,17 @@ const at::Tensor* part(const EncodedUpdate& encoded, const std::string& name) {
 
 // "" when `encoded` has exactly `names`, each 1-D of the given dtype (kUndefined: float32 or
 // float64) and, when `numel` >= 0, that size.
-std::string check_parts(const EncodedUpdate& encoded,
-                        const std::vector<std::tuple<std::string, at::ScalarType, int64_t>>& names) {
+std::string check_parts(
+    const EncodedUpdate& encoded,
+    const std::vector<std::tuple<std::string, at::ScalarType, int64_t>>& names) {
   if (encoded.parts.size() != names.size()) {
     return concat("a ", encoded.encoding, " update has ", encoded.parts.size(), " parts, not ",
                   names.size());
   }
   for (const auto& [name, dtype, numel] : names) {
     const at::Tensor* t = part(encoded, name);
-    if (t == nullptr) return concat("a ", encoded.encoding, " update without its '", name, "' part");
+    if (t == nullptr)
+      return concat("a ", encoded.encoding, " update without its '", name, "' part");
     const bool dtype_ok = dtype == at::ScalarType::Undefined
                               ? t->scalar_type() == at::kFloat || t->scalar_type() == at::kDouble
                               : t->scalar_type() == dtype;
@@ -178,8 +185,9 @@ std::string decode_update(const EncodedUpdate& encoded, int64_t numel, at::Scala
   }
   if (encoded.encoding == "q8") {
     const int64_t blocks = (numel + kQuantBlock - 1) / kQuantBlock;
-    why = check_parts(encoded, {{"q", at::kByte, numel}, {"lo", at::kFloat, blocks},
-                                {"step", at::kFloat, blocks}});
+    why = check_parts(
+        encoded,
+        {{"q", at::kByte, numel}, {"lo", at::kFloat, blocks}, {"step", at::kFloat, blocks}});
     const at::Tensor* lo = part(encoded, "lo");
     const at::Tensor* step = part(encoded, "step");
     if (why.empty()) why = check_finite(*lo, "lo");
@@ -201,8 +209,9 @@ std::string decode_update(const EncodedUpdate& encoded, int64_t numel, at::Scala
     if (indices == nullptr || values == nullptr) {
       return "a topk update needs its 'indices' and 'values' parts";
     }
-    why = check_parts(encoded, {{"indices", indices->scalar_type() == at::kLong ? at::kLong : at::kInt, -1},
-                                {"values", at::ScalarType::Undefined, indices->numel()}});
+    why = check_parts(encoded,
+                      {{"indices", indices->scalar_type() == at::kLong ? at::kLong : at::kInt, -1},
+                       {"values", at::ScalarType::Undefined, indices->numel()}});
     if (why.empty() && (indices->numel() < 1 || indices->numel() > numel)) {
       why = concat("part 'indices' holds ", indices->numel(), " elements (1 to ", numel, ")");
     }

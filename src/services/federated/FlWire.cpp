@@ -28,9 +28,9 @@ void for_each_chunk(const Parts& parts, int64_t chunk_bytes,
 }
 
 std::vector<dtrain::fl::UpdateChunk> update_messages(const EncodedUpdate& update,
-                                                      const std::string& client, int64_t round,
-                                                      int64_t examples, double train_loss,
-                                                      int64_t chunk_bytes) {
+                                                     const std::string& client, int64_t round,
+                                                     int64_t examples, double train_loss,
+                                                     int64_t chunk_bytes) {
   std::vector<dtrain::fl::UpdateChunk> messages;
   for_each_chunk(update.parts, chunk_bytes, [&](rpc::TensorChunk&& chunk) {
     dtrain::fl::UpdateChunk message;
@@ -52,7 +52,8 @@ PartsReader::PartsReader(std::map<std::string, int64_t> limits) : limits_(std::m
 std::string PartsReader::add(const rpc::TensorChunk& chunk, const std::string& where) {
   const auto limit = limits_.find(chunk.name());
   if (limit == limits_.end()) {
-    return concat(where, ": field 'name' is '", chunk.name().substr(0, 64), "', not a part this "
+    return concat(where, ": field 'name' is '", chunk.name().substr(0, 64),
+                  "', not a part this "
                   "message may carry");
   }
   const rpc::DType d = chunk.dtype();
@@ -64,11 +65,12 @@ std::string PartsReader::add(const rpc::TensorChunk& chunk, const std::string& w
   auto found = parts_.find(chunk.name());
   if (found == parts_.end()) {
     if (chunk.shape_size() != 1 || chunk.shape(0) < 0 || chunk.shape(0) > limit->second) {
-      return concat(where, ": field 'shape' of part '", chunk.name(), "' must be one length in [0, ",
-                    limit->second, "]");
+      return concat(where, ": field 'shape' of part '", chunk.name(),
+                    "' must be one length in [0, ", limit->second, "]");
     }
     if (chunk.offset() != 0) {
-      return concat(where, ": field 'offset' is ", chunk.offset(), ", a part's first chunk starts at 0");
+      return concat(where, ": field 'offset' is ", chunk.offset(),
+                    ", a part's first chunk starts at 0");
     }
     Part part;
     part.tensor = at::empty({chunk.shape(0)}, at::TensorOptions(rpc::from_wire(d)));
@@ -107,8 +109,13 @@ std::string PartsReader::finish(Parts* parts) const {
 
 UpdateReader::UpdateReader(int64_t numel)
     // Every part an encoding may carry, none longer than the model.
-    : parts_({{"delta", numel}, {"q", numel}, {"lo", numel}, {"step", numel},
-              {"indices", numel}, {"values", numel}, {"masked", numel + 2}}) {}
+    : parts_({{"delta", numel},
+              {"q", numel},
+              {"lo", numel},
+              {"step", numel},
+              {"indices", numel},
+              {"values", numel},
+              {"masked", numel + 2}}) {}
 
 std::string UpdateReader::add(const dtrain::fl::UpdateChunk& message) {
   if (messages_ == 0) {

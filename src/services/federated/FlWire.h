@@ -30,9 +30,9 @@ void for_each_chunk(const Parts& parts, int64_t chunk_bytes,
 
 /// The messages of an upload: the header in the first, one chunk each.
 std::vector<dtrain::fl::UpdateChunk> update_messages(const EncodedUpdate& update,
-                                                      const std::string& client, int64_t round,
-                                                      int64_t examples, double train_loss,
-                                                      int64_t chunk_bytes);
+                                                     const std::string& client, int64_t round,
+                                                     int64_t examples, double train_loss,
+                                                     int64_t chunk_bytes);
 
 /// Reassembles parts from chunks: only the names in `limits` (each at most that many
 /// elements), dtypes float32/float64/uint8/int32/int64, each part's chunks in order.

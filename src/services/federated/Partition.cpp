@@ -37,7 +37,8 @@ PartitionSpec parse_partition(const std::string& text) {
     spec.kind = PartitionSpec::Dirichlet;
     spec.alpha = x;
   } else {
-    DTRAIN_THROW(InputError, "--partition '", text, "': expected iid, shards:K (K >= 1 shards of "
+    DTRAIN_THROW(InputError, "--partition '", text,
+                 "': expected iid, shards:K (K >= 1 shards of "
                  "sorted labels per client) or dirichlet:ALPHA (ALPHA > 0)");
   }
   return spec;
@@ -45,9 +46,12 @@ PartitionSpec parse_partition(const std::string& text) {
 
 std::string to_string(const PartitionSpec& spec) {
   switch (spec.kind) {
-    case PartitionSpec::Iid: return "iid";
-    case PartitionSpec::Shards: return concat("shards:", spec.shards_per_client);
-    case PartitionSpec::Dirichlet: return concat("dirichlet:", spec.alpha);
+    case PartitionSpec::Iid:
+      return "iid";
+    case PartitionSpec::Shards:
+      return concat("shards:", spec.shards_per_client);
+    case PartitionSpec::Dirichlet:
+      return concat("dirichlet:", spec.alpha);
   }
   return "?";
 }
@@ -66,7 +70,8 @@ std::vector<std::vector<int64_t>> dirichlet(const std::vector<int64_t>& labels, 
                                             double alpha, std::mt19937_64& rng,
                                             int64_t min_examples) {
   std::map<int64_t, std::vector<int64_t>> by_class;
-  for (int64_t i = 0; i < static_cast<int64_t>(labels.size()); ++i) by_class[labels[i]].push_back(i);
+  for (int64_t i = 0; i < static_cast<int64_t>(labels.size()); ++i)
+    by_class[labels[i]].push_back(i);
   std::gamma_distribution<double> gamma(alpha, 1.0);
   std::vector<std::vector<int64_t>> out;
   constexpr int kAttempts = 100;
@@ -86,7 +91,8 @@ std::vector<std::vector<int64_t>> dirichlet(const std::vector<int64_t>& labels, 
       int64_t begin = 0;
       for (int64_t c = 0; c < clients; ++c) {
         cumulative += p[c] / sum;
-        const int64_t end = c + 1 == clients ? n : std::min<int64_t>(n, std::llround(cumulative * n));
+        const int64_t end =
+            c + 1 == clients ? n : std::min<int64_t>(n, std::llround(cumulative * n));
         for (int64_t k = begin; k < end; ++k) out[c].push_back(members[k]);
         begin = std::max(begin, end);
       }
@@ -96,9 +102,9 @@ std::vector<std::vector<int64_t>> dirichlet(const std::vector<int64_t>& labels, 
     });
     if (enough) return out;
   }
-  DTRAIN_THROW(InputError, "--partition dirichlet:", alpha, ": in ", kAttempts, " draws some of the ",
-               clients, " clients always got fewer than ", min_examples, " of the ", labels.size(),
-               " examples (fewer clients or a larger alpha)");
+  DTRAIN_THROW(InputError, "--partition dirichlet:", alpha, ": in ", kAttempts,
+               " draws some of the ", clients, " clients always got fewer than ", min_examples,
+               " of the ", labels.size(), " examples (fewer clients or a larger alpha)");
 }
 
 }  // namespace
@@ -152,7 +158,8 @@ std::vector<ClientIndices> partition(const at::Tensor& targets, int64_t clients,
     std::vector<int64_t>& mine = members[c];
     std::shuffle(mine.begin(), mine.end(), rng);
     const auto total = static_cast<int64_t>(mine.size());
-    const int64_t test = std::min<int64_t>(total - 1, static_cast<int64_t>(std::floor(test_fraction * total)));
+    const int64_t test =
+        std::min<int64_t>(total - 1, static_cast<int64_t>(std::floor(test_fraction * total)));
     out[c].train.assign(mine.begin(), mine.end() - test);
     out[c].test.assign(mine.end() - test, mine.end());
   }

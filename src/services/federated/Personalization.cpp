@@ -35,7 +35,8 @@ ClientUpdate fine_tune(Model& model, const at::Tensor& global, const data::Tenso
                      " layers with parameters");
   std::set<std::string> trainable;
   const size_t first = layers == 0 ? 0 : groups.size() - static_cast<size_t>(layers);
-  for (size_t g = first; g < groups.size(); ++g) trainable.insert(groups[g].begin(), groups[g].end());
+  for (size_t g = first; g < groups.size(); ++g)
+    trainable.insert(groups[g].begin(), groups[g].end());
   // Frozen parameters get no gradient: SGD leaves them at the global values.
   for (auto& item : model.module->named_parameters()) {
     item.value().set_requires_grad(trainable.count(item.key()) > 0);
@@ -51,7 +52,8 @@ ClientUpdate fine_tune(Model& model, const at::Tensor& global, const data::Tenso
   return update;
 }
 
-double accuracy_on(Model& model, const data::TensorDataset& data, const std::vector<int64_t>& indices) {
+double accuracy_on(Model& model, const data::TensorDataset& data,
+                   const std::vector<int64_t>& indices) {
   torch::NoGradGuard no_grad;
   model.module->eval();
   const data::Batch b = data.get(indices);
@@ -99,9 +101,11 @@ PersonalizationReport personalize(const models::ModelSpec& spec, const at::Tenso
     if (e) std::rethrow_exception(e);
   }
   const auto n = static_cast<double>(std::max<size_t>(1, tested.size()));
-  report.mean_global = std::accumulate(report.global_accuracy.begin(), report.global_accuracy.end(), 0.0) / n;
-  report.mean_personalized =
-      std::accumulate(report.personalized_accuracy.begin(), report.personalized_accuracy.end(), 0.0) / n;
+  report.mean_global =
+      std::accumulate(report.global_accuracy.begin(), report.global_accuracy.end(), 0.0) / n;
+  report.mean_personalized = std::accumulate(report.personalized_accuracy.begin(),
+                                             report.personalized_accuracy.end(), 0.0) /
+                             n;
   return report;
 }
 

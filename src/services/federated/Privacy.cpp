@@ -43,12 +43,14 @@ double sampled_gaussian_rdp(double q, double z, int alpha) {
   // A = sum_k C(alpha, k) (1 - q)^(alpha - k) q^k exp((k^2 - k) / (2 z^2)), in logs.
   double log_a = -std::numeric_limits<double>::infinity();
   for (int k = 0; k <= alpha; ++k) {
-    const double log_binomial = std::lgamma(alpha + 1.0) - std::lgamma(k + 1.0) -
-                                std::lgamma(alpha - k + 1.0);
+    const double log_binomial =
+        std::lgamma(alpha + 1.0) - std::lgamma(k + 1.0) - std::lgamma(alpha - k + 1.0);
     const double log_q = k == 0 ? 0.0 : k * std::log(q);
-    const double log_1q = alpha - k == 0 ? 0.0 : (q == 1 ? -std::numeric_limits<double>::infinity()
-                                                         : (alpha - k) * std::log1p(-q));
-    const double term = log_binomial + log_q + log_1q + (static_cast<double>(k) * k - k) / (2 * z * z);
+    const double log_1q = alpha - k == 0 ? 0.0
+                                         : (q == 1 ? -std::numeric_limits<double>::infinity()
+                                                   : (alpha - k) * std::log1p(-q));
+    const double term =
+        log_binomial + log_q + log_1q + (static_cast<double>(k) * k - k) / (2 * z * z);
     log_a = log_add(log_a, term);
   }
   return log_a / (alpha - 1);
@@ -61,7 +63,8 @@ std::pair<double, int> dp_epsilon(double q, double z, int64_t steps, double delt
   for (int alpha = 2; alpha <= 256; ++alpha) {
     const double rdp = static_cast<double>(steps) * sampled_gaussian_rdp(q, z, alpha);
     // Balle et al. 2020, Theorem 21.
-    const double eps = rdp + std::log1p(-1.0 / alpha) - (std::log(delta) + std::log(alpha)) / (alpha - 1);
+    const double eps =
+        rdp + std::log1p(-1.0 / alpha) - (std::log(delta) + std::log(alpha)) / (alpha - 1);
     if (eps < best) {
       best = eps;
       best_order = alpha;

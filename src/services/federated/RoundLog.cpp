@@ -11,7 +11,9 @@ RoundLog::RoundLog(const std::string& metrics_file, bool progress, int64_t round
                    int64_t start_round)
     : metrics_(metrics_file, start_round > 0),
       bar_(stderr, train::ProgressBar::is_terminal(stderr), std::max<int64_t>(1, rounds / 20)),
-      progress_(progress), rounds_(rounds), start_round_(start_round) {}
+      progress_(progress),
+      rounds_(rounds),
+      start_round_(start_round) {}
 
 void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clients,
                       int max_retries) {

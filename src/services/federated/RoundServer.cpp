@@ -40,9 +40,10 @@ RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
   DTRAIN_CHECK(sodium_init() >= 0, "libsodium failed to initialize");
   DTRAIN_CHECK_INPUT(options_.clients_per_round >= 1, "--clients-per-round must be >= 1, got ",
                      options_.clients_per_round);
-  DTRAIN_CHECK_INPUT(options_.min_clients >= 1 && options_.min_clients <= options_.clients_per_round,
-                     "--min-clients must be in [1, clients per round = ",
-                     options_.clients_per_round, "], got ", options_.min_clients);
+  DTRAIN_CHECK_INPUT(
+      options_.min_clients >= 1 && options_.min_clients <= options_.clients_per_round,
+      "--min-clients must be in [1, clients per round = ", options_.clients_per_round, "], got ",
+      options_.min_clients);
   DTRAIN_CHECK_INPUT(global_.dim() == 1 && (global_.scalar_type() == at::kFloat ||
                                             global_.scalar_type() == at::kDouble),
                      "the global model must be a flat float32 or float64 vector");
@@ -129,7 +130,8 @@ std::string RoundServer::submit_sum(const at::Tensor& weighted_sum, double examp
                                     const std::vector<std::string>& clients, double loss_sum) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (aggregator_->needs_individual_updates()) {
-    return concat("--algorithm ", aggregator_->name(), " needs each client's update, not their "
+    return concat("--algorithm ", aggregator_->name(),
+                  " needs each client's update, not their "
                   "sum");
   }
   for (const auto& client : clients) {
@@ -138,7 +140,8 @@ std::string RoundServer::submit_sum(const at::Tensor& weighted_sum, double examp
                     " or is already counted");
     }
   }
-  if (!weighted_sum.defined() || weighted_sum.dim() != 1 || weighted_sum.numel() != global_.numel()) {
+  if (!weighted_sum.defined() || weighted_sum.dim() != 1 ||
+      weighted_sum.numel() != global_.numel()) {
     return concat("an aggregate of ", weighted_sum.defined() ? weighted_sum.numel() : 0,
                   " elements for a model of ", global_.numel());
   }
@@ -210,8 +213,7 @@ void RoundServer::load(const std::string& path) {
   try {
     const std::string optimizer = file.at("optimizer").toStringRef();
     DTRAIN_CHECK_INPUT(optimizer == aggregator_->state_kind(), path, " holds ", optimizer,
-                       " server-optimizer state, this server runs ",
-                       aggregator_->state_kind());
+                       " server-optimizer state, this server runs ", aggregator_->state_kind());
     const auto tensors = file.at("tensors").toGenericDict();
     DTRAIN_CHECK_INPUT(tensors.contains("global"), path, ": no global model");
     const at::Tensor global = tensors.at("global").toTensor();
@@ -237,8 +239,8 @@ void RoundServer::load(const std::string& path) {
     selected_.clear();
     submitted_.clear();
   } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, path, " is a malformed federated server checkpoint: ",
-                 e.what_without_backtrace());
+    DTRAIN_THROW(InputError, path,
+                 " is a malformed federated server checkpoint: ", e.what_without_backtrace());
   }
 }
 

@@ -71,7 +71,8 @@ Key key_of(const std::vector<uint64_t>& words) {
 Key pairwise_seed(const Key& my_secret, uint32_t me, const Key& my_public, uint32_t other,
                   const Key& other_public) {
   Key shared{};
-  DTRAIN_CHECK_T(Error, crypto_scalarmult(shared.data(), my_secret.data(), other_public.data()) == 0,
+  DTRAIN_CHECK_T(Error,
+                 crypto_scalarmult(shared.data(), my_secret.data(), other_public.data()) == 0,
                  "secure aggregation: client ", other, "'s public key is degenerate");
   const Key& lo = me < other ? my_public : other_public;
   const Key& hi = me < other ? other_public : my_public;
@@ -135,8 +136,8 @@ at::Tensor expand_mask(const Key& seed, int64_t elements) {
 
 // ---- Shamir ----
 
-std::vector<std::vector<uint64_t>> shamir_split(const std::vector<uint64_t>& secret,
-                                                int threshold, const std::vector<uint32_t>& points) {
+std::vector<std::vector<uint64_t>> shamir_split(const std::vector<uint64_t>& secret, int threshold,
+                                                const std::vector<uint32_t>& points) {
   init_sodium();
   DTRAIN_CHECK(threshold >= 1 && static_cast<size_t>(threshold) <= points.size(),
                "Shamir: threshold ", threshold, " of ", points.size(), " points");
@@ -229,8 +230,9 @@ std::vector<SealedShares> ClientSession::share_keys(const std::vector<PublicKeys
   }
   DTRAIN_CHECK_T(Error, s.keys.count(s.id) == 1 && s.keys.at(s.id).s_public == s.s_public,
                  "secure aggregation: client ", s.id, "'s own keys are not among those advertised");
-  DTRAIN_CHECK_T(Error, static_cast<int>(s.keys.size()) >= s.threshold, "secure aggregation: ",
-                 s.keys.size(), " clients advertised keys, fewer than the threshold ", s.threshold);
+  DTRAIN_CHECK_T(Error, static_cast<int>(s.keys.size()) >= s.threshold,
+                 "secure aggregation: ", s.keys.size(),
+                 " clients advertised keys, fewer than the threshold ", s.threshold);
   std::vector<uint32_t> points;
   for (const auto& entry : s.keys) points.push_back(entry.first);
   const auto b_shares = shamir_split(words_of(s.b), s.threshold, points);
@@ -302,8 +304,9 @@ at::Tensor ClientSession::masked_input(const at::Tensor& fixed, const std::vecto
   const std::set<uint32_t> others(u2.begin(), u2.end());
   DTRAIN_CHECK_T(Error, others.count(s.id) == 1, "secure aggregation: client ", s.id,
                  " is not among the clients that shared keys");
-  DTRAIN_CHECK_T(Error, static_cast<int>(others.size()) >= s.threshold, "secure aggregation: ",
-                 others.size(), " clients shared keys, fewer than the threshold ", s.threshold);
+  DTRAIN_CHECK_T(Error, static_cast<int>(others.size()) >= s.threshold,
+                 "secure aggregation: ", others.size(),
+                 " clients shared keys, fewer than the threshold ", s.threshold);
   at::Tensor y = fixed.clone();
   uint32_t* data = words(y);
   add_mask(data, s.elements, s.b, false);
@@ -419,10 +422,10 @@ void ServerSession::add_masked(uint32_t client, const at::Tensor& masked) {
   State& s = *state_;
   DTRAIN_CHECK_T(Error, s.shared.count(client) == 1, "secure aggregation: a masked input from ",
                  "client ", client, ", which did not share keys");
-  DTRAIN_CHECK_T(Error, masked.scalar_type() == at::kInt && masked.dim() == 1 &&
-                            masked.numel() == s.elements,
-                 "secure aggregation: client ", client, "'s masked input holds ", masked.numel(),
-                 " ", masked.scalar_type(), " elements, expected ", s.elements, " int32");
+  DTRAIN_CHECK_T(
+      Error, masked.scalar_type() == at::kInt && masked.dim() == 1 && masked.numel() == s.elements,
+      "secure aggregation: client ", client, "'s masked input holds ", masked.numel(), " ",
+      masked.scalar_type(), " elements, expected ", s.elements, " int32");
   DTRAIN_CHECK_T(Error, s.masked.emplace(client, masked.contiguous()).second,
                  "secure aggregation: client ", client, " sent its masked input twice");
 }
@@ -446,9 +449,10 @@ void ServerSession::add_reveal(const Reveal& reveal) {
 
 at::Tensor ServerSession::finish() {
   State& s = *state_;
-  DTRAIN_CHECK_T(Error, static_cast<int>(s.reveals.size()) >= s.threshold, "secure aggregation: ",
-                 s.reveals.size(), " clients revealed their shares, fewer than the threshold ",
-                 s.threshold, "; the masks cannot be removed and the round is aborted");
+  DTRAIN_CHECK_T(Error, static_cast<int>(s.reveals.size()) >= s.threshold,
+                 "secure aggregation: ", s.reveals.size(),
+                 " clients revealed their shares, fewer than the threshold ", s.threshold,
+                 "; the masks cannot be removed and the round is aborted");
   at::Tensor sum = at::zeros({s.elements}, at::kInt);
   uint32_t* total = words(sum);
   for (auto& [id, y] : s.masked) {
@@ -464,10 +468,10 @@ at::Tensor ServerSession::finish() {
       if (found != from.end() && found->second.size() == kWords) shares[r.from] = found->second;
       if (static_cast<int>(shares.size()) == s.threshold) break;
     }
-    DTRAIN_CHECK_T(Error, static_cast<int>(shares.size()) >= s.threshold, "secure aggregation: ",
-                   shares.size(), " shares of client ", owner, "'s ",
-                   self_mask ? "self mask" : "mask key", ", fewer than the threshold ",
-                   s.threshold, "; the round is aborted");
+    DTRAIN_CHECK_T(Error, static_cast<int>(shares.size()) >= s.threshold,
+                   "secure aggregation: ", shares.size(), " shares of client ", owner, "'s ",
+                   self_mask ? "self mask" : "mask key", ", fewer than the threshold ", s.threshold,
+                   "; the round is aborted");
     return key_of(shamir_join(shares));
   };
   for (const auto& entry : s.masked) {
@@ -481,8 +485,10 @@ at::Tensor ServerSession::finish() {
     Key secret = rebuild(v, false);
     Key check{};
     crypto_scalarmult_base(check.data(), secret.data());
-    DTRAIN_CHECK_T(Error, check == s.keys.at(v).s_public, "secure aggregation: the shares of "
-                   "client ", v, "'s mask key do not rebuild it (a client revealed bad shares)");
+    DTRAIN_CHECK_T(Error, check == s.keys.at(v).s_public,
+                   "secure aggregation: the shares of "
+                   "client ",
+                   v, "'s mask key do not rebuild it (a client revealed bad shares)");
     for (const auto& entry : s.masked) {
       const uint32_t u = entry.first;
       const Key seed = pairwise_seed(secret, v, s.keys.at(v).s_public, u, s.keys.at(u).s_public);

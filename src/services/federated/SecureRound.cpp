@@ -32,8 +32,8 @@ int64_t reveal_bytes(const secagg::Reveal& r) {
 at::Tensor secure_input(const ClientUpdate& update, int64_t weight, int64_t ref, int frac_bits,
                         double bound) {
   const double scale = static_cast<double>(weight) / static_cast<double>(ref);
-  const at::Tensor weighted = at::cat({update.delta.to(at::kDouble) * scale,
-                                       at::full({1}, update.loss * scale, at::kDouble)});
+  const at::Tensor weighted = at::cat(
+      {update.delta.to(at::kDouble) * scale, at::full({1}, update.loss * scale, at::kDouble)});
   return at::cat({secagg::to_fixed(weighted, frac_bits, bound), at::full({1}, weight, at::kInt)});
 }
 
@@ -68,8 +68,8 @@ SecureRound::SecureRound(const std::vector<std::string>& selected,
   // Keys, then shares, routed by the server.
   for (size_t i = 0; i < n; ++i) {
     start = Clock::now();
-    clients_.push_back(std::make_unique<secagg::ClientSession>(static_cast<uint32_t>(i + 1),
-                                                               elements, threshold));
+    clients_.push_back(
+        std::make_unique<secagg::ClientSession>(static_cast<uint32_t>(i + 1), elements, threshold));
     const secagg::PublicKeys keys = clients_.back()->advertise();
     client_s_[i] += since(start);
     uplink_ += 4 + 64;
@@ -142,7 +142,8 @@ std::string SecureRound::finish(RoundServer& server) {
   }
   start = Clock::now();
   const SecureSum total = secure_sum(server_->finish(), numel_, ref_, frac_bits_);
-  const std::string why = server.submit_sum(total.weighted_sum, total.weight, finished, total.loss_sum);
+  const std::string why =
+      server.submit_sum(total.weighted_sum, total.weight, finished, total.loss_sum);
   server_s_ += since(start);
   return why;
 }

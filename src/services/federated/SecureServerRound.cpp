@@ -14,8 +14,8 @@ SecureServerRound::SecureServerRound(const std::vector<std::string>& chosen,
                                      double threshold_fraction, int64_t ref_weight, int64_t numel)
     : ref(ref_weight) {
   const auto k = static_cast<int>(chosen.size());
-  threshold = std::max(2, threshold_fraction > 0 ? static_cast<int>(std::ceil(threshold_fraction * k))
-                                                 : k / 2 + 1);
+  threshold = std::max(
+      2, threshold_fraction > 0 ? static_cast<int>(std::ceil(threshold_fraction * k)) : k / 2 + 1);
   for (int i = 0; i < k; ++i) {
     ids[chosen[i]] = static_cast<uint32_t>(i + 1);
     names[static_cast<uint32_t>(i + 1)] = chosen[i];
@@ -27,7 +27,9 @@ SecureServerRound::SecureServerRound(const std::vector<std::string>& chosen,
 SecureServerRound::StepResult SecureServerRound::apply(const dtrain::fl::SecAggRequest& request,
                                                        uint32_t me) {
   auto late = [](const char* step) { return StepResult{StepResult::Late, step}; };
-  auto malformed = [](std::string why) { return StepResult{StepResult::Malformed, std::move(why)}; };
+  auto malformed = [](std::string why) {
+    return StepResult{StepResult::Malformed, std::move(why)};
+  };
   try {
     switch (request.step()) {
       case Step::KEYS: {
@@ -52,8 +54,9 @@ SecureServerRound::StepResult SecureServerRound::apply(const dtrain::fl::SecAggR
           if (share.from() != me) {
             return malformed(concat("SecAgg SHARES: field 'from' is ", share.from(), ", not ", me));
           }
-          sealed.push_back({share.from(), share.to(),
-                            std::vector<uint8_t>(share.ciphertext().begin(), share.ciphertext().end())});
+          sealed.push_back(
+              {share.from(), share.to(),
+               std::vector<uint8_t>(share.ciphertext().begin(), share.ciphertext().end())});
         }
         session->add_shares(sealed);
         sent_shares.insert(me);
@@ -88,10 +91,14 @@ SecureServerRound::StepResult SecureServerRound::apply(const dtrain::fl::SecAggR
 
 SecureServerRound::Phase SecureServerRound::ready_at(dtrain::fl::SecAggRequest::Step step) {
   switch (step) {
-    case Step::KEYS: return Shares;
-    case Step::SHARES: return Masking;
-    case Step::SURVIVORS: return Reveal;
-    default: return Keys;
+    case Step::KEYS:
+      return Shares;
+    case Step::SHARES:
+      return Masking;
+    case Step::SURVIVORS:
+      return Reveal;
+    default:
+      return Keys;
   }
 }
 

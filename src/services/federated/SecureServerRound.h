@@ -23,8 +23,8 @@ struct SecureServerRound {
   /// Protocol ids 1..K in `chosen` order and t (`threshold_fraction` of K, 0 = a majority; at
   /// least 2); `ref` is the weight reference clients scale their inputs by (the largest example
   /// count of the chosen, or 1 for equal weights).
-  SecureServerRound(const std::vector<std::string>& chosen, double threshold_fraction,
-                    int64_t ref, int64_t numel);
+  SecureServerRound(const std::vector<std::string>& chosen, double threshold_fraction, int64_t ref,
+                    int64_t numel);
 
   /// What happened to a step a client sent: applied, too late for its step (the round has
   /// moved on), malformed (the message's fields), or refused by the protocol (the session's

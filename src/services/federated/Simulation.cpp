@@ -14,13 +14,12 @@
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/train/Metrics.h"
+#include "dtrain/train/Progress.h"
 #include "services/federated/FlWire.h"
 #include "services/federated/RoundLog.h"
 #include "services/federated/SecureRound.h"
-#include "dtrain/train/Progress.h"
 
 namespace dtrain::federated {
-
 
 std::pair<double, double> evaluate_model(Model& model, const data::TensorDataset& data,
                                          int64_t batch) {
@@ -58,7 +57,8 @@ int64_t download_bytes(const at::Tensor& global) {
 }
 
 int64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                              start)
       .count();
 }
 
@@ -105,16 +105,20 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   DTRAIN_CHECK_INPUT(options.rounds >= 1, "--rounds must be >= 1, got ", options.rounds);
   DTRAIN_CHECK_INPUT(options.dropout >= 0 && options.dropout < 1,
                      "--dropout must be in [0, 1), got ", options.dropout);
-  DTRAIN_CHECK_INPUT(options.eval_every >= 1, "--eval-every must be >= 1, got ", options.eval_every);
+  DTRAIN_CHECK_INPUT(options.eval_every >= 1, "--eval-every must be >= 1, got ",
+                     options.eval_every);
   DTRAIN_CHECK_INPUT(options.threads >= 0, "--threads must be >= 0, got ", options.threads);
   DTRAIN_CHECK_INPUT(options.availability.round_minutes > 0, "--round-minutes must be > 0");
   DTRAIN_CHECK_INPUT(options.personalize_epochs >= 0 && options.personalize_layers >= 0,
                      "--personalize-epochs and --personalize-layers must be >= 0");
-  DTRAIN_CHECK_INPUT(!options.secure_aggregation || options.compression.kind == CompressionSpec::None,
-                     "--secure-aggregation sends masked 32-bit words, which do not compress: it "
-                     "cannot be combined with --compression ", to_string(options.compression));
+  DTRAIN_CHECK_INPUT(
+      !options.secure_aggregation || options.compression.kind == CompressionSpec::None,
+      "--secure-aggregation sends masked 32-bit words, which do not compress: it "
+      "cannot be combined with --compression ",
+      to_string(options.compression));
   DTRAIN_CHECK_INPUT(options.secagg_threshold >= 0 && options.secagg_threshold <= 1,
-                     "--secagg-threshold must be a fraction in [0, 1], got ", options.secagg_threshold);
+                     "--secagg-threshold must be a fraction in [0, 1], got ",
+                     options.secagg_threshold);
   const std::vector<ClientIndices> clients =
       partition(train.targets(), options.clients, options.partition, options.seed,
                 options.local_test_fraction);
@@ -124,7 +128,8 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   Model global_model = build(spec, dtype);
   RoundServerOptions server_options;
   server_options.clients_per_round = std::max<int64_t>(
-      1, static_cast<int64_t>(std::llround(options.fraction * static_cast<double>(options.clients))));
+      1,
+      static_cast<int64_t>(std::llround(options.fraction * static_cast<double>(options.clients))));
   server_options.min_clients =
       std::min(server_options.clients_per_round, std::max<int64_t>(1, options.min_clients));
   server_options.algorithm = options.algorithm;
@@ -154,13 +159,14 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   const int64_t numel = server.global().numel();
 
   RoundLog log(options.metrics_file, options.progress, options.rounds, result.start_round);
-  uint64_t attempt = 0;  // retries of the current round
+  uint64_t attempt = 0;                     // retries of the current round
   int64_t attempts_total = server.round();  // rounds tried since the (simulated) start
   while (server.round() < options.rounds) {
     const auto round_start = std::chrono::steady_clock::now();
     const int64_t round = server.round();
     // Simulated time: every attempt at a round takes round_minutes.
-    const double minute = static_cast<double>(attempts_total++) * options.availability.round_minutes;
+    const double minute =
+        static_cast<double>(attempts_total++) * options.availability.round_minutes;
     std::vector<std::string> available;
     for (int64_t c = 0; c < options.clients; ++c) {
       if (options.availability.available(c, minute, options.seed)) available.push_back(ids[c]);
@@ -196,8 +202,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           const int64_t c = std::stoll(selected[i]);
           // A retried round draws its dropouts anew.
           std::mt19937_64 draw(mix(options.seed + attempt * 0x9E3779B97F4A7C15ULL,
-                                   static_cast<uint64_t>(round) * 2 + 1,
-                                   static_cast<uint64_t>(c)));
+                                   static_cast<uint64_t>(round) * 2 + 1, static_cast<uint64_t>(c)));
           if (options.dropout > 0 &&
               std::uniform_real_distribution<double>(0, 1)(draw) < options.dropout) {
             continue;  // this client leaves before it sends anything
@@ -229,9 +234,9 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           const EncodedUpdate encoded =
               encode_update(update.delta, options.compression, &residuals[static_cast<size_t>(c)],
                             mix(options.seed ^ 0x51ed27U, static_cast<uint64_t>(round), c));
-          const auto messages = wire::update_messages(encoded, selected[i], round + 1,
-                                                      update.examples, update.loss,
-                                                      rpc::kDefaultChunkBytes);
+          const auto messages =
+              wire::update_messages(encoded, selected[i], round + 1, update.examples, update.loss,
+                                    rpc::kDefaultChunkBytes);
           client_ns += nanoseconds_since(start);
           ++senders;
           start = std::chrono::steady_clock::now();
@@ -242,7 +247,8 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           at::Tensor dense;
           std::string why = wire::read_update(messages, numel, &header, &received);
           if (why.empty()) why = decode_update(received, numel, global.scalar_type(), &dense);
-          if (why.empty()) why = server.submit(selected[i], dense, header.examples(), header.train_loss());
+          if (why.empty())
+            why = server.submit(selected[i], dense, header.examples(), header.train_loss());
           server_ns += nanoseconds_since(start);
           DTRAIN_CHECK(why.empty(), "client ", selected[i], ": ", why);
           uplink += bytes;
@@ -268,31 +274,32 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       if (e) std::rethrow_exception(e);
     }
     if (diverged > 0) {
-      std::fprintf(stderr, "round %lld: the local training of %lld client(s) diverged (NaN/Inf); "
-                   "they left the round (a smaller --lr?)\n", static_cast<long long>(round + 1),
-                   static_cast<long long>(diverged.load()));
+      std::fprintf(stderr,
+                   "round %lld: the local training of %lld client(s) diverged (NaN/Inf); "
+                   "they left the round (a smaller --lr?)\n",
+                   static_cast<long long>(round + 1), static_cast<long long>(diverged.load()));
     }
     RoundRecord record;
     record.available = static_cast<int64_t>(available.size());
     if (secure) {
       const std::string why = secure->finish(server);
       // Too few clients left for the masks to come off: the round has no updates (retried).
-      if (!why.empty() && options.progress) std::fprintf(stderr, "round %lld: %s\n",
-                                                          static_cast<long long>(round + 1), why.c_str());
+      if (!why.empty() && options.progress)
+        std::fprintf(stderr, "round %lld: %s\n", static_cast<long long>(round + 1), why.c_str());
       uplink += secure->uplink_bytes();
       record.server_aggregation_s = secure->server_seconds();
       record.client_aggregation_s = secure->client_seconds();
     } else {
       record.server_aggregation_s = static_cast<double>(server_ns.load()) * 1e-9;
-      record.client_aggregation_s =
-          static_cast<double>(client_ns.load()) * 1e-9 / static_cast<double>(std::max<int64_t>(1, senders));
+      record.client_aggregation_s = static_cast<double>(client_ns.load()) * 1e-9 /
+                                    static_cast<double>(std::max<int64_t>(1, senders));
     }
     const auto closing = std::chrono::steady_clock::now();
     record.outcome = server.close();
     record.server_aggregation_s += static_cast<double>(nanoseconds_since(closing)) * 1e-9;
     record.uplink_bytes = uplink.load();
-    record.client_training_s =
-        static_cast<double>(training_ns.load()) * 1e-9 / static_cast<double>(std::max<int64_t>(1, trained));
+    record.client_training_s = static_cast<double>(training_ns.load()) * 1e-9 /
+                               static_cast<double>(std::max<int64_t>(1, trained));
     record.downlink_bytes = static_cast<int64_t>(selected.size()) * download_bytes(global);
     const int64_t done = server.round();
     attempt = record.outcome.applied ? 0 : attempt + 1;

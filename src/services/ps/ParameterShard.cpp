@@ -53,7 +53,10 @@ void check_shard_optimizer(const ShardOptimizer& optimizer) {
 }
 
 ParameterShard::ParameterShard(int shard, int shards, ShardOptimizer optimizer)
-    : shard_(shard), shards_(shards), optimizer_(std::move(optimizer)), flat_(flat_rule(optimizer_)) {
+    : shard_(shard),
+      shards_(shards),
+      optimizer_(std::move(optimizer)),
+      flat_(flat_rule(optimizer_)) {
   DTRAIN_CHECK_INPUT(shards >= 1 && shard >= 0 && shard < shards, "--shard ", shard, "/", shards,
                      ": expected I/N with 0 <= I < N");
 }
@@ -86,7 +89,8 @@ std::string ParameterShard::check_gradient(int64_t begin, const at::Tensor& grad
   return check_finite(gradient, begin);
 }
 
-std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::vector<double>* dots) {
+std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops,
+                                       std::vector<double>* dots) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!initialized_) return "the shard has no parameters yet (Initialize first)";
   // Checked whole first, against the vectors that will exist when each op runs.
@@ -97,23 +101,29 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
     const std::string where = concat("vector op ", i);
     auto valid_name = [](const std::string& n) { return !n.empty() && n.size() <= kMaxVectorName; };
     if (!valid_name(op.dst)) {
-      return concat(where, ": field 'dst' must name a vector (1 to ", kMaxVectorName, " characters)");
+      return concat(where, ": field 'dst' must name a vector (1 to ", kMaxVectorName,
+                    " characters)");
     }
-    const bool reads_src = op.kind == VectorOp::Copy || op.kind == VectorOp::Axpy || op.kind == VectorOp::Dot;
+    const bool reads_src =
+        op.kind == VectorOp::Copy || op.kind == VectorOp::Axpy || op.kind == VectorOp::Dot;
     if (reads_src && names.count(op.src) == 0) {
       return concat(where, ": field 'src' names vector '", op.src.substr(0, kMaxVectorName),
                     "', which the shard does not have");
     }
-    if (!reads_src && !op.src.empty()) return concat(where, ": field 'src' must be empty for this kind");
+    if (!reads_src && !op.src.empty())
+      return concat(where, ": field 'src' must be empty for this kind");
     const bool creates = op.kind == VectorOp::Zero || op.kind == VectorOp::Copy;
     if (!creates && names.count(op.dst) == 0) {
-      return concat(where, ": field 'dst' names vector '", op.dst, "', which the shard does not have");
+      return concat(where, ": field 'dst' names vector '", op.dst,
+                    "', which the shard does not have");
     }
     if (!std::isfinite(op.alpha)) return concat(where, ": field 'alpha' is not finite");
     const bool uses_alpha = op.kind == VectorOp::Scale || op.kind == VectorOp::Axpy;
-    if (!uses_alpha && op.alpha != 0.0) return concat(where, ": field 'alpha' must be 0 for this kind");
+    if (!uses_alpha && op.alpha != 0.0)
+      return concat(where, ": field 'alpha' must be 0 for this kind");
     if (op.round < 0 || (op.round > 0 && op.kind != VectorOp::Zero)) {
-      return concat(where, ": field 'round' is ", op.round, " (ZERO may open a round > 0; other "
+      return concat(where, ": field 'round' is ", op.round,
+                    " (ZERO may open a round > 0; other "
                     "ops carry 0)");
     }
     if (creates) names.insert(op.dst);
@@ -137,13 +147,21 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
   const size_t dots_before = dots->size();
   for (const VectorOp& op : ops) {
     switch (op.kind) {
-      case VectorOp::Zero: staged[op.dst] = at::zeros_like(values_); break;
-      case VectorOp::Copy: staged[op.dst] = read(op.src).clone(); break;
-      case VectorOp::Scale: write(op.dst).mul_(op.alpha); break;
-      case VectorOp::Axpy: write(op.dst).add_(read(op.src), op.alpha); break;
+      case VectorOp::Zero:
+        staged[op.dst] = at::zeros_like(values_);
+        break;
+      case VectorOp::Copy:
+        staged[op.dst] = read(op.src).clone();
+        break;
+      case VectorOp::Scale:
+        write(op.dst).mul_(op.alpha);
+        break;
+      case VectorOp::Axpy:
+        write(op.dst).add_(read(op.src), op.alpha);
+        break;
       case VectorOp::Dot:
-        dots->push_back(at::dot(read(op.dst).to(at::kDouble), read(op.src).to(at::kDouble))
-                            .item<double>());
+        dots->push_back(
+            at::dot(read(op.dst).to(at::kDouble), read(op.src).to(at::kDouble)).item<double>());
         break;
     }
   }
@@ -151,8 +169,8 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops, std::ve
     std::string why = check_finite(x->second, begin_);
     if (!why.empty()) {
       dots->resize(dots_before);
-      return concat("the ops would leave the parameters non-finite (", why.substr(why.find(": ") + 2),
-                    "); nothing changed");
+      return concat("the ops would leave the parameters non-finite (",
+                    why.substr(why.find(": ") + 2), "); nothing changed");
     }
   }
   for (auto& [name, tensor] : staged) {
@@ -182,7 +200,8 @@ std::string ParameterShard::accumulate(const std::string& name, int64_t begin,
   const int64_t n = gradient.numel();
   if (name == "x") return "field 'accumulate' may not name the parameters 'x'";
   if (name.size() > kMaxVectorName) {
-    return concat("field 'accumulate' is ", name.size(), " characters long (at most ", kMaxVectorName, ")");
+    return concat("field 'accumulate' is ", name.size(), " characters long (at most ",
+                  kMaxVectorName, ")");
   }
   const auto found = vectors_.find(name);
   if (found == vectors_.end()) {
@@ -210,7 +229,8 @@ void ParameterShard::mark_done(int worker) {
 void ParameterShard::count_refusal(int worker) {
   std::lock_guard<std::mutex> lock(mutex_);
   WorkerRecord& record = workers_[worker];
-  if (record.pushes == 0 && record.refused == 0) record.last_push = std::chrono::steady_clock::now();
+  if (record.pushes == 0 && record.refused == 0)
+    record.last_push = std::chrono::steady_clock::now();
   ++record.refused;
 }
 
@@ -227,10 +247,12 @@ std::map<int, WorkerRecord> ParameterShard::workers() const {
 std::string ParameterShard::initialize(int64_t total, const at::Tensor& values) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (initialized_) return "initialized";
-  if (total < shards_) return concat("field 'total' is ", total, ", fewer parameters than the ", shards_, " shards");
+  if (total < shards_)
+    return concat("field 'total' is ", total, ", fewer parameters than the ", shards_, " shards");
   const auto [begin, end] = shard_range(total, shard_, shards_);
   if (values.scalar_type() != at::kFloat && values.scalar_type() != at::kDouble) {
-    return concat("the initial values are ", values.scalar_type(), " (a shard holds float32 or "
+    return concat("the initial values are ", values.scalar_type(),
+                  " (a shard holds float32 or "
                   "float64 parameters)");
   }
   if (values.dim() != 1 || values.numel() != end - begin) {
@@ -275,16 +297,16 @@ int64_t ParameterShard::version() const {
 
 at::Tensor ParameterShard::read(int64_t begin, int64_t end, int64_t* version) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  DTRAIN_CHECK(initialized_ && begin >= begin_ && end <= end_ && begin <= end,
-               "read of [", begin, ", ", end, ") from shard [", begin_, ", ", end_, ")");
+  DTRAIN_CHECK(initialized_ && begin >= begin_ && end <= end_ && begin <= end, "read of [", begin,
+               ", ", end, ") from shard [", begin_, ", ", end_, ")");
   if (version) *version = version_;
   return values_.narrow(0, begin - begin_, end - begin).clone();
 }
 
 at::Tensor ParameterShard::share(int64_t begin, int64_t end, int64_t* version) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  DTRAIN_CHECK(initialized_ && begin >= begin_ && end <= end_ && begin <= end,
-               "read of [", begin, ", ", end, ") from shard [", begin_, ", ", end_, ")");
+  DTRAIN_CHECK(initialized_ && begin >= begin_ && end <= end_ && begin <= end, "read of [", begin,
+               ", ", end, ") from shard [", begin_, ", ", end_, ")");
   if (version) *version = version_;
   return values_.narrow(0, begin - begin_, end - begin);
 }
@@ -295,8 +317,8 @@ void ParameterShard::own_values() {
 }
 
 std::string ParameterShard::apply(int64_t begin, const at::Tensor& gradient,
-                                  int64_t computed_version, int worker, bool last,
-                                  int64_t* version, int64_t* staleness, double* applied_lr) {
+                                  int64_t computed_version, int worker, bool last, int64_t* version,
+                                  int64_t* staleness, double* applied_lr) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (std::string why = check_gradient(begin, gradient); !why.empty()) return why;
   if (computed_version < 0 || computed_version > version_) {
@@ -347,7 +369,8 @@ int64_t ParameterShard::save(const std::string& path) const {
 }
 
 int64_t ParameterShard::load(const std::string& path) {
-  const auto file = load_pickled_dict(path, "parameter-server shard checkpoint", "dtrain-ps-shard-1");
+  const auto file =
+      load_pickled_dict(path, "parameter-server shard checkpoint", "dtrain-ps-shard-1");
   try {
     const int64_t shard = file.at("shard").toInt(), shards = file.at("shards").toInt();
     DTRAIN_CHECK_INPUT(shard == shard_ && shards == shards_, path, " belongs to shard ", shard, "/",
@@ -366,8 +389,8 @@ int64_t ParameterShard::load(const std::string& path) {
     auto tensor = [&](const char* key) {
       DTRAIN_CHECK_INPUT(tensors.contains(key), path, ": no '", key, "' tensor");
       at::Tensor t = tensors.at(key).toTensor();
-      DTRAIN_CHECK_INPUT(t.scalar_type() == dtype && t.dim() == 1 && t.numel() == end - begin,
-                         path, ": '", key, "' holds ", t.numel(), " ", t.scalar_type(),
+      DTRAIN_CHECK_INPUT(t.scalar_type() == dtype && t.dim() == 1 && t.numel() == end - begin, path,
+                         ": '", key, "' holds ", t.numel(), " ", t.scalar_type(),
                          " elements, the shard's range ", end - begin, " ", dtype);
       return t;
     };
@@ -396,7 +419,8 @@ int64_t ParameterShard::load(const std::string& path) {
     initialized_ = true;
     return version_;
   } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, path, " is a malformed shard checkpoint: ", e.what_without_backtrace());
+    DTRAIN_THROW(InputError, path,
+                 " is a malformed shard checkpoint: ", e.what_without_backtrace());
   }
 }
 

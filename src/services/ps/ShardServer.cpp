@@ -17,9 +17,7 @@ namespace dtrain::parallel::ps {
 
 namespace {
 
-grpc::Status invalid(const std::string& why) {
-  return {grpc::StatusCode::INVALID_ARGUMENT, why};
-}
+grpc::Status invalid(const std::string& why) { return {grpc::StatusCode::INVALID_ARGUMENT, why}; }
 
 // Buffers kept for reuse: a shard streams megabytes per call, and fresh buffers would
 // cost a page fault per 4 KB on every call.
@@ -29,7 +27,8 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
    public:
     Lease(std::shared_ptr<BufferPool> pool, at::Tensor buffer)
         : pool_(std::move(pool)), buffer_(std::move(buffer)) {}
-    Lease(Lease&& other) noexcept : pool_(std::move(other.pool_)), buffer_(std::move(other.buffer_)) {
+    Lease(Lease&& other) noexcept
+        : pool_(std::move(other.pool_)), buffer_(std::move(other.buffer_)) {
       other.pool_ = nullptr;
     }
     Lease(const Lease&) = delete;
@@ -88,7 +87,8 @@ std::string check_same_header(const dtrain::ps::PushChunk& meta, const dtrain::p
   const auto& shape = meta.chunk().shape();
   const auto& first = head.chunk().shape();
   if (!shape.empty() && (shape.size() != 1 || first.size() != 1 || shape[0] != first[0])) {
-    return concat(where, ": field 'shape' differs from the first chunk's (later chunks may leave "
+    return concat(where,
+                  ": field 'shape' differs from the first chunk's (later chunks may leave "
                   "it empty)");
   }
   return "";
@@ -126,7 +126,8 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
       if (shape.size() > 1 || (shape.size() == 1 && (shape[0] < 1 || shape[0] > room))) {
         return concat(where, ": field 'shape' must be empty or the stream's length, 1 to ", room,
                       " elements from offset ", meta.chunk().offset(), " (got ",
-                      shape.size() == 1 ? concat(shape[0]) : concat(shape.size(), " dimensions"), ")");
+                      shape.size() == 1 ? concat(shape[0]) : concat(shape.size(), " dimensions"),
+                      ")");
       }
       return std::string();
     }
@@ -147,7 +148,8 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
       return static_cast<char*>(buffer.data_ptr()) +
              (meta.chunk().offset() - rule.begin) * buffer.element_size();
     }
-    parts.push_back(at::empty({bytes / static_cast<int64_t>(c10::elementSize(rule.dtype))}, rule.dtype));
+    parts.push_back(
+        at::empty({bytes / static_cast<int64_t>(c10::elementSize(rule.dtype))}, rule.dtype));
     return static_cast<char*>(parts.back().data_ptr());
   };
   *worker = -1;
@@ -169,7 +171,9 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
   if (buffer.defined()) {
     *values = buffer.narrow(0, *first_offset - rule.begin, next - *first_offset);
   } else {
-    *values = parts.empty() ? at::empty({0}, rule.dtype) : parts.size() == 1 ? parts[0] : at::cat(parts);
+    *values = parts.empty()       ? at::empty({0}, rule.dtype)
+              : parts.size() == 1 ? parts[0]
+                                  : at::cat(parts);
   }
   if (values->numel() == 0) return concat(rpc_name, ": the chunks hold no elements");
   if (head->chunk().shape_size() == 1 && head->chunk().shape(0) != values->numel()) {
@@ -181,7 +185,6 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
 
 }  // namespace
 
-
 std::string shard_checkpoint_file(const std::string& dir, int shard, int shards) {
   return concat(dir, "/shard-", shard, "-of-", shards, ".pt");
 }
@@ -189,7 +192,8 @@ std::string shard_checkpoint_file(const std::string& dir, int shard, int shards)
 class ShardService final : public grpc::Service {
  public:
   explicit ShardService(const ShardServerOptions& options)
-      : shard_(options.shard, options.shards, options.optimizer), token_(options.auth_token),
+      : shard_(options.shard, options.shards, options.optimizer),
+        token_(options.auth_token),
         max_workers_(options.max_workers),
         incarnation_(std::random_device{}() * 0x100000001ULL ^ std::random_device{}()),
         started_(std::chrono::steady_clock::now()) {
@@ -202,7 +206,9 @@ class ShardService final : public grpc::Service {
         new grpc::internal::ServerStreamingHandler<ShardService, dtrain::ps::PullRequest,
                                                    rpc::Bulk<dtrain::ps::PullChunk>>(
             [](ShardService* s, grpc::ServerContext* c, const dtrain::ps::PullRequest* q,
-               grpc::ServerWriter<rpc::Bulk<dtrain::ps::PullChunk>>* w) { return s->Pull(c, q, w); },
+               grpc::ServerWriter<rpc::Bulk<dtrain::ps::PullChunk>>* w) {
+              return s->Pull(c, q, w);
+            },
             this)));
     add_chunks(kPush, &ShardService::Push);
     add_unary(kDone, &ShardService::Done);
@@ -292,11 +298,12 @@ class ShardService final : public grpc::Service {
     const int64_t begin = request->begin(), end = request->end();
     if (begin < shard_.begin() || end > shard_.end() || begin > end) {
       return invalid(concat("Pull: fields 'begin', 'end' ask for [", begin, ", ", end,
-                            "), outside the shard's range [", shard_.begin(), ", ", shard_.end(), ")"));
+                            "), outside the shard's range [", shard_.begin(), ", ", shard_.end(),
+                            ")"));
     }
     if (request->chunk_bytes() < 0 || request->chunk_bytes() > rpc::kMaxChunkBytes) {
-      return invalid(concat("Pull: field 'chunk_bytes' is ", request->chunk_bytes(),
-                            " (0 to ", rpc::kMaxChunkBytes, ")"));
+      return invalid(concat("Pull: field 'chunk_bytes' is ", request->chunk_bytes(), " (0 to ",
+                            rpc::kMaxChunkBytes, ")"));
     }
     // The payloads point into the shard's values themselves (one version: an update arriving
     // while gRPC still holds them writes into a copy), held by their slices until sent.
@@ -304,8 +311,9 @@ class ShardService final : public grpc::Service {
     const auto snapshot = std::make_shared<const at::Tensor>(shard_.share(begin, end, &version));
     bool open = true;
     rpc::for_each_bulk<dtrain::ps::PullChunk>(
-        *snapshot, begin, request->chunk_bytes() > 0 ? request->chunk_bytes() : rpc::kDefaultChunkBytes,
-        snapshot, [&](dtrain::ps::PullChunk& meta) { meta.set_version(version); },
+        *snapshot, begin,
+        request->chunk_bytes() > 0 ? request->chunk_bytes() : rpc::kDefaultChunkBytes, snapshot,
+        [&](dtrain::ps::PullChunk& meta) { meta.set_version(version); },
         [&](const rpc::Bulk<dtrain::ps::PullChunk>& message) {
           open = !context->IsCancelled() && writer->Write(message);
           return open;
@@ -331,7 +339,8 @@ class ShardService final : public grpc::Service {
     dtrain::ps::PushChunk head;
     int worker = -1;
     const BufferPool::Lease lease = pool_->take(rule.end - rule.begin, rule.dtype);
-    std::string why = read_stream(reader, rule, "Push", &first, &gradient, &head, &worker, lease.tensor());
+    std::string why =
+        read_stream(reader, rule, "Push", &first, &gradient, &head, &worker, lease.tensor());
     if (why.empty()) why = check_worker("Push", worker);
     if (why.empty() && head.total() != 0 && head.total() != shard_.total()) {
       why = concat("Push: field 'total' is ", head.total(), ", the model has ", shard_.total(),
@@ -340,13 +349,15 @@ class ShardService final : public grpc::Service {
     if (why.empty() && head.accumulate().empty() && (head.round() != 0 || head.unit() != 0)) {
       why = "Push: fields 'round' and 'unit' belong to an accumulate push (0 otherwise)";
     }
-    if (why.empty() && !head.accumulate().empty() && (head.computed_version() != 0 || head.last())) {
+    if (why.empty() && !head.accumulate().empty() &&
+        (head.computed_version() != 0 || head.last())) {
       why = "Push: an accumulate push carries no 'computed_version' or 'last'";
     }
     if (!why.empty()) return refuse(worker, why);
     if (!head.accumulate().empty()) {
       bool ignored = false;
-      why = shard_.accumulate(head.accumulate(), first, gradient, head.round(), head.unit(), &ignored);
+      why = shard_.accumulate(head.accumulate(), first, gradient, head.round(), head.unit(),
+                              &ignored);
       if (!why.empty()) return refuse(worker, concat("Push from worker ", worker, ": ", why));
       ++pushes_;
       bytes_in_ += gradient.nbytes();
@@ -380,8 +391,8 @@ class ShardService final : public grpc::Service {
       if (!dtrain::ps::VectorOp::Kind_IsValid(op.kind())) {
         return invalid(concat("Vector: vector op ", i, ": field 'kind' is ", op.kind()));
       }
-      ops.push_back({static_cast<VectorOp::Kind>(op.kind()), op.dst(), op.src(), op.alpha(),
-                     op.round()});
+      ops.push_back(
+          {static_cast<VectorOp::Kind>(op.kind()), op.dst(), op.src(), op.alpha(), op.round()});
     }
     std::vector<double> dots;
     const std::string why = shard_.vector_ops(ops, &dots);
@@ -397,7 +408,8 @@ class ShardService final : public grpc::Service {
   grpc::Status Done(grpc::ServerContext* context, const dtrain::ps::DoneRequest* request,
                     dtrain::ps::PushReply* reply) {
     if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
-    if (std::string why = check_worker("Done", request->worker()); !why.empty()) return invalid(why);
+    if (std::string why = check_worker("Done", request->worker()); !why.empty())
+      return invalid(why);
     shard_.mark_done(request->worker());
     reply->set_version(shard_.version());
     return grpc::Status::OK;
@@ -467,8 +479,10 @@ class ShardService final : public grpc::Service {
 ShardServer::ShardServer(const ShardServerOptions& options)
     : options_(options), service_(std::make_unique<ShardService>(options)) {
   DTRAIN_CHECK_INPUT(options.checkpoint_interval_s > 0,
-                     "--checkpoint-interval must be > 0 seconds, got ", options.checkpoint_interval_s);
-  DTRAIN_CHECK_INPUT(options.max_workers >= 1, "--max-workers must be >= 1, got ", options.max_workers);
+                     "--checkpoint-interval must be > 0 seconds, got ",
+                     options.checkpoint_interval_s);
+  DTRAIN_CHECK_INPUT(options.max_workers >= 1, "--max-workers must be >= 1, got ",
+                     options.max_workers);
   if (!options.checkpoint_dir.empty()) {
     const std::string file =
         shard_checkpoint_file(options.checkpoint_dir, options.shard, options.shards);
@@ -504,8 +518,8 @@ int64_t ShardServer::save_checkpoint() {
   std::lock_guard<std::mutex> lock(save_mutex_);
   const ParameterShard& shard = service_->shard();
   if (!shard.initialized() || shard.version() == saved_version_) return saved_version_;
-  const int64_t version = shard.save(
-      shard_checkpoint_file(options_.checkpoint_dir, options_.shard, options_.shards));
+  const int64_t version =
+      shard.save(shard_checkpoint_file(options_.checkpoint_dir, options_.shard, options_.shards));
   saved_version_ = version;
   service_->set_saved(version);
   return version;

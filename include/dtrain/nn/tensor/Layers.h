@@ -62,8 +62,7 @@ struct VocabParallelEmbeddingOptions {
 /// y = x W^T + b with W's rows (output features) split over the group.
 class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
  public:
-  ColumnParallelLinearImpl(const ColumnParallelLinearOptions& options,
-                           comm::CommunicatorPtr group);
+  ColumnParallelLinearImpl(const ColumnParallelLinearOptions& options, comm::CommunicatorPtr group);
   at::Tensor forward(const at::Tensor& input);
   ParameterSplits local_splits() const override;
   /// Sets this rank's block from the full weight [out, in] and bias [out].

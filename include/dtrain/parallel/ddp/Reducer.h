@@ -106,8 +106,8 @@ class Reducer : public GradientSync {
     std::vector<size_t> parameters;  // indices into parameters_
     std::vector<int64_t> offsets;    // element offset of each parameter in `flat`
     int64_t numel = 0;
-    at::Tensor flat;                 // gradients, in the parameters' dtype
-    at::Tensor wire;                 // compressed copy (or == flat)
+    at::Tensor flat;  // gradients, in the parameters' dtype
+    at::Tensor wire;  // compressed copy (or == flat)
     size_t pending = 0;
     comm::WorkPtr work;
     // Reduce-scatter mode: where the bucket sits in the flat order, and what this rank receives.

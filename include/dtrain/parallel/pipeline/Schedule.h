@@ -52,10 +52,10 @@ inline int virtual_stage(int chunk, int rank, int stages) { return chunk * stage
 
 /// The ideal timeline of a schedule with fixed costs per action (the same on every stage).
 struct Simulation {
-  double makespan = 0;            ///< time from the first action's start to the last's end
-  std::vector<double> idle_share; ///< per rank: 1 - busy / makespan
-  std::vector<int> peak_live;     ///< per rank: most micro-batches forwarded, not yet backwarded
-  double bubble() const;          ///< mean idle share
+  double makespan = 0;             ///< time from the first action's start to the last's end
+  std::vector<double> idle_share;  ///< per rank: 1 - busy / makespan
+  std::vector<int> peak_live;      ///< per rank: most micro-batches forwarded, not yet backwarded
+  double bubble() const;           ///< mean idle share
 };
 /// Simulates every rank's list (dependencies: a forward needs the previous virtual stage's
 /// forward of its micro-batch, a backward the next virtual stage's backward, and its own

@@ -24,7 +24,7 @@ class ShardInfo;
 namespace grpc {
 class ClientContext;
 class Status;
-}
+}  // namespace grpc
 
 namespace dtrain::parallel::ps {
 
@@ -83,12 +83,13 @@ class PsClient {
   /// Fills `flat` (the shards' dtype, the model's size) from all shards; returns each shard's
   /// version.
   std::vector<int64_t> pull(const at::Tensor& flat);
-  /// Pushes `gradient` (the shards' dtype, the model's size), each shard's range computed at `versions`
+  /// Pushes `gradient` (the shards' dtype, the model's size), each shard's range computed at
+  /// `versions`
   /// (`last`: this worker's final push).
   PushResult push(const at::Tensor& gradient, const std::vector<int64_t>& versions,
                   bool last = false);
-  /// Adds `gradient` (the shards' dtype, the model's size) into the named vector on every shard; keyed
-  /// by a work unit (`round` > 0, see ParameterShard::accumulate), returns the shards that
+  /// Adds `gradient` (the shards' dtype, the model's size) into the named vector on every shard;
+  /// keyed by a work unit (`round` > 0, see ParameterShard::accumulate), returns the shards that
   /// ignored it (another copy of the unit was first there, or the round is over).
   int accumulate(const at::Tensor& gradient, const std::string& vector, int64_t round = 0,
                  int64_t unit = 0);

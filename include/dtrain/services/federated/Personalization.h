@@ -29,7 +29,8 @@ ClientUpdate fine_tune(Model& model, const at::Tensor& global, const data::Tenso
                        int64_t layers, uint64_t seed);
 
 /// `model`'s accuracy on examples `indices` of `data`.
-double accuracy_on(Model& model, const data::TensorDataset& data, const std::vector<int64_t>& indices);
+double accuracy_on(Model& model, const data::TensorDataset& data,
+                   const std::vector<int64_t>& indices);
 
 struct PersonalizationReport {
   /// Per client (those with local test examples): accuracy of the global and the fine-tuned

@@ -113,8 +113,8 @@ class ServerSession {
 
 /// Shamir sharing over GF(2^61 - 1), exposed for tests: `secret` (each element < 2^61 - 1) into
 /// shares for points 1..n, any `threshold` of which rebuild it.
-std::vector<std::vector<uint64_t>> shamir_split(const std::vector<uint64_t>& secret,
-                                                int threshold, const std::vector<uint32_t>& points);
+std::vector<std::vector<uint64_t>> shamir_split(const std::vector<uint64_t>& secret, int threshold,
+                                                const std::vector<uint32_t>& points);
 std::vector<uint64_t> shamir_join(const std::map<uint32_t, std::vector<uint64_t>>& shares);
 
 /// The ChaCha20 keystream of `seed` as `elements` int32 (the PRG).

@@ -83,7 +83,6 @@ struct SimulationOptions {
   bool progress = true;
 };
 
-
 struct SimulationResult {
   std::vector<RoundRecord> rounds;
   /// The first round (1-based count of applied rounds) whose evaluation reached

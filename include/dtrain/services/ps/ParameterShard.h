@@ -1,7 +1,8 @@
 // One parameter-server shard's state, without the network (the service layer: `dtrain ps
-// serve` holds one; workers reach it through PsClient and ShardProtocol.h's terms): its contiguous range [begin, end)
-// of the model's flat parameters (float32, or float64 for exact comparisons), the version
-// (updates applied), and the optimizer that applies pushed gradients to the range (SGD, Adagrad
+// serve` holds one; workers reach it through PsClient and ShardProtocol.h's terms): its contiguous
+// range [begin, end) of the model's flat parameters (float32, or float64 for exact comparisons),
+// the version (updates applied), and the optimizer that applies pushed gradients to the range (SGD,
+// Adagrad
 // - DistBelief's choice for Downpour, robust to stale gradients - or Adam), each update under
 // one lock so pulls see whole versions.
 #pragma once
@@ -84,8 +85,8 @@ class ParameterShard {
   /// the learning rate used) or why it was refused (nothing changed): among others a gradient
   /// holding NaN or Inf (kNonFiniteGradient), which would make every parameter it reaches
   /// non-finite for every worker.
-  std::string apply(int64_t begin, const at::Tensor& gradient, int64_t computed_version,
-                    int worker, bool last, int64_t* version, int64_t* staleness, double* lr);
+  std::string apply(int64_t begin, const at::Tensor& gradient, int64_t computed_version, int worker,
+                    bool last, int64_t* version, int64_t* staleness, double* lr);
   /// Runs `ops` in order on the slice, all under the lock; Dot results are appended to `dots`.
   /// Returns "" or why the batch was refused (checked whole first, and refused too when it
   /// would leave the parameters non-finite: nothing changed).
@@ -126,7 +127,7 @@ class ParameterShard {
   int64_t begin_ = 0, end_ = 0, total_ = 0;
   int64_t version_ = 0;
   bool initialized_ = false;
-  at::Tensor values_;           // float32 or float64 [end - begin)
+  at::Tensor values_;          // float32 or float64 [end - begin)
   optim::FlatOptimizer flat_;  // its state: Adagrad's sums; Adam's moments and steps per element
   std::vector<int64_t> staleness_counts_ = std::vector<int64_t>(kStalenessBins, 0);
   std::map<int, WorkerRecord> workers_;

@@ -2,8 +2,8 @@
 // tests start them in-process. Every request is checked before it touches the shard: a
 // malformed one (or a gradient holding NaN or Inf) gets INVALID_ARGUMENT naming the field (the
 // worker and first bad element) and changes nothing, counted per worker in Describe; with a
-// token, a call without it gets UNAUTHENTICATED. With a checkpoint directory the shard saves its slice
-// and optimizer state every interval (atomically) and at shutdown, and resumes from it when
+// token, a call without it gets UNAUTHENTICATED. With a checkpoint directory the shard saves its
+// slice and optimizer state every interval (atomically) and at shutdown, and resumes from it when
 // started again.
 #pragma once
 
