@@ -17,17 +17,9 @@ import subprocess
 import sys
 import tempfile
 
+from run_ddp_bench import run_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_json(command, env):
-    out = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    if out.returncode != 0:
-        sys.exit(f"failed ({out.returncode}): {' '.join(command)}\n{out.stderr[-2000:]}")
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            return json.loads(line)
-    sys.exit(f"no result from: {' '.join(command)}\n{out.stdout[-2000:]}")
 
 
 def configs(build):

@@ -57,6 +57,22 @@ struct OptionGroup {
   std::function<void(const StrategyOptions&)> check;
 };
 
+/// The option group of one options struct T: `declare` binds its flags to a T, `check` its
+/// values (nullptr: nothing to check).
+template <typename T>
+OptionGroup option_group(std::string name, void (*declare)(FlagSet&, T&),
+                         void (*check)(const T&) = nullptr) {
+  OptionGroup group;
+  group.name = std::move(name);
+  group.declare = [declare](FlagSet& flags, StrategyOptions& options) {
+    declare(flags, options.of<T>());
+  };
+  if (check != nullptr) {
+    group.check = [check](const StrategyOptions& options) { check(options.of<T>()); };
+  }
+  return group;
+}
+
 struct StrategyInfo {
   std::string name;
   /// One line for --help.
@@ -80,6 +96,12 @@ struct StrategyInfo {
   std::function<void(const StrategyOptions&, const Layout&)> check_layout;
   std::function<StrategyPtr(const StrategyOptions&)> make;
 };
+
+/// A StrategyInfo::make for a strategy class constructed from the options.
+template <typename S>
+StrategyPtr make_from_options(const StrategyOptions& options) {
+  return std::make_unique<S>(options);
+}
 
 /// Every registered strategy, built-in ones first.
 const std::vector<StrategyInfo>& strategies();

@@ -19,9 +19,7 @@ StrategyInfo ddp_strategy() {
   info.name = "ddp";
   info.summary = "data parallelism: bucketed gradient all-reduce overlapped with backward";
   info.pipeline_stages = true;
-  info.make = [](const StrategyOptions& options) -> StrategyPtr {
-    return std::make_unique<DdpStrategy>(options);
-  };
+  info.make = make_from_options<DdpStrategy>;
   return info;
 }
 

@@ -95,6 +95,19 @@ void check_layout(const PipelineOptions& o, const Layout& layout) {
   }
 }
 
+void declare_flags(FlagSet& flags, PipelineOptions& o) {
+  flags.add("--schedule", o.schedule, "Pipeline schedule: gpipe, 1f1b, interleaved");
+  flags.add("--virtual-stages", o.virtual_stages,
+            "Interleaved schedule: model chunks per pipeline rank");
+  flags.add("--pipeline-balance", o.balance,
+            "Place pipeline stages by params (parameter count), time (measured forward + "
+            "backward) or S1,S2,... (model stages per pipeline stage)");
+  flags.add("--pipeline-transport", o.transport,
+            "Pipeline activations and gradients travel through auto (shared memory between "
+            "stages on the same machine, else the communicator) or comm (always the "
+            "communicator)");
+}
+
 }  // namespace
 
 StrategyInfo pipeline_strategy() {
@@ -106,29 +119,11 @@ StrategyInfo pipeline_strategy() {
   info.set_stage_strategy = [](StrategyOptions& options, const std::string& stage_strategy) {
     options.of<PipelineOptions>().data_parallel = stage_strategy;
   };
-  OptionGroup own;
-  own.name = "pipeline";
-  own.declare = [](FlagSet& flags, StrategyOptions& options) {
-    auto& o = options.of<PipelineOptions>();
-    flags.add("--schedule", o.schedule, "Pipeline schedule: gpipe, 1f1b, interleaved");
-    flags.add("--virtual-stages", o.virtual_stages,
-              "Interleaved schedule: model chunks per pipeline rank");
-    flags.add("--pipeline-balance", o.balance,
-              "Place pipeline stages by params (parameter count), time (measured forward + "
-              "backward) or S1,S2,... (model stages per pipeline stage)");
-    flags.add("--pipeline-transport", o.transport,
-              "Pipeline activations and gradients travel through auto (shared memory between "
-              "stages on the same machine, else the communicator) or comm (always the "
-              "communicator)");
-  };
-  own.check = [](const StrategyOptions& options) { check_options(options.of<PipelineOptions>()); };
-  info.options = {own};
+  info.options = {option_group<PipelineOptions>("pipeline", declare_flags, check_options)};
   info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
     check_layout(options.of<PipelineOptions>(), layout);
   };
-  info.make = [](const StrategyOptions& options) -> StrategyPtr {
-    return std::make_unique<PipelineStrategy>(options);
-  };
+  info.make = make_from_options<PipelineStrategy>;
   return info;
 }
 

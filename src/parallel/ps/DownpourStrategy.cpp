@@ -47,36 +47,25 @@ void check_options(const DownpourOptions& o) {
                      o.max_staleness, ")");
 }
 
+void declare_flags(FlagSet& flags, DownpourOptions& o) {
+  flags.add("--n-fetch", o.n_fetch,
+            "--strategy downpour: fetch fresh parameters every N steps (in the background)");
+  flags.add("--n-push", o.n_push,
+            "--strategy downpour: push the gradients accumulated over N steps (in the "
+            "background)");
+  flags.add("--max-staleness", o.max_staleness,
+            "--strategy downpour: a worker whose parameters are more than this many server "
+            "versions old waits for a fresh pull (-1: no cap)");
+}
+
 }  // namespace
 
 StrategyInfo downpour_strategy() {
-  StrategyInfo info;
-  info.name = "downpour";
-  info.summary = "Downpour SGD: asynchronous workers against parameter-server shards";
-  info.loop = Loop::kAsynchronous;
-  info.parameter_server = true;
-  info.server_optimizer = true;
-  OptionGroup own;
-  own.name = "downpour";
-  own.declare = [](FlagSet& flags, StrategyOptions& options) {
-    auto& o = options.of<DownpourOptions>();
-    flags.add("--n-fetch", o.n_fetch,
-              "--strategy downpour: fetch fresh parameters every N steps (in the background)");
-    flags.add("--n-push", o.n_push,
-              "--strategy downpour: push the gradients accumulated over N steps (in the "
-              "background)");
-    flags.add("--max-staleness", o.max_staleness,
-              "--strategy downpour: a worker whose parameters are more than this many server "
-              "versions old waits for a fresh pull (-1: no cap)");
-  };
-  own.check = [](const StrategyOptions& options) { check_options(options.of<DownpourOptions>()); };
-  info.options = {connection_options(), own};
-  info.check_layout = [](const StrategyOptions&, const Layout& layout) {
-    check_replica_layout("downpour", layout);
-  };
-  info.make = [](const StrategyOptions& options) -> StrategyPtr {
-    return std::make_unique<DownpourStrategy>(options);
-  };
+  StrategyInfo info = replica_strategy(
+      "downpour", "Downpour SGD: asynchronous workers against parameter-server shards",
+      Loop::kAsynchronous, option_group<DownpourOptions>("downpour", declare_flags, check_options),
+      make_from_options<DownpourStrategy>);
+  info.server_optimizer = true;  // the shards apply the updates
   return info;
 }
 

@@ -17,39 +17,47 @@ void check_connection(const PsOptions& o) {
 
 }  // namespace
 
-OptionGroup connection_options() {
-  OptionGroup group;
-  group.name = "parameter-server connection";
-  group.declare = [](FlagSet& flags, StrategyOptions& options) {
-    auto& o = options.of<PsOptions>();
-    flags.add_list("--ps", o.addresses,
-                   "--strategy downpour/sandblaster: the parameter-server shards, HOST:PORT,... "
-                   "in shard order (each started with dtrain ps serve)");
-    flags.add("--ps-timeout-ms", o.rpc_timeout_ms,
-              "--strategy downpour/sandblaster: deadline of every parameter-server call");
-    flags.add("--ps-retry-ms", o.retry_ms,
-              "--strategy downpour/sandblaster: how long an unreachable shard (restarting?) is "
-              "retried, with back-off, before the worker fails");
-    flags
-        .add("--ps-tls", o.tls,
-             "--strategy downpour/sandblaster: connect to the shards with TLS (system roots "
-             "unless --ps-tls-ca)")
-        .show_default = false;
-    flags
-        .add("--ps-tls-ca", o.tls_ca,
-             "--strategy downpour/sandblaster: PEM file of the certificates to trust (implies "
-             "--ps-tls)")
-        .show_default = false;
-  };
-  group.check = [](const StrategyOptions& options) { check_connection(options.of<PsOptions>()); };
-  return group;
+void declare_connection_flags(FlagSet& flags, PsOptions& o) {
+  flags.add_list("--ps", o.addresses,
+                 "--strategy downpour/sandblaster: the parameter-server shards, HOST:PORT,... in "
+                 "shard order (each started with dtrain ps serve)");
+  flags.add("--ps-timeout-ms", o.rpc_timeout_ms,
+            "--strategy downpour/sandblaster: deadline of every parameter-server call");
+  flags.add("--ps-retry-ms", o.retry_ms,
+            "--strategy downpour/sandblaster: how long an unreachable shard (restarting?) is "
+            "retried, with back-off, before the worker fails");
+  flags
+      .add("--ps-tls", o.tls,
+           "--strategy downpour/sandblaster: connect to the shards with TLS (system roots "
+           "unless --ps-tls-ca)")
+      .show_default = false;
+  flags
+      .add("--ps-tls-ca", o.tls_ca,
+           "--strategy downpour/sandblaster: PEM file of the certificates to trust (implies "
+           "--ps-tls)")
+      .show_default = false;
 }
 
-void check_replica_layout(const std::string& strategy, const Layout& layout) {
-  DTRAIN_CHECK_INPUT(layout.pipeline_parallel <= 1 && layout.tensor_parallel <= 1, "--strategy ",
-                     strategy,
-                     " workers are replicas of the whole model: "
-                     "--pipeline-parallel and --tensor-parallel are not supported with it");
+StrategyInfo replica_strategy(const std::string& name, const std::string& summary, Loop loop,
+                              OptionGroup own,
+                              std::function<StrategyPtr(const StrategyOptions&)> make) {
+  StrategyInfo info;
+  info.name = name;
+  info.summary = summary;
+  info.loop = loop;
+  info.parameter_server = true;
+  info.options = {option_group<PsOptions>("parameter-server connection", declare_connection_flags,
+                                          check_connection),
+                  std::move(own)};
+  // Workers are whole-model replicas: no pipeline or tensor parallelism.
+  info.check_layout = [name](const StrategyOptions&, const Layout& layout) {
+    DTRAIN_CHECK_INPUT(layout.pipeline_parallel <= 1 && layout.tensor_parallel <= 1, "--strategy ",
+                       name,
+                       " workers are replicas of the whole model: "
+                       "--pipeline-parallel and --tensor-parallel are not supported with it");
+  };
+  info.make = std::move(make);
+  return info;
 }
 
 void ReplicaStrategy::setup_replica(Model model, const optim::OptimizerFactory& make_optimizer,

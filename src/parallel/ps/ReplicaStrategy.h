@@ -16,10 +16,12 @@
 
 namespace dtrain::parallel::ps {
 
-/// The shards' connection flags (--ps, --ps-timeout-ms, ...), shared by both strategies.
-OptionGroup connection_options();
-/// Workers are whole-model replicas: no pipeline or tensor parallelism.
-void check_replica_layout(const std::string& strategy, const Layout& layout);
+/// A parameter-server strategy's registry entry: the shards' connection flags (--ps,
+/// --ps-timeout-ms, ...: one group both strategies share) and `own`, and the layout rule of
+/// whole-model replicas (no pipeline or tensor parallelism).
+StrategyInfo replica_strategy(const std::string& name, const std::string& summary, Loop loop,
+                              OptionGroup own,
+                              std::function<StrategyPtr(const StrategyOptions&)> make);
 
 class ReplicaStrategy : public Strategy {
  public:

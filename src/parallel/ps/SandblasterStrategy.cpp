@@ -37,41 +37,27 @@ void check_options(const SandblasterOptions& o) {
                      "--work-unit-sizing '", o.unit_sizing, "': tapered or uniform");
 }
 
+void declare_flags(FlagSet& flags, SandblasterOptions& o) {
+  flags.add("--work-units", o.work_units,
+            "--strategy sandblaster: work units each evaluation of the loss is cut into, handed "
+            "out to workers as they ask (0: 10 per worker)");
+  flags.add_negated("--no-backup-tasks", o.backup_tasks,
+                    "--strategy sandblaster: no backup copies of the units still running near an "
+                    "evaluation's end (a straggler then sets the pace)");
+  flags.add("--work-unit-sizing", o.unit_sizing,
+            "--strategy sandblaster: tapered (the last 2 x workers units a half and a quarter of "
+            "the others' size: an evaluation ends on small units) or uniform");
+  flags.add("--lbfgs-history", o.history,
+            "--strategy sandblaster: L-BFGS history pairs (kept on the shards)");
+}
+
 }  // namespace
 
 StrategyInfo sandblaster_strategy() {
-  StrategyInfo info;
-  info.name = "sandblaster";
-  info.summary = "Sandblaster L-BFGS: a coordinator hands out work units over the shards";
-  info.loop = Loop::kDriven;
-  info.parameter_server = true;
-  OptionGroup own;
-  own.name = "sandblaster";
-  own.declare = [](FlagSet& flags, StrategyOptions& options) {
-    auto& o = options.of<SandblasterOptions>();
-    flags.add("--work-units", o.work_units,
-              "--strategy sandblaster: work units each evaluation of the loss is cut into, "
-              "handed out to workers as they ask (0: 10 per worker)");
-    flags.add_negated("--no-backup-tasks", o.backup_tasks,
-                      "--strategy sandblaster: no backup copies of the units still running near "
-                      "an evaluation's end (a straggler then sets the pace)");
-    flags.add("--work-unit-sizing", o.unit_sizing,
-              "--strategy sandblaster: tapered (the last 2 x workers units a half and a quarter "
-              "of the others' size: an evaluation ends on small units) or uniform");
-    flags.add("--lbfgs-history", o.history,
-              "--strategy sandblaster: L-BFGS history pairs (kept on the shards)");
-  };
-  own.check = [](const StrategyOptions& options) {
-    check_options(options.of<SandblasterOptions>());
-  };
-  info.options = {connection_options(), own};
-  info.check_layout = [](const StrategyOptions&, const Layout& layout) {
-    check_replica_layout("sandblaster", layout);
-  };
-  info.make = [](const StrategyOptions& options) -> StrategyPtr {
-    return std::make_unique<SandblasterStrategy>(options);
-  };
-  return info;
+  return replica_strategy(
+      "sandblaster", "Sandblaster L-BFGS: a coordinator hands out work units over the shards",
+      Loop::kDriven, option_group<SandblasterOptions>("sandblaster", declare_flags, check_options),
+      make_from_options<SandblasterStrategy>);
 }
 
 SandblasterStrategy::SandblasterStrategy(StrategyOptions options)

@@ -19,6 +19,14 @@ void check_options(const Zero3Options& o) {
                      o.min_unit_params);
 }
 
+void declare_flags(FlagSet& flags, Zero3Options& o) {
+  flags.add("--zero3-min-unit-params", o.min_unit_params,
+            "zero3: merge consecutive model stages into units of at least this many parameters "
+            "(0 = one unit per stage)");
+  flags.add_negated("--no-zero3-prefetch", o.prefetch,
+                    "zero3: do not gather the next unit while the current one computes");
+}
+
 }  // namespace
 
 StrategyInfo zero3_strategy() {
@@ -26,27 +34,14 @@ StrategyInfo zero3_strategy() {
   info.name = "zero3";
   info.summary = "ZeRO stage 3 (FSDP): parameters sharded too, gathered unit by unit";
   info.whole_model_on_rank0 = false;
-  OptionGroup own;
-  own.name = "zero3";
-  own.declare = [](FlagSet& flags, StrategyOptions& options) {
-    auto& o = options.of<Zero3Options>();
-    flags.add("--zero3-min-unit-params", o.min_unit_params,
-              "zero3: merge consecutive model stages into units of at least this many "
-              "parameters (0 = one unit per stage)");
-    flags.add_negated("--no-zero3-prefetch", o.prefetch,
-                      "zero3: do not gather the next unit while the current one computes");
-  };
-  own.check = [](const StrategyOptions& options) { check_options(options.of<Zero3Options>()); };
-  info.options = {own};
+  info.options = {option_group<Zero3Options>("zero3", declare_flags, check_options)};
   info.check_layout = [](const StrategyOptions&, const Layout& layout) {
     DTRAIN_CHECK_INPUT(!layout.tied_parameters,
                        "--tied-embeddings with zero3: the shared weight would be gathered by two "
                        "units; leave --tied-embeddings out or use zero1/zero2");
     check_no_sequence_parallel("zero3", layout);
   };
-  info.make = [](const StrategyOptions& options) -> StrategyPtr {
-    return std::make_unique<Zero3Strategy>(options);
-  };
+  info.make = make_from_options<Zero3Strategy>;
   return info;
 }
 
