@@ -80,6 +80,31 @@ TEST(Launcher, SetsTorchrunEnvironmentAndPrefixesOutput) {
   }
 }
 
+// A torch.distributed program runs under dtrain launch as under torchrun: its env://
+// rendezvous joins the launcher's store as a client (TORCHELASTIC_USE_AGENT_STORE) instead of
+// trying to host one on MASTER_PORT ("Address already in use"), and its ranks all-reduce.
+TEST(Launcher, RunsAPyTorchDistributedProgramAsTorchrunWould) {
+  if (!std::filesystem::exists("/usr/bin/python3") ||
+      run("/usr/bin/python3 -c 'import torch.distributed'").code != 0) {
+    GTEST_SKIP() << "no PyTorch in /usr/bin/python3 (Debian's python3-torch)";
+  }
+  TempDir dir;
+  const std::string program = dir.path() + "/allreduce.py";
+  std::ofstream(program) << "import os, torch, torch.distributed as dist\n"
+                            "dist.init_process_group('gloo')\n"
+                            "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+                            "dist.all_reduce(t)\n"
+                            "print('sum', int(t.item()), 'of', dist.get_world_size(), "
+                            "'restart', os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+                            "dist.destroy_process_group()\n";
+  const auto out =
+      run(kDtrain + " launch --nproc-per-node 3 --threads 1 -- /usr/bin/python3 " + program);
+  EXPECT_EQ(out.code, 0) << out.text;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(has(out, "[rank " + std::to_string(r) + "] sum 6 of 3 restart 0")) << out.text;
+  }
+}
+
 TEST(Launcher, AFailingRankStopsTheOthersAndIsNamed) {
   const auto out = run(kDtrain +
                        " launch --nproc-per-node 3 --grace 1 -- sh -c "

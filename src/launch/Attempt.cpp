@@ -84,6 +84,14 @@ void Attempt::spawn() {
         concat("DTRAIN_STORE_PREFIX=attempt-", attempt_, "/"),
         concat("DTRAIN_RESTART_COUNT=", attempt_),
         concat("TORCHELASTIC_RESTART_COUNT=", attempt_),
+        // torchrun's agent-store convention: a torch.distributed env:// program connects to
+        // this launcher's store as a client (under /worker/attempt_N) instead of hosting one
+        // on MASTER_PORT itself.
+        "TORCHELASTIC_USE_AGENT_STORE=True",
+        concat("TORCHELASTIC_MAX_RESTARTS=", o_.max_restarts),
+        concat("GROUP_WORLD_SIZE=", nnodes_),
+        concat("ROLE_RANK=", r.rank),
+        concat("ROLE_WORLD_SIZE=", world),
     };
     if (!o_.interface.empty()) env.push_back("GLOO_SOCKET_IFNAME=" + o_.interface);
     if (!progress_file_.empty()) env.push_back("DTRAIN_PROGRESS_FILE=" + progress_file_);
