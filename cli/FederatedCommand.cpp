@@ -70,6 +70,25 @@ std::string federated_models() {
   return names;
 }
 
+// The rounds' flags of the simulation and the server (the same meaning in both).
+void add_round_flags(CLI::App& c, int64_t& rounds, int64_t& min_clients, bool& secure,
+                     double& secagg_threshold, std::string& metrics_file,
+                     const std::string& min_clients_more) {
+  add(c, "--rounds", rounds, "Rounds")->capture_default_str();
+  add(c, "--min-clients", min_clients,
+      "A round counts when at least this many selected clients finished (0 = 1); else it is "
+      "retried" +
+          min_clients_more)
+      ->capture_default_str();
+  c.add_flag("--secure-aggregation", secure,
+             "Secure aggregation (Bonawitz et al. 2017): the server learns only each round's sum");
+  add(c, "--secagg-threshold", secagg_threshold,
+      "Secure aggregation's t as a fraction of the round's clients (0 = a majority); rounds "
+      "with fewer survivors abort")
+      ->capture_default_str();
+  add(c, "--metrics-file", metrics_file, "JSON Lines: one record per round");
+}
+
 void add_plan(CLI::App& c, Shared& s) {
   std::string algorithms;
   for (const auto& name : federated::aggregator_names()) {
@@ -203,10 +222,8 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       ->capture_default_str();
   add(c, "--fraction", s.fraction, "C: the fraction of clients selected each round")
       ->capture_default_str();
-  add(c, "--rounds", s.rounds, "Rounds")->capture_default_str();
-  add(c, "--min-clients", s.min_clients,
-      "A round counts when at least this many selected clients finished (0 = 1); else retried")
-      ->capture_default_str();
+  add_round_flags(c, s.rounds, s.min_clients, s.secure_aggregation, s.secagg_threshold,
+                  s.metrics_file, "");
   add(c, "--partition", o.partition,
       "How the training set is cut: iid, shards:K (sorted labels, K shards per client: "
       "pathological non-IID) or dirichlet:ALPHA (label skew)")
@@ -217,12 +234,6 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add_plan(c, o.sim_shared);
   c.add_flag("!--no-error-feedback", o.error_feedback,
              "topk: drop what was not sent instead of keeping it for the next update");
-  c.add_flag("--secure-aggregation", s.secure_aggregation,
-             "Secure aggregation (Bonawitz et al. 2017): the server learns only each round's sum");
-  add(c, "--secagg-threshold", s.secagg_threshold,
-      "Secure aggregation's t as a fraction of the round's clients (0 = a majority); rounds "
-      "with fewer survivors abort")
-      ->capture_default_str();
   add(c, "--availability", o.availability_trace,
       "Who can be selected when: always, or diurnal:HOURS (each client, in its own time zone, "
       "available HOURS a day; a client whose window closes mid-round leaves it)")
@@ -246,7 +257,6 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(c, "--target-accuracy", s.target_accuracy,
       "Stop once the global model's test accuracy reaches this (0 = never)")
       ->capture_default_str();
-  add(c, "--metrics-file", s.metrics_file, "JSON Lines: one record per round");
 
   // serve
   auto& v = o.server;
@@ -254,12 +264,10 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   CLI::App& sv = *o.serve_cmd;
   sv.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   add(sv, "--listen", v.listen, "HOST:PORT to serve on")->capture_default_str();
-  add(sv, "--rounds", v.rounds, "Rounds")->capture_default_str();
+  add_round_flags(
+      sv, v.rounds, v.min_clients, v.secure_aggregation, v.secagg_threshold, v.metrics_file,
+      "; also the fewest waiting clients a round starts with after --selection-timeout");
   add(sv, "--clients-per-round", v.clients_per_round, "K: clients selected each round")
-      ->capture_default_str();
-  add(sv, "--min-clients", v.min_clients,
-      "A round counts when at least this many selected clients finished (0 = 1); else it is "
-      "retried; also the fewest waiting clients a round starts with after --selection-timeout")
       ->capture_default_str();
   add(sv, "--round-timeout", v.round_timeout_s,
       "Seconds a round waits for its clients' updates (stragglers are dropped)")
@@ -275,11 +283,6 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add_run_flags(sv, v.checkpoint_dir, v.eval_every, v.progress,
                 "Save the server (model, optimizer, round) here every round; resume from it",
                 "rounds");
-  sv.add_flag("--secure-aggregation", v.secure_aggregation,
-              "Secure aggregation (Bonawitz et al. 2017): the server learns only each round's sum");
-  add(sv, "--secagg-threshold", v.secagg_threshold,
-      "Secure aggregation's t as a fraction of the round's clients (0 = a majority)")
-      ->capture_default_str();
   add(sv, "--secagg-step-timeout", v.secagg_step_timeout_s,
       "Seconds each secure-aggregation step (keys, shares, reveals) waits for the clients")
       ->capture_default_str();
@@ -288,7 +291,6 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       "File of 'CLIENT_ID TOKEN' lines: each client's calls must carry its own token");
   add(sv, "--tls-cert", v.tls_cert, "PEM certificate chain: serve TLS");
   add(sv, "--tls-key", v.tls_key, "PEM private key of --tls-cert");
-  add(sv, "--metrics-file", v.metrics_file, "JSON Lines: one record per round");
 
   // client
   auto& k = o.client;
