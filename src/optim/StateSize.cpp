@@ -3,6 +3,11 @@
 
 #include <torch/optim.h>
 
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+
 #include "dtrain/common/Error.h"
 
 namespace dtrain::optim {
@@ -11,9 +16,23 @@ namespace {
 
 int64_t bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
 
-std::string key_of(const at::Tensor& parameter) {
-  return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+// LibTorch keys an optimizer's per-parameter state by the parameter's TensorImpl: its address
+// printed (1.13) or the pointer itself (2.x). The key type is read from the optimizer's map.
+using StateKey =
+    std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+
+template <typename Key>
+Key key_as(const at::Tensor& parameter) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream address;  // as c10::guts::to_string did
+    address << parameter.unsafeGetTensorImpl();
+    return address.str();
+  } else {
+    return static_cast<Key>(parameter.unsafeGetTensorImpl());
+  }
 }
+
+StateKey key_of(const at::Tensor& parameter) { return key_as<StateKey>(parameter); }
 
 void put(ParamState& state, const std::string& name, const at::Tensor& t) {
   if (t.defined()) state[name] = t.detach().reshape({-1});
@@ -78,7 +97,7 @@ ParamState get_param_state(const torch::optim::Optimizer& optimizer, const at::T
 
 void set_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
                      const ParamState& state) {
-  const std::string key = key_of(parameter);
+  const StateKey key = key_of(parameter);
   optimizer.state().erase(key);
   if (state.empty()) return;
   std::unique_ptr<torch::optim::OptimizerParamState> made;
