@@ -11,6 +11,7 @@
 #include "dtrain/launch/Environment.h"
 #include "dtrain/memory/Checkpoint.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/train/Checkpoint.h"
@@ -122,10 +123,9 @@ void validate_job(const JobConfig& job) {
     DTRAIN_CHECK_INPUT(addresses.empty() || job.ps_shards == 0,
                        "--ps and --ps-shards both given: use --ps for servers that are already "
                        "running, --ps-shards to start them here");
-    DTRAIN_CHECK_INPUT(
-        job.ps_optimizer == "adagrad" || job.ps_optimizer == "sgd" || job.ps_optimizer == "adam",
-        "--ps-optimizer: unknown parameter-server optimizer '", job.ps_optimizer,
-        "' (adagrad, sgd or adam)");
+    DTRAIN_CHECK_INPUT(optim::has_flat_rule(job.ps_optimizer),
+                       "--ps-optimizer: unknown parameter-server optimizer '", job.ps_optimizer,
+                       "' (", optim::flat_rule_names(), ")");
     DTRAIN_CHECK_INPUT(job.ps_lr > 0 && std::isfinite(job.ps_lr), "--ps-lr must be > 0, got ",
                        job.ps_lr);
   } else {

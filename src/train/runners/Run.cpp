@@ -18,10 +18,6 @@
 
 namespace dtrain::train {
 
-std::unique_ptr<Runner> make_step_runner();
-std::unique_ptr<Runner> make_asynchronous_runner();
-std::unique_ptr<Runner> make_driven_runner();
-
 std::unique_ptr<Runner> make_runner(parallel::Loop loop) {
   switch (loop) {
     case parallel::Loop::kSteps:

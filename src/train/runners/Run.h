@@ -136,5 +136,9 @@ class Runner {
 };
 
 std::unique_ptr<Runner> make_runner(parallel::Loop loop);
+/// The runners (StepRunner.cpp, DrivenRunner.cpp); make_runner picks one.
+std::unique_ptr<Runner> make_step_runner();
+std::unique_ptr<Runner> make_asynchronous_runner();
+std::unique_ptr<Runner> make_driven_runner();
 
 }  // namespace dtrain::train
