@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "common/TorchCompat.h"
+
 namespace dtrain::bench {
 
 /// A /proc/self/status field in MB ("VmRSS:", "VmHWM:"), 0 when absent.
@@ -56,9 +58,9 @@ inline bool reset_peak() {
 /// `c10::SetCPUAllocator(&allocator, /*priority=*/100)` before any tensor is made. Data and
 /// context are the same pointer (some kernels allocate raw buffers through raw_deleter(), which
 /// LibTorch requires of an allocator): a 64-byte header before the data keeps the size.
-class CountingAllocator : public at::Allocator {
+class CountingAllocator : public compat::Allocator {
  public:
-  at::DataPtr allocate(size_t n) const override {
+  at::DataPtr allocate_bytes(size_t n) const override {
     void* block = nullptr;
     if (posix_memalign(&block, kHeader, n + kHeader) != 0) throw std::bad_alloc();
     *static_cast<size_t*>(block) = n;

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
@@ -83,10 +84,13 @@ TEST(Launcher, SetsTorchrunEnvironmentAndPrefixesOutput) {
 // A torch.distributed program runs under dtrain launch as under torchrun: its env://
 // rendezvous joins the launcher's store as a client (TORCHELASTIC_USE_AGENT_STORE) instead of
 // trying to host one on MASTER_PORT ("Address already in use"), and its ranks all-reduce.
+// The program's PyTorch is the one of dtrain's LibTorch version (1.13 in the Debian build, 2.x
+// in the pip build: CI runs both).
 TEST(Launcher, RunsAPyTorchDistributedProgramAsTorchrunWould) {
-  if (!std::filesystem::exists("/usr/bin/python3") ||
-      run("/usr/bin/python3 -c 'import torch.distributed'").code != 0) {
-    GTEST_SKIP() << "no PyTorch in /usr/bin/python3 (Debian's python3-torch)";
+  const std::string python = DTRAIN_PYTHON;
+  if (!std::filesystem::exists(python) ||
+      run(python + " -c 'import torch.distributed'").code != 0) {
+    GTEST_SKIP() << "no PyTorch in " << python;
   }
   TempDir dir;
   const std::string program = dir.path() + "/allreduce.py";
@@ -95,13 +99,17 @@ TEST(Launcher, RunsAPyTorchDistributedProgramAsTorchrunWould) {
                             "t = torch.tensor([float(dist.get_rank() + 1)])\n"
                             "dist.all_reduce(t)\n"
                             "print('sum', int(t.item()), 'of', dist.get_world_size(), "
-                            "'restart', os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+                            "'restart', os.environ['TORCHELASTIC_RESTART_COUNT'], "
+                            "'torch', '.'.join(torch.__version__.split('.')[:2]))\n"
                             "dist.destroy_process_group()\n";
   const auto out =
-      run(kDtrain + " launch --nproc-per-node 3 --threads 1 -- /usr/bin/python3 " + program);
+      run(kDtrain + " launch --nproc-per-node 3 --threads 1 -- " + python + " " + program);
   EXPECT_EQ(out.code, 0) << out.text;
   for (int r = 0; r < 3; ++r) {
-    EXPECT_TRUE(has(out, "[rank " + std::to_string(r) + "] sum 6 of 3 restart 0")) << out.text;
+    EXPECT_TRUE(has(out, "[rank " + std::to_string(r) + "] sum 6 of 3 restart 0 torch " +
+                             std::to_string(TORCH_VERSION_MAJOR) + "." +
+                             std::to_string(TORCH_VERSION_MINOR)))
+        << out.text;
   }
 }
 

@@ -2,7 +2,7 @@
 #include "comm/gloo/GlooCommunicator.h"
 #include "dtrain/comm/Communicator.h"
 #include "dtrain/common/Error.h"
-#ifdef DTRAIN_WITH_NCCL
+#ifdef DTRAIN_CUDA
 #include "comm/nccl/NcclCommunicator.h"
 #endif
 
@@ -11,12 +11,12 @@ namespace dtrain::comm {
 CommunicatorPtr init(const InitOptions& options) {
   if (options.backend == "gloo") return gloo_backend::create_world(options);
   if (options.backend == "nccl") {
-#ifdef DTRAIN_WITH_NCCL
+#ifdef DTRAIN_CUDA
     return nccl_backend::create_world(options);
 #else
     DTRAIN_THROW(InputError,
                  "backend nccl is not available: this dtrain was built without "
-                 "-DDTRAIN_WITH_NCCL=ON (it needs a CUDA build of LibTorch); use --backend gloo");
+                 "-DDTRAIN_CUDA=ON (it needs a CUDA build of LibTorch); use --backend gloo");
 #endif
   }
   DTRAIN_THROW(InputError, "unknown communication backend '", options.backend,

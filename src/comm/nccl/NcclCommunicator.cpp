@@ -1,6 +1,7 @@
-// The c10d ProcessGroupNCCL backend, compiled only with -DDTRAIN_WITH_NCCL=ON against a CUDA build
+// The c10d ProcessGroupNCCL backend, compiled only with -DDTRAIN_CUDA=ON against a CUDA build
 // of LibTorch. Collectives run on CUDA tensors through NCCL; the ring algorithms of the
 // Communicator base class (reduce-scatter, uneven allgather) run over NCCL send/recv.
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -8,6 +9,8 @@
 #include "comm/C10dWork.h"
 #include "comm/nccl/NcclCommunicator.h"
 #include "dtrain/common/Error.h"
+
+#include <cstdlib>
 
 namespace dtrain::comm::nccl_backend {
 
@@ -86,6 +89,16 @@ class NcclCommunicator : public Communicator {
 }  // namespace
 
 CommunicatorPtr create_world(const InitOptions& options) {
+  // Without a device NCCL would fail deep inside c10d (or crash): one line instead.
+  const int devices = static_cast<int>(c10::cuda::device_count());
+  DTRAIN_CHECK_INPUT(devices > 0, "backend nccl needs a CUDA device; none is visible to rank ",
+                     options.rank, " (CUDA_VISIBLE_DEVICES='",
+                     std::getenv("CUDA_VISIBLE_DEVICES") ? std::getenv("CUDA_VISIBLE_DEVICES") : "",
+                     "'); use --backend gloo");
+  // One device per local rank, as torchrun's LOCAL_RANK convention has it.
+  const char* local = std::getenv("LOCAL_RANK");
+  const int local_rank = local ? std::atoi(local) : options.rank;
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(local_rank % devices));
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(options.master_port);
   store_options.isServer = options.rank == 0;
