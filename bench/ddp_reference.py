@@ -1,7 +1,9 @@
 """One rank of the PyTorch reference for the DDP benchmark: the same models, batch, optimizer
 and thread count as bench/ddp_bench.cpp, trained with torch.nn.parallel.DistributedDataParallel
 over gloo. Start it with `dtrain launch` (torchrun's variables); rank 0 prints one JSON line.
-Run with Debian's interpreter: /usr/bin/python3."""
+Runs under Debian's /usr/bin/python3 (PyTorch 1.13) or .venv-torch/bin/python (the pinned 2.x,
+which also has --strategy fsdp2: FSDP2's fully_shard on every Linear layer and the root, the
+peer of dtrain's zero3)."""
 import argparse
 import json
 import os
@@ -23,8 +25,9 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--bucket-cap-mb", type=float, default=25)
-    parser.add_argument("--strategy", default="ddp", choices=["ddp", "zero1"],
-                        help="zero1: torch.distributed.optim.ZeroRedundancyOptimizer")
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "zero1", "fsdp2"],
+                        help="zero1: torch.distributed.optim.ZeroRedundancyOptimizer; "
+                             "fsdp2: torch.distributed.fsdp.fully_shard (PyTorch 2.x)")
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 256])
     parser.add_argument("--no-comm-baseline", action="store_true", help="(dtrain's flag; ignored)")
@@ -35,7 +38,16 @@ def main():
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = Mlp(args.hidden) if args.model == "mlp" else Cnn()
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    if args.strategy == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.modules():
+            if isinstance(layer, (nn.Linear, nn.Conv2d)):
+                fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     if args.optimizer == "adam":
         kind, settings = torch.optim.Adam, {"lr": 1e-4}
     else:

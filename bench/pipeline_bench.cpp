@@ -139,8 +139,10 @@ int main(int argc, char** argv) {
   });
 
   std::vector<double> times, bubbles, peaks;
+  bool peak_reset = false;
   for (int step = 0; step < warmup + steps; ++step) {
     const bool measured = step >= warmup;
+    if (step == warmup) peak_reset = bench::reset_peak();  // the measured steps' own RSS peak
     if (measured) trace::start();
     world->barrier()->wait();
     base = bench::CountingAllocator::bytes_in_use();
@@ -174,6 +176,8 @@ int main(int argc, char** argv) {
     peaks.push_back(peaks_all[0].item<double>());
     peaks.push_back(peaks_all[P - 1].item<double>());
   }
+  at::Tensor step_rss = at::tensor({peak_reset ? bench::status_mb("VmHWM:") : -1.0}, at::kDouble);
+  world->allreduce(step_rss, {comm::ReduceOp::Max})->wait();  // the largest rank's
   if (!trace_path.empty()) {
     const auto fragments =
         comm::allgather_strings(*world, trace::to_json_events(trace::events(), world->rank()));
@@ -194,9 +198,9 @@ int main(int argc, char** argv) {
         "{\"mode\": \"pipeline\", \"schedule\": \"%s\", \"P\": %d, \"M\": %d, \"V\": %d, "
         "\"step_ms\": %.3f, \"samples_per_s\": %.1f, \"bubble\": %.4f, "
         "\"bubble_formula\": %.4f, \"act_peak_mb_first\": %.3f, "
-        "\"act_peak_mb_last\": %.3f}\n",
+        "\"act_peak_mb_last\": %.3f, \"step_peak_rss_mb\": %.1f}\n",
         schedule.c_str(), P, micro, chunks, ms, global_batch / ms * 1e3, median(bubbles), formula,
-        median(first_stage), median(last_stage));
+        median(first_stage), median(last_stage), step_rss.item<double>());
   }
   return 0;
 }

@@ -70,3 +70,29 @@ class Cnn(nn.Module):
         h = F.max_pool2d(F.relu(self.conv1(x)), 2)
         h = F.max_pool2d(F.relu(self.conv2(h)), 2)
         return self.fc2(F.relu(self.fc1(h.flatten(1))))
+
+
+def timed_steps(step, warmup, steps):
+    """Runs `step()` warmup + steps times, each after a barrier, as dtrain's benchmarks time
+    theirs; returns (median over the measured steps of the slowest rank's ms, the largest
+    rank's RSS peak over the measured steps in MB, -1 where it cannot be reset)."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    times = []
+    peak_reset = False
+    for i in range(warmup + steps):
+        if i == warmup:
+            peak_reset = reset_peak()
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        ms = torch.tensor([(time.perf_counter() - start) * 1e3], dtype=torch.float64)
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(ms.item())
+    rss = torch.tensor([status_mb("VmHWM:") if peak_reset else -1.0], dtype=torch.float64)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    return statistics.median(times), rss.item()

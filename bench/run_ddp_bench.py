@@ -24,13 +24,14 @@ def emit(table, markdown_path):
             f.write(table + "\n")
 
 
-def run_once(build, impl, model, world, batch, steps, bucket_cap_mb, extra=(), env=None):
+def run_once(build, impl, model, world, batch, steps, bucket_cap_mb, extra=(), env=None,
+             python="/usr/bin/python3"):
     args = ["--model", model, "--batch", str(batch), "--steps", str(steps),
             "--bucket-cap-mb", str(bucket_cap_mb)] + list(extra)
     if impl == "dtrain":
         program = [os.path.join(build, "bench", "ddp_bench")] + args
     else:
-        program = ["/usr/bin/python3", os.path.join(ROOT, "bench", "ddp_reference.py")] + args
+        program = [python, os.path.join(ROOT, "bench", "ddp_reference.py")] + args
     threads = max(1, (os.cpu_count() or 1) // world)
     command = [os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node",
                str(world), "--threads", str(threads), "--"] + program

@@ -87,8 +87,10 @@ int main(int argc, char** argv) {
   };
 
   std::vector<double> times, shares, peaks;
+  bool peak_reset = false;
   for (int step = 0; step < warmup + steps; ++step) {
     const bool measured = step >= warmup;
+    if (step == warmup) peak_reset = bench::reset_peak();  // the measured steps' own RSS peak
     if (world) world->barrier()->wait();
     if (measured) trace::start();
     const int64_t base = bench::CountingAllocator::bytes_in_use();
@@ -123,17 +125,20 @@ int main(int argc, char** argv) {
   int64_t parameter_bytes = 0;
   for (const auto& p : parameters) parameter_bytes += p.numel() * p.element_size();
   const int64_t optimizer_bytes = optim::optimizer_state_bytes(*optimizer);
+  at::Tensor step_rss = at::tensor({peak_reset ? bench::status_mb("VmHWM:") : -1.0}, at::kDouble);
+  if (world) world->allreduce(step_rss, {comm::ReduceOp::Max})->wait();  // the largest rank's
   if (!world || world->rank() == 0) {
     const double ms = median(times);
     std::printf(
         "{\"T\": %d, \"threads\": %d, \"sequence_parallel\": %s, \"step_ms\": %.1f, "
         "\"tokens_per_s\": %.1f, \"comm_share\": %.4f, \"param_mb\": %.2f, "
         "\"grad_mb\": %.2f, \"adam_mb\": %.2f, \"model_state_mb\": %.2f, "
-        "\"activation_peak_mb\": %.2f}\n",
+        "\"activation_peak_mb\": %.2f, \"step_peak_rss_mb\": %.1f}\n",
         T, single ? threads : 1, config.sequence_parallel ? "true" : "false", ms,
         static_cast<double>(batch * config.context) / ms * 1e3, median(shares),
         parameter_bytes / 1048576.0, parameter_bytes / 1048576.0, optimizer_bytes / 1048576.0,
-        (2.0 * parameter_bytes + optimizer_bytes) / 1048576.0, median(peaks));
+        (2.0 * parameter_bytes + optimizer_bytes) / 1048576.0, median(peaks),
+        step_rss.item<double>());
   }
   return 0;
 }
