@@ -7,6 +7,7 @@ peer of dtrain's zero3)."""
 import argparse
 import json
 import os
+import sys
 import statistics
 import time
 
@@ -87,7 +88,12 @@ def main():
                           "samples_per_s": round(args.batch * world * 1000.0 / step, 1),
                           "peak_rss_mb": round(peak.item(), 1),
                           "step_peak_rss_mb": round(step_peak.item(), 1)}))
-    dist.destroy_process_group()
+    # PyTorch 2.x's gloo now and then aborts a rank while tearing the group down
+    # ("terminate called without an active exception", after the results): the timed work is
+    # done, so each rank leaves without the teardown once all have arrived.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

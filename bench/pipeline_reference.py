@@ -7,6 +7,7 @@ rank 0 prints one JSON line (step time: the slowest rank's). Runs under .venv-to
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,12 @@ def main():
                           "step_ms": round(step_ms, 3),
                           "samples_per_s": round(args.global_batch / step_ms * 1e3, 1),
                           "step_peak_rss_mb": round(rss, 1)}))
-    dist.destroy_process_group()
+    # PyTorch 2.x's gloo now and then aborts a rank while tearing the group down
+    # ("terminate called without an active exception", after the results): the timed work is
+    # done, so each rank leaves without the teardown once all have arrived.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

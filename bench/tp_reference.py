@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -107,7 +108,12 @@ def main():
         print(json.dumps({"mode": "pytorch", "T": T, "step_ms": round(step_ms, 1),
                           "tokens_per_s": round(args.batch * args.context / step_ms * 1e3, 1),
                           "step_peak_rss_mb": round(rss, 1)}))
-    dist.destroy_process_group()
+    # PyTorch 2.x's gloo now and then aborts a rank while tearing the group down
+    # ("terminate called without an active exception", after the results): the timed work is
+    # done, so each rank leaves without the teardown once all have arrived.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@
 #include "dtrain/launch/Launcher.h"
 #include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/ps/PsOptions.h"
+#ifdef DTRAIN_SERVICES
 #include "dtrain/services/ps/ShardServer.h"
+#endif
 #include "dtrain/train/Job.h"
 
 namespace dtrain::cli {
@@ -203,6 +205,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add(app, "--log-every", t.log_every, "Steps between metrics records")->capture_default_str();
 }
 
+#ifdef DTRAIN_SERVICES
 // --strategy downpour/sandblaster --ps-shards N: the shards run in this (the launching)
 // process, on free local ports; the ranks get their addresses as --ps.
 std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shards(
@@ -261,6 +264,14 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
   std::fflush(stdout);
   return servers;
 }
+#else
+// Without the services no strategy uses a parameter server (downpour and sandblaster are not
+// registered), so there are never shards to start.
+std::vector<std::unique_ptr<int>> start_local_shards(dtrain::train::JobConfig&,
+                                                     std::vector<std::string>&) {
+  return {};
+}
+#endif
 
 int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
               const std::string& recipe) {
@@ -270,10 +281,12 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
   // started by Slurm / mpirun) get the same named errors from run_job itself.
   if (!worker) dtrain::train::validate_job(job);
   if (!worker && !recipe.empty()) std::printf("%s\n", recipe.c_str());
+#ifdef DTRAIN_SERVICES
   if (!job.ps_auth_token_file.empty()) {
     job.trainer.strategy_options.of<dtrain::parallel::ps::PsOptions>().auth_token =
         dtrain::rpc::read_token_file(job.ps_auth_token_file);
   }
+#endif
   const auto shards =
       worker ? decltype(start_local_shards(job, args)){} : start_local_shards(job, args);
   if (job.nproc > 1 && !worker) {

@@ -24,8 +24,10 @@ int main(int argc, char** argv) {
   commands.push_back(dtrain::cli::launch_command(app));
   commands.push_back(dtrain::cli::checkpoint_command(app));
   commands.push_back(dtrain::cli::generate_command(app));
+#ifdef DTRAIN_SERVICES  // -DDTRAIN_SERVICES=OFF: the training core without gRPC
   commands.push_back(dtrain::cli::ps_command(app));
   commands.push_back(dtrain::cli::federated_command(app));
+#endif
 
   std::vector<std::string> args(argv + 1, argv + argc);
   try {

@@ -9,8 +9,10 @@
 #include "dtrain/common/Error.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/pipeline/PipelineStrategy.h"
+#ifdef DTRAIN_SERVICES  // the parameter server's strategies need its gRPC client
 #include "parallel/ps/DownpourStrategy.h"
 #include "parallel/ps/SandblasterStrategy.h"
+#endif
 #include "parallel/zero/Zero3Strategy.h"
 #include "parallel/zero/ZeroStrategy.h"
 
@@ -25,8 +27,10 @@ constexpr InfoFn kBuiltIn[] = {
     zero2_strategy,
     zero3_strategy,
     pipeline::pipeline_strategy,
+#ifdef DTRAIN_SERVICES
     ps::downpour_strategy,
     ps::sandblaster_strategy,
+#endif
 };
 
 std::mutex& registry_mutex() {
