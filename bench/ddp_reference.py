@@ -7,7 +7,6 @@ peer of dtrain's zero3)."""
 import argparse
 import json
 import os
-import sys
 import statistics
 import time
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from reference_models import Cnn, Mlp, peak_rss_mb, reset_peak, status_mb
+from reference_models import Cnn, Mlp, leave, peak_rss_mb, reset_peak, status_mb
 
 
 def main():
@@ -88,12 +87,7 @@ def main():
                           "samples_per_s": round(args.batch * world * 1000.0 / step, 1),
                           "peak_rss_mb": round(peak.item(), 1),
                           "step_peak_rss_mb": round(step_peak.item(), 1)}))
-    # PyTorch 2.x's gloo now and then aborts a rank while tearing the group down
-    # ("terminate called without an active exception", after the results): the timed work is
-    # done, so each rank leaves without the teardown once all have arrived.
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -7,13 +7,12 @@ rank 0 prints one JSON line (step time: the slowest rank's). Runs under .venv-to
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from reference_models import timed_steps
+from reference_models import leave, timed_steps
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 
@@ -74,12 +73,7 @@ def main():
                           "step_ms": round(step_ms, 3),
                           "samples_per_s": round(args.global_batch / step_ms * 1e3, 1),
                           "step_peak_rss_mb": round(rss, 1)}))
-    # PyTorch 2.x's gloo now and then aborts a rank while tearing the group down
-    # ("terminate called without an active exception", after the results): the timed work is
-    # done, so each rank leaves without the teardown once all have arrived.
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from reference_models import timed_steps
+from reference_models import leave, timed_steps
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
@@ -108,12 +107,7 @@ def main():
         print(json.dumps({"mode": "pytorch", "T": T, "step_ms": round(step_ms, 1),
                           "tokens_per_s": round(args.batch * args.context / step_ms * 1e3, 1),
                           "step_peak_rss_mb": round(rss, 1)}))
-    # PyTorch 2.x's gloo now and then aborts a rank while tearing the group down
-    # ("terminate called without an active exception", after the results): the timed work is
-    # done, so each rank leaves without the teardown once all have arrived.
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":
