@@ -43,7 +43,7 @@ class Block(nn.Module):
         q, k, v = (packed.view(b, t, local_heads, 3, d).select(3, i).transpose(1, 2)
                    for i in range(3))
         scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(d))
-        future = torch.ones(t, t, dtype=torch.bool).triu(1)
+        future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         weights = scores.masked_fill(future, float("-inf")).softmax(-1)
         return self.proj((weights @ v).transpose(1, 2).reshape(b, t, local_heads * d))
 
@@ -60,7 +60,8 @@ class Gpt(nn.Module):
         self.ln, self.out = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
 
     def forward(self, ids):
-        h = self.token(ids) + self.position(torch.arange(ids.shape[1])).unsqueeze(0)
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        h = self.token(ids) + self.position(positions).unsqueeze(0)
         for block in self.blocks:
             h = block(h)
         return self.out(self.ln(h))

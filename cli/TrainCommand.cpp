@@ -180,6 +180,9 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       ->capture_default_str();
   app.add_flag("--error-on-unused-parameters", t.strategy_options.error_on_unused_parameters,
                "Fail a step when a parameter gets no gradient (default: treat as zero)");
+  add(app, "--device", t.strategy_options.device,
+      "cpu, cuda (this rank's GPU: LOCAL_RANK modulo the GPUs) or cuda:N")
+      ->capture_default_str();
   add(app, "--precision", t.strategy_options.precision,
       "fp32, bf16-mixed, fp16-mixed (CUDA only), bf16")
       ->capture_default_str();

@@ -6,6 +6,7 @@
 #include <atomic>
 
 #include "RankThreads.h"
+#include "comm/PaddedShares.h"
 #include "comm/SharedMemoryChannel.h"
 #include "dtrain/comm/ProcessGrid.h"
 
@@ -61,6 +62,44 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, AllreduceTest,
                                             ::testing::Values(torch::kFloat, torch::kDouble,
                                                               torch::kLong, torch::kHalf,
                                                               torch::kBFloat16)));
+
+// NCCL's uneven reduce-scatter and allgather are its even ones over padded shares
+// (comm/PaddedShares.h): done here by hand over 3 ranks' tensors, they give what the uneven
+// collectives would.
+TEST(Comm, PaddedSharesGiveTheUnevenCollectives) {
+  const std::vector<int64_t> counts = {2, 5, 3};
+  const int64_t total = 10, most = 5;
+  std::vector<at::Tensor> inputs;
+  for (int r = 0; r < 3; ++r) inputs.push_back(at::randn({total}, at::kDouble));
+  // reduce-scatter: the sum of the padded inputs, rank r's padded slot, its first counts[r]
+  at::Tensor padded_sum = at::zeros({3 * most}, at::kDouble);
+  for (const auto& input : inputs) {
+    const at::Tensor padded = comm::pad_shares(input, counts);
+    ASSERT_EQ(padded.numel(), 3 * most);
+    padded_sum += padded;
+  }
+  const at::Tensor sum = inputs[0] + inputs[1] + inputs[2];
+  int64_t offset = 0;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(padded_sum.narrow(0, r * most, counts[r]).equal(sum.narrow(0, offset, counts[r])));
+    EXPECT_TRUE(
+        padded_sum.narrow(0, r * most + counts[r], most - counts[r]).eq(0).all().item<bool>());
+    offset += counts[r];
+  }
+  // allgather: every rank's share padded to the largest, gathered, unpadded in rank order
+  at::Tensor gathered = at::zeros({3 * most}, at::kDouble);
+  std::vector<at::Tensor> shares;
+  for (int r = 0; r < 3; ++r) {
+    shares.push_back(at::randn({counts[r]}, at::kDouble));
+    gathered.narrow(0, r * most, counts[r]).copy_(shares[r]);
+  }
+  at::Tensor output = at::zeros({total}, at::kDouble);
+  comm::unpad_shares(gathered, counts, output);
+  EXPECT_TRUE(output.equal(at::cat(shares)));
+  // even shares pass through without a copy
+  const at::Tensor even = at::randn({9});
+  EXPECT_EQ(comm::pad_shares(even, comm::share_counts({}, 9, 3)).data_ptr(), even.data_ptr());
+}
 
 TEST(Comm, AllreduceNonContiguousWritesBack) {
   run_ranks(2, [](const CommunicatorPtr& comm) {

@@ -385,6 +385,7 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --config " + dir.path() + "/missing.toml", "missing.toml cannot be read"},
       {" train --grad-compression int4", "unknown gradient compression 'int4'"},
       {" train --precision fp16-mixed", "use --precision bf16-mixed"},
+      {" train --device gpu", "unknown device 'gpu' (expected cpu, cuda or cuda:N)"},
       {" train --zero3-min-unit-params -5", "--zero3-min-unit-params must be >= 0, got -5"},
       // Numbers are checked whole, in range and finite, for every numeric flag.
       {" train --bucket-cap-mb abc", "--bucket-cap-mb: expects a number, got 'abc'"},

@@ -27,6 +27,9 @@ TEST(Precision, NamesAndFp16OnCpuIsRefusedWithAHint) {
     EXPECT_NE(std::string(e.what()).find("bf16-mixed"), std::string::npos);
   }
   EXPECT_THROW(parallel::DdpStrategy({.precision = "fp16-mixed"}), InputError);
+  // On a CUDA device fp16-mixed is the usual mode (checked by name: no device is needed).
+  EXPECT_NO_THROW(precision::check_supported(Precision::Fp16Mixed, c10::Device("cuda:0")));
+  EXPECT_NO_THROW(parallel::DdpStrategy({.precision = "fp16-mixed", .device = "cuda:0"}));
 }
 
 TEST(Precision, AutocastScopeComputesInBf16AndRestores) {

@@ -14,6 +14,7 @@
 #include "RankThreads.h"
 #include "SmallModels.h"
 #include "TempDir.h"
+#include "dtrain/common/Device.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/train/Checkpoint.h"
@@ -457,6 +458,53 @@ TEST(Trainer, TooLittleDataIsAnInputError) {
   const auto dataset = data::make_synthetic(100, {16}, 4, 2);
   train::Trainer trainer(options);
   EXPECT_THROW(trainer.fit(models::make_model(mlp_spec()), dataset), InputError);
+}
+
+TEST(Device, NamesParseAndOthersAreOneLineErrors) {
+  EXPECT_TRUE(parse_device("cpu").is_cpu());
+  EXPECT_TRUE(parse_device("cuda").is_cuda());
+  EXPECT_FALSE(parse_device("cuda").has_index());
+  EXPECT_EQ(parse_device("cuda:1").index(), 1);
+  for (const char* bad : {"gpu", "cpu:1", "cuda:x", "", "mps"}) {
+    try {
+      parse_device(bad);
+      ADD_FAILURE() << bad;
+    } catch (const InputError& e) {
+      EXPECT_NE(e.message().find(std::string("unknown device '") + bad + "'"), std::string::npos)
+          << e.message();
+    }
+  }
+  const at::Tensor t = at::ones({3});
+  EXPECT_TRUE(to_device(t, parse_device("cpu")).is_same(t));
+}
+
+// Without a GPU (every CI machine), --device cuda fails when the Trainer is made, before any
+// data is touched, in one line saying why (this build has no CUDA, or this machine no device).
+TEST(Device, CudaWithoutADeviceIsRefusedBeforeTraining) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "this machine has a CUDA device";
+  auto options = base_options();
+  options.strategy_options.device = "cuda";
+  try {
+    train::Trainer trainer(options);
+    ADD_FAILURE() << "--device cuda accepted without a CUDA device";
+  } catch (const InputError& e) {
+    const std::string message = e.message();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    EXPECT_NE(message.find("--device cuda: "), std::string::npos) << message;
+    EXPECT_NE(message.find("use --device cpu"), std::string::npos) << message;
+  }
+}
+
+// --device cpu named is the default: the same run, step for step.
+TEST(Device, CpuNamedTrainsAsTheDefault) {
+  at::set_num_threads(1);
+  auto options = base_options();
+  options.epochs = 1;
+  const RunOutput implicit = run(2, options, 5);
+  options.strategy_options.device = "cpu";
+  const RunOutput named = run(2, options, 5);
+  ASSERT_EQ(named.losses.size(), implicit.losses.size());
+  for (size_t i = 0; i < named.losses.size(); ++i) EXPECT_EQ(named.losses[i], implicit.losses[i]);
 }
 
 TEST(Checkpoint, ConsolidatedFileLoadsInCppAndPython) {

@@ -1,10 +1,14 @@
-// IDX parsing over zlib's gz* API (which also reads uncompressed files transparently).
+// IDX parsing over zlib's gz* API (which also reads uncompressed files transparently). A core
+// build on a machine without zlib (scripts/gpu-check's) reads uncompressed files only.
 #include "dtrain/data/Idx.h"
 
 #include <ATen/ATen.h>
+#if DTRAIN_HAVE_ZLIB
 #include <zlib.h>
+#endif
 
 #include <sys/stat.h>
+#include <cstdio>
 #include <memory>
 
 #include "dtrain/common/Error.h"
@@ -12,6 +16,34 @@
 namespace dtrain::data {
 
 namespace {
+
+#if !DTRAIN_HAVE_ZLIB
+// The few gz* calls below over plain stdio; a gzip file is refused by name.
+struct gzFile_s {
+  std::FILE* file;
+};
+using gzFile = gzFile_s*;
+gzFile gzopen(const char* path, const char* mode) {
+  std::FILE* file = std::fopen(path, mode);
+  if (file == nullptr) return nullptr;
+  unsigned char magic[2] = {0, 0};
+  const bool gzip = std::fread(magic, 1, 2, file) == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
+  std::fclose(file);
+  DTRAIN_CHECK_INPUT(!gzip, path,
+                     " is gzip-compressed, and this dtrain was built without zlib: gunzip it");
+  return new gzFile_s{std::fopen(path, mode)};
+}
+int gzread(gzFile f, void* into, unsigned n) {
+  const size_t got = std::fread(into, 1, n, f->file);
+  return got == 0 && std::ferror(f->file) ? -1 : static_cast<int>(got);
+}
+const char* gzerror(gzFile, int*) { return "read error"; }
+int gzdirect(gzFile) { return 1; }
+void gzclose(gzFile f) {
+  std::fclose(f->file);
+  delete f;
+}
+#endif
 
 struct GzCloser {
   void operator()(gzFile file) const { gzclose(file); }

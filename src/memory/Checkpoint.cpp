@@ -2,30 +2,25 @@
 // backward, returning gradients for the segment input and its parameters.
 #include "dtrain/memory/Checkpoint.h"
 
-#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/torch.h>
 
 #include <cmath>
 
+#include "common/TorchCompat.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::memory {
 
 namespace {
 
-struct AutocastState {
-  bool enabled;
-  at::ScalarType dtype;
-  static AutocastState current() {
-    return {at::autocast::is_cpu_enabled(), at::autocast::get_autocast_cpu_dtype()};
-  }
-  void apply() const {
-    at::autocast::set_cpu_enabled(enabled);
-    at::autocast::set_autocast_cpu_dtype(dtype);
-  }
-};
+// The recomputation replays the forward's autocast (thread-local: a GPU's backward runs on
+// another thread) and random state, of the device the segment runs on.
+at::Generator generator_of(const c10::Device& device) {
+  return device.is_cpu() ? at::detail::getDefaultCPUGenerator()
+                         : at::globalContext().defaultGenerator(device);
+}
 
 struct CheckpointBackward : torch::autograd::Node {
   SegmentFn fn;
@@ -33,30 +28,31 @@ struct CheckpointBackward : torch::autograd::Node {
   bool input_requires_grad = false;
   std::vector<at::Tensor> parameters;
   at::Tensor rng_state;
-  AutocastState autocast{};
+  c10::Device device{c10::DeviceType::CPU};
+  compat::AutocastState autocast{};
 
   std::string name() const override { return "dtrain::CheckpointBackward"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    at::Generator generator = generator_of(device);
     at::Tensor outer_state;
     {
       std::lock_guard<std::mutex> lock(generator.mutex());
       outer_state = generator.get_state();
       generator.set_state(rng_state);  // the forward's dropout masks
     }
-    const AutocastState outer_autocast = AutocastState::current();
-    autocast.apply();
+    const compat::AutocastState outer_autocast = compat::autocast_state(device.type());
+    compat::set_autocast_state(device.type(), autocast);
     at::Tensor x = input.detach().requires_grad_(input_requires_grad);
     at::Tensor y;
     try {
       torch::AutoGradMode enable(true);
       y = fn(x);
     } catch (...) {
-      outer_autocast.apply();
+      compat::set_autocast_state(device.type(), outer_autocast);
       throw;
     }
-    outer_autocast.apply();
+    compat::set_autocast_state(device.type(), outer_autocast);
     {
       std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_state(outer_state);
@@ -94,9 +90,10 @@ at::Tensor checkpoint(const SegmentFn& fn, const at::Tensor& x,
   for (const auto& p : parameters) {
     if (p.requires_grad()) node->parameters.push_back(p);
   }
-  node->autocast = AutocastState::current();
+  node->device = x.device();
+  node->autocast = compat::autocast_state(node->device.type());
   {
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    at::Generator generator = generator_of(node->device);
     std::lock_guard<std::mutex> lock(generator.mutex());
     node->rng_state = generator.get_state();
   }

@@ -20,8 +20,10 @@ namespace {
 
 // `t` flattened (scalars stay 0-dim), owning exactly its elements: pickling a view would
 // write its whole storage.
+// What a state file holds of `t`: its elements alone, flat, on the CPU (a checkpoint made on a
+// GPU resumes anywhere).
 at::Tensor compact(const at::Tensor& t) {
-  const at::Tensor flat = t.dim() == 0 ? t.detach() : t.detach().reshape({-1});
+  const at::Tensor flat = (t.dim() == 0 ? t.detach() : t.detach().reshape({-1})).cpu();
   const bool exact =
       flat.is_contiguous() && flat.storage_offset() == 0 &&
       flat.storage().nbytes() == static_cast<size_t>(flat.numel() * flat.element_size());
@@ -250,14 +252,17 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
             if (key == "param") continue;
             const at::Tensor t = kv.value().toTensor();
             if (t.dim() == 0) {  // a scalar such as Adam's step
-              state[key] = t.clone();
+              state[key] = t.to(want.tensor.device());
               continue;
             }
             DTRAIN_CHECK_INPUT(t.numel() == numel, path, ": state '", key, "' of '", name, "' has ",
                                t.numel(), " elements, its piece ", numel);
             auto slot = state.find(key);
             if (slot == state.end()) {
-              slot = state.emplace(key, at::zeros({want.tensor.numel()}, t.options())).first;
+              slot = state
+                         .emplace(key, at::zeros({want.tensor.numel()},
+                                                 t.options().device(want.tensor.device())))
+                         .first;
             }
             copy(transfer, t, slot->second, want.offset);
           }

@@ -46,7 +46,12 @@ double clip_by_global_norm(const std::vector<at::Tensor>& holders,
                            const std::vector<bool>& counted) {
   DTRAIN_CHECK(counted.empty() || counted.size() == holders.size(),
                "clip_by_global_norm: ", counted.size(), " flags for ", holders.size(), " holders");
-  at::Tensor squares = at::zeros({1}, at::kDouble);
+  // Summed where the gradients are (a GPU's: one read at the end).
+  const auto where = std::find_if(holders.begin(), holders.end(),
+                                  [](const at::Tensor& t) { return t.grad().defined(); });
+  at::Tensor squares =
+      at::zeros({1}, at::TensorOptions(at::kDouble)
+                         .device(where == holders.end() ? at::kCPU : where->grad().device()));
   for (size_t i = 0; i < holders.size(); ++i) {
     const at::Tensor& t = holders[i];
     if (t.grad().defined() && (counted.empty() || counted[i])) {

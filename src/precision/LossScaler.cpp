@@ -20,14 +20,18 @@ at::Tensor LossScaler::scale(const at::Tensor& loss) const { return loss * scale
 bool LossScaler::unscale_and_check(const std::vector<at::Tensor>& parameters,
                                    const comm::CommunicatorPtr& comm) {
   const double inverse = 1.0 / scale_;
-  bool found = false;
+  // One flag accumulated where the gradients are, read once: on a GPU a read per parameter
+  // would wait for the device that many times.
+  at::Tensor nonfinite;
   for (const auto& p : parameters) {
     const at::Tensor& grad = p.grad();
     if (!grad.defined()) continue;
     at::Tensor g = grad;  // shares storage
     g.mul_(inverse);
-    if (!found && !at::isfinite(g).all().item<bool>()) found = true;
+    const at::Tensor bad = at::isfinite(g).logical_not().any();
+    nonfinite = nonfinite.defined() ? nonfinite.logical_or(bad) : bad;
   }
+  bool found = nonfinite.defined() && nonfinite.item<bool>();
   if (comm && comm->size() > 1) {
     // Agree: a step skipped on one rank must be skipped on all, or the replicas diverge.
     at::Tensor flag = at::full({1}, found ? 1.0 : 0.0, at::kFloat);

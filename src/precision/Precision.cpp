@@ -1,8 +1,9 @@
-// Precision names and the CPU autocast scope (LibTorch 1.13's at::autocast CPU API).
+// Precision names and the autocast scope (CPU or CUDA; the API's versions: common/TorchCompat.h).
 #include "dtrain/precision/Precision.h"
 
 #include <ATen/autocast_mode.h>
 
+#include "common/TorchCompat.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::precision {
@@ -30,13 +31,13 @@ std::string to_string(Precision precision) {
   return "?";
 }
 
-void check_supported(Precision precision) {
-  // LibTorch 1.13 has no fp16 matmul/convolution kernels on CPU, and dtrain trains on CPU
-  // tensors; fp16 autocast would fail deep inside the first Linear layer.
-  DTRAIN_CHECK_INPUT(precision != Precision::Fp16Mixed,
-                     "precision fp16-mixed needs a CUDA device: LibTorch has no fp16 matmul on "
-                     "CPU; use --precision bf16-mixed (same memory savings, no loss scaling "
-                     "needed)");
+void check_supported(Precision precision, c10::Device device) {
+  // LibTorch 1.13 has no fp16 matmul/convolution kernels on CPU (2.x's are slow and its CPU
+  // autocast does not cast to fp16): fp16 autocast would fail deep inside the first Linear.
+  DTRAIN_CHECK_INPUT(precision != Precision::Fp16Mixed || device.is_cuda(),
+                     "precision fp16-mixed needs a CUDA device (--device cuda): LibTorch has no "
+                     "fp16 matmul on CPU; use --precision bf16-mixed (same memory savings, no "
+                     "loss scaling needed)");
 }
 
 at::ScalarType compute_dtype(Precision precision) {
@@ -52,13 +53,13 @@ at::ScalarType compute_dtype(Precision precision) {
   return at::kFloat;
 }
 
-AutocastScope::AutocastScope(Precision precision) {
+AutocastScope::AutocastScope(Precision precision, c10::DeviceType device) : device_(device) {
   if (precision != Precision::Bf16Mixed && precision != Precision::Fp16Mixed) return;
   active_ = true;
-  previous_enabled_ = at::autocast::is_cpu_enabled();
-  previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
-  at::autocast::set_autocast_cpu_dtype(compute_dtype(precision));
-  at::autocast::set_cpu_enabled(true);
+  const compat::AutocastState previous = compat::autocast_state(device_);
+  previous_enabled_ = previous.enabled;
+  previous_dtype_ = previous.dtype;
+  compat::set_autocast_state(device_, {true, compute_dtype(precision)});
   at::autocast::increment_nesting();
 }
 
@@ -66,8 +67,7 @@ AutocastScope::~AutocastScope() {
   if (!active_) return;
   // Leaving the outermost scope drops autocast's cache of casted weights (they change each step).
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  at::autocast::set_cpu_enabled(previous_enabled_);
-  at::autocast::set_autocast_cpu_dtype(previous_dtype_);
+  compat::set_autocast_state(device_, {previous_enabled_, previous_dtype_});
 }
 
 }  // namespace dtrain::precision

@@ -1,10 +1,10 @@
 // Checkpoint metadata, the `latest` pointer, and directory housekeeping.
 #include "dtrain/train/Checkpoint.h"
 
+#include <caffe2/serialize/crc_alt.h>
 #include <torch/nn/module.h>
 #include <torch/serialize.h>
 #include <torch/serialize/output-archive.h>
-#include <zlib.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -32,10 +32,8 @@ void write_atomically(const std::string& path, const std::string& content) {
 
 constexpr const char* kMetaChecksumKey = "meta_crc32";
 
-uint32_t crc_of(const std::string& text) {
-  return static_cast<uint32_t>(
-      ::crc32(0L, reinterpret_cast<const Bytef*>(text.data()), static_cast<uInt>(text.size())));
-}
+// CRC-32 (zlib's, as LibTorch's own serialization computes it: no zlib needed).
+uint32_t crc_of(const std::string& text) { return crc32_fast(text.data(), text.size()); }
 
 }  // namespace
 
@@ -43,17 +41,17 @@ FileDigest digest_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   DTRAIN_CHECK_INPUT(in.good(), "cannot read ", path);
   FileDigest digest;
-  uLong crc = ::crc32(0L, Z_NULL, 0);
+  uint32_t crc = 0;
   std::vector<char> chunk(1 << 20);
   while (in) {
     in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
     const std::streamsize got = in.gcount();
     if (got <= 0) break;
-    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(chunk.data()), static_cast<uInt>(got));
+    crc = crc32_fast(chunk.data(), static_cast<size_t>(got), crc);
     digest.bytes += got;
   }
   DTRAIN_CHECK_INPUT(in.eof(), "reading ", path, " failed");
-  digest.crc32 = static_cast<uint32_t>(crc);
+  digest.crc32 = crc;
   return digest;
 }
 

@@ -12,6 +12,7 @@
 #include <filesystem>
 
 #include "common/Files.h"
+#include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
 #include "dtrain/common/Trace.h"
@@ -58,6 +59,7 @@ void validate(const TrainerOptions& o) {
                      o.max_nonfinite_steps);
   DTRAIN_CHECK_INPUT(o.keep_checkpoints >= 0, "checkpoints to keep must be >= 0, got ",
                      o.keep_checkpoints);
+  parse_device(o.strategy_options.device);  // the name; the machine is checked by each rank
 }
 
 Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
@@ -85,6 +87,19 @@ Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
                              : options_.accumulation_steps;
   options_.strategy = parallel::resolve_strategy(layout, options_.strategy_options);
   loop_ = parallel::strategy_info(options_.strategy).loop;
+  // "cuda" becomes this rank's device (LOCAL_RANK under a launcher, as torchrun has it).
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  device_ = resolve_device(options_.strategy_options.device,
+                           local_rank ? std::atoi(local_rank) : world_->rank());
+  options_.strategy_options.device = device_.str();
+  DTRAIN_CHECK_INPUT(!device_.is_cpu() || world_->backend_name() != "nccl",
+                     "backend nccl carries CUDA tensors, and this run trains on the CPU: use "
+                     "--device cuda, or --backend gloo");
+  DTRAIN_CHECK_INPUT(device_.is_cpu() || loop_ == parallel::Loop::kSteps, "strategy ",
+                     options_.strategy,
+                     " trains on the CPU only (its parameters travel over "
+                     "gRPC); use --device cpu, or a synchronous strategy for ",
+                     device_.str());
   strategy_ = parallel::make_strategy(options_.strategy, options_.strategy_options);
   if (!options_.checkpoint_dir.empty() && world_->rank() == 0) {
     ensure_writable(options_.checkpoint_dir);
@@ -270,7 +285,7 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
     const int64_t end = std::min(mine + options_.eval_batch_size, dataset.size());
     // A forward can be collective (ZeRO-3 gathers parameters, a pipeline passes activations):
     // every rank runs as many, a replica without examples left on one example.
-    auto batch = mine < end ? dataset.slice(mine, end) : dataset.slice(0, 1);
+    auto batch = to_device(mine < end ? dataset.slice(mine, end) : dataset.slice(0, 1), device_);
     at::Tensor output = strategy_->evaluate_forward(batch.inputs);
     if (mine >= end || !output.defined()) continue;
     // A tensor-parallel model's loss and prediction are collective over its TP group.
@@ -349,7 +364,9 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   // The model's own loss when it has one (a tensor-parallel model's vocab-parallel loss).
   loss_ = model.loss ? parallel::LossFn(model.loss) : options_.loss;
   predict_ = model.predict;
-  strategy_->prepare(train.slice(0, std::min<int64_t>(options_.batch_size, train.size())));
+  strategy_->prepare(
+      to_device(train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
+  model.module->to(device_);
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
   if (rank == 0 && options_.progress) {
     const std::string layout = strategy_->layout();
@@ -370,6 +387,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   run.weight_decay = spec.weight_decay;
   run.loss = loss_;
   run.needs = strategy_->data_needs();
+  run.device = device_;
   run.result.global_batch = global_batch;
   run.result.learning_rate = spec.lr;
   run.evaluate = [&](bool alone) { return evaluate_on(*validation, alone); };

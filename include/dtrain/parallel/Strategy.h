@@ -64,6 +64,9 @@ struct StrategyOptions {
   double max_grad_norm = 0.0;
   /// "fp32", "bf16-mixed", "fp16-mixed" or "bf16" (precision/Precision.h).
   std::string precision = "fp32";
+  /// Where the model trains: "cpu", "cuda" or "cuda:N" (dtrain/common/Device.h). The Trainer
+  /// resolves "cuda" to this rank's device and moves the model and the batches there.
+  std::string device = "cpu";
   /// "auto" (dynamic for fp16-mixed, else none), "dynamic" or "none".
   std::string loss_scaling = "auto";
   /// Initial scale and growth interval of the dynamic loss scaler.

@@ -2,6 +2,7 @@
 // master weights and optimizer state), or everything in bf16.
 #pragma once
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
 #include <string>
@@ -18,22 +19,24 @@ enum class Precision {
 /// "fp32", "bf16-mixed", "fp16-mixed", "bf16"; InputError otherwise.
 Precision parse_precision(const std::string& name);
 std::string to_string(Precision precision);
-/// Refuses modes this build cannot run (fp16-mixed without CUDA), suggesting an alternative.
-void check_supported(Precision precision);
+/// Refuses modes `device` cannot run (fp16-mixed on a CPU), suggesting an alternative.
+void check_supported(Precision precision, c10::Device device = c10::Device(c10::DeviceType::CPU));
 /// The dtype autocast computes in (kFloat for Fp32).
 at::ScalarType compute_dtype(Precision precision);
 
-/// Enables CPU autocast in `dtype` for its lifetime (restores the previous state after); a no-op
-/// for Fp32 and Bf16. Wrap the forward pass; run backward outside it.
+/// Enables autocast for `device`'s type (CPU or CUDA) in the precision's dtype for its lifetime
+/// (restores the previous state after); a no-op for Fp32 and Bf16. Wrap the forward pass; run
+/// backward outside it.
 class AutocastScope {
  public:
-  explicit AutocastScope(Precision precision);
+  explicit AutocastScope(Precision precision, c10::DeviceType device = c10::DeviceType::CPU);
   ~AutocastScope();
   AutocastScope(const AutocastScope&) = delete;
   AutocastScope& operator=(const AutocastScope&) = delete;
 
  private:
   bool active_ = false;
+  c10::DeviceType device_ = c10::DeviceType::CPU;
   bool previous_enabled_ = false;
   at::ScalarType previous_dtype_ = at::kBFloat16;
 };

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/Device.h>
+
 #include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/data/Dataset.h"
 #include "dtrain/models/Model.h"
@@ -151,6 +153,8 @@ class Trainer {
   comm::CommunicatorPtr world_;
   std::shared_ptr<comm::ProcessGrid> grid_;
   parallel::StrategyPtr strategy_;
+  /// Where the model trains (strategy_options.device, resolved).
+  c10::Device device_{c10::DeviceType::CPU};
   /// Which runner drives it (the registry's word).
   parallel::Loop loop_ = parallel::Loop::kSteps;
   /// The loss and prediction of the model being trained: Model::loss / Model::predict when it

@@ -1,5 +1,6 @@
 // Wraps c10d's ProcessGroupGloo: native allreduce/broadcast/barrier/send/recv, with dtrain's
-// timeouts and error messages; AVG and bfloat16 (which Gloo 1.13 lacks) are added here.
+// timeouts and error messages; AVG and bfloat16 (which Gloo 1.13 lacks) are added here, and CUDA
+// tensors travel through pinned host memory (Gloo reads and writes host memory).
 #include "comm/gloo/GlooCommunicator.h"
 
 #include <ATen/ATen.h>
@@ -31,6 +32,17 @@ bool gloo_reduces(at::ScalarType type) {
     default:
       return false;
   }
+}
+
+// The host tensor Gloo works on: the tensor itself when it is a contiguous CPU tensor, else a
+// contiguous copy; a CUDA tensor's is pinned, filled (`fill`) by a copy that waits for the
+// device's pending work on it. The caller copies results back once the op completes.
+at::Tensor host_buffer(const at::Tensor& tensor, bool fill = true) {
+  if (tensor.is_cpu()) return tensor.is_contiguous() ? tensor : tensor.contiguous();
+  at::Tensor host =
+      at::empty(tensor.sizes(), tensor.options().device(at::kCPU).pinned_memory(true));
+  if (fill) host.copy_(tensor);
+  return host;
 }
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -121,7 +133,7 @@ WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, const AllreduceOptions& o
     DTRAIN_CHECK(floating, "backend gloo does not support ", describe(what));
     return ring_allreduce(tensor, options.op, timeout, what);  // bfloat16
   }
-  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  at::Tensor buffer = host_buffer(tensor);
   std::vector<at::Tensor> tensors{buffer};
   c10d::AllreduceOptions c10d_options;
   c10d_options.reduceOp = to_c10d(options.op);
@@ -144,7 +156,7 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& o
   const auto timeout = resolve(options.timeout);
   if (size() == 1) return completed_work(describe(what));
   count_collective("broadcast", tensor.numel());
-  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  at::Tensor buffer = host_buffer(tensor, /*fill=*/options.root == rank());
   // Broadcast moves bytes only, so dtypes Gloo cannot reduce travel as a same-size type.
   at::Tensor wire = buffer;
   if (!gloo_reduces(buffer.scalar_type())) {
@@ -189,7 +201,7 @@ WorkPtr GlooCommunicator::barrier(const BarrierOptions& options) {
 }
 
 WorkPtr GlooCommunicator::send_tagged(at::Tensor tensor, int dst, int tag, Milliseconds timeout) {
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{tensor.is_cpu() ? tensor : host_buffer(tensor)};
   const std::string what =
       concat("send(", shape_string(tensor), " to rank ", dst, ", tag ", tag, ")");
   auto work = issue(describe(what), [&] { return group_->send(tensors, dst, tag); });
@@ -197,11 +209,14 @@ WorkPtr GlooCommunicator::send_tagged(at::Tensor tensor, int dst, int tag, Milli
 }
 
 WorkPtr GlooCommunicator::recv_tagged(at::Tensor tensor, int src, int tag, Milliseconds timeout) {
-  std::vector<at::Tensor> tensors{tensor};
+  const at::Tensor buffer = tensor.is_cpu() ? tensor : host_buffer(tensor, /*fill=*/false);
+  std::vector<at::Tensor> tensors{buffer};
   const std::string what =
       concat("recv(", shape_string(tensor), " from rank ", src, ", tag ", tag, ")");
   auto work = issue(describe(what), [&] { return group_->recv(tensors, src, tag); });
-  return std::make_shared<C10dWork>(work, describe(what), timeout);
+  return std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
+    if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+  });
 }
 
 CommunicatorPtr GlooCommunicator::new_group(const std::vector<int>& ranks,
@@ -223,7 +238,7 @@ CommunicatorPtr GlooCommunicator::new_group(const std::vector<int>& ranks,
       name.empty() ? concat("group", index) : name, global, timeout(), device_, threads_);
 }
 
-CommunicatorPtr create_world(const InitOptions& options) {
+std::shared_ptr<GlooCommunicator> create_world(const InitOptions& options) {
   DTRAIN_CHECK_INPUT(options.world_size >= 1, "world size must be >= 1, got ", options.world_size);
   DTRAIN_CHECK_INPUT(options.rank >= 0 && options.rank < options.world_size, "rank ", options.rank,
                      " is outside the world of size ", options.world_size);

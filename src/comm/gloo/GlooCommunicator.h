@@ -20,6 +20,17 @@ class GlooCommunicator : public Communicator {
   WorkPtr broadcast(at::Tensor tensor, const BroadcastOptions& options) override;
   WorkPtr barrier(const BarrierOptions& options) override;
   CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& name) override;
+  /// The store this group's rendezvous used (another backend's groups can rendezvous there).
+  const c10::intrusive_ptr<c10d::Store>& store() const { return root_store_; }
+  const std::string& store_prefix() const { return store_prefix_; }
+  /// Point-to-point with an internal algorithm's tag, for a backend that sends its CPU tensors
+  /// through this group.
+  WorkPtr send_internal(at::Tensor tensor, int dst, int tag, Milliseconds timeout) {
+    return send_tagged(std::move(tensor), dst, tag, timeout);
+  }
+  WorkPtr recv_internal(at::Tensor tensor, int src, int tag, Milliseconds timeout) {
+    return recv_tagged(std::move(tensor), src, tag, timeout);
+  }
 
  protected:
   WorkPtr send_tagged(at::Tensor tensor, int dst, int tag, Milliseconds timeout) override;
@@ -35,6 +46,6 @@ class GlooCommunicator : public Communicator {
 };
 
 /// Rendezvous through a TCPStore at options.master_addr:master_port and connect the world.
-CommunicatorPtr create_world(const InitOptions& options);
+std::shared_ptr<GlooCommunicator> create_world(const InitOptions& options);
 
 }  // namespace dtrain::comm::gloo_backend

@@ -17,9 +17,11 @@ RngTracker::RngTracker(uint64_t seed, int rank)
 
 at::Tensor dropout(const at::Tensor& x, double p, bool training, at::Generator& generator) {
   if (!training || p == 0.0) return x;
-  // bernoulli_ locks the generator itself.
-  const at::Tensor keep = at::empty_like(x).bernoulli_(1.0 - p, generator);
-  return x * keep * (1.0 / (1.0 - p));
+  // bernoulli_ locks the generator itself. The tracker's generators are CPU ones: a GPU's mask
+  // is drawn on the host and copied over (the same masks as on a CPU, for the same seeds).
+  const at::Tensor keep =
+      at::empty(x.sizes(), x.options().device(at::kCPU)).bernoulli_(1.0 - p, generator);
+  return x * (x.is_cpu() ? keep : keep.to(x.device(), /*non_blocking=*/false)) * (1.0 / (1.0 - p));
 }
 
 }  // namespace dtrain::tensor

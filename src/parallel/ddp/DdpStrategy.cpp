@@ -6,6 +6,7 @@
 
 #include <iostream>
 
+#include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/optim/StateSize.h"
@@ -26,7 +27,8 @@ StrategyInfo ddp_strategy() {
 DdpStrategy::DdpStrategy(StrategyOptions options) : options_(std::move(options)) {
   reducer_options_from(options_);  // validate early
   precision_ = precision::parse_precision(options_.precision);
-  precision::check_supported(precision_);
+  device_ = parse_device(options_.device);
+  precision::check_supported(precision_, device_);
   scaler_ = make_loss_scaler(options_, precision_);
 }
 
@@ -89,7 +91,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     at::Tensor value;
     {
       trace::Span span("forward", concat("F", i));
-      precision::AutocastScope autocast(precision_);
+      precision::AutocastScope autocast(precision_, device_.type());
       const at::Tensor inputs =
           precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
               ? batch.inputs.to(at::kBFloat16)

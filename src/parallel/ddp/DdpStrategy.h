@@ -75,6 +75,7 @@ class DdpStrategy : public Strategy {
   optim::OptimizerPtr optimizer_;
   std::unique_ptr<Reducer> reducer_;
   precision::Precision precision_ = precision::Precision::Fp32;
+  c10::Device device_{c10::DeviceType::CPU};
   std::unique_ptr<precision::LossScaler> scaler_;
   /// Tensor parallelism: each TP rank holds blocks of the split parameters; gradients are
   /// reduced over the DP group only.

@@ -2,6 +2,9 @@
 #include "dtrain/parallel/ddp/Reducer.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -283,6 +286,10 @@ void Reducer::launch_ready_buckets() {
   const int world = comm_->size();
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     Bucket& bucket = buckets_[next_bucket_++];
+    // On a GPU the bucket's work leaves the backward's stream free: a side stream (PyTorch's
+    // DDP relies on the backend's stream alone; the averaging and the cast move off too).
+    std::optional<c10::StreamGuard> on_side;
+    if (!bucket.flat.is_cpu()) on_side.emplace(side_stream_after_current(bucket.flat.device()));
     bucket.flat.div_(world);  // average before the wire cast: keeps fp16 in range
     if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
     if (sharded()) {
@@ -296,6 +303,25 @@ void Reducer::launch_ready_buckets() {
     }
     if (!backward_ended_) ++stats_.buckets_launched_during_backward;
   }
+}
+
+c10::Stream Reducer::side_stream_after_current(c10::Device device) {
+  c10::impl::VirtualGuardImpl guard(device.type());
+  if (!side_stream_ || side_stream_->device() != device) {
+    side_stream_ = guard.getStreamFromGlobalPool(device);
+  }
+  c10::Event written(device.type());
+  written.record(guard.getStream(device));
+  written.block(*side_stream_);
+  return *side_stream_;
+}
+
+void Reducer::join_side_stream() {
+  if (!side_stream_) return;
+  c10::impl::VirtualGuardImpl guard(side_stream_->device_type());
+  c10::Event issued(side_stream_->device_type());
+  issued.record(*side_stream_);
+  issued.block(guard.getStream(side_stream_->device()));
 }
 
 void Reducer::on_backward_end() {
@@ -325,6 +351,7 @@ void Reducer::finalize() {
     }
   }
   if (!backward_ended_) on_backward_end();  // no gradient reached any hook this step
+  join_side_stream();
   for (auto& bucket : buckets_) {
     if (sharded()) {
       if (bucket.work) complete_sharded(bucket);

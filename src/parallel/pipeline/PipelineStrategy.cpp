@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/memory/Checkpoint.h"
@@ -136,7 +137,8 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
   zero1_ = pipe_.data_parallel == "zero1";
   reducer_options_from(options_);  // validate early
   precision_ = precision::parse_precision(options_.precision);
-  precision::check_supported(precision_);
+  device_ = parse_device(options_.device);
+  precision::check_supported(precision_, device_);
   DTRAIN_CHECK_INPUT(!zero1_ || precision_ != precision::Precision::Bf16,
                      "zero1 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
   scaler_ = make_loss_scaler(options_, precision_);
@@ -157,7 +159,7 @@ std::vector<double> PipelineStrategy::stage_costs() {
     }
     std::vector<double> seconds;
     {
-      precision::AutocastScope autocast(precision_);
+      precision::AutocastScope autocast(precision_, device_.type());
       seconds = time_stages(model_.stages, input, 3);
     }
     at::Tensor agreed = at::tensor(seconds, at::kDouble);
@@ -263,7 +265,8 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
         params.empty() ? nullptr
                        : std::make_unique<Reducer>(params, names, grid_->dp(), reducer_options));
   }
-  link_ = std::make_unique<StageLink>(grid_->pp(), virtual_stages, pipe_.transport == "auto");
+  link_ =
+      std::make_unique<StageLink>(grid_->pp(), virtual_stages, pipe_.transport == "auto", device_);
 }
 
 DataNeeds PipelineStrategy::data_needs() const {
@@ -384,7 +387,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       if (a.chunk == 0) result.samples += x.size(0);
       at::Tensor y;
       {
-        precision::AutocastScope autocast(precision_);
+        precision::AutocastScope autocast(precision_, device_.type());
         y = run_chunk(chunk, x);
         if (last_virtual(chunk)) y = loss(y, batch.targets) / count;
       }

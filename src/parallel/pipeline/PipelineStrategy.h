@@ -83,6 +83,7 @@ class PipelineStrategy : public Strategy {
   ScheduleKind kind_;
   int chunks_per_rank_;
   precision::Precision precision_;
+  c10::Device device_{c10::DeviceType::CPU};
   std::unique_ptr<precision::LossScaler> scaler_;
   TensorParallelLayout tp_;
   bool zero1_ = false;

@@ -24,14 +24,16 @@ const char* direction_name(int direction) {
 
 }  // namespace
 
-StageLink::StageLink(comm::CommunicatorPtr pp, int virtual_stages, bool shared_memory)
+StageLink::StageLink(comm::CommunicatorPtr pp, int virtual_stages, bool shared_memory,
+                     c10::Device device)
     : pp_(std::move(pp)),
+      device_(device),
       stage_(pp_->rank()),
       ranks_(pp_->size()),
       virtual_stages_(virtual_stages) {
   DTRAIN_CHECK(virtual_stages_ >= ranks_ && virtual_stages_ % ranks_ == 0,
                "pipeline: ", virtual_stages_, " virtual stages over ", ranks_, " ranks");
-  if (shared_memory && ranks_ > 1) {
+  if (shared_memory && ranks_ > 1 && device_.is_cpu()) {
     std::vector<std::pair<int, int>> pairs;
     for (int b = 0; b + 1 < virtual_stages_; ++b) {
       pairs.emplace_back(b % ranks_, (b + 1) % ranks_);
@@ -140,7 +142,7 @@ void StageLink::post_recv(Direction direction, int boundary, int micro_batch) {
   const auto key = std::make_tuple(static_cast<int>(direction), boundary, micro_batch);
   if (posted_.count(key)) return;
   const Meta& meta = expected->second;
-  at::Tensor buffer = at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype));
+  at::Tensor buffer = at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype).device(device_));
   auto work = pp_->recv(buffer, peer(direction, boundary, false),
                         {data_tag(direction, boundary, micro_batch)});
   posted_[key] = {buffer, work};
@@ -226,7 +228,7 @@ at::Tensor StageLink::recv_any(int boundary) {
   at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
   pp_->recv(header, src, {header_tag(kEvalHeader, boundary)})->wait();
   const Meta meta = read_header(header, "evaluation");
-  at::Tensor data = at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype));
+  at::Tensor data = at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype).device(device_));
   pp_->recv(data, src, {header_tag(kEvalData, boundary)})->wait();
   return data;
 }

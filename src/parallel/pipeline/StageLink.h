@@ -33,7 +33,9 @@ class StageLink {
   /// Collective over `pp`, the pipeline communicator (this rank is pp->rank());
   /// `virtual_stages`: V x P. `shared_memory`: neighbours on this machine exchange through
   /// shared memory (else everything goes through `pp`).
-  StageLink(comm::CommunicatorPtr pp, int virtual_stages, bool shared_memory = true);
+  /// Received tensors are made on `device` (shared memory carries CPU tensors only).
+  StageLink(comm::CommunicatorPtr pp, int virtual_stages, bool shared_memory = true,
+            c10::Device device = c10::Device(c10::DeviceType::CPU));
   /// Whether tensors to (sending) or from `peer` go through shared memory.
   bool shared_memory_with(int peer, bool sending) const;
 
@@ -64,6 +66,7 @@ class StageLink {
   std::string describe(const Meta& meta) const;
 
   comm::CommunicatorPtr pp_;
+  c10::Device device_;
   int stage_;
   int ranks_;
   int virtual_stages_;

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::train {
@@ -32,6 +33,10 @@ std::unique_ptr<Runner> make_runner(parallel::Loop loop) {
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+data::Batch to_device(const data::Batch& batch, c10::Device device) {
+  return {dtrain::to_device(batch.inputs, device), dtrain::to_device(batch.targets, device)};
 }
 
 std::string describe_eval_as(const EvalResult& eval, bool tokens) {

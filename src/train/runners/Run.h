@@ -54,6 +54,9 @@ struct SimulatedFailure {
   void maybe_fire(int64_t reached) const;
 };
 
+/// The batch's tensors on `device` (dtrain/common/Device.h's to_device).
+data::Batch to_device(const data::Batch& batch, c10::Device device);
+
 /// "val acc 87.10%" for a classifier; "val 1.62 nats/token (2.34 bits)" for a language model.
 std::string describe_eval_as(const EvalResult& eval, bool tokens);
 
@@ -82,6 +85,8 @@ struct Run {
   double weight_decay = 0.0;
   parallel::LossFn loss;
   parallel::DataNeeds needs;
+  /// Where batches go (the model's device).
+  c10::Device device{c10::DeviceType::CPU};
 
   // Outputs.
   ProgressReport report;

@@ -44,9 +44,9 @@ std::vector<data::Batch> StepRunner::micro_batches(Run& run, int64_t in_epoch) c
     const std::vector<int64_t> indices(order_.begin() + begin,
                                        order_.begin() + begin + o.batch_size);
     if (run.needs.inputs) {
-      batches.push_back(run.train.get(indices));
+      batches.push_back(to_device(run.train.get(indices), run.device));
     } else if (run.needs.targets) {
-      batches.push_back({at::Tensor(), run.train.get_targets(indices)});
+      batches.push_back(to_device({at::Tensor(), run.train.get_targets(indices)}, run.device));
     } else {
       batches.emplace_back();
     }

@@ -6,11 +6,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -127,6 +129,11 @@ class Reducer : public GradientSync {
   void mark_ready(size_t parameter);
   void on_backward_end();
   void launch_ready_buckets();
+  /// On a GPU: the side stream the buckets' averaging, casts and collectives are issued on,
+  /// made to wait (an event) for the gradients the current stream wrote.
+  c10::Stream side_stream_after_current(c10::Device device);
+  /// The current stream waits (an event) for what the side stream issued.
+  void join_side_stream();
 
   std::vector<at::Tensor> parameters_;
   std::vector<std::string> names_;
@@ -144,6 +151,7 @@ class Reducer : public GradientSync {
   size_t next_bucket_ = 0;
   std::chrono::steady_clock::time_point backward_end_time_;
   ReducerStats stats_;
+  std::optional<c10::Stream> side_stream_;
 };
 
 }  // namespace dtrain::parallel
