@@ -8,6 +8,7 @@
 
 #include "dtrain/common/Error.h"
 #include "parallel/ddp/DdpStrategy.h"
+#include "parallel/diloco/DilocoStrategy.h"
 #include "parallel/pipeline/PipelineStrategy.h"
 #ifdef DTRAIN_SERVICES  // the parameter server's strategies need its gRPC client
 #include "parallel/ps/DownpourStrategy.h"
@@ -27,6 +28,7 @@ constexpr InfoFn kBuiltIn[] = {
     zero2_strategy,
     zero3_strategy,
     pipeline::pipeline_strategy,
+    diloco::diloco_strategy,
 #ifdef DTRAIN_SERVICES
     ps::downpour_strategy,
     ps::sandblaster_strategy,

@@ -57,8 +57,9 @@ FileDigest digest_file(const std::string& path) {
 
 void record_files(const std::string& directory, CheckpointMeta& meta) {
   meta.files.clear();
-  for (const auto& entry : fs::directory_iterator(directory)) {
-    const std::string name = entry.path().filename().string();
+  // Every file, those in folders too (a strategy's own, such as DiLoCo's islands').
+  for (const auto& entry : fs::recursive_directory_iterator(directory)) {
+    const std::string name = fs::relative(entry.path(), directory).string();
     if (!entry.is_regular_file() || name == "meta.json") continue;
     meta.files[name] = digest_file(entry.path().string());
   }
@@ -172,8 +173,13 @@ CheckpointMeta read_meta(const std::string& directory) {
     }
     if (json.contains("files")) {
       for (const auto& [name, digest] : json.at("files").items()) {
-        DTRAIN_CHECK_INPUT(name.find('/') == std::string::npos && name != ".." && name != ".", path,
-                           ": file name '", name, "' is not a plain name");
+        // A path inside the checkpoint (a strategy's folder, as DiLoCo's islands'): relative,
+        // with no . or .. parts.
+        const fs::path relative(name);
+        bool inside = !name.empty() && relative.is_relative();
+        for (const auto& part : relative) inside = inside && part != "." && part != "..";
+        DTRAIN_CHECK_INPUT(inside, path, ": file name '", name,
+                           "' is not a path inside the checkpoint");
         meta.files[name] = {digest.at("bytes").get<int64_t>(), digest.at("crc32").get<uint32_t>()};
       }
     }

@@ -1,0 +1,306 @@
+// DiLoCo: islands, the outer gradient's average across them, the outer optimizer, and
+// checkpoints that hold both the outer state and every island's own.
+#include "parallel/diloco/DilocoStrategy.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+
+#include "common/PickledFile.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/common/Flags.h"
+#include "dtrain/optim/StateSize.h"
+#include "dtrain/parallel/StateShards.h"
+
+namespace fs = std::filesystem;
+
+namespace dtrain::parallel::diloco {
+
+namespace {
+
+void declare_flags(FlagSet& flags, DilocoOptions& o) {
+  flags.add("--inner-strategy", o.inner_strategy,
+            "DiLoCo: the strategy each island trains with: ddp, zero1, zero2");
+  flags.add("--island-size", o.island_size, "DiLoCo: ranks per island (0 = the ranks of one node)");
+  flags.add("--outer-steps", o.outer_steps, "DiLoCo: inner steps between outer steps (H)");
+  flags.add("--outer-optimizer", o.outer_optimizer, "DiLoCo: nesterov, sgd, adam");
+  flags.add("--outer-lr", o.outer_lr, "DiLoCo: the outer optimizer's learning rate");
+  flags.add("--outer-momentum", o.outer_momentum,
+            "DiLoCo: the outer momentum (nesterov, sgd; 0 = none)");
+}
+
+void check_options(const DilocoOptions& o) {
+  DTRAIN_CHECK_INPUT(
+      o.inner_strategy == "ddp" || o.inner_strategy == "zero1" || o.inner_strategy == "zero2",
+      "--inner-strategy must be a synchronous strategy whose ranks hold the whole model (ddp, "
+      "zero1 or zero2), got '",
+      o.inner_strategy, "'");
+  DTRAIN_CHECK_INPUT(o.outer_steps >= 1, "--outer-steps must be >= 1, got ", o.outer_steps);
+  DTRAIN_CHECK_INPUT(o.island_size >= 0, "--island-size must be >= 0, got ", o.island_size);
+  DTRAIN_CHECK_INPUT(
+      o.outer_optimizer == "nesterov" || o.outer_optimizer == "sgd" || o.outer_optimizer == "adam",
+      "--outer-optimizer must be nesterov, sgd or adam, got '", o.outer_optimizer, "'");
+  DTRAIN_CHECK_INPUT(std::isfinite(o.outer_lr) && o.outer_lr > 0, "--outer-lr must be > 0, got ",
+                     o.outer_lr);
+  DTRAIN_CHECK_INPUT(o.outer_momentum >= 0 && o.outer_momentum < 1,
+                     "--outer-momentum must be in [0, 1), got ", o.outer_momentum);
+  DTRAIN_CHECK_INPUT(o.outer_optimizer != "nesterov" || o.outer_momentum > 0,
+                     "--outer-optimizer nesterov needs --outer-momentum > 0");
+}
+
+void check_layout(const DilocoOptions& o, const Layout& layout) {
+  DTRAIN_CHECK_INPUT(layout.pipeline_parallel == 1 && layout.tensor_parallel == 1,
+                     "diloco's islands are data-parallel (--inner-strategy); use "
+                     "--pipeline-parallel 1 and --tensor-parallel 1 with it");
+  DTRAIN_CHECK_INPUT(layout.ranks == 0 || o.island_size == 0 || layout.ranks % o.island_size == 0,
+                     "--island-size ", o.island_size, " does not divide the ", layout.ranks,
+                     " ranks");
+}
+
+// Ranks per island: the option, else this node's ranks (as dtrain launch tells them).
+int island_size_for(const DilocoOptions& o, int world) {
+  if (o.island_size > 0) {
+    DTRAIN_CHECK_INPUT(world % o.island_size == 0, "--island-size ", o.island_size,
+                       " does not divide the ", world, " ranks");
+    return o.island_size;
+  }
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const int size = local ? std::atoi(local) : world;
+  DTRAIN_CHECK_INPUT(size >= 1 && world % size == 0, "diloco: the ranks of one node (",
+                     "LOCAL_WORLD_SIZE=", size, ") do not divide the ", world,
+                     " ranks; give --island-size");
+  return size;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_outer_optimizer(const DilocoOptions& o,
+                                                              const std::vector<at::Tensor>& p) {
+  if (o.outer_optimizer == "adam") {
+    return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(o.outer_lr));
+  }
+  return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(o.outer_lr)
+                                                    .momentum(o.outer_momentum)
+                                                    .nesterov(o.outer_optimizer == "nesterov"));
+}
+
+constexpr const char* kStateFile = "diloco.pt";
+constexpr const char* kFormat = "dtrain-diloco-1";
+
+}  // namespace
+
+StrategyInfo diloco_strategy() {
+  StrategyInfo info;
+  info.name = "diloco";
+  info.summary =
+      "DiLoCo: islands train alone for H steps, then average their change with an outer "
+      "optimizer";
+  info.whole_model_on_rank0 = false;  // rank 0 holds its island's parameters, not the outer ones
+  info.options = {option_group<DilocoOptions>("diloco", declare_flags, check_options)};
+  info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
+    check_layout(options.of<DilocoOptions>(), layout);
+  };
+  info.make = make_from_options<DilocoStrategy>;
+  return info;
+}
+
+DilocoStrategy::DilocoStrategy(StrategyOptions options)
+    : options_(std::move(options)), diloco_(options_.of<DilocoOptions>()) {
+  check_options(diloco_);
+  inner_ = make_strategy(diloco_.inner_strategy, options_);  // its own checks (precision, ...)
+}
+
+DilocoStrategy::~DilocoStrategy() = default;
+
+void DilocoStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
+                           std::shared_ptr<comm::ProcessGrid> grid) {
+  grid_ = std::move(grid);
+  DTRAIN_CHECK_INPUT(grid_->pp_size() == 1 && grid_->tp_size() == 1,
+                     "diloco's islands are data-parallel: --pipeline-parallel and "
+                     "--tensor-parallel must be 1");
+  const comm::CommunicatorPtr& all = grid_->dp();
+  const int world = all->size();
+  const int rank = all->rank();
+  const int size = island_size_for(diloco_, world);
+  islands_ = world / size;
+  island_index_ = rank / size;
+  island_ = islands_ == 1 ? all : all->split(island_index_, rank, "island");
+  across_ = islands_ == 1 ? nullptr : all->split(rank % size, rank, "islands");
+  // Every island starts from island 0's model (the inner strategy then spreads it in each).
+  if (across_) {
+    torch::NoGradGuard no_grad;
+    std::vector<comm::WorkPtr> works;
+    for (auto& p : model.module->parameters()) works.push_back(across_->broadcast(p, {0}));
+    for (auto& b : model.module->buffers()) works.push_back(across_->broadcast(b, {0}));
+    comm::wait_all(works);
+  }
+  inner_->setup(std::move(model), make_optimizer, std::make_shared<comm::ProcessGrid>(island_));
+  for (const auto& item : inner_->model().module->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    parameters_.push_back(item.value());
+    names_.push_back(item.key());
+  }
+  DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters");
+  // The outer parameters; their gradients are slices of one flat buffer, averaged by one
+  // collective per outer step.
+  const auto dtype = parameters_.front().scalar_type();
+  int64_t total = 0;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    DTRAIN_CHECK_INPUT(parameters_[i].scalar_type() == dtype, "diloco needs parameters of one ",
+                       "dtype; ", names_[0], " is ", dtype, ", ", names_[i], " is ",
+                       parameters_[i].scalar_type());
+    total += parameters_[i].numel();
+  }
+  flat_grad_ = at::zeros({total}, parameters_.front().options().requires_grad(false));
+  int64_t offset = 0;
+  torch::NoGradGuard no_grad;
+  for (const auto& p : parameters_) {
+    outer_.push_back(p.detach().clone());
+    outer_.back().mutable_grad() = flat_grad_.narrow(0, offset, p.numel()).view(p.sizes());
+    offset += p.numel();
+  }
+  outer_optimizer_ = make_outer_optimizer(diloco_, outer_);
+}
+
+StepResult DilocoStrategy::train_step(const std::vector<data::Batch>& micro_batches,
+                                      const LossFn& loss) {
+  if (outer_in_model_) swap_in_outer();  // materialize() left the outer parameters in
+  StepResult result = inner_->train_step(micro_batches, loss);
+  ++pending_;
+  const bool sync = pending_ >= diloco_.outer_steps;
+  if (sync) outer_step();
+  result.metrics["outer_step"] = sync ? 1.0 : 0.0;
+  result.metrics["outer_steps"] = static_cast<double>(outer_done_);
+  result.metrics["outer_bytes"] = static_cast<double>(outer_bytes_);
+  return result;
+}
+
+void DilocoStrategy::outer_step() {
+  torch::NoGradGuard no_grad;
+  // The outer gradient: how far this island moved away from the outer parameters, averaged
+  // over the islands (every rank of an island holds the same parameters: each averages with
+  // the ranks at its place in the other islands).
+  for (size_t i = 0; i < outer_.size(); ++i) {
+    at::sub_out(outer_[i].mutable_grad(), outer_[i], parameters_[i]);
+  }
+  if (across_) {
+    across_->allreduce(flat_grad_, {comm::ReduceOp::Avg})->wait();
+    outer_bytes_ += flat_grad_.numel() * flat_grad_.element_size();
+  }
+  outer_optimizer_->step();
+  for (size_t i = 0; i < outer_.size(); ++i) parameters_[i].copy_(outer_[i]);
+  pending_ = 0;
+  ++outer_done_;
+}
+
+void DilocoStrategy::swap_in_outer() {
+  torch::NoGradGuard no_grad;
+  if (stash_.empty()) {
+    for (const auto& p : parameters_) stash_.push_back(at::empty_like(p));
+  }
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (!outer_in_model_) {
+      stash_[i].copy_(parameters_[i]);
+      parameters_[i].copy_(outer_[i]);
+    } else {
+      parameters_[i].copy_(stash_[i]);
+    }
+  }
+  outer_in_model_ = !outer_in_model_;
+}
+
+at::Tensor DilocoStrategy::evaluate_forward(const at::Tensor& inputs) {
+  const bool swap = pending_ > 0 && !outer_in_model_;
+  if (swap) swap_in_outer();
+  at::Tensor output;
+  try {
+    output = inner_->evaluate_forward(inputs);
+  } catch (...) {
+    if (swap) swap_in_outer();
+    throw;
+  }
+  if (swap) swap_in_outer();
+  return output;
+}
+
+void DilocoStrategy::materialize() {
+  inner_->materialize();
+  if (pending_ > 0 && !outer_in_model_) swap_in_outer();
+}
+
+std::string DilocoStrategy::layout() const {
+  return concat("diloco: ", islands_, islands_ == 1 ? " island" : " islands", " of ",
+                island_->size(), island_->size() == 1 ? " rank" : " ranks", " (",
+                diloco_.inner_strategy, "), an outer ", diloco_.outer_optimizer, " step (lr ",
+                diloco_.outer_lr, ", momentum ", diloco_.outer_momentum, ") every ",
+                diloco_.outer_steps, " steps");
+}
+
+// A checkpoint holds: the outer parameters as the model (state-0-of-1.pt, values only: any
+// strategy resumes from them), the outer optimizer's state (outer/), each island's own state
+// (island-I/: its parameters since the last outer step and its inner optimizer, written by its
+// inner strategy), and the step counters (diloco.pt).
+void DilocoStrategy::save(const std::string& directory) {
+  if (outer_in_model_) swap_in_outer();
+  const bool leader = grid_->world()->rank() == 0;
+  if (leader) {
+    NamedTensors buffers;
+    for (const auto& item : inner_->model().module->named_buffers()) {
+      buffers.emplace_back(item.key(), item.value());
+    }
+    write_state_shard(directory, 0, 1, whole_pieces(names_, outer_), nullptr, buffers);
+    write_state_shard(directory + "/outer", 0, 1, whole_pieces(names_, outer_),
+                      outer_optimizer_.get(), {});
+    c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
+    state.insert("format", kFormat);
+    state.insert("pending", pending_);
+    state.insert("outer_steps", outer_done_);
+    state.insert("islands", static_cast<int64_t>(islands_));
+    state.insert("island_size", static_cast<int64_t>(island_->size()));
+    save_pickled_dict(directory + "/" + kStateFile, state);
+  }
+  const std::string mine = concat(directory, "/island-", island_index_);
+  std::error_code ignored;
+  fs::create_directories(mine, ignored);
+  inner_->save(mine);
+}
+
+void DilocoStrategy::load(const std::string& directory) {
+  torch::NoGradGuard no_grad;
+  outer_in_model_ = false;
+  if (!fs::exists(directory + "/" + kStateFile)) {
+    // Another strategy's checkpoint: its model becomes the outer parameters; every island
+    // starts from them.
+    inner_->load(directory);
+    for (size_t i = 0; i < outer_.size(); ++i) outer_[i].copy_(parameters_[i]);
+    pending_ = 0;
+    return;
+  }
+  const auto state = load_pickled_dict(directory + "/" + kStateFile, "DiLoCo state file", kFormat);
+  read_state_shards(directory + "/outer", whole_pieces(names_, outer_), outer_optimizer_.get(),
+                    whole_pieces(names_, outer_), nullptr);
+  outer_done_ = state.at("outer_steps").toInt();
+  const std::string mine = concat(directory, "/island-", island_index_);
+  const bool same_layout = state.at("islands").toInt() == islands_ &&
+                           state.at("island_size").toInt() == island_->size() && fs::exists(mine);
+  if (same_layout) {  // each island continues where it was
+    inner_->load(mine);
+    pending_ = state.at("pending").toInt();
+    return;
+  }
+  // Another layout: island 0's inner state (resharded to this island's ranks), and every
+  // island from the outer parameters (the steps since the last outer step are not replayed).
+  inner_->load(directory + "/island-0");
+  for (size_t i = 0; i < outer_.size(); ++i) parameters_[i].copy_(outer_[i]);
+  pending_ = 0;
+}
+
+MemoryReport DilocoStrategy::memory_report() const {
+  MemoryReport report = inner_->memory_report();
+  for (const auto& p : outer_) report.parameter_bytes += p.numel() * p.element_size();
+  report.gradient_bytes += flat_grad_.numel() * flat_grad_.element_size();
+  report.optimizer_bytes += optim::optimizer_state_bytes(*outer_optimizer_);
+  return report;
+}
+
+}  // namespace dtrain::parallel::diloco
