@@ -29,6 +29,9 @@ void declare_flags(FlagSet& flags, DilocoOptions& o) {
   flags.add("--outer-lr", o.outer_lr, "DiLoCo: the outer optimizer's learning rate");
   flags.add("--outer-momentum", o.outer_momentum,
             "DiLoCo: the outer momentum (nesterov, sgd; 0 = none)");
+  flags.add("--outer-compression", o.outer_compression,
+            "DiLoCo: the outer gradient across islands: none, q8, topk:FRACTION (error "
+            "feedback)");
 }
 
 void check_options(const DilocoOptions& o) {
@@ -48,6 +51,7 @@ void check_options(const DilocoOptions& o) {
                      "--outer-momentum must be in [0, 1), got ", o.outer_momentum);
   DTRAIN_CHECK_INPUT(o.outer_optimizer != "nesterov" || o.outer_momentum > 0,
                      "--outer-optimizer nesterov needs --outer-momentum > 0");
+  comm::parse_compression(o.outer_compression, "--outer-compression");
 }
 
 void check_layout(const DilocoOptions& o, const Layout& layout) {
@@ -107,6 +111,7 @@ StrategyInfo diloco_strategy() {
 DilocoStrategy::DilocoStrategy(StrategyOptions options)
     : options_(std::move(options)), diloco_(options_.of<DilocoOptions>()) {
   check_options(diloco_);
+  compression_ = comm::parse_compression(diloco_.outer_compression, "--outer-compression");
   inner_ = make_strategy(diloco_.inner_strategy, options_);  // its own checks (precision, ...)
 }
 
@@ -184,13 +189,65 @@ void DilocoStrategy::outer_step() {
     at::sub_out(outer_[i].mutable_grad(), outer_[i], parameters_[i]);
   }
   if (across_) {
-    across_->allreduce(flat_grad_, {comm::ReduceOp::Avg})->wait();
-    outer_bytes_ += flat_grad_.numel() * flat_grad_.element_size();
+    // Each rank of an island carries one slice of it across (one model's bytes per island, not
+    // one per rank), then the island gathers the averaged slices over its own links.
+    const int size = island_->size();
+    std::vector<int64_t> counts(size, flat_grad_.numel() / size);
+    for (int64_t i = 0; i < flat_grad_.numel() % size; ++i) ++counts[i];
+    int64_t offset = 0;
+    for (int i = 0; i < island_->rank(); ++i) offset += counts[i];
+    at::Tensor slice = flat_grad_.narrow(0, offset, counts[island_->rank()]);
+    if (compression_.kind != comm::CompressionSpec::None) {
+      average_compressed(slice);
+    } else {
+      across_->allreduce(slice, {comm::ReduceOp::Avg})->wait();
+      outer_bytes_ += slice.numel() * slice.element_size();
+    }
+    if (size > 1) island_->allgather(flat_grad_, slice.clone(), {counts})->wait();
   }
   outer_optimizer_->step();
   for (size_t i = 0; i < outer_.size(); ++i) parameters_[i].copy_(outer_[i]);
   pending_ = 0;
   ++outer_done_;
+}
+
+void DilocoStrategy::average_compressed(at::Tensor slice) {
+  // Encoded on the CPU (the encoder's random rounding and top-k run there), in float32 or
+  // float64; every island's encoding has the same parts of the same sizes (the same n and k),
+  // so they travel as one fixed-size byte image, allgathered.
+  at::Tensor mine = slice.to(at::kCPU);
+  if (mine.scalar_type() != at::kDouble) mine = mine.to(at::kFloat);
+  const uint64_t seed = static_cast<uint64_t>(outer_done_) * 1000003ULL +
+                        static_cast<uint64_t>(grid_->world()->rank());
+  const comm::EncodedUpdate encoded = comm::encode_update(mine, compression_, &residual_, seed);
+  std::vector<at::Tensor> images;
+  for (const auto& part : encoded.parts) {
+    images.push_back(part.second.contiguous().reshape({-1}).view(at::kByte));
+  }
+  const at::Tensor image = at::cat(images);
+  const int64_t length = image.numel();
+  at::Tensor gathered = at::empty({length * islands_}, image.options());
+  across_->allgather(gathered, image)->wait();
+  outer_bytes_ += length;
+  at::Tensor sum = at::zeros_like(mine);
+  for (int island = 0; island < islands_; ++island) {
+    comm::EncodedUpdate theirs;
+    theirs.encoding = encoded.encoding;
+    int64_t offset = island * length;
+    for (const auto& [name, part] : encoded.parts) {
+      const int64_t bytes = static_cast<int64_t>(part.nbytes());
+      theirs.parts.emplace_back(
+          name,
+          gathered.narrow(0, offset, bytes).clone().view(part.scalar_type()).view(part.sizes()));
+      offset += bytes;
+    }
+    at::Tensor dense;
+    const std::string problem =
+        comm::decode_update(theirs, mine.numel(), mine.scalar_type(), &dense);
+    DTRAIN_CHECK(problem.empty(), "diloco: island ", island, "'s outer gradient: ", problem);
+    sum += dense;
+  }
+  slice.copy_(sum / islands_);
 }
 
 void DilocoStrategy::swap_in_outer() {
@@ -233,7 +290,9 @@ std::string DilocoStrategy::layout() const {
                 island_->size(), island_->size() == 1 ? " rank" : " ranks", " (",
                 diloco_.inner_strategy, "), an outer ", diloco_.outer_optimizer, " step (lr ",
                 diloco_.outer_lr, ", momentum ", diloco_.outer_momentum, ") every ",
-                diloco_.outer_steps, " steps");
+                diloco_.outer_steps, " steps, outer gradients ",
+                compression_.kind == comm::CompressionSpec::None ? "uncompressed"
+                                                                 : comm::to_string(compression_));
 }
 
 // A checkpoint holds: the outer parameters as the model (state-0-of-1.pt, values only: any
@@ -263,6 +322,12 @@ void DilocoStrategy::save(const std::string& directory) {
   std::error_code ignored;
   fs::create_directories(mine, ignored);
   inner_->save(mine);
+  if (residual_.defined()) {  // top-k's error feedback of this rank's slice
+    c10::impl::GenericDict residual(c10::StringType::get(), c10::AnyType::get());
+    residual.insert("format", kFormat);
+    residual.insert("residual", residual_);
+    save_pickled_dict(concat(mine, "/residual-", island_->rank(), ".pt"), residual);
+  }
 }
 
 void DilocoStrategy::load(const std::string& directory) {
@@ -286,6 +351,11 @@ void DilocoStrategy::load(const std::string& directory) {
   if (same_layout) {  // each island continues where it was
     inner_->load(mine);
     pending_ = state.at("pending").toInt();
+    const std::string residual = concat(mine, "/residual-", island_->rank(), ".pt");
+    if (fs::exists(residual)) {
+      residual_ =
+          load_pickled_dict(residual, "DiLoCo residual file", kFormat).at("residual").toTensor();
+    }
     return;
   }
   // Another layout: island 0's inner state (resharded to this island's ranks), and every

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/comm/Compression.h"
 #include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/diloco/DilocoOptions.h"
@@ -44,6 +45,9 @@ class DilocoStrategy : public Strategy {
   /// Collective over the islands: averages the outer gradient, steps the outer optimizer and
   /// puts the outer parameters into every island's model.
   void outer_step();
+  /// The islands' mean of `slice` of the outer gradient (in place), each island's sent
+  /// compressed (allgathered and decoded).
+  void average_compressed(at::Tensor slice);
   /// Swaps the model's parameters with the outer ones (in place; twice restores).
   void swap_in_outer();
 
@@ -61,6 +65,8 @@ class DilocoStrategy : public Strategy {
   at::Tensor flat_grad_;           // the outer gradient, one buffer
   std::vector<at::Tensor> stash_;  // the island's parameters while the outer ones are in
   std::unique_ptr<torch::optim::Optimizer> outer_optimizer_;
+  comm::CompressionSpec compression_;
+  at::Tensor residual_;  // top-k's error feedback: what this rank's slice did not send yet
   int64_t pending_ = 0;
   int64_t outer_done_ = 0;
   int64_t outer_bytes_ = 0;

@@ -20,6 +20,10 @@ struct DilocoOptions {
   std::string outer_optimizer = "nesterov";
   double outer_lr = 0.7;
   double outer_momentum = 0.9;
+  /// How the outer gradient crosses the islands: "none" (an allreduce), "q8" (8-bit blocks,
+  /// stochastic rounding) or "topk:FRACTION" (with error feedback), encoded by the library that
+  /// compresses federated updates (dtrain/comm/Compression.h) and allgathered.
+  std::string outer_compression = "none";
 };
 
 }  // namespace dtrain::parallel::diloco

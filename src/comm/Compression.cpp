@@ -1,4 +1,4 @@
-#include "dtrain/services/federated/Compression.h"
+#include "dtrain/comm/Compression.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -9,13 +9,13 @@
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::federated {
+namespace dtrain::comm {
 
 bool all_finite(const at::Tensor& t) {
   return t.numel() == 0 || std::isfinite(t.sum(at::kDouble).item<double>());
 }
 
-CompressionSpec parse_compression(const std::string& text) {
+CompressionSpec parse_compression(const std::string& text, const std::string& flag) {
   CompressionSpec spec;
   if (text == "none") return spec;
   if (text == "q8") {
@@ -27,13 +27,13 @@ CompressionSpec parse_compression(const std::string& text) {
     char* end = nullptr;
     const double fraction = std::strtod(number.c_str(), &end);
     DTRAIN_CHECK_INPUT(
-        !number.empty() && end != nullptr && *end == '\0' && fraction > 0 && fraction <= 1,
-        "--compression '", text, "': topk takes a fraction in (0, 1], e.g. topk:0.01");
+        !number.empty() && end != nullptr && *end == '\0' && fraction > 0 && fraction <= 1, flag,
+        " '", text, "': topk takes a fraction in (0, 1], e.g. topk:0.01");
     spec.kind = CompressionSpec::TopK;
     spec.fraction = fraction;
     return spec;
   }
-  DTRAIN_THROW(InputError, "--compression '", text, "': expected none, q8 or topk:FRACTION");
+  DTRAIN_THROW(InputError, flag, " '", text, "': expected none, q8 or topk:FRACTION");
 }
 
 std::string to_string(const CompressionSpec& spec) {
@@ -231,4 +231,4 @@ std::string decode_update(const EncodedUpdate& encoded, int64_t numel, at::Scala
   return concat("unknown encoding '", encoded.encoding, "' (none, q8 or topk)");
 }
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::comm
