@@ -27,7 +27,8 @@ def run(profile, strategy, args, round_index):
                "--strategy", strategy, "--model", args.model, "--max-steps", str(args.steps),
                "--threads", "1", "--no-progress", "--seed", str(round_index), "--metrics", metrics]
     if strategy == "diloco":
-        command += ["--island-size", "1", "--outer-steps", str(args.outer_steps)]
+        command += ["--island-size", "1", "--outer-steps", str(args.outer_steps),
+                    "--outer-compression", args.outer_compression]
     start = time.time()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.time() - start
@@ -45,6 +46,7 @@ def run(profile, strategy, args, round_index):
             "wall_seconds": round(wall, 2), "final_loss": summary.get("final_loss"),
             "val_accuracy": summary.get("val_accuracy"), "allreduced_bytes_per_step": sent,
             "outer_steps": args.outer_steps if strategy == "diloco" else None,
+            "outer_compression": args.outer_compression if strategy == "diloco" else None,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -55,6 +57,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--outer-steps", type=int, default=50)
+    parser.add_argument("--outer-compression", default="none")
     parser.add_argument("--model", default="mlp", choices=["mlp"])
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results-diloco-lab.jsonl"))
     args = parser.parse_args()

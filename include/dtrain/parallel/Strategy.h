@@ -144,6 +144,11 @@ class Strategy {
   /// say), printed by the Trainer after setup().
   virtual std::string layout() const { return ""; }
 
+  /// The ranks that agree on each step's loss (its mean; whether it is finite), after setup():
+  /// nullptr for the whole world. A strategy whose groups meet only now and then across a slow
+  /// link (DiLoCo's islands) names its own group, so no step waits on that link.
+  virtual comm::CommunicatorPtr step_group() const { return nullptr; }
+
   /// Collective. Makes model()'s parameters hold their full values until the next forward or
   /// step (ZeRO-3 gathers them; other strategies hold them always): for reading or exporting.
   virtual void materialize() {}

@@ -204,6 +204,10 @@ void DilocoStrategy::outer_step() {
       outer_bytes_ += slice.numel() * slice.element_size();
     }
     if (size > 1) island_->allgather(flat_grad_, slice.clone(), {counts})->wait();
+    // Every island's loss is checked within the island only: a diverged island shows here, on
+    // every rank at once.
+    DTRAIN_CHECK(comm::all_finite(flat_grad_), "diloco: the outer gradient of outer step ",
+                 outer_done_ + 1, " is not finite (an island diverged); lower --lr or --outer-lr");
   }
   outer_optimizer_->step();
   for (size_t i = 0; i < outer_.size(); ++i) parameters_[i].copy_(outer_[i]);

@@ -34,6 +34,9 @@ class DilocoStrategy : public Strategy {
   /// Evaluates the outer parameters (what the islands agree on), not this island's.
   at::Tensor evaluate_forward(const at::Tensor& inputs) override;
   std::string layout() const override;
+  /// Each step's loss is agreed within the island: no step waits on the link between islands.
+  /// (A non-finite outer gradient stops every island at the next outer step.)
+  comm::CommunicatorPtr step_group() const override { return island_; }
   /// Makes the model hold the outer parameters (the run's result) until the next step.
   void materialize() override;
 

@@ -65,6 +65,7 @@ void StepRunner::run(Run& run) {
   auto reached_step = [&](int64_t local) {
     return async ? run.start_step + async->global_steps() / run.dp_size : local;
   };
+  const comm::CommunicatorPtr step_group = run.strategy.step_group();
   int64_t order_epoch = -1;
   for (int64_t step = run.start_step; step < loop_end; ++step) {
     const int64_t epoch = step / run.steps_per_epoch;
@@ -80,12 +81,14 @@ void StepRunner::run(Run& run) {
     trace::Span step_span("step", concat("step ", step + 1));
     const auto step_start = Clock::now();
     parallel::StepResult result = run.strategy.train_step(batches, run.loss);
-    // The loss every rank reports is the mean over ranks; the sum is non-finite when any
-    // rank's is, so all ranks agree on stopping. (Asynchronous workers report their own.)
+    // The loss every rank reports is the mean over the ranks of its step group (the world,
+    // unless the strategy names a group); the sum is non-finite when any rank's is, so they
+    // agree on stopping. (Asynchronous workers report their own.)
     if (!async) {
       at::Tensor loss_sum = at::tensor({result.loss}, at::kDouble);
-      run.world.allreduce(loss_sum)->wait();
-      result.loss = loss_sum.item<double>() / run.world.size();
+      comm::Communicator& group = step_group ? *step_group : run.world;
+      group.allreduce(loss_sum)->wait();
+      result.loss = loss_sum.item<double>() / group.size();
     }
     const int64_t reached = reached_step(step + 1);
     const bool done = async && reached >= run.last_step;
