@@ -47,6 +47,8 @@ def run(profile, strategy, args, round_index):
             "val_accuracy": summary.get("val_accuracy"), "allreduced_bytes_per_step": sent,
             "outer_steps": args.outer_steps if strategy == "diloco" else None,
             "outer_compression": args.outer_compression if strategy == "diloco" else None,
+            "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                     stdout=subprocess.PIPE, text=True).stdout.strip(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
