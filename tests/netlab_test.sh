@@ -64,4 +64,11 @@ check_bad "delay '20' is not a number" run --name t${id}x4 --profile 100mbit/20 
 check_bad "there is no host 5 among 2" run --name t${id}x4 --override 5=wan -- true
 check_bad "is not HOST=PROFILE" run --name t${id}x4 --override slow -- true
 check_bad "run needs a command after --" run --name t${id}x4
+# Not root: one line, exit 2 (run as nobody).
+if command -v setpriv >/dev/null; then
+  out=$(setpriv --reuid=65534 --regid=65534 --clear-groups env PATH=/usr/sbin:/usr/bin:/bin \
+        /usr/bin/python3 "$netlab" run --name t${id}x4 -- true 2>&1); code=$?
+  [[ $code == 2 && $out == "netlab: the network lab needs root (network namespaces and tc)" ]] ||
+    fail "as nobody: exit $code, '$out'"
+fi
 echo "netlab: all checks passed"
