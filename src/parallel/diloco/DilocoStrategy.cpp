@@ -271,17 +271,10 @@ void DilocoStrategy::swap_in_outer() {
 }
 
 at::Tensor DilocoStrategy::evaluate_forward(const at::Tensor& inputs) {
-  const bool swap = pending_ > 0 && !outer_in_model_;
-  if (swap) swap_in_outer();
-  at::Tensor output;
-  try {
-    output = inner_->evaluate_forward(inputs);
-  } catch (...) {
-    if (swap) swap_in_outer();
-    throw;
-  }
-  if (swap) swap_in_outer();
-  return output;
+  // The outer parameters go in once per evaluation (not per batch): the next step, save() or
+  // swap back.
+  if (pending_ > 0 && !outer_in_model_) swap_in_outer();
+  return inner_->evaluate_forward(inputs);
 }
 
 void DilocoStrategy::materialize() {

@@ -31,7 +31,8 @@ class DilocoStrategy : public Strategy {
   void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
   void prepare(const data::Batch& example) override { inner_->prepare(example); }
-  /// Evaluates the outer parameters (what the islands agree on), not this island's.
+  /// Evaluates the outer parameters (what the islands agree on), not this island's: they stay in
+  /// the model until the next step.
   at::Tensor evaluate_forward(const at::Tensor& inputs) override;
   std::string layout() const override;
   /// Each step's loss is agreed within the island: no step waits on the link between islands.
