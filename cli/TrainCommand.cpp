@@ -176,7 +176,8 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add(app, "--bucket-cap-mb", job.bucket_cap_mb, "Gradient bucket size in MiB")
       ->capture_default_str();
   add(app, "--grad-compression", t.strategy_options.grad_compression,
-      "Gradient wire dtype: none, fp16, bf16")
+      "Gradient compression: none, fp16, bf16 (wire dtype), powersgd:RANK[:START_STEP[:MIN_RATE]] "
+      "(low rank with error feedback; ddp, zero1, pipelines)")
       ->capture_default_str();
   app.add_flag("--error-on-unused-parameters", t.strategy_options.error_on_unused_parameters,
                "Fail a step when a parameter gets no gradient (default: treat as zero)");

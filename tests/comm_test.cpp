@@ -237,6 +237,28 @@ TEST(Comm, NewGroupAndSplit) {
   });
 }
 
+// What each rank sends, counted as a ring algorithm sends it (2 (n-1)/n of an allreduce's bytes,
+// (n-1)/n of the others'), in one count for the world and every group made from it.
+TEST(Comm, WireBytesCountEveryCollectiveOfTheWorldAndItsGroups) {
+  run_ranks(4, [](const CommunicatorPtr& comm) {
+    auto pair = comm->split(comm->rank() / 2, comm->rank(), "pairs");
+    const int64_t before = comm->wire_bytes();
+    comm->allreduce(torch::ones({1000}))->wait();                             // 2 x 3/4 x 4000
+    comm->allgather(torch::empty({4000}), torch::ones({1000}))->wait();       // 3/4 x 16000
+    comm->reduce_scatter(torch::empty({1000}), torch::ones({4000}))->wait();  // 3/4 x 16000
+    pair->allreduce(torch::ones({100}, torch::kDouble))->wait();              // 2 x 1/2 x 800
+    if (comm->rank() == 0) comm->send(torch::ones({10}), 1)->wait();          // 40
+    if (comm->rank() == 1) comm->recv(torch::empty({10}), 0)->wait();
+    const int64_t expected = 6000 + 12000 + 12000 + 800 + (comm->rank() == 0 ? 40 : 0);
+    EXPECT_EQ(comm->wire_bytes() - before, expected);
+    EXPECT_EQ(pair->wire_bytes(), comm->wire_bytes());
+    const auto tally = comm->tally();
+    EXPECT_EQ(tally.at("allreduce").bytes, 4000);
+    EXPECT_EQ(tally.at("allreduce").wire_bytes, 6000);
+    EXPECT_EQ(pair->tally().at("allreduce").wire_bytes, 800);
+  });
+}
+
 TEST(Comm, ProcessGridTwoByTwoByTwo) {
   run_ranks(
       8,

@@ -152,6 +152,7 @@ struct PipelineRun {
   std::string loss_scaling = "auto";
   double loss_scale_init = 65536;
   std::string transport = "auto";  // "comm": Gloo only, no shared memory
+  std::string grad_compression = "none";
   std::vector<std::map<std::string, double>>* metrics = nullptr;  // each rank's last step's
 };
 
@@ -178,6 +179,7 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
         options.precision = run.precision;
         options.loss_scaling = run.loss_scaling;
         options.loss_scale_init = run.loss_scale_init;
+        options.grad_compression = run.grad_compression;
         options.of<dtrain::parallel::pipeline::PipelineOptions>().transport = run.transport;
         PipelineStrategy strategy(options);
         strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
@@ -275,6 +277,19 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
     run.chunks = schedule == "interleaved" ? 2 : 1;
     run.data_parallel = "zero1";
     EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  }
+  // PowerSGD at full rank over each stage's DP group (every matrix compressed): exact; rank 1
+  // is not (the compression is applied).
+  for (const std::string spec : {"powersgd:100000:0:0", "powersgd:1"}) {
+    SCOPED_TRACE(concat("1f1b 2 x 2 ", spec));
+    PipelineRun run{2, 2, 4, "1f1b"};
+    run.grad_compression = spec;
+    const double diff = max_difference(f, expected, train_pipeline(f, steps, run));
+    if (spec == "powersgd:1") {
+      EXPECT_GT(diff, 1e-4);
+    } else {
+      EXPECT_LE(diff, kTightBound);
+    }
   }
 }
 

@@ -187,11 +187,22 @@ void Communicator::reset_tally() {
   tally_.clear();
 }
 
-void Communicator::count_collective(const char* op, int64_t elements) {
+int64_t ring_wire_bytes(const std::string& op, int64_t bytes, int ranks) {
+  if (ranks <= 1) return 0;
+  const int64_t share = bytes * (ranks - 1) / ranks;
+  return op == "allreduce" ? 2 * share : share;
+}
+
+void Communicator::count_collective(const char* op, int64_t elements, int64_t element_size) {
+  const int64_t bytes = elements * element_size;
+  const int64_t wire = ring_wire_bytes(op, bytes, size_);
+  *wire_family_ += wire;
   std::lock_guard<std::mutex> lock(tally_mutex_);
   Tally& entry = tally_[op];
   entry.count += 1;
   entry.elements += elements;
+  entry.bytes += bytes;
+  entry.wire_bytes += wire;
 }
 
 void Communicator::note_collective(const std::string& op_and_args, Work& work) {
@@ -406,7 +417,7 @@ WorkPtr Communicator::allgather(at::Tensor output, at::Tensor input,
   DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what), ": output dtype ",
                output.scalar_type(), " != input dtype ", input.scalar_type());
   const auto timeout = resolve(options.timeout);
-  if (size_ > 1) count_collective("allgather", output.numel());
+  if (size_ > 1) count_collective("allgather", output.numel(), output.element_size());
   const int64_t sequence = next_sequence();
   return run_async(describe(what), timeout,
                    [=] { ring_allgather(output, input, counts, sequence, timeout, what); });
@@ -434,7 +445,7 @@ WorkPtr Communicator::reduce_scatter(at::Tensor output, at::Tensor input,
   DTRAIN_CHECK(options.op != ReduceOp::Avg || at::isFloatingType(input.scalar_type()),
                describe(what), ": avg needs a floating-point tensor");
   const auto timeout = resolve(options.timeout);
-  if (size_ > 1) count_collective("reduce_scatter", input.numel());
+  if (size_ > 1) count_collective("reduce_scatter", input.numel(), input.element_size());
   const int64_t sequence = next_sequence();
   return run_async(describe(what), timeout, [=] {
     ring_reduce_scatter(output, input, counts, options.op, sequence, timeout, what,
@@ -464,6 +475,7 @@ WorkPtr Communicator::send(at::Tensor tensor, int dst, const P2POptions& options
   DTRAIN_CHECK(dst >= 0 && dst < size_ && dst != rank_, describe(what), ": bad destination");
   DTRAIN_CHECK(tensor.is_contiguous(), describe(what), ": tensor must be contiguous");
   count_sent(tensor.numel() * tensor.element_size());
+  *wire_family_ += tensor.numel() * tensor.element_size();
   return send_tagged(tensor, dst, options.tag, resolve(options.timeout));
 }
 

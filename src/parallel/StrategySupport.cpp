@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "dtrain/common/Error.h"
+#include "parallel/ddp/PowerSgd.h"
 
 namespace dtrain::parallel {
 
@@ -19,9 +20,11 @@ ReducerOptions reducer_options_from(const StrategyOptions& options) {
     reducer.wire_dtype = at::kHalf;
   } else if (compression == "bf16") {
     reducer.wire_dtype = at::kBFloat16;
+  } else if (compression.rfind("powersgd", 0) == 0) {
+    reducer.powersgd = parse_powersgd(compression, "--grad-compression");
   } else {
     DTRAIN_CHECK_INPUT(compression == "none", "unknown gradient compression '", compression,
-                       "' (expected none, fp16 or bf16)");
+                       "' (expected none, fp16, bf16 or powersgd:RANK[:START_STEP])");
   }
   reducer.error_on_unused_parameters = options.error_on_unused_parameters;
   return reducer;

@@ -84,6 +84,11 @@ class Communicator {
   /// Total bytes this rank has sent through point-to-point ops (ring algorithms included).
   int64_t bytes_sent() const { return bytes_sent_.load(); }
 
+  /// Bytes this rank has sent on this group and on every group related to it by new_group or
+  /// split (the world and all its subgroups share one count): each collective's ring_wire_bytes
+  /// plus user point-to-point sends. StepRunner reports its growth per step ("wire_bytes").
+  int64_t wire_bytes() const { return wire_family_->load(); }
+
   /// Collectives this rank issued on this group of more than one rank, by op ("allreduce",
   /// "broadcast", "allgather", "reduce_scatter"): how many, and their elements (the tensor's
   /// for allreduce and broadcast, the gathered output's or the scattered input's for the
@@ -91,6 +96,10 @@ class Communicator {
   struct Tally {
     int64_t count = 0;
     int64_t elements = 0;
+    /// Those elements' bytes, and what a bandwidth-optimal (ring) algorithm sends of them from
+    /// each rank: 2 (n-1)/n of the bytes for allreduce, (n-1)/n for the others.
+    int64_t bytes = 0;
+    int64_t wire_bytes = 0;
   };
   std::map<std::string, Tally> tally() const;
   void reset_tally();
@@ -126,7 +135,11 @@ class Communicator {
   std::string describe(const std::string& op_and_args) const;
   int64_t next_sequence() { return sequence_++; }
   void count_sent(int64_t bytes) { bytes_sent_ += bytes; }
-  void count_collective(const char* op, int64_t elements);
+  /// A group made from `parent` (new_group) adds to the parent's wire_bytes count.
+  void share_wire_count(const Communicator& parent) { wire_family_ = parent.wire_family_; }
+  /// Counts a collective of `elements` x `element_size` bytes in the tally and in
+  /// wire_bytes().
+  void count_collective(const char* op, int64_t elements, int64_t element_size);
 
  private:
   void op_thread_main();
@@ -140,6 +153,7 @@ class Communicator {
   Milliseconds timeout_;
   int64_t sequence_ = 0;
   std::atomic<int64_t> bytes_sent_{0};
+  std::shared_ptr<std::atomic<int64_t>> wire_family_ = std::make_shared<std::atomic<int64_t>>(0);
   std::shared_ptr<ProgressState> progress_;
   mutable std::mutex tally_mutex_;
   std::map<std::string, Tally> tally_;
@@ -150,6 +164,10 @@ class Communicator {
   bool stopping_ = false;
   std::thread op_thread_;
 };
+
+/// What each rank sends in a bandwidth-optimal (ring) `op` ("allreduce", "broadcast",
+/// "allgather", "reduce_scatter") of `bytes` over `ranks` ranks.
+int64_t ring_wire_bytes(const std::string& op, int64_t bytes, int ranks);
 
 /// How to join the world. Defaults suit one machine.
 struct InitOptions {

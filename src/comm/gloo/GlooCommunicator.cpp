@@ -128,7 +128,7 @@ WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, const AllreduceOptions& o
   DTRAIN_CHECK(options.op != ReduceOp::Avg || floating, describe(what),
                ": avg needs a floating-point tensor");
   if (size() == 1) return completed_work(describe(what));
-  count_collective("allreduce", tensor.numel());
+  count_collective("allreduce", tensor.numel(), tensor.element_size());
   if (!gloo_reduces(tensor.scalar_type())) {
     DTRAIN_CHECK(floating, "backend gloo does not support ", describe(what));
     return ring_allreduce(tensor, options.op, timeout, what);  // bfloat16
@@ -155,7 +155,7 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& o
   DTRAIN_CHECK(options.root >= 0 && options.root < size(), describe(what), ": bad root");
   const auto timeout = resolve(options.timeout);
   if (size() == 1) return completed_work(describe(what));
-  count_collective("broadcast", tensor.numel());
+  count_collective("broadcast", tensor.numel(), tensor.element_size());
   at::Tensor buffer = host_buffer(tensor, /*fill=*/options.root == rank());
   // Broadcast moves bytes only, so dtypes Gloo cannot reduce travel as a same-size type.
   at::Tensor wire = buffer;
@@ -233,9 +233,11 @@ CommunicatorPtr GlooCommunicator::new_group(const std::vector<int>& ranks,
     global.push_back(global_ranks()[ranks[i]]);
   }
   if (my_rank < 0) return nullptr;
-  return std::make_shared<GlooCommunicator>(
+  auto group = std::make_shared<GlooCommunicator>(
       root_store_, concat(store_prefix_, "/", index), my_rank, static_cast<int>(ranks.size()),
       name.empty() ? concat("group", index) : name, global, timeout(), device_, threads_);
+  group->share_wire_count(*this);
+  return group;
 }
 
 std::shared_ptr<GlooCommunicator> create_world(const InitOptions& options) {

@@ -41,6 +41,7 @@ class NcclCommunicator : public Communicator {
                    std::string name, std::vector<int> global, Milliseconds timeout)
       : Communicator(rank, size, std::move(name), std::move(global), timeout),
         cpu_(std::move(cpu)) {
+    share_wire_count(*cpu_);  // CPU tensors' collectives go through cpu_: one count for both
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
     group_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(
@@ -54,7 +55,7 @@ class NcclCommunicator : public Communicator {
     if (!tensor.is_cuda()) return cpu_->allreduce(tensor, options);
     const auto what =
         describe(concat("allreduce(", to_string(options.op), ", ", shape_string(tensor), ")"));
-    count_collective("allreduce", tensor.numel());
+    count_collective("allreduce", tensor.numel(), tensor.element_size());
     at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
     std::vector<at::Tensor> tensors{buffer};
     c10d::AllreduceOptions o;
@@ -64,7 +65,7 @@ class NcclCommunicator : public Communicator {
   WorkPtr broadcast(at::Tensor tensor, const BroadcastOptions& options) override {
     if (!tensor.is_cuda()) return cpu_->broadcast(tensor, options);
     const auto what = describe(concat("broadcast(", shape_string(tensor), ")"));
-    count_collective("broadcast", tensor.numel());
+    count_collective("broadcast", tensor.numel(), tensor.element_size());
     at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
     std::vector<at::Tensor> tensors{buffer};
     c10d::BroadcastOptions o;
@@ -74,7 +75,7 @@ class NcclCommunicator : public Communicator {
   WorkPtr allgather(at::Tensor output, at::Tensor input, const AllgatherOptions& options) override {
     if (!output.is_cuda()) return cpu_->allgather(output, input, options);
     const auto what = describe(concat("allgather(", shape_string(input), ")"));
-    count_collective("allgather", output.numel());
+    count_collective("allgather", output.numel(), output.element_size());
     const std::vector<int64_t> counts = share_counts(options.counts, output.numel(), size());
     const int64_t most = largest_share(counts);
     const bool direct = even_shares(counts) && output.is_contiguous();
@@ -95,7 +96,7 @@ class NcclCommunicator : public Communicator {
     if (!input.is_cuda()) return cpu_->reduce_scatter(output, input, options);
     const auto what =
         describe(concat("reduce_scatter(", to_string(options.op), ", ", shape_string(input), ")"));
-    count_collective("reduce_scatter", input.numel());
+    count_collective("reduce_scatter", input.numel(), input.element_size());
     const std::vector<int64_t> counts = share_counts(options.counts, input.numel(), size());
     at::Tensor received = at::empty({largest_share(counts)}, output.options());
     c10d::ReduceScatterOptions o;

@@ -16,6 +16,7 @@
 #include "dtrain/common/Error.h"
 #include "parallel/Alias.h"
 #include "parallel/ddp/GradHooks.h"
+#include "parallel/ddp/PowerSgd.h"
 
 namespace dtrain::parallel {
 
@@ -69,12 +70,27 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
                      options_.shard_numel * comm_->size() >= flat_offsets.back(),
                  "Reducer: shard_grad must hold shard_numel elements covering all parameters");
   }
-  for (auto& bucket : buckets_) {
+  DTRAIN_CHECK_INPUT(options_.powersgd.rank == 0 ||
+                         (!sharded() && options_.wire_dtype == at::ScalarType::Undefined),
+                     "PowerSGD compresses the allreduce of whole gradients: not with ZeRO-2's "
+                     "reduce-scatter or a 16-bit wire format");
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
     if (!sharded()) allocate(bucket);
+    if (options_.powersgd.rank > 0) {
+      std::vector<std::vector<int64_t>> shapes;
+      for (size_t k : bucket.parameters) shapes.push_back(parameters_[k].sizes().vec());
+      bucket.powersgd = std::make_unique<PowerSgdBucket>(bucket.flat, shapes, bucket.offsets,
+                                                         options_.powersgd, b);
+      stats_.compressed_matrices += static_cast<int64_t>(bucket.powersgd->compressed());
+    }
     const auto wire_dtype = options_.wire_dtype != at::ScalarType::Undefined
                                 ? options_.wire_dtype
                                 : parameters_[bucket.parameters.front()].scalar_type();
-    stats_.bytes_per_step += bucket.numel * static_cast<int64_t>(c10::elementSize(wire_dtype));
+    const int64_t wire_numel = bucket.powersgd && options_.powersgd.start_step == 0
+                                   ? bucket.powersgd->wire_numel()
+                                   : bucket.numel;
+    stats_.bytes_per_step += wire_numel * static_cast<int64_t>(c10::elementSize(wire_dtype));
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());
   ready_.assign(parameters_.size(), false);
@@ -298,10 +314,28 @@ void Reducer::launch_ready_buckets() {
       options.counts = bucket.counts;
       options.input_is_scratch = true;  // the bucket is freed once reduced
       bucket.work = comm_->reduce_scatter(bucket.received, bucket.wire, options);
+    } else if (powersgd_now()) {
+      bucket.work = bucket.powersgd->start(*comm_);
+      bucket.phase = 1;
     } else {
       bucket.work = comm_->allreduce(bucket.wire);
     }
     if (!backward_ended_) ++stats_.buckets_launched_during_backward;
+  }
+}
+
+void Reducer::advance_powersgd() {
+  // After every first allreduce is issued, in launch order: every rank must issue the second
+  // ones in the same order, and one that started a bucket's second allreduce as soon as its
+  // first completed would interleave them with other buckets' first ones by timing.
+  for (size_t b = 0; b < next_bucket_; ++b) {
+    Bucket& bucket = buckets_[b];
+    if (bucket.phase != 1) continue;
+    std::optional<c10::StreamGuard> on_side;  // a GPU's: after phase 1, on the same stream
+    if (side_stream_ && !bucket.flat.is_cpu()) on_side.emplace(*side_stream_);
+    bucket.work->wait();
+    bucket.work = bucket.powersgd->middle(*comm_);
+    bucket.phase = 2;
   }
 }
 
@@ -351,14 +385,20 @@ void Reducer::finalize() {
     }
   }
   if (!backward_ended_) on_backward_end();  // no gradient reached any hook this step
+  if (powersgd_now()) advance_powersgd();
   join_side_stream();
   for (auto& bucket : buckets_) {
     if (sharded()) {
       if (bucket.work) complete_sharded(bucket);
       continue;
     }
-    bucket.work->wait();
+    if (bucket.work) bucket.work->wait();
     bucket.work.reset();
+    if (bucket.phase == 2) {
+      bucket.powersgd->finish();
+      bucket.phase = 0;
+      continue;
+    }
     if (!bucket.wire.is_same(bucket.flat)) bucket.flat.copy_(bucket.wire);
   }
   stats_.exposed_comm_ms = std::chrono::duration<double, std::milli>(
@@ -369,6 +409,7 @@ void Reducer::finalize() {
     ready_.assign(parameters_.size(), false);
     for (auto& bucket : buckets_) bucket.pending = bucket.parameters.size();
     next_bucket_ = 0;
+    ++synced_steps_;
     in_backward_ = false;
     backward_ended_ = false;
   }

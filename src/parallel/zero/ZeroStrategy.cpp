@@ -42,6 +42,11 @@ StrategyInfo zero2_strategy() {
 ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
     : DdpStrategy(std::move(options)), stage_(stage) {
   DTRAIN_CHECK(stage_ == 1 || stage_ == 2, "ZeroStrategy stage must be 1 or 2, got ", stage_);
+  DTRAIN_CHECK_INPUT(stage_ < 2 || options_.grad_compression.rfind("powersgd", 0) != 0,
+                     "zero2 reduce-scatters the gradients; --grad-compression ",
+                     options_.grad_compression,
+                     " compresses allreduces: use it with ddp, zero1 "
+                     "or a pipeline");
   DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16, name(),
                      " keeps fp32 master weights; use --precision bf16-mixed, not bf16");
 }

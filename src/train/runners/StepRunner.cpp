@@ -80,7 +80,9 @@ void StepRunner::run(Run& run) {
     const std::vector<data::Batch> batches = micro_batches(run, in_epoch);
     trace::Span step_span("step", concat("step ", step + 1));
     const auto step_start = Clock::now();
+    const int64_t wire_before = run.world.wire_bytes();
     parallel::StepResult result = run.strategy.train_step(batches, run.loss);
+    const int64_t wire_bytes = run.world.wire_bytes() - wire_before;
     // The loss every rank reports is the mean over the ranks of its step group (the world,
     // unless the strategy names a group); the sum is non-finite when any rank's is, so they
     // agree on stopping. (Asynchronous workers report their own.)
@@ -111,6 +113,8 @@ void StepRunner::run(Run& run) {
           {"samples_per_s", throughput}};
       if (result.grad_norm >= 0) record["grad_norm"] = result.grad_norm;
       if (async) record["worker_step"] = step + 1;
+      // What this rank sent in the step's collectives (ring estimate; p2p as sent).
+      if (run.world.size() > 1 && !async) record["wire_bytes"] = wire_bytes;
       for (const auto& [key, value] : result.metrics) record[key] = value;
       run.metrics.write(record);
     }

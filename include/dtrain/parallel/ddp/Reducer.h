@@ -21,6 +21,20 @@
 namespace dtrain::parallel {
 
 class GradReadyHooks;
+class PowerSgdBucket;
+
+/// PowerSGD gradient compression (src/parallel/ddp/PowerSgd.h).
+struct PowerSgdOptions {
+  /// Rank r of the approximation; 0 = off.
+  int64_t rank = 0;
+  /// Exact allreduce for this many synchronized steps first (PyTorch's start_powerSGD_iter).
+  int64_t start_step = 0;
+  /// A matrix n x m is compressed when n m / (r (n + m)) is at least this (PyTorch's
+  /// min_compression_rate); 0 compresses every matrix (tests).
+  double min_compression_rate = 2.0;
+  /// The first Q of every matrix is drawn from this seed, the same on every rank.
+  uint64_t seed = 0x50575253;
+};
 
 /// Sharded modes (ZeRO-2/3): reductions left running while backward goes on; beyond this,
 /// backward waits for the oldest, so unreduced gradients stay bounded when communication lags
@@ -44,11 +58,17 @@ struct ReducerOptions {
   /// bucket's first gradient until its reduction, and parameters' .grad are released with them.
   int64_t shard_numel = 0;
   at::Tensor shard_grad;
+  /// PowerSGD instead of the exact allreduce (rank > 0; not with shard_numel or wire_dtype).
+  PowerSgdOptions powersgd;
 };
 
 struct ReducerStats {
   int64_t buckets = 0;
+  /// Bytes of the gradients' collectives per synchronized step (PowerSGD: its factors and
+  /// uncompressed tensors, once it has started).
   int64_t bytes_per_step = 0;
+  /// PowerSGD: matrices it compresses (0 without it).
+  int64_t compressed_matrices = 0;
   /// Last step: time from the end of backward until every bucket was reduced (the
   /// communication that did not overlap with backward).
   double exposed_comm_ms = 0.0;
@@ -116,6 +136,10 @@ class Reducer : public GradientSync {
     int64_t flat_begin = 0;
     std::vector<int64_t> counts;
     at::Tensor received;
+    // PowerSGD: its factors and error, and the phase of this step's exchange (0: none in
+    // flight, 1: the Ps and plain gradients, 2: the Qs).
+    std::unique_ptr<PowerSgdBucket> powersgd;
+    int phase = 0;
   };
 
   std::vector<std::vector<size_t>> assign_buckets() const;
@@ -124,6 +148,12 @@ class Reducer : public GradientSync {
   /// Reduce-scatter mode: waits for the bucket, adds what this rank received into shard_grad,
   /// frees the bucket and its parameters' gradients.
   void complete_sharded(Bucket& bucket);
+  /// PowerSGD on, once backward is over: every bucket's first allreduce waited for, its second
+  /// issued, in launch order.
+  void advance_powersgd();
+  bool powersgd_now() const {
+    return options_.powersgd.rank > 0 && synced_steps_ >= options_.powersgd.start_step;
+  }
   /// Points parameter k's .grad at its bucket slot (copying a replaced gradient in, or zeroing).
   void alias_grad(size_t k, bool keep_values);
   void mark_ready(size_t parameter);
@@ -149,6 +179,7 @@ class Reducer : public GradientSync {
   bool backward_ended_ = false;
   std::vector<bool> ready_;
   size_t next_bucket_ = 0;
+  int64_t synced_steps_ = 0;
   std::chrono::steady_clock::time_point backward_end_time_;
   ReducerStats stats_;
   std::optional<c10::Stream> side_stream_;

@@ -1,0 +1,90 @@
+#!/usr/bin/python3
+"""PowerSGD against uncompressed DDP across the network lab (issue 33): 2 lab hosts x 1 rank, the
+same job (model, steps, global batch, seed) with `--grad-compression none` and with the given
+compression, rounds alternated. Per run: wall time of training, median step time, the bytes this
+rank sent per step (the step records' wire_bytes: the Communicator's count of every collective,
+ring estimate), the loss at the end (mean of the last 10% of step records) and the validation
+accuracy or loss. Records go to bench/results-compression-lab.jsonl. Root (scripts/netlab);
+build/dtrain built.
+
+  bench/run_compression_lab.py --profile wan --model cnn --steps 300 --rounds 2
+  bench/run_compression_lab.py --profile lan --model gpt --steps 300 --rounds 2"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTRAIN = os.path.join(ROOT, "build", "dtrain")
+
+# The models' flags: the quick start's CNN on Fashion-MNIST, and configs/fortunes-gpt.toml's GPT
+# (its flags, with 1 rank per lab host instead of its 2 local ranks: the same global batch 64).
+MODELS = {
+    "cnn": ["--model", "cnn", "--dataset", "fashion-mnist", "--batch-size", "32"],
+    "gpt": ["--model", "gpt", "--dataset", "text", "--layers", "4", "--heads", "4",
+            "--width", "192", "--context", "64", "--dropout", "0", "--batch-size", "32",
+            "--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.1",
+            "--lr-decay", "cosine", "--warmup-steps", "100", "--max-grad-norm", "1.0"],
+}
+
+
+def run(args, compression, round_index):
+    metrics = f"/tmp/compression-lab-{args.model}-{compression.replace(':', '_')}.jsonl"
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    command = [os.path.join(ROOT, "scripts", "netlab"), "run", "--hosts", "2", "--profile",
+               args.profile, "--", DTRAIN, "launch", "--nnodes", "2", "--node-rank", "{host}",
+               "--nproc-per-node", "1", "--master-addr", "{addr0}", "--master-port", "29500",
+               "--", DTRAIN, "train", *MODELS[args.model], "--strategy", "ddp",
+               "--grad-compression", compression, "--max-steps", str(args.steps),
+               "--eval-every", str(args.steps), "--threads", str(args.threads), "--no-progress",
+               "--seed", str(round_index + 1), "--metrics", metrics, "--log-every", "1"]
+    start = time.time()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.time() - start
+    records = [json.loads(line) for line in open(metrics)]
+    summary = next(r for r in records if r.get("event") == "summary")
+    steps = [r for r in records if r.get("event") == "step"]
+    evals = [r for r in records if r.get("event") == "eval"]
+    tail = steps[-max(1, len(steps) // 10):]
+    return {"profile": args.profile, "model": args.model, "compression": compression,
+            "round": round_index, "steps": summary["steps"],
+            "global_batch": summary["global_batch"], "threads": args.threads,
+            "train_seconds": summary["seconds"], "wall_seconds": round(wall, 2),
+            "median_step_ms": statistics.median(r["step_ms"] for r in steps),
+            "wire_bytes_per_step": statistics.median(r["wire_bytes"] for r in steps),
+            "final_loss": statistics.mean(r["loss"] for r in tail),
+            "val_loss": evals[-1].get("val_loss") if evals else None,
+            "val_accuracy": evals[-1].get("val_accuracy") if evals else None,
+            "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                     stdout=subprocess.PIPE, text=True).stdout.strip(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="wan")
+    parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compression", default="powersgd:4")
+    parser.add_argument("--out",
+                        default=os.path.join(ROOT, "bench", "results-compression-lab.jsonl"))
+    args = parser.parse_args()
+    with open(args.out, "a") as out:
+        for r in range(args.rounds):
+            order = ("none", args.compression) if r % 2 == 0 else (args.compression, "none")
+            for compression in order:
+                record = run(args, compression, r)
+                print(json.dumps(record), flush=True)
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+// PowerSGD (Vogels et al. 2019): low-rank gradient compression with error feedback, for one
+// bucket of the DDP Reducer. Each gradient matrix M (a parameter's gradient as rows x the rest)
+// is sent as two thin factors: P = M Q (allreduced, then orthonormalized) and Q = M^T P
+// (allreduced); the bucket then holds P Q^T, the rank-r approximation of the mean gradient. What
+// the approximation leaves out of this rank's M stays in an error buffer and is added to the
+// next step's gradient; Q is warm-started from the previous step (one power iteration per step
+// is enough then). Vectors (biases, norms) and matrices not worth compressing travel uncompressed
+// in the first allreduce. PyTorch's powerSGD_hook does the same per bucket.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/Communicator.h"
+#include "dtrain/parallel/ddp/Reducer.h"
+
+namespace dtrain::parallel {
+
+/// "powersgd:RANK[:START_STEP[:MIN_RATE]]" -> options; anything else: InputError naming `flag`.
+PowerSgdOptions parse_powersgd(const std::string& text, const std::string& flag);
+
+class PowerSgdBucket {
+ public:
+  /// `shapes[i]` is the shape of the gradient at element `offsets[i]` of the bucket's flat
+  /// buffer `flat` (its dtype and device are the factors'); `bucket_index` varies the seed.
+  PowerSgdBucket(const at::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes,
+                 const std::vector<int64_t>& offsets, const PowerSgdOptions& options,
+                 int64_t bucket_index);
+
+  /// Phase 1: adds the error to the compressed gradients, P = M Q; allreduces the Ps together
+  /// with the uncompressed gradients.
+  comm::WorkPtr start(comm::Communicator& comm);
+  /// Phase 2 (phase 1's work done): orthonormalizes each P, Q = M^T P, keeps M - P Q^T as the
+  /// error; allreduces the Qs (nullptr when nothing is compressed).
+  comm::WorkPtr middle(comm::Communicator& comm);
+  /// Phase 3 (phase 2's work done): the bucket gets P Q^T and the reduced uncompressed part.
+  void finish();
+
+  /// Elements each step's two allreduces carry (against the bucket's numel uncompressed).
+  int64_t wire_numel() const { return p_buffer_.numel() + q_buffer_.numel(); }
+  /// Matrices compressed in this bucket.
+  size_t compressed() const { return matrices_.size(); }
+
+ private:
+  struct Matrix {
+    at::Tensor m;      // the gradient in the bucket, rows x cols
+    at::Tensor p, q;   // views of p_buffer_ / q_buffer_
+    at::Tensor error;  // view of error_
+  };
+  struct Plain {
+    at::Tensor grad;  // flat view of the gradient in the bucket
+    at::Tensor wire;  // its place in p_buffer_
+  };
+  std::vector<Matrix> matrices_;
+  std::vector<Plain> plain_;
+  at::Tensor p_buffer_, q_buffer_, error_;
+};
+
+}  // namespace dtrain::parallel
