@@ -1,14 +1,17 @@
 #!/usr/bin/python3
-"""PowerSGD against uncompressed DDP across the network lab (issue 33): 2 lab hosts x 1 rank, the
-same job (model, steps, global batch, seed) with `--grad-compression none` and with the given
-compression, rounds alternated. Per run: wall time of training, median step time, the bytes this
+"""Compressed against uncompressed communication across the network lab (issue 33): 2 lab hosts x
+1 rank, the same job (model, steps, global batch, seed, --strategy) with `--grad-compression
+none` and with the given compression (PowerSGD), or without and with --zero-quantized (zero2,
+zero3: `--compression zero-quantized`), rounds alternated. Per run: wall time of training, median step time, the bytes this
 rank sent per step (the step records' wire_bytes: the Communicator's count of every collective,
 ring estimate), the loss at the end (mean of the last 10% of step records) and the validation
 accuracy or loss. Records go to bench/results-compression-lab.jsonl. Root (scripts/netlab);
 build/dtrain built.
 
   bench/run_compression_lab.py --profile wan --model cnn --steps 300 --rounds 2
-  bench/run_compression_lab.py --profile lan --model gpt --steps 300 --rounds 2"""
+  bench/run_compression_lab.py --profile lan --model gpt --steps 300 --rounds 2
+  bench/run_compression_lab.py --profile lan --model gpt --strategy zero3 \
+      --compression zero-quantized"""
 import argparse
 import json
 import os
@@ -32,14 +35,17 @@ MODELS = {
 
 
 def run(args, compression, round_index):
-    metrics = f"/tmp/compression-lab-{args.model}-{compression.replace(':', '_')}.jsonl"
+    metrics = (f"/tmp/compression-lab-{args.model}-{args.strategy}-"
+               f"{compression.replace(':', '_')}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
     command = [os.path.join(ROOT, "scripts", "netlab"), "run", "--hosts", "2", "--profile",
                args.profile, "--", DTRAIN, "launch", "--nnodes", "2", "--node-rank", "{host}",
                "--nproc-per-node", "1", "--master-addr", "{addr0}", "--master-port", "29500",
-               "--", DTRAIN, "train", *MODELS[args.model], "--strategy", "ddp",
-               "--grad-compression", compression, "--max-steps", str(args.steps),
+               "--", DTRAIN, "train", *MODELS[args.model], "--strategy", args.strategy,
+               *(["--zero-quantized"] if compression == "zero-quantized" else
+                 ["--grad-compression", compression]),
+               "--max-steps", str(args.steps),
                "--eval-every", str(args.steps), "--threads", str(args.threads), "--no-progress",
                "--seed", str(round_index + 1), "--metrics", metrics, "--log-every", "1"]
     start = time.time()
@@ -50,7 +56,8 @@ def run(args, compression, round_index):
     steps = [r for r in records if r.get("event") == "step"]
     evals = [r for r in records if r.get("event") == "eval"]
     tail = steps[-max(1, len(steps) // 10):]
-    return {"profile": args.profile, "model": args.model, "compression": compression,
+    return {"profile": args.profile, "model": args.model, "strategy": args.strategy,
+            "compression": compression,
             "round": round_index, "steps": summary["steps"],
             "global_batch": summary["global_batch"], "threads": args.threads,
             "train_seconds": summary["seconds"], "wall_seconds": round(wall, 2),
@@ -72,13 +79,19 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compression", default="powersgd:4")
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--compression", default="powersgd:4",
+                        help="a --grad-compression value, or zero-quantized")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="run only the compressed variant (a grid over its settings)")
     parser.add_argument("--out",
                         default=os.path.join(ROOT, "bench", "results-compression-lab.jsonl"))
     args = parser.parse_args()
     with open(args.out, "a") as out:
         for r in range(args.rounds):
             order = ("none", args.compression) if r % 2 == 0 else (args.compression, "none")
+            if args.no_baseline:
+                order = (args.compression,)
             for compression in order:
                 record = run(args, compression, r)
                 print(json.dumps(record), flush=True)

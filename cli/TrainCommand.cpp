@@ -179,6 +179,12 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "Gradient compression: none, fp16, bf16 (wire dtype), powersgd:RANK[:START_STEP[:MIN_RATE]] "
       "(low rank with error feedback; ddp, zero1, pipelines)")
       ->capture_default_str();
+  app.add_flag("--hierarchical-allreduce", t.strategy_options.hierarchical_allreduce,
+               "Allreduce gradients inside each host first, then across hosts, then inside "
+               "again (ddp, zero1, pipelines; not with powersgd)");
+  add(app, "--ranks-per-host", t.strategy_options.ranks_per_host,
+      "Ranks of one host for --hierarchical-allreduce (0 = the launcher's LOCAL_WORLD_SIZE)")
+      ->capture_default_str();
   app.add_flag("--error-on-unused-parameters", t.strategy_options.error_on_unused_parameters,
                "Fail a step when a parameter gets no gradient (default: treat as zero)");
   add(app, "--device", t.strategy_options.device,

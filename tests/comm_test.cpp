@@ -9,6 +9,7 @@
 #include "comm/PaddedShares.h"
 #include "comm/SharedMemoryChannel.h"
 #include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/comm/Quantized.h"
 
 using namespace dtrain;
 using namespace std::chrono_literals;
@@ -256,6 +257,53 @@ TEST(Comm, WireBytesCountEveryCollectiveOfTheWorldAndItsGroups) {
     EXPECT_EQ(tally.at("allreduce").bytes, 4000);
     EXPECT_EQ(tally.at("allreduce").wire_bytes, 6000);
     EXPECT_EQ(pair->tally().at("allreduce").wire_bytes, 800);
+  });
+}
+
+// Block-quantized collectives: every value within half a quantization step of its block
+// (absolute maximum / 254) per rank it came from, the gathered copies the same on every rank,
+// uneven and empty shares, and identity quantization equal to the plain collectives.
+TEST(Comm, QuantizedAllgatherAndReduceScatterStayWithinHalfAStep) {
+  run_ranks(4, [](const CommunicatorPtr& comm) {
+    const int world = comm->size();
+    const int me = comm->rank();
+    comm::BlockQuantization q{64};
+    auto mine = data_of(me, 300, torch::kFloat);  // 300: a last block of 44
+    auto gathered = torch::empty({300 * world});
+    comm::quantized_allgather(*comm, gathered, mine, q)->wait();
+    for (int r = 0; r < world; ++r) {
+      const auto exact = data_of(r, 300, torch::kFloat);
+      const double step = exact.abs().max().item<double>() / 127;
+      EXPECT_LE((gathered.narrow(0, r * 300, 300) - exact).abs().max().item<double>(),
+                0.5 * step + 1e-6);
+    }
+    auto first = gathered.clone();  // every rank holds the same values
+    comm->broadcast(first)->wait();
+    EXPECT_TRUE(torch::equal(first, gathered));
+
+    const std::vector<int64_t> counts{100, 0, 250, 50};
+    auto input = data_of(me, 400, torch::kDouble);
+    torch::Tensor sum = torch::zeros({400}, torch::kDouble);
+    double bound = 0;
+    for (int r = 0; r < world; ++r) {
+      const auto other = data_of(r, 400, torch::kDouble);
+      sum += other;
+      if (r != me) bound += 0.5 * other.abs().max().item<double>() / 127;
+    }
+    int64_t offset = 0;
+    for (int r = 0; r < me; ++r) offset += counts[r];
+    auto out = torch::empty({counts[me]}, torch::kDouble);
+    comm::quantized_reduce_scatter(*comm, out, input, counts, q)->wait();
+    if (counts[me] > 0) {
+      const auto expected = sum.narrow(0, offset, counts[me]);
+      EXPECT_LE((out - expected).abs().max().item<double>(), bound + 1e-6);
+      EXPECT_GT((out - expected).abs().max().item<double>(), 0.0) << "not quantized?";
+      auto exact = torch::empty({counts[me]}, torch::kDouble);
+      comm::quantized_reduce_scatter(*comm, exact, input, counts, {64, /*identity=*/true})->wait();
+      EXPECT_LE((exact - expected).abs().max().item<double>(), 1e-12);
+    } else {
+      comm::quantized_reduce_scatter(*comm, out, input, counts, {64, true})->wait();
+    }
   });
 }
 

@@ -6,6 +6,7 @@
 
 #include "Oracle.h"
 #include "RankThreads.h"
+#include "dtrain/comm/Hierarchical.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Registry.h"
@@ -169,6 +170,30 @@ TEST(Ddp, PowerSgdErrorFeedbackSendsWhatEarlierStepsLeftOut) {
     at::Tensor other = applied.clone();  // the same on both ranks
     comm->broadcast(other)->wait();
     EXPECT_EQ((other - applied).abs().max().item<double>(), 0.0);
+  });
+}
+
+// The hierarchical allreduce (2 hosts x 2 ranks): the oracle's weights, and across hosts each rank
+// sends 2 x 1/2 of its half of the gradients where a flat ring over 4 sends 2 x 3/4 of all of
+// them. Hosts of unequal size are refused.
+TEST(Ddp, HierarchicalAllreduceMatchesTheOracleAndCrossesHostsOnce) {
+  at::set_num_threads(1);
+  auto s = make_setup("mlp");
+  const auto expected = train_single(s, 6);
+  parallel::StrategyOptions options;
+  options.bucket_cap_bytes = 16 * 1024;
+  options.hierarchical_allreduce = true;
+  options.ranks_per_host = 2;
+  EXPECT_LE(max_abs_diff(expected, train_ddp(s, 4, 6, options)), kTightBound);
+  run_ranks(4, [&](const comm::CommunicatorPtr& comm) {
+    comm::HierarchicalAllreduce hierarchy(comm, 2);
+    EXPECT_EQ(hierarchy.local()->size(), 2);
+    EXPECT_EQ(hierarchy.cross()->size(), 2);
+    at::Tensor grads = at::full({1000}, comm->rank() + 1.0, at::kDouble);
+    hierarchy.allreduce(grads)->wait();
+    EXPECT_TRUE(at::allclose(grads, at::full({1000}, 10.0, at::kDouble)));
+    EXPECT_EQ(hierarchy.cross()->tally().at("allreduce").wire_bytes, 2 * 500 * 8 / 2);
+    EXPECT_THROW(comm::HierarchicalAllreduce(comm, 3), InputError);  // hosts of 3 and 1
   });
 }
 

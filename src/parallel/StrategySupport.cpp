@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
+#include <limits>
 
 #include "dtrain/common/Error.h"
 #include "parallel/ddp/PowerSgd.h"
@@ -27,6 +29,14 @@ ReducerOptions reducer_options_from(const StrategyOptions& options) {
                        "' (expected none, fp16, bf16 or powersgd:RANK[:START_STEP])");
   }
   reducer.error_on_unused_parameters = options.error_on_unused_parameters;
+  DTRAIN_CHECK_INPUT(options.ranks_per_host >= 0, "--ranks-per-host must be >= 0, got ",
+                     options.ranks_per_host);
+  if (options.hierarchical_allreduce) {
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    reducer.ranks_per_host = options.ranks_per_host > 0 ? options.ranks_per_host
+                             : local                    ? std::max(1, std::atoi(local))
+                                                        : std::numeric_limits<int>::max();
+  }
   return reducer;
 }
 

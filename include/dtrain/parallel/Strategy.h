@@ -54,6 +54,11 @@ struct StrategyOptions {
   int64_t first_bucket_cap_bytes = 1024 * 1024;
   /// "none", "fp16" or "bf16": dtype the gradients travel in.
   std::string grad_compression = "none";
+  /// Allreduce gradients over hosts hierarchically (inside each host, then across hosts:
+  /// comm/Hierarchical.h); a host's ranks are `ranks_per_host` consecutive ranks (0: the
+  /// launcher's LOCAL_WORLD_SIZE).
+  bool hierarchical_allreduce = false;
+  int ranks_per_host = 0;
   /// Parameters that get no gradient in a step: false = treat their gradient as zero (and say
   /// so once), true = fail the step with an error naming them (after the collectives finish,
   /// so peers never hang).

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <map>
 
+#include "dtrain/comm/Hierarchical.h"
 #include "dtrain/common/Error.h"
 #include "parallel/Alias.h"
 #include "parallel/ddp/GradHooks.h"
@@ -74,6 +75,12 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
                          (!sharded() && options_.wire_dtype == at::ScalarType::Undefined),
                      "PowerSGD compresses the allreduce of whole gradients: not with ZeRO-2's "
                      "reduce-scatter or a 16-bit wire format");
+  DTRAIN_CHECK_INPUT(options_.ranks_per_host == 0 || (!sharded() && options_.powersgd.rank == 0),
+                     "the hierarchical allreduce replaces the exact allreduce of whole buckets: "
+                     "not with ZeRO-2's reduce-scatter or PowerSGD");
+  if (options_.ranks_per_host > 0) {
+    hierarchy_ = std::make_unique<comm::HierarchicalAllreduce>(comm_, options_.ranks_per_host);
+  }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     if (!sharded()) allocate(bucket);
@@ -313,12 +320,15 @@ void Reducer::launch_ready_buckets() {
       comm::ReduceScatterOptions options;
       options.counts = bucket.counts;
       options.input_is_scratch = true;  // the bucket is freed once reduced
-      bucket.work = comm_->reduce_scatter(bucket.received, bucket.wire, options);
+      bucket.work = options_.quantization.enabled()
+                        ? comm::quantized_reduce_scatter(*comm_, bucket.received, bucket.wire,
+                                                         bucket.counts, options_.quantization)
+                        : comm_->reduce_scatter(bucket.received, bucket.wire, options);
     } else if (powersgd_now()) {
       bucket.work = bucket.powersgd->start(*comm_);
       bucket.phase = 1;
     } else {
-      bucket.work = comm_->allreduce(bucket.wire);
+      bucket.work = hierarchy_ ? hierarchy_->allreduce(bucket.wire) : comm_->allreduce(bucket.wire);
     }
     if (!backward_ended_) ++stats_.buckets_launched_during_backward;
   }

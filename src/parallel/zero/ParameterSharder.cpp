@@ -69,12 +69,14 @@ at::Tensor BufferPool::empty(int64_t numel, const at::TensorOptions& options) {
 ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
                                    std::vector<std::string> names, std::vector<ShardUnit> units,
                                    comm::CommunicatorPtr comm, bool prefetch,
-                                   bool error_on_unused_parameters)
+                                   bool error_on_unused_parameters,
+                                   comm::BlockQuantization quantization)
     : parameters_(std::move(parameters)),
       names_(std::move(names)),
       comm_(std::move(comm)),
       prefetch_(prefetch),
       error_on_unused_(error_on_unused_parameters),
+      quantization_(quantization),
       pool_(c10::GetAllocator(parameters_.front().device().type()), 4) {
   DTRAIN_CHECK(!parameters_.empty() && parameters_.size() == names_.size(),
                "ParameterSharder needs named parameters");
@@ -161,11 +163,14 @@ ParameterSharder::~ParameterSharder() {
   }
 }
 
-void ParameterSharder::gather(Unit& unit) {
+void ParameterSharder::gather(Unit& unit, bool exact) {
   if (unit.gathered) return;
   pool_.attach(unit.full, unit.full.numel());
   unit.gathered = true;  // once gather_work completes
-  unit.gather_work = comm_->allgather(unit.full, shard_params_.narrow(0, unit.base, unit.shard));
+  const at::Tensor shard = shard_params_.narrow(0, unit.base, unit.shard);
+  unit.gather_work = quantization_.enabled() && !exact
+                         ? comm::quantized_allgather(*comm_, unit.full, shard, quantization_)
+                         : comm_->allgather(unit.full, shard);
 }
 
 void ParameterSharder::wait_gathered(Unit& unit) {
@@ -211,7 +216,10 @@ at::Tensor ParameterSharder::run(const at::Tensor& input) {
 }
 
 void ParameterSharder::gather_all() {
-  for (auto& unit : units_) gather(unit);
+  if (quantization_.enabled()) {
+    for (auto& unit : units_) release(unit);  // a quantized copy would stay
+  }
+  for (auto& unit : units_) gather(unit, /*exact=*/true);
   for (auto& unit : units_) wait_gathered(unit);
 }
 
@@ -269,7 +277,10 @@ void ParameterSharder::launch_reduction(Unit& unit) {
   unit.received = pool_.empty(unit.shard, shard_grad_.options());
   comm::ReduceScatterOptions options;
   options.input_is_scratch = true;
-  unit.reduce_work = comm_->reduce_scatter(unit.received, unit.grad_flat, options);
+  unit.reduce_work =
+      quantization_.enabled()
+          ? comm::quantized_reduce_scatter(*comm_, unit.received, unit.grad_flat, {}, quantization_)
+          : comm_->reduce_scatter(unit.received, unit.grad_flat, options);
   in_flight_.push_back(static_cast<size_t>(&unit - units_.data()));
   if (!backward_ended_) ++stats_.buckets_launched_during_backward;
 }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "dtrain/comm/Communicator.h"
+#include "dtrain/comm/Quantized.h"
 #include "dtrain/parallel/ddp/Reducer.h"
 #include "parallel/ddp/GradHooks.h"
 
@@ -74,17 +75,19 @@ class ParameterSharder : public GradientSync {
   };
 
   /// Collective. Takes the full, identical-on-every-rank `parameters` (leaves), shards them and
-  /// frees their storage.
+  /// frees their storage. With `quantization` on, forward and backward gather int8 blocks of the
+  /// shards and gradients are reduce-scattered as int8 blocks (ZeRO++'s qwZ and qgZ); the
+  /// shards, the optimizer's, stay exact.
   ParameterSharder(std::vector<at::Tensor> parameters, std::vector<std::string> names,
                    std::vector<ShardUnit> units, comm::CommunicatorPtr comm, bool prefetch,
-                   bool error_on_unused_parameters);
+                   bool error_on_unused_parameters, comm::BlockQuantization quantization = {});
   ~ParameterSharder() override;
   ParameterSharder(const ParameterSharder&) = delete;
   ParameterSharder& operator=(const ParameterSharder&) = delete;
 
   /// Collective. The model's forward, unit by unit, gathering and freeing parameters.
   at::Tensor run(const at::Tensor& input);
-  /// Collective. Gathers every unit (full parameters until the next run()).
+  /// Collective. Gathers every unit exactly (full parameters until the next run()).
   void gather_all();
 
   // GradientSync. Every micro-batch is synchronized (sharded gradients cannot accumulate
@@ -121,7 +124,8 @@ class ParameterSharder : public GradientSync {
     comm::WorkPtr reduce_work;
   };
 
-  void gather(Unit& unit);  // starts the allgather (no-op when gathered or in flight)
+  /// Starts the allgather (no-op when gathered or in flight); quantized unless `exact`.
+  void gather(Unit& unit, bool exact = false);
   void wait_gathered(Unit& unit);
   void release(Unit& unit);
   void pre_backward(size_t u);
@@ -135,6 +139,7 @@ class ParameterSharder : public GradientSync {
   comm::CommunicatorPtr comm_;
   bool prefetch_;
   bool error_on_unused_;
+  comm::BlockQuantization quantization_;
   BufferPool pool_;
   std::vector<Unit> units_;
   std::vector<std::pair<size_t, size_t>> locator_;  // parameter -> (unit, slot)

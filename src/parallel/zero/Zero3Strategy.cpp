@@ -34,7 +34,8 @@ StrategyInfo zero3_strategy() {
   info.name = "zero3";
   info.summary = "ZeRO stage 3 (FSDP): parameters sharded too, gathered unit by unit";
   info.whole_model_on_rank0 = false;
-  info.options = {option_group<Zero3Options>("zero3", declare_flags, check_options)};
+  info.options = {option_group<Zero3Options>("zero3", declare_flags, check_options),
+                  zero_quantized_options()};
   info.check_layout = [](const StrategyOptions&, const Layout& layout) {
     DTRAIN_CHECK_INPUT(!layout.tied_parameters,
                        "--tied-embeddings with zero3: the shared weight would be gathered by two "
@@ -109,9 +110,9 @@ std::vector<ShardUnit> Zero3Strategy::make_units() const {
 }
 
 void Zero3Strategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
-  sharder_ =
-      std::make_unique<ParameterSharder>(parameters_, names_, make_units(), comm_, zero3_.prefetch,
-                                         options_.error_on_unused_parameters);
+  sharder_ = std::make_unique<ParameterSharder>(
+      parameters_, names_, make_units(), comm_, zero3_.prefetch,
+      options_.error_on_unused_parameters, block_quantization(options_));
   model_.forward = [sharder = sharder_.get()](const at::Tensor& x) { return sharder->run(x); };
   std::vector<at::Tensor> shard;
   for (const auto& piece : sharder_->pieces()) shard.push_back(piece.tensor);

@@ -8,6 +8,37 @@
 
 namespace dtrain::parallel {
 
+namespace {
+
+void declare_quantized_flags(FlagSet& flags, ZeroQuantizedOptions& o) {
+  flags.add("--zero-quantized", o.enabled,
+            "zero2, zero3: reduce-scatter gradients (zero3: and gather parameters) as int8 "
+            "blocks with a float32 scale each, about 4x fewer bytes (ZeRO++'s qgZ, qwZ)");
+  flags.add("--zero-quantized-block", o.block,
+            "zero2, zero3: elements per scale of --zero-quantized");
+}
+
+void check_quantized(const ZeroQuantizedOptions& o) {
+  DTRAIN_CHECK_INPUT(o.block >= 1, "--zero-quantized-block must be >= 1, got ", o.block);
+}
+
+}  // namespace
+
+OptionGroup zero_quantized_options() {
+  return option_group<ZeroQuantizedOptions>("zero-quantized", declare_quantized_flags,
+                                            check_quantized);
+}
+
+comm::BlockQuantization block_quantization(const StrategyOptions& options) {
+  const auto& o = options.of<ZeroQuantizedOptions>();
+  comm::BlockQuantization q;
+  if (o.enabled) {
+    q.block = o.block;
+    q.identity = o.identity;
+  }
+  return q;
+}
+
 StrategyInfo zero1_strategy() {
   StrategyInfo info;
   info.name = "zero1";
@@ -30,6 +61,7 @@ StrategyInfo zero2_strategy() {
   StrategyInfo info;
   info.name = "zero2";
   info.summary = "ZeRO stage 2: optimizer state and gradients sharded (reduce-scatter)";
+  info.options = {zero_quantized_options()};
   info.check_layout = [](const StrategyOptions&, const Layout& layout) {
     check_no_sequence_parallel("zero2", layout);
   };
@@ -42,6 +74,9 @@ StrategyInfo zero2_strategy() {
 ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
     : DdpStrategy(std::move(options)), stage_(stage) {
   DTRAIN_CHECK(stage_ == 1 || stage_ == 2, "ZeroStrategy stage must be 1 or 2, got ", stage_);
+  DTRAIN_CHECK_INPUT(stage_ >= 2 || !options_.of<ZeroQuantizedOptions>().enabled,
+                     "--zero-quantized reduce-scatters gradients: it is for zero2 and zero3, not ",
+                     name());
   DTRAIN_CHECK_INPUT(stage_ < 2 || options_.grad_compression.rfind("powersgd", 0) != 0,
                      "zero2 reduce-scatters the gradients; --grad-compression ",
                      options_.grad_compression,
@@ -55,6 +90,7 @@ void ZeroStrategy::configure_reducer(ReducerOptions& options) {
   if (stage_ < 2) return;
   options.shard_numel = shards_.shard_numel();
   options.shard_grad = shard_grad_;
+  options.quantization = block_quantization(options_);
 }
 
 std::vector<at::Tensor> ZeroStrategy::gradient_holders() const {

@@ -5,6 +5,7 @@
 // and free it. Each rank updates its shard; an allgather gives every rank the updated parameters.
 #pragma once
 
+#include "dtrain/parallel/zero/ZeroQuantizedOptions.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/zero/FlatShards.h"
 
@@ -13,6 +14,9 @@ namespace dtrain::parallel {
 /// ZeRO stage 1 (optimizer state sharded) and stage 2 (gradients too).
 StrategyInfo zero1_strategy();
 StrategyInfo zero2_strategy();
+/// --zero-quantized and its block size (zero2, zero3), and what they ask of the collectives.
+OptionGroup zero_quantized_options();
+comm::BlockQuantization block_quantization(const StrategyOptions& options);
 /// --sequence-parallel refused (ZeRO-2 and 3 reduce-scatter before LayerNorm sums).
 void check_no_sequence_parallel(const std::string& strategy, const Layout& layout);
 

@@ -17,6 +17,11 @@
 #include <vector>
 
 #include "dtrain/comm/Communicator.h"
+#include "dtrain/comm/Quantized.h"
+
+namespace dtrain::comm {
+class HierarchicalAllreduce;
+}
 
 namespace dtrain::parallel {
 
@@ -58,6 +63,11 @@ struct ReducerOptions {
   /// bucket's first gradient until its reduction, and parameters' .grad are released with them.
   int64_t shard_numel = 0;
   at::Tensor shard_grad;
+  /// Reduce-scatter mode: int8 block-quantized (comm/Quantized.h) when enabled.
+  comm::BlockQuantization quantization;
+  /// > 0: buckets are allreduced hierarchically over hosts of this many ranks
+  /// (comm/Hierarchical.h); 0: one flat allreduce.
+  int ranks_per_host = 0;
   /// PowerSGD instead of the exact allreduce (rank > 0; not with shard_numel or wire_dtype).
   PowerSgdOptions powersgd;
 };
@@ -183,6 +193,7 @@ class Reducer : public GradientSync {
   std::chrono::steady_clock::time_point backward_end_time_;
   ReducerStats stats_;
   std::optional<c10::Stream> side_stream_;
+  std::unique_ptr<comm::HierarchicalAllreduce> hierarchy_;
 };
 
 }  // namespace dtrain::parallel

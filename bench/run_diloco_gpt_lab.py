@@ -1,0 +1,90 @@
+#!/usr/bin/python3
+"""DiLoCo against DDP on the fortunes GPT across the network lab (issue 33's benchmark): 2 lab
+hosts x 1 rank (islands of 1), configs/fortunes-gpt.toml's model and recipe at its global batch
+(64 windows of 64 characters), the same steps and seed for every run; DDP over the lab link, DDP
+on loopback (2 local ranks, no lab) and DiLoCo at each H. Each run evaluates every --eval-every
+steps; its metrics file (every step's loss, step time and wire_bytes; the evaluations' loss and
+seconds) is kept under --keep, and one summary record per run goes to
+bench/results-diloco-gpt-lab.jsonl. Root (scripts/netlab); build/dtrain built.
+
+  bench/run_diloco_gpt_lab.py --profile wan --steps 960 --runs ddp,diloco:100,diloco:500,ddp@loopback
+
+Plot: bench/plot_diloco_lab.py."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTRAIN = os.path.join(ROOT, "build", "dtrain")
+GPT = ["--model", "gpt", "--dataset", "text", "--layers", "4", "--heads", "4", "--width", "192",
+       "--context", "64", "--dropout", "0", "--batch-size", "32", "--optimizer", "adamw",
+       "--lr", "0.002", "--weight-decay", "0.1", "--lr-decay", "cosine", "--warmup-steps", "100",
+       "--max-grad-norm", "1.0"]
+
+
+def run(args, spec):
+    label = spec.replace(":", "-").replace("@", "-")
+    metrics = os.path.join(args.keep, f"{args.profile}-{label}.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    strategy, _, h = spec.partition(":")
+    loopback = strategy.endswith("@loopback")
+    strategy = strategy.split("@")[0]
+    train = [DTRAIN, "train", *GPT, "--strategy", strategy, "--max-steps", str(args.steps),
+             "--eval-every", str(args.eval_every), "--threads", "1", "--no-progress",
+             "--seed", str(args.seed), "--metrics", metrics, "--log-every", "1"]
+    if strategy == "diloco":
+        train += ["--island-size", "1", "--outer-steps", h]
+    if loopback:
+        command = [DTRAIN, "launch", "--nproc-per-node", "2", "--master-port", "29511", "--",
+                   *train]
+    else:
+        command = [os.path.join(ROOT, "scripts", "netlab"), "run", "--hosts", "2", "--profile",
+                   args.profile, "--", DTRAIN, "launch", "--nnodes", "2", "--node-rank",
+                   "{host}", "--nproc-per-node", "1", "--master-addr", "{addr0}",
+                   "--master-port", "29500", "--", *train]
+    start = time.time()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.time() - start
+    records = [json.loads(line) for line in open(metrics)]
+    summary = next(r for r in records if r.get("event") == "summary")
+    steps = [r for r in records if r.get("event") == "step"]
+    evals = [r for r in records if r.get("event") == "eval"]
+    return {"profile": "loopback" if loopback else args.profile, "run": spec,
+            "steps": summary["steps"], "global_batch": summary["global_batch"],
+            "train_seconds": summary["seconds"], "wall_seconds": round(wall, 2),
+            "bytes_sent": sum(r.get("wire_bytes", 0) for r in steps),
+            "val_loss": evals[-1]["val_loss"] if evals else None,
+            "evals": [[r["step"], r.get("seconds"), r["val_loss"]] for r in evals],
+            "metrics": os.path.relpath(metrics, ROOT),
+            "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                     stdout=subprocess.PIPE, text=True).stdout.strip(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="wan")
+    parser.add_argument("--steps", type=int, default=960)
+    parser.add_argument("--eval-every", type=int, default=120)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--runs", default="ddp,diloco:100,diloco:500,ddp@loopback")
+    parser.add_argument("--keep", default=os.path.join(ROOT, "bench", "results-lm", "diloco-lab"))
+    parser.add_argument("--out",
+                        default=os.path.join(ROOT, "bench", "results-diloco-gpt-lab.jsonl"))
+    args = parser.parse_args()
+    os.makedirs(args.keep, exist_ok=True)
+    with open(args.out, "a") as out:
+        for spec in args.runs.split(","):
+            record = run(args, spec)
+            print(json.dumps(record), flush=True)
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
