@@ -49,8 +49,9 @@ def main():
         label = f"{run.split('@')[0]} ({profile})"
         by_time.plot([p[0] / 60 for p in points], [p[2] for p in points], marker="o", ms=3,
                      label=label)
-        by_bytes.plot([max(p[1], 1) / 1e6 for p in points], [p[2] for p in points], marker="o",
-                      ms=3, label=label)
+        sent = [p for p in points if p[1] > 0]  # before its first exchange a run sent nothing
+        by_bytes.plot([p[1] / 1e6 for p in sent], [p[2] for p in sent], marker="o", ms=3,
+                      label=label)
     by_time.set_xlabel("wall time (minutes, evaluations included)")
     by_bytes.set_xlabel("MB sent per rank (log)")
     by_bytes.set_xscale("log")

@@ -16,21 +16,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DTRAIN = os.path.join(ROOT, "build", "dtrain")
+from labrun import DTRAIN, GPT, ROOT, across_lab, run_and_read, stamp
 
-# The models' flags: the quick start's CNN on Fashion-MNIST, and configs/fortunes-gpt.toml's GPT
-# (its flags, with 1 rank per lab host instead of its 2 local ranks: the same global batch 64).
+# The models' flags: the quick start's CNN on Fashion-MNIST, and configs/fortunes-gpt.toml's GPT.
 MODELS = {
     "cnn": ["--model", "cnn", "--dataset", "fashion-mnist", "--batch-size", "32"],
-    "gpt": ["--model", "gpt", "--dataset", "text", "--layers", "4", "--heads", "4",
-            "--width", "192", "--context", "64", "--dropout", "0", "--batch-size", "32",
-            "--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.1",
-            "--lr-decay", "cosine", "--warmup-steps", "100", "--max-grad-norm", "1.0"],
+    "gpt": GPT,
 }
 
 
@@ -39,36 +32,24 @@ def run(args, compression, round_index):
                f"{compression.replace(':', '_')}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    command = [os.path.join(ROOT, "scripts", "netlab"), "run", "--hosts", "2", "--profile",
-               args.profile, "--", DTRAIN, "launch", "--nnodes", "2", "--node-rank", "{host}",
-               "--nproc-per-node", "1", "--master-addr", "{addr0}", "--master-port", "29500",
-               "--", DTRAIN, "train", *MODELS[args.model], "--strategy", args.strategy,
-               *(["--zero-quantized"] if compression == "zero-quantized" else
-                 ["--grad-compression", compression]),
-               "--max-steps", str(args.steps),
-               "--eval-every", str(args.steps), "--threads", str(args.threads), "--no-progress",
-               "--seed", str(round_index + 1), "--metrics", metrics, "--log-every", "1"]
-    start = time.time()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.time() - start
-    records = [json.loads(line) for line in open(metrics)]
-    summary = next(r for r in records if r.get("event") == "summary")
-    steps = [r for r in records if r.get("event") == "step"]
-    evals = [r for r in records if r.get("event") == "eval"]
+    train = [DTRAIN, "train", *MODELS[args.model], "--strategy", args.strategy,
+             *(["--zero-quantized"] if compression == "zero-quantized" else
+               ["--grad-compression", compression]),
+             "--max-steps", str(args.steps), "--eval-every", str(args.steps),
+             "--threads", str(args.threads), "--no-progress", "--seed", str(round_index + 1),
+             "--metrics", metrics, "--log-every", "1"]
+    wall, summary, steps, evals = run_and_read(across_lab(args.profile, train), metrics)
     tail = steps[-max(1, len(steps) // 10):]
     return {"profile": args.profile, "model": args.model, "strategy": args.strategy,
             "compression": compression,
             "round": round_index, "steps": summary["steps"],
             "global_batch": summary["global_batch"], "threads": args.threads,
-            "train_seconds": summary["seconds"], "wall_seconds": round(wall, 2),
+            "train_seconds": summary["seconds"], "wall_seconds": wall,
             "median_step_ms": statistics.median(r["step_ms"] for r in steps),
             "wire_bytes_per_step": statistics.median(r["wire_bytes"] for r in steps),
             "final_loss": statistics.mean(r["loss"] for r in tail),
             "val_loss": evals[-1].get("val_loss") if evals else None,
-            "val_accuracy": evals[-1].get("val_accuracy") if evals else None,
-            "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                     stdout=subprocess.PIPE, text=True).stdout.strip(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "val_accuracy": evals[-1].get("val_accuracy") if evals else None, **stamp()}
 
 
 def main():

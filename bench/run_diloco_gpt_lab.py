@@ -13,16 +13,9 @@ Plot: bench/plot_diloco_lab.py."""
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DTRAIN = os.path.join(ROOT, "build", "dtrain")
-GPT = ["--model", "gpt", "--dataset", "text", "--layers", "4", "--heads", "4", "--width", "192",
-       "--context", "64", "--dropout", "0", "--batch-size", "32", "--optimizer", "adamw",
-       "--lr", "0.002", "--weight-decay", "0.1", "--lr-decay", "cosine", "--warmup-steps", "100",
-       "--max-grad-norm", "1.0"]
+from labrun import DTRAIN, GPT, ROOT, across_lab, run_and_read, stamp
 
 
 def run(args, spec):
@@ -42,27 +35,15 @@ def run(args, spec):
         command = [DTRAIN, "launch", "--nproc-per-node", "2", "--master-port", "29511", "--",
                    *train]
     else:
-        command = [os.path.join(ROOT, "scripts", "netlab"), "run", "--hosts", "2", "--profile",
-                   args.profile, "--", DTRAIN, "launch", "--nnodes", "2", "--node-rank",
-                   "{host}", "--nproc-per-node", "1", "--master-addr", "{addr0}",
-                   "--master-port", "29500", "--", *train]
-    start = time.time()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.time() - start
-    records = [json.loads(line) for line in open(metrics)]
-    summary = next(r for r in records if r.get("event") == "summary")
-    steps = [r for r in records if r.get("event") == "step"]
-    evals = [r for r in records if r.get("event") == "eval"]
+        command = across_lab(args.profile, train)
+    wall, summary, steps, evals = run_and_read(command, metrics)
     return {"profile": "loopback" if loopback else args.profile, "run": spec,
             "steps": summary["steps"], "global_batch": summary["global_batch"],
-            "train_seconds": summary["seconds"], "wall_seconds": round(wall, 2),
+            "train_seconds": summary["seconds"], "wall_seconds": wall,
             "bytes_sent": sum(r.get("wire_bytes", 0) for r in steps),
             "val_loss": evals[-1]["val_loss"] if evals else None,
             "evals": [[r["step"], r.get("seconds"), r["val_loss"]] for r in evals],
-            "metrics": os.path.relpath(metrics, ROOT),
-            "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                     stdout=subprocess.PIPE, text=True).stdout.strip(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "metrics": os.path.relpath(metrics, ROOT), **stamp()}
 
 
 def main():

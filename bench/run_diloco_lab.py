@@ -9,32 +9,22 @@ Records go to bench/results-diloco-lab.jsonl. Root (scripts/netlab); build/dtrai
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from labrun import DTRAIN, ROOT, across_lab, run_and_read, stamp
 
 
 def run(profile, strategy, args, round_index):
     metrics = f"/tmp/diloco-lab-{strategy}.jsonl"
     if os.path.exists(metrics):
         os.remove(metrics)
-    command = [os.path.join(ROOT, "scripts", "netlab"), "run", "--hosts", "2", "--profile", profile,
-               "--", os.path.join(ROOT, "build", "dtrain"), "launch", "--nnodes", "2",
-               "--node-rank", "{host}", "--nproc-per-node", "1", "--master-addr", "{addr0}",
-               "--master-port", "29500", "--", os.path.join(ROOT, "build", "dtrain"), "train",
-               "--strategy", strategy, "--model", args.model, "--max-steps", str(args.steps),
-               "--threads", "1", "--no-progress", "--seed", str(round_index), "--metrics", metrics]
+    train = [DTRAIN, "train", "--strategy", strategy, "--model", args.model, "--max-steps",
+             str(args.steps), "--threads", "1", "--no-progress", "--seed", str(round_index),
+             "--metrics", metrics]
     if strategy == "diloco":
-        command += ["--island-size", "1", "--outer-steps", str(args.outer_steps),
-                    "--outer-compression", args.outer_compression]
-    start = time.time()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.time() - start
-    records = [json.loads(line) for line in open(metrics)]
-    summary = next(r for r in records if r.get("event") == "summary")
-    steps = [r for r in records if r.get("event") == "step"]
+        train += ["--island-size", "1", "--outer-steps", str(args.outer_steps),
+                  "--outer-compression", args.outer_compression]
+    wall, summary, steps, _ = run_and_read(across_lab(profile, train), metrics)
     params = 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10 if args.model == "mlp" else None
     if strategy == "diloco":
         sent = steps[-1]["outer_bytes"] / summary["steps"]
@@ -43,13 +33,11 @@ def run(profile, strategy, args, round_index):
     return {"profile": profile, "strategy": strategy, "round": round_index,
             "model": args.model, "steps": summary["steps"],
             "global_batch": summary["global_batch"], "train_seconds": summary["seconds"],
-            "wall_seconds": round(wall, 2), "final_loss": summary.get("final_loss"),
+            "wall_seconds": wall, "final_loss": summary.get("final_loss"),
             "val_accuracy": summary.get("val_accuracy"), "allreduced_bytes_per_step": sent,
             "outer_steps": args.outer_steps if strategy == "diloco" else None,
             "outer_compression": args.outer_compression if strategy == "diloco" else None,
-            "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                     stdout=subprocess.PIPE, text=True).stdout.strip(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            **stamp()}
 
 
 def main():
