@@ -4,8 +4,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
 #include "Oracle.h"
 #include "RankThreads.h"
+#include "SmallModels.h"
+#include "TempDir.h"
+#include "TrainerRuns.h"
 #include "dtrain/comm/Hierarchical.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/models/Zoo.h"
@@ -223,6 +230,37 @@ TEST(Ddp, PowerSgdCountsItsMatricesAndBytesAndRefusesBadSpecs) {
     EXPECT_THROW(parallel::DdpStrategy({.grad_compression = bad}), InputError) << bad;
   }
   EXPECT_THROW(parallel::make_strategy("zero2", {.grad_compression = "powersgd:4"}), InputError);
+}
+
+// Each step record says what this rank sent (wire_bytes): DDP's gradient allreduce over 2 ranks
+// is the gradients' bytes (2 x 1/2 of them), PowerSGD's a fraction of that.
+TEST(Ddp, StepRecordsCountTheBytesSent) {
+  at::set_num_threads(1);
+  test::TempDir dir;
+  const int64_t params = 16 * 32 + 32 + 32 * 4 + 4;  // small_mlp(16, 32, 4), float64
+  std::map<std::string, int64_t> sent;
+  for (const std::string compression : {"none", "powersgd:1"}) {
+    train::TrainerOptions options;
+    options.batch_size = 8;
+    options.optimizer.name = "adam";
+    options.progress = false;
+    options.metrics_file = dir / (compression + ".jsonl");
+    options.max_steps = 4;
+    options.log_every = 1;
+    options.strategy_options.grad_compression = compression;
+    test::run_training(2, options, 1, test::small_mlp(16, 32, 4));
+    std::ifstream in(options.metrics_file);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.at("event") != "step") continue;
+      ASSERT_TRUE(record.contains("wire_bytes")) << line;
+      sent[compression] = record.at("wire_bytes").get<int64_t>();
+    }
+  }
+  EXPECT_EQ(sent["none"], params * 8);
+  // Rank 1: (16 + 32) + (32 + 4) factor elements, and the 36 bias elements.
+  EXPECT_EQ(sent["powersgd:1"], (48 + 36 + 36) * 8);
 }
 
 namespace {
