@@ -156,6 +156,17 @@ TEST(Ddp, PowerSgdErrorFeedbackSendsWhatEarlierStepsLeftOut) {
     options.powersgd.rank = 1;
     parallel::Reducer reducer({weight, bias}, {"weight", "bias"}, comm, options);
     ASSERT_EQ(reducer.stats().compressed_matrices, 1);
+    options.powersgd.start_step = 2;  // exact for 2 steps: their bytes, then PowerSGD's
+    parallel::Reducer later(
+        {weight.detach().clone().requires_grad_(true), bias.detach().clone().requires_grad_(true)},
+        {"weight", "bias"}, comm, options);
+    EXPECT_EQ(later.stats().bytes_per_step, (24 * 16 + 16) * 8);
+    for (int t = 0; t < 2; ++t) {
+      later.zero_grad();
+      later.prepare_for_backward();
+      later.finalize();  // no backward: zero gradients, still reduced
+    }
+    EXPECT_EQ(later.stats().bytes_per_step, (24 + 16 + 16) * 8);
     at::Tensor mean = g_weight.clone();
     comm->allreduce(mean)->wait();
     mean.div_(2);

@@ -420,6 +420,12 @@ void Reducer::finalize() {
     for (auto& bucket : buckets_) bucket.pending = bucket.parameters.size();
     next_bucket_ = 0;
     ++synced_steps_;
+    if (options_.powersgd.rank > 0 && synced_steps_ == options_.powersgd.start_step) {
+      stats_.bytes_per_step = 0;  // from the next step on, PowerSGD's
+      for (const auto& bucket : buckets_) {
+        stats_.bytes_per_step += bucket.powersgd->wire_numel() * bucket.flat.element_size();
+      }
+    }
     in_backward_ = false;
     backward_ended_ = false;
   }
