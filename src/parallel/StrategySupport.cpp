@@ -26,7 +26,7 @@ ReducerOptions reducer_options_from(const StrategyOptions& options) {
     reducer.powersgd = parse_powersgd(compression, "--grad-compression");
   } else {
     DTRAIN_CHECK_INPUT(compression == "none", "unknown gradient compression '", compression,
-                       "' (expected none, fp16, bf16 or powersgd:RANK[:START_STEP])");
+                       "' (expected none, fp16, bf16 or powersgd:RANK[:START_STEP[:MIN_RATE]])");
   }
   reducer.error_on_unused_parameters = options.error_on_unused_parameters;
   DTRAIN_CHECK_INPUT(options.ranks_per_host >= 0, "--ranks-per-host must be >= 0, got ",
