@@ -27,4 +27,14 @@ if(EXISTS "${DTRAIN_TORCH_INCLUDE}/google/protobuf" AND
     endif()
   endforeach()
   list(TRANSFORM TORCH_INCLUDE_DIRS REPLACE "^${DTRAIN_TORCH_INCLUDE}$" "${DTRAIN_TORCH_SHIM}")
+  # A wheel compiles gloo into libtorch_cpu but ships none of the gloo headers that
+  # ProcessGroupGloo.hpp includes: third_party/gloo holds a copy close to the one it bundles.
+  set(DTRAIN_GLOO_INCLUDE "${CMAKE_CURRENT_LIST_DIR}/../third_party/gloo/include")
+  get_filename_component(DTRAIN_GLOO_INCLUDE "${DTRAIN_GLOO_INCLUDE}" ABSOLUTE)
+  foreach(target torch torch_cpu)
+    if(TARGET ${target})
+      target_include_directories(${target} SYSTEM BEFORE INTERFACE "${DTRAIN_GLOO_INCLUDE}")
+    endif()
+  endforeach()
+  list(APPEND TORCH_INCLUDE_DIRS "${DTRAIN_GLOO_INCLUDE}")
 endif()

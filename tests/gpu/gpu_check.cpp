@@ -1,9 +1,10 @@
 // The GPU checks (scripts/gpu-check): what a CPU-only CI cannot run. The NCCL communicator (world
 // size 1, and every GPU where there are 2+); bf16 and fp16-mixed training of the GPT, the loss
 // scaler skipping the steps that overflow; activation checkpointing's memory cut, read from the
-// CUDA caching allocator's peak; DDP over 2 ranks sharing the GPU through Gloo against one
-// process on the same global batch (float64); and the GPT's step time against the same model in
-// PyTorch on the same GPU (bench/gpt_step_reference.py, alternated rounds).
+// CUDA caching allocator's peak; DDP, PowerSGD at full rank, the hierarchical allreduce, DiLoCo
+// at H = 1 and quantized zero3 over ranks sharing the GPU through Gloo against one process on the
+// same global batch (float64); and the GPT's step time against the same model in PyTorch on the
+// same GPU (bench/gpt_step_reference.py, alternated rounds).
 //
 // Every check runs in processes of its own, forked before anything touches CUDA, and writes one
 // JSON line to --out. --device cpu runs those that need no GPU on the CPU at small sizes (CI runs
@@ -36,6 +37,8 @@
 #include "dtrain/models/Zoo.h"
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/diloco/DilocoOptions.h"
+#include "dtrain/parallel/zero/ZeroQuantizedOptions.h"
 #include "dtrain/train/Trainer.h"
 
 using namespace dtrain;
@@ -183,9 +186,10 @@ std::string check_checkpointing_memory() {
       .json();
 }
 
-// DDP over `ranks` ranks (Gloo, all on this device) through the Trainer, in float64: the losses
-// of the one-process run on the same global batch, step for step.
-std::vector<double> ddp_losses(int rank, int ranks, int port) {
+// `strategy` over `ranks` ranks (Gloo, all on this device) through the Trainer, in float64: the
+// losses of 8 steps of the GPT on a global batch of 16.
+using Configure = std::function<void(train::TrainerOptions&)>;
+std::vector<double> distributed_losses(int rank, int ranks, int port, const Configure& configure) {
   const auto world = world_of(rank, ranks, port, "gloo");
   train::TrainerOptions o;
   o.strategy = "ddp";
@@ -196,38 +200,74 @@ std::vector<double> ddp_losses(int rank, int ranks, int port) {
   o.optimizer.lr = 1e-3;
   o.seed = 5;
   o.progress = false;
+  if (configure) configure(o);
   const auto data = token_data(256, 16, 32, 11);  // token ids; the model is float64
   train::Trainer trainer(o, world);
   torch::manual_seed(2);
   Model model = models::make_model(gpt_spec(2, 64, 4, 16, 32));
   model.module->to(at::kDouble);
-  return trainer.fit(model, data).losses;
+  // The mean over the ranks: DiLoCo's islands each report their own half of the batch.
+  const std::vector<double> losses = trainer.fit(model, data).losses;
+  at::Tensor mean = at::tensor(losses, at::kDouble);
+  world->allreduce(mean, {comm::ReduceOp::Avg})->wait();
+  return std::vector<double>(mean.data_ptr<double>(), mean.data_ptr<double>() + mean.numel());
 }
 
-std::string check_ddp_gloo() {
-  std::string one, two;
-  auto losses_text = [](const std::vector<double>& losses) {
-    std::ostringstream s;
-    s.precision(17);
-    for (double l : losses) s << l << " ";
-    return s.str();
-  };
+std::string losses_text(const std::vector<double>& losses) {
+  std::ostringstream s;
+  s.precision(17);
+  for (double l : losses) s << l << " ";
+  return s.str();
+}
+
+// The one-process DDP run's losses (the oracle) with `optimizer`, once per program.
+const std::string& oracle_losses(const std::string& optimizer) {
+  static std::map<std::string, std::string> runs;
+  std::string& one = runs[optimizer];
+  if (one.empty()) {
+    CHECK_THAT(
+        in_processes(
+            1,
+            [&](int r, int port) {
+              return losses_text(distributed_losses(
+                  r, 1, port, [&](train::TrainerOptions& o) { o.optimizer.name = optimizer; }));
+            },
+            &one),
+        "the one-process run failed");
+  }
+  return one;
+}
+
+// `ranks` ranks configured by `configure` against the one-process run: the largest relative loss
+// difference over the 8 steps must stay under `bound`.
+std::string check_against_one_process(const std::string& name, int ranks,
+                                      const Configure& configure, double bound,
+                                      const std::string& optimizer = "adamw") {
+  std::string many;
   CHECK_THAT(in_processes(
-                 1, [&](int r, int port) { return losses_text(ddp_losses(r, 1, port)); }, &one),
-             "the one-process run failed");
-  CHECK_THAT(in_processes(
-                 2, [&](int r, int port) { return losses_text(ddp_losses(r, 2, port)); }, &two),
-             "the two-rank run failed");
-  std::istringstream a(one), b(two);
+                 ranks,
+                 [&](int r, int port) {
+                   return losses_text(distributed_losses(r, ranks, port, [&](auto& o) {
+                     o.optimizer.name = optimizer;
+                     if (configure) configure(o);
+                   }));
+                 },
+                 &many),
+             "the ", ranks, "-rank run failed");
+  std::istringstream a(oracle_losses(optimizer)), b(many);
   double x = 0, y = 0, worst = 0;
   int steps = 0;
   while (a >> x && b >> y) worst = std::max(worst, std::abs(x - y) / std::abs(x)), ++steps;
-  CHECK_THAT(steps == 8 && worst < 1e-9, steps, " steps, largest relative loss difference ", worst);
+  CHECK_THAT(steps == 8 && worst < bound, steps, " steps, largest relative loss difference ", worst,
+             " (bound ", bound, ")");
   return Record()
-      .add("check", "ddp_gloo_2_ranks")
-      .add("device", settings.device == "cpu" ? "cpu" : "cuda:0 (both ranks)")
+      .add("check", name)
+      .add("device", settings.device == "cpu" ? "cpu" : "cuda:0 (every rank)")
+      .add("ranks", ranks)
       .add("steps", steps)
       .add("max_relative_loss_difference", worst)
+      .add("bound", bound)
+      .add("optimizer", optimizer)
       .add("passed", 1.0)
       .json();
 }
@@ -302,6 +342,7 @@ std::string check_step_time(const std::string& precision) {
     ratios.push_back(ours.back() / theirs.back());
     std::printf("  round %d: dtrain %.2f ms, PyTorch %.2f ms, ratio %.3f\n", round + 1, ours.back(),
                 theirs.back(), ratios.back());
+    std::fflush(stdout);  // else the next forked process prints it again
   }
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -418,7 +459,58 @@ int main(int argc, char** argv) {
       return text;
     });
   }
-  checks.emplace_back("ddp_gloo_2_ranks", [] { return check_ddp_gloo(); });
+  checks.emplace_back("ddp_gloo_2_ranks",
+                      [] { return check_against_one_process("ddp_gloo_2_ranks", 2, {}, 1e-9); });
+  // PowerSGD at full rank (every matrix compressed, from the first step) is the exact allreduce:
+  // Householder QR and the low-rank products on this device.
+  checks.emplace_back("powersgd_full_rank_2_ranks", [] {
+    return check_against_one_process(
+        "powersgd_full_rank_2_ranks", 2,
+        [](train::TrainerOptions& o) {
+          o.strategy_options.grad_compression = "powersgd:100000:0:0";
+        },
+        1e-9);
+  });
+  // 2 hosts x 2 ranks: reduce-scatter inside the host, allreduce across, allgather inside.
+  checks.emplace_back("hierarchical_allreduce_4_ranks", [] {
+    return check_against_one_process(
+        "hierarchical_allreduce_4_ranks", 4,
+        [](train::TrainerOptions& o) {
+          o.strategy_options.hierarchical_allreduce = true;
+          o.strategy_options.ranks_per_host = 2;
+        },
+        1e-9);
+  });
+  // DiLoCo with H = 1 and outer SGD at lr 1 without momentum is DDP: 2 islands of 1 rank (inner
+  // SGD: each island's AdamW would normalize its own gradient).
+  checks.emplace_back("diloco_h1_2_islands", [] {
+    return check_against_one_process(
+        "diloco_h1_2_islands", 2,
+        [](train::TrainerOptions& o) {
+          o.strategy = "diloco";
+          auto& d = o.strategy_options.of<parallel::diloco::DilocoOptions>();
+          d.island_size = 1;
+          d.outer_steps = 1;
+          d.outer_optimizer = "sgd";
+          d.outer_lr = 1.0;
+          d.outer_momentum = 0.0;
+        },
+        1e-9, "sgd");
+  });
+  // ZeRO++'s quantized collectives: exact with the quantization turned to identity; with int8
+  // blocks, the losses of 8 AdamW steps within 2% of exact's.
+  for (const bool identity : {true, false}) {
+    const std::string name = identity ? "zero3_quantized_identity_2_ranks" : "zero3_int8_2_ranks";
+    checks.emplace_back(name, [name, identity] {
+      return check_against_one_process(
+          name, 2,
+          [identity](train::TrainerOptions& o) {
+            o.strategy = "zero3";
+            o.strategy_options.of<parallel::ZeroQuantizedOptions>() = {true, 256, identity};
+          },
+          identity ? 1e-9 : 0.02);
+    });
+  }
   for (const std::string p : {"fp32", "bf16-mixed"}) {
     checks.emplace_back("gpt_step_time_" + p, [p] { return check_step_time(p); });
   }
