@@ -2,12 +2,15 @@
 """DiLoCo against DDP on the fortunes GPT across the network lab (issue 33's benchmark): 2 lab
 hosts x 1 rank (islands of 1), configs/fortunes-gpt.toml's model and recipe at its global batch
 (64 windows of 64 characters), the same steps and seed for every run; DDP over the lab link, DDP
-on loopback (2 local ranks, no lab) and DiLoCo at each H. Each run evaluates every --eval-every
+on loopback (2 local ranks, no lab), DiLoCo at each H and streaming DiLoCo
+(diloco:H:FRAGMENTS:OVERLAP:ALPHA). Each run evaluates every --eval-every
 steps; its metrics file (every step's loss, step time and wire_bytes; the evaluations' loss and
 seconds) is kept under --keep, and one summary record per run goes to
 bench/results-diloco-gpt-lab.jsonl. Root (scripts/netlab); build/dtrain built.
 
   bench/run_diloco_gpt_lab.py --profile wan --steps 960 --runs ddp,diloco:100,diloco:500,ddp@loopback
+  bench/run_diloco_gpt_lab.py --profile wan --steps 1000 --eval-every 100 \
+      --runs diloco:100,diloco:100:4:5:0.5,diloco:100:16:5:0.5
 
 Plot: bench/plot_diloco_lab.py."""
 import argparse
@@ -24,6 +27,7 @@ def run(args, spec):
     if os.path.exists(metrics):
         os.remove(metrics)
     strategy, _, h = spec.partition(":")
+    h, *streaming = h.split(":") if h else [h]
     loopback = strategy.endswith("@loopback")
     strategy = strategy.split("@")[0]
     train = [DTRAIN, "train", *GPT, "--strategy", strategy, "--max-steps", str(args.steps),
@@ -31,6 +35,10 @@ def run(args, spec):
              "--seed", str(args.seed), "--metrics", metrics, "--log-every", "1"]
     if strategy == "diloco":
         train += ["--island-size", "1", "--outer-steps", h]
+        if streaming:
+            fragments, overlap, alpha = streaming
+            train += ["--streaming-fragments", fragments, "--overlap-steps", overlap,
+                      "--merge-alpha", alpha]
     if loopback:
         command = [DTRAIN, "launch", "--nproc-per-node", "2", "--master-port", "29511", "--",
                    *train]
@@ -41,6 +49,11 @@ def run(args, spec):
             "steps": summary["steps"], "global_batch": summary["global_batch"],
             "train_seconds": summary["seconds"], "wall_seconds": wall,
             "bytes_sent": sum(r.get("wire_bytes", 0) for r in steps),
+            # the busiest step's bytes (the link's peak demand) and the slowest step
+            "peak_step_bytes": max((r.get("wire_bytes", 0) for r in steps), default=0),
+            "steps_sending": sum(1 for r in steps if r.get("wire_bytes", 0) > 0),
+            "median_step_ms": sorted(r["step_ms"] for r in steps)[len(steps) // 2],
+            "max_step_ms": max(r["step_ms"] for r in steps),
             "val_loss": evals[-1]["val_loss"] if evals else None,
             "evals": [[r["step"], r.get("seconds"), r["val_loss"]] for r in evals],
             "metrics": os.path.relpath(metrics, ROOT), **stamp()}

@@ -1,13 +1,19 @@
 // DiLoCo: with H = 1 and an outer SGD at lr 1 without momentum it is DDP (float64, 1e-10), for
 // islands of any size and inner ddp or zero1; with one island it is its inner strategy; a run
 // checkpointed between outer steps resumes on the same trajectory, and its checkpoint resumes
-// as ddp; islands drift apart between outer steps; bad options are one-line errors.
+// as ddp; islands drift apart between outer steps; bad options are one-line errors. Streaming
+// DiLoCo (fragments at staggered steps, overlapped exchanges, merged) follows a reference of the
+// algorithm written out here, sends one fragment at a time and resumes where it saved; the run's
+// last inner steps reach the result through a final outer step.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "Oracle.h"
 #include "SmallModels.h"
 #include "TempDir.h"
 #include "TrainerRuns.h"
+#include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/diloco/DilocoOptions.h"
 #include "dtrain/train/Checkpoint.h"
@@ -163,8 +169,11 @@ TEST(Diloco, IslandsMeetOnlyAtOuterSteps) {
       world_allreduces[comm->rank()] = comm->tally()["allreduce"].count;
     });
     for (int64_t count : world_allreduces) {
-      if (strategy == "ddp") EXPECT_GE(count, 10);  // the loss, every step
-      if (strategy == "diloco") EXPECT_EQ(count, 0);
+      if (strategy == "ddp") {
+        EXPECT_GE(count, 10);  // the loss, every step
+      } else {
+        EXPECT_EQ(count, 0);
+      }
     }
   }
 }
@@ -200,6 +209,243 @@ TEST(Diloco, ResumesBetweenOuterStepsOnTheSameTrajectory) {
   EXPECT_EQ(test::run_training(2, as_ddp, 5, mlp_spec()).start_step, 12);
 }
 
+namespace {
+
+struct Streaming {
+  int fragments = 1, overlap = 0;
+  double alpha = 0;
+  int64_t steps = 11;  // not a multiple of H: the last inner steps need the final outer step
+};
+
+constexpr int64_t kH = 4;
+constexpr double kOuterLr = 0.7, kOuterMomentum = 0.9, kInnerLr = 0.05;
+
+// Streaming DiLoCo written out (Douillard et al. 2025, with the staggering and overlap this
+// project defines): 2 islands of one rank train with SGD on their own batches; after inner step
+// t, the exchanges that left overlap steps ago are applied, then fragment p leaves when
+// t % H == p * H / P, carrying the islands' mean of (outer - island); applying it is a Nesterov
+// step of the outer parameters and a merge into each island. At the end, those in flight are
+// applied and each fragment with steps since its last exchange makes one more. Returns the outer
+// parameters.
+std::vector<at::Tensor> reference(const Streaming& s, const models::ModelSpec& spec,
+                                  const std::vector<at::Tensor>& init,
+                                  const std::vector<std::vector<data::Batch>>& batches,
+                                  const std::vector<std::pair<size_t, size_t>>& fragments) {
+  torch::NoGradGuard outside;
+  std::vector<Model> islands;
+  std::vector<std::unique_ptr<torch::optim::SGD>> inner;
+  for (int i = 0; i < 2; ++i) {
+    islands.push_back(test::make_model_as(spec, at::kDouble));
+    test::restore(islands.back(), init);
+    inner.push_back(std::make_unique<torch::optim::SGD>(islands.back().module->parameters(),
+                                                        torch::optim::SGDOptions(kInnerLr)));
+  }
+  std::vector<at::Tensor> outer, buffer(init.size());
+  for (const auto& t : init) outer.push_back(t.clone());
+  std::vector<int64_t> last_sync(fragments.size(), 0);
+  struct Flight {
+    size_t fragment;
+    std::vector<at::Tensor> delta;
+    int64_t due;
+  };
+  std::vector<Flight> flights;
+  auto apply = [&](const Flight& f) {
+    for (size_t k = fragments[f.fragment].first; k < fragments[f.fragment].second; ++k) {
+      const at::Tensor& g = f.delta[k - fragments[f.fragment].first];
+      buffer[k] = buffer[k].defined() ? buffer[k] * kOuterMomentum + g : g.clone();
+      outer[k] -= kOuterLr * (g + kOuterMomentum * buffer[k]);
+      for (auto& island : islands) {
+        at::Tensor p = island.module->parameters()[k];
+        p.copy_(s.alpha * p + (1 - s.alpha) * outer[k]);
+      }
+    }
+  };
+  auto leave = [&](size_t p, int64_t t, int overlap) {
+    Flight f{p, {}, t + overlap};
+    for (size_t k = fragments[p].first; k < fragments[p].second; ++k) {
+      at::Tensor mean = at::zeros_like(outer[k]);
+      for (auto& island : islands) mean += (outer[k] - island.module->parameters()[k]) / 2;
+      f.delta.push_back(mean);
+    }
+    last_sync[p] = t;
+    if (overlap == 0) {
+      apply(f);
+    } else {
+      flights.push_back(f);
+    }
+  };
+  const auto P = static_cast<int64_t>(fragments.size());
+  for (int64_t t = 1; t <= s.steps; ++t) {
+    for (int i = 0; i < 2; ++i) {
+      torch::AutoGradMode grad(true);
+      inner[i]->zero_grad();
+      const data::Batch& b = batches[i][t - 1];
+      parallel::cross_entropy(islands[i](b.inputs), b.targets).backward();
+      inner[i]->step();
+    }
+    for (auto it = flights.begin(); it != flights.end();) {
+      if (it->due > t) {
+        ++it;
+        continue;
+      }
+      apply(*it);
+      it = flights.erase(it);
+    }
+    for (int64_t p = 0; p < P; ++p) {
+      if (t % kH == p * kH / P) leave(p, t, s.overlap);
+    }
+  }
+  for (const auto& f : flights) apply(f);
+  for (int64_t p = 0; p < P; ++p) {
+    if (last_sync[p] != s.steps) leave(p, s.steps, 0);
+  }
+  return outer;
+}
+
+// The strategy over 2 ranks (islands of one), driven step by step on the same batches.
+std::vector<at::Tensor> streamed(const Streaming& s, const models::ModelSpec& spec,
+                                 const std::vector<at::Tensor>& init,
+                                 const std::vector<std::vector<data::Batch>>& batches,
+                                 std::vector<double>* outer_bytes = nullptr) {
+  std::vector<at::Tensor> result;
+  test::run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
+    parallel::StrategyOptions options;
+    auto& d = options.of<DilocoOptions>();
+    d.island_size = 1;
+    d.outer_steps = kH;
+    d.outer_lr = kOuterLr;
+    d.outer_momentum = kOuterMomentum;
+    d.fragments = s.fragments;
+    d.overlap_steps = s.overlap;
+    d.merge_alpha = s.alpha;
+    auto strategy = parallel::make_strategy("diloco", options);
+    optim::OptimizerSpec sgd;
+    sgd.name = "sgd";
+    sgd.lr = kInnerLr;
+    Model model = test::make_model_as(spec, at::kDouble);
+    test::restore(model, init);
+    strategy->setup(model, optim::optimizer_factory(sgd),
+                    std::make_shared<comm::ProcessGrid>(comm));
+    parallel::StepResult last;
+    for (int64_t t = 1; t <= s.steps; ++t) {
+      last = strategy->train_step({batches[comm->rank()][t - 1]}, parallel::cross_entropy);
+      if (t == s.steps) strategy->finish_training(last);
+      if (outer_bytes && comm->rank() == 0) outer_bytes->push_back(last.metrics["outer_bytes"]);
+    }
+    strategy->materialize();
+    if (comm->rank() == 0) result = test::snapshot(strategy->model());
+  });
+  return result;
+}
+
+std::vector<std::vector<data::Batch>> island_batches(int64_t steps, int64_t features) {
+  torch::manual_seed(17);
+  std::vector<std::vector<data::Batch>> batches(2);
+  for (auto& island : batches) {
+    for (int64_t t = 0; t < steps; ++t) {
+      island.push_back({at::randn({8, features}, at::kDouble), at::randint(0, 4, {8}, at::kLong)});
+    }
+  }
+  return batches;
+}
+
+}  // namespace
+
+// DiLoCo (one fragment), and streaming with overlap and merging, against the reference: the
+// same outer parameters after 11 steps at H = 4 (the last 3 only through the final outer step).
+// Shown failing: with finish_training a no-op every case differs; with the merge a plain copy,
+// the alpha 0.5 case.
+TEST(Diloco, StreamingFollowsTheReferenceAlgorithm) {
+  at::set_num_threads(1);
+  // Tensors of 512, 32, 128 and 4 elements: 2 fragments are {w1} and {b1, w2, b2}; 4 are one
+  // tensor each.
+  torch::manual_seed(5);
+  const models::ModelSpec spec = mlp_spec();
+  const auto init = test::snapshot(test::make_model_as(spec, at::kDouble));
+  const auto batches = island_batches(12, 16);
+  const std::vector<std::pair<Streaming, std::vector<std::pair<size_t, size_t>>>> cases = {
+      {{1, 0, 0.0}, {{0, 4}}},
+      {{2, 1, 0.5}, {{0, 1}, {1, 4}}},
+      {{4, 3, 0.0}, {{0, 1}, {1, 2}, {2, 3}, {3, 4}}},
+      {{2, 0, 0.0, 12}, {{0, 1}, {1, 4}}}};
+  for (const auto& [s, fragments] : cases) {
+    const std::string what = "fragments " + std::to_string(s.fragments) + ", overlap " +
+                             std::to_string(s.overlap) + ", alpha " + std::to_string(s.alpha) +
+                             ", " + std::to_string(s.steps) + " steps";
+    const auto expected = reference(s, spec, init, batches, fragments);
+    const auto got = streamed(s, spec, init, batches);
+    ASSERT_EQ(got.size(), expected.size()) << what;
+    EXPECT_LT(test::max_abs_diff(got, expected), test::kTightBound) << what;
+    EXPECT_GT(test::max_abs_diff(got, init), 1e-3) << what;  // it moved
+  }
+}
+
+// Each exchange carries one fragment: over H steps the fragments together send the model once
+// (as DiLoCo does at one step), the largest step sending the largest fragment.
+TEST(Diloco, StreamingSendsOneFragmentAtATime) {
+  at::set_num_threads(1);
+  models::ModelSpec spec = test::small_mlp(16, 24, 4);
+  spec.hidden = {24, 24, 24, 24};  // 384 + 24, 3 x (576 + 24), 96 + 4 elements
+  torch::manual_seed(5);
+  const auto init = test::snapshot(test::make_model_as(spec, at::kDouble));
+  const auto batches = island_batches(9, 16);
+  const int64_t model_bytes = (384 + 24 + 3 * 600 + 100) * 8;
+  std::map<int, std::vector<int64_t>> sent;  // per step
+  for (int fragments : {1, 4}) {
+    Streaming s;
+    s.fragments = fragments;
+    s.overlap = fragments == 4 ? 1 : 0;
+    s.steps = 9;  // the 9th: the final outer step sends what is left
+    std::vector<double> cumulative;
+    streamed(s, spec, init, batches, &cumulative);
+    double before = 0;
+    for (double c : cumulative)
+      sent[fragments].push_back(static_cast<int64_t>(c - before)), before = c;
+  }
+  // DiLoCo: the whole model at steps 4 and 8, and at the end.
+  EXPECT_EQ(sent[1],
+            (std::vector<int64_t>{0, 0, 0, model_bytes, 0, 0, 0, model_bytes, model_bytes}));
+  // 4 fragments of 2 tensors each (phases 0..3): one fragment a step, the model every 4 steps.
+  int64_t per_h = 0, largest = 0;
+  for (int t = 0; t < 4; ++t) per_h += sent[4][t], largest = std::max(largest, sent[4][t]);
+  EXPECT_EQ(per_h, model_bytes);
+  for (int t = 0; t < 4; ++t) EXPECT_EQ(sent[4][t], sent[4][t + 4]) << "step " << t + 1;
+  EXPECT_GT(sent[4][0], 0);
+  EXPECT_LE(largest, model_bytes / 2);  // the largest fragment: 2 of the 10 tensors
+  // The end: the 3 fragments with steps since their exchange (the 4th left at step 9).
+  EXPECT_EQ(sent[4][8], model_bytes);
+}
+
+// Checkpointed at step 6 with 2 fragments and an exchange in flight (left at 6, due at 7): the
+// save applies it, and the resumed run continues as the run that saved there does.
+TEST(Diloco, StreamingResumesWhereItSaved) {
+  at::set_num_threads(1);
+  TempDir saving, resuming;
+  auto options = sgd_options(12);
+  DilocoOptions d;
+  d.island_size = 2;
+  d.outer_steps = 4;
+  d.fragments = 2;
+  d.overlap_steps = 1;
+  d.merge_alpha = 0.5;
+  options = diloco(options, d);
+  options.checkpoint_every = 6;
+  auto through = options;
+  through.checkpoint_dir = saving.path();
+  const RunOutput full = test::run_training(4, through, 1, mlp_spec());
+  auto first = options;
+  first.checkpoint_dir = resuming.path();
+  first.stop_at_step = 6;
+  test::run_training(4, first, 1, mlp_spec());
+  auto second = options;
+  second.checkpoint_dir = resuming.path();
+  const RunOutput resumed = test::run_training(4, second, 999, mlp_spec());
+  EXPECT_EQ(resumed.start_step, 6);
+  RunOutput tail = full;
+  tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 6);
+  expect_same(resumed, tail, 1e-12, "streaming, resumed at step 6");
+}
+
 TEST(Diloco, BadOptionsAreOneLineErrors) {
   auto expect_error = [](const DilocoOptions& d, const std::string& message) {
     parallel::StrategyOptions options;
@@ -227,6 +473,19 @@ TEST(Diloco, BadOptionsAreOneLineErrors) {
   d = {};
   d.outer_compression = "zip";
   expect_error(d, "--outer-compression 'zip': expected none, q8 or topk:FRACTION");
+  d = {};
+  d.fragments = 0;
+  expect_error(d, "--streaming-fragments must be >= 1, got 0");
+  d = {};
+  d.overlap_steps = 50;
+  expect_error(d, "--overlap-steps must be in [0, --outer-steps 50), got 50");
+  d = {};
+  d.overlap_steps = 1;
+  d.outer_compression = "q8";
+  expect_error(d, "--overlap-steps needs --outer-compression none");
+  d = {};
+  d.merge_alpha = 1;
+  expect_error(d, "--merge-alpha must be in [0, 1), got 1");
   // Islands that do not divide the ranks: refused by every rank at setup.
   d = {};
   d.island_size = 3;

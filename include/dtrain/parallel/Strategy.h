@@ -157,6 +157,12 @@ class Strategy {
   /// Collective. Makes model()'s parameters hold their full values until the next forward or
   /// step (ZeRO-3 gathers them; other strategies hold them always): for reading or exporting.
   virtual void materialize() {}
+
+  /// Collective. Called once, right after the run's last step (not when a run stops early to be
+  /// resumed): a strategy that defers work across steps does what is left (DiLoCo's outer step
+  /// over the inner steps since the last one, and its exchanges still in flight), and may add to
+  /// the last step's metrics.
+  virtual void finish_training(StepResult& last) { (void)last; }
 };
 
 using StrategyPtr = std::unique_ptr<Strategy>;

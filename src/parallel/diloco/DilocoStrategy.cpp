@@ -32,6 +32,13 @@ void declare_flags(FlagSet& flags, DilocoOptions& o) {
   flags.add("--outer-compression", o.outer_compression,
             "DiLoCo: the outer gradient across islands: none, q8, topk:FRACTION (error "
             "feedback)");
+  flags.add("--streaming-fragments", o.fragments,
+            "Streaming DiLoCo: the model in this many fragments, exchanged at staggered steps");
+  flags.add("--overlap-steps", o.overlap_steps,
+            "Streaming DiLoCo: inner steps an exchange overlaps before it is applied (< H)");
+  flags.add("--merge-alpha", o.merge_alpha,
+            "Streaming DiLoCo: island's share when the new outer parameters merge in (0 = "
+            "replaced)");
 }
 
 void check_options(const DilocoOptions& o) {
@@ -51,7 +58,17 @@ void check_options(const DilocoOptions& o) {
                      "--outer-momentum must be in [0, 1), got ", o.outer_momentum);
   DTRAIN_CHECK_INPUT(o.outer_optimizer != "nesterov" || o.outer_momentum > 0,
                      "--outer-optimizer nesterov needs --outer-momentum > 0");
-  comm::parse_compression(o.outer_compression, "--outer-compression");
+  const comm::CompressionSpec compression =
+      comm::parse_compression(o.outer_compression, "--outer-compression");
+  DTRAIN_CHECK_INPUT(o.fragments >= 1, "--streaming-fragments must be >= 1, got ", o.fragments);
+  DTRAIN_CHECK_INPUT(o.overlap_steps >= 0 && o.overlap_steps < o.outer_steps,
+                     "--overlap-steps must be in [0, --outer-steps ", o.outer_steps, "), got ",
+                     o.overlap_steps);
+  DTRAIN_CHECK_INPUT(o.overlap_steps == 0 || compression.kind == comm::CompressionSpec::None,
+                     "--overlap-steps needs --outer-compression none (a compressed outer "
+                     "gradient is exchanged at its step)");
+  DTRAIN_CHECK_INPUT(o.merge_alpha >= 0 && o.merge_alpha < 1,
+                     "--merge-alpha must be in [0, 1), got ", o.merge_alpha);
 }
 
 void check_layout(const DilocoOptions& o, const Layout& layout) {
@@ -161,61 +178,163 @@ void DilocoStrategy::setup(Model model, const optim::OptimizerFactory& make_opti
   torch::NoGradGuard no_grad;
   for (const auto& p : parameters_) {
     outer_.push_back(p.detach().clone());
-    outer_.back().mutable_grad() = flat_grad_.narrow(0, offset, p.numel()).view(p.sizes());
+    grad_views_.push_back(flat_grad_.narrow(0, offset, p.numel()).view(p.sizes()));
+    outer_.back().mutable_grad() = grad_views_.back();
     offset += p.numel();
   }
   outer_optimizer_ = make_outer_optimizer(diloco_, outer_);
+  make_fragments();
+}
+
+void DilocoStrategy::make_fragments() {
+  const int count = diloco_.fragments;
+  DTRAIN_CHECK_INPUT(static_cast<size_t>(count) <= parameters_.size(), "--streaming-fragments ",
+                     count, " exceeds the model's ", parameters_.size(),
+                     " trainable parameter tensors (a fragment holds whole tensors)");
+  const int64_t total = flat_grad_.numel();
+  size_t next = 0;
+  int64_t offset = 0;
+  for (int p = 0; p < count; ++p) {
+    Fragment f;
+    f.first = next;
+    f.offset = offset;
+    if (p + 1 == count) {
+      next = parameters_.size();
+      offset = total;
+    } else {
+      // Whole tensors up to an even share of the elements, leaving one for each later fragment.
+      const int64_t target = total * (p + 1) / count;
+      const size_t limit = parameters_.size() - static_cast<size_t>(count - p - 1);
+      do {
+        offset += parameters_[next].numel();
+        ++next;
+      } while (next < limit && offset + parameters_[next].numel() / 2 <= target);
+    }
+    f.last = next;
+    f.elements = offset - f.offset;
+    f.phase = static_cast<int64_t>(p) * diloco_.outer_steps / count;
+    fragments_.push_back(f);
+  }
 }
 
 StepResult DilocoStrategy::train_step(const std::vector<data::Batch>& micro_batches,
                                       const LossFn& loss) {
   if (outer_in_model_) swap_in_outer();  // materialize() left the outer parameters in
   StepResult result = inner_->train_step(micro_batches, loss);
-  ++pending_;
-  const bool sync = pending_ >= diloco_.outer_steps;
-  if (sync) outer_step();
-  result.metrics["outer_step"] = sync ? 1.0 : 0.0;
+  ++inner_done_;
+  // Exchanges that left overlap_steps ago are applied first, then those due now leave.
+  for (auto it = in_flight_.begin(); it != in_flight_.end();) {
+    if (it->due > inner_done_) {
+      ++it;
+      continue;
+    }
+    finish_exchange(*it);
+    it = in_flight_.erase(it);
+  }
+  int started = 0;
+  for (size_t p = 0; p < fragments_.size(); ++p) {
+    if (inner_done_ % diloco_.outer_steps != fragments_[p].phase) continue;
+    start_exchange(p, diloco_.overlap_steps);
+    ++started;
+  }
+  result.metrics["outer_step"] = started;
   result.metrics["outer_steps"] = static_cast<double>(outer_done_);
   result.metrics["outer_bytes"] = static_cast<double>(outer_bytes_);
   return result;
 }
 
-void DilocoStrategy::outer_step() {
+void DilocoStrategy::finish_training(StepResult& last) {
+  drain();
+  int started = 0;
+  for (size_t p = 0; p < fragments_.size(); ++p) {
+    if (fragments_[p].last_sync == inner_done_) continue;
+    start_exchange(p, 0);
+    ++started;
+  }
+  last.metrics["outer_step"] += started;
+  last.metrics["outer_steps"] = static_cast<double>(outer_done_);
+  last.metrics["outer_bytes"] = static_cast<double>(outer_bytes_);
+}
+
+void DilocoStrategy::drain() {
+  for (auto& exchange : in_flight_) finish_exchange(exchange);
+  in_flight_.clear();
+}
+
+void DilocoStrategy::start_exchange(size_t index, int overlap) {
   torch::NoGradGuard no_grad;
+  Fragment& fragment = fragments_[index];
+  fragment.last_sync = inner_done_;
   // The outer gradient: how far this island moved away from the outer parameters, averaged
   // over the islands (every rank of an island holds the same parameters: each averages with
   // the ranks at its place in the other islands).
-  for (size_t i = 0; i < outer_.size(); ++i) {
-    at::sub_out(outer_[i].mutable_grad(), outer_[i], parameters_[i]);
+  for (size_t i = fragment.first; i < fragment.last; ++i) {
+    at::sub_out(grad_views_[i], outer_[i], parameters_[i]);
   }
+  Exchange exchange;
+  exchange.fragment = index;
+  exchange.due = inner_done_ + overlap;
   if (across_) {
     // Each rank of an island carries one slice of it across (one model's bytes per island, not
     // one per rank), then the island gathers the averaged slices over its own links.
     const int size = island_->size();
-    std::vector<int64_t> counts(size, flat_grad_.numel() / size);
-    for (int64_t i = 0; i < flat_grad_.numel() % size; ++i) ++counts[i];
-    int64_t offset = 0;
-    for (int i = 0; i < island_->rank(); ++i) offset += counts[i];
-    at::Tensor slice = flat_grad_.narrow(0, offset, counts[island_->rank()]);
+    exchange.counts.assign(size, fragment.elements / size);
+    for (int64_t i = 0; i < fragment.elements % size; ++i) ++exchange.counts[i];
+    int64_t offset = fragment.offset;
+    for (int i = 0; i < island_->rank(); ++i) offset += exchange.counts[i];
+    exchange.slice = flat_grad_.narrow(0, offset, exchange.counts[island_->rank()]);
     if (compression_.kind != comm::CompressionSpec::None) {
-      average_compressed(slice);
+      average_compressed(exchange.slice, &fragment.residual);
     } else {
-      across_->allreduce(slice, {comm::ReduceOp::Avg})->wait();
-      outer_bytes_ += slice.numel() * slice.element_size();
+      exchange.work = across_->allreduce(exchange.slice, {comm::ReduceOp::Avg});
+      outer_bytes_ += exchange.slice.numel() * exchange.slice.element_size();
     }
-    if (size > 1) island_->allgather(flat_grad_, slice.clone(), {counts})->wait();
+  }
+  if (overlap == 0) {
+    finish_exchange(exchange);
+  } else {
+    in_flight_.push_back(std::move(exchange));
+  }
+}
+
+void DilocoStrategy::finish_exchange(Exchange& exchange) {
+  torch::NoGradGuard no_grad;
+  const Fragment& fragment = fragments_[exchange.fragment];
+  at::Tensor gradient = flat_grad_.narrow(0, fragment.offset, fragment.elements);
+  if (across_) {
+    if (exchange.work) exchange.work->wait();
+    if (island_->size() > 1) {
+      island_->allgather(gradient, exchange.slice.clone(), {exchange.counts})->wait();
+    }
     // Every island's loss is checked within the island only: a diverged island shows here, on
     // every rank at once.
-    DTRAIN_CHECK(comm::all_finite(flat_grad_), "diloco: the outer gradient of outer step ",
+    DTRAIN_CHECK(comm::all_finite(gradient), "diloco: the outer gradient of outer step ",
                  outer_done_ + 1, " is not finite (an island diverged); lower --lr or --outer-lr");
   }
+  // The outer optimizer steps this fragment's parameters alone (it skips those without a
+  // gradient); their state is their own, so fragments never mix.
+  const bool whole = fragments_.size() == 1;
+  if (!whole) {
+    for (size_t i = 0; i < outer_.size(); ++i) {
+      if (i < fragment.first || i >= fragment.last) outer_[i].mutable_grad() = at::Tensor();
+    }
+  }
   outer_optimizer_->step();
-  for (size_t i = 0; i < outer_.size(); ++i) parameters_[i].copy_(outer_[i]);
-  pending_ = 0;
+  if (!whole) {
+    for (size_t i = 0; i < outer_.size(); ++i) outer_[i].mutable_grad() = grad_views_[i];
+  }
+  const double alpha = diloco_.merge_alpha;
+  for (size_t i = fragment.first; i < fragment.last; ++i) {
+    if (alpha == 0) {
+      parameters_[i].copy_(outer_[i]);
+    } else {
+      parameters_[i].mul_(alpha).add_(outer_[i], 1 - alpha);
+    }
+  }
   ++outer_done_;
 }
 
-void DilocoStrategy::average_compressed(at::Tensor slice) {
+void DilocoStrategy::average_compressed(at::Tensor slice, at::Tensor* residual) {
   // Encoded on the CPU (the encoder's random rounding and top-k run there), in float32 or
   // float64; every island's encoding has the same parts of the same sizes (the same n and k),
   // so they travel as one fixed-size byte image, allgathered.
@@ -223,7 +342,7 @@ void DilocoStrategy::average_compressed(at::Tensor slice) {
   if (mine.scalar_type() != at::kDouble) mine = mine.to(at::kFloat);
   const uint64_t seed = static_cast<uint64_t>(outer_done_) * 1000003ULL +
                         static_cast<uint64_t>(grid_->world()->rank());
-  const comm::EncodedUpdate encoded = comm::encode_update(mine, compression_, &residual_, seed);
+  const comm::EncodedUpdate encoded = comm::encode_update(mine, compression_, residual, seed);
   std::vector<at::Tensor> images;
   for (const auto& part : encoded.parts) {
     images.push_back(part.second.contiguous().reshape({-1}).view(at::kByte));
@@ -273,31 +392,40 @@ void DilocoStrategy::swap_in_outer() {
 at::Tensor DilocoStrategy::evaluate_forward(const at::Tensor& inputs) {
   // The outer parameters go in once per evaluation (not per batch): the next step, save() or
   // swap back.
-  if (pending_ > 0 && !outer_in_model_) swap_in_outer();
+  if (!outer_in_model_) swap_in_outer();
   return inner_->evaluate_forward(inputs);
 }
 
 void DilocoStrategy::materialize() {
   inner_->materialize();
-  if (pending_ > 0 && !outer_in_model_) swap_in_outer();
+  if (!outer_in_model_) swap_in_outer();
 }
 
 std::string DilocoStrategy::layout() const {
-  return concat("diloco: ", islands_, islands_ == 1 ? " island" : " islands", " of ",
-                island_->size(), island_->size() == 1 ? " rank" : " ranks", " (",
-                diloco_.inner_strategy, "), an outer ", diloco_.outer_optimizer, " step (lr ",
-                diloco_.outer_lr, ", momentum ", diloco_.outer_momentum, ") every ",
-                diloco_.outer_steps, " steps, outer gradients ",
-                compression_.kind == comm::CompressionSpec::None ? "uncompressed"
-                                                                 : comm::to_string(compression_));
+  return concat(
+      "diloco: ", islands_, islands_ == 1 ? " island" : " islands", " of ", island_->size(),
+      island_->size() == 1 ? " rank" : " ranks", " (", diloco_.inner_strategy, "), an outer ",
+      diloco_.outer_optimizer, " step (lr ", diloco_.outer_lr, ", momentum ",
+      diloco_.outer_momentum, ") every ", diloco_.outer_steps, " steps",
+      fragments_.size() > 1 ? concat(" in ", fragments_.size(), " staggered fragments")
+                            : std::string(),
+      diloco_.overlap_steps > 0 ? concat(", each applied ", diloco_.overlap_steps,
+                                         " steps later (merge alpha ", diloco_.merge_alpha, ")")
+                                : std::string(),
+      ", outer gradients ",
+      compression_.kind == comm::CompressionSpec::None ? "uncompressed"
+                                                       : comm::to_string(compression_));
 }
 
 // A checkpoint holds: the outer parameters as the model (state-0-of-1.pt, values only: any
 // strategy resumes from them), the outer optimizer's state (outer/), each island's own state
 // (island-I/: its parameters since the last outer step and its inner optimizer, written by its
-// inner strategy), and the step counters (diloco.pt).
+// inner strategy), and the step counters with each fragment's last exchange (diloco.pt).
+// Exchanges in flight are completed first: a run that saves at a step goes on as one resumed
+// from that step does.
 void DilocoStrategy::save(const std::string& directory) {
   if (outer_in_model_) swap_in_outer();
+  drain();
   const bool leader = grid_->world()->rank() == 0;
   if (leader) {
     NamedTensors buffers;
@@ -307,9 +435,13 @@ void DilocoStrategy::save(const std::string& directory) {
     write_state_shard(directory, 0, 1, whole_pieces(names_, outer_), nullptr, buffers);
     write_state_shard(directory + "/outer", 0, 1, whole_pieces(names_, outer_),
                       outer_optimizer_.get(), {});
+    std::vector<int64_t> last_sync;
+    for (const auto& f : fragments_) last_sync.push_back(f.last_sync);
     c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
     state.insert("format", kFormat);
-    state.insert("pending", pending_);
+    state.insert("pending", inner_done_ - fragments_.front().last_sync);
+    state.insert("inner_steps", inner_done_);
+    state.insert("last_sync", at::tensor(last_sync, at::kLong));
     state.insert("outer_steps", outer_done_);
     state.insert("islands", static_cast<int64_t>(islands_));
     state.insert("island_size", static_cast<int64_t>(island_->size()));
@@ -319,47 +451,81 @@ void DilocoStrategy::save(const std::string& directory) {
   std::error_code ignored;
   fs::create_directories(mine, ignored);
   inner_->save(mine);
-  if (residual_.defined()) {  // top-k's error feedback of this rank's slice
-    c10::impl::GenericDict residual(c10::StringType::get(), c10::AnyType::get());
-    residual.insert("format", kFormat);
-    residual.insert("residual", residual_);
-    save_pickled_dict(concat(mine, "/residual-", island_->rank(), ".pt"), residual);
+  c10::impl::GenericDict residuals(c10::StringType::get(), c10::AnyType::get());
+  for (size_t p = 0; p < fragments_.size(); ++p) {  // top-k's error feedback of this rank's slices
+    if (!fragments_[p].residual.defined()) continue;
+    residuals.insert(p == 0 ? std::string("residual") : concat("residual-", p),
+                     fragments_[p].residual);
+  }
+  if (residuals.size() > 0) {
+    residuals.insert("format", kFormat);
+    save_pickled_dict(concat(mine, "/residual-", island_->rank(), ".pt"), residuals);
   }
 }
 
 void DilocoStrategy::load(const std::string& directory) {
   torch::NoGradGuard no_grad;
   outer_in_model_ = false;
+  in_flight_.clear();
+  auto every_island_from_outer = [&] {
+    for (size_t i = 0; i < outer_.size(); ++i) parameters_[i].copy_(outer_[i]);
+    for (auto& f : fragments_) f.last_sync = inner_done_, f.residual = at::Tensor();
+  };
   if (!fs::exists(directory + "/" + kStateFile)) {
     // Another strategy's checkpoint: its model becomes the outer parameters; every island
     // starts from them.
     inner_->load(directory);
     for (size_t i = 0; i < outer_.size(); ++i) outer_[i].copy_(parameters_[i]);
-    pending_ = 0;
+    inner_done_ = 0;
+    every_island_from_outer();
     return;
   }
   const auto state = load_pickled_dict(directory + "/" + kStateFile, "DiLoCo state file", kFormat);
   read_state_shards(directory + "/outer", whole_pieces(names_, outer_), outer_optimizer_.get(),
                     whole_pieces(names_, outer_), nullptr);
   outer_done_ = state.at("outer_steps").toInt();
+  const int64_t pending = state.at("pending").toInt();
+  // Checkpoints before streaming DiLoCo counted whole-model outer steps of H inner steps.
+  inner_done_ = state.contains("inner_steps") ? state.at("inner_steps").toInt()
+                                              : outer_done_ * diloco_.outer_steps + pending;
   const std::string mine = concat(directory, "/island-", island_index_);
   const bool same_layout = state.at("islands").toInt() == islands_ &&
                            state.at("island_size").toInt() == island_->size() && fs::exists(mine);
-  if (same_layout) {  // each island continues where it was
-    inner_->load(mine);
-    pending_ = state.at("pending").toInt();
-    const std::string residual = concat(mine, "/residual-", island_->rank(), ".pt");
-    if (fs::exists(residual)) {
-      residual_ =
-          load_pickled_dict(residual, "DiLoCo residual file", kFormat).at("residual").toTensor();
-    }
+  if (!same_layout) {
+    // Another layout: island 0's inner state (resharded to this island's ranks), and every
+    // island from the outer parameters (the steps since the last outer step are not replayed).
+    inner_->load(directory + "/island-0");
+    every_island_from_outer();
     return;
   }
-  // Another layout: island 0's inner state (resharded to this island's ranks), and every
-  // island from the outer parameters (the steps since the last outer step are not replayed).
-  inner_->load(directory + "/island-0");
-  for (size_t i = 0; i < outer_.size(); ++i) parameters_[i].copy_(outer_[i]);
-  pending_ = 0;
+  inner_->load(mine);  // each island continues where it was
+  std::vector<int64_t> last_sync;
+  if (state.contains("last_sync")) {
+    const at::Tensor saved = state.at("last_sync").toTensor();
+    last_sync.assign(saved.data_ptr<int64_t>(), saved.data_ptr<int64_t>() + saved.numel());
+  }
+  for (size_t p = 0; p < fragments_.size(); ++p) {
+    Fragment& f = fragments_[p];
+    if (last_sync.size() == fragments_.size()) {
+      f.last_sync = last_sync[p];
+    } else if (fragments_.size() == 1) {
+      f.last_sync = inner_done_ - pending;
+    } else {  // saved with other fragments: the last step of this fragment's phase
+      const int64_t h = diloco_.outer_steps;
+      const int64_t since = ((inner_done_ - f.phase) % h + h) % h;
+      f.last_sync = std::max<int64_t>(0, inner_done_ - since);
+    }
+  }
+  const bool same_fragments =
+      last_sync.size() == fragments_.size() || (last_sync.empty() && fragments_.size() == 1);
+  const std::string residual = concat(mine, "/residual-", island_->rank(), ".pt");
+  if (same_fragments && fs::exists(residual)) {
+    const auto saved = load_pickled_dict(residual, "DiLoCo residual file", kFormat);
+    for (size_t p = 0; p < fragments_.size(); ++p) {
+      const std::string key = p == 0 ? std::string("residual") : concat("residual-", p);
+      if (saved.contains(key)) fragments_[p].residual = saved.at(key).toTensor();
+    }
+  }
 }
 
 MemoryReport DilocoStrategy::memory_report() const {

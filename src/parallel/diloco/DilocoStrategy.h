@@ -2,6 +2,8 @@
 // for H steps without talking to the others; then the islands average their parameter change
 // (the outer gradient) and an outer optimizer (Nesterov momentum by default) moves the shared
 // outer parameters, which every island continues from. Communication across islands drops by H.
+// Streaming DiLoCo (Douillard et al. 2025) exchanges the model in fragments at staggered steps,
+// each exchange overlapping the next inner steps: the peak traffic drops by the fragments too.
 #pragma once
 
 #include <memory>
@@ -40,18 +42,44 @@ class DilocoStrategy : public Strategy {
   comm::CommunicatorPtr step_group() const override { return island_; }
   /// Makes the model hold the outer parameters (the run's result) until the next step.
   void materialize() override;
+  /// The exchanges in flight complete, and every fragment with inner steps since its last
+  /// exchange makes one more: the run's last steps count.
+  void finish_training(StepResult& last) override;
 
-  /// Outer steps made, and inner steps since the last one.
+  /// Outer steps made (one per fragment exchanged), and inner steps made.
   int64_t outer_steps_done() const { return outer_done_; }
-  int64_t inner_steps_pending() const { return pending_; }
+  int64_t inner_steps_done() const { return inner_done_; }
 
  private:
-  /// Collective over the islands: averages the outer gradient, steps the outer optimizer and
-  /// puts the outer parameters into every island's model.
-  void outer_step();
+  /// Parameters [first, last) of parameters_, elements [offset, offset + elements) of flat_grad_.
+  struct Fragment {
+    size_t first = 0, last = 0;
+    int64_t offset = 0, elements = 0;
+    int64_t phase = 0;      // exchanged after inner steps t with t % H == phase
+    int64_t last_sync = 0;  // the inner step of its last exchange (0: none yet)
+    at::Tensor residual;    // top-k's error feedback of this rank's slice of it
+  };
+  /// An exchange whose allreduce across the islands is in flight (overlap_steps > 0).
+  struct Exchange {
+    size_t fragment = 0;
+    at::Tensor slice;  // this rank's slice of the fragment's outer gradient
+    std::vector<int64_t> counts;
+    comm::WorkPtr work;
+    int64_t due = 0;  // the inner step after which it is applied
+  };
+  /// Fragments of consecutive parameters, balanced by size, and their phases.
+  void make_fragments();
+  /// Collective over the islands: the fragment's outer gradient leaves now; applied now when
+  /// `overlap` is 0, else after `overlap` more inner steps (finish_exchange).
+  void start_exchange(size_t fragment, int overlap);
+  /// Waits for the islands' mean, gathers it in the island, steps the outer optimizer over the
+  /// fragment and merges the new outer parameters into the island's model.
+  void finish_exchange(Exchange& exchange);
+  /// Completes every exchange in flight (save(), the end of training).
+  void drain();
   /// The islands' mean of `slice` of the outer gradient (in place), each island's sent
-  /// compressed (allgathered and decoded).
-  void average_compressed(at::Tensor slice);
+  /// compressed (allgathered and decoded) with `residual` as its error feedback.
+  void average_compressed(at::Tensor slice, at::Tensor* residual);
   /// Swaps the model's parameters with the outer ones (in place; twice restores).
   void swap_in_outer();
 
@@ -70,8 +98,10 @@ class DilocoStrategy : public Strategy {
   std::vector<at::Tensor> stash_;  // the island's parameters while the outer ones are in
   std::unique_ptr<torch::optim::Optimizer> outer_optimizer_;
   comm::CompressionSpec compression_;
-  at::Tensor residual_;  // top-k's error feedback: what this rank's slice did not send yet
-  int64_t pending_ = 0;
+  std::vector<at::Tensor> grad_views_;  // outer_[i]'s gradient: its slice of flat_grad_
+  std::vector<Fragment> fragments_;
+  std::vector<Exchange> in_flight_;
+  int64_t inner_done_ = 0;
   int64_t outer_done_ = 0;
   int64_t outer_bytes_ = 0;
   bool outer_in_model_ = false;  // materialize(): the model holds the outer parameters

@@ -82,6 +82,7 @@ void StepRunner::run(Run& run) {
     const auto step_start = Clock::now();
     const int64_t wire_before = run.world.wire_bytes();
     parallel::StepResult result = run.strategy.train_step(batches, run.loss);
+    if (!async && step + 1 == run.total_steps) run.strategy.finish_training(result);
     const int64_t wire_bytes = run.world.wire_bytes() - wire_before;
     // The loss every rank reports is the mean over the ranks of its step group (the world,
     // unless the strategy names a group); the sum is non-finite when any rank's is, so they

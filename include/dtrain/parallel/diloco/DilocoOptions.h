@@ -24,6 +24,18 @@ struct DilocoOptions {
   /// stochastic rounding) or "topk:FRACTION" (with error feedback), encoded by the library that
   /// compresses federated updates (dtrain/comm/Compression.h) and allgathered.
   std::string outer_compression = "none";
+  /// Streaming DiLoCo (Douillard et al. 2025): the model's parameters in this many fragments of
+  /// consecutive tensors (balanced by size), fragment p exchanged every H steps at phase
+  /// p * H / fragments, so each exchange carries about 1/fragments of the model. 1 = the whole
+  /// model at once (DiLoCo).
+  int fragments = 1;
+  /// Streaming: inner steps a fragment's exchange overlaps (tau; its average is applied this
+  /// many steps after it left). 0 = applied at once; must be < outer_steps.
+  int overlap_steps = 0;
+  /// Streaming: how the new outer parameters enter the island's model: alpha * island's +
+  /// (1 - alpha) * outer (0 = replaced, DiLoCo's; the streaming paper's 0.5 keeps some of the
+  /// steps made during the overlap).
+  double merge_alpha = 0.0;
 };
 
 }  // namespace dtrain::parallel::diloco
