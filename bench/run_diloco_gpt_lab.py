@@ -23,7 +23,7 @@ from labrun import DTRAIN, GPT, ROOT, across_lab, run_and_read, stamp
 
 def run(args, spec):
     label = spec.replace(":", "-").replace("@", "-")
-    metrics = os.path.join(args.keep, f"{args.profile}-{label}.jsonl")
+    metrics = os.path.join(args.keep, f"{args.profile}-{args.steps}-{label}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
     strategy, _, h = spec.partition(":")
@@ -49,11 +49,17 @@ def run(args, spec):
             "steps": summary["steps"], "global_batch": summary["global_batch"],
             "train_seconds": summary["seconds"], "wall_seconds": wall,
             "bytes_sent": sum(r.get("wire_bytes", 0) for r in steps),
-            # the busiest step's bytes (the link's peak demand) and the slowest step
-            "peak_step_bytes": max((r.get("wire_bytes", 0) for r in steps), default=0),
-            "steps_sending": sum(1 for r in steps if r.get("wire_bytes", 0) > 0),
+            # the busiest step's bytes (the link's peak demand) and the slowest step, before
+            # the last (DiLoCo's final outer step sends every fragment with steps left)
+            "peak_step_bytes": max((r.get("wire_bytes", 0) for r in steps[:-1]), default=0),
+            "last_step_bytes": steps[-1].get("wire_bytes", 0),
+            "steps_sending": sum(1 for r in steps[:-1] if r.get("wire_bytes", 0) > 0),
             "median_step_ms": sorted(r["step_ms"] for r in steps)[len(steps) // 2],
-            "max_step_ms": max(r["step_ms"] for r in steps),
+            "median_sending_step_ms": sorted(
+                r["step_ms"] for r in steps[:-1] if r.get("wire_bytes", 0) > 0)[
+                    len([r for r in steps[:-1] if r.get("wire_bytes", 0) > 0]) // 2]
+                if any(r.get("wire_bytes", 0) > 0 for r in steps[:-1]) else None,
+            "max_step_ms": max(r["step_ms"] for r in steps[:-1]),
             "val_loss": evals[-1]["val_loss"] if evals else None,
             "evals": [[r["step"], r.get("seconds"), r["val_loss"]] for r in evals],
             "metrics": os.path.relpath(metrics, ROOT), **stamp()}

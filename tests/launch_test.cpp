@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include "CliRuns.h"
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
@@ -25,34 +26,7 @@
 #include "dtrain/train/Checkpoint.h"
 
 using dtrain::test::TempDir;
-
-namespace {
-
-struct Output {
-  int code = -1;
-  std::string text;  // stdout + stderr
-  double seconds = 0;
-};
-
-Output run(const std::string& command) {
-  const auto start = std::chrono::steady_clock::now();
-  Output out;
-  std::FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buffer{};
-  while (std::fgets(buffer.data(), buffer.size(), pipe)) out.text += buffer.data();
-  const int status = ::pclose(pipe);
-  out.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return out;
-}
-
-const std::string kDtrain = DTRAIN_CLI_PATH;
-
-bool has(const Output& out, const std::string& needle) {
-  return out.text.find(needle) != std::string::npos;
-}
-
-}  // namespace
+using namespace dtrain::test::cli;
 
 TEST(Environment, AllocatorTuningYieldsToTheUsersChoice) {
   for (const char* name :
@@ -262,100 +236,6 @@ TEST(Launcher, AFailureOnOneNodeStopsEveryNode) {
               std::to_string(port) + " -- true");
   EXPECT_EQ(first.code, 1) << first.text;
   EXPECT_TRUE(has(first, "node 1 did not join within 2 s")) << first.text;
-}
-
-namespace {
-// The parameters of the newest checkpoint under `root`, by name.
-std::map<std::string, at::Tensor> final_parameters(const std::string& root) {
-  const auto directory = dtrain::train::latest_checkpoint(root);
-  if (!directory) return {};
-  const auto meta = dtrain::train::read_meta(*directory);
-  std::vector<dtrain::parallel::PieceRef> pieces;
-  std::map<std::string, at::Tensor> values;
-  for (const auto& info : meta.tensors) {
-    if (info.buffer) continue;
-    values[info.name] = at::zeros(info.shape);
-    pieces.push_back({info.name, 0, values[info.name], info.shape});
-  }
-  dtrain::parallel::read_state_shards(*directory, pieces, nullptr, {}, nullptr);
-  return values;
-}
-
-double max_difference(const std::map<std::string, at::Tensor>& a,
-                      const std::map<std::string, at::Tensor>& b) {
-  if (a.empty() || a.size() != b.size()) return INFINITY;
-  double most = 0;
-  for (const auto& [name, value] : a) {
-    if (!b.count(name)) return INFINITY;
-    most = std::max(most, (value - b.at(name)).abs().max().item<double>());
-  }
-  return most;
-}
-}  // namespace
-
-// --nnodes MIN:MAX. The job keeps its global batch (--global-batch) at any size, so a run that
-// changes size ends with the weights of a run that did not, up to float32 rounding (the sum
-// over two ranks and the sum over two micro-batches round differently; a lost or repeated
-// step, or a wrong data order, moves them by orders of magnitude more).
-// A node lost mid-run (its launcher SIGKILLed) costs a restart; the job goes on with one node
-// from the newest checkpoint. A node arriving while the job runs on one node makes it restart
-// on two (not counted against --max-restarts).
-TEST(Launcher, ElasticJobsRestartAtTheNewSizeAndReshard) {
-  TempDir dir;
-  const int port = dtrain::free_port();
-  const std::string job =
-      " train --threads 1 --dataset synthetic --model mlp --hidden 32 "
-      "--synthetic-examples 512 --batch-size 32 --global-batch 64 "
-      "--epochs 3 --no-progress --checkpoint-every 4 --checkpoint-dir ";
-  const auto straight = run(kDtrain + job + (dir / "straight") + " --nproc 2");
-  ASSERT_EQ(straight.code, 0) << straight.text;
-  const auto expected = final_parameters(dir / "straight");
-  ASSERT_FALSE(expected.empty());
-  auto elastic = [&](const std::string& env, const std::string& flags, const std::string& out) {
-    return env + kDtrain + " launch --nnodes 1:2 --nproc-per-node 1 --grace 1 " +
-           "--rdzv-timeout 60 --heartbeat-timeout 3 --master-port " + std::to_string(port) + flags +
-           " -- " + kDtrain + job + (dir / out);
-  };
-
-  // A node leaves: rank 1 kills its launcher (and so itself) at step 6.
-  Output host, joiner;
-  std::thread second(
-      [&] { joiner = run(elastic("DTRAIN_SIMULATE_FAILURE=1:6:node ", "", "leave")); });
-  host = run(elastic("", " --node-rank 0 --rdzv-last-call 5 --max-restarts 1", "leave"));
-  second.join();
-  EXPECT_EQ(host.code, 0) << host.text;
-  EXPECT_EQ(joiner.code, 128 + 9) << joiner.text;
-  EXPECT_TRUE(has(host, "node 1's launcher stopped responding")) << host.text;  // the cause
-  EXPECT_TRUE(has(host, "restarting the job (restart 1 of 1)")) << host.text;
-  EXPECT_TRUE(has(host, "resumed from step 4 on 1 node")) << host.text;
-  double difference = max_difference(final_parameters(dir / "leave"), expected);
-  EXPECT_LT(difference, 1e-6) << host.text;
-  std::printf("node left: max |w - w_straight| = %.3g\n", difference);
-
-  // A node joins: the host runs alone until its step-8 checkpoint, then the second node comes.
-  std::thread first([&] {
-    host = run(
-        elastic("DTRAIN_SIMULATE_SLOW_STEP_MS=150 ", " --node-rank 0 --rdzv-last-call 0", "join"));
-  });
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!std::filesystem::exists(dir / "join/step-00000008") &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  joiner = run(elastic("DTRAIN_SIMULATE_SLOW_STEP_MS=150 ", "", "join"));
-  first.join();
-  EXPECT_EQ(host.code, 0) << host.text;
-  EXPECT_EQ(joiner.code, 0) << joiner.text;
-  EXPECT_TRUE(has(joiner, "waits to join it at its next restart")) << joiner.text;
-  EXPECT_TRUE(has(host,
-                  "a node is waiting to join (the job runs on 1 of at most 2 nodes); "
-                  "restarting the job at the new size"))
-      << host.text;
-  EXPECT_TRUE(has(host, "restart 1 (resize)")) << host.text;
-  EXPECT_TRUE(has(host, "on 2 nodes")) << host.text;
-  difference = max_difference(final_parameters(dir / "join"), expected);
-  EXPECT_LT(difference, 1e-6) << host.text;
-  std::printf("node joined: max |w - w_straight| = %.3g\n", difference);
 }
 
 TEST(Cli, HelpOnEverySubcommand) {

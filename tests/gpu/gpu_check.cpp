@@ -497,6 +497,23 @@ int main(int argc, char** argv) {
         },
         1e-9, "sgd");
   });
+  // Streaming DiLoCo at H = 1 is DDP too: 3 fragments, every one exchanged every step, and the
+  // final outer step.
+  checks.emplace_back("diloco_streaming_h1_2_islands", [] {
+    return check_against_one_process(
+        "diloco_streaming_h1_2_islands", 2,
+        [](train::TrainerOptions& o) {
+          o.strategy = "diloco";
+          auto& d = o.strategy_options.of<parallel::diloco::DilocoOptions>();
+          d.island_size = 1;
+          d.outer_steps = 1;
+          d.outer_optimizer = "sgd";
+          d.outer_lr = 1.0;
+          d.outer_momentum = 0.0;
+          d.fragments = 3;
+        },
+        1e-9, "sgd");
+  });
   // ZeRO++'s quantized collectives: exact with the quantization turned to identity; with int8
   // blocks, the losses of 8 AdamW steps within 2% of exact's.
   for (const bool identity : {true, false}) {
