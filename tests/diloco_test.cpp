@@ -1,10 +1,11 @@
 // DiLoCo: with H = 1 and an outer SGD at lr 1 without momentum it is DDP (float64, 1e-10), for
-// islands of any size and inner ddp or zero1; with one island it is its inner strategy; a run
-// checkpointed between outer steps resumes on the same trajectory, and its checkpoint resumes
-// as ddp; islands drift apart between outer steps; bad options are one-line errors. Streaming
-// DiLoCo (fragments at staggered steps, overlapped exchanges, merged) follows a reference of the
-// algorithm written out here, sends one fragment at a time and resumes where it saved; the run's
-// last inner steps reach the result through a final outer step.
+// islands of any size and inner ddp, zero1, zero2 or zero3 (whose islands average shard by shard);
+// with one island it is its inner strategy; a run checkpointed between outer steps resumes on the
+// same trajectory, and its checkpoint resumes as ddp; islands drift apart between outer steps; bad
+// options are one-line errors. Streaming DiLoCo (fragments at staggered steps, overlapped
+// exchanges, merged) follows a reference of the algorithm written out here, sends one fragment at a
+// time and resumes where it saved; the run's last inner steps reach the result through a final
+// outer step.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -67,7 +68,7 @@ void expect_same(const RunOutput& a, const RunOutput& b, double bound, const std
 TEST(Diloco, OneStepOuterSgdAtLrOneIsDdp) {
   at::set_num_threads(1);
   const RunOutput ddp = test::run_training(4, sgd_options(12), 1, mlp_spec());
-  for (const std::string inner : {"ddp", "zero1"}) {
+  for (const std::string inner : {"ddp", "zero1", "zero2", "zero3"}) {
     for (int island : {1, 2}) {
       DilocoOptions d;
       d.inner_strategy = inner;
@@ -182,31 +183,34 @@ TEST(Diloco, IslandsMeetOnlyAtOuterSteps) {
 // the uninterrupted one's steps; its checkpoint also resumes as plain ddp (the outer model).
 TEST(Diloco, ResumesBetweenOuterStepsOnTheSameTrajectory) {
   at::set_num_threads(1);
-  TempDir dir;
-  auto options = sgd_options(12);
-  options.optimizer.name = "adam";
-  options.optimizer.lr = 0.01;
-  DilocoOptions d;
-  d.island_size = 2;
-  d.outer_steps = 3;
-  options = diloco(options, d);
-  const RunOutput full = test::run_training(4, options, 1, mlp_spec());
-  options.checkpoint_dir = dir.path();
-  options.checkpoint_every = 7;
-  auto first = options;
-  first.stop_at_step = 7;
-  test::run_training(4, first, 1, mlp_spec());
-  EXPECT_EQ(train::read_meta(dir / "step-00000007").strategy, "diloco");
-  const RunOutput resumed = test::run_training(4, options, 999, mlp_spec());
-  EXPECT_EQ(resumed.start_step, 7);
-  RunOutput tail = full;
-  tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 7);
-  expect_same(resumed, tail, 1e-12, "resumed at step 7");
-  // The outer model as a ddp run's start.
-  auto as_ddp = sgd_options(12);
-  as_ddp.batch_size = 8;  // the checkpoint's global batch of 16 on 2 ranks
-  as_ddp.checkpoint_dir = dir.path();
-  EXPECT_EQ(test::run_training(2, as_ddp, 5, mlp_spec()).start_step, 12);
+  for (const std::string inner : {"ddp", "zero3"}) {  // zero3: islands of shards
+    TempDir dir;
+    auto options = sgd_options(12);
+    options.optimizer.name = "adam";
+    options.optimizer.lr = 0.01;
+    DilocoOptions d;
+    d.inner_strategy = inner;
+    d.island_size = 2;
+    d.outer_steps = 3;
+    options = diloco(options, d);
+    const RunOutput full = test::run_training(4, options, 1, mlp_spec());
+    options.checkpoint_dir = dir.path();
+    options.checkpoint_every = 7;
+    auto first = options;
+    first.stop_at_step = 7;
+    test::run_training(4, first, 1, mlp_spec());
+    EXPECT_EQ(train::read_meta(dir / "step-00000007").strategy, "diloco");
+    const RunOutput resumed = test::run_training(4, options, 999, mlp_spec());
+    EXPECT_EQ(resumed.start_step, 7) << inner;
+    RunOutput tail = full;
+    tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 7);
+    expect_same(resumed, tail, 1e-12, inner + ", resumed at step 7");
+    // The outer model as a ddp run's start.
+    auto as_ddp = sgd_options(12);
+    as_ddp.batch_size = 8;  // the checkpoint's global batch of 16 on 2 ranks
+    as_ddp.checkpoint_dir = dir.path();
+    EXPECT_EQ(test::run_training(2, as_ddp, 5, mlp_spec()).start_step, 12) << inner;
+  }
 }
 
 namespace {
@@ -463,7 +467,9 @@ TEST(Diloco, BadOptionsAreOneLineErrors) {
   expect_error(d, "--outer-steps must be >= 1, got 0");
   d = {};
   d.inner_strategy = "downpour";
-  expect_error(d, "--inner-strategy must be a synchronous strategy");
+  expect_error(d,
+               "--inner-strategy must be a synchronous data-parallel strategy (ddp, zero1, zero2 "
+               "or zero3), got 'downpour'");
   d = {};
   d.outer_optimizer = "lamb";
   expect_error(d, "--outer-optimizer must be nesterov, sgd or adam, got 'lamb'");
@@ -486,6 +492,17 @@ TEST(Diloco, BadOptionsAreOneLineErrors) {
   d = {};
   d.merge_alpha = 1;
   expect_error(d, "--merge-alpha must be in [0, 1), got 1");
+  // Fragments need whole tensors: zero3's islands hold shards (refused at setup).
+  d = {};
+  d.inner_strategy = "zero3";
+  d.fragments = 2;
+  try {
+    test::run_training(2, diloco(sgd_options(2), d), 1, mlp_spec());
+    ADD_FAILURE() << "streaming over zero3 accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("--inner-strategy zero3 holds shards"), std::string::npos)
+        << e.what();
+  }
   // Islands that do not divide the ranks: refused by every rank at setup.
   d = {};
   d.island_size = 3;

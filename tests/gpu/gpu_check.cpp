@@ -2,9 +2,9 @@
 // size 1, and every GPU where there are 2+); bf16 and fp16-mixed training of the GPT, the loss
 // scaler skipping the steps that overflow; activation checkpointing's memory cut, read from the
 // CUDA caching allocator's peak; DDP, PowerSGD at full rank, the hierarchical allreduce, DiLoCo
-// at H = 1 and quantized zero3 over ranks sharing the GPU through Gloo against one process on the
-// same global batch (float64); and the GPT's step time against the same model in PyTorch on the
-// same GPU (bench/gpt_step_reference.py, alternated rounds).
+// at H = 1 (plain, streaming, zero3 islands) and quantized zero3 over ranks sharing the GPU through
+// Gloo against one process on the same global batch (float64); and the GPT's step time against the
+// same model in PyTorch on the same GPU (bench/gpt_step_reference.py, alternated rounds).
 //
 // Every check runs in processes of its own, forked before anything touches CUDA, and writes one
 // JSON line to --out. --device cpu runs those that need no GPU on the CPU at small sizes (CI runs
@@ -481,39 +481,33 @@ int main(int argc, char** argv) {
         },
         1e-9);
   });
-  // DiLoCo with H = 1 and outer SGD at lr 1 without momentum is DDP: 2 islands of 1 rank (inner
-  // SGD: each island's AdamW would normalize its own gradient).
-  checks.emplace_back("diloco_h1_2_islands", [] {
-    return check_against_one_process(
-        "diloco_h1_2_islands", 2,
-        [](train::TrainerOptions& o) {
-          o.strategy = "diloco";
-          auto& d = o.strategy_options.of<parallel::diloco::DilocoOptions>();
-          d.island_size = 1;
-          d.outer_steps = 1;
-          d.outer_optimizer = "sgd";
-          d.outer_lr = 1.0;
-          d.outer_momentum = 0.0;
-        },
-        1e-9, "sgd");
-  });
-  // Streaming DiLoCo at H = 1 is DDP too: 3 fragments, every one exchanged every step, and the
-  // final outer step.
-  checks.emplace_back("diloco_streaming_h1_2_islands", [] {
-    return check_against_one_process(
-        "diloco_streaming_h1_2_islands", 2,
-        [](train::TrainerOptions& o) {
-          o.strategy = "diloco";
-          auto& d = o.strategy_options.of<parallel::diloco::DilocoOptions>();
-          d.island_size = 1;
-          d.outer_steps = 1;
-          d.outer_optimizer = "sgd";
-          d.outer_lr = 1.0;
-          d.outer_momentum = 0.0;
-          d.fragments = 3;
-        },
-        1e-9, "sgd");
-  });
+  // DiLoCo with H = 1 and outer SGD at lr 1 without momentum is DDP: 2 islands (inner SGD: each
+  // island's AdamW would normalize its own gradient); streaming too, with 3 fragments each
+  // exchanged every step; and islands of 2 zero3 ranks, averaging shard by shard.
+  struct Diloco {
+    std::string name, inner;
+    int fragments, ranks;
+  };
+  for (const Diloco& c : {Diloco{"diloco_h1_2_islands", "ddp", 1, 2},
+                          Diloco{"diloco_streaming_h1_2_islands", "ddp", 3, 2},
+                          Diloco{"diloco_zero3_h1_2_islands_of_2", "zero3", 1, 4}}) {
+    checks.emplace_back(c.name, [c] {
+      return check_against_one_process(
+          c.name, c.ranks,
+          [c](train::TrainerOptions& o) {
+            o.strategy = "diloco";
+            auto& d = o.strategy_options.of<parallel::diloco::DilocoOptions>();
+            d.inner_strategy = c.inner;
+            d.island_size = c.ranks / 2;
+            d.outer_steps = 1;
+            d.outer_optimizer = "sgd";
+            d.outer_lr = 1.0;
+            d.outer_momentum = 0.0;
+            d.fragments = c.fragments;
+          },
+          1e-9, "sgd");
+    });
+  }
   // ZeRO++'s quantized collectives: exact with the quantization turned to identity; with int8
   // blocks, the losses of 8 AdamW steps within 2% of exact's.
   for (const bool identity : {true, false}) {

@@ -18,6 +18,7 @@
 #include "dtrain/data/Dataset.h"
 #include "dtrain/models/Model.h"
 #include "dtrain/optim/Optimizers.h"
+#include "dtrain/parallel/StateShards.h"
 
 namespace dtrain::parallel {
 
@@ -157,6 +158,11 @@ class Strategy {
   /// Collective. Makes model()'s parameters hold their full values until the next forward or
   /// step (ZeRO-3 gathers them; other strategies hold them always): for reading or exporting.
   virtual void materialize() {}
+
+  /// The trainable values this rank holds and its optimizer updates, as pieces of the model's
+  /// named parameters, when they are shards (ZeRO-3: each rank's slice of every parameter);
+  /// empty when they are the model's parameters, whole (every other strategy).
+  virtual std::vector<PieceRef> parameter_pieces() const { return {}; }
 
   /// Collective. Called once, right after the run's last step (not when a run stops early to be
   /// resumed): a strategy that defers work across steps does what is left (DiLoCo's outer step

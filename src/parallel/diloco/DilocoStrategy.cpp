@@ -22,7 +22,7 @@ namespace {
 
 void declare_flags(FlagSet& flags, DilocoOptions& o) {
   flags.add("--inner-strategy", o.inner_strategy,
-            "DiLoCo: the strategy each island trains with: ddp, zero1, zero2");
+            "DiLoCo: the strategy each island trains with: ddp, zero1, zero2, zero3");
   flags.add("--island-size", o.island_size, "DiLoCo: ranks per island (0 = the ranks of one node)");
   flags.add("--outer-steps", o.outer_steps, "DiLoCo: inner steps between outer steps (H)");
   flags.add("--outer-optimizer", o.outer_optimizer, "DiLoCo: nesterov, sgd, adam");
@@ -42,11 +42,11 @@ void declare_flags(FlagSet& flags, DilocoOptions& o) {
 }
 
 void check_options(const DilocoOptions& o) {
-  DTRAIN_CHECK_INPUT(
-      o.inner_strategy == "ddp" || o.inner_strategy == "zero1" || o.inner_strategy == "zero2",
-      "--inner-strategy must be a synchronous strategy whose ranks hold the whole model (ddp, "
-      "zero1 or zero2), got '",
-      o.inner_strategy, "'");
+  DTRAIN_CHECK_INPUT(o.inner_strategy == "ddp" || o.inner_strategy == "zero1" ||
+                         o.inner_strategy == "zero2" || o.inner_strategy == "zero3",
+                     "--inner-strategy must be a synchronous data-parallel strategy (ddp, zero1, "
+                     "zero2 or zero3), got '",
+                     o.inner_strategy, "'");
   DTRAIN_CHECK_INPUT(o.outer_steps >= 1, "--outer-steps must be >= 1, got ", o.outer_steps);
   DTRAIN_CHECK_INPUT(o.island_size >= 0, "--island-size must be >= 0, got ", o.island_size);
   DTRAIN_CHECK_INPUT(
@@ -157,12 +157,27 @@ void DilocoStrategy::setup(Model model, const optim::OptimizerFactory& make_opti
     comm::wait_all(works);
   }
   inner_->setup(std::move(model), make_optimizer, std::make_shared<comm::ProcessGrid>(island_));
-  for (const auto& item : inner_->model().module->named_parameters()) {
-    if (!item.value().requires_grad()) continue;
-    parameters_.push_back(item.value());
-    names_.push_back(item.key());
+  // ZeRO-3 islands: each rank's shards are its parameters; rank r of every island holds the same
+  // slice, so the outer gradient is averaged shard by shard and never gathered in the island.
+  pieces_ = inner_->parameter_pieces();
+  sharded_ = !pieces_.empty();
+  if (sharded_) {
+    DTRAIN_CHECK_INPUT(diloco_.fragments == 1, "--streaming-fragments ", diloco_.fragments,
+                       " needs an inner strategy whose ranks hold whole tensors (ddp, zero1, "
+                       "zero2); --inner-strategy zero3 holds shards");
+    for (const auto& piece : pieces_) {
+      parameters_.push_back(piece.tensor);
+      names_.push_back(piece.name);
+    }
+  } else {
+    for (const auto& item : inner_->model().module->named_parameters()) {
+      if (!item.value().requires_grad()) continue;
+      parameters_.push_back(item.value());
+      names_.push_back(item.key());
+    }
   }
-  DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters");
+  DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters",
+                     sharded_ ? " in this rank's shards" : "");
   // The outer parameters; their gradients are slices of one flat buffer, averaged by one
   // collective per outer step.
   const auto dtype = parameters_.front().scalar_type();
@@ -276,13 +291,14 @@ void DilocoStrategy::start_exchange(size_t index, int overlap) {
   exchange.due = inner_done_ + overlap;
   if (across_) {
     // Each rank of an island carries one slice of it across (one model's bytes per island, not
-    // one per rank), then the island gathers the averaged slices over its own links.
-    const int size = island_->size();
+    // one per rank), then the island gathers the averaged slices over its own links. Sharded
+    // islands (zero3) hold their slices already: each rank's whole fragment is its own.
+    const int size = sharded_ ? 1 : island_->size();
     exchange.counts.assign(size, fragment.elements / size);
     for (int64_t i = 0; i < fragment.elements % size; ++i) ++exchange.counts[i];
     int64_t offset = fragment.offset;
-    for (int i = 0; i < island_->rank(); ++i) offset += exchange.counts[i];
-    exchange.slice = flat_grad_.narrow(0, offset, exchange.counts[island_->rank()]);
+    for (int i = 0; i < (sharded_ ? 0 : island_->rank()); ++i) offset += exchange.counts[i];
+    exchange.slice = flat_grad_.narrow(0, offset, exchange.counts[sharded_ ? 0 : island_->rank()]);
     if (compression_.kind != comm::CompressionSpec::None) {
       average_compressed(exchange.slice, &fragment.residual);
     } else {
@@ -303,13 +319,19 @@ void DilocoStrategy::finish_exchange(Exchange& exchange) {
   at::Tensor gradient = flat_grad_.narrow(0, fragment.offset, fragment.elements);
   if (across_) {
     if (exchange.work) exchange.work->wait();
-    if (island_->size() > 1) {
+    if (!sharded_ && island_->size() > 1) {
       island_->allgather(gradient, exchange.slice.clone(), {exchange.counts})->wait();
     }
     // Every island's loss is checked within the island only: a diverged island shows here, on
-    // every rank at once.
-    DTRAIN_CHECK(comm::all_finite(gradient), "diloco: the outer gradient of outer step ",
-                 outer_done_ + 1, " is not finite (an island diverged); lower --lr or --outer-lr");
+    // every rank at once (sharded islands agree on it first: each rank sees its shards).
+    bool finite = comm::all_finite(gradient);
+    if (sharded_ && island_->size() > 1) {
+      at::Tensor bad = at::tensor({finite ? 0.0 : 1.0}, at::kDouble);
+      island_->allreduce(bad)->wait();
+      finite = bad.item<double>() == 0;
+    }
+    DTRAIN_CHECK(finite, "diloco: the outer gradient of outer step ", outer_done_ + 1,
+                 " is not finite (an island diverged); lower --lr or --outer-lr");
   }
   // The outer optimizer steps this fragment's parameters alone (it skips those without a
   // gradient); their state is their own, so fragments never mix.
@@ -397,8 +419,15 @@ at::Tensor DilocoStrategy::evaluate_forward(const at::Tensor& inputs) {
 }
 
 void DilocoStrategy::materialize() {
-  inner_->materialize();
   if (!outer_in_model_) swap_in_outer();
+  inner_->materialize();  // zero3 gathers the outer values from its shards
+}
+
+std::vector<PieceRef> DilocoStrategy::outer_pieces() const {
+  if (!sharded_) return whole_pieces(names_, outer_);
+  std::vector<PieceRef> pieces = pieces_;
+  for (size_t i = 0; i < pieces.size(); ++i) pieces[i].tensor = outer_[i];
+  return pieces;
 }
 
 std::string DilocoStrategy::layout() const {
@@ -427,14 +456,18 @@ void DilocoStrategy::save(const std::string& directory) {
   if (outer_in_model_) swap_in_outer();
   drain();
   const bool leader = grid_->world()->rank() == 0;
-  if (leader) {
+  // The outer parameters and their optimizer: rank 0's, or island 0's shards, one file each.
+  if (leader || (sharded_ && island_index_ == 0)) {
     NamedTensors buffers;
     for (const auto& item : inner_->model().module->named_buffers()) {
-      buffers.emplace_back(item.key(), item.value());
+      if (leader) buffers.emplace_back(item.key(), item.value());
     }
-    write_state_shard(directory, 0, 1, whole_pieces(names_, outer_), nullptr, buffers);
-    write_state_shard(directory + "/outer", 0, 1, whole_pieces(names_, outer_),
-                      outer_optimizer_.get(), {});
+    const int rank = sharded_ ? island_->rank() : 0, ranks = sharded_ ? island_->size() : 1;
+    write_state_shard(directory, rank, ranks, outer_pieces(), nullptr, buffers);
+    write_state_shard(directory + "/outer", rank, ranks, outer_pieces(), outer_optimizer_.get(),
+                      {});
+  }
+  if (leader) {
     std::vector<int64_t> last_sync;
     for (const auto& f : fragments_) last_sync.push_back(f.last_sync);
     c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
@@ -481,8 +514,8 @@ void DilocoStrategy::load(const std::string& directory) {
     return;
   }
   const auto state = load_pickled_dict(directory + "/" + kStateFile, "DiLoCo state file", kFormat);
-  read_state_shards(directory + "/outer", whole_pieces(names_, outer_), outer_optimizer_.get(),
-                    whole_pieces(names_, outer_), nullptr);
+  read_state_shards(directory + "/outer", outer_pieces(), outer_optimizer_.get(), outer_pieces(),
+                    nullptr);
   outer_done_ = state.at("outer_steps").toInt();
   const int64_t pending = state.at("pending").toInt();
   // Checkpoints before streaming DiLoCo counted whole-model outer steps of H inner steps.

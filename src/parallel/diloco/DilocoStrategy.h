@@ -91,8 +91,13 @@ class DilocoStrategy : public Strategy {
   comm::CommunicatorPtr across_;  // the ranks at this rank's place in every island
   int island_index_ = 0;
   int islands_ = 1;
-  std::vector<at::Tensor> parameters_;  // the model's (the inner strategy's)
+  /// The outer parameters as checkpoint pieces (whole, or this rank's shards of them).
+  std::vector<PieceRef> outer_pieces() const;
+
+  std::vector<at::Tensor> parameters_;  // the model's, or this rank's shards of them (zero3)
   std::vector<std::string> names_;
+  std::vector<PieceRef> pieces_;   // zero3: the shards' places in the model's parameters
+  bool sharded_ = false;           // each rank of an island holds its own part of the model
   std::vector<at::Tensor> outer_;  // the outer parameters (.grad: slices of flat_grad_)
   at::Tensor flat_grad_;           // the outer gradient, one buffer
   std::vector<at::Tensor> stash_;  // the island's parameters while the outer ones are in

@@ -18,6 +18,7 @@ class Zero3Strategy : public DdpStrategy {
   std::string name() const override { return "zero3"; }
   MemoryReport memory_report() const override;
   void materialize() override;
+  std::vector<PieceRef> parameter_pieces() const override { return state_pieces(); }
   /// The sharder (for tests and benchmarks).
   const ParameterSharder& sharder() const { return *sharder_; }
 
