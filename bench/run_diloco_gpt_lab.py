@@ -23,6 +23,8 @@ from labrun import DTRAIN, GPT, ROOT, across_lab, run_and_read, stamp
 
 def run(args, spec):
     label = spec.replace(":", "-").replace("@", "-")
+    if args.outer_lr is not None:
+        label += f"-olr{args.outer_lr}"
     metrics = os.path.join(args.keep, f"{args.profile}-{args.steps}-{label}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
@@ -35,6 +37,8 @@ def run(args, spec):
              "--seed", str(args.seed), "--metrics", metrics, "--log-every", "1"]
     if strategy == "diloco":
         train += ["--island-size", "1", "--outer-steps", h]
+        if args.outer_lr is not None:
+            train += ["--outer-lr", str(args.outer_lr)]
         if streaming:
             fragments, overlap, alpha = streaming
             train += ["--streaming-fragments", fragments, "--overlap-steps", overlap,
@@ -46,6 +50,7 @@ def run(args, spec):
         command = across_lab(args.profile, train)
     wall, summary, steps, evals = run_and_read(command, metrics)
     return {"profile": "loopback" if loopback else args.profile, "run": spec,
+            "outer_lr": args.outer_lr,
             "steps": summary["steps"], "global_batch": summary["global_batch"],
             "train_seconds": summary["seconds"], "wall_seconds": wall,
             "bytes_sent": sum(r.get("wire_bytes", 0) for r in steps),
@@ -72,6 +77,8 @@ def main():
     parser.add_argument("--steps", type=int, default=960)
     parser.add_argument("--eval-every", type=int, default=120)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--outer-lr", type=float, default=None,
+                        help="DiLoCo runs: the outer learning rate (default dtrain's, 0.7)")
     parser.add_argument("--runs", default="ddp,diloco:100,diloco:500,ddp@loopback")
     parser.add_argument("--keep", default=os.path.join(ROOT, "bench", "results-lm", "diloco-lab"))
     parser.add_argument("--out",
