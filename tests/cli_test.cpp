@@ -1,0 +1,455 @@
+// The command line as a user runs it: every subcommand's help and bad input, the parameter
+// server's commands, configs and recipes, training end to end (real processes, exit codes,
+// messages).
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <string>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+#include "CliRuns.h"
+#include "TempDir.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/common/Net.h"
+#include "dtrain/launch/Environment.h"
+#include "dtrain/parallel/StateShards.h"
+#include "dtrain/train/Checkpoint.h"
+
+using dtrain::test::TempDir;
+using namespace dtrain::test::cli;
+
+TEST(Cli, HelpOnEverySubcommand) {
+  for (const std::string sub : {"", " train", " launch", " ckpt consolidate", " ckpt inspect",
+                                " ckpt verify", " ps serve"}) {
+    const auto out = run(kDtrain + sub + " --help");
+    EXPECT_EQ(out.code, 0) << sub;
+    EXPECT_TRUE(has(out, "Usage:")) << sub;
+  }
+  EXPECT_TRUE(has(run(kDtrain + " train --help"), "--checkpoint-dir"));
+}
+
+TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "damaged");
+  std::ofstream(dir / "damaged/shard-0-of-1.pt") << "not a checkpoint";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {" train --bogus", "--bogus"},
+      {" train --lr abc", "--lr"},
+      {" train --model transformer9", "unknown model 'transformer9'"},
+      {" train --strategy zero9", "unknown strategy 'zero9'"},
+      {" train --epochs 0", "epochs must be >= 1"},
+      {" train --lr -1", "learning rate must be > 0"},
+      {" train --data-dir " + dir.path() + "/none", dir.path() + "/none does not exist"},
+      {" train --data-dir " + dir.path(), "train"},  // an empty directory: no IDX files
+      {" train --checkpoint-dir /proc/forbidden", "/proc/forbidden"},
+      {" train --config " + dir.path() + "/missing.toml", "missing.toml cannot be read"},
+      {" train --grad-compression int4", "unknown gradient compression 'int4'"},
+      {" train --precision fp16-mixed", "use --precision bf16-mixed"},
+      {" train --device gpu", "unknown device 'gpu' (expected cpu, cuda or cuda:N)"},
+      {" train --zero3-min-unit-params -5", "--zero3-min-unit-params must be >= 0, got -5"},
+      // Numbers are checked whole, in range and finite, for every numeric flag.
+      {" train --bucket-cap-mb abc", "--bucket-cap-mb: expects a number, got 'abc'"},
+      {" train --bucket-cap-mb 0", "--bucket-cap-mb must be in (0, 1048576]"},
+      {" train --lr inf", "--lr: expects a finite number, got 'inf'"},
+      {" train --lr nan", "--lr: expects a finite number"},
+      {" train --lr 1e999", "--lr: '1e999' is out of range"},
+      {" train --lr 0.1x", "--lr: expects a number, got '0.1x'"},
+      {" train --epochs 99999999999999999999", "--epochs: '99999999999999999999' is out of range"},
+      {" train --nproc 4294967297", "--nproc: '4294967297' is out of range"},
+      {" train --seed -1", "--seed: expects a whole number >= 0, got '-1'"},
+      {" train --hidden 32 x", "--hidden: expects a whole number, got 'x'"},
+      {" train --keep-checkpoints -2", "checkpoints to keep must be >= 0"},
+      {" train --max-nonfinite-steps -1", "max non-finite steps must be >= 0"},
+      {" train --config " + dir.path(), "is a directory, not a TOML file"},
+      {" ckpt verify " + dir.path() + "/none", "neither a checkpoint"},
+      {" train --strategy zero3 --grad-compression fp16", "zero3 reduce-scatters gradients"},
+      {" train --precision fp8", "unknown precision 'fp8'"},
+      {" train --checkpointing lots", "--checkpointing must be none, sqrt or a segment count"},
+      {" train --loss-scaling maybe", "unknown loss scaling 'maybe'"},
+      {" train --global-batch 64 --accumulation 2", "not both"},
+      {" train --dataset synthetic --global-batch 100 --batch-size 32",
+       "global batch 100 is not a whole number of micro-batches of 32 x 1"},
+      {" train --pipeline-parallel 3 --nproc 4",
+       "--pipeline-parallel 3 does not divide the 4 ranks"},
+      {" train --model mlp --tensor-parallel 2 --nproc 2", "--tensor-parallel 2 needs --model gpt"},
+      {" train --model gpt --dataset text --tensor-parallel 3 --nproc 3",
+       "--tensor-parallel 3 must divide --heads (4)"},
+      {" train --model gpt --dataset text --tensor-parallel 2 --nproc 3",
+       "--nproc 3 is not a multiple of --tensor-parallel 2"},
+      {" train --model gpt --dataset text --sequence-parallel --nproc 2",
+       "--sequence-parallel splits the sequence over the tensor-parallel ranks"},
+      {" train --model gpt --dataset text --tensor-parallel 2 --nproc 2 --strategy zero2 "
+       "--sequence-parallel",
+       "use --strategy ddp or zero1, not zero2"},
+      {" train --model mlp --pipeline-parallel 4 --nproc 4 --schedule gpipe",
+       "needs 4 model stages, but --model mlp has 3"},
+      {" train --model mlp --pipeline-parallel 2 --nproc 2",
+       "the 1f1b schedule needs at least as many micro-batches as pipeline stages"},
+      {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 3 --schedule "
+       "interleaved --virtual-stages 2",
+       "micro-batches (3) to be a multiple of"},
+      {" train --pipeline-parallel 2 --nproc 2 --strategy zero3",
+       "--pipeline-parallel combines with --strategy ddp or zero1"},
+      {" train --schedule zigzag", "unknown pipeline schedule 'zigzag'"},
+      {" train --virtual-stages 2", "--virtual-stages 2 needs --schedule interleaved"},
+      {" train --micro-batches 4 --accumulation 2", "not two of them"},
+      {" train --pipeline-balance 1,x", "unknown --pipeline-balance '1,x'"},
+      {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --pipeline-balance "
+       "1,1",
+       "places 2 stages, the model has 3"},
+      {" train --pipeline-parallel 0", "--pipeline-parallel must be >= 1"},
+      {" launch --nnodes 2:1 -- true", "--nnodes 2:1: MIN:MAX needs 1 <= MIN <= MAX"},
+      {" launch --nnodes 0:2 -- true", "MIN:MAX needs 1 <= MIN <= MAX"},
+      {" launch --nnodes a:2 -- true", "--nnodes: expects N or MIN:MAX"},
+      {" launch --nnodes 2 -- true", "--node-rank is required with --nnodes > 1"},
+      {" launch --nnodes 1:2 --node-rank 1 --master-port 1234 -- true",
+       "give --node-rank 0 on the node that hosts the rendezvous"},
+      {" launch --nnodes 1:2 -- true", "--master-port is required with several nodes"},
+      {" launch --rdzv-last-call -1 -- true", "--rdzv-last-call"},
+      {" launch --nproc-per-node 2", "command is required"},
+      {" ckpt consolidate " + dir.path() + "/none", "neither a checkpoint"},
+      {" ckpt consolidate " + dir.path() + " -o /proc/x.pt", "neither a checkpoint"},
+      {" ckpt inspect " + dir.path(), "neither a checkpoint"},
+      {" ckpt verify", "checkpoint is required"},
+      {" ckpt", "A subcommand is required"},
+      {" train --pipeline-transport pigeon", "unknown --pipeline-transport 'pigeon'"},
+      {" ps serve --shard 2/2", "--shard '2/2': expected I/N with 0 <= I < N"},
+      {" ps serve --shard x", "--shard 'x': expected I/N"},
+      {" ps serve --optimizer rmsprop", "unknown parameter-server optimizer 'rmsprop'"},
+      {" ps serve --lr 0", "the parameter server's learning rate must be > 0"},
+      {" train --strategy downpour", "--strategy downpour needs the parameter-server shards"},
+      {" train --strategy downpour --ps-shards 2 --ps 127.0.0.1:1",
+       "--ps and --ps-shards both given"},
+      {" train --strategy downpour --ps-shards 1 --n-fetch 0", "--n-fetch must be at least 1"},
+      {" train --strategy downpour --ps-shards 1 --max-staleness -2", "--max-staleness must be -1"},
+      {" train --strategy ddp --ps 127.0.0.1:1",
+       "--ps and --ps-shards are for --strategy downpour"},
+      {" train --strategy downpour --ps-shards 1 --ps-lr 0", "--ps-lr must be > 0"},
+      {" train --strategy sandblaster", "--strategy sandblaster needs the parameter-server shards"},
+      {" train --strategy sandblaster --ps-shards 1 --work-units -1", "--work-units must be 0"},
+      {" train --strategy sandblaster --ps-shards 1 --lbfgs-history 0",
+       "--lbfgs-history must be 1 to 100"},
+      {" train --simulate-slowdown 1", "--simulate-slowdown '1': expected RANK:FACTOR"},
+      {" train --simulate-slowdown 3:2 --nproc 2",
+       "--simulate-slowdown: rank 3 is not one of the 2"},
+      {" train --strategy downpour --ps 127.0.0.1:1 --ps-auth-token-file " + dir.path() + "/none",
+       "cannot read the token file"},
+      {" ps serve --lr-decay cosine", "needs --total-versions"},
+      {" ps serve --tls-cert x.pem", "TLS needs both --tls-cert and --tls-key"},
+      {" ps serve --auth-token-file " + dir.path() + "/none", "cannot read the token file"},
+      {" ps serve --checkpoint-interval 0", "--checkpoint-interval must be > 0 seconds"},
+      {" ps serve --listen 127.0.0.1:0 --checkpoint-dir " + dir.path() + "/damaged",
+       "damaged/shard-0-of-1.pt is not a parameter-server shard checkpoint"},
+  };
+  for (const auto& [args, needle] : cases) {
+    const auto out = run(kDtrain + args);
+    EXPECT_EQ(out.code, 2) << args << "\n" << out.text;
+    EXPECT_TRUE(has(out, needle)) << args << "\n" << out.text;
+    EXPECT_TRUE(has(out, "error")) << args;
+    EXPECT_LE(std::count(out.text.begin(), out.text.end(), '\n'), 1) << args << "\n" << out.text;
+  }
+}
+
+// `dtrain ps serve` runs a shard until SIGTERM, saying where it listens and where it stopped.
+TEST(Cli, PsServeRunsAShardUntilTerminated) {
+  TempDir dir;
+  const std::string log = dir.path() + "/serve.log";
+  // Waits (at most 10 s) for the shard to say it listens, then stops it.
+  const auto out = run("sh -c '" + kDtrain + " ps serve --listen 127.0.0.1:0 --shard 1/2 > " + log +
+                       " 2>&1 & for i in $(seq 100); do grep -q listening " + log +
+                       " && break; sleep 0.1; done; kill -TERM $!; wait $!; code=$?; cat " + log +
+                       "; exit $code'");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "parameter-server shard 1/2 listening on 127.0.0.1:0 (port ")) << out.text;
+  EXPECT_TRUE(has(out, "optimizer adagrad")) << out.text;
+  EXPECT_TRUE(has(out, "parameter-server shard 1/2 stopped at version 0")) << out.text;
+}
+
+// One command starts the shards and the workers; rank 0 writes the final model as a normal
+// checkpoint, which the checkpoint tools read.
+TEST(Cli, DownpourStartsShardsAndWorkers) {
+  TempDir dir;
+  const auto out = run(kDtrain +
+                       " train --strategy downpour --nproc 2 --ps-shards 2 --threads 1 "
+                       "--dataset synthetic --model mlp --synthetic-examples 512 "
+                       "--max-steps 12 --no-progress --checkpoint-dir " +
+                       (dir / "ckpt") + " --metrics " + (dir / "m.jsonl"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "parameter server: 2 shards at 127.0.0.1:")) << out.text;
+  EXPECT_TRUE(has(out, "test accuracy")) << out.text;
+  const auto verify = run(kDtrain + " ckpt verify " + (dir / "ckpt"));
+  EXPECT_EQ(verify.code, 0) << verify.text;
+  const auto inspect = run(kDtrain + " ckpt inspect " + (dir / "ckpt"));
+  EXPECT_TRUE(has(inspect, "strategy downpour")) << inspect.text;
+  std::ifstream metrics(dir / "m.jsonl");
+  std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  EXPECT_NE(all.find("\"staleness\""), std::string::npos) << all;
+}
+
+// Faults with processes. A Downpour worker killed mid-run: the launcher reports it and keeps
+// the others, which finish the run's budget; rank 0 names the worker that never finished.
+TEST(Cli, DownpourGoesOnWhenAWorkerIsKilled) {
+  TempDir dir;
+  const auto out = run("DTRAIN_SIMULATE_FAILURE=1:8 " + kDtrain +
+                       " train --strategy downpour --nproc 3 --ps-shards 2 --threads 1 "
+                       "--dataset synthetic --model mlp --synthetic-examples 768 --max-steps 20 "
+                       "--no-progress --checkpoint-dir " +
+                       (dir / "ckpt") + " --metrics " + (dir / "m.jsonl"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "rank 1 kills itself at step 8")) << out.text;
+  EXPECT_TRUE(has(out, "the other ranks go on")) << out.text;
+  EXPECT_TRUE(has(out, "worker(s) 1 (quiet for")) << out.text;
+  EXPECT_TRUE(has(out, "test accuracy")) << out.text;
+  EXPECT_EQ(run(kDtrain + " ckpt verify " + (dir / "ckpt")).code, 0);
+  // The budget (20 steps x 3 workers) was made by the two that lived.
+  std::ifstream metrics(dir / "m.jsonl");
+  std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  auto number = [&](const std::string& key) {
+    const auto at = all.find("\"" + key + "\":");
+    return at == std::string::npos ? -1.0 : std::atof(all.c_str() + at + key.size() + 3);
+  };
+  EXPECT_GE(number("worker1_pushes"), 7) << all;  // its 8th step's push may have been cut off
+  EXPECT_LE(number("worker1_pushes"), 8) << all;
+  EXPECT_GE(number("shard0_version"), 60) << all;
+  EXPECT_GT(number("worker0_pushes") + number("worker2_pushes"), 2 * 20 - 8) << all;
+}
+
+// A shard process killed (SIGKILL) and started again: the workers retry until it is back, it
+// resumes from its checkpoint, the run completes, and the updates it lost are reported.
+TEST(Cli, DownpourSurvivesAShardKilledAndRestarted) {
+  TempDir dir;
+  const int port0 = dtrain::free_port(), port1 = dtrain::free_port();
+  const std::string serve = kDtrain + " ps serve --checkpoint-dir " + dir.path() +
+                            " --checkpoint-interval 0.3 --report-every 0";
+  const std::string script =
+      serve + " --listen 127.0.0.1:" + std::to_string(port0) + " --shard 0/2 > " +
+      (dir / "s0.log") + " 2>&1 & s0=$!\n" + serve +
+      " --listen 127.0.0.1:" + std::to_string(port1) + " --shard 1/2 > " + (dir / "s1.log") +
+      " 2>&1 & s1=$!\n"
+      "DTRAIN_SIMULATE_SLOW_STEP_MS=25 " +
+      kDtrain +
+      " train --strategy downpour --nproc 2 --threads 1 --ps 127.0.0.1:" + std::to_string(port0) +
+      ",127.0.0.1:" + std::to_string(port1) +
+      " --dataset synthetic --model mlp --synthetic-examples 2048 --max-steps 120 --no-progress "
+      "--ps-timeout-ms 5000 > " +
+      (dir / "train.log") +
+      " 2>&1 & t=$!\n"
+      "for i in $(seq 200); do grep -q 'resumed\\|version [1-9]' " +
+      (dir / "s1.log") + " 2>/dev/null; [ -s " + (dir / "shard-1-of-2.pt") +
+      " ] && break; sleep 0.05; done\n"
+      "sleep 1; kill -KILL $s1; wait $s1; sleep 0.7\n" +
+      serve + " --listen 127.0.0.1:" + std::to_string(port1) + " --shard 1/2 >> " +
+      (dir / "s1.log") +
+      " 2>&1 & s1=$!\n"
+      "wait $t; code=$?; kill -TERM $s0 $s1; wait $s0 $s1; cat " +
+      (dir / "train.log") + " " + (dir / "s1.log") + "; exit $code\n";
+  std::ofstream(dir / "run.sh") << script;
+  const auto out = run("sh " + (dir / "run.sh"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "parameter-server shard 1/2 resumed from")) << out.text;
+  EXPECT_TRUE(has(out, "(shard 1) restarted from its checkpoint at version")) << out.text;
+  EXPECT_TRUE(has(out, "updates lost")) << out.text;
+  EXPECT_TRUE(has(out, "test accuracy")) << out.text;
+}
+
+// `dtrain train` with no flags trains the main job's model: its defaults are the config's.
+TEST(Cli, DefaultsAreThoseOfTheMainJob) {
+  const auto help = run(kDtrain + " train --help");
+  std::ifstream config(std::string(DTRAIN_SOURCE_DIR) + "/configs/fashion-mnist-ddp.toml");
+  std::string line;
+  int checked = 0;
+  while (std::getline(config, line)) {
+    const auto eq = line.find(" = ");
+    if (line.empty() || line[0] == '#' || eq == std::string::npos) continue;
+    const std::string key = line.substr(0, eq);
+    std::string value = line.substr(eq + 3);
+    value = value.substr(0, value.find(' '));
+    if (!value.empty() && value.front() == '"') value = value.substr(1, value.size() - 2);
+    if (key == "nproc" || key == "seed") continue;  // the job runs 2 ranks; any seed is good
+    const auto at = help.text.find("--" + key + " ");
+    ASSERT_NE(at, std::string::npos) << key;
+    const auto end = help.text.find('\n', at);
+    const std::string row = help.text.substr(at, end - at);
+    const auto equals = row.find('=');  // "--lr FLOAT=0.05   Learning rate"
+    ASSERT_NE(equals, std::string::npos) << row;
+    const std::string shown = row.substr(equals + 1, row.find(' ', equals) - equals - 1);
+    EXPECT_DOUBLE_EQ(std::atof(shown.c_str()), std::atof(value.c_str())) << key << ": " << row;
+    if (std::atof(value.c_str()) == 0) {
+      EXPECT_EQ(shown, value) << key;
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 10);
+}
+
+TEST(Cli, ConfigFileSetsFlagsAndCommandLineWins) {
+  TempDir dir;
+  std::FILE* file = std::fopen((dir / "job.toml").c_str(), "w");
+  std::fputs(
+      "# a job\n[train]\ndataset = \"synthetic\"\nmodel = \"mlp\"\nhidden = [32]\n"
+      "batch-size = 4\nsynthetic-examples = 256\nmax-steps = 3\n",
+      file);
+  std::fclose(file);
+  auto out =
+      run(kDtrain + " train --no-progress --config " + (dir / "job.toml") + " --batch-size 8");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "trained 3 steps (global batch 8, 1 rank")) << out.text;
+  file = std::fopen((dir / "bad.toml").c_str(), "w");
+  std::fputs("learning_rate = 0.1\n", file);
+  std::fclose(file);
+  out = run(kDtrain + " train --config " + (dir / "bad.toml"));
+  EXPECT_EQ(out.code, 2);
+  EXPECT_TRUE(has(out, "unknown key 'learning_rate'")) << out.text;
+}
+
+TEST(Cli, MixedPrecisionAndCheckpointingTrain) {
+  TempDir dir;
+  const auto out = run(kDtrain +
+                       " train --threads 1 --dataset synthetic --model cnn "
+                       "--synthetic-examples 256 --max-steps 4 --no-progress "
+                       "--precision bf16-mixed --checkpointing sqrt --loss-scaling "
+                       "dynamic --metrics " +
+                       (dir / "m.jsonl"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  std::ifstream metrics(dir / "m.jsonl");
+  std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  EXPECT_NE(all.find("\"loss_scale\""), std::string::npos) << all;
+  EXPECT_NE(all.find("\"skipped_steps\""), std::string::npos) << all;
+}
+
+TEST(Cli, TrainOnTwoRanksEndToEnd) {
+  TempDir dir;
+  int train_again_from = 8;
+  const auto out = run(kDtrain +
+                       " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+                       "--strategy zero3 --synthetic-examples 512 --epochs 2 "
+                       "--no-progress --metrics " +
+                       (dir / "m.jsonl") + " --checkpoint-dir " + (dir / "ckpt"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "[rank 0] trained 8 steps (global batch 128, 2 ranks, zero3)")) << out.text;
+  EXPECT_TRUE(has(out, "test accuracy")) << out.text;
+  EXPECT_TRUE(std::filesystem::exists(dir / "ckpt/step-00000008/state-1-of-2.pt"));
+  const auto inspect = run(kDtrain + " ckpt inspect " + (dir / "ckpt"));
+  EXPECT_EQ(inspect.code, 0) << inspect.text;
+  EXPECT_TRUE(has(inspect, "strategy zero3, world 2")) << inspect.text;
+  EXPECT_TRUE(has(inspect, "layers.0.weight")) << inspect.text;
+  const auto consolidated =
+      run(kDtrain + " ckpt consolidate " + (dir / "ckpt") + " -o " + (dir / "model.pt"));
+  EXPECT_EQ(consolidated.code, 0) << consolidated.text;
+  EXPECT_TRUE(std::filesystem::exists(dir / "model.pt"));
+  const auto missing = run(kDtrain + " ckpt consolidate " + (dir / "none"));
+  EXPECT_EQ(missing.code, 2) << missing.text;
+  auto verified = run(kDtrain + " ckpt verify " + (dir / "ckpt"));
+  EXPECT_EQ(verified.code, 0) << verified.text;
+  EXPECT_TRUE(has(verified, "ok       " + (dir / "ckpt/step-00000008"))) << verified.text;
+  {  // one byte flipped in a state file: verify and consolidate refuse it, naming the file
+    const std::string state = dir / "ckpt/step-00000008/state-1-of-2.pt";
+    std::fstream file(state, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(200);
+    const char byte = static_cast<char>(file.get() ^ 1);
+    file.seekp(200);
+    file.put(byte);
+  }
+  verified = run(kDtrain + " ckpt verify " + (dir / "ckpt"));
+  EXPECT_EQ(verified.code, 2) << verified.text;
+  EXPECT_TRUE(has(verified, "DAMAGED  " + (dir / "ckpt/step-00000008") + ": " +
+                                (dir / "ckpt/step-00000008/state-1-of-2.pt") + " is damaged"))
+      << verified.text;
+  const auto refused = run(kDtrain + " ckpt consolidate " + (dir / "ckpt"));
+  EXPECT_EQ(refused.code, 2) << refused.text;
+  EXPECT_TRUE(has(refused, "state-1-of-2.pt is damaged")) << refused.text;
+  std::filesystem::remove_all(dir / "ckpt/step-00000008");  // back to the epoch-1 checkpoint
+  train_again_from = 4;
+  // Running again resumes from the final checkpoint and trains no further.
+  const auto again = run(kDtrain +
+                         " train --nproc 2 --threads 1 --dataset synthetic --model mlp "
+                         "--synthetic-examples 512 --epochs 2 --checkpoint-dir " +
+                         (dir / "ckpt"));
+  EXPECT_EQ(again.code, 0) << again.text;
+  EXPECT_TRUE(has(again, "resumed from step " + std::to_string(train_again_from))) << again.text;
+}
+
+// Batch jobs log with --no-progress: a resumed run still says from which step and checkpoint,
+// and under which layout it was saved and now runs (a TP=2 GPT resumed at TP=1); a `latest`
+// file naming a checkpoint that does not exist is named, and the newest one resumed.
+TEST(Cli, AResumedRunSaysSoWithoutProgressBars) {
+  TempDir dir;
+  {
+    std::ofstream text(dir / "text.txt");
+    for (int i = 0; i < 200; ++i)
+      text << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
+  const std::string job = " train --threads 1 --model gpt --dataset text --text-file " +
+                          (dir / "text.txt") +
+                          " --layers 1 --heads 2 --width 16 --context 16 "
+                          "--batch-size 8 --max-steps 6 --no-progress --checkpoint-dir " +
+                          (dir / "ckpt");
+  const auto first = run(kDtrain + job + " --nproc 2 --tensor-parallel 2 --stop-at-step 2");
+  ASSERT_EQ(first.code, 0) << first.text;
+  EXPECT_FALSE(has(first, "resumed")) << first.text;
+  const auto second = run(kDtrain + job + " --nproc 1 --stop-at-step 4");
+  ASSERT_EQ(second.code, 0) << second.text;
+  EXPECT_TRUE(has(second, "dtrain: resumed from step 2 of " + (dir / "ckpt/step-00000002") +
+                              " (saved by ddp on 2 ranks (DP 1 x PP 1 x TP 2); now ddp on 1 rank "
+                              "(DP 1 x PP 1 x TP 1))"))
+      << second.text;
+  {
+    std::ofstream latest(dir / "ckpt/latest", std::ios::trunc);
+    latest << "step-00000099\n";
+  }
+  const auto third = run(kDtrain + job + " --nproc 1");
+  ASSERT_EQ(third.code, 0) << third.text;
+  EXPECT_TRUE(has(third, (dir / "ckpt") +
+                             "/latest names checkpoint 'step-00000099', which does "
+                             "not exist; resuming from the newest checkpoint that verifies"))
+      << third.text;
+  EXPECT_TRUE(has(third, "dtrain: resumed from step 4 of " + (dir / "ckpt/step-00000004")))
+      << third.text;
+}
+
+// Each model trains with its own recipe unless told otherwise: the GPT gets AdamW, weight decay,
+// its batch and clipping (not the image models' SGD), and a flag or a config key keeps its value;
+// an image model's recipe is the defaults, so nothing is said.
+TEST(Cli, EachModelTrainsWithItsRecipeAndFlagsOrConfigKeysWin) {
+  TempDir dir;
+  {
+    std::ofstream text(dir / "text.txt");
+    for (int i = 0; i < 100; ++i) text << "a recipe for every model " << i << "\n";
+    std::ofstream config(dir / "gpt.toml");
+    config << "batch-size = 8\nwarmup-steps = 3\n";
+  }
+  const std::string gpt = kDtrain + " train --threads 1 --model gpt --dataset text --text-file " +
+                          (dir / "text.txt") +
+                          " --layers 1 --heads 2 --width 16 --context 16 "
+                          "--max-steps 2 --no-progress";
+  const auto plain = run(gpt);
+  ASSERT_EQ(plain.code, 0) << plain.text;
+  EXPECT_TRUE(has(plain,
+                  "model gpt: its training recipe sets --optimizer adamw, --lr 0.002, "
+                  "--momentum 0, --weight-decay 0.1, --batch-size 32, --max-grad-norm 1 "
+                  "(a flag or config key overrides each)"))
+      << plain.text;
+  const auto flags = run(gpt + " --lr 0.01 --config " + (dir / "gpt.toml"));
+  ASSERT_EQ(flags.code, 0) << flags.text;
+  EXPECT_TRUE(has(flags,
+                  "model gpt: its training recipe sets --optimizer adamw, --momentum 0, "
+                  "--weight-decay 0.1, --max-grad-norm 1 (a flag"))
+      << flags.text;
+  const auto image = run(kDtrain +
+                         " train --threads 1 --dataset synthetic --model mlp "
+                         "--synthetic-examples 256 --max-steps 1 --no-progress");
+  ASSERT_EQ(image.code, 0) << image.text;
+  EXPECT_FALSE(has(image, "training recipe")) << image.text;
+}
