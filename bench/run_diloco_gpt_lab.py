@@ -49,22 +49,21 @@ def run(args, spec):
     else:
         command = across_lab(args.profile, train)
     wall, summary, steps, evals = run_and_read(command, metrics)
+    body = steps[:-1]  # DiLoCo's final outer step sends what every fragment has left
+    sending = sorted(r["step_ms"] for r in body if r.get("wire_bytes", 0) > 0)
     return {"profile": "loopback" if loopback else args.profile, "run": spec,
             "outer_lr": args.outer_lr,
             "steps": summary["steps"], "global_batch": summary["global_batch"],
             "train_seconds": summary["seconds"], "wall_seconds": wall,
             "bytes_sent": sum(r.get("wire_bytes", 0) for r in steps),
             # the busiest step's bytes (the link's peak demand) and the slowest step, before
-            # the last (DiLoCo's final outer step sends every fragment with steps left)
-            "peak_step_bytes": max((r.get("wire_bytes", 0) for r in steps[:-1]), default=0),
+            # the last
+            "peak_step_bytes": max((r.get("wire_bytes", 0) for r in body), default=0),
             "last_step_bytes": steps[-1].get("wire_bytes", 0),
-            "steps_sending": sum(1 for r in steps[:-1] if r.get("wire_bytes", 0) > 0),
+            "steps_sending": len(sending),
             "median_step_ms": sorted(r["step_ms"] for r in steps)[len(steps) // 2],
-            "median_sending_step_ms": sorted(
-                r["step_ms"] for r in steps[:-1] if r.get("wire_bytes", 0) > 0)[
-                    len([r for r in steps[:-1] if r.get("wire_bytes", 0) > 0]) // 2]
-                if any(r.get("wire_bytes", 0) > 0 for r in steps[:-1]) else None,
-            "max_step_ms": max(r["step_ms"] for r in steps[:-1]),
+            "median_sending_step_ms": sending[len(sending) // 2] if sending else None,
+            "max_step_ms": max(r["step_ms"] for r in body),
             "val_loss": evals[-1]["val_loss"] if evals else None,
             "evals": [[r["step"], r.get("seconds"), r["val_loss"]] for r in evals],
             "metrics": os.path.relpath(metrics, ROOT), **stamp()}

@@ -293,12 +293,12 @@ void DilocoStrategy::start_exchange(size_t index, int overlap) {
     // Each rank of an island carries one slice of it across (one model's bytes per island, not
     // one per rank), then the island gathers the averaged slices over its own links. Sharded
     // islands (zero3) hold their slices already: each rank's whole fragment is its own.
-    const int size = sharded_ ? 1 : island_->size();
+    const int size = sharded_ ? 1 : island_->size(), rank = sharded_ ? 0 : island_->rank();
     exchange.counts.assign(size, fragment.elements / size);
     for (int64_t i = 0; i < fragment.elements % size; ++i) ++exchange.counts[i];
     int64_t offset = fragment.offset;
-    for (int i = 0; i < (sharded_ ? 0 : island_->rank()); ++i) offset += exchange.counts[i];
-    exchange.slice = flat_grad_.narrow(0, offset, exchange.counts[sharded_ ? 0 : island_->rank()]);
+    for (int i = 0; i < rank; ++i) offset += exchange.counts[i];
+    exchange.slice = flat_grad_.narrow(0, offset, exchange.counts[rank]);
     if (compression_.kind != comm::CompressionSpec::None) {
       average_compressed(exchange.slice, &fragment.residual);
     } else {
@@ -541,9 +541,7 @@ void DilocoStrategy::load(const std::string& directory) {
     Fragment& f = fragments_[p];
     if (last_sync.size() == fragments_.size()) {
       f.last_sync = last_sync[p];
-    } else if (fragments_.size() == 1) {
-      f.last_sync = inner_done_ - pending;
-    } else {  // saved with other fragments: the last step of this fragment's phase
+    } else {  // saved before fragments, or with others: the last step of this fragment's phase
       const int64_t h = diloco_.outer_steps;
       const int64_t since = ((inner_done_ - f.phase) % h + h) % h;
       f.last_sync = std::max<int64_t>(0, inner_done_ - since);

@@ -46,10 +46,6 @@ class DilocoStrategy : public Strategy {
   /// exchange makes one more: the run's last steps count.
   void finish_training(StepResult& last) override;
 
-  /// Outer steps made (one per fragment exchanged), and inner steps made.
-  int64_t outer_steps_done() const { return outer_done_; }
-  int64_t inner_steps_done() const { return inner_done_; }
-
  private:
   /// Parameters [first, last) of parameters_, elements [offset, offset + elements) of flat_grad_.
   struct Fragment {

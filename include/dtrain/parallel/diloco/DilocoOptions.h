@@ -8,7 +8,8 @@
 namespace dtrain::parallel::diloco {
 
 struct DilocoOptions {
-  /// The synchronous strategy each island trains with: ddp, zero1 or zero2.
+  /// The synchronous strategy each island trains with: ddp, zero1, zero2 or zero3 (whose
+  /// islands hold the outer state as shards).
   std::string inner_strategy = "ddp";
   /// Ranks per island (they must divide the world); 0 = the ranks of one node (LOCAL_WORLD_SIZE,
   /// set by dtrain launch; the whole world when it is not set).
