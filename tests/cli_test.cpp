@@ -2,6 +2,7 @@
 // server's commands, configs and recipes, training end to end (real processes, exit codes,
 // messages).
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <sys/wait.h>
 #include <algorithm>
@@ -32,7 +33,7 @@ using namespace dtrain::test::cli;
 
 TEST(Cli, HelpOnEverySubcommand) {
   for (const std::string sub : {"", " train", " launch", " ckpt consolidate", " ckpt inspect",
-                                " ckpt verify", " ps serve"}) {
+                                " ckpt verify", " ps serve", " plan"}) {
     const auto out = run(kDtrain + sub + " --help");
     EXPECT_EQ(out.code, 0) << sub;
     EXPECT_TRUE(has(out, "Usage:")) << sub;
@@ -160,6 +161,69 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
     EXPECT_TRUE(has(out, "error")) << args;
     EXPECT_LE(std::count(out.text.begin(), out.text.end(), '\n'), 1) << args << "\n" << out.text;
   }
+}
+
+TEST(Cli, PlanBadInputIsOneClearLineAndExitCode2) {
+  TempDir dir;
+  std::ofstream(dir / "broken.toml") << "source = \"test\"\n[accelerator]\ndevice = \"x\"\n";
+  const std::string plan = " plan --cluster a100-selene";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {plan + " --model gpt-9", "unknown --model 'gpt-9' (known: resnet50, megatron-1.2b"},
+      {plan + " --model transformer:layers=2,hidden=100,heads=3,seq=8,vocab=10",
+       "hidden 100 is not divisible by heads 3"},
+      {plan + " --model transformer:layers=2,hidden=96,heads=3,seq=8", "missing vocab="},
+      {" plan --cluster nowhere --model gpt-1.7b", "unknown hardware profile 'nowhere' (known: "},
+      {" plan --cluster " + dir.path() + "/broken.toml --model gpt-1.7b",
+       "broken.toml: missing table 'accelerator.peak_tflops'"},
+      {plan + " --model megatron-2.5b --tp 8",
+       "tensor parallelism 8 does not divide the model's 20 attention heads"},
+      {plan + " --model gpt-1.7b --tp 16", "pp x tp = 16 does not divide the cluster's 8 GPUs"},
+      {plan + " --model gpt-1.7b --pp 8 --micro-batches 4",
+       "the 1f1b schedule needs at least as many micro-batches as pipeline stages"},
+      {plan + " --model gpt-1t", "does not fit: it needs "},
+      {plan + " --model gpt-1t --search --global-batch 8",
+       "no layout of gpt-1t fits 8 x NVIDIA A100 SXM4 80GB (80 GiB) at global batch 8: the "
+       "smallest of "},
+      {plan + " --model gpt-1.7b --search", "--search needs --global-batch"},
+  };
+  for (const auto& [args, needle] : cases) {
+    const auto out = run(kDtrain + args);
+    EXPECT_EQ(out.code, 2) << args << "\n" << out.text;
+    EXPECT_TRUE(has(out, needle)) << args << "\n" << out.text;
+    EXPECT_LE(std::count(out.text.begin(), out.text.end(), '\n'), 1) << args << "\n" << out.text;
+  }
+}
+
+TEST(Cli, PlanPredictsSearchesAndDrawsScaling) {
+  TempDir dir;
+  const auto text = run(kDtrain +
+                        " plan --model gpt-1.7b --cluster a100-selene --nodes 4 "
+                        "--global-batch 512 --micro-batch-size 4 --checkpointing");
+  ASSERT_EQ(text.code, 0) << text.text;
+  EXPECT_TRUE(has(text, "layout            ddp dp32 pp1 tp1 mb4x4 bf16-mixed ckpt")) << text.text;
+  EXPECT_TRUE(has(text, "MFU")) << text.text;
+  const auto json = run(kDtrain +
+                        " plan --json --model gpt-1.7b --cluster a100-selene --nodes 4 "
+                        "--global-batch 512 --micro-batch-size 4 --checkpointing");
+  ASSERT_EQ(json.code, 0) << json.text;
+  const auto record = nlohmann::json::parse(json.text);
+  EXPECT_GT(record["step_s"].get<double>(), 0);
+  EXPECT_EQ(record["global_batch"].get<int>(), 512);
+  const auto search = run(kDtrain +
+                          " plan --search --top 3 --model gpt-1.7b --cluster a100-selene "
+                          "--global-batch 64");
+  ASSERT_EQ(search.code, 0) << search.text;
+  EXPECT_TRUE(has(search, "  3  ")) << search.text;
+  const auto svg = dir / "scaling.svg";
+  const auto scaling = run(kDtrain +
+                           " plan --model resnet50 --cluster p100-bigbasin --precision fp32 "
+                           "--micro-batch-size 32 --scaling 1,2,4,8 --plot " +
+                           svg);
+  ASSERT_EQ(scaling.code, 0) << scaling.text;
+  EXPECT_TRUE(has(scaling, "100.0%")) << scaling.text;  // the first row is the reference
+  std::ifstream in(svg);
+  const std::string drawn((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(drawn.find("<polyline"), std::string::npos);
 }
 
 // `dtrain ps serve` runs a shard until SIGTERM, saying where it listens and where it stopped.

@@ -410,6 +410,11 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                          {"global_batch", result.global_batch},
                          {"world_size", static_cast<int64_t>(world_->size())},
                          {"strategy", strategy_->name()}};
+    // This rank's model state, as its strategy keeps it (what `dtrain plan` predicts).
+    const parallel::MemoryReport memory = strategy_->memory_report();
+    summary["parameter_bytes"] = memory.parameter_bytes;
+    summary["gradient_bytes"] = memory.gradient_bytes;
+    summary["optimizer_bytes"] = memory.optimizer_bytes;
     if (!result.losses.empty()) summary["final_loss"] = result.losses.back();
     if (result.validation) summary["val_accuracy"] = result.validation->accuracy;
     run.metrics.write(summary);

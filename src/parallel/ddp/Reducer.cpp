@@ -15,6 +15,7 @@
 
 #include "dtrain/comm/Hierarchical.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/parallel/ddp/Buckets.h"
 #include "parallel/Alias.h"
 #include "parallel/ddp/GradHooks.h"
 #include "parallel/ddp/PowerSgd.h"
@@ -110,61 +111,14 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
 }
 
 std::vector<std::vector<size_t>> Reducer::assign_buckets() const {
-  // Reverse parameter order (roughly the order backward produces gradients), one open bucket
-  // per dtype; a bucket closes once it reaches its cap (PyTorch's rule), the first one at the
-  // small first-bucket cap so communication starts early.
-  std::vector<std::vector<size_t>> groups;
-  std::vector<int64_t> group_bytes;
-  std::map<at::ScalarType, size_t> open;  // dtype -> group index
-  for (size_t k = parameters_.size(); k-- > 0;) {
-    const at::Tensor& p = parameters_[k];
-    auto it = open.find(p.scalar_type());
-    if (it == open.end()) {
-      groups.emplace_back();
-      group_bytes.push_back(0);
-      it = open.emplace(p.scalar_type(), groups.size() - 1).first;
-    }
-    const size_t index = it->second;
-    groups[index].push_back(k);
-    group_bytes[index] += p.numel() * p.element_size();
-    const int64_t cap = index == 0
-                            ? std::min(options_.first_bucket_cap_bytes, options_.bucket_cap_bytes)
-                            : options_.bucket_cap_bytes;
-    if (group_bytes[index] >= cap) open.erase(it);
+  std::vector<BucketedParameter> described;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    described.push_back({parameters_[k].numel() * parameters_[k].element_size(),
+                         static_cast<int>(parameters_[k].scalar_type()), module_of(names_[k])});
   }
-  // The first layer's gradients arrive last, when backward is over: nothing hides their
-  // allreduce. When the rest of their bucket is at least as large as they are, give them a
-  // bucket of their own: the rest then launches while the first layer's backward still runs,
-  // halving (or better) the exposed tail for the price of one more, overlapped, collective.
-  if (options_.isolate_first_layer && !groups.empty()) {
-    auto module_of = [this](size_t k) {
-      const auto dot = names_[k].rfind('.');
-      return dot == std::string::npos ? std::string() : names_[k].substr(0, dot);
-    };
-    auto bytes_of = [this](auto begin, auto end) {
-      int64_t total = 0;
-      for (auto it = begin; it != end; ++it) {
-        total += parameters_[*it].numel() * parameters_[*it].element_size();
-      }
-      return total;
-    };
-    for (auto& group : groups) {
-      if (group.back() != 0) continue;  // the bucket holding parameter 0
-      const std::string first_module = module_of(0);
-      auto split = std::find_if(group.begin(), group.end(),
-                                [&](size_t k) { return module_of(k) == first_module; });
-      const bool contiguous =
-          std::all_of(split, group.end(), [&](size_t k) { return module_of(k) == first_module; });
-      if (split != group.begin() && contiguous &&
-          bytes_of(group.begin(), split) >= bytes_of(split, group.end())) {
-        std::vector<size_t> tail(split, group.end());
-        group.erase(split, group.end());
-        groups.push_back(std::move(tail));
-      }
-      break;
-    }
-  }
-  return groups;
+  return parallel::assign_buckets(
+      described,
+      {options_.bucket_cap_bytes, options_.first_bucket_cap_bytes, options_.isolate_first_layer});
 }
 
 GradReadyHooks::~GradReadyHooks() {

@@ -115,6 +115,18 @@ double Simulation::bubble() const {
 
 Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& per_rank,
                     double forward_cost, double backward_cost) {
+  // Costs are per chunk: a rank's V chunks together cost what one stage costs.
+  const double f_cost = forward_cost / spec.chunks;
+  const double b_cost = backward_cost / spec.chunks;
+  ActionCosts costs;
+  costs.duration = [=](int, const Action& a) {
+    return a.kind == Action::Forward ? f_cost : b_cost;
+  };
+  return simulate(spec, per_rank, costs);
+}
+
+Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& per_rank,
+                    const ActionCosts& costs) {
   validate(spec);
   const int p = spec.stages;
   const int v = spec.chunks;
@@ -122,28 +134,30 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
   DTRAIN_CHECK_INPUT(static_cast<int>(per_rank.size()) == p, "a schedule for ", p, " ranks has ",
                      per_rank.size(), " lists");
   // Every (kind, micro-batch, virtual stage) exactly once, on its rank.
-  using Key = std::tuple<int, int, int>;
-  std::map<Key, double> finished;  // end time of each completed action
+  const int m = spec.micro_batches;
+  auto key = [&](int kind, int micro_batch, int vstage) {
+    return (static_cast<size_t>(kind) * m + micro_batch) * p * v + vstage;
+  };
+  std::vector<double> finished(2 * static_cast<size_t>(m) * p * v, -1.0);  // end times
   for (int r = 0; r < p; ++r) {
-    std::map<Key, int> seen;
+    std::vector<char> seen(2 * static_cast<size_t>(m) * v, 0);
     for (const auto& a : per_rank[r]) {
-      DTRAIN_CHECK_INPUT(
-          a.micro_batch >= 0 && a.micro_batch < spec.micro_batches && a.chunk >= 0 && a.chunk < v,
-          "rank ", r, "'s action ", to_string(a), " is out of range");
-      const int times = ++seen[Key(a.kind, a.micro_batch, a.chunk)];
-      DTRAIN_CHECK_INPUT(times == 1, "rank ", r, " runs ", to_string(a), " twice");
+      DTRAIN_CHECK_INPUT(a.micro_batch >= 0 && a.micro_batch < m && a.chunk >= 0 && a.chunk < v,
+                         "rank ", r, "'s action ", to_string(a), " is out of range");
+      char& times = seen[(static_cast<size_t>(a.kind) * m + a.micro_batch) * v + a.chunk];
+      DTRAIN_CHECK_INPUT(times == 0, "rank ", r, " runs ", to_string(a), " twice");
+      times = 1;
     }
-    DTRAIN_CHECK_INPUT(static_cast<int>(seen.size()) == 2 * spec.micro_batches * v, "rank ", r,
-                       " runs ", seen.size(), " actions, not ", 2 * spec.micro_batches * v);
+    DTRAIN_CHECK_INPUT(static_cast<int>(per_rank[r].size()) == 2 * m * v, "rank ", r, " runs ",
+                       per_rank[r].size(), " actions, not ", 2 * m * v);
   }
-  // Costs are per chunk: a rank's V chunks together cost what one stage costs.
-  const double f_cost = forward_cost / v;
-  const double b_cost = backward_cost / v;
   std::vector<size_t> next(p, 0);
   std::vector<double> free_at(p, 0.0), busy(p, 0.0);
   std::vector<int> live(p, 0);
   Simulation result;
   result.peak_live.assign(p, 0);
+  result.starts.resize(p);
+  result.ends.resize(p);
   size_t remaining = 0;
   for (const auto& list : per_rank) remaining += list.size();
   while (remaining > 0) {
@@ -157,11 +171,13 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
       double ready = free_at[r];
       bool ok = true;
       auto needs = [&](int kind, int vstage) {
-        const auto it = finished.find({kind, a.micro_batch, vstage});
-        if (it == finished.end()) {
+        const double done = finished[key(kind, a.micro_batch, vstage)];
+        if (done < 0) {
           ok = false;
         } else {
-          ready = std::max(ready, it->second);
+          const int from = vstage % p;
+          const double delay = from != r && costs.transfer ? costs.transfer(from, r, a) : 0.0;
+          ready = std::max(ready, done + delay);
         }
       };
       if (a.kind == Action::Forward) {
@@ -184,9 +200,11 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
       DTRAIN_THROW(InputError, "the ", to_string(spec.kind), " schedule deadlocks: ", where);
     }
     const Action& a = per_rank[best][next[best]];
-    const double cost = a.kind == Action::Forward ? f_cost : b_cost;
+    const double cost = costs.duration(best, a);
     const double end = best_start + cost;
-    finished[{a.kind, a.micro_batch, virtual_stage(a.chunk, best, p)}] = end;
+    result.starts[best].push_back(best_start);
+    result.ends[best].push_back(end);
+    finished[key(a.kind, a.micro_batch, virtual_stage(a.chunk, best, p))] = end;
     free_at[best] = end;
     busy[best] += cost;
     live[best] += a.kind == Action::Forward ? 1 : -1;

@@ -107,7 +107,9 @@ void StepRunner::run(Run& run) {
     run.report.reached(reached);
     const double throughput = run.samples / std::max(run.train_seconds, 1e-9);
 
-    if (run.leader && ((step + 1) % o.log_every == 0 || step + 1 == run.total_steps)) {
+    // An asynchronous leader also records the step at which the servers' budget ran out (it
+    // may make fewer steps than --log-every when the other workers are faster).
+    if (run.leader && ((step + 1) % o.log_every == 0 || step + 1 == run.total_steps || done)) {
       MetricRecord record{
           {"event", std::string("step")}, {"step", reached}, {"epoch", epoch},
           {"loss", result.loss},          {"lr", lr},        {"step_ms", step_seconds * 1e3},

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -55,7 +56,17 @@ struct Simulation {
   double makespan = 0;             ///< time from the first action's start to the last's end
   std::vector<double> idle_share;  ///< per rank: 1 - busy / makespan
   std::vector<int> peak_live;      ///< per rank: most micro-batches forwarded, not yet backwarded
-  double bubble() const;           ///< mean idle share
+  /// per rank, per action of its list: when it started and ended
+  std::vector<std::vector<double>> starts, ends;
+  double bubble() const;  ///< mean idle share
+};
+
+/// What each action costs when stages differ (the planner's simulation): `duration(rank, a)`,
+/// and `transfer(from, to, a)`, the delay before an action's result (an activation, a
+/// gradient) is usable on the rank that needs it (empty: none).
+struct ActionCosts {
+  std::function<double(int rank, const Action& action)> duration;
+  std::function<double(int from, int to, const Action& action)> transfer;
 };
 /// Simulates every rank's list (dependencies: a forward needs the previous virtual stage's
 /// forward of its micro-batch, a backward the next virtual stage's backward, and its own
@@ -65,6 +76,10 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
                     double forward_cost = 1.0, double backward_cost = 2.0);
 
 /// The textbook bubble, (P - 1) / (V * M + P - 1): idle share of each rank with equal stages.
+/// The same simulation with costs per rank and action, and transfers between ranks.
+Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& per_rank,
+                    const ActionCosts& costs);
+
 double bubble_formula(const ScheduleSpec& spec);
 
 }  // namespace dtrain::parallel::pipeline

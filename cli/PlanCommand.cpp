@@ -1,0 +1,394 @@
+// `dtrain plan`: predicted step time and memory of a layout on a cluster (or the best layouts,
+// --search), from the planner's simulation (dtrain/plan/Planner.h, docs/PLAN.md).
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "Command.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/plan/Calibrate.h"
+#include "dtrain/plan/Planner.h"
+
+namespace dtrain::cli {
+
+namespace {
+
+using plan::Layout;
+using plan::Prediction;
+
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+std::vector<std::string> hardware_dirs(const std::vector<std::string>& extra) {
+  std::vector<std::string> dirs = extra;
+  if (const char* env = std::getenv("DTRAIN_HARDWARE_DIR")) dirs.push_back(env);
+#ifdef DTRAIN_HARDWARE_DIR
+  dirs.push_back(DTRAIN_HARDWARE_DIR);
+#endif
+  return dirs;
+}
+
+std::string gib(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f", bytes / kGiB);
+  return text;
+}
+
+std::string seconds(double s) {
+  char text[32];
+  if (s >= 1) {
+    std::snprintf(text, sizeof text, "%.3f s", s);
+  } else if (s >= 1e-3) {
+    std::snprintf(text, sizeof text, "%.2f ms", s * 1e3);
+  } else {
+    std::snprintf(text, sizeof text, "%.1f us", s * 1e6);
+  }
+  return text;
+}
+
+nlohmann::json to_json(const plan::Memory& m) {
+  return {{"parameters", m.parameters},   {"gradients", m.gradients}, {"optimizer", m.optimizer},
+          {"activations", m.activations}, {"buffers", m.buffers},     {"total", m.total()}};
+}
+
+nlohmann::json to_json(const Prediction& p, const plan::Cluster& cluster) {
+  const Layout& l = p.layout;
+  nlohmann::json stages = nlohmann::json::array();
+  for (const auto& m : p.stage_memory) stages.push_back(to_json(m));
+  return {{"layout", l.describe()},
+          {"strategy", l.strategy},
+          {"dp", l.dp},
+          {"pp", l.pp},
+          {"tp", l.tp},
+          {"micro_batch_size", l.micro_batch_size},
+          {"micro_batches", l.micro_batches},
+          {"global_batch", l.global_batch()},
+          {"schedule", l.pp > 1 ? l.schedule : "none"},
+          {"chunks", l.chunks},
+          {"precision", l.precision},
+          {"checkpointing", l.checkpointing},
+          {"gpus", cluster.gpus()},
+          {"step_s", p.step_s},
+          {"compute_s", p.compute_s},
+          {"bubble", p.bubble},
+          {"exposed_comm_s", p.exposed_comm_s},
+          {"optimizer_s", p.optimizer_s},
+          {"samples_per_s", p.samples_per_s},
+          {"model_tflops_per_gpu", p.model_flops_per_step / p.step_s / cluster.gpus() / 1e12},
+          {"mfu", p.mfu},
+          {"memory_bytes", to_json(p.memory)},
+          {"memory_bytes_per_stage", stages},
+          {"fits", p.fits}};
+}
+
+void print_prediction(const Prediction& p, const plan::Cluster& cluster) {
+  const auto& m = p.memory;
+  std::printf("layout            %s\n", p.layout.describe().c_str());
+  std::printf(
+      "step time         %s  (busiest rank computes %s, pipeline bubble %.1f%%, "
+      "exposed communication %s, optimizer %s)\n",
+      seconds(p.step_s).c_str(), seconds(p.compute_s).c_str(), 100 * p.bubble,
+      seconds(p.exposed_comm_s).c_str(), seconds(p.optimizer_s).c_str());
+  std::printf("throughput        %.1f samples/s  (global batch %lld)\n", p.samples_per_s,
+              static_cast<long long>(p.layout.global_batch()));
+  std::printf("model flops       %.1f TFLOP/s per GPU, MFU %.1f%%\n",
+              p.model_flops_per_step / p.step_s / cluster.gpus() / 1e12, 100 * p.mfu);
+  std::printf(
+      "memory per rank   %.2f GiB of %.0f  (parameters %.2f, gradients %.2f, optimizer "
+      "%.2f, activations %.2f, buffers %.2f)%s\n",
+      m.total() / kGiB, cluster.hardware.memory_bytes / kGiB, m.parameters / kGiB,
+      m.gradients / kGiB, m.optimizer / kGiB, m.activations / kGiB, m.buffers / kGiB,
+      p.fits ? "" : "  DOES NOT FIT");
+}
+
+/// A line chart as SVG: throughput (left axis) and scaling efficiency (right axis) against
+/// GPUs (log scale).
+void write_scaling_svg(const std::string& file, const std::string& title,
+                       const std::vector<int>& gpus, const std::vector<double>& throughput,
+                       const std::vector<double>& efficiency) {
+  std::ofstream out(file);
+  DTRAIN_CHECK_INPUT(out.good(), "--plot: cannot write '", file, "'");
+  const double W = 720, H = 420, left = 80, right = 80, top = 50, bottom = 60;
+  const double lo = std::log2(std::max(1, gpus.front())),
+               hi = std::log2(std::max(gpus.back(), gpus.front() * 2));
+  double tmax = 0;
+  for (double t : throughput) tmax = std::max(tmax, t);
+  tmax *= 1.1;
+  auto x = [&](int g) { return left + (std::log2(g) - lo) / (hi - lo) * (W - left - right); };
+  auto yt = [&](double t) { return H - bottom - t / tmax * (H - top - bottom); };
+  auto ye = [&](double e) { return H - bottom - e / 1.1 * (H - top - bottom); };
+  out << "<svg xmlns='http://www.w3.org/2000/svg' width='" << W << "' height='" << H
+      << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' "
+         "fill='white'/>\n";
+  out << "<text x='" << W / 2 << "' y='24' text-anchor='middle' font-size='14'>" << title
+      << "</text>\n";
+  out << "<line x1='" << left << "' y1='" << H - bottom << "' x2='" << W - right << "' y2='"
+      << H - bottom << "' stroke='black'/>\n";
+  for (size_t i = 0; i < gpus.size(); ++i) {
+    out << "<text x='" << x(gpus[i]) << "' y='" << H - bottom + 18 << "' text-anchor='middle'>"
+        << gpus[i] << "</text>\n";
+  }
+  out << "<text x='" << W / 2 << "' y='" << H - 15 << "' text-anchor='middle'>GPUs</text>\n";
+  for (int k = 0; k <= 4; ++k) {
+    const double t = tmax * k / 4.4 * 1.0;
+    out << "<text x='" << left - 6 << "' y='" << yt(t) + 4 << "' text-anchor='end' fill='#1f77b4'>"
+        << static_cast<long long>(t) << "</text>\n";
+    out << "<text x='" << W - right + 6 << "' y='" << ye(k * 0.25) + 4 << "' fill='#d62728'>"
+        << k * 25 << "%</text>\n";
+  }
+  out << "<text x='20' y='" << top - 12 << "' fill='#1f77b4'>samples/s</text>\n";
+  out << "<text x='" << W - right << "' y='" << top - 12
+      << "' fill='#d62728'>scaling efficiency</text>\n";
+  auto polyline = [&](const std::vector<double>& ys, auto y, const char* colour) {
+    out << "<polyline fill='none' stroke='" << colour << "' stroke-width='2' points='";
+    for (size_t i = 0; i < gpus.size(); ++i) out << x(gpus[i]) << "," << y(ys[i]) << " ";
+    out << "'/>\n";
+    for (size_t i = 0; i < gpus.size(); ++i) {
+      out << "<circle cx='" << x(gpus[i]) << "' cy='" << y(ys[i]) << "' r='3' fill='" << colour
+          << "'/>\n";
+    }
+  };
+  polyline(throughput, yt, "#1f77b4");
+  polyline(efficiency, ye, "#d62728");
+  out << "</svg>\n";
+}
+
+class PlanCommand final : public Command {
+ public:
+  explicit PlanCommand(CLI::App& app) {
+    app_ = app.add_subcommand(
+        "plan",
+        "Predict step time and memory of a layout on a cluster, or search the best layouts "
+        "(a simulation of dtrain's schedules, buckets and shards: docs/PLAN.md)");
+    app_->add_option("--model", model_,
+                     "resnet50, a paper's transformer (megatron-8.3b, gpt-1t, ...) or "
+                     "transformer:layers=L,hidden=H,heads=A,seq=S,vocab=V[,tied=0,dropout=0]");
+    app_->add_option("--cluster", cluster_,
+                     "Hardware profile: a name (configs/hardware) or a .toml file");
+    app_->add_option("--hardware-dir", hardware_dirs_, "More directories holding profiles");
+    app_->add_option("--nodes", nodes_, "Nodes")->capture_default_str();
+    app_->add_option("--gpus-per-node", gpus_per_node_, "GPUs per node (default: the profile's)");
+    app_->add_option("--strategy", layout_.strategy, "ddp, zero1, zero2, zero3, downpour")
+        ->capture_default_str();
+    app_->add_option("--dp", dp_, "Data-parallel size (default: the GPUs left by pp x tp)");
+    app_->add_option("--pp", layout_.pp, "Pipeline stages")->capture_default_str();
+    app_->add_option("--tp", layout_.tp, "Tensor-parallel size")->capture_default_str();
+    app_->add_option("--micro-batch-size", layout_.micro_batch_size, "Samples per micro-batch")
+        ->capture_default_str();
+    app_->add_option("--micro-batches", micro_batches_, "Micro-batches per step");
+    app_->add_option("--global-batch", global_batch_,
+                     "Samples per step (sets --micro-batches; required by --search)");
+    app_->add_option("--schedule", layout_.schedule, "gpipe, 1f1b, interleaved")
+        ->capture_default_str();
+    app_->add_option("--chunks", layout_.chunks, "Model chunks per pipeline rank (interleaved)")
+        ->capture_default_str();
+    app_->add_option("--precision", layout_.precision,
+                     "fp32, bf16-mixed, fp16-mixed, bf16 (dtrain's), bf16-master, fp16-master "
+                     "(16-bit weights + fp32 master: Megatron's and DeepSpeed's)")
+        ->capture_default_str();
+    app_->add_flag("--checkpointing", layout_.checkpointing,
+                   "Activation checkpointing of every layer");
+    app_->add_flag("--sequence-parallel", layout_.sequence_parallel,
+                   "Megatron sequence parallelism");
+    app_->add_option("--optimizer", layout_.optimizer, "adam, momentum, sgd")
+        ->capture_default_str();
+    app_->add_option("--bucket-mb", bucket_mb_, "Gradient bucket cap in MiB")
+        ->capture_default_str();
+    app_->add_flag("--hierarchical-allreduce", layout_.hierarchical_allreduce,
+                   "Data-parallel buckets reduced inside nodes, then across");
+    app_->add_option("--ps-shards", layout_.ps_shards, "downpour: parameter-server shards")
+        ->capture_default_str();
+    app_->add_flag("--search", search_,
+                   "Rank every valid layout that fits, by predicted step time");
+    app_->add_option("--top", top_, "--search: layouts to print")->capture_default_str();
+    app_->add_option("--strategies", strategies_,
+                     "--search: the strategies to consider (default all)")
+        ->delimiter(',');
+    app_->add_option("--scaling", scaling_,
+                     "Node counts: the layout at each, data parallelism filling the GPUs (weak "
+                     "scaling: the per-replica batch stays), with throughput and efficiency")
+        ->delimiter(',');
+    app_->add_option("--plot", plot_, "--scaling: write the curves to this SVG file");
+    app_->add_flag("--json", json_, "Print JSON instead of text");
+    calibrate_ = app_->add_subcommand(
+        "calibrate",
+        "Measure this machine (matrix products, memory, Gloo on loopback) and write "
+        "a hardware profile of it");
+    calibrate_->add_option("--out", calibrate_out_, "The profile to write (.toml)")->required();
+    calibrate_->add_option("--threads", calibrate_options_.threads, "LibTorch threads per rank")
+        ->capture_default_str();
+    calibrate_
+        ->add_option("--probe-seconds", calibrate_options_.probe_seconds, "Time per measurement")
+        ->capture_default_str();
+  }
+  bool parsed() const override { return app_->parsed(); }
+
+  int run(const std::vector<std::string>&) override {
+    if (calibrate_->parsed()) {
+      const std::string toml = plan::calibrate(calibrate_options_, [](const std::string& line) {
+        std::printf("calibrate: %s\n", line.c_str());
+        std::fflush(stdout);
+      });
+      std::ofstream out(calibrate_out_);
+      DTRAIN_CHECK_INPUT(out.good(), "calibrate: cannot write '", calibrate_out_, "'");
+      out << toml;
+      std::printf("calibrate: wrote %s\n", calibrate_out_.c_str());
+      return 0;
+    }
+    DTRAIN_CHECK_INPUT(!model_.empty(), "plan: --model is required");
+    DTRAIN_CHECK_INPUT(!cluster_.empty(), "plan: --cluster is required (a profile: ",
+                       "configs/hardware/*.toml, or `dtrain plan calibrate` for this machine)");
+    const plan::ModelSpec model = plan::model_named(model_);
+    plan::Cluster cluster;
+    cluster.hardware = plan::load_hardware(cluster_, hardware_dirs(hardware_dirs_));
+    cluster.nodes = nodes_;
+    cluster.gpus_per_node = gpus_per_node_;
+    DTRAIN_CHECK_INPUT(nodes_ >= 1, "--nodes must be >= 1, got ", nodes_);
+    DTRAIN_CHECK_INPUT(gpus_per_node_ >= 0, "--gpus-per-node must be >= 1, got ", gpus_per_node_);
+    DTRAIN_CHECK_INPUT(bucket_mb_ > 0, "--bucket-mb must be > 0");
+    layout_.bucket_cap_bytes = static_cast<int64_t>(bucket_mb_ * 1024 * 1024);
+    if (search_) return run_search(model, cluster);
+    if (!scaling_.empty()) return run_scaling(model, cluster);
+    const Prediction p = plan::predict(model, cluster, layout_for(model, cluster));
+    // --json prints the prediction even when it does not fit (the memory is the answer).
+    if (json_) std::printf("%s\n", to_json(p, cluster).dump(2).c_str());
+    const plan::Memory& m = p.memory;
+    DTRAIN_CHECK_INPUT(p.fits, "layout ", p.layout.describe(), " does not fit: it needs ",
+                       gib(m.total()), " GiB per rank (parameters ", gib(m.parameters),
+                       ", gradients ", gib(m.gradients), ", optimizer ", gib(m.optimizer),
+                       ", activations ", gib(m.activations), "), the ", cluster.hardware.device,
+                       " has ", gib(cluster.hardware.memory_bytes));
+    if (!json_) {
+      std::printf("dtrain plan: %s (%.2fB parameters) on %s: %d nodes x %d GPUs (%s)\n",
+                  model.name.c_str(), model.parameters() / 1e9, cluster.hardware.name.c_str(),
+                  cluster.nodes, cluster.per_node(), cluster.hardware.device.c_str());
+      print_prediction(p, cluster);
+    }
+    return 0;
+  }
+
+ private:
+  Layout layout_for(const plan::ModelSpec&, const plan::Cluster& cluster) {
+    Layout layout = layout_;
+    const int model_parallel = layout.pp * layout.tp;
+    DTRAIN_CHECK_INPUT(model_parallel >= 1 && cluster.gpus() % model_parallel == 0,
+                       "pp x tp = ", model_parallel, " does not divide the cluster's ",
+                       cluster.gpus(), " GPUs");
+    layout.dp = dp_ > 0 ? dp_ : cluster.gpus() / model_parallel;
+    if (global_batch_ > 0) {
+      const int64_t per_step = static_cast<int64_t>(layout.dp) * layout.micro_batch_size;
+      DTRAIN_CHECK_INPUT(global_batch_ % per_step == 0, "--global-batch ", global_batch_,
+                         " is not a multiple of dp x micro-batch size = ", per_step);
+      layout.micro_batches = static_cast<int>(global_batch_ / per_step);
+    } else if (micro_batches_ > 0) {
+      layout.micro_batches = micro_batches_;
+    } else {
+      layout.micro_batches =
+          layout.pp > 1 ? layout.pp * (layout.schedule == "interleaved" ? 1 : 1) : 1;
+    }
+    return layout;
+  }
+
+  int run_search(const plan::ModelSpec& model, const plan::Cluster& cluster) {
+    DTRAIN_CHECK_INPUT(global_batch_ > 0, "--search needs --global-batch (samples per step)");
+    plan::SearchOptions options;
+    options.global_batch = global_batch_;
+    options.precision = layout_.precision;
+    options.optimizer = layout_.optimizer;
+    options.sequence_parallel = layout_.sequence_parallel;
+    if (!strategies_.empty()) options.strategies = strategies_;
+    const plan::SearchResult result = plan::search(model, cluster, options);
+    if (result.ranked.empty()) {
+      DTRAIN_THROW(InputError, "no layout of ", model.name, " fits ", cluster.gpus(), " x ",
+                   cluster.hardware.device, " (", cluster.hardware.memory_bytes / kGiB,
+                   " GiB) at global batch ", global_batch_, ": the smallest of ", result.considered,
+                   " layouts needs ", gib(result.smallest_memory), " GiB per rank");
+    }
+    const size_t shown = std::min<size_t>(top_, result.ranked.size());
+    if (json_) {
+      nlohmann::json list = nlohmann::json::array();
+      for (size_t i = 0; i < shown; ++i) list.push_back(to_json(result.ranked[i], cluster));
+      std::printf("%s\n", nlohmann::json{{"considered", result.considered},
+                                         {"fit", result.ranked.size()},
+                                         {"best", list}}
+                              .dump(2)
+                              .c_str());
+      return 0;
+    }
+    std::printf(
+        "dtrain plan --search: %s on %d x %s, global batch %lld: %d layouts considered, "
+        "%zu fit; the best %zu:\n",
+        model.name.c_str(), cluster.gpus(), cluster.hardware.device.c_str(),
+        static_cast<long long>(global_batch_), result.considered, result.ranked.size(), shown);
+    std::printf("%3s  %-52s %10s %11s %6s %7s %10s %9s\n", "#", "layout", "step", "samples/s",
+                "MFU", "bubble", "exposed", "GiB/rank");
+    for (size_t i = 0; i < shown; ++i) {
+      const Prediction& p = result.ranked[i];
+      std::printf("%3zu  %-52s %10s %11.1f %5.1f%% %6.1f%% %10s %9.1f\n", i + 1,
+                  p.layout.describe().c_str(), seconds(p.step_s).c_str(), p.samples_per_s,
+                  100 * p.mfu, 100 * p.bubble, seconds(p.exposed_comm_s).c_str(),
+                  p.memory.total() / kGiB);
+    }
+    return 0;
+  }
+
+  int run_scaling(const plan::ModelSpec& model, plan::Cluster cluster) {
+    std::vector<int> gpus;
+    std::vector<double> throughput, efficiency;
+    nlohmann::json rows = nlohmann::json::array();
+    if (!json_) {
+      std::printf("%8s %8s %-44s %10s %11s %12s %10s\n", "nodes", "GPUs", "layout", "step",
+                  "samples/s", "TFLOP/s/GPU", "efficiency");
+    }
+    for (int nodes : scaling_) {
+      DTRAIN_CHECK_INPUT(nodes >= 1, "--scaling: node counts must be >= 1, got ", nodes);
+      cluster.nodes = nodes;
+      Layout layout = layout_for(model, cluster);
+      const Prediction p = plan::predict(model, cluster, layout);
+      gpus.push_back(cluster.gpus());
+      throughput.push_back(p.samples_per_s);
+      const double per_gpu = p.samples_per_s / cluster.gpus();
+      efficiency.push_back(per_gpu / (throughput.front() / gpus.front()));
+      const double tflops = p.model_flops_per_step / p.step_s / cluster.gpus() / 1e12;
+      if (json_) {
+        auto row = to_json(p, cluster);
+        row["nodes"] = nodes;
+        row["scaling_efficiency"] = efficiency.back();
+        rows.push_back(row);
+      } else {
+        std::printf("%8d %8d %-44s %10s %11.1f %12.1f %9.1f%%%s\n", nodes, cluster.gpus(),
+                    layout.describe().c_str(), seconds(p.step_s).c_str(), p.samples_per_s, tflops,
+                    100 * efficiency.back(), p.fits ? "" : "  (does not fit)");
+      }
+    }
+    if (json_) std::printf("%s\n", rows.dump(2).c_str());
+    if (!plot_.empty()) {
+      write_scaling_svg(plot_,
+                        concat(model.name, " on ", cluster.hardware.name, ": ", layout_.describe()),
+                        gpus, throughput, efficiency);
+      if (!json_) std::printf("plot: %s\n", plot_.c_str());
+    }
+    return 0;
+  }
+
+  CLI::App* app_ = nullptr;
+  CLI::App* calibrate_ = nullptr;
+  std::string calibrate_out_;
+  plan::CalibrateOptions calibrate_options_;
+  std::string model_, cluster_, plot_;
+  std::vector<std::string> hardware_dirs_, strategies_;
+  int nodes_ = 1, gpus_per_node_ = 0, dp_ = 0, micro_batches_ = 0, top_ = 10;
+  int64_t global_batch_ = 0;
+  double bucket_mb_ = 25;
+  Layout layout_;
+  bool search_ = false, json_ = false;
+  std::vector<int> scaling_;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> plan_command(CLI::App& app) { return std::make_unique<PlanCommand>(app); }
+
+}  // namespace dtrain::cli

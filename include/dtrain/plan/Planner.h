@@ -1,0 +1,95 @@
+// `dtrain plan`: the step time and per-rank memory of a layout on a cluster, predicted by a
+// discrete-event simulation built from dtrain's own pieces: the pipeline schedule builder's
+// action lists (and its simulator, with per-stage costs and link delays), the reducer's bucket
+// rule (which buckets exist and when each can leave), ZeRO's shard sizes and gather/prefetch
+// order, tensor parallelism's all-reduces per block, and the memory each strategy keeps.
+// docs/PLAN.md explains the model, its assumptions and its validation.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dtrain/plan/Hardware.h"
+#include "dtrain/plan/ModelSpec.h"
+
+namespace dtrain::plan {
+
+struct Cluster {
+  Hardware hardware;
+  int nodes = 1;
+  int gpus_per_node = 0;  ///< 0: the profile's
+  int gpus() const { return nodes * per_node(); }
+  int per_node() const { return gpus_per_node > 0 ? gpus_per_node : hardware.gpus_per_node; }
+};
+
+struct Layout {
+  /// "ddp", "zero1", "zero2", "zero3" (data parallelism over DP, each with TP and PP), or
+  /// "downpour" (asynchronous workers pushing to and pulling from parameter-server shards).
+  std::string strategy = "ddp";
+  int dp = 1, pp = 1, tp = 1;
+  int micro_batch_size = 1;              ///< samples per micro-batch on one replica
+  int micro_batches = 1;                 ///< per optimizer step (gradient accumulation when pp = 1)
+  std::string schedule = "1f1b";         ///< "gpipe", "1f1b", "interleaved"
+  int chunks = 1;                        ///< model chunks per pipeline rank (interleaved)
+  std::string precision = "bf16-mixed";  ///< "fp32", "bf16-mixed", "fp16-mixed", "bf16"
+  bool checkpointing = false;            ///< activation checkpointing of every layer
+  bool sequence_parallel = false;
+  std::string optimizer = "adam";  ///< "adam", "sgd", "momentum"
+  int64_t bucket_cap_bytes = 25LL * 1024 * 1024;
+  bool hierarchical_allreduce = false;  ///< data-parallel buckets: inside nodes, then across
+  int ps_shards = 1;                    ///< downpour: parameter-server shards (one per node)
+  int64_t global_batch() const {
+    return static_cast<int64_t>(dp) * micro_batch_size * micro_batches;
+  }
+  int ranks() const { return dp * pp * tp; }
+  std::string describe() const;  ///< "dp8 pp4 tp8 1f1b m16x1 bf16-mixed ckpt"
+};
+
+struct Memory {
+  double parameters = 0, gradients = 0, optimizer = 0, activations = 0, buffers = 0;
+  double total() const { return parameters + gradients + optimizer + activations + buffers; }
+};
+
+struct Prediction {
+  Layout layout;
+  double step_s = 0;          ///< one optimizer step
+  double compute_s = 0;       ///< the busiest rank's computation (including TP all-reduces)
+  double bubble = 0;          ///< pipeline idle share of the busiest stage
+  double exposed_comm_s = 0;  ///< data-parallel / ZeRO / PS communication not hidden
+  double optimizer_s = 0;
+  Memory memory;                     ///< of the rank that needs the most
+  std::vector<Memory> stage_memory;  ///< per pipeline rank (stage 0 first)
+  double samples_per_s = 0;
+  double model_flops_per_step = 0;
+  double mfu = 0;    ///< model flop/s over the GPUs' peak in the compute dtype
+  bool fits = true;  ///< memory.total() <= the accelerator's memory
+};
+
+/// InputError naming what is wrong: ranks != the cluster's GPUs, a divisibility (layers over
+/// pp x chunks, heads or hidden over tp), an unknown strategy, schedule or precision, a
+/// schedule the builder refuses (1F1B with fewer micro-batches than stages, ...).
+void check_layout(const ModelSpec& model, const Cluster& cluster, const Layout& layout);
+
+/// Checks the layout, then simulates one step. Does not refuse a layout that does not fit in
+/// memory: `fits` says so (the CLI refuses it).
+Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout& layout);
+
+struct SearchOptions {
+  int64_t global_batch = 0;  ///< samples per step, fixed
+  std::vector<std::string> strategies = {"ddp", "zero1", "zero2", "zero3"};
+  std::string precision = "bf16-mixed";
+  std::string optimizer = "adam";
+  bool allow_checkpointing = true;
+  bool sequence_parallel = false;  ///< with tp > 1
+  int max_micro_batch_size = 16;
+};
+struct SearchResult {
+  std::vector<Prediction> ranked;  ///< layouts that fit, fastest first
+  int considered = 0;
+  double smallest_memory = 0;  ///< over every layout considered (for "needs at least")
+};
+/// Every valid layout of the cluster's GPUs at the global batch (DP x PP x TP, micro-batch size,
+/// schedule, checkpointing, strategy), simulated, those that fit ranked by step time.
+SearchResult search(const ModelSpec& model, const Cluster& cluster, const SearchOptions& options);
+
+}  // namespace dtrain::plan

@@ -1,0 +1,184 @@
+#include "dtrain/plan/Calibrate.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <exception>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "dtrain/comm/Communicator.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/common/Net.h"
+
+namespace dtrain::plan {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// Median seconds of `body` over repetitions filling about `seconds` (at least 5).
+template <typename Body>
+double median_seconds(double seconds, Body&& body) {
+  body();  // warm up
+  std::vector<double> times;
+  const auto start = Clock::now();
+  while (times.size() < 5 ||
+         std::chrono::duration<double>(Clock::now() - start).count() < seconds) {
+    const auto t0 = Clock::now();
+    body();
+    times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (times.size() >= 2000) break;
+  }
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
+}
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "CPU";
+}
+
+double memory_gib() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  in >> key >> kib;
+  return kib / (1024.0 * 1024.0);
+}
+
+std::string number(double value) {
+  std::ostringstream out;
+  out.precision(4);
+  out << value;
+  return out.str();
+}
+
+}  // namespace
+
+std::string calibrate(const CalibrateOptions& options,
+                      const std::function<void(const std::string&)>& progress) {
+  DTRAIN_CHECK_INPUT(options.threads >= 1, "calibrate: --threads must be >= 1");
+  at::set_num_threads(options.threads);
+  const double t = options.probe_seconds;
+
+  // Matrix products: square n x n x n, per dtype; the rate by size class is what the planner
+  // looks up by a layer's characteristic width.
+  const std::vector<int64_t> dims = {32, 64, 128, 256, 512, 1024};
+  std::ostringstream by_dim;
+  double best_fp32 = 0, best_bf16 = 0;
+  for (const auto& [dtype, name] :
+       {std::pair<at::ScalarType, const char*>{at::kFloat, "fp32"}, {at::kBFloat16, "bf16"}}) {
+    by_dim << name << " = { ";
+    for (size_t i = 0; i < dims.size(); ++i) {
+      const int64_t n = dims[i];
+      const auto a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype);
+      const double s = median_seconds(t, [&] { (void)at::mm(a, b); });
+      const double tflops = 2.0 * n * n * n / s / 1e12;
+      (dtype == at::kFloat ? best_fp32 : best_bf16) =
+          std::max(dtype == at::kFloat ? best_fp32 : best_bf16, tflops);
+      by_dim << (i ? ", " : "") << '"' << n << "\" = " << number(tflops);
+      progress(concat("matmul ", name, " ", n, "^3: ", number(tflops * 1e3), " GFLOP/s"));
+    }
+    by_dim << " }\n";
+  }
+
+  // Memory bandwidth: c = a + b over 64 MiB tensors (read 2, write 1).
+  const int64_t elements = 16 << 20;
+  const auto a = at::randn({elements}), b = at::randn({elements});
+  auto c = at::empty({elements});
+  const double add_s = median_seconds(t, [&] { at::add_out(c, a, b); });
+  const double bandwidth = 3.0 * elements * 4 / add_s;
+  progress(concat("memory bandwidth: ", number(bandwidth / 1e9), " GB/s"));
+
+  // One operator's fixed cost: an add of one element.
+  const auto x = at::ones({1}), y = at::ones({1});
+  const double op_s = median_seconds(t, [&] { (void)at::add(x, y); });
+  progress(concat("one operator: ", number(op_s * 1e6), " us"));
+
+  // Gloo on loopback: two ranks as threads of this process (the same TCP path as two
+  // processes); latency from a 1-element all-reduce (2 (n-1) = 2 messages), bandwidth from
+  // 64 MiB (each rank sends and receives 2 (n-1)/n = 1 of the bytes).
+  double latency = 0, link = 0;
+  {
+    const int port = free_port();
+    std::vector<std::exception_ptr> errors(2);
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        try {
+          comm::InitOptions init;
+          init.rank = rank;
+          init.world_size = 2;
+          init.master_port = port;
+          init.backend_threads = 1;
+          auto world = comm::init(init);
+          auto small = at::ones({1});
+          auto large = at::ones({elements});
+          const double small_s = median_seconds(t, [&] { world->allreduce(small)->wait(); });
+          const double large_s = median_seconds(t, [&] { world->allreduce(large)->wait(); });
+          if (rank == 0) {
+            latency = small_s / 2;
+            link = elements * 4.0 / std::max(1e-9, large_s - small_s);
+          }
+        } catch (...) {
+          errors[rank] = std::current_exception();
+        }
+      });
+    }
+    for (auto& thread : ranks) thread.join();
+    for (const auto& error : errors) {
+      if (error) std::rethrow_exception(error);
+    }
+  }
+  progress(concat("gloo all-reduce on loopback: latency ", number(latency * 1e6), " us, ",
+                  number(link / 1e9), " GB/s"));
+
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  std::ostringstream toml;
+  toml << "# Measured by `dtrain plan calibrate --threads " << options.threads << "` on " << host
+       << ", " << date << ".\n"
+       << "# Achieved rates, so every efficiency is 1. One accelerator = one rank of "
+       << options.threads << " thread(s);\n# ranks beyond the cores share them.\n"
+       << "source = \"dtrain plan calibrate on " << host << ", " << date << "\"\n\n"
+       << "[accelerator]\n"
+       << "device = \"" << (options.name.empty() ? cpu_model() : options.name) << ", "
+       << options.threads << " thread(s) per rank\"\n"
+       << "memory_gib = " << number(memory_gib()) << "\n"
+       << "memory_bandwidth_gb_s = " << number(bandwidth / 1e9) << "\n"
+       << "peak_tflops = { fp32 = " << number(best_fp32) << ", bf16 = " << number(best_bf16)
+       << " }\n\n"
+       << "# Measured matrix-product rates (TFLOP/s) by the matrices' size n (n x n x n).\n"
+       << "[accelerator.matmul_tflops_by_dim]\n"
+       << by_dim.str() << "\n"
+       << "[efficiency]\nmatmul = 1\nmemory = 1\nlink = 1\nkernel_overhead_us = "
+       << number(op_s * 1e6) << "\n\n"
+       << "[node]\n"
+       << "gpus = " << std::max(1u, cores / options.threads) << "\n"
+       << "cores = " << cores << "\n"
+       << "link_gb_s = " << number(link / 1e9) << "\n"
+       << "link_latency_us = " << number(latency * 1e6) << "\n\n"
+       << "# One machine: \"across nodes\" is the same loopback.\n"
+       << "[network]\n"
+       << "node_gbit_s = " << number(link * 8 / 1e9 * std::max(1u, cores / options.threads))
+       << "\nlatency_us = " << number(latency * 1e6) << "\n";
+  return toml.str();
+}
+
+}  // namespace dtrain::plan

@@ -1,0 +1,447 @@
+// The planner's simulation of one optimizer step. Ranks that differ only in their data- or
+// tensor-parallel index do the same work at the same times, so one replica's pipeline is
+// simulated (every stage, every action of the schedule builder's lists) and its collectives are
+// timed on the links its groups really use. docs/PLAN.md states each rule and its source.
+#include "dtrain/plan/Planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/parallel/ddp/Buckets.h"
+#include "dtrain/parallel/pipeline/Partition.h"
+#include "dtrain/parallel/pipeline/Schedule.h"
+
+namespace dtrain::plan {
+
+namespace pp = parallel::pipeline;
+
+std::string Layout::describe() const {
+  std::string text = concat(strategy, " dp", dp, " pp", pp, " tp", tp);
+  if (pp > 1) text += concat(" ", schedule, chunks > 1 ? concat("x", chunks) : std::string());
+  text += concat(" mb", micro_batch_size, "x", micro_batches, " ", precision);
+  if (checkpointing) text += " ckpt";
+  if (sequence_parallel) text += " sp";
+  return text;
+}
+
+namespace {
+
+bool is_one_of(const std::string& value, std::initializer_list<const char*> choices) {
+  for (const char* choice : choices) {
+    if (value == choice) return true;
+  }
+  return false;
+}
+
+/// Bytes per element of what a rank keeps, by precision. "-master" precisions are Megatron's
+/// and DeepSpeed's layout (16-bit weights and gradients, fp32 master weights in the optimizer,
+/// the 16-bit weights reused by every micro-batch); dtrain's mixed precision is autocast over
+/// fp32 weights (each micro-batch's forward casts them, backward accumulates into fp32).
+struct Bytes {
+  double activation, parameter, gradient, optimizer;
+  std::string compute_dtype;
+  bool casts_per_micro_batch;
+};
+Bytes bytes_of(const Layout& layout) {
+  const double moments = layout.optimizer == "adam" ? 2 : layout.optimizer == "momentum" ? 1 : 0;
+  const std::string& p = layout.precision;
+  if (p == "fp32") return {4, 4, 4, 4 * moments, "fp32", false};
+  if (p == "bf16") return {2, 2, 2, 2 * moments, "bf16", false};
+  const std::string dtype = p.rfind("fp16", 0) == 0 ? "fp16" : "bf16";
+  if (p == "bf16-mixed" || p == "fp16-mixed") return {2, 4, 4, 4 * moments, dtype, true};
+  return {2, 2, 2, 4 * moments + 4, dtype, false};  // bf16-master, fp16-master
+}
+
+/// Ring all-reduce of `bytes` over `ranks` (Patarasuk & Yuan's bound, NCCL's ring): each rank
+/// sends and receives 2 (n-1)/n of the data in 2 (n-1) steps.
+double ring_allreduce(double bytes, int ranks, const Link& link) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  const double n = ranks;
+  return 2 * (n - 1) / n * bytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s;
+}
+/// Reduce-scatter or all-gather: half a ring all-reduce.
+double ring_half(double bytes, int ranks, const Link& link) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  const double n = ranks;
+  return (n - 1) / n * bytes / link.bandwidth_Bps + (n - 1) * link.latency_s;
+}
+
+/// Where a rank of the grid sits: ranks are laid out as dtrain's ProcessGrid does, tensor-
+/// parallel fastest, then data-parallel, then pipeline; consecutive ranks fill a node.
+struct Placement {
+  const Cluster& cluster;
+  const Layout& layout;
+  int node_of(int pp_index, int dp_index, int tp_index) const {
+    const int rank = (pp_index * layout.dp + dp_index) * layout.tp + tp_index;
+    return rank / cluster.per_node();
+  }
+  /// The link a group whose members are `stride` ranks apart, `size` of them, runs on: inside
+  /// a node when they all fit in one; across nodes otherwise, where every rank of a node that
+  /// talks across at once shares the node's network bandwidth (NCCL spreads rings over all the
+  /// node's NICs), and no faster than the node's own links.
+  Link group_link(int stride, int size) const {
+    const int per_node = cluster.per_node();
+    const Hardware& hw = cluster.hardware;
+    if (static_cast<int64_t>(stride) * (size - 1) < per_node &&
+        (size == 1 || per_node % (stride * size) == 0 || stride * size <= per_node)) {
+      return hw.intra_node;
+    }
+    // Members of the group inside one node (1 when the stride spans nodes).
+    const int members_per_node = std::max(1, std::min(size, per_node / std::max(1, stride)));
+    const double share = hw.inter_node.bandwidth_Bps * members_per_node / per_node;
+    return {hw.inter_node.latency_s, std::min(share, hw.intra_node.bandwidth_Bps)};
+  }
+};
+
+struct LayerTime {
+  double forward = 0, backward = 0;  // one micro-batch, this TP rank, TP all-reduces included
+};
+
+}  // namespace
+
+void check_layout(const ModelSpec& model, const Cluster& cluster, const Layout& layout) {
+  DTRAIN_CHECK_INPUT(is_one_of(layout.strategy, {"ddp", "zero1", "zero2", "zero3", "downpour"}),
+                     "unknown strategy '", layout.strategy,
+                     "' (the planner knows ddp, zero1, zero2, zero3, downpour)");
+  DTRAIN_CHECK_INPUT(is_one_of(layout.precision, {"fp32", "bf16-mixed", "fp16-mixed", "bf16",
+                                                  "bf16-master", "fp16-master"}),
+                     "unknown precision '", layout.precision,
+                     "' (fp32, bf16-mixed, fp16-mixed, bf16, bf16-master, fp16-master)");
+  DTRAIN_CHECK_INPUT(is_one_of(layout.optimizer, {"adam", "sgd", "momentum"}),
+                     "unknown optimizer '", layout.optimizer, "' (adam, sgd, momentum)");
+  DTRAIN_CHECK_INPUT(layout.dp >= 1 && layout.pp >= 1 && layout.tp >= 1,
+                     "dp, pp and tp must be >= 1");
+  DTRAIN_CHECK_INPUT(layout.micro_batch_size >= 1 && layout.micro_batches >= 1,
+                     "micro-batch size and micro-batches must be >= 1");
+  DTRAIN_CHECK_INPUT(layout.ranks() == cluster.gpus(), "layout ", layout.describe(),
+                     " uses dp x pp x tp = ", layout.ranks(), " ranks, the cluster has ",
+                     cluster.gpus(), " GPUs (", cluster.nodes, " nodes x ", cluster.per_node(),
+                     ")");
+  if (model.heads > 0) {
+    DTRAIN_CHECK_INPUT(model.heads % layout.tp == 0, "tensor parallelism ", layout.tp,
+                       " does not divide the model's ", model.heads, " attention heads");
+  }
+  const bool splits = std::any_of(model.layers.begin(), model.layers.end(),
+                                  [](const Layer& l) { return l.tensor_parallel; });
+  DTRAIN_CHECK_INPUT(layout.tp == 1 || splits, "model ", model.name,
+                     " has no tensor-parallel layers: tp must be 1");
+  DTRAIN_CHECK_INPUT(!layout.sequence_parallel || layout.tp > 1,
+                     "sequence parallelism needs tp > 1");
+  DTRAIN_CHECK_INPUT(layout.strategy != "zero3" || layout.pp == 1,
+                     "zero3 with pipeline parallelism: the planner models zero3 with pp = 1");
+  DTRAIN_CHECK_INPUT(layout.strategy != "downpour" || (layout.pp == 1 && layout.tp == 1),
+                     "downpour workers are whole replicas: pp and tp must be 1");
+  const int virtual_stages = layout.pp * layout.chunks;
+  DTRAIN_CHECK_INPUT(static_cast<int>(model.layers.size()) >= virtual_stages, "model ", model.name,
+                     " has ", model.layers.size(),
+                     " layers, fewer than pp x chunks = ", virtual_stages, " stages");
+  if (layout.pp > 1) {
+    pp::ScheduleSpec spec{pp::schedule_kind_named(layout.schedule), layout.pp, layout.micro_batches,
+                          layout.chunks};
+    pp::validate(spec);  // the builder's own rules (1F1B: M >= P; interleaved: M % P == 0)
+  } else {
+    DTRAIN_CHECK_INPUT(layout.chunks == 1, "chunks > 1 needs an interleaved pipeline");
+  }
+}
+
+Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout& layout) {
+  check_layout(model, cluster, layout);
+  const Hardware& hw = cluster.hardware;
+  const Bytes bytes = bytes_of(layout);
+  const double peak = hw.peak(bytes.compute_dtype);
+  // CPU profiles: ranks beyond the node's accelerators share its cores.
+  const double share =
+      hw.shared_cores ? std::min(1.0, hw.gpus_per_node / static_cast<double>(cluster.per_node()))
+                      : 1.0;
+  const double byte_rate = hw.memory_bandwidth_Bps * hw.memory_efficiency * share;
+  const double overhead = hw.kernel_overhead_s / share;
+  const double b = layout.micro_batch_size;
+  const Placement place{cluster, layout};
+  const Link tp_link = place.group_link(1, layout.tp);
+  const Link dp_link = place.group_link(layout.tp, layout.dp);
+
+  // --- Every layer's forward and backward on one TP rank, one micro-batch.
+  const size_t n_layers = model.layers.size();
+  std::vector<LayerTime> times(n_layers);
+  std::vector<double> local_params(n_layers);
+  for (size_t i = 0; i < n_layers; ++i) {
+    const Layer& l = model.layers[i];
+    const double split = l.tensor_parallel ? layout.tp : 1;
+    local_params[i] = l.parameters / split;
+    const double flops = l.matmul_flops * b / split;
+    const double flop_rate = hw.matmul_rate(bytes.compute_dtype, l.matmul_dim / split) * share;
+    const double replicated = layout.sequence_parallel
+                                  ? 0
+                                  : l.replicated_saved_elements / std::max(1.0, l.saved_elements);
+    const double elements = l.elementwise_elements * b * (replicated + (1 - replicated) / split);
+    const double tp_comm =
+        l.tp_allreduces *
+        ring_allreduce(l.output_elements * b * bytes.activation, layout.tp, tp_link);
+    // dtrain's autocast: each micro-batch's forward casts the fp32 weights to 16 bits (read 4,
+    // write 2 bytes), backward turns the 16-bit weight gradients into fp32 and accumulates them
+    // (read 2, read and write 4).
+    const double casts_f = bytes.casts_per_micro_batch ? 6 * local_params[i] : 0;
+    const double casts_b = bytes.casts_per_micro_batch ? 10 * local_params[i] : 0;
+    LayerTime& t = times[i];
+    t.forward = flops / flop_rate + (elements * bytes.activation + casts_f) / byte_rate +
+                l.kernels * overhead + tp_comm;
+    t.backward = 2 * flops / flop_rate + (2 * elements * bytes.activation + casts_b) / byte_rate +
+                 2 * l.kernels * overhead + tp_comm;
+    if (layout.checkpointing) t.backward += t.forward;  // recomputed before its backward
+  }
+
+  // --- Layers onto virtual stages: dtrain's balanced partition, by forward + backward time.
+  const int P = layout.pp, V = layout.chunks, stages = P * V;
+  std::vector<double> costs(n_layers);
+  for (size_t i = 0; i < n_layers; ++i) costs[i] = times[i].forward + times[i].backward;
+  const pp::Partition partition = pp::balanced_partition(costs, stages);
+  auto stage_sum = [&](int vstage, auto field) {
+    double total = 0;
+    for (int i = partition.first(vstage); i < partition.end(vstage); ++i) total += field(i);
+    return total;
+  };
+  std::vector<double> stage_f(stages), stage_b(stages), stage_params(stages);
+  for (int s = 0; s < stages; ++s) {
+    stage_f[s] = stage_sum(s, [&](int i) { return times[i].forward; });
+    stage_b[s] = stage_sum(s, [&](int i) { return times[i].backward; });
+    stage_params[s] = stage_sum(s, [&](int i) { return local_params[i]; });
+  }
+
+  // --- The pipeline (or, with pp = 1, the micro-batches one after another), through the
+  // schedule builder's lists and its simulator, with each stage's costs and the time an
+  // activation or a gradient takes to reach the next stage.
+  const pp::ScheduleSpec spec{
+      P > 1 ? pp::schedule_kind_named(layout.schedule) : pp::ScheduleKind::GPipe, P,
+      layout.micro_batches, V};
+  std::vector<std::vector<pp::Action>> lists;
+  for (int r = 0; r < P; ++r) lists.push_back(pp::build_schedule(spec, r));
+  pp::ActionCosts action_costs;
+  action_costs.duration = [&](int rank, const pp::Action& a) {
+    const int s = pp::virtual_stage(a.chunk, rank, P);
+    return a.kind == pp::Action::Forward ? stage_f[s] : stage_b[s];
+  };
+  action_costs.transfer = [&](int from, int to, const pp::Action& a) {
+    const int s = pp::virtual_stage(a.chunk, to, P);
+    const int boundary =
+        a.kind == pp::Action::Forward ? partition.first(s) - 1 : partition.end(s) - 1;
+    const double elements = model.layers[std::max(0, boundary)].output_elements * b;
+    const bool same_node = place.node_of(from, 0, 0) == place.node_of(to, 0, 0);
+    // Every rank of a node sends its stage's activations at once: each gets its share of the
+    // node's network.
+    const Link link =
+        same_node ? hw.intra_node
+                  : Link{hw.inter_node.latency_s, hw.inter_node.bandwidth_Bps / cluster.per_node()};
+    return elements * bytes.activation / link.bandwidth_Bps + link.latency_s;
+  };
+  const pp::Simulation timeline = pp::simulate(spec, lists, action_costs);
+
+  // --- Gradient and parameter traffic of the data-parallel group, per pipeline rank: the
+  // reducer's buckets over the rank's layers (one reducer per chunk), each leaving when the
+  // last micro-batch's backward has produced all its gradients, one after another on the
+  // rank's link; ZeRO-3 gathers each layer before its forward and backward (prefetching the
+  // next) and reduce-scatters its gradients.
+  Prediction out;
+  out.layout = layout;
+  const int D = layout.dp;
+  const double grad_bytes = bytes.gradient;
+  double worst_end = 0, worst_compute = 0, worst_exposed = 0, worst_bubble = 0, worst_opt = 0;
+  for (int r = 0; r < P; ++r) {
+    const double compute_end = timeline.ends[r].empty() ? 0 : timeline.ends[r].back();
+    double busy = 0;
+    for (size_t k = 0; k < lists[r].size(); ++k)
+      busy += timeline.ends[r][k] - timeline.starts[r][k];
+    double rank_params = 0;
+    for (int c = 0; c < V; ++c) rank_params += stage_params[pp::virtual_stage(c, r, P)];
+    double comm_end = compute_end;
+    double step_end = compute_end;
+    if (layout.strategy == "zero3") {
+      // pp = 1. One communication stream beside compute: a layer is gathered before its forward
+      // (the next one while it computes: dtrain's prefetch) and again before its backward
+      // (dtrain frees full parameters after each use); the last micro-batch's backward
+      // reduce-scatters each layer's gradients once they are produced.
+      auto gather = [&](size_t i) {
+        return ring_half(local_params[i] * bytes.parameter * D, D, dp_link);
+      };
+      double t = 0, stream = 0;
+      std::vector<double> gathered(n_layers);
+      for (int m = 0; m < layout.micro_batches; ++m) {
+        const bool last = m == layout.micro_batches - 1;
+        stream = std::max(stream, t) + gather(0);
+        gathered[0] = stream;
+        for (size_t i = 0; i < n_layers; ++i) {
+          const double start = std::max(t, gathered[i]);
+          if (i + 1 < n_layers) {
+            stream = std::max(stream, start) + gather(i + 1);
+            gathered[i + 1] = stream;
+          }
+          t = start + times[i].forward;
+        }
+        stream = std::max(stream, t) + gather(n_layers - 1);
+        gathered[n_layers - 1] = stream;
+        for (size_t i = n_layers; i-- > 0;) {
+          const double start = std::max(t, gathered[i]);
+          if (i > 0) {
+            stream = std::max(stream, start) + gather(i - 1);
+            gathered[i - 1] = stream;
+          }
+          t = start + times[i].backward;
+          if (last)
+            stream = std::max(stream, t) + ring_half(local_params[i] * grad_bytes * D, D, dp_link);
+        }
+      }
+      busy = 0;
+      for (size_t i = 0; i < n_layers; ++i) {
+        busy += layout.micro_batches * (times[i].forward + times[i].backward);
+      }
+      comm_end = std::max(t, stream);
+      step_end = comm_end;
+    } else if (layout.strategy != "downpour" && D > 1) {
+      double link_free = 0;
+      for (int c = 0; c < V; ++c) {
+        const int s = pp::virtual_stage(c, r, P);
+        // The last backward of this chunk: its start, then layers in reverse order.
+        double last_start = 0;
+        for (size_t k = 0; k < lists[r].size(); ++k) {
+          const pp::Action& a = lists[r][k];
+          if (a.kind == pp::Action::Backward && a.chunk == c) last_start = timeline.starts[r][k];
+        }
+        std::vector<double> ready(n_layers, 0);
+        double t = last_start;
+        for (int i = partition.end(s); i-- > partition.first(s);) {
+          t += times[i].backward;
+          ready[i] = t;
+        }
+        std::vector<parallel::BucketedParameter> described;
+        for (int i = partition.first(s); i < partition.end(s); ++i) {
+          described.push_back(
+              {static_cast<int64_t>(local_params[i] * grad_bytes), 0, model.layers[i].name});
+        }
+        const auto buckets = parallel::assign_buckets(
+            described,
+            {layout.bucket_cap_bytes, std::min<int64_t>(1 << 20, layout.bucket_cap_bytes), true});
+        for (const auto& bucket : buckets) {
+          double bucket_bytes = 0, bucket_ready = 0;
+          for (size_t k : bucket) {
+            bucket_bytes += described[k].bytes;
+            bucket_ready = std::max(bucket_ready, ready[partition.first(s) + k]);
+          }
+          double duration = 0;
+          if (layout.strategy == "zero2") {
+            duration = ring_half(bucket_bytes, D, dp_link);
+          } else if (layout.hierarchical_allreduce && D > cluster.per_node() / layout.tp) {
+            const int inside = std::max(1, cluster.per_node() / layout.tp);
+            duration = 2 * ring_half(bucket_bytes, inside, hw.intra_node) +
+                       ring_allreduce(bucket_bytes / inside, D / inside,
+                                      place.group_link(layout.tp * inside, D / inside));
+          } else {
+            duration = ring_allreduce(bucket_bytes, D, dp_link);
+          }
+          link_free = std::max(link_free, bucket_ready) + duration;
+        }
+      }
+      comm_end = std::max(compute_end, link_free);
+      step_end = comm_end;
+      if (layout.strategy == "zero1" || layout.strategy == "zero2") {
+        // After the sharded update, every rank gathers the others' updated parameters.
+        step_end += ring_half(rank_params * bytes.parameter, D, dp_link);
+      }
+    }
+    // The optimizer step: memory-bound over this rank's (share of the) parameters. Adam reads
+    // weight, gradient and two moments and writes three (28 bytes per fp32 element); the
+    // "-master" layouts also read and write the 16-bit copies.
+    const double shard = (layout.strategy == "ddp" || layout.strategy == "downpour") ? 1.0 : D;
+    const double opt_bytes_per = 3 * bytes.parameter + bytes.gradient + 2 * bytes.optimizer;
+    int rank_layers = 0;
+    for (int c = 0; c < V; ++c) {
+      const int s = pp::virtual_stage(c, r, P);
+      rank_layers += partition.end(s) - partition.first(s);
+    }
+    const double opt_s =
+        rank_params / shard * opt_bytes_per / byte_rate + rank_layers * 4 * overhead;
+    step_end += opt_s;
+    const double exposed = step_end - opt_s - compute_end;
+    if (step_end > worst_end) {
+      worst_end = step_end;
+      worst_exposed = std::max(0.0, exposed);
+      worst_opt = opt_s;
+    }
+    // The pipeline's bubble as the busiest stage sees it (the one that sets the pace).
+    if (busy > worst_compute) {
+      worst_compute = busy;
+      worst_bubble = P > 1 ? 1 - busy / timeline.makespan : 0.0;
+    }
+  }
+  out.step_s = worst_end;
+  if (layout.strategy == "downpour" && D > 1) {
+    // Asynchronous workers: each pulls the parameters and pushes its gradients every step
+    // (4 bytes each way per parameter) over its node's share of the network; the shards
+    // together serve every worker, each on its own node's link.
+    double params = 0;
+    for (double p : local_params) params += p;
+    const Link worker_link{hw.inter_node.latency_s,
+                           hw.inter_node.bandwidth_Bps / cluster.per_node()};
+    const double exchange = 2 * params * 4 / worker_link.bandwidth_Bps + 2 * worker_link.latency_s;
+    const double worker_step = out.step_s + exchange;
+    const double server_step =
+        D * 2 * params * 4 / (layout.ps_shards * hw.inter_node.bandwidth_Bps);
+    worst_exposed = std::max(worker_step, server_step) - out.step_s;
+    out.step_s = std::max(worker_step, server_step);
+  }
+  out.compute_s = worst_compute;
+  out.exposed_comm_s = worst_exposed;
+  out.optimizer_s = worst_opt;
+  out.bubble = worst_bubble;
+
+  // --- Memory of the rank that needs the most.
+  for (int r = 0; r < P; ++r) {
+    Memory m;
+    double params = 0, saved = 0, boundary = 0, largest_saved = 0, largest_layer = 0;
+    for (int c = 0; c < V; ++c) {
+      const int s = pp::virtual_stage(c, r, P);
+      for (int i = partition.first(s); i < partition.end(s); ++i) {
+        const Layer& l = model.layers[i];
+        const double split = l.tensor_parallel ? layout.tp : 1;
+        params += local_params[i];
+        const double replicated = layout.sequence_parallel ? l.replicated_saved_elements / split
+                                                           : l.replicated_saved_elements;
+        const double layer_saved =
+            (l.saved_elements - l.replicated_saved_elements) / split + replicated;
+        saved += layer_saved;
+        boundary += l.output_elements / (layout.sequence_parallel ? split : 1);
+        largest_saved = std::max(largest_saved, layer_saved);
+        largest_layer = std::max(largest_layer, local_params[i]);
+      }
+    }
+    // A pipeline's last stage keeps its own copy of the tied embedding.
+    if (P > 1 && r == P - 1 && model.layers.front().name == "embedding" &&
+        model.layers.back().name == "head") {
+      params += local_params.front();
+    }
+    const double in_flight =
+        P > 1 ? std::max(1.0, timeline.peak_live[r] / static_cast<double>(V)) : 1.0;
+    const double D_ = D;
+    const bool z1 =
+        layout.strategy == "zero1" || layout.strategy == "zero2" || layout.strategy == "zero3";
+    m.parameters = params * bytes.parameter / (layout.strategy == "zero3" ? D_ : 1.0);
+    m.gradients = params * bytes.gradient /
+                  (layout.strategy == "zero2" || layout.strategy == "zero3" ? D_ : 1.0);
+    m.optimizer = params * bytes.optimizer / (z1 ? D_ : 1.0);
+    m.activations =
+        b * bytes.activation *
+        (layout.checkpointing ? in_flight * boundary + largest_saved : in_flight * saved);
+    if (layout.strategy == "zero3")
+      m.buffers = 2 * largest_layer * bytes.parameter;  // gathered + prefetched
+    if (layout.strategy == "zero2") m.buffers = 2.0 * layout.bucket_cap_bytes;
+    out.stage_memory.push_back(m);
+    if (m.total() > out.memory.total()) out.memory = m;
+  }
+  out.fits = out.memory.total() <= hw.memory_bytes;
+  out.samples_per_s = layout.global_batch() / out.step_s;
+  out.model_flops_per_step = model.model_flops_per_sample() * layout.global_batch();
+  out.mfu = out.model_flops_per_step / out.step_s / (cluster.gpus() * peak * share);
+  return out;
+}
+
+}  // namespace dtrain::plan

@@ -1,0 +1,310 @@
+// dtrain plan: the pieces it shares with training (the bucket rule, the schedule simulator with
+// per-stage costs), the planner's rules checked against what they must equal (the bubble of
+// equal stages, ZeRO's memory per stage, TP's all-reduces on the critical path, DP buckets
+// hidden behind backward), its refusals, and two published results it must reproduce.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/models/Gpt.h"
+#include "dtrain/parallel/ddp/Buckets.h"
+#include "dtrain/parallel/pipeline/Schedule.h"
+#include "dtrain/plan/Planner.h"
+
+namespace dtrain::plan {
+namespace {
+
+namespace pp = parallel::pipeline;
+
+std::vector<std::string> profiles() { return {DTRAIN_SOURCE_DIR "/configs/hardware"}; }
+
+Cluster cluster_of(const std::string& profile, int nodes, int per_node = 0) {
+  Cluster cluster;
+  cluster.hardware = load_hardware(profile, profiles());
+  cluster.nodes = nodes;
+  cluster.gpus_per_node = per_node;
+  return cluster;
+}
+
+TEST(PlanBuckets, ReverseOrderCapsAndTheFirstLayersOwnBucket) {
+  // Parameters in model order (bytes, dtype, module); buckets fill from the last.
+  const std::vector<parallel::BucketedParameter> params = {
+      {400, 0, "first"}, {100, 0, "first"}, {600, 0, "mid"}, {300, 0, "last"}, {300, 0, "last"}};
+  parallel::BucketRule rule{1000, 500, false};
+  // First bucket closes at 500 bytes (4, 3), the next at 1000 (2, 1, 0 = 1100).
+  EXPECT_EQ(parallel::assign_buckets(params, rule),
+            (std::vector<std::vector<size_t>>{{4, 3}, {2, 1, 0}}));
+  // Isolating the first module: 0 and 1 (500 bytes) leave the bucket whose rest (600) is larger.
+  rule.isolate_first_layer = true;
+  EXPECT_EQ(parallel::assign_buckets(params, rule),
+            (std::vector<std::vector<size_t>>{{4, 3}, {2}, {1, 0}}));
+  // One open bucket per dtype.
+  const std::vector<parallel::BucketedParameter> mixed = {{10, 1, "a"}, {10, 0, "b"}, {10, 1, "c"}};
+  EXPECT_EQ(parallel::assign_buckets(mixed, {1000, 1000, false}),
+            (std::vector<std::vector<size_t>>{{2, 0}, {1}}));
+  EXPECT_EQ(parallel::module_of("blocks.0.fc.weight"), "blocks.0.fc");
+  EXPECT_EQ(parallel::module_of("bias"), "");
+}
+
+TEST(PlanSchedule, CostsPerStageAndTransfersBetweenRanks) {
+  // GPipe, 2 stages, 1 micro-batch: F0 (1), send (0.5), F1 (2), B1 (4), send (0.5), B0 (3).
+  const pp::ScheduleSpec spec{pp::ScheduleKind::GPipe, 2, 1, 1};
+  const std::vector<std::vector<pp::Action>> lists = {pp::build_schedule(spec, 0),
+                                                      pp::build_schedule(spec, 1)};
+  pp::ActionCosts costs;
+  costs.duration = [](int rank, const pp::Action& a) {
+    return a.kind == pp::Action::Forward ? 1.0 + rank : 3.0 + rank;
+  };
+  costs.transfer = [](int, int, const pp::Action&) { return 0.5; };
+  const auto sim = pp::simulate(spec, lists, costs);
+  EXPECT_DOUBLE_EQ(sim.makespan, 11.0);
+  EXPECT_DOUBLE_EQ(sim.starts[1][0], 1.5);  // rank 1's forward waits for the activation
+  EXPECT_DOUBLE_EQ(sim.ends[0][1], 11.0);
+
+  // With equal costs and no transfers it is the fixed-cost simulation.
+  const pp::ScheduleSpec one{pp::ScheduleKind::OneFOneB, 4, 8, 1};
+  std::vector<std::vector<pp::Action>> four;
+  for (int r = 0; r < 4; ++r) four.push_back(pp::build_schedule(one, r));
+  pp::ActionCosts equal;
+  equal.duration = [](int, const pp::Action& a) {
+    return a.kind == pp::Action::Forward ? 1.0 : 2.0;
+  };
+  EXPECT_DOUBLE_EQ(pp::simulate(one, four, equal).makespan, pp::simulate(one, four).makespan);
+}
+
+// A model of identical layers and a cluster whose links cost nothing: what the planner must
+// give is known in closed form.
+ModelSpec uniform_model(int layers) {
+  ModelSpec model;
+  model.name = "uniform";
+  for (int i = 0; i < layers; ++i) {
+    Layer layer;
+    layer.name = concat("layer", i);
+    layer.parameters = 1000;
+    layer.matmul_flops = 1e9;
+    layer.output_elements = 10;
+    layer.saved_elements = 100;
+    model.layers.push_back(layer);
+  }
+  return model;
+}
+
+Cluster ideal_cluster(int gpus) {
+  Cluster cluster = cluster_of("a100-selene", 1, gpus);
+  cluster.hardware.kernel_overhead_s = 0;
+  cluster.hardware.intra_node = {0, 1e30};
+  cluster.hardware.inter_node = {0, 1e30};
+  return cluster;
+}
+
+TEST(Planner, EqualStagesGiveTheTextbookBubble) {
+  const ModelSpec model = uniform_model(16);
+  for (const auto& [schedule, chunks] :
+       {std::pair<std::string, int>{"1f1b", 1}, {"gpipe", 1}, {"interleaved", 2}}) {
+    Layout layout;
+    layout.pp = 4;
+    layout.micro_batches = 8;
+    layout.schedule = schedule;
+    layout.chunks = chunks;
+    layout.optimizer = "sgd";
+    const Prediction p = predict(model, ideal_cluster(4), layout);
+    const double formula = pp::bubble_formula({pp::schedule_kind_named(schedule), 4, 8, chunks});
+    EXPECT_NEAR(p.bubble, formula, 1e-9) << schedule;
+  }
+}
+
+TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {
+  // Mixed-precision Adam with fp32 master weights (K = 12): baseline 16 psi bytes, Pos
+  // 4 psi + 12 psi / N, Pos+g 2 psi + 14 psi / N, Pos+g+p 16 psi / N.
+  const ModelSpec model = model_named("gpt-7.5b");
+  const double psi = model.parameters(), n = 64;
+  const std::map<std::string, double> expected = {{"ddp", 16 * psi},
+                                                  {"zero1", 4 * psi + 12 * psi / n},
+                                                  {"zero2", 2 * psi + 14 * psi / n},
+                                                  {"zero3", 16 * psi / n}};
+  for (const auto& [strategy, bytes] : expected) {
+    Layout layout;
+    layout.strategy = strategy;
+    layout.dp = 64;
+    layout.precision = "fp16-master";
+    const Prediction p = predict(model, cluster_of("v100-dgx2", 4), layout);
+    const Memory& m = p.memory;
+    EXPECT_NEAR((m.parameters + m.gradients + m.optimizer) / bytes, 1.0, 1e-9) << strategy;
+  }
+}
+
+TEST(Planner, TensorParallelAllReducesAreOnTheCriticalPath) {
+  // One replica, tp 2: slowing the node's links by 2x adds exactly the all-reduces' extra time:
+  // per micro-batch, 2 per block and 1 for the embedding, in forward and again in backward.
+  const ModelSpec model =
+      model_named("transformer:layers=4,hidden=1024,heads=16,seq=512,vocab=1000");
+  Cluster fast = cluster_of("a100-selene", 1, 2);
+  Cluster slow = fast;
+  slow.hardware.intra_node.bandwidth_Bps /= 2;
+  Layout layout;
+  layout.tp = 2;
+  layout.micro_batch_size = 4;
+  layout.micro_batches = 3;
+  const double extra = predict(model, slow, layout).step_s - predict(model, fast, layout).step_s;
+  const double bytes = 4.0 * 512 * 1024 * 2;  // b s h in 16 bits
+  const double per_allreduce = 2 * 0.5 * bytes / slow.hardware.intra_node.bandwidth_Bps -
+                               2 * 0.5 * bytes / fast.hardware.intra_node.bandwidth_Bps;
+  EXPECT_NEAR(extra, 3 * 2 * (4 * 2 + 1) * per_allreduce, 1e-12);
+}
+
+TEST(Planner, DataParallelBucketsHideBehindBackwardUntilTheNetworkIsSlow) {
+  const ModelSpec model = model_named("resnet50");
+  Layout layout;
+  layout.dp = 16;
+  layout.micro_batch_size = 32;
+  layout.precision = "fp32";
+  layout.optimizer = "momentum";
+  Cluster cluster = cluster_of("p100-bigbasin", 2);
+  const Prediction fast = predict(model, cluster, layout);
+  cluster.hardware.inter_node.bandwidth_Bps /= 100;  // 0.5 Gbit/s
+  const Prediction slow = predict(model, cluster, layout);
+  Layout alone = layout;
+  alone.dp = 8;
+  const Prediction one_node = predict(model, cluster_of("p100-bigbasin", 1), alone);
+  // The same computation everywhere; over the fast network most of the all-reduce is hidden,
+  // over the slow one the step waits for it: at least the time the bytes need on the link.
+  EXPECT_DOUBLE_EQ(fast.compute_s, slow.compute_s);
+  const double bytes = model.parameters() * 4.0;
+  const double allreduce =
+      2 * (15.0 / 16) * bytes / (100 * cluster.hardware.inter_node.bandwidth_Bps);
+  EXPECT_LT(fast.exposed_comm_s, 0.5 * allreduce) << "most of the buckets leave during backward";
+  EXPECT_GT(slow.step_s, 2 * (15.0 / 16) * bytes / cluster.hardware.inter_node.bandwidth_Bps);
+  EXPECT_GT(slow.exposed_comm_s, 10 * fast.exposed_comm_s);
+  EXPECT_LT(one_node.exposed_comm_s, fast.exposed_comm_s);  // NVLink inside one node
+}
+
+TEST(Planner, DtrainsGptHasTheParametersThePlannerCounts) {
+  // dtrain's GPT is the planner's transformer with untied output and no dropout.
+  for (const bool tied : {false, true}) {
+    models::GptConfig config;
+    config.vocab = 97;
+    config.layers = 3;
+    config.heads = 4;
+    config.width = 64;
+    config.context = 32;
+    config.tied_embeddings = tied;
+    const ModelSpec model = model_named(
+        concat("transformer:layers=3,hidden=64,heads=4,seq=32,vocab=97,tied=", tied ? 1 : 0,
+               ",dropout=0"));
+    EXPECT_EQ(model.parameters(), models::gpt_parameter_count(config)) << "tied " << tied;
+  }
+}
+
+TEST(Planner, RefusesLayoutsNamingWhatIsWrong) {
+  const ModelSpec model =
+      model_named("transformer:layers=4,hidden=768,heads=12,seq=128,vocab=1000");
+  const Cluster cluster = cluster_of("a100-selene", 1);
+  auto refusal = [&](Layout layout) {
+    try {
+      predict(model, cluster, layout);
+    } catch (const InputError& e) {
+      return e.message();
+    }
+    return std::string("accepted");
+  };
+  Layout l;
+  l.dp = 1;
+  l.tp = 8;
+  l.pp = 1;
+  EXPECT_NE(refusal(l).find("does not divide the model's 12 attention heads"), std::string::npos);
+  l.tp = 4;
+  EXPECT_NE(refusal(l).find("uses dp x pp x tp = 4 ranks, the cluster has 8 GPUs"),
+            std::string::npos);
+  l.dp = 1;
+  l.tp = 2;
+  l.pp = 4;
+  l.micro_batches = 2;
+  EXPECT_NE(refusal(l).find("1f1b schedule needs at least as many micro-batches"),
+            std::string::npos);
+  l.strategy = "zero3";
+  l.micro_batches = 4;
+  EXPECT_NE(refusal(l).find("zero3 with pipeline"), std::string::npos);
+  l.strategy = "zero4";
+  EXPECT_NE(refusal(l).find("unknown strategy 'zero4'"), std::string::npos);
+}
+
+TEST(Hardware, RefusesAMissingOrNonPhysicalField) {
+  const std::string good = DTRAIN_SOURCE_DIR "/configs/hardware/a100-selene.toml";
+  std::ifstream in(good);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto dir = std::filesystem::temp_directory_path() / "dtrain-plan-test";
+  std::filesystem::create_directories(dir);
+  auto refusal = [&](const std::string& from, const std::string& to) {
+    const std::string edited = std::string(text).replace(text.find(from), from.size(), to);
+    const std::string file = (dir / "edited.toml").string();
+    std::ofstream(file) << edited;
+    try {
+      load_hardware(file, {});
+    } catch (const InputError& e) {
+      return e.message();
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(refusal("memory_gib = 80", "").find("missing field 'accelerator.memory_gib'"),
+            std::string::npos);
+  EXPECT_NE(refusal("memory_gib = 80", "memory_gib = -80")
+                .find("'accelerator.memory_gib' = -80 is not physical"),
+            std::string::npos);
+  EXPECT_NE(
+      refusal("matmul = 0.75", "matmul = 1.5").find("'efficiency.matmul' = 1.5 is not physical"),
+      std::string::npos);
+  EXPECT_NE(
+      refusal("link_gb_s = 300", "link_gb_s = \"fast\"").find("'node.link_gb_s' must be a number"),
+      std::string::npos);
+  EXPECT_EQ(refusal("memory_gib = 80", "memory_gib = 80"), "accepted");
+  try {
+    load_hardware("a100-nowhere", profiles());
+    FAIL() << "an unknown profile was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(e.message().find("unknown hardware profile 'a100-nowhere' (known: a100-selene, "),
+              std::string::npos)
+        << e.message();
+  }
+}
+
+// Two published results the planner must keep reproducing within 20% (BENCHMARKS.md has all).
+TEST(Published, NarayananTrillionParametersOn3072A100s) {
+  // Narayanan et al. 2021, Table 1: 1008B parameters, TP 8 x PP 64 on 3072 A100s, batch 3072:
+  // 163 TFLOP/s per GPU by their formula 96 B s l h^2 (1 + s / 6h + V / 16lh).
+  Layout layout;
+  layout.tp = 8;
+  layout.pp = 64;
+  layout.dp = 6;
+  layout.micro_batches = 512;
+  layout.schedule = "interleaved";
+  layout.chunks = 2;
+  layout.precision = "fp16-master";
+  layout.checkpointing = true;
+  const Prediction p = predict(model_named("gpt-1t"), cluster_of("a100-selene", 384), layout);
+  const double s = 2048, l = 128, h = 25600, v = 51200;
+  const double flops = 96 * 3072 * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h));
+  const double tflops = flops / p.step_s / 3072 / 1e12;
+  EXPECT_NEAR(tflops / 163, 1.0, 0.2) << tflops;
+  EXPECT_TRUE(p.fits);
+}
+
+TEST(Published, SearchPicksMegatronsLayoutForTheTrillion) {
+  // With the paper's means (data parallelism without sharding, no sequence parallelism), the
+  // search ranks the paper's layout first: TP 8 (a node) x PP 64, interleaved.
+  SearchOptions options;
+  options.global_batch = 3072;
+  options.strategies = {"ddp"};
+  options.precision = "fp16-master";
+  const SearchResult result =
+      search(model_named("gpt-1t"), cluster_of("a100-selene", 384), options);
+  ASSERT_FALSE(result.ranked.empty());
+  const Layout& best = result.ranked.front().layout;
+  EXPECT_EQ(best.tp, 8);
+  EXPECT_EQ(best.pp, 64);
+}
+
+}  // namespace
+}  // namespace dtrain::plan
