@@ -9,6 +9,8 @@ median over rounds.
 
   bench/plan_check.py [--profile configs/hardware/this-machine.toml] [--rounds 2] [--steps 16]
                       [--only NAME,...] [--out bench/results-plan-check.jsonl]
+
+Layouts NAME@PROFILE run on two network-lab hosts (root; scripts/netlab).
 """
 import argparse
 import json
@@ -18,7 +20,10 @@ import subprocess
 import sys
 import tempfile
 
-# The GPT: dtrain's (untied output, no dropout), fp32, AdamW.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import labrun  # noqa: E402
+
+# The GPT: dtrain's (untied output, no dropout, attention's softmax written out), fp32, AdamW.
 LAYERS, HEADS, WIDTH, CONTEXT = 4, 4, 256, 128
 BATCH = 16  # windows per data-parallel replica per step
 
@@ -42,6 +47,14 @@ LAYOUTS = {
     "tp-2": (2, ["--tensor-parallel", "2"], ["--tp", "2"]),
     "3d-8": (8, ["--tensor-parallel", "2", "--pipeline-parallel", "2", "--micro-batches", "2"],
              ["--tp", "2", "--pp", "2", "--micro-batches", "2"]),
+    # Asynchronous workers and one parameter-server shard (a process of its own here).
+    "downpour-2": (2, ["--strategy", "downpour", "--ps-shards", "1"],
+                   ["--strategy", "downpour", "--ps-shards", "1"]),
+    # Two lab hosts x 1 rank over a shaped link (scripts/netlab, root): the planner's profile is
+    # this machine's with the network the lab measures (TCP goodput, half the round trip).
+    "ddp-2@lan": (2, [], []),
+    "ddp-2@wan": (2, [], []),
+    "zero2-2@lan": (2, ["--strategy", "zero2"], ["--strategy", "zero2"]),
 }
 
 
@@ -56,27 +69,47 @@ def measure(dtrain, name, ranks, flags, steps, workdir):
     metrics = os.path.join(workdir, f"{name}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    run([dtrain, "train", "--model", "gpt", "--dataset", "text", "--layers", str(LAYERS),
-         "--heads", str(HEADS), "--width", str(WIDTH), "--context", str(CONTEXT),
-         "--batch-size", str(BATCH), "--optimizer", "adamw", "--precision", "fp32",
-         "--nproc", str(ranks), "--threads", "1", "--max-steps", str(steps), "--log-every", "1",
-         "--eval-every", "0", "--no-progress", "--metrics", metrics, *flags])
+    train = [dtrain, "train", "--model", "gpt", "--dataset", "text", "--layers", str(LAYERS),
+             "--heads", str(HEADS), "--width", str(WIDTH), "--context", str(CONTEXT),
+             "--batch-size", str(BATCH), "--optimizer", "adamw", "--precision", "fp32",
+             "--threads", "1", "--max-steps", str(steps), "--log-every", "1",
+             "--eval-every", "0", "--no-progress", "--metrics", metrics, *flags]
+    if "@" in name:
+        run(labrun.across_lab(name.split("@")[1], [os.path.abspath(train[0]), *train[1:]]))
+    else:
+        run(train + ["--nproc", str(ranks)])
     records = [json.loads(line) for line in open(metrics)]
     step_ms = [r["step_ms"] for r in records if r.get("event") == "step"]
     summary = next(r for r in records if r.get("event") == "summary")
-    warm = step_ms[len(step_ms) // 3:]  # the first third warms up
+    warm = step_ms[len(step_ms) // 3:] or step_ms  # the first third warms up
     return {"step_s": statistics.median(warm) / 1e3, "step_ms_all": step_ms,
             "model_state_bytes": summary["parameter_bytes"] + summary["gradient_bytes"] +
             summary["optimizer_bytes"], "summary": summary}
 
 
-def predict(dtrain, profile, vocab, ranks, flags):
-    dp_flags = flags
+def lab_profile(profile, lab, workdir):
+    """This machine's profile with the lab's measured network: 2 nodes of 1 rank."""
+    check = subprocess.run([os.path.join(labrun.ROOT, "scripts", "netlab"), "check", "--profile",
+                            lab], capture_output=True, text=True)
+    record = json.loads(check.stdout.strip().splitlines()[-1])
+    text = open(profile).read()
+    head, _, _ = text.partition("[network]")
+    path = os.path.join(workdir, f"this-machine-{lab}.toml")
+    with open(path, "w") as f:
+        f.write(head + "[network]\n# scripts/netlab check --profile " + lab + ": " +
+                json.dumps(record) + "\n" +
+                f"node_gbit_s = {record['goodput_measured_mbit'] / 1e3}\n"
+                f"latency_us = {record['rtt_measured_ms'] * 1e3 / 2}\n")
+    return path
+
+
+def predict(dtrain, profile, vocab, ranks, flags, nodes=1):
     out = subprocess.run(
         [dtrain, "plan", "--json", "--model",
          f"transformer:layers={LAYERS},hidden={WIDTH},heads={HEADS},seq={CONTEXT},vocab={vocab},"
-         "tied=0,dropout=0", "--cluster", profile, "--nodes", "1", "--gpus-per-node", str(ranks),
-         "--precision", "fp32", "--optimizer", "adam", *dp_flags], capture_output=True, text=True)
+         "tied=0,dropout=0,fused=0", "--cluster", profile, "--nodes", str(nodes), "--gpus-per-node",
+         str(ranks // nodes), "--precision", "fp32", "--optimizer", "adam", *flags],
+        capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"dtrain plan failed: {out.stderr}")
     return json.loads(out.stdout)
@@ -91,48 +124,84 @@ def main():
     parser.add_argument("--only", default="")
     parser.add_argument("--vocab", type=int, default=0, help="the text's vocabulary (default: read from a run)")
     parser.add_argument("--out", default="bench/results-plan-check.jsonl")
+    parser.add_argument("--predict-again", metavar="RECORDS",
+                        help="keep the measurements of RECORDS (a previous --out) and predict "
+                             "them again with this build (writes --out)")
     args = parser.parse_args()
+    if args.predict_again:
+        return predict_again(args)
     names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     records = []
+    lab_profiles = {}
     with tempfile.TemporaryDirectory() as workdir:
         vocab = args.vocab
+        if not vocab:
+            # The text's vocabulary from one rank's parameter count: dtrain's GPT has
+            # V w (embedding) + V w (untied output) + context w + blocks + 2 w (final norm).
+            w = WIDTH
+            block = 4 * w + 3 * w * w + 3 * w + w * w + w + 4 * w * w + 4 * w + 4 * w * w + w
+            params = measure(args.dtrain, "vocabulary", 1, [], 1, workdir)["summary"]["parameter_bytes"] / 4
+            vocab = round((params - CONTEXT * w - LAYERS * block - 2 * w) / (2 * w))
         for round_ in range(args.rounds):
             order = names if round_ % 2 == 0 else list(reversed(names))
             for name in order:
-                ranks, train_flags, plan_flags = LAYOUTS[name]
+                ranks, train_flags, _ = LAYOUTS[name]
                 measured = measure(args.dtrain, name, ranks, train_flags, args.steps, workdir)
-                if not vocab:
-                    # dtrain's GPT: parameters = V (w + w) + context w + blocks + 2w (untied)
-                    w = WIDTH
-                    block = 4 * w + 3 * w * w + 3 * w + w * w + w + 4 * w * w + 4 * w + 4 * w * w + w
-                    params = measured["summary"]["parameter_bytes"] / 4
-                    if name == "ddp-1":
-                        vocab = round((params - CONTEXT * w - LAYERS * block - 2 * w) / (2 * w))
-                if not vocab:
-                    continue
-                global_batch = BATCH * measured["summary"]["world_size"] // ranks * 0 + BATCH
-                dp = measured["summary"]["global_batch"] // BATCH
-                mbs_flags = []
-                if "--micro-batches" in plan_flags:
-                    m = int(plan_flags[plan_flags.index("--micro-batches") + 1])
-                    mbs_flags = ["--micro-batch-size", str(BATCH // m)]
-                else:
-                    mbs_flags = ["--micro-batch-size", str(BATCH)]
-                p = predict(args.dtrain, args.profile, vocab, ranks,
-                            [*plan_flags, *mbs_flags, "--dp", str(dp)])
-                stage0 = p["memory_bytes_per_stage"][0]
                 record = {"layout": name, "ranks": ranks, "round": round_, "commit": commit,
                           "measured_step_s": measured["step_s"],
-                          "predicted_step_s": p["step_s"],
                           "measured_model_state_bytes": measured["model_state_bytes"],
-                          "predicted_model_state_bytes": stage0["parameters"] + stage0["gradients"] + stage0["optimizer"],
-                          "step_ms_all": measured["step_ms_all"], "prediction": p, "vocab": vocab}
+                          "step_ms_all": measured["step_ms_all"], "vocab": vocab}
+                add_prediction(args, record, lab_profiles, workdir)
                 records.append(record)
+                with open(args.out + ".partial", "a") as partial:
+                    partial.write(json.dumps(record) + "\n")
                 print(f"round {round_} {name:14} measured {record['measured_step_s'] * 1e3:8.1f} ms "
                       f"predicted {record['predicted_step_s'] * 1e3:8.1f} ms", flush=True)
-    with open(args.out, "w") as f:
+    write_and_print(records, names, args.out)
+
+
+def plan_flags_of(name):
+    """`dtrain plan`'s flags for a layout: dtrain's --batch-size is one micro-batch's windows
+    (a replica's step is --micro-batches of them); DP is what PP x TP leave."""
+    ranks, _, plan_flags = LAYOUTS[name]
+    def value(flag):
+        return int(plan_flags[plan_flags.index(flag) + 1]) if flag in plan_flags else 1
+    dp = ranks // (value("--pp") * value("--tp"))
+    return [*plan_flags, "--micro-batch-size", str(BATCH), "--dp", str(dp)]
+
+
+def predict_again(args):
+    records = [json.loads(line) for line in open(args.predict_again)]
+    names = [n for n in LAYOUTS if any(r["layout"] == n for r in records)]
+    lab_profiles = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for record in records:
+            add_prediction(args, record, lab_profiles, workdir)
+    write_and_print(records, names, args.out)
+
+
+def add_prediction(args, record, lab_profiles, workdir):
+    """`dtrain plan`'s prediction of a record's layout, into the record."""
+    name, ranks = record["layout"], record["ranks"]
+    flags = plan_flags_of(name)
+    if "@" in name:
+        lab = name.split("@")[1]
+        if lab not in lab_profiles:
+            lab_profiles[lab] = lab_profile(args.profile, lab, workdir)
+        p = predict(args.dtrain, lab_profiles[lab], record["vocab"], ranks, flags, nodes=2)
+    else:
+        p = predict(args.dtrain, args.profile, record["vocab"], ranks, flags)
+    stage0 = p["memory_bytes_per_stage"][0]
+    record["prediction"] = p
+    record["predicted_step_s"] = p["step_s"]
+    record["predicted_model_state_bytes"] = (stage0["parameters"] + stage0["gradients"] +
+                                             stage0["optimizer"])
+
+
+def write_and_print(records, names, out):
+    with open(out, "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
     print(f"\n{'layout':14} {'ranks':>5} {'measured':>10} {'predicted':>10} {'ratio':>7} "

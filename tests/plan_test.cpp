@@ -270,6 +270,39 @@ TEST(Hardware, RefusesAMissingOrNonPhysicalField) {
   }
 }
 
+TEST(Hardware, MeasuredRatesInterpolateBySizeAndCoresAreShared) {
+  const std::string good = DTRAIN_SOURCE_DIR "/configs/hardware/a100-selene.toml";
+  std::ifstream in(good);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  text.replace(text.find("[efficiency]"), 12,
+               "[accelerator.matmul_tflops_by_dim]\nfp32 = { \"64\" = 1.0, \"256\" = 4.0 }\n\n"
+               "[efficiency]");
+  text.replace(text.find("gpus = 8"), 8, "gpus = 2\ncores = 2");
+  const auto file = std::filesystem::temp_directory_path() / "dtrain-plan-measured.toml";
+  std::ofstream(file) << text;
+  const Hardware hw = load_hardware(file.string(), {});
+  // log-log between the measured sizes, held at the ends; other dtypes from the peak
+  EXPECT_NEAR(hw.matmul_rate("fp32", 128), 2e12, 1e3);
+  EXPECT_DOUBLE_EQ(hw.matmul_rate("fp32", 16), 1e12);
+  EXPECT_DOUBLE_EQ(hw.matmul_rate("fp32", 4096), 4e12);
+  EXPECT_DOUBLE_EQ(hw.matmul_rate("bf16", 128), 312e12 * 0.75);
+  EXPECT_TRUE(hw.shared_cores);
+  // Four ranks on a node of two cores: each computes at half speed.
+  const ModelSpec model = uniform_model(4);
+  Cluster two;
+  two.hardware = hw;
+  two.gpus_per_node = 2;
+  Cluster four = two;
+  four.gpus_per_node = 4;
+  Layout layout;
+  layout.optimizer = "sgd";
+  layout.precision = "fp32";
+  layout.dp = 2;
+  const double alone = predict(model, two, layout).compute_s;
+  layout.dp = 4;
+  EXPECT_NEAR(predict(model, four, layout).compute_s / alone, 2.0, 1e-9);
+}
+
 // Two published results the planner must keep reproducing within 20% (BENCHMARKS.md has all).
 TEST(Published, NarayananTrillionParametersOn3072A100s) {
   // Narayanan et al. 2021, Table 1: 1008B parameters, TP 8 x PP 64 on 3072 A100s, batch 3072:

@@ -73,9 +73,11 @@ std::string calibrate(const CalibrateOptions& options,
   at::set_num_threads(options.threads);
   const double t = options.probe_seconds;
 
-  // Matrix products: square n x n x n, per dtype; the rate by size class is what the planner
-  // looks up by a layer's characteristic width.
+  // Matrix products as a linear layer makes them, forward and backward: 2048 rows (a batch's
+  // tokens) and an n x n weight, per dtype; the rate by the weight's size n is what the planner
+  // looks up by a layer's width.
   const std::vector<int64_t> dims = {32, 64, 128, 256, 512, 1024};
+  const int64_t rows = 2048;
   std::ostringstream by_dim;
   double best_fp32 = 0, best_bf16 = 0;
   for (const auto& [dtype, name] :
@@ -83,28 +85,52 @@ std::string calibrate(const CalibrateOptions& options,
     by_dim << name << " = { ";
     for (size_t i = 0; i < dims.size(); ++i) {
       const int64_t n = dims[i];
-      const auto a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype);
-      const double s = median_seconds(t, [&] { (void)at::mm(a, b); });
-      const double tflops = 2.0 * n * n * n / s / 1e12;
-      (dtype == at::kFloat ? best_fp32 : best_bf16) =
-          std::max(dtype == at::kFloat ? best_fp32 : best_bf16, tflops);
+      // The three products of a linear layer: forward x W^T, backward dy W and dy^T x.
+      const auto x = at::randn({rows, n}).to(dtype), w = at::randn({n, n}).to(dtype);
+      const double s = (median_seconds(t, [&] { (void)at::linear(x, w); }) +
+                        median_seconds(t, [&] { (void)at::mm(x, w); }) +
+                        median_seconds(t, [&] { (void)at::mm(x.t(), x); })) /
+                       3;
+      const double tflops = 2.0 * rows * n * n / s / 1e12;
+      double& best = dtype == at::kFloat ? best_fp32 : best_bf16;
+      best = std::max(best, tflops);
       by_dim << (i ? ", " : "") << '"' << n << "\" = " << number(tflops);
-      progress(concat("matmul ", name, " ", n, "^3: ", number(tflops * 1e3), " GFLOP/s"));
+      progress(concat("matmul ", name, " ", rows, " x ", n, " x ", n, ": ", number(tflops * 1e3),
+                      " GFLOP/s"));
     }
     by_dim << " }\n";
   }
 
-  // Memory bandwidth: c = a + b over 64 MiB tensors (read 2, write 1).
+  // Memory bandwidth as simple element-wise arithmetic sees it (the optimizer's, the casts'):
+  // c = a + b over 64 MiB tensors (read 2, write 1).
   const int64_t elements = 16 << 20;
-  const auto a = at::randn({elements}), b = at::randn({elements});
-  auto c = at::empty({elements});
-  const double add_s = median_seconds(t, [&] { at::add_out(c, a, b); });
-  const double bandwidth = 3.0 * elements * 4 / add_s;
-  progress(concat("memory bandwidth: ", number(bandwidth / 1e9), " GB/s"));
+  const auto big_a = at::randn({elements}), big_b = at::randn({elements});
+  auto big_c = at::empty({elements});
+  const double add_s = median_seconds(t, [&] { at::add_out(big_c, big_a, big_b); });
+  const double memory = 3.0 * elements * 4 / add_s;
+  progress(concat("memory bandwidth: ", number(memory / 1e9), " GB/s"));
 
-  // One operator's fixed cost: an add of one element.
-  const auto x = at::ones({1}), y = at::ones({1});
-  const double op_s = median_seconds(t, [&] { (void)at::add(x, y); });
+  // Activations' element-wise throughput, in bytes of the elements each kernel reads and
+  // writes per second: the mean time of the kernels a layer runs (an add, GELU, softmax, layer
+  // norm) over 2M elements. On a GPU these are bound by memory bandwidth; on a CPU thread the
+  // transcendental ones are bound by arithmetic, which the mix measures.
+  const int64_t mixed = 2 << 20;
+  const auto u = at::randn({mixed / 256, 256}), v = at::randn({mixed / 256, 256});
+  const auto gamma = at::ones({256}), beta = at::zeros({256});
+  const double kernel_s =
+      (median_seconds(t, [&] { (void)at::add(u, v); }) +
+       median_seconds(t, [&] { (void)at::gelu(u); }) +
+       median_seconds(t, [&] { (void)at::softmax(u, -1); }) +
+       median_seconds(t, [&] { (void)at::layer_norm(u, {256}, gamma, beta); })) /
+      4;
+  // Elements touched: add reads 2 and writes 1, the others read 1 and write 1.
+  const double bandwidth = (3.0 + 2 + 2 + 2) / 4 * mixed * 4 / kernel_s;
+  progress(concat("activation kernels: ", number(bandwidth / 1e9), " GB/s"));
+
+  // One operator's fixed cost as training pays it: a one-element multiply that autograd
+  // records (dispatch, the graph node), as every layer's operators are.
+  const auto x = at::ones({1}).set_requires_grad(true), y = at::ones({1});
+  const double op_s = median_seconds(t, [&] { (void)at::mul(x, y); });
   progress(concat("one operator: ", number(op_s * 1e6), " us"));
 
   // Gloo on loopback: two ranks as threads of this process (the same TCP path as two
@@ -161,10 +187,12 @@ std::string calibrate(const CalibrateOptions& options,
        << "device = \"" << (options.name.empty() ? cpu_model() : options.name) << ", "
        << options.threads << " thread(s) per rank\"\n"
        << "memory_gib = " << number(memory_gib()) << "\n"
-       << "memory_bandwidth_gb_s = " << number(bandwidth / 1e9) << "\n"
+       << "memory_bandwidth_gb_s = " << number(memory / 1e9) << "\n"
+       << "# activations' element-wise kernels (add, GELU, softmax, layer norm)\n"
+       << "elementwise_gb_s = " << number(bandwidth / 1e9) << "\n"
        << "peak_tflops = { fp32 = " << number(best_fp32) << ", bf16 = " << number(best_bf16)
        << " }\n\n"
-       << "# Measured matrix-product rates (TFLOP/s) by the matrices' size n (n x n x n).\n"
+       << "# Measured matrix-product rates (TFLOP/s): 2048 rows times an n x n weight, by n.\n"
        << "[accelerator.matmul_tflops_by_dim]\n"
        << by_dim.str() << "\n"
        << "[efficiency]\nmatmul = 1\nmemory = 1\nlink = 1\nkernel_overhead_us = "

@@ -160,6 +160,9 @@ Hardware load_hardware(const std::string& name_or_path,
   }
   hw.memory_bytes = read.positive("accelerator.memory_gib") * (1LL << 30);
   hw.memory_bandwidth_Bps = read.positive("accelerator.memory_bandwidth_gb_s") * 1e9;
+  if (table.at_path("accelerator.elementwise_gb_s")) {
+    hw.elementwise_Bps = read.positive("accelerator.elementwise_gb_s") * 1e9;
+  }
   hw.matmul_efficiency = read.positive("efficiency.matmul", 0, 1);
   hw.memory_efficiency = read.positive("efficiency.memory", 0, 1);
   hw.kernel_overhead_s = read.non_negative("efficiency.kernel_overhead_us") * 1e-6;

@@ -47,13 +47,15 @@ ModelSpec transformer(const TransformerShape& shape, const std::string& name) {
   embedding.output_elements = s * h;
   embedding.tensor_parallel = true;
   embedding.tp_allreduces = 1;
+  embedding.replicated_parameters = static_cast<int64_t>(s * h);  // position embeddings
   model.layers.push_back(embedding);
 
   // A pre-norm block. Matrix products: Q, K, V and the output projection (4h^2 per token), the
   // MLP (2hf), attention's scores and weighted sum (2 s h per token each way).
   // Element-wise traffic per token, in elements: two layer norms (read + write, 4h), head
   // split/merge copies (8h), two residual adds (6h) and with dropout two dropouts (6h), GELU
-  // (2f); per head and query, scale-mask-softmax over s keys (3 a s) and its dropout (2 a s).
+  // (2f); per head and query, scale-mask-softmax over s keys (3 a s fused) and its dropout
+  // (2 a s).
   // Saved for backward (Korthikanti et al. 2022, 34 s h + 5 a s^2 bytes at 16 bits, here in
   // elements): 17 s h + 2.5 a s^2, of which 5 s h (layer-norm inputs, dropout masks,
   // residuals) tensor parallelism does not split; without dropout its masks (2 s h + a s^2
@@ -64,13 +66,19 @@ ModelSpec transformer(const TransformerShape& shape, const std::string& name) {
     block.parameters = static_cast<int64_t>(4 * h * h + 2 * h * f + 9 * h + f);
     block.matmul_flops = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h;
     block.matmul_dim = h;
-    block.elementwise_elements = s * (18 * h + 6 * drop * h + 2 * f) + (3 + 2 * drop) * a * s * s;
-    block.kernels = 18 + 4 * drop;
+    // Attention's scores: fused scale-mask-softmax reads and writes them once (2 passes; the
+    // 3 a s above counts the mask); written out, the scale (2), masked_fill (2 + its mask) and
+    // softmax (2) pass over them three times.
+    const double score_passes = shape.fused_softmax ? 3 : 6;
+    block.elementwise_elements =
+        s * (18 * h + 6 * drop * h + 2 * f) + (score_passes + 2 * drop) * a * s * s;
+    block.kernels = 18 + 4 * drop + (shape.fused_softmax ? 0 : 2);
     block.saved_elements = (16 + drop) * s * h + (1 + 1.5 * drop) * a * s * s;
     block.replicated_saved_elements = (4 + drop) * s * h;
     block.output_elements = s * h;
     block.tensor_parallel = true;
     block.tp_allreduces = 2;
+    block.replicated_parameters = static_cast<int64_t>(6 * h);  // 2 norms, 2 row-parallel biases
     model.layers.push_back(block);
   }
 
@@ -88,6 +96,7 @@ ModelSpec transformer(const TransformerShape& shape, const std::string& name) {
   head.replicated_saved_elements = 2 * s * h;
   head.output_elements = 1;
   head.tensor_parallel = true;
+  head.replicated_parameters = static_cast<int64_t>(2 * h);  // the final norm
   model.layers.push_back(head);
   return model;
 }
@@ -180,12 +189,12 @@ const Preset kPresets[] = {
 TransformerShape parse_shape(const std::string& text) {
   // "transformer:layers=24,hidden=1024,heads=16,seq=1024,vocab=51200[,ffn=4096]"
   TransformerShape shape;
-  int tied = 1, dropout = 1;
+  int tied = 1, dropout = 1, fused = 1;
   std::map<std::string, int*> fields = {
       {"layers", &shape.layers}, {"hidden", &shape.hidden},    {"heads", &shape.heads},
       {"seq", &shape.sequence},  {"vocab", &shape.vocabulary}, {"ffn", &shape.ffn},
-      {"tied", &tied},           {"dropout", &dropout}};
-  const char* keys = "keys: layers, hidden, heads, seq, vocab, ffn, tied, dropout";
+      {"tied", &tied},           {"dropout", &dropout},        {"fused", &fused}};
+  const char* keys = "keys: layers, hidden, heads, seq, vocab, ffn, tied, dropout, fused";
   std::stringstream items(text.substr(text.find(':') + 1));
   std::string item;
   while (std::getline(items, item, ',')) {
@@ -199,15 +208,16 @@ TransformerShape parse_shape(const std::string& text) {
     try {
       size_t used = 0;
       const int value = std::stoi(item.substr(eq + 1), &used);
-      const bool flag = key == "tied" || key == "dropout";
+      const bool flag = key == "tied" || key == "dropout" || key == "fused";
       DTRAIN_CHECK_INPUT(
           used == item.size() - eq - 1 && (flag ? value == 0 || value == 1 : value > 0), "bad");
       *field->second = value;
     } catch (const std::exception&) {
-      DTRAIN_THROW(
-          InputError, "--model '", text, "': ", key,
-          key == "tied" || key == "dropout" ? " must be 0 or 1" : " must be a positive integer",
-          ", got '", item.substr(eq + 1), "'");
+      DTRAIN_THROW(InputError, "--model '", text, "': ", key,
+                   key == "tied" || key == "dropout" || key == "fused"
+                       ? " must be 0 or 1"
+                       : " must be a positive integer",
+                   ", got '", item.substr(eq + 1), "'");
     }
   }
   for (const char* key : {"layers", "hidden", "heads", "seq", "vocab"}) {
@@ -215,6 +225,7 @@ TransformerShape parse_shape(const std::string& text) {
   }
   shape.tied = tied == 1;
   shape.dropout = dropout == 1;
+  shape.fused_softmax = fused == 1;
   return shape;
 }
 

@@ -156,6 +156,10 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
       hw.shared_cores ? std::min(1.0, hw.gpus_per_node / static_cast<double>(cluster.per_node()))
                       : 1.0;
   const double byte_rate = hw.memory_bandwidth_Bps * hw.memory_efficiency * share;
+  const double elementwise_rate =
+      (hw.elementwise_Bps > 0 ? hw.elementwise_Bps
+                              : hw.memory_bandwidth_Bps * hw.memory_efficiency) *
+      share;
   const double overhead = hw.kernel_overhead_s / share;
   const double b = layout.micro_batch_size;
   const Placement place{cluster, layout};
@@ -169,7 +173,7 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
   for (size_t i = 0; i < n_layers; ++i) {
     const Layer& l = model.layers[i];
     const double split = l.tensor_parallel ? layout.tp : 1;
-    local_params[i] = l.parameters / split;
+    local_params[i] = (l.parameters - l.replicated_parameters) / split + l.replicated_parameters;
     const double flops = l.matmul_flops * b / split;
     const double flop_rate = hw.matmul_rate(bytes.compute_dtype, l.matmul_dim / split) * share;
     const double replicated = layout.sequence_parallel
@@ -185,10 +189,10 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
     const double casts_f = bytes.casts_per_micro_batch ? 6 * local_params[i] : 0;
     const double casts_b = bytes.casts_per_micro_batch ? 10 * local_params[i] : 0;
     LayerTime& t = times[i];
-    t.forward = flops / flop_rate + (elements * bytes.activation + casts_f) / byte_rate +
-                l.kernels * overhead + tp_comm;
-    t.backward = 2 * flops / flop_rate + (2 * elements * bytes.activation + casts_b) / byte_rate +
-                 2 * l.kernels * overhead + tp_comm;
+    t.forward = flops / flop_rate + elements * bytes.activation / elementwise_rate +
+                casts_f / byte_rate + l.kernels * overhead + tp_comm;
+    t.backward = 2 * flops / flop_rate + 2 * elements * bytes.activation / elementwise_rate +
+                 casts_b / byte_rate + 2 * l.kernels * overhead + tp_comm;
     if (layout.checkpointing) t.backward += t.forward;  // recomputed before its backward
   }
 
@@ -349,17 +353,33 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
       }
     }
     // The optimizer step: memory-bound over this rank's (share of the) parameters. Adam reads
-    // weight, gradient and two moments and writes three (28 bytes per fp32 element); the
-    // "-master" layouts also read and write the 16-bit copies.
+    // weight, gradient and two moments and writes three; the "-master" layouts also read and
+    // write the 16-bit copies.
     const double shard = (layout.strategy == "ddp" || layout.strategy == "downpour") ? 1.0 : D;
-    const double opt_bytes_per = 3 * bytes.parameter + bytes.gradient + 2 * bytes.optimizer;
+    // dtrain's optimizers are LibTorch's, one operator after another per tensor: Adam(W)
+    // makes 22 element passes over its fp32 state (decay 2, first moment 2 + 3, second 2 + 3,
+    // the denominator's sqrt, division and epsilon 2 + 2 + 2, the update 4), momentum SGD 8,
+    // SGD 3. The "-master" layouts are Megatron's and DeepSpeed's fused kernels: one pass
+    // reading weight, gradient, master and moments and writing weight, master and moments.
+    // Every step also zeroes the gradients (one write) and clips their norm (a read for the
+    // norm, a read and a write to scale): 4 more passes over them.
+    const bool fused = layout.precision.size() > 7 &&
+                       layout.precision.compare(layout.precision.size() - 7, 7, "-master") == 0;
+    const double passes = layout.optimizer == "adam" ? 22 : layout.optimizer == "momentum" ? 8 : 3;
+    const double state_element = bytes.parameter;  // fp32 (2 for bf16), like the weights
+    const double opt_bytes_per = (fused ? 3 * bytes.parameter + bytes.gradient + 2 * bytes.optimizer
+                                        : passes * state_element) +
+                                 4 * bytes.gradient;
     int rank_layers = 0;
     for (int c = 0; c < V; ++c) {
       const int s = pp::virtual_stage(c, r, P);
       rank_layers += partition.end(s) - partition.first(s);
     }
+    // (Downpour's workers leave the update to the shards.)
     const double opt_s =
-        rank_params / shard * opt_bytes_per / byte_rate + rank_layers * 4 * overhead;
+        layout.strategy == "downpour"
+            ? 0.0
+            : rank_params / shard * opt_bytes_per / byte_rate + rank_layers * 4 * overhead;
     step_end += opt_s;
     const double exposed = step_end - opt_s - compute_end;
     if (step_end > worst_end) {
@@ -428,6 +448,13 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
     m.gradients = params * bytes.gradient /
                   (layout.strategy == "zero2" || layout.strategy == "zero3" ? D_ : 1.0);
     m.optimizer = params * bytes.optimizer / (z1 ? D_ : 1.0);
+    if (layout.strategy == "downpour") {
+      // A Downpour worker: the model and the landing buffer of pulls; .grad, the accumulation
+      // and the push in flight; the optimizer lives on the shards.
+      m.parameters = 2 * params * bytes.parameter;
+      m.gradients = 3 * params * bytes.gradient;
+      m.optimizer = 0;
+    }
     m.activations =
         b * bytes.activation *
         (layout.checkpointing ? in_flight * boundary + largest_saved : in_flight * saved);

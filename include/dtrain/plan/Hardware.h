@@ -24,6 +24,10 @@ struct Hardware {
   std::map<std::string, double> peak_flops;
   double memory_bytes = 0;
   double memory_bandwidth_Bps = 0;
+  /// The rate of activations' element-wise kernels (GELU, softmax, norms) in bytes touched
+  /// per second, where it differs from memory bandwidth (a CPU thread: the transcendental ones
+  /// are bound by arithmetic); 0: memory bandwidth x memory efficiency, as on a GPU.
+  double elementwise_Bps = 0;
   /// Share of peak that large matrix products reach, and of memory bandwidth that element-wise
   /// kernels reach (each justified in the profile), and the fixed cost of one kernel.
   double matmul_efficiency = 0;

@@ -30,6 +30,9 @@ struct Layer {
   /// split over the TP group, and its forward all-reduces this many outputs (backward as many).
   bool tensor_parallel = false;
   int tp_allreduces = 0;
+  /// Of its parameters, those every TP rank keeps whole (layer norms, the biases of row-
+  /// parallel layers, position embeddings).
+  int64_t replicated_parameters = 0;
   /// Of saved_elements, the part tensor parallelism does not split (layer norms, dropout masks,
   /// residuals: Korthikanti et al.'s 10sbh), unless sequence parallelism is on.
   double replicated_saved_elements = 0;
@@ -55,6 +58,9 @@ struct TransformerShape {
   int ffn = 0;          ///< 0: 4 x hidden
   bool tied = true;     ///< output projection tied to the token embedding (Megatron, GPT-2)
   bool dropout = true;  ///< dropout after embeddings, attention and each residual branch
+  /// Attention's scale, causal mask and softmax in one kernel (Megatron's fused softmax), or
+  /// written out as three (dtrain's GPT on LibTorch 1.13: scale, masked_fill, softmax).
+  bool fused_softmax = true;
 };
 /// A GPT-style decoder (Megatron's): token and position embeddings, `layers` pre-norm blocks
 /// (attention with Q/K/V and output projections, a GELU MLP), a final norm and the output
@@ -63,9 +69,9 @@ ModelSpec transformer(const TransformerShape& shape, const std::string& name = "
 
 /// A built-in model by name ("resnet50", "gpt" dtrain's fortunes GPT, the papers' transformers
 /// "megatron-1t", ...) or a described transformer: "transformer:layers=24,hidden=1024,heads=16,
-/// seq=1024,vocab=51200[,ffn=4096,tied=0,dropout=0]" (dtrain's own GPT is
-/// "transformer:...,tied=0,dropout=0" unless --tied-embeddings / --dropout). InputError naming the
-/// text and the known names otherwise.
+/// seq=1024,vocab=51200[,ffn=4096,tied=0,dropout=0,fused=0]" (dtrain's own GPT is
+/// "transformer:...,tied=0,dropout=0,fused=0" unless --tied-embeddings / --dropout). InputError
+/// naming the text and the known names otherwise.
 ModelSpec model_named(const std::string& text);
 std::vector<std::string> known_models();
 
