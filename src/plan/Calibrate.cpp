@@ -24,6 +24,21 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+/// Median seconds of `body` over `count` repetitions (after one to warm up): the ranks of a
+/// collective or a send/recv must all make the same number.
+template <typename Body>
+double median_of(int count, Body&& body) {
+  body();
+  std::vector<double> times;
+  for (int i = 0; i < count; ++i) {
+    const auto t0 = Clock::now();
+    body();
+    times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
+}
+
 /// Median seconds of `body` over repetitions filling about `seconds` (at least 5).
 template <typename Body>
 double median_seconds(double seconds, Body&& body) {
@@ -137,6 +152,11 @@ std::string calibrate(const CalibrateOptions& options,
   // processes); latency from a 1-element all-reduce (2 (n-1) = 2 messages), bandwidth from
   // 64 MiB (each rank sends and receives 2 (n-1)/n = 1 of the bytes).
   double latency = 0, link = 0;
+  // Point-to-point by message size (a ping-pong: half the round trip), summarized as
+  // alpha + bytes / beta; the all-reduce's figures are what the profile uses for collectives,
+  // the point-to-point ones are recorded beside them.
+  const std::vector<int64_t> p2p_sizes = {1, 1 << 10, 1 << 16, 1 << 20, 1 << 24};
+  std::vector<double> p2p_seconds(p2p_sizes.size());
   {
     const int port = free_port();
     std::vector<std::exception_ptr> errors(2);
@@ -152,11 +172,24 @@ std::string calibrate(const CalibrateOptions& options,
           auto world = comm::init(init);
           auto small = at::ones({1});
           auto large = at::ones({elements});
-          const double small_s = median_seconds(t, [&] { world->allreduce(small)->wait(); });
-          const double large_s = median_seconds(t, [&] { world->allreduce(large)->wait(); });
+          const double small_s = median_of(200, [&] { world->allreduce(small)->wait(); });
+          const double large_s = median_of(9, [&] { world->allreduce(large)->wait(); });
           if (rank == 0) {
             latency = small_s / 2;
             link = elements * 4.0 / std::max(1e-9, large_s - small_s);
+          }
+          for (size_t i = 0; i < p2p_sizes.size(); ++i) {
+            auto message = at::ones({p2p_sizes[i]});
+            const double round_trip = median_of(p2p_sizes[i] < (1 << 20) ? 100 : 9, [&] {
+              if (rank == 0) {
+                world->send(message, 1)->wait();
+                world->recv(message, 1)->wait();
+              } else {
+                world->recv(message, 0)->wait();
+                world->send(message, 0)->wait();
+              }
+            });
+            if (rank == 0) p2p_seconds[i] = round_trip / 2;
           }
         } catch (...) {
           errors[rank] = std::current_exception();
@@ -170,6 +203,18 @@ std::string calibrate(const CalibrateOptions& options,
   }
   progress(concat("gloo all-reduce on loopback: latency ", number(latency * 1e6), " us, ",
                   number(link / 1e9), " GB/s"));
+  // alpha: the faster of the two smallest messages; beta: the slope between the two largest.
+  std::ostringstream p2p_table;
+  for (size_t i = 0; i < p2p_sizes.size(); ++i) {
+    p2p_table << (i ? ", " : "") << p2p_sizes[i] * 4 << " B " << number(p2p_seconds[i] * 1e6)
+              << " us";
+    progress(concat("gloo send/recv ", p2p_sizes[i] * 4, " bytes: ", number(p2p_seconds[i] * 1e6),
+                    " us"));
+  }
+  const size_t last = p2p_sizes.size() - 1;
+  const double p2p_latency = std::min(p2p_seconds[0], p2p_seconds[1]);
+  const double p2p_bandwidth = (p2p_sizes[last] - p2p_sizes[last - 1]) * 4.0 /
+                               std::max(1e-9, p2p_seconds[last] - p2p_seconds[last - 1]);
 
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   char host[256] = {0};
@@ -198,6 +243,9 @@ std::string calibrate(const CalibrateOptions& options,
        << "[efficiency]\nmatmul = 1\nmemory = 1\nlink = 1\nkernel_overhead_us = "
        << number(op_s * 1e6) << "\n\n"
        << "[node]\n"
+       << "# Gloo send/recv on loopback, one way: " << p2p_table.str() << ";\n"
+       << "# that is about " << number(p2p_latency * 1e6) << " us + bytes / "
+       << number(p2p_bandwidth / 1e9) << " GB/s. The link below is the all-reduce's.\n"
        << "gpus = " << std::max(1u, cores / options.threads) << "\n"
        << "cores = " << cores << "\n"
        << "link_gb_s = " << number(link / 1e9) << "\n"

@@ -54,12 +54,18 @@ Bytes bytes_of(const Layout& layout) {
   return {2, 2, 2, 4 * moments + 4, dtype, false};  // bf16-master, fp16-master
 }
 
-/// Ring all-reduce of `bytes` over `ranks` (Patarasuk & Yuan's bound, NCCL's ring): each rank
-/// sends and receives 2 (n-1)/n of the data in 2 (n-1) steps.
-double ring_allreduce(double bytes, int ranks, const Link& link) {
+/// All-reduce of `bytes` over `ranks`. Ring (Patarasuk & Yuan's bound; Gloo's and NCCL's
+/// ring): each rank sends and receives 2 (n-1)/n of the data in 2 (n-1) steps. With `tree`
+/// (NCCL, which picks per call): the double binary tree's 2 log2(n) steps when they are
+/// faster (each rank still sends and receives about twice the data).
+double allreduce(double bytes, int ranks, const Link& link, bool tree) {
   if (ranks <= 1 || bytes <= 0) return 0;
   const double n = ranks;
-  return 2 * (n - 1) / n * bytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s;
+  const double ring = 2 * (n - 1) / n * bytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s;
+  if (!tree) return ring;
+  const double trees =
+      2 * bytes / link.bandwidth_Bps + 2 * std::ceil(std::log2(n)) * link.latency_s;
+  return std::min(ring, trees);
 }
 /// Reduce-scatter or all-gather: half a ring all-reduce.
 double ring_half(double bytes, int ranks, const Link& link) {
@@ -151,6 +157,8 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
   const Hardware& hw = cluster.hardware;
   const Bytes bytes = bytes_of(layout);
   const double peak = hw.peak(bytes.compute_dtype);
+  // GPU profiles run NCCL, which picks a ring or a tree per all-reduce; CPU profiles Gloo's ring.
+  const bool tree = !hw.shared_cores;
   // CPU profiles: ranks beyond the node's accelerators share its cores.
   const double share =
       hw.shared_cores ? std::min(1.0, hw.gpus_per_node / static_cast<double>(cluster.per_node()))
@@ -180,9 +188,8 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
                                   ? 0
                                   : l.replicated_saved_elements / std::max(1.0, l.saved_elements);
     const double elements = l.elementwise_elements * b * (replicated + (1 - replicated) / split);
-    const double tp_comm =
-        l.tp_allreduces *
-        ring_allreduce(l.output_elements * b * bytes.activation, layout.tp, tp_link);
+    const double tp_comm = l.tp_allreduces * allreduce(l.output_elements * b * bytes.activation,
+                                                       layout.tp, tp_link, tree);
     // dtrain's autocast: each micro-batch's forward casts the fp32 weights to 16 bits (read 4,
     // write 2 bytes), backward turns the 16-bit weight gradients into fp32 and accumulates them
     // (read 2, read and write 4).
@@ -337,10 +344,10 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
           } else if (layout.hierarchical_allreduce && D > cluster.per_node() / layout.tp) {
             const int inside = std::max(1, cluster.per_node() / layout.tp);
             duration = 2 * ring_half(bucket_bytes, inside, hw.intra_node) +
-                       ring_allreduce(bucket_bytes / inside, D / inside,
-                                      place.group_link(layout.tp * inside, D / inside));
+                       allreduce(bucket_bytes / inside, D / inside,
+                                 place.group_link(layout.tp * inside, D / inside), tree);
           } else {
-            duration = ring_allreduce(bucket_bytes, D, dp_link);
+            duration = allreduce(bucket_bytes, D, dp_link, tree);
           }
           link_free = std::max(link_free, bucket_ready) + duration;
         }
