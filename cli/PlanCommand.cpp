@@ -285,8 +285,7 @@ class PlanCommand final : public Command {
     } else if (micro_batches_ > 0) {
       layout.micro_batches = micro_batches_;
     } else {
-      layout.micro_batches =
-          layout.pp > 1 ? layout.pp * (layout.schedule == "interleaved" ? 1 : 1) : 1;
+      layout.micro_batches = layout.pp;  // a pipeline's smallest full schedule; else 1
     }
     return layout;
   }

@@ -226,6 +226,36 @@ TEST(Cli, PlanPredictsSearchesAndDrawsScaling) {
   EXPECT_NE(drawn.find("<polyline"), std::string::npos);
 }
 
+TEST(Cli, PlanCalibrateWritesAProfileThePlannerReads) {
+  TempDir dir;
+  const auto profile = dir / "here.toml";
+  const auto calibrate =
+      run(kDtrain + " plan calibrate --threads 1 --probe-seconds 0.02 --out " + profile);
+  ASSERT_EQ(calibrate.code, 0) << calibrate.text;
+  EXPECT_TRUE(has(calibrate, "gloo all-reduce on loopback")) << calibrate.text;
+  std::ifstream in(profile);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("matmul_tflops_by_dim"), std::string::npos) << text;
+  EXPECT_NE(text.find("cores = "), std::string::npos) << text;
+  // The planner runs on it: two ranks of this machine, then four sharing its cores.
+  const std::string model =
+      " plan --model transformer:layers=2,hidden=64,heads=2,seq=32,vocab=50,tied=0,dropout=0,"
+      "fused=0 --precision fp32 --micro-batch-size 4 --cluster " +
+      profile;
+  const auto two = run(kDtrain + model + " --gpus-per-node 2 --json");
+  ASSERT_EQ(two.code, 0) << two.text;
+  const auto four = run(kDtrain + model + " --gpus-per-node 4 --json");
+  ASSERT_EQ(four.code, 0) << four.text;
+  const double compute_two = nlohmann::json::parse(two.text)["compute_s"].get<double>();
+  const double compute_four = nlohmann::json::parse(four.text)["compute_s"].get<double>();
+  EXPECT_GT(compute_two, 0);
+  // The profile counts one accelerator per core (1 thread per rank): ranks beyond the cores
+  // share them.
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  const double expected = std::max(1.0, 4 / cores) / std::max(1.0, 2 / cores);
+  EXPECT_NEAR(compute_four / compute_two, expected, 1e-6 * expected);
+}
+
 // `dtrain ps serve` runs a shard until SIGTERM, saying where it listens and where it stopped.
 TEST(Cli, PsServeRunsAShardUntilTerminated) {
   TempDir dir;

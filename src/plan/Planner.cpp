@@ -448,13 +448,13 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
     }
     const double in_flight =
         P > 1 ? std::max(1.0, timeline.peak_live[r] / static_cast<double>(V)) : 1.0;
-    const double D_ = D;
     const bool z1 =
         layout.strategy == "zero1" || layout.strategy == "zero2" || layout.strategy == "zero3";
-    m.parameters = params * bytes.parameter / (layout.strategy == "zero3" ? D_ : 1.0);
+    const double sharded = D;  // ZeRO's shards: 1/DP of what they shard
+    m.parameters = params * bytes.parameter / (layout.strategy == "zero3" ? sharded : 1.0);
     m.gradients = params * bytes.gradient /
-                  (layout.strategy == "zero2" || layout.strategy == "zero3" ? D_ : 1.0);
-    m.optimizer = params * bytes.optimizer / (z1 ? D_ : 1.0);
+                  (layout.strategy == "zero2" || layout.strategy == "zero3" ? sharded : 1.0);
+    m.optimizer = params * bytes.optimizer / (z1 ? sharded : 1.0);
     if (layout.strategy == "downpour") {
       // A Downpour worker: the model and the landing buffer of pulls; .grad, the accumulation
       // and the push in flight; the optimizer lives on the shards.
