@@ -251,7 +251,7 @@ class PlanCommand final : public Command {
     layout_.bucket_cap_bytes = static_cast<int64_t>(bucket_mb_ * 1024 * 1024);
     if (search_) return run_search(model, cluster);
     if (!scaling_.empty()) return run_scaling(model, cluster);
-    const Prediction p = plan::predict(model, cluster, layout_for(model, cluster));
+    const Prediction p = plan::predict(model, cluster, layout_for(cluster));
     // --json prints the prediction even when it does not fit (the memory is the answer).
     if (json_) std::printf("%s\n", to_json(p, cluster).dump(2).c_str());
     const plan::Memory& m = p.memory;
@@ -270,7 +270,7 @@ class PlanCommand final : public Command {
   }
 
  private:
-  Layout layout_for(const plan::ModelSpec&, const plan::Cluster& cluster) {
+  Layout layout_for(const plan::Cluster& cluster) {
     Layout layout = layout_;
     const int model_parallel = layout.pp * layout.tp;
     DTRAIN_CHECK_INPUT(model_parallel >= 1 && cluster.gpus() % model_parallel == 0,
@@ -344,7 +344,7 @@ class PlanCommand final : public Command {
     for (int nodes : scaling_) {
       DTRAIN_CHECK_INPUT(nodes >= 1, "--scaling: node counts must be >= 1, got ", nodes);
       cluster.nodes = nodes;
-      Layout layout = layout_for(model, cluster);
+      Layout layout = layout_for(cluster);
       const Prediction p = plan::predict(model, cluster, layout);
       gpus.push_back(cluster.gpus());
       throughput.push_back(p.samples_per_s);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "dtrain/comm/Communicator.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/parallel/ddp/Buckets.h"
 #include "dtrain/parallel/pipeline/Partition.h"
@@ -55,13 +56,16 @@ Bytes bytes_of(const Layout& layout) {
 }
 
 /// All-reduce of `bytes` over `ranks`. Ring (Patarasuk & Yuan's bound; Gloo's and NCCL's
-/// ring): each rank sends and receives 2 (n-1)/n of the data in 2 (n-1) steps. With `tree`
-/// (NCCL, which picks per call): the double binary tree's 2 log2(n) steps when they are
-/// faster (each rank still sends and receives about twice the data).
+/// ring): each rank sends what the step records' wire_bytes count (comm::ring_wire_bytes,
+/// 2 (n-1)/n of the data) in 2 (n-1) steps. With `tree` (NCCL, which picks per call): the
+/// double binary tree's 2 log2(n) steps when they are faster (each rank still sends and
+/// receives about twice the data).
 double allreduce(double bytes, int ranks, const Link& link, bool tree) {
   if (ranks <= 1 || bytes <= 0) return 0;
   const double n = ranks;
-  const double ring = 2 * (n - 1) / n * bytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s;
+  const double ring =
+      comm::ring_wire_bytes("allreduce", static_cast<int64_t>(bytes), ranks) / link.bandwidth_Bps +
+      2 * (n - 1) * link.latency_s;
   if (!tree) return ring;
   const double trees =
       2 * bytes / link.bandwidth_Bps + 2 * std::ceil(std::log2(n)) * link.latency_s;
@@ -70,8 +74,9 @@ double allreduce(double bytes, int ranks, const Link& link, bool tree) {
 /// Reduce-scatter or all-gather: half a ring all-reduce.
 double ring_half(double bytes, int ranks, const Link& link) {
   if (ranks <= 1 || bytes <= 0) return 0;
-  const double n = ranks;
-  return (n - 1) / n * bytes / link.bandwidth_Bps + (n - 1) * link.latency_s;
+  return comm::ring_wire_bytes("reduce_scatter", static_cast<int64_t>(bytes), ranks) /
+             link.bandwidth_Bps +
+         (ranks - 1) * link.latency_s;
 }
 
 /// Where a rank of the grid sits: ranks are laid out as dtrain's ProcessGrid does, tensor-
@@ -90,8 +95,8 @@ struct Placement {
   Link group_link(int stride, int size) const {
     const int per_node = cluster.per_node();
     const Hardware& hw = cluster.hardware;
-    if (static_cast<int64_t>(stride) * (size - 1) < per_node &&
-        (size == 1 || per_node % (stride * size) == 0 || stride * size <= per_node)) {
+    // The grid's groups are aligned runs: one spanning stride x size ranks fits in a node.
+    if (static_cast<int64_t>(stride) * size <= per_node) {
       return hw.intra_node;
     }
     // Members of the group inside one node (1 when the stride spans nodes).
