@@ -49,6 +49,9 @@ struct Shared {
   federated::LocalTraining local;
   federated::ServerOptimizerSpec server;
   federated::DpSpec dp;
+  federated::RobustSpec robust;
+  double feddyn_alpha = 0.01;
+  int scaffold_option = 2;
   std::string compression = "none";
   std::string algorithm = "fedavg";
   std::string model = "mlp";
@@ -120,6 +123,20 @@ void add_plan(CLI::App& c, Shared& s) {
   add(c, "--server-lr", s.server.lr, "The server optimizer's rate (1 with sgd: plain FedAvg)")
       ->capture_default_str();
   add(c, "--server-momentum", s.server.momentum, "FedAvgM's momentum")->capture_default_str();
+  add(c, "--feddyn-alpha", s.feddyn_alpha,
+      "feddyn: the weight alpha of its dynamic regularizer (Acar et al. 2021 use 0.01-0.1)")
+      ->capture_default_str();
+  add(c, "--scaffold-option", s.scaffold_option,
+      "scaffold: how clients update their control variate: 1 (the gradient at the server "
+      "model: one more pass) or 2 (from the local steps' movement)")
+      ->capture_default_str();
+  add(c, "--assumed-faulty", s.robust.assumed_faulty,
+      "Robust aggregators: the fraction of a round's updates they tolerate as faulty "
+      "(trimmed-mean cuts it from each end; krum's f = it x n; multi-krum averages n - f)")
+      ->capture_default_str();
+  add(c, "--update-clip", s.robust.update_clip,
+      "clipped-mean: scale every update to at most this L2 norm (0 = the round's median norm)")
+      ->capture_default_str();
   add(c, "--dp-clip", s.dp.clip,
       "Differential privacy (DP-FedAvg): clip each client's update to this L2 norm and weight "
       "clients equally (0 = off)")
@@ -196,6 +213,7 @@ struct FederatedCommands::Options {
   federated::SimulationOptions sim;
   std::string partition = "iid";
   std::string availability_trace = "always";
+  std::string byzantine = "none";
   federated::ServerOptions server;
   std::string server_token_file, client_tokens_file;
   federated::ClientOptions client;
@@ -240,6 +258,11 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       ->capture_default_str();
   add(c, "--round-minutes", s.availability.round_minutes,
       "Simulated minutes per round (moves the diurnal clock)")
+      ->capture_default_str();
+  add(c, "--byzantine", o.byzantine,
+      "Faulty clients: F:KIND[:S], a fraction F of the clients (drawn from the seed) sending "
+      "sign-flip (-S x their update, S = 1), scaled (S x, S = 10), gaussian (noise of standard "
+      "deviation S = 1) or label-flip (trained on class c -> classes - 1 - c) updates")
       ->capture_default_str();
   add(c, "--dropout", s.dropout,
       "Probability that a selected client drops out before sending its update")
@@ -365,6 +388,10 @@ int FederatedCommands::simulate() {
   s.local = sh.local;
   s.server = sh.server;
   s.dp = sh.dp;
+  s.robust = sh.robust;
+  s.feddyn_alpha = sh.feddyn_alpha;
+  s.scaffold_option = sh.scaffold_option;
+  s.byzantine = federated::parse_byzantine(o.byzantine);
   s.seed = sh.seed;
   s.threads = sh.threads;
   s.algorithm = sh.algorithm;
@@ -391,6 +418,9 @@ int FederatedCommands::simulate() {
   if (accuracy >= 0) std::printf(", test accuracy %.4f", accuracy);
   if (!result.rounds.empty() && result.rounds.back().dp_epsilon >= 0) {
     std::printf(", (%.3g, %g)-DP", result.rounds.back().dp_epsilon, s.dp.delta);
+  }
+  if (s.byzantine.enabled()) {
+    std::printf(", faulty clients %s", federated::to_string(s.byzantine).c_str());
   }
   if (applied > 0) {
     std::printf(", uplink %.0f bytes per round (%s)", uplink / static_cast<double>(applied),
@@ -422,6 +452,7 @@ int FederatedCommands::serve() {
   v.algorithm = sh.algorithm;
   v.optimizer = sh.server;
   v.dp = sh.dp;
+  v.robust = sh.robust;
   v.compression = federated::parse_compression(sh.compression);
   v.model = sh.model;
   v.hidden = sh.hidden;

@@ -286,7 +286,7 @@ TEST(Aggregator, BuiltInsConfigureTheirPlansAndTheOldSpellingsResolve) {
   EXPECT_THROW(make_aggregator("fedprox", plain)->configure(plan, 0), InputError);  // mu = 0
   EXPECT_DOUBLE_EQ(make_aggregator("fedprox", plain)->configure(prox, 0).prox_mu, 0.01);
   EXPECT_THROW(make_aggregator("fedavgm", plain), InputError);  // no momentum
-  EXPECT_THROW(make_aggregator("trimmed-mean", plain), InputError);
+  EXPECT_THROW(make_aggregator("bulyan", plain), InputError);  // not one of ours
 
   // FedAvgM: v = 0.9 v + mean, global += lr v.
   AggregatorOptions momentum;

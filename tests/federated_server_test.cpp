@@ -195,7 +195,7 @@ TEST(FederatedServer, AClientPastTheRoundsDeadlineLeavesWithoutUploading) {
                     };
                     if (id != "late") return;
                     // Available; the first check during local training takes 2.5 s (past the
-                    // deadline).
+                    // deadline, so the client stops before its first step).
                     o.available = [calls = std::make_shared<int>(0)] {
                       if (++*calls == 2)
                         std::this_thread::sleep_for(std::chrono::milliseconds(2500));
@@ -214,11 +214,57 @@ TEST(FederatedServer, AClientPastTheRoundsDeadlineLeavesWithoutUploading) {
     return std::any_of(lines[id].begin(), lines[id].end(),
                        [&](const std::string& l) { return l.find(text) != std::string::npos; });
   };
-  EXPECT_TRUE(
-      has("late", "round 1: left before its update was sent: Upload: the round's deadline passed"));
+  EXPECT_TRUE(has("late",
+                  "round 1: the round's deadline passed during local training, after 0 of 1 "
+                  "steps in "));
   EXPECT_TRUE(has("a", "round 1: selected (1 epochs, batch 0, 30 examples; deadline in"));
   EXPECT_TRUE(has("a", "round 1: update sent ("));
   EXPECT_TRUE(has("a", "the server says the last round is over"));
+}
+
+// A client whose plan takes longer than the round stops local training at the deadline (between
+// batches), says so, checks in again and tells the server, which says what the plan needs.
+TEST(FederatedServer, AClientOutOfTimeStopsTrainingAtTheDeadlineAndTheServerSaysWhatItNeeds) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(20010, 25);
+  ServerOptions options = server_options(2, 2);
+  options.min_clients = 1;
+  options.round_timeout_s = 1.0;
+  options.selection_timeout_s = 3.0;
+  options.local.epochs = 20;
+  options.local.batch = 10;  // "slow": 40,000 steps, many seconds; "quick": 20 steps
+  Server server(flatten_parameters(model64(0)), options);
+  std::mutex mutex;
+  std::vector<std::string> slow_lines;
+  ServerResult result;
+  const auto reports =
+      run_clients(server, train, {{"quick", range(0, 10)}, {"slow", range(10, 20010)}}, &result,
+                  [&](ClientOptions& o) {
+                    if (o.client_id != "slow") return;
+                    o.log = [&](const std::string& line) {
+                      std::lock_guard<std::mutex> lock(mutex);
+                      slow_lines.push_back(line);
+                    };
+                  });
+  ASSERT_EQ(result.rounds_done, 2);
+  EXPECT_EQ(result.rounds[0].outcome.finished, 1);
+  EXPECT_EQ(reports[1].rounds_trained, 0);
+  EXPECT_GE(reports[1].rounds_missed, 1);
+  EXPECT_EQ(result.late, 0);  // it never uploads a stale update
+  ASSERT_FALSE(result.out_of_time.empty());
+  const std::string& line = result.out_of_time.front();
+  EXPECT_NE(line.find("round 1: client 'slow' ran out of time after "), std::string::npos) << line;
+  EXPECT_NE(line.find("of 40000 local steps in "), std::string::npos) << line;
+  EXPECT_NE(line.find("--round-timeout is 1 s: raise it"), std::string::npos) << line;
+  // It stopped at the deadline: within a second of it, not after its 40,000 steps.
+  const double trained_s = std::stod(line.substr(line.find(" local steps in ") + 16));
+  EXPECT_LT(trained_s, 2.0) << line;
+  std::lock_guard<std::mutex> lock(mutex);
+  EXPECT_TRUE(std::any_of(slow_lines.begin(), slow_lines.end(), [](const std::string& l) {
+    return l.find("round 1: the round's deadline passed during local training, after ") !=
+               std::string::npos &&
+           l.find("; checking in again") != std::string::npos;
+  }));
 }
 
 // Per-client tokens: a client without its token is refused by name; an update from a client

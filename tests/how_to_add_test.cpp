@@ -217,14 +217,15 @@ TEST(HowToAdd, AStrategyIsReachedByNameGetsItsFlagsAndObeysTheOracle) {
 }
 
 // ---- A federated aggregator --------------------------------------------------------------
-// The coordinate-wise median of the updates (Yin et al. 2018, robust to a few outliers): it
-// needs each client's update, so secure aggregation and differential privacy refuse it.
+// The coordinate-wise lower median of the updates (the built-in "median" averages the two
+// middle values of an even count): it needs each client's update, so secure aggregation and
+// differential privacy refuse it.
 
 namespace {
 
 class Median : public federated::Aggregator {
  public:
-  std::string name() const override { return "median"; }
+  std::string name() const override { return "lower-median"; }
   bool needs_individual_updates() const override { return true; }
   void aggregate(at::Tensor& global, const federated::RoundUpdates& round) override {
     std::vector<at::Tensor> deltas;
@@ -237,7 +238,7 @@ class Median : public federated::Aggregator {
 void register_median_once() {
   static const bool registered = [] {
     federated::register_aggregator(
-        {"median", "coordinate-wise median of the updates (a test of the registry)",
+        {"lower-median", "coordinate-wise lower median of the updates (a test of the registry)",
          [](const federated::AggregatorOptions&) -> federated::AggregatorPtr {
            return std::make_unique<Median>();
          }});
@@ -251,11 +252,11 @@ void register_median_once() {
 TEST(HowToAdd, AFederatedAggregatorGetsEachUpdateAndIsRefusedWhereOnlySumsAreSeen) {
   register_median_once();
   const auto names = federated::aggregator_names();
-  EXPECT_NE(std::find(names.begin(), names.end(), "median"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "lower-median"), names.end());
 
   // A round: three clients, one an outlier; the median ignores it, the mean would not.
   federated::RoundServerOptions options;
-  options.algorithm = "median";
+  options.algorithm = "lower-median";
   options.clients_per_round = 3;
   const at::Tensor start = at::zeros({3}, at::kDouble);
   federated::RoundServer server(start, options);
@@ -276,9 +277,10 @@ TEST(HowToAdd, AFederatedAggregatorGetsEachUpdateAndIsRefusedWhereOnlySumsAreSee
     if (privacy == 1) refused.dp.clip = 1.0;
     try {
       federated::RoundServer bad(start, refused);
-      ADD_FAILURE() << "median accepted with " << (privacy ? "differential privacy" : "secagg");
+      ADD_FAILURE() << "lower-median accepted with "
+                    << (privacy ? "differential privacy" : "secagg");
     } catch (const InputError& e) {
-      EXPECT_NE(std::string(e.what()).find("--algorithm median needs each client's update"),
+      EXPECT_NE(std::string(e.what()).find("--algorithm lower-median needs each client's update"),
                 std::string::npos)
           << e.what();
     }
@@ -291,7 +293,7 @@ TEST(HowToAdd, AFederatedAggregatorGetsEachUpdateAndIsRefusedWhereOnlySumsAreSee
   const auto held_out = data::make_synthetic(60, {12}, 4, 7);
   const data::TensorDataset test(held_out.raw_inputs().to(at::kDouble), held_out.targets());
   federated::SimulationOptions simulation;
-  simulation.algorithm = "median";
+  simulation.algorithm = "lower-median";
   simulation.clients = 6;
   simulation.fraction = 0.5;
   simulation.rounds = 3;

@@ -14,6 +14,11 @@ TensorDataset::TensorDataset(at::Tensor inputs, at::Tensor targets, Transform tr
                ") disagree on the number of examples");
 }
 
+TensorDataset TensorDataset::with_targets(at::Tensor targets) const {
+  DTRAIN_CHECK(context_ == 0, "with_targets: a token stream has no targets to replace");
+  return TensorDataset(inputs_, std::move(targets), transform_);
+}
+
 TensorDataset TensorDataset::windows(at::Tensor tokens, int64_t context, int64_t stride) {
   DTRAIN_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong,
                "a token stream is a 1-D int64 tensor, got ", tokens.sizes(), " ",

@@ -41,6 +41,8 @@ class TensorDataset {
   /// The stored tensors (for windows: the token stream, and no targets).
   const at::Tensor& raw_inputs() const { return inputs_; }
   const at::Tensor& targets() const { return targets_; }
+  /// The same inputs (and transform) with other targets (one per example).
+  TensorDataset with_targets(at::Tensor targets) const;
   /// > 0 for a windowed token stream.
   int64_t context() const { return context_; }
 

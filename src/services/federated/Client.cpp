@@ -106,8 +106,9 @@ struct Client::State {
   std::unique_ptr<dtrain::fl::Federated::Stub> stub;
   Model model;
   bool built = false;
-  at::Tensor residual;      // top-k's error feedback
-  LocalTraining last_plan;  // the plan of the last round trained (personalization reuses it)
+  at::Tensor residual;          // top-k's error feedback
+  LocalTraining last_plan;      // the plan of the last round trained (personalization reuses it)
+  dtrain::fl::LateReport late;  // told at the next check-in (round 0: none)
 
   void say(const std::string& line) const {
     if (options.log) options.log(line);
@@ -196,6 +197,12 @@ struct ClientRound {
 
 namespace {
 
+// Local steps of `plan` over `examples` examples.
+int64_t planned_steps(const LocalTraining& plan, int64_t examples) {
+  const int64_t batch = plan.batch > 0 ? std::min(plan.batch, examples) : examples;
+  return plan.epochs * ((examples + batch - 1) / batch);
+}
+
 // The round is over for this client: it closed, was aborted, or its deadline passed.
 bool round_over(const grpc::Status& status) {
   return status.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
@@ -217,11 +224,13 @@ class Client::Steps {
     request.set_examples(static_cast<int64_t>(s_.indices.size()));
     request.set_wait_ms(o_.wait.count());
     request.set_final_model(o_.personalize_epochs > 0 && s_.built);
+    if (s_.late.round() > 0) *request.mutable_late() = s_.late;
     dtrain::fl::CheckInReply reply;
     const grpc::Status status = s_.with_retry(
         "CheckIn", o_.wait + o_.rpc_timeout,
         [&](grpc::ClientContext& c) { return s_.stub->CheckIn(&c, request, &reply); });
     if (!status.ok()) refused("CheckIn", status);
+    s_.late.Clear();
     return reply;
   }
 
@@ -299,14 +308,38 @@ class Client::Steps {
     return true;
   }
 
-  // Trains as the plan says, while available; false when it left (unavailable, diverged).
+  // Trains as the plan says, while available and until the round's deadline (checked between
+  // batches); false when it left (unavailable, out of time, diverged).
   bool train(ClientRound& r) {
     const LocalTraining plan = plan_of(r.reply.plan());
     s_.last_plan = plan;
+    bool late = false;
+    const auto started = Steady::now();
     r.update = train_locally(s_.model, r.global, s_.train, s_.indices, plan, r.reply.seed(),
-                             parallel::cross_entropy, o_.available);
-    if (r.reply.plan().clip_norm() > 0) {
+                             parallel::cross_entropy, [&] {
+                               if (o_.available && !o_.available()) return false;
+                               late = Steady::now() >= r.deadline;
+                               return !late;
+                             });
+    if (r.reply.plan().clip_norm() > 0 && r.update.completed) {
       r.update.delta = clip_update(r.update.delta, r.reply.plan().clip_norm());
+    }
+    if (late) {
+      // Out of time: stop, say how long the plan needs here, tell the server at check-in.
+      const auto trained_ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(Steady::now() - started).count();
+      const int64_t planned = planned_steps(plan, static_cast<int64_t>(s_.indices.size()));
+      s_.late.set_round(r.round);
+      s_.late.set_steps_done(r.update.steps);
+      s_.late.set_steps_planned(planned);
+      s_.late.set_trained_ms(trained_ms);
+      ++report_.rounds_missed;
+      s_.say(concat(
+          "round ", r.round, ": the round's deadline passed during local training, after ",
+          r.update.steps, " of ", planned, " steps in ", trained_ms / 1000.0,
+          " s; stopped (the plan needs ", wire::needed_seconds(r.update.steps, planned, trained_ms),
+          " s here); checking in again"));
+      return false;
     }
     if (!r.update.completed) {
       ++report_.rounds_abandoned;

@@ -25,6 +25,11 @@ void validate(const LocalTraining& o) {
   DTRAIN_CHECK_INPUT(o.weight_decay >= 0, "--weight-decay must be >= 0, got ", o.weight_decay);
   DTRAIN_CHECK_INPUT(o.prox_mu >= 0 && std::isfinite(o.prox_mu), "--prox-mu must be >= 0, got ",
                      o.prox_mu);
+  DTRAIN_CHECK_INPUT(
+      o.correction == "none" || o.correction == "scaffold" || o.correction == "feddyn",
+      "a plan's drift correction '", o.correction, "': expected none, scaffold or feddyn");
+  DTRAIN_CHECK_INPUT(o.scaffold_option == 1 || o.scaffold_option == 2,
+                     "--scaffold-option must be 1 or 2, got ", o.scaffold_option);
 }
 
 LocalTraining plan_for_round(const LocalTraining& plan, int64_t round) {
@@ -64,7 +69,7 @@ void load_flat_parameters(Model& model, const at::Tensor& flat) {
 ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::TensorDataset& data,
                            const std::vector<int64_t>& indices, const LocalTraining& options,
                            uint64_t seed, const parallel::LossFn& loss,
-                           const std::function<bool()>& keep_going) {
+                           const std::function<bool()>& keep_going, const at::Tensor& correction) {
   DTRAIN_CHECK_INPUT(!indices.empty(), "a client without training examples");
   load_flat_parameters(model, global);
   model.module->train();
@@ -105,6 +110,20 @@ ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::T
         for (size_t i = 0; i < parameters.size(); ++i) {
           at::Tensor& g = parameters[i].mutable_grad();
           if (g.defined()) g.add_(parameters[i] - anchor[i], options.prox_mu);
+        }
+      }
+      if (correction.defined()) {
+        torch::NoGradGuard no_grad;
+        int64_t offset = 0;
+        for (auto& p : parameters) {
+          at::Tensor& g = p.mutable_grad();
+          const at::Tensor c = correction.slice(0, offset, offset + p.numel()).view_as(p);
+          if (g.defined()) {
+            g.add_(c);
+          } else {
+            g = c.clone();
+          }
+          offset += p.numel();
         }
       }
       optimizer->step();

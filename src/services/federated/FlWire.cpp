@@ -1,5 +1,6 @@
 #include "services/federated/FlWire.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "comm/rpc/BulkMessage.h"
@@ -140,6 +141,12 @@ std::string read_update(const std::vector<dtrain::fl::UpdateChunk>& messages, in
   }
   *header = reader.header();
   return reader.finish(update);
+}
+
+std::string needed_seconds(int64_t done, int64_t planned, int64_t ms) {
+  if (done <= 0) return concat("more than ", static_cast<double>(ms) / 1000.0);
+  return concat("about ", std::llround(static_cast<double>(ms) / 1000.0 *
+                                       static_cast<double>(planned) / static_cast<double>(done)));
 }
 
 }  // namespace dtrain::federated::wire

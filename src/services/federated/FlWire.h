@@ -72,6 +72,11 @@ class UpdateReader {
   int64_t messages_ = 0;
 };
 
+/// How many seconds all `planned` local steps take at the pace of `done` steps in `ms` ("about
+/// 5", or "more than 2.5" when none was done): what a client out of time says, and the server
+/// it reports to.
+std::string needed_seconds(int64_t done, int64_t planned, int64_t ms);
+
 /// All of an upload's messages through an UpdateReader.
 std::string read_update(const std::vector<dtrain::fl::UpdateChunk>& messages, int64_t numel,
                         dtrain::fl::UpdateChunk* header, EncodedUpdate* update);

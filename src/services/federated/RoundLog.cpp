@@ -30,6 +30,7 @@ void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clien
                            {"round_s", record.seconds}};
   if (record.dp_epsilon >= 0) line["dp_epsilon"] = record.dp_epsilon;
   if (record.available >= 0) line["available"] = record.available;
+  if (record.faulty >= 0) line["faulty"] = record.faulty;
   if (record.server_aggregation_s > 0) line["server_aggregation_s"] = record.server_aggregation_s;
   if (record.client_aggregation_s > 0) line["client_aggregation_s"] = record.client_aggregation_s;
   if (record.client_training_s > 0) line["client_training_s"] = record.client_training_s;
@@ -52,7 +53,11 @@ void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clien
                        " clients)"));
     } else if (!outcome.applied) {
       bar_.note(concat("round ", done + 1, ": only ", outcome.finished, " of ", outcome.selected,
-                       " clients finished (--min-clients ", min_clients, "); retried"));
+                       " clients finished (--min-clients ", min_clients, "); retried",
+                       record.clients_needed_s >= 0
+                           ? concat(" (clients out of time said its plan needs up to ",
+                                    std::llround(record.clients_needed_s), " s of local training)")
+                           : std::string()));
     }
   }
   if (outcome.applied) {

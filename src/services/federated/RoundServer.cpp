@@ -31,7 +31,12 @@ bool valid_client_id(const std::string& id) {
 RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
     : options_(std::move(options)), global_(initial.detach().clone()) {
   validate(options_.dp);
-  const AggregatorOptions aggregation{options_.optimizer};
+  validate(options_.robust);
+  AggregatorOptions aggregation;
+  aggregation.server = options_.optimizer;
+  aggregation.robust = options_.robust;
+  aggregation.feddyn_alpha = options_.feddyn_alpha;
+  aggregation.scaffold_option = options_.scaffold_option;
   aggregator_ = make_aggregator(resolve_algorithm(options_.algorithm, aggregation, options_.local),
                                 aggregation);
   check_combination(*aggregator_, options_.secure_aggregation, options_.dp.enabled());
@@ -64,6 +69,7 @@ std::vector<std::string> RoundServer::select(const std::vector<std::string>& ava
   std::vector<std::string> pool(available);
   std::sort(pool.begin(), pool.end());
   pool.erase(std::unique(pool.begin(), pool.end()), pool.end());
+  most_offered_ = std::max(most_offered_, static_cast<int64_t>(pool.size()));
   // Seeded by (seed, round, attempt): the same selection after a restart.
   std::seed_seq seq{static_cast<uint64_t>(options_.seed), static_cast<uint64_t>(round_),
                     static_cast<uint64_t>(attempt_)};
@@ -74,8 +80,15 @@ std::vector<std::string> RoundServer::select(const std::vector<std::string>& ava
   submitted_.clear();
   mean_ = WeightedMean();
   updates_.clear();
+  control_sum_ = at::Tensor();
   loss_sum_ = 0;
   return pool;
+}
+
+at::Tensor RoundServer::client_control() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const at::Tensor c = aggregator_->client_control();
+  return c.defined() ? c.clone() : c;
 }
 
 LocalTraining RoundServer::plan() const {
@@ -89,7 +102,8 @@ bool RoundServer::selected(const std::string& client) const {
 }
 
 std::string RoundServer::submit(const std::string& client, const at::Tensor& delta,
-                                int64_t examples, double train_loss) {
+                                int64_t examples, double train_loss,
+                                const at::Tensor& control_delta) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (selected_.count(client) == 0) {
     return concat("client '", client, "' was not selected for round ", round_);
@@ -109,6 +123,18 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
   if (!all_finite(delta)) {
     return concat("client '", client, "': the update holds NaN or Inf values");
   }
+  if (aggregator_->needs_control_deltas()) {
+    if (!control_delta.defined() || control_delta.dim() != 1 ||
+        control_delta.numel() != global_.numel() ||
+        control_delta.scalar_type() != global_.scalar_type()) {
+      return concat("client '", client, "': --algorithm ", aggregator_->name(),
+                    " needs its control-variate change, one ", global_.scalar_type(),
+                    " per parameter");
+    }
+    if (!all_finite(control_delta)) {
+      return concat("client '", client, "': the control-variate change holds NaN or Inf values");
+    }
+  }
   // With differential privacy every client counts once and no update may exceed the clip.
   double weight = static_cast<double>(examples);
   if (options_.dp.enabled()) {
@@ -121,6 +147,13 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
   }
   mean_.add(delta, weight);
   if (aggregator_->needs_individual_updates()) updates_.push_back({client, delta.clone(), weight});
+  if (aggregator_->needs_control_deltas()) {
+    if (control_sum_.defined()) {
+      control_sum_.add_(control_delta);
+    } else {
+      control_sum_ = control_delta.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);
+    }
+  }
   submitted_[client] = examples;
   loss_sum_ += train_loss * weight;
   return "";
@@ -179,7 +212,9 @@ RoundOutcome RoundServer::close() {
       }
       average = (sum / static_cast<double>(out.selected)).to(global_.scalar_type());
     }
-    aggregator_->aggregate(global_, {round_, average, std::move(updates_)});
+    const int64_t population = options_.population > 0 ? options_.population : most_offered_;
+    aggregator_->aggregate(
+        global_, {round_, average, std::move(updates_), control_sum_, out.finished, population});
     ++round_;
     attempt_ = 0;
   } else {
@@ -189,6 +224,7 @@ RoundOutcome RoundServer::close() {
   submitted_.clear();
   mean_ = WeightedMean();
   updates_.clear();
+  control_sum_ = at::Tensor();
   loss_sum_ = 0;
   return out;
 }

@@ -101,6 +101,26 @@ grpc::Status Server::Service::CheckIn(grpc::ServerContext* context,
   const int64_t wait_ms = std::clamp<int64_t>(request->wait_ms(), 0, kMaxWaitMs);
   std::unique_lock<std::mutex> lock(mutex_);
   known_.insert(id);
+  if (const auto& late = request->late(); late.round() > 0 && late.steps_planned() > 0) {
+    // Its last round's deadline passed during local training: say what the plan needs.
+    const int64_t done = std::clamp<int64_t>(late.steps_done(), 0, late.steps_planned());
+    const int64_t ms = std::max<int64_t>(0, late.trained_ms());
+    const std::string line =
+        concat("round ", late.round(), ": client '", id, "' ran out of time after ", done, " of ",
+               late.steps_planned(), " local steps in ", static_cast<double>(ms) / 1000.0,
+               " s; the plan needs ", wire::needed_seconds(done, late.steps_planned(), ms),
+               " s there, --round-timeout is ", o_.round_timeout_s,
+               " s: raise it, or shrink the plan (--local-epochs, more --local-batch, fewer "
+               "examples)");
+    std::fprintf(stderr, "fl server: %s\n", line.c_str());
+    if (out_of_time_.size() < kRefusalsKept) out_of_time_.push_back(line);
+    const double needed = done > 0 ? static_cast<double>(ms) / 1000.0 *
+                                         static_cast<double>(late.steps_planned()) /
+                                         static_cast<double>(done)
+                                   : static_cast<double>(ms) / 1000.0;
+    double& most = needed_s_[late.round()];
+    most = std::max(most, needed);
+  }
   examples_[id] = request->examples();
   auto selected_now = [&] { return open_ && selected_.count(id) > 0 && finished_.count(id) == 0; };
   if (!selected_now() && !done_) {

@@ -83,6 +83,12 @@ ServerResult Server::Service::run() {
                                          static_cast<double>(std::max<size_t>(1, known_.size())));
       record.dp_epsilon = dp_epsilon(q, o_.dp.noise_multiplier, done, o_.dp.delta).first;
     }
+    if (!record.outcome.applied) {
+      // What the clients that ran out of time in earlier attempts said the plan needs.
+      std::lock_guard<std::mutex> reports(mutex_);
+      const auto it = needed_s_.find(done + 1);
+      if (it != needed_s_.end()) record.clients_needed_s = it->second;
+    }
     if (!checkpoint_.empty() && record.outcome.applied) rounds_.save(checkpoint_);
     log.report(record, done, min_clients);
     result.rounds.push_back(record);
@@ -103,6 +109,7 @@ ServerResult Server::Service::run() {
   result.refused = refused_;
   result.late = late_;
   result.refusals = refusals_;
+  result.out_of_time = out_of_time_;
   return result;
 }
 
@@ -112,8 +119,13 @@ RoundServerOptions Server::Service::round_options(const ServerOptions& o) {
   r.min_clients = std::min(o.clients_per_round, std::max<int64_t>(1, o.min_clients));
   DTRAIN_CHECK_INPUT(o.min_clients <= o.clients_per_round, "--min-clients ", o.min_clients,
                      " is more than --clients-per-round ", o.clients_per_round);
+  DTRAIN_CHECK_INPUT(o.algorithm != "scaffold" && o.algorithm != "feddyn", "--algorithm ",
+                     o.algorithm,
+                     " keeps state on every client: it runs in `dtrain fl simulate`; over gRPC "
+                     "(`fl serve`) it is not built yet");
   r.algorithm = o.algorithm;
   r.optimizer = o.optimizer;
+  r.robust = o.robust;
   r.local = o.local;
   r.secure_aggregation = o.secure_aggregation;
   r.seed = o.seed;

@@ -95,6 +95,10 @@ class Server::Service final : public dtrain::fl::Federated::Service {
   int64_t uplink_ = 0, downlink_ = 0;
   int64_t refused_ = 0, late_ = 0;
   std::vector<std::string> refusals_;
+  // Clients' reports of running out of time: the lines, and round -> the most seconds a
+  // client said the plan needs.
+  std::vector<std::string> out_of_time_;
+  std::map<int64_t, double> needed_s_;
 };
 
 }  // namespace dtrain::federated

@@ -8,11 +8,14 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <map>
+#include <mutex>
 #include <random>
 #include <thread>
 
 #include "comm/rpc/TensorMessage.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/services/federated/Drift.h"
 #include "dtrain/train/Metrics.h"
 #include "dtrain/train/Progress.h"
 #include "services/federated/FlWire.h"
@@ -116,6 +119,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       "--secure-aggregation sends masked 32-bit words, which do not compress: it "
       "cannot be combined with --compression ",
       to_string(options.compression));
+  validate(options.robust);
   DTRAIN_CHECK_INPUT(options.secagg_threshold >= 0 && options.secagg_threshold <= 1,
                      "--secagg-threshold must be a fraction in [0, 1], got ",
                      options.secagg_threshold);
@@ -134,6 +138,10 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       std::min(server_options.clients_per_round, std::max<int64_t>(1, options.min_clients));
   server_options.algorithm = options.algorithm;
   server_options.optimizer = options.server;
+  server_options.robust = options.robust;
+  server_options.feddyn_alpha = options.feddyn_alpha;
+  server_options.scaffold_option = options.scaffold_option;
+  server_options.population = options.clients;
   server_options.local = options.local;
   server_options.secure_aggregation = options.secure_aggregation;
   server_options.seed = options.seed;
@@ -151,11 +159,23 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   std::vector<Model> replicas;
   for (int t = 0; t < threads; ++t) replicas.push_back(build(spec, dtype));
+  // Faulty clients (--byzantine): label flippers train on a copy of the set with its labels
+  // flipped.
+  const std::vector<bool> faulty = faulty_clients(options.byzantine, options.clients, options.seed);
+  data::TensorDataset flipped = train;
+  if (options.byzantine.kind == ByzantineSpec::LabelFlip) {
+    const int64_t classes = train.targets().max().item<int64_t>() + 1;
+    flipped = train.with_targets(flip_labels(train.targets(), classes));
+  }
   std::vector<std::string> ids;
   for (int64_t c = 0; c < options.clients; ++c) ids.push_back(std::to_string(c));
   // Top-k's error feedback: what each client has not sent yet (a client is trained by one
   // thread per round, so its entry is never shared).
   std::vector<at::Tensor> residuals(static_cast<size_t>(options.clients));
+  // Drift correction's per-client state (SCAFFOLD's c_i, FedDyn's h_i): only for clients that
+  // have trained.
+  std::mutex memory_mutex;
+  std::map<int64_t, at::Tensor> memories;
   const int64_t numel = server.global().numel();
 
   RoundLog log(options.metrics_file, options.progress, options.rounds, result.start_round);
@@ -174,10 +194,11 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     const std::vector<std::string> selected = server.select(available);
     const at::Tensor global = server.global();
     const LocalTraining round_plan = server.plan();
+    const at::Tensor control = server.client_control();
     std::atomic<size_t> next{0};
     std::atomic<int64_t> uplink{0};
     std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0}, training_ns{0}, trained{0};
-    std::atomic<int64_t> diverged{0};
+    std::atomic<int64_t> diverged{0}, attackers{0};
     // Secure aggregation: keys and shares before anyone trains.
     std::unique_ptr<SecureRound> secure;
     if (options.secure_aggregation) {
@@ -212,12 +233,33 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
             continue;  // its window closes before the round ends: it leaves the round
           }
           const auto training = std::chrono::steady_clock::now();
-          ClientUpdate update =
-              train_locally(replicas[t], global, train, clients[c].train, round_plan,
-                            mix(options.seed, static_cast<uint64_t>(round) * 2, c));
+          const bool attacks = faulty[static_cast<size_t>(c)];
+          at::Tensor memory;
+          if (round_plan.correction != "none") {
+            std::lock_guard<std::mutex> lock(memory_mutex);
+            const auto it = memories.find(c);
+            if (it != memories.end()) memory = it->second;
+          }
+          CorrectedUpdate corrected = train_client(
+              replicas[t], global,
+              attacks && options.byzantine.kind == ByzantineSpec::LabelFlip ? flipped : train,
+              clients[c].train, round_plan, mix(options.seed, static_cast<uint64_t>(round) * 2, c),
+              &memory, control);
+          ClientUpdate& update = corrected.update;
+          if (memory.defined()) {
+            std::lock_guard<std::mutex> lock(memory_mutex);
+            memories[c] = memory;
+          }
           training_ns += nanoseconds_since(training);
           ++trained;
           if (options.dp.enabled()) update.delta = clip_update(update.delta, options.dp.clip);
+          if (attacks) {
+            // What it sends instead (it ignores any clip: the server's checks see it).
+            update.delta =
+                attack(options.byzantine, update.delta,
+                       mix(options.seed ^ 0xBADC0DEULL, static_cast<uint64_t>(round), c));
+            ++attackers;
+          }
           // A diverged client leaves the round, as a deployed one does (the server would refuse
           // its update; under secure aggregation it could not even tell).
           if (!std::isfinite(update.loss) || !all_finite(update.delta)) {
@@ -247,8 +289,25 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           at::Tensor dense;
           std::string why = wire::read_update(messages, numel, &header, &received);
           if (why.empty()) why = decode_update(received, numel, global.scalar_type(), &dense);
-          if (why.empty())
-            why = server.submit(selected[i], dense, header.examples(), header.train_loss());
+          // SCAFFOLD's control change travels the same way, compressed like the update.
+          at::Tensor control_change;
+          if (why.empty() && corrected.control_delta.defined()) {
+            const auto sent = wire::update_messages(
+                encode_update(corrected.control_delta, options.compression, nullptr,
+                              mix(options.seed ^ 0xC047201ULL, static_cast<uint64_t>(round), c)),
+                selected[i], round + 1, update.examples, update.loss, rpc::kDefaultChunkBytes);
+            for (const auto& m : sent) bytes += wire::message_bytes(m);
+            dtrain::fl::UpdateChunk control_header;
+            EncodedUpdate control_received;
+            why = wire::read_update(sent, numel, &control_header, &control_received);
+            if (why.empty()) {
+              why = decode_update(control_received, numel, global.scalar_type(), &control_change);
+            }
+          }
+          if (why.empty()) {
+            why = server.submit(selected[i], dense, header.examples(), header.train_loss(),
+                                control_change);
+          }
           server_ns += nanoseconds_since(start);
           DTRAIN_CHECK(why.empty(), "client ", selected[i], ": ", why);
           uplink += bytes;
@@ -281,6 +340,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     }
     RoundRecord record;
     record.available = static_cast<int64_t>(available.size());
+    if (options.byzantine.enabled()) record.faulty = attackers.load();
     if (secure) {
       const std::string why = secure->finish(server);
       // Too few clients left for the masks to come off: the round has no updates (retried).

@@ -1,8 +1,9 @@
 // The federated server's aggregation seam, after Flower's Strategy: an Aggregator configures
 // each round's plan for the selected clients, aggregates the updates the server accepted into
 // the new global model, and may evaluate it. FedAvg, FedSGD, FedProx, FedAvgM and FedAdam are
-// the built-in ones (Aggregator.cpp); code outside the library registers its own with
-// register_aggregator (tests/how_to_add_test.cpp adds a coordinate-wise median).
+// the built-in means, median, trimmed-mean, krum, multi-krum and clipped-mean the robust ones
+// (Robust.h); code outside the library registers its own with register_aggregator
+// (tests/how_to_add_test.cpp adds the lower median).
 //
 // Secure aggregation (and differential privacy's noise on the sum) reveal only the round's
 // weighted mean: an aggregator that needs each client's update says so, and combining it with
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/Robust.h"
 
 namespace dtrain::federated {
 
@@ -42,12 +44,22 @@ struct RoundUpdates {
   /// Each accepted update, in the order they arrived; empty unless
   /// needs_individual_updates().
   std::vector<WeightedUpdate> updates;
+  /// SCAFFOLD: the sum (float64) of the accepted clients' control-variate changes; undefined
+  /// unless needs_control_deltas().
+  at::Tensor control_sum;
+  /// The accepted updates, and the clients in the federation (N; RoundServerOptions).
+  int64_t participants = 0, population = 0;
 };
 
 /// The flags an aggregator reads.
 struct AggregatorOptions {
   /// The server optimizer applied to the aggregate (--server-optimizer, --server-lr, ...).
   ServerOptimizerSpec server;
+  /// FedDyn's alpha (--feddyn-alpha) and SCAFFOLD's option (--scaffold-option).
+  double feddyn_alpha = 0.01;
+  int scaffold_option = 2;
+  /// The robust aggregators' parameters (--assumed-faulty, --update-clip).
+  RobustSpec robust;
 };
 
 class Aggregator {
@@ -62,6 +74,12 @@ class Aggregator {
   }
   /// Whether it needs each client's update rather than their weighted mean.
   virtual bool needs_individual_updates() const { return false; }
+  /// Whether clients send SCAFFOLD's control-variate changes with their updates (summed in the
+  /// clear: refused with secure aggregation and differential privacy).
+  virtual bool needs_control_deltas() const { return false; }
+  /// A flat tensor the selected clients receive with the model (SCAFFOLD's server control
+  /// variate); undefined for none.
+  virtual at::Tensor client_control() const { return at::Tensor(); }
   /// Flower's aggregate_fit: moves `global` (flat, the model's dtype) to the new model.
   virtual void aggregate(at::Tensor& global, const RoundUpdates& round) = 0;
   /// Flower's evaluate (optional): named figures of the new global model for the round's
@@ -100,8 +118,8 @@ AggregatorPtr make_aggregator(const std::string& name, const AggregatorOptions& 
 std::string resolve_algorithm(const std::string& algorithm, const AggregatorOptions& options,
                               const LocalTraining& plan);
 
-/// InputError when the aggregator needs individual updates but the round reveals only their
-/// (noised) mean: --secure-aggregation or differential privacy.
+/// InputError when the aggregator needs individual updates (or control-variate changes) but the
+/// round reveals only their (noised) mean: --secure-aggregation or differential privacy.
 void check_combination(const Aggregator& aggregator, bool secure_aggregation, bool private_sum);
 
 }  // namespace dtrain::federated

@@ -32,8 +32,15 @@ struct LocalTraining {
   double lr_decay = 1.0;
   double momentum = 0.0;
   double weight_decay = 0.0;
-  /// FedProx's proximal weight mu (0 = plain FedAvg).
+  /// FedProx's proximal weight mu (0 = plain FedAvg; FedDyn's alpha).
   double prox_mu = 0.0;
+  /// Drift correction (set by the aggregator's plan, Drift.h): "none", "scaffold" (Karimireddy
+  /// et al. 2020) or "feddyn" (Acar et al. 2021).
+  std::string correction = "none";
+  /// SCAFFOLD's update of the client control variate: 1 (the gradient at the server model, one
+  /// more pass over the local data) or 2 (from the local steps' total movement; the paper's
+  /// choice).
+  int scaffold_option = 2;
 };
 
 /// InputError naming the flag out of range.
@@ -60,11 +67,13 @@ void load_flat_parameters(Model& model, const at::Tensor& flat);
 
 /// Sets `model` to `global` and trains it on `data`'s examples `indices` as `options` say
 /// (each epoch in an order drawn from `seed`); returns the update. `keep_going` (if given) is
-/// asked before every local step: false stops training (completed = false).
+/// asked before every local step: false stops training (completed = false). `correction` (flat,
+/// if defined) is added to every step's gradient (SCAFFOLD's c - c_i, FedDyn's -grad memory).
 ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::TensorDataset& data,
                            const std::vector<int64_t>& indices, const LocalTraining& options,
                            uint64_t seed, const parallel::LossFn& loss = parallel::cross_entropy,
-                           const std::function<bool()>& keep_going = nullptr);
+                           const std::function<bool()>& keep_going = nullptr,
+                           const at::Tensor& correction = at::Tensor());
 
 /// The example-weighted mean of updates, summed in float64 whatever the updates' dtype.
 class WeightedMean {

@@ -33,6 +33,13 @@ struct RoundServerOptions {
   /// one; resolve_algorithm maps the older spellings) and the server optimizer it applies.
   std::string algorithm = "fedavg";
   ServerOptimizerSpec optimizer;
+  /// The robust aggregators' parameters, FedDyn's alpha, SCAFFOLD's option.
+  RobustSpec robust;
+  double feddyn_alpha = 0.01;
+  int scaffold_option = 2;
+  /// N, the clients in the federation (SCAFFOLD and FedDyn scale their server state by the
+  /// share that took part); 0 = the most clients ever offered to select().
+  int64_t population = 0;
   /// The clients' plan as the flags give it; plan() is the aggregator's for the open round.
   LocalTraining local;
   /// Secure aggregation reveals only the round's sum (checked against the aggregator).
@@ -65,6 +72,8 @@ struct RoundRecord {
   double seconds = 0.0;
   /// Clients available to be selected (< 0: not tracked).
   int64_t available = -1;
+  /// Faulty clients among those that trained (simulation with --byzantine; < 0: none).
+  int64_t faulty = -1;
   /// Differential privacy: epsilon (at the spec's delta) spent so far; < 0 without it.
   double dp_epsilon = -1.0;
   /// Time spent aggregating: the server's (reading, checking, averaging; with secure
@@ -73,6 +82,9 @@ struct RoundRecord {
   double server_aggregation_s = 0.0, client_aggregation_s = 0.0;
   /// A client's local training time on average (simulation; 0 when not measured).
   double client_training_s = 0.0;
+  /// A round not applied: the most seconds of local training that clients which ran out of
+  /// time in it said its plan needs (< 0: none said).
+  double clients_needed_s = -1.0;
 };
 
 class RoundServer {
@@ -92,10 +104,14 @@ class RoundServer {
   /// (seeded by the round and attempt) and returns them.
   std::vector<std::string> select(const std::vector<std::string>& available);
   bool selected(const std::string& client) const;
-  /// Takes a selected client's update for the open round. "" or why it was refused (not
-  /// selected, already sent, wrong size or dtype, NaN/Inf, no examples): nothing changed.
+  /// SCAFFOLD's server control variate the open round's clients train with (undefined: zeros
+  /// or none).
+  at::Tensor client_control() const;
+  /// Takes a selected client's update for the open round (with SCAFFOLD its control-variate
+  /// change too). "" or why it was refused (not selected, already sent, wrong size or dtype,
+  /// NaN/Inf, no examples, a control change missing): nothing changed.
   std::string submit(const std::string& client, const at::Tensor& delta, int64_t examples,
-                     double train_loss = 0.0);
+                     double train_loss = 0.0, const at::Tensor& control_delta = at::Tensor());
   /// Secure aggregation: the finished clients' updates arrive only as their example-weighted
   /// sum (`examples` in all, `loss_sum` their example-weighted training losses); the server
   /// never sees one. "" or why refused (a client not selected or already counted, a wrong size,
@@ -123,6 +139,8 @@ class RoundServer {
   std::map<std::string, int64_t> submitted_;  // client -> examples
   WeightedMean mean_;
   std::vector<WeightedUpdate> updates_;  // kept when the aggregator needs them
+  at::Tensor control_sum_;               // SCAFFOLD: the accepted control changes (float64)
+  int64_t most_offered_ = 0;             // the population when not given
   double loss_sum_ = 0.0;
 };
 

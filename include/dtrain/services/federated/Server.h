@@ -19,6 +19,7 @@
 
 #include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/Robust.h"
 #include "dtrain/services/federated/RoundServer.h"
 
 namespace dtrain::federated {
@@ -43,6 +44,8 @@ struct ServerOptions {
   LocalTraining local;
   CompressionSpec compression;
   ServerOptimizerSpec optimizer;
+  /// The robust aggregators' parameters (--assumed-faulty, --update-clip).
+  RobustSpec robust;
   /// Differential privacy: clients clip to dp.clip (told in the plan; the server refuses
   /// updates above it), the server adds the noise. Epsilon is reported with the sampling rate
   /// K / (clients seen so far), an upper bound of the true rate.
@@ -84,6 +87,8 @@ struct ServerResult {
   /// Updates refused (and why, the last few), uploads too late.
   int64_t refused = 0, late = 0;
   std::vector<std::string> refusals;
+  /// Clients' reports of running out of time in local training (the lines the server printed).
+  std::vector<std::string> out_of_time;
 };
 
 class Server {

@@ -18,6 +18,7 @@
 #include "dtrain/services/federated/Partition.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/Robust.h"
 #include "dtrain/services/federated/RoundServer.h"
 
 namespace dtrain::federated {
@@ -51,6 +52,14 @@ struct SimulationOptions {
   std::string algorithm = "fedavg";
   LocalTraining local;
   ServerOptimizerSpec server;
+  /// The robust aggregators' parameters (--assumed-faulty, --update-clip), FedDyn's alpha,
+  /// SCAFFOLD's option.
+  RobustSpec robust;
+  double feddyn_alpha = 0.01;
+  int scaffold_option = 2;
+  /// Faulty clients (--byzantine): a fixed fraction of the population attacks every round it
+  /// is selected for.
+  ByzantineSpec byzantine;
   /// How clients compress their updates (uplink bytes are measured on the encoded messages).
   CompressionSpec compression;
   /// Secure aggregation (Bonawitz et al.): the server learns only the sum of each round's

@@ -1,0 +1,305 @@
+// Federated algorithms beyond the mean: the robust aggregators (median, trimmed mean, Krum,
+// multi-Krum, clipped mean) against hand-computed values and against FedAvg where they must
+// equal it, and the faulty clients of the simulation that measure them.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "FederatedTesting.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/services/federated/Aggregator.h"
+#include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/Partition.h"
+#include "dtrain/services/federated/Robust.h"
+#include "dtrain/services/federated/RoundServer.h"
+#include "dtrain/services/federated/Simulation.h"
+
+using namespace dtrain;
+using namespace dtrain::federated;
+using namespace dtrain::federated::testing;
+
+namespace {
+
+const std::vector<std::string> kRobust = {"median", "trimmed-mean", "krum", "multi-krum",
+                                          "clipped-mean"};
+
+// One round of `algorithm` from zeros over `updates` (weights = examples); the new global.
+at::Tensor one_round(const std::string& algorithm, const std::vector<at::Tensor>& updates,
+                     const std::vector<int64_t>& examples, RobustSpec robust = {}) {
+  RoundServerOptions options;
+  options.algorithm = algorithm;
+  options.robust = robust;
+  options.clients_per_round = static_cast<int64_t>(updates.size());
+  RoundServer server(at::zeros_like(updates[0]), options);
+  std::vector<std::string> ids;
+  for (size_t i = 0; i < updates.size(); ++i) ids.push_back("c" + std::to_string(i));
+  EXPECT_EQ(server.select(ids).size(), updates.size());
+  for (size_t i = 0; i < updates.size(); ++i) {
+    EXPECT_EQ(server.submit(ids[i], updates[i], examples[i]), "");
+  }
+  EXPECT_TRUE(server.close().applied);
+  return server.global();
+}
+
+double max_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>();
+}
+
+}  // namespace
+
+TEST(Robust, EveryDefenceReturnsTheUpdateWhenAllClientsSendTheSameOne) {
+  const at::Tensor same = at::randn({50}, at::kDouble);
+  for (const auto& name : kRobust) {
+    const at::Tensor global =
+        one_round(name, std::vector<at::Tensor>(7, same), {3, 1, 4, 1, 5, 9, 2});
+    EXPECT_LE(max_diff(global, same), 1e-14) << name;
+  }
+  // Multi-Krum assuming no fault keeps every update: FedAvg's example-weighted mean exactly.
+  std::vector<at::Tensor> different;
+  for (int i = 0; i < 5; ++i) different.push_back(at::randn({50}, at::kDouble));
+  const std::vector<int64_t> examples{10, 20, 5, 40, 25};
+  RobustSpec none;
+  none.assumed_faulty = 0;
+  EXPECT_LE(max_diff(one_round("multi-krum", different, examples, none),
+                     one_round("fedavg", different, examples)),
+            kTightBound);
+}
+
+TEST(Robust, StatisticsMatchTheirDefinitionsAndIgnoreAnOutlier) {
+  auto v = [](std::vector<double> x) { return at::tensor(x, at::kDouble); };
+  const std::vector<at::Tensor> four{v({1, 8}), v({2, 6}), v({4, 7}), v({1000, -1000})};
+  // An even count: the mean of the two middle values.
+  EXPECT_TRUE(coordinate_median(four).equal(v({3, 6.5})));
+  // Cutting 1 of 4 from each end leaves the two middle values.
+  EXPECT_TRUE(trimmed_mean(four, 0.25).equal(v({3, 6.5})));
+  EXPECT_TRUE(trimmed_mean(four, 0.0).equal(v({1007.0 / 4, -979.0 / 4})));
+  // Krum with f = 0 scores each by its n - f - 2 = 2 nearest neighbours: (1,8) 5 + 10,
+  // (2,6) 5 + 5, (4,7) 5 + 10, the outlier far more.
+  const auto order = krum_select(four, 0, 4);
+  EXPECT_EQ(order.front(), 1u);
+  EXPECT_EQ(order.back(), 3u);
+  // Clipped to norm 5: (3,4) stays, (30,40) becomes (3,4); weights 1 and 3.
+  EXPECT_TRUE(clipped_mean({v({3, 4}), v({30, 40})}, {1, 3}, 5.0).allclose(v({3, 4})));
+  // Clipped to the median norm (of 5, 10, 50: 10): (6,8) stays, (30,40) -> (6,8), (3,4) stays.
+  EXPECT_TRUE(
+      clipped_mean({v({3, 4}), v({6, 8}), v({30, 40})}, {1, 1, 1}, 0.0).allclose(v({5, 20.0 / 3})));
+  // Through the server: every defence keeps the outlier of five from moving the model far,
+  // the mean does not (the clipped mean lets it move the model by at most the median norm / 5).
+  std::vector<at::Tensor> five{v({1, 1}), v({1.1, 0.9}), v({0.9, 1.1}), v({1, 1.05}),
+                               v({-500, 500})};
+  const std::vector<int64_t> examples(5, 10);
+  EXPECT_GT(max_diff(one_round("fedavg", five, examples), v({1, 1})), 50);
+  for (const auto& name : kRobust) {
+    EXPECT_LT(max_diff(one_round(name, five, examples), v({1, 1})), 0.5) << name;
+  }
+}
+
+TEST(Robust, BadSpecsAndSecureSumsAreRefusedByName) {
+  for (const char* bad : {"0.2", "0.2:flip", "1.5:sign-flip", "x:scaled", "0.1:scaled:-2",
+                          "0.1:label-flip:3", "0.1:gaussian:1:2"}) {
+    try {
+      parse_byzantine(bad);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("--byzantine '") + bad + "'"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(to_string(parse_byzantine("0.2:scaled")), "0.2:scaled:10");
+  EXPECT_EQ(to_string(parse_byzantine("0.1:label-flip")), "0.1:label-flip");
+  EXPECT_FALSE(parse_byzantine("none").enabled());
+  for (const auto& name : kRobust) {
+    RoundServerOptions options;
+    options.algorithm = name;
+    options.secure_aggregation = true;
+    EXPECT_THROW(RoundServer(at::zeros({4}, at::kDouble), options), InputError) << name;
+  }
+  RoundServerOptions options;
+  options.algorithm = "trimmed-mean";
+  options.robust.assumed_faulty = 0.5;
+  try {
+    RoundServer(at::zeros({4}, at::kDouble), options);
+    ADD_FAILURE() << "--assumed-faulty 0.5 accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--assumed-faulty"), std::string::npos) << e.what();
+  }
+  // The faulty clients are a fixed share drawn from the seed.
+  ByzantineSpec spec = parse_byzantine("0.2:sign-flip");
+  const auto faulty = faulty_clients(spec, 50, 3);
+  EXPECT_EQ(std::count(faulty.begin(), faulty.end(), true), 10);
+  EXPECT_EQ(faulty, faulty_clients(spec, 50, 3));
+  EXPECT_NE(faulty, faulty_clients(spec, 50, 4));
+}
+
+TEST(Robust, AScaledAttackRuinsFedAvgAndTheMedianWithstandsIt) {
+  at::set_num_threads(1);
+  // One teacher labels both splits (a synthetic set's seed draws its teacher).
+  const auto all = synthetic64(900, 11);
+  const data::TensorDataset train(all.raw_inputs().narrow(0, 0, 600),
+                                  all.targets().narrow(0, 0, 600));
+  const data::TensorDataset test(all.raw_inputs().narrow(0, 600, 300),
+                                 all.targets().narrow(0, 600, 300));
+  SimulationOptions options;
+  options.clients = 10;
+  options.fraction = 1.0;
+  options.rounds = 8;
+  options.local.epochs = 5;
+  options.local.batch = 10;
+  options.local.lr = 0.2;
+  options.threads = 1;
+  options.progress = false;
+  options.local_test_fraction = 0.0;
+  auto accuracy = [&](const std::string& algorithm, const std::string& attack) {
+    SimulationOptions o = options;
+    o.algorithm = algorithm;
+    o.byzantine = parse_byzantine(attack);
+    const auto result = simulate(mlp_spec(), train, test, o);
+    if (o.byzantine.enabled()) {
+      for (const auto& r : result.rounds) EXPECT_EQ(r.faulty, 2);  // everyone is selected
+    }
+    return result.rounds.back().test_accuracy;
+  };
+  const double clean = accuracy("fedavg", "none");
+  EXPECT_GT(clean, 0.6);
+  // Two of ten clients send -20x their update: the mean follows them.
+  const double attacked = accuracy("fedavg", "0.2:sign-flip:20");
+  EXPECT_LT(attacked, clean - 0.2);
+  // Krum keeps one client's update a round (a tenth of the data): it learns slower.
+  for (const std::string name : {"median", "trimmed-mean", "krum", "multi-krum", "clipped-mean"}) {
+    const double defended = accuracy(name, "0.2:sign-flip:20");
+    EXPECT_GT(defended, clean - (name == "krum" ? 0.15 : 0.05)) << name;
+    std::printf("clean %.3f, fedavg attacked %.3f, %s attacked %.3f\n", clean, attacked,
+                name.c_str(), defended);
+  }
+  // Label flippers' updates are honest-looking; the attack runs end to end.
+  EXPECT_GT(accuracy("median", "0.2:label-flip"), 0.25);
+}
+
+// ---- Drift correction: SCAFFOLD and FedDyn -----------------------------------------------
+
+namespace {
+
+// A linear classifier (softmax regression): a convex problem.
+models::ModelSpec linear_spec() {
+  models::ModelSpec spec = mlp_spec();
+  spec.hidden = {};
+  return spec;
+}
+
+SimulationOptions drift_options(const std::string& algorithm) {
+  SimulationOptions o;
+  o.algorithm = algorithm;
+  o.threads = 1;
+  o.progress = false;
+  o.local_test_fraction = 0.0;
+  o.fraction = 1.0;
+  o.eval_every = 1000;
+  return o;
+}
+
+}  // namespace
+
+TEST(Drift, ScaffoldWithOneClientIsFedAvg) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(120, 31);
+  const auto test = synthetic64(40, 31);
+  SimulationOptions o = drift_options("fedavg");
+  o.clients = 1;
+  o.rounds = 4;
+  o.local.epochs = 2;
+  o.local.batch = 10;
+  o.local.lr = 0.1;
+  const at::Tensor fedavg = simulate(mlp_spec(), train, test, o).global;
+  for (int option : {1, 2}) {
+    o.algorithm = "scaffold";
+    o.scaffold_option = option;
+    const auto scaffold = simulate(mlp_spec(), train, test, o);
+    EXPECT_LE(max_diff(scaffold.global, fedavg), kTightBound) << "option " << option;
+  }
+  // ... and with two clients it is not (the check can fail).
+  o.clients = 2;
+  const at::Tensor two = simulate(mlp_spec(), train, test, o).global;
+  o.algorithm = "fedavg";
+  EXPECT_GT(max_diff(two, simulate(mlp_spec(), train, test, o).global), 1e-6);
+}
+
+// Two clients holding different classes, a convex objective, full participation and many local
+// steps: FedAvg settles away from the optimum of the union (client drift); SCAFFOLD and FedDyn
+// reach it.
+TEST(Drift, ScaffoldAndFedDynConvergeWhereFedAvgDrifts) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(200, 33);
+  const auto test = synthetic64(40, 33);
+  LocalTraining plan;
+  plan.epochs = 10;
+  plan.batch = 0;  // full batch: deterministic gradient descent on each client
+  plan.lr = 0.5;
+  plan.weight_decay = 0.01;  // strongly convex: one optimum
+  // The optimum: gradient descent on the union, run to convergence.
+  torch::manual_seed(0);
+  Model model = models::make_model(linear_spec());
+  model.module->to(at::kDouble);
+  const at::Tensor start = flatten_parameters(model);
+  LocalTraining central = plan;
+  central.epochs = 6000;
+  const at::Tensor optimum =
+      start + train_locally(model, start, train, range(0, 200), central, 0).delta;
+  auto distance = [&](const std::string& algorithm) {
+    SimulationOptions o = drift_options(algorithm);
+    o.clients = 2;
+    o.rounds = 400;
+    o.partition = parse_partition("shards:2");
+    o.local = plan;
+    o.feddyn_alpha = 0.1;
+    const at::Tensor global = simulate(linear_spec(), train, test, o).global;
+    const double d = (global - optimum).norm().item<double>();
+    std::printf("%s: distance to the optimum %.3g\n", algorithm.c_str(), d);
+    return d;
+  };
+  const double fedavg = distance("fedavg");
+  EXPECT_GT(fedavg, 1e-2);
+  EXPECT_LT(distance("scaffold"), 1e-6);
+  EXPECT_LT(distance("feddyn"), 1e-6);
+}
+
+TEST(Drift, CombinationsThatWouldLeakOrConflictAreRefused) {
+  auto refused = [](RoundServerOptions options, const std::string& text) {
+    try {
+      RoundServer server(at::zeros({4}, at::kDouble), options);
+      ADD_FAILURE() << options.algorithm << " accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  RoundServerOptions scaffold;
+  scaffold.algorithm = "scaffold";
+  scaffold.secure_aggregation = true;
+  refused(scaffold, "--algorithm scaffold sums the clients' control-variate changes in the clear");
+  scaffold.secure_aggregation = false;
+  scaffold.dp.clip = 1.0;
+  refused(scaffold, "differential privacy");
+  scaffold.dp.clip = 0;
+  scaffold.scaffold_option = 3;
+  refused(scaffold, "--scaffold-option must be 1 or 2");
+  RoundServerOptions feddyn;
+  feddyn.algorithm = "feddyn";
+  feddyn.feddyn_alpha = 0;
+  refused(feddyn, "--feddyn-alpha must be > 0");
+  feddyn.feddyn_alpha = 0.1;
+  feddyn.local.prox_mu = 0.1;
+  refused(feddyn, "leave out --prox-mu");
+  // A SCAFFOLD update without its control change is refused; nothing changes.
+  scaffold.scaffold_option = 2;
+  scaffold.clients_per_round = 1;
+  RoundServer server(at::zeros({4}, at::kDouble), scaffold);
+  server.select({"a"});
+  EXPECT_NE(server.submit("a", at::ones({4}, at::kDouble), 10).find("control-variate change"),
+            std::string::npos);
+  EXPECT_EQ(server.submit("a", at::ones({4}, at::kDouble), 10, 0.0, at::ones({4}, at::kDouble)),
+            "");
+  EXPECT_TRUE(server.close().applied);
+  EXPECT_TRUE(server.client_control().equal(at::ones({4}, at::kDouble)));  // N = 1
+}
