@@ -249,6 +249,11 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(c, "--local-test-fraction", s.local_test_fraction,
       "Share of each client's examples held out as its local test set")
       ->capture_default_str();
+  add(c, "--client-examples", s.client_examples,
+      "Examples a client holds at least: the set is dealt while it can give every client this "
+      "many; a larger population (--clients 1000000) has each client draw this many by its "
+      "seed, label-skewed by --partition")
+      ->capture_default_str();
   add_plan(c, o.sim_shared);
   c.add_flag("!--no-error-feedback", o.error_feedback,
              "topk: drop what was not sent instead of keeping it for the next update");
@@ -291,6 +296,10 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       sv, v.rounds, v.min_clients, v.secure_aggregation, v.secagg_threshold, v.metrics_file,
       "; also the fewest waiting clients a round starts with after --selection-timeout");
   add(sv, "--clients-per-round", v.clients_per_round, "K: clients selected each round")
+      ->capture_default_str();
+  add(sv, "--population", v.population,
+      "scaffold, feddyn: N, the clients in the federation (their server state moves by the "
+      "share that took part; 0 = the most clients ever waiting at once)")
       ->capture_default_str();
   add(sv, "--round-timeout", v.round_timeout_s,
       "Seconds a round waits for its clients' updates (stragglers are dropped)")
@@ -453,6 +462,8 @@ int FederatedCommands::serve() {
   v.optimizer = sh.server;
   v.dp = sh.dp;
   v.robust = sh.robust;
+  v.feddyn_alpha = sh.feddyn_alpha;
+  v.scaffold_option = sh.scaffold_option;
   v.compression = federated::parse_compression(sh.compression);
   v.model = sh.model;
   v.hidden = sh.hidden;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -302,4 +303,90 @@ TEST(Drift, CombinationsThatWouldLeakOrConflictAreRefused) {
             "");
   EXPECT_TRUE(server.close().applied);
   EXPECT_TRUE(server.client_control().equal(at::ones({4}, at::kDouble)));  // N = 1
+}
+
+// ---- Population scale: clients made when selected ----------------------------------------
+
+TEST(Population, ALazilyMadeClientIsTheEagerOneAndTrainsBitIdentically) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(600, 41);
+  for (const std::string rule : {"iid", "shards:2", "dirichlet:0.3"}) {
+    // 1,000 clients of 50 examples cannot be dealt from 600: each draws its own.
+    const ClientPopulation population(train.targets(), 1000, parse_partition(rule), 5, 0.2, 50);
+    ASSERT_TRUE(population.sampled());
+    // Eagerly, in order, as a simulation holding every client would ...
+    std::vector<ClientIndices> eager;
+    for (int64_t c = 0; c < population.size(); ++c) eager.push_back(population.client(c));
+    // ... and lazily, one client late and out of order, from another population object.
+    const ClientPopulation again(train.targets(), 1000, parse_partition(rule), 5, 0.2, 50);
+    for (const int64_t c : {999, 3, 500}) {
+      const ClientIndices lazy = again.client(c);
+      EXPECT_EQ(lazy.train, eager[static_cast<size_t>(c)].train) << rule;
+      EXPECT_EQ(lazy.test, eager[static_cast<size_t>(c)].test) << rule;
+      EXPECT_EQ(lazy.train.size() + lazy.test.size(), 50u);
+      EXPECT_EQ(lazy.test.size(), 10u);
+      std::set<int64_t> distinct(lazy.train.begin(), lazy.train.end());
+      distinct.insert(lazy.test.begin(), lazy.test.end());
+      EXPECT_EQ(distinct.size(), 50u);
+      if (rule == "shards:2") {
+        std::vector<int64_t> all = lazy.train;
+        all.insert(all.end(), lazy.test.begin(), lazy.test.end());
+        EXPECT_LE(classes_among(train.targets(), all), 2);
+      }
+      // Training it gives the same bits.
+      Model a = model64(0), b = model64(0);
+      const at::Tensor start = flatten_parameters(a);
+      LocalTraining plan;
+      plan.epochs = 2;
+      const auto u = train_locally(a, start, train, eager[static_cast<size_t>(c)].train, plan, 9);
+      const auto v = train_locally(b, start, train, lazy.train, plan, 9);
+      EXPECT_TRUE(u.delta.equal(v.delta)) << rule;
+    }
+    EXPECT_NE(again.client(1).train, again.client(2).train);
+  }
+  // A set that can give everyone 50 examples is dealt, as partition() deals it.
+  const ClientPopulation dealt(train.targets(), 10, parse_partition("shards:2"), 5, 0.2, 50);
+  EXPECT_FALSE(dealt.sampled());
+  EXPECT_EQ(dealt.client(4).train,
+            partition(train.targets(), 10, parse_partition("shards:2"), 5, 0.2)[4].train);
+}
+
+TEST(Population, SelectionDrawsAmongTheAvailableWithoutListingThem) {
+  RoundServerOptions options;
+  options.clients_per_round = 100;
+  RoundServer server(at::zeros({4}, at::kDouble), options);
+  int64_t available = 0;
+  // A million clients, every third available.
+  const auto chosen = server.select_from(
+      1000000, [](int64_t c) { return c % 3 == 0; }, &available);
+  EXPECT_EQ(available, 333334);
+  ASSERT_EQ(chosen.size(), 100u);
+  std::set<std::string> distinct(chosen.begin(), chosen.end());
+  EXPECT_EQ(distinct.size(), 100u);
+  for (const auto& id : chosen) {
+    EXPECT_EQ(std::stoll(id) % 3, 0);
+    EXPECT_TRUE(server.selected(id));
+  }
+  // Fewer available than K: all of them; the same round and attempt select the same.
+  RoundServer small(at::zeros({4}, at::kDouble), options);
+  EXPECT_EQ(small.select_from(1000, [](int64_t c) { return c < 30; }).size(), 30u);
+  RoundServer same(at::zeros({4}, at::kDouble), options);
+  EXPECT_EQ(same.select_from(1000000, [](int64_t c) { return c % 3 == 0; }), chosen);
+}
+
+TEST(Population, AHundredThousandClientSimulationRunsAsTyped) {
+  at::set_num_threads(1);
+  const auto all = synthetic64(2000, 43);
+  SimulationOptions o = drift_options("fedavg");
+  o.clients = 100000;
+  o.fraction = 0.0002;  // 20 a round
+  o.rounds = 2;
+  o.local.epochs = 1;
+  o.partition = parse_partition("shards:2");
+  o.local_test_fraction = 0.2;
+  const auto result = simulate(mlp_spec(), all, all, o);
+  ASSERT_EQ(result.rounds.size(), 2u);
+  EXPECT_EQ(result.rounds[0].outcome.finished, 20);
+  EXPECT_EQ(result.rounds[0].outcome.examples, 20 * 40);  // 50 each, 10 held out
+  EXPECT_EQ(result.rounds[0].available, 100000);
 }

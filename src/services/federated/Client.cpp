@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -18,6 +19,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/federated.grpc.pb.h"
 #include "dtrain/services/federated/Compression.h"
+#include "dtrain/services/federated/Drift.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
@@ -109,6 +111,7 @@ struct Client::State {
   at::Tensor residual;          // top-k's error feedback
   LocalTraining last_plan;      // the plan of the last round trained (personalization reuses it)
   dtrain::fl::LateReport late;  // told at the next check-in (round 0: none)
+  at::Tensor memory;            // drift correction's own state (SCAFFOLD's c_i, FedDyn's h_i)
 
   void say(const std::string& line) const {
     if (options.log) options.log(line);
@@ -191,7 +194,9 @@ struct ClientRound {
   std::vector<uint32_t> u2;  // the clients whose key shares were taken
   int64_t secure_bytes = 0;
   Steady::time_point deadline;
+  at::Tensor control;  // SCAFFOLD's server control variate, with the model
   ClientUpdate update;
+  at::Tensor control_delta;
   int64_t uploaded_bytes = 0;
 };
 
@@ -302,7 +307,7 @@ class Client::Steps {
 
   // The round's model.
   bool fetch_model(ClientRound& r) {
-    const grpc::Status status = download(r.round, &r.global, r.deadline);
+    const grpc::Status status = download(r.round, &r.global, r.deadline, &r.control);
     if (round_over(status)) return missed(r, "the model was downloaded", status);
     if (!status.ok()) refused("Download", status);
     return true;
@@ -315,12 +320,17 @@ class Client::Steps {
     s_.last_plan = plan;
     bool late = false;
     const auto started = Steady::now();
-    r.update = train_locally(s_.model, r.global, s_.train, s_.indices, plan, r.reply.seed(),
-                             parallel::cross_entropy, [&] {
-                               if (o_.available && !o_.available()) return false;
-                               late = Steady::now() >= r.deadline;
-                               return !late;
-                             });
+    at::Tensor memory = s_.memory;  // kept only when the round completes
+    CorrectedUpdate corrected =
+        train_client(s_.model, r.global, s_.train, s_.indices, plan, r.reply.seed(), &memory,
+                     r.control, parallel::cross_entropy, [&] {
+                       if (o_.available && !o_.available()) return false;
+                       late = Steady::now() >= r.deadline;
+                       return !late;
+                     });
+    r.update = std::move(corrected.update);
+    r.control_delta = corrected.control_delta;
+    if (r.update.completed) s_.memory = memory;
     if (r.reply.plan().clip_norm() > 0 && r.update.completed) {
       r.update.delta = clip_update(r.update.delta, r.reply.plan().clip_norm());
     }
@@ -375,6 +385,11 @@ class Client::Steps {
       CompressionSpec compression = parse_compression(r.reply.plan().compression());
       compression.error_feedback = o_.error_feedback;
       encoded = encode_update(r.update.delta, compression, &s_.residual, r.reply.seed());
+      if (r.control_delta.defined()) {
+        // SCAFFOLD's control change, in the same upload, compressed like the update.
+        wire::append_control(&encoded, encode_update(r.control_delta, compression, nullptr,
+                                                     r.reply.seed() ^ 0xC047201ULL));
+      }
     }
     const auto messages = wire::update_messages(encoded, o_.client_id, r.round, r.update.examples,
                                                 r.update.loss, rpc::kDefaultChunkBytes);
@@ -494,15 +509,21 @@ class Client::Steps {
     plan.momentum = wire.momentum();
     plan.weight_decay = wire.weight_decay();
     plan.prox_mu = wire.prox_mu();
+    if (!wire.correction().empty()) plan.correction = wire.correction();
+    if (wire.scaffold_option() != 0) plan.scaffold_option = wire.scaffold_option();
     validate(plan);
     return plan;
   }
 
   // Downloads round `round`'s model (0: the final one, once training is over) into *global,
   // by the round's deadline `until`.
+  // With SCAFFOLD the model comes with the server's control variate (into *control).
   grpc::Status download(int64_t round, at::Tensor* global,
-                        Steady::time_point until = Steady::time_point::max()) {
-    wire::PartsReader parts({{"", global->numel()}});
+                        Steady::time_point until = Steady::time_point::max(),
+                        at::Tensor* control = nullptr) {
+    const std::map<std::string, int64_t> limits{{"", global->numel()},
+                                                {"control", global->numel()}};
+    wire::PartsReader parts(limits);
     std::string problem;
     int64_t down_bytes = 0;
     const grpc::Status status = s_.with_retry(
@@ -511,7 +532,7 @@ class Client::Steps {
           dtrain::fl::DownloadRequest request;
           request.set_client_id(o_.client_id);
           request.set_round(round);
-          parts = wire::PartsReader({{"", global->numel()}});
+          parts = wire::PartsReader(limits);
           problem.clear();
           down_bytes = 0;
           auto reader = s_.stub->Download(&c, request);
@@ -526,10 +547,17 @@ class Client::Steps {
     if (!status.ok()) return status;
     wire::Parts model_parts;
     if (problem.empty()) problem = parts.finish(&model_parts);
-    DTRAIN_CHECK_T(CommError, problem.empty() && model_parts.size() == 1, "federated client '",
-                   o_.client_id, "': the server ", o_.server, " sent a malformed model: ", problem);
+    at::Tensor model;
+    if (control != nullptr) *control = at::Tensor();
+    for (const auto& [name, tensor] : model_parts) {
+      if (name.empty()) model = tensor;
+      if (name == "control" && control != nullptr) *control = tensor.to(global->scalar_type());
+    }
+    DTRAIN_CHECK_T(CommError, problem.empty() && model.defined(), "federated client '",
+                   o_.client_id, "': the server ", o_.server,
+                   " sent a malformed model: ", problem.empty() ? "no model part" : problem);
     report_.downlink_bytes += down_bytes;
-    *global = model_parts[0].second.to(global->scalar_type());
+    *global = model.to(global->scalar_type());
     return status;
   }
 

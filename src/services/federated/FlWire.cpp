@@ -116,7 +116,13 @@ UpdateReader::UpdateReader(int64_t numel)
               {"step", numel},
               {"indices", numel},
               {"values", numel},
-              {"masked", numel + 2}}) {}
+              {"masked", numel + 2},
+              {"control.delta", numel},
+              {"control.q", numel},
+              {"control.lo", numel},
+              {"control.step", numel},
+              {"control.indices", numel},
+              {"control.values", numel}}) {}
 
 std::string UpdateReader::add(const dtrain::fl::UpdateChunk& message) {
   if (messages_ == 0) {
@@ -130,6 +136,27 @@ std::string UpdateReader::finish(EncodedUpdate* update) const {
   if (messages_ == 0) return "an upload without messages";
   update->encoding = header_.encoding();
   return parts_.finish(&update->parts);
+}
+
+EncodedUpdate split_control(EncodedUpdate* update) {
+  EncodedUpdate control;
+  control.encoding = update->encoding;
+  Parts rest;
+  for (auto& [name, tensor] : update->parts) {
+    if (name.rfind(kControlPrefix, 0) == 0) {
+      control.parts.emplace_back(name.substr(std::strlen(kControlPrefix)), std::move(tensor));
+    } else {
+      rest.emplace_back(std::move(name), std::move(tensor));
+    }
+  }
+  update->parts = std::move(rest);
+  return control;
+}
+
+void append_control(EncodedUpdate* update, const EncodedUpdate& control) {
+  for (const auto& [name, tensor] : control.parts) {
+    update->parts.emplace_back(kControlPrefix + name, tensor);
+  }
 }
 
 std::string read_update(const std::vector<dtrain::fl::UpdateChunk>& messages, int64_t numel,

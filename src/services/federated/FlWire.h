@@ -77,6 +77,14 @@ class UpdateReader {
 /// it reports to.
 std::string needed_seconds(int64_t done, int64_t planned, int64_t ms);
 
+/// SCAFFOLD's control-variate change travels in the update's upload as parts named
+/// "control.<part>", encoded as the update is.
+constexpr const char* kControlPrefix = "control.";
+/// Moves the "control." parts out of `update` into their own update (no parts: none sent).
+EncodedUpdate split_control(EncodedUpdate* update);
+/// Adds `control`'s parts to `update` under "control." names.
+void append_control(EncodedUpdate* update, const EncodedUpdate& control);
+
 /// All of an upload's messages through an UpdateReader.
 std::string read_update(const std::vector<dtrain::fl::UpdateChunk>& messages, int64_t numel,
                         dtrain::fl::UpdateChunk* header, EncodedUpdate* update);

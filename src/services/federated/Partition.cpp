@@ -166,6 +166,90 @@ std::vector<ClientIndices> partition(const at::Tensor& targets, int64_t clients,
   return out;
 }
 
+ClientPopulation::ClientPopulation(const at::Tensor& targets, int64_t clients,
+                                   const PartitionSpec& spec, uint64_t seed, double test_fraction,
+                                   int64_t examples_per_client)
+    : clients_(clients),
+      spec_(spec),
+      seed_(seed),
+      test_fraction_(test_fraction),
+      per_client_(examples_per_client) {
+  DTRAIN_CHECK_INPUT(clients >= 1, "--clients must be >= 1, got ", clients);
+  DTRAIN_CHECK_INPUT(test_fraction >= 0 && test_fraction < 1,
+                     "--local-test-fraction must be in [0, 1), got ", test_fraction);
+  DTRAIN_CHECK_INPUT(examples_per_client >= 1, "--client-examples must be >= 1, got ",
+                     examples_per_client);
+  const int64_t n = targets.numel();
+  if (n >= clients * examples_per_client) {
+    dealt_ = partition(targets, clients, spec, seed, test_fraction);
+    return;
+  }
+  DTRAIN_CHECK_INPUT(examples_per_client <= n, "--client-examples ", examples_per_client,
+                     " is more than the ", n, " training examples");
+  const std::vector<int64_t> labels = labels_of(targets);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto label = static_cast<size_t>(labels[static_cast<size_t>(i)]);
+    if (by_class_.size() <= label) by_class_.resize(label + 1);
+    by_class_[label].push_back(i);
+  }
+}
+
+ClientIndices ClientPopulation::client(int64_t c) const {
+  DTRAIN_CHECK(c >= 0 && c < clients_, "client ", c, " of a population of ", clients_);
+  if (!dealt_.empty()) return dealt_[static_cast<size_t>(c)];
+  // The client's own draws: (seed, client) only.
+  std::seed_seq seq{seed_, static_cast<uint64_t>(c), uint64_t{0x9091A7E5}};
+  std::mt19937_64 rng(seq);
+  std::vector<size_t> classes;  // the non-empty ones
+  for (size_t k = 0; k < by_class_.size(); ++k) {
+    if (!by_class_[k].empty()) classes.push_back(k);
+  }
+  // How many examples of each class this client holds.
+  std::vector<int64_t> count(by_class_.size(), 0);
+  if (spec_.kind == PartitionSpec::Shards) {
+    std::shuffle(classes.begin(), classes.end(), rng);
+    const auto k = static_cast<int64_t>(
+        std::min<size_t>(classes.size(), static_cast<size_t>(spec_.shards_per_client)));
+    for (int64_t j = 0; j < per_client_; ++j) ++count[classes[static_cast<size_t>(j % k)]];
+  } else {
+    std::vector<double> weight(classes.size(), 1.0);
+    if (spec_.kind == PartitionSpec::Dirichlet) {
+      std::gamma_distribution<double> gamma(spec_.alpha, 1.0);
+      double sum = 0;
+      for (auto& w : weight) sum += (w = gamma(rng));
+      if (sum <= 0) {  // every draw underflowed (tiny alpha): one class
+        std::fill(weight.begin(), weight.end(), 0.0);
+        weight[std::uniform_int_distribution<size_t>(0, weight.size() - 1)(rng)] = 1.0;
+      }
+    } else {
+      // iid: in proportion to the classes' sizes.
+      for (size_t j = 0; j < classes.size(); ++j) {
+        weight[j] = static_cast<double>(by_class_[classes[j]].size());
+      }
+    }
+    std::discrete_distribution<size_t> pick(weight.begin(), weight.end());
+    for (int64_t j = 0; j < per_client_; ++j) ++count[classes[pick(rng)]];
+  }
+  std::vector<int64_t> mine;
+  for (size_t k = 0; k < by_class_.size(); ++k) {
+    const auto& members = by_class_[k];
+    const int64_t want = std::min<int64_t>(count[k], static_cast<int64_t>(members.size()));
+    // Distinct examples of the class (few against its size: rejection is cheap).
+    std::set<int64_t> chosen;
+    std::uniform_int_distribution<size_t> any(0, members.size() - 1);
+    while (static_cast<int64_t>(chosen.size()) < want) chosen.insert(members[any(rng)]);
+    mine.insert(mine.end(), chosen.begin(), chosen.end());
+  }
+  std::shuffle(mine.begin(), mine.end(), rng);
+  ClientIndices out;
+  const auto total = static_cast<int64_t>(mine.size());
+  const int64_t test =
+      std::min<int64_t>(total - 1, static_cast<int64_t>(std::floor(test_fraction_ * total)));
+  out.train.assign(mine.begin(), mine.end() - test);
+  out.test.assign(mine.end() - test, mine.end());
+  return out;
+}
+
 ClientIndices partition_slice(const at::Tensor& targets, int64_t index, int64_t count,
                               double test_fraction) {
   DTRAIN_CHECK_INPUT(count >= 1 && index >= 0 && index < count, "--partition ", index, "/", count,

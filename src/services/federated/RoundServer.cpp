@@ -91,6 +91,48 @@ at::Tensor RoundServer::client_control() const {
   return c.defined() ? c.clone() : c;
 }
 
+std::vector<std::string> RoundServer::select_from(int64_t population,
+                                                  const std::function<bool(int64_t)>& available,
+                                                  int64_t* available_count) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::seed_seq seq{static_cast<uint64_t>(options_.seed), static_cast<uint64_t>(round_),
+                    static_cast<uint64_t>(attempt_), uint64_t{0x5E1EC7}};
+  std::mt19937_64 rng(seq);
+  const auto k = static_cast<size_t>(options_.clients_per_round);
+  int64_t count = 0;
+  for (int64_t c = 0; c < population; ++c) count += available(c) ? 1 : 0;
+  if (available_count != nullptr) *available_count = count;
+  std::vector<int64_t> chosen;
+  if (static_cast<double>(count) >= 4.0 * static_cast<double>(k)) {
+    // Many available: distinct uniform draws, the unavailable ones rejected.
+    std::set<int64_t> taken;
+    std::uniform_int_distribution<int64_t> any(0, population - 1);
+    while (taken.size() < k) {
+      const int64_t c = any(rng);
+      if (taken.count(c) == 0 && available(c)) {
+        taken.insert(c);
+        chosen.push_back(c);
+      }
+    }
+  } else {
+    for (int64_t c = 0; c < population; ++c) {
+      if (available(c)) chosen.push_back(c);
+    }
+    std::shuffle(chosen.begin(), chosen.end(), rng);
+    chosen.resize(std::min(chosen.size(), k));
+  }
+  most_offered_ = std::max(most_offered_, count);
+  std::vector<std::string> ids;
+  for (const int64_t c : chosen) ids.push_back(std::to_string(c));
+  selected_ = std::set<std::string>(ids.begin(), ids.end());
+  submitted_.clear();
+  mean_ = WeightedMean();
+  updates_.clear();
+  control_sum_ = at::Tensor();
+  loss_sum_ = 0;
+  return ids;
+}
+
 LocalTraining RoundServer::plan() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return aggregator_->configure(options_.local, round_);

@@ -144,6 +144,8 @@ grpc::Status Server::Service::CheckIn(grpc::ServerContext* context,
     plan->set_momentum(local.momentum);
     plan->set_weight_decay(local.weight_decay);
     plan->set_prox_mu(local.prox_mu);
+    plan->set_correction(local.correction);
+    plan->set_scaffold_option(local.scaffold_option);
     plan->set_clip_norm(o_.dp.clip);
     plan->set_compression(o_.compression.kind == CompressionSpec::TopK
                               ? concat("topk:", o_.compression.fraction)
@@ -180,7 +182,7 @@ grpc::Status Server::Service::Download(grpc::ServerContext* context,
     return invalid("Download: field 'client_id' must be 1 to 128 of [A-Za-z0-9._-]");
   }
   if (grpc::Status s = authorize(*context, id); !s.ok()) return s;
-  at::Tensor model;
+  at::Tensor model, control;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // Round 0 once training is over: the final model (for personalization).
@@ -192,11 +194,14 @@ grpc::Status Server::Service::Download(grpc::ServerContext* context,
                      open_ ? concat(" (round ", open_round_, " is open)") : " (no round is open)")};
     } else {
       model = round_model_;
+      control = round_control_;
     }
   }
+  wire::Parts parts{{"", model}};
+  if (control.defined()) parts.emplace_back("control", control);
   int64_t bytes = 0;
   bool open = true;
-  wire::for_each_chunk({{"", model}}, rpc::kDefaultChunkBytes, [&](rpc::TensorChunk&& chunk) {
+  wire::for_each_chunk(parts, rpc::kDefaultChunkBytes, [&](rpc::TensorChunk&& chunk) {
     if (!open) return;
     dtrain::fl::ModelChunk message;
     message.set_round(request->round());
@@ -235,10 +240,15 @@ grpc::Status Server::Service::Upload(grpc::ServerContext* context,
   }
   if (update.messages() == 0) return invalid("Upload: the stream held no messages");
   EncodedUpdate encoded;
-  at::Tensor dense;
+  at::Tensor dense, control;
   std::string why = update.finish(&encoded);
+  const EncodedUpdate control_encoded = wire::split_control(&encoded);
   const bool masked = encoded.encoding == "secagg";
   if (why.empty() && !masked) why = decode_update(encoded, numel_, dtype_, &dense);
+  if (why.empty() && !control_encoded.parts.empty()) {
+    why = decode_update(control_encoded, numel_, dtype_, &control);
+    if (!why.empty()) why = "its control-variate change: " + why;
+  }
   if (why.empty() && masked &&
       (encoded.parts.size() != 1 || encoded.parts[0].first != "masked" ||
        encoded.parts[0].second.scalar_type() != at::kInt ||
@@ -272,7 +282,8 @@ grpc::Status Server::Service::Upload(grpc::ServerContext* context,
     secure_->sent_masked.insert(secure_->ids.at(id));
     secure_->server_s += std::chrono::duration<double>(Clock::now() - start).count();
   } else {
-    why = rounds_.submit(id, dense, update.header().examples(), update.header().train_loss());
+    why = rounds_.submit(id, dense, update.header().examples(), update.header().train_loss(),
+                         control);
     if (!why.empty()) return refuse_locked(id, "Upload: " + why);
   }
   finished_.insert(id);

@@ -48,6 +48,10 @@ ServerResult Server::Service::run() {
     selected_ = std::set<std::string>(chosen.begin(), chosen.end());
     finished_.clear();
     round_model_ = rounds_.global();
+    round_control_ = rounds_.client_control();
+    if (!round_control_.defined() && rounds_.aggregator().needs_control_deltas()) {
+      round_control_ = at::zeros_like(round_model_);
+    }
     open_round_ = rounds_.round() + 1;
     deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                    std::chrono::duration<double>(o_.round_timeout_s));
@@ -119,13 +123,12 @@ RoundServerOptions Server::Service::round_options(const ServerOptions& o) {
   r.min_clients = std::min(o.clients_per_round, std::max<int64_t>(1, o.min_clients));
   DTRAIN_CHECK_INPUT(o.min_clients <= o.clients_per_round, "--min-clients ", o.min_clients,
                      " is more than --clients-per-round ", o.clients_per_round);
-  DTRAIN_CHECK_INPUT(o.algorithm != "scaffold" && o.algorithm != "feddyn", "--algorithm ",
-                     o.algorithm,
-                     " keeps state on every client: it runs in `dtrain fl simulate`; over gRPC "
-                     "(`fl serve`) it is not built yet");
   r.algorithm = o.algorithm;
   r.optimizer = o.optimizer;
   r.robust = o.robust;
+  r.feddyn_alpha = o.feddyn_alpha;
+  r.scaffold_option = o.scaffold_option;
+  r.population = o.population;
   r.local = o.local;
   r.secure_aggregation = o.secure_aggregation;
   r.seed = o.seed;

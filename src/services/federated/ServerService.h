@@ -91,6 +91,7 @@ class Server::Service final : public dtrain::fl::Federated::Service {
   int64_t open_round_ = 0;
   std::set<std::string> selected_, finished_;
   at::Tensor round_model_;
+  at::Tensor round_control_;  // SCAFFOLD's c for the open round (undefined: none)
   Clock::time_point deadline_;
   int64_t uplink_ = 0, downlink_ = 0;
   int64_t refused_ = 0, late_ = 0;

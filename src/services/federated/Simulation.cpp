@@ -92,9 +92,13 @@ AvailabilityTrace parse_availability_trace(const std::string& text) {
 
 bool AvailabilityTrace::available(int64_t client, double minute, uint64_t seed) const {
   if (kind == Always) return true;
-  // The client's time zone: a fixed offset drawn from (seed, client).
-  std::mt19937_64 draw(mix(seed ^ 0xA11CE5ULL, 0, static_cast<uint64_t>(client)));
-  const double offset = std::uniform_real_distribution<double>(0, 1440)(draw);
+  // The client's time zone: a fixed offset hashed from (seed, client) (splitmix64: cheap enough
+  // to ask for a million clients every round).
+  uint64_t z = (seed ^ 0xA11CE5ULL) + 0x9E3779B97F4A7C15ULL * (static_cast<uint64_t>(client) + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  const double offset = static_cast<double>(z >> 11) * 0x1.0p-53 * 1440.0;
   const double local = std::fmod(minute + offset, 1440.0);
   return local < hours * 60;
 }
@@ -120,12 +124,16 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       "cannot be combined with --compression ",
       to_string(options.compression));
   validate(options.robust);
+  DTRAIN_CHECK_INPUT(options.personalize_epochs == 0 || options.clients <= 100000,
+                     "--personalize-epochs fine-tunes every client after the last round: at most "
+                     "100,000 clients, got ",
+                     options.clients);
   DTRAIN_CHECK_INPUT(options.secagg_threshold >= 0 && options.secagg_threshold <= 1,
                      "--secagg-threshold must be a fraction in [0, 1], got ",
                      options.secagg_threshold);
-  const std::vector<ClientIndices> clients =
-      partition(train.targets(), options.clients, options.partition, options.seed,
-                options.local_test_fraction);
+  // Clients are made when selected (from the partition and the seed) and dropped after.
+  const ClientPopulation clients(train.targets(), options.clients, options.partition, options.seed,
+                                 options.local_test_fraction, options.client_examples);
   const at::ScalarType dtype =
       train.raw_inputs().scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   torch::manual_seed(options.seed);
@@ -167,15 +175,11 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     const int64_t classes = train.targets().max().item<int64_t>() + 1;
     flipped = train.with_targets(flip_labels(train.targets(), classes));
   }
-  std::vector<std::string> ids;
-  for (int64_t c = 0; c < options.clients; ++c) ids.push_back(std::to_string(c));
-  // Top-k's error feedback: what each client has not sent yet (a client is trained by one
-  // thread per round, so its entry is never shared).
-  std::vector<at::Tensor> residuals(static_cast<size_t>(options.clients));
-  // Drift correction's per-client state (SCAFFOLD's c_i, FedDyn's h_i): only for clients that
-  // have trained.
+  // State that outlives a client's round, kept only for the clients that have it: top-k's
+  // error feedback (what it has not sent yet) and drift correction's (SCAFFOLD's c_i, FedDyn's
+  // h_i).
   std::mutex memory_mutex;
-  std::map<int64_t, at::Tensor> memories;
+  std::map<int64_t, at::Tensor> residuals, memories;
   const int64_t numel = server.global().numel();
 
   RoundLog log(options.metrics_file, options.progress, options.rounds, result.start_round);
@@ -187,11 +191,14 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     // Simulated time: every attempt at a round takes round_minutes.
     const double minute =
         static_cast<double>(attempts_total++) * options.availability.round_minutes;
-    std::vector<std::string> available;
-    for (int64_t c = 0; c < options.clients; ++c) {
-      if (options.availability.available(c, minute, options.seed)) available.push_back(ids[c]);
-    }
-    const std::vector<std::string> selected = server.select(available);
+    int64_t available = 0;
+    const std::vector<std::string> selected = server.select_from(
+        options.clients,
+        [&](int64_t c) { return options.availability.available(c, minute, options.seed); },
+        &available);
+    // The selected clients, made now.
+    std::vector<ClientIndices> data(selected.size());
+    for (size_t i = 0; i < selected.size(); ++i) data[i] = clients.client(std::stoll(selected[i]));
     const at::Tensor global = server.global();
     const LocalTraining round_plan = server.plan();
     const at::Tensor control = server.client_control();
@@ -204,7 +211,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     if (options.secure_aggregation) {
       std::vector<int64_t> examples;
       for (const auto& id : selected) {
-        examples.push_back(static_cast<int64_t>(clients[std::stoll(id)].train.size()));
+        examples.push_back(static_cast<int64_t>(data[examples.size()].train.size()));
       }
       const auto k = static_cast<int>(selected.size());
       const int threshold = options.secagg_threshold > 0
@@ -243,7 +250,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           CorrectedUpdate corrected = train_client(
               replicas[t], global,
               attacks && options.byzantine.kind == ByzantineSpec::LabelFlip ? flipped : train,
-              clients[c].train, round_plan, mix(options.seed, static_cast<uint64_t>(round) * 2, c),
+              data[i].train, round_plan, mix(options.seed, static_cast<uint64_t>(round) * 2, c),
               &memory, control);
           ClientUpdate& update = corrected.update;
           if (memory.defined()) {
@@ -273,9 +280,26 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           // The update travels as a deployed client sends it (encoded, in the upload's
           // messages) and is read back as the server reads it; its bytes are those messages'.
           auto start = std::chrono::steady_clock::now();
-          const EncodedUpdate encoded =
-              encode_update(update.delta, options.compression, &residuals[static_cast<size_t>(c)],
+          at::Tensor residual;
+          if (options.compression.kind == CompressionSpec::TopK) {
+            std::lock_guard<std::mutex> lock(memory_mutex);
+            const auto it = residuals.find(c);
+            if (it != residuals.end()) residual = it->second;
+          }
+          EncodedUpdate encoded =
+              encode_update(update.delta, options.compression, &residual,
                             mix(options.seed ^ 0x51ed27U, static_cast<uint64_t>(round), c));
+          if (residual.defined()) {
+            std::lock_guard<std::mutex> lock(memory_mutex);
+            residuals[c] = residual;
+          }
+          if (corrected.control_delta.defined()) {
+            // SCAFFOLD's control change in the same upload, compressed like the update.
+            wire::append_control(
+                &encoded,
+                encode_update(corrected.control_delta, options.compression, nullptr,
+                              mix(options.seed ^ 0xC047201ULL, static_cast<uint64_t>(round), c)));
+          }
           const auto messages =
               wire::update_messages(encoded, selected[i], round + 1, update.examples, update.loss,
                                     rpc::kDefaultChunkBytes);
@@ -286,23 +310,12 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           for (const auto& m : messages) bytes += wire::message_bytes(m);
           dtrain::fl::UpdateChunk header;
           EncodedUpdate received;
-          at::Tensor dense;
+          at::Tensor dense, control_change;
           std::string why = wire::read_update(messages, numel, &header, &received);
+          const EncodedUpdate control_received = wire::split_control(&received);
           if (why.empty()) why = decode_update(received, numel, global.scalar_type(), &dense);
-          // SCAFFOLD's control change travels the same way, compressed like the update.
-          at::Tensor control_change;
-          if (why.empty() && corrected.control_delta.defined()) {
-            const auto sent = wire::update_messages(
-                encode_update(corrected.control_delta, options.compression, nullptr,
-                              mix(options.seed ^ 0xC047201ULL, static_cast<uint64_t>(round), c)),
-                selected[i], round + 1, update.examples, update.loss, rpc::kDefaultChunkBytes);
-            for (const auto& m : sent) bytes += wire::message_bytes(m);
-            dtrain::fl::UpdateChunk control_header;
-            EncodedUpdate control_received;
-            why = wire::read_update(sent, numel, &control_header, &control_received);
-            if (why.empty()) {
-              why = decode_update(control_received, numel, global.scalar_type(), &control_change);
-            }
+          if (why.empty() && !control_received.parts.empty()) {
+            why = decode_update(control_received, numel, global.scalar_type(), &control_change);
           }
           if (why.empty()) {
             why = server.submit(selected[i], dense, header.examples(), header.train_loss(),
@@ -339,7 +352,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
                    static_cast<long long>(round + 1), static_cast<long long>(diverged.load()));
     }
     RoundRecord record;
-    record.available = static_cast<int64_t>(available.size());
+    record.available = available;
     if (options.byzantine.enabled()) record.faulty = attackers.load();
     if (secure) {
       const std::string why = secure->finish(server);
@@ -389,7 +402,11 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   if (options.personalize_epochs > 0) {
     LocalTraining plan = options.local;
     plan.epochs = options.personalize_epochs;
-    result.personalization = personalize(spec, result.global, train, clients, plan,
+    // Every client fine-tunes: all of them made (a sampled population of more than 100,000 is
+    // refused before the first round).
+    std::vector<ClientIndices> everyone;
+    for (int64_t c = 0; c < clients.size(); ++c) everyone.push_back(clients.client(c));
+    result.personalization = personalize(spec, result.global, train, everyone, plan,
                                          options.personalize_layers, threads, options.seed);
     log.write({{"event", std::string("personalization")},
                {"clients", static_cast<int64_t>(result.personalization.global_accuracy.size())},

@@ -41,6 +41,34 @@ std::vector<ClientIndices> partition(const at::Tensor& targets, int64_t clients,
                                      const PartitionSpec& spec, uint64_t seed,
                                      double test_fraction = 0.2);
 
+/// Every client's examples, made when asked for. While the set can give each of the clients at
+/// least `examples_per_client` examples it is dealt by partition() (computed once, kept);
+/// beyond that (a population larger than the set: `fl simulate --clients 1000000`) each client
+/// draws examples_per_client distinct examples from the set by (seed, client) when it is
+/// selected, label-skewed by the partition's rule: iid draws uniformly, shards:K draws K classes
+/// and then its examples from them evenly, dirichlet:ALPHA draws class proportions from
+/// Dir(ALPHA) and each example's class from them. Either way a client is the same whenever and
+/// however often it is made.
+class ClientPopulation {
+ public:
+  ClientPopulation(const at::Tensor& targets, int64_t clients, const PartitionSpec& spec,
+                   uint64_t seed, double test_fraction = 0.2, int64_t examples_per_client = 50);
+  int64_t size() const { return clients_; }
+  /// Whether clients draw their examples (else the set is dealt).
+  bool sampled() const { return dealt_.empty(); }
+  /// Client `c`'s examples (0 <= c < size()).
+  ClientIndices client(int64_t c) const;
+
+ private:
+  int64_t clients_;
+  PartitionSpec spec_;
+  uint64_t seed_;
+  double test_fraction_;
+  int64_t per_client_;
+  std::vector<ClientIndices> dealt_;
+  std::vector<std::vector<int64_t>> by_class_;  // sampled: each class's example indices
+};
+
 /// The I-th of N label-skewed slices (`--partition I/N` of `dtrain fl client`): shards:2 of the
 /// set with seed 0, client I.
 ClientIndices partition_slice(const at::Tensor& targets, int64_t index, int64_t count,

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -103,6 +104,12 @@ class RoundServer {
   /// Opens the next round (or reopens a retried one): selects K of `available` at random
   /// (seeded by the round and attempt) and returns them.
   std::vector<std::string> select(const std::vector<std::string>& available);
+  /// The same for a population of clients 0..population-1 named by their numbers (the
+  /// simulation): K drawn uniformly among those `available` says are, without listing them all;
+  /// `available_count` (if given) receives how many are.
+  std::vector<std::string> select_from(int64_t population,
+                                       const std::function<bool(int64_t)>& available,
+                                       int64_t* available_count = nullptr);
   bool selected(const std::string& client) const;
   /// SCAFFOLD's server control variate the open round's clients train with (undefined: zeros
   /// or none).

@@ -44,8 +44,13 @@ struct ServerOptions {
   LocalTraining local;
   CompressionSpec compression;
   ServerOptimizerSpec optimizer;
-  /// The robust aggregators' parameters (--assumed-faulty, --update-clip).
+  /// The robust aggregators' parameters (--assumed-faulty, --update-clip), FedDyn's alpha,
+  /// SCAFFOLD's option, and N, the clients in the federation (0 = the most ever waiting at
+  /// once: SCAFFOLD and FedDyn scale their server state by the share that took part).
   RobustSpec robust;
+  double feddyn_alpha = 0.01;
+  int scaffold_option = 2;
+  int64_t population = 0;
   /// Differential privacy: clients clip to dp.clip (told in the plan; the server refuses
   /// updates above it), the server adds the noise. Epsilon is reported with the sampling rate
   /// K / (clients seen so far), an upper bound of the true rate.

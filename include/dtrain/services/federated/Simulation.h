@@ -48,6 +48,9 @@ struct SimulationOptions {
   int64_t min_clients = 0;
   PartitionSpec partition;
   double local_test_fraction = 0.2;
+  /// Examples each client holds at least: the training set is dealt while it can give every
+  /// client this many; a larger population draws them per client (ClientPopulation).
+  int64_t client_examples = 50;
   /// The aggregator (Aggregator.h: fedavg, fedsgd, fedprox, fedavgm, fedadam, or registered).
   std::string algorithm = "fedavg";
   LocalTraining local;
