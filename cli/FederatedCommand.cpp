@@ -22,6 +22,7 @@
 #include "dtrain/services/federated/Client.h"
 #include "dtrain/services/federated/Server.h"
 #include "dtrain/services/federated/Simulation.h"
+#include "dtrain/train/Checkpoint.h"
 
 namespace dtrain::cli {
 
@@ -50,6 +51,7 @@ struct Shared {
   federated::ServerOptimizerSpec server;
   federated::DpSpec dp;
   federated::RobustSpec robust;
+  std::string init_from, save_model;
   double feddyn_alpha = 0.01;
   int scaffold_option = 2;
   std::string compression = "none";
@@ -146,12 +148,44 @@ void add_plan(CLI::App& c, Shared& s) {
       ->capture_default_str();
   add(c, "--dp-delta", s.dp.delta, "The delta of the (epsilon, delta) reported per round")
       ->capture_default_str();
+  add(c, "--dp-target-quantile", s.dp.target_quantile,
+      "Adaptive clipping (Andrew et al. 2021): the clip follows this quantile of the update "
+      "norms, privately, starting at --dp-clip (0 = a fixed clip; 0.5 in the paper)")
+      ->capture_default_str();
+  add(c, "--dp-clip-lr", s.dp.clip_lr, "Adaptive clipping: the clip's geometric learning rate")
+      ->capture_default_str();
+  add(c, "--dp-count-noise", s.dp.count_noise,
+      "Adaptive clipping: the noise on the count of updates within the clip (0 = the round's "
+      "clients / 20); it takes its share of --dp-noise")
+      ->capture_default_str();
   add_model_flags(c, s.model, s.hidden,
                   federated_models() +
                       " (fedavg-cnn: McMahan et al.'s CNN, 5x5 convolutions "
                       "and a 512-unit layer)",
                   "McMahan et al.'s 2NN: 200 200");
   add_seed_flag(c, s.seed, "model, selection, local order");
+  add(c, "--init-from", s.init_from,
+      "Start the global model from these weights: a training checkpoint (directory or root) of "
+      "any strategy and world size, or a consolidated file");
+  add(c, "--save-model", s.save_model,
+      "Write the final global model here as a consolidated file (dtrain train --init-from "
+      "continues it under any strategy)");
+}
+
+// The model the flags name, from --init-from's weights when given.
+Model initial_model(const Shared& s, const models::ModelSpec& spec) {
+  torch::manual_seed(s.seed);
+  Model model = models::make_model(spec);
+  if (!s.init_from.empty()) train::load_model_from(*model.module, s.init_from);
+  return model;
+}
+
+void save_final(const Shared& s, const models::ModelSpec& spec, const at::Tensor& global) {
+  if (s.save_model.empty()) return;
+  Model model = models::make_model(spec);
+  federated::load_flat_parameters(model, global);
+  train::save_consolidated(*model.module, s.save_model);
+  std::printf("wrote the global model to %s\n", s.save_model.c_str());
 }
 
 void add_data(CLI::App& c, Shared& s, const char* use) {
@@ -409,6 +443,7 @@ int FederatedCommands::simulate() {
   const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
   set_up_process(sh.threads);  // evaluation (--threads, or the cores); client threads use one each
   const data::TensorDataset train = load(sh, true), test = load(sh, false);
+  if (!sh.init_from.empty()) s.initial = federated::flatten_parameters(initial_model(sh, spec));
   const auto result = federated::simulate(spec, train, test, s);
   double accuracy = -1, uplink = 0;
   int64_t applied = 0;
@@ -450,6 +485,7 @@ int FederatedCommands::simulate() {
         result.personalization.global_accuracy.size(), result.personalization.mean_global,
         result.personalization.mean_personalized);
   }
+  save_final(sh, spec, result.global);
   return 0;
 }
 
@@ -474,8 +510,7 @@ int FederatedCommands::serve() {
   const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
   set_up_process(sh.threads);
   const data::TensorDataset test = load(sh, false);
-  torch::manual_seed(sh.seed);
-  Model model = models::make_model(spec);
+  Model model = initial_model(sh, spec);
   federated::Server server(federated::flatten_parameters(model), v, [&](const at::Tensor& global) {
     federated::load_flat_parameters(model, global);
     return federated::evaluate_model(model, test);
@@ -496,6 +531,7 @@ int FederatedCommands::serve() {
   if (accuracy >= 0) std::printf(", test accuracy %.4f", accuracy);
   std::printf(", %lld updates refused, %lld late\n", static_cast<long long>(result.refused),
               static_cast<long long>(result.late));
+  save_final(sh, spec, result.global);
   return 0;
 }
 

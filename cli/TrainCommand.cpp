@@ -207,6 +207,9 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       ->capture_default_str();
   add(app, "--keep-checkpoints", t.keep_checkpoints, "Checkpoints to keep")->capture_default_str();
   app.add_flag("!--no-resume", t.resume, "Start fresh even if --checkpoint-dir has one");
+  add(app, "--init-from", t.init_from,
+      "Start from these weights: a checkpoint (directory or root) of any strategy and world "
+      "size, or a consolidated file (dtrain ckpt consolidate, dtrain fl --save-model)");
   add(app, "--metrics", t.metrics_file, "JSONL metrics file");
   app.add_flag("--defer-eval", t.defer_eval,
                "Evaluate after training, on copies of the parameters taken at each evaluation "

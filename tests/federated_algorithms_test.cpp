@@ -4,18 +4,23 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "FederatedTesting.h"
+#include "TempDir.h"
+#include "TrainerRuns.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/services/federated/Aggregator.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Partition.h"
+#include "dtrain/services/federated/Privacy.h"
 #include "dtrain/services/federated/Robust.h"
 #include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/Simulation.h"
+#include "dtrain/train/Checkpoint.h"
 
 using namespace dtrain;
 using namespace dtrain::federated;
@@ -389,4 +394,159 @@ TEST(Population, AHundredThousandClientSimulationRunsAsTyped) {
   EXPECT_EQ(result.rounds[0].outcome.finished, 20);
   EXPECT_EQ(result.rounds[0].outcome.examples, 20 * 40);  // 50 each, 10 held out
   EXPECT_EQ(result.rounds[0].available, 100000);
+}
+
+// ---- Adaptive clipping for differential privacy ------------------------------------------
+
+TEST(AdaptiveClipping, TheClipFollowsTheTargetQuantileOfTheUpdateNorms) {
+  RoundServerOptions options;
+  options.clients_per_round = 10;
+  options.dp.clip = 100.0;  // far above every norm
+  options.dp.target_quantile = 0.5;
+  options.dp.clip_lr = 0.2;
+  RoundServer server(at::zeros({3}, at::kDouble), options);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 10; ++i) ids.push_back("c" + std::to_string(i));
+  double clip = server.dp_clip();
+  for (int round = 0; round < 80; ++round) {
+    EXPECT_EQ(server.select(ids).size(), 10u);
+    clip = server.dp_clip();
+    for (int i = 0; i < 10; ++i) {
+      // Client i's update has norm i + 1.
+      const at::Tensor delta = at::tensor({static_cast<double>(i + 1), 0.0, 0.0}, at::kDouble);
+      const int within = (i + 1) <= clip ? 1 : 0;
+      ASSERT_EQ(server.submit(ids[i], clip_update(delta, clip), 1, 0.0, {}, within), "");
+    }
+    const RoundOutcome outcome = server.close();
+    EXPECT_EQ(outcome.dp_clip, clip);
+  }
+  // Without noise it settles where half the norms are within: between the 5th and 6th.
+  EXPECT_GT(server.dp_clip(), 5.0);
+  EXPECT_LT(server.dp_clip(), 6.0);
+  // An update without its bit is refused.
+  server.select(ids);
+  EXPECT_NE(server.submit(ids[0], at::zeros({3}, at::kDouble), 1).find("within the clip"),
+            std::string::npos);
+}
+
+TEST(AdaptiveClipping, TheCountTakesItsShareOfTheNoiseAndBadCombinationsAreRefused) {
+  // (z^-2 - (2 sigma_b)^-2)^-1/2: z = 1, sigma_b = 5 -> 1 / sqrt(0.99).
+  EXPECT_NEAR(update_noise_multiplier(1.0, 5.0), 1.0 / std::sqrt(0.99), 1e-15);
+  EXPECT_EQ(update_noise_multiplier(0.0, 0.5), 0.0);
+  EXPECT_THROW(update_noise_multiplier(1.0, 0.5), InputError);  // z >= 2 sigma_b
+  RoundServerOptions options;
+  options.clients_per_round = 10;  // sigma_b = 10 / 20
+  options.dp.clip = 1.0;
+  options.dp.noise_multiplier = 1.0;
+  options.dp.target_quantile = 0.5;
+  try {
+    RoundServer server(at::zeros({3}, at::kDouble), options);
+    ADD_FAILURE() << "z = 2 sigma_b accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("raise --dp-count-noise above 0.5"), std::string::npos)
+        << e.what();
+  }
+  options.dp.count_noise = 2.0;
+  options.secure_aggregation = true;
+  EXPECT_THROW(RoundServer(at::zeros({3}, at::kDouble), options), InputError);
+  options.dp.target_quantile = 1.5;
+  options.secure_aggregation = false;
+  EXPECT_THROW(RoundServer(at::zeros({3}, at::kDouble), options), InputError);
+
+  // A simulation: the clip moves every round and the accountant's epsilon is that of z.
+  at::set_num_threads(1);
+  const auto train = synthetic64(400, 45);
+  SimulationOptions o = drift_options("fedavg");
+  o.clients = 20;
+  o.fraction = 0.5;
+  o.rounds = 4;
+  o.local.epochs = 1;
+  o.dp.clip = 10.0;
+  o.dp.noise_multiplier = 0.5;
+  o.dp.count_noise = 2.0;
+  o.dp.target_quantile = 0.5;
+  const auto result = simulate(mlp_spec(), train, train, o);
+  ASSERT_EQ(result.rounds.size(), 4u);
+  for (size_t r = 1; r < 4; ++r) {
+    // (The count's noise is drawn from the system's randomness: the clip moves, by how much
+    // varies.)
+    EXPECT_NE(result.rounds[r].outcome.dp_clip, result.rounds[r - 1].outcome.dp_clip);
+    EXPECT_DOUBLE_EQ(result.rounds[r].dp_epsilon,
+                     dp_epsilon(0.5, 0.5, static_cast<int64_t>(r) + 1, o.dp.delta).first);
+  }
+}
+
+// ---- One model across paradigms ----------------------------------------------------------
+// DDP on two ranks writes a checkpoint; federated learning starts from it (the global model is
+// exactly DDP's final weights); its final model, saved as a consolidated file, starts ZeRO-3 on
+// two ranks, which then equals single-process training from the same file (the oracle), and
+// differs from ZeRO-3 without it.
+TEST(OneModel, DdpThenFederatedThenZero3) {
+  const models::ModelSpec spec = test::small_mlp(16, 8, 4);
+  test::TempDir dir;
+  train::TrainerOptions o;
+  o.strategy = "ddp";
+  o.batch_size = 8;
+  o.epochs = 1;
+  o.optimizer.name = "sgd";
+  o.optimizer.lr = 0.1;
+  o.progress = false;
+  o.seed = 3;
+  o.checkpoint_dir = dir.path() + "/ddp";
+  const auto ddp = test::run_training(2, o, 7, spec);
+  std::vector<at::Tensor> flat;
+  for (const auto& w : ddp.weights) flat.push_back(w.reshape({-1}));
+  const at::Tensor ddp_final = at::cat(flat);
+
+  // Federated learning from the checkpoint (its root: the newest checkpoint in it).
+  torch::manual_seed(99);
+  Model start = models::make_model(spec);
+  start.module->to(at::kDouble);
+  train::load_model_from(*start.module, o.checkpoint_dir);
+  EXPECT_TRUE(flatten_parameters(start).equal(ddp_final));
+  at::set_num_threads(1);
+  const auto synthetic = data::make_synthetic(160, {16}, 4, 2);
+  const data::TensorDataset data(synthetic.raw_inputs().to(at::kDouble), synthetic.targets());
+  SimulationOptions s = drift_options("fedavg");
+  s.clients = 4;
+  s.rounds = 2;
+  s.local.epochs = 1;
+  s.initial = flatten_parameters(start);
+  const auto federated = simulate(spec, data, data, s);
+  EXPECT_GT(max_diff(federated.global, ddp_final), 1e-4);  // it trained on
+
+  // ZeRO-3 from the federated model's file.
+  Model final_model = models::make_model(spec);
+  final_model.module->to(at::kDouble);
+  load_flat_parameters(final_model, federated.global);
+  const std::string file = dir.path() + "/federated.pt";
+  train::save_consolidated(*final_model.module, file);
+  train::TrainerOptions z = o;
+  z.checkpoint_dir = "";
+  z.init_from = file;
+  z.strategy = "zero3";
+  const auto zero3 = test::run_training(2, z, 11, spec);
+  train::TrainerOptions single = z;
+  single.strategy = "ddp";
+  single.batch_size = 16;
+  const auto reference = test::run_training(1, single, 13, spec);
+  ASSERT_EQ(zero3.weights.size(), reference.weights.size());
+  for (size_t i = 0; i < zero3.weights.size(); ++i) {
+    EXPECT_LE(max_diff(zero3.weights[i], reference.weights[i]), 1e-12) << i;
+  }
+  z.init_from = "";
+  const auto fresh = test::run_training(2, z, 11, spec);
+  EXPECT_GT(max_diff(fresh.weights[0], zero3.weights[0]), 1e-3);
+  // A file of another model is refused by name.
+  train::TrainerOptions wrong = z;
+  wrong.init_from = file;
+  try {
+    test::run_training(1, wrong, 1, test::small_mlp(16, 9, 4));
+    ADD_FAILURE() << "a file of another model was loaded";
+  } catch (const std::exception& e) {  // (the rank threads rethrow it as runtime_error)
+    EXPECT_NE(std::string(e.what()).find("federated.pt: layers.0.weight is [8, 16], the model's "
+                                         "is [9, 16]"),
+              std::string::npos)
+        << e.what();
+  }
 }

@@ -1,6 +1,8 @@
 // Checkpoint metadata, the `latest` pointer, and directory housekeeping.
 #include "dtrain/train/Checkpoint.h"
 
+#include <unistd.h>
+
 #include <caffe2/serialize/crc_alt.h>
 #include <torch/nn/module.h>
 #include <torch/serialize.h>
@@ -323,6 +325,21 @@ struct ArchiveNode {
   }
 };
 
+// Writes the archive to `output` atomically (a temporary name, then renamed).
+void write_archive(const ArchiveNode& root, const std::string& output) {
+  torch::serialize::OutputArchive archive;
+  root.write(archive);
+  const std::string temporary = output + ".tmp";
+  try {
+    archive.save_to(temporary);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, "cannot write ", temporary, ": ", e.what_without_backtrace());
+  }
+  std::error_code error;
+  fs::rename(temporary, output, error);
+  DTRAIN_CHECK_INPUT(!error, "cannot rename ", temporary, " to ", output, ": ", error.message());
+}
+
 }  // namespace
 
 void load_consolidated(torch::nn::Module& module, const std::string& file) {
@@ -372,18 +389,41 @@ int64_t consolidate_checkpoint(const std::string& directory, const std::string& 
     root.add(info.name, value, info.buffer);
   }
   parallel::read_state_shards(directory, parameters, nullptr, {}, &buffers);
-  torch::serialize::OutputArchive archive;
-  root.write(archive);
-  const std::string temporary = output + ".tmp";
-  try {
-    archive.save_to(temporary);
-  } catch (const c10::Error& e) {
-    DTRAIN_THROW(InputError, "cannot write ", temporary, ": ", e.what_without_backtrace());
-  }
-  std::error_code error;
-  fs::rename(temporary, output, error);
-  DTRAIN_CHECK_INPUT(!error, "cannot rename ", temporary, " to ", output, ": ", error.message());
+  write_archive(root, output);
   return static_cast<int64_t>(meta.tensors.size());
+}
+
+void save_consolidated(torch::nn::Module& module, const std::string& file) {
+  ArchiveNode root;
+  for (const auto& item : module.named_parameters()) {
+    root.add(item.key(), item.value().detach().cpu(), false);
+  }
+  for (const auto& item : module.named_buffers()) {
+    root.add(item.key(), item.value().detach().cpu(), true);
+  }
+  write_archive(root, file);
+}
+
+void load_model_from(torch::nn::Module& module, const std::string& path) {
+  DTRAIN_CHECK_INPUT(fs::exists(path), "--init-from ", path, ": no such file or directory");
+  if (!fs::is_directory(path)) {
+    load_consolidated(module, path);
+    return;
+  }
+  // A checkpoint of any strategy and world size: its full model, joined first.
+  const std::string directory = resolve_checkpoint(path);
+  const std::string joined =
+      (fs::temp_directory_path() /
+       concat("dtrain-init-", ::getpid(), "-", std::hash<std::string>{}(directory), ".pt"))
+          .string();
+  consolidate_checkpoint(directory, joined);
+  try {
+    load_consolidated(module, joined);
+  } catch (...) {
+    fs::remove(joined);
+    throw;
+  }
+  fs::remove(joined);
 }
 
 }  // namespace dtrain::train

@@ -366,6 +366,13 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   predict_ = model.predict;
   strategy_->prepare(
       to_device(train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
+  if (!options_.init_from.empty()) {
+    DTRAIN_CHECK_INPUT(options_.tensor_parallel == 1,
+                       "--init-from loads the full model; with "
+                       "--tensor-parallel each rank builds blocks of it: start the tensor-"
+                       "parallel run from a checkpoint in --checkpoint-dir instead");
+    load_model_from(*model.module, options_.init_from);
+  }
   model.module->to(device_);
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
   if (rank == 0 && options_.progress) {

@@ -100,5 +100,12 @@ int64_t consolidate_checkpoint(const std::string& directory, const std::string& 
 /// children (ReLU, Dropout: "No such serialized submodule"), which the file cannot list.
 /// InputError naming a tensor the file lacks or whose shape differs.
 void load_consolidated(torch::nn::Module& module, const std::string& file);
+/// Writes `module`'s parameters and buffers as such a file (atomically): what `dtrain fl
+/// --save-model` hands to `dtrain train --init-from`.
+void save_consolidated(torch::nn::Module& module, const std::string& file);
+/// Sets `module`'s parameters and buffers from `path` (--init-from): a checkpoint directory or
+/// root of any strategy and world size (joined first), or a consolidated file. InputError
+/// naming the path and the first tensor missing or of another shape.
+void load_model_from(torch::nn::Module& module, const std::string& path);
 
 }  // namespace dtrain::train

@@ -50,6 +50,9 @@ struct TrainerOptions {
   int keep_checkpoints = 3;
   /// Continue from the newest checkpoint in checkpoint_dir when there is one.
   bool resume = true;
+  /// Start from these weights (a checkpoint of any strategy and world size, or a consolidated
+  /// file such as `dtrain fl --save-model` writes); a resumed checkpoint takes precedence.
+  std::string init_from;
   /// JSONL metrics file written by rank 0 ("" = none).
   std::string metrics_file;
   int64_t log_every = 10;

@@ -197,6 +197,7 @@ struct ClientRound {
   at::Tensor control;  // SCAFFOLD's server control variate, with the model
   ClientUpdate update;
   at::Tensor control_delta;
+  int within_clip = 0;  // adaptive clipping: 1 within the plan's clip, 2 above
   int64_t uploaded_bytes = 0;
 };
 
@@ -332,6 +333,9 @@ class Client::Steps {
     r.control_delta = corrected.control_delta;
     if (r.update.completed) s_.memory = memory;
     if (r.reply.plan().clip_norm() > 0 && r.update.completed) {
+      r.within_clip =
+          r.update.delta.to(at::kDouble).norm().item<double>() <= r.reply.plan().clip_norm() ? 1
+                                                                                             : 2;
       r.update.delta = clip_update(r.update.delta, r.reply.plan().clip_norm());
     }
     if (late) {
@@ -391,8 +395,9 @@ class Client::Steps {
                                                      r.reply.seed() ^ 0xC047201ULL));
       }
     }
-    const auto messages = wire::update_messages(encoded, o_.client_id, r.round, r.update.examples,
-                                                r.update.loss, rpc::kDefaultChunkBytes);
+    auto messages = wire::update_messages(encoded, o_.client_id, r.round, r.update.examples,
+                                          r.update.loss, rpc::kDefaultChunkBytes);
+    if (!messages.empty()) messages.front().set_within_clip(r.within_clip);
     dtrain::fl::UploadReply uploaded;
     const grpc::Status status = s_.with_retry(
         "Upload", o_.rpc_timeout,

@@ -17,6 +17,26 @@ void validate(const DpSpec& s) {
   DTRAIN_CHECK_INPUT(s.delta > 0 && s.delta < 1, "--dp-delta must be in (0, 1), got ", s.delta);
   DTRAIN_CHECK_INPUT(s.noise_multiplier == 0 || s.clip > 0,
                      "--dp-noise needs --dp-clip (the noise is a multiple of the clip norm)");
+  DTRAIN_CHECK_INPUT(s.target_quantile >= 0 && s.target_quantile < 1,
+                     "--dp-target-quantile must be in [0, 1) (0 = a fixed clip), got ",
+                     s.target_quantile);
+  DTRAIN_CHECK_INPUT(s.target_quantile == 0 || s.clip > 0,
+                     "--dp-target-quantile needs --dp-clip (the clip it starts from)");
+  DTRAIN_CHECK_INPUT(s.clip_lr > 0 && std::isfinite(s.clip_lr), "--dp-clip-lr must be > 0, got ",
+                     s.clip_lr);
+  DTRAIN_CHECK_INPUT(s.count_noise >= 0 && std::isfinite(s.count_noise),
+                     "--dp-count-noise must be >= 0, got ", s.count_noise);
+}
+
+double update_noise_multiplier(double z, double count_noise) {
+  if (z == 0) return 0.0;
+  DTRAIN_CHECK_INPUT(z < 2 * count_noise, "--dp-noise ", z,
+                     " leaves no noise for the updates' sum: adaptive clipping's count, of noise ",
+                     count_noise,
+                     " (--dp-count-noise; default the round's clients / 20), takes "
+                     "(2 x that)^-2 of z^-2; raise --dp-count-noise above ",
+                     z / 2, " or lower --dp-noise");
+  return 1.0 / std::sqrt(1.0 / (z * z) - 1.0 / (4 * count_noise * count_noise));
 }
 
 at::Tensor clip_update(const at::Tensor& update, double clip) {

@@ -29,6 +29,7 @@ void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clien
                            {"downlink_bytes", record.downlink_bytes},
                            {"round_s", record.seconds}};
   if (record.dp_epsilon >= 0) line["dp_epsilon"] = record.dp_epsilon;
+  if (outcome.dp_clip > 0) line["dp_clip"] = outcome.dp_clip;
   if (record.available >= 0) line["available"] = record.available;
   if (record.faulty >= 0) line["faulty"] = record.faulty;
   if (record.server_aggregation_s > 0) line["server_aggregation_s"] = record.server_aggregation_s;

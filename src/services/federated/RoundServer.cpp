@@ -40,6 +40,14 @@ RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
   aggregator_ = make_aggregator(resolve_algorithm(options_.algorithm, aggregation, options_.local),
                                 aggregation);
   check_combination(*aggregator_, options_.secure_aggregation, options_.dp.enabled());
+  clip_ = options_.dp.clip;
+  if (options_.dp.adaptive()) {
+    DTRAIN_CHECK_INPUT(!options_.secure_aggregation,
+                       "--dp-target-quantile: each client's 'within the clip' bit would reach the "
+                       "server in the clear beside --secure-aggregation's masked sum; use a fixed "
+                       "--dp-clip with secure aggregation");
+    update_noise_multiplier(options_.dp.noise_multiplier, count_noise());
+  }
   validate(options_.local);
   aggregator_->configure(options_.local, 0);  // its checks of the plan, before any round
   DTRAIN_CHECK(sodium_init() >= 0, "libsodium failed to initialize");
@@ -81,8 +89,19 @@ std::vector<std::string> RoundServer::select(const std::vector<std::string>& ava
   mean_ = WeightedMean();
   updates_.clear();
   control_sum_ = at::Tensor();
+  within_clip_ = 0;
   loss_sum_ = 0;
   return pool;
+}
+
+double RoundServer::dp_clip() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return clip_;
+}
+
+double RoundServer::count_noise() const {
+  return options_.dp.count_noise > 0 ? options_.dp.count_noise
+                                     : static_cast<double>(options_.clients_per_round) / 20.0;
 }
 
 at::Tensor RoundServer::client_control() const {
@@ -129,6 +148,7 @@ std::vector<std::string> RoundServer::select_from(int64_t population,
   mean_ = WeightedMean();
   updates_.clear();
   control_sum_ = at::Tensor();
+  within_clip_ = 0;
   loss_sum_ = 0;
   return ids;
 }
@@ -145,7 +165,7 @@ bool RoundServer::selected(const std::string& client) const {
 
 std::string RoundServer::submit(const std::string& client, const at::Tensor& delta,
                                 int64_t examples, double train_loss,
-                                const at::Tensor& control_delta) {
+                                const at::Tensor& control_delta, int within_clip) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (selected_.count(client) == 0) {
     return concat("client '", client, "' was not selected for round ", round_);
@@ -181,13 +201,18 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
   double weight = static_cast<double>(examples);
   if (options_.dp.enabled()) {
     const double norm = delta.to(at::kDouble).norm().item<double>();
-    if (norm > options_.dp.clip * (1 + 1e-6)) {
+    if (norm > clip_ * (1 + 1e-6)) {
       return concat("client '", client, "': the update's L2 norm ", norm, " exceeds the clip ",
-                    options_.dp.clip, " (--dp-clip)");
+                    clip_, " (--dp-clip)");
+    }
+    if (options_.dp.adaptive() && within_clip != 0 && within_clip != 1) {
+      return concat("client '", client,
+                    "': adaptive clipping needs whether its update was within the clip");
     }
     weight = 1.0;
   }
   mean_.add(delta, weight);
+  if (options_.dp.adaptive()) within_clip_ += within_clip;
   if (aggregator_->needs_individual_updates()) updates_.push_back({client, delta.clone(), weight});
   if (aggregator_->needs_control_deltas()) {
     if (control_sum_.defined()) {
@@ -245,14 +270,24 @@ RoundOutcome RoundServer::close() {
     if (options_.dp.enabled()) {
       // DP-FedAvg: (the sum of clipped updates + N(0, (z S)^2)) / the selected clients.
       at::Tensor sum = mean_.mean(at::kDouble) * mean_.total_weight();
-      if (options_.dp.noise_multiplier > 0) {
-        uint64_t seed = 0;
-        randombytes_buf(&seed, sizeof seed);
-        at::Generator generator = at::detail::createCPUGenerator(seed);
-        sum += at::randn(sum.sizes(), generator, at::kDouble) *
-               (options_.dp.noise_multiplier * options_.dp.clip);
-      }
+      uint64_t seed = 0;
+      randombytes_buf(&seed, sizeof seed);
+      at::Generator generator = at::detail::createCPUGenerator(seed);
+      const double z = options_.dp.adaptive()
+                           ? update_noise_multiplier(options_.dp.noise_multiplier, count_noise())
+                           : options_.dp.noise_multiplier;
+      if (z > 0) sum += at::randn(sum.sizes(), generator, at::kDouble) * (z * clip_);
       average = (sum / static_cast<double>(out.selected)).to(global_.scalar_type());
+      out.dp_clip = clip_;
+      if (options_.dp.adaptive()) {
+        // The noised fraction of clients within the clip moves it towards the quantile.
+        double within = static_cast<double>(within_clip_);
+        if (options_.dp.noise_multiplier > 0) {
+          within += at::randn({1}, generator, at::kDouble).item<double>() * count_noise();
+        }
+        const double fraction = within / static_cast<double>(out.selected);
+        clip_ *= std::exp(-options_.dp.clip_lr * (fraction - options_.dp.target_quantile));
+      }
     }
     const int64_t population = options_.population > 0 ? options_.population : most_offered_;
     aggregator_->aggregate(
@@ -267,6 +302,7 @@ RoundOutcome RoundServer::close() {
   mean_ = WeightedMean();
   updates_.clear();
   control_sum_ = at::Tensor();
+  within_clip_ = 0;
   loss_sum_ = 0;
   return out;
 }
@@ -277,6 +313,7 @@ void RoundServer::save(const std::string& path) const {
     std::lock_guard<std::mutex> lock(mutex_);
     file.insert("format", kFormat);
     file.insert("round", round_);
+    file.insert("dp_clip", clip_);
     file.insert("optimizer", aggregator_->state_kind());
     c10::Dict<std::string, at::Tensor> tensors;
     tensors.insert("global", global_.clone());
@@ -313,6 +350,7 @@ void RoundServer::load(const std::string& path) {
     global_ = global.clone();
     aggregator_->load_state(state);
     round_ = file.at("round").toInt();
+    if (file.contains("dp_clip") && options_.dp.adaptive()) clip_ = file.at("dp_clip").toDouble();
     attempt_ = 0;
     selected_.clear();
     submitted_.clear();

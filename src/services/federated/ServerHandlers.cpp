@@ -146,7 +146,7 @@ grpc::Status Server::Service::CheckIn(grpc::ServerContext* context,
     plan->set_prox_mu(local.prox_mu);
     plan->set_correction(local.correction);
     plan->set_scaffold_option(local.scaffold_option);
-    plan->set_clip_norm(o_.dp.clip);
+    plan->set_clip_norm(rounds_.dp_clip());
     plan->set_compression(o_.compression.kind == CompressionSpec::TopK
                               ? concat("topk:", o_.compression.fraction)
                               : to_string(o_.compression));
@@ -282,8 +282,11 @@ grpc::Status Server::Service::Upload(grpc::ServerContext* context,
     secure_->sent_masked.insert(secure_->ids.at(id));
     secure_->server_s += std::chrono::duration<double>(Clock::now() - start).count();
   } else {
+    const int within = update.header().within_clip() == 1   ? 1
+                       : update.header().within_clip() == 2 ? 0
+                                                            : -1;
     why = rounds_.submit(id, dense, update.header().examples(), update.header().train_loss(),
-                         control);
+                         control, within);
     if (!why.empty()) return refuse_locked(id, "Upload: " + why);
   }
   finished_.insert(id);

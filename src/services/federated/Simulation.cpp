@@ -154,6 +154,12 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   server_options.secure_aggregation = options.secure_aggregation;
   server_options.seed = options.seed;
   server_options.dp = options.dp;
+  if (options.initial.defined()) {
+    DTRAIN_CHECK_INPUT(options.initial.numel() == flatten_parameters(global_model).numel(),
+                       "--init-from: a model of ", options.initial.numel(),
+                       " parameters for one of ", flatten_parameters(global_model).numel());
+    load_flat_parameters(global_model, options.initial.to(dtype));
+  }
   RoundServer server(flatten_parameters(global_model), server_options);
   const std::string checkpoint =
       options.checkpoint_dir.empty() ? "" : options.checkpoint_dir + "/server.pt";
@@ -202,6 +208,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     const at::Tensor global = server.global();
     const LocalTraining round_plan = server.plan();
     const at::Tensor control = server.client_control();
+    const double clip = server.dp_clip();
     std::atomic<size_t> next{0};
     std::atomic<int64_t> uplink{0};
     std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0}, training_ns{0}, trained{0};
@@ -259,7 +266,11 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           }
           training_ns += nanoseconds_since(training);
           ++trained;
-          if (options.dp.enabled()) update.delta = clip_update(update.delta, options.dp.clip);
+          int within_clip = -1;
+          if (options.dp.enabled()) {
+            within_clip = update.delta.to(at::kDouble).norm().item<double>() <= clip ? 1 : 0;
+            update.delta = clip_update(update.delta, clip);
+          }
           if (attacks) {
             // What it sends instead (it ignores any clip: the server's checks see it).
             update.delta =
@@ -319,7 +330,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
           }
           if (why.empty()) {
             why = server.submit(selected[i], dense, header.examples(), header.train_loss(),
-                                control_change);
+                                control_change, within_clip);
           }
           server_ns += nanoseconds_since(start);
           DTRAIN_CHECK(why.empty(), "client ", selected[i], ": ", why);

@@ -22,8 +22,24 @@ struct DpSpec {
   double noise_multiplier = 0.0;
   /// delta of the reported (epsilon, delta).
   double delta = 1e-5;
+  /// Adaptive clipping (Andrew et al. 2021): the clip follows this quantile of the clients'
+  /// update norms, privately (0 = the clip stays --dp-clip, which is otherwise the start). Each
+  /// client says whether its update was within the clip; the server counts them with Gaussian
+  /// noise of standard deviation count_noise (0 = the round's clients / 20) and moves the clip
+  /// by exp(-clip_lr (fraction within - quantile)). The count takes its share of z: the sum's
+  /// noise multiplier becomes (z^-2 - (2 count_noise)^-2)^-1/2, and the accountant's z is
+  /// unchanged.
+  double target_quantile = 0.0;
+  double clip_lr = 0.2;
+  double count_noise = 0.0;
   bool enabled() const { return clip > 0; }
+  bool adaptive() const { return enabled() && target_quantile > 0; }
 };
+
+/// The noise multiplier of the updates' sum when adaptive clipping's count (noise standard
+/// deviation `count_noise`) shares the total `noise_multiplier` z; InputError naming the flags
+/// when z >= 2 count_noise leaves nothing for the sum. 0 when z is 0.
+double update_noise_multiplier(double noise_multiplier, double count_noise);
 
 /// InputError naming --dp-clip, --dp-noise or --dp-delta when out of range.
 void validate(const DpSpec& spec);

@@ -61,6 +61,9 @@ struct RoundOutcome {
   /// Example-weighted mean of the finished clients' training losses.
   double train_loss = 0.0;
   int64_t examples = 0;
+  /// Differential privacy: the clip the round's updates were held to (adaptive clipping moves
+  /// it after each applied round); 0 without.
+  double dp_clip = 0.0;
 };
 
 /// A round as it is reported (metrics file, progress): its outcome, the global model's test
@@ -117,8 +120,13 @@ class RoundServer {
   /// Takes a selected client's update for the open round (with SCAFFOLD its control-variate
   /// change too). "" or why it was refused (not selected, already sent, wrong size or dtype,
   /// NaN/Inf, no examples, a control change missing): nothing changed.
+  /// With adaptive clipping `within_clip` (0 or 1) says whether the update was within the clip
+  /// before the client clipped it (-1: not said, refused then).
   std::string submit(const std::string& client, const at::Tensor& delta, int64_t examples,
-                     double train_loss = 0.0, const at::Tensor& control_delta = at::Tensor());
+                     double train_loss = 0.0, const at::Tensor& control_delta = at::Tensor(),
+                     int within_clip = -1);
+  /// Differential privacy: the clip the open round's updates must be within.
+  double dp_clip() const;
   /// Secure aggregation: the finished clients' updates arrive only as their example-weighted
   /// sum (`examples` in all, `loss_sum` their example-weighted training losses); the server
   /// never sees one. "" or why refused (a client not selected or already counted, a wrong size,
@@ -148,6 +156,9 @@ class RoundServer {
   std::vector<WeightedUpdate> updates_;  // kept when the aggregator needs them
   at::Tensor control_sum_;               // SCAFFOLD: the accepted control changes (float64)
   int64_t most_offered_ = 0;             // the population when not given
+  double clip_ = 0.0;                    // differential privacy's clip (adaptive: moves)
+  double count_noise() const;            // adaptive clipping's sigma_b
+  int64_t within_clip_ = 0;              // adaptive clipping: accepted updates within it
   double loss_sum_ = 0.0;
 };
 

@@ -90,6 +90,8 @@ struct SimulationOptions {
   int64_t personalize_epochs = 0;
   int64_t personalize_layers = 0;
   std::string metrics_file;
+  /// The initial global model (flat; undefined: built from the seed).
+  at::Tensor initial;
   /// The server's checkpoint goes to DIR/server.pt after every round; resumed from it.
   std::string checkpoint_dir;
   bool progress = true;
