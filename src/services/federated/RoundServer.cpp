@@ -85,13 +85,17 @@ std::vector<std::string> RoundServer::select(const std::vector<std::string>& ava
   std::shuffle(pool.begin(), pool.end(), rng);
   pool.resize(std::min<size_t>(pool.size(), static_cast<size_t>(options_.clients_per_round)));
   selected_ = std::set<std::string>(pool.begin(), pool.end());
+  clear_round();
+  return pool;
+}
+
+void RoundServer::clear_round() {
   submitted_.clear();
   mean_ = WeightedMean();
   updates_.clear();
   control_sum_ = at::Tensor();
   within_clip_ = 0;
   loss_sum_ = 0;
-  return pool;
 }
 
 double RoundServer::dp_clip() const {
@@ -144,12 +148,7 @@ std::vector<std::string> RoundServer::select_from(int64_t population,
   std::vector<std::string> ids;
   for (const int64_t c : chosen) ids.push_back(std::to_string(c));
   selected_ = std::set<std::string>(ids.begin(), ids.end());
-  submitted_.clear();
-  mean_ = WeightedMean();
-  updates_.clear();
-  control_sum_ = at::Tensor();
-  within_clip_ = 0;
-  loss_sum_ = 0;
+  clear_round();
   return ids;
 }
 
@@ -298,12 +297,7 @@ RoundOutcome RoundServer::close() {
     ++attempt_;
   }
   selected_.clear();
-  submitted_.clear();
-  mean_ = WeightedMean();
-  updates_.clear();
-  control_sum_ = at::Tensor();
-  within_clip_ = 0;
-  loss_sum_ = 0;
+  clear_round();
   return out;
 }
 

@@ -158,6 +158,7 @@ class RoundServer {
   int64_t most_offered_ = 0;             // the population when not given
   double clip_ = 0.0;                    // differential privacy's clip (adaptive: moves)
   double count_noise() const;            // adaptive clipping's sigma_b
+  void clear_round();                    // what a round collects, emptied (lock held)
   int64_t within_clip_ = 0;              // adaptive clipping: accepted updates within it
   double loss_sum_ = 0.0;
 };
