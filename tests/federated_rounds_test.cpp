@@ -294,8 +294,11 @@ TEST(Aggregator, BuiltInsConfigureTheirPlansAndTheOldSpellingsResolve) {
   auto fedavgm = make_aggregator("fedavgm", momentum);
   at::Tensor global = at::zeros({2}, at::kDouble);
   const at::Tensor mean = at::tensor({1.0, -2.0}, at::kDouble);
-  fedavgm->aggregate(global, {0, mean, {}});
-  fedavgm->aggregate(global, {1, mean, {}});
+  RoundUpdates round;
+  round.mean = mean;
+  fedavgm->aggregate(global, round);
+  round.round = 1;
+  fedavgm->aggregate(global, round);
   EXPECT_TRUE(global.allclose(mean * 2.9));
   EXPECT_EQ(fedavgm->state_kind(), "sgd");
   EXPECT_EQ(make_aggregator("fedadam", plain)->state_kind(), "adam");

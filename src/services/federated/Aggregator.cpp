@@ -78,7 +78,10 @@ class RobustAggregator : public OptimizerAggregator {
       deltas.push_back(update.delta);
       weights.push_back(update.weight);
     }
-    OptimizerAggregator::aggregate(global, {round.round, statistic_(deltas, weights, robust_), {}});
+    RoundUpdates robust;
+    robust.round = round.round;
+    robust.mean = statistic_(deltas, weights, robust_);
+    OptimizerAggregator::aggregate(global, robust);
   }
 
  private:
