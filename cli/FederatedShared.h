@@ -1,0 +1,77 @@
+// What `dtrain fl simulate` and `dtrain fl serve` share: the clients' plan, the server
+// optimizer and the aggregators' flags, the model, the data; the helpers that read them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "CommonFlags.h"
+#include "dtrain/data/Dataset.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/services/federated/FedAvg.h"
+#include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/Robust.h"
+
+namespace dtrain::cli::fl {
+
+// Flags the simulation and the server share: the clients' plan, the server optimizer, the
+// aggregators' parameters, the model, the data.
+struct Shared {
+  federated::LocalTraining local;
+  federated::ServerOptimizerSpec server;
+  federated::DpSpec dp;
+  federated::RobustSpec robust;
+  std::string init_from, save_model;
+  double feddyn_alpha = 0.01;
+  int scaffold_option = 2;
+  std::string compression = "none";
+  std::string algorithm = "fedavg";
+  std::string model = "mlp";
+  std::vector<int64_t> hidden{200, 200};
+  std::string dataset = "fashion-mnist";
+  std::string data_dir;
+  int64_t synthetic_examples = 4000;
+  uint64_t seed = 0;
+  int threads = 0;
+};
+
+// The registered models federated learning can train: classifiers whose state is parameters.
+std::string federated_models();
+
+// The rounds' flags of the simulation and the server (the same meaning in both).
+void add_round_flags(CLI::App& c, int64_t& rounds, int64_t& min_clients, bool& secure,
+                     double& secagg_threshold, std::string& metrics_file,
+                     const std::string& min_clients_more);
+
+// The plan's, the server's, the aggregators' and the model's flags (simulate and serve).
+void add_plan(CLI::App& c, Shared& s);
+
+// The model the flags name, from --init-from's weights when given.
+Model initial_model(const Shared& s, const models::ModelSpec& spec);
+
+// --save-model: the final global model as a consolidated file.
+void save_final(const Shared& s, const models::ModelSpec& spec, const at::Tensor& global);
+
+// The data set's flags and --threads.
+void add_data(CLI::App& c, Shared& s, const char* use);
+
+// The model --model names, checked to be a classifier of parameters.
+models::ModelSpec model_spec(const Shared& s, const std::string& name,
+                             const std::vector<int64_t>& hidden);
+
+// The set's training or test split.
+data::TensorDataset load(const Shared& s, bool train);
+
+// Threads for tensor ops (--threads, else $DTRAIN_THREADS or the cores), and glibc malloc kept
+// from mmapping each large temporary (a FedSGD client's full-batch activations): without it a
+// FedSGD round with the CNN spends 45% of its time in the kernel (BENCHMARKS.md). Called before
+// the data loads: tuned after it, the rounds still unmapped 1.6x as often.
+void set_up_process(int threads);
+
+// HOSTNAME-PID.
+std::string default_client_id();
+
+}  // namespace dtrain::cli::fl
