@@ -146,12 +146,6 @@ struct ClientRound {
 
 namespace {
 
-// Local steps of `plan` over `examples` examples.
-int64_t planned_steps(const LocalTraining& plan, int64_t examples) {
-  const int64_t batch = plan.batch > 0 ? std::min(plan.batch, examples) : examples;
-  return plan.epochs * ((examples + batch - 1) / batch);
-}
-
 // The round is over for this client: it closed, was aborted, or its deadline passed.
 bool round_over(const grpc::Status& status) {
   return status.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
@@ -285,7 +279,7 @@ class Client::Steps {
       // Out of time: stop, say how long the plan needs here, tell the server at check-in.
       const auto trained_ms =
           std::chrono::duration_cast<std::chrono::milliseconds>(Steady::now() - started).count();
-      const int64_t planned = planned_steps(plan, static_cast<int64_t>(s_.indices.size()));
+      const int64_t planned = local_steps(plan, static_cast<int64_t>(s_.indices.size()));
       s_.late.set_round(r.round);
       s_.late.set_steps_done(r.update.steps);
       s_.late.set_steps_planned(planned);

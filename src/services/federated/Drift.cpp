@@ -16,7 +16,7 @@ at::Tensor local_gradient(Model& model, const at::Tensor& global, const data::Te
   std::vector<at::Tensor> parameters = model.module->parameters();
   for (auto& p : parameters) p.mutable_grad() = at::Tensor();
   const auto n = static_cast<int64_t>(indices.size());
-  const int64_t batch = plan.batch > 0 ? std::min(plan.batch, n) : n;
+  const int64_t batch = local_batch(plan, n);
   for (int64_t begin = 0; begin < n; begin += batch) {
     const std::vector<int64_t> chosen(indices.begin() + begin,
                                       indices.begin() + std::min(n, begin + batch));

@@ -32,6 +32,15 @@ void validate(const LocalTraining& o) {
                      "--scaffold-option must be 1 or 2, got ", o.scaffold_option);
 }
 
+int64_t local_batch(const LocalTraining& plan, int64_t examples) {
+  return plan.batch > 0 ? std::min(plan.batch, examples) : examples;
+}
+
+int64_t local_steps(const LocalTraining& plan, int64_t examples) {
+  const int64_t batch = local_batch(plan, examples);
+  return plan.epochs * ((examples + batch - 1) / batch);
+}
+
 LocalTraining plan_for_round(const LocalTraining& plan, int64_t round) {
   LocalTraining out = plan;
   out.lr = plan.lr * std::pow(plan.lr_decay, static_cast<double>(round));
@@ -86,7 +95,7 @@ ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::T
   spec.weight_decay = options.weight_decay;
   auto optimizer = optim::make_optimizer(parameters, spec);
   const auto n = static_cast<int64_t>(indices.size());
-  const int64_t batch = options.batch > 0 ? std::min(options.batch, n) : n;
+  const int64_t batch = local_batch(options, n);
   std::vector<int64_t> order = indices;
   std::mt19937_64 rng(seed);
   ClientUpdate update;

@@ -46,7 +46,7 @@ RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
                        "--dp-target-quantile: each client's 'within the clip' bit would reach the "
                        "server in the clear beside --secure-aggregation's masked sum; use a fixed "
                        "--dp-clip with secure aggregation");
-    update_noise_multiplier(options_.dp.noise_multiplier, count_noise());
+    update_noise_multiplier(options_.dp.noise_multiplier, count_noise());  // z < 2 sigma_b
   }
   validate(options_.local);
   aggregator_->configure(options_.local, 0);  // its checks of the plan, before any round

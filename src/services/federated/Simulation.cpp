@@ -155,9 +155,9 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   server_options.seed = options.seed;
   server_options.dp = options.dp;
   if (options.initial.defined()) {
-    DTRAIN_CHECK_INPUT(options.initial.numel() == flatten_parameters(global_model).numel(),
-                       "--init-from: a model of ", options.initial.numel(),
-                       " parameters for one of ", flatten_parameters(global_model).numel());
+    const int64_t parameters = flatten_parameters(global_model).numel();
+    DTRAIN_CHECK_INPUT(options.initial.numel() == parameters, "--init-from: a model of ",
+                       options.initial.numel(), " parameters for one of ", parameters);
     load_flat_parameters(global_model, options.initial.to(dtype));
   }
   RoundServer server(flatten_parameters(global_model), server_options);
@@ -217,9 +217,7 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     std::unique_ptr<SecureRound> secure;
     if (options.secure_aggregation) {
       std::vector<int64_t> examples;
-      for (const auto& id : selected) {
-        examples.push_back(static_cast<int64_t>(data[examples.size()].train.size()));
-      }
+      for (const auto& client : data) examples.push_back(static_cast<int64_t>(client.train.size()));
       const auto k = static_cast<int>(selected.size());
       const int threshold = options.secagg_threshold > 0
                                 ? static_cast<int>(std::ceil(options.secagg_threshold * k))

@@ -46,6 +46,11 @@ struct LocalTraining {
 /// InputError naming the flag out of range.
 void validate(const LocalTraining& options);
 
+/// The examples in one local step of `plan` over `examples` examples (B, or all for B = 0), and
+/// the steps the plan takes.
+int64_t local_batch(const LocalTraining& plan, int64_t examples);
+int64_t local_steps(const LocalTraining& plan, int64_t examples);
+
 /// `plan` for round `round` (0-based): its rate decayed.
 LocalTraining plan_for_round(const LocalTraining& plan, int64_t round);
 
