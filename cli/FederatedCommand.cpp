@@ -21,6 +21,7 @@
 #include "dtrain/models/Zoo.h"
 #include "dtrain/services/federated/Aggregator.h"
 #include "dtrain/services/federated/Client.h"
+#include "dtrain/services/federated/SecureAggregation.h"
 #include "dtrain/services/federated/Server.h"
 #include "dtrain/services/federated/Simulation.h"
 #include "dtrain/train/Checkpoint.h"
@@ -54,6 +55,7 @@ struct FederatedCommands::Options {
   std::string partition = "iid";
   std::string availability_trace = "always";
   std::string byzantine = "none";
+  std::string client_speed = "none", staleness = "poly:0.5", serve_staleness = "poly:0.5";
   federated::ServerOptions server;
   std::string server_token_file, client_tokens_file;
   federated::ClientOptions client;
@@ -81,7 +83,7 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(c, "--fraction", s.fraction, "C: the fraction of clients selected each round")
       ->capture_default_str();
   add_round_flags(c, s.rounds, s.min_clients, s.secure_aggregation, s.secagg_threshold,
-                  s.metrics_file, "");
+                  o.sim_shared.secagg_graph, s.metrics_file, "");
   add(c, "--partition", o.partition,
       "How the training set is cut: iid, shards:K (sorted labels, K shards per client: "
       "pathological non-IID) or dirichlet:ALPHA (label skew)")
@@ -104,6 +106,19 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(c, "--round-minutes", s.availability.round_minutes,
       "Simulated minutes per round (moves the diurnal clock)")
       ->capture_default_str();
+  add(c, "--client-speed", o.client_speed,
+      "The virtual clock: each device's slowness, none (a round takes --round-minutes), "
+      "constant, lognormal:SIGMA (median 1) or pareto:ALPHA (>= 1, heavy tail); a device takes "
+      "slowness x --step-seconds per local step of simulated time")
+      ->capture_default_str();
+  add(c, "--step-seconds", s.speed.step_seconds,
+      "Simulated seconds a median device takes per local step (batch)")
+      ->capture_default_str();
+  add(c, "--round-deadline", s.round_deadline,
+      "Synchronous rounds on the virtual clock: simulated minutes a round waits for its clients "
+      "(the slower ones are dropped; 0 = wait for every selected client)")
+      ->capture_default_str();
+  add_buffer_flags(c, s.buffer, o.staleness, " (in simulation: on the virtual clock)");
   add(c, "--byzantine", o.byzantine,
       "Faulty clients: F:KIND[:S], a fraction F of the clients (drawn from the seed) sending "
       "sign-flip (-S x their update, S = 1), scaled (S x, S = 10), gaussian (noise of standard "
@@ -133,10 +148,13 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   sv.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   add(sv, "--listen", v.listen, "HOST:PORT to serve on")->capture_default_str();
   add_round_flags(
-      sv, v.rounds, v.min_clients, v.secure_aggregation, v.secagg_threshold, v.metrics_file,
+      sv, v.rounds, v.min_clients, v.secure_aggregation, v.secagg_threshold,
+      o.serve_shared.secagg_graph, v.metrics_file,
       "; also the fewest waiting clients a round starts with after --selection-timeout");
   add(sv, "--clients-per-round", v.clients_per_round, "K: clients selected each round")
       ->capture_default_str();
+  add_buffer_flags(sv, v.buffer, o.serve_staleness,
+                   " (each client has --round-timeout from its start)");
   add(sv, "--population", v.population,
       "scaffold, feddyn: N, the clients in the federation (their server state moves by the "
       "share that took part; 0 = the most clients ever waiting at once)")
@@ -241,11 +259,18 @@ int FederatedCommands::simulate() {
   s.feddyn_alpha = sh.feddyn_alpha;
   s.scaffold_option = sh.scaffold_option;
   s.byzantine = federated::parse_byzantine(o.byzantine);
+  const double step_seconds = s.speed.step_seconds;
+  s.speed = federated::parse_client_speed(o.client_speed);
+  s.speed.step_seconds = step_seconds;
+  DTRAIN_CHECK_INPUT(step_seconds > 0 && std::isfinite(step_seconds),
+                     "--step-seconds must be > 0, got ", step_seconds);
+  s.buffer.staleness = federated::parse_staleness(o.staleness);
   s.seed = sh.seed;
   s.threads = sh.threads;
   s.algorithm = sh.algorithm;
   s.compression = federated::parse_compression(sh.compression);
   s.compression.error_feedback = o.error_feedback;
+  s.secagg_graph = federated::secagg::parse_secagg_graph(sh.secagg_graph);
   const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
   set_up_process(sh.threads);  // evaluation (--threads, or the cores); client threads use one each
   const data::TensorDataset train = load(sh, true), test = load(sh, false);
@@ -260,11 +285,19 @@ int FederatedCommands::simulate() {
       ++applied;
     }
   }
-  std::printf("federated %s, %lld clients (%s), C = %g, E = %lld, B = %lld: %lld rounds",
-              sh.algorithm.c_str(), static_cast<long long>(s.clients),
-              federated::to_string(s.partition).c_str(), s.fraction,
-              static_cast<long long>(s.local.epochs), static_cast<long long>(s.local.batch),
-              static_cast<long long>(result.rounds_done));
+  std::printf("federated %s, %lld clients (%s), ", sh.algorithm.c_str(),
+              static_cast<long long>(s.clients), federated::to_string(s.partition).c_str());
+  if (s.buffer.enabled()) {
+    std::printf("buffered K = %lld, concurrency %lld, staleness %s",
+                static_cast<long long>(s.buffer.size),
+                static_cast<long long>(s.buffer.clients_at_once()),
+                federated::to_string(s.buffer.staleness).c_str());
+  } else {
+    std::printf("C = %g", s.fraction);
+  }
+  std::printf(", E = %lld, B = %lld: %lld %s", static_cast<long long>(s.local.epochs),
+              static_cast<long long>(s.local.batch), static_cast<long long>(result.rounds_done),
+              s.buffer.enabled() ? "server steps" : "rounds");
   if (accuracy >= 0) std::printf(", test accuracy %.4f", accuracy);
   if (!result.rounds.empty() && result.rounds.back().dp_epsilon >= 0) {
     std::printf(", (%.3g, %g)-DP", result.rounds.back().dp_epsilon, s.dp.delta);
@@ -277,8 +310,15 @@ int FederatedCommands::simulate() {
                 federated::to_string(s.compression).c_str());
   }
   if (result.rounds_to_target > 0) {
-    std::printf(", reached %.3f in round %lld", s.target_accuracy,
+    std::printf(", reached %.3f in %s %lld", s.target_accuracy,
+                s.buffer.enabled() ? "step" : "round",
                 static_cast<long long>(result.rounds_to_target));
+    if (result.minutes_to_target >= 0) {
+      std::printf(" (%.1f simulated minutes)", result.minutes_to_target);
+    }
+  }
+  if (!result.rounds.empty() && result.rounds.back().sim_minutes >= 0) {
+    std::printf(", %.1f simulated minutes in all", result.rounds.back().sim_minutes);
   }
   std::printf("\n");
   if (s.personalize_epochs > 0) {
@@ -307,6 +347,8 @@ int FederatedCommands::serve() {
   v.feddyn_alpha = sh.feddyn_alpha;
   v.scaffold_option = sh.scaffold_option;
   v.compression = federated::parse_compression(sh.compression);
+  v.secagg_graph = federated::secagg::parse_secagg_graph(sh.secagg_graph);
+  v.buffer.staleness = federated::parse_staleness(o.serve_staleness);
   v.model = sh.model;
   v.hidden = sh.hidden;
   v.seed = sh.seed;
@@ -321,9 +363,19 @@ int FederatedCommands::serve() {
     federated::load_flat_parameters(model, global);
     return federated::evaluate_model(model, test);
   });
-  std::fprintf(stderr, "fl server: listening on %s (port %d), %lld rounds of %lld clients\n",
-               v.listen.c_str(), server.port(), static_cast<long long>(v.rounds),
-               static_cast<long long>(v.clients_per_round));
+  if (v.buffer.enabled()) {
+    std::fprintf(stderr,
+                 "fl server: listening on %s (port %d), %lld buffered steps of %lld updates, "
+                 "%lld clients at once, staleness %s\n",
+                 v.listen.c_str(), server.port(), static_cast<long long>(v.rounds),
+                 static_cast<long long>(v.buffer.size),
+                 static_cast<long long>(v.buffer.clients_at_once()),
+                 federated::to_string(v.buffer.staleness).c_str());
+  } else {
+    std::fprintf(stderr, "fl server: listening on %s (port %d), %lld rounds of %lld clients\n",
+                 v.listen.c_str(), server.port(), static_cast<long long>(v.rounds),
+                 static_cast<long long>(v.clients_per_round));
+  }
   if (server.round() > 0) {
     std::fprintf(stderr, "fl server: resumed at round %lld from %s/server.pt\n",
                  static_cast<long long>(server.round()), v.checkpoint_dir.c_str());

@@ -27,7 +27,7 @@ std::string federated_models() {
 
 // The rounds' flags of the simulation and the server (the same meaning in both).
 void add_round_flags(CLI::App& c, int64_t& rounds, int64_t& min_clients, bool& secure,
-                     double& secagg_threshold, std::string& metrics_file,
+                     double& secagg_threshold, std::string& secagg_graph, std::string& metrics_file,
                      const std::string& min_clients_more) {
   add(c, "--rounds", rounds, "Rounds")->capture_default_str();
   add(c, "--min-clients", min_clients,
@@ -38,10 +38,32 @@ void add_round_flags(CLI::App& c, int64_t& rounds, int64_t& min_clients, bool& s
   c.add_flag("--secure-aggregation", secure,
              "Secure aggregation (Bonawitz et al. 2017): the server learns only each round's sum");
   add(c, "--secagg-threshold", secagg_threshold,
-      "Secure aggregation's t as a fraction of the round's clients (0 = a majority); rounds "
-      "with fewer survivors abort")
+      "Secure aggregation's t as a fraction of the round's clients (with SecAgg+: of a "
+      "neighbourhood, degree + 1; 0 = a majority); rounds with fewer survivors abort")
+      ->capture_default_str();
+  add(c, "--secagg-graph", secagg_graph,
+      "Secure aggregation among whom: full (every pair of the round's clients, Bonawitz et al.), "
+      "log (SecAgg+, Bell et al. 2020: a random graph of degree about 2 log2 K from the round's "
+      "seed; masks and shares only among neighbours) or an even degree K")
       ->capture_default_str();
   add(c, "--metrics-file", metrics_file, "JSON Lines: one record per round");
+}
+
+void add_buffer_flags(CLI::App& c, federated::BufferSpec& buffer, std::string& staleness,
+                      const std::string& more) {
+  add(c, "--buffer-size", buffer.size,
+      "K: asynchronous buffered aggregation (FedBuff): updates are taken as they arrive and "
+      "applied every K (0 = synchronous rounds); --rounds counts these server steps" +
+          more)
+      ->capture_default_str();
+  add(c, "--concurrency", buffer.concurrency,
+      "C: clients training at once with --buffer-size (0 = 10 x K)")
+      ->capture_default_str();
+  add(c, "--staleness", staleness,
+      "How a buffered update's weight falls with its staleness s (server steps since its client "
+      "started): constant, poly:A ((1 + s)^-A) or hinge:A,B (1 up to s = B, then "
+      "1 / (A (s - B) + 1))")
+      ->capture_default_str();
 }
 
 void add_plan(CLI::App& c, Shared& s) {

@@ -11,6 +11,7 @@
 #include "CommonFlags.h"
 #include "dtrain/data/Dataset.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/services/federated/Buffered.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Privacy.h"
 #include "dtrain/services/federated/Robust.h"
@@ -28,6 +29,7 @@ struct Shared {
   double feddyn_alpha = 0.01;
   int scaffold_option = 2;
   std::string compression = "none";
+  std::string secagg_graph = "full";
   std::string algorithm = "fedavg";
   std::string model = "mlp";
   std::vector<int64_t> hidden{200, 200};
@@ -43,8 +45,12 @@ std::string federated_models();
 
 // The rounds' flags of the simulation and the server (the same meaning in both).
 void add_round_flags(CLI::App& c, int64_t& rounds, int64_t& min_clients, bool& secure,
-                     double& secagg_threshold, std::string& metrics_file,
+                     double& secagg_threshold, std::string& secagg_graph, std::string& metrics_file,
                      const std::string& min_clients_more);
+
+// Asynchronous buffered aggregation's flags (--buffer-size, --concurrency, --staleness).
+void add_buffer_flags(CLI::App& c, federated::BufferSpec& buffer, std::string& staleness,
+                      const std::string& more);
 
 // The plan's, the server's, the aggregators' and the model's flags (simulate and serve).
 void add_plan(CLI::App& c, Shared& s);

@@ -53,14 +53,23 @@ struct SecAggRound {
 
 // n clients with random int32 inputs; `drop_before_masking` of them share keys and then leave,
 // `drop_before_reveal` send masked inputs and leave before revealing.
+// With `degree` > 0: SecAgg+ on the graph drawn from `graph_seed`.
 SecAggRound secure_round(int n, int threshold, int64_t elements, int drop_before_masking,
-                         int drop_before_reveal, uint64_t seed = 1) {
+                         int drop_before_reveal, uint64_t seed = 1, int degree = 0,
+                         uint64_t graph_seed = 7) {
   using namespace secagg;
   std::vector<std::unique_ptr<ClientSession>> clients;
   ServerSession server(elements, threshold);
+  std::vector<uint32_t> ids;
+  for (int i = 0; i < n; ++i) ids.push_back(static_cast<uint32_t>(100 + 7 * i));
+  std::map<uint32_t, std::vector<uint32_t>> graph;
+  if (degree > 0) {
+    graph = neighbour_graph(ids, degree, graph_seed);
+    server.set_graph(graph);
+  }
   for (int i = 0; i < n; ++i) {
-    clients.push_back(
-        std::make_unique<ClientSession>(static_cast<uint32_t>(100 + 7 * i), elements, threshold));
+    clients.push_back(std::make_unique<ClientSession>(ids[i], elements, threshold));
+    if (degree > 0) clients.back()->set_neighbours(graph.at(ids[i]));
     server.add_keys(clients.back()->advertise());
   }
   const auto u1 = server.advertised();
@@ -213,6 +222,81 @@ TEST(SecureAggregation, TheAggregateIsThePlaintextSumExactlyWithAndWithoutDropou
   EXPECT_FALSE(at::equal((raw & int64_t{0xffffffff}).to(at::kInt), dropped.plain));
 }
 
+// SecAgg+'s graph: every client has exactly k neighbours, the relation is symmetric, and the
+// same seed draws the same graph (the server and every client draw it from the round's seed).
+TEST(SecAggPlus, TheGraphIsRegularSymmetricAndDrawnFromTheSeed) {
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 1; i <= 100; ++i) ids.push_back(i * 3);
+  const int k = secagg::default_degree(100);
+  EXPECT_EQ(k, 14);  // the smallest even k >= 2 log2(100) = 13.3
+  EXPECT_EQ(secagg::default_degree(1000), 20);
+  EXPECT_EQ(secagg::default_degree(3), 0);  // no graph sparser than the full one
+  const auto graph = secagg::neighbour_graph(ids, k, 42);
+  ASSERT_EQ(graph.size(), 100u);
+  for (const auto& [u, mine] : graph) {
+    EXPECT_EQ(mine.size(), static_cast<size_t>(k)) << u;
+    EXPECT_EQ(std::set<uint32_t>(mine.begin(), mine.end()).size(), mine.size()) << u;
+    for (const uint32_t v : mine) {
+      EXPECT_NE(u, v);
+      const auto& theirs = graph.at(v);
+      EXPECT_TRUE(std::binary_search(theirs.begin(), theirs.end(), u)) << u << "-" << v;
+    }
+  }
+  std::vector<uint32_t> shuffled(ids.rbegin(), ids.rend());
+  EXPECT_EQ(secagg::neighbour_graph(shuffled, k, 42), graph);  // the order given does not matter
+  EXPECT_NE(secagg::neighbour_graph(ids, k, 43), graph);
+  const auto refused = [&](int degree, int64_t n) {
+    try {
+      secagg::round_degree(degree, n);
+      secagg::neighbour_graph(std::vector<uint32_t>(ids.begin(), ids.begin() + n), degree, 1);
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_NE(refused(10, 10).find("SecAgg+ degree larger than the round allows (10 clients"),
+            std::string::npos);
+  EXPECT_NE(refused(3, 10).find("an even degree >= 2"), std::string::npos);
+  EXPECT_EQ(secagg::parse_secagg_graph("full"), 0);
+  EXPECT_EQ(secagg::parse_secagg_graph("log"), -1);
+  EXPECT_EQ(secagg::parse_secagg_graph("20"), 20);
+  for (const std::string bad : {"sparse", "7", "0", "-2"}) {
+    try {
+      secagg::parse_secagg_graph(bad);
+      ADD_FAILURE() << "--secagg-graph " << bad << " accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("--secagg-graph '" + bad + "'"), std::string::npos);
+    }
+  }
+}
+
+// SecAgg+ sums equal the plaintext sum exactly with no dropouts and with 30% (before masking,
+// and some after masking), the masks and shares only along the graph's edges.
+TEST(SecAggPlus, SumsEqualThePlaintextSumExactlyWith0And30PercentDropouts) {
+  const int64_t elements = 500;
+  const int k = secagg::default_degree(50);  // 12: neighbourhoods of 13
+  const SecAggRound all = secure_round(50, 7, elements, 0, 0, 1, k);
+  EXPECT_TRUE(at::equal(all.sum, all.plain));
+  // 15 of 50 leave after sharing keys; t = 4 of a neighbourhood's 13 (a lower threshold keeps
+  // every neighbourhood above it at this dropout rate).
+  const SecAggRound dropped = secure_round(50, 4, elements, 15, 0, 2, k);
+  EXPECT_TRUE(at::equal(dropped.sum, dropped.plain));
+  const SecAggRound late = secure_round(50, 4, elements, 10, 5, 3, k);
+  EXPECT_TRUE(at::equal(late.sum, late.plain));
+  // The masks are there: summing the masked inputs without removing them is not the sum.
+  at::Tensor raw = at::zeros({elements}, at::kLong);
+  for (const auto& y : dropped.masked) raw += y.to(at::kLong);
+  EXPECT_FALSE(at::equal((raw & int64_t{0xffffffff}).to(at::kInt), dropped.plain));
+  // A neighbourhood with fewer than t survivors cannot be unmasked: the round aborts naming it.
+  try {
+    secure_round(50, 12, elements, 15, 0, 2, k);
+    ADD_FAILURE() << "a neighbourhood below its threshold was unmasked";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fewer than the threshold 12"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(SecureAggregation, BelowTheThresholdTheRoundAbortsSayingHowManyWereLeft) {
   try {
     secure_round(10, 6, 100, 5, 0);  // 5 masked inputs < 6
@@ -347,6 +431,14 @@ TEST(SecureAggregation, SimulatedRoundsWithSecureAggregationMatchPlaintextFedAvg
   EXPECT_LT(difference, 1e-4);
   // Not the same computation: the fixed point's rounding is there.
   EXPECT_GT(difference, 0.0);
+  // SecAgg+ (degree 6: neighbourhoods of 7, t = 2) sums the same fixed-point inputs exactly:
+  // the same model bit for bit, with the same dropouts.
+  options.secagg_graph = 6;
+  options.secagg_threshold = 0.25;
+  const auto plus = simulate(mlp_spec(), train, test, options);
+  EXPECT_TRUE(plus.global.equal(secure.global));
+  options.secagg_graph = 0;
+  options.secagg_threshold = 0.5;
   // With t = 10 of 10 and nearly everyone dropping out, no round is applied, each is retried,
   // and after 10 tries in a row the run stops saying why.
   options.secagg_threshold = 1.0;

@@ -144,6 +144,64 @@ TEST(FederatedServer, ClientsOverGrpcTrainTheModelFedAvgComputesInProcess) {
   }
 }
 
+// Buffered aggregation over gRPC (FedBuff): with K = C = every client and no staleness
+// discount it is the synchronous computation exactly; with K < C updates arrive from older
+// models and are discounted; a restarted server resumes the steps from its checkpoint.
+TEST(FederatedServer, BufferedAggregationOverGrpcTakesUpdatesAsTheyComeAndResumes) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(90, 21);
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> clients = {
+      {"a", range(0, 20)}, {"b", range(20, 50)}, {"c", range(50, 90)}};
+  const at::Tensor initial = flatten_parameters(model64(0));
+  ServerOptions options = server_options(3, 3);
+  options.buffer.size = 3;
+  options.buffer.concurrency = 3;
+  options.buffer.staleness = parse_staleness("constant");
+  Server server(initial, options);
+  ServerResult result;
+  run_clients(server, train, clients, &result);
+  ASSERT_EQ(result.rounds_done, 3);
+  at::Tensor global = initial.clone();
+  Model model = model64(0);
+  for (int round = 0; round < 3; ++round) {
+    WeightedMean mean;
+    for (const auto& [id, indices] : clients) {
+      const ClientUpdate u = train_locally(model, global, train, indices, options.local, 0);
+      mean.add(u.delta, static_cast<double>(u.examples));
+    }
+    global += mean.mean(at::kDouble);
+  }
+  EXPECT_LE((result.global - global).abs().max().item<double>(), kTightBound);
+
+  // K = 2 of C = 3: the third update of a step comes from an older model (stale).
+  const test::TempDir dir;
+  ServerOptions smaller = options;
+  smaller.buffer.size = 2;
+  smaller.buffer.staleness = parse_staleness("poly:0.5");
+  smaller.rounds = 4;
+  smaller.checkpoint_dir = dir.path();
+  Server first(initial, smaller);
+  ServerResult part;
+  run_clients(first, train, clients, &part);
+  ASSERT_EQ(part.rounds_done, 4);
+  double staleness = 0;
+  for (const auto& r : part.rounds) {
+    EXPECT_EQ(r.outcome.finished, 2);
+    staleness += r.outcome.staleness;
+  }
+  EXPECT_GT(staleness, 0.0);
+  EXPECT_EQ(part.refused, 0);
+  // Restarted with the same checkpoint directory: it goes on from step 4.
+  smaller.rounds = 6;
+  Server second(initial, smaller);
+  EXPECT_EQ(second.round(), 4);
+  ServerResult rest;
+  run_clients(second, train, clients, &rest);
+  EXPECT_EQ(rest.start_round, 4);
+  EXPECT_EQ(rest.rounds_done, 6);
+  EXPECT_EQ(rest.rounds.size(), 2u);
+}
+
 // SCAFFOLD and FedDyn over gRPC: the server control variate travels with the model, each
 // client keeps its own state, SCAFFOLD's control change travels with the update; after 3
 // rounds the global model is exactly what the drift-corrected clients and the round server
@@ -441,6 +499,16 @@ TEST(FederatedServer, SecureAggregationOverGrpcSumsTheUpdatesAndSurvivesADropout
     EXPECT_EQ(r.outcome.finished, 4);
     EXPECT_GT(r.server_aggregation_s, 0.0);
   }
+  // SecAgg+ over gRPC: a ring of degree 2 (each client masks and shares with 2 of the 3 others,
+  // the graph drawn by server and clients from the round's seed) sums the same fixed-point
+  // inputs: the same model bit for bit.
+  ServerOptions plus_options = options;
+  plus_options.secagg_graph = 2;
+  Server plus(initial, plus_options);
+  ServerResult plus_result;
+  run_clients(plus, train, clients, &plus_result);
+  ASSERT_EQ(plus_result.rounds_done, 2);
+  EXPECT_TRUE(plus_result.global.equal(result.global));
 
   // One client leaves after its keys and shares, each round: t = 3 of 4 survive it.
   ServerOptions dropping = options;

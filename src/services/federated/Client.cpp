@@ -11,6 +11,7 @@
 #include <cstring>
 #include <ctime>
 #include <map>
+#include <numeric>
 #include <sstream>
 #include <thread>
 
@@ -205,6 +206,25 @@ class Client::Steps {
     const auto& setup = r.reply.secagg();
     r.session = std::make_unique<secagg::ClientSession>(setup.id(), r.global.numel() + 2,
                                                         setup.threshold());
+    if (setup.degree() > 0) {
+      // SecAgg+: the round's graph, drawn from the server's seed as the server drew it.
+      std::vector<uint32_t> all(static_cast<size_t>(std::max(0, setup.clients())));
+      std::iota(all.begin(), all.end(), 1u);
+      std::map<uint32_t, std::vector<uint32_t>> graph;
+      try {
+        graph = secagg::neighbour_graph(all, setup.degree(), setup.graph_seed());
+      } catch (const InputError& e) {
+        s_.say(concat("round ", r.round, ": the server's SecAgg+ graph: ", e.what(), "; leaving"));
+        return false;
+      }
+      const auto mine = graph.find(setup.id());
+      if (mine == graph.end()) {
+        s_.say(concat("round ", r.round, ": secure aggregation: id ", setup.id(),
+                      " is not in the round's graph of ", setup.clients(), " clients; leaving"));
+        return false;
+      }
+      r.session->set_neighbours(mine->second);
+    }
     const secagg::PublicKeys mine = r.session->advertise();
     dtrain::fl::SecAggRequest keys;
     keys.set_step(dtrain::fl::SecAggRequest::KEYS);

@@ -145,16 +145,22 @@ ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::T
   return update;
 }
 
-void WeightedMean::add(const at::Tensor& update, double weight) {
-  DTRAIN_CHECK(weight > 0, "an update of weight ", weight);
+void WeightedMean::restore(at::Tensor sum, double weight, int64_t count) {
+  sum_ = std::move(sum);
+  weight_ = weight;
+  count_ = count;
+}
+
+void WeightedMean::add(const at::Tensor& update, double weight, double scale) {
+  DTRAIN_CHECK(weight > 0 && scale >= 0, "an update of weight ", weight, " x ", scale);
   if (!sum_.defined()) {
-    sum_ = update.to(at::kDouble) * weight;
+    sum_ = update.to(at::kDouble) * (weight * scale);
   } else {
     DTRAIN_CHECK(sum_.numel() == update.numel(), "updates of ", sum_.numel(), " and ",
                  update.numel(), " elements");
     // Into the float64 sum without a float64 copy of the update (its elements are widened as
     // they are added: the same sum, one pass, no allocation).
-    sum_.add_(update, weight);
+    sum_.add_(update, weight * scale);
   }
   weight_ += weight;
   ++count_;

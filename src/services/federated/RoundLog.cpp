@@ -32,6 +32,10 @@ void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clien
   if (outcome.dp_clip > 0) line["dp_clip"] = outcome.dp_clip;
   if (record.available >= 0) line["available"] = record.available;
   if (record.faulty >= 0) line["faulty"] = record.faulty;
+  if (record.server_masks > 0) line["server_masks"] = record.server_masks;
+  if (record.client_masks > 0) line["client_masks"] = record.client_masks;
+  if (record.sim_minutes >= 0) line["sim_minutes"] = record.sim_minutes;
+  if (outcome.staleness >= 0) line["staleness"] = outcome.staleness;
   if (record.server_aggregation_s > 0) line["server_aggregation_s"] = record.server_aggregation_s;
   if (record.client_aggregation_s > 0) line["client_aggregation_s"] = record.client_aggregation_s;
   if (record.client_training_s > 0) line["client_training_s"] = record.client_training_s;

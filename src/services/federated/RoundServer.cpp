@@ -48,6 +48,20 @@ RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
                        "--dp-clip with secure aggregation");
     update_noise_multiplier(options_.dp.noise_multiplier, count_noise());  // z < 2 sigma_b
   }
+  validate(options_.buffer);
+  if (options_.buffer.enabled()) {
+    DTRAIN_CHECK_INPUT(!options_.secure_aggregation,
+                       "--buffer-size (asynchronous buffered aggregation) with "
+                       "--secure-aggregation: buffered secure aggregation is not implemented; "
+                       "use synchronous rounds (--buffer-size 0) with secure aggregation");
+    DTRAIN_CHECK_INPUT(!aggregator_->needs_control_deltas() &&
+                           !aggregator_->needs_individual_updates() &&
+                           aggregator_->name() != "feddyn",
+                       "--buffer-size with --algorithm ", aggregator_->name(),
+                       ": it assumes synchronous rounds (drift state or a statistic over one "
+                       "round's updates); buffered aggregation takes fedavg, fedprox, fedavgm, "
+                       "fedadam or fedsgd");
+  }
   validate(options_.local);
   aggregator_->configure(options_.local, 0);  // its checks of the plan, before any round
   DTRAIN_CHECK(sodium_init() >= 0, "libsodium failed to initialize");
@@ -96,6 +110,9 @@ void RoundServer::clear_round() {
   control_sum_ = at::Tensor();
   within_clip_ = 0;
   loss_sum_ = 0;
+  buffered_ = 0;
+  left_ = 0;
+  staleness_sum_ = 0;
 }
 
 double RoundServer::dp_clip() const {
@@ -104,8 +121,58 @@ double RoundServer::dp_clip() const {
 }
 
 double RoundServer::count_noise() const {
+  const int64_t per_step =
+      options_.buffer.enabled() ? options_.buffer.size : options_.clients_per_round;
   return options_.dp.count_noise > 0 ? options_.dp.count_noise
-                                     : static_cast<double>(options_.clients_per_round) / 20.0;
+                                     : static_cast<double>(per_step) / 20.0;
+}
+
+std::string RoundServer::start(const std::string& client) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!options_.buffer.enabled()) return "start() is for buffered aggregation";
+  if (training_.count(client) > 0) {
+    return concat("client '", client, "' is already training (from step ", training_.at(client),
+                  ")");
+  }
+  if (submitted_.count(client) > 0) {
+    // One update per client in a buffer (as one per round): a fast device cannot fill it.
+    return concat("client '", client, "' already has an update in step ", round_, "'s buffer");
+  }
+  if (static_cast<int64_t>(training_.size()) >= options_.buffer.clients_at_once()) {
+    return concat(options_.buffer.clients_at_once(), " clients are training (--concurrency)");
+  }
+  training_[client] = round_;
+  return "";
+}
+
+void RoundServer::leave(const std::string& client) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (training_.erase(client) > 0) ++left_;
+}
+
+double RoundServer::clock() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return clock_;
+}
+
+void RoundServer::set_clock(double minutes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  clock_ = minutes;
+}
+
+int64_t RoundServer::training() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(training_.size());
+}
+
+std::map<std::string, int64_t> RoundServer::training_steps() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return training_;
+}
+
+bool RoundServer::buffer_full() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.buffer.enabled() && buffered_ >= options_.buffer.size;
 }
 
 at::Tensor RoundServer::client_control() const {
@@ -166,10 +233,14 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
                                 int64_t examples, double train_loss,
                                 const at::Tensor& control_delta, int within_clip) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (selected_.count(client) == 0) {
+  const bool buffered = options_.buffer.enabled();
+  if (buffered && training_.count(client) == 0) {
+    return concat("client '", client, "' is not training (start it first)");
+  }
+  if (!buffered && selected_.count(client) == 0) {
     return concat("client '", client, "' was not selected for round ", round_);
   }
-  if (submitted_.count(client) > 0) {
+  if (!buffered && submitted_.count(client) > 0) {
     return concat("client '", client, "' already sent its update for round ", round_);
   }
   if (!delta.defined() || delta.dim() != 1 || delta.numel() != global_.numel()) {
@@ -210,9 +281,20 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
     }
     weight = 1.0;
   }
-  mean_.add(delta, weight);
+  // FedBuff: an update computed from an older model counts less.
+  double scale = 1.0;
+  if (buffered) {
+    const int64_t staleness = round_ - training_.at(client);
+    scale = options_.buffer.staleness.weight(staleness);
+    training_.erase(client);
+    ++buffered_;
+    staleness_sum_ += static_cast<double>(staleness);
+  }
+  mean_.add(delta, weight, scale);
   if (options_.dp.adaptive()) within_clip_ += within_clip;
-  if (aggregator_->needs_individual_updates()) updates_.push_back({client, delta.clone(), weight});
+  if (aggregator_->needs_individual_updates()) {
+    updates_.push_back({client, scale == 1.0 ? delta.clone() : delta * scale, weight});
+  }
   if (aggregator_->needs_control_deltas()) {
     if (control_sum_.defined()) {
       control_sum_.add_(control_delta);
@@ -258,12 +340,21 @@ RoundOutcome RoundServer::close() {
   std::lock_guard<std::mutex> lock(mutex_);
   RoundOutcome out;
   out.round = round_;
-  out.selected = static_cast<int64_t>(selected_.size());
-  out.finished = static_cast<int64_t>(submitted_.size());
-  out.dropped = out.selected - out.finished;
+  const bool buffered = options_.buffer.enabled();
+  if (buffered) {
+    // A step of K updates: DP's noise is divided by K as a round's by its selected clients.
+    out.selected = options_.buffer.size;
+    out.finished = buffered_;
+    out.dropped = left_;
+    out.staleness = buffered_ > 0 ? staleness_sum_ / static_cast<double>(buffered_) : 0.0;
+  } else {
+    out.selected = static_cast<int64_t>(selected_.size());
+    out.finished = static_cast<int64_t>(submitted_.size());
+    out.dropped = out.selected - out.finished;
+  }
   out.examples = static_cast<int64_t>(mean_.total_weight());
   if (out.examples > 0) out.train_loss = loss_sum_ / static_cast<double>(out.examples);
-  out.applied = out.finished >= options_.min_clients;
+  out.applied = buffered ? buffered_ > 0 : out.finished >= options_.min_clients;
   if (out.applied) {
     at::Tensor average = mean_.mean(global_.scalar_type());
     if (options_.dp.enabled()) {
@@ -296,7 +387,7 @@ RoundOutcome RoundServer::close() {
   } else {
     ++attempt_;
   }
-  selected_.clear();
+  if (!buffered) selected_.clear();
   clear_round();
   return out;
 }
@@ -308,11 +399,34 @@ void RoundServer::save(const std::string& path) const {
     file.insert("format", kFormat);
     file.insert("round", round_);
     file.insert("dp_clip", clip_);
+    file.insert("clock", clock_);
     file.insert("optimizer", aggregator_->state_kind());
     c10::Dict<std::string, at::Tensor> tensors;
     tensors.insert("global", global_.clone());
     for (const auto& [name, tensor] : aggregator_->state()) tensors.insert(name, tensor.clone());
     file.insert("tensors", tensors);
+    if (options_.buffer.enabled()) {
+      // The asynchronous state: the buffer so far and who is training from which step (their
+      // updates are taken, with the right staleness, after a restart).
+      c10::List<std::string> clients;
+      c10::List<int64_t> steps;
+      for (const auto& [client, step] : training_) {
+        clients.push_back(client);
+        steps.push_back(step);
+      }
+      file.insert("training_clients", clients);
+      file.insert("training_steps", steps);
+      file.insert("buffered", buffered_);
+      file.insert("buffer_weight", mean_.total_weight());
+      file.insert("buffer_loss", loss_sum_);
+      file.insert("buffer_staleness", staleness_sum_);
+      file.insert("buffer_within_clip", within_clip_);
+      file.insert("left", left_);
+      c10::List<std::string> in_buffer;
+      for (const auto& entry : submitted_) in_buffer.push_back(entry.first);
+      file.insert("buffer_clients", in_buffer);
+      if (mean_.sum().defined()) file.insert("buffer", mean_.sum().clone());
+    }
   }
   save_pickled_dict(path, file);
 }
@@ -345,9 +459,33 @@ void RoundServer::load(const std::string& path) {
     aggregator_->load_state(state);
     round_ = file.at("round").toInt();
     if (file.contains("dp_clip") && options_.dp.adaptive()) clip_ = file.at("dp_clip").toDouble();
+    clock_ = file.contains("clock") ? file.at("clock").toDouble() : 0.0;
     attempt_ = 0;
     selected_.clear();
-    submitted_.clear();
+    clear_round();
+    training_.clear();
+    if (options_.buffer.enabled() && file.contains("training_clients")) {
+      const auto clients = file.at("training_clients").toList();
+      const auto steps = file.at("training_steps").toList();
+      DTRAIN_CHECK_INPUT(clients.size() == steps.size(), path,
+                         ": a damaged list of training clients");
+      for (size_t i = 0; i < clients.size(); ++i) {
+        training_[clients.get(i).toStringRef()] = steps.get(i).toInt();
+      }
+      buffered_ = file.at("buffered").toInt();
+      loss_sum_ = file.at("buffer_loss").toDouble();
+      staleness_sum_ = file.at("buffer_staleness").toDouble();
+      within_clip_ = file.at("buffer_within_clip").toInt();
+      left_ = file.at("left").toInt();
+      const auto in_buffer = file.at("buffer_clients").toList();
+      for (size_t i = 0; i < in_buffer.size(); ++i) submitted_[in_buffer.get(i).toStringRef()] = 1;
+      if (file.contains("buffer")) {
+        const at::Tensor sum = file.at("buffer").toTensor();
+        DTRAIN_CHECK_INPUT(sum.dim() == 1 && sum.numel() == global_.numel(), path,
+                           ": the buffer does not match the model");
+        mean_.restore(sum.to(at::kDouble), file.at("buffer_weight").toDouble(), buffered_);
+      }
+    }
   } catch (const c10::Error& e) {
     DTRAIN_THROW(InputError, path,
                  " is a malformed federated server checkpoint: ", e.what_without_backtrace());

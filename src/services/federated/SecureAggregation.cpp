@@ -88,13 +88,26 @@ Key pairwise_seed(const Key& my_secret, uint32_t me, const Key& my_public, uint3
 }
 
 // y += sign * PRG(seed), modulo 2^32.
+// y +-= expand_mask(seed, n), the keystream made a cache-sized block at a time (the same words:
+// block i of the stream starts at counter i x kBlock / 64) instead of a model-sized tensor, so
+// the masks cost the ChaCha20 work and one pass over y.
 void add_mask(uint32_t* y, int64_t n, const Key& seed, bool subtract) {
-  const at::Tensor mask = expand_mask(seed, n);
-  const auto* m = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>());
-  if (subtract) {
-    for (int64_t i = 0; i < n; ++i) y[i] -= m[i];
-  } else {
-    for (int64_t i = 0; i < n; ++i) y[i] += m[i];
+  constexpr int64_t kBlock = 4096;  // words: 16 KiB, 256 ChaCha20 blocks
+  alignas(64) uint32_t m[kBlock];
+  const unsigned char nonce[crypto_stream_chacha20_ietf_NONCEBYTES] = {};
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t count = std::min(kBlock, n - start);
+    std::memset(m, 0, static_cast<size_t>(count) * 4);
+    crypto_stream_chacha20_ietf_xor_ic(reinterpret_cast<unsigned char*>(m),
+                                       reinterpret_cast<const unsigned char*>(m),
+                                       static_cast<unsigned long long>(count) * 4, nonce,
+                                       static_cast<uint32_t>(start / 16), seed.data());
+    uint32_t* out = y + start;
+    if (subtract) {
+      for (int64_t i = 0; i < count; ++i) out[i] -= m[i];
+    } else {
+      for (int64_t i = 0; i < count; ++i) out[i] += m[i];
+    }
   }
 }
 
@@ -178,6 +191,70 @@ std::vector<uint64_t> shamir_join(const std::map<uint32_t, std::vector<uint64_t>
   return secret;
 }
 
+std::map<uint32_t, std::vector<uint32_t>> neighbour_graph(std::vector<uint32_t> ids, int degree,
+                                                          uint64_t seed) {
+  const auto n = static_cast<int64_t>(ids.size());
+  DTRAIN_CHECK_INPUT(degree >= 2 && degree % 2 == 0, "SecAgg+ needs an even degree >= 2, got ",
+                     degree);
+  DTRAIN_CHECK_INPUT(degree < n - 1, "SecAgg+ degree ", degree, " is not below the round's ", n,
+                     " clients - 1: that is the full graph (the classic protocol)");
+  std::sort(ids.begin(), ids.end());
+  // Fisher-Yates with splitmix64: the same order on every platform (std::shuffle's is not).
+  uint64_t state = seed;
+  auto next = [&state] {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  };
+  for (int64_t i = n - 1; i > 0; --i) {
+    std::swap(ids[static_cast<size_t>(i)], ids[next() % static_cast<uint64_t>(i + 1)]);
+  }
+  std::map<uint32_t, std::vector<uint32_t>> graph;
+  for (int64_t i = 0; i < n; ++i) {
+    auto& mine = graph[ids[static_cast<size_t>(i)]];
+    for (int d = 1; d <= degree / 2; ++d) {
+      mine.push_back(ids[static_cast<size_t>((i + d) % n)]);
+      mine.push_back(ids[static_cast<size_t>((i - d + n) % n)]);
+    }
+    std::sort(mine.begin(), mine.end());
+  }
+  return graph;
+}
+
+int default_degree(int64_t n) {
+  int k = 2 * static_cast<int>(std::ceil(std::log2(static_cast<double>(std::max<int64_t>(2, n)))));
+  k += k % 2;
+  const int64_t largest = (n - 2) - (n - 2) % 2;  // the largest even degree below n - 1
+  if (largest < 2) return 0;
+  return static_cast<int>(std::min<int64_t>(k, largest));
+}
+
+int parse_secagg_graph(const std::string& text) {
+  if (text == "full") return 0;
+  if (text == "log") return -1;
+  char* end = nullptr;
+  const long k = std::strtol(text.c_str(), &end, 10);
+  DTRAIN_CHECK_INPUT(!text.empty() && *end == '\0' && k >= 2 && k % 2 == 0 && k < 1000000,
+                     "--secagg-graph '", text,
+                     "': expected full, log or an even degree K >= 2 (SecAgg+)");
+  return static_cast<int>(k);
+}
+
+int round_degree(int graph, int64_t n) {
+  if (graph == 0) return 0;
+  if (graph < 0) return default_degree(n);
+  DTRAIN_CHECK_INPUT(graph < n - 1, "--secagg-graph ", graph,
+                     ": SecAgg+ degree larger than the round allows (", n, " clients: at most ",
+                     n - 2, "; full is the classic protocol)");
+  return graph;
+}
+
+int secagg_threshold(double fraction, int holders) {
+  return std::max(2,
+                  fraction > 0 ? static_cast<int>(std::ceil(fraction * holders)) : holders / 2 + 1);
+}
+
 // ---- the client ----
 
 struct ClientSession::State {
@@ -190,6 +267,9 @@ struct ClientSession::State {
   std::map<uint32_t, std::pair<std::vector<uint64_t>, std::vector<uint64_t>>> held;
   std::set<uint32_t> masked_for;  // U2 as used for the masked input
   bool revealed = false;
+  int64_t expansions = 0;
+  bool graph = false;  // SecAgg+: only these neighbours
+  std::set<uint32_t> neighbours;
 
   ~State() {
     sodium_memzero(c_secret.data(), c_secret.size());
@@ -217,6 +297,12 @@ ClientSession::~ClientSession() = default;
 
 uint32_t ClientSession::id() const { return state_->id; }
 
+void ClientSession::set_neighbours(const std::vector<uint32_t>& neighbours) {
+  state_->graph = true;
+  state_->neighbours = std::set<uint32_t>(neighbours.begin(), neighbours.end());
+  state_->neighbours.erase(state_->id);
+}
+
 PublicKeys ClientSession::advertise() {
   return PublicKeys{state_->id, state_->c_public, state_->s_public};
 }
@@ -234,7 +320,14 @@ std::vector<SealedShares> ClientSession::share_keys(const std::vector<PublicKeys
                  "secure aggregation: ", s.keys.size(),
                  " clients advertised keys, fewer than the threshold ", s.threshold);
   std::vector<uint32_t> points;
-  for (const auto& entry : s.keys) points.push_back(entry.first);
+  for (const auto& entry : s.keys) {
+    if (!s.graph || entry.first == s.id || s.neighbours.count(entry.first) > 0) {
+      points.push_back(entry.first);
+    }
+  }
+  DTRAIN_CHECK_T(Error, static_cast<int>(points.size()) >= s.threshold,
+                 "secure aggregation: client ", s.id, " has ", points.size() - 1,
+                 " neighbours with keys, fewer than the threshold ", s.threshold, " needs");
   const auto b_shares = shamir_split(words_of(s.b), s.threshold, points);
   const auto sk_shares = shamir_split(words_of(s.s_secret), s.threshold, points);
   std::vector<SealedShares> out;
@@ -301,7 +394,10 @@ at::Tensor ClientSession::masked_input(const at::Tensor& fixed, const std::vecto
   State& s = *state_;
   DTRAIN_CHECK(fixed.scalar_type() == at::kInt && fixed.dim() == 1 && fixed.numel() == s.elements,
                "secure aggregation: the input must be ", s.elements, " int32 (fixed point)");
-  const std::set<uint32_t> others(u2.begin(), u2.end());
+  std::set<uint32_t> others;
+  for (const uint32_t v : u2) {
+    if (!s.graph || v == s.id || s.neighbours.count(v) > 0) others.insert(v);
+  }
   DTRAIN_CHECK_T(Error, others.count(s.id) == 1, "secure aggregation: client ", s.id,
                  " is not among the clients that shared keys");
   DTRAIN_CHECK_T(Error, static_cast<int>(others.size()) >= s.threshold,
@@ -310,6 +406,7 @@ at::Tensor ClientSession::masked_input(const at::Tensor& fixed, const std::vecto
   at::Tensor y = fixed.clone();
   uint32_t* data = words(y);
   add_mask(data, s.elements, s.b, false);
+  ++s.expansions;
   for (uint32_t v : others) {
     if (v == s.id) continue;
     const auto k = s.keys.find(v);
@@ -317,6 +414,7 @@ at::Tensor ClientSession::masked_input(const at::Tensor& fixed, const std::vecto
                    " shared keys without advertising them");
     const Key seed = pairwise_seed(s.s_secret, s.id, s.s_public, v, k->second.s_public);
     add_mask(data, s.elements, seed, s.id > v);
+    ++s.expansions;
   }
   s.masked_for = others;
   return y;
@@ -359,7 +457,14 @@ struct ServerSession::State {
   std::set<uint32_t> shared;
   std::map<uint32_t, at::Tensor> masked;
   std::vector<Reveal> reveals;
-  int64_t survivors = 0;
+  int64_t survivors = 0, expansions = 0;
+  std::map<uint32_t, std::vector<uint32_t>> graph;  // SecAgg+ (empty: the full graph)
+  bool joined(uint32_t u, uint32_t v) const {
+    if (graph.empty()) return true;
+    const auto found = graph.find(u);
+    return found != graph.end() &&
+           std::binary_search(found->second.begin(), found->second.end(), v);
+  }
 };
 
 ServerSession::ServerSession(int64_t elements, int threshold) : state_(std::make_unique<State>()) {
@@ -370,6 +475,11 @@ ServerSession::ServerSession(int64_t elements, int threshold) : state_(std::make
 }
 
 ServerSession::~ServerSession() = default;
+
+void ServerSession::set_graph(std::map<uint32_t, std::vector<uint32_t>> graph) {
+  for (auto& entry : graph) std::sort(entry.second.begin(), entry.second.end());
+  state_->graph = std::move(graph);
+}
 
 void ServerSession::add_keys(const PublicKeys& keys) {
   DTRAIN_CHECK_T(Error, keys.id != 0 && state_->keys.emplace(keys.id, keys).second,
@@ -394,8 +504,10 @@ void ServerSession::add_shares(const std::vector<SealedShares>& from_one_client)
                  "secure aggregation: shares from client ", from,
                  " (not advertised, or sent twice)");
   for (const auto& sealed : from_one_client) {
-    DTRAIN_CHECK_T(Error, sealed.from == from && s.keys.count(sealed.to) == 1,
-                   "secure aggregation: client ", from, " sent shares for client ", sealed.to);
+    DTRAIN_CHECK_T(Error,
+                   sealed.from == from && s.keys.count(sealed.to) == 1 && s.joined(from, sealed.to),
+                   "secure aggregation: client ", from, " sent shares for client ", sealed.to,
+                   s.graph.empty() ? "" : " (not its neighbour)");
     s.inbox[sealed.to].push_back(sealed);
   }
 }
@@ -477,6 +589,7 @@ at::Tensor ServerSession::finish() {
   for (const auto& entry : s.masked) {
     Key b = rebuild(entry.first, true);
     add_mask(total, s.elements, b, true);
+    ++s.expansions;
     sodium_memzero(b.data(), b.size());
   }
   for (const uint32_t v : s.shared) {
@@ -491,9 +604,11 @@ at::Tensor ServerSession::finish() {
                    v, "'s mask key do not rebuild it (a client revealed bad shares)");
     for (const auto& entry : s.masked) {
       const uint32_t u = entry.first;
+      if (!s.joined(v, u)) continue;  // SecAgg+: only its neighbours hold its masks
       const Key seed = pairwise_seed(secret, v, s.keys.at(v).s_public, u, s.keys.at(u).s_public);
       // u added +PRG when u < v, -PRG otherwise: take it back out.
       add_mask(total, s.elements, seed, u < v);
+      ++s.expansions;
     }
     sodium_memzero(secret.data(), secret.size());
   }
@@ -502,5 +617,9 @@ at::Tensor ServerSession::finish() {
 }
 
 int64_t ServerSession::survivors() const { return state_->survivors; }
+
+int64_t ServerSession::mask_expansions() const { return state_->expansions; }
+
+int64_t ClientSession::mask_expansions() const { return state_->expansions; }
 
 }  // namespace dtrain::federated::secagg

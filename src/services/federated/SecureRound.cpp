@@ -49,12 +49,14 @@ SecureSum secure_sum(const at::Tensor& sum, int64_t numel, int64_t ref, int frac
 
 SecureRound::SecureRound(const std::vector<std::string>& selected,
                          const std::vector<int64_t>& examples, int64_t numel, int threshold,
-                         int frac_bits)
+                         int frac_bits, int degree, uint64_t graph_seed)
     : selected_(selected), numel_(numel), frac_bits_(frac_bits) {
   const auto n = selected.size();
   DTRAIN_CHECK_INPUT(n >= 2, "secure aggregation needs at least 2 clients per round, got ", n);
-  DTRAIN_CHECK_INPUT(threshold >= 2 && threshold <= static_cast<int>(n),
-                     "the secure-aggregation threshold must be in [2, ", n, "], got ", threshold);
+  const int holders = degree > 0 ? degree + 1 : static_cast<int>(n);
+  DTRAIN_CHECK_INPUT(threshold >= 2 && threshold <= holders,
+                     "the secure-aggregation threshold must be in [2, ", holders, "], got ",
+                     threshold, degree > 0 ? " (SecAgg+: a neighbourhood holds degree + 1)" : "");
   weights_ = examples;
   ref_ = *std::max_element(examples.begin(), examples.end());
   bound_ = secagg::fixed_bound(frac_bits_, static_cast<int64_t>(n));
@@ -64,12 +66,20 @@ SecureRound::SecureRound(const std::vector<std::string>& selected,
   client_s_.assign(n, 0.0);
   auto start = Clock::now();
   server_ = std::make_unique<secagg::ServerSession>(elements, threshold);
+  std::map<uint32_t, std::vector<uint32_t>> graph;
+  if (degree > 0) {
+    std::vector<uint32_t> ids(n);
+    std::iota(ids.begin(), ids.end(), 1u);
+    graph = secagg::neighbour_graph(ids, degree, graph_seed);
+    server_->set_graph(graph);
+  }
   server_s_ += since(start);
   // Keys, then shares, routed by the server.
   for (size_t i = 0; i < n; ++i) {
     start = Clock::now();
     clients_.push_back(
         std::make_unique<secagg::ClientSession>(static_cast<uint32_t>(i + 1), elements, threshold));
+    if (degree > 0) clients_.back()->set_neighbours(graph.at(static_cast<uint32_t>(i + 1)));
     const secagg::PublicKeys keys = clients_.back()->advertise();
     client_s_[i] += since(start);
     uplink_ += 4 + 64;
@@ -108,6 +118,16 @@ void SecureRound::mask(size_t i, const ClientUpdate& update) {
   masked_[i] = clients_[i]->masked_input(input, u2_);
   client_s_[i] += since(start);
   uplink_ += 4 + 4 * masked_[i].numel();
+}
+
+double SecureRound::client_masks() const {
+  int64_t sum = 0, count = 0;
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    if (!masked_[i].defined()) continue;
+    sum += clients_[i]->mask_expansions();
+    ++count;
+  }
+  return count > 0 ? static_cast<double>(sum) / static_cast<double>(count) : 0.0;
 }
 
 double SecureRound::client_seconds() const {

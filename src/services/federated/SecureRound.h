@@ -36,9 +36,11 @@ SecureSum secure_sum(const at::Tensor& sum, int64_t numel, int64_t ref, int frac
 
 class SecureRound {
  public:
-  /// `examples[i]`: selected client i's example count; `threshold`: t (>= 2, <= the clients).
+  /// `examples[i]`: selected client i's example count; `threshold`: t (>= 2, <= the clients;
+  /// with a graph, <= degree + 1). `degree` > 0: SecAgg+ on the round's graph drawn from
+  /// `graph_seed` (0: the classic full graph).
   SecureRound(const std::vector<std::string>& selected, const std::vector<int64_t>& examples,
-              int64_t numel, int threshold, int frac_bits);
+              int64_t numel, int threshold, int frac_bits, int degree = 0, uint64_t graph_seed = 0);
   /// Client i's masked input of `update` (thread-safe across different i).
   void mask(size_t i, const ClientUpdate& update);
   /// Unmasks the sum of the masked inputs and submits it to `server`; "" or why not.
@@ -48,6 +50,9 @@ class SecureRound {
   /// Mean over the clients that took part.
   double client_seconds() const;
   int64_t uplink_bytes() const { return uplink_; }
+  /// Masks expanded: by the server, and by a client on average (the ChaCha20 floor's count).
+  int64_t server_masks() const { return server_->mask_expansions(); }
+  double client_masks() const;
 
  private:
   const std::vector<std::string> selected_;

@@ -11,17 +11,22 @@ namespace dtrain::federated {
 using Step = dtrain::fl::SecAggRequest;
 
 SecureServerRound::SecureServerRound(const std::vector<std::string>& chosen,
-                                     double threshold_fraction, int64_t ref_weight, int64_t numel)
-    : ref(ref_weight) {
+                                     double threshold_fraction, int64_t ref_weight, int64_t numel,
+                                     int graph, uint64_t seed)
+    : ref(ref_weight), graph_seed(seed) {
   const auto k = static_cast<int>(chosen.size());
-  threshold = std::max(
-      2, threshold_fraction > 0 ? static_cast<int>(std::ceil(threshold_fraction * k)) : k / 2 + 1);
+  // SecAgg+: a round smaller than the degree needs uses the full graph.
+  degree = graph > 0 && graph >= k - 1 ? 0 : secagg::round_degree(graph, k);
+  threshold = secagg::secagg_threshold(threshold_fraction, degree > 0 ? degree + 1 : k);
+  std::vector<uint32_t> all;
   for (int i = 0; i < k; ++i) {
     ids[chosen[i]] = static_cast<uint32_t>(i + 1);
     names[static_cast<uint32_t>(i + 1)] = chosen[i];
+    all.push_back(static_cast<uint32_t>(i + 1));
   }
   // The input: the update's numel words, then its loss and its weight (secure_input).
   session = std::make_unique<secagg::ServerSession>(numel + 2, std::min(threshold, std::max(2, k)));
+  if (degree > 0) session->set_graph(secagg::neighbour_graph(all, degree, graph_seed));
 }
 
 SecureServerRound::StepResult SecureServerRound::apply(const dtrain::fl::SecAggRequest& request,

@@ -23,8 +23,10 @@ struct SecureServerRound {
   /// Protocol ids 1..K in `chosen` order and t (`threshold_fraction` of K, 0 = a majority; at
   /// least 2); `ref` is the weight reference clients scale their inputs by (the largest example
   /// count of the chosen, or 1 for equal weights).
+  /// `graph` (parse_secagg_graph) > 0 or -1: SecAgg+ on a graph drawn from `graph_seed`, t a
+  /// fraction of a neighbourhood (degree + 1).
   SecureServerRound(const std::vector<std::string>& chosen, double threshold_fraction, int64_t ref,
-                    int64_t numel);
+                    int64_t numel, int graph = 0, uint64_t graph_seed = 0);
 
   /// What happened to a step a client sent: applied, too late for its step (the round has
   /// moved on), malformed (the message's fields), or refused by the protocol (the session's
@@ -50,6 +52,8 @@ struct SecureServerRound {
   std::map<uint32_t, std::string> names;
   int threshold = 2;
   int64_t ref = 1;
+  int degree = 0;  // SecAgg+'s (0: the full graph)
+  uint64_t graph_seed = 0;
   std::set<uint32_t> sent_keys, sent_shares, sent_masked, sent_reveal;
   std::vector<secagg::PublicKeys> u1;
   std::vector<uint32_t> u2, u3;

@@ -63,6 +63,9 @@ Server::Service::Service(at::Tensor initial, ServerOptions options, Evaluate eva
                      "cannot be combined with --compression");
   DTRAIN_CHECK_INPUT(!o_.secure_aggregation || o_.clients_per_round >= 2,
                      "--secure-aggregation needs --clients-per-round >= 2");
+  if (o_.secure_aggregation && o_.secagg_graph > 0) {
+    secagg::round_degree(o_.secagg_graph, o_.clients_per_round);
+  }
   DTRAIN_CHECK_INPUT(
       o_.secagg_threshold >= 0 && o_.secagg_threshold <= 1 && o_.secagg_step_timeout_s > 0,
       "--secagg-threshold must be in [0, 1] and --secagg-step-timeout > 0");
@@ -71,6 +74,12 @@ Server::Service::Service(at::Tensor initial, ServerOptions options, Evaluate eva
   if (!o_.checkpoint_dir.empty()) {
     checkpoint_ = o_.checkpoint_dir + "/server.pt";
     if (std::filesystem::exists(checkpoint_)) rounds_.load(checkpoint_);
+  }
+  // A resumed buffered server: the clients training when it was saved may still upload (with
+  // their staleness), each within a new --round-timeout.
+  for (const auto& [id, step] : rounds_.training_steps()) {
+    flights_[id] = {step, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(o_.round_timeout_s))};
   }
   server_ = rpc::start_server("the federated server", o_.listen, o_.tls_cert, o_.tls_key, this,
                               true, &port_);
@@ -122,6 +131,10 @@ grpc::Status Server::Service::CheckIn(grpc::ServerContext* context,
     most = std::max(most, needed);
   }
   examples_[id] = request->examples();
+  if (rounds_.buffered()) {
+    check_in_buffered(id, wait_ms, lock, reply);
+    return grpc::Status::OK;
+  }
   auto selected_now = [&] { return open_ && selected_.count(id) > 0 && finished_.count(id) == 0; };
   if (!selected_now() && !done_) {
     ++waiting_[id];
@@ -131,36 +144,16 @@ grpc::Status Server::Service::CheckIn(grpc::ServerContext* context,
     if (--waiting_[id] == 0) waiting_.erase(id);
   }
   if (selected_now()) {
-    reply->set_action(dtrain::fl::CheckInReply::TRAIN);
-    reply->set_round(open_round_);
-    reply->set_deadline_ms(std::max<int64_t>(
-        0,
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now()).count()));
-    auto* plan = reply->mutable_plan();
-    const LocalTraining local = rounds_.plan();  // the aggregator's, for the open round
-    plan->set_epochs(local.epochs);
-    plan->set_batch(local.batch);
-    plan->set_lr(local.lr);
-    plan->set_momentum(local.momentum);
-    plan->set_weight_decay(local.weight_decay);
-    plan->set_prox_mu(local.prox_mu);
-    plan->set_correction(local.correction);
-    plan->set_scaffold_option(local.scaffold_option);
-    plan->set_clip_norm(rounds_.dp_clip());
-    plan->set_compression(o_.compression.kind == CompressionSpec::TopK
-                              ? concat("topk:", o_.compression.fraction)
-                              : to_string(o_.compression));
-    reply->set_parameters(numel_);
-    reply->set_model(o_.model);
-    for (int64_t h : o_.hidden) reply->add_hidden(h);
-    reply->set_seed(id_hash(id) ^ (static_cast<uint64_t>(open_round_) * 0x9E3779B97F4A7C15ULL) ^
-                    o_.seed);
+    fill_train(id, open_round_, deadline_, reply);
     if (secure_) {
       auto* setup = reply->mutable_secagg();
       setup->set_id(secure_->ids.at(id));
       setup->set_threshold(secure_->threshold);
       setup->set_frac_bits(o_.secagg_frac_bits);
       setup->set_ref(secure_->ref);
+      setup->set_degree(secure_->degree);
+      setup->set_graph_seed(secure_->graph_seed);
+      setup->set_clients(static_cast<int32_t>(secure_->ids.size()));
     }
   } else if (done_) {
     reply->set_action(dtrain::fl::CheckInReply::DONE);
@@ -172,6 +165,32 @@ grpc::Status Server::Service::CheckIn(grpc::ServerContext* context,
     reply->set_action(dtrain::fl::CheckInReply::WAIT);
   }
   return grpc::Status::OK;
+}
+
+void Server::Service::fill_train(const std::string& id, int64_t round, Clock::time_point deadline,
+                                 dtrain::fl::CheckInReply* reply) {
+  reply->set_action(dtrain::fl::CheckInReply::TRAIN);
+  reply->set_round(round);
+  reply->set_deadline_ms(std::max<int64_t>(
+      0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count()));
+  auto* plan = reply->mutable_plan();
+  const LocalTraining local = rounds_.plan();  // the aggregator's, for the open round
+  plan->set_epochs(local.epochs);
+  plan->set_batch(local.batch);
+  plan->set_lr(local.lr);
+  plan->set_momentum(local.momentum);
+  plan->set_weight_decay(local.weight_decay);
+  plan->set_prox_mu(local.prox_mu);
+  plan->set_correction(local.correction);
+  plan->set_scaffold_option(local.scaffold_option);
+  plan->set_clip_norm(rounds_.dp_clip());
+  plan->set_compression(o_.compression.kind == CompressionSpec::TopK
+                            ? concat("topk:", o_.compression.fraction)
+                            : to_string(o_.compression));
+  reply->set_parameters(numel_);
+  reply->set_model(o_.model);
+  for (int64_t h : o_.hidden) reply->add_hidden(h);
+  reply->set_seed(id_hash(id) ^ (static_cast<uint64_t>(round) * 0x9E3779B97F4A7C15ULL) ^ o_.seed);
 }
 
 grpc::Status Server::Service::Download(grpc::ServerContext* context,
@@ -188,6 +207,17 @@ grpc::Status Server::Service::Download(grpc::ServerContext* context,
     // Round 0 once training is over: the final model (for personalization).
     if (done_ && request->round() == 0) {
       model = rounds_.global();
+    } else if (rounds_.buffered()) {
+      // The model version it started training from.
+      const auto flight = flights_.find(id);
+      const auto version =
+          flight == flights_.end() ? versions_.end() : versions_.find(flight->second.version);
+      if (version == versions_.end() || request->round() != flight->second.version + 1) {
+        return {grpc::StatusCode::FAILED_PRECONDITION,
+                concat("Download: client '", id, "' is not training from step ",
+                       request->round() - 1, " (its time ran out, or the server restarted)")};
+      }
+      model = version->second;
     } else if (!open_ || selected_.count(id) == 0 || request->round() != open_round_) {
       return {grpc::StatusCode::FAILED_PRECONDITION,
               concat("Download: client '", id, "' is not selected for round ", request->round(),
@@ -257,6 +287,28 @@ grpc::Status Server::Service::Upload(grpc::ServerContext* context,
   }
   if (!why.empty()) return refuse(id, "Upload: " + why);
   std::lock_guard<std::mutex> lock(mutex_);
+  if (rounds_.buffered()) {
+    const auto flight = flights_.find(id);
+    if (flight == flights_.end() || flight->second.version + 1 != update.header().round()) {
+      ++late_;
+      return {grpc::StatusCode::FAILED_PRECONDITION,
+              concat("Upload: client '", id, "''s time ran out before its update arrived")};
+    }
+    if (masked) return refuse_locked(id, "Upload: buffered aggregation takes no secagg updates");
+    const int within = update.header().within_clip() == 1   ? 1
+                       : update.header().within_clip() == 2 ? 0
+                                                            : -1;
+    why = rounds_.submit(id, dense, update.header().examples(), update.header().train_loss(),
+                         control, within);
+    if (!why.empty()) rounds_.leave(id);  // refused: it is not training any more
+    end_flight(id);
+    if (!why.empty()) return refuse_locked(id, "Upload: " + why);
+    uplink_ += bytes;
+    changed_.notify_all();
+    reply->set_accepted(true);
+    reply->set_bytes(bytes);
+    return grpc::Status::OK;
+  }
   if (!open_ || open_round_ != update.header().round()) {
     ++late_;
     return {grpc::StatusCode::FAILED_PRECONDITION,
@@ -310,6 +362,14 @@ grpc::Status Server::Service::authorize(const grpc::ServerContext& context,
 
 grpc::Status Server::Service::check_open(const std::string& id, int64_t round) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (rounds_.buffered()) {
+    const auto flight = flights_.find(id);
+    if (flight != flights_.end() && flight->second.version + 1 == round) return grpc::Status::OK;
+    ++late_;
+    return {grpc::StatusCode::FAILED_PRECONDITION,
+            concat("Upload: client '", id, "' is not training from step ", round - 1,
+                   " (its --round-timeout ran out)")};
+  }
   if (open_ && round == open_round_ && selected_.count(id) > 0) return grpc::Status::OK;
   if (open_ && round == open_round_)
     return refuse_locked(id,

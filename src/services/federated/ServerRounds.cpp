@@ -18,6 +18,32 @@ ServerResult Server::Service::run() {
   result.start_round = rounds_.round();
   const int64_t min_clients = std::max<int64_t>(1, o_.min_clients);
   RoundLog log(o_.metrics_file, o_.progress, o_.rounds, result.start_round);
+  if (rounds_.buffered()) {
+    run_buffered(result, log);
+  } else {
+    run_rounds(result, log, min_clients);
+  }
+  // Tell every client that checked in that training is over (those still training find out
+  // when they next check in), within a bounded linger.
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_ = true;
+  changed_.notify_all();
+  const auto linger_end =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(std::min(o_.round_timeout_s, 30.0)));
+  changed_.wait_until(lock, linger_end, [&] {
+    return std::includes(told_done_.begin(), told_done_.end(), known_.begin(), known_.end());
+  });
+  result.rounds_done = rounds_.round();
+  result.global = rounds_.global();
+  result.refused = refused_;
+  result.late = late_;
+  result.refusals = refusals_;
+  result.out_of_time = out_of_time_;
+  return result;
+}
+
+void Server::Service::run_rounds(ServerResult& result, RoundLog& log, int64_t min_clients) {
   while (rounds_.round() < o_.rounds) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (stopping_) break;
@@ -97,24 +123,6 @@ ServerResult Server::Service::run() {
     log.report(record, done, min_clients);
     result.rounds.push_back(record);
   }
-  // Tell every client that checked in that training is over (those still training find out
-  // when they next check in), within a bounded linger.
-  std::unique_lock<std::mutex> lock(mutex_);
-  done_ = true;
-  changed_.notify_all();
-  const auto linger_end =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(std::min(o_.round_timeout_s, 30.0)));
-  changed_.wait_until(lock, linger_end, [&] {
-    return std::includes(told_done_.begin(), told_done_.end(), known_.begin(), known_.end());
-  });
-  result.rounds_done = rounds_.round();
-  result.global = rounds_.global();
-  result.refused = refused_;
-  result.late = late_;
-  result.refusals = refusals_;
-  result.out_of_time = out_of_time_;
-  return result;
 }
 
 RoundServerOptions Server::Service::round_options(const ServerOptions& o) {
@@ -133,6 +141,7 @@ RoundServerOptions Server::Service::round_options(const ServerOptions& o) {
   r.secure_aggregation = o.secure_aggregation;
   r.seed = o.seed;
   r.dp = o.dp;
+  r.buffer = o.buffer;
   return r;
 }
 

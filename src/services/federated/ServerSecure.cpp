@@ -2,6 +2,8 @@
 // takes each step's messages, and the driver that moves the open round through advertise keys,
 // share keys, masked input and reveal, within each step's timeout, submitting only the
 // unmasked sum to RoundServer (or aborting the round, nothing submitted).
+#include <sodium.h>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -86,7 +88,10 @@ void Server::Service::start_secure(const std::vector<std::string>& chosen) {
   if (!o_.dp.enabled()) {
     for (const auto& id : chosen) ref = std::max(ref, examples_[id]);
   }
-  secure_ = std::make_unique<SecureServerRound>(chosen, o_.secagg_threshold, ref, numel_);
+  uint64_t graph_seed = 0;
+  randombytes_buf(&graph_seed, sizeof graph_seed);  // the round's graph: not the clients' choice
+  secure_ = std::make_unique<SecureServerRound>(chosen, o_.secagg_threshold, ref, numel_,
+                                                o_.secagg_graph, graph_seed);
   ++secure_generation_;
 }
 

@@ -20,6 +20,7 @@
 #include "dtrain/federated.grpc.pb.h"
 #include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/Server.h"
+#include "services/federated/RoundLog.h"
 #include "services/federated/SecureServerRound.h"
 
 namespace dtrain::federated {
@@ -56,11 +57,22 @@ class Server::Service final : public dtrain::fl::Federated::Service {
   grpc::Status SecAgg(grpc::ServerContext* context, const dtrain::fl::SecAggRequest* request,
                       dtrain::fl::SecAggReply* reply) override;
 
-  /// The rounds (ServerRounds.cpp).
+  /// The rounds (ServerRounds.cpp), or the buffered steps (ServerBuffered.cpp).
   ServerResult run();
 
  private:
   static RoundServerOptions round_options(const ServerOptions& o);
+  void run_rounds(ServerResult& result, RoundLog& log, int64_t min_clients);
+  // The reply that sends a client to train (both modes): the plan, the model's shape, the
+  // seed, the deadline.
+  void fill_train(const std::string& id, int64_t round, Clock::time_point deadline,
+                  dtrain::fl::CheckInReply* reply);
+  // Buffered aggregation (ServerBuffered.cpp): a check-in that may start a client, the steps,
+  // and a client's flight ended (its model version dropped when nobody trains from it).
+  void check_in_buffered(const std::string& id, int64_t wait_ms, std::unique_lock<std::mutex>& lock,
+                         dtrain::fl::CheckInReply* reply);
+  void run_buffered(ServerResult& result, RoundLog& log);
+  void end_flight(const std::string& id);
   // Secure aggregation (ServerSecure.cpp).
   grpc::Status too_late(const std::string& id, const char* what);
   void start_secure(const std::vector<std::string>& chosen);
@@ -100,6 +112,14 @@ class Server::Service final : public dtrain::fl::Federated::Service {
   // client said the plan needs.
   std::vector<std::string> out_of_time_;
   std::map<int64_t, double> needed_s_;
+  // Buffered aggregation: who trains from which model version until when, and those versions.
+  struct Flight {
+    int64_t version = 0;
+    Clock::time_point deadline;
+  };
+  std::map<std::string, Flight> flights_;
+  std::map<int64_t, at::Tensor> versions_;
+  int64_t expired_ = 0;
 };
 
 }  // namespace dtrain::federated

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <random>
@@ -21,6 +22,7 @@
 #include "services/federated/FlWire.h"
 #include "services/federated/RoundLog.h"
 #include "services/federated/SecureRound.h"
+#include "services/federated/SimulatedClients.h"
 
 namespace dtrain::federated {
 
@@ -48,7 +50,8 @@ Model build(const models::ModelSpec& spec, at::ScalarType dtype) {
   return model;
 }
 
-// The bytes of the model's download messages (what each selected client receives).
+}  // namespace
+
 int64_t download_bytes(const at::Tensor& global) {
   int64_t bytes = 0;
   wire::for_each_chunk({{"", global}}, rpc::kDefaultChunkBytes, [&](rpc::TensorChunk&& chunk) {
@@ -72,8 +75,6 @@ uint64_t mix(uint64_t seed, uint64_t a, uint64_t b) {
   return (static_cast<uint64_t>(words[0]) << 32) | words[1];
 }
 
-}  // namespace
-
 AvailabilityTrace parse_availability_trace(const std::string& text) {
   AvailabilityTrace trace;
   if (text == "always") return trace;
@@ -90,123 +91,229 @@ AvailabilityTrace parse_availability_trace(const std::string& text) {
   DTRAIN_THROW(InputError, "--availability '", text, "': expected always or diurnal:HOURS");
 }
 
+namespace {
+// The client's local time of day in minutes: its time zone is a fixed offset hashed from
+// (seed, client).
+double local_minute(int64_t client, double minute, uint64_t seed) {
+  return std::fmod(minute + hashed_uniform(seed, 0xA11CE5ULL, client) * 1440.0, 1440.0);
+}
+}  // namespace
+
 bool AvailabilityTrace::available(int64_t client, double minute, uint64_t seed) const {
-  if (kind == Always) return true;
-  // The client's time zone: a fixed offset hashed from (seed, client) (splitmix64: cheap enough
-  // to ask for a million clients every round).
-  uint64_t z = (seed ^ 0xA11CE5ULL) + 0x9E3779B97F4A7C15ULL * (static_cast<uint64_t>(client) + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  z ^= z >> 31;
-  const double offset = static_cast<double>(z >> 11) * 0x1.0p-53 * 1440.0;
-  const double local = std::fmod(minute + offset, 1440.0);
-  return local < hours * 60;
+  return kind == Always || local_minute(client, minute, seed) < hours * 60;
 }
 
-SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDataset& train,
-                          const data::TensorDataset& test, const SimulationOptions& options) {
-  validate(options.local);
-  validate(options.server);
-  DTRAIN_CHECK_INPUT(options.fraction > 0 && options.fraction <= 1,
-                     "--fraction must be in (0, 1], got ", options.fraction);
-  DTRAIN_CHECK_INPUT(options.rounds >= 1, "--rounds must be >= 1, got ", options.rounds);
-  DTRAIN_CHECK_INPUT(options.dropout >= 0 && options.dropout < 1,
-                     "--dropout must be in [0, 1), got ", options.dropout);
-  DTRAIN_CHECK_INPUT(options.eval_every >= 1, "--eval-every must be >= 1, got ",
-                     options.eval_every);
-  DTRAIN_CHECK_INPUT(options.threads >= 0, "--threads must be >= 0, got ", options.threads);
-  DTRAIN_CHECK_INPUT(options.availability.round_minutes > 0, "--round-minutes must be > 0");
-  DTRAIN_CHECK_INPUT(options.personalize_epochs >= 0 && options.personalize_layers >= 0,
-                     "--personalize-epochs and --personalize-layers must be >= 0");
-  DTRAIN_CHECK_INPUT(
-      !options.secure_aggregation || options.compression.kind == CompressionSpec::None,
-      "--secure-aggregation sends masked 32-bit words, which do not compress: it "
-      "cannot be combined with --compression ",
-      to_string(options.compression));
-  validate(options.robust);
-  DTRAIN_CHECK_INPUT(options.personalize_epochs == 0 || options.clients <= 100000,
-                     "--personalize-epochs fine-tunes every client after the last round: at most "
-                     "100,000 clients, got ",
-                     options.clients);
-  DTRAIN_CHECK_INPUT(options.secagg_threshold >= 0 && options.secagg_threshold <= 1,
-                     "--secagg-threshold must be a fraction in [0, 1], got ",
-                     options.secagg_threshold);
-  // Clients are made when selected (from the partition and the seed) and dropped after.
-  const ClientPopulation clients(train.targets(), options.clients, options.partition, options.seed,
-                                 options.local_test_fraction, options.client_examples);
-  const at::ScalarType dtype =
-      train.raw_inputs().scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  torch::manual_seed(options.seed);
-  Model global_model = build(spec, dtype);
-  RoundServerOptions server_options;
-  server_options.clients_per_round = std::max<int64_t>(
-      1,
-      static_cast<int64_t>(std::llround(options.fraction * static_cast<double>(options.clients))));
-  server_options.min_clients =
-      std::min(server_options.clients_per_round, std::max<int64_t>(1, options.min_clients));
-  server_options.algorithm = options.algorithm;
-  server_options.optimizer = options.server;
-  server_options.robust = options.robust;
-  server_options.feddyn_alpha = options.feddyn_alpha;
-  server_options.scaffold_option = options.scaffold_option;
-  server_options.population = options.clients;
-  server_options.local = options.local;
-  server_options.secure_aggregation = options.secure_aggregation;
-  server_options.seed = options.seed;
-  server_options.dp = options.dp;
-  if (options.initial.defined()) {
-    const int64_t parameters = flatten_parameters(global_model).numel();
-    DTRAIN_CHECK_INPUT(options.initial.numel() == parameters, "--init-from: a model of ",
-                       options.initial.numel(), " parameters for one of ", parameters);
-    load_flat_parameters(global_model, options.initial.to(dtype));
+double AvailabilityTrace::minutes_left(int64_t client, double minute, uint64_t seed) const {
+  if (kind == Always) return std::numeric_limits<double>::infinity();
+  return std::max(0.0, hours * 60 - local_minute(client, minute, seed));
+}
+
+SimulatedClients::SimulatedClients(const data::TensorDataset& train_set,
+                                   const SimulationOptions& run, RoundServer& round_server)
+    : options(run),
+      train(train_set),
+      flipped(train_set),
+      population(train_set.targets(), run.clients, run.partition, run.seed, run.local_test_fraction,
+                 run.client_examples),
+      faulty(faulty_clients(run.byzantine, run.clients, run.seed)),
+      server(round_server) {
+  if (run.byzantine.kind == ByzantineSpec::LabelFlip) {
+    const int64_t classes = train_set.targets().max().item<int64_t>() + 1;
+    flipped = train_set.with_targets(flip_labels(train_set.targets(), classes));
   }
-  RoundServer server(flatten_parameters(global_model), server_options);
+}
+
+ClientResult run_client(SimulatedClients& clients, Model& replica, const ClientWork& work) {
+  const SimulationOptions& options = clients.options;
+  const int64_t c = work.client;
+  const auto round = static_cast<uint64_t>(work.version);
+  ClientResult result;
+  const auto training = std::chrono::steady_clock::now();
+  const bool attacks = clients.faulty[static_cast<size_t>(c)];
+  at::Tensor memory;
+  if (work.plan.correction != "none") {
+    std::lock_guard<std::mutex> lock(clients.memory_mutex);
+    const auto it = clients.memories.find(c);
+    if (it != clients.memories.end()) memory = it->second;
+  }
+  CorrectedUpdate corrected =
+      train_client(replica, work.global,
+                   attacks && options.byzantine.kind == ByzantineSpec::LabelFlip ? clients.flipped
+                                                                                 : clients.train,
+                   clients.population.client(c).train, work.plan, work.seed, &memory, work.control);
+  ClientUpdate& update = corrected.update;
+  if (memory.defined()) {
+    std::lock_guard<std::mutex> lock(clients.memory_mutex);
+    clients.memories[c] = memory;
+  }
+  result.training_ns = nanoseconds_since(training);
+  if (options.dp.enabled()) {
+    result.within_clip = update.delta.to(at::kDouble).norm().item<double>() <= work.clip ? 1 : 0;
+    update.delta = clip_update(update.delta, work.clip);
+  }
+  if (attacks) {
+    // What it sends instead (it ignores any clip: the server's checks see it).
+    update.delta =
+        attack(options.byzantine, update.delta, mix(options.seed ^ 0xBADC0DEULL, round, c));
+    result.attacked = true;
+  }
+  // A diverged client leaves the round, as a deployed one does (the server would refuse its
+  // update; under secure aggregation it could not even tell).
+  if (!std::isfinite(update.loss) || !all_finite(update.delta)) {
+    result.diverged = true;
+    return result;
+  }
+  if (work.secure != nullptr) {
+    work.secure->mask(work.secure_index, update);
+    result.masked = true;
+    return result;
+  }
+  // The update travels as a deployed client sends it (encoded, in the upload's messages).
+  const auto start = std::chrono::steady_clock::now();
+  at::Tensor residual;
+  if (options.compression.kind == CompressionSpec::TopK) {
+    std::lock_guard<std::mutex> lock(clients.memory_mutex);
+    const auto it = clients.residuals.find(c);
+    if (it != clients.residuals.end()) residual = it->second;
+  }
+  EncodedUpdate encoded = encode_update(update.delta, options.compression, &residual,
+                                        mix(options.seed ^ 0x51ed27U, round, c));
+  if (residual.defined()) {
+    std::lock_guard<std::mutex> lock(clients.memory_mutex);
+    clients.residuals[c] = residual;
+  }
+  if (corrected.control_delta.defined()) {
+    // SCAFFOLD's control change in the same upload, compressed like the update.
+    wire::append_control(&encoded,
+                         encode_update(corrected.control_delta, options.compression, nullptr,
+                                       mix(options.seed ^ 0xC047201ULL, round, c)));
+  }
+  result.messages = wire::update_messages(encoded, std::to_string(c), work.version + 1,
+                                          update.examples, update.loss, rpc::kDefaultChunkBytes);
+  result.encoding_ns = nanoseconds_since(start);
+  return result;
+}
+
+int64_t deliver(SimulatedClients& clients, const ClientResult& result, const std::string& id,
+                int64_t* server_ns) {
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t numel = clients.server.global().numel();
+  const at::ScalarType dtype =
+      clients.train.raw_inputs().scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  int64_t bytes = 0;
+  for (const auto& m : result.messages) bytes += wire::message_bytes(m);
+  dtrain::fl::UpdateChunk header;
+  EncodedUpdate received;
+  at::Tensor dense, control_change;
+  std::string why = wire::read_update(result.messages, numel, &header, &received);
+  const EncodedUpdate control_received = wire::split_control(&received);
+  if (why.empty()) why = decode_update(received, numel, dtype, &dense);
+  if (why.empty() && !control_received.parts.empty()) {
+    why = decode_update(control_received, numel, dtype, &control_change);
+  }
+  if (why.empty()) {
+    why = clients.server.submit(id, dense, header.examples(), header.train_loss(), control_change,
+                                result.within_clip);
+  }
+  *server_ns += nanoseconds_since(start);
+  DTRAIN_CHECK(why.empty(), "client ", id, ": ", why);
+  return bytes;
+}
+
+bool finish_round(const SimulationOptions& options, RoundServer& server, Model& global_model,
+                  const data::TensorDataset& test, RoundLog& log, RoundRecord& record,
+                  SimulationResult& result, int64_t min_clients) {
+  const int64_t done = server.round();
+  if (options.dp.enabled()) {
+    const int64_t per_round =
+        options.buffer.enabled() ? options.buffer.size : server.options().clients_per_round;
+    record.dp_epsilon =
+        dp_epsilon(static_cast<double>(per_round) / static_cast<double>(options.clients),
+                   options.dp.noise_multiplier, done, options.dp.delta)
+            .first;
+  }
+  if (record.outcome.applied && (done % options.eval_every == 0 || done == options.rounds)) {
+    load_flat_parameters(global_model, server.global());
+    std::tie(record.test_loss, record.test_accuracy) = evaluate_model(global_model, test);
+  }
   const std::string checkpoint =
       options.checkpoint_dir.empty() ? "" : options.checkpoint_dir + "/server.pt";
-  SimulationResult result;
-  if (!checkpoint.empty() && std::filesystem::exists(checkpoint)) {
-    server.load(checkpoint);
-    result.start_round = server.round();
+  if (!checkpoint.empty() && record.outcome.applied) server.save(checkpoint);
+  log.report(record, done, min_clients);
+  result.rounds.push_back(record);
+  if (options.target_accuracy > 0 && record.test_accuracy >= options.target_accuracy &&
+      result.rounds_to_target == 0) {
+    result.rounds_to_target = done;
+    result.minutes_to_target = record.sim_minutes;
+    return true;
   }
-  const int threads = options.threads > 0
-                          ? options.threads
-                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  std::vector<Model> replicas;
-  for (int t = 0; t < threads; ++t) replicas.push_back(build(spec, dtype));
-  // Faulty clients (--byzantine): label flippers train on a copy of the set with its labels
-  // flipped.
-  const std::vector<bool> faulty = faulty_clients(options.byzantine, options.clients, options.seed);
-  data::TensorDataset flipped = train;
-  if (options.byzantine.kind == ByzantineSpec::LabelFlip) {
-    const int64_t classes = train.targets().max().item<int64_t>() + 1;
-    flipped = train.with_targets(flip_labels(train.targets(), classes));
-  }
-  // State that outlives a client's round, kept only for the clients that have it: top-k's
-  // error feedback (what it has not sent yet) and drift correction's (SCAFFOLD's c_i, FedDyn's
-  // h_i).
-  std::mutex memory_mutex;
-  std::map<int64_t, at::Tensor> residuals, memories;
-  const int64_t numel = server.global().numel();
+  return false;
+}
 
-  RoundLog log(options.metrics_file, options.progress, options.rounds, result.start_round);
+namespace {
+
+// Synchronous rounds: K selected among the available, trained on the pool's threads; a round
+// takes --round-minutes of simulated time, or on the virtual clock until its slowest selected
+// client is done or has left (at most --round-deadline).
+void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Model& global_model,
+                     const data::TensorDataset& test, RoundLog& log, SimulationResult& result) {
+  const SimulationOptions& options = clients.options;
+  RoundServer& server = clients.server;
+  const int threads = static_cast<int>(replicas.size());
+  const int64_t numel = server.global().numel();
+  const bool clock = options.speed.enabled();
   uint64_t attempt = 0;                     // retries of the current round
   int64_t attempts_total = server.round();  // rounds tried since the (simulated) start
+  double now = server.clock();              // the virtual clock's minutes
   while (server.round() < options.rounds) {
     const auto round_start = std::chrono::steady_clock::now();
     const int64_t round = server.round();
-    // Simulated time: every attempt at a round takes round_minutes.
+    // Simulated time: every attempt at a round takes round_minutes (without the virtual clock).
     const double minute =
-        static_cast<double>(attempts_total++) * options.availability.round_minutes;
+        clock ? now : static_cast<double>(attempts_total) * options.availability.round_minutes;
+    ++attempts_total;
     int64_t available = 0;
     const std::vector<std::string> selected = server.select_from(
         options.clients,
         [&](int64_t c) { return options.availability.available(c, minute, options.seed); },
         &available);
-    // The selected clients, made now.
-    std::vector<ClientIndices> data(selected.size());
-    for (size_t i = 0; i < selected.size(); ++i) data[i] = clients.client(std::stoll(selected[i]));
     const at::Tensor global = server.global();
     const LocalTraining round_plan = server.plan();
+    // Who takes part: a dropout or a window that closes first leaves the round (on the virtual
+    // clock at the moment it leaves), as does a client the deadline would pass.
+    std::vector<char> takes_part(selected.size(), 1);
+    double round_end = minute;
+    for (size_t i = 0; i < selected.size(); ++i) {
+      const int64_t c = std::stoll(selected[i]);
+      // A retried round draws its dropouts anew.
+      std::mt19937_64 draw(mix(options.seed + attempt * 0x9E3779B97F4A7C15ULL,
+                               static_cast<uint64_t>(round) * 2 + 1, static_cast<uint64_t>(c)));
+      const bool drops = options.dropout > 0 &&
+                         std::uniform_real_distribution<double>(0, 1)(draw) < options.dropout;
+      if (!clock) {
+        takes_part[i] = !drops && options.availability.available(
+                                      c, minute + options.availability.round_minutes, options.seed);
+        continue;
+      }
+      const int64_t examples = static_cast<int64_t>(clients.population.client(c).train.size());
+      const double needs =
+          options.speed.minutes(c, local_steps(round_plan, examples), options.seed);
+      double ends = minute + needs;
+      if (drops) {
+        ends = minute + std::uniform_real_distribution<double>(0, 1)(draw) * needs;
+        takes_part[i] = 0;
+      }
+      const double left = options.availability.minutes_left(c, minute, options.seed);
+      if (left < ends - minute) {
+        ends = minute + left;
+        takes_part[i] = 0;
+      }
+      if (options.round_deadline > 0 && ends - minute > options.round_deadline) {
+        ends = minute + options.round_deadline;
+        takes_part[i] = 0;
+      }
+      round_end = std::max(round_end, ends);
+    }
     const at::Tensor control = server.client_control();
     const double clip = server.dp_clip();
     std::atomic<size_t> next{0};
@@ -217,122 +324,54 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     std::unique_ptr<SecureRound> secure;
     if (options.secure_aggregation) {
       std::vector<int64_t> examples;
-      for (const auto& client : data) examples.push_back(static_cast<int64_t>(client.train.size()));
+      for (const auto& id : selected) {
+        examples.push_back(
+            static_cast<int64_t>(clients.population.client(std::stoll(id)).train.size()));
+      }
       const auto k = static_cast<int>(selected.size());
-      const int threshold = options.secagg_threshold > 0
-                                ? static_cast<int>(std::ceil(options.secagg_threshold * k))
-                                : k / 2 + 1;
+      // SecAgg+: a round smaller than the degree needs (fewer available) uses the full graph.
+      const int degree = options.secagg_graph > 0 && options.secagg_graph >= k - 1
+                             ? 0
+                             : secagg::round_degree(options.secagg_graph, k);
+      const int threshold =
+          secagg::secagg_threshold(options.secagg_threshold, degree > 0 ? degree + 1 : k);
       // With differential privacy every client counts once.
       if (options.dp.enabled()) std::fill(examples.begin(), examples.end(), 1);
-      secure = std::make_unique<SecureRound>(selected, examples, numel, std::max(2, threshold),
-                                             options.secagg_frac_bits);
+      secure = std::make_unique<SecureRound>(
+          selected, examples, numel, threshold, options.secagg_frac_bits, degree,
+          mix(options.seed ^ 0x5EC6A7ULL, static_cast<uint64_t>(round), attempt));
     }
     std::vector<std::exception_ptr> errors(threads);
     auto work = [&](int t) {
       try {
         if (threads > 1) at::set_num_threads(1);
         for (size_t i = next++; i < selected.size(); i = next++) {
+          if (!takes_part[i]) continue;  // it leaves before it sends anything
           const int64_t c = std::stoll(selected[i]);
-          // A retried round draws its dropouts anew.
-          std::mt19937_64 draw(mix(options.seed + attempt * 0x9E3779B97F4A7C15ULL,
-                                   static_cast<uint64_t>(round) * 2 + 1, static_cast<uint64_t>(c)));
-          if (options.dropout > 0 &&
-              std::uniform_real_distribution<double>(0, 1)(draw) < options.dropout) {
-            continue;  // this client leaves before it sends anything
-          }
-          if (!options.availability.available(c, minute + options.availability.round_minutes,
-                                              options.seed)) {
-            continue;  // its window closes before the round ends: it leaves the round
-          }
-          const auto training = std::chrono::steady_clock::now();
-          const bool attacks = faulty[static_cast<size_t>(c)];
-          at::Tensor memory;
-          if (round_plan.correction != "none") {
-            std::lock_guard<std::mutex> lock(memory_mutex);
-            const auto it = memories.find(c);
-            if (it != memories.end()) memory = it->second;
-          }
-          CorrectedUpdate corrected = train_client(
-              replicas[t], global,
-              attacks && options.byzantine.kind == ByzantineSpec::LabelFlip ? flipped : train,
-              data[i].train, round_plan, mix(options.seed, static_cast<uint64_t>(round) * 2, c),
-              &memory, control);
-          ClientUpdate& update = corrected.update;
-          if (memory.defined()) {
-            std::lock_guard<std::mutex> lock(memory_mutex);
-            memories[c] = memory;
-          }
-          training_ns += nanoseconds_since(training);
+          ClientWork job;
+          job.client = c;
+          job.version = round;
+          job.seed = mix(options.seed, static_cast<uint64_t>(round) * 2, c);
+          job.global = global;
+          job.control = control;
+          job.plan = round_plan;
+          job.clip = clip;
+          job.secure = secure.get();
+          job.secure_index = i;
+          const ClientResult done = run_client(clients, replicas[t], job);
+          training_ns += done.training_ns;
           ++trained;
-          int within_clip = -1;
-          if (options.dp.enabled()) {
-            within_clip = update.delta.to(at::kDouble).norm().item<double>() <= clip ? 1 : 0;
-            update.delta = clip_update(update.delta, clip);
-          }
-          if (attacks) {
-            // What it sends instead (it ignores any clip: the server's checks see it).
-            update.delta =
-                attack(options.byzantine, update.delta,
-                       mix(options.seed ^ 0xBADC0DEULL, static_cast<uint64_t>(round), c));
-            ++attackers;
-          }
-          // A diverged client leaves the round, as a deployed one does (the server would refuse
-          // its update; under secure aggregation it could not even tell).
-          if (!std::isfinite(update.loss) || !all_finite(update.delta)) {
+          if (done.attacked) ++attackers;
+          if (done.diverged) {
             ++diverged;
             continue;
           }
-          if (secure) {
-            secure->mask(i, update);
-            continue;
-          }
-          // The update travels as a deployed client sends it (encoded, in the upload's
-          // messages) and is read back as the server reads it; its bytes are those messages'.
-          auto start = std::chrono::steady_clock::now();
-          at::Tensor residual;
-          if (options.compression.kind == CompressionSpec::TopK) {
-            std::lock_guard<std::mutex> lock(memory_mutex);
-            const auto it = residuals.find(c);
-            if (it != residuals.end()) residual = it->second;
-          }
-          EncodedUpdate encoded =
-              encode_update(update.delta, options.compression, &residual,
-                            mix(options.seed ^ 0x51ed27U, static_cast<uint64_t>(round), c));
-          if (residual.defined()) {
-            std::lock_guard<std::mutex> lock(memory_mutex);
-            residuals[c] = residual;
-          }
-          if (corrected.control_delta.defined()) {
-            // SCAFFOLD's control change in the same upload, compressed like the update.
-            wire::append_control(
-                &encoded,
-                encode_update(corrected.control_delta, options.compression, nullptr,
-                              mix(options.seed ^ 0xC047201ULL, static_cast<uint64_t>(round), c)));
-          }
-          const auto messages =
-              wire::update_messages(encoded, selected[i], round + 1, update.examples, update.loss,
-                                    rpc::kDefaultChunkBytes);
-          client_ns += nanoseconds_since(start);
+          if (done.masked) continue;
+          client_ns += done.encoding_ns;
           ++senders;
-          start = std::chrono::steady_clock::now();
-          int64_t bytes = 0;
-          for (const auto& m : messages) bytes += wire::message_bytes(m);
-          dtrain::fl::UpdateChunk header;
-          EncodedUpdate received;
-          at::Tensor dense, control_change;
-          std::string why = wire::read_update(messages, numel, &header, &received);
-          const EncodedUpdate control_received = wire::split_control(&received);
-          if (why.empty()) why = decode_update(received, numel, global.scalar_type(), &dense);
-          if (why.empty() && !control_received.parts.empty()) {
-            why = decode_update(control_received, numel, global.scalar_type(), &control_change);
-          }
-          if (why.empty()) {
-            why = server.submit(selected[i], dense, header.examples(), header.train_loss(),
-                                control_change, within_clip);
-          }
-          server_ns += nanoseconds_since(start);
-          DTRAIN_CHECK(why.empty(), "client ", selected[i], ": ", why);
-          uplink += bytes;
+          int64_t ns = 0;
+          uplink += deliver(clients, done, selected[i], &ns);
+          server_ns += ns;
         }
       } catch (...) {
         errors[t] = std::current_exception();
@@ -371,6 +410,8 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       uplink += secure->uplink_bytes();
       record.server_aggregation_s = secure->server_seconds();
       record.client_aggregation_s = secure->client_seconds();
+      record.server_masks = secure->server_masks();
+      record.client_masks = secure->client_masks();
     } else {
       record.server_aggregation_s = static_cast<double>(server_ns.load()) * 1e-9;
       record.client_aggregation_s = static_cast<double>(client_ns.load()) * 1e-9 /
@@ -383,28 +424,114 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     record.client_training_s = static_cast<double>(training_ns.load()) * 1e-9 /
                                static_cast<double>(std::max<int64_t>(1, trained));
     record.downlink_bytes = static_cast<int64_t>(selected.size()) * download_bytes(global);
-    const int64_t done = server.round();
     attempt = record.outcome.applied ? 0 : attempt + 1;
-    if (options.dp.enabled()) {
-      record.dp_epsilon = dp_epsilon(static_cast<double>(server_options.clients_per_round) /
-                                         static_cast<double>(options.clients),
-                                     options.dp.noise_multiplier, done, options.dp.delta)
-                              .first;
-    }
-    if (record.outcome.applied && (done % options.eval_every == 0 || done == options.rounds)) {
-      load_flat_parameters(global_model, server.global());
-      std::tie(record.test_loss, record.test_accuracy) = evaluate_model(global_model, test);
+    if (clock) {
+      // No client available: the clock still moves (the next attempt waits a round's minutes).
+      now = selected.empty() ? now + options.availability.round_minutes : round_end;
+      server.set_clock(now);
+      record.sim_minutes = now;
     }
     record.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - round_start).count();
-    if (!checkpoint.empty() && record.outcome.applied) server.save(checkpoint);
-    log.report(record, done, server_options.min_clients);
-    result.rounds.push_back(record);
-    if (options.target_accuracy > 0 && record.test_accuracy >= options.target_accuracy &&
-        result.rounds_to_target == 0) {
-      result.rounds_to_target = done;
+    if (finish_round(options, server, global_model, test, log, record, result,
+                     server.options().min_clients)) {
       break;
     }
+  }
+}
+
+}  // namespace
+
+SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDataset& train,
+                          const data::TensorDataset& test, const SimulationOptions& options) {
+  validate(options.local);
+  validate(options.server);
+  DTRAIN_CHECK_INPUT(options.fraction > 0 && options.fraction <= 1,
+                     "--fraction must be in (0, 1], got ", options.fraction);
+  DTRAIN_CHECK_INPUT(options.rounds >= 1, "--rounds must be >= 1, got ", options.rounds);
+  DTRAIN_CHECK_INPUT(options.dropout >= 0 && options.dropout < 1,
+                     "--dropout must be in [0, 1), got ", options.dropout);
+  DTRAIN_CHECK_INPUT(options.eval_every >= 1, "--eval-every must be >= 1, got ",
+                     options.eval_every);
+  DTRAIN_CHECK_INPUT(options.threads >= 0, "--threads must be >= 0, got ", options.threads);
+  DTRAIN_CHECK_INPUT(options.availability.round_minutes > 0, "--round-minutes must be > 0");
+  DTRAIN_CHECK_INPUT(options.personalize_epochs >= 0 && options.personalize_layers >= 0,
+                     "--personalize-epochs and --personalize-layers must be >= 0");
+  DTRAIN_CHECK_INPUT(
+      !options.secure_aggregation || options.compression.kind == CompressionSpec::None,
+      "--secure-aggregation sends masked 32-bit words, which do not compress: it "
+      "cannot be combined with --compression ",
+      to_string(options.compression));
+  validate(options.robust);
+  validate(options.buffer);
+  if (options.secure_aggregation && options.secagg_graph > 0) {
+    secagg::round_degree(options.secagg_graph,
+                         std::max<int64_t>(1, std::llround(options.fraction *
+                                                           static_cast<double>(options.clients))));
+  }
+  DTRAIN_CHECK_INPUT(options.round_deadline >= 0 && std::isfinite(options.round_deadline),
+                     "--round-deadline must be >= 0 simulated minutes (0 = none), got ",
+                     options.round_deadline);
+  DTRAIN_CHECK_INPUT(!options.buffer.enabled() || options.speed.enabled(),
+                     "--buffer-size runs on the virtual clock: give --client-speed (constant, "
+                     "lognormal:SIGMA or pareto:ALPHA)");
+  DTRAIN_CHECK_INPUT(options.round_deadline == 0 || options.speed.enabled(),
+                     "--round-deadline is in simulated minutes on the virtual clock: give "
+                     "--client-speed");
+  DTRAIN_CHECK_INPUT(options.personalize_epochs == 0 || options.clients <= 100000,
+                     "--personalize-epochs fine-tunes every client after the last round: at most "
+                     "100,000 clients, got ",
+                     options.clients);
+  DTRAIN_CHECK_INPUT(options.secagg_threshold >= 0 && options.secagg_threshold <= 1,
+                     "--secagg-threshold must be a fraction in [0, 1], got ",
+                     options.secagg_threshold);
+  const at::ScalarType dtype =
+      train.raw_inputs().scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  torch::manual_seed(options.seed);
+  Model global_model = build(spec, dtype);
+  RoundServerOptions server_options;
+  server_options.clients_per_round = std::max<int64_t>(
+      1,
+      static_cast<int64_t>(std::llround(options.fraction * static_cast<double>(options.clients))));
+  server_options.min_clients =
+      std::min(server_options.clients_per_round, std::max<int64_t>(1, options.min_clients));
+  server_options.algorithm = options.algorithm;
+  server_options.optimizer = options.server;
+  server_options.robust = options.robust;
+  server_options.feddyn_alpha = options.feddyn_alpha;
+  server_options.scaffold_option = options.scaffold_option;
+  server_options.population = options.clients;
+  server_options.local = options.local;
+  server_options.secure_aggregation = options.secure_aggregation;
+  server_options.seed = options.seed;
+  server_options.dp = options.dp;
+  server_options.buffer = options.buffer;
+  if (options.initial.defined()) {
+    const int64_t parameters = flatten_parameters(global_model).numel();
+    DTRAIN_CHECK_INPUT(options.initial.numel() == parameters, "--init-from: a model of ",
+                       options.initial.numel(), " parameters for one of ", parameters);
+    load_flat_parameters(global_model, options.initial.to(dtype));
+  }
+  RoundServer server(flatten_parameters(global_model), server_options);
+  const std::string checkpoint =
+      options.checkpoint_dir.empty() ? "" : options.checkpoint_dir + "/server.pt";
+  SimulationResult result;
+  if (!checkpoint.empty() && std::filesystem::exists(checkpoint)) {
+    server.load(checkpoint);
+    result.start_round = server.round();
+  }
+  const int threads = options.threads > 0
+                          ? options.threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  std::vector<Model> replicas;
+  for (int t = 0; t < threads; ++t) replicas.push_back(build(spec, dtype));
+  // Clients are made when selected (from the partition and the seed) and dropped after.
+  SimulatedClients clients(train, options, server);
+  RoundLog log(options.metrics_file, options.progress, options.rounds, result.start_round);
+  if (options.buffer.enabled()) {
+    simulate_buffered(clients, replicas, global_model, test, log, result);
+  } else {
+    simulate_rounds(clients, replicas, global_model, test, log, result);
   }
   result.global = server.global();
   result.rounds_done = server.round();
@@ -414,7 +541,9 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     // Every client fine-tunes: all of them made (a sampled population of more than 100,000 is
     // refused before the first round).
     std::vector<ClientIndices> everyone;
-    for (int64_t c = 0; c < clients.size(); ++c) everyone.push_back(clients.client(c));
+    for (int64_t c = 0; c < clients.population.size(); ++c) {
+      everyone.push_back(clients.population.client(c));
+    }
     result.personalization = personalize(spec, result.global, train, everyone, plan,
                                          options.personalize_layers, threads, options.seed);
     log.write({{"event", std::string("personalization")},

@@ -83,7 +83,12 @@ ClientUpdate train_locally(Model& model, const at::Tensor& global, const data::T
 /// The example-weighted mean of updates, summed in float64 whatever the updates' dtype.
 class WeightedMean {
  public:
-  void add(const at::Tensor& update, double weight);
+  /// Adds scale x update with weight `weight` (the sum grows by weight x scale x update, the
+  /// total weight by weight: a scale < 1 discounts an update, as FedBuff's staleness does).
+  void add(const at::Tensor& update, double weight, double scale = 1.0);
+  /// The float64 sum (undefined when empty) and a sum restored (a resumed buffer).
+  const at::Tensor& sum() const { return sum_; }
+  void restore(at::Tensor sum, double weight, int64_t count);
   int64_t count() const { return count_; }
   double total_weight() const { return weight_; }
   /// The mean, in `dtype` (InputError-free: undefined when nothing was added).

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dtrain/services/federated/Aggregator.h"
+#include "dtrain/services/federated/Buffered.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Privacy.h"
 
@@ -50,6 +51,11 @@ struct RoundServerOptions {
   /// sum gets Gaussian noise of standard deviation dp.noise_multiplier x dp.clip before it is
   /// divided by the number of selected clients.
   DpSpec dp;
+  /// Asynchronous buffered aggregation (FedBuff): with buffer.size = K > 0 there are no rounds;
+  /// clients start() whenever fewer than buffer.concurrency train, submit() when done, and
+  /// every K accepted updates (each weighted by buffer.staleness) are applied as one step (a
+  /// "round" in the records). clients_per_round and min_clients are then unused.
+  BufferSpec buffer;
 };
 
 struct RoundOutcome {
@@ -64,6 +70,8 @@ struct RoundOutcome {
   /// Differential privacy: the clip the round's updates were held to (adaptive clipping moves
   /// it after each applied round); 0 without.
   double dp_clip = 0.0;
+  /// Buffered aggregation: the mean staleness of the step's updates (< 0: synchronous).
+  double staleness = -1.0;
 };
 
 /// A round as it is reported (metrics file, progress): its outcome, the global model's test
@@ -76,6 +84,9 @@ struct RoundRecord {
   double seconds = 0.0;
   /// Clients available to be selected (< 0: not tracked).
   int64_t available = -1;
+  /// Simulated minutes since the run's start when the round ended (the virtual clock; < 0:
+  /// none).
+  double sim_minutes = -1.0;
   /// Faulty clients among those that trained (simulation with --byzantine; < 0: none).
   int64_t faulty = -1;
   /// Differential privacy: epsilon (at the spec's delta) spent so far; < 0 without it.
@@ -84,6 +95,10 @@ struct RoundRecord {
   /// aggregation its protocol work) and a client's on average (encoding; with secure
   /// aggregation its protocol work), training not included. 0 when not measured.
   double server_aggregation_s = 0.0, client_aggregation_s = 0.0;
+  /// Secure aggregation in simulation: masks the server expanded, and a sending client on
+  /// average (0 when not measured).
+  int64_t server_masks = 0;
+  double client_masks = 0.0;
   /// A client's local training time on average (simulation; 0 when not measured).
   double client_training_s = 0.0;
   /// A round not applied: the most seconds of local training that clients which ran out of
@@ -133,6 +148,23 @@ class RoundServer {
   /// NaN/Inf, no examples).
   std::string submit_sum(const at::Tensor& weighted_sum, double examples,
                          const std::vector<std::string>& clients, double loss_sum);
+  /// Buffered aggregation: hands `client` the current model (it trains from this step's version;
+  /// its update's staleness counts the steps applied meanwhile). "" or why refused: already
+  /// training, or --concurrency clients are.
+  std::string start(const std::string& client);
+  /// Buffered aggregation: `client` stopped training without an update (dropped out, left).
+  void leave(const std::string& client);
+  /// Buffered aggregation: clients training now, and whether the buffer holds K updates (then
+  /// close() applies them).
+  int64_t training() const;
+  /// Buffered aggregation: the clients training now and the step each started from.
+  std::map<std::string, int64_t> training_steps() const;
+  bool buffer_full() const;
+  bool buffered() const { return options_.buffer.enabled(); }
+  /// The simulation's virtual clock (minutes), kept with the server so a resumed run goes on
+  /// from the same simulated time.
+  double clock() const;
+  void set_clock(double minutes);
   /// Ends the open round: applies the mean update of those that finished if at least
   /// min_clients did; the rest count as dropped.
   RoundOutcome close();
@@ -153,13 +185,17 @@ class RoundServer {
   std::set<std::string> selected_;
   std::map<std::string, int64_t> submitted_;  // client -> examples
   WeightedMean mean_;
-  std::vector<WeightedUpdate> updates_;  // kept when the aggregator needs them
-  at::Tensor control_sum_;               // SCAFFOLD: the accepted control changes (float64)
-  int64_t most_offered_ = 0;             // the population when not given
-  double clip_ = 0.0;                    // differential privacy's clip (adaptive: moves)
-  double count_noise() const;            // adaptive clipping's sigma_b
-  void clear_round();                    // what a round collects, emptied (lock held)
-  int64_t within_clip_ = 0;              // adaptive clipping: accepted updates within it
+  std::vector<WeightedUpdate> updates_;      // kept when the aggregator needs them
+  at::Tensor control_sum_;                   // SCAFFOLD: the accepted control changes (float64)
+  int64_t most_offered_ = 0;                 // the population when not given
+  double clip_ = 0.0;                        // differential privacy's clip (adaptive: moves)
+  double count_noise() const;                // adaptive clipping's sigma_b
+  void clear_round();                        // what a round collects, emptied (lock held)
+  int64_t within_clip_ = 0;                  // adaptive clipping: accepted updates within it
+  std::map<std::string, int64_t> training_;  // buffered: client -> the step it started from
+  int64_t buffered_ = 0, left_ = 0;          // buffered: updates in the buffer, clients left
+  double staleness_sum_ = 0.0;               // buffered: the buffer's summed staleness
+  double clock_ = 0.0;                       // the simulation's virtual clock
   double loss_sum_ = 0.0;
 };
 

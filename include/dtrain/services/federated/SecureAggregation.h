@@ -17,6 +17,14 @@
 // removes the self masks and the pairwise masks left by dropped clients, and obtains exactly
 // the sum of the survivors' x (pairwise masks between survivors cancel). With fewer than t
 // clients at any step the round aborts with an error saying how many were left.
+//
+// SecAgg+ (Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead",
+// CCS 2020): the same steps on a sparse graph. The round's clients sit on a random k-regular
+// graph drawn from the round's seed (neighbour_graph); a client shares its secrets and agrees
+// pairwise masks only with its k neighbours, t is a threshold within each neighbourhood (k + 1
+// holders, the client's own share included), and recovery removes a dropped client's masks from
+// its surviving neighbours only. A client's work grows with k ~ log n instead of n; the server's
+// with dropped clients x k instead of dropped x survivors.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -65,6 +73,9 @@ class ClientSession {
   ClientSession(uint32_t id, int64_t elements, int threshold);
   ~ClientSession();
   uint32_t id() const;
+  /// SecAgg+: this client's neighbours on the round's graph (before share_keys); shares and
+  /// masks go to them only. Not called: every client of the round (the classic protocol).
+  void set_neighbours(const std::vector<uint32_t>& neighbours);
   /// Step 0.
   PublicKeys advertise();
   /// Step 1: the round's advertised keys (U1, this client's included) -> its sealed shares,
@@ -78,6 +89,8 @@ class ClientSession {
   at::Tensor masked_input(const at::Tensor& fixed, const std::vector<uint32_t>& u2);
   /// Step 3: the shares the server needs, given the clients that sent masked input (U3).
   Reveal reveal(const std::vector<uint32_t>& u3);
+  /// Masks expanded so far (self and pairwise: the protocol's ChaCha20 work, in model sizes).
+  int64_t mask_expansions() const;
 
  private:
   struct State;
@@ -89,6 +102,9 @@ class ServerSession {
  public:
   ServerSession(int64_t elements, int threshold);
   ~ServerSession();
+  /// SecAgg+: the round's graph (neighbour_graph); shares are routed along its edges only and a
+  /// dropped client's masks removed from its neighbours only.
+  void set_graph(std::map<uint32_t, std::vector<uint32_t>> graph);
   void add_keys(const PublicKeys& keys);
   /// U1 (at least `threshold` clients, else Error).
   std::vector<PublicKeys> advertised() const;
@@ -105,6 +121,8 @@ class ServerSession {
   at::Tensor finish();
   /// Clients whose inputs are in the sum.
   int64_t survivors() const;
+  /// Masks finish() expanded (the survivors' self masks, the dropped clients' pairwise ones).
+  int64_t mask_expansions() const;
 
  private:
   struct State;
@@ -116,6 +134,25 @@ class ServerSession {
 std::vector<std::vector<uint64_t>> shamir_split(const std::vector<uint64_t>& secret, int threshold,
                                                 const std::vector<uint32_t>& points);
 std::vector<uint64_t> shamir_join(const std::map<uint32_t, std::vector<uint64_t>>& shares);
+
+/// SecAgg+'s graph over the round's client ids: a Harary graph H(k, n) on a random ring order
+/// drawn from `seed` (each client joined to the k/2 before and the k/2 after it), so every
+/// client has exactly k neighbours. InputError unless k is even and 2 <= k < n (k >= n - 1
+/// would be the full graph: use the classic protocol).
+std::map<uint32_t, std::vector<uint32_t>> neighbour_graph(std::vector<uint32_t> ids, int degree,
+                                                          uint64_t seed);
+/// The degree SecAgg+ uses by default for n clients: the smallest even k >= 2 log2(n), at most
+/// the largest even degree below n - 1 (0 when n < 4: no graph sparser than the full one).
+int default_degree(int64_t n);
+/// --secagg-graph: "full" (0: the classic protocol), "log" (-1: default_degree of the round) or
+/// an even degree K >= 2; InputError naming the flag otherwise.
+int parse_secagg_graph(const std::string& text);
+/// The degree a round of n clients uses for the flag's value (0: the full graph); InputError
+/// when a given K is not below n - 1 (larger than the round).
+int round_degree(int graph, int64_t n);
+/// t: `fraction` of the `holders` of a client's shares (all n, or degree + 1 with SecAgg+),
+/// rounded up; 0 = a majority; at least 2.
+int secagg_threshold(double fraction, int holders);
 
 /// The ChaCha20 keystream of `seed` as `elements` int32 (the PRG).
 at::Tensor expand_mask(const Key& seed, int64_t elements);

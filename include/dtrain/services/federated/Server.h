@@ -77,8 +77,16 @@ struct ServerOptions {
   /// secagg_step_timeout_s for the round's clients.
   bool secure_aggregation = false;
   double secagg_threshold = 0.0;
+  /// SecAgg+ (parse_secagg_graph): 0 the full graph, -1 about 2 log2 K, or an even degree.
+  int secagg_graph = 0;
   double secagg_step_timeout_s = 30.0;
   int secagg_frac_bits = 16;
+  /// Asynchronous buffered aggregation (FedBuff; buffer.size > 0): no rounds - a client that
+  /// checks in starts training from the current model whenever fewer than buffer.concurrency
+  /// are (each with its own --round-timeout), its update is taken whenever it arrives, weighted
+  /// by its staleness, and every buffer.size of them are applied as one step (what --rounds,
+  /// the records and checkpoints count). Not with secure aggregation.
+  BufferSpec buffer;
 };
 
 /// "client token" lines (# comments and blank lines skipped); InputError naming the file and

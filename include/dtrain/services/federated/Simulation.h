@@ -13,6 +13,7 @@
 
 #include "dtrain/data/Dataset.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/services/federated/Buffered.h"
 #include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Partition.h"
@@ -34,6 +35,9 @@ struct AvailabilityTrace {
   double round_minutes = 10.0;
   /// Whether `client` is available at simulated minute `minute` (0 = the run's start).
   bool available(int64_t client, double minute, uint64_t seed) const;
+  /// Minutes until `client`'s window closes, from `minute` when it is available (infinity for
+  /// always; 0 when it is not available).
+  double minutes_left(int64_t client, double minute, uint64_t seed) const;
 };
 
 /// "always" or "diurnal:HOURS" (InputError naming --availability otherwise).
@@ -71,12 +75,23 @@ struct SimulationOptions {
   bool secure_aggregation = false;
   double secagg_threshold = 0.0;
   int secagg_frac_bits = 16;
+  /// SecAgg+ (parse_secagg_graph): 0 the classic full graph, -1 a degree of about 2 log2 K, or
+  /// an even degree; the threshold is then secagg_threshold of a neighbourhood (degree + 1).
+  int secagg_graph = 0;
   /// Differential privacy (DP-FedAvg): clients clip, the server adds noise; epsilon per round.
   DpSpec dp;
   /// Availability of the clients over simulated time (selection only among those available).
   AvailabilityTrace availability;
   /// A selected client drops out before sending its update with this probability.
   double dropout = 0.0;
+  /// The virtual clock: each device's speed (none: every round attempt takes round_minutes).
+  /// With it a synchronous round lasts until its slowest selected client is done or has left
+  /// (a dropout leaves at a uniform point of its training), at most round_deadline minutes
+  /// (0 = no deadline; clients not done by then are dropped).
+  ClientSpeed speed;
+  double round_deadline = 0.0;
+  /// Asynchronous buffered aggregation (FedBuff; needs the virtual clock): K, C, staleness.
+  BufferSpec buffer;
   /// Worker threads training clients (0 = the cores); each uses one LibTorch thread.
   int threads = 0;
   uint64_t seed = 0;
@@ -99,9 +114,11 @@ struct SimulationOptions {
 
 struct SimulationResult {
   std::vector<RoundRecord> rounds;
-  /// The first round (1-based count of applied rounds) whose evaluation reached
-  /// target_accuracy, 0 if none did.
+  /// The first round (1-based count of applied rounds; buffered: server steps) whose
+  /// evaluation reached target_accuracy, 0 if none did; and the simulated minutes then (the
+  /// virtual clock; < 0 without it).
   int64_t rounds_to_target = 0;
+  double minutes_to_target = -1.0;
   int64_t start_round = 0;
   /// Rounds applied in all (the server's round at the end).
   int64_t rounds_done = 0;
