@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""dtrain against Flower (flwr, its Ray simulation engine, the same MLP in PyTorch 2.x): time
+per round of FedAvg at 100 and 1,000 clients (C = 0.1: 10 and 100 a round; E = 5, B = 10,
+lr 0.05; each client holds its share of Fashion-MNIST, all of it for training), and time per
+round of secure aggregation with SecAgg+ (Flower's SecAggPlusWorkflow + secaggplus_mod; dtrain's
+--secagg-graph; the same number of shares per client, k + 1, and threshold, a majority) at n
+clients all selected, E = 1 full batch, no dropouts. Both on the same cores with the same
+threads: dtrain --threads 2 (one LibTorch thread each), Flower two Ray workers of one CPU each
+(torch.set_num_threads(1)). Runs alternate dtrain and Flower --repeats times; per run the median
+round time (Flower: the time between consecutive aggregations, its first round dropped with
+Ray's start-up; dtrain: round_s, evaluation off in both); the table gives medians of the
+per-repeat ratios. Raw per-round records: bench/results-flower-peer.jsonl.
+
+Needs the Flower environment (git-ignored): /usr/bin/python3 -m venv .venv-flower &&
+.venv-flower/bin/pip install "flwr[simulation]" torch==2.12.0 numpy
+
+  .venv-flower/bin/python bench/run_flower_peer.py [--repeats 2] [--markdown FILE]
+"""
+import argparse
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = "/usr/share/datasets/fashion-mnist"
+
+
+def load_fashion():
+    import numpy as np
+    with gzip.open(os.path.join(DATA, "train-images-idx3-ubyte.gz")) as f:
+        x = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 784).astype(np.float32) / 255
+    with gzip.open(os.path.join(DATA, "train-labels-idx1-ubyte.gz")) as f:
+        y = np.frombuffer(f.read(), np.uint8, offset=8).astype(np.int64)
+    return x, y
+
+
+def flower_run(args):
+    """One Flower simulation (in its own process); writes per-round times to args.out."""
+    import numpy as np
+    import torch
+    from flwr.app import Context
+    from flwr.client import ClientApp, NumPyClient
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server import Grid, LegacyContext, ServerApp, ServerAppComponents, ServerConfig
+    from flwr.server.strategy import FedAvg
+    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.simulation import run_simulation
+
+    torch.set_num_threads(1)
+    x, y = load_fashion()
+    n = args.clients
+    per = len(x) // n
+    order = np.random.default_rng(0).permutation(len(x))
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(784, args.hidden[0]), torch.nn.ReLU(),
+                                   *[m for a, b in zip(args.hidden, args.hidden[1:])
+                                     for m in (torch.nn.Linear(a, b), torch.nn.ReLU())],
+                                   torch.nn.Linear(args.hidden[-1], 10))
+
+    class Trainer(NumPyClient):
+        def __init__(self, cid):
+            self.idx = order[cid * per:(cid + 1) * per]
+            self.net = model()
+
+        def get_parameters(self, config):
+            return [p.detach().numpy() for p in self.net.state_dict().values()]
+
+        def fit(self, parameters, config):
+            torch.set_num_threads(1)
+            state = dict(zip(self.net.state_dict().keys(),
+                             [torch.from_numpy(np.copy(p)) for p in parameters]))
+            self.net.load_state_dict(state)
+            xs, ys = torch.from_numpy(x[self.idx]), torch.from_numpy(y[self.idx])
+            opt = torch.optim.SGD(self.net.parameters(), lr=args.lr)
+            batch = args.batch if args.batch > 0 else len(self.idx)
+            for _ in range(args.epochs):
+                perm = torch.randperm(len(self.idx))
+                for b in range(0, len(self.idx), batch):
+                    i = perm[b:b + batch]
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(self.net(xs[i]), ys[i]).backward()
+                    opt.step()
+            return self.get_parameters({}), len(self.idx), {}
+
+    def client_fn(context: Context):
+        return Trainer(int(context.node_config["partition-id"])).to_client()
+
+    marks = []
+
+    class Timed(FedAvg):
+        def aggregate_fit(self, server_round, results, failures):
+            out = super().aggregate_fit(server_round, results, failures)
+            marks.append(time.perf_counter())
+            return out
+
+    initial = ndarrays_to_parameters([p.detach().numpy() for p in model().state_dict().values()])
+    strategy = Timed(fraction_fit=args.fraction, fraction_evaluate=0.0,
+                     min_fit_clients=max(2, int(round(args.fraction * n))),
+                     min_available_clients=n, initial_parameters=initial)
+    if args.secure:
+        client_app = ClientApp(client_fn=client_fn, mods=[secaggplus_mod])
+        app = ServerApp()
+
+        @app.main()
+        def main(grid: Grid, context: Context) -> None:
+            legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=args.rounds),
+                                   strategy=strategy)
+            workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(
+                num_shares=args.shares, reconstruction_threshold=args.threshold,
+                max_weight=float(len(x))))
+            workflow(grid, legacy)
+    else:
+        client_app = ClientApp(client_fn=client_fn)
+        app = ServerApp(server_fn=lambda context: ServerAppComponents(
+            strategy=strategy, config=ServerConfig(num_rounds=args.rounds)))
+    start = time.perf_counter()
+    run_simulation(server_app=app, client_app=client_app, num_supernodes=n,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": args.threads}})
+    rounds = [b - a for a, b in zip(marks, marks[1:])]
+    with open(args.out, "w") as f:
+        json.dump({"round_s": rounds, "total_s": time.perf_counter() - start}, f)
+
+
+def dtrain_run(args, clients, fraction, secure, shares, log):
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "m.jsonl")
+        command = [args.dtrain, "fl", "simulate", "--no-progress", "--metrics-file", metrics,
+                   "--clients", str(clients), "--fraction", str(fraction), "--partition", "iid",
+                   "--local-test-fraction", "0", "--hidden", *map(str, args.hidden),
+                   "--lr", str(args.lr), "--rounds", str(args.rounds), "--threads",
+                   str(args.threads), "--eval-every", "100000"]
+        if secure:
+            command += ["--local-epochs", "1", "--local-batch", "0", "--secure-aggregation",
+                        "--secagg-graph", str(shares - 1)]
+        else:
+            command += ["--local-epochs", str(args.epochs), "--local-batch", str(args.batch)]
+        out = subprocess.run(command, capture_output=True, text=True)
+        log.write(" ".join(command) + "\n" + out.stdout + out.stderr)
+        if out.returncode != 0:
+            raise SystemExit(f"dtrain failed: {out.stderr}")
+        rows = [json.loads(line) for line in open(metrics)]
+    return [r["round_s"] for r in rows if r.get("event") == "round"]
+
+
+def flower(args, clients, fraction, secure, shares, log):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "flower.json")
+        command = [sys.executable, os.path.abspath(__file__), "--flower-run", "--out", out,
+                   "--clients", str(clients), "--fraction", str(fraction), "--rounds",
+                   str(args.rounds + 1), "--threads", str(args.threads), "--lr", str(args.lr),
+                   "--hidden", *map(str, args.hidden)]
+        if secure:
+            command += ["--secure", "--shares", str(shares),
+                        "--threshold", str(shares // 2 + 1), "--epochs", "1", "--batch", "0"]
+        else:
+            command += ["--epochs", str(args.epochs), "--batch", str(args.batch)]
+        env = dict(os.environ, RAY_DEDUP_LOGS="0")
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        log.write(" ".join(command) + "\n" + done.stdout[-4000:] + done.stderr[-4000:])
+        if done.returncode != 0 or not os.path.exists(out):
+            raise SystemExit(f"flower failed:\n{done.stderr[-3000:]}")
+        return json.load(open(out))["round_s"]
+
+
+def default_degree(n):
+    import math
+    k = 2 * math.ceil(math.log2(max(2, n)))
+    k += k % 2
+    return min(k, (n - 2) - (n - 2) % 2)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flower-run", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shares", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--threshold", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--clients", type=int, default=100, help=argparse.SUPPRESS)
+    parser.add_argument("--fraction", type=float, default=0.1, help=argparse.SUPPRESS)
+    parser.add_argument("--dtrain", default=os.path.join(ROOT, "build", "dtrain"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[200, 200])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--secure-sizes", default="100")
+    parser.add_argument("--records", default=os.path.join(ROOT, "bench",
+                                                          "results-flower-peer.jsonl"))
+    parser.add_argument("--log", default=os.path.join(ROOT, "bench", "results-flower-peer.log"))
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+    if args.flower_run:
+        flower_run(args)
+        return
+
+    cases = [("fedavg", 100, 0.1, False, 0), ("fedavg", 1000, 0.1, False, 0)]
+    for n in [int(s) for s in args.secure_sizes.split(",") if s]:
+        cases.append(("secagg+", n, 1.0, True, default_degree(n) + 1))
+    ratios = {}
+    with open(args.log, "w") as log, open(args.records, "w") as records:
+        for repeat in range(args.repeats):
+            for name, n, fraction, secure, shares in cases:
+                times = {}
+                for system in ("dtrain", "flower"):  # alternated
+                    run = dtrain_run if system == "dtrain" else flower
+                    rounds = run(args, n, fraction, secure, shares, log)
+                    times[system] = statistics.median(rounds)
+                    records.write(json.dumps({"case": name, "clients": n, "system": system,
+                                              "repeat": repeat, "round_s": rounds}) + "\n")
+                    records.flush()
+                ratios.setdefault((name, n), []).append(
+                    (times["dtrain"], times["flower"], times["flower"] / times["dtrain"]))
+                print(f"repeat {repeat} {name} n={n}: dtrain {times['dtrain']:.3f} s, "
+                      f"flower {times['flower']:.3f} s a round", flush=True)
+    lines = ["| case | clients | dtrain s / round | Flower s / round | Flower / dtrain (median of "
+             "per-repeat ratios) |", "|---|---|---|---|---|"]
+    for (name, n), rows in ratios.items():
+        lines.append(f"| {name} | {n} | {statistics.median(r[0] for r in rows):.3f} | "
+                     f"{statistics.median(r[1] for r in rows):.3f} | "
+                     f"{statistics.median(r[2] for r in rows):.2f}x |")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        open(args.markdown, "w").write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
