@@ -437,6 +437,16 @@ TEST(SecureAggregation, SimulatedRoundsWithSecureAggregationMatchPlaintextFedAvg
   options.secagg_threshold = 0.25;
   const auto plus = simulate(mlp_spec(), train, test, options);
   EXPECT_TRUE(plus.global.equal(secure.global));
+  // A neighbourhood left with fewer than t survivors (t = 7 of 7 here, with dropouts) cannot be
+  // unmasked: its round is retried like any other that fell short, until the run gives up.
+  options.secagg_threshold = 1.0;
+  try {
+    simulate(mlp_spec(), train, test, options);
+    ADD_FAILURE() << "a neighbourhood below its threshold was unmasked";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("clients finished, 10 times in a row"), std::string::npos)
+        << e.what();
+  }
   options.secagg_graph = 0;
   options.secagg_threshold = 0.5;
   // With t = 10 of 10 and nearly everyone dropping out, no round is applied, each is retried,

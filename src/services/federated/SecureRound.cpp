@@ -161,7 +161,16 @@ std::string SecureRound::finish(RoundServer& server) {
     server_s_ += since(start);
   }
   start = Clock::now();
-  const SecureSum total = secure_sum(server_->finish(), numel_, ref_, frac_bits_);
+  at::Tensor sum;
+  try {
+    sum = server_->finish();
+  } catch (const Error& e) {
+    // Too few shares of some secret (with SecAgg+: in some neighbourhood): the masks cannot
+    // come off; the round has no updates and is retried.
+    server_s_ += since(start);
+    return e.what();
+  }
+  const SecureSum total = secure_sum(sum, numel_, ref_, frac_bits_);
   const std::string why =
       server.submit_sum(total.weighted_sum, total.weight, finished, total.loss_sum);
   server_s_ += since(start);
