@@ -101,6 +101,25 @@ std::vector<ClientReport> run_clients(
   return reports;
 }
 
+// FedAvg computed in one process: `rounds` rounds of every client's local training from
+// `initial`, averaged by example count (the reference the gRPC rounds must equal).
+at::Tensor fedavg_reference(
+    const at::Tensor& initial, const data::TensorDataset& train,
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& clients,
+    const LocalTraining& plan, int rounds) {
+  at::Tensor global = initial.clone();
+  Model model = model64(0);
+  for (int round = 0; round < rounds; ++round) {
+    WeightedMean mean;
+    for (const auto& [id, indices] : clients) {
+      const ClientUpdate u = train_locally(model, global, train, indices, plan, 0);
+      mean.add(u.delta, static_cast<double>(u.examples));
+    }
+    global += mean.mean(at::kDouble);
+  }
+  return global;
+}
+
 }  // namespace
 
 // Three client processes' worth of clients (threads) over gRPC: every round selects all three,
@@ -117,17 +136,8 @@ TEST(FederatedServer, ClientsOverGrpcTrainTheModelFedAvgComputesInProcess) {
   const auto reports = run_clients(server, train, clients, &result);
   ASSERT_EQ(result.rounds_done, 3);
   // The reference: the example-weighted mean of each client's full-batch step, three times.
-  at::Tensor global = initial.clone();
-  Model model = model64(0);
-  LocalTraining plan = server_options(3, 3).local;
-  for (int round = 0; round < 3; ++round) {
-    WeightedMean mean;
-    for (const auto& [id, indices] : clients) {
-      const ClientUpdate u = train_locally(model, global, train, indices, plan, 0);
-      mean.add(u.delta, static_cast<double>(u.examples));
-    }
-    global += mean.mean(at::kDouble);
-  }
+  const at::Tensor global =
+      fedavg_reference(initial, train, clients, server_options(3, 3).local, 3);
   EXPECT_LE((result.global - global).abs().max().item<double>(), kTightBound);
   EXPECT_GT((result.global - initial).abs().max().item<double>(), 1e-3);
   for (const auto& r : result.rounds) {
@@ -161,16 +171,7 @@ TEST(FederatedServer, BufferedAggregationOverGrpcTakesUpdatesAsTheyComeAndResume
   ServerResult result;
   run_clients(server, train, clients, &result);
   ASSERT_EQ(result.rounds_done, 3);
-  at::Tensor global = initial.clone();
-  Model model = model64(0);
-  for (int round = 0; round < 3; ++round) {
-    WeightedMean mean;
-    for (const auto& [id, indices] : clients) {
-      const ClientUpdate u = train_locally(model, global, train, indices, options.local, 0);
-      mean.add(u.delta, static_cast<double>(u.examples));
-    }
-    global += mean.mean(at::kDouble);
-  }
+  const at::Tensor global = fedavg_reference(initial, train, clients, options.local, 3);
   EXPECT_LE((result.global - global).abs().max().item<double>(), kTightBound);
 
   // K = 2 of C = 3: the third update of a step comes from an older model (stale).
@@ -482,16 +483,7 @@ TEST(FederatedServer, SecureAggregationOverGrpcSumsTheUpdatesAndSurvivesADropout
   ServerResult result;
   run_clients(server, train, clients, &result);
   ASSERT_EQ(result.rounds_done, 2);
-  at::Tensor global = initial.clone();
-  Model model = model64(0);
-  for (int round = 0; round < 2; ++round) {
-    WeightedMean mean;
-    for (const auto& [id, indices] : clients) {
-      const ClientUpdate u = train_locally(model, global, train, indices, options.local, 0);
-      mean.add(u.delta, static_cast<double>(u.examples));
-    }
-    global += mean.mean(at::kDouble);
-  }
+  const at::Tensor global = fedavg_reference(initial, train, clients, options.local, 2);
   const double difference = (result.global - global).abs().max().item<double>();
   EXPECT_LT(difference, 1e-4);
   EXPECT_GT(difference, 0.0);  // fixed point: not the plaintext computation

@@ -103,20 +103,19 @@ void Server::Service::run_buffered(ServerResult& result, RoundLog& log) {
     record.uplink_bytes = uplink_;
     record.downlink_bytes = downlink_;
     uplink_ = downlink_ = 0;
-    lock.unlock();
+    // Applied with the lock held: an upload arriving meanwhile goes into the next buffer, not
+    // this one (uploads submit under the same lock).
     const auto closing = Clock::now();
     record.outcome = rounds_.close();
     record.server_aggregation_s += std::chrono::duration<double>(Clock::now() - closing).count();
     const int64_t done = rounds_.round();
-    {
-      // The new version is the one clients start from now; the old goes when nobody uses it.
-      std::lock_guard<std::mutex> versions(mutex_);
-      versions_[done] = rounds_.global();
-      bool used = false;
-      for (const auto& entry : flights_) used = used || entry.second.version == done - 1;
-      if (!used) versions_.erase(done - 1);
-      changed_.notify_all();
-    }
+    // The new version is the one clients start from now; the old goes when nobody uses it.
+    versions_[done] = rounds_.global();
+    bool used = false;
+    for (const auto& entry : flights_) used = used || entry.second.version == done - 1;
+    if (!used) versions_.erase(done - 1);
+    changed_.notify_all();
+    lock.unlock();
     if (evaluate_ && (done % o_.eval_every == 0 || done == o_.rounds)) {
       std::tie(record.test_loss, record.test_accuracy) = evaluate_(rounds_.global());
     }

@@ -286,8 +286,11 @@ grpc::Status Server::Service::Upload(grpc::ServerContext* context,
     why = concat("a secagg update must be one int32 part 'masked' of ", numel_ + 2, " elements");
   }
   if (!why.empty()) return refuse(id, "Upload: " + why);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   if (rounds_.buffered()) {
+    // A full buffer is applied first (the step loop wakes on it): this update goes into the
+    // next one, K updates a step.
+    changed_.wait(lock, [&] { return stopping_ || done_ || !rounds_.buffer_full(); });
     const auto flight = flights_.find(id);
     if (flight == flights_.end() || flight->second.version + 1 != update.header().round()) {
       ++late_;
