@@ -14,6 +14,7 @@
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/services/federated/Buffered.h"
+#include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/Simulation.h"
 
@@ -185,6 +186,34 @@ TEST(Buffered, VirtualClockRunsAreDeterministicWhateverTheThreadsDo) {
   const int64_t steps = local_steps(s.local, train.size() / s.clients);  // 40 examples each
   EXPECT_DOUBLE_EQ(sync.rounds[0].sim_minutes, static_cast<double>(steps) * 30 / 60);
   EXPECT_DOUBLE_EQ(sync.rounds[1].sim_minutes, 2 * static_cast<double>(steps) * 30 / 60);
+}
+
+// What buffered aggregation works with: compressed uploads (q8, read back as the server reads
+// them) and differential privacy (clipped updates, noise on the buffer's sum, epsilon reported).
+TEST(Buffered, WorksWithCompressionAndDifferentialPrivacy) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(240, 67);
+  SimulationOptions o = small_run();
+  o.clients = 12;
+  o.rounds = 3;
+  o.speed = parse_client_speed("lognormal:0.5");
+  o.buffer.size = 3;
+  o.buffer.concurrency = 6;
+  o.compression = parse_compression("q8");
+  o.dp.clip = 1.0;
+  o.dp.noise_multiplier = 0.5;
+  const auto run = simulate(mlp_spec(), train, train, o);
+  ASSERT_EQ(run.rounds_done, 3);
+  const int64_t numel = run.global.numel();
+  for (const auto& r : run.rounds) {
+    EXPECT_TRUE(r.outcome.applied);
+    EXPECT_EQ(r.outcome.finished, 3);
+    EXPECT_GT(r.dp_epsilon, 0.0);
+    // q8: about a byte per parameter for each of the step's 3 updates, not 8 (float64).
+    EXPECT_LT(r.uplink_bytes, 3 * 2 * numel);
+    EXPECT_GT(r.uplink_bytes, 3 * numel);
+  }
+  EXPECT_TRUE(all_finite(run.global));
 }
 
 TEST(Buffered, CombinationsItCannotServeAreRefused) {
