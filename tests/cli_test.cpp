@@ -159,6 +159,10 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "buffered secure aggregation is not implemented"},
       {" fl simulate --client-speed gamma:2 --dataset synthetic",
        "--client-speed 'gamma:2': expected none, constant"},
+      {" fl simulate --clients 10 --fraction 1 --secure-aggregation --secagg-graph 12 --dataset "
+       "synthetic",
+       "--secagg-graph 12: SecAgg+ degree larger than the round allows (10 clients"},
+      {" fl simulate --secagg-graph sparse --dataset synthetic", "--secagg-graph 'sparse'"},
       {" train --simulate-slowdown 1", "--simulate-slowdown '1': expected RANK:FACTOR"},
       {" train --simulate-slowdown 3:2 --nproc 2",
        "--simulate-slowdown: rank 3 is not one of the 2"},
