@@ -35,6 +35,8 @@ struct SimulatedClients {
   ClientPopulation population;
   std::vector<bool> faulty;
   RoundServer& server;
+  /// The model's parameter count (read once: global() copies the model).
+  int64_t numel = 0;
   /// State kept only for the clients that have it: top-k's error feedback, drift correction's
   /// (SCAFFOLD's c_i, FedDyn's h_i).
   std::mutex memory_mutex;

@@ -116,7 +116,8 @@ SimulatedClients::SimulatedClients(const data::TensorDataset& train_set,
       population(train_set.targets(), run.clients, run.partition, run.seed, run.local_test_fraction,
                  run.client_examples),
       faulty(faulty_clients(run.byzantine, run.clients, run.seed)),
-      server(round_server) {
+      server(round_server),
+      numel(round_server.global().numel()) {
   if (run.byzantine.kind == ByzantineSpec::LabelFlip) {
     const int64_t classes = train_set.targets().max().item<int64_t>() + 1;
     flipped = train_set.with_targets(flip_labels(train_set.targets(), classes));
@@ -197,7 +198,7 @@ ClientResult run_client(SimulatedClients& clients, Model& replica, const ClientW
 int64_t deliver(SimulatedClients& clients, const ClientResult& result, const std::string& id,
                 int64_t* server_ns) {
   const auto start = std::chrono::steady_clock::now();
-  const int64_t numel = clients.server.global().numel();
+  const int64_t numel = clients.numel;
   const at::ScalarType dtype =
       clients.train.raw_inputs().scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   int64_t bytes = 0;
@@ -260,7 +261,7 @@ void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Mo
   const SimulationOptions& options = clients.options;
   RoundServer& server = clients.server;
   const int threads = static_cast<int>(replicas.size());
-  const int64_t numel = server.global().numel();
+  const int64_t numel = clients.numel;
   const bool clock = options.speed.enabled();
   uint64_t attempt = 0;                     // retries of the current round
   int64_t attempts_total = server.round();  // rounds tried since the (simulated) start
