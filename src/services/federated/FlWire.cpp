@@ -1,5 +1,6 @@
 #include "services/federated/FlWire.h"
 
+#include <ATen/ops/empty.h>
 #include <cmath>
 #include <cstring>
 
