@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <unordered_map>
 
 #include "dtrain/common/Error.h"
 
@@ -87,28 +88,45 @@ Key pairwise_seed(const Key& my_secret, uint32_t me, const Key& my_public, uint3
   return seed;
 }
 
-// y += sign * PRG(seed), modulo 2^32.
-// y +-= expand_mask(seed, n), the keystream made a cache-sized block at a time (the same words:
-// block i of the stream starts at counter i x kBlock / 64) instead of a model-sized tensor, so
-// the masks cost the ChaCha20 work and one pass over y.
-void add_mask(uint32_t* y, int64_t n, const Key& seed, bool subtract) {
+// Calls apply(start, m, count) with the keystream PRG(seed) a cache-sized block at a time (the
+// same words as one model-sized expansion: block i of the stream starts at counter
+// i x kBlock / 16), so that a mask costs the ChaCha20 work and one pass over what it masks.
+template <typename Apply>
+void for_keystream_blocks(int64_t n, const Key& seed, Apply&& apply) {
   constexpr int64_t kBlock = 4096;  // words: 16 KiB, 256 ChaCha20 blocks
+  static const uint32_t zeros[kBlock] = {};
   alignas(64) uint32_t m[kBlock];
   const unsigned char nonce[crypto_stream_chacha20_ietf_NONCEBYTES] = {};
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t count = std::min(kBlock, n - start);
-    std::memset(m, 0, static_cast<size_t>(count) * 4);
     crypto_stream_chacha20_ietf_xor_ic(reinterpret_cast<unsigned char*>(m),
-                                       reinterpret_cast<const unsigned char*>(m),
+                                       reinterpret_cast<const unsigned char*>(zeros),
                                        static_cast<unsigned long long>(count) * 4, nonce,
                                        static_cast<uint32_t>(start / 16), seed.data());
+    apply(start, static_cast<const uint32_t*>(m), count);
+  }
+}
+
+// y +-= PRG(seed), modulo 2^32.
+void add_mask(uint32_t* y, int64_t n, const Key& seed, bool subtract) {
+  for_keystream_blocks(n, seed, [&](int64_t start, const uint32_t* m, int64_t count) {
     uint32_t* out = y + start;
     if (subtract) {
       for (int64_t i = 0; i < count; ++i) out[i] -= m[i];
     } else {
       for (int64_t i = 0; i < count; ++i) out[i] += m[i];
     }
-  }
+  });
+}
+
+// total += y - PRG(seed), modulo 2^32: a survivor's masked input into the sum and its self mask
+// out of it in one pass (each keystream block is used while in L1, y streams past once).
+void add_unmasked(uint32_t* total, const uint32_t* y, int64_t n, const Key& seed) {
+  for_keystream_blocks(n, seed, [&](int64_t start, const uint32_t* m, int64_t count) {
+    uint32_t* out = total + start;
+    const uint32_t* in = y + start;
+    for (int64_t i = 0; i < count; ++i) out[i] += in[i] - m[i];
+  });
 }
 
 uint32_t* words(at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()); }
@@ -503,18 +521,24 @@ at::Tensor ServerSession::finish() {
                  "; the masks cannot be removed and the round is aborted");
   at::Tensor sum = at::zeros({s.elements}, at::kInt);
   uint32_t* total = words(sum);
-  for (auto& [id, y] : s.masked) {
-    const auto* data = reinterpret_cast<const uint32_t*>(y.data_ptr<int32_t>());
-    for (int64_t i = 0; i < s.elements; ++i) total[i] += data[i];
+  // The revealed shares of each owner's secret, in the order the reveals came (one pass over
+  // them, instead of one per owner).
+  using Held = std::vector<std::pair<uint32_t, const std::vector<uint64_t>*>>;
+  std::unordered_map<uint32_t, Held> b_held, sk_held;
+  for (const auto& r : s.reveals) {
+    for (const auto& [owner, share] : r.b_shares) b_held[owner].emplace_back(r.from, &share);
+    for (const auto& [owner, share] : r.sk_shares) sk_held[owner].emplace_back(r.from, &share);
   }
   // Any `threshold` shares of one owner's secret.
   auto rebuild = [&](uint32_t owner, bool self_mask) {
     std::map<uint32_t, std::vector<uint64_t>> shares;
-    for (const auto& r : s.reveals) {
-      const auto& from = self_mask ? r.b_shares : r.sk_shares;
-      const auto found = from.find(owner);
-      if (found != from.end() && found->second.size() == kWords) shares[r.from] = found->second;
-      if (static_cast<int>(shares.size()) == s.threshold) break;
+    const auto& held = self_mask ? b_held : sk_held;
+    const auto found = held.find(owner);
+    if (found != held.end()) {
+      for (const auto& [from, share] : found->second) {
+        if (share->size() == kWords) shares[from] = *share;
+        if (static_cast<int>(shares.size()) == s.threshold) break;
+      }
     }
     DTRAIN_CHECK_T(Error, static_cast<int>(shares.size()) >= s.threshold,
                    "secure aggregation: ", shares.size(), " shares of client ", owner, "'s ",
@@ -522,9 +546,9 @@ at::Tensor ServerSession::finish() {
                    "; the round is aborted");
     return key_of(shamir_join(shares));
   };
-  for (const auto& entry : s.masked) {
-    Key b = rebuild(entry.first, true);
-    add_mask(total, s.elements, b, true);
+  for (auto& [id, y] : s.masked) {
+    Key b = rebuild(id, true);
+    add_unmasked(total, reinterpret_cast<const uint32_t*>(y.data_ptr<int32_t>()), s.elements, b);
     ++s.expansions;
     sodium_memzero(b.data(), b.size());
   }

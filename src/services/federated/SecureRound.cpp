@@ -131,8 +131,15 @@ double SecureRound::client_masks() const {
 }
 
 double SecureRound::client_seconds() const {
-  return std::accumulate(client_s_.begin(), client_s_.end(), 0.0) /
-         static_cast<double>(std::max<size_t>(1, client_s_.size()));
+  // A sending client's (as client_masks): a dropout did less.
+  double sum = 0;
+  int64_t count = 0;
+  for (size_t i = 0; i < clients_.size(); ++i) {
+    if (!masked_[i].defined()) continue;
+    sum += client_s_[i];
+    ++count;
+  }
+  return count > 0 ? sum / static_cast<double>(count) : 0.0;
 }
 
 std::string SecureRound::finish(RoundServer& server) {

@@ -47,7 +47,7 @@ class SecureRound {
   std::string finish(RoundServer& server);
 
   double server_seconds() const { return server_s_; }
-  /// Mean over the clients that took part.
+  /// Mean over the clients that sent their masked input (their whole protocol's time).
   double client_seconds() const;
   int64_t uplink_bytes() const { return uplink_; }
   /// Masks expanded: by the server, and by a client on average (the ChaCha20 floor's count).
