@@ -9,7 +9,8 @@
 # server on one host and clients on both; and a network partition mid-round (host b's link
 # down while its client trains: the round closes at its deadline without it, the client leaves
 # the round at the same deadline rather than waiting on its call, and rejoins once the link is
-# back). Exit 77 (skipped) where namespaces cannot be made.
+# back); and asynchronous buffered aggregation (FedBuff) across the hosts with a client killed
+# while it trains. Exit 77 (skipped) where namespaces cannot be made.
 # Usage: multihost_test.sh PATH/TO/dtrain
 set -uo pipefail
 dtrain=$1
@@ -185,4 +186,37 @@ grep -Eq "round $cut_round: left before (its update was sent: Upload|the model w
 rejoined=$(sed -n 's/.*round \([0-9]*\): update sent.*/\1/p' "$work/p-b.log" | tail -1)
 [[ ${rejoined:-0} -gt $cut_round ]] || fail "the client on host b did not train after the partition"
 echo "ok: a partition of host b in round $cut_round: dropped at the deadline, rejoined in round $rejoined"
-echo "6 passed, 0 failed"
+
+# 7. Asynchronous buffered aggregation (FedBuff) across the hosts: the server on host a applies
+#    every 2 updates as they arrive (--buffer-size 2, at most 3 clients training). Client fk on
+#    host b is killed (SIGKILL) while it trains its first update: its slot must expire at its
+#    --round-timeout with the server saying so; then clients fa on host a and fb on host b
+#    complete the 6 steps.
+fl=(--dataset synthetic --synthetic-examples 3000 --seed 1)
+ip netns exec "$a" timeout -s KILL 120 "$dtrain" fl serve --listen 10.231.0.1:29753 --rounds 6 \
+  --buffer-size 2 --concurrency 3 --round-timeout 4 --local-epochs 20 --hidden 32 --no-progress \
+  --metrics-file "$work/fb.jsonl" "${fl[@]}" > "$work/fb-server.log" 2>&1 &
+server=$!
+fb_client() {  # ID NAMESPACE PARTITION
+  ip netns exec "$2" timeout -s KILL 120 "$dtrain" fl client --server 10.231.0.1:29753 \
+    --client-id "$1" --partition "$3" --threads 1 --wait-ms 1000 "${fl[@]}" > "$work/fb-$1.log" 2>&1
+}
+fb_client fk "$b" 2/3 &
+client_k=$!
+for _ in $(seq 1500); do grep -q ": selected" "$work/fb-fk.log" && break; sleep 0.02; done
+grep -q ": selected" "$work/fb-fk.log" || fail "the client fk on host b never started training"
+pkill -KILL -f -- "--client-id fk " || fail "could not kill the client fk"
+wait $client_k
+grep -q "update sent" "$work/fb-fk.log" && fail "fk sent its update before it was killed"
+expired="client 'fk' did not send its update from step 0 within --round-timeout 4 s"
+for _ in $(seq 200); do grep -q "$expired" "$work/fb-server.log" && break; sleep 0.1; done
+grep -q "$expired" "$work/fb-server.log" || fail "the server did not let the killed client's slot go"
+fb_client fb "$b" 1/3 &
+client_b=$!
+fb_client fa "$a" 0/3 || fail "the buffered client on host a failed (exit $?)"
+wait $client_b || fail "the buffered client on host b failed (exit $?)"
+wait $server || fail "the buffered server failed (exit $?)"
+grep -q "fl server: 6 rounds" "$work/fb-server.log" || fail "the buffered run did not apply its 6 steps"
+[[ $(grep -c '"finished":2' "$work/fb.jsonl") -eq 6 ]] || fail "not every step applied 2 updates"
+echo "ok: buffered aggregation across two hosts, a client killed on host b while it trained"
+echo "7 passed, 0 failed"
