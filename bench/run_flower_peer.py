@@ -3,8 +3,16 @@
 per round of FedAvg at 100 and 1,000 clients (C = 0.1: 10 and 100 a round; E = 5, B = 10,
 lr 0.05; each client holds its share of Fashion-MNIST, all of it for training), and time per
 round of secure aggregation with SecAgg+ (Flower's SecAggPlusWorkflow + secaggplus_mod; dtrain's
---secagg-graph; the same number of shares per client, k + 1, and threshold, a majority) at n
-clients all selected, E = 1 full batch, no dropouts. Both on the same cores with the same
+--secagg-graph; the same number of shares per client, k + 1, and threshold: a majority, or with
+--secure-dropout D 0.4 of the shares as in bench/run_fl_secaggplus.py) at n clients all selected,
+E = 1 full batch. With --secure-dropout D a fraction D of the clients (drawn per round from a
+hash of client and round) leave after sharing keys, before sending their masked input: in
+dtrain --dropout D, in Flower a client mod around secaggplus_mod that raises at that stage (the
+workflow counts an error reply as a dropout). Secure cases also give each side's protocol time
+alone: Flower's server time is its SecAggPlusWorkflow's round less the time it waits in
+grid.send_and_receive, a client's the time inside secaggplus_mod less its local training;
+dtrain's are the simulation's server_aggregation_s and client_aggregation_s. Both on the same
+cores with the same
 threads: dtrain --threads 2 (one LibTorch thread each), Flower two Ray workers of one CPU each
 (torch.set_num_threads(1)). Runs alternate dtrain and Flower --repeats times; per run the median
 round time (Flower: the time between consecutive aggregations, its first round dropped with
@@ -19,6 +27,7 @@ Needs the Flower environment (git-ignored): /usr/bin/python3 -m venv .venv-flowe
 import argparse
 import gzip
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,7 +52,7 @@ def flower_run(args):
     """One Flower simulation (in its own process); writes per-round times to args.out."""
     import numpy as np
     import torch
-    from flwr.app import Context
+    from flwr.app import ConfigRecord, Context
     from flwr.client import ClientApp, NumPyClient
     from flwr.client.mod import secaggplus_mod
     from flwr.common import ndarrays_to_parameters
@@ -105,15 +114,74 @@ def flower_run(args):
     strategy = Timed(fraction_fit=args.fraction, fraction_evaluate=0.0,
                      min_fit_clients=max(2, int(round(args.fraction * n))),
                      min_available_clients=n, initial_parameters=initial)
+    server_s = []
+    client_log = args.out + ".clients"
     if args.secure:
-        client_app = ClientApp(client_fn=client_fn, mods=[secaggplus_mod])
+        import random
+
+        from flwr.common.secure_aggregation.secaggplus_constants import (RECORD_KEY_CONFIGS,
+                                                                         Key, Stage)
+
+        def measured_secaggplus(msg, ctxt, call_next):
+            """secaggplus_mod, timed without the local training; a dropout raises after
+            sharing keys."""
+            configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+            stage = configs.get(Key.STAGE) if configs is not None else None
+            counter = ctxt.state.config_records.setdefault("bench", ConfigRecord({"round": 0}))
+            if stage == Stage.SETUP:
+                counter["round"] = int(counter["round"]) + 1
+            pid = int(ctxt.node_config["partition-id"])
+            if stage == Stage.COLLECT_MASKED_VECTORS and args.dropout > 0 and \
+                    random.Random(f"{pid}-{counter['round']}").random() < args.dropout:
+                raise RuntimeError("a dropout (bench)")
+            inner = [0.0]
+
+            def timed_next(m, c):
+                t = time.perf_counter()
+                reply = call_next(m, c)
+                inner[0] += time.perf_counter() - t
+                return reply
+
+            start = time.perf_counter()
+            reply = secaggplus_mod(msg, ctxt, timed_next)
+            if stage is not None:
+                spent = time.perf_counter() - start - inner[0]
+                with open(client_log, "a") as f:
+                    f.write(json.dumps({"pid": pid, "round": int(counter["round"]),
+                                        "stage": stage, "s": spent}) + "\n")
+            return reply
+
+        class TimedGrid:
+            """The grid, counting the time the workflow waits for its clients."""
+
+            def __init__(self, grid):
+                self.grid, self.waited = grid, 0.0
+
+            def __getattr__(self, name):
+                return getattr(self.grid, name)
+
+            def send_and_receive(self, *a, **k):
+                t = time.perf_counter()
+                try:
+                    return self.grid.send_and_receive(*a, **k)
+                finally:
+                    self.waited += time.perf_counter() - t
+
+        class TimedWorkflow(SecAggPlusWorkflow):
+            def __call__(self, grid, context):
+                timed = TimedGrid(grid)
+                start = time.perf_counter()
+                super().__call__(timed, context)
+                server_s.append(time.perf_counter() - start - timed.waited)
+
+        client_app = ClientApp(client_fn=client_fn, mods=[measured_secaggplus])
         app = ServerApp()
 
         @app.main()
         def main(grid: Grid, context: Context) -> None:
             legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=args.rounds),
                                    strategy=strategy)
-            workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(
+            workflow = DefaultWorkflow(fit_workflow=TimedWorkflow(
                 num_shares=args.shares, reconstruction_threshold=args.threshold,
                 max_weight=float(len(x))))
             workflow(grid, legacy)
@@ -126,8 +194,28 @@ def flower_run(args):
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                    "init_args": {"num_cpus": args.threads}})
     rounds = [b - a for a, b in zip(marks, marks[1:])]
+    # A sending client's protocol time a round (its stages summed), the mean over clients; the
+    # first round dropped as for the round times.
+    per_client, sent = {}, set()
+    if os.path.exists(client_log):
+        for line in open(client_log):
+            r = json.loads(line)
+            key = (r["round"], r["pid"])
+            per_client[key] = per_client.get(key, 0) + r["s"]
+            if r["stage"] == "collect_masked_vectors":
+                sent.add(key)
+    client_s = []
+    for rnd in sorted({k[0] for k in sent})[1:]:
+        values = [v for k, v in per_client.items() if k[0] == rnd and k in sent]
+        client_s.append(sum(values) / len(values))
     with open(args.out, "w") as f:
-        json.dump({"round_s": rounds, "total_s": time.perf_counter() - start}, f)
+        json.dump({"round_s": rounds, "server_s": server_s[1:], "client_s": client_s,
+                   "total_s": time.perf_counter() - start}, f)
+
+
+def secure_threshold(shares, dropout):
+    """A majority of the shares; with dropouts 0.4 of them (dtrain's --secagg-threshold 0.4)."""
+    return max(2, math.ceil(0.4 * shares)) if dropout > 0 else shares // 2 + 1
 
 
 def dtrain_run(args, clients, fraction, secure, shares, log):
@@ -141,14 +229,19 @@ def dtrain_run(args, clients, fraction, secure, shares, log):
         if secure:
             command += ["--local-epochs", "1", "--local-batch", "0", "--secure-aggregation",
                         "--secagg-graph", str(shares - 1)]
+            if args.secure_dropout > 0:
+                command += ["--dropout", str(args.secure_dropout), "--secagg-threshold", "0.4"]
         else:
             command += ["--local-epochs", str(args.epochs), "--local-batch", str(args.batch)]
         out = subprocess.run(command, capture_output=True, text=True)
         log.write(" ".join(command) + "\n" + out.stdout + out.stderr)
         if out.returncode != 0:
             raise SystemExit(f"dtrain failed: {out.stderr}")
-        rows = [json.loads(line) for line in open(metrics)]
-    return [r["round_s"] for r in rows if r.get("event") == "round"]
+        rows = [json.loads(line) for line in open(metrics) if '"round"' in line]
+    rows = [r for r in rows if r.get("event") == "round"]
+    return {"round_s": [r["round_s"] for r in rows],
+            "server_s": [r.get("server_aggregation_s", 0.0) for r in rows],
+            "client_s": [r.get("client_aggregation_s", 0.0) for r in rows]}
 
 
 def flower(args, clients, fraction, secure, shares, log):
@@ -159,8 +252,10 @@ def flower(args, clients, fraction, secure, shares, log):
                    str(args.rounds + 1), "--threads", str(args.threads), "--lr", str(args.lr),
                    "--hidden", *map(str, args.hidden)]
         if secure:
-            command += ["--secure", "--shares", str(shares),
-                        "--threshold", str(shares // 2 + 1), "--epochs", "1", "--batch", "0"]
+            command += ["--secure", "--shares", str(shares), "--dropout",
+                        str(args.secure_dropout), "--threshold",
+                        str(secure_threshold(shares, args.secure_dropout)), "--epochs", "1",
+                        "--batch", "0"]
         else:
             command += ["--epochs", str(args.epochs), "--batch", str(args.batch)]
         env = dict(os.environ, RAY_DEDUP_LOGS="0")
@@ -168,7 +263,7 @@ def flower(args, clients, fraction, secure, shares, log):
         log.write(" ".join(command) + "\n" + done.stdout[-4000:] + done.stderr[-4000:])
         if done.returncode != 0 or not os.path.exists(out):
             raise SystemExit(f"flower failed:\n{done.stderr[-3000:]}")
-        return json.load(open(out))["round_s"]
+        return json.load(open(out))
 
 
 def default_degree(n):
@@ -182,6 +277,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flower-run", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dropout", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shares", type=int, default=0, help=argparse.SUPPRESS)
@@ -197,6 +293,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--secure-sizes", default="100")
+    parser.add_argument("--secure-dropout", type=float, default=0.0)
+    parser.add_argument("--skip-fedavg", action="store_true", help="only the secure cases")
     parser.add_argument("--records", default=os.path.join(ROOT, "bench",
                                                           "results-flower-peer.jsonl"))
     parser.add_argument("--log", default=os.path.join(ROOT, "bench", "results-flower-peer.log"))
@@ -206,7 +304,8 @@ def main():
         flower_run(args)
         return
 
-    cases = [("fedavg", 100, 0.1, False, 0), ("fedavg", 1000, 0.1, False, 0)]
+    cases = [] if args.skip_fedavg else [("fedavg", 100, 0.1, False, 0),
+                                         ("fedavg", 1000, 0.1, False, 0)]
     for n in [int(s) for s in args.secure_sizes.split(",") if s]:
         cases.append(("secagg+", n, 1.0, True, default_degree(n) + 1))
     ratios = {}
@@ -216,21 +315,32 @@ def main():
                 times = {}
                 for system in ("dtrain", "flower"):  # alternated
                     run = dtrain_run if system == "dtrain" else flower
-                    rounds = run(args, n, fraction, secure, shares, log)
-                    times[system] = statistics.median(rounds)
+                    got = run(args, n, fraction, secure, shares, log)
+                    times[system] = {k: statistics.median(v) if v else float("nan")
+                                     for k, v in got.items() if k != "total_s"}
                     records.write(json.dumps({"case": name, "clients": n, "system": system,
-                                              "repeat": repeat, "round_s": rounds}) + "\n")
+                                              "dropout": args.secure_dropout if secure else 0,
+                                              "repeat": repeat, **got}) + "\n")
                     records.flush()
+                d, f = times["dtrain"], times["flower"]
                 ratios.setdefault((name, n), []).append(
-                    (times["dtrain"], times["flower"], times["flower"] / times["dtrain"]))
-                print(f"repeat {repeat} {name} n={n}: dtrain {times['dtrain']:.3f} s, "
-                      f"flower {times['flower']:.3f} s a round", flush=True)
-    lines = ["| case | clients | dtrain s / round | Flower s / round | Flower / dtrain (median of "
-             "per-repeat ratios) |", "|---|---|---|---|---|"]
+                    (d["round_s"], f["round_s"], f["round_s"] / d["round_s"],
+                     d.get("server_s"), f.get("server_s"), d.get("client_s"), f.get("client_s")))
+                print(f"repeat {repeat} {name} n={n}: dtrain {d['round_s']:.3f} s, "
+                      f"flower {f['round_s']:.3f} s a round" +
+                      (f"; server {d['server_s']:.3f} / {f['server_s']:.3f} s, client "
+                       f"{d['client_s'] * 1e3:.1f} / {f['client_s'] * 1e3:.1f} ms"
+                       if secure else ""), flush=True)
+    lines = ["| case | clients | dropout | dtrain s / round | Flower s / round | Flower / dtrain "
+             "(median of per-repeat ratios) | server s dtrain / Flower | client ms dtrain / "
+             "Flower |", "|---|---|---|---|---|---|---|---|"]
     for (name, n), rows in ratios.items():
-        lines.append(f"| {name} | {n} | {statistics.median(r[0] for r in rows):.3f} | "
-                     f"{statistics.median(r[1] for r in rows):.3f} | "
-                     f"{statistics.median(r[2] for r in rows):.2f}x |")
+        secure = name != "fedavg"
+        med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
+        sides = (f"{med(3):.3f} / {med(4):.3f} | {med(5) * 1e3:.1f} / {med(6) * 1e3:.1f}"
+                 if secure else " | ")
+        lines.append(f"| {name} | {n} | {args.secure_dropout if secure else 0:.0%} | "
+                     f"{med(0):.3f} | {med(1):.3f} | {med(2):.2f}x | {sides} |")
     text = "\n".join(lines)
     print(text)
     if args.markdown:
