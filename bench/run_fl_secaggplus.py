@@ -11,7 +11,7 @@ Model: MLP 784-128-10 (101,770 parameters; inputs of 101,772 words). Thresholds:
 with no dropouts; at 30% full takes t = 0.6 n and SecAgg+ t = 0.4 of a neighbourhood
 (degree + 1: a lower share, so that a neighbourhood keeps t survivors at this dropout rate).
 
-  bench/run_fl_secaggplus.py [--sizes 100,500,1000] [--markdown FILE]
+  bench/run_fl_secaggplus.py [--sizes 100,500,1000] [--graphs full,log] [--markdown FILE]
 """
 import argparse
 import ctypes
@@ -59,6 +59,8 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtrain", default=DTRAIN)
     parser.add_argument("--sizes", default="100,500,1000")
+    parser.add_argument("--graphs", default="full,log",
+                        help="which protocols to run (full, log or both, alternated)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--floor-repeats", type=int, default=7)
@@ -73,7 +75,7 @@ def main():
     with open(args.log, "w") as log, open(args.records, "w") as records:
         for n in [int(s) for s in args.sizes.split(",")]:
             for dropout in (0.0, 0.3):
-                for graph in ("full", "log"):  # alternated
+                for graph in args.graphs.split(","):  # alternated
                     rate = chacha20_rate(words, args.floor_repeats)  # beside each run
                     rounds = run(args.dtrain, n, dropout, graph, args, log)
                     for r in rounds:
