@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -14,6 +15,7 @@
 #include <set>
 
 #include <grpcpp/grpcpp.h>
+#include <sodium.h>
 #include "SmallModels.h"
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
@@ -465,4 +467,21 @@ TEST(SecureAggregation, SimulatedRoundsWithSecureAggregationMatchPlaintextFedAvg
   // Compression cannot be combined with it.
   options.compression = parse_compression("q8");
   EXPECT_THROW(simulate(mlp_spec(), train, test, options), InputError);
+}
+
+// The masks are made a 16 KiB block of keystream at a time, each block from its own ChaCha20
+// counter: the words must be those of one keystream over the whole length (a wrong counter would
+// repeat or skip keystream; the sums would still come out right, so only this can tell).
+TEST(SecureAggregation, MasksAreTheWholeKeystreamMadeABlockAtATime) {
+  ASSERT_GE(sodium_init(), 0);
+  secagg::Key seed{};
+  for (size_t i = 0; i < seed.size(); ++i) seed[i] = static_cast<uint8_t>(7 * i + 1);
+  const int64_t elements = 2 * 4096 + 1000;  // two whole blocks and a partial one
+  const at::Tensor mask = secagg::expand_mask(seed, elements);
+  std::vector<int32_t> whole(static_cast<size_t>(elements));
+  const unsigned char nonce[crypto_stream_chacha20_ietf_NONCEBYTES] = {};
+  crypto_stream_chacha20_ietf(reinterpret_cast<unsigned char*>(whole.data()),
+                              static_cast<unsigned long long>(elements) * 4, nonce, seed.data());
+  ASSERT_EQ(mask.numel(), elements);
+  EXPECT_EQ(std::memcmp(mask.data_ptr<int32_t>(), whole.data(), whole.size() * 4), 0);
 }

@@ -159,9 +159,10 @@ at::Tensor from_fixed(const at::Tensor& sum, int frac_bits) {
 at::Tensor expand_mask(const Key& seed, int64_t elements) {
   init_sodium();
   at::Tensor out = at::empty({elements}, at::kInt);
-  unsigned char nonce[crypto_stream_chacha20_ietf_NONCEBYTES] = {};
-  crypto_stream_chacha20_ietf(reinterpret_cast<unsigned char*>(out.data_ptr<int32_t>()),
-                              static_cast<unsigned long long>(elements) * 4, nonce, seed.data());
+  uint32_t* y = words(out);
+  for_keystream_blocks(elements, seed, [&](int64_t start, const uint32_t* m, int64_t count) {
+    std::memcpy(y + start, m, static_cast<size_t>(count) * 4);
+  });
   return out;
 }
 

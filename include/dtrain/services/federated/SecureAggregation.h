@@ -154,7 +154,8 @@ int round_degree(int graph, int64_t n);
 /// rounded up; 0 = a majority; at least 2.
 int secagg_threshold(double fraction, int holders);
 
-/// The ChaCha20 keystream of `seed` as `elements` int32 (the PRG).
+/// The ChaCha20 keystream of `seed` as `elements` int32 (the PRG), made a block at a time as
+/// every mask is (the same words as one call over the whole length).
 at::Tensor expand_mask(const Key& seed, int64_t elements);
 
 }  // namespace dtrain::federated::secagg
