@@ -139,6 +139,41 @@ TEST(Compression, TopKWithErrorFeedbackSendsEverythingEventually) {
             24.0);
 }
 
+// With differential privacy the clip bounds what the server decodes: an update clipped to the
+// norm decodes above it after q8's stochastic rounding (almost always: the rounding adds
+// variance), and top-k sends values from the update plus its residual. fit_within_norm scales
+// what travels so the decoded norm is within the clip, and what it takes from top-k's values
+// goes back into the residual (nothing lost).
+TEST(Compression, ClippedUpdatesDecodeWithinTheClipWhateverTheCompression) {
+  const int64_t n = 3000;
+  const double clip = 1.0;
+  int q8_over = 0;
+  for (int seed = 0; seed < 8; ++seed) {
+    for (const auto dtype : {at::kFloat, at::kDouble}) {
+      const at::Tensor raw = at::randn({n}, at::detail::createCPUGenerator(70 + seed), dtype);
+      const at::Tensor delta = clip_update(raw, clip);
+      EncodedUpdate q8 = encode_update(delta, parse_compression("q8"), nullptr, 100 + seed);
+      if (round_trip(q8, n, dtype).to(at::kDouble).norm().item<double>() > clip) ++q8_over;
+      fit_within_norm(&q8, n, dtype, clip, nullptr);
+      const at::Tensor decoded = round_trip(q8, n, dtype).to(at::kDouble);
+      EXPECT_LE(decoded.norm().item<double>(), clip) << "q8, seed " << seed;
+      EXPECT_GE(decoded.norm().item<double>(), 0.99 * clip) << "q8, seed " << seed;
+      // Top-k with a residual that carries the update past the clip.
+      at::Tensor residual = raw.clone();
+      EncodedUpdate topk = encode_update(delta, parse_compression("topk:0.1"), &residual, 0);
+      const at::Tensor before = round_trip(topk, n, dtype).to(at::kDouble) + residual;
+      EXPECT_GT(round_trip(topk, n, dtype).to(at::kDouble).norm().item<double>(), clip);
+      fit_within_norm(&topk, n, dtype, clip, &residual);
+      const at::Tensor sent = round_trip(topk, n, dtype).to(at::kDouble);
+      EXPECT_LE(sent.norm().item<double>(), clip) << "topk, seed " << seed;
+      EXPECT_LE((sent + residual - before).abs().max().item<double>(),
+                dtype == at::kDouble ? kTightBound : 1e-5);
+    }
+  }
+  // Without the fit, q8 breaks the clip: the case the server refused.
+  EXPECT_GT(q8_over, 8);
+}
+
 // A malformed encoding or upload is refused with the field named; nothing is decoded.
 TEST(Compression, MalformedUpdatesAreRefusedByName) {
   const int64_t n = 10;

@@ -231,4 +231,34 @@ std::string decode_update(const EncodedUpdate& encoded, int64_t numel, at::Scala
   return concat("unknown encoding '", encoded.encoding, "' (none, q8 or topk)");
 }
 
+void fit_within_norm(EncodedUpdate* encoded, int64_t numel, at::ScalarType dtype, double max_norm,
+                     at::Tensor* residual) {
+  DTRAIN_CHECK(max_norm > 0, "fit_within_norm: a norm bound of ", max_norm);
+  // A few tries: each scale is exact up to float32 rounding of the scaled parts, so one
+  // almost always does; the margin keeps the rounded result below the bound.
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    at::Tensor dense;
+    const std::string why = decode_update(*encoded, numel, dtype, &dense);
+    DTRAIN_CHECK(why.empty(), "fit_within_norm: ", why);
+    const double norm = dense.to(at::kDouble).norm().item<double>();
+    if (norm <= max_norm) return;
+    const double scale = max_norm / norm * (1.0 - 1e-6);
+    for (auto& [name, tensor] : encoded->parts) {
+      if (name == "lo" || name == "step" || name == "delta") {
+        tensor = tensor * scale;
+      } else if (name == "values") {
+        const at::Tensor scaled = tensor * scale;
+        if (residual != nullptr && residual->defined()) {
+          const at::Tensor* indices = part(*encoded, "indices");
+          residual->index_add_(0, indices->to(at::kLong),
+                               (tensor - scaled).to(residual->scalar_type()));
+        }
+        tensor = scaled;
+      }
+    }
+  }
+  DTRAIN_CHECK(false, "fit_within_norm: the ", encoded->encoding,
+               " update still exceeds the L2 norm ", max_norm, " after scaling");
+}
+
 }  // namespace dtrain::comm

@@ -52,6 +52,16 @@ struct EncodedUpdate {
 EncodedUpdate encode_update(const at::Tensor& delta, const CompressionSpec& spec,
                             at::Tensor* residual, uint64_t seed);
 
+/// Differential privacy bounds what the server receives, not what the client meant to send: an
+/// update clipped to `max_norm` and then quantized can decode to a larger norm (stochastic
+/// rounding adds variance), and top-k with error feedback sends values from the update plus
+/// its residual. This scales what `encoded` carries (q8: each block's minimum and step; topk:
+/// the values; none: the delta) so that it decodes, in `dtype`, to an L2 norm of at most
+/// `max_norm`; what a top-k scale takes off goes back into `residual` (when defined), so error
+/// feedback still loses nothing. A no-op when the norm is already within.
+void fit_within_norm(EncodedUpdate* encoded, int64_t numel, at::ScalarType dtype, double max_norm,
+                     at::Tensor* residual);
+
 /// The dense update of `numel` elements in `dtype` from `encoded`, into *out; "" or why the
 /// encoding is refused (unknown encoding or part, a part of the wrong dtype or size, indices out
 /// of range or not increasing, NaN/Inf).

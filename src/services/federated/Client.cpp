@@ -346,6 +346,11 @@ class Client::Steps {
       CompressionSpec compression = parse_compression(r.reply.plan().compression());
       compression.error_feedback = o_.error_feedback;
       encoded = encode_update(r.update.delta, compression, &s_.residual, r.reply.seed());
+      if (r.reply.plan().clip_norm() > 0) {
+        // The clip bounds what the server decodes (q8's rounding, top-k's residual exceed it).
+        fit_within_norm(&encoded, r.update.delta.numel(), r.update.delta.scalar_type(),
+                        r.reply.plan().clip_norm(), &s_.residual);
+      }
       if (r.control_delta.defined()) {
         // SCAFFOLD's control change, in the same upload, compressed like the update.
         wire::append_control(&encoded, encode_update(r.control_delta, compression, nullptr,

@@ -179,6 +179,11 @@ ClientResult run_client(SimulatedClients& clients, Model& replica, const ClientW
   }
   EncodedUpdate encoded = encode_update(update.delta, options.compression, &residual,
                                         mix(options.seed ^ 0x51ed27U, round, c));
+  if (options.dp.enabled() && !attacks) {
+    // The clip bounds what the server decodes (q8's rounding, top-k's residual can exceed it).
+    fit_within_norm(&encoded, update.delta.numel(), update.delta.scalar_type(), work.clip,
+                    &residual);
+  }
   if (residual.defined()) {
     std::lock_guard<std::mutex> lock(clients.memory_mutex);
     clients.residuals[c] = residual;
