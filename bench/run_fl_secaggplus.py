@@ -12,6 +12,10 @@ with no dropouts; at 30% full takes t = 0.6 n and SecAgg+ t = 0.4 of a neighbour
 (degree + 1: a lower share, so that a neighbourhood keeps t survivors at this dropout rate).
 
   bench/run_fl_secaggplus.py [--sizes 100,500,1000] [--graphs full,log] [--markdown FILE]
+
+A/B of two builds (`--ab OTHER_DTRAIN --repeats R`): each case runs R times on each build,
+alternated (A B, B A, ...); the records carry "variant" (a or b) and "repeat", and the table
+gives each build's median server and client times and the median of the per-repeat ratios b / a.
 """
 import argparse
 import ctypes
@@ -68,7 +72,12 @@ def main():
                                                           "results-fl-secaggplus.jsonl"))
     parser.add_argument("--log", default=os.path.join(ROOT, "bench", "results-fl-secaggplus.log"))
     parser.add_argument("--markdown", help="also write the table here")
+    parser.add_argument("--ab", metavar="OTHER_DTRAIN",
+                        help="A/B: --dtrain (a) against this build (b), alternated")
+    parser.add_argument("--repeats", type=int, default=3, help="A/B runs of each build per case")
     args = parser.parse_args()
+    if args.ab:
+        return ab(args)
 
     words = PARAMETERS + 2
     figures = {}
@@ -104,6 +113,42 @@ def main():
                      f"{1e3 * client:.1f} | {1e3 * client_floor:.1f} | {client / client_floor:.2f} | "
                      f"{med(lambda r, _: r['server_masks']):g} | {med(lambda r, _: r['client_masks']):g} | "
                      f"{speedup} |")
+    table(lines, args.markdown)
+
+
+def ab(args):
+    """Each case on both builds, alternated; medians and the median of per-repeat ratios."""
+    words = PARAMETERS + 2
+    builds = {"a": args.dtrain, "b": args.ab}
+    lines = ["| n | dropout | graph | server s a | server s b | server b / a | client ms a | "
+             "client ms b | client b / a | server x floor a | server x floor b |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    with open(args.log, "w") as log, open(args.records, "w") as records:
+        for n in [int(s) for s in args.sizes.split(",")]:
+            for dropout in (0.0, 0.3):
+                for graph in args.graphs.split(","):
+                    per = {"a": [], "b": []}
+                    for repeat in range(args.repeats):
+                        for variant in ("ab" if repeat % 2 == 0 else "ba"):
+                            rate = chacha20_rate(words, args.floor_repeats)
+                            rounds = run(builds[variant], n, dropout, graph, args, log)
+                            for r in rounds:
+                                records.write(json.dumps({
+                                    "n": n, "dropout": dropout, "graph": graph, "variant": variant,
+                                    "repeat": repeat, "chacha20_bytes_per_s": rate, **r}) + "\n")
+                            med = lambda key: statistics.median(r[key] for r in rounds)
+                            per[variant].append((med("server_aggregation_s"),
+                                                 med("client_aggregation_s"),
+                                                 med("server_masks") * 4 * words / rate))
+                    print(f"n {n} dropout {dropout} {graph}: {per}", flush=True)
+                    m = lambda v, i: statistics.median(x[i] for x in per[v])
+                    ratio = lambda i: statistics.median(
+                        b[i] / a[i] for a, b in zip(per["a"], per["b"]))
+                    floor = lambda v: statistics.median(x[0] / x[2] for x in per[v])
+                    lines.append(f"| {n} | {int(dropout * 100)}% | {graph} | {m('a', 0):.3f} | "
+                                 f"{m('b', 0):.3f} | {ratio(0):.3f} | {1e3 * m('a', 1):.1f} | "
+                                 f"{1e3 * m('b', 1):.1f} | {ratio(1):.3f} | {floor('a'):.2f} | "
+                                 f"{floor('b'):.2f} |")
     table(lines, args.markdown)
 
 

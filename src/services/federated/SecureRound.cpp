@@ -62,7 +62,7 @@ SecureRound::SecureRound(const std::vector<std::string>& selected,
   bound_ = secagg::fixed_bound(frac_bits_, static_cast<int64_t>(n));
   // Elements: the weighted update, the weighted loss, the example count.
   const int64_t elements = numel_ + 2;
-  masked_.resize(n);
+  sent_.assign(n, 0);
   client_s_.assign(n, 0.0);
   auto start = Clock::now();
   server_ = std::make_unique<secagg::ServerSession>(elements, threshold);
@@ -115,15 +115,22 @@ void SecureRound::mask(size_t i, const ClientUpdate& update) {
   const auto start = Clock::now();
   // The weight given for client i: its examples (all 1 with differential privacy).
   const at::Tensor input = secure_input(update, weights_[i], ref_, frac_bits_, bound_);
-  masked_[i] = clients_[i]->masked_input(input, u2_);
+  const at::Tensor masked = clients_[i]->masked_input(input, u2_);
   client_s_[i] += since(start);
-  uplink_ += 4 + 4 * masked_[i].numel();
+  uplink_ += 4 + 4 * masked.numel();
+  // The server adds it to its sum on arrival, as a deployed one does (it holds one sum, not an
+  // input per client).
+  std::lock_guard<std::mutex> lock(server_mutex_);
+  const auto arrived = Clock::now();
+  server_->add_masked(static_cast<uint32_t>(i + 1), masked);
+  sent_[i] = 1;
+  server_s_ += since(arrived);
 }
 
 double SecureRound::client_masks() const {
   int64_t sum = 0, count = 0;
   for (size_t i = 0; i < clients_.size(); ++i) {
-    if (!masked_[i].defined()) continue;
+    if (!sent_[i]) continue;
     sum += clients_[i]->mask_expansions();
     ++count;
   }
@@ -135,7 +142,7 @@ double SecureRound::client_seconds() const {
   double sum = 0;
   int64_t count = 0;
   for (size_t i = 0; i < clients_.size(); ++i) {
-    if (!masked_[i].defined()) continue;
+    if (!sent_[i]) continue;
     sum += client_s_[i];
     ++count;
   }
@@ -145,10 +152,8 @@ double SecureRound::client_seconds() const {
 std::string SecureRound::finish(RoundServer& server) {
   auto start = Clock::now();
   std::vector<std::string> finished;
-  for (size_t i = 0; i < masked_.size(); ++i) {
-    if (!masked_[i].defined()) continue;
-    server_->add_masked(static_cast<uint32_t>(i + 1), masked_[i]);
-    finished.push_back(selected_[i]);
+  for (size_t i = 0; i < sent_.size(); ++i) {
+    if (sent_[i]) finished.push_back(selected_[i]);
   }
   std::vector<uint32_t> u3;
   try {

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -41,7 +42,8 @@ class SecureRound {
   /// `graph_seed` (0: the classic full graph).
   SecureRound(const std::vector<std::string>& selected, const std::vector<int64_t>& examples,
               int64_t numel, int threshold, int frac_bits, int degree = 0, uint64_t graph_seed = 0);
-  /// Client i's masked input of `update` (thread-safe across different i).
+  /// Client i's masked input of `update`, added to the server's sum as it arrives (thread-safe
+  /// across different i).
   void mask(size_t i, const ClientUpdate& update);
   /// Unmasks the sum of the masked inputs and submits it to `server`; "" or why not.
   std::string finish(RoundServer& server);
@@ -63,8 +65,9 @@ class SecureRound {
   double bound_ = 0.0;
   std::vector<std::unique_ptr<secagg::ClientSession>> clients_;
   std::unique_ptr<secagg::ServerSession> server_;
-  std::vector<at::Tensor> masked_;
+  std::vector<char> sent_;  // client i sent its masked input
   std::vector<double> client_s_;
+  std::mutex server_mutex_;  // the server session and its time, as inputs arrive
   double server_s_ = 0.0;
   std::atomic<int64_t> uplink_{0};
   std::vector<uint32_t> u2_;

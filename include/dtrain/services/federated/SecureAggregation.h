@@ -112,6 +112,7 @@ class ServerSession {
   /// U2: the clients that sent shares; and what each of them is to receive.
   std::vector<uint32_t> shared() const;
   std::vector<SealedShares> shares_for(uint32_t client) const;
+  /// Adds a survivor's masked input to the running sum (the server keeps one sum, not the inputs).
   void add_masked(uint32_t client, const at::Tensor& masked);
   /// U3 (at least `threshold`, else Error).
   std::vector<uint32_t> masked() const;
