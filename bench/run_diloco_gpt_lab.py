@@ -25,6 +25,8 @@ def run(args, spec):
     label = spec.replace(":", "-").replace("@", "-")
     if args.outer_lr is not None:
         label += f"-olr{args.outer_lr}"
+    if args.outer_compression != "none":
+        label += f"-{args.outer_compression.replace(':', '')}"
     metrics = os.path.join(args.keep, f"{args.profile}-{args.steps}-{label}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
@@ -39,6 +41,8 @@ def run(args, spec):
         train += ["--island-size", "1", "--outer-steps", h]
         if args.outer_lr is not None:
             train += ["--outer-lr", str(args.outer_lr)]
+        if args.outer_compression != "none":
+            train += ["--outer-compression", args.outer_compression]
         if streaming:
             fragments, overlap, alpha = streaming
             train += ["--streaming-fragments", fragments, "--overlap-steps", overlap,
@@ -52,7 +56,7 @@ def run(args, spec):
     body = steps[:-1]  # DiLoCo's final outer step sends what every fragment has left
     sending = sorted(r["step_ms"] for r in body if r.get("wire_bytes", 0) > 0)
     return {"profile": "loopback" if loopback else args.profile, "run": spec,
-            "outer_lr": args.outer_lr,
+            "outer_lr": args.outer_lr, "outer_compression": args.outer_compression,
             "steps": summary["steps"], "global_batch": summary["global_batch"],
             "train_seconds": summary["seconds"], "wall_seconds": wall,
             "bytes_sent": sum(r.get("wire_bytes", 0) for r in steps),
@@ -78,6 +82,8 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--outer-lr", type=float, default=None,
                         help="DiLoCo runs: the outer learning rate (default dtrain's, 0.7)")
+    parser.add_argument("--outer-compression", default="none",
+                        help="DiLoCo runs: q8 or topk:F for the outer gradients")
     parser.add_argument("--runs", default="ddp,diloco:100,diloco:500,ddp@loopback")
     parser.add_argument("--keep", default=os.path.join(ROOT, "bench", "results-lm", "diloco-lab"))
     parser.add_argument("--out",

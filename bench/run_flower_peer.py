@@ -114,7 +114,7 @@ def flower_run(args):
     strategy = Timed(fraction_fit=args.fraction, fraction_evaluate=0.0,
                      min_fit_clients=max(2, int(round(args.fraction * n))),
                      min_available_clients=n, initial_parameters=initial)
-    server_s = []
+    server_s, workflow_s, aggregated = [], [], []
     client_log = args.out + ".clients"
     if args.secure:
         import random
@@ -168,11 +168,20 @@ def flower_run(args):
                     self.waited += time.perf_counter() - t
 
         class TimedWorkflow(SecAggPlusWorkflow):
+            """A round's time, its server's share, and whether it aggregated: a round whose
+            unmasking fails ("Not enough shares to recover secret": some neighbourhood kept
+            fewer survivors than the threshold) ends without an aggregate and is not a round's
+            time (its interval between aggregations would also span the next round)."""
+
             def __call__(self, grid, context):
                 timed = TimedGrid(grid)
+                before = len(marks)
                 start = time.perf_counter()
                 super().__call__(timed, context)
-                server_s.append(time.perf_counter() - start - timed.waited)
+                spent = time.perf_counter() - start
+                workflow_s.append(spent)
+                server_s.append(spent - timed.waited)
+                aggregated.append(len(marks) > before)
 
         client_app = ClientApp(client_fn=client_fn, mods=[measured_secaggplus])
         app = ServerApp()
@@ -194,6 +203,13 @@ def flower_run(args):
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                    "init_args": {"num_cpus": args.threads}})
     rounds = [b - a for a, b in zip(marks, marks[1:])]
+    failed, server_kept = [], server_s[1:]
+    if args.secure:
+        # Rounds 2.. that aggregated (round = index + 1); the first dropped (start-up).
+        kept = [i for i in range(1, len(workflow_s)) if aggregated[i]]
+        failed = [i + 1 for i in range(len(workflow_s)) if not aggregated[i]]
+        rounds = [workflow_s[i] for i in kept]
+        server_kept = [server_s[i] for i in kept]
     # A sending client's protocol time a round (its stages summed), the mean over clients; the
     # first round dropped as for the round times.
     per_client, sent = {}, set()
@@ -206,16 +222,19 @@ def flower_run(args):
                 sent.add(key)
     client_s = []
     for rnd in sorted({k[0] for k in sent})[1:]:
+        if rnd in failed:
+            continue
         values = [v for k, v in per_client.items() if k[0] == rnd and k in sent]
         client_s.append(sum(values) / len(values))
     with open(args.out, "w") as f:
-        json.dump({"round_s": rounds, "server_s": server_s[1:], "client_s": client_s,
-                   "total_s": time.perf_counter() - start}, f)
+        json.dump({"round_s": rounds, "server_s": server_kept, "client_s": client_s,
+                   "failed_rounds": failed, "total_s": time.perf_counter() - start}, f)
 
 
-def secure_threshold(shares, dropout):
-    """A majority of the shares; with dropouts 0.4 of them (dtrain's --secagg-threshold 0.4)."""
-    return max(2, math.ceil(0.4 * shares)) if dropout > 0 else shares // 2 + 1
+def secure_threshold(shares, dropout, fraction=0.4):
+    """A majority of the shares; with dropouts `fraction` of them, rounded up (as dtrain's
+    --secagg-threshold)."""
+    return max(2, math.ceil(fraction * shares)) if dropout > 0 else shares // 2 + 1
 
 
 def dtrain_run(args, clients, fraction, secure, shares, log):
@@ -230,7 +249,8 @@ def dtrain_run(args, clients, fraction, secure, shares, log):
             command += ["--local-epochs", "1", "--local-batch", "0", "--secure-aggregation",
                         "--secagg-graph", str(shares - 1)]
             if args.secure_dropout > 0:
-                command += ["--dropout", str(args.secure_dropout), "--secagg-threshold", "0.4"]
+                command += ["--dropout", str(args.secure_dropout), "--secagg-threshold",
+                            str(args.secure_threshold)]
         else:
             command += ["--local-epochs", str(args.epochs), "--local-batch", str(args.batch)]
         out = subprocess.run(command, capture_output=True, text=True)
@@ -238,8 +258,11 @@ def dtrain_run(args, clients, fraction, secure, shares, log):
         if out.returncode != 0:
             raise SystemExit(f"dtrain failed: {out.stderr}")
         rows = [json.loads(line) for line in open(metrics) if '"round"' in line]
-    rows = [r for r in rows if r.get("event") == "round"]
-    return {"round_s": [r["round_s"] for r in rows],
+    # Applied rounds only: a SecAgg+ round that some neighbourhood could not unmask (too few
+    # survivors at 30% dropouts) is aborted early and retried, and its short time is no round.
+    aborted = sum(1 for r in rows if r.get("event") == "round" and not r.get("applied", True))
+    rows = [r for r in rows if r.get("event") == "round" and r.get("applied", True)]
+    return {"aborted_rounds": aborted, "round_s": [r["round_s"] for r in rows],
             "server_s": [r.get("server_aggregation_s", 0.0) for r in rows],
             "client_s": [r.get("client_aggregation_s", 0.0) for r in rows]}
 
@@ -254,7 +277,8 @@ def flower(args, clients, fraction, secure, shares, log):
         if secure:
             command += ["--secure", "--shares", str(shares), "--dropout",
                         str(args.secure_dropout), "--threshold",
-                        str(secure_threshold(shares, args.secure_dropout)), "--epochs", "1",
+                        str(secure_threshold(shares, args.secure_dropout, args.secure_threshold)),
+                        "--epochs", "1",
                         "--batch", "0"]
         else:
             command += ["--epochs", str(args.epochs), "--batch", str(args.batch)]
@@ -294,6 +318,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--secure-sizes", default="100")
     parser.add_argument("--secure-dropout", type=float, default=0.0)
+    parser.add_argument("--secure-threshold", type=float, default=0.4,
+                        help="with --secure-dropout: the threshold as a fraction of the k + 1 "
+                        "shares in both systems (a round aborts when some neighbourhood keeps "
+                        "fewer survivors)")
     parser.add_argument("--skip-fedavg", action="store_true", help="only the secure cases")
     parser.add_argument("--records", default=os.path.join(ROOT, "bench",
                                                           "results-flower-peer.jsonl"))
@@ -317,7 +345,8 @@ def main():
                     run = dtrain_run if system == "dtrain" else flower
                     got = run(args, n, fraction, secure, shares, log)
                     times[system] = {k: statistics.median(v) if v else float("nan")
-                                     for k, v in got.items() if k != "total_s"}
+                                     for k, v in got.items()
+                                     if k in ("round_s", "server_s", "client_s")}
                     records.write(json.dumps({"case": name, "clients": n, "system": system,
                                               "dropout": args.secure_dropout if secure else 0,
                                               "repeat": repeat, **got}) + "\n")

@@ -296,6 +296,11 @@ TEST(SecAggPlus, SumsEqualThePlaintextSumExactlyWith0And30PercentDropouts) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("fewer than the threshold 12"), std::string::npos)
         << e.what();
+    // ... and says what makes it rarer.
+    EXPECT_NE(std::string(e.what()).find("a larger --secagg-graph degree or a lower "
+                                         "--secagg-threshold"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -598,7 +598,11 @@ at::Tensor ServerSession::finish() {
     DTRAIN_CHECK_T(Error, static_cast<int>(shares.size()) >= s.threshold,
                    "secure aggregation: ", shares.size(), " shares of client ", owner, "'s ",
                    self_mask ? "self mask" : "mask key", ", fewer than the threshold ", s.threshold,
-                   "; the round is aborted");
+                   "; the round is aborted",
+                   s.graph.empty() ? ""
+                                   : " (SecAgg+: too few of its neighbours survived; a larger "
+                                     "--secagg-graph degree or a lower --secagg-threshold makes "
+                                     "this rarer at this dropout rate)");
     return key_of(shamir_join(shares));
   };
   // Every mask to take out of the inputs' sum, taken out together a tile at a time
