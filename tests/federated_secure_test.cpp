@@ -474,14 +474,15 @@ TEST(SecureAggregation, SimulatedRoundsWithSecureAggregationMatchPlaintextFedAvg
   EXPECT_THROW(simulate(mlp_spec(), train, test, options), InputError);
 }
 
-// The masks are made a 16 KiB block of keystream at a time, each block from its own ChaCha20
+// The masks are made a 4 KiB tile of keystream at a time, each tile from its own ChaCha20
 // counter: the words must be those of one keystream over the whole length (a wrong counter would
-// repeat or skip keystream; the sums would still come out right, so only this can tell).
+// repeat or skip keystream; where client and server share the mistake the sums still come out
+// right, so only this can tell).
 TEST(SecureAggregation, MasksAreTheWholeKeystreamMadeABlockAtATime) {
   ASSERT_GE(sodium_init(), 0);
   secagg::Key seed{};
   for (size_t i = 0; i < seed.size(); ++i) seed[i] = static_cast<uint8_t>(7 * i + 1);
-  const int64_t elements = 2 * 4096 + 1000;  // two whole blocks and a partial one
+  const int64_t elements = 8 * 1024 + 1000;  // eight whole tiles and a partial one
   const at::Tensor mask = secagg::expand_mask(seed, elements);
   std::vector<int32_t> whole(static_cast<size_t>(elements));
   const unsigned char nonce[crypto_stream_chacha20_ietf_NONCEBYTES] = {};

@@ -6,11 +6,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <deque>
 #include <set>
 #include <unordered_map>
 
 #include "dtrain/common/Error.h"
+#include "services/federated/SecAggMasks.h"
 
 namespace dtrain::federated::secagg {
 
@@ -89,87 +89,6 @@ Key pairwise_seed(const Key& my_secret, uint32_t me, const Key& my_public, uint3
   return seed;
 }
 
-// Calls apply(start, m, count) with the keystream PRG(seed) a cache-sized block at a time (the
-// same words as one model-sized expansion: block i of the stream starts at counter
-// i x kBlock / 16), so that a mask costs the ChaCha20 work and one pass over what it masks.
-template <typename Apply>
-void for_keystream_blocks(int64_t n, const Key& seed, Apply&& apply) {
-  constexpr int64_t kBlock = 4096;  // words: 16 KiB, 256 ChaCha20 blocks
-  static const uint32_t zeros[kBlock] = {};
-  alignas(64) uint32_t m[kBlock];
-  const unsigned char nonce[crypto_stream_chacha20_ietf_NONCEBYTES] = {};
-  for (int64_t start = 0; start < n; start += kBlock) {
-    const int64_t count = std::min(kBlock, n - start);
-    crypto_stream_chacha20_ietf_xor_ic(reinterpret_cast<unsigned char*>(m),
-                                       reinterpret_cast<const unsigned char*>(zeros),
-                                       static_cast<unsigned long long>(count) * 4, nonce,
-                                       static_cast<uint32_t>(start / 16), seed.data());
-    apply(start, static_cast<const uint32_t*>(m), count);
-  }
-}
-
-// Four words at a time (GCC's and Clang's vector extensions): at -O2 the compiler leaves these
-// loops scalar (out and m might alias), and then adding a keystream costs half as much as
-// making it.
-using Words4 = uint32_t __attribute__((vector_size(16)));
-Words4 load4(const uint32_t* p) {
-  Words4 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-void store4(uint32_t* p, Words4 v) { std::memcpy(p, &v, sizeof v); }
-
-// out += m or out -= m, modulo 2^32.
-void add_words(uint32_t* out, const uint32_t* m, int64_t count, bool subtract) {
-  int64_t i = 0;
-  if (subtract) {
-    for (; i + 4 <= count; i += 4) store4(out + i, load4(out + i) - load4(m + i));
-    for (; i < count; ++i) out[i] -= m[i];
-  } else {
-    for (; i + 4 <= count; i += 4) store4(out + i, load4(out + i) + load4(m + i));
-    for (; i < count; ++i) out[i] += m[i];
-  }
-}
-
-// A pairwise (or self) mask to add to or subtract from a sum.
-struct MaskPass {
-  Key seed{};
-  bool subtract = false;
-};
-
-// The masks of one sum; their seeds are wiped however the sum ends (done or thrown out of). A
-// deque: growing it never copies a seed into memory it then frees unwiped.
-struct MaskPasses : std::deque<MaskPass> {
-  MaskPasses() = default;
-  MaskPasses(const MaskPasses&) = delete;
-  MaskPasses& operator=(const MaskPasses&) = delete;
-  ~MaskPasses() {
-    for (MaskPass& pass : *this) sodium_memzero(pass.seed.data(), pass.seed.size());
-  }
-};
-
-// total +-= PRG(seed) for every pass, a tile of `total` at a time: the tile stays in L1 while
-// each pass makes its keystream for it (the same words as one model-sized expansion: the tile
-// at word `start` begins at ChaCha20 counter start / 16) and adds it, so a mask costs its
-// ChaCha20 work and a pass over an L1 tile instead of one over the whole sum.
-void apply_masks(uint32_t* total, int64_t n, const MaskPasses& passes) {
-  constexpr int64_t kTile = 1024;  // words: 4 KiB, with the keystream and the zeros in L1
-  static const uint32_t zeros[kTile] = {};
-  alignas(64) uint32_t m[kTile];
-  const unsigned char nonce[crypto_stream_chacha20_ietf_NONCEBYTES] = {};
-  for (int64_t start = 0; start < n; start += kTile) {
-    const int64_t count = std::min(kTile, n - start);
-    for (const MaskPass& pass : passes) {
-      crypto_stream_chacha20_ietf_xor_ic(reinterpret_cast<unsigned char*>(m),
-                                         reinterpret_cast<const unsigned char*>(zeros),
-                                         static_cast<unsigned long long>(count) * 4, nonce,
-                                         static_cast<uint32_t>(start / 16), pass.seed.data());
-      add_words(total + start, m, count, pass.subtract);
-    }
-  }
-  sodium_memzero(m, sizeof m);
-}
-
 uint32_t* words(at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()); }
 
 constexpr size_t kShareBytes = 8 + 2 * kWords * 8;  // from, to, b share, s-key share
@@ -195,16 +114,6 @@ at::Tensor to_fixed(const at::Tensor& x, int frac_bits, double bound) {
 
 at::Tensor from_fixed(const at::Tensor& sum, int frac_bits) {
   return sum.to(at::kDouble) / std::ldexp(1.0, frac_bits);
-}
-
-at::Tensor expand_mask(const Key& seed, int64_t elements) {
-  init_sodium();
-  at::Tensor out = at::empty({elements}, at::kInt);
-  uint32_t* y = words(out);
-  for_keystream_blocks(elements, seed, [&](int64_t start, const uint32_t* m, int64_t count) {
-    std::memcpy(y + start, m, static_cast<size_t>(count) * 4);
-  });
-  return out;
 }
 
 // ---- Shamir ----
