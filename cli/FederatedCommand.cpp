@@ -127,6 +127,10 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
   add(c, "--dropout", s.dropout,
       "Probability that a selected client drops out before sending its update")
       ->capture_default_str();
+  add(c, "--secagg-dropout", s.secagg_dropout,
+      "The fraction of a round's clients expected to leave that --secagg-graph auto sizes the "
+      "degree for (< 0: --dropout's)")
+      ->capture_default_str();
   add_data(c, o.sim_shared, "the clients' data and the test set");
   add_run_flags(c, s.checkpoint_dir, s.eval_every, s.progress,
                 "Save the server (model, optimizer, round) here every round; resume from it",
@@ -152,6 +156,10 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       o.serve_shared.secagg_graph, v.metrics_file,
       "; also the fewest waiting clients a round starts with after --selection-timeout");
   add(sv, "--clients-per-round", v.clients_per_round, "K: clients selected each round")
+      ->capture_default_str();
+  add(sv, "--secagg-dropout", v.secagg_dropout,
+      "The fraction of a round's clients expected to leave (after sharing keys) that "
+      "--secagg-graph auto sizes the degree for")
       ->capture_default_str();
   add_buffer_flags(sv, v.buffer, o.serve_staleness,
                    " (each client has --round-timeout from its start)");

@@ -44,7 +44,9 @@ void add_round_flags(CLI::App& c, int64_t& rounds, int64_t& min_clients, bool& s
   add(c, "--secagg-graph", secagg_graph,
       "Secure aggregation among whom: full (every pair of the round's clients, Bonawitz et al.), "
       "log (SecAgg+, Bell et al. 2020: a random graph of degree about 2 log2 K from the round's "
-      "seed; masks and shares only among neighbours) or an even degree K")
+      "seed; masks and shares only among neighbours), auto (SecAgg+ with the smallest degree "
+      "from log up at which a round aborts with probability <= 0.001 at --secagg-dropout's "
+      "rate) or an even degree K")
       ->capture_default_str();
   add(c, "--metrics-file", metrics_file, "JSON Lines: one record per round");
 }

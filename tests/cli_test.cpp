@@ -163,6 +163,11 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "synthetic",
        "--secagg-graph 12: SecAgg+ degree larger than the round allows (10 clients"},
       {" fl simulate --secagg-graph sparse --dataset synthetic", "--secagg-graph 'sparse'"},
+      {" fl simulate --clients 100 --fraction 1 --secure-aggregation --secagg-graph auto "
+       "--dropout 0.7 --secagg-threshold 0.4 --dataset synthetic",
+       "--secagg-graph auto: with 70% dropouts (--secagg-dropout) and a threshold of 0.4"},
+      {" fl serve --secure-aggregation --secagg-graph auto --secagg-dropout 1.5",
+       "--secagg-dropout must be a fraction in [0, 1)"},
       {" train --simulate-slowdown 1", "--simulate-slowdown '1': expected RANK:FACTOR"},
       {" train --simulate-slowdown 3:2 --nproc 2",
        "--simulate-slowdown: rank 3 is not one of the 2"},

@@ -188,6 +188,39 @@ TEST(Buffered, VirtualClockRunsAreDeterministicWhateverTheThreadsDo) {
   EXPECT_DOUBLE_EQ(sync.rounds[1].sim_minutes, 2 * static_cast<double>(steps) * 30 / 60);
 }
 
+// A buffered run saved at a step and resumed goes on as the uninterrupted run: the clients in
+// flight train again from the models they started from (with their error-feedback residuals as
+// they were then), on the same clock, and later starts draw the same clients.
+TEST(Buffered, AResumedRunGoesOnAsAnUninterruptedOne) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(240, 71);
+  SimulationOptions o = small_run();
+  o.clients = 12;
+  o.rounds = 6;
+  o.speed = parse_client_speed("lognormal:0.8");
+  o.dropout = 0.2;
+  o.buffer.size = 3;
+  o.buffer.concurrency = 6;
+  o.buffer.staleness = parse_staleness("poly:0.5");
+  o.compression = parse_compression("topk:0.2");
+  const auto straight = simulate(mlp_spec(), train, train, o);
+  ASSERT_EQ(straight.rounds_done, 6);
+  const test::TempDir dir;
+  o.checkpoint_dir = dir.path();
+  o.rounds = 3;
+  const auto first = simulate(mlp_spec(), train, train, o);
+  ASSERT_EQ(first.rounds_done, 3);
+  o.rounds = 6;
+  const auto resumed = simulate(mlp_spec(), train, train, o);
+  EXPECT_EQ(resumed.start_round, 3);
+  ASSERT_EQ(resumed.rounds.size(), 3u);
+  EXPECT_TRUE(resumed.global.equal(straight.global)) << max_diff(resumed.global, straight.global);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(resumed.rounds[i].sim_minutes, straight.rounds[i + 3].sim_minutes) << i;
+    EXPECT_EQ(resumed.rounds[i].outcome.staleness, straight.rounds[i + 3].outcome.staleness) << i;
+  }
+}
+
 // What buffered aggregation works with: compressed uploads (q8, read back as the server reads
 // them) and differential privacy (clipped updates, noise on the buffer's sum, epsilon reported).
 TEST(Buffered, WorksWithCompressionAndDifferentialPrivacy) {

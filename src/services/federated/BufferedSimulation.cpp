@@ -73,11 +73,53 @@ class TrainingPool {
   bool stop_ = false;
 };
 
-// A client on its way: when it is done (or leaves) and what it will hand in.
+// A client on its way: when it is done (or leaves) and what it will hand in; what it started
+// from, for a checkpoint (a resumed run trains it again from there).
 struct Flight {
   bool finishes = false;
   std::shared_future<ClientResult> result;
+  int64_t version = 0;
+  uint64_t seed = 0;
+  double clip = 0.0;
+  at::Tensor global;
+  // Its error-feedback residual when it started (its training, run ahead, may have replaced
+  // the stored one already).
+  at::Tensor residual;
 };
+
+using Events = std::map<std::pair<double, int64_t>, Flight>;  // (time, client) -> its flight
+
+// What a checkpoint keeps of a buffered run besides the server: the clients' state (with the
+// residuals of those in flight as they started) and the flights, with the models they left
+// from ("flight/..."), so that a resumed run goes on as an uninterrupted one does.
+std::map<std::string, at::Tensor> buffered_state(SimulatedClients& clients, const Events& events) {
+  std::map<std::string, at::Tensor> state = client_state(clients);
+  const auto n = static_cast<int64_t>(events.size());
+  at::Tensor ends = at::empty({n}, at::kDouble), clips = at::empty({n}, at::kDouble);
+  at::Tensor ints = at::empty({n, 4}, at::kLong);
+  int64_t i = 0;
+  for (const auto& [key, flight] : events) {
+    ends[i] = key.first;
+    clips[i] = flight.clip;
+    ints[i][0] = key.second;
+    ints[i][1] = flight.finishes ? 1 : 0;
+    ints[i][2] = flight.version;
+    ints[i][3] = static_cast<int64_t>(flight.seed);
+    ++i;
+    if (!flight.finishes) continue;
+    state["flight/global/" + std::to_string(flight.version)] = flight.global;
+    const std::string residual = "residual/" + std::to_string(key.second);
+    if (flight.residual.defined()) {
+      state[residual] = flight.residual;
+    } else {
+      state.erase(residual);
+    }
+  }
+  state["flight/ends"] = ends;
+  state["flight/clips"] = clips;
+  state["flight/ints"] = ints;
+  return state;
+}
 
 }  // namespace
 
@@ -89,16 +131,69 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
   DTRAIN_CHECK_INPUT(buffer.size <= options.clients, "--buffer-size ", buffer.size,
                      " is more than the ", options.clients,
                      " clients: a buffer takes one update per client");
-  // A resumed run: the clients that were training when it was saved cannot be replayed here
-  // (their model versions are gone); they leave, and new ones start from the current model.
-  for (const auto& entry : server.training_steps()) server.leave(entry.first);
   const int64_t concurrency = std::min(buffer.clients_at_once(), options.clients);
   double now = server.clock();
-  std::mt19937_64 pick(mix(options.seed, 0xB0FFE2ULL, static_cast<uint64_t>(server.round())));
+  // Who starts next: drawn anew from the step's number at every step, so a resumed run draws
+  // as an uninterrupted one.
+  std::mt19937_64 pick;
+  const auto draw_for_step = [&] {
+    pick.seed(mix(options.seed, 0xB0FFE2ULL, static_cast<uint64_t>(server.round())));
+  };
+  draw_for_step();
   std::uniform_int_distribution<int64_t> any(0, options.clients - 1);
-  std::map<std::pair<double, int64_t>, Flight> events;     // (time, client) -> its flight
+  Events events;
   std::map<int64_t, std::pair<int64_t, uint64_t>> starts;  // client -> (version, starts there)
   TrainingPool pool(replicas);
+  const auto train_ahead = [&](int64_t c, const Flight& flight, const LocalTraining& plan) {
+    ClientWork job;
+    job.client = c;
+    job.version = flight.version;
+    job.seed = flight.seed;
+    job.global = flight.global;
+    job.plan = plan;
+    job.clip = flight.clip;
+    return pool.run([&clients, job](Model& replica) { return run_client(clients, replica, job); });
+  };
+  const bool keeps_residuals = options.compression.kind == CompressionSpec::TopK;
+  // A resumed run: the clients that were training when it was saved go on from the models
+  // they started from (a checkpoint without them, from an older dtrain: they leave).
+  const std::string saved = options.checkpoint_dir + "/server.pt";
+  const auto& extra = server.loaded_extra();
+  const auto training = server.training_steps();
+  if (!training.empty() && extra.count("flight/ints") == 0) {
+    for (const auto& entry : training) server.leave(entry.first);
+  } else if (!training.empty()) {
+    const at::Tensor ints = extra.at("flight/ints"), ends = extra.at("flight/ends"),
+                     clips = extra.at("flight/clips");
+    const int64_t n = ints.size(0);
+    DTRAIN_CHECK_INPUT(ints.dim() == 2 && ints.size(1) == 4 && ends.numel() == n &&
+                           clips.numel() == n && n == static_cast<int64_t>(training.size()),
+                       saved, ": its ", n, " clients in flight do not match the server's ",
+                       training.size(), " training ones");
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t c = ints[i][0].item<int64_t>();
+      Flight flight;
+      flight.finishes = ints[i][1].item<int64_t>() != 0;
+      flight.version = ints[i][2].item<int64_t>();
+      flight.seed = static_cast<uint64_t>(ints[i][3].item<int64_t>());
+      flight.clip = clips[i].item<double>();
+      DTRAIN_CHECK_INPUT(training.count(std::to_string(c)) == 1, saved, ": client ", c,
+                         " is in flight but not training at the server");
+      if (flight.finishes) {
+        const std::string global = "flight/global/" + std::to_string(flight.version);
+        DTRAIN_CHECK_INPUT(extra.count(global) == 1 && extra.at(global).numel() == clients.numel,
+                           saved, ": no model version ", flight.version, " for client ", c);
+        flight.global = extra.at(global);
+        if (keeps_residuals) {
+          std::lock_guard<std::mutex> lock(clients.memory_mutex);
+          const auto it = clients.residuals.find(c);
+          if (it != clients.residuals.end()) flight.residual = it->second;
+        }
+        flight.result = train_ahead(c, flight, server.plan_at(flight.version));
+      }
+      events.emplace(std::make_pair(ends[i].item<double>(), c), std::move(flight));
+    }
+  }
   // What a step's record sums.
   int64_t uplink = 0, server_ns = 0, encoding_ns = 0, training_ns = 0, trained = 0, started = 0,
           attackers = 0, diverged = 0;
@@ -156,16 +251,17 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
       ends = now + left;
       flight.finishes = false;
     }
+    flight.version = version;
+    flight.seed = seed;
+    flight.clip = clip;
     if (flight.finishes) {
-      ClientWork job;
-      job.client = c;
-      job.version = version;
-      job.seed = seed;
-      job.global = global;
-      job.plan = plan;
-      job.clip = clip;
-      flight.result =
-          pool.run([&clients, job](Model& replica) { return run_client(clients, replica, job); });
+      flight.global = global;
+      if (keeps_residuals) {
+        std::lock_guard<std::mutex> lock(clients.memory_mutex);
+        const auto it = clients.residuals.find(c);
+        if (it != clients.residuals.end()) flight.residual = it->second;
+      }
+      flight.result = train_ahead(c, flight, plan);
     }
     ++started;
     events.emplace(std::make_pair(ends, c), std::move(flight));
@@ -231,7 +327,11 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
     record.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     step_start = std::chrono::steady_clock::now();
-    if (finish_round(options, server, global_model, test, log, record, result, 1)) break;
+    if (finish_round(options, server, global_model, test, log, record, result, 1,
+                     [&] { return buffered_state(clients, events); })) {
+      break;
+    }
+    draw_for_step();
   }
 }
 

@@ -224,6 +224,10 @@ LocalTraining RoundServer::plan() const {
   return aggregator_->configure(options_.local, round_);
 }
 
+LocalTraining RoundServer::plan_at(int64_t round) const {
+  return aggregator_->configure(options_.local, round);
+}
+
 bool RoundServer::selected(const std::string& client) const {
   std::lock_guard<std::mutex> lock(mutex_);
   return selected_.count(client) > 0;
@@ -392,7 +396,8 @@ RoundOutcome RoundServer::close() {
   return out;
 }
 
-void RoundServer::save(const std::string& path) const {
+void RoundServer::save(const std::string& path,
+                       const std::map<std::string, at::Tensor>& extra) const {
   c10::impl::GenericDict file(c10::StringType::get(), c10::AnyType::get());
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -427,6 +432,11 @@ void RoundServer::save(const std::string& path) const {
       file.insert("buffer_clients", in_buffer);
       if (mean_.sum().defined()) file.insert("buffer", mean_.sum().clone());
     }
+  }
+  if (!extra.empty()) {
+    c10::Dict<std::string, at::Tensor> tensors;
+    for (const auto& [name, tensor] : extra) tensors.insert(name, tensor);
+    file.insert("extra", tensors);
   }
   save_pickled_dict(path, file);
 }
@@ -484,6 +494,12 @@ void RoundServer::load(const std::string& path) {
         DTRAIN_CHECK_INPUT(sum.dim() == 1 && sum.numel() == global_.numel(), path,
                            ": the buffer does not match the model");
         mean_.restore(sum.to(at::kDouble), file.at("buffer_weight").toDouble(), buffered_);
+      }
+    }
+    loaded_extra_.clear();
+    if (file.contains("extra")) {
+      for (const auto& entry : file.at("extra").toGenericDict()) {
+        loaded_extra_[entry.key().toStringRef()] = entry.value().toTensor();
       }
     }
   } catch (const c10::Error& e) {

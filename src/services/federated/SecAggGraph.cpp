@@ -2,7 +2,9 @@
 // uses, and its threshold. The protocol itself is SecureAggregation.cpp's.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/services/federated/SecureAggregation.h"
@@ -48,19 +50,89 @@ int default_degree(int64_t n) {
   return static_cast<int>(std::min<int64_t>(k, largest));
 }
 
+double binomial_below(int64_t m, double q, int64_t t) {
+  if (t <= 0) return 0.0;
+  if (t > m) return 1.0;
+  if (q >= 1.0) return 0.0;
+  if (q <= 0.0) return 1.0;
+  const double log_q = std::log(q), log_p = std::log1p(-q);
+  const double log_m = std::lgamma(static_cast<double>(m) + 1);
+  double sum = 0.0;
+  for (int64_t j = 0; j < t; ++j) {
+    const auto jd = static_cast<double>(j), rest = static_cast<double>(m - j);
+    sum +=
+        std::exp(log_m - std::lgamma(jd + 1) - std::lgamma(rest + 1) + jd * log_q + rest * log_p);
+  }
+  return std::min(1.0, sum);
+}
+
+double unmask_failure_bound(int64_t n, int degree, int threshold, double dropout) {
+  const double q = 1.0 - dropout;
+  // The full graph: the round unmasks when at least t of its n clients are left.
+  if (degree == 0) return binomial_below(n, q, threshold);
+  // Client u's secret is held by u and its k neighbours: a dropped u's key needs t of its
+  // neighbours, a survivor's self mask t - 1 of them besides itself. A union bound over the n
+  // clients (each neighbourhood's count is binomial however they overlap).
+  const double one =
+      dropout * binomial_below(degree, q, threshold) + q * binomial_below(degree, q, threshold - 1);
+  return std::min(1.0, static_cast<double>(n) * one);
+}
+
+int auto_degree(int64_t n, double threshold_fraction, double dropout, double max_failure) {
+  DTRAIN_CHECK_INPUT(dropout >= 0 && dropout < 1, "--secagg-dropout must be a fraction in [0, 1), ",
+                     "got ", dropout);
+  int k = default_degree(n);
+  if (k == 0 || dropout == 0) return k;
+  const int largest = static_cast<int>((n - 2) - (n - 2) % 2);
+  for (;;) {
+    const int t = secagg_threshold(threshold_fraction, k + 1);
+    if (t <= k + 1 && unmask_failure_bound(n, k, t, dropout) <= max_failure) return k;
+    if (k >= largest) break;
+    // Steps of about 6% (even): few tail sums however large the round.
+    k = std::min(largest, k + std::max(2, (k / 16) & ~1));
+  }
+  // No sparse graph is enough: the full one, if it is.
+  const int t = secagg_threshold(threshold_fraction, static_cast<int>(n));
+  const double failure = unmask_failure_bound(n, 0, t, dropout);
+  DTRAIN_CHECK_INPUT(
+      failure <= max_failure, "--secagg-graph auto: with ", dropout * 100,
+      "% dropouts (--secagg-dropout) and a threshold of ",
+      threshold_fraction > 0 ? threshold_fraction : 0.5, " (--secagg-threshold), a round of ", n,
+      " clients aborts with probability ", failure,
+      " even on the full graph; lower --secagg-threshold below the survivors' share");
+  return 0;
+}
+
+std::string describe_auto_degree(int64_t n, double threshold_fraction, double dropout,
+                                 double max_failure) {
+  const int k = auto_degree(n, threshold_fraction, dropout, max_failure);
+  const int holders = k > 0 ? k + 1 : static_cast<int>(n);
+  const int t = secagg_threshold(threshold_fraction, holders);
+  char line[320];
+  std::snprintf(line, sizeof line,
+                "--secagg-graph auto: %s for rounds of %lld clients at %.0f%% dropouts (t = %d "
+                "of %d holders of each secret): a round aborts with probability <= %.1e",
+                k > 0 ? ("degree " + std::to_string(k)).c_str() : "the full graph",
+                static_cast<long long>(n), dropout * 100, t, holders,
+                std::max(unmask_failure_bound(n, k, t, dropout), 0.0));
+  return line;
+}
+
 int parse_secagg_graph(const std::string& text) {
   if (text == "full") return 0;
   if (text == "log") return -1;
+  if (text == "auto") return kAutoGraph;
   char* end = nullptr;
   const long k = std::strtol(text.c_str(), &end, 10);
   DTRAIN_CHECK_INPUT(!text.empty() && *end == '\0' && k >= 2 && k % 2 == 0 && k < 1000000,
                      "--secagg-graph '", text,
-                     "': expected full, log or an even degree K >= 2 (SecAgg+)");
+                     "': expected full, log, auto or an even degree K >= 2 (SecAgg+)");
   return static_cast<int>(k);
 }
 
-int round_degree(int graph, int64_t n) {
+int round_degree(int graph, int64_t n, double threshold_fraction, double dropout) {
   if (graph == 0) return 0;
+  if (graph == kAutoGraph) return auto_degree(n, threshold_fraction, dropout);
   if (graph < 0) return default_degree(n);
   DTRAIN_CHECK_INPUT(graph < n - 1, "--secagg-graph ", graph,
                      ": SecAgg+ degree larger than the round allows (", n, " clients: at most ",

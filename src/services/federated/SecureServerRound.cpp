@@ -12,11 +12,12 @@ using Step = dtrain::fl::SecAggRequest;
 
 SecureServerRound::SecureServerRound(const std::vector<std::string>& chosen,
                                      double threshold_fraction, int64_t ref_weight, int64_t numel,
-                                     int graph, uint64_t seed)
+                                     int graph, uint64_t seed, double dropout)
     : ref(ref_weight), graph_seed(seed) {
   const auto k = static_cast<int>(chosen.size());
   // SecAgg+: a round smaller than the degree needs uses the full graph.
-  degree = graph > 0 && graph >= k - 1 ? 0 : secagg::round_degree(graph, k);
+  degree =
+      graph > 0 && graph >= k - 1 ? 0 : secagg::round_degree(graph, k, threshold_fraction, dropout);
   threshold = secagg::secagg_threshold(threshold_fraction, degree > 0 ? degree + 1 : k);
   std::vector<uint32_t> all;
   for (int i = 0; i < k; ++i) {

@@ -24,9 +24,9 @@ struct SecureServerRound {
   /// least 2); `ref` is the weight reference clients scale their inputs by (the largest example
   /// count of the chosen, or 1 for equal weights).
   /// `graph` (parse_secagg_graph) > 0 or -1: SecAgg+ on a graph drawn from `graph_seed`, t a
-  /// fraction of a neighbourhood (degree + 1).
+  /// fraction of a neighbourhood (degree + 1); "auto" sizes the degree for `dropout`.
   SecureServerRound(const std::vector<std::string>& chosen, double threshold_fraction, int64_t ref,
-                    int64_t numel, int graph = 0, uint64_t graph_seed = 0);
+                    int64_t numel, int graph = 0, uint64_t graph_seed = 0, double dropout = 0.0);
 
   /// What happened to a step a client sent: applied, too late for its step (the round has
   /// moved on), malformed (the message's fields), or refused by the protocol (the session's

@@ -63,12 +63,21 @@ Server::Service::Service(at::Tensor initial, ServerOptions options, Evaluate eva
                      "cannot be combined with --compression");
   DTRAIN_CHECK_INPUT(!o_.secure_aggregation || o_.clients_per_round >= 2,
                      "--secure-aggregation needs --clients-per-round >= 2");
-  if (o_.secure_aggregation && o_.secagg_graph > 0) {
-    secagg::round_degree(o_.secagg_graph, o_.clients_per_round);
-  }
   DTRAIN_CHECK_INPUT(
       o_.secagg_threshold >= 0 && o_.secagg_threshold <= 1 && o_.secagg_step_timeout_s > 0,
       "--secagg-threshold must be in [0, 1] and --secagg-step-timeout > 0");
+  DTRAIN_CHECK_INPUT(o_.secagg_dropout >= 0 && o_.secagg_dropout < 1,
+                     "--secagg-dropout must be a fraction in [0, 1), got ", o_.secagg_dropout);
+  if (o_.secure_aggregation && (o_.secagg_graph > 0 || o_.secagg_graph == secagg::kAutoGraph)) {
+    secagg::round_degree(o_.secagg_graph, o_.clients_per_round, o_.secagg_threshold,
+                         o_.secagg_dropout);
+    if (o_.secagg_graph == secagg::kAutoGraph) {
+      std::fprintf(
+          stderr, "fl server: %s\n",
+          secagg::describe_auto_degree(o_.clients_per_round, o_.secagg_threshold, o_.secagg_dropout)
+              .c_str());
+    }
+  }
   DTRAIN_CHECK_INPUT(o_.token.empty() || o_.client_tokens.empty(),
                      "give either --auth-token-file or --client-tokens, not both");
   if (!o_.checkpoint_dir.empty()) {

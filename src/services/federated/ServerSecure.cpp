@@ -91,7 +91,7 @@ void Server::Service::start_secure(const std::vector<std::string>& chosen) {
   uint64_t graph_seed = 0;
   randombytes_buf(&graph_seed, sizeof graph_seed);  // the round's graph: not the clients' choice
   secure_ = std::make_unique<SecureServerRound>(chosen, o_.secagg_threshold, ref, numel_,
-                                                o_.secagg_graph, graph_seed);
+                                                o_.secagg_graph, graph_seed, o_.secagg_dropout);
   ++secure_generation_;
 }
 

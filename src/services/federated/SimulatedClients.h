@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -72,11 +73,21 @@ ClientResult run_client(SimulatedClients& clients, Model& replica, const ClientW
 int64_t deliver(SimulatedClients& clients, const ClientResult& result, const std::string& id,
                 int64_t* server_ns);
 
+/// The clients' state a checkpoint keeps, as tensors named "residual/C" and "memory/C" (C the
+/// client's number): what a resumed run needs to go on as an uninterrupted one does.
+std::map<std::string, at::Tensor> client_state(SimulatedClients& clients);
+/// Restores what client_state() gave from a loaded checkpoint's extra tensors (others are
+/// left to the caller); InputError naming `path` if one does not fit the model.
+void restore_client_state(SimulatedClients& clients, const std::map<std::string, at::Tensor>& extra,
+                          const std::string& path);
+
 /// Evaluates the global model after an applied round (every eval_every and the last), saves the
-/// server's checkpoint, logs the record; returns whether the target accuracy was reached.
+/// server's checkpoint with `state()`'s tensors (the clients' state), logs the record; returns
+/// whether the target accuracy was reached.
 bool finish_round(const SimulationOptions& options, RoundServer& server, Model& global_model,
                   const data::TensorDataset& test, RoundLog& log, RoundRecord& record,
-                  SimulationResult& result, int64_t min_clients);
+                  SimulationResult& result, int64_t min_clients,
+                  const std::function<std::map<std::string, at::Tensor>()>& state);
 
 /// The buffered (FedBuff) simulation on the virtual clock: Simulation.cpp calls it when
 /// options.buffer is enabled.

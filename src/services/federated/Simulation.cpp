@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <limits>
@@ -43,6 +44,11 @@ std::pair<double, double> evaluate_model(Model& model, const data::TensorDataset
 }
 
 namespace {
+
+// The dropout rate --secagg-graph auto sizes SecAgg+'s degree for.
+double secagg_dropout(const SimulationOptions& options) {
+  return options.secagg_dropout >= 0 ? options.secagg_dropout : options.dropout;
+}
 
 Model build(const models::ModelSpec& spec, at::ScalarType dtype) {
   Model model = models::make_model(spec);
@@ -226,9 +232,39 @@ int64_t deliver(SimulatedClients& clients, const ClientResult& result, const std
   return bytes;
 }
 
+std::map<std::string, at::Tensor> client_state(SimulatedClients& clients) {
+  std::map<std::string, at::Tensor> state;
+  std::lock_guard<std::mutex> lock(clients.memory_mutex);
+  for (const auto& [c, t] : clients.residuals) state["residual/" + std::to_string(c)] = t;
+  for (const auto& [c, t] : clients.memories) state["memory/" + std::to_string(c)] = t;
+  return state;
+}
+
+void restore_client_state(SimulatedClients& clients, const std::map<std::string, at::Tensor>& extra,
+                          const std::string& path) {
+  std::lock_guard<std::mutex> lock(clients.memory_mutex);
+  clients.residuals.clear();
+  clients.memories.clear();
+  for (const auto& [name, tensor] : extra) {
+    const auto slash = name.find('/');
+    const std::string kind = name.substr(0, slash);
+    if (kind != "residual" && kind != "memory") continue;
+    char* end = nullptr;
+    const long long c = std::strtoll(name.c_str() + slash + 1, &end, 10);
+    DTRAIN_CHECK_INPUT(*end == '\0' && c >= 0 && c < clients.options.clients, path,
+                       ": the state of a client '", name, "' that this run of ",
+                       clients.options.clients, " clients does not have");
+    DTRAIN_CHECK_INPUT(tensor.dim() == 1 && tensor.numel() == clients.numel, path, ": client ", c,
+                       "'s ", kind, " holds ", tensor.numel(), " numbers, the model ",
+                       clients.numel);
+    (kind == "residual" ? clients.residuals : clients.memories)[c] = tensor;
+  }
+}
+
 bool finish_round(const SimulationOptions& options, RoundServer& server, Model& global_model,
                   const data::TensorDataset& test, RoundLog& log, RoundRecord& record,
-                  SimulationResult& result, int64_t min_clients) {
+                  SimulationResult& result, int64_t min_clients,
+                  const std::function<std::map<std::string, at::Tensor>()>& state) {
   const int64_t done = server.round();
   if (options.dp.enabled()) {
     const int64_t per_round =
@@ -244,7 +280,7 @@ bool finish_round(const SimulationOptions& options, RoundServer& server, Model& 
   }
   const std::string checkpoint =
       options.checkpoint_dir.empty() ? "" : options.checkpoint_dir + "/server.pt";
-  if (!checkpoint.empty() && record.outcome.applied) server.save(checkpoint);
+  if (!checkpoint.empty() && record.outcome.applied) server.save(checkpoint, state());
   log.report(record, done, min_clients);
   result.rounds.push_back(record);
   if (options.target_accuracy > 0 && record.test_accuracy >= options.target_accuracy &&
@@ -336,9 +372,11 @@ void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Mo
       }
       const auto k = static_cast<int>(selected.size());
       // SecAgg+: a round smaller than the degree needs (fewer available) uses the full graph.
-      const int degree = options.secagg_graph > 0 && options.secagg_graph >= k - 1
-                             ? 0
-                             : secagg::round_degree(options.secagg_graph, k);
+      const int degree =
+          options.secagg_graph > 0 && options.secagg_graph >= k - 1
+              ? 0
+              : secagg::round_degree(options.secagg_graph, k, options.secagg_threshold,
+                                     secagg_dropout(options));
       const int threshold =
           secagg::secagg_threshold(options.secagg_threshold, degree > 0 ? degree + 1 : k);
       // With differential privacy every client counts once.
@@ -440,7 +478,7 @@ void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Mo
     record.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - round_start).count();
     if (finish_round(options, server, global_model, test, log, record, result,
-                     server.options().min_clients)) {
+                     server.options().min_clients, [&] { return client_state(clients); })) {
       break;
     }
   }
@@ -470,11 +508,6 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
       to_string(options.compression));
   validate(options.robust);
   validate(options.buffer);
-  if (options.secure_aggregation && options.secagg_graph > 0) {
-    secagg::round_degree(options.secagg_graph,
-                         std::max<int64_t>(1, std::llround(options.fraction *
-                                                           static_cast<double>(options.clients))));
-  }
   DTRAIN_CHECK_INPUT(options.round_deadline >= 0 && std::isfinite(options.round_deadline),
                      "--round-deadline must be >= 0 simulated minutes (0 = none), got ",
                      options.round_deadline);
@@ -491,6 +524,23 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   DTRAIN_CHECK_INPUT(options.secagg_threshold >= 0 && options.secagg_threshold <= 1,
                      "--secagg-threshold must be a fraction in [0, 1], got ",
                      options.secagg_threshold);
+  DTRAIN_CHECK_INPUT(options.secagg_dropout < 1,
+                     "--secagg-dropout must be a fraction in [0, 1) "
+                     "(< 0: --dropout's), got ",
+                     options.secagg_dropout);
+  if (options.secure_aggregation &&
+      (options.secagg_graph > 0 || options.secagg_graph == secagg::kAutoGraph)) {
+    const int64_t per_round =
+        std::max<int64_t>(1, std::llround(options.fraction * static_cast<double>(options.clients)));
+    secagg::round_degree(options.secagg_graph, per_round, options.secagg_threshold,
+                         secagg_dropout(options));
+    if (options.secagg_graph == secagg::kAutoGraph) {
+      std::fprintf(
+          stderr, "%s\n",
+          secagg::describe_auto_degree(per_round, options.secagg_threshold, secagg_dropout(options))
+              .c_str());
+    }
+  }
   const at::ScalarType dtype =
       train.raw_inputs().scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   torch::manual_seed(options.seed);
@@ -533,6 +583,8 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
   for (int t = 0; t < threads; ++t) replicas.push_back(build(spec, dtype));
   // Clients are made when selected (from the partition and the seed) and dropped after.
   SimulatedClients clients(train, options, server);
+  // A resumed run: the clients' error-feedback residuals and drift-correction state as saved.
+  if (result.start_round > 0) restore_client_state(clients, server.loaded_extra(), checkpoint);
   RoundLog log(options.metrics_file, options.progress, options.rounds, result.start_round);
   if (options.buffer.enabled()) {
     simulate_buffered(clients, replicas, global_model, test, log, result);

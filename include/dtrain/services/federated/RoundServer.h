@@ -117,6 +117,8 @@ class RoundServer {
   const RoundServerOptions& options() const { return options_; }
   /// What the selected clients train with in the next round (the aggregator's configure).
   LocalTraining plan() const;
+  /// ... and in round (model version) `round`.
+  LocalTraining plan_at(int64_t round) const;
   const Aggregator& aggregator() const { return *aggregator_; }
 
   /// Opens the next round (or reopens a retried one): selects K of `available` at random
@@ -169,15 +171,18 @@ class RoundServer {
   /// min_clients did; the rest count as dropped.
   RoundOutcome close();
 
-  /// Writes the global model, optimizer state and round to `path` atomically.
-  void save(const std::string& path) const;
+  /// Writes the global model, optimizer state and round to `path` atomically, with the
+  /// caller's `extra` tensors (the simulation's clients' state) in the same file.
+  void save(const std::string& path, const std::map<std::string, at::Tensor>& extra = {}) const;
   /// Restores what save() wrote; InputError naming the file if it is damaged or holds another
-  /// model size or optimizer.
+  /// model size or optimizer. The extra tensors it held: loaded_extra().
   void load(const std::string& path);
+  const std::map<std::string, at::Tensor>& loaded_extra() const { return loaded_extra_; }
 
  private:
   const RoundServerOptions options_;
   mutable std::mutex mutex_;
+  std::map<std::string, at::Tensor> loaded_extra_;
   at::Tensor global_;
   AggregatorPtr aggregator_;
   int64_t round_ = 0;

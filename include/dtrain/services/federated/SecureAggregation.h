@@ -145,12 +145,31 @@ std::map<uint32_t, std::vector<uint32_t>> neighbour_graph(std::vector<uint32_t> 
 /// The degree SecAgg+ uses by default for n clients: the smallest even k >= 2 log2(n), at most
 /// the largest even degree below n - 1 (0 when n < 4: no graph sparser than the full one).
 int default_degree(int64_t n);
-/// --secagg-graph: "full" (0: the classic protocol), "log" (-1: default_degree of the round) or
-/// an even degree K >= 2; InputError naming the flag otherwise.
+/// --secagg-graph "auto" as parse_secagg_graph gives it.
+constexpr int kAutoGraph = -2;
+/// --secagg-graph: "full" (0: the classic protocol), "log" (-1: default_degree of the round),
+/// "auto" (kAutoGraph: auto_degree) or an even degree K >= 2; InputError naming the flag
+/// otherwise.
 int parse_secagg_graph(const std::string& text);
 /// The degree a round of n clients uses for the flag's value (0: the full graph); InputError
-/// when a given K is not below n - 1 (larger than the round).
-int round_degree(int graph, int64_t n);
+/// when a given K is not below n - 1 (larger than the round). "auto" sizes it for
+/// `threshold_fraction` (--secagg-threshold) and the expected `dropout` rate.
+int round_degree(int graph, int64_t n, double threshold_fraction = 0, double dropout = 0);
+/// P(X < t) for X ~ Binomial(m, q).
+double binomial_below(int64_t m, double q, int64_t t);
+/// An upper bound on the probability that a round of n clients, each leaving independently with
+/// probability `dropout` after sharing keys, cannot be unmasked (some secret has fewer than t
+/// shares among its holders left): degree 0 is the full graph.
+double unmask_failure_bound(int64_t n, int degree, int threshold, double dropout);
+/// SecAgg+'s degree sized for a dropout rate (Bell et al. size k from it): the smallest even
+/// k >= default_degree(n) (in steps of about 6%) whose unmask_failure_bound, with t =
+/// secagg_threshold(threshold_fraction, k + 1), is at most `max_failure`; the full graph (0)
+/// when no sparser one is enough; InputError naming the flags when even that one is not (the
+/// threshold above the survivors' share). default_degree(n) when `dropout` is 0.
+int auto_degree(int64_t n, double threshold_fraction, double dropout, double max_failure = 1e-3);
+/// One line for the user: the degree auto_degree chose, t, and the bound.
+std::string describe_auto_degree(int64_t n, double threshold_fraction, double dropout,
+                                 double max_failure = 1e-3);
 /// t: `fraction` of the `holders` of a client's shares (all n, or degree + 1 with SecAgg+),
 /// rounded up; 0 = a majority; at least 2.
 int secagg_threshold(double fraction, int holders);

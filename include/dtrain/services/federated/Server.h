@@ -77,8 +77,10 @@ struct ServerOptions {
   /// secagg_step_timeout_s for the round's clients.
   bool secure_aggregation = false;
   double secagg_threshold = 0.0;
-  /// SecAgg+ (parse_secagg_graph): 0 the full graph, -1 about 2 log2 K, or an even degree.
+  /// SecAgg+ (parse_secagg_graph): 0 the full graph, -1 about 2 log2 K, kAutoGraph (sized for
+  /// secagg_dropout, the expected fraction of a round's clients that leave), or an even degree.
   int secagg_graph = 0;
+  double secagg_dropout = 0.2;
   double secagg_step_timeout_s = 30.0;
   int secagg_frac_bits = 16;
   /// Asynchronous buffered aggregation (FedBuff; buffer.size > 0): no rounds - a client that

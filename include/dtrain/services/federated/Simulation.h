@@ -75,9 +75,12 @@ struct SimulationOptions {
   bool secure_aggregation = false;
   double secagg_threshold = 0.0;
   int secagg_frac_bits = 16;
-  /// SecAgg+ (parse_secagg_graph): 0 the classic full graph, -1 a degree of about 2 log2 K, or
-  /// an even degree; the threshold is then secagg_threshold of a neighbourhood (degree + 1).
+  /// SecAgg+ (parse_secagg_graph): 0 the classic full graph, -1 a degree of about 2 log2 K,
+  /// kAutoGraph (sized for secagg_dropout), or an even degree; the threshold is then
+  /// secagg_threshold of a neighbourhood (degree + 1).
   int secagg_graph = 0;
+  /// The dropout rate "auto" sizes the degree for (< 0: `dropout`).
+  double secagg_dropout = -1.0;
   /// Differential privacy (DP-FedAvg): clients clip, the server adds noise; epsilon per round.
   DpSpec dp;
   /// Availability of the clients over simulated time (selection only among those available).
