@@ -2,8 +2,9 @@
 """SecAgg+'s degree sized for the dropout rate (`--secagg-graph auto`) against the log degree
 (`--secagg-graph log`, the smallest even k >= 2 log2 n) at 30% dropouts and a threshold of 0.4
 of a neighbourhood: how many round attempts could not be unmasked (aborted and retried), the
-degree each used, and the server's and a client's time per applied round (the simulation's
-clocks around the protocol's work). Model and settings as bench/run_fl_secaggplus.py: MLP
+degree each used, the server's and a client's time per applied round (the simulation's clocks
+around the protocol's work), and the run's seconds (every attempt's, training included) per
+applied round. Model and settings as bench/run_fl_secaggplus.py: MLP
 784-128-10, all n clients a round, E = 1 full batch, `--threads 2`.
 
   bench/run_fl_secagg_auto.py [--sizes 500,1000] [--rounds 8] [--markdown FILE]
@@ -46,7 +47,7 @@ def main():
     parser.add_argument("--markdown", help="also write the table here")
     args = parser.parse_args()
     lines = ["| n | graph | degree | attempts | aborted | applied | server s | client ms | "
-             "server masks |", "|---|---|---|---|---|---|---|---|---|"]
+             "server masks | run s per applied round |", "|---|---|---|---|---|---|---|---|---|---|"]
     with open(args.log, "w") as log, open(args.records, "w") as records:
         for n in [int(s) for s in args.sizes.split(",")]:
             for graph in ("log", "auto"):
@@ -61,7 +62,8 @@ def main():
                     f"{len(applied)} | "
                     f"{statistics.median(r['server_aggregation_s'] for r in applied):.3f} | "
                     f"{1000 * statistics.median(r['client_aggregation_s'] for r in applied):.1f} | "
-                    f"{statistics.median(r['server_masks'] for r in applied):.0f} |")
+                    f"{statistics.median(r['server_masks'] for r in applied):.0f} | "
+                    f"{sum(r['round_s'] for r in rounds) / len(applied):.1f} |")
                 print(lines[-1], flush=True)
     table(lines, args.markdown)
 
