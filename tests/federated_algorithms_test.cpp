@@ -257,6 +257,30 @@ TEST(Drift, AResumedSimulationKeepsTheClientsState) {
     EXPECT_TRUE(resumed.global.equal(straight.global))
         << algorithm << ": " << max_diff(resumed.global, straight.global);
   }
+  // Retried rounds count in the simulated time that availability windows are read at: a
+  // resumed run goes on from the attempts the checkpoint saved, not from its rounds.
+  SimulationOptions o = drift_options("fedavg");
+  o.clients = 24;
+  o.fraction = 0.25;
+  o.rounds = 6;
+  o.dropout = 0.5;
+  o.min_clients = 3;  // rounds where fewer than 3 finish are retried
+  o.availability = parse_availability_trace("diurnal:8");
+  const auto straight = simulate(mlp_spec(), train, test, o);
+  size_t retried_before_the_save = 0;  // attempts before the third applied round, not applied
+  for (size_t i = 0, applied = 0; i < straight.rounds.size() && applied < 3; ++i) {
+    applied += straight.rounds[i].outcome.applied ? 1 : 0;
+    retried_before_the_save += straight.rounds[i].outcome.applied ? 0 : 1;
+  }
+  ASSERT_GT(retried_before_the_save, 0u);
+  const test::TempDir dir;
+  o.checkpoint_dir = dir.path();
+  o.rounds = 3;
+  simulate(mlp_spec(), train, test, o);
+  o.rounds = 6;
+  const auto resumed = simulate(mlp_spec(), train, test, o);
+  EXPECT_TRUE(resumed.global.equal(straight.global))
+      << "retries: " << max_diff(resumed.global, straight.global);
 }
 
 // Two clients holding different classes, a convex objective, full participation and many local

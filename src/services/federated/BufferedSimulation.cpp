@@ -177,6 +177,8 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
       flight.version = ints[i][2].item<int64_t>();
       flight.seed = static_cast<uint64_t>(ints[i][3].item<int64_t>());
       flight.clip = clips[i].item<double>();
+      DTRAIN_CHECK_INPUT(c >= 0 && c < options.clients, saved, ": client ", c,
+                         " is in flight, and this run has ", options.clients, " clients");
       DTRAIN_CHECK_INPUT(training.count(std::to_string(c)) == 1, saved, ": client ", c,
                          " is in flight but not training at the server");
       if (flight.finishes) {

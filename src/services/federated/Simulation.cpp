@@ -304,9 +304,14 @@ void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Mo
   const int threads = static_cast<int>(replicas.size());
   const int64_t numel = clients.numel;
   const bool clock = options.speed.enabled();
-  uint64_t attempt = 0;                     // retries of the current round
-  int64_t attempts_total = server.round();  // rounds tried since the (simulated) start
-  double now = server.clock();              // the virtual clock's minutes
+  uint64_t attempt = 0;  // retries of the current round
+  // Rounds tried since the (simulated) start, as a checkpoint saved them (retries count).
+  int64_t attempts_total = server.round();
+  const auto saved_attempts = server.loaded_extra().find("rounds/attempts");
+  if (saved_attempts != server.loaded_extra().end()) {
+    attempts_total = saved_attempts->second.item<int64_t>();
+  }
+  double now = server.clock();  // the virtual clock's minutes
   while (server.round() < options.rounds) {
     const auto round_start = std::chrono::steady_clock::now();
     const int64_t round = server.round();
@@ -478,7 +483,11 @@ void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Mo
     record.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - round_start).count();
     if (finish_round(options, server, global_model, test, log, record, result,
-                     server.options().min_clients, [&] { return client_state(clients); })) {
+                     server.options().min_clients, [&] {
+                       auto state = client_state(clients);
+                       state["rounds/attempts"] = at::scalar_tensor(attempts_total, at::kLong);
+                       return state;
+                     })) {
       break;
     }
   }
