@@ -159,7 +159,8 @@ FederatedCommands::FederatedCommands(CLI::App& app) : options_(std::make_unique<
       ->capture_default_str();
   add(sv, "--secagg-dropout", v.secagg_dropout,
       "The fraction of a round's clients expected to leave (after sharing keys) that "
-      "--secagg-graph auto sizes the degree for")
+      "--secagg-graph auto sizes the degree for; the server raises it to the largest share "
+      "the last 5 secure rounds lost")
       ->capture_default_str();
   add_buffer_flags(sv, v.buffer, o.serve_staleness,
                    " (each client has --round-timeout from its start)");

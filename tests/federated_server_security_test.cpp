@@ -94,6 +94,44 @@ TEST(FederatedServer, SecureAggregationOverGrpcSumsTheUpdatesAndSurvivesADropout
   EXPECT_EQ(reports[3].rounds_trained, 0);
 }
 
+// --secagg-graph auto over gRPC: the first round is sized for --secagg-dropout (0 here: the log
+// degree, 4 of 6), and the next ones for the dropouts the server saw (1 of 6 each round: with a
+// threshold of 0.3 no sparse graph of 6 is reliable enough, so the full one); the degree is in
+// each round's record.
+TEST(FederatedServer, SecAggPlusAutoSizesTheNextRoundsForTheDropoutsItSaw) {
+  at::set_num_threads(1);
+  const auto train = synthetic64(120, 64);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> clients;
+  for (int i = 0; i < 6; ++i)
+    clients.push_back({std::string(1, 'a' + i), range(i * 20, i * 20 + 20)});
+  ServerOptions options = server_options(3, 6);
+  options.secure_aggregation = true;
+  options.secagg_graph = secagg::kAutoGraph;
+  options.secagg_dropout = 0.0;
+  options.secagg_threshold = 0.3;
+  options.round_timeout_s = 2.5;
+  options.secagg_step_timeout_s = 5;
+  Server server(flatten_parameters(model64(0)), options);
+  std::atomic<int> asked{0};
+  ServerResult result;
+  run_clients(server, train, clients, &result, [&](ClientOptions& o) {
+    if (o.client_id != "f") return;
+    o.available = [&] { return ++asked % 2 == 1; };  // check-ins yes, training no
+  });
+  ASSERT_EQ(result.rounds_done, 3);
+  ASSERT_EQ(result.rounds.size(), 3u);
+  EXPECT_EQ(result.rounds[0].secagg_degree, secagg::default_degree(6));
+  EXPECT_EQ(secagg::default_degree(6), 4);
+  for (size_t r = 0; r < 3; ++r) {
+    EXPECT_TRUE(result.rounds[r].outcome.applied) << r;
+    EXPECT_EQ(result.rounds[r].outcome.dropped, 1) << r;
+    if (r > 0) {
+      EXPECT_EQ(result.rounds[r].secagg_degree, secagg::auto_degree(6, 0.3, 1.0 / 6)) << r;
+      EXPECT_EQ(result.rounds[r].secagg_degree, 0) << r;
+    }
+  }
+}
+
 // A masked upload whose stream began while its client was selected but ends after the secure
 // round was retried without it (the first attempt aborted: nobody sent keys) is refused by
 // name, and the retried round sums its own clients' inputs only.

@@ -33,6 +33,7 @@ void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clien
   if (record.available >= 0) line["available"] = record.available;
   if (record.faulty >= 0) line["faulty"] = record.faulty;
   if (record.server_masks > 0) line["server_masks"] = record.server_masks;
+  if (record.secagg_degree >= 0) line["secagg_degree"] = record.secagg_degree;
   if (record.client_masks > 0) line["client_masks"] = record.client_masks;
   if (record.sim_minutes >= 0) line["sim_minutes"] = record.sim_minutes;
   if (outcome.staleness >= 0) line["staleness"] = outcome.staleness;

@@ -5,7 +5,9 @@
 #include <sodium.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <string>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/services/federated/SecureAggregation.h"
@@ -14,6 +16,13 @@
 #include "services/federated/ServerService.h"
 
 namespace dtrain::federated {
+
+namespace {
+
+// The secure rounds whose dropouts --secagg-graph auto looks back on.
+constexpr size_t kDropoutsRemembered = 5;
+
+}  // namespace
 
 grpc::Status Server::Service::SecAgg(grpc::ServerContext* context,
                                      const dtrain::fl::SecAggRequest* request,
@@ -90,8 +99,31 @@ void Server::Service::start_secure(const std::vector<std::string>& chosen) {
   }
   uint64_t graph_seed = 0;
   randombytes_buf(&graph_seed, sizeof graph_seed);  // the round's graph: not the clients' choice
+  // --secagg-graph auto: sized for the larger of --secagg-dropout and the dropouts seen lately.
+  double dropout = o_.secagg_dropout;
+  for (const double seen : dropouts_seen_) dropout = std::max(dropout, seen);
+  const auto n = static_cast<int64_t>(chosen.size());
+  if (o_.secagg_graph == secagg::kAutoGraph && dropout > o_.secagg_dropout) {
+    std::string line;
+    try {
+      line = "sized for the " + std::to_string(std::lround(dropout * 100)) +
+             "% dropouts seen lately: " +
+             secagg::describe_auto_degree(n, o_.secagg_threshold, dropout);
+    } catch (const InputError& e) {
+      line = "the " + std::to_string(std::lround(dropout * 100)) +
+             "% dropouts seen lately cannot be unmasked reliably at this --secagg-threshold (" +
+             e.what() + "); sized for --secagg-dropout's";
+      dropout = o_.secagg_dropout;
+    }
+    // Said when it changes, not every round.
+    if (line != auto_said_) {
+      std::fprintf(stderr, "fl server: round %lld: %s\n", static_cast<long long>(open_round_),
+                   line.c_str());
+      auto_said_ = line;
+    }
+  }
   secure_ = std::make_unique<SecureServerRound>(chosen, o_.secagg_threshold, ref, numel_,
-                                                o_.secagg_graph, graph_seed, o_.secagg_dropout);
+                                                o_.secagg_graph, graph_seed, dropout);
   ++secure_generation_;
 }
 
@@ -148,7 +180,15 @@ void Server::Service::run_secure(std::unique_lock<std::mutex>& lock, RoundRecord
   } catch (const Error& e) {
     abort(e.what());
   }
+  // The share of the chosen clients lost before their masked inputs (those that never sent
+  // keys included: their neighbours hold one share fewer too), once the inputs were awaited.
+  if (!st.u2.empty()) {
+    dropouts_seen_.push_back(1.0 - static_cast<double>(st.sent_masked.size()) /
+                                       static_cast<double>(st.ids.size()));
+    if (dropouts_seen_.size() > kDropoutsRemembered) dropouts_seen_.pop_front();
+  }
   record->server_aggregation_s = st.server_s;
+  record->secagg_degree = st.degree;
   changed_.notify_all();
 }
 

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -99,6 +100,10 @@ class Server::Service final : public dtrain::fl::Federated::Service {
   std::map<std::string, int64_t> examples_;  // client -> examples at its last check-in
   std::unique_ptr<SecureServerRound> secure_;
   uint64_t secure_generation_ = 0;  // one per secure round attempt
+  // The shares of their chosen clients that the last secure rounds lost before the masked
+  // inputs (--secagg-graph auto sizes the next round for the largest, or --secagg-dropout).
+  std::deque<double> dropouts_seen_;
+  std::string auto_said_;  // what the server last said of auto's sizing
   bool open_ = false, done_ = false, stopping_ = false;
   int64_t open_round_ = 0;
   std::set<std::string> selected_, finished_;

@@ -369,6 +369,7 @@ void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Mo
     std::atomic<int64_t> diverged{0}, attackers{0};
     // Secure aggregation: keys and shares before anyone trains.
     std::unique_ptr<SecureRound> secure;
+    int secagg_degree = -1;
     if (options.secure_aggregation) {
       std::vector<int64_t> examples;
       for (const auto& id : selected) {
@@ -382,6 +383,7 @@ void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Mo
               ? 0
               : secagg::round_degree(options.secagg_graph, k, options.secagg_threshold,
                                      secagg_dropout(options));
+      secagg_degree = degree;
       const int threshold =
           secagg::secagg_threshold(options.secagg_threshold, degree > 0 ? degree + 1 : k);
       // With differential privacy every client counts once.
@@ -460,6 +462,7 @@ void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Mo
       record.server_aggregation_s = secure->server_seconds();
       record.client_aggregation_s = secure->client_seconds();
       record.server_masks = secure->server_masks();
+      record.secagg_degree = secagg_degree;
       record.client_masks = secure->client_masks();
     } else {
       record.server_aggregation_s = static_cast<double>(server_ns.load()) * 1e-9;

@@ -99,6 +99,8 @@ struct RoundRecord {
   /// average (0 when not measured).
   int64_t server_masks = 0;
   double client_masks = 0.0;
+  /// Secure aggregation: the degree of SecAgg+'s graph (0: the full graph; -1: not secure).
+  int secagg_degree = -1;
   /// A client's local training time on average (simulation; 0 when not measured).
   double client_training_s = 0.0;
   /// A round not applied: the most seconds of local training that clients which ran out of
