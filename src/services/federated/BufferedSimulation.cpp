@@ -154,7 +154,15 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
     job.clip = flight.clip;
     return pool.run([&clients, job](Model& replica) { return run_client(clients, replica, job); });
   };
-  const bool keeps_residuals = options.compression.kind == CompressionSpec::TopK;
+  // A client's error-feedback residual now (top-k keeps one; undefined if it has none yet).
+  const auto residual_now = [&](int64_t c) {
+    at::Tensor residual;
+    if (options.compression.kind != CompressionSpec::TopK) return residual;
+    std::lock_guard<std::mutex> lock(clients.memory_mutex);
+    const auto it = clients.residuals.find(c);
+    if (it != clients.residuals.end()) residual = it->second;
+    return residual;
+  };
   // A resumed run: the clients that were training when it was saved go on from the models
   // they started from (a checkpoint without them, from an older dtrain: they leave).
   const std::string saved = options.checkpoint_dir + "/server.pt";
@@ -186,11 +194,7 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
         DTRAIN_CHECK_INPUT(extra.count(global) == 1 && extra.at(global).numel() == clients.numel,
                            saved, ": no model version ", flight.version, " for client ", c);
         flight.global = extra.at(global);
-        if (keeps_residuals) {
-          std::lock_guard<std::mutex> lock(clients.memory_mutex);
-          const auto it = clients.residuals.find(c);
-          if (it != clients.residuals.end()) flight.residual = it->second;
-        }
+        flight.residual = residual_now(c);
         flight.result = train_ahead(c, flight, server.plan_at(flight.version));
       }
       events.emplace(std::make_pair(ends[i].item<double>(), c), std::move(flight));
@@ -258,11 +262,7 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
     flight.clip = clip;
     if (flight.finishes) {
       flight.global = global;
-      if (keeps_residuals) {
-        std::lock_guard<std::mutex> lock(clients.memory_mutex);
-        const auto it = clients.residuals.find(c);
-        if (it != clients.residuals.end()) flight.residual = it->second;
-      }
+      flight.residual = residual_now(c);
       flight.result = train_ahead(c, flight, plan);
     }
     ++started;
