@@ -149,9 +149,11 @@ TEST(SecAggPlus, AutoSizesTheDegreeForTheDropoutRate) {
   EXPECT_GT(secagg::auto_degree(n, 0.0, 0.3), auto_k);
   EXPECT_EQ(secagg::auto_degree(100, 0.0, 0.3), 0);
   EXPECT_LE(rounds_that_cannot_unmask(100, 0, 51, 0.3, 400), 0.01);
-  // A threshold above the survivors' share: no graph unmasks; one line names the flags.
+  // A threshold above the survivors' share: no graph unmasks reliably; a round takes the full
+  // graph (the most holders), and the start-up check refuses it in one line naming the flags.
+  EXPECT_EQ(secagg::round_degree(secagg::kAutoGraph, 100, 0.4, 0.7), 0);
   try {
-    secagg::round_degree(secagg::kAutoGraph, 100, 0.4, 0.7);
+    secagg::check_auto_graph(100, 0.4, 0.7);
     ADD_FAILURE() << "auto accepted a threshold above the survivors' share";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("--secagg-graph auto: with 70% dropouts "

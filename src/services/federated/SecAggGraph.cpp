@@ -91,7 +91,11 @@ int auto_degree(int64_t n, double threshold_fraction, double dropout, double max
     // Steps of about 6% (even): few tail sums however large the round.
     k = std::min(largest, k + std::max(2, (k / 16) & ~1));
   }
-  // No sparse graph is enough: the full one, if it is.
+  return 0;  // no sparse graph is enough: the full one
+}
+
+void check_auto_graph(int64_t n, double threshold_fraction, double dropout, double max_failure) {
+  if (auto_degree(n, threshold_fraction, dropout, max_failure) > 0) return;
   const int t = secagg_threshold(threshold_fraction, static_cast<int>(n));
   const double failure = unmask_failure_bound(n, 0, t, dropout);
   DTRAIN_CHECK_INPUT(
@@ -100,7 +104,6 @@ int auto_degree(int64_t n, double threshold_fraction, double dropout, double max
       threshold_fraction > 0 ? threshold_fraction : 0.5, " (--secagg-threshold), a round of ", n,
       " clients aborts with probability ", failure,
       " even on the full graph; lower --secagg-threshold below the survivors' share");
-  return 0;
 }
 
 std::string describe_auto_degree(int64_t n, double threshold_fraction, double dropout,

@@ -72,6 +72,9 @@ Server::Service::Service(at::Tensor initial, ServerOptions options, Evaluate eva
     secagg::round_degree(o_.secagg_graph, o_.clients_per_round, o_.secagg_threshold,
                          o_.secagg_dropout);
     if (o_.secagg_graph == secagg::kAutoGraph) {
+      secagg::check_auto_graph(o_.clients_per_round, o_.secagg_threshold, o_.secagg_dropout);
+    }
+    if (o_.secagg_graph == secagg::kAutoGraph) {
       std::fprintf(
           stderr, "fl server: %s\n",
           secagg::describe_auto_degree(o_.clients_per_round, o_.secagg_threshold, o_.secagg_dropout)

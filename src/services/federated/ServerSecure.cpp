@@ -104,17 +104,10 @@ void Server::Service::start_secure(const std::vector<std::string>& chosen) {
   for (const double seen : dropouts_seen_) dropout = std::max(dropout, seen);
   const auto n = static_cast<int64_t>(chosen.size());
   if (o_.secagg_graph == secagg::kAutoGraph && dropout > o_.secagg_dropout) {
-    std::string line;
-    try {
-      line = "sized for the " + std::to_string(std::lround(dropout * 100)) +
-             "% dropouts seen lately: " +
-             secagg::describe_auto_degree(n, o_.secagg_threshold, dropout);
-    } catch (const InputError& e) {
-      line = "the " + std::to_string(std::lround(dropout * 100)) +
-             "% dropouts seen lately cannot be unmasked reliably at this --secagg-threshold (" +
-             e.what() + "); sized for --secagg-dropout's";
-      dropout = o_.secagg_dropout;
-    }
+    // (Where no graph is reliable enough at that rate, the full one: the most holders there are.)
+    const std::string line =
+        "sized for the " + std::to_string(std::lround(dropout * 100)) +
+        "% dropouts seen lately: " + secagg::describe_auto_degree(n, o_.secagg_threshold, dropout);
     // Said when it changes, not every round.
     if (line != auto_said_) {
       std::fprintf(stderr, "fl server: round %lld: %s\n", static_cast<long long>(open_round_),

@@ -343,6 +343,9 @@ SimulationResult simulate(const models::ModelSpec& spec, const data::TensorDatas
     secagg::round_degree(options.secagg_graph, per_round, options.secagg_threshold,
                          secagg_dropout(options));
     if (options.secagg_graph == secagg::kAutoGraph) {
+      secagg::check_auto_graph(per_round, options.secagg_threshold, secagg_dropout(options));
+    }
+    if (options.secagg_graph == secagg::kAutoGraph) {
       std::fprintf(
           stderr, "%s\n",
           secagg::describe_auto_degree(per_round, options.secagg_threshold, secagg_dropout(options))

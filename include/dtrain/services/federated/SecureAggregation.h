@@ -164,9 +164,14 @@ double unmask_failure_bound(int64_t n, int degree, int threshold, double dropout
 /// SecAgg+'s degree sized for a dropout rate (Bell et al. size k from it): the smallest even
 /// k >= default_degree(n) (in steps of about 6%) whose unmask_failure_bound, with t =
 /// secagg_threshold(threshold_fraction, k + 1), is at most `max_failure`; the full graph (0)
-/// when no sparser one is enough; InputError naming the flags when even that one is not (the
-/// threshold above the survivors' share). default_degree(n) when `dropout` is 0.
+/// when no sparser one is enough (the most holders a round can have, even where that is not
+/// enough either: check_auto_graph refuses that case up front). default_degree(n) when
+/// `dropout` is 0.
 int auto_degree(int64_t n, double threshold_fraction, double dropout, double max_failure = 1e-3);
+/// InputError naming the flags when not even the full graph of n meets `max_failure` at that
+/// dropout rate (the threshold above the survivors' share): the start-up check of "auto".
+void check_auto_graph(int64_t n, double threshold_fraction, double dropout,
+                      double max_failure = 1e-3);
 /// One line for the user: the degree auto_degree chose, t, and the bound.
 std::string describe_auto_degree(int64_t n, double threshold_fraction, double dropout,
                                  double max_failure = 1e-3);
