@@ -5,12 +5,14 @@
 #include <torch/torch.h>
 
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "SmallModels.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Partition.h"
+#include "dtrain/services/federated/Simulation.h"
 
 namespace dtrain::federated::testing {
 
@@ -33,6 +35,19 @@ inline double mean_classes(const at::Tensor& labels, const std::vector<ClientInd
 }
 
 inline models::ModelSpec mlp_spec() { return test::small_mlp(12, 16, 4); }
+
+// A quiet, deterministic simulation of `algorithm`: one client thread (the updates summed in
+// one order), every client each round, no local test split, evaluated only at the end.
+inline SimulationOptions one_thread_run(const std::string& algorithm) {
+  SimulationOptions o;
+  o.algorithm = algorithm;
+  o.threads = 1;
+  o.progress = false;
+  o.local_test_fraction = 0.0;
+  o.fraction = 1.0;
+  o.eval_every = 1000;
+  return o;
+}
 
 inline data::TensorDataset synthetic64(int64_t n, uint64_t seed) {
   const auto d = data::make_synthetic(n, {12}, 4, seed);

@@ -195,24 +195,13 @@ models::ModelSpec linear_spec() {
   return spec;
 }
 
-SimulationOptions drift_options(const std::string& algorithm) {
-  SimulationOptions o;
-  o.algorithm = algorithm;
-  o.threads = 1;
-  o.progress = false;
-  o.local_test_fraction = 0.0;
-  o.fraction = 1.0;
-  o.eval_every = 1000;
-  return o;
-}
-
 }  // namespace
 
 TEST(Drift, ScaffoldWithOneClientIsFedAvg) {
   at::set_num_threads(1);
   const auto train = synthetic64(120, 31);
   const auto test = synthetic64(40, 31);
-  SimulationOptions o = drift_options("fedavg");
+  SimulationOptions o = one_thread_run("fedavg");
   o.clients = 1;
   o.rounds = 4;
   o.local.epochs = 2;
@@ -254,7 +243,7 @@ TEST(Drift, ScaffoldAndFedDynConvergeWhereFedAvgDrifts) {
   const at::Tensor optimum =
       start + train_locally(model, start, train, range(0, 200), central, 0).delta;
   auto distance = [&](const std::string& algorithm) {
-    SimulationOptions o = drift_options(algorithm);
+    SimulationOptions o = one_thread_run(algorithm);
     o.clients = 2;
     o.rounds = 400;
     o.partition = parse_partition("shards:2");
@@ -382,7 +371,7 @@ TEST(Population, SelectionDrawsAmongTheAvailableWithoutListingThem) {
 TEST(Population, AHundredThousandClientSimulationRunsAsTyped) {
   at::set_num_threads(1);
   const auto all = synthetic64(2000, 43);
-  SimulationOptions o = drift_options("fedavg");
+  SimulationOptions o = one_thread_run("fedavg");
   o.clients = 100000;
   o.fraction = 0.0002;  // 20 a round
   o.rounds = 2;
@@ -456,7 +445,7 @@ TEST(AdaptiveClipping, TheCountTakesItsShareOfTheNoiseAndBadCombinationsAreRefus
   // A simulation: the clip moves every round and the accountant's epsilon is that of z.
   at::set_num_threads(1);
   const auto train = synthetic64(400, 45);
-  SimulationOptions o = drift_options("fedavg");
+  SimulationOptions o = one_thread_run("fedavg");
   o.clients = 20;
   o.fraction = 0.5;
   o.rounds = 4;
@@ -507,7 +496,7 @@ TEST(OneModel, DdpThenFederatedThenZero3) {
   at::set_num_threads(1);
   const auto synthetic = data::make_synthetic(160, {16}, 4, 2);
   const data::TensorDataset data(synthetic.raw_inputs().to(at::kDouble), synthetic.targets());
-  SimulationOptions s = drift_options("fedavg");
+  SimulationOptions s = one_thread_run("fedavg");
   s.clients = 4;
   s.rounds = 2;
   s.local.epochs = 1;

@@ -376,16 +376,6 @@ TEST(Simulation, AResumedRunEndsWhereAnUninterruptedOneDoes) {
 
 namespace {
 
-SimulationOptions resumable(const std::string& algorithm) {
-  SimulationOptions o;
-  o.algorithm = algorithm;
-  o.threads = 1;
-  o.progress = false;
-  o.local_test_fraction = 0.0;
-  o.eval_every = 1000;
-  return o;
-}
-
 double max_difference(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().max().item<double>();
 }
@@ -414,7 +404,7 @@ TEST(FederatedSimulation, AResumedRunKeepsTheClientsStateAndItsAttempts) {
   const auto train = synthetic64(240, 37);
   const auto test = synthetic64(40, 37);
   for (const std::string algorithm : {"scaffold", "feddyn"}) {
-    SimulationOptions o = resumable(algorithm);
+    SimulationOptions o = one_thread_run(algorithm);
     o.clients = 6;
     o.fraction = 0.5;
     o.rounds = 6;
@@ -426,7 +416,7 @@ TEST(FederatedSimulation, AResumedRunKeepsTheClientsStateAndItsAttempts) {
   }
   // Retried rounds count in the simulated time that availability windows are read at: a
   // resumed run goes on from the attempts the checkpoint saved, not from its rounds.
-  SimulationOptions o = resumable("fedavg");
+  SimulationOptions o = one_thread_run("fedavg");
   o.clients = 24;
   o.fraction = 0.25;
   o.rounds = 6;
