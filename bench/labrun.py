@@ -7,7 +7,7 @@ import subprocess
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DTRAIN = os.path.join(ROOT, "build", "dtrain")
+DTRAIN = os.environ.get("DTRAIN_BIN", os.path.join(ROOT, "build", "dtrain"))  # a copy: builds go on
 
 # configs/fortunes-gpt.toml's model and recipe as flags, with 1 rank per lab host instead of its
 # 2 local ranks (the same global batch: 64 windows of 64 characters).

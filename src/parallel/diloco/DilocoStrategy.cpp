@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -162,9 +163,6 @@ void DilocoStrategy::setup(Model model, const optim::OptimizerFactory& make_opti
   pieces_ = inner_->parameter_pieces();
   sharded_ = !pieces_.empty();
   if (sharded_) {
-    DTRAIN_CHECK_INPUT(diloco_.fragments == 1, "--streaming-fragments ", diloco_.fragments,
-                       " needs an inner strategy whose ranks hold whole tensors (ddp, zero1, "
-                       "zero2); --inner-strategy zero3 holds shards");
     for (const auto& piece : pieces_) {
       parameters_.push_back(piece.tensor);
       names_.push_back(piece.name);
@@ -179,7 +177,7 @@ void DilocoStrategy::setup(Model model, const optim::OptimizerFactory& make_opti
   DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters",
                      sharded_ ? " in this rank's shards" : "");
   // The outer parameters; their gradients are slices of one flat buffer, averaged by one
-  // collective per outer step.
+  // collective per outer step (or per fragment).
   const auto dtype = parameters_.front().scalar_type();
   int64_t total = 0;
   for (size_t i = 0; i < parameters_.size(); ++i) {
@@ -197,39 +195,70 @@ void DilocoStrategy::setup(Model model, const optim::OptimizerFactory& make_opti
     outer_.back().mutable_grad() = grad_views_.back();
     offset += p.numel();
   }
-  outer_optimizer_ = make_outer_optimizer(diloco_, outer_);
   make_fragments();
+  std::vector<at::Tensor> stepped;  // what the outer optimizer steps: the runs
+  for (const auto& run : runs_) stepped.push_back(run.outer);
+  outer_optimizer_ = make_outer_optimizer(diloco_, stepped);
 }
 
 void DilocoStrategy::make_fragments() {
   const int count = diloco_.fragments;
-  DTRAIN_CHECK_INPUT(static_cast<size_t>(count) <= parameters_.size(), "--streaming-fragments ",
-                     count, " exceeds the model's ", parameters_.size(),
-                     " trainable parameter tensors (a fragment holds whole tensors)");
   const int64_t total = flat_grad_.numel();
+  DTRAIN_CHECK_INPUT(count <= total, "--streaming-fragments ", count, " exceeds the model's ",
+                     total, " trainable elements", sharded_ ? " in this rank's shards" : "");
+  // Fragment p: elements [total p / P, total (p + 1) / P) of the flat outer gradient. A tensor
+  // that a boundary cuts is stepped as runs of its flattened elements (views of its outer
+  // values and gradient); one that none cuts stays whole.
+  std::vector<int64_t> bounds;
+  for (int p = 0; p <= count; ++p) bounds.push_back(total * p / count);
+  int64_t start = 0;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    const int64_t end = start + parameters_[i].numel();
+    int64_t lo = start;
+    while (lo < end) {
+      const int64_t cut = *std::upper_bound(bounds.begin(), bounds.end(), lo);
+      const int64_t hi = std::min(end, cut);
+      Run run;
+      run.tensor = i;
+      run.lo = lo - start;
+      run.length = hi - lo;
+      if (run.length == parameters_[i].numel()) {
+        run.outer = outer_[i];
+      } else {
+        DTRAIN_CHECK(parameters_[i].is_contiguous(), "diloco: ", names_[i],
+                     " is not contiguous; --streaming-fragments cuts it");
+        run.outer = outer_[i].view({-1}).narrow(0, run.lo, run.length);
+        run.outer.mutable_grad() = grad_views_[i].view({-1}).narrow(0, run.lo, run.length);
+      }
+      runs_.push_back(run);
+      lo = hi;
+    }
+    start = end;
+  }
   size_t next = 0;
-  int64_t offset = 0;
+  int64_t flat = 0;
   for (int p = 0; p < count; ++p) {
     Fragment f;
     f.first = next;
-    f.offset = offset;
-    if (p + 1 == count) {
-      next = parameters_.size();
-      offset = total;
-    } else {
-      // Whole tensors up to an even share of the elements, leaving one for each later fragment.
-      const int64_t target = total * (p + 1) / count;
-      const size_t limit = parameters_.size() - static_cast<size_t>(count - p - 1);
-      do {
-        offset += parameters_[next].numel();
-        ++next;
-      } while (next < limit && offset + parameters_[next].numel() / 2 <= target);
-    }
+    f.offset = bounds[p];
+    f.elements = bounds[p + 1] - bounds[p];
+    while (next < runs_.size() && flat < bounds[p + 1]) flat += runs_[next++].length;
     f.last = next;
-    f.elements = offset - f.offset;
     f.phase = static_cast<int64_t>(p) * diloco_.outer_steps / count;
     fragments_.push_back(f);
   }
+}
+
+at::Tensor DilocoStrategy::fragment_offsets() const {
+  std::vector<int64_t> offsets;
+  for (const auto& f : fragments_) offsets.push_back(f.offset);
+  offsets.push_back(flat_grad_.numel());
+  return at::tensor(offsets, at::kLong);
+}
+
+at::Tensor DilocoStrategy::run_parameter(const Run& run) const {
+  const at::Tensor& p = parameters_[run.tensor];
+  return run.length == p.numel() ? p : p.view({-1}).narrow(0, run.lo, run.length);
 }
 
 StepResult DilocoStrategy::train_step(const std::vector<data::Batch>& micro_batches,
@@ -283,8 +312,8 @@ void DilocoStrategy::start_exchange(size_t index, int overlap) {
   // The outer gradient: how far this island moved away from the outer parameters, averaged
   // over the islands (every rank of an island holds the same parameters: each averages with
   // the ranks at its place in the other islands).
-  for (size_t i = fragment.first; i < fragment.last; ++i) {
-    at::sub_out(grad_views_[i], outer_[i], parameters_[i]);
+  for (size_t r = fragment.first; r < fragment.last; ++r) {
+    at::sub_out(runs_[r].outer.mutable_grad(), runs_[r].outer, run_parameter(runs_[r]));
   }
   Exchange exchange;
   exchange.fragment = index;
@@ -336,21 +365,26 @@ void DilocoStrategy::finish_exchange(Exchange& exchange) {
   // The outer optimizer steps this fragment's parameters alone (it skips those without a
   // gradient); their state is their own, so fragments never mix.
   const bool whole = fragments_.size() == 1;
+  std::vector<at::Tensor> unset(runs_.size());
   if (!whole) {
-    for (size_t i = 0; i < outer_.size(); ++i) {
-      if (i < fragment.first || i >= fragment.last) outer_[i].mutable_grad() = at::Tensor();
+    for (size_t r = 0; r < runs_.size(); ++r) {
+      if (r < fragment.first || r >= fragment.last)
+        std::swap(unset[r], runs_[r].outer.mutable_grad());
     }
   }
   outer_optimizer_->step();
   if (!whole) {
-    for (size_t i = 0; i < outer_.size(); ++i) outer_[i].mutable_grad() = grad_views_[i];
+    for (size_t r = 0; r < runs_.size(); ++r) {
+      if (unset[r].defined()) runs_[r].outer.mutable_grad() = unset[r];
+    }
   }
   const double alpha = diloco_.merge_alpha;
-  for (size_t i = fragment.first; i < fragment.last; ++i) {
+  for (size_t r = fragment.first; r < fragment.last; ++r) {
+    at::Tensor parameter = run_parameter(runs_[r]);
     if (alpha == 0) {
-      parameters_[i].copy_(outer_[i]);
+      parameter.copy_(runs_[r].outer);
     } else {
-      parameters_[i].mul_(alpha).add_(outer_[i], 1 - alpha);
+      parameter.mul_(alpha).add_(runs_[r].outer, 1 - alpha);
     }
   }
   ++outer_done_;
@@ -424,9 +458,16 @@ void DilocoStrategy::materialize() {
 }
 
 std::vector<PieceRef> DilocoStrategy::outer_pieces() const {
-  if (!sharded_) return whole_pieces(names_, outer_);
-  std::vector<PieceRef> pieces = pieces_;
-  for (size_t i = 0; i < pieces.size(); ++i) pieces[i].tensor = outer_[i];
+  // The runs the outer optimizer steps (whole tensors unless a fragment boundary cuts one), as
+  // runs of the model's parameters (or of this rank's shards of them).
+  const std::vector<PieceRef> base = sharded_ ? pieces_ : whole_pieces(names_, outer_);
+  std::vector<PieceRef> pieces;
+  for (const auto& run : runs_) {
+    PieceRef piece = base[run.tensor];
+    piece.offset += run.lo;
+    piece.tensor = run.outer;
+    pieces.push_back(piece);
+  }
   return pieces;
 }
 
@@ -475,6 +516,7 @@ void DilocoStrategy::save(const std::string& directory) {
     state.insert("pending", inner_done_ - fragments_.front().last_sync);
     state.insert("inner_steps", inner_done_);
     state.insert("last_sync", at::tensor(last_sync, at::kLong));
+    state.insert("fragment_offsets", fragment_offsets());
     state.insert("outer_steps", outer_done_);
     state.insert("islands", static_cast<int64_t>(islands_));
     state.insert("island_size", static_cast<int64_t>(island_->size()));
@@ -547,8 +589,12 @@ void DilocoStrategy::load(const std::string& directory) {
       f.last_sync = std::max<int64_t>(0, inner_done_ - since);
     }
   }
+  // Top-k residuals are per fragment: kept where the fragments cut the model where they did.
+  // (Before fragments split tensors they held whole ones: other bounds, so not kept then.)
   const bool same_fragments =
-      last_sync.size() == fragments_.size() || (last_sync.empty() && fragments_.size() == 1);
+      state.contains("fragment_offsets")
+          ? at::equal(state.at("fragment_offsets").toTensor(), fragment_offsets())
+          : fragments_.size() == 1;
   const std::string residual = concat(mine, "/residual-", island_->rank(), ".pt");
   if (same_fragments && fs::exists(residual)) {
     const auto saved = load_pickled_dict(residual, "DiLoCo residual file", kFormat);

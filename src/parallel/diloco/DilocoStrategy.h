@@ -47,7 +47,15 @@ class DilocoStrategy : public Strategy {
   void finish_training(StepResult& last) override;
 
  private:
-  /// Parameters [first, last) of parameters_, elements [offset, offset + elements) of flat_grad_.
+  /// Elements [lo, lo + length) of parameters_[tensor] flattened (the whole tensor unless a
+  /// fragment boundary cuts it): what the outer optimizer steps. `outer` is a view of outer_'s
+  /// (the tensor itself when whole), its .grad the matching view of flat_grad_.
+  struct Run {
+    size_t tensor = 0;
+    int64_t lo = 0, length = 0;
+    at::Tensor outer;
+  };
+  /// Runs [first, last) of runs_, elements [offset, offset + elements) of flat_grad_.
   struct Fragment {
     size_t first = 0, last = 0;
     int64_t offset = 0, elements = 0;
@@ -63,8 +71,13 @@ class DilocoStrategy : public Strategy {
     comm::WorkPtr work;
     int64_t due = 0;  // the inner step after which it is applied
   };
-  /// Fragments of consecutive parameters, balanced by size, and their phases.
+  /// P fragments of equal shares of the flat outer gradient (the last ones one element more
+  /// where P does not divide it), their runs and their phases.
   void make_fragments();
+  /// Where each fragment starts in the flat outer gradient, then its size (diloco.pt).
+  at::Tensor fragment_offsets() const;
+  /// The island's values of `run` (a view of the model's parameter, or of this rank's shard).
+  at::Tensor run_parameter(const Run& run) const;
   /// Collective over the islands: the fragment's outer gradient leaves now; applied now when
   /// `overlap` is 0, else after `overlap` more inner steps (finish_exchange).
   void start_exchange(size_t fragment, int overlap);
@@ -100,6 +113,7 @@ class DilocoStrategy : public Strategy {
   std::unique_ptr<torch::optim::Optimizer> outer_optimizer_;
   comm::CompressionSpec compression_;
   std::vector<at::Tensor> grad_views_;  // outer_[i]'s gradient: its slice of flat_grad_
+  std::vector<Run> runs_;
   std::vector<Fragment> fragments_;
   std::vector<Exchange> in_flight_;
   int64_t inner_done_ = 0;
