@@ -27,6 +27,8 @@ def run(args, spec):
         label += f"-olr{args.outer_lr}"
     if args.outer_compression != "none":
         label += f"-{args.outer_compression.replace(':', '')}"
+    if args.tag:
+        label += f"-{args.tag}"
     metrics = os.path.join(args.keep, f"{args.profile}-{args.steps}-{label}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
@@ -84,6 +86,8 @@ def main():
                         help="DiLoCo runs: the outer learning rate (default dtrain's, 0.7)")
     parser.add_argument("--outer-compression", default="none",
                         help="DiLoCo runs: q8 or topk:F for the outer gradients")
+    parser.add_argument("--tag", default="",
+                        help="appended to the metrics files' names (keeps earlier runs' files)")
     parser.add_argument("--runs", default="ddp,diloco:100,diloco:500,ddp@loopback")
     parser.add_argument("--keep", default=os.path.join(ROOT, "bench", "results-lm", "diloco-lab"))
     parser.add_argument("--out",

@@ -219,6 +219,7 @@ struct Streaming {
   int fragments = 1, overlap = 0;
   double alpha = 0;
   int64_t steps = 11;  // not a multiple of H: the last inner steps need the final outer step
+  std::string compression = "none";  // topk:1 (every value) must give the reference's result
 };
 
 constexpr int64_t kH = 4;
@@ -342,6 +343,7 @@ std::vector<at::Tensor> streamed(const Streaming& s, const models::ModelSpec& sp
     d.fragments = s.fragments;
     d.overlap_steps = s.overlap;
     d.merge_alpha = s.alpha;
+    d.outer_compression = s.compression;
     auto strategy = parallel::make_strategy("diloco", options);
     optim::OptimizerSpec sgd;
     sgd.name = "sgd";
@@ -379,7 +381,7 @@ std::vector<std::vector<data::Batch>> island_batches(int64_t steps, int64_t feat
 // same outer parameters after 11 steps at H = 4 (the last 3 only through the final outer step).
 // Shown failing: with finish_training a no-op every case differs; with the merge a plain copy,
 // the alpha 0.5 cases; with fragments of whole tensors (before they cut tensors), every case of
-// more than one fragment.
+// more than one fragment. (The topk:1 case with overlap was refused before session #12.)
 TEST(Diloco, StreamingFollowsTheReferenceAlgorithm) {
   at::set_num_threads(1);
   // Tensors of 512, 32, 128 and 4 elements (676): 2 fragments cut w1 at 338; 3 are 225, 225 and
@@ -389,11 +391,16 @@ TEST(Diloco, StreamingFollowsTheReferenceAlgorithm) {
   const auto init = test::snapshot(test::make_model_as(spec, at::kDouble));
   const auto batches = island_batches(12, 16);
   const std::vector<Streaming> cases = {
-      {1, 0, 0.0}, {2, 1, 0.5}, {3, 2, 0.5}, {4, 3, 0.0}, {2, 0, 0.0, 12}};
+      {1, 0, 0.0},
+      {2, 1, 0.5},
+      {3, 2, 0.5},
+      {4, 3, 0.0},
+      {2, 0, 0.0, 12},
+      {3, 2, 0.5, 11, "topk:1"}};  // compressed exchanges overlap the inner steps too
   for (const auto& s : cases) {
     const std::string what = "fragments " + std::to_string(s.fragments) + ", overlap " +
                              std::to_string(s.overlap) + ", alpha " + std::to_string(s.alpha) +
-                             ", " + std::to_string(s.steps) + " steps";
+                             ", " + std::to_string(s.steps) + " steps, " + s.compression;
     const auto expected = reference(s, spec, init, batches);
     const auto got = streamed(s, spec, init, batches);
     ASSERT_EQ(got.size(), expected.size()) << what;
@@ -508,10 +515,6 @@ TEST(Diloco, BadOptionsAreOneLineErrors) {
   d = {};
   d.overlap_steps = 50;
   expect_error(d, "--overlap-steps must be in [0, --outer-steps 50), got 50");
-  d = {};
-  d.overlap_steps = 1;
-  d.outer_compression = "q8";
-  expect_error(d, "--overlap-steps needs --outer-compression none");
   d = {};
   d.merge_alpha = 1;
   expect_error(d, "--merge-alpha must be in [0, 1), got 1");

@@ -59,15 +59,11 @@ void check_options(const DilocoOptions& o) {
                      "--outer-momentum must be in [0, 1), got ", o.outer_momentum);
   DTRAIN_CHECK_INPUT(o.outer_optimizer != "nesterov" || o.outer_momentum > 0,
                      "--outer-optimizer nesterov needs --outer-momentum > 0");
-  const comm::CompressionSpec compression =
-      comm::parse_compression(o.outer_compression, "--outer-compression");
+  comm::parse_compression(o.outer_compression, "--outer-compression");  // throws if bad
   DTRAIN_CHECK_INPUT(o.fragments >= 1, "--streaming-fragments must be >= 1, got ", o.fragments);
   DTRAIN_CHECK_INPUT(o.overlap_steps >= 0 && o.overlap_steps < o.outer_steps,
                      "--overlap-steps must be in [0, --outer-steps ", o.outer_steps, "), got ",
                      o.overlap_steps);
-  DTRAIN_CHECK_INPUT(o.overlap_steps == 0 || compression.kind == comm::CompressionSpec::None,
-                     "--overlap-steps needs --outer-compression none (a compressed outer "
-                     "gradient is exchanged at its step)");
   DTRAIN_CHECK_INPUT(o.merge_alpha >= 0 && o.merge_alpha < 1,
                      "--merge-alpha must be in [0, 1), got ", o.merge_alpha);
 }
@@ -329,7 +325,7 @@ void DilocoStrategy::start_exchange(size_t index, int overlap) {
     for (int i = 0; i < rank; ++i) offset += exchange.counts[i];
     exchange.slice = flat_grad_.narrow(0, offset, exchange.counts[rank]);
     if (compression_.kind != comm::CompressionSpec::None) {
-      average_compressed(exchange.slice, &fragment.residual);
+      send_compressed(exchange, &fragment.residual);
     } else {
       exchange.work = across_->allreduce(exchange.slice, {comm::ReduceOp::Avg});
       outer_bytes_ += exchange.slice.numel() * exchange.slice.element_size();
@@ -348,6 +344,7 @@ void DilocoStrategy::finish_exchange(Exchange& exchange) {
   at::Tensor gradient = flat_grad_.narrow(0, fragment.offset, fragment.elements);
   if (across_) {
     if (exchange.work) exchange.work->wait();
+    if (exchange.gathered.defined()) receive_compressed(exchange);
     if (!sharded_ && island_->size() > 1) {
       island_->allgather(gradient, exchange.slice.clone(), {exchange.counts})->wait();
     }
@@ -390,43 +387,50 @@ void DilocoStrategy::finish_exchange(Exchange& exchange) {
   ++outer_done_;
 }
 
-void DilocoStrategy::average_compressed(at::Tensor slice, at::Tensor* residual) {
+void DilocoStrategy::send_compressed(Exchange& exchange, at::Tensor* residual) {
   // Encoded on the CPU (the encoder's random rounding and top-k run there), in float32 or
-  // float64; every island's encoding has the same parts of the same sizes (the same n and k),
-  // so they travel as one fixed-size byte image, allgathered.
-  at::Tensor mine = slice.to(at::kCPU);
+  // float64, when the exchange leaves (the residual is this step's); every island's encoding
+  // has the same parts of the same sizes (the same n and k), so they travel as one fixed-size
+  // byte image, allgathered while the island trains on (--overlap-steps).
+  at::Tensor mine = exchange.slice.to(at::kCPU);
   if (mine.scalar_type() != at::kDouble) mine = mine.to(at::kFloat);
   const uint64_t seed = static_cast<uint64_t>(outer_done_) * 1000003ULL +
                         static_cast<uint64_t>(grid_->world()->rank());
-  const comm::EncodedUpdate encoded = comm::encode_update(mine, compression_, residual, seed);
+  exchange.encoded = comm::encode_update(mine, compression_, residual, seed);
   std::vector<at::Tensor> images;
-  for (const auto& part : encoded.parts) {
+  for (const auto& part : exchange.encoded.parts) {
     images.push_back(part.second.contiguous().reshape({-1}).view(at::kByte));
   }
   const at::Tensor image = at::cat(images);
-  const int64_t length = image.numel();
-  at::Tensor gathered = at::empty({length * islands_}, image.options());
-  across_->allgather(gathered, image)->wait();
-  outer_bytes_ += length;
-  at::Tensor sum = at::zeros_like(mine);
+  exchange.gathered = at::empty({image.numel() * islands_}, image.options());
+  exchange.work = across_->allgather(exchange.gathered, image);
+  outer_bytes_ += image.numel();
+}
+
+void DilocoStrategy::receive_compressed(Exchange& exchange) {
+  const int64_t length = exchange.gathered.numel() / islands_;
+  const int64_t n = exchange.slice.numel();
+  const auto dtype = exchange.slice.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor sum = at::zeros({n}, at::TensorOptions().dtype(dtype));
   for (int island = 0; island < islands_; ++island) {
     comm::EncodedUpdate theirs;
-    theirs.encoding = encoded.encoding;
+    theirs.encoding = exchange.encoded.encoding;
     int64_t offset = island * length;
-    for (const auto& [name, part] : encoded.parts) {
+    for (const auto& [name, part] : exchange.encoded.parts) {
       const int64_t bytes = static_cast<int64_t>(part.nbytes());
-      theirs.parts.emplace_back(
-          name,
-          gathered.narrow(0, offset, bytes).clone().view(part.scalar_type()).view(part.sizes()));
+      theirs.parts.emplace_back(name, exchange.gathered.narrow(0, offset, bytes)
+                                          .clone()
+                                          .view(part.scalar_type())
+                                          .view(part.sizes()));
       offset += bytes;
     }
     at::Tensor dense;
-    const std::string problem =
-        comm::decode_update(theirs, mine.numel(), mine.scalar_type(), &dense);
+    const std::string problem = comm::decode_update(theirs, n, dtype, &dense);
     DTRAIN_CHECK(problem.empty(), "diloco: island ", island, "'s outer gradient: ", problem);
     sum += dense;
   }
-  slice.copy_(sum / islands_);
+  exchange.slice.copy_(sum / islands_);
+  exchange.gathered = at::Tensor();
 }
 
 void DilocoStrategy::swap_in_outer() {

@@ -69,7 +69,9 @@ class DilocoStrategy : public Strategy {
     at::Tensor slice;  // this rank's slice of the fragment's outer gradient
     std::vector<int64_t> counts;
     comm::WorkPtr work;
-    int64_t due = 0;  // the inner step after which it is applied
+    int64_t due = 0;              // the inner step after which it is applied
+    comm::EncodedUpdate encoded;  // compressed: this rank's encoding (the parts' sizes)
+    at::Tensor gathered;          // compressed: every island's encoding, allgathered
   };
   /// P fragments of equal shares of the flat outer gradient (the last ones one element more
   /// where P does not divide it), their runs and their phases.
@@ -86,9 +88,11 @@ class DilocoStrategy : public Strategy {
   void finish_exchange(Exchange& exchange);
   /// Completes every exchange in flight (save(), the end of training).
   void drain();
-  /// The islands' mean of `slice` of the outer gradient (in place), each island's sent
-  /// compressed (allgathered and decoded) with `residual` as its error feedback.
-  void average_compressed(at::Tensor slice, at::Tensor* residual);
+  /// Encodes the exchange's slice of the outer gradient (`residual`: its error feedback) and
+  /// starts the allgather of every island's encoding (exchange.work).
+  void send_compressed(Exchange& exchange, at::Tensor* residual);
+  /// After the allgather: the islands' decoded mean, written into the exchange's slice.
+  void receive_compressed(Exchange& exchange);
   /// Swaps the model's parameters with the outer ones (in place; twice restores).
   void swap_in_outer();
 
