@@ -386,8 +386,11 @@ void DilocoStrategy::send_compressed(Exchange& exchange, at::Tensor* residual) {
   // byte image, allgathered while the island trains on (--overlap-steps).
   at::Tensor mine = exchange.slice.to(at::kCPU);
   if (mine.scalar_type() != at::kDouble) mine = mine.to(at::kFloat);
-  const uint64_t seed = static_cast<uint64_t>(outer_done_) * 1000003ULL +
-                        static_cast<uint64_t>(grid_->world()->rank());
+  // The rounding's seed: this step, fragment and rank (exchanges in flight together never share
+  // one; outer_done_ did, for fragments that left before either was applied).
+  const uint64_t seed =
+      (static_cast<uint64_t>(inner_done_) * 1000003ULL + exchange.fragment) * 1000003ULL +
+      static_cast<uint64_t>(grid_->world()->rank());
   exchange.encoded = comm::encode_update(mine, compression_, residual, seed);
   std::vector<at::Tensor> images;
   for (const auto& part : exchange.encoded.parts) {
