@@ -444,14 +444,19 @@ TEST(Diloco, StreamingSendsOneFragmentAtATime) {
 // Checkpointed at step 6 with 2 fragments and an exchange in flight (left at 6, due at 7): the
 // save applies it, and the resumed run continues as the run that saved there does; inner ddp
 // (the fragments cut the first weight matrix, so the checkpoint holds runs of it) and zero3 (the
-// fragments are shares of each rank's shards). The checkpoint also starts a plain ddp run.
+// fragments are shares of each rank's shards), each also with top-k outer gradients (their
+// residuals resume; shown failing when they are not restored). The checkpoint also starts a
+// plain ddp run.
 TEST(Diloco, StreamingResumesWhereItSaved) {
   at::set_num_threads(1);
-  for (const std::string inner : {"ddp", "zero3"}) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"ddp", "none"}, {"zero3", "none"}, {"ddp", "topk:0.3"}, {"zero3", "topk:0.3"}};
+  for (const auto& [inner, compression] : cases) {
     TempDir saving, resuming;
     auto options = sgd_options(12);
     DilocoOptions d;
     d.inner_strategy = inner;
+    d.outer_compression = compression;  // top-k: each rank's residuals resume with it
     d.island_size = 2;
     d.outer_steps = 4;
     d.fragments = 2;
@@ -472,7 +477,8 @@ TEST(Diloco, StreamingResumesWhereItSaved) {
     EXPECT_EQ(resumed.start_step, 6) << inner;
     RunOutput tail = full;
     tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 6);
-    expect_same(resumed, tail, 1e-12, "streaming over " + inner + ", resumed at step 6");
+    expect_same(resumed, tail, 1e-12,
+                "streaming over " + inner + ", " + compression + ", resumed at step 6");
     auto as_ddp = sgd_options(12);
     as_ddp.batch_size = 8;  // the checkpoint's global batch of 16 on 2 ranks
     as_ddp.checkpoint_dir = saving.path();

@@ -51,7 +51,6 @@ void DilocoStrategy::save(const std::string& directory) {
     state.insert("pending", inner_done_ - fragments_.front().last_sync);
     state.insert("inner_steps", inner_done_);
     state.insert("last_sync", at::tensor(last_sync, at::kLong));
-    state.insert("fragment_offsets", fragment_offsets());
     state.insert("outer_steps", outer_done_);
     state.insert("islands", static_cast<int64_t>(islands_));
     state.insert("island_size", static_cast<int64_t>(island_->size()));
@@ -69,6 +68,8 @@ void DilocoStrategy::save(const std::string& directory) {
   }
   if (residuals.size() > 0) {
     residuals.insert("format", kFormat);
+    // This rank's fragments' bounds (a zero3 rank's shares are of its own shards).
+    residuals.insert("fragment_offsets", fragment_offsets());
     save_pickled_dict(concat(mine, "/residual-", island_->rank(), ".pt"), residuals);
   }
 }
@@ -124,16 +125,16 @@ void DilocoStrategy::load(const std::string& directory) {
       f.last_sync = std::max<int64_t>(0, inner_done_ - since);
     }
   }
-  // Top-k residuals are per fragment: kept where the fragments cut the model where they did.
-  // (Before fragments split tensors they held whole ones: other bounds, so not kept then.)
-  const bool same_fragments =
-      state.contains("fragment_offsets")
-          ? at::equal(state.at("fragment_offsets").toTensor(), fragment_offsets())
-          : fragments_.size() == 1;
   const std::string residual = concat(mine, "/residual-", island_->rank(), ".pt");
-  if (same_fragments && fs::exists(residual)) {
+  if (fs::exists(residual)) {
+    // Top-k residuals are per fragment: kept where this rank's fragments have the bounds they
+    // had (files from before fragments cut tensors hold none: kept for one fragment only).
     const auto saved = load_pickled_dict(residual, "DiLoCo residual file", kFormat);
-    for (size_t p = 0; p < fragments_.size(); ++p) {
+    const bool same_fragments =
+        saved.contains("fragment_offsets")
+            ? at::equal(saved.at("fragment_offsets").toTensor(), fragment_offsets())
+            : fragments_.size() == 1;
+    for (size_t p = 0; same_fragments && p < fragments_.size(); ++p) {
       const std::string key = p == 0 ? std::string("residual") : concat("residual-", p);
       if (saved.contains(key)) fragments_[p].residual = saved.at(key).toTensor();
     }

@@ -76,7 +76,8 @@ class DilocoStrategy : public Strategy {
   /// P fragments of equal shares of the flat outer gradient (the last ones one element more
   /// where P does not divide it), their runs and their phases.
   void make_fragments();
-  /// Where each fragment starts in the flat outer gradient, then its size (diloco.pt).
+  /// Where each fragment starts in the flat outer gradient, then its size (kept with this
+  /// rank's top-k residuals in checkpoints).
   at::Tensor fragment_offsets() const;
   /// The island's values of `run` (a view of the model's parameter, or of this rank's shard).
   at::Tensor run_parameter(const Run& run) const;
