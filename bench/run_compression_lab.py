@@ -27,9 +27,9 @@ MODELS = {
 }
 
 
-def run(args, compression, round_index):
+def run(args, compression, round_index, freeze=0):
     metrics = (f"/tmp/compression-lab-{args.model}-{args.strategy}-"
-               f"{compression.replace(':', '_')}.jsonl")
+               f"{compression.replace(':', '_')}-f{freeze}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
     train = [DTRAIN, "train", *MODELS[args.model], "--strategy", args.strategy,
@@ -38,10 +38,12 @@ def run(args, compression, round_index):
              "--max-steps", str(args.steps), "--eval-every", str(args.steps),
              "--threads", str(args.threads), "--no-progress", "--seed", str(round_index + 1),
              "--metrics", metrics, "--log-every", "1"]
+    if freeze:
+        train += ["--freeze-variance-after", str(freeze)]
     wall, summary, steps, evals = run_and_read(across_lab(args.profile, train), metrics)
     tail = steps[-max(1, len(steps) // 10):]
     return {"profile": args.profile, "model": args.model, "strategy": args.strategy,
-            "compression": compression,
+            "compression": compression, "freeze_variance_after": freeze,
             "round": round_index, "steps": summary["steps"],
             "global_batch": summary["global_batch"], "threads": args.threads,
             "train_seconds": summary["seconds"], "wall_seconds": wall,
@@ -63,6 +65,9 @@ def main():
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--compression", default="powersgd:4",
                         help="a --grad-compression value, or zero-quantized")
+    parser.add_argument("--freeze-variance-after", type=int, default=0,
+                        help="the compressed run only: Adam's second moment fixed after this "
+                        "many steps (the baseline keeps the model's optimizer as it is)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="run only the compressed variant (a grid over its settings)")
     parser.add_argument("--out",
@@ -74,7 +79,8 @@ def main():
             if args.no_baseline:
                 order = (args.compression,)
             for compression in order:
-                record = run(args, compression, r)
+                freeze = args.freeze_variance_after if compression == args.compression else 0
+                record = run(args, compression, r, freeze)
                 print(json.dumps(record), flush=True)
                 out.write(json.dumps(record) + "\n")
                 out.flush()

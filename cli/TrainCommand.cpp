@@ -158,6 +158,11 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add(app, "--optimizer", t.optimizer.name, "sgd, adam, adamw, adagrad")->capture_default_str();
   add_sgd_flags(app, t.optimizer.lr, t.optimizer.momentum, t.optimizer.weight_decay, "");
   app.add_flag("--nesterov", t.optimizer.nesterov, "Nesterov momentum (SGD)");
+  add(app, "--freeze-variance-after", t.optimizer.freeze_variance_after,
+      "adam, adamw: keep the second moment as it is after this many steps (1-bit Adam's "
+      "freeze step: the rule turns linear in the gradients, which suits --grad-compression "
+      "powersgd; 0 = never)")
+      ->capture_default_str();
   add(app, "--lr-decay", t.schedule.decay, "constant, step, cosine")->capture_default_str();
   add(app, "--warmup-steps", t.schedule.warmup_steps, "Linear warmup steps")->capture_default_str();
   add(app, "--lr-step-size", t.schedule.step_size, "Steps between step decays")
@@ -176,8 +181,9 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add(app, "--bucket-cap-mb", job.bucket_cap_mb, "Gradient bucket size in MiB")
       ->capture_default_str();
   add(app, "--grad-compression", t.strategy_options.grad_compression,
-      "Gradient compression: none, fp16, bf16 (wire dtype), powersgd:RANK[:START_STEP[:MIN_RATE]] "
-      "(low rank with error feedback; ddp, zero1, pipelines)")
+      "Gradient compression: none, fp16, bf16 (wire dtype), "
+      "powersgd:RANK[:START_STEP[:MIN_RATE[:fp16|bf16]]] (low rank with error feedback, the "
+      "factors optionally sent in 16 bits; ddp, zero1, pipelines)")
       ->capture_default_str();
   app.add_flag("--hierarchical-allreduce", t.strategy_options.hierarchical_allreduce,
                "Allreduce gradients inside each host first, then across hosts, then inside "

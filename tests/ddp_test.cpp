@@ -100,17 +100,27 @@ TEST(Ddp, TheOracleNoticesALostGradientOrMicroBatch) {
   EXPECT_GT(max_abs_diff(expected, lost_micro), 1e6 * kTightBound);
 }
 
+// 16-bit wire formats of float32 gradients, alone and for PowerSGD's factors at full rank (where
+// the factors are the only approximation): close to the oracle, and not equal to it.
 TEST(Ddp, CompressedGradientsStayClose) {
   at::set_num_threads(1);
-  auto s = make_setup("mlp", at::kFloat);  // 16-bit wire formats of float32 gradients
+  auto s = make_setup("mlp", at::kFloat);
   auto expected = train_single(s, 10);
-  for (const std::string compression : {"fp16", "bf16"}) {
+  const double exact_powersgd = [&] {
+    parallel::StrategyOptions options;
+    options.grad_compression = "powersgd:100000:0:0";
+    return max_abs_diff(expected, train_ddp(s, 2, 10, options));
+  }();
+  EXPECT_LE(exact_powersgd, 1e-5);  // float32 round-off of the factors' products
+  for (const std::string compression :
+       {"fp16", "bf16", "powersgd:100000:0:0:fp16", "powersgd:100000:0:0:bf16"}) {
     parallel::StrategyOptions options;
     options.grad_compression = compression;
     auto got = train_ddp(s, 2, 10, options);
     const double diff = max_abs_diff(expected, got);
-    EXPECT_LE(diff, compression == "fp16" ? 2e-3 : 2e-2) << compression;
-    EXPECT_GT(diff, 0.0) << compression << " compression changed nothing: not applied?";
+    const bool fp16 = compression.find("fp16") != std::string::npos;
+    EXPECT_LE(diff, fp16 ? 2e-3 : 2e-2) << compression;
+    EXPECT_GT(diff, 10 * exact_powersgd) << compression << " changed nothing: not applied?";
   }
   EXPECT_THROW(parallel::DdpStrategy({.grad_compression = "int3"}), InputError);
 }
@@ -220,7 +230,8 @@ TEST(Ddp, PowerSgdCountsItsMatricesAndBytesAndRefusesBadSpecs) {
   auto s = make_setup("mlp");  // 48 x 144, 32 x 48, 10 x 32 weights and three biases
   run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
     std::map<std::string, parallel::ReducerStats> stats;
-    for (const std::string spec : {"none", "powersgd:1", "powersgd:100000:0:0", "powersgd:4:5"}) {
+    for (const std::string spec :
+         {"none", "powersgd:1", "powersgd:100000:0:0", "powersgd:4:5", "powersgd:1:0:2:bf16"}) {
       parallel::DdpStrategy ddp({.grad_compression = spec});
       Model replica = make_model_as(s.spec, s.dtype);
       ddp.setup(replica, optim::optimizer_factory(s.optimizer),
@@ -232,12 +243,14 @@ TEST(Ddp, PowerSgdCountsItsMatricesAndBytesAndRefusesBadSpecs) {
     EXPECT_EQ(stats["powersgd:1"].compressed_matrices, 3);
     // Rank 1: (48 + 144) + (32 + 48) + (10 + 32) factor elements and the 90 bias elements.
     EXPECT_EQ(stats["powersgd:1"].bytes_per_step, (192 + 80 + 42 + 90) * 8);
+    EXPECT_EQ(stats["powersgd:1:0:2:bf16"].bytes_per_step, (192 + 80 + 42 + 90) * 2);
     EXPECT_EQ(stats["powersgd:100000:0:0"].compressed_matrices, 3);
     // Exact for the first 5 steps: the bytes of the exact allreduce until then.
     EXPECT_EQ(stats["powersgd:4:5"].bytes_per_step, params * 8);
   });
-  for (const std::string bad : {"powersgd", "powersgd:0", "powersgd:x", "powersgd:4:-1",
-                                "powersgd:4:1:z", "powersgd:4:1:2:3"}) {
+  for (const std::string bad :
+       {"powersgd", "powersgd:0", "powersgd:x", "powersgd:4:-1", "powersgd:4:1:z",
+        "powersgd:4:1:2:3", "powersgd:4:1:2:fp8", "powersgd:4:1:2:fp16:1"}) {
     EXPECT_THROW(parallel::DdpStrategy({.grad_compression = bad}), InputError) << bad;
   }
   EXPECT_THROW(parallel::make_strategy("zero2", {.grad_compression = "powersgd:4"}), InputError);
@@ -250,7 +263,7 @@ TEST(Ddp, StepRecordsCountTheBytesSent) {
   test::TempDir dir;
   const int64_t params = 16 * 32 + 32 + 32 * 4 + 4;  // small_mlp(16, 32, 4), float64
   std::map<std::string, int64_t> sent;
-  for (const std::string compression : {"none", "powersgd:1"}) {
+  for (const std::string compression : {"none", "powersgd:1", "powersgd:1:0:2:fp16"}) {
     train::TrainerOptions options;
     options.batch_size = 8;
     options.optimizer.name = "adam";
@@ -272,6 +285,7 @@ TEST(Ddp, StepRecordsCountTheBytesSent) {
   EXPECT_EQ(sent["none"], params * 8);
   // Rank 1: (16 + 32) + (32 + 4) factor elements, and the 36 bias elements.
   EXPECT_EQ(sent["powersgd:1"], (48 + 36 + 36) * 8);
+  EXPECT_EQ(sent["powersgd:1:0:2:fp16"], (48 + 36 + 36) * 2);  // the factors in 16 bits
 }
 
 namespace {

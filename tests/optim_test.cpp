@@ -2,11 +2,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/optim/FlatOptimizer.h"
 #include "dtrain/optim/LrSchedule.h"
 #include "dtrain/optim/Optimizers.h"
+#include "dtrain/optim/StateSize.h"
 
 using namespace dtrain;
 
@@ -65,6 +69,82 @@ TEST(Optimizers, EveryNameBuildsAndStepsAndLrIsSettable) {
   EXPECT_THROW(optim::make_optimizer({torch::ones({1}, torch::requires_grad())}, bad), InputError);
   bad.name = "sgd";
   bad.nesterov = true;
+  EXPECT_THROW(optim::make_optimizer({torch::ones({1}, torch::requires_grad())}, bad), InputError);
+}
+
+// --freeze-variance-after F (1-bit Adam's freeze step): Adam and AdamW are LibTorch's own for F
+// steps, then their second moment and its bias correction stay as they were after step F while
+// the first moment and the weights go on: checked against the rule written out, in float64; the
+// state saved mid-way resumes the same steps; other optimizers and negative steps are refused.
+TEST(Optimizers, FrozenVarianceKeepsAdamsSecondMomentFromItsStepOn) {
+  const int64_t freeze = 3, steps = 7;
+  const double lr = 0.05, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, decay = 0.1;
+  auto gradient = [](int64_t t) {  // varied in sign and size
+    return torch::tensor({0.3, -1.2, 0.05, 2.0}, torch::kFloat64) * std::cos(0.7 * t) + 0.1 * t;
+  };
+  for (const std::string name : {"adam", "adamw"}) {
+    const bool decoupled = name == "adamw";
+    optim::OptimizerSpec spec;
+    spec.name = name;
+    spec.lr = lr;
+    spec.weight_decay = decay;
+    spec.freeze_variance_after = freeze;
+    auto w = torch::tensor({1.0, -0.5, 0.25, 2.0}, torch::kFloat64).requires_grad_();
+    auto plain_w = w.detach().clone().requires_grad_();
+    auto optimizer = optim::make_optimizer({w}, spec);
+    optim::OptimizerSpec plain_spec = spec;
+    plain_spec.freeze_variance_after = 0;
+    auto plain = optim::make_optimizer({plain_w}, plain_spec);
+    // The rule written out.
+    at::Tensor x = w.detach().clone(), m = torch::zeros_like(x), v = torch::zeros_like(x);
+    optim::ParamState saved;
+    at::Tensor saved_w;
+    for (int64_t t = 1; t <= steps; ++t) {
+      at::Tensor g = gradient(t);
+      w.mutable_grad() = g.clone();
+      plain_w.mutable_grad() = g.clone();
+      optimizer->step();
+      plain->step();
+      if (decoupled) {
+        x = x * (1 - lr * decay);
+      } else {
+        g = g + decay * x;
+      }
+      m = beta1 * m + (1 - beta1) * g;
+      if (t <= freeze) v = beta2 * v + (1 - beta2) * g * g;
+      const double c1 = 1 - std::pow(beta1, t), c2 = 1 - std::pow(beta2, std::min(t, freeze));
+      x = x - lr / c1 * m / ((v / c2).sqrt() + eps);
+      EXPECT_TRUE(torch::allclose(w.detach(), x, 1e-13, 1e-15)) << name << " step " << t;
+      if (t <= freeze) {
+        EXPECT_TRUE(torch::equal(w.detach(), plain_w.detach())) << name << " step " << t;
+      } else {
+        EXPECT_FALSE(torch::allclose(w.detach(), plain_w.detach())) << name << " step " << t;
+      }
+      const optim::ParamState state = optim::get_param_state(*optimizer, w);
+      EXPECT_TRUE(torch::allclose(state.at("exp_avg_sq"), v, 1e-15, 1e-18)) << name;
+      EXPECT_EQ(state.at("step").item<int64_t>(), t);
+      if (t == freeze + 1) {
+        for (const auto& [field, value] : state)
+          saved[field] = value.clone();  // views of the live state
+        saved_w = w.detach().clone();
+      }
+    }
+    // Resumed after step freeze + 1: the same remaining steps.
+    auto resumed_w = saved_w.clone().requires_grad_();
+    auto resumed = optim::make_optimizer({resumed_w}, spec);
+    optim::set_param_state(*resumed, resumed_w, saved);
+    for (int64_t t = freeze + 2; t <= steps; ++t) {
+      resumed_w.mutable_grad() = gradient(t);
+      resumed->step();
+    }
+    EXPECT_TRUE(torch::equal(resumed_w.detach(), w.detach())) << name;
+  }
+  optim::OptimizerSpec bad;
+  bad.name = "sgd";
+  bad.freeze_variance_after = 10;
+  EXPECT_THROW(optim::make_optimizer({torch::ones({1}, torch::requires_grad())}, bad), InputError);
+  bad.name = "adam";
+  bad.freeze_variance_after = -1;
   EXPECT_THROW(optim::make_optimizer({torch::ones({1}, torch::requires_grad())}, bad), InputError);
 }
 

@@ -3,36 +3,17 @@
 
 #include <torch/optim.h>
 
-#include <sstream>
 #include <string>
-#include <type_traits>
 #include <utility>
 
 #include "dtrain/common/Error.h"
+#include "optim/StateKey.h"
 
 namespace dtrain::optim {
 
 namespace {
 
 int64_t bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
-
-// LibTorch keys an optimizer's per-parameter state by the parameter's TensorImpl: its address
-// printed (1.13) or the pointer itself (2.x). The key type is read from the optimizer's map.
-using StateKey =
-    std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
-
-template <typename Key>
-Key key_as(const at::Tensor& parameter) {
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream address;  // as c10::guts::to_string did
-    address << parameter.unsafeGetTensorImpl();
-    return address.str();
-  } else {
-    return static_cast<Key>(parameter.unsafeGetTensorImpl());
-  }
-}
-
-StateKey key_of(const at::Tensor& parameter) { return key_as<StateKey>(parameter); }
 
 void put(ParamState& state, const std::string& name, const at::Tensor& t) {
   if (t.defined()) state[name] = t.detach().reshape({-1});

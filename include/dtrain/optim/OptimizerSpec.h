@@ -2,6 +2,7 @@
 // training recipe, a job's options); Optimizers.h builds it.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace dtrain::optim {
@@ -16,6 +17,8 @@ struct OptimizerSpec {
   double beta1 = 0.9;  // adam, adamw
   double beta2 = 0.999;
   double eps = 1e-8;  // adam, adamw; adagrad uses 1e-10 unless set
+  /// adam, adamw: the second moment stays as it is after this many steps (0 = never).
+  int64_t freeze_variance_after = 0;
 };
 
 }  // namespace dtrain::optim

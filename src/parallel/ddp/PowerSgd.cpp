@@ -34,17 +34,22 @@ PowerSgdOptions parse_powersgd(const std::string& text, const std::string& flag)
       rest.erase(0, colon + 1);
     }
   }
-  bool ok = !fields.empty() && fields.size() <= 3 && parse_count(fields[0], 1, options.rank) &&
+  bool ok = !fields.empty() && fields.size() <= 4 && parse_count(fields[0], 1, options.rank) &&
             (fields.size() < 2 || parse_count(fields[1], 0, options.start_step));
-  if (ok && fields.size() == 3) {
+  if (ok && fields.size() >= 3) {
     char* end = nullptr;
     options.min_compression_rate = std::strtod(fields[2].c_str(), &end);
     ok = !fields[2].empty() && *end == '\0' && options.min_compression_rate >= 0;
   }
+  if (ok && fields.size() == 4) {
+    ok = fields[3] == "fp16" || fields[3] == "bf16";
+    options.wire_dtype = fields[3] == "fp16" ? at::kHalf : at::kBFloat16;
+  }
   DTRAIN_CHECK_INPUT(ok, flag, " '", text,
-                     "': expected powersgd:RANK[:START_STEP[:MIN_RATE]] (RANK >= 1; exact "
+                     "': expected powersgd:RANK[:START_STEP[:MIN_RATE[:WIRE]]] (RANK >= 1; exact "
                      "allreduce for START_STEP steps; matrices compressed where that saves at "
-                     "least MIN_RATE x, default 2), e.g. powersgd:4 or powersgd:4:100");
+                     "least MIN_RATE x, default 2; WIRE fp16 or bf16 sends the factors in 16 "
+                     "bits), e.g. powersgd:4, powersgd:4:100 or powersgd:16:100:2:fp16");
   return options;
 }
 
@@ -83,6 +88,10 @@ PowerSgdBucket::PowerSgdBucket(const at::Tensor& flat,
   p_buffer_ = at::empty({p_numel + plain_numel}, options_of);
   q_buffer_ = at::empty({q_numel}, options_of);
   error_ = at::zeros({error_numel}, options_of);
+  const bool cast =
+      options.wire_dtype != at::ScalarType::Undefined && options.wire_dtype != flat.scalar_type();
+  p_wire_ = cast ? at::empty_like(p_buffer_, options_of.dtype(options.wire_dtype)) : p_buffer_;
+  q_wire_ = cast ? at::empty_like(q_buffer_, options_of.dtype(options.wire_dtype)) : q_buffer_;
   // The first Q of every matrix: the same draw on every rank (a CPU generator, then moved).
   auto generator = at::detail::createCPUGenerator(options.seed + 7919ULL * bucket_index);
   int64_t p_at = 0, q_at = 0, e_at = 0;
@@ -110,10 +119,12 @@ comm::WorkPtr PowerSgdBucket::start(comm::Communicator& comm) {
     at::mm_out(m.p, m.m, m.q);
   }
   for (Plain& p : plain_) p.wire.copy_(p.grad);
-  return comm.allreduce(p_buffer_);
+  if (!p_wire_.is_same(p_buffer_)) p_wire_.copy_(p_buffer_);
+  return comm.allreduce(p_wire_);
 }
 
 comm::WorkPtr PowerSgdBucket::middle(comm::Communicator& comm) {
+  if (!p_wire_.is_same(p_buffer_)) p_buffer_.copy_(p_wire_);
   for (Matrix& m : matrices_) {
     // Householder QR (LAPACK): orthonormal columns even when P is rank-deficient (a zero
     // gradient), where Gram-Schmidt would divide by zero. Low precisions go through float32.
@@ -127,10 +138,13 @@ comm::WorkPtr PowerSgdBucket::middle(comm::Communicator& comm) {
     at::mm_out(m.error, m.p, m.q.t());
     m.error.neg_().add_(m.m);
   }
-  return matrices_.empty() ? nullptr : comm.allreduce(q_buffer_);
+  if (matrices_.empty()) return nullptr;
+  if (!q_wire_.is_same(q_buffer_)) q_wire_.copy_(q_buffer_);
+  return comm.allreduce(q_wire_);
 }
 
 void PowerSgdBucket::finish() {
+  if (!q_wire_.is_same(q_buffer_)) q_buffer_.copy_(q_wire_);
   for (Matrix& m : matrices_) at::mm_out(m.m, m.p, m.q.t());
   for (Plain& p : plain_) p.grad.copy_(p.wire);
 }

@@ -19,7 +19,8 @@
 
 namespace dtrain::parallel {
 
-/// "powersgd:RANK[:START_STEP[:MIN_RATE]]" -> options; anything else: InputError naming `flag`.
+/// "powersgd:RANK[:START_STEP[:MIN_RATE[:WIRE]]]" -> options (WIRE: fp16 or bf16); anything
+/// else: InputError naming `flag`.
 PowerSgdOptions parse_powersgd(const std::string& text, const std::string& flag);
 
 class PowerSgdBucket {
@@ -31,7 +32,8 @@ class PowerSgdBucket {
                  int64_t bucket_index);
 
   /// Phase 1: adds the error to the compressed gradients, P = M Q; allreduces the Ps together
-  /// with the uncompressed gradients.
+  /// with the uncompressed gradients (in the wire dtype: the factors are computed in the
+  /// gradients' dtype and rounded to it only to travel).
   comm::WorkPtr start(comm::Communicator& comm);
   /// Phase 2 (phase 1's work done): orthonormalizes each P, Q = M^T P, keeps M - P Q^T as the
   /// error; allreduces the Qs (nullptr when nothing is compressed).
@@ -39,8 +41,8 @@ class PowerSgdBucket {
   /// Phase 3 (phase 2's work done): the bucket gets P Q^T and the reduced uncompressed part.
   void finish();
 
-  /// Elements each step's two allreduces carry (against the bucket's numel uncompressed).
-  int64_t wire_numel() const { return p_buffer_.numel() + q_buffer_.numel(); }
+  /// Bytes each step's two allreduces carry (against the bucket's bytes uncompressed).
+  int64_t wire_bytes() const { return p_wire_.nbytes() + q_wire_.nbytes(); }
   /// Matrices compressed in this bucket.
   size_t compressed() const { return matrices_.size(); }
 
@@ -57,6 +59,8 @@ class PowerSgdBucket {
   std::vector<Matrix> matrices_;
   std::vector<Plain> plain_;
   at::Tensor p_buffer_, q_buffer_, error_;
+  // What the allreduces carry: p_buffer_ / q_buffer_ themselves, or 16-bit copies of them.
+  at::Tensor p_wire_, q_wire_;
 };
 
 }  // namespace dtrain::parallel

@@ -95,10 +95,10 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
     const auto wire_dtype = options_.wire_dtype != at::ScalarType::Undefined
                                 ? options_.wire_dtype
                                 : parameters_[bucket.parameters.front()].scalar_type();
-    const int64_t wire_numel = bucket.powersgd && options_.powersgd.start_step == 0
-                                   ? bucket.powersgd->wire_numel()
-                                   : bucket.numel;
-    stats_.bytes_per_step += wire_numel * static_cast<int64_t>(c10::elementSize(wire_dtype));
+    stats_.bytes_per_step +=
+        bucket.powersgd && options_.powersgd.start_step == 0
+            ? bucket.powersgd->wire_bytes()
+            : bucket.numel * static_cast<int64_t>(c10::elementSize(wire_dtype));
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());
   ready_.assign(parameters_.size(), false);
@@ -377,7 +377,7 @@ void Reducer::finalize() {
     if (options_.powersgd.rank > 0 && synced_steps_ == options_.powersgd.start_step) {
       stats_.bytes_per_step = 0;  // from the next step on, PowerSGD's
       for (const auto& bucket : buckets_) {
-        stats_.bytes_per_step += bucket.powersgd->wire_numel() * bucket.flat.element_size();
+        stats_.bytes_per_step += bucket.powersgd->wire_bytes();
       }
     }
     in_backward_ = false;

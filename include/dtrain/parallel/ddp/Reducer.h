@@ -39,6 +39,9 @@ struct PowerSgdOptions {
   double min_compression_rate = 2.0;
   /// The first Q of every matrix is drawn from this seed, the same on every rank.
   uint64_t seed = 0x50575253;
+  /// The factors' (and uncompressed tensors') dtype on the wire: Undefined = the gradients';
+  /// kHalf or kBFloat16 halve the bytes (PyTorch's fp16_compress_wrapper around its hook).
+  at::ScalarType wire_dtype = at::ScalarType::Undefined;
 };
 
 /// Sharded modes (ZeRO-2/3): reductions left running while backward goes on; beyond this,
