@@ -15,9 +15,9 @@ namespace {
 // Adam or AdamW whose second moment stops moving after `freeze` steps (1-bit Adam's freeze_step,
 // Tang et al. 2021): from then on the rule is momentum SGD preconditioned by a fixed diagonal,
 // linear in the gradients, so compressed gradients with error feedback (PowerSGD) stay as close
-// to exact ones as they do under SGD. Until every parameter has made `freeze` steps it is
-// LibTorch's own step; a parameter younger than that (a late first gradient) still updates its
-// moment. The bias correction of the moment is the one of step `freeze`.
+// to exact ones as they do under SGD. Until some parameter has made `freeze` steps it is
+// LibTorch's own step; after, a parameter younger than that (a late first gradient) still
+// updates its moment. The bias correction of the moment is the one of step `freeze`.
 template <typename Base, typename Options, typename State, bool kDecoupled>
 class FrozenVariance final : public Base {
  public:
@@ -88,6 +88,20 @@ class FrozenVariance final : public Base {
   int64_t freeze_;
 };
 
+// Adam (L2 weight decay) or AdamW (decoupled), with --freeze-variance-after when asked.
+template <typename Base, typename Options, typename State, bool kDecoupled>
+OptimizerPtr make_adam(std::vector<at::Tensor> parameters, const OptimizerSpec& spec) {
+  const auto options = Options(spec.lr)
+                           .betas({spec.beta1, spec.beta2})
+                           .eps(spec.eps)
+                           .weight_decay(spec.weight_decay);
+  if (spec.freeze_variance_after > 0) {
+    return std::make_unique<FrozenVariance<Base, Options, State, kDecoupled>>(
+        std::move(parameters), options, spec.freeze_variance_after);
+  }
+  return std::make_unique<Base>(std::move(parameters), options);
+}
+
 // The one table of optimizers by name: LibTorch's optimizer for the Trainer's strategies, and
 // whether a flat rule (FlatOptimizer.h: parameter-server shards, the federated server) exists.
 struct Entry {
@@ -107,31 +121,10 @@ const Entry kOptimizers[] = {
                                                                   .weight_decay(spec.weight_decay));
      }},
     {"adam", true,
-     [](std::vector<at::Tensor> parameters, const OptimizerSpec& spec) -> OptimizerPtr {
-       const auto options = torch::optim::AdamOptions(spec.lr)
-                                .betas({spec.beta1, spec.beta2})
-                                .eps(spec.eps)
-                                .weight_decay(spec.weight_decay);
-       if (spec.freeze_variance_after > 0) {
-         return std::make_unique<FrozenVariance<torch::optim::Adam, torch::optim::AdamOptions,
-                                                torch::optim::AdamParamState, false>>(
-             std::move(parameters), options, spec.freeze_variance_after);
-       }
-       return std::make_unique<torch::optim::Adam>(std::move(parameters), options);
-     }},
+     make_adam<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>},
     {"adamw", false,
-     [](std::vector<at::Tensor> parameters, const OptimizerSpec& spec) -> OptimizerPtr {
-       const auto options = torch::optim::AdamWOptions(spec.lr)
-                                .betas({spec.beta1, spec.beta2})
-                                .eps(spec.eps)
-                                .weight_decay(spec.weight_decay);
-       if (spec.freeze_variance_after > 0) {
-         return std::make_unique<FrozenVariance<torch::optim::AdamW, torch::optim::AdamWOptions,
-                                                torch::optim::AdamWParamState, true>>(
-             std::move(parameters), options, spec.freeze_variance_after);
-       }
-       return std::make_unique<torch::optim::AdamW>(std::move(parameters), options);
-     }},
+     make_adam<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState,
+               true>},
     {"adagrad", true,
      [](std::vector<at::Tensor> parameters, const OptimizerSpec& spec) -> OptimizerPtr {
        return std::make_unique<torch::optim::Adagrad>(
