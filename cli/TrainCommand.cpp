@@ -160,8 +160,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   app.add_flag("--nesterov", t.optimizer.nesterov, "Nesterov momentum (SGD)");
   add(app, "--freeze-variance-after", t.optimizer.freeze_variance_after,
       "adam, adamw: keep the second moment as it is after this many steps (1-bit Adam's "
-      "freeze step: the rule turns linear in the gradients, which suits --grad-compression "
-      "powersgd; 0 = never)")
+      "freeze step: the rule turns linear in the gradients; 0 = never)")
       ->capture_default_str();
   add(app, "--lr-decay", t.schedule.decay, "constant, step, cosine")->capture_default_str();
   add(app, "--warmup-steps", t.schedule.warmup_steps, "Linear warmup steps")->capture_default_str();

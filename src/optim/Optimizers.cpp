@@ -14,9 +14,9 @@ namespace {
 
 // Adam or AdamW whose second moment stops moving after `freeze` steps (1-bit Adam's freeze_step,
 // Tang et al. 2021): from then on the rule is momentum SGD preconditioned by a fixed diagonal,
-// linear in the gradients, so compressed gradients with error feedback (PowerSGD) stay as close
-// to exact ones as they do under SGD. Until some parameter has made `freeze` steps it is
-// LibTorch's own step; after, a parameter younger than that (a late first gradient) still
+// linear in the gradients, which is what 1-bit Adam's error-compensated compression needs (with
+// PowerSGD on the GPT it changed nothing: BENCHMARKS). Until some parameter has made `freeze` steps
+// it is LibTorch's own step; after, a parameter younger than that (a late first gradient) still
 // updates its moment. The bias correction of the moment is the one of step `freeze`.
 template <typename Base, typename Options, typename State, bool kDecoupled>
 class FrozenVariance final : public Base {
