@@ -16,7 +16,7 @@
 #include "FederatedShared.h"
 #include "Options.h"
 #include "dtrain/comm/TokenFile.h"
-#include "dtrain/data/FashionMnist.h"
+#include "dtrain/data/Datasets.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/services/federated/Aggregator.h"

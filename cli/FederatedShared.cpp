@@ -6,7 +6,7 @@
 
 #include <torch/torch.h>
 
-#include "dtrain/data/FashionMnist.h"
+#include "dtrain/data/Datasets.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/services/federated/Aggregator.h"
 #include "dtrain/services/federated/Client.h"
@@ -163,8 +163,7 @@ void save_final(const Shared& s, const models::ModelSpec& spec, const at::Tensor
 }
 
 void add_data(CLI::App& c, Shared& s, const char* use) {
-  add_data_flags(c, s.dataset, s.data_dir, s.synthetic_examples,
-                 std::string("fashion-mnist or synthetic: ") + use);
+  add_data_flags(c, s.dataset, s.data_dir, s.synthetic_examples, federated_datasets() + ": " + use);
   add_threads_flag(c, s.threads, "$DTRAIN_THREADS, else the cores");
 }
 
@@ -177,21 +176,36 @@ models::ModelSpec model_spec(const Shared& s, const std::string& name,
   models::ModelSpec spec;
   spec.name = name;
   spec.hidden = hidden;
-  if (s.dataset == "synthetic") spec.input_shape = {1, 28, 28};
+  const data::DatasetInfo& dataset = federated_dataset(s);
+  spec.input_shape = dataset.input_shape;
+  spec.classes = dataset.classes;
   return spec;
+}
+
+std::string federated_datasets() {
+  return data::dataset_names_where([](const data::DatasetInfo& d) { return d.federated; });
+}
+
+const data::DatasetInfo& federated_dataset(const Shared& s) {
+  const data::DatasetInfo& dataset = data::dataset_info(s.dataset);
+  DTRAIN_CHECK_INPUT(dataset.federated, "--dataset '", s.dataset,
+                     "': federated learning partitions classification sets: expected ",
+                     federated_datasets());
+  return dataset;
 }
 
 // The set's training or test split.
 data::TensorDataset load(const Shared& s, bool train) {
-  DTRAIN_CHECK_INPUT(s.dataset == "fashion-mnist" || s.dataset == "synthetic", "--dataset '",
-                     s.dataset, "': expected fashion-mnist or synthetic");
-  if (s.dataset == "fashion-mnist") {
-    return data::load_fashion_mnist(s.data_dir, train ? data::Split::Train : data::Split::Test);
-  }
-  DTRAIN_CHECK_INPUT(s.synthetic_examples >= 2, "--synthetic-examples must be >= 2");
-  return train ? data::make_synthetic(s.synthetic_examples, {1, 28, 28}, 10, s.seed + 1)
-               : data::make_synthetic(std::max<int64_t>(1000, s.synthetic_examples / 5),
-                                      {1, 28, 28}, 10, s.seed + 2);
+  data::DataSource source;
+  source.data_dir = s.data_dir;
+  source.synthetic_examples = s.synthetic_examples;
+  source.seed = s.seed + 1;
+  source.train = train;
+  source.test = !train;
+  const data::DatasetInfo& dataset = federated_dataset(s);
+  if (dataset.check) dataset.check(source);
+  data::LoadedData data = dataset.load(source);
+  return train ? std::move(data.train) : std::move(data.test);
 }
 
 // Threads for tensor ops (--threads, else $DTRAIN_THREADS or the cores), and glibc malloc kept

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "CommonFlags.h"
-#include "dtrain/data/Dataset.h"
+#include "dtrain/data/Datasets.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/services/federated/Buffered.h"
 #include "dtrain/services/federated/FedAvg.h"
@@ -70,6 +70,10 @@ models::ModelSpec model_spec(const Shared& s, const std::string& name,
 
 // The set's training or test split.
 data::TensorDataset load(const Shared& s, bool train);
+/// The data sets federated learning can partition ("a or b"), and --dataset's entry (InputError
+/// naming them for another).
+std::string federated_datasets();
+const data::DatasetInfo& federated_dataset(const Shared& s);
 
 // Threads for tensor ops (--threads, else $DTRAIN_THREADS or the cores), and glibc malloc kept
 // from mmapping each large temporary (a FedSGD client's full-batch activations): without it a

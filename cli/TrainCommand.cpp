@@ -17,7 +17,7 @@
 #include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/ps/PsOptions.h"
 #ifdef DTRAIN_SERVICES
-#include "dtrain/services/ps/ShardServer.h"
+#include "dtrain/services/ps/LocalShards.h"
 #endif
 #include "dtrain/train/Job.h"
 
@@ -64,7 +64,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
                "along the sequence too (Megatron's sequence parallelism; --context a multiple "
                "of T)");
   add_data_flags(app, job.dataset, job.data_dir, job.synthetic_examples,
-                 "fashion-mnist, synthetic, text");
+                 dtrain::data::dataset_names_where([](const auto&) { return true; }));
   add(app, "--text-file", job.text_file,
       "--dataset text: a UTF-8 text file or a directory of them (default --data-dir, else "
       "Debian's fortunes in /usr/share/games/fortunes)");
@@ -224,40 +224,11 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
 }
 
 #ifdef DTRAIN_SERVICES
-// --strategy downpour/sandblaster --ps-shards N: the shards run in this (the launching)
-// process, on free local ports; the ranks get their addresses as --ps.
-std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shards(
-    dtrain::train::JobConfig& job, std::vector<std::string>& args) {
-  std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> servers;
-  if (!dtrain::train::uses_parameter_server(job) || job.ps_shards <= 0) return servers;
-  // Downpour's shards apply the updates (their optimizer, the job's schedule by version);
-  // Sandblaster's apply none: L-BFGS steps through vector commands.
-  const bool downpour = dtrain::parallel::strategy_info(job.trainer.strategy).server_optimizer;
-  auto& ps = job.trainer.strategy_options.of<dtrain::parallel::ps::PsOptions>();
-  const int n_push =
-      job.trainer.strategy_options.of<dtrain::parallel::ps::DownpourOptions>().n_push;
-  const int64_t total_worker_steps = downpour ? dtrain::train::planned_steps(job) : 0;
-  std::string addresses;
-  for (int i = 0; i < job.ps_shards; ++i) {
-    dtrain::parallel::ps::ShardServerOptions options;
-    options.shard = i;
-    options.shards = job.ps_shards;
-    options.optimizer.name = job.ps_optimizer;
-    options.optimizer.lr = job.ps_lr;
-    // The job's schedule by version: one version per push, n_push worker steps each.
-    const int64_t steps = std::max<int64_t>(1, job.nproc);
-    if (downpour) options.optimizer.schedule = job.trainer.schedule;
-    options.optimizer.schedule.warmup_steps = job.trainer.schedule.warmup_steps * steps / n_push;
-    options.optimizer.schedule.step_size =
-        std::max<int64_t>(1, job.trainer.schedule.step_size * steps / n_push);
-    options.optimizer.total_versions = total_worker_steps * steps / n_push;
-    options.auth_token = ps.auth_token;
-    servers.push_back(std::make_unique<dtrain::parallel::ps::ShardServer>(options));
-    addresses += (i == 0 ? "" : ",") + servers.back()->address();
-    ps.addresses.push_back(servers.back()->address());
-  }
-  job.ps_shards = 0;
-  std::vector<std::string> kept;  // the ranks connect to these shards instead of starting more
+// The ranks' arguments once the shards run here: they connect to `addresses` (--ps) instead of
+// starting shards of their own.
+std::vector<std::string> with_local_shards(const std::vector<std::string>& args,
+                                           const std::string& addresses) {
+  std::vector<std::string> kept;
   for (size_t i = 0; i < args.size(); ++i) {
     bool dropped = false;
     for (const char* flag : {"--ps-shards", "--ps-optimizer", "--ps-lr"}) {
@@ -270,24 +241,9 @@ std::vector<std::unique_ptr<dtrain::parallel::ps::ShardServer>> start_local_shar
     }
     if (!dropped) kept.push_back(args[i]);
   }
-  args = kept;
-  args.push_back("--ps");
-  args.push_back(addresses);
-  std::printf("parameter server: %d shard%s at %s, %s\n", static_cast<int>(servers.size()),
-              servers.size() == 1 ? "" : "s", addresses.c_str(),
-              downpour ? dtrain::concat(job.ps_optimizer, " at lr ", job.ps_lr, " (",
-                                        job.trainer.schedule.decay, ")")
-                             .c_str()
-                       : "vector commands of Sandblaster's L-BFGS");
-  std::fflush(stdout);
-  return servers;
-}
-#else
-// Without the services no strategy uses a parameter server (downpour and sandblaster are not
-// registered), so there are never shards to start.
-std::vector<std::unique_ptr<int>> start_local_shards(dtrain::train::JobConfig&,
-                                                     std::vector<std::string>&) {
-  return {};
+  kept.push_back("--ps");
+  kept.push_back(addresses);
+  return kept;
 }
 #endif
 
@@ -304,9 +260,11 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
     job.trainer.strategy_options.of<dtrain::parallel::ps::PsOptions>().auth_token =
         dtrain::rpc::read_token_file(job.ps_auth_token_file);
   }
+  // Shards started here live until the run ends.
+  const dtrain::parallel::ps::LocalShards shards =
+      worker ? dtrain::parallel::ps::LocalShards{} : dtrain::parallel::ps::start_local_shards(job);
+  if (!shards.servers.empty()) args = with_local_shards(args, shards.addresses);
 #endif
-  const auto shards =
-      worker ? decltype(start_local_shards(job, args)){} : start_local_shards(job, args);
   if (job.nproc > 1 && !worker) {
     dtrain::launch::LaunchOptions launch;
     launch.nproc_per_node = job.nproc;
@@ -336,7 +294,7 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
                            : std::string())
             .c_str(),
         fit.seconds, fit.samples_per_second);
-    if (fit.validation && job.dataset == "text") {
+    if (fit.validation && dtrain::data::dataset_info(job.dataset).language) {
       std::printf(
           "validation loss: %.4f nats/char (%.3f bits/char) over %lld windows, "
           "next-character accuracy %.2f%%\n",

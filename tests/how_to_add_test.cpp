@@ -1,6 +1,7 @@
 // docs/ARCHITECTURE.md's "How to add" sections, followed from outside the library: each test
-// adds a strategy, a federated aggregator or a model the way the document says, and checks it
-// is reached by name, gets its options, obeys the combination rules and trains correctly.
+// adds a strategy, a federated aggregator, a model or a data set the way the document says, and
+// checks it is reached by name, gets its options, obeys the combination rules and trains
+// correctly.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -11,6 +12,7 @@
 #include "SmallModels.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Flags.h"
+#include "dtrain/data/Datasets.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Registry.h"
 #include "dtrain/services/federated/Aggregator.h"
@@ -413,4 +415,99 @@ TEST(HowToAdd, AModelIsBuiltByNameCutIntoStagesAndRefusedWhereItCannotGo) {
   EXPECT_NE(refusal().find("--dataset text needs --model gpt or another language model"),
             std::string::npos)
       << refusal();
+}
+
+// ---- A data set ---------------------------------------------------------------------------
+// Three noisy clusters of 6-feature points: one DatasetInfo (its shape, classes and loader)
+// and one register_dataset call. The job builds the model for its shape and classes, checks
+// its source, and trains on it by name.
+
+namespace {
+
+data::DatasetInfo clusters() {
+  data::DatasetInfo info;
+  info.name = "clusters";
+  info.summary = "three Gaussian clusters in 6 dimensions";
+  info.input_shape = {6};
+  info.classes = 3;
+  info.check = [](const data::DataSource& source) {
+    DTRAIN_CHECK_INPUT(source.synthetic_examples >= 30,
+                       "clusters: --synthetic-examples must be "
+                       ">= 30, got ",
+                       source.synthetic_examples);
+  };
+  info.load = [](const data::DataSource& source) {
+    auto make = [](int64_t n, uint64_t seed) {
+      at::Generator generator = at::detail::createCPUGenerator(seed);
+      at::Tensor targets = at::arange(n, at::kLong).remainder(3);
+      at::Tensor centres = at::eye(3, 6, at::kFloat) * 4;
+      at::Tensor inputs = centres.index_select(0, targets) +
+                          at::randn({n, 6}, generator, at::TensorOptions(at::kFloat));
+      return data::TensorDataset(inputs, targets);
+    };
+    data::LoadedData data;
+    data.train = make(source.synthetic_examples, source.seed);
+    data.test = make(300, source.seed + 1);
+    return data;
+  };
+  return info;
+}
+
+}  // namespace
+
+TEST(HowToAdd, ADataSetIsOneRegistryEntryTheJobBuildsTheModelForAndTrainsOn) {
+  static const bool registered = [] {
+    data::register_dataset(clusters());
+    return true;
+  }();
+  ASSERT_TRUE(registered);
+  const auto names = data::dataset_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "clusters"), names.end());
+  EXPECT_THROW(data::register_dataset(clusters()), InputError);  // the name is taken
+  EXPECT_EQ(data::dataset_info("clusters").classes, 3);
+  try {
+    data::dataset_info("clustres");
+    ADD_FAILURE() << "an unknown data set was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--dataset: unknown data set 'clustres' (available: "
+                                         "fashion-mnist, synthetic, text or clusters)"),
+              std::string::npos)
+        << e.what();
+  }
+
+  train::JobConfig job;
+  job.dataset = "clusters";
+  job.model = "mlp";
+  job.hidden = {16};
+  job.synthetic_examples = 600;
+  job.threads = 1;
+  job.trainer.batch_size = 20;
+  job.trainer.epochs = 3;
+  job.trainer.progress = false;
+  auto refusal = [&] {
+    try {
+      train::validate_job(job);
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(refusal(), "accepted");
+  // Its own check runs before any rank starts; a language model is refused by name.
+  job.synthetic_examples = 10;
+  EXPECT_NE(refusal().find("clusters: --synthetic-examples must be >= 30, got 10"),
+            std::string::npos)
+      << refusal();
+  job.synthetic_examples = 600;
+  job.model = "gpt";
+  EXPECT_NE(refusal().find("--model gpt is a language model: use it with --dataset text"),
+            std::string::npos)
+      << refusal();
+  job.model = "mlp";
+
+  // Trained by name: the MLP was built for 6 inputs and 3 classes, and it separates them.
+  const auto result = train::run_job(job);
+  ASSERT_TRUE(result.fit.validation.has_value());
+  EXPECT_EQ(result.fit.validation->examples, 300);
+  EXPECT_GT(result.fit.validation->accuracy, 0.9);
 }

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "RankThreads.h"
+#include "dtrain/common/Cpu.h"
 #include "dtrain/memory/Checkpoint.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/precision/LossScaler.h"
@@ -30,6 +31,45 @@ TEST(Precision, NamesAndFp16OnCpuIsRefusedWithAHint) {
   // On a CUDA device fp16-mixed is the usual mode (checked by name: no device is needed).
   EXPECT_NO_THROW(precision::check_supported(Precision::Fp16Mixed, c10::Device("cuda:0")));
   EXPECT_NO_THROW(parallel::DdpStrategy({.precision = "fp16-mixed", .device = "cuda:0"}));
+}
+
+// /proc/cpuinfo's first processor block on three kinds of machine (abridged to the lines read).
+TEST(Precision, TheCpusBf16InstructionsAreReadAndBf16WithoutThemIsNamedAsSlow) {
+  const CpuInfo epyc = parse_cpuinfo(
+      "processor\t: 0\nmodel name\t: AMD EPYC 7B12\nflags\t\t: fpu sse2 avx avx2 fma\n\n"
+      "processor\t: 1\nmodel name\t: other\nflags\t\t: avx512f avx512_bf16\n");
+  EXPECT_EQ(epyc.model, "AMD EPYC 7B12");
+  EXPECT_TRUE(epyc.avx2);
+  EXPECT_FALSE(epyc.avx512f);  // the second processor's block is not read
+  EXPECT_FALSE(epyc.native_bf16());
+  EXPECT_EQ(epyc.vector_summary(), "AVX2 only, no bf16 instructions");
+  const CpuInfo sapphire = parse_cpuinfo(
+      "processor : 0\nmodel name : Intel(R) Xeon(R) Platinum 8481C\n"
+      "flags : avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n");
+  EXPECT_TRUE(sapphire.native_bf16());
+  EXPECT_EQ(sapphire.vector_summary(), "AVX-512 with AVX512-BF16 and AMX-BF16");
+  const CpuInfo skylake =
+      parse_cpuinfo("processor : 0\nmodel name : Intel Xeon\nflags : avx2 avx512f avx512bw\n");
+  EXPECT_FALSE(skylake.native_bf16());
+  EXPECT_EQ(skylake.vector_summary(), "AVX-512, no bf16 instructions");
+  const CpuInfo graviton = parse_cpuinfo("processor : 0\nFeatures : fp asimd sve bf16 i8mm\n");
+  EXPECT_TRUE(graviton.native_bf16());
+  const CpuInfo nothing = parse_cpuinfo("");  // no /proc/cpuinfo: nothing claimed, no warning
+  EXPECT_TRUE(nothing.unknown);
+  EXPECT_TRUE(nothing.native_bf16());
+
+  // This machine: the warning says what it is, exactly when its CPU lacks the instructions.
+  const c10::Device cpu(c10::DeviceType::CPU);
+  const std::string warning = precision::cost_warning(Precision::Bf16Mixed, cpu);
+  EXPECT_EQ(warning.empty(), cpu_info().native_bf16()) << warning;
+  if (!warning.empty()) {
+    EXPECT_NE(warning.find(cpu_info().model), std::string::npos) << warning;
+    EXPECT_NE(warning.find("--precision fp32 is faster"), std::string::npos) << warning;
+  }
+  EXPECT_EQ(precision::cost_warning(Precision::Bf16, cpu).empty(), cpu_info().native_bf16());
+  EXPECT_EQ(precision::cost_warning(Precision::Fp32, cpu), "");
+  EXPECT_EQ(precision::cost_warning(Precision::Bf16Mixed, c10::Device(c10::DeviceType::CUDA, 0)),
+            "");
 }
 
 TEST(Precision, AutocastScopeComputesInBf16AndRestores) {

@@ -5,6 +5,7 @@
 #include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/data/Dataset.h"
+#include "dtrain/data/Datasets.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/data/FashionMnist.h"
 #include "dtrain/launch/Environment.h"

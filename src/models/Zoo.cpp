@@ -6,9 +6,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <mutex>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Registry.h"
 #include "dtrain/memory/Checkpoint.h"
 
 namespace dtrain::models {
@@ -256,6 +256,24 @@ Model build_resnet(const ModelSpec& spec) {
       std::make_shared<ResNetImpl>(spec.input_shape[0], spec.classes, spec.checkpointing));
 }
 
+// The GPT's sizes (its vocabulary comes from the data, checked when it is read) against the
+// tensor-parallel ranks: whole heads per rank, a sequence that splits evenly.
+void check_gpt_layout(const ModelSpec& spec, const ModelLayout& layout) {
+  GptConfig config = spec.gpt;
+  config.vocab = std::max<int64_t>(config.vocab, 2);
+  validate(config);
+  const int tp = layout.tensor_parallel;
+  DTRAIN_CHECK_INPUT(!layout.sequence_parallel || tp > 1,
+                     "--sequence-parallel splits the sequence over the tensor-parallel ranks: "
+                     "it needs --tensor-parallel 2 or more");
+  if (tp <= 1) return;
+  DTRAIN_CHECK_INPUT(config.heads % tp == 0, "--tensor-parallel ", tp, " must divide --heads (",
+                     config.heads, "): each rank takes whole heads");
+  DTRAIN_CHECK_INPUT(!layout.sequence_parallel || config.context % tp == 0,
+                     "--sequence-parallel splits the --context of ", config.context,
+                     " tokens over --tensor-parallel ", tp, ": it must be a multiple of it");
+}
+
 Model build_gpt(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
   GptConfig config = spec.gpt;
   config.checkpointing = spec.checkpointing;
@@ -291,55 +309,31 @@ std::vector<ModelInfo> built_in() {
   gpt.tensor_parallel = true;
   gpt.recipe = gpt_recipe();
   gpt.build = build_gpt;
+  gpt.check_layout = check_gpt_layout;
   all.push_back(gpt);
   return all;
 }
 
-std::mutex& registry_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-
-std::vector<ModelInfo>& registry() {
-  static std::vector<ModelInfo> all = built_in();
+Registry<ModelInfo>& registry() {
+  static Registry<ModelInfo> all("model", "--model", built_in());
   return all;
 }
 
 }  // namespace
 
-std::vector<std::string> model_names() {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  std::vector<std::string> names;
-  for (const auto& m : registry()) names.push_back(m.name);
-  return names;
-}
+std::vector<std::string> model_names() { return registry().names(); }
 
-ModelInfo model_info(const std::string& name) {
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    for (const auto& m : registry()) {
-      if (m.name == name) return m;
-    }
-  }
-  std::string known;
-  for (const auto& n : model_names()) known += concat(known.empty() ? "" : ", ", n);
-  DTRAIN_THROW(InputError, "--model: unknown model '", name, "' (expected ", known, ")");
-}
+const ModelInfo& model_info(const std::string& name) { return registry().at(name); }
 
 void register_model(ModelInfo info) {
-  DTRAIN_CHECK_INPUT(!info.name.empty() && info.build,
-                     "register_model: a model needs a name and a builder");
-  const auto names = model_names();
-  DTRAIN_CHECK_INPUT(std::find(names.begin(), names.end(), info.name) == names.end(),
-                     "register_model: a model named '", info.name, "' is registered already");
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  registry().push_back(std::move(info));
+  DTRAIN_CHECK_INPUT(info.build, "register_model: a model needs a builder");
+  registry().add(std::move(info));
 }
 
 TrainingRecipe training_recipe(const std::string& model) { return model_info(model).recipe; }
 
 Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
-  const ModelInfo info = model_info(spec.name);
+  const ModelInfo& info = model_info(spec.name);
   DTRAIN_CHECK_INPUT(info.tensor_parallel || !tensor_parallel || tensor_parallel->size() == 1,
                      "--model ", spec.name, " has no tensor-parallel layers; --tensor-parallel ",
                      tensor_parallel ? tensor_parallel->size() : 1,

@@ -3,7 +3,6 @@
 #include "dtrain/parallel/Registry.h"
 
 #include <algorithm>
-#include <mutex>
 #include <set>
 
 #include "dtrain/common/Error.h"
@@ -35,27 +34,17 @@ constexpr InfoFn kBuiltIn[] = {
 #endif
 };
 
-std::mutex& registry_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-
-std::vector<StrategyInfo>& registry() {
-  static std::vector<StrategyInfo> all = [] {
+Registry<StrategyInfo>& registry() {
+  static Registry<StrategyInfo> all("strategy", "--strategy", [] {
     std::vector<StrategyInfo> built_in;
     for (InfoFn info : kBuiltIn) built_in.push_back(info());
     return built_in;
-  }();
+  }());
   return all;
 }
 
 std::string joined(const std::vector<std::string>& names, const char* last_separator) {
-  std::string out;
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (i > 0) out += i + 1 == names.size() ? last_separator : ", ";
-    out += names[i];
-  }
-  return out;
+  return Registry<StrategyInfo>::joined(names, last_separator);
 }
 
 // Every option group once (strategies may share one), in registry order.
@@ -72,36 +61,15 @@ std::vector<const OptionGroup*> option_groups() {
 
 }  // namespace
 
-const std::vector<StrategyInfo>& strategies() {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  return registry();
-}
+const std::deque<StrategyInfo>& strategies() { return registry().all(); }
 
-std::vector<std::string> strategy_names() {
-  std::vector<std::string> names;
-  for (const auto& info : strategies()) names.push_back(info.name);
-  return names;
-}
+std::vector<std::string> strategy_names() { return registry().names(); }
 
-const StrategyInfo& strategy_info(const std::string& name) {
-  for (const auto& info : strategies()) {
-    if (info.name == name) return info;
-  }
-  DTRAIN_THROW(InputError, "--strategy: unknown strategy '", name,
-               "' (available: ", joined(strategy_names(), ", "), ")");
-}
+const StrategyInfo& strategy_info(const std::string& name) { return registry().at(name); }
 
 void register_strategy(StrategyInfo info) {
-  DTRAIN_CHECK_INPUT(!info.name.empty() && info.make,
-                     "register_strategy: a strategy needs a "
-                     "name and a factory");
-  const auto names = strategy_names();
-  DTRAIN_CHECK_INPUT(std::find(names.begin(), names.end(), info.name) == names.end(),
-                     "register_strategy: a strategy named '", info.name,
-                     "' is registered "
-                     "already");
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  registry().push_back(std::move(info));
+  DTRAIN_CHECK_INPUT(info.make, "register_strategy: a strategy needs a factory");
+  registry().add(std::move(info));
 }
 
 StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options) {

@@ -6,8 +6,7 @@
 #include <cmath>
 
 #include "dtrain/common/Error.h"
-#include "dtrain/data/FashionMnist.h"
-#include "dtrain/data/Text.h"
+#include "dtrain/data/Datasets.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/memory/Checkpoint.h"
 #include "dtrain/models/Zoo.h"
@@ -30,17 +29,27 @@ std::string joined(const std::vector<std::string>& names, const char* separator 
   return out;
 }
 
-models::ModelSpec model_spec(const JobConfig& job, std::vector<int64_t> input_shape,
-                             int64_t vocabulary = 2) {
+// The model for the job's data set: a classifier of its examples into its classes, or a
+// language model over `vocabulary` tokens (known once the data is read).
+models::ModelSpec model_spec(const JobConfig& job, int64_t vocabulary = 2) {
+  const data::DatasetInfo& dataset = data::dataset_info(job.dataset);
   models::ModelSpec spec;
   spec.name = job.model;
   spec.gpt = job.gpt;
   spec.gpt.vocab = vocabulary;
   spec.hidden = job.hidden;
   spec.checkpointing = job.checkpointing;
-  spec.input_shape = std::move(input_shape);
-  spec.classes = 10;
+  if (!dataset.language) {
+    spec.input_shape = dataset.input_shape;
+    spec.classes = dataset.classes;
+  }
   return spec;
+}
+
+// The job's data-parallel replicas: its ranks over the pipeline and tensor-parallel ones.
+int64_t data_parallel_ranks(const JobConfig& job, const TrainerOptions& trainer) {
+  return std::max(1, job.nproc / (std::max(1, trainer.pipeline_parallel) *
+                                  std::max(1, trainer.tensor_parallel)));
 }
 
 // The strategy's rules against the job's layout (ranks, pipeline, tensor parallelism, the
@@ -56,16 +65,9 @@ void validate_strategy(const JobConfig& job, const TrainerOptions& trainer) {
   layout.tied_parameters = language_model && job.gpt.tied_embeddings;
   layout.defer_eval = trainer.defer_eval;
   layout.model = job.model;
-  layout.micro_batches = trainer.accumulation_steps;
-  const int pp = std::max(1, trainer.pipeline_parallel);
-  const int tp = std::max(1, trainer.tensor_parallel);
-  if (trainer.global_batch > 0) {
-    const int64_t replicas = std::max(1, job.nproc / (pp * tp));
-    layout.micro_batches = trainer.global_batch / (trainer.batch_size * replicas);
-  }
-  if (pp > 1) {
-    layout.model_stages =
-        static_cast<int>(models::make_model(model_spec(job, {1, 28, 28})).stages.size());
+  layout.micro_batches = plan_batches(trainer, data_parallel_ranks(job, trainer)).micro_batches;
+  if (trainer.pipeline_parallel > 1) {
+    layout.model_stages = static_cast<int>(models::make_model(model_spec(job)).stages.size());
   }
   auto options = trainer.strategy_options;
   parallel::make_strategy(parallel::resolve_strategy(layout, options), options);
@@ -141,40 +143,35 @@ void validate_job(const JobConfig& job) {
   DTRAIN_CHECK_INPUT(job.trainer.slowdown_rank < std::max(1, job.nproc),
                      "--simulate-slowdown: rank ", job.trainer.slowdown_rank, " is not one of the ",
                      std::max(1, job.nproc), " ranks");
-  DTRAIN_CHECK_INPUT(
-      job.dataset == "fashion-mnist" || job.dataset == "synthetic" || job.dataset == "text",
-      "--dataset: unknown data set '", job.dataset,
-      "' (expected fashion-mnist, synthetic or text)");
-  const models::ModelInfo model = models::model_info(job.model);
-  DTRAIN_CHECK_INPUT(model.language_model == (job.dataset == "text"),
-                     model.language_model
-                         ? concat("--model ", job.model,
-                                  " is a language model: use it with "
-                                  "--dataset text")
-                         : concat("--dataset text needs --model gpt or another language "
-                                  "model (not ",
-                                  job.model, ")"));
+  const data::DatasetInfo& dataset = data::dataset_info(job.dataset);
+  const models::ModelInfo& model = models::model_info(job.model);
   if (model.language_model) {
-    models::GptConfig config = job.gpt;
-    config.vocab = 2;  // from the text, checked when it is read
-    models::validate(config);
+    DTRAIN_CHECK_INPUT(dataset.language, "--model ", job.model,
+                       " is a language model: use it with --dataset ",
+                       data::dataset_names_where([](const auto& d) { return d.language; }));
+  } else {
+    DTRAIN_CHECK_INPUT(!dataset.language, "--dataset ", job.dataset,
+                       " needs --model gpt or another language model (not ", job.model, ")");
   }
   DTRAIN_CHECK_INPUT(job.nproc >= 1, "--nproc must be >= 1, got ", job.nproc);
   const int tp = job.trainer.tensor_parallel;
   DTRAIN_CHECK_INPUT(tp >= 1, "--tensor-parallel must be >= 1, got ", tp);
-  DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel || tp > 1,
-                     "--sequence-parallel splits the sequence over the tensor-parallel ranks: "
-                     "it needs --tensor-parallel 2 or more");
-  if (tp > 1) {
-    DTRAIN_CHECK_INPUT(model.tensor_parallel, "--tensor-parallel ", tp,
-                       " needs --model gpt or "
-                       "another model with tensor-parallel layers, not ",
+  DTRAIN_CHECK_INPUT(tp == 1 || model.tensor_parallel, "--tensor-parallel ", tp,
+                     " needs --model gpt or another model with tensor-parallel layers, not ",
+                     job.model);
+  if (model.check_layout) {
+    models::ModelLayout layout;
+    layout.tensor_parallel = tp;
+    layout.pipeline_parallel = job.trainer.pipeline_parallel;
+    layout.sequence_parallel = job.gpt.sequence_parallel;
+    model.check_layout(model_spec(job), layout);
+  } else {
+    DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel,
+                       "--sequence-parallel is for models with "
+                       "tensor-parallel layers and a sequence (--model gpt), not ",
                        job.model);
-    DTRAIN_CHECK_INPUT(job.gpt.heads % tp == 0, "--tensor-parallel ", tp, " must divide --heads (",
-                       job.gpt.heads, "): each rank takes whole heads");
-    DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel || job.gpt.context % tp == 0,
-                       "--sequence-parallel splits the --context of ", job.gpt.context,
-                       " tokens over --tensor-parallel ", tp, ": it must be a multiple of it");
+  }
+  if (tp > 1) {
     DTRAIN_CHECK_INPUT(job.nproc % (tp * std::max(1, job.trainer.pipeline_parallel)) == 0,
                        "--nproc ", job.nproc, " is not a multiple of --tensor-parallel ", tp,
                        " x --pipeline-parallel ", job.trainer.pipeline_parallel,
@@ -182,7 +179,6 @@ void validate_job(const JobConfig& job) {
   }
   DTRAIN_CHECK_INPUT(job.threads >= 0, "--threads must be >= 1, got ", job.threads);
   DTRAIN_CHECK_INPUT(job.comm_timeout_ms > 0, "--comm-timeout must be > 0");
-  DTRAIN_CHECK_INPUT(job.synthetic_examples >= 1, "--synthetic-examples must be >= 1");
   for (auto width : job.hidden) DTRAIN_CHECK_INPUT(width >= 1, "--hidden widths must be >= 1");
   DTRAIN_CHECK_INPUT(job.bucket_cap_mb > 0 && job.bucket_cap_mb <= 1 << 20,
                      "--bucket-cap-mb must be in (0, 1048576], got ", job.bucket_cap_mb);
@@ -193,21 +189,19 @@ void validate_job(const JobConfig& job) {
   // Build throwaway objects to validate their options with their own messages.
   optim::LrSchedule(job.trainer.optimizer.lr, 1, job.trainer.schedule);
   optim::make_optimizer({torch::zeros({1}, torch::requires_grad())}, job.trainer.optimizer);
-  if (job.dataset == "fashion-mnist") {
-    data::load_fashion_mnist(job.data_dir, data::Split::Test);  // checks the files
-  }
-  if (job.dataset == "text") {
-    DTRAIN_CHECK_INPUT(job.validation_fraction > 0 && job.validation_fraction < 1,
-                       "--validation-fraction must be in (0, 1), got ", job.validation_fraction);
-    data::load_text(text_path(job), job.gpt.context, job.validation_fraction);  // checks it
-  }
+  if (dataset.check) dataset.check(data_source(job));
   if (!job.trainer.checkpoint_dir.empty()) ensure_writable(job.trainer.checkpoint_dir);
 }
 
-std::string text_path(const JobConfig& job) {
-  if (!job.text_file.empty()) return job.text_file;
-  if (!job.data_dir.empty()) return job.data_dir;
-  return data::kFortunesDir;
+data::DataSource data_source(const JobConfig& job) {
+  data::DataSource source;
+  source.data_dir = job.data_dir;
+  source.text_file = job.text_file;
+  source.synthetic_examples = job.synthetic_examples;
+  source.context = job.gpt.context;
+  source.validation_fraction = job.validation_fraction;
+  source.seed = job.trainer.seed;
+  return source;
 }
 
 TrainerOptions trainer_options(const JobConfig& job) {
@@ -226,21 +220,10 @@ TrainerOptions trainer_options(const JobConfig& job) {
 
 int64_t planned_steps(const JobConfig& job) {
   const TrainerOptions options = trainer_options(job);
-  int64_t examples = job.synthetic_examples;
-  if (job.dataset == "text") {
-    examples =
-        data::load_text(text_path(job), job.gpt.context, job.validation_fraction).train.size();
-  } else if (job.dataset == "fashion-mnist") {
-    examples = data::load_fashion_mnist(job.data_dir, data::Split::Train).size();
-  }
-  const int64_t dp = std::max<int64_t>(
-      1, job.nproc / std::max(1, options.pipeline_parallel * options.tensor_parallel));
-  const int64_t accumulation =
-      options.global_batch > 0
-          ? std::max<int64_t>(1, options.global_batch / (options.batch_size * dp))
-          : options.accumulation_steps;
+  const int64_t examples = data::load_dataset(job.dataset, data_source(job)).train.size();
+  const int64_t dp = data_parallel_ranks(job, options);
   const int64_t per_epoch =
-      std::max<int64_t>(1, examples / dp / (options.batch_size * accumulation));
+      std::max<int64_t>(1, examples / dp / plan_batches(options, dp).local_step_batch());
   int64_t steps = per_epoch * options.epochs;
   if (options.max_steps > 0) steps = std::min(steps, options.max_steps);
   return steps;
@@ -257,42 +240,30 @@ JobResult run_job(const JobConfig& job) {
   init.interface = job.interface;
   auto world = comm::init(init);
 
-  data::TensorDataset train_set, test_set;
   TrainerOptions options = trainer_options(job);
+  const data::LoadedData data = data::load_dataset(job.dataset, data_source(job));
   int64_t vocabulary = 2;
-  if (job.dataset == "text") {
-    data::TextData text = data::load_text(text_path(job), job.gpt.context, job.validation_fraction);
-    train_set = text.train;
-    test_set = text.validation;
-    vocabulary = text.tokenizer.size();
+  if (data::dataset_info(job.dataset).language) {
+    vocabulary = data.vocabulary;
     options.token_loss = true;
     models::GptConfig config = job.gpt;
     config.vocab = vocabulary;
     options.checkpoint_extras["model"] = models::to_json(config);
-    options.checkpoint_extras["vocabulary"] = text.tokenizer.vocabulary_utf8();
-    if (world->rank() == 0) {
-      std::printf(
-          "text: %s, %lld characters (%lld for training, %lld for validation), "
-          "vocabulary of %lld; GPT of %lld parameters\n",
-          text.origin.c_str(), static_cast<long long>(text.train_tokens + text.validation_tokens),
-          static_cast<long long>(text.train_tokens), static_cast<long long>(text.validation_tokens),
-          static_cast<long long>(vocabulary),
-          static_cast<long long>(models::gpt_parameter_count(config)));
+    options.checkpoint_extras["vocabulary"] = data.vocabulary_utf8;
+  }
+  if (world->rank() == 0 && !data.description.empty()) {
+    std::string line = data.description;
+    if (models::model_info(job.model).language_model) {
+      models::GptConfig config = job.gpt;
+      config.vocab = vocabulary;
+      line += concat("; GPT of ", models::gpt_parameter_count(config), " parameters");
     }
-  } else if (job.dataset == "fashion-mnist") {
-    train_set = data::load_fashion_mnist(job.data_dir, data::Split::Train);
-    test_set = data::load_fashion_mnist(job.data_dir, data::Split::Test);
-  } else {
-    const std::vector<int64_t> shape{1, 28, 28};
-    train_set = data::make_synthetic(job.synthetic_examples, shape, 10, job.trainer.seed);
-    test_set = data::make_synthetic(std::max<int64_t>(job.synthetic_examples / 8, 1), shape, 10,
-                                    job.trainer.seed + 1);
+    std::printf("%s\n", line.c_str());
   }
   Trainer trainer(options, world);
   JobResult result;
-  result.fit = trainer.fit(models::make_model(model_spec(job, train_set.input_shape(), vocabulary),
-                                              trainer.grid()->tp()),
-                           train_set, &test_set);
+  result.fit = trainer.fit(models::make_model(model_spec(job, vocabulary), trainer.grid()->tp()),
+                           data.train, &data.test);
   result.rank = trainer.grid()->world()->rank();
   result.world_size = trainer.grid()->world()->size();
   return result;

@@ -49,6 +49,14 @@ struct TrainingRecipe {
 /// The named model's recipe (InputError naming an unknown model).
 TrainingRecipe training_recipe(const std::string& model);
 
+/// How a run lays a model out over its ranks (the flags of `dtrain train`).
+struct ModelLayout {
+  int tensor_parallel = 1;
+  int pipeline_parallel = 1;
+  /// --sequence-parallel.
+  bool sequence_parallel = false;
+};
+
 /// A registered model: how it is built, what it can do, how it trains by default.
 struct ModelInfo {
   std::string name;
@@ -65,12 +73,16 @@ struct ModelInfo {
   /// learning, which averages parameters, can train it.
   bool parameters_only = true;
   TrainingRecipe recipe;
+  /// InputError naming the flags when the model's own sizes (spec) or the layout do not suit it
+  /// (a GPT's heads that --tensor-parallel does not divide); checked before any rank starts.
+  /// nullptr: any layout its capabilities allow.
+  std::function<void(const ModelSpec& spec, const ModelLayout& layout)> check_layout;
 };
 
 /// Every registered model's name, built-in ones first.
 std::vector<std::string> model_names();
 /// InputError naming the registered models for an unknown name.
-ModelInfo model_info(const std::string& name);
+const ModelInfo& model_info(const std::string& name);
 /// Adds a model (InputError when the name is taken); for code outside the library, before it
 /// is used.
 void register_model(ModelInfo info);

@@ -8,11 +8,13 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "dtrain/common/Flags.h"
+#include "dtrain/common/Registry.h"
 #include "dtrain/parallel/Strategy.h"
 
 namespace dtrain::parallel {
@@ -104,7 +106,7 @@ StrategyPtr make_from_options(const StrategyOptions& options) {
 }
 
 /// Every registered strategy, built-in ones first.
-const std::vector<StrategyInfo>& strategies();
+const std::deque<StrategyInfo>& strategies();
 std::vector<std::string> strategy_names();
 /// InputError naming the available strategies for an unknown name.
 const StrategyInfo& strategy_info(const std::string& name);

@@ -21,6 +21,10 @@ Precision parse_precision(const std::string& name);
 std::string to_string(Precision precision);
 /// Refuses modes `device` cannot run (fp16-mixed on a CPU), suggesting an alternative.
 void check_supported(Precision precision, c10::Device device = c10::Device(c10::DeviceType::CPU));
+/// A line saying what a 16-bit precision will cost where it runs without hardware support (bf16
+/// on a CPU without bf16 matrix instructions: common/Cpu.h), "" where it runs at full speed.
+/// The precision still trains correctly there; the caller says it once.
+std::string cost_warning(Precision precision, c10::Device device);
 /// The dtype autocast computes in (kFloat for Fp32).
 at::ScalarType compute_dtype(Precision precision);
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/data/Datasets.h"
 #include "dtrain/models/Gpt.h"
 #include "dtrain/train/Trainer.h"
 
@@ -23,7 +24,7 @@ struct JobConfig {
   std::vector<int64_t> hidden{256, 256};
   /// Activation checkpointing: "none", "sqrt" or a segment count.
   std::string checkpointing = "none";
-  /// "fashion-mnist", "synthetic" or "text".
+  /// A data set of the registry (data/Datasets.h): "fashion-mnist", "synthetic", "text", ...
   std::string dataset = "fashion-mnist";
   std::string data_dir;
   /// --dataset text: a UTF-8 file or a directory of them ("" = --data-dir, else Debian's
@@ -82,8 +83,8 @@ struct JobResult {
   int world_size = 1;
 };
 
-/// Where --dataset text reads: --text-file, else --data-dir, else the fortunes directory.
-std::string text_path(const JobConfig& job);
+/// What the job's data set reads (its data flags, the GPT's context, the seed).
+data::DataSource data_source(const JobConfig& job);
 
 /// The Trainer's options for `job` (micro_batches folded into the accumulation steps).
 TrainerOptions trainer_options(const JobConfig& job);

@@ -121,6 +121,21 @@ struct FitResult {
   double learning_rate = 0.0;
 };
 
+/// How a step's examples divide over `dp` data-parallel replicas: each rank's micro-batch
+/// (batch_size), the micro-batches it accumulates per step, and the global batch they make.
+struct BatchPlan {
+  int64_t micro_batch = 0;
+  int64_t micro_batches = 1;
+  int64_t global_batch = 0;
+  /// The examples one rank consumes per step.
+  int64_t local_step_batch() const { return micro_batch * micro_batches; }
+};
+
+/// options.global_batch (> 0) fixes the global batch and derives the micro-batches;
+/// otherwise options.accumulation_steps are the micro-batches. InputError when the global batch
+/// is not a whole number of micro-batches of batch_size x dp.
+BatchPlan plan_batches(const TrainerOptions& options, int64_t dp);
+
 class Trainer {
  public:
   /// `world` = nullptr: a 1-rank world. Seeds LibTorch's RNG with options.seed, so a model
@@ -140,15 +155,8 @@ class Trainer {
   const TrainerOptions& options() const { return options_; }
 
  private:
-  /// Collective unless `alone` (an asynchronous strategy's rank 0 saving by itself).
-  void save_checkpoint(int64_t step, int64_t epoch, int64_t global_batch, bool alone = false);
   /// evaluate(); `alone`: this rank evaluates the whole set by itself (not collective).
   EvalResult evaluate_on(const data::TensorDataset& dataset, bool alone);
-  int64_t restore_checkpoint(int64_t global_batch);
-  /// Collective. The newest checkpoint that verifies ("" for none); damaged newer ones are set
-  /// aside, and InputError when checkpoints exist but none verifies.
-  std::string choose_checkpoint();
-  std::vector<struct TensorInfo> model_tensors() const;
   /// Collective. Gathers every rank's trace spans; rank 0 writes options.trace_file.
   void write_trace();
 

@@ -7,9 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Registry.h"
 
 namespace dtrain::federated {
 
@@ -276,51 +276,24 @@ std::vector<AggregatorInfo> built_in() {
   };
 }
 
-std::mutex& registry_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-
-std::vector<AggregatorInfo>& registry() {
-  static std::vector<AggregatorInfo> all = built_in();
+Registry<AggregatorInfo>& registry() {
+  static Registry<AggregatorInfo> all("aggregator", "--algorithm", built_in());
   return all;
 }
 
 }  // namespace
 
 void register_aggregator(AggregatorInfo info) {
-  DTRAIN_CHECK_INPUT(!info.name.empty() && info.make,
-                     "register_aggregator: an aggregator needs a name and a factory");
-  const auto names = aggregator_names();
-  DTRAIN_CHECK_INPUT(std::find(names.begin(), names.end(), info.name) == names.end(),
-                     "register_aggregator: an aggregator named '", info.name,
-                     "' is registered already");
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  registry().push_back(std::move(info));
+  DTRAIN_CHECK_INPUT(info.make, "register_aggregator: an aggregator needs a factory");
+  registry().add(std::move(info));
 }
 
-std::vector<std::string> aggregator_names() {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  std::vector<std::string> names;
-  for (const auto& info : registry()) names.push_back(info.name);
-  return names;
-}
+std::vector<std::string> aggregator_names() { return registry().names(); }
 
 AggregatorPtr make_aggregator(const std::string& name, const AggregatorOptions& options) {
-  std::function<AggregatorPtr(const AggregatorOptions&)> make;
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    for (const auto& info : registry()) {
-      if (info.name == name) make = info.make;
-    }
-  }
-  if (!make) {
-    std::string known;
-    for (const auto& n : aggregator_names()) known += (known.empty() ? "" : ", ") + n;
-    DTRAIN_THROW(InputError, "--algorithm '", name, "': unknown (available: ", known, ")");
-  }
+  const AggregatorInfo& info = registry().at(name);
   validate(options.server);
-  return make(options);
+  return info.make(options);
 }
 
 std::string resolve_algorithm(const std::string& algorithm, const AggregatorOptions& options,

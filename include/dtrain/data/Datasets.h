@@ -1,0 +1,84 @@
+// The data-set registry: each data set's name, what its examples are (a classification set's
+// input shape and classes, or a language set's token windows), how its files are checked and
+// how it is loaded. `dtrain train`, `dtrain fl` and the job's checks ask it; no code above
+// data/ compares a data set's name (scripts/check-layers enforces it).
+//
+// Adding a data set: a function returning its DatasetInfo (a loader in data/) and one line in
+// kBuiltIn (src/data/Datasets.cpp); code outside the library calls register_dataset.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtrain/data/Dataset.h"
+
+namespace dtrain::data {
+
+/// What a data set may read: the data flags of `dtrain train` and `dtrain fl`.
+struct DataSource {
+  /// --data-dir ("" = the set's default location).
+  std::string data_dir;
+  /// --text-file: a language set's corpus (before --data-dir).
+  std::string text_file;
+  /// --synthetic-examples: a generated set's training examples.
+  int64_t synthetic_examples = 60000;
+  /// A language set's window length (the model's context).
+  int64_t context = 0;
+  /// A language set's share held out for validation (its end).
+  double validation_fraction = 0.1;
+  /// A generated set's seed: the training split draws from it, the test split from seed + 1.
+  uint64_t seed = 0;
+  /// The splits to load (a federated client needs one): a split not asked for stays empty.
+  bool train = true;
+  bool test = true;
+};
+
+/// A loaded data set.
+struct LoadedData {
+  TensorDataset train;
+  TensorDataset test;
+  /// Language sets: the tokenizer's vocabulary size and its saved form (what a checkpoint keeps
+  /// for `dtrain generate`); 0 and "" otherwise.
+  int64_t vocabulary = 0;
+  std::string vocabulary_utf8;
+  /// One line saying what was read (rank 0 prints it); "" for nothing to say.
+  std::string description;
+};
+
+struct DatasetInfo {
+  std::string name;
+  /// One line for --help.
+  std::string summary;
+  /// Windows of tokens trained by next-token prediction (a language model's set), rather than
+  /// labelled examples.
+  bool language = false;
+  /// Classification sets: one example's shape and the number of classes.
+  std::vector<int64_t> input_shape;
+  int64_t classes = 0;
+  /// Federated learning can partition it over clients (a classification set).
+  bool federated = false;
+  /// Checks the source (files present and well-formed, values in range) without training:
+  /// InputError naming the flag or file. nullptr: load() is the check.
+  std::function<void(const DataSource&)> check;
+  std::function<LoadedData(const DataSource&)> load;
+};
+
+/// Every registered data set, built-in ones first.
+const std::deque<DatasetInfo>& datasets();
+std::vector<std::string> dataset_names();
+/// InputError naming the registered data sets for an unknown name.
+const DatasetInfo& dataset_info(const std::string& name);
+/// Adds a data set (InputError when the name is taken); for code outside the library, before
+/// it is used.
+void register_dataset(DatasetInfo info);
+
+/// The names of the sets for which `keep` holds, "a, b or c" (for messages and --help).
+std::string dataset_names_where(const std::function<bool(const DatasetInfo&)>& keep);
+
+/// Checks then loads the named set (InputError naming what is wrong).
+LoadedData load_dataset(const std::string& name, const DataSource& source);
+
+}  // namespace dtrain::data

@@ -1,0 +1,143 @@
+// The data-set registry and the built-in sets. Adding a built-in data set: a function returning
+// its DatasetInfo and one line in kBuiltIn.
+#include "dtrain/data/Datasets.h"
+
+#include <algorithm>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/common/Registry.h"
+#include "dtrain/data/FashionMnist.h"
+#include "dtrain/data/Text.h"
+
+namespace dtrain::data {
+
+namespace {
+
+constexpr int64_t kImageClasses = 10;
+
+DatasetInfo fashion_mnist() {
+  DatasetInfo info;
+  info.name = "fashion-mnist";
+  info.summary = "Zalando's 28x28 grey clothing images in 10 classes (IDX files, --data-dir)";
+  info.input_shape = {1, 28, 28};
+  info.classes = kImageClasses;
+  info.federated = true;
+  info.check = [](const DataSource& source) {
+    load_fashion_mnist(source.data_dir, Split::Test);  // the smaller split: checks the files
+  };
+  info.load = [](const DataSource& source) {
+    LoadedData data;
+    if (source.train) data.train = load_fashion_mnist(source.data_dir, Split::Train);
+    if (source.test) data.test = load_fashion_mnist(source.data_dir, Split::Test);
+    return data;
+  };
+  return info;
+}
+
+DatasetInfo synthetic() {
+  DatasetInfo info;
+  info.name = "synthetic";
+  info.summary =
+      "Gaussian 1x28x28 inputs labelled by a random linear teacher in 10 classes "
+      "(--synthetic-examples; a test split of a fifth, at least 1000)";
+  info.input_shape = {1, 28, 28};
+  info.classes = kImageClasses;
+  info.federated = true;
+  info.check = [](const DataSource& source) {
+    DTRAIN_CHECK_INPUT(source.synthetic_examples >= 2, "--synthetic-examples must be >= 2, got ",
+                       source.synthetic_examples);
+  };
+  info.load = [shape = info.input_shape](const DataSource& source) {
+    LoadedData data;
+    if (source.train) {
+      data.train = make_synthetic(source.synthetic_examples, shape, kImageClasses, source.seed);
+    }
+    if (source.test) {
+      data.test = make_synthetic(std::max<int64_t>(1000, source.synthetic_examples / 5), shape,
+                                 kImageClasses, source.seed + 1);
+    }
+    return data;
+  };
+  return info;
+}
+
+// --text-file, else --data-dir, else Debian's fortunes.
+std::string text_path(const DataSource& source) {
+  if (!source.text_file.empty()) return source.text_file;
+  if (!source.data_dir.empty()) return source.data_dir;
+  return kFortunesDir;
+}
+
+LoadedData load_text_set(const DataSource& source) {
+  DTRAIN_CHECK_INPUT(source.validation_fraction > 0 && source.validation_fraction < 1,
+                     "--validation-fraction must be in (0, 1), got ", source.validation_fraction);
+  TextData text = load_text(text_path(source), source.context, source.validation_fraction);
+  LoadedData data;
+  data.train = std::move(text.train);
+  data.test = std::move(text.validation);
+  data.vocabulary = text.tokenizer.size();
+  data.vocabulary_utf8 = text.tokenizer.vocabulary_utf8();
+  data.description =
+      concat("text: ", text.origin, ", ", text.train_tokens + text.validation_tokens,
+             " characters (", text.train_tokens, " for training, ", text.validation_tokens,
+             " for validation), vocabulary of ", data.vocabulary);
+  return data;
+}
+
+DatasetInfo text() {
+  DatasetInfo info;
+  info.name = "text";
+  info.summary =
+      "a UTF-8 text file or a folder of them (--text-file, else --data-dir, else Debian's "
+      "fortunes), one token per character";
+  info.language = true;
+  info.check = [](const DataSource& source) { load_text_set(source); };
+  info.load = load_text_set;
+  return info;
+}
+
+using InfoFn = DatasetInfo (*)();
+constexpr InfoFn kBuiltIn[] = {
+    fashion_mnist,
+    synthetic,
+    text,
+};
+
+Registry<DatasetInfo>& registry() {
+  static Registry<DatasetInfo> all("data set", "--dataset", [] {
+    std::vector<DatasetInfo> built_in;
+    for (InfoFn info : kBuiltIn) built_in.push_back(info());
+    return built_in;
+  }());
+  return all;
+}
+
+}  // namespace
+
+const std::deque<DatasetInfo>& datasets() { return registry().all(); }
+
+std::vector<std::string> dataset_names() { return registry().names(); }
+
+const DatasetInfo& dataset_info(const std::string& name) { return registry().at(name); }
+
+void register_dataset(DatasetInfo info) {
+  DTRAIN_CHECK_INPUT(info.load, "register_dataset: a data set needs a loader");
+  DTRAIN_CHECK_INPUT(info.language || (!info.input_shape.empty() && info.classes >= 2),
+                     "register_dataset: a classification set needs its input shape and at "
+                     "least 2 classes");
+  registry().add(std::move(info));
+}
+
+std::string dataset_names_where(const std::function<bool(const DatasetInfo&)>& keep) {
+  std::vector<std::string> names;
+  for (const auto& info : datasets()) {
+    if (keep(info)) names.push_back(info.name);
+  }
+  return Registry<DatasetInfo>::joined(names, " or ");
+}
+
+LoadedData load_dataset(const std::string& name, const DataSource& source) {
+  return dataset_info(name).load(source);
+}
+
+}  // namespace dtrain::data

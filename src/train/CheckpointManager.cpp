@@ -1,0 +1,193 @@
+// A run's checkpoints (torchtitan's components/checkpoint.py): saving every rank's strategy
+// state and random-generator state under a temporary name, verified and renamed, with the
+// oldest pruned; on resume, choosing the newest checkpoint that verifies (damaged newer ones set
+// aside) and restoring it into the strategy at whatever layout the run has now.
+#include "dtrain/train/CheckpointManager.h"
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/nn/tensor/Split.h"
+#include "dtrain/train/Checkpoint.h"
+
+namespace fs = std::filesystem;
+
+namespace dtrain::train {
+
+namespace {
+
+// "4 ranks (DP 2 x PP 2 x TP 1)": how a run or a checkpoint is laid out.
+std::string describe_layout(int world, int dp, int pp, int tp) {
+  return concat(world, world == 1 ? " rank" : " ranks", " (DP ", dp, " x PP ", pp, " x TP ", tp,
+                ")");
+}
+
+std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
+
+}  // namespace
+
+CheckpointManager::CheckpointManager(const TrainerOptions& options, comm::Communicator& world,
+                                     const comm::ProcessGrid& grid, parallel::Strategy& strategy)
+    : options_(options), world_(world), grid_(grid), strategy_(strategy) {}
+
+std::vector<TensorInfo> CheckpointManager::model_tensors() const {
+  std::vector<TensorInfo> tensors;
+  auto& module = *strategy_.model().module;
+  // Full shapes: a tensor-parallel rank holds blocks of them.
+  const auto splits = tensor::parameter_splits(module);
+  for (const auto& item : module.named_parameters()) {
+    tensors.push_back({item.key(),
+                       tensor::full_shape(splits, item.key(), item.value().sizes().vec()),
+                       dtype_name(item.value())});
+  }
+  for (const auto& item : module.named_buffers()) {
+    tensors.push_back({item.key(), item.value().sizes().vec(), dtype_name(item.value()), true});
+  }
+  return tensors;
+}
+
+void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, bool alone) {
+  const std::string root = options_.checkpoint_dir;
+  const std::string name = checkpoint_name(step);
+  const std::string staging = root + "/" + name + ".tmp";
+  const bool leader = world_.rank() == 0;
+  if (leader) {
+    fs::remove_all(staging);
+    fs::create_directories(staging);
+  }
+  if (!alone) world_.barrier()->wait();
+  strategy_.save(staging);
+  torch::save(at::detail::getDefaultCPUGenerator().get_state(),
+              concat(staging, "/rng-rank", world_.rank(), ".pt"));
+  if (!alone) world_.barrier()->wait();  // every rank's files are in place
+  if (leader) {
+    CheckpointMeta meta;
+    meta.strategy = strategy_.name();
+    meta.world_size = world_.size();
+    meta.dp = grid_.dp_size();
+    meta.pp = grid_.pp_size();
+    meta.tp = grid_.tp_size();
+    meta.step = step;
+    meta.epoch = epoch;
+    meta.seed = options_.seed;
+    meta.global_batch = global_batch;
+    meta.tensors = model_tensors();
+    meta.extras = options_.checkpoint_extras;
+    // Digests read back from the files on disk, so the checkpoint that replaces older ones has
+    // been verified as written.
+    record_files(staging, meta);
+    write_meta(staging, meta);
+    const std::string final_dir = root + "/" + name;
+    fs::remove_all(final_dir);
+    fs::rename(staging, final_dir);
+    set_latest(root, name);
+    prune_checkpoints(root, options_.keep_checkpoints, name);
+  }
+  if (!alone) world_.barrier()->wait();
+}
+
+std::string CheckpointManager::choose() {
+  const std::string& root = options_.checkpoint_dir;
+  // Rank 0 verifies; everyone loads what it chose. Candidates: the one `latest` names, then
+  // older ones, newest first.
+  int64_t chosen = -1;  // index into `names`; -1 none; -2 some exist, none verifies
+  std::vector<std::string> names = list_checkpoints(root);
+  std::string newest_problem;
+  if (world_.rank() == 0 && !names.empty()) {
+    std::string latest_name;
+    if (const auto latest = latest_checkpoint_name(root)) latest_name = *latest;
+    if (!latest_name.empty() && std::find(names.begin(), names.end(), latest_name) == names.end()) {
+      std::fprintf(stderr,
+                   "dtrain: warning: %s/latest names checkpoint '%s', which does not exist; "
+                   "resuming from the newest checkpoint that verifies\n",
+                   root.c_str(), latest_name.c_str());
+      latest_name.clear();
+    }
+    int damaged = 0;
+    std::vector<std::string> set_aside;
+    for (int64_t i = static_cast<int64_t>(names.size()) - 1; i >= 0; --i) {
+      if (!latest_name.empty() && names[i] > latest_name) continue;  // another run's, newer
+      const std::string directory = root + "/" + names[i];
+      bool unverifiable = false;
+      const std::string problem = verify_checkpoint(directory, &unverifiable);
+      if (problem.empty()) {
+        if (unverifiable) {
+          std::fprintf(stderr,
+                       "dtrain: warning: checkpoint %s has no checksums (an older "
+                       "dtrain wrote it); resuming from it unverified\n",
+                       directory.c_str());
+        }
+        chosen = i;
+        break;
+      }
+      if (damaged++ == 0) newest_problem = problem;
+      std::fprintf(stderr, "dtrain: checkpoint %s does not verify: %s\n", directory.c_str(),
+                   problem.c_str());
+      set_aside.push_back(directory);
+    }
+    if (chosen >= 0) {
+      // Damaged newer checkpoints move aside (kept, never loaded or counted by pruning again).
+      for (const auto& directory : set_aside) {
+        const std::string moved = set_aside_damaged(directory);
+        std::fprintf(stderr,
+                     "dtrain: kept it as %s; resuming from the newest checkpoint that "
+                     "verifies, %s\n",
+                     moved.c_str(), names[chosen].c_str());
+      }
+      if (!set_aside.empty()) set_latest(root, names[chosen]);
+    } else if (damaged > 0) {
+      chosen = -2;
+    }
+  }
+  at::Tensor decision = at::tensor({chosen}, at::kLong);
+  world_.broadcast(decision, {0})->wait();
+  chosen = decision.item<int64_t>();
+  DTRAIN_CHECK_INPUT(chosen != -2, "no checkpoint under ", root, " verifies (",
+                     newest_problem.empty() ? "rank 0 names the damage" : newest_problem,
+                     "; nothing was changed): repair or move them, or start fresh with "
+                     "--no-resume");
+  if (chosen < 0) return "";
+  return root + "/" + names[chosen];
+}
+
+int64_t CheckpointManager::restore(int64_t global_batch) {
+  if (options_.checkpoint_dir.empty() || !options_.resume) return 0;
+  const std::string directory = choose();
+  if (directory.empty()) return 0;
+  const CheckpointMeta meta = read_meta(directory);
+  check_compatible(meta, model_tensors(), directory);
+  DTRAIN_CHECK_INPUT(meta.global_batch == global_batch, "checkpoint ", directory,
+                     " was trained with global batch ", meta.global_batch,
+                     "; resuming with global batch ", global_batch,
+                     " would change the data order (match the batch or disable resume)");
+  strategy_.load(directory);
+  std::string rng = concat(directory, "/rng-rank", world_.rank(), ".pt");
+  if (!fs::exists(rng)) rng = directory + "/rng-rank0.pt";  // world grew: reuse rank 0's
+  at::Tensor state;
+  try {
+    torch::load(state, rng);
+  } catch (const c10::Error& e) {
+    DTRAIN_THROW(InputError, rng,
+                 " is not a random-generator state: ", first_line(e.what_without_backtrace()));
+  }
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+  // What happened, whatever the progress display: batch logs run with --no-progress.
+  if (world_.rank() == 0) {
+    std::printf(
+        "dtrain: resumed from step %lld of %s (saved by %s on %s; now %s on %s)\n",
+        static_cast<long long>(meta.step), directory.c_str(), meta.strategy.c_str(),
+        describe_layout(meta.world_size, meta.dp, meta.pp, meta.tp).c_str(),
+        strategy_.name().c_str(),
+        describe_layout(world_.size(), grid_.dp_size(), grid_.pp_size(), grid_.tp_size()).c_str());
+    std::fflush(stdout);
+  }
+  return meta.step;
+}
+
+}  // namespace dtrain::train
