@@ -7,16 +7,40 @@
 //   dtrain plan --model M --cluster C ...        predict a layout's step time and memory (--search)
 //   dtrain ps serve --shard I/N                  a parameter-server shard
 //   dtrain fl simulate|serve|client ...          federated learning
+#include <torch/version.h>
+
 #include <cstdio>
 #include <exception>
 
 #include "Command.h"
+#include "dtrain/common/Cpu.h"
+#include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
+
+namespace {
+
+// What --version prints, and what benchmark records are stamped with (bench/report.py): this
+// build (dtrain, LibTorch, CUDA, services) and this machine's CPU.
+std::string version_text() {
+  const dtrain::CpuInfo& cpu = dtrain::cpu_info();
+  return dtrain::concat("dtrain ", DTRAIN_VERSION, "\nLibTorch ", TORCH_VERSION,
+                        dtrain::built_with_cuda() ? " with CUDA" : " (CPU only)",
+#ifdef DTRAIN_SERVICES
+                        ", gRPC services",
+#else
+                        ", no gRPC services",
+#endif
+                        "\nCPU ", cpu.model, " (", cpu.vector_summary(), ")");
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using dtrain::cli::kInputErrorExit;
   CLI::App app{"dtrain: distributed training for LibTorch", "dtrain"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", version_text(),
+                       "Print dtrain's and LibTorch's versions and the CPU, then exit");
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
     return dtrain::concat("dtrain: error: ", e.what(), " (see --help)\n");
   });

@@ -23,6 +23,14 @@ c10::Device parse_device(const std::string& name) {
   return *device;
 }
 
+bool built_with_cuda() {
+#ifdef DTRAIN_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 int cuda_device_count() { return at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0; }
 
 c10::Device resolve_device(const std::string& name, int local_rank) {

@@ -18,6 +18,9 @@ c10::Device parse_device(const std::string& name);
 /// N is not one of them. Makes a CUDA device the current one.
 c10::Device resolve_device(const std::string& name, int local_rank);
 
+/// Whether this build has the CUDA code paths (-DDTRAIN_CUDA=ON).
+bool built_with_cuda();
+
 /// CUDA devices visible to this process (0 in a build without CUDA).
 int cuda_device_count();
 
