@@ -1,1 +1,0 @@
-// Compiles the executables' precompiled header (see CMakeLists.txt); no code of its own.
