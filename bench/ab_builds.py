@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 
+import report
 from run_ddp_bench import run_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +41,12 @@ def configs(build):
                                               "synthetic", "--synthetic-examples", "8192",
                                               "--epochs", "1", "--max-steps", "60", "--nproc",
                                               "2", "--no-progress", "--eval-every", "0"]),
+        # The quick start's job (configs/fashion-mnist-ddp.toml), its first 150 steps.
+        "quick start cnn x2 (s/sample)": ("train", [dtrain, "train", "--config",
+                                                    os.path.join(ROOT, "configs",
+                                                                 "fashion-mnist-ddp.toml"),
+                                                    "--max-steps", "150", "--no-progress",
+                                                    "--no-resume", "--eval-every", "0"]),
     }
 
 
@@ -84,7 +91,9 @@ def main():
                 if records:
                     records.write(json.dumps({"round": r, "side": side, "build": build,
                                               "label": label, "value": value,
-                                              "record": record}) + "\n")
+                                              "record": record,
+                                              **report.stamp(os.path.join(build, "dtrain"))})
+                                  + "\n")
                     records.flush()
             a, b = values[("a", label)][-1], values[("b", label)][-1]
             print(f"round {r + 1}/{args.rounds} {label}: A {a:.4g} B {b:.4g} B/A {b / a:.3f}",

@@ -17,8 +17,9 @@ def table(lines, markdown):
 
 def stamp(dtrain=None):
     """What every raw record carries: the commit (with "-dirty" when the tree has changes), the
-    date (UTC), the machine (its CPU, cores and memory) and, given the dtrain binary that ran, its
-    build (`dtrain --version`: dtrain, LibTorch, CUDA, services)."""
+    date (UTC), the machine (its CPU, cores and memory) and, given the dtrain binary that ran,
+    "dtrain_version" (`dtrain --version`: dtrain, LibTorch, CUDA, services; "" for a dtrain
+    older than --version)."""
     import os
     import subprocess
     import time
@@ -50,5 +51,5 @@ def stamp(dtrain=None):
               "machine": f"{cpu} ({' '.join(vector) or 'no AVX2'}), {os.cpu_count()} cores, "
                          f"{memory_gib:.0f} GiB"}
     if dtrain:
-        record["build"] = run(dtrain, "--version").replace("\n", "; ")
+        record["dtrain_version"] = run(dtrain, "--version").replace("\n", "; ")
     return record

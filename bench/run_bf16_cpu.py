@@ -40,7 +40,7 @@ def main():
     parser.add_argument("--records", default=os.path.join(ROOT, "bench", "results-bf16-cpu.jsonl"))
     args = parser.parse_args()
     stamp = report.stamp(args.dtrain)
-    print(f"{stamp['machine']}; {stamp.get('build', '')}")
+    print(f"{stamp['machine']}; {stamp.get('dtrain_version', '')}")
     ratios = []
     with open(args.records, "a") as out:
         for round_ in range(args.rounds):

@@ -39,6 +39,13 @@ TEST(Cli, HelpOnEverySubcommand) {
     EXPECT_TRUE(has(out, "Usage:")) << sub;
   }
   EXPECT_TRUE(has(run(kDtrain + " train --help"), "--checkpoint-dir"));
+  // --version: the build and the machine, as benchmark records are stamped (bench/report.py).
+  const auto version = run(kDtrain + " --version");
+  EXPECT_EQ(version.code, 0) << version.text;
+  EXPECT_TRUE(has(version, "dtrain ") && has(version, "\nLibTorch ") && has(version, "\nCPU "))
+      << version.text;
+  // The data sets --help offers are the registry's.
+  EXPECT_TRUE(has(run(kDtrain + " train --help"), "fashion-mnist, synthetic or text"));
 }
 
 TEST(Cli, BadInputIsOneClearLineAndExitCode2) {

@@ -26,6 +26,20 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// What validate_job says of `job`: its InputError's text, or "accepted".
+std::string job_refusal(const train::JobConfig& job) {
+  try {
+    train::validate_job(job);
+  } catch (const InputError& e) {
+    return std::string(e.what());
+  }
+  return "accepted";
+}
+
+}  // namespace
+
+namespace {
+
 // ---- A strategy ---------------------------------------------------------------------------
 // The simplest data parallelism: a whole replica per rank, each gradient all-reduced on its own
 // after backward. Its own options struct, flag and check, as a strategy in src/parallel/ has.
@@ -396,14 +410,7 @@ TEST(HowToAdd, AModelIsBuiltByNameCutIntoStagesAndRefusedWhereItCannotGo) {
   job.model = "two-layer";
   job.dataset = "synthetic";
   job.nproc = 2;
-  auto refusal = [&] {
-    try {
-      train::validate_job(job);
-    } catch (const InputError& e) {
-      return std::string(e.what());
-    }
-    return std::string("accepted");
-  };
+  auto refusal = [&] { return job_refusal(job); };
   job.trainer.tensor_parallel = 2;
   EXPECT_NE(refusal().find("--tensor-parallel 2 needs --model gpt or another model with "
                            "tensor-parallel layers, not two-layer"),
@@ -484,14 +491,7 @@ TEST(HowToAdd, ADataSetIsOneRegistryEntryTheJobBuildsTheModelForAndTrainsOn) {
   job.trainer.batch_size = 20;
   job.trainer.epochs = 3;
   job.trainer.progress = false;
-  auto refusal = [&] {
-    try {
-      train::validate_job(job);
-    } catch (const InputError& e) {
-      return std::string(e.what());
-    }
-    return std::string("accepted");
-  };
+  auto refusal = [&] { return job_refusal(job); };
   EXPECT_EQ(refusal(), "accepted");
   // Its own check runs before any rank starts; a language model is refused by name.
   job.synthetic_examples = 10;

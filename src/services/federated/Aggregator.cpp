@@ -138,6 +138,8 @@ class FedDyn : public Aggregator {
  public:
   explicit FedDyn(double alpha) : alpha_(alpha) {}
   std::string name() const override { return "feddyn"; }
+  // Its state h moves by the share of the population in a round: rounds it must have.
+  bool supports_buffered() const override { return false; }
   LocalTraining configure(const LocalTraining& plan, int64_t round) const override {
     DTRAIN_CHECK_INPUT(plan.prox_mu == 0,
                        "--algorithm feddyn sets the proximal weight itself "

@@ -54,10 +54,8 @@ RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
                        "--buffer-size (asynchronous buffered aggregation) with "
                        "--secure-aggregation: buffered secure aggregation is not implemented; "
                        "use synchronous rounds (--buffer-size 0) with secure aggregation");
-    DTRAIN_CHECK_INPUT(!aggregator_->needs_control_deltas() &&
-                           !aggregator_->needs_individual_updates() &&
-                           aggregator_->name() != "feddyn",
-                       "--buffer-size with --algorithm ", aggregator_->name(),
+    DTRAIN_CHECK_INPUT(aggregator_->supports_buffered(), "--buffer-size with --algorithm ",
+                       aggregator_->name(),
                        ": it assumes synchronous rounds (drift state or a statistic over one "
                        "round's updates); buffered aggregation takes fedavg, fedprox, fedavgm, "
                        "fedadam or fedsgd");

@@ -77,6 +77,13 @@ class Aggregator {
   /// Whether clients send SCAFFOLD's control-variate changes with their updates (summed in the
   /// clear: refused with secure aggregation and differential privacy).
   virtual bool needs_control_deltas() const { return false; }
+  /// Whether it can take updates as they come (FedBuff's buffered steps, each update of its own
+  /// model version): false for a rule that assumes synchronous rounds, such as one that keeps
+  /// drift state scaled by a round's participants (FedDyn) or a statistic over one round's
+  /// updates; by default, rules that need neither each update nor control deltas can.
+  virtual bool supports_buffered() const {
+    return !needs_individual_updates() && !needs_control_deltas();
+  }
   /// A flat tensor the selected clients receive with the model (SCAFFOLD's server control
   /// variate); undefined for none.
   virtual at::Tensor client_control() const { return at::Tensor(); }
