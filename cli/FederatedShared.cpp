@@ -202,9 +202,7 @@ data::TensorDataset load(const Shared& s, bool train) {
   source.seed = s.seed + 1;
   source.train = train;
   source.test = !train;
-  const data::DatasetInfo& dataset = federated_dataset(s);
-  if (dataset.check) dataset.check(source);
-  data::LoadedData data = dataset.load(source);
+  data::LoadedData data = federated_dataset(s).load(source);
   return train ? std::move(data.train) : std::move(data.test);
 }
 

@@ -34,6 +34,11 @@ DatasetInfo fashion_mnist() {
   return info;
 }
 
+void check_synthetic(const DataSource& source) {
+  DTRAIN_CHECK_INPUT(source.synthetic_examples >= 2, "--synthetic-examples must be >= 2, got ",
+                     source.synthetic_examples);
+}
+
 DatasetInfo synthetic() {
   DatasetInfo info;
   info.name = "synthetic";
@@ -43,11 +48,9 @@ DatasetInfo synthetic() {
   info.input_shape = {1, 28, 28};
   info.classes = kImageClasses;
   info.federated = true;
-  info.check = [](const DataSource& source) {
-    DTRAIN_CHECK_INPUT(source.synthetic_examples >= 2, "--synthetic-examples must be >= 2, got ",
-                       source.synthetic_examples);
-  };
+  info.check = check_synthetic;
   info.load = [shape = info.input_shape](const DataSource& source) {
+    check_synthetic(source);
     LoadedData data;
     if (source.train) {
       data.train = make_synthetic(source.synthetic_examples, shape, kImageClasses, source.seed);

@@ -220,7 +220,9 @@ TrainerOptions trainer_options(const JobConfig& job) {
 
 int64_t planned_steps(const JobConfig& job) {
   const TrainerOptions options = trainer_options(job);
-  const int64_t examples = data::load_dataset(job.dataset, data_source(job)).train.size();
+  data::DataSource source = data_source(job);
+  source.test = false;  // only the training examples are counted
+  const int64_t examples = data::load_dataset(job.dataset, source).train.size();
   const int64_t dp = data_parallel_ranks(job, options);
   const int64_t per_epoch =
       std::max<int64_t>(1, examples / dp / plan_batches(options, dp).local_step_batch());

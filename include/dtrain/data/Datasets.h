@@ -60,9 +60,11 @@ struct DatasetInfo {
   int64_t classes = 0;
   /// Federated learning can partition it over clients (a classification set).
   bool federated = false;
-  /// Checks the source (files present and well-formed, values in range) without training:
-  /// InputError naming the flag or file. nullptr: load() is the check.
+  /// Checks the source (files present and well-formed, values in range) before any rank
+  /// starts, as cheaply as it can: InputError naming the flag or file. nullptr: load() is the
+  /// check.
   std::function<void(const DataSource&)> check;
+  /// Loads the splits asked for; refuses what check() refuses (it is called without it).
   std::function<LoadedData(const DataSource&)> load;
 };
 
