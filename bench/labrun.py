@@ -4,6 +4,8 @@ commit and date every record carries."""
 import json
 import os
 import subprocess
+
+import report
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +41,5 @@ def run_and_read(command, metrics):
 
 
 def stamp():
-    """The commit and the date (UTC) of a record."""
-    return {"commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                     stdout=subprocess.PIPE, text=True).stdout.strip(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    """The commit, the date, the machine and the versions of a record (report.stamp)."""
+    return report.stamp(DTRAIN)

@@ -1,5 +1,12 @@
 """How every benchmark script reports: its table printed and, with --markdown FILE, written to
-FILE for BENCHMARKS.md."""
+FILE for BENCHMARKS.md; its raw records written through Records (JSON Lines) or open_log (a
+text log), each stamped with the commit, the date, the machine and the dtrain and LibTorch
+versions (stamp)."""
+import json
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def emit(text, markdown):
@@ -17,13 +24,14 @@ def table(lines, markdown):
 
 def stamp(dtrain=None):
     """What every raw record carries: the commit (with "-dirty" when the tree has changes), the
-    date (UTC), the machine (its CPU, cores and memory) and, given the dtrain binary that ran,
-    "dtrain_version" (`dtrain --version`: dtrain, LibTorch, CUDA, services; "" for a dtrain
-    older than --version)."""
-    import os
-    import subprocess
+    date (UTC), the machine (its CPU, cores and memory), "dtrain_version" (`dtrain --version` of
+    the binary that ran, by default build/dtrain: dtrain, LibTorch, CUDA, services; "" for a
+    dtrain older than --version) and "libtorch" (its LibTorch version)."""
     import time
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
+    if dtrain is None:
+        default = os.path.join(root, "build", "dtrain")
+        dtrain = default if os.access(default, os.X_OK) else None
 
     def run(*command):
         done = subprocess.run(command, capture_output=True, text=True)
@@ -51,5 +59,59 @@ def stamp(dtrain=None):
               "machine": f"{cpu} ({' '.join(vector) or 'no AVX2'}), {os.cpu_count()} cores, "
                          f"{memory_gib:.0f} GiB"}
     if dtrain:
-        record["dtrain_version"] = run(dtrain, "--version").replace("\n", "; ")
+        version = run(dtrain, "--version")
+        record["dtrain_version"] = version.replace("\n", "; ")
+        for line in version.split("\n"):
+            if line.startswith("LibTorch "):
+                record["libtorch"] = line.split()[1]
     return record
+
+
+class Records:
+    """A file of raw records (JSON Lines): write(record) appends one, stamped (stamp() is taken
+    once, when the file is opened; a record's own fields win). A with-statement closes it."""
+
+    def __init__(self, path, mode="a", dtrain=None):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.file = open(path, mode)
+        self.stamp = stamp(dtrain)
+
+    def write(self, record):
+        self.file.write(json.dumps({**self.stamp, **record}) + "\n")
+        self.file.flush()
+
+    def flush(self):
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_log(path, mode="w", dtrain=None):
+    """A text log whose first line is "# " and its stamp (JSON)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    log = open(path, mode)
+    log.write("# " + json.dumps(stamp(dtrain)) + "\n")
+    log.flush()
+    return log
+
+
+_runs = None
+
+
+def record_runs(path, dtrain=None):
+    """From now on record_run() appends each run to `path` (Records: stamped)."""
+    global _runs
+    _runs = Records(path, "a", dtrain)
+
+
+def record_run(command, result):
+    """One benchmark run's command and the JSON it printed, to record_runs()'s file (if any)."""
+    if _runs is not None:
+        _runs.write({"command": " ".join(command), **result})

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "Options.h"
+#include "NumericOptions.h"
 
 namespace dtrain::cli {
 

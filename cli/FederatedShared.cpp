@@ -8,9 +8,9 @@
 
 #include "dtrain/data/Datasets.h"
 #include "dtrain/launch/Environment.h"
-#include "dtrain/services/federated/Aggregator.h"
-#include "dtrain/services/federated/Client.h"
 #include "dtrain/services/federated/RoundServer.h"
+#include "dtrain/services/federated/aggregation/Aggregator.h"
+#include "dtrain/services/federated/service/Client.h"
 #include "dtrain/train/Checkpoint.h"
 
 namespace dtrain::cli::fl {
@@ -26,22 +26,21 @@ std::string federated_models() {
 }
 
 // The rounds' flags of the simulation and the server (the same meaning in both).
-void add_round_flags(CLI::App& c, int64_t& rounds, int64_t& min_clients, bool& secure,
-                     double& secagg_threshold, std::string& secagg_graph, std::string& metrics_file,
-                     const std::string& min_clients_more) {
+void add_round_flags(CLI::App& c, int64_t& rounds, Shared& s, double& secagg_threshold,
+                     std::string& metrics_file, const std::string& min_clients_more) {
   add(c, "--rounds", rounds, "Rounds")->capture_default_str();
-  add(c, "--min-clients", min_clients,
+  add(c, "--min-clients", s.round.min_clients,
       "A round counts when at least this many selected clients finished (0 = 1); else it is "
       "retried" +
           min_clients_more)
       ->capture_default_str();
-  c.add_flag("--secure-aggregation", secure,
+  c.add_flag("--secure-aggregation", s.round.secure_aggregation,
              "Secure aggregation (Bonawitz et al. 2017): the server learns only each round's sum");
   add(c, "--secagg-threshold", secagg_threshold,
       "Secure aggregation's t as a fraction of the round's clients (with SecAgg+: of a "
       "neighbourhood, degree + 1; 0 = a majority); rounds with fewer survivors abort")
       ->capture_default_str();
-  add(c, "--secagg-graph", secagg_graph,
+  add(c, "--secagg-graph", s.secagg_graph,
       "Secure aggregation among whom: full (every pair of the round's clients, Bonawitz et al.), "
       "log (SecAgg+, Bell et al. 2020: a random graph of degree about 2 log2 K from the round's "
       "seed; masks and shares only among neighbours), auto (SecAgg+ with the smallest degree "
@@ -51,8 +50,8 @@ void add_round_flags(CLI::App& c, int64_t& rounds, int64_t& min_clients, bool& s
   add(c, "--metrics-file", metrics_file, "JSON Lines: one record per round");
 }
 
-void add_buffer_flags(CLI::App& c, federated::BufferSpec& buffer, std::string& staleness,
-                      const std::string& more) {
+void add_buffer_flags(CLI::App& c, Shared& s, std::string& staleness, const std::string& more) {
+  services::federated::BufferSpec& buffer = s.round.buffer;
   add(c, "--buffer-size", buffer.size,
       "K: asynchronous buffered aggregation (FedBuff): updates are taken as they arrive and "
       "applied every K (0 = synchronous rounds); --rounds counts these server steps" +
@@ -70,65 +69,68 @@ void add_buffer_flags(CLI::App& c, federated::BufferSpec& buffer, std::string& s
 
 void add_plan(CLI::App& c, Shared& s) {
   std::string algorithms;
-  for (const auto& name : federated::aggregator_names()) {
+  for (const auto& name : services::federated::aggregator_names()) {
     algorithms += (algorithms.empty() ? "" : ", ") + name;
   }
-  add(c, "--algorithm", s.algorithm,
+  add(c, "--algorithm", s.round.aggregator.algorithm,
       "The aggregator: " + algorithms +
           " (fedsgd: E = 1 and the full local batch; fedavg with "
           "--server-optimizer adam is fedadam, with --server-momentum fedavgm, with --prox-mu "
           "fedprox)")
       ->capture_default_str();
-  add(c, "--local-epochs", s.local.epochs, "E: local passes over a client's examples")
+  add(c, "--local-epochs", s.round.local.epochs, "E: local passes over a client's examples")
       ->capture_default_str();
-  add(c, "--local-batch", s.local.batch, "B: local batch size (0 = a client's whole set)")
+  add(c, "--local-batch", s.round.local.batch, "B: local batch size (0 = a client's whole set)")
       ->capture_default_str();
-  add_sgd_flags(c, s.local.lr, s.local.momentum, s.local.weight_decay, "Local");
-  add(c, "--lr-decay", s.local.lr_decay, "The local rate is multiplied by this every round")
+  add_sgd_flags(c, s.round.local.lr, s.round.local.momentum, s.round.local.weight_decay, "Local");
+  add(c, "--lr-decay", s.round.local.lr_decay, "The local rate is multiplied by this every round")
       ->capture_default_str();
-  add(c, "--prox-mu", s.local.prox_mu, "FedProx's proximal term mu (0 = FedAvg)")
+  add(c, "--prox-mu", s.round.local.prox_mu, "FedProx's proximal term mu (0 = FedAvg)")
       ->capture_default_str();
   add(c, "--compression", s.compression,
       "How clients compress updates: none, q8 (8-bit, stochastic rounding) or topk:FRACTION "
       "(the largest FRACTION of elements, with error feedback)")
       ->capture_default_str();
-  add(c, "--server-optimizer", s.server.name,
+  add(c, "--server-optimizer", s.round.aggregator.server.name,
       "Applied to the averaged update: sgd (FedAvg; FedAvgM with --server-momentum) or adam "
       "(FedAdam)")
       ->capture_default_str();
-  add(c, "--server-lr", s.server.lr, "The server optimizer's rate (1 with sgd: plain FedAvg)")
+  add(c, "--server-lr", s.round.aggregator.server.lr,
+      "The server optimizer's rate (1 with sgd: plain FedAvg)")
       ->capture_default_str();
-  add(c, "--server-momentum", s.server.momentum, "FedAvgM's momentum")->capture_default_str();
-  add(c, "--feddyn-alpha", s.feddyn_alpha,
+  add(c, "--server-momentum", s.round.aggregator.server.momentum, "FedAvgM's momentum")
+      ->capture_default_str();
+  add(c, "--feddyn-alpha", s.round.aggregator.feddyn_alpha,
       "feddyn: the weight alpha of its dynamic regularizer (Acar et al. 2021 use 0.01-0.1)")
       ->capture_default_str();
-  add(c, "--scaffold-option", s.scaffold_option,
+  add(c, "--scaffold-option", s.round.aggregator.scaffold_option,
       "scaffold: how clients update their control variate: 1 (the gradient at the server "
       "model: one more pass) or 2 (from the local steps' movement)")
       ->capture_default_str();
-  add(c, "--assumed-faulty", s.robust.assumed_faulty,
+  add(c, "--assumed-faulty", s.round.aggregator.robust.assumed_faulty,
       "Robust aggregators: the fraction of a round's updates they tolerate as faulty "
       "(trimmed-mean cuts it from each end; krum's f = it x n; multi-krum averages n - f)")
       ->capture_default_str();
-  add(c, "--update-clip", s.robust.update_clip,
+  add(c, "--update-clip", s.round.aggregator.robust.update_clip,
       "clipped-mean: scale every update to at most this L2 norm (0 = the round's median norm)")
       ->capture_default_str();
-  add(c, "--dp-clip", s.dp.clip,
+  add(c, "--dp-clip", s.round.dp.clip,
       "Differential privacy (DP-FedAvg): clip each client's update to this L2 norm and weight "
       "clients equally (0 = off)")
       ->capture_default_str();
-  add(c, "--dp-noise", s.dp.noise_multiplier,
+  add(c, "--dp-noise", s.round.dp.noise_multiplier,
       "Gaussian noise on the round's sum, standard deviation this x --dp-clip")
       ->capture_default_str();
-  add(c, "--dp-delta", s.dp.delta, "The delta of the (epsilon, delta) reported per round")
+  add(c, "--dp-delta", s.round.dp.delta, "The delta of the (epsilon, delta) reported per round")
       ->capture_default_str();
-  add(c, "--dp-target-quantile", s.dp.target_quantile,
+  add(c, "--dp-target-quantile", s.round.dp.target_quantile,
       "Adaptive clipping (Andrew et al. 2021): the clip follows this quantile of the update "
       "norms, privately, starting at --dp-clip (0 = a fixed clip; 0.5 in the paper)")
       ->capture_default_str();
-  add(c, "--dp-clip-lr", s.dp.clip_lr, "Adaptive clipping: the clip's geometric learning rate")
+  add(c, "--dp-clip-lr", s.round.dp.clip_lr,
+      "Adaptive clipping: the clip's geometric learning rate")
       ->capture_default_str();
-  add(c, "--dp-count-noise", s.dp.count_noise,
+  add(c, "--dp-count-noise", s.round.dp.count_noise,
       "Adaptive clipping: the noise on the count of updates within the clip (0 = the round's "
       "clients / 20); it takes its share of --dp-noise")
       ->capture_default_str();
@@ -137,7 +139,7 @@ void add_plan(CLI::App& c, Shared& s) {
                       " (fedavg-cnn: McMahan et al.'s CNN, 5x5 convolutions "
                       "and a 512-unit layer)",
                   "McMahan et al.'s 2NN: 200 200");
-  add_seed_flag(c, s.seed, "model, selection, local order");
+  add_seed_flag(c, s.round.seed, "model, selection, local order");
   add(c, "--init-from", s.init_from,
       "Start the global model from these weights: a training checkpoint (directory or root) of "
       "any strategy and world size, or a consolidated file");
@@ -148,7 +150,7 @@ void add_plan(CLI::App& c, Shared& s) {
 
 // The model the flags name, from --init-from's weights when given.
 Model initial_model(const Shared& s, const models::ModelSpec& spec) {
-  torch::manual_seed(s.seed);
+  torch::manual_seed(s.round.seed);
   Model model = models::make_model(spec);
   if (!s.init_from.empty()) train::load_model_from(*model.module, s.init_from);
   return model;
@@ -157,7 +159,7 @@ Model initial_model(const Shared& s, const models::ModelSpec& spec) {
 void save_final(const Shared& s, const models::ModelSpec& spec, const at::Tensor& global) {
   if (s.save_model.empty()) return;
   Model model = models::make_model(spec);
-  federated::load_flat_parameters(model, global);
+  services::federated::load_flat_parameters(model, global);
   train::save_consolidated(*model.module, s.save_model);
   std::printf("wrote the global model to %s\n", s.save_model.c_str());
 }
@@ -199,7 +201,7 @@ data::TensorDataset load(const Shared& s, bool train) {
   data::DataSource source;
   source.data_dir = s.data_dir;
   source.synthetic_examples = s.synthetic_examples;
-  source.seed = s.seed + 1;
+  source.seed = s.round.seed + 1;
   source.train = train;
   source.test = !train;
   data::LoadedData data = federated_dataset(s).load(source);
@@ -217,7 +219,7 @@ void set_up_process(int threads) {
 
 std::string default_client_id() {
   char host[256] = {};
-  if (::gethostname(host, sizeof host - 1) != 0 || !federated::valid_client_id(host)) {
+  if (::gethostname(host, sizeof host - 1) != 0 || !services::federated::valid_client_id(host)) {
     std::snprintf(host, sizeof host, "client");
   }
   return concat(host, "-", ::getpid());

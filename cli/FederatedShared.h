@@ -5,38 +5,36 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "Command.h"
 #include "CommonFlags.h"
 #include "dtrain/data/Datasets.h"
 #include "dtrain/models/Zoo.h"
-#include "dtrain/services/federated/Buffered.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Privacy.h"
-#include "dtrain/services/federated/Robust.h"
+#include "dtrain/services/federated/RoundServer.h"
+#include "dtrain/services/federated/aggregation/Buffered.h"
+#include "dtrain/services/federated/aggregation/Robust.h"
 
 namespace dtrain::cli::fl {
 
-// Flags the simulation and the server share: the clients' plan, the server optimizer, the
-// aggregators' parameters, the model, the data.
+// Flags the simulation and the server share: the rounds' rules (the clients' plan, the
+// aggregator and its server optimizer, privacy, secure and buffered aggregation, the seed: bound
+// here once, handed to SimulationOptions::round or ServerOptions::round whole), the model, the
+// data.
 struct Shared {
-  federated::LocalTraining local;
-  federated::ServerOptimizerSpec server;
-  federated::DpSpec dp;
-  federated::RobustSpec robust;
+  services::federated::RoundServerOptions round;
   std::string init_from, save_model;
-  double feddyn_alpha = 0.01;
-  int scaffold_option = 2;
   std::string compression = "none";
   std::string secagg_graph = "full";
-  std::string algorithm = "fedavg";
   std::string model = "mlp";
   std::vector<int64_t> hidden{200, 200};
   std::string dataset = "fashion-mnist";
   std::string data_dir;
   int64_t synthetic_examples = 4000;
-  uint64_t seed = 0;
   int threads = 0;
 };
 
@@ -44,13 +42,11 @@ struct Shared {
 std::string federated_models();
 
 // The rounds' flags of the simulation and the server (the same meaning in both).
-void add_round_flags(CLI::App& c, int64_t& rounds, int64_t& min_clients, bool& secure,
-                     double& secagg_threshold, std::string& secagg_graph, std::string& metrics_file,
-                     const std::string& min_clients_more);
+void add_round_flags(CLI::App& c, int64_t& rounds, Shared& s, double& secagg_threshold,
+                     std::string& metrics_file, const std::string& min_clients_more);
 
 // Asynchronous buffered aggregation's flags (--buffer-size, --concurrency, --staleness).
-void add_buffer_flags(CLI::App& c, federated::BufferSpec& buffer, std::string& staleness,
-                      const std::string& more);
+void add_buffer_flags(CLI::App& c, Shared& s, std::string& staleness, const std::string& more);
 
 // The plan's, the server's, the aggregators' and the model's flags (simulate and serve).
 void add_plan(CLI::App& c, Shared& s);
@@ -80,6 +76,11 @@ const data::DatasetInfo& federated_dataset(const Shared& s);
 // FedSGD round with the CNN spends 45% of its time in the kernel (BENCHMARKS.md). Called before
 // the data loads: tuned after it, the rounds still unmapped 1.6x as often.
 void set_up_process(int threads);
+
+// `dtrain fl simulate`, `dtrain fl serve`, `dtrain fl client` on the `fl` group.
+std::unique_ptr<Command> simulate_command(CLI::App* fl);
+std::unique_ptr<Command> serve_command(CLI::App* fl);
+std::unique_ptr<Command> client_command(CLI::App* fl);
 
 // HOSTNAME-PID.
 std::string default_client_id();

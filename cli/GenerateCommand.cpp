@@ -2,7 +2,7 @@
 #include <cstdio>
 
 #include "Command.h"
-#include "Options.h"
+#include "NumericOptions.h"
 #include "dtrain/train/Generate.h"
 
 namespace dtrain::cli {

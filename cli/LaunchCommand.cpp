@@ -1,7 +1,7 @@
 // `dtrain launch`: starts ranks of any program with torchrun's environment (RANK, WORLD_SIZE,
 // MASTER_ADDR, ...), on one node or several, static or elastic, with restarts.
 #include "Command.h"
-#include "Options.h"
+#include "NumericOptions.h"
 #include "dtrain/launch/Launcher.h"
 
 namespace dtrain::cli {

@@ -240,7 +240,7 @@ class PlanCommand final : public Command {
     DTRAIN_CHECK_INPUT(!model_.empty(), "plan: --model is required");
     DTRAIN_CHECK_INPUT(!cluster_.empty(), "plan: --cluster is required (a profile: ",
                        "configs/hardware/*.toml, or `dtrain plan calibrate` for this machine)");
-    const plan::ModelSpec model = plan::model_named(model_);
+    const plan::ModelCost model = plan::model_named(model_);
     plan::Cluster cluster;
     cluster.hardware = plan::load_hardware(cluster_, hardware_dirs(hardware_dirs_));
     cluster.nodes = nodes_;
@@ -290,7 +290,7 @@ class PlanCommand final : public Command {
     return layout;
   }
 
-  int run_search(const plan::ModelSpec& model, const plan::Cluster& cluster) {
+  int run_search(const plan::ModelCost& model, const plan::Cluster& cluster) {
     DTRAIN_CHECK_INPUT(global_batch_ > 0, "--search needs --global-batch (samples per step)");
     plan::SearchOptions options;
     options.global_batch = global_batch_;
@@ -333,7 +333,7 @@ class PlanCommand final : public Command {
     return 0;
   }
 
-  int run_scaling(const plan::ModelSpec& model, plan::Cluster cluster) {
+  int run_scaling(const plan::ModelCost& model, plan::Cluster cluster) {
     std::vector<int> gpus;
     std::vector<double> throughput, efficiency;
     nlohmann::json rows = nlohmann::json::array();

@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "Command.h"
-#include "Options.h"
+#include "NumericOptions.h"
 #include "dtrain/comm/TokenFile.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Environment.h"
@@ -19,7 +19,7 @@ namespace {
 volatile std::sig_atomic_t g_stop_serving = 0;
 
 // `dtrain ps serve`: one parameter-server shard until SIGINT or SIGTERM.
-int serve_shard(dtrain::parallel::ps::ShardServerOptions options, const std::string& shard_text,
+int serve_shard(services::ps::ShardServerOptions options, const std::string& shard_text,
                 double report_s) {
   const auto slash = shard_text.find('/');
   int shard = -1, shards = -1;
@@ -41,16 +41,15 @@ int serve_shard(dtrain::parallel::ps::ShardServerOptions options, const std::str
   DTRAIN_CHECK_INPUT(report_s >= 0, "--report-every must be >= 0 seconds");
   DTRAIN_CHECK_INPUT(options.max_workers >= 1, "--max-workers must be >= 1, got ",
                      options.max_workers);
-  dtrain::parallel::ps::check_shard_optimizer(options.optimizer);
+  services::ps::check_shard_optimizer(options.optimizer);
   dtrain::launch::tune_allocator();  // megabyte messages: no mmap/munmap per message
-  dtrain::parallel::ps::ShardServer server(options);
+  services::ps::ShardServer server(options);
   std::signal(SIGINT, [](int) { g_stop_serving = 1; });
   std::signal(SIGTERM, [](int) { g_stop_serving = 1; });
   if (server.resumed_version() >= 0) {
-    std::printf(
-        "parameter-server shard %d/%d resumed from %s at version %lld\n", shard, shards,
-        dtrain::parallel::ps::shard_checkpoint_file(options.checkpoint_dir, shard, shards).c_str(),
-        static_cast<long long>(server.resumed_version()));
+    std::printf("parameter-server shard %d/%d resumed from %s at version %lld\n", shard, shards,
+                services::ps::shard_checkpoint_file(options.checkpoint_dir, shard, shards).c_str(),
+                static_cast<long long>(server.resumed_version()));
   }
   std::printf(
       "parameter-server shard %d/%d listening on %s (port %d), optimizer %s, lr %g (%s)%s%s\n",
@@ -133,13 +132,13 @@ class PsCommand final : public Command {
   }
   bool parsed() const override { return serve_->parsed(); }
   int run(const std::vector<std::string>&) override {
-    if (!token_file_.empty()) options_.auth_token = dtrain::rpc::read_token_file(token_file_);
+    if (!token_file_.empty()) options_.auth_token = dtrain::comm::rpc::read_token_file(token_file_);
     return serve_shard(options_, shard_text_, report_s_);
   }
 
  private:
   CLI::App* serve_ = nullptr;
-  dtrain::parallel::ps::ShardServerOptions options_;
+  services::ps::ShardServerOptions options_;
   std::string shard_text_ = "0/1";
   std::string token_file_;
   double report_s_ = 10;

@@ -1,20 +1,18 @@
 // `dtrain train`: trains a reference model (the job's options are its flags, or a TOML file's
 // keys); with --nproc N it starts N local ranks of itself, with --ps-shards N the shards.
-#include <unistd.h>
-
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 
 #include "Command.h"
 #include "CommonFlags.h"
-#include "Options.h"
+#include "ConfigFile.h"
+#include "NumericOptions.h"
 #include "dtrain/comm/TokenFile.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/launch/Environment.h"
 #include "dtrain/launch/Launcher.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ps/PsOptions.h"
 #ifdef DTRAIN_SERVICES
 #include "dtrain/services/ps/LocalShards.h"
@@ -24,14 +22,6 @@
 namespace dtrain::cli {
 
 namespace {
-
-std::string self_executable() {
-  char path[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
-  if (n <= 0) return "dtrain";
-  path[n] = '\0';
-  return path;
-}
 
 void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
                        dtrain::FlagSet& strategy_flags) {
@@ -258,11 +248,11 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
 #ifdef DTRAIN_SERVICES
   if (!job.ps_auth_token_file.empty()) {
     job.trainer.strategy_options.of<dtrain::parallel::ps::PsOptions>().auth_token =
-        dtrain::rpc::read_token_file(job.ps_auth_token_file);
+        dtrain::comm::rpc::read_token_file(job.ps_auth_token_file);
   }
   // Shards started here live until the run ends.
-  const dtrain::parallel::ps::LocalShards shards =
-      worker ? dtrain::parallel::ps::LocalShards{} : dtrain::parallel::ps::start_local_shards(job);
+  const services::ps::LocalShards shards =
+      worker ? services::ps::LocalShards{} : services::ps::start_local_shards(job);
   if (!shards.servers.empty()) args = with_local_shards(args, shards.addresses);
 #endif
   if (job.nproc > 1 && !worker) {
@@ -274,94 +264,13 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
     // Parameter-server workers are independent: one that fails leaves the others running
     // (Sandblaster hands its work units to the others).
     launch.tolerate_failures = dtrain::train::uses_parameter_server(job);
-    launch.command.push_back(self_executable());
+    launch.command.push_back(dtrain::launch::self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     return dtrain::launch::launch(launch);
   }
   const auto result = dtrain::train::run_job(job);
-  if (result.rank == 0) {
-    const auto& fit = result.fit;
-    std::printf(
-        "trained %lld steps (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s\n",
-        static_cast<long long>(fit.steps), static_cast<long long>(fit.global_batch),
-        result.world_size, result.world_size == 1 ? "" : "s",
-        dtrain::concat(job.trainer.pipeline_parallel > 1
-                           ? dtrain::concat(job.trainer.pipeline_parallel, "-stage pipeline x ")
-                           : std::string(),
-                       job.trainer.strategy,
-                       job.trainer.tensor_parallel > 1
-                           ? dtrain::concat(" x tensor-parallel ", job.trainer.tensor_parallel)
-                           : std::string())
-            .c_str(),
-        fit.seconds, fit.samples_per_second);
-    if (fit.validation && dtrain::data::dataset_info(job.dataset).language) {
-      std::printf(
-          "validation loss: %.4f nats/char (%.3f bits/char) over %lld windows, "
-          "next-character accuracy %.2f%%\n",
-          fit.validation->loss, fit.validation->loss / std::log(2.0),
-          static_cast<long long>(fit.validation->examples), fit.validation->accuracy * 100);
-    } else if (fit.validation) {
-      std::printf("test accuracy: %.2f%% (%lld examples), test loss %.4f\n",
-                  fit.validation->accuracy * 100, static_cast<long long>(fit.validation->examples),
-                  fit.validation->loss);
-    }
-  }
+  if (result.rank == 0) std::printf("%s", dtrain::train::summary(job, result).c_str());
   return 0;
-}
-
-// Replaces `--config FILE` after the `train` subcommand by the flags the TOML file sets, placed
-// before the other command-line flags so that those win.
-std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App& train) {
-  auto at = std::find(args.begin(), args.end(), "train");
-  if (at == args.end()) return args;
-  std::vector<std::string> rest(at + 1, args.end());
-  std::string path;
-  for (size_t i = 0; i < rest.size(); ++i) {
-    if (rest[i] == "--config" && i + 1 < rest.size()) {
-      path = rest[i + 1];
-      rest.erase(rest.begin() + i, rest.begin() + i + 2);
-      break;
-    }
-    if (rest[i].rfind("--config=", 0) == 0) {
-      path = rest[i].substr(9);
-      rest.erase(rest.begin() + i);
-      break;
-    }
-  }
-  if (path.empty()) return args;
-  DTRAIN_CHECK_INPUT(
-      std::filesystem::is_regular_file(path) && ::access(path.c_str(), R_OK) == 0, "config file ",
-      path,
-      std::filesystem::is_directory(path) ? " is a directory, not a TOML file" : " cannot be read");
-  std::vector<CLI::ConfigItem> items;
-  try {
-    items = CLI::ConfigTOML().from_file(path);
-  } catch (const std::exception& e) {
-    DTRAIN_THROW(dtrain::InputError, "config file ", path, " is not valid TOML: ", e.what());
-  }
-  std::vector<std::string> injected;
-  for (const auto& item : items) {
-    if (item.name == "++" || item.name == "--") continue;  // section markers
-    // Keys may stand at the top level or in a [train] table.
-    std::string key = item.parents.empty() ? item.name : item.fullname();
-    if (item.parents.size() == 1 && item.parents.front() == "train") key = item.name;
-    const CLI::Option* option = train.get_option_no_throw("--" + key);
-    DTRAIN_CHECK_INPUT(option != nullptr && key != "config", "config file ", path,
-                       ": unknown key '", key, "' (keys are `dtrain train` flag names)");
-    if (option->get_expected_max() == 0) {  // a flag: key = true / false
-      const std::string value = item.inputs.empty() ? "true" : item.inputs.front();
-      DTRAIN_CHECK_INPUT(value == "true" || value == "false", "config file ", path, ": key '", key,
-                         "' takes true or false, got '", value, "'");
-      if (value == "true") injected.push_back("--" + key);
-      continue;
-    }
-    injected.push_back("--" + key);
-    injected.insert(injected.end(), item.inputs.begin(), item.inputs.end());
-  }
-  std::vector<std::string> out(args.begin(), at + 1);
-  out.insert(out.end(), injected.begin(), injected.end());
-  out.insert(out.end(), rest.begin(), rest.end());
-  return out;
 }
 
 class TrainCommand final : public Command {

@@ -14,11 +14,11 @@
 #include <gtest/gtest.h>
 
 #include "FederatedTesting.h"
-#include "dtrain/services/federated/Client.h"
 #include "dtrain/services/federated/FedAvg.h"
-#include "dtrain/services/federated/Server.h"
+#include "dtrain/services/federated/service/Client.h"
+#include "dtrain/services/federated/service/Server.h"
 
-namespace dtrain::federated::testing {
+namespace dtrain::services::federated::testing {
 
 // The client's model: the test's float64 MLP, whatever the server names.
 inline Client::ModelFactory test_model() {
@@ -29,10 +29,10 @@ inline ServerOptions server_options(int64_t rounds, int64_t k) {
   ServerOptions o;
   o.listen = "127.0.0.1:0";
   o.rounds = rounds;
-  o.clients_per_round = k;
-  o.local.epochs = 1;
-  o.local.batch = 0;  // full batch: the order of examples does not matter
-  o.local.lr = 0.1;
+  o.round.clients_per_round = k;
+  o.round.local.epochs = 1;
+  o.round.local.batch = 0;  // full batch: the order of examples does not matter
+  o.round.local.lr = 0.1;
   o.round_timeout_s = 30;
   o.wait_timeout_s = 30;
   o.progress = false;
@@ -94,4 +94,4 @@ inline at::Tensor fedavg_reference(
   return global;
 }
 
-}  // namespace dtrain::federated::testing
+}  // namespace dtrain::services::federated::testing

@@ -11,10 +11,10 @@
 #include "SmallModels.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/services/federated/FedAvg.h"
-#include "dtrain/services/federated/Partition.h"
-#include "dtrain/services/federated/Simulation.h"
+#include "dtrain/services/federated/simulation/ClientPartition.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
 
-namespace dtrain::federated::testing {
+namespace dtrain::services::federated::testing {
 
 constexpr double kTightBound = 1e-12;
 
@@ -40,7 +40,7 @@ inline models::ModelSpec mlp_spec() { return test::small_mlp(12, 16, 4); }
 // one order), every client each round, no local test split, evaluated only at the end.
 inline SimulationOptions one_thread_run(const std::string& algorithm) {
   SimulationOptions o;
-  o.algorithm = algorithm;
+  o.round.aggregator.algorithm = algorithm;
   o.threads = 1;
   o.progress = false;
   o.local_test_fraction = 0.0;
@@ -84,4 +84,4 @@ inline std::vector<int64_t> range(int64_t begin, int64_t end) {
   return out;
 }
 
-}  // namespace dtrain::federated::testing
+}  // namespace dtrain::services::federated::testing

@@ -16,7 +16,7 @@
 #include "dtrain/comm/Hierarchical.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/models/Zoo.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/ddp/Reducer.h"
 #include "parallel/ddp/DdpStrategy.h"
@@ -50,7 +50,8 @@ Fixture make_setup(const std::string& model_name, at::ScalarType dtype = at::kDo
 std::vector<at::Tensor> train_ddp(const Fixture& f, int world, int steps,
                                   const parallel::StrategyOptions& options, int micro = 1) {
   return train_distributed(
-      f, world, steps, [&] { return std::make_unique<parallel::DdpStrategy>(options); }, micro);
+      f, world, steps, [&] { return std::make_unique<parallel::ddp::DdpStrategy>(options); },
+      micro);
 }
 
 }  // namespace
@@ -86,7 +87,9 @@ TEST(Ddp, TheOracleNoticesALostGradientOrMicroBatch) {
   at::set_num_threads(1);
   auto s = make_setup("mlp");
   const auto expected = train_single(s, 10);
-  auto make = [] { return std::make_unique<parallel::DdpStrategy>(parallel::StrategyOptions{}); };
+  auto make = [] {
+    return std::make_unique<parallel::ddp::DdpStrategy>(parallel::StrategyOptions{});
+  };
   const auto lost_rank = train_distributed(
       s, 2, 10, make, 1, [](const comm::CommunicatorPtr& c) { return drop_rank_gradient(1, c); });
   EXPECT_GT(max_abs_diff(expected, lost_rank), 1e6 * kTightBound);
@@ -122,7 +125,7 @@ TEST(Ddp, CompressedGradientsStayClose) {
     EXPECT_LE(diff, fp16 ? 2e-3 : 2e-2) << compression;
     EXPECT_GT(diff, 10 * exact_powersgd) << compression << " changed nothing: not applied?";
   }
-  EXPECT_THROW(parallel::DdpStrategy({.grad_compression = "int3"}), InputError);
+  EXPECT_THROW(parallel::ddp::DdpStrategy({.grad_compression = "int3"}), InputError);
 }
 
 // PowerSGD at full rank (every matrix compressed: minimum rate 0) reconstructs the mean gradient
@@ -162,12 +165,12 @@ TEST(Ddp, PowerSgdErrorFeedbackSendsWhatEarlierStepsLeftOut) {
     auto generator = at::detail::createCPUGenerator(11 + comm->rank());
     const at::Tensor g_weight = at::randn({24, 16}, generator, at::kDouble);
     const at::Tensor g_bias = at::randn({16}, generator, at::kDouble);
-    parallel::ReducerOptions options;
+    parallel::ddp::ReducerOptions options;
     options.powersgd.rank = 1;
-    parallel::Reducer reducer({weight, bias}, {"weight", "bias"}, comm, options);
+    parallel::ddp::Reducer reducer({weight, bias}, {"weight", "bias"}, comm, options);
     ASSERT_EQ(reducer.stats().compressed_matrices, 1);
     options.powersgd.start_step = 2;  // exact for 2 steps: their bytes, then PowerSGD's
-    parallel::Reducer later(
+    parallel::ddp::Reducer later(
         {weight.detach().clone().requires_grad_(true), bias.detach().clone().requires_grad_(true)},
         {"weight", "bias"}, comm, options);
     EXPECT_EQ(later.stats().bytes_per_step, (24 * 16 + 16) * 8);
@@ -229,10 +232,10 @@ TEST(Ddp, PowerSgdCountsItsMatricesAndBytesAndRefusesBadSpecs) {
   at::set_num_threads(1);
   auto s = make_setup("mlp");  // 48 x 144, 32 x 48, 10 x 32 weights and three biases
   run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
-    std::map<std::string, parallel::ReducerStats> stats;
+    std::map<std::string, parallel::ddp::ReducerStats> stats;
     for (const std::string spec :
          {"none", "powersgd:1", "powersgd:100000:0:0", "powersgd:4:5", "powersgd:1:0:2:bf16"}) {
-      parallel::DdpStrategy ddp({.grad_compression = spec});
+      parallel::ddp::DdpStrategy ddp({.grad_compression = spec});
       Model replica = make_model_as(s.spec, s.dtype);
       ddp.setup(replica, optim::optimizer_factory(s.optimizer),
                 std::make_shared<comm::ProcessGrid>(comm));
@@ -251,7 +254,7 @@ TEST(Ddp, PowerSgdCountsItsMatricesAndBytesAndRefusesBadSpecs) {
   for (const std::string bad :
        {"powersgd", "powersgd:0", "powersgd:x", "powersgd:4:-1", "powersgd:4:1:z",
         "powersgd:4:1:2:3", "powersgd:4:1:2:fp8", "powersgd:4:1:2:fp16:1"}) {
-    EXPECT_THROW(parallel::DdpStrategy({.grad_compression = bad}), InputError) << bad;
+    EXPECT_THROW(parallel::ddp::DdpStrategy({.grad_compression = bad}), InputError) << bad;
   }
   EXPECT_THROW(parallel::make_strategy("zero2", {.grad_compression = "powersgd:4"}), InputError);
 }
@@ -315,7 +318,7 @@ TEST(Ddp, UnusedParametersAreZeroOrNamedNeverAHang) {
           net->use_b = comm->rank() == 1;
           parallel::StrategyOptions options;
           options.error_on_unused_parameters = strict;
-          parallel::DdpStrategy ddp(options);
+          parallel::ddp::DdpStrategy ddp(options);
           ddp.setup(Model(net), optim::optimizer_factory({}),
                     std::make_shared<comm::ProcessGrid>(comm));
           data::Batch batch{torch::randn({8, 4}), torch::randint(0, 2, {8})};
@@ -350,7 +353,7 @@ TEST(Ddp, BucketsFollowTheCapAndLaunchDuringBackward) {
     spec.hidden = {64, 64, 64};
     parallel::StrategyOptions options;
     options.bucket_cap_bytes = 64 * 64 * 4;  // one weight matrix per bucket
-    parallel::DdpStrategy ddp(options);
+    parallel::ddp::DdpStrategy ddp(options);
     ddp.setup(models::make_model(spec), optim::optimizer_factory({}),
               std::make_shared<comm::ProcessGrid>(comm));
     const auto layout = ddp.reducer().bucket_layout();
@@ -380,7 +383,7 @@ TEST(Ddp, ParametersReassignedBySetKeepSynchronizing) {
     spec.name = "mlp";
     spec.input_shape = {8};
     spec.hidden = {8};
-    parallel::DdpStrategy ddp({});
+    parallel::ddp::DdpStrategy ddp({});
     ddp.setup(models::make_model(spec), optim::optimizer_factory({}),
               std::make_shared<comm::ProcessGrid>(comm));
     {
@@ -425,7 +428,7 @@ TEST(Ddp, GradientFromAnEarlierMicroBatchSurvivesWhenUnusedInTheLast) {
       auto params = net->parameters();
       for (size_t i = 0; i < params.size(); ++i) params[i].copy_(initial[i]);
     }
-    parallel::DdpStrategy ddp({});
+    parallel::ddp::DdpStrategy ddp({});
     ddp.setup(Model(net->shared_from_this(),
                     [net](const at::Tensor& x) {
                       // Alternate heads by call: 1st micro-batch head_b, 2nd head_a.
@@ -446,12 +449,12 @@ TEST(Ddp, TheFirstLayerGetsTheLastBucketToItself) {
     spec.input_shape = {1, 12, 12};
     auto model = models::make_model(spec);
     const auto [params, names] = parameters_of(model);
-    parallel::ReducerOptions options;  // everything fits the 1 MiB first bucket
-    parallel::Reducer isolated(params, names, comm, options);
+    parallel::ddp::ReducerOptions options;  // everything fits the 1 MiB first bucket
+    parallel::ddp::Reducer isolated(params, names, comm, options);
     EXPECT_EQ(isolated.bucket_layout(),
               (std::vector<std::vector<size_t>>{{7, 6, 5, 4, 3, 2}, {1, 0}}));
     options.isolate_first_layer = false;
-    parallel::Reducer together(params, names, comm, options);
+    parallel::ddp::Reducer together(params, names, comm, options);
     EXPECT_EQ(together.bucket_layout(),
               (std::vector<std::vector<size_t>>{{7, 6, 5, 4, 3, 2, 1, 0}}));
   });
@@ -463,7 +466,7 @@ TEST(Ddp, AFirstLayerLargerThanTheRestOfItsBucketStaysInIt) {
     spec.name = "mlp";
     auto model = models::make_model(spec);
     const auto [params, names] = parameters_of(model);
-    parallel::Reducer reducer(params, names, comm, {});
+    parallel::ddp::Reducer reducer(params, names, comm, {});
     EXPECT_EQ(reducer.bucket_layout(), (std::vector<std::vector<size_t>>{{5, 4, 3, 2, 1, 0}}));
   });
 }

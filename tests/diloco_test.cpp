@@ -15,7 +15,7 @@
 #include "TrainerRuns.h"
 #include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/optim/Optimizers.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/diloco/DilocoOptions.h"
 #include "dtrain/train/Checkpoint.h"
 

@@ -16,7 +16,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Loops.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/ps/PsClient.h"
 #include "dtrain/parallel/ps/PsOptions.h"
@@ -25,6 +25,7 @@
 
 using namespace dtrain;
 using namespace dtrain::parallel::ps;
+using namespace dtrain::services::ps;
 using namespace std::chrono_literals;
 using dtrain::test::run_ranks;
 

@@ -13,18 +13,18 @@
 #include "TempDir.h"
 #include "TrainerRuns.h"
 #include "dtrain/common/Error.h"
-#include "dtrain/services/federated/Aggregator.h"
 #include "dtrain/services/federated/FedAvg.h"
-#include "dtrain/services/federated/Partition.h"
 #include "dtrain/services/federated/Privacy.h"
-#include "dtrain/services/federated/Robust.h"
 #include "dtrain/services/federated/RoundServer.h"
-#include "dtrain/services/federated/Simulation.h"
+#include "dtrain/services/federated/aggregation/Aggregator.h"
+#include "dtrain/services/federated/aggregation/Robust.h"
+#include "dtrain/services/federated/simulation/ClientPartition.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
 #include "dtrain/train/Checkpoint.h"
 
 using namespace dtrain;
-using namespace dtrain::federated;
-using namespace dtrain::federated::testing;
+using namespace dtrain::services::federated;
+using namespace dtrain::services::federated::testing;
 
 namespace {
 
@@ -35,8 +35,8 @@ const std::vector<std::string> kRobust = {"median", "trimmed-mean", "krum", "mul
 at::Tensor one_round(const std::string& algorithm, const std::vector<at::Tensor>& updates,
                      const std::vector<int64_t>& examples, RobustSpec robust = {}) {
   RoundServerOptions options;
-  options.algorithm = algorithm;
-  options.robust = robust;
+  options.aggregator.algorithm = algorithm;
+  options.aggregator.robust = robust;
   options.clients_per_round = static_cast<int64_t>(updates.size());
   RoundServer server(at::zeros_like(updates[0]), options);
   std::vector<std::string> ids;
@@ -119,13 +119,13 @@ TEST(Robust, BadSpecsAndSecureSumsAreRefusedByName) {
   EXPECT_FALSE(parse_byzantine("none").enabled());
   for (const auto& name : kRobust) {
     RoundServerOptions options;
-    options.algorithm = name;
+    options.aggregator.algorithm = name;
     options.secure_aggregation = true;
     EXPECT_THROW(RoundServer(at::zeros({4}, at::kDouble), options), InputError) << name;
   }
   RoundServerOptions options;
-  options.algorithm = "trimmed-mean";
-  options.robust.assumed_faulty = 0.5;
+  options.aggregator.algorithm = "trimmed-mean";
+  options.aggregator.robust.assumed_faulty = 0.5;
   try {
     RoundServer(at::zeros({4}, at::kDouble), options);
     ADD_FAILURE() << "--assumed-faulty 0.5 accepted";
@@ -152,15 +152,15 @@ TEST(Robust, AScaledAttackRuinsFedAvgAndTheMedianWithstandsIt) {
   options.clients = 10;
   options.fraction = 1.0;
   options.rounds = 8;
-  options.local.epochs = 5;
-  options.local.batch = 10;
-  options.local.lr = 0.2;
+  options.round.local.epochs = 5;
+  options.round.local.batch = 10;
+  options.round.local.lr = 0.2;
   options.threads = 1;
   options.progress = false;
   options.local_test_fraction = 0.0;
   auto accuracy = [&](const std::string& algorithm, const std::string& attack) {
     SimulationOptions o = options;
-    o.algorithm = algorithm;
+    o.round.aggregator.algorithm = algorithm;
     o.byzantine = parse_byzantine(attack);
     const auto result = simulate(mlp_spec(), train, test, o);
     if (o.byzantine.enabled()) {
@@ -204,20 +204,20 @@ TEST(Drift, ScaffoldWithOneClientIsFedAvg) {
   SimulationOptions o = one_thread_run("fedavg");
   o.clients = 1;
   o.rounds = 4;
-  o.local.epochs = 2;
-  o.local.batch = 10;
-  o.local.lr = 0.1;
+  o.round.local.epochs = 2;
+  o.round.local.batch = 10;
+  o.round.local.lr = 0.1;
   const at::Tensor fedavg = simulate(mlp_spec(), train, test, o).global;
   for (int option : {1, 2}) {
-    o.algorithm = "scaffold";
-    o.scaffold_option = option;
+    o.round.aggregator.algorithm = "scaffold";
+    o.round.aggregator.scaffold_option = option;
     const auto scaffold = simulate(mlp_spec(), train, test, o);
     EXPECT_LE(max_diff(scaffold.global, fedavg), kTightBound) << "option " << option;
   }
   // ... and with two clients it is not (the check can fail).
   o.clients = 2;
   const at::Tensor two = simulate(mlp_spec(), train, test, o).global;
-  o.algorithm = "fedavg";
+  o.round.aggregator.algorithm = "fedavg";
   EXPECT_GT(max_diff(two, simulate(mlp_spec(), train, test, o).global), 1e-6);
 }
 
@@ -247,8 +247,8 @@ TEST(Drift, ScaffoldAndFedDynConvergeWhereFedAvgDrifts) {
     o.clients = 2;
     o.rounds = 400;
     o.partition = parse_partition("shards:2");
-    o.local = plan;
-    o.feddyn_alpha = 0.1;
+    o.round.local = plan;
+    o.round.aggregator.feddyn_alpha = 0.1;
     const at::Tensor global = simulate(linear_spec(), train, test, o).global;
     const double d = (global - optimum).norm().item<double>();
     std::printf("%s: distance to the optimum %.3g\n", algorithm.c_str(), d);
@@ -264,30 +264,30 @@ TEST(Drift, CombinationsThatWouldLeakOrConflictAreRefused) {
   auto refused = [](RoundServerOptions options, const std::string& text) {
     try {
       RoundServer server(at::zeros({4}, at::kDouble), options);
-      ADD_FAILURE() << options.algorithm << " accepted";
+      ADD_FAILURE() << options.aggregator.algorithm << " accepted";
     } catch (const InputError& e) {
       EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
     }
   };
   RoundServerOptions scaffold;
-  scaffold.algorithm = "scaffold";
+  scaffold.aggregator.algorithm = "scaffold";
   scaffold.secure_aggregation = true;
   refused(scaffold, "--algorithm scaffold sums the clients' control-variate changes in the clear");
   scaffold.secure_aggregation = false;
   scaffold.dp.clip = 1.0;
   refused(scaffold, "differential privacy");
   scaffold.dp.clip = 0;
-  scaffold.scaffold_option = 3;
+  scaffold.aggregator.scaffold_option = 3;
   refused(scaffold, "--scaffold-option must be 1 or 2");
   RoundServerOptions feddyn;
-  feddyn.algorithm = "feddyn";
-  feddyn.feddyn_alpha = 0;
+  feddyn.aggregator.algorithm = "feddyn";
+  feddyn.aggregator.feddyn_alpha = 0;
   refused(feddyn, "--feddyn-alpha must be > 0");
-  feddyn.feddyn_alpha = 0.1;
+  feddyn.aggregator.feddyn_alpha = 0.1;
   feddyn.local.prox_mu = 0.1;
   refused(feddyn, "leave out --prox-mu");
   // A SCAFFOLD update without its control change is refused; nothing changes.
-  scaffold.scaffold_option = 2;
+  scaffold.aggregator.scaffold_option = 2;
   scaffold.clients_per_round = 1;
   RoundServer server(at::zeros({4}, at::kDouble), scaffold);
   server.select({"a"});
@@ -375,7 +375,7 @@ TEST(Population, AHundredThousandClientSimulationRunsAsTyped) {
   o.clients = 100000;
   o.fraction = 0.0002;  // 20 a round
   o.rounds = 2;
-  o.local.epochs = 1;
+  o.round.local.epochs = 1;
   o.partition = parse_partition("shards:2");
   o.local_test_fraction = 0.2;
   const auto result = simulate(mlp_spec(), all, all, o);
@@ -449,11 +449,11 @@ TEST(AdaptiveClipping, TheCountTakesItsShareOfTheNoiseAndBadCombinationsAreRefus
   o.clients = 20;
   o.fraction = 0.5;
   o.rounds = 4;
-  o.local.epochs = 1;
-  o.dp.clip = 10.0;
-  o.dp.noise_multiplier = 0.5;
-  o.dp.count_noise = 2.0;
-  o.dp.target_quantile = 0.5;
+  o.round.local.epochs = 1;
+  o.round.dp.clip = 10.0;
+  o.round.dp.noise_multiplier = 0.5;
+  o.round.dp.count_noise = 2.0;
+  o.round.dp.target_quantile = 0.5;
   const auto result = simulate(mlp_spec(), train, train, o);
   ASSERT_EQ(result.rounds.size(), 4u);
   for (size_t r = 1; r < 4; ++r) {
@@ -461,7 +461,7 @@ TEST(AdaptiveClipping, TheCountTakesItsShareOfTheNoiseAndBadCombinationsAreRefus
     // varies.)
     EXPECT_NE(result.rounds[r].outcome.dp_clip, result.rounds[r - 1].outcome.dp_clip);
     EXPECT_DOUBLE_EQ(result.rounds[r].dp_epsilon,
-                     dp_epsilon(0.5, 0.5, static_cast<int64_t>(r) + 1, o.dp.delta).first);
+                     dp_epsilon(0.5, 0.5, static_cast<int64_t>(r) + 1, o.round.dp.delta).first);
   }
 }
 
@@ -499,7 +499,7 @@ TEST(OneModel, DdpThenFederatedThenZero3) {
   SimulationOptions s = one_thread_run("fedavg");
   s.clients = 4;
   s.rounds = 2;
-  s.local.epochs = 1;
+  s.round.local.epochs = 1;
   s.initial = flatten_parameters(start);
   const auto federated = simulate(spec, data, data, s);
   EXPECT_GT(max_diff(federated.global, ddp_final), 1e-4);  // it trained on

@@ -12,15 +12,15 @@
 
 #include "FederatedTesting.h"
 #include "TempDir.h"
+#include "dtrain/comm/Compression.h"
 #include "dtrain/common/Error.h"
-#include "dtrain/services/federated/Buffered.h"
-#include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/RoundServer.h"
-#include "dtrain/services/federated/Simulation.h"
+#include "dtrain/services/federated/aggregation/Buffered.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
 
 using namespace dtrain;
-using namespace dtrain::federated;
-using namespace dtrain::federated::testing;
+using namespace dtrain::services::federated;
+using namespace dtrain::services::federated::testing;
 
 namespace {
 
@@ -36,9 +36,9 @@ SimulationOptions small_run() {
   o.threads = 2;
   o.progress = false;
   o.local_test_fraction = 0.0;
-  o.local.epochs = 2;
-  o.local.batch = 10;
-  o.local.lr = 0.1;
+  o.round.local.epochs = 2;
+  o.round.local.batch = 10;
+  o.round.local.lr = 0.1;
   o.partition = parse_partition("shards:2");
   o.eval_every = 1000;
   return o;
@@ -93,15 +93,15 @@ TEST(Buffered, WithKEqualToTheClientsAndNoStalenessItIsSynchronousFedAvg) {
   SimulationOptions o = small_run();
   const at::Tensor synchronous = simulate(mlp_spec(), train, test, o).global;
   o.speed = parse_client_speed("lognormal:1");
-  o.buffer.size = o.clients;
-  o.buffer.concurrency = o.clients;
-  o.buffer.staleness = parse_staleness("constant");
+  o.round.buffer.size = o.clients;
+  o.round.buffer.concurrency = o.clients;
+  o.round.buffer.staleness = parse_staleness("constant");
   const auto buffered = simulate(mlp_spec(), train, test, o);
   EXPECT_EQ(buffered.rounds_done, 4);
   EXPECT_LE(max_diff(buffered.global, synchronous), kTightBound);
   // A smaller buffer is not synchronous (the check can fail): clients start from newer models
   // while others still train on older ones.
-  o.buffer.size = 3;
+  o.round.buffer.size = 3;
   const auto smaller = simulate(mlp_spec(), train, test, o);
   EXPECT_GT(max_diff(smaller.global, synchronous), 1e-6);
   double staleness = 0;
@@ -162,8 +162,8 @@ TEST(Buffered, VirtualClockRunsAreDeterministicWhateverTheThreadsDo) {
   o.speed = parse_client_speed("pareto:1.2");
   o.availability = parse_availability_trace("diurnal:8");
   o.dropout = 0.2;
-  o.buffer.size = 3;
-  o.buffer.concurrency = 6;
+  o.round.buffer.size = 3;
+  o.round.buffer.concurrency = 6;
   o.threads = 1;
   const auto one = simulate(mlp_spec(), train, test, o);
   o.threads = 3;
@@ -183,7 +183,7 @@ TEST(Buffered, VirtualClockRunsAreDeterministicWhateverTheThreadsDo) {
   s.client_examples = 40;  // dealt: 40 examples each
   s.rounds = 2;
   const auto sync = simulate(mlp_spec(), train, test, s);
-  const int64_t steps = local_steps(s.local, train.size() / s.clients);  // 40 examples each
+  const int64_t steps = local_steps(s.round.local, train.size() / s.clients);  // 40 examples each
   EXPECT_DOUBLE_EQ(sync.rounds[0].sim_minutes, static_cast<double>(steps) * 30 / 60);
   EXPECT_DOUBLE_EQ(sync.rounds[1].sim_minutes, 2 * static_cast<double>(steps) * 30 / 60);
 }
@@ -199,10 +199,10 @@ TEST(Buffered, AResumedRunGoesOnAsAnUninterruptedOne) {
   o.rounds = 6;
   o.speed = parse_client_speed("lognormal:0.8");
   o.dropout = 0.2;
-  o.buffer.size = 3;
-  o.buffer.concurrency = 6;
-  o.buffer.staleness = parse_staleness("poly:0.5");
-  o.compression = parse_compression("topk:0.2");
+  o.round.buffer.size = 3;
+  o.round.buffer.concurrency = 6;
+  o.round.buffer.staleness = parse_staleness("poly:0.5");
+  o.compression = comm::parse_compression("topk:0.2");
   const auto straight = simulate(mlp_spec(), train, train, o);
   ASSERT_EQ(straight.rounds_done, 6);
   const test::TempDir dir;
@@ -230,11 +230,11 @@ TEST(Buffered, WorksWithCompressionAndDifferentialPrivacy) {
   o.clients = 12;
   o.rounds = 3;
   o.speed = parse_client_speed("lognormal:0.5");
-  o.buffer.size = 3;
-  o.buffer.concurrency = 6;
-  o.compression = parse_compression("q8");
-  o.dp.clip = 1.0;
-  o.dp.noise_multiplier = 0.5;
+  o.round.buffer.size = 3;
+  o.round.buffer.concurrency = 6;
+  o.compression = comm::parse_compression("q8");
+  o.round.dp.clip = 1.0;
+  o.round.dp.noise_multiplier = 0.5;
   const auto run = simulate(mlp_spec(), train, train, o);
   ASSERT_EQ(run.rounds_done, 3);
   const int64_t numel = run.global.numel();
@@ -246,7 +246,7 @@ TEST(Buffered, WorksWithCompressionAndDifferentialPrivacy) {
     EXPECT_LT(r.uplink_bytes, 3 * 2 * numel);
     EXPECT_GT(r.uplink_bytes, 3 * numel);
   }
-  EXPECT_TRUE(all_finite(run.global));
+  EXPECT_TRUE(comm::all_finite(run.global));
 }
 
 TEST(Buffered, CombinationsItCannotServeAreRefused) {
@@ -260,22 +260,22 @@ TEST(Buffered, CombinationsItCannotServeAreRefused) {
             std::string::npos);
   options.secure_aggregation = false;
   for (const std::string algorithm : {"scaffold", "feddyn", "median"}) {
-    options.algorithm = algorithm;
+    options.aggregator.algorithm = algorithm;
     EXPECT_NE(refused(options).find("--buffer-size with --algorithm " + algorithm),
               std::string::npos)
         << algorithm;
   }
-  options.algorithm = "fedavg";
+  options.aggregator.algorithm = "fedavg";
   options.buffer.concurrency = 1;
   EXPECT_NE(refused(options).find("the buffer could never fill"), std::string::npos);
   // The simulation: the buffer needs the virtual clock, and no more than the clients.
   const auto train = synthetic64(60, 65);
   SimulationOptions o = small_run();
-  o.buffer.size = 2;
+  o.round.buffer.size = 2;
   EXPECT_NE(refusal([&] { simulate(mlp_spec(), train, train, o); }).find("give --client-speed"),
             std::string::npos);
   o.speed = parse_client_speed("constant");
-  o.buffer.size = 7;
+  o.round.buffer.size = 7;
   EXPECT_NE(refusal([&] {
               simulate(mlp_spec(), train, train, o);
             }).find("--buffer-size 7 is more than the 6 clients"),

@@ -23,28 +23,28 @@
 #include <thread>
 
 #include "FederatedTesting.h"
+#include "dtrain/comm/Compression.h"
 #include "dtrain/federated.grpc.pb.h"
-#include "dtrain/services/federated/Client.h"
-#include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/FedAvg.h"
-#include "dtrain/services/federated/Partition.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
 #include "dtrain/services/federated/RoundServer.h"
-#include "dtrain/services/federated/SecureAggregation.h"
-#include "dtrain/services/federated/Server.h"
-#include "dtrain/services/federated/Simulation.h"
-#include "services/federated/FlWire.h"
-#include "services/federated/SecureServerRound.h"
+#include "dtrain/services/federated/secagg/SecureAggregation.h"
+#include "dtrain/services/federated/service/Client.h"
+#include "dtrain/services/federated/service/Server.h"
+#include "dtrain/services/federated/simulation/ClientPartition.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
+#include "services/federated/secagg/SecureServerRound.h"
+#include "services/federated/service/FlWire.h"
 
 using namespace dtrain;
-using namespace dtrain::federated;
-using namespace dtrain::federated::testing;
+using namespace dtrain::services::federated;
+using namespace dtrain::services::federated::testing;
 
 namespace {
 
 // The bytes an encoded update takes in its upload's messages.
-int64_t upload_bytes(const EncodedUpdate& encoded) {
+int64_t upload_bytes(const comm::EncodedUpdate& encoded) {
   int64_t bytes = 0;
   for (const auto& m : wire::update_messages(encoded, "c", 1, 10, 0.0, 1 << 20)) {
     bytes += wire::message_bytes(m);
@@ -53,13 +53,13 @@ int64_t upload_bytes(const EncodedUpdate& encoded) {
 }
 
 // Through the upload's messages and back, as the server reads them.
-at::Tensor round_trip(const EncodedUpdate& encoded, int64_t n, at::ScalarType dtype) {
+at::Tensor round_trip(const comm::EncodedUpdate& encoded, int64_t n, at::ScalarType dtype) {
   dtrain::fl::UpdateChunk header;
-  EncodedUpdate received;
+  comm::EncodedUpdate received;
   at::Tensor out;
   const auto messages = wire::update_messages(encoded, "c", 1, 10, 0.0, 4096);
   EXPECT_EQ(wire::read_update(messages, n, &header, &received), "");
-  EXPECT_EQ(decode_update(received, n, dtype, &out), "");
+  EXPECT_EQ(comm::decode_update(received, n, dtype, &out), "");
   return out;
 }
 
@@ -72,15 +72,15 @@ TEST(Compression, EightBitStochasticRoundingIsUnbiasedAndFourTimesSmaller) {
   const int64_t n = 2500;  // two whole blocks and a partial one
   at::Generator gen = at::detail::createCPUGenerator(3);
   const at::Tensor x = at::randn({n}, gen, at::kFloat) * 0.01;
-  const CompressionSpec spec = parse_compression("q8");
+  const comm::CompressionSpec spec = comm::parse_compression("q8");
   const int trials = 400;
   at::Tensor sum = at::zeros({n}, at::kDouble);
   at::Tensor step;
   for (int t = 0; t < trials; ++t) {
-    const EncodedUpdate encoded = encode_update(x, spec, nullptr, 100 + t);
+    const comm::EncodedUpdate encoded = comm::encode_update(x, spec, nullptr, 100 + t);
     const at::Tensor* s = &encoded.parts[2].second;
     ASSERT_EQ(encoded.parts[2].first, "step");
-    step = s->to(at::kDouble).repeat_interleave(kQuantBlock).slice(0, 0, n);
+    step = s->to(at::kDouble).repeat_interleave(comm::kQuantBlock).slice(0, 0, n);
     const at::Tensor decoded = round_trip(encoded, n, at::kFloat).to(at::kDouble);
     EXPECT_TRUE(((decoded - x.to(at::kDouble)).abs() <= step * (1 + 1e-6)).all().item<bool>());
     sum += decoded;
@@ -91,15 +91,16 @@ TEST(Compression, EightBitStochasticRoundingIsUnbiasedAndFourTimesSmaller) {
   EXPECT_TRUE((mean_error <= bound).all().item<bool>())
       << "largest bias " << (mean_error / bound).max().item<double>() << " of the bound";
   // Rounding to the nearest level is biased by up to half a step: the same bound catches it.
-  const EncodedUpdate first = encode_update(x, spec, nullptr, 1);
+  const comm::EncodedUpdate first = comm::encode_update(x, spec, nullptr, 1);
   const at::Tensor lo =
-      first.parts[1].second.to(at::kDouble).repeat_interleave(kQuantBlock).slice(0, 0, n);
+      first.parts[1].second.to(at::kDouble).repeat_interleave(comm::kQuantBlock).slice(0, 0, n);
   const at::Tensor nearest = lo + at::round((x.to(at::kDouble) - lo) / step) * step;
   EXPECT_FALSE(((nearest - x.to(at::kDouble)).abs() <= bound).all().item<bool>());
   // Bytes: 1 per element and 8 per block against 4 per element (a model of 100k parameters).
   const at::Tensor big = at::randn({100000}, gen, at::kFloat);
-  const double ratio = static_cast<double>(upload_bytes(encode_update(big, {}, nullptr, 0))) /
-                       static_cast<double>(upload_bytes(encode_update(big, spec, nullptr, 0)));
+  const double ratio =
+      static_cast<double>(upload_bytes(comm::encode_update(big, {}, nullptr, 0))) /
+      static_cast<double>(upload_bytes(comm::encode_update(big, spec, nullptr, 0)));
   EXPECT_GE(ratio, 3.9);
   EXPECT_LT(ratio, 4.0);
 }
@@ -109,15 +110,15 @@ TEST(Compression, EightBitStochasticRoundingIsUnbiasedAndFourTimesSmaller) {
 // error feedback the unsent part is gone, and the same check fails.
 TEST(Compression, TopKWithErrorFeedbackSendsEverythingEventually) {
   const int64_t n = 1000;
-  const CompressionSpec spec = parse_compression("topk:0.02");
-  CompressionSpec no_feedback = spec;
+  const comm::CompressionSpec spec = comm::parse_compression("topk:0.02");
+  comm::CompressionSpec no_feedback = spec;
   no_feedback.error_feedback = false;
-  for (const CompressionSpec& s : {spec, no_feedback}) {
+  for (const comm::CompressionSpec& s : {spec, no_feedback}) {
     at::Tensor residual, sent = at::zeros({n}, at::kDouble), total = at::zeros({n}, at::kDouble);
     for (int round = 0; round < 6; ++round) {
       const at::Tensor delta =
           at::randn({n}, at::detail::createCPUGenerator(40 + round), at::kDouble);
-      const EncodedUpdate encoded = encode_update(delta, s, &residual, 0);
+      const comm::EncodedUpdate encoded = comm::encode_update(delta, s, &residual, 0);
       EXPECT_EQ(encoded.parts[0].second.numel(), 20);  // ceil(0.02 n)
       EXPECT_EQ(encoded.parts[0].second.scalar_type(), at::kInt);
       sent += round_trip(encoded, n, at::kDouble);
@@ -134,8 +135,8 @@ TEST(Compression, TopKWithErrorFeedbackSendsEverythingEventually) {
   // 2% of float32 elements as (int32 index, float32 value): >= 20x fewer bytes.
   const at::Tensor x = at::randn({100000}, at::detail::createCPUGenerator(9));
   at::Tensor r;
-  EXPECT_GE(static_cast<double>(upload_bytes(encode_update(x, {}, nullptr, 0))) /
-                static_cast<double>(upload_bytes(encode_update(x, spec, &r, 0))),
+  EXPECT_GE(static_cast<double>(upload_bytes(comm::encode_update(x, {}, nullptr, 0))) /
+                static_cast<double>(upload_bytes(comm::encode_update(x, spec, &r, 0))),
             24.0);
 }
 
@@ -152,7 +153,8 @@ TEST(Compression, ClippedUpdatesDecodeWithinTheClipWhateverTheCompression) {
     for (const auto dtype : {at::kFloat, at::kDouble}) {
       const at::Tensor raw = at::randn({n}, at::detail::createCPUGenerator(70 + seed), dtype);
       const at::Tensor delta = clip_update(raw, clip);
-      EncodedUpdate q8 = encode_update(delta, parse_compression("q8"), nullptr, 100 + seed);
+      comm::EncodedUpdate q8 =
+          comm::encode_update(delta, comm::parse_compression("q8"), nullptr, 100 + seed);
       if (round_trip(q8, n, dtype).to(at::kDouble).norm().item<double>() > clip) ++q8_over;
       fit_within_norm(&q8, n, dtype, clip, nullptr);
       const at::Tensor decoded = round_trip(q8, n, dtype).to(at::kDouble);
@@ -160,7 +162,8 @@ TEST(Compression, ClippedUpdatesDecodeWithinTheClipWhateverTheCompression) {
       EXPECT_GE(decoded.norm().item<double>(), 0.99 * clip) << "q8, seed " << seed;
       // Top-k with a residual that carries the update past the clip.
       at::Tensor residual = raw.clone();
-      EncodedUpdate topk = encode_update(delta, parse_compression("topk:0.1"), &residual, 0);
+      comm::EncodedUpdate topk =
+          comm::encode_update(delta, comm::parse_compression("topk:0.1"), &residual, 0);
       const at::Tensor before = round_trip(topk, n, dtype).to(at::kDouble) + residual;
       EXPECT_GT(round_trip(topk, n, dtype).to(at::kDouble).norm().item<double>(), clip);
       fit_within_norm(&topk, n, dtype, clip, &residual);
@@ -178,9 +181,9 @@ TEST(Compression, ClippedUpdatesDecodeWithinTheClipWhateverTheCompression) {
 TEST(Compression, MalformedUpdatesAreRefusedByName) {
   const int64_t n = 10;
   at::Tensor out;
-  auto why = [&](EncodedUpdate e) {
+  auto why = [&](comm::EncodedUpdate e) {
     out = at::Tensor();
-    const std::string reason = decode_update(e, n, at::kFloat, &out);
+    const std::string reason = comm::decode_update(e, n, at::kFloat, &out);
     EXPECT_FALSE(out.defined()) << reason;
     return reason;
   };
@@ -208,11 +211,11 @@ TEST(Compression, MalformedUpdatesAreRefusedByName) {
           "holds 2 elements, expected 1"));
   // The messages: an unknown part, a part longer than the model, a gap, a part cut short.
   wire::PartsReader reader({{"delta", n}});
-  dtrain::rpc::TensorChunk chunk;
+  dtrain::comm::rpc::TensorChunk chunk;
   chunk.set_name("weights");
   EXPECT_TRUE(has(reader.add(chunk, "chunk 0"), "field 'name' is 'weights'"));
   chunk.set_name("delta");
-  chunk.set_dtype(dtrain::rpc::FLOAT32);
+  chunk.set_dtype(dtrain::comm::rpc::FLOAT32);
   chunk.add_shape(11);
   EXPECT_TRUE(has(reader.add(chunk, "chunk 0"), "field 'shape'"));
   chunk.set_shape(0, 10);
@@ -239,13 +242,13 @@ TEST(Compression, TopKWithErrorFeedbackConvergesAndWithoutItLags) {
   options.clients = 10;
   options.fraction = 0.5;
   options.rounds = 30;
-  options.local.epochs = 1;
-  options.local.batch = 20;
-  options.local.lr = 0.1;
+  options.round.local.epochs = 1;
+  options.round.local.batch = 20;
+  options.round.local.lr = 0.1;
   options.threads = 1;
   options.progress = false;
   auto final_loss = [&](const std::string& compression, bool feedback) {
-    options.compression = parse_compression(compression);
+    options.compression = comm::parse_compression(compression);
     options.compression.error_feedback = feedback;
     const auto result = simulate(mlp_spec(), train, test, options);
     // The global model's loss on all training examples: what the rounds minimize.

@@ -26,23 +26,23 @@
 #include <thread>
 
 #include "FederatedTesting.h"
+#include "dtrain/comm/Compression.h"
 #include "dtrain/federated.grpc.pb.h"
-#include "dtrain/services/federated/Client.h"
-#include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/FedAvg.h"
-#include "dtrain/services/federated/Partition.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
 #include "dtrain/services/federated/RoundServer.h"
-#include "dtrain/services/federated/SecureAggregation.h"
-#include "dtrain/services/federated/Server.h"
-#include "dtrain/services/federated/Simulation.h"
-#include "services/federated/FlWire.h"
-#include "services/federated/SecureServerRound.h"
+#include "dtrain/services/federated/secagg/SecureAggregation.h"
+#include "dtrain/services/federated/service/Client.h"
+#include "dtrain/services/federated/service/Server.h"
+#include "dtrain/services/federated/simulation/ClientPartition.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
+#include "services/federated/secagg/SecureServerRound.h"
+#include "services/federated/service/FlWire.h"
 
 using namespace dtrain;
-using namespace dtrain::federated;
-using namespace dtrain::federated::testing;
+using namespace dtrain::services::federated;
+using namespace dtrain::services::federated::testing;
 
 TEST(Partition, IidDealsEveryExampleOnceInEvenParts) {
   const at::Tensor labels = balanced_labels(100);
@@ -119,11 +119,11 @@ TEST(FedAvg, OneClientWithOneFullBatchEpochIsCentralizedGradientDescent) {
   options.fraction = 1.0;
   options.rounds = 6;
   options.local_test_fraction = 0.0;
-  options.local.lr = 0.3;
-  options.algorithm = "fedsgd";
+  options.round.local.lr = 0.3;
+  options.round.aggregator.algorithm = "fedsgd";
   options.threads = 1;
   options.progress = false;
-  options.seed = 9;
+  options.round.seed = 9;
   const auto result = simulate(mlp_spec(), train, synthetic64(32, 2), options);
   EXPECT_EQ(result.rounds_done, 6);
   ASSERT_EQ(result.rounds.size(), 6u);
@@ -333,10 +333,10 @@ TEST(Simulation, AResumedRunEndsWhereAnUninterruptedOneDoes) {
   options.fraction = 0.3;
   options.rounds = 5;
   options.partition = parse_partition("shards:2");
-  options.local.epochs = 2;
-  options.local.batch = 8;
-  options.local.lr = 0.05;
-  options.server.momentum = 0.5;
+  options.round.local.epochs = 2;
+  options.round.local.batch = 8;
+  options.round.local.lr = 0.05;
+  options.round.aggregator.server.momentum = 0.5;
   options.dropout = 0.2;
   options.threads = 2;
   options.progress = false;
@@ -409,7 +409,7 @@ TEST(FederatedSimulation, AResumedRunKeepsTheClientsStateAndItsAttempts) {
     o.fraction = 0.5;
     o.rounds = 6;
     o.threads = 1;  // the updates summed in one order: the runs are equal bit for bit
-    o.compression = parse_compression("topk:0.3");
+    o.compression = comm::parse_compression("topk:0.3");
     const auto [straight, resumed] = straight_and_resumed(o, train, test);
     EXPECT_TRUE(resumed.global.equal(straight.global))
         << algorithm << ": " << max_difference(resumed.global, straight.global);
@@ -421,7 +421,7 @@ TEST(FederatedSimulation, AResumedRunKeepsTheClientsStateAndItsAttempts) {
   o.fraction = 0.25;
   o.rounds = 6;
   o.dropout = 0.5;
-  o.min_clients = 3;  // rounds where fewer than 3 finish are retried
+  o.round.min_clients = 3;  // rounds where fewer than 3 finish are retried
   o.availability = parse_availability_trace("diurnal:8");
   const auto [straight, resumed] = straight_and_resumed(o, train, test);
   size_t retried_before_the_save = 0;  // attempts before the third applied round, not applied
@@ -502,7 +502,7 @@ TEST(Availability, DiurnalTracesDriveWhoCanBeSelected) {
   options.clients = 40;
   options.fraction = 0.25;
   options.rounds = 8;
-  options.local.epochs = 1;
+  options.round.local.epochs = 1;
   options.availability = trace;
   options.availability.round_minutes = 90;
   options.threads = 1;
@@ -545,7 +545,7 @@ TEST(Simulation, DivergedClientsLeaveTheRoundAndADivergedRunStops) {
   options.clients = 4;
   options.fraction = 1.0;
   options.rounds = 3;
-  options.local.lr = 1e300;  // the first step overflows
+  options.round.local.lr = 1e300;  // the first step overflows
   options.threads = 1;
   options.progress = false;
   try {

@@ -17,13 +17,13 @@
 
 #include "FederatedTesting.h"
 #include "dtrain/common/Error.h"
-#include "dtrain/services/federated/SecureAggregation.h"
-#include "dtrain/services/federated/Simulation.h"
-#include "services/federated/SecureServerRound.h"
+#include "dtrain/services/federated/secagg/SecureAggregation.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
+#include "services/federated/secagg/SecureServerRound.h"
 
 using namespace dtrain;
-using namespace dtrain::federated;
-using namespace dtrain::federated::testing;
+using namespace dtrain::services::federated;
+using namespace dtrain::services::federated::testing;
 
 namespace {
 
@@ -180,12 +180,12 @@ TEST(SecAggPlus, SimulatedRoundsWithAutoDegreeUnmaskAt30PercentDropouts) {
   options.clients = 60;
   options.fraction = 1.0;
   options.rounds = 6;
-  options.local.epochs = 1;
-  options.local.batch = 0;
+  options.round.local.epochs = 1;
+  options.round.local.batch = 0;
   options.dropout = 0.3;
   options.threads = 2;
   options.progress = false;
-  options.secure_aggregation = true;
+  options.round.secure_aggregation = true;
   options.secagg_threshold = 0.4;
   options.secagg_graph = secagg::kAutoGraph;
   const int k = secagg::auto_degree(60, 0.4, 0.3);

@@ -28,23 +28,23 @@
 #include <thread>
 
 #include "FederatedTesting.h"
+#include "dtrain/comm/Compression.h"
 #include "dtrain/federated.grpc.pb.h"
-#include "dtrain/services/federated/Client.h"
-#include "dtrain/services/federated/Compression.h"
 #include "dtrain/services/federated/FedAvg.h"
-#include "dtrain/services/federated/Partition.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
 #include "dtrain/services/federated/RoundServer.h"
-#include "dtrain/services/federated/SecureAggregation.h"
-#include "dtrain/services/federated/Server.h"
-#include "dtrain/services/federated/Simulation.h"
-#include "services/federated/FlWire.h"
-#include "services/federated/SecureServerRound.h"
+#include "dtrain/services/federated/secagg/SecureAggregation.h"
+#include "dtrain/services/federated/service/Client.h"
+#include "dtrain/services/federated/service/Server.h"
+#include "dtrain/services/federated/simulation/ClientPartition.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
+#include "services/federated/secagg/SecureServerRound.h"
+#include "services/federated/service/FlWire.h"
 
 using namespace dtrain;
-using namespace dtrain::federated;
-using namespace dtrain::federated::testing;
+using namespace dtrain::services::federated;
+using namespace dtrain::services::federated::testing;
 
 // ---- Secure aggregation ----
 
@@ -370,13 +370,13 @@ TEST(SecureAggregation, SimulatedRoundsWithSecureAggregationMatchPlaintextFedAvg
   options.clients = 10;
   options.fraction = 1.0;
   options.rounds = 3;
-  options.local.epochs = 2;
-  options.local.batch = 10;
+  options.round.local.epochs = 2;
+  options.round.local.batch = 10;
   options.dropout = 0.3;
   options.threads = 2;
   options.progress = false;
   const auto plain = simulate(mlp_spec(), train, test, options);
-  options.secure_aggregation = true;
+  options.round.secure_aggregation = true;
   options.secagg_threshold = 0.5;  // t = 5 of 10
   const auto secure = simulate(mlp_spec(), train, test, options);
   int64_t dropped = 0;
@@ -425,7 +425,7 @@ TEST(SecureAggregation, SimulatedRoundsWithSecureAggregationMatchPlaintextFedAvg
   options.secagg_threshold = 0.5;
   options.dropout = 0.3;
   // Compression cannot be combined with it.
-  options.compression = parse_compression("q8");
+  options.compression = comm::parse_compression("q8");
   EXPECT_THROW(simulate(mlp_spec(), train, test, options), InputError);
 }
 

@@ -23,24 +23,24 @@
 
 #include "FederatedServerTesting.h"
 #include "FederatedTesting.h"
+#include "dtrain/comm/Compression.h"
 #include "dtrain/federated.grpc.pb.h"
-#include "dtrain/services/federated/Client.h"
-#include "dtrain/services/federated/Compression.h"
-#include "dtrain/services/federated/Drift.h"
 #include "dtrain/services/federated/FedAvg.h"
-#include "dtrain/services/federated/Partition.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
 #include "dtrain/services/federated/RoundServer.h"
-#include "dtrain/services/federated/SecureAggregation.h"
-#include "dtrain/services/federated/Server.h"
-#include "dtrain/services/federated/Simulation.h"
-#include "services/federated/FlWire.h"
-#include "services/federated/SecureServerRound.h"
+#include "dtrain/services/federated/aggregation/Drift.h"
+#include "dtrain/services/federated/secagg/SecureAggregation.h"
+#include "dtrain/services/federated/service/Client.h"
+#include "dtrain/services/federated/service/Server.h"
+#include "dtrain/services/federated/simulation/ClientPartition.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
+#include "services/federated/secagg/SecureServerRound.h"
+#include "services/federated/service/FlWire.h"
 
 using namespace dtrain;
-using namespace dtrain::federated;
-using namespace dtrain::federated::testing;
+using namespace dtrain::services::federated;
+using namespace dtrain::services::federated::testing;
 
 TEST(FederatedServer, SecureAggregationOverGrpcSumsTheUpdatesAndSurvivesADropout) {
   at::set_num_threads(1);
@@ -49,12 +49,12 @@ TEST(FederatedServer, SecureAggregationOverGrpcSumsTheUpdatesAndSurvivesADropout
       {"a", range(0, 20)}, {"b", range(20, 50)}, {"c", range(50, 90)}, {"d", range(90, 120)}};
   const at::Tensor initial = flatten_parameters(model64(0));
   ServerOptions options = server_options(2, 4);
-  options.secure_aggregation = true;
+  options.round.secure_aggregation = true;
   Server server(initial, options);
   ServerResult result;
   run_clients(server, train, clients, &result);
   ASSERT_EQ(result.rounds_done, 2);
-  const at::Tensor global = fedavg_reference(initial, train, clients, options.local, 2);
+  const at::Tensor global = fedavg_reference(initial, train, clients, options.round.local, 2);
   const double difference = (result.global - global).abs().max().item<double>();
   EXPECT_LT(difference, 1e-4);
   EXPECT_GT(difference, 0.0);  // fixed point: not the plaintext computation
@@ -105,7 +105,7 @@ TEST(FederatedServer, SecAggPlusAutoSizesTheNextRoundsForTheDropoutsItSaw) {
   for (int i = 0; i < 6; ++i)
     clients.push_back({std::string(1, 'a' + i), range(i * 20, i * 20 + 20)});
   ServerOptions options = server_options(3, 6);
-  options.secure_aggregation = true;
+  options.round.secure_aggregation = true;
   options.secagg_graph = secagg::kAutoGraph;
   options.secagg_dropout = 0.0;
   options.secagg_threshold = 0.3;
@@ -140,7 +140,7 @@ TEST(FederatedServer, AMaskedUploadFromBeforeARetryIsRefusedAndTheRetrySumsItsOw
   const auto train = synthetic64(60, 62);
   const at::Tensor initial = flatten_parameters(model64(0));
   ServerOptions options = server_options(1, 2);
-  options.secure_aggregation = true;
+  options.round.secure_aggregation = true;
   options.secagg_step_timeout_s = 1;
   options.round_timeout_s = 3;  // also the linger for x and y, who never hear the run is over
   Server server(initial, options);
@@ -169,7 +169,7 @@ TEST(FederatedServer, AMaskedUploadFromBeforeARetryIsRefusedAndTheRetrySumsItsOw
   ASSERT_EQ(replies[0].action(), dtrain::fl::CheckInReply::TRAIN);
   ASSERT_EQ(replies[1].action(), dtrain::fl::CheckInReply::TRAIN);
   // x opens a masked upload while selected (its first message is taken)...
-  EncodedUpdate masked;
+  comm::EncodedUpdate masked;
   masked.encoding = "secagg";
   masked.parts.emplace_back("masked", at::zeros({initial.numel() + 2}, at::kInt));
   const auto messages = wire::update_messages(masked, "x", 1, 10, 0.0, 256);
@@ -231,7 +231,7 @@ TEST(FederatedServer, AMaskedUploadFromBeforeARetryIsRefusedAndTheRetrySumsItsOw
   Model model = model64(0);
   WeightedMean mean;
   for (const auto& indices : {range(0, 20), range(20, 60)}) {
-    const ClientUpdate u = train_locally(model, initial, train, indices, options.local, 0);
+    const ClientUpdate u = train_locally(model, initial, train, indices, options.round.local, 0);
     mean.add(u.delta, static_cast<double>(u.examples));
   }
   EXPECT_LT((result.global - (initial + mean.mean(at::kDouble))).abs().max().item<double>(), 1e-4);
@@ -348,7 +348,7 @@ TEST(FederatedServer, FuzzedUploadsAreRefusedAndChangeNothing) {
         chunk.set_encoding(pick({"none", "q8", "topk", "secagg", "zip", ""}));
         auto* t = chunk.mutable_chunk();
         t->set_name(pick({"delta", "q", "lo", "step", "indices", "values", "masked", "x"}));
-        t->set_dtype(static_cast<dtrain::rpc::DType>(random() % 10));
+        t->set_dtype(static_cast<dtrain::comm::rpc::DType>(random() % 10));
         if (random() % 4 != 0)
           t->add_shape(random() % 2 == 0 ? n : static_cast<int64_t>(random() % (2 * n)));
         t->set_offset(random() % 4 == 0 ? static_cast<int64_t>(random() % n) : 0);
@@ -385,6 +385,6 @@ TEST(FederatedServer, FuzzedUploadsAreRefusedAndChangeNothing) {
   EXPECT_EQ(reports[0].rounds_trained, 1);
   Model model = model64(0);
   const ClientUpdate u =
-      train_locally(model, initial, train, range(0, 40), server_options(1, 1).local, 0);
+      train_locally(model, initial, train, range(0, 40), server_options(1, 1).round.local, 0);
   EXPECT_LE((result.global - (initial + u.delta)).abs().max().item<double>(), kTightBound);
 }

@@ -24,24 +24,24 @@
 
 #include "FederatedServerTesting.h"
 #include "FederatedTesting.h"
+#include "dtrain/comm/Compression.h"
 #include "dtrain/federated.grpc.pb.h"
-#include "dtrain/services/federated/Client.h"
-#include "dtrain/services/federated/Compression.h"
-#include "dtrain/services/federated/Drift.h"
 #include "dtrain/services/federated/FedAvg.h"
-#include "dtrain/services/federated/Partition.h"
 #include "dtrain/services/federated/Personalization.h"
 #include "dtrain/services/federated/Privacy.h"
 #include "dtrain/services/federated/RoundServer.h"
-#include "dtrain/services/federated/SecureAggregation.h"
-#include "dtrain/services/federated/Server.h"
-#include "dtrain/services/federated/Simulation.h"
-#include "services/federated/FlWire.h"
-#include "services/federated/SecureServerRound.h"
+#include "dtrain/services/federated/aggregation/Drift.h"
+#include "dtrain/services/federated/secagg/SecureAggregation.h"
+#include "dtrain/services/federated/service/Client.h"
+#include "dtrain/services/federated/service/Server.h"
+#include "dtrain/services/federated/simulation/ClientPartition.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
+#include "services/federated/secagg/SecureServerRound.h"
+#include "services/federated/service/FlWire.h"
 
 using namespace dtrain;
-using namespace dtrain::federated;
-using namespace dtrain::federated::testing;
+using namespace dtrain::services::federated;
+using namespace dtrain::services::federated::testing;
 
 // Three client processes' worth of clients (threads) over gRPC: every round selects all three,
 // and after 3 rounds the global model is exactly (float64, 1e-12) what FedAvg computed in one
@@ -58,7 +58,7 @@ TEST(FederatedServer, ClientsOverGrpcTrainTheModelFedAvgComputesInProcess) {
   ASSERT_EQ(result.rounds_done, 3);
   // The reference: the example-weighted mean of each client's full-batch step, three times.
   const at::Tensor global =
-      fedavg_reference(initial, train, clients, server_options(3, 3).local, 3);
+      fedavg_reference(initial, train, clients, server_options(3, 3).round.local, 3);
   EXPECT_LE((result.global - global).abs().max().item<double>(), kTightBound);
   EXPECT_GT((result.global - initial).abs().max().item<double>(), 1e-3);
   for (const auto& r : result.rounds) {
@@ -85,21 +85,21 @@ TEST(FederatedServer, BufferedAggregationOverGrpcTakesUpdatesAsTheyComeAndResume
       {"a", range(0, 20)}, {"b", range(20, 50)}, {"c", range(50, 90)}};
   const at::Tensor initial = flatten_parameters(model64(0));
   ServerOptions options = server_options(3, 3);
-  options.buffer.size = 3;
-  options.buffer.concurrency = 3;
-  options.buffer.staleness = parse_staleness("constant");
+  options.round.buffer.size = 3;
+  options.round.buffer.concurrency = 3;
+  options.round.buffer.staleness = parse_staleness("constant");
   Server server(initial, options);
   ServerResult result;
   run_clients(server, train, clients, &result);
   ASSERT_EQ(result.rounds_done, 3);
-  const at::Tensor global = fedavg_reference(initial, train, clients, options.local, 3);
+  const at::Tensor global = fedavg_reference(initial, train, clients, options.round.local, 3);
   EXPECT_LE((result.global - global).abs().max().item<double>(), kTightBound);
 
   // K = 2 of C = 3: the third update of a step comes from an older model (stale).
   const test::TempDir dir;
   ServerOptions smaller = options;
-  smaller.buffer.size = 2;
-  smaller.buffer.staleness = parse_staleness("poly:0.5");
+  smaller.round.buffer.size = 2;
+  smaller.round.buffer.staleness = parse_staleness("poly:0.5");
   smaller.rounds = 4;
   smaller.checkpoint_dir = dir.path();
   Server first(initial, smaller);
@@ -136,19 +136,19 @@ TEST(FederatedServer, ScaffoldAndFedDynOverGrpcEqualTheirInProcessRounds) {
   const at::Tensor initial = flatten_parameters(model64(0));
   for (const std::string algorithm : {"scaffold", "feddyn"}) {
     ServerOptions options = server_options(3, 3);
-    options.algorithm = algorithm;
-    options.population = 3;
-    options.local.epochs = 2;  // two full-batch steps: the correction matters after the first
+    options.round.aggregator.algorithm = algorithm;
+    options.round.population = 3;
+    options.round.local.epochs = 2;  // two full-batch steps: the correction matters after the first
     Server server(initial, options);
     ServerResult result;
     run_clients(server, train, clients, &result);
     ASSERT_EQ(result.rounds_done, 3) << algorithm;
     // The reference: the same clients and server logic in one process.
     RoundServerOptions in_process;
-    in_process.algorithm = algorithm;
+    in_process.aggregator.algorithm = algorithm;
     in_process.clients_per_round = 3;
     in_process.population = 3;
-    in_process.local = options.local;
+    in_process.local = options.round.local;
     RoundServer reference(initial, in_process);
     Model model = model64(0);
     std::map<std::string, at::Tensor> memory;
@@ -182,7 +182,7 @@ TEST(FederatedServer, StragglersAreDroppedAndTheRoundClosesWithTheRest) {
   at::set_num_threads(1);
   const auto train = synthetic64(90, 22);
   ServerOptions options = server_options(2, 3);
-  options.min_clients = 2;
+  options.round.min_clients = 2;
   options.round_timeout_s = 2;
   Server server(flatten_parameters(model64(0)), options);
   std::atomic<int> asked{0};
@@ -212,7 +212,7 @@ TEST(FederatedServer, AClientPastTheRoundsDeadlineLeavesWithoutUploading) {
   at::set_num_threads(1);
   const auto train = synthetic64(60, 24);
   ServerOptions options = server_options(1, 2);
-  options.min_clients = 1;
+  options.round.min_clients = 1;
   options.round_timeout_s = 1.5;
   Server server(flatten_parameters(model64(0)), options);
   std::mutex mutex;
@@ -261,11 +261,11 @@ TEST(FederatedServer, AClientOutOfTimeStopsTrainingAtTheDeadlineAndTheServerSays
   at::set_num_threads(1);
   const auto train = synthetic64(20010, 25);
   ServerOptions options = server_options(2, 2);
-  options.min_clients = 1;
+  options.round.min_clients = 1;
   options.round_timeout_s = 1.0;
   options.selection_timeout_s = 3.0;
-  options.local.epochs = 20;
-  options.local.batch = 10;  // "slow": 40,000 steps, many seconds; "quick": 20 steps
+  options.round.local.epochs = 20;
+  options.round.local.batch = 10;  // "slow": 40,000 steps, many seconds; "quick": 20 steps
   Server server(flatten_parameters(model64(0)), options);
   std::mutex mutex;
   std::vector<std::string> slow_lines;
@@ -333,8 +333,8 @@ TEST(FederatedServer, BadClientsAndBadUpdatesAreRefusedWithoutAffectingTheRound)
       context.AddMetadata("authorization", "Bearer " + token);
       dtrain::fl::UploadReply reply;
       auto writer = stub->Upload(&context, &reply);
-      for (const auto& m :
-           wire::update_messages(encode_update(delta, {}, nullptr, 0), id, 1, 10, 0.0, 1 << 20)) {
+      for (const auto& m : wire::update_messages(comm::encode_update(delta, {}, nullptr, 0), id, 1,
+                                                 10, 0.0, 1 << 20)) {
         writer->Write(m);
       }
       writer->WritesDone();
@@ -375,7 +375,7 @@ TEST(FederatedServer, BadClientsAndBadUpdatesAreRefusedWithoutAffectingTheRound)
   EXPECT_EQ(reports[0].rounds_trained, 1);
   // The round's model is a's update alone.
   Model model = model64(0);
-  const ClientUpdate u = train_locally(model, initial, train, range(0, 40), options.local, 0);
+  const ClientUpdate u = train_locally(model, initial, train, range(0, 40), options.round.local, 0);
   EXPECT_LE((result.global - (initial + u.delta)).abs().max().item<double>(), kTightBound);
 }
 

@@ -222,17 +222,18 @@ TEST(Gpt, DataParallelAndZero3TrainLikeOneProcessInFloat64) {
     const auto f = gpt_fixture(steps, 8, checkpointing);
     const auto single = test::train_single(f, steps);
     const auto ddp = test::train_distributed(f, 2, steps, [] {
-      return std::make_unique<parallel::DdpStrategy>(parallel::StrategyOptions{});
+      return std::make_unique<parallel::ddp::DdpStrategy>(parallel::StrategyOptions{});
     });
     EXPECT_LT(test::max_abs_diff(single, ddp), test::kTightBound) << checkpointing;
     const auto zero3 = test::train_distributed(
         f, 2, steps,
-        [] { return std::make_unique<parallel::Zero3Strategy>(parallel::StrategyOptions{}); }, 2);
+        [] { return std::make_unique<parallel::zero::Zero3Strategy>(parallel::StrategyOptions{}); },
+        2);
     EXPECT_LT(test::max_abs_diff(single, zero3), test::kTightBound) << checkpointing;
     // The oracle notices one rank's gradient left out.
     const auto dropped = test::train_distributed(
         f, 2, steps,
-        [] { return std::make_unique<parallel::DdpStrategy>(parallel::StrategyOptions{}); }, 1,
+        [] { return std::make_unique<parallel::ddp::DdpStrategy>(parallel::StrategyOptions{}); }, 1,
         [](const comm::CommunicatorPtr& comm) { return test::drop_rank_gradient(1, comm); });
     EXPECT_GT(test::max_abs_diff(single, dropped), 1e-6);
   }

@@ -14,10 +14,10 @@
 #include "dtrain/common/Flags.h"
 #include "dtrain/data/Datasets.h"
 #include "dtrain/models/Zoo.h"
-#include "dtrain/parallel/Registry.h"
-#include "dtrain/services/federated/Aggregator.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/services/federated/RoundServer.h"
-#include "dtrain/services/federated/Simulation.h"
+#include "dtrain/services/federated/aggregation/Aggregator.h"
+#include "dtrain/services/federated/simulation/Simulation.h"
 #include "dtrain/train/Job.h"
 #include "dtrain/train/Trainer.h"
 
@@ -114,7 +114,7 @@ class PlainAllreduce : public parallel::Strategy {
   optim::OptimizerPtr optimizer_;
 };
 
-// The one registry entry (a built-in strategy's is a line in src/parallel/Registry.cpp).
+// The one registry entry (a built-in strategy's is a line in src/parallel/Strategies.cpp).
 parallel::StrategyInfo plain_allreduce() {
   parallel::StrategyInfo info;
   info.name = "plain-allreduce";
@@ -239,11 +239,11 @@ TEST(HowToAdd, AStrategyIsReachedByNameGetsItsFlagsAndObeysTheOracle) {
 
 namespace {
 
-class Median : public federated::Aggregator {
+class Median : public services::federated::Aggregator {
  public:
   std::string name() const override { return "lower-median"; }
   bool needs_individual_updates() const override { return true; }
-  void aggregate(at::Tensor& global, const federated::RoundUpdates& round) override {
+  void aggregate(at::Tensor& global, const services::federated::RoundUpdates& round) override {
     std::vector<at::Tensor> deltas;
     for (const auto& update : round.updates) deltas.push_back(update.delta);
     // torch's median of an even count is the lower middle value.
@@ -253,9 +253,9 @@ class Median : public federated::Aggregator {
 
 void register_median_once() {
   static const bool registered = [] {
-    federated::register_aggregator(
+    services::federated::register_aggregator(
         {"lower-median", "coordinate-wise lower median of the updates (a test of the registry)",
-         [](const federated::AggregatorOptions&) -> federated::AggregatorPtr {
+         [](const services::federated::AggregatorOptions&) -> services::federated::AggregatorPtr {
            return std::make_unique<Median>();
          }});
     return true;
@@ -267,15 +267,15 @@ void register_median_once() {
 
 TEST(HowToAdd, AFederatedAggregatorGetsEachUpdateAndIsRefusedWhereOnlySumsAreSeen) {
   register_median_once();
-  const auto names = federated::aggregator_names();
+  const auto names = services::federated::aggregator_names();
   EXPECT_NE(std::find(names.begin(), names.end(), "lower-median"), names.end());
 
   // A round: three clients, one an outlier; the median ignores it, the mean would not.
-  federated::RoundServerOptions options;
-  options.algorithm = "lower-median";
+  services::federated::RoundServerOptions options;
+  options.aggregator.algorithm = "lower-median";
   options.clients_per_round = 3;
   const at::Tensor start = at::zeros({3}, at::kDouble);
-  federated::RoundServer server(start, options);
+  services::federated::RoundServer server(start, options);
   ASSERT_EQ(server.select({"a", "b", "c"}).size(), 3u);
   EXPECT_EQ(server.submit("a", at::tensor({1.0, 2.0, 3.0}, at::kDouble), 10), "");
   EXPECT_EQ(server.submit("b", at::tensor({2.0, 3.0, 4.0}, at::kDouble), 10), "");
@@ -288,11 +288,11 @@ TEST(HowToAdd, AFederatedAggregatorGetsEachUpdateAndIsRefusedWhereOnlySumsAreSee
 
   // Where the server sees only the (noised) sum, a clear error before the first round.
   for (int privacy = 0; privacy < 2; ++privacy) {
-    federated::RoundServerOptions refused = options;
+    services::federated::RoundServerOptions refused = options;
     refused.secure_aggregation = privacy == 0;
     if (privacy == 1) refused.dp.clip = 1.0;
     try {
-      federated::RoundServer bad(start, refused);
+      services::federated::RoundServer bad(start, refused);
       ADD_FAILURE() << "lower-median accepted with "
                     << (privacy ? "differential privacy" : "secagg");
     } catch (const InputError& e) {
@@ -308,16 +308,17 @@ TEST(HowToAdd, AFederatedAggregatorGetsEachUpdateAndIsRefusedWhereOnlySumsAreSee
   const data::TensorDataset train(synthetic.raw_inputs().to(at::kDouble), synthetic.targets());
   const auto held_out = data::make_synthetic(60, {12}, 4, 7);
   const data::TensorDataset test(held_out.raw_inputs().to(at::kDouble), held_out.targets());
-  federated::SimulationOptions simulation;
-  simulation.algorithm = "lower-median";
+  services::federated::SimulationOptions simulation;
+  simulation.round.aggregator.algorithm = "lower-median";
   simulation.clients = 6;
   simulation.fraction = 0.5;
   simulation.rounds = 3;
-  simulation.local.epochs = 1;
-  simulation.local.batch = 8;
+  simulation.round.local.epochs = 1;
+  simulation.round.local.batch = 8;
   simulation.threads = 1;
   simulation.progress = false;
-  const auto result = federated::simulate(test::small_mlp(12, 16, 4), train, test, simulation);
+  const auto result =
+      services::federated::simulate(test::small_mlp(12, 16, 4), train, test, simulation);
   EXPECT_EQ(result.rounds_done, 3);
   EXPECT_TRUE(at::isfinite(result.global).all().item<bool>());
 }

@@ -15,7 +15,7 @@
 using namespace dtrain;
 
 TEST(LrSchedule, LinearWarmupThenCosineReachesFloor) {
-  optim::ScheduleSpec spec;
+  optim::LrScheduleSpec spec;
   spec.decay = "cosine";
   spec.warmup_steps = 4;
   spec.min_lr_fraction = 0.1;
@@ -29,7 +29,7 @@ TEST(LrSchedule, LinearWarmupThenCosineReachesFloor) {
 }
 
 TEST(LrSchedule, StepDecay) {
-  optim::ScheduleSpec spec;
+  optim::LrScheduleSpec spec;
   spec.decay = "step";
   spec.step_size = 10;
   spec.gamma = 0.5;
@@ -40,7 +40,7 @@ TEST(LrSchedule, StepDecay) {
 }
 
 TEST(LrSchedule, BadSpecsAreInputErrors) {
-  optim::ScheduleSpec spec;
+  optim::LrScheduleSpec spec;
   spec.decay = "linear-ish";
   EXPECT_THROW(optim::LrSchedule(0.1, 10, spec), InputError);
   EXPECT_THROW(optim::linear_scaled_lr(0.1, 256, 0), InputError);

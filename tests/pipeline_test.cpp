@@ -7,7 +7,7 @@
 
 #include "Oracle.h"
 #include "dtrain/common/Error.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/pipeline/Partition.h"
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/parallel/pipeline/Schedule.h"

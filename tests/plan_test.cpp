@@ -31,22 +31,23 @@ Cluster cluster_of(const std::string& profile, int nodes, int per_node = 0) {
 
 TEST(PlanBuckets, ReverseOrderCapsAndTheFirstLayersOwnBucket) {
   // Parameters in model order (bytes, dtype, module); buckets fill from the last.
-  const std::vector<parallel::BucketedParameter> params = {
+  const std::vector<parallel::ddp::BucketedParameter> params = {
       {400, 0, "first"}, {100, 0, "first"}, {600, 0, "mid"}, {300, 0, "last"}, {300, 0, "last"}};
-  parallel::BucketRule rule{1000, 500, false};
+  parallel::ddp::BucketRule rule{1000, 500, false};
   // First bucket closes at 500 bytes (4, 3), the next at 1000 (2, 1, 0 = 1100).
-  EXPECT_EQ(parallel::assign_buckets(params, rule),
+  EXPECT_EQ(parallel::ddp::assign_buckets(params, rule),
             (std::vector<std::vector<size_t>>{{4, 3}, {2, 1, 0}}));
   // Isolating the first module: 0 and 1 (500 bytes) leave the bucket whose rest (600) is larger.
   rule.isolate_first_layer = true;
-  EXPECT_EQ(parallel::assign_buckets(params, rule),
+  EXPECT_EQ(parallel::ddp::assign_buckets(params, rule),
             (std::vector<std::vector<size_t>>{{4, 3}, {2}, {1, 0}}));
   // One open bucket per dtype.
-  const std::vector<parallel::BucketedParameter> mixed = {{10, 1, "a"}, {10, 0, "b"}, {10, 1, "c"}};
-  EXPECT_EQ(parallel::assign_buckets(mixed, {1000, 1000, false}),
+  const std::vector<parallel::ddp::BucketedParameter> mixed = {
+      {10, 1, "a"}, {10, 0, "b"}, {10, 1, "c"}};
+  EXPECT_EQ(parallel::ddp::assign_buckets(mixed, {1000, 1000, false}),
             (std::vector<std::vector<size_t>>{{2, 0}, {1}}));
-  EXPECT_EQ(parallel::module_of("blocks.0.fc.weight"), "blocks.0.fc");
-  EXPECT_EQ(parallel::module_of("bias"), "");
+  EXPECT_EQ(parallel::ddp::module_of("blocks.0.fc.weight"), "blocks.0.fc");
+  EXPECT_EQ(parallel::ddp::module_of("bias"), "");
 }
 
 TEST(PlanSchedule, CostsPerStageAndTransfersBetweenRanks) {
@@ -77,8 +78,8 @@ TEST(PlanSchedule, CostsPerStageAndTransfersBetweenRanks) {
 
 // A model of identical layers and a cluster whose links cost nothing: what the planner must
 // give is known in closed form.
-ModelSpec uniform_model(int layers) {
-  ModelSpec model;
+ModelCost uniform_model(int layers) {
+  ModelCost model;
   model.name = "uniform";
   for (int i = 0; i < layers; ++i) {
     Layer layer;
@@ -101,7 +102,7 @@ Cluster ideal_cluster(int gpus) {
 }
 
 TEST(Planner, EqualStagesGiveTheTextbookBubble) {
-  const ModelSpec model = uniform_model(16);
+  const ModelCost model = uniform_model(16);
   for (const auto& [schedule, chunks] :
        {std::pair<std::string, int>{"1f1b", 1}, {"gpipe", 1}, {"interleaved", 2}}) {
     Layout layout;
@@ -119,7 +120,7 @@ TEST(Planner, EqualStagesGiveTheTextbookBubble) {
 TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {
   // Mixed-precision Adam with fp32 master weights (K = 12): baseline 16 psi bytes, Pos
   // 4 psi + 12 psi / N, Pos+g 2 psi + 14 psi / N, Pos+g+p 16 psi / N.
-  const ModelSpec model = model_named("gpt-7.5b");
+  const ModelCost model = model_named("gpt-7.5b");
   const double psi = model.parameters(), n = 64;
   const std::map<std::string, double> expected = {{"ddp", 16 * psi},
                                                   {"zero1", 4 * psi + 12 * psi / n},
@@ -139,7 +140,7 @@ TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {
 TEST(Planner, TensorParallelAllReducesAreOnTheCriticalPath) {
   // One replica, tp 2: slowing the node's links by 2x adds exactly the all-reduces' extra time:
   // per micro-batch, 2 per block and 1 for the embedding, in forward and again in backward.
-  const ModelSpec model =
+  const ModelCost model =
       model_named("transformer:layers=4,hidden=1024,heads=16,seq=512,vocab=1000");
   Cluster fast = cluster_of("a100-selene", 1, 2);
   Cluster slow = fast;
@@ -156,7 +157,7 @@ TEST(Planner, TensorParallelAllReducesAreOnTheCriticalPath) {
 }
 
 TEST(Planner, DataParallelBucketsHideBehindBackwardUntilTheNetworkIsSlow) {
-  const ModelSpec model = model_named("resnet50");
+  const ModelCost model = model_named("resnet50");
   Layout layout;
   layout.dp = 16;
   layout.micro_batch_size = 32;
@@ -191,7 +192,7 @@ TEST(Planner, DtrainsGptHasTheParametersThePlannerCounts) {
     config.width = 64;
     config.context = 32;
     config.tied_embeddings = tied;
-    const ModelSpec model = model_named(
+    const ModelCost model = model_named(
         concat("transformer:layers=3,hidden=64,heads=4,seq=32,vocab=97,tied=", tied ? 1 : 0,
                ",dropout=0"));
     EXPECT_EQ(model.parameters(), models::gpt_parameter_count(config)) << "tied " << tied;
@@ -199,7 +200,7 @@ TEST(Planner, DtrainsGptHasTheParametersThePlannerCounts) {
 }
 
 TEST(Planner, RefusesLayoutsNamingWhatIsWrong) {
-  const ModelSpec model =
+  const ModelCost model =
       model_named("transformer:layers=4,hidden=768,heads=12,seq=128,vocab=1000");
   const Cluster cluster = cluster_of("a100-selene", 1);
   auto refusal = [&](Layout layout) {
@@ -288,7 +289,7 @@ TEST(Hardware, MeasuredRatesInterpolateBySizeAndCoresAreShared) {
   EXPECT_DOUBLE_EQ(hw.matmul_rate("bf16", 128), 312e12 * 0.75);
   EXPECT_TRUE(hw.shared_cores);
   // Four ranks on a node of two cores: each computes at half speed.
-  const ModelSpec model = uniform_model(4);
+  const ModelCost model = uniform_model(4);
   Cluster two;
   two.hardware = hw;
   two.gpus_per_node = 2;

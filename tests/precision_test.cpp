@@ -7,7 +7,7 @@
 
 #include "RankThreads.h"
 #include "dtrain/common/Cpu.h"
-#include "dtrain/memory/Checkpoint.h"
+#include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"
@@ -27,10 +27,10 @@ TEST(Precision, NamesAndFp16OnCpuIsRefusedWithAHint) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("bf16-mixed"), std::string::npos);
   }
-  EXPECT_THROW(parallel::DdpStrategy({.precision = "fp16-mixed"}), InputError);
+  EXPECT_THROW(parallel::ddp::DdpStrategy({.precision = "fp16-mixed"}), InputError);
   // On a CUDA device fp16-mixed is the usual mode (checked by name: no device is needed).
   EXPECT_NO_THROW(precision::check_supported(Precision::Fp16Mixed, c10::Device("cuda:0")));
-  EXPECT_NO_THROW(parallel::DdpStrategy({.precision = "fp16-mixed", .device = "cuda:0"}));
+  EXPECT_NO_THROW(parallel::ddp::DdpStrategy({.precision = "fp16-mixed", .device = "cuda:0"}));
 }
 
 // /proc/cpuinfo's first processor block on three kinds of machine (abridged to the lines read).
@@ -156,7 +156,7 @@ TEST(LossScaler, DdpSkipsAnInjectedOverflowOnEveryRankAndStaysInSync) {
   at::set_num_threads(1);
   run_ranks(2, [](const comm::CommunicatorPtr& comm) {
     auto net = std::make_shared<Poisoned>();
-    parallel::DdpStrategy ddp({.loss_scaling = "dynamic", .loss_scale_init = 1024});
+    parallel::ddp::DdpStrategy ddp({.loss_scaling = "dynamic", .loss_scale_init = 1024});
     ddp.setup(Model(net), optim::optimizer_factory({}), std::make_shared<comm::ProcessGrid>(comm));
     data::Batch batch{torch::randn({4, 6}), torch::randint(0, 3, {4})};
     ddp.train_step({batch}, parallel::cross_entropy);
@@ -184,14 +184,14 @@ TEST(LossScaler, StateTravelsWithTheCheckpoint) {
   std::filesystem::create_directories(dir);
   run_ranks(1, [&](const comm::CommunicatorPtr& comm) {
     auto net = std::make_shared<Poisoned>();
-    parallel::DdpStrategy ddp({.loss_scaling = "dynamic", .loss_scale_init = 1024});
+    parallel::ddp::DdpStrategy ddp({.loss_scaling = "dynamic", .loss_scale_init = 1024});
     ddp.setup(Model(net), optim::optimizer_factory({}), std::make_shared<comm::ProcessGrid>(comm));
     net->poison = true;
     ddp.train_step({{torch::randn({4, 6}), torch::randint(0, 3, {4})}}, parallel::cross_entropy);
     ddp.save(dir);
 
     auto fresh = std::make_shared<Poisoned>();
-    parallel::DdpStrategy resumed({.loss_scaling = "dynamic", .loss_scale_init = 1024});
+    parallel::ddp::DdpStrategy resumed({.loss_scaling = "dynamic", .loss_scale_init = 1024});
     resumed.setup(Model(fresh), optim::optimizer_factory({}),
                   std::make_shared<comm::ProcessGrid>(comm));
     EXPECT_EQ(resumed.loss_scaler()->scale_value(), 1024.0);
@@ -220,7 +220,7 @@ TEST(Precision, Bf16MixedKeepsFp32MasterWeightsAndTracksFp32) {
       replicas.push_back(models::make_model(spec));
     }
     run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
-      parallel::DdpStrategy ddp({.precision = mode});
+      parallel::ddp::DdpStrategy ddp({.precision = mode});
       optim::OptimizerSpec sgd;
       sgd.lr = 0.1;
       ddp.setup(replicas[comm->rank()], optim::optimizer_factory(sgd),
@@ -326,7 +326,7 @@ TEST(Checkpointing, WorksWithDdpOverlapHooks) {
         replicas.push_back(models::make_model(spec));
       }
       run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
-        parallel::DdpStrategy ddp({.bucket_cap_bytes = 4096});
+        parallel::ddp::DdpStrategy ddp({.bucket_cap_bytes = 4096});
         ddp.setup(replicas[comm->rank()], optim::optimizer_factory({}),
                   std::make_shared<comm::ProcessGrid>(comm));
         for (const auto& batch : batches[comm->rank()]) {

@@ -16,6 +16,7 @@
 
 using namespace dtrain;
 using namespace dtrain::parallel::ps;
+using namespace dtrain::services::ps;
 using namespace std::chrono_literals;
 
 namespace {
@@ -30,7 +31,7 @@ dtrain::ps::PushChunk chunk(int64_t offset, const std::vector<double>& values, i
   dtrain::ps::PushChunk c;
   c.set_worker(worker);
   c.set_computed_version(version);
-  c.mutable_chunk()->set_dtype(dtrain::rpc::FLOAT64);
+  c.mutable_chunk()->set_dtype(dtrain::comm::rpc::FLOAT64);
   c.mutable_chunk()->set_offset(offset);
   for (const int64_t d : shape) c.mutable_chunk()->add_shape(d);
   c.mutable_chunk()->set_data(values.data(), values.size() * sizeof(double));

@@ -20,6 +20,7 @@
 
 using namespace dtrain;
 using namespace dtrain::parallel::ps;
+using namespace dtrain::services::ps;
 using namespace std::chrono_literals;
 
 namespace {
@@ -238,7 +239,7 @@ grpc::Status push_raw(dtrain::ps::ParameterServer::Stub& stub,
 dtrain::ps::PushChunk gradient_chunk(int64_t offset, int64_t n, int64_t version = 0) {
   dtrain::ps::PushChunk c;
   c.set_computed_version(version);
-  c.mutable_chunk()->set_dtype(rpc::FLOAT32);
+  c.mutable_chunk()->set_dtype(comm::rpc::FLOAT32);
   c.mutable_chunk()->set_offset(offset);
   const std::vector<float> data(n, 1.0f);
   c.mutable_chunk()->set_data(data.data(), n * sizeof(float));
@@ -298,7 +299,7 @@ TEST(ParameterServer, MalformedAndFuzzedMessagesAreRefusedAndChangeNothing) {
     EXPECT_NE(status.error_message().find(field), std::string::npos) << status.error_message();
   };
   auto wrong_dtype = gradient_chunk(0, 8);
-  wrong_dtype.mutable_chunk()->set_dtype(rpc::FLOAT64);
+  wrong_dtype.mutable_chunk()->set_dtype(comm::rpc::FLOAT64);
   refused({wrong_dtype}, "field 'dtype' is FLOAT64, expected FLOAT32");
   refused({gradient_chunk(60, 8)}, "field 'offset' 60 with 8 elements is outside [0, 64)");
   refused({gradient_chunk(0, 8, 5)},
@@ -308,7 +309,7 @@ TEST(ParameterServer, MalformedAndFuzzedMessagesAreRefusedAndChangeNothing) {
   ragged.mutable_chunk()->mutable_data()->push_back('x');
   refused({ragged}, "not a whole number of FLOAT32 elements");
   auto oversized = gradient_chunk(0, 1);
-  oversized.mutable_chunk()->set_data(std::string(rpc::kMaxChunkBytes + 4, '\0'));
+  oversized.mutable_chunk()->set_data(std::string(comm::rpc::kMaxChunkBytes + 4, '\0'));
   refused({oversized}, "field 'data' holds");
   {
     grpc::ClientContext context;
@@ -343,7 +344,7 @@ TEST(ParameterServer, MalformedAndFuzzedMessagesAreRefusedAndChangeNothing) {
     } else {  // well-formed protobuf with random field values
       auto m = gradient_chunk(static_cast<int64_t>(random() % 90) - 10, random() % 24,
                               static_cast<int64_t>(random() % 4) - 1);
-      m.mutable_chunk()->set_dtype(static_cast<rpc::DType>(random() % 4));
+      m.mutable_chunk()->set_dtype(static_cast<comm::rpc::DType>(random() % 4));
       if (random() % 4 == 0) m.mutable_chunk()->mutable_data()->resize(random() % 100);
       m.SerializeToString(&bytes);
     }

@@ -23,9 +23,11 @@
 #include "dtrain/ps.grpc.pb.h"
 #include "dtrain/sandblaster.grpc.pb.h"
 #include "dtrain/services/ps/ShardServer.h"
+#include "dtrain/services/ps/WorkCoordinator.h"
 
 using namespace dtrain;
 using namespace dtrain::parallel::ps;
+using namespace dtrain::services::ps;
 
 namespace {
 

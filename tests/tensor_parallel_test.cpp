@@ -19,8 +19,8 @@
 #include "dtrain/nn/tensor/Layers.h"
 #include "dtrain/nn/tensor/Mappings.h"
 #include "dtrain/nn/tensor/Random.h"
-#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/Generate.h"
@@ -31,7 +31,7 @@
 
 namespace fs = std::filesystem;
 using namespace dtrain;
-namespace tp = dtrain::tensor;
+namespace tp = dtrain::nn::tensor;
 
 namespace {
 

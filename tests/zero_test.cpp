@@ -38,8 +38,8 @@ models::ModelSpec odd_deep_mlp() {
 }
 
 parallel::StrategyPtr make_zero(int stage, const parallel::StrategyOptions& options = {}) {
-  if (stage == 3) return std::make_unique<parallel::Zero3Strategy>(options);
-  return std::make_unique<parallel::ZeroStrategy>(options, stage);
+  if (stage == 3) return std::make_unique<parallel::zero::Zero3Strategy>(options);
+  return std::make_unique<parallel::zero::ZeroStrategy>(options, stage);
 }
 
 }  // namespace
@@ -87,13 +87,13 @@ TEST(Zero, QuantizedCollectivesAtIdentityEqualTheOracleAndInt8SendsFewerBytes) {
     for (int world : {2, 4}) {
       SCOPED_TRACE(concat("zero", stage, " world ", world));
       parallel::StrategyOptions identity;
-      identity.of<parallel::ZeroQuantizedOptions>() = {true, 256, /*identity=*/true};
+      identity.of<parallel::zero::ZeroQuantizedOptions>() = {true, 256, /*identity=*/true};
       EXPECT_LE(
           max_abs_diff(expected,
                        train_distributed(f, world, 10, [&] { return make_zero(stage, identity); })),
           kTightBound);
       parallel::StrategyOptions int8;
-      int8.of<parallel::ZeroQuantizedOptions>() = {true, 32};
+      int8.of<parallel::zero::ZeroQuantizedOptions>() = {true, 32};
       const auto got = train_distributed(f, world, 10, [&] { return make_zero(stage, int8); });
       EXPECT_GT(max_abs_diff(expected, got), 1e-8) << "int8 changed nothing: not applied?";
       // The loss on the training set falls as far (within 5%) as exact training's.
@@ -109,7 +109,7 @@ TEST(Zero, QuantizedCollectivesAtIdentityEqualTheOracleAndInt8SendsFewerBytes) {
     std::map<bool, int64_t> sent;
     for (bool quantized : {false, true}) {
       parallel::StrategyOptions options;
-      options.of<parallel::ZeroQuantizedOptions>().enabled = quantized;
+      options.of<parallel::zero::ZeroQuantizedOptions>().enabled = quantized;
       run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
         auto zero = make_zero(stage, options);
         zero->setup(make_model_as(g.spec, at::kFloat), optim::optimizer_factory(adam()),
@@ -128,7 +128,7 @@ TEST(Zero, QuantizedCollectivesAtIdentityEqualTheOracleAndInt8SendsFewerBytes) {
   EXPECT_THROW(make_zero(1,
                          [] {
                            parallel::StrategyOptions o;
-                           o.of<parallel::ZeroQuantizedOptions>().enabled = true;
+                           o.of<parallel::zero::ZeroQuantizedOptions>().enabled = true;
                            return o;
                          }()),
                InputError);
@@ -139,9 +139,9 @@ TEST(Zero3, UnitsOfAnyGranularityAndConvolutionsMatchSingleProcess) {
   auto f = make_fixture(odd_deep_mlp(), adam(), 10);
   const auto expected = train_single(f, 10);
   parallel::StrategyOptions merged;
-  merged.of<dtrain::parallel::Zero3Options>().min_unit_params =
+  merged.of<dtrain::parallel::zero::Zero3Options>().min_unit_params =
       1100;  // layers 0 and 1 in one unit, layer 2 alone
-  merged.of<dtrain::parallel::Zero3Options>().prefetch = false;
+  merged.of<dtrain::parallel::zero::Zero3Options>().prefetch = false;
   EXPECT_LE(
       max_abs_diff(expected, train_distributed(f, 2, 10, [&] { return make_zero(3, merged); })),
       kTightBound);
@@ -187,7 +187,7 @@ TEST(Zero3, SequentialModelsGetOneUnitPerParameterizedStage) {
   }
   std::vector<at::Tensor> got;
   run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
-    parallel::Zero3Strategy zero3({});
+    parallel::zero::Zero3Strategy zero3({});
     zero3.setup(sequential_model(nets[comm->rank()]), optim::optimizer_factory(adam()),
                 std::make_shared<comm::ProcessGrid>(comm));
     EXPECT_EQ(zero3.sharder().unit_count(), 2u);  // Flatten+Linear, ReLU+Linear+ReLU
@@ -216,7 +216,7 @@ TEST(Zero3, ModelWithoutStagesIsOneUnit) {
   }
   std::vector<at::Tensor> got;
   run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
-    parallel::Zero3Strategy zero3({});
+    parallel::zero::Zero3Strategy zero3({});
     zero3.setup(replicas[comm->rank()], optim::optimizer_factory(adam()),
                 std::make_shared<comm::ProcessGrid>(comm));
     EXPECT_EQ(zero3.sharder().unit_count(), 1u);
@@ -239,7 +239,7 @@ TEST(Zero, MatchesDdpWithAccumulationAndGlobalNormClipping) {
   parallel::StrategyOptions options;
   options.max_grad_norm = 0.05;  // small enough to clip every step
   const auto ddp = train_distributed(
-      f, 2, 10, [&] { return std::make_unique<parallel::DdpStrategy>(options); }, 2);
+      f, 2, 10, [&] { return std::make_unique<parallel::ddp::DdpStrategy>(options); }, 2);
   for (int stage : {1, 2, 3}) {  // stages 2, 3: the norm is summed over gradient shards
     const auto zero = train_distributed(
         f, 2, 10, [&] { return make_zero(stage, options); }, 2);
@@ -253,7 +253,7 @@ TEST(Zero1, MemoryReportFollowsTheZeroFormula) {
     run_ranks(world, [world](const comm::CommunicatorPtr& comm) {
       auto grid = std::make_shared<comm::ProcessGrid>(comm);
       torch::manual_seed(1);
-      parallel::ZeroStrategy zero({});
+      parallel::zero::ZeroStrategy zero({});
       zero.setup(models::make_model(odd_mlp()), optim::optimizer_factory(adam()), grid);
       data::Batch batch{torch::randn({4, 1, 12, 12}), torch::randint(0, 10, {4})};
       zero.train_step({batch}, parallel::cross_entropy);  // Adam allocates its state
@@ -265,7 +265,7 @@ TEST(Zero1, MemoryReportFollowsTheZeroFormula) {
       EXPECT_EQ(report.gradient_bytes, 4 * p);               // 4P
       EXPECT_EQ(report.optimizer_bytes, 8 * mine);           // 8P/N (the last shard is short)
 
-      parallel::ZeroStrategy zero2({}, 2);
+      parallel::zero::ZeroStrategy zero2({}, 2);
       zero2.setup(models::make_model(odd_mlp()), optim::optimizer_factory(adam()), grid);
       zero2.train_step({batch}, parallel::cross_entropy);
       const auto report2 = zero2.memory_report();
@@ -276,13 +276,13 @@ TEST(Zero1, MemoryReportFollowsTheZeroFormula) {
         EXPECT_FALSE(p.grad().defined()) << "a full gradient outlived its reduce-scatter";
       }
 
-      parallel::DdpStrategy ddp({});
+      parallel::ddp::DdpStrategy ddp({});
       ddp.setup(models::make_model(odd_mlp()), optim::optimizer_factory(adam()), grid);
       ddp.train_step({batch}, parallel::cross_entropy);
       EXPECT_EQ(ddp.memory_report().optimizer_bytes, 8 * p);  // every rank holds all of it
 
       // Stage 3: each unit (layer) is padded and split on its own: 16P/N plus padding.
-      parallel::Zero3Strategy zero3({});
+      parallel::zero::Zero3Strategy zero3({});
       zero3.setup(models::make_model(odd_mlp()), optim::optimizer_factory(adam()), grid);
       zero3.train_step({batch}, parallel::cross_entropy);
       int64_t padded_shard = 0, owned = 0;
@@ -312,7 +312,7 @@ TEST(Zero3, HoldsOnlyAFewUnitsWholeAtOnce) {
   torch::manual_seed(4);
   std::vector<Model> replicas{models::make_model(deep), models::make_model(deep)};
   run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
-    parallel::Zero3Strategy zero3({});
+    parallel::zero::Zero3Strategy zero3({});
     zero3.setup(replicas[comm->rank()], optim::optimizer_factory(adam()),
                 std::make_shared<comm::ProcessGrid>(comm));
     ASSERT_EQ(zero3.sharder().unit_count(), 14u);
@@ -346,9 +346,9 @@ TEST(Zero1, SavesAndResumesItsShards) {
   run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
     auto grid = std::make_shared<comm::ProcessGrid>(comm);
     const int r = comm->rank();
-    parallel::ZeroStrategy straight({});
+    parallel::zero::ZeroStrategy straight({});
     straight.setup(models[r], optim::optimizer_factory(adam()), grid);
-    parallel::ZeroStrategy first({});
+    parallel::zero::ZeroStrategy first({});
     first.setup(models[2 + r], optim::optimizer_factory(adam()), grid);
     {
       torch::NoGradGuard no_grad;  // same start for both
@@ -364,7 +364,7 @@ TEST(Zero1, SavesAndResumesItsShards) {
     first.save(dir);
     comm->barrier()->wait();
     torch::manual_seed(99);
-    parallel::ZeroStrategy resumed({});
+    parallel::zero::ZeroStrategy resumed({});
     resumed.setup(models::make_model(odd_mlp()), optim::optimizer_factory(adam()), grid);
     resumed.load(dir);
     for (int i = 3; i < 6; ++i) {
@@ -383,23 +383,23 @@ TEST(Zero, MixedPrecisionMatchesDdpAndPureBf16IsRefused) {
   auto f = make_fixture(odd_mlp(), adam(), 8, 32, at::kFloat);
   parallel::StrategyOptions mixed;
   mixed.precision = "bf16-mixed";
-  const auto ddp =
-      train_distributed(f, 2, 8, [&] { return std::make_unique<parallel::DdpStrategy>(mixed); });
+  const auto ddp = train_distributed(
+      f, 2, 8, [&] { return std::make_unique<parallel::ddp::DdpStrategy>(mixed); });
   const auto zero2 = train_distributed(
-      f, 2, 8, [&] { return std::make_unique<parallel::ZeroStrategy>(mixed, 2); });
+      f, 2, 8, [&] { return std::make_unique<parallel::zero::ZeroStrategy>(mixed, 2); });
   EXPECT_LE(max_abs_diff(ddp, zero2), 1e-5);
-  const auto zero =
-      train_distributed(f, 2, 8, [&] { return std::make_unique<parallel::ZeroStrategy>(mixed); });
+  const auto zero = train_distributed(
+      f, 2, 8, [&] { return std::make_unique<parallel::zero::ZeroStrategy>(mixed); });
   EXPECT_LE(max_abs_diff(ddp, zero), 1e-5);
   EXPECT_LE(max_abs_diff(ddp, train_distributed(f, 2, 8, [&] { return make_zero(3, mixed); })),
             1e-5);
   const auto fp32 = train_distributed(f, 2, 8, [] {
-    return std::make_unique<parallel::ZeroStrategy>(parallel::StrategyOptions{});
+    return std::make_unique<parallel::zero::ZeroStrategy>(parallel::StrategyOptions{});
   });
   EXPECT_GT(max_abs_diff(fp32, zero), 0.0) << "bf16-mixed changed nothing: autocast not applied?";
-  EXPECT_THROW(parallel::ZeroStrategy({.precision = "bf16"}), InputError);
-  EXPECT_THROW(parallel::Zero3Strategy({.precision = "bf16"}), InputError);
-  EXPECT_THROW(parallel::Zero3Strategy({.grad_compression = "fp16"}), InputError);
+  EXPECT_THROW(parallel::zero::ZeroStrategy({.precision = "bf16"}), InputError);
+  EXPECT_THROW(parallel::zero::Zero3Strategy({.precision = "bf16"}), InputError);
+  EXPECT_THROW(parallel::zero::Zero3Strategy({.grad_compression = "fp16"}), InputError);
 }
 
 // Sharded checkpoints reshard: zero3 on 4 ranks -> ddp on 2 -> zero1 on 3 (-> zero2 on 2 ->
@@ -446,9 +446,9 @@ TEST(ShardedCheckpoint, ReshardsAcrossStrategiesAndWorldSizes) {
     run_ranks(
         world,
         [&, stage = stage, world = world](const comm::CommunicatorPtr& comm) {
-          auto strategy = stage == 0
-                              ? std::make_unique<parallel::DdpStrategy>(parallel::StrategyOptions{})
-                              : make_zero(stage);
+          auto strategy =
+              stage == 0 ? std::make_unique<parallel::ddp::DdpStrategy>(parallel::StrategyOptions{})
+                         : make_zero(stage);
           strategy->setup(replicas[comm->rank()], optim::optimizer_factory(adam()),
                           std::make_shared<comm::ProcessGrid>(comm));
           if (phase > 0) strategy->load(load_dir);
@@ -474,7 +474,7 @@ TEST(ShardedCheckpoint, ReshardsAcrossStrategiesAndWorldSizes) {
   auto other = odd_deep_mlp();
   other.hidden = {9, 5};
   run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
-    parallel::Zero3Strategy zero3({});
+    parallel::zero::Zero3Strategy zero3({});
     zero3.setup(make_model_as(other, at::kDouble), optim::optimizer_factory(adam()),
                 std::make_shared<comm::ProcessGrid>(comm));
     try {

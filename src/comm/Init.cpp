@@ -9,10 +9,10 @@
 namespace dtrain::comm {
 
 CommunicatorPtr init(const InitOptions& options) {
-  if (options.backend == "gloo") return gloo_backend::create_world(options);
+  if (options.backend == "gloo") return gloo::create_world(options);
   if (options.backend == "nccl") {
 #ifdef DTRAIN_CUDA
-    return nccl_backend::create_world(options);
+    return nccl::create_world(options);
 #else
     DTRAIN_THROW(InputError,
                  "backend nccl is not available: this dtrain was built without "

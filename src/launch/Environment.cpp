@@ -2,6 +2,8 @@
 #include "dtrain/launch/Environment.h"
 
 #if defined(__GLIBC__)
+#include <unistd.h>
+
 #include <malloc.h>
 #endif
 
@@ -131,6 +133,14 @@ comm::CommunicatorPtr init_from_env(const std::string& backend, int64_t timeout_
   options.backend = backend;
   if (timeout_ms > 0) options.timeout = std::chrono::milliseconds(timeout_ms);
   return comm::init(options);
+}
+
+std::string self_executable() {
+  char path[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (n <= 0) return "dtrain";
+  path[n] = '\0';
+  return path;
 }
 
 }  // namespace dtrain::launch

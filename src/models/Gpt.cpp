@@ -13,7 +13,7 @@
 #include <mutex>
 
 #include "dtrain/common/Error.h"
-#include "dtrain/memory/Checkpoint.h"
+#include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/nn/tensor/CrossEntropy.h"
 #include "dtrain/nn/tensor/Layers.h"
 #include "dtrain/nn/tensor/Mappings.h"
@@ -23,7 +23,7 @@ namespace dtrain::models {
 
 namespace {
 
-namespace tp = tensor;
+namespace tp = nn::tensor;
 
 struct Shared {
   comm::CommunicatorPtr group;  // the tensor-parallel group (null: serial)

@@ -9,7 +9,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Registry.h"
-#include "dtrain/memory/Checkpoint.h"
+#include "dtrain/memory/ActivationCheckpoint.h"
 
 namespace dtrain::models {
 
@@ -344,19 +344,3 @@ Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_para
 }
 
 }  // namespace dtrain::models
-
-namespace dtrain {
-
-Model sequential_model(const torch::nn::Sequential& sequential) {
-  Model model(sequential);
-  const auto children = sequential->children();
-  for (size_t i = 0; i < children.size(); ++i) {
-    model.stages.push_back(
-        {std::to_string(i), {children[i]}, [impl = sequential.ptr(), i](const at::Tensor& x) {
-           return (impl->begin() + static_cast<std::ptrdiff_t>(i))->forward(x);
-         }});
-  }
-  return model;
-}
-
-}  // namespace dtrain

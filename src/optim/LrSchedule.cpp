@@ -8,7 +8,7 @@
 
 namespace dtrain::optim {
 
-LrSchedule::LrSchedule(double base_lr, int64_t total_steps, ScheduleSpec spec)
+LrSchedule::LrSchedule(double base_lr, int64_t total_steps, LrScheduleSpec spec)
     : base_lr_(base_lr), total_steps_(std::max<int64_t>(total_steps, 1)), spec_(std::move(spec)) {
   DTRAIN_CHECK_INPUT(spec_.decay == "constant" || spec_.decay == "step" || spec_.decay == "cosine",
                      "unknown lr decay '", spec_.decay, "' (expected constant, step or cosine)");

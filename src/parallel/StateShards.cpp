@@ -90,7 +90,7 @@ struct Transfer {
 }  // namespace
 
 std::vector<PieceRef> with_splits(std::vector<PieceRef> pieces,
-                                  const tensor::ParameterSplits& splits, bool keep_replicated) {
+                                  const nn::tensor::ParameterSplits& splits, bool keep_replicated) {
   std::vector<PieceRef> out;
   for (auto& piece : pieces) {
     const auto it = splits.find(piece.name);

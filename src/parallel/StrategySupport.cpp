@@ -13,8 +13,8 @@
 
 namespace dtrain::parallel {
 
-ReducerOptions reducer_options_from(const StrategyOptions& options) {
-  ReducerOptions reducer;
+parallel::ddp::ReducerOptions reducer_options_from(const StrategyOptions& options) {
+  parallel::ddp::ReducerOptions reducer;
   reducer.bucket_cap_bytes = options.bucket_cap_bytes;
   reducer.first_bucket_cap_bytes = options.first_bucket_cap_bytes;
   const std::string& compression = options.grad_compression;
@@ -23,7 +23,7 @@ ReducerOptions reducer_options_from(const StrategyOptions& options) {
   } else if (compression == "bf16") {
     reducer.wire_dtype = at::kBFloat16;
   } else if (compression.rfind("powersgd", 0) == 0) {
-    reducer.powersgd = parse_powersgd(compression, "--grad-compression");
+    reducer.powersgd = parallel::ddp::parse_powersgd(compression, "--grad-compression");
   } else {
     DTRAIN_CHECK_INPUT(compression == "none", "unknown gradient compression '", compression,
                        "' (expected none, fp16, bf16 or powersgd:RANK[:START_STEP[:MIN_RATE]])");
@@ -125,8 +125,8 @@ void TensorParallelLayout::sum_partial_gradients(const std::vector<at::Tensor>& 
 TensorParallelLayout tensor_parallel_layout(const torch::nn::Module& module,
                                             const comm::ProcessGrid& grid) {
   TensorParallelLayout layout;
-  layout.splits = tensor::parameter_splits(module);
-  layout.partial = tensor::partial_gradient_parameters(module);
+  layout.splits = nn::tensor::parameter_splits(module);
+  layout.partial = nn::tensor::partial_gradient_parameters(module);
   layout.group = grid.tp();
   layout.rank = grid.coordinates().tp;
   layout.size = grid.tp_size();

@@ -16,7 +16,7 @@ namespace dtrain::parallel {
 
 /// Bucket caps, wire dtype ("none", "fp16", "bf16": InputError otherwise) and unused-parameter
 /// policy from `options`.
-ReducerOptions reducer_options_from(const StrategyOptions& options);
+parallel::ddp::ReducerOptions reducer_options_from(const StrategyOptions& options);
 
 /// The dynamic loss scaler `options` ask for with `precision` (null when none): "dynamic", or
 /// "auto" under fp16-mixed. InputError for an unknown loss_scaling.
@@ -36,7 +36,7 @@ double clip_by_global_norm(const std::vector<at::Tensor>& holders,
 /// What a data-parallel or pipeline strategy needs to know of tensor parallelism: which
 /// parameters are blocks of larger tensors, and this rank's place in the TP group.
 struct TensorParallelLayout {
-  tensor::ParameterSplits splits;
+  nn::tensor::ParameterSplits splits;
   /// Replicated parameters whose gradients are partial sums over the TP group.
   std::vector<std::string> partial;
   comm::CommunicatorPtr group;

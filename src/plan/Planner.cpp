@@ -112,7 +112,7 @@ struct LayerTime {
 
 }  // namespace
 
-void check_layout(const ModelSpec& model, const Cluster& cluster, const Layout& layout) {
+void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
   DTRAIN_CHECK_INPUT(is_one_of(layout.strategy, {"ddp", "zero1", "zero2", "zero3", "downpour"}),
                      "unknown strategy '", layout.strategy,
                      "' (the planner knows ddp, zero1, zero2, zero3, downpour)");
@@ -157,7 +157,7 @@ void check_layout(const ModelSpec& model, const Cluster& cluster, const Layout& 
   }
 }
 
-Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout& layout) {
+Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
   check_layout(model, cluster, layout);
   const Hardware& hw = cluster.hardware;
   const Bytes bytes = bytes_of(layout);
@@ -329,12 +329,12 @@ Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout&
           t += times[i].backward;
           ready[i] = t;
         }
-        std::vector<parallel::BucketedParameter> described;
+        std::vector<parallel::ddp::BucketedParameter> described;
         for (int i = partition.first(s); i < partition.end(s); ++i) {
           described.push_back(
               {static_cast<int64_t>(local_params[i] * grad_bytes), 0, model.layers[i].name});
         }
-        const auto buckets = parallel::assign_buckets(
+        const auto buckets = parallel::ddp::assign_buckets(
             described,
             {layout.bucket_cap_bytes, std::min<int64_t>(1 << 20, layout.bucket_cap_bytes), true});
         for (const auto& bucket : buckets) {

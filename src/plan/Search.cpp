@@ -22,7 +22,7 @@ std::vector<int> divisors(int64_t n, int64_t limit) {
 
 }  // namespace
 
-SearchResult search(const ModelSpec& model, const Cluster& cluster, const SearchOptions& options) {
+SearchResult search(const ModelCost& model, const Cluster& cluster, const SearchOptions& options) {
   DTRAIN_CHECK_INPUT(options.global_batch > 0, "--search needs a global batch > 0");
   SearchResult result;
   std::vector<Layout> layouts;

@@ -38,10 +38,10 @@ std::vector<TensorInfo> CheckpointManager::model_tensors() const {
   std::vector<TensorInfo> tensors;
   auto& module = *strategy_.model().module;
   // Full shapes: a tensor-parallel rank holds blocks of them.
-  const auto splits = tensor::parameter_splits(module);
+  const auto splits = nn::tensor::parameter_splits(module);
   for (const auto& item : module.named_parameters()) {
     tensors.push_back({item.key(),
-                       tensor::full_shape(splits, item.key(), item.value().sizes().vec()),
+                       nn::tensor::full_shape(splits, item.key(), item.value().sizes().vec()),
                        dtype_name(item.value())});
   }
   for (const auto& item : module.named_buffers()) {

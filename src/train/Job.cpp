@@ -6,12 +6,13 @@
 #include <cmath>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Printed.h"
 #include "dtrain/data/Datasets.h"
 #include "dtrain/launch/Environment.h"
-#include "dtrain/memory/Checkpoint.h"
+#include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/optim/Optimizers.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/train/Checkpoint.h"
 
@@ -269,6 +270,36 @@ JobResult run_job(const JobConfig& job) {
   result.rank = trainer.grid()->world()->rank();
   result.world_size = trainer.grid()->world()->size();
   return result;
+}
+
+std::string summary(const JobConfig& job, const JobResult& result) {
+  std::string out;
+  const auto& fit = result.fit;
+  out +=
+      printed("trained %lld steps (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s\n",
+              static_cast<long long>(fit.steps), static_cast<long long>(fit.global_batch),
+              result.world_size, result.world_size == 1 ? "" : "s",
+              concat(job.trainer.pipeline_parallel > 1
+                         ? concat(job.trainer.pipeline_parallel, "-stage pipeline x ")
+                         : std::string(),
+                     job.trainer.strategy,
+                     job.trainer.tensor_parallel > 1
+                         ? concat(" x tensor-parallel ", job.trainer.tensor_parallel)
+                         : std::string())
+                  .c_str(),
+              fit.seconds, fit.samples_per_second);
+  if (fit.validation && data::dataset_info(job.dataset).language) {
+    out += printed(
+        "validation loss: %.4f nats/char (%.3f bits/char) over %lld windows, "
+        "next-character accuracy %.2f%%\n",
+        fit.validation->loss, fit.validation->loss / std::log(2.0),
+        static_cast<long long>(fit.validation->examples), fit.validation->accuracy * 100);
+  } else if (fit.validation) {
+    out += printed("test accuracy: %.2f%% (%lld examples), test loss %.4f\n",
+                   fit.validation->accuracy * 100, static_cast<long long>(fit.validation->examples),
+                   fit.validation->loss);
+  }
+  return out;
 }
 
 }  // namespace dtrain::train

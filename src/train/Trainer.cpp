@@ -132,7 +132,8 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
     const int64_t end = std::min(mine + options_.eval_batch_size, dataset.size());
     // A forward can be collective (ZeRO-3 gathers parameters, a pipeline passes activations):
     // every rank runs as many, a replica without examples left on one example.
-    auto batch = to_device(mine < end ? dataset.slice(mine, end) : dataset.slice(0, 1), device_);
+    auto batch =
+        runners::to_device(mine < end ? dataset.slice(mine, end) : dataset.slice(0, 1), device_);
     at::Tensor output = strategy_->evaluate_forward(batch.inputs);
     if (mine >= end || !output.defined()) continue;
     // A tensor-parallel model's loss and prediction are collective over its TP group.
@@ -192,7 +193,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   DTRAIN_CHECK_INPUT(steps_per_epoch >= 1, "a step needs ", global_batch, " examples (batch ",
                      options_.batch_size, " x accumulation ", options_.accumulation_steps, " x ",
                      dp_size, " ranks) but the training set has ", train.size());
-  const std::unique_ptr<Runner> runner = make_runner(loop_);
+  const std::unique_ptr<runners::Runner> runner = runners::make_runner(loop_);
   int64_t epoch_steps = steps_per_epoch * options_.epochs;
   if (options_.max_steps > 0) epoch_steps = std::min(epoch_steps, options_.max_steps);
   const int64_t total_steps = runner->plan_steps(epoch_steps, options_);
@@ -205,8 +206,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   // The model's own loss when it has one (a tensor-parallel model's vocab-parallel loss).
   loss_ = model.loss ? parallel::LossFn(model.loss) : options_.loss;
   predict_ = model.predict;
-  strategy_->prepare(
-      to_device(train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
+  strategy_->prepare(runners::to_device(
+      train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
   if (!options_.init_from.empty()) {
     DTRAIN_CHECK_INPUT(options_.tensor_parallel == 1,
                        "--init-from loads the full model; with "
@@ -224,7 +225,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   CheckpointManager checkpoints(options_, *world_, *grid_, *strategy_);
   const int64_t start_step = checkpoints.restore(global_batch);
 
-  Run run(options_, *strategy_, *world_, train, validation, start_step, steps_per_epoch);
+  runners::Run run(options_, *strategy_, *world_, train, validation, start_step, steps_per_epoch);
   run.total_steps = total_steps;
   run.last_step =
       options_.stop_at_step > 0 ? std::min(total_steps, options_.stop_at_step) : total_steps;
@@ -246,7 +247,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   runner->run(run);
 
   FitResult& result = run.result;
-  result.seconds = seconds_since(run.start);
+  result.seconds = runners::seconds_since(run.start);
   run.evaluate_snapshots();
   if (!options_.trace_file.empty()) write_trace();
   result.samples_per_second = run.samples / std::max(run.train_seconds, 1e-9);

@@ -26,13 +26,13 @@
 #include "dtrain/common/Net.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/optim/Optimizers.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 
 namespace dtrain::gpu_check {
 
 struct Settings {
   std::string device = "cuda";
-  std::string out = "bench/results-gpu.jsonl";
+  std::string out = "bench/results/gpu/gpu.jsonl";
   std::string python = "python3";
   std::string source_dir = ".";
   int rounds = 3;

@@ -4,7 +4,7 @@
 // CUDA caching allocator's peak; DDP, PowerSGD at full rank, the hierarchical allreduce, DiLoCo
 // at H = 1 (plain, streaming, zero3 islands) and quantized zero3 over ranks sharing the GPU through
 // Gloo against one process on the same global batch (float64); and the GPT's step time against the
-// same model in PyTorch on the same GPU (bench/gpt_step_reference.py, alternated rounds).
+// same model in PyTorch on the same GPU (bench/gpu/gpt_step_reference.py, alternated rounds).
 //
 // Every check runs in processes of its own, forked before anything touches CUDA, and writes one
 // JSON line to --out. --device cpu runs those that need no GPU on the CPU at small sizes (CI runs
@@ -36,7 +36,7 @@
 #include "dtrain/common/Net.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/optim/Optimizers.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/diloco/DilocoOptions.h"
 #include "dtrain/parallel/zero/ZeroQuantizedOptions.h"
 #include "dtrain/train/Trainer.h"
@@ -312,7 +312,7 @@ double dtrain_step_ms(const std::string& precision) {
 double pytorch_step_ms(const std::string& precision) {
   const StepConfig c = step_config();
   const std::string command =
-      settings.python + " " + settings.source_dir + "/bench/gpt_step_reference.py --device " +
+      settings.python + " " + settings.source_dir + "/bench/gpu/gpt_step_reference.py --device " +
       (on_gpu() ? "cuda" : "cpu") + " --precision " + precision + " --layers " +
       std::to_string(c.layers) + " --width " + std::to_string(c.width) + " --heads " +
       std::to_string(c.heads) + " --context " + std::to_string(c.context) + " --vocab " +
@@ -517,7 +517,7 @@ int main(int argc, char** argv) {
           name, 2,
           [identity](train::TrainerOptions& o) {
             o.strategy = "zero3";
-            o.strategy_options.of<parallel::ZeroQuantizedOptions>() = {true, 256, identity};
+            o.strategy_options.of<parallel::zero::ZeroQuantizedOptions>() = {true, 256, identity};
           },
           identity ? 1e-9 : 0.02);
     });

@@ -4,10 +4,10 @@
 
 #include <string>
 
-namespace dtrain::rpc {
+namespace dtrain::comm::rpc {
 
 /// The token in `path`, surrounding whitespace removed (InputError naming the file when it
 /// cannot be read or holds no token).
 std::string read_token_file(const std::string& path);
 
-}  // namespace dtrain::rpc
+}  // namespace dtrain::comm::rpc

@@ -4,7 +4,9 @@
 // a flag is declared once, beside the field it sets.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <variant>
@@ -53,5 +55,12 @@ class FlagSet {
  private:
   std::vector<Flag> flags_;
 };
+
+/// `text` as a finite number, all of it (false for "", "1x", "nan", "inf").
+inline bool parse_finite_number(const std::string& text, double* out) {
+  char* end = nullptr;
+  *out = std::strtod(text.c_str(), &end);
+  return !text.empty() && *end == '\0' && std::isfinite(*out);
+}
 
 }  // namespace dtrain

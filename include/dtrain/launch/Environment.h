@@ -50,4 +50,8 @@ bool tune_allocator();
 /// keeps the default.
 comm::CommunicatorPtr init_from_env(const std::string& backend = "gloo", int64_t timeout_ms = 0);
 
+/// The running program's path (/proc/self/exe; "dtrain" when it cannot be read): what a
+/// command relaunches itself as on its local ranks.
+std::string self_executable();
+
 }  // namespace dtrain::launch

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "dtrain/comm/Communicator.h"
-#include "dtrain/models/Model.h"
+#include "dtrain/common/Model.h"
 
 namespace dtrain::models {
 

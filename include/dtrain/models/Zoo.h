@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/common/Model.h"
 #include "dtrain/models/Gpt.h"
-#include "dtrain/models/Model.h"
 #include "dtrain/optim/LrSchedule.h"
 #include "dtrain/optim/OptimizerSpec.h"
 
@@ -40,7 +40,7 @@ Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_para
 /// has configs/fortunes-gpt.toml's (AdamW, clipping).
 struct TrainingRecipe {
   optim::OptimizerSpec optimizer;
-  optim::ScheduleSpec schedule;
+  optim::LrScheduleSpec schedule;
   int64_t batch_size = 64;
   /// 0 = no clipping.
   double max_grad_norm = 0.0;

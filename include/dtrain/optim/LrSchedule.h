@@ -7,7 +7,7 @@
 
 namespace dtrain::optim {
 
-struct ScheduleSpec {
+struct LrScheduleSpec {
   /// "constant", "step" or "cosine".
   std::string decay = "constant";
   /// Steps of linear warmup from base_lr / warmup_steps up to base_lr.
@@ -21,7 +21,7 @@ struct ScheduleSpec {
 
 class LrSchedule {
  public:
-  LrSchedule(double base_lr, int64_t total_steps, ScheduleSpec spec);
+  LrSchedule(double base_lr, int64_t total_steps, LrScheduleSpec spec);
   /// Learning rate for optimizer step `step` (0-based).
   double at(int64_t step) const;
   double base_lr() const { return base_lr_; }
@@ -29,7 +29,7 @@ class LrSchedule {
  private:
   double base_lr_;
   int64_t total_steps_;
-  ScheduleSpec spec_;
+  LrScheduleSpec spec_;
 };
 
 /// The linear scaling rule: lr grows with the global batch relative to a reference batch.

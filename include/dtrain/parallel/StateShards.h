@@ -53,7 +53,7 @@ std::vector<PieceRef> whole_pieces(const std::vector<std::string>& names,
 /// `keep_replicated` = false drops the pieces of parameters without a split: a tensor-parallel
 /// group writes its replicated parameters once (from its rank 0).
 std::vector<PieceRef> with_splits(std::vector<PieceRef> pieces,
-                                  const tensor::ParameterSplits& splits,
+                                  const nn::tensor::ParameterSplits& splits,
                                   bool keep_replicated = true);
 
 /// The file rank `rank` of `ranks` writes in `directory`.

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/common/Model.h"
 #include "dtrain/data/Dataset.h"
-#include "dtrain/models/Model.h"
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/StateShards.h"
 

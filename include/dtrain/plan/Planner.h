@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "dtrain/plan/Hardware.h"
-#include "dtrain/plan/ModelSpec.h"
+#include "dtrain/plan/ModelCost.h"
 
 namespace dtrain::plan {
 
@@ -68,11 +68,11 @@ struct Prediction {
 /// InputError naming what is wrong: ranks != the cluster's GPUs, a divisibility (layers over
 /// pp x chunks, heads or hidden over tp), an unknown strategy, schedule or precision, a
 /// schedule the builder refuses (1F1B with fewer micro-batches than stages, ...).
-void check_layout(const ModelSpec& model, const Cluster& cluster, const Layout& layout);
+void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& layout);
 
 /// Checks the layout, then simulates one step. Does not refuse a layout that does not fit in
 /// memory: `fits` says so (the CLI refuses it).
-Prediction predict(const ModelSpec& model, const Cluster& cluster, const Layout& layout);
+Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout& layout);
 
 struct SearchOptions {
   int64_t global_batch = 0;  ///< samples per step, fixed
@@ -90,6 +90,6 @@ struct SearchResult {
 };
 /// Every valid layout of the cluster's GPUs at the global batch (DP x PP x TP, micro-batch size,
 /// schedule, checkpointing, strategy), simulated, those that fit ranked by step time.
-SearchResult search(const ModelSpec& model, const Cluster& cluster, const SearchOptions& options);
+SearchResult search(const ModelCost& model, const Cluster& cluster, const SearchOptions& options);
 
 }  // namespace dtrain::plan

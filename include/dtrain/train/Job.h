@@ -92,4 +92,9 @@ TrainerOptions trainer_options(const JobConfig& job);
 /// Runs the job in this process as the rank the environment describes (see Environment.h).
 JobResult run_job(const JobConfig& job);
 
+/// What `dtrain train` prints when the job is done (rank 0): steps, global batch, ranks and
+/// layout, time and throughput; the validation figures (a language set's in nats and bits per
+/// character). Each line ends in a newline.
+std::string summary(const JobConfig& job, const JobResult& result);
+
 }  // namespace dtrain::train

@@ -15,11 +15,11 @@
 #include <c10/core/Device.h>
 
 #include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/common/Model.h"
 #include "dtrain/data/Dataset.h"
-#include "dtrain/models/Model.h"
 #include "dtrain/optim/LrSchedule.h"
 #include "dtrain/optim/Optimizers.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/Strategy.h"
 
 namespace dtrain::train {
@@ -39,7 +39,7 @@ struct TrainerOptions {
   /// data order and the learning rate. It replaces accumulation_steps.
   int64_t global_batch = 0;
   optim::OptimizerSpec optimizer;
-  optim::ScheduleSpec schedule;
+  optim::LrScheduleSpec schedule;
   /// > 0: the linear scaling rule, lr = optimizer.lr * global batch / reference_batch.
   int64_t reference_batch = 0;
   uint64_t seed = 0;

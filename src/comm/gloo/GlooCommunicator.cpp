@@ -15,7 +15,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
 
-namespace dtrain::comm::gloo_backend {
+namespace dtrain::comm::gloo {
 
 namespace {
 
@@ -294,4 +294,4 @@ std::shared_ptr<GlooCommunicator> create_world(const InitOptions& options) {
                                             options.backend_threads);
 }
 
-}  // namespace dtrain::comm::gloo_backend
+}  // namespace dtrain::comm::gloo

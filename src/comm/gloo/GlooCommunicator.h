@@ -6,7 +6,7 @@
 
 #include "dtrain/comm/Communicator.h"
 
-namespace dtrain::comm::gloo_backend {
+namespace dtrain::comm::gloo {
 
 class GlooCommunicator : public Communicator {
  public:
@@ -48,4 +48,4 @@ class GlooCommunicator : public Communicator {
 /// Rendezvous through a TCPStore at options.master_addr:master_port and connect the world.
 std::shared_ptr<GlooCommunicator> create_world(const InitOptions& options);
 
-}  // namespace dtrain::comm::gloo_backend
+}  // namespace dtrain::comm::gloo

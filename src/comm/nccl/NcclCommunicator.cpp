@@ -17,7 +17,7 @@
 #include "comm/nccl/NcclCommunicator.h"
 #include "dtrain/common/Error.h"
 
-namespace dtrain::comm::nccl_backend {
+namespace dtrain::comm::nccl {
 
 namespace {
 
@@ -37,7 +37,7 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 
 class NcclCommunicator : public Communicator {
  public:
-  NcclCommunicator(std::shared_ptr<gloo_backend::GlooCommunicator> cpu, int rank, int size,
+  NcclCommunicator(std::shared_ptr<gloo::GlooCommunicator> cpu, int rank, int size,
                    std::string name, std::vector<int> global, Milliseconds timeout)
       : Communicator(rank, size, std::move(name), std::move(global), timeout),
         cpu_(std::move(cpu)) {
@@ -112,8 +112,7 @@ class NcclCommunicator : public Communicator {
   }
   WorkPtr barrier(const BarrierOptions& options) override { return cpu_->barrier(options); }
   CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& name) override {
-    auto cpu =
-        std::dynamic_pointer_cast<gloo_backend::GlooCommunicator>(cpu_->new_group(ranks, name));
+    auto cpu = std::dynamic_pointer_cast<gloo::GlooCommunicator>(cpu_->new_group(ranks, name));
     if (!cpu) return nullptr;
     std::vector<int> global;
     for (int r : ranks) global.push_back(global_ranks()[r]);
@@ -145,7 +144,7 @@ class NcclCommunicator : public Communicator {
     return result;
   }
 
-  std::shared_ptr<gloo_backend::GlooCommunicator> cpu_;
+  std::shared_ptr<gloo::GlooCommunicator> cpu_;
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> group_;
 };
 
@@ -163,9 +162,9 @@ CommunicatorPtr create_world(const InitOptions& options) {
   const int local_rank = local ? std::atoi(local) : options.rank;
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(local_rank % devices));
   // The Gloo world hosts (or reaches) the rendezvous store; NCCL's groups rendezvous there too.
-  auto cpu = gloo_backend::create_world(options);
+  auto cpu = gloo::create_world(options);
   return std::make_shared<NcclCommunicator>(cpu, options.rank, options.world_size, "world",
                                             cpu->global_ranks(), options.timeout);
 }
 
-}  // namespace dtrain::comm::nccl_backend
+}  // namespace dtrain::comm::nccl

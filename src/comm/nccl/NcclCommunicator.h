@@ -3,8 +3,8 @@
 
 #include "dtrain/comm/Communicator.h"
 
-namespace dtrain::comm::nccl_backend {
+namespace dtrain::comm::nccl {
 
 CommunicatorPtr create_world(const InitOptions& options);
 
-}  // namespace dtrain::comm::nccl_backend
+}  // namespace dtrain::comm::nccl

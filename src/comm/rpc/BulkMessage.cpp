@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-namespace dtrain::rpc {
+namespace dtrain::comm::rpc {
 
 namespace {
 
@@ -197,4 +197,4 @@ void BulkReader::copy_payload(char* dst) const {
   }
 }
 
-}  // namespace dtrain::rpc
+}  // namespace dtrain::comm::rpc

@@ -20,7 +20,7 @@
 
 #include "comm/rpc/TensorMessage.h"
 
-namespace dtrain::rpc {
+namespace dtrain::comm::rpc {
 
 /// The field number of the TensorChunk in message type M (specialized per message).
 template <class M>
@@ -94,27 +94,27 @@ class BulkReader {
   int64_t payload_bytes_ = 0;
 };
 
-}  // namespace dtrain::rpc
+}  // namespace dtrain::comm::rpc
 
 namespace grpc {
 
 template <class M>
-class SerializationTraits<dtrain::rpc::Bulk<M>, void> {
+class SerializationTraits<dtrain::comm::rpc::Bulk<M>, void> {
  public:
-  static Status Serialize(const dtrain::rpc::Bulk<M>& message, ByteBuffer* buffer,
+  static Status Serialize(const dtrain::comm::rpc::Bulk<M>& message, ByteBuffer* buffer,
                           bool* own_buffer) {
     *own_buffer = true;
     M rest = message.meta;
-    const dtrain::rpc::TensorChunk chunk = rest.chunk();
+    const dtrain::comm::rpc::TensorChunk chunk = rest.chunk();
     rest.clear_chunk();
-    return dtrain::rpc::encode_bulk(rest.SerializeAsString(), dtrain::rpc::ChunkField<M>::value,
-                                    chunk.SerializeAsString(), message.data, message.bytes,
-                                    message.owner, buffer);
+    return dtrain::comm::rpc::encode_bulk(
+        rest.SerializeAsString(), dtrain::comm::rpc::ChunkField<M>::value,
+        chunk.SerializeAsString(), message.data, message.bytes, message.owner, buffer);
   }
-  static Status Deserialize(ByteBuffer* buffer, dtrain::rpc::Bulk<M>* message) {
-    dtrain::rpc::BulkReader reader;
+  static Status Deserialize(ByteBuffer* buffer, dtrain::comm::rpc::Bulk<M>* message) {
+    dtrain::comm::rpc::BulkReader reader;
     std::string rest, chunk;
-    Status status = reader.parse(buffer, dtrain::rpc::ChunkField<M>::value, &rest, &chunk);
+    Status status = reader.parse(buffer, dtrain::comm::rpc::ChunkField<M>::value, &rest, &chunk);
     buffer->Clear();
     if (!status.ok()) return status;
     if (!message->meta.ParseFromString(rest) ||

@@ -12,7 +12,7 @@
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::rpc {
+namespace dtrain::comm::rpc {
 
 namespace {
 
@@ -111,9 +111,9 @@ void tune_bulk_transfer(grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, kWriteBuffer);
 }
 
-}  // namespace dtrain::rpc
+}  // namespace dtrain::comm::rpc
 
-namespace dtrain::rpc {
+namespace dtrain::comm::rpc {
 
 std::unique_ptr<grpc::Server> start_server(const std::string& who, const std::string& listen,
                                            const std::string& tls_cert, const std::string& tls_key,
@@ -145,4 +145,4 @@ std::string local_address(const std::string& listen, int port) {
   return concat(host, ":", port);
 }
 
-}  // namespace dtrain::rpc
+}  // namespace dtrain::comm::rpc

@@ -21,7 +21,7 @@ class ServerCredentials;
 class Status;
 }  // namespace grpc
 
-namespace dtrain::rpc {
+namespace dtrain::comm::rpc {
 
 struct RpcSecurity {
   /// Shared token ("" = none); read from a file with read_token_file.
@@ -65,4 +65,4 @@ bool server_went_away(const grpc::Status& status);
 /// by ("127.0.0.1:PORT" for a wildcard host).
 std::string local_address(const std::string& listen, int port);
 
-}  // namespace dtrain::rpc
+}  // namespace dtrain::comm::rpc

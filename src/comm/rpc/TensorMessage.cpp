@@ -4,7 +4,7 @@
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::rpc {
+namespace dtrain::comm::rpc {
 
 DType to_wire(at::ScalarType type) {
   switch (type) {
@@ -84,4 +84,4 @@ std::string check_chunk(const TensorChunk& chunk, int64_t bytes, const ChunkRule
   return "";
 }
 
-}  // namespace dtrain::rpc
+}  // namespace dtrain::comm::rpc

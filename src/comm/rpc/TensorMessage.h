@@ -12,7 +12,7 @@
 
 #include "dtrain/tensor.pb.h"
 
-namespace dtrain::rpc {
+namespace dtrain::comm::rpc {
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "dtrain's wire format is little-endian raw bytes; this host is not");
@@ -40,4 +40,4 @@ struct ChunkRule {
 std::string check_chunk(const TensorChunk& chunk, int64_t bytes, const ChunkRule& rule,
                         const std::string& where);
 
-}  // namespace dtrain::rpc
+}  // namespace dtrain::comm::rpc

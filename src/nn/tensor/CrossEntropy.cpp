@@ -8,7 +8,7 @@
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 namespace {
 
@@ -84,4 +84,4 @@ at::Tensor vocab_parallel_argmax(const at::Tensor& logits, const comm::Communica
   return all_ids.gather(0, best_rank.unsqueeze(0)).squeeze(0).view(values.sizes());
 }
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

@@ -8,7 +8,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/nn/tensor/Mappings.h"
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 namespace {
 
@@ -152,4 +152,4 @@ void VocabParallelEmbeddingImpl::copy_from_full(const at::Tensor& w) {
   weight.copy_(w.narrow(0, start_, length_));
 }
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

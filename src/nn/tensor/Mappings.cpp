@@ -10,7 +10,7 @@
 #include "dtrain/common/Trace.h"
 #include "dtrain/nn/tensor/Split.h"
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 namespace {
 
@@ -181,4 +181,4 @@ at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const comm::Communica
   return trivial(group) ? x : ReduceScatterToSequence::apply(x, group);
 }
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 namespace {
 // Megatron's offset between the replicated and the per-rank seeds.
@@ -24,4 +24,4 @@ at::Tensor dropout(const at::Tensor& x, double p, bool training, at::Generator& 
   return x * (x.is_cpu() ? keep : keep.to(x.device(), /*non_blocking=*/false)) * (1.0 / (1.0 - p));
 }
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

@@ -5,7 +5,7 @@
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 std::pair<int64_t, int64_t> split_range(int64_t n, int parts, int index) {
   DTRAIN_CHECK(parts >= 1 && index >= 0 && index < parts, "split_range: index ", index, " of ",
@@ -43,4 +43,4 @@ std::vector<int64_t> full_shape(const ParameterSplits& splits, const std::string
   return it == splits.end() ? local : it->second.full_shape;
 }
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

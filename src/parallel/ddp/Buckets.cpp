@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <map>
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 
 std::string module_of(const std::string& parameter_name) {
   const auto dot = parameter_name.rfind('.');
@@ -58,4 +58,4 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<BucketedParame
   return groups;
 }
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::ddp

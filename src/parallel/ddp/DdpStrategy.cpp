@@ -13,7 +13,7 @@
 #include "dtrain/parallel/StateShards.h"
 #include "parallel/StrategySupport.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 
 StrategyInfo ddp_strategy() {
   StrategyInfo info;
@@ -204,4 +204,4 @@ MemoryReport DdpStrategy::memory_report() const {
   return report;
 }
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::ddp

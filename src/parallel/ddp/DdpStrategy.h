@@ -3,15 +3,15 @@
 #pragma once
 
 #include "dtrain/common/Error.h"
-#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/ddp/Reducer.h"
 #include "dtrain/precision/LossScaler.h"
 #include "dtrain/precision/Precision.h"
 #include "parallel/StrategySupport.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 
 StrategyInfo ddp_strategy();
 
@@ -83,4 +83,4 @@ class DdpStrategy : public Strategy {
   bool warned_unused_ = false;
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::ddp

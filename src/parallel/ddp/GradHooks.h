@@ -14,7 +14,7 @@ namespace torch::autograd {
 struct Node;
 }
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 
 class GradReadyHooks {
  public:
@@ -34,4 +34,4 @@ class GradReadyHooks {
   std::vector<uintptr_t> keys_;
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::ddp

@@ -9,7 +9,7 @@
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 
 namespace {
 
@@ -149,4 +149,4 @@ void PowerSgdBucket::finish() {
   for (Plain& p : plain_) p.grad.copy_(p.wire);
 }
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::ddp

@@ -17,7 +17,7 @@
 #include "dtrain/comm/Communicator.h"
 #include "dtrain/parallel/ddp/Reducer.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 
 /// "powersgd:RANK[:START_STEP[:MIN_RATE[:WIRE]]]" -> options (WIRE: fp16 or bf16); anything
 /// else: InputError naming `flag`.
@@ -63,4 +63,4 @@ class PowerSgdBucket {
   at::Tensor p_wire_, q_wire_;
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::ddp

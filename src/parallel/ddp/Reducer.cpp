@@ -20,7 +20,7 @@
 #include "parallel/ddp/GradHooks.h"
 #include "parallel/ddp/PowerSgd.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 
 Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> names,
                  comm::CommunicatorPtr comm, ReducerOptions options)
@@ -116,9 +116,8 @@ std::vector<std::vector<size_t>> Reducer::assign_buckets() const {
     described.push_back({parameters_[k].numel() * parameters_[k].element_size(),
                          static_cast<int>(parameters_[k].scalar_type()), module_of(names_[k])});
   }
-  return parallel::assign_buckets(
-      described,
-      {options_.bucket_cap_bytes, options_.first_bucket_cap_bytes, options_.isolate_first_layer});
+  return ddp::assign_buckets(described, {options_.bucket_cap_bytes, options_.first_bucket_cap_bytes,
+                                         options_.isolate_first_layer});
 }
 
 GradReadyHooks::~GradReadyHooks() {
@@ -392,4 +391,4 @@ void Reducer::finalize() {
   }
 }
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::ddp

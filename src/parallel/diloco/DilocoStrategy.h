@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "dtrain/comm/Compression.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/diloco/DilocoOptions.h"
 

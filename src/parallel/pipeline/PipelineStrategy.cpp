@@ -10,7 +10,7 @@
 #include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
-#include "dtrain/memory/Checkpoint.h"
+#include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/optim/StateSize.h"
 #include "parallel/StrategySupport.h"
 #include "parallel/pipeline/StageLink.h"
@@ -248,12 +248,13 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     comm::wait_all(works);
   }
   if (zero1_ && !parameters_.empty()) {
-    shards_ = FlatShards(parameters_, grid_->dp_size(), grid_->coordinates().dp, "pipeline zero1");
+    shards_ = parallel::zero::FlatShards(parameters_, grid_->dp_size(), grid_->coordinates().dp,
+                                         "pipeline zero1");
     optimizer_ = make_optimizer(shards_.piece_tensors());
   } else {
     optimizer_ = make_optimizer(parameters_);
   }
-  const ReducerOptions reducer_options = reducer_options_from(options_);
+  const parallel::ddp::ReducerOptions reducer_options = reducer_options_from(options_);
   for (const auto& chunk : chunks_) {
     std::vector<at::Tensor> params;
     std::vector<std::string> names;
@@ -261,9 +262,9 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
       params.push_back(parameters_[k]);
       names.push_back(names_[k]);
     }
-    reducers_.push_back(
-        params.empty() ? nullptr
-                       : std::make_unique<Reducer>(params, names, grid_->dp(), reducer_options));
+    reducers_.push_back(params.empty() ? nullptr
+                                       : std::make_unique<parallel::ddp::Reducer>(
+                                             params, names, grid_->dp(), reducer_options));
   }
   link_ =
       std::make_unique<StageLink>(grid_->pp(), virtual_stages, pipe_.transport == "auto", device_);
@@ -411,7 +412,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": backward of micro-batch ", a.micro_batch,
                    " before its forward");
       auto [x, y] = node.mapped();
-      Reducer* reducer = reducers_[a.chunk].get();
+      parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
       if (reducer && i == last_backward[a.chunk]) {
         reducer->set_sync(true);
         reducer->prepare_for_backward();

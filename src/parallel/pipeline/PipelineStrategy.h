@@ -10,7 +10,7 @@
 #include <map>
 #include <memory>
 
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/pipeline/Partition.h"
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
@@ -20,7 +20,7 @@
 #include "parallel/StrategySupport.h"
 #include "parallel/zero/FlatShards.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 class Reducer;
 }
 
@@ -95,8 +95,8 @@ class PipelineStrategy : public Strategy {
   std::vector<Chunk> chunks_;
   std::vector<at::Tensor> parameters_;
   std::vector<std::string> names_;
-  std::vector<std::unique_ptr<Reducer>> reducers_;  // one per chunk
-  FlatShards shards_;                               // zero1
+  std::vector<std::unique_ptr<parallel::ddp::Reducer>> reducers_;  // one per chunk
+  parallel::zero::FlatShards shards_;                              // zero1
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<StageLink> link_;
   std::function<void(const Action&)> observer_;

@@ -20,14 +20,14 @@ struct PsClient::Shard {
   std::string address;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<dtrain::ps::ParameterServer::Stub> stub;
-  // The streaming methods, whose payloads travel beside protobuf (rpc::Bulk).
+  // The streaming methods, whose payloads travel beside protobuf (comm::rpc::Bulk).
   std::unique_ptr<grpc::internal::RpcMethod> initialize, pull, push;
 
-  using Writer = grpc::ClientWriter<rpc::Bulk<dtrain::ps::PushChunk>>;
+  using Writer = grpc::ClientWriter<comm::rpc::Bulk<dtrain::ps::PushChunk>>;
   std::unique_ptr<Writer> writer(const grpc::internal::RpcMethod& method,
                                  grpc::ClientContext& context, dtrain::ps::PushReply* reply) {
     return std::unique_ptr<Writer>(
-        grpc::internal::ClientWriterFactory<rpc::Bulk<dtrain::ps::PushChunk>>::Create(
+        grpc::internal::ClientWriterFactory<comm::rpc::Bulk<dtrain::ps::PushChunk>>::Create(
             channel.get(), method, &context, reply));
   }
   dtrain::ps::ShardInfo info;
@@ -44,7 +44,7 @@ void set_deadline(grpc::ClientContext& context, std::chrono::milliseconds timeou
 }
 
 // The shard cannot be reached or went away: it may be restarting.
-bool retryable(const grpc::Status& status) { return rpc::server_went_away(status); }
+bool retryable(const grpc::Status& status) { return comm::rpc::server_went_away(status); }
 
 [[noreturn]] void fail(const std::string& rpc_name, const std::string& address,
                        const grpc::Status& status, std::chrono::milliseconds timeout) {
@@ -69,12 +69,12 @@ bool retryable(const grpc::Status& status) { return rpc::server_went_away(status
 // PushChunks whose payloads point into it, `fill` setting each message's other fields;
 // returns the call's status.
 template <typename Fill>
-grpc::Status send_chunks(grpc::ClientWriter<rpc::Bulk<dtrain::ps::PushChunk>>& writer,
+grpc::Status send_chunks(grpc::ClientWriter<comm::rpc::Bulk<dtrain::ps::PushChunk>>& writer,
                          const at::Tensor& values, int64_t begin, int64_t chunk_bytes,
                          const std::shared_ptr<const void>& owner, const Fill& fill) {
-  rpc::for_each_bulk<dtrain::ps::PushChunk>(
+  comm::rpc::for_each_bulk<dtrain::ps::PushChunk>(
       values, begin, chunk_bytes, owner, fill,
-      [&](const rpc::Bulk<dtrain::ps::PushChunk>& message) { return writer.Write(message); });
+      [&](const comm::rpc::Bulk<dtrain::ps::PushChunk>& message) { return writer.Write(message); });
   writer.WritesDone();
   return writer.Finish();
 }
@@ -104,13 +104,13 @@ PsClient::PsClient(std::vector<std::string> addresses, PsClientOptions options)
     : addresses_(std::move(addresses)), options_(options) {
   DTRAIN_CHECK_INPUT(!addresses_.empty(), "no parameter-server shards given (--ps HOST:PORT,...)");
   grpc::ChannelArguments arguments;
-  arguments.SetMaxReceiveMessageSize(static_cast<int>(rpc::kMaxChunkBytes + (1 << 20)));
-  rpc::reconnect_quickly(arguments);  // a restarted shard is found again within a second
-  rpc::tune_bulk_transfer(arguments);
-  rpc::RpcSecurity security;
+  arguments.SetMaxReceiveMessageSize(static_cast<int>(comm::rpc::kMaxChunkBytes + (1 << 20)));
+  comm::rpc::reconnect_quickly(arguments);  // a restarted shard is found again within a second
+  comm::rpc::tune_bulk_transfer(arguments);
+  comm::rpc::RpcSecurity security;
   security.tls = options_.tls;
   security.tls_ca = options_.tls_ca;
-  const auto credentials = rpc::channel_credentials(security);
+  const auto credentials = comm::rpc::channel_credentials(security);
   for (const auto& address : addresses_) {
     auto shard = std::make_unique<Shard>();
     shard->address = address;
@@ -149,7 +149,7 @@ void PsClient::with_retry(int i, const char* rpc_name, const Call& call) {
       // Back: did it restart? (A failed look is another retry.)
       grpc::ClientContext context;
       set_deadline(context, options_.rpc_timeout);
-      rpc::add_token(context, options_.auth_token);
+      comm::rpc::add_token(context, options_.auth_token);
       dtrain::ps::ShardInfo info;
       const grpc::Status look = s.stub->Describe(&context, {}, &info);
       if (!look.ok()) {
@@ -163,7 +163,7 @@ void PsClient::with_retry(int i, const char* rpc_name, const Call& call) {
     }
     grpc::ClientContext context;
     set_deadline(context, options_.rpc_timeout);
-    rpc::add_token(context, options_.auth_token);
+    comm::rpc::add_token(context, options_.auth_token);
     status = call(s, context);
     if (status.ok()) return;
     if (!retryable(status) || std::chrono::steady_clock::now() >= give_up) break;
@@ -265,9 +265,10 @@ bool PsClient::initialize(const at::Tensor& flat) {
     DTRAIN_CHECK_INPUT(s->info.total() == total_, "parameter server ", s->address,
                        " holds a model of ", s->info.total(), " parameters, this worker's has ",
                        total_);
-    DTRAIN_CHECK_INPUT(s->info.dtype() == rpc::to_wire(flat.scalar_type()), "parameter server ",
-                       s->address, " holds ", rpc::dtype_name(s->info.dtype()),
-                       " parameters, this worker's are ", flat.scalar_type());
+    DTRAIN_CHECK_INPUT(s->info.dtype() == comm::rpc::to_wire(flat.scalar_type()),
+                       "parameter server ", s->address, " holds ",
+                       comm::rpc::dtype_name(s->info.dtype()), " parameters, this worker's are ",
+                       flat.scalar_type());
   }
   return std::all_of(created.begin(), created.end(), [](char c) { return c != 0; });
 }
@@ -288,10 +289,10 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
       request.set_begin(begin);
       request.set_end(end);
       request.set_chunk_bytes(options_.chunk_bytes);
-      std::unique_ptr<grpc::ClientReader<rpc::Bulk<dtrain::ps::PullChunk>>> reader(
-          grpc::internal::ClientReaderFactory<rpc::Bulk<dtrain::ps::PullChunk>>::Create(
+      std::unique_ptr<grpc::ClientReader<comm::rpc::Bulk<dtrain::ps::PullChunk>>> reader(
+          grpc::internal::ClientReaderFactory<comm::rpc::Bulk<dtrain::ps::PullChunk>>::Create(
               s.channel.get(), *s.pull, &context, request));
-      rpc::ChunkRule rule;
+      comm::rpc::ChunkRule rule;
       rule.begin = begin;
       rule.end = end;
       rule.dtype = flat.scalar_type();
@@ -300,10 +301,10 @@ std::vector<int64_t> PsClient::pull(const at::Tensor& flat) {
       version = -1;
       const std::string where = concat("Pull reply from ", s.address);
       // Each payload is checked, then copied once, from gRPC's slices into `flat`.
-      rpc::Bulk<dtrain::ps::PullChunk> message;
+      comm::rpc::Bulk<dtrain::ps::PullChunk> message;
       message.place = [&](const dtrain::ps::PullChunk& meta, int64_t bytes,
                           std::string* why) -> char* {
-        *why = rpc::check_chunk(meta.chunk(), bytes, rule, where);
+        *why = comm::rpc::check_chunk(meta.chunk(), bytes, rule, where);
         if (why->empty() && version >= 0 && meta.version() != version) {
           *why = concat(where, " mixes versions ", version, " and ", meta.version());
         }

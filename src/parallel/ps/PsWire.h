@@ -7,7 +7,7 @@
 #include "comm/rpc/BulkMessage.h"
 #include "dtrain/ps.pb.h"
 
-namespace dtrain::rpc {
+namespace dtrain::comm::rpc {
 template <>
 struct ChunkField<dtrain::ps::PullChunk> {
   static constexpr int value = 2;  // PullChunk.chunk
@@ -16,7 +16,7 @@ template <>
 struct ChunkField<dtrain::ps::PushChunk> {
   static constexpr int value = 4;  // PushChunk.chunk
 };
-}  // namespace dtrain::rpc
+}  // namespace dtrain::comm::rpc
 
 namespace dtrain::parallel::ps {
 

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/parallel/Registry.h"
 #include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/ps/PsClient.h"
 #include "dtrain/parallel/ps/PsOptions.h"

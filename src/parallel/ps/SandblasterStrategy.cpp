@@ -87,7 +87,7 @@ void SandblasterStrategy::setup(Model model, const optim::OptimizerFactory& make
     WorkCoordinatorOptions server;
     server.listen = local ? "127.0.0.1:0" : "0.0.0.0:0";
     server.auth_token = ps_.auth_token;
-    server_ = std::make_unique<WorkCoordinatorServer>(*queue_, server);
+    server_ = host_work_queue(*queue_, server);
     address = concat(local ? std::string("127.0.0.1") : host, ":", server_->port());
   }
   coordinator_address_ = comm::allgather_strings(*grid_->world(), address)[0];
@@ -145,9 +145,9 @@ double SandblasterStrategy::compute_unit(const LoopContext& context, int64_t rou
 }
 
 void SandblasterStrategy::work(const LoopContext& context) {
-  rpc::RpcSecurity security;  // the coordinator serves plaintext (with the shards' token)
+  comm::rpc::RpcSecurity security;  // the coordinator serves plaintext (with the shards' token)
   auto stub = dtrain::sandblaster::WorkCoordinator::NewStub(
-      grpc::CreateChannel(coordinator_address_, rpc::channel_credentials(security)));
+      grpc::CreateChannel(coordinator_address_, comm::rpc::channel_credentials(security)));
   const auto rpc_timeout = std::chrono::milliseconds(ps_.rpc_timeout_ms);
   constexpr int64_t kWaitMs = 1000;
   auto call = [&](const char* name, const std::function<grpc::Status(grpc::ClientContext&)>& f) {
@@ -156,7 +156,7 @@ void SandblasterStrategy::work(const LoopContext& context) {
     auto pause = std::chrono::milliseconds(50);
     while (true) {
       grpc::ClientContext rpc;
-      rpc::add_token(rpc, ps_.auth_token);
+      comm::rpc::add_token(rpc, ps_.auth_token);
       rpc.set_deadline(std::chrono::system_clock::now() + rpc_timeout +
                        std::chrono::milliseconds(kWaitMs));
       const grpc::Status status = f(rpc);

@@ -48,7 +48,7 @@ class SandblasterStrategy : public ReplicaStrategy, public DrivenLoop {
   std::string coordinator_address_;
   // Rank 0: the queue and its server.
   std::unique_ptr<WorkQueue> queue_;
-  std::unique_ptr<WorkCoordinatorServer> server_;
+  std::unique_ptr<WorkQueueHost> server_;
   // The model is used by the worker (units) and, on rank 0, by the coordinator's iteration
   // callback (evaluation, checkpoints); recursive: save() inside the callback pulls again.
   std::recursive_mutex model_mutex_;

@@ -1,14 +1,10 @@
 #include "dtrain/parallel/ps/WorkQueue.h"
 
-#include <grpcpp/grpcpp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "comm/rpc/Security.h"
 #include "dtrain/common/Error.h"
-#include "dtrain/sandblaster.grpc.pb.h"
 
 namespace dtrain::parallel::ps {
 
@@ -280,84 +276,23 @@ std::string WorkQueue::check_examples(int worker, int64_t examples) {
                 examples_, ": every worker must cut the same data into work units");
 }
 
-// The gRPC face of the queue: requests are checked before they reach it.
-class WorkCoordinatorService final : public dtrain::sandblaster::WorkCoordinator::Service {
- public:
-  WorkCoordinatorService(WorkQueue& queue, std::string token)
-      : queue_(queue), token_(std::move(token)) {}
-
-  grpc::Status GetWork(grpc::ServerContext* context,
-                       const dtrain::sandblaster::WorkRequest* request,
-                       dtrain::sandblaster::WorkReply* reply) override {
-    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
-    if (request->worker() < 0)
-      return invalid(concat("GetWork: field 'worker' is ", request->worker()));
-    if (request->examples() <= 0) {
-      return invalid(
-          concat("GetWork: field 'examples' is ", request->examples(), " (must be > 0)"));
-    }
-    if (request->wait_ms() < 0 || request->wait_ms() > 5000) {
-      return invalid(concat("GetWork: field 'wait_ms' is ", request->wait_ms(), " (0 to 5000)"));
-    }
-    if (std::string why = queue_.check_examples(request->worker(), request->examples());
-        !why.empty()) {
-      return {grpc::StatusCode::FAILED_PRECONDITION, "GetWork: " + why};
-    }
-    const Assignment a =
-        queue_.next(request->worker(), std::chrono::milliseconds(request->wait_ms()));
-    reply->set_kind(a.kind == Assignment::Unit   ? dtrain::sandblaster::WorkReply::UNIT
-                    : a.kind == Assignment::Done ? dtrain::sandblaster::WorkReply::DONE
-                                                 : dtrain::sandblaster::WorkReply::WAIT);
-    reply->set_round(a.round);
-    reply->set_unit(a.unit);
-    reply->set_units(a.units);
-    reply->set_backup(a.backup);
-    reply->set_begin(a.begin);
-    reply->set_end(a.end);
-    reply->set_reason(a.reason);
-    return grpc::Status::OK;
-  }
-
-  grpc::Status Finish(grpc::ServerContext* context, const dtrain::sandblaster::UnitResult* request,
-                      dtrain::sandblaster::FinishReply* reply) override {
-    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
-    if (request->worker() < 0)
-      return invalid(concat("Finish: field 'worker' is ", request->worker()));
-    if (request->round() < 1) return invalid(concat("Finish: field 'round' is ", request->round()));
-    if (request->unit() < 0 || request->unit() >= kMaxUnitsPerRound) {
-      return invalid(concat("Finish: field 'unit' is ", request->unit()));
-    }
-    if (!std::isfinite(request->loss())) return invalid("Finish: field 'loss' is not finite");
-    if (!(request->seconds() >= 0) || !std::isfinite(request->seconds())) {
-      return invalid(concat("Finish: field 'seconds' is ", request->seconds()));
-    }
-    reply->set_counted(queue_.finish(request->worker(), request->round(), request->unit(),
-                                     request->loss(), request->seconds()));
-    return grpc::Status::OK;
-  }
-
- private:
-  static constexpr int64_t kMaxUnitsPerRound = int64_t{1} << 20;
-  static grpc::Status invalid(const std::string& why) {
-    return {grpc::StatusCode::INVALID_ARGUMENT, why};
-  }
-  WorkQueue& queue_;
-  std::string token_;
-};
-
-WorkCoordinatorServer::WorkCoordinatorServer(WorkQueue& queue,
-                                             const WorkCoordinatorOptions& options)
-    : service_(std::make_unique<WorkCoordinatorService>(queue, options.auth_token)) {
-  server_ = rpc::start_server("the Sandblaster coordinator", options.listen, options.tls_cert,
-                              options.tls_key, service_.get(), false, &port_);
+namespace {
+WorkQueueHostFactory& installed_host() {
+  static WorkQueueHostFactory factory;
+  return factory;
 }
+}  // namespace
 
-WorkCoordinatorServer::~WorkCoordinatorServer() { shutdown(); }
+void set_work_queue_host(WorkQueueHostFactory factory) { installed_host() = std::move(factory); }
 
-void WorkCoordinatorServer::shutdown() {
-  if (server_ && !stopped_)
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  stopped_ = true;
+std::unique_ptr<WorkQueueHost> host_work_queue(WorkQueue& queue,
+                                               const WorkCoordinatorOptions& options) {
+  if (!installed_host()) {
+    DTRAIN_THROW(Error,
+                 "Sandblaster's coordinator: no work-queue host is installed (the library was "
+                 "built without services/ps/WorkCoordinator.cpp)");
+  }
+  return installed_host()(queue, options);
 }
 
 }  // namespace dtrain::parallel::ps

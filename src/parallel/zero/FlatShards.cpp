@@ -5,7 +5,7 @@
 #include "dtrain/common/Error.h"
 #include "parallel/Alias.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 FlatShards::FlatShards(std::vector<at::Tensor>& parameters, int ranks, int rank,
                        const std::string& who)
@@ -85,4 +85,4 @@ std::vector<PieceRef> FlatShards::state_pieces(const std::vector<std::string>& n
   return pieces;
 }
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

@@ -14,7 +14,7 @@
 #include "dtrain/comm/Communicator.h"
 #include "dtrain/parallel/StateShards.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 class FlatShards {
  public:
@@ -61,4 +61,4 @@ class FlatShards {
   int64_t shard_numel_ = 0;
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

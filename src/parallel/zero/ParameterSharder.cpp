@@ -7,10 +7,10 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "dtrain/common/Error.h"
-#include "dtrain/memory/Checkpoint.h"
+#include "dtrain/memory/ActivationCheckpoint.h"
 #include "parallel/Alias.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 namespace {}  // namespace
 
@@ -148,7 +148,7 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
   }
   stats_.buckets = static_cast<int64_t>(units_.size());
   ready_.assign(parameters_.size(), false);
-  hooks_ = std::make_unique<GradReadyHooks>([this](size_t k) { on_gradient(k); });
+  hooks_ = std::make_unique<ddp::GradReadyHooks>([this](size_t k) { on_gradient(k); });
   hooks_->attach(parameters_, names_);
 }
 
@@ -264,7 +264,7 @@ void ParameterSharder::on_gradient(size_t k) {
   if (--unit.pending == 0) launch_reduction(unit);
   // Fold in finished reductions, and bound those in flight so unreduced gradients do not pile up
   // when communication lags backward.
-  while (!in_flight_.empty() && (in_flight_.size() > kMaxReductionsInFlight ||
+  while (!in_flight_.empty() && (in_flight_.size() > ddp::kMaxReductionsInFlight ||
                                  units_[in_flight_.front()].reduce_work->is_completed())) {
     complete_reduction(units_[in_flight_.front()]);
   }
@@ -344,4 +344,4 @@ void ParameterSharder::zero_grad() {
   stats_.buckets_launched_during_backward = 0;
 }
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

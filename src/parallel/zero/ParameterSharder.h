@@ -24,7 +24,7 @@
 #include "dtrain/parallel/ddp/Reducer.h"
 #include "parallel/ddp/GradHooks.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 /// Memory for gathered parameters and unsharded gradients: buffers freed by one unit are reused
 /// by the next (units are often equal in size), so a step does not fault fresh pages in for
@@ -64,7 +64,7 @@ struct ShardUnit {
   bool checkpoint = false;
 };
 
-class ParameterSharder : public GradientSync {
+class ParameterSharder : public ddp::GradientSync {
  public:
   /// A run of one parameter's elements inside this rank's shard: an optimizer parameter that
   /// aliases shard_parameters() (its .grad aliases shard_gradients()).
@@ -96,7 +96,7 @@ class ParameterSharder : public GradientSync {
   void prepare_for_backward() override;
   void finalize() override;
   void zero_grad() override;
-  const ReducerStats& stats() const override { return stats_; }
+  const ddp::ReducerStats& stats() const override { return stats_; }
 
   const std::vector<Piece>& pieces() const { return pieces_; }
   const at::Tensor& shard_parameters() const { return shard_params_; }
@@ -145,13 +145,13 @@ class ParameterSharder : public GradientSync {
   std::vector<std::pair<size_t, size_t>> locator_;  // parameter -> (unit, slot)
   at::Tensor shard_params_, shard_grad_;
   std::vector<Piece> pieces_;
-  std::unique_ptr<GradReadyHooks> hooks_;
+  std::unique_ptr<ddp::GradReadyHooks> hooks_;
   std::vector<bool> ready_;
   std::vector<size_t> in_flight_;  // units whose reduction is running, oldest first
   bool in_backward_ = false;
   bool backward_ended_ = false;
   std::chrono::steady_clock::time_point backward_end_time_;
-  ReducerStats stats_;
+  ddp::ReducerStats stats_;
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

@@ -10,7 +10,7 @@
 #include "dtrain/optim/StateSize.h"
 #include "parallel/zero/ZeroStrategy.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 namespace {
 
@@ -47,7 +47,7 @@ StrategyInfo zero3_strategy() {
 }
 
 Zero3Strategy::Zero3Strategy(StrategyOptions options)
-    : DdpStrategy(std::move(options)), zero3_(options_.of<Zero3Options>()) {
+    : ddp::DdpStrategy(std::move(options)), zero3_(options_.of<Zero3Options>()) {
   check_options(zero3_);
   DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16,
                      "zero3 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
@@ -146,4 +146,4 @@ MemoryReport Zero3Strategy::memory_report() const {
   return report;
 }
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

@@ -8,11 +8,11 @@
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/zero/ParameterSharder.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 StrategyInfo zero3_strategy();
 
-class Zero3Strategy : public DdpStrategy {
+class Zero3Strategy : public ddp::DdpStrategy {
  public:
   explicit Zero3Strategy(StrategyOptions options);
   std::string name() const override { return "zero3"; }
@@ -25,7 +25,7 @@ class Zero3Strategy : public DdpStrategy {
  protected:
   void build_optimizer(const optim::OptimizerFactory& make_optimizer) override;
   void build_gradient_sync(const std::vector<std::string>& names) override {}
-  GradientSync& gradient_sync() override { return *sharder_; }
+  ddp::GradientSync& gradient_sync() override { return *sharder_; }
   bool reduce_every_micro_batch() const override { return true; }
   std::vector<at::Tensor> gradient_holders() const override;
   bool gradients_sharded() const override { return true; }
@@ -43,4 +43,4 @@ class Zero3Strategy : public DdpStrategy {
   std::unique_ptr<ParameterSharder> sharder_;
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

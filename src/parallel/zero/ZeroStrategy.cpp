@@ -6,7 +6,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/StateSize.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 namespace {
 
@@ -72,7 +72,7 @@ StrategyInfo zero2_strategy() {
 }
 
 ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
-    : DdpStrategy(std::move(options)), stage_(stage) {
+    : ddp::DdpStrategy(std::move(options)), stage_(stage) {
   DTRAIN_CHECK(stage_ == 1 || stage_ == 2, "ZeroStrategy stage must be 1 or 2, got ", stage_);
   DTRAIN_CHECK_INPUT(stage_ >= 2 || !options_.of<ZeroQuantizedOptions>().enabled,
                      "--zero-quantized reduce-scatters gradients: it is for zero2 and zero3, not ",
@@ -86,7 +86,7 @@ ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
                      " keeps fp32 master weights; use --precision bf16-mixed, not bf16");
 }
 
-void ZeroStrategy::configure_reducer(ReducerOptions& options) {
+void ZeroStrategy::configure_reducer(ddp::ReducerOptions& options) {
   if (stage_ < 2) return;
   options.shard_numel = shards_.shard_numel();
   options.shard_grad = shard_grad_;
@@ -130,4 +130,4 @@ MemoryReport ZeroStrategy::memory_report() const {
   return report;
 }
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

@@ -9,7 +9,7 @@
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/zero/FlatShards.h"
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 /// ZeRO stage 1 (optimizer state sharded) and stage 2 (gradients too).
 StrategyInfo zero1_strategy();
@@ -20,7 +20,7 @@ comm::BlockQuantization block_quantization(const StrategyOptions& options);
 /// --sequence-parallel refused (ZeRO-2 and 3 reduce-scatter before LayerNorm sums).
 void check_no_sequence_parallel(const std::string& strategy, const Layout& layout);
 
-class ZeroStrategy : public DdpStrategy {
+class ZeroStrategy : public ddp::DdpStrategy {
  public:
   ZeroStrategy(StrategyOptions options, int stage = 1);
   std::string name() const override { return stage_ == 1 ? "zero1" : "zero2"; }
@@ -29,7 +29,7 @@ class ZeroStrategy : public DdpStrategy {
  protected:
   void build_optimizer(const optim::OptimizerFactory& make_optimizer) override;
   void apply_update() override;
-  void configure_reducer(ReducerOptions& options) override;
+  void configure_reducer(ddp::ReducerOptions& options) override;
   bool reduce_every_micro_batch() const override { return stage_ >= 2; }
   std::vector<at::Tensor> gradient_holders() const override;
   bool gradients_sharded() const override { return stage_ >= 2; }
@@ -43,4 +43,4 @@ class ZeroStrategy : public DdpStrategy {
   at::Tensor shard_grad_;  // stage 2: this rank's gradient shard (the pieces' grads alias it)
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

@@ -11,7 +11,7 @@
 #include "dtrain/optim/FlatOptimizer.h"
 #include "dtrain/optim/Optimizers.h"
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 void validate(const LocalTraining& o) {
   DTRAIN_CHECK_INPUT(o.epochs >= 1, "--local-epochs must be >= 1, got ", o.epochs);
@@ -207,4 +207,4 @@ void ServerOptimizer::load_state(const std::vector<std::pair<std::string, at::Te
   flat_.load_state(state);
 }
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

@@ -10,7 +10,7 @@
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 std::vector<std::vector<std::string>> parameter_groups(const Model& model) {
   std::vector<std::vector<std::string>> groups;
@@ -109,4 +109,4 @@ PersonalizationReport personalize(const models::ModelSpec& spec, const at::Tenso
   return report;
 }
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

@@ -8,7 +8,7 @@
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 void validate(const DpSpec& s) {
   DTRAIN_CHECK_INPUT(s.clip >= 0 && std::isfinite(s.clip), "--dp-clip must be >= 0, got ", s.clip);
@@ -93,4 +93,4 @@ std::pair<double, int> dp_epsilon(double q, double z, int64_t steps, double delt
   return {std::max(0.0, best), best_order};
 }
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

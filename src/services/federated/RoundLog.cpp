@@ -5,7 +5,7 @@
 
 #include "dtrain/common/Error.h"
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 RoundLog::RoundLog(const std::string& metrics_file, bool progress, int64_t rounds,
                    int64_t start_round)
@@ -75,4 +75,4 @@ void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clien
                  " times in a row (--min-clients ", min_clients, ")");
 }
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

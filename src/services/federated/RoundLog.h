@@ -11,7 +11,7 @@
 #include "dtrain/train/Metrics.h"
 #include "dtrain/train/Progress.h"
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 class RoundLog {
  public:
@@ -33,4 +33,4 @@ class RoundLog {
   int retries_ = 0;
 };
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

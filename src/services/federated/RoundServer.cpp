@@ -1,6 +1,6 @@
 #include "dtrain/services/federated/RoundServer.h"
 
-#include "dtrain/services/federated/Compression.h"
+#include "dtrain/comm/Compression.h"
 
 #include <torch/torch.h>
 
@@ -15,7 +15,7 @@
 #include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 namespace {
 constexpr const char* kFormat = "dtrain-fl-server-1";
@@ -28,17 +28,20 @@ bool valid_client_id(const std::string& id) {
   });
 }
 
+namespace {
+RoundServerOptions with_min_clients(RoundServerOptions options) {
+  if (options.min_clients == 0) options.min_clients = 1;
+  return options;
+}
+}  // namespace
+
 RoundServer::RoundServer(at::Tensor initial, RoundServerOptions options)
-    : options_(std::move(options)), global_(initial.detach().clone()) {
+    : options_(with_min_clients(std::move(options))), global_(initial.detach().clone()) {
   validate(options_.dp);
-  validate(options_.robust);
-  AggregatorOptions aggregation;
-  aggregation.server = options_.optimizer;
-  aggregation.robust = options_.robust;
-  aggregation.feddyn_alpha = options_.feddyn_alpha;
-  aggregation.scaffold_option = options_.scaffold_option;
-  aggregator_ = make_aggregator(resolve_algorithm(options_.algorithm, aggregation, options_.local),
-                                aggregation);
+  validate(options_.aggregator.robust);
+  const AggregatorOptions& aggregation = options_.aggregator;
+  aggregator_ = make_aggregator(
+      resolve_algorithm(aggregation.algorithm, aggregation, options_.local), aggregation);
   check_combination(*aggregator_, options_.secure_aggregation, options_.dp.enabled());
   clip_ = options_.dp.clip;
   if (options_.dp.adaptive()) {
@@ -254,7 +257,7 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
                   global_.scalar_type());
   }
   if (examples < 1) return concat("client '", client, "': ", examples, " examples");
-  if (!all_finite(delta)) {
+  if (!comm::all_finite(delta)) {
     return concat("client '", client, "': the update holds NaN or Inf values");
   }
   if (aggregator_->needs_control_deltas()) {
@@ -265,7 +268,7 @@ std::string RoundServer::submit(const std::string& client, const at::Tensor& del
                     " needs its control-variate change, one ", global_.scalar_type(),
                     " per parameter");
     }
-    if (!all_finite(control_delta)) {
+    if (!comm::all_finite(control_delta)) {
       return concat("client '", client, "': the control-variate change holds NaN or Inf values");
     }
   }
@@ -329,7 +332,7 @@ std::string RoundServer::submit_sum(const at::Tensor& weighted_sum, double examp
                   " elements for a model of ", global_.numel());
   }
   if (!(examples >= 1)) return concat("an aggregate of ", examples, " examples");
-  if (!all_finite(weighted_sum) || !std::isfinite(loss_sum)) {
+  if (!comm::all_finite(weighted_sum) || !std::isfinite(loss_sum)) {
     return "the aggregate holds NaN or Inf values";
   }
   mean_.add(weighted_sum.to(at::kDouble) / examples, examples);
@@ -506,4 +509,4 @@ void RoundServer::load(const std::string& path) {
   }
 }
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

@@ -5,19 +5,19 @@
 #include <cstdio>
 
 #include "dtrain/common/Error.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ps/PsOptions.h"
 
-namespace dtrain::parallel::ps {
+namespace dtrain::services::ps {
 
 LocalShards start_local_shards(train::JobConfig& job) {
   LocalShards local;
   if (!train::uses_parameter_server(job) || job.ps_shards <= 0) return local;
   // Downpour's shards apply the updates (their optimizer, the job's schedule by version);
   // Sandblaster's apply none: L-BFGS steps through vector commands.
-  const bool downpour = strategy_info(job.trainer.strategy).server_optimizer;
-  auto& ps = job.trainer.strategy_options.of<PsOptions>();
-  const int n_push = job.trainer.strategy_options.of<DownpourOptions>().n_push;
+  const bool downpour = parallel::strategy_info(job.trainer.strategy).server_optimizer;
+  auto& ps = job.trainer.strategy_options.of<parallel::ps::PsOptions>();
+  const int n_push = job.trainer.strategy_options.of<parallel::ps::DownpourOptions>().n_push;
   const int64_t total_worker_steps = downpour ? train::planned_steps(job) : 0;
   for (int i = 0; i < job.ps_shards; ++i) {
     ShardServerOptions options;
@@ -48,4 +48,4 @@ LocalShards start_local_shards(train::JobConfig& job) {
   return local;
 }
 
-}  // namespace dtrain::parallel::ps
+}  // namespace dtrain::services::ps

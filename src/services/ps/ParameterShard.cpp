@@ -10,7 +10,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/Optimizers.h"
 
-namespace dtrain::parallel::ps {
+namespace dtrain::services::ps {
 
 namespace {
 
@@ -86,10 +86,10 @@ std::string ParameterShard::check_gradient(int64_t begin, const at::Tensor& grad
     return concat("a gradient for [", begin, ", ", begin + n, ") is outside the shard's range [",
                   begin_, ", ", end_, ")");
   }
-  return check_finite(gradient, begin);
+  return parallel::ps::check_finite(gradient, begin);
 }
 
-std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops,
+std::string ParameterShard::vector_ops(const std::vector<parallel::ps::VectorOp>& ops,
                                        std::vector<double>* dots) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!initialized_) return "the shard has no parameters yet (Initialize first)";
@@ -97,38 +97,44 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops,
   std::set<std::string> names{"x"};
   for (const auto& [name, tensor] : vectors_) names.insert(name);
   for (size_t i = 0; i < ops.size(); ++i) {
-    const VectorOp& op = ops[i];
+    const parallel::ps::VectorOp& op = ops[i];
     const std::string where = concat("vector op ", i);
-    auto valid_name = [](const std::string& n) { return !n.empty() && n.size() <= kMaxVectorName; };
+    auto valid_name = [](const std::string& n) {
+      return !n.empty() && n.size() <= parallel::ps::kMaxVectorName;
+    };
     if (!valid_name(op.dst)) {
-      return concat(where, ": field 'dst' must name a vector (1 to ", kMaxVectorName,
+      return concat(where, ": field 'dst' must name a vector (1 to ", parallel::ps::kMaxVectorName,
                     " characters)");
     }
-    const bool reads_src =
-        op.kind == VectorOp::Copy || op.kind == VectorOp::Axpy || op.kind == VectorOp::Dot;
+    const bool reads_src = op.kind == parallel::ps::VectorOp::Copy ||
+                           op.kind == parallel::ps::VectorOp::Axpy ||
+                           op.kind == parallel::ps::VectorOp::Dot;
     if (reads_src && names.count(op.src) == 0) {
-      return concat(where, ": field 'src' names vector '", op.src.substr(0, kMaxVectorName),
+      return concat(where, ": field 'src' names vector '",
+                    op.src.substr(0, parallel::ps::kMaxVectorName),
                     "', which the shard does not have");
     }
     if (!reads_src && !op.src.empty())
       return concat(where, ": field 'src' must be empty for this kind");
-    const bool creates = op.kind == VectorOp::Zero || op.kind == VectorOp::Copy;
+    const bool creates =
+        op.kind == parallel::ps::VectorOp::Zero || op.kind == parallel::ps::VectorOp::Copy;
     if (!creates && names.count(op.dst) == 0) {
       return concat(where, ": field 'dst' names vector '", op.dst,
                     "', which the shard does not have");
     }
     if (!std::isfinite(op.alpha)) return concat(where, ": field 'alpha' is not finite");
-    const bool uses_alpha = op.kind == VectorOp::Scale || op.kind == VectorOp::Axpy;
+    const bool uses_alpha =
+        op.kind == parallel::ps::VectorOp::Scale || op.kind == parallel::ps::VectorOp::Axpy;
     if (!uses_alpha && op.alpha != 0.0)
       return concat(where, ": field 'alpha' must be 0 for this kind");
-    if (op.round < 0 || (op.round > 0 && op.kind != VectorOp::Zero)) {
+    if (op.round < 0 || (op.round > 0 && op.kind != parallel::ps::VectorOp::Zero)) {
       return concat(where, ": field 'round' is ", op.round,
                     " (ZERO may open a round > 0; other "
                     "ops carry 0)");
     }
     if (creates) names.insert(op.dst);
-    if (static_cast<int>(names.size()) > kMaxVectors + 1) {
-      return concat(where, ": more than ", kMaxVectors, " vectors on one shard");
+    if (static_cast<int>(names.size()) > parallel::ps::kMaxVectors + 1) {
+      return concat(where, ": more than ", parallel::ps::kMaxVectors, " vectors on one shard");
     }
   }
   // The ops write into copies of the vectors they change, kept only if the parameters stay
@@ -145,28 +151,28 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops,
     return staged[name] = std::move(copy);
   };
   const size_t dots_before = dots->size();
-  for (const VectorOp& op : ops) {
+  for (const parallel::ps::VectorOp& op : ops) {
     switch (op.kind) {
-      case VectorOp::Zero:
+      case parallel::ps::VectorOp::Zero:
         staged[op.dst] = at::zeros_like(values_);
         break;
-      case VectorOp::Copy:
+      case parallel::ps::VectorOp::Copy:
         staged[op.dst] = read(op.src).clone();
         break;
-      case VectorOp::Scale:
+      case parallel::ps::VectorOp::Scale:
         write(op.dst).mul_(op.alpha);
         break;
-      case VectorOp::Axpy:
+      case parallel::ps::VectorOp::Axpy:
         write(op.dst).add_(read(op.src), op.alpha);
         break;
-      case VectorOp::Dot:
+      case parallel::ps::VectorOp::Dot:
         dots->push_back(
             at::dot(read(op.dst).to(at::kDouble), read(op.src).to(at::kDouble)).item<double>());
         break;
     }
   }
   if (const auto x = staged.find("x"); x != staged.end()) {
-    std::string why = check_finite(x->second, begin_);
+    std::string why = parallel::ps::check_finite(x->second, begin_);
     if (!why.empty()) {
       dots->resize(dots_before);
       return concat("the ops would leave the parameters non-finite (",
@@ -181,8 +187,9 @@ std::string ParameterShard::vector_ops(const std::vector<VectorOp>& ops,
       vectors_[name] = std::move(tensor);
     }
   }
-  for (const VectorOp& op : ops) {
-    if (op.kind == VectorOp::Zero && op.round > 0) rounds_[op.dst] = Round{op.round, {}};
+  for (const parallel::ps::VectorOp& op : ops) {
+    if (op.kind == parallel::ps::VectorOp::Zero && op.round > 0)
+      rounds_[op.dst] = Round{op.round, {}};
   }
   return "";
 }
@@ -193,15 +200,15 @@ std::string ParameterShard::accumulate(const std::string& name, int64_t begin,
   std::lock_guard<std::mutex> lock(mutex_);
   if (ignored != nullptr) *ignored = false;
   if (round < 0) return concat("field 'round' is ", round, " (0 or a round > 0)");
-  if (round > 0 && (unit < 0 || unit >= kMaxUnits)) {
-    return concat("field 'unit' is ", unit, " (0 to ", kMaxUnits - 1, ")");
+  if (round > 0 && (unit < 0 || unit >= parallel::ps::kMaxUnits)) {
+    return concat("field 'unit' is ", unit, " (0 to ", parallel::ps::kMaxUnits - 1, ")");
   }
   if (std::string why = check_gradient(begin, gradient); !why.empty()) return why;
   const int64_t n = gradient.numel();
   if (name == "x") return "field 'accumulate' may not name the parameters 'x'";
-  if (name.size() > kMaxVectorName) {
+  if (name.size() > parallel::ps::kMaxVectorName) {
     return concat("field 'accumulate' is ", name.size(), " characters long (at most ",
-                  kMaxVectorName, ")");
+                  parallel::ps::kMaxVectorName, ")");
   }
   const auto found = vectors_.find(name);
   if (found == vectors_.end()) {
@@ -249,7 +256,7 @@ std::string ParameterShard::initialize(int64_t total, const at::Tensor& values) 
   if (initialized_) return "initialized";
   if (total < shards_)
     return concat("field 'total' is ", total, ", fewer parameters than the ", shards_, " shards");
-  const auto [begin, end] = shard_range(total, shard_, shards_);
+  const auto [begin, end] = parallel::ps::shard_range(total, shard_, shards_);
   if (values.scalar_type() != at::kFloat && values.scalar_type() != at::kDouble) {
     return concat("the initial values are ", values.scalar_type(),
                   " (a shard holds float32 or "
@@ -379,7 +386,7 @@ int64_t ParameterShard::load(const std::string& path) {
     DTRAIN_CHECK_INPUT(optimizer == optimizer_.name, path, " holds ", optimizer,
                        " state, this shard runs ", optimizer_.name);
     const int64_t total = file.at("total").toInt();
-    const auto [begin, end] = shard_range(total, shard_, shards_);
+    const auto [begin, end] = parallel::ps::shard_range(total, shard_, shards_);
     const auto tensors = file.at("tensors").toGenericDict();
     // The parameters' dtype (float32 or float64) is the state's.
     at::ScalarType dtype = at::kFloat;
@@ -424,4 +431,4 @@ int64_t ParameterShard::load(const std::string& path) {
   }
 }
 
-}  // namespace dtrain::parallel::ps
+}  // namespace dtrain::services::ps

@@ -13,7 +13,7 @@
 #include "dtrain/ps.grpc.pb.h"
 #include "parallel/ps/PsWire.h"
 
-namespace dtrain::parallel::ps {
+namespace dtrain::services::ps {
 
 namespace {
 
@@ -102,11 +102,11 @@ std::string check_same_header(const dtrain::ps::PushChunk& meta, const dtrain::p
 // are the first chunk's. Sets `values` to the elements received, `*worker` to the first chunk's
 // worker field (even when refused; -1 when none came), and returns "" or why the stream was
 // refused.
-std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* reader,
-                        rpc::ChunkRule rule, const char* rpc_name, int64_t* first_offset,
+std::string read_stream(grpc::ServerReader<comm::rpc::Bulk<dtrain::ps::PushChunk>>* reader,
+                        comm::rpc::ChunkRule rule, const char* rpc_name, int64_t* first_offset,
                         at::Tensor* values, dtrain::ps::PushChunk* head, int* worker,
                         const at::Tensor& buffer = {}, bool any_float = false) {
-  rpc::Bulk<dtrain::ps::PushChunk> chunk;
+  comm::rpc::Bulk<dtrain::ps::PushChunk> chunk;
   std::vector<at::Tensor> parts;
   int64_t next = -1;
   int64_t index = 0;
@@ -114,8 +114,9 @@ std::string read_stream(grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* re
   // Checks a chunk's fields against the rule and the chunks before it ("" or why not).
   auto check = [&](const dtrain::ps::PushChunk& meta, int64_t bytes) {
     const std::string where = concat(rpc_name, " chunk ", index);
-    if (any_float && next < 0 && meta.chunk().dtype() == rpc::FLOAT64) rule.dtype = at::kDouble;
-    std::string why = rpc::check_chunk(meta.chunk(), bytes, rule, where);
+    if (any_float && next < 0 && meta.chunk().dtype() == comm::rpc::FLOAT64)
+      rule.dtype = at::kDouble;
+    std::string why = comm::rpc::check_chunk(meta.chunk(), bytes, rule, where);
     if (!why.empty()) return why;
     if (!meta.chunk().name().empty()) {
       return concat(where, ": field 'name' must be empty (a shard holds one tensor)");
@@ -198,21 +199,22 @@ class ShardService final : public grpc::Service {
         incarnation_(std::random_device{}() * 0x100000001ULL ^ std::random_device{}()),
         started_(std::chrono::steady_clock::now()) {
     // Registered by hand rather than through the generated ParameterServer::Service:
-    // Initialize, Pull and Push carry their tensor payloads beside protobuf (rpc::Bulk).
-    add_unary(kDescribe, &ShardService::Describe);
-    add_chunks(kInitialize, &ShardService::Initialize);
+    // Initialize, Pull and Push carry their tensor payloads beside protobuf (comm::rpc::Bulk).
+    add_unary(parallel::ps::kDescribe, &ShardService::Describe);
+    add_chunks(parallel::ps::kInitialize, &ShardService::Initialize);
     AddMethod(new grpc::internal::RpcServiceMethod(
-        kPsMethodName[kPull], grpc::internal::RpcMethod::SERVER_STREAMING,
+        parallel::ps::kPsMethodName[parallel::ps::kPull],
+        grpc::internal::RpcMethod::SERVER_STREAMING,
         new grpc::internal::ServerStreamingHandler<ShardService, dtrain::ps::PullRequest,
-                                                   rpc::Bulk<dtrain::ps::PullChunk>>(
+                                                   comm::rpc::Bulk<dtrain::ps::PullChunk>>(
             [](ShardService* s, grpc::ServerContext* c, const dtrain::ps::PullRequest* q,
-               grpc::ServerWriter<rpc::Bulk<dtrain::ps::PullChunk>>* w) {
+               grpc::ServerWriter<comm::rpc::Bulk<dtrain::ps::PullChunk>>* w) {
               return s->Pull(c, q, w);
             },
             this)));
-    add_chunks(kPush, &ShardService::Push);
-    add_unary(kDone, &ShardService::Done);
-    add_unary(kVector, &ShardService::Vector);
+    add_chunks(parallel::ps::kPush, &ShardService::Push);
+    add_unary(parallel::ps::kDone, &ShardService::Done);
+    add_unary(parallel::ps::kVector, &ShardService::Vector);
   }
 
   ParameterShard& shard() { return shard_; }
@@ -221,7 +223,7 @@ class ShardService final : public grpc::Service {
 
   grpc::Status Describe(grpc::ServerContext* context, const dtrain::ps::DescribeRequest*,
                         dtrain::ps::ShardInfo* info) {
-    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    if (auto denied = comm::rpc::check_token(*context, token_); !denied.ok()) return denied;
     const auto now = std::chrono::steady_clock::now();
     info->set_shard(shard_.shard());
     info->set_shards(shard_.shards());
@@ -231,7 +233,7 @@ class ShardService final : public grpc::Service {
     info->set_total(shard_.total());
     info->set_version(shard_.version());
     info->set_optimizer(shard_.optimizer().name);
-    info->set_dtype(rpc::to_wire(shard_.dtype()));
+    info->set_dtype(comm::rpc::to_wire(shard_.dtype()));
     const int64_t saved = saved_version_.load();
     info->set_unsaved_updates(shard_.initialized() && saved >= 0 ? shard_.version() - saved
                                                                  : shard_.version());
@@ -258,11 +260,11 @@ class ShardService final : public grpc::Service {
   }
 
   grpc::Status Initialize(grpc::ServerContext* context,
-                          grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* reader,
+                          grpc::ServerReader<comm::rpc::Bulk<dtrain::ps::PushChunk>>* reader,
                           dtrain::ps::PushReply* reply) {
-    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    if (auto denied = comm::rpc::check_token(*context, token_); !denied.ok()) return denied;
     // The range is known only from `total`, so read the first chunk's total before checking.
-    rpc::ChunkRule rule;
+    comm::rpc::ChunkRule rule;
     rule.end = INT64_MAX;
     int64_t first = 0;
     at::Tensor values;
@@ -273,7 +275,7 @@ class ShardService final : public grpc::Service {
     if (!problem.empty()) return invalid(problem);
     if (std::string why = check_worker("Initialize", worker); !why.empty()) return invalid(why);
     const int64_t total = head.total();
-    const auto [begin, end] = shard_range(total, shard_.shard(), shard_.shards());
+    const auto [begin, end] = parallel::ps::shard_range(total, shard_.shard(), shard_.shards());
     if (total <= 0) return invalid(concat("Initialize: field 'total' is ", total));
     if (first != begin || first + values.numel() != end) {
       return invalid(concat("Initialize: the chunks cover [", first, ", ", first + values.numel(),
@@ -290,8 +292,8 @@ class ShardService final : public grpc::Service {
   }
 
   grpc::Status Pull(grpc::ServerContext* context, const dtrain::ps::PullRequest* request,
-                    grpc::ServerWriter<rpc::Bulk<dtrain::ps::PullChunk>>* writer) {
-    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+                    grpc::ServerWriter<comm::rpc::Bulk<dtrain::ps::PullChunk>>* writer) {
+    if (auto denied = comm::rpc::check_token(*context, token_); !denied.ok()) return denied;
     if (!shard_.initialized()) {
       return {grpc::StatusCode::FAILED_PRECONDITION, "the shard has no parameters yet"};
     }
@@ -301,20 +303,20 @@ class ShardService final : public grpc::Service {
                             "), outside the shard's range [", shard_.begin(), ", ", shard_.end(),
                             ")"));
     }
-    if (request->chunk_bytes() < 0 || request->chunk_bytes() > rpc::kMaxChunkBytes) {
+    if (request->chunk_bytes() < 0 || request->chunk_bytes() > comm::rpc::kMaxChunkBytes) {
       return invalid(concat("Pull: field 'chunk_bytes' is ", request->chunk_bytes(), " (0 to ",
-                            rpc::kMaxChunkBytes, ")"));
+                            comm::rpc::kMaxChunkBytes, ")"));
     }
     // The payloads point into the shard's values themselves (one version: an update arriving
     // while gRPC still holds them writes into a copy), held by their slices until sent.
     int64_t version = 0;
     const auto snapshot = std::make_shared<const at::Tensor>(shard_.share(begin, end, &version));
     bool open = true;
-    rpc::for_each_bulk<dtrain::ps::PullChunk>(
+    comm::rpc::for_each_bulk<dtrain::ps::PullChunk>(
         *snapshot, begin,
-        request->chunk_bytes() > 0 ? request->chunk_bytes() : rpc::kDefaultChunkBytes, snapshot,
-        [&](dtrain::ps::PullChunk& meta) { meta.set_version(version); },
-        [&](const rpc::Bulk<dtrain::ps::PullChunk>& message) {
+        request->chunk_bytes() > 0 ? request->chunk_bytes() : comm::rpc::kDefaultChunkBytes,
+        snapshot, [&](dtrain::ps::PullChunk& meta) { meta.set_version(version); },
+        [&](const comm::rpc::Bulk<dtrain::ps::PullChunk>& message) {
           open = !context->IsCancelled() && writer->Write(message);
           return open;
         });
@@ -324,13 +326,13 @@ class ShardService final : public grpc::Service {
   }
 
   grpc::Status Push(grpc::ServerContext* context,
-                    grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>* reader,
+                    grpc::ServerReader<comm::rpc::Bulk<dtrain::ps::PushChunk>>* reader,
                     dtrain::ps::PushReply* reply) {
-    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    if (auto denied = comm::rpc::check_token(*context, token_); !denied.ok()) return denied;
     if (!shard_.initialized()) {
       return {grpc::StatusCode::FAILED_PRECONDITION, "the shard has no parameters yet"};
     }
-    rpc::ChunkRule rule;
+    comm::rpc::ChunkRule rule;
     rule.begin = shard_.begin();
     rule.end = shard_.end();
     rule.dtype = shard_.dtype();
@@ -380,19 +382,19 @@ class ShardService final : public grpc::Service {
 
   grpc::Status Vector(grpc::ServerContext* context, const dtrain::ps::VectorRequest* request,
                       dtrain::ps::VectorReply* reply) {
-    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    if (auto denied = comm::rpc::check_token(*context, token_); !denied.ok()) return denied;
     if (request->ops_size() > kMaxVectorOps) {
       return invalid(concat("Vector: ", request->ops_size(), " ops in one request (at most ",
                             kMaxVectorOps, ")"));
     }
-    std::vector<VectorOp> ops;
+    std::vector<parallel::ps::VectorOp> ops;
     for (int i = 0; i < request->ops_size(); ++i) {
       const auto& op = request->ops(i);
       if (!dtrain::ps::VectorOp::Kind_IsValid(op.kind())) {
         return invalid(concat("Vector: vector op ", i, ": field 'kind' is ", op.kind()));
       }
-      ops.push_back(
-          {static_cast<VectorOp::Kind>(op.kind()), op.dst(), op.src(), op.alpha(), op.round()});
+      ops.push_back({static_cast<parallel::ps::VectorOp::Kind>(op.kind()), op.dst(), op.src(),
+                     op.alpha(), op.round()});
     }
     std::vector<double> dots;
     const std::string why = shard_.vector_ops(ops, &dots);
@@ -407,7 +409,7 @@ class ShardService final : public grpc::Service {
 
   grpc::Status Done(grpc::ServerContext* context, const dtrain::ps::DoneRequest* request,
                     dtrain::ps::PushReply* reply) {
-    if (auto denied = rpc::check_token(*context, token_); !denied.ok()) return denied;
+    if (auto denied = comm::rpc::check_token(*context, token_); !denied.ok()) return denied;
     if (std::string why = check_worker("Done", request->worker()); !why.empty())
       return invalid(why);
     shard_.mark_done(request->worker());
@@ -429,36 +431,38 @@ class ShardService final : public grpc::Service {
     ++refused_;
     const bool known = check_worker("", worker).empty();
     if (known) shard_.count_refusal(worker);
-    const bool nonfinite = why.find(kNonFiniteGradient) != std::string::npos;
+    const bool nonfinite = why.find(parallel::ps::kNonFiniteGradient) != std::string::npos;
     const int64_t logged = known ? shard_.workers()[worker].refused : refused_.load();
     if (logged <= kLoggedRefusals) {
       std::fprintf(stderr, "parameter-server shard %d/%d: refused a push: %s%s\n", shard_.shard(),
                    shard_.shards(), why.c_str(),
                    logged == kLoggedRefusals ? " (further refusals are counted in Describe)" : "");
     }
-    return {grpc::StatusCode::INVALID_ARGUMENT, why, nonfinite ? kNonFiniteDetails : ""};
+    return {grpc::StatusCode::INVALID_ARGUMENT, why,
+            nonfinite ? parallel::ps::kNonFiniteDetails : ""};
   }
   static constexpr int64_t kLoggedRefusals = 5;
   static constexpr int kMaxVectorOps = 4096;
 
-  using Chunks = grpc::ServerReader<rpc::Bulk<dtrain::ps::PushChunk>>;
+  using Chunks = grpc::ServerReader<comm::rpc::Bulk<dtrain::ps::PushChunk>>;
   template <class Request, class Reply>
-  void add_unary(PsMethod method,
+  void add_unary(parallel::ps::PsMethod method,
                  grpc::Status (ShardService::*f)(grpc::ServerContext*, const Request*, Reply*)) {
     AddMethod(new grpc::internal::RpcServiceMethod(
-        kPsMethodName[method], grpc::internal::RpcMethod::NORMAL_RPC,
+        parallel::ps::kPsMethodName[method], grpc::internal::RpcMethod::NORMAL_RPC,
         new grpc::internal::RpcMethodHandler<ShardService, Request, Reply>(
             [f](ShardService* s, grpc::ServerContext* c, const Request* q, Reply* r) {
               return (s->*f)(c, q, r);
             },
             this)));
   }
-  void add_chunks(PsMethod method, grpc::Status (ShardService::*f)(grpc::ServerContext*, Chunks*,
-                                                                   dtrain::ps::PushReply*)) {
+  void add_chunks(parallel::ps::PsMethod method,
+                  grpc::Status (ShardService::*f)(grpc::ServerContext*, Chunks*,
+                                                  dtrain::ps::PushReply*)) {
     AddMethod(new grpc::internal::RpcServiceMethod(
-        kPsMethodName[method], grpc::internal::RpcMethod::CLIENT_STREAMING,
-        new grpc::internal::ClientStreamingHandler<ShardService, rpc::Bulk<dtrain::ps::PushChunk>,
-                                                   dtrain::ps::PushReply>(
+        parallel::ps::kPsMethodName[method], grpc::internal::RpcMethod::CLIENT_STREAMING,
+        new grpc::internal::ClientStreamingHandler<
+            ShardService, comm::rpc::Bulk<dtrain::ps::PushChunk>, dtrain::ps::PushReply>(
             [f](ShardService* s, grpc::ServerContext* c, Chunks* q, dtrain::ps::PushReply* r) {
               return (s->*f)(c, q, r);
             },
@@ -492,9 +496,9 @@ ShardServer::ShardServer(const ShardServerOptions& options)
       service_->set_saved(resumed_version_);
     }
   }
-  server_ = rpc::start_server(concat("parameter-server shard ", options.shard, "/", options.shards),
-                              options.listen, options.tls_cert, options.tls_key, service_.get(),
-                              true, &port_);
+  server_ = comm::rpc::start_server(
+      concat("parameter-server shard ", options.shard, "/", options.shards), options.listen,
+      options.tls_cert, options.tls_key, service_.get(), true, &port_);
   if (!options.checkpoint_dir.empty()) {
     saver_ = std::thread([this] {
       std::unique_lock<std::mutex> lock(saver_mutex_);
@@ -534,7 +538,9 @@ ShardServer::~ShardServer() {
   }
 }
 
-std::string ShardServer::address() const { return rpc::local_address(options_.listen, port_); }
+std::string ShardServer::address() const {
+  return comm::rpc::local_address(options_.listen, port_);
+}
 
 const ParameterShard& ShardServer::shard() const { return service_->shard(); }
 
@@ -553,4 +559,4 @@ void ShardServer::wait() {
   if (server_) server_->Wait();
 }
 
-}  // namespace dtrain::parallel::ps
+}  // namespace dtrain::services::ps

@@ -5,7 +5,7 @@
 #include "dtrain/parallel/Loops.h"
 #include "train/runners/Run.h"
 
-namespace dtrain::train {
+namespace dtrain::train::runners {
 
 namespace {
 
@@ -90,4 +90,4 @@ class DrivenRunner : public Runner {
 
 std::unique_ptr<Runner> make_driven_runner() { return std::make_unique<DrivenRunner>(); }
 
-}  // namespace dtrain::train
+}  // namespace dtrain::train::runners

@@ -17,7 +17,7 @@
 #include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
 
-namespace dtrain::train {
+namespace dtrain::train::runners {
 
 std::unique_ptr<Runner> make_runner(parallel::Loop loop) {
   switch (loop) {
@@ -209,4 +209,4 @@ void Run::finish_alone(const std::map<std::string, double>& run_metrics, int64_t
   if (!options.checkpoint_dir.empty() && nonfinite_steps == 0) save(steps, epoch, true);
 }
 
-}  // namespace dtrain::train
+}  // namespace dtrain::train::runners

@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "dtrain/optim/LrSchedule.h"
-#include "dtrain/parallel/Registry.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/train/Metrics.h"
 #include "dtrain/train/Progress.h"
 #include "dtrain/train/Trainer.h"
 
-namespace dtrain::train {
+namespace dtrain::train::runners {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point start);
@@ -146,4 +146,4 @@ std::unique_ptr<Runner> make_step_runner();
 std::unique_ptr<Runner> make_asynchronous_runner();
 std::unique_ptr<Runner> make_driven_runner();
 
-}  // namespace dtrain::train
+}  // namespace dtrain::train::runners

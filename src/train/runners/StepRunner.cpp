@@ -16,7 +16,7 @@
 #include "dtrain/parallel/Loops.h"
 #include "train/runners/Run.h"
 
-namespace dtrain::train {
+namespace dtrain::train::runners {
 
 namespace {
 
@@ -185,4 +185,4 @@ std::unique_ptr<Runner> make_asynchronous_runner() {
   return std::make_unique<AsynchronousRunner>();
 }
 
-}  // namespace dtrain::train
+}  // namespace dtrain::train::runners

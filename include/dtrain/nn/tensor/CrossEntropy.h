@@ -8,7 +8,7 @@
 
 #include "dtrain/comm/Communicator.h"
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 /// Mean over every position of -log softmax(full logits)[target]: logits [..., block],
 /// targets [...] (int64 ids of the full vocabulary). Differentiable in `logits`. Three small
@@ -20,4 +20,4 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 at::Tensor vocab_parallel_argmax(const at::Tensor& logits, const comm::CommunicatorPtr& group,
                                  int64_t vocab_start);
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

@@ -15,7 +15,7 @@
 #include "dtrain/comm/Communicator.h"
 #include "dtrain/nn/tensor/Split.h"
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 struct ColumnParallelLinearOptions {
   ColumnParallelLinearOptions(int64_t in_features, int64_t out_features)
@@ -126,4 +126,4 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public TensorParall
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

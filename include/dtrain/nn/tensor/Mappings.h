@@ -9,7 +9,7 @@
 
 #include "dtrain/comm/Communicator.h"
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 /// Forward: identity. Backward: allreduce (sum) of the gradient over `group`. Where a
 /// replicated activation enters rank-local (split) computation.
@@ -42,4 +42,4 @@ inline at::Tensor scatter_to_sequence(const at::Tensor& x, const comm::Communica
   return scatter_to_group(x, group, 1);
 }
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 class RngTracker {
  public:
@@ -31,4 +31,4 @@ class RngTracker {
 /// `p`, the rest scaled by 1 / (1 - p). The identity when not training or p == 0.
 at::Tensor dropout(const at::Tensor& x, double p, bool training, at::Generator& generator);
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

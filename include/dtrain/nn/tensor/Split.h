@@ -14,7 +14,7 @@ namespace torch::nn {
 class Module;
 }
 
-namespace dtrain::tensor {
+namespace dtrain::nn::tensor {
 
 struct ParameterSplit {
   /// The dimension of the full tensor that is split.
@@ -55,4 +55,4 @@ std::vector<std::string> partial_gradient_parameters(const torch::nn::Module& ro
 std::vector<int64_t> full_shape(const ParameterSplits& splits, const std::string& name,
                                 const std::vector<int64_t>& local);
 
-}  // namespace dtrain::tensor
+}  // namespace dtrain::nn::tensor

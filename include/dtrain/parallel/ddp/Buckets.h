@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 
 /// One parameter as the bucketing rule sees it, in the model's parameter order.
 struct BucketedParameter {
@@ -33,4 +33,4 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<BucketedParame
 /// The module part of a parameter's dotted name ("blocks.0.fc.weight" -> "blocks.0.fc").
 std::string module_of(const std::string& parameter_name);
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::ddp

@@ -23,7 +23,7 @@ namespace dtrain::comm {
 class HierarchicalAllreduce;
 }
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::ddp {
 
 class GradReadyHooks;
 class PowerSgdBucket;
@@ -46,7 +46,7 @@ struct PowerSgdOptions {
 
 /// Sharded modes (ZeRO-2/3): reductions left running while backward goes on; beyond this,
 /// backward waits for the oldest, so unreduced gradients stay bounded when communication lags
-/// (one: as fast as two in bench/run_zero_bench.py, with less memory).
+/// (one: as fast as two in bench/zero/run_zero_bench.py, with less memory).
 constexpr size_t kMaxReductionsInFlight = 1;
 
 struct ReducerOptions {
@@ -199,4 +199,4 @@ class Reducer : public GradientSync {
   std::unique_ptr<comm::HierarchicalAllreduce> hierarchy_;
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::ddp

@@ -4,21 +4,18 @@
 // a unit another worker is still running; whichever copy finishes first counts (MapReduce's
 // backup tasks: a straggler no longer sets the pace). A unit running far longer than units
 // take (its worker died) is handed out again, backups or not. The queue is the coordinator's
-// scheduling logic, without the network: WorkCoordinatorServer serves it over gRPC.
+// scheduling logic, without the network: services/ps/WorkCoordinator serves it over gRPC.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
-
-namespace grpc {
-class Server;
-}
 
 namespace dtrain::parallel::ps {
 
@@ -134,23 +131,24 @@ struct WorkCoordinatorOptions {
   std::string tls_cert, tls_key;
 };
 
-class WorkCoordinatorService;
-
-/// The queue as the WorkCoordinator gRPC service (dtrain/sandblaster.proto).
-class WorkCoordinatorServer {
+/// Serves a queue to the workers over the network. The gRPC WorkCoordinator service
+/// (services/ps/WorkCoordinator.h) is the one dtrain has; it installs itself when the library
+/// loads, so this layer holds the scheduling logic and no network code.
+class WorkQueueHost {
  public:
-  WorkCoordinatorServer(WorkQueue& queue, const WorkCoordinatorOptions& options);
-  ~WorkCoordinatorServer();
-  WorkCoordinatorServer(const WorkCoordinatorServer&) = delete;
-  WorkCoordinatorServer& operator=(const WorkCoordinatorServer&) = delete;
-  int port() const { return port_; }
-  void shutdown();
-
- private:
-  std::unique_ptr<WorkCoordinatorService> service_;
-  std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
-  bool stopped_ = false;
+  virtual ~WorkQueueHost() = default;
+  virtual int port() const = 0;
+  virtual void shutdown() = 0;
 };
+
+using WorkQueueHostFactory =
+    std::function<std::unique_ptr<WorkQueueHost>(WorkQueue&, const WorkCoordinatorOptions&)>;
+
+/// Installs how queues are served (services/ps/WorkCoordinator.cpp does, at load).
+void set_work_queue_host(WorkQueueHostFactory factory);
+
+/// Serves `queue` as `options` say (an Error when no host is installed).
+std::unique_ptr<WorkQueueHost> host_work_queue(WorkQueue& queue,
+                                               const WorkCoordinatorOptions& options);
 
 }  // namespace dtrain::parallel::ps

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 struct Zero3Options {
   /// Units gathered as one are the model's stages (Model::stages), consecutive ones merged
@@ -14,4 +14,4 @@ struct Zero3Options {
   bool prefetch = true;
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

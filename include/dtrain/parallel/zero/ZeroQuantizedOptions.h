@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace dtrain::parallel {
+namespace dtrain::parallel::zero {
 
 struct ZeroQuantizedOptions {
   /// --zero-quantized: gradients reduce-scattered as int8 blocks (zero2, zero3) and parameters
@@ -16,4 +16,4 @@ struct ZeroQuantizedOptions {
   bool identity = false;
 };
 
-}  // namespace dtrain::parallel
+}  // namespace dtrain::parallel::zero

@@ -13,12 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/common/Model.h"
 #include "dtrain/data/Dataset.h"
-#include "dtrain/models/Model.h"
 #include "dtrain/optim/FlatOptimizer.h"
 #include "dtrain/parallel/Strategy.h"
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 struct LocalTraining {
   /// E: passes over the local training examples.
@@ -129,4 +129,4 @@ class ServerOptimizer {
   optim::FlatOptimizer flat_;
 };
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

@@ -10,13 +10,13 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/common/Model.h"
 #include "dtrain/data/Dataset.h"
-#include "dtrain/models/Model.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/services/federated/FedAvg.h"
-#include "dtrain/services/federated/Partition.h"
+#include "dtrain/services/federated/simulation/ClientPartition.h"
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 /// Parameter groups of a model (parameters of one module: "layers.0.weight" and
 /// "layers.0.bias" are one group), in the model's order.
@@ -47,4 +47,4 @@ PersonalizationReport personalize(const models::ModelSpec& spec, const at::Tenso
                                   const LocalTraining& plan, int64_t layers, int threads,
                                   uint64_t seed);
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

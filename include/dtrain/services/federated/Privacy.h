@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <utility>
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 struct DpSpec {
   /// S: the L2 norm every update is clipped to (0 = no differential privacy).
@@ -54,4 +54,4 @@ double sampled_gaussian_rdp(double q, double noise_multiplier, int alpha);
 /// The smallest epsilon over orders 2..256 for `steps` rounds at `delta`, and its order.
 std::pair<double, int> dp_epsilon(double q, double noise_multiplier, int64_t steps, double delta);
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

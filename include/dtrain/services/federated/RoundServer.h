@@ -16,36 +16,38 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/services/federated/Aggregator.h"
-#include "dtrain/services/federated/Buffered.h"
 #include "dtrain/services/federated/FedAvg.h"
 #include "dtrain/services/federated/Privacy.h"
+#include "dtrain/services/federated/aggregation/Aggregator.h"
+#include "dtrain/services/federated/aggregation/Buffered.h"
 
-namespace dtrain::federated {
+namespace dtrain::services::federated {
 
 /// Client ids: 1 to 128 characters of [A-Za-z0-9._-].
 bool valid_client_id(const std::string& id);
 
+/// A round's rules: who is selected, what they train, how the updates are aggregated, what is
+/// protected. The simulation (SimulationOptions::round) and the gRPC server
+/// (ServerOptions::round) each hold one and hand it to their RoundServer as it is.
 struct RoundServerOptions {
-  /// K: clients selected per round (all available ones when fewer).
+  /// K: clients selected per round (all available ones when fewer; the simulation sets it from
+  /// its fraction C).
   int64_t clients_per_round = 10;
-  /// A round is applied when at least this many selected clients finished (else retried).
-  int64_t min_clients = 1;
-  /// The aggregator (--algorithm: fedavg, fedsgd, fedprox, fedavgm, fedadam or a registered
-  /// one; resolve_algorithm maps the older spellings) and the server optimizer it applies.
-  std::string algorithm = "fedavg";
-  ServerOptimizerSpec optimizer;
-  /// The robust aggregators' parameters, FedDyn's alpha, SCAFFOLD's option.
-  RobustSpec robust;
-  double feddyn_alpha = 0.01;
-  int scaffold_option = 2;
+  /// A round is applied when at least this many selected clients finished (else retried; 0 =
+  /// 1).
+  int64_t min_clients = 0;
+  /// The aggregator and its parameters.
+  AggregatorOptions aggregator;
   /// N, the clients in the federation (SCAFFOLD and FedDyn scale their server state by the
-  /// share that took part); 0 = the most clients ever offered to select().
+  /// share that took part); 0 = the most clients ever offered to select() (the simulation sets
+  /// it to its population).
   int64_t population = 0;
   /// The clients' plan as the flags give it; plan() is the aggregator's for the open round.
   LocalTraining local;
   /// Secure aggregation reveals only the round's sum (checked against the aggregator).
   bool secure_aggregation = false;
+  /// The run's seed: selection, and in the simulation and the server also the model, the data
+  /// and the clients' local order.
   uint64_t seed = 0;
   /// Differential privacy: updates must be within dp.clip (L2), count equally, and the round's
   /// sum gets Gaussian noise of standard deviation dp.noise_multiplier x dp.clip before it is
@@ -206,4 +208,4 @@ class RoundServer {
   double loss_sum_ = 0.0;
 };
 
-}  // namespace dtrain::federated
+}  // namespace dtrain::services::federated

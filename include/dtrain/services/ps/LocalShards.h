@@ -11,7 +11,7 @@
 #include "dtrain/services/ps/ShardServer.h"
 #include "dtrain/train/Job.h"
 
-namespace dtrain::parallel::ps {
+namespace dtrain::services::ps {
 
 struct LocalShards {
   std::vector<std::unique_ptr<ShardServer>> servers;
@@ -24,4 +24,4 @@ struct LocalShards {
 /// ranks connect to them instead of starting more). Prints one line saying what runs where.
 LocalShards start_local_shards(train::JobConfig& job);
 
-}  // namespace dtrain::parallel::ps
+}  // namespace dtrain::services::ps

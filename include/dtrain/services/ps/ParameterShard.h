@@ -23,7 +23,7 @@
 #include "dtrain/optim/LrSchedule.h"
 #include "dtrain/parallel/ps/ShardProtocol.h"
 
-namespace dtrain::parallel::ps {
+namespace dtrain::services::ps {
 
 struct ShardOptimizer {
   /// "sgd", "adagrad" or "adam".
@@ -35,7 +35,7 @@ struct ShardOptimizer {
   /// Adam.
   double beta1 = 0.9, beta2 = 0.999, adam_eps = 1e-8;
   /// The learning-rate schedule, by version (update count): warmup, step or cosine decay.
-  optim::ScheduleSpec schedule;
+  optim::LrScheduleSpec schedule;
   /// Versions the schedule spans (cosine decays to its end; 0 = no end: cosine refused).
   int64_t total_versions = 0;
 };
@@ -90,7 +90,7 @@ class ParameterShard {
   /// Runs `ops` in order on the slice, all under the lock; Dot results are appended to `dots`.
   /// Returns "" or why the batch was refused (checked whole first, and refused too when it
   /// would leave the parameters non-finite: nothing changed).
-  std::string vector_ops(const std::vector<VectorOp>& ops, std::vector<double>* dots);
+  std::string vector_ops(const std::vector<parallel::ps::VectorOp>& ops, std::vector<double>* dots);
   /// Adds `gradient` (elements [begin, begin + numel)) into the named vector (not "x"): the
   /// workers' gradients of Sandblaster's work units. Keyed (`round` > 0): added only when
   /// `round` is the vector's open round (the last Zero with that round) and `unit` was not yet
@@ -139,4 +139,4 @@ class ParameterShard {
   std::map<std::string, Round> rounds_;  // open accumulation rounds, by vector
 };
 
-}  // namespace dtrain::parallel::ps
+}  // namespace dtrain::services::ps

@@ -20,7 +20,7 @@ namespace grpc {
 class Server;
 }
 
-namespace dtrain::parallel::ps {
+namespace dtrain::services::ps {
 
 struct ShardServerOptions {
   /// host:port to listen on (port 0: any free port, see ShardServer::port()).
@@ -80,4 +80,4 @@ class ShardServer {
   std::thread saver_;
 };
 
-}  // namespace dtrain::parallel::ps
+}  // namespace dtrain::services::ps

@@ -1,0 +1,65 @@
+#include "ConfigFile.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::cli {
+
+std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App& train) {
+  auto at = std::find(args.begin(), args.end(), "train");
+  if (at == args.end()) return args;
+  std::vector<std::string> rest(at + 1, args.end());
+  std::string path;
+  for (size_t i = 0; i < rest.size(); ++i) {
+    if (rest[i] == "--config" && i + 1 < rest.size()) {
+      path = rest[i + 1];
+      rest.erase(rest.begin() + i, rest.begin() + i + 2);
+      break;
+    }
+    if (rest[i].rfind("--config=", 0) == 0) {
+      path = rest[i].substr(9);
+      rest.erase(rest.begin() + i);
+      break;
+    }
+  }
+  if (path.empty()) return args;
+  DTRAIN_CHECK_INPUT(
+      std::filesystem::is_regular_file(path) && ::access(path.c_str(), R_OK) == 0, "config file ",
+      path,
+      std::filesystem::is_directory(path) ? " is a directory, not a TOML file" : " cannot be read");
+  std::vector<CLI::ConfigItem> items;
+  try {
+    items = CLI::ConfigTOML().from_file(path);
+  } catch (const std::exception& e) {
+    DTRAIN_THROW(dtrain::InputError, "config file ", path, " is not valid TOML: ", e.what());
+  }
+  std::vector<std::string> injected;
+  for (const auto& item : items) {
+    if (item.name == "++" || item.name == "--") continue;  // section markers
+    // Keys may stand at the top level or in a [train] table.
+    std::string key = item.parents.empty() ? item.name : item.fullname();
+    if (item.parents.size() == 1 && item.parents.front() == "train") key = item.name;
+    const CLI::Option* option = train.get_option_no_throw("--" + key);
+    DTRAIN_CHECK_INPUT(option != nullptr && key != "config", "config file ", path,
+                       ": unknown key '", key, "' (keys are `dtrain train` flag names)");
+    if (option->get_expected_max() == 0) {  // a flag: key = true / false
+      const std::string value = item.inputs.empty() ? "true" : item.inputs.front();
+      DTRAIN_CHECK_INPUT(value == "true" || value == "false", "config file ", path, ": key '", key,
+                         "' takes true or false, got '", value, "'");
+      if (value == "true") injected.push_back("--" + key);
+      continue;
+    }
+    injected.push_back("--" + key);
+    injected.insert(injected.end(), item.inputs.begin(), item.inputs.end());
+  }
+  std::vector<std::string> out(args.begin(), at + 1);
+  out.insert(out.end(), injected.begin(), injected.end());
+  out.insert(out.end(), rest.begin(), rest.end());
+  return out;
+}
+
+}  // namespace dtrain::cli

@@ -1,0 +1,130 @@
+// The strategy registry: each strategy's name, the loop that drives it, what it combines with,
+// its own options (flags, config keys, checks) and its factory. The Trainer, Job and CLI ask
+// the registry; none of them compares a strategy's name (scripts/check-layers enforces it).
+//
+// Adding a strategy: a folder under src/parallel/ with the strategy, its options struct and a
+// function returning its StrategyInfo, plus one line in kBuiltIn (src/parallel/Strategies.cpp).
+// Code outside the library (a test, a user's program) registers one with register_strategy.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtrain/common/Flags.h"
+#include "dtrain/common/Registry.h"
+#include "dtrain/parallel/Strategy.h"
+
+namespace dtrain::parallel {
+
+/// Which of the Trainer's runners drives a strategy.
+enum class Loop {
+  /// Synchronous steps: every rank steps together (a collective per step).
+  kSteps,
+  /// Asynchronous worker steps, no per-step collective (implements AsynchronousWorker).
+  kAsynchronous,
+  /// The strategy runs its own loop (implements DrivenLoop).
+  kDriven,
+};
+
+/// What a run looks like around the strategy: the rules of each strategy are checked against
+/// it before any rank starts (Job) and again by the Trainer. Unknown parts stay at defaults.
+struct Layout {
+  /// --strategy as given.
+  std::string strategy;
+  /// Ranks of the run (0 = not known yet).
+  int ranks = 0;
+  int pipeline_parallel = 1;
+  int tensor_parallel = 1;
+  /// --sequence-parallel, --tied-embeddings, --defer-eval.
+  bool sequence_parallel = false;
+  bool tied_parameters = false;
+  bool defer_eval = false;
+  /// Micro-batches per step (a pipeline's M).
+  int64_t micro_batches = 1;
+  /// The model's name and stage count (0 = not known).
+  std::string model;
+  int model_stages = 0;
+};
+
+/// Options shared by strategies that list the same group (the parameter-server connection of
+/// Downpour and Sandblaster): declared once however many strategies use them.
+struct OptionGroup {
+  std::string name;
+  /// The group's flags (also its config file's keys), bound into options.of<ItsOptions>().
+  std::function<void(FlagSet&, StrategyOptions&)> declare;
+  /// InputError naming the flag that is out of range (nullptr: nothing to check).
+  std::function<void(const StrategyOptions&)> check;
+};
+
+/// The option group of one options struct T: `declare` binds its flags to a T, `check` its
+/// values (nullptr: nothing to check).
+template <typename T>
+OptionGroup option_group(std::string name, void (*declare)(FlagSet&, T&),
+                         void (*check)(const T&) = nullptr) {
+  OptionGroup group;
+  group.name = std::move(name);
+  group.declare = [declare](FlagSet& flags, StrategyOptions& options) {
+    declare(flags, options.of<T>());
+  };
+  if (check != nullptr) {
+    group.check = [check](const StrategyOptions& options) { check(options.of<T>()); };
+  }
+  return group;
+}
+
+struct StrategyInfo {
+  std::string name;
+  /// One line for --help.
+  std::string summary;
+  Loop loop = Loop::kSteps;
+  /// Can be the data parallelism of a pipeline's stages (--pipeline-parallel with it).
+  bool pipeline_stages = false;
+  /// The pipeline itself: it runs whenever --pipeline-parallel > 1, wrapping the --strategy
+  /// that makes its stages data-parallel (set_stage_strategy records which).
+  bool pipelines = false;
+  std::function<void(StrategyOptions&, const std::string& stage_strategy)> set_stage_strategy;
+  /// Rank 0 holds the whole model (so --defer-eval can copy it).
+  bool whole_model_on_rank0 = true;
+  /// Trains against parameter-server shards (--ps, or --ps-shards started by dtrain train).
+  bool parameter_server = false;
+  /// The shards apply the updates with their optimizer (their schedule runs by version).
+  bool server_optimizer = false;
+  /// Its options (groups shared with other strategies are declared once).
+  std::vector<OptionGroup> options;
+  /// InputError naming the flags when the layout does not suit the strategy (nullptr: any).
+  std::function<void(const StrategyOptions&, const Layout&)> check_layout;
+  std::function<StrategyPtr(const StrategyOptions&)> make;
+};
+
+/// A StrategyInfo::make for a strategy class constructed from the options.
+template <typename S>
+StrategyPtr make_from_options(const StrategyOptions& options) {
+  return std::make_unique<S>(options);
+}
+
+/// Every registered strategy, built-in ones first.
+const std::deque<StrategyInfo>& strategies();
+std::vector<std::string> strategy_names();
+/// InputError naming the available strategies for an unknown name.
+const StrategyInfo& strategy_info(const std::string& name);
+/// Adds a strategy (InputError when the name is taken); for code outside the library, before
+/// any run starts (the registry is read without a lock afterwards).
+void register_strategy(StrategyInfo info);
+
+/// Builds a registered strategy by name; InputError for unknown names.
+StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options);
+
+/// Every strategy's flags, each group once, bound into `options`.
+void declare_strategy_flags(FlagSet& flags, StrategyOptions& options);
+
+/// Checks `layout.strategy` and its options against the layout (the strategy's own options and
+/// rules, and the pipeline's when --pipeline-parallel > 1); returns the strategy that runs:
+/// the one named, or the pipeline wrapping it, with `options` saying which makes its stages
+/// data-parallel. InputError naming the flags. (What the strategy checks of the common options,
+/// such as precision, its constructor checks: make_strategy with the result.)
+std::string resolve_strategy(const Layout& layout, StrategyOptions& options);
+
+}  // namespace dtrain::parallel

@@ -1,0 +1,78 @@
+// What `dtrain plan` knows of a model: its layers in order, each with its parameters, the work
+// of its forward pass per sample (matrix-product flops, memory-bound bytes, kernels), the
+// activations it keeps for backward, and what tensor parallelism does to it. Built for the
+// models of the papers the planner is checked against (a GPT-style transformer described by its
+// shape, ResNet-50) and for dtrain's own zoo models.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtrain::plan {
+
+struct Layer {
+  std::string name;
+  int64_t parameters = 0;  ///< elements
+  /// Per sample, forward: matrix-product flops, and element-wise traffic in activation elements
+  /// (each read or written once counts once), and kernels launched.
+  double matmul_flops = 0;
+  /// The size class of its matrix products (their smaller weight dimension before any TP
+  /// split), for profiles that measure rates by size; 0: none.
+  double matmul_dim = 0;
+  double elementwise_elements = 0;
+  double kernels = 0;
+  /// Per sample: activation elements kept for backward, and the layer's output (what a pipeline
+  /// stage sends, what activation checkpointing keeps).
+  double saved_elements = 0;
+  double output_elements = 0;
+  /// Megatron tensor parallelism: its parameters, matrix products and most activations are
+  /// split over the TP group, and its forward all-reduces this many outputs (backward as many).
+  bool tensor_parallel = false;
+  int tp_allreduces = 0;
+  /// Of its parameters, those every TP rank keeps whole (layer norms, the biases of row-
+  /// parallel layers, position embeddings).
+  int64_t replicated_parameters = 0;
+  /// Of saved_elements, the part tensor parallelism does not split (layer norms, dropout masks,
+  /// residuals: Korthikanti et al.'s 10sbh), unless sequence parallelism is on.
+  double replicated_saved_elements = 0;
+};
+
+struct ModelCost {
+  std::string name;
+  std::vector<Layer> layers;
+  int64_t tokens_per_sample = 1;  ///< sequence length (1 for images)
+  int heads = 0;                  ///< attention heads (TP must divide them); 0 = no constraint
+  int64_t parameters() const;
+  /// The flops one sample costs in forward and backward (3x forward's matrix products), the
+  /// work MFU is counted against.
+  double model_flops_per_sample() const;
+};
+
+struct TransformerShape {
+  int layers = 0;
+  int hidden = 0;
+  int heads = 0;
+  int sequence = 0;
+  int vocabulary = 0;
+  int ffn = 0;          ///< 0: 4 x hidden
+  bool tied = true;     ///< output projection tied to the token embedding (Megatron, GPT-2)
+  bool dropout = true;  ///< dropout after embeddings, attention and each residual branch
+  /// Attention's scale, causal mask and softmax in one kernel (Megatron's fused softmax), or
+  /// written out as three (dtrain's GPT on LibTorch 1.13: scale, masked_fill, softmax).
+  bool fused_softmax = true;
+};
+/// A GPT-style decoder (Megatron's): token and position embeddings, `layers` pre-norm blocks
+/// (attention with Q/K/V and output projections, a GELU MLP), a final norm and the output
+/// projection tied to the embedding.
+ModelCost transformer(const TransformerShape& shape, const std::string& name = "transformer");
+
+/// A built-in model by name ("resnet50", "gpt" dtrain's fortunes GPT, the papers' transformers
+/// "megatron-1t", ...) or a described transformer: "transformer:layers=24,hidden=1024,heads=16,
+/// seq=1024,vocab=51200[,ffn=4096,tied=0,dropout=0,fused=0]" (dtrain's own GPT is
+/// "transformer:...,tied=0,dropout=0,fused=0" unless --tied-embeddings / --dropout). InputError
+/// naming the text and the known names otherwise.
+ModelCost model_named(const std::string& text);
+std::vector<std::string> known_models();
+
+}  // namespace dtrain::plan

@@ -1,0 +1,118 @@
+// The strategy registry. Adding a built-in strategy: one line in kBuiltIn (and the include of
+// the header declaring its StrategyInfo).
+#include "dtrain/parallel/Strategies.h"
+
+#include <algorithm>
+#include <set>
+
+#include "dtrain/common/Error.h"
+#include "parallel/ddp/DdpStrategy.h"
+#include "parallel/diloco/DilocoStrategy.h"
+#include "parallel/pipeline/PipelineStrategy.h"
+#ifdef DTRAIN_SERVICES  // the parameter server's strategies need its gRPC client
+#include "parallel/ps/DownpourStrategy.h"
+#include "parallel/ps/SandblasterStrategy.h"
+#endif
+#include "parallel/zero/Zero3Strategy.h"
+#include "parallel/zero/ZeroStrategy.h"
+
+namespace dtrain::parallel {
+
+namespace {
+
+using InfoFn = StrategyInfo (*)();
+constexpr InfoFn kBuiltIn[] = {
+    ddp::ddp_strategy,     zero::zero1_strategy,        zero::zero2_strategy,
+    zero::zero3_strategy,  pipeline::pipeline_strategy, diloco::diloco_strategy,
+#ifdef DTRAIN_SERVICES
+    ps::downpour_strategy, ps::sandblaster_strategy,
+#endif
+};
+
+Registry<StrategyInfo>& registry() {
+  static Registry<StrategyInfo> all("strategy", "--strategy", [] {
+    std::vector<StrategyInfo> built_in;
+    for (InfoFn info : kBuiltIn) built_in.push_back(info());
+    return built_in;
+  }());
+  return all;
+}
+
+std::string joined(const std::vector<std::string>& names, const char* last_separator) {
+  return Registry<StrategyInfo>::joined(names, last_separator);
+}
+
+// Every option group once (strategies may share one), in registry order.
+std::vector<const OptionGroup*> option_groups() {
+  std::vector<const OptionGroup*> groups;
+  std::set<std::string> seen;
+  for (const auto& info : strategies()) {
+    for (const auto& group : info.options) {
+      if (seen.insert(group.name).second) groups.push_back(&group);
+    }
+  }
+  return groups;
+}
+
+}  // namespace
+
+const std::deque<StrategyInfo>& strategies() { return registry().all(); }
+
+std::vector<std::string> strategy_names() { return registry().names(); }
+
+const StrategyInfo& strategy_info(const std::string& name) { return registry().at(name); }
+
+void register_strategy(StrategyInfo info) {
+  DTRAIN_CHECK_INPUT(info.make, "register_strategy: a strategy needs a factory");
+  registry().add(std::move(info));
+}
+
+StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options) {
+  return strategy_info(name).make(options);
+}
+
+void declare_strategy_flags(FlagSet& flags, StrategyOptions& options) {
+  for (const OptionGroup* group : option_groups()) group->declare(flags, options);
+}
+
+std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
+  const StrategyInfo& named = strategy_info(layout.strategy);
+  // Every strategy's options are checked, used or not: a typo in a flag of another strategy is
+  // still a typo.
+  for (const OptionGroup* group : option_groups()) {
+    if (group->check) group->check(options);
+  }
+  DTRAIN_CHECK_INPUT(layout.pipeline_parallel >= 1, "--pipeline-parallel must be >= 1, got ",
+                     layout.pipeline_parallel);
+  DTRAIN_CHECK_INPUT(layout.tensor_parallel >= 1, "--tensor-parallel must be >= 1, got ",
+                     layout.tensor_parallel);
+  if (named.check_layout) named.check_layout(options, layout);
+  const StrategyInfo* runs = &named;
+  if (!named.pipelines && layout.pipeline_parallel > 1) {
+    std::vector<std::string> stage_strategies;
+    for (const auto& info : strategies()) {
+      if (info.pipeline_stages) stage_strategies.push_back(info.name);
+    }
+    DTRAIN_CHECK_INPUT(named.pipeline_stages, "--pipeline-parallel combines with --strategy ",
+                       joined(stage_strategies, " or "),
+                       " (the data parallelism of each stage), "
+                       "not ",
+                       named.name,
+                       " (it shards or moves the gradients and parameters "
+                       "the micro-batches accumulate)");
+    const auto pipeline = std::find_if(strategies().begin(), strategies().end(),
+                                       [](const StrategyInfo& info) { return info.pipelines; });
+    DTRAIN_CHECK(pipeline != strategies().end(), "no pipeline strategy is registered");
+    pipeline->set_stage_strategy(options, named.name);
+    if (pipeline->check_layout) pipeline->check_layout(options, layout);
+    runs = &*pipeline;
+  }
+  DTRAIN_CHECK_INPUT(
+      !layout.defer_eval || (runs->whole_model_on_rank0 && layout.tensor_parallel <= 1),
+      "--defer-eval copies the whole model on rank 0: not with ", runs->name,
+      layout.tensor_parallel > 1 ? " and tensor parallelism" : "",
+      " (use a strategy that keeps the whole model on rank 0)");
+  return runs->name;
+}
+
+}  // namespace dtrain::parallel

@@ -1,0 +1,252 @@
+#include "dtrain/plan/ModelCost.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::plan {
+
+int64_t ModelCost::parameters() const {
+  int64_t total = 0;
+  for (const auto& layer : layers) total += layer.parameters;
+  return total;
+}
+
+double ModelCost::model_flops_per_sample() const {
+  double forward = 0;
+  for (const auto& layer : layers) forward += layer.matmul_flops;
+  return 3 * forward;  // backward: the gradients of inputs and of weights, each as forward
+}
+
+ModelCost transformer(const TransformerShape& shape, const std::string& name) {
+  const double h = shape.hidden, s = shape.sequence, a = shape.heads, v = shape.vocabulary;
+  const double f = shape.ffn > 0 ? shape.ffn : 4 * h;
+  DTRAIN_CHECK_INPUT(shape.layers > 0 && shape.hidden > 0 && shape.heads > 0 &&
+                         shape.sequence > 0 && shape.vocabulary > 0,
+                     "a transformer needs layers, hidden, heads, seq and vocab > 0");
+  DTRAIN_CHECK_INPUT(shape.hidden % shape.heads == 0, "transformer: hidden ", shape.hidden,
+                     " is not divisible by heads ", shape.heads);
+  ModelCost model;
+  model.name = name;
+  model.tokens_per_sample = shape.sequence;
+  model.heads = shape.heads;
+
+  // Token and position embeddings (vocabulary-parallel under TP: one all-reduce of the output),
+  // then embedding dropout.
+  Layer embedding;
+  embedding.name = "embedding";
+  embedding.parameters = static_cast<int64_t>(v * h + s * h);
+  const double drop = shape.dropout ? 1 : 0;
+  // gather, position add (read 2, write 1); dropout reads, writes and writes its mask
+  embedding.elementwise_elements = (3 + 3 * drop) * s * h;
+  embedding.kernels = 3 + 2 * drop;
+  embedding.saved_elements = drop * s * h;  // the dropout mask; the indices are negligible
+  embedding.replicated_saved_elements = drop * s * h;
+  embedding.output_elements = s * h;
+  embedding.tensor_parallel = true;
+  embedding.tp_allreduces = 1;
+  embedding.replicated_parameters = static_cast<int64_t>(s * h);  // position embeddings
+  model.layers.push_back(embedding);
+
+  // A pre-norm block. Matrix products: Q, K, V and the output projection (4h^2 per token), the
+  // MLP (2hf), attention's scores and weighted sum (2 s h per token each way).
+  // Element-wise traffic per token, in elements: two layer norms (read + write, 4h), head
+  // split/merge copies (8h), two residual adds (6h) and with dropout two dropouts (6h), GELU
+  // (2f); per head and query, scale-mask-softmax over s keys (3 a s fused) and its dropout
+  // (2 a s).
+  // Saved for backward (Korthikanti et al. 2022, 34 s h + 5 a s^2 bytes at 16 bits, here in
+  // elements): 17 s h + 2.5 a s^2, of which 5 s h (layer-norm inputs, dropout masks,
+  // residuals) tensor parallelism does not split; without dropout its masks (2 s h + a s^2
+  // bytes) go and attention's dropout output is softmax's (2 a s^2 bytes).
+  for (int i = 0; i < shape.layers; ++i) {
+    Layer block;
+    block.name = concat("block.", i);
+    block.parameters = static_cast<int64_t>(4 * h * h + 2 * h * f + 9 * h + f);
+    block.matmul_flops = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h;
+    block.matmul_dim = h;
+    // Attention's scores: fused scale-mask-softmax reads and writes them once (2 passes; the
+    // 3 a s above counts the mask); written out, the scale (2), masked_fill (2 + its mask) and
+    // softmax (2) pass over them three times.
+    const double score_passes = shape.fused_softmax ? 3 : 6;
+    block.elementwise_elements =
+        s * (18 * h + 6 * drop * h + 2 * f) + (score_passes + 2 * drop) * a * s * s;
+    block.kernels = 18 + 4 * drop + (shape.fused_softmax ? 0 : 2);
+    block.saved_elements = (16 + drop) * s * h + (1 + 1.5 * drop) * a * s * s;
+    block.replicated_saved_elements = (4 + drop) * s * h;
+    block.output_elements = s * h;
+    block.tensor_parallel = true;
+    block.tp_allreduces = 2;
+    block.replicated_parameters = static_cast<int64_t>(6 * h);  // 2 norms, 2 row-parallel biases
+    model.layers.push_back(block);
+  }
+
+  // Final norm and the output projection (tied to the token embedding: no parameters of its
+  // own; untied: its own vocabulary x width weight), then the softmax cross-entropy over the
+  // vocabulary (kept in fp32: 2 elements each).
+  Layer head;
+  head.name = "head";
+  head.parameters = static_cast<int64_t>(2 * h + (shape.tied ? 0 : v * h));
+  head.matmul_flops = 2 * s * h * v;
+  head.matmul_dim = std::min(h, v);
+  head.elementwise_elements = 4 * s * h + 8 * s * v;
+  head.kernels = 10;
+  head.saved_elements = 2 * s * h + 2 * s * v;
+  head.replicated_saved_elements = 2 * s * h;
+  head.output_elements = 1;
+  head.tensor_parallel = true;
+  head.replicated_parameters = static_cast<int64_t>(2 * h);  // the final norm
+  model.layers.push_back(head);
+  return model;
+}
+
+namespace {
+
+// ResNet-50 (He et al. 2016) at 224x224: every convolution with its batch norm and ReLU.
+ModelCost resnet50() {
+  ModelCost model;
+  model.name = "resnet50";
+  auto conv = [&](const std::string& name, double cin, double cout, double k, double out_hw,
+                  bool relu) {
+    Layer layer;
+    layer.name = name;
+    const double out = cout * out_hw * out_hw;
+    layer.parameters = static_cast<int64_t>(cin * cout * k * k + 2 * cout);
+    layer.matmul_flops = 2 * cin * k * k * out;
+    layer.matmul_dim = std::min(cout, cin * k * k);
+    // batch norm reads its input twice (statistics, normalization) and writes it; ReLU reads
+    // and writes; the residual add of a block's last convolution is counted with it.
+    layer.elementwise_elements = out * (relu ? 5 : 3);
+    layer.kernels = relu ? 3 : 2;
+    layer.saved_elements = out * (relu ? 2 : 1);  // batch norm's output, ReLU's; + input below
+    layer.output_elements = out;
+    model.layers.push_back(layer);
+  };
+  conv("conv1", 3, 64, 7, 112, true);
+  model.layers.back().saved_elements += 3 * 224 * 224;
+  model.layers.back().elementwise_elements += 64 * 112 * 112 * 2 + 64 * 56 * 56;  // max pool
+  double in_channels = 64, hw = 56;
+  const int blocks[] = {3, 4, 6, 3};
+  for (int stage = 0; stage < 4; ++stage) {
+    const double width = 64 << stage;
+    for (int b = 0; b < blocks[stage]; ++b) {
+      const bool downsample = b == 0;
+      const double out_hw = stage > 0 && b == 0 ? hw / 2 : hw;
+      const std::string prefix = concat("layer", stage + 1, ".", b, ".");
+      const double in_elements = in_channels * hw * hw;
+      conv(prefix + "conv1", in_channels, width, 1, hw, true);
+      model.layers.back().saved_elements += in_elements;
+      conv(prefix + "conv2", width, width, 3, out_hw, true);
+      model.layers.back().saved_elements += width * hw * hw;
+      conv(prefix + "conv3", width, 4 * width, 1, out_hw, true);
+      model.layers.back().saved_elements += width * out_hw * out_hw;
+      if (downsample) {
+        conv(prefix + "downsample", in_channels, 4 * width, 1, out_hw, false);
+        model.layers.back().saved_elements += in_elements;
+      }
+      in_channels = 4 * width;
+      hw = out_hw;
+    }
+  }
+  Layer fc;
+  fc.name = "fc";
+  fc.parameters = 2048 * 1000 + 1000;
+  fc.matmul_flops = 2.0 * 2048 * 1000;
+  fc.matmul_dim = 1000;
+  fc.elementwise_elements = 2048 * 7 * 7 + 4 * 1000;  // average pool, softmax
+  fc.kernels = 4;
+  fc.saved_elements = 2048 + 1000;
+  fc.output_elements = 1;
+  model.layers.push_back(fc);
+  return model;
+}
+
+struct Preset {
+  const char* name;
+  const char* what;
+  TransformerShape shape;
+};
+// The papers' models (their tables' shapes): Shoeybi et al. 2019 Table 1 (seq 1024, vocab
+// 51,200), Narayanan et al. 2021 Table 1 (seq 2048, vocab 51,200).
+const Preset kPresets[] = {
+    {"megatron-1.2b", "Shoeybi et al. 2019, 1.2B", {40, 1536, 16, 1024, 51200, 0}},
+    {"megatron-2.5b", "Shoeybi et al. 2019, 2.5B", {54, 1920, 20, 1024, 51200, 0}},
+    {"megatron-4.2b", "Shoeybi et al. 2019, 4.2B", {64, 2304, 24, 1024, 51200, 0}},
+    {"megatron-8.3b", "Shoeybi et al. 2019, 8.3B", {72, 3072, 32, 1024, 51200, 0}},
+    {"gpt-1.7b", "Narayanan et al. 2021, 1.7B", {24, 2304, 24, 2048, 51200, 0}},
+    {"gpt-3.6b", "Narayanan et al. 2021, 3.6B", {30, 3072, 32, 2048, 51200, 0}},
+    {"gpt-7.5b", "Narayanan et al. 2021, 7.5B", {36, 4096, 32, 2048, 51200, 0}},
+    {"gpt-18b", "Narayanan et al. 2021, 18.4B", {40, 6144, 48, 2048, 51200, 0}},
+    {"gpt-39b", "Narayanan et al. 2021, 39.1B", {48, 8192, 64, 2048, 51200, 0}},
+    {"gpt-76b", "Narayanan et al. 2021, 76.1B", {60, 10240, 80, 2048, 51200, 0}},
+    {"gpt-146b", "Narayanan et al. 2021, 145.6B", {80, 12288, 96, 2048, 51200, 0}},
+    {"gpt-310b", "Narayanan et al. 2021, 310.1B", {96, 16384, 128, 2048, 51200, 0}},
+    {"gpt-530b", "Narayanan et al. 2021, 529.6B", {105, 20480, 128, 2048, 51200, 0}},
+    {"gpt-1t", "Narayanan et al. 2021, 1008B", {128, 25600, 160, 2048, 51200, 0}},
+};
+
+TransformerShape parse_shape(const std::string& text) {
+  // "transformer:layers=24,hidden=1024,heads=16,seq=1024,vocab=51200[,ffn=4096]"
+  TransformerShape shape;
+  int tied = 1, dropout = 1, fused = 1;
+  std::map<std::string, int*> fields = {
+      {"layers", &shape.layers}, {"hidden", &shape.hidden},    {"heads", &shape.heads},
+      {"seq", &shape.sequence},  {"vocab", &shape.vocabulary}, {"ffn", &shape.ffn},
+      {"tied", &tied},           {"dropout", &dropout},        {"fused", &fused}};
+  const char* keys = "keys: layers, hidden, heads, seq, vocab, ffn, tied, dropout, fused";
+  std::stringstream items(text.substr(text.find(':') + 1));
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    const auto eq = item.find('=');
+    DTRAIN_CHECK_INPUT(eq != std::string::npos, "--model '", text, "': '", item,
+                       "' is not key=value (", keys, ")");
+    const std::string key = item.substr(0, eq);
+    const auto field = fields.find(key);
+    DTRAIN_CHECK_INPUT(field != fields.end(), "--model '", text, "': unknown key '", key, "' (",
+                       keys, ")");
+    try {
+      size_t used = 0;
+      const int value = std::stoi(item.substr(eq + 1), &used);
+      const bool flag = key == "tied" || key == "dropout" || key == "fused";
+      DTRAIN_CHECK_INPUT(
+          used == item.size() - eq - 1 && (flag ? value == 0 || value == 1 : value > 0), "bad");
+      *field->second = value;
+    } catch (const std::exception&) {
+      DTRAIN_THROW(InputError, "--model '", text, "': ", key,
+                   key == "tied" || key == "dropout" || key == "fused"
+                       ? " must be 0 or 1"
+                       : " must be a positive integer",
+                   ", got '", item.substr(eq + 1), "'");
+    }
+  }
+  for (const char* key : {"layers", "hidden", "heads", "seq", "vocab"}) {
+    DTRAIN_CHECK_INPUT(*fields[key] > 0, "--model '", text, "': missing ", key, "=");
+  }
+  shape.tied = tied == 1;
+  shape.dropout = dropout == 1;
+  shape.fused_softmax = fused == 1;
+  return shape;
+}
+
+}  // namespace
+
+std::vector<std::string> known_models() {
+  std::vector<std::string> names = {"resnet50"};
+  for (const auto& preset : kPresets) names.push_back(preset.name);
+  names.push_back("transformer:layers=L,hidden=H,heads=A,seq=S,vocab=V[,ffn=F]");
+  return names;
+}
+
+ModelCost model_named(const std::string& text) {
+  if (text == "resnet50") return resnet50();
+  for (const auto& preset : kPresets) {
+    if (text == preset.name) return transformer(preset.shape, preset.name);
+  }
+  if (text.rfind("transformer:", 0) == 0) return transformer(parse_shape(text), text);
+  std::string known;
+  for (const auto& name : known_models()) known += (known.empty() ? "" : ", ") + name;
+  DTRAIN_THROW(InputError, "unknown --model '", text, "' (known: ", known, ")");
+}
+
+}  // namespace dtrain::plan
