@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 
-import report
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +37,3 @@ def run_and_read(command, metrics):
     steps = [r for r in records if r.get("event") == "step"]
     evals = [r for r in records if r.get("event") == "eval"]
     return round(wall, 2), summary, steps, evals
-
-
-def stamp():
-    """The commit, the date, the machine and the versions of a record (report.stamp)."""
-    return report.stamp(DTRAIN)

@@ -21,7 +21,7 @@ import os
 import statistics
 import sys
 
-from labrun import DTRAIN, GPT, ROOT, across_lab, run_and_read, stamp
+from labrun import DTRAIN, GPT, ROOT, across_lab, run_and_read
 from report import Records
 
 # The models' flags: the quick start's CNN on Fashion-MNIST, and configs/fortunes-gpt.toml's GPT.
@@ -55,7 +55,7 @@ def run(args, compression, round_index, freeze=0):
             "wire_bytes_per_step": statistics.median(r["wire_bytes"] for r in steps),
             "final_loss": statistics.mean(r["loss"] for r in tail),
             "val_loss": evals[-1].get("val_loss") if evals else None,
-            "val_accuracy": evals[-1].get("val_accuracy") if evals else None, **stamp()}
+            "val_accuracy": evals[-1].get("val_accuracy") if evals else None}
 
 
 def main():
@@ -77,7 +77,7 @@ def main():
     parser.add_argument("--out",
                         default=os.path.join(ROOT, "bench", "results/netlab/compression-lab.jsonl"))
     args = parser.parse_args()
-    with Records(args.out, "a") as out:
+    with Records(args.out, "a", DTRAIN) as out:
         for r in range(args.rounds):
             order = ("none", args.compression) if r % 2 == 0 else (args.compression, "none")
             if args.no_baseline:

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from labrun import DTRAIN, GPT, ROOT, across_lab, run_and_read, stamp
+from labrun import DTRAIN, GPT, ROOT, across_lab, run_and_read
 from report import Records
 
 
@@ -76,7 +76,7 @@ def run(args, spec):
             "max_step_ms": max(r["step_ms"] for r in body),
             "val_loss": evals[-1]["val_loss"] if evals else None,
             "evals": [[r["step"], r.get("seconds"), r["val_loss"]] for r in evals],
-            "metrics": os.path.relpath(metrics, ROOT), **stamp()}
+            "metrics": os.path.relpath(metrics, ROOT)}
 
 
 def main():
@@ -98,7 +98,7 @@ def main():
                         default=os.path.join(ROOT, "bench", "results/netlab/diloco-gpt-lab.jsonl"))
     args = parser.parse_args()
     os.makedirs(args.keep, exist_ok=True)
-    with Records(args.out, "a") as out:
+    with Records(args.out, "a", DTRAIN) as out:
         for spec in args.runs.split(","):
             record = run(args, spec)
             print(json.dumps(record), flush=True)

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from labrun import DTRAIN, ROOT, across_lab, run_and_read, stamp
+from labrun import DTRAIN, ROOT, across_lab, run_and_read
 from report import Records
 
 
@@ -40,8 +40,7 @@ def run(profile, strategy, args, round_index):
             "wall_seconds": wall, "final_loss": summary.get("final_loss"),
             "val_accuracy": summary.get("val_accuracy"), "allreduced_bytes_per_step": sent,
             "outer_steps": args.outer_steps if strategy == "diloco" else None,
-            "outer_compression": args.outer_compression if strategy == "diloco" else None,
-            **stamp()}
+            "outer_compression": args.outer_compression if strategy == "diloco" else None}
 
 
 def main():
@@ -55,7 +54,7 @@ def main():
     parser.add_argument("--model", default="mlp", choices=["mlp"])
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results/netlab/diloco-lab.jsonl"))
     args = parser.parse_args()
-    with Records(args.out, "a") as out:
+    with Records(args.out, "a", DTRAIN) as out:
         for r in range(args.rounds):
             for strategy in (("ddp", "diloco") if r % 2 == 0 else ("diloco", "ddp")):
                 record = run(args.profile, strategy, args, r)

@@ -50,7 +50,7 @@ uint64_t id_hash(const std::string& id) {
 Server::Service::Service(at::Tensor initial, ServerOptions options, Evaluate evaluate)
     : o_(std::move(options)),
       evaluate_(std::move(evaluate)),
-      rounds_(initial, round_options(o_)),
+      rounds_(initial, o_.round),
       numel_(initial.numel()),
       dtype_(initial.scalar_type()) {
   validate(o_.round.local);

@@ -126,11 +126,4 @@ void Server::Service::run_rounds(ServerResult& result, RoundLog& log, int64_t mi
   }
 }
 
-RoundServerOptions Server::Service::round_options(const ServerOptions& o) {
-  const RoundServerOptions& r = o.round;
-  DTRAIN_CHECK_INPUT(r.min_clients <= r.clients_per_round, "--min-clients ", r.min_clients,
-                     " is more than --clients-per-round ", r.clients_per_round);
-  return r;
-}
-
 }  // namespace dtrain::services::federated

@@ -62,7 +62,6 @@ class Server::Service final : public dtrain::fl::Federated::Service {
   ServerResult run();
 
  private:
-  static RoundServerOptions round_options(const ServerOptions& o);
   void run_rounds(ServerResult& result, RoundLog& log, int64_t min_clients);
   // The reply that sends a client to train (both modes): the plan, the model's shape, the
   // seed, the deadline.
