@@ -1,4 +1,5 @@
-// `dtrain generate`: samples text from a language-model checkpoint (--model gpt --dataset text).
+// `dtrain generate`: samples text from a language-model checkpoint (--model gpt --dataset text
+// or tokens), decoded with the tokenizer the checkpoint keeps.
 #include <cstdio>
 
 #include "Command.h"
@@ -13,17 +14,17 @@ class GenerateCommand final : public Command {
  public:
   explicit GenerateCommand(CLI::App& app) {
     app_ = app.add_subcommand(
-        "generate", "Sample text from a language-model checkpoint (--model gpt --dataset text)");
+        "generate",
+        "Sample text from a language-model checkpoint (--model gpt --dataset text or tokens)");
     app_->add_option("--checkpoint", options_.checkpoint,
                      "A checkpoint, or a checkpoint directory (its newest)")
         ->required();
     app_->add_option("--prompt", options_.prompt, "Text to continue");
-    add(*app_, "--tokens", options_.tokens, "Characters to generate")->capture_default_str();
+    add(*app_, "--tokens", options_.tokens, "Tokens to generate")->capture_default_str();
     add(*app_, "--temperature", options_.temperature,
-        "Sampling temperature (0 = always the most likely character)")
+        "Sampling temperature (0 = always the most likely token)")
         ->capture_default_str();
-    add(*app_, "--top-k", options_.top_k,
-        "Sample among the k most likely characters only (0 = all)")
+    add(*app_, "--top-k", options_.top_k, "Sample among the k most likely tokens only (0 = all)")
         ->capture_default_str();
     add(*app_, "--seed", options_.seed, "Random seed")->capture_default_str();
     add(*app_, "--threads", options_.threads, "Threads (default: all cores)");

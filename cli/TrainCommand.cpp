@@ -59,8 +59,22 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "--dataset text: a UTF-8 text file or a directory of them (default --data-dir, else "
       "Debian's fortunes in /usr/share/games/fortunes)");
   add(app, "--validation-fraction", job.validation_fraction,
-      "--dataset text: share of the text (its end) held out for validation")
+      "--dataset text: share of the text (its end) held out for validation; tokens: share of "
+      "each corpus's documents (its last ones)")
       ->capture_default_str();
+  add(app, "--vocab-size", job.vocab_size,
+      "--dataset tokens: the vocabulary (every id must be below it; default: the largest id "
+      "in the files + 1)");
+  add(app, "--image-size", job.image_size,
+      "--dataset images: the side of the crop the model sees (training: random-resized-crop "
+      "and flip; evaluation: resize to 256/224 of it, center crop)")
+      ->capture_default_str();
+  add(app, "--max-bad-samples", job.max_bad_samples,
+      "--dataset images: damaged images to name and leave out before training (more stop it)")
+      ->capture_default_str();
+  add(app, "--tokenizer", job.tokenizer,
+      "--dataset tokens: the shards' tokenizer.json (default: the one beside them, as `dtrain "
+      "data prepare` leaves it); a checkpoint keeps it for `dtrain generate`");
   std::string strategies;
   for (const auto& name : dtrain::parallel::strategy_names()) {
     strategies += (strategies.empty() ? "" : ", ") + name;

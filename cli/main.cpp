@@ -4,6 +4,7 @@
 //   dtrain launch --nproc-per-node N -- PROGRAM  start N ranks of any program (torchrun-style)
 //   dtrain ckpt consolidate|verify|inspect CKPT  convert / check / describe checkpoints
 //   dtrain generate --checkpoint DIR --prompt P  sample text from a language-model checkpoint
+//   dtrain data prepare|tokenizer train ...      token shards and tokenizers from your text
 //   dtrain plan --model M --cluster C ...        predict a layout's step time and memory (--search)
 //   dtrain ps serve --shard I/N                  a parameter-server shard
 //   dtrain fl simulate|serve|client ...          federated learning
@@ -49,6 +50,7 @@ int main(int argc, char** argv) {
   commands.push_back(dtrain::cli::launch_command(app));
   commands.push_back(dtrain::cli::checkpoint_command(app));
   commands.push_back(dtrain::cli::generate_command(app));
+  commands.push_back(dtrain::cli::data_command(app));
   commands.push_back(dtrain::cli::plan_command(app));
 #ifdef DTRAIN_SERVICES  // -DDTRAIN_SERVICES=OFF: the training core without gRPC
   commands.push_back(dtrain::cli::ps_command(app));

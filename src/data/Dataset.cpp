@@ -15,6 +15,7 @@ TensorDataset::TensorDataset(at::Tensor inputs, at::Tensor targets, Transform tr
 }
 
 TensorDataset TensorDataset::with_targets(at::Tensor targets) const {
+  DTRAIN_CHECK(!source_, "with_targets: a set read from files keeps its targets");
   DTRAIN_CHECK(context_ == 0, "with_targets: a token stream has no targets to replace");
   return TensorDataset(inputs_, std::move(targets), transform_);
 }
@@ -34,7 +35,17 @@ TensorDataset TensorDataset::windows(at::Tensor tokens, int64_t context, int64_t
   return dataset;
 }
 
+TensorDataset TensorDataset::from_source(std::shared_ptr<const SampleSource> source,
+                                         bool presampled) {
+  DTRAIN_CHECK(source != nullptr, "from_source: no source");
+  TensorDataset dataset;
+  dataset.source_ = std::move(source);
+  dataset.presampled_ = presampled;
+  return dataset;
+}
+
 int64_t TensorDataset::size() const {
+  if (source_) return source_->size();
   if (!inputs_.defined()) return 0;
   if (context_ > 0) return (inputs_.size(0) - context_ - 1) / stride_ + 1;
   return inputs_.size(0);
@@ -45,6 +56,7 @@ at::Tensor TensorDataset::window_index(const at::Tensor& starts, int64_t shift) 
 }
 
 Batch TensorDataset::get(const std::vector<int64_t>& indices) const {
+  if (source_) return source_->get(indices);
   at::Tensor index = at::tensor(indices, at::kLong);
   if (context_ > 0) {
     return {inputs_.index({window_index(index, 0)}), inputs_.index({window_index(index, 1)})};
@@ -54,12 +66,18 @@ Batch TensorDataset::get(const std::vector<int64_t>& indices) const {
 }
 
 at::Tensor TensorDataset::get_targets(const std::vector<int64_t>& indices) const {
+  if (source_) return source_->get(indices).targets;
   at::Tensor index = at::tensor(indices, at::kLong);
   if (context_ > 0) return inputs_.index({window_index(index, 1)});
   return targets_.index_select(0, index);
 }
 
 Batch TensorDataset::slice(int64_t begin, int64_t end) const {
+  if (source_) {
+    std::vector<int64_t> indices(end - begin);
+    for (int64_t i = begin; i < end; ++i) indices[i - begin] = i;
+    return source_->get(indices);
+  }
   if (context_ > 0) {
     at::Tensor starts = at::arange(begin, end, at::kLong);
     return {inputs_.index({window_index(starts, 0)}), inputs_.index({window_index(starts, 1)})};
@@ -69,6 +87,7 @@ Batch TensorDataset::slice(int64_t begin, int64_t end) const {
 }
 
 std::vector<int64_t> TensorDataset::input_shape() const {
+  if (source_) return source_->input_shape();
   if (context_ > 0) return {context_};
   auto sizes = inputs_.sizes().vec();
   sizes.erase(sizes.begin());

@@ -8,6 +8,7 @@
 #include "dtrain/common/Registry.h"
 #include "dtrain/data/FashionMnist.h"
 #include "dtrain/data/Text.h"
+#include "dtrain/data/tokens/TokenDataset.h"
 
 namespace dtrain::data {
 
@@ -94,8 +95,41 @@ DatasetInfo text() {
       "a UTF-8 text file or a folder of them (--text-file, else --data-dir, else Debian's "
       "fortunes), one token per character";
   info.language = true;
+  info.token_unit = "char";
   info.check = [](const DataSource& source) { load_text_set(source); };
   info.load = load_text_set;
+  return info;
+}
+
+LoadedData load_token_set(const DataSource& source) {
+  tokens::TokenSetOptions options;
+  options.spec = source.argument;
+  options.context = source.context;
+  options.train_samples = source.train_samples;
+  options.epochs = source.epochs;
+  options.validation_fraction = source.validation_fraction;
+  options.seed = static_cast<uint32_t>(source.seed);
+  options.vocabulary = source.vocabulary;
+  options.tokenizer = source.tokenizer;
+  tokens::TokenSplits splits = tokens::load_token_splits(options);
+  LoadedData data;
+  data.train = std::move(splits.train);
+  data.test = std::move(splits.validation);
+  data.vocabulary = splits.vocabulary;
+  data.tokenizer_json = std::move(splits.tokenizer_json);
+  data.description = std::move(splits.description);
+  return data;
+}
+
+DatasetInfo token_shards() {
+  DatasetInfo info;
+  info.name = "tokens";
+  info.summary =
+      "token shards (Megatron .bin/.idx or llm.c .bin; tokens:PATH[,PATH...] or a blend "
+      "tokens:PATH:WEIGHT,...), packed into --context windows in Megatron's GPTDataset order";
+  info.language = true;
+  info.check = [](const DataSource& source) { load_token_set(source); };
+  info.load = load_token_set;
   return info;
 }
 
@@ -104,6 +138,7 @@ constexpr InfoFn kBuiltIn[] = {
     fashion_mnist,
     synthetic,
     text,
+    token_shards,
 };
 
 Registry<DatasetInfo>& registry() {
@@ -121,7 +156,26 @@ const std::deque<DatasetInfo>& datasets() { return registry().all(); }
 
 std::vector<std::string> dataset_names() { return registry().names(); }
 
-const DatasetInfo& dataset_info(const std::string& name) { return registry().at(name); }
+std::string dataset_name(const std::string& flag) { return flag.substr(0, flag.find(':')); }
+
+std::string dataset_argument(const std::string& flag) {
+  const size_t colon = flag.find(':');
+  return colon == std::string::npos ? std::string() : flag.substr(colon + 1);
+}
+
+const DatasetInfo& dataset_info(const std::string& name) {
+  return registry().at(dataset_name(name));
+}
+
+DatasetInfo dataset_info_for(const std::string& name, const DataSource& source) {
+  DatasetInfo info = dataset_info(name);
+  if (info.describe) {
+    DataSource with_argument = source;
+    if (with_argument.argument.empty()) with_argument.argument = dataset_argument(name);
+    info.describe(with_argument, info);
+  }
+  return info;
+}
 
 void register_dataset(DatasetInfo info) {
   DTRAIN_CHECK_INPUT(info.load, "register_dataset: a data set needs a loader");
@@ -140,7 +194,9 @@ std::string dataset_names_where(const std::function<bool(const DatasetInfo&)>& k
 }
 
 LoadedData load_dataset(const std::string& name, const DataSource& source) {
-  return dataset_info(name).load(source);
+  DataSource with_argument = source;
+  if (with_argument.argument.empty()) with_argument.argument = dataset_argument(name);
+  return dataset_info(name).load(with_argument);
 }
 
 }  // namespace dtrain::data

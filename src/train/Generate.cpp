@@ -7,6 +7,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/data/Text.h"
+#include "dtrain/data/tokenizer/BpeTokenizer.h"
 #include "dtrain/models/Gpt.h"
 #include "dtrain/parallel/StateShards.h"
 #include "dtrain/train/Checkpoint.h"
@@ -26,14 +27,36 @@ std::string generate_text(const GenerateOptions& options,
   const CheckpointMeta meta = read_meta(checkpoint);
   const auto model_it = meta.extras.find("model");
   const auto vocab_it = meta.extras.find("vocabulary");
-  DTRAIN_CHECK_INPUT(model_it != meta.extras.end() && vocab_it != meta.extras.end(), checkpoint,
+  const auto bpe_it = meta.extras.find("tokenizer");
+  DTRAIN_CHECK_INPUT(model_it != meta.extras.end() &&
+                         (vocab_it != meta.extras.end() || bpe_it != meta.extras.end()),
+                     checkpoint,
                      " holds no language model (dtrain generate reads checkpoints of "
-                     "--model gpt --dataset text)");
+                     "--model gpt with --dataset text or tokens)");
   const models::GptConfig config =
       models::gpt_config_from_json(model_it->second, checkpoint + "/meta.json");
-  const data::CharTokenizer tokenizer = data::CharTokenizer::from_vocabulary(vocab_it->second);
-  DTRAIN_CHECK_INPUT(tokenizer.size() == config.vocab, checkpoint, "/meta.json: a vocabulary of ",
-                     tokenizer.size(), " characters for a model of ", config.vocab);
+  // The text's own tokenizer: characters, or the token shards' BPE (decoded as a whole, so a
+  // character split over tokens comes out once complete).
+  std::function<std::vector<int64_t>(const std::string&)> encode;
+  std::function<std::string(const std::vector<int64_t>&)> decode;
+  int64_t tokenizer_size = 0;
+  if (bpe_it != meta.extras.end()) {
+    const auto bpe = std::make_shared<data::tokenizer::BpeTokenizer>(
+        data::tokenizer::BpeTokenizer::from_json(bpe_it->second, checkpoint + "/meta.json"));
+    encode = [bpe](const std::string& text) { return bpe->encode(text); };
+    decode = [bpe](const std::vector<int64_t>& ids) { return bpe->decode(ids); };
+    tokenizer_size = bpe->vocab_size();
+    DTRAIN_CHECK_INPUT(tokenizer_size <= config.vocab, checkpoint, "/meta.json: a tokenizer of ",
+                       tokenizer_size, " tokens for a model of ", config.vocab);
+  } else {
+    const auto chars = std::make_shared<data::CharTokenizer>(
+        data::CharTokenizer::from_vocabulary(vocab_it->second));
+    encode = [chars](const std::string& text) { return chars->encode(text); };
+    decode = [chars](const std::vector<int64_t>& ids) { return chars->decode(ids); };
+    tokenizer_size = chars->size();
+    DTRAIN_CHECK_INPUT(tokenizer_size == config.vocab, checkpoint, "/meta.json: a vocabulary of ",
+                       tokenizer_size, " characters for a model of ", config.vocab);
+  }
 
   torch::manual_seed(options.seed);
   Model model = models::make_gpt(config);
@@ -59,16 +82,18 @@ std::string generate_text(const GenerateOptions& options,
   std::vector<int64_t> ids;
   if (options.prompt.empty()) {
     try {
-      ids = tokenizer.encode("\n");
+      ids = encode("\n");
     } catch (const InputError&) {
       ids = {0};
     }
   } else {
-    ids = tokenizer.encode(options.prompt);
+    ids = encode(options.prompt);
   }
   std::string text = options.prompt;
   if (on_token) on_token(options.prompt);
   at::Generator generator = at::detail::createCPUGenerator(options.seed);
+  std::vector<int64_t> generated;
+  size_t emitted = 0;
   torch::NoGradGuard no_grad;
   for (int64_t i = 0; i < options.tokens; ++i) {
     const auto begin =
@@ -87,7 +112,15 @@ std::string generate_text(const GenerateOptions& options,
       next = at::multinomial(at::softmax(logits, 0), 1, false, generator).item<int64_t>();
     }
     ids.push_back(next);
-    const std::string piece = tokenizer.decode({next});
+    generated.push_back(next);
+    const std::string so_far = decode(generated);
+    // Held back while it ends in a partial character (U+FFFD).
+    if (so_far.size() >= 3 && so_far.compare(so_far.size() - 3, 3, "\xEF\xBF\xBD") == 0 &&
+        i + 1 < options.tokens) {
+      continue;
+    }
+    const std::string piece = so_far.substr(std::min(emitted, so_far.size()));
+    emitted = so_far.size();
     text += piece;
     if (on_token) on_token(piece);
   }

@@ -33,7 +33,8 @@ std::string joined(const std::vector<std::string>& names, const char* separator 
 // The model for the job's data set: a classifier of its examples into its classes, or a
 // language model over `vocabulary` tokens (known once the data is read).
 models::ModelSpec model_spec(const JobConfig& job, int64_t vocabulary = 2) {
-  const data::DatasetInfo& dataset = data::dataset_info(job.dataset);
+  const data::DatasetInfo dataset =
+      data::dataset_info_for(job.dataset, data_source(job, job.nproc));
   models::ModelSpec spec;
   spec.name = job.model;
   spec.gpt = job.gpt;
@@ -190,12 +191,25 @@ void validate_job(const JobConfig& job) {
   // Build throwaway objects to validate their options with their own messages.
   optim::LrSchedule(job.trainer.optimizer.lr, 1, job.trainer.schedule);
   optim::make_optimizer({torch::zeros({1}, torch::requires_grad())}, job.trainer.optimizer);
-  if (dataset.check) dataset.check(data_source(job));
+  if (dataset.check) dataset.check(data_source(job, job.nproc));
   if (!job.trainer.checkpoint_dir.empty()) ensure_writable(job.trainer.checkpoint_dir);
 }
 
-data::DataSource data_source(const JobConfig& job) {
+data::DataSource data_source(const JobConfig& job, int ranks) {
   data::DataSource source;
+  source.argument = data::dataset_argument(job.dataset);
+  source.epochs = job.trainer.epochs;
+  source.vocabulary = job.vocab_size;
+  source.tokenizer = job.tokenizer;
+  source.image_size = job.image_size;
+  source.max_bad_samples = job.max_bad_samples;
+  if (job.trainer.max_steps > 0) {
+    JobConfig sized = job;
+    sized.nproc = ranks;
+    const TrainerOptions options = trainer_options(job);
+    source.train_samples = job.trainer.max_steps *
+                           plan_batches(options, data_parallel_ranks(sized, options)).global_batch;
+  }
   source.data_dir = job.data_dir;
   source.text_file = job.text_file;
   source.synthetic_examples = job.synthetic_examples;
@@ -221,13 +235,15 @@ TrainerOptions trainer_options(const JobConfig& job) {
 
 int64_t planned_steps(const JobConfig& job) {
   const TrainerOptions options = trainer_options(job);
-  data::DataSource source = data_source(job);
+  data::DataSource source = data_source(job, job.nproc);
   source.test = false;  // only the training examples are counted
-  const int64_t examples = data::load_dataset(job.dataset, source).train.size();
+  const data::TensorDataset train = data::load_dataset(job.dataset, source).train;
+  const int64_t examples = train.size();
   const int64_t dp = data_parallel_ranks(job, options);
   const int64_t per_epoch =
       std::max<int64_t>(1, examples / dp / plan_batches(options, dp).local_step_batch());
-  int64_t steps = per_epoch * options.epochs;
+  // A presampled set (tokens) already holds every epoch.
+  int64_t steps = per_epoch * (train.presampled() ? 1 : options.epochs);
   if (options.max_steps > 0) steps = std::min(steps, options.max_steps);
   return steps;
 }
@@ -244,7 +260,7 @@ JobResult run_job(const JobConfig& job) {
   auto world = comm::init(init);
 
   TrainerOptions options = trainer_options(job);
-  const data::LoadedData data = data::load_dataset(job.dataset, data_source(job));
+  const data::LoadedData data = data::load_dataset(job.dataset, data_source(job, world->size()));
   int64_t vocabulary = 2;
   if (data::dataset_info(job.dataset).language) {
     vocabulary = data.vocabulary;
@@ -252,7 +268,11 @@ JobResult run_job(const JobConfig& job) {
     models::GptConfig config = job.gpt;
     config.vocab = vocabulary;
     options.checkpoint_extras["model"] = models::to_json(config);
-    options.checkpoint_extras["vocabulary"] = data.vocabulary_utf8;
+    if (!data.tokenizer_json.empty()) {
+      options.checkpoint_extras["tokenizer"] = data.tokenizer_json;
+    } else {
+      options.checkpoint_extras["vocabulary"] = data.vocabulary_utf8;
+    }
   }
   if (world->rank() == 0 && !data.description.empty()) {
     std::string line = data.description;
@@ -289,11 +309,13 @@ std::string summary(const JobConfig& job, const JobResult& result) {
                   .c_str(),
               fit.seconds, fit.samples_per_second);
   if (fit.validation && data::dataset_info(job.dataset).language) {
+    const std::string& unit = data::dataset_info(job.dataset).token_unit;
     out += printed(
-        "validation loss: %.4f nats/char (%.3f bits/char) over %lld windows, "
-        "next-character accuracy %.2f%%\n",
-        fit.validation->loss, fit.validation->loss / std::log(2.0),
-        static_cast<long long>(fit.validation->examples), fit.validation->accuracy * 100);
+        "validation loss: %.4f nats/%s (%.3f bits/%s) over %lld windows, next-%s accuracy "
+        "%.2f%%\n",
+        fit.validation->loss, unit.c_str(), fit.validation->loss / std::log(2.0), unit.c_str(),
+        static_cast<long long>(fit.validation->examples), unit.c_str(),
+        fit.validation->accuracy * 100);
   } else if (fit.validation) {
     out += printed("test accuracy: %.2f%% (%lld examples), test loss %.4f\n",
                    fit.validation->accuracy * 100, static_cast<long long>(fit.validation->examples),

@@ -187,14 +187,15 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   options_.global_batch = 0;  // a second fit() derives nothing new from it
   const int64_t local_step_batch = batches.local_step_batch();
   const int64_t global_batch = batches.global_batch;
+  // A presampled set's order is its own (Megatron's shuffle over every epoch): read in order.
   const data::DistributedSampler sampler(train.size(), dp_size, grid_->coordinates().dp,
-                                         {true, options_.seed, true});
+                                         {!train.presampled(), options_.seed, true});
   const int64_t steps_per_epoch = sampler.num_samples() / local_step_batch;
   DTRAIN_CHECK_INPUT(steps_per_epoch >= 1, "a step needs ", global_batch, " examples (batch ",
                      options_.batch_size, " x accumulation ", options_.accumulation_steps, " x ",
                      dp_size, " ranks) but the training set has ", train.size());
   const std::unique_ptr<runners::Runner> runner = runners::make_runner(loop_);
-  int64_t epoch_steps = steps_per_epoch * options_.epochs;
+  int64_t epoch_steps = steps_per_epoch * (train.presampled() ? 1 : options_.epochs);
   if (options_.max_steps > 0) epoch_steps = std::min(epoch_steps, options_.max_steps);
   const int64_t total_steps = runner->plan_steps(epoch_steps, options_);
 

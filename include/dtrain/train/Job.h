@@ -33,6 +33,13 @@ struct JobConfig {
   /// --dataset text: the share of the stream held out for validation (its end).
   double validation_fraction = 0.1;
   int64_t synthetic_examples = 8192;
+  /// --vocab-size: a token set's vocabulary (0: its tokenizer's, else its largest id + 1).
+  int64_t vocab_size = 0;
+  /// --tokenizer: a token set's tokenizer.json ("": the one beside the shards).
+  std::string tokenizer;
+  /// --image-size, --max-bad-samples: an image set's crop side and damaged images tolerated.
+  int64_t image_size = 224;
+  int64_t max_bad_samples = 0;
   TrainerOptions trainer;
   /// > 0: micro-batches per step (the pipeline's M); sets trainer.accumulation_steps.
   int64_t micro_batches = 0;
@@ -84,7 +91,7 @@ struct JobResult {
 };
 
 /// What the job's data set reads (its data flags, the GPT's context, the seed).
-data::DataSource data_source(const JobConfig& job);
+data::DataSource data_source(const JobConfig& job, int ranks);
 
 /// The Trainer's options for `job` (micro_batches folded into the accumulation steps).
 TrainerOptions trainer_options(const JobConfig& job);
