@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -193,13 +194,13 @@ Split scan_split(const std::string& path, const std::vector<std::string>* classe
   return split;
 }
 
-// A whole file, read at once (its size first).
-std::string read_bytes(const std::string& path) {
+// A whole file, read at once (its size first), or its first `limit` bytes.
+std::string read_bytes(const std::string& path, size_t limit = SIZE_MAX) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   DTRAIN_CHECK_INPUT(fd >= 0, "cannot read ", path, ": ", std::strerror(errno));
   struct stat info {};
   std::string bytes;
-  if (::fstat(fd, &info) == 0) bytes.resize(static_cast<size_t>(info.st_size));
+  if (::fstat(fd, &info) == 0) bytes.resize(std::min(static_cast<size_t>(info.st_size), limit));
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t got = ::read(fd, bytes.data() + done, bytes.size() - done);
@@ -289,13 +290,22 @@ std::string drop_bad(Split& split, int64_t max_bad, const std::string& which) {
           data = split.tars[item.file]->data() + item.offset;
           bytes = static_cast<size_t>(item.size);
         } else {
-          buffer = read_bytes(split.files[item.file]);
+          // The header's part of the file (the whole file only when that is not enough: a
+          // header behind large metadata): start-up does not read the data set.
+          buffer = read_bytes(split.files[item.file], 256 << 10);
           data = reinterpret_cast<const uint8_t*>(buffer.data());
           bytes = buffer.size();
         }
         int width = 0;
         int height = 0;
-        image_size(data, bytes, item.name, &width, &height);
+        try {
+          image_size(data, bytes, item.name, &width, &height);
+        } catch (const InputError&) {
+          if (item.size >= 0 || buffer.size() < (256u << 10)) throw;
+          buffer = read_bytes(split.files[item.file]);
+          image_size(reinterpret_cast<const uint8_t*>(buffer.data()), buffer.size(), item.name,
+                     &width, &height);
+        }
       } catch (const InputError& e) {
         problems[i] = e.message();
       }
@@ -359,10 +369,7 @@ DatasetInfo images_info() {
     described.input_shape = {3, source.image_size, source.image_size};
     described.classes = static_cast<int64_t>(image_classes(source.argument).size());
   };
-  info.check = [](const DataSource& source) {
-    DataSource headers = source;
-    load_images(headers);
-  };
+  info.check = [](const DataSource& source) { load_images(source); };
   info.load = load_images;
   return info;
 }

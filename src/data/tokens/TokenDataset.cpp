@@ -54,15 +54,14 @@ bool is_validation_shard(const std::string& path) {
 // validation_fraction of the documents (Megatron's split: round(fraction x documents)).
 void split_documents(Corpus& corpus, const std::vector<std::string>& paths, double fraction) {
   const int64_t n = corpus.files.documents();
-  std::vector<std::string> names;
-  for (const std::string& file : split_on(corpus.files.origin(), ',')) {
-    names.push_back(file.substr(file.find_first_not_of(' ')));
-  }
+  // llm.c's convention: shards named *_val_* (each shard one document) are the held-out split.
   bool named = false;
-  for (const auto& name : names) named = named || is_validation_shard(name);
-  if (named && corpus.files.documents() == static_cast<int64_t>(names.size())) {
+  for (int64_t d = 0; d < n; ++d)
+    named = named || is_validation_shard(corpus.files.document_file(d));
+  if (named) {
     for (int64_t d = 0; d < n; ++d) {
-      (is_validation_shard(names[d]) ? corpus.validation_documents : corpus.train_documents)
+      (is_validation_shard(corpus.files.document_file(d)) ? corpus.validation_documents
+                                                          : corpus.train_documents)
           .push_back(static_cast<int32_t>(d));
     }
     DTRAIN_CHECK_INPUT(!corpus.train_documents.empty(), "tokens: ", paths.front(),

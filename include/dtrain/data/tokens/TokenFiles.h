@@ -72,6 +72,10 @@ class TokenCorpus {
     int64_t position = 0;  ///< the token's index in its file
   };
   MaxToken max_token() const;
+  /// The file holding a document (its .bin).
+  const std::string& document_file(int64_t document) const {
+    return files_[file_of_[document]].tokens->path();
+  }
   /// The files read, for messages ("a.bin, b.bin").
   std::string origin() const;
   /// What identifies the contents for caches (paths, sizes, modification times).
