@@ -69,6 +69,11 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "--dataset images: the side of the crop the model sees (training: random-resized-crop "
       "and flip; evaluation: resize to 256/224 of it, center crop)")
       ->capture_default_str();
+  add(app, "--augment", job.augment,
+      "--dataset images: the transforms: imagenet (training: random-resized-crop and flip; "
+      "evaluation: resize, center crop), flip (the whole image resized, flipped half the time) "
+      "or none (the whole image resized)")
+      ->capture_default_str();
   add(app, "--max-bad-samples", job.max_bad_samples,
       "--dataset images: damaged images to name and leave out before training (more stop it)")
       ->capture_default_str();

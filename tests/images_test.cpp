@@ -252,3 +252,56 @@ TEST(Images, TheRegistryDescribesTheSetFromItsFolder) {
   EXPECT_EQ(info.classes, 3);
   EXPECT_EQ(info.input_shape, (std::vector<int64_t>{3, 48, 48}));
 }
+
+// --augment none: each image whole, at its own size exactly the decoded pixels (normalized);
+// flip: the same pixels, some of them mirrored in training and none in evaluation.
+TEST(Images, AugmentNoneIsTheWholeImageAndFlipOnlyMirrors) {
+  TempDir dir;
+  const Image image = test_image(40, 40, 3);
+  const std::string jpeg_bytes = [&] {
+    const std::string jpeg = encode_jpeg(image, 95);
+    write_file(dir / "tree/train/a/0.jpg", jpeg);
+    write_file(dir / "tree/train/b/0.jpg", jpeg);
+    write_file(dir / "tree/val/a/0.jpg", jpeg);
+    return jpeg;
+  }();
+  const Image decoded = decode_image(bytes_of(jpeg_bytes), jpeg_bytes.size(), "0.jpg");
+  Normalize normalize;
+  std::vector<float> expected(3 * 40 * 40);
+  crop_resize(decoded, {0, 0, 40, 40}, 40, false, normalize, expected.data());
+  const at::Tensor want = at::from_blob(expected.data(), {3, 40, 40}, at::kFloat).clone();
+  ImageSetOptions options;
+  options.spec = dir / "tree";
+  options.size = 40;
+  options.augment = "none";
+  const ImageSplits none = load_image_splits(options);
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    none.train.set_epoch(epoch);
+    const data::Batch batch = none.train.get({0, 1});
+    EXPECT_TRUE(at::equal(batch.inputs[0], want));
+    EXPECT_TRUE(at::equal(batch.inputs[1], want));
+  }
+  EXPECT_TRUE(at::equal(none.test.get({0}).inputs[0], want));
+  // The identity really is the image: the first pixel is the decoded one, normalized.
+  EXPECT_NEAR(want[0][0][0].item<float>(),
+              (decoded.rgb[0] / 255.0f - normalize.mean[0]) / normalize.std[0], 1e-5);
+  options.augment = "flip";
+  const ImageSplits flip = load_image_splits(options);
+  EXPECT_TRUE(at::equal(flip.test.get({0}).inputs[0], want));
+  int mirrored = 0;
+  for (int epoch = 0; epoch < 16; ++epoch) {
+    flip.train.set_epoch(epoch);
+    const at::Tensor got = flip.train.get({0}).inputs[0];
+    if (at::equal(got, want.flip({2}))) {
+      ++mirrored;
+    } else {
+      EXPECT_TRUE(at::equal(got, want)) << "epoch " << epoch;
+    }
+  }
+  EXPECT_GT(mirrored, 0);
+  EXPECT_LT(mirrored, 16);
+  options.augment = "crop";
+  EXPECT_NE(error_of([&] { load_image_splits(options); })
+                .find("--augment must be imagenet, flip or none, got 'crop'"),
+            std::string::npos);
+}

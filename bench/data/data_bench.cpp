@@ -8,6 +8,10 @@
 //   data_bench images --folder ROOT --size S
 //       ImageNet's training transforms (decode, random-resized-crop, flip, normalize) over
 //       ROOT/train's images in batches of 32 (the `images` data set's get)
+//   data_bench resume --data PREFIX --context C --batch B --samples N --ranks R
+//       what a resume costs the loader, at the start, middle and end of the run's samples:
+//       opening the token set (its cached indices), the rank's order, the first batch; and an
+//       ImageNet-sized shuffled epoch's order (1,281,167 examples)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
@@ -23,6 +27,7 @@
 #include "dtrain/data/images/Image.h"
 #include "dtrain/data/images/ImageSet.h"
 #endif
+#include "dtrain/data/DistributedSampler.h"
 #include "dtrain/data/tokenizer/BpeTokenizer.h"
 #include "dtrain/data/tokens/GptIndex.h"
 #include "dtrain/data/tokens/Prepare.h"
@@ -163,6 +168,54 @@ int image_bench(const std::string& folder, int size, int rounds) {
 
 }  // namespace
 
+// A resume's loader work at sample position `at` of the run: everything the trainer does before
+// its first step's batch is ready (the token set opened from its cached indices, this rank's
+// order, the batch).
+int resume(const std::string& data, int64_t context, int64_t batch_size, int64_t samples,
+           int ranks, int rounds) {
+  tokens::TokenSetOptions options;
+  options.spec = data;
+  options.context = context;
+  options.seed = 1234;
+  options.train_samples = samples;
+  auto start = Clock::now();
+  tokens::load_token_splits(options);  // builds and caches the indices (the first run's work)
+  const double build = since(start);
+  for (int round = 0; round < rounds; ++round) {
+    for (const double fraction : {0.0, 0.5, 0.999}) {
+      start = Clock::now();
+      const tokens::TokenSplits splits = tokens::load_token_splits(options);
+      const double open = since(start);
+      const DistributedSampler sampler(splits.train.size(), ranks, 0, {false, 1234, true});
+      const std::vector<int64_t> order = sampler.indices();
+      const double ordered = since(start);
+      const int64_t local_batch = batch_size / ranks;
+      const int64_t step = static_cast<int64_t>(fraction * (order.size() / local_batch - 1));
+      const std::vector<int64_t> indices(order.begin() + step * local_batch,
+                                         order.begin() + (step + 1) * local_batch);
+      const int64_t checksum = splits.train.get(indices).inputs.data_ptr<int64_t>()[0];
+      const double total = since(start);
+      std::printf(
+          "{\"bench\": \"resume\", \"round\": %d, \"set\": \"tokens\", \"samples\": %lld, "
+          "\"ranks\": %d, \"step\": %lld, \"fraction\": %.3f, \"build_seconds\": %.4f, "
+          "\"open_seconds\": %.4f, \"order_seconds\": %.4f, \"seconds\": %.4f, "
+          "\"checksum\": %lld}\n",
+          round, static_cast<long long>(splits.train.size()), ranks, static_cast<long long>(step),
+          fraction, build, open, ordered - open, total, static_cast<long long>(checksum));
+    }
+    // A shuffled set's resume: the epoch's permutation, whatever the step.
+    start = Clock::now();
+    const DistributedSampler imagenet(1281167, ranks, 0, {true, 1234, true});
+    const int64_t first = imagenet.indices().back();
+    std::printf(
+        "{\"bench\": \"resume\", \"round\": %d, \"set\": \"shuffled\", \"samples\": "
+        "1281167, \"ranks\": %d, \"seconds\": %.4f, \"checksum\": %lld}\n",
+        round, ranks, since(start), static_cast<long long>(first));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   at::set_num_threads(1);
   CLI::App app{"dtrain's data path on one thread"};
@@ -189,10 +242,20 @@ int main(int argc, char** argv) {
   img->add_option("--folder", folder)->required();
   img->add_option("--size", size);
   img->add_option("--rounds", rounds);
+  int64_t samples = 0;
+  int ranks = 8;
+  auto* res = app.add_subcommand("resume", "A resume's loader time at the start, middle, end");
+  res->add_option("--data", data)->required();
+  res->add_option("--context", context);
+  res->add_option("--batch", batch_size);
+  res->add_option("--samples", samples)->required();
+  res->add_option("--ranks", ranks);
+  res->add_option("--rounds", rounds);
   CLI11_PARSE(app, argc, argv);
   try {
     if (tok->parsed()) return tokenize(tokenizer_path, inputs, ids_out, rounds);
     if (img->parsed()) return image_bench(folder, size, rounds);
+    if (res->parsed()) return resume(data, context, batch_size, samples, ranks, rounds);
     return batch(data, context, batch_size, rounds, steps);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "data_bench: %s\n", e.what());

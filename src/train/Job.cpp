@@ -203,6 +203,7 @@ data::DataSource data_source(const JobConfig& job, int ranks) {
   source.tokenizer = job.tokenizer;
   source.image_size = job.image_size;
   source.max_bad_samples = job.max_bad_samples;
+  source.augment = job.augment;
   if (job.trainer.max_steps > 0) {
     JobConfig sized = job;
     sized.nproc = ranks;

@@ -44,6 +44,10 @@ struct DataSource {
   /// (--max-bad-samples).
   int64_t image_size = 224;
   int64_t max_bad_samples = 0;
+  /// An image set's transforms (--augment): "imagenet" (training: random-resized-crop and flip;
+  /// evaluation: resize to 256/224 of the side, center crop), "flip" (the whole image resized,
+  /// flipped half the time in training) or "none" (the whole image resized, as it is).
+  std::string augment = "imagenet";
   /// A generated set's seed: the training split draws from it, the test split from seed + 1.
   uint64_t seed = 0;
   /// The splits to load (a federated client needs one): a split not asked for stays empty.

@@ -40,6 +40,8 @@ struct JobConfig {
   /// --image-size, --max-bad-samples: an image set's crop side and damaged images tolerated.
   int64_t image_size = 224;
   int64_t max_bad_samples = 0;
+  /// --augment: an image set's training transforms ("imagenet", "flip" or "none").
+  std::string augment = "imagenet";
   TrainerOptions trainer;
   /// > 0: micro-batches per step (the pipeline's M); sets trainer.accumulation_steps.
   int64_t micro_batches = 0;

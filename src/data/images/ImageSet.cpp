@@ -214,8 +214,14 @@ std::string read_bytes(const std::string& path, size_t limit = SIZE_MAX) {
 
 class ImageSource : public SampleSource {
  public:
-  ImageSource(std::shared_ptr<Split> split, bool train, int size, uint64_t seed)
-      : split_(std::move(split)), train_(train), size_(size), seed_(seed) {}
+  ImageSource(std::shared_ptr<Split> split, bool train, int size, uint64_t seed,
+              const std::string& augment)
+      : split_(std::move(split)),
+        train_(train),
+        imagenet_(augment == "imagenet"),
+        flip_(train && augment != "none"),
+        size_(size),
+        seed_(seed) {}
 
   int64_t size() const override { return static_cast<int64_t>(split_->items.size()); }
   std::vector<int64_t> input_shape() const override { return {3, size_, size_}; }
@@ -247,15 +253,15 @@ class ImageSource : public SampleSource {
         int width = 0;
         int height = 0;
         image_size(data, bytes, item.name, &width, &height);
-        Region region;
+        Region region{0, 0, static_cast<double>(width), static_cast<double>(height)};
         bool flip = false;
-        if (train_) {
+        if (train_ && flip_) {
           // Each example's own draw per epoch: the same at any world size and after a resume.
           std::seed_seq seq{seed_, static_cast<uint64_t>(epoch), static_cast<uint64_t>(indices[b])};
           std::mt19937_64 random(seq);
-          region = random_resized_crop(width, height, random);
+          if (imagenet_) region = random_resized_crop(width, height, random);
           flip = (random() & 1) != 0;
-        } else {
+        } else if (imagenet_) {
           region = center_crop(width, height, static_cast<int>(std::lround(size_ * 256.0 / 224.0)),
                                size_);
         }
@@ -269,11 +275,17 @@ class ImageSource : public SampleSource {
  private:
   std::shared_ptr<Split> split_;
   bool train_;
+  bool imagenet_;  // random-resized-crop (training) or center crop (evaluation)
+  bool flip_;      // a random horizontal flip (training)
   int size_;
   uint64_t seed_;
   Normalize normalize_;
   mutable std::atomic<int64_t> epoch_{0};
 };
+
+// What the header check reads of each file first: a JPEG's frame header follows its JFIF/EXIF
+// segments (a thumbnail can reach tens of KB), a PNG's IHDR comes first.
+constexpr size_t kHeaderBytes = 64 << 10;
 
 // Reads every image's header: damaged ones are named; up to max_bad are left out.
 std::string drop_bad(Split& split, int64_t max_bad, const std::string& which) {
@@ -292,7 +304,7 @@ std::string drop_bad(Split& split, int64_t max_bad, const std::string& which) {
         } else {
           // The header's part of the file (the whole file only when that is not enough: a
           // header behind large metadata): start-up does not read the data set.
-          buffer = read_bytes(split.files[item.file], 256 << 10);
+          buffer = read_bytes(split.files[item.file], kHeaderBytes);
           data = reinterpret_cast<const uint8_t*>(buffer.data());
           bytes = buffer.size();
         }
@@ -301,7 +313,7 @@ std::string drop_bad(Split& split, int64_t max_bad, const std::string& which) {
         try {
           image_size(data, bytes, item.name, &width, &height);
         } catch (const InputError&) {
-          if (item.size >= 0 || buffer.size() < (256u << 10)) throw;
+          if (item.size >= 0 || buffer.size() < kHeaderBytes) throw;
           buffer = read_bytes(split.files[item.file]);
           image_size(reinterpret_cast<const uint8_t*>(buffer.data()), buffer.size(), item.name,
                      &width, &height);
@@ -347,6 +359,7 @@ LoadedData load_images(const DataSource& source) {
   options.size = static_cast<int>(source.image_size);
   options.seed = source.seed;
   options.max_bad_samples = source.max_bad_samples;
+  options.augment = source.augment;
   options.train = source.train;
   options.test = source.test;
   ImageSplits splits = load_image_splits(options);
@@ -401,6 +414,9 @@ ImageSplits load_image_splits(const ImageSetOptions& options) {
   DTRAIN_CHECK_INPUT(options.size >= 8 && options.size <= 4096,
                      "--image-size must be in [8, 4096], got ", options.size);
   DTRAIN_CHECK_INPUT(options.max_bad_samples >= 0, "--max-bad-samples must be >= 0");
+  DTRAIN_CHECK_INPUT(
+      options.augment == "imagenet" || options.augment == "flip" || options.augment == "none",
+      "--augment must be imagenet, flip or none, got '", options.augment, "'");
   const auto [train_path, val_path] = split_paths(options.spec);
   auto train = std::make_shared<Split>(scan_split(train_path, nullptr));
   auto val = std::make_shared<Split>(scan_split(val_path, &train->classes));
@@ -419,14 +435,14 @@ ImageSplits load_image_splits(const ImageSetOptions& options) {
   splits.description =
       concat("images: ", train->items.size(), " for training (", train_path, "), ",
              val->items.size(), " for validation (", val_path, "), ", train->classes.size(),
-             " classes, ", options.size, "x", options.size, notes);
+             " classes, ", options.size, "x", options.size, ", --augment ", options.augment, notes);
   if (options.train) {
     splits.train = TensorDataset::from_source(
-        std::make_shared<ImageSource>(train, true, options.size, options.seed), false);
+        std::make_shared<ImageSource>(train, true, options.size, options.seed, options.augment), false);
   }
   if (options.test) {
     splits.test = TensorDataset::from_source(
-        std::make_shared<ImageSource>(val, false, options.size, options.seed), false);
+        std::make_shared<ImageSource>(val, false, options.size, options.seed, options.augment), false);
   }
   return splits;
 }

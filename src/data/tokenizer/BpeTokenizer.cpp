@@ -1,28 +1,18 @@
 // Byte-level BPE as Hugging Face `tokenizers` runs it (tokenizers/src/models/bpe/word.rs: the
 // lowest-ranked pair first, the leftmost of equal ranks; pre_tokenizers/byte_level.rs: GPT-2's
 // byte-to-character table and pattern; added_vocabulary.rs: added tokens cut out first,
-// leftmost-longest), and a trainer of our own that writes the same tokenizer.json format.
+// leftmost-longest). Its trainer is BpeTrainer.cpp.
 #include "dtrain/data/tokenizer/BpeTokenizer.h"
-
-#ifndef DTRAIN_HAVE_PCRE2
-#define DTRAIN_HAVE_PCRE2 0
-#endif
-#define PCRE2_CODE_UNIT_WIDTH 8
-#if DTRAIN_HAVE_PCRE2
-#include <pcre2.h>
-#endif
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
 #include <set>
-#include <thread>
 #include <unordered_map>
-#include <unordered_set>
 
+#include "BpeModel.h"
 #include "common/Files.h"
 #include "dtrain/common/Error.h"
 
@@ -35,33 +25,6 @@ using json = nlohmann::json;
 // GPT-2's pattern (tokenizers' ByteLevel with use_regex).
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-std::string utf8_of(uint32_t code) {
-  std::string out;
-  if (code < 0x80) {
-    out += static_cast<char>(code);
-  } else if (code < 0x800) {
-    out += static_cast<char>(0xC0 | (code >> 6));
-    out += static_cast<char>(0x80 | (code & 0x3F));
-  } else {
-    out += static_cast<char>(0xE0 | (code >> 12));
-    out += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (code & 0x3F));
-  }
-  return out;
-}
-
-// GPT-2's bytes_to_unicode: printable bytes stand for themselves, the others for 256 + n.
-std::vector<uint32_t> byte_characters() {
-  std::vector<uint32_t> chars(256, 0);
-  std::vector<bool> printable(256, false);
-  for (int b = '!'; b <= '~'; ++b) printable[b] = true;
-  for (int b = 0xA1; b <= 0xAC; ++b) printable[b] = true;
-  for (int b = 0xAE; b <= 0xFF; ++b) printable[b] = true;
-  int n = 0;
-  for (int b = 0; b < 256; ++b) chars[b] = printable[b] ? b : 256 + n++;
-  return chars;
-}
 
 // String::from_utf8_lossy: each maximal invalid subsequence becomes U+FFFD.
 std::string lossy_utf8(const std::string& bytes) {
@@ -114,81 +77,33 @@ std::string lossy_utf8(const std::string& bytes) {
   return out;
 }
 
-uint64_t pair_key(int32_t a, int32_t b) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
-}
-
 }  // namespace
 
-#if DTRAIN_HAVE_PCRE2
-struct Regex {
-  explicit Regex(const std::string& pattern, bool literal, const std::string& origin) {
-    int error = 0;
-    PCRE2_SIZE offset = 0;
-    // With UCP, PCRE2's \s, \p{L} and \p{N} are Unicode's, as Oniguruma's are in tokenizers
-    // (U+0085 and U+3000 among the spaces: the tests' text has both).
-    const std::string& source = pattern;
-    code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(source.data()), source.size(),
-                         PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0), &error, &offset,
-                         nullptr);
-    if (code == nullptr) {
-      PCRE2_UCHAR message[256];
-      pcre2_get_error_message(error, message, sizeof(message));
-      DTRAIN_CHECK_INPUT(false, origin, ": the pre-tokenizer's pattern does not compile at ",
-                         offset, ": ", reinterpret_cast<const char*>(message));
-    }
-    pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);
+std::string utf8_of(uint32_t code) {
+  std::string out;
+  if (code < 0x80) {
+    out += static_cast<char>(code);
+  } else if (code < 0x800) {
+    out += static_cast<char>(0xC0 | (code >> 6));
+    out += static_cast<char>(0x80 | (code & 0x3F));
+  } else {
+    out += static_cast<char>(0xE0 | (code >> 12));
+    out += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (code & 0x3F));
   }
-  ~Regex() { pcre2_code_free(code); }
-  pcre2_code* code = nullptr;
-};
-#else
-struct Regex {
-  Regex(const std::string&, bool, const std::string& origin) {
-    DTRAIN_CHECK_INPUT(false, origin,
-                       ": this dtrain was built without PCRE2, which byte-level BPE's "
-                       "pre-tokenization needs (install libpcre2-dev and rebuild)");
-  }
-};
-#endif
+  return out;
+}
 
-struct BpeTokenizer::Model {
-  std::vector<std::string> tokens;  // by id ("" for unused ids)
-  std::unordered_map<std::string, int32_t> vocab;
-  std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // -> (rank, new id)
-  std::vector<std::pair<std::string, std::string>> merge_list;
-  int32_t byte_ids[256] = {};
-  std::string byte_chars[256];
-  uint8_t char_byte[324] = {};
-  struct Added {
-    std::string content;
-    int32_t id;
-    bool special;
-  };
-  std::vector<Added> added;  // longest first
-  bool added_first[256] = {};
-  std::vector<std::shared_ptr<Regex>> splits;  // applied in turn
-  bool prefix_space = false;
-  bool ignore_merges = false;
-  std::string json_text;
-};
-
-struct BpeEncoder::State {
-#if DTRAIN_HAVE_PCRE2
-  std::vector<pcre2_match_data*> matches;
-  ~State() {
-    for (auto* m : matches) pcre2_match_data_free(m);
-  }
-#endif
-  std::unordered_map<std::string, std::vector<int32_t>> cache;
-  std::vector<std::string_view> pieces;
-  std::vector<std::string_view> next_pieces;
-  std::string mapped;
-  // Word merging: symbol ids and the links between live symbols.
-  std::vector<int32_t> id;
-  std::vector<int32_t> prev;
-  std::vector<int32_t> next;
-};
+std::vector<uint32_t> byte_characters() {
+  std::vector<uint32_t> chars(256, 0);
+  std::vector<bool> printable(256, false);
+  for (int b = '!'; b <= '~'; ++b) printable[b] = true;
+  for (int b = 0xA1; b <= 0xAC; ++b) printable[b] = true;
+  for (int b = 0xAE; b <= 0xFF; ++b) printable[b] = true;
+  int n = 0;
+  for (int b = 0; b < 256; ++b) chars[b] = printable[b] ? b : 256 + n++;
+  return chars;
+}
 
 namespace {
 
@@ -268,8 +183,32 @@ const std::vector<int32_t>& piece_ids(const Model& model, BpeEncoder::State& s,
   return s.cache.emplace(key, std::move(ids)).first->second;
 }
 
+void encode_segment(const Model& model, BpeEncoder::State& s, std::string_view segment,
+                    std::vector<int64_t>& out) {
+  if (segment.empty()) return;
+  std::string with_space;
+  if (model.prefix_space && segment.front() != ' ') {
+    with_space = " " + std::string(segment);
+    segment = with_space;
+  }
+  s.pieces.assign(1, segment);
 #if DTRAIN_HAVE_PCRE2
-// Cuts `text` by a pattern, keeping what lies between matches (Split's "Isolated").
+  for (size_t r = 0; r < model.splits.size(); ++r) {
+    s.next_pieces.clear();
+    for (std::string_view piece : s.pieces) {
+      split_pieces(*model.splits[r], s.matches[r], piece, r == 0, s.next_pieces);
+    }
+    s.pieces.swap(s.next_pieces);
+  }
+#endif
+  for (std::string_view piece : s.pieces) {
+    for (int32_t id : piece_ids(model, s, piece)) out.push_back(id);
+  }
+}
+
+}  // namespace
+
+#if DTRAIN_HAVE_PCRE2
 void split_pieces(const Regex& regex, pcre2_match_data* match, std::string_view text,
                   bool check_utf, std::vector<std::string_view>& out) {
   PCRE2_SIZE start = 0;
@@ -302,31 +241,6 @@ void split_pieces(const Regex& regex, pcre2_match_data* match, std::string_view 
   if (kept < text.size()) out.push_back(text.substr(kept));
 }
 #endif
-
-void encode_segment(const Model& model, BpeEncoder::State& s, std::string_view segment,
-                    std::vector<int64_t>& out) {
-  if (segment.empty()) return;
-  std::string with_space;
-  if (model.prefix_space && segment.front() != ' ') {
-    with_space = " " + std::string(segment);
-    segment = with_space;
-  }
-  s.pieces.assign(1, segment);
-#if DTRAIN_HAVE_PCRE2
-  for (size_t r = 0; r < model.splits.size(); ++r) {
-    s.next_pieces.clear();
-    for (std::string_view piece : s.pieces) {
-      split_pieces(*model.splits[r], s.matches[r], piece, r == 0, s.next_pieces);
-    }
-    s.pieces.swap(s.next_pieces);
-  }
-#endif
-  for (std::string_view piece : s.pieces) {
-    for (int32_t id : piece_ids(model, s, piece)) out.push_back(id);
-  }
-}
-
-}  // namespace
 
 BpeTokenizer::BpeTokenizer() = default;
 BpeTokenizer::~BpeTokenizer() = default;
@@ -607,206 +521,6 @@ BpeTokenizer BpeTokenizer::load(const std::string& path) {
   DTRAIN_CHECK_INPUT(in.good(), "cannot read the tokenizer ", file);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   return from_json(text, file);
-}
-
-namespace {
-
-// tokenizer.json for a trained byte-level BPE: GPT-2's layout, as tokenizers writes it.
-std::string trained_json(const std::vector<std::string>& tokens,
-                         const std::vector<std::pair<std::string, std::string>>& merges,
-                         const std::vector<std::string>& special) {
-  json root;
-  root["version"] = "1.0";
-  root["truncation"] = nullptr;
-  root["padding"] = nullptr;
-  json added = json::array();
-  const int64_t first_special = static_cast<int64_t>(tokens.size() - special.size());
-  for (size_t k = 0; k < special.size(); ++k) {
-    added.push_back({{"id", first_special + static_cast<int64_t>(k)},
-                     {"content", special[k]},
-                     {"single_word", false},
-                     {"lstrip", false},
-                     {"rstrip", false},
-                     {"normalized", true},
-                     {"special", true}});
-  }
-  root["added_tokens"] = added;
-  root["normalizer"] = nullptr;
-  root["pre_tokenizer"] = {{"type", "ByteLevel"},
-                           {"add_prefix_space", false},
-                           {"trim_offsets", true},
-                           {"use_regex", true}};
-  root["post_processor"] = {{"type", "ByteLevel"},
-                            {"add_prefix_space", true},
-                            {"trim_offsets", false},
-                            {"use_regex", true}};
-  root["decoder"] = {{"type", "ByteLevel"},
-                     {"add_prefix_space", true},
-                     {"trim_offsets", true},
-                     {"use_regex", true}};
-  json vocab = json::object();
-  for (size_t id = 0; id < tokens.size(); ++id) vocab[tokens[id]] = id;
-  json merge_list = json::array();
-  for (const auto& [a, b] : merges) merge_list.push_back(a + " " + b);
-  root["model"] = {{"type", "BPE"},
-                   {"dropout", nullptr},
-                   {"unk_token", nullptr},
-                   {"continuing_subword_prefix", nullptr},
-                   {"end_of_word_suffix", nullptr},
-                   {"fuse_unk", false},
-                   {"byte_fallback", false},
-                   {"ignore_merges", false},
-                   {"vocab", vocab},
-                   {"merges", merge_list}};
-  return root.dump(2);
-}
-
-}  // namespace
-
-void check_train_options(const BpeTrainOptions& options) {
-  const int64_t fixed = 256 + static_cast<int64_t>(options.special_tokens.size());
-  DTRAIN_CHECK_INPUT(options.vocab_size >= fixed, "--vocab-size ", options.vocab_size,
-                     " is below the ", fixed, " tokens every byte-level BPE holds (256 bytes and ",
-                     options.special_tokens.size(), " special)");
-  DTRAIN_CHECK_INPUT(options.min_frequency >= 1, "--min-frequency must be >= 1, got ",
-                     options.min_frequency);
-}
-
-BpeTokenizer train_bpe(const std::vector<std::string>& texts, const BpeTrainOptions& options) {
-  check_train_options(options);
-  const int64_t wanted_merges =
-      options.vocab_size - 256 - static_cast<int64_t>(options.special_tokens.size());
-  // The pieces and their counts, texts shared over the threads.
-  BpeTokenizer pieces_only = BpeTokenizer::from_json(trained_json(
-                                                         [] {
-                                                           std::vector<std::string> t;
-                                                           const auto chars = byte_characters();
-                                                           for (int b = 0; b < 256; ++b)
-                                                             t.push_back(utf8_of(chars[b]));
-                                                           return t;
-                                                         }(),
-                                                         {}, {}),
-                                                     "(training)");
-  const int threads = options.threads > 0
-                          ? options.threads
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::unordered_map<std::string, int64_t>> counts(threads);
-  {
-    std::vector<std::thread> workers;
-    std::mutex error_mutex;
-    std::string error;
-    for (int t = 0; t < threads; ++t) {
-      workers.emplace_back([&, t] {
-        try {
-#if DTRAIN_HAVE_PCRE2
-          const Model& model = *pieces_only.model_;
-          BpeEncoder::State state;
-          for (const auto& regex : model.splits) {
-            state.matches.push_back(pcre2_match_data_create_from_pattern(regex->code, nullptr));
-          }
-          for (size_t k = t; k < texts.size(); k += threads) {
-            std::vector<std::string_view> out;
-            split_pieces(*model.splits[0], state.matches[0], texts[k], true, out);
-            for (std::string_view piece : out) ++counts[t][std::string(piece)];
-          }
-#endif
-        } catch (const std::exception& e) {
-          std::lock_guard<std::mutex> lock(error_mutex);
-          error = e.what();
-        }
-      });
-    }
-    for (auto& w : workers) w.join();
-    DTRAIN_CHECK_INPUT(error.empty(), "tokenizer training: ", error);
-  }
-  for (int t = 1; t < threads; ++t) {
-    for (auto& [piece, n] : counts[t]) counts[0][piece] += n;
-    counts[t].clear();
-  }
-  // Words as symbol ids (byte b is id b), with their counts.
-  std::vector<std::vector<int32_t>> words;
-  std::vector<int64_t> freq;
-  for (const auto& [piece, n] : counts[0]) {
-    std::vector<int32_t> symbols;
-    for (unsigned char b : piece) symbols.push_back(b);
-    words.push_back(std::move(symbols));
-    freq.push_back(n);
-  }
-  counts[0].clear();
-  const std::vector<uint32_t> chars = byte_characters();
-  std::vector<std::string> tokens;
-  for (int b = 0; b < 256; ++b) tokens.push_back(utf8_of(chars[b]));
-  std::unordered_map<uint64_t, int64_t> pair_count;
-  std::unordered_map<uint64_t, std::unordered_set<int32_t>> where;
-  for (size_t w = 0; w < words.size(); ++w) {
-    for (size_t i = 0; i + 1 < words[w].size(); ++i) {
-      const uint64_t key = pair_key(words[w][i], words[w][i + 1]);
-      pair_count[key] += freq[w];
-      where[key].insert(static_cast<int32_t>(w));
-    }
-  }
-  // The most frequent pair first; among equal counts the pair whose tokens sort first.
-  struct Entry {
-    int64_t count;
-    uint64_t key;
-  };
-  auto less = [&tokens](const Entry& x, const Entry& y) {
-    if (x.count != y.count) return x.count < y.count;
-    const auto xa = tokens[x.key >> 32], xb = tokens[x.key & 0xffffffff];
-    const auto ya = tokens[y.key >> 32], yb = tokens[y.key & 0xffffffff];
-    return std::tie(xa, xb) > std::tie(ya, yb);
-  };
-  std::priority_queue<Entry, std::vector<Entry>, decltype(less)> queue(less);
-  for (const auto& [key, n] : pair_count) queue.push({n, key});
-  std::vector<std::pair<std::string, std::string>> merges;
-  while (static_cast<int64_t>(merges.size()) < wanted_merges && !queue.empty()) {
-    const Entry top = queue.top();
-    queue.pop();
-    const auto current = pair_count.find(top.key);
-    if (current == pair_count.end() || current->second != top.count) continue;  // stale
-    if (top.count < options.min_frequency) break;
-    const int32_t a = static_cast<int32_t>(top.key >> 32);
-    const int32_t b = static_cast<int32_t>(top.key & 0xffffffff);
-    const int32_t merged = static_cast<int32_t>(tokens.size());
-    tokens.push_back(tokens[a] + tokens[b]);
-    merges.emplace_back(tokens[a], tokens[b]);
-    std::unordered_map<uint64_t, int64_t> changed;
-    const std::unordered_set<int32_t> holders = std::move(where[top.key]);
-    where.erase(top.key);
-    for (int32_t w : holders) {
-      std::vector<int32_t>& symbols = words[w];
-      const int64_t n = freq[w];
-      for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-        if (symbols[i] != a || symbols[i + 1] != b) continue;
-        if (i > 0) {
-          changed[pair_key(symbols[i - 1], a)] -= n;
-          changed[pair_key(symbols[i - 1], merged)] += n;
-          where[pair_key(symbols[i - 1], merged)].insert(w);
-        }
-        if (i + 2 < symbols.size()) {
-          changed[pair_key(b, symbols[i + 2])] -= n;
-          changed[pair_key(merged, symbols[i + 2])] += n;
-          where[pair_key(merged, symbols[i + 2])].insert(w);
-        }
-        changed[top.key] -= n;
-        symbols[i] = merged;
-        symbols.erase(symbols.begin() + static_cast<int64_t>(i) + 1);
-      }
-    }
-    for (const auto& [key, delta] : changed) {
-      int64_t& count = pair_count[key];
-      count += delta;
-      if (count <= 0) {
-        pair_count.erase(key);
-      } else if (delta != 0) {
-        queue.push({count, key});
-      }
-    }
-    if (options.progress) options.progress(static_cast<int64_t>(merges.size()), wanted_merges);
-  }
-  for (const auto& special : options.special_tokens) tokens.push_back(special);
-  return BpeTokenizer::from_json(trained_json(tokens, merges, options.special_tokens),
-                                 "(trained tokenizer)");
 }
 
 }  // namespace dtrain::data::tokenizer

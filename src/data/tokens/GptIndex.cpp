@@ -195,9 +195,11 @@ void save_npy(const std::string& path, const void* data, const std::string& dtyp
   write_file_atomically(path, out.data(), out.size());
 }
 
-bool load_npy(const std::string& path, const std::string& dtype, std::vector<int64_t>& shape,
-              std::vector<uint8_t>& data) {
-  std::ifstream in(path, std::ios::binary);
+namespace {
+
+// Opens a C-order .npy file of `dtype`, leaving `in` at its data; its shape and byte count out.
+bool open_npy(std::ifstream& in, const std::string& dtype, std::vector<int64_t>& shape,
+              int64_t& bytes) {
   if (!in) return false;
   char magic[10];
   if (!in.read(magic, 10) || std::memcmp(magic, "\x93NUMPY\x01\x00", 8) != 0) return false;
@@ -226,26 +228,34 @@ bool load_npy(const std::string& path, const std::string& dtype, std::vector<int
     if (comma == std::string::npos) break;
     at = comma + 1;
   }
-  const int64_t bytes = elements * (dtype.back() - '0');
+  bytes = elements * (dtype.back() - '0');
+  return true;
+}
+
+// Reads the data straight into `out` (a resume opens indices of many millions of samples).
+template <typename T>
+bool load_vector(const std::string& path, const std::string& dtype, size_t rank,
+                 std::vector<T>& out) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;
+  if (!open_npy(in, dtype, shape, bytes) || shape.size() != rank) return false;
+  out.resize(static_cast<size_t>(bytes) / sizeof(T));
+  if (!in.read(reinterpret_cast<char*>(out.data()), bytes)) return false;
+  return in.peek() == std::char_traits<char>::eof();
+}
+
+}  // namespace
+
+bool load_npy(const std::string& path, const std::string& dtype, std::vector<int64_t>& shape,
+              std::vector<uint8_t>& data) {
+  std::ifstream in(path, std::ios::binary);
+  int64_t bytes = 0;
+  if (!open_npy(in, dtype, shape, bytes)) return false;
   data.resize(static_cast<size_t>(bytes));
   if (!in.read(reinterpret_cast<char*>(data.data()), bytes)) return false;
   return in.peek() == std::char_traits<char>::eof();
 }
-
-namespace {
-
-template <typename T>
-bool load_vector(const std::string& path, const std::string& dtype, size_t rank,
-                 std::vector<T>& out) {
-  std::vector<int64_t> shape;
-  std::vector<uint8_t> bytes;
-  if (!load_npy(path, dtype, shape, bytes) || shape.size() != rank) return false;
-  out.resize(bytes.size() / sizeof(T));
-  std::memcpy(out.data(), bytes.data(), bytes.size());
-  return true;
-}
-
-}  // namespace
 
 GptIndex cached_gpt_index(const std::string& cache_dir, const std::string& description,
                           const std::vector<int32_t>& lengths,

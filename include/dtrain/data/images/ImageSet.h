@@ -21,6 +21,8 @@ struct ImageSetOptions {
   int size = 224;  ///< the crop's side (the model's input)
   uint64_t seed = 0;
   int64_t max_bad_samples = 0;
+  /// "imagenet", "flip" or "none" (DataSource::augment).
+  std::string augment = "imagenet";
   bool train = true;  ///< load the training split
   bool test = true;   ///< and the validation split
 };

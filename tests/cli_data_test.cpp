@@ -1,0 +1,208 @@
+// The data commands as a user runs them: a corpus of one's own tokenized, prepared into shards,
+// trained on and generated from; images exported, sharded and trained on; bad data named in one
+// line with exit code 2.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "CliRuns.h"
+#include "TempDir.h"
+
+using dtrain::test::TempDir;
+using namespace dtrain::test::cli;
+
+// A corpus of the user's own, as the README runs it: a tokenizer trained on it, the text
+// prepared into Megatron and llm.c shards, a GPT trained on 2 ranks whose validation loss falls,
+// and `dtrain generate` decoding with the tokenizer the checkpoint keeps.
+TEST(Cli, DataPrepareTrainAndGenerateOnYourOwnText) {
+  TempDir dir;
+  const std::string fortunes = "/usr/share/games/fortunes";
+  auto out = run(kDtrain + " data tokenizer train " + fortunes + " --vocab-size 1024 --output " +
+                 (dir / "tok/tokenizer.json"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "trained a byte-level BPE of 1024 tokens")) << out.text;
+  out = run(kDtrain + " data prepare " + fortunes + " --tokenizer " + (dir / "tok") + " --output " +
+            (dir / "data/fortunes"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "wrote " + (dir / "data/fortunes.idx"))) << out.text;
+  EXPECT_TRUE(std::filesystem::exists(dir / "data/tokenizer.json"));
+  out = run(kDtrain + " data prepare " + fortunes + " --tokenizer " + (dir / "tok") +
+            " --format llmc --shard-tokens 200000 --output " + (dir / "llmc/fortunes"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "wrote " + (dir / "llmc/fortunes_000001.bin"))) << out.text;
+
+  out = run(kDtrain +
+            " train --nproc 2 --threads 1 --model gpt --dataset tokens:" + (dir / "data/fortunes") +
+            " --context 32 --layers 1 --width 32 --heads 2 --batch-size 8 --global-batch 16 "
+            "--lr 0.01 --warmup-steps 0 --max-steps 60 --eval-every 10 --no-progress --metrics " +
+            (dir / "m.jsonl") + " --checkpoint-dir " + (dir / "ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "vocabulary of 1024 (" + (dir / "data/tokenizer.json") + ")")) << out.text;
+  EXPECT_TRUE(has(out, "nats/token")) << out.text;
+  std::vector<double> validation;
+  std::ifstream metrics(dir / "m.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.value("event", "") == "eval") validation.push_back(record["val_loss"].get<double>());
+  }
+  // Falling, and a nat below the uniform guess's log(1024) = 6.93.
+  ASSERT_GE(validation.size(), 2u);
+  EXPECT_LT(validation.back(), validation.front());
+  EXPECT_LT(validation.back(), std::log(1024.0) - 1.0);
+  out = run(kDtrain + " generate --checkpoint " + (dir / "ckpt") +
+            " --prompt 'The cat' --tokens 20 --seed 3");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_GT(out.text.size(), 20u) << out.text;
+  EXPECT_EQ(out.text.rfind("The cat", 0), 0u) << out.text;
+
+  // The llm.c shards train too (one shard held out for validation by --validation-fraction).
+  out = run(kDtrain + " train --threads 1 --model gpt --dataset tokens:" + (dir / "llmc") +
+            " --validation-fraction 0.2 --context 32 --layers 1 --width 32 --heads 2 "
+            "--batch-size 8 --max-steps 3 --no-progress");
+  EXPECT_EQ(out.code, 0) << out.text;
+}
+
+TEST(Cli, DataBadInputIsOneClearLineAndExitCode2) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "data");
+  std::ofstream(dir / "corpus.txt") << "the cat sat on the mat\n" << std::string(2000, 'a');
+  auto out = run(kDtrain + " data tokenizer train " + (dir / "corpus.txt") +
+                 " --vocab-size 300 --output " + (dir / "tokenizer.json"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " data prepare " + (dir / "corpus.txt") + " --tokenizer " +
+            (dir / "tokenizer.json") + " --output " + (dir / "data/good"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  {  // the .bin cut short, and a copy of the pair with a foreign magic
+    std::filesystem::copy_file(dir / "data/good.idx", dir / "data/cut.idx");
+    std::ifstream in(dir / "data/good.bin", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream(dir / "data/cut.bin", std::ios::binary) << bytes.substr(0, bytes.size() - 4);
+    std::ofstream(dir / "shard.bin", std::ios::binary) << std::string(2048, 'x');
+  }
+  std::ofstream(dir / "wordpiece.json") << R"({"model": {"type": "WordPiece", "vocab": {}}})";
+  std::ofstream(dir / "lines.jsonl") << "{\"text\": \"a\"}\n{\"body\": \"b\"}\n";
+  std::ofstream(dir / "broken.jsonl") << "{\"text\": \"a\"}\nnot json\n";
+  std::ofstream(dir / "latin1.txt") << "caf\xe9\n";
+  std::ofstream(dir / "nul.txt") << std::string("a\0b", 3);
+  const std::string prepare = " data prepare --tokenizer " + (dir / "tokenizer.json") +
+                              " --output " + (dir / "out/x") + " ";
+  const std::string gpt = " train --model gpt --context 8 --dataset tokens:";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {prepare + (dir / "none"), (dir / "none") + " is not a file or folder"},
+      {" data prepare " + (dir / "corpus.txt") + " --output x --tokenizer " +
+           (dir / "wordpiece.json"),
+       "wordpiece.json: a WordPiece tokenizer; dtrain runs byte-level BPE"},
+      {prepare + (dir / "lines.jsonl"), "lines.jsonl:2: no string field \"text\""},
+      {prepare + (dir / "broken.jsonl"), "broken.jsonl:2: not a JSON object"},
+      {prepare + (dir / "latin1.txt"), "latin1.txt: the text is not UTF-8"},
+      {prepare + (dir / "nul.txt"), "nul.txt: holds a NUL byte"},
+      {prepare + (dir / "corpus.txt") + " --format arrow", "--format must be megatron or llmc"},
+      {" data tokenizer train " + (dir / "corpus.txt") + " --vocab-size 100 --output t.json",
+       "--vocab-size 100 is below the 257 tokens every byte-level BPE holds"},
+      {gpt + (dir / "data/cut"), "disagree"},
+      {gpt + (dir / "shard.bin"), "not a token shard"},
+      {gpt + (dir / "data/good") + " --vocab-size 5", "at or above the vocabulary of 5"},
+      {gpt, "--dataset tokens needs its files"},
+      {gpt + (dir / "data/good") + ":x", "is not a positive number"},
+      {gpt + (dir / "data/good") + " --tokenizer " + (dir / "wordpiece.json"), "WordPiece"},
+  };
+  for (const auto& [args, needle] : cases) {
+    const auto result = run(kDtrain + args);
+    EXPECT_EQ(result.code, 2) << args << "\n" << result.text;
+    EXPECT_TRUE(has(result, needle)) << args << "\n" << result.text;
+    EXPECT_LE(std::count(result.text.begin(), result.text.end(), '\n'), 1) << args << "\n"
+                                                                           << result.text;
+  }
+  // Nothing written where the input was refused.
+  EXPECT_FALSE(std::filesystem::exists(dir / "out/x.bin"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "out/x.idx"));
+}
+
+#ifdef DTRAIN_IMAGES
+namespace {
+
+// Tiny Fashion-MNIST IDX files (n images of each split) in `dir`.
+void write_tiny_fashion_mnist(const std::string& dir, int n) {
+  std::filesystem::create_directories(dir);
+  auto be32 = [](std::string& s, uint32_t v) {
+    for (int shift = 24; shift >= 0; shift -= 8) s.push_back(static_cast<char>(v >> shift));
+  };
+  for (const std::string prefix : {"train", "t10k"}) {
+    std::string images = {0, 0, 8, 3};
+    be32(images, n);
+    be32(images, 28);
+    be32(images, 28);
+    std::string labels = {0, 0, 8, 1};
+    be32(labels, n);
+    for (int i = 0; i < n; ++i) {
+      for (int p = 0; p < 28 * 28; ++p) images.push_back(static_cast<char>((p * (i + 1)) % 256));
+      labels.push_back(static_cast<char>(i % 10));
+    }
+    std::ofstream(dir + "/" + prefix + "-images-idx3-ubyte", std::ios::binary) << images;
+    std::ofstream(dir + "/" + prefix + "-labels-idx1-ubyte", std::ios::binary) << labels;
+  }
+}
+
+}  // namespace
+
+// Images of one's own: Fashion-MNIST exported as a JPEG tree, the tree as tar shards, a CNN
+// trained on each; bad image data named, exit 2.
+TEST(Cli, ImagesExportShardAndTrain) {
+  TempDir dir;
+  write_tiny_fashion_mnist(dir / "idx", 40);
+  auto out = run(kDtrain + " data export-fashion-mnist --data-dir " + (dir / "idx") + " --output " +
+                 (dir / "fm"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "wrote 80 JPEG images")) << out.text;
+  EXPECT_TRUE(std::filesystem::exists(dir / "fm/val/9-boot/00039.jpg"));
+  for (const std::string split : {"train", "val"}) {
+    out = run(kDtrain + " data prepare --images " + (dir / ("fm/" + split)) +
+              " --shard-bytes 20000" + " --output " + (dir / ("tars/" + split + "/fm")));
+    ASSERT_EQ(out.code, 0) << out.text;
+    EXPECT_TRUE(has(out, "wrote " + (dir / ("tars/" + split + "/fm-000001.tar")))) << out.text;
+  }
+  for (const std::string root : {"fm", "tars"}) {
+    const std::string augment = root == "fm" ? "none" : "imagenet";
+    out = run(kDtrain + " train --threads 1 --model cnn --dataset images:" + (dir / root) +
+              " --image-size 28 --batch-size 8 --max-steps 4 --no-progress --augment " + augment);
+    EXPECT_EQ(out.code, 0) << root << "\n" << out.text;
+    EXPECT_TRUE(has(out, "images: 40 for training")) << out.text;
+    EXPECT_TRUE(has(out, "10 classes, 28x28, --augment " + augment)) << out.text;
+    EXPECT_TRUE(has(out, "test accuracy")) << out.text;
+  }
+  // Bad image data: one line, exit 2, before training.
+  std::ofstream(dir / "fm/train/3-dress/00003.jpg") << "truncated";
+  std::filesystem::create_directories(dir / "fm/train/x-empty");
+  const std::string train = " train --model cnn --image-size 28 --dataset images:" + (dir / "fm");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {train, "x-empty is an empty class folder"},
+      {" train --model cnn --dataset images:" + (dir / "none"), "is not a folder"},
+      {" train --model cnn --dataset images:", "--dataset images needs its folder"},
+      {train + " --image-size 4", "--image-size must be in [8, 4096]"},
+      {train + " --augment crop", "--augment must be imagenet, flip or none, got 'crop'"},
+  };
+  for (const auto& [args, needle] : cases) {
+    const auto result = run(kDtrain + args);
+    EXPECT_EQ(result.code, 2) << args << "\n" << result.text;
+    EXPECT_TRUE(has(result, needle)) << args << "\n" << result.text;
+    EXPECT_LE(std::count(result.text.begin(), result.text.end(), '\n'), 1) << result.text;
+  }
+  std::filesystem::remove_all(dir / "fm/train/x-empty");
+  out = run(kDtrain + train);
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "1 damaged image in the training split, more than --max-bad-samples 0"))
+      << out.text;
+  out = run(kDtrain + train +
+            " --threads 1 --max-bad-samples 1 --batch-size 8 --max-steps 2 "
+            "--no-progress");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "left out 1 damaged training image")) << out.text;
+}
+#endif
