@@ -1,11 +1,13 @@
-// `dtrain ckpt consolidate|verify|inspect`: checkpoints of any strategy and world size, joined
-// into one file, checked against their checksums, or described.
+// `dtrain ckpt consolidate|export|verify|inspect`: checkpoints of any strategy and world size,
+// joined into one file or exported as safetensors (Hugging Face's layout for a Llama), checked
+// against their checksums, or described.
 #include <cstdio>
 #include <filesystem>
 
 #include "Command.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/Weights.h"
 
 namespace dtrain::cli {
 
@@ -59,6 +61,20 @@ class CheckpointCommand final : public Command {
     consolidate_->add_option("-o,--output", output_,
                              "File to write (default CHECKPOINT/"
                              "consolidated.pt)");
+    export_ = ckpt->add_subcommand(
+        "export",
+        "Write a checkpoint's full model (any strategy, world size, layout) as safetensors: "
+        "a Llama as Hugging Face's transformers names it, with config.json and tokenizer.json "
+        "(a folder from_pretrained loads); other models under dtrain's names");
+    export_->add_option("checkpoint", path_, "A checkpoint, or a checkpoint directory (its newest)")
+        ->required();
+    export_->add_option("-o,--output", output_, "The folder to write")->required();
+    export_->add_option("--format", format_, "safetensors (the only one)")->capture_default_str();
+    export_
+        ->add_option("--shard-bytes", shard_bytes_,
+                     "Cut the weights into shards of at most this many bytes "
+                     "(model.safetensors.index.json)")
+        ->capture_default_str();
     verify_ = ckpt->add_subcommand(
         "verify",
         "Check every file of a checkpoint (or of every checkpoint under a checkpoint "
@@ -71,7 +87,7 @@ class CheckpointCommand final : public Command {
         ->required();
   }
   bool parsed() const override {
-    return consolidate_->parsed() || verify_->parsed() || inspect_->parsed();
+    return consolidate_->parsed() || export_->parsed() || verify_->parsed() || inspect_->parsed();
   }
   int run(const std::vector<std::string>&) override {
     if (consolidate_->parsed()) {
@@ -82,6 +98,14 @@ class CheckpointCommand final : public Command {
           "wrote %lld tensors of %s to %s (C++: dtrain::train::load_consolidated(module, "
           "file); Python: torch.load(file).state_dict())\n",
           static_cast<long long>(count), checkpoint.c_str(), output_.c_str());
+      return 0;
+    }
+    if (export_->parsed()) {
+      DTRAIN_CHECK_INPUT(format_ == "safetensors", "--format must be safetensors, got '", format_,
+                         "'");
+      DTRAIN_CHECK_INPUT(shard_bytes_ > 0, "--shard-bytes must be > 0, got ", shard_bytes_);
+      const auto files = dtrain::train::export_safetensors(path_, output_, shard_bytes_);
+      for (const auto& file : files) std::printf("wrote %s\n", file.c_str());
       return 0;
     }
     if (verify_->parsed()) return verify_checkpoints(path_);
@@ -114,6 +138,9 @@ class CheckpointCommand final : public Command {
 
  private:
   CLI::App* consolidate_ = nullptr;
+  CLI::App* export_ = nullptr;
+  std::string format_ = "safetensors";
+  int64_t shard_bytes_ = 5LL << 30;
   CLI::App* verify_ = nullptr;
   CLI::App* inspect_ = nullptr;
   std::string path_, output_;

@@ -40,17 +40,29 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "here are the image models'; gpt's is adamw at 0.002, weight decay 0.1, batch 32, "
       "clipping 1.0",
       "256 256");
-  add(app, "--layers", job.gpt.layers, "gpt: transformer blocks")->capture_default_str();
-  add(app, "--heads", job.gpt.heads, "gpt: attention heads")->capture_default_str();
-  add(app, "--width", job.gpt.width, "gpt: model width (a multiple of --heads)")
+  add(app, "--layers", job.gpt.layers, "gpt, llama: transformer blocks")->capture_default_str();
+  add(app, "--heads", job.gpt.heads, "gpt, llama: attention (query) heads")->capture_default_str();
+  add(app, "--kv-heads", job.gpt.kv_heads,
+      "gpt, llama: key/value heads, grouped-query attention (0 = --heads; must divide it)")
       ->capture_default_str();
-  add(app, "--context", job.gpt.context, "gpt: tokens per example (the attention window)")
+  add(app, "--width", job.gpt.width, "gpt, llama: model width (a multiple of --heads)")
       ->capture_default_str();
-  add(app, "--dropout", job.gpt.dropout, "gpt: dropout probability")->capture_default_str();
+  add(app, "--ffn-width", job.gpt.ffn_width,
+      "gpt, llama: the MLP's hidden width (0 = 4 x --width for gpt; llama: 8/3 x --width "
+      "rounded up to a multiple of 64)")
+      ->capture_default_str();
+  add(app, "--context", job.gpt.context, "gpt, llama: tokens per example (the attention window)")
+      ->capture_default_str();
+  add(app, "--rope-theta", job.gpt.rope_theta,
+      "llama: the rotary embeddings' base (Llama 2: 10000; Llama 3: 500000)")
+      ->capture_default_str();
+  add(app, "--norm-eps", job.gpt.norm_eps, "gpt, llama: LayerNorm's / RMSNorm's epsilon")
+      ->capture_default_str();
+  add(app, "--dropout", job.gpt.dropout, "gpt, llama: dropout probability")->capture_default_str();
   app.add_flag("--tied-embeddings", job.gpt.tied_embeddings,
-               "gpt: the output layer reuses the token embedding's weight");
+               "gpt, llama: the output layer reuses the token embedding's weight");
   app.add_flag("--sequence-parallel", job.gpt.sequence_parallel,
-               "gpt with --tensor-parallel: split LayerNorm, dropout and residual activations "
+               "gpt, llama with --tensor-parallel: split norm, dropout and residual activations "
                "along the sequence too (Megatron's sequence parallelism; --context a multiple "
                "of T)");
   add_data_flags(app, job.dataset, job.data_dir, job.synthetic_examples,
@@ -223,7 +235,9 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   app.add_flag("!--no-resume", t.resume, "Start fresh even if --checkpoint-dir has one");
   add(app, "--init-from", t.init_from,
       "Start from these weights: a checkpoint (directory or root) of any strategy and world "
-      "size, or a consolidated file (dtrain ckpt consolidate, dtrain fl --save-model)");
+      "size, a consolidated file (dtrain ckpt consolidate, dtrain fl --save-model), or "
+      "safetensors (a file, or a folder as Hugging Face saves one: a Llama's config.json must "
+      "agree with the model's flags; any tensor-parallel layout)");
   add(app, "--metrics", t.metrics_file, "JSONL metrics file");
   app.add_flag("--defer-eval", t.defer_eval,
                "Evaluate after training, on copies of the parameters taken at each evaluation "

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -206,3 +207,72 @@ TEST(Cli, ImagesExportShardAndTrain) {
   EXPECT_TRUE(has(out, "left out 1 damaged training image")) << out.text;
 }
 #endif
+
+// Weights out to the Python world and back in: a Llama trained on 2 ranks, exported as Hugging
+// Face's folder (config.json, model.safetensors, tokenizer.json), greedy-decoded by transformers
+// to the text `dtrain generate` gives (.venv-torch; that part skipped without it), then the
+// folder starting a tensor-parallel run that generates the same; a config.json that disagrees
+// with the flags is named.
+TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
+  TempDir dir;
+  const std::string fortunes = "/usr/share/games/fortunes";
+  auto out = run(kDtrain + " data tokenizer train " + fortunes + " --vocab-size 512 --output " +
+                 (dir / "tok.json"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " data prepare " + fortunes + " --tokenizer " + (dir / "tok.json") +
+            " --output " + (dir / "data/fortunes"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  const std::string shape =
+      " --model llama --dataset tokens:" + (dir / "data/fortunes") +
+      " --context 16 --layers 2 --width 32 --heads 4 --kv-heads 2 --threads 1 --no-progress"
+      " --batch-size 8 --warmup-steps 0 ";
+  out = run(kDtrain + " train --nproc 2" + shape + "--max-steps 150 --lr 0.005 --checkpoint-dir " +
+            (dir / "ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "hf"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  for (const char* file : {"config.json", "model.safetensors", "tokenizer.json"}) {
+    EXPECT_TRUE(std::filesystem::exists(dir / ("hf/" + std::string(file)))) << file << "\n"
+                                                                            << out.text;
+  }
+  const std::string generate = " generate --prompt 'The cat' --tokens 12 --temperature 0";
+  out = run(kDtrain + generate + " --checkpoint " + (dir / "ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  const std::string ours = out.text;
+  EXPECT_EQ(ours.rfind("The cat", 0), 0u) << ours;
+  EXPECT_GT(std::set<char>(ours.begin() + 7, ours.end()).size(), 3u) << ours;  // not one token
+
+  const std::string python = std::string(DTRAIN_SOURCE_DIR) + "/.venv-torch/bin/python";
+  if (std::system((python + " -c 'import transformers' > /dev/null 2>&1").c_str()) == 0) {
+    std::ofstream(dir / "greedy.py")
+        << "import sys, torch\n"
+           "from transformers import LlamaForCausalLM, PreTrainedTokenizerFast\n"
+           "model = LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+           "tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[1] + '/tokenizer.json')\n"
+           "ids = torch.tensor([tok.encode('The cat')])\n"
+           "out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)\n"
+           "open(sys.argv[2], 'w').write(tok.decode(out[0]) + '\\n')\n";  // as dtrain prints
+    const auto theirs =
+        run(python + " " + (dir / "greedy.py") + " " + (dir / "hf") + " " + (dir / "greedy.txt"));
+    ASSERT_EQ(theirs.code, 0) << theirs.text;
+    std::ifstream in(dir / "greedy.txt");
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), ours);
+  }
+
+  // The folder starts a run at another layout (2 tensor-parallel ranks); with a learning rate of
+  // 1e-12 its checkpoint generates the same text.
+  out = run(kDtrain + " train --nproc 2 --tensor-parallel 2" + shape +
+            "--max-steps 1 --lr 1e-12 --init-from " + (dir / "hf") + " --checkpoint-dir " +
+            (dir / "again"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + generate + " --checkpoint " + (dir / "again"));
+  EXPECT_EQ(out.text, ours);
+  // Flags that disagree with config.json: named, exit 2.
+  out = run(kDtrain + " train" + shape + "--max-steps 1 --kv-heads 4 --init-from " + (dir / "hf"));
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "config.json: num_key_value_heads is 2, the model's --kv-heads is 4"))
+      << out.text;
+  out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "x") + " --format onnx");
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "--format must be safetensors")) << out.text;
+}

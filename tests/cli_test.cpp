@@ -32,9 +32,9 @@ using dtrain::test::TempDir;
 using namespace dtrain::test::cli;
 
 TEST(Cli, HelpOnEverySubcommand) {
-  for (const std::string sub :
-       {"", " train", " launch", " ckpt consolidate", " ckpt inspect", " ckpt verify", " ps serve",
-        " plan", " generate", " data prepare", " data tokenizer train"}) {
+  for (const std::string sub : {"", " train", " launch", " ckpt consolidate", " ckpt export",
+                                " ckpt inspect", " ckpt verify", " ps serve", " plan", " generate",
+                                " data prepare", " data tokenizer train"}) {
     const auto out = run(kDtrain + sub + " --help");
     EXPECT_EQ(out.code, 0) << sub;
     EXPECT_TRUE(has(out, "Usage:")) << sub;

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "InputErrors.h"
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/data/Datasets.h"
@@ -17,6 +18,7 @@
 
 using namespace dtrain;
 using namespace dtrain::data::images;
+using dtrain::test::error_of;
 using dtrain::test::TempDir;
 namespace fs = std::filesystem;
 
@@ -59,15 +61,6 @@ const uint8_t* bytes_of(const std::string& s) { return reinterpret_cast<const ui
 bool have_pil() {
   return std::system((std::string(DTRAIN_PYTHON) + " -c 'import PIL' > /dev/null 2>&1").c_str()) ==
          0;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const InputError& e) {
-    return e.message();
-  }
-  return "(no error)";
 }
 
 // A folder per class: 3 classes x 4 images of about 120 x 90.
@@ -301,7 +294,8 @@ TEST(Images, AugmentNoneIsTheWholeImageAndFlipOnlyMirrors) {
   EXPECT_GT(mirrored, 0);
   EXPECT_LT(mirrored, 16);
   options.augment = "crop";
-  EXPECT_NE(error_of([&] { load_image_splits(options); })
-                .find("--augment must be imagenet, flip or none, got 'crop'"),
+  EXPECT_NE(error_of([&] {
+              load_image_splits(options);
+            }).find("--augment must be imagenet, flip or none, got 'crop'"),
             std::string::npos);
 }

@@ -37,7 +37,9 @@ namespace {
 
 using Named = std::map<std::string, at::Tensor>;
 
-models::GptConfig tiny_gpt(bool tied = false) {
+// `llama`: Llama's architecture with grouped-query attention (2 key/value heads for 4 query
+// heads) and a SwiGLU MLP of 24.
+models::GptConfig tiny_gpt(bool tied = false, bool llama = false) {
   models::GptConfig c;
   c.vocab = 11;  // not a multiple of 2 or 4: uneven vocabulary blocks
   c.layers = 2;
@@ -45,6 +47,11 @@ models::GptConfig tiny_gpt(bool tied = false) {
   c.width = 16;
   c.context = 6;
   c.tied_embeddings = tied;
+  if (llama) {
+    models::llama_preset(c);
+    c.kv_heads = 2;
+    c.ffn_width = 24;
+  }
   return c;
 }
 
@@ -320,6 +327,7 @@ struct GridRun {
   bool tied = false;
   bool drop_tp_rank_gradient = false;
   bool sequence_parallel = false;
+  bool llama = false;  // tiny_gpt's Llama
   /// With a dynamic loss scaler: one element of every split parameter's gradient on TP rank 1
   /// is set to inf in this step (-1 = never), an overflow only that rank sees.
   int overflow_step = -1;
@@ -340,8 +348,8 @@ GptData gpt_data(int steps) {
 // Plain single-process training of the serial model (Adam, optional clipping); the optimizer
 // step of `skipped_step` is left out (its batch is still consumed).
 Named train_serial(const GptData& d, int steps, double max_grad_norm, bool tied,
-                   int skipped_step = -1) {
-  Model model = build_gpt(tiny_gpt(tied), nullptr);
+                   int skipped_step = -1, bool llama = false) {
+  Model model = build_gpt(tiny_gpt(tied, llama), nullptr);
   auto optimizer = optim::make_optimizer(model.module->parameters(), test::adam());
   auto order = data::DistributedSampler(d.dataset.size(), 1, 0, {true, 5, true}).indices();
   for (int step = 0; step < steps; ++step) {
@@ -377,7 +385,7 @@ double train_on_grid(const GptData& d, int steps, const GridRun& run, const Name
       run.world,
       [&](const comm::CommunicatorPtr& world) {
         auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
-        auto config = tiny_gpt(run.tied);
+        auto config = tiny_gpt(run.tied, run.llama);
         config.sequence_parallel = run.sequence_parallel;
         Model model = build_gpt(config, grid->tp());
         parallel::LossFn loss = model.loss ? parallel::LossFn(model.loss) : parallel::cross_entropy;
@@ -696,4 +704,68 @@ TEST(TensorParallel, SequenceParallelTrainsLikeOneProcess) {
   GridRun zero2;
   zero2.world = 2, zero2.tp = 2, zero2.sequence_parallel = true, zero2.strategy = "zero2";
   EXPECT_THROW(train_on_grid(d, steps, zero2, serial), std::runtime_error);
+}
+
+// Llama's architecture under every split: grouped-query attention's key/value heads over 2 ranks,
+// SwiGLU's interleaved gate and up rows, RMSNorm's partial gradients under sequence parallelism.
+TEST(TensorParallel, LlamaEqualsTheSerialModelAndTrainsLikeOneProcess) {
+  const at::Tensor ids = random_tokens(3, 6, 21);
+  const at::Tensor targets = random_tokens(3, 6, 22);
+  for (bool sequence_parallel : {false, true}) {
+    Model serial = build_gpt(tiny_gpt(false, true), nullptr);
+    const at::Tensor logits = serial(ids);
+    parallel::cross_entropy(logits, targets).backward();
+    Named serial_grads;
+    for (const auto& [name, p] : named_parameters(serial)) serial_grads[name] = p.grad().clone();
+    test::run_ranks(2, [&](const comm::CommunicatorPtr& world) {
+      auto grid = std::make_shared<comm::ProcessGrid>(world, 2, 1);
+      auto config = tiny_gpt(false, true);
+      config.sequence_parallel = sequence_parallel;
+      Model model = build_gpt(config, grid->tp());
+      const auto splits = tp::parameter_splits(*model.module);
+      const auto& head = splits.at("head.out.weight");
+      const at::Tensor block = model(ids);
+      EXPECT_LT((block - logits.narrow(-1, head.start, head.length)).abs().max().item<double>(),
+                1e-12);
+      model.loss(block, targets).backward();
+      parallel::TensorParallelLayout layout =
+          parallel::tensor_parallel_layout(*model.module, *grid);
+      // RMSNorm has no bias, the linear layers none: 2 norms per block and the final one.
+      EXPECT_EQ(layout.partial.size(), sequence_parallel ? 1u + 2u * 2 : 0u);
+      std::vector<at::Tensor> params;
+      std::vector<std::string> names;
+      for (const auto& [name, p] : named_parameters(model)) {
+        params.push_back(p);
+        names.push_back(name);
+      }
+      layout.sum_partial_gradients(params, names);
+      Named grads;
+      for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
+      EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12) << sequence_parallel;
+    });
+  }
+  const int steps = 3;
+  const GptData d = gpt_data(steps);
+  const Named serial = train_serial(d, steps, 0.0, false, -1, true);
+  GridRun run;
+  run.llama = true;
+  run.world = 2, run.tp = 2;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "TP 2";
+  run.world = 8, run.pp = 2, run.micro = 2, run.strategy = "zero1";
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x PP 2 x TP 2";
+  run.world = 4, run.pp = 1, run.micro = 1, run.sequence_parallel = true;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 2, SP";
+  // Key/value heads the group does not divide are refused by name.
+  test::run_ranks(4, [&](const comm::CommunicatorPtr& world) {
+    auto grid = std::make_shared<comm::ProcessGrid>(world, 4, 1);
+    try {
+      build_gpt(tiny_gpt(false, true), grid->tp());
+      ADD_FAILURE() << "built with 2 key/value heads over 4 ranks";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("--kv-heads (2) must be a multiple of "
+                                           "--tensor-parallel (4)"),
+                std::string::npos)
+          << e.what();
+    }
+  });
 }

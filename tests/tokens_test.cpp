@@ -10,6 +10,7 @@
 #include <fstream>
 #include <random>
 
+#include "InputErrors.h"
 #include "TempDir.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/data/tokens/GptIndex.h"
@@ -18,6 +19,7 @@
 
 using namespace dtrain;
 using namespace dtrain::data::tokens;
+using dtrain::test::error_of;
 using dtrain::test::TempDir;
 
 namespace {
@@ -40,15 +42,6 @@ void save_samples(const data::TensorDataset& set, const std::string& path) {
 
 void write_case(const TempDir& dir, const std::string& name, const std::string& json) {
   std::ofstream(dir / (name + ".json")) << json;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const InputError& e) {
-    return e.message();
-  }
-  return "(no error)";
 }
 
 void write_bytes(const std::string& path, const std::string& bytes) {

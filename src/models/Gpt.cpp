@@ -1,6 +1,7 @@
-// The GPT-style model (see Gpt.h). Linear layers are ATen's `linear` on 3-D inputs; attention is
-// written out (scores, causal mask, softmax, weighted values) as LibTorch 1.13 has no fused
-// scaled-dot-product attention.
+// The decoder (see Gpt.h). Linear layers are ATen's `linear` on 3-D inputs. Attention is LibTorch
+// 2.x's fused scaled_dot_product_attention (causal, no T x T mask made; flash, memory-efficient
+// or cuDNN kernels on CUDA), written out (scores, causal mask, softmax, weighted values) on 1.13,
+// which has none, and wherever attention dropout draws from the model's own generators.
 #include "dtrain/models/Gpt.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -12,6 +13,7 @@
 #include <limits>
 #include <mutex>
 
+#include "common/TorchCompat.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/nn/tensor/CrossEntropy.h"
@@ -41,26 +43,62 @@ struct Shared {
   }
 };
 
+// LayerNorm (with or without its bias) or RMSNorm (as Hugging Face's LlamaRMSNorm: half-precision
+// inputs normalized in float32). Parameters "weight" and "bias", as torch::nn::LayerNorm's.
+struct NormImpl : torch::nn::Module {
+  NormImpl(const GptConfig& c) : width(c.width), rms(c.norm == "rmsnorm"), eps(c.norm_eps) {
+    weight = register_parameter("weight", at::ones({width}));
+    if (!rms && c.bias) bias = register_parameter("bias", at::zeros({width}));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    if (!rms) return at::layer_norm(x, {width}, weight, bias, eps);
+    const bool low = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+    const at::Tensor h = low ? x.to(at::kFloat) : x;
+    const at::Tensor normed = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
+    return weight * (low ? normed.to(x.scalar_type()) : normed);
+  }
+  int64_t width;
+  bool rms;
+  double eps;
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(Norm);
+
+// Rotary position embeddings on [b, heads, t, d] (Hugging Face's Llama: each head's two halves
+// rotated together, angles position x theta^(-2i/d), computed in float64).
+at::Tensor rotary(const at::Tensor& x, double theta) {
+  const int64_t t = x.size(2), d = x.size(3);
+  const at::Tensor inverse =
+      at::pow(theta, at::arange(0, d, 2, at::kDouble) / static_cast<double>(d)).reciprocal();
+  const at::Tensor angles = at::outer(at::arange(t, at::kDouble), inverse).repeat({1, 2});
+  const auto options = x.options();
+  const at::Tensor cos = angles.cos().to(options), sin = angles.sin().to(options);
+  const at::Tensor turned = at::cat({-x.narrow(-1, d / 2, d / 2), x.narrow(-1, 0, d / 2)}, -1);
+  return x * cos + turned * sin;
+}
+
 struct GptEmbeddingImpl : torch::nn::Module {
   GptEmbeddingImpl(const GptConfig& c, Shared shared)
       : token(tp::VocabParallelEmbeddingOptions(c.vocab, c.width)
                   .init_std(0.02)
                   .sequence_parallel(shared.sequence_parallel),
               shared.group),
-        position(c.context, c.width),
         shared(std::move(shared)) {
     register_module("token", token);
-    register_module("position", position);
-    torch::NoGradGuard no_grad;
-    position->weight.normal_(0.0, 0.02);
+    if (c.position == "learned") {
+      position = register_module("position", torch::nn::Embedding(c.context, c.width));
+      torch::NoGradGuard no_grad;
+      position->weight.normal_(0.0, 0.02);
+    }
+    context = c.context;
   }
   at::Tensor forward(const at::Tensor& ids) {
     DTRAIN_CHECK_INPUT(ids.dim() == 2 && ids.scalar_type() == at::kLong,
                        "the GPT model takes token ids [batch, time] as int64, got ", ids.sizes(),
                        " ", ids.scalar_type());
     const int64_t t = ids.size(1);
-    DTRAIN_CHECK_INPUT(t <= position->weight.size(0), "a sequence of ", t,
-                       " tokens is longer than the model's context of ", position->weight.size(0));
+    DTRAIN_CHECK_INPUT(t <= context, "a sequence of ", t,
+                       " tokens is longer than the model's context of ", context);
     int64_t first = 0, count = t;
     if (shared.sequence_parallel) {
       DTRAIN_CHECK_INPUT(t % shared.size() == 0, "sequence parallelism splits a sequence of ", t,
@@ -69,37 +107,48 @@ struct GptEmbeddingImpl : torch::nn::Module {
       count = t / shared.size();
       first = shared.rank() * count;
     }
-    at::Tensor positions = at::arange(first, first + count, ids.options());
-    return tp::dropout(token(ids) + position(positions).unsqueeze(0), shared.dropout, is_training(),
-                       shared.outer_rng());
+    at::Tensor h = token(ids);
+    if (position) h = h + position(at::arange(first, first + count, ids.options())).unsqueeze(0);
+    return tp::dropout(h, shared.dropout, is_training(), shared.outer_rng());
   }
   tp::VocabParallelEmbedding token;
-  torch::nn::Embedding position;
+  torch::nn::Embedding position{nullptr};
+  int64_t context = 0;
   Shared shared;
 };
 TORCH_MODULE(GptEmbedding);
 
 // Attention's heads and the MLP's hidden columns are split over the tensor-parallel group: QKV
 // and fc1 column-parallel, proj and fc2 row-parallel. QKV's output features are ordered
-// [head, (q, k, v), head dim] so that a contiguous block of them is whole heads.
+// [key/value head, (its query heads, key, value), head dim] so that a contiguous block of them is
+// whole groups of heads; a SwiGLU fc1 interleaves gate and up rows so a block holds both halves.
 struct GptBlockImpl : torch::nn::Module {
   GptBlockImpl(const GptConfig& c, Shared shared_)
-      : local_heads(c.heads / shared_.size()),
-        ln1(torch::nn::LayerNormOptions({c.width})),
-        qkv(tp::ColumnParallelLinearOptions(c.width, 3 * c.width)
+      : local_groups(kv_heads_of(c) / shared_.size()),
+        group_heads(c.heads / kv_heads_of(c)),
+        head_dim(c.width / c.heads),
+        rope(c.position == "rope"),
+        rope_theta(c.rope_theta),
+        swiglu(c.mlp == "swiglu"),
+        ln1(c),
+        qkv(tp::ColumnParallelLinearOptions(c.width, (c.heads + 2 * kv_heads_of(c)) * head_dim)
+                .bias(c.bias)
                 .init_std(0.02)
                 .sequence_parallel(shared_.sequence_parallel),
             shared_.group),
         proj(tp::RowParallelLinearOptions(c.width, c.width)
+                 .bias(c.bias)
                  .init_std(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)))
                  .sequence_parallel(shared_.sequence_parallel),
              shared_.group),
-        ln2(torch::nn::LayerNormOptions({c.width})),
-        fc1(tp::ColumnParallelLinearOptions(c.width, 4 * c.width)
+        ln2(c),
+        fc1(tp::ColumnParallelLinearOptions(c.width, (swiglu ? 2 : 1) * ffn_width_of(c))
+                .bias(c.bias)
                 .init_std(0.02)
                 .sequence_parallel(shared_.sequence_parallel),
             shared_.group),
-        fc2(tp::RowParallelLinearOptions(4 * c.width, c.width)
+        fc2(tp::RowParallelLinearOptions(ffn_width_of(c), c.width)
+                .bias(c.bias)
                 .init_std(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)))
                 .sequence_parallel(shared_.sequence_parallel),
             shared_.group),
@@ -113,35 +162,64 @@ struct GptBlockImpl : torch::nn::Module {
   }
 
   at::Tensor attention(const at::Tensor& x) {
-    const at::Tensor packed = qkv(x);  // [b, t, local heads x 3 x d] (whole sequence)
-    const int64_t b = packed.size(0), t = packed.size(1);
-    const int64_t d = packed.size(-1) / (3 * local_heads);
-    const at::Tensor heads = packed.view({b, t, local_heads, 3, d});
-    auto part = [&](int64_t i) { return heads.select(3, i).transpose(1, 2); };  // [b, h, t, d]
-    const at::Tensor q = part(0), k = part(1), v = part(2);
-    at::Tensor scores =
-        at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
-    at::Tensor future = at::ones({t, t}, packed.options().dtype(at::kBool)).triu(1);
-    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-    // Each rank's heads are its own: their dropout masks differ across the group.
-    at::Tensor weights =
-        tp::dropout(at::softmax(scores, -1), shared.dropout, is_training(), shared.rng->parallel());
-    at::Tensor y = at::matmul(weights, v).transpose(1, 2).reshape({b, t, local_heads * d});
+    const at::Tensor packed = qkv(x);  // [b, t, local groups x (group heads + 2) x d]
+    const int64_t b = packed.size(0), t = packed.size(1), d = head_dim;
+    const int64_t heads = local_groups * group_heads;
+    const at::Tensor groups = packed.view({b, t, local_groups, group_heads + 2, d});
+    at::Tensor q = groups.narrow(3, 0, group_heads).reshape({b, t, heads, d}).transpose(1, 2);
+    at::Tensor k = groups.select(3, group_heads).transpose(1, 2);  // [b, groups, t, d]
+    at::Tensor v = groups.select(3, group_heads + 1).transpose(1, 2);
+    if (rope) {
+      q = rotary(q, rope_theta);
+      k = rotary(k, rope_theta);
+    }
+    if (group_heads > 1) {  // each key/value head serves its group's query heads
+      k = k.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
+      v = v.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
+    }
+    at::Tensor y;
+    [[maybe_unused]] const bool attention_dropout = shared.dropout > 0 && is_training();
+#if DTRAIN_TORCH_AT_LEAST(2, 0)
+    if (!attention_dropout) y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+#endif
+    if (!y.defined()) {
+      at::Tensor scores =
+          at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
+      at::Tensor future = at::ones({t, t}, packed.options().dtype(at::kBool)).triu(1);
+      scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+      // Each rank's heads are its own: their dropout masks differ across the group.
+      at::Tensor weights = tp::dropout(at::softmax(scores, -1), shared.dropout, is_training(),
+                                       shared.rng->parallel());
+      y = at::matmul(weights, v);
+    }
+    y = y.transpose(1, 2).reshape({b, t, heads * d});
     return tp::dropout(proj(y), shared.dropout, is_training(), shared.outer_rng());
   }
   at::Tensor mlp(const at::Tensor& x) {
-    return tp::dropout(fc2(at::gelu(fc1(x))), shared.dropout, is_training(), shared.outer_rng());
+    at::Tensor h = fc1(x);
+    if (swiglu) {
+      const at::Tensor pairs = h.unflatten(-1, {h.size(-1) / 2, 2});
+      h = at::silu(pairs.select(-1, 0)) * pairs.select(-1, 1);
+    } else {
+      h = at::gelu(h);
+    }
+    return tp::dropout(fc2(h), shared.dropout, is_training(), shared.outer_rng());
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = x + attention(ln1(x));
     return h + mlp(ln2(h));
   }
 
-  int64_t local_heads;
-  torch::nn::LayerNorm ln1;
+  int64_t local_groups;  // key/value heads on this rank
+  int64_t group_heads;   // query heads per key/value head
+  int64_t head_dim;
+  bool rope;
+  double rope_theta;
+  bool swiglu;
+  Norm ln1;
   tp::ColumnParallelLinear qkv;
   tp::RowParallelLinear proj;
-  torch::nn::LayerNorm ln2;
+  Norm ln2;
   tp::ColumnParallelLinear fc1;
   tp::RowParallelLinear fc2;
   Shared shared;
@@ -151,7 +229,7 @@ TORCH_MODULE(GptBlock);
 // Under tensor parallelism the output is this rank's block of the logits (vocab-parallel).
 struct GptHeadImpl : torch::nn::Module {
   GptHeadImpl(const GptConfig& c, const GptEmbedding& embedding, Shared shared_)
-      : ln(torch::nn::LayerNormOptions({c.width})), shared(std::move(shared_)) {
+      : ln(c), shared(std::move(shared_)) {
     register_module("ln", ln);
     if (c.tied_embeddings) {
       tied = embedding;  // not registered: the parameter belongs to the embedding
@@ -171,7 +249,7 @@ struct GptHeadImpl : torch::nn::Module {
     return at::linear(h, tied->token->weight);
   }
   int64_t vocab_start() const { return out ? out->output_start() : tied->token->vocab_start(); }
-  torch::nn::LayerNorm ln;
+  Norm ln;
   tp::ColumnParallelLinear out{nullptr};
   GptEmbedding tied{nullptr};
   Shared shared;
@@ -225,13 +303,18 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
   // added after a reduce-scatter see only its part of the sequence.
   std::vector<std::string> partial_gradients() const override {
     if (!sequence_parallel) return {};
-    std::vector<std::string> names{"embedding.position.weight", "head.ln.weight", "head.ln.bias"};
+    std::vector<std::string> wanted{"embedding.position.weight", "head.ln.weight", "head.ln.bias"};
     for (size_t i = 0; i < blocks->size(); ++i) {
       const std::string b = "blocks." + std::to_string(i) + ".";
       for (const char* p :
            {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias"}) {
-        names.push_back(b + p);
+        wanted.push_back(b + p);
       }
+    }
+    std::vector<std::string> names;  // those the architecture has
+    const auto present = named_parameters();
+    for (auto& name : wanted) {
+      if (present.find(name) != nullptr) names.push_back(std::move(name));
     }
     return names;
   }
@@ -254,6 +337,35 @@ void validate(const GptConfig& c) {
   DTRAIN_CHECK_INPUT(c.context >= 1, "--context must be >= 1, got ", c.context);
   DTRAIN_CHECK_INPUT(c.dropout >= 0 && c.dropout < 1, "--dropout must be in [0, 1), got ",
                      c.dropout);
+  DTRAIN_CHECK_INPUT(c.kv_heads >= 0 && kv_heads_of(c) <= c.heads && c.heads % kv_heads_of(c) == 0,
+                     "--kv-heads (", c.kv_heads, ") must divide --heads (", c.heads, ")");
+  DTRAIN_CHECK_INPUT(c.ffn_width >= 0, "--ffn-width must be >= 0, got ", c.ffn_width);
+  DTRAIN_CHECK_INPUT(c.norm == "layernorm" || c.norm == "rmsnorm",
+                     "the norm must be layernorm or rmsnorm, got '", c.norm, "'");
+  DTRAIN_CHECK_INPUT(c.norm_eps > 0, "--norm-eps must be > 0, got ", c.norm_eps);
+  DTRAIN_CHECK_INPUT(c.position == "learned" || c.position == "rope",
+                     "the position embedding must be learned or rope, got '", c.position, "'");
+  DTRAIN_CHECK_INPUT(c.position != "rope" || (c.width / c.heads) % 2 == 0,
+                     "rotary embeddings need an even head width: --width ", c.width, " / --heads ",
+                     c.heads, " is ", c.width / c.heads);
+  DTRAIN_CHECK_INPUT(c.rope_theta > 0, "--rope-theta must be > 0, got ", c.rope_theta);
+  DTRAIN_CHECK_INPUT(c.mlp == "gelu" || c.mlp == "swiglu", "the MLP must be gelu or swiglu, got '",
+                     c.mlp, "'");
+}
+
+void llama_preset(GptConfig& c) {
+  c.norm = "rmsnorm";
+  c.position = "rope";
+  c.mlp = "swiglu";
+  c.bias = false;
+}
+
+int64_t kv_heads_of(const GptConfig& c) { return c.kv_heads > 0 ? c.kv_heads : c.heads; }
+
+int64_t ffn_width_of(const GptConfig& c) {
+  if (c.ffn_width > 0) return c.ffn_width;
+  if (c.mlp != "swiglu") return 4 * c.width;
+  return (8 * c.width / 3 + 63) / 64 * 64;
 }
 
 Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
@@ -265,6 +377,9 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
   const int ranks = shared.size();
   DTRAIN_CHECK_INPUT(config.heads % ranks == 0, "--heads (", config.heads,
                      ") must be a multiple of --tensor-parallel (", ranks, ")");
+  DTRAIN_CHECK_INPUT(kv_heads_of(config) % ranks == 0, "--kv-heads (", kv_heads_of(config),
+                     ") must be a multiple of --tensor-parallel (", ranks,
+                     "): each rank takes whole key/value heads");
   DTRAIN_CHECK_INPUT(config.vocab >= ranks, "a vocabulary of ", config.vocab,
                      " cannot be split over ", ranks, " tensor-parallel ranks");
   uint64_t dropout_seed = 0;
@@ -293,10 +408,22 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
 }
 
 std::string to_json(const GptConfig& c) {
-  return nlohmann::json{{"model", "gpt"},       {"vocab", c.vocab},
-                        {"layers", c.layers},   {"heads", c.heads},
-                        {"width", c.width},     {"context", c.context},
-                        {"dropout", c.dropout}, {"tied_embeddings", c.tied_embeddings}}
+  return nlohmann::json{{"model", "gpt"},
+                        {"vocab", c.vocab},
+                        {"layers", c.layers},
+                        {"heads", c.heads},
+                        {"width", c.width},
+                        {"context", c.context},
+                        {"dropout", c.dropout},
+                        {"tied_embeddings", c.tied_embeddings},
+                        {"kv_heads", kv_heads_of(c)},
+                        {"ffn_width", ffn_width_of(c)},
+                        {"norm", c.norm},
+                        {"norm_eps", c.norm_eps},
+                        {"position", c.position},
+                        {"rope_theta", c.rope_theta},
+                        {"mlp", c.mlp},
+                        {"bias", c.bias}}
       .dump();
 }
 
@@ -311,6 +438,15 @@ GptConfig gpt_config_from_json(const std::string& text, const std::string& origi
     c.context = json.at("context").get<int64_t>();
     c.dropout = json.at("dropout").get<double>();
     c.tied_embeddings = json.at("tied_embeddings").get<bool>();
+    // The architecture's fields (checkpoints from before them are GPT-2's).
+    c.kv_heads = json.value("kv_heads", c.kv_heads);
+    c.ffn_width = json.value("ffn_width", c.ffn_width);
+    c.norm = json.value("norm", c.norm);
+    c.norm_eps = json.value("norm_eps", c.norm_eps);
+    c.position = json.value("position", c.position);
+    c.rope_theta = json.value("rope_theta", c.rope_theta);
+    c.mlp = json.value("mlp", c.mlp);
+    c.bias = json.value("bias", c.bias);
   } catch (const nlohmann::json::exception& e) {
     DTRAIN_THROW(InputError, origin, ": the GPT model description is incomplete: ", e.what());
   }
@@ -319,10 +455,14 @@ GptConfig gpt_config_from_json(const std::string& text, const std::string& origi
 }
 
 int64_t gpt_parameter_count(const GptConfig& c) {
-  const int64_t w = c.width;
-  const int64_t block =
-      2 * 2 * w + (w * 3 * w + 3 * w) + (w * w + w) + (w * 4 * w + 4 * w) + (4 * w * w + w);
-  return c.vocab * w + c.context * w + c.layers * block + 2 * w +
+  const int64_t w = c.width, d = c.width / c.heads, f = ffn_width_of(c);
+  const int64_t b = c.bias ? 1 : 0;
+  const int64_t qkv = (c.heads + 2 * kv_heads_of(c)) * d;
+  const int64_t mlp_in = (c.mlp == "swiglu" ? 2 : 1) * f;
+  const int64_t norm = c.norm == "layernorm" ? w * (1 + b) : w;
+  const int64_t block = 2 * norm + (w * qkv + b * qkv) + (w * w + b * w) +
+                        (w * mlp_in + b * mlp_in) + (f * w + b * w);
+  return c.vocab * w + (c.position == "learned" ? c.context * w : 0) + c.layers * block + norm +
          (c.tied_embeddings ? 0 : w * c.vocab);
 }
 

@@ -259,7 +259,7 @@ Model build_resnet(const ModelSpec& spec) {
 // The GPT's sizes (its vocabulary comes from the data, checked when it is read) against the
 // tensor-parallel ranks: whole heads per rank, a sequence that splits evenly.
 void check_gpt_layout(const ModelSpec& spec, const ModelLayout& layout) {
-  GptConfig config = spec.gpt;
+  GptConfig config = decoder_config(spec);
   config.vocab = std::max<int64_t>(config.vocab, 2);
   validate(config);
   const int tp = layout.tensor_parallel;
@@ -269,13 +269,16 @@ void check_gpt_layout(const ModelSpec& spec, const ModelLayout& layout) {
   if (tp <= 1) return;
   DTRAIN_CHECK_INPUT(config.heads % tp == 0, "--tensor-parallel ", tp, " must divide --heads (",
                      config.heads, "): each rank takes whole heads");
+  DTRAIN_CHECK_INPUT(kv_heads_of(config) % tp == 0, "--tensor-parallel ", tp,
+                     " must divide --kv-heads (", kv_heads_of(config),
+                     "): each rank takes whole key/value heads");
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel || config.context % tp == 0,
                      "--sequence-parallel splits the --context of ", config.context,
                      " tokens over --tensor-parallel ", tp, ": it must be a multiple of it");
 }
 
 Model build_gpt(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
-  GptConfig config = spec.gpt;
+  GptConfig config = decoder_config(spec);
   config.checkpointing = spec.checkpointing;
   return make_gpt(config, tensor_parallel);
 }
@@ -311,6 +314,13 @@ std::vector<ModelInfo> built_in() {
   gpt.build = build_gpt;
   gpt.check_layout = check_gpt_layout;
   all.push_back(gpt);
+  ModelInfo llama = gpt;
+  llama.name = "llama";
+  llama.summary =
+      "a Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention "
+      "(--kv-heads), no biases";
+  llama.decoder_preset = llama_preset;
+  all.push_back(llama);
   return all;
 }
 
@@ -331,6 +341,13 @@ void register_model(ModelInfo info) {
 }
 
 TrainingRecipe training_recipe(const std::string& model) { return model_info(model).recipe; }
+
+GptConfig decoder_config(const ModelSpec& spec) {
+  GptConfig config = spec.gpt;
+  const ModelInfo& info = model_info(spec.name);
+  if (info.decoder_preset) info.decoder_preset(config);
+  return config;
+}
 
 Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
   const ModelInfo& info = model_info(spec.name);

@@ -371,13 +371,13 @@ void load_consolidated(torch::nn::Module& module, const std::string& file) {
   for (auto& item : module.named_buffers()) load(item.key(), item.value());
 }
 
-int64_t consolidate_checkpoint(const std::string& directory, const std::string& output) {
+std::vector<FullTensor> read_full_model(const std::string& directory) {
   const std::string problem = verify_checkpoint(directory);
   DTRAIN_CHECK_INPUT(problem.empty(), "checkpoint ", directory, " does not verify: ", problem);
   const CheckpointMeta meta = read_meta(directory);
   std::vector<parallel::PieceRef> parameters;
   parallel::NamedTensors buffers;
-  ArchiveNode root;
+  std::vector<FullTensor> out;
   for (const auto& info : meta.tensors) {
     const auto dtype = scalar_type_named(info.dtype, directory);
     at::Tensor value = at::zeros(info.shape, at::TensorOptions().dtype(dtype));
@@ -386,11 +386,18 @@ int64_t consolidate_checkpoint(const std::string& directory, const std::string& 
     } else {
       parameters.push_back({info.name, 0, value, info.shape});
     }
-    root.add(info.name, value, info.buffer);
+    out.push_back({info.name, value, info.buffer});
   }
   parallel::read_state_shards(directory, parameters, nullptr, {}, &buffers);
+  return out;
+}
+
+int64_t consolidate_checkpoint(const std::string& directory, const std::string& output) {
+  ArchiveNode root;
+  const std::vector<FullTensor> tensors = read_full_model(directory);
+  for (const auto& t : tensors) root.add(t.name, t.value, t.buffer);
   write_archive(root, output);
-  return static_cast<int64_t>(meta.tensors.size());
+  return static_cast<int64_t>(tensors.size());
 }
 
 void save_consolidated(torch::nn::Module& module, const std::string& file) {

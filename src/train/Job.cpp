@@ -15,6 +15,7 @@
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/Weights.h"
 
 namespace dtrain::train {
 
@@ -266,9 +267,8 @@ JobResult run_job(const JobConfig& job) {
   if (data::dataset_info(job.dataset).language) {
     vocabulary = data.vocabulary;
     options.token_loss = true;
-    models::GptConfig config = job.gpt;
-    config.vocab = vocabulary;
-    options.checkpoint_extras["model"] = models::to_json(config);
+    options.checkpoint_extras["model"] =
+        models::to_json(models::decoder_config(model_spec(job, vocabulary)));
     if (!data.tokenizer_json.empty()) {
       options.checkpoint_extras["tokenizer"] = data.tokenizer_json;
     } else {
@@ -278,16 +278,24 @@ JobResult run_job(const JobConfig& job) {
   if (world->rank() == 0 && !data.description.empty()) {
     std::string line = data.description;
     if (models::model_info(job.model).language_model) {
-      models::GptConfig config = job.gpt;
-      config.vocab = vocabulary;
-      line += concat("; GPT of ", models::gpt_parameter_count(config), " parameters");
+      line +=
+          concat("; ", job.model, " of ",
+                 models::gpt_parameter_count(models::decoder_config(model_spec(job, vocabulary))),
+                 " parameters");
     }
     std::printf("%s\n", line.c_str());
   }
+  // safetensors weights load here, where the model's spec is known (Hugging Face's names, any
+  // tensor-parallel layout); checkpoints and consolidated files in the Trainer.
+  const std::string safetensors_init =
+      !options.init_from.empty() && is_safetensors(options.init_from) ? options.init_from : "";
+  if (!safetensors_init.empty()) options.init_from.clear();
   Trainer trainer(options, world);
+  const models::ModelSpec spec = model_spec(job, vocabulary);
+  Model model = models::make_model(spec, trainer.grid()->tp());
+  if (!safetensors_init.empty()) init_from_safetensors(model, spec, safetensors_init);
   JobResult result;
-  result.fit = trainer.fit(models::make_model(model_spec(job, vocabulary), trainer.grid()->tp()),
-                           data.train, &data.test);
+  result.fit = trainer.fit(std::move(model), data.train, &data.test);
   result.rank = trainer.grid()->world()->rank();
   result.world_size = trainer.grid()->world()->size();
   return result;

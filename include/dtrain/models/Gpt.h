@@ -1,8 +1,11 @@
-// A GPT-style decoder-only language model: token and learned position embeddings, pre-norm
-// blocks (LayerNorm, causal multi-head self-attention, LayerNorm, GeLU MLP, each with a residual
-// connection), a final LayerNorm and an output layer (tied to the token embedding or not).
-// Described as stages (embedding, each block, head) so ZeRO-3 and the pipeline run it unchanged.
-// Input: token ids [B, T] (int64, T <= context); output: logits [B, T, vocab].
+// The decoder-only language model, as Megatron's GPTModel: GPT-2's architecture by default (token
+// and learned position embeddings, pre-norm blocks of LayerNorm, causal multi-head
+// self-attention, LayerNorm and a GeLU MLP, each with a residual connection, a final LayerNorm
+// and an output layer tied to the token embedding or not), and Llama's with its choices
+// (RMSNorm, rotary position embeddings, a SwiGLU MLP, grouped-query attention, no biases:
+// `--model llama`, llama_preset). Described as stages (embedding, each block, head) so ZeRO-3
+// and the pipeline run it unchanged. Input: token ids [B, T] (int64, T <= context); output:
+// logits [B, T, vocab].
 #pragma once
 
 #include <cstdint>
@@ -20,6 +23,21 @@ struct GptConfig {
   int64_t width = 256;    ///< model width (a multiple of heads)
   int64_t context = 128;  ///< longest sequence (position embeddings)
   double dropout = 0.0;
+  /// Key/value heads (grouped-query attention: each serves heads / kv_heads query heads;
+  /// 0 = heads, plain multi-head attention).
+  int64_t kv_heads = 0;
+  /// The MLP's hidden width (0: 4 x width for gelu; for swiglu Llama's 8/3 x width, rounded up
+  /// to a multiple of 64).
+  int64_t ffn_width = 0;
+  /// The architecture: "layernorm" or "rmsnorm"; "learned" position embeddings or "rope"
+  /// (rotary, on each head's halves as Hugging Face's Llama); a "gelu" or "swiglu" MLP; biases
+  /// in the linear layers and LayerNorms or none.
+  std::string norm = "layernorm";
+  double norm_eps = 1e-5;
+  std::string position = "learned";
+  double rope_theta = 10000.0;
+  std::string mlp = "gelu";
+  bool bias = true;
   /// The output layer reuses the token embedding's weight (GPT-2's weight tying).
   bool tied_embeddings = false;
   /// Activation checkpointing: "none", "sqrt" or a segment count (over the blocks).
@@ -33,9 +51,20 @@ struct GptConfig {
 /// InputError naming the field for sizes that cannot make a model.
 void validate(const GptConfig& config);
 
+/// Llama's choices on `config`'s sizes: RMSNorm, rotary embeddings, SwiGLU, no biases.
+void llama_preset(GptConfig& config);
+
+/// The key/value heads and the MLP width with their defaults resolved.
+int64_t kv_heads_of(const GptConfig& config);
+int64_t ffn_width_of(const GptConfig& config);
+
 /// The model, initialized as GPT-2 (normal(0, 0.02) weights, residual projections scaled by
-/// 1/sqrt(2 x layers), zero biases) from the global LibTorch generator. With a
-/// `tensor_parallel` group of T > 1 ranks (ProcessGrid::tp()), attention heads, MLP columns
+/// 1/sqrt(2 x layers), zero biases) from the global LibTorch generator. Its query, key and value
+/// projections are one layer ("qkv") whose output features are ordered [key/value head,
+/// (its query heads..., key, value), head dim]; a SwiGLU MLP's first layer ("fc1") interleaves
+/// the gate's and the up projection's rows (gate 0, up 0, gate 1, ...), so that contiguous
+/// blocks are whole head groups and matching pairs. With a `tensor_parallel` group of T > 1
+/// ranks (ProcessGrid::tp()), attention heads (T must divide the key/value heads), MLP columns
 /// and the vocabulary are split over it (nn/tensor/Layers.h): every rank draws the full
 /// initialization and keeps its block, so the model equals the serial one built from the same
 /// seed; its output is then this rank's block of the logits, and Model::loss / Model::predict

@@ -16,7 +16,7 @@
 namespace dtrain::models {
 
 struct ModelSpec {
-  /// "mlp", "linear" (logistic regression), "cnn", "resnet" or "gpt".
+  /// "mlp", "linear" (logistic regression), "cnn", "resnet", "gpt" or "llama".
   std::string name = "cnn";
   /// One example's shape, e.g. {1, 28, 28}.
   std::vector<int64_t> input_shape{1, 28, 28};
@@ -73,11 +73,18 @@ struct ModelInfo {
   /// learning, which averages parameters, can train it.
   bool parameters_only = true;
   TrainingRecipe recipe;
+  /// A decoder's architecture on the shape flags (--model llama: llama_preset); nullptr: the
+  /// GPT's own (GPT-2's).
+  std::function<void(GptConfig& config)> decoder_preset;
   /// InputError naming the flags when the model's own sizes (spec) or the layout do not suit it
   /// (a GPT's heads that --tensor-parallel does not divide); checked before any rank starts.
   /// nullptr: any layout its capabilities allow.
   std::function<void(const ModelSpec& spec, const ModelLayout& layout)> check_layout;
 };
+
+/// A language model's decoder: spec.gpt with the registry entry's architecture applied (what
+/// it builds, what a checkpoint records for `dtrain generate`).
+GptConfig decoder_config(const ModelSpec& spec);
 
 /// Every registered model's name, built-in ones first.
 std::vector<std::string> model_names();

@@ -89,6 +89,16 @@ std::string set_aside_damaged(const std::string& directory);
 /// `latest`).
 std::string resolve_checkpoint(const std::string& path);
 
+/// A tensor of the full model.
+struct FullTensor {
+  std::string name;
+  at::Tensor value;
+  bool buffer = false;  ///< a buffer (BatchNorm's statistics), not a parameter
+};
+/// Every parameter and buffer of a checkpoint as full tensors, whatever its strategy, world size
+/// and layout (its shards joined), in meta.json's order. InputError when it does not verify.
+std::vector<FullTensor> read_full_model(const std::string& directory);
+
 /// Joins the checkpoint's state files into one LibTorch archive of the full model (every
 /// parameter and buffer meta.json lists, nested by module path like torch::save(module)): C++
 /// reads it with load_consolidated (below), Python with torch.load(file).state_dict(). Works for

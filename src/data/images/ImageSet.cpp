@@ -438,11 +438,13 @@ ImageSplits load_image_splits(const ImageSetOptions& options) {
              " classes, ", options.size, "x", options.size, ", --augment ", options.augment, notes);
   if (options.train) {
     splits.train = TensorDataset::from_source(
-        std::make_shared<ImageSource>(train, true, options.size, options.seed, options.augment), false);
+        std::make_shared<ImageSource>(train, true, options.size, options.seed, options.augment),
+        false);
   }
   if (options.test) {
     splits.test = TensorDataset::from_source(
-        std::make_shared<ImageSource>(val, false, options.size, options.seed, options.augment), false);
+        std::make_shared<ImageSource>(val, false, options.size, options.seed, options.augment),
+        false);
   }
   return splits;
 }

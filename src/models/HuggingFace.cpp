@@ -1,0 +1,243 @@
+// Hugging Face's Llama names and layout (see HuggingFace.h). dtrain's qkv rows are ordered
+// [key/value head g, (its query heads, key, value), head dim]; transformers' q_proj rows are
+// [query head, head dim] with query head i served by key/value head i / (heads / kv_heads), as its
+// repeat_kv: group g's query rows are q_proj's rows of heads g x rep ... (g + 1) x rep - 1.
+#include "dtrain/models/HuggingFace.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <nlohmann/json.hpp>
+
+#include <set>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/nn/tensor/Split.h"
+
+namespace dtrain::models {
+
+using json = nlohmann::json;
+
+namespace {
+
+struct Shapes {
+  int64_t width, heads, groups, rep, head_dim, ffn;
+};
+
+Shapes shapes_of(const GptConfig& c) {
+  Shapes s;
+  s.width = c.width;
+  s.heads = c.heads;
+  s.groups = kv_heads_of(c);
+  s.rep = c.heads / s.groups;
+  s.head_dim = c.width / c.heads;
+  s.ffn = ffn_width_of(c);
+  return s;
+}
+
+void check_llama(const GptConfig& c) {
+  DTRAIN_CHECK_INPUT(c.norm == "rmsnorm" && c.position == "rope" && c.mlp == "swiglu" && !c.bias,
+                     "Hugging Face's Llama layout needs the Llama architecture (--model llama): "
+                     "this decoder has ",
+                     c.norm, ", ", c.position, " positions, a ", c.mlp, " MLP",
+                     c.bias ? " and biases" : "");
+}
+
+std::string layer(int64_t i) { return "model.layers." + std::to_string(i) + "."; }
+std::string block(int64_t i) { return "blocks." + std::to_string(i) + "."; }
+
+}  // namespace
+
+GptConfig llama_config_from_hf(const std::string& text, const std::string& origin) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    DTRAIN_THROW(InputError, origin, ": not JSON (", e.what(), ")");
+  }
+  DTRAIN_CHECK_INPUT(j.is_object(), origin, ": not a JSON object");
+  const std::string type = j.value("model_type", std::string());
+  DTRAIN_CHECK_INPUT(type == "llama", origin, ": model_type '", type,
+                     "'; dtrain reads Llama configs (model_type llama)");
+  GptConfig c;
+  llama_preset(c);
+  try {
+    c.vocab = j.at("vocab_size").get<int64_t>();
+    c.width = j.at("hidden_size").get<int64_t>();
+    c.ffn_width = j.at("intermediate_size").get<int64_t>();
+    c.layers = j.at("num_hidden_layers").get<int64_t>();
+    c.heads = j.at("num_attention_heads").get<int64_t>();
+    c.kv_heads = j.value("num_key_value_heads", c.heads);
+    c.context = j.at("max_position_embeddings").get<int64_t>();
+    c.norm_eps = j.value("rms_norm_eps", 1e-6);
+    c.tied_embeddings = j.value("tie_word_embeddings", false);
+    c.rope_theta = j.value("rope_theta", 10000.0);
+    if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
+      const auto& rope = j["rope_parameters"];
+      c.rope_theta = rope.value("rope_theta", c.rope_theta);
+      const std::string kind = rope.value("rope_type", std::string("default"));
+      DTRAIN_CHECK_INPUT(kind == "default", origin, ": rope_parameters.rope_type '", kind,
+                         "' (dtrain's rotary embeddings are the default kind, unscaled)");
+    }
+    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+      DTRAIN_THROW(InputError, origin, ": rope_scaling ", j["rope_scaling"].dump(),
+                   " (dtrain's rotary embeddings are unscaled)");
+    }
+    const std::string act = j.value("hidden_act", std::string("silu"));
+    DTRAIN_CHECK_INPUT(act == "silu", origin, ": hidden_act '", act, "' (dtrain's SwiGLU is silu)");
+    DTRAIN_CHECK_INPUT(!j.value("attention_bias", false) && !j.value("mlp_bias", false), origin,
+                       ": attention_bias or mlp_bias is set (dtrain's Llama has no biases)");
+    if (j.contains("head_dim") && !j["head_dim"].is_null() && c.heads > 0) {
+      const int64_t head_dim = j["head_dim"].get<int64_t>();
+      DTRAIN_CHECK_INPUT(head_dim * c.heads == c.width, origin, ": head_dim ", head_dim,
+                         " is not hidden_size / num_attention_heads (", c.width, " / ", c.heads,
+                         ")");
+    }
+  } catch (const json::exception& e) {
+    DTRAIN_THROW(InputError, origin, ": ", e.what());
+  }
+  try {
+    validate(c);
+  } catch (const InputError& e) {
+    DTRAIN_THROW(InputError, origin, ": ", e.message());
+  }
+  return c;
+}
+
+std::string llama_config_to_hf(const GptConfig& c, const std::string& dtype) {
+  check_llama(c);
+  const json j = {
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"vocab_size", c.vocab},
+      {"hidden_size", c.width},
+      {"intermediate_size", ffn_width_of(c)},
+      {"num_hidden_layers", c.layers},
+      {"num_attention_heads", c.heads},
+      {"num_key_value_heads", kv_heads_of(c)},
+      {"head_dim", c.width / c.heads},
+      {"max_position_embeddings", c.context},
+      {"rms_norm_eps", c.norm_eps},
+      {"rope_theta", c.rope_theta},
+      {"rope_parameters", {{"rope_theta", c.rope_theta}, {"rope_type", "default"}}},
+      {"tie_word_embeddings", c.tied_embeddings},
+      {"hidden_act", "silu"},
+      {"attention_bias", false},
+      {"mlp_bias", false},
+      {"attention_dropout", 0.0},
+      {"initializer_range", 0.02},
+      {"dtype", dtype},
+      {"torch_dtype", dtype},
+  };
+  return j.dump(2) + "\n";
+}
+
+nn::NamedTensors to_hf_llama(const FullTensors& ours, const GptConfig& c) {
+  check_llama(c);
+  const Shapes s = shapes_of(c);
+  auto get = [&ours](const std::string& name) {
+    const auto it = ours.find(name);
+    DTRAIN_CHECK_INPUT(it != ours.end(), "the model has no parameter ", name);
+    return it->second;
+  };
+  nn::NamedTensors out;
+  out.push_back({"model.embed_tokens.weight", get("embedding.token.weight")});
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const at::Tensor qkv =
+        get(block(i) + "qkv.weight").view({s.groups, s.rep + 2, s.head_dim, s.width});
+    out.push_back({layer(i) + "self_attn.q_proj.weight",
+                   qkv.narrow(1, 0, s.rep).reshape({s.heads * s.head_dim, s.width})});
+    out.push_back({layer(i) + "self_attn.k_proj.weight",
+                   qkv.select(1, s.rep).reshape({s.groups * s.head_dim, s.width})});
+    out.push_back({layer(i) + "self_attn.v_proj.weight",
+                   qkv.select(1, s.rep + 1).reshape({s.groups * s.head_dim, s.width})});
+    out.push_back({layer(i) + "self_attn.o_proj.weight", get(block(i) + "proj.weight")});
+    const at::Tensor fc1 = get(block(i) + "fc1.weight").view({s.ffn, 2, s.width});
+    out.push_back({layer(i) + "mlp.gate_proj.weight", fc1.select(1, 0)});
+    out.push_back({layer(i) + "mlp.up_proj.weight", fc1.select(1, 1)});
+    out.push_back({layer(i) + "mlp.down_proj.weight", get(block(i) + "fc2.weight")});
+    out.push_back({layer(i) + "input_layernorm.weight", get(block(i) + "ln1.weight")});
+    out.push_back({layer(i) + "post_attention_layernorm.weight", get(block(i) + "ln2.weight")});
+  }
+  out.push_back({"model.norm.weight", get("head.ln.weight")});
+  if (!c.tied_embeddings) out.push_back({"lm_head.weight", get("head.out.weight")});
+  for (auto& [name, tensor] : out) tensor = tensor.contiguous();
+  return out;
+}
+
+FullTensors from_hf_llama(const nn::SafeTensorsSet& weights, const GptConfig& c) {
+  check_llama(c);
+  const Shapes s = shapes_of(c);
+  std::set<std::string> used;
+  auto get = [&](const std::string& name, std::vector<int64_t> shape) {
+    DTRAIN_CHECK_INPUT(weights.contains(name), weights.origin(), ": tensor '", name,
+                       "' is missing (the config asks for ", c.layers, " layers",
+                       c.tied_embeddings ? ", tied embeddings" : "", ")");
+    const nn::SafeTensorInfo& info = weights.info(name);
+    DTRAIN_CHECK_INPUT(info.shape == shape, weights.origin(), ": tensor '", name, "' has shape ",
+                       at::IntArrayRef(info.shape), " where the config gives ",
+                       at::IntArrayRef(shape));
+    used.insert(name);
+    return weights.get(name);
+  };
+  FullTensors ours;
+  ours["embedding.token.weight"] = get("model.embed_tokens.weight", {c.vocab, s.width});
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = layer(i), b = block(i);
+    const at::Tensor q = get(l + "self_attn.q_proj.weight", {s.heads * s.head_dim, s.width})
+                             .view({s.groups, s.rep, s.head_dim, s.width});
+    const at::Tensor k = get(l + "self_attn.k_proj.weight", {s.groups * s.head_dim, s.width})
+                             .view({s.groups, 1, s.head_dim, s.width});
+    const at::Tensor v = get(l + "self_attn.v_proj.weight", {s.groups * s.head_dim, s.width})
+                             .view({s.groups, 1, s.head_dim, s.width});
+    ours[b + "qkv.weight"] =
+        at::cat({q, k, v}, 1).reshape({(s.heads + 2 * s.groups) * s.head_dim, s.width});
+    ours[b + "proj.weight"] = get(l + "self_attn.o_proj.weight", {s.width, s.width});
+    const at::Tensor gate = get(l + "mlp.gate_proj.weight", {s.ffn, s.width});
+    const at::Tensor up = get(l + "mlp.up_proj.weight", {s.ffn, s.width});
+    ours[b + "fc1.weight"] = at::stack({gate, up}, 1).reshape({2 * s.ffn, s.width});
+    ours[b + "fc2.weight"] = get(l + "mlp.down_proj.weight", {s.width, s.ffn});
+    ours[b + "ln1.weight"] = get(l + "input_layernorm.weight", {s.width});
+    ours[b + "ln2.weight"] = get(l + "post_attention_layernorm.weight", {s.width});
+  }
+  ours["head.ln.weight"] = get("model.norm.weight", {s.width});
+  if (!c.tied_embeddings) ours["head.out.weight"] = get("lm_head.weight", {c.vocab, s.width});
+  for (const auto& name : weights.names()) {
+    // Rotary tables some exporters save are recomputed, never read.
+    if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
+    DTRAIN_CHECK_INPUT(used.count(name), weights.origin(), ": tensor '", name,
+                       "' is not part of the model the config describes",
+                       name == "lm_head.weight" ? " (tie_word_embeddings is true)" : "");
+  }
+  return ours;
+}
+
+void load_full_tensors(torch::nn::Module& module, const FullTensors& full,
+                       const std::string& origin) {
+  const auto splits = nn::tensor::parameter_splits(module);
+  std::set<std::string> seen;
+  torch::NoGradGuard no_grad;
+  auto load = [&](const std::string& name, at::Tensor target) {
+    const auto it = full.find(name);
+    DTRAIN_CHECK_INPUT(it != full.end(), origin, ": no tensor for the model's ", name);
+    seen.insert(name);
+    const auto split = splits.find(name);
+    const std::vector<int64_t> shape =
+        split != splits.end() ? split->second.full_shape : target.sizes().vec();
+    DTRAIN_CHECK_INPUT(it->second.sizes() == at::IntArrayRef(shape), origin, ": ", name,
+                       " has shape ", it->second.sizes(), " where the model's is ",
+                       at::IntArrayRef(shape));
+    const at::Tensor block =
+        split == splits.end()
+            ? it->second
+            : it->second.narrow(split->second.dim, split->second.start, split->second.length);
+    target.copy_(block);
+  };
+  for (const auto& item : module.named_parameters()) load(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) load(item.key(), item.value());
+  for (const auto& [name, tensor] : full) {
+    DTRAIN_CHECK_INPUT(seen.count(name), origin, ": ", name, " is not a tensor of the model");
+  }
+}
+
+}  // namespace dtrain::models

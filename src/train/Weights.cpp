@@ -1,0 +1,125 @@
+// safetensors out of checkpoints and into models (see Weights.h).
+#include "dtrain/train/Weights.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "common/Files.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/models/Gpt.h"
+#include "dtrain/models/HuggingFace.h"
+#include "dtrain/nn/SafeTensors.h"
+#include "dtrain/train/Checkpoint.h"
+
+namespace dtrain::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+bool llama_architecture(const models::GptConfig& c) {
+  return c.norm == "rmsnorm" && c.position == "rope" && c.mlp == "swiglu" && !c.bias;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  write_file_atomically(path, text.data(), text.size());
+}
+
+// config.json's sizes against the model's flags: the first that differs, named.
+void check_against_flags(const models::GptConfig& file, const models::GptConfig& model,
+                         const std::string& origin) {
+  auto same = [&](const char* field, const char* flag, auto theirs, auto ours) {
+    DTRAIN_CHECK_INPUT(theirs == ours, "--init-from ", origin, ": ", field, " is ", theirs,
+                       ", the model's ", flag, " is ", ours);
+  };
+  same("vocab_size", "vocabulary (--vocab-size, or the data's)", file.vocab, model.vocab);
+  same("hidden_size", "--width", file.width, model.width);
+  same("intermediate_size", "--ffn-width", models::ffn_width_of(file), models::ffn_width_of(model));
+  same("num_hidden_layers", "--layers", file.layers, model.layers);
+  same("num_attention_heads", "--heads", file.heads, model.heads);
+  same("num_key_value_heads", "--kv-heads", models::kv_heads_of(file), models::kv_heads_of(model));
+  same("tie_word_embeddings", "--tied-embeddings", file.tied_embeddings, model.tied_embeddings);
+  same("rope_theta", "--rope-theta", file.rope_theta, model.rope_theta);
+  same("rms_norm_eps", "--norm-eps", file.norm_eps, model.norm_eps);
+}
+
+}  // namespace
+
+std::vector<std::string> export_safetensors(const std::string& checkpoint,
+                                            const std::string& output, int64_t max_shard_bytes) {
+  const std::string directory = resolve_checkpoint(checkpoint);
+  const CheckpointMeta meta = read_meta(directory);
+  const std::vector<FullTensor> tensors = read_full_model(directory);
+  fs::create_directories(output);
+  const auto model_it = meta.extras.find("model");
+  std::vector<std::string> written;
+  if (model_it != meta.extras.end()) {
+    const models::GptConfig config =
+        models::gpt_config_from_json(model_it->second, directory + "/meta.json");
+    if (llama_architecture(config)) {
+      models::FullTensors full;
+      for (const auto& t : tensors) full[t.name] = t.value;
+      const std::string dtype = c10::toString(tensors.front().value.scalar_type());
+      written = nn::save_safetensors_folder(output, models::to_hf_llama(full, config),
+                                            max_shard_bytes, {{"format", "pt"}});
+      const std::string hf_dtype = dtype == "Float"      ? "float32"
+                                   : dtype == "Double"   ? "float64"
+                                   : dtype == "BFloat16" ? "bfloat16"
+                                                         : "float16";
+      write_text((fs::path(output) / "config.json").string(),
+                 models::llama_config_to_hf(config, hf_dtype));
+      written.push_back((fs::path(output) / "config.json").string());
+      const auto tokenizer = meta.extras.find("tokenizer");
+      if (tokenizer != meta.extras.end()) {
+        write_text((fs::path(output) / "tokenizer.json").string(), tokenizer->second);
+        written.push_back((fs::path(output) / "tokenizer.json").string());
+      }
+      return written;
+    }
+  }
+  nn::NamedTensors named;
+  for (const auto& t : tensors) named.push_back({t.name, t.value});
+  return nn::save_safetensors_folder(output, named, max_shard_bytes, {{"format", "dtrain"}});
+}
+
+bool is_safetensors(const std::string& path) {
+  std::error_code error;
+  if (fs::is_directory(path, error)) {
+    return fs::exists(fs::path(path) / "model.safetensors", error) ||
+           fs::exists(fs::path(path) / "model.safetensors.index.json", error);
+  }
+  return fs::path(path).extension() == ".safetensors";
+}
+
+void init_from_safetensors(Model& model, const models::ModelSpec& spec, const std::string& path) {
+  const nn::SafeTensorsSet weights = nn::SafeTensorsSet::open(path);
+  const bool decoder = models::model_info(spec.name).language_model;
+  models::FullTensors full;
+  if (decoder && weights.contains("model.embed_tokens.weight")) {
+    const models::GptConfig config = models::decoder_config(spec);
+    DTRAIN_CHECK_INPUT(llama_architecture(config), "--init-from ", path,
+                       " holds Hugging Face Llama weights; --model ", spec.name,
+                       " is not a Llama-architecture decoder (--model llama)");
+    const fs::path folder = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
+    const fs::path config_path = folder / "config.json";
+    std::error_code error;
+    if (fs::exists(config_path, error)) {
+      std::ifstream in(config_path);
+      const std::string text((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+      check_against_flags(models::llama_config_from_hf(text, config_path.string()), config,
+                          config_path.string());
+    }
+    full = models::from_hf_llama(weights, config);
+  } else {
+    for (const auto& name : weights.names()) full[name] = weights.get(name);
+  }
+  models::load_full_tensors(*model.module, full, "--init-from " + path);
+}
+
+}  // namespace dtrain::train

@@ -1,0 +1,62 @@
+"""transformers' LlamaForCausalLM as the oracle for dtrain's Llama model (tests/llama_test.cpp).
+
+  python llama_oracle.py OUT [--tied]
+writes OUT/model (save_pretrained: config.json + model.safetensors) of a small random Llama with
+grouped-query attention (its norms' weights drawn too, so they count), and OUT/expected.safetensors:
+"ids" [2, 12] and the logits on them in float32 ("logits32", transformers as it is) and in float64
+("logits64"). In float64 transformers' own float32 islands (LlamaRMSNorm and the rotary tables
+compute in float32 whatever the model's dtype) are replaced by the same formulas in the input's
+dtype, and attention is its "sdpa" implementation (its "eager" one takes the softmax in float32);
+the rest is transformers' code."""
+import sys
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama import modeling_llama
+
+
+def rms_norm_in_dtype(self, hidden_states):
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def rotary_in_dtype(self, x, position_ids):
+    dim = self.inv_freq.shape[0] * 2
+    theta = self.config.rope_parameters["rope_theta"]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = position_ids[..., None].to(torch.float64) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), \
+        (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def main():
+    out = sys.argv[1]
+    tied = "--tied" in sys.argv
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tied)
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+            else:
+                parameter.normal_(0.0, 0.2)  # larger than the init's 0.02: logits that differ
+    model.save_pretrained(out + "/model")
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits32 = model(ids).logits
+        modeling_llama.LlamaRMSNorm.forward = rms_norm_in_dtype
+        modeling_llama.LlamaRotaryEmbedding.forward = rotary_in_dtype
+        model.config._attn_implementation = "sdpa"
+        logits64 = model.double()(ids).logits
+    save_file({"ids": ids, "logits32": logits32.contiguous(), "logits64": logits64.contiguous()},
+              out + "/expected.safetensors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+// The Llama-style decoder: its logits equal transformers' LlamaForCausalLM on the same weights
+// (tests/data/llama_oracle.py in .venv-torch; skipped without it) within 1e-5 in float32 and
+// 1e-10 in float64, Hugging Face's names and layout both ways, bad configs and weight files named,
+// and data parallelism and ZeRO-3 (with activation checkpointing) training like one process in
+// float64. (Tensor and sequence parallelism: tests/tensor_parallel_test.cpp.)
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "InputErrors.h"
+#include "Oracle.h"
+#include "RankThreads.h"
+#include "TempDir.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/models/Gpt.h"
+#include "dtrain/models/HuggingFace.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/nn/SafeTensors.h"
+#include "parallel/ddp/DdpStrategy.h"
+#include "parallel/zero/Zero3Strategy.h"
+
+using namespace dtrain;
+using dtrain::test::error_of;
+using dtrain::test::TempDir;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kPeerPython = dtrain::test::peer_python();
+const std::string kOracle = std::string(DTRAIN_SOURCE_DIR) + "/tests/data/llama_oracle.py";
+
+bool have_transformers() {
+  return std::system((kPeerPython + " -c 'import transformers' > /dev/null 2>&1").c_str()) == 0;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+models::FullTensors full_parameters(const Model& model) {
+  models::FullTensors out;
+  for (const auto& item : model.module->named_parameters()) {
+    out[item.key()] = item.value().detach().clone();
+  }
+  return out;
+}
+
+models::GptConfig small_llama() {
+  models::GptConfig c;
+  models::llama_preset(c);
+  c.vocab = 13;
+  c.layers = 2;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.width = 16;
+  c.ffn_width = 24;
+  c.context = 8;
+  return c;
+}
+
+}  // namespace
+
+TEST(Llama, LogitsEqualTransformersInFloat32AndFloat64) {
+  if (!have_transformers()) GTEST_SKIP() << "no transformers in " << kPeerPython;
+  for (bool tied : {false, true}) {
+    TempDir dir;
+    const std::string command = kPeerPython + " " + kOracle + " " + dir.path() +
+                                (tied ? " --tied" : "") + " > " + (dir / "log") + " 2>&1";
+    ASSERT_EQ(std::system(command.c_str()), 0) << read_text(dir / "log");
+    const models::GptConfig config =
+        models::llama_config_from_hf(read_text(dir / "model/config.json"), "config.json");
+    EXPECT_EQ(config.kv_heads, 2);
+    EXPECT_EQ(config.rope_theta, 500000.0);
+    EXPECT_EQ(config.tied_embeddings, tied);
+    const auto weights = nn::SafeTensorsSet::open(dir / "model");
+    const models::FullTensors full = models::from_hf_llama(weights, config);
+    // Hugging Face's layout back from ours: the same tensors, bit for bit.
+    for (const auto& [name, tensor] : models::to_hf_llama(full, config)) {
+      EXPECT_TRUE(at::equal(tensor, weights.get(name))) << name;
+    }
+    Model model = models::make_gpt(config);
+    models::load_full_tensors(*model.module, full, "model");
+    model.module->eval();
+    const auto expected = nn::SafeTensorsFile::open(dir / "expected.safetensors");
+    const at::Tensor ids = expected.get("ids");
+    {
+      torch::NoGradGuard no_grad;
+      const at::Tensor logits32 = model(ids);
+      const double diff32 = (logits32 - expected.get("logits32")).abs().max().item<double>();
+      EXPECT_LT(diff32, 1e-5) << "tied " << tied;
+      model.module->to(at::kDouble);
+      const at::Tensor logits64 = model(ids);
+      const double diff64 = (logits64 - expected.get("logits64")).abs().max().item<double>();
+      EXPECT_LT(diff64, 1e-10) << "tied " << tied;
+      // The check can fail: the logits are not near zero, and one weight changed moves them.
+      EXPECT_GT(expected.get("logits64").abs().max().item<double>(), 0.5);
+      model.module->named_parameters()["blocks.1.ln2.weight"].mul_(1.01);
+      EXPECT_GT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-6);
+    }
+  }
+}
+
+TEST(Llama, HuggingFaceConfigsAndWeightFilesThatDoNotFitAreNamed) {
+  TempDir dir;
+  const models::GptConfig config = small_llama();
+  torch::manual_seed(3);
+  const Model model = models::make_gpt(config);
+  const nn::NamedTensors hf = models::to_hf_llama(full_parameters(model), config);
+  // Our config.json reads back as the same sizes.
+  const models::GptConfig back =
+      models::llama_config_from_hf(models::llama_config_to_hf(config), "config.json");
+  EXPECT_EQ(models::to_json(back), models::to_json(config));
+  auto without = [&](const std::string& left_out) {
+    nn::NamedTensors kept;
+    for (const auto& named : hf) {
+      if (named.first != left_out) kept.push_back(named);
+    }
+    return kept;
+  };
+  nn::save_safetensors(dir / "missing.safetensors", without("model.layers.1.mlp.up_proj.weight"));
+  EXPECT_NE(error_of([&] {
+              models::from_hf_llama(nn::SafeTensorsSet::open(dir / "missing.safetensors"), config);
+            }).find("tensor 'model.layers.1.mlp.up_proj.weight' is missing"),
+            std::string::npos);
+  nn::NamedTensors extra = hf;
+  extra.push_back({"model.layers.2.mlp.up_proj.weight", at::zeros({24, 16})});
+  nn::save_safetensors(dir / "extra.safetensors", extra);
+  EXPECT_NE(error_of([&] {
+              models::from_hf_llama(nn::SafeTensorsSet::open(dir / "extra.safetensors"), config);
+            }).find("'model.layers.2.mlp.up_proj.weight' is not part of the model"),
+            std::string::npos);
+  nn::NamedTensors reshaped = hf;
+  reshaped[1].second = at::zeros({8, 16});  // q_proj of layer 0
+  nn::save_safetensors(dir / "shape.safetensors", reshaped);
+  EXPECT_NE(error_of([&] {
+              models::from_hf_llama(nn::SafeTensorsSet::open(dir / "shape.safetensors"), config);
+            })
+                .find("'model.layers.0.self_attn.q_proj.weight' has shape [8, 16] where the config "
+                      "gives [16, 16]"),
+            std::string::npos);
+  const std::vector<std::pair<std::string, std::string>> configs = {
+      {R"({"model_type": "mistral"})", "model_type 'mistral'"},
+      {R"({"model_type": "llama", "vocab_size": 10})", "hidden_size"},
+      {R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3,
+          "max_position_embeddings": 8})",
+       "--kv-heads (3) must divide --heads (4)"},
+      {R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 8,
+          "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})",
+       "rope_scaling"},
+      {R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 8,
+          "attention_bias": true})",
+       "attention_bias"},
+      {"not json", "not JSON"},
+  };
+  for (const auto& [text, needle] : configs) {
+    const std::string message = error_of([&] { models::llama_config_from_hf(text, "c.json"); });
+    EXPECT_NE(message.find(needle), std::string::npos) << text << "\n" << message;
+    EXPECT_EQ(message.rfind("c.json", 0), 0u) << message;
+  }
+  // A GPT-2-architecture decoder has no Llama layout.
+  EXPECT_NE(error_of([] {
+              models::llama_config_to_hf(models::GptConfig{});
+            }).find("needs the Llama architecture"),
+            std::string::npos);
+}
+
+TEST(Llama, DataParallelAndZero3TrainLikeOneProcessInFloat64) {
+  const int steps = 3;
+  for (bool checkpointing : {false, true}) {
+    test::Fixture f;
+    f.spec.name = "llama";
+    f.spec.gpt = small_llama();
+    f.spec.gpt.norm = "layernorm";  // the registry entry's preset decides, not the spec
+    if (checkpointing) f.spec.checkpointing = "2";
+    f.optimizer = test::adam();
+    f.global_batch = 8;
+    at::Generator generator = at::detail::createCPUGenerator(5);
+    at::Tensor tokens = at::randint(13, {8 * steps + 8}, generator, at::kLong);
+    f.dataset = data::TensorDataset::windows(tokens, 8, 1);
+    torch::manual_seed(11);
+    const Model built = test::make_model_as(f.spec, f.dtype);
+    EXPECT_EQ(built.module->named_parameters().find("blocks.0.ln1.bias"), nullptr);  // RMSNorm
+    f.initial = test::snapshot(built);
+    const auto single = test::train_single(f, steps);
+    const auto ddp = test::train_distributed(f, 2, steps, [] {
+      return std::make_unique<parallel::ddp::DdpStrategy>(parallel::StrategyOptions{});
+    });
+    EXPECT_LT(test::max_abs_diff(single, ddp), test::kTightBound) << checkpointing;
+    const auto zero3 = test::train_distributed(
+        f, 2, steps,
+        [] { return std::make_unique<parallel::zero::Zero3Strategy>(parallel::StrategyOptions{}); },
+        2);
+    EXPECT_LT(test::max_abs_diff(single, zero3), test::kTightBound) << checkpointing;
+  }
+}
