@@ -222,8 +222,10 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   out = run(kDtrain + " data prepare " + fortunes + " --tokenizer " + (dir / "tok.json") +
             " --output " + (dir / "data/fortunes"));
   ASSERT_EQ(out.code, 0) << out.text;
+  // The named tiny shape, its width and context narrowed by flags (the command line wins).
   const std::string shape =
-      " --model llama --dataset tokens:" + (dir / "data/fortunes") +
+      " --config " + std::string(DTRAIN_SOURCE_DIR) +
+      "/configs/llama-tiny.toml --dataset tokens:" + (dir / "data/fortunes") +
       " --context 16 --layers 2 --width 32 --heads 4 --kv-heads 2 --threads 1 --no-progress"
       " --batch-size 8 --warmup-steps 0 ";
   out = run(kDtrain + " train --nproc 2" + shape + "--max-steps 150 --lr 0.005 --checkpoint-dir " +

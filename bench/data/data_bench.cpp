@@ -8,6 +8,10 @@
 //   data_bench images --folder ROOT --size S
 //       ImageNet's training transforms (decode, random-resized-crop, flip, normalize) over
 //       ROOT/train's images in batches of 32 (the `images` data set's get)
+//   data_bench samples --data PREFIX --context C --samples N --seed S --validation-fraction F
+//       --out FILE.npy
+//       the training samples a run reads, in its order ([N, C + 1] int64): what a peer trains
+//       on to see the same tokens (bench/lm/run_llama_peer.py)
 //   data_bench resume --data PREFIX --context C --batch B --samples N --ranks R
 //       what a resume costs the loader, at the start, middle and end of the run's samples:
 //       opening the token set (its cached indices), the rank's order, the first batch; and an
@@ -171,8 +175,8 @@ int image_bench(const std::string& folder, int size, int rounds) {
 // A resume's loader work at sample position `at` of the run: everything the trainer does before
 // its first step's batch is ready (the token set opened from its cached indices, this rank's
 // order, the batch).
-int resume(const std::string& data, int64_t context, int64_t batch_size, int64_t samples,
-           int ranks, int rounds) {
+int resume(const std::string& data, int64_t context, int64_t batch_size, int64_t samples, int ranks,
+           int rounds) {
   tokens::TokenSetOptions options;
   options.spec = data;
   options.context = context;
@@ -216,6 +220,23 @@ int resume(const std::string& data, int64_t context, int64_t batch_size, int64_t
   return 0;
 }
 
+int dump_samples(const std::string& data, int64_t context, int64_t count, uint64_t seed,
+                 double validation_fraction, const std::string& out) {
+  tokens::TokenSetOptions options;
+  options.spec = data;
+  options.context = context;
+  options.seed = seed;
+  options.train_samples = count;
+  options.validation_fraction = validation_fraction;
+  const tokens::TokenSplits splits = tokens::load_token_splits(options);
+  std::vector<int64_t> indices(count);
+  for (int64_t i = 0; i < count; ++i) indices[i] = i;
+  const Batch batch = splits.train.get(indices);
+  const at::Tensor rows = at::cat({batch.inputs, batch.targets.narrow(1, context - 1, 1)}, 1);
+  tokens::save_npy(out, rows.contiguous().data_ptr<int64_t>(), "<i8", {count, context + 1});
+  return 0;
+}
+
 int main(int argc, char** argv) {
   at::set_num_threads(1);
   CLI::App app{"dtrain's data path on one thread"};
@@ -251,11 +272,22 @@ int main(int argc, char** argv) {
   res->add_option("--samples", samples)->required();
   res->add_option("--ranks", ranks);
   res->add_option("--rounds", rounds);
+  uint64_t seed = 1;
+  double validation_fraction = 0.1;
+  std::string out;
+  auto* smp = app.add_subcommand("samples", "The training samples a run reads, as .npy");
+  smp->add_option("--data", data)->required();
+  smp->add_option("--context", context);
+  smp->add_option("--samples", samples)->required();
+  smp->add_option("--seed", seed);
+  smp->add_option("--validation-fraction", validation_fraction);
+  smp->add_option("--out", out)->required();
   CLI11_PARSE(app, argc, argv);
   try {
     if (tok->parsed()) return tokenize(tokenizer_path, inputs, ids_out, rounds);
     if (img->parsed()) return image_bench(folder, size, rounds);
     if (res->parsed()) return resume(data, context, batch_size, samples, ranks, rounds);
+    if (smp->parsed()) return dump_samples(data, context, samples, seed, validation_fraction, out);
     return batch(data, context, batch_size, rounds, steps);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "data_bench: %s\n", e.what());

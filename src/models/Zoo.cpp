@@ -10,35 +10,12 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Registry.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
+#include "dtrain/models/ResNet.h"
+#include "models/Stages.h"
 
 namespace dtrain::models {
 
 namespace {
-
-std::vector<at::Tensor> concat_parameters(
-    const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
-  std::vector<at::Tensor> all;
-  for (const auto& m : modules) {
-    for (const auto& p : m->parameters()) all.push_back(p);
-  }
-  return all;
-}
-
-// Runs `stages` in order, checkpointed in `segments` segments.
-at::Tensor run_stages(const std::vector<Stage>& stages, int64_t segments, const at::Tensor& x) {
-  if (segments <= 1) {
-    at::Tensor h = x;
-    for (const auto& stage : stages) h = stage.forward(h);
-    return h;
-  }
-  std::vector<memory::SegmentFn> functions;
-  std::vector<std::vector<at::Tensor>> parameters;
-  for (const auto& stage : stages) {
-    functions.push_back(stage.forward);
-    parameters.push_back(concat_parameters(stage.modules));
-  }
-  return memory::checkpoint_stages(functions, parameters, segments, x);
-}
 
 int64_t product(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -277,6 +254,13 @@ void check_gpt_layout(const ModelSpec& spec, const ModelLayout& layout) {
                      " tokens over --tensor-parallel ", tp, ": it must be a multiple of it");
 }
 
+template <int Depth>
+Model build_torchvision_resnet(const ModelSpec& spec) {
+  DTRAIN_CHECK_INPUT(spec.input_shape.size() == 3, "model resnet", Depth,
+                     " needs image inputs [C, H, W]");
+  return make_torchvision_resnet(Depth, spec.input_shape[0], spec.classes, spec.checkpointing);
+}
+
 Model build_gpt(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
   GptConfig config = decoder_config(spec);
   config.checkpointing = spec.checkpointing;
@@ -305,6 +289,13 @@ std::vector<ModelInfo> built_in() {
       classifier("resnet", "a ResNet-style CNN (BatchNorm)", build_resnet),
   };
   all.back().parameters_only = false;  // BatchNorm's running statistics
+  all.push_back(classifier("resnet18",
+                           "torchvision's ResNet-18 (its names: weights load both ways)",
+                           build_torchvision_resnet<18>));
+  all.back().parameters_only = false;
+  all.push_back(classifier("resnet50", "torchvision's ResNet-50 (v1.5, its names)",
+                           build_torchvision_resnet<50>));
+  all.back().parameters_only = false;
   ModelInfo gpt;
   gpt.name = "gpt";
   gpt.summary = "a GPT language model (on the text data set)";

@@ -1,6 +1,7 @@
 // The model registry: reference models (an MLP, logistic regression, small CNNs, a ResNet-style
-// CNN, the GPT) built by name, each with its capabilities and the training recipe it gets by
-// default. The CLI, federated learning and the job's validation ask it.
+// CNN, torchvision's ResNet-18/50, the decoder as GPT and Llama) built by name, each with its
+// capabilities and the training recipe it gets by default. The CLI, federated learning and the
+// job's validation ask it.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,8 @@
 namespace dtrain::models {
 
 struct ModelSpec {
-  /// "mlp", "linear" (logistic regression), "cnn", "resnet", "gpt" or "llama".
+  /// "mlp", "linear" (logistic regression), "cnn", "resnet", "resnet18", "resnet50", "gpt" or
+  /// "llama".
   std::string name = "cnn";
   /// One example's shape, e.g. {1, 28, 28}.
   std::vector<int64_t> input_shape{1, 28, 28};

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""dtrain's Llama against transformers' LlamaForCausalLM in a plain PyTorch 2.x loop (issue 51),
+side by side on one machine: the same initial weights (transformers' random init, saved with
+save_pretrained and read by `dtrain train --init-from`), the same samples in the same order (the
+token set's training samples as dtrain reads them, dumped by `data_bench samples`), the same
+recipe (AdamW with decoupled weight decay, linear warmup then cosine decay, gradient clipping at
+1.0), float32, one process, the same threads. Reported: each step's loss on both sides (the
+largest relative difference over the steps) and the step time (forward, backward, clipping,
+AdamW: dtrain's step_ms against the loop's), medians over alternated rounds.
+
+The shape: Llama ~125M's layer (hidden 768, 12 heads, 4 key/value heads, intermediate 2048)
+at 2 layers for time, vocabulary 8192 (a BPE dtrain trains on python3-doc), context 128, batch 8.
+
+  .venv-torch/bin/python bench/lm/run_llama_peer.py [--dtrain build-pip/dtrain]
+      [--data-bench build-unity/bench/data_bench] [--steps 100] [--rounds 2] [--threads 2]
+      [--markdown FILE]
+Raw records: bench/results/lm/llama_peer.jsonl (stamped).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from report import ROOT, Records, table  # noqa: E402
+
+CORPUS = "/usr/share/doc/python3.11/html"
+SHAPE = dict(hidden=768, heads=12, kv_heads=4, ffn=2048, layers=2, vocab=8192, context=128)
+RECIPE = dict(lr=3e-4, weight_decay=0.1, warmup=10, clip=1.0, batch=8, seed=1)
+
+
+def save_initial(folder):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"],
+                         intermediate_size=SHAPE["ffn"], num_hidden_layers=SHAPE["layers"],
+                         num_attention_heads=SHAPE["heads"],
+                         num_key_value_heads=SHAPE["kv_heads"],
+                         max_position_embeddings=SHAPE["context"], rms_norm_eps=1e-5,
+                         rope_theta=10000.0, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def lr_at(step, steps):
+    import math
+    if step < RECIPE["warmup"]:
+        return RECIPE["lr"] * (step + 1) / RECIPE["warmup"]
+    progress = min(1.0, (step - RECIPE["warmup"]) / max(steps - RECIPE["warmup"], 1))
+    return RECIPE["lr"] * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def peer_round(initial, samples, steps, threads):
+    """transformers' model (its default attention, sdpa) in a plain loop: losses, step times."""
+    import numpy
+    import torch
+    from transformers import LlamaForCausalLM
+    torch.set_num_threads(threads)
+    model = LlamaForCausalLM.from_pretrained(initial, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE["lr"], betas=(0.9, 0.999),
+                                  eps=1e-8, weight_decay=RECIPE["weight_decay"])
+    rows = torch.from_numpy(numpy.load(samples))
+    batch = RECIPE["batch"]
+    losses, times = [], []
+    for step in range(steps):
+        tokens = rows[step * batch:(step + 1) * batch]
+        start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps)
+        logits = model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), RECIPE["clip"])
+        optimizer.step()
+        times.append((time.perf_counter() - start) * 1e3)
+        losses.append(loss.item())
+    return losses, times
+
+
+def dtrain_round(dtrain, prefix, initial, steps, threads, work):
+    metrics = os.path.join(work, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    command = [dtrain, "train", "--model", "llama", "--dataset", "tokens:" + prefix,
+               "--validation-fraction", "0.01", "--init-from", initial,
+               "--layers", str(SHAPE["layers"]), "--width", str(SHAPE["hidden"]),
+               "--heads", str(SHAPE["heads"]), "--kv-heads", str(SHAPE["kv_heads"]),
+               "--ffn-width", str(SHAPE["ffn"]), "--context", str(SHAPE["context"]),
+               "--norm-eps", "1e-5", "--nproc", "1", "--threads", str(threads),
+               "--batch-size", str(RECIPE["batch"]), "--max-steps", str(steps),
+               "--optimizer", "adamw", "--lr", str(RECIPE["lr"]),
+               "--weight-decay", str(RECIPE["weight_decay"]), "--lr-decay", "cosine",
+               "--warmup-steps", str(RECIPE["warmup"]), "--max-grad-norm", str(RECIPE["clip"]),
+               "--seed", str(RECIPE["seed"]), "--no-progress", "--log-every", "1",
+               "--metrics", metrics]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"dtrain failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    steps_seen = [json.loads(line) for line in open(metrics)]
+    steps_seen = [r for r in steps_seen if r.get("event") == "step"]
+    return [r["loss"] for r in steps_seen], [r["step_ms"] for r in steps_seen], command
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtrain", default=os.path.join(ROOT, "build-pip", "dtrain"))
+    parser.add_argument("--data-bench",
+                        default=os.path.join(ROOT, "build-unity", "bench", "data_bench"))
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="dtrain-llama-peer-")
+    tokenizer = os.path.join(work, "tokenizer.json")
+    subprocess.run([args.dtrain, "data", "tokenizer", "train", CORPUS, "--vocab-size",
+                    str(SHAPE["vocab"]), "--output", tokenizer], check=True, capture_output=True)
+    prefix = os.path.join(work, "pydoc")
+    subprocess.run([args.dtrain, "data", "prepare", CORPUS, "--tokenizer", tokenizer, "--output",
+                    prefix], check=True, capture_output=True)
+    initial = os.path.join(work, "initial")
+    save_initial(initial)
+    samples = os.path.join(work, "samples.npy")
+    subprocess.run([args.data_bench, "samples", "--data", prefix, "--context",
+                    str(SHAPE["context"]), "--samples", str(args.steps * RECIPE["batch"]),
+                    "--seed", str(RECIPE["seed"]), "--validation-fraction", "0.01", "--out",
+                    samples], check=True)
+    worst, ratios, ours_ms, theirs_ms = [], [], [], []
+    with Records(os.path.join(ROOT, "bench", "results", "lm", "llama_peer.jsonl"), "a",
+                 args.dtrain) as records:
+        for r in range(args.rounds):
+            sides = ["dtrain", "peer"] if r % 2 == 0 else ["peer", "dtrain"]
+            result = {}
+            for side in sides:
+                if side == "dtrain":
+                    result[side] = dtrain_round(args.dtrain, prefix, initial, args.steps,
+                                                args.threads, work)[:2]
+                else:
+                    result[side] = peer_round(initial, samples, args.steps, args.threads)
+            (l_ours, t_ours), (l_peer, t_peer) = result["dtrain"], result["peer"]
+            if len(l_ours) != len(l_peer):
+                sys.exit(f"dtrain logged {len(l_ours)} steps, the peer {len(l_peer)}")
+            relative = [abs(a - b) / abs(b) for a, b in zip(l_ours, l_peer)]
+            worst.append(max(relative))
+            m_ours, m_peer = statistics.median(t_ours[1:]), statistics.median(t_peer[1:])
+            ours_ms.append(m_ours)
+            theirs_ms.append(m_peer)
+            ratios.append(m_ours / m_peer)
+            records.write({"bench": "llama_peer", "round": r, "shape": SHAPE, "recipe": RECIPE,
+                           "steps": args.steps, "threads": args.threads, "dtype": "float32",
+                           "dtrain_losses": l_ours, "peer_losses": l_peer,
+                           "dtrain_step_ms": t_ours, "peer_step_ms": t_peer,
+                           "max_relative_loss_difference": worst[-1],
+                           "step_time_ratio": ratios[-1]})
+            print(f"round {r}: losses {l_ours[0]:.4f} -> {l_ours[-1]:.4f} (dtrain), "
+                  f"{l_peer[0]:.4f} -> {l_peer[-1]:.4f} (transformers), largest relative "
+                  f"difference {worst[-1]:.2e}; step {m_ours:.0f} ms vs {m_peer:.0f} ms "
+                  f"({ratios[-1]:.3f}x)", flush=True)
+    table(["| Llama, 2 x (768, 12 heads, 4 kv, 2048), vocab 8192, context 128, batch 8, "
+           f"float32, {args.threads} threads | dtrain | transformers + PyTorch | |",
+           "|---|---|---|---|",
+           f"| largest relative loss difference over {args.steps} steps (worst round) | "
+           f"{max(worst):.2e} | | target <= 1e-3 |",
+           f"| step time (median of steps; median of {args.rounds} rounds) | "
+           f"{statistics.median(ours_ms):.0f} ms | {statistics.median(theirs_ms):.0f} ms | "
+           f"{statistics.median(ratios):.3f}x (target <= 1.0x) |"], args.markdown)
+
+
+if __name__ == "__main__":
+    main()
