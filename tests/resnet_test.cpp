@@ -1,7 +1,8 @@
 // torchvision's ResNets: dtrain's resnet18 and resnet50 take torchvision's state dict by its own
 // names and give its logits within 1e-5 in float32 and 1e-10 in float64, in evaluation (running
-// statistics) and training (batch statistics) mode (tests/data/resnet_oracle.py in .venv-torch;
-// skipped without it); the registry builds them for the data sets' shapes.
+// statistics) and training (batch statistics) mode, and torchvision takes dtrain's back
+// (tests/data/resnet_oracle.py in .venv-torch; skipped without it); the registry builds them for
+// the data sets' shapes.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -51,6 +52,23 @@ TEST(ResNet, LogitsEqualTorchvisionsOnItsStateDict) {
     const at::Tensor train = model(x.to(at::kDouble));
     EXPECT_LT((train - expected.get("train64")).abs().max().item<double>(), 1e-10) << depth;
     EXPECT_GT((train - expected.get("eval64")).abs().max().item<double>(), 1e-3);  // it matters
+    // And back: dtrain's weights under dtrain's names (what `dtrain ckpt export` writes) load
+    // into torchvision strictly and give dtrain's logits.
+    torch::manual_seed(depth);
+    Model fresh = models::make_torchvision_resnet(depth, 3, 10);
+    fresh.module->eval();
+    nn::NamedTensors ours{{"input", x}, {"logits", fresh(x)}};
+    for (const auto& item : fresh.module->named_parameters()) {
+      ours.push_back({"state." + item.key(), item.value().detach()});
+    }
+    for (const auto& item : fresh.module->named_buffers()) {
+      ours.push_back({"state." + item.key(), item.value()});
+    }
+    nn::save_safetensors(dir / "ours.safetensors", ours);
+    const std::string check = python + " " + DTRAIN_SOURCE_DIR +
+                              "/tests/data/resnet_oracle.py --check " + (dir / "ours.safetensors") +
+                              " " + std::to_string(depth);
+    EXPECT_EQ(std::system(check.c_str()), 0) << check;
   }
 }
 

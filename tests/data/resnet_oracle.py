@@ -1,7 +1,10 @@
 """torchvision's ResNets as the oracle for dtrain's (tests/resnet_test.cpp).
 
-  python resnet_oracle.py OUT DEPTH
-writes OUT/expected.safetensors: torchvision's resnetDEPTH(num_classes=10) state dict (its names;
+  python resnet_oracle.py OUT DEPTH            writes OUT/expected.safetensors (below)
+  python resnet_oracle.py --check FILE DEPTH   loads FILE (dtrain's weights under its names,
+      "input" and dtrain's evaluation logits "logits") into torchvision's resnetDEPTH, strictly,
+      and exits 1 unless torchvision's logits equal dtrain's (1e-5 of their scale)
+The first writes OUT/expected.safetensors: torchvision's resnetDEPTH(num_classes=10) state dict (its names;
 BatchNorm's running statistics and affine parameters drawn at random so they count), an input
 batch [4, 3, 40, 40], and the logits on it in evaluation mode in float32 ("eval32") and float64
 ("eval64") and in training mode (batch statistics) in float64 ("train64")."""
@@ -12,7 +15,23 @@ import torchvision
 from safetensors.torch import save_file
 
 
+def check(path, depth):
+    from safetensors.torch import load_file
+    tensors = load_file(path)
+    state = {k[len("state."):]: v for k, v in tensors.items() if k.startswith("state.")}
+    model = getattr(torchvision.models, f"resnet{depth}")(num_classes=10)
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        logits = model.eval()(tensors["input"])
+    scale = tensors["logits"].abs().max().item()
+    difference = (logits - tensors["logits"]).abs().max().item()
+    print(f"torchvision's logits on dtrain's weights: {difference:.3g} from dtrain's (scale {scale:.3g})")
+    return 0 if difference <= 1e-5 * scale else 1
+
+
 def main():
+    if sys.argv[1] == "--check":
+        return check(sys.argv[2], int(sys.argv[3]))
     out, depth = sys.argv[1], int(sys.argv[2])
     torch.manual_seed(0)
     model = getattr(torchvision.models, f"resnet{depth}")(num_classes=10)
@@ -35,4 +54,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
