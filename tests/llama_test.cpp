@@ -2,7 +2,7 @@
 // (tests/data/llama_oracle.py in .venv-torch; skipped without it) within 1e-5 in float32 and
 // 1e-10 in float64, Hugging Face's names and layout both ways, bad configs and weight files named,
 // and data parallelism and ZeRO-3 (with activation checkpointing) training like one process in
-// float64. (Tensor and sequence parallelism: tests/tensor_parallel_test.cpp.)
+// float64, and under tensor and sequence parallelism and the 3D grid too.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -14,6 +14,7 @@
 #include "Oracle.h"
 #include "RankThreads.h"
 #include "TempDir.h"
+#include "TensorParallelRuns.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Gpt.h"
 #include "dtrain/models/HuggingFace.h"
@@ -23,8 +24,7 @@
 #include "parallel/zero/Zero3Strategy.h"
 
 using namespace dtrain;
-using dtrain::test::error_of;
-using dtrain::test::TempDir;
+using namespace dtrain::test;
 namespace fs = std::filesystem;
 
 namespace {
@@ -199,4 +199,65 @@ TEST(Llama, DataParallelAndZero3TrainLikeOneProcessInFloat64) {
         2);
     EXPECT_LT(test::max_abs_diff(single, zero3), test::kTightBound) << checkpointing;
   }
+}
+TEST(Llama, TensorAndSequenceParallelEqualTheSerialModelAndTrainLikeOneProcess) {
+  const at::Tensor ids = random_tokens(3, 6, 21);
+  const at::Tensor targets = random_tokens(3, 6, 22);
+  for (bool sequence_parallel : {false, true}) {
+    Model serial = build_gpt(tiny_gpt(false, true), nullptr);
+    const at::Tensor logits = serial(ids);
+    parallel::cross_entropy(logits, targets).backward();
+    Named serial_grads;
+    for (const auto& [name, p] : named_parameters(serial)) serial_grads[name] = p.grad().clone();
+    test::run_ranks(2, [&](const comm::CommunicatorPtr& world) {
+      auto grid = std::make_shared<comm::ProcessGrid>(world, 2, 1);
+      auto config = tiny_gpt(false, true);
+      config.sequence_parallel = sequence_parallel;
+      Model model = build_gpt(config, grid->tp());
+      const auto splits = tp::parameter_splits(*model.module);
+      const auto& head = splits.at("head.out.weight");
+      const at::Tensor block = model(ids);
+      EXPECT_LT((block - logits.narrow(-1, head.start, head.length)).abs().max().item<double>(),
+                1e-12);
+      model.loss(block, targets).backward();
+      parallel::TensorParallelLayout layout =
+          parallel::tensor_parallel_layout(*model.module, *grid);
+      // RMSNorm has no bias, the linear layers none: 2 norms per block and the final one.
+      EXPECT_EQ(layout.partial.size(), sequence_parallel ? 1u + 2u * 2 : 0u);
+      std::vector<at::Tensor> params;
+      std::vector<std::string> names;
+      for (const auto& [name, p] : named_parameters(model)) {
+        params.push_back(p);
+        names.push_back(name);
+      }
+      layout.sum_partial_gradients(params, names);
+      Named grads;
+      for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
+      EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12) << sequence_parallel;
+    });
+  }
+  const int steps = 3;
+  const GptData d = gpt_data(steps);
+  const Named serial = train_serial(d, steps, 0.0, false, -1, true);
+  GridRun run;
+  run.llama = true;
+  run.world = 2, run.tp = 2;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "TP 2";
+  run.world = 8, run.pp = 2, run.micro = 2, run.strategy = "zero1";
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x PP 2 x TP 2";
+  run.world = 4, run.pp = 1, run.micro = 1, run.sequence_parallel = true;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 2, SP";
+  // Key/value heads the group does not divide are refused by name.
+  test::run_ranks(4, [&](const comm::CommunicatorPtr& world) {
+    auto grid = std::make_shared<comm::ProcessGrid>(world, 4, 1);
+    try {
+      build_gpt(tiny_gpt(false, true), grid->tp());
+      ADD_FAILURE() << "built with 2 key/value heads over 4 ranks";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("--kv-heads (2) must be a multiple of "
+                                           "--tensor-parallel (4)"),
+                std::string::npos)
+          << e.what();
+    }
+  });
 }

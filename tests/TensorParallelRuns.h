@@ -1,0 +1,217 @@
+// Tensor-parallel test runs shared by tests/tensor_parallel_test.cpp, sequence_parallel_test.cpp
+// and llama_test.cpp: a tiny GPT (or Llama) built from one seed, parameters compared block by block
+// with the serial model's, and training on a DP x PP x TP grid against one process.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "Oracle.h"
+#include "RankThreads.h"
+#include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/data/DistributedSampler.h"
+#include "dtrain/models/Gpt.h"
+#include "dtrain/nn/tensor/Split.h"
+#include "dtrain/optim/Optimizers.h"
+#include "dtrain/parallel/Strategies.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
+
+namespace dtrain::test {
+
+namespace tp = dtrain::nn::tensor;
+
+using Named = std::map<std::string, at::Tensor>;
+
+// `llama`: Llama's architecture with grouped-query attention (2 key/value heads for 4 query
+// heads) and a SwiGLU MLP of 24.
+inline models::GptConfig tiny_gpt(bool tied = false, bool llama = false) {
+  models::GptConfig c;
+  c.vocab = 11;  // not a multiple of 2 or 4: uneven vocabulary blocks
+  c.layers = 2;
+  c.heads = 4;
+  c.width = 16;
+  c.context = 6;
+  c.tied_embeddings = tied;
+  if (llama) {
+    models::llama_preset(c);
+    c.kv_heads = 2;
+    c.ffn_width = 24;
+  }
+  return c;
+}
+
+// Rank threads share LibTorch's global generator: each builds its model alone, from one seed.
+inline Model build_gpt(const models::GptConfig& config, const comm::CommunicatorPtr& group) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(11);
+  Model model = models::make_gpt(config, group);
+  model.module->to(at::kDouble);
+  return model;
+}
+
+inline Named named_parameters(const Model& model) {
+  Named out;
+  for (const auto& item : model.module->named_parameters()) out[item.key()] = item.value();
+  return out;
+}
+
+inline Named named_values(const Model& model) {
+  Named out;
+  for (const auto& [name, p] : named_parameters(model)) out[name] = p.detach().clone();
+  return out;
+}
+
+// The block of the full tensor `full` that `name` is on this rank (all of it when replicated).
+inline at::Tensor block_of(const at::Tensor& full, const tp::ParameterSplits& splits,
+                           const std::string& name) {
+  const auto it = splits.find(name);
+  return it == splits.end() ? full
+                            : full.narrow(it->second.dim, it->second.start, it->second.length);
+}
+
+// Largest difference between a rank's parameters (or their gradients) and the serial ones.
+inline double max_block_diff(const Named& local, const Named& serial,
+                             const tp::ParameterSplits& splits) {
+  double worst = 0;
+  for (const auto& [name, value] : local) {
+    EXPECT_TRUE(serial.count(name)) << name;
+    if (!serial.count(name)) return 1e9;
+    const at::Tensor expected = block_of(serial.at(name), splits, name);
+    EXPECT_EQ(value.sizes(), expected.sizes()) << name;
+    if (value.sizes() != expected.sizes()) return 1e9;
+    worst = std::max(worst, (value - expected).abs().max().item<double>());
+  }
+  return worst;
+}
+
+inline at::Tensor random_tokens(int64_t rows, int64_t columns, uint64_t seed, int64_t vocab = 11) {
+  at::Generator generator = at::detail::createCPUGenerator(seed);
+  return at::randint(vocab, {rows, columns}, generator, at::kLong);
+}
+
+struct GridRun {
+  int world = 1, tp = 1, pp = 1;
+  std::string strategy = "ddp";  // ddp, zero1 (pipeline: its data-parallel side)
+  int micro = 1;
+  double max_grad_norm = 0.0;
+  bool tied = false;
+  bool drop_tp_rank_gradient = false;
+  bool sequence_parallel = false;
+  bool llama = false;  // tiny_gpt's Llama
+  /// With a dynamic loss scaler: one element of every split parameter's gradient on TP rank 1
+  /// is set to inf in this step (-1 = never), an overflow only that rank sees.
+  int overflow_step = -1;
+};
+
+struct GptData {
+  data::TensorDataset dataset;
+  int64_t global_batch = 8;
+};
+
+inline GptData gpt_data(int steps) {
+  GptData d;
+  at::Tensor tokens = random_tokens(1, d.global_batch * steps + 8, 5).view({-1});
+  d.dataset = data::TensorDataset::windows(tokens, 6, 1);
+  return d;
+}
+
+// Plain single-process training of the serial model (Adam, optional clipping); the optimizer
+// step of `skipped_step` is left out (its batch is still consumed).
+inline Named train_serial(const GptData& d, int steps, double max_grad_norm, bool tied,
+                          int skipped_step = -1, bool llama = false) {
+  Model model = build_gpt(tiny_gpt(tied, llama), nullptr);
+  auto optimizer = optim::make_optimizer(model.module->parameters(), test::adam());
+  auto order = data::DistributedSampler(d.dataset.size(), 1, 0, {true, 5, true}).indices();
+  for (int step = 0; step < steps; ++step) {
+    auto batch = d.dataset.get(std::vector<int64_t>(order.begin() + step * d.global_batch,
+                                                    order.begin() + (step + 1) * d.global_batch));
+    optimizer->zero_grad();
+    parallel::cross_entropy(model(batch.inputs), batch.targets).backward();
+    if (max_grad_norm > 0)
+      torch::nn::utils::clip_grad_norm_(model.module->parameters(), max_grad_norm);
+    if (step != skipped_step) optimizer->step();
+  }
+  return named_values(model);
+}
+
+inline parallel::StrategyPtr make_strategy(const GridRun& run) {
+  parallel::StrategyOptions options;
+  options.max_grad_norm = run.max_grad_norm;
+  if (run.overflow_step >= 0) options.loss_scaling = "dynamic";
+  if (run.pp > 1) {
+    options.of<dtrain::parallel::pipeline::PipelineOptions>().data_parallel = run.strategy;
+    return parallel::make_strategy("pipeline", options);
+  }
+  return parallel::make_strategy(run.strategy, options);
+}
+
+// Trains on the grid; returns the worst difference of any rank's parameters from `serial`.
+// `skipped` (optional) gets each rank's count of steps the loss scaler skipped.
+inline double train_on_grid(const GptData& d, int steps, const GridRun& run, const Named& serial,
+                            std::vector<double>* skipped = nullptr) {
+  std::vector<double> worst(run.world, 0.0);
+  if (skipped) skipped->assign(run.world, -1.0);
+  test::run_ranks(
+      run.world,
+      [&](const comm::CommunicatorPtr& world) {
+        auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
+        auto config = tiny_gpt(run.tied, run.llama);
+        config.sequence_parallel = run.sequence_parallel;
+        Model model = build_gpt(config, grid->tp());
+        parallel::LossFn loss = model.loss ? parallel::LossFn(model.loss) : parallel::cross_entropy;
+        if (run.drop_tp_rank_gradient && grid->coordinates().tp == 1) {
+          loss = [inner = loss](const at::Tensor& o, const at::Tensor& t) {
+            return inner(o, t) * 0.0;
+          };
+        }
+        int current_step = 0;
+        if (run.overflow_step >= 0 && grid->coordinates().tp == 1) {
+          const auto splits = tp::parameter_splits(*model.module);
+          for (const auto& item : model.module->named_parameters()) {
+            if (!splits.count(item.key())) continue;
+            item.value().register_hook([&current_step, &run](const at::Tensor& grad) {
+              if (current_step != run.overflow_step) return at::Tensor();
+              at::Tensor poisoned = grad.clone();
+              poisoned.view({-1})[0] = std::numeric_limits<double>::infinity();
+              return poisoned;
+            });
+          }
+        }
+        auto strategy = make_strategy(run);
+        strategy->setup(model, optim::optimizer_factory(test::adam()), grid);
+        const int dp = grid->dp_size();
+        auto order =
+            data::DistributedSampler(d.dataset.size(), dp, grid->coordinates().dp, {true, 5, true})
+                .indices();
+        const int64_t local = d.global_batch / dp;
+        for (int step = 0; step < steps; ++step) {
+          current_step = step;
+          std::vector<data::Batch> micro_batches;
+          for (int m = 0; m < run.micro; ++m) {
+            const int64_t begin = step * local + m * (local / run.micro);
+            micro_batches.push_back(d.dataset.get(std::vector<int64_t>(
+                order.begin() + begin, order.begin() + begin + local / run.micro)));
+          }
+          const auto result = strategy->train_step(micro_batches, loss);
+          if (skipped && result.metrics.count("skipped_steps")) {
+            (*skipped)[world->rank()] = result.metrics.at("skipped_steps");
+          }
+        }
+        strategy->materialize();
+        worst[world->rank()] = max_block_diff(named_values(strategy->model()), serial,
+                                              tp::parameter_splits(*strategy->model().module));
+      },
+      std::chrono::seconds(90));
+  return *std::max_element(worst.begin(), worst.end());
+}
+
+}  // namespace dtrain::test
