@@ -36,7 +36,7 @@ Shapes shapes_of(const GptConfig& c) {
 }
 
 void check_llama(const GptConfig& c) {
-  DTRAIN_CHECK_INPUT(c.norm == "rmsnorm" && c.position == "rope" && c.mlp == "swiglu" && !c.bias,
+  DTRAIN_CHECK_INPUT(is_llama_architecture(c),
                      "Hugging Face's Llama layout needs the Llama architecture (--model llama): "
                      "this decoder has ",
                      c.norm, ", ", c.position, " positions, a ", c.mlp, " MLP",
@@ -47,6 +47,10 @@ std::string layer(int64_t i) { return "model.layers." + std::to_string(i) + ".";
 std::string block(int64_t i) { return "blocks." + std::to_string(i) + "."; }
 
 }  // namespace
+
+bool is_llama_architecture(const GptConfig& c) {
+  return c.norm == "rmsnorm" && c.position == "rope" && c.mlp == "swiglu" && !c.bias;
+}
 
 GptConfig llama_config_from_hf(const std::string& text, const std::string& origin) {
   json j;

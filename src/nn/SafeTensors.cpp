@@ -96,6 +96,7 @@ SafeTensorsFile SafeTensorsFile::open(const std::string& path) {
                      " (not a safetensors file?)");
   DTRAIN_CHECK_INPUT(8 + header_bytes <= size, path, ": its header of ", header_bytes,
                      " bytes runs past the end of the file (", size, " bytes)");
+  file.data_ = bytes + 8 + header_bytes;
   json header;
   try {
     header = json::parse(bytes + 8, bytes + 8 + header_bytes);
@@ -181,14 +182,8 @@ const SafeTensorInfo& SafeTensorsFile::info(const std::string& name) const {
 at::Tensor SafeTensorsFile::get(const std::string& name) const {
   const SafeTensorInfo& t = info(name);
   at::Tensor out = at::empty(t.shape, at::TensorOptions(t.dtype));
-  const uint64_t header = [&] {
-    uint64_t n = 0;
-    std::memcpy(&n, mapping_->data, 8);
-    return n;
-  }();
   if (t.end > t.begin) {
-    std::memcpy(out.data_ptr(), mapping_->data + 8 + header + t.begin,
-                static_cast<size_t>(t.end - t.begin));
+    std::memcpy(out.data_ptr(), data_ + t.begin, static_cast<size_t>(t.end - t.begin));
   }
   return out;
 }
@@ -204,9 +199,7 @@ at::Tensor SafeTensorsFile::slice(const std::string& name, int64_t dim, int64_t 
   std::vector<int64_t> shape = t.shape;
   shape[dim] = length;
   at::Tensor out = at::empty(shape, at::TensorOptions(t.dtype));
-  uint64_t header = 0;
-  std::memcpy(&header, mapping_->data, 8);
-  const uint8_t* base = mapping_->data + 8 + header + t.begin;
+  const uint8_t* base = data_ + t.begin;
   int64_t outer = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= t.shape[d];
   int64_t inner = static_cast<int64_t>(c10::elementSize(t.dtype));

@@ -22,10 +22,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool llama_architecture(const models::GptConfig& c) {
-  return c.norm == "rmsnorm" && c.position == "rope" && c.mlp == "swiglu" && !c.bias;
-}
-
 void write_text(const std::string& path, const std::string& text) {
   write_file_atomically(path, text.data(), text.size());
 }
@@ -61,7 +57,7 @@ std::vector<std::string> export_safetensors(const std::string& checkpoint,
   if (model_it != meta.extras.end()) {
     const models::GptConfig config =
         models::gpt_config_from_json(model_it->second, directory + "/meta.json");
-    if (llama_architecture(config)) {
+    if (models::is_llama_architecture(config)) {
       models::FullTensors full;
       for (const auto& t : tensors) full[t.name] = t.value;
       const std::string dtype = c10::toString(tensors.front().value.scalar_type());
@@ -102,7 +98,7 @@ void init_from_safetensors(Model& model, const models::ModelSpec& spec, const st
   models::FullTensors full;
   if (decoder && weights.contains("model.embed_tokens.weight")) {
     const models::GptConfig config = models::decoder_config(spec);
-    DTRAIN_CHECK_INPUT(llama_architecture(config), "--init-from ", path,
+    DTRAIN_CHECK_INPUT(models::is_llama_architecture(config), "--init-from ", path,
                        " holds Hugging Face Llama weights; --model ", spec.name,
                        " is not a Llama-architecture decoder (--model llama)");
     const fs::path folder = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();

@@ -20,6 +20,9 @@ namespace dtrain::models {
 /// dtrain's parameter names -> the full (unsplit) tensors.
 using FullTensors = std::map<std::string, at::Tensor>;
 
+/// The decoder has Llama's architecture (llama_preset's choices): Hugging Face's layout applies.
+bool is_llama_architecture(const GptConfig& config);
+
 /// A Llama config.json (transformers 4.x's rope_theta or 5.x's rope_parameters) as the decoder's
 /// sizes; InputError naming the field and `origin` for one dtrain's Llama does not have (another
 /// model_type, biases, rope scaling, an activation other than silu, a head_dim that is not

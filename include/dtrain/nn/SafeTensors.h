@@ -50,6 +50,7 @@ class SafeTensorsFile {
   struct Mapping;
   std::string path_;
   std::shared_ptr<Mapping> mapping_;
+  const uint8_t* data_ = nullptr;  // the data section, in mapping_
   std::vector<SafeTensorInfo> tensors_;
   std::map<std::string, size_t> index_;
   std::map<std::string, std::string> metadata_;
