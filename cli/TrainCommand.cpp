@@ -243,6 +243,9 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
                "Evaluate after training, on copies of the parameters taken at each evaluation "
                "point (recorded with their moment's clock: time to accuracy without the "
                "evaluations)");
+  app.add_flag("--sync-batchnorm", t.sync_batchnorm,
+               "BatchNorm statistics over the data-parallel ranks (as torch.nn.SyncBatchNorm: "
+               "N ranks train as one process on the global batch; the ResNets)");
   add(app, "--log-every", t.log_every, "Steps between metrics records")->capture_default_str();
 }
 

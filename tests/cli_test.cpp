@@ -179,6 +179,10 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --simulate-slowdown 1", "--simulate-slowdown '1': expected RANK:FACTOR"},
       {" train --simulate-slowdown 3:2 --nproc 2",
        "--simulate-slowdown: rank 3 is not one of the 2"},
+      {" train --model mlp --sync-batchnorm",
+       "--sync-batchnorm: model mlp has no BatchNorm layers"},
+      {" train --model resnet --strategy downpour --ps-shards 1 --sync-batchnorm",
+       "--sync-batchnorm: strategy downpour has no data-parallel group that steps together"},
       {" train --strategy downpour --ps 127.0.0.1:1 --ps-auth-token-file " + dir.path() + "/none",
        "cannot read the token file"},
       {" ps serve --lr-decay cosine", "needs --total-versions"},
@@ -440,6 +444,16 @@ TEST(Cli, ConfigFileSetsFlagsAndCommandLineWins) {
   out = run(kDtrain + " train --config " + (dir / "bad.toml"));
   EXPECT_EQ(out.code, 2);
   EXPECT_TRUE(has(out, "unknown key 'learning_rate'")) << out.text;
+}
+
+// --sync-batchnorm on real processes (gloo), with bf16 activations (statistics in float32).
+TEST(Cli, SyncBatchNormTrainsOnTwoRanks) {
+  const auto out = run(kDtrain +
+                       " train --nproc 2 --threads 1 --dataset synthetic --model resnet "
+                       "--sync-batchnorm --synthetic-examples 256 --max-steps 4 --no-progress "
+                       "--precision bf16-mixed");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "trained 4 steps (global batch 128, 2 ranks, ddp)")) << out.text;
 }
 
 TEST(Cli, MixedPrecisionAndCheckpointingTrain) {

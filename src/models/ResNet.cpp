@@ -5,6 +5,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
+#include "dtrain/nn/SyncBatchNorm.h"
 #include "models/Stages.h"
 
 namespace dtrain::models {
@@ -12,6 +13,7 @@ namespace dtrain::models {
 namespace {
 
 namespace nn = torch::nn;
+using dtrain::nn::SyncBatchNorm2d;
 
 nn::Conv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride) {
   return nn::Conv2d(
@@ -25,20 +27,20 @@ struct ResNetBlockImpl : nn::Module {
     const int64_t out = planes * (bottleneck ? 4 : 1);
     if (bottleneck) {
       conv1 = register_module("conv1", conv(in, planes, 1, 1));
-      bn1 = register_module("bn1", nn::BatchNorm2d(planes));
+      bn1 = register_module("bn1", SyncBatchNorm2d(planes));
       conv2 = register_module("conv2", conv(planes, planes, 3, stride));
-      bn2 = register_module("bn2", nn::BatchNorm2d(planes));
+      bn2 = register_module("bn2", SyncBatchNorm2d(planes));
       conv3 = register_module("conv3", conv(planes, out, 1, 1));
-      bn3 = register_module("bn3", nn::BatchNorm2d(out));
+      bn3 = register_module("bn3", SyncBatchNorm2d(out));
     } else {
       conv1 = register_module("conv1", conv(in, planes, 3, stride));
-      bn1 = register_module("bn1", nn::BatchNorm2d(planes));
+      bn1 = register_module("bn1", SyncBatchNorm2d(planes));
       conv2 = register_module("conv2", conv(planes, planes, 3, 1));
-      bn2 = register_module("bn2", nn::BatchNorm2d(planes));
+      bn2 = register_module("bn2", SyncBatchNorm2d(planes));
     }
     if (stride != 1 || in != out) {
       downsample = register_module("downsample",
-                                   nn::Sequential(conv(in, out, 1, stride), nn::BatchNorm2d(out)));
+                                   nn::Sequential(conv(in, out, 1, stride), SyncBatchNorm2d(out)));
     }
   }
   at::Tensor forward(const at::Tensor& x) {
@@ -49,7 +51,7 @@ struct ResNetBlockImpl : nn::Module {
   }
   bool bottleneck;
   nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
-  nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  SyncBatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
   nn::Sequential downsample{nullptr};
 };
 TORCH_MODULE(ResNetBlock);
@@ -78,7 +80,7 @@ struct TorchvisionResNetImpl : nn::Module {
     for (auto& module : modules(/*include_self=*/false)) {
       if (auto* c = module->as<nn::Conv2d>()) {
         nn::init::kaiming_normal_(c->weight, 0.0, torch::kFanOut, torch::kReLU);
-      } else if (auto* b = module->as<nn::BatchNorm2d>()) {
+      } else if (auto* b = module->as<SyncBatchNorm2d>()) {
         b->weight.fill_(1.0);
         b->bias.zero_();
       }
@@ -109,7 +111,7 @@ struct TorchvisionResNetImpl : nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) { return run_stages(stages(), segments, x); }
   nn::Conv2d conv1;
-  nn::BatchNorm2d bn1;
+  SyncBatchNorm2d bn1;
   std::vector<nn::Sequential> layers;
   nn::Linear fc;
   int64_t segments = 1;

@@ -1,6 +1,7 @@
 // The reference models. No BatchNorm in the MLP and CNN, so N-rank data parallelism is exactly
-// equivalent to 1-rank training on the same global batch; the ResNet keeps BatchNorm as real
-// ResNets do (its statistics are per rank, as in PyTorch DDP without SyncBatchNorm).
+// equivalent to 1-rank training on the same global batch; the ResNets keep BatchNorm as real
+// ResNets do: its statistics are per rank, as in PyTorch DDP, unless --sync-batchnorm gives its
+// layers the data-parallel group (nn/SyncBatchNorm.h).
 #include "dtrain/models/Zoo.h"
 
 #include <torch/torch.h>
@@ -11,6 +12,7 @@
 #include "dtrain/common/Registry.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/models/ResNet.h"
+#include "dtrain/nn/SyncBatchNorm.h"
 #include "models/Stages.h"
 
 namespace dtrain::models {
@@ -121,9 +123,9 @@ struct ResidualBlockImpl : torch::nn::Module {
     return torch::relu(h + (shortcut ? shortcut(x) : x));
   }
   torch::nn::Conv2d conv1;
-  torch::nn::BatchNorm2d bn1;
+  dtrain::nn::SyncBatchNorm2d bn1;
   torch::nn::Conv2d conv2;
-  torch::nn::BatchNorm2d bn2;
+  dtrain::nn::SyncBatchNorm2d bn2;
   torch::nn::Conv2d shortcut{nullptr};
 };
 TORCH_MODULE(ResidualBlock);
@@ -160,7 +162,7 @@ struct ResNetImpl : torch::nn::Module {
   }
   int64_t segments;
   torch::nn::Conv2d stem;
-  torch::nn::BatchNorm2d stem_bn;
+  dtrain::nn::SyncBatchNorm2d stem_bn;
   torch::nn::Sequential blocks;
   torch::nn::Linear head;
 };

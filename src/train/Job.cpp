@@ -157,6 +157,17 @@ void validate_job(const JobConfig& job) {
                        " needs --model gpt or another language model (not ", job.model, ")");
   }
   DTRAIN_CHECK_INPUT(job.nproc >= 1, "--nproc must be >= 1, got ", job.nproc);
+  if (job.trainer.sync_batchnorm) {
+    // (The Trainer checks the built model's layers; a registry entry says whether it has any.)
+    std::vector<std::string> with;
+    for (const auto& name : models::model_names()) {
+      if (!models::model_info(name).parameters_only) with.push_back(name);
+    }
+    DTRAIN_CHECK_INPUT(!model.parameters_only, "--sync-batchnorm: model ", job.model,
+                       " has no BatchNorm layers (", joined(with), " have)");
+    DTRAIN_CHECK_INPUT(strategy.loop == parallel::Loop::kSteps, "--sync-batchnorm: strategy ",
+                       strategy.name, " has no data-parallel group that steps together");
+  }
   const int tp = job.trainer.tensor_parallel;
   DTRAIN_CHECK_INPUT(tp >= 1, "--tensor-parallel must be >= 1, got ", tp);
   DTRAIN_CHECK_INPUT(tp == 1 || model.tensor_parallel, "--tensor-parallel ", tp,

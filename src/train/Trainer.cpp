@@ -16,6 +16,7 @@
 #include "dtrain/common/Net.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/data/DistributedSampler.h"
+#include "dtrain/nn/SyncBatchNorm.h"
 #include "dtrain/precision/Precision.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/CheckpointManager.h"
@@ -218,6 +219,17 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   }
   model.module->to(device_);
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
+  if (options_.sync_batchnorm) {
+    DTRAIN_CHECK_INPUT(loop_ == parallel::Loop::kSteps, "--sync-batchnorm: strategy ",
+                       options_.strategy, " has no data-parallel group that steps together");
+    // DiLoCo's islands step together; other strategies' data-parallel ranks do.
+    const comm::CommunicatorPtr step_group = strategy_->step_group();
+    DTRAIN_CHECK_INPUT(
+        nn::set_sync_batchnorm(*strategy_->model().module, step_group ? step_group : grid_->dp()) >
+            0,
+        "--sync-batchnorm: the model has no SyncBatchNorm layers (dtrain::nn::SyncBatchNorm2d: "
+        "dtrain's ResNets have them)");
+  }
   if (rank == 0 && options_.progress) {
     const std::string layout = strategy_->layout();
     if (!layout.empty()) std::printf("%s\n", layout.c_str());

@@ -81,6 +81,10 @@ struct TrainerOptions {
   /// run's time leaves evaluation out (time-to-accuracy measurements). Strategies whose rank 0
   /// holds the whole model only (not zero3, pipeline or tensor parallelism).
   bool defer_eval = false;
+  /// BatchNorm statistics over the data-parallel group (torch.nn.SyncBatchNorm): every
+  /// nn::SyncBatchNorm2d layer of the model gets the group, so N ranks train as one process on
+  /// the global batch. Synchronous strategies; the model needs such layers (dtrain's ResNets).
+  bool sync_batchnorm = false;
   /// The outputs are per-token predictions (a language model): validation loss is reported in
   /// nats and bits per token, accuracy as the share of next tokens predicted.
   bool token_loss = false;
