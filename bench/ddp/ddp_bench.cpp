@@ -34,7 +34,11 @@ int main(int argc, char** argv) {
   int64_t batch = 64, steps = 30, warmup = 5;
   double bucket_cap_mb = 25;
   bool comm_baseline = true;
-  app.add_option("--model", model, "mlp or cnn")->capture_default_str();
+  app.add_option("--model", model, "mlp, cnn, resnet18 or resnet50")->capture_default_str();
+  int64_t image_size = 28;
+  app.add_option("--image-size", image_size,
+                 "Square images (1 channel; 3 for torchvision's ResNets)")
+      ->capture_default_str();
   app.add_option("--batch", batch, "Examples per rank per step")->capture_default_str();
   app.add_option("--steps", steps, "Measured steps")->capture_default_str();
   app.add_option("--warmup", warmup, "Unmeasured steps first")->capture_default_str();
@@ -57,6 +61,8 @@ int main(int argc, char** argv) {
   models::ModelSpec spec;
   spec.name = model;
   spec.hidden = hidden;
+  const int64_t channels = model.rfind("resnet", 0) == 0 && model != "resnet" ? 3 : 1;
+  spec.input_shape = {channels, image_size, image_size};
   parallel::StrategyOptions options;
   options.bucket_cap_bytes = static_cast<int64_t>(bucket_cap_mb * 1024 * 1024);
   options.of<dtrain::parallel::zero::Zero3Options>().min_unit_params = min_unit_params;
@@ -70,7 +76,8 @@ int main(int argc, char** argv) {
             std::make_shared<comm::ProcessGrid>(world));
   std::vector<data::Batch> batches;
   for (int i = 0; i < 4; ++i) {
-    batches.push_back({torch::randn({batch, 1, 28, 28}), torch::randint(0, 10, {batch})});
+    batches.push_back(
+        {torch::randn({batch, channels, image_size, image_size}), torch::randint(0, 10, {batch})});
   }
   // exposed_ms: after the LAST rank's backward ends, how long until the gradients are reduced;
   // the earlier ranks wait longer, but that extra wait is load imbalance, reported as skew_ms.

@@ -23,7 +23,9 @@ from reference_models import Cnn, Mlp, leave, peak_rss_mb, reset_peak, status_mb
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="cnn", choices=["mlp", "cnn"])
+    parser.add_argument("--model", default="cnn", choices=["mlp", "cnn", "resnet18", "resnet50"])
+    parser.add_argument("--image-size", type=int, default=28,
+                        help="square images (1 channel; 3 for torchvision's ResNets)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -40,7 +42,12 @@ def main():
     dist.init_process_group("gloo")  # env:// from the launcher
     world = dist.get_world_size()
     torch.manual_seed(0)
-    model = Mlp(args.hidden) if args.model == "mlp" else Cnn()
+    if args.model.startswith("resnet"):
+        import torchvision
+        model = getattr(torchvision.models, args.model)(num_classes=10)
+    else:
+        model = Mlp(args.hidden) if args.model == "mlp" else Cnn()
+    channels = 3 if args.model.startswith("resnet") else 1
     if args.strategy == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -60,7 +67,8 @@ def main():
         optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=kind, **settings)
     else:
         optimizer = kind(ddp.parameters(), **settings)
-    batches = [(torch.randn(args.batch, 1, 28, 28), torch.randint(0, 10, (args.batch,)))
+    size = args.image_size
+    batches = [(torch.randn(args.batch, channels, size, size), torch.randint(0, 10, (args.batch,)))
                for _ in range(4)]
     step_ms = []
     peak_reset = False

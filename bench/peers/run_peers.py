@@ -4,7 +4,8 @@ sides built on the same LibTorch (the pip build, build-pip/, against .venv-torch
 the same CPU, same threads per rank, same allocator environment, started through the same
 `dtrain launch` (the pip build's: its store speaks 2.x's c10d protocol). Pairs:
 
-  ddp     dtrain ddp    vs DistributedDataParallel            (MLP 784-256-256-10, SGD; CNN)
+  ddp     dtrain ddp    vs DistributedDataParallel            (MLP 784-256-256-10, SGD; CNN;
+          ddp-resnet50 when named: torchvision's ResNet-50, 8 images of 3x224x224 per rank)
   zero1   dtrain zero1  vs DDP + ZeroRedundancyOptimizer      (MLP 784-64x1256-10, Adam)
   zero3   dtrain zero3  vs FSDP2 fully_shard per layer (gloo)  (the same MLP, Adam)
   pipe-*  dtrain's pipeline schedules vs torch.distributed.pipelining's ScheduleGPipe,
@@ -39,12 +40,15 @@ PAIRS = {
     # name: (model, dtrain strategy, PyTorch strategy, optimizer, hidden, steps, batch/rank)
     "ddp-mlp": ("mlp", "ddp", "ddp", "sgd", ["256", "256"], 200, 64),
     "ddp-cnn": ("cnn", "ddp", "ddp", "sgd", None, 40, 64),
+    # torchvision's ResNet-50 on ImageNet-shaped images (issue 51; not in the default pairs)
+    "ddp-resnet50": ("resnet50", "ddp", "ddp", "sgd", None, 5, 8),
     "zero1": ("mlp", "zero1", "zero1", "adam", ZERO_HIDDEN, 5, 16),
     "zero3": ("mlp", "zero3", "fsdp2", "adam", ZERO_HIDDEN, 5, 16),
 }
 PIPELINES = {"pipe-gpipe": ("gpipe", 1), "pipe-1f1b": ("1f1b", 1),
              "pipe-interleaved": ("interleaved", 2)}
 PIPE_BATCH, PIPE_M = 128, 8
+IMAGE_SIZE = 224
 TP_BATCH = 4
 PEER_NAMES = {"ddp": "DistributedDataParallel", "zero1": "DDP + ZeroRedundancyOptimizer",
               "fsdp2": "FSDP2 fully_shard", "gpipe": "pipelining ScheduleGPipe",
@@ -96,7 +100,8 @@ def main():
     parser.add_argument("--python", default=os.path.join(ROOT, ".venv-torch", "bin", "python"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--pairs", default=",".join(list(PAIRS) + list(PIPELINES) + ["tp"]))
+    parser.add_argument("--pairs", default=",".join(
+        [p for p in PAIRS if p != "ddp-resnet50"] + list(PIPELINES) + ["tp"]))
     parser.add_argument("--records", default=os.path.join(ROOT, "bench", "results/peers/peers.jsonl"))
     parser.add_argument("--markdown")
     args = parser.parse_args()
@@ -125,6 +130,8 @@ def main():
                                  "--strategy", ours if impl == "dtrain" else theirs]
                         if hidden:
                             extra += ["--hidden"] + hidden
+                        if model.startswith("resnet"):
+                            extra += ["--image-size", str(IMAGE_SIZE)]
                         r = run_once(args.build, impl, model, args.world, batch, steps, 25, extra,
                                      python=args.python)
                     r.update(pair=pair, side=impl, round=round_index, commit=commit,

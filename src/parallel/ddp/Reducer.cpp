@@ -82,9 +82,12 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   if (options_.ranks_per_host > 0) {
     hierarchy_ = std::make_unique<comm::HierarchicalAllreduce>(comm_, options_.ranks_per_host);
   }
+  local_ = comm_->size() == 1 && !sharded() && options_.powersgd.rank == 0 &&
+           options_.wire_dtype == at::ScalarType::Undefined && !hierarchy_ &&
+           !options_.quantization.enabled();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
-    if (!sharded()) allocate(bucket);
+    if (!sharded() && !local_) allocate(bucket);
     if (options_.powersgd.rank > 0) {
       std::vector<std::vector<int64_t>> shapes;
       for (size_t k : bucket.parameters) shapes.push_back(parameters_[k].sizes().vec());
@@ -102,7 +105,7 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());
   ready_.assign(parameters_.size(), false);
-  if (!sharded()) {
+  if (!sharded() && !local_) {
     for (size_t k = 0; k < parameters_.size(); ++k) alias_grad(k, /*keep_values=*/true);
   }
 
@@ -197,6 +200,10 @@ void Reducer::alias_grad(size_t k, bool keep_values) {
 }
 
 void Reducer::zero_grad() {
+  if (local_) {
+    for (auto& p : parameters_) p.mutable_grad().reset();
+    return;
+  }
   if (sharded()) {  // no full gradients between steps
     options_.shard_grad.zero_();
     for (auto& p : parameters_) p.mutable_grad().reset();
@@ -238,6 +245,7 @@ void Reducer::mark_ready(size_t k) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
   }
   ready_[k] = true;
+  if (local_) return;
   alias_grad(k, /*keep_values=*/true);  // usually a no-op: AccumulateGrad wrote into the bucket
   Bucket& bucket = buckets_[locator_[k].first];
   if (--bucket.pending == 0) launch_ready_buckets();
@@ -333,10 +341,15 @@ void Reducer::on_backward_end() {
     // no_sync micro-batches accumulated) so every rank still runs every bucket.
     stats_.unused_parameters.push_back(names_[k]);
     ready_[k] = true;
+    if (local_) {
+      at::Tensor& grad = parameters_[k].mutable_grad();
+      if (!grad.defined()) grad = at::zeros_like(parameters_[k]);
+      continue;
+    }
     alias_grad(k, /*keep_values=*/true);
     --buckets_[locator_[k].first].pending;
   }
-  launch_ready_buckets();
+  if (!local_) launch_ready_buckets();
 }
 
 void Reducer::finalize() {
@@ -351,6 +364,7 @@ void Reducer::finalize() {
   if (powersgd_now()) advance_powersgd();
   join_side_stream();
   for (auto& bucket : buckets_) {
+    if (local_) break;
     if (sharded()) {
       if (bucket.work) complete_sharded(bucket);
       continue;

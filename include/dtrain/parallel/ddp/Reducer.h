@@ -157,6 +157,10 @@ class Reducer : public GradientSync {
 
   std::vector<std::vector<size_t>> assign_buckets() const;
   bool sharded() const { return options_.shard_numel > 0; }
+  /// One rank, nothing to reduce or compress: no buckets, gradients as autograd makes them
+  /// (set to none between steps rather than zeroed in place, as PyTorch's
+  /// zero_grad(set_to_none=True)): a zero fill and an in-place add of every gradient fewer.
+  bool local_ = false;
   void allocate(Bucket& bucket);
   /// Reduce-scatter mode: waits for the bucket, adds what this rank received into shard_grad,
   /// frees the bucket and its parameters' gradients.
