@@ -171,6 +171,41 @@ TEST(Llama, HuggingFaceConfigsAndWeightFilesThatDoNotFitAreNamed) {
             std::string::npos);
 }
 
+// Backward is the loss's derivative: in float64 a central difference of the loss along a random
+// direction of every parameter equals the gradient's projection on it. The strategy oracles
+// compare runs that share the model's backward (its SwiGLU and attention functions), so a wrong
+// gradient there would pass them; this would not.
+TEST(Llama, GradientsAreTheLossesDerivativeInFloat64) {
+  for (bool llama : {true, false}) {
+    Model model = build_gpt(tiny_gpt(false, llama), nullptr);
+    at::Generator generator = at::detail::createCPUGenerator(3);
+    const at::Tensor tokens = at::randint(11, {3, 7}, generator, at::kLong);
+    const at::Tensor inputs = tokens.narrow(1, 0, 6), targets = tokens.narrow(1, 1, 6);
+    auto loss = [&] {
+      return at::cross_entropy_loss(model(inputs).reshape({-1, 11}), targets.reshape({-1}));
+    };
+    std::vector<at::Tensor> parameters = model.module->parameters();
+    std::vector<at::Tensor> direction;
+    for (const auto& p : parameters)
+      direction.push_back(at::randn(p.sizes(), generator, p.options()));
+    loss().backward();
+    double projected = 0;
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      projected += (parameters[i].grad() * direction[i]).sum().item<double>();
+    }
+    const double step = 1e-5;
+    auto moved = [&](double by) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < parameters.size(); ++i) parameters[i].add_(direction[i], by);
+      const double value = loss().item<double>();
+      for (size_t i = 0; i < parameters.size(); ++i) parameters[i].sub_(direction[i], by);
+      return value;
+    };
+    const double difference = (moved(step) - moved(-step)) / (2 * step);
+    EXPECT_NEAR(difference, projected, 1e-6 * std::abs(projected)) << (llama ? "llama" : "gpt");
+  }
+}
+
 TEST(Llama, DataParallelAndZero3TrainLikeOneProcessInFloat64) {
   const int steps = 3;
   for (bool checkpointing : {false, true}) {

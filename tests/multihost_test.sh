@@ -61,6 +61,19 @@ grep -q "reaches 10.231.0.1 from 10.231.0.2 on vb$id" "$work/b1.log" || fail "no
 grep -q "trained 8 steps (global batch 64, 2 ranks, ddp)" "$work/a1.log" || fail "no training summary"
 echo "ok: trained across two hosts"
 
+# 1b. BatchNorm statistics across the hosts (--sync-batchnorm: a collective in every BatchNorm
+#     layer's forward and backward, on top of the gradient buckets).
+plain_job=("${job[@]}")
+job=(train --dataset synthetic --model resnet --sync-batchnorm --synthetic-examples 256
+     --batch-size 16 --max-steps 3 --no-progress --threads 1 --comm-timeout 60000)
+launch 1 "$b" > "$work/b1s.log" 2>&1 &
+other=$!
+launch 0 "$a" > "$work/a1s.log" 2>&1 || fail "node 0 did not train with --sync-batchnorm (exit $?)"
+wait $other || fail "node 1 did not train with --sync-batchnorm"
+grep -q "trained 3 steps (global batch 32, 2 ranks, ddp)" "$work/a1s.log" || fail "no --sync-batchnorm summary"
+job=("${plain_job[@]}")
+echo "ok: BatchNorm statistics synchronized across two hosts"
+
 # 2. A rank killed on host b (SIGKILL at step 3): host a stops within seconds, naming it.
 start=$(date +%s)
 launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b2.log" 2>&1 &
