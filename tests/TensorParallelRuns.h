@@ -110,6 +110,9 @@ struct GridRun {
   /// With a dynamic loss scaler: one element of every split parameter's gradient on TP rank 1
   /// is set to inf in this step (-1 = never), an overflow only that rank sees.
   int overflow_step = -1;
+  /// Trains steps [first_step, steps) after loading `load_from` (if set); saves to `save_to`.
+  int first_step = 0;
+  std::string load_from, save_to;
 };
 
 struct GptData {
@@ -188,12 +191,13 @@ inline double train_on_grid(const GptData& d, int steps, const GridRun& run, con
         }
         auto strategy = make_strategy(run);
         strategy->setup(model, optim::optimizer_factory(test::adam()), grid);
+        if (!run.load_from.empty()) strategy->load(run.load_from);
         const int dp = grid->dp_size();
         auto order =
             data::DistributedSampler(d.dataset.size(), dp, grid->coordinates().dp, {true, 5, true})
                 .indices();
         const int64_t local = d.global_batch / dp;
-        for (int step = 0; step < steps; ++step) {
+        for (int step = run.first_step; step < steps; ++step) {
           current_step = step;
           std::vector<data::Batch> micro_batches;
           for (int m = 0; m < run.micro; ++m) {
@@ -205,6 +209,11 @@ inline double train_on_grid(const GptData& d, int steps, const GridRun& run, con
           if (skipped && result.metrics.count("skipped_steps")) {
             (*skipped)[world->rank()] = result.metrics.at("skipped_steps");
           }
+        }
+        if (!run.save_to.empty()) {
+          world->barrier()->wait();
+          strategy->save(run.save_to);
+          world->barrier()->wait();
         }
         strategy->materialize();
         worst[world->rank()] = max_block_diff(named_values(strategy->model()), serial,

@@ -282,17 +282,126 @@ TEST(Llama, TensorAndSequenceParallelEqualTheSerialModelAndTrainLikeOneProcess) 
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x PP 2 x TP 2";
   run.world = 4, run.pp = 1, run.micro = 1, run.sequence_parallel = true;
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 2, SP";
-  // Key/value heads the group does not divide are refused by name.
+}
+
+// Fewer key/value heads than tensor-parallel ranks: each is held by T / KV ranks (k and v
+// replicated among them, their gradients summed), the model still equals the serial one, trains
+// like one process (clipping counts the shared heads once), and its checkpoints resume at
+// another layout; layouts it cannot serve are refused by name.
+TEST(Llama, KeyValueHeadsSharedByTensorParallelRanksEqualTheSerialModel) {
+  const at::Tensor ids = random_tokens(3, 8, 21);
+  const at::Tensor targets = random_tokens(3, 8, 22);
+  // (key/value heads, ranks): 2 heads over 4 ranks; one head (multi-query) over 2 and 4.
+  for (const auto& [kv_heads, ranks] :
+       std::vector<std::pair<int64_t, int>>{{2, 4}, {1, 2}, {1, 4}}) {
+    for (bool sequence_parallel : {false, true}) {
+      auto config = tiny_gpt(false, true);
+      config.kv_heads = kv_heads;
+      config.context = 8;
+      Model serial = build_gpt(config, nullptr);
+      const at::Tensor logits = serial(ids);
+      parallel::cross_entropy(logits, targets).backward();
+      Named serial_grads;
+      for (const auto& [name, p] : named_parameters(serial)) serial_grads[name] = p.grad().clone();
+      const Named serial_values = named_values(serial);
+      const std::string what = "kv " + std::to_string(kv_heads) + " over " + std::to_string(ranks) +
+                               (sequence_parallel ? ", SP" : "");
+      test::run_ranks(ranks, [&](const comm::CommunicatorPtr& world) {
+        auto grid = std::make_shared<comm::ProcessGrid>(world, ranks, 1);
+        config.sequence_parallel = sequence_parallel;
+        Model model = build_gpt(config, grid->tp());
+        const auto splits = tp::parameter_splits(*model.module);
+        const auto& k = splits.at("blocks.0.k.weight");
+        EXPECT_EQ(k.replicas, ranks / kv_heads) << what;
+        EXPECT_EQ(k.replica, world->rank() % (ranks / kv_heads)) << what;
+        const auto& head = splits.at("head.out.weight");
+        const at::Tensor block = model(ids);
+        EXPECT_LT((block - logits.narrow(-1, head.start, head.length)).abs().max().item<double>(),
+                  1e-12)
+            << what;
+        model.loss(block, targets).backward();
+        parallel::TensorParallelLayout layout =
+            parallel::tensor_parallel_layout(*model.module, *grid);
+        EXPECT_TRUE(layout.has_shared_blocks());
+        std::vector<at::Tensor> params;
+        std::vector<std::string> names;
+        for (const auto& [name, p] : named_parameters(model)) {
+          params.push_back(p);
+          names.push_back(name);
+        }
+        // Before the sum a shared head's gradient is this rank's query heads' part only.
+        Named grads;
+        for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad().clone();
+        EXPECT_GT((grads.at("blocks.0.k.weight") -
+                   block_of(serial_grads.at("blocks.0.k.weight"), splits, "blocks.0.k.weight"))
+                      .abs()
+                      .max()
+                      .item<double>(),
+                  1e-6)
+            << what;
+        layout.sum_partial_gradients(params, names);
+        for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
+        EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12) << what;
+        // Full tensors (a Hugging Face file's) load into the blocks, shared ones included.
+        Model other = [&] {
+          torch::manual_seed(99);
+          return build_gpt(config, grid->tp());
+        }();
+        models::load_full_tensors(*other.module, serial_values, what);
+        EXPECT_LT(max_block_diff(named_values(other), serial_values, splits), 1e-15) << what;
+      });
+    }
+  }
+
+  const int steps = 3;
+  const GptData d = gpt_data(steps);
+  const Named serial = train_serial(d, steps, 0.0, false, -1, true);
+  GridRun run;
+  run.llama = true;
+  run.world = 4, run.tp = 4;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "TP 4";
+  // (Sequence parallelism with shared heads is checked above: these windows are 6 long.)
+  run.world = 8, run.strategy = "zero1";
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 4";
+  run.world = 8, run.pp = 2, run.micro = 2;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "PP 2 x TP 4";
+  // Clipping that bites: the shared heads' gradients count once in the norm.
+  const Named clipped = train_serial(d, steps, 0.05, false, -1, true);
+  GridRun clipping;
+  clipping.llama = true, clipping.world = 4, clipping.tp = 4, clipping.max_grad_norm = 0.05;
+  EXPECT_LT(train_on_grid(d, steps, clipping, clipped), test::kTightBound) << "TP 4, clipped";
+
+  // A step at TP 4 saved (a shared head written once), two more at TP 2 and at TP 1 x DP 2.
+  test::TempDir dir;
+  GridRun writer;
+  writer.llama = true, writer.world = 4, writer.tp = 4, writer.save_to = dir.path();
+  train_on_grid(d, 1, writer, serial);
+  for (int tp_size : {2, 1}) {
+    GridRun reader;
+    reader.llama = true, reader.world = 2, reader.tp = tp_size, reader.first_step = 1;
+    reader.load_from = dir.path();
+    EXPECT_LT(train_on_grid(d, steps, reader, serial), test::kTightBound)
+        << "resumed at TP " << tp_size;
+  }
+
+  // zero2 shards the gradients it would sum first; heads neither side divides.
   test::run_ranks(4, [&](const comm::CommunicatorPtr& world) {
     auto grid = std::make_shared<comm::ProcessGrid>(world, 4, 1);
-    try {
-      build_gpt(tiny_gpt(false, true), grid->tp());
-      ADD_FAILURE() << "built with 2 key/value heads over 4 ranks";
-    } catch (const InputError& e) {
-      EXPECT_NE(std::string(e.what()).find("--kv-heads (2) must be a multiple of "
-                                           "--tensor-parallel (4)"),
-                std::string::npos)
-          << e.what();
-    }
+    Model model = build_gpt(tiny_gpt(false, true), grid->tp());
+    auto strategy = parallel::make_strategy("zero2", {});
+    EXPECT_NE(
+        test::error_of([&] {
+          strategy->setup(model, optim::optimizer_factory(test::adam()), grid);
+        }).find("zero2 shards the gradients of key/value heads that tensor-parallel ranks share"),
+        std::string::npos);
+  });
+  test::run_ranks(6, [&](const comm::CommunicatorPtr& world) {
+    auto grid = std::make_shared<comm::ProcessGrid>(world, 6, 1);
+    auto config = tiny_gpt(false, true);
+    config.heads = 12, config.kv_heads = 4, config.width = 24;
+    EXPECT_NE(test::error_of([&] {
+                build_gpt(config, grid->tp());
+              }).find("--kv-heads (4) and --tensor-parallel (6): one must divide the other"),
+              std::string::npos);
   });
 }

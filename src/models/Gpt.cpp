@@ -147,23 +147,39 @@ struct GptEmbeddingImpl : torch::nn::Module {
 TORCH_MODULE(GptEmbedding);
 
 // Attention's heads and the MLP's hidden columns are split over the tensor-parallel group: QKV
-// and fc1 column-parallel, proj and fc2 row-parallel. QKV's output features are ordered
-// [key/value head, (its query heads, key, value), head dim] so that a contiguous block of them is
-// whole groups of heads; a SwiGLU fc1 interleaves gate and up rows so a block holds both halves.
+// and fc1 column-parallel, proj and fc2 row-parallel. With as many key/value heads as query heads
+// QKV is one layer whose output features are ordered [head, (query, key, value), head dim], so a
+// contiguous block of them is whole heads (Megatron's layout). With fewer (grouped-query
+// attention) the projections are three layers, q, k and v, so that when the group has more ranks
+// than key/value heads each head can be held by several ranks (vLLM's replication): rank r takes
+// query heads [r H / T, (r + 1) H / T) and key/value head r / (T / KV), every query head staying
+// with the key/value head that serves it. A SwiGLU fc1 interleaves gate and up rows so a block
+// holds both halves.
 struct GptBlockImpl : torch::nn::Module {
   GptBlockImpl(const GptConfig& c, Shared shared_)
-      : local_groups(kv_heads_of(c) / shared_.size()),
-        group_heads(c.heads / kv_heads_of(c)),
+      : separate(kv_heads_of(c) < c.heads),
+        local_heads(c.heads / shared_.size()),
+        local_groups(std::max<int64_t>(1, kv_heads_of(c) / shared_.size())),
+        group_heads(local_heads / local_groups),
         head_dim(c.width / c.heads),
         rope(c.position == "rope"),
         rope_theta(c.rope_theta),
         swiglu(c.mlp == "swiglu"),
         ln1(c),
-        qkv(tp::ColumnParallelLinearOptions(c.width, (c.heads + 2 * kv_heads_of(c)) * head_dim)
-                .bias(c.bias)
-                .init_std(0.02)
-                .sequence_parallel(shared_.sequence_parallel),
-            shared_.group),
+        qkv(separate
+                ? nullptr
+                : tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.width, 3 * c.width)
+                                               .bias(c.bias)
+                                               .init_std(0.02)
+                                               .sequence_parallel(shared_.sequence_parallel),
+                                           shared_.group)),
+        q(separate ? projection(c, c.width, 1, shared_) : nullptr),
+        k(separate
+              ? projection(c, kv_heads_of(c) * head_dim, key_value_replicas(c, shared_), shared_)
+              : nullptr),
+        v(separate
+              ? projection(c, kv_heads_of(c) * head_dim, key_value_replicas(c, shared_), shared_)
+              : nullptr),
         proj(tp::RowParallelLinearOptions(c.width, c.width)
                  .bias(c.bias)
                  .init_std(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)))
@@ -182,43 +198,80 @@ struct GptBlockImpl : torch::nn::Module {
             shared_.group),
         shared(std::move(shared_)) {
     register_module("ln1", ln1);
-    register_module("qkv", qkv);
+    if (separate) {
+      register_module("q", q);
+      register_module("k", k);
+      register_module("v", v);
+    } else {
+      register_module("qkv", qkv);
+    }
     register_module("proj", proj);
     register_module("ln2", ln2);
     register_module("fc1", fc1);
     register_module("fc2", fc2);
   }
 
+  // Ranks holding each key/value head: 1 when the group divides them.
+  static int key_value_replicas(const GptConfig& c, const Shared& shared) {
+    return shared.size() > kv_heads_of(c) ? static_cast<int>(shared.size() / kv_heads_of(c)) : 1;
+  }
+  static tp::ColumnParallelLinear projection(const GptConfig& c, int64_t out, int replicas,
+                                             const Shared& shared) {
+    // The input is gathered (or copied to the group) once for the three, in attention().
+    return tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.width, out)
+                                        .bias(c.bias)
+                                        .init_std(0.02)
+                                        .replicas(replicas),
+                                    shared.group);
+  }
+
   at::Tensor attention(const at::Tensor& x) {
-    const at::Tensor packed = qkv(x);  // [b, t, local groups x (group heads + 2) x d]
-    const int64_t b = packed.size(0), t = packed.size(1), d = head_dim;
-    const int64_t heads = local_groups * group_heads;
-    const at::Tensor groups = packed.view({b, t, local_groups, group_heads + 2, d});
-    at::Tensor q = groups.narrow(3, 0, group_heads).reshape({b, t, heads, d}).transpose(1, 2);
-    at::Tensor k = groups.select(3, group_heads).transpose(1, 2);  // [b, groups, t, d]
-    at::Tensor v = groups.select(3, group_heads + 1).transpose(1, 2);
+    const int64_t d = head_dim, heads = local_heads;
+    at::Tensor q_, k_, v_;
+    if (separate) {
+      const at::Tensor h = shared.sequence_parallel ? tp::gather_from_sequence(x, shared.group)
+                                                    : tp::copy_to_group(x, shared.group);
+      const int64_t b = h.size(0), t = h.size(1);
+      q_ = at::linear(h, q->weight, q->bias).view({b, t, heads, d}).transpose(1, 2);
+      k_ = at::linear(h, k->weight, k->bias).view({b, t, local_groups, d}).transpose(1, 2);
+      v_ = at::linear(h, v->weight, v->bias).view({b, t, local_groups, d}).transpose(1, 2);
+    } else {
+      // [b, t, local heads x 3 x d]
+      const at::Tensor packed = qkv(x);
+      const int64_t b = packed.size(0), t = packed.size(1);
+      const at::Tensor parts = packed.view({b, t, heads, 3, d});
+      q_ = parts.select(3, 0).transpose(1, 2);
+      k_ = parts.select(3, 1).transpose(1, 2);
+      v_ = parts.select(3, 2).transpose(1, 2);
+    }
+    return attend(q_, k_, v_);
+  }
+  // query: [b, local heads, t, d]; key, value: [b, local groups, t, d].
+  at::Tensor attend(at::Tensor query, at::Tensor key, at::Tensor value) {
+    const int64_t b = query.size(0), t = query.size(2), d = head_dim, heads = local_heads;
     if (rope) {
-      q = rotary(q, rope_theta);
-      k = rotary(k, rope_theta);
+      query = rotary(query, rope_theta);
+      key = rotary(key, rope_theta);
     }
     if (group_heads > 1) {  // each key/value head serves its group's query heads
-      k = k.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
-      v = v.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
+      key = key.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
+      value =
+          value.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
     }
     at::Tensor y;
     [[maybe_unused]] const bool attention_dropout = shared.dropout > 0 && is_training();
 #if DTRAIN_TORCH_AT_LEAST(2, 0)
-    if (!attention_dropout) y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+    if (!attention_dropout) y = at::scaled_dot_product_attention(query, key, value, {}, 0.0, true);
 #endif
     if (!y.defined()) {
       at::Tensor scores =
-          at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
-      at::Tensor future = at::ones({t, t}, packed.options().dtype(at::kBool)).triu(1);
+          at::matmul(query, key.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
+      at::Tensor future = at::ones({t, t}, query.options().dtype(at::kBool)).triu(1);
       scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
       // Each rank's heads are its own: their dropout masks differ across the group.
       at::Tensor weights = tp::dropout(at::softmax(scores, -1), shared.dropout, is_training(),
                                        shared.rng->parallel());
-      y = at::matmul(weights, v);
+      y = at::matmul(weights, value);
     }
     y = y.transpose(1, 2).reshape({b, t, heads * d});
     return tp::dropout(proj(y), shared.dropout, is_training(), shared.outer_rng());
@@ -237,14 +290,16 @@ struct GptBlockImpl : torch::nn::Module {
     return h + mlp(ln2(h));
   }
 
-  int64_t local_groups;  // key/value heads on this rank
-  int64_t group_heads;   // query heads per key/value head
+  bool separate;         // grouped-query attention: q, k and v layers
+  int64_t local_heads;   // query heads on this rank
+  int64_t local_groups;  // key/value heads on this rank (one, shared, when replicated)
+  int64_t group_heads;   // query heads per key/value head on this rank
   int64_t head_dim;
   bool rope;
   double rope_theta;
   bool swiglu;
   Norm ln1;
-  tp::ColumnParallelLinear qkv;
+  tp::ColumnParallelLinear qkv, q, k, v;
   tp::RowParallelLinear proj;
   Norm ln2;
   tp::ColumnParallelLinear fc1;
@@ -404,9 +459,10 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
   const int ranks = shared.size();
   DTRAIN_CHECK_INPUT(config.heads % ranks == 0, "--heads (", config.heads,
                      ") must be a multiple of --tensor-parallel (", ranks, ")");
-  DTRAIN_CHECK_INPUT(kv_heads_of(config) % ranks == 0, "--kv-heads (", kv_heads_of(config),
-                     ") must be a multiple of --tensor-parallel (", ranks,
-                     "): each rank takes whole key/value heads");
+  DTRAIN_CHECK_INPUT(kv_heads_of(config) % ranks == 0 || ranks % kv_heads_of(config) == 0,
+                     "--kv-heads (", kv_heads_of(config), ") and --tensor-parallel (", ranks,
+                     "): one must divide the other (each rank takes whole key/value heads, or "
+                     "shares one with --tensor-parallel / --kv-heads ranks)");
   DTRAIN_CHECK_INPUT(config.vocab >= ranks, "a vocabulary of ", config.vocab,
                      " cannot be split over ", ranks, " tensor-parallel ranks");
   uint64_t dropout_seed = 0;

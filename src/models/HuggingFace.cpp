@@ -1,7 +1,8 @@
-// Hugging Face's Llama names and layout (see HuggingFace.h). dtrain's qkv rows are ordered
-// [key/value head g, (its query heads, key, value), head dim]; transformers' q_proj rows are
-// [query head, head dim] with query head i served by key/value head i / (heads / kv_heads), as its
-// repeat_kv: group g's query rows are q_proj's rows of heads g x rep ... (g + 1) x rep - 1.
+// Hugging Face's Llama names and layout (see HuggingFace.h). With grouped-query attention
+// dtrain's q, k and v are transformers' q_proj, k_proj and v_proj as they are (query head i
+// served by key/value head i / (heads / kv_heads) in both, as transformers' repeat_kv). With as
+// many key/value heads as query heads dtrain packs them as qkv, rows ordered
+// [head, (query, key, value), head dim].
 #include "dtrain/models/HuggingFace.h"
 
 #include <ATen/ATen.h>
@@ -147,14 +148,17 @@ nn::NamedTensors to_hf_llama(const FullTensors& ours, const GptConfig& c) {
   nn::NamedTensors out;
   out.push_back({"model.embed_tokens.weight", get("embedding.token.weight")});
   for (int64_t i = 0; i < c.layers; ++i) {
-    const at::Tensor qkv =
-        get(block(i) + "qkv.weight").view({s.groups, s.rep + 2, s.head_dim, s.width});
-    out.push_back({layer(i) + "self_attn.q_proj.weight",
-                   qkv.narrow(1, 0, s.rep).reshape({s.heads * s.head_dim, s.width})});
-    out.push_back({layer(i) + "self_attn.k_proj.weight",
-                   qkv.select(1, s.rep).reshape({s.groups * s.head_dim, s.width})});
-    out.push_back({layer(i) + "self_attn.v_proj.weight",
-                   qkv.select(1, s.rep + 1).reshape({s.groups * s.head_dim, s.width})});
+    if (s.rep > 1) {
+      out.push_back({layer(i) + "self_attn.q_proj.weight", get(block(i) + "q.weight")});
+      out.push_back({layer(i) + "self_attn.k_proj.weight", get(block(i) + "k.weight")});
+      out.push_back({layer(i) + "self_attn.v_proj.weight", get(block(i) + "v.weight")});
+    } else {
+      const at::Tensor qkv = get(block(i) + "qkv.weight").view({s.heads, 3, s.head_dim, s.width});
+      for (int64_t part = 0; part < 3; ++part) {
+        out.push_back({layer(i) + "self_attn." + "qkv"[part] + "_proj.weight",
+                       qkv.select(1, part).reshape({s.heads * s.head_dim, s.width})});
+      }
+    }
     out.push_back({layer(i) + "self_attn.o_proj.weight", get(block(i) + "proj.weight")});
     const at::Tensor fc1 = get(block(i) + "fc1.weight").view({s.ffn, 2, s.width});
     out.push_back({layer(i) + "mlp.gate_proj.weight", fc1.select(1, 0)});
@@ -188,14 +192,18 @@ FullTensors from_hf_llama(const nn::SafeTensorsSet& weights, const GptConfig& c)
   ours["embedding.token.weight"] = get("model.embed_tokens.weight", {c.vocab, s.width});
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string l = layer(i), b = block(i);
-    const at::Tensor q = get(l + "self_attn.q_proj.weight", {s.heads * s.head_dim, s.width})
-                             .view({s.groups, s.rep, s.head_dim, s.width});
-    const at::Tensor k = get(l + "self_attn.k_proj.weight", {s.groups * s.head_dim, s.width})
-                             .view({s.groups, 1, s.head_dim, s.width});
-    const at::Tensor v = get(l + "self_attn.v_proj.weight", {s.groups * s.head_dim, s.width})
-                             .view({s.groups, 1, s.head_dim, s.width});
-    ours[b + "qkv.weight"] =
-        at::cat({q, k, v}, 1).reshape({(s.heads + 2 * s.groups) * s.head_dim, s.width});
+    const at::Tensor q = get(l + "self_attn.q_proj.weight", {s.heads * s.head_dim, s.width});
+    const at::Tensor k = get(l + "self_attn.k_proj.weight", {s.groups * s.head_dim, s.width});
+    const at::Tensor v = get(l + "self_attn.v_proj.weight", {s.groups * s.head_dim, s.width});
+    if (s.rep > 1) {
+      ours[b + "q.weight"] = q;
+      ours[b + "k.weight"] = k;
+      ours[b + "v.weight"] = v;
+    } else {
+      const std::vector<int64_t> heads{s.heads, s.head_dim, s.width};
+      ours[b + "qkv.weight"] = at::stack({q.view(heads), k.view(heads), v.view(heads)}, 1)
+                                   .reshape({3 * s.heads * s.head_dim, s.width});
+    }
     ours[b + "proj.weight"] = get(l + "self_attn.o_proj.weight", {s.width, s.width});
     const at::Tensor gate = get(l + "mlp.gate_proj.weight", {s.ffn, s.width});
     const at::Tensor up = get(l + "mlp.up_proj.weight", {s.ffn, s.width});

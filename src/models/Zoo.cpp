@@ -248,9 +248,10 @@ void check_gpt_layout(const ModelSpec& spec, const ModelLayout& layout) {
   if (tp <= 1) return;
   DTRAIN_CHECK_INPUT(config.heads % tp == 0, "--tensor-parallel ", tp, " must divide --heads (",
                      config.heads, "): each rank takes whole heads");
-  DTRAIN_CHECK_INPUT(kv_heads_of(config) % tp == 0, "--tensor-parallel ", tp,
-                     " must divide --kv-heads (", kv_heads_of(config),
-                     "): each rank takes whole key/value heads");
+  DTRAIN_CHECK_INPUT(kv_heads_of(config) % tp == 0 || tp % kv_heads_of(config) == 0,
+                     "--tensor-parallel ", tp, " and --kv-heads (", kv_heads_of(config),
+                     "): one must divide the other (each rank takes whole key/value heads, or "
+                     "shares one with --tensor-parallel / --kv-heads ranks)");
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel || config.context % tp == 0,
                      "--sequence-parallel splits the --context of ", config.context,
                      " tokens over --tensor-parallel ", tp, ": it must be a multiple of it");

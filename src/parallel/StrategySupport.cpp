@@ -95,6 +95,13 @@ double clip_by_global_norm(const std::vector<at::Tensor>& holders,
 }
 
 std::vector<PieceRef> TensorParallelLayout::for_writing(std::vector<PieceRef> pieces) const {
+  // A block several ranks hold is written by the first of them.
+  pieces.erase(std::remove_if(pieces.begin(), pieces.end(),
+                              [this](const PieceRef& piece) {
+                                const auto it = splits.find(piece.name);
+                                return it != splits.end() && it->second.replica != 0;
+                              }),
+               pieces.end());
   return with_splits(std::move(pieces), splits, /*keep_replicated=*/rank == 0);
 }
 
@@ -102,33 +109,63 @@ std::vector<PieceRef> TensorParallelLayout::for_reading(std::vector<PieceRef> pi
   return with_splits(std::move(pieces), splits);
 }
 
+bool TensorParallelLayout::has_shared_blocks() const {
+  return std::any_of(splits.begin(), splits.end(),
+                     [](const auto& item) { return item.second.replicas > 1; });
+}
+
 std::vector<bool> TensorParallelLayout::counted(const std::vector<std::string>& names) const {
   std::vector<bool> flags;
-  for (const auto& name : names) flags.push_back(rank == 0 || splits.count(name) > 0);
+  for (const auto& name : names) {
+    const auto it = splits.find(name);
+    flags.push_back(it == splits.end() ? rank == 0 : it->second.replica == 0);
+  }
   return flags;
 }
 
 void TensorParallelLayout::sum_partial_gradients(const std::vector<at::Tensor>& parameters,
                                                  const std::vector<std::string>& names) const {
-  if (partial.empty() || size == 1) return;
+  if (size == 1) return;
   torch::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
+  // Replicated parameters whose gradients are partial sums go into the buffer whole; a block
+  // several ranks hold goes in at its place in the full tensor, zeros around it, so the holders'
+  // partial sums add up there and nowhere else. Every TP rank lays the buffer out the same way.
+  struct Entry {
+    at::Tensor grad;
+    const nn::tensor::ParameterSplit* split;  // null: replicated
+  };
+  std::vector<Entry> entries;
+  int64_t total = 0;
   for (size_t i = 0; i < parameters.size(); ++i) {
-    if (std::find(partial.begin(), partial.end(), names[i]) == partial.end()) continue;
+    const auto split = splits.find(names[i]);
+    const bool held_by_several = split != splits.end() && split->second.replicas > 1;
+    if (!held_by_several && std::find(partial.begin(), partial.end(), names[i]) == partial.end()) {
+      continue;
+    }
     if (!parameters[i].grad().defined())
       parameters[i].mutable_grad() = at::zeros_like(parameters[i]);
-    grads.push_back(parameters[i].grad());
+    entries.push_back({parameters[i].grad(), held_by_several ? &split->second : nullptr});
+    total +=
+        held_by_several ? c10::multiply_integers(split->second.full_shape) : parameters[i].numel();
   }
-  // Every TP rank holds the same replicated parameters, so the flat buffers line up.
-  if (grads.empty()) return;
-  std::vector<at::Tensor> flat_parts;
-  for (const auto& g : grads) flat_parts.push_back(g.reshape({-1}));
-  at::Tensor flat = at::cat(flat_parts);
-  group->allreduce(flat)->wait();
+  if (entries.empty()) return;
+  at::Tensor flat = at::zeros({total}, entries.front().grad.options());
+  auto place = [&](const Entry& e, int64_t offset) {
+    if (!e.split) return flat.narrow(0, offset, e.grad.numel()).view(e.grad.sizes());
+    return flat.narrow(0, offset, c10::multiply_integers(e.split->full_shape))
+        .view(e.split->full_shape)
+        .narrow(e.split->dim, e.split->start, e.split->length);
+  };
   int64_t offset = 0;
-  for (auto& g : grads) {
-    g.copy_(flat.narrow(0, offset, g.numel()).view(g.sizes()));
-    offset += g.numel();
+  for (const auto& e : entries) {
+    place(e, offset).copy_(e.grad);
+    offset += e.split ? c10::multiply_integers(e.split->full_shape) : e.grad.numel();
+  }
+  group->allreduce(flat)->wait();
+  offset = 0;
+  for (auto& e : entries) {
+    e.grad.copy_(place(e, offset));
+    offset += e.split ? c10::multiply_integers(e.split->full_shape) : e.grad.numel();
   }
 }
 

@@ -43,13 +43,17 @@ struct TensorParallelLayout {
   int rank = 0;
   int size = 1;
   /// Sums the gradients of the `partial` ones among `parameters` (named by `names`) over the
-  /// TP group, in one allreduce. Collective over the group when there are any.
+  /// TP group, and those of blocks several ranks hold over their holders, in one allreduce.
+  /// Collective over the group (every TP rank has the same such parameters).
   void sum_partial_gradients(const std::vector<at::Tensor>& parameters,
                              const std::vector<std::string>& names) const;
-  /// Checkpoint pieces this rank writes: blocks marked; replicated parameters at TP rank 0 only.
+  /// Checkpoint pieces this rank writes: blocks marked (a block several ranks hold by the first
+  /// of them); replicated parameters at TP rank 0 only.
   std::vector<PieceRef> for_writing(std::vector<PieceRef> pieces) const;
   /// Checkpoint pieces this rank reads (blocks marked).
   std::vector<PieceRef> for_reading(std::vector<PieceRef> pieces) const;
+  /// Whether some split parameter's block is held by several ranks.
+  bool has_shared_blocks() const;
   /// Whether this rank counts each named parameter in a global norm.
   std::vector<bool> counted(const std::vector<std::string>& names) const;
 };

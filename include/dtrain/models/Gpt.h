@@ -59,12 +59,15 @@ int64_t kv_heads_of(const GptConfig& config);
 int64_t ffn_width_of(const GptConfig& config);
 
 /// The model, initialized as GPT-2 (normal(0, 0.02) weights, residual projections scaled by
-/// 1/sqrt(2 x layers), zero biases) from the global LibTorch generator. Its query, key and value
-/// projections are one layer ("qkv") whose output features are ordered [key/value head,
-/// (its query heads..., key, value), head dim]; a SwiGLU MLP's first layer ("fc1") interleaves
+/// 1/sqrt(2 x layers), zero biases) from the global LibTorch generator. With as many key/value
+/// heads as query heads, the query, key and value projections are one layer ("qkv") whose output
+/// features are ordered [head, (query, key, value), head dim]; with fewer (grouped-query
+/// attention) they are three ("q", "k", "v"). A SwiGLU MLP's first layer ("fc1") interleaves
 /// the gate's and the up projection's rows (gate 0, up 0, gate 1, ...), so that contiguous
-/// blocks are whole head groups and matching pairs. With a `tensor_parallel` group of T > 1
-/// ranks (ProcessGrid::tp()), attention heads (T must divide the key/value heads), MLP columns
+/// blocks are whole heads and matching pairs. With a `tensor_parallel` group of T > 1 ranks
+/// (ProcessGrid::tp()), attention heads (T must divide the query heads, and divide or be a
+/// multiple of the key/value heads: then T / KV ranks share each key/value head, their
+/// gradients summed by the strategies), MLP columns
 /// and the vocabulary are split over it (nn/tensor/Layers.h): every rank draws the full
 /// initialization and keeps its block, so the model equals the serial one built from the same
 /// seed; its output is then this rank's block of the logits, and Model::loss / Model::predict

@@ -44,11 +44,17 @@ void check_full(const at::Tensor& given, at::IntArrayRef expected, const char* w
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ColumnParallelLinearOptions& options_,
                                                    comm::CommunicatorPtr group_)
     : options(options_), group(std::move(group_)) {
-  DTRAIN_CHECK_INPUT(options.in_features() >= 1 && options.out_features() >= size_of(group),
+  const int replicas = options.replicas();
+  DTRAIN_CHECK(replicas >= 1 && size_of(group) % replicas == 0, "a column-parallel linear over ",
+               size_of(group), " ranks cannot keep ", replicas, " replicas of each block");
+  DTRAIN_CHECK(replicas == 1 || !options.gather_output(),
+               "a column-parallel linear with replicated blocks cannot gather its output");
+  const int blocks = size_of(group) / replicas;
+  DTRAIN_CHECK_INPUT(options.in_features() >= 1 && options.out_features() >= blocks,
                      "a column-parallel linear of ", options.in_features(), " -> ",
-                     options.out_features(), " features cannot be split over ", size_of(group),
-                     " ranks");
-  std::tie(start_, length_) = split_range(options.out_features(), size_of(group), rank_of(group));
+                     options.out_features(), " features cannot be split over ", blocks, " ranks");
+  std::tie(start_, length_) =
+      split_range(options.out_features(), blocks, rank_of(group) / replicas);
   auto [w, b] = full_linear(options.in_features(), options.out_features(), options.bias(),
                             options.init_std());
   weight = register_parameter("weight", w.narrow(0, start_, length_).clone());
@@ -64,9 +70,13 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
 
 ParameterSplits ColumnParallelLinearImpl::local_splits() const {
   if (size_of(group) == 1) return {};
+  const int replicas = options.replicas(), replica = rank_of(group) % replicas;
   ParameterSplits splits;
-  splits["weight"] = {0, start_, length_, {options.out_features(), options.in_features()}};
-  if (options.bias()) splits["bias"] = {0, start_, length_, {options.out_features()}};
+  splits["weight"] = {0,        start_, length_, {options.out_features(), options.in_features()},
+                      replicas, replica};
+  if (options.bias()) {
+    splits["bias"] = {0, start_, length_, {options.out_features()}, replicas, replica};
+  }
   return splits;
 }
 

@@ -49,6 +49,10 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
                      " shards the gradients that sequence parallelism sums over the "
                      "tensor-parallel group first; use ddp or zero1 (or leave out "
                      "--sequence-parallel)");
+  DTRAIN_CHECK_INPUT(!tp_.has_shared_blocks() || !gradients_sharded(), name(),
+                     " shards the gradients of key/value heads that tensor-parallel ranks share "
+                     "(--kv-heads below --tensor-parallel) and sum first; use ddp or zero1, or "
+                     "a --tensor-parallel that divides --kv-heads");
   {
     torch::NoGradGuard no_grad;
     std::vector<comm::WorkPtr> works;

@@ -31,6 +31,11 @@ struct ColumnParallelLinearOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
   /// > 0: weight ~ normal(0, init_std), zero bias (GPT-2's init); else LibTorch's Linear init.
   TORCH_ARG(double, init_std) = -1.0;
+  /// Consecutive ranks holding the same block: the output features are split into
+  /// group size / replicas blocks, rank r keeping block r / replicas (grouped-query attention's
+  /// key/value heads when there are fewer of them than ranks). The holders' gradients are
+  /// partial sums; strategies sum them (TensorParallelLayout).
+  TORCH_ARG(int, replicas) = 1;
 };
 
 struct RowParallelLinearOptions {

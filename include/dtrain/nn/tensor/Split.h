@@ -1,7 +1,8 @@
 // How a tensor-parallel parameter relates to the full (serial) tensor: a contiguous range along
-// one dimension. Layers report their splits (TensorParallelModule) so strategies can save each
-// rank's part as a piece of the full tensor, count replicated parameters once in the gradient
-// norm, and record full shapes; a parameter without a split is replicated across the group.
+// one dimension, held by one rank or by several (replicas). Layers report their splits
+// (TensorParallelModule) so strategies can save each rank's part as a piece of the full tensor,
+// count replicated parameters once in the gradient norm, and record full shapes; a parameter
+// without a split is replicated across the group.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,12 @@ struct ParameterSplit {
   int64_t length = 0;
   /// The full tensor's shape.
   std::vector<int64_t> full_shape;
+  /// How many ranks of the group hold this same block (key/value heads replicated when a
+  /// grouped-query model has fewer of them than tensor-parallel ranks), and which of them this
+  /// rank is. Each holder's gradient is a partial sum: strategies sum it over the holders, count
+  /// it once in the gradient norm, and the first holder writes it to checkpoints.
+  int replicas = 1;
+  int replica = 0;
 };
 
 /// Parameter name (as in Module::named_parameters) -> its split.
