@@ -20,6 +20,7 @@
 #include "dtrain/models/HuggingFace.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/nn/SafeTensors.h"
+#include "dtrain/train/Weights.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/zero/Zero3Strategy.h"
 
@@ -404,4 +405,55 @@ TEST(Llama, KeyValueHeadsSharedByTensorParallelRanksEqualTheSerialModel) {
               }).find("--kv-heads (4) and --tensor-parallel (6): one must divide the other"),
               std::string::npos);
   });
+}
+
+// ZeRO-3 from a Hugging Face folder: each rank reads the rows its shards lie in (about 1/N of
+// the file's bytes) and the gathered model equals the weights, for grouped-query (q, k, v as the
+// file has them) and multi-head attention (qkv and fc1 interleaved from several tensors).
+TEST(Llama, Zero3CutsItsShardsFromTheFile) {
+  for (const int64_t kv_heads : {2, 4}) {
+    auto config = small_llama();
+    config.kv_heads = kv_heads, config.width = 64, config.ffn_width = 96, config.vocab = 50;
+    models::ModelSpec spec;
+    spec.name = "llama";
+    spec.gpt = config;
+    torch::manual_seed(11);
+    const models::FullTensors serial = full_parameters(models::make_gpt(config));
+    test::TempDir dir;
+    nn::save_safetensors_folder(dir.path(), models::to_hf_llama(serial, config), 1LL << 30, {});
+    int64_t file_bytes = 0;
+    for (const auto& [name, t] : serial) file_bytes += static_cast<int64_t>(t.nbytes());
+    for (const int ranks : {2, 3}) {
+      std::vector<int64_t> read(ranks, 0);
+      test::run_ranks(ranks, [&](const comm::CommunicatorPtr& world) {
+        auto grid = std::make_shared<comm::ProcessGrid>(world, 1, 1);
+        Model model = [&] {
+          static std::mutex mutex;
+          std::lock_guard<std::mutex> lock(mutex);
+          torch::manual_seed(99);  // not the file's weights
+          return models::make_gpt(config);
+        }();
+        parallel::zero::Zero3Strategy strategy(parallel::StrategyOptions{});
+        strategy.setup(model, optim::optimizer_factory(test::adam()), grid);
+        const models::WeightSource source = models::WeightSource::hf_llama(
+            std::make_shared<const nn::SafeTensorsSet>(nn::SafeTensorsSet::open(dir.path())),
+            config);
+        train::load_weight_pieces(strategy.parameter_pieces(), *strategy.model().module, source,
+                                  "test");
+        read[world->rank()] = source.bytes_read();
+        strategy.materialize();
+        for (const auto& item : strategy.model().module->named_parameters()) {
+          EXPECT_TRUE(item.value().equal(serial.at(item.key())))
+              << item.key() << " kv " << kv_heads << " ranks " << ranks;
+        }
+      });
+      int64_t total = 0;
+      for (int r = 0; r < ranks; ++r) {
+        // A shard's share, and a few rows at the edges of its runs.
+        EXPECT_LT(read[r], file_bytes / ranks + file_bytes / 8) << "rank " << r << " of " << ranks;
+        total += read[r];
+      }
+      EXPECT_GE(total, file_bytes);
+    }
+  }
 }

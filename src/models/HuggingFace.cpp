@@ -173,55 +173,161 @@ nn::NamedTensors to_hf_llama(const FullTensors& ours, const GptConfig& c) {
   return out;
 }
 
-FullTensors from_hf_llama(const nn::SafeTensorsSet& weights, const GptConfig& c) {
+WeightSource WeightSource::direct(std::shared_ptr<const nn::SafeTensorsSet> weights) {
+  WeightSource source;
+  for (const auto& name : weights->names()) {
+    source.entries_[name] = {weights->info(name).shape, {name}, 1};
+  }
+  source.weights_ = std::move(weights);
+  return source;
+}
+
+WeightSource WeightSource::hf_llama(std::shared_ptr<const nn::SafeTensorsSet> weights,
+                                    const GptConfig& c) {
   check_llama(c);
   const Shapes s = shapes_of(c);
+  const nn::SafeTensorsSet& w = *weights;
   std::set<std::string> used;
-  auto get = [&](const std::string& name, std::vector<int64_t> shape) {
-    DTRAIN_CHECK_INPUT(weights.contains(name), weights.origin(), ": tensor '", name,
+  auto check = [&](const std::string& name, std::vector<int64_t> shape) {
+    DTRAIN_CHECK_INPUT(w.contains(name), w.origin(), ": tensor '", name,
                        "' is missing (the config asks for ", c.layers, " layers",
                        c.tied_embeddings ? ", tied embeddings" : "", ")");
-    const nn::SafeTensorInfo& info = weights.info(name);
-    DTRAIN_CHECK_INPUT(info.shape == shape, weights.origin(), ": tensor '", name, "' has shape ",
+    const nn::SafeTensorInfo& info = w.info(name);
+    DTRAIN_CHECK_INPUT(info.shape == shape, w.origin(), ": tensor '", name, "' has shape ",
                        at::IntArrayRef(info.shape), " where the config gives ",
                        at::IntArrayRef(shape));
     used.insert(name);
-    return weights.get(name);
+    return name;
   };
-  FullTensors ours;
-  ours["embedding.token.weight"] = get("model.embed_tokens.weight", {c.vocab, s.width});
+  WeightSource source;
+  auto& e = source.entries_;
+  e["embedding.token.weight"] = {
+      {c.vocab, s.width}, {check("model.embed_tokens.weight", {c.vocab, s.width})}, 1};
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string l = layer(i), b = block(i);
-    const at::Tensor q = get(l + "self_attn.q_proj.weight", {s.heads * s.head_dim, s.width});
-    const at::Tensor k = get(l + "self_attn.k_proj.weight", {s.groups * s.head_dim, s.width});
-    const at::Tensor v = get(l + "self_attn.v_proj.weight", {s.groups * s.head_dim, s.width});
+    const std::string q = check(l + "self_attn.q_proj.weight", {s.heads * s.head_dim, s.width});
+    const std::string k = check(l + "self_attn.k_proj.weight", {s.groups * s.head_dim, s.width});
+    const std::string v = check(l + "self_attn.v_proj.weight", {s.groups * s.head_dim, s.width});
     if (s.rep > 1) {
-      ours[b + "q.weight"] = q;
-      ours[b + "k.weight"] = k;
-      ours[b + "v.weight"] = v;
-    } else {
-      const std::vector<int64_t> heads{s.heads, s.head_dim, s.width};
-      ours[b + "qkv.weight"] = at::stack({q.view(heads), k.view(heads), v.view(heads)}, 1)
-                                   .reshape({3 * s.heads * s.head_dim, s.width});
+      e[b + "q.weight"] = {{s.heads * s.head_dim, s.width}, {q}, 1};
+      e[b + "k.weight"] = {{s.groups * s.head_dim, s.width}, {k}, 1};
+      e[b + "v.weight"] = {{s.groups * s.head_dim, s.width}, {v}, 1};
+    } else {  // [head, (query, key, value), head dim]
+      e[b + "qkv.weight"] = {{3 * s.heads * s.head_dim, s.width}, {q, k, v}, s.head_dim};
     }
-    ours[b + "proj.weight"] = get(l + "self_attn.o_proj.weight", {s.width, s.width});
-    const at::Tensor gate = get(l + "mlp.gate_proj.weight", {s.ffn, s.width});
-    const at::Tensor up = get(l + "mlp.up_proj.weight", {s.ffn, s.width});
-    ours[b + "fc1.weight"] = at::stack({gate, up}, 1).reshape({2 * s.ffn, s.width});
-    ours[b + "fc2.weight"] = get(l + "mlp.down_proj.weight", {s.width, s.ffn});
-    ours[b + "ln1.weight"] = get(l + "input_layernorm.weight", {s.width});
-    ours[b + "ln2.weight"] = get(l + "post_attention_layernorm.weight", {s.width});
+    e[b + "proj.weight"] = {
+        {s.width, s.width}, {check(l + "self_attn.o_proj.weight", {s.width, s.width})}, 1};
+    // fc1's rows: gate 0, up 0, gate 1, ...
+    e[b + "fc1.weight"] = {{2 * s.ffn, s.width},
+                           {check(l + "mlp.gate_proj.weight", {s.ffn, s.width}),
+                            check(l + "mlp.up_proj.weight", {s.ffn, s.width})},
+                           1};
+    e[b + "fc2.weight"] = {
+        {s.width, s.ffn}, {check(l + "mlp.down_proj.weight", {s.width, s.ffn})}, 1};
+    e[b + "ln1.weight"] = {{s.width}, {check(l + "input_layernorm.weight", {s.width})}, 1};
+    e[b + "ln2.weight"] = {{s.width}, {check(l + "post_attention_layernorm.weight", {s.width})}, 1};
   }
-  ours["head.ln.weight"] = get("model.norm.weight", {s.width});
-  if (!c.tied_embeddings) ours["head.out.weight"] = get("lm_head.weight", {c.vocab, s.width});
-  for (const auto& name : weights.names()) {
+  e["head.ln.weight"] = {{s.width}, {check("model.norm.weight", {s.width})}, 1};
+  if (!c.tied_embeddings) {
+    e["head.out.weight"] = {{c.vocab, s.width}, {check("lm_head.weight", {c.vocab, s.width})}, 1};
+  }
+  for (const auto& name : w.names()) {
     // Rotary tables some exporters save are recomputed, never read.
     if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;
-    DTRAIN_CHECK_INPUT(used.count(name), weights.origin(), ": tensor '", name,
+    DTRAIN_CHECK_INPUT(used.count(name), w.origin(), ": tensor '", name,
                        "' is not part of the model the config describes",
                        name == "lm_head.weight" ? " (tie_word_embeddings is true)" : "");
   }
+  source.weights_ = std::move(weights);
+  return source;
+}
+
+std::vector<std::string> WeightSource::names() const {
+  std::vector<std::string> out;
+  for (const auto& item : entries_) out.push_back(item.first);
+  return out;
+}
+
+const std::vector<int64_t>& WeightSource::shape(const std::string& name) const {
+  const auto it = entries_.find(name);
+  DTRAIN_CHECK_INPUT(it != entries_.end(), origin(), ": no tensor for the model's ", name);
+  return it->second.shape;
+}
+
+at::Tensor WeightSource::rows(const std::string& name, int64_t begin, int64_t end) const {
+  const auto it = entries_.find(name);
+  DTRAIN_CHECK_INPUT(it != entries_.end(), origin(), ": no tensor for the model's ", name);
+  const Entry& entry = it->second;
+  DTRAIN_CHECK(!entry.shape.empty() && begin >= 0 && begin <= end && end <= entry.shape[0],
+               "WeightSource: rows [", begin, ", ", end, ") of ", name, " of shape ",
+               at::IntArrayRef(entry.shape));
+  auto read = [&](const std::string& part, int64_t first, int64_t count) {
+    at::Tensor t = weights_->slice(part, 0, first, count);
+    *bytes_read_ += static_cast<int64_t>(t.nbytes());
+    return t;
+  };
+  const int64_t parts = static_cast<int64_t>(entry.parts.size());
+  if (parts == 1) return read(entry.parts[0], begin, end - begin);
+  // Whole groups (one block of every part) covering the rows, then the rows asked for.
+  const int64_t group = parts * entry.block;
+  const int64_t g0 = begin / group, g1 = end == begin ? g0 : (end - 1) / group + 1;
+  std::vector<int64_t> grouped{g1 - g0, entry.block};
+  grouped.insert(grouped.end(), entry.shape.begin() + 1, entry.shape.end());
+  std::vector<at::Tensor> blocks;
+  for (const auto& part : entry.parts) {
+    blocks.push_back(read(part, g0 * entry.block, (g1 - g0) * entry.block).view(grouped));
+  }
+  std::vector<int64_t> flat = entry.shape;
+  flat[0] = (g1 - g0) * group;
+  return at::stack(blocks, 1).reshape(flat).narrow(0, begin - g0 * group, end - begin);
+}
+
+at::Tensor WeightSource::full(const std::string& name) const {
+  const std::vector<int64_t>& whole = shape(name);
+  if (!whole.empty()) return rows(name, 0, whole[0]);
+  at::Tensor t = weights_->get(entries_.at(name).parts.at(0));
+  *bytes_read_ += static_cast<int64_t>(t.nbytes());
+  return t;
+}
+
+FullTensors from_hf_llama(const nn::SafeTensorsSet& weights, const GptConfig& c) {
+  // Not owned: the source lives only in this call.
+  const WeightSource source =
+      WeightSource::hf_llama(std::shared_ptr<const nn::SafeTensorsSet>(&weights, [](auto*) {}), c);
+  FullTensors ours;
+  for (const auto& name : source.names()) ours[name] = source.full(name);
   return ours;
+}
+
+void load_weights(torch::nn::Module& module, const WeightSource& source,
+                  const std::string& origin) {
+  const auto splits = nn::tensor::parameter_splits(module);
+  std::set<std::string> seen;
+  torch::NoGradGuard no_grad;
+  auto load = [&](const std::string& name, at::Tensor target) {
+    DTRAIN_CHECK_INPUT(source.contains(name), origin, ": no tensor for the model's ", name);
+    seen.insert(name);
+    const auto split = splits.find(name);
+    const std::vector<int64_t>& shape = source.shape(name);
+    const std::vector<int64_t> expected =
+        split != splits.end() ? split->second.full_shape : target.sizes().vec();
+    DTRAIN_CHECK_INPUT(shape == expected, origin, ": ", name, " has shape ", at::IntArrayRef(shape),
+                       " where the model's is ", at::IntArrayRef(expected));
+    if (split == splits.end()) {
+      target.copy_(source.full(name));
+    } else if (split->second.dim == 0) {
+      target.copy_(
+          source.rows(name, split->second.start, split->second.start + split->second.length));
+    } else {
+      target.copy_(
+          source.full(name).narrow(split->second.dim, split->second.start, split->second.length));
+    }
+  };
+  for (const auto& item : module.named_parameters()) load(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) load(item.key(), item.value());
+  for (const auto& name : source.names()) {
+    DTRAIN_CHECK_INPUT(seen.count(name), origin, ": ", name, " is not a tensor of the model");
+  }
 }
 
 void load_full_tensors(torch::nn::Module& module, const FullTensors& full,

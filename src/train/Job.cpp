@@ -304,7 +304,18 @@ JobResult run_job(const JobConfig& job) {
   Trainer trainer(options, world);
   const models::ModelSpec spec = model_spec(job, vocabulary);
   Model model = models::make_model(spec, trainer.grid()->tp());
-  if (!safetensors_init.empty()) init_from_safetensors(model, spec, safetensors_init);
+  if (!safetensors_init.empty()) {
+    const std::string origin = "--init-from " + safetensors_init;
+    const models::WeightSource source = open_weights(spec, safetensors_init);
+    if (options.strategy == "zero3") {
+      // Each rank reads the rows of its shards once they are cut, nothing else of the file.
+      trainer.set_after_setup([source, origin](parallel::Strategy& strategy) {
+        load_weight_pieces(strategy.parameter_pieces(), *strategy.model().module, source, origin);
+      });
+    } else {
+      models::load_weights(*model.module, source, origin);
+    }
+  }
   JobResult result;
   result.fit = trainer.fit(std::move(model), data.train, &data.test);
   result.rank = trainer.grid()->world()->rank();

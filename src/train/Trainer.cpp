@@ -219,6 +219,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   }
   model.module->to(device_);
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
+  if (after_setup_) after_setup_(*strategy_);
   if (options_.sync_batchnorm) {
     DTRAIN_CHECK_INPUT(loop_ == parallel::Loop::kSteps, "--sync-batchnorm: strategy ",
                        options_.strategy, " has no data-parallel group that steps together");

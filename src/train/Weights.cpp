@@ -2,10 +2,13 @@
 #include "dtrain/train/Weights.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
 
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -14,6 +17,7 @@
 #include "dtrain/models/Gpt.h"
 #include "dtrain/models/HuggingFace.h"
 #include "dtrain/nn/SafeTensors.h"
+#include "dtrain/nn/tensor/Split.h"
 #include "dtrain/train/Checkpoint.h"
 
 namespace dtrain::train {
@@ -92,30 +96,81 @@ bool is_safetensors(const std::string& path) {
   return fs::path(path).extension() == ".safetensors";
 }
 
-void init_from_safetensors(Model& model, const models::ModelSpec& spec, const std::string& path) {
-  const nn::SafeTensorsSet weights = nn::SafeTensorsSet::open(path);
+models::WeightSource open_weights(const models::ModelSpec& spec, const std::string& path) {
+  auto weights = std::make_shared<const nn::SafeTensorsSet>(nn::SafeTensorsSet::open(path));
   const bool decoder = models::model_info(spec.name).language_model;
-  models::FullTensors full;
-  if (decoder && weights.contains("model.embed_tokens.weight")) {
-    const models::GptConfig config = models::decoder_config(spec);
-    DTRAIN_CHECK_INPUT(models::is_llama_architecture(config), "--init-from ", path,
-                       " holds Hugging Face Llama weights; --model ", spec.name,
-                       " is not a Llama-architecture decoder (--model llama)");
-    const fs::path folder = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
-    const fs::path config_path = folder / "config.json";
-    std::error_code error;
-    if (fs::exists(config_path, error)) {
-      std::ifstream in(config_path);
-      const std::string text((std::istreambuf_iterator<char>(in)),
-                             std::istreambuf_iterator<char>());
-      check_against_flags(models::llama_config_from_hf(text, config_path.string()), config,
-                          config_path.string());
-    }
-    full = models::from_hf_llama(weights, config);
-  } else {
-    for (const auto& name : weights.names()) full[name] = weights.get(name);
+  if (!decoder || !weights->contains("model.embed_tokens.weight")) {
+    return models::WeightSource::direct(std::move(weights));
   }
-  models::load_full_tensors(*model.module, full, "--init-from " + path);
+  const models::GptConfig config = models::decoder_config(spec);
+  DTRAIN_CHECK_INPUT(models::is_llama_architecture(config), "--init-from ", path,
+                     " holds Hugging Face Llama weights; --model ", spec.name,
+                     " is not a Llama-architecture decoder (--model llama)");
+  const fs::path folder = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
+  const fs::path config_path = folder / "config.json";
+  std::error_code error;
+  if (fs::exists(config_path, error)) {
+    std::ifstream in(config_path);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    check_against_flags(models::llama_config_from_hf(text, config_path.string()), config,
+                        config_path.string());
+  }
+  return models::WeightSource::hf_llama(std::move(weights), config);
+}
+
+void init_from_safetensors(Model& model, const models::ModelSpec& spec, const std::string& path) {
+  models::load_weights(*model.module, open_weights(spec, path), "--init-from " + path);
+}
+
+void load_weight_pieces(const std::vector<parallel::PieceRef>& pieces, torch::nn::Module& module,
+                        const models::WeightSource& source, const std::string& origin) {
+  torch::NoGradGuard no_grad;
+  const auto splits = nn::tensor::parameter_splits(module);
+  std::map<std::string, std::vector<int64_t>> local_shapes;
+  std::set<std::string> seen;
+  auto check = [&](const std::string& name, const std::vector<int64_t>& local) {
+    DTRAIN_CHECK_INPUT(source.contains(name), origin, ": no tensor for the model's ", name);
+    const auto split = splits.find(name);
+    const std::vector<int64_t> expected = split != splits.end() ? split->second.full_shape : local;
+    DTRAIN_CHECK_INPUT(source.shape(name) == expected, origin, ": ", name, " has shape ",
+                       at::IntArrayRef(source.shape(name)), " where the model's is ",
+                       at::IntArrayRef(expected));
+    seen.insert(name);
+  };
+  for (const auto& item : module.named_parameters()) {
+    local_shapes[item.key()] = item.value().sizes().vec();
+    check(item.key(), item.value().sizes().vec());
+  }
+  for (const auto& item : module.named_buffers()) {
+    check(item.key(), item.value().sizes().vec());
+    item.value().copy_(source.full(item.key()));
+  }
+  for (const auto& name : source.names()) {
+    DTRAIN_CHECK_INPUT(seen.count(name), origin, ": ", name, " is not a tensor of the model");
+  }
+  for (const auto& piece : pieces) {
+    const std::vector<int64_t>& local = local_shapes.at(piece.name);
+    const int64_t numel = piece.tensor.numel();
+    if (numel == 0) continue;
+    if (local.empty()) {
+      piece.tensor.copy_(source.full(piece.name).reshape({-1}));
+      continue;
+    }
+    int64_t row = 1;
+    for (size_t d = 1; d < local.size(); ++d) row *= local[d];
+    const int64_t first = piece.offset / row, last = (piece.offset + numel + row - 1) / row;
+    const auto split = splits.find(piece.name);
+    at::Tensor rows;
+    if (split == splits.end()) {
+      rows = source.rows(piece.name, first, last);
+    } else if (split->second.dim == 0) {
+      rows = source.rows(piece.name, split->second.start + first, split->second.start + last);
+    } else {
+      rows = source.rows(piece.name, first, last)
+                 .narrow(split->second.dim, split->second.start, split->second.length);
+    }
+    piece.tensor.copy_(rows.reshape({-1}).narrow(0, piece.offset - first * row, numel));
+  }
 }
 
 }  // namespace dtrain::train

@@ -6,7 +6,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "dtrain/models/Gpt.h"
 #include "dtrain/nn/SafeTensors.h"
@@ -36,9 +38,51 @@ std::string llama_config_to_hf(const GptConfig& config, const std::string& dtype
 /// SwiGLU fc1 into gate_proj and up_proj, lm_head left out when the embedding is tied.
 nn::NamedTensors to_hf_llama(const FullTensors& ours, const GptConfig& config);
 
+/// A model's full tensors under dtrain's names, read from safetensors on demand, a range of
+/// rows at a time: a tensor-parallel rank reads its block, a ZeRO-3 rank its shard, not the file.
+class WeightSource {
+ public:
+  /// dtrain's names as they are in the file (`dtrain ckpt export` of a non-Llama model,
+  /// torchvision's ResNets).
+  static WeightSource direct(std::shared_ptr<const nn::SafeTensorsSet> weights);
+  /// Hugging Face's Llama layout for `config`: every tensor the model needs, of the shape the
+  /// config gives, none left over (InputError naming the tensor and the problem; checked from
+  /// the headers, before anything is read).
+  static WeightSource hf_llama(std::shared_ptr<const nn::SafeTensorsSet> weights,
+                               const GptConfig& config);
+
+  std::vector<std::string> names() const;
+  bool contains(const std::string& name) const { return entries_.count(name) > 0; }
+  const std::vector<int64_t>& shape(const std::string& name) const;
+  /// Rows [begin, end) of dimension 0 (elements of a 1-D tensor), in the file's dtype.
+  at::Tensor rows(const std::string& name, int64_t begin, int64_t end) const;
+  /// The whole tensor (a 0-d one too).
+  at::Tensor full(const std::string& name) const;
+  /// Bytes of tensor data read so far.
+  int64_t bytes_read() const { return *bytes_read_; }
+  const std::string& origin() const { return weights_->origin(); }
+
+ private:
+  // The tensor is `parts` in the file, their rows interleaved `block` at a time (part 0's
+  // first block, part 1's, ..., part 0's second block); one part: the file's tensor as it is.
+  struct Entry {
+    std::vector<int64_t> shape;
+    std::vector<std::string> parts;
+    int64_t block = 1;
+  };
+  std::shared_ptr<const nn::SafeTensorsSet> weights_;
+  std::map<std::string, Entry> entries_;
+  std::shared_ptr<int64_t> bytes_read_ = std::make_shared<int64_t>(0);
+};
+
 /// And back, from a safetensors set: every tensor dtrain's model needs, each of the shape the
 /// config gives, none left over (InputError naming the tensor and the problem).
 FullTensors from_hf_llama(const nn::SafeTensorsSet& weights, const GptConfig& config);
+
+/// Sets a module's parameters and buffers from a source, each rank reading the block of each it
+/// holds (nn/tensor's splits): InputError naming a tensor missing, misshapen or left over.
+/// `origin` starts the messages.
+void load_weights(torch::nn::Module& module, const WeightSource& source, const std::string& origin);
 
 /// Sets a module's parameters and buffers from full tensors: a tensor-parallel rank takes its
 /// block (nn/tensor's splits); every one must be given with its full shape (InputError naming

@@ -154,6 +154,12 @@ class Trainer {
   /// Collective. Loss and accuracy over `dataset`, each rank evaluating a share.
   EvalResult evaluate(const data::TensorDataset& dataset);
 
+  /// Called by fit() right after the strategy's setup, before a checkpoint is restored: sets
+  /// initial weights into what the strategy holds (a ZeRO-3 rank's shards cut from a file).
+  void set_after_setup(std::function<void(parallel::Strategy&)> fn) {
+    after_setup_ = std::move(fn);
+  }
+
   parallel::Strategy& strategy() { return *strategy_; }
   const std::shared_ptr<comm::ProcessGrid>& grid() const { return grid_; }
   const TrainerOptions& options() const { return options_; }
@@ -176,6 +182,7 @@ class Trainer {
   /// has them, else options.loss and argmax.
   parallel::LossFn loss_ = parallel::cross_entropy;
   std::function<at::Tensor(const at::Tensor&)> predict_;
+  std::function<void(parallel::Strategy&)> after_setup_;
 };
 
 }  // namespace dtrain::train

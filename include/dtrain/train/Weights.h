@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "dtrain/common/Model.h"
+#include "dtrain/models/HuggingFace.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/StateShards.h"
 
 namespace dtrain::train {
 
@@ -25,10 +27,21 @@ std::vector<std::string> export_safetensors(const std::string& checkpoint,
 /// A .safetensors file, or a folder holding model.safetensors or model.safetensors.index.json.
 bool is_safetensors(const std::string& path);
 
-/// Sets `model` (built from `spec`; a tensor-parallel rank keeps its blocks of the full tensors)
-/// from safetensors weights: Hugging Face's Llama names for a Llama decoder
-/// (the config.json beside them, when there, must agree with the model's flags), else dtrain's
-/// names. InputError naming the path and the tensor or field at fault.
+/// The safetensors weights at `path` for the model built from `spec`, read on demand: Hugging
+/// Face's Llama names for a Llama decoder (the config.json beside them, when there, must agree
+/// with the model's flags), else dtrain's names. InputError naming the path and the tensor or
+/// field at fault.
+models::WeightSource open_weights(const models::ModelSpec& spec, const std::string& path);
+
+/// Sets `model` (built from `spec`; a tensor-parallel rank reads its blocks of the full tensors)
+/// from the safetensors weights at `path` (open_weights).
 void init_from_safetensors(Model& model, const models::ModelSpec& spec, const std::string& path);
+
+/// Sets a ZeRO-3 rank's shards (Strategy::parameter_pieces(): runs of elements of `module`'s
+/// parameters, whose storage is freed) and `module`'s buffers from `source`, reading only the
+/// rows each run lies in: nothing of the full model is read, built or gathered on any rank.
+/// Every parameter is checked by name and shape first (InputError naming `origin` and it).
+void load_weight_pieces(const std::vector<parallel::PieceRef>& pieces, torch::nn::Module& module,
+                        const models::WeightSource& source, const std::string& origin);
 
 }  // namespace dtrain::train
