@@ -93,6 +93,23 @@ inline double max_block_diff(const Named& local, const Named& serial,
   return worst;
 }
 
+// The serial model's logits on `ids`, and its gradients (of the loss on `targets`) and values.
+struct SerialPass {
+  at::Tensor logits;
+  Named grads, values;
+};
+
+inline SerialPass serial_pass(const models::GptConfig& config, const at::Tensor& ids,
+                              const at::Tensor& targets) {
+  Model serial = build_gpt(config, nullptr);
+  SerialPass out;
+  out.logits = serial(ids);
+  parallel::cross_entropy(out.logits, targets).backward();
+  for (const auto& [name, p] : named_parameters(serial)) out.grads[name] = p.grad().clone();
+  out.values = named_values(serial);
+  return out;
+}
+
 inline at::Tensor random_tokens(int64_t rows, int64_t columns, uint64_t seed, int64_t vocab = 11) {
   at::Generator generator = at::detail::createCPUGenerator(seed);
   return at::randint(vocab, {rows, columns}, generator, at::kLong);

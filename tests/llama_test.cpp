@@ -240,11 +240,9 @@ TEST(Llama, TensorAndSequenceParallelEqualTheSerialModelAndTrainLikeOneProcess) 
   const at::Tensor ids = random_tokens(3, 6, 21);
   const at::Tensor targets = random_tokens(3, 6, 22);
   for (bool sequence_parallel : {false, true}) {
-    Model serial = build_gpt(tiny_gpt(false, true), nullptr);
-    const at::Tensor logits = serial(ids);
-    parallel::cross_entropy(logits, targets).backward();
-    Named serial_grads;
-    for (const auto& [name, p] : named_parameters(serial)) serial_grads[name] = p.grad().clone();
+    const SerialPass pass = serial_pass(tiny_gpt(false, true), ids, targets);
+    const at::Tensor& logits = pass.logits;
+    const Named& serial_grads = pass.grads;
     test::run_ranks(2, [&](const comm::CommunicatorPtr& world) {
       auto grid = std::make_shared<comm::ProcessGrid>(world, 2, 1);
       auto config = tiny_gpt(false, true);
@@ -299,18 +297,17 @@ TEST(Llama, KeyValueHeadsSharedByTensorParallelRanksEqualTheSerialModel) {
       auto config = tiny_gpt(false, true);
       config.kv_heads = kv_heads;
       config.context = 8;
-      Model serial = build_gpt(config, nullptr);
-      const at::Tensor logits = serial(ids);
-      parallel::cross_entropy(logits, targets).backward();
-      Named serial_grads;
-      for (const auto& [name, p] : named_parameters(serial)) serial_grads[name] = p.grad().clone();
-      const Named serial_values = named_values(serial);
+      const SerialPass pass = serial_pass(config, ids, targets);
+      const at::Tensor& logits = pass.logits;
+      const Named& serial_grads = pass.grads;
+      const Named& serial_values = pass.values;
       const std::string what = "kv " + std::to_string(kv_heads) + " over " + std::to_string(ranks) +
                                (sequence_parallel ? ", SP" : "");
       test::run_ranks(ranks, [&](const comm::CommunicatorPtr& world) {
         auto grid = std::make_shared<comm::ProcessGrid>(world, ranks, 1);
-        config.sequence_parallel = sequence_parallel;
-        Model model = build_gpt(config, grid->tp());
+        auto local = config;
+        local.sequence_parallel = sequence_parallel;
+        Model model = build_gpt(local, grid->tp());
         const auto splits = tp::parameter_splits(*model.module);
         const auto& k = splits.at("blocks.0.k.weight");
         EXPECT_EQ(k.replicas, ranks / kv_heads) << what;
@@ -344,10 +341,11 @@ TEST(Llama, KeyValueHeadsSharedByTensorParallelRanksEqualTheSerialModel) {
         for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
         EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12) << what;
         // Full tensors (a Hugging Face file's) load into the blocks, shared ones included.
-        Model other = [&] {
-          torch::manual_seed(99);
-          return build_gpt(config, grid->tp());
-        }();
+        Model other = build_gpt(local, grid->tp());
+        {
+          torch::NoGradGuard no_grad;
+          for (auto& p : other.module->parameters()) p.zero_();
+        }
         models::load_full_tensors(*other.module, serial_values, what);
         EXPECT_LT(max_block_diff(named_values(other), serial_values, splits), 1e-15) << what;
       });

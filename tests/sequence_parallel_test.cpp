@@ -15,11 +15,9 @@ TEST(TensorParallel, SequenceParallelGptEqualsTheSerialModel) {
   const at::Tensor ids = random_tokens(3, 4, 31);  // 4 positions: split over 2 or 4 ranks
   const at::Tensor targets = random_tokens(3, 4, 32);
   for (bool tied : {false, true}) {
-    Model serial = build_gpt(tiny_gpt(tied), nullptr);
-    const at::Tensor logits = serial(ids);
-    parallel::cross_entropy(logits, targets).backward();
-    Named serial_grads;
-    for (const auto& [name, p] : named_parameters(serial)) serial_grads[name] = p.grad().clone();
+    const SerialPass pass = serial_pass(tiny_gpt(tied), ids, targets);
+    const at::Tensor& logits = pass.logits;
+    const Named& serial_grads = pass.grads;
     for (int ranks : {2, 4}) {
       test::run_ranks(ranks, [&](const comm::CommunicatorPtr& world) {
         auto grid = std::make_shared<comm::ProcessGrid>(world, ranks, 1);

@@ -164,12 +164,10 @@ TEST(TensorParallel, GptEqualsTheSerialModelForTwoAndFourRanks) {
   const at::Tensor targets = random_tokens(3, 6, 22);
   for (bool tied : {false, true}) {
     const auto config = tiny_gpt(tied);
-    Model serial = build_gpt(config, nullptr);
-    const at::Tensor logits = serial(ids);
-    parallel::cross_entropy(logits, targets).backward();
-    Named serial_grads;
-    for (const auto& [name, p] : named_parameters(serial)) serial_grads[name] = p.grad().clone();
-    const Named serial_values = named_values(serial);
+    const SerialPass pass = serial_pass(config, ids, targets);
+    const at::Tensor& logits = pass.logits;
+    const Named& serial_grads = pass.grads;
+    const Named& serial_values = pass.values;
 
     for (int ranks : {2, 4}) {
       test::run_ranks(ranks, [&](const comm::CommunicatorPtr& world) {

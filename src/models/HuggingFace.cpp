@@ -242,6 +242,19 @@ WeightSource WeightSource::hf_llama(std::shared_ptr<const nn::SafeTensorsSet> we
   return source;
 }
 
+WeightSource WeightSource::in_memory(const FullTensors& tensors) {
+  WeightSource source;
+  for (const auto& [name, tensor] : tensors) {
+    source.entries_[name] = {tensor.sizes().vec(), {}, 1, tensor};
+  }
+  return source;
+}
+
+const std::string& WeightSource::origin() const {
+  static const std::string memory = "(tensors in memory)";
+  return weights_ ? weights_->origin() : memory;
+}
+
 std::vector<std::string> WeightSource::names() const {
   std::vector<std::string> out;
   for (const auto& item : entries_) out.push_back(item.first);
@@ -261,6 +274,7 @@ at::Tensor WeightSource::rows(const std::string& name, int64_t begin, int64_t en
   DTRAIN_CHECK(!entry.shape.empty() && begin >= 0 && begin <= end && end <= entry.shape[0],
                "WeightSource: rows [", begin, ", ", end, ") of ", name, " of shape ",
                at::IntArrayRef(entry.shape));
+  if (entry.tensor.defined()) return entry.tensor.narrow(0, begin, end - begin);
   auto read = [&](const std::string& part, int64_t first, int64_t count) {
     at::Tensor t = weights_->slice(part, 0, first, count);
     *bytes_read_ += static_cast<int64_t>(t.nbytes());
@@ -285,6 +299,7 @@ at::Tensor WeightSource::rows(const std::string& name, int64_t begin, int64_t en
 at::Tensor WeightSource::full(const std::string& name) const {
   const std::vector<int64_t>& whole = shape(name);
   if (!whole.empty()) return rows(name, 0, whole[0]);
+  if (entries_.at(name).tensor.defined()) return entries_.at(name).tensor;
   at::Tensor t = weights_->get(entries_.at(name).parts.at(0));
   *bytes_read_ += static_cast<int64_t>(t.nbytes());
   return t;
@@ -332,30 +347,7 @@ void load_weights(torch::nn::Module& module, const WeightSource& source,
 
 void load_full_tensors(torch::nn::Module& module, const FullTensors& full,
                        const std::string& origin) {
-  const auto splits = nn::tensor::parameter_splits(module);
-  std::set<std::string> seen;
-  torch::NoGradGuard no_grad;
-  auto load = [&](const std::string& name, at::Tensor target) {
-    const auto it = full.find(name);
-    DTRAIN_CHECK_INPUT(it != full.end(), origin, ": no tensor for the model's ", name);
-    seen.insert(name);
-    const auto split = splits.find(name);
-    const std::vector<int64_t> shape =
-        split != splits.end() ? split->second.full_shape : target.sizes().vec();
-    DTRAIN_CHECK_INPUT(it->second.sizes() == at::IntArrayRef(shape), origin, ": ", name,
-                       " has shape ", it->second.sizes(), " where the model's is ",
-                       at::IntArrayRef(shape));
-    const at::Tensor block =
-        split == splits.end()
-            ? it->second
-            : it->second.narrow(split->second.dim, split->second.start, split->second.length);
-    target.copy_(block);
-  };
-  for (const auto& item : module.named_parameters()) load(item.key(), item.value());
-  for (const auto& item : module.named_buffers()) load(item.key(), item.value());
-  for (const auto& [name, tensor] : full) {
-    DTRAIN_CHECK_INPUT(seen.count(name), origin, ": ", name, " is not a tensor of the model");
-  }
+  load_weights(module, WeightSource::in_memory(full), origin);
 }
 
 }  // namespace dtrain::models

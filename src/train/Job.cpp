@@ -307,7 +307,7 @@ JobResult run_job(const JobConfig& job) {
   if (!safetensors_init.empty()) {
     const std::string origin = "--init-from " + safetensors_init;
     const models::WeightSource source = open_weights(spec, safetensors_init);
-    if (options.strategy == "zero3") {
+    if (parallel::strategy_info(options.strategy).shards_parameters) {
       // Each rank reads the rows of its shards once they are cut, nothing else of the file.
       trainer.set_after_setup([source, origin](parallel::Strategy& strategy) {
         load_weight_pieces(strategy.parameter_pieces(), *strategy.model().module, source, origin);

@@ -50,6 +50,8 @@ class WeightSource {
   /// the headers, before anything is read).
   static WeightSource hf_llama(std::shared_ptr<const nn::SafeTensorsSet> weights,
                                const GptConfig& config);
+  /// Tensors already in memory (a torchvision state dict in a test).
+  static WeightSource in_memory(const FullTensors& tensors);
 
   std::vector<std::string> names() const;
   bool contains(const std::string& name) const { return entries_.count(name) > 0; }
@@ -60,7 +62,7 @@ class WeightSource {
   at::Tensor full(const std::string& name) const;
   /// Bytes of tensor data read so far.
   int64_t bytes_read() const { return *bytes_read_; }
-  const std::string& origin() const { return weights_->origin(); }
+  const std::string& origin() const;
 
  private:
   // The tensor is `parts` in the file, their rows interleaved `block` at a time (part 0's
@@ -69,6 +71,7 @@ class WeightSource {
     std::vector<int64_t> shape;
     std::vector<std::string> parts;
     int64_t block = 1;
+    at::Tensor tensor;  // in_memory's
   };
   std::shared_ptr<const nn::SafeTensorsSet> weights_;
   std::map<std::string, Entry> entries_;

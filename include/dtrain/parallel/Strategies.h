@@ -88,6 +88,9 @@ struct StrategyInfo {
   std::function<void(StrategyOptions&, const std::string& stage_strategy)> set_stage_strategy;
   /// Rank 0 holds the whole model (so --defer-eval can copy it).
   bool whole_model_on_rank0 = true;
+  /// Keeps only shards of the parameters once set up (Strategy::parameter_pieces()): initial
+  /// weights from a file go into the shards after setup, each rank reading its own.
+  bool shards_parameters = false;
   /// Trains against parameter-server shards (--ps, or --ps-shards started by dtrain train).
   bool parameter_server = false;
   /// The shards apply the updates with their optimizer (their schedule runs by version).

@@ -34,6 +34,7 @@ StrategyInfo zero3_strategy() {
   info.name = "zero3";
   info.summary = "ZeRO stage 3 (FSDP): parameters sharded too, gathered unit by unit";
   info.whole_model_on_rank0 = false;
+  info.shards_parameters = true;
   info.options = {option_group<Zero3Options>("zero3", declare_flags, check_options),
                   zero_quantized_options()};
   info.check_layout = [](const StrategyOptions&, const Layout& layout) {
