@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/models/Gpt.h"
@@ -68,6 +69,13 @@ class WeightSource {
   // The tensor is `parts` in the file, their rows interleaved `block` at a time (part 0's
   // first block, part 1's, ..., part 0's second block); one part: the file's tensor as it is.
   struct Entry {
+    Entry() = default;
+    Entry(std::vector<int64_t> shape_, std::vector<std::string> parts_, int64_t block_ = 1,
+          at::Tensor tensor_ = {})
+        : shape(std::move(shape_)),
+          parts(std::move(parts_)),
+          block(block_),
+          tensor(std::move(tensor_)) {}
     std::vector<int64_t> shape;
     std::vector<std::string> parts;
     int64_t block = 1;
