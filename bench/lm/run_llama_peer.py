@@ -100,11 +100,20 @@ def dtrain_round(dtrain, prefix, initial, steps, threads, work):
                "--warmup-steps", str(RECIPE["warmup"]), "--max-grad-norm", str(RECIPE["clip"]),
                "--seed", str(RECIPE["seed"]), "--no-progress", "--log-every", "1",
                "--metrics", metrics]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"dtrain failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    steps_seen = [json.loads(line) for line in open(metrics)]
-    steps_seen = [r for r in steps_seen if r.get("event") == "step"]
+    # The round ends when the last step is logged: the evaluation over the validation split
+    # that follows training (minutes here) is not compared, and would set the rounds far apart
+    # on a machine whose speed drifts.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    steps_seen = []
+    while len(steps_seen) < steps:
+        time.sleep(0.5)
+        if os.path.exists(metrics):
+            steps_seen = [json.loads(line) for line in open(metrics) if line.endswith("\n")]
+            steps_seen = [r for r in steps_seen if r.get("event") == "step"]
+        if process.poll() is not None and len(steps_seen) < steps:
+            sys.exit(f"dtrain failed:\n{process.stdout.read()[-3000:]}")
+    process.kill()
+    process.wait()
     return [r["loss"] for r in steps_seen], [r["step_ms"] for r in steps_seen], command
 
 
