@@ -180,7 +180,7 @@ class PlanCommand final : public Command {
     app_->add_option("--micro-batches", micro_batches_, "Micro-batches per step");
     app_->add_option("--global-batch", global_batch_,
                      "Samples per step (sets --micro-batches; required by --search)");
-    app_->add_option("--schedule", layout_.schedule, "gpipe, 1f1b, interleaved")
+    app_->add_option("--schedule", layout_.schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2")
         ->capture_default_str();
     app_->add_option("--chunks", layout_.chunks, "Model chunks per pipeline rank (interleaved)")
         ->capture_default_str();

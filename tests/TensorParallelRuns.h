@@ -130,6 +130,7 @@ struct GridRun {
   /// Trains steps [first_step, steps) after loading `load_from` (if set); saves to `save_to`.
   int first_step = 0;
   std::string load_from, save_to;
+  std::string schedule = "1f1b";  // pipeline
 };
 
 struct GptData {
@@ -169,6 +170,7 @@ inline parallel::StrategyPtr make_strategy(const GridRun& run) {
   if (run.overflow_step >= 0) options.loss_scaling = "dynamic";
   if (run.pp > 1) {
     options.of<dtrain::parallel::pipeline::PipelineOptions>().data_parallel = run.strategy;
+    options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = run.schedule;
     return parallel::make_strategy("pipeline", options);
   }
   return parallel::make_strategy(run.strategy, options);

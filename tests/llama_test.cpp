@@ -279,6 +279,11 @@ TEST(Llama, TensorAndSequenceParallelEqualTheSerialModelAndTrainLikeOneProcess) 
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "TP 2";
   run.world = 8, run.pp = 2, run.micro = 2, run.strategy = "zero1";
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x PP 2 x TP 2";
+  // Zero bubble: the column- and row-parallel layers and q, k, v defer their weight gradients
+  // to W; RMSNorm's and the embedding's come from B.
+  run.world = 4, run.strategy = "ddp", run.schedule = "zb-h1";
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "PP 2 x TP 2, zb-h1";
+  run.schedule = "1f1b";
   run.world = 4, run.pp = 1, run.micro = 1, run.sequence_parallel = true;
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 2, SP";
 }

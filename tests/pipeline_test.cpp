@@ -76,6 +76,51 @@ TEST(Schedule, IdealTimelinesMatchTheBubbleFormula) {
   }
 }
 
+// Zero bubble (backward split into B and W, each half of 1F1B's backward): ZB-H1 keeps 1F1B's
+// F/B order and fills the waits with W's: with T_F = T_B = T_W the step takes 3M + P - 1, the
+// lower bound of a flushed step (the last stage cannot start before P - 1 forwards), each rank
+// idling P - 1 where 1F1B idles 3(P - 1); it keeps 1F1B's activations (at most P - r
+// micro-batches forwarded and not B'd, stage 0's P the peak) with at most r + 1 W's pending on
+// rank r. ZB-H2 warms up with 2(P - r) - 1 forwards; its W's gather at the end.
+TEST(Schedule, ZeroBubbleSchedulesFillTheWaitsWithWeightGradients) {
+  ScheduleSpec spec{ScheduleKind::ZeroBubbleH1, 2, 4, 1};
+  EXPECT_EQ(listing(build_schedule(spec, 0)), "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3");
+  EXPECT_EQ(listing(build_schedule(spec, 1)), "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3");
+  spec.kind = ScheduleKind::ZeroBubbleH2;
+  EXPECT_EQ(listing(build_schedule(spec, 0)), "F0 F1 F2 F3 B0 W0 B1 W1 B2 B3 W2 W3");
+  EXPECT_EQ(listing(build_schedule(spec, 1)), "F0 F1 B0 F2 B1 F3 B2 B3 W0 W1 W2 W3");
+  for (int p : {1, 2, 3, 4, 8}) {
+    for (int m : {p, p + 1, 2 * p, 4 * p}) {
+      SCOPED_TRACE(dtrain::concat("P=", p, " M=", m));
+      const ScheduleSpec one{ScheduleKind::OneFOneB, p, m, 1};
+      const ScheduleSpec h1{ScheduleKind::ZeroBubbleH1, p, m, 1};
+      const ScheduleSpec h2{ScheduleKind::ZeroBubbleH2, p, m, 1};
+      const auto base = simulate(one, all_ranks(one), 1.0, 2.0);
+      const auto zb1 = simulate(h1, all_ranks(h1), 1.0, 2.0);
+      const auto zb2 = simulate(h2, all_ranks(h2), 1.0, 2.0);
+      EXPECT_DOUBLE_EQ(base.makespan, 3.0 * m + 3.0 * (p - 1));
+      EXPECT_DOUBLE_EQ(zb1.makespan, 3.0 * m + (p - 1));
+      EXPECT_LE(zb2.makespan, 3.0 * m + p);
+      for (int r = 0; r < p; ++r) {
+        EXPECT_NEAR(zb1.idle_share[r] * zb1.makespan, p - 1.0, 1e-9);
+        EXPECT_NEAR(base.idle_share[r] * base.makespan, 3.0 * (p - 1), 1e-9);
+        EXPECT_LE(zb1.peak_live[r], base.peak_live[r]);
+        EXPECT_LE(zb1.peak_pending_weights[r], r + 1);
+        EXPECT_LE(zb2.peak_live[r], std::min(m, 2 * (p - r) - 1 + 1));
+        EXPECT_EQ(base.peak_pending_weights[r], 0);
+      }
+    }
+  }
+  EXPECT_EQ(schedule_kind_named("zb-h1"), ScheduleKind::ZeroBubbleH1);
+  EXPECT_EQ(schedule_kind_named("zb-h2"), ScheduleKind::ZeroBubbleH2);
+  // A W before its B, or a W in a schedule that does not split backward, is refused.
+  auto lists = all_ranks({ScheduleKind::ZeroBubbleH1, 2, 2, 1});
+  std::swap(lists[1][1], lists[1].back());  // rank 1: F0 W1 ... B1
+  EXPECT_THROW(simulate({ScheduleKind::ZeroBubbleH1, 2, 2, 1}, lists), dtrain::InputError);
+  EXPECT_THROW(simulate({ScheduleKind::OneFOneB, 2, 2, 1}, all_ranks({ScheduleKind::ZeroBubbleH1, 2, 2, 1})),
+               dtrain::InputError);
+}
+
 TEST(Schedule, ADeadlockOrAMissingActionIsNamed) {
   const ScheduleSpec spec{ScheduleKind::OneFOneB, 2, 2, 1};
   auto lists = all_ranks(spec);
@@ -106,6 +151,10 @@ TEST(Schedule, BadSpecsAreNamed) {
     return std::string();
   };
   EXPECT_NE(message({ScheduleKind::OneFOneB, 4, 2, 1}).find("at least as many micro-batches"),
+            std::string::npos);
+  EXPECT_NE(message({ScheduleKind::ZeroBubbleH1, 4, 2, 1}).find("zb-h1 schedule needs at least"),
+            std::string::npos);
+  EXPECT_NE(message({ScheduleKind::ZeroBubbleH2, 2, 4, 2}).find("need the interleaved schedule"),
             std::string::npos);
   EXPECT_NE(message({ScheduleKind::Interleaved, 2, 3, 2}).find("multiple of the pipeline"),
             std::string::npos);
@@ -253,6 +302,36 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
     PipelineRun run{2, 2, 4, schedule};
     EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
   }
+  // Zero bubble: B and W split (the MLP's linear layers defer their weight gradients to W).
+  for (const std::string schedule : {"zb-h1", "zb-h2"}) {
+    for (int pp : {2, 4}) {
+      for (int micro : {4, 8}) {
+        if (micro < pp) continue;
+        SCOPED_TRACE(concat(schedule, " P=", pp, " M=", micro));
+        std::vector<std::map<std::string, double>> metrics(pp);
+        PipelineRun run;
+        run.pp = pp;
+        run.micro = micro;
+        run.schedule = schedule;
+        run.metrics = &metrics;
+        EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+        for (const auto& m : metrics) {
+          EXPECT_GT(m.at("peak_deferred_mb"), 0.0) << "no weight gradient was deferred to W";
+          EXPECT_GE(m.at("peak_pending_weight_grads"), 1.0);
+        }
+      }
+    }
+    for (const std::string data_parallel : {"ddp", "zero1"}) {
+      SCOPED_TRACE(concat(schedule, " 2 x 2 ", data_parallel));
+      PipelineRun run{2, 2, 4, schedule};
+      run.data_parallel = data_parallel;
+      EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+    }
+    SCOPED_TRACE(concat(schedule, " 2 x 2 over the communicator"));
+    PipelineRun run{2, 2, 4, schedule};
+    run.transport = "comm";
+    EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  }
   // Interleaved: 2 chunks per rank (4 virtual stages, the last rank handing back to the first).
   for (int micro : {2, 4, 8}) {
     SCOPED_TRACE(concat("interleaved P=2 V=2 M=", micro));
@@ -355,12 +434,19 @@ TEST(Pipeline, ClipsByTheGlobalNormChecksActivationsAndNoticesALostGradient) {
   const auto expected = snapshot(single);
   PipelineRun run{2, 2, 4, "1f1b", 0.05};
   EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  PipelineRun zero_bubble{2, 2, 4, "zb-h1", 0.05};  // clipped after the last W
+  EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, zero_bubble)), kTightBound);
 
   auto checkpointed = f;
   checkpointed.spec.checkpointing = "2";
   run.clip = 0;
   const auto plain = train_single(f, steps);
   EXPECT_LE(max_difference(checkpointed, plain, train_pipeline(checkpointed, steps, run)),
+            kTightBound);
+  // Recomputed stages under zero bubble: the recomputation computes their weight gradients in
+  // B (nothing is deferred from inside a checkpoint), the result is the same.
+  zero_bubble.clip = 0;
+  EXPECT_LE(max_difference(checkpointed, plain, train_pipeline(checkpointed, steps, zero_bubble)),
             kTightBound);
 
   run.dropped_rank = 3;  // the last stage of replica 1

@@ -17,6 +17,7 @@
 #include "BenchMemory.h"
 #include "dtrain/common/Model.h"
 #include "dtrain/common/Trace.h"
+#include "dtrain/nn/WeightGrad.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
@@ -41,9 +42,12 @@ Model wide_mlp(int64_t width, int layers) {
     Stage stage;
     stage.name = model.stages[i].name;
     stage.modules = model.stages[i].modules;
-    auto linear = model.stages[i].forward;
+    // Through nn::linear, as the Zoo's models: zero-bubble schedules defer its weight gradient.
+    auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(model.stages[i].modules[0]);
     auto relu = model.stages[i + 1].forward;
-    stage.forward = [linear, relu](const at::Tensor& x) { return relu(linear(x)); };
+    stage.forward = [linear, relu](const at::Tensor& x) {
+      return relu(dtrain::nn::linear(x, linear->weight, linear->bias));
+    };
     stages.push_back(stage);
   }
   model.stages = stages;
@@ -61,7 +65,7 @@ int main(int argc, char** argv) {
   std::string trace_path;
   std::string transport = "auto";
   bool input_grad = true;
-  app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved")->capture_default_str();
+  app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2")->capture_default_str();
   app.add_option("--micro-batches", micro, "M")->capture_default_str();
   app.add_option("--virtual-stages", chunks, "V (interleaved)")->capture_default_str();
   app.add_option("--layers", layers, "Linear layers")->capture_default_str();
@@ -132,10 +136,10 @@ int main(int argc, char** argv) {
   parallel::pipeline::PipelineStrategy strategy(options);
   strategy.setup(model, optim::optimizer_factory(sgd), grid);
   int64_t base = 0, peak = 0;
-  strategy.set_action_observer([&](const parallel::pipeline::Action& a) {
-    if (a.kind == parallel::pipeline::Action::Forward) {
-      peak = std::max(peak, bench::CountingAllocator::bytes_in_use() - base);
-    }
+  // After every action (under 1F1B and GPipe the peak follows a forward; under zero bubble
+  // the W's inputs and output gradients are held past their B).
+  strategy.set_action_observer([&](const parallel::pipeline::Action&) {
+    peak = std::max(peak, bench::CountingAllocator::bytes_in_use() - base);
   });
 
   std::vector<double> times, bubbles, peaks;
@@ -155,7 +159,7 @@ int main(int argc, char** argv) {
     // The step's compute window over all ranks, and this rank's busy time in it.
     double first = 1e300, last = -1e300, busy = 0;
     for (const auto& e : trace::events()) {
-      if (e.category != "forward" && e.category != "backward") continue;
+      if (e.category != "forward" && e.category != "backward" && e.category != "weight") continue;
       first = std::min(first, static_cast<double>(e.start_us));
       last = std::max(last, static_cast<double>(e.start_us + e.duration_us));
       busy += static_cast<double>(e.duration_us);
@@ -191,8 +195,13 @@ int main(int argc, char** argv) {
       first_stage.push_back(peaks[i]);
       last_stage.push_back(peaks[i + 1]);
     }
-    const double formula = parallel::pipeline::bubble_formula(
-        {parallel::pipeline::schedule_kind_named(schedule), P, micro, chunks});
+    // The ideal timeline's bubble (equal stages, backward = 2 forwards; split: B = W = F):
+    // (P-1)/(VM+P-1) for GPipe and the 1F1Bs, the simulated lists' for zero bubble.
+    const parallel::pipeline::ScheduleSpec spec{parallel::pipeline::schedule_kind_named(schedule),
+                                                P, micro, chunks};
+    std::vector<std::vector<parallel::pipeline::Action>> lists;
+    for (int r = 0; r < P; ++r) lists.push_back(parallel::pipeline::build_schedule(spec, r));
+    const double formula = parallel::pipeline::simulate(spec, lists).bubble();
     const double ms = median(times);
     std::printf(
         "{\"mode\": \"pipeline\", \"schedule\": \"%s\", \"P\": %d, \"M\": %d, \"V\": %d, "

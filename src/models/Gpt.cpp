@@ -16,6 +16,7 @@
 #include "common/TorchCompat.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
+#include "dtrain/nn/WeightGrad.h"
 #include "dtrain/nn/tensor/CrossEntropy.h"
 #include "dtrain/nn/tensor/Layers.h"
 #include "dtrain/nn/tensor/Mappings.h"
@@ -232,9 +233,9 @@ struct GptBlockImpl : torch::nn::Module {
       const at::Tensor h = shared.sequence_parallel ? tp::gather_from_sequence(x, shared.group)
                                                     : tp::copy_to_group(x, shared.group);
       const int64_t b = h.size(0), t = h.size(1);
-      q_ = at::linear(h, q->weight, q->bias).view({b, t, heads, d}).transpose(1, 2);
-      k_ = at::linear(h, k->weight, k->bias).view({b, t, local_groups, d}).transpose(1, 2);
-      v_ = at::linear(h, v->weight, v->bias).view({b, t, local_groups, d}).transpose(1, 2);
+      q_ = dtrain::nn::linear(h, q->weight, q->bias).view({b, t, heads, d}).transpose(1, 2);
+      k_ = dtrain::nn::linear(h, k->weight, k->bias).view({b, t, local_groups, d}).transpose(1, 2);
+      v_ = dtrain::nn::linear(h, v->weight, v->bias).view({b, t, local_groups, d}).transpose(1, 2);
     } else {
       // [b, t, local heads x 3 x d]
       const at::Tensor packed = qkv(x);
@@ -328,7 +329,7 @@ struct GptHeadImpl : torch::nn::Module {
     if (out) return out(ln(x));
     const at::Tensor h = shared.sequence_parallel ? tp::gather_from_sequence(ln(x), shared.group)
                                                   : tp::copy_to_group(ln(x), shared.group);
-    return at::linear(h, tied->token->weight);
+    return dtrain::nn::linear(h, tied->token->weight);
   }
   int64_t vocab_start() const { return out ? out->output_start() : tied->token->vocab_start(); }
   Norm ln;

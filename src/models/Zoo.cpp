@@ -13,6 +13,7 @@
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/models/ResNet.h"
 #include "dtrain/nn/SyncBatchNorm.h"
+#include "dtrain/nn/WeightGrad.h"
 #include "models/Stages.h"
 
 namespace dtrain::models {
@@ -48,10 +49,12 @@ struct MlpImpl : torch::nn::Module {
     for (size_t i = 0; i < children.size(); i += 2) {
       const bool last = i + 1 >= children.size();
       auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(children[i]);
+      // nn::linear: a zero-bubble pipeline defers the weight gradient to its W.
       out.push_back({"layers." + std::to_string(i),
                      {children[i]},
                      [linear, first = i == 0, last](const at::Tensor& x) {
-                       at::Tensor h = linear->forward(first ? x.flatten(1) : x);
+                       at::Tensor h =
+                           dtrain::nn::linear(first ? x.flatten(1) : x, linear->weight, linear->bias);
                        return last ? h : torch::relu(h);
                      }});
     }

@@ -108,6 +108,7 @@ struct Placement {
 
 struct LayerTime {
   double forward = 0, backward = 0;  // one micro-batch, this TP rank, TP all-reduces included
+  double weight = 0;                 // the part of backward forming the weight gradients
 };
 
 }  // namespace
@@ -205,6 +206,11 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
                 casts_f / byte_rate + l.kernels * overhead + tp_comm;
     t.backward = 2 * flops / flop_rate + 2 * elements * bytes.activation / elementwise_rate +
                  casts_b / byte_rate + 2 * l.kernels * overhead + tp_comm;
+    // dW = dY^T X and its fp32 accumulation; a recomputed layer computes it during B (dtrain
+    // defers nothing from inside a checkpoint), and so does autocast's (its weight is cast).
+    if (!layout.checkpointing && !bytes.casts_per_micro_batch) {
+      t.weight = flops / flop_rate;
+    }
     if (layout.checkpointing) t.backward += t.forward;  // recomputed before its backward
   }
 
@@ -233,10 +239,20 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
       layout.micro_batches, V};
   std::vector<std::vector<pp::Action>> lists;
   for (int r = 0; r < P; ++r) lists.push_back(pp::build_schedule(spec, r));
+  // A split backward (zero bubble): W is the weight gradients' matmuls, B the rest.
+  const bool split = pp::splits_backward(spec.kind);
+  std::vector<double> stage_w(stages, 0.0);
+  if (split) {
+    for (int s = 0; s < stages; ++s) {
+      stage_w[s] = stage_sum(s, [&](int i) { return times[i].weight; });
+    }
+  }
   pp::ActionCosts action_costs;
   action_costs.duration = [&](int rank, const pp::Action& a) {
     const int s = pp::virtual_stage(a.chunk, rank, P);
-    return a.kind == pp::Action::Forward ? stage_f[s] : stage_b[s];
+    if (a.kind == pp::Action::Forward) return stage_f[s];
+    if (a.kind == pp::Action::Weight) return stage_w[s];
+    return stage_b[s] - stage_w[s];
   };
   action_costs.transfer = [&](int from, int to, const pp::Action& a) {
     const int s = pp::virtual_stage(a.chunk, to, P);
@@ -321,12 +337,14 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
         double last_start = 0;
         for (size_t k = 0; k < lists[r].size(); ++k) {
           const pp::Action& a = lists[r][k];
-          if (a.kind == pp::Action::Backward && a.chunk == c) last_start = timeline.starts[r][k];
+          // The gradients are complete as the chunk's last backward (split: its last W) runs.
+          const auto accumulates = split ? pp::Action::Weight : pp::Action::Backward;
+          if (a.kind == accumulates && a.chunk == c) last_start = timeline.starts[r][k];
         }
         std::vector<double> ready(n_layers, 0);
         double t = last_start;
         for (int i = partition.end(s); i-- > partition.first(s);) {
-          t += times[i].backward;
+          t += split ? times[i].weight : times[i].backward;
           ready[i] = t;
         }
         std::vector<parallel::ddp::BucketedParameter> described;

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/nn/WeightGrad.h"
 #include "dtrain/nn/tensor/Mappings.h"
 
 namespace dtrain::nn::tensor {
@@ -64,7 +65,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ColumnParallelLinearOpt
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
   const at::Tensor x = options.sequence_parallel() ? gather_from_sequence(input, group)
                                                    : copy_to_group(input, group);
-  at::Tensor y = at::linear(x, weight, bias);
+  at::Tensor y = nn::linear(x, weight, bias);
   return options.gather_output() ? gather_from_group(y, group, -1, options.out_features()) : y;
 }
 
@@ -106,7 +107,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(const RowParallelLinearOptions& opt
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
   const at::Tensor x = options.input_is_parallel() ? input : scatter_to_group(input, group, -1);
-  const at::Tensor partial = at::linear(x, weight);
+  const at::Tensor partial = nn::linear(x, weight);
   at::Tensor y = options.sequence_parallel() ? reduce_scatter_to_sequence(partial, group)
                                              : reduce_from_group(partial, group);
   return bias.defined() ? y + bias : y;

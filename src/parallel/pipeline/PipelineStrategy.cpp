@@ -11,6 +11,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
+#include "dtrain/nn/WeightGrad.h"
 #include "dtrain/optim/StateSize.h"
 #include "parallel/StrategySupport.h"
 #include "parallel/pipeline/StageLink.h"
@@ -46,87 +47,7 @@ std::vector<double> time_stages(const std::vector<Stage>& stages, at::Tensor inp
   return seconds;
 }
 
-void check_options(const PipelineOptions& o) {
-  const ScheduleKind kind = schedule_kind_named(o.schedule);
-  DTRAIN_CHECK_INPUT(o.virtual_stages >= 1, "virtual stages per pipeline rank must be >= 1, got ",
-                     o.virtual_stages);
-  DTRAIN_CHECK_INPUT(o.virtual_stages == 1 || kind == ScheduleKind::Interleaved,
-                     "--virtual-stages ", o.virtual_stages,
-                     " needs --schedule interleaved (gpipe and 1f1b run one chunk per rank)");
-  DTRAIN_CHECK_INPUT(kind != ScheduleKind::Interleaved || o.virtual_stages >= 2,
-                     "the interleaved schedule needs --virtual-stages >= 2 (with 1 it is 1f1b)");
-  DTRAIN_CHECK_INPUT(o.data_parallel == "ddp" || o.data_parallel == "zero1",
-                     "pipeline stages are data-parallel by ddp or zero1, not '", o.data_parallel,
-                     "' (zero2 and zero3 shard the gradients and parameters that the "
-                     "micro-batches accumulate)");
-  DTRAIN_CHECK_INPUT(o.transport == "auto" || o.transport == "comm",
-                     "unknown --pipeline-transport '", o.transport, "' (expected auto or comm)");
-  const std::string& balance = o.balance;
-  DTRAIN_CHECK_INPUT(!balance.empty(), "--pipeline-balance is empty (params, time or S1,S2,...)");
-  DTRAIN_CHECK_INPUT(balance == "params" || balance == "time" ||
-                         balance.find_first_not_of("0123456789, ") == std::string::npos,
-                     "unknown --pipeline-balance '", balance,
-                     "' (expected params, time or stage counts S1,S2,...)");
-}
-
-// Layouts that cannot work, named before any rank starts: P that does not divide the ranks, a
-// schedule the micro-batches cannot fill, more stages than the model has, a tied weight.
-void check_layout(const PipelineOptions& o, const Layout& layout) {
-  const int pp = layout.pipeline_parallel;
-  const int tp = layout.tensor_parallel;
-  DTRAIN_CHECK_INPUT(layout.ranks == 0 || layout.ranks % (pp * tp) == 0, "--pipeline-parallel ", pp,
-                     tp > 1 ? concat(" x --tensor-parallel ", tp) : std::string(),
-                     " does not divide the ", layout.ranks,
-                     " ranks of --nproc (ranks = pipeline "
-                     "stages x data-parallel replicas)");
-  validate({schedule_kind_named(o.schedule), pp,
-            static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), o.virtual_stages});
-  DTRAIN_CHECK_INPUT(!layout.tied_parameters,
-                     "--tied-embeddings shares one weight between the first and the last "
-                     "pipeline stage, which the pipeline does not support: leave it out");
-  if (layout.model_stages == 0) return;
-  const int virtual_stages = pp * o.virtual_stages;
-  DTRAIN_CHECK_INPUT(
-      layout.model_stages >= virtual_stages, "--pipeline-parallel ", pp,
-      o.virtual_stages > 1 ? concat(" x --virtual-stages ", o.virtual_stages) : std::string(),
-      " needs ", virtual_stages, " model stages, but --model ", layout.model, " has ",
-      layout.model_stages, " (an MLP has one per hidden layer plus the output)");
-  if (o.balance != "params" && o.balance != "time") {
-    partition_from_counts(o.balance, layout.model_stages, virtual_stages);
-  }
-}
-
-void declare_flags(FlagSet& flags, PipelineOptions& o) {
-  flags.add("--schedule", o.schedule, "Pipeline schedule: gpipe, 1f1b, interleaved");
-  flags.add("--virtual-stages", o.virtual_stages,
-            "Interleaved schedule: model chunks per pipeline rank");
-  flags.add("--pipeline-balance", o.balance,
-            "Place pipeline stages by params (parameter count), time (measured forward + "
-            "backward) or S1,S2,... (model stages per pipeline stage)");
-  flags.add("--pipeline-transport", o.transport,
-            "Pipeline activations and gradients travel through auto (shared memory between "
-            "stages on the same machine, else the communicator) or comm (always the "
-            "communicator)");
-}
-
 }  // namespace
-
-StrategyInfo pipeline_strategy() {
-  StrategyInfo info;
-  info.name = "pipeline";
-  info.summary = "pipeline parallelism (GPipe, 1F1B, interleaved), stages data-parallel";
-  info.pipelines = true;
-  info.whole_model_on_rank0 = false;
-  info.set_stage_strategy = [](StrategyOptions& options, const std::string& stage_strategy) {
-    options.of<PipelineOptions>().data_parallel = stage_strategy;
-  };
-  info.options = {option_group<PipelineOptions>("pipeline", declare_flags, check_options)};
-  info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
-    check_layout(options.of<PipelineOptions>(), layout);
-  };
-  info.make = make_from_options<PipelineStrategy>;
-  return info;
-}
 
 PipelineStrategy::PipelineStrategy(StrategyOptions options)
     : options_(std::move(options)),
@@ -330,11 +251,20 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
   const int me = grid_->coordinates().pp;
   const int count = static_cast<int>(micro_batches.size());
   const auto actions = build_schedule({kind_, ranks, count, chunks_per_rank_}, me);
-  // Each chunk's gradients are reduced over DP during its last backward of the step.
+  // Split backward (zero bubble): B computes the chunk input's gradient (and the gradients of
+  // parameters outside nn::linear layers, kept until W), W the linear layers' weight gradients,
+  // from the inputs and output gradients B left (nn/WeightGrad.h), accumulating all of the
+  // micro-batch's parameter gradients into .grad at once.
+  const bool split = splits_backward(kind_);
+  // Each chunk's gradients are reduced over DP during its last backward (or W) of the step.
+  const Action::Kind accumulates = split ? Action::Weight : Action::Backward;
   std::vector<size_t> last_backward(chunks_.size(), actions.size());
   for (size_t i = 0; i < actions.size(); ++i) {
-    if (actions[i].kind == Action::Backward) last_backward[actions[i].chunk] = i;
+    if (actions[i].kind == accumulates) last_backward[actions[i].chunk] = i;
   }
+  std::map<std::pair<int, int>, nn::DeferredWeightGrads> deferred;
+  int64_t peak_deferred_bytes = 0, deferred_bytes = 0;
+  size_t peak_pending = 0;
   for (auto& reducer : reducers_) {
     if (!reducer) continue;
     reducer->zero_grad();
@@ -389,6 +319,9 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       at::Tensor y;
       {
         precision::AutocastScope autocast(precision_, device_.type());
+        nn::DeferredWeightGrads* store =
+            split ? &deferred[{a.chunk, a.micro_batch}] : nullptr;
+        nn::WeightGradDeferral defer(store);
         y = run_chunk(chunk, x);
         if (last_virtual(chunk)) y = loss(y, batch.targets) / count;
       }
@@ -401,6 +334,18 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
         kept[{a.chunk, a.micro_batch}] = {x, y};
       }
       peak_kept = std::max(peak_kept, kept.size());
+    } else if (a.kind == Action::Weight) {
+      trace::Span span("weight", "W" + label);
+      auto node = deferred.extract({a.chunk, a.micro_batch});
+      DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": W of micro-batch ", a.micro_batch,
+                   " before its forward");
+      parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
+      if (reducer && i == last_backward[a.chunk]) {
+        reducer->set_sync(true);
+        reducer->prepare_for_backward();
+      }
+      deferred_bytes -= node.mapped().bytes();
+      node.mapped().compute();
     } else {
       at::Tensor upstream;
       if (!last_virtual(chunk)) {
@@ -417,14 +362,29 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
         reducer->set_sync(true);
         reducer->prepare_for_backward();
       }
-      if (!y.requires_grad()) {
+      if (split) {
+        // B: the input's gradient now; the weights' (and the other parameters') wait for W.
+        nn::DeferredWeightGrads& w = deferred.at({a.chunk, a.micro_batch});
+        std::vector<at::Tensor> params;
+        for (size_t k : chunk.parameters) params.push_back(parameters_[k]);
+        at::Tensor g = w.backward_input(y, upstream, first_virtual(chunk) ? at::Tensor() : x,
+                                        params);
+        deferred_bytes += w.bytes();
+        peak_deferred_bytes = std::max(peak_deferred_bytes, deferred_bytes);
+        peak_pending = std::max(peak_pending, deferred.size() - kept.size());
+        if (!first_virtual(chunk)) {
+          if (!g.defined()) g = at::zeros_like(x);
+          trace::Span send("send", "gradient " + label);
+          link_->send(StageLink::Gradient, s - 1, a.micro_batch, g);
+        }
+      } else if (!y.requires_grad()) {
         // Nothing before this point needs a gradient (a first stage without parameters).
       } else if (last_virtual(chunk)) {
         y.backward();
       } else {
         y.backward(upstream);
       }
-      if (!first_virtual(chunk)) {
+      if (!split && !first_virtual(chunk)) {
         at::Tensor g = x.grad();
         if (!g.defined()) g = at::zeros_like(x);
         trace::Span send("send", "gradient " + label);
@@ -451,6 +411,10 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
   }
   result.metrics["step_skipped"] = skip ? 1.0 : 0.0;
   result.metrics["peak_live_micro_batches"] = static_cast<double>(peak_kept);
+  if (split) {
+    result.metrics["peak_pending_weight_grads"] = static_cast<double>(peak_pending);
+    result.metrics["peak_deferred_mb"] = static_cast<double>(peak_deferred_bytes) / (1 << 20);
+  }
   if (!skip) {
     trace::Span span("optimizer", "step");
     result.grad_norm = clip_gradients();

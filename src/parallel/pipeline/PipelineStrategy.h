@@ -28,7 +28,10 @@ namespace dtrain::parallel::pipeline {
 
 class StageLink;
 
-StrategyInfo pipeline_strategy();
+StrategyInfo pipeline_strategy();  // PipelineRegistry.cpp
+/// The pipeline's options alone (InputError naming the flag): schedule, virtual stages, the
+/// data-parallel side, transport, balance.
+void check_options(const PipelineOptions& options);
 
 class PipelineStrategy : public Strategy {
  public:

@@ -1,5 +1,7 @@
 // Schedule construction follows Megatron-LM's schedules.py (warm-up counts and the interleaved
-// micro-batch/chunk order); the simulator is a plain list scheduler over the dependency graph.
+// micro-batch/chunk order) and, for the zero-bubble schedules, the construction of Qi et al.
+// (1F1B's order of F and B, W's placed where a rank would wait) run as a list scheduler on unit
+// costs; the simulator is a plain list scheduler over the dependency graph.
 #include "dtrain/parallel/pipeline/Schedule.h"
 
 #include <algorithm>
@@ -15,8 +17,14 @@ ScheduleKind schedule_kind_named(const std::string& name) {
   if (name == "gpipe") return ScheduleKind::GPipe;
   if (name == "1f1b") return ScheduleKind::OneFOneB;
   if (name == "interleaved") return ScheduleKind::Interleaved;
+  if (name == "zb-h1") return ScheduleKind::ZeroBubbleH1;
+  if (name == "zb-h2") return ScheduleKind::ZeroBubbleH2;
   DTRAIN_THROW(InputError, "unknown pipeline schedule '", name,
-               "' (choose gpipe, 1f1b or interleaved)");
+               "' (choose gpipe, 1f1b, interleaved, zb-h1 or zb-h2)");
+}
+
+bool splits_backward(ScheduleKind kind) {
+  return kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleH2;
 }
 
 const char* to_string(ScheduleKind kind) {
@@ -27,12 +35,19 @@ const char* to_string(ScheduleKind kind) {
       return "1f1b";
     case ScheduleKind::Interleaved:
       return "interleaved";
+    case ScheduleKind::ZeroBubbleH1:
+      return "zb-h1";
+    case ScheduleKind::ZeroBubbleH2:
+      return "zb-h2";
   }
   return "?";
 }
 
 std::string to_string(const Action& action) {
-  return concat(action.kind == Action::Forward ? "F" : "B", action.micro_batch,
+  const char* letter = action.kind == Action::Forward    ? "F"
+                       : action.kind == Action::Backward ? "B"
+                                                         : "W";
+  return concat(letter, action.micro_batch,
                 action.chunk > 0 ? concat(".", action.chunk) : std::string());
 }
 
@@ -43,9 +58,10 @@ void validate(const ScheduleSpec& spec) {
   DTRAIN_CHECK_INPUT(spec.chunks >= 1, "virtual stages per rank must be >= 1, got ", spec.chunks);
   DTRAIN_CHECK_INPUT(spec.chunks == 1 || spec.kind == ScheduleKind::Interleaved, "virtual stages (",
                      spec.chunks, ") need the interleaved schedule, not ", to_string(spec.kind));
-  DTRAIN_CHECK_INPUT(spec.kind != ScheduleKind::OneFOneB || spec.micro_batches >= spec.stages,
-                     "the 1f1b schedule needs at least as many micro-batches as pipeline stages "
-                     "(got ",
+  DTRAIN_CHECK_INPUT((spec.kind != ScheduleKind::OneFOneB && !splits_backward(spec.kind)) ||
+                         spec.micro_batches >= spec.stages,
+                     "the ", to_string(spec.kind),
+                     " schedule needs at least as many micro-batches as pipeline stages (got ",
                      spec.micro_batches, " micro-batches for ", spec.stages,
                      " stages): use more micro-batches or --schedule gpipe");
   DTRAIN_CHECK_INPUT(
@@ -66,6 +82,95 @@ Action interleaved_action(const ScheduleSpec& spec, int k, bool forward) {
   a.chunk = forward ? chunk_in_order : spec.chunks - 1 - chunk_in_order;
   a.micro_batch = (k / group) * spec.stages + k % spec.stages;
   return a;
+}
+
+// 1F1B's forwards and backwards of one rank, `warmup` forwards first.
+std::vector<Action> one_f_one_b(int m, int warmup) {
+  warmup = std::min(warmup, m);
+  std::vector<Action> actions;
+  for (int k = 0; k < warmup; ++k) actions.push_back({Action::Forward, k, 0});
+  for (int k = 0; k < m - warmup; ++k) {
+    actions.push_back({Action::Forward, warmup + k, 0});
+    actions.push_back({Action::Backward, k, 0});
+  }
+  for (int k = m - warmup; k < m; ++k) actions.push_back({Action::Backward, k, 0});
+  return actions;
+}
+
+// Zero bubble: every rank keeps its F/B order (1F1B's, with H1's or H2's warm-up) and places
+// its W's (in micro-batch order) in the time it would otherwise wait for a neighbour, or when
+// more than its cap of them are pending. The ranks are run together on unit costs, each rank's
+// next action taken at the earliest time it can start.
+std::vector<std::vector<Action>> zero_bubble(const ScheduleSpec& spec) {
+  const int p = spec.stages, m = spec.micro_batches;
+  const bool h1 = spec.kind == ScheduleKind::ZeroBubbleH1;
+  std::vector<std::vector<Action>> order(p), lists(p);
+  std::vector<int> cap(p);
+  for (int r = 0; r < p; ++r) {
+    order[r] = one_f_one_b(m, h1 ? p - r - 1 : 2 * (p - r) - 1);
+    cap[r] = h1 ? r : m;
+  }
+  // End time of (kind, micro-batch, rank); -1 = not yet run.
+  std::vector<double> end(3 * static_cast<size_t>(m) * p, -1.0);
+  auto at = [&](int kind, int micro_batch, int rank) -> double& {
+    return end[(static_cast<size_t>(kind) * m + micro_batch) * p + rank];
+  };
+  std::vector<double> free_at(p, 0.0);
+  std::vector<size_t> next(p, 0);
+  std::vector<int> backwards(p, 0), weights(p, 0);
+  for (size_t left = 3 * static_cast<size_t>(m) * p; left > 0; --left) {
+    int best = -1;
+    double best_start = 0;
+    Action best_action;
+    for (int r = 0; r < p; ++r) {
+      const int pending = backwards[r] - weights[r];
+      const Action weight{Action::Weight, weights[r], 0};
+      bool found = false;
+      Action a;
+      double start = free_at[r];
+      if (next[r] < order[r].size()) {
+        a = order[r][next[r]];
+        double ready = 0;
+        if (a.kind == Action::Forward) {
+          ready = r == 0 ? 0.0 : at(Action::Forward, a.micro_batch, r - 1);
+        } else {
+          ready = r == p - 1 ? at(Action::Forward, a.micro_batch, r)
+                             : at(Action::Backward, a.micro_batch, r + 1);
+        }
+        if (ready >= 0 && pending <= cap[r]) {
+          found = true;
+          if (ready > free_at[r] && pending > 0) {
+            a = weight;  // fill the wait
+          } else {
+            start = std::max(ready, free_at[r]);
+          }
+        } else if (pending > 0) {
+          found = true;
+          a = weight;
+        }
+      } else if (pending > 0) {
+        found = true;
+        a = weight;
+      }
+      if (found && (best < 0 || start < best_start)) {
+        best = r;
+        best_start = start;
+        best_action = a;
+      }
+    }
+    DTRAIN_CHECK(best >= 0, "the ", to_string(spec.kind), " construction stalled");
+    const double finish = best_start + 1.0;
+    at(best_action.kind, best_action.micro_batch, best) = finish;
+    free_at[best] = finish;
+    lists[best].push_back(best_action);
+    if (best_action.kind == Action::Weight) {
+      ++weights[best];
+    } else {
+      ++next[best];
+      if (best_action.kind == Action::Backward) ++backwards[best];
+    }
+  }
+  return lists;
 }
 
 }  // namespace
@@ -104,6 +209,10 @@ std::vector<Action> build_schedule(const ScheduleSpec& spec, int rank) {
       for (int k = total - warmup; k < total; ++k) actions.push_back(backward(k));
       break;
     }
+    case ScheduleKind::ZeroBubbleH1:
+    case ScheduleKind::ZeroBubbleH2:
+      actions = zero_bubble(spec)[rank];
+      break;
   }
   return actions;
 }
@@ -117,7 +226,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
                     double forward_cost, double backward_cost) {
   // Costs are per chunk: a rank's V chunks together cost what one stage costs.
   const double f_cost = forward_cost / spec.chunks;
-  const double b_cost = backward_cost / spec.chunks;
+  const double b_cost = backward_cost / spec.chunks / (splits_backward(spec.kind) ? 2 : 1);
   ActionCosts costs;
   costs.duration = [=](int, const Action& a) {
     return a.kind == Action::Forward ? f_cost : b_cost;
@@ -135,27 +244,31 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
                      per_rank.size(), " lists");
   // Every (kind, micro-batch, virtual stage) exactly once, on its rank.
   const int m = spec.micro_batches;
+  const bool split = splits_backward(spec.kind);
+  const int kinds = split ? 3 : 2;
   auto key = [&](int kind, int micro_batch, int vstage) {
     return (static_cast<size_t>(kind) * m + micro_batch) * p * v + vstage;
   };
-  std::vector<double> finished(2 * static_cast<size_t>(m) * p * v, -1.0);  // end times
+  std::vector<double> finished(3 * static_cast<size_t>(m) * p * v, -1.0);  // end times
   for (int r = 0; r < p; ++r) {
-    std::vector<char> seen(2 * static_cast<size_t>(m) * v, 0);
+    std::vector<char> seen(3 * static_cast<size_t>(m) * v, 0);
     for (const auto& a : per_rank[r]) {
-      DTRAIN_CHECK_INPUT(a.micro_batch >= 0 && a.micro_batch < m && a.chunk >= 0 && a.chunk < v,
+      DTRAIN_CHECK_INPUT(a.micro_batch >= 0 && a.micro_batch < m && a.chunk >= 0 &&
+                             a.chunk < v && (split || a.kind != Action::Weight),
                          "rank ", r, "'s action ", to_string(a), " is out of range");
       char& times = seen[(static_cast<size_t>(a.kind) * m + a.micro_batch) * v + a.chunk];
       DTRAIN_CHECK_INPUT(times == 0, "rank ", r, " runs ", to_string(a), " twice");
       times = 1;
     }
-    DTRAIN_CHECK_INPUT(static_cast<int>(per_rank[r].size()) == 2 * m * v, "rank ", r, " runs ",
-                       per_rank[r].size(), " actions, not ", 2 * m * v);
+    DTRAIN_CHECK_INPUT(static_cast<int>(per_rank[r].size()) == kinds * m * v, "rank ", r,
+                       " runs ", per_rank[r].size(), " actions, not ", kinds * m * v);
   }
   std::vector<size_t> next(p, 0);
   std::vector<double> free_at(p, 0.0), busy(p, 0.0);
-  std::vector<int> live(p, 0);
+  std::vector<int> live(p, 0), pending(p, 0);
   Simulation result;
   result.peak_live.assign(p, 0);
+  result.peak_pending_weights.assign(p, 0);
   result.starts.resize(p);
   result.ends.resize(p);
   size_t remaining = 0;
@@ -182,9 +295,11 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
       };
       if (a.kind == Action::Forward) {
         if (stage > 0) needs(Action::Forward, stage - 1);
-      } else {
+      } else if (a.kind == Action::Backward) {
         needs(Action::Forward, stage);
         if (stage < last_stage) needs(Action::Backward, stage + 1);
+      } else {
+        needs(Action::Backward, stage);
       }
       if (ok && (best < 0 || ready < best_start)) {
         best = r;
@@ -207,8 +322,14 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
     finished[key(a.kind, a.micro_batch, virtual_stage(a.chunk, best, p))] = end;
     free_at[best] = end;
     busy[best] += cost;
-    live[best] += a.kind == Action::Forward ? 1 : -1;
+    if (a.kind == Action::Weight) {
+      --pending[best];
+    } else {
+      live[best] += a.kind == Action::Forward ? 1 : -1;
+      if (split && a.kind == Action::Backward) ++pending[best];
+    }
     result.peak_live[best] = std::max(result.peak_live[best], live[best]);
+    result.peak_pending_weights[best] = std::max(result.peak_pending_weights[best], pending[best]);
     result.makespan = std::max(result.makespan, end);
     ++next[best];
     --remaining;

@@ -7,7 +7,8 @@
 namespace dtrain::parallel::pipeline {
 
 struct PipelineOptions {
-  /// "gpipe", "1f1b" or "interleaved"; the step's micro-batches are the pipeline's.
+  /// "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-h2"; the step's micro-batches are the
+  /// pipeline's.
   std::string schedule = "1f1b";
   /// Model chunks per rank (interleaved only): the model is cut into chunks x P virtual
   /// stages, rank r running virtual stages r, r + P, ...

@@ -1,6 +1,8 @@
 // Pipeline schedules: which forward and backward passes each pipeline rank runs, in order, for
 // one optimizer step of M micro-batches. One function builds every schedule (GPipe, 1F1B,
-// interleaved 1F1B); the executor runs any list, deriving the sends and receives from it. A
+// interleaved 1F1B, the zero-bubble ZB-H1 and ZB-H2 whose backward is split into B, the input
+// gradient, and W, the weight gradients); the executor runs any list, deriving the sends and
+// receives from it. A
 // small event simulator gives a schedule's ideal timeline (bubble, peak activations) and proves
 // that the ranks' lists cannot deadlock, for tests and for the benchmark's "formula" column.
 #pragma once
@@ -16,13 +18,29 @@ enum class ScheduleKind {
   GPipe,        ///< all forwards, then all backwards
   OneFOneB,     ///< PipeDream-flush: warm-up forwards, one forward / one backward, cool-down
   Interleaved,  ///< Megatron's interleaved 1F1B over V model chunks per rank
+  /// Zero bubble (Qi et al., ICLR'24), backward split into B and W: 1F1B's forwards and B's,
+  /// each rank's W's deferred to fill the time it would wait, at most `rank` of them pending
+  /// (rank r holds P - r micro-batches' activations under 1F1B, stage 0 the most, so the peak
+  /// stays 1F1B's): each rank idles (P - 1)(T_F + T_B - T_W) of the step instead of 1F1B's
+  /// (P - 1)(T_F + T_B + T_W), a third of it when the three cost the same.
+  ZeroBubbleH1,
+  /// ZB-H2: 2 (P - r) - 1 forwards of warm-up (activation memory up to 2x 1F1B's) and no cap
+  /// on pending W's, which gather at the tail (the paper's parallelogram). Its last bubble
+  /// (the last stage's (P - 1) T_F before its first forward) goes only when a step overlaps
+  /// the next, which dtrain's synchronous optimizer step does not: equal stages give H1's time.
+  ZeroBubbleH2,
 };
-/// "gpipe", "1f1b", "interleaved" (InputError naming the choices otherwise).
+/// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2" (InputError naming the choices otherwise).
 ScheduleKind schedule_kind_named(const std::string& name);
 const char* to_string(ScheduleKind kind);
 
+/// Whether the schedule splits backward into B (input gradient) and W (weight gradients).
+bool splits_backward(ScheduleKind kind);
+
 struct Action {
-  enum Kind { Forward, Backward } kind = Forward;
+  /// Backward: the whole backward, or only the input gradient when the schedule splits it;
+  /// Weight: the weight gradients of a split backward (after the micro-batch's B).
+  enum Kind { Forward, Backward, Weight } kind = Forward;
   int micro_batch = 0;
   /// Which of this rank's model chunks (0 unless interleaved). Chunk c of rank r is virtual
   /// stage c * P + r, so consecutive virtual stages sit on consecutive ranks.
@@ -31,7 +49,7 @@ struct Action {
     return kind == other.kind && micro_batch == other.micro_batch && chunk == other.chunk;
   }
 };
-std::string to_string(const Action& action);  // "F3" / "B3", "F3.1" with a chunk
+std::string to_string(const Action& action);  // "F3" / "B3" / "W3", "F3.1" with a chunk
 
 struct ScheduleSpec {
   ScheduleKind kind = ScheduleKind::OneFOneB;
@@ -42,7 +60,8 @@ struct ScheduleSpec {
 
 /// Checks a spec (InputError naming what is wrong): P >= 1, M >= 1, V >= 1; V > 1 only when
 /// interleaved; 1F1B needs M >= P (fewer micro-batches cannot fill its warm-up); interleaved
-/// needs M to be a multiple of P (Megatron's rule: micro-batches go round in groups of P).
+/// needs M to be a multiple of P (Megatron's rule: micro-batches go round in groups of P); the
+/// zero-bubble schedules too need M >= P.
 void validate(const ScheduleSpec& spec);
 
 /// The ordered actions of pipeline rank `rank` (validates the spec).
@@ -56,6 +75,8 @@ struct Simulation {
   double makespan = 0;             ///< time from the first action's start to the last's end
   std::vector<double> idle_share;  ///< per rank: 1 - busy / makespan
   std::vector<int> peak_live;      ///< per rank: most micro-batches forwarded, not yet backwarded
+  /// per rank: most micro-batches whose B ran and whose W has not (0 without a split)
+  std::vector<int> peak_pending_weights;
   /// per rank, per action of its list: when it started and ended
   std::vector<std::vector<double>> starts, ends;
   double bubble() const;  ///< mean idle share
@@ -70,16 +91,18 @@ struct ActionCosts {
 };
 /// Simulates every rank's list (dependencies: a forward needs the previous virtual stage's
 /// forward of its micro-batch, a backward the next virtual stage's backward, and its own
-/// forward). InputError when the lists cannot all finish (a deadlock), naming where each rank
-/// is stuck, or when an action is missing or repeated.
+/// forward, a W its own B). InputError when the lists cannot all finish (a deadlock), naming
+/// where each rank is stuck, or when an action is missing or repeated. `backward_cost` is the
+/// whole backward's; a split one costs half of it in B and half in W.
 Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& per_rank,
                     double forward_cost = 1.0, double backward_cost = 2.0);
 
-/// The textbook bubble, (P - 1) / (V * M + P - 1): idle share of each rank with equal stages.
 /// The same simulation with costs per rank and action, and transfers between ranks.
 Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& per_rank,
                     const ActionCosts& costs);
 
+/// The textbook bubble, (P - 1) / (V * M + P - 1): idle share of each rank with equal stages
+/// (GPipe, 1F1B, interleaved; the zero-bubble schedules' is smaller: simulate them).
 double bubble_formula(const ScheduleSpec& spec);
 
 }  // namespace dtrain::parallel::pipeline

@@ -1,0 +1,98 @@
+// The pipeline strategy's registry entry: its flags, the checks of its options and of a
+// layout (named before any rank starts), and how --strategy sets its data-parallel side.
+#include <string>
+
+#include "dtrain/common/Error.h"
+#include "parallel/pipeline/PipelineStrategy.h"
+
+namespace dtrain::parallel::pipeline {
+
+namespace {
+
+// Layouts that cannot work, named before any rank starts: P that does not divide the ranks, a
+// schedule the micro-batches cannot fill, more stages than the model has, a tied weight.
+void check_layout(const PipelineOptions& o, const Layout& layout) {
+  const int pp = layout.pipeline_parallel;
+  const int tp = layout.tensor_parallel;
+  DTRAIN_CHECK_INPUT(layout.ranks == 0 || layout.ranks % (pp * tp) == 0, "--pipeline-parallel ", pp,
+                     tp > 1 ? concat(" x --tensor-parallel ", tp) : std::string(),
+                     " does not divide the ", layout.ranks,
+                     " ranks of --nproc (ranks = pipeline "
+                     "stages x data-parallel replicas)");
+  validate({schedule_kind_named(o.schedule), pp,
+            static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), o.virtual_stages});
+  DTRAIN_CHECK_INPUT(!layout.tied_parameters,
+                     "--tied-embeddings shares one weight between the first and the last "
+                     "pipeline stage, which the pipeline does not support: leave it out");
+  if (layout.model_stages == 0) return;
+  const int virtual_stages = pp * o.virtual_stages;
+  DTRAIN_CHECK_INPUT(
+      layout.model_stages >= virtual_stages, "--pipeline-parallel ", pp,
+      o.virtual_stages > 1 ? concat(" x --virtual-stages ", o.virtual_stages) : std::string(),
+      " needs ", virtual_stages, " model stages, but --model ", layout.model, " has ",
+      layout.model_stages, " (an MLP has one per hidden layer plus the output)");
+  if (o.balance != "params" && o.balance != "time") {
+    partition_from_counts(o.balance, layout.model_stages, virtual_stages);
+  }
+}
+
+void declare_flags(FlagSet& flags, PipelineOptions& o) {
+  flags.add("--schedule", o.schedule,
+            "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2 (zero bubble: backward "
+            "split into input and weight gradients)");
+  flags.add("--virtual-stages", o.virtual_stages,
+            "Interleaved schedule: model chunks per pipeline rank");
+  flags.add("--pipeline-balance", o.balance,
+            "Place pipeline stages by params (parameter count), time (measured forward + "
+            "backward) or S1,S2,... (model stages per pipeline stage)");
+  flags.add("--pipeline-transport", o.transport,
+            "Pipeline activations and gradients travel through auto (shared memory between "
+            "stages on the same machine, else the communicator) or comm (always the "
+            "communicator)");
+}
+
+
+}  // namespace
+
+void check_options(const PipelineOptions& o) {
+  const ScheduleKind kind = schedule_kind_named(o.schedule);
+  DTRAIN_CHECK_INPUT(o.virtual_stages >= 1, "virtual stages per pipeline rank must be >= 1, got ",
+                     o.virtual_stages);
+  DTRAIN_CHECK_INPUT(o.virtual_stages == 1 || kind == ScheduleKind::Interleaved,
+                     "--virtual-stages ", o.virtual_stages,
+                     " needs --schedule interleaved (gpipe and 1f1b run one chunk per rank)");
+  DTRAIN_CHECK_INPUT(kind != ScheduleKind::Interleaved || o.virtual_stages >= 2,
+                     "the interleaved schedule needs --virtual-stages >= 2 (with 1 it is 1f1b)");
+  DTRAIN_CHECK_INPUT(o.data_parallel == "ddp" || o.data_parallel == "zero1",
+                     "pipeline stages are data-parallel by ddp or zero1, not '", o.data_parallel,
+                     "' (zero2 and zero3 shard the gradients and parameters that the "
+                     "micro-batches accumulate)");
+  DTRAIN_CHECK_INPUT(o.transport == "auto" || o.transport == "comm",
+                     "unknown --pipeline-transport '", o.transport, "' (expected auto or comm)");
+  const std::string& balance = o.balance;
+  DTRAIN_CHECK_INPUT(!balance.empty(), "--pipeline-balance is empty (params, time or S1,S2,...)");
+  DTRAIN_CHECK_INPUT(balance == "params" || balance == "time" ||
+                         balance.find_first_not_of("0123456789, ") == std::string::npos,
+                     "unknown --pipeline-balance '", balance,
+                     "' (expected params, time or stage counts S1,S2,...)");
+}
+
+StrategyInfo pipeline_strategy() {
+  StrategyInfo info;
+  info.name = "pipeline";
+  info.summary = "pipeline parallelism (GPipe, 1F1B, interleaved, zero bubble), stages data-parallel";
+  info.pipelines = true;
+  info.whole_model_on_rank0 = false;
+  info.set_stage_strategy = [](StrategyOptions& options, const std::string& stage_strategy) {
+    options.of<PipelineOptions>().data_parallel = stage_strategy;
+  };
+  info.options = {option_group<PipelineOptions>("pipeline", declare_flags, check_options)};
+  info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
+    check_layout(options.of<PipelineOptions>(), layout);
+  };
+  info.make = make_from_options<PipelineStrategy>;
+  return info;
+}
+
+
+}  // namespace dtrain::parallel::pipeline
