@@ -108,7 +108,7 @@ std::vector<std::vector<Action>> zero_bubble(const ScheduleSpec& spec) {
   std::vector<int> cap(p);
   for (int r = 0; r < p; ++r) {
     order[r] = one_f_one_b(m, h1 ? p - r - 1 : 2 * (p - r) - 1);
-    cap[r] = h1 ? r : m;
+    cap[r] = r;
   }
   // End time of (kind, micro-batch, rank); -1 = not yet run.
   std::vector<double> end(3 * static_cast<size_t>(m) * p, -1.0);

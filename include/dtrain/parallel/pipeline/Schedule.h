@@ -24,8 +24,8 @@ enum class ScheduleKind {
   /// stays 1F1B's): each rank idles (P - 1)(T_F + T_B - T_W) of the step instead of 1F1B's
   /// (P - 1)(T_F + T_B + T_W), a third of it when the three cost the same.
   ZeroBubbleH1,
-  /// ZB-H2: 2 (P - r) - 1 forwards of warm-up (activation memory up to 2x 1F1B's) and no cap
-  /// on pending W's, which gather at the tail (the paper's parallelogram). Its last bubble
+  /// ZB-H2: 2 (P - r) - 1 forwards of warm-up and the same cap on pending W's (forwarded and
+  /// not W'd micro-batches up to 2P on any rank: memory up to 2x 1F1B's). Its last bubble
   /// (the last stage's (P - 1) T_F before its first forward) goes only when a step overlaps
   /// the next, which dtrain's synchronous optimizer step does not: equal stages give H1's time.
   ZeroBubbleH2,
