@@ -20,6 +20,7 @@ enum class ScheduleKind {
   Interleaved,  ///< Megatron's interleaved 1F1B over V model chunks per rank
   /// Zero bubble (Qi et al., ICLR'24), backward split into B and W: 1F1B's forwards and B's,
   /// each rank's W's deferred to fill the time it would wait, at most `rank` of them pending
+  /// as it starts a forward or a B (one more just after a B)
   /// (rank r holds P - r micro-batches' activations under 1F1B, stage 0 the most, so the peak
   /// stays 1F1B's): each rank idles (P - 1)(T_F + T_B - T_W) of the step instead of 1F1B's
   /// (P - 1)(T_F + T_B + T_W), a third of it when the three cost the same.
