@@ -87,8 +87,6 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::T
 DeferredWeightGrads::DeferredWeightGrads() = default;
 DeferredWeightGrads::~DeferredWeightGrads() = default;
 
-size_t DeferredWeightGrads::pending() const { return entries_.size(); }
-
 int64_t DeferredWeightGrads::bytes() const {
   int64_t total = 0;
   for (const auto& e : entries_) {

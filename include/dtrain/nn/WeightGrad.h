@@ -29,8 +29,6 @@ class DeferredWeightGrads {
   DeferredWeightGrads(const DeferredWeightGrads&) = delete;
   DeferredWeightGrads& operator=(const DeferredWeightGrads&) = delete;
 
-  /// Layers whose weight gradient waits (filled as their backward runs).
-  size_t pending() const;
   /// Bytes held for them (inputs and output gradients).
   int64_t bytes() const;
   /// B of a split backward: backpropagates `grad_output` (undefined for a scalar loss) from
