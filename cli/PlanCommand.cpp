@@ -180,9 +180,11 @@ class PlanCommand final : public Command {
     app_->add_option("--micro-batches", micro_batches_, "Micro-batches per step");
     app_->add_option("--global-batch", global_batch_,
                      "Samples per step (sets --micro-batches; required by --search)");
-    app_->add_option("--schedule", layout_.schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2")
+    app_->add_option("--schedule", layout_.schedule,
+                     "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v")
         ->capture_default_str();
-    app_->add_option("--chunks", layout_.chunks, "Model chunks per pipeline rank (interleaved)")
+    app_->add_option("--chunks", layout_.chunks,
+                     "Model chunks per pipeline rank (interleaved; zb-v runs 2)")
         ->capture_default_str();
     app_->add_option("--precision", layout_.precision,
                      "fp32, bf16-mixed, fp16-mixed, bf16 (dtrain's), bf16-master, fp16-master "
@@ -277,6 +279,8 @@ class PlanCommand final : public Command {
                        "pp x tp = ", model_parallel, " does not divide the cluster's ",
                        cluster.gpus(), " GPUs");
     layout.dp = dp_ > 0 ? dp_ : cluster.gpus() / model_parallel;
+    // zb-v's two chunks per rank go without saying, as in dtrain train.
+    if (layout.schedule == "zb-v" && layout.pp > 1 && layout.chunks == 1) layout.chunks = 2;
     if (global_batch_ > 0) {
       const int64_t per_step = static_cast<int64_t>(layout.dp) * layout.micro_batch_size;
       DTRAIN_CHECK_INPUT(global_batch_ % per_step == 0, "--global-batch ", global_batch_,

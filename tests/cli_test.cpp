@@ -113,6 +113,9 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--pipeline-parallel combines with --strategy ddp or zero1"},
       {" train --schedule zigzag", "unknown pipeline schedule 'zigzag'"},
       {" train --virtual-stages 2", "--virtual-stages 2 needs --schedule interleaved"},
+      {" train --schedule zb-v --virtual-stages 3", "--schedule zb-v runs 2 chunks per rank"},
+      {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --schedule zb-v",
+       "needs 4 model stages, but --model mlp has 3"},
       {" train --micro-batches 4 --accumulation 2", "not two of them"},
       {" train --pipeline-balance 1,x", "unknown --pipeline-balance '1,x'"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --pipeline-balance "

@@ -283,6 +283,9 @@ TEST(Llama, TensorAndSequenceParallelEqualTheSerialModelAndTrainLikeOneProcess) 
   // to W; RMSNorm's and the embedding's come from B.
   run.world = 4, run.strategy = "ddp", run.schedule = "zb-h1";
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "PP 2 x TP 2, zb-h1";
+  // ZB-V: rank 0 holds the embedding's stage and the head's (the V's two ends).
+  run.schedule = "zb-v";
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "PP 2 x TP 2, zb-v";
   run.schedule = "1f1b";
   run.world = 4, run.pp = 1, run.micro = 1, run.sequence_parallel = true;
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 2, SP";

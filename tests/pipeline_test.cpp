@@ -129,6 +129,65 @@ TEST(Schedule, ZeroBubbleSchedulesFillTheWaitsWithWeightGradients) {
                dtrain::InputError);
 }
 
+// ZB-V: two chunks per rank in a V (rank r holds virtual stages r and 2P - 1 - r: rank 0 the
+// first and the last, the turn on rank P - 1). With F, B and W costing the same per chunk, from
+// 2P - 1 micro-batches on every rank idles only P - 1 chunk slots, the floor of a flushed step
+// (the last rank cannot start before P - 1 forwards): 6M + P - 1 where 1F1B takes
+// 6M + 6(P - 1) and ZB-H1 6M + 2(P - 1). Each rank holds at most 2P chunk micro-batches (half a
+// stage each) until their W: 1F1B's stage-0 peak of P stage micro-batches.
+TEST(Schedule, ZeroBubbleVRunsTwoChunksPerRankInAVWithoutIdling) {
+  const ScheduleSpec v{ScheduleKind::ZeroBubbleV, 2, 4, 2};
+  EXPECT_EQ(listing(build_schedule(v, 0)),
+            "F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F3 B0 W0 F2.1 B2.1 W2.1 B1 W1 F3.1 B3.1 W3.1 "
+            "B2 W2 B3 W3");
+  EXPECT_EQ(listing(build_schedule(v, 1)),
+            "F0 F0.1 F1 F1.1 B0.1 W0.1 F2 B0 W0 F2.1 B1.1 W1.1 F3 B1 W1 F3.1 B2.1 W2.1 B2 B3.1 B3 "
+            "W2 W3.1 W3");
+  for (int p : {1, 2, 3, 4, 8}) {
+    const ScheduleSpec placed{ScheduleKind::ZeroBubbleV, p, p, 2};
+    for (int r = 0; r < p; ++r) {
+      EXPECT_EQ(stage_of(placed, 0, r), r);
+      EXPECT_EQ(stage_of(placed, 1, r), 2 * p - 1 - r);
+      for (int c : {0, 1}) {
+        EXPECT_EQ(rank_of(placed, stage_of(placed, c, r)), r);
+        EXPECT_EQ(chunk_of(placed, stage_of(placed, c, r)), c);
+      }
+    }
+    for (int m : {p, 2 * p - 1, 2 * p, 3 * p, 4 * p}) {
+      SCOPED_TRACE(dtrain::concat("P=", p, " M=", m));
+      const ScheduleSpec zbv{ScheduleKind::ZeroBubbleV, p, m, 2};
+      const ScheduleSpec one{ScheduleKind::OneFOneB, p, m, 1};
+      const ScheduleSpec h1{ScheduleKind::ZeroBubbleH1, p, m, 1};
+      // Per chunk (half a stage): F = B = W = 1.
+      const auto sim = simulate(zbv, all_ranks(zbv), 2.0, 4.0);
+      EXPECT_DOUBLE_EQ(simulate(one, all_ranks(one), 2.0, 4.0).makespan, 6.0 * m + 6.0 * (p - 1));
+      EXPECT_DOUBLE_EQ(simulate(h1, all_ranks(h1), 2.0, 4.0).makespan, 6.0 * m + 2.0 * (p - 1));
+      if (m >= 2 * p - 1) {
+        EXPECT_DOUBLE_EQ(sim.makespan, 6.0 * m + (p - 1));
+      } else {
+        EXPECT_LE(sim.makespan, 6.0 * m + 2.0 * (p - 1));  // no worse than ZB-H1
+      }
+      for (int r = 0; r < p; ++r) {
+        EXPECT_LE(sim.peak_live[r], 2 * p);
+        int held = 0, most = 0;
+        for (const auto& a : build_schedule(zbv, r)) {
+          held += a.kind == Action::Forward ? 1 : a.kind == Action::Weight ? -1 : 0;
+          most = std::max(most, held);
+        }
+        EXPECT_LE(most, 2 * p);
+      }
+    }
+  }
+  EXPECT_EQ(schedule_kind_named("zb-v"), ScheduleKind::ZeroBubbleV);
+  EXPECT_EQ(chunks_of(ScheduleKind::ZeroBubbleV, 1), 2);
+  EXPECT_EQ(chunks_of(ScheduleKind::Interleaved, 3), 3);
+  // The looping placement of the other schedules: chunk c of rank r is stage c * P + r.
+  const ScheduleSpec looping{ScheduleKind::Interleaved, 4, 8, 3};
+  EXPECT_EQ(stage_of(looping, 2, 1), 9);
+  EXPECT_EQ(rank_of(looping, 9), 1);
+  EXPECT_EQ(chunk_of(looping, 9), 2);
+}
+
 TEST(Schedule, ADeadlockOrAMissingActionIsNamed) {
   const ScheduleSpec spec{ScheduleKind::OneFOneB, 2, 2, 1};
   auto lists = all_ranks(spec);
@@ -163,6 +222,10 @@ TEST(Schedule, BadSpecsAreNamed) {
   EXPECT_NE(message({ScheduleKind::ZeroBubbleH1, 4, 2, 1}).find("zb-h1 schedule needs at least"),
             std::string::npos);
   EXPECT_NE(message({ScheduleKind::ZeroBubbleH2, 2, 4, 2}).find("need the interleaved schedule"),
+            std::string::npos);
+  EXPECT_NE(message({ScheduleKind::ZeroBubbleV, 2, 4, 1}).find("zb-v schedule runs 2 chunks"),
+            std::string::npos);
+  EXPECT_NE(message({ScheduleKind::ZeroBubbleV, 4, 3, 2}).find("zb-v schedule needs at least"),
             std::string::npos);
   EXPECT_NE(message({ScheduleKind::Interleaved, 2, 3, 2}).find("multiple of the pipeline"),
             std::string::npos);
@@ -311,10 +374,14 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
     EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
   }
   // Zero bubble: B and W split (the MLP's linear layers defer their weight gradients to W).
-  for (const std::string schedule : {"zb-h1", "zb-h2"}) {
+  // zb-v at P = 2 runs the MLP's 4 stages as 2 x 2 chunks (rank 0 the first and the last), from
+  // M = P (the construction's idle slots) up; its P = 4 is the next test's.
+  for (const std::string schedule : {"zb-h1", "zb-h2", "zb-v"}) {
     for (int pp : {2, 4}) {
-      for (int micro : {4, 8}) {
-        if (micro < pp) continue;
+      for (int micro : {2, 4, 8}) {
+        if (micro < pp || (micro == 2 && schedule != "zb-v") || (schedule == "zb-v" && pp == 4)) {
+          continue;
+        }
         SCOPED_TRACE(concat(schedule, " P=", pp, " M=", micro));
         std::vector<std::map<std::string, double>> metrics(pp);
         PipelineRun run;
@@ -376,6 +443,29 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
       EXPECT_GT(diff, 1e-4);
     } else {
       EXPECT_LE(diff, kTightBound);
+    }
+  }
+}
+
+// ZB-V on 4 ranks (8 virtual stages, a V: rank r runs stages r and 7 - r), with M below and at
+// 2P: the weights of single-process training, each rank holding at most 2P chunk
+// micro-batches.
+TEST(Pipeline, ZeroBubbleVOnFourRanksTrainsToTheSingleProcessWeights) {
+  at::set_num_threads(1);
+  const int steps = 3;
+  models::ModelSpec deeper = deep_mlp();
+  deeper.hidden = {12, 10, 8, 8, 8, 8, 8};  // 8 stages
+  auto f = make_fixture(deeper, adam(), steps);
+  const auto expected = train_single(f, steps);
+  for (int micro : {4, 8}) {
+    SCOPED_TRACE(concat("zb-v P=4 M=", micro));
+    std::vector<std::map<std::string, double>> metrics(4);
+    PipelineRun run{4, 1, micro, "zb-v"};
+    run.metrics = &metrics;
+    EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+    for (const auto& m : metrics) {
+      EXPECT_LE(m.at("peak_live_micro_batches"), 8.0);
+      EXPECT_GT(m.at("peak_deferred_mb"), 0.0);
     }
   }
 }

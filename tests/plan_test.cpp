@@ -127,6 +127,7 @@ TEST(Planner, ZeroBubbleIdlesLessUnlessLayersAreRecomputed) {
     layout.pp = 4;
     layout.micro_batches = 8;
     layout.schedule = schedule;
+    layout.chunks = schedule == "zb-v" ? 2 : 1;
     layout.optimizer = "sgd";
     layout.precision = "fp32";  // (under autocast dtrain defers nothing either)
     layout.checkpointing = checkpointing;
@@ -136,6 +137,10 @@ TEST(Planner, ZeroBubbleIdlesLessUnlessLayersAreRecomputed) {
   EXPECT_LT(zb, 0.75 * one);
   EXPECT_GT(zb, 0.0);
   EXPECT_NEAR(bubble("zb-h1", true), bubble("1f1b", true), 1e-9);
+  // ZB-V's two chunks per rank halve the warm-up's forwards again.
+  const double v = bubble("zb-v", false);
+  EXPECT_LT(v, 0.75 * zb);
+  EXPECT_GT(v, 0.0);
 }
 
 TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {

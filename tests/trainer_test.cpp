@@ -166,6 +166,20 @@ TEST(Trainer, PipelinedRunsEvaluateAndResumeAtOtherSizesAndStrategies) {
   for (size_t i = 0; i < full.weights.size(); ++i) {
     EXPECT_LE((full.weights[i] - pipelined.weights[i]).abs().max().item<double>(), 1e-10);
   }
+  // zb-v on 2 ranks: rank 0 holds the first and the last stage (it reads inputs and targets and
+  // computes the loss), the evaluation's forward turns on rank 1.
+  auto v_shaped = with("ddp", 2, 1, 4);
+  v_shaped.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = "zb-v";
+  const RunOutput zbv = run(2, v_shaped, 1, deep, true);
+  ASSERT_TRUE(zbv.validation);
+  EXPECT_EQ(zbv.validation->examples, 40);
+  EXPECT_NEAR(zbv.validation->loss, full.validation->loss, 1e-10);
+  for (size_t i = 0; i < full.losses.size(); ++i) {
+    EXPECT_NEAR(zbv.losses[i], full.losses[i], 1e-10) << "zb-v step " << i + 1;
+  }
+  for (size_t i = 0; i < full.weights.size(); ++i) {
+    EXPECT_LE((full.weights[i] - zbv.weights[i]).abs().max().item<double>(), 1e-10);
+  }
 
   options.checkpoint_dir = dir / "checkpoints";
   options.checkpoint_every = 3;

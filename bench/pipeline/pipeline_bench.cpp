@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
   std::string trace_path;
   std::string transport = "auto";
   bool input_grad = true;
-  app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2")->capture_default_str();
+  app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v")->capture_default_str();
   app.add_option("--micro-batches", micro, "M")->capture_default_str();
   app.add_option("--virtual-stages", chunks, "V (interleaved)")->capture_default_str();
   app.add_option("--layers", layers, "Linear layers")->capture_default_str();
@@ -197,8 +197,9 @@ int main(int argc, char** argv) {
     }
     // The ideal timeline's bubble (equal stages, backward = 2 forwards; split: B = W = F):
     // (P-1)/(VM+P-1) for GPipe and the 1F1Bs, the simulated lists' for zero bubble.
-    const parallel::pipeline::ScheduleSpec spec{parallel::pipeline::schedule_kind_named(schedule),
-                                                P, micro, chunks};
+    const auto kind = parallel::pipeline::schedule_kind_named(schedule);
+    const parallel::pipeline::ScheduleSpec spec{kind, P, micro,
+                                                parallel::pipeline::chunks_of(kind, chunks)};
     std::vector<std::vector<parallel::pipeline::Action>> lists;
     for (int r = 0; r < P; ++r) lists.push_back(parallel::pipeline::build_schedule(spec, r));
     const double formula = parallel::pipeline::simulate(spec, lists).bubble();
@@ -208,7 +209,7 @@ int main(int argc, char** argv) {
         "\"step_ms\": %.3f, \"samples_per_s\": %.1f, \"bubble\": %.4f, "
         "\"bubble_formula\": %.4f, \"act_peak_mb_first\": %.3f, "
         "\"act_peak_mb_last\": %.3f, \"step_peak_rss_mb\": %.1f}\n",
-        schedule.c_str(), P, micro, chunks, ms, global_batch / ms * 1e3, median(bubbles), formula,
+        schedule.c_str(), P, micro, spec.chunks, ms, global_batch / ms * 1e3, median(bubbles), formula,
         median(first_stage), median(last_stage), step_rss.item<double>());
   }
   return 0;

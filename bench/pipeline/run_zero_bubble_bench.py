@@ -2,7 +2,8 @@
 """Zero-bubble schedules against 1F1B (issue 52): dtrain's pipeline on P = 2 ranks (1 thread
 each, started by dtrain launch) over the MLP of bench/pipeline/pipeline_bench.cpp (8 equal
 Linear(2048, 2048) + ReLU layers), at a FIXED global batch cut into M micro-batches, under 1f1b,
-zb-h1 and zb-h2. Per round the schedules run one after another (reversed on odd rounds); the
+zb-h1, zb-h2 and zb-v (two chunks of 2 layers per rank in a V). Per round the schedules run one
+after another (reversed on odd rounds); the
 ratios are taken within a round (throughput of the schedule / 1F1B's), medians over rounds.
 Per run: step time (slowest rank, median over steps), the bubble from the trace (mean idle
 share of the ranks between the step's first and last compute span), the ideal timeline's bubble
@@ -23,7 +24,7 @@ import report  # noqa: E402
 from report import table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-v")
 
 
 def run(build, args):

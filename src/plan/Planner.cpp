@@ -249,13 +249,13 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   }
   pp::ActionCosts action_costs;
   action_costs.duration = [&](int rank, const pp::Action& a) {
-    const int s = pp::virtual_stage(a.chunk, rank, P);
+    const int s = pp::stage_of(spec, a.chunk, rank);
     if (a.kind == pp::Action::Forward) return stage_f[s];
     if (a.kind == pp::Action::Weight) return stage_w[s];
     return stage_b[s] - stage_w[s];
   };
   action_costs.transfer = [&](int from, int to, const pp::Action& a) {
-    const int s = pp::virtual_stage(a.chunk, to, P);
+    const int s = pp::stage_of(spec, a.chunk, to);
     const int boundary =
         a.kind == pp::Action::Forward ? partition.first(s) - 1 : partition.end(s) - 1;
     const double elements = model.layers[std::max(0, boundary)].output_elements * b;
@@ -285,7 +285,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     for (size_t k = 0; k < lists[r].size(); ++k)
       busy += timeline.ends[r][k] - timeline.starts[r][k];
     double rank_params = 0;
-    for (int c = 0; c < V; ++c) rank_params += stage_params[pp::virtual_stage(c, r, P)];
+    for (int c = 0; c < V; ++c) rank_params += stage_params[pp::stage_of(spec, c, r)];
     double comm_end = compute_end;
     double step_end = compute_end;
     if (layout.strategy == "zero3") {
@@ -332,7 +332,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     } else if (layout.strategy != "downpour" && D > 1) {
       double link_free = 0;
       for (int c = 0; c < V; ++c) {
-        const int s = pp::virtual_stage(c, r, P);
+        const int s = pp::stage_of(spec, c, r);
         // The last backward of this chunk: its start, then layers in reverse order.
         double last_start = 0;
         for (size_t k = 0; k < lists[r].size(); ++k) {
@@ -402,7 +402,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
                                  4 * bytes.gradient;
     int rank_layers = 0;
     for (int c = 0; c < V; ++c) {
-      const int s = pp::virtual_stage(c, r, P);
+      const int s = pp::stage_of(spec, c, r);
       rank_layers += partition.end(s) - partition.first(s);
     }
     // (Downpour's workers leave the update to the shards.)
@@ -449,7 +449,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     Memory m;
     double params = 0, saved = 0, boundary = 0, largest_saved = 0, largest_layer = 0;
     for (int c = 0; c < V; ++c) {
-      const int s = pp::virtual_stage(c, r, P);
+      const int s = pp::stage_of(spec, c, r);
       for (int i = partition.first(s); i < partition.end(s); ++i) {
         const Layer& l = model.layers[i];
         const double split = l.tensor_parallel ? layout.tp : 1;

@@ -29,8 +29,8 @@ struct Layout {
   int dp = 1, pp = 1, tp = 1;
   int micro_batch_size = 1;              ///< samples per micro-batch on one replica
   int micro_batches = 1;                 ///< per optimizer step (gradient accumulation when pp = 1)
-  std::string schedule = "1f1b";         ///< "gpipe", "1f1b", "interleaved"
-  int chunks = 1;                        ///< model chunks per pipeline rank (interleaved)
+  std::string schedule = "1f1b";         ///< "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"
+  int chunks = 1;                        ///< model chunks per pipeline rank (interleaved; zb-v: 2)
   std::string precision = "bf16-mixed";  ///< "fp32", "bf16-mixed", "fp16-mixed", "bf16"
   bool checkpointing = false;            ///< activation checkpointing of every layer
   bool sequence_parallel = false;

@@ -19,16 +19,19 @@ void check_layout(const PipelineOptions& o, const Layout& layout) {
                      " does not divide the ", layout.ranks,
                      " ranks of --nproc (ranks = pipeline "
                      "stages x data-parallel replicas)");
-  validate({schedule_kind_named(o.schedule), pp,
-            static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), o.virtual_stages});
+  const ScheduleKind kind = schedule_kind_named(o.schedule);
+  const int chunks = chunks_of(kind, o.virtual_stages);
+  validate({kind, pp, static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), chunks});
   DTRAIN_CHECK_INPUT(!layout.tied_parameters,
                      "--tied-embeddings shares one weight between the first and the last "
                      "pipeline stage, which the pipeline does not support: leave it out");
   if (layout.model_stages == 0) return;
-  const int virtual_stages = pp * o.virtual_stages;
+  const int virtual_stages = pp * chunks;
   DTRAIN_CHECK_INPUT(
       layout.model_stages >= virtual_stages, "--pipeline-parallel ", pp,
-      o.virtual_stages > 1 ? concat(" x --virtual-stages ", o.virtual_stages) : std::string(),
+      kind == ScheduleKind::ZeroBubbleV ? std::string(" x 2 chunks of --schedule zb-v")
+      : chunks > 1                      ? concat(" x --virtual-stages ", chunks)
+                                        : std::string(),
       " needs ", virtual_stages, " model stages, but --model ", layout.model, " has ",
       layout.model_stages, " (an MLP has one per hidden layer plus the output)");
   if (o.balance != "params" && o.balance != "time") {
@@ -38,8 +41,9 @@ void check_layout(const PipelineOptions& o, const Layout& layout) {
 
 void declare_flags(FlagSet& flags, PipelineOptions& o) {
   flags.add("--schedule", o.schedule,
-            "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2 (zero bubble: backward "
-            "split into input and weight gradients)");
+            "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v (zero bubble: "
+            "backward split into input and weight gradients; zb-v runs two chunks per rank in a "
+            "V)");
   flags.add("--virtual-stages", o.virtual_stages,
             "Interleaved schedule: model chunks per pipeline rank");
   flags.add("--pipeline-balance", o.balance,
@@ -58,7 +62,12 @@ void check_options(const PipelineOptions& o) {
   const ScheduleKind kind = schedule_kind_named(o.schedule);
   DTRAIN_CHECK_INPUT(o.virtual_stages >= 1, "virtual stages per pipeline rank must be >= 1, got ",
                      o.virtual_stages);
-  DTRAIN_CHECK_INPUT(o.virtual_stages == 1 || kind == ScheduleKind::Interleaved,
+  DTRAIN_CHECK_INPUT(kind != ScheduleKind::ZeroBubbleV || o.virtual_stages <= 2,
+                     "--schedule zb-v runs 2 chunks per rank: leave --virtual-stages out (or "
+                     "give 2), not ",
+                     o.virtual_stages);
+  DTRAIN_CHECK_INPUT(o.virtual_stages == 1 || kind == ScheduleKind::Interleaved ||
+                         kind == ScheduleKind::ZeroBubbleV,
                      "--virtual-stages ", o.virtual_stages,
                      " needs --schedule interleaved (gpipe and 1f1b run one chunk per rank)");
   DTRAIN_CHECK_INPUT(kind != ScheduleKind::Interleaved || o.virtual_stages >= 2,
@@ -80,7 +89,9 @@ void check_options(const PipelineOptions& o) {
 StrategyInfo pipeline_strategy() {
   StrategyInfo info;
   info.name = "pipeline";
-  info.summary = "pipeline parallelism (GPipe, 1F1B, interleaved, zero bubble), stages data-parallel";
+  info.summary =
+      "pipeline parallelism (GPipe, 1F1B, interleaved, zero bubble H1/H2/V), stages "
+      "data-parallel";
   info.pipelines = true;
   info.whole_model_on_rank0 = false;
   info.set_stage_strategy = [](StrategyOptions& options, const std::string& stage_strategy) {

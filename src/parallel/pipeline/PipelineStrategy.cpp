@@ -53,7 +53,7 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
     : options_(std::move(options)),
       pipe_(options_.of<PipelineOptions>()),
       kind_(schedule_kind_named(pipe_.schedule)),
-      chunks_per_rank_(pipe_.virtual_stages) {
+      chunks_per_rank_(chunks_of(kind_, pipe_.virtual_stages)) {
   check_options(pipe_);
   zero1_ = pipe_.data_parallel == "zero1";
   reducer_options_from(options_);  // validate early
@@ -113,7 +113,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   const int ranks = grid_->pp_size();
   const int virtual_stages = ranks * chunks_per_rank_;
   const int n = static_cast<int>(model_.stages.size());
-  DTRAIN_CHECK_INPUT(chunks_per_rank_ == 1 || ranks >= 2,
+  DTRAIN_CHECK_INPUT(kind_ != ScheduleKind::Interleaved || ranks >= 2,
                      "the interleaved schedule needs at least 2 pipeline ranks");
   DTRAIN_CHECK_INPUT(n >= virtual_stages, "the model has ", n, " stage", n == 1 ? "" : "s",
                      ", fewer than the ", virtual_stages, chunks_per_rank_ > 1 ? " virtual" : "",
@@ -136,7 +136,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   std::unordered_set<const void*> seen;
   for (int c = 0; c < chunks_per_rank_; ++c) {
     Chunk chunk;
-    chunk.virtual_stage = virtual_stage(c, me, ranks);
+    chunk.virtual_stage = stage_of(spec(), c, me);
     chunk.stages.assign(model_.stages.begin() + partition_.first(chunk.virtual_stage),
                         model_.stages.begin() + partition_.end(chunk.virtual_stage));
     for (const auto& stage : chunk.stages) {
@@ -187,8 +187,10 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                                        : std::make_unique<parallel::ddp::Reducer>(
                                              params, names, grid_->dp(), reducer_options));
   }
-  link_ =
-      std::make_unique<StageLink>(grid_->pp(), virtual_stages, pipe_.transport == "auto", device_);
+  std::vector<int> stage_ranks;
+  for (int s = 0; s < virtual_stages; ++s) stage_ranks.push_back(rank_of(spec(), s));
+  link_ = std::make_unique<StageLink>(grid_->pp(), std::move(stage_ranks),
+                                      pipe_.transport == "auto", device_);
 }
 
 DataNeeds PipelineStrategy::data_needs() const {
@@ -247,10 +249,9 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
                                         const LossFn& loss) {
   DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
   model_.module->train();
-  const int ranks = grid_->pp_size();
   const int me = grid_->coordinates().pp;
   const int count = static_cast<int>(micro_batches.size());
-  const auto actions = build_schedule({kind_, ranks, count, chunks_per_rank_}, me);
+  const auto actions = build_schedule(spec(count), me);
   // Split backward (zero bubble): B computes the chunk input's gradient (and the gradients of
   // parameters outside nn::linear layers, kept until W), W the linear layers' weight gradients,
   // from the inputs and output gradients B left (nn/WeightGrad.h), accumulating all of the
@@ -527,8 +528,8 @@ void PipelineStrategy::materialize() {
   for (int v = 0; v < partition_.ranks(); ++v) {
     for (int i = partition_.first(v); i < partition_.end(v); ++i) {
       for (const auto& module : model_.stages[i].modules) {
-        for (const auto& p : module->parameters()) share(p, v % grid_->pp_size());
-        for (const auto& b : module->buffers()) share(b, v % grid_->pp_size());
+        for (const auto& p : module->parameters()) share(p, rank_of(spec(), v));
+        for (const auto& b : module->buffers()) share(b, rank_of(spec(), v));
       }
     }
   }

@@ -1,6 +1,6 @@
 // Pipeline parallelism over the grid's PP group, with data parallelism over its DP group: the
 // model's stages are cut into V x P contiguous virtual stages; this rank runs virtual stages
-// r, r + P, ... (its chunks), exchanging activations and their gradients with its neighbours in
+// r, r + P, ... (its chunks; zb-v: r and 2P - 1 - r), exchanging activations and their gradients with its neighbours in
 // the order a schedule gives (Schedule.h). Each chunk's gradients are averaged over the DP group
 // by a Reducer as the chunk's last backward of the step runs; the optimizer covers this rank's
 // parameters only (or, with zero1, its DP shard of them).
@@ -73,6 +73,10 @@ class PipelineStrategy : public Strategy {
     std::vector<size_t> parameters;  // indices into parameters_
   };
   std::vector<double> stage_costs();
+  /// The schedule over this grid's pipeline (its placement of the virtual stages needs no M).
+  ScheduleSpec spec(int micro_batches = 1) const {
+    return {kind_, grid_->pp_size(), micro_batches, chunks_per_rank_};
+  }
   at::Tensor run_chunk(const Chunk& chunk, const at::Tensor& x) const;
   bool first_virtual(const Chunk& chunk) const { return chunk.virtual_stage == 0; }
   bool last_virtual(const Chunk& chunk) const {

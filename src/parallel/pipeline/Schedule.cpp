@@ -1,7 +1,8 @@
 // Schedule construction follows Megatron-LM's schedules.py (warm-up counts and the interleaved
 // micro-batch/chunk order) and, for the zero-bubble schedules, the construction of Qi et al.
 // (1F1B's order of F and B, W's placed where a rank would wait) run as a list scheduler on unit
-// costs; the simulator is a plain list scheduler over the dependency graph.
+// costs, and ZB-V's order as the paper's section 6 gives it (its phases as counts per rank); the
+// simulator is a plain list scheduler over the dependency graph.
 #include "dtrain/parallel/pipeline/Schedule.h"
 
 #include <algorithm>
@@ -19,13 +20,33 @@ ScheduleKind schedule_kind_named(const std::string& name) {
   if (name == "interleaved") return ScheduleKind::Interleaved;
   if (name == "zb-h1") return ScheduleKind::ZeroBubbleH1;
   if (name == "zb-h2") return ScheduleKind::ZeroBubbleH2;
+  if (name == "zb-v") return ScheduleKind::ZeroBubbleV;
   DTRAIN_THROW(InputError, "unknown pipeline schedule '", name,
-               "' (choose gpipe, 1f1b, interleaved, zb-h1 or zb-h2)");
+               "' (choose gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v)");
 }
 
 bool splits_backward(ScheduleKind kind) {
-  return kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleH2;
+  return kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleH2 ||
+         kind == ScheduleKind::ZeroBubbleV;
 }
+
+int chunks_of(ScheduleKind kind, int virtual_stages) {
+  return kind == ScheduleKind::ZeroBubbleV ? 2 : virtual_stages;
+}
+
+int stage_of(const ScheduleSpec& spec, int chunk, int rank) {
+  if (spec.kind == ScheduleKind::ZeroBubbleV && chunk == 1) return 2 * spec.stages - 1 - rank;
+  return chunk * spec.stages + rank;
+}
+
+int rank_of(const ScheduleSpec& spec, int stage) {
+  if (spec.kind == ScheduleKind::ZeroBubbleV && stage >= spec.stages) {
+    return 2 * spec.stages - 1 - stage;
+  }
+  return stage % spec.stages;
+}
+
+int chunk_of(const ScheduleSpec& spec, int stage) { return stage / spec.stages; }
 
 const char* to_string(ScheduleKind kind) {
   switch (kind) {
@@ -39,6 +60,8 @@ const char* to_string(ScheduleKind kind) {
       return "zb-h1";
     case ScheduleKind::ZeroBubbleH2:
       return "zb-h2";
+    case ScheduleKind::ZeroBubbleV:
+      return "zb-v";
   }
   return "?";
 }
@@ -56,8 +79,14 @@ void validate(const ScheduleSpec& spec) {
   DTRAIN_CHECK_INPUT(spec.micro_batches >= 1, "micro-batches must be >= 1, got ",
                      spec.micro_batches);
   DTRAIN_CHECK_INPUT(spec.chunks >= 1, "virtual stages per rank must be >= 1, got ", spec.chunks);
-  DTRAIN_CHECK_INPUT(spec.chunks == 1 || spec.kind == ScheduleKind::Interleaved, "virtual stages (",
-                     spec.chunks, ") need the interleaved schedule, not ", to_string(spec.kind));
+  if (spec.kind == ScheduleKind::ZeroBubbleV) {
+    DTRAIN_CHECK_INPUT(spec.chunks == 2, "the zb-v schedule runs 2 chunks per rank, not ",
+                       spec.chunks);
+  } else {
+    DTRAIN_CHECK_INPUT(spec.chunks == 1 || spec.kind == ScheduleKind::Interleaved,
+                       "virtual stages (", spec.chunks, ") need the interleaved schedule, not ",
+                       to_string(spec.kind));
+  }
   DTRAIN_CHECK_INPUT((spec.kind != ScheduleKind::OneFOneB && !splits_backward(spec.kind)) ||
                          spec.micro_batches >= spec.stages,
                      "the ", to_string(spec.kind),
@@ -173,6 +202,59 @@ std::vector<std::vector<Action>> zero_bubble(const ScheduleSpec& spec) {
   return lists;
 }
 
+// ZB-V on rank r, the phases of Qi et al.'s figure (counts per rank, unit costs in mind): chunk
+// 0's forwards fill the V's descent (2(P - r) - 1 of them), r pairs of chunk 1 and chunk 0
+// forwards, P - r rounds of chunk 1's F, B and W at the bottom of the V, then rounds of F, B, W
+// on chunk 0 and on chunk 1 until every forward ran, and the backwards and W's left. Built for
+// at least 2P - 1 micro-batches (the warm-up's), those beyond M then dropped, which keeps the
+// order free of deadlock (a micro-batch's actions go together) and leaves idle slots in their
+// place.
+std::vector<Action> zero_bubble_v(const ScheduleSpec& spec, int rank) {
+  const int p = spec.stages;
+  const int n = std::max(spec.micro_batches, 2 * p - 1);
+  int forwards[2] = {0, 0}, backwards[2] = {0, 0}, weights[2] = {0, 0};
+  std::vector<Action> actions;
+  auto add = [&](Action::Kind kind, int chunk) {
+    int& counter = kind == Action::Forward    ? forwards[chunk]
+                   : kind == Action::Backward ? backwards[chunk]
+                                              : weights[chunk];
+    if (counter < spec.micro_batches) actions.push_back({kind, counter, chunk});
+    ++counter;
+  };
+  for (int k = 0; k < 2 * (p - rank) - 1; ++k) add(Action::Forward, 0);
+  for (int k = 0; k < rank; ++k) {
+    add(Action::Forward, 1);
+    add(Action::Forward, 0);
+  }
+  for (int k = 0; k < p - rank; ++k) {
+    add(Action::Forward, 1);
+    add(Action::Backward, 1);
+    add(Action::Weight, 1);
+  }
+  while (forwards[1] < forwards[0] || forwards[0] < n) {
+    if (forwards[0] < n) add(Action::Forward, 0);
+    add(Action::Backward, 0);
+    add(Action::Weight, 0);
+    add(Action::Forward, 1);
+    add(Action::Backward, 1);
+    add(Action::Weight, 1);
+  }
+  for (int k = 0; k < rank; ++k) {
+    add(Action::Backward, 0);
+    add(Action::Backward, 1);
+  }
+  for (int k = 0; k < p - rank; ++k) {
+    add(Action::Backward, 0);
+    add(Action::Weight, 0);
+  }
+  while (weights[1] < backwards[1]) add(Action::Weight, 1);
+  while (weights[0] < backwards[0]) add(Action::Weight, 0);
+  DTRAIN_CHECK(forwards[0] == n && backwards[0] == n && weights[0] == n && forwards[1] == n &&
+                   backwards[1] == n && weights[1] == n,
+               "the zb-v construction is incomplete on rank ", rank);
+  return actions;
+}
+
 }  // namespace
 
 std::vector<Action> build_schedule(const ScheduleSpec& spec, int rank) {
@@ -212,6 +294,9 @@ std::vector<Action> build_schedule(const ScheduleSpec& spec, int rank) {
     case ScheduleKind::ZeroBubbleH1:
     case ScheduleKind::ZeroBubbleH2:
       actions = zero_bubble(spec)[rank];
+      break;
+    case ScheduleKind::ZeroBubbleV:
+      actions = zero_bubble_v(spec, rank);
       break;
   }
   return actions;
@@ -280,7 +365,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
     for (int r = 0; r < p; ++r) {
       if (next[r] >= per_rank[r].size()) continue;
       const Action& a = per_rank[r][next[r]];
-      const int stage = virtual_stage(a.chunk, r, p);
+      const int stage = stage_of(spec, a.chunk, r);
       double ready = free_at[r];
       bool ok = true;
       auto needs = [&](int kind, int vstage) {
@@ -288,7 +373,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
         if (done < 0) {
           ok = false;
         } else {
-          const int from = vstage % p;
+          const int from = rank_of(spec, vstage);
           const double delay = from != r && costs.transfer ? costs.transfer(from, r, a) : 0.0;
           ready = std::max(ready, done + delay);
         }
@@ -319,7 +404,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
     const double end = best_start + cost;
     result.starts[best].push_back(best_start);
     result.ends[best].push_back(end);
-    finished[key(a.kind, a.micro_batch, virtual_stage(a.chunk, best, p))] = end;
+    finished[key(a.kind, a.micro_batch, stage_of(spec, a.chunk, best))] = end;
     free_at[best] = end;
     busy[best] += cost;
     if (a.kind == Action::Weight) {

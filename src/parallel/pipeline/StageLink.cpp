@@ -24,20 +24,27 @@ const char* direction_name(int direction) {
 
 }  // namespace
 
-StageLink::StageLink(comm::CommunicatorPtr pp, int virtual_stages, bool shared_memory,
+StageLink::StageLink(comm::CommunicatorPtr pp, std::vector<int> stage_ranks, bool shared_memory,
                      c10::Device device)
     : pp_(std::move(pp)),
       device_(device),
       stage_(pp_->rank()),
       ranks_(pp_->size()),
-      virtual_stages_(virtual_stages) {
+      virtual_stages_(static_cast<int>(stage_ranks.size())),
+      stage_ranks_(std::move(stage_ranks)) {
   DTRAIN_CHECK(virtual_stages_ >= ranks_ && virtual_stages_ % ranks_ == 0,
                "pipeline: ", virtual_stages_, " virtual stages over ", ranks_, " ranks");
+  for (int rank : stage_ranks_) {
+    DTRAIN_CHECK(rank >= 0 && rank < ranks_, "pipeline: a virtual stage on rank ", rank, " of ",
+                 ranks_);
+  }
   if (shared_memory && ranks_ > 1 && device_.is_cpu()) {
     std::vector<std::pair<int, int>> pairs;
     for (int b = 0; b + 1 < virtual_stages_; ++b) {
-      pairs.emplace_back(b % ranks_, (b + 1) % ranks_);
-      pairs.emplace_back((b + 1) % ranks_, b % ranks_);
+      const int lower = stage_ranks_[b], upper = stage_ranks_[b + 1];
+      if (lower == upper) continue;
+      pairs.emplace_back(lower, upper);
+      pairs.emplace_back(upper, lower);
     }
     shm_ = std::make_unique<comm::SharedMemoryChannel>(pp_, pairs);
   }
@@ -51,7 +58,7 @@ int StageLink::peer(Direction direction, int boundary, bool sending) const {
   // The activation goes from virtual stage `boundary` to `boundary + 1`.
   const bool from_lower = (direction == Activation) == sending;
   const int other = from_lower ? boundary + 1 : boundary;
-  return other % ranks_;
+  return stage_ranks_[other];
 }
 
 int StageLink::header_tag(int channel, int boundary) const {
@@ -100,6 +107,10 @@ StageLink::Meta StageLink::read_header(const at::Tensor& header, const char* wha
 void StageLink::send(Direction direction, int boundary, int micro_batch, const at::Tensor& tensor) {
   release_sends([](const Send& send) { return send.work->is_completed(); });
   const int dst = peer(direction, boundary, true);
+  if (dst == stage_) {
+    local_[std::make_tuple(static_cast<int>(direction), boundary, micro_batch)] = tensor;
+    return;
+  }
   const bool shared = shared_memory_with(dst, true);
   const Meta meta{tensor.sizes().vec(), tensor.scalar_type()};
   const auto key = std::make_pair(static_cast<int>(direction), boundary);
@@ -135,6 +146,7 @@ void StageLink::send(Direction direction, int boundary, int micro_batch, const a
 }
 
 void StageLink::post_recv(Direction direction, int boundary, int micro_batch) {
+  if (peer(direction, boundary, false) == stage_) return;
   const auto expected = expected_.find({static_cast<int>(direction), boundary});
   if (expected == expected_.end()) return;
   // Shared memory needs nothing posted: the sender's copy is already in the ring.
@@ -151,6 +163,13 @@ void StageLink::post_recv(Direction direction, int boundary, int micro_batch) {
 at::Tensor StageLink::recv(Direction direction, int boundary, int micro_batch) {
   const auto key = std::make_pair(static_cast<int>(direction), boundary);
   const int src = peer(direction, boundary, false);
+  if (src == stage_) {
+    auto entry = local_.extract(std::make_tuple(key.first, boundary, micro_batch));
+    DTRAIN_CHECK(!entry.empty(), "pipeline rank ", stage_, ": the ", direction_name(direction),
+                 " of micro-batch ", micro_batch, " at boundary ", boundary,
+                 " is received before this rank produced it");
+    return entry.mapped();
+  }
   const bool shared = shared_memory_with(src, false);
   if (!expected_.count(key)) {
     at::Tensor header;
@@ -202,6 +221,10 @@ void StageLink::finish_sends() {
 
 void StageLink::send_any(int boundary, const at::Tensor& tensor) {
   const int dst = peer(Activation, boundary, true);
+  if (dst == stage_) {
+    local_[std::make_tuple(static_cast<int>(kEvalData), boundary, -1)] = tensor;
+    return;
+  }
   at::Tensor header = header_of(tensor, Activation);
   at::Tensor data = tensor.contiguous();
   if (shared_memory_with(dst, true)) {
@@ -218,6 +241,12 @@ void StageLink::send_any(int boundary, const at::Tensor& tensor) {
 
 at::Tensor StageLink::recv_any(int boundary) {
   const int src = peer(Activation, boundary, false);
+  if (src == stage_) {
+    auto entry = local_.extract(std::make_tuple(static_cast<int>(kEvalData), boundary, -1));
+    DTRAIN_CHECK(!entry.empty(), "pipeline rank ", stage_, ": evaluation at boundary ", boundary,
+                 " receives before this rank produced it");
+    return entry.mapped();
+  }
   if (shared_memory_with(src, false)) {
     const std::string what = concat("pipeline evaluation receive at boundary ", boundary);
     const Meta meta = read_header(

@@ -1,7 +1,8 @@
 // The pipeline's point-to-point layer, kept apart from the schedules. The model is cut into
-// V x P virtual stages; virtual stage s lives on pipeline rank s % P, so consecutive ones sit on
-// consecutive ranks (with V > 1 the last rank hands on to the first). Boundary b joins virtual
-// stages b and b + 1: activations cross it forward, their gradients backward. Sends are
+// V x P virtual stages, each living on the pipeline rank the schedule's placement says (s % P,
+// consecutive ones on consecutive ranks, or zb-v's V: rank r holds r and 2P - 1 - r). Boundary
+// b joins virtual stages b and b + 1: activations cross it forward, their gradients backward;
+// where both stages live on this rank (the V's turn) the tensor is handed over in memory. Sends are
 // asynchronous and receives are posted ahead of the action that needs them. For training, the
 // shape and dtype crossing each boundary in each direction are agreed once (a small header
 // before the first tensor) and every later send is checked against them, so a mismatch is an
@@ -31,10 +32,10 @@ class StageLink {
   enum Direction { Activation = 0, Gradient = 1 };
 
   /// Collective over `pp`, the pipeline communicator (this rank is pp->rank());
-  /// `virtual_stages`: V x P. `shared_memory`: neighbours on this machine exchange through
-  /// shared memory (else everything goes through `pp`).
-  /// Received tensors are made on `device` (shared memory carries CPU tensors only).
-  StageLink(comm::CommunicatorPtr pp, int virtual_stages, bool shared_memory = true,
+  /// `stage_ranks[s]`: the pipeline rank of virtual stage s (V x P of them). `shared_memory`:
+  /// neighbours on this machine exchange through shared memory (else everything goes through
+  /// `pp`). Received tensors are made on `device` (shared memory carries CPU tensors only).
+  StageLink(comm::CommunicatorPtr pp, std::vector<int> stage_ranks, bool shared_memory = true,
             c10::Device device = c10::Device(c10::DeviceType::CPU));
   /// Whether tensors to (sending) or from `peer` go through shared memory.
   bool shared_memory_with(int peer, bool sending) const;
@@ -70,6 +71,10 @@ class StageLink {
   int stage_;
   int ranks_;
   int virtual_stages_;
+  std::vector<int> stage_ranks_;
+  // Tensors crossing a boundary between two stages of this rank, by (direction, boundary,
+  // micro-batch).
+  std::map<std::tuple<int, int, int>, at::Tensor> local_;
   // Per (direction, boundary): what this rank agreed to send / to receive.
   std::map<std::pair<int, int>, Meta> sent_, expected_;
   std::map<std::tuple<int, int, int>, std::pair<at::Tensor, comm::WorkPtr>> posted_;

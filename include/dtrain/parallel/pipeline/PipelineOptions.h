@@ -7,11 +7,11 @@
 namespace dtrain::parallel::pipeline {
 
 struct PipelineOptions {
-  /// "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-h2"; the step's micro-batches are the
-  /// pipeline's.
+  /// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2" or "zb-v"; the step's micro-batches are
+  /// the pipeline's.
   std::string schedule = "1f1b";
-  /// Model chunks per rank (interleaved only): the model is cut into chunks x P virtual
-  /// stages, rank r running virtual stages r, r + P, ...
+  /// Model chunks per rank (interleaved; zb-v always runs 2): the model is cut into chunks x P
+  /// virtual stages, rank r running virtual stages r, r + P, ... (zb-v: r and 2P - 1 - r)
   int virtual_stages = 1;
   /// Stages placed by "params" (parameter count), "time" (forward + backward time of each
   /// stage measured on the example batch, see Strategy::prepare) or "S1,S2,..." (stages per

@@ -1,8 +1,8 @@
 // Pipeline schedules: which forward and backward passes each pipeline rank runs, in order, for
 // one optimizer step of M micro-batches. One function builds every schedule (GPipe, 1F1B,
-// interleaved 1F1B, the zero-bubble ZB-H1 and ZB-H2 whose backward is split into B, the input
-// gradient, and W, the weight gradients); the executor runs any list, deriving the sends and
-// receives from it. A
+// interleaved 1F1B, the zero-bubble ZB-H1, ZB-H2 and ZB-V whose backward is split into B, the
+// input gradient, and W, the weight gradients); the executor runs any list, deriving the sends
+// and receives from it (and where each virtual stage lives from stage_of / rank_of). A
 // small event simulator gives a schedule's ideal timeline (bubble, peak activations) and proves
 // that the ranks' lists cannot deadlock, for tests and for the benchmark's "formula" column.
 #pragma once
@@ -30,8 +30,16 @@ enum class ScheduleKind {
   /// (the last stage's (P - 1) T_F before its first forward) goes only when a step overlaps
   /// the next, which dtrain's synchronous optimizer step does not: equal stages give H1's time.
   ZeroBubbleH2,
+  /// ZB-V: two chunks per rank placed in a V (rank r holds virtual stages r and 2P - 1 - r, so
+  /// rank 0 runs the first and the last, and the turn from P - 1 to P stays on rank P - 1),
+  /// the order of Qi et al.'s ZB-V (section 6): chunk 0's forwards warm up, each rank then runs
+  /// F, B and W of both chunks in turn. With T_F = T_B = T_W per chunk every rank idles only
+  /// at the step's two ends, and each holds at most 2P chunk micro-batches of activations: P
+  /// whole-stage micro-batches, rank 0's 1F1B peak, now on every rank.
+  ZeroBubbleV,
 };
-/// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2" (InputError naming the choices otherwise).
+/// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" (InputError naming the choices
+/// otherwise).
 ScheduleKind schedule_kind_named(const std::string& name);
 const char* to_string(ScheduleKind kind);
 
@@ -43,8 +51,8 @@ struct Action {
   /// Weight: the weight gradients of a split backward (after the micro-batch's B).
   enum Kind { Forward, Backward, Weight } kind = Forward;
   int micro_batch = 0;
-  /// Which of this rank's model chunks (0 unless interleaved). Chunk c of rank r is virtual
-  /// stage c * P + r, so consecutive virtual stages sit on consecutive ranks.
+  /// Which of this rank's model chunks (0 unless interleaved or zb-v); stage_of() says which
+  /// virtual stage it is.
   int chunk = 0;
   bool operator==(const Action& other) const {
     return kind == other.kind && micro_batch == other.micro_batch && chunk == other.chunk;
@@ -56,20 +64,29 @@ struct ScheduleSpec {
   ScheduleKind kind = ScheduleKind::OneFOneB;
   int stages = 1;         ///< P, pipeline ranks
   int micro_batches = 1;  ///< M per optimizer step
-  int chunks = 1;         ///< V, model chunks per rank (interleaved only)
+  int chunks = 1;         ///< V, model chunks per rank (interleaved; zb-v: 2)
 };
 
+/// Chunks per rank a schedule runs: 2 for zb-v (whatever `virtual_stages` says), else
+/// `virtual_stages`.
+int chunks_of(ScheduleKind kind, int virtual_stages);
+
 /// Checks a spec (InputError naming what is wrong): P >= 1, M >= 1, V >= 1; V > 1 only when
-/// interleaved; 1F1B needs M >= P (fewer micro-batches cannot fill its warm-up); interleaved
-/// needs M to be a multiple of P (Megatron's rule: micro-batches go round in groups of P); the
-/// zero-bubble schedules too need M >= P.
+/// interleaved, V = 2 for zb-v; 1F1B needs M >= P (fewer micro-batches cannot fill its
+/// warm-up); interleaved needs M to be a multiple of P (Megatron's rule: micro-batches go round
+/// in groups of P); the zero-bubble schedules too need M >= P (zb-v fills its pipe from 2P - 1).
 void validate(const ScheduleSpec& spec);
 
 /// The ordered actions of pipeline rank `rank` (validates the spec).
 std::vector<Action> build_schedule(const ScheduleSpec& spec, int rank);
 
-/// Virtual stage of `chunk` on `rank` with P ranks, and its rank / chunk.
-inline int virtual_stage(int chunk, int rank, int stages) { return chunk * stages + rank; }
+/// Where the V x P virtual stages live. Looping placement (every schedule but zb-v): chunk c of
+/// rank r is virtual stage c * P + r, consecutive stages on consecutive ranks, the last rank
+/// handing on to the first. V shape (zb-v): chunk 0 of rank r is stage r, chunk 1 stage
+/// 2P - 1 - r.
+int stage_of(const ScheduleSpec& spec, int chunk, int rank);
+int rank_of(const ScheduleSpec& spec, int stage);
+int chunk_of(const ScheduleSpec& spec, int stage);
 
 /// The ideal timeline of a schedule with fixed costs per action (the same on every stage).
 struct Simulation {
