@@ -114,6 +114,11 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --schedule zigzag", "unknown pipeline schedule 'zigzag'"},
       {" train --virtual-stages 2", "--virtual-stages 2 needs --schedule interleaved"},
       {" train --schedule zb-v --virtual-stages 3", "--schedule zb-v runs 2 chunks per rank"},
+      {" train --pipeline-sync sometimes", "unknown --pipeline-sync 'sometimes'"},
+      {" train --pipeline-sync 2bw --schedule gpipe", "use --schedule 1f1b, not gpipe"},
+      {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --pipeline-sync "
+       "2bw --max-grad-norm 1",
+       "global-norm clipping (--max-grad-norm) needs every stage's gradients"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --schedule zb-v",
        "needs 4 model stages, but --model mlp has 3"},
       {" train --micro-batches 4 --accumulation 2", "not two of them"},

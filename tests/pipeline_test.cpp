@@ -274,6 +274,7 @@ struct PipelineRun {
   std::string transport = "auto";  // "comm": Gloo only, no shared memory
   std::string grad_compression = "none";
   std::vector<std::map<std::string, double>>* metrics = nullptr;  // each rank's last step's
+  std::string sync = "flush";  // --pipeline-sync
 };
 
 // Trains f on pp x dp rank threads and returns every parameter by name (from DP replica 0).
@@ -301,6 +302,7 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
         options.loss_scale_init = run.loss_scale_init;
         options.grad_compression = run.grad_compression;
         options.of<dtrain::parallel::pipeline::PipelineOptions>().transport = run.transport;
+        options.of<dtrain::parallel::pipeline::PipelineOptions>().sync = run.sync;
         PipelineStrategy strategy(options);
         strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
         const int dp_rank = grid->coordinates().dp;
@@ -317,7 +319,8 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
             micro_batches.push_back(f.dataset.get(
                 std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each)));
           }
-          const auto step_result = strategy.train_step(micro_batches, loss);
+          auto step_result = strategy.train_step(micro_batches, loss);
+          if (step + 1 == steps) strategy.finish_training(step_result);  // as the Trainer does
           if (run.metrics) {
             std::lock_guard<std::mutex> lock(mutex);
             (*run.metrics)[comm->rank()] = step_result.metrics;
@@ -468,6 +471,85 @@ TEST(Pipeline, ZeroBubbleVOnFourRanksTrainsToTheSingleProcessWeights) {
       EXPECT_GT(m.at("peak_deferred_mb"), 0.0);
     }
   }
+}
+
+// PipeDream-2BW: no flush between steps, two weight versions per stage; the weights are those
+// of its update rule written out in one process, W(t + 1) = W(t) - step(gradient of batch t at
+// W(t - 1)) with W(-1) = W(0), at P = 2 and 4, M = P and 2P, with and without ddp replicas, and
+// differ from synchronous training.
+namespace {
+
+// The rule in one process, each step's gradient summed over `micro` equal micro-batches (the
+// pipeline's: a model with batch norm normalizes each micro-batch on its own).
+std::vector<at::Tensor> train_2bw_rule(const Fixture& f, int steps, int micro = 1) {
+  Model current = make_model_as(f.spec, f.dtype), previous = make_model_as(f.spec, f.dtype);
+  restore(current, f.initial);
+  restore(previous, f.initial);
+  auto optimizer = optim::make_optimizer(current.module->parameters(), f.optimizer);
+  auto order = data::DistributedSampler(f.dataset.size(), 1, 0, {true, 5, true}).indices();
+  for (int step = 0; step < steps; ++step) {
+    auto batch = f.dataset.get(std::vector<int64_t>(order.begin() + step * f.global_batch,
+                                                    order.begin() + (step + 1) * f.global_batch));
+    previous.module->zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      const int64_t each = f.global_batch / micro;
+      (parallel::cross_entropy(previous(batch.inputs.narrow(0, m * each, each)),
+                               batch.targets.narrow(0, m * each, each)) /
+       micro)
+          .backward();
+    }
+    const auto now = snapshot(current);
+    auto to = current.module->parameters();
+    auto from = previous.module->parameters();
+    for (size_t k = 0; k < to.size(); ++k) to[k].mutable_grad() = from[k].grad().clone();
+    optimizer->step();
+    restore(previous, now);
+  }
+  return snapshot(current);
+}
+
+}  // namespace
+
+TEST(Pipeline, PipeDream2BWIsItsUpdateRuleWrittenOut) {
+  at::set_num_threads(1);
+  const int steps = 5;
+  auto f = make_fixture(deep_mlp(), adam(), steps);
+  const auto expected = train_2bw_rule(f, steps);
+  ASSERT_GT(max_abs_diff(expected, train_single(f, steps)), 1e-4)
+      << "the stale rule should differ from synchronous training";
+  for (int pp : {2, 4}) {
+    for (int micro : {pp, 2 * pp}) {
+      for (int dp : {1, 2}) {
+        if (pp * dp > 4) continue;
+        SCOPED_TRACE(concat("2bw P=", pp, " M=", micro, " DP=", dp));
+        std::vector<std::map<std::string, double>> metrics(pp * dp);
+        PipelineRun run{pp, dp, micro, "1f1b"};
+        run.sync = "2bw";
+        run.metrics = &metrics;
+        EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+        for (int r = 0; r < pp * dp; ++r) {
+          EXPECT_EQ(metrics[r].at("weight_versions"), 2.0) << r;
+          // finish_training ran what was in flight; no stage held more than 1F1B's P.
+          EXPECT_EQ(metrics[r].at("in_flight_micro_batches"), 0.0) << "after finish, rank " << r;
+          EXPECT_LE(metrics[r].at("peak_live_micro_batches"), pp) << r;
+        }
+      }
+    }
+  }
+  // A CNN over 3 stages: the middle stage's convolutions read their weights again in backward
+  // (for the input's gradient), so its in-flight micro-batches must find their own version
+  // there (the MLP's linear layers saved a view of the buffer they read).
+  models::ModelSpec cnn;
+  cnn.name = "cnn";
+  cnn.input_shape = {1, 8, 8};
+  cnn.classes = 3;
+  auto images = make_fixture(cnn, adam(), steps);
+  PipelineRun run{3, 1, 6, "1f1b"};
+  run.sync = "2bw";
+  EXPECT_LE(max_difference(images, train_2bw_rule(images, steps, 6),
+                           train_pipeline(images, steps, run)),
+            kTightBound)
+      << "cnn, P=3";
 }
 
 // bf16-mixed: activations cross stages as bf16 and the pipeline computes what single-process

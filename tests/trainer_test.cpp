@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -207,6 +209,49 @@ TEST(Trainer, PipelinedRunsEvaluateAndResumeAtOtherSizesAndStrategies) {
   const auto consolidated = dir / "whole.pt";
   EXPECT_EQ(train::consolidate_checkpoint(dir / "checkpoints/step-00000009", consolidated),
             static_cast<int64_t>(full.weights.size()));
+}
+
+// PipeDream-2BW through the Trainer: it evaluates its newest weights, and a run stopped at a
+// checkpoint resumes to the uninterrupted run's weights, because the checkpoint holds the
+// version the next step computes on beside the newest (shown failing with the stash not read:
+// 1.8e-2 apart), and each batch's update uses the learning rate of its own step (shown failing
+// with the next step's: 9e-3 apart, found by the evaluation's flush).
+TEST(Trainer, PipeDream2BWResumesFromItsTwoWeightVersions) {
+  at::set_num_threads(1);
+  models::ModelSpec deep = mlp_spec();
+  deep.hidden = {32, 24, 16};  // 4 stages
+  auto options = base_options();
+  options.max_steps = 12;
+  options.strategy = "ddp";
+  options.pipeline_parallel = 2;
+  options.accumulation_steps = 3;
+  options.batch_size = 4;
+  options.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().sync = "2bw";
+  const RunOutput full = run(2, options, 1, deep, true);
+  ASSERT_TRUE(full.validation);
+  EXPECT_EQ(full.validation->examples, 40);
+  EXPECT_TRUE(std::isfinite(full.validation->loss));
+  auto synchronous = options;
+  synchronous.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().sync = "flush";
+  const RunOutput flushed = run(2, synchronous, 1, deep);
+  double apart = 0;
+  for (size_t i = 0; i < full.weights.size(); ++i) {
+    apart = std::max(apart, (full.weights[i] - flushed.weights[i]).abs().max().item<double>());
+  }
+  EXPECT_GT(apart, 1e-6) << "2bw's stale gradients should move the weights elsewhere";
+
+  TempDir dir;
+  options.checkpoint_dir = dir.path();
+  options.checkpoint_every = 3;
+  auto first = options;
+  first.stop_at_step = 6;
+  run(2, first, 1, deep);
+  ASSERT_TRUE(std::filesystem::exists(dir / "step-00000006/pipedream-2bw"));
+  const RunOutput resumed = run(2, options, 777, deep);
+  EXPECT_EQ(resumed.start_step, 6);
+  for (size_t i = 0; i < full.weights.size(); ++i) {
+    EXPECT_LE((full.weights[i] - resumed.weights[i]).abs().max().item<double>(), 1e-10);
+  }
 }
 
 TEST(Trainer, CheckpointsAreAtomicAndPruned) {

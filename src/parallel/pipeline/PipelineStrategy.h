@@ -6,6 +6,8 @@
 // parameters only (or, with zero1, its DP shard of them).
 #pragma once
 
+#include <array>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -54,6 +56,9 @@ class PipelineStrategy : public Strategy {
   /// Collective over the pipeline: every rank's copy of the model gets each stage's current
   /// values from the rank that trains it.
   void materialize() override;
+  /// --pipeline-sync 2bw: runs what is still in flight (the last step's remaining backwards and
+  /// their update) so every stage holds the newest weights.
+  void finish_training(StepResult& last) override;
 
   /// Virtual stage v runs model stages [partition().first(v), partition().end(v)).
   const Partition& partition() const { return partition_; }
@@ -84,6 +89,39 @@ class PipelineStrategy : public Strategy {
   }
   NamedTensors local_buffers() const;
   double clip_gradients();
+
+  // PipeDream-2BW (--pipeline-sync 2bw; PipeDream.cpp). Steps follow one another without a
+  // flush: rank r ends a step with its last P - r - 1 micro-batches forwarded and not yet
+  // backwarded, and runs their backwards in the next step between that step's forwards. Batch
+  // b computes on weight version W(max(b - 1, 0)); when this rank's last backward of batch b is
+  // done, W(b + 1) = W(b) - step(gradient of batch b), written into the buffer W(b - 1) held
+  // (batch b no longer needs it): two versions per stage, W(n) in versions_[n % 2].
+  struct InFlight {
+    at::Tensor x, y;
+    int64_t batch = 0;
+    int micro_batch = 0, count = 0, link = 0;  // link: its index on the StageLink
+  };
+  void setup_2bw();
+  StepResult train_step_2bw(const std::vector<data::Batch>& micro_batches, const LossFn& loss);
+  /// The oldest in-flight micro-batch's backward (and its batch's update after its last).
+  void backward_2bw();
+  void update_2bw(int64_t batch);
+  /// Points this rank's parameters at version n's buffers.
+  void use_version(int64_t n);
+  /// Collective: runs every in-flight backward; the parameters then hold the newest version.
+  void flush();
+  /// Checkpoints: the version the next batch computes on, W(n - 1), beside the newest W(n) (the
+  /// usual files), in the subfolder pipedream-2bw; a checkpoint without it (another strategy's,
+  /// or flush's) resumes with both versions equal.
+  void save_2bw_stash(const std::string& directory, int writer, int writers);
+  void load_2bw_stash(const std::string& directory);
+  bool two_bw_ = false;
+  int64_t batches_ = 0;  // batches started; after a flush W(batches_) is the newest version
+  std::array<std::vector<at::Tensor>, 2> versions_;
+  int current_version_ = -1;              // parity of the buffers the parameters point at
+  std::vector<at::Tensor> optimized_;     // the optimizer's tensors, pointed at the buffer it writes
+  std::deque<InFlight> in_flight_;        // oldest first (1F1B backwards go in forward order)
+  std::map<int64_t, double> batch_lr_;    // the learning rate of each batch not yet applied
 
   StrategyOptions options_;
   PipelineOptions pipe_;

@@ -25,6 +25,12 @@ struct PipelineOptions {
   /// stages on the same machine, the communicator otherwise) or "comm" (always the
   /// communicator).
   std::string transport = "auto";
+  /// How the pipeline's steps meet the weights: "flush" (every step drains the pipeline, then
+  /// one synchronous update: exactly the single-process step) or "2bw" (PipeDream-2BW: no
+  /// flush, each stage keeps two weight versions and applies a step's gradient, computed on the
+  /// version before, when its own backwards of that step are done: W(t+1) = W(t) - lr *
+  /// grad f(W(t-1)); 1f1b only).
+  std::string sync = "flush";
 };
 
 }  // namespace dtrain::parallel::pipeline
