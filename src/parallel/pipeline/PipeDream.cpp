@@ -67,6 +67,12 @@ StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micr
   StepResult result;
   double loss_sum = 0;
   size_t peak_kept = in_flight_.size();
+  // The step's loss leaves the last stage as soon as its last forward has it: the other stages
+  // take it at their step's end, waiting for that forward only, not for the backwards and the
+  // update the last stage still runs (a reduction at every rank's step end would hold each
+  // stage back to the last one's end: a flush by another name).
+  at::Tensor reported = at::zeros({1}, at::kDouble);
+  comm::WorkPtr reporting;
   // With nothing in flight (the first step, or after a flush) the warm-up forwards come first;
   // otherwise every forward is followed by the oldest in-flight micro-batch's backward.
   const int unpaired = in_flight_.empty() ? warmup : 0;
@@ -98,6 +104,10 @@ StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micr
       }
       if (last_virtual(chunk)) {
         loss_sum += f.y.item<double>();
+        if (i == count - 1) {
+          reported.fill_(loss_sum);
+          reporting = grid_->pp()->broadcast(reported, {ranks - 1});
+        }
       } else {
         trace::Span send("send", "activation " + label);
         link_->send(StageLink::Activation, s, f.link, f.y.detach());
@@ -114,8 +124,8 @@ StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micr
   result.metrics["in_flight_micro_batches"] = static_cast<double>(in_flight_.size());
   result.metrics["weight_versions"] = versions_[1].empty() ? 1.0 : 2.0;
   result.metrics["step_skipped"] = 0.0;
-  at::Tensor reported = at::full({1}, loss_sum, at::kDouble);
-  grid_->pp()->allreduce(reported)->wait();
+  if (!reporting) reporting = grid_->pp()->broadcast(reported, {ranks - 1});
+  reporting->wait();
   result.loss = reported.item<double>();
   return result;
 }
@@ -235,6 +245,10 @@ void PipelineStrategy::load_2bw_stash(const std::string& directory) {
   for (auto& reducer : reducers_) {
     if (reducer) reducer->zero_grad();
   }
+}
+
+comm::CommunicatorPtr PipelineStrategy::step_group() const {
+  return two_bw_ ? grid_->dp() : nullptr;
 }
 
 void PipelineStrategy::finish_training(StepResult& last) {

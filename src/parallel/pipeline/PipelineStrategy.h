@@ -59,6 +59,10 @@ class PipelineStrategy : public Strategy {
   /// --pipeline-sync 2bw: runs what is still in flight (the last step's remaining backwards and
   /// their update) so every stage holds the newest weights.
   void finish_training(StepResult& last) override;
+  /// 2bw: each stage's data-parallel group agrees on the step's loss (every stage of a replica
+  /// has it from the last stage); a world-wide agreement would re-synchronize the stages at
+  /// each step's end, which the flush-free steps are there to avoid.
+  comm::CommunicatorPtr step_group() const override;
 
   /// Virtual stage v runs model stages [partition().first(v), partition().end(v)).
   const Partition& partition() const { return partition_; }
