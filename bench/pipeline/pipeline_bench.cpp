@@ -150,16 +150,9 @@ int main(int argc, char** argv) {
     peak = std::max(peak, bench::CountingAllocator::bytes_in_use() - base);
   });
 
-  if (continuous) {
-    for (int step = 0; step < warmup; ++step) strategy.train_step(micro_batches, parallel::cross_entropy);
-    world->barrier()->wait();
-    base = bench::CountingAllocator::bytes_in_use();
-    peak = 0;
-    trace::start();
-    const auto start = Clock::now();
-    for (int step = 0; step < steps; ++step) strategy.train_step(micro_batches, parallel::cross_entropy);
-    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    trace::stop();
+  // The traced compute window over all ranks (first to last compute span) and each rank's busy
+  // time in it: the ranks' mean idle share; and each stage's activation peak (MB).
+  auto measured_window = [&](at::Tensor& peaks_all) {
     double first = 1e300, last = -1e300, busy = 0;
     for (const auto& e : trace::events()) {
       if (e.category != "forward" && e.category != "backward" && e.category != "weight") continue;
@@ -173,9 +166,28 @@ int main(int argc, char** argv) {
     at::Tensor idle =
         at::tensor({1.0 - busy / (hi.item<double>() - lo.item<double>())}, at::kDouble);
     world->allreduce(idle, {comm::ReduceOp::Avg})->wait();
-    at::Tensor peaks_all = at::zeros({P}, at::kDouble);
+    peaks_all = at::zeros({P}, at::kDouble);
     peaks_all[grid->coordinates().pp] = static_cast<double>(peak) / (1 << 20);
     world->allreduce(peaks_all)->wait();
+    return idle;
+  };
+
+  if (continuous) {
+    for (int step = 0; step < warmup; ++step) {
+      strategy.train_step(micro_batches, parallel::cross_entropy);
+    }
+    world->barrier()->wait();
+    base = bench::CountingAllocator::bytes_in_use();
+    peak = 0;
+    trace::start();
+    const auto start = Clock::now();
+    for (int step = 0; step < steps; ++step) {
+      strategy.train_step(micro_batches, parallel::cross_entropy);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    trace::stop();
+    at::Tensor peaks_all;
+    const at::Tensor idle = measured_window(peaks_all);
     // Everything the rank holds at its fullest (weights, their versions, gradients, optimizer
     // state, activations): the relative peak above misses memory freed and taken again.
     at::Tensor held = at::zeros({P}, at::kDouble);
@@ -214,23 +226,8 @@ int main(int argc, char** argv) {
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
     if (!measured) continue;
     trace::stop();
-    // The step's compute window over all ranks, and this rank's busy time in it.
-    double first = 1e300, last = -1e300, busy = 0;
-    for (const auto& e : trace::events()) {
-      if (e.category != "forward" && e.category != "backward" && e.category != "weight") continue;
-      first = std::min(first, static_cast<double>(e.start_us));
-      last = std::max(last, static_cast<double>(e.start_us + e.duration_us));
-      busy += static_cast<double>(e.duration_us);
-    }
-    at::Tensor lo = at::tensor({first}, at::kDouble), hi = at::tensor({last}, at::kDouble);
-    world->allreduce(lo, {comm::ReduceOp::Min})->wait();
-    world->allreduce(hi, {comm::ReduceOp::Max})->wait();
-    at::Tensor idle =
-        at::tensor({1.0 - busy / (hi.item<double>() - lo.item<double>())}, at::kDouble);
-    world->allreduce(idle, {comm::ReduceOp::Avg})->wait();
-    at::Tensor peaks_all = at::zeros({P}, at::kDouble);
-    peaks_all[grid->coordinates().pp] = static_cast<double>(peak) / (1 << 20);
-    world->allreduce(peaks_all)->wait();
+    at::Tensor peaks_all;
+    const at::Tensor idle = measured_window(peaks_all);
     at::Tensor step_ms = at::tensor({ms}, at::kDouble);
     world->allreduce(step_ms, {comm::ReduceOp::Max})->wait();
     times.push_back(step_ms.item<double>());

@@ -16,21 +16,16 @@ Raw records: bench/results/pipeline/pipedream_2bw.jsonl (stamped).
 import os  # noqa: E402
 import sys  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/'s helpers
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the zero-bubble driver
 import argparse
 import statistics
 
-from ddp.run_ddp_bench import run_json
 import report  # noqa: E402
 from report import table
+from run_zero_bubble_bench import run  # the two-rank launch of pipeline_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYNCS = ("flush", "2bw")
-
-
-def run(build, args):
-    program = [os.path.join(build, "bench", "pipeline_bench")] + args
-    return run_json([os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node",
-                     "2", "--threads", "1", "--"] + program)
 
 
 def main():

@@ -1,9 +1,10 @@
 // Pipeline parallelism over the grid's PP group, with data parallelism over its DP group: the
 // model's stages are cut into V x P contiguous virtual stages; this rank runs virtual stages
-// r, r + P, ... (its chunks; zb-v: r and 2P - 1 - r), exchanging activations and their gradients with its neighbours in
-// the order a schedule gives (Schedule.h). Each chunk's gradients are averaged over the DP group
-// by a Reducer as the chunk's last backward of the step runs; the optimizer covers this rank's
-// parameters only (or, with zero1, its DP shard of them).
+// r, r + P, ... (its chunks; zb-v: r and 2P - 1 - r), exchanging activations and their
+// gradients with its neighbours in the order a schedule gives (Schedule.h). Each chunk's
+// gradients are averaged over the DP group by a Reducer as the chunk's last backward of the
+// step runs; the optimizer covers this rank's parameters only (or, with zero1, its DP shard of
+// them). --pipeline-sync 2bw (PipeDream.cpp) runs 1F1B without the flush between steps.
 #pragma once
 
 #include <array>
@@ -123,7 +124,7 @@ class PipelineStrategy : public Strategy {
   int64_t batches_ = 0;  // batches started; after a flush W(batches_) is the newest version
   std::array<std::vector<at::Tensor>, 2> versions_;
   int current_version_ = -1;              // parity of the buffers the parameters point at
-  std::vector<at::Tensor> optimized_;     // the optimizer's tensors, pointed at the buffer it writes
+  std::vector<at::Tensor> optimized_;     // the optimizer's own, pointed at the buffer it writes
   std::deque<InFlight> in_flight_;        // oldest first (1F1B backwards go in forward order)
   std::map<int64_t, double> batch_lr_;    // the learning rate of each batch not yet applied
 
