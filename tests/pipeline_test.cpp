@@ -536,6 +536,13 @@ TEST(Pipeline, PipeDream2BWIsItsUpdateRuleWrittenOut) {
       }
     }
   }
+  {  // Through the communicator alone (Gloo sends beside the loss broadcast in flight).
+    SCOPED_TRACE("2bw 2 x 2 over the communicator");
+    PipelineRun run{2, 2, 4, "1f1b"};
+    run.sync = "2bw";
+    run.transport = "comm";
+    EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  }
   // A CNN over 3 stages: the middle stage's convolutions read their weights again in backward
   // (for the input's gradient), so its in-flight micro-batches must find their own version
   // there (the MLP's linear layers saved a view of the buffer they read).
