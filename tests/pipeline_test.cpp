@@ -275,6 +275,8 @@ struct PipelineRun {
   std::string grad_compression = "none";
   std::vector<std::map<std::string, double>>* metrics = nullptr;  // each rank's last step's
   std::string sync = "flush";  // --pipeline-sync
+  // 2bw, async: each rank's forwards and backwards with the weight version each computed on.
+  std::vector<std::vector<std::pair<Action, int64_t>>>* versions = nullptr;
 };
 
 // Trains f on pp x dp rank threads and returns every parameter by name (from DP replica 0).
@@ -305,6 +307,11 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
         options.of<dtrain::parallel::pipeline::PipelineOptions>().sync = run.sync;
         PipelineStrategy strategy(options);
         strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
+        if (run.versions) {
+          auto* mine = &(*run.versions)[comm->rank()];
+          strategy.set_version_observer(
+              [mine](const Action& a, int64_t version) { mine->emplace_back(a, version); });
+        }
         const int dp_rank = grid->coordinates().dp;
         auto order =
             data::DistributedSampler(f.dataset.size(), run.dp, dp_rank, {true, 5, true}).indices();
@@ -557,6 +564,119 @@ TEST(Pipeline, PipeDream2BWIsItsUpdateRuleWrittenOut) {
                            train_pipeline(images, steps, run)),
             kTightBound)
       << "cnn, P=3";
+}
+
+namespace {
+
+// PipeDream's asynchronous rule in one process: stage s (of P, model stages cut as the strategy
+// cuts them) computes micro-batch k, forward and backward, on its own version
+// W_s(max(0, k - (P - s - 1))) (1F1B without a flush: its k-th forward comes after k - w
+// backwards), and after micro-batch k, W_s(k + 1) = W_s(k) - step(its gradient); the loss of a
+// micro-batch is its share of the step's (divided by M).
+std::vector<at::Tensor> train_async_rule(const Fixture& f, int steps, int stages, int micro) {
+  Model model = make_model_as(f.spec, f.dtype);
+  restore(model, f.initial);
+  std::vector<double> counts;
+  for (const auto& stage : model.stages) {
+    double n = 0;
+    for (const auto& module : stage.modules) {
+      for (const auto& p : module->parameters()) n += static_cast<double>(p.numel());
+    }
+    counts.push_back(n);
+  }
+  const Partition cut = balanced_partition(counts, stages);
+  std::vector<std::vector<at::Tensor>> params(stages);
+  for (int s = 0; s < stages; ++s) {
+    for (int i = cut.first(s); i < cut.end(s); ++i) {
+      for (const auto& module : model.stages[i].modules) {
+        for (const auto& p : module->parameters()) params[s].push_back(p);
+      }
+    }
+  }
+  auto values = [](const std::vector<at::Tensor>& ps) {
+    std::vector<at::Tensor> out;
+    for (const auto& p : ps) out.push_back(p.detach().clone());
+    return out;
+  };
+  auto load = [](std::vector<at::Tensor>& ps, const std::vector<at::Tensor>& from) {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(from[i]);
+  };
+  std::vector<std::vector<std::vector<at::Tensor>>> history(stages);  // [stage][version]
+  for (int s = 0; s < stages; ++s) history[s].push_back(values(params[s]));
+  auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
+  auto order = data::DistributedSampler(f.dataset.size(), 1, 0, {true, 5, true}).indices();
+  const int64_t each = f.global_batch / micro;
+  for (int step = 0; step < steps; ++step) {
+    for (int i = 0; i < micro; ++i) {
+      const int64_t k = static_cast<int64_t>(step) * micro + i;
+      const int64_t begin = step * f.global_batch + i * each;
+      auto batch = f.dataset.get(
+          std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each));
+      for (int s = 0; s < stages; ++s) {
+        load(params[s], history[s][std::max<int64_t>(0, k - (stages - s - 1))]);
+      }
+      optimizer->zero_grad();
+      (parallel::cross_entropy(model(batch.inputs), batch.targets) / micro).backward();
+      for (int s = 0; s < stages; ++s) load(params[s], history[s].back());
+      optimizer->step();
+      for (int s = 0; s < stages; ++s) history[s].push_back(values(params[s]));
+    }
+  }
+  return snapshot(model);
+}
+
+}  // namespace
+
+// PipeDream (asynchronous, weight stashing): every backward computes on the version its
+// forward used (read from the strategy), the k-th forward of rank r on the newest version,
+// max(0, k - (P - r - 1)) updates old; and the weights are those of the rule written out, at
+// P = 2 and 4 and with ddp replicas.
+TEST(Pipeline, PipeDreamAsyncStashesEachMicroBatchsWeights) {
+  at::set_num_threads(1);
+  const int steps = 3;
+  auto f = make_fixture(deep_mlp(), adam(), steps);
+  for (int pp : {2, 4}) {
+    for (int dp : {1, 2}) {
+      if (pp * dp > 4) continue;
+      const int micro = 4;
+      SCOPED_TRACE(concat("async P=", pp, " DP=", dp));
+      std::vector<std::vector<std::pair<Action, int64_t>>> versions(pp * dp);
+      std::vector<std::map<std::string, double>> metrics(pp * dp);
+      PipelineRun run{pp, dp, micro, "1f1b"};
+      run.sync = "async";
+      run.versions = &versions;
+      run.metrics = &metrics;
+      EXPECT_LE(max_difference(f, train_async_rule(f, steps, pp, micro),
+                               train_pipeline(f, steps, run)),
+                kTightBound);
+      int stashed = 0;
+      for (int rank = 0; rank < pp * dp; ++rank) {
+        std::vector<int64_t> forwards;
+        size_t backwards = 0;
+        for (const auto& [action, version] : versions[rank]) {
+          if (action.kind == Action::Forward) {
+            forwards.push_back(version);
+          } else {
+            ASSERT_LT(backwards, forwards.size());
+            EXPECT_EQ(version, forwards[backwards]) << "rank " << rank << "'s backward " << backwards;
+            ++backwards;
+          }
+        }
+        EXPECT_EQ(backwards, forwards.size());
+        // Which stage this rank is: its forwards' staleness says (the first stage the most).
+        const int64_t lag = static_cast<int64_t>(forwards.size()) - 1 - forwards.back();
+        ASSERT_GE(lag, 0);
+        ASSERT_LT(lag, pp);
+        for (size_t k = 0; k < forwards.size(); ++k) {
+          EXPECT_EQ(forwards[k], std::max<int64_t>(0, static_cast<int64_t>(k) - lag)) << k;
+        }
+        stashed = std::max<int>(stashed, static_cast<int>(metrics[rank].at("weight_versions")));
+      }
+      EXPECT_GE(stashed, 2) << "no rank ever held a stashed version";
+      EXPECT_LE(stashed, pp + 1);
+    }
+  }
 }
 
 // bf16-mixed: activations cross stages as bf16 and the pipeline computes what single-process

@@ -1,6 +1,9 @@
-// PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training",
-// ICML'21) on top of the pipeline strategy: 1F1B without a flush between steps, two weight
-// versions per stage, W(t + 1) = W(t) - lr * grad f(W(t - 1)).
+// PipeDream's pipelines without a flush on top of the pipeline strategy: 1F1B whose steps
+// follow one another without draining, each micro-batch computing forward and backward on one
+// weight version (weight stashing). --pipeline-sync async: the original PipeDream (Narayanan et
+// al., SOSP'19), an update after every micro-batch's backward; --pipeline-sync 2bw:
+// PipeDream-2BW (Narayanan et al., ICML'21), two versions per stage, W(t + 1) = W(t) - lr *
+// grad f(W(t - 1)).
 //
 // How the versions are held: each parameter's tensor (the one the model's forward reads and
 // autograd saves) is pointed with set_data() at the buffer of the version the micro-batch at
@@ -22,31 +25,39 @@
 
 namespace dtrain::parallel::pipeline {
 
-void PipelineStrategy::setup_2bw() {
-  DTRAIN_CHECK_INPUT(chunks_per_rank_ == 1, "--pipeline-sync 2bw runs one chunk per rank");
-  versions_[0].clear();
-  versions_[1].clear();
+namespace {
+constexpr const char* kStashFolder = "/pipedream-2bw";
+}
+
+void PipelineStrategy::setup_versions() {
+  DTRAIN_CHECK_INPUT(chunks_per_rank_ == 1, "--pipeline-sync ", pipe_.sync,
+                     " runs one chunk per rank");
+  versions_.clear();
+  spare_.clear();
   optimized_.clear();
+  std::vector<at::Tensor> first;
   for (const auto& p : parameters_) {
-    versions_[0].push_back(p.data());  // W(0) is the parameters' own storage
+    first.push_back(p.data());  // W(0) is the parameters' own storage
     optimized_.push_back(p.data().requires_grad_(true));
   }
+  versions_[0] = std::move(first);
+  newest_ = 0;
   current_version_ = 0;
   batches_ = 0;
   in_flight_.clear();
 }
 
 void PipelineStrategy::use_version(int64_t n) {
-  const int parity = static_cast<int>(n % 2);
-  if (parity == current_version_) return;
-  DTRAIN_CHECK(versions_[parity].size() == parameters_.size(), "pipeline 2bw: weight version ", n,
-               " does not exist yet");
-  for (size_t k = 0; k < parameters_.size(); ++k) parameters_[k].set_data(versions_[parity][k]);
-  current_version_ = parity;
+  if (n == current_version_) return;
+  const auto it = versions_.find(n);
+  DTRAIN_CHECK(it != versions_.end(), "pipeline ", pipe_.sync, ": weight version ", n,
+               " is not kept");
+  for (size_t k = 0; k < parameters_.size(); ++k) parameters_[k].set_data(it->second[k]);
+  current_version_ = n;
 }
 
-StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micro_batches,
-                                            const LossFn& loss) {
+StepResult PipelineStrategy::train_step_pipedream(const std::vector<data::Batch>& micro_batches,
+                                                  const LossFn& loss) {
   model_.module->train();
   const int ranks = grid_->pp_size();
   const int me = grid_->coordinates().pp;
@@ -56,8 +67,8 @@ StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micr
   const int s = chunk.virtual_stage;
   const int warmup = ranks - me - 1;
   const int64_t batch = batches_++;
-  // The learning rate the run set for this step applies to this batch's update, which runs in
-  // the next step on every rank but the last.
+  // The learning rate the run set for this step applies to this batch's updates, which may run
+  // in the next step.
   batch_lr_[batch] = optim::learning_rate(*optimizer_);
   if (batch == 0) {
     for (auto& reducer : reducers_) {
@@ -67,6 +78,7 @@ StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micr
   StepResult result;
   double loss_sum = 0;
   size_t peak_kept = in_flight_.size();
+  size_t peak_versions = versions_.size();
   // The step's loss leaves the last stage as soon as its last forward has it: the other stages
   // take it at their step's end, waiting for that forward only, not for the backwards and the
   // update the last stage still runs (a reduction at every rank's step end would hold each
@@ -80,6 +92,7 @@ StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micr
     const data::Batch& data = micro_batches[i];
     InFlight f;
     f.batch = batch;
+    f.version = async_ ? newest_ : std::max<int64_t>(batch - 1, 0);
     f.micro_batch = i;
     f.count = count;
     f.link = static_cast<int>(batch % 2) * count + i;
@@ -96,7 +109,7 @@ StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micr
     {
       trace::Span span("forward", "F" + label);
       result.samples += f.x.size(0);
-      use_version(std::max<int64_t>(batch - 1, 0));
+      use_version(f.version);
       {
         precision::AutocastScope autocast(precision_, device_.type());
         f.y = run_chunk(chunk, f.x);
@@ -113,16 +126,18 @@ StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micr
         link_->send(StageLink::Activation, s, f.link, f.y.detach());
       }
     }
+    if (version_observer_) version_observer_({Action::Forward, i, 0}, f.version);
     in_flight_.push_back(std::move(f));
     peak_kept = std::max(peak_kept, in_flight_.size());
     if (observer_) observer_({Action::Forward, i, 0});
-    if (i >= unpaired) backward_2bw();
+    if (i >= unpaired) backward_pipedream();
+    peak_versions = std::max(peak_versions, versions_.size());
   }
   // No flush: the sends of this step's last gradients complete when the previous stage takes
   // them, early in its next step (StageLink releases them as they complete).
   result.metrics["peak_live_micro_batches"] = static_cast<double>(peak_kept);
   result.metrics["in_flight_micro_batches"] = static_cast<double>(in_flight_.size());
-  result.metrics["weight_versions"] = versions_[1].empty() ? 1.0 : 2.0;
+  result.metrics["weight_versions"] = static_cast<double>(peak_versions);
   result.metrics["step_skipped"] = 0.0;
   if (!reporting) reporting = grid_->pp()->broadcast(reported, {ranks - 1});
   reporting->wait();
@@ -130,13 +145,14 @@ StepResult PipelineStrategy::train_step_2bw(const std::vector<data::Batch>& micr
   return result;
 }
 
-void PipelineStrategy::backward_2bw() {
+void PipelineStrategy::backward_pipedream() {
   InFlight f = std::move(in_flight_.front());
   in_flight_.pop_front();
   const Chunk& chunk = chunks_.front();
   const int s = chunk.virtual_stage;
   const std::string label = std::to_string(f.micro_batch);
-  const bool last_of_batch = f.micro_batch == f.count - 1;
+  // 2bw updates after a batch's last micro-batch, async after every one.
+  const bool updates = async_ || f.micro_batch == f.count - 1;
   at::Tensor upstream;
   if (!last_virtual(chunk)) {
     trace::Span wait("recv", "gradient " + label);
@@ -144,11 +160,11 @@ void PipelineStrategy::backward_2bw() {
   }
   {
     trace::Span span("backward", "B" + label);
-    use_version(std::max<int64_t>(f.batch - 1, 0));
+    use_version(f.version);
     parallel::ddp::Reducer* reducer = reducers_.front().get();
     if (reducer) {
-      reducer->set_sync(last_of_batch);
-      if (last_of_batch) reducer->prepare_for_backward();
+      reducer->set_sync(updates);
+      if (updates) reducer->prepare_for_backward();
     }
     if (!f.y.requires_grad()) {
       // Nothing before this point needs a gradient (a first stage without parameters).
@@ -164,20 +180,27 @@ void PipelineStrategy::backward_2bw() {
       link_->send(StageLink::Gradient, s - 1, f.link, g);
     }
   }
+  if (version_observer_) version_observer_({Action::Backward, f.micro_batch, 0}, f.version);
   if (observer_) observer_({Action::Backward, f.micro_batch, 0});
-  if (last_of_batch) update_2bw(f.batch);
+  if (updates) update_pipedream(f.batch);
+  if (f.micro_batch == f.count - 1) batch_lr_.erase(f.batch);
 }
 
-void PipelineStrategy::update_2bw(int64_t batch) {
+void PipelineStrategy::update_pipedream(int64_t batch) {
   trace::Span span("optimizer", "step");
   for (auto& reducer : reducers_) {
     if (reducer) reducer->finalize();
   }
   tp_.sum_partial_gradients(parameters_, names_);
-  // W(batch + 1) = W(batch) - step(gradient of batch, computed on W(batch - 1)), into the
-  // buffer of W(batch - 1): batch was its last user on this rank.
-  const auto& from = versions_[batch % 2];
-  auto& to = versions_[(batch + 1) % 2];
+  // W(newest + 1) = W(newest) - step(the gradients), into a buffer no micro-batch in flight
+  // reads (2bw: the one batch - 1's micro-batches read, batch being its last user).
+  release_versions();
+  const auto& from = versions_.at(newest_);
+  std::vector<at::Tensor> to;
+  if (!spare_.empty()) {
+    to = std::move(spare_.back());
+    spare_.pop_back();
+  }
   {
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < parameters_.size(); ++k) {
@@ -188,72 +211,95 @@ void PipelineStrategy::update_2bw(int64_t batch) {
     }
   }
   const double now = optim::learning_rate(*optimizer_);
-  const auto lr = batch_lr_.extract(batch);
-  if (!lr.empty()) optim::set_learning_rate(*optimizer_, lr.mapped());
+  const auto lr = batch_lr_.find(batch);
+  if (lr != batch_lr_.end()) optim::set_learning_rate(*optimizer_, lr->second);
   optimizer_->step();
   optim::set_learning_rate(*optimizer_, now);
   for (auto& o : optimized_) o.mutable_grad().reset();
   for (auto& reducer : reducers_) {
     if (reducer) reducer->zero_grad();
   }
+  versions_[++newest_] = std::move(to);
+  if (async_) release_versions();  // the version before, if no micro-batch in flight reads it
+}
+
+void PipelineStrategy::release_versions() {
+  // Kept: the newest (under 2bw, the next batch's or the source of the next update) and every
+  // version a micro-batch in flight computed on.
+  for (auto it = versions_.begin(); it != versions_.end();) {
+    const int64_t n = it->first;
+    const bool kept = n == newest_ || std::any_of(in_flight_.begin(), in_flight_.end(),
+                                                  [n](const InFlight& f) { return f.version == n; });
+    if (kept) {
+      ++it;
+    } else {
+      spare_.push_back(std::move(it->second));
+      it = versions_.erase(it);
+    }
+  }
 }
 
 void PipelineStrategy::flush() {
-  if (!two_bw_) return;
-  while (!in_flight_.empty()) backward_2bw();
+  if (!flush_free_) return;
+  while (!in_flight_.empty()) backward_pipedream();
   link_->finish_sends();
-  use_version(batches_);  // the newest
+  use_version(newest_);
 }
 
-namespace {
-constexpr const char* kStashFolder = "/pipedream-2bw";
-}
-
-void PipelineStrategy::save_2bw_stash(const std::string& directory, int writer, int writers) {
-  // After a flush W(batches_) is the newest; the next batch computes on W(batches_ - 1).
-  const auto& stash = batches_ >= 1 && versions_[(batches_ - 1) % 2].size() == parameters_.size()
-                          ? versions_[(batches_ - 1) % 2]
-                          : versions_[batches_ % 2];
+void PipelineStrategy::save_pipedream_stash(const std::string& directory, int writer,
+                                            int writers) {
+  // After a flush the next batch computes on W(newest - 1) (kept: the one before the newest).
+  const auto it = versions_.find(newest_ - 1);
+  const auto& stash = it != versions_.end() ? it->second : versions_.at(newest_);
   std::error_code ignored;
   std::filesystem::create_directories(directory + kStashFolder, ignored);
   write_state_shard(directory + kStashFolder, writer, writers,
                     tp_.for_writing(whole_pieces(names_, stash)), nullptr, {});
 }
 
-void PipelineStrategy::load_2bw_stash(const std::string& directory) {
-  // The loaded values are in the parameters' current buffers: they become W(1), the stash (or
-  // a copy of them) W(0), and the next batch is batch 1: it computes on W(0), the one after on
-  // W(1), and the first update writes W(2) = W(1) - step(gradient on W(0)).
+void PipelineStrategy::load_pipedream_versions(const std::string& directory) {
+  // The loaded values are in the parameters' current buffers: they become the newest version.
+  // Under 2bw the stash (or a copy of the newest) becomes the version before, and the next
+  // batch is batch 1: it computes on W(0), the one after on W(1), and the first update writes
+  // W(2) = W(1) - step(gradient on W(0)). Under async every micro-batch takes the newest.
   in_flight_.clear();
+  batch_lr_.clear();
   std::vector<at::Tensor> newest, stash;
   {
     torch::NoGradGuard no_grad;
-    for (const auto& p : parameters_) {
-      newest.push_back(p.data().clone());
-      stash.push_back(p.data().clone());
-    }
+    for (const auto& p : parameters_) newest.push_back(p.data().clone());
   }
-  if (std::filesystem::exists(directory + kStashFolder)) {
-    read_state_shards(directory + kStashFolder, tp_.for_reading(whole_pieces(names_, stash)),
-                      nullptr, {}, nullptr);
-  }
-  versions_[0] = std::move(stash);
-  versions_[1] = std::move(newest);
+  versions_.clear();
+  spare_.clear();
   current_version_ = -1;
-  use_version(1);
-  batches_ = 1;
+  if (async_) {
+    versions_[0] = std::move(newest);
+    newest_ = 0;
+    batches_ = 0;
+  } else {
+    for (const auto& t : newest) stash.push_back(t.clone());
+    if (std::filesystem::exists(directory + kStashFolder)) {
+      read_state_shards(directory + kStashFolder, tp_.for_reading(whole_pieces(names_, stash)),
+                        nullptr, {}, nullptr);
+    }
+    versions_[0] = std::move(stash);
+    versions_[1] = std::move(newest);
+    newest_ = 1;
+    batches_ = 1;
+  }
+  use_version(newest_);
   for (auto& reducer : reducers_) {
     if (reducer) reducer->zero_grad();
   }
 }
 
 comm::CommunicatorPtr PipelineStrategy::step_group() const {
-  return two_bw_ ? grid_->dp() : nullptr;
+  return flush_free_ ? grid_->dp() : nullptr;
 }
 
 void PipelineStrategy::finish_training(StepResult& last) {
   flush();
-  if (two_bw_) last.metrics["in_flight_micro_batches"] = 0.0;
+  if (flush_free_) last.metrics["in_flight_micro_batches"] = 0.0;
 }
 
 }  // namespace dtrain::parallel::pipeline

@@ -50,9 +50,11 @@ void declare_flags(FlagSet& flags, PipelineOptions& o) {
             "Place pipeline stages by params (parameter count), time (measured forward + "
             "backward) or S1,S2,... (model stages per pipeline stage)");
   flags.add("--pipeline-sync", o.sync,
-            "Pipeline weight updates: flush (drain every step: the single-process step) or 2bw "
+            "Pipeline weight updates: flush (drain every step: the single-process step), 2bw "
             "(PipeDream-2BW: no flush, two weight versions per stage, gradients one step "
-            "stale; 1f1b, ddp, no clipping or loss scaling)");
+            "stale) or async (PipeDream: no flush, an update per micro-batch, each "
+            "micro-batch's backward on its forward's weights); 2bw and async: 1f1b, ddp, no "
+            "clipping or fp16");
   flags.add("--pipeline-transport", o.transport,
             "Pipeline activations and gradients travel through auto (shared memory between "
             "stages on the same machine, else the communicator) or comm (always the "
@@ -82,13 +84,12 @@ void check_options(const PipelineOptions& o) {
                      "micro-batches accumulate)");
   DTRAIN_CHECK_INPUT(o.transport == "auto" || o.transport == "comm",
                      "unknown --pipeline-transport '", o.transport, "' (expected auto or comm)");
-  DTRAIN_CHECK_INPUT(o.sync == "flush" || o.sync == "2bw", "unknown --pipeline-sync '", o.sync,
-                     "' (expected flush or 2bw)");
-  DTRAIN_CHECK_INPUT(o.sync != "2bw" || kind == ScheduleKind::OneFOneB,
-                     "--pipeline-sync 2bw runs 1F1B without a flush: use --schedule 1f1b, not ",
-                     o.schedule);
-  DTRAIN_CHECK_INPUT(o.sync != "2bw" || o.data_parallel == "ddp",
-                     "--pipeline-sync 2bw replicates stages with ddp, not ", o.data_parallel);
+  DTRAIN_CHECK_INPUT(o.sync == "flush" || o.sync == "2bw" || o.sync == "async",
+                     "unknown --pipeline-sync '", o.sync, "' (expected flush, 2bw or async)");
+  DTRAIN_CHECK_INPUT(o.sync == "flush" || kind == ScheduleKind::OneFOneB, "--pipeline-sync ",
+                     o.sync, " runs 1F1B without a flush: use --schedule 1f1b, not ", o.schedule);
+  DTRAIN_CHECK_INPUT(o.sync == "flush" || o.data_parallel == "ddp", "--pipeline-sync ", o.sync,
+                     " replicates stages with ddp, not ", o.data_parallel);
   const std::string& balance = o.balance;
   DTRAIN_CHECK_INPUT(!balance.empty(), "--pipeline-balance is empty (params, time or S1,S2,...)");
   DTRAIN_CHECK_INPUT(balance == "params" || balance == "time" ||
@@ -112,13 +113,14 @@ StrategyInfo pipeline_strategy() {
   info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
     check_layout(options.of<PipelineOptions>(), layout);
     // (The strategy checks the same; here they are named before any rank starts.)
-    const bool two_bw = options.of<PipelineOptions>().sync == "2bw";
-    DTRAIN_CHECK_INPUT(!two_bw || options.max_grad_norm <= 0,
-                       "--pipeline-sync 2bw updates each stage on its own: global-norm clipping "
+    const std::string& sync = options.of<PipelineOptions>().sync;
+    DTRAIN_CHECK_INPUT(sync == "flush" || options.max_grad_norm <= 0, "--pipeline-sync ", sync,
+                       " updates each stage on its own: global-norm clipping "
                        "(--max-grad-norm) needs every stage's gradients at once; leave it out");
-    DTRAIN_CHECK_INPUT(!two_bw || options.precision.rfind("fp16", 0) != 0,
-                       "--pipeline-sync 2bw updates each stage on its own: fp16's loss scaling "
-                       "needs a check over every stage; use --precision fp32, bf16-mixed or bf16");
+    DTRAIN_CHECK_INPUT(sync == "flush" || options.precision.rfind("fp16", 0) != 0,
+                       "--pipeline-sync ", sync,
+                       " updates each stage on its own: fp16's loss scaling needs a check over "
+                       "every stage; use --precision fp32, bf16-mixed or bf16");
   };
   info.make = make_from_options<PipelineStrategy>;
   return info;

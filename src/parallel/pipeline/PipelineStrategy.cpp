@@ -63,15 +63,17 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
   DTRAIN_CHECK_INPUT(!zero1_ || precision_ != precision::Precision::Bf16,
                      "zero1 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
   scaler_ = make_loss_scaler(options_, precision_);
-  two_bw_ = pipe_.sync == "2bw";
+  flush_free_ = pipe_.sync == "2bw" || pipe_.sync == "async";
+  async_ = pipe_.sync == "async";
   // Each stage updates when its own backwards of a step are done, at a different time on each
   // stage: a check over all stages before an update would stall the pipeline it overlaps.
-  DTRAIN_CHECK_INPUT(!two_bw_ || options_.max_grad_norm <= 0,
-                     "--pipeline-sync 2bw updates each stage on its own: global-norm clipping "
+  DTRAIN_CHECK_INPUT(!flush_free_ || options_.max_grad_norm <= 0, "--pipeline-sync ",
+                     pipe_.sync,
+                     " updates each stage on its own: global-norm clipping "
                      "(--max-grad-norm) needs every stage's gradients at once; leave it out");
-  DTRAIN_CHECK_INPUT(!two_bw_ || !scaler_,
-                     "--pipeline-sync 2bw updates each stage on its own: dynamic loss scaling "
-                     "needs a check over every stage; use --precision fp32, bf16-mixed or bf16");
+  DTRAIN_CHECK_INPUT(!flush_free_ || !scaler_, "--pipeline-sync ", pipe_.sync,
+                     " updates each stage on its own: dynamic loss scaling needs a check over "
+                     "every stage; use --precision fp32, bf16-mixed or bf16");
 }
 
 PipelineStrategy::~PipelineStrategy() = default;
@@ -181,8 +183,8 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     shards_ = parallel::zero::FlatShards(parameters_, grid_->dp_size(), grid_->coordinates().dp,
                                          "pipeline zero1");
     optimizer_ = make_optimizer(shards_.piece_tensors());
-  } else if (two_bw_) {
-    setup_2bw();
+  } else if (flush_free_) {
+    setup_versions();
     optimizer_ = make_optimizer(optimized_);
   } else {
     optimizer_ = make_optimizer(parameters_);
@@ -260,7 +262,7 @@ at::Tensor PipelineStrategy::run_chunk(const Chunk& chunk, const at::Tensor& inp
 StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_batches,
                                         const LossFn& loss) {
   DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
-  if (two_bw_) return train_step_2bw(micro_batches, loss);
+  if (flush_free_) return train_step_pipedream(micro_batches, loss);
   model_.module->train();
   const int me = grid_->coordinates().pp;
   const int count = static_cast<int>(micro_batches.size());
@@ -457,7 +459,7 @@ double PipelineStrategy::clip_gradients() {
 }
 
 at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
-  flush();  // 2bw: every stage evaluates its newest weights
+  flush();  // 2bw, async: every stage evaluates its newest weights
   at::Tensor output;
   for (const auto& chunk : chunks_) {
     const int s = chunk.virtual_stage;
@@ -505,14 +507,14 @@ void PipelineStrategy::save(const std::string& directory) {
   const int writer = stage * tp_.size + tp_.rank;
   const int writers = grid_->pp_size() * tp_.size;
   const NamedTensors buffers = replica == 0 && tp_.rank == 0 ? local_buffers() : NamedTensors{};
-  flush();  // 2bw: a checkpoint is a step boundary, the newest weights in the usual files
-  if (two_bw_ && replica == 0) save_2bw_stash(directory, writer, writers);
-  // 2bw's optimizer state is keyed to the optimizer's own tensors: the files are written from
+  flush();  // 2bw, async: a checkpoint is a step boundary, the newest weights in the usual files
+  if (flush_free_ && !async_ && replica == 0) save_pipedream_stash(directory, writer, writers);
+  // Their optimizer state is keyed to the optimizer's own tensors: the files are written from
   // them, pointed at the newest version (where the parameters point after the flush).
-  if (two_bw_) {
+  if (flush_free_) {
     for (size_t k = 0; k < parameters_.size(); ++k) optimized_[k].set_data(parameters_[k].data());
   }
-  const std::vector<at::Tensor>& trained = two_bw_ ? optimized_ : parameters_;
+  const std::vector<at::Tensor>& trained = flush_free_ ? optimized_ : parameters_;
   if (zero1_) {
     write_state_shard(directory, writer * grid_->dp_size() + replica, writers * grid_->dp_size(),
                       parameters_.empty()
@@ -528,18 +530,18 @@ void PipelineStrategy::save(const std::string& directory) {
 
 void PipelineStrategy::load(const std::string& directory) {
   const NamedTensors buffers = local_buffers();
-  if (two_bw_) {  // read into the optimizer's tensors, pointed at the parameters' buffers
+  if (flush_free_) {  // read into the optimizer's tensors, pointed at the parameters' buffers
     for (size_t k = 0; k < parameters_.size(); ++k) optimized_[k].set_data(parameters_[k].data());
   }
   const std::vector<PieceRef> values =
-      tp_.for_reading(whole_pieces(names_, two_bw_ ? optimized_ : parameters_));
+      tp_.for_reading(whole_pieces(names_, flush_free_ ? optimized_ : parameters_));
   read_state_shards(directory, values, optimizer_.get(),
                     zero1_ && !parameters_.empty()
                         ? tp_.for_reading(shards_.state_pieces(names_, parameters_))
                         : values,
                     &buffers);
   if (scaler_) load_loss_scaler(*scaler_, directory);
-  if (two_bw_) load_2bw_stash(directory);
+  if (flush_free_) load_pipedream_versions(directory);
 }
 
 void PipelineStrategy::materialize() {
@@ -570,7 +572,8 @@ MemoryReport PipelineStrategy::memory_report() const {
     report.gradient_bytes += p.numel() * p.element_size();
   }
   report.parameter_bytes += shards_.padding_bytes();
-  if (two_bw_ && !versions_[1].empty()) report.parameter_bytes *= 2;  // two weight versions
+  // PipeDream's weight versions beside the newest.
+  if (flush_free_) report.parameter_bytes *= static_cast<int64_t>(versions_.size());
   if (optimizer_) report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
   return report;
 }

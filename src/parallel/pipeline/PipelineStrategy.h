@@ -4,10 +4,10 @@
 // gradients with its neighbours in the order a schedule gives (Schedule.h). Each chunk's
 // gradients are averaged over the DP group by a Reducer as the chunk's last backward of the
 // step runs; the optimizer covers this rank's parameters only (or, with zero1, its DP shard of
-// them). --pipeline-sync 2bw (PipeDream.cpp) runs 1F1B without the flush between steps.
+// them). --pipeline-sync 2bw and async (PipeDream.cpp) run 1F1B without the flush between
+// steps.
 #pragma once
 
-#include <array>
 #include <deque>
 #include <functional>
 #include <map>
@@ -57,10 +57,10 @@ class PipelineStrategy : public Strategy {
   /// Collective over the pipeline: every rank's copy of the model gets each stage's current
   /// values from the rank that trains it.
   void materialize() override;
-  /// --pipeline-sync 2bw: runs what is still in flight (the last step's remaining backwards and
+  /// --pipeline-sync 2bw or async: runs what is still in flight (the last step's remaining backwards and
   /// their update) so every stage holds the newest weights.
   void finish_training(StepResult& last) override;
-  /// 2bw: each stage's data-parallel group agrees on the step's loss (every stage of a replica
+  /// 2bw, async: each stage's data-parallel group agrees on the step's loss (every stage of a replica
   /// has it from the last stage); a world-wide agreement would re-synchronize the stages at
   /// each step's end, which the flush-free steps are there to avoid.
   comm::CommunicatorPtr step_group() const override;
@@ -74,6 +74,11 @@ class PipelineStrategy : public Strategy {
   /// a forward's activations are kept).
   void set_action_observer(std::function<void(const Action&)> observer) {
     observer_ = std::move(observer);
+  }
+  /// --pipeline-sync 2bw or async: called after each forward and backward with the weight
+  /// version it computed on (for tests: a micro-batch's backward must see its forward's).
+  void set_version_observer(std::function<void(const Action&, int64_t version)> observer) {
+    version_observer_ = std::move(observer);
   }
 
  private:
@@ -95,35 +100,45 @@ class PipelineStrategy : public Strategy {
   NamedTensors local_buffers() const;
   double clip_gradients();
 
-  // PipeDream-2BW (--pipeline-sync 2bw; PipeDream.cpp). Steps follow one another without a
-  // flush: rank r ends a step with its last P - r - 1 micro-batches forwarded and not yet
-  // backwarded, and runs their backwards in the next step between that step's forwards. Batch
-  // b computes on weight version W(max(b - 1, 0)); when this rank's last backward of batch b is
-  // done, W(b + 1) = W(b) - step(gradient of batch b), written into the buffer W(b - 1) held
-  // (batch b no longer needs it): two versions per stage, W(n) in versions_[n % 2].
+  // PipeDream (--pipeline-sync 2bw or async; PipeDream.cpp). Steps follow one another without
+  // a flush: rank r ends a step with its last P - r - 1 micro-batches forwarded and not yet
+  // backwarded, and runs their backwards in the next step between that step's forwards. Each
+  // micro-batch computes forward and backward on one weight version (weight stashing), kept
+  // in a buffer of its own until no micro-batch in flight reads it:
+  // - 2bw: batch b computes on W(max(b - 1, 0)); when this rank's last backward of batch b is
+  //   done, W(b + 1) = W(b) - step(gradient of batch b). Two versions per stage.
+  // - async: each micro-batch computes on the newest version at its forward; after each
+  //   backward, W(n + 1) = W(n) - step(its gradient). Up to P - r + 1 versions on rank r.
   struct InFlight {
     at::Tensor x, y;
-    int64_t batch = 0;
+    int64_t batch = 0, version = 0;
     int micro_batch = 0, count = 0, link = 0;  // link: its index on the StageLink
   };
-  void setup_2bw();
-  StepResult train_step_2bw(const std::vector<data::Batch>& micro_batches, const LossFn& loss);
-  /// The oldest in-flight micro-batch's backward (and its batch's update after its last).
-  void backward_2bw();
-  void update_2bw(int64_t batch);
+  void setup_versions();
+  StepResult train_step_pipedream(const std::vector<data::Batch>& micro_batches,
+                                  const LossFn& loss);
+  /// The oldest in-flight micro-batch's backward (and the update that follows it, if any).
+  void backward_pipedream();
+  /// W(newest + 1) = W(newest) - step(the gradients), at `batch`'s learning rate.
+  void update_pipedream(int64_t batch);
+  /// Moves the buffers of versions nothing will read again to spare_.
+  void release_versions();
   /// Points this rank's parameters at version n's buffers.
   void use_version(int64_t n);
   /// Collective: runs every in-flight backward; the parameters then hold the newest version.
   void flush();
-  /// Checkpoints: the version the next batch computes on, W(n - 1), beside the newest W(n) (the
-  /// usual files), in the subfolder pipedream-2bw; a checkpoint without it (another strategy's,
-  /// or flush's) resumes with both versions equal.
-  void save_2bw_stash(const std::string& directory, int writer, int writers);
-  void load_2bw_stash(const std::string& directory);
-  bool two_bw_ = false;
-  int64_t batches_ = 0;  // batches started; after a flush W(batches_) is the newest version
-  std::array<std::vector<at::Tensor>, 2> versions_;
-  int current_version_ = -1;              // parity of the buffers the parameters point at
+  /// Checkpoints (2bw): the version the next batch computes on, W(n - 1), beside the newest
+  /// W(n) (the usual files), in the subfolder pipedream-2bw; a checkpoint without it (another
+  /// strategy's, or async's) resumes with both versions equal.
+  void save_pipedream_stash(const std::string& directory, int writer, int writers);
+  void load_pipedream_versions(const std::string& directory);
+  bool flush_free_ = false;  // 2bw or async
+  bool async_ = false;
+  int64_t batches_ = 0;  // batches started since setup or load
+  int64_t newest_ = 0;   // the newest version's number
+  std::map<int64_t, std::vector<at::Tensor>> versions_;  // the versions kept, by number
+  std::vector<std::vector<at::Tensor>> spare_;            // buffers of versions let go
+  int64_t current_version_ = -1;          // the version the parameters point at
   std::vector<at::Tensor> optimized_;     // the optimizer's own, pointed at the buffer it writes
   std::deque<InFlight> in_flight_;        // oldest first (1F1B backwards go in forward order)
   std::map<int64_t, double> batch_lr_;    // the learning rate of each batch not yet applied
@@ -150,6 +165,7 @@ class PipelineStrategy : public Strategy {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<StageLink> link_;
   std::function<void(const Action&)> observer_;
+  std::function<void(const Action&, int64_t)> version_observer_;
 };
 
 }  // namespace dtrain::parallel::pipeline

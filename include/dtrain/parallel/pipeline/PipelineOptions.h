@@ -29,7 +29,8 @@ struct PipelineOptions {
   /// one synchronous update: exactly the single-process step) or "2bw" (PipeDream-2BW: no
   /// flush, each stage keeps two weight versions and applies a step's gradient, computed on the
   /// version before, when its own backwards of that step are done: W(t+1) = W(t) - lr *
-  /// grad f(W(t-1)); 1f1b only).
+  /// grad f(W(t-1)); 1f1b only) or "async" (PipeDream: no flush, an update after each
+  /// micro-batch's backward, which computes on the weights its forward used; 1f1b only).
   std::string sync = "flush";
 };
 
