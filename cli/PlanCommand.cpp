@@ -67,6 +67,7 @@ nlohmann::json to_json(const Prediction& p, const plan::Cluster& cluster) {
           {"global_batch", l.global_batch()},
           {"schedule", l.pp > 1 ? l.schedule : "none"},
           {"chunks", l.chunks},
+          {"pipeline_sync", l.pp > 1 ? l.pipeline_sync : "none"},
           {"precision", l.precision},
           {"checkpointing", l.checkpointing},
           {"gpus", cluster.gpus()},
@@ -182,6 +183,9 @@ class PlanCommand final : public Command {
                      "Samples per step (sets --micro-batches; required by --search)");
     app_->add_option("--schedule", layout_.schedule,
                      "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v")
+        ->capture_default_str();
+    app_->add_option("--pipeline-sync", layout_.pipeline_sync,
+                     "flush, 2bw or async (PipeDream's flush-free 1F1B, as dtrain train's)")
         ->capture_default_str();
     app_->add_option("--chunks", layout_.chunks,
                      "Model chunks per pipeline rank (interleaved; zb-v runs 2)")

@@ -143,6 +143,38 @@ TEST(Planner, ZeroBubbleIdlesLessUnlessLayersAreRecomputed) {
   EXPECT_GT(v, 0.0);
 }
 
+// PipeDream's flush-free 1F1B: with equal stages and free links a steady step is M (F + B)
+// with no bubble where 1F1B's is (P - 1) / (M + P - 1); 2bw holds two weight versions, async
+// up to P - r + 1 and pays an update per micro-batch.
+TEST(Planner, PipeDreamStepsWithoutAFlushHaveNoBubbleAndHoldWeightVersions) {
+  const ModelCost model = uniform_model(16);
+  auto predict_with = [&](const std::string& sync) {
+    Layout layout;
+    layout.pp = 4;
+    layout.micro_batches = 8;
+    layout.optimizer = "sgd";
+    layout.pipeline_sync = sync;
+    return predict(model, ideal_cluster(4), layout);
+  };
+  const Prediction flush = predict_with("flush"), two = predict_with("2bw"),
+                   async = predict_with("async");
+  EXPECT_NEAR(flush.bubble, 3.0 / 11.0, 1e-9);
+  EXPECT_NEAR(two.bubble, 0.0, 1e-9);
+  EXPECT_LT(two.step_s, flush.step_s);
+  EXPECT_NEAR(two.memory.parameters, 2 * flush.memory.parameters, 1e-6);
+  EXPECT_GT(async.optimizer_s, 7 * two.optimizer_s);  // 8 updates a step against 1
+  EXPECT_GT(async.memory.parameters, two.memory.parameters);
+  Layout bad;
+  bad.pp = 2;
+  bad.micro_batches = 4;
+  bad.schedule = "gpipe";
+  bad.pipeline_sync = "2bw";
+  EXPECT_THROW(predict(model, ideal_cluster(2), bad), InputError);
+  bad.schedule = "1f1b";
+  bad.pipeline_sync = "sometimes";
+  EXPECT_THROW(predict(model, ideal_cluster(2), bad), InputError);
+}
+
 TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {
   // Mixed-precision Adam with fp32 master weights (K = 12): baseline 16 psi bytes, Pos
   // 4 psi + 12 psi / N, Pos+g 2 psi + 14 psi / N, Pos+g+p 16 psi / N.

@@ -21,6 +21,7 @@ namespace pp = parallel::pipeline;
 std::string Layout::describe() const {
   std::string text = concat(strategy, " dp", dp, " pp", pp, " tp", tp);
   if (pp > 1) text += concat(" ", schedule, chunks > 1 ? concat("x", chunks) : std::string());
+  if (pp > 1 && pipeline_sync != "flush") text += concat(" ", pipeline_sync);
   text += concat(" mb", micro_batch_size, "x", micro_batches, " ", precision);
   if (checkpointing) text += " ckpt";
   if (sequence_parallel) text += " sp";
@@ -153,6 +154,13 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
     pp::ScheduleSpec spec{pp::schedule_kind_named(layout.schedule), layout.pp, layout.micro_batches,
                           layout.chunks};
     pp::validate(spec);  // the builder's own rules (1F1B: M >= P; interleaved: M % P == 0)
+    DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" || layout.pipeline_sync == "2bw" ||
+                           layout.pipeline_sync == "async",
+                       "unknown pipeline sync '", layout.pipeline_sync,
+                       "' (expected flush, 2bw or async)");
+    DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" ||
+                           (spec.kind == pp::ScheduleKind::OneFOneB && layout.strategy == "ddp"),
+                       "pipeline sync ", layout.pipeline_sync, " runs 1f1b with ddp");
   } else {
     DTRAIN_CHECK_INPUT(layout.chunks == 1, "chunks > 1 needs an interleaved pipeline");
   }
@@ -268,6 +276,21 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     return elements * bytes.activation / link.bandwidth_Bps + link.latency_s;
   };
   const pp::Simulation timeline = pp::simulate(spec, lists, action_costs);
+  // PipeDream's flush-free steps: one step of an endless 1F1B stream costs what M more
+  // micro-batches add to a long flushed one (the marginal step), every rank busy as in a
+  // flushed step.
+  const bool flush_free = P > 1 && layout.pipeline_sync != "flush";
+  double steady_step = 0;
+  if (flush_free) {
+    auto makespan_of = [&](int steps) {
+      pp::ScheduleSpec longer = spec;
+      longer.micro_batches = steps * spec.micro_batches;
+      std::vector<std::vector<pp::Action>> stream;
+      for (int r = 0; r < P; ++r) stream.push_back(pp::build_schedule(longer, r));
+      return pp::simulate(longer, stream, action_costs).makespan;
+    };
+    steady_step = makespan_of(3) - makespan_of(2);
+  }
 
   // --- Gradient and parameter traffic of the data-parallel group, per pipeline rank: the
   // reducer's buckets over the rank's layers (one reducer per chunk), each leaving when the
@@ -280,7 +303,8 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   const double grad_bytes = bytes.gradient;
   double worst_end = 0, worst_compute = 0, worst_exposed = 0, worst_bubble = 0, worst_opt = 0;
   for (int r = 0; r < P; ++r) {
-    const double compute_end = timeline.ends[r].empty() ? 0 : timeline.ends[r].back();
+    const double compute_end =
+        flush_free ? steady_step : timeline.ends[r].empty() ? 0 : timeline.ends[r].back();
     double busy = 0;
     for (size_t k = 0; k < lists[r].size(); ++k)
       busy += timeline.ends[r][k] - timeline.starts[r][k];
@@ -341,6 +365,8 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
           const auto accumulates = split ? pp::Action::Weight : pp::Action::Backward;
           if (a.kind == accumulates && a.chunk == c) last_start = timeline.starts[r][k];
         }
+        // Flush-free: the step's last backward on this rank ends the steady step.
+        if (flush_free) last_start += steady_step - timeline.ends[r].back();
         std::vector<double> ready(n_layers, 0);
         double t = last_start;
         for (int i = partition.end(s); i-- > partition.first(s);) {
@@ -406,10 +432,15 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
       rank_layers += partition.end(s) - partition.first(s);
     }
     // (Downpour's workers leave the update to the shards.)
+    // PipeDream: each update also copies the newest version into a buffer of its own (a read
+    // and a write of the weights); async updates after every micro-batch.
+    const double updates = layout.pipeline_sync == "async" && P > 1 ? layout.micro_batches : 1;
+    const double version_copy = flush_free ? 2 * rank_params * bytes.parameter / byte_rate : 0;
     const double opt_s =
         layout.strategy == "downpour"
             ? 0.0
-            : rank_params / shard * opt_bytes_per / byte_rate + rank_layers * 4 * overhead;
+            : updates * (rank_params / shard * opt_bytes_per / byte_rate +
+                         rank_layers * 4 * overhead + version_copy);
     step_end += opt_s;
     const double exposed = step_end - opt_s - compute_end;
     if (step_end > worst_end) {
@@ -420,7 +451,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     // The pipeline's bubble as the busiest stage sees it (the one that sets the pace).
     if (busy > worst_compute) {
       worst_compute = busy;
-      worst_bubble = P > 1 ? 1 - busy / timeline.makespan : 0.0;
+      worst_bubble = P > 1 ? 1 - busy / (flush_free ? steady_step : timeline.makespan) : 0.0;
     }
   }
   out.step_s = worst_end;
@@ -475,6 +506,8 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
         layout.strategy == "zero1" || layout.strategy == "zero2" || layout.strategy == "zero3";
     const double sharded = D;  // ZeRO's shards: 1/DP of what they shard
     m.parameters = params * bytes.parameter / (layout.strategy == "zero3" ? sharded : 1.0);
+    // PipeDream's weight versions: 2bw two, async up to one per micro-batch in flight and one.
+    if (flush_free) m.parameters *= layout.pipeline_sync == "async" ? P - r + 1 : 2;
     m.gradients = params * bytes.gradient /
                   (layout.strategy == "zero2" || layout.strategy == "zero3" ? sharded : 1.0);
     m.optimizer = params * bytes.optimizer / (z1 ? sharded : 1.0);

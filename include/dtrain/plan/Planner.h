@@ -31,6 +31,9 @@ struct Layout {
   int micro_batches = 1;                 ///< per optimizer step (gradient accumulation when pp = 1)
   std::string schedule = "1f1b";         ///< "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"
   int chunks = 1;                        ///< model chunks per pipeline rank (interleaved; zb-v: 2)
+  /// "flush", or PipeDream's flush-free steps: "2bw" (two weight versions, an update per step)
+  /// or "async" (an update per micro-batch, a version per micro-batch in flight); 1f1b only.
+  std::string pipeline_sync = "flush";
   std::string precision = "bf16-mixed";  ///< "fp32", "bf16-mixed", "fp16-mixed", "bf16"
   bool checkpointing = false;            ///< activation checkpointing of every layer
   bool sequence_parallel = false;
