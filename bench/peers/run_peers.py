@@ -46,13 +46,20 @@ PAIRS = {
     "zero3": ("mlp", "zero3", "fsdp2", "adam", ZERO_HIDDEN, 5, 16),
 }
 PIPELINES = {"pipe-gpipe": ("gpipe", 1), "pipe-1f1b": ("1f1b", 1),
-             "pipe-interleaved": ("interleaved", 2)}
+             "pipe-interleaved": ("interleaved", 2),
+             # issue 52 (not in the default pairs): dtrain's zb-v against PyTorch's two
+             # zero-bubble schedules with two chunks per rank
+             "pipe-zbv": ("zb-v", 2), "pipe-zb-interleaved": ("zb-v", 2)}
+# The peer's schedule where it differs from dtrain's.
+PEER_SCHEDULE = {"pipe-zb-interleaved": "zb-interleaved"}
 PIPE_BATCH, PIPE_M = 128, 8
 IMAGE_SIZE = 224
 TP_BATCH = 4
 PEER_NAMES = {"ddp": "DistributedDataParallel", "zero1": "DDP + ZeroRedundancyOptimizer",
               "fsdp2": "FSDP2 fully_shard", "gpipe": "pipelining ScheduleGPipe",
               "1f1b": "pipelining Schedule1F1B", "interleaved": "pipelining ScheduleInterleaved1F1B",
+              "zb-v": "pipelining ScheduleZBVZeroBubble",
+              "zb-interleaved": "pipelining ScheduleInterleavedZeroBubble (V = 2)",
               "tp": "DTensor parallelize_module"}
 
 
@@ -83,7 +90,7 @@ def describe(pair, world):
     if pair in PIPELINES:
         schedule, chunks = PIPELINES[pair]
         name = f"pipeline {schedule}" + (f" V={chunks}" if chunks > 1 else "") + f" M={PIPE_M}"
-        return name, PEER_NAMES[schedule], PIPE_BATCH
+        return name, PEER_NAMES[PEER_SCHEDULE.get(pair, schedule)], PIPE_BATCH
     model, ours, theirs, _, _, _, batch = PAIRS[pair]
     return f"{ours} ({model})", PEER_NAMES[theirs], batch * world
 
@@ -101,7 +108,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--pairs", default=",".join(
-        [p for p in PAIRS if p != "ddp-resnet50"] + list(PIPELINES) + ["tp"]))
+        [p for p in PAIRS if p != "ddp-resnet50"] +
+        [p for p in PIPELINES if p not in ("pipe-zbv", "pipe-zb-interleaved")] + ["tp"]))
     parser.add_argument("--records", default=os.path.join(ROOT, "bench", "results/peers/peers.jsonl"))
     parser.add_argument("--markdown")
     args = parser.parse_args()
@@ -122,8 +130,11 @@ def main():
                     if pair == "tp":
                         r = run_tensor_parallel(args.build, args.python, impl, args.world)
                     elif pair in PIPELINES:
-                        r = run_pipeline(args.build, args.python, impl, args.world,
-                                         *PIPELINES[pair])
+                        schedule, chunks = PIPELINES[pair]
+                        if impl == "pytorch":
+                            schedule = PEER_SCHEDULE.get(pair, schedule)
+                        r = run_pipeline(args.build, args.python, impl, args.world, schedule,
+                                         chunks)
                     else:
                         model, ours, theirs, optimizer, hidden, steps, batch = PAIRS[pair]
                         extra = ["--optimizer", optimizer, "--warmup", "2", "--no-comm-baseline",
