@@ -306,6 +306,8 @@ class PlanCommand final : public Command {
     options.optimizer = layout_.optimizer;
     options.sequence_parallel = layout_.sequence_parallel;
     if (!strategies_.empty()) options.strategies = strategies_;
+    // --pipeline-sync 2bw|async with --search: those layouts compete beside the flushed ones.
+    if (layout_.pipeline_sync != "flush") options.pipeline_syncs.push_back(layout_.pipeline_sync);
     const plan::SearchResult result = plan::search(model, cluster, options);
     if (result.ranked.empty()) {
       DTRAIN_THROW(InputError, "no layout of ", model.name, " fits ", cluster.gpus(), " x ",

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Gpt.h"
@@ -173,6 +174,40 @@ TEST(Planner, PipeDreamStepsWithoutAFlushHaveNoBubbleAndHoldWeightVersions) {
   bad.schedule = "1f1b";
   bad.pipeline_sync = "sometimes";
   EXPECT_THROW(predict(model, ideal_cluster(2), bad), InputError);
+}
+
+// --search tries PipeDream's flush-free steps only when asked, beside the flushed layouts: on
+// equal stages with free links a 2bw pipeline beats its flushed twin.
+TEST(Planner, SearchTriesPipeDreamOnlyWhenAsked) {
+  const ModelCost model = uniform_model(16);
+  SearchOptions options;
+  options.global_batch = 32;
+  options.strategies = {"ddp"};
+  options.optimizer = "sgd";
+  options.precision = "fp32";
+  options.allow_checkpointing = false;
+  auto syncs = [](const SearchResult& r) {
+    std::set<std::string> seen;
+    for (const auto& p : r.ranked) seen.insert(p.layout.pipeline_sync);
+    return seen;
+  };
+  EXPECT_EQ(syncs(search(model, ideal_cluster(4), options)), std::set<std::string>{"flush"});
+  options.pipeline_syncs = {"flush", "2bw"};
+  const SearchResult both = search(model, ideal_cluster(4), options);
+  EXPECT_EQ(syncs(both), (std::set<std::string>{"flush", "2bw"}));
+  int compared = 0;
+  for (const auto& a : both.ranked) {
+    if (a.layout.pipeline_sync != "2bw") continue;
+    for (const auto& b : both.ranked) {
+      if (b.layout.pipeline_sync == "flush" && b.layout.pp == a.layout.pp &&
+          b.layout.dp == a.layout.dp && b.layout.micro_batch_size == a.layout.micro_batch_size &&
+          b.layout.schedule == "1f1b") {
+        EXPECT_LT(a.step_s, b.step_s) << a.layout.describe();
+        ++compared;
+      }
+    }
+  }
+  EXPECT_GT(compared, 0);
 }
 
 TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {

@@ -49,22 +49,29 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
           for (const std::string& strategy : options.strategies) {
             if (strategy == "zero3" && pp > 1) continue;
             if (dp == 1 && strategy != "ddp") continue;  // nothing to shard
-            for (bool checkpointing : {false, true}) {
-              if (checkpointing && !options.allow_checkpointing) continue;
-              Layout layout;
-              layout.strategy = strategy;
-              layout.dp = dp;
-              layout.pp = pp;
-              layout.tp = tp;
-              layout.micro_batch_size = mbs;
-              layout.micro_batches = micro_batches;
-              layout.schedule = schedule;
-              layout.chunks = chunks;
-              layout.precision = options.precision;
-              layout.optimizer = options.optimizer;
-              layout.checkpointing = checkpointing;
-              layout.sequence_parallel = options.sequence_parallel && tp > 1;
-              layouts.push_back(layout);
+            for (const std::string& sync : options.pipeline_syncs) {
+              // PipeDream's flush-free steps: 1F1B with ddp replicas.
+              if (sync != "flush" && (pp == 1 || schedule != "1f1b" || strategy != "ddp")) {
+                continue;
+              }
+              for (bool checkpointing : {false, true}) {
+                if (checkpointing && !options.allow_checkpointing) continue;
+                Layout layout;
+                layout.strategy = strategy;
+                layout.dp = dp;
+                layout.pp = pp;
+                layout.tp = tp;
+                layout.micro_batch_size = mbs;
+                layout.micro_batches = micro_batches;
+                layout.schedule = schedule;
+                layout.chunks = chunks;
+                layout.pipeline_sync = sync;
+                layout.precision = options.precision;
+                layout.optimizer = options.optimizer;
+                layout.checkpointing = checkpointing;
+                layout.sequence_parallel = options.sequence_parallel && tp > 1;
+                layouts.push_back(layout);
+              }
             }
           }
         }

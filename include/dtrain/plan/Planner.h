@@ -85,6 +85,9 @@ struct SearchOptions {
   bool allow_checkpointing = true;
   bool sequence_parallel = false;  ///< with tp > 1
   int max_micro_batch_size = 16;
+  /// Pipeline syncs to try with pp > 1 (1f1b, ddp): "flush" always; PipeDream's "2bw" or
+  /// "async" only when asked (they change the training's math: stale gradients).
+  std::vector<std::string> pipeline_syncs = {"flush"};
 };
 struct SearchResult {
   std::vector<Prediction> ranked;  ///< layouts that fit, fastest first
