@@ -98,9 +98,7 @@ StepResult PipelineStrategy::train_step_pipedream(const std::vector<data::Batch>
     f.link = static_cast<int>(batch % 2) * count + i;
     const std::string label = std::to_string(i);
     if (first_virtual(chunk)) {
-      f.x = precision_ == precision::Precision::Bf16 && data.inputs.is_floating_point()
-                ? data.inputs.to(at::kBFloat16)
-                : data.inputs;
+      f.x = model_input(data.inputs);
     } else {
       trace::Span wait("recv", "activation " + label);
       f.x = link_->recv(StageLink::Activation, s - 1, f.link);
@@ -166,19 +164,7 @@ void PipelineStrategy::backward_pipedream() {
       reducer->set_sync(updates);
       if (updates) reducer->prepare_for_backward();
     }
-    if (!f.y.requires_grad()) {
-      // Nothing before this point needs a gradient (a first stage without parameters).
-    } else if (last_virtual(chunk)) {
-      f.y.backward();
-    } else {
-      f.y.backward(upstream);
-    }
-    if (!first_virtual(chunk)) {
-      at::Tensor g = f.x.grad();
-      if (!g.defined()) g = at::zeros_like(f.x);
-      trace::Span send("send", "gradient " + label);
-      link_->send(StageLink::Gradient, s - 1, f.link, g);
-    }
+    backward_and_send(chunk, f.x, f.y, upstream, f.link, label);
   }
   if (version_observer_) version_observer_({Action::Backward, f.micro_batch, 0}, f.version);
   if (observer_) observer_({Action::Backward, f.micro_batch, 0});

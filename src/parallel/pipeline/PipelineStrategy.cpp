@@ -243,6 +243,29 @@ std::string PipelineStrategy::layout() const {
   return text + imbalance;
 }
 
+at::Tensor PipelineStrategy::model_input(const at::Tensor& inputs) const {
+  return precision_ == precision::Precision::Bf16 && inputs.is_floating_point()
+             ? inputs.to(at::kBFloat16)
+             : inputs;
+}
+
+void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x,
+                                         const at::Tensor& y, const at::Tensor& upstream,
+                                         int link, const std::string& label) {
+  if (!y.requires_grad()) {
+    // Nothing before this point needs a gradient (a first stage without parameters).
+  } else if (last_virtual(chunk)) {
+    y.backward();
+  } else {
+    y.backward(upstream);
+  }
+  if (first_virtual(chunk)) return;
+  at::Tensor g = x.grad();
+  if (!g.defined()) g = at::zeros_like(x);
+  trace::Span send("send", "gradient " + label);
+  link_->send(StageLink::Gradient, chunk.virtual_stage - 1, link, g);
+}
+
 at::Tensor PipelineStrategy::run_chunk(const Chunk& chunk, const at::Tensor& input) const {
   at::Tensor x = input;
   for (const auto& stage : chunk.stages) {
@@ -322,9 +345,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     if (a.kind == Action::Forward) {
       at::Tensor x;
       if (first_virtual(chunk)) {
-        x = precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
-                ? batch.inputs.to(at::kBFloat16)
-                : batch.inputs;
+        x = model_input(batch.inputs);
       } else {
         trace::Span wait("recv", "activation " + label);
         x = link_->recv(StageLink::Activation, s - 1, a.micro_batch);
@@ -393,18 +414,8 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
           trace::Span send("send", "gradient " + label);
           link_->send(StageLink::Gradient, s - 1, a.micro_batch, g);
         }
-      } else if (!y.requires_grad()) {
-        // Nothing before this point needs a gradient (a first stage without parameters).
-      } else if (last_virtual(chunk)) {
-        y.backward();
       } else {
-        y.backward(upstream);
-      }
-      if (!split && !first_virtual(chunk)) {
-        at::Tensor g = x.grad();
-        if (!g.defined()) g = at::zeros_like(x);
-        trace::Span send("send", "gradient " + label);
-        link_->send(StageLink::Gradient, s - 1, a.micro_batch, g);
+        backward_and_send(chunk, x, y, upstream, a.micro_batch, label);
       }
     }
     if (observer_) observer_(a);
@@ -465,9 +476,7 @@ at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
     const int s = chunk.virtual_stage;
     at::Tensor x;
     if (first_virtual(chunk)) {
-      x = precision_ == precision::Precision::Bf16 && inputs.is_floating_point()
-              ? inputs.to(at::kBFloat16)
-              : inputs;
+      x = model_input(inputs);
     } else {
       x = link_->recv_any(s - 1);
     }

@@ -93,6 +93,12 @@ class PipelineStrategy : public Strategy {
     return {kind_, grid_->pp_size(), micro_batches, chunks_per_rank_};
   }
   at::Tensor run_chunk(const Chunk& chunk, const at::Tensor& x) const;
+  /// The first stage's input as the model takes it (bf16 weights: cast).
+  at::Tensor model_input(const at::Tensor& inputs) const;
+  /// A whole backward of `chunk` from its output `y` (the loss on the last stage, else with
+  /// `upstream`), then its input's gradient sent on over the StageLink as micro-batch `link`.
+  void backward_and_send(const Chunk& chunk, const at::Tensor& x, const at::Tensor& y,
+                         const at::Tensor& upstream, int link, const std::string& label);
   bool first_virtual(const Chunk& chunk) const { return chunk.virtual_stage == 0; }
   bool last_virtual(const Chunk& chunk) const {
     return chunk.virtual_stage == partition_.ranks() - 1;
