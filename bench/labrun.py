@@ -18,10 +18,10 @@ GPT = ["--model", "gpt", "--dataset", "text", "--layers", "4", "--heads", "4", "
        "--max-grad-norm", "1.0"]
 
 
-def across_lab(profile, train):
-    """`train` (a dtrain train command) on 2 lab hosts x 1 rank under `profile`."""
-    return [os.path.join(ROOT, "scripts", "netlab"), "run", "--hosts", "2", "--profile", profile,
-            "--", DTRAIN, "launch", "--nnodes", "2", "--node-rank", "{host}",
+def across_lab(profile, train, hosts=2):
+    """`train` (a dtrain train command) on `hosts` lab hosts x 1 rank under `profile`."""
+    return [os.path.join(ROOT, "scripts", "netlab"), "run", "--hosts", str(hosts), "--profile",
+            profile, "--", DTRAIN, "launch", "--nnodes", str(hosts), "--node-rank", "{host}",
             "--nproc-per-node", "1", "--master-addr", "{addr0}", "--master-port", "29500", "--",
             *train]
 

@@ -181,12 +181,18 @@ class PlanCommand final : public Command {
     app_->add_option("--micro-batches", micro_batches_, "Micro-batches per step");
     app_->add_option("--global-batch", global_batch_,
                      "Samples per step (sets --micro-batches; required by --search)");
-    app_->add_option("--schedule", layout_.schedule,
-                     "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v")
+    app_->add_option("--schedule", layout_.schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v")
         ->capture_default_str();
     app_->add_option("--pipeline-sync", layout_.pipeline_sync,
                      "flush, 2bw or async (PipeDream's flush-free 1F1B, as dtrain train's)")
         ->capture_default_str();
+    app_->add_option("--stage-replicas", layout_.stage_replicas,
+                     "PipeDream's layouts: stage s on R_s GPUs (R0,R1,...; sets --pp; one data "
+                     "stream, 1f1b or gpipe, ddp), as dtrain train's")
+        ->delimiter(',');
+    app_->add_flag("--replicated-stages", replicated_stages_,
+                   "--search: also PipeDream's layouts, every uneven split of the GPUs (up to "
+                   "32) over 2 to 4 stages");
     app_->add_option("--chunks", layout_.chunks,
                      "Model chunks per pipeline rank (interleaved; zb-v runs 2)")
         ->capture_default_str();
@@ -271,6 +277,8 @@ class PlanCommand final : public Command {
                   model.name.c_str(), model.parameters() / 1e9, cluster.hardware.name.c_str(),
                   cluster.nodes, cluster.per_node(), cluster.hardware.device.c_str());
       print_prediction(p, cluster);
+      std::printf("dtrain train      %s\n",
+                  p.layout.train_flags(static_cast<int>(model.layers.size())).c_str());
     }
     return 0;
   }
@@ -278,6 +286,25 @@ class PlanCommand final : public Command {
  private:
   Layout layout_for(const plan::Cluster& cluster) {
     Layout layout = layout_;
+    if (!layout.stage_replicas.empty()) {  // one pipeline: dp 1, pp its stages
+      layout.pp = static_cast<int>(layout.stage_replicas.size());
+      layout.dp = 1;
+      DTRAIN_CHECK_INPUT(dp_ <= 1, "--stage-replicas is one data stream: leave --dp out");
+      if (global_batch_ > 0) {
+        DTRAIN_CHECK_INPUT(global_batch_ % layout.micro_batch_size == 0, "--global-batch ",
+                           global_batch_, " is not a multiple of the micro-batch size ",
+                           layout.micro_batch_size);
+        layout.micro_batches = static_cast<int>(global_batch_ / layout.micro_batch_size);
+      } else {
+        // (Default: the fewest that give every replica one and fill 1F1B's warm-up.)
+        layout.micro_batches =
+            micro_batches_ > 0
+                ? micro_batches_
+                : std::max(layout.pp, *std::max_element(layout.stage_replicas.begin(),
+                                                        layout.stage_replicas.end()));
+      }
+      return layout;
+    }
     const int model_parallel = layout.pp * layout.tp;
     DTRAIN_CHECK_INPUT(model_parallel >= 1 && cluster.gpus() % model_parallel == 0,
                        "pp x tp = ", model_parallel, " does not divide the cluster's ",
@@ -308,6 +335,7 @@ class PlanCommand final : public Command {
     if (!strategies_.empty()) options.strategies = strategies_;
     // --pipeline-sync 2bw|async with --search: those layouts compete beside the flushed ones.
     if (layout_.pipeline_sync != "flush") options.pipeline_syncs.push_back(layout_.pipeline_sync);
+    options.replicated_stages = replicated_stages_;
     const plan::SearchResult result = plan::search(model, cluster, options);
     if (result.ranked.empty()) {
       DTRAIN_THROW(InputError, "no layout of ", model.name, " fits ", cluster.gpus(), " x ",
@@ -318,7 +346,12 @@ class PlanCommand final : public Command {
     const size_t shown = std::min<size_t>(top_, result.ranked.size());
     if (json_) {
       nlohmann::json list = nlohmann::json::array();
-      for (size_t i = 0; i < shown; ++i) list.push_back(to_json(result.ranked[i], cluster));
+      for (size_t i = 0; i < shown; ++i) {
+        nlohmann::json entry = to_json(result.ranked[i], cluster);
+        entry["train_flags"] =
+            result.ranked[i].layout.train_flags(static_cast<int>(model.layers.size()));
+        list.push_back(entry);
+      }
       std::printf("%s\n", nlohmann::json{{"considered", result.considered},
                                          {"fit", result.ranked.size()},
                                          {"best", list}}
@@ -340,6 +373,9 @@ class PlanCommand final : public Command {
                   100 * p.mfu, 100 * p.bubble, seconds(p.exposed_comm_s).c_str(),
                   p.memory.total() / kGiB);
     }
+    std::printf(
+        "the best as dtrain train flags: %s\n",
+        result.ranked.front().layout.train_flags(static_cast<int>(model.layers.size())).c_str());
     return 0;
   }
 
@@ -392,7 +428,7 @@ class PlanCommand final : public Command {
   int64_t global_batch_ = 0;
   double bucket_mb_ = 25;
   Layout layout_;
-  bool search_ = false, json_ = false;
+  bool search_ = false, json_ = false, replicated_stages_ = false;
   std::vector<int> scaling_;
 };
 

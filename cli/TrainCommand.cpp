@@ -101,6 +101,28 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "Pipeline stages: the model's stages are split over this many ranks (the rest of the "
       "world makes each stage data-parallel with --strategy ddp or zero1)")
       ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--stage-replicas",
+         [&t](const std::string& text) {
+           t.stage_replicas.clear();
+           size_t begin = 0;
+           while (begin <= text.size()) {
+             const size_t end = std::min(text.find(',', begin), text.size());
+             const std::string count = text.substr(begin, end - begin);
+             int value = 0;
+             char tail = 0;
+             DTRAIN_CHECK_INPUT(
+                 std::sscanf(count.c_str(), "%d%c", &value, &tail) == 1 && value >= 1,
+                 "--stage-replicas '", text, "': expected replica counts R0,R1,... (each >= 1)");
+             t.stage_replicas.push_back(value);
+             begin = end + 1;
+           }
+         },
+         "PipeDream's layouts: a pipeline whose stage s runs on R_s ranks (R0,R1,...; the world "
+         "is their sum), each stage's replicas taking its micro-batches in turn and averaging "
+         "their gradients (sets --pipeline-parallel; gpipe, 1f1b, zb-h1 or zb-h2, ddp; dtrain "
+         "plan --search --stage-replicas prints them)")
+      ->type_name("R0,R1,...");
   add(app, "--tensor-parallel", t.tensor_parallel,
       "Tensor-parallel ranks: each layer's matrices are split over this many ranks (Megatron-"
       "style; --model gpt). With --pipeline-parallel P the world is DP x P x T")

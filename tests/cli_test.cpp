@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <regex>
 #include <string>
 #include <thread>
 
@@ -127,6 +128,22 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "1,1",
        "places 2 stages, the model has 3"},
       {" train --pipeline-parallel 0", "--pipeline-parallel must be >= 1"},
+      {" train --stage-replicas 2,x", "--stage-replicas '2,x': expected replica counts"},
+      {" train --stage-replicas 2,0", "--stage-replicas '2,0': expected replica counts"},
+      {" train --stage-replicas 2", "--stage-replicas names 1 stage"},
+      {" train --model mlp --stage-replicas 2,1 --nproc 4 --micro-batches 2",
+       "--stage-replicas adds up to 3 ranks, but --nproc is 4"},
+      {" train --model mlp --stage-replicas 2,1 --pipeline-parallel 3 --nproc 3",
+       "--pipeline-parallel 3 but --stage-replicas names 2 stages"},
+      {" train --model mlp --stage-replicas 3,1 --nproc 4 --micro-batches 2",
+       "gives a stage 3 replicas but a step has 2 micro-batches"},
+      {" train --model mlp --stage-replicas 2,1 --nproc 3 --micro-batches 4 --schedule "
+       "interleaved --virtual-stages 2",
+       "--stage-replicas runs one chunk per stage"},
+      {" train --model mlp --stage-replicas 2,1 --nproc 3 --micro-batches 4 --pipeline-sync 2bw",
+       "--stage-replicas runs with --pipeline-sync flush, not 2bw"},
+      {" train --model mlp --stage-replicas 2,1 --nproc 3 --micro-batches 4 --strategy zero1",
+       "--stage-replicas replicates stages with ddp, not zero1"},
       {" launch --nnodes 2:1 -- true", "--nnodes 2:1: MIN:MAX needs 1 <= MIN <= MAX"},
       {" launch --nnodes 0:2 -- true", "MIN:MAX needs 1 <= MIN <= MAX"},
       {" launch --nnodes a:2 -- true", "--nnodes: expects N or MIN:MAX"},
@@ -214,7 +231,12 @@ TEST(Cli, PlanBadInputIsOneClearLineAndExitCode2) {
   std::ofstream(dir / "broken.toml") << "source = \"test\"\n[accelerator]\ndevice = \"x\"\n";
   const std::string plan = " plan --cluster a100-selene";
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {plan + " --model gpt-9", "unknown --model 'gpt-9' (known: resnet50, megatron-1.2b"},
+      {plan + " --model gpt-9", "unknown --model 'gpt-9' (known: resnet50, vgg16, vgg-small"},
+      {plan + " --model vgg16 --gpus-per-node 3 --stage-replicas 2,1 --strategy zero1",
+       "replicated stages run ddp, dp 1, tp 1, one chunk and a flushed schedule"},
+      {plan + " --model vgg16 --gpus-per-node 3 --stage-replicas 2,1 --micro-batches 1 "
+              "--schedule gpipe",
+       "stage 0 has 2 replicas for 1 micro-batches"},
       {plan + " --model transformer:layers=2,hidden=100,heads=3,seq=8,vocab=10",
        "hidden 100 is not divisible by heads 3"},
       {plan + " --model transformer:layers=2,hidden=96,heads=3,seq=8", "missing vocab="},
@@ -260,6 +282,33 @@ TEST(Cli, PlanPredictsSearchesAndDrawsScaling) {
                           "--global-batch 64");
   ASSERT_EQ(search.code, 0) << search.text;
   EXPECT_TRUE(has(search, "  3  ")) << search.text;
+  // PipeDream's layouts: a VGG on 3 ranks of a slow network; the layout the search picks is
+  // printed as dtrain train flags, and dtrain train runs them.
+  {
+    std::ifstream in(DTRAIN_SOURCE_DIR "/configs/hardware/this-machine.toml");
+    const std::string profile((std::istreambuf_iterator<char>(in)),
+                              std::istreambuf_iterator<char>());
+    // 3 one-rank nodes on 100 Mbit/s links.
+    std::ofstream(dir / "slow.toml") << std::regex_replace(
+        std::regex_replace(profile, std::regex("node_gbit_s = [0-9.]+"), "node_gbit_s = 0.1"),
+        std::regex("\\[node\\]\\s*gpus = [0-9]+"), "[node]\ngpus = 1");
+  }
+  const auto picked = run(kDtrain +
+                          " plan --search --replicated-stages --top 3 --model vgg-small "
+                          "--cluster " +
+                          (dir / "slow.toml") +
+                          " --nodes 3 --global-batch 24 --strategies ddp --precision fp32 "
+                          "--optimizer momentum");
+  ASSERT_EQ(picked.code, 0) << picked.text;
+  const std::string marker = "the best as dtrain train flags: ";
+  const size_t at = picked.text.find(marker);
+  ASSERT_NE(at, std::string::npos) << picked.text;
+  const std::string flags =
+      picked.text.substr(at + marker.size(), picked.text.find('\n', at) - at - marker.size());
+  EXPECT_NE(flags.find("--stage-replicas"), std::string::npos) << picked.text;
+  const auto trained = run(kDtrain + " train --model vgg --max-steps 2 --no-progress " + flags);
+  EXPECT_EQ(trained.code, 0) << flags << "\n" << trained.text;
+  EXPECT_TRUE(has(trained, "trained 2 steps (global batch 24, 3 ranks")) << trained.text;
   const auto svg = dir / "scaling.svg";
   const auto scaling = run(kDtrain +
                            " plan --model resnet50 --cluster p100-bigbasin --precision fp32 "

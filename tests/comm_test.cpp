@@ -335,6 +335,40 @@ TEST(Comm, ProcessGridTwoByTwoByTwo) {
       60s);
 }
 
+// PipeDream's layouts: stages replicated 2, 1 and 3 times on 6 ranks, stage by stage; dp() is
+// the stage's replicas, pp() the whole pipeline, and the data is one stream.
+TEST(Comm, ProcessGridOfReplicatedStages) {
+  run_ranks(
+      6,
+      [](const CommunicatorPtr& world) {
+        comm::ProcessGrid grid(world, 1, std::vector<int>{2, 1, 3});
+        const int r = world->rank();
+        const int stage = r < 2 ? 0 : r < 3 ? 1 : 2;
+        const int first = r < 2 ? 0 : r < 3 ? 2 : 3;
+        const auto c = grid.coordinates();
+        EXPECT_EQ(c.pp, stage);
+        EXPECT_EQ(c.dp, r - first);
+        EXPECT_EQ(grid.world_rank_of(c), r);
+        EXPECT_EQ(grid.pp_size(), 3);
+        EXPECT_EQ(grid.dp_size(), stage == 0 ? 2 : stage == 1 ? 1 : 3);
+        EXPECT_EQ(grid.data_parallel_size(), 1);
+        EXPECT_EQ(grid.data_parallel_rank(), 0);
+        EXPECT_EQ(grid.pp_rank_of(2, 1), 4);
+        auto sum_over = [&](const CommunicatorPtr& group) {
+          auto t = torch::full({1}, static_cast<float>(r));
+          group->allreduce(t)->wait();
+          return static_cast<int>(t.item<float>());
+        };
+        EXPECT_EQ(sum_over(grid.dp()), stage == 0 ? 1 : stage == 1 ? 2 : 12);
+        EXPECT_EQ(sum_over(grid.pp()), 15);
+        EXPECT_EQ(grid.pp()->rank(), r);
+      },
+      60s);
+  run_ranks(3, [](const CommunicatorPtr& world) {
+    EXPECT_THROW(comm::ProcessGrid(world, 1, std::vector<int>{2, 2}), InputError);
+  });
+}
+
 TEST(Comm, OneRankWorldIsAValidGrid) {
   run_ranks(1, [](const CommunicatorPtr& world) {
     comm::ProcessGrid grid(world);

@@ -125,8 +125,9 @@ TEST(Schedule, ZeroBubbleSchedulesFillTheWaitsWithWeightGradients) {
   auto lists = all_ranks({ScheduleKind::ZeroBubbleH1, 2, 2, 1});
   std::swap(lists[1][1], lists[1].back());  // rank 1: F0 W1 ... B1
   EXPECT_THROW(simulate({ScheduleKind::ZeroBubbleH1, 2, 2, 1}, lists), dtrain::InputError);
-  EXPECT_THROW(simulate({ScheduleKind::OneFOneB, 2, 2, 1}, all_ranks({ScheduleKind::ZeroBubbleH1, 2, 2, 1})),
-               dtrain::InputError);
+  EXPECT_THROW(
+      simulate({ScheduleKind::OneFOneB, 2, 2, 1}, all_ranks({ScheduleKind::ZeroBubbleH1, 2, 2, 1})),
+      dtrain::InputError);
 }
 
 // ZB-V: two chunks per rank in a V (rank r holds virtual stages r and 2P - 1 - r: rank 0 the
@@ -188,6 +189,62 @@ TEST(Schedule, ZeroBubbleVRunsTwoChunksPerRankInAVWithoutIdling) {
   EXPECT_EQ(chunk_of(looping, 9), 2);
 }
 
+// PipeDream's replicated stages: every slot's list runs (simulated) for each schedule, replica
+// split and M from the largest replica count up, each slot running exactly its micro-batches
+// (m % replicas); 1F1B's replicas run 1F1B over their own micro-batches, warmed up to keep the
+// ranks downstream busy (PipeDream's 1F1B-RR), not the stage's order filtered.
+TEST(Schedule, ReplicatedStagesRunTheirShareWithoutDeadlock) {
+  for (const std::string kind : {"gpipe", "1f1b", "zb-h1", "zb-h2"}) {
+    for (const std::vector<int> replicas : std::vector<std::vector<int>>{
+             {2, 1}, {1, 2}, {3, 1}, {1, 3}, {1, 2, 1}, {2, 1, 2}, {1, 1, 3}, {3, 2, 1}}) {
+      for (int m : {3, 4, 6, 8}) {
+        const int stages = static_cast<int>(replicas.size());
+        if (m < stages || m < *std::max_element(replicas.begin(), replicas.end())) continue;
+        ScheduleSpec spec{schedule_kind_named(kind), stages, m, 1, replicas};
+        SCOPED_TRACE(concat(kind, " replicas ", replicas[0], ",", replicas[1], " M=", m));
+        std::vector<std::vector<Action>> lists;
+        for (int slot = 0; slot < spec.slots(); ++slot) {
+          lists.push_back(build_slot_schedule(spec, slot));
+          const int stage = spec.stage_of_slot(slot);
+          for (const auto& a : lists.back()) {
+            EXPECT_EQ(a.micro_batch % replicas[stage], slot - spec.slot_of(stage, 0));
+          }
+        }
+        EXPECT_NO_THROW(simulate(spec, lists));
+      }
+    }
+  }
+  const ScheduleSpec spec{ScheduleKind::OneFOneB, 2, 6, 1, {2, 1}};
+  EXPECT_EQ(listing(build_slot_schedule(spec, 0)), "F0 F2 B0 F4 B2 B4");
+  EXPECT_EQ(listing(build_slot_schedule(spec, 1)), "F1 F3 B1 F5 B3 B5");
+  EXPECT_EQ(listing(build_slot_schedule(spec, 2)), "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5");
+  // A stage twice as costly on two replicas keeps pace with the single one after it.
+  ActionCosts costs;
+  costs.duration = [&](int slot, const Action& a) {
+    const double unit = spec.stage_of_slot(slot) == 0 ? 2.0 : 1.0;
+    return a.kind == Action::Forward ? unit : 2 * unit;
+  };
+  std::vector<std::vector<Action>> lists;
+  for (int slot = 0; slot < 3; ++slot) lists.push_back(build_slot_schedule(spec, slot));
+  // Unreplicated, the costly stage alone takes 6 x 6 = 36; here each replica's 3 x 6, a first
+  // round trip and the last backward's wait: 24. The stage's order filtered waits a round trip
+  // per micro-batch: 30.
+  std::vector<std::vector<Action>> filtered;
+  for (int slot = 0; slot < 3; ++slot) {
+    const int stage = spec.stage_of_slot(slot);
+    filtered.push_back({});
+    for (const auto& a : build_schedule({ScheduleKind::OneFOneB, 2, 6, 1}, stage)) {
+      if (a.micro_batch % spec.replicas[stage] == slot - spec.slot_of(stage, 0)) {
+        filtered.back().push_back(a);
+      }
+    }
+  }
+  EXPECT_DOUBLE_EQ(simulate(spec, lists, costs).makespan, 24.0);
+  EXPECT_DOUBLE_EQ(simulate(spec, filtered, costs).makespan, 30.0);
+  EXPECT_THROW((build_slot_schedule({ScheduleKind::OneFOneB, 2, 2, 1, {3, 1}}, 0)), InputError);
+  EXPECT_THROW((build_slot_schedule({ScheduleKind::Interleaved, 2, 4, 2, {2, 1}}, 0)), InputError);
+}
+
 TEST(Schedule, ADeadlockOrAMissingActionIsNamed) {
   const ScheduleSpec spec{ScheduleKind::OneFOneB, 2, 2, 1};
   auto lists = all_ranks(spec);
@@ -236,6 +293,16 @@ TEST(Schedule, BadSpecsAreNamed) {
   EXPECT_THROW(build_schedule({ScheduleKind::GPipe, 2, 4, 1}, 2), dtrain::InputError);
 }
 
+// PipeDream's partition: a stage replicated r times carries r times the work.
+TEST(Partition, AReplicatedStageTakesItsShare) {
+  const std::vector<double> costs{1, 1, 1, 1, 1, 1};
+  EXPECT_EQ(balanced_partition(costs, 2).begin, (std::vector<int>{0, 3, 6}));
+  EXPECT_EQ(balanced_partition(costs, 2, {2, 1}).begin, (std::vector<int>{0, 4, 6}));
+  EXPECT_EQ(balanced_partition(costs, 2, {1, 5}).begin, (std::vector<int>{0, 1, 6}));
+  EXPECT_EQ(balanced_partition({1, 1, 1, 1, 1}, 3, {1, 3, 1}).begin,
+            (std::vector<int>{0, 1, 4, 5}));
+}
+
 TEST(Partition, BalancesParametersContiguously) {
   const auto p = balanced_partition({4, 0, 4, 0, 4, 0, 4, 0}, 2);
   EXPECT_EQ(p.begin, (std::vector<int>{0, 3, 8}));  // 8 + 8, ties keep the earliest cut
@@ -274,15 +341,21 @@ struct PipelineRun {
   std::string transport = "auto";  // "comm": Gloo only, no shared memory
   std::string grad_compression = "none";
   std::vector<std::map<std::string, double>>* metrics = nullptr;  // each rank's last step's
-  std::string sync = "flush";  // --pipeline-sync
+  std::string sync = "flush";                                     // --pipeline-sync
   // 2bw, async: each rank's forwards and backwards with the weight version each computed on.
   std::vector<std::vector<std::pair<Action, int64_t>>>* versions = nullptr;
+  // Non-empty: stage s on stage_replicas[s] ranks (pp and dp are then unused).
+  std::vector<int> stage_replicas;
 };
 
 // Trains f on pp x dp rank threads and returns every parameter by name (from DP replica 0).
 std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
                                                  const PipelineRun& run) {
-  const int world = run.pp * run.dp;
+  int world = run.pp * run.dp;
+  if (!run.stage_replicas.empty()) {
+    world = 0;
+    for (int r : run.stage_replicas) world += r;
+  }
   std::vector<Model> replicas;
   for (int r = 0; r < world; ++r) {
     replicas.push_back(make_model_as(f.spec, f.dtype));
@@ -293,7 +366,9 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
   run_ranks(
       world,
       [&](const comm::CommunicatorPtr& comm) {
-        auto grid = std::make_shared<comm::ProcessGrid>(comm, 1, run.pp);
+        auto grid = run.stage_replicas.empty()
+                        ? std::make_shared<comm::ProcessGrid>(comm, 1, run.pp)
+                        : std::make_shared<comm::ProcessGrid>(comm, 1, run.stage_replicas);
         parallel::StrategyOptions options;
         options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = run.schedule;
         options.max_grad_norm = run.clip;
@@ -313,9 +388,11 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
               [mine](const Action& a, int64_t version) { mine->emplace_back(a, version); });
         }
         const int dp_rank = grid->coordinates().dp;
-        auto order =
-            data::DistributedSampler(f.dataset.size(), run.dp, dp_rank, {true, 5, true}).indices();
-        const int64_t local = f.global_batch / run.dp;
+        const int shares = grid->data_parallel_size();
+        auto order = data::DistributedSampler(f.dataset.size(), shares, grid->data_parallel_rank(),
+                                              {true, 5, true})
+                         .indices();
+        const int64_t local = f.global_batch / shares;
         const int64_t each = local / run.micro;
         parallel::LossFn loss = parallel::cross_entropy;
         if (comm->rank() == run.dropped_rank) loss = drop_rank_gradient(run.dropped_rank, comm);
@@ -457,6 +534,58 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
   }
 }
 
+// PipeDream's layouts: stages replicated unequally (2,1 / 1,2 / 1,2,1 / 2,2), each replica taking
+// its stage's micro-batches in turn (3 of them: 2 and 1), under the flushed single-chunk
+// schedules, with clipping and over the communicator alone: the single-process weights; a
+// replica's lost gradient shows.
+TEST(Pipeline, ReplicatedStagesTrainToTheSingleProcessWeights) {
+  at::set_num_threads(1);
+  const int steps = 3;
+  auto f = make_fixture(deep_mlp(), adam(), steps, 24);  // M = 3 and 4 divide it
+  const auto expected = train_single(f, steps);
+  for (const std::vector<int> replicas : std::vector<std::vector<int>>{{2, 1}, {1, 2}}) {
+    for (const std::string schedule : {"gpipe", "1f1b", "zb-h1", "zb-h2"}) {
+      for (int micro : {3, 4}) {
+        SCOPED_TRACE(concat(schedule, " replicas ", replicas[0], ",", replicas[1], " M=", micro));
+        PipelineRun run;
+        run.stage_replicas = replicas;
+        run.micro = micro;
+        run.schedule = schedule;
+        EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+      }
+    }
+  }
+  for (const std::vector<int> replicas : std::vector<std::vector<int>>{{1, 2, 1}, {2, 2}}) {
+    SCOPED_TRACE(concat("1f1b over ", replicas.size(), " stages, 4 ranks"));
+    PipelineRun run;
+    run.stage_replicas = replicas;
+    EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+  }
+  {
+    SCOPED_TRACE("clipped, over the communicator");
+    PipelineRun run;
+    run.stage_replicas = {2, 1};
+    run.transport = "comm";
+    run.clip = 0.05;
+    PipelineRun unreplicated;
+    unreplicated.clip = 0.05;
+    const auto clipped = train_pipeline(f, steps, unreplicated);
+    ASSERT_GT(max_difference(f, expected, clipped), 1e-4) << "the clip did not bind";
+    double worst = 0;
+    for (const auto& [name, value] : train_pipeline(f, steps, run)) {
+      worst = std::max(worst, (value - clipped.at(name)).abs().max().item<double>());
+    }
+    EXPECT_LE(worst, kTightBound);
+  }
+  {
+    SCOPED_TRACE("the second replica of the last stage loses its gradient");
+    PipelineRun run;
+    run.stage_replicas = {1, 2};
+    run.dropped_rank = 2;
+    EXPECT_GT(max_difference(f, expected, train_pipeline(f, steps, run)), 1e-4);
+  }
+}
+
 // ZB-V on 4 ranks (8 virtual stages, a V: rank r runs stages r and 7 - r), with M below and at
 // 2P: the weights of single-process training, each rank holding at most 2P chunk
 // micro-batches.
@@ -560,9 +689,9 @@ TEST(Pipeline, PipeDream2BWIsItsUpdateRuleWrittenOut) {
   auto images = make_fixture(cnn, adam(), steps);
   PipelineRun run{3, 1, 6, "1f1b"};
   run.sync = "2bw";
-  EXPECT_LE(max_difference(images, train_2bw_rule(images, steps, 6),
-                           train_pipeline(images, steps, run)),
-            kTightBound)
+  EXPECT_LE(
+      max_difference(images, train_2bw_rule(images, steps, 6), train_pipeline(images, steps, run)),
+      kTightBound)
       << "cnn, P=3";
 }
 
@@ -611,8 +740,8 @@ std::vector<at::Tensor> train_async_rule(const Fixture& f, int steps, int stages
     for (int i = 0; i < micro; ++i) {
       const int64_t k = static_cast<int64_t>(step) * micro + i;
       const int64_t begin = step * f.global_batch + i * each;
-      auto batch = f.dataset.get(
-          std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each));
+      auto batch =
+          f.dataset.get(std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each));
       for (int s = 0; s < stages; ++s) {
         load(params[s], history[s][std::max<int64_t>(0, k - (stages - s - 1))]);
       }
@@ -647,9 +776,9 @@ TEST(Pipeline, PipeDreamAsyncStashesEachMicroBatchsWeights) {
       run.sync = "async";
       run.versions = &versions;
       run.metrics = &metrics;
-      EXPECT_LE(max_difference(f, train_async_rule(f, steps, pp, micro),
-                               train_pipeline(f, steps, run)),
-                kTightBound);
+      EXPECT_LE(
+          max_difference(f, train_async_rule(f, steps, pp, micro), train_pipeline(f, steps, run)),
+          kTightBound);
       int stashed = 0;
       for (int rank = 0; rank < pp * dp; ++rank) {
         std::vector<int64_t> forwards;
@@ -659,7 +788,8 @@ TEST(Pipeline, PipeDreamAsyncStashesEachMicroBatchsWeights) {
             forwards.push_back(version);
           } else {
             ASSERT_LT(backwards, forwards.size());
-            EXPECT_EQ(version, forwards[backwards]) << "rank " << rank << "'s backward " << backwards;
+            EXPECT_EQ(version, forwards[backwards])
+                << "rank " << rank << "'s backward " << backwards;
             ++backwards;
           }
         }

@@ -11,6 +11,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Gpt.h"
+#include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/ddp/Buckets.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/plan/Planner.h"
@@ -210,6 +211,77 @@ TEST(Planner, SearchTriesPipeDreamOnlyWhenAsked) {
   EXPECT_GT(compared, 0);
 }
 
+// PipeDream's layouts: a VGG-like model (a convolution with most of the compute and few
+// parameters; then large fully-connected layers) on 3 GPUs over a slow link. Data parallelism
+// all-reduces the large layers; a 2-stage pipeline idles behind its heavy first stage; the
+// convolutions on two replicas and the dense layers on one beat both. The search finds it only when
+// asked, and prints flags dtrain train takes.
+TEST(Planner, ReplicatedStagesShareTheHeavyStageAndTheSearchFindsThem) {
+  ModelCost model;
+  model.name = "vgg-like";
+  for (int i = 0; i < 4; ++i) {
+    Layer layer;
+    layer.name = concat(i < 2 ? "conv" : "fc", i);
+    layer.parameters = i < 2 ? 1e5 : 5e7;
+    layer.matmul_flops = i == 0 ? 4e11 : 1e10;
+    layer.output_elements = 1000;
+    layer.saved_elements = 10000;
+    model.layers.push_back(layer);
+  }
+  Cluster cluster = ideal_cluster(3);
+  cluster.hardware.intra_node = {1e-5, 2e9};
+  Layout replicated;
+  replicated.pp = 2;
+  replicated.stage_replicas = {2, 1};
+  replicated.micro_batches = 6;
+  replicated.precision = "fp32";
+  replicated.optimizer = "sgd";
+  Layout piped = replicated;
+  piped.stage_replicas = {};
+  piped.pp = 3;
+  Layout ddp = piped;
+  ddp.pp = 1;
+  ddp.dp = 3;
+  ddp.micro_batches = 2;
+  const Prediction r = predict(model, cluster, replicated), p = predict(model, cluster, piped),
+                   d = predict(model, cluster, ddp);
+  EXPECT_EQ(r.layout.global_batch(), d.layout.global_batch());
+  EXPECT_LT(r.step_s, 0.8 * p.step_s) << p.layout.describe();
+  EXPECT_LT(r.step_s, 0.8 * d.step_s) << d.layout.describe();
+  EXPECT_EQ(r.stage_memory.size(), 3u);  // one per rank
+  EXPECT_EQ(r.layout.describe(), "ddp pp2 replicas 2,1 tp1 1f1b mb1x6 fp32");
+  EXPECT_EQ(r.layout.train_flags(4),
+            "--nproc 3 --strategy ddp --stage-replicas 2,1 --schedule 1f1b --pipeline-balance "
+            "time --batch-size 1 --micro-batches 6 --precision fp32");
+
+  SearchOptions options;
+  options.global_batch = 6;
+  options.strategies = {"ddp"};
+  options.optimizer = "sgd";
+  options.precision = "fp32";
+  options.allow_checkpointing = false;
+  const SearchResult grid_only = search(model, cluster, options);
+  for (const auto& q : grid_only.ranked) EXPECT_TRUE(q.layout.stage_replicas.empty());
+  options.replicated_stages = true;
+  const SearchResult with = search(model, cluster, options);
+  EXPECT_GT(with.considered, grid_only.considered);
+  ASSERT_FALSE(with.ranked.empty());
+  EXPECT_FALSE(with.ranked.front().layout.stage_replicas.empty())
+      << with.ranked.front().layout.describe();
+  EXPECT_LT(with.ranked.front().step_s, grid_only.ranked.front().step_s);
+
+  Layout bad = replicated;
+  bad.stage_replicas = {2, 1, 1};
+  EXPECT_THROW(predict(model, cluster, bad), InputError);  // 3 counts for pp 2
+  bad = replicated;
+  bad.micro_batches = 1;
+  bad.schedule = "gpipe";
+  EXPECT_THROW(predict(model, cluster, bad), InputError);  // a replica without a micro-batch
+  bad = replicated;
+  bad.strategy = "zero1";
+  EXPECT_THROW(predict(model, cluster, bad), InputError);
+}
+
 TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {
   // Mixed-precision Adam with fp32 master weights (K = 12): baseline 16 psi bytes, Pos
   // 4 psi + 12 psi / N, Pos+g 2 psi + 14 psi / N, Pos+g+p 16 psi / N.
@@ -290,6 +362,45 @@ TEST(Planner, DtrainsGptHasTheParametersThePlannerCounts) {
                ",dropout=0"));
     EXPECT_EQ(model.parameters(), models::gpt_parameter_count(config)) << "tied " << tied;
   }
+}
+
+// VGG16 as Simonyan & Zisserman count it (138,357,544 parameters), PipeDream's shape (the
+// convolutions most of the compute, the dense layers most of the parameters), and dtrain's
+// --model vgg is the planner's vgg-small, layer for layer.
+TEST(Planner, VggsConvolutionsComputeAndItsDenseLayersHoldTheParameters) {
+  auto shares = [](const ModelCost& model) {
+    double conv_flops = 0, flops = 0, dense_params = 0;
+    for (const Layer& l : model.layers) {
+      flops += l.matmul_flops;
+      if (l.name.rfind("conv", 0) == 0) conv_flops += l.matmul_flops;
+      if (l.name.rfind("fc", 0) == 0) dense_params += static_cast<double>(l.parameters);
+    }
+    return std::make_pair(conv_flops / flops, dense_params / model.parameters());
+  };
+  const ModelCost vgg16 = model_named("vgg16");
+  EXPECT_EQ(vgg16.parameters(), 138357544);
+  EXPECT_EQ(vgg16.layers.size(), 16u);
+  EXPECT_GT(shares(vgg16).first, 0.99);
+  EXPECT_GT(shares(vgg16).second, 0.89);
+  const ModelCost small = model_named("vgg-small");
+  EXPECT_GT(shares(small).first, 0.75);
+  EXPECT_GT(shares(small).second, 0.98);
+  models::ModelSpec spec;
+  spec.name = "vgg";
+  spec.input_shape = {1, 28, 28};
+  spec.classes = 10;
+  const Model dtrains = models::make_model(spec);
+  ASSERT_EQ(dtrains.stages.size(), small.layers.size());
+  int64_t counted = 0;
+  for (size_t i = 0; i < small.layers.size(); ++i) {
+    int64_t stage = 0;
+    for (const auto& module : dtrains.stages[i].modules) {
+      for (const auto& p : module->parameters()) stage += p.numel();
+    }
+    EXPECT_EQ(stage, small.layers[i].parameters) << small.layers[i].name;
+    counted += stage;
+  }
+  EXPECT_EQ(counted, small.parameters());
 }
 
 TEST(Planner, RefusesLayoutsNamingWhatIsWrong) {

@@ -115,7 +115,8 @@ TEST(Trainer, ResumesAcrossStrategiesAndWorldSizes) {
 
 // Pipelined training through the Trainer: a 2-stage x 2-replica zero1 pipeline trains and
 // evaluates as ddp does; its checkpoints resume as a 4-stage gpipe pipeline, then interleaved on
-// 2 ranks, then plain ddp on 3 ranks, ending with the uninterrupted run's weights.
+// 2 ranks, then 3 stages replicated 1,2,1 on 4 ranks, then plain ddp on 3 ranks, ending with the
+// uninterrupted run's weights.
 TEST(Trainer, PipelinedRunsEvaluateAndResumeAtOtherSizesAndStrategies) {
   at::set_num_threads(1);
   models::ModelSpec deep = mlp_spec();
@@ -182,32 +183,53 @@ TEST(Trainer, PipelinedRunsEvaluateAndResumeAtOtherSizesAndStrategies) {
   for (size_t i = 0; i < full.weights.size(); ++i) {
     EXPECT_LE((full.weights[i] - zbv.weights[i]).abs().max().item<double>(), 1e-10);
   }
+  // PipeDream's replicated stages on 3 ranks (the first stage on 2): one data stream, the
+  // step's 4 micro-batches dealt to the first stage's replicas in turn; evaluated by each
+  // stage's first replica.
+  auto replicated = with("ddp", 2, 1, 4);
+  replicated.stage_replicas = {2, 1};
+  const RunOutput rep = run(3, replicated, 1, deep, true);
+  ASSERT_TRUE(rep.validation);
+  EXPECT_EQ(rep.validation->examples, 40);
+  EXPECT_NEAR(rep.validation->loss, full.validation->loss, 1e-10);
+  ASSERT_EQ(rep.losses.size(), full.losses.size());
+  for (size_t i = 0; i < full.losses.size(); ++i) {
+    EXPECT_NEAR(rep.losses[i], full.losses[i], 1e-10) << "replicated stages, step " << i + 1;
+  }
+  for (size_t i = 0; i < full.weights.size(); ++i) {
+    EXPECT_LE((full.weights[i] - rep.weights[i]).abs().max().item<double>(), 1e-10);
+  }
 
   options.checkpoint_dir = dir / "checkpoints";
-  options.checkpoint_every = 3;
+  options.checkpoint_every = 2;
   auto first = with("zero1", 2, 2, 2);
-  first.stop_at_step = 3;
+  first.stop_at_step = 4;
   run(4, first, 1, deep);
   auto second = with("ddp", 4, 1, 4);
   second.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = "gpipe";
   second.stop_at_step = 6;
-  EXPECT_EQ(run(4, second, 777, deep).start_step, 3);
+  EXPECT_EQ(run(4, second, 777, deep).start_step, 4);
   auto third = with("ddp", 2, 1, 4);
   third.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().schedule = "interleaved";
   third.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().virtual_stages = 2;
-  third.stop_at_step = 9;
+  third.stop_at_step = 8;
   EXPECT_EQ(run(2, third, 778, deep).start_step, 6);
+  auto fourth = with("ddp", 3, 1, 4);
+  fourth.stage_replicas = {1, 2, 1};
+  fourth.stop_at_step = 10;
+  EXPECT_EQ(run(4, fourth, 779, deep).start_step, 8);
   const RunOutput last = run(3, with("ddp", 1, 3, 1), 999, deep);
-  EXPECT_EQ(last.start_step, 9);
+  EXPECT_EQ(last.start_step, 10);
   for (size_t i = 0; i < full.weights.size(); ++i) {
     EXPECT_LE((full.weights[i] - last.weights[i]).abs().max().item<double>(), 1e-10);
   }
-  const auto meta = train::read_meta(dir / "checkpoints/step-00000006");
+  const auto meta = train::read_meta(dir / "checkpoints/step-00000010");
   EXPECT_EQ(meta.strategy, "pipeline");
-  EXPECT_EQ(meta.pp, 4);
+  EXPECT_EQ(meta.pp, 3);
+  EXPECT_EQ(meta.world_size, 4);
   // The whole model from a pipelined checkpoint.
   const auto consolidated = dir / "whole.pt";
-  EXPECT_EQ(train::consolidate_checkpoint(dir / "checkpoints/step-00000009", consolidated),
+  EXPECT_EQ(train::consolidate_checkpoint(dir / "checkpoints/step-00000010", consolidated),
             static_cast<int64_t>(full.weights.size()));
 }
 
@@ -270,8 +292,7 @@ void pipedream_resumes(const std::string& sync) {
     reference = run(2, same, 1, deep);
     double moved = 0;
     for (size_t i = 0; i < full.weights.size(); ++i) {
-      moved = std::max(moved,
-                       (full.weights[i] - reference.weights[i]).abs().max().item<double>());
+      moved = std::max(moved, (full.weights[i] - reference.weights[i]).abs().max().item<double>());
     }
     EXPECT_GT(moved, 1e-8) << "async's checkpoints should be flushes that change its course";
   }

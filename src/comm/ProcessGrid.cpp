@@ -2,6 +2,8 @@
 // the same order, keeping the ones it belongs to).
 #include "dtrain/comm/ProcessGrid.h"
 
+#include <algorithm>
+
 #include "dtrain/common/Error.h"
 
 namespace dtrain::comm {
@@ -48,25 +50,95 @@ ProcessGrid::ProcessGrid(CommunicatorPtr world, int tensor_parallel, int pipelin
                " did not land in every group");
 }
 
+ProcessGrid::ProcessGrid(CommunicatorPtr world, int tensor_parallel,
+                         std::vector<int> stage_replicas)
+    : world_(std::move(world)),
+      pp_size_(static_cast<int>(stage_replicas.size())),
+      tp_size_(tensor_parallel),
+      stage_replicas_(std::move(stage_replicas)) {
+  DTRAIN_CHECK(world_, "ProcessGrid needs a world communicator");
+  DTRAIN_CHECK_INPUT(pp_size_ >= 1 && tp_size_ >= 1, "--stage-replicas names no stage");
+  int slots = 0;
+  for (int s = 0; s < pp_size_; ++s) {
+    DTRAIN_CHECK_INPUT(stage_replicas_[s] >= 1, "--stage-replicas: stage ", s, " has ",
+                       stage_replicas_[s], " replicas (at least 1)");
+    stage_offsets_.push_back(slots);
+    slots += stage_replicas_[s];
+  }
+  const int world_size = world_->size();
+  DTRAIN_CHECK_INPUT(slots * tp_size_ == world_size, "--stage-replicas adds up to ", slots,
+                     " ranks", tp_size_ > 1 ? concat(" x --tensor-parallel ", tp_size_) : "",
+                     ", but the world has ", world_size);
+  coordinates_ = coordinates_of(world_->rank());
+  dp_size_ = stage_replicas_[coordinates_.pp];
+  auto make = [&](const std::vector<int>& ranks, const std::string& name) -> CommunicatorPtr {
+    if (static_cast<int>(ranks.size()) == world_size) return world_;
+    return world_->new_group(ranks, name);
+  };
+  auto keep = [](CommunicatorPtr& slot, CommunicatorPtr group) {
+    if (group) slot = std::move(group);
+  };
+  for (int slot = 0; slot < slots; ++slot) {
+    std::vector<int> ranks;
+    for (int tp = 0; tp < tp_size_; ++tp) ranks.push_back(slot * tp_size_ + tp);
+    keep(tp_, make(ranks, concat("tp[slot=", slot, "]")));
+  }
+  for (int pp = 0; pp < pp_size_; ++pp) {
+    for (int tp = 0; tp < tp_size_; ++tp) {
+      std::vector<int> ranks;
+      for (int dp = 0; dp < stage_replicas_[pp]; ++dp) ranks.push_back(world_rank_of({dp, pp, tp}));
+      keep(dp_, make(ranks, concat("dp[pp=", pp, ",tp=", tp, "]")));
+    }
+  }
+  for (int tp = 0; tp < tp_size_; ++tp) {
+    std::vector<int> ranks;
+    for (int slot = 0; slot < slots; ++slot) ranks.push_back(slot * tp_size_ + tp);
+    keep(pp_, make(ranks, concat("pp[tp=", tp, "]")));
+  }
+  DTRAIN_CHECK(dp_ && pp_ && tp_, "ProcessGrid: rank ", world_->rank(),
+               " did not land in every group");
+}
+
+int ProcessGrid::pp_rank_of(int stage, int replica) const {
+  if (replicated_stages()) return stage_offsets_[stage] + replica;
+  return stage;
+}
+
 int ProcessGrid::world_rank_of(const GridCoordinates& c) const {
+  if (replicated_stages()) return (stage_offsets_[c.pp] + c.dp) * tp_size_ + c.tp;
   return c.pp * (dp_size_ * tp_size_) + c.dp * tp_size_ + c.tp;
 }
 
 GridCoordinates ProcessGrid::coordinates_of(int world_rank) const {
   GridCoordinates c;
   c.tp = world_rank % tp_size_;
+  if (replicated_stages()) {
+    const int slot = world_rank / tp_size_;
+    while (c.pp + 1 < pp_size_ && stage_offsets_[c.pp + 1] <= slot) ++c.pp;
+    c.dp = slot - stage_offsets_[c.pp];
+    return c;
+  }
   c.dp = (world_rank / tp_size_) % dp_size_;
   c.pp = world_rank / (tp_size_ * dp_size_);
   return c;
 }
 
+// (Replicated stages: the neighbouring stage's replica of the same index, or its last.)
 int ProcessGrid::prev_stage_world_rank() const {
   if (is_first_stage()) return -1;
+  if (replicated_stages()) {
+    const int pp = coordinates_.pp - 1;
+    return world_rank_of({std::min(coordinates_.dp, stage_replicas_[pp] - 1), pp, coordinates_.tp});
+  }
   return world_rank_of({coordinates_.dp, coordinates_.pp - 1, coordinates_.tp});
 }
 
 int ProcessGrid::next_stage_world_rank() const {
   if (is_last_stage()) return -1;
+  if (replicated_stages()) {
+    const int pp = coordinates_.pp + 1;
+    return world_rank_of({std::min(coordinates_.dp, stage_replicas_[pp] - 1), pp, coordinates_.tp});
+  }
   return world_rank_of({coordinates_.dp, coordinates_.pp + 1, coordinates_.tp});
 }
 

@@ -53,8 +53,8 @@ struct MlpImpl : torch::nn::Module {
       out.push_back({"layers." + std::to_string(i),
                      {children[i]},
                      [linear, first = i == 0, last](const at::Tensor& x) {
-                       at::Tensor h =
-                           dtrain::nn::linear(first ? x.flatten(1) : x, linear->weight, linear->bias);
+                       at::Tensor h = dtrain::nn::linear(first ? x.flatten(1) : x, linear->weight,
+                                                         linear->bias);
                        return last ? h : torch::relu(h);
                      }});
     }
@@ -102,6 +102,53 @@ struct CnnImpl : torch::nn::Module {
   int64_t segments;
   torch::nn::Conv2d conv1, conv2;
   torch::nn::Linear fc1, fc2;
+};
+
+// "vgg": VGG's shape (Simonyan & Zisserman 2015) at a small scale, PipeDream's example of a
+// model whose compute and parameters live apart: two blocks of two 3x3 convolutions (32 and 64
+// channels, ReLU, 2x2 max pooling), average pooling to 7x7 (as torchvision's VGG), then three
+// fully-connected layers (1024, 1024, classes). On 28x28 the convolutions are ~80% of the
+// compute and 1.5% of the 4.3M parameters. One stage per layer.
+struct VggImpl : torch::nn::Module {
+  VggImpl(int64_t channels, int64_t classes, const std::string& checkpointing)
+      : segments(memory::parse_segments(checkpointing, 7)) {
+    const int64_t widths[] = {32, 32, 64, 64};
+    int64_t in = channels;
+    for (int i = 0; i < 4; ++i) {
+      convs.push_back(register_module(
+          concat("conv", i + 1),
+          torch::nn::Conv2d(torch::nn::Conv2dOptions(in, widths[i], 3).padding(1))));
+      in = widths[i];
+    }
+    const int64_t sizes[] = {64 * 7 * 7, 1024, 1024, classes};
+    for (int i = 0; i < 3; ++i) {
+      fcs.push_back(
+          register_module(concat("fc", i + 1), torch::nn::Linear(sizes[i], sizes[i + 1])));
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) { return run_stages(stages(), segments, x); }
+  std::vector<Stage> stages() {
+    std::vector<Stage> out;
+    for (int i = 0; i < 4; ++i) {
+      out.push_back({concat("conv", i + 1), {convs[i].ptr()}, [this, i](const at::Tensor& h) {
+                       at::Tensor y = torch::relu(convs[i](h));
+                       if (i % 2 == 1) y = torch::max_pool2d(y, 2);
+                       return i == 3 ? torch::adaptive_avg_pool2d(y, {7, 7}) : y;
+                     }});
+    }
+    for (int i = 0; i < 3; ++i) {
+      // nn::linear: a zero-bubble pipeline defers the weight gradient to its W.
+      out.push_back({concat("fc", i + 1), {fcs[i].ptr()}, [this, i](const at::Tensor& h) {
+                       at::Tensor y = dtrain::nn::linear(i == 0 ? h.flatten(1) : h, fcs[i]->weight,
+                                                         fcs[i]->bias);
+                       return i < 2 ? torch::relu(y) : y;
+                     }});
+    }
+    return out;
+  }
+  int64_t segments;
+  std::vector<torch::nn::Conv2d> convs;
+  std::vector<torch::nn::Linear> fcs;
 };
 
 struct ResidualBlockImpl : torch::nn::Module {
@@ -232,6 +279,13 @@ Model build_cnn(const ModelSpec& spec) {
                                                fedavg ? 512 : 128));
 }
 
+Model build_vgg(const ModelSpec& spec) {
+  const auto& shape = spec.input_shape;
+  DTRAIN_CHECK_INPUT(shape.size() == 3 && shape[1] >= 4 && shape[2] >= 4, "model ", spec.name,
+                     " needs image inputs [C, H>=4, W>=4]");
+  return with_stages(std::make_shared<VggImpl>(shape[0], spec.classes, spec.checkpointing));
+}
+
 Model build_resnet(const ModelSpec& spec) {
   DTRAIN_CHECK_INPUT(spec.input_shape.size() == 3, "model resnet needs image inputs [C, H, W]");
   return with_stages(
@@ -292,6 +346,10 @@ std::vector<ModelInfo> built_in() {
       classifier("cnn", "a small CNN (3x3 convolutions)", build_cnn),
       classifier("fedavg-cnn", "McMahan et al.'s CNN (5x5 convolutions, a 512-unit layer)",
                  build_cnn),
+      classifier("vgg",
+                 "a VGG-style CNN: 4 3x3 convolutions (most of the compute), 3 large "
+                 "fully-connected layers (most of the parameters)",
+                 build_vgg),
       classifier("resnet", "a ResNet-style CNN (BatchNorm)", build_resnet),
   };
   all.back().parameters_only = false;  // BatchNorm's running statistics

@@ -162,6 +162,53 @@ ModelCost resnet50() {
   return model;
 }
 
+// VGG (Simonyan & Zisserman 2015): 3x3 convolutions with ReLU, 2x2 max pooling after each
+// block, then fully-connected layers with ReLU (PipeDream's example: the convolutions hold the
+// compute, the dense layers the parameters). `blocks`: (convolutions, channels) per block.
+// "vgg16" at 224x224 (138M parameters); "vgg-small" is dtrain's --model vgg on 28x28x1 (4.3M).
+ModelCost vgg(const std::string& name, double channels, double hw,
+              const std::vector<std::pair<int, double>>& blocks, const std::vector<double>& dense,
+              double pooled_hw) {
+  ModelCost model;
+  model.name = name;
+  double in = channels;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    for (int c = 0; c < blocks[b].first; ++c) {
+      const double out_channels = blocks[b].second;
+      const bool pools = c + 1 == blocks[b].first;
+      Layer layer;
+      layer.name = concat("conv", b + 1, "_", c + 1);
+      const double out = out_channels * hw * hw;
+      layer.parameters = static_cast<int64_t>(in * out_channels * 9 + out_channels);
+      layer.matmul_flops = 2 * in * 9 * out;
+      layer.matmul_dim = std::min(out_channels, in * 9);
+      // bias + ReLU (read, write), max pooling after the block's last (read, write a quarter)
+      layer.elementwise_elements = 2 * out + (pools ? 1.25 * out : 0);
+      layer.kernels = pools ? 3 : 2;
+      layer.saved_elements = in * hw * hw + out;  // the input (for dW) and ReLU's output
+      layer.output_elements = pools ? out / 4 : out;
+      model.layers.push_back(layer);
+      in = out_channels;
+    }
+    hw /= 2;
+  }
+  double width = in * pooled_hw * pooled_hw;
+  for (size_t i = 0; i < dense.size(); ++i) {
+    Layer fc;
+    fc.name = concat("fc", i + 1);
+    fc.parameters = static_cast<int64_t>(width * dense[i] + dense[i]);
+    fc.matmul_flops = 2 * width * dense[i];
+    fc.matmul_dim = std::min(width, dense[i]);
+    fc.elementwise_elements = 2 * dense[i];
+    fc.kernels = 2;
+    fc.saved_elements = width + dense[i];
+    fc.output_elements = dense[i];
+    model.layers.push_back(fc);
+    width = dense[i];
+  }
+  return model;
+}
+
 struct Preset {
   const char* name;
   const char* what;
@@ -232,7 +279,7 @@ TransformerShape parse_shape(const std::string& text) {
 }  // namespace
 
 std::vector<std::string> known_models() {
-  std::vector<std::string> names = {"resnet50"};
+  std::vector<std::string> names = {"resnet50", "vgg16", "vgg-small"};
   for (const auto& preset : kPresets) names.push_back(preset.name);
   names.push_back("transformer:layers=L,hidden=H,heads=A,seq=S,vocab=V[,ffn=F]");
   return names;
@@ -240,6 +287,11 @@ std::vector<std::string> known_models() {
 
 ModelCost model_named(const std::string& text) {
   if (text == "resnet50") return resnet50();
+  if (text == "vgg16") {
+    return vgg("vgg16", 3, 224, {{2, 64}, {2, 128}, {3, 256}, {3, 512}, {3, 512}},
+               {4096, 4096, 1000}, 7);
+  }
+  if (text == "vgg-small") return vgg("vgg-small", 1, 28, {{2, 32}, {2, 64}}, {1024, 1024, 10}, 7);
   for (const auto& preset : kPresets) {
     if (text == preset.name) return transformer(preset.shape, preset.name);
   }

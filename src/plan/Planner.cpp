@@ -18,16 +18,6 @@ namespace dtrain::plan {
 
 namespace pp = parallel::pipeline;
 
-std::string Layout::describe() const {
-  std::string text = concat(strategy, " dp", dp, " pp", pp, " tp", tp);
-  if (pp > 1) text += concat(" ", schedule, chunks > 1 ? concat("x", chunks) : std::string());
-  if (pp > 1 && pipeline_sync != "flush") text += concat(" ", pipeline_sync);
-  text += concat(" mb", micro_batch_size, "x", micro_batches, " ", precision);
-  if (checkpointing) text += " ckpt";
-  if (sequence_parallel) text += " sp";
-  return text;
-}
-
 namespace {
 
 bool is_one_of(const std::string& value, std::initializer_list<const char*> choices) {
@@ -164,6 +154,16 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
   } else {
     DTRAIN_CHECK_INPUT(layout.chunks == 1, "chunks > 1 needs an interleaved pipeline");
   }
+  if (!layout.stage_replicas.empty()) {
+    DTRAIN_CHECK_INPUT(static_cast<int>(layout.stage_replicas.size()) == layout.pp && layout.pp > 1,
+                       "layout ", layout.describe(), ": one replica count per stage, pp > 1");
+    DTRAIN_CHECK_INPUT(layout.dp == 1 && layout.tp == 1 && layout.strategy == "ddp" &&
+                           layout.chunks == 1 && layout.pipeline_sync == "flush",
+                       "replicated stages run ddp, dp 1, tp 1, one chunk and a flushed schedule");
+    pp::ScheduleSpec spec{pp::schedule_kind_named(layout.schedule), layout.pp, layout.micro_batches,
+                          1, layout.stage_replicas};
+    pp::validate(spec);  // a micro-batch per replica at least
+  }
 }
 
 Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
@@ -186,7 +186,6 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   const double b = layout.micro_batch_size;
   const Placement place{cluster, layout};
   const Link tp_link = place.group_link(1, layout.tp);
-  const Link dp_link = place.group_link(layout.tp, layout.dp);
 
   // --- Every layer's forward and backward on one TP rank, one micro-batch.
   const size_t n_layers = model.layers.size();
@@ -226,7 +225,9 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   const int P = layout.pp, V = layout.chunks, stages = P * V;
   std::vector<double> costs(n_layers);
   for (size_t i = 0; i < n_layers; ++i) costs[i] = times[i].forward + times[i].backward;
-  const pp::Partition partition = pp::balanced_partition(costs, stages);
+  // (Replicated stages: a stage's work is shared by its replicas, PipeDream's partition.)
+  const bool replicated = !layout.stage_replicas.empty();
+  const pp::Partition partition = pp::balanced_partition(costs, stages, layout.stage_replicas);
   auto stage_sum = [&](int vstage, auto field) {
     double total = 0;
     for (int i = partition.first(vstage); i < partition.end(vstage); ++i) total += field(i);
@@ -244,9 +245,18 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   // activation or a gradient takes to reach the next stage.
   const pp::ScheduleSpec spec{
       P > 1 ? pp::schedule_kind_named(layout.schedule) : pp::ScheduleKind::GPipe, P,
-      layout.micro_batches, V};
+      layout.micro_batches, V, layout.stage_replicas};
+  // The ranks that run the schedule: P, or every replica of every stage (slots).
+  const int slots = spec.slots();
+  auto vstage = [&](int chunk, int rank) {
+    return replicated ? spec.stage_of_slot(rank) : pp::stage_of(spec, chunk, rank);
+  };
+  // Each pipeline rank's data-parallel group: dp, or its stage's replicas.
+  auto replicas_of = [&](int rank) {
+    return replicated ? layout.stage_replicas[spec.stage_of_slot(rank)] : layout.dp;
+  };
   std::vector<std::vector<pp::Action>> lists;
-  for (int r = 0; r < P; ++r) lists.push_back(pp::build_schedule(spec, r));
+  for (int r = 0; r < slots; ++r) lists.push_back(pp::build_slot_schedule(spec, r));
   // A split backward (zero bubble): W is the weight gradients' matmuls, B the rest.
   const bool split = pp::splits_backward(spec.kind);
   std::vector<double> stage_w(stages, 0.0);
@@ -257,17 +267,20 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   }
   pp::ActionCosts action_costs;
   action_costs.duration = [&](int rank, const pp::Action& a) {
-    const int s = pp::stage_of(spec, a.chunk, rank);
+    const int s = vstage(a.chunk, rank);
     if (a.kind == pp::Action::Forward) return stage_f[s];
     if (a.kind == pp::Action::Weight) return stage_w[s];
     return stage_b[s] - stage_w[s];
   };
   action_costs.transfer = [&](int from, int to, const pp::Action& a) {
-    const int s = pp::stage_of(spec, a.chunk, to);
+    const int s = vstage(a.chunk, to);
     const int boundary =
         a.kind == pp::Action::Forward ? partition.first(s) - 1 : partition.end(s) - 1;
     const double elements = model.layers[std::max(0, boundary)].output_elements * b;
-    const bool same_node = place.node_of(from, 0, 0) == place.node_of(to, 0, 0);
+    auto node = [&](int rank) {  // (a slot is a world rank: replicated stages have tp 1)
+      return replicated ? rank / cluster.per_node() : place.node_of(rank, 0, 0);
+    };
+    const bool same_node = node(from) == node(to);
     // Every rank of a node sends its stage's activations at once: each gets its share of the
     // node's network.
     const Link link =
@@ -299,17 +312,20 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   // next) and reduce-scatters its gradients.
   Prediction out;
   out.layout = layout;
-  const int D = layout.dp;
+  const int D_grid = layout.dp;
   const double grad_bytes = bytes.gradient;
   double worst_end = 0, worst_compute = 0, worst_exposed = 0, worst_bubble = 0, worst_opt = 0;
-  for (int r = 0; r < P; ++r) {
-    const double compute_end =
-        flush_free ? steady_step : timeline.ends[r].empty() ? 0 : timeline.ends[r].back();
+  for (int r = 0; r < slots; ++r) {
+    const int D = replicas_of(r);
+    const Link dp_link = place.group_link(layout.tp, D);
+    const double compute_end = flush_free                 ? steady_step
+                               : timeline.ends[r].empty() ? 0
+                                                          : timeline.ends[r].back();
     double busy = 0;
     for (size_t k = 0; k < lists[r].size(); ++k)
       busy += timeline.ends[r][k] - timeline.starts[r][k];
     double rank_params = 0;
-    for (int c = 0; c < V; ++c) rank_params += stage_params[pp::stage_of(spec, c, r)];
+    for (int c = 0; c < V; ++c) rank_params += stage_params[vstage(c, r)];
     double comm_end = compute_end;
     double step_end = compute_end;
     if (layout.strategy == "zero3") {
@@ -356,7 +372,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     } else if (layout.strategy != "downpour" && D > 1) {
       double link_free = 0;
       for (int c = 0; c < V; ++c) {
-        const int s = pp::stage_of(spec, c, r);
+        const int s = vstage(c, r);
         // The last backward of this chunk: its start, then layers in reverse order.
         double last_start = 0;
         for (size_t k = 0; k < lists[r].size(); ++k) {
@@ -428,7 +444,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
                                  4 * bytes.gradient;
     int rank_layers = 0;
     for (int c = 0; c < V; ++c) {
-      const int s = pp::stage_of(spec, c, r);
+      const int s = vstage(c, r);
       rank_layers += partition.end(s) - partition.first(s);
     }
     // (Downpour's workers leave the update to the shards.)
@@ -436,11 +452,10 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     // and a write of the weights); async updates after every micro-batch.
     const double updates = layout.pipeline_sync == "async" && P > 1 ? layout.micro_batches : 1;
     const double version_copy = flush_free ? 2 * rank_params * bytes.parameter / byte_rate : 0;
-    const double opt_s =
-        layout.strategy == "downpour"
-            ? 0.0
-            : updates * (rank_params / shard * opt_bytes_per / byte_rate +
-                         rank_layers * 4 * overhead + version_copy);
+    const double opt_s = layout.strategy == "downpour"
+                             ? 0.0
+                             : updates * (rank_params / shard * opt_bytes_per / byte_rate +
+                                          rank_layers * 4 * overhead + version_copy);
     step_end += opt_s;
     const double exposed = step_end - opt_s - compute_end;
     if (step_end > worst_end) {
@@ -455,6 +470,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     }
   }
   out.step_s = worst_end;
+  const int D = D_grid;
   if (layout.strategy == "downpour" && D > 1) {
     // Asynchronous workers: each pulls the parameters and pushes its gradients every step
     // (4 bytes each way per parameter) over its node's share of the network; the shards
@@ -476,11 +492,11 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   out.bubble = worst_bubble;
 
   // --- Memory of the rank that needs the most.
-  for (int r = 0; r < P; ++r) {
+  for (int r = 0; r < slots; ++r) {
     Memory m;
     double params = 0, saved = 0, boundary = 0, largest_saved = 0, largest_layer = 0;
     for (int c = 0; c < V; ++c) {
-      const int s = pp::stage_of(spec, c, r);
+      const int s = vstage(c, r);
       for (int i = partition.first(s); i < partition.end(s); ++i) {
         const Layer& l = model.layers[i];
         const double split = l.tensor_parallel ? layout.tp : 1;
@@ -496,7 +512,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
       }
     }
     // A pipeline's last stage keeps its own copy of the tied embedding.
-    if (P > 1 && r == P - 1 && model.layers.front().name == "embedding" &&
+    if (P > 1 && vstage(0, r) == P - 1 && model.layers.front().name == "embedding" &&
         model.layers.back().name == "head") {
       params += local_params.front();
     }
@@ -504,7 +520,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
         P > 1 ? std::max(1.0, timeline.peak_live[r] / static_cast<double>(V)) : 1.0;
     const bool z1 =
         layout.strategy == "zero1" || layout.strategy == "zero2" || layout.strategy == "zero3";
-    const double sharded = D;  // ZeRO's shards: 1/DP of what they shard
+    const double sharded = replicas_of(r);  // ZeRO's shards: 1/DP of what they shard
     m.parameters = params * bytes.parameter / (layout.strategy == "zero3" ? sharded : 1.0);
     // PipeDream's weight versions: 2bw two, async up to one per micro-batch in flight and one.
     if (flush_free) m.parameters *= layout.pipeline_sync == "async" ? P - r + 1 : 2;

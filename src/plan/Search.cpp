@@ -78,6 +78,49 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
       }
     }
   }
+  // PipeDream's layouts: P stages over the GPUs replicated unequally (the even splits are the
+  // dp x pp grid's above), one data stream, 1F1B with ddp.
+  if (options.replicated_stages && gpus <= 32 &&
+      options.strategies.end() !=
+          std::find(options.strategies.begin(), options.strategies.end(), "ddp")) {
+    for (int stages = 2; stages <= std::min({4, layers, gpus}); ++stages) {
+      std::vector<int> counts(stages, 1);
+      counts.back() = gpus - (stages - 1);
+      // Every composition of the GPUs into `stages` counts >= 1, in lexicographic order.
+      while (true) {
+        const bool even =
+            std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts.front(); });
+        const int most = *std::max_element(counts.begin(), counts.end());
+        for (int mbs : divisors(options.global_batch, options.max_micro_batch_size)) {
+          const int64_t micro_batches = options.global_batch / mbs;
+          if (even || micro_batches < std::max(stages, most)) continue;
+          for (bool checkpointing : {false, true}) {
+            if (checkpointing && !options.allow_checkpointing) continue;
+            Layout layout;
+            layout.pp = stages;
+            layout.stage_replicas = counts;
+            layout.micro_batch_size = mbs;
+            layout.micro_batches = static_cast<int>(micro_batches);
+            layout.precision = options.precision;
+            layout.optimizer = options.optimizer;
+            layout.checkpointing = checkpointing;
+            layouts.push_back(layout);
+          }
+        }
+        // The next composition: move one from the last count into the one before the rightmost
+        // count that can give (all but the last are >= 1 and grow; the last takes the rest).
+        int k = stages - 2;
+        while (k >= 0 && counts.back() == 1) {
+          counts.back() += counts[k] - 1;
+          counts[k] = 1;
+          --k;
+        }
+        if (k < 0) break;
+        ++counts[k];
+        --counts.back();
+      }
+    }
+  }
   // Simulate them on every core.
   result.considered = static_cast<int>(layouts.size());
   std::vector<Prediction> predictions(layouts.size());

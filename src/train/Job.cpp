@@ -51,6 +51,7 @@ models::ModelSpec model_spec(const JobConfig& job, int64_t vocabulary = 2) {
 
 // The job's data-parallel replicas: its ranks over the pipeline and tensor-parallel ones.
 int64_t data_parallel_ranks(const JobConfig& job, const TrainerOptions& trainer) {
+  if (!trainer.stage_replicas.empty()) return 1;  // one pipeline, its stages replicated
   return std::max(1, job.nproc / (std::max(1, trainer.pipeline_parallel) *
                                   std::max(1, trainer.tensor_parallel)));
 }
@@ -63,6 +64,7 @@ void validate_strategy(const JobConfig& job, const TrainerOptions& trainer) {
   layout.ranks = job.nproc;
   layout.pipeline_parallel = trainer.pipeline_parallel;
   layout.tensor_parallel = trainer.tensor_parallel;
+  layout.stage_replicas = trainer.stage_replicas;
   const bool language_model = models::model_info(job.model).language_model;
   layout.sequence_parallel = language_model && job.gpt.sequence_parallel;
   layout.tied_parameters = language_model && job.gpt.tied_embeddings;
@@ -176,7 +178,8 @@ void validate_job(const JobConfig& job) {
   if (model.check_layout) {
     models::ModelLayout layout;
     layout.tensor_parallel = tp;
-    layout.pipeline_parallel = job.trainer.pipeline_parallel;
+    layout.pipeline_parallel = std::max(job.trainer.pipeline_parallel,
+                                        static_cast<int>(job.trainer.stage_replicas.size()));
     layout.sequence_parallel = job.gpt.sequence_parallel;
     model.check_layout(model_spec(job), layout);
   } else {
@@ -185,7 +188,7 @@ void validate_job(const JobConfig& job) {
                        "tensor-parallel layers and a sequence (--model gpt), not ",
                        job.model);
   }
-  if (tp > 1) {
+  if (tp > 1 && job.trainer.stage_replicas.empty()) {
     DTRAIN_CHECK_INPUT(job.nproc % (tp * std::max(1, job.trainer.pipeline_parallel)) == 0,
                        "--nproc ", job.nproc, " is not a multiple of --tensor-parallel ", tp,
                        " x --pipeline-parallel ", job.trainer.pipeline_parallel,
@@ -241,6 +244,9 @@ TrainerOptions trainer_options(const JobConfig& job) {
                        "give --micro-batches, --accumulation or --global-batch, not two of them "
                        "(each sets the micro-batches per step)");
     options.accumulation_steps = job.micro_batches;
+  }
+  if (!options.stage_replicas.empty() && options.pipeline_parallel == 1) {
+    options.pipeline_parallel = static_cast<int>(options.stage_replicas.size());
   }
   options.strategy_options.bucket_cap_bytes = static_cast<int64_t>(job.bucket_cap_mb * 1024 * 1024);
   return options;

@@ -47,6 +47,19 @@ void validate(const TrainerOptions& o) {
   DTRAIN_CHECK_INPUT(o.keep_checkpoints >= 0, "checkpoints to keep must be >= 0, got ",
                      o.keep_checkpoints);
   parse_device(o.strategy_options.device);  // the name; the machine is checked by each rank
+  if (!o.stage_replicas.empty()) {
+    DTRAIN_CHECK_INPUT(
+        o.stage_replicas.size() >= 2, "--stage-replicas names ", o.stage_replicas.size(),
+        " stage: a pipeline has at least 2 (one stage replicated is --strategy ddp)");
+    for (size_t s = 0; s < o.stage_replicas.size(); ++s) {
+      DTRAIN_CHECK_INPUT(o.stage_replicas[s] >= 1, "--stage-replicas: stage ", s, " has ",
+                         o.stage_replicas[s], " replicas (at least 1)");
+    }
+    DTRAIN_CHECK_INPUT(o.pipeline_parallel == 1 ||
+                           o.pipeline_parallel == static_cast<int>(o.stage_replicas.size()),
+                       "--pipeline-parallel ", o.pipeline_parallel, " but --stage-replicas names ",
+                       o.stage_replicas.size(), " stages");
+  }
 }
 
 BatchPlan plan_batches(const TrainerOptions& options, int64_t dp) {
@@ -68,6 +81,9 @@ BatchPlan plan_batches(const TrainerOptions& options, int64_t dp) {
 Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
     : options_(std::move(options)), world_(std::move(world)) {
   validate(options_);
+  if (!options_.stage_replicas.empty()) {
+    options_.pipeline_parallel = static_cast<int>(options_.stage_replicas.size());
+  }
   loss_ = options_.loss;
   if (!world_) {
     comm::InitOptions single;
@@ -81,10 +97,14 @@ Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
   layout.strategy = options_.strategy;
   layout.pipeline_parallel = options_.pipeline_parallel;
   layout.tensor_parallel = options_.tensor_parallel;
+  layout.stage_replicas = options_.stage_replicas;
   layout.defer_eval = options_.defer_eval;
-  grid_ = std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
-                                              options_.pipeline_parallel);
-  layout.micro_batches = plan_batches(options_, grid_->dp_size()).micro_batches;
+  grid_ = options_.stage_replicas.empty()
+              ? std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
+                                                    options_.pipeline_parallel)
+              : std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
+                                                    options_.stage_replicas);
+  layout.micro_batches = plan_batches(options_, grid_->data_parallel_size()).micro_batches;
   options_.strategy = parallel::resolve_strategy(layout, options_.strategy_options);
   loop_ = parallel::strategy_info(options_.strategy).loop;
   // "cuda" becomes this rank's device (LOCAL_RANK under a launcher, as torchrun has it).
@@ -124,8 +144,8 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
   torch::NoGradGuard no_grad;
   // Each data-parallel replica evaluates a share; within a replica every rank sees the same
   // examples, and the ranks holding the output (a pipeline's last stage) count them.
-  const int replica = alone ? 0 : grid_->coordinates().dp;
-  const int replicas = alone ? 1 : grid_->dp_size();
+  const int replica = alone ? 0 : grid_->data_parallel_rank();
+  const int replicas = alone ? 1 : grid_->data_parallel_size();
   const bool counts = grid_->coordinates().tp == 0;  // TP ranks compute the same values
   double sums[3] = {0, 0, 0};                        // loss * n, correct, n
   for (int64_t begin = 0; begin < dataset.size(); begin += options_.eval_batch_size * replicas) {
@@ -182,14 +202,14 @@ void Trainer::write_trace() {
 FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                        const data::TensorDataset* validation) {
   const int rank = world_->rank();
-  const int dp_size = grid_->dp_size();
+  const int dp_size = grid_->data_parallel_size();
   const BatchPlan batches = plan_batches(options_, dp_size);
   options_.accumulation_steps = batches.micro_batches;
   options_.global_batch = 0;  // a second fit() derives nothing new from it
   const int64_t local_step_batch = batches.local_step_batch();
   const int64_t global_batch = batches.global_batch;
   // A presampled set's order is its own (Megatron's shuffle over every epoch): read in order.
-  const data::DistributedSampler sampler(train.size(), dp_size, grid_->coordinates().dp,
+  const data::DistributedSampler sampler(train.size(), dp_size, grid_->data_parallel_rank(),
                                          {!train.presampled(), options_.seed, true});
   const int64_t steps_per_epoch = sampler.num_samples() / local_step_batch;
   DTRAIN_CHECK_INPUT(steps_per_epoch >= 1, "a step needs ", global_batch, " examples (batch ",
@@ -244,7 +264,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   run.last_step =
       options_.stop_at_step > 0 ? std::min(total_steps, options_.stop_at_step) : total_steps;
   run.dp_size = dp_size;
-  run.dp_rank = grid_->coordinates().dp;
+  run.dp_rank = grid_->data_parallel_rank();
   run.local_step_batch = local_step_batch;
   run.global_batch = global_batch;
   run.schedule = std::make_unique<optim::LrSchedule>(spec.lr, total_steps, options_.schedule);

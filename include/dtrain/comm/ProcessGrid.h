@@ -2,6 +2,8 @@
 // strategy takes its communicators from here; a 1-rank world is a valid 1x1x1 grid.
 #pragma once
 
+#include <vector>
+
 #include "dtrain/comm/Communicator.h"
 
 namespace dtrain::comm {
@@ -19,6 +21,14 @@ class ProcessGrid {
  public:
   /// Collective over `world`. dp size = world size / (tp * pp), which must divide evenly.
   ProcessGrid(CommunicatorPtr world, int tensor_parallel = 1, int pipeline_parallel = 1);
+  /// Collective over `world`: a pipeline whose stage s is replicated stage_replicas[s] times
+  /// (PipeDream's layouts; the world holds their sum x tp ranks). Stage s's replicas are the
+  /// world ranks after stage s - 1's, replica k of stage s at pp coordinate s and dp coordinate
+  /// k. dp() is this stage's replicas (dp_size() their count, which differs between stages);
+  /// pp() the whole pipeline, every replica of every stage at this tp coordinate, in world
+  /// order. The data is one stream (data_parallel_size() 1): the pipeline strategy hands each
+  /// stage's micro-batches round-robin to its replicas.
+  ProcessGrid(CommunicatorPtr world, int tensor_parallel, std::vector<int> stage_replicas);
 
   const CommunicatorPtr& world() const { return world_; }
   const CommunicatorPtr& dp() const { return dp_; }
@@ -26,6 +36,15 @@ class ProcessGrid {
   const CommunicatorPtr& tp() const { return tp_; }
 
   int dp_size() const { return dp_size_; }
+  /// How many shares the data is cut into, and this rank's share (the data sampler's view):
+  /// dp_size() and the dp coordinate, or 1 and 0 when stages are replicated.
+  int data_parallel_size() const { return replicated_stages() ? 1 : dp_size_; }
+  int data_parallel_rank() const { return replicated_stages() ? 0 : coordinates_.dp; }
+  /// Replicas of each pipeline stage (empty: a regular DP x PP x TP grid).
+  const std::vector<int>& stage_replicas() const { return stage_replicas_; }
+  bool replicated_stages() const { return !stage_replicas_.empty(); }
+  /// The rank in pp() of replica `replica` of stage `stage`.
+  int pp_rank_of(int stage, int replica = 0) const;
   int pp_size() const { return pp_size_; }
   int tp_size() const { return tp_size_; }
   const GridCoordinates& coordinates() const { return coordinates_; }
@@ -44,6 +63,8 @@ class ProcessGrid {
   int dp_size_;
   int pp_size_;
   int tp_size_;
+  std::vector<int> stage_replicas_;
+  std::vector<int> stage_offsets_;  // replicated stages: stage s's first slot (rank / tp)
   GridCoordinates coordinates_;
   CommunicatorPtr dp_;
   CommunicatorPtr pp_;

@@ -38,6 +38,8 @@ struct Layout {
   int ranks = 0;
   int pipeline_parallel = 1;
   int tensor_parallel = 1;
+  /// --stage-replicas (empty: every stage on dp ranks alike).
+  std::vector<int> stage_replicas;
   /// --sequence-parallel, --tied-embeddings, --defer-eval.
   bool sequence_parallel = false;
   bool tied_parameters = false;

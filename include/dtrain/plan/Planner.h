@@ -27,13 +27,17 @@ struct Layout {
   /// "downpour" (asynchronous workers pushing to and pulling from parameter-server shards).
   std::string strategy = "ddp";
   int dp = 1, pp = 1, tp = 1;
-  int micro_batch_size = 1;              ///< samples per micro-batch on one replica
-  int micro_batches = 1;                 ///< per optimizer step (gradient accumulation when pp = 1)
-  std::string schedule = "1f1b";         ///< "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"
-  int chunks = 1;                        ///< model chunks per pipeline rank (interleaved; zb-v: 2)
+  int micro_batch_size = 1;       ///< samples per micro-batch on one replica
+  int micro_batches = 1;          ///< per optimizer step (gradient accumulation when pp = 1)
+  std::string schedule = "1f1b";  ///< "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"
+  int chunks = 1;                 ///< model chunks per pipeline rank (interleaved; zb-v: 2)
   /// "flush", or PipeDream's flush-free steps: "2bw" (two weight versions, an update per step)
   /// or "async" (an update per micro-batch, a version per micro-batch in flight); 1f1b only.
   std::string pipeline_sync = "flush";
+  /// PipeDream's layouts (dtrain train --stage-replicas): stage s on stage_replicas[s] ranks,
+  /// one data stream (dp 1), each stage's micro-batches dealt to its replicas in turn; single-
+  /// chunk flushed schedules, ddp, tp 1. Empty: every stage on dp ranks.
+  std::vector<int> stage_replicas;
   std::string precision = "bf16-mixed";  ///< "fp32", "bf16-mixed", "fp16-mixed", "bf16"
   bool checkpointing = false;            ///< activation checkpointing of every layer
   bool sequence_parallel = false;
@@ -44,8 +48,12 @@ struct Layout {
   int64_t global_batch() const {
     return static_cast<int64_t>(dp) * micro_batch_size * micro_batches;
   }
-  int ranks() const { return dp * pp * tp; }
+  int ranks() const;
   std::string describe() const;  ///< "dp8 pp4 tp8 1f1b m16x1 bf16-mixed ckpt"
+  /// The dtrain train flags of this layout's parallelism (strategy, pipeline, schedule,
+  /// micro-batches, batch size, checkpointing of each of the model's `layers`; stages balanced
+  /// by measured time, as the planner places them).
+  std::string train_flags(int layers) const;
 };
 
 struct Memory {
@@ -88,6 +96,10 @@ struct SearchOptions {
   /// Pipeline syncs to try with pp > 1 (1f1b, ddp): "flush" always; PipeDream's "2bw" or
   /// "async" only when asked (they change the training's math: stale gradients).
   std::vector<std::string> pipeline_syncs = {"flush"};
+  /// PipeDream's layouts too: a pipeline of 2 to 4 stages replicated unequally over the GPUs
+  /// (every split of them that is not even: the even ones are dp x pp), 1f1b with ddp, tp 1;
+  /// at most 32 GPUs (the splits grow combinatorially).
+  bool replicated_stages = false;
 };
 struct SearchResult {
   std::vector<Prediction> ranked;  ///< layouts that fit, fastest first

@@ -98,6 +98,11 @@ struct TrainerOptions {
   /// > 1: pipeline parallelism over this many ranks (the "pipeline" strategy, its stages made
   /// data-parallel by `strategy`: ddp or zero1); the accumulation steps are its micro-batches.
   int pipeline_parallel = 1;
+  /// Non-empty: a pipeline whose stage s runs on stage_replicas[s] ranks (PipeDream's
+  /// replicated stages; --stage-replicas); the world is their sum (x tensor_parallel) and
+  /// pipeline_parallel their count. The step's micro-batches are the whole pipeline's, dealt to
+  /// each stage's replicas in turn.
+  std::vector<int> stage_replicas;
   /// Chrome / Perfetto trace of every rank's spans, written at the end of fit() ("" = none).
   std::string trace_file;
   parallel::LossFn loss = parallel::cross_entropy;

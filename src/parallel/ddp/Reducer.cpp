@@ -79,6 +79,9 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   DTRAIN_CHECK_INPUT(options_.ranks_per_host == 0 || (!sharded() && options_.powersgd.rank == 0),
                      "the hierarchical allreduce replaces the exact allreduce of whole buckets: "
                      "not with ZeRO-2's reduce-scatter or PowerSGD");
+  DTRAIN_CHECK_INPUT(options_.average || options_.powersgd.rank == 0,
+                     "PowerSGD averages its factors: not where gradients are summed (replicated "
+                     "pipeline stages)");
   if (options_.ranks_per_host > 0) {
     hierarchy_ = std::make_unique<comm::HierarchicalAllreduce>(comm_, options_.ranks_per_host);
   }
@@ -274,7 +277,7 @@ void Reducer::launch_ready_buckets() {
     // DDP relies on the backend's stream alone; the averaging and the cast move off too).
     std::optional<c10::StreamGuard> on_side;
     if (!bucket.flat.is_cpu()) on_side.emplace(side_stream_after_current(bucket.flat.device()));
-    bucket.flat.div_(world);  // average before the wire cast: keeps fp16 in range
+    if (options_.average) bucket.flat.div_(world);  // before the wire cast: keeps fp16 in range
     if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
     if (sharded()) {
       bucket.received = at::empty({bucket.counts[comm_->rank()]}, bucket.wire.options());

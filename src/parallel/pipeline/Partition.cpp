@@ -9,8 +9,11 @@
 
 namespace dtrain::parallel::pipeline {
 
-Partition balanced_partition(const std::vector<double>& costs, int ranks) {
+Partition balanced_partition(const std::vector<double>& costs, int ranks,
+                             const std::vector<int>& replicas) {
   const int n = static_cast<int>(costs.size());
+  DTRAIN_CHECK(replicas.empty() || static_cast<int>(replicas.size()) == ranks,
+               "balanced_partition: ", replicas.size(), " replica counts for ", ranks, " ranks");
   DTRAIN_CHECK_INPUT(ranks >= 1, "pipeline stages must be >= 1, got ", ranks);
   DTRAIN_CHECK_INPUT(n >= ranks, "the model has ", n, " stage", n == 1 ? "" : "s",
                      ", fewer than the ", ranks,
@@ -25,7 +28,8 @@ Partition balanced_partition(const std::vector<double>& costs, int ranks) {
   for (int k = 1; k <= ranks; ++k) {
     for (int i = k; i <= n - (ranks - k); ++i) {
       for (int j = k - 1; j < i; ++j) {
-        const double load = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        const double share = replicas.empty() ? 1.0 : replicas[k - 1];
+        const double load = std::max(best[k - 1][j], (prefix[i] - prefix[j]) / share);
         if (load < best[k][i]) {  // strict: ties keep the earliest cut
           best[k][i] = load;
           cut[k][i] = j;

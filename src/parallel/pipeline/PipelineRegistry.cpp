@@ -1,6 +1,8 @@
 // The pipeline strategy's registry entry: its flags, the checks of its options and of a
 // layout (named before any rank starts), and how --strategy sets its data-parallel side.
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "dtrain/common/Error.h"
 #include "parallel/pipeline/PipelineStrategy.h"
@@ -14,11 +16,19 @@ namespace {
 void check_layout(const PipelineOptions& o, const Layout& layout) {
   const int pp = layout.pipeline_parallel;
   const int tp = layout.tensor_parallel;
-  DTRAIN_CHECK_INPUT(layout.ranks == 0 || layout.ranks % (pp * tp) == 0, "--pipeline-parallel ", pp,
-                     tp > 1 ? concat(" x --tensor-parallel ", tp) : std::string(),
-                     " does not divide the ", layout.ranks,
-                     " ranks of --nproc (ranks = pipeline "
-                     "stages x data-parallel replicas)");
+  if (!layout.stage_replicas.empty()) {
+    check_stage_replicas(o, layout.stage_replicas, tp, layout.micro_batches);
+    int sum = 0;
+    for (int r : layout.stage_replicas) sum += r;
+    DTRAIN_CHECK_INPUT(layout.ranks == 0 || layout.ranks == sum, "--stage-replicas adds up to ",
+                       sum, " ranks, but --nproc is ", layout.ranks);
+  }
+  DTRAIN_CHECK_INPUT(
+      !layout.stage_replicas.empty() || layout.ranks == 0 || layout.ranks % (pp * tp) == 0,
+      "--pipeline-parallel ", pp, tp > 1 ? concat(" x --tensor-parallel ", tp) : std::string(),
+      " does not divide the ", layout.ranks,
+      " ranks of --nproc (ranks = pipeline "
+      "stages x data-parallel replicas)");
   const ScheduleKind kind = schedule_kind_named(o.schedule);
   const int chunks = chunks_of(kind, o.virtual_stages);
   validate({kind, pp, static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), chunks});
@@ -61,7 +71,6 @@ void declare_flags(FlagSet& flags, PipelineOptions& o) {
             "communicator)");
 }
 
-
 }  // namespace
 
 void check_options(const PipelineOptions& o) {
@@ -98,6 +107,23 @@ void check_options(const PipelineOptions& o) {
                      "' (expected params, time or stage counts S1,S2,...)");
 }
 
+void check_stage_replicas(const PipelineOptions& o, const std::vector<int>& replicas,
+                          int tensor_parallel, int64_t micro_batches) {
+  const ScheduleKind kind = schedule_kind_named(o.schedule);
+  DTRAIN_CHECK_INPUT(chunks_of(kind, o.virtual_stages) == 1, "--stage-replicas runs one chunk per ",
+                     "stage: --schedule gpipe, 1f1b, zb-h1 or zb-h2, not ", o.schedule);
+  DTRAIN_CHECK_INPUT(o.sync == "flush", "--stage-replicas runs with --pipeline-sync flush, not ",
+                     o.sync, " (its replicas take turns at the micro-batches of a flushed step)");
+  DTRAIN_CHECK_INPUT(o.data_parallel == "ddp", "--stage-replicas replicates stages with ddp, not ",
+                     o.data_parallel);
+  DTRAIN_CHECK_INPUT(tensor_parallel == 1, "--stage-replicas with --tensor-parallel ",
+                     tensor_parallel, " is not supported: leave one of them out");
+  const int most = *std::max_element(replicas.begin(), replicas.end());
+  DTRAIN_CHECK_INPUT(micro_batches == 0 || micro_batches >= most, "--stage-replicas gives a stage ",
+                     most, " replicas but a step has ", micro_batches,
+                     " micro-batches (--micro-batches: each replica needs one at least)");
+}
+
 StrategyInfo pipeline_strategy() {
   StrategyInfo info;
   info.name = "pipeline";
@@ -125,6 +151,5 @@ StrategyInfo pipeline_strategy() {
   info.make = make_from_options<PipelineStrategy>;
   return info;
 }
-
 
 }  // namespace dtrain::parallel::pipeline

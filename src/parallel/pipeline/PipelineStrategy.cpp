@@ -67,8 +67,7 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
   async_ = pipe_.sync == "async";
   // Each stage updates when its own backwards of a step are done, at a different time on each
   // stage: a check over all stages before an update would stall the pipeline it overlaps.
-  DTRAIN_CHECK_INPUT(!flush_free_ || options_.max_grad_norm <= 0, "--pipeline-sync ",
-                     pipe_.sync,
+  DTRAIN_CHECK_INPUT(!flush_free_ || options_.max_grad_norm <= 0, "--pipeline-sync ", pipe_.sync,
                      " updates each stage on its own: global-norm clipping "
                      "(--max-grad-norm) needs every stage's gradients at once; leave it out");
   DTRAIN_CHECK_INPUT(!flush_free_ || !scaler_, "--pipeline-sync ", pipe_.sync,
@@ -123,6 +122,9 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                      "sequential_model() or the Zoo's models)");
   const int ranks = grid_->pp_size();
   const int virtual_stages = ranks * chunks_per_rank_;
+  if (grid_->replicated_stages()) {
+    check_stage_replicas(pipe_, grid_->stage_replicas(), grid_->tp_size(), 0);
+  }
   const int n = static_cast<int>(model_.stages.size());
   DTRAIN_CHECK_INPUT(kind_ != ScheduleKind::Interleaved || ranks >= 2,
                      "the interleaved schedule needs at least 2 pipeline ranks");
@@ -136,7 +138,9 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   costs_ = stage_costs();
   const std::string& balance = pipe_.balance;
   partition_ = balance == "params" || balance == "time"
-                   ? balanced_partition(costs_, virtual_stages)
+                   ? balanced_partition(
+                         costs_, virtual_stages,
+                         grid_->replicated_stages() ? grid_->stage_replicas() : std::vector<int>{})
                    : partition_from_counts(balance, n, virtual_stages);
 
   std::unordered_map<const void*, std::string> name_of;
@@ -189,7 +193,9 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   } else {
     optimizer_ = make_optimizer(parameters_);
   }
-  const parallel::ddp::ReducerOptions reducer_options = reducer_options_from(options_);
+  parallel::ddp::ReducerOptions reducer_options = reducer_options_from(options_);
+  // Replicated stages: each replica's gradients are its micro-batches' share of the step's mean.
+  reducer_options.average = !grid_->replicated_stages();
   for (const auto& chunk : chunks_) {
     std::vector<at::Tensor> params;
     std::vector<std::string> names;
@@ -201,8 +207,12 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                                        : std::make_unique<parallel::ddp::Reducer>(
                                              params, names, grid_->dp(), reducer_options));
   }
-  std::vector<int> stage_ranks;
-  for (int s = 0; s < virtual_stages; ++s) stage_ranks.push_back(rank_of(spec(), s));
+  std::vector<std::vector<int>> stage_ranks(virtual_stages);
+  for (int s = 0; s < virtual_stages; ++s) {
+    const int stage = rank_of(spec(), s);
+    const int replicas = grid_->replicated_stages() ? grid_->stage_replicas()[stage] : 1;
+    for (int k = 0; k < replicas; ++k) stage_ranks[s].push_back(grid_->pp_rank_of(stage, k));
+  }
   link_ = std::make_unique<StageLink>(grid_->pp(), std::move(stage_ranks),
                                       pipe_.transport == "auto", device_);
 }
@@ -222,16 +232,28 @@ std::string PipelineStrategy::layout() const {
   std::string text =
       concat("pipeline: ", grid_->pp_size(), " stage", grid_->pp_size() == 1 ? "" : "s");
   if (chunks_per_rank_ > 1) text += concat(" x ", chunks_per_rank_, " chunks");
-  text += concat(" x ", grid_->dp_size(), " ", pipe_.data_parallel, " replica",
-                 grid_->dp_size() == 1 ? "" : "s", ", schedule ", to_string(kind_), "; split by ",
+  if (grid_->replicated_stages()) {
+    text += " replicated";
+    for (size_t s = 0; s < grid_->stage_replicas().size(); ++s) {
+      text += concat(s ? "," : " ", grid_->stage_replicas()[s]);
+    }
+    text += concat(" times (", pipe_.data_parallel, "), schedule ");
+  } else {
+    text += concat(" x ", grid_->dp_size(), " ", pipe_.data_parallel, " replica",
+                   grid_->dp_size() == 1 ? "" : "s", ", schedule ");
+  }
+  text += concat(to_string(kind_), "; split by ",
                  timed                       ? "measured time"
                  : pipe_.balance == "params" ? "parameters"
                                              : "hand",
                  ":");
   for (int v = 0; v < partition_.ranks(); ++v) {
     const int first = partition_.first(v), last = partition_.end(v) - 1;
-    text += concat(v ? "," : "", " ", chunks_per_rank_ > 1 ? "virtual stage " : "rank ", v,
-                   " (model stages ", first, first == last ? "" : concat("-", last), ") ");
+    text += concat(v ? "," : "", " ",
+                   chunks_per_rank_ > 1         ? "virtual stage "
+                   : grid_->replicated_stages() ? "stage "
+                                                : "rank ",
+                   v, " (model stages ", first, first == last ? "" : concat("-", last), ") ");
     char percent[16];
     std::snprintf(percent, sizeof(percent), "%.1f%%", 100.0 * share[v]);
     text += percent;
@@ -250,8 +272,8 @@ at::Tensor PipelineStrategy::model_input(const at::Tensor& inputs) const {
 }
 
 void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x,
-                                         const at::Tensor& y, const at::Tensor& upstream,
-                                         int link, const std::string& label) {
+                                         const at::Tensor& y, const at::Tensor& upstream, int link,
+                                         const std::string& label) {
   if (!y.requires_grad()) {
     // Nothing before this point needs a gradient (a first stage without parameters).
   } else if (last_virtual(chunk)) {
@@ -282,195 +304,22 @@ at::Tensor PipelineStrategy::run_chunk(const Chunk& chunk, const at::Tensor& inp
   return x;
 }
 
-StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_batches,
-                                        const LossFn& loss) {
-  DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
-  if (flush_free_) return train_step_pipedream(micro_batches, loss);
-  model_.module->train();
-  const int me = grid_->coordinates().pp;
-  const int count = static_cast<int>(micro_batches.size());
-  const auto actions = build_schedule(spec(count), me);
-  // Split backward (zero bubble): B computes the chunk input's gradient (and the gradients of
-  // parameters outside nn::linear layers, kept until W), W the linear layers' weight gradients,
-  // from the inputs and output gradients B left (nn/WeightGrad.h), accumulating all of the
-  // micro-batch's parameter gradients into .grad at once.
-  const bool split = splits_backward(kind_);
-  // Each chunk's gradients are reduced over DP during its last backward (or W) of the step.
-  const Action::Kind accumulates = split ? Action::Weight : Action::Backward;
-  std::vector<size_t> last_backward(chunks_.size(), actions.size());
-  for (size_t i = 0; i < actions.size(); ++i) {
-    if (actions[i].kind == accumulates) last_backward[actions[i].chunk] = i;
-  }
-  std::map<std::pair<int, int>, nn::DeferredWeightGrads> deferred;
-  int64_t peak_deferred_bytes = 0, deferred_bytes = 0;
-  size_t peak_pending = 0;
-  for (auto& reducer : reducers_) {
-    if (!reducer) continue;
-    reducer->zero_grad();
-    reducer->set_sync(false);
-  }
-
-  StepResult result;
-  // Per (chunk, micro-batch): the chunk's input (for its gradient) and output (or the loss).
-  std::map<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>> kept;
-  size_t peak_kept = 0;
-  double loss_sum = 0;
-  // Receives are posted ahead of the actions that need them, so that Gloo moves the bytes while
-  // this rank computes: one action ahead under GPipe and 1F1B (each posted buffer is memory the
-  // stage holds, and 1F1B's point is to hold little); 2V actions ahead when interleaved, whose
-  // twice as frequent and half as large transfers otherwise wait for the peer's transport thread
-  // to be scheduled on a busy core (measured: bubble 14.7% -> 9.6% at M = 8 on 2 cores).
-  const size_t receive_window = chunks_per_rank_ > 1 ? 2 * chunks_per_rank_ : 1;
-  auto post_ahead = [&](const Action& a) {
-    const Chunk& chunk = chunks_[a.chunk];
-    const int s = chunk.virtual_stage;
-    if (a.kind == Action::Forward && !first_virtual(chunk)) {
-      link_->post_recv(StageLink::Activation, s - 1, a.micro_batch);
-    }
-    if (a.kind == Action::Backward && !last_virtual(chunk)) {
-      link_->post_recv(StageLink::Gradient, s, a.micro_batch);
-    }
-  };
-  for (size_t i = 0; i < actions.size(); ++i) {
-    for (size_t k = i + 1; k < std::min(actions.size(), i + 1 + receive_window); ++k) {
-      post_ahead(actions[k]);
-    }
-    const Action& a = actions[i];
-    const Chunk& chunk = chunks_[a.chunk];
-    const int s = chunk.virtual_stage;
-    const data::Batch& batch = micro_batches[a.micro_batch];
-    // Spans cover compute only; waiting for a neighbour is its own "recv" span.
-    const std::string label =
-        concat(a.micro_batch, chunks_per_rank_ > 1 ? concat(".", a.chunk) : "");
-    if (a.kind == Action::Forward) {
-      at::Tensor x;
-      if (first_virtual(chunk)) {
-        x = model_input(batch.inputs);
-      } else {
-        trace::Span wait("recv", "activation " + label);
-        x = link_->recv(StageLink::Activation, s - 1, a.micro_batch);
-        x.requires_grad_(true);
-      }
-      trace::Span span("forward", "F" + label);
-      if (a.chunk == 0) result.samples += x.size(0);
-      at::Tensor y;
-      {
-        precision::AutocastScope autocast(precision_, device_.type());
-        nn::DeferredWeightGrads* store =
-            split ? &deferred[{a.chunk, a.micro_batch}] : nullptr;
-        nn::WeightGradDeferral defer(store);
-        y = run_chunk(chunk, x);
-        if (last_virtual(chunk)) y = loss(y, batch.targets) / count;
-      }
-      if (last_virtual(chunk)) {
-        loss_sum += y.item<double>();
-        kept[{a.chunk, a.micro_batch}] = {x, scaler_ ? scaler_->scale(y) : y};
-      } else {
-        trace::Span send("send", "activation " + label);
-        link_->send(StageLink::Activation, s, a.micro_batch, y.detach());
-        kept[{a.chunk, a.micro_batch}] = {x, y};
-      }
-      peak_kept = std::max(peak_kept, kept.size());
-    } else if (a.kind == Action::Weight) {
-      trace::Span span("weight", "W" + label);
-      auto node = deferred.extract({a.chunk, a.micro_batch});
-      DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": W of micro-batch ", a.micro_batch,
-                   " before its forward");
-      parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
-      if (reducer && i == last_backward[a.chunk]) {
-        reducer->set_sync(true);
-        reducer->prepare_for_backward();
-      }
-      deferred_bytes -= node.mapped().bytes();
-      node.mapped().compute();
-    } else {
-      at::Tensor upstream;
-      if (!last_virtual(chunk)) {
-        trace::Span wait("recv", "gradient " + label);
-        upstream = link_->recv(StageLink::Gradient, s, a.micro_batch);
-      }
-      trace::Span span("backward", "B" + label);
-      auto node = kept.extract({a.chunk, a.micro_batch});
-      DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": backward of micro-batch ", a.micro_batch,
-                   " before its forward");
-      auto [x, y] = node.mapped();
-      parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
-      if (reducer && i == last_backward[a.chunk]) {
-        reducer->set_sync(true);
-        reducer->prepare_for_backward();
-      }
-      if (split) {
-        // B: the input's gradient now; the weights' (and the other parameters') wait for W.
-        nn::DeferredWeightGrads& w = deferred.at({a.chunk, a.micro_batch});
-        std::vector<at::Tensor> params;
-        for (size_t k : chunk.parameters) params.push_back(parameters_[k]);
-        at::Tensor g = w.backward_input(y, upstream, first_virtual(chunk) ? at::Tensor() : x,
-                                        params);
-        deferred_bytes += w.bytes();
-        peak_deferred_bytes = std::max(peak_deferred_bytes, deferred_bytes);
-        peak_pending = std::max(peak_pending, deferred.size() - kept.size());
-        if (!first_virtual(chunk)) {
-          if (!g.defined()) g = at::zeros_like(x);
-          trace::Span send("send", "gradient " + label);
-          link_->send(StageLink::Gradient, s - 1, a.micro_batch, g);
-        }
-      } else {
-        backward_and_send(chunk, x, y, upstream, a.micro_batch, label);
-      }
-    }
-    if (observer_) observer_(a);
-  }
-  {
-    trace::Span span("sync", "sends and gradient reduction");
-    link_->finish_sends();
-    for (auto& reducer : reducers_) {
-      if (reducer) reducer->finalize();
-    }
-    tp_.sum_partial_gradients(parameters_, names_);
-  }
-  bool skip = false;
-  if (scaler_) {
-    // Every stage and replica takes the same decision.
-    skip = scaler_->unscale_and_check(parameters_, grid_->world());
-    scaler_->update(skip);
-    result.metrics["loss_scale"] = scaler_->scale_value();
-    result.metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
-  }
-  result.metrics["step_skipped"] = skip ? 1.0 : 0.0;
-  result.metrics["peak_live_micro_batches"] = static_cast<double>(peak_kept);
-  if (split) {
-    result.metrics["peak_pending_weight_grads"] = static_cast<double>(peak_pending);
-    result.metrics["peak_deferred_mb"] = static_cast<double>(peak_deferred_bytes) / (1 << 20);
-  }
-  if (!skip) {
-    trace::Span span("optimizer", "step");
-    result.grad_norm = clip_gradients();
-    if (zero1_ && !parameters_.empty()) {
-      shards_.alias_parameter_gradients(parameters_);
-      optimizer_->step();
-      shards_.allgather(grid_->dp());
-    } else {
-      optimizer_->step();
-    }
-  }
-
-  // The loss lives on the last stage: every rank reports it.
-  at::Tensor reported = at::full({1}, loss_sum, at::kDouble);
-  grid_->pp()->allreduce(reported)->wait();
-  result.loss = reported.item<double>();
-  return result;
-}
-
 double PipelineStrategy::clip_gradients() {
   if (options_.max_grad_norm <= 0) return -1.0;
   // Each stage's replicas hold equal (averaged) gradients: the norm sums over stages, and over
   // the tensor-parallel blocks (replicated parameters counted once).
+  std::vector<bool> counted = tp_.counted(names_);
+  if (grid_->coordinates().dp > 0 && grid_->replicated_stages()) {
+    counted.assign(parameters_.size(), false);  // pp() holds every replica: count the first
+  }
   return clip_by_global_norm(parameters_, {grid_->pp(), grid_->tp()}, options_.max_grad_norm,
-                             tp_.counted(names_));
+                             counted);
 }
 
 at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
   flush();  // 2bw, async: every stage evaluates its newest weights
+  // Replicated stages: the first replica of each stage evaluates.
+  if (grid_->replicated_stages() && grid_->coordinates().dp > 0) return {};
   at::Tensor output;
   for (const auto& chunk : chunks_) {
     const int s = chunk.virtual_stage;
@@ -566,8 +415,9 @@ void PipelineStrategy::materialize() {
   for (int v = 0; v < partition_.ranks(); ++v) {
     for (int i = partition_.first(v); i < partition_.end(v); ++i) {
       for (const auto& module : model_.stages[i].modules) {
-        for (const auto& p : module->parameters()) share(p, rank_of(spec(), v));
-        for (const auto& b : module->buffers()) share(b, rank_of(spec(), v));
+        const int owner = grid_->pp_rank_of(rank_of(spec(), v));
+        for (const auto& p : module->parameters()) share(p, owner);
+        for (const auto& b : module->buffers()) share(b, owner);
       }
     }
   }

@@ -35,6 +35,10 @@ StrategyInfo pipeline_strategy();  // PipelineRegistry.cpp
 /// The pipeline's options alone (InputError naming the flag): schedule, virtual stages, the
 /// data-parallel side, transport, balance.
 void check_options(const PipelineOptions& options);
+/// A pipeline with replicated stages (--stage-replicas; micro_batches 0: not known yet):
+/// single-chunk flushed schedules, ddp, no tensor parallelism, a micro-batch per replica.
+void check_stage_replicas(const PipelineOptions& options, const std::vector<int>& replicas,
+                          int tensor_parallel, int64_t micro_batches);
 
 class PipelineStrategy : public Strategy {
  public:
@@ -57,11 +61,11 @@ class PipelineStrategy : public Strategy {
   /// Collective over the pipeline: every rank's copy of the model gets each stage's current
   /// values from the rank that trains it.
   void materialize() override;
-  /// --pipeline-sync 2bw or async: runs what is still in flight (the last step's remaining backwards and
-  /// their update) so every stage holds the newest weights.
+  /// --pipeline-sync 2bw or async: runs what is still in flight (the last step's remaining
+  /// backwards and their update) so every stage holds the newest weights.
   void finish_training(StepResult& last) override;
-  /// 2bw, async: each stage's data-parallel group agrees on the step's loss (every stage of a replica
-  /// has it from the last stage); a world-wide agreement would re-synchronize the stages at
+  /// 2bw, async: each stage's data-parallel group agrees on the step's loss (every stage of a
+  /// replica has it from the last stage); a world-wide agreement would re-synchronize the stages at
   /// each step's end, which the flush-free steps are there to avoid.
   comm::CommunicatorPtr step_group() const override;
 
@@ -88,6 +92,9 @@ class PipelineStrategy : public Strategy {
     std::vector<size_t> parameters;  // indices into parameters_
   };
   std::vector<double> stage_costs();
+  /// This rank's actions of a step (replicated stages: its share of its stage's, micro-batch m
+  /// on replica m % replicas).
+  std::vector<Action> my_actions(int micro_batches) const;
   /// The schedule over this grid's pipeline (its placement of the virtual stages needs no M).
   ScheduleSpec spec(int micro_batches = 1) const {
     return {kind_, grid_->pp_size(), micro_batches, chunks_per_rank_};
@@ -140,14 +147,14 @@ class PipelineStrategy : public Strategy {
   void load_pipedream_versions(const std::string& directory);
   bool flush_free_ = false;  // 2bw or async
   bool async_ = false;
-  int64_t batches_ = 0;  // batches started since setup or load
-  int64_t newest_ = 0;   // the newest version's number
+  int64_t batches_ = 0;                                  // batches started since setup or load
+  int64_t newest_ = 0;                                   // the newest version's number
   std::map<int64_t, std::vector<at::Tensor>> versions_;  // the versions kept, by number
-  std::vector<std::vector<at::Tensor>> spare_;            // buffers of versions let go
-  int64_t current_version_ = -1;          // the version the parameters point at
-  std::vector<at::Tensor> optimized_;     // the optimizer's own, pointed at the buffer it writes
-  std::deque<InFlight> in_flight_;        // oldest first (1F1B backwards go in forward order)
-  std::map<int64_t, double> batch_lr_;    // the learning rate of each batch not yet applied
+  std::vector<std::vector<at::Tensor>> spare_;           // buffers of versions let go
+  int64_t current_version_ = -1;                         // the version the parameters point at
+  std::vector<at::Tensor> optimized_;   // the optimizer's own, pointed at the buffer it writes
+  std::deque<InFlight> in_flight_;      // oldest first (1F1B backwards go in forward order)
+  std::map<int64_t, double> batch_lr_;  // the learning rate of each batch not yet applied
 
   StrategyOptions options_;
   PipelineOptions pipe_;

@@ -97,6 +97,35 @@ void validate(const ScheduleSpec& spec) {
       spec.kind != ScheduleKind::Interleaved || spec.micro_batches % spec.stages == 0,
       "the interleaved schedule needs micro-batches (", spec.micro_batches,
       ") to be a multiple of the pipeline stages (", spec.stages, ")");
+  if (spec.replicas.empty()) return;
+  DTRAIN_CHECK_INPUT(static_cast<int>(spec.replicas.size()) == spec.stages, "replica counts for ",
+                     spec.replicas.size(), " stages, the pipeline has ", spec.stages);
+  DTRAIN_CHECK_INPUT(spec.chunks == 1, "replicated stages run one chunk each, not ", spec.chunks);
+  for (int s = 0; s < spec.stages; ++s) {
+    DTRAIN_CHECK_INPUT(spec.replicas[s] >= 1 && spec.replicas[s] <= spec.micro_batches, "stage ", s,
+                       " has ", spec.replicas[s], " replicas for ", spec.micro_batches,
+                       " micro-batches (each replica needs one at least)");
+  }
+}
+
+int ScheduleSpec::slots() const {
+  int total = 0;
+  for (int r : replicas) total += r;
+  return replicas.empty() ? stages : total;
+}
+
+int ScheduleSpec::stage_of_slot(int slot) const {
+  if (replicas.empty()) return slot;
+  int s = 0;
+  while (s + 1 < stages && slot >= replicas[s]) slot -= replicas[s++];
+  return s;
+}
+
+int ScheduleSpec::slot_of(int stage, int replica) const {
+  if (replicas.empty()) return stage;
+  int slot = replica;
+  for (int s = 0; s < stage; ++s) slot += replicas[s];
+  return slot;
 }
 
 namespace {
@@ -322,31 +351,48 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
 Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& per_rank,
                     const ActionCosts& costs) {
   validate(spec);
-  const int p = spec.stages;
+  const int stages = spec.stages;
+  const int p = spec.slots();  // ranks (slots with replicated stages)
   const int v = spec.chunks;
-  const int last_stage = p * v - 1;
+  const int last_stage = stages * v - 1;
+  const bool replicated = !spec.replicas.empty();
   DTRAIN_CHECK_INPUT(static_cast<int>(per_rank.size()) == p, "a schedule for ", p, " ranks has ",
                      per_rank.size(), " lists");
+  // Where a (virtual stage, micro-batch) runs, and which virtual stage a rank's chunk is.
+  auto slot_running = [&](int vstage, int micro_batch) {
+    return replicated ? spec.slot_of(vstage, micro_batch % spec.replicas[vstage])
+                      : rank_of(spec, vstage);
+  };
+  auto vstage_of = [&](int chunk, int slot) {
+    return replicated ? spec.stage_of_slot(slot) : stage_of(spec, chunk, slot);
+  };
   // Every (kind, micro-batch, virtual stage) exactly once, on its rank.
   const int m = spec.micro_batches;
   const bool split = splits_backward(spec.kind);
   const int kinds = split ? 3 : 2;
   auto key = [&](int kind, int micro_batch, int vstage) {
-    return (static_cast<size_t>(kind) * m + micro_batch) * p * v + vstage;
+    return (static_cast<size_t>(kind) * m + micro_batch) * stages * v + vstage;
   };
-  std::vector<double> finished(3 * static_cast<size_t>(m) * p * v, -1.0);  // end times
+  std::vector<double> finished(3 * static_cast<size_t>(m) * stages * v, -1.0);  // end times
   for (int r = 0; r < p; ++r) {
     std::vector<char> seen(3 * static_cast<size_t>(m) * v, 0);
     for (const auto& a : per_rank[r]) {
-      DTRAIN_CHECK_INPUT(a.micro_batch >= 0 && a.micro_batch < m && a.chunk >= 0 &&
-                             a.chunk < v && (split || a.kind != Action::Weight),
+      DTRAIN_CHECK_INPUT(a.micro_batch >= 0 && a.micro_batch < m && a.chunk >= 0 && a.chunk < v &&
+                             (split || a.kind != Action::Weight),
                          "rank ", r, "'s action ", to_string(a), " is out of range");
       char& times = seen[(static_cast<size_t>(a.kind) * m + a.micro_batch) * v + a.chunk];
       DTRAIN_CHECK_INPUT(times == 0, "rank ", r, " runs ", to_string(a), " twice");
+      DTRAIN_CHECK_INPUT(slot_running(vstage_of(a.chunk, r), a.micro_batch) == r, "rank ", r,
+                         " runs ", to_string(a), ", another replica's micro-batch");
       times = 1;
     }
-    DTRAIN_CHECK_INPUT(static_cast<int>(per_rank[r].size()) == kinds * m * v, "rank ", r,
-                       " runs ", per_rank[r].size(), " actions, not ", kinds * m * v);
+    int mine = m;  // micro-batches on this rank: k, k + R, ... below M for replica k of R
+    if (replicated) {
+      const int stage = spec.stage_of_slot(r), count = spec.replicas[stage];
+      mine = (m - (r - spec.slot_of(stage, 0)) + count - 1) / count;
+    }
+    DTRAIN_CHECK_INPUT(static_cast<int>(per_rank[r].size()) == kinds * mine * v, "rank ", r,
+                       " runs ", per_rank[r].size(), " actions, not ", kinds * mine * v);
   }
   std::vector<size_t> next(p, 0);
   std::vector<double> free_at(p, 0.0), busy(p, 0.0);
@@ -365,7 +411,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
     for (int r = 0; r < p; ++r) {
       if (next[r] >= per_rank[r].size()) continue;
       const Action& a = per_rank[r][next[r]];
-      const int stage = stage_of(spec, a.chunk, r);
+      const int stage = vstage_of(a.chunk, r);
       double ready = free_at[r];
       bool ok = true;
       auto needs = [&](int kind, int vstage) {
@@ -373,7 +419,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
         if (done < 0) {
           ok = false;
         } else {
-          const int from = rank_of(spec, vstage);
+          const int from = slot_running(vstage, a.micro_batch);
           const double delay = from != r && costs.transfer ? costs.transfer(from, r, a) : 0.0;
           ready = std::max(ready, done + delay);
         }
@@ -404,7 +450,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
     const double end = best_start + cost;
     result.starts[best].push_back(best_start);
     result.ends[best].push_back(end);
-    finished[key(a.kind, a.micro_batch, stage_of(spec, a.chunk, best))] = end;
+    finished[key(a.kind, a.micro_batch, vstage_of(a.chunk, best))] = end;
     free_at[best] = end;
     busy[best] += cost;
     if (a.kind == Action::Weight) {
@@ -421,6 +467,56 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
   }
   for (int r = 0; r < p; ++r) result.idle_share.push_back(1.0 - busy[r] / result.makespan);
   return result;
+}
+
+namespace {
+
+// Replicated stages: each slot's share of its stage's list, in the stage's order (safe: a global
+// order that runs the unreplicated lists runs these subsequences too).
+std::vector<Action> filtered_slot_schedule(const ScheduleSpec& spec, int slot) {
+  const int stage = spec.stage_of_slot(slot);
+  const int replicas = spec.replicas[stage];
+  const int replica = slot - spec.slot_of(stage, 0);
+  std::vector<Action> actions = build_schedule(spec, stage);
+  actions.erase(
+      std::remove_if(actions.begin(), actions.end(),
+                     [&](const Action& a) { return a.micro_batch % replicas != replica; }),
+      actions.end());
+  return actions;
+}
+
+// Replicated 1F1B (PipeDream's 1F1B-RR): each replica runs 1F1B over its own micro-batches,
+// warming up with as many as keep the ranks downstream busy, ceil(W / R) - 1 for R replicas
+// and W ranks from its stage to the last (1F1B's P - s - 1 without replicas). The filtered
+// stage order would let a replica start its next forward only once the previous backward is
+// back: no overlap within a replica.
+std::vector<Action> replicated_one_f_one_b(const ScheduleSpec& spec, int slot) {
+  const int stage = spec.stage_of_slot(slot);
+  const int replicas = spec.replicas[stage];
+  const int replica = slot - spec.slot_of(stage, 0);
+  const int downstream = spec.slots() - spec.slot_of(stage, 0);
+  const int mine = (spec.micro_batches - replica + replicas - 1) / replicas;
+  std::vector<Action> actions = one_f_one_b(mine, (downstream + replicas - 1) / replicas - 1);
+  for (auto& a : actions) a.micro_batch = replica + a.micro_batch * replicas;
+  return actions;
+}
+
+}  // namespace
+
+std::vector<Action> build_slot_schedule(const ScheduleSpec& spec, int slot) {
+  if (spec.replicas.empty()) return build_schedule(spec, slot);
+  validate(spec);
+  if (spec.kind != ScheduleKind::OneFOneB) return filtered_slot_schedule(spec, slot);
+  // Replicated 1F1B where the ranks' lists run to the end together (the simulator on unit
+  // costs; every rank computes the same), else the filtered stage order.
+  std::vector<std::vector<Action>> lists;
+  for (int r = 0; r < spec.slots(); ++r) lists.push_back(replicated_one_f_one_b(spec, r));
+  try {
+    simulate(spec, lists);
+  } catch (const InputError&) {
+    return filtered_slot_schedule(spec, slot);
+  }
+  return lists[slot];
 }
 
 double bubble_formula(const ScheduleSpec& spec) {

@@ -24,27 +24,31 @@ const char* direction_name(int direction) {
 
 }  // namespace
 
-StageLink::StageLink(comm::CommunicatorPtr pp, std::vector<int> stage_ranks, bool shared_memory,
-                     c10::Device device)
+StageLink::StageLink(comm::CommunicatorPtr pp, std::vector<std::vector<int>> stage_ranks,
+                     bool shared_memory, c10::Device device)
     : pp_(std::move(pp)),
       device_(device),
       stage_(pp_->rank()),
-      ranks_(pp_->size()),
       virtual_stages_(static_cast<int>(stage_ranks.size())),
       stage_ranks_(std::move(stage_ranks)) {
-  DTRAIN_CHECK(virtual_stages_ >= ranks_ && virtual_stages_ % ranks_ == 0,
-               "pipeline: ", virtual_stages_, " virtual stages over ", ranks_, " ranks");
-  for (int rank : stage_ranks_) {
-    DTRAIN_CHECK(rank >= 0 && rank < ranks_, "pipeline: a virtual stage on rank ", rank, " of ",
-                 ranks_);
+  const int ranks = pp_->size();
+  for (const auto& replicas : stage_ranks_) {
+    DTRAIN_CHECK(!replicas.empty(), "pipeline: a virtual stage on no rank");
+    for (int rank : replicas) {
+      DTRAIN_CHECK(rank >= 0 && rank < ranks, "pipeline: a virtual stage on rank ", rank, " of ",
+                   ranks);
+    }
   }
-  if (shared_memory && ranks_ > 1 && device_.is_cpu()) {
+  if (shared_memory && ranks > 1 && device_.is_cpu()) {
     std::vector<std::pair<int, int>> pairs;
     for (int b = 0; b + 1 < virtual_stages_; ++b) {
-      const int lower = stage_ranks_[b], upper = stage_ranks_[b + 1];
-      if (lower == upper) continue;
-      pairs.emplace_back(lower, upper);
-      pairs.emplace_back(upper, lower);
+      for (int lower : stage_ranks_[b]) {
+        for (int upper : stage_ranks_[b + 1]) {
+          if (lower == upper) continue;
+          pairs.emplace_back(lower, upper);
+          pairs.emplace_back(upper, lower);
+        }
+      }
     }
     shm_ = std::make_unique<comm::SharedMemoryChannel>(pp_, pairs);
   }
@@ -54,11 +58,11 @@ bool StageLink::shared_memory_with(int peer, bool sending) const {
   return shm_ && (sending ? shm_->connected(stage_, peer) : shm_->connected(peer, stage_));
 }
 
-int StageLink::peer(Direction direction, int boundary, bool sending) const {
+int StageLink::peer(Direction direction, int boundary, bool sending, int micro_batch) const {
   // The activation goes from virtual stage `boundary` to `boundary + 1`.
   const bool from_lower = (direction == Activation) == sending;
-  const int other = from_lower ? boundary + 1 : boundary;
-  return stage_ranks_[other];
+  const auto& replicas = stage_ranks_[from_lower ? boundary + 1 : boundary];
+  return replicas[micro_batch % static_cast<int>(replicas.size())];
 }
 
 int StageLink::header_tag(int channel, int boundary) const {
@@ -106,14 +110,14 @@ StageLink::Meta StageLink::read_header(const at::Tensor& header, const char* wha
 
 void StageLink::send(Direction direction, int boundary, int micro_batch, const at::Tensor& tensor) {
   release_sends([](const Send& send) { return send.work->is_completed(); });
-  const int dst = peer(direction, boundary, true);
+  const int dst = peer(direction, boundary, true, micro_batch);
   if (dst == stage_) {
     local_[std::make_tuple(static_cast<int>(direction), boundary, micro_batch)] = tensor;
     return;
   }
   const bool shared = shared_memory_with(dst, true);
   const Meta meta{tensor.sizes().vec(), tensor.scalar_type()};
-  const auto key = std::make_pair(static_cast<int>(direction), boundary);
+  const auto key = std::make_tuple(static_cast<int>(direction), boundary, dst);
   const auto agreed = sent_.find(key);
   if (agreed == sent_.end()) {
     at::Tensor header = header_of(tensor, direction);
@@ -146,25 +150,25 @@ void StageLink::send(Direction direction, int boundary, int micro_batch, const a
 }
 
 void StageLink::post_recv(Direction direction, int boundary, int micro_batch) {
-  if (peer(direction, boundary, false) == stage_) return;
-  const auto expected = expected_.find({static_cast<int>(direction), boundary});
+  const int src = peer(direction, boundary, false, micro_batch);
+  if (src == stage_) return;
+  const auto expected = expected_.find({static_cast<int>(direction), boundary, src});
   if (expected == expected_.end()) return;
   // Shared memory needs nothing posted: the sender's copy is already in the ring.
-  if (shared_memory_with(peer(direction, boundary, false), false)) return;
+  if (shared_memory_with(src, false)) return;
   const auto key = std::make_tuple(static_cast<int>(direction), boundary, micro_batch);
   if (posted_.count(key)) return;
   const Meta& meta = expected->second;
   at::Tensor buffer = at::empty(meta.sizes, at::TensorOptions().dtype(meta.dtype).device(device_));
-  auto work = pp_->recv(buffer, peer(direction, boundary, false),
-                        {data_tag(direction, boundary, micro_batch)});
+  auto work = pp_->recv(buffer, src, {data_tag(direction, boundary, micro_batch)});
   posted_[key] = {buffer, work};
 }
 
 at::Tensor StageLink::recv(Direction direction, int boundary, int micro_batch) {
-  const auto key = std::make_pair(static_cast<int>(direction), boundary);
-  const int src = peer(direction, boundary, false);
+  const int src = peer(direction, boundary, false, micro_batch);
+  const auto key = std::make_tuple(static_cast<int>(direction), boundary, src);
   if (src == stage_) {
-    auto entry = local_.extract(std::make_tuple(key.first, boundary, micro_batch));
+    auto entry = local_.extract(std::make_tuple(std::get<0>(key), boundary, micro_batch));
     DTRAIN_CHECK(!entry.empty(), "pipeline rank ", stage_, ": the ", direction_name(direction),
                  " of micro-batch ", micro_batch, " at boundary ", boundary,
                  " is received before this rank produced it");
@@ -190,7 +194,7 @@ at::Tensor StageLink::recv(Direction direction, int boundary, int micro_batch) {
                              " of micro-batch ", micro_batch, " at boundary ", boundary));
   }
   post_recv(direction, boundary, micro_batch);
-  auto entry = posted_.extract(std::make_tuple(key.first, boundary, micro_batch));
+  auto entry = posted_.extract(std::make_tuple(std::get<0>(key), boundary, micro_batch));
   entry.mapped().second->wait();
   if (direction == Gradient) {
     // The next stage used this micro-batch's activation before sending its gradient: that send
@@ -220,7 +224,7 @@ void StageLink::finish_sends() {
 }
 
 void StageLink::send_any(int boundary, const at::Tensor& tensor) {
-  const int dst = peer(Activation, boundary, true);
+  const int dst = peer(Activation, boundary, true, 0);
   if (dst == stage_) {
     local_[std::make_tuple(static_cast<int>(kEvalData), boundary, -1)] = tensor;
     return;
@@ -240,7 +244,7 @@ void StageLink::send_any(int boundary, const at::Tensor& tensor) {
 }
 
 at::Tensor StageLink::recv_any(int boundary) {
-  const int src = peer(Activation, boundary, false);
+  const int src = peer(Activation, boundary, false, 0);
   if (src == stage_) {
     auto entry = local_.extract(std::make_tuple(static_cast<int>(kEvalData), boundary, -1));
     DTRAIN_CHECK(!entry.empty(), "pipeline rank ", stage_, ": evaluation at boundary ", boundary,

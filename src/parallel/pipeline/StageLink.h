@@ -32,11 +32,13 @@ class StageLink {
   enum Direction { Activation = 0, Gradient = 1 };
 
   /// Collective over `pp`, the pipeline communicator (this rank is pp->rank());
-  /// `stage_ranks[s]`: the pipeline rank of virtual stage s (V x P of them). `shared_memory`:
+  /// `stage_ranks[s]`: the pipeline ranks of virtual stage s's replicas (V x P stages; one rank
+  /// each unless stages are replicated), micro-batch m on stage_ranks[s][m % replicas]. Evaluation
+  /// runs through each stage's first replica. `shared_memory`:
   /// neighbours on this machine exchange through shared memory (else everything goes through
   /// `pp`). Received tensors are made on `device` (shared memory carries CPU tensors only).
-  StageLink(comm::CommunicatorPtr pp, std::vector<int> stage_ranks, bool shared_memory = true,
-            c10::Device device = c10::Device(c10::DeviceType::CPU));
+  StageLink(comm::CommunicatorPtr pp, std::vector<std::vector<int>> stage_ranks,
+            bool shared_memory = true, c10::Device device = c10::Device(c10::DeviceType::CPU));
   /// Whether tensors to (sending) or from `peer` go through shared memory.
   bool shared_memory_with(int peer, bool sending) const;
 
@@ -59,7 +61,7 @@ class StageLink {
     std::vector<int64_t> sizes;
     at::ScalarType dtype;
   };
-  int peer(Direction direction, int boundary, bool sending) const;
+  int peer(Direction direction, int boundary, bool sending, int micro_batch) const;
   int data_tag(Direction direction, int boundary, int micro_batch) const;
   int header_tag(int channel, int boundary) const;
   at::Tensor header_of(const at::Tensor& tensor, Direction direction) const;
@@ -69,14 +71,13 @@ class StageLink {
   comm::CommunicatorPtr pp_;
   c10::Device device_;
   int stage_;
-  int ranks_;
   int virtual_stages_;
-  std::vector<int> stage_ranks_;
+  std::vector<std::vector<int>> stage_ranks_;
   // Tensors crossing a boundary between two stages of this rank, by (direction, boundary,
   // micro-batch).
   std::map<std::tuple<int, int, int>, at::Tensor> local_;
-  // Per (direction, boundary): what this rank agreed to send / to receive.
-  std::map<std::pair<int, int>, Meta> sent_, expected_;
+  // Per (direction, boundary, peer): what this rank agreed to send / to receive.
+  std::map<std::tuple<int, int, int>, Meta> sent_, expected_;
   std::map<std::tuple<int, int, int>, std::pair<at::Tensor, comm::WorkPtr>> posted_;
   struct Send {
     int direction;  // -1: a header

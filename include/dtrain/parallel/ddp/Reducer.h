@@ -73,6 +73,10 @@ struct ReducerOptions {
   int ranks_per_host = 0;
   /// PowerSGD instead of the exact allreduce (rank > 0; not with shard_numel or wire_dtype).
   PowerSgdOptions powersgd;
+  /// false: the gradients are summed over the group, not averaged (a replicated pipeline
+  /// stage's replicas each hold a share of the step's mean already: the last stage divides each
+  /// micro-batch's loss by the step's micro-batch count). Plain allreduce only.
+  bool average = true;
 };
 
 struct ReducerStats {

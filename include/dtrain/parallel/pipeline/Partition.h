@@ -18,7 +18,10 @@ struct Partition {
 
 /// The contiguous split of `costs` over `ranks` ranks that minimizes the largest rank's total
 /// (every rank gets at least one stage). InputError when there are fewer stages than ranks.
-Partition balanced_partition(const std::vector<double>& costs, int ranks);
+/// `replicas` (PipeDream's replicated stages): pipeline stage r's work is shared by
+/// replicas[r] ranks, its load its total / replicas[r].
+Partition balanced_partition(const std::vector<double>& costs, int ranks,
+                             const std::vector<int>& replicas = {});
 
 /// "S1,S2,...": stages per rank, which must sum to `stages` with each >= 1 (InputError naming
 /// the text otherwise).

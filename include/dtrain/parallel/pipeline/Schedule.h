@@ -65,6 +65,16 @@ struct ScheduleSpec {
   int stages = 1;         ///< P, pipeline ranks
   int micro_batches = 1;  ///< M per optimizer step
   int chunks = 1;         ///< V, model chunks per rank (interleaved; zb-v: 2)
+  /// PipeDream's replicated stages (one chunk each): stage s on replicas[s] ranks, its
+  /// micro-batch m on replica m % replicas[s]; empty: one rank per stage. The ranks ("slots")
+  /// are numbered stage by stage: stage s's replica k is slot replicas[0] + ... +
+  /// replicas[s - 1] + k.
+  std::vector<int> replicas = {};
+  /// Ranks running the schedule: P, or the replicas' sum.
+  int slots() const;
+  /// The stage and replica of `slot`, and the slot of a stage's replica.
+  int stage_of_slot(int slot) const;
+  int slot_of(int stage, int replica) const;
 };
 
 /// Chunks per rank a schedule runs: 2 for zb-v (whatever `virtual_stages` says), else
@@ -79,6 +89,11 @@ void validate(const ScheduleSpec& spec);
 
 /// The ordered actions of pipeline rank `rank` (validates the spec).
 std::vector<Action> build_schedule(const ScheduleSpec& spec, int rank);
+/// Replicated stages: the actions of `slot` (ScheduleSpec::slots), its share of its stage's
+/// list (the micro-batches m % replicas == its replica) in the stage's order. Deadlock-free: a
+/// global order that runs the unreplicated lists runs these subsequences too. Without
+/// replicas, build_schedule(spec, slot).
+std::vector<Action> build_slot_schedule(const ScheduleSpec& spec, int slot);
 
 /// Where the V x P virtual stages live. Looping placement (every schedule but zb-v): chunk c of
 /// rank r is virtual stage c * P + r, consecutive stages on consecutive ranks, the last rank
@@ -115,7 +130,9 @@ struct ActionCosts {
 Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& per_rank,
                     double forward_cost = 1.0, double backward_cost = 2.0);
 
-/// The same simulation with costs per rank and action, and transfers between ranks.
+/// The same simulation with costs per rank and action, and transfers between ranks (with
+/// replicated stages: per slot, `per_rank` holding spec.slots() lists, a transfer from the
+/// slot that ran the micro-batch on the neighbouring stage).
 Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& per_rank,
                     const ActionCosts& costs);
 
