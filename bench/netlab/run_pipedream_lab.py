@@ -96,14 +96,20 @@ def run(profile, layout, args, round_index):
     train = [DTRAIN, "train", "--model", "vgg", "--dataset", "fashion-mnist", "--max-steps",
              str(args.steps), "--threads", "1", "--no-progress", "--seed", str(round_index),
              "--eval-every", str(args.eval_every), "--metrics", metrics,
+             *(["--lr", str(args.lr)] if args.lr else []),
              *layout_flags(layout, args.hosts, args.global_batch, args.micro_batches)]
     wall, summary, steps, evals = run_and_read(across_lab(profile, train, args.hosts), metrics)
     reached = next((e for e in evals if e["val_accuracy"] >= args.target), None)
+    # Training time without the evaluations (the summary's seconds count them): the last
+    # evaluation's, taken at the last step.
+    train_seconds = (evals[-1]["train_seconds"] if evals and evals[-1]["step"] == summary["steps"]
+                     else summary["seconds"])
     return {"profile": profile, "layout": layout, "round": round_index, "hosts": args.hosts,
             "model": "vgg", "steps": summary["steps"], "global_batch": summary["global_batch"],
             "micro_batches": None if layout == "ddp" else args.micro_batches,
-            "train_seconds": summary["seconds"], "wall_seconds": wall,
-            "seconds_per_step": summary["seconds"] / max(1, summary["steps"]),
+            "train_seconds": train_seconds, "seconds_with_evaluation": summary["seconds"],
+            "wall_seconds": wall, "seconds_per_step": train_seconds / max(1, summary["steps"]),
+            "lr": args.lr,
             "target_accuracy": args.target,
             "seconds_to_target": reached["train_seconds"] if reached else None,
             "step_at_target": reached["step"] if reached else None,
@@ -123,6 +129,8 @@ def main():
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--target", type=float, default=0.85)
     parser.add_argument("--layouts", default="ddp,pp,pp-2bw,replicated")
+    parser.add_argument("--lr", type=float, default=0,
+                        help="the recipe's learning rate unless given (vgg's: 0.05)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results/netlab/pipedream-lab.jsonl"))
     args = parser.parse_args()
     layouts = args.layouts.split(",")
