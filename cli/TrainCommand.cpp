@@ -201,6 +201,13 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add(app, "--optimizer", t.optimizer.name, "sgd, adam, adamw, adagrad")->capture_default_str();
   add_sgd_flags(app, t.optimizer.lr, t.optimizer.momentum, t.optimizer.weight_decay, "");
   app.add_flag("--nesterov", t.optimizer.nesterov, "Nesterov momentum (SGD)");
+  app.add_flag_callback(
+      "--check-collectives",
+      [] { setenv("DTRAIN_CHECK_COLLECTIVES", "1", 1); },  // every rank inherits it
+      "Before each collective the ranks compare what they call (op, size, dtype, root): a "
+      "mismatch is an error naming the group, the ranks and each one's call, not a hang or "
+      "wrong numbers (as TORCH_DISTRIBUTED_DEBUG=DETAIL; Gloo; costs a small allgather per "
+      "collective). Or set DTRAIN_CHECK_COLLECTIVES=1");
   add(app, "--freeze-variance-after", t.optimizer.freeze_variance_after,
       "adam, adamw: keep the second moment as it is after this many steps (1-bit Adam's "
       "freeze step: the rule turns linear in the gradients; 0 = never)")

@@ -513,6 +513,17 @@ TEST(Cli, SyncBatchNormTrainsOnTwoRanks) {
   EXPECT_TRUE(has(out, "trained 4 steps (global batch 128, 2 ranks, ddp)")) << out.text;
 }
 
+// --check-collectives reaches every rank (a pipeline's, a replicated stage's and the step's
+// collectives all match: training runs as without it).
+TEST(Cli, CheckedCollectivesTrainAsUsual) {
+  const auto out = run(kDtrain +
+                       " train --nproc 3 --threads 1 --dataset synthetic --model mlp "
+                       "--synthetic-examples 256 --max-steps 4 --no-progress --stage-replicas 2,1 "
+                       "--micro-batches 4 --check-collectives");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "trained 4 steps")) << out.text;
+}
+
 TEST(Cli, MixedPrecisionAndCheckpointingTrain) {
   TempDir dir;
   const auto out = run(kDtrain +

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <atomic>
+#include <functional>
 
 #include "RankThreads.h"
 #include "comm/PaddedShares.h"
@@ -366,6 +368,75 @@ TEST(Comm, ProcessGridOfReplicatedStages) {
       60s);
   run_ranks(3, [](const CommunicatorPtr& world) {
     EXPECT_THROW(comm::ProcessGrid(world, 1, std::vector<int>{2, 2}), InputError);
+  });
+}
+
+// DTRAIN_CHECK_COLLECTIVES=1: ranks calling a different op, size, dtype or skipping a
+// collective get one error naming the group, the collective's index and each rank's call,
+// instead of a hang or wrong numbers; one that skipped its last collective leaves the others
+// with the check's timeout naming the op and the missing rank. Matching calls are unchanged.
+TEST(Comm, MismatchedCollectivesAreNamed) {
+  setenv("DTRAIN_CHECK_COLLECTIVES", "1", 1);
+  struct Unset {
+    ~Unset() { unsetenv("DTRAIN_CHECK_COLLECTIVES"); }
+  } unset;
+  using Call = std::function<void(const CommunicatorPtr&)>;
+  auto sum4 = [](const CommunicatorPtr& c) { c->allreduce(torch::ones({4}))->wait(); };
+  auto expect_named = [](const std::string& what, const Call& rank0, const Call& rank1,
+                         const std::vector<std::string>& needles) {
+    SCOPED_TRACE(what);
+    std::array<std::string, 2> errors;
+    run_ranks(2, [&](const CommunicatorPtr& comm) {
+      try {
+        comm->barrier()->wait();  // collective #0 matches
+        (comm->rank() == 0 ? rank0 : rank1)(comm);
+      } catch (const CommError& e) {
+        errors[comm->rank()] = e.what();
+      }
+    });
+    for (const auto& error : errors) {
+      EXPECT_NE(error.find("collectives differ on group 'world' at its collective #1"),
+                std::string::npos)
+          << error;
+      for (const auto& needle : needles) EXPECT_NE(error.find(needle), std::string::npos) << error;
+    }
+  };
+  expect_named(
+      "op", sum4, [](const CommunicatorPtr& c) { c->broadcast(torch::ones({4}))->wait(); },
+      {"rank 0 calls allreduce(sum, 4 x Float)", "rank 1 calls broadcast(4 x Float from rank 0)"});
+  expect_named("size", sum4,
+               [](const CommunicatorPtr& c) { c->allreduce(torch::ones({8}))->wait(); },
+               {"rank 1 calls allreduce(sum, 8 x Float)"});
+  expect_named(
+      "dtype", sum4,
+      [](const CommunicatorPtr& c) { c->allreduce(torch::ones({4}, torch::kDouble))->wait(); },
+      {"rank 1 calls allreduce(sum, 4 x Double)"});
+  expect_named("skipped", sum4, [](const CommunicatorPtr& c) { c->barrier()->wait(); },
+               {"rank 0 calls allreduce(sum, 4 x Float)", "rank 1 calls barrier"});
+  // Skipped at the end: rank 0 waits in the check until its timeout, which names the op.
+  std::string timed_out;
+  run_ranks(
+      2,
+      [&](const CommunicatorPtr& comm) {
+        if (comm->rank() == 1) return;
+        try {
+          sum4(comm);
+        } catch (const CommError& e) {
+          timed_out = e.what();
+        }
+      },
+      2s);
+  EXPECT_NE(timed_out.find("the collective check before allreduce(sum, 4 x Float)"),
+            std::string::npos)
+      << timed_out;
+  // Matching collectives: the same results.
+  run_ranks(3, [](const CommunicatorPtr& comm) {
+    auto t = torch::full({5}, static_cast<float>(comm->rank()));
+    comm->allreduce(t)->wait();
+    EXPECT_TRUE(torch::equal(t, torch::full({5}, 3.0f)));
+    auto all = torch::empty({3});
+    comm->allgather(all, torch::full({1}, static_cast<float>(comm->rank())))->wait();
+    EXPECT_TRUE(torch::equal(all, torch::arange(3).to(torch::kFloat)));
   });
 }
 

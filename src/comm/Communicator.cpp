@@ -215,13 +215,29 @@ void Communicator::note_collective(const std::string& op_and_args, Work& work) {
   work.set_timeout_diagnosis([state = progress_, index] { return state->diagnose(index); });
 }
 
+namespace {
+
+bool checks_collectives() {
+  const char* value = std::getenv("DTRAIN_CHECK_COLLECTIVES");
+  return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
+}
+
+uint64_t fnv1a(const std::string& text) {
+  uint64_t hash = 1469598103934665603ULL;
+  for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ULL;
+  return hash;
+}
+
+}  // namespace
+
 Communicator::Communicator(int rank, int size, std::string name, std::vector<int> global_ranks,
                            Milliseconds timeout)
     : rank_(rank),
       size_(size),
       name_(std::move(name)),
       global_ranks_(std::move(global_ranks)),
-      timeout_(timeout) {
+      timeout_(timeout),
+      check_collectives_(checks_collectives()) {
   DTRAIN_CHECK(size_ >= 1 && rank_ >= 0 && rank_ < size_, "invalid rank ", rank_, " of ", size_);
   DTRAIN_CHECK_EQ(static_cast<int>(global_ranks_.size()), size_, "group '", name_, "'");
 }
@@ -403,6 +419,60 @@ void Communicator::ring_allgather(const at::Tensor& output, const at::Tensor& in
   if (!output.is_contiguous()) output.copy_(flat.view(output.sizes()));
 }
 
+void Communicator::check_matching(const std::string& what) {
+  if (!check_collectives_ || size_ <= 1) return;
+  const int64_t index = checked_++;
+  const std::string label = concat("the collective check before ", what);
+  auto gather = [&](const at::Tensor& out, const at::Tensor& in, std::vector<int64_t> counts) {
+    const int64_t sequence = next_sequence();
+    run_async(describe(label), timeout_, [=, this] {
+      ring_allgather(out, in, counts, sequence, timeout_, label);
+    })->wait();
+  };
+  const at::Tensor mine = at::tensor({index, static_cast<int64_t>(fnv1a(what))}, at::kLong);
+  const at::Tensor all = at::empty({2 * size_}, at::kLong);
+  gather(all, mine, std::vector<int64_t>(size_, 2));
+  const int64_t* seen = all.data_ptr<int64_t>();
+  bool same = true;
+  for (int r = 1; r < size_; ++r)
+    same = same && seen[2 * r] == seen[0] && seen[2 * r + 1] == seen[1];
+  if (same) return;
+  // Every member saw the difference: they tell each other what they call.
+  const at::Tensor length = at::tensor({static_cast<int64_t>(what.size())}, at::kLong);
+  const at::Tensor lengths = at::empty({size_}, at::kLong);
+  gather(lengths, length, std::vector<int64_t>(size_, 1));
+  const std::vector<int64_t> counts(lengths.data_ptr<int64_t>(),
+                                    lengths.data_ptr<int64_t>() + size_);
+  at::Tensor text = at::empty({static_cast<int64_t>(what.size())}, at::kByte);
+  std::memcpy(text.data_ptr(), what.data(), what.size());
+  const at::Tensor texts = at::empty({offsets_of(counts).back()}, at::kByte);
+  gather(texts, text, counts);
+  // Ranks calling the same thing together: "ranks 0, 2 call X; rank 1 calls Y".
+  std::vector<std::pair<std::string, std::vector<int>>> calls;
+  const auto* bytes = reinterpret_cast<const char*>(texts.data_ptr());
+  int64_t offset = 0;
+  for (int r = 0; r < size_; ++r) {
+    const std::string call(bytes + offset, static_cast<size_t>(counts[r]));
+    offset += counts[r];
+    auto it =
+        std::find_if(calls.begin(), calls.end(), [&](const auto& c) { return c.first == call; });
+    if (it == calls.end()) {
+      calls.push_back({call, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  std::string differ;
+  for (const auto& [call, ranks] : calls) {
+    std::string who;
+    for (size_t i = 0; i < ranks.size(); ++i) who += concat(i ? ", " : "", ranks[i]);
+    differ += concat(differ.empty() ? "" : "; ", ranks.size() > 1 ? "ranks " : "rank ", who,
+                     ranks.size() > 1 ? " call " : " calls ", call);
+  }
+  DTRAIN_THROW(CommError, "collectives differ on group '", name_, "' at its collective #", index,
+               " (DTRAIN_CHECK_COLLECTIVES): ", differ);
+}
+
 WorkPtr Communicator::allgather(at::Tensor output, at::Tensor input,
                                 const AllgatherOptions& options) {
   std::vector<int64_t> counts = options.counts;
@@ -417,6 +487,7 @@ WorkPtr Communicator::allgather(at::Tensor output, at::Tensor input,
   DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what), ": output dtype ",
                output.scalar_type(), " != input dtype ", input.scalar_type());
   const auto timeout = resolve(options.timeout);
+  check_matching(what);
   if (size_ > 1) count_collective("allgather", output.numel(), output.element_size());
   const int64_t sequence = next_sequence();
   return run_async(describe(what), timeout,
@@ -445,6 +516,7 @@ WorkPtr Communicator::reduce_scatter(at::Tensor output, at::Tensor input,
   DTRAIN_CHECK(options.op != ReduceOp::Avg || at::isFloatingType(input.scalar_type()),
                describe(what), ": avg needs a floating-point tensor");
   const auto timeout = resolve(options.timeout);
+  check_matching(what);
   if (size_ > 1) count_collective("reduce_scatter", input.numel(), input.element_size());
   const int64_t sequence = next_sequence();
   return run_async(describe(what), timeout, [=] {

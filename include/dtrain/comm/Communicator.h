@@ -130,6 +130,15 @@ class Communicator {
   /// who-did-not-arrive report to its Work's timeout error.
   void note_collective(const std::string& op_and_args, Work& work);
 
+  /// With DTRAIN_CHECK_COLLECTIVES=1 in the environment (dtrain train --check-collectives; as
+  /// PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL): before each collective the members compare
+  /// what they are about to call (op, element count, dtype, root: `op_and_args`) by a small
+  /// allgather of its hash; where they differ, CommError naming the group, the collective's
+  /// index on it and each rank's call. A member that skipped its last collective leaves the
+  /// others in this check: its timeout names the op and the ranks that did not arrive. A no-op
+  /// without the variable. Backends call it first in each collective of more than one rank.
+  void check_matching(const std::string& op_and_args);
+
   Milliseconds resolve(Milliseconds timeout) const;
   /// "allreduce(sum, 4 x Float) on group 'world' (world ranks [0,1]) at rank 0".
   std::string describe(const std::string& op_and_args) const;
@@ -151,6 +160,8 @@ class Communicator {
   std::string name_;
   std::vector<int> global_ranks_;
   Milliseconds timeout_;
+  bool check_collectives_ = false;
+  int64_t checked_ = 0;  // collectives checked on this group
   int64_t sequence_ = 0;
   std::atomic<int64_t> bytes_sent_{0};
   std::shared_ptr<std::atomic<int64_t>> wire_family_ = std::make_shared<std::atomic<int64_t>>(0);

@@ -128,6 +128,7 @@ WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, const AllreduceOptions& o
   DTRAIN_CHECK(options.op != ReduceOp::Avg || floating, describe(what),
                ": avg needs a floating-point tensor");
   if (size() == 1) return completed_work(describe(what));
+  check_matching(what);
   count_collective("allreduce", tensor.numel(), tensor.element_size());
   if (!gloo_reduces(tensor.scalar_type())) {
     DTRAIN_CHECK(floating, "backend gloo does not support ", describe(what));
@@ -155,6 +156,7 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& o
   DTRAIN_CHECK(options.root >= 0 && options.root < size(), describe(what), ": bad root");
   const auto timeout = resolve(options.timeout);
   if (size() == 1) return completed_work(describe(what));
+  check_matching(what);
   count_collective("broadcast", tensor.numel(), tensor.element_size());
   at::Tensor buffer = host_buffer(tensor, /*fill=*/options.root == rank());
   // Broadcast moves bytes only, so dtypes Gloo cannot reduce travel as a same-size type.
@@ -192,6 +194,7 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& o
 WorkPtr GlooCommunicator::barrier(const BarrierOptions& options) {
   const auto timeout = resolve(options.timeout);
   if (size() == 1) return completed_work(describe("barrier"));
+  check_matching("barrier");
   c10d::BarrierOptions c10d_options;
   c10d_options.timeout = timeout;
   auto work = issue(describe("barrier"), [&] { return group_->barrier(c10d_options); });

@@ -138,9 +138,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   costs_ = stage_costs();
   const std::string& balance = pipe_.balance;
   partition_ = balance == "params" || balance == "time"
-                   ? balanced_partition(
-                         costs_, virtual_stages,
-                         grid_->replicated_stages() ? grid_->stage_replicas() : std::vector<int>{})
+                   ? balanced_partition(costs_, virtual_stages, grid_->stage_replicas())
                    : partition_from_counts(balance, n, virtual_stages);
 
   std::unordered_map<const void*, std::string> name_of;
