@@ -195,7 +195,7 @@ TEST(Schedule, ZeroBubbleVRunsTwoChunksPerRankInAVWithoutIdling) {
 // ranks downstream busy (PipeDream's 1F1B-RR), not the stage's order filtered.
 TEST(Schedule, ReplicatedStagesRunTheirShareWithoutDeadlock) {
   for (const std::string kind : {"gpipe", "1f1b", "zb-h1", "zb-h2"}) {
-    for (const std::vector<int> replicas : std::vector<std::vector<int>>{
+    for (const std::vector<int>& replicas : std::vector<std::vector<int>>{
              {2, 1}, {1, 2}, {3, 1}, {1, 3}, {1, 2, 1}, {2, 1, 2}, {1, 1, 3}, {3, 2, 1}}) {
       for (int m : {3, 4, 6, 8}) {
         const int stages = static_cast<int>(replicas.size());
@@ -345,7 +345,7 @@ struct PipelineRun {
   // 2bw, async: each rank's forwards and backwards with the weight version each computed on.
   std::vector<std::vector<std::pair<Action, int64_t>>>* versions = nullptr;
   // Non-empty: stage s on stage_replicas[s] ranks (pp and dp are then unused).
-  std::vector<int> stage_replicas;
+  std::vector<int> stage_replicas = {};
 };
 
 // Trains f on pp x dp rank threads and returns every parameter by name (from DP replica 0).
@@ -543,7 +543,7 @@ TEST(Pipeline, ReplicatedStagesTrainToTheSingleProcessWeights) {
   const int steps = 3;
   auto f = make_fixture(deep_mlp(), adam(), steps, 24);  // M = 3 and 4 divide it
   const auto expected = train_single(f, steps);
-  for (const std::vector<int> replicas : std::vector<std::vector<int>>{{2, 1}, {1, 2}}) {
+  for (const std::vector<int>& replicas : std::vector<std::vector<int>>{{2, 1}, {1, 2}}) {
     for (const std::string schedule : {"gpipe", "1f1b", "zb-h1", "zb-h2"}) {
       for (int micro : {3, 4}) {
         SCOPED_TRACE(concat(schedule, " replicas ", replicas[0], ",", replicas[1], " M=", micro));
@@ -555,7 +555,7 @@ TEST(Pipeline, ReplicatedStagesTrainToTheSingleProcessWeights) {
       }
     }
   }
-  for (const std::vector<int> replicas : std::vector<std::vector<int>>{{1, 2, 1}, {2, 2}}) {
+  for (const std::vector<int>& replicas : std::vector<std::vector<int>>{{1, 2, 1}, {2, 2}}) {
     SCOPED_TRACE(concat("1f1b over ", replicas.size(), " stages, 4 ranks"));
     PipelineRun run;
     run.stage_replicas = replicas;
