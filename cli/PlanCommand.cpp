@@ -192,7 +192,7 @@ class PlanCommand final : public Command {
         ->delimiter(',');
     app_->add_flag("--replicated-stages", replicated_stages_,
                    "--search: also PipeDream's layouts, every uneven split of the GPUs (up to "
-                   "32) over 2 to 4 stages");
+                   "16) over 2 to 4 stages");
     app_->add_option("--chunks", layout_.chunks,
                      "Model chunks per pipeline rank (interleaved; zb-v runs 2)")
         ->capture_default_str();

@@ -255,8 +255,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   auto replicas_of = [&](int rank) {
     return replicated ? layout.stage_replicas[spec.stage_of_slot(rank)] : layout.dp;
   };
-  std::vector<std::vector<pp::Action>> lists;
-  for (int r = 0; r < slots; ++r) lists.push_back(pp::build_slot_schedule(spec, r));
+  const std::vector<std::vector<pp::Action>> lists = pp::build_slot_schedules(spec);
   // A split backward (zero bubble): W is the weight gradients' matmuls, B the rest.
   const bool split = pp::splits_backward(spec.kind);
   std::vector<double> stage_w(stages, 0.0);

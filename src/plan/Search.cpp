@@ -80,7 +80,7 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   }
   // PipeDream's layouts: P stages over the GPUs replicated unequally (the even splits are the
   // dp x pp grid's above), one data stream, 1F1B with ddp.
-  if (options.replicated_stages && gpus <= 32 &&
+  if (options.replicated_stages && gpus <= 16 &&
       options.strategies.end() !=
           std::find(options.strategies.begin(), options.strategies.end(), "ddp")) {
     for (int stages = 2; stages <= std::min({4, layers, gpus}); ++stages) {

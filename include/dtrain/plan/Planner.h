@@ -98,7 +98,7 @@ struct SearchOptions {
   std::vector<std::string> pipeline_syncs = {"flush"};
   /// PipeDream's layouts too: a pipeline of 2 to 4 stages replicated unequally over the GPUs
   /// (every split of them that is not even: the even ones are dp x pp), 1f1b with ddp, tp 1;
-  /// at most 32 GPUs (the splits grow combinatorially).
+  /// at most 16 GPUs (the splits grow combinatorially).
   bool replicated_stages = false;
 };
 struct SearchResult {

@@ -503,20 +503,31 @@ std::vector<Action> replicated_one_f_one_b(const ScheduleSpec& spec, int slot) {
 
 }  // namespace
 
+std::vector<std::vector<Action>> build_slot_schedules(const ScheduleSpec& spec) {
+  std::vector<std::vector<Action>> lists;
+  if (spec.replicas.empty()) {
+    for (int r = 0; r < spec.stages; ++r) lists.push_back(build_schedule(spec, r));
+    return lists;
+  }
+  validate(spec);
+  if (spec.kind == ScheduleKind::OneFOneB) {
+    // Replicated 1F1B where the ranks' lists run to the end together (the simulator on unit
+    // costs), else the filtered stage order.
+    for (int r = 0; r < spec.slots(); ++r) lists.push_back(replicated_one_f_one_b(spec, r));
+    try {
+      simulate(spec, lists);
+      return lists;
+    } catch (const InputError&) {
+      lists.clear();
+    }
+  }
+  for (int r = 0; r < spec.slots(); ++r) lists.push_back(filtered_slot_schedule(spec, r));
+  return lists;
+}
+
 std::vector<Action> build_slot_schedule(const ScheduleSpec& spec, int slot) {
   if (spec.replicas.empty()) return build_schedule(spec, slot);
-  validate(spec);
-  if (spec.kind != ScheduleKind::OneFOneB) return filtered_slot_schedule(spec, slot);
-  // Replicated 1F1B where the ranks' lists run to the end together (the simulator on unit
-  // costs; every rank computes the same), else the filtered stage order.
-  std::vector<std::vector<Action>> lists;
-  for (int r = 0; r < spec.slots(); ++r) lists.push_back(replicated_one_f_one_b(spec, r));
-  try {
-    simulate(spec, lists);
-  } catch (const InputError&) {
-    return filtered_slot_schedule(spec, slot);
-  }
-  return lists[slot];
+  return build_slot_schedules(spec).at(slot);
 }
 
 double bubble_formula(const ScheduleSpec& spec) {

@@ -94,6 +94,8 @@ std::vector<Action> build_schedule(const ScheduleSpec& spec, int rank);
 /// global order that runs the unreplicated lists runs these subsequences too. Without
 /// replicas, build_schedule(spec, slot).
 std::vector<Action> build_slot_schedule(const ScheduleSpec& spec, int slot);
+/// Every slot's list at once (one deadlock check for all: what the planner simulates).
+std::vector<std::vector<Action>> build_slot_schedules(const ScheduleSpec& spec);
 
 /// Where the V x P virtual stages live. Looping placement (every schedule but zb-v): chunk c of
 /// rank r is virtual stage c * P + r, consecutive stages on consecutive ranks, the last rank
