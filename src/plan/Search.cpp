@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <functional>
 #include <thread>
 
 #include "dtrain/common/Error.h"
@@ -30,6 +31,21 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   const int layers = static_cast<int>(model.layers.size());
   const bool splits = std::any_of(model.layers.begin(), model.layers.end(),
                                   [](const Layer& l) { return l.tensor_parallel; });
+  // A layout of `micro_batches` x `mbs` per replica, with and without checkpointing (when
+  // allowed), the search's precision and optimizer; `set` fills the parallelism.
+  auto add = [&](int mbs, int64_t micro_batches, const std::function<void(Layout&)>& set) {
+    for (bool checkpointing : {false, true}) {
+      if (checkpointing && !options.allow_checkpointing) continue;
+      Layout layout;
+      layout.micro_batch_size = mbs;
+      layout.micro_batches = static_cast<int>(micro_batches);
+      layout.precision = options.precision;
+      layout.optimizer = options.optimizer;
+      layout.checkpointing = checkpointing;
+      set(layout);
+      layouts.push_back(layout);
+    }
+  };
   // Tensor parallelism stays inside a node (its all-reduces are on every layer's critical
   // path: Narayanan et al.'s first takeaway).
   for (int tp : divisors(gpus, splits ? cluster.per_node() : 1)) {
@@ -54,24 +70,16 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
               if (sync != "flush" && (pp == 1 || schedule != "1f1b" || strategy != "ddp")) {
                 continue;
               }
-              for (bool checkpointing : {false, true}) {
-                if (checkpointing && !options.allow_checkpointing) continue;
-                Layout layout;
+              add(mbs, micro_batches, [&](Layout& layout) {
                 layout.strategy = strategy;
                 layout.dp = dp;
                 layout.pp = pp;
                 layout.tp = tp;
-                layout.micro_batch_size = mbs;
-                layout.micro_batches = micro_batches;
                 layout.schedule = schedule;
                 layout.chunks = chunks;
                 layout.pipeline_sync = sync;
-                layout.precision = options.precision;
-                layout.optimizer = options.optimizer;
-                layout.checkpointing = checkpointing;
                 layout.sequence_parallel = options.sequence_parallel && tp > 1;
-                layouts.push_back(layout);
-              }
+              });
             }
           }
         }
@@ -94,18 +102,10 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
         for (int mbs : divisors(options.global_batch, options.max_micro_batch_size)) {
           const int64_t micro_batches = options.global_batch / mbs;
           if (even || micro_batches < std::max(stages, most)) continue;
-          for (bool checkpointing : {false, true}) {
-            if (checkpointing && !options.allow_checkpointing) continue;
-            Layout layout;
+          add(mbs, micro_batches, [&](Layout& layout) {
             layout.pp = stages;
             layout.stage_replicas = counts;
-            layout.micro_batch_size = mbs;
-            layout.micro_batches = static_cast<int>(micro_batches);
-            layout.precision = options.precision;
-            layout.optimizer = options.optimizer;
-            layout.checkpointing = checkpointing;
-            layouts.push_back(layout);
-          }
+          });
         }
         // The next composition: move one from the last count into the one before the rightmost
         // count that can give (all but the last are >= 1 and grow; the last takes the rest).
