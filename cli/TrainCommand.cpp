@@ -261,6 +261,9 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "Also checkpoint every N steps (0 = epoch ends only)")
       ->capture_default_str();
   add(app, "--keep-checkpoints", t.keep_checkpoints, "Checkpoints to keep")->capture_default_str();
+  app.add_flag("--async-checkpoint", t.async_checkpoint,
+               "Write checkpoints in the background: a save copies the state to host memory "
+               "and training goes on while a thread writes, verifies and publishes it");
   app.add_flag("!--no-resume", t.resume, "Start fresh even if --checkpoint-dir has one");
   add(app, "--init-from", t.init_from,
       "Start from these weights: a checkpoint (directory or root) of any strategy and world "

@@ -17,10 +17,14 @@
 #include "SmallModels.h"
 #include "TempDir.h"
 #include "TrainerRuns.h"
+#include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/common/Device.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/optim/Optimizers.h"
+#include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/CheckpointManager.h"
 #include "dtrain/train/Trainer.h"
 
 using namespace dtrain;
@@ -694,4 +698,135 @@ TEST(Trainer, DeferredEvaluationsEqualThoseMadeDuringTraining) {
   options.defer_eval = true;
   options.strategy = "zero3";
   EXPECT_THROW(train::Trainer trainer(options), InputError);
+}
+
+// --async-checkpoint: the checkpoints hold what synchronous ones hold, verify, and a run
+// resumed from them ends with the uninterrupted run's weights (ddp, zero2 and a 2-stage
+// pipeline on 2 ranks).
+TEST(Trainer, AsynchronousCheckpointsEqualSynchronousOnesAndResume) {
+  at::set_num_threads(1);
+  for (const std::string variant : {"ddp", "zero2", "pipeline"}) {
+    auto options = base_options();
+    options.strategy = variant == "pipeline" ? "ddp" : variant;
+    options.pipeline_parallel = variant == "pipeline" ? 2 : 1;
+    options.accumulation_steps = variant == "pipeline" ? 2 : 1;
+    options.batch_size = variant == "pipeline" ? 4 : 8;  // a global batch of 16 each way
+    options.max_steps = 12;
+    const RunOutput full = run(2, options, 1);
+    TempDir sync_dir, async_dir;
+    options.checkpoint_every = 4;
+    options.stop_at_step = 8;
+    options.checkpoint_dir = sync_dir.path();
+    run(2, options, 1);
+    options.checkpoint_dir = async_dir.path();
+    options.async_checkpoint = true;
+    run(2, options, 1);
+    for (const std::string step : {"step-00000004", "step-00000008"}) {
+      EXPECT_EQ(train::verify_checkpoint(async_dir / step), "") << variant << " " << step;
+      const auto written = train::read_full_model(async_dir / step);
+      const auto expected = train::read_full_model(sync_dir / step);
+      ASSERT_EQ(written.size(), expected.size());
+      for (size_t i = 0; i < written.size(); ++i) {
+        EXPECT_TRUE(written[i].value.equal(expected[i].value)) << variant << " " << step << " "
+                                                               << written[i].name;
+      }
+    }
+    EXPECT_EQ(*train::latest_checkpoint(async_dir.path()), async_dir / "step-00000008");
+    for (const auto& entry : std::filesystem::directory_iterator(async_dir.path())) {
+      EXPECT_EQ(entry.path().extension(), "") << entry.path() << " left behind";
+    }
+    options.stop_at_step = 0;
+    const RunOutput resumed = run(2, options, 4242);
+    EXPECT_EQ(resumed.start_step, 8) << variant;
+    ASSERT_EQ(resumed.weights.size(), full.weights.size());
+    for (size_t i = 0; i < full.weights.size(); ++i) {
+      EXPECT_LE((full.weights[i] - resumed.weights[i]).abs().max().item<double>(), 1e-10)
+          << variant;
+    }
+  }
+}
+
+namespace {
+
+// A rank's strategy over a float64 MLP and its checkpoint manager, saving asynchronously.
+struct AsyncSaver {
+  std::shared_ptr<comm::ProcessGrid> grid;
+  parallel::StrategyPtr strategy;
+  std::unique_ptr<train::CheckpointManager> checkpoints;
+  train::TrainerOptions options;
+
+  AsyncSaver(const comm::CommunicatorPtr& comm, const std::string& root,
+             const std::string& name = "zero2") {
+    grid = std::make_shared<comm::ProcessGrid>(comm);
+    strategy = parallel::make_strategy(name, {});
+    torch::manual_seed(3);
+    Model model = models::make_model(test::small_mlp(16, 256, 4));
+    model.module->to(at::kDouble);
+    optim::OptimizerSpec adam;
+    adam.name = "adam";
+    strategy->setup(std::move(model), optim::optimizer_factory(adam), grid);
+    options.checkpoint_dir = root;
+    options.async_checkpoint = true;
+    checkpoints =
+        std::make_unique<train::CheckpointManager>(options, *comm, *grid, *strategy);
+  }
+};
+
+}  // namespace
+
+// What an asynchronous save writes is the state at the call: the weights changed the moment it
+// returns do not reach the files (DDP's rank 0 writes its parameters' own storage, so only the
+// save's copy keeps them).
+TEST(Checkpoint, AnAsynchronousSaveWritesTheStateOfItsCall) {
+  at::set_num_threads(1);
+  TempDir dir;
+  std::vector<at::Tensor> saved;
+  run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
+    AsyncSaver saver(comm, dir.path(), "ddp");
+    auto parameters = saver.strategy->model().module->parameters();
+    if (comm->rank() == 0) {
+      for (const auto& p : parameters) saved.push_back(p.detach().clone());
+    }
+    saver.checkpoints->save(5, 0, 16);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : parameters) p.fill_(7.0);  // training goes on at once
+    }
+    saver.checkpoints->wait();
+  });
+  const auto written = train::read_full_model(dir / "step-00000005");
+  ASSERT_EQ(written.size(), saved.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    EXPECT_TRUE(written[i].value.equal(saved[i])) << written[i].name;
+  }
+  EXPECT_EQ(*train::latest_checkpoint(dir.path()), dir / "step-00000005");
+}
+
+// A rank whose files never reach the checkpoint (here: written under another root) leaves rank 0
+// an error naming it, after the world's timeout, at its next save; `latest` keeps the newest
+// complete checkpoint.
+TEST(Checkpoint, AnAsynchronousSaveNamesTheRankWhoseFilesDidNotArrive) {
+  at::set_num_threads(1);
+  TempDir dir, elsewhere;
+  std::string error;
+  run_ranks(
+      2,
+      [&](const comm::CommunicatorPtr& comm) {
+        AsyncSaver saver(comm, dir.path());
+        saver.checkpoints->save(4, 0, 16);
+        saver.checkpoints->wait();
+        AsyncSaver astray(comm, comm->rank() == 1 ? elsewhere.path() : dir.path());
+        astray.checkpoints->save(8, 0, 16);
+        if (comm->rank() == 1) return;
+        try {
+          astray.checkpoints->wait();
+        } catch (const Error& e) {
+          error = e.what();
+        }
+      },
+      2s);
+  EXPECT_NE(error.find("rank 1 has not written its files within 2000 ms"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("step-00000008.tmp"), std::string::npos) << error;
+  EXPECT_EQ(*train::latest_checkpoint(dir.path()), dir / "step-00000004");
 }

@@ -6,13 +6,55 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace dtrain {
+
+/// Files staged in host memory for an asynchronous checkpoint (PyTorch's async DCP, torchtitan's
+/// async_mode): while a StagingScope is open on a thread, save_pickled_dict and save_tensor_file
+/// called on that thread copy what they are given into it (every tensor cloned to host memory,
+/// so training may change its own at once) instead of writing; write() writes them later, from
+/// any thread.
+class StagedFiles {
+ public:
+  /// Writes every staged file (creating directories) in the order staged, then forgets them.
+  /// InputError naming the file that cannot be written.
+  void write();
+  /// Bytes of tensor data held.
+  int64_t bytes() const { return bytes_; }
+  bool empty() const { return files_.empty(); }
+
+ private:
+  friend void save_pickled_dict(const std::string&, const c10::impl::GenericDict&);
+  friend void save_tensor_file(const std::string&, const at::Tensor&);
+  struct File {
+    std::string path;
+    c10::IValue value;
+    bool tensor_file = false;  // torch::save(tensor) rather than a pickled dictionary
+  };
+  void add(const std::string& path, const c10::IValue& value, bool tensor_file);
+  std::vector<File> files_;
+  int64_t bytes_ = 0;
+};
+
+/// Stages this thread's state-file writes into `files` for its lifetime (not nested).
+class StagingScope {
+ public:
+  explicit StagingScope(StagedFiles& files);
+  ~StagingScope();
+  StagingScope(const StagingScope&) = delete;
+  StagingScope& operator=(const StagingScope&) = delete;
+};
 
 /// Pickles `dict` into `path` atomically (a reader sees the old file or the new one), creating
 /// its directory.
 void save_pickled_dict(const std::string& path, const c10::impl::GenericDict& dict);
+
+/// torch::save(tensor, path) (a checkpoint's random-generator and loss-scaler states), staged
+/// like save_pickled_dict.
+void save_tensor_file(const std::string& path, const at::Tensor& tensor);
 
 /// The dictionary pickled in `path`. InputError naming the file and `what` it should be ("a
 /// parameter-server shard checkpoint") when it cannot be read, does not unpickle (damaged?), is

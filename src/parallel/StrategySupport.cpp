@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 
+#include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
 #include "parallel/ddp/PowerSgd.h"
 
@@ -184,7 +185,7 @@ TensorParallelLayout tensor_parallel_layout(const torch::nn::Module& module,
 }
 
 void save_loss_scaler(const precision::LossScaler& scaler, const std::string& directory) {
-  torch::save(scaler.state(), directory + "/loss_scaler.pt");
+  save_tensor_file(directory + "/loss_scaler.pt", scaler.state());
 }
 
 void load_loss_scaler(precision::LossScaler& scaler, const std::string& directory) {

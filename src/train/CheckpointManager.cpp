@@ -7,9 +7,18 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
-#include <cstdio>
-#include <filesystem>
+#include <pthread.h>
+#include <sched.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <thread>
+
+#include "common/Files.h"
+#include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/nn/tensor/Split.h"
 #include "dtrain/train/Checkpoint.h"
@@ -28,11 +37,47 @@ std::string describe_layout(int world, int dp, int pp, int tp) {
 
 std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
 
+// An asynchronous checkpoint's sign, in its staging directory, that a rank's files are there.
+std::string written_marker(const std::string& staging, int rank) {
+  return concat(staging, "/.written-rank", rank);
+}
+
 }  // namespace
+
+// The checkpoint being written in the background.
+struct CheckpointManager::Background {
+  int64_t step = 0;
+  double seconds = 0;  // the write's, once done
+  std::thread thread;
+  std::exception_ptr error;
+  std::atomic<bool> cancel{false};
+};
 
 CheckpointManager::CheckpointManager(const TrainerOptions& options, comm::Communicator& world,
                                      const comm::ProcessGrid& grid, parallel::Strategy& strategy)
     : options_(options), world_(world), grid_(grid), strategy_(strategy) {}
+
+CheckpointManager::~CheckpointManager() {
+  if (!background_) return;
+  background_->cancel = true;
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain: the checkpoint being written was not completed: %s\n",
+                 e.what());
+  }
+}
+
+void CheckpointManager::wait() {
+  if (!background_) return;
+  if (background_->thread.joinable()) background_->thread.join();
+  const std::exception_ptr error = background_->error;
+  const int64_t step = background_->step;
+  const double seconds = background_->seconds;
+  background_.reset();
+  if (error) std::rethrow_exception(error);
+  if (on_written) on_written(step, seconds);
+}
 
 std::vector<TensorInfo> CheckpointManager::model_tensors() const {
   std::vector<TensorInfo> tensors;
@@ -50,7 +95,35 @@ std::vector<TensorInfo> CheckpointManager::model_tensors() const {
   return tensors;
 }
 
+void CheckpointManager::publish(const std::string& staging, const std::string& name, int64_t step,
+                                int64_t epoch, int64_t global_batch,
+                                const std::vector<TensorInfo>& tensors) const {
+  const std::string& root = options_.checkpoint_dir;
+  CheckpointMeta meta;
+  meta.strategy = strategy_.name();
+  meta.world_size = world_.size();
+  meta.dp = grid_.dp_size();
+  meta.pp = grid_.pp_size();
+  meta.tp = grid_.tp_size();
+  meta.step = step;
+  meta.epoch = epoch;
+  meta.seed = options_.seed;
+  meta.global_batch = global_batch;
+  meta.tensors = tensors;
+  meta.extras = options_.checkpoint_extras;
+  // Digests read back from the files on disk, so the checkpoint that replaces older ones has
+  // been verified as written.
+  record_files(staging, meta);
+  write_meta(staging, meta);
+  const std::string final_dir = root + "/" + name;
+  fs::remove_all(final_dir);
+  fs::rename(staging, final_dir);
+  set_latest(root, name);
+  prune_checkpoints(root, options_.keep_checkpoints, name);
+}
+
 void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, bool alone) {
+  wait();  // the previous asynchronous checkpoint is complete, or its error is thrown here
   const std::string root = options_.checkpoint_dir;
   const std::string name = checkpoint_name(step);
   const std::string staging = root + "/" + name + ".tmp";
@@ -60,34 +133,74 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
     fs::create_directories(staging);
   }
   if (!alone) world_.barrier()->wait();
-  strategy_.save(staging);
-  torch::save(at::detail::getDefaultCPUGenerator().get_state(),
-              concat(staging, "/rng-rank", world_.rank(), ".pt"));
-  if (!alone) world_.barrier()->wait();  // every rank's files are in place
-  if (leader) {
-    CheckpointMeta meta;
-    meta.strategy = strategy_.name();
-    meta.world_size = world_.size();
-    meta.dp = grid_.dp_size();
-    meta.pp = grid_.pp_size();
-    meta.tp = grid_.tp_size();
-    meta.step = step;
-    meta.epoch = epoch;
-    meta.seed = options_.seed;
-    meta.global_batch = global_batch;
-    meta.tensors = model_tensors();
-    meta.extras = options_.checkpoint_extras;
-    // Digests read back from the files on disk, so the checkpoint that replaces older ones has
-    // been verified as written.
-    record_files(staging, meta);
-    write_meta(staging, meta);
-    const std::string final_dir = root + "/" + name;
-    fs::remove_all(final_dir);
-    fs::rename(staging, final_dir);
-    set_latest(root, name);
-    prune_checkpoints(root, options_.keep_checkpoints, name);
+  const std::string rng = concat(staging, "/rng-rank", world_.rank(), ".pt");
+  const std::vector<TensorInfo> tensors = leader ? model_tensors() : std::vector<TensorInfo>{};
+  if (!options_.async_checkpoint) {
+    strategy_.save(staging);
+    save_tensor_file(rng, at::detail::getDefaultCPUGenerator().get_state());
+    if (!alone) world_.barrier()->wait();  // every rank's files are in place
+    if (leader) publish(staging, name, step, epoch, global_batch, tensors);
+    if (!alone) world_.barrier()->wait();
+    return;
   }
-  if (!alone) world_.barrier()->wait();
+  // Asynchronous: the state is copied now (collectives the strategy's save needs run here, on
+  // every rank together); the files are written, and published by rank 0, in the background.
+  auto files = std::make_shared<StagedFiles>();
+  {
+    StagingScope scope(*files);
+    strategy_.save(staging);
+    save_tensor_file(rng, at::detail::getDefaultCPUGenerator().get_state());
+  }
+  background_ = std::make_unique<Background>();
+  background_->step = step;
+  Background* background = background_.get();
+  const int rank = world_.rank();
+  const int writers = alone ? 1 : world_.size();
+  const auto timeout = world_.timeout();
+  background->thread = std::thread([=, this] {
+    // The writer takes what the training threads leave (waits on peers, the data loader): on a
+    // machine whose cores all train, an equal share would slow the steps while it writes.
+    sched_param idle{};
+    pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
+    const auto started = std::chrono::steady_clock::now();
+    auto done = [&] {
+      background->seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    };
+    try {
+      files->write();
+      write_file_atomically(written_marker(staging, rank), "", 0);
+      if (!leader) return done();
+      // Every rank's files are in place when every rank's marker is.
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      std::vector<int> missing;
+      while (true) {
+        missing.clear();
+        for (int r = 0; r < writers; ++r) {
+          if (!fs::exists(written_marker(staging, r))) missing.push_back(r);
+        }
+        if (missing.empty() || background->cancel ||
+            std::chrono::steady_clock::now() >= deadline) {
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      std::string ranks;
+      for (const int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
+      DTRAIN_CHECK(missing.empty(), "asynchronous checkpoint ", staging, ": rank",
+                   missing.size() == 1 ? " " : "s ", ranks,
+                   missing.size() == 1 ? " has" : " have", " not written ",
+                   missing.size() == 1 ? "its" : "their", " files",
+                   background->cancel ? " (training stopped)"
+                                      : concat(" within ", timeout.count(), " ms"),
+                   "; the newest complete checkpoint stays `latest`");
+      for (int r = 0; r < writers; ++r) fs::remove(written_marker(staging, r));
+      publish(staging, name, step, epoch, global_batch, tensors);
+      done();
+    } catch (...) {
+      background->error = std::current_exception();
+    }
+  });
 }
 
 std::string CheckpointManager::choose() {

@@ -275,10 +275,27 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   run.result.global_batch = global_batch;
   run.result.learning_rate = spec.lr;
   run.evaluate = [&](bool alone) { return evaluate_on(*validation, alone); };
+  checkpoints.on_written = [&](int64_t step, double seconds) {
+    if (run.leader) {
+      run.metrics.write({{"event", std::string("checkpoint_written")},
+                         {"step", step},
+                         {"seconds", seconds}});
+    }
+  };
   run.save = [&](int64_t step, int64_t epoch, bool alone) {
+    const auto started = runners::Clock::now();
     checkpoints.save(step, epoch, global_batch, alone);
+    // How long training stood still for it (asynchronous: the copy to host memory, and any wait
+    // for the previous checkpoint's write).
+    if (run.leader) {
+      run.metrics.write({{"event", std::string("checkpoint")},
+                         {"step", step},
+                         {"seconds", runners::seconds_since(started)},
+                         {"async", static_cast<int64_t>(options_.async_checkpoint)}});
+    }
   };
   runner->run(run);
+  checkpoints.wait();  // the last checkpoint is complete (and rank 0's published) when fit returns
 
   FitResult& result = run.result;
   result.seconds = runners::seconds_since(run.start);

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,12 +23,30 @@ class CheckpointManager {
  public:
   CheckpointManager(const TrainerOptions& options, comm::Communicator& world,
                     const comm::ProcessGrid& grid, parallel::Strategy& strategy);
+  /// Waits for a checkpoint still being written (rank 0 stops waiting for the other ranks'
+  /// files); what went wrong is printed, not thrown: call wait() to see it.
+  ~CheckpointManager();
 
   /// Writes step `step`'s checkpoint (every rank's strategy state and random-generator state;
   /// rank 0 the metadata with each file's digest, read back from disk), renames it into place,
   /// points `latest` at it and prunes the oldest. Collective unless `alone` (an asynchronous
   /// strategy's rank 0 saving by itself).
+  ///
+  /// options.async_checkpoint: waits for the previous checkpoint's background write, then
+  /// copies the state into host memory (PyTorch's async DCP staging) and returns; a thread
+  /// writes the files, and rank 0's, once every rank has written its own (marker files in the
+  /// staging directory), verifies, renames and points `latest` at it. What is written is the
+  /// state at this call, whatever training does after it returns.
   void save(int64_t step, int64_t epoch, int64_t global_batch, bool alone = false);
+
+  /// Asynchronous checkpoints: blocks until the checkpoint being written is complete on this
+  /// rank (rank 0: published as `latest`) and rethrows what went wrong writing it (Error naming
+  /// the ranks whose files did not arrive within the world's timeout). A no-op when none is.
+  void wait();
+
+  /// Called on the training thread when wait() (or save()) finds an asynchronous checkpoint
+  /// complete: its step and how long the background took to write (and, rank 0, publish) it.
+  std::function<void(int64_t step, double seconds)> on_written;
 
   /// Collective. Loads the newest checkpoint that verifies into the strategy (resharded to this
   /// layout) and the random generators, and returns its step (0: none, or resume is off).
@@ -40,6 +60,13 @@ class CheckpointManager {
   std::string choose();
   /// The model's tensors at full (tensor-parallel: unsplit) shapes, as the metadata records them.
   std::vector<TensorInfo> model_tensors() const;
+  /// Rank 0, the files of every rank in `staging`: digests them, writes meta.json, renames the
+  /// directory into place, points `latest` at it and prunes.
+  void publish(const std::string& staging, const std::string& name, int64_t step, int64_t epoch,
+               int64_t global_batch, const std::vector<TensorInfo>& tensors) const;
+
+  struct Background;
+  std::unique_ptr<Background> background_;
 
   const TrainerOptions& options_;
   comm::Communicator& world_;

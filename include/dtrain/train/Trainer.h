@@ -48,6 +48,9 @@ struct TrainerOptions {
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
   int keep_checkpoints = 3;
+  /// Write checkpoints in the background: a save copies the state to host memory and training
+  /// goes on while a thread writes it (CheckpointManager::save).
+  bool async_checkpoint = false;
   /// Continue from the newest checkpoint in checkpoint_dir when there is one.
   bool resume = true;
   /// Start from these weights (a checkpoint of any strategy and world size, or a consolidated
