@@ -70,6 +70,7 @@ nlohmann::json to_json(const Prediction& p, const plan::Cluster& cluster) {
           {"pipeline_sync", l.pp > 1 ? l.pipeline_sync : "none"},
           {"precision", l.precision},
           {"checkpointing", l.checkpointing},
+          {"selective_recompute", l.selective_recompute && !l.checkpointing},
           {"gpus", cluster.gpus()},
           {"step_s", p.step_s},
           {"compute_s", p.compute_s},
@@ -202,6 +203,9 @@ class PlanCommand final : public Command {
         ->capture_default_str();
     app_->add_flag("--checkpointing", layout_.checkpointing,
                    "Activation checkpointing of every layer");
+    app_->add_flag("--selective-recompute", layout_.selective_recompute,
+                   "Selective recomputation: only attention's core recomputed in backward "
+                   "(dtrain train --checkpointing selective)");
     app_->add_flag("--sequence-parallel", layout_.sequence_parallel,
                    "Megatron sequence parallelism");
     app_->add_option("--optimizer", layout_.optimizer, "adam, momentum, sgd")

@@ -252,7 +252,8 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "auto (dynamic for fp16-mixed), dynamic, none")
       ->capture_default_str();
   add(app, "--checkpointing", job.checkpointing,
-      "Activation checkpointing: none, sqrt, or a segment count")
+      "Activation checkpointing: none, sqrt, a segment count, or selective (gpt, llama: "
+      "recompute only attention's core, keeping the rest)")
       ->capture_default_str();
   add_seed_flag(app, t.seed, "model, data order");
   add_run_flags(app, t.checkpoint_dir, t.eval_every, t.progress, "Directory for checkpoints",

@@ -129,7 +129,7 @@ struct GridRun {
   int overflow_step = -1;
   /// Trains steps [first_step, steps) after loading `load_from` (if set); saves to `save_to`.
   int first_step = 0;
-  std::string load_from, save_to;
+  std::string load_from = {}, save_to = {};
   std::string schedule = "1f1b";  // pipeline
 };
 

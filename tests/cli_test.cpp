@@ -87,6 +87,7 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --strategy zero3 --grad-compression fp16", "zero3 reduce-scatters gradients"},
       {" train --precision fp8", "unknown precision 'fp8'"},
       {" train --checkpointing lots", "--checkpointing must be none, sqrt or a segment count"},
+      {" train --model mlp --checkpointing selective", "gpt and llama models only"},
       {" train --loss-scaling maybe", "unknown loss scaling 'maybe'"},
       {" train --global-batch 64 --accumulation 2", "not both"},
       {" train --dataset synthetic --global-batch 100 --batch-size 32",
@@ -606,7 +607,10 @@ TEST(Cli, AResumedRunSaysSoWithoutProgressBars) {
                           " --layers 1 --heads 2 --width 16 --context 16 "
                           "--batch-size 8 --max-steps 6 --no-progress --checkpoint-dir " +
                           (dir / "ckpt");
-  const auto first = run(kDtrain + job + " --nproc 2 --tensor-parallel 2 --stop-at-step 2");
+  // (Selective recomputation under tensor parallelism; an asynchronous checkpoint resumed.)
+  const auto first = run(kDtrain + job +
+                         " --nproc 2 --tensor-parallel 2 --stop-at-step 2 --checkpointing "
+                         "selective --async-checkpoint");
   ASSERT_EQ(first.code, 0) << first.text;
   EXPECT_FALSE(has(first, "resumed")) << first.text;
   const auto second = run(kDtrain + job + " --nproc 1 --stop-at-step 4");

@@ -35,6 +35,9 @@ struct Shared {
   // Sequence parallelism: outside attention and the MLP, activations are [b, t / T, h], each
   // rank holding a contiguous part of the sequence.
   bool sequence_parallel = false;
+  // --checkpointing selective (Korthikanti et al. 2022): attention's core (scores, softmax,
+  // dropout, weighted values) is recomputed in backward from its queries, keys and values.
+  bool selective = false;
   int size() const { return group ? group->size() : 1; }
   int rank() const { return group ? group->rank() : 0; }
   // Dropout outside the split layers: replicated activations share a mask; sequence parts are
@@ -254,26 +257,39 @@ struct GptBlockImpl : torch::nn::Module {
       query = rotary(query, rope_theta);
       key = rotary(key, rope_theta);
     }
-    if (group_heads > 1) {  // each key/value head serves its group's query heads
-      key = key.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
-      value =
-          value.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
-    }
-    at::Tensor y;
-    [[maybe_unused]] const bool attention_dropout = shared.dropout > 0 && is_training();
+    const bool training = is_training();
+    const bool attention_dropout = shared.dropout > 0 && training;
+    auto core = [this, b, t, d, heads, training,
+                 attention_dropout](const std::vector<at::Tensor>& qkv) {
+      const at::Tensor& q = qkv[0];
+      at::Tensor k = qkv[1], v = qkv[2];
+      if (group_heads > 1) {  // each key/value head serves its group's query heads
+        k = k.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
+        v = v.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
+      }
+      at::Tensor out;
 #if DTRAIN_TORCH_AT_LEAST(2, 0)
-    if (!attention_dropout) y = at::scaled_dot_product_attention(query, key, value, {}, 0.0, true);
+      if (!attention_dropout) out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+#else
+      (void)attention_dropout;
 #endif
-    if (!y.defined()) {
-      at::Tensor scores =
-          at::matmul(query, key.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
-      at::Tensor future = at::ones({t, t}, query.options().dtype(at::kBool)).triu(1);
-      scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-      // Each rank's heads are its own: their dropout masks differ across the group.
-      at::Tensor weights = tp::dropout(at::softmax(scores, -1), shared.dropout, is_training(),
-                                       shared.rng->parallel());
-      y = at::matmul(weights, value);
-    }
+      if (!out.defined()) {
+        at::Tensor scores =
+            at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
+        at::Tensor future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
+        scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+        // Each rank's heads are its own: their dropout masks differ across the group.
+        at::Tensor weights = tp::dropout(at::softmax(scores, -1), shared.dropout, training,
+                                         shared.rng->parallel());
+        out = at::matmul(weights, v);
+      }
+      return out;
+    };
+    // Selective recomputation keeps only the queries, keys and values (the key/value heads
+    // before their expansion to the query heads) of the core's activations.
+    at::Tensor y = shared.selective && training
+                       ? memory::checkpoint(core, {query, key, value}, {}, {shared.rng->parallel()})
+                       : core({query, key, value});
     y = y.transpose(1, 2).reshape({b, t, heads * d});
     return tp::dropout(proj(y), shared.dropout, is_training(), shared.outer_rng());
   }
@@ -346,7 +362,8 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
     for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c, shared));
     register_module("blocks", blocks);
     head = register_module("head", GptHead(c, embedding, shared));
-    segments = memory::parse_segments(c.checkpointing, c.layers);
+    segments = shared.selective ? 0 : memory::parse_segments(c.checkpointing, c.layers);
+    generators = {shared.rng->replicated(), shared.rng->parallel()};
   }
   at::Tensor block(size_t i, const at::Tensor& h) {
     return blocks->ptr<GptBlockImpl>(i)->forward(h);
@@ -359,7 +376,8 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
       functions.push_back([this, i](const at::Tensor& x) { return block(i, x); });
       parameters.push_back(blocks[i]->parameters());
     }
-    h = segments > 1 ? memory::checkpoint_stages(functions, parameters, segments, h) : [&] {
+    h = segments > 1 ? memory::checkpoint_stages(functions, parameters, segments, h, generators)
+                     : [&] {
       for (auto& f : functions) h = f(h);
       return h;
     }();
@@ -375,6 +393,7 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
                     return block(i, h);
                   }};
       stage.checkpoint = segments > 1;
+      stage.generators = generators;
       out.push_back(stage);
     }
     out.push_back({"head", head_modules, [this](const at::Tensor& h) { return head(h); }});
@@ -406,6 +425,8 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
   torch::nn::ModuleList blocks;
   GptHead head;
   int64_t segments = 1;
+  // The dropout generators (replayed when a segment is recomputed).
+  std::vector<at::Generator> generators;
   bool sequence_parallel = false;
 };
 
@@ -457,6 +478,7 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
   shared.group = tensor_parallel && tensor_parallel->size() > 1 ? tensor_parallel : nullptr;
   shared.dropout = config.dropout;
   shared.sequence_parallel = config.sequence_parallel && shared.group;
+  shared.selective = config.checkpointing == "selective";
   const int ranks = shared.size();
   DTRAIN_CHECK_INPUT(config.heads % ranks == 0, "--heads (", config.heads,
                      ") must be a multiple of --tensor-parallel (", ranks, ")");

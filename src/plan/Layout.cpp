@@ -31,7 +31,11 @@ std::string Layout::describe() const {
   if (pp > 1) text += concat(" ", schedule, chunks > 1 ? concat("x", chunks) : std::string());
   if (pp > 1 && pipeline_sync != "flush") text += concat(" ", pipeline_sync);
   text += concat(" mb", micro_batch_size, "x", micro_batches, " ", precision);
-  if (checkpointing) text += " ckpt";
+  if (checkpointing) {
+    text += " ckpt";
+  } else if (selective_recompute) {
+    text += " selective";
+  }
   if (sequence_parallel) text += " sp";
   return text;
 }
@@ -51,7 +55,11 @@ std::string Layout::train_flags(int layers) const {
   }
   text += concat(" --batch-size ", micro_batch_size, " --micro-batches ", micro_batches,
                  " --precision ", precision);
-  if (checkpointing) text += concat(" --checkpointing ", layers);
+  if (checkpointing) {
+    text += concat(" --checkpointing ", layers);
+  } else if (selective_recompute) {
+    text += " --checkpointing selective";
+  }
   if (sequence_parallel) text += " --sequence-parallel";
   return text;
 }

@@ -75,6 +75,12 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
     block.kernels = 18 + 4 * drop + (shape.fused_softmax ? 0 : 2);
     block.saved_elements = (16 + drop) * s * h + (1 + 1.5 * drop) * a * s * s;
     block.replicated_saved_elements = (4 + drop) * s * h;
+    // Selective recomputation: softmax's output, the dropout mask and its output (a s^2 each,
+    // the mask half an element) go; the scores and the weighted sum are computed again.
+    block.attention_saved_elements = (1 + 1.5 * drop) * a * s * s;
+    block.attention_flops = 4 * s * s * h;
+    block.attention_elements = (score_passes + 2 * drop) * a * s * s;
+    block.attention_kernels = (shape.fused_softmax ? 3 : 5) + 2 * drop;
     block.output_elements = s * h;
     block.tensor_parallel = true;
     block.tp_allreduces = 2;

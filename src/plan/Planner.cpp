@@ -130,6 +130,11 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                                   [](const Layer& l) { return l.tensor_parallel; });
   DTRAIN_CHECK_INPUT(layout.tp == 1 || splits, "model ", model.name,
                      " has no tensor-parallel layers: tp must be 1");
+  DTRAIN_CHECK_INPUT(!layout.selective_recompute ||
+                         std::any_of(model.layers.begin(), model.layers.end(),
+                                     [](const Layer& l) { return l.attention_saved_elements > 0; }),
+                     "selective recomputation recomputes attention's core: model ", model.name,
+                     " has no attention");
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel || layout.tp > 1,
                      "sequence parallelism needs tp > 1");
   DTRAIN_CHECK_INPUT(layout.strategy != "zero3" || layout.pp == 1,
@@ -218,7 +223,13 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     if (!layout.checkpointing && !bytes.casts_per_micro_batch) {
       t.weight = flops / flop_rate;
     }
-    if (layout.checkpointing) t.backward += t.forward;  // recomputed before its backward
+    if (layout.checkpointing) {
+      t.backward += t.forward;  // recomputed before its backward
+    } else if (layout.selective_recompute) {
+      t.backward += l.attention_flops * b / split / flop_rate +
+                    l.attention_elements * b / split * bytes.activation / elementwise_rate +
+                    l.attention_kernels * overhead;
+    }
   }
 
   // --- Layers onto virtual stages: dtrain's balanced partition, by forward + backward time.
@@ -502,8 +513,9 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
         params += local_params[i];
         const double replicated = layout.sequence_parallel ? l.replicated_saved_elements / split
                                                            : l.replicated_saved_elements;
+        const double dropped = layout.selective_recompute ? l.attention_saved_elements : 0;
         const double layer_saved =
-            (l.saved_elements - l.replicated_saved_elements) / split + replicated;
+            (l.saved_elements - l.replicated_saved_elements - dropped) / split + replicated;
         saved += layer_saved;
         boundary += l.output_elements / (layout.sequence_parallel ? split : 1);
         largest_saved = std::max(largest_saved, layer_saved);

@@ -31,17 +31,27 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   const int layers = static_cast<int>(model.layers.size());
   const bool splits = std::any_of(model.layers.begin(), model.layers.end(),
                                   [](const Layer& l) { return l.tensor_parallel; });
-  // A layout of `micro_batches` x `mbs` per replica, with and without checkpointing (when
-  // allowed), the search's precision and optimizer; `set` fills the parallelism.
+  const bool attention = std::any_of(model.layers.begin(), model.layers.end(),
+                                     [](const Layer& l) { return l.attention_saved_elements > 0; });
+  // A transformer's blocks (what deeper interleaving divides); 0 for other models.
+  const int blocks = static_cast<int>(
+      std::count_if(model.layers.begin(), model.layers.end(),
+                    [](const Layer& l) { return l.attention_saved_elements > 0; }));
+  // A layout of `micro_batches` x `mbs` per replica, without recomputation and (when allowed)
+  // with checkpointing of every layer and, for models with attention, selective recomputation;
+  // the search's precision and optimizer; `set` fills the parallelism.
+  enum Recompute { kNone, kFull, kSelective };
   auto add = [&](int mbs, int64_t micro_batches, const std::function<void(Layout&)>& set) {
-    for (bool checkpointing : {false, true}) {
-      if (checkpointing && !options.allow_checkpointing) continue;
+    for (Recompute recompute : {kNone, kFull, kSelective}) {
+      if (recompute != kNone && !options.allow_checkpointing) continue;
+      if (recompute == kSelective && !attention) continue;
       Layout layout;
       layout.micro_batch_size = mbs;
       layout.micro_batches = static_cast<int>(micro_batches);
       layout.precision = options.precision;
       layout.optimizer = options.optimizer;
-      layout.checkpointing = checkpointing;
+      layout.checkpointing = recompute == kFull;
+      layout.selective_recompute = recompute == kSelective;
       set(layout);
       layouts.push_back(layout);
     }
@@ -59,7 +69,15 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
         std::vector<std::pair<std::string, int>> schedules = {{"1f1b", 1}};
         if (pp > 1) {
           if (micro_batches < pp) continue;  // 1F1B cannot fill its warm-up
-          if (micro_batches % pp == 0 && layers >= 2 * pp) schedules.push_back({"interleaved", 2});
+          // Interleaved: 2 chunks per rank where the layers allow, and every deeper count the
+          // blocks divide into evenly (Megatron's rule: blocks % (pp x chunks) == 0).
+          if (micro_batches % pp == 0) {
+            for (int chunks = 2; chunks * pp <= layers; ++chunks) {
+              if (chunks == 2 || (blocks > 0 && blocks % (pp * chunks) == 0)) {
+                schedules.push_back({"interleaved", chunks});
+              }
+            }
+          }
         }
         for (const auto& [schedule, chunks] : schedules) {
           for (const std::string& strategy : options.strategies) {

@@ -201,7 +201,11 @@ void validate_job(const JobConfig& job) {
                      "--bucket-cap-mb must be in (0, 1048576], got ", job.bucket_cap_mb);
   const TrainerOptions trainer = trainer_options(job);
   validate(trainer);
-  memory::parse_segments(job.checkpointing, 1);
+  // Selective recomputation is the transformers' (their attention's core); the others' models
+  // refuse it with the usual message.
+  if (job.checkpointing != "selective" || !models::model_info(job.model).language_model) {
+    memory::parse_segments(job.checkpointing, 1);
+  }
   validate_strategy(job, trainer);
   // Build throwaway objects to validate their options with their own messages.
   optim::LrSchedule(job.trainer.optimizer.lr, 1, job.trainer.schedule);

@@ -2,6 +2,7 @@
 // any user module (anything with `at::Tensor forward(at::Tensor)`) without knowing its type.
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
@@ -26,6 +27,9 @@ struct Stage {
   /// Recompute this stage's activations in backward instead of keeping them (activation
   /// checkpointing), for strategies that run the stages themselves.
   bool checkpoint = false;
+  /// The generators its forward draws from besides the device's default one (a model's own
+  /// dropout generators): a recomputation replays them too.
+  std::vector<at::Generator> generators = {};
 };
 
 struct Model {

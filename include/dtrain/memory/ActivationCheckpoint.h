@@ -4,6 +4,7 @@
 // match) and its autocast state; gradients equal those without checkpointing.
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <functional>
@@ -13,12 +14,21 @@
 namespace dtrain::memory {
 
 using SegmentFn = std::function<at::Tensor(const at::Tensor&)>;
+using MultiSegmentFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 
 /// y = fn(x), keeping only `x` for backward. `parameters` are the leaves `fn` uses that need
 /// gradients: they receive them through this node, in the outer backward pass (so DDP's hooks
-/// fire as usual). Without grad mode this is just fn(x).
+/// fire as usual). `generators`: besides the device's default one, the generators `fn` draws
+/// from (a model's own dropout generators), replayed too. Without grad mode this is just fn(x).
 at::Tensor checkpoint(const SegmentFn& fn, const at::Tensor& x,
-                      const std::vector<at::Tensor>& parameters);
+                      const std::vector<at::Tensor>& parameters,
+                      const std::vector<at::Generator>& generators = {});
+
+/// y = fn(inputs), keeping only `inputs` for backward (selective recomputation: attention's
+/// core from its queries, keys and values).
+at::Tensor checkpoint(const MultiSegmentFn& fn, const std::vector<at::Tensor>& inputs,
+                      const std::vector<at::Tensor>& parameters,
+                      const std::vector<at::Generator>& generators = {});
 
 /// checkpoint() over `module`'s forward and parameters.
 at::Tensor checkpoint(torch::nn::Module& module, const SegmentFn& forward, const at::Tensor& x);
@@ -32,13 +42,15 @@ at::Tensor checkpoint_sequential(const torch::nn::Sequential& sequence, int64_t 
 /// all but the last; `parameters[i]` are stage i's parameters. segments <= 1: no checkpointing.
 at::Tensor checkpoint_stages(const std::vector<SegmentFn>& stages,
                              const std::vector<std::vector<at::Tensor>>& parameters,
-                             int64_t segments, const at::Tensor& x);
+                             int64_t segments, const at::Tensor& x,
+                             const std::vector<at::Generator>& generators = {});
 
 /// round(sqrt(layers)), at least 1: the segment count that minimizes memory (~2 sqrt(N) layer
 /// activations) for one extra forward.
 int64_t sqrt_segments(int64_t layers);
 
 /// Parses `--checkpointing`: "none" -> 0, "sqrt" -> sqrt_segments(layers), "K" -> K.
+/// "selective" (attention's core only) is the transformers' (models/Gpt.h) and refused here.
 int64_t parse_segments(const std::string& value, int64_t layers);
 
 }  // namespace dtrain::memory

@@ -40,7 +40,10 @@ struct GptConfig {
   bool bias = true;
   /// The output layer reuses the token embedding's weight (GPT-2's weight tying).
   bool tied_embeddings = false;
-  /// Activation checkpointing: "none", "sqrt" or a segment count (over the blocks).
+  /// Activation checkpointing: "none", "sqrt" or a segment count (over the blocks), or
+  /// "selective": only attention's core (scores, softmax, dropout, weighted values) is
+  /// recomputed, from its queries, keys and values (Korthikanti et al. 2022, Megatron's
+  /// --recompute-granularity selective).
   std::string checkpointing = "none";
   /// With a tensor-parallel group: Megatron's sequence parallelism (LayerNorm, dropout and
   /// residual regions split along the sequence, whose length must then be a multiple of the

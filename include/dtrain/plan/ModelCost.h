@@ -36,6 +36,14 @@ struct Layer {
   /// Of saved_elements, the part tensor parallelism does not split (layer norms, dropout masks,
   /// residuals: Korthikanti et al.'s 10sbh), unless sequence parallelism is on.
   double replicated_saved_elements = 0;
+  /// Attention's core (scores, softmax, dropout, weighted values), per sample and split by
+  /// tensor parallelism: what it keeps of saved_elements, which selective recomputation drops
+  /// (Korthikanti et al.'s 5as/h term), and its forward's matrix-product flops, element-wise
+  /// traffic and kernels, which that recomputation runs again in backward. 0: no attention.
+  double attention_saved_elements = 0;
+  double attention_flops = 0;
+  double attention_elements = 0;
+  double attention_kernels = 0;
 };
 
 struct ModelCost {

@@ -40,6 +40,9 @@ struct Layout {
   std::vector<int> stage_replicas;
   std::string precision = "bf16-mixed";  ///< "fp32", "bf16-mixed", "fp16-mixed", "bf16"
   bool checkpointing = false;            ///< activation checkpointing of every layer
+  /// Selective recomputation (dtrain train --checkpointing selective): only attention's core
+  /// is recomputed in backward; ignored with `checkpointing`.
+  bool selective_recompute = false;
   bool sequence_parallel = false;
   std::string optimizer = "adam";  ///< "adam", "sgd", "momentum"
   int64_t bucket_cap_bytes = 25LL * 1024 * 1024;
@@ -90,6 +93,8 @@ struct SearchOptions {
   std::vector<std::string> strategies = {"ddp", "zero1", "zero2", "zero3"};
   std::string precision = "bf16-mixed";
   std::string optimizer = "adam";
+  /// Layouts with activation checkpointing of every layer, and for models with attention,
+  /// with selective recomputation, beside those without.
   bool allow_checkpointing = true;
   bool sequence_parallel = false;  ///< with tp > 1
   int max_micro_batch_size = 16;

@@ -19,8 +19,9 @@ at::Tensor dropout(const at::Tensor& x, double p, bool training, at::Generator& 
   if (!training || p == 0.0) return x;
   // bernoulli_ locks the generator itself. The tracker's generators are CPU ones: a GPU's mask
   // is drawn on the host and copied over (the same masks as on a CPU, for the same seeds).
-  const at::Tensor keep =
-      at::empty(x.sizes(), x.options().device(at::kCPU)).bernoulli_(1.0 - p, generator);
+  // A one-byte mask (as PyTorch's and Megatron's dropout keep): what backward holds of it.
+  const at::Tensor keep = at::empty(x.sizes(), x.options().device(at::kCPU).dtype(at::kBool))
+                              .bernoulli_(1.0 - p, generator);
   return x * (x.is_cpu() ? keep : keep.to(x.device(), /*non_blocking=*/false)) * (1.0 / (1.0 - p));
 }
 

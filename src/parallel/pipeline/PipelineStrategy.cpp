@@ -294,7 +294,7 @@ at::Tensor PipelineStrategy::run_chunk(const Chunk& chunk, const at::Tensor& inp
       for (const auto& module : stage.modules) {
         for (const auto& p : module->parameters()) params.push_back(p);
       }
-      x = memory::checkpoint(stage.forward, x, params);
+      x = memory::checkpoint(stage.forward, x, params, stage.generators);
     } else {
       x = stage.forward(x);
     }

@@ -202,7 +202,7 @@ at::Tensor ParameterSharder::run(const at::Tensor& input) {
     if (grad && unit.spec.checkpoint) {
       std::vector<at::Tensor> used;
       for (size_t k : unit.spec.parameters) used.push_back(parameters_[k]);
-      h = memory::checkpoint(body, h, used);
+      h = memory::checkpoint(body, h, used, unit.spec.generators);
     } else {
       h = body(h);
     }

@@ -62,6 +62,7 @@ struct ShardUnit {
   /// Activation checkpointing: keep only the unit's input; recompute in backward (after the
   /// pre-backward gather).
   bool checkpoint = false;
+  std::vector<at::Generator> generators = {};  // its stages' own (Stage::generators)
 };
 
 class ParameterSharder : public ddp::GradientSync {

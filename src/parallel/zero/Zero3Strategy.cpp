@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <iostream>
 #include <unordered_map>
 
@@ -13,6 +14,17 @@
 namespace dtrain::parallel::zero {
 
 namespace {
+
+// Appends the generators of `from` that `to` does not hold yet (the blocks of a model share its
+// dropout generators).
+void add_generators(std::vector<at::Generator>& to, const std::vector<at::Generator>& from) {
+  for (const at::Generator& g : from) {
+    const bool held = std::any_of(to.begin(), to.end(), [&g](const at::Generator& h) {
+      return h.unsafeGetGeneratorImpl() == g.unsafeGetGeneratorImpl();
+    });
+    if (!held) to.push_back(g);
+  }
+}
 
 void check_options(const Zero3Options& o) {
   DTRAIN_CHECK_INPUT(o.min_unit_params >= 0, "--zero3-min-unit-params must be >= 0, got ",
@@ -85,6 +97,7 @@ std::vector<ShardUnit> Zero3Strategy::make_units() const {
     ShardUnit& unit = units.back();
     unit.forwards.push_back(stage.forward);
     unit.checkpoint = unit.checkpoint || stage.checkpoint;
+    add_generators(unit.generators, stage.generators);
     for (const auto& module : stage.modules) {
       for (const auto& p : module->parameters()) {
         auto it = index.find(p.unsafeGetTensorImpl());
@@ -106,6 +119,7 @@ std::vector<ShardUnit> Zero3Strategy::make_units() const {
     units.back().name += "+" + tail.name;
     for (auto& forward : tail.forwards) units.back().forwards.push_back(std::move(forward));
     units.back().checkpoint = units.back().checkpoint || tail.checkpoint;
+    add_generators(units.back().generators, tail.generators);
   }
   return units;
 }
