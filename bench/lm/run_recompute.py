@@ -65,7 +65,7 @@ def main():
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=12)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--markdown")
     parser.add_argument("--records", default=os.path.join(ROOT, "bench", "results", "lm",

@@ -48,6 +48,8 @@ LAYOUTS = {
                       ["--pp", "2", "--micro-batches", "4", "--schedule", "interleaved",
                        "--chunks", "2"]),
     "tp-2": (2, ["--tensor-parallel", "2"], ["--tp", "2"]),
+    # Attention's core recomputed in backward (issue 54).
+    "selective-1": (1, ["--checkpointing", "selective"], ["--selective-recompute"]),
     "3d-8": (8, ["--tensor-parallel", "2", "--pipeline-parallel", "2", "--micro-batches", "2"],
              ["--tp", "2", "--pp", "2", "--micro-batches", "2"]),
     # Asynchronous workers and one parameter-server shard (a process of its own here).
