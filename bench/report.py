@@ -9,6 +9,15 @@ import subprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def default_build():
+    """The build directory a benchmark runs by default: build/ (the README's), else build-unity/
+    (scripts/build -DDTRAIN_UNITY_BUILD=ON's usual folder), whichever holds a dtrain."""
+    build = os.path.join(ROOT, "build")
+    if os.access(os.path.join(build, "dtrain"), os.X_OK):
+        return build
+    return os.path.join(ROOT, "build-unity")
+
+
 def emit(text, markdown):
     """Prints `text` and writes it (ending in one newline) to `markdown` when given."""
     print(text)

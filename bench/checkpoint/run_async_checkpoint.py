@@ -75,10 +75,7 @@ def run_side(dtrain, side, steps, every, hidden, nproc, workdir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_build = os.path.join(ROOT, "build")
-    if not os.access(os.path.join(default_build, "dtrain"), os.X_OK):
-        default_build = os.path.join(ROOT, "build-unity")
-    parser.add_argument("--build", default=default_build)
+    parser.add_argument("--build", default=report.default_build())
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=240)
     parser.add_argument("--every", type=int, default=30)
