@@ -8,6 +8,7 @@
 #include "CommonFlags.h"
 #include "ConfigFile.h"
 #include "NumericOptions.h"
+#include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "dtrain/comm/TokenFile.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Environment.h"
@@ -332,7 +333,9 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
     launch.interface = job.interface;
     // Parameter-server workers are independent: one that fails leaves the others running
     // (Sandblaster hands its work units to the others).
-    launch.tolerate_failures = dtrain::train::uses_parameter_server(job);
+    launch.tolerate_failures =
+        dtrain::train::uses_parameter_server(job) ||
+        job.trainer.strategy_options.of<dtrain::parallel::ft::FaultToleranceOptions>().replicas();
     launch.command.push_back(dtrain::launch::self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     return dtrain::launch::launch(launch);

@@ -561,6 +561,13 @@ WorkPtr Communicator::recv(at::Tensor tensor, int src, const P2POptions& options
   return recv_tagged(tensor, src, options.tag, resolve(options.timeout));
 }
 
+CommunicatorPtr Communicator::regroup(const std::vector<int>& world_ranks, const std::string& key,
+                                      const std::string& name) {
+  DTRAIN_THROW(CommError, "backend ", backend_name(), " cannot regroup ranks without the others ('",
+               name, "', ", world_ranks.size(), " ranks under '", key,
+               "'): fault tolerance needs the gloo backend");
+}
+
 CommunicatorPtr Communicator::split(int color, int key, const std::string& name) {
   at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
   at::Tensor all = at::empty({2 * size_}, at::kLong);

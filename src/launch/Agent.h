@@ -30,6 +30,11 @@ inline std::string attempt_key(int attempt, const std::string& name) {
 inline std::string heartbeat_key(int attempt, int node) {
   return attempt_key(attempt, concat("heartbeat/", node));
 }
+// A key of the ranks' own (what they reach as `key` through their store prefix "attempt-N/",
+// which c10d's PrefixStore joins with a "/").
+inline std::string rank_key(int attempt, const std::string& key) {
+  return concat("attempt-", attempt, "//", key);
+}
 // The attempt the host is at; the job's result once it is over ("code|kind|text").
 inline const std::string kCurrentKey = "dtrain-agent/current";
 inline const std::string kResultKey = "dtrain-agent/result";

@@ -274,6 +274,15 @@ Outcome Attempt::run() {
         if (!ok && !stopping_ && o_.tolerate_failures && r.rank != 0) {
           std::fprintf(stderr, "dtrain launch: rank %d (pid %d) %s; the other ranks go on\n",
                        r.rank, static_cast<int>(r.pid), describe_status(status).c_str());
+          // What a fault-tolerant job's ranks watch for (parallel/ft/ReplicaManager.h): the
+          // dead rank first, then the count that tells them to look.
+          try {
+            store_.set(rank_key(attempt_, concat("ft/dead/", r.rank)), "1");
+            store_.add(rank_key(attempt_, "ft/deaths"), 1);
+          } catch (const CommError& e) {
+            std::fprintf(stderr, "dtrain launch: could not report rank %d's failure: %s\n",
+                         r.rank, e.what());
+          }
         } else if (!ok && !stopping_ && !local_failure_) {
           Outcome mine;
           mine.failed = true;

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/diloco/DilocoStrategy.h"
 #include "parallel/pipeline/PipelineStrategy.h"
@@ -87,6 +88,14 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
   DTRAIN_CHECK_INPUT(layout.tensor_parallel >= 1, "--tensor-parallel must be >= 1, got ",
                      layout.tensor_parallel);
   if (named.check_layout) named.check_layout(options, layout);
+  if (options.of<ft::FaultToleranceOptions>().replicas() && !named.fault_tolerant) {
+    std::vector<std::string> tolerant;
+    for (const auto& info : strategies()) {
+      if (info.fault_tolerant) tolerant.push_back(info.name);
+    }
+    DTRAIN_THROW(InputError, "--fault-tolerance replicas is built for --strategy ",
+                 joined(tolerant, " or "), ", not ", named.name);
+  }
   const StrategyInfo* runs = &named;
   if (!named.pipelines && layout.pipeline_parallel > 1) {
     std::vector<std::string> stage_strategies;

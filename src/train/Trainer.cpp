@@ -243,6 +243,9 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   if (options_.sync_batchnorm) {
     DTRAIN_CHECK_INPUT(loop_ == parallel::Loop::kSteps, "--sync-batchnorm: strategy ",
                        options_.strategy, " has no data-parallel group that steps together");
+    DTRAIN_CHECK_INPUT(!strategy_->survives_replica_failures(),
+                       "--sync-batchnorm with --fault-tolerance replicas: the statistics would be "
+                       "a collective no failure may break; leave one out");
     // DiLoCo's islands step together; other strategies' data-parallel ranks do.
     const comm::CommunicatorPtr step_group = strategy_->step_group();
     DTRAIN_CHECK_INPUT(

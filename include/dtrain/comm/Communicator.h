@@ -39,6 +39,20 @@ class ProgressBoard {
 
 struct ProgressState;
 
+/// The rendezvous store's keys under the job's prefix, for protocols above the collectives (the
+/// replica quorum of parallel/ft). Every call is bounded by the store's timeout.
+class KeyValue {
+ public:
+  virtual ~KeyValue() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  /// The value at `key`, or nullopt (does not wait).
+  virtual std::optional<std::string> read(const std::string& key) = 0;
+  /// Adds `delta` to the integer at `key` (0 if absent) and returns the sum; add(key, 0) reads.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  /// Sets `key` to `value` unless it holds one; returns what it holds afterwards (one winner).
+  virtual std::string set_if_absent(const std::string& key, const std::string& value) = 0;
+};
+
 /// A group of ranks that can run collectives together. Every member must issue the same
 /// sequence of collectives (as with MPI/c10d).
 class Communicator {
@@ -80,6 +94,15 @@ class Communicator {
   /// Collective: ranks with equal `color` form a group, ordered by (key, rank). A negative
   /// color means "no group" (returns nullptr).
   CommunicatorPtr split(int color, int key, const std::string& name);
+
+  /// The store this group met through, under its job's prefix (null: the backend has none).
+  virtual std::shared_ptr<KeyValue> key_value() const { return nullptr; }
+  /// Not collective over this group: the world ranks `world_ranks` (this rank among them) form
+  /// a new group through the store under `key` (one no group used before), the others left out:
+  /// how the survivors of a failed member regroup (they cannot run new_group with it). CommError
+  /// where the backend cannot.
+  virtual CommunicatorPtr regroup(const std::vector<int>& world_ranks, const std::string& key,
+                                  const std::string& name);
 
   /// Total bytes this rank has sent through point-to-point ops (ring algorithms included).
   int64_t bytes_sent() const { return bytes_sent_.load(); }

@@ -44,8 +44,9 @@ struct LaunchOptions {
   /// route to master_addr).
   std::string interface;
   /// A rank other than 0 failing does not stop the others (asynchronous workers such as
-  /// Downpour's are independent): it is reported and the job goes on; rank 0 failing still
-  /// stops the job.
+  /// Downpour's are independent; --fault-tolerance replicas): it is reported, written into the
+  /// store for the others (ft/dead/RANK under the ranks' prefix) and the job goes on; rank 0
+  /// failing still stops the job.
   bool tolerate_failures = false;
   /// Restarts of the whole job after a failure (torchrun's --max-restarts).
   int max_restarts = 0;

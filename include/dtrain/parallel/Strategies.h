@@ -97,6 +97,8 @@ struct StrategyInfo {
   bool parameter_server = false;
   /// The shards apply the updates with their optimizer (their schedule runs by version).
   bool server_optimizer = false;
+  /// Builds replicas that outlive each other with --fault-tolerance replicas.
+  bool fault_tolerant = false;
   /// Its options (groups shared with other strategies are declared once).
   std::vector<OptionGroup> options;
   /// InputError naming the flags when the layout does not suit the strategy (nullptr: any).

@@ -155,6 +155,11 @@ class Strategy {
   /// link (DiLoCo's islands) names its own group, so no step waits on that link.
   virtual comm::CommunicatorPtr step_group() const { return nullptr; }
 
+  /// Replicas may fail without stopping the others (--fault-tolerance replicas): train_step's
+  /// loss is already the mean over the replicas present (the runner reduces nothing), and rank 0
+  /// evaluates and checkpoints alone, as with asynchronous workers.
+  virtual bool survives_replica_failures() const { return false; }
+
   /// Collective. Makes model()'s parameters hold their full values until the next forward or
   /// step (ZeRO-3 gathers them; other strategies hold them always): for reading or exporting.
   virtual void materialize() {}

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -97,6 +98,50 @@ class StoreBoard : public ProgressBoard {
   }
 
  private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// The store's keys for protocols above the collectives.
+class StoreKeyValue : public KeyValue {
+ public:
+  explicit StoreKeyValue(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::string& value) override {
+    guard("set", key, [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+  }
+  std::optional<std::string> read(const std::string& key) override {
+    std::optional<std::string> value;
+    guard("read", key, [&] {
+      if (!store_->check({key})) return;
+      const auto bytes = store_->get(key);
+      value = std::string(bytes.begin(), bytes.end());
+    });
+    return value;
+  }
+  int64_t add(const std::string& key, int64_t delta) override {
+    int64_t sum = 0;
+    guard("add", key, [&] { sum = store_->add(key, delta); });
+    return sum;
+  }
+  std::string set_if_absent(const std::string& key, const std::string& value) override {
+    std::string held;
+    guard("set_if_absent", key, [&] {
+      const auto bytes =
+          store_->compareSet(key, {}, std::vector<uint8_t>(value.begin(), value.end()));
+      held.assign(bytes.begin(), bytes.end());
+    });
+    return held;
+  }
+
+ private:
+  template <typename Fn>
+  void guard(const char* op, const std::string& key, Fn&& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      DTRAIN_THROW(CommError, "the rendezvous store failed (", op, " '", key,
+                   "'): ", first_line(e.what()));
+    }
+  }
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
@@ -239,6 +284,22 @@ CommunicatorPtr GlooCommunicator::new_group(const std::vector<int>& ranks,
   auto group = std::make_shared<GlooCommunicator>(
       root_store_, concat(store_prefix_, "/", index), my_rank, static_cast<int>(ranks.size()),
       name.empty() ? concat("group", index) : name, global, timeout(), device_, threads_);
+  group->share_wire_count(*this);
+  return group;
+}
+
+std::shared_ptr<KeyValue> GlooCommunicator::key_value() const {
+  return std::make_shared<StoreKeyValue>(root_store_);
+}
+
+CommunicatorPtr GlooCommunicator::regroup(const std::vector<int>& world_ranks,
+                                          const std::string& key, const std::string& name) {
+  const auto mine = std::find(world_ranks.begin(), world_ranks.end(), global_ranks()[rank()]);
+  DTRAIN_CHECK(mine != world_ranks.end(), "regroup('", name, "'): world rank ",
+               global_ranks()[rank()], " is not among the ranks of the new group");
+  auto group = std::make_shared<GlooCommunicator>(
+      root_store_, concat("regroup/", key), static_cast<int>(mine - world_ranks.begin()),
+      static_cast<int>(world_ranks.size()), name, world_ranks, timeout(), device_, threads_);
   group->share_wire_count(*this);
   return group;
 }

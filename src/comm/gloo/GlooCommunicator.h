@@ -20,6 +20,9 @@ class GlooCommunicator : public Communicator {
   WorkPtr broadcast(at::Tensor tensor, const BroadcastOptions& options) override;
   WorkPtr barrier(const BarrierOptions& options) override;
   CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& name) override;
+  std::shared_ptr<KeyValue> key_value() const override;
+  CommunicatorPtr regroup(const std::vector<int>& world_ranks, const std::string& key,
+                          const std::string& name) override;
   /// The store this group's rendezvous used (another backend's groups can rendezvous there).
   const c10::intrusive_ptr<c10d::Store>& store() const { return root_store_; }
   const std::string& store_prefix() const { return store_prefix_; }

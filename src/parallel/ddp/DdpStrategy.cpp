@@ -10,8 +10,10 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/optim/StateSize.h"
+#include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "dtrain/parallel/StateShards.h"
 #include "parallel/StrategySupport.h"
+#include "parallel/ft/FaultTolerantDdp.h"
 
 namespace dtrain::parallel::ddp {
 
@@ -20,7 +22,15 @@ StrategyInfo ddp_strategy() {
   info.name = "ddp";
   info.summary = "data parallelism: bucketed gradient all-reduce overlapped with backward";
   info.pipeline_stages = true;
-  info.make = make_from_options<DdpStrategy>;
+  info.options = {ft::fault_tolerance_options()};
+  info.fault_tolerant = true;
+  info.check_layout = ft::check_fault_tolerance_layout;
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    if (options.of<ft::FaultToleranceOptions>().replicas()) {
+      return std::make_unique<ft::FaultTolerantDdp>(options);
+    }
+    return std::make_unique<DdpStrategy>(options);
+  };
   return info;
 }
 

@@ -8,6 +8,7 @@
 // only when reading a step's batches takes longer than training it (a "data" span in --trace).
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cmath>
 #include <future>
 
@@ -87,7 +88,10 @@ void StepRunner::run(Run& run) {
   auto reached_step = [&](int64_t local) {
     return async ? run.start_step + async->global_steps() / run.dp_size : local;
   };
-  const comm::CommunicatorPtr step_group = run.strategy.step_group();
+  // Replicas that outlive each other: the strategy's loss is already the mean over the replicas
+  // present, and rank 0 evaluates and checkpoints alone (no collective a failure could break).
+  const bool outlive = run.strategy.survives_replica_failures();
+  const bool alone = async != nullptr || outlive;
   // The next step's batches, read while this one trains.
   std::future<std::vector<data::Batch>> ahead;
   auto read_ahead = [this, &run](int64_t step) {
@@ -115,7 +119,8 @@ void StepRunner::run(Run& run) {
     // The loss every rank reports is the mean over the ranks of its step group (the world,
     // unless the strategy names a group); the sum is non-finite when any rank's is, so they
     // agree on stopping. (Asynchronous workers report their own.)
-    if (!async) {
+    if (!async && !outlive) {
+      const comm::CommunicatorPtr step_group = run.strategy.step_group();
       at::Tensor loss_sum = at::tensor({result.loss}, at::kDouble);
       comm::Communicator& group = step_group ? *step_group : run.world;
       group.allreduce(loss_sum)->wait();
@@ -142,6 +147,10 @@ void StepRunner::run(Run& run) {
           {"event", std::string("step")}, {"step", reached}, {"epoch", epoch},
           {"loss", result.loss},          {"lr", lr},        {"step_ms", step_seconds * 1e3},
           {"samples_per_s", throughput}};
+      // Wall-clock time (Unix seconds): when the step ended, comparable across restarts.
+      record["time"] = std::chrono::duration<double>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
       if (result.grad_norm >= 0) record["grad_norm"] = result.grad_norm;
       if (async) record["worker_step"] = step + 1;
       // What this rank sent in the step's collectives (ring estimate; p2p as sent).
@@ -159,12 +168,12 @@ void StepRunner::run(Run& run) {
     const bool halting = async ? done : step + 1 == run.last_step;
     const bool eval_due = o.eval_every > 0 && (step + 1) % o.eval_every == 0;
     // Asynchronous: rank 0 alone evaluates and checkpoints; the final ones come after the loop.
-    const bool here = !async || (run.leader && !halting);
+    const bool here = async ? run.leader && !halting : !outlive || run.leader;
     if ((epoch_end || eval_due) && run.validation != nullptr) {
       if (o.defer_eval) {
         if (run.leader && (!async || !halting)) run.snapshot(reached, epoch);
       } else if (here) {
-        run.evaluate_and_record(reached, epoch, async != nullptr);
+        run.evaluate_and_record(reached, epoch, alone);
         if (run.leader && o.progress && !epoch_end) {
           run.progress.note(concat("step ", step + 1, ": ",
                                    describe_eval_as(*run.result.validation, o.token_loss)));
@@ -179,7 +188,7 @@ void StepRunner::run(Run& run) {
     if (!o.checkpoint_dir.empty() && (periodic || epoch_end || halting) &&
         run.nonfinite_steps == 0 && here) {
       trace::Span checkpoint_span("checkpoint", concat("checkpoint ", reached));
-      run.save(reached, epoch, async != nullptr);
+      run.save(reached, epoch, alone);
     }
     run.failure.maybe_fire(step + 1);
     if (done) break;

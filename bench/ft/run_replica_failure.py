@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""A replica killed mid-run (issue 53, part 1): `--fault-tolerance replicas` against today's
+restart-from-checkpoint path, on the same job. Fashion-MNIST MLP 784-1792-1792-10 with Adam (a
+56 MB checkpoint), 3 ranks of 1 thread, 100 steps; rank 2 kills itself (SIGKILL,
+DTRAIN_SIMULATE_FAILURE) right after step --kill-at. Sides, alternated over rounds:
+
+- none: the job without a failure (plain ddp);
+- replicas: --fault-tolerance replicas: the other two go on at once;
+- restart: --max-restarts 1 with a checkpoint every --every steps: every rank restarts and
+  resumes from the newest checkpoint (the launcher's elastic path).
+
+From rank 0's metrics (each step record's wall-clock "time"): the time from the kill (the
+killed step's record) to the next step committed after it, the steps trained again (the killed
+step less the step resumed from), and the job's wall time against the run without a failure.
+After the kill the replicas side trains 2 ranks on the 2 cores the 3 shared: its later steps are
+faster (and on 2/3 of the data); the first two figures are the failure's own cost.
+
+  bench/ft/run_replica_failure.py --rounds 2 [--markdown FILE]
+"""
+import os
+import sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/'s helpers
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+
+import report
+
+SIDES = ("none", "replicas", "restart")
+
+
+def run_side(dtrain, side, args, workdir):
+    metrics = os.path.join(workdir, f"{side}.jsonl")
+    checkpoints = os.path.join(workdir, f"ck-{side}")
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    command = [dtrain, "train", "--model", "mlp", "--hidden", "1792", "1792", "--optimizer",
+               "adam", "--batch-size", "32", "--max-steps", str(args.steps), "--nproc", "3",
+               "--threads", "1", "--log-every", "1", "--metrics", metrics, "--no-progress"]
+    env = dict(os.environ)
+    if side == "replicas":
+        command += ["--fault-tolerance", "replicas"]
+        env["DTRAIN_SIMULATE_FAILURE"] = f"2:{args.kill_at}"
+    elif side == "restart":
+        command += ["--max-restarts", "1", "--checkpoint-dir", checkpoints, "--checkpoint-every",
+                    str(args.every)]
+        env["DTRAIN_SIMULATE_FAILURE"] = f"2:{args.kill_at}:1"
+    started = time.time()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    wall = time.time() - started
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    steps = [json.loads(line) for line in open(metrics)]
+    steps = [r for r in steps if r["event"] == "step"]
+    result = {"side": side, "command": " ".join(command), "wall_s": wall,
+              "median_step_ms": statistics.median(r["step_ms"] for r in steps)}
+    if side != "none":
+        killed = [r for r in steps if r["step"] == args.kill_at][0]
+        after = [r for r in steps if r["time"] > killed["time"]][0]
+        result["kill_to_commit_s"] = after["time"] - killed["time"]
+        result["steps_again"] = args.kill_at - (after["step"] - 1)
+        result["first_step_after"] = after["step"]
+        result["replicas_after"] = after.get("replicas")
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", default=report.default_build())
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--kill-at", type=int, default=50)
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--markdown")
+    parser.add_argument("--records", default=os.path.join(report.ROOT, "bench", "results", "ft",
+                                                          "replica-failure.jsonl"))
+    args = parser.parse_args()
+    dtrain = os.path.join(args.build, "dtrain")
+    rounds = []
+    with report.Records(args.records, "a", dtrain) as records, \
+            tempfile.TemporaryDirectory(prefix="dtrain-ft-") as workdir:
+        for index in range(args.rounds):
+            order = SIDES if index % 2 == 0 else tuple(reversed(SIDES))
+            results = {}
+            for side in order:
+                r = run_side(dtrain, side, args, workdir)
+                r["round"] = index + 1
+                records.write(r)
+                results[side] = r
+                print(f"round {index + 1} {side:8s}: wall {r['wall_s']:.1f} s, step "
+                      f"{r['median_step_ms']:.0f} ms, kill to commit "
+                      f"{r.get('kill_to_commit_s', 0):.3f} s, steps again "
+                      f"{r.get('steps_again', 0)}", flush=True)
+            rounds.append(results)
+
+    def med(side, field):
+        return statistics.median(r[side][field] for r in rounds)
+
+    lines = [f"3 ranks x 1 thread, {args.steps} steps, rank 2 killed after step {args.kill_at}; "
+             f"medians of {args.rounds} rounds:",
+             "",
+             "| side | kill to the next committed step (s) | steps trained again | job wall time (s) | "
+             "wall time - no failure (s) |",
+             "|---|---|---|---|---|",
+             f"| no failure | - | - | {med('none', 'wall_s'):.1f} | - |"]
+    for side, label in (("replicas", "--fault-tolerance replicas"),
+                        ("restart", f"restart from a checkpoint every {args.every} steps")):
+        extra = statistics.median(r[side]["wall_s"] - r["none"]["wall_s"] for r in rounds)
+        lines.append(f"| {label} | {med(side, 'kill_to_commit_s'):.3f} | "
+                     f"{med(side, 'steps_again'):.0f} | {med(side, 'wall_s'):.1f} | "
+                     f"{extra:+.1f} |")
+    report.table(lines, args.markdown)
+
+
+if __name__ == "__main__":
+    main()

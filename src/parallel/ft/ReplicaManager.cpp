@@ -1,0 +1,168 @@
+#include "parallel/ft/ReplicaManager.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "dtrain/common/Error.h"
+
+namespace dtrain::parallel::ft {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string joined(const std::vector<int>& ranks) {
+  std::string text;
+  for (const int r : ranks) text += concat(text.empty() ? "" : ",", r);
+  return text;
+}
+
+// A group left behind with a collective that may never end: its thread can wait in it until the
+// group's timeout, and destroying the group would wait for that thread, so it is kept for the
+// life of the process (one per failure).
+void abandon(comm::CommunicatorPtr group) {
+  static std::mutex mutex;
+  static auto* kept = new std::vector<comm::CommunicatorPtr>();
+  std::lock_guard<std::mutex> lock(mutex);
+  kept->push_back(std::move(group));
+}
+
+std::vector<int> parsed(const std::string& text) {
+  std::vector<int> ranks;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) ranks.push_back(std::stoi(item));
+  }
+  return ranks;
+}
+
+}  // namespace
+
+std::string dead_key(int world_rank) { return concat("ft/dead/", world_rank); }
+
+ReplicaManager::ReplicaManager(comm::CommunicatorPtr world)
+    : world_(std::move(world)), group_(world_), store_(world_->key_value()) {
+  DTRAIN_CHECK_INPUT(store_ != nullptr,
+                     "--fault-tolerance replicas needs a backend that meets through a store "
+                     "(gloo); group '",
+                     world_->name(), "' (", world_->backend_name(), ") has none");
+  members_ = world_->global_ranks();
+  deaths_seen_ = store_->add(kDeathsKey, 0);
+}
+
+std::vector<int> ReplicaManager::dead_members() {
+  std::vector<int> dead;
+  for (const int r : members_) {
+    if (store_->read(dead_key(r))) dead.push_back(r);
+  }
+  return dead;
+}
+
+bool ReplicaManager::finished(const comm::WorkPtr& work) {
+  const auto deadline = Clock::now() + world_->timeout();
+  auto next_look = Clock::now() + std::chrono::milliseconds(10);
+  while (!work->is_completed()) {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    const auto now = Clock::now();
+    if (now >= deadline) return false;  // the decision's wait names who is missing
+    if (now < next_look) continue;
+    next_look = now + std::chrono::milliseconds(10);
+    // A member reported dead: the collective may never end here (a peer that did reach it waits
+    // on this rank's ring neighbour, not on the dead); leave it.
+    if (store_->add(kDeathsKey, 0) > deaths_seen_ && !dead_members().empty()) return false;
+  }
+  try {
+    work->wait(std::chrono::milliseconds(1));
+    return true;
+  } catch (const CommError&) {
+    return false;  // a peer's connection broke: the decision says what happens
+  }
+}
+
+std::string ReplicaManager::decide(bool summed) {
+  const std::string base = concat("ft/g", generation_, "/t", step_, "/");
+  const int me = world_->global_ranks()[world_->rank()];
+  if (summed) {
+    store_->set(concat(base, "summed/", me), "1");
+    store_->add(base + "summed", 1);
+  }
+  const auto deadline = Clock::now() + world_->timeout();
+  while (true) {
+    if (auto decision = store_->read(base + "decision")) return *decision;
+    if (store_->add(base + "summed", 0) == static_cast<int64_t>(members_.size())) {
+      return store_->set_if_absent(base + "decision", "commit");
+    }
+    if (store_->add(kDeathsKey, 0) > deaths_seen_) {
+      const std::vector<int> dead = dead_members();
+      if (!dead.empty()) {
+        std::vector<int> survivors;
+        for (const int r : members_) {
+          if (std::find(dead.begin(), dead.end(), r) == dead.end()) survivors.push_back(r);
+        }
+        return store_->set_if_absent(base + "decision", "abort:" + joined(survivors));
+      }
+    }
+    if (Clock::now() >= deadline) {
+      std::vector<int> missing;
+      for (const int r : members_) {
+        if (!store_->read(concat(base, "summed/", r))) missing.push_back(r);
+      }
+      DTRAIN_THROW(CommError, "replica group: step ", step_ + 1, "'s gradient sum did not finish on ",
+                   "world rank(s) ", joined(missing), " within ", world_->timeout().count(),
+                   " ms, and none of them was reported dead (members ", joined(members_), ")");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+int ReplicaManager::allreduce(at::Tensor flat) {
+  const at::Tensor mine = flat.clone();
+  const int me = world_->global_ranks()[world_->rank()];
+  while (true) {
+    bool summed = true;
+    if (group_->size() > 1) {
+      try {
+        summed = finished(group_->allreduce(flat));
+      } catch (const CommError&) {
+        summed = false;
+      }
+    }
+    const std::string decision = decide(summed);
+    if (decision == "commit") {
+      ++step_;
+      return static_cast<int>(members_.size());
+    }
+    const auto started = Clock::now();
+    const std::vector<int> survivors = parsed(decision.substr(decision.find(':') + 1));
+    DTRAIN_CHECK(std::find(survivors.begin(), survivors.end(), me) != survivors.end(),
+                 "replica group: world rank ", me, " was left out at step ", step_ + 1,
+                 " (the others go on as ", joined(survivors), ")");
+    std::vector<int> lost;
+    for (const int r : members_) {
+      if (std::find(survivors.begin(), survivors.end(), r) == survivors.end()) lost.push_back(r);
+    }
+    abandon(group_);
+    members_ = survivors;
+    ++generation_;
+    deaths_seen_ = store_->add(kDeathsKey, 0);
+    group_ = world_->regroup(members_, concat("ft/g", generation_), "replicas");
+    flat.copy_(mine);
+    if (me == members_.front()) {
+      std::fprintf(stderr,
+                   "dtrain: replica group: world rank(s) %s left at step %lld; %zu replica(s) go "
+                   "on (regrouped in %.0f ms)\n",
+                   joined(lost).c_str(), static_cast<long long>(step_ + 1), members_.size(),
+                   std::chrono::duration<double, std::milli>(Clock::now() - started).count());
+      std::fflush(stderr);
+    }
+  }
+}
+
+}  // namespace dtrain::parallel::ft

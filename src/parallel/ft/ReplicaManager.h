@@ -1,0 +1,60 @@
+// A data-parallel group that outlives its members (torchft's Manager, for replicas of one rank
+// each): every step the replicas present sum their gradients, and the step commits only once
+// each of them has the sum. When a replica dies, its launcher writes so in the rendezvous store
+// (dead_key); the survivors' pending collective is abandoned, they agree in the store on who is
+// left (one key per step and group, set once: "commit", or "abort" with the survivors), regroup
+// without the dead under a fresh store key and sum again from their own gradients. The store
+// decides, so every survivor takes the same way through a failure.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/Communicator.h"
+
+namespace dtrain::parallel::ft {
+
+/// What the launcher writes (under the job's store prefix) when a rank of a fault-tolerant job
+/// dies: "1" at dead_key(rank), and one more at kDeathsKey.
+std::string dead_key(int world_rank);
+inline constexpr const char* kDeathsKey = "ft/deaths";
+
+class ReplicaManager {
+ public:
+  /// Every rank of `world` is a replica (its backend must regroup: gloo).
+  explicit ReplicaManager(comm::CommunicatorPtr world);
+
+  /// Sums `flat` over the replicas present, in place, the step committed on all of them;
+  /// returns how many took part. A member that dies meanwhile is left out and the sum taken
+  /// again over the others (from what `flat` held on entry). Error when this rank has been left
+  /// out; CommError after the world's timeout naming the members that neither finished nor were
+  /// reported dead.
+  int allreduce(at::Tensor flat);
+
+  /// The world ranks present, in order; the group over them.
+  const std::vector<int>& members() const { return members_; }
+  const comm::CommunicatorPtr& group() const { return group_; }
+  /// Times the group was formed again without a member.
+  int64_t regroupings() const { return generation_; }
+
+ private:
+  /// Waits for `work`; false when it failed or a member died meanwhile (it is then abandoned).
+  bool finished(const comm::WorkPtr& work);
+  /// The members reported dead.
+  std::vector<int> dead_members();
+  /// The store's decision on this step and group: "commit" or "abort:R,R,...".
+  std::string decide(bool summed);
+
+  comm::CommunicatorPtr world_;
+  comm::CommunicatorPtr group_;
+  std::shared_ptr<comm::KeyValue> store_;
+  std::vector<int> members_;
+  int generation_ = 0;
+  int64_t step_ = 0;
+  int64_t deaths_seen_ = 0;
+};
+
+}  // namespace dtrain::parallel::ft

@@ -1,0 +1,178 @@
+// --fault-tolerance replicas: replicas that outlive each other. Without a failure the training
+// is plain DDP's, exactly; when a replica dies before a step, the survivors regroup, commit that
+// step without it and go on, their weights those of one process trained on the global batch of
+// the replicas present (all three, then the two), in float64; through the launcher, a replica
+// killed mid-run leaves the others to finish the job.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "CliRuns.h"
+#include "RankThreads.h"
+#include "SmallModels.h"
+#include "TempDir.h"
+#include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/optim/Optimizers.h"
+#include "dtrain/parallel/Strategies.h"
+#include "dtrain/parallel/ft/FaultToleranceOptions.h"
+#include "parallel/ft/ReplicaManager.h"
+
+using namespace dtrain;
+
+namespace {
+
+constexpr int64_t kBatch = 4;
+constexpr int kSteps = 6;
+
+// Replica r's batch at step t: its own rows of one synthetic float64 data set.
+struct Data {
+  at::Tensor inputs, targets;
+  Data() {
+    at::Generator generator = at::detail::createCPUGenerator(17);
+    inputs = at::randn({kSteps * 3 * kBatch, 16}, generator, at::kDouble);
+    targets = at::randint(4, {kSteps * 3 * kBatch}, generator, at::kLong);
+  }
+  data::Batch batch(int step, int replica) const {
+    const int64_t begin = (step * 3 + replica) * kBatch;
+    return {inputs.narrow(0, begin, kBatch), targets.narrow(0, begin, kBatch)};
+  }
+};
+
+Model initial_model() {
+  torch::manual_seed(5);
+  Model model = models::make_model(test::small_mlp(16, 32, 4));
+  model.module->to(at::kDouble);
+  return model;
+}
+
+optim::OptimizerSpec adam() {
+  optim::OptimizerSpec spec;
+  spec.name = "adam";
+  spec.lr = 0.01;
+  return spec;
+}
+
+at::Tensor cross_entropy(const at::Tensor& output, const at::Tensor& targets) {
+  return at::cross_entropy_loss(output, targets);
+}
+
+// Three replicas (rank threads) train kSteps steps; `dies_before` >= 0: replica 2 dies before
+// that step (its launcher's report written where the launcher writes it). Rank 0's weights.
+std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int dies_before,
+                                       std::vector<double>* replicas_seen = nullptr) {
+  const Data data;
+  std::vector<Model> models;
+  for (int r = 0; r < 3; ++r) models.push_back(initial_model());
+  std::vector<at::Tensor> weights;
+  test::run_ranks(
+      3,
+      [&](const comm::CommunicatorPtr& world) {
+        parallel::StrategyOptions options;
+        options.of<parallel::ft::FaultToleranceOptions>().mode = fault_tolerance;
+        auto strategy = parallel::make_strategy("ddp", options);
+        strategy->setup(models[world->rank()], optim::optimizer_factory(adam()),
+                        std::make_shared<comm::ProcessGrid>(world));
+        for (int step = 0; step < kSteps; ++step) {
+          if (world->rank() == 2 && step == dies_before) {
+            auto store = world->key_value();
+            store->set(parallel::ft::dead_key(2), "1");
+            store->add(parallel::ft::kDeathsKey, 1);
+            return;  // its communicator goes with it
+          }
+          const auto result = strategy->train_step({data.batch(step, world->rank())}, cross_entropy);
+          if (world->rank() == 0 && replicas_seen != nullptr) {
+            replicas_seen->push_back(result.metrics.count("replicas")
+                                         ? result.metrics.at("replicas")
+                                         : static_cast<double>(world->size()));
+          }
+        }
+        if (world->rank() == 0) {
+          for (const auto& p : strategy->model().module->parameters()) {
+            weights.push_back(p.detach().clone());
+          }
+        }
+      },
+      std::chrono::seconds(20));
+  return weights;
+}
+
+// One process on the global batch of the replicas present at each step.
+std::vector<at::Tensor> train_one_process(int dies_before) {
+  const Data data;
+  Model model = initial_model();
+  auto optimizer = optim::make_optimizer(model.module->parameters(), adam());
+  for (int step = 0; step < kSteps; ++step) {
+    const int present = dies_before >= 0 && step >= dies_before ? 2 : 3;
+    std::vector<at::Tensor> inputs, targets;
+    for (int r = 0; r < present; ++r) {
+      inputs.push_back(data.batch(step, r).inputs);
+      targets.push_back(data.batch(step, r).targets);
+    }
+    optimizer->zero_grad();
+    cross_entropy(model(at::cat(inputs)), at::cat(targets)).backward();
+    optimizer->step();
+  }
+  std::vector<at::Tensor> weights;
+  for (const auto& p : model.module->parameters()) weights.push_back(p.detach().clone());
+  return weights;
+}
+
+double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST(FaultTolerance, WithoutAFailureReplicasTrainAsDdp) {
+  at::set_num_threads(1);
+  const auto plain = train_replicas("none", -1);
+  const auto tolerant = train_replicas("replicas", -1);
+  EXPECT_LT(max_difference(plain, tolerant), 1e-12);
+  EXPECT_LT(max_difference(tolerant, train_one_process(-1)), 1e-12);
+}
+
+TEST(FaultTolerance, SurvivorsCommitTheStepWithoutTheDeadAndGoOn) {
+  at::set_num_threads(1);
+  std::vector<double> replicas;
+  const auto survivors = train_replicas("replicas", 3, &replicas);
+  EXPECT_EQ(replicas, (std::vector<double>{3, 3, 3, 2, 2, 2}));
+  EXPECT_LT(max_difference(survivors, train_one_process(3)), 1e-12);
+  // The oracle tells the two apart: the dead replica's data counted at step 4 is another run.
+  EXPECT_GT(max_difference(survivors, train_one_process(4)), 1e-6);
+}
+
+#ifdef DTRAIN_CLI_PATH
+// Through the launcher: rank 2 of 3 kills itself (SIGKILL) at step 12; the others finish all 30
+// steps at once, without a restart, and rank 0's metrics show two replicas from step 13 on.
+TEST(FaultTolerance, AKilledReplicaLeavesTheOthersToFinishTheJob) {
+  test::TempDir dir;
+  const std::string metrics = dir / "metrics.jsonl";
+  const auto out = test::cli::run(
+      "DTRAIN_SIMULATE_FAILURE=2:12 " + test::cli::kDtrain +
+      " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --max-steps 30 "
+      "--log-every 1 --no-progress --fault-tolerance replicas --metrics " + metrics);
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "rank 2 kills itself at step 12")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "rank 2")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "the other ranks go on")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;
+  std::ifstream in(metrics);
+  std::string line;
+  int64_t last = 0;
+  while (std::getline(in, line)) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.at("event") != "step") continue;
+    last = record.at("step").get<int64_t>();
+    EXPECT_EQ(record.at("replicas").get<double>(), last <= 12 ? 3.0 : 2.0) << line;
+  }
+  EXPECT_EQ(last, 30);
+}
+#endif
