@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
+#include <chrono>
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "CliRuns.h"
@@ -59,14 +62,18 @@ at::Tensor cross_entropy(const at::Tensor& output, const at::Tensor& targets) {
   return at::cross_entropy_loss(output, targets);
 }
 
-// Three replicas (rank threads) train kSteps steps; `dies_before` >= 0: replica 2 dies before
-// that step (its launcher's report written where the launcher writes it). Rank 0's weights.
+// Three replicas (rank threads) train kSteps steps; `dies_before` >= 0: replica 2 fails before
+// that step: it dies (its launcher's report written where the launcher writes it) or, with
+// `stalls`, hangs (its heartbeat stops, its connections stay open) until the others are done.
+// Rank 0's weights.
 std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int dies_before,
-                                       std::vector<double>* replicas_seen = nullptr) {
+                                       std::vector<double>* replicas_seen = nullptr,
+                                       bool stalls = false) {
   const Data data;
   std::vector<Model> models;
   for (int r = 0; r < 3; ++r) models.push_back(initial_model());
   std::vector<at::Tensor> weights;
+  std::atomic<bool> finished{false};
   test::run_ranks(
       3,
       [&](const comm::CommunicatorPtr& world) {
@@ -76,6 +83,14 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
         strategy->setup(models[world->rank()], optim::optimizer_factory(adam()),
                         std::make_shared<comm::ProcessGrid>(world));
         for (int step = 0; step < kSteps; ++step) {
+          if (world->rank() == 2 && step == dies_before && stalls) {
+            strategy.reset();  // its heartbeat stops; its world's connections stay open
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+            while (!finished && std::chrono::steady_clock::now() < deadline) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            }
+            return;
+          }
           if (world->rank() == 2 && step == dies_before) {
             auto store = world->key_value();
             store->set(parallel::ft::dead_key(2), "1");
@@ -93,6 +108,7 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
           for (const auto& p : strategy->model().module->parameters()) {
             weights.push_back(p.detach().clone());
           }
+          finished = true;
         }
       },
       std::chrono::seconds(20));
@@ -149,6 +165,21 @@ TEST(FaultTolerance, SurvivorsCommitTheStepWithoutTheDeadAndGoOn) {
   EXPECT_GT(max_difference(survivors, train_one_process(4)), 1e-6);
 }
 
+// A replica that hangs (no death to report) is counted as dead once its heartbeat has been
+// silent for 2 s: the others commit the step without it, with the same weights as if it had died.
+TEST(FaultTolerance, ASilentReplicaIsCountedAsDeadAndTheOthersGoOn) {
+  at::set_num_threads(1);
+  std::vector<double> replicas;
+  const auto started = std::chrono::steady_clock::now();
+  const auto survivors = train_replicas("replicas", 3, &replicas, /*stalls=*/true);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_EQ(replicas, (std::vector<double>{3, 3, 3, 2, 2, 2}));
+  EXPECT_LT(max_difference(survivors, train_one_process(3)), 1e-12);
+  EXPECT_GT(seconds, 2.0);  // the heartbeat timeout
+  EXPECT_LT(seconds, 10.0);
+}
+
 #ifdef DTRAIN_CLI_PATH
 // Through the launcher: rank 2 of 3 kills itself (SIGKILL) at step 12; the others finish all 30
 // steps at once, without a restart, and rank 0's metrics show two replicas from step 13 on.
@@ -163,6 +194,34 @@ TEST(FaultTolerance, AKilledReplicaLeavesTheOthersToFinishTheJob) {
   EXPECT_TRUE(test::cli::has(out, "rank 2 kills itself at step 12")) << out.text;
   EXPECT_TRUE(test::cli::has(out, "rank 2")) << out.text;
   EXPECT_TRUE(test::cli::has(out, "the other ranks go on")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;
+  std::ifstream in(metrics);
+  std::string line;
+  int64_t last = 0;
+  while (std::getline(in, line)) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.at("event") != "step") continue;
+    last = record.at("step").get<int64_t>();
+    EXPECT_EQ(record.at("replicas").get<double>(), last <= 12 ? 3.0 : 2.0) << line;
+  }
+  EXPECT_EQ(last, 30);
+}
+
+// A replica that stops (SIGSTOP: a machine that hangs) is counted as dead by the others once its
+// heartbeat is silent, and its launcher kills it (it must not come back into a group that went
+// on): the job finishes with the other two.
+TEST(FaultTolerance, AStoppedReplicaIsFencedAndTheOthersFinish) {
+  test::TempDir dir;
+  const std::string metrics = dir / "metrics.jsonl";
+  const auto out = test::cli::run(
+      "DTRAIN_SIMULATE_FAILURE=2:12:stop " + test::cli::kDtrain +
+      " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --max-steps 30 "
+      "--log-every 1 --no-progress --fault-tolerance replicas --metrics " + metrics);
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "rank 2 stops itself at step 12")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "world rank 2's heartbeat has been silent for 2000 ms"))
+      << out.text;
+  EXPECT_TRUE(test::cli::has(out, "was counted as dead by the other replicas")) << out.text;
   EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;
   std::ifstream in(metrics);
   std::string line;

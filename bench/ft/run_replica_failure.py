@@ -6,6 +6,8 @@ DTRAIN_SIMULATE_FAILURE) right after step --kill-at. Sides, alternated over roun
 
 - none: the job without a failure (plain ddp);
 - replicas: --fault-tolerance replicas: the other two go on at once;
+- stopped: the same with the rank SIGSTOPped instead (a hung machine): counted as dead after
+  2 s without a heartbeat, then killed by its launcher;
 - restart: --max-restarts 1 with a checkpoint every --every steps: every rank restarts and
   resumes from the newest checkpoint (the launcher's elastic path).
 
@@ -30,7 +32,7 @@ import time
 
 import report
 
-SIDES = ("none", "replicas", "restart")
+SIDES = ("none", "replicas", "stopped", "restart")
 
 
 def run_side(dtrain, side, args, workdir):
@@ -46,6 +48,9 @@ def run_side(dtrain, side, args, workdir):
     if side == "replicas":
         command += ["--fault-tolerance", "replicas"]
         env["DTRAIN_SIMULATE_FAILURE"] = f"2:{args.kill_at}"
+    elif side == "stopped":  # SIGSTOP: counted as dead after 2 s of heartbeat silence, fenced
+        command += ["--fault-tolerance", "replicas"]
+        env["DTRAIN_SIMULATE_FAILURE"] = f"2:{args.kill_at}:stop"
     elif side == "restart":
         command += ["--max-restarts", "1", "--checkpoint-dir", checkpoints, "--checkpoint-every",
                     str(args.every)]
@@ -111,6 +116,7 @@ def main():
              "|---|---|---|---|---|",
              f"| no failure | - | - | {med('none', 'wall_s'):.1f} | - |"]
     for side, label in (("replicas", "--fault-tolerance replicas"),
+                        ("stopped", "--fault-tolerance replicas, the rank SIGSTOPped"),
                         ("restart", f"restart from a checkpoint every {args.every} steps")):
         extra = statistics.median(r[side]["wall_s"] - r["none"]["wall_s"] for r in rounds)
         lines.append(f"| {label} | {med(side, 'kill_to_commit_s'):.3f} | "

@@ -161,6 +161,20 @@ void Attempt::tick() {
   next_tick_ = now + std::chrono::milliseconds(500);
   try {
     store_.add(heartbeat_key(attempt_, node_rank_), 1);
+    if (o_.tolerate_failures && !stopping_) {
+      // A fault-tolerant job's ranks declare a silent replica dead and go on without it; it
+      // must not come back into a group that went on (fencing): its launcher kills it.
+      for (auto& r : ranks_) {
+        if (r.running && !r.fenced && store_.check(rank_key(attempt_, concat("ft/dead/", r.rank)))) {
+          std::fprintf(stderr,
+                       "dtrain launch: rank %d (pid %d) was counted as dead by the other "
+                       "replicas (its heartbeat stopped); killing it\n",
+                       r.rank, static_cast<int>(r.pid));
+          ::kill(-r.pid, SIGKILL);
+          r.fenced = true;
+        }
+      }
+    }
     if (!outcome_.failed && store_.check(attempt_key(attempt_, "failure"))) {
       outcome_ = decode(store_.get(attempt_key(attempt_, "failure")));
       begin_stop(SIGTERM);

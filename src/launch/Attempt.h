@@ -24,6 +24,7 @@ struct Rank {
   std::string out_buffer;
   std::string err_buffer;
   bool running = false;
+  bool fenced = false;  // killed because the other replicas counted it as dead
   int status = 0;
 };
 

@@ -46,15 +46,78 @@ std::vector<int> parsed(const std::string& text) {
 }  // namespace
 
 std::string dead_key(int world_rank) { return concat("ft/dead/", world_rank); }
+std::string heartbeat_key(int world_rank) { return concat("ft/beat/", world_rank); }
 
-ReplicaManager::ReplicaManager(comm::CommunicatorPtr world)
-    : world_(std::move(world)), group_(world_), store_(world_->key_value()) {
+ReplicaManager::ReplicaManager(comm::CommunicatorPtr world,
+                               std::chrono::milliseconds heartbeat_timeout)
+    : world_(std::move(world)),
+      group_(world_),
+      store_(world_->key_value()),
+      heartbeat_timeout_(heartbeat_timeout) {
   DTRAIN_CHECK_INPUT(store_ != nullptr,
                      "--fault-tolerance replicas needs a backend that meets through a store "
                      "(gloo); group '",
                      world_->name(), "' (", world_->backend_name(), ") has none");
   members_ = world_->global_ranks();
   deaths_seen_ = store_->add(kDeathsKey, 0);
+  const int me = world_->global_ranks()[world_->rank()];
+  // (The store serializes its calls: a beat waits at most for one of the training thread's.)
+  heartbeat_ = std::thread([this, me, store = world_->key_value()] {
+    std::unique_lock<std::mutex> lock(heartbeat_mutex_);
+    while (!stopping_) {
+      try {
+        store->add(heartbeat_key(me), 1);
+      } catch (const CommError&) {
+        // The store is gone (the launcher ended): the training thread hears of it too.
+      }
+      heartbeat_stop_.wait_for(lock, std::chrono::milliseconds(100));
+    }
+  });
+}
+
+ReplicaManager::~ReplicaManager() {
+  {
+    std::lock_guard<std::mutex> lock(heartbeat_mutex_);
+    stopping_ = true;
+  }
+  heartbeat_stop_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+bool ReplicaManager::declare_silent() {
+  const auto now = Clock::now();
+  if (now < next_beat_look_) return false;
+  next_beat_look_ = now + std::chrono::milliseconds(100);
+  const int me = world_->global_ranks()[world_->rank()];
+  bool declared = false;
+  for (const int r : members_) {
+    if (r == me) continue;
+    const int64_t beat = store_->add(heartbeat_key(r), 0);
+    auto seen = beats_.find(r);
+    if (seen == beats_.end() || seen->second.first != beat) {
+      beats_[r] = {beat, now};
+      continue;
+    }
+    if (now - seen->second.second < heartbeat_timeout_) continue;
+    // Silent: whoever notices first declares it (once), as its launcher would.
+    const std::string mine = concat("silent for ", heartbeat_timeout_.count(), " ms (seen by ", me,
+                                    ")");
+    if (store_->set_if_absent(dead_key(r), mine) == mine) {
+      store_->add(kDeathsKey, 1);
+      std::fprintf(stderr,
+                   "dtrain: replica group: world rank %d's heartbeat has been silent for %lld "
+                   "ms: counted as dead\n",
+                   r, static_cast<long long>(heartbeat_timeout_.count()));
+      std::fflush(stderr);
+    }
+    declared = true;
+  }
+  return declared;
+}
+
+bool ReplicaManager::death_reported() {
+  declare_silent();
+  return store_->add(kDeathsKey, 0) > deaths_seen_ && !dead_members().empty();
 }
 
 std::vector<int> ReplicaManager::dead_members() {
@@ -74,9 +137,9 @@ bool ReplicaManager::finished(const comm::WorkPtr& work) {
     if (now >= deadline) return false;  // the decision's wait names who is missing
     if (now < next_look) continue;
     next_look = now + std::chrono::milliseconds(10);
-    // A member reported dead: the collective may never end here (a peer that did reach it waits
-    // on this rank's ring neighbour, not on the dead); leave it.
-    if (store_->add(kDeathsKey, 0) > deaths_seen_ && !dead_members().empty()) return false;
+    // A member reported dead (or silent): the collective may never end here (a peer that did
+    // reach it waits on this rank's ring neighbour, not on the dead); leave it.
+    if (death_reported()) return false;
   }
   try {
     work->wait(std::chrono::milliseconds(1));
@@ -99,6 +162,7 @@ std::string ReplicaManager::decide(bool summed) {
     if (store_->add(base + "summed", 0) == static_cast<int64_t>(members_.size())) {
       return store_->set_if_absent(base + "decision", "commit");
     }
+    declare_silent();
     if (store_->add(kDeathsKey, 0) > deaths_seen_) {
       const std::vector<int> dead = dead_members();
       if (!dead.empty()) {

@@ -4,13 +4,22 @@
 // (dead_key); the survivors' pending collective is abandoned, they agree in the store on who is
 // left (one key per step and group, set once: "commit", or "abort" with the survivors), regroup
 // without the dead under a fresh store key and sum again from their own gradients. The store
-// decides, so every survivor takes the same way through a failure.
+// decides, so every survivor takes the same way through a failure. A replica that stops without
+// dying (SIGSTOP, a machine that hangs) stops its heartbeat in the store: the others declare it
+// dead once it has been silent for the heartbeat timeout, and its launcher, seeing that, kills
+// it (fencing: it must not come back into a group that went on without it).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtrain/comm/Communicator.h"
@@ -21,11 +30,18 @@ namespace dtrain::parallel::ft {
 /// dies: "1" at dead_key(rank), and one more at kDeathsKey.
 std::string dead_key(int world_rank);
 inline constexpr const char* kDeathsKey = "ft/deaths";
+/// Where each replica's heartbeat counts (every 100 ms).
+std::string heartbeat_key(int world_rank);
 
 class ReplicaManager {
  public:
-  /// Every rank of `world` is a replica (its backend must regroup: gloo).
-  explicit ReplicaManager(comm::CommunicatorPtr world);
+  /// Every rank of `world` is a replica (its backend must regroup: gloo). A member whose
+  /// heartbeat is silent for `heartbeat_timeout` counts as dead.
+  explicit ReplicaManager(comm::CommunicatorPtr world,
+                          std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(2));
+  ~ReplicaManager();
+  ReplicaManager(const ReplicaManager&) = delete;
+  ReplicaManager& operator=(const ReplicaManager&) = delete;
 
   /// Sums `flat` over the replicas present, in place, the step committed on all of them;
   /// returns how many took part. A member that dies meanwhile is left out and the sum taken
@@ -45,6 +61,11 @@ class ReplicaManager {
   bool finished(const comm::WorkPtr& work);
   /// The members reported dead.
   std::vector<int> dead_members();
+  /// Declares dead the members whose heartbeat has been silent for the timeout (at most every
+  /// 100 ms); true when it declared one.
+  bool declare_silent();
+  /// A death to act on: the store's count moved, or a member fell silent.
+  bool death_reported();
   /// The store's decision on this step and group: "commit" or "abort:R,R,...".
   std::string decide(bool summed);
 
@@ -55,6 +76,14 @@ class ReplicaManager {
   int generation_ = 0;
   int64_t step_ = 0;
   int64_t deaths_seen_ = 0;
+  std::chrono::milliseconds heartbeat_timeout_;
+  /// Each member's heartbeat count and when this rank last saw it change.
+  std::map<int, std::pair<int64_t, std::chrono::steady_clock::time_point>> beats_;
+  std::chrono::steady_clock::time_point next_beat_look_{};
+  std::thread heartbeat_;
+  std::mutex heartbeat_mutex_;
+  std::condition_variable heartbeat_stop_;
+  bool stopping_ = false;
 };
 
 }  // namespace dtrain::parallel::ft

@@ -81,8 +81,9 @@ SimulatedFailure SimulatedFailure::from_env(int my_rank) {
   const int fields = std::sscanf(spec, "%lld:%lld:%lld", &rank, &step, &attempts);
   const std::string text = spec;
   f.node = text.size() > 5 && text.compare(text.size() - 5, 5, ":node") == 0;
+  f.stop = text.size() > 5 && text.compare(text.size() - 5, 5, ":stop") == 0;
   DTRAIN_CHECK_INPUT(fields >= 2 && rank >= 0 && step >= 1, "DTRAIN_SIMULATE_FAILURE='", spec,
-                     "' is not RANK:STEP[:ATTEMPTS][:node]");
+                     "' is not RANK:STEP[:ATTEMPTS][:node|:stop]");
   const char* restart = std::getenv("DTRAIN_RESTART_COUNT");
   const long long attempt = restart ? std::atoll(restart) : 0;
   f.rank = static_cast<int>(rank);
@@ -94,9 +95,14 @@ SimulatedFailure SimulatedFailure::from_env(int my_rank) {
 void SimulatedFailure::maybe_fire(int64_t reached) const {
   if (slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
   if (armed && reached == step) {
-    std::fprintf(stderr, "dtrain: DTRAIN_SIMULATE_FAILURE: rank %d kills %s at step %lld\n", rank,
-                 node ? "its launcher and itself" : "itself", static_cast<long long>(step));
+    std::fprintf(stderr, "dtrain: DTRAIN_SIMULATE_FAILURE: rank %d %s at step %lld\n", rank,
+                 stop ? "stops itself" : node ? "kills its launcher and itself" : "kills itself",
+                 static_cast<long long>(step));
     std::fflush(stderr);
+    if (stop) {
+      ::raise(SIGSTOP);
+      return;  // continued: as a machine that hung for a while
+    }
     if (node) ::kill(::getppid(), SIGKILL);
     ::raise(SIGKILL);
   }

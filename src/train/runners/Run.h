@@ -38,10 +38,11 @@ class ProgressReport {
   int64_t start_;
 };
 
-/// DTRAIN_SIMULATE_FAILURE=RANK:STEP[:ATTEMPTS][:node]: RANK kills itself (SIGKILL) when it
-/// reaches STEP, in the first ATTEMPTS attempts of a launch (default all); with ":node" it kills
-/// its launcher first (a node lost; the rank follows through its parent-death signal): for
-/// testing restarts the way a crashed machine fails. DTRAIN_SIMULATE_SLOW_STEP_MS=N: every rank
+/// DTRAIN_SIMULATE_FAILURE=RANK:STEP[:ATTEMPTS][:node|:stop]: RANK kills itself (SIGKILL) when
+/// it reaches STEP, in the first ATTEMPTS attempts of a launch (default all); with ":node" it
+/// kills its launcher first (a node lost; the rank follows through its parent-death signal);
+/// with ":stop" it stops itself instead (SIGSTOP: a hung machine): for testing restarts and
+/// fault tolerance the way machines fail. DTRAIN_SIMULATE_SLOW_STEP_MS=N: every rank
 /// sleeps N ms after each step (to give tests time to act on a running job).
 struct SimulatedFailure {
   int slow_ms = 0;
@@ -49,6 +50,7 @@ struct SimulatedFailure {
   int64_t step = -1;
   bool armed = false;
   bool node = false;
+  bool stop = false;
 
   static SimulatedFailure from_env(int my_rank);
   void maybe_fire(int64_t reached) const;
