@@ -3,7 +3,8 @@
 # 10.231.0.2), a `dtrain launch` in each. Checks that training across them works with no
 # interface given (the host name resolves to loopback here, as on Debian), that each node prints
 # the address it chose, and that a rank killed on one host stops the other host within seconds,
-# both launchers naming the failed node, rank and signal; Downpour across the hosts against a
+# both launchers naming the failed node, rank and signal, and with --fault-tolerance replicas
+# that the other host's replica goes on without it; Downpour across the hosts against a
 # token-guarded parameter-server shard, surviving a worker killed on one host; Sandblaster
 # with its coordinator on one host and the shard on the other; federated learning with the
 # server on one host and clients on both; and a network partition mid-round (host b's link
@@ -87,6 +88,25 @@ seconds=$(( $(date +%s) - start ))
 grep -q "failed: node 1 rank 1 (pid [0-9]*) was killed by signal 9" "$work/a2.log" || fail "node 0 did not name the failed rank"
 (( seconds < 30 )) || fail "took $seconds s to stop"
 echo "ok: a rank killed on host b stopped host a in ${seconds} s"
+
+# 2b. The same kill with --fault-tolerance replicas (and the launchers' --tolerate-failures):
+#     host a's replica goes on alone and finishes the epoch; host b's launcher ends cleanly.
+ft_launch() {  # NODE NAMESPACE [ENV=VALUE...]
+  local node=$1 ns=$2
+  shift 2
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 1 \
+    --master-addr 10.231.0.1 --master-port $((port + 10)) --node-rank "$node" --tolerate-failures \
+    -- "$dtrain" "${job[@]}" --fault-tolerance replicas
+}
+ft_launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b2f.log" 2>&1 &
+other=$!
+ft_launch 0 "$a" > "$work/a2f.log" 2>&1 || fail "node 0 did not go on with --fault-tolerance replicas (exit $?)"
+wait $other || fail "node 1's launcher failed after its replica was killed"
+grep -q "rank 1 kills itself at step 3" "$work/b2f.log" || fail "the replica on host b was not killed"
+grep -q "the other ranks go on" "$work/b2f.log" || fail "host b's launcher did not keep going"
+grep -q "replica group: world rank(s) 1 left at step 4" "$work/a2f.log" || fail "host a did not leave rank 1 out"
+grep -q "trained 8 steps (global batch 64, 2 ranks, ddp)" "$work/a2f.log" || fail "host a did not finish"
+echo "ok: a replica killed on host b, host a went on (--fault-tolerance replicas)"
 # 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
 #    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
 printf 'multihost-token\n' > "$work/token"

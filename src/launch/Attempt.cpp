@@ -94,6 +94,7 @@ void Attempt::spawn() {
         concat("ROLE_WORLD_SIZE=", world),
     };
     if (!o_.interface.empty()) env.push_back("GLOO_SOCKET_IFNAME=" + o_.interface);
+    if (o_.tolerate_failures) env.push_back("DTRAIN_TOLERATE_FAILURES=1");
     if (!progress_file_.empty()) env.push_back("DTRAIN_PROGRESS_FILE=" + progress_file_);
     if (tty && r.rank == 0) env.push_back("DTRAIN_PROGRESS_TTY=1");
     env.insert(env.end(), o_.extra_env.begin(), o_.extra_env.end());

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <cstdlib>
+
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Flags.h"
 #include "dtrain/common/Trace.h"
@@ -53,6 +55,11 @@ void FaultTolerantDdp::setup(Model model, const optim::OptimizerFactory& make_op
   DdpStrategy::setup(std::move(model), make_optimizer, std::move(grid));
   DTRAIN_CHECK_INPUT(grid_->tp_size() == 1 && grid_->pp_size() == 1,
                      "--fault-tolerance replicas: each replica is one rank for now");
+  // Under a launcher that stops every rank when one fails, nothing would be left to go on.
+  DTRAIN_CHECK_INPUT(std::getenv("DTRAIN_AGENT_STORE") == nullptr ||
+                         std::getenv("DTRAIN_TOLERATE_FAILURES") != nullptr,
+                     "--fault-tolerance replicas under dtrain launch needs the launcher's "
+                     "--tolerate-failures (dtrain train --nproc sets it)");
   manager_ = std::make_unique<ReplicaManager>(grid_->world());
 }
 
