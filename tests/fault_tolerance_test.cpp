@@ -17,6 +17,7 @@
 #include "SmallModels.h"
 #include "TempDir.h"
 #include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Strategies.h"
@@ -109,6 +110,14 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
             weights.push_back(p.detach().clone());
           }
           finished = true;
+          if (fault_tolerance == "replicas" && dies_before < 0) {
+            // A decided step's keys go once the next one is decided: the store stays small.
+            auto store = world->key_value();
+            EXPECT_FALSE(store->read("ft/g0/t0/decision").has_value());
+            EXPECT_FALSE(store->read(concat("ft/g0/t", kSteps - 2, "/summed")).has_value());
+            EXPECT_EQ(store->read(concat("ft/g0/t", kSteps - 1, "/decision")).value_or(""),
+                      "commit");
+          }
         }
       },
       std::chrono::seconds(20));

@@ -9,7 +9,9 @@ DTRAIN_SIMULATE_FAILURE) right after step --kill-at. Sides, alternated over roun
 - stopped: the same with the rank SIGSTOPped instead (a hung machine): counted as dead after
   2 s without a heartbeat, then killed by its launcher;
 - restart: --max-restarts 1 with a checkpoint every --every steps: every rank restarts and
-  resumes from the newest checkpoint (the launcher's elastic path).
+  resumes from the newest checkpoint (the launcher's elastic path);
+- torchft: the peer, torchft 0.2 from PyPI on PyTorch 2.x (.venv-torch), the same model,
+  batch and failure (bench/ft/torchft_replica.py), its lighthouse's heartbeat timeout 2 s.
 
 From rank 0's metrics (each step record's wall-clock "time"): the time from the kill (the
 killed step's record) to the next step committed after it, the steps trained again (the killed
@@ -32,10 +34,51 @@ import time
 
 import report
 
-SIDES = ("none", "replicas", "stopped", "restart")
+SIDES = ("none", "replicas", "stopped", "restart", "torchft")
+VENV_PYTHON = os.path.join(report.ROOT, ".venv-torch", "bin", "python")
+LIGHTHOUSE = os.path.join(report.ROOT, ".venv-torch", "bin", "torchft_lighthouse")
+
+
+def run_torchft(args, workdir):
+    """torchft 0.2 (PyPI, PyTorch 2.x in .venv-torch) on the same model and failure: a
+    lighthouse and 3 replica groups of one rank (bench/ft/torchft_replica.py), the lighthouse's
+    heartbeat timeout set to dtrain's 2 s (its default is 5 s)."""
+    port = 29610
+    lighthouse = subprocess.Popen([LIGHTHOUSE, "--min_replicas", "1", "--bind", f"[::]:{port}",
+                                   "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_replica.py")
+    logs = [os.path.join(workdir, f"torchft-{r}.jsonl") for r in range(3)]
+    started = time.time()
+    replicas = [subprocess.Popen([VENV_PYTHON, script, "--replica", str(r), "--store-port",
+                                  str(port + 10 + r), "--lighthouse", f"http://127.0.0.1:{port}",
+                                  "--steps", str(args.steps), "--kill-replica", "2", "--kill-at",
+                                  str(args.kill_at), "--log", logs[r]],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for r in range(3)]
+    codes = [p.wait(timeout=300) for p in replicas]
+    wall = time.time() - started
+    lighthouse.terminate()
+    lighthouse.wait()
+    if codes[0] != 0 or codes[1] != 0:
+        raise SystemExit(f"torchft replicas exited {codes}")
+    steps = [json.loads(line) for line in open(logs[0])]
+    committed = [r for r in steps if r["committed"]]
+    killed = [r for r in committed if r["step"] == args.kill_at][0]
+    after = [r for r in committed if r["time"] > killed["time"]][0]
+    return {"side": "torchft", "command": " ".join(replicas[0].args), "wall_s": wall,
+            "median_step_ms": 1e3 * statistics.median(
+                b["time"] - a["time"] for a, b in zip(committed, committed[1:])),
+            "kill_to_commit_s": after["time"] - killed["time"],
+            "steps_again": args.kill_at - (after["step"] - 1),
+            "first_step_after": after["step"], "replicas_after": after["replicas"],
+            "discarded_steps": len(steps) - len(committed)}
 
 
 def run_side(dtrain, side, args, workdir):
+    if side == "torchft":
+        return run_torchft(args, workdir)
     metrics = os.path.join(workdir, f"{side}.jsonl")
     checkpoints = os.path.join(workdir, f"ck-{side}")
     shutil.rmtree(checkpoints, ignore_errors=True)
@@ -117,7 +160,8 @@ def main():
              f"| no failure | - | - | {med('none', 'wall_s'):.1f} | - |"]
     for side, label in (("replicas", "--fault-tolerance replicas"),
                         ("stopped", "--fault-tolerance replicas, the rank SIGSTOPped"),
-                        ("restart", f"restart from a checkpoint every {args.every} steps")):
+                        ("restart", f"restart from a checkpoint every {args.every} steps"),
+                        ("torchft", "torchft 0.2 (PyTorch 2.12), heartbeat timeout 2 s")):
         extra = statistics.median(r[side]["wall_s"] - r["none"]["wall_s"] for r in rounds)
         lines.append(f"| {label} | {med(side, 'kill_to_commit_s'):.3f} | "
                      f"{med(side, 'steps_again'):.0f} | {med(side, 'wall_s'):.1f} | "

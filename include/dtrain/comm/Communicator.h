@@ -51,6 +51,8 @@ class KeyValue {
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   /// Sets `key` to `value` unless it holds one; returns what it holds afterwards (one winner).
   virtual std::string set_if_absent(const std::string& key, const std::string& value) = 0;
+  /// Deletes `key` (nothing when absent).
+  virtual void remove(const std::string& key) = 0;
 };
 
 /// A group of ranks that can run collectives together. Every member must issue the same

@@ -131,6 +131,9 @@ class StoreKeyValue : public KeyValue {
     });
     return held;
   }
+  void remove(const std::string& key) override {
+    guard("remove", key, [&] { store_->deleteKey(key); });
+  }
 
  private:
   template <typename Fn>

@@ -149,6 +149,13 @@ bool ReplicaManager::finished(const comm::WorkPtr& work) {
   }
 }
 
+void ReplicaManager::forget(int64_t step) {
+  const std::string base = concat("ft/g", generation_, "/t", step, "/");
+  store_->remove(base + "decision");
+  store_->remove(base + "summed");
+  for (const int r : members_) store_->remove(concat(base, "summed/", r));
+}
+
 std::string ReplicaManager::decide(bool summed) {
   const std::string base = concat("ft/g", generation_, "/t", step_, "/");
   const int me = world_->global_ranks()[world_->rank()];
@@ -200,6 +207,9 @@ int ReplicaManager::allreduce(at::Tensor flat) {
     }
     const std::string decision = decide(summed);
     if (decision == "commit") {
+      // Every member has passed the previous step's decision (each summed this one): its keys
+      // go, so the store holds a few keys per member whatever the run's length.
+      if (me == members_.front() && step_ > 0) forget(step_ - 1);
       ++step_;
       return static_cast<int>(members_.size());
     }

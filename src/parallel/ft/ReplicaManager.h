@@ -68,6 +68,8 @@ class ReplicaManager {
   bool death_reported();
   /// The store's decision on this step and group: "commit" or "abort:R,R,...".
   std::string decide(bool summed);
+  /// Deletes a decided step's keys (of this group).
+  void forget(int64_t step);
 
   comm::CommunicatorPtr world_;
   comm::CommunicatorPtr group_;
