@@ -18,6 +18,26 @@ def default_build():
     return os.path.join(ROOT, "build-unity")
 
 
+def alternated_rounds(sides, rounds, run_one, records, describe):
+    """Runs every side once per round, in reverse order every other round (A B C, C B A, ...):
+    `run_one(side)` returns a result dict, stamped here with its round, written to `records`
+    (Records) and printed as "round N SIDE: describe(result)". Returns one {side: result} per
+    round."""
+    out = []
+    width = max(len(side) for side in sides)
+    for index in range(rounds):
+        order = sides if index % 2 == 0 else tuple(reversed(sides))
+        results = {}
+        for side in order:
+            result = run_one(side)
+            result["round"] = index + 1
+            records.write(result)
+            results[side] = result
+            print(f"round {index + 1} {side:{width}s}: {describe(result)}", flush=True)
+        out.append(results)
+    return out
+
+
 def emit(text, markdown):
     """Prints `text` and writes it (ending in one newline) to `markdown` when given."""
     print(text)

@@ -87,22 +87,16 @@ def main():
     args = parser.parse_args()
     dtrain = os.path.join(args.build, "dtrain")
     hidden = args.hidden.split(",")
-    rounds = []
     with report.Records(args.records, "a", dtrain) as records, \
             tempfile.TemporaryDirectory(prefix="dtrain-async-ckpt-") as workdir:
-        for index in range(args.rounds):
-            order = SIDES if index % 2 == 0 else tuple(reversed(SIDES))
-            results = {}
-            for side in order:
-                r = run_side(dtrain, side, args.steps, args.every, hidden, args.nproc, workdir)
-                r["round"] = index + 1
-                records.write(r)
-                results[side] = r
-                print(f"round {index + 1} {side:5s}: step {r['median_step_ms']:.1f} ms, "
-                      f"stall {r['stall_s'] * 1e3:.1f} ms, write {r['write_s'] * 1e3:.0f} ms, "
-                      f"during writes {r['median_step_ms_during_writes']} ms "
-                      f"({r['steps_during_writes']} steps)", flush=True)
-            rounds.append(results)
+        rounds = report.alternated_rounds(
+            SIDES, args.rounds,
+            lambda side: run_side(dtrain, side, args.steps, args.every, hidden, args.nproc,
+                                  workdir),
+            records,
+            lambda r: f"step {r['median_step_ms']:.1f} ms, stall {r['stall_s'] * 1e3:.1f} ms, "
+                      f"write {r['write_s'] * 1e3:.0f} ms, during writes "
+                      f"{r['median_step_ms_during_writes']} ms ({r['steps_during_writes']} steps)")
 
     def med(values):
         return statistics.median(values)

@@ -131,22 +131,13 @@ def main():
                                                           "replica-failure.jsonl"))
     args = parser.parse_args()
     dtrain = os.path.join(args.build, "dtrain")
-    rounds = []
     with report.Records(args.records, "a", dtrain) as records, \
             tempfile.TemporaryDirectory(prefix="dtrain-ft-") as workdir:
-        for index in range(args.rounds):
-            order = SIDES if index % 2 == 0 else tuple(reversed(SIDES))
-            results = {}
-            for side in order:
-                r = run_side(dtrain, side, args, workdir)
-                r["round"] = index + 1
-                records.write(r)
-                results[side] = r
-                print(f"round {index + 1} {side:8s}: wall {r['wall_s']:.1f} s, step "
-                      f"{r['median_step_ms']:.0f} ms, kill to commit "
-                      f"{r.get('kill_to_commit_s', 0):.3f} s, steps again "
-                      f"{r.get('steps_again', 0)}", flush=True)
-            rounds.append(results)
+        rounds = report.alternated_rounds(
+            SIDES, args.rounds, lambda side: run_side(dtrain, side, args, workdir), records,
+            lambda r: f"wall {r['wall_s']:.1f} s, step {r['median_step_ms']:.0f} ms, kill to "
+                      f"commit {r.get('kill_to_commit_s', 0):.3f} s, steps again "
+                      f"{r.get('steps_again', 0)}")
 
     def med(side, field):
         return statistics.median(r[side][field] for r in rounds)

@@ -70,20 +70,11 @@ def main():
     args = parser.parse_args()
     dtrain = os.path.join(args.build, "dtrain")
     sides = ("none", "selective", "blocks")
-    rounds = []
     with report.Records(args.records, "a", dtrain) as records, \
             tempfile.TemporaryDirectory(prefix="dtrain-recompute-") as workdir:
-        for index in range(args.rounds):
-            order = sides if index % 2 == 0 else tuple(reversed(sides))
-            results = {}
-            for side in order:
-                r = run_side(dtrain, side, args, workdir)
-                r["round"] = index + 1
-                records.write(r)
-                results[side] = r
-                print(f"round {index + 1} {side:9s}: step {r['median_step_ms']:.0f} ms, "
-                      f"peak {r['peak_rss_mb']:.0f} MB", flush=True)
-            rounds.append(results)
+        rounds = report.alternated_rounds(
+            sides, args.rounds, lambda side: run_side(dtrain, side, args, workdir), records,
+            lambda r: f"step {r['median_step_ms']:.0f} ms, peak {r['peak_rss_mb']:.0f} MB")
     s, h = args.context, args.width
     lines = [f"GPT {args.layers} x {args.width} wide, {args.heads} heads, context {args.context}, "
              f"batch {args.batch}, dropout {args.dropout}, {args.threads} threads; medians of "

@@ -102,16 +102,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     sync_engine.set_sync(sync);
     if (sync) sync_engine.prepare_for_backward();
     const auto& batch = micro_batches[i];
-    at::Tensor value;
-    {
-      trace::Span span("forward", concat("F", i));
-      precision::AutocastScope autocast(precision_, device_.type());
-      const at::Tensor inputs =
-          precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
-              ? batch.inputs.to(at::kBFloat16)
-              : batch.inputs;
-      value = loss(model_.forward(inputs), batch.targets);
-    }
+    const at::Tensor value = micro_batch_loss(batch, loss, i);
     at::Tensor objective = micro_batches.size() == 1 ? value : value / count;
     if (scaler_) objective = scaler_->scale(objective);
     {
@@ -156,6 +147,17 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
         static_cast<double>(stats.peak_transient_bytes) / (1 << 20);
   }
   return result;
+}
+
+at::Tensor DdpStrategy::micro_batch_loss(const data::Batch& batch, const LossFn& loss,
+                                         size_t index) {
+  trace::Span span("forward", concat("F", index));
+  precision::AutocastScope autocast(precision_, device_.type());
+  const at::Tensor inputs =
+      precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
+          ? batch.inputs.to(at::kBFloat16)
+          : batch.inputs;
+  return loss(model_.forward(inputs), batch.targets);
 }
 
 double DdpStrategy::clip_gradients(double max_norm) {

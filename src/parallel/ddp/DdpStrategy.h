@@ -55,6 +55,9 @@ class DdpStrategy : public Strategy {
   virtual bool gradients_sharded() const { return false; }
 
   void broadcast_buffers();
+  /// Micro-batch `index`'s forward under the run's precision (pure bf16 takes bf16 inputs): its
+  /// loss, before any division or scaling.
+  at::Tensor micro_batch_loss(const data::Batch& batch, const LossFn& loss, size_t index);
   /// Checkpoints: the pieces whose values and optimizer state this rank's state file holds
   /// (every parameter whole for DDP, whose rank 0 alone writes), whether every rank writes a
   /// file, and the pieces whose values a load fills (every parameter whole unless sharded).

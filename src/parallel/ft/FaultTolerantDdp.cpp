@@ -74,16 +74,7 @@ StepResult FaultTolerantDdp::train_step(const std::vector<data::Batch>& micro_ba
   const auto count = static_cast<double>(micro_batches.size());
   for (size_t i = 0; i < micro_batches.size(); ++i) {
     const auto& batch = micro_batches[i];
-    at::Tensor value;
-    {
-      trace::Span span("forward", concat("F", i));
-      precision::AutocastScope autocast(precision_, device_.type());
-      const at::Tensor inputs =
-          precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
-              ? batch.inputs.to(at::kBFloat16)
-              : batch.inputs;
-      value = loss(model_.forward(inputs), batch.targets);
-    }
+    const at::Tensor value = micro_batch_loss(batch, loss, i);
     {
       trace::Span span("backward", concat("B", i));
       (micro_batches.size() == 1 ? value : value / count).backward();
