@@ -5,6 +5,8 @@ restart-from-checkpoint path, on the same job. Fashion-MNIST MLP 784-1792-1792-1
 DTRAIN_SIMULATE_FAILURE) right after step --kill-at. Sides, alternated over rounds:
 
 - none: the job without a failure (plain ddp);
+- tolerant: --fault-tolerance replicas without a failure (what it costs a step: one flat sum
+  after backward instead of buckets overlapped with it, and the store's decision);
 - replicas: --fault-tolerance replicas: the other two go on at once;
 - stopped: the same with the rank SIGSTOPped instead (a hung machine): counted as dead after
   2 s without a heartbeat, then killed by its launcher;
@@ -34,7 +36,7 @@ import time
 
 import report
 
-SIDES = ("none", "replicas", "stopped", "restart", "torchft")
+SIDES = ("none", "tolerant", "replicas", "stopped", "restart", "torchft")
 VENV_PYTHON = os.path.join(report.ROOT, ".venv-torch", "bin", "python")
 LIGHTHOUSE = os.path.join(report.ROOT, ".venv-torch", "bin", "torchft_lighthouse")
 
@@ -88,7 +90,9 @@ def run_side(dtrain, side, args, workdir):
                "adam", "--batch-size", "32", "--max-steps", str(args.steps), "--nproc", "3",
                "--threads", "1", "--log-every", "1", "--metrics", metrics, "--no-progress"]
     env = dict(os.environ)
-    if side == "replicas":
+    if side == "tolerant":  # what fault tolerance costs when nothing fails
+        command += ["--fault-tolerance", "replicas"]
+    elif side == "replicas":
         command += ["--fault-tolerance", "replicas"]
         env["DTRAIN_SIMULATE_FAILURE"] = f"2:{args.kill_at}"
     elif side == "stopped":  # SIGSTOP: counted as dead after 2 s of heartbeat silence, fenced
@@ -107,7 +111,7 @@ def run_side(dtrain, side, args, workdir):
     steps = [r for r in steps if r["event"] == "step"]
     result = {"side": side, "command": " ".join(command), "wall_s": wall,
               "median_step_ms": statistics.median(r["step_ms"] for r in steps)}
-    if side != "none":
+    if side not in ("none", "tolerant"):
         killed = [r for r in steps if r["step"] == args.kill_at][0]
         after = [r for r in steps if r["time"] > killed["time"]][0]
         result["kill_to_commit_s"] = after["time"] - killed["time"]
@@ -149,6 +153,8 @@ def main():
              "wall time - no failure (s) |",
              "|---|---|---|---|---|",
              f"| no failure | - | - | {med('none', 'wall_s'):.1f} | - |"]
+    step_ratio = statistics.median(r["tolerant"]["median_step_ms"] / r["none"]["median_step_ms"]
+                                   for r in rounds)
     for side, label in (("replicas", "--fault-tolerance replicas"),
                         ("stopped", "--fault-tolerance replicas, the rank SIGSTOPped"),
                         ("restart", f"restart from a checkpoint every {args.every} steps"),
@@ -157,6 +163,9 @@ def main():
         lines.append(f"| {label} | {med(side, 'kill_to_commit_s'):.3f} | "
                      f"{med(side, 'steps_again'):.0f} | {med(side, 'wall_s'):.1f} | "
                      f"{extra:+.1f} |")
+    lines += ["", f"Without a failure, --fault-tolerance replicas' median step / plain ddp's: "
+                  f"{step_ratio:.3f} ({med('tolerant', 'median_step_ms'):.1f} ms against "
+                  f"{med('none', 'median_step_ms'):.1f} ms)."]
     report.table(lines, args.markdown)
 
 
