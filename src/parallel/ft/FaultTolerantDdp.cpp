@@ -86,14 +86,28 @@ StepResult FaultTolerantDdp::train_step(const std::vector<data::Batch>& micro_ba
     trace::Span span("sync", "gradient sum over the replicas present");
     torch::NoGradGuard no_grad;
     // Every gradient, then this replica's loss and a one: the sum counts the replicas in it.
-    std::vector<at::Tensor> pieces;
-    const auto options = parameters_.front().options();
-    for (const auto& p : parameters_) {
-      pieces.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, options));
-    }
-    pieces.push_back(at::tensor({result.loss, 1.0}, at::kDouble).to(options.dtype()));
-    at::Tensor flat = at::cat(pieces);
-    manager_->allreduce(flat);
+    // Filled from the gradients, which stay as backward left them until the sum commits (a sum
+    // taken again after a failure starts from them).
+    int64_t total = 0;
+    for (const auto& p : parameters_) total += p.numel();
+    at::Tensor flat = at::empty({total + 2}, parameters_.front().options());
+    const double local_loss = result.loss;
+    auto fill = [this, local_loss](at::Tensor& out) {
+      int64_t offset = 0;
+      for (const auto& p : parameters_) {
+        at::Tensor part = out.narrow(0, offset, p.numel());
+        if (p.grad().defined()) {
+          part.copy_(p.grad().reshape({-1}));
+        } else {
+          part.zero_();
+        }
+        offset += p.numel();
+      }
+      out[-2].fill_(local_loss);
+      out[-1].fill_(1.0);
+    };
+    fill(flat);
+    manager_->allreduce(flat, fill);
     const double replicas = flat[-1].item<double>();
     flat.div_(replicas);
     int64_t offset = 0;

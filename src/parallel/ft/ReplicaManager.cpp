@@ -193,8 +193,8 @@ std::string ReplicaManager::decide(bool summed) {
   }
 }
 
-int ReplicaManager::allreduce(at::Tensor flat) {
-  const at::Tensor mine = flat.clone();
+int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tensor&)>& refill) {
+  const at::Tensor mine = refill ? at::Tensor() : flat.clone();
   const int me = world_->global_ranks()[world_->rank()];
   while (true) {
     bool summed = true;
@@ -227,7 +227,11 @@ int ReplicaManager::allreduce(at::Tensor flat) {
     ++generation_;
     deaths_seen_ = store_->add(kDeathsKey, 0);
     group_ = world_->regroup(members_, concat("ft/g", generation_), "replicas");
-    flat.copy_(mine);
+    if (refill) {
+      refill(flat);
+    } else {
+      flat.copy_(mine);
+    }
     if (me == members_.front()) {
       std::fprintf(stderr,
                    "dtrain: replica group: world rank(s) %s left at step %lld; %zu replica(s) go "

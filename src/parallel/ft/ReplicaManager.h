@@ -16,6 +16,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -45,10 +46,10 @@ class ReplicaManager {
 
   /// Sums `flat` over the replicas present, in place, the step committed on all of them;
   /// returns how many took part. A member that dies meanwhile is left out and the sum taken
-  /// again over the others (from what `flat` held on entry). Error when this rank has been left
-  /// out; CommError after the world's timeout naming the members that neither finished nor were
-  /// reported dead.
-  int allreduce(at::Tensor flat);
+  /// again over the others, from `refill(flat)` (what `flat` held on entry; without one, a copy
+  /// of it is kept). Error when this rank has been left out; CommError after the world's timeout
+  /// naming the members that neither finished nor were reported dead.
+  int allreduce(at::Tensor flat, const std::function<void(at::Tensor&)>& refill = nullptr);
 
   /// The world ranks present, in order; the group over them.
   const std::vector<int>& members() const { return members_; }
