@@ -12,7 +12,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
