@@ -214,6 +214,10 @@ class PlanCommand final : public Command {
         ->capture_default_str();
     app_->add_flag("--hierarchical-allreduce", layout_.hierarchical_allreduce,
                    "Data-parallel buckets reduced inside nodes, then across");
+    app_->add_flag("--overlap-param-gather", layout_.overlap_param_gather,
+                   "zero1, zero2: the update's parameter all-gathers overlapped with the next "
+                   "forward (dtrain train --overlap-param-gather); with --search, for every "
+                   "zero1 and zero2 layout");
     app_->add_option("--ps-shards", layout_.ps_shards, "downpour: parameter-server shards")
         ->capture_default_str();
     app_->add_flag("--search", search_,
@@ -336,6 +340,7 @@ class PlanCommand final : public Command {
     options.precision = layout_.precision;
     options.optimizer = layout_.optimizer;
     options.sequence_parallel = layout_.sequence_parallel;
+    options.overlap_param_gather = layout_.overlap_param_gather;
     if (!strategies_.empty()) options.strategies = strategies_;
     // --pipeline-sync 2bw|async with --search: those layouts compete beside the flushed ones.
     if (layout_.pipeline_sync != "flush") options.pipeline_syncs.push_back(layout_.pipeline_sync);

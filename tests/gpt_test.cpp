@@ -20,6 +20,7 @@
 #include "dtrain/train/Job.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/zero/Zero3Strategy.h"
+#include "parallel/zero/ZeroStrategy.h"
 
 namespace fs = std::filesystem;
 using namespace dtrain;
@@ -232,6 +233,17 @@ TEST(Gpt, DataParallelAndZero3TrainLikeOneProcessInFloat64) {
         [] { return std::make_unique<parallel::zero::Zero3Strategy>(parallel::StrategyOptions{}); },
         2);
     EXPECT_LT(test::max_abs_diff(single, zero3), test::kTightBound) << checkpointing;
+    // ZeRO-2 with small buckets and the parameter gathers left running into the next forward,
+    // which runs the stages (each checkpointed one a segment of its own) waiting bucket by
+    // bucket.
+    parallel::StrategyOptions overlapped;
+    overlapped.bucket_cap_bytes = 4096;
+    overlapped.first_bucket_cap_bytes = 1024;
+    overlapped.of<parallel::zero::ZeroOverlapOptions>().param_gather = true;
+    const auto zero2 = test::train_distributed(
+        f, 2, steps, [&] { return std::make_unique<parallel::zero::ZeroStrategy>(overlapped, 2); },
+        2);
+    EXPECT_LT(test::max_abs_diff(single, zero2), test::kTightBound) << checkpointing;
     // The oracle notices one rank's gradient left out.
     const auto dropped = test::train_distributed(
         f, 2, steps,

@@ -11,6 +11,7 @@
 #include "dtrain/parallel/pipeline/Partition.h"
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
+#include "dtrain/parallel/zero/ZeroOverlapOptions.h"
 #include "parallel/pipeline/PipelineStrategy.h"
 
 using namespace dtrain;
@@ -346,6 +347,8 @@ struct PipelineRun {
   std::vector<std::vector<std::pair<Action, int64_t>>>* versions = nullptr;
   // Non-empty: stage s on stage_replicas[s] ranks (pp and dp are then unused).
   std::vector<int> stage_replicas = {};
+  bool overlap_param_gather = false;  // zero1: --overlap-param-gather
+  int64_t bucket_cap_bytes = 25LL << 20;
 };
 
 // Trains f on pp x dp rank threads and returns every parameter by name (from DP replica 0).
@@ -380,6 +383,10 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
         options.grad_compression = run.grad_compression;
         options.of<dtrain::parallel::pipeline::PipelineOptions>().transport = run.transport;
         options.of<dtrain::parallel::pipeline::PipelineOptions>().sync = run.sync;
+        options.of<dtrain::parallel::zero::ZeroOverlapOptions>().param_gather =
+            run.overlap_param_gather;
+        options.bucket_cap_bytes = run.bucket_cap_bytes;
+        options.first_bucket_cap_bytes = std::min<int64_t>(run.bucket_cap_bytes, 1 << 20);
         PipelineStrategy strategy(options);
         strategy.setup(replicas[comm->rank()], optim::optimizer_factory(f.optimizer), grid);
         if (run.versions) {
@@ -410,6 +417,7 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
             (*run.metrics)[comm->rank()] = step_result.metrics;
           }
         }
+        strategy.model();  // (waits for zero1's gathers still running)
         if (dp_rank != 0) return;
         std::lock_guard<std::mutex> lock(mutex);
         for (size_t i = 0; i < strategy.local_parameters().size(); ++i) {
@@ -518,6 +526,14 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
     run.chunks = schedule == "interleaved" ? 2 : 1;
     run.data_parallel = "zero1";
     EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+    // Small buckets, their gathers left running into the next step's forwards, which wait for
+    // each bucket where its stage begins (--overlap-param-gather).
+    run.overlap_param_gather = true;
+    run.bucket_cap_bytes = 512;
+    std::vector<std::map<std::string, double>> metrics(4);
+    run.metrics = &metrics;
+    EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+    for (const auto& m : metrics) EXPECT_GE(m.at("param_gather_wait_ms"), 0.0);
   }
   // PowerSGD at full rank over each stage's DP group (every matrix compressed): exact; rank 1
   // is not (the compression is applied).

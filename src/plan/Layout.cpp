@@ -37,6 +37,7 @@ std::string Layout::describe() const {
     text += " selective";
   }
   if (sequence_parallel) text += " sp";
+  if (overlap_param_gather && (strategy == "zero1" || strategy == "zero2")) text += " ovl";
   return text;
 }
 
@@ -61,6 +62,9 @@ std::string Layout::train_flags(int layers) const {
     text += " --checkpointing selective";
   }
   if (sequence_parallel) text += " --sequence-parallel";
+  if (overlap_param_gather && (strategy == "zero1" || strategy == "zero2")) {
+    text += " --overlap-param-gather";
+  }
   return text;
 }
 

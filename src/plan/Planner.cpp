@@ -139,6 +139,13 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                      "sequence parallelism needs tp > 1");
   DTRAIN_CHECK_INPUT(layout.strategy != "zero3" || layout.pp == 1,
                      "zero3 with pipeline parallelism: the planner models zero3 with pp = 1");
+  // As dtrain train refuses them: a pipeline's stages are data-parallel by ddp or zero1, and
+  // zero2 reduce-scatters before sequence parallelism's LayerNorm gradients are summed.
+  DTRAIN_CHECK_INPUT(layout.strategy != "zero2" || layout.pp == 1,
+                     "zero2 with pipeline parallelism: dtrain's pipeline stages are data-parallel "
+                     "by ddp or zero1");
+  DTRAIN_CHECK_INPUT(layout.strategy != "zero2" || !layout.sequence_parallel,
+                     "zero2 with sequence parallelism: dtrain refuses it (use zero1)");
   DTRAIN_CHECK_INPUT(layout.strategy != "downpour" || (layout.pp == 1 && layout.tp == 1),
                      "downpour workers are whole replicas: pp and tp must be 1");
   const int virtual_stages = layout.pp * layout.chunks;
@@ -298,7 +305,66 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
                   : Link{hw.inter_node.latency_s, hw.inter_node.bandwidth_Bps / cluster.per_node()};
     return elements * bytes.activation / link.bandwidth_Bps + link.latency_s;
   };
+  // The reducer's buckets of a virtual stage's layers (one reducer per chunk), each a list of
+  // indices into the stage's layers in launch order; ZeRO-1/2's shards follow them.
+  const double grad_bytes = bytes.gradient;
+  auto stage_buckets = [&](int s) {
+    std::vector<parallel::ddp::BucketedParameter> described;
+    for (int i = partition.first(s); i < partition.end(s); ++i) {
+      described.push_back(
+          {static_cast<int64_t>(local_params[i] * grad_bytes), 0, model.layers[i].name});
+    }
+    return parallel::ddp::assign_buckets(
+        described,
+        {layout.bucket_cap_bytes, std::min<int64_t>(1 << 20, layout.bucket_cap_bytes), true});
+  };
+  // --overlap-param-gather: the update's all-gathers run at the start of the step, bucket after
+  // bucket in the layers' order (chunk 0's first) on the rank's data-parallel link; a chunk's
+  // first forward waits until each of its buckets is in when its layers come: it starts no
+  // earlier than max over its buckets of (gathered by - forward time of the layers before).
+  const bool overlap_gather = layout.overlap_param_gather &&
+                              (layout.strategy == "zero1" || layout.strategy == "zero2");
+  std::vector<std::vector<double>> release(slots, std::vector<double>(V, 0.0));
+  std::vector<double> gather_total(slots, 0.0);
+  if (overlap_gather) {
+    for (int r = 0; r < slots; ++r) {
+      const int D = replicas_of(r);
+      if (D <= 1) continue;
+      const Link dp_link = place.group_link(layout.tp, D);
+      double gathered = 0;
+      for (int c = 0; c < V; ++c) {
+        const int s = vstage(c, r);
+        auto buckets = stage_buckets(s);
+        for (auto& bucket : buckets) std::sort(bucket.begin(), bucket.end());
+        std::sort(buckets.begin(), buckets.end());
+        for (const auto& bucket : buckets) {
+          double bucket_bytes = 0;
+          for (size_t k : bucket) bucket_bytes += local_params[partition.first(s) + k];
+          gathered += ring_half(bucket_bytes * bytes.parameter, D, dp_link);
+          double before = 0;
+          for (int i = partition.first(s); i < partition.first(s) + static_cast<int>(bucket.front());
+               ++i) {
+            before += times[i].forward;
+          }
+          release[r][c] = std::max(release[r][c], gathered - before);
+        }
+      }
+      gather_total[r] = gathered;
+    }
+    action_costs.release = [&](int rank, const pp::Action& a) {
+      return a.kind == pp::Action::Forward && a.micro_batch == 0 ? release[rank][a.chunk] : 0.0;
+    };
+  }
   const pp::Simulation timeline = pp::simulate(spec, lists, action_costs);
+  // What the gathers' waits added to the schedule (counted as exposed communication, not as
+  // the pipeline's bubble): the same schedule without them.
+  double gather_exposed = 0;
+  if (overlap_gather) {
+    pp::ActionCosts unreleased = action_costs;
+    unreleased.release = nullptr;
+    gather_exposed =
+        std::max(0.0, timeline.makespan - pp::simulate(spec, lists, unreleased).makespan);
+  }
   // PipeDream's flush-free steps: one step of an endless 1F1B stream costs what M more
   // micro-batches add to a long flushed one (the marginal step), every rank busy as in a
   // flushed step.
@@ -323,7 +389,6 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   Prediction out;
   out.layout = layout;
   const int D_grid = layout.dp;
-  const double grad_bytes = bytes.gradient;
   double worst_end = 0, worst_compute = 0, worst_exposed = 0, worst_bubble = 0, worst_opt = 0;
   for (int r = 0; r < slots; ++r) {
     const int D = replicas_of(r);
@@ -380,7 +445,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
       comm_end = std::max(t, stream);
       step_end = comm_end;
     } else if (layout.strategy != "downpour" && D > 1) {
-      double link_free = 0;
+      double link_free = gather_total[r];  // (0 unless the gathers overlap this step's start)
       for (int c = 0; c < V; ++c) {
         const int s = vstage(c, r);
         // The last backward of this chunk: its start, then layers in reverse order.
@@ -399,18 +464,10 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
           t += split ? times[i].weight : times[i].backward;
           ready[i] = t;
         }
-        std::vector<parallel::ddp::BucketedParameter> described;
-        for (int i = partition.first(s); i < partition.end(s); ++i) {
-          described.push_back(
-              {static_cast<int64_t>(local_params[i] * grad_bytes), 0, model.layers[i].name});
-        }
-        const auto buckets = parallel::ddp::assign_buckets(
-            described,
-            {layout.bucket_cap_bytes, std::min<int64_t>(1 << 20, layout.bucket_cap_bytes), true});
-        for (const auto& bucket : buckets) {
+        for (const auto& bucket : stage_buckets(s)) {
           double bucket_bytes = 0, bucket_ready = 0;
           for (size_t k : bucket) {
-            bucket_bytes += described[k].bytes;
+            bucket_bytes += local_params[partition.first(s) + k] * grad_bytes;
             bucket_ready = std::max(bucket_ready, ready[partition.first(s) + k]);
           }
           double duration = 0;
@@ -429,9 +486,17 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
       }
       comm_end = std::max(compute_end, link_free);
       step_end = comm_end;
-      if (layout.strategy == "zero1" || layout.strategy == "zero2") {
-        // After the sharded update, every rank gathers the others' updated parameters.
-        step_end += ring_half(rank_params * bytes.parameter, D, dp_link);
+      if ((layout.strategy == "zero1" || layout.strategy == "zero2") && !overlap_gather) {
+        // After the sharded update, every rank gathers the others' updated parameters (bucket
+        // by bucket, each its own collective).
+        for (int c = 0; c < V; ++c) {
+          const int s = vstage(c, r);
+          for (const auto& bucket : stage_buckets(s)) {
+            double bucket_params = 0;
+            for (size_t k : bucket) bucket_params += local_params[partition.first(s) + k];
+            step_end += ring_half(bucket_params * bytes.parameter, D, dp_link);
+          }
+        }
       }
     }
     // The optimizer step: memory-bound over this rank's (share of the) parameters. Adam reads
@@ -467,7 +532,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
                              : updates * (rank_params / shard * opt_bytes_per / byte_rate +
                                           rank_layers * 4 * overhead + version_copy);
     step_end += opt_s;
-    const double exposed = step_end - opt_s - compute_end;
+    const double exposed = step_end - opt_s - compute_end + gather_exposed;
     if (step_end > worst_end) {
       worst_end = step_end;
       worst_exposed = std::max(0.0, exposed);
@@ -476,7 +541,8 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     // The pipeline's bubble as the busiest stage sees it (the one that sets the pace).
     if (busy > worst_compute) {
       worst_compute = busy;
-      worst_bubble = P > 1 ? 1 - busy / (flush_free ? steady_step : timeline.makespan) : 0.0;
+      worst_bubble =
+          P > 1 ? 1 - busy / (flush_free ? steady_step : timeline.makespan - gather_exposed) : 0.0;
     }
   }
   out.step_s = worst_end;

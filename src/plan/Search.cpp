@@ -81,7 +81,9 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
         }
         for (const auto& [schedule, chunks] : schedules) {
           for (const std::string& strategy : options.strategies) {
-            if (strategy == "zero3" && pp > 1) continue;
+            // dtrain's pipeline stages are data-parallel by ddp or zero1.
+            if ((strategy == "zero3" || strategy == "zero2") && pp > 1) continue;
+            if (strategy == "zero2" && options.sequence_parallel && tp > 1) continue;
             if (dp == 1 && strategy != "ddp") continue;  // nothing to shard
             for (const std::string& sync : options.pipeline_syncs) {
               // PipeDream's flush-free steps: 1F1B with ddp replicas.
@@ -97,6 +99,7 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
                 layout.chunks = chunks;
                 layout.pipeline_sync = sync;
                 layout.sequence_parallel = options.sequence_parallel && tp > 1;
+                layout.overlap_param_gather = options.overlap_param_gather;
               });
             }
           }

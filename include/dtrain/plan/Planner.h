@@ -47,6 +47,9 @@ struct Layout {
   std::string optimizer = "adam";  ///< "adam", "sgd", "momentum"
   int64_t bucket_cap_bytes = 25LL * 1024 * 1024;
   bool hierarchical_allreduce = false;  ///< data-parallel buckets: inside nodes, then across
+  /// zero1, zero2 (dtrain train --overlap-param-gather): the update's parameter all-gathers,
+  /// bucket by bucket, run into the next step, each waited where the first forward needs it.
+  bool overlap_param_gather = false;
   int ps_shards = 1;                    ///< downpour: parameter-server shards (one per node)
   int64_t global_batch() const {
     return static_cast<int64_t>(dp) * micro_batch_size * micro_batches;
@@ -105,6 +108,8 @@ struct SearchOptions {
   /// (every split of them that is not even: the even ones are dp x pp), 1f1b with ddp, tp 1;
   /// at most 16 GPUs (the splits grow combinatorially).
   bool replicated_stages = false;
+  /// zero1 and zero2 layouts with their parameter all-gathers overlapped with the next forward.
+  bool overlap_param_gather = false;
 };
 struct SearchResult {
   std::vector<Prediction> ranked;  ///< layouts that fit, fastest first

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
+
+#include "dtrain/common/Error.h"
 
 namespace dtrain::parallel::ddp {
 
@@ -56,6 +59,44 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<BucketedParame
     }
   }
   return groups;
+}
+
+ShardLayout shard_layout(const std::vector<int64_t>& numels,
+                         const std::vector<std::vector<size_t>>& groups, int ranks) {
+  DTRAIN_CHECK(ranks >= 1, "shard_layout: ranks must be >= 1, got ", ranks);
+  std::vector<std::vector<size_t>> sorted = groups;
+  for (auto& group : sorted) std::sort(group.begin(), group.end());
+  sorted.erase(std::remove_if(sorted.begin(), sorted.end(),
+                              [](const std::vector<size_t>& g) { return g.empty(); }),
+               sorted.end());
+  std::sort(sorted.begin(), sorted.end());
+  ShardLayout layout;
+  layout.parameter_offset.assign(numels.size(), 0);
+  layout.bucket_of.assign(numels.size(), 0);
+  size_t next = 0;
+  for (auto& group : sorted) {
+    DTRAIN_CHECK(group.front() == next && group.back() - group.front() + 1 == group.size(),
+                 "shard_layout: buckets must be contiguous runs covering parameters 0..",
+                 numels.size(), " once; a bucket starts at ", group.front(), " where ", next,
+                 " was expected");
+    ShardedBucket bucket;
+    bucket.flat_begin = layout.flat_numel;
+    for (size_t k : group) {
+      layout.parameter_offset[k] = layout.flat_numel + bucket.numel;
+      layout.bucket_of[k] = layout.buckets.size();
+      bucket.numel += numels[k];
+    }
+    bucket.part = (bucket.numel + ranks - 1) / ranks;
+    bucket.shard_offset = layout.shard_numel;
+    bucket.parameters = std::move(group);
+    layout.flat_numel += bucket.part * ranks;
+    layout.shard_numel += bucket.part;
+    next = bucket.parameters.back() + 1;
+    layout.buckets.push_back(std::move(bucket));
+  }
+  DTRAIN_CHECK(next == numels.size(), "shard_layout: the buckets cover parameters 0..", next,
+               " of ", numels.size());
+  return layout;
 }
 
 }  // namespace dtrain::parallel::ddp

@@ -35,42 +35,42 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   for (size_t k = 0; k < parameters_.size(); ++k) {
     DTRAIN_CHECK(parameters_[k].requires_grad(), "parameter ", names_[k], " does not require grad");
   }
-  // Each bucket as a list of parameter indices, in launch order.
-  std::vector<int64_t> flat_offsets(parameters_.size() + 1, 0);  // the flat order (sharded mode)
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    flat_offsets[k + 1] = flat_offsets[k] + parameters_[k].numel();
-  }
+  // Each bucket as a list of parameter indices, in launch order. Sharded mode lays a bucket
+  // out in ascending parameter order, so it is one run of the shard layout's flat order, padded
+  // to a multiple of the ranks; a reduce-scatter hands each rank an equal part.
   locator_.resize(parameters_.size());
-  for (auto& group : assign_buckets()) {
+  const auto groups = bucket_groups(parameters_, names_, options_);
+  ShardLayout layout;
+  if (sharded()) {
+    std::vector<int64_t> numels;
+    for (const auto& p : parameters_) {
+      DTRAIN_CHECK(p.scalar_type() == parameters_.front().scalar_type(),
+                   "Reducer: sharded mode needs parameters of one dtype");
+      numels.push_back(p.numel());
+    }
+    layout = shard_layout(numels, groups, comm_->size());
+    DTRAIN_CHECK(options_.shard_grad.defined() &&
+                     options_.shard_grad.numel() == options_.shard_numel &&
+                     options_.shard_numel == layout.shard_numel,
+                 "Reducer: shard_grad must hold the shard layout's ", layout.shard_numel,
+                 " elements, got shard_numel ", options_.shard_numel);
+  }
+  for (auto group : groups) {
     Bucket bucket;
-    // Sharded mode lays a bucket out in ascending parameter order, so it is one slice of the
-    // flat order and a reduce-scatter can hand each rank its part.
-    const size_t lowest = *std::min_element(group.begin(), group.end());
+    if (sharded()) std::sort(group.begin(), group.end());
     for (size_t k : group) {
       locator_[k] = {buckets_.size(), bucket.parameters.size()};
       bucket.parameters.push_back(k);
-      bucket.offsets.push_back(sharded() ? flat_offsets[k] - flat_offsets[lowest] : bucket.numel);
+      bucket.offsets.push_back(bucket.numel);
       bucket.numel += parameters_[k].numel();
     }
     if (sharded()) {
-      DTRAIN_CHECK(*std::max_element(group.begin(), group.end()) - lowest + 1 == group.size(),
-                   "Reducer: sharded mode needs parameters of one dtype");
-      bucket.flat_begin = flat_offsets[lowest];
-      const int64_t S = options_.shard_numel;
-      for (int r = 0; r < comm_->size(); ++r) {
-        const int64_t lo = std::max(bucket.flat_begin, r * S);
-        const int64_t hi = std::min(bucket.flat_begin + bucket.numel, (r + 1) * S);
-        bucket.counts.push_back(std::max<int64_t>(0, hi - lo));
-      }
+      const ShardedBucket& placed = layout.buckets[layout.bucket_of[group.front()]];
+      bucket.part = placed.part;
+      bucket.shard_offset = placed.shard_offset;
     }
     bucket.pending = bucket.parameters.size();
     buckets_.push_back(std::move(bucket));
-  }
-  if (sharded()) {
-    DTRAIN_CHECK(options_.shard_grad.defined() &&
-                     options_.shard_grad.numel() == options_.shard_numel &&
-                     options_.shard_numel * comm_->size() >= flat_offsets.back(),
-                 "Reducer: shard_grad must hold shard_numel elements covering all parameters");
   }
   DTRAIN_CHECK_INPUT(options_.powersgd.rank == 0 ||
                          (!sharded() && options_.wire_dtype == at::ScalarType::Undefined),
@@ -116,14 +116,16 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   hooks_->attach(parameters_, names_);
 }
 
-std::vector<std::vector<size_t>> Reducer::assign_buckets() const {
+std::vector<std::vector<size_t>> bucket_groups(const std::vector<at::Tensor>& parameters,
+                                               const std::vector<std::string>& names,
+                                               const ReducerOptions& options) {
   std::vector<BucketedParameter> described;
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    described.push_back({parameters_[k].numel() * parameters_[k].element_size(),
-                         static_cast<int>(parameters_[k].scalar_type()), module_of(names_[k])});
+  for (size_t k = 0; k < parameters.size(); ++k) {
+    described.push_back({parameters[k].numel() * parameters[k].element_size(),
+                         static_cast<int>(parameters[k].scalar_type()), module_of(names[k])});
   }
-  return ddp::assign_buckets(described, {options_.bucket_cap_bytes, options_.first_bucket_cap_bytes,
-                                         options_.isolate_first_layer});
+  return assign_buckets(described, {options.bucket_cap_bytes, options.first_bucket_cap_bytes,
+                                    options.isolate_first_layer});
 }
 
 GradReadyHooks::~GradReadyHooks() {
@@ -155,21 +157,21 @@ Reducer::~Reducer() = default;
 
 void Reducer::allocate(Bucket& bucket) {
   const at::Tensor& first = parameters_[bucket.parameters.front()];
-  bucket.flat = at::zeros({bucket.numel}, first.options().requires_grad(false));
+  // Sharded mode: padded to each rank's equal part (the padding stays zero).
+  const int64_t numel = sharded() ? bucket.part * comm_->size() : bucket.numel;
+  bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
   const bool compress = options_.wire_dtype != at::ScalarType::Undefined &&
                         options_.wire_dtype != first.scalar_type();
   bucket.wire = compress
-                    ? at::empty({bucket.numel}, bucket.flat.options().dtype(options_.wire_dtype))
+                    ? at::empty({numel}, bucket.flat.options().dtype(options_.wire_dtype))
                     : bucket.flat;
 }
 
 void Reducer::complete_sharded(Bucket& bucket) {
   bucket.work->wait();
   bucket.work.reset();
-  const int rank = comm_->rank();
-  if (bucket.counts[rank] > 0) {
-    const int64_t lo = std::max(bucket.flat_begin, rank * options_.shard_numel);
-    options_.shard_grad.narrow(0, lo - rank * options_.shard_numel, bucket.counts[rank])
+  if (bucket.part > 0) {
+    options_.shard_grad.narrow(0, bucket.shard_offset, bucket.part)
         .add_(bucket.received.to(options_.shard_grad.scalar_type()));
   }
   bucket.received.reset();
@@ -280,13 +282,14 @@ void Reducer::launch_ready_buckets() {
     if (options_.average) bucket.flat.div_(world);  // before the wire cast: keeps fp16 in range
     if (!bucket.wire.is_same(bucket.flat)) bucket.wire.copy_(bucket.flat);
     if (sharded()) {
-      bucket.received = at::empty({bucket.counts[comm_->rank()]}, bucket.wire.options());
+      const std::vector<int64_t> counts(world, bucket.part);
+      bucket.received = at::empty({bucket.part}, bucket.wire.options());
       comm::ReduceScatterOptions options;
-      options.counts = bucket.counts;
+      options.counts = counts;
       options.input_is_scratch = true;  // the bucket is freed once reduced
       bucket.work = options_.quantization.enabled()
                         ? comm::quantized_reduce_scatter(*comm_, bucket.received, bucket.wire,
-                                                         bucket.counts, options_.quantization)
+                                                         counts, options_.quantization)
                         : comm_->reduce_scatter(bucket.received, bucket.wire, options);
     } else if (powersgd_now()) {
       bucket.work = bucket.powersgd->start(*comm_);

@@ -44,6 +44,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
   }
 
   StepResult result;
+  gather_wait_s_ = 0.0;
   // Per (chunk, micro-batch): the chunk's input (for its gradient) and output (or the loss).
   std::map<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>> kept;
   size_t peak_kept = 0;
@@ -170,6 +171,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
   }
   result.metrics["step_skipped"] = skip ? 1.0 : 0.0;
   result.metrics["peak_live_micro_batches"] = static_cast<double>(peak_kept);
+  if (overlap_gather_) result.metrics["param_gather_wait_ms"] = gather_wait_s_ * 1e3;
   if (split) {
     result.metrics["peak_pending_weight_grads"] = static_cast<double>(peak_pending);
     result.metrics["peak_deferred_mb"] = static_cast<double>(peak_deferred_bytes) / (1 << 20);
@@ -178,9 +180,14 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     trace::Span span("optimizer", "step");
     result.grad_norm = clip_gradients();
     if (zero1_ && !parameters_.empty()) {
+      shards_.wait();  // (every chunk's forward waited for its buckets already)
       shards_.alias_parameter_gradients(parameters_);
       optimizer_->step();
-      shards_.allgather(grid_->dp());
+      if (overlap_gather_) {
+        shards_.start_allgather(grid_->dp());
+      } else {
+        shards_.allgather(grid_->dp());
+      }
     } else {
       optimizer_->step();
     }

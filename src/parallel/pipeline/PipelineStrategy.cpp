@@ -13,6 +13,7 @@
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/nn/WeightGrad.h"
 #include "dtrain/optim/StateSize.h"
+#include "dtrain/parallel/zero/ZeroOverlapOptions.h"
 #include "parallel/StrategySupport.h"
 #include "parallel/pipeline/StageLink.h"
 
@@ -182,8 +183,42 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     comm::wait_all(works);
   }
   if (zero1_ && !parameters_.empty()) {
-    shards_ = parallel::zero::FlatShards(parameters_, grid_->dp_size(), grid_->coordinates().dp,
-                                         "pipeline zero1");
+    // The shards follow each chunk's Reducer's buckets (each bucket's all-gather balanced).
+    const parallel::ddp::ReducerOptions bucketing = reducer_options_from(options_);
+    std::vector<std::vector<size_t>> buckets;
+    for (const auto& chunk : chunks_) {
+      std::vector<at::Tensor> params;
+      std::vector<std::string> names;
+      for (size_t k : chunk.parameters) {
+        params.push_back(parameters_[k]);
+        names.push_back(names_[k]);
+      }
+      for (auto group : parallel::ddp::bucket_groups(params, names, bucketing)) {
+        for (size_t& k : group) k = chunk.parameters[k];
+        buckets.push_back(std::move(group));
+      }
+    }
+    shards_ = parallel::zero::FlatShards(parameters_, buckets, grid_->dp_size(),
+                                         grid_->coordinates().dp, "pipeline zero1");
+    overlap_gather_ = options_.of<parallel::zero::ZeroOverlapOptions>().param_gather;
+    std::unordered_map<const void*, size_t> index_of;
+    for (size_t k = 0; k < parameters_.size(); ++k) {
+      index_of[parameters_[k].unsafeGetTensorImpl()] = k;
+    }
+    for (auto& chunk : chunks_) {
+      int64_t last = -1;
+      for (const auto& stage : chunk.stages) {
+        std::vector<size_t> mine;
+        for (const auto& module : stage.modules) {
+          for (const auto& p : module->parameters()) {
+            const auto it = index_of.find(p.unsafeGetTensorImpl());
+            if (it != index_of.end()) mine.push_back(it->second);
+          }
+        }
+        last = std::max(last, shards_.last_bucket_of(mine));
+        chunk.gather_until.push_back(last);
+      }
+    }
     optimizer_ = make_optimizer(shards_.piece_tensors());
   } else if (flush_free_) {
     setup_versions();
@@ -288,7 +323,12 @@ void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x
 
 at::Tensor PipelineStrategy::run_chunk(const Chunk& chunk, const at::Tensor& input) const {
   at::Tensor x = input;
-  for (const auto& stage : chunk.stages) {
+  for (size_t i = 0; i < chunk.stages.size(); ++i) {
+    const Stage& stage = chunk.stages[i];
+    // zero1 --overlap-param-gather: the update's gathers still running, waited bucket by bucket.
+    if (shards_.gathering()) {
+      gather_wait_s_ += shards_.wait(i < chunk.gather_until.size() ? chunk.gather_until[i] : -1);
+    }
     if (stage.checkpoint && torch::GradMode::is_enabled()) {
       std::vector<at::Tensor> params;
       for (const auto& module : stage.modules) {
@@ -355,6 +395,7 @@ NamedTensors PipelineStrategy::local_buffers() const {
 }
 
 void PipelineStrategy::save(const std::string& directory) {
+  shards_.wait();
   // The same files as DDP and ZeRO write (global parameter names), one set per stage and
   // tensor-parallel rank: a pipelined checkpoint loads into any pipeline size or data-parallel
   // strategy. Buffers and replicated parameters come from TP rank 0.
@@ -385,6 +426,7 @@ void PipelineStrategy::save(const std::string& directory) {
 }
 
 void PipelineStrategy::load(const std::string& directory) {
+  shards_.wait();  // a gather in flight would overwrite what the load puts in
   const NamedTensors buffers = local_buffers();
   if (flush_free_) {  // read into the optimizer's tensors, pointed at the parameters' buffers
     for (size_t k = 0; k < parameters_.size(); ++k) optimized_[k].set_data(parameters_[k].data());
@@ -401,6 +443,7 @@ void PipelineStrategy::load(const std::string& directory) {
 }
 
 void PipelineStrategy::materialize() {
+  shards_.wait();
   flush();
   torch::NoGradGuard no_grad;
   std::unordered_set<const void*> seen;

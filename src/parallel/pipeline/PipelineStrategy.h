@@ -53,7 +53,10 @@ class PipelineStrategy : public Strategy {
   at::Tensor evaluate_forward(const at::Tensor& inputs) override;
   std::string layout() const override;
   /// This rank's copy of the whole model; only its own stages' parameters are trained here.
-  Model& model() override { return model_; }
+  Model& model() override {
+    shards_.wait();  // zero1 --overlap-param-gather
+    return model_;
+  }
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
   void save(const std::string& directory) override;
   void load(const std::string& directory) override;
@@ -90,6 +93,8 @@ class PipelineStrategy : public Strategy {
     int virtual_stage = 0;
     std::vector<Stage> stages;
     std::vector<size_t> parameters;  // indices into parameters_
+    /// zero1 --overlap-param-gather: before each stage, the last shard bucket it needs.
+    std::vector<int64_t> gather_until;
   };
   std::vector<double> stage_costs();
   /// This rank's actions of a step (replicated stages: its share of its stage's, micro-batch m
@@ -174,7 +179,9 @@ class PipelineStrategy : public Strategy {
   std::vector<at::Tensor> parameters_;
   std::vector<std::string> names_;
   std::vector<std::unique_ptr<parallel::ddp::Reducer>> reducers_;  // one per chunk
-  parallel::zero::FlatShards shards_;                              // zero1
+  mutable parallel::zero::FlatShards shards_;  // zero1 (its gathers may run into the next step)
+  bool overlap_gather_ = false;                // zero1 --overlap-param-gather
+  mutable double gather_wait_s_ = 0.0;         // this step's forwards waiting for them
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<StageLink> link_;
   std::function<void(const Action&)> observer_;

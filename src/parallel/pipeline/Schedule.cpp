@@ -413,6 +413,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
       const Action& a = per_rank[r][next[r]];
       const int stage = vstage_of(a.chunk, r);
       double ready = free_at[r];
+      if (costs.release) ready = std::max(ready, costs.release(r, a));
       bool ok = true;
       auto needs = [&](int kind, int vstage) {
         const double done = finished[key(kind, a.micro_batch, vstage)];

@@ -2,44 +2,58 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
+#include <numeric>
+
 #include "dtrain/common/Error.h"
 #include "parallel/Alias.h"
 
 namespace dtrain::parallel::zero {
 
-FlatShards::FlatShards(std::vector<at::Tensor>& parameters, int ranks, int rank,
+FlatShards::FlatShards(std::vector<at::Tensor>& parameters,
+                       const std::vector<std::vector<size_t>>& buckets, int ranks, int rank,
                        const std::string& who)
     : rank_(rank) {
   DTRAIN_CHECK(!parameters.empty(), who, ": no parameters to shard");
   const auto dtype = parameters.front().scalar_type();
+  std::vector<int64_t> numels;
   for (const auto& p : parameters) {
     DTRAIN_CHECK_INPUT(p.scalar_type() == dtype, who, " needs parameters of one dtype; found ",
                        dtype, " and ", p.scalar_type());
-    offsets_.push_back(total_numel_);
+    numels.push_back(p.numel());
     total_numel_ += p.numel();
   }
-  shard_numel_ = (total_numel_ + ranks - 1) / ranks;
-  flat_ = at::zeros({shard_numel_ * ranks}, parameters.front().options().requires_grad(false));
+  std::vector<std::vector<size_t>> groups = buckets;
+  if (groups.empty()) {
+    groups.emplace_back(parameters.size());
+    std::iota(groups.back().begin(), groups.back().end(), size_t{0});
+  }
+  layout_ = ddp::shard_layout(numels, groups, ranks);
+  flat_ = at::zeros({layout_.flat_numel}, parameters.front().options().requires_grad(false));
   {
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < parameters.size(); ++k) {
       at::Tensor& p = parameters[k];
-      flat_.narrow(0, offsets_[k], p.numel()).copy_(p.reshape({-1}));
+      const int64_t offset = layout_.parameter_offset[k];
+      flat_.narrow(0, offset, p.numel()).copy_(p.reshape({-1}));
       // The parameter now lives in flat_ (its autograd node changes; the Reducer re-attaches).
-      p.set_(flat_.storage(), offsets_[k], p.sizes(), c10::contiguous_strides(p.sizes()));
+      p.set_(flat_.storage(), offset, p.sizes(), c10::contiguous_strides(p.sizes()));
     }
   }
-  // One piece per parameter the shard overlaps (each a leaf aliasing flat_): optimizers loop
-  // over parameters, so their temporaries stay the size of one parameter instead of the whole
-  // shard, and each piece's gradient can alias the Reducer's bucket storage directly.
-  const int64_t begin = shard_begin();
-  const int64_t end = std::min(begin + shard_numel_, total_numel_);
-  for (size_t k = 0; k < parameters.size(); ++k) {
-    const int64_t lo = std::max(begin, offsets_[k]);
-    const int64_t hi = std::min(end, offsets_[k] + parameters[k].numel());
-    if (lo >= hi) continue;
-    pieces_.push_back(
-        {k, lo - offsets_[k], alias_storage(flat_, lo, {hi - lo}).requires_grad_(true)});
+  // One piece per parameter each part of the shard overlaps (each a leaf aliasing flat_):
+  // optimizers loop over parameters, so their temporaries stay the size of one parameter
+  // instead of the whole shard, and each piece's gradient can alias the Reducer's storage.
+  for (const auto& bucket : layout_.buckets) {
+    const int64_t begin = bucket.flat_begin + rank_ * bucket.part;
+    const int64_t end = std::min(begin + bucket.part, bucket.flat_begin + bucket.numel);
+    for (size_t k : bucket.parameters) {
+      const int64_t offset = layout_.parameter_offset[k];
+      const int64_t lo = std::max(begin, offset);
+      const int64_t hi = std::min(end, offset + numels[k]);
+      if (lo >= hi) continue;
+      pieces_.push_back({k, lo - offset, bucket.shard_offset + (lo - begin),
+                         alias_storage(flat_, lo, {hi - lo}).requires_grad_(true)});
+    }
   }
 }
 
@@ -64,15 +78,45 @@ void FlatShards::alias_parameter_gradients(const std::vector<at::Tensor>& parame
 
 void FlatShards::alias_shard_gradient(const at::Tensor& shard_grad) {
   for (auto& piece : pieces_) {
-    const int64_t lo = offsets_[piece.parameter] + piece.offset;
     piece.tensor.mutable_grad() =
-        alias_storage(shard_grad, lo - shard_begin(), {piece.tensor.numel()});
+        alias_storage(shard_grad, piece.shard_offset, {piece.tensor.numel()});
   }
 }
 
 void FlatShards::allgather(const comm::CommunicatorPtr& comm) {
+  start_allgather(comm);
+  wait();
+}
+
+void FlatShards::start_allgather(const comm::CommunicatorPtr& comm) {
+  DTRAIN_CHECK(gathers_.empty(), "FlatShards: a gather started while the last is in flight");
   torch::NoGradGuard no_grad;
-  comm->allgather(flat_, flat_.narrow(0, shard_begin(), shard_numel_))->wait();
+  for (const auto& bucket : layout_.buckets) {
+    at::Tensor whole = flat_.narrow(0, bucket.flat_begin, bucket.part * comm->size());
+    gathers_.push_back(comm->allgather(whole, whole.narrow(0, rank_ * bucket.part, bucket.part)));
+  }
+  gathered_ = 0;
+}
+
+double FlatShards::wait(int64_t bucket) {
+  if (gathers_.empty()) return 0.0;
+  const auto start = std::chrono::steady_clock::now();
+  const size_t until = bucket < 0 ? gathers_.size()
+                                  : std::min(gathers_.size(), static_cast<size_t>(bucket) + 1);
+  for (; gathered_ < until; ++gathered_) gathers_[gathered_]->wait();
+  if (gathered_ == gathers_.size()) {
+    gathers_.clear();
+    gathered_ = 0;
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int64_t FlatShards::last_bucket_of(const std::vector<size_t>& parameters) const {
+  int64_t last = -1;
+  for (size_t k : parameters) {
+    last = std::max<int64_t>(last, static_cast<int64_t>(layout_.bucket_of.at(k)));
+  }
+  return last;
 }
 
 std::vector<PieceRef> FlatShards::state_pieces(const std::vector<std::string>& names,

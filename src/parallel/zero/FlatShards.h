@@ -1,8 +1,10 @@
 // ZeRO's flat layout of a group's parameters, shared by ZeRO-1/2 and the pipeline's zero1: the
-// parameters move into one flat buffer padded to a multiple of the group size; this rank's
-// shard of it is cut into one piece per parameter it overlaps (each a leaf aliasing the buffer)
-// for its optimizer, so optimizer state exists for the shard only; after the optimizer step an
-// allgather gives every rank the updated parameters.
+// parameters move into one flat buffer laid out by buckets (ddp::shard_layout: each bucket
+// padded to a multiple of the group size, Megatron's distributed optimizer); this rank's shard is
+// its equal part of every bucket, cut into one piece per parameter it overlaps (each a leaf
+// aliasing the buffer) for its optimizer, so optimizer state exists for the shard only; after
+// the optimizer step an all-gather per bucket gives every rank the updated parameters, either
+// waited at once or left running until the next forward needs each bucket (overlap).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "dtrain/comm/Communicator.h"
+#include "dtrain/parallel/ddp/Buckets.h"
 #include "dtrain/parallel/StateShards.h"
 
 namespace dtrain::parallel::zero {
@@ -21,22 +24,24 @@ class FlatShards {
   /// Part of parameter `parameter` (from element `offset`) inside this rank's shard.
   struct Piece {
     size_t parameter;
-    int64_t offset;
-    at::Tensor tensor;  // aliases the flat buffer; an optimizer parameter
+    int64_t offset;        // of the run within the parameter
+    int64_t shard_offset;  // of the run within this rank's shard
+    at::Tensor tensor;     // aliases the flat buffer; an optimizer parameter
   };
 
   FlatShards() = default;
   /// Moves `parameters` (one dtype) into the flat buffer (they are re-pointed with set_, so
-  /// their autograd nodes change) and cuts out the shard of `rank` of `ranks`. `who` names the
-  /// strategy in errors.
-  FlatShards(std::vector<at::Tensor>& parameters, int ranks, int rank, const std::string& who);
+  /// their autograd nodes change) and cuts out the shard of `rank` of `ranks`, bucket by bucket
+  /// (`buckets`: parameter index lists, as the Reducer makes them; empty: one bucket of all).
+  /// `who` names the strategy in errors.
+  FlatShards(std::vector<at::Tensor>& parameters, const std::vector<std::vector<size_t>>& buckets,
+             int ranks, int rank, const std::string& who);
 
   const std::vector<Piece>& pieces() const { return pieces_; }
   /// The pieces' tensors, for the optimizer.
   std::vector<at::Tensor> piece_tensors() const;
-  int64_t shard_numel() const { return shard_numel_; }
-  int64_t shard_begin() const { return rank_ * shard_numel_; }
-  int64_t offset_of(size_t parameter) const { return offsets_[parameter]; }
+  int64_t shard_numel() const { return layout_.shard_numel; }
+  const ddp::ShardLayout& layout() const { return layout_; }
   /// Bytes of padding at the end of the flat buffer.
   int64_t padding_bytes() const;
 
@@ -46,8 +51,17 @@ class FlatShards {
   /// ZeRO-2: each piece's gradient aliases `shard_grad` (shard_numel elements).
   void alias_shard_gradient(const at::Tensor& shard_grad);
   /// Collective over `comm` (the group the shards were cut for): every rank's updated shard to
-  /// every rank.
+  /// every rank, bucket by bucket; waits for all.
   void allgather(const comm::CommunicatorPtr& comm);
+  /// The same all-gathers, started in flat order (a model's first layers first) and left
+  /// running: wait() before reading the parameters of the buckets concerned.
+  void start_allgather(const comm::CommunicatorPtr& comm);
+  /// Waits for the gathers of buckets 0..`bucket` (all: -1 or past the end); how long it waited
+  /// in seconds. Nothing when none is in flight.
+  double wait(int64_t bucket = -1);
+  bool gathering() const { return !gathers_.empty(); }
+  /// The last bucket holding any parameter of `parameters` (indices), -1 for none.
+  int64_t last_bucket_of(const std::vector<size_t>& parameters) const;
   /// The pieces as checkpoint pieces (names and whole shapes from `names` / `parameters`).
   std::vector<PieceRef> state_pieces(const std::vector<std::string>& names,
                                      const std::vector<at::Tensor>& parameters) const;
@@ -56,9 +70,10 @@ class FlatShards {
   int rank_ = 0;
   at::Tensor flat_;
   std::vector<Piece> pieces_;
-  std::vector<int64_t> offsets_;  // of each parameter in flat_
+  ddp::ShardLayout layout_;
   int64_t total_numel_ = 0;
-  int64_t shard_numel_ = 0;
+  std::vector<comm::WorkPtr> gathers_;  // in flight, one per bucket from gathered_ on
+  size_t gathered_ = 0;                 // buckets whose gather is waited
 };
 
 }  // namespace dtrain::parallel::zero

@@ -3,8 +3,13 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <unordered_map>
+
 #include "dtrain/common/Error.h"
+#include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/optim/StateSize.h"
+#include "parallel/StrategySupport.h"
 
 namespace dtrain::parallel::zero {
 
@@ -22,7 +27,18 @@ void check_quantized(const ZeroQuantizedOptions& o) {
   DTRAIN_CHECK_INPUT(o.block >= 1, "--zero-quantized-block must be >= 1, got ", o.block);
 }
 
+void declare_overlap_flags(FlagSet& flags, ZeroOverlapOptions& o) {
+  flags.add("--overlap-param-gather", o.param_gather,
+            "zero1, zero2 (and a pipeline's zero1): leave each bucket's parameter all-gather "
+            "running after the update; the next forward waits for a bucket only when it reaches "
+            "its layers (Megatron's --overlap-param-gather)");
+}
+
 }  // namespace
+
+OptionGroup zero_overlap_options() {
+  return option_group<ZeroOverlapOptions>("zero-overlap", declare_overlap_flags);
+}
 
 OptionGroup zero_quantized_options() {
   return option_group<ZeroQuantizedOptions>("zero-quantized", declare_quantized_flags,
@@ -44,6 +60,7 @@ StrategyInfo zero1_strategy() {
   info.name = "zero1";
   info.summary = "ZeRO stage 1: data parallelism with the optimizer state sharded";
   info.pipeline_stages = true;
+  info.options = {zero_overlap_options()};
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
     return std::make_unique<ZeroStrategy>(options, 1);
   };
@@ -61,7 +78,7 @@ StrategyInfo zero2_strategy() {
   StrategyInfo info;
   info.name = "zero2";
   info.summary = "ZeRO stage 2: optimizer state and gradients sharded (reduce-scatter)";
-  info.options = {zero_quantized_options()};
+  info.options = {zero_quantized_options(), zero_overlap_options()};
   info.check_layout = [](const StrategyOptions&, const Layout& layout) {
     check_no_sequence_parallel("zero2", layout);
   };
@@ -98,20 +115,105 @@ std::vector<at::Tensor> ZeroStrategy::gradient_holders() const {
 }
 
 void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
-  shards_ = FlatShards(parameters_, comm_->size(), comm_->rank(), name());
+  // The shards follow the Reducer's buckets: each bucket's reduce-scatter (zero2) and all-gather
+  // is balanced and runs on its own.
+  ddp::ReducerOptions reducer_options = reducer_options_from(options_);
+  shards_ = FlatShards(parameters_, ddp::bucket_groups(parameters_, names_, reducer_options),
+                       comm_->size(), comm_->rank(), name());
   if (stage_ >= 2) {  // the gradient shard the Reducer reduce-scatters into
     shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
     shards_.alias_shard_gradient(shard_grad_);
   }
   optimizer_ = make_optimizer(shards_.piece_tensors());
+  if (options_.of<ZeroOverlapOptions>().param_gather) overlap_forward();
+}
+
+void ZeroStrategy::overlap_forward() {
+  std::unordered_map<const void*, size_t> index_of;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    index_of[parameters_[k].unsafeGetTensorImpl()] = k;
+  }
+  // For each stage, the last bucket that it or any stage before it needs; a parameter no stage
+  // names (or a model without stages) makes the forward wait for every bucket first.
+  std::vector<int64_t> needed;
+  std::vector<bool> covered(parameters_.size(), false);
+  int64_t last = -1;
+  for (const auto& stage : model_.stages) {
+    std::vector<size_t> mine;
+    for (const auto& module : stage.modules) {
+      for (const auto& p : module->parameters()) {
+        const auto it = index_of.find(p.unsafeGetTensorImpl());
+        if (it == index_of.end()) continue;
+        mine.push_back(it->second);
+        covered[it->second] = true;
+      }
+    }
+    last = std::max(last, shards_.last_bucket_of(mine));
+    needed.push_back(last);
+  }
+  const bool staged =
+      !model_.stages.empty() && std::all_of(covered.begin(), covered.end(), [](bool c) { return c; });
+  auto whole = model_.forward;
+  auto stages = model_.stages;
+  model_.forward = [this, staged, whole, stages, needed](const at::Tensor& inputs) {
+    if (!staged) {
+      gather_wait_s_ += shards_.wait();
+      return whole(inputs);
+    }
+    at::Tensor x = inputs;
+    for (size_t i = 0; i < stages.size(); ++i) {
+      if (shards_.gathering()) gather_wait_s_ += shards_.wait(needed[i]);
+      if (!stages[i].checkpoint || !at::GradMode::is_enabled()) {
+        x = stages[i].forward(x);
+        continue;
+      }
+      // --checkpointing: each checkpointed stage is a segment of its own.
+      std::vector<at::Tensor> parameters;
+      for (const auto& module : stages[i].modules) {
+        for (const auto& p : module->parameters()) parameters.push_back(p);
+      }
+      x = memory::checkpoint(stages[i].forward, x, parameters, stages[i].generators);
+    }
+    return x;
+  };
+}
+
+StepResult ZeroStrategy::train_step(const std::vector<data::Batch>& micro_batches,
+                                    const LossFn& loss) {
+  gather_wait_s_ = 0.0;
+  StepResult result = ddp::DdpStrategy::train_step(micro_batches, loss);
+  if (options_.of<ZeroOverlapOptions>().param_gather) {
+    result.metrics["param_gather_wait_ms"] = gather_wait_s_ * 1e3;
+  }
+  return result;
+}
+
+Model& ZeroStrategy::model() {
+  shards_.wait();
+  return model_;
+}
+
+void ZeroStrategy::save(const std::string& directory) {
+  shards_.wait();
+  ddp::DdpStrategy::save(directory);
+}
+
+void ZeroStrategy::load(const std::string& directory) {
+  shards_.wait();  // a gather in flight would overwrite what the load puts in
+  ddp::DdpStrategy::load(directory);
 }
 
 void ZeroStrategy::apply_update() {
   // Stage 1: each piece's gradient is the matching slice of its parameter's averaged gradient
   // (which lives in the Reducer's buckets): no copies. Stage 2: they alias shard_grad_ already.
+  shards_.wait();  // (the forward waited for every bucket already)
   if (stage_ < 2) shards_.alias_parameter_gradients(parameters_);
   optimizer_->step();
-  shards_.allgather(comm_);
+  if (options_.of<ZeroOverlapOptions>().param_gather) {
+    shards_.start_allgather(comm_);
+  } else {
+    shards_.allgather(comm_);
+  }
 }
 
 std::vector<PieceRef> ZeroStrategy::state_pieces() const {

@@ -5,6 +5,7 @@
 // and free it. Each rank updates its shard; an allgather gives every rank the updated parameters.
 #pragma once
 
+#include "dtrain/parallel/zero/ZeroOverlapOptions.h"
 #include "dtrain/parallel/zero/ZeroQuantizedOptions.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/zero/FlatShards.h"
@@ -17,6 +18,8 @@ StrategyInfo zero2_strategy();
 /// --zero-quantized and its block size (zero2, zero3), and what they ask of the collectives.
 OptionGroup zero_quantized_options();
 comm::BlockQuantization block_quantization(const StrategyOptions& options);
+/// --overlap-param-gather (zero1, zero2, a pipeline's zero1).
+OptionGroup zero_overlap_options();
 /// --sequence-parallel refused (ZeRO-2 and 3 reduce-scatter before LayerNorm sums).
 void check_no_sequence_parallel(const std::string& strategy, const Layout& layout);
 
@@ -25,6 +28,12 @@ class ZeroStrategy : public ddp::DdpStrategy {
   ZeroStrategy(StrategyOptions options, int stage = 1);
   std::string name() const override { return stage_ == 1 ? "zero1" : "zero2"; }
   MemoryReport memory_report() const override;
+  StepResult train_step(const std::vector<data::Batch>& micro_batches, const LossFn& loss) override;
+  /// Whatever reads or writes the parameters outside a step waits for their gathers first.
+  Model& model() override;
+  void materialize() override { shards_.wait(); }
+  void save(const std::string& directory) override;
+  void load(const std::string& directory) override;
 
  protected:
   void build_optimizer(const optim::OptimizerFactory& make_optimizer) override;
@@ -38,8 +47,13 @@ class ZeroStrategy : public ddp::DdpStrategy {
   bool state_sharded() const override { return true; }
 
  private:
+  /// --overlap-param-gather: model_.forward runs the stages, each after waiting for the
+  /// gathers of the buckets it (and those before it) needs.
+  void overlap_forward();
+
   int stage_;
   FlatShards shards_;
+  double gather_wait_s_ = 0.0;  // this step's forward waiting for parameter gathers
   at::Tensor shard_grad_;  // stage 2: this rank's gradient shard (the pieces' grads alias it)
 };
 

@@ -61,9 +61,10 @@ struct ReducerOptions {
   /// the rest of their bucket is at least as large as they are.
   bool isolate_first_layer = true;
   /// ZeRO-2 (> 0): instead of allreducing, reduce-scatter each bucket so this rank receives only
-  /// its shard of the flat order (all parameters concatenated in the order given, padded to
-  /// shard_numel x ranks), averaged and added into `shard_grad`; bucket buffers exist only from a
-  /// bucket's first gradient until its reduction, and parameters' .grad are released with them.
+  /// its part of it (Buckets.h's shard_layout over the buckets: every bucket padded and split
+  /// evenly), averaged and added into `shard_grad` (shard_numel elements, the layout's); bucket
+  /// buffers exist only from a bucket's first gradient until its reduction, and parameters'
+  /// .grad are released with them.
   int64_t shard_numel = 0;
   at::Tensor shard_grad;
   /// Reduce-scatter mode: int8 block-quantized (comm/Quantized.h) when enabled.
@@ -113,6 +114,12 @@ class GradientSync {
   virtual const ReducerStats& stats() const = 0;
 };
 
+/// The buckets a Reducer with `options` makes of `parameters` (Buckets.h's rule over their
+/// sizes, dtypes and modules), in launch order: what ZeRO lays its shards out by.
+std::vector<std::vector<size_t>> bucket_groups(const std::vector<at::Tensor>& parameters,
+                                               const std::vector<std::string>& names,
+                                               const ReducerOptions& options);
+
 class Reducer : public GradientSync {
  public:
   /// `names[i]` names `parameters[i]` in error messages. Buckets are filled in reverse
@@ -149,9 +156,10 @@ class Reducer : public GradientSync {
     at::Tensor wire;  // compressed copy (or == flat)
     size_t pending = 0;
     comm::WorkPtr work;
-    // Reduce-scatter mode: where the bucket sits in the flat order, and what this rank receives.
-    int64_t flat_begin = 0;
-    std::vector<int64_t> counts;
+    // Reduce-scatter mode: each rank's part (numel padded, / ranks), where this rank's sits in
+    // shard_grad, and what it receives.
+    int64_t part = 0;
+    int64_t shard_offset = 0;
     at::Tensor received;
     // PowerSGD: its factors and error, and the phase of this step's exchange (0: none in
     // flight, 1: the Ps and plain gradients, 2: the Qs).
@@ -159,7 +167,6 @@ class Reducer : public GradientSync {
     int phase = 0;
   };
 
-  std::vector<std::vector<size_t>> assign_buckets() const;
   bool sharded() const { return options_.shard_numel > 0; }
   /// One rank, nothing to reduce or compress: no buckets, gradients as autograd makes them
   /// (set to none between steps rather than zeroed in place, as PyTorch's

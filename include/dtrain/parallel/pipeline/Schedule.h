@@ -123,6 +123,9 @@ struct Simulation {
 struct ActionCosts {
   std::function<double(int rank, const Action& action)> duration;
   std::function<double(int from, int to, const Action& action)> transfer;
+  /// Optional: the earliest an action may start on `rank` (what it waits for besides the
+  /// schedule: ZeRO's overlapped parameter gathers); null: 0.
+  std::function<double(int rank, const Action& action)> release;
 };
 /// Simulates every rank's list (dependencies: a forward needs the previous virtual stage's
 /// forward of its micro-batch, a backward the next virtual stage's backward, and its own
