@@ -218,6 +218,9 @@ class PlanCommand final : public Command {
                    "zero1, zero2: the update's parameter all-gathers overlapped with the next "
                    "forward (dtrain train --overlap-param-gather); with --search, for every "
                    "zero1 and zero2 layout");
+    app_->add_flag("--tp-comm-overlap", layout_.tp_comm_overlap,
+                   "tp > 1: backward's input-gradient all-reduces beside the weight gradients "
+                   "(dtrain train --tp-comm-overlap); with --search, for every layout with tp > 1");
     app_->add_option("--ps-shards", layout_.ps_shards, "downpour: parameter-server shards")
         ->capture_default_str();
     app_->add_flag("--search", search_,
@@ -341,6 +344,7 @@ class PlanCommand final : public Command {
     options.optimizer = layout_.optimizer;
     options.sequence_parallel = layout_.sequence_parallel;
     options.overlap_param_gather = layout_.overlap_param_gather;
+    options.tp_comm_overlap = layout_.tp_comm_overlap;
     if (!strategies_.empty()) options.strategies = strategies_;
     // --pipeline-sync 2bw|async with --search: those layouts compete beside the flushed ones.
     if (layout_.pipeline_sync != "flush") options.pipeline_syncs.push_back(layout_.pipeline_sync);

@@ -66,6 +66,10 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
                "gpt, llama with --tensor-parallel: split norm, dropout and residual activations "
                "along the sequence too (Megatron's sequence parallelism; --context a multiple "
                "of T)");
+  app.add_flag("--tp-comm-overlap", job.gpt.tp_comm_overlap,
+               "gpt, llama with --tensor-parallel: the column-parallel layers' backward overlaps "
+               "the input gradient's allreduce (reduce-scatter) with the weight gradient "
+               "(Megatron's asynchronous tensor-parallel communication)");
   add_data_flags(app, job.dataset, job.data_dir, job.synthetic_examples,
                  dtrain::data::dataset_names_where([](const auto&) { return true; }));
   add(app, "--text-file", job.text_file,

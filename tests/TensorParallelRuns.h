@@ -123,6 +123,7 @@ struct GridRun {
   bool tied = false;
   bool drop_tp_rank_gradient = false;
   bool sequence_parallel = false;
+  bool tp_comm_overlap = false;
   bool llama = false;  // tiny_gpt's Llama
   /// With a dynamic loss scaler: one element of every split parameter's gradient on TP rank 1
   /// is set to inf in this step (-1 = never), an overflow only that rank sees.
@@ -188,6 +189,7 @@ inline double train_on_grid(const GptData& d, int steps, const GridRun& run, con
         auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
         auto config = tiny_gpt(run.tied, run.llama);
         config.sequence_parallel = run.sequence_parallel;
+        config.tp_comm_overlap = run.tp_comm_overlap;
         Model model = build_gpt(config, grid->tp());
         parallel::LossFn loss = model.loss ? parallel::LossFn(model.loss) : parallel::cross_entropy;
         if (run.drop_tp_rank_gradient && grid->coordinates().tp == 1) {

@@ -91,6 +91,8 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --strategy zero1 --fault-tolerance replicas",
        "--fault-tolerance replicas is built for --strategy ddp, not zero1"},
       {" train --fault-tolerance sometimes", "--fault-tolerance must be none or replicas"},
+      {" train --model gpt --dataset text --tp-comm-overlap",
+       "--tp-comm-overlap overlaps tensor parallelism's communication: it needs"},
       {" train --strategy zero3 --overlap-param-gather",
        "use --strategy zero1 or zero2 (with or without a pipeline), not zero3"},
       {" train --fault-tolerance replicas --pipeline-parallel 2 --nproc 2",

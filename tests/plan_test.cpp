@@ -379,6 +379,30 @@ TEST(Planner, OverlappedParameterGathersHideBehindTheForward) {
   EXPECT_THROW(predict(model, cluster, zero2_pipeline), InputError);
 }
 
+// --tp-comm-overlap: backward's input-gradient all-reduces hide behind the column-parallel
+// layers' weight gradients: the same forward, a shorter backward (by at most those all-reduces),
+// and nothing under a zero-bubble schedule, whose weight gradients wait for W.
+TEST(Planner, TensorParallelAllreducesHideBehindWeightGradients) {
+  const ModelCost model =
+      model_named("transformer:layers=8,hidden=4096,heads=32,seq=2048,vocab=51200");
+  const Cluster cluster = cluster_of("h100-dgx", 1);
+  Layout layout;
+  layout.tp = 8;
+  layout.micro_batches = 4;
+  const Prediction plain = predict(model, cluster, layout);
+  layout.tp_comm_overlap = true;
+  const Prediction overlapped = predict(model, cluster, layout);
+  EXPECT_LT(overlapped.compute_s, plain.compute_s);
+  EXPECT_LT(overlapped.step_s, plain.step_s);
+  EXPECT_NE(overlapped.layout.train_flags(8).find("--tp-comm-overlap"), std::string::npos);
+  layout.tp_comm_overlap = false;
+  Layout zb = layout;
+  zb.pp = 2, zb.tp = 4, zb.schedule = "zb-h1", zb.micro_batches = 4, zb.precision = "fp32";
+  const Prediction zb_plain = predict(model, cluster_of("h100-dgx", 1), zb);
+  zb.tp_comm_overlap = true;
+  EXPECT_DOUBLE_EQ(predict(model, cluster_of("h100-dgx", 1), zb).compute_s, zb_plain.compute_s);
+}
+
 TEST(Planner, DtrainsGptHasTheParametersThePlannerCounts) {
   // dtrain's GPT is the planner's transformer with untied output and no dropout.
   for (const bool tied : {false, true}) {

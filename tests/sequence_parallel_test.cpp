@@ -19,14 +19,21 @@ TEST(TensorParallel, SequenceParallelGptEqualsTheSerialModel) {
     const at::Tensor& logits = pass.logits;
     const Named& serial_grads = pass.grads;
     // Selective recomputation of attention's core changes nothing of it.
-    for (const auto& [ranks, recompute] :
-         std::vector<std::pair<int, std::string>>{{2, "none"}, {4, "none"}, {2, "selective"}}) {
-      test::run_ranks(ranks, [&, ranks = ranks, recompute = recompute](
+    // --tp-comm-overlap (the input gradient's reduce-scatter beside the weight gradient)
+    // changes nothing either.
+    for (const auto& [ranks, recompute, overlap] :
+         std::vector<std::tuple<int, std::string, bool>>{{2, "none", false},
+                                                         {4, "none", false},
+                                                         {2, "selective", false},
+                                                         {2, "none", true},
+                                                         {4, "selective", true}}) {
+      test::run_ranks(ranks, [&, ranks = ranks, recompute = recompute, overlap = overlap](
                                  const comm::CommunicatorPtr& world) {
         auto grid = std::make_shared<comm::ProcessGrid>(world, ranks, 1);
         auto config = tiny_gpt(tied);
         config.sequence_parallel = true;
         config.checkpointing = recompute;
+        config.tp_comm_overlap = overlap;
         Model model = build_gpt(config, grid->tp());
         const auto splits = tp::parameter_splits(*model.module);
         const auto& head = splits.count("head.out.weight") ? splits.at("head.out.weight")
@@ -51,7 +58,7 @@ TEST(TensorParallel, SequenceParallelGptEqualsTheSerialModel) {
         layout.sum_partial_gradients(params, names);
         for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
         EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12)
-            << "tied " << tied << " T " << ranks << " " << recompute;
+            << "tied " << tied << " T " << ranks << " " << recompute << " overlap " << overlap;
       });
     }
   }
@@ -94,6 +101,17 @@ TEST(TensorParallel, SequenceParallelTrainsLikeOneProcess) {
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 2, zero1";
   run.world = 4, run.pp = 2, run.micro = 2, run.strategy = "ddp";
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "PP 2 x TP 2";
+  // --tp-comm-overlap, and under a zero-bubble schedule (whose split backward keeps the separate
+  // layers).
+  run.tp_comm_overlap = true;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "PP 2 x TP 2, overlap";
+  run.schedule = "zb-h1";
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "zb-h1 x TP 2, overlap";
+  run.schedule = "1f1b";
+  run.world = 2, run.pp = 1, run.micro = 1, run.llama = true;
+  EXPECT_LT(train_on_grid(d, steps, run, train_serial(d, steps, 0.0, false, -1, true)),
+            test::kTightBound)
+      << "Llama TP 2, overlap";
   // zero2 would shard the gradients before they are summed over the TP group: refused.
   GridRun zero2;
   zero2.world = 2, zero2.tp = 2, zero2.sequence_parallel = true, zero2.strategy = "zero2";

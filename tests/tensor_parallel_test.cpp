@@ -169,10 +169,15 @@ TEST(TensorParallel, GptEqualsTheSerialModelForTwoAndFourRanks) {
     const Named& serial_grads = pass.grads;
     const Named& serial_values = pass.values;
 
-    for (int ranks : {2, 4}) {
-      test::run_ranks(ranks, [&](const comm::CommunicatorPtr& world) {
+    // --tp-comm-overlap: the column-parallel layers' fused backward (input gradient's allreduce
+    // beside the weight gradient) gives the same gradients.
+    for (const auto& [ranks, overlap] :
+         std::vector<std::pair<int, bool>>{{2, false}, {4, false}, {2, true}, {4, true}}) {
+      test::run_ranks(ranks, [&, ranks = ranks, overlap = overlap](const comm::CommunicatorPtr& world) {
         auto grid = std::make_shared<comm::ProcessGrid>(world, ranks, 1);
-        Model model = build_gpt(config, grid->tp());
+        auto overlapped = config;
+        overlapped.tp_comm_overlap = overlap;
+        Model model = build_gpt(overlapped, grid->tp());
         const auto splits = tp::parameter_splits(*model.module);
         EXPECT_FALSE(splits.empty());
         // Split from the full initialization: every block is the serial tensor's.
@@ -187,7 +192,7 @@ TEST(TensorParallel, GptEqualsTheSerialModelForTwoAndFourRanks) {
         Named grads;
         for (const auto& [name, p] : named_parameters(model)) grads[name] = p.grad();
         EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12)
-            << "tied " << tied << " T " << ranks;
+            << "tied " << tied << " T " << ranks << " overlap " << overlap;
       });
     }
   }

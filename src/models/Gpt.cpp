@@ -35,6 +35,8 @@ struct Shared {
   // Sequence parallelism: outside attention and the MLP, activations are [b, t / T, h], each
   // rank holding a contiguous part of the sequence.
   bool sequence_parallel = false;
+  // --tp-comm-overlap: the column-parallel layers' input-gradient collective overlaps dW.
+  bool tp_comm_overlap = false;
   // --checkpointing selective (Korthikanti et al. 2022): attention's core (scores, softmax,
   // dropout, weighted values) is recomputed in backward from its queries, keys and values.
   bool selective = false;
@@ -175,7 +177,8 @@ struct GptBlockImpl : torch::nn::Module {
                 : tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.width, 3 * c.width)
                                                .bias(c.bias)
                                                .init_std(0.02)
-                                               .sequence_parallel(shared_.sequence_parallel),
+                                               .sequence_parallel(shared_.sequence_parallel)
+                                               .overlap_comm(shared_.tp_comm_overlap),
                                            shared_.group)),
         q(separate ? projection(c, c.width, 1, shared_) : nullptr),
         k(separate
@@ -193,7 +196,8 @@ struct GptBlockImpl : torch::nn::Module {
         fc1(tp::ColumnParallelLinearOptions(c.width, (swiglu ? 2 : 1) * ffn_width_of(c))
                 .bias(c.bias)
                 .init_std(0.02)
-                .sequence_parallel(shared_.sequence_parallel),
+                .sequence_parallel(shared_.sequence_parallel)
+                .overlap_comm(shared_.tp_comm_overlap),
             shared_.group),
         fc2(tp::RowParallelLinearOptions(ffn_width_of(c), c.width)
                 .bias(c.bias)
@@ -337,7 +341,8 @@ struct GptHeadImpl : torch::nn::Module {
           "out", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.width, c.vocab)
                                               .bias(false)
                                               .init_std(0.02)
-                                              .sequence_parallel(shared.sequence_parallel),
+                                              .sequence_parallel(shared.sequence_parallel)
+                                              .overlap_comm(shared.tp_comm_overlap),
                                           shared.group));
     }
   }
@@ -478,6 +483,7 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
   shared.group = tensor_parallel && tensor_parallel->size() > 1 ? tensor_parallel : nullptr;
   shared.dropout = config.dropout;
   shared.sequence_parallel = config.sequence_parallel && shared.group;
+  shared.tp_comm_overlap = config.tp_comm_overlap && shared.group;
   shared.selective = config.checkpointing == "selective";
   const int ranks = shared.size();
   DTRAIN_CHECK_INPUT(config.heads % ranks == 0, "--heads (", config.heads,

@@ -153,6 +153,8 @@ void DeferredWeightGrads::compute() {
   if (!parameters.empty()) torch::autograd::backward(parameters, gradients);
 }
 
+bool deferring_weight_grads() { return current_store != nullptr; }
+
 WeightGradDeferral::WeightGradDeferral(DeferredWeightGrads* store) : previous_(current_store) {
   current_store = store;
 }

@@ -38,6 +38,7 @@ std::string Layout::describe() const {
   }
   if (sequence_parallel) text += " sp";
   if (overlap_param_gather && (strategy == "zero1" || strategy == "zero2")) text += " ovl";
+  if (tp_comm_overlap && tp > 1) text += " tpo";
   return text;
 }
 
@@ -65,6 +66,7 @@ std::string Layout::train_flags(int layers) const {
   if (overlap_param_gather && (strategy == "zero1" || strategy == "zero2")) {
     text += " --overlap-param-gather";
   }
+  if (tp_comm_overlap && tp > 1) text += " --tp-comm-overlap";
   return text;
 }
 

@@ -84,6 +84,7 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
     block.output_elements = s * h;
     block.tensor_parallel = true;
     block.tp_allreduces = 2;
+    block.column_parallel_flops = 2 * s * (3 * h * h + h * f);
     block.replicated_parameters = static_cast<int64_t>(6 * h);  // 2 norms, 2 row-parallel biases
     model.layers.push_back(block);
   }

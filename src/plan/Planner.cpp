@@ -199,6 +199,9 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   const Placement place{cluster, layout};
   const Link tp_link = place.group_link(1, layout.tp);
 
+  const bool tp_overlap =
+      layout.tp_comm_overlap && layout.tp > 1 &&
+      !(layout.pp > 1 && pp::splits_backward(pp::schedule_kind_named(layout.schedule)));
   // --- Every layer's forward and backward on one TP rank, one micro-batch.
   const size_t n_layers = model.layers.size();
   std::vector<LayerTime> times(n_layers);
@@ -223,8 +226,13 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     LayerTime& t = times[i];
     t.forward = flops / flop_rate + elements * bytes.activation / elementwise_rate +
                 casts_f / byte_rate + l.kernels * overhead + tp_comm;
+    // --tp-comm-overlap: each input-gradient all-reduce of backward runs beside the weight
+    // gradient of the column-parallel layer it follows (not under a split backward).
+    const double tp_comm_b =
+        tp_overlap ? std::max(0.0, tp_comm - l.column_parallel_flops * b / split / flop_rate)
+                   : tp_comm;
     t.backward = 2 * flops / flop_rate + 2 * elements * bytes.activation / elementwise_rate +
-                 casts_b / byte_rate + 2 * l.kernels * overhead + tp_comm;
+                 casts_b / byte_rate + 2 * l.kernels * overhead + tp_comm_b;
     // dW = dY^T X and its fp32 accumulation; a recomputed layer computes it during B (dtrain
     // defers nothing from inside a checkpoint), and so does autocast's (its weight is cast).
     if (!layout.checkpointing && !bytes.casts_per_micro_batch) {

@@ -100,6 +100,7 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
                 layout.pipeline_sync = sync;
                 layout.sequence_parallel = options.sequence_parallel && tp > 1;
                 layout.overlap_param_gather = options.overlap_param_gather;
+                layout.tp_comm_overlap = options.tp_comm_overlap && tp > 1;
               });
             }
           }

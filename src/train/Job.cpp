@@ -188,6 +188,9 @@ void validate_job(const JobConfig& job) {
                        "tensor-parallel layers and a sequence (--model gpt), not ",
                        job.model);
   }
+  DTRAIN_CHECK_INPUT(!job.gpt.tp_comm_overlap || (tp > 1 && model.tensor_parallel),
+                     "--tp-comm-overlap overlaps tensor parallelism's communication: it needs "
+                     "--tensor-parallel > 1 and a model with tensor-parallel layers (gpt, llama)");
   if (tp > 1 && job.trainer.stage_replicas.empty()) {
     DTRAIN_CHECK_INPUT(job.nproc % (tp * std::max(1, job.trainer.pipeline_parallel)) == 0,
                        "--nproc ", job.nproc, " is not a multiple of --tensor-parallel ", tp,

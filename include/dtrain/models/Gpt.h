@@ -49,6 +49,10 @@ struct GptConfig {
   /// residual regions split along the sequence, whose length must then be a multiple of the
   /// group; allreduces become reduce-scatter + allgather). A layout choice: not in to_json.
   bool sequence_parallel = false;
+  /// With a tensor-parallel group: the column-parallel layers' backward overlaps the input
+  /// gradient's allreduce (reduce-scatter with sequence parallelism) with the weight gradient
+  /// (Megatron's asynchronous TP communication). A layout choice: not in to_json.
+  bool tp_comm_overlap = false;
 };
 
 /// InputError naming the field for sizes that cannot make a model.

@@ -52,6 +52,10 @@ class DeferredWeightGrads {
   std::vector<at::Tensor> parameters_, gradients_;  // computed by backward_input
 };
 
+/// Whether nn::linear() on this thread defers weight gradients now (a scope with a store is
+/// open): layers that fuse their own backward use nn::linear's path then.
+bool deferring_weight_grads();
+
 /// While alive, nn::linear() on this thread defers its weight gradient to `store` (which must
 /// outlive the backward of what is computed meanwhile). Scopes nest; null turns deferral off.
 class WeightGradDeferral {

@@ -30,6 +30,10 @@ struct Layer {
   /// split over the TP group, and its forward all-reduces this many outputs (backward as many).
   bool tensor_parallel = false;
   int tp_allreduces = 0;
+  /// Per sample, forward: the matrix-product flops of its column-parallel layers (Q, K, V and
+  /// the MLP's first), whose weight-gradient products hide backward's input-gradient
+  /// all-reduces under --tp-comm-overlap.
+  double column_parallel_flops = 0;
   /// Of its parameters, those every TP rank keeps whole (layer norms, the biases of row-
   /// parallel layers, position embeddings).
   int64_t replicated_parameters = 0;

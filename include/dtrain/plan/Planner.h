@@ -50,6 +50,10 @@ struct Layout {
   /// zero1, zero2 (dtrain train --overlap-param-gather): the update's parameter all-gathers,
   /// bucket by bucket, run into the next step, each waited where the first forward needs it.
   bool overlap_param_gather = false;
+  /// tp > 1 (dtrain train --tp-comm-overlap): backward's input-gradient all-reduces of the
+  /// column-parallel layers run beside their weight-gradient products (not under a split,
+  /// zero-bubble backward, whose weight gradients wait for W).
+  bool tp_comm_overlap = false;
   int ps_shards = 1;                    ///< downpour: parameter-server shards (one per node)
   int64_t global_batch() const {
     return static_cast<int64_t>(dp) * micro_batch_size * micro_batches;
@@ -110,6 +114,8 @@ struct SearchOptions {
   bool replicated_stages = false;
   /// zero1 and zero2 layouts with their parameter all-gathers overlapped with the next forward.
   bool overlap_param_gather = false;
+  /// Layouts with tp > 1 with --tp-comm-overlap.
+  bool tp_comm_overlap = false;
 };
 struct SearchResult {
   std::vector<Prediction> ranked;  ///< layouts that fit, fastest first

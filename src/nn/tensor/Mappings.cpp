@@ -154,7 +154,96 @@ struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequen
   }
 };
 
+// Megatron's LinearWithGradAccumulationAndAsyncCommunication, for a column-parallel layer. (An
+// autograd function takes no undefined tensors: without a bias, ColumnParallelLinearNoBias.)
+struct ColumnParallelLinearFn : torch::autograd::Function<ColumnParallelLinearFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, comm::CommunicatorPtr g,
+                            bool sequence_parallel) {
+    keep_group(ctx, g, 1);
+    ctx->saved_data["sequence_parallel"] = sequence_parallel;
+    ctx->saved_data["bias"] = bias.defined();
+    if (bias.defined()) ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.scalar_type());
+    const at::Tensor total = sequence_parallel ? allgather_along(x, g, 1, -1) : x;
+    // (Autocast casts here as it does for at::linear; the matmuls of backward follow the
+    // output gradient's dtype.)
+    ctx->save_for_backward({total, weight});
+    return at::linear(total, weight,
+                      bias.defined() ? c10::optional<at::Tensor>(bias) : c10::optional<at::Tensor>());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &total = saved[0], &weight = saved[1];
+    const comm::CommunicatorPtr group = group_of(ctx);
+    const bool sequence_parallel = ctx->saved_data["sequence_parallel"].toBool();
+    const at::Tensor dy = grads[0].contiguous();
+    const auto dtype = dy.scalar_type();
+    const int64_t out = weight.size(0), in = weight.size(1);
+    at::Tensor dx;
+    comm::WorkPtr reduction;
+    at::Tensor reduced;
+    if (ctx->needs_input_grad(0)) {
+      at::Tensor dtotal = dy.matmul(weight.to(dtype));
+      // The input gradient's collective runs on the group's thread while dW is computed here.
+      if (sequence_parallel) {
+        DTRAIN_CHECK_INPUT(dtotal.size(1) % group->size() == 0,
+                           "sequence parallelism splits dimension 1 of ", dtotal.sizes(), " over ",
+                           group->size(), " ranks of group '", group->name(),
+                           "': it must divide evenly");
+        const at::Tensor moved = dtotal.movedim(1, 0).contiguous();
+        std::vector<int64_t> shape = moved.sizes().vec();
+        shape[0] /= group->size();
+        reduced = at::empty(shape, moved.options());
+        comm::ReduceScatterOptions options;
+        options.input_is_scratch = true;
+        reduction = group->reduce_scatter(reduced.view({-1}), moved.view({-1}), options);
+        dx = reduced.movedim(0, 1);
+      } else {
+        reduced = dtotal.contiguous();
+        reduction = group->allreduce(reduced);
+        dx = reduced;
+      }
+    }
+    at::Tensor dweight, dbias;
+    if (ctx->needs_input_grad(1)) {
+      const at::Tensor dy2 = dy.reshape({-1, out});
+      dweight = dy2.t().mm(total.to(dtype).reshape({-1, in})).to(weight.scalar_type());
+    }
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
+      dbias = dy.reshape({-1, out})
+                  .sum(0)
+                  .to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
+    }
+    if (reduction) {
+      trace::Span span("comm", sequence_parallel ? "tp reduce-scatter (overlapped, waited)"
+                                                 : "tp allreduce (overlapped, waited)");
+      reduction->wait();
+    }
+    return {dx, dweight, dbias, at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ColumnParallelLinearNoBias : torch::autograd::Function<ColumnParallelLinearNoBias> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            comm::CommunicatorPtr g, bool sequence_parallel) {
+    return ColumnParallelLinearFn::forward(ctx, x, weight, at::Tensor(), std::move(g),
+                                           sequence_parallel);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto all = ColumnParallelLinearFn::backward(ctx, std::move(grads));
+    return {all[0], all[1], at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
+                                  const at::Tensor& bias, const comm::CommunicatorPtr& group,
+                                  bool sequence_parallel) {
+  if (trivial(group)) return at::linear(x, weight, bias);
+  return bias.defined() ? ColumnParallelLinearFn::apply(x, weight, bias, group, sequence_parallel)
+                        : ColumnParallelLinearNoBias::apply(x, weight, group, sequence_parallel);
+}
 
 at::Tensor copy_to_group(const at::Tensor& x, const comm::CommunicatorPtr& group) {
   return trivial(group) ? x : CopyToGroup::apply(x, group);

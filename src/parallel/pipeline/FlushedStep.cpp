@@ -171,7 +171,6 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
   }
   result.metrics["step_skipped"] = skip ? 1.0 : 0.0;
   result.metrics["peak_live_micro_batches"] = static_cast<double>(peak_kept);
-  if (overlap_gather_) result.metrics["param_gather_wait_ms"] = gather_wait_s_ * 1e3;
   if (split) {
     result.metrics["peak_pending_weight_grads"] = static_cast<double>(peak_pending);
     result.metrics["peak_deferred_mb"] = static_cast<double>(peak_deferred_bytes) / (1 << 20);
@@ -186,13 +185,18 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       if (overlap_gather_) {
         shards_.start_allgather(grid_->dp());
       } else {
-        shards_.allgather(grid_->dp());
+        gather_wait_s_ += shards_.allgather(grid_->dp());
       }
     } else {
       optimizer_->step();
     }
   }
 
+  // How long the step waited for zero1's parameter gathers (all of them after the update, or
+  // what the forwards waited for).
+  if (zero1_ && grid_->dp_size() > 1) {
+    result.metrics["param_gather_wait_ms"] = gather_wait_s_ * 1e3;
+  }
   // The loss lives on the last stage, the sample count on the first: every rank reports them.
   at::Tensor reported = at::tensor({loss_sum, static_cast<double>(result.samples)}, at::kDouble);
   grid_->pp()->allreduce(reported)->wait();

@@ -83,9 +83,9 @@ void FlatShards::alias_shard_gradient(const at::Tensor& shard_grad) {
   }
 }
 
-void FlatShards::allgather(const comm::CommunicatorPtr& comm) {
+double FlatShards::allgather(const comm::CommunicatorPtr& comm) {
   start_allgather(comm);
-  wait();
+  return wait();
 }
 
 void FlatShards::start_allgather(const comm::CommunicatorPtr& comm) {

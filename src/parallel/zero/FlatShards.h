@@ -51,8 +51,8 @@ class FlatShards {
   /// ZeRO-2: each piece's gradient aliases `shard_grad` (shard_numel elements).
   void alias_shard_gradient(const at::Tensor& shard_grad);
   /// Collective over `comm` (the group the shards were cut for): every rank's updated shard to
-  /// every rank, bucket by bucket; waits for all.
-  void allgather(const comm::CommunicatorPtr& comm);
+  /// every rank, bucket by bucket; waits for all (returns how long, in seconds).
+  double allgather(const comm::CommunicatorPtr& comm);
   /// The same all-gathers, started in flat order (a model's first layers first) and left
   /// running: wait() before reading the parameters of the buckets concerned.
   void start_allgather(const comm::CommunicatorPtr& comm);

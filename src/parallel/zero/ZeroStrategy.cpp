@@ -182,9 +182,9 @@ StepResult ZeroStrategy::train_step(const std::vector<data::Batch>& micro_batche
                                     const LossFn& loss) {
   gather_wait_s_ = 0.0;
   StepResult result = ddp::DdpStrategy::train_step(micro_batches, loss);
-  if (options_.of<ZeroOverlapOptions>().param_gather) {
-    result.metrics["param_gather_wait_ms"] = gather_wait_s_ * 1e3;
-  }
+  // How long the step waited for the parameter gathers: all of them after the update, or
+  // (--overlap-param-gather) what the forward waited for.
+  if (comm_->size() > 1) result.metrics["param_gather_wait_ms"] = gather_wait_s_ * 1e3;
   return result;
 }
 
@@ -212,7 +212,7 @@ void ZeroStrategy::apply_update() {
   if (options_.of<ZeroOverlapOptions>().param_gather) {
     shards_.start_allgather(comm_);
   } else {
-    shards_.allgather(comm_);
+    gather_wait_s_ += shards_.allgather(comm_);
   }
 }
 

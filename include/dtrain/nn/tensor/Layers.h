@@ -29,6 +29,9 @@ struct ColumnParallelLinearOptions {
   /// The input is split along the sequence (dim 1) and is allgathered first; the input
   /// gradient is reduce-scattered back.
   TORCH_ARG(bool, sequence_parallel) = false;
+  /// Backward overlaps the input gradient's allreduce (reduce-scatter) with the weight
+  /// gradient (Mappings.h column_parallel_linear; --tp-comm-overlap).
+  TORCH_ARG(bool, overlap_comm) = false;
   /// > 0: weight ~ normal(0, init_std), zero bias (GPT-2's init); else LibTorch's Linear init.
   TORCH_ARG(double, init_std) = -1.0;
   /// Consecutive ranks holding the same block: the output features are split into

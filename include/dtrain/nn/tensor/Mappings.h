@@ -37,6 +37,18 @@ at::Tensor gather_from_sequence(const at::Tensor& x, const comm::CommunicatorPtr
 /// sums, each rank keeping its part of the sequence); backward: allgather along dim 1.
 at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const comm::CommunicatorPtr& group);
 
+/// A column-parallel linear layer, y = x' W^T + b with x' = copy_to_group(x) or (with
+/// `sequence_parallel`) gather_from_sequence(x), as one autograd function whose backward
+/// overlaps the input gradient's collective with the weight gradient (Megatron's asynchronous
+/// tensor-parallel communication): it computes dx' = dy W, starts dx''s allreduce (or
+/// reduce-scatter along the sequence), computes dW = dy^T x' and db while it runs, then waits.
+/// The same numbers as the separate mapping and linear. Under autocast the matmuls run in the
+/// autocast dtype as at::linear's would. Not for a zero-bubble split backward (nn::linear's
+/// deferral): the caller uses the separate path then.
+at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
+                                  const at::Tensor& bias, const comm::CommunicatorPtr& group,
+                                  bool sequence_parallel);
+
 /// Sequence parallelism: forward: this rank's part of dim 1; backward: allgather along dim 1.
 inline at::Tensor scatter_to_sequence(const at::Tensor& x, const comm::CommunicatorPtr& group) {
   return scatter_to_group(x, group, 1);
