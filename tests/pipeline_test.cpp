@@ -534,6 +534,20 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
     run.metrics = &metrics;
     EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
     for (const auto& m : metrics) EXPECT_GE(m.at("param_gather_wait_ms"), 0.0);
+    // zero1 reduce-scatters each chunk's gradients (Megatron's distributed optimizer): global-norm
+    // clipping then sums its shards' squares over the DP group too, as ddp's whole gradients do.
+    PipelineRun clipped{2, 2, 4, schedule};
+    clipped.chunks = run.chunks;
+    clipped.clip = 0.05;
+    const auto ddp = train_pipeline(f, steps, clipped);
+    clipped.data_parallel = "zero1";
+    const auto zero1 = train_pipeline(f, steps, clipped);
+    double worst = 0;
+    for (const auto& [name, value] : ddp) {
+      worst = std::max(worst, (value - zero1.at(name)).abs().max().item<double>());
+    }
+    EXPECT_LE(worst, kTightBound) << "clipped";
+    EXPECT_GT(max_difference(f, expected, ddp), 1e-6) << "clipping did not clip";
   }
   // PowerSGD at full rank over each stage's DP group (every matrix compressed): exact; rank 1
   // is not (the compression is applied).

@@ -341,6 +341,40 @@ TEST(Zero, OverlappedParameterGathersEqualGatheringAtOnce) {
   std::filesystem::remove_all(dir);
 }
 
+// zero1 is Megatron's distributed optimizer: the step's gradients are reduce-scattered (each rank
+// receives its shard's average: half an allreduce's bytes), then the updated shards gathered;
+// with tensor-parallel partial sums it allreduces (TensorParallel.* check those runs).
+TEST(Zero1, ReduceScattersTheGradientsInsteadOfAllreducing) {
+  at::set_num_threads(1);
+  torch::manual_seed(2);
+  const data::Batch batch{torch::randn({4, 1, 12, 12}), torch::randint(0, 10, {4})};
+  std::vector<Model> models;
+  for (int i = 0; i < 4; ++i) models.push_back(models::make_model(odd_deep_mlp()));
+  int64_t parameters = 0;
+  for (const auto& p : models[0].module->parameters()) parameters += p.numel();
+  run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
+    for (int stage : {0, 1}) {  // 0: ddp
+      auto grid = std::make_shared<comm::ProcessGrid>(comm);
+      parallel::StrategyPtr strategy =
+          stage == 0 ? parallel::StrategyPtr(std::make_unique<parallel::ddp::DdpStrategy>(
+                           parallel::StrategyOptions{}))
+                     : make_zero(1);
+      strategy->setup(models[2 * stage + comm->rank()], optim::optimizer_factory(adam()), grid);
+      grid->dp()->reset_tally();
+      strategy->train_step({batch}, parallel::cross_entropy);
+      auto tally = grid->dp()->tally();
+      if (stage == 0) {
+        EXPECT_GE(tally["allreduce"].elements, parameters);
+        EXPECT_EQ(tally["reduce_scatter"].count, 0);
+      } else {
+        EXPECT_GE(tally["reduce_scatter"].elements, parameters);
+        EXPECT_LT(tally["allreduce"].elements, parameters) << "the gradients were allreduced";
+        EXPECT_GE(tally["allgather"].elements, parameters);
+      }
+    }
+  });
+}
+
 TEST(Zero1, MemoryReportFollowsTheZeroFormula) {
   at::set_num_threads(1);
   for (int world : {2, 4}) {

@@ -2,7 +2,9 @@
 """Tensor-parallel benchmark driver: a stack of GPT blocks (width 1024, 16 heads, context 256,
 2 blocks, batch 4 sequences, Adam) at T = 1 (one process, 2 threads: the two cores as one
 compute) against T = 2 (two ranks of 1 thread each, started by dtrain launch), with and without
-sequence parallelism. Runs alternate within a round (reversed on odd rounds); medians over
+sequence parallelism, with and without --tp-comm-overlap (backward's input-gradient
+collectives beside the weight gradients; the communication share then counts only the time
+backward waited for them). Runs alternate within a round (reversed on odd rounds); medians over
 rounds, ratios of medians. Per run (medians over its steps): step time of the slowest rank, the
 share of it inside the tensor-parallel collectives (from the trace), per-rank parameter +
 gradient + Adam bytes, and the activation peak (live tensor bytes after the forward).
@@ -45,6 +47,9 @@ def main():
         ("T=1, 2 threads", [program, "--single", "--threads", "2"] + common),
         ("T=2", launch + [program] + common),
         ("T=2, sequence parallel", launch + [program, "--sequence-parallel"] + common),
+        ("T=2, overlapped", launch + [program, "--tp-comm-overlap"] + common),
+        ("T=2, sequence parallel, overlapped",
+         launch + [program, "--sequence-parallel", "--tp-comm-overlap"] + common),
         ("T=1, 1 thread", [program, "--single", "--threads", "1"] + common),
     ]
     results = {}

@@ -48,6 +48,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "Measured steps")->capture_default_str();
   app.add_option("--warmup", warmup, "Unmeasured steps first")->capture_default_str();
   app.add_flag("--sequence-parallel", config.sequence_parallel, "Megatron's sequence parallelism");
+  app.add_flag("--tp-comm-overlap", config.tp_comm_overlap,
+               "Backward's input-gradient collectives beside the weight gradients");
   app.add_flag("--single", single, "One process, T = 1 (the baseline)");
   app.add_option("--threads", threads, "--single: intra-op threads")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -130,11 +132,13 @@ int main(int argc, char** argv) {
   if (!world || world->rank() == 0) {
     const double ms = median(times);
     std::printf(
-        "{\"T\": %d, \"threads\": %d, \"sequence_parallel\": %s, \"step_ms\": %.1f, "
+        "{\"T\": %d, \"threads\": %d, \"sequence_parallel\": %s, \"tp_comm_overlap\": %s, "
+        "\"step_ms\": %.1f, "
         "\"tokens_per_s\": %.1f, \"comm_share\": %.4f, \"param_mb\": %.2f, "
         "\"grad_mb\": %.2f, \"adam_mb\": %.2f, \"model_state_mb\": %.2f, "
         "\"activation_peak_mb\": %.2f, \"step_peak_rss_mb\": %.1f}\n",
-        T, single ? threads : 1, config.sequence_parallel ? "true" : "false", ms,
+        T, single ? threads : 1, config.sequence_parallel ? "true" : "false",
+        config.tp_comm_overlap ? "true" : "false", ms,
         static_cast<double>(batch * config.context) / ms * 1e3, median(shares),
         parameter_bytes / 1048576.0, parameter_bytes / 1048576.0, optimizer_bytes / 1048576.0,
         (2.0 * parameter_bytes + optimizer_bytes) / 1048576.0, median(peaks),

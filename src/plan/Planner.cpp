@@ -479,7 +479,10 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
             bucket_ready = std::max(bucket_ready, ready[partition.first(s) + k]);
           }
           double duration = 0;
-          if (layout.strategy == "zero2") {
+          // zero2, and zero1 unless sequence parallelism leaves partial sums to add whole
+          // afterwards (dtrain's zero1 then allreduces): a reduce-scatter.
+          if (layout.strategy == "zero2" ||
+              (layout.strategy == "zero1" && !(layout.sequence_parallel && layout.tp > 1))) {
             duration = ring_half(bucket_bytes, D, dp_link);
           } else if (layout.hierarchical_allreduce && D > cluster.per_node() / layout.tp) {
             const int inside = std::max(1, cluster.per_node() / layout.tp);

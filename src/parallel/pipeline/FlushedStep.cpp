@@ -164,7 +164,8 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
   bool skip = false;
   if (scaler_) {
     // Every stage and replica takes the same decision.
-    skip = scaler_->unscale_and_check(parameters_, grid_->world());
+    skip = scaler_->unscale_and_check(scatter_ ? shards_.piece_tensors() : parameters_,
+                                      grid_->world());
     scaler_->update(skip);
     result.metrics["loss_scale"] = scaler_->scale_value();
     result.metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
@@ -180,7 +181,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     result.grad_norm = clip_gradients();
     if (zero1_ && !parameters_.empty()) {
       shards_.wait();  // (every chunk's forward waited for its buckets already)
-      shards_.alias_parameter_gradients(parameters_);
+      if (!scatter_) shards_.alias_parameter_gradients(parameters_);
       optimizer_->step();
       if (overlap_gather_) {
         shards_.start_allgather(grid_->dp());

@@ -201,6 +201,18 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     shards_ = parallel::zero::FlatShards(parameters_, buckets, grid_->dp_size(),
                                          grid_->coordinates().dp, "pipeline zero1");
     overlap_gather_ = options_.of<parallel::zero::ZeroOverlapOptions>().param_gather;
+    // Megatron's distributed optimizer: each chunk's buckets reduce-scattered into this rank's
+    // gradient shard at the chunk's last backward, unless TP leaves partial sums to add whole
+    // afterwards (sequence parallelism, shared key/value blocks) or PowerSGD / the hierarchical
+    // allreduce work on whole buckets: then allreduced.
+    scatter_ = !flush_free_ && !grid_->replicated_stages() && tp_.partial.empty() &&
+               !tp_.has_shared_blocks() &&
+               options_.grad_compression.rfind("powersgd", 0) != 0 &&
+               !options_.hierarchical_allreduce;
+    if (scatter_) {
+      shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
+      shards_.alias_shard_gradient(shard_grad_);
+    }
     std::unordered_map<const void*, size_t> index_of;
     for (size_t k = 0; k < parameters_.size(); ++k) {
       index_of[parameters_[k].unsafeGetTensorImpl()] = k;
@@ -236,9 +248,17 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
       params.push_back(parameters_[k]);
       names.push_back(names_[k]);
     }
+    parallel::ddp::ReducerOptions options = reducer_options;
+    if (scatter_ && !params.empty()) {  // the chunk's buckets are a run of the shard layout's
+      const auto& layout = shards_.layout();
+      const auto& first = layout.buckets[layout.bucket_of[chunk.parameters.front()]];
+      const auto& last = layout.buckets[layout.bucket_of[chunk.parameters.back()]];
+      options.shard_numel = last.shard_offset + last.part - first.shard_offset;
+      options.shard_grad = shard_grad_.narrow(0, first.shard_offset, options.shard_numel);
+    }
     reducers_.push_back(params.empty() ? nullptr
                                        : std::make_unique<parallel::ddp::Reducer>(
-                                             params, names, grid_->dp(), reducer_options));
+                                             params, names, grid_->dp(), options));
   }
   std::vector<std::vector<int>> stage_ranks(virtual_stages);
   for (int s = 0; s < virtual_stages; ++s) {
@@ -349,6 +369,12 @@ double PipelineStrategy::clip_gradients() {
   std::vector<bool> counted = tp_.counted(names_);
   if (grid_->coordinates().dp > 0 && grid_->replicated_stages()) {
     counted.assign(parameters_.size(), false);  // pp() holds every replica: count the first
+  }
+  if (scatter_) {  // each DP rank holds its shard of the stage's gradients: its pieces
+    std::vector<std::string> names;
+    for (const auto& piece : shards_.pieces()) names.push_back(names_[piece.parameter]);
+    return clip_by_global_norm(shards_.piece_tensors(), {grid_->pp(), grid_->tp(), grid_->dp()},
+                               options_.max_grad_norm, tp_.counted(names));
   }
   return clip_by_global_norm(parameters_, {grid_->pp(), grid_->tp()}, options_.max_grad_norm,
                              counted);

@@ -181,6 +181,8 @@ class PipelineStrategy : public Strategy {
   std::vector<std::unique_ptr<parallel::ddp::Reducer>> reducers_;  // one per chunk
   mutable parallel::zero::FlatShards shards_;  // zero1 (its gathers may run into the next step)
   bool overlap_gather_ = false;                // zero1 --overlap-param-gather
+  bool scatter_ = false;  // zero1: gradients reduce-scattered into shard_grad_ (not allreduced)
+  at::Tensor shard_grad_;
   mutable double gather_wait_s_ = 0.0;         // this step's forwards waiting for them
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<StageLink> link_;

@@ -104,14 +104,14 @@ ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
 }
 
 void ZeroStrategy::configure_reducer(ddp::ReducerOptions& options) {
-  if (stage_ < 2) return;
+  if (!scatter_) return;
   options.shard_numel = shards_.shard_numel();
   options.shard_grad = shard_grad_;
   options.quantization = block_quantization(options_);
 }
 
 std::vector<at::Tensor> ZeroStrategy::gradient_holders() const {
-  return stage_ < 2 ? parameters_ : shards_.piece_tensors();
+  return scatter_ ? shards_.piece_tensors() : parameters_;
 }
 
 void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
@@ -120,7 +120,12 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
   ddp::ReducerOptions reducer_options = reducer_options_from(options_);
   shards_ = FlatShards(parameters_, ddp::bucket_groups(parameters_, names_, reducer_options),
                        comm_->size(), comm_->rank(), name());
-  if (stage_ >= 2) {  // the gradient shard the Reducer reduce-scatters into
+  // (PowerSGD and the hierarchical allreduce compress or split whole-bucket allreduces: zero1
+  // keeps allreducing with them.)
+  scatter_ = stage_ >= 2 || (tp_.partial.empty() && !tp_.has_shared_blocks() &&
+                             options_.grad_compression.rfind("powersgd", 0) != 0 &&
+                             !options_.hierarchical_allreduce);
+  if (scatter_) {  // the gradient shard the Reducer reduce-scatters into
     shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
     shards_.alias_shard_gradient(shard_grad_);
   }
@@ -204,10 +209,11 @@ void ZeroStrategy::load(const std::string& directory) {
 }
 
 void ZeroStrategy::apply_update() {
-  // Stage 1: each piece's gradient is the matching slice of its parameter's averaged gradient
-  // (which lives in the Reducer's buckets): no copies. Stage 2: they alias shard_grad_ already.
+  // Reduce-scattered: the pieces' gradients alias shard_grad_ already. Allreduced (zero1 with
+  // TP partial sums): each piece's gradient is the matching slice of its parameter's averaged
+  // gradient (which lives in the Reducer's buckets): no copies.
   shards_.wait();  // (the forward waited for every bucket already)
-  if (stage_ < 2) shards_.alias_parameter_gradients(parameters_);
+  if (!scatter_) shards_.alias_parameter_gradients(parameters_);
   optimizer_->step();
   if (options_.of<ZeroOverlapOptions>().param_gather) {
     shards_.start_allgather(comm_);

@@ -41,7 +41,7 @@ class ZeroStrategy : public ddp::DdpStrategy {
   void configure_reducer(ddp::ReducerOptions& options) override;
   bool reduce_every_micro_batch() const override { return stage_ >= 2; }
   std::vector<at::Tensor> gradient_holders() const override;
-  bool gradients_sharded() const override { return stage_ >= 2; }
+  bool gradients_sharded() const override { return stage_ >= 2 || scatter_; }
   /// Checkpoints: each rank writes its shard's pieces; loads fill every (replicated) parameter.
   std::vector<PieceRef> state_pieces() const override;
   bool state_sharded() const override { return true; }
@@ -52,9 +52,15 @@ class ZeroStrategy : public ddp::DdpStrategy {
   void overlap_forward();
 
   int stage_;
+  /// The Reducer reduce-scatters each bucket into shard_grad_: zero2 always (every
+  /// micro-batch); zero1 at the step's last micro-batch (Megatron's distributed optimizer: half
+  /// an allreduce's bytes), unless tensor parallelism leaves gradients that are partial sums
+  /// over the TP group (sequence parallelism, shared key/value blocks), which are summed whole
+  /// after the reduction: then zero1 allreduces.
+  bool scatter_ = false;
   FlatShards shards_;
   double gather_wait_s_ = 0.0;  // this step's forward waiting for parameter gathers
-  at::Tensor shard_grad_;  // stage 2: this rank's gradient shard (the pieces' grads alias it)
+  at::Tensor shard_grad_;  // scatter_: this rank's gradient shard (the pieces' grads alias it)
 };
 
 }  // namespace dtrain::parallel::zero
