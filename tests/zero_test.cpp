@@ -44,6 +44,59 @@ parallel::StrategyPtr make_zero(int stage, const parallel::StrategyOptions& opti
   return std::make_unique<parallel::zero::ZeroStrategy>(options, stage);
 }
 
+// ZeRO-`stage` with `options` trained 3 steps, saved, loaded into a fresh strategy and trained 3
+// more steps ends where 6 uninterrupted steps end (checkpoints in TempDir()/`name`); every step
+// reports how long it waited for the parameter gathers.
+void saves_and_resumes(int stage, const parallel::StrategyOptions& options,
+                       const std::string& name) {
+  at::set_num_threads(1);
+  const std::string dir = ::testing::TempDir() + "/" + name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  torch::manual_seed(2);
+  std::vector<data::Batch> batches;
+  for (int i = 0; i < 6; ++i) {
+    batches.push_back({torch::randn({4, 1, 12, 12}), torch::randint(0, 10, {4})});
+  }
+  std::vector<Model> models;
+  for (int i = 0; i < 4; ++i) {
+    torch::manual_seed(3 + i);
+    models.push_back(models::make_model(odd_deep_mlp()));
+  }
+  run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
+    auto grid = std::make_shared<comm::ProcessGrid>(comm);
+    const int r = comm->rank();
+    parallel::zero::ZeroStrategy straight(options, stage);
+    straight.setup(models[r], optim::optimizer_factory(adam()), grid);
+    parallel::zero::ZeroStrategy first(options, stage);
+    first.setup(models[2 + r], optim::optimizer_factory(adam()), grid);
+    {
+      torch::NoGradGuard no_grad;  // same start for both
+      auto a = straight.model().module->parameters();
+      auto b = first.model().module->parameters();
+      for (size_t i = 0; i < a.size(); ++i) b[i].copy_(a[i]);
+    }
+    for (int i = 0; i < 3; ++i) {
+      straight.train_step({batches[i]}, parallel::cross_entropy);
+      const auto result = first.train_step({batches[i]}, parallel::cross_entropy);
+      EXPECT_GE(result.metrics.at("param_gather_wait_ms"), 0.0);
+    }
+    comm->barrier()->wait();
+    first.save(dir);
+    comm->barrier()->wait();
+    torch::manual_seed(99);
+    parallel::zero::ZeroStrategy resumed(options, stage);
+    resumed.setup(models::make_model(odd_deep_mlp()), optim::optimizer_factory(adam()), grid);
+    resumed.load(dir);
+    for (int i = 3; i < 6; ++i) {
+      straight.train_step({batches[i]}, parallel::cross_entropy);
+      resumed.train_step({batches[i]}, parallel::cross_entropy);
+    }
+    EXPECT_LE(max_abs_diff(snapshot(straight.model()), snapshot(resumed.model())), 1e-6);
+  });
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 
 class ZeroEquivalence : public ::testing::TestWithParam<std::tuple<int, int>> {};
@@ -298,47 +351,8 @@ TEST(Zero, OverlappedParameterGathersEqualGatheringAtOnce) {
       EXPECT_GT(max_abs_diff(single, f.initial), 1e-2);
     }
   }
-  // Save after 3 steps (gathers in flight), load into a fresh strategy, 3 more steps.
-  const std::string dir = ::testing::TempDir() + "/dtrain-zero-overlap-ckpt";
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  torch::manual_seed(2);
-  std::vector<data::Batch> batches;
-  for (int i = 0; i < 6; ++i) {
-    batches.push_back({torch::randn({4, 1, 12, 12}), torch::randint(0, 10, {4})});
-  }
-  std::vector<Model> models;
-  for (int i = 0; i < 4; ++i) {
-    torch::manual_seed(3);
-    models.push_back(models::make_model(odd_deep_mlp()));
-  }
-  run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
-    auto grid = std::make_shared<comm::ProcessGrid>(comm);
-    const int r = comm->rank();
-    parallel::zero::ZeroStrategy straight(plain, 2);
-    straight.setup(models[r], optim::optimizer_factory(adam()), grid);
-    parallel::zero::ZeroStrategy first(overlapped, 2);
-    first.setup(models[2 + r], optim::optimizer_factory(adam()), grid);
-    double waited_ms = -1;
-    for (int i = 0; i < 3; ++i) {
-      straight.train_step({batches[i]}, parallel::cross_entropy);
-      const auto result = first.train_step({batches[i]}, parallel::cross_entropy);
-      if (i > 0) waited_ms = result.metrics.at("param_gather_wait_ms");
-    }
-    EXPECT_GE(waited_ms, 0.0);
-    first.save(dir);
-    comm->barrier()->wait();
-    torch::manual_seed(99);
-    parallel::zero::ZeroStrategy resumed(overlapped, 2);
-    resumed.setup(models::make_model(odd_deep_mlp()), optim::optimizer_factory(adam()), grid);
-    resumed.load(dir);
-    for (int i = 3; i < 6; ++i) {
-      straight.train_step({batches[i]}, parallel::cross_entropy);
-      resumed.train_step({batches[i]}, parallel::cross_entropy);
-    }
-    EXPECT_LE(max_abs_diff(snapshot(straight.model()), snapshot(resumed.model())), 1e-6);
-  });
-  std::filesystem::remove_all(dir);
+  // Saved after 3 steps (gathers in flight), loaded into a fresh strategy, 3 more steps.
+  saves_and_resumes(2, overlapped, "dtrain-zero-overlap-ckpt");
 }
 
 // zero1 is Megatron's distributed optimizer: the step's gradients are reduce-scattered (each rank
@@ -456,53 +470,7 @@ TEST(Zero3, HoldsOnlyAFewUnitsWholeAtOnce) {
   });
 }
 
-TEST(Zero1, SavesAndResumesItsShards) {
-  at::set_num_threads(1);
-  const std::string dir = ::testing::TempDir() + "/dtrain-zero1-ckpt";
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  torch::manual_seed(2);
-  std::vector<data::Batch> batches;
-  for (int i = 0; i < 6; ++i) {
-    batches.push_back({torch::randn({4, 1, 12, 12}), torch::randint(0, 10, {4})});
-  }
-  std::vector<Model> models;
-  for (int i = 0; i < 4; ++i) {
-    torch::manual_seed(3 + i);
-    models.push_back(models::make_model(odd_mlp()));
-  }
-  run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
-    auto grid = std::make_shared<comm::ProcessGrid>(comm);
-    const int r = comm->rank();
-    parallel::zero::ZeroStrategy straight({});
-    straight.setup(models[r], optim::optimizer_factory(adam()), grid);
-    parallel::zero::ZeroStrategy first({});
-    first.setup(models[2 + r], optim::optimizer_factory(adam()), grid);
-    {
-      torch::NoGradGuard no_grad;  // same start for both
-      auto a = straight.model().module->parameters();
-      auto b = first.model().module->parameters();
-      for (size_t i = 0; i < a.size(); ++i) b[i].copy_(a[i]);
-    }
-    for (int i = 0; i < 3; ++i) {
-      straight.train_step({batches[i]}, parallel::cross_entropy);
-      first.train_step({batches[i]}, parallel::cross_entropy);
-    }
-    comm->barrier()->wait();
-    first.save(dir);
-    comm->barrier()->wait();
-    torch::manual_seed(99);
-    parallel::zero::ZeroStrategy resumed({});
-    resumed.setup(models::make_model(odd_mlp()), optim::optimizer_factory(adam()), grid);
-    resumed.load(dir);
-    for (int i = 3; i < 6; ++i) {
-      straight.train_step({batches[i]}, parallel::cross_entropy);
-      resumed.train_step({batches[i]}, parallel::cross_entropy);
-    }
-    EXPECT_LE(max_abs_diff(snapshot(straight.model()), snapshot(resumed.model())), 1e-6);
-  });
-  std::filesystem::remove_all(dir);
-}
+TEST(Zero1, SavesAndResumesItsShards) { saves_and_resumes(1, {}, "dtrain-zero1-ckpt"); }
 
 TEST(Zero, MixedPrecisionMatchesDdpAndPureBf16IsRefused) {
   at::set_num_threads(1);

@@ -187,12 +187,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     const parallel::ddp::ReducerOptions bucketing = reducer_options_from(options_);
     std::vector<std::vector<size_t>> buckets;
     for (const auto& chunk : chunks_) {
-      std::vector<at::Tensor> params;
-      std::vector<std::string> names;
-      for (size_t k : chunk.parameters) {
-        params.push_back(parameters_[k]);
-        names.push_back(names_[k]);
-      }
+      const auto [params, names] = chunk_parameters(chunk);
       for (auto group : parallel::ddp::bucket_groups(params, names, bucketing)) {
         for (size_t& k : group) k = chunk.parameters[k];
         buckets.push_back(std::move(group));
@@ -213,24 +208,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
       shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
       shards_.alias_shard_gradient(shard_grad_);
     }
-    std::unordered_map<const void*, size_t> index_of;
-    for (size_t k = 0; k < parameters_.size(); ++k) {
-      index_of[parameters_[k].unsafeGetTensorImpl()] = k;
-    }
-    for (auto& chunk : chunks_) {
-      int64_t last = -1;
-      for (const auto& stage : chunk.stages) {
-        std::vector<size_t> mine;
-        for (const auto& module : stage.modules) {
-          for (const auto& p : module->parameters()) {
-            const auto it = index_of.find(p.unsafeGetTensorImpl());
-            if (it != index_of.end()) mine.push_back(it->second);
-          }
-        }
-        last = std::max(last, shards_.last_bucket_of(mine));
-        chunk.gather_until.push_back(last);
-      }
-    }
+    for (auto& chunk : chunks_) chunk.gather_until = shards_.buckets_needed(chunk.stages, parameters_);
     optimizer_ = make_optimizer(shards_.piece_tensors());
   } else if (flush_free_) {
     setup_versions();
@@ -242,12 +220,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   // Replicated stages: each replica's gradients are its micro-batches' share of the step's mean.
   reducer_options.average = !grid_->replicated_stages();
   for (const auto& chunk : chunks_) {
-    std::vector<at::Tensor> params;
-    std::vector<std::string> names;
-    for (size_t k : chunk.parameters) {
-      params.push_back(parameters_[k]);
-      names.push_back(names_[k]);
-    }
+    const auto [params, names] = chunk_parameters(chunk);
     parallel::ddp::ReducerOptions options = reducer_options;
     if (scatter_ && !params.empty()) {  // the chunk's buckets are a run of the shard layout's
       const auto& layout = shards_.layout();
@@ -339,6 +312,16 @@ void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x
   if (!g.defined()) g = at::zeros_like(x);
   trace::Span send("send", "gradient " + label);
   link_->send(StageLink::Gradient, chunk.virtual_stage - 1, link, g);
+}
+
+std::pair<std::vector<at::Tensor>, std::vector<std::string>> PipelineStrategy::chunk_parameters(
+    const Chunk& chunk) const {
+  std::pair<std::vector<at::Tensor>, std::vector<std::string>> out;
+  for (size_t k : chunk.parameters) {
+    out.first.push_back(parameters_[k]);
+    out.second.push_back(names_[k]);
+  }
+  return out;
 }
 
 at::Tensor PipelineStrategy::run_chunk(const Chunk& chunk, const at::Tensor& input) const {

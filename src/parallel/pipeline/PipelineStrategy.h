@@ -105,6 +105,9 @@ class PipelineStrategy : public Strategy {
     return {kind_, grid_->pp_size(), micro_batches, chunks_per_rank_};
   }
   at::Tensor run_chunk(const Chunk& chunk, const at::Tensor& x) const;
+  /// The chunk's parameters and their names.
+  std::pair<std::vector<at::Tensor>, std::vector<std::string>> chunk_parameters(
+      const Chunk& chunk) const;
   /// The first stage's input as the model takes it (bf16 weights: cast).
   at::Tensor model_input(const at::Tensor& inputs) const;
   /// A whole backward of `chunk` from its output `y` (the loss on the last stage, else with

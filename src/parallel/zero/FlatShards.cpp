@@ -2,7 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
+#include <unordered_map>
 #include <numeric>
 
 #include "dtrain/common/Error.h"
@@ -111,12 +113,27 @@ double FlatShards::wait(int64_t bucket) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-int64_t FlatShards::last_bucket_of(const std::vector<size_t>& parameters) const {
+std::vector<int64_t> FlatShards::buckets_needed(const std::vector<Stage>& stages,
+                                                const std::vector<at::Tensor>& parameters,
+                                                bool* all_named) const {
+  std::unordered_map<const void*, size_t> index_of;
+  for (size_t k = 0; k < parameters.size(); ++k) index_of[parameters[k].unsafeGetTensorImpl()] = k;
+  std::vector<bool> named(parameters.size(), false);
+  std::vector<int64_t> needed;
   int64_t last = -1;
-  for (size_t k : parameters) {
-    last = std::max<int64_t>(last, static_cast<int64_t>(layout_.bucket_of.at(k)));
+  for (const auto& stage : stages) {
+    for (const auto& module : stage.modules) {
+      for (const auto& p : module->parameters()) {
+        const auto it = index_of.find(p.unsafeGetTensorImpl());
+        if (it == index_of.end()) continue;
+        named[it->second] = true;
+        last = std::max(last, static_cast<int64_t>(layout_.bucket_of.at(it->second)));
+      }
+    }
+    needed.push_back(last);
   }
-  return last;
+  if (all_named) *all_named = std::all_of(named.begin(), named.end(), [](bool n) { return n; });
+  return needed;
 }
 
 std::vector<PieceRef> FlatShards::state_pieces(const std::vector<std::string>& names,

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dtrain/comm/Communicator.h"
+#include "dtrain/common/Model.h"
 #include "dtrain/parallel/ddp/Buckets.h"
 #include "dtrain/parallel/StateShards.h"
 
@@ -60,8 +61,13 @@ class FlatShards {
   /// in seconds. Nothing when none is in flight.
   double wait(int64_t bucket = -1);
   bool gathering() const { return !gathers_.empty(); }
-  /// The last bucket holding any parameter of `parameters` (indices), -1 for none.
-  int64_t last_bucket_of(const std::vector<size_t>& parameters) const;
+  /// For each of `stages` in order, the last bucket that it or a stage before it needs
+  /// (`parameters`: the sharded ones, as given to the constructor; -1: none yet), for waiting
+  /// bucket by bucket in a forward; `all_named` (optional) says whether every parameter belongs
+  /// to one of the stages.
+  std::vector<int64_t> buckets_needed(const std::vector<Stage>& stages,
+                                      const std::vector<at::Tensor>& parameters,
+                                      bool* all_named = nullptr) const;
   /// The pieces as checkpoint pieces (names and whole shapes from `names` / `parameters`).
   std::vector<PieceRef> state_pieces(const std::vector<std::string>& names,
                                      const std::vector<at::Tensor>& parameters) const;

@@ -134,30 +134,11 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
 }
 
 void ZeroStrategy::overlap_forward() {
-  std::unordered_map<const void*, size_t> index_of;
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    index_of[parameters_[k].unsafeGetTensorImpl()] = k;
-  }
-  // For each stage, the last bucket that it or any stage before it needs; a parameter no stage
-  // names (or a model without stages) makes the forward wait for every bucket first.
-  std::vector<int64_t> needed;
-  std::vector<bool> covered(parameters_.size(), false);
-  int64_t last = -1;
-  for (const auto& stage : model_.stages) {
-    std::vector<size_t> mine;
-    for (const auto& module : stage.modules) {
-      for (const auto& p : module->parameters()) {
-        const auto it = index_of.find(p.unsafeGetTensorImpl());
-        if (it == index_of.end()) continue;
-        mine.push_back(it->second);
-        covered[it->second] = true;
-      }
-    }
-    last = std::max(last, shards_.last_bucket_of(mine));
-    needed.push_back(last);
-  }
-  const bool staged =
-      !model_.stages.empty() && std::all_of(covered.begin(), covered.end(), [](bool c) { return c; });
+  // A parameter no stage names (or a model without stages) makes the forward wait for every
+  // bucket first.
+  bool all_named = false;
+  const std::vector<int64_t> needed = shards_.buckets_needed(model_.stages, parameters_, &all_named);
+  const bool staged = !model_.stages.empty() && all_named;
   auto whole = model_.forward;
   auto stages = model_.stages;
   model_.forward = [this, staged, whole, stages, needed](const at::Tensor& inputs) {
