@@ -1,12 +1,17 @@
-// A planner layout's own words: its rank count, its one-line description and the dtrain train
-// flags that run it.
+// A planner layout's own words: its rank count, its one-line description, the dtrain train
+// flags that run it, and the check of what a layout may be (check_layout).
+#include <algorithm>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/plan/Planner.h"
 
 namespace dtrain::plan {
+
+namespace pp = parallel::pipeline;
 
 int Layout::ranks() const {
   if (stage_replicas.empty()) return dp * pp * tp;
@@ -16,6 +21,13 @@ int Layout::ranks() const {
 }
 
 namespace {
+bool is_one_of(const std::string& value, std::initializer_list<const char*> choices) {
+  for (const char* choice : choices) {
+    if (value == choice) return true;
+  }
+  return false;
+}
+
 std::string joined_counts(const std::vector<int>& counts) {
   std::string text;
   for (size_t i = 0; i < counts.size(); ++i) text += concat(i ? "," : "", counts[i]);
@@ -68,6 +80,80 @@ std::string Layout::train_flags(int layers) const {
   }
   if (tp_comm_overlap && tp > 1) text += " --tp-comm-overlap";
   return text;
+}
+
+void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
+  DTRAIN_CHECK_INPUT(is_one_of(layout.strategy, {"ddp", "zero1", "zero2", "zero3", "downpour"}),
+                     "unknown strategy '", layout.strategy,
+                     "' (the planner knows ddp, zero1, zero2, zero3, downpour)");
+  DTRAIN_CHECK_INPUT(is_one_of(layout.precision, {"fp32", "bf16-mixed", "fp16-mixed", "bf16",
+                                                  "bf16-master", "fp16-master"}),
+                     "unknown precision '", layout.precision,
+                     "' (fp32, bf16-mixed, fp16-mixed, bf16, bf16-master, fp16-master)");
+  DTRAIN_CHECK_INPUT(is_one_of(layout.optimizer, {"adam", "sgd", "momentum"}),
+                     "unknown optimizer '", layout.optimizer, "' (adam, sgd, momentum)");
+  DTRAIN_CHECK_INPUT(layout.dp >= 1 && layout.pp >= 1 && layout.tp >= 1,
+                     "dp, pp and tp must be >= 1");
+  DTRAIN_CHECK_INPUT(layout.micro_batch_size >= 1 && layout.micro_batches >= 1,
+                     "micro-batch size and micro-batches must be >= 1");
+  DTRAIN_CHECK_INPUT(layout.ranks() == cluster.gpus(), "layout ", layout.describe(),
+                     " uses dp x pp x tp = ", layout.ranks(), " ranks, the cluster has ",
+                     cluster.gpus(), " GPUs (", cluster.nodes, " nodes x ", cluster.per_node(),
+                     ")");
+  if (model.heads > 0) {
+    DTRAIN_CHECK_INPUT(model.heads % layout.tp == 0, "tensor parallelism ", layout.tp,
+                       " does not divide the model's ", model.heads, " attention heads");
+  }
+  const bool splits = std::any_of(model.layers.begin(), model.layers.end(),
+                                  [](const Layer& l) { return l.tensor_parallel; });
+  DTRAIN_CHECK_INPUT(layout.tp == 1 || splits, "model ", model.name,
+                     " has no tensor-parallel layers: tp must be 1");
+  DTRAIN_CHECK_INPUT(!layout.selective_recompute ||
+                         std::any_of(model.layers.begin(), model.layers.end(),
+                                     [](const Layer& l) { return l.attention_saved_elements > 0; }),
+                     "selective recomputation recomputes attention's core: model ", model.name,
+                     " has no attention");
+  DTRAIN_CHECK_INPUT(!layout.sequence_parallel || layout.tp > 1,
+                     "sequence parallelism needs tp > 1");
+  DTRAIN_CHECK_INPUT(layout.strategy != "zero3" || layout.pp == 1,
+                     "zero3 with pipeline parallelism: the planner models zero3 with pp = 1");
+  // As dtrain train refuses them: a pipeline's stages are data-parallel by ddp or zero1, and
+  // zero2 reduce-scatters before sequence parallelism's LayerNorm gradients are summed.
+  DTRAIN_CHECK_INPUT(layout.strategy != "zero2" || layout.pp == 1,
+                     "zero2 with pipeline parallelism: dtrain's pipeline stages are data-parallel "
+                     "by ddp or zero1");
+  DTRAIN_CHECK_INPUT(layout.strategy != "zero2" || !layout.sequence_parallel,
+                     "zero2 with sequence parallelism: dtrain refuses it (use zero1)");
+  DTRAIN_CHECK_INPUT(layout.strategy != "downpour" || (layout.pp == 1 && layout.tp == 1),
+                     "downpour workers are whole replicas: pp and tp must be 1");
+  const int virtual_stages = layout.pp * layout.chunks;
+  DTRAIN_CHECK_INPUT(static_cast<int>(model.layers.size()) >= virtual_stages, "model ", model.name,
+                     " has ", model.layers.size(),
+                     " layers, fewer than pp x chunks = ", virtual_stages, " stages");
+  if (layout.pp > 1) {
+    pp::ScheduleSpec spec{pp::schedule_kind_named(layout.schedule), layout.pp, layout.micro_batches,
+                          layout.chunks};
+    pp::validate(spec);  // the builder's own rules (1F1B: M >= P; interleaved: M % P == 0)
+    DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" || layout.pipeline_sync == "2bw" ||
+                           layout.pipeline_sync == "async",
+                       "unknown pipeline sync '", layout.pipeline_sync,
+                       "' (expected flush, 2bw or async)");
+    DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" ||
+                           (spec.kind == pp::ScheduleKind::OneFOneB && layout.strategy == "ddp"),
+                       "pipeline sync ", layout.pipeline_sync, " runs 1f1b with ddp");
+  } else {
+    DTRAIN_CHECK_INPUT(layout.chunks == 1, "chunks > 1 needs an interleaved pipeline");
+  }
+  if (!layout.stage_replicas.empty()) {
+    DTRAIN_CHECK_INPUT(static_cast<int>(layout.stage_replicas.size()) == layout.pp && layout.pp > 1,
+                       "layout ", layout.describe(), ": one replica count per stage, pp > 1");
+    DTRAIN_CHECK_INPUT(layout.dp == 1 && layout.tp == 1 && layout.strategy == "ddp" &&
+                           layout.chunks == 1 && layout.pipeline_sync == "flush",
+                       "replicated stages run ddp, dp 1, tp 1, one chunk and a flushed schedule");
+    pp::ScheduleSpec spec{pp::schedule_kind_named(layout.schedule), layout.pp, layout.micro_batches,
+                          1, layout.stage_replicas};
+    pp::validate(spec);  // a micro-batch per replica at least
+  }
 }
 
 }  // namespace dtrain::plan

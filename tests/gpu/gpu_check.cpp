@@ -2,7 +2,8 @@
 // size 1, and every GPU where there are 2+); bf16 and fp16-mixed training of the GPT, the loss
 // scaler skipping the steps that overflow; activation checkpointing's memory cut, read from the
 // CUDA caching allocator's peak; DDP, PowerSGD at full rank, the hierarchical allreduce, DiLoCo
-// at H = 1 (plain, streaming, zero3 islands) and quantized zero3 over ranks sharing the GPU through
+// at H = 1 (plain, streaming, zero3 islands), zero1's reduce-scatter, zero2's overlapped
+// parameter gathers and quantized zero3 over ranks sharing the GPU through
 // Gloo against one process on the same global batch (float64); and the GPT's step time against the
 // same model in PyTorch on the same GPU (bench/gpu/gpt_step_reference.py, alternated rounds).
 //
@@ -38,6 +39,7 @@
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/diloco/DilocoOptions.h"
+#include "dtrain/parallel/zero/ZeroOverlapOptions.h"
 #include "dtrain/parallel/zero/ZeroQuantizedOptions.h"
 #include "dtrain/train/Trainer.h"
 
@@ -461,6 +463,25 @@ int main(int argc, char** argv) {
   }
   checks.emplace_back("ddp_gloo_2_ranks",
                       [] { return check_against_one_process("ddp_gloo_2_ranks", 2, {}, 1e-9); });
+  // ZeRO over 2 ranks sharing the device (issue 54): zero1 reduce-scatters the gradients
+  // (Megatron's distributed optimizer), zero2 with small buckets leaves each bucket's parameter
+  // all-gather running into the next forward (--overlap-param-gather).
+  checks.emplace_back("zero1_reduce_scatter_2_ranks", [] {
+    return check_against_one_process(
+        "zero1_reduce_scatter_2_ranks", 2,
+        [](train::TrainerOptions& o) { o.strategy = "zero1"; }, 1e-9);
+  });
+  checks.emplace_back("zero2_overlap_param_gather_2_ranks", [] {
+    return check_against_one_process(
+        "zero2_overlap_param_gather_2_ranks", 2,
+        [](train::TrainerOptions& o) {
+          o.strategy = "zero2";
+          o.strategy_options.bucket_cap_bytes = 64 << 10;
+          o.strategy_options.first_bucket_cap_bytes = 16 << 10;
+          o.strategy_options.of<parallel::zero::ZeroOverlapOptions>().param_gather = true;
+        },
+        1e-9);
+  });
   // PowerSGD at full rank (every matrix compressed, from the first step) is the exact allreduce:
   // Householder QR and the low-rank products on this device.
   checks.emplace_back("powersgd_full_rank_2_ranks", [] {
