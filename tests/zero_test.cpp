@@ -353,6 +353,20 @@ TEST(Zero, OverlappedParameterGathersEqualGatheringAtOnce) {
   }
   // Saved after 3 steps (gathers in flight), loaded into a fresh strategy, 3 more steps.
   saves_and_resumes(2, overlapped, "dtrain-zero-overlap-ckpt");
+  // A strategy (and its data-parallel group) going away right after a step, its gathers still
+  // running, waits for them first (a group destroyed with collectives queued would crash).
+  torch::manual_seed(4);
+  const data::Batch batch{torch::randn({4, 1, 12, 12}), torch::randint(0, 10, {4})};
+  std::vector<Model> models;
+  for (int i = 0; i < 10; ++i) models.push_back(models::make_model(odd_deep_mlp()));
+  run_ranks(2, [&](const comm::CommunicatorPtr& comm) {
+    for (int i = 0; i < 5; ++i) {
+      auto grid = std::make_shared<comm::ProcessGrid>(comm);
+      parallel::zero::ZeroStrategy strategy(overlapped, 2);
+      strategy.setup(models[2 * i + comm->rank()], optim::optimizer_factory(adam()), grid);
+      strategy.train_step({batch}, parallel::cross_entropy);
+    }
+  });
 }
 
 // zero1 is Megatron's distributed optimizer: the step's gradients are reduce-scattered (each rank

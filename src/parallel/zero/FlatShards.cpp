@@ -59,6 +59,13 @@ FlatShards::FlatShards(std::vector<at::Tensor>& parameters,
   }
 }
 
+FlatShards::~FlatShards() {
+  try {
+    wait();
+  } catch (...) {  // (a failed gather was or will be reported by whoever waits on the group)
+  }
+}
+
 std::vector<at::Tensor> FlatShards::piece_tensors() const {
   std::vector<at::Tensor> tensors;
   for (const auto& piece : pieces_) tensors.push_back(piece.tensor);

@@ -31,6 +31,12 @@ class FlatShards {
   };
 
   FlatShards() = default;
+  /// Waits for gathers still in flight (they write into the buffer); errors are dropped here.
+  ~FlatShards();
+  FlatShards(FlatShards&&) = default;
+  FlatShards& operator=(FlatShards&&) = default;
+  FlatShards(const FlatShards&) = delete;
+  FlatShards& operator=(const FlatShards&) = delete;
   /// Moves `parameters` (one dtype) into the flat buffer (they are re-pointed with set_, so
   /// their autograd nodes change) and cuts out the shard of `rank` of `ranks`, bucket by bucket
   /// (`buckets`: parameter index lists, as the Reducer makes them; empty: one bucket of all).
