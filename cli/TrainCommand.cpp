@@ -8,12 +8,12 @@
 #include "CommonFlags.h"
 #include "ConfigFile.h"
 #include "NumericOptions.h"
-#include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "dtrain/comm/TokenFile.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/launch/Launcher.h"
 #include "dtrain/parallel/Strategies.h"
+#include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "dtrain/parallel/ps/PsOptions.h"
 #ifdef DTRAIN_SERVICES
 #include "dtrain/services/ps/LocalShards.h"

@@ -27,8 +27,8 @@ TEST(TensorParallel, SequenceParallelGptEqualsTheSerialModel) {
                                                          {2, "selective", false},
                                                          {2, "none", true},
                                                          {4, "selective", true}}) {
-      test::run_ranks(ranks, [&, ranks = ranks, recompute = recompute, overlap = overlap](
-                                 const comm::CommunicatorPtr& world) {
+      test::run_ranks(ranks, [&, ranks = ranks, recompute = recompute,
+                              overlap = overlap](const comm::CommunicatorPtr& world) {
         auto grid = std::make_shared<comm::ProcessGrid>(world, ranks, 1);
         auto config = tiny_gpt(tied);
         config.sequence_parallel = true;

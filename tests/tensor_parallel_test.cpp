@@ -173,7 +173,8 @@ TEST(TensorParallel, GptEqualsTheSerialModelForTwoAndFourRanks) {
     // beside the weight gradient) gives the same gradients.
     for (const auto& [ranks, overlap] :
          std::vector<std::pair<int, bool>>{{2, false}, {4, false}, {2, true}, {4, true}}) {
-      test::run_ranks(ranks, [&, ranks = ranks, overlap = overlap](const comm::CommunicatorPtr& world) {
+      test::run_ranks(ranks, [&, ranks = ranks,
+                              overlap = overlap](const comm::CommunicatorPtr& world) {
         auto grid = std::make_shared<comm::ProcessGrid>(world, ranks, 1);
         auto overlapped = config;
         overlapped.tp_comm_overlap = overlap;

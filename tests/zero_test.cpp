@@ -11,8 +11,8 @@
 #include "Oracle.h"
 #include "RankThreads.h"
 #include "TempDir.h"
-#include "dtrain/parallel/zero/Zero3Options.h"
 #include "dtrain/parallel/ddp/Buckets.h"
+#include "dtrain/parallel/zero/Zero3Options.h"
 #include "dtrain/parallel/zero/ZeroOverlapOptions.h"
 #include "dtrain/parallel/zero/ZeroQuantizedOptions.h"
 #include "parallel/ddp/DdpStrategy.h"
@@ -312,12 +312,12 @@ TEST(ZeroLayout, EveryBucketIsSplitEvenlyOverTheRanks) {
   ASSERT_EQ(layout.buckets.size(), 3U);
   EXPECT_EQ(layout.buckets[0].parameters, (std::vector<size_t>{0, 1}));
   EXPECT_EQ(layout.buckets[0].numel, 10);
-  EXPECT_EQ(layout.buckets[0].part, 3);   // 10 over 4 ranks: 3 each, 2 of padding
+  EXPECT_EQ(layout.buckets[0].part, 3);  // 10 over 4 ranks: 3 each, 2 of padding
   EXPECT_EQ(layout.buckets[1].flat_begin, 12);
-  EXPECT_EQ(layout.buckets[1].part, 3);   // 1 + 9 = 10
+  EXPECT_EQ(layout.buckets[1].part, 3);  // 1 + 9 = 10
   EXPECT_EQ(layout.buckets[1].shard_offset, 3);
   EXPECT_EQ(layout.buckets[2].flat_begin, 24);
-  EXPECT_EQ(layout.buckets[2].part, 1);   // 3 over 4 ranks
+  EXPECT_EQ(layout.buckets[2].part, 1);  // 3 over 4 ranks
   EXPECT_EQ(layout.parameter_offset, (std::vector<int64_t>{0, 6, 12, 13, 24}));
   EXPECT_EQ(layout.bucket_of, (std::vector<size_t>{0, 0, 1, 1, 2}));
   EXPECT_EQ(layout.flat_numel, 28);

@@ -283,8 +283,8 @@ struct GptBlockImpl : torch::nn::Module {
         at::Tensor future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
         scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
         // Each rank's heads are its own: their dropout masks differ across the group.
-        at::Tensor weights = tp::dropout(at::softmax(scores, -1), shared.dropout, training,
-                                         shared.rng->parallel());
+        at::Tensor weights =
+            tp::dropout(at::softmax(scores, -1), shared.dropout, training, shared.rng->parallel());
         out = at::matmul(weights, v);
       }
       return out;
@@ -383,9 +383,9 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
     }
     h = segments > 1 ? memory::checkpoint_stages(functions, parameters, segments, h, generators)
                      : [&] {
-      for (auto& f : functions) h = f(h);
-      return h;
-    }();
+                         for (auto& f : functions) h = f(h);
+                         return h;
+                       }();
     return head(h);
   }
   std::vector<Stage> stages() {

@@ -66,9 +66,7 @@ struct DeferredLinearWithBias : torch::autograd::Function<DeferredLinearWithBias
   }
 };
 
-bool autocasting(const at::Tensor& t) {
-  return compat::autocast_state(t.device().type()).enabled;
-}
+bool autocasting(const at::Tensor& t) { return compat::autocast_state(t.device().type()).enabled; }
 
 }  // namespace
 
@@ -76,8 +74,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::T
   const bool defer = current_store != nullptr && weight.requires_grad() &&
                      torch::GradMode::is_enabled() && !autocasting(input);
   if (!defer) {
-    return at::linear(input, weight,
-                      bias.defined() ? c10::optional<at::Tensor>(bias) : c10::optional<at::Tensor>());
+    return at::linear(
+        input, weight,
+        bias.defined() ? c10::optional<at::Tensor>(bias) : c10::optional<at::Tensor>());
   }
   const auto store = reinterpret_cast<int64_t>(current_store);
   return bias.defined() ? DeferredLinearWithBias::apply(input, weight, bias, store)
@@ -110,11 +109,11 @@ at::Tensor DeferredWeightGrads::backward_input(const at::Tensor& output,
   }
   std::vector<at::Tensor> grads;
   if (output.requires_grad() && !wrt.empty()) {
-    grads = torch::autograd::grad({output}, wrt,
-                                  grad_output.defined() ? std::vector<at::Tensor>{grad_output}
-                                                        : std::vector<at::Tensor>{},
-                                  /*retain_graph=*/false, /*create_graph=*/false,
-                                  /*allow_unused=*/true);
+    grads = torch::autograd::grad(
+        {output}, wrt,
+        grad_output.defined() ? std::vector<at::Tensor>{grad_output} : std::vector<at::Tensor>{},
+        /*retain_graph=*/false, /*create_graph=*/false,
+        /*allow_unused=*/true);
   }
   grads.resize(wrt.size());
   parameters_.insert(parameters_.end(), wrt.begin() + (wants_input ? 1 : 0), wrt.end());

@@ -98,8 +98,9 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
   }
   // Flags of a group the strategy does not list are refused where using them would be a
   // mistake the run would hide (ZeRO's overlap has nothing to overlap elsewhere).
-  const bool lists_overlap = std::any_of(named.options.begin(), named.options.end(),
-                                         [](const OptionGroup& g) { return g.name == "zero-overlap"; });
+  const bool lists_overlap =
+      std::any_of(named.options.begin(), named.options.end(),
+                  [](const OptionGroup& g) { return g.name == "zero-overlap"; });
   DTRAIN_CHECK_INPUT(!options.of<zero::ZeroOverlapOptions>().param_gather || lists_overlap,
                      "--overlap-param-gather overlaps the parameter all-gather of ZeRO-1/2's "
                      "sharded update: use --strategy zero1 or zero2 (with or without a pipeline), "

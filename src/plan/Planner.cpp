@@ -249,8 +249,8 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   // bucket in the layers' order (chunk 0's first) on the rank's data-parallel link; a chunk's
   // first forward waits until each of its buckets is in when its layers come: it starts no
   // earlier than max over its buckets of (gathered by - forward time of the layers before).
-  const bool overlap_gather = layout.overlap_param_gather &&
-                              (layout.strategy == "zero1" || layout.strategy == "zero2");
+  const bool overlap_gather =
+      layout.overlap_param_gather && (layout.strategy == "zero1" || layout.strategy == "zero2");
   std::vector<std::vector<double>> release(slots, std::vector<double>(V, 0.0));
   std::vector<double> gather_total(slots, 0.0);
   if (overlap_gather) {
@@ -269,8 +269,8 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
           for (size_t k : bucket) bucket_bytes += local_params[partition.first(s) + k];
           gathered += ring_half(bucket_bytes * bytes.parameter, D, dp_link);
           double before = 0;
-          for (int i = partition.first(s); i < partition.first(s) + static_cast<int>(bucket.front());
-               ++i) {
+          for (int i = partition.first(s);
+               i < partition.first(s) + static_cast<int>(bucket.front()); ++i) {
             before += times[i].forward;
           }
           release[r][c] = std::max(release[r][c], gathered - before);

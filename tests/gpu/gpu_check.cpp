@@ -468,8 +468,8 @@ int main(int argc, char** argv) {
   // all-gather running into the next forward (--overlap-param-gather).
   checks.emplace_back("zero1_reduce_scatter_2_ranks", [] {
     return check_against_one_process(
-        "zero1_reduce_scatter_2_ranks", 2,
-        [](train::TrainerOptions& o) { o.strategy = "zero1"; }, 1e-9);
+        "zero1_reduce_scatter_2_ranks", 2, [](train::TrainerOptions& o) { o.strategy = "zero1"; },
+        1e-9);
   });
   checks.emplace_back("zero2_overlap_param_gather_2_ranks", [] {
     return check_against_one_process(

@@ -54,7 +54,7 @@ struct Layout {
   /// column-parallel layers run beside their weight-gradient products (not under a split,
   /// zero-bubble backward, whose weight gradients wait for W).
   bool tp_comm_overlap = false;
-  int ps_shards = 1;                    ///< downpour: parameter-server shards (one per node)
+  int ps_shards = 1;  ///< downpour: parameter-server shards (one per node)
   int64_t global_batch() const {
     return static_cast<int64_t>(dp) * micro_batch_size * micro_batches;
   }

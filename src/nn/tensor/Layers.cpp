@@ -64,8 +64,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ColumnParallelLinearOpt
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
   if (options.overlap_comm() && size_of(group) > 1 && !dtrain::nn::deferring_weight_grads()) {
-    at::Tensor y =
-        column_parallel_linear(input, weight, bias, group, options.sequence_parallel());
+    at::Tensor y = column_parallel_linear(input, weight, bias, group, options.sequence_parallel());
     return options.gather_output() ? gather_from_group(y, group, -1, options.out_features()) : y;
   }
   const at::Tensor x = options.sequence_parallel() ? gather_from_sequence(input, group)

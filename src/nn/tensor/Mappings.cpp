@@ -168,8 +168,9 @@ struct ColumnParallelLinearFn : torch::autograd::Function<ColumnParallelLinearFn
     // (Autocast casts here as it does for at::linear; the matmuls of backward follow the
     // output gradient's dtype.)
     ctx->save_for_backward({total, weight});
-    return at::linear(total, weight,
-                      bias.defined() ? c10::optional<at::Tensor>(bias) : c10::optional<at::Tensor>());
+    return at::linear(
+        total, weight,
+        bias.defined() ? c10::optional<at::Tensor>(bias) : c10::optional<at::Tensor>());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -210,9 +211,8 @@ struct ColumnParallelLinearFn : torch::autograd::Function<ColumnParallelLinearFn
       dweight = dy2.t().mm(total.to(dtype).reshape({-1, in})).to(weight.scalar_type());
     }
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
-      dbias = dy.reshape({-1, out})
-                  .sum(0)
-                  .to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
+      dbias = dy.reshape({-1, out}).sum(0).to(
+          static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
     }
     if (reduction) {
       trace::Span span("comm", sequence_parallel ? "tp reduce-scatter (overlapped, waited)"

@@ -162,9 +162,8 @@ void Reducer::allocate(Bucket& bucket) {
   bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
   const bool compress = options_.wire_dtype != at::ScalarType::Undefined &&
                         options_.wire_dtype != first.scalar_type();
-  bucket.wire = compress
-                    ? at::empty({numel}, bucket.flat.options().dtype(options_.wire_dtype))
-                    : bucket.flat;
+  bucket.wire =
+      compress ? at::empty({numel}, bucket.flat.options().dtype(options_.wire_dtype)) : bucket.flat;
 }
 
 void Reducer::complete_sharded(Bucket& bucket) {

@@ -201,14 +201,14 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     // afterwards (sequence parallelism, shared key/value blocks) or PowerSGD / the hierarchical
     // allreduce work on whole buckets: then allreduced.
     scatter_ = !flush_free_ && !grid_->replicated_stages() && tp_.partial.empty() &&
-               !tp_.has_shared_blocks() &&
-               options_.grad_compression.rfind("powersgd", 0) != 0 &&
+               !tp_.has_shared_blocks() && options_.grad_compression.rfind("powersgd", 0) != 0 &&
                !options_.hierarchical_allreduce;
     if (scatter_) {
       shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
       shards_.alias_shard_gradient(shard_grad_);
     }
-    for (auto& chunk : chunks_) chunk.gather_until = shards_.buckets_needed(chunk.stages, parameters_);
+    for (auto& chunk : chunks_)
+      chunk.gather_until = shards_.buckets_needed(chunk.stages, parameters_);
     optimizer_ = make_optimizer(shards_.piece_tensors());
   } else if (flush_free_) {
     setup_versions();

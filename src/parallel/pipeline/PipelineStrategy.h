@@ -186,7 +186,7 @@ class PipelineStrategy : public Strategy {
   bool overlap_gather_ = false;                // zero1 --overlap-param-gather
   bool scatter_ = false;  // zero1: gradients reduce-scattered into shard_grad_ (not allreduced)
   at::Tensor shard_grad_;
-  mutable double gather_wait_s_ = 0.0;         // this step's forwards waiting for them
+  mutable double gather_wait_s_ = 0.0;  // this step's forwards waiting for them
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<StageLink> link_;
   std::function<void(const Action&)> observer_;

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <unordered_map>
 #include <numeric>
+#include <unordered_map>
 
 #include "dtrain/common/Error.h"
 #include "parallel/Alias.h"
@@ -110,8 +110,8 @@ void FlatShards::start_allgather(const comm::CommunicatorPtr& comm) {
 double FlatShards::wait(int64_t bucket) {
   if (gathers_.empty()) return 0.0;
   const auto start = std::chrono::steady_clock::now();
-  const size_t until = bucket < 0 ? gathers_.size()
-                                  : std::min(gathers_.size(), static_cast<size_t>(bucket) + 1);
+  const size_t until =
+      bucket < 0 ? gathers_.size() : std::min(gathers_.size(), static_cast<size_t>(bucket) + 1);
   for (; gathered_ < until; ++gathered_) gathers_[gathered_]->wait();
   if (gathered_ == gathers_.size()) {
     gathers_.clear();

@@ -15,8 +15,8 @@
 
 #include "dtrain/comm/Communicator.h"
 #include "dtrain/common/Model.h"
-#include "dtrain/parallel/ddp/Buckets.h"
 #include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/ddp/Buckets.h"
 
 namespace dtrain::parallel::zero {
 

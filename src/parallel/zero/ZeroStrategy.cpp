@@ -3,9 +3,6 @@
 
 #include <torch/torch.h>
 
-#include <algorithm>
-#include <unordered_map>
-
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/optim/StateSize.h"
@@ -137,7 +134,8 @@ void ZeroStrategy::overlap_forward() {
   // A parameter no stage names (or a model without stages) makes the forward wait for every
   // bucket first.
   bool all_named = false;
-  const std::vector<int64_t> needed = shards_.buckets_needed(model_.stages, parameters_, &all_named);
+  const std::vector<int64_t> needed =
+      shards_.buckets_needed(model_.stages, parameters_, &all_named);
   const bool staged = !model_.stages.empty() && all_named;
   auto whole = model_.forward;
   auto stages = model_.stages;

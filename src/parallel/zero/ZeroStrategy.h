@@ -60,7 +60,7 @@ class ZeroStrategy : public ddp::DdpStrategy {
   bool scatter_ = false;
   FlatShards shards_;
   double gather_wait_s_ = 0.0;  // this step's forward waiting for parameter gathers
-  at::Tensor shard_grad_;  // scatter_: this rank's gradient shard (the pieces' grads alias it)
+  at::Tensor shard_grad_;       // scatter_: this rank's gradient shard (the pieces' grads alias it)
 };
 
 }  // namespace dtrain::parallel::zero

@@ -36,14 +36,14 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<BucketedParame
 /// receives (ranks - 1) / ranks of it) and can run on its own. A rank's shard is its parts, in
 /// flat order. Used by the Reducer's reduce-scatter, ZeRO-1/2's parameter shards and the planner.
 struct ShardedBucket {
-  int64_t flat_begin = 0;    ///< first element in the flat layout
-  int64_t numel = 0;         ///< its parameters' elements
-  int64_t part = 0;          ///< elements each rank owns: numel rounded up to ranks, / ranks
-  int64_t shard_offset = 0;  ///< where every rank's part of it sits in that rank's shard
+  int64_t flat_begin = 0;          ///< first element in the flat layout
+  int64_t numel = 0;               ///< its parameters' elements
+  int64_t part = 0;                ///< elements each rank owns: numel rounded up to ranks, / ranks
+  int64_t shard_offset = 0;        ///< where every rank's part of it sits in that rank's shard
   std::vector<size_t> parameters;  ///< ascending, contiguous
 };
 struct ShardLayout {
-  std::vector<ShardedBucket> buckets;    ///< in flat order
+  std::vector<ShardedBucket> buckets;     ///< in flat order
   std::vector<int64_t> parameter_offset;  ///< flat offset of each parameter
   std::vector<size_t> bucket_of;          ///< each parameter's bucket (index into buckets)
   int64_t flat_numel = 0;                 ///< with padding
