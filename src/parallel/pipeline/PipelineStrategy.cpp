@@ -197,12 +197,9 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                                          grid_->coordinates().dp, "pipeline zero1");
     overlap_gather_ = options_.of<parallel::zero::ZeroOverlapOptions>().param_gather;
     // Megatron's distributed optimizer: each chunk's buckets reduce-scattered into this rank's
-    // gradient shard at the chunk's last backward, unless TP leaves partial sums to add whole
-    // afterwards (sequence parallelism, shared key/value blocks) or PowerSGD / the hierarchical
-    // allreduce work on whole buckets: then allreduced.
-    scatter_ = !flush_free_ && !grid_->replicated_stages() && tp_.partial.empty() &&
-               !tp_.has_shared_blocks() && options_.grad_compression.rfind("powersgd", 0) != 0 &&
-               !options_.hierarchical_allreduce;
+    // gradient shard at the chunk's last backward (where that can be; else allreduced).
+    scatter_ = !flush_free_ && !grid_->replicated_stages() &&
+               parallel::zero::reduce_scatters_gradients(options_, tp_);
     if (scatter_) {
       shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
       shards_.alias_shard_gradient(shard_grad_);

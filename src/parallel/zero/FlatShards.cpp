@@ -4,13 +4,17 @@
 
 #include <algorithm>
 #include <chrono>
-#include <numeric>
 #include <unordered_map>
 
 #include "dtrain/common/Error.h"
 #include "parallel/Alias.h"
 
 namespace dtrain::parallel::zero {
+
+bool reduce_scatters_gradients(const StrategyOptions& options, const TensorParallelLayout& tp) {
+  return tp.partial.empty() && !tp.has_shared_blocks() &&
+         options.grad_compression.rfind("powersgd", 0) != 0 && !options.hierarchical_allreduce;
+}
 
 FlatShards::FlatShards(std::vector<at::Tensor>& parameters,
                        const std::vector<std::vector<size_t>>& buckets, int ranks, int rank,
@@ -25,12 +29,7 @@ FlatShards::FlatShards(std::vector<at::Tensor>& parameters,
     numels.push_back(p.numel());
     total_numel_ += p.numel();
   }
-  std::vector<std::vector<size_t>> groups = buckets;
-  if (groups.empty()) {
-    groups.emplace_back(parameters.size());
-    std::iota(groups.back().begin(), groups.back().end(), size_t{0});
-  }
-  layout_ = ddp::shard_layout(numels, groups, ranks);
+  layout_ = ddp::shard_layout(numels, buckets, ranks);
   flat_ = at::zeros({layout_.flat_numel}, parameters.front().options().requires_grad(false));
   {
     torch::NoGradGuard no_grad;

@@ -17,8 +17,15 @@
 #include "dtrain/common/Model.h"
 #include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/ddp/Buckets.h"
+#include "parallel/StrategySupport.h"
 
 namespace dtrain::parallel::zero {
+
+/// Whether ZeRO-1's gradients can be reduce-scattered into the shards (Megatron's distributed
+/// optimizer) rather than allreduced: not where tensor parallelism leaves partial sums to add
+/// whole after the reduction (sequence parallelism, shared key/value blocks), nor with PowerSGD
+/// or the hierarchical allreduce, which work on whole buckets.
+bool reduce_scatters_gradients(const StrategyOptions& options, const TensorParallelLayout& tp);
 
 class FlatShards {
  public:
@@ -39,7 +46,7 @@ class FlatShards {
   FlatShards& operator=(const FlatShards&) = delete;
   /// Moves `parameters` (one dtype) into the flat buffer (they are re-pointed with set_, so
   /// their autograd nodes change) and cuts out the shard of `rank` of `ranks`, bucket by bucket
-  /// (`buckets`: parameter index lists, as the Reducer makes them; empty: one bucket of all).
+  /// (`buckets`: parameter index lists, as the Reducer makes them).
   /// `who` names the strategy in errors.
   FlatShards(std::vector<at::Tensor>& parameters, const std::vector<std::vector<size_t>>& buckets,
              int ranks, int rank, const std::string& who);

@@ -117,11 +117,7 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
   ddp::ReducerOptions reducer_options = reducer_options_from(options_);
   shards_ = FlatShards(parameters_, ddp::bucket_groups(parameters_, names_, reducer_options),
                        comm_->size(), comm_->rank(), name());
-  // (PowerSGD and the hierarchical allreduce compress or split whole-bucket allreduces: zero1
-  // keeps allreducing with them.)
-  scatter_ = stage_ >= 2 || (tp_.partial.empty() && !tp_.has_shared_blocks() &&
-                             options_.grad_compression.rfind("powersgd", 0) != 0 &&
-                             !options_.hierarchical_allreduce);
+  scatter_ = stage_ >= 2 || reduce_scatters_gradients(options_, tp_);
   if (scatter_) {  // the gradient shard the Reducer reduce-scatters into
     shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
     shards_.alias_shard_gradient(shard_grad_);
