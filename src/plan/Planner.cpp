@@ -235,16 +235,17 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   // The reducer's buckets of a virtual stage's layers (one reducer per chunk), each a list of
   // indices into the stage's layers in launch order; ZeRO-1/2's shards follow them.
   const double grad_bytes = bytes.gradient;
-  auto stage_buckets = [&](int s) {
+  std::vector<std::vector<std::vector<size_t>>> stage_buckets(stages);
+  for (int s = 0; s < stages; ++s) {
     std::vector<parallel::ddp::BucketedParameter> described;
     for (int i = partition.first(s); i < partition.end(s); ++i) {
       described.push_back(
           {static_cast<int64_t>(local_params[i] * grad_bytes), 0, model.layers[i].name});
     }
-    return parallel::ddp::assign_buckets(
+    stage_buckets[s] = parallel::ddp::assign_buckets(
         described,
         {layout.bucket_cap_bytes, std::min<int64_t>(1 << 20, layout.bucket_cap_bytes), true});
-  };
+  }
   // --overlap-param-gather: the update's all-gathers run at the start of the step, bucket after
   // bucket in the layers' order (chunk 0's first) on the rank's data-parallel link; a chunk's
   // first forward waits until each of its buckets is in when its layers come: it starts no
@@ -261,7 +262,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
       double gathered = 0;
       for (int c = 0; c < V; ++c) {
         const int s = vstage(c, r);
-        auto buckets = stage_buckets(s);
+        auto buckets = stage_buckets[s];
         for (auto& bucket : buckets) std::sort(bucket.begin(), bucket.end());
         std::sort(buckets.begin(), buckets.end());
         for (const auto& bucket : buckets) {
@@ -391,7 +392,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
           t += split ? times[i].weight : times[i].backward;
           ready[i] = t;
         }
-        for (const auto& bucket : stage_buckets(s)) {
+        for (const auto& bucket : stage_buckets[s]) {
           double bucket_bytes = 0, bucket_ready = 0;
           for (size_t k : bucket) {
             bucket_bytes += local_params[partition.first(s) + k] * grad_bytes;
@@ -421,7 +422,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
         // by bucket, each its own collective).
         for (int c = 0; c < V; ++c) {
           const int s = vstage(c, r);
-          for (const auto& bucket : stage_buckets(s)) {
+          for (const auto& bucket : stage_buckets[s]) {
             double bucket_params = 0;
             for (size_t k : bucket) bucket_params += local_params[partition.first(s) + k];
             step_end += ring_half(bucket_params * bytes.parameter, D, dp_link);

@@ -75,18 +75,29 @@ at::Tensor allgather_along(const at::Tensor& x, const comm::CommunicatorPtr& gro
   return output.movedim(0, dim);
 }
 
-at::Tensor reduce_scatter_along(const at::Tensor& x, const comm::CommunicatorPtr& group,
-                                int64_t dim) {
+// Starts the reduce-scatter along `dim`; `output` (this rank's part, `dim` in place) holds it
+// once the work is done. `scratch`: `x` may be overwritten.
+comm::WorkPtr start_reduce_scatter_along(const at::Tensor& x, const comm::CommunicatorPtr& group,
+                                         int64_t dim, bool scratch, at::Tensor& output) {
   DTRAIN_CHECK_INPUT(x.size(dim) % group->size() == 0, "sequence parallelism splits dimension ",
                      dim, " of ", x.sizes(), " over ", group->size(), " ranks of group '",
                      group->name(), "': it must divide evenly");
-  trace::Span span("comm", "tp reduce-scatter");
   const at::Tensor moved = x.movedim(dim, 0).contiguous();
   std::vector<int64_t> shape = moved.sizes().vec();
   shape[0] /= group->size();
-  at::Tensor output = at::empty(shape, moved.options());
-  group->reduce_scatter(output.view({-1}), moved.view({-1}))->wait();
-  return output.movedim(0, dim);
+  at::Tensor flat = at::empty(shape, moved.options());
+  output = flat.movedim(0, dim);
+  comm::ReduceScatterOptions options;
+  options.input_is_scratch = scratch;
+  return group->reduce_scatter(flat.view({-1}), moved.view({-1}), options);
+}
+
+at::Tensor reduce_scatter_along(const at::Tensor& x, const comm::CommunicatorPtr& group,
+                                int64_t dim) {
+  trace::Span span("comm", "tp reduce-scatter");
+  at::Tensor output;
+  start_reduce_scatter_along(x, group, dim, /*scratch=*/false, output)->wait();
+  return output;
 }
 
 struct CopyToGroup : torch::autograd::Function<CopyToGroup> {
@@ -182,27 +193,14 @@ struct ColumnParallelLinearFn : torch::autograd::Function<ColumnParallelLinearFn
     const int64_t out = weight.size(0), in = weight.size(1);
     at::Tensor dx;
     comm::WorkPtr reduction;
-    at::Tensor reduced;
     if (ctx->needs_input_grad(0)) {
       at::Tensor dtotal = dy.matmul(weight.to(dtype));
       // The input gradient's collective runs on the group's thread while dW is computed here.
       if (sequence_parallel) {
-        DTRAIN_CHECK_INPUT(dtotal.size(1) % group->size() == 0,
-                           "sequence parallelism splits dimension 1 of ", dtotal.sizes(), " over ",
-                           group->size(), " ranks of group '", group->name(),
-                           "': it must divide evenly");
-        const at::Tensor moved = dtotal.movedim(1, 0).contiguous();
-        std::vector<int64_t> shape = moved.sizes().vec();
-        shape[0] /= group->size();
-        reduced = at::empty(shape, moved.options());
-        comm::ReduceScatterOptions options;
-        options.input_is_scratch = true;
-        reduction = group->reduce_scatter(reduced.view({-1}), moved.view({-1}), options);
-        dx = reduced.movedim(0, 1);
+        reduction = start_reduce_scatter_along(dtotal, group, 1, /*scratch=*/true, dx);
       } else {
-        reduced = dtotal.contiguous();
-        reduction = group->allreduce(reduced);
-        dx = reduced;
+        dx = dtotal.contiguous();
+        reduction = group->allreduce(dx);
       }
     }
     at::Tensor dweight, dbias;
