@@ -36,7 +36,11 @@ class LaunchCommand final : public Command {
         ->capture_default_str();
     app_->add_flag("--tolerate-failures", launch_.tolerate_failures,
                    "A rank other than 0 failing does not stop the others (independent "
-                   "workers: --strategy downpour or sandblaster)");
+                   "workers: --strategy downpour or sandblaster; --fault-tolerance replicas)");
+    add(*app_, "--max-replacements", launch_.max_replacements,
+        "With --tolerate-failures: start a failed rank again up to this many times, as a "
+        "replacement that joins the running ranks (--fault-tolerance replicas only)")
+        ->capture_default_str();
     add(*app_, "--rdzv-timeout", launch_.rendezvous_timeout_seconds,
         "Seconds for every node to join (and to reach the store)")
         ->capture_default_str();

@@ -337,9 +337,12 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
     launch.interface = job.interface;
     // Parameter-server workers are independent: one that fails leaves the others running
     // (Sandblaster hands its work units to the others).
+    const auto& fault_tolerance =
+        job.trainer.strategy_options.of<dtrain::parallel::ft::FaultToleranceOptions>();
     launch.tolerate_failures =
-        dtrain::train::uses_parameter_server(job) ||
-        job.trainer.strategy_options.of<dtrain::parallel::ft::FaultToleranceOptions>().replicas();
+        dtrain::train::uses_parameter_server(job) || fault_tolerance.replicas();
+    // A replica that fails is started again and joins the others (live recovery).
+    if (fault_tolerance.replicas()) launch.max_replacements = fault_tolerance.max_replacements;
     launch.command.push_back(dtrain::launch::self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     return dtrain::launch::launch(launch);

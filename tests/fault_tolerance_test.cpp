@@ -1,8 +1,10 @@
 // --fault-tolerance replicas: replicas that outlive each other. Without a failure the training
 // is plain DDP's, exactly; when a replica dies before a step, the survivors regroup, commit that
 // step without it and go on, their weights those of one process trained on the global batch of
-// the replicas present (all three, then the two), in float64; through the launcher, a replica
-// killed mid-run leaves the others to finish the job.
+// the replicas present (all three, then the two), in float64; a replacement that joins takes a
+// member's state and from then on the step is the three's again; through the launcher, a replica
+// killed mid-run leaves the others to finish the job, and a replacement started by the launcher
+// joins them.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -22,6 +24,7 @@
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
+#include "dtrain/parallel/ft/Replicas.h"
 #include "parallel/ft/ReplicaManager.h"
 
 using namespace dtrain;
@@ -67,9 +70,14 @@ at::Tensor cross_entropy(const at::Tensor& output, const at::Tensor& targets) {
 // that step: it dies (its launcher's report written where the launcher writes it) or, with
 // `stalls`, hangs (its heartbeat stops, its connections stay open) until the others are done.
 // Rank 0's weights.
+// `replaced`: a replacement for replica 2 (another initial model) joins: it announces itself
+// once the others committed step dies_before without it, and they wait for it before step
+// dies_before + 1, so it is admitted at that step's end.
+// `replacement_weights`: its weights at the end.
 std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int dies_before,
                                        std::vector<double>* replicas_seen = nullptr,
-                                       bool stalls = false) {
+                                       bool stalls = false, bool replaced = false,
+                                       std::vector<at::Tensor>* replacement_weights = nullptr) {
   const Data data;
   std::vector<Model> models;
   for (int r = 0; r < 3; ++r) models.push_back(initial_model());
@@ -96,13 +104,48 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
             auto store = world->key_value();
             store->set(parallel::ft::dead_key(2), "1");
             store->add(parallel::ft::kDeathsKey, 1);
-            return;  // its communicator goes with it
+            if (!replaced) return;  // its communicator goes with it
+            // (Its replacement announces itself once the others committed this step without it.)
+            while (!store->read("test/left")) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            }
+            // Its replacement (this thread's world stays, unused: a replacement meets the others
+            // in the group that admits it): another model, which the admission overwrites.
+            strategy.reset();
+            torch::manual_seed(99);
+            Model fresh = models::make_model(test::small_mlp(16, 32, 4));
+            fresh.module->to(at::kDouble);
+            options.of<parallel::ft::FaultToleranceOptions>().replacement = true;
+            strategy = parallel::make_strategy("ddp", options);
+            strategy->setup(fresh, optim::optimizer_factory(adam()),
+                            std::make_shared<comm::ProcessGrid>(world));
+            const int64_t joined = parallel::ft::replaceable(*strategy)->joined_at_step();
+            EXPECT_EQ(joined, dies_before + 2);
+            step = static_cast<int>(joined);
+            if (step >= kSteps) break;
+          }
+          if (replaced && world->rank() != 2 && step == dies_before + 1) {
+            auto store = world->key_value();
+            while (store->add(parallel::ft::kJoinsKey, 0) == 0) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            }
           }
           const auto result = strategy->train_step({data.batch(step, world->rank())}, cross_entropy);
+          if (auto* replicas = parallel::ft::replaceable(*strategy)) {
+            replicas->admit_waiting(step + 1);
+          }
+          if (replaced && world->rank() == 0 && step == dies_before) {
+            world->key_value()->set("test/left", "1");
+          }
           if (world->rank() == 0 && replicas_seen != nullptr) {
             replicas_seen->push_back(result.metrics.count("replicas")
                                          ? result.metrics.at("replicas")
                                          : static_cast<double>(world->size()));
+          }
+        }
+        if (world->rank() == 2 && replacement_weights != nullptr) {
+          for (const auto& p : strategy->model().module->parameters()) {
+            replacement_weights->push_back(p.detach().clone());
           }
         }
         if (world->rank() == 0) {
@@ -124,13 +167,14 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
   return weights;
 }
 
-// One process on the global batch of the replicas present at each step.
-std::vector<at::Tensor> train_one_process(int dies_before) {
+// One process on the global batch of the replicas present at each step: replica 2's rows are
+// left out from step `dies_before` until step `joins` (its replacement's first).
+std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps) {
   const Data data;
   Model model = initial_model();
   auto optimizer = optim::make_optimizer(model.module->parameters(), adam());
   for (int step = 0; step < kSteps; ++step) {
-    const int present = dies_before >= 0 && step >= dies_before ? 2 : 3;
+    const int present = dies_before >= 0 && step >= dies_before && step < joins ? 2 : 3;
     std::vector<at::Tensor> inputs, targets;
     for (int r = 0; r < present; ++r) {
       inputs.push_back(data.batch(step, r).inputs);
@@ -172,6 +216,24 @@ TEST(FaultTolerance, SurvivorsCommitTheStepWithoutTheDeadAndGoOn) {
   EXPECT_LT(max_difference(survivors, train_one_process(3)), 1e-12);
   // The oracle tells the two apart: the dead replica's data counted at step 4 is another run.
   EXPECT_GT(max_difference(survivors, train_one_process(4)), 1e-6);
+}
+
+// Live recovery: replica 2 dies before step 3 (index 2); its replacement, started with another
+// model, announces itself; the step that commits next admits it, a member sends it the weights
+// and Adam's state, and from the step after it the three train together again: the weights are
+// one process's on the global batch without replica 2's rows at the two steps it missed, and
+// the replacement ends with exactly the members' weights.
+TEST(FaultTolerance, AReplacementJoinsWithAMembersStateAndTheThreeTrainOn) {
+  at::set_num_threads(1);
+  std::vector<double> replicas;
+  std::vector<at::Tensor> replacement;
+  const auto members = train_replicas("replicas", 2, &replicas, false, true, &replacement);
+  EXPECT_EQ(replicas, (std::vector<double>{3, 3, 2, 2, 3, 3}));
+  EXPECT_LT(max_difference(members, train_one_process(2, 4)), 1e-12);
+  EXPECT_EQ(max_difference(members, replacement), 0.0);
+  // The oracle tells the cases apart: without the replacement, or with it a step earlier.
+  EXPECT_GT(max_difference(members, train_one_process(2)), 1e-6);
+  EXPECT_GT(max_difference(members, train_one_process(2, 3)), 1e-6);
 }
 
 // A replica that hangs (no death to report) is counted as dead once its heartbeat has been
@@ -216,7 +278,8 @@ TEST(FaultTolerance, AKilledReplicaLeavesTheOthersToFinishTheJob) {
   const auto out = test::cli::run(
       "DTRAIN_SIMULATE_FAILURE=2:12 " + test::cli::kDtrain +
       " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --max-steps 30 "
-      "--log-every 1 --no-progress --fault-tolerance replicas --metrics " + metrics);
+      "--log-every 1 --no-progress --fault-tolerance replicas --max-replacements 0 --metrics " +
+      metrics);
   ASSERT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(test::cli::has(out, "rank 2 kills itself at step 12")) << out.text;
   EXPECT_TRUE(test::cli::has(out, "the other ranks go on")) << out.text;
@@ -233,7 +296,8 @@ TEST(FaultTolerance, AStoppedReplicaIsFencedAndTheOthersFinish) {
   const auto out = test::cli::run(
       "DTRAIN_SIMULATE_FAILURE=2:12:stop " + test::cli::kDtrain +
       " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --max-steps 30 "
-      "--log-every 1 --no-progress --fault-tolerance replicas --metrics " + metrics);
+      "--log-every 1 --no-progress --fault-tolerance replicas --max-replacements 0 --metrics " +
+      metrics);
   ASSERT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(test::cli::has(out, "rank 2 stops itself at step 12")) << out.text;
   EXPECT_TRUE(test::cli::has(out, "world rank 2's heartbeat has been silent for 2000 ms"))
@@ -241,5 +305,42 @@ TEST(FaultTolerance, AStoppedReplicaIsFencedAndTheOthersFinish) {
   EXPECT_TRUE(test::cli::has(out, "was counted as dead by the other replicas")) << out.text;
   EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;
   expect_two_replicas_after(metrics, 12, 30);
+}
+// Live recovery through the launcher: rank 2 is killed at step 12 (then, stopped, at step 12 of
+// another run: fenced first); its launcher starts it again, the replacement joins the others at
+// a step's end and the job ends with three replicas; nothing restarts.
+TEST(FaultTolerance, TheLauncherReplacesAFailedReplicaAndItJoinsTheOthers) {
+  for (const std::string failure : {"2:12", "2:12:stop"}) {
+    test::TempDir dir;
+    const std::string metrics = dir / "metrics.jsonl";
+    const auto out = test::cli::run(
+        "DTRAIN_SIMULATE_SLOW_STEP_MS=40 DTRAIN_SIMULATE_FAILURE=" + failure + " " +
+        test::cli::kDtrain +
+        " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --max-steps 100 "
+        "--log-every 1 --no-progress --fault-tolerance replicas --metrics " + metrics);
+    ASSERT_EQ(out.code, 0) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "started rank 2 again (replacement 1 of at most 10")) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 joined after step")) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "its state from world rank 0")) << out.text;
+    EXPECT_FALSE(test::cli::has(out, "restart")) << out.text;
+    // Three replicas up to step 12, two for a while, three again to the end.
+    std::ifstream in(metrics);
+    std::string line;
+    std::vector<std::pair<int64_t, double>> changes;
+    int64_t last = 0;
+    while (std::getline(in, line)) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.at("event") != "step") continue;
+      last = record.at("step").get<int64_t>();
+      const double replicas = record.at("replicas").get<double>();
+      if (changes.empty() || changes.back().second != replicas) changes.push_back({last, replicas});
+    }
+    EXPECT_EQ(last, 100);
+    ASSERT_EQ(changes.size(), 3u) << out.text;
+    EXPECT_EQ(changes[0], (std::pair<int64_t, double>{1, 3.0}));
+    EXPECT_EQ(changes[1], (std::pair<int64_t, double>{13, 2.0}));
+    EXPECT_EQ(changes[2].second, 3.0);
+  }
 }
 #endif

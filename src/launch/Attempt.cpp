@@ -61,12 +61,20 @@ int exit_code_of(int status) {
 }  // namespace
 
 void Attempt::spawn() {
-  const int world = o_.nproc_per_node * nnodes_;
-  const bool tty = ::isatty(STDOUT_FILENO) == 1;
   ranks_.assign(o_.nproc_per_node, Rank{});
   for (int local = 0; local < o_.nproc_per_node; ++local) {
     Rank& r = ranks_[local];
+    r.local = local;
     r.rank = node_rank_ * o_.nproc_per_node + local;
+    spawn_rank(r);
+  }
+}
+
+void Attempt::spawn_rank(Rank& r) {
+  const int world = o_.nproc_per_node * nnodes_;
+  const bool tty = ::isatty(STDOUT_FILENO) == 1;
+  const int local = r.local;
+  {
     int out_pipe[2], err_pipe[2];
     DTRAIN_CHECK(::pipe(out_pipe) == 0 && ::pipe(err_pipe) == 0,
                  "pipe() failed: ", std::strerror(errno));
@@ -95,6 +103,8 @@ void Attempt::spawn() {
     };
     if (!o_.interface.empty()) env.push_back("GLOO_SOCKET_IFNAME=" + o_.interface);
     if (o_.tolerate_failures) env.push_back("DTRAIN_TOLERATE_FAILURES=1");
+    // The others train on: it joins them (parallel/ft/ReplicaManager.h) instead of the world.
+    if (r.replacements > 0) env.push_back(concat("DTRAIN_FT_REPLACEMENT=", r.replacements));
     if (!progress_file_.empty()) env.push_back("DTRAIN_PROGRESS_FILE=" + progress_file_);
     if (tty && r.rank == 0) env.push_back("DTRAIN_PROGRESS_TTY=1");
     env.insert(env.end(), o_.extra_env.begin(), o_.extra_env.end());
@@ -166,7 +176,12 @@ void Attempt::tick() {
       // A fault-tolerant job's ranks declare a silent replica dead and go on without it; it
       // must not come back into a group that went on (fencing): its launcher kills it.
       for (auto& r : ranks_) {
-        if (r.running && !r.fenced && store_.check(rank_key(attempt_, concat("ft/dead/", r.rank)))) {
+        const bool marked = store_.check(rank_key(attempt_, concat("ft/dead/", r.rank)));
+        if (r.awaiting_admission) {
+          r.awaiting_admission = marked;  // the others remove the mark when they admit it
+          continue;
+        }
+        if (r.running && !r.fenced && marked) {
           std::fprintf(stderr,
                        "dtrain launch: rank %d (pid %d) was counted as dead by the other "
                        "replicas (its heartbeat stopped); killing it\n",
@@ -291,12 +306,44 @@ Outcome Attempt::run() {
                        r.rank, static_cast<int>(r.pid), describe_status(status).c_str());
           // What a fault-tolerant job's ranks watch for (parallel/ft/ReplicaManager.h): the
           // dead rank first, then the count that tells them to look.
+          // A replacement that fails before it is admitted was never counted in (its
+          // predecessor's mark is still there): nothing new to report.
           try {
-            store_.set(rank_key(attempt_, concat("ft/dead/", r.rank)), "1");
-            store_.add(rank_key(attempt_, "ft/deaths"), 1);
+            if (!r.awaiting_admission) {
+              store_.set(rank_key(attempt_, concat("ft/dead/", r.rank)), "1");
+              store_.add(rank_key(attempt_, "ft/deaths"), 1);
+            }
           } catch (const CommError& e) {
             std::fprintf(stderr, "dtrain launch: could not report rank %d's failure: %s\n",
                          r.rank, e.what());
+          }
+          if (r.replacements < o_.max_replacements) {
+            // torchft's replica groups, restarted by their scheduler: a new process for the
+            // rank, which fetches the state from a replica that is training.
+            for (const bool is_err : {false, true}) {
+              int& fd = is_err ? r.err_fd : r.out_fd;
+              std::string& buffer = is_err ? r.err_buffer : r.out_buffer;
+              if (fd >= 0) {
+                pollfd ready{fd, POLLIN, 0};
+                char chunk[8192];
+                ssize_t n = 0;
+                while (::poll(&ready, 1, 0) > 0 && (n = ::read(fd, chunk, sizeof(chunk))) > 0) {
+                  buffer.append(chunk, static_cast<size_t>(n));
+                }
+                ::close(fd);
+                fd = -1;
+              }
+              flush_lines(buffer, prefix_of(r), is_err ? stderr : stdout, true);
+            }
+            ++r.replacements;
+            r.fenced = false;
+            r.awaiting_admission = true;
+            spawn_rank(r);
+            any_running = true;
+            std::fprintf(stderr,
+                         "dtrain launch: started rank %d again (replacement %d of at most %d, "
+                         "pid %d); it joins the others\n",
+                         r.rank, r.replacements, o_.max_replacements, static_cast<int>(r.pid));
           }
         } else if (!ok && !stopping_ && !local_failure_) {
           Outcome mine;

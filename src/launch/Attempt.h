@@ -25,6 +25,11 @@ struct Rank {
   std::string err_buffer;
   bool running = false;
   bool fenced = false;  // killed because the other replicas counted it as dead
+  int local = 0;
+  int replacements = 0;  // times it was started again after a failure (max_replacements)
+  // A replacement not admitted yet: the others' death mark of the process it replaces stays
+  // until they admit it, and must not fence it.
+  bool awaiting_admission = false;
   int status = 0;
 };
 
@@ -45,6 +50,8 @@ class Attempt {
 
  private:
   void spawn();
+  // Starts local rank `r.local` (again: a replacement, when r.replacements > 0).
+  void spawn_rank(Rank& r);
   // Publishes `mine` as the job's failure unless another is there first; returns the first.
   Outcome publish(const Outcome& mine) {
     try {

@@ -76,6 +76,11 @@ void validate(const LaunchOptions& o) {
   DTRAIN_CHECK_INPUT(o.threads >= 0, "--threads must be >= 1, got ", o.threads);
   DTRAIN_CHECK_INPUT(o.max_restarts >= 0 && o.max_restarts <= 1000,
                      "--max-restarts must be in 0..1000, got ", o.max_restarts);
+  DTRAIN_CHECK_INPUT(o.max_replacements >= 0 && o.max_replacements <= 100000,
+                     "--max-replacements must be in 0..100000, got ", o.max_replacements);
+  DTRAIN_CHECK_INPUT(o.max_replacements == 0 || o.tolerate_failures,
+                     "--max-replacements starts failed ranks again while the others go on: it "
+                     "needs --tolerate-failures");
   DTRAIN_CHECK_INPUT(o.rendezvous_timeout_seconds > 0 && o.rendezvous_timeout_seconds <= 86400,
                      "--rdzv-timeout must be in (0, 86400] seconds, got ",
                      o.rendezvous_timeout_seconds);

@@ -17,6 +17,7 @@
 #include "dtrain/common/Trace.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/nn/SyncBatchNorm.h"
+#include "dtrain/parallel/ft/Replicas.h"
 #include "dtrain/precision/Precision.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/CheckpointManager.h"
@@ -260,7 +261,16 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   }
   torch::manual_seed(options_.seed + 1000003ULL * static_cast<uint64_t>(rank + 1));
   CheckpointManager checkpoints(options_, *world_, *grid_, *strategy_);
-  const int64_t start_step = checkpoints.restore(global_batch);
+  // A replacement replica has its state from a replica that trains, and starts where it is.
+  parallel::ft::ReplaceableReplicas* const replicas = parallel::ft::replaceable(*strategy_);
+  const int64_t joined_at = replicas ? replicas->joined_at_step() : -1;
+  const int64_t start_step =
+      joined_at >= 0 ? std::min(joined_at, total_steps) : checkpoints.restore(global_batch);
+  if (joined_at == parallel::ft::ReplaceableReplicas::kFinished) {
+    std::fprintf(stderr,
+                 "dtrain: world rank %d: the job finished before this replacement was admitted\n",
+                 rank);
+  }
 
   runners::Run run(options_, *strategy_, *world_, train, validation, start_step, steps_per_epoch);
   run.total_steps = total_steps;

@@ -48,6 +48,10 @@ struct LaunchOptions {
   /// store for the others (ft/dead/RANK under the ranks' prefix) and the job goes on; rank 0
   /// failing still stops the job.
   bool tolerate_failures = false;
+  /// With tolerate_failures: a failed rank (not 0) is started again, up to this many times per
+  /// rank, as a replacement (DTRAIN_FT_REPLACEMENT=K in its environment) that joins the ranks
+  /// still running: --fault-tolerance replicas admits it at a step's end and sends it the state.
+  int max_replacements = 0;
   /// Restarts of the whole job after a failure (torchrun's --max-restarts).
   int max_restarts = 0;
   /// Seconds every node may take to join an attempt (and to connect to the store).

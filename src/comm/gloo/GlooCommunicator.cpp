@@ -153,20 +153,31 @@ class StoreKeyValue : public KeyValue {
 GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store,
                                    std::string store_prefix, int rank, int size, std::string name,
                                    std::vector<int> global_ranks, Milliseconds timeout,
-                                   std::shared_ptr<::gloo::transport::Device> device, int threads)
+                                   std::shared_ptr<::gloo::transport::Device> device, int threads,
+                                   bool connect)
     : Communicator(rank, size, std::move(name), std::move(global_ranks), timeout),
       root_store_(std::move(root_store)),
       store_prefix_(std::move(store_prefix)),
       device_(std::move(device)),
       threads_(threads) {
-  auto store = c10::make_intrusive<c10d::PrefixStore>(store_prefix_, root_store_);
-  group_ = make_group(store, rank, size, timeout, device_, threads_,
-                      concat("group '", this->name(), "'"));
+  if (connect) {
+    auto store = c10::make_intrusive<c10d::PrefixStore>(store_prefix_, root_store_);
+    group_ = make_group(store, rank, size, timeout, device_, threads_,
+                        concat("group '", this->name(), "'"));
+  }
   track_progress(std::make_shared<StoreBoard>(root_store_),
                  concat("progress/", store_prefix_, "/"));
 }
 
 GlooCommunicator::~GlooCommunicator() = default;
+
+c10d::ProcessGroupGloo& GlooCommunicator::connected(const std::string& what) const {
+  DTRAIN_CHECK(group_, describe(what), ": world rank ", global_ranks()[rank()],
+               " joined as a replacement replica (--fault-tolerance replicas): group '", name(),
+               "' never formed here; only the replica group it was admitted to carries its "
+               "collectives");
+  return *group_;
+}
 
 WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, const AllreduceOptions& options) {
   const std::string what =
@@ -187,7 +198,7 @@ WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, const AllreduceOptions& o
   c10d::AllreduceOptions c10d_options;
   c10d_options.reduceOp = to_c10d(options.op);
   c10d_options.timeout = timeout;
-  auto work = issue(describe(what), [&] { return group_->allreduce(tensors, c10d_options); });
+  auto work = issue(describe(what), [&] { return connected(what).allreduce(tensors, c10d_options); });
   const int world = size();
   const bool average = options.op == ReduceOp::Avg;
   auto result = std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
@@ -231,7 +242,7 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& o
   c10d::BroadcastOptions c10d_options;
   c10d_options.rootRank = options.root;
   c10d_options.timeout = timeout;
-  auto work = issue(describe(what), [&] { return group_->broadcast(tensors, c10d_options); });
+  auto work = issue(describe(what), [&] { return connected(what).broadcast(tensors, c10d_options); });
   auto result = std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
     if (!buffer.is_same(tensor)) tensor.copy_(buffer);
   });
@@ -245,7 +256,7 @@ WorkPtr GlooCommunicator::barrier(const BarrierOptions& options) {
   check_matching("barrier");
   c10d::BarrierOptions c10d_options;
   c10d_options.timeout = timeout;
-  auto work = issue(describe("barrier"), [&] { return group_->barrier(c10d_options); });
+  auto work = issue(describe("barrier"), [&] { return connected("barrier").barrier(c10d_options); });
   auto result = std::make_shared<C10dWork>(work, describe("barrier"), timeout);
   note_collective("barrier", *result);
   return result;
@@ -255,7 +266,7 @@ WorkPtr GlooCommunicator::send_tagged(at::Tensor tensor, int dst, int tag, Milli
   std::vector<at::Tensor> tensors{tensor.is_cpu() ? tensor : host_buffer(tensor)};
   const std::string what =
       concat("send(", shape_string(tensor), " to rank ", dst, ", tag ", tag, ")");
-  auto work = issue(describe(what), [&] { return group_->send(tensors, dst, tag); });
+  auto work = issue(describe(what), [&] { return connected(what).send(tensors, dst, tag); });
   return std::make_shared<C10dWork>(work, describe(what), timeout);
 }
 
@@ -264,7 +275,7 @@ WorkPtr GlooCommunicator::recv_tagged(at::Tensor tensor, int src, int tag, Milli
   std::vector<at::Tensor> tensors{buffer};
   const std::string what =
       concat("recv(", shape_string(tensor), " from rank ", src, ", tag ", tag, ")");
-  auto work = issue(describe(what), [&] { return group_->recv(tensors, src, tag); });
+  auto work = issue(describe(what), [&] { return connected(what).recv(tensors, src, tag); });
   return std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
     if (!buffer.is_same(tensor)) tensor.copy_(buffer);
   });
@@ -356,9 +367,13 @@ std::shared_ptr<GlooCommunicator> create_world(const InitOptions& options) {
   }
   std::vector<int> global(options.world_size);
   for (int r = 0; r < options.world_size; ++r) global[r] = r;
+  // A replacement replica (--fault-tolerance replicas; its launcher says so) starts while the
+  // others train: the world never forms again. It meets them in the replica group that admits
+  // it (GlooCommunicator::regroup), through the same store.
+  const bool replacement = std::getenv("DTRAIN_FT_REPLACEMENT") != nullptr;
   return std::make_shared<GlooCommunicator>(store, "world", options.rank, options.world_size,
                                             "world", global, options.timeout, device,
-                                            options.backend_threads);
+                                            options.backend_threads, !replacement);
 }
 
 }  // namespace dtrain::comm::gloo

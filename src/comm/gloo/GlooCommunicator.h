@@ -12,7 +12,8 @@ class GlooCommunicator : public Communicator {
  public:
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store, std::string store_prefix, int rank,
                    int size, std::string name, std::vector<int> global_ranks, Milliseconds timeout,
-                   std::shared_ptr<::gloo::transport::Device> device, int threads);
+                   std::shared_ptr<::gloo::transport::Device> device, int threads,
+                   bool connect = true);
   ~GlooCommunicator() override;
 
   std::string backend_name() const override { return "gloo"; }
@@ -45,7 +46,10 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<::gloo::transport::Device> device_;
   int threads_;
   int groups_created_ = 0;
+  /// Null when the group never connected (a replacement replica's world).
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  /// The connected group; Error naming `what` when it never formed.
+  c10d::ProcessGroupGloo& connected(const std::string& what) const;
 };
 
 /// Rendezvous through a TCPStore at options.master_addr:master_port and connect the world.

@@ -63,15 +63,17 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
                      " shards the gradients of key/value heads that tensor-parallel ranks share "
                      "(--kv-heads below --tensor-parallel) and sum first; use ddp or zero1, or "
                      "a --tensor-parallel that divides --kv-heads");
-  {
-    torch::NoGradGuard no_grad;
-    std::vector<comm::WorkPtr> works;
-    for (auto& p : parameters_) works.push_back(comm_->broadcast(p, {0}));
-    for (auto& b : model_.module->buffers()) works.push_back(comm_->broadcast(b, {0}));
-    comm::wait_all(works);
-  }
+  broadcast_initial_state();
   build_optimizer(make_optimizer);
   build_gradient_sync(names_);
+}
+
+void DdpStrategy::broadcast_initial_state() {
+  torch::NoGradGuard no_grad;
+  std::vector<comm::WorkPtr> works;
+  for (auto& p : parameters_) works.push_back(comm_->broadcast(p, {0}));
+  for (auto& b : model_.module->buffers()) works.push_back(comm_->broadcast(b, {0}));
+  comm::wait_all(works);
 }
 
 void DdpStrategy::build_gradient_sync(const std::vector<std::string>& names) {

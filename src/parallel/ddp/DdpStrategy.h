@@ -55,6 +55,9 @@ class DdpStrategy : public Strategy {
   virtual bool gradients_sharded() const { return false; }
 
   void broadcast_buffers();
+  /// setup(): rank 0's parameters and buffers to every replica (a replacement replica takes
+  /// them, and the optimizer state, from a replica that trains instead).
+  virtual void broadcast_initial_state();
   /// Micro-batch `index`'s forward under the run's precision (pure bf16 takes bf16 inputs): its
   /// loss, before any division or scaling.
   at::Tensor micro_batch_loss(const data::Batch& batch, const LossFn& loss, size_t index);

@@ -4,16 +4,21 @@
 // data with it from the step that failed on: the survivors' step is the mean over their own
 // batches (the learning rate unchanged, as torchft does), so the global batch shrinks with the
 // group. Rank 0 evaluates and checkpoints alone.
+//
+// A replacement (its launcher starts a failed replica's process again) joins at the end of a
+// step: the first replica present sends it the weights, buffers and optimizer state, and the
+// steps trained; it reads its own share of the data from the next step on, as before it failed.
 #pragma once
 
 #include <memory>
 
 #include "parallel/ddp/DdpStrategy.h"
+#include "dtrain/parallel/ft/Replicas.h"
 #include "parallel/ft/ReplicaManager.h"
 
 namespace dtrain::parallel::ft {
 
-class FaultTolerantDdp : public ddp::DdpStrategy {
+class FaultTolerantDdp : public ddp::DdpStrategy, public ReplaceableReplicas {
  public:
   explicit FaultTolerantDdp(StrategyOptions options);
   void setup(Model model, const optim::OptimizerFactory& make_optimizer,
@@ -22,12 +27,24 @@ class FaultTolerantDdp : public ddp::DdpStrategy {
   bool survives_replica_failures() const override { return true; }
   comm::CommunicatorPtr step_group() const override { return manager_->group(); }
 
+  int64_t joined_at_step() const override { return joined_at_; }
+  void admit_waiting(int64_t steps) override;
+  void close_admissions() override { manager_->close(); }
+
  protected:
   /// No Reducer: the manager sums the gradients once backward is done.
   void build_gradient_sync(const std::vector<std::string>&) override {}
+  /// A replacement takes the state from a replica present when it is admitted, not from rank 0.
+  void broadcast_initial_state() override;
 
  private:
+  /// Collective over the replica group: the parameters, buffers and optimizer state of group
+  /// rank `root` to the others (a replacement's), and root's `steps`; returns them.
+  int64_t send_state(int root, int64_t steps);
+
   std::unique_ptr<ReplicaManager> manager_;
+  bool replacement_ = false;
+  int64_t joined_at_ = -1;
 };
 
 /// --fault-tolerance's flags and checks.

@@ -47,12 +47,18 @@ std::vector<int> parsed(const std::string& text) {
 
 std::string dead_key(int world_rank) { return concat("ft/dead/", world_rank); }
 std::string heartbeat_key(int world_rank) { return concat("ft/beat/", world_rank); }
+std::string join_key(int world_rank) { return concat("ft/join/", world_rank); }
+
+namespace {
+std::string admit_key(int world_rank) { return concat("ft/admit/", world_rank); }
+}  // namespace
 
 ReplicaManager::ReplicaManager(comm::CommunicatorPtr world,
-                               std::chrono::milliseconds heartbeat_timeout)
+                               std::chrono::milliseconds heartbeat_timeout, bool replacement)
     : world_(std::move(world)),
       group_(world_),
       store_(world_->key_value()),
+      replacement_(replacement),
       heartbeat_timeout_(heartbeat_timeout) {
   DTRAIN_CHECK_INPUT(store_ != nullptr,
                      "--fault-tolerance replicas needs a backend that meets through a store "
@@ -167,7 +173,12 @@ std::string ReplicaManager::decide(bool summed) {
   while (true) {
     if (auto decision = store_->read(base + "decision")) return *decision;
     if (store_->add(base + "summed", 0) == static_cast<int64_t>(members_.size())) {
-      return store_->set_if_absent(base + "decision", "commit");
+      // Replacements waiting are admitted at this step's end: the decision names them, so
+      // every member takes them in at the same step.
+      const std::vector<int> joining =
+          store_->add(kJoinsKey, 0) > 0 ? waiting() : std::vector<int>{};
+      return store_->set_if_absent(base + "decision",
+                                   joining.empty() ? "commit" : "commit+" + joined(joining));
     }
     declare_silent();
     if (store_->add(kDeathsKey, 0) > deaths_seen_) {
@@ -194,6 +205,9 @@ std::string ReplicaManager::decide(bool summed) {
 }
 
 int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tensor&)>& refill) {
+  DTRAIN_CHECK(admitting_.empty(), "replica group: step ", step_ + 1,
+               " began before the replacements the previous step admitted were taken in "
+               "(admit)");
   const at::Tensor mine = refill ? at::Tensor() : flat.clone();
   const int me = world_->global_ranks()[world_->rank()];
   while (true) {
@@ -206,7 +220,8 @@ int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tens
       }
     }
     const std::string decision = decide(summed);
-    if (decision == "commit") {
+    if (decision.rfind("commit", 0) == 0) {
+      admitting_ = decision.size() > 6 ? parsed(decision.substr(7)) : std::vector<int>{};
       // Every member has passed the previous step's decision (each summed this one): its keys
       // go, so the store holds a few keys per member whatever the run's length.
       if (me == members_.front() && step_ > 0) forget(step_ - 1);
@@ -242,5 +257,97 @@ int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tens
     }
   }
 }
+
+std::vector<int> ReplicaManager::waiting() {
+  std::vector<int> ranks;
+  for (int r = 0; r < world_->size(); ++r) {
+    if (std::find(members_.begin(), members_.end(), r) != members_.end()) continue;
+    // (A replacement that announced itself before the members left its predecessor out waits
+    // for a later step.)
+    if (store_->read(join_key(r))) ranks.push_back(r);
+  }
+  return ranks;
+}
+
+int ReplicaManager::admit(int64_t steps) {
+  DTRAIN_CHECK(!admitting_.empty(), "replica group: admit() without replacements to admit");
+  const auto started = Clock::now();
+  const int me = world_->global_ranks()[world_->rank()];
+  const int sender = members_.front();
+  std::vector<int> next = members_;
+  next.insert(next.end(), admitting_.begin(), admitting_.end());
+  std::sort(next.begin(), next.end());
+  ++generation_;
+  if (me == sender) {
+    // Its predecessor's death mark goes first (the launcher fences a marked process), then the
+    // admission it waits for: generation, step key, the caller's steps, the sender, the members.
+    const std::string admission =
+        concat(generation_, " ", step_, " ", steps, " ", sender, " ", joined(next));
+    for (const int r : admitting_) {
+      store_->remove(dead_key(r));
+      store_->remove(join_key(r));
+      store_->add(kJoinsKey, -1);
+      store_->set(admit_key(r), admission);
+    }
+  }
+  const std::vector<int> admitted = admitting_;
+  admitting_.clear();
+  members_ = next;
+  deaths_seen_ = store_->add(kDeathsKey, 0);
+  // (The previous group finished its last collective: it can go.)
+  group_ = world_->regroup(members_, concat("ft/g", generation_), "replicas");
+  if (me == sender) {
+    std::fprintf(stderr,
+                 "dtrain: replica group: world rank(s) %s joined after step %lld; %zu replica(s) "
+                 "(regrouped in %.0f ms)\n",
+                 joined(admitted).c_str(), static_cast<long long>(steps), members_.size(),
+                 std::chrono::duration<double, std::milli>(Clock::now() - started).count());
+    std::fflush(stderr);
+  }
+  return static_cast<int>(std::find(members_.begin(), members_.end(), sender) - members_.begin());
+}
+
+std::optional<ReplicaManager::Admission> ReplicaManager::join() {
+  DTRAIN_CHECK(replacement_, "replica group: join() on a replica that is not a replacement");
+  const int me = world_->global_ranks()[world_->rank()];
+  store_->set(join_key(me), "1");
+  store_->add(kJoinsKey, 1);
+  const auto deadline = Clock::now() + world_->timeout();
+  std::string admission;
+  while (true) {
+    if (auto found = store_->read(admit_key(me))) {
+      admission = *found;
+      store_->remove(admit_key(me));
+      break;
+    }
+    if (store_->read(kClosedKey)) {
+      store_->remove(join_key(me));
+      store_->add(kJoinsKey, -1);
+      return std::nullopt;
+    }
+    DTRAIN_CHECK_T(CommError, Clock::now() < deadline, "replica group: world rank ", me,
+                      " (a replacement) was not admitted within ", world_->timeout().count(),
+                      " ms: no step of the replicas present committed meanwhile");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::stringstream in(admission);
+  int64_t steps = 0;
+  int sender = 0;
+  std::string members;
+  in >> generation_ >> step_ >> steps >> sender >> members;
+  members_ = parsed(members);
+  DTRAIN_CHECK(!in.fail() && std::find(members_.begin(), members_.end(), me) != members_.end(),
+               "replica group: world rank ", me, " got a malformed admission '", admission, "'");
+  deaths_seen_ = store_->add(kDeathsKey, 0);
+  group_ = world_->regroup(members_, concat("ft/g", generation_), "replicas");
+  replacement_ = false;
+  Admission result;
+  result.root =
+      static_cast<int>(std::find(members_.begin(), members_.end(), sender) - members_.begin());
+  result.steps = steps;
+  return result;
+}
+
+void ReplicaManager::close() { store_->set(kClosedKey, "1"); }
 
 }  // namespace dtrain::parallel::ft

@@ -8,6 +8,12 @@
 // dying (SIGSTOP, a machine that hangs) stops its heartbeat in the store: the others declare it
 // dead once it has been silent for the heartbeat timeout, and its launcher, seeing that, kills
 // it (fencing: it must not come back into a group that went on without it).
+//
+// Live recovery: a process that replaces a failed member (its launcher starts it again)
+// announces itself in the store (join_key) and waits. The decision of the next step that
+// commits names it ("commit+R,..."), so every member takes it in at the same step's end: after
+// the update they form the group with it under a fresh key, and the first member sends it the
+// state. The member that admits it removes its predecessor's death mark first.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -18,6 +24,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,13 +39,20 @@ std::string dead_key(int world_rank);
 inline constexpr const char* kDeathsKey = "ft/deaths";
 /// Where each replica's heartbeat counts (every 100 ms).
 std::string heartbeat_key(int world_rank);
+/// Where a replacement announces itself, and how many wait.
+std::string join_key(int world_rank);
+inline constexpr const char* kJoinsKey = "ft/joins";
+/// Set by rank 0 when training ends: no replacement will be admitted.
+inline constexpr const char* kClosedKey = "ft/closed";
 
 class ReplicaManager {
  public:
   /// Every rank of `world` is a replica (its backend must regroup: gloo). A member whose
   /// heartbeat is silent for `heartbeat_timeout` counts as dead.
+  /// `replacement`: this process replaces a failed member; call join() first.
   explicit ReplicaManager(comm::CommunicatorPtr world,
-                          std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(2));
+                          std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(2),
+                          bool replacement = false);
   ~ReplicaManager();
   ReplicaManager(const ReplicaManager&) = delete;
   ReplicaManager& operator=(const ReplicaManager&) = delete;
@@ -49,6 +63,25 @@ class ReplicaManager {
   /// of it is kept). Error when this rank has been left out; CommError after the world's timeout
   /// naming the members that neither finished nor were reported dead.
   int allreduce(at::Tensor flat, const std::function<void(at::Tensor&)>& refill = nullptr);
+
+  /// A replacement: announces itself and waits, up to the world's timeout, until the replicas
+  /// present admit it (at the end of a committed step); it is then a member of their group.
+  /// `root`: the group rank of the member that sends it the state; `steps`: what that member's
+  /// caller passed to admit(). nullopt when the job finished first (kClosedKey).
+  struct Admission {
+    int root = 0;
+    int64_t steps = 0;
+  };
+  std::optional<Admission> join();
+
+  /// The replacements that the last committed step admits (empty unless one waited).
+  const std::vector<int>& admitting() const { return admitting_; }
+  /// Every member, after the update of a step whose allreduce returned admitting() non-empty:
+  /// forms the group with them; returns the group rank of the member that sends them the state.
+  /// `steps` is handed to them (join()).
+  int admit(int64_t steps);
+  /// When training ends (rank 0): replacements that still wait give up (join() returns nullopt).
+  void close();
 
   /// The world ranks present, in order; the group over them.
   const std::vector<int>& members() const { return members_; }
@@ -70,11 +103,15 @@ class ReplicaManager {
   std::string decide(bool summed);
   /// Deletes a decided step's keys (of this group).
   void forget(int64_t step);
+  /// The replacements waiting to join (world ranks that are not members), in order.
+  std::vector<int> waiting();
 
   comm::CommunicatorPtr world_;
   comm::CommunicatorPtr group_;
   std::shared_ptr<comm::KeyValue> store_;
   std::vector<int> members_;
+  std::vector<int> admitting_;
+  bool replacement_ = false;
   int generation_ = 0;
   int64_t step_ = 0;
   int64_t deaths_seen_ = 0;

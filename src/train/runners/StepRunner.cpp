@@ -18,6 +18,7 @@
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Loops.h"
+#include "dtrain/parallel/ft/Replicas.h"
 #include "train/runners/Run.h"
 
 namespace dtrain::train::runners {
@@ -91,6 +92,7 @@ void StepRunner::run(Run& run) {
   // Replicas that outlive each other: the strategy's loss is already the mean over the replicas
   // present, and rank 0 evaluates and checkpoints alone (no collective a failure could break).
   const bool outlive = run.strategy.survives_replica_failures();
+  parallel::ft::ReplaceableReplicas* const replicas = parallel::ft::replaceable(run.strategy);
   const bool alone = async != nullptr || outlive;
   // The next step's batches, read while this one trains.
   std::future<std::vector<data::Batch>> ahead;
@@ -191,8 +193,11 @@ void StepRunner::run(Run& run) {
       run.save(reached, epoch, alone);
     }
     run.failure.maybe_fire(step + 1);
+    // Replacements the step admitted take part from the next one (live recovery).
+    if (replicas) replicas->admit_waiting(reached);
     if (done) break;
   }
+  if (replicas && run.leader) replicas->close_admissions();
   finish(run);
 }
 

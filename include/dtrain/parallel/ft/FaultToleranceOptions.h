@@ -10,6 +10,13 @@ struct FaultToleranceOptions {
   /// with --max-restarts). "replicas": data-parallel replicas outlive a member; the others go
   /// on without it at once (parallel/ft/ReplicaManager.h).
   std::string mode = "none";
+  /// replicas under `dtrain train --nproc`: a failed replica's process is started again up to
+  /// this many times; it joins the others at a step's end, its state sent by one of them.
+  /// (`dtrain launch` takes --max-replacements itself.)
+  int max_replacements = 10;
+  /// This process replaces a failed replica (set from DTRAIN_FT_REPLACEMENT, which its launcher
+  /// sets): setup waits to be admitted and takes the state from a replica that trains.
+  bool replacement = false;
   bool replicas() const { return mode == "replicas"; }
 };
 

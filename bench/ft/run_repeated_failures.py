@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Replicas failing again and again (issue 53, parts 1-2): a replica SIGKILLed, or SIGSTOPped,
+every --period seconds while the job trains, against the same job without failures and against
+today's restart-from-checkpoint path under the same schedule. The job is
+bench/ft/run_replica_failure.py's: Fashion-MNIST MLP 784-1792-1792-10 with Adam (56 MB of
+weights and optimizer state), 3 ranks of 1 thread, 32 images per rank and step, --steps steps.
+The victims alternate between ranks 1 and 2 (rank 0, which evaluates and checkpoints, must live;
+its death stops the job as before).
+
+Sides:
+- none: no failure;
+- kill: --fault-tolerance replicas, a replica SIGKILLed every period: the others go on at
+  once, its launcher starts it again and the replacement joins at a step's end with the state
+  of rank 0 (live recovery);
+- stop: the same with SIGSTOP: counted as dead after 2 s of heartbeat silence, killed by its
+  launcher (fencing), then replaced;
+- restart: --max-restarts with a checkpoint every --every steps: a kill restarts every rank
+  from the newest checkpoint.
+
+Figures, from rank 0's metrics (each step record's wall-clock "time" and "replicas"):
+throughput = the samples of the steps trained (32 x the replicas present, each step once) per
+second between the first step's record and the last; the test loss of the final evaluation; for
+kill/stop, the time from each failure to the first step with all three replicas again (the
+replacement taking part) and the steps trained with fewer.
+
+  bench/ft/run_repeated_failures.py --steps 2400 --period 30 [--sides none,kill,stop,restart]
+"""
+import os
+import sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/'s helpers
+import argparse
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+
+import report
+
+
+def rank_pids(launcher_pid):
+    """{rank: pid} of the launcher's children (their RANK in /proc/PID/environ)."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent != launcher_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            pids[int(env[b"RANK"])] = int(entry)
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return pids
+
+
+def run_side(dtrain, side, args, workdir):
+    metrics = os.path.join(workdir, f"{side}.jsonl")
+    checkpoints = os.path.join(workdir, f"ck-{side}")
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    command = [dtrain, "train", "--model", "mlp", "--hidden", "1792", "1792", "--optimizer",
+               "adam", "--batch-size", "32", "--epochs", "100", "--max-steps", str(args.steps),
+               "--nproc", "3", "--threads", "1", "--log-every", "1", "--metrics", metrics,
+               "--no-progress"]
+    if side in ("kill", "stop"):
+        command += ["--fault-tolerance", "replicas", "--max-replacements", "1000"]
+    elif side == "restart":
+        command += ["--max-restarts", "1000", "--checkpoint-dir", checkpoints,
+                    "--checkpoint-every", str(args.every)]
+    started = time.time()
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
+    reader.start()
+    failures = []
+    if side != "none":
+        victim = 1
+        next_failure = started + args.period
+        while job.poll() is None:
+            time.sleep(0.05)
+            if time.time() < next_failure:
+                continue
+            # The launcher that owns the ranks: `dtrain train --nproc` runs them itself.
+            pids = rank_pids(job.pid)
+            if victim in pids:
+                os.kill(pids[victim], signal.SIGSTOP if side == "stop" else signal.SIGKILL)
+                failures.append({"time": time.time(), "rank": victim})
+            victim = 3 - victim
+            next_failure += args.period
+    code = job.wait()
+    reader.join()
+    wall = time.time() - started
+    if code != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({code}):\n{''.join(output)[-3000:]}")
+    records = [json.loads(line) for line in open(metrics)]
+    steps = {}
+    for r in records:
+        if r["event"] == "step":
+            steps[r["step"]] = r  # a step trained again (restart) counts once, its last time
+    evals = [r for r in records if r["event"] == "eval"]
+    ordered = [steps[s] for s in sorted(steps)]
+    first, last = ordered[0]["time"], ordered[-1]["time"]
+    samples = sum(32 * r.get("replicas", 3) for r in ordered[1:])
+    result = {"side": side, "command": " ".join(command), "wall_s": wall,
+              "steps": len(ordered), "failures": len(failures),
+              "samples_per_s": samples / (last - first),
+              "test_loss": evals[-1]["val_loss"] if evals else None,
+              "test_accuracy": evals[-1]["val_accuracy"] if evals else None,
+              "final_train_loss_mean50": statistics.mean(r["loss"] for r in ordered[-50:])}
+    if side in ("kill", "stop"):
+        # Each failure to the first step with three replicas again.
+        back = []
+        for f in failures:
+            later = [r for r in ordered if r["time"] > f["time"]]
+            fewer = [r for r in later if r.get("replicas", 3) < 3]
+            if not fewer:
+                continue
+            again = [r for r in later if r["time"] > fewer[0]["time"] and r.get("replicas") == 3]
+            if again:
+                back.append(again[0]["time"] - f["time"])
+        result["failure_to_three_s"] = back
+        result["steps_with_fewer"] = sum(1 for r in ordered if r.get("replicas", 3) < 3)
+        result["replaced"] = sum(1 for line in output if "started rank" in line and "again" in line)
+        result["joined"] = sum(1 for line in output if "joined after step" in line
+                               and "[rank 0]" in line)
+    if side == "restart":
+        result["restarts"] = sum(1 for line in output if "restart " in line and "lost)" in line)
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", default=report.default_build())
+    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--period", type=float, default=30)
+    parser.add_argument("--every", type=int, default=100, help="restart: checkpoint interval")
+    parser.add_argument("--sides", default="none,kill,stop,restart")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--markdown")
+    parser.add_argument("--records", default=os.path.join(report.ROOT, "bench", "results", "ft",
+                                                          "repeated-failures.jsonl"))
+    args = parser.parse_args()
+    dtrain = os.path.join(args.build, "dtrain")
+    sides = tuple(args.sides.split(","))
+    with report.Records(args.records, "a", dtrain) as records, \
+            tempfile.TemporaryDirectory(prefix="dtrain-ft-") as workdir:
+        rounds = report.alternated_rounds(
+            sides, args.rounds, lambda side: run_side(dtrain, side, args, workdir), records,
+            lambda r: f"wall {r['wall_s']:.0f} s, {r['failures']} failures, "
+                      f"{r['samples_per_s']:.0f} samples/s, test loss {r['test_loss']:.4f}"
+                      + (f", back to 3 replicas in median "
+                         f"{statistics.median(r['failure_to_three_s']):.2f} s"
+                         if r.get("failure_to_three_s") else ""))
+
+    def med(side, field):
+        return statistics.median(r[side][field] for r in rounds)
+
+    base = "none" if "none" in sides else None
+    lines = [f"3 ranks x 1 thread, {args.steps} steps, a replica failing every {args.period:.0f} s; "
+             f"medians of {args.rounds} round(s):", "",
+             "| side | failures | job wall time (s) | samples/s | / no failure | test loss | "
+             "/ no failure | failure to 3 replicas again (s, median) |",
+             "|---|---|---|---|---|---|---|---|"]
+    labels = {"none": "no failure", "kill": "`--fault-tolerance replicas`, SIGKILL",
+              "stop": "`--fault-tolerance replicas`, SIGSTOP",
+              "restart": f"restart from a checkpoint every {args.every} steps"}
+    for side in sides:
+        ratio = statistics.median(r[side]["samples_per_s"] / r[base]["samples_per_s"]
+                                  for r in rounds) if base else float("nan")
+        loss = statistics.median(r[side]["test_loss"] / r[base]["test_loss"]
+                                 for r in rounds) if base else float("nan")
+        back = [t for r in rounds for t in r[side].get("failure_to_three_s", [])]
+        lines.append(f"| {labels[side]} | {med(side, 'failures'):.0f} | {med(side, 'wall_s'):.0f} | "
+                     f"{med(side, 'samples_per_s'):.0f} | {ratio:.3f} | "
+                     f"{med(side, 'test_loss'):.4f} | {loss:.3f} | "
+                     f"{statistics.median(back) if back else float('nan'):.2f} |")
+    report.table(lines, args.markdown)
+
+
+if __name__ == "__main__":
+    main()

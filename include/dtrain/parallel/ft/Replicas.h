@@ -1,0 +1,36 @@
+// What the training loop asks of a strategy whose replicas can be replaced while the others
+// train (--fault-tolerance replicas, parallel/ft/ReplicaManager.h): a replacement starts from
+// the step its state was sent at; the members take in waiting replacements at a step's end.
+#pragma once
+
+#include <cstdint>
+
+#include "dtrain/parallel/Strategy.h"
+
+namespace dtrain::parallel::ft {
+
+class ReplaceableReplicas {
+ public:
+  virtual ~ReplaceableReplicas() = default;
+
+  /// A replacement, after setup(): the number of steps its state (weights, optimizer state) had
+  /// trained when a member sent it; it trains from the next. -1 on the other replicas (they start
+  /// from their checkpoint, if any). kFinished when the job ended before it was admitted.
+  virtual int64_t joined_at_step() const = 0;
+  static constexpr int64_t kFinished = INT64_MAX;
+
+  /// Every replica present, after step `steps` (the steps trained so far): takes in the
+  /// replacements its last step admitted (forms the group with them and sends them the state;
+  /// collective over the new group), a no-op when there are none.
+  virtual void admit_waiting(int64_t steps) = 0;
+
+  /// Rank 0, after its last step: replacements still waiting are told that none will admit them.
+  virtual void close_admissions() = 0;
+};
+
+/// The strategy's ReplaceableReplicas, or nullptr when it has none.
+inline ReplaceableReplicas* replaceable(Strategy& strategy) {
+  return dynamic_cast<ReplaceableReplicas*>(&strategy);
+}
+
+}  // namespace dtrain::parallel::ft
