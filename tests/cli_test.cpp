@@ -626,7 +626,7 @@ TEST(Cli, AResumedRunSaysSoWithoutProgressBars) {
   ASSERT_EQ(second.code, 0) << second.text;
   EXPECT_TRUE(has(second, "dtrain: resumed from step 2 of " + (dir / "ckpt/step-00000002") +
                               " (saved by ddp on 2 ranks (DP 1 x PP 1 x TP 2); now ddp on 1 rank "
-                              "(DP 1 x PP 1 x TP 1))"))
+                              "(DP 1 x PP 1 x TP 1); verified and read in "))
       << second.text;
   {
     std::ofstream latest(dir / "ckpt/latest", std::ios::trunc);

@@ -322,7 +322,7 @@ TEST(FaultTolerance, TheLauncherReplacesAFailedReplicaAndItJoinsTheOthers) {
     EXPECT_TRUE(test::cli::has(out, "started rank 2 again (replacement 1 of at most 10")) << out.text;
     EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;
     EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 joined after step")) << out.text;
-    EXPECT_TRUE(test::cli::has(out, "its state from world rank 0")) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "from world rank 0 in")) << out.text;
     EXPECT_FALSE(test::cli::has(out, "restart")) << out.text;
     // Three replicas up to step 12, two for a while, three again to the end.
     std::ifstream in(metrics);

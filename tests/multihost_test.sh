@@ -4,7 +4,8 @@
 # interface given (the host name resolves to loopback here, as on Debian), that each node prints
 # the address it chose, and that a rank killed on one host stops the other host within seconds,
 # both launchers naming the failed node, rank and signal, and with --fault-tolerance replicas
-# that the other host's replica goes on without it; Downpour across the hosts against a
+# that the other host's replica goes on without it (and, with --max-replacements, that its
+# replacement joins it); Downpour across the hosts against a
 # token-guarded parameter-server shard, surviving a worker killed on one host; Sandblaster
 # with its coordinator on one host and the shard on the other; federated learning with the
 # server on one host and clients on both; and a network partition mid-round (host b's link
@@ -107,6 +108,29 @@ grep -q "the other ranks go on" "$work/b2f.log" || fail "host b's launcher did n
 grep -q "replica group: world rank(s) 1 left at step 4" "$work/a2f.log" || fail "host a did not leave rank 1 out"
 grep -q "trained 8 steps (global batch 64, 2 ranks, ddp)" "$work/a2f.log" || fail "host a did not finish"
 echo "ok: a replica killed on host b, host a went on (--fault-tolerance replicas)"
+# 2c. The same with host b's launcher replacing its replica (--max-replacements 1): the
+#     replacement joins host a's replica across the hosts, with rank 0's state, and both finish.
+plain_job=("${job[@]}")
+job=(train --dataset synthetic --model mlp --hidden 32 --synthetic-examples 4096 --batch-size 32
+     --max-steps 60 --no-progress --threads 1 --comm-timeout 60000)
+ft_replace() {  # NODE NAMESPACE [ENV=VALUE...]
+  local node=$1 ns=$2
+  shift 2
+  ip netns exec "$ns" env DTRAIN_SIMULATE_SLOW_STEP_MS=100 "$@" timeout -s KILL 120 "$dtrain" launch \
+    --nnodes 2 --nproc-per-node 1 --master-addr 10.231.0.1 --master-port $((port + 20)) \
+    --node-rank "$node" --tolerate-failures --max-replacements 1 \
+    -- "$dtrain" "${job[@]}" --fault-tolerance replicas
+}
+ft_replace 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b2r.log" 2>&1 &
+other=$!
+ft_replace 0 "$a" > "$work/a2r.log" 2>&1 || fail "node 0 failed with a replacement (exit $?)"
+wait $other || fail "node 1's launcher failed after replacing its replica"
+grep -q "started rank 1 again (replacement 1 of at most 1" "$work/b2r.log" || fail "host b did not replace its replica"
+grep -q "replica group: world rank(s) 1 joined after step" "$work/a2r.log" || fail "host a did not admit the replacement"
+grep -q "world rank 1 joined after step [0-9]*, its state (.* MB) from world rank 0" "$work/b2r.log" || fail "the replacement did not get rank 0's state"
+grep -q "trained 60 steps (global batch 64, 2 ranks, ddp)" "$work/a2r.log" || fail "host a did not finish"
+job=("${plain_job[@]}")
+echo "ok: a replica killed on host b was replaced and joined host a's (live recovery)"
 # 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
 #    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
 printf 'multihost-token\n' > "$work/token"

@@ -16,6 +16,12 @@ Sides:
   launcher (fencing), then replaced;
 - restart: --max-restarts with a checkpoint every --every steps: a kill restarts every rank
   from the newest checkpoint.
+- torchft-none, torchft-kill: the peer, torchft 0.2 from PyPI on PyTorch 2.x (.venv-torch),
+  the same model and batch on synthetic batches (bench/ft/torchft_replica.py: its Manager, DDP
+  and Optimizer, one rank per replica group, the lighthouse's heartbeat timeout 2 s), without
+  failures and with a replica SIGKILLed every period and started again at once (as dtrain's
+  launcher does): it heals from the others. Its throughput is compared with its own run without
+  failures (its loss is on other data).
 
 Figures, from rank 0's metrics (each step record's wall-clock "time" and "replicas"):
 throughput = the samples of the steps trained (32 x the replicas present, each step once) per
@@ -60,7 +66,81 @@ def rank_pids(launcher_pid):
     return pids
 
 
+VENV_PYTHON = os.path.join(report.ROOT, ".venv-torch", "bin", "python")
+LIGHTHOUSE = os.path.join(report.ROOT, ".venv-torch", "bin", "torchft_lighthouse")
+
+
+def run_torchft(side, args, workdir):
+    port = 29710
+    lighthouse = subprocess.Popen([LIGHTHOUSE, "--min_replicas", "1", "--bind", f"[::]:{port}",
+                                   "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_replica.py")
+    logs = [os.path.join(workdir, f"{side}-{r}.jsonl") for r in range(3)]
+    for log in logs:
+        if os.path.exists(log):
+            os.remove(log)
+
+    def start(r):
+        return subprocess.Popen([VENV_PYTHON, script, "--replica", str(r), "--store-port",
+                                 str(port + 10 + r), "--lighthouse", f"http://127.0.0.1:{port}",
+                                 "--steps", str(args.steps), "--log", logs[r]],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    started = time.time()
+    replicas = [start(r) for r in range(3)]
+    failures = []
+    victim = 1
+    next_failure = started + args.period
+    while replicas[0].poll() is None:
+        time.sleep(0.05)
+        if side != "torchft-kill" or time.time() < next_failure:
+            continue
+        if replicas[victim].poll() is None:
+            replicas[victim].kill()
+            replicas[victim].wait()
+            failures.append({"time": time.time(), "rank": victim})
+            replicas[victim] = start(victim)
+        victim = 3 - victim
+        next_failure += args.period
+    wall = time.time() - started
+    for p in replicas[1:]:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    lighthouse.terminate()
+    lighthouse.wait()
+    if replicas[0].returncode != 0:
+        raise SystemExit(f"torchft replica 0 exited {replicas[0].returncode}")
+    committed = [json.loads(line) for line in open(logs[0])]
+    committed = [r for r in committed if r["committed"]]
+    steps = {}
+    for r in committed:
+        steps[r["step"]] = r
+    ordered = [steps[k] for k in sorted(steps)]
+    first, last = ordered[0]["time"], ordered[-1]["time"]
+    result = {"side": side, "command": " ".join(replicas[0].args), "wall_s": wall,
+              "steps": len(ordered), "failures": len(failures),
+              "samples_per_s": sum(32 * r["replicas"] for r in ordered[1:]) / (last - first),
+              "test_loss": None}
+    back = []
+    for f in failures:
+        later = [r for r in ordered if r["time"] > f["time"]]
+        fewer = [r for r in later if r["replicas"] < 3]
+        if fewer:
+            again = [r for r in later if r["time"] > fewer[0]["time"] and r["replicas"] == 3]
+            if again:
+                back.append(again[0]["time"] - f["time"])
+    result["failure_to_three_s"] = back
+    result["steps_with_fewer"] = sum(1 for r in ordered if r["replicas"] < 3)
+    return result
+
+
 def run_side(dtrain, side, args, workdir):
+    if side.startswith("torchft"):
+        return run_torchft(side, args, workdir)
     metrics = os.path.join(workdir, f"{side}.jsonl")
     checkpoints = os.path.join(workdir, f"ck-{side}")
     shutil.rmtree(checkpoints, ignore_errors=True)
@@ -157,7 +237,7 @@ def main():
         rounds = report.alternated_rounds(
             sides, args.rounds, lambda side: run_side(dtrain, side, args, workdir), records,
             lambda r: f"wall {r['wall_s']:.0f} s, {r['failures']} failures, "
-                      f"{r['samples_per_s']:.0f} samples/s, test loss {r['test_loss']:.4f}"
+                      f"{r['samples_per_s']:.0f} samples/s, test loss {r['test_loss'] or 0:.4f}"
                       + (f", back to 3 replicas in median "
                          f"{statistics.median(r['failure_to_three_s']):.2f} s"
                          if r.get("failure_to_three_s") else ""))
@@ -165,7 +245,11 @@ def main():
     def med(side, field):
         return statistics.median(r[side][field] for r in rounds)
 
-    base = "none" if "none" in sides else None
+    def base_of(side):
+        if side.startswith("torchft"):
+            return "torchft-none" if "torchft-none" in sides else None
+        return "none" if "none" in sides else None
+
     lines = [f"3 ranks x 1 thread, {args.steps} steps, a replica failing every {args.period:.0f} s; "
              f"medians of {args.rounds} round(s):", "",
              "| side | failures | job wall time (s) | samples/s | / no failure | test loss | "
@@ -173,16 +257,21 @@ def main():
              "|---|---|---|---|---|---|---|---|"]
     labels = {"none": "no failure", "kill": "`--fault-tolerance replicas`, SIGKILL",
               "stop": "`--fault-tolerance replicas`, SIGSTOP",
-              "restart": f"restart from a checkpoint every {args.every} steps"}
+              "restart": f"restart from a checkpoint every {args.every} steps",
+              "torchft-none": "torchft 0.2 (PyTorch 2.x), no failure",
+              "torchft-kill": "torchft 0.2 (PyTorch 2.x), SIGKILL, started again"}
     for side in sides:
+        base = base_of(side)
         ratio = statistics.median(r[side]["samples_per_s"] / r[base]["samples_per_s"]
                                   for r in rounds) if base else float("nan")
         loss = statistics.median(r[side]["test_loss"] / r[base]["test_loss"]
-                                 for r in rounds) if base else float("nan")
+                                 for r in rounds) if base and rounds[0][side]["test_loss"] \
+            else float("nan")
+        test_loss = med(side, "test_loss") if rounds[0][side]["test_loss"] else float("nan")
         back = [t for r in rounds for t in r[side].get("failure_to_three_s", [])]
         lines.append(f"| {labels[side]} | {med(side, 'failures'):.0f} | {med(side, 'wall_s'):.0f} | "
                      f"{med(side, 'samples_per_s'):.0f} | {ratio:.3f} | "
-                     f"{med(side, 'test_loss'):.4f} | {loss:.3f} | "
+                     f"{test_loss:.4f} | {loss:.3f} | "
                      f"{statistics.median(back) if back else float('nan'):.2f} |")
     report.table(lines, args.markdown)
 

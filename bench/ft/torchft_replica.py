@@ -4,7 +4,8 @@ failure costs does not depend on the data), torchft's Manager, DistributedDataPa
 Optimizer over its Gloo process group, as torchft's train_ddp.py. It hosts its group's store,
 writes one JSON line per step (the step the Manager is at, the wall-clock time, the replicas
 that took part, whether it committed) and, as --kill-replica at --kill-at, SIGKILLs itself right
-after committing that step.
+after committing that step. A replica started again (bench/ft/run_repeated_failures.py kills
+and restarts replicas) appends to its log and heals from the others (torchft's live recovery).
 
   torchft_replica.py --replica R --store-port P --lighthouse http://127.0.0.1:29510 \\
       --steps 100 --kill-replica 2 --kill-at 50 --log FILE
@@ -55,7 +56,7 @@ def main():
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner)
     generator = torch.Generator().manual_seed(args.replica)
-    with open(args.log, "w") as log:
+    with open(args.log, "a") as log:
         while manager.current_step() < args.steps:
             inputs = torch.randn(32, 1, 28, 28, generator=generator)
             targets = torch.randint(0, 10, (32,), generator=generator)

@@ -269,6 +269,7 @@ std::string CheckpointManager::choose() {
 
 int64_t CheckpointManager::restore(int64_t global_batch) {
   if (options_.checkpoint_dir.empty() || !options_.resume) return 0;
+  const auto started = std::chrono::steady_clock::now();
   const std::string directory = choose();
   if (directory.empty()) return 0;
   const CheckpointMeta meta = read_meta(directory);
@@ -293,11 +294,14 @@ int64_t CheckpointManager::restore(int64_t global_batch) {
   // What happened, whatever the progress display: batch logs run with --no-progress.
   if (world_.rank() == 0) {
     std::printf(
-        "dtrain: resumed from step %lld of %s (saved by %s on %s; now %s on %s)\n",
+        "dtrain: resumed from step %lld of %s (saved by %s on %s; now %s on %s; verified and "
+        "read in %.0f ms)\n",
         static_cast<long long>(meta.step), directory.c_str(), meta.strategy.c_str(),
         describe_layout(meta.world_size, meta.dp, meta.pp, meta.tp).c_str(),
         strategy_.name().c_str(),
-        describe_layout(world_.size(), grid_.dp_size(), grid_.pp_size(), grid_.tp_size()).c_str());
+        describe_layout(world_.size(), grid_.dp_size(), grid_.pp_size(), grid_.tp_size()).c_str(),
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
+            .count());
     std::fflush(stdout);
   }
   return meta.step;

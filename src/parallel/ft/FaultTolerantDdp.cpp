@@ -83,15 +83,18 @@ void FaultTolerantDdp::setup(Model model, const optim::OptimizerFactory& make_op
     joined_at_ = kFinished;
     return;
   }
+  const auto admitted = std::chrono::steady_clock::now();
   joined_at_ = send_state(admission->root, admission->steps);
+  auto ms_since = [](std::chrono::steady_clock::time_point since) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since)
+        .count();
+  };
   std::fprintf(stderr,
-               "dtrain: replica group: world rank %d joined after step %lld, its state from world "
-               "rank %d (%.0f ms after it started to wait)\n",
+               "dtrain: replica group: world rank %d joined after step %lld, its state (%.1f MB) "
+               "from world rank %d in %.0f ms (%.0f ms after it started to wait)\n",
                grid_->world()->rank(), static_cast<long long>(joined_at_),
-               manager_->members()[admission->root],
-               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
-                                                          started)
-                   .count());
+               static_cast<double>(state_bytes_) / 1e6, manager_->members()[admission->root],
+               ms_since(admitted), ms_since(started));
   std::fflush(stderr);
 }
 
@@ -139,6 +142,7 @@ int64_t FaultTolerantDdp::send_state(int root, int64_t steps) {
   at::Tensor blob = at::empty({size.item<int64_t>()}, at::kByte);
   if (sending) std::memcpy(blob.data_ptr(), bytes.data(), bytes.size());
   group->broadcast(blob, {root})->wait();
+  state_bytes_ = blob.numel();
   if (sending) return steps;
   const char* data = static_cast<const char*>(blob.data_ptr());
   const c10::impl::GenericDict state =

@@ -45,6 +45,7 @@ class FaultTolerantDdp : public ddp::DdpStrategy, public ReplaceableReplicas {
   std::unique_ptr<ReplicaManager> manager_;
   bool replacement_ = false;
   int64_t joined_at_ = -1;
+  int64_t state_bytes_ = 0;  // of the last state sent or received
 };
 
 /// --fault-tolerance's flags and checks.

@@ -23,10 +23,9 @@ std::string joined(const std::vector<int>& ranks) {
   return text;
 }
 
-// A group left behind with a collective that may never end: its thread can wait in it until the
-// group's timeout, and destroying the group would wait for that thread, so it is kept for the
-// life of the process (one per failure).
-void abandon(comm::CommunicatorPtr group) {
+// A group left behind whose collective never finished by the end (the process's): destroying
+// it would wait for that collective, so it is kept.
+void keep_forever(comm::CommunicatorPtr group) {
   static std::mutex mutex;
   static auto* kept = new std::vector<comm::CommunicatorPtr>();
   std::lock_guard<std::mutex> lock(mutex);
@@ -66,6 +65,9 @@ ReplicaManager::ReplicaManager(comm::CommunicatorPtr world,
                      world_->name(), "' (", world_->backend_name(), ") has none");
   members_ = world_->global_ranks();
   deaths_seen_ = store_->add(kDeathsKey, 0);
+  // A group of its own, not the world (which lives as long as the process): the group a
+  // failure leaves behind is destroyed once its collective ended (drop_abandoned).
+  if (!replacement_) group_ = world_->regroup(members_, "ft/g0", "replicas");
   const int me = world_->global_ranks()[world_->rank()];
   // (The store serializes its calls: a beat waits at most for one of the training thread's.)
   heartbeat_ = std::thread([this, me, store = world_->key_value()] {
@@ -82,6 +84,9 @@ ReplicaManager::ReplicaManager(comm::CommunicatorPtr world,
 }
 
 ReplicaManager::~ReplicaManager() {
+  for (auto& [group, work] : abandoned_) {
+    if (!work || !work->is_completed()) keep_forever(std::move(group));
+  }
   {
     std::lock_guard<std::mutex> lock(heartbeat_mutex_);
     stopping_ = true;
@@ -204,7 +209,26 @@ std::string ReplicaManager::decide(bool summed) {
   }
 }
 
+void ReplicaManager::abandon(comm::CommunicatorPtr group, comm::WorkPtr work) {
+  abandoned_.emplace_back(std::move(group), std::move(work));
+}
+
+void ReplicaManager::drop_abandoned() {
+  // A group that a failure left behind goes once its collective ended (a peer's connection
+  // broke, or its timeout ran out): its connections to the dead would otherwise stay in the
+  // backend's event loop, which spins on them (measured: most of a core after a few failures).
+  // Destroying it earlier would wait for that collective.
+  for (auto it = abandoned_.begin(); it != abandoned_.end();) {
+    if (!it->second || it->second->is_completed()) {
+      it = abandoned_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tensor&)>& refill) {
+  drop_abandoned();
   DTRAIN_CHECK(admitting_.empty(), "replica group: step ", step_ + 1,
                " began before the replacements the previous step admitted were taken in "
                "(admit)");
@@ -212,9 +236,11 @@ int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tens
   const int me = world_->global_ranks()[world_->rank()];
   while (true) {
     bool summed = true;
+    comm::WorkPtr work;
     if (group_->size() > 1) {
       try {
-        summed = finished(group_->allreduce(flat));
+        work = group_->allreduce(flat);
+        summed = finished(work);
       } catch (const CommError&) {
         summed = false;
       }
@@ -237,7 +263,7 @@ int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tens
     for (const int r : members_) {
       if (std::find(survivors.begin(), survivors.end(), r) == survivors.end()) lost.push_back(r);
     }
-    abandon(group_);
+    abandon(std::move(group_), std::move(work));
     members_ = survivors;
     ++generation_;
     deaths_seen_ = store_->add(kDeathsKey, 0);

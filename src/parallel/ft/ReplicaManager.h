@@ -103,6 +103,10 @@ class ReplicaManager {
   std::string decide(bool summed);
   /// Deletes a decided step's keys (of this group).
   void forget(int64_t step);
+  /// Keeps a group left behind after a failure until its collective `work` ends
+  /// (drop_abandoned); destroying it before would wait for it.
+  void abandon(comm::CommunicatorPtr group, comm::WorkPtr work);
+  void drop_abandoned();
   /// The replacements waiting to join (world ranks that are not members), in order.
   std::vector<int> waiting();
 
@@ -111,6 +115,7 @@ class ReplicaManager {
   std::shared_ptr<comm::KeyValue> store_;
   std::vector<int> members_;
   std::vector<int> admitting_;
+  std::vector<std::pair<comm::CommunicatorPtr, comm::WorkPtr>> abandoned_;
   bool replacement_ = false;
   int generation_ = 0;
   int64_t step_ = 0;
