@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstdio>
@@ -84,7 +85,7 @@ void FaultTolerantDdp::setup(Model model, const optim::OptimizerFactory& make_op
     return;
   }
   const auto admitted = std::chrono::steady_clock::now();
-  joined_at_ = send_state(admission->root, admission->steps);
+  joined_at_ = send_state(admission->root, {manager_->group()->rank()}, admission->steps);
   auto ms_since = [](std::chrono::steady_clock::time_point since) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since)
         .count();
@@ -109,69 +110,101 @@ void FaultTolerantDdp::broadcast_initial_state() {
 
 void FaultTolerantDdp::admit_waiting(int64_t steps) {
   if (manager_->admitting().empty()) return;
-  send_state(manager_->admit(steps), steps);
+  const std::vector<int> admitting = manager_->admitting();
+  const int root = manager_->admit(steps);
+  std::vector<int> to;  // their ranks in the new group
+  const auto& members = manager_->members();
+  for (const int r : admitting) {
+    to.push_back(static_cast<int>(std::find(members.begin(), members.end(), r) - members.begin()));
+  }
+  send_state(root, to, steps);
 }
 
-int64_t FaultTolerantDdp::send_state(int root, int64_t steps) {
+int64_t FaultTolerantDdp::send_state(int root, const std::vector<int>& to, int64_t steps) {
   torch::NoGradGuard no_grad;
   const comm::CommunicatorPtr& group = manager_->group();
   const bool sending = group->rank() == root;
-  // One pickled blob (the receiver has no optimizer state to take its shapes from): the steps,
-  // every parameter with its optimizer state, every buffer; on the CPU.
-  std::vector<char> bytes;
+  if (!sending && std::find(to.begin(), to.end(), group->rank()) == to.end()) return steps;
+  // What the receiver cannot know (the optimizer state's keys and shapes: it has none yet) in a
+  // small pickled header; then every tensor point to point, from where it lies into where it
+  // goes (no staging copy), to each replacement (the other members hold the state already).
+  std::vector<at::Tensor> tensors;  // each parameter, its state in key order; the buffers
+  std::vector<char> header;
   if (sending) {
-    c10::impl::GenericList parameters(c10::AnyType::get());
+    c10::impl::GenericList layout(c10::AnyType::get());
     for (const auto& p : parameters_) {
-      c10::Dict<std::string, at::Tensor> entry;
-      entry.insert("param", p.detach().cpu());
+      tensors.push_back(p.detach());
+      c10::impl::GenericList keys(c10::AnyType::get());
       for (const auto& [key, value] : optim::get_param_state(*optimizer_, p)) {
-        entry.insert(key, value.cpu());
+        tensors.push_back(value);
+        keys.push_back(c10::ivalue::Tuple::create(
+            {key, static_cast<int64_t>(value.scalar_type()), c10::List<int64_t>(value.sizes())}));
       }
-      parameters.push_back(entry);
+      layout.push_back(keys);
     }
-    c10::List<at::Tensor> buffers;
-    for (const auto& b : model_.module->buffers()) buffers.push_back(b.cpu());
+    for (const auto& b : model_.module->buffers()) tensors.push_back(b);
     c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
     state.insert("steps", steps);
-    state.insert("parameters", parameters);
-    state.insert("buffers", buffers);
-    bytes = torch::pickle_save(state);
+    state.insert("layout", layout);
+    header = torch::pickle_save(state);
   }
-  at::Tensor size = at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong);
-  group->broadcast(size, {root})->wait();
-  at::Tensor blob = at::empty({size.item<int64_t>()}, at::kByte);
-  if (sending) std::memcpy(blob.data_ptr(), bytes.data(), bytes.size());
-  group->broadcast(blob, {root})->wait();
-  state_bytes_ = blob.numel();
-  if (sending) return steps;
-  const char* data = static_cast<const char*>(blob.data_ptr());
-  const c10::impl::GenericDict state =
-      torch::pickle_load(std::vector<char>(data, data + blob.numel())).toGenericDict();
-  const c10::List<c10::IValue> parameters = state.at("parameters").toList();
-  DTRAIN_CHECK(parameters.size() == parameters_.size(), "replica group: the state sent has ",
-               parameters.size(), " parameters, this replica's model ", parameters_.size());
-  for (size_t i = 0; i < parameters_.size(); ++i) {
-    const auto entry = c10::impl::toTypedDict<std::string, at::Tensor>(
-        parameters.get(i).toGenericDict());
-    optim::ParamState param_state;
-    for (const auto& item : entry) {
-      if (item.key() == "param") {
-        parameters_[i].copy_(item.value());
-      } else {
-        param_state[item.key()] = item.value().to(parameters_[i].device());
-      }
+  at::Tensor size = at::tensor({static_cast<int64_t>(header.size())}, at::kLong);
+  comm::P2POptions tag;
+  tag.tag = 7301;
+  int64_t bytes = 0;
+  if (sending) {
+    at::Tensor head = at::empty({size.item<int64_t>()}, at::kByte);
+    std::memcpy(head.data_ptr(), header.data(), header.size());
+    std::vector<comm::WorkPtr> works;
+    for (auto& t : tensors) {
+      t = t.contiguous();
+      bytes += t.numel() * t.element_size();
     }
-    optim::set_param_state(*optimizer_, parameters_[i], param_state);
+    for (const int r : to) {
+      works.push_back(group->send(size, r, tag));
+      works.push_back(group->send(head, r, tag));
+      for (const auto& t : tensors) works.push_back(group->send(t, r, tag));
+    }
+    comm::wait_all(works);
+    state_bytes_ = bytes;
+    return steps;
   }
-  const std::vector<at::Tensor> buffers = state.at("buffers").toTensorVector();
-  size_t b = 0;
-  for (auto& buffer : model_.module->buffers()) {
-    DTRAIN_CHECK(b < buffers.size(), "replica group: the state sent has too few buffers");
-    buffer.copy_(buffers[b++]);
+  group->recv(size, root, tag)->wait();
+  at::Tensor head = at::empty({size.item<int64_t>()}, at::kByte);
+  group->recv(head, root, tag)->wait();
+  const char* data = static_cast<const char*>(head.data_ptr());
+  const c10::impl::GenericDict state =
+      torch::pickle_load(std::vector<char>(data, data + head.numel())).toGenericDict();
+  const c10::List<c10::IValue> layout = state.at("layout").toList();
+  DTRAIN_CHECK(layout.size() == parameters_.size(), "replica group: the state sent has ",
+               layout.size(), " parameters, this replica's model ", parameters_.size());
+  // Posted in the order sent; the parameters' and buffers' values straight into them.
+  std::vector<comm::WorkPtr> works;
+  std::vector<optim::ParamState> param_states(parameters_.size());
+  auto receive = [&](at::Tensor into) {
+    bytes += into.numel() * into.element_size();
+    works.push_back(group->recv(into, root, tag));
+  };
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    receive(parameters_[i].detach());
+    for (const c10::IValue item : layout.get(i).toList()) {
+      const auto tuple = item.toTuple();
+      const auto& entry = tuple->elements();
+      at::Tensor value = at::empty(entry[2].toIntVector(),
+                                   parameters_[i].options().dtype(
+                                       static_cast<at::ScalarType>(entry[1].toInt())));
+      param_states[i][entry[0].toStringRef()] = value;
+      receive(value);
+    }
   }
+  for (auto& buffer : model_.module->buffers()) receive(buffer);
+  comm::wait_all(works);
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    optim::set_param_state(*optimizer_, parameters_[i], param_states[i]);
+  }
+  state_bytes_ = bytes;
   return state.at("steps").toInt();
 }
-
 
 StepResult FaultTolerantDdp::train_step(const std::vector<data::Batch>& micro_batches,
                                         const LossFn& loss) {

@@ -38,9 +38,10 @@ class FaultTolerantDdp : public ddp::DdpStrategy, public ReplaceableReplicas {
   void broadcast_initial_state() override;
 
  private:
-  /// Collective over the replica group: the parameters, buffers and optimizer state of group
-  /// rank `root` to the others (a replacement's), and root's `steps`; returns them.
-  int64_t send_state(int root, int64_t steps);
+  /// Over the replica group: the parameters, optimizer state and buffers of group rank `root`
+  /// to the group ranks `to` (replacements), and root's `steps`; returns them. Root and `to`
+  /// take part; the others return at once.
+  int64_t send_state(int root, const std::vector<int>& to, int64_t steps);
 
   std::unique_ptr<ReplicaManager> manager_;
   bool replacement_ = false;
