@@ -11,8 +11,8 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
-#include <thread>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "CliRuns.h"
 #include "RankThreads.h"
@@ -130,7 +130,8 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
               std::this_thread::sleep_for(std::chrono::milliseconds(1));
             }
           }
-          const auto result = strategy->train_step({data.batch(step, world->rank())}, cross_entropy);
+          const auto result =
+              strategy->train_step({data.batch(step, world->rank())}, cross_entropy);
           if (auto* replicas = parallel::ft::replaceable(*strategy)) {
             replicas->admit_waiting(step + 1);
           }
@@ -317,11 +318,14 @@ TEST(FaultTolerance, TheLauncherReplacesAFailedReplicaAndItJoinsTheOthers) {
         "DTRAIN_SIMULATE_SLOW_STEP_MS=40 DTRAIN_SIMULATE_FAILURE=" + failure + " " +
         test::cli::kDtrain +
         " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --max-steps 100 "
-        "--log-every 1 --no-progress --fault-tolerance replicas --metrics " + metrics);
+        "--log-every 1 --no-progress --fault-tolerance replicas --metrics " +
+        metrics);
     ASSERT_EQ(out.code, 0) << out.text;
-    EXPECT_TRUE(test::cli::has(out, "started rank 2 again (replacement 1 of at most 10")) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "started rank 2 again (replacement 1 of at most 10"))
+        << out.text;
     EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;
-    EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 joined after step")) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 joined after step"))
+        << out.text;
     EXPECT_TRUE(test::cli::has(out, "from world rank 0 in")) << out.text;
     EXPECT_FALSE(test::cli::has(out, "restart")) << out.text;
     // Three replicas up to step 12, two for a while, three again to the end.

@@ -92,11 +92,12 @@ echo "ok: a rank killed on host b stopped host a in ${seconds} s"
 
 # 2b. The same kill with --fault-tolerance replicas (and the launchers' --tolerate-failures):
 #     host a's replica goes on alone and finishes the epoch; host b's launcher ends cleanly.
-ft_launch() {  # NODE NAMESPACE [ENV=VALUE...]
+ft_flags=(--master-port $((port + 10)))
+ft_launch() {  # NODE NAMESPACE [ENV=VALUE...]; the launchers' flags in ft_flags
   local node=$1 ns=$2
   shift 2
   ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 1 \
-    --master-addr 10.231.0.1 --master-port $((port + 10)) --node-rank "$node" --tolerate-failures \
+    --master-addr 10.231.0.1 "${ft_flags[@]}" --node-rank "$node" --tolerate-failures \
     -- "$dtrain" "${job[@]}" --fault-tolerance replicas
 }
 ft_launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b2f.log" 2>&1 &
@@ -113,17 +114,10 @@ echo "ok: a replica killed on host b, host a went on (--fault-tolerance replicas
 plain_job=("${job[@]}")
 job=(train --dataset synthetic --model mlp --hidden 32 --synthetic-examples 4096 --batch-size 32
      --max-steps 60 --no-progress --threads 1 --comm-timeout 60000)
-ft_replace() {  # NODE NAMESPACE [ENV=VALUE...]
-  local node=$1 ns=$2
-  shift 2
-  ip netns exec "$ns" env DTRAIN_SIMULATE_SLOW_STEP_MS=100 "$@" timeout -s KILL 120 "$dtrain" launch \
-    --nnodes 2 --nproc-per-node 1 --master-addr 10.231.0.1 --master-port $((port + 20)) \
-    --node-rank "$node" --tolerate-failures --max-replacements 1 \
-    -- "$dtrain" "${job[@]}" --fault-tolerance replicas
-}
-ft_replace 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b2r.log" 2>&1 &
+ft_flags=(--master-port $((port + 20)) --max-replacements 1)
+ft_launch 1 "$b" DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b2r.log" 2>&1 &
 other=$!
-ft_replace 0 "$a" > "$work/a2r.log" 2>&1 || fail "node 0 failed with a replacement (exit $?)"
+ft_launch 0 "$a" DTRAIN_SIMULATE_SLOW_STEP_MS=100 > "$work/a2r.log" 2>&1 || fail "node 0 failed with a replacement (exit $?)"
 wait $other || fail "node 1's launcher failed after replacing its replica"
 grep -q "started rank 1 again (replacement 1 of at most 1" "$work/b2r.log" || fail "host b did not replace its replica"
 grep -q "replica group: world rank(s) 1 joined after step" "$work/a2r.log" || fail "host a did not admit the replacement"

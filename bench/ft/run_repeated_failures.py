@@ -34,6 +34,7 @@ replacement taking part) and the steps trained with fewer.
 import os
 import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/'s helpers
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import argparse
 import json
 import shutil
@@ -45,6 +46,7 @@ import threading
 import time
 
 import report
+from run_replica_failure import VENV_PYTHON, start_lighthouse
 
 
 def rank_pids(launcher_pid):
@@ -66,16 +68,24 @@ def rank_pids(launcher_pid):
     return pids
 
 
-VENV_PYTHON = os.path.join(report.ROOT, ".venv-torch", "bin", "python")
-LIGHTHOUSE = os.path.join(report.ROOT, ".venv-torch", "bin", "torchft_lighthouse")
+def back_to_three(ordered, failures):
+    """Seconds from each failure to the first step with three replicas again, and the steps
+    trained with fewer. `ordered`: the committed steps' records ("time", "replicas")."""
+    back = []
+    for f in failures:
+        later = [r for r in ordered if r["time"] > f["time"]]
+        fewer = [r for r in later if r.get("replicas", 3) < 3]
+        if not fewer:
+            continue
+        again = [r for r in later if r["time"] > fewer[0]["time"] and r.get("replicas") == 3]
+        if again:
+            back.append(again[0]["time"] - f["time"])
+    return back, sum(1 for r in ordered if r.get("replicas", 3) < 3)
 
 
 def run_torchft(side, args, workdir):
     port = 29710
-    lighthouse = subprocess.Popen([LIGHTHOUSE, "--min_replicas", "1", "--bind", f"[::]:{port}",
-                                   "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
+    lighthouse = start_lighthouse(port)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_replica.py")
     logs = [os.path.join(workdir, f"{side}-{r}.jsonl") for r in range(3)]
     for log in logs:
@@ -125,16 +135,7 @@ def run_torchft(side, args, workdir):
               "steps": len(ordered), "failures": len(failures),
               "samples_per_s": sum(32 * r["replicas"] for r in ordered[1:]) / (last - first),
               "test_loss": None}
-    back = []
-    for f in failures:
-        later = [r for r in ordered if r["time"] > f["time"]]
-        fewer = [r for r in later if r["replicas"] < 3]
-        if fewer:
-            again = [r for r in later if r["time"] > fewer[0]["time"] and r["replicas"] == 3]
-            if again:
-                back.append(again[0]["time"] - f["time"])
-    result["failure_to_three_s"] = back
-    result["steps_with_fewer"] = sum(1 for r in ordered if r["replicas"] < 3)
+    result["failure_to_three_s"], result["steps_with_fewer"] = back_to_three(ordered, failures)
     return result
 
 
@@ -196,18 +197,8 @@ def run_side(dtrain, side, args, workdir):
               "test_accuracy": evals[-1]["val_accuracy"] if evals else None,
               "final_train_loss_mean50": statistics.mean(r["loss"] for r in ordered[-50:])}
     if side in ("kill", "stop"):
-        # Each failure to the first step with three replicas again.
-        back = []
-        for f in failures:
-            later = [r for r in ordered if r["time"] > f["time"]]
-            fewer = [r for r in later if r.get("replicas", 3) < 3]
-            if not fewer:
-                continue
-            again = [r for r in later if r["time"] > fewer[0]["time"] and r.get("replicas") == 3]
-            if again:
-                back.append(again[0]["time"] - f["time"])
-        result["failure_to_three_s"] = back
-        result["steps_with_fewer"] = sum(1 for r in ordered if r.get("replicas", 3) < 3)
+        result["failure_to_three_s"], result["steps_with_fewer"] = back_to_three(ordered,
+                                                                                 failures)
         result["replaced"] = sum(1 for line in output if "started rank" in line and "again" in line)
         result["joined"] = sum(1 for line in output if "joined after step" in line
                                and "[rank 0]" in line)

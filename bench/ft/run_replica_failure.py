@@ -41,15 +41,21 @@ VENV_PYTHON = os.path.join(report.ROOT, ".venv-torch", "bin", "python")
 LIGHTHOUSE = os.path.join(report.ROOT, ".venv-torch", "bin", "torchft_lighthouse")
 
 
-def run_torchft(args, workdir):
-    """torchft 0.2 (PyPI, PyTorch 2.x in .venv-torch) on the same model and failure: a
-    lighthouse and 3 replica groups of one rank (bench/ft/torchft_replica.py), the lighthouse's
-    heartbeat timeout set to dtrain's 2 s (its default is 5 s)."""
-    port = 29610
+def start_lighthouse(port):
+    """torchft's lighthouse on `port`, its heartbeat timeout set to dtrain's 2 s (its default is
+    5 s)."""
     lighthouse = subprocess.Popen([LIGHTHOUSE, "--min_replicas", "1", "--bind", f"[::]:{port}",
                                    "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.5)
+    return lighthouse
+
+
+def run_torchft(args, workdir):
+    """torchft 0.2 (PyPI, PyTorch 2.x in .venv-torch) on the same model and failure: a
+    lighthouse and 3 replica groups of one rank (bench/ft/torchft_replica.py)."""
+    port = 29610
+    lighthouse = start_lighthouse(port)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_replica.py")
     logs = [os.path.join(workdir, f"torchft-{r}.jsonl") for r in range(3)]
     started = time.time()

@@ -314,8 +314,8 @@ Outcome Attempt::run() {
               store_.add(rank_key(attempt_, "ft/deaths"), 1);
             }
           } catch (const CommError& e) {
-            std::fprintf(stderr, "dtrain launch: could not report rank %d's failure: %s\n",
-                         r.rank, e.what());
+            std::fprintf(stderr, "dtrain launch: could not report rank %d's failure: %s\n", r.rank,
+                         e.what());
           }
           if (r.replacements < o_.max_replacements) {
             // torchft's replica groups, restarted by their scheduler: a new process for the

@@ -63,8 +63,7 @@ CheckpointManager::~CheckpointManager() {
   try {
     wait();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "dtrain: the checkpoint being written was not completed: %s\n",
-                 e.what());
+    std::fprintf(stderr, "dtrain: the checkpoint being written was not completed: %s\n", e.what());
   }
 }
 
@@ -179,21 +178,19 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
         for (int r = 0; r < writers; ++r) {
           if (!fs::exists(written_marker(staging, r))) missing.push_back(r);
         }
-        if (missing.empty() || background->cancel ||
-            std::chrono::steady_clock::now() >= deadline) {
+        if (missing.empty() || background->cancel || std::chrono::steady_clock::now() >= deadline) {
           break;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
       std::string ranks;
       for (const int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
-      DTRAIN_CHECK(missing.empty(), "asynchronous checkpoint ", staging, ": rank",
-                   missing.size() == 1 ? " " : "s ", ranks,
-                   missing.size() == 1 ? " has" : " have", " not written ",
-                   missing.size() == 1 ? "its" : "their", " files",
-                   background->cancel ? " (training stopped)"
-                                      : concat(" within ", timeout.count(), " ms"),
-                   "; the newest complete checkpoint stays `latest`");
+      DTRAIN_CHECK(
+          missing.empty(), "asynchronous checkpoint ", staging, ": rank",
+          missing.size() == 1 ? " " : "s ", ranks, missing.size() == 1 ? " has" : " have",
+          " not written ", missing.size() == 1 ? "its" : "their", " files",
+          background->cancel ? " (training stopped)" : concat(" within ", timeout.count(), " ms"),
+          "; the newest complete checkpoint stays `latest`");
       for (int r = 0; r < writers; ++r) fs::remove(written_marker(staging, r));
       publish(staging, name, step, epoch, global_batch, tensors);
       done();

@@ -290,9 +290,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   run.evaluate = [&](bool alone) { return evaluate_on(*validation, alone); };
   checkpoints.on_written = [&](int64_t step, double seconds) {
     if (run.leader) {
-      run.metrics.write({{"event", std::string("checkpoint_written")},
-                         {"step", step},
-                         {"seconds", seconds}});
+      run.metrics.write(
+          {{"event", std::string("checkpoint_written")}, {"step", step}, {"seconds", seconds}});
     }
   };
   run.save = [&](int64_t step, int64_t epoch, bool alone) {

@@ -198,7 +198,8 @@ WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, const AllreduceOptions& o
   c10d::AllreduceOptions c10d_options;
   c10d_options.reduceOp = to_c10d(options.op);
   c10d_options.timeout = timeout;
-  auto work = issue(describe(what), [&] { return connected(what).allreduce(tensors, c10d_options); });
+  auto work =
+      issue(describe(what), [&] { return connected(what).allreduce(tensors, c10d_options); });
   const int world = size();
   const bool average = options.op == ReduceOp::Avg;
   auto result = std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
@@ -242,7 +243,8 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, const BroadcastOptions& o
   c10d::BroadcastOptions c10d_options;
   c10d_options.rootRank = options.root;
   c10d_options.timeout = timeout;
-  auto work = issue(describe(what), [&] { return connected(what).broadcast(tensors, c10d_options); });
+  auto work =
+      issue(describe(what), [&] { return connected(what).broadcast(tensors, c10d_options); });
   auto result = std::make_shared<C10dWork>(work, describe(what), timeout, [=]() mutable {
     if (!buffer.is_same(tensor)) tensor.copy_(buffer);
   });
@@ -256,7 +258,8 @@ WorkPtr GlooCommunicator::barrier(const BarrierOptions& options) {
   check_matching("barrier");
   c10d::BarrierOptions c10d_options;
   c10d_options.timeout = timeout;
-  auto work = issue(describe("barrier"), [&] { return connected("barrier").barrier(c10d_options); });
+  auto work =
+      issue(describe("barrier"), [&] { return connected("barrier").barrier(c10d_options); });
   auto result = std::make_shared<C10dWork>(work, describe("barrier"), timeout);
   note_collective("barrier", *result);
   return result;

@@ -10,8 +10,8 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/optim/StateSize.h"
-#include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "parallel/StrategySupport.h"
 #include "parallel/ft/FaultTolerantDdp.h"
 

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 
@@ -45,12 +45,13 @@ OptionGroup fault_tolerance_options() {
 
 void check_fault_tolerance_layout(const StrategyOptions& options, const Layout& layout) {
   if (!options.of<FaultToleranceOptions>().replicas()) return;
-  DTRAIN_CHECK_INPUT(layout.pipeline_parallel == 1 && layout.tensor_parallel == 1 &&
-                         layout.stage_replicas.empty(),
-                     "--fault-tolerance replicas: each replica is one rank for now (ddp without "
-                     "--pipeline-parallel, --stage-replicas or --tensor-parallel)");
-  DTRAIN_CHECK_INPUT(!layout.defer_eval,
-                     "--fault-tolerance replicas evaluates on rank 0 alone: leave out --defer-eval");
+  DTRAIN_CHECK_INPUT(
+      layout.pipeline_parallel == 1 && layout.tensor_parallel == 1 && layout.stage_replicas.empty(),
+      "--fault-tolerance replicas: each replica is one rank for now (ddp without "
+      "--pipeline-parallel, --stage-replicas or --tensor-parallel)");
+  DTRAIN_CHECK_INPUT(
+      !layout.defer_eval,
+      "--fault-tolerance replicas evaluates on rank 0 alone: leave out --defer-eval");
 }
 
 FaultTolerantDdp::FaultTolerantDdp(StrategyOptions options)
@@ -190,9 +191,9 @@ int64_t FaultTolerantDdp::send_state(int root, const std::vector<int>& to, int64
     for (const c10::IValue item : layout.get(i).toList()) {
       const auto tuple = item.toTuple();
       const auto& entry = tuple->elements();
-      at::Tensor value = at::empty(entry[2].toIntVector(),
-                                   parameters_[i].options().dtype(
-                                       static_cast<at::ScalarType>(entry[1].toInt())));
+      at::Tensor value =
+          at::empty(entry[2].toIntVector(),
+                    parameters_[i].options().dtype(static_cast<at::ScalarType>(entry[1].toInt())));
       param_states[i][entry[0].toStringRef()] = value;
       receive(value);
     }

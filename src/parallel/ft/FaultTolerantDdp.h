@@ -12,8 +12,8 @@
 
 #include <memory>
 
-#include "parallel/ddp/DdpStrategy.h"
 #include "dtrain/parallel/ft/Replicas.h"
+#include "parallel/ddp/DdpStrategy.h"
 #include "parallel/ft/ReplicaManager.h"
 
 namespace dtrain::parallel::ft {

@@ -111,8 +111,8 @@ bool ReplicaManager::declare_silent() {
     }
     if (now - seen->second.second < heartbeat_timeout_) continue;
     // Silent: whoever notices first declares it (once), as its launcher would.
-    const std::string mine = concat("silent for ", heartbeat_timeout_.count(), " ms (seen by ", me,
-                                    ")");
+    const std::string mine =
+        concat("silent for ", heartbeat_timeout_.count(), " ms (seen by ", me, ")");
     if (store_->set_if_absent(dead_key(r), mine) == mine) {
       store_->add(kDeathsKey, 1);
       std::fprintf(stderr,
@@ -201,8 +201,9 @@ std::string ReplicaManager::decide(bool summed) {
       for (const int r : members_) {
         if (!store_->read(concat(base, "summed/", r))) missing.push_back(r);
       }
-      DTRAIN_THROW(CommError, "replica group: step ", step_ + 1, "'s gradient sum did not finish on ",
-                   "world rank(s) ", joined(missing), " within ", world_->timeout().count(),
+      DTRAIN_THROW(CommError, "replica group: step ", step_ + 1,
+                   "'s gradient sum did not finish on ", "world rank(s) ", joined(missing),
+                   " within ", world_->timeout().count(),
                    " ms, and none of them was reported dead (members ", joined(members_), ")");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -352,8 +353,8 @@ std::optional<ReplicaManager::Admission> ReplicaManager::join() {
       return std::nullopt;
     }
     DTRAIN_CHECK_T(CommError, Clock::now() < deadline, "replica group: world rank ", me,
-                      " (a replacement) was not admitted within ", world_->timeout().count(),
-                      " ms: no step of the replicas present committed meanwhile");
+                   " (a replacement) was not admitted within ", world_->timeout().count(),
+                   " ms: no step of the replicas present committed meanwhile");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   std::stringstream in(admission);

@@ -150,9 +150,9 @@ void StepRunner::run(Run& run) {
           {"loss", result.loss},          {"lr", lr},        {"step_ms", step_seconds * 1e3},
           {"samples_per_s", throughput}};
       // Wall-clock time (Unix seconds): when the step ended, comparable across restarts.
-      record["time"] = std::chrono::duration<double>(
-                           std::chrono::system_clock::now().time_since_epoch())
-                           .count();
+      record["time"] =
+          std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+              .count();
       if (result.grad_norm >= 0) record["grad_norm"] = result.grad_norm;
       if (async) record["worker_step"] = step + 1;
       // What this rank sent in the step's collectives (ring estimate; p2p as sent).
