@@ -29,7 +29,7 @@ second between the first step's record and the last; the test loss of the final 
 kill/stop, the time from each failure to the first step with all three replicas again (the
 replacement taking part) and the steps trained with fewer.
 
-  bench/ft/run_repeated_failures.py --steps 2400 --period 30 [--sides none,kill,stop,restart]
+  bench/ft/run_repeated_failures.py --steps 6900 --period 30 --every 200 [--sides ...]
 """
 import os
 import sys
@@ -212,9 +212,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default=report.default_build())
-    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--steps", type=int, default=6900)
     parser.add_argument("--period", type=float, default=30)
-    parser.add_argument("--every", type=int, default=100, help="restart: checkpoint interval")
+    parser.add_argument("--every", type=int, default=200, help="restart: checkpoint interval")
     parser.add_argument("--sides", default="none,kill,stop,restart")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--markdown")
