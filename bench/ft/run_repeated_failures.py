@@ -17,8 +17,9 @@ Sides:
 - restart: --max-restarts with a checkpoint every --every steps: a kill restarts every rank
   from the newest checkpoint.
 - torchft-none, torchft-kill: the peer, torchft 0.2 from PyPI on PyTorch 2.x (.venv-torch),
-  the same model and batch on synthetic batches (bench/ft/torchft_replica.py: its Manager, DDP
-  and Optimizer, one rank per replica group, the lighthouse's heartbeat timeout 2 s), without
+  the same model and batch on synthetic batches (bench/ft/torchft_replica.py: its Manager and
+  Optimizer, Manager.allreduce of each gradient after backward (its DDP wrapper asserts when a
+  peer dies mid-allreduce), one rank per replica group, the lighthouse's heartbeat timeout 2 s), without
   failures and with a replica SIGKILLed every period and started again at once (as dtrain's
   launcher does): it heals from the others. Its throughput is compared with its own run without
   failures (its loss is on other data).
@@ -89,14 +90,17 @@ def run_torchft(side, args, workdir):
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_replica.py")
     logs = [os.path.join(workdir, f"{side}-{r}.jsonl") for r in range(3)]
     for log in logs:
-        if os.path.exists(log):
-            os.remove(log)
+        for path in (log, log + ".err"):
+            if os.path.exists(path):
+                os.remove(path)
 
     def start(r):
-        return subprocess.Popen([VENV_PYTHON, script, "--replica", str(r), "--store-port",
-                                 str(port + 10 + r), "--lighthouse", f"http://127.0.0.1:{port}",
-                                 "--steps", str(args.steps), "--log", logs[r]],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(logs[r] + ".err", "a") as err:
+            return subprocess.Popen([VENV_PYTHON, script, "--replica", str(r), "--store-port",
+                                     str(port + 10 + r), "--lighthouse",
+                                     f"http://127.0.0.1:{port}", "--steps", str(args.steps),
+                                     "--log", logs[r], "--grad-sync", "manual"],
+                                    stdout=subprocess.DEVNULL, stderr=err)
 
     started = time.time()
     replicas = [start(r) for r in range(3)]
@@ -123,7 +127,8 @@ def run_torchft(side, args, workdir):
     lighthouse.terminate()
     lighthouse.wait()
     if replicas[0].returncode != 0:
-        raise SystemExit(f"torchft replica 0 exited {replicas[0].returncode}")
+        raise SystemExit(f"torchft replica 0 exited {replicas[0].returncode}:\n"
+                         f"{open(logs[0] + '.err').read()[-3000:]}")
     committed = [json.loads(line) for line in open(logs[0])]
     committed = [r for r in committed if r["committed"]]
     steps = {}

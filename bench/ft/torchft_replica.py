@@ -32,6 +32,10 @@ def main():
     parser.add_argument("--kill-replica", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--log", required=True)
+    # "ddp": torchft's DistributedDataParallel (its comm hook asserts when a peer dies in the
+    # middle of the gradients' allreduce, torchft 0.2); "manual": Manager.allreduce of every
+    # gradient after backward (errors tracked by the Manager, the step not committed).
+    parser.add_argument("--grad-sync", choices=("ddp", "manual"), default="ddp")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -53,7 +57,7 @@ def main():
                       replica_id=f"replica_{args.replica}", store_addr="127.0.0.1",
                       store_port=args.store_port, rank=0, world_size=1,
                       lighthouse_addr=args.lighthouse, timeout=timedelta(seconds=10))
-    ddp = DistributedDataParallel(manager, model)
+    ddp = DistributedDataParallel(manager, model) if args.grad_sync == "ddp" else model
     optimizer = Optimizer(manager, inner)
     generator = torch.Generator().manual_seed(args.replica)
     with open(args.log, "a") as log:
@@ -62,6 +66,9 @@ def main():
             targets = torch.randint(0, 10, (32,), generator=generator)
             optimizer.zero_grad()
             F.cross_entropy(ddp(inputs), targets).backward()
+            if args.grad_sync == "manual":
+                for work in [manager.allreduce(p.grad) for p in model.parameters()]:
+                    work.wait()
             before = manager.current_step()
             optimizer.step()
             committed = manager.current_step() > before
