@@ -76,9 +76,8 @@ void FaultTolerantDdp::setup(Model model, const optim::OptimizerFactory& make_op
                          std::getenv("DTRAIN_TOLERATE_FAILURES") != nullptr,
                      "--fault-tolerance replicas under dtrain launch needs the launcher's "
                      "--tolerate-failures (dtrain train --nproc sets it)");
-  if (!replacement_) manager_ = std::make_unique<ReplicaManager>(grid_->world());
   if (!replacement_) return;
-  // (DdpStrategy::setup left the initial broadcast to the admission.)
+  // (broadcast_initial_state left the state to the admission.)
   const auto started = std::chrono::steady_clock::now();
   const std::optional<ReplicaManager::Admission> admission = manager_->join();
   if (!admission) {
@@ -101,12 +100,10 @@ void FaultTolerantDdp::setup(Model model, const optim::OptimizerFactory& make_op
 }
 
 void FaultTolerantDdp::broadcast_initial_state() {
-  if (replacement_) {
-    // Announced before the rest of setup: its heartbeat runs while it waits to be admitted.
-    manager_ = std::make_unique<ReplicaManager>(grid_->world(), std::chrono::seconds(2), true);
-    return;
-  }
-  DdpStrategy::broadcast_initial_state();
+  // The replica group forms here; a replacement's heartbeat runs while it waits to be admitted.
+  manager_ =
+      std::make_unique<ReplicaManager>(grid_->world(), std::chrono::seconds(2), replacement_);
+  if (!replacement_) DdpStrategy::broadcast_initial_state();
 }
 
 void FaultTolerantDdp::admit_waiting(int64_t steps) {
