@@ -7,6 +7,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -59,10 +61,29 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
+// Gloo's TCP pairs write with writev, which raises SIGPIPE when the peer has closed its end (a
+// replica that died or was fenced, a group abandoned by its members); its default action ends
+// the process before Gloo can report the broken pair as an error. Python ignores SIGPIPE, which
+// is why PyTorch never meets it; a C++ process must do it itself. A handler the program set
+// (anything but the default) is left alone.
+void ignore_broken_pipes() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      struct sigaction ignore {};
+      ignore.sa_handler = SIG_IGN;
+      sigemptyset(&ignore.sa_mask);
+      sigaction(SIGPIPE, &ignore, nullptr);
+    }
+  });
+}
+
 c10::intrusive_ptr<c10d::ProcessGroupGloo> make_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Milliseconds timeout,
     const std::shared_ptr<::gloo::transport::Device>& device, int threads,
     const std::string& what) {
+  ignore_broken_pipes();
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(device);
   options->threads = threads;
