@@ -91,6 +91,8 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --strategy zero1 --fault-tolerance replicas",
        "--fault-tolerance replicas is built for --strategy ddp, not zero1"},
       {" train --fault-tolerance sometimes", "--fault-tolerance must be none or replicas"},
+      {" train --fault-tolerance replicas --replica-heartbeat-timeout 0.01",
+       "--replica-heartbeat-timeout must be in [0.1, 3600] seconds, got 0.01"},
       {" train --model gpt --dataset text --tp-comm-overlap",
        "--tp-comm-overlap overlaps tensor parallelism's communication: it needs"},
       {" train --strategy zero3 --overlap-param-gather",

@@ -308,8 +308,9 @@ TEST(FaultTolerance, AStoppedReplicaIsFencedAndTheOthersFinish) {
   expect_two_replicas_after(metrics, 12, 30);
 }
 // Live recovery through the launcher: rank 2 is killed at step 12 (then, stopped, at step 12 of
-// another run: fenced first); its launcher starts it again, the replacement joins the others at
-// a step's end and the job ends with three replicas; nothing restarts.
+// another run: counted as dead after --replica-heartbeat-timeout 0.4 s and fenced first); its
+// launcher starts it again, the replacement joins the others at a step's end and the job ends with
+// three replicas; nothing restarts.
 TEST(FaultTolerance, TheLauncherReplacesAFailedReplicaAndItJoinsTheOthers) {
   for (const std::string failure : {"2:12", "2:12:stop"}) {
     test::TempDir dir;
@@ -318,9 +319,14 @@ TEST(FaultTolerance, TheLauncherReplacesAFailedReplicaAndItJoinsTheOthers) {
         "DTRAIN_SIMULATE_SLOW_STEP_MS=40 DTRAIN_SIMULATE_FAILURE=" + failure + " " +
         test::cli::kDtrain +
         " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --max-steps 100 "
-        "--log-every 1 --no-progress --fault-tolerance replicas --metrics " +
+        "--log-every 1 --no-progress --fault-tolerance replicas --replica-heartbeat-timeout 0.4 "
+        "--metrics " +
         metrics);
     ASSERT_EQ(out.code, 0) << out.text;
+    if (failure == "2:12:stop") {
+      EXPECT_TRUE(test::cli::has(out, "world rank 2's heartbeat has been silent for 400 ms"))
+          << out.text;
+    }
     EXPECT_TRUE(test::cli::has(out, "started rank 2 again (replacement 1 of at most 10"))
         << out.text;
     EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;

@@ -12,8 +12,8 @@ Sides:
 - kill: --fault-tolerance replicas, a replica SIGKILLed every period: the others go on at
   once, its launcher starts it again and the replacement joins at a step's end with the state
   of rank 0 (live recovery);
-- stop: the same with SIGSTOP: counted as dead after 2 s of heartbeat silence, killed by its
-  launcher (fencing), then replaced;
+- stop: the same with SIGSTOP: counted as dead after --heartbeat-timeout ms of heartbeat silence
+  (dtrain's --replica-heartbeat-timeout, default 2 s), killed by its launcher (fencing), then replaced;
 - restart: --max-restarts with a checkpoint every --every steps: a kill restarts every rank
   from the newest checkpoint.
 - torchft-none, torchft-kill: the peer, torchft 0.2 from PyPI on PyTorch 2.x (.venv-torch),
@@ -157,7 +157,8 @@ def run_side(dtrain, side, args, workdir):
                "--nproc", "3", "--threads", "1", "--log-every", "1", "--metrics", metrics,
                "--no-progress"]
     if side in ("kill", "stop"):
-        command += ["--fault-tolerance", "replicas", "--max-replacements", "1000"]
+        command += ["--fault-tolerance", "replicas", "--max-replacements", "1000",
+                    "--replica-heartbeat-timeout", str(args.heartbeat_timeout / 1000)]
     elif side == "restart":
         command += ["--max-restarts", "1000", "--checkpoint-dir", checkpoints,
                     "--checkpoint-every", str(args.every)]
@@ -202,6 +203,7 @@ def run_side(dtrain, side, args, workdir):
               "test_accuracy": evals[-1]["val_accuracy"] if evals else None,
               "final_train_loss_mean50": statistics.mean(r["loss"] for r in ordered[-50:])}
     if side in ("kill", "stop"):
+        result["heartbeat_timeout_ms"] = args.heartbeat_timeout
         result["failure_to_three_s"], result["steps_with_fewer"] = back_to_three(ordered,
                                                                                  failures)
         result["replaced"] = sum(1 for line in output if "started rank" in line and "again" in line)
@@ -222,6 +224,8 @@ def main():
     parser.add_argument("--every", type=int, default=200, help="restart: checkpoint interval")
     parser.add_argument("--sides", default="none,kill,stop,restart")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--heartbeat-timeout", type=int, default=2000,
+                        help="kill, stop: dtrain's --replica-heartbeat-timeout, in ms")
     parser.add_argument("--markdown")
     parser.add_argument("--records", default=os.path.join(report.ROOT, "bench", "results", "ft",
                                                           "repeated-failures.jsonl"))
@@ -252,7 +256,8 @@ def main():
              "/ no failure | failure to 3 replicas again (s, median) |",
              "|---|---|---|---|---|---|---|---|"]
     labels = {"none": "no failure", "kill": "`--fault-tolerance replicas`, SIGKILL",
-              "stop": "`--fault-tolerance replicas`, SIGSTOP",
+              "stop": "`--fault-tolerance replicas`, SIGSTOP, heartbeat timeout "
+                      f"{args.heartbeat_timeout} ms",
               "restart": f"restart from a checkpoint every {args.every} steps",
               "torchft-none": "torchft 0.2 (PyTorch 2.x), no failure",
               "torchft-kill": "torchft 0.2 (PyTorch 2.x), SIGKILL, started again"}

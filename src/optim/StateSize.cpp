@@ -21,13 +21,17 @@ void put(ParamState& state, const std::string& name, const at::Tensor& t) {
 
 at::Tensor step_tensor(int64_t step) { return at::scalar_tensor(step, at::kLong); }
 
-// `name` from `state`, shaped like `parameter` (a copy); undefined when absent.
-at::Tensor take(const ParamState& state, const std::string& name, const at::Tensor& parameter) {
+// `name` from `state`, shaped like `parameter` (a copy unless `copy` is false and it has the
+// parameter's dtype and device already); undefined when absent.
+at::Tensor take(const ParamState& state, const std::string& name, const at::Tensor& parameter,
+                bool copy) {
   auto it = state.find(name);
   if (it == state.end()) return {};
   DTRAIN_CHECK_INPUT(it->second.numel() == parameter.numel(), "optimizer state '", name, "' has ",
                      it->second.numel(), " elements for a parameter of ", parameter.numel());
-  return it->second.to(parameter.options().requires_grad(false)).reshape(parameter.sizes()).clone();
+  at::Tensor value =
+      it->second.to(parameter.options().requires_grad(false)).reshape(parameter.sizes());
+  return copy ? value.clone() : value;
 }
 
 int64_t take_step(const ParamState& state) {
@@ -45,13 +49,38 @@ void get_adam(ParamState& out, const S& s) {
 }
 
 template <typename S>
-std::unique_ptr<S> make_adam(const ParamState& state, const at::Tensor& parameter) {
+std::unique_ptr<S> make_adam(const ParamState& state, const at::Tensor& parameter, bool copy) {
   auto s = std::make_unique<S>();
   s->step(take_step(state));
-  s->exp_avg(take(state, "exp_avg", parameter));
-  s->exp_avg_sq(take(state, "exp_avg_sq", parameter));
-  s->max_exp_avg_sq(take(state, "max_exp_avg_sq", parameter));
+  s->exp_avg(take(state, "exp_avg", parameter, copy));
+  s->exp_avg_sq(take(state, "exp_avg_sq", parameter, copy));
+  s->max_exp_avg_sq(take(state, "max_exp_avg_sq", parameter, copy));
   return s;
+}
+
+void install(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
+             const ParamState& state, bool copy) {
+  const StateKey key = key_of(parameter);
+  optimizer.state().erase(key);
+  if (state.empty()) return;
+  std::unique_ptr<torch::optim::OptimizerParamState> made;
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer)) {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(take(state, "momentum_buffer", parameter, copy));
+    made = std::move(s);
+  } else if (dynamic_cast<torch::optim::Adam*>(&optimizer)) {
+    made = make_adam<torch::optim::AdamParamState>(state, parameter, copy);
+  } else if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) {
+    made = make_adam<torch::optim::AdamWParamState>(state, parameter, copy);
+  } else if (dynamic_cast<torch::optim::Adagrad*>(&optimizer)) {
+    auto g = std::make_unique<torch::optim::AdagradParamState>();
+    g->step(take_step(state));
+    g->sum(take(state, "sum", parameter, copy));
+    made = std::move(g);
+  } else {
+    DTRAIN_THROW(Error, "optimizer state of an unsupported optimizer class");
+  }
+  optimizer.state()[key] = std::move(made);
 }
 
 }  // namespace
@@ -78,27 +107,13 @@ ParamState get_param_state(const torch::optim::Optimizer& optimizer, const at::T
 
 void set_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
                      const ParamState& state) {
-  const StateKey key = key_of(parameter);
-  optimizer.state().erase(key);
-  if (state.empty()) return;
-  std::unique_ptr<torch::optim::OptimizerParamState> made;
-  if (dynamic_cast<torch::optim::SGD*>(&optimizer)) {
-    auto s = std::make_unique<torch::optim::SGDParamState>();
-    s->momentum_buffer(take(state, "momentum_buffer", parameter));
-    made = std::move(s);
-  } else if (dynamic_cast<torch::optim::Adam*>(&optimizer)) {
-    made = make_adam<torch::optim::AdamParamState>(state, parameter);
-  } else if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) {
-    made = make_adam<torch::optim::AdamWParamState>(state, parameter);
-  } else if (dynamic_cast<torch::optim::Adagrad*>(&optimizer)) {
-    auto g = std::make_unique<torch::optim::AdagradParamState>();
-    g->step(take_step(state));
-    g->sum(take(state, "sum", parameter));
-    made = std::move(g);
-  } else {
-    DTRAIN_THROW(Error, "optimizer state of an unsupported optimizer class");
-  }
-  optimizer.state()[key] = std::move(made);
+  install(optimizer, parameter, state, /*copy=*/true);
+}
+
+void adopt_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
+                       ParamState&& state) {
+  install(optimizer, parameter, state, /*copy=*/false);
+  state.clear();
 }
 
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {

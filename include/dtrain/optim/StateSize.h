@@ -21,5 +21,9 @@ ParamState get_param_state(const torch::optim::Optimizer& optimizer, const at::T
 /// Replaces it with `state` (get_param_state's form, copied; empty = no state).
 void set_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
                      const ParamState& state);
+/// The same without the copy: the optimizer keeps `state`'s tensors themselves (as views shaped
+/// like `parameter` when they have its dtype and device), for a caller that gives them up.
+void adopt_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
+                       ParamState&& state);
 
 }  // namespace dtrain::optim

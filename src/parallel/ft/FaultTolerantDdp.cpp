@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +29,10 @@ void declare_flags(FlagSet& flags, FaultToleranceOptions& o) {
   flags.add("--max-replacements", o.max_replacements,
             "--fault-tolerance replicas with --nproc: start a failed replica again up to this "
             "many times; it joins the others at a step's end with the state of one of them");
+  flags.add("--replica-heartbeat-timeout", o.heartbeat_timeout_s,
+            "--fault-tolerance replicas: a replica whose heartbeat stays silent this many "
+            "seconds is counted as dead (a hang, a stopped machine) and the others go on; too "
+            "short counts a slow replica out");
 }
 
 void check_flags(const FaultToleranceOptions& o) {
@@ -35,6 +40,9 @@ void check_flags(const FaultToleranceOptions& o) {
                      "--fault-tolerance must be none or replicas, got '", o.mode, "'");
   DTRAIN_CHECK_INPUT(o.max_replacements >= 0 && o.max_replacements <= 100000,
                      "--max-replacements must be in 0..100000, got ", o.max_replacements);
+  DTRAIN_CHECK_INPUT(o.heartbeat_timeout_s >= 0.1 && o.heartbeat_timeout_s <= 3600,
+                     "--replica-heartbeat-timeout must be in [0.1, 3600] seconds, got ",
+                     o.heartbeat_timeout_s);
 }
 
 }  // namespace
@@ -101,8 +109,11 @@ void FaultTolerantDdp::setup(Model model, const optim::OptimizerFactory& make_op
 
 void FaultTolerantDdp::broadcast_initial_state() {
   // The replica group forms here; a replacement's heartbeat runs while it waits to be admitted.
-  manager_ =
-      std::make_unique<ReplicaManager>(grid_->world(), std::chrono::seconds(2), replacement_);
+  manager_ = std::make_unique<ReplicaManager>(
+      grid_->world(),
+      std::chrono::milliseconds(static_cast<int64_t>(
+          std::lround(options_.of<FaultToleranceOptions>().heartbeat_timeout_s * 1000))),
+      replacement_);
   if (!replacement_) DdpStrategy::broadcast_initial_state();
 }
 
@@ -198,7 +209,7 @@ int64_t FaultTolerantDdp::send_state(int root, const std::vector<int>& to, int64
   for (auto& buffer : model_.module->buffers()) receive(buffer);
   comm::wait_all(works);
   for (size_t i = 0; i < parameters_.size(); ++i) {
-    optim::set_param_state(*optimizer_, parameters_[i], param_states[i]);
+    optim::adopt_param_state(*optimizer_, parameters_[i], std::move(param_states[i]));
   }
   state_bytes_ = bytes;
   return state.at("steps").toInt();

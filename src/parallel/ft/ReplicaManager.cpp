@@ -58,7 +58,9 @@ ReplicaManager::ReplicaManager(comm::CommunicatorPtr world,
       group_(world_),
       store_(world_->key_value()),
       replacement_(replacement),
-      heartbeat_timeout_(heartbeat_timeout) {
+      heartbeat_timeout_(heartbeat_timeout),
+      beat_every_(std::clamp(heartbeat_timeout / 10, std::chrono::milliseconds(10),
+                             std::chrono::milliseconds(100))) {
   DTRAIN_CHECK_INPUT(store_ != nullptr,
                      "--fault-tolerance replicas needs a backend that meets through a store "
                      "(gloo); group '",
@@ -78,7 +80,7 @@ ReplicaManager::ReplicaManager(comm::CommunicatorPtr world,
       } catch (const CommError&) {
         // The store is gone (the launcher ended): the training thread hears of it too.
       }
-      heartbeat_stop_.wait_for(lock, std::chrono::milliseconds(100));
+      heartbeat_stop_.wait_for(lock, beat_every_);
     }
   });
 }
@@ -98,7 +100,7 @@ ReplicaManager::~ReplicaManager() {
 bool ReplicaManager::declare_silent() {
   const auto now = Clock::now();
   if (now < next_beat_look_) return false;
-  next_beat_look_ = now + std::chrono::milliseconds(100);
+  next_beat_look_ = now + beat_every_;
   const int me = world_->global_ranks()[world_->rank()];
   bool declared = false;
   for (const int r : members_) {

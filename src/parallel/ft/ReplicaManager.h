@@ -37,7 +37,7 @@ namespace dtrain::parallel::ft {
 /// dies: "1" at dead_key(rank), and one more at kDeathsKey.
 std::string dead_key(int world_rank);
 inline constexpr const char* kDeathsKey = "ft/deaths";
-/// Where each replica's heartbeat counts (every 100 ms).
+/// Where each replica's heartbeat counts (a tenth of the heartbeat timeout, 10-100 ms).
 std::string heartbeat_key(int world_rank);
 /// Where a replacement announces itself, and how many wait.
 std::string join_key(int world_rank);
@@ -121,6 +121,7 @@ class ReplicaManager {
   int64_t step_ = 0;
   int64_t deaths_seen_ = 0;
   std::chrono::milliseconds heartbeat_timeout_;
+  std::chrono::milliseconds beat_every_;  // the heartbeat's period, and how often members look
   /// Each member's heartbeat count and when this rank last saw it change.
   std::map<int, std::pair<int64_t, std::chrono::steady_clock::time_point>> beats_;
   std::chrono::steady_clock::time_point next_beat_look_{};

@@ -14,6 +14,10 @@ struct FaultToleranceOptions {
   /// this many times; it joins the others at a step's end, its state sent by one of them.
   /// (`dtrain launch` takes --max-replacements itself.)
   int max_replacements = 10;
+  /// replicas (--replica-heartbeat-timeout): a member whose heartbeat (every tenth of this, at
+  /// most 100 ms) stays silent this long is counted as dead (a hung process, a stopped machine):
+  /// shorter finds a hang sooner, too short counts a slow but live replica out.
+  double heartbeat_timeout_s = 2.0;
   /// This process replaces a failed replica (set from DTRAIN_FT_REPLACEMENT, which its launcher
   /// sets): setup waits to be admitted and takes the state from a replica that trains.
   bool replacement = false;
