@@ -611,6 +611,46 @@ TEST(Planner, SelectiveRecomputationKeepsKorthikantisShareForAFewPercent) {
   EXPECT_THROW(predict(model_named("resnet50"), cluster_of("h100-dgx", 1, 1), cnn), InputError);
 }
 
+// flash=1: attention's core as one FlashAttention kernel. Its blocks keep no score tensors (the
+// 5 a s / h term goes; a log-sum-exp per row stays), compute only the causal half of the scores
+// and compute them again in backward; the model's flops (what MFU counts) stay the same.
+TEST(Planner, FlashAttentionKeepsNoScoresAndComputesTheCausalHalf) {
+  const std::string shape = "transformer:layers=24,hidden=2048,heads=16,seq=4096,vocab=131072";
+  const ModelCost fused = model_named(shape);
+  const ModelCost flash = model_named(shape + ",flash=1");
+  const Layer& block = flash.layers[1];
+  const double s = 4096, h = 2048, a = 16;
+  EXPECT_DOUBLE_EQ(block.saved_elements, 17 * s * h + 2 * a * s);
+  EXPECT_DOUBLE_EQ(fused.layers[1].saved_elements, 17 * s * h + 2.5 * a * s * s);
+  EXPECT_DOUBLE_EQ(block.skipped_flops, 2 * s * s * h);
+  EXPECT_DOUBLE_EQ(block.recomputed_backward_flops, s * s * h);
+  EXPECT_EQ(block.attention_saved_elements, 0);  // nothing for selective recomputation
+  EXPECT_DOUBLE_EQ(flash.model_flops_per_sample(), fused.model_flops_per_sample());
+  Layout layout;
+  layout.strategy = "zero1";
+  layout.dp = 8;
+  layout.micro_batches = 4;
+  const Cluster cluster = cluster_of("h100-dgx", 1);
+  const Prediction with_scores = predict(fused, cluster, layout);
+  const Prediction with_flash = predict(flash, cluster, layout);
+  // At s = 2h the scores' traffic is most of a block's element-wise time and their memory most
+  // of its activations: flash is faster and keeps a small fraction.
+  EXPECT_LT(with_flash.compute_s, 0.8 * with_scores.compute_s);
+  EXPECT_LT(with_flash.memory.activations, 0.25 * with_scores.memory.activations);
+  EXPECT_GT(with_flash.mfu, with_scores.mfu);
+  EXPECT_THROW(model_named(shape + ",flash=2"), InputError);
+  // The search divides the blocks into every interleaving depth as for the fused model; only
+  // selective recomputation (nothing to drop) is left out: 2 of every 3 layouts.
+  SearchOptions options;
+  options.global_batch = 64;
+  options.strategies = {"ddp", "zero1"};
+  const SearchResult searched_fused = search(fused, cluster_of("h100-dgx", 2), options);
+  const SearchResult searched_flash = search(flash, cluster_of("h100-dgx", 2), options);
+  EXPECT_EQ(3 * searched_flash.considered, 2 * searched_fused.considered);
+  EXPECT_TRUE(std::any_of(searched_flash.ranked.begin(), searched_flash.ranked.end(),
+                          [](const Prediction& p) { return p.layout.chunks > 2; }));
+}
+
 TEST(Published, NarayananTrillionParametersOn3072A100s) {
   // Narayanan et al. 2021, Table 1: 1008B parameters, TP 8 x PP 64 on 3072 A100s, batch 3072:
   // 163 TFLOP/s per GPU by their formula 96 B s l h^2 (1 + s / 6h + V / 16lh).

@@ -86,6 +86,24 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
     block.tp_allreduces = 2;
     block.column_parallel_flops = 2 * s * (3 * h * h + h * f);
     block.replicated_parameters = static_cast<int64_t>(6 * h);  // 2 norms, 2 row-parallel biases
+    block.block = true;
+    if (shape.flash) {
+      // One kernel reads Q, K, V and writes the output (and its log-sum-exp per row, kept for
+      // backward, in fp32); no score or mask tensor exists; of the 4 s^2 h flops only the
+      // blocks on and below the diagonal are computed (half), and backward computes the scores
+      // (half of 2 s^2 h) again. Selective recomputation has nothing left to drop.
+      block.elementwise_elements -= block.attention_elements;
+      block.elementwise_elements += 4 * s * h;
+      block.saved_elements -= block.attention_saved_elements;
+      block.saved_elements += 2 * a * s;
+      block.kernels -= block.attention_kernels - 1;
+      block.skipped_flops = 2 * s * s * h;
+      block.recomputed_backward_flops = s * s * h;
+      block.attention_saved_elements = 0;
+      block.attention_flops = 0;
+      block.attention_elements = 0;
+      block.attention_kernels = 0;
+    }
     model.layers.push_back(block);
   }
 
@@ -243,12 +261,16 @@ const Preset kPresets[] = {
 TransformerShape parse_shape(const std::string& text) {
   // "transformer:layers=24,hidden=1024,heads=16,seq=1024,vocab=51200[,ffn=4096]"
   TransformerShape shape;
-  int tied = 1, dropout = 1, fused = 1;
+  int tied = 1, dropout = 1, fused = 1, flash = 0;
   std::map<std::string, int*> fields = {
       {"layers", &shape.layers}, {"hidden", &shape.hidden},    {"heads", &shape.heads},
       {"seq", &shape.sequence},  {"vocab", &shape.vocabulary}, {"ffn", &shape.ffn},
-      {"tied", &tied},           {"dropout", &dropout},        {"fused", &fused}};
-  const char* keys = "keys: layers, hidden, heads, seq, vocab, ffn, tied, dropout, fused";
+      {"tied", &tied},           {"dropout", &dropout},        {"fused", &fused},
+      {"flash", &flash}};
+  const char* keys = "keys: layers, hidden, heads, seq, vocab, ffn, tied, dropout, fused, flash";
+  auto is_flag = [](const std::string& key) {
+    return key == "tied" || key == "dropout" || key == "fused" || key == "flash";
+  };
   std::stringstream items(text.substr(text.find(':') + 1));
   std::string item;
   while (std::getline(items, item, ',')) {
@@ -262,16 +284,14 @@ TransformerShape parse_shape(const std::string& text) {
     try {
       size_t used = 0;
       const int value = std::stoi(item.substr(eq + 1), &used);
-      const bool flag = key == "tied" || key == "dropout" || key == "fused";
+      const bool flag = is_flag(key);
       DTRAIN_CHECK_INPUT(
           used == item.size() - eq - 1 && (flag ? value == 0 || value == 1 : value > 0), "bad");
       *field->second = value;
     } catch (const std::exception&) {
       DTRAIN_THROW(InputError, "--model '", text, "': ", key,
-                   key == "tied" || key == "dropout" || key == "fused"
-                       ? " must be 0 or 1"
-                       : " must be a positive integer",
-                   ", got '", item.substr(eq + 1), "'");
+                   is_flag(key) ? " must be 0 or 1" : " must be a positive integer", ", got '",
+                   item.substr(eq + 1), "'");
     }
   }
   for (const char* key : {"layers", "hidden", "heads", "seq", "vocab"}) {
@@ -280,6 +300,7 @@ TransformerShape parse_shape(const std::string& text) {
   shape.tied = tied == 1;
   shape.dropout = dropout == 1;
   shape.fused_softmax = fused == 1;
+  shape.flash = flash == 1;
   return shape;
 }
 

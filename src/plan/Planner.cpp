@@ -129,7 +129,8 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     const Layer& l = model.layers[i];
     const double split = l.tensor_parallel ? layout.tp : 1;
     local_params[i] = (l.parameters - l.replicated_parameters) / split + l.replicated_parameters;
-    const double flops = l.matmul_flops * b / split;
+    // (What the kernels compute: a causal FlashAttention kernel skips half the scores.)
+    const double flops = (l.matmul_flops - l.skipped_flops) * b / split;
     const double flop_rate = hw.matmul_rate(bytes.compute_dtype, l.matmul_dim / split) * share;
     const double replicated = layout.sequence_parallel
                                   ? 0
@@ -150,8 +151,9 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
     const double tp_comm_b =
         tp_overlap ? std::max(0.0, tp_comm - l.column_parallel_flops * b / split / flop_rate)
                    : tp_comm;
-    t.backward = 2 * flops / flop_rate + 2 * elements * bytes.activation / elementwise_rate +
-                 casts_b / byte_rate + 2 * l.kernels * overhead + tp_comm_b;
+    t.backward = (2 * flops + l.recomputed_backward_flops * b / split) / flop_rate +
+                 2 * elements * bytes.activation / elementwise_rate + casts_b / byte_rate +
+                 2 * l.kernels * overhead + tp_comm_b;
     // dW = dY^T X and its fp32 accumulation; a recomputed layer computes it during B (dtrain
     // defers nothing from inside a checkpoint), and so does autocast's (its weight is cast).
     if (!layout.checkpointing && !bytes.casts_per_micro_batch) {

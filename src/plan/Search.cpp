@@ -34,10 +34,8 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   const bool attention = std::any_of(model.layers.begin(), model.layers.end(),
                                      [](const Layer& l) { return l.attention_saved_elements > 0; });
   // A transformer's blocks (what deeper interleaving divides); 0 for other models.
-  const int blocks =
-      static_cast<int>(std::count_if(model.layers.begin(), model.layers.end(), [](const Layer& l) {
-        return l.attention_saved_elements > 0;
-      }));
+  const int blocks = static_cast<int>(std::count_if(model.layers.begin(), model.layers.end(),
+                                                    [](const Layer& l) { return l.block; }));
   // A layout of `micro_batches` x `mbs` per replica, without recomputation and (when allowed)
   // with checkpointing of every layer and, for models with attention, selective recomputation;
   // the search's precision and optimizer; `set` fills the parallelism.

@@ -48,6 +48,13 @@ struct Layer {
   double attention_flops = 0;
   double attention_elements = 0;
   double attention_kernels = 0;
+  /// Per sample: of matmul_flops (forward), those the model counts but no kernel computes (a
+  /// causal FlashAttention kernel skips the score blocks above the diagonal), and the flops
+  /// backward computes beyond twice forward's (FlashAttention computes the scores again).
+  double skipped_flops = 0;
+  double recomputed_backward_flops = 0;
+  /// A transformer block (what a search's deeper interleaving divides evenly).
+  bool block = false;
 };
 
 struct ModelCost {
@@ -73,6 +80,11 @@ struct TransformerShape {
   /// Attention's scale, causal mask and softmax in one kernel (Megatron's fused softmax), or
   /// written out as three (dtrain's GPT on LibTorch 1.13: scale, masked_fill, softmax).
   bool fused_softmax = true;
+  /// Attention's core in one FlashAttention kernel (flash=1): no score tensor is written or
+  /// kept, the causal blocks above the diagonal are skipped and backward computes the scores
+  /// again. dtrain's GPT on LibTorch 2.x without attention dropout (scaled_dot_product_attention)
+  /// and Megatron-Core with Transformer Engine run it.
+  bool flash = false;
 };
 /// A GPT-style decoder (Megatron's): token and position embeddings, `layers` pre-norm blocks
 /// (attention with Q/K/V and output projections, a GELU MLP), a final norm and the output
@@ -81,8 +93,9 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name = "
 
 /// A built-in model by name ("resnet50", "gpt" dtrain's fortunes GPT, the papers' transformers
 /// "megatron-1t", ...) or a described transformer: "transformer:layers=24,hidden=1024,heads=16,
-/// seq=1024,vocab=51200[,ffn=4096,tied=0,dropout=0,fused=0]" (dtrain's own GPT is
-/// "transformer:...,tied=0,dropout=0,fused=0" unless --tied-embeddings / --dropout). InputError
+/// seq=1024,vocab=51200[,ffn=4096,tied=0,dropout=0,fused=0,flash=1]" (dtrain's own GPT is
+/// "transformer:...,tied=0,dropout=0,fused=0" on LibTorch 1.13, "...,tied=0,dropout=0,flash=1"
+/// on 2.x, unless --tied-embeddings / --dropout). InputError
 /// naming the text and the known names otherwise.
 ModelCost model_named(const std::string& text);
 std::vector<std::string> known_models();
