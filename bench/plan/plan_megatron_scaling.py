@@ -22,7 +22,12 @@ MFU two ways: the planner's (the model's matrix-product flops, 3x forward, over 
 989 TFLOP/s) and Megatron's own formula (training.py's num_floating_point_operations at the
 commit that published the figures) over the same peak: the published MFU is the latter.
 
-  bench/plan/plan_megatron_scaling.py [--dtrain build/dtrain] [--markdown FILE]
+--precision bf16-master predicts the layouts with Megatron's precision layout instead of
+dtrain's (bf16 weights and gradients, fp32 master weights in the optimizer; dtrain train's
+bf16-mixed keeps fp32 weights and gradients and casts each micro-batch): what dtrain would do
+with that precision, which `dtrain train` does not have.
+
+  bench/plan/plan_megatron_scaling.py [--dtrain build/dtrain] [--precision P] [--markdown FILE]
 """
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -50,7 +55,7 @@ WEAK = [
 ]
 # The README's text: the 177B model, batch 1152, 96 -> 4608 GPUs, 47% -> 42% MFU.
 STRONG = [(96, 0.47), (4608, 0.42)]
-FLAGS = ["--cluster", "h100-dgx", "--overlap-param-gather"]
+FLAGS = ["--cluster", "h100-dgx", "--overlap-param-gather"]  # + --precision (main)
 TP_FLAGS = ["--sequence-parallel", "--tp-comm-overlap"]  # where tp > 1
 
 
@@ -120,7 +125,9 @@ def main():
                                                       "megatron-scaling.jsonl"))
     parser.add_argument("--markdown")
     parser.add_argument("--rows", help="weak-scaling rows to run (sizes, comma-separated)")
+    parser.add_argument("--precision", default="bf16-mixed")
     args = parser.parse_args()
+    FLAGS.extend(["--precision", args.precision])
 
     rows = []
     for row in WEAK:
@@ -131,7 +138,7 @@ def main():
             started = time.time()
             p = its_layout(args.dtrain, row) if kind == "its layout" else \
                 search(args.dtrain, heads, hidden, layers, gpus, batch)
-            record = {"table": "weak", "model": size, "gpus": gpus, "batch": batch, "kind": kind,
+            record = {"table": "weak", "model": size, "precision": args.precision, "gpus": gpus, "batch": batch, "kind": kind,
                       "published_mfu": mfu, "published_tflops_per_gpu": tflops,
                       "plan_s": time.time() - started}
             if p is not None:
@@ -144,7 +151,7 @@ def main():
         for gpus, mfu in STRONG:
             started = time.time()
             p = search(args.dtrain, 96, 12288, 96, gpus, 1152)
-            record = {"table": "strong", "model": "177B", "gpus": gpus, "batch": 1152,
+            record = {"table": "strong", "model": "177B", "precision": args.precision, "gpus": gpus, "batch": 1152,
                       "kind": "search", "published_mfu": mfu, "plan_s": time.time() - started}
             if p is not None:
                 record.update({"layout": p["layout"], "step_s": p["step_s"], "planner_mfu": p["mfu"],
