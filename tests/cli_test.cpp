@@ -91,6 +91,14 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --strategy zero1 --fault-tolerance replicas",
        "--fault-tolerance replicas is built for --strategy ddp, not zero1"},
       {" train --fault-tolerance sometimes", "--fault-tolerance must be none or replicas"},
+      // Another strategy's flag would change nothing: refused, naming whose it is.
+      {" train --outer-lr 0.5", "--outer-lr is --strategy diloco's option; this run (ddp) would "
+                                "not use it: leave it out"},
+      {" train --strategy zero1 --zero3-min-unit-params 5",
+       "--zero3-min-unit-params is --strategy zero3's option; this run (zero1)"},
+      {" train --schedule gpipe", "--schedule is a pipeline's (--pipeline-parallel > 1) option"},
+      {" train --max-replacements 3",
+       "--max-replacements and --replica-heartbeat-timeout apply with --fault-tolerance replicas"},
       {" train --fault-tolerance replicas --replica-heartbeat-timeout 0.01",
        "--replica-heartbeat-timeout must be in [0.1, 3600] seconds, got 0.01"},
       {" train --model gpt --dataset text --tp-comm-overlap",

@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <set>
+#include <type_traits>
+#include <variant>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Flags.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/diloco/DilocoStrategy.h"
@@ -53,6 +56,54 @@ std::vector<const OptionGroup*> option_groups() {
     }
   }
   return groups;
+}
+
+// Whether the flag bound in `a` holds another value than the same flag bound in `b`.
+bool differs(const Flag& a, const Flag& b) {
+  return std::visit(
+      [&](auto* value) {
+        using Pointer = std::decay_t<decltype(value)>;
+        return *value != *std::get<Pointer>(b.target);
+      },
+      a.target);
+}
+
+// Flags of groups that no strategy of the run lists, set away from their defaults (by flag or
+// config file): a mistake the run would otherwise hide (--outer-lr under ddp trains as if it
+// were not there). `running`: the strategies of the run.
+void refuse_flags_of_other_strategies(StrategyOptions& options,
+                                      const std::vector<const StrategyInfo*>& running) {
+  StrategyOptions defaults;
+  for (const OptionGroup* group : option_groups()) {
+    const bool listed = std::any_of(running.begin(), running.end(), [&](const StrategyInfo* s) {
+      return std::any_of(s->options.begin(), s->options.end(),
+                         [&](const OptionGroup& g) { return g.name == group->name; });
+    });
+    if (listed) continue;
+    FlagSet given, fresh;
+    group->declare(given, options);
+    group->declare(fresh, defaults);
+    for (size_t i = 0; i < given.flags().size(); ++i) {
+      if (!differs(given.flags()[i], fresh.flags()[i])) continue;
+      std::vector<std::string> owners;
+      bool pipeline = false;
+      for (const auto& info : strategies()) {
+        for (const auto& g : info.options) {
+          if (g.name != group->name) continue;
+          if (info.pipelines) {
+            pipeline = true;
+          } else {
+            owners.push_back(info.name);
+          }
+        }
+      }
+      const std::string whose =
+          pipeline ? std::string("a pipeline's (--pipeline-parallel > 1)")
+                   : concat("--strategy ", joined(owners, " or "), "'s");
+      DTRAIN_THROW(InputError, given.flags()[i].name, " is ", whose, " option; this run (",
+                   running.front()->name, ") would not use it: leave it out");
+    }
+  }
 }
 
 }  // namespace
@@ -126,6 +177,10 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
     if (pipeline->check_layout) pipeline->check_layout(options, layout);
     runs = &*pipeline;
   }
+  std::vector<const StrategyInfo*> running = {&named};
+  if (runs != &named) running.push_back(runs);
+  if (named.inner_strategy) running.push_back(&strategy_info(named.inner_strategy(options)));
+  refuse_flags_of_other_strategies(options, running);
   DTRAIN_CHECK_INPUT(
       !layout.defer_eval || (runs->whole_model_on_rank0 && layout.tensor_parallel <= 1),
       "--defer-eval copies the whole model on rank 0: not with ", runs->name,

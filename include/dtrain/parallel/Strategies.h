@@ -99,8 +99,13 @@ struct StrategyInfo {
   bool server_optimizer = false;
   /// Builds replicas that outlive each other with --fault-tolerance replicas.
   bool fault_tolerant = false;
-  /// Its options (groups shared with other strategies are declared once).
+  /// Its options (groups shared with other strategies are declared once). A flag of a group
+  /// that no strategy of the run lists, moved from its default, is refused naming the
+  /// strategies that list it.
   std::vector<OptionGroup> options;
+  /// The strategy it runs inside itself (DiLoCo's islands: --inner-strategy), whose options
+  /// apply too (nullptr: none).
+  std::function<std::string(const StrategyOptions&)> inner_strategy;
   /// InputError naming the flags when the layout does not suit the strategy (nullptr: any).
   std::function<void(const StrategyOptions&, const Layout&)> check_layout;
   std::function<StrategyPtr(const StrategyOptions&)> make;

@@ -107,6 +107,9 @@ StrategyInfo diloco_strategy() {
       "optimizer";
   info.whole_model_on_rank0 = false;  // rank 0 holds its island's parameters, not the outer ones
   info.options = {option_group<DilocoOptions>("diloco", declare_flags, check_options)};
+  info.inner_strategy = [](const StrategyOptions& options) {
+    return options.of<DilocoOptions>().inner_strategy;
+  };
   info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
     check_layout(options.of<DilocoOptions>(), layout);
   };

@@ -43,6 +43,11 @@ void check_flags(const FaultToleranceOptions& o) {
   DTRAIN_CHECK_INPUT(o.heartbeat_timeout_s >= 0.1 && o.heartbeat_timeout_s <= 3600,
                      "--replica-heartbeat-timeout must be in [0.1, 3600] seconds, got ",
                      o.heartbeat_timeout_s);
+  const FaultToleranceOptions defaults;
+  DTRAIN_CHECK_INPUT(o.replicas() || (o.max_replacements == defaults.max_replacements &&
+                                      o.heartbeat_timeout_s == defaults.heartbeat_timeout_s),
+                     "--max-replacements and --replica-heartbeat-timeout apply with "
+                     "--fault-tolerance replicas, which this run does not have");
 }
 
 }  // namespace
