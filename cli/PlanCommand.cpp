@@ -166,7 +166,9 @@ class PlanCommand final : public Command {
         "(a simulation of dtrain's schedules, buckets and shards: docs/PLAN.md)");
     app_->add_option("--model", model_,
                      "resnet50, a paper's transformer (megatron-8.3b, gpt-1t, ...) or "
-                     "transformer:layers=L,hidden=H,heads=A,seq=S,vocab=V[,tied=0,dropout=0]");
+                     "transformer:layers=L,hidden=H,heads=A,seq=S,vocab=V[,ffn=F,tied=0,"
+                     "dropout=0,fused=0,flash=1] (flash=1: attention in one FlashAttention "
+                     "kernel)");
     app_->add_option("--cluster", cluster_,
                      "Hardware profile: a name (configs/hardware) or a .toml file");
     app_->add_option("--hardware-dir", hardware_dirs_, "More directories holding profiles");

@@ -309,7 +309,9 @@ TransformerShape parse_shape(const std::string& text) {
 std::vector<std::string> known_models() {
   std::vector<std::string> names = {"resnet50", "vgg16", "vgg-small"};
   for (const auto& preset : kPresets) names.push_back(preset.name);
-  names.push_back("transformer:layers=L,hidden=H,heads=A,seq=S,vocab=V[,ffn=F]");
+  names.push_back(
+      "transformer:layers=L,hidden=H,heads=A,seq=S,vocab=V[,ffn=F,tied=0,dropout=0,fused=0,"
+      "flash=1]");
   return names;
 }
 
