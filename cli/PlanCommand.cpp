@@ -200,8 +200,9 @@ class PlanCommand final : public Command {
                      "Model chunks per pipeline rank (interleaved; zb-v runs 2)")
         ->capture_default_str();
     app_->add_option("--precision", layout_.precision,
-                     "fp32, bf16-mixed, fp16-mixed, bf16 (dtrain's), bf16-master, fp16-master "
-                     "(16-bit weights + fp32 master: Megatron's and DeepSpeed's)")
+                     "fp32, bf16-mixed, fp16-mixed, bf16, bf16-master (dtrain train's and "
+                     "Megatron's --bf16: bf16 weights, fp32 gradients and master weights), "
+                     "fp16-master (Megatron's --fp16: fp16 weights and gradients, fp32 master)")
         ->capture_default_str();
     app_->add_flag("--checkpointing", layout_.checkpointing,
                    "Activation checkpointing of every layer");

@@ -251,7 +251,10 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "cpu, cuda (this rank's GPU: LOCAL_RANK modulo the GPUs) or cuda:N")
       ->capture_default_str();
   add(app, "--precision", t.strategy_options.precision,
-      "fp32, bf16-mixed, fp16-mixed (CUDA only), bf16")
+      "fp32; bf16-mixed (autocast over fp32 weights); fp16-mixed (CUDA only); bf16 (everything, "
+      "the optimizer state too); bf16-master (ddp, zero1, zero2: a bf16 model, gradients "
+      "accumulated and reduced in fp32, fp32 master weights in the (sharded) optimizer, "
+      "checkpoints of the master weights: Megatron's layout)")
       ->capture_default_str();
   add(app, "--loss-scaling", t.strategy_options.loss_scaling,
       "auto (dynamic for fp16-mixed), dynamic, none")

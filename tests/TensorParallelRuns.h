@@ -132,6 +132,9 @@ struct GridRun {
   int first_step = 0;
   std::string load_from = {}, save_to = {};
   std::string schedule = "1f1b";  // pipeline
+  std::string precision = "fp32";
+  /// When set: world rank 0's parameter values after training.
+  Named* final_values = nullptr;
 };
 
 struct GptData {
@@ -168,6 +171,7 @@ inline Named train_serial(const GptData& d, int steps, double max_grad_norm, boo
 inline parallel::StrategyPtr make_strategy(const GridRun& run) {
   parallel::StrategyOptions options;
   options.max_grad_norm = run.max_grad_norm;
+  options.precision = run.precision;
   if (run.overflow_step >= 0) options.loss_scaling = "dynamic";
   if (run.pp > 1) {
     options.of<dtrain::parallel::pipeline::PipelineOptions>().data_parallel = run.strategy;
@@ -237,8 +241,12 @@ inline double train_on_grid(const GptData& d, int steps, const GridRun& run, con
           world->barrier()->wait();
         }
         strategy->materialize();
-        worst[world->rank()] = max_block_diff(named_values(strategy->model()), serial,
-                                              tp::parameter_splits(*strategy->model().module));
+        const Named values = named_values(strategy->model());
+        if (run.final_values && world->rank() == 0) *run.final_values = values;
+        Named compared;  // (in the serial model's dtype)
+        for (const auto& [name, value] : values) compared[name] = value.to(at::kDouble);
+        worst[world->rank()] =
+            max_block_diff(compared, serial, tp::parameter_splits(*strategy->model().module));
       },
       std::chrono::seconds(90));
   return *std::max_element(worst.begin(), worst.end());

@@ -296,6 +296,25 @@ TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {
   }
 }
 
+TEST(Planner, Bf16MasterKeepsFp32GradientsAsMegatronsDistributedOptimizer) {
+  // dtrain train's bf16-master (Megatron's --bf16): 2 bytes of model, 4 of fp32 gradient, 12 of
+  // master weight and Adam moments: Megatron's 6 psi + 12 psi / d with its distributed
+  // optimizer (zero1), 18 psi without.
+  const ModelCost model = model_named("gpt-7.5b");
+  const double psi = model.parameters(), n = 64;
+  const std::map<std::string, double> expected = {
+      {"ddp", 18 * psi}, {"zero1", 6 * psi + 12 * psi / n}, {"zero2", 2 * psi + 16 * psi / n}};
+  for (const auto& [strategy, bytes] : expected) {
+    Layout layout;
+    layout.strategy = strategy;
+    layout.dp = 64;
+    layout.precision = "bf16-master";
+    const Prediction p = predict(model, cluster_of("a100-selene", 8), layout);
+    const Memory& m = p.memory;
+    EXPECT_NEAR((m.parameters + m.gradients + m.optimizer) / bytes, 1.0, 1e-9) << strategy;
+  }
+}
+
 TEST(Planner, TensorParallelAllReducesAreOnTheCriticalPath) {
   // One replica, tp 2: slowing the node's links by 2x adds exactly the all-reduces' extra time:
   // per micro-batch, 2 per block and 1 for the embedding, in forward and again in backward.

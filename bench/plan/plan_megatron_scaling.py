@@ -22,10 +22,10 @@ MFU two ways: the planner's (the model's matrix-product flops, 3x forward, over 
 989 TFLOP/s) and Megatron's own formula (training.py's num_floating_point_operations at the
 commit that published the figures) over the same peak: the published MFU is the latter.
 
---precision bf16-master predicts the layouts with Megatron's precision layout instead of
-dtrain's (bf16 weights and gradients, fp32 master weights in the optimizer; dtrain train's
-bf16-mixed keeps fp32 weights and gradients and casts each micro-batch): what dtrain would do
-with that precision, which `dtrain train` does not have.
+--precision bf16-master predicts the layouts with Megatron's precision layout (dtrain train's
+--precision bf16-master: bf16 weights, gradients accumulated and reduced in fp32, fp32 master
+weights in the sharded optimizer) instead of bf16-mixed (fp32 weights and gradients, each
+micro-batch casting the weights).
 
   bench/plan/plan_megatron_scaling.py [--dtrain build/dtrain] [--precision P] [--markdown FILE]
 """

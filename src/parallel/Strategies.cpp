@@ -97,9 +97,8 @@ void refuse_flags_of_other_strategies(StrategyOptions& options,
           }
         }
       }
-      const std::string whose =
-          pipeline ? std::string("a pipeline's (--pipeline-parallel > 1)")
-                   : concat("--strategy ", joined(owners, " or "), "'s");
+      const std::string whose = pipeline ? std::string("a pipeline's (--pipeline-parallel > 1)")
+                                         : concat("--strategy ", joined(owners, " or "), "'s");
       DTRAIN_THROW(InputError, given.flags()[i].name, " is ", whose, " option; this run (",
                    running.front()->name, ") would not use it: leave it out");
     }
@@ -181,6 +180,20 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
   if (runs != &named) running.push_back(runs);
   if (named.inner_strategy) running.push_back(&strategy_info(named.inner_strategy(options)));
   refuse_flags_of_other_strategies(options, running);
+  if (options.precision == "bf16-master") {
+    std::vector<std::string> keeping;
+    for (const auto& info : strategies()) {
+      if (info.master_weights) keeping.push_back(info.name);
+    }
+    for (const StrategyInfo* info : running) {
+      DTRAIN_CHECK_INPUT(info->master_weights, "--precision bf16-master is built for ",
+                         joined(keeping, ", "), "; not for ", info->name,
+                         " (use --precision bf16-mixed there)");
+    }
+    DTRAIN_CHECK_INPUT(!options.of<ft::FaultToleranceOptions>().replicas(),
+                       "--precision bf16-master is not built for --fault-tolerance replicas yet "
+                       "(a replacement takes the model, not master weights); use bf16-mixed");
+  }
   DTRAIN_CHECK_INPUT(
       !layout.defer_eval || (runs->whole_model_on_rank0 && layout.tensor_parallel <= 1),
       "--defer-eval copies the whole model on rank 0: not with ", runs->name,

@@ -21,9 +21,11 @@ namespace pp = parallel::pipeline;
 namespace {
 
 /// Bytes per element of what a rank keeps, by precision. "-master" precisions are Megatron's
-/// and DeepSpeed's layout (16-bit weights and gradients, fp32 master weights in the optimizer,
-/// the 16-bit weights reused by every micro-batch); dtrain's mixed precision is autocast over
-/// fp32 weights (each micro-batch's forward casts them, backward accumulates into fp32).
+/// and DeepSpeed's layout (16-bit weights, fp32 master weights in the optimizer, the 16-bit
+/// weights reused by every micro-batch): bf16-master (dtrain train's, as Megatron's --bf16)
+/// accumulates and reduces the gradients in fp32, fp16-master keeps them in fp16 (Megatron's
+/// --fp16 default); dtrain's mixed precision is autocast over fp32 weights (each micro-batch's
+/// forward casts them, backward accumulates into fp32).
 struct Bytes {
   double activation, parameter, gradient, optimizer;
   std::string compute_dtype;
@@ -36,7 +38,8 @@ Bytes bytes_of(const Layout& layout) {
   if (p == "bf16") return {2, 2, 2, 2 * moments, "bf16", false};
   const std::string dtype = p.rfind("fp16", 0) == 0 ? "fp16" : "bf16";
   if (p == "bf16-mixed" || p == "fp16-mixed") return {2, 4, 4, 4 * moments, dtype, true};
-  return {2, 2, 2, 4 * moments + 4, dtype, false};  // bf16-master, fp16-master
+  const double gradient = dtype == "bf16" ? 4 : 2;
+  return {2, 2, gradient, 4 * moments + 4, dtype, false};  // bf16-master, fp16-master
 }
 
 /// All-reduce of `bytes` over `ranks`. Ring (Patarasuk & Yuan's bound; Gloo's and NCCL's

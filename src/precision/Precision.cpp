@@ -14,8 +14,9 @@ Precision parse_precision(const std::string& name) {
   if (name == "bf16-mixed") return Precision::Bf16Mixed;
   if (name == "fp16-mixed") return Precision::Fp16Mixed;
   if (name == "bf16") return Precision::Bf16;
+  if (name == "bf16-master") return Precision::Bf16Master;
   DTRAIN_THROW(InputError, "unknown precision '", name,
-               "' (expected fp32, bf16-mixed, fp16-mixed or bf16)");
+               "' (expected fp32, bf16-mixed, fp16-mixed, bf16 or bf16-master)");
 }
 
 std::string to_string(Precision precision) {
@@ -28,6 +29,8 @@ std::string to_string(Precision precision) {
       return "fp16-mixed";
     case Precision::Bf16:
       return "bf16";
+    case Precision::Bf16Master:
+      return "bf16-master";
   }
   return "?";
 }
@@ -42,7 +45,7 @@ void check_supported(Precision precision, c10::Device device) {
 }
 
 std::string cost_warning(Precision precision, c10::Device device) {
-  if (precision != Precision::Bf16Mixed && precision != Precision::Bf16) return "";
+  if (compute_dtype(precision) != at::kBFloat16) return "";
   const CpuInfo& cpu = cpu_info();
   if (!device.is_cpu() || cpu.native_bf16()) return "";
   return concat("--precision ", to_string(precision), " on a CPU without bf16 instructions (",
@@ -60,9 +63,15 @@ at::ScalarType compute_dtype(Precision precision) {
       return at::kHalf;
     case Precision::Bf16Mixed:
     case Precision::Bf16:
+    case Precision::Bf16Master:
       return at::kBFloat16;
   }
   return at::kFloat;
+}
+
+at::ScalarType parameter_dtype(Precision precision) {
+  return precision == Precision::Bf16 || precision == Precision::Bf16Master ? at::kBFloat16
+                                                                            : at::kFloat;
 }
 
 AutocastScope::AutocastScope(Precision precision, c10::DeviceType device) : device_(device) {

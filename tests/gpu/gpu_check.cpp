@@ -97,8 +97,9 @@ std::string check_communicator(int rank, int size, int port) {
       .json();
 }
 
-// bf16 or fp16-mixed training of a small GPT: the loss falls; under fp16 a huge first loss scale
-// overflows, the scaler skips those steps (parameters untouched) and backs off.
+// bf16-mixed, bf16-master or fp16-mixed training of a small GPT: the loss falls; under fp16 a
+// huge first loss scale overflows, the scaler skips those steps (parameters untouched) and backs
+// off.
 std::string check_precision(const std::string& precision) {
   const auto world = world_of(0, 1, free_port(), "gloo");
   const c10::Device device = resolve_device(settings.device, 0);
@@ -441,7 +442,7 @@ int main(int argc, char** argv) {
       return text;
     });
   }
-  std::vector<std::string> precisions = {"bf16-mixed"};
+  std::vector<std::string> precisions = {"bf16-mixed", "bf16-master"};
   if (on_gpu()) precisions.push_back("fp16-mixed");
   for (const auto& p : precisions) {
     checks.emplace_back("precision_" + p, [p] {

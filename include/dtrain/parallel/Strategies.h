@@ -99,6 +99,8 @@ struct StrategyInfo {
   bool server_optimizer = false;
   /// Builds replicas that outlive each other with --fault-tolerance replicas.
   bool fault_tolerant = false;
+  /// Trains with --precision bf16-master (a bf16 model, fp32 master weights in its optimizer).
+  bool master_weights = false;
   /// Its options (groups shared with other strategies are declared once). A flag of a group
   /// that no strategy of the run lists, moved from its default, is refused naming the
   /// strategies that list it.

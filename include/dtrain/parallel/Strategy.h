@@ -68,7 +68,7 @@ struct StrategyOptions {
   bool broadcast_buffers = true;
   /// Clip gradients to this global L2 norm before the step (0 = off).
   double max_grad_norm = 0.0;
-  /// "fp32", "bf16-mixed", "fp16-mixed" or "bf16" (precision/Precision.h).
+  /// "fp32", "bf16-mixed", "fp16-mixed", "bf16" or "bf16-master" (precision/Precision.h).
   std::string precision = "fp32";
   /// Where the model trains: "cpu", "cuda" or "cuda:N" (dtrain/common/Device.h). The Trainer
   /// resolves "cuda" to this rank's device and moves the model and the batches there.

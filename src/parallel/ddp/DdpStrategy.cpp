@@ -24,6 +24,7 @@ StrategyInfo ddp_strategy() {
   info.pipeline_stages = true;
   info.options = {ft::fault_tolerance_options()};
   info.fault_tolerant = true;
+  info.master_weights = true;
   info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
     if (options.of<ft::FaultToleranceOptions>().replicas()) {
@@ -40,6 +41,8 @@ DdpStrategy::DdpStrategy(StrategyOptions options) : options_(std::move(options))
   device_ = parse_device(options_.device);
   precision::check_supported(precision_, device_);
   scaler_ = make_loss_scaler(options_, precision_);
+  DTRAIN_CHECK_INPUT(!precision::has_master_weights(precision_) || !scaler_,
+                     "--precision bf16-master needs no loss scaling: leave out --loss-scaling");
 }
 
 void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
@@ -64,7 +67,17 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
                      "(--kv-heads below --tensor-parallel) and sum first; use ddp or zero1, or "
                      "a --tensor-parallel that divides --kv-heads");
   broadcast_initial_state();
+  if (precision::has_master_weights(precision_)) {
+    // The fp32 values stay as the master weights; the model computes in bf16 from here on
+    // (module->to keeps each parameter's tensor, so parameters_ follow).
+    torch::NoGradGuard no_grad;
+    for (const auto& p : parameters_) {
+      initial_master_.push_back(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    }
+    model_.module->to(precision::parameter_dtype(precision_));
+  }
   build_optimizer(make_optimizer);
+  initial_master_.clear();
   build_gradient_sync(names_);
 }
 
@@ -78,6 +91,8 @@ void DdpStrategy::broadcast_initial_state() {
 
 void DdpStrategy::build_gradient_sync(const std::vector<std::string>& names) {
   ReducerOptions reducer_options = reducer_options_from(options_);
+  // bf16-master: gradients accumulate and are reduced in fp32 (Megatron's default for bf16).
+  if (precision::has_master_weights(precision_)) reducer_options.grad_dtype = at::kFloat;
   configure_reducer(reducer_options);
   reducer_ = std::make_unique<Reducer>(parameters_, names, comm_, reducer_options);
 }
@@ -118,7 +133,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   {
     trace::Span span("sync", "gradient reduction");
     sync_engine.finalize();
-    tp_.sum_partial_gradients(parameters_, names_);
+    tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
   }
   const auto& stats = sync_engine.stats();
   if (!stats.unused_parameters.empty() && !warned_unused_ && comm_->rank() == 0) {
@@ -155,11 +170,47 @@ at::Tensor DdpStrategy::micro_batch_loss(const data::Batch& batch, const LossFn&
                                          size_t index) {
   trace::Span span("forward", concat("F", index));
   precision::AutocastScope autocast(precision_, device_.type());
-  const at::Tensor inputs =
-      precision_ == precision::Precision::Bf16 && batch.inputs.is_floating_point()
-          ? batch.inputs.to(at::kBFloat16)
-          : batch.inputs;
-  return loss(model_.forward(inputs), batch.targets);
+  const at::Tensor output = model_.forward(model_input(batch.inputs));
+  // bf16-master: the loss in fp32 from bf16 logits (as Megatron's cross-entropy).
+  return loss(precision::has_master_weights(precision_) && output.is_floating_point()
+                  ? output.to(at::kFloat)
+                  : output,
+              batch.targets);
+}
+
+at::Tensor DdpStrategy::model_input(const at::Tensor& inputs) const {
+  // A bf16 model takes bf16 inputs; other models take what they are given (float64 oracles).
+  const auto dtype = precision::parameter_dtype(precision_);
+  return dtype != at::kFloat && inputs.is_floating_point() ? inputs.to(dtype) : inputs;
+}
+
+at::Tensor DdpStrategy::evaluate_forward(const at::Tensor& inputs) {
+  const at::Tensor output = model()(model_input(inputs));
+  return output.scalar_type() == at::kBFloat16 ? output.to(at::kFloat) : output;
+}
+
+std::vector<at::Tensor> DdpStrategy::reduced_gradient_holders() const {
+  const bool converted =
+      precision::has_master_weights(precision_) && reducer_ && !reducer_->reduce_scatters();
+  if (!converted) return parameters_;
+  std::vector<at::Tensor> holders;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    // (Without master weights here, zero1's holder is a second view of the gradient: the
+    // shape of its parameter at no cost.)
+    const at::Tensor grad = reducer_->main_grad(k);
+    at::Tensor holder = master_.empty() ? grad.detach() : master_[k];
+    holder.mutable_grad() = grad;
+    holders.push_back(holder);
+  }
+  return holders;
+}
+
+std::vector<PieceRef> DdpStrategy::value_pieces() const {
+  std::vector<PieceRef> pieces = whole_pieces(names_, parameters_);
+  if (precision::has_master_weights(precision_)) {  // the master weights too, from the same file
+    for (auto& piece : state_pieces()) pieces.push_back(std::move(piece));
+  }
+  return pieces;
 }
 
 double DdpStrategy::clip_gradients(double max_norm) {
@@ -178,10 +229,22 @@ double DdpStrategy::clip_gradients(double max_norm) {
 }
 
 void DdpStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
-  optimizer_ = make_optimizer(parameters_);
+  if (!initial_master_.empty()) {
+    master_ = initial_master_;
+    for (auto& m : master_) m.requires_grad_(true);
+  }
+  optimizer_ = make_optimizer(master_.empty() ? parameters_ : master_);
 }
 
-void DdpStrategy::apply_update() { optimizer_->step(); }
+void DdpStrategy::apply_update() {
+  optimizer_->step();
+  copy_master_to_model();
+}
+
+void DdpStrategy::copy_master_to_model() {
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < master_.size(); ++k) parameters_[k].copy_(master_[k]);
+}
 
 NamedTensors DdpStrategy::named_buffers() const {
   NamedTensors buffers;
@@ -216,9 +279,13 @@ MemoryReport DdpStrategy::memory_report() const {
   MemoryReport report;
   for (const auto& p : parameters_) {
     report.parameter_bytes += p.numel() * p.element_size();
-    report.gradient_bytes += p.numel() * p.element_size();
+    // bf16-master: the gradients live in the Reducer's fp32 buckets.
+    report.gradient_bytes +=
+        p.numel() * (precision::has_master_weights(precision_) ? static_cast<int64_t>(sizeof(float))
+                                                               : p.element_size());
   }
-  report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
+  for (const auto& m : master_) report.optimizer_bytes += m.numel() * m.element_size();
+  report.optimizer_bytes += optim::optimizer_state_bytes(*optimizer_);
   return report;
 }
 

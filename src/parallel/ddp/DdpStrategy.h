@@ -27,6 +27,8 @@ class DdpStrategy : public Strategy {
   void save(const std::string& directory) override;
   void load(const std::string& directory) override;
   MemoryReport memory_report() const override;
+  /// A 16-bit model (bf16, bf16-master) takes floating inputs in its dtype.
+  at::Tensor evaluate_forward(const at::Tensor& inputs) override;
   /// The Reducer (ddp, zero1, zero2; zero3 has none).
   const Reducer& reducer() const {
     DTRAIN_CHECK(reducer_, name(), " has no Reducer");
@@ -40,6 +42,8 @@ class DdpStrategy : public Strategy {
   virtual void build_optimizer(const optim::OptimizerFactory& make_optimizer);
   /// Applies the update once gradients are averaged (and unscaled, clipped).
   virtual void apply_update();
+  /// bf16-master (DDP): the updated master weights into the bf16 model.
+  void copy_master_to_model();
   /// Adjusts the Reducer before it is built (ZeRO-2 switches it to reduce-scatter).
   virtual void configure_reducer(ReducerOptions& options) {}
   /// Builds the gradient synchronizer (the Reducer unless overridden) over parameters_.
@@ -50,7 +54,16 @@ class DdpStrategy : public Strategy {
   /// accumulate unreduced).
   virtual bool reduce_every_micro_batch() const { return false; }
   /// The tensors whose .grad the update uses (loss-scaler check, clipping).
-  virtual std::vector<at::Tensor> gradient_holders() const { return parameters_; }
+  virtual std::vector<at::Tensor> gradient_holders() const {
+    return master_.empty() ? parameters_ : master_;
+  }
+  /// One tensor per parameter whose .grad is its whole reduced gradient: the parameters, or
+  /// where the Reducer keeps fp32 gradients of a bf16 model (bf16-master without reduce-
+  /// scatter), the master weights (DDP) or holders of the Reducer's gradients (ZeRO-1).
+  std::vector<at::Tensor> reduced_gradient_holders() const;
+  /// bf16-master: the fp32 values the master weights start from (the model's before it was cast
+  /// to bf16, after the initial broadcast), for build_optimizer to keep; empty otherwise.
+  std::vector<at::Tensor> initial_master_;
   /// Whether each rank holds only part of the gradients (the clipping norm is then allreduced).
   virtual bool gradients_sharded() const { return false; }
 
@@ -61,12 +74,16 @@ class DdpStrategy : public Strategy {
   /// Micro-batch `index`'s forward under the run's precision (pure bf16 takes bf16 inputs): its
   /// loss, before any division or scaling.
   at::Tensor micro_batch_loss(const data::Batch& batch, const LossFn& loss, size_t index);
+  /// Floating inputs in a 16-bit model's dtype; others as given.
+  at::Tensor model_input(const at::Tensor& inputs) const;
   /// Checkpoints: the pieces whose values and optimizer state this rank's state file holds
   /// (every parameter whole for DDP, whose rank 0 alone writes), whether every rank writes a
   /// file, and the pieces whose values a load fills (every parameter whole unless sharded).
-  virtual std::vector<PieceRef> state_pieces() const { return whole_pieces(names_, parameters_); }
+  virtual std::vector<PieceRef> state_pieces() const {
+    return whole_pieces(names_, master_.empty() ? parameters_ : master_);
+  }
   virtual bool state_sharded() const { return false; }
-  virtual std::vector<PieceRef> value_pieces() const { return whole_pieces(names_, parameters_); }
+  virtual std::vector<PieceRef> value_pieces() const;
   /// Every parameter, whole, as checkpoint pieces.
   NamedTensors named_buffers() const;
   /// Scales gradients to at most `max_norm` in global L2 norm; returns the norm before.
@@ -78,6 +95,10 @@ class DdpStrategy : public Strategy {
   comm::CommunicatorPtr comm_;
   std::vector<at::Tensor> parameters_;
   std::vector<std::string> names_;  // of parameters_
+  /// DDP with --precision bf16-master: fp32 copies of parameters_ (the model's, bf16), which the
+  /// optimizer updates; their gradients alias the Reducer's fp32 buckets. (ZeRO keeps its shard's
+  /// master copy in its FlatShards instead.)
+  std::vector<at::Tensor> master_;
   optim::OptimizerPtr optimizer_;
   std::unique_ptr<Reducer> reducer_;
   precision::Precision precision_ = precision::Precision::Fp32;

@@ -72,6 +72,13 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
     bucket.pending = bucket.parameters.size();
     buckets_.push_back(std::move(bucket));
   }
+  const at::ScalarType parameter_dtype = parameters_.front().scalar_type();
+  converting_ =
+      options_.grad_dtype != at::ScalarType::Undefined && options_.grad_dtype != parameter_dtype;
+  for (const auto& p : parameters_) {
+    DTRAIN_CHECK(!converting_ || p.scalar_type() == parameter_dtype,
+                 "Reducer: a grad_dtype of its own needs parameters of one dtype");
+  }
   DTRAIN_CHECK_INPUT(options_.powersgd.rank == 0 ||
                          (!sharded() && options_.wire_dtype == at::ScalarType::Undefined),
                      "PowerSGD compresses the allreduce of whole gradients: not with ZeRO-2's "
@@ -85,7 +92,7 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   if (options_.ranks_per_host > 0) {
     hierarchy_ = std::make_unique<comm::HierarchicalAllreduce>(comm_, options_.ranks_per_host);
   }
-  local_ = comm_->size() == 1 && !sharded() && options_.powersgd.rank == 0 &&
+  local_ = comm_->size() == 1 && !sharded() && !converting_ && options_.powersgd.rank == 0 &&
            options_.wire_dtype == at::ScalarType::Undefined && !hierarchy_ &&
            !options_.quantization.enabled();
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -98,9 +105,9 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
                                                          options_.powersgd, b);
       stats_.compressed_matrices += static_cast<int64_t>(bucket.powersgd->compressed());
     }
-    const auto wire_dtype = options_.wire_dtype != at::ScalarType::Undefined
-                                ? options_.wire_dtype
-                                : parameters_[bucket.parameters.front()].scalar_type();
+    const auto wire_dtype = options_.wire_dtype != at::ScalarType::Undefined ? options_.wire_dtype
+                            : converting_                                    ? options_.grad_dtype
+                                          : parameters_[bucket.parameters.front()].scalar_type();
     stats_.bytes_per_step +=
         bucket.powersgd && options_.powersgd.start_step == 0
             ? bucket.powersgd->wire_bytes()
@@ -159,9 +166,12 @@ void Reducer::allocate(Bucket& bucket) {
   const at::Tensor& first = parameters_[bucket.parameters.front()];
   // Sharded mode: padded to each rank's equal part (the padding stays zero).
   const int64_t numel = sharded() ? bucket.part * comm_->size() : bucket.numel;
-  bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
+  bucket.flat =
+      at::zeros({numel}, first.options()
+                             .dtype(converting_ ? options_.grad_dtype : first.scalar_type())
+                             .requires_grad(false));
   const bool compress = options_.wire_dtype != at::ScalarType::Undefined &&
-                        options_.wire_dtype != first.scalar_type();
+                        options_.wire_dtype != bucket.flat.scalar_type();
   bucket.wire =
       compress ? at::empty({numel}, bucket.flat.options().dtype(options_.wire_dtype)) : bucket.flat;
 }
@@ -184,6 +194,14 @@ void Reducer::alias_grad(size_t k, bool keep_values) {
   Bucket& bucket = buckets_[b];
   if (!bucket.flat.defined()) allocate(bucket);  // sharded mode: on first use
   at::Tensor& p = parameters_[k];
+  if (converting_) {  // the slot is the gradient; the parameter's .grad stays empty
+    if (keep_values) {
+      absorb(k);
+    } else {
+      p.mutable_grad().reset();
+    }
+    return;
+  }
   const int64_t offset = bucket.offsets[slot];
   const void* expected =
       static_cast<const char*>(bucket.flat.data_ptr()) + offset * bucket.flat.element_size();
@@ -201,6 +219,25 @@ void Reducer::alias_grad(size_t k, bool keep_values) {
   // A plain tensor sharing the bucket's storage (not an autograd view, so optimizers may
   // detach_() and zero_() it): backward accumulates straight into the bucket.
   p.mutable_grad() = alias_storage(bucket.flat, offset, p.sizes());
+}
+
+void Reducer::absorb(size_t k) {
+  at::Tensor& grad = parameters_[k].mutable_grad();
+  if (!grad.defined()) return;
+  const auto [b, slot] = locator_[k];
+  Bucket& bucket = buckets_[b];
+  if (!bucket.flat.defined()) allocate(bucket);
+  bucket.flat.narrow(0, bucket.offsets[slot], grad.numel()).add_(grad.reshape({-1}));
+  grad.reset();
+}
+
+at::Tensor Reducer::main_grad(size_t k) const {
+  DTRAIN_CHECK(converting_ && !sharded(),
+               "Reducer::main_grad: only with a grad_dtype of its own and without "
+               "reduce-scatter");
+  const auto [b, slot] = locator_.at(k);
+  const Bucket& bucket = buckets_[b];
+  return alias_storage(bucket.flat, bucket.offsets[slot], parameters_[k].sizes());
 }
 
 void Reducer::zero_grad() {
@@ -238,6 +275,7 @@ void Reducer::prepare_for_backward() {
 
 void Reducer::mark_ready(size_t k) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (converting_) absorb(k);  // every micro-batch's, synchronized or not
   if (!sync_) return;
   DTRAIN_CHECK(!backward_ended_, "Reducer: gradient of ", names_[k],
                " arrived after backward ended; call finalize() before the next backward");

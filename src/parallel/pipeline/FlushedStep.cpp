@@ -93,7 +93,12 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
         nn::DeferredWeightGrads* store = split ? &deferred[{a.chunk, a.micro_batch}] : nullptr;
         nn::WeightGradDeferral defer(store);
         y = run_chunk(chunk, x);
-        if (last_virtual(chunk)) y = loss(y, batch.targets) / count;
+        if (last_virtual(chunk)) {
+          // bf16-master: the loss in fp32 from bf16 outputs.
+          if (precision::has_master_weights(precision_) && y.scalar_type() == at::kBFloat16)
+            y = y.to(at::kFloat);
+          y = loss(y, batch.targets) / count;
+        }
       }
       if (last_virtual(chunk)) {
         loss_sum += y.item<double>();
@@ -159,7 +164,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     for (auto& reducer : reducers_) {
       if (reducer) reducer->finalize();
     }
-    tp_.sum_partial_gradients(parameters_, names_);
+    tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
   }
   bool skip = false;
   if (scaler_) {
@@ -181,15 +186,21 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     result.grad_norm = clip_gradients();
     if (zero1_ && !parameters_.empty()) {
       shards_.wait();  // (every chunk's forward waited for its buckets already)
-      if (!scatter_) shards_.alias_parameter_gradients(parameters_);
+      if (!scatter_) {
+        shards_.alias_parameter_gradients(
+            zero::FlatShards::gradients_of(reduced_gradient_holders()));
+      }
       optimizer_->step();
+      update_model_from_master();
       if (overlap_gather_) {
         shards_.start_allgather(grid_->dp());
       } else {
         gather_wait_s_ += shards_.allgather(grid_->dp());
       }
     } else {
+      if (!master_.empty()) reduced_gradient_holders();  // points the master gradients
       optimizer_->step();
+      update_model_from_master();
     }
   }
 

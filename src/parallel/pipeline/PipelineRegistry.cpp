@@ -127,6 +127,7 @@ void check_stage_replicas(const PipelineOptions& o, const std::vector<int>& repl
 StrategyInfo pipeline_strategy() {
   StrategyInfo info;
   info.name = "pipeline";
+  info.master_weights = true;
   info.summary =
       "pipeline parallelism (GPipe, 1F1B, interleaved, zero bubble H1/H2/V), stages "
       "data-parallel";

@@ -65,6 +65,12 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
                      "zero1 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
   scaler_ = make_loss_scaler(options_, precision_);
   flush_free_ = pipe_.sync == "2bw" || pipe_.sync == "async";
+  DTRAIN_CHECK_INPUT(!precision::has_master_weights(precision_) || !flush_free_,
+                     "--precision bf16-master keeps one fp32 master copy of the weights: not with "
+                     "--pipeline-sync ",
+                     pipe_.sync, "'s weight versions (use flush, or bf16-mixed)");
+  DTRAIN_CHECK_INPUT(!precision::has_master_weights(precision_) || !scaler_,
+                     "--precision bf16-master needs no loss scaling: leave out --loss-scaling");
   async_ = pipe_.sync == "async";
   // Each stage updates when its own backwards of a step are done, at a different time on each
   // stage: a check over all stages before an update would stall the pipeline it overlaps.
@@ -182,6 +188,16 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     for (auto& [name, b] : local_buffers()) works.push_back(grid_->dp()->broadcast(b, {0}));
     comm::wait_all(works);
   }
+  // bf16-master: this rank's parameters keep their fp32 values as master weights; the model
+  // computes in bf16 from here on (module->to keeps each parameter's tensor).
+  std::vector<at::Tensor> initial_master;
+  if (precision::has_master_weights(precision_)) {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : parameters_) {
+      initial_master.push_back(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    }
+    model_.module->to(precision::parameter_dtype(precision_));
+  }
   if (zero1_ && !parameters_.empty()) {
     // The shards follow each chunk's Reducer's buckets (each bucket's all-gather balanced).
     const parallel::ddp::ReducerOptions bucketing = reducer_options_from(options_);
@@ -195,13 +211,17 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     }
     shards_ = parallel::zero::FlatShards(parameters_, buckets, grid_->dp_size(),
                                          grid_->coordinates().dp, "pipeline zero1");
+    if (!initial_master.empty()) shards_.make_master(at::kFloat, initial_master);
     overlap_gather_ = options_.of<parallel::zero::ZeroOverlapOptions>().param_gather;
     // Megatron's distributed optimizer: each chunk's buckets reduce-scattered into this rank's
     // gradient shard at the chunk's last backward (where that can be; else allreduced).
     scatter_ = !flush_free_ && !grid_->replicated_stages() &&
                parallel::zero::reduce_scatters_gradients(options_, tp_);
     if (scatter_) {
-      shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
+      shard_grad_ =
+          at::zeros({shards_.shard_numel()},
+                    parameters_.front().options().dtype(
+                        shards_.has_master() ? at::kFloat : parameters_.front().scalar_type()));
       shards_.alias_shard_gradient(shard_grad_);
     }
     for (auto& chunk : chunks_)
@@ -210,10 +230,16 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   } else if (flush_free_) {
     setup_versions();
     optimizer_ = make_optimizer(optimized_);
+  } else if (!initial_master.empty()) {
+    master_ = initial_master;
+    for (auto& m : master_) m.requires_grad_(true);
+    optimizer_ = make_optimizer(master_);
   } else {
     optimizer_ = make_optimizer(parameters_);
   }
   parallel::ddp::ReducerOptions reducer_options = reducer_options_from(options_);
+  // bf16-master: gradients accumulate and are reduced in fp32.
+  if (precision::has_master_weights(precision_)) reducer_options.grad_dtype = at::kFloat;
   // Replicated stages: each replica's gradients are its micro-batches' share of the step's mean.
   reducer_options.average = !grid_->replicated_stages();
   for (const auto& chunk : chunks_) {
@@ -289,9 +315,32 @@ std::string PipelineStrategy::layout() const {
 }
 
 at::Tensor PipelineStrategy::model_input(const at::Tensor& inputs) const {
-  return precision_ == precision::Precision::Bf16 && inputs.is_floating_point()
-             ? inputs.to(at::kBFloat16)
-             : inputs;
+  const auto dtype = precision::parameter_dtype(precision_);
+  return dtype != at::kFloat && inputs.is_floating_point() ? inputs.to(dtype) : inputs;
+}
+
+std::vector<at::Tensor> PipelineStrategy::reduced_gradient_holders() const {
+  if (!precision::has_master_weights(precision_) || scatter_) return parameters_;
+  std::vector<at::Tensor> holders(parameters_.size());
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    if (!reducers_[c]) continue;
+    const auto& indices = chunks_[c].parameters;
+    for (size_t j = 0; j < indices.size(); ++j) {
+      const size_t k = indices[j];
+      // (Without master weights here, zero1's holder is a second view of the gradient: the
+      // shape of its parameter at no cost.)
+      const at::Tensor grad = reducers_[c]->main_grad(j);
+      holders[k] = master_.empty() ? grad.detach() : master_[k];
+      holders[k].mutable_grad() = grad;
+    }
+  }
+  return holders;
+}
+
+void PipelineStrategy::update_model_from_master() {
+  torch::NoGradGuard no_grad;
+  if (shards_.has_master()) shards_.publish_master();
+  for (size_t k = 0; k < master_.size(); ++k) parameters_[k].copy_(master_[k]);
 }
 
 void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x,
@@ -356,8 +405,8 @@ double PipelineStrategy::clip_gradients() {
     return clip_by_global_norm(shards_.piece_tensors(), {grid_->pp(), grid_->tp(), grid_->dp()},
                                options_.max_grad_norm, tp_.counted(names));
   }
-  return clip_by_global_norm(parameters_, {grid_->pp(), grid_->tp()}, options_.max_grad_norm,
-                             counted);
+  return clip_by_global_norm(reduced_gradient_holders(), {grid_->pp(), grid_->tp()},
+                             options_.max_grad_norm, counted);
 }
 
 at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
@@ -375,7 +424,8 @@ at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
     }
     at::Tensor y = run_chunk(chunk, x);
     if (last_virtual(chunk)) {
-      output = y;
+      // A bf16 model's output in fp32 for the loss and accuracy, as a DDP-family run's.
+      output = y.scalar_type() == at::kBFloat16 ? y.to(at::kFloat) : y;
     } else {
       link_->send_any(s, y);
     }
@@ -417,7 +467,9 @@ void PipelineStrategy::save(const std::string& directory) {
   if (flush_free_) {
     for (size_t k = 0; k < parameters_.size(); ++k) optimized_[k].set_data(parameters_[k].data());
   }
-  const std::vector<at::Tensor>& trained = flush_free_ ? optimized_ : parameters_;
+  const std::vector<at::Tensor>& trained = flush_free_       ? optimized_
+                                           : master_.empty() ? parameters_
+                                                             : master_;
   if (zero1_) {
     write_state_shard(directory, writer * grid_->dp_size() + replica, writers * grid_->dp_size(),
                       parameters_.empty()
@@ -439,11 +491,14 @@ void PipelineStrategy::load(const std::string& directory) {
   }
   const std::vector<PieceRef> values =
       tp_.for_reading(whole_pieces(names_, flush_free_ ? optimized_ : parameters_));
-  read_state_shards(directory, values, optimizer_.get(),
-                    zero1_ && !parameters_.empty()
-                        ? tp_.for_reading(shards_.state_pieces(names_, parameters_))
-                        : values,
-                    &buffers);
+  const std::vector<PieceRef> states =
+      zero1_ && !parameters_.empty() ? tp_.for_reading(shards_.state_pieces(names_, parameters_))
+      : !master_.empty()             ? tp_.for_reading(whole_pieces(names_, master_))
+                                     : values;
+  std::vector<PieceRef> filled = values;  // bf16-master: the master weights too
+  if (precision::has_master_weights(precision_))
+    filled.insert(filled.end(), states.begin(), states.end());
+  read_state_shards(directory, filled, optimizer_.get(), states, &buffers);
   if (scaler_) load_loss_scaler(*scaler_, directory);
   if (flush_free_) load_pipedream_versions(directory);
 }
@@ -475,12 +530,16 @@ MemoryReport PipelineStrategy::memory_report() const {
   MemoryReport report;
   for (const auto& p : parameters_) {
     report.parameter_bytes += p.numel() * p.element_size();
-    report.gradient_bytes += p.numel() * p.element_size();
+    report.gradient_bytes +=
+        p.numel() * (precision::has_master_weights(precision_) ? static_cast<int64_t>(sizeof(float))
+                                                               : p.element_size());
   }
   report.parameter_bytes += shards_.padding_bytes();
+  for (const auto& m : master_) report.optimizer_bytes += m.numel() * m.element_size();
+  report.optimizer_bytes += shards_.master_bytes();
   // PipeDream's weight versions beside the newest.
   if (flush_free_) report.parameter_bytes *= static_cast<int64_t>(versions_.size());
-  if (optimizer_) report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
+  if (optimizer_) report.optimizer_bytes += optim::optimizer_state_bytes(*optimizer_);
   return report;
 }
 

@@ -110,6 +110,13 @@ class PipelineStrategy : public Strategy {
       const Chunk& chunk) const;
   /// The first stage's input as the model takes it (bf16 weights: cast).
   at::Tensor model_input(const at::Tensor& inputs) const;
+  /// One tensor per parameter whose .grad is its whole reduced gradient: the parameters, or
+  /// with bf16-master (not reduce-scattered) the master weights or holders of the Reducers'
+  /// fp32 gradients.
+  std::vector<at::Tensor> reduced_gradient_holders() const;
+  /// bf16-master: the updated master weights (zero1: this rank's shard, before the gather)
+  /// into the bf16 model.
+  void update_model_from_master();
   /// A whole backward of `chunk` from its output `y` (the loss on the last stage, else with
   /// `upstream`), then its input's gradient sent on over the StageLink as micro-batch `link`.
   void backward_and_send(const Chunk& chunk, const at::Tensor& x, const at::Tensor& y,
@@ -180,6 +187,9 @@ class PipelineStrategy : public Strategy {
   Partition partition_;  // over V x P virtual stages
   std::vector<Chunk> chunks_;
   std::vector<at::Tensor> parameters_;
+  /// bf16-master without zero1: fp32 copies of parameters_, which the optimizer updates (zero1
+  /// keeps its shard's in shards_).
+  std::vector<at::Tensor> master_;
   std::vector<std::string> names_;
   std::vector<std::unique_ptr<parallel::ddp::Reducer>> reducers_;  // one per chunk
   mutable parallel::zero::FlatShards shards_;  // zero1 (its gathers may run into the next step)

@@ -67,26 +67,55 @@ FlatShards::~FlatShards() {
 
 std::vector<at::Tensor> FlatShards::piece_tensors() const {
   std::vector<at::Tensor> tensors;
-  for (const auto& piece : pieces_) tensors.push_back(piece.tensor);
+  for (const auto& piece : pieces_) tensors.push_back(piece.optimized());
   return tensors;
+}
+
+void FlatShards::make_master(at::ScalarType dtype, const std::vector<at::Tensor>& initial) {
+  torch::NoGradGuard no_grad;
+  master_ = at::zeros({layout_.shard_numel}, flat_.options().dtype(dtype));
+  for (auto& piece : pieces_) {
+    const int64_t n = piece.tensor.numel();
+    piece.master = alias_storage(master_, piece.shard_offset, {n});
+    piece.master.copy_(initial.at(piece.parameter).reshape({-1}).narrow(0, piece.offset, n));
+    piece.master.requires_grad_(true);
+  }
+}
+
+void FlatShards::publish_master() {
+  torch::NoGradGuard no_grad;
+  for (auto& piece : pieces_) piece.tensor.copy_(piece.master);
+}
+
+int64_t FlatShards::master_bytes() const {
+  return master_.defined() ? master_.numel() * master_.element_size() : 0;
+}
+
+std::vector<at::Tensor> FlatShards::gradients_of(const std::vector<at::Tensor>& parameters) {
+  std::vector<at::Tensor> gradients;
+  for (const auto& p : parameters) gradients.push_back(p.grad());
+  return gradients;
 }
 
 int64_t FlatShards::padding_bytes() const {
   return flat_.defined() ? (flat_.numel() - total_numel_) * flat_.element_size() : 0;
 }
 
-void FlatShards::alias_parameter_gradients(const std::vector<at::Tensor>& parameters) {
+void FlatShards::alias_parameter_gradients(const std::vector<at::Tensor>& gradients) {
   for (auto& piece : pieces_) {
-    const at::Tensor& grad = parameters[piece.parameter].grad();
+    const at::Tensor& grad = gradients.at(piece.parameter);
     DTRAIN_CHECK(grad.defined() && grad.is_contiguous(), "zero1: parameter ", piece.parameter,
                  " has no contiguous gradient after the reduction");
-    piece.tensor.mutable_grad() = alias_storage(grad, piece.offset, {piece.tensor.numel()});
+    const at::Tensor& target = piece.optimized();
+    DTRAIN_CHECK(grad.scalar_type() == target.scalar_type(), "zero1: parameter ", piece.parameter,
+                 "'s gradient is ", grad.scalar_type(), ", its update ", target.scalar_type());
+    target.mutable_grad() = alias_storage(grad, piece.offset, {piece.tensor.numel()});
   }
 }
 
 void FlatShards::alias_shard_gradient(const at::Tensor& shard_grad) {
   for (auto& piece : pieces_) {
-    piece.tensor.mutable_grad() =
+    piece.optimized().mutable_grad() =
         alias_storage(shard_grad, piece.shard_offset, {piece.tensor.numel()});
   }
 }
@@ -146,7 +175,7 @@ std::vector<PieceRef> FlatShards::state_pieces(const std::vector<std::string>& n
                                                const std::vector<at::Tensor>& parameters) const {
   std::vector<PieceRef> pieces;
   for (const auto& piece : pieces_) {
-    pieces.push_back({names[piece.parameter], piece.offset, piece.tensor,
+    pieces.push_back({names[piece.parameter], piece.offset, piece.optimized(),
                       parameters[piece.parameter].sizes().vec()});
   }
   return pieces;

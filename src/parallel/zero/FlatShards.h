@@ -34,7 +34,10 @@ class FlatShards {
     size_t parameter;
     int64_t offset;        // of the run within the parameter
     int64_t shard_offset;  // of the run within this rank's shard
-    at::Tensor tensor;     // aliases the flat buffer; an optimizer parameter
+    at::Tensor tensor;     // aliases the flat buffer; the optimizer's parameter without master
+    at::Tensor master;     // make_master(): the full-precision copy the optimizer updates
+    /// What the optimizer updates: the master copy where there is one.
+    const at::Tensor& optimized() const { return master.defined() ? master : tensor; }
   };
 
   FlatShards() = default;
@@ -52,16 +55,29 @@ class FlatShards {
              int ranks, int rank, const std::string& who);
 
   const std::vector<Piece>& pieces() const { return pieces_; }
-  /// The pieces' tensors, for the optimizer.
+  /// The tensors the optimizer updates (the pieces', or their master copies).
   std::vector<at::Tensor> piece_tensors() const;
+  /// Master weights (--precision bf16-master): from here on the optimizer updates a copy of
+  /// this rank's shard in `dtype` (one tensor, the pieces aliasing it), whose values come from
+  /// `initial` (each parameter's starting values at full precision, indexed as the
+  /// constructor's parameters; the buffer holds them rounded). Gradients alias into the
+  /// master pieces; publish_master() rounds the update into the buffer before the gather.
+  void make_master(at::ScalarType dtype, const std::vector<at::Tensor>& initial);
+  bool has_master() const { return master_.defined(); }
+  /// Copies the master pieces into the buffer's pieces (this rank's shard, before a gather).
+  void publish_master();
+  /// Bytes of the master copy (0 without).
+  int64_t master_bytes() const;
   int64_t shard_numel() const { return layout_.shard_numel; }
   const ddp::ShardLayout& layout() const { return layout_; }
   /// Bytes of padding at the end of the flat buffer.
   int64_t padding_bytes() const;
 
   /// ZeRO-1: each piece's gradient becomes the matching slice of its parameter's (contiguous,
-  /// averaged) gradient: no copies.
-  void alias_parameter_gradients(const std::vector<at::Tensor>& parameters);
+  /// averaged) gradient, `gradients[k]` for the constructor's parameter k: no copies.
+  void alias_parameter_gradients(const std::vector<at::Tensor>& gradients);
+  /// The same with each parameter's own .grad.
+  static std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& parameters);
   /// ZeRO-2: each piece's gradient aliases `shard_grad` (shard_numel elements).
   void alias_shard_gradient(const at::Tensor& shard_grad);
   /// Collective over `comm` (the group the shards were cut for): every rank's updated shard to
@@ -88,6 +104,7 @@ class FlatShards {
  private:
   int rank_ = 0;
   at::Tensor flat_;
+  at::Tensor master_;  // make_master(): shard_numel elements
   std::vector<Piece> pieces_;
   ddp::ShardLayout layout_;
   int64_t total_numel_ = 0;

@@ -64,6 +64,9 @@ Zero3Strategy::Zero3Strategy(StrategyOptions options)
   check_options(zero3_);
   DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16,
                      "zero3 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
+  DTRAIN_CHECK_INPUT(!precision::has_master_weights(precision_),
+                     "--precision bf16-master is built for ddp, zero1 and zero2, not zero3 (use "
+                     "bf16-mixed)");
   DTRAIN_CHECK_INPUT(options_.grad_compression == "none",
                      "zero3 reduce-scatters gradients in "
                      "their own dtype; --grad-compression ",

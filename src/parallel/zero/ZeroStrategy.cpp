@@ -58,6 +58,7 @@ StrategyInfo zero1_strategy() {
   info.summary = "ZeRO stage 1: data parallelism with the optimizer state sharded";
   info.pipeline_stages = true;
   info.options = {zero_overlap_options()};
+  info.master_weights = true;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
     return std::make_unique<ZeroStrategy>(options, 1);
   };
@@ -76,6 +77,7 @@ StrategyInfo zero2_strategy() {
   info.name = "zero2";
   info.summary = "ZeRO stage 2: optimizer state and gradients sharded (reduce-scatter)";
   info.options = {zero_quantized_options(), zero_overlap_options()};
+  info.master_weights = true;
   info.check_layout = [](const StrategyOptions&, const Layout& layout) {
     check_no_sequence_parallel("zero2", layout);
   };
@@ -97,7 +99,8 @@ ZeroStrategy::ZeroStrategy(StrategyOptions options, int stage)
                      " compresses allreduces: use it with ddp, zero1 "
                      "or a pipeline");
   DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16, name(),
-                     " keeps fp32 master weights; use --precision bf16-mixed, not bf16");
+                     " keeps fp32 master weights; use --precision bf16-master (a bf16 model) or "
+                     "bf16-mixed, not bf16");
 }
 
 void ZeroStrategy::configure_reducer(ddp::ReducerOptions& options) {
@@ -108,7 +111,7 @@ void ZeroStrategy::configure_reducer(ddp::ReducerOptions& options) {
 }
 
 std::vector<at::Tensor> ZeroStrategy::gradient_holders() const {
-  return scatter_ ? shards_.piece_tensors() : parameters_;
+  return scatter_ ? shards_.piece_tensors() : reduced_gradient_holders();
 }
 
 void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
@@ -117,9 +120,15 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
   ddp::ReducerOptions reducer_options = reducer_options_from(options_);
   shards_ = FlatShards(parameters_, ddp::bucket_groups(parameters_, names_, reducer_options),
                        comm_->size(), comm_->rank(), name());
+  // bf16-master: the optimizer updates an fp32 copy of this rank's shard (Megatron's
+  // distributed optimizer); the buffer, hence the gathers, stay bf16.
+  if (!initial_master_.empty()) shards_.make_master(at::kFloat, initial_master_);
   scatter_ = stage_ >= 2 || reduce_scatters_gradients(options_, tp_);
-  if (scatter_) {  // the gradient shard the Reducer reduce-scatters into
-    shard_grad_ = at::zeros({shards_.shard_numel()}, parameters_.front().options());
+  if (scatter_) {  // the gradient shard the Reducer reduce-scatters into (fp32 with a master)
+    shard_grad_ =
+        at::zeros({shards_.shard_numel()},
+                  parameters_.front().options().dtype(
+                      shards_.has_master() ? at::kFloat : parameters_.front().scalar_type()));
     shards_.alias_shard_gradient(shard_grad_);
   }
   optimizer_ = make_optimizer(shards_.piece_tensors());
@@ -188,8 +197,11 @@ void ZeroStrategy::apply_update() {
   // TP partial sums): each piece's gradient is the matching slice of its parameter's averaged
   // gradient (which lives in the Reducer's buckets): no copies.
   shards_.wait();  // (the forward waited for every bucket already)
-  if (!scatter_) shards_.alias_parameter_gradients(parameters_);
+  if (!scatter_) {
+    shards_.alias_parameter_gradients(FlatShards::gradients_of(reduced_gradient_holders()));
+  }
   optimizer_->step();
+  if (shards_.has_master()) shards_.publish_master();
   if (options_.of<ZeroOverlapOptions>().param_gather) {
     shards_.start_allgather(comm_);
   } else {
@@ -203,13 +215,15 @@ std::vector<PieceRef> ZeroStrategy::state_pieces() const {
 
 MemoryReport ZeroStrategy::memory_report() const {
   MemoryReport report;
+  const int64_t gradient_element = shards_.has_master() ? static_cast<int64_t>(sizeof(float))
+                                                        : parameters_.front().element_size();
   for (const auto& p : parameters_) {
     report.parameter_bytes += p.numel() * p.element_size();
-    report.gradient_bytes += p.numel() * p.element_size();
+    report.gradient_bytes += p.numel() * gradient_element;
   }
   report.parameter_bytes += shards_.padding_bytes();
   if (stage_ >= 2) report.gradient_bytes = shard_grad_.numel() * shard_grad_.element_size();
-  report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
+  report.optimizer_bytes = shards_.master_bytes() + optim::optimizer_state_bytes(*optimizer_);
   return report;
 }
 

@@ -74,6 +74,11 @@ struct ReducerOptions {
   int ranks_per_host = 0;
   /// PowerSGD instead of the exact allreduce (rank > 0; not with shard_numel or wire_dtype).
   PowerSgdOptions powersgd;
+  /// The dtype gradients accumulate and travel in where it differs from the parameters' (a bf16
+  /// model's fp32 gradients: Megatron's accumulate-allreduce-grads-in-fp32): every micro-batch's
+  /// gradient is added into its bucket slot as soon as autograd has it, then released, so
+  /// parameters' .grad stay empty; main_grad(k) is the slot. Undefined: the parameters' dtype.
+  at::ScalarType grad_dtype = at::ScalarType::Undefined;
   /// false: the gradients are summed over the group, not averaged (a replicated pipeline
   /// stage's replicas each hold a share of the step's mean already: the last stage divides each
   /// micro-batch's loss by the step's micro-batch count). Plain allreduce only.
@@ -146,6 +151,11 @@ class Reducer : public GradientSync {
   /// The flat communication buffer of each bucket (for benchmarks that time the allreduces
   /// alone).
   std::vector<at::Tensor> bucket_buffers() const;
+  /// Whether buckets are reduce-scattered into a gradient shard (ZeRO's sharded mode).
+  bool reduce_scatters() const { return sharded(); }
+  /// With a grad_dtype of its own (not in reduce-scatter mode): parameter k's gradient in that
+  /// dtype, a tensor sharing its bucket's storage (averaged after finalize()).
+  at::Tensor main_grad(size_t k) const;
 
  private:
   struct Bucket {
@@ -168,6 +178,10 @@ class Reducer : public GradientSync {
   };
 
   bool sharded() const { return options_.shard_numel > 0; }
+  /// Gradients accumulate in grad_dtype, not in the parameters' .grad.
+  bool converting_ = false;
+  /// Converting: adds parameter k's .grad into its bucket slot and releases it.
+  void absorb(size_t k);
   /// One rank, nothing to reduce or compress: no buckets, gradients as autograd makes them
   /// (set to none between steps rather than zeroed in place, as PyTorch's
   /// zero_grad(set_to_none=True)): a zero fill and an in-place add of every gradient fewer.
