@@ -7,6 +7,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <set>
 
 #include "PlanClusters.h"
@@ -276,43 +278,45 @@ TEST(Planner, ReplicatedStagesShareTheHeavyStageAndTheSearchFindsThem) {
   EXPECT_THROW(predict(model, cluster, bad), InputError);
 }
 
-TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {
-  // Mixed-precision Adam with fp32 master weights (K = 12): baseline 16 psi bytes, Pos
-  // 4 psi + 12 psi / N, Pos+g 2 psi + 14 psi / N, Pos+g+p 16 psi / N.
+namespace {
+// The planner's model states (parameters, gradients, optimizer) per rank of gpt-7.5b at DP 64 in
+// `precision`, against `expected` bytes per strategy.
+void expect_model_states(
+    const std::string& precision, const Cluster& cluster,
+    const std::function<std::map<std::string, double>(double, double)>& bytes_of) {
   const ModelCost model = model_named("gpt-7.5b");
   const double psi = model.parameters(), n = 64;
-  const std::map<std::string, double> expected = {{"ddp", 16 * psi},
-                                                  {"zero1", 4 * psi + 12 * psi / n},
-                                                  {"zero2", 2 * psi + 14 * psi / n},
-                                                  {"zero3", 16 * psi / n}};
-  for (const auto& [strategy, bytes] : expected) {
+  for (const auto& [strategy, bytes] : bytes_of(psi, n)) {
     Layout layout;
     layout.strategy = strategy;
     layout.dp = 64;
-    layout.precision = "fp16-master";
-    const Prediction p = predict(model, cluster_of("v100-dgx2", 4), layout);
-    const Memory& m = p.memory;
-    EXPECT_NEAR((m.parameters + m.gradients + m.optimizer) / bytes, 1.0, 1e-9) << strategy;
+    layout.precision = precision;
+    const Memory m = predict(model, cluster, layout).memory;
+    EXPECT_NEAR((m.parameters + m.gradients + m.optimizer) / bytes, 1.0, 1e-9)
+        << precision << " " << strategy;
   }
+}
+}  // namespace
+
+TEST(Planner, ModelStatesPerZeroStageAreRajbhandarisFormulas) {
+  // Mixed-precision Adam with fp32 master weights (K = 12): baseline 16 psi bytes, Pos
+  // 4 psi + 12 psi / N, Pos+g 2 psi + 14 psi / N, Pos+g+p 16 psi / N.
+  expect_model_states("fp16-master", cluster_of("v100-dgx2", 4), [](double psi, double n) {
+    return std::map<std::string, double>{{"ddp", 16 * psi},
+                                         {"zero1", 4 * psi + 12 * psi / n},
+                                         {"zero2", 2 * psi + 14 * psi / n},
+                                         {"zero3", 16 * psi / n}};
+  });
 }
 
 TEST(Planner, Bf16MasterKeepsFp32GradientsAsMegatronsDistributedOptimizer) {
   // dtrain train's bf16-master (Megatron's --bf16): 2 bytes of model, 4 of fp32 gradient, 12 of
   // master weight and Adam moments: Megatron's 6 psi + 12 psi / d with its distributed
   // optimizer (zero1), 18 psi without.
-  const ModelCost model = model_named("gpt-7.5b");
-  const double psi = model.parameters(), n = 64;
-  const std::map<std::string, double> expected = {
-      {"ddp", 18 * psi}, {"zero1", 6 * psi + 12 * psi / n}, {"zero2", 2 * psi + 16 * psi / n}};
-  for (const auto& [strategy, bytes] : expected) {
-    Layout layout;
-    layout.strategy = strategy;
-    layout.dp = 64;
-    layout.precision = "bf16-master";
-    const Prediction p = predict(model, cluster_of("a100-selene", 8), layout);
-    const Memory& m = p.memory;
-    EXPECT_NEAR((m.parameters + m.gradients + m.optimizer) / bytes, 1.0, 1e-9) << strategy;
-  }
+  expect_model_states("bf16-master", cluster_of("a100-selene", 8), [](double psi, double n) {
+    return std::map<std::string, double>{
+        {"ddp", 18 * psi}, {"zero1", 6 * psi + 12 * psi / n}, {"zero2", 2 * psi + 16 * psi / n}};
+  });
 }
 
 TEST(Planner, TensorParallelAllReducesAreOnTheCriticalPath) {
