@@ -36,13 +36,18 @@ models::ModelSpec odd_mlp() {  // 144*7 + 7 + 7*5 + 5 + 5*10 + 10 = 1115 paramet
 }
 
 // "ddp", "zero1", "zero2", or "pipeline-ddp" / "pipeline-zero1" (two stages, each data-parallel
-// by ddp or zero1).
+// by ddp or zero1; "pipeline-ddp-zb": ddp stages under the zb-h1 schedule).
 parallel::StrategyPtr make(const std::string& strategy, parallel::StrategyOptions options = {}) {
   options.precision = "bf16-master";
   if (strategy == "ddp") return std::make_unique<parallel::ddp::DdpStrategy>(options);
   if (strategy.rfind("pipeline-", 0) == 0) {
     auto& pipe = options.of<parallel::pipeline::PipelineOptions>();
-    pipe.data_parallel = strategy.substr(9);
+    std::string data_parallel = strategy.substr(9);
+    if (data_parallel == "ddp-zb") {  // zero bubble: weight gradients deferred, added later
+      pipe.schedule = "zb-h1";
+      data_parallel = "ddp";
+    }
+    pipe.data_parallel = data_parallel;
     return std::make_unique<parallel::pipeline::PipelineStrategy>(options);
   }
   return std::make_unique<parallel::zero::ZeroStrategy>(options, strategy == "zero1" ? 1 : 2);
@@ -216,15 +221,16 @@ TEST(MasterWeights, Bf16MasterIsItsDefinitionUnderDdpZero1AndZero2) {
 }
 
 TEST(MasterWeights, Bf16MasterIsItsDefinitionThroughAPipeline) {
-  // Two stages, two micro-batches (1F1B): the stages' bf16 forward and backward are the whole
-  // model's, their gradients accumulated in fp32 by each stage's Reducer; with zero1 each stage's
-  // two replicas reduce-scatter them and update their halves of its master weights.
+  // Two stages, two micro-batches (1F1B, and zb-h1 whose weight gradients come later): the
+  // stages' bf16 forward and backward are the whole model's, their gradients accumulated in fp32
+  // by each stage's Reducer; with zero1 each stage's two replicas reduce-scatter them and update
+  // their halves of its master weights.
   at::set_num_threads(1);
   torch::manual_seed(5);
   const std::vector<at::Tensor> initial = snapshot(models::make_model(odd_mlp()));
   const Batches batches = make_batches(2);
-  for (const auto& [strategy, replicas] :
-       std::vector<std::pair<std::string, int>>{{"pipeline-ddp", 1}, {"pipeline-zero1", 2}}) {
+  for (const auto& [strategy, replicas] : std::vector<std::pair<std::string, int>>{
+           {"pipeline-ddp", 1}, {"pipeline-ddp-zb", 1}, {"pipeline-zero1", 2}}) {
     SCOPED_TRACE(strategy);
     const auto expected = by_hand(initial, batches, false, replicas);
     const Trained got = train(strategy, initial, batches, strategy, replicas);
