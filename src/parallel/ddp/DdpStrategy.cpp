@@ -237,6 +237,9 @@ void DdpStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer)
 }
 
 void DdpStrategy::apply_update() {
+  // bf16-master: the master weights' gradients are the Reducer's fp32 slots (pointed again each
+  // step: an optimizer's zero_grad may have reset them).
+  if (!master_.empty()) reduced_gradient_holders();
   optimizer_->step();
   copy_master_to_model();
 }
