@@ -49,10 +49,41 @@ std::unique_ptr<precision::LossScaler> make_loss_scaler(const StrategyOptions& o
   if (scaling == "none" || (scaling == "auto" && precision != precision::Precision::Fp16Mixed)) {
     return nullptr;
   }
+  DTRAIN_CHECK_INPUT(!precision::has_master_weights(precision),
+                     "--precision bf16-master needs no loss scaling: leave out --loss-scaling");
   precision::LossScalerOptions scaler_options;
   scaler_options.init_scale = options.loss_scale_init;
   scaler_options.growth_interval = options.loss_scale_growth_interval;
   return std::make_unique<precision::LossScaler>(scaler_options);
+}
+
+std::vector<at::Tensor> keep_master_weights(torch::nn::Module& module,
+                                            const std::vector<at::Tensor>& parameters,
+                                            precision::Precision precision) {
+  if (!precision::has_master_weights(precision)) return {};
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> master;
+  for (const auto& p : parameters) {
+    master.push_back(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+  }
+  module.to(precision::parameter_dtype(precision));
+  return master;
+}
+
+at::Tensor gradient_holder(const at::Tensor& master, const at::Tensor& grad) {
+  at::Tensor holder = master.defined() ? master : grad.detach();
+  holder.mutable_grad() = grad;
+  return holder;
+}
+
+void copy_weights(const std::vector<at::Tensor>& from, const std::vector<at::Tensor>& to) {
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < from.size(); ++k) to[k].copy_(from[k]);
+}
+
+int64_t gradient_element_size(const at::Tensor& parameter, precision::Precision precision) {
+  return precision::has_master_weights(precision) ? static_cast<int64_t>(sizeof(float))
+                                                  : parameter.element_size();
 }
 
 double clip_by_global_norm(const std::vector<at::Tensor>& holders,

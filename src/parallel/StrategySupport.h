@@ -19,9 +19,24 @@ namespace dtrain::parallel {
 parallel::ddp::ReducerOptions reducer_options_from(const StrategyOptions& options);
 
 /// The dynamic loss scaler `options` ask for with `precision` (null when none): "dynamic", or
-/// "auto" under fp16-mixed. InputError for an unknown loss_scaling.
+/// "auto" under fp16-mixed. InputError for an unknown loss_scaling, and for one asked with
+/// bf16-master.
 std::unique_ptr<precision::LossScaler> make_loss_scaler(const StrategyOptions& options,
                                                         precision::Precision precision);
+
+/// bf16-master (precision::has_master_weights): fp32 copies of `parameters` (the master weights'
+/// starting values), then `module` cast to the precision's parameter dtype (module->to keeps
+/// each parameter's tensor, so `parameters` follow). Empty, and nothing cast, otherwise.
+std::vector<at::Tensor> keep_master_weights(torch::nn::Module& module,
+                                            const std::vector<at::Tensor>& parameters,
+                                            precision::Precision precision);
+/// A tensor whose .grad is `grad` (a Reducer's fp32 gradient slot): `master` when defined, else
+/// a second view of the gradient (its parameter's shape at no cost).
+at::Tensor gradient_holder(const at::Tensor& master, const at::Tensor& grad);
+/// Copies each of `from` (master weights) into `to` (the model's parameters), rounding.
+void copy_weights(const std::vector<at::Tensor>& from, const std::vector<at::Tensor>& to);
+/// Bytes of one gradient element of `parameter` under `precision` (fp32 with master weights).
+int64_t gradient_element_size(const at::Tensor& parameter, precision::Precision precision);
 
 /// Scales the gradients of `holders` so their global L2 norm is at most `max_norm`, the squared
 /// norm summed over each group of `sum_over` in turn (groups of ranks holding disjoint parts of

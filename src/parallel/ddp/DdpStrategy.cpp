@@ -41,8 +41,6 @@ DdpStrategy::DdpStrategy(StrategyOptions options) : options_(std::move(options))
   device_ = parse_device(options_.device);
   precision::check_supported(precision_, device_);
   scaler_ = make_loss_scaler(options_, precision_);
-  DTRAIN_CHECK_INPUT(!precision::has_master_weights(precision_) || !scaler_,
-                     "--precision bf16-master needs no loss scaling: leave out --loss-scaling");
 }
 
 void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
@@ -67,15 +65,8 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
                      "(--kv-heads below --tensor-parallel) and sum first; use ddp or zero1, or "
                      "a --tensor-parallel that divides --kv-heads");
   broadcast_initial_state();
-  if (precision::has_master_weights(precision_)) {
-    // The fp32 values stay as the master weights; the model computes in bf16 from here on
-    // (module->to keeps each parameter's tensor, so parameters_ follow).
-    torch::NoGradGuard no_grad;
-    for (const auto& p : parameters_) {
-      initial_master_.push_back(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
-    }
-    model_.module->to(precision::parameter_dtype(precision_));
-  }
+  // bf16-master: the fp32 values stay as the master weights; the model computes in bf16.
+  initial_master_ = keep_master_weights(*model_.module, parameters_, precision_);
   build_optimizer(make_optimizer);
   initial_master_.clear();
   build_gradient_sync(names_);
@@ -195,12 +186,8 @@ std::vector<at::Tensor> DdpStrategy::reduced_gradient_holders() const {
   if (!converted) return parameters_;
   std::vector<at::Tensor> holders;
   for (size_t k = 0; k < parameters_.size(); ++k) {
-    // (Without master weights here, zero1's holder is a second view of the gradient: the
-    // shape of its parameter at no cost.)
-    const at::Tensor grad = reducer_->main_grad(k);
-    at::Tensor holder = master_.empty() ? grad.detach() : master_[k];
-    holder.mutable_grad() = grad;
-    holders.push_back(holder);
+    holders.push_back(
+        gradient_holder(master_.empty() ? at::Tensor() : master_[k], reducer_->main_grad(k)));
   }
   return holders;
 }
@@ -241,12 +228,7 @@ void DdpStrategy::apply_update() {
   // step: an optimizer's zero_grad may have reset them).
   if (!master_.empty()) reduced_gradient_holders();
   optimizer_->step();
-  copy_master_to_model();
-}
-
-void DdpStrategy::copy_master_to_model() {
-  torch::NoGradGuard no_grad;
-  for (size_t k = 0; k < master_.size(); ++k) parameters_[k].copy_(master_[k]);
+  copy_weights(master_, parameters_);  // bf16-master: the update into the bf16 model
 }
 
 NamedTensors DdpStrategy::named_buffers() const {
@@ -283,9 +265,7 @@ MemoryReport DdpStrategy::memory_report() const {
   for (const auto& p : parameters_) {
     report.parameter_bytes += p.numel() * p.element_size();
     // bf16-master: the gradients live in the Reducer's fp32 buckets.
-    report.gradient_bytes +=
-        p.numel() * (precision::has_master_weights(precision_) ? static_cast<int64_t>(sizeof(float))
-                                                               : p.element_size());
+    report.gradient_bytes += p.numel() * gradient_element_size(p, precision_);
   }
   for (const auto& m : master_) report.optimizer_bytes += m.numel() * m.element_size();
   report.optimizer_bytes += optim::optimizer_state_bytes(*optimizer_);

@@ -42,8 +42,6 @@ class DdpStrategy : public Strategy {
   virtual void build_optimizer(const optim::OptimizerFactory& make_optimizer);
   /// Applies the update once gradients are averaged (and unscaled, clipped).
   virtual void apply_update();
-  /// bf16-master (DDP): the updated master weights into the bf16 model.
-  void copy_master_to_model();
   /// Adjusts the Reducer before it is built (ZeRO-2 switches it to reduce-scatter).
   virtual void configure_reducer(ReducerOptions& options) {}
   /// Builds the gradient synchronizer (the Reducer unless overridden) over parameters_.

@@ -69,8 +69,6 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
                      "--precision bf16-master keeps one fp32 master copy of the weights: not with "
                      "--pipeline-sync ",
                      pipe_.sync, "'s weight versions (use flush, or bf16-mixed)");
-  DTRAIN_CHECK_INPUT(!precision::has_master_weights(precision_) || !scaler_,
-                     "--precision bf16-master needs no loss scaling: leave out --loss-scaling");
   async_ = pipe_.sync == "async";
   // Each stage updates when its own backwards of a step are done, at a different time on each
   // stage: a check over all stages before an update would stall the pipeline it overlaps.
@@ -189,15 +187,9 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     comm::wait_all(works);
   }
   // bf16-master: this rank's parameters keep their fp32 values as master weights; the model
-  // computes in bf16 from here on (module->to keeps each parameter's tensor).
-  std::vector<at::Tensor> initial_master;
-  if (precision::has_master_weights(precision_)) {
-    torch::NoGradGuard no_grad;
-    for (const auto& p : parameters_) {
-      initial_master.push_back(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
-    }
-    model_.module->to(precision::parameter_dtype(precision_));
-  }
+  // computes in bf16 from here on.
+  const std::vector<at::Tensor> initial_master =
+      keep_master_weights(*model_.module, parameters_, precision_);
   if (zero1_ && !parameters_.empty()) {
     // The shards follow each chunk's Reducer's buckets (each bucket's all-gather balanced).
     const parallel::ddp::ReducerOptions bucketing = reducer_options_from(options_);
@@ -327,20 +319,16 @@ std::vector<at::Tensor> PipelineStrategy::reduced_gradient_holders() const {
     const auto& indices = chunks_[c].parameters;
     for (size_t j = 0; j < indices.size(); ++j) {
       const size_t k = indices[j];
-      // (Without master weights here, zero1's holder is a second view of the gradient: the
-      // shape of its parameter at no cost.)
-      const at::Tensor grad = reducers_[c]->main_grad(j);
-      holders[k] = master_.empty() ? grad.detach() : master_[k];
-      holders[k].mutable_grad() = grad;
+      holders[k] =
+          gradient_holder(master_.empty() ? at::Tensor() : master_[k], reducers_[c]->main_grad(j));
     }
   }
   return holders;
 }
 
 void PipelineStrategy::update_model_from_master() {
-  torch::NoGradGuard no_grad;
   if (shards_.has_master()) shards_.publish_master();
-  for (size_t k = 0; k < master_.size(); ++k) parameters_[k].copy_(master_[k]);
+  copy_weights(master_, parameters_);
 }
 
 void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x,
@@ -530,9 +518,7 @@ MemoryReport PipelineStrategy::memory_report() const {
   MemoryReport report;
   for (const auto& p : parameters_) {
     report.parameter_bytes += p.numel() * p.element_size();
-    report.gradient_bytes +=
-        p.numel() * (precision::has_master_weights(precision_) ? static_cast<int64_t>(sizeof(float))
-                                                               : p.element_size());
+    report.gradient_bytes += p.numel() * gradient_element_size(p, precision_);
   }
   report.parameter_bytes += shards_.padding_bytes();
   for (const auto& m : master_) report.optimizer_bytes += m.numel() * m.element_size();

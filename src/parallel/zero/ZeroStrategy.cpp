@@ -215,11 +215,9 @@ std::vector<PieceRef> ZeroStrategy::state_pieces() const {
 
 MemoryReport ZeroStrategy::memory_report() const {
   MemoryReport report;
-  const int64_t gradient_element = shards_.has_master() ? static_cast<int64_t>(sizeof(float))
-                                                        : parameters_.front().element_size();
   for (const auto& p : parameters_) {
     report.parameter_bytes += p.numel() * p.element_size();
-    report.gradient_bytes += p.numel() * gradient_element;
+    report.gradient_bytes += p.numel() * gradient_element_size(p, precision_);
   }
   report.parameter_bytes += shards_.padding_bytes();
   if (stage_ >= 2) report.gradient_bytes = shard_grad_.numel() * shard_grad_.element_size();
