@@ -41,6 +41,11 @@ class LaunchCommand final : public Command {
         "With --tolerate-failures: start a failed rank again up to this many times, as a "
         "replacement that joins the running ranks (--fault-tolerance replicas only)")
         ->capture_default_str();
+    add(*app_, "--replica-size", launch_.replica_size,
+        "With --tolerate-failures: ranks fail and are started again in replicas of this many "
+        "consecutive ranks (--fault-tolerance replicas with --tensor-parallel K: K); a replica's "
+        "ranks are on one node")
+        ->capture_default_str();
     add(*app_, "--rdzv-timeout", launch_.rendezvous_timeout_seconds,
         "Seconds for every node to join (and to reach the store)")
         ->capture_default_str();

@@ -345,7 +345,11 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
     launch.tolerate_failures =
         dtrain::train::uses_parameter_server(job) || fault_tolerance.replicas();
     // A replica that fails is started again and joins the others (live recovery).
-    if (fault_tolerance.replicas()) launch.max_replacements = fault_tolerance.max_replacements;
+    // A replica (its tensor-parallel group) fails and is started again as one.
+    if (fault_tolerance.replicas()) {
+      launch.max_replacements = fault_tolerance.max_replacements;
+      launch.replica_size = job.trainer.tensor_parallel;
+    }
     launch.command.push_back(dtrain::launch::self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     return dtrain::launch::launch(launch);

@@ -106,7 +106,7 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --strategy zero3 --overlap-param-gather",
        "use --strategy zero1 or zero2 (with or without a pipeline), not zero3"},
       {" train --fault-tolerance replicas --pipeline-parallel 2 --nproc 2",
-       "each replica is one rank for now"},
+       "a replica is one rank or one tensor-parallel group for now"},
       {" train --loss-scaling maybe", "unknown loss scaling 'maybe'"},
       {" train --global-batch 64 --accumulation 2", "not both"},
       {" train --dataset synthetic --global-batch 100 --batch-size 32",

@@ -3,6 +3,7 @@
 #include "dtrain/comm/ProcessGrid.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "dtrain/common/Error.h"
 
@@ -25,11 +26,22 @@ ProcessGrid::ProcessGrid(CommunicatorPtr world, int tensor_parallel, int pipelin
   auto keep = [](CommunicatorPtr& slot, CommunicatorPtr group) {
     if (group) slot = std::move(group);
   };
+  // A replacement replica (--fault-tolerance replicas: a tensor-parallel group started again
+  // while the others train) never forms the world: its TP group forms among its own ranks,
+  // which its launcher started together, under a key of their incarnation.
+  const char* incarnation = std::getenv("DTRAIN_FT_REPLACEMENT");
+  const bool replacement = !world_->formed() && incarnation != nullptr;
   for (int pp = 0; pp < pp_size_; ++pp) {
     for (int dp = 0; dp < dp_size_; ++dp) {
       std::vector<int> ranks;
       for (int tp = 0; tp < tp_size_; ++tp) ranks.push_back(world_rank_of({dp, pp, tp}));
-      keep(tp_, make(ranks, concat("tp[pp=", pp, ",dp=", dp, "]")));
+      const std::string name = concat("tp[pp=", pp, ",dp=", dp, "]");
+      const bool mine = std::find(ranks.begin(), ranks.end(), world_->rank()) != ranks.end();
+      if (replacement && mine && ranks.size() > 1) {
+        keep(tp_, world_->regroup(ranks, concat("replacement/", incarnation, "/", name), name));
+        continue;
+      }
+      keep(tp_, make(ranks, name));
     }
   }
   for (int pp = 0; pp < pp_size_; ++pp) {

@@ -102,7 +102,10 @@ void Attempt::spawn_rank(Rank& r) {
         concat("ROLE_WORLD_SIZE=", world),
     };
     if (!o_.interface.empty()) env.push_back("GLOO_SOCKET_IFNAME=" + o_.interface);
-    if (o_.tolerate_failures) env.push_back("DTRAIN_TOLERATE_FAILURES=1");
+    if (o_.tolerate_failures) {
+      env.push_back("DTRAIN_TOLERATE_FAILURES=1");
+      env.push_back(concat("DTRAIN_REPLICA_SIZE=", o_.replica_size));
+    }
     // The others train on: it joins them (parallel/ft/ReplicaManager.h) instead of the world.
     if (r.replacements > 0) env.push_back(concat("DTRAIN_FT_REPLACEMENT=", r.replacements));
     if (!progress_file_.empty()) env.push_back("DTRAIN_PROGRESS_FILE=" + progress_file_);
@@ -301,9 +304,25 @@ Outcome Attempt::run() {
         r.running = false;
         r.status = status;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && !stopping_ && o_.tolerate_failures && r.rank != 0) {
+        if (!ok && !stopping_ && o_.tolerate_failures && r.rank >= o_.replica_size) {
           std::fprintf(stderr, "dtrain launch: rank %d (pid %d) %s; the other ranks go on\n",
                        r.rank, static_cast<int>(r.pid), describe_status(status).c_str());
+          // A replica of several ranks (a tensor-parallel group) fails as one: its other ranks
+          // end now (they would wait on this one) and are started again with it.
+          for (auto& mate : ranks_) {
+            if (r.ended_with_replica) break;
+            if (&mate == &r || !mate.running || mate.fenced ||
+                mate.rank / o_.replica_size != r.rank / o_.replica_size) {
+              continue;
+            }
+            std::fprintf(stderr,
+                         "dtrain launch: ending rank %d (pid %d) too: it is in rank %d's "
+                         "replica\n",
+                         mate.rank, static_cast<int>(mate.pid), r.rank);
+            ::kill(-mate.pid, SIGKILL);
+            mate.fenced = true;
+            mate.ended_with_replica = true;
+          }
           // What a fault-tolerant job's ranks watch for (parallel/ft/ReplicaManager.h): the
           // dead rank first, then the count that tells them to look.
           // A replacement that fails before it is admitted was never counted in (its
@@ -337,6 +356,7 @@ Outcome Attempt::run() {
             }
             ++r.replacements;
             r.fenced = false;
+            r.ended_with_replica = false;
             r.awaiting_admission = true;
             spawn_rank(r);
             any_running = true;

@@ -30,6 +30,9 @@ struct Rank {
   // A replacement not admitted yet: the others' death mark of the process it replaces stays
   // until they admit it, and must not fence it.
   bool awaiting_admission = false;
+  // Ended by its launcher because another rank of its replica failed: its own end takes no
+  // other rank with it (the others of its replica are being started again).
+  bool ended_with_replica = false;
   int status = 0;
 };
 

@@ -78,6 +78,12 @@ void validate(const LaunchOptions& o) {
                      "--max-restarts must be in 0..1000, got ", o.max_restarts);
   DTRAIN_CHECK_INPUT(o.max_replacements >= 0 && o.max_replacements <= 100000,
                      "--max-replacements must be in 0..100000, got ", o.max_replacements);
+  DTRAIN_CHECK_INPUT(o.replica_size >= 1 && o.nproc_per_node % o.replica_size == 0,
+                     "--replica-size must be >= 1 and divide --nproc-per-node ", o.nproc_per_node,
+                     " (a replica's ranks are on one node), got ", o.replica_size);
+  DTRAIN_CHECK_INPUT(o.replica_size == 1 || o.tolerate_failures,
+                     "--replica-size groups the ranks that fail together: it needs "
+                     "--tolerate-failures");
   DTRAIN_CHECK_INPUT(o.max_replacements == 0 || o.tolerate_failures,
                      "--max-replacements starts failed ranks again while the others go on: it "
                      "needs --tolerate-failures");

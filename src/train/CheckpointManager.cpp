@@ -131,15 +131,17 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
     fs::remove_all(staging);
     fs::create_directories(staging);
   }
-  if (!alone) world_.barrier()->wait();
+  // Alone (rank 0's replica saves while the others train on): rank 0's tensor-parallel group.
+  comm::Communicator& savers = alone ? *grid_.tp() : world_;
+  if (savers.size() > 1) savers.barrier()->wait();
   const std::string rng = concat(staging, "/rng-rank", world_.rank(), ".pt");
   const std::vector<TensorInfo> tensors = leader ? model_tensors() : std::vector<TensorInfo>{};
   if (!options_.async_checkpoint) {
     strategy_.save(staging);
     save_tensor_file(rng, at::detail::getDefaultCPUGenerator().get_state());
-    if (!alone) world_.barrier()->wait();  // every rank's files are in place
+    if (savers.size() > 1) savers.barrier()->wait();  // every rank's files are in place
     if (leader) publish(staging, name, step, epoch, global_batch, tensors);
-    if (!alone) world_.barrier()->wait();
+    if (savers.size() > 1) savers.barrier()->wait();
     return;
   }
   // Asynchronous: the state is copied now (collectives the strategy's save needs run here, on
@@ -154,7 +156,7 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
   background_->step = step;
   Background* background = background_.get();
   const int rank = world_.rank();
-  const int writers = alone ? 1 : world_.size();
+  const std::vector<int> writers = savers.global_ranks();
   const auto timeout = world_.timeout();
   background->thread = std::thread([=, this] {
     // The writer takes what the training threads leave (waits on peers, the data loader): on a
@@ -175,7 +177,7 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
       std::vector<int> missing;
       while (true) {
         missing.clear();
-        for (int r = 0; r < writers; ++r) {
+        for (const int r : writers) {
           if (!fs::exists(written_marker(staging, r))) missing.push_back(r);
         }
         if (missing.empty() || background->cancel || std::chrono::steady_clock::now() >= deadline) {
@@ -191,7 +193,7 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
           " not written ", missing.size() == 1 ? "its" : "their", " files",
           background->cancel ? " (training stopped)" : concat(" within ", timeout.count(), " ms"),
           "; the newest complete checkpoint stays `latest`");
-      for (int r = 0; r < writers; ++r) fs::remove(written_marker(staging, r));
+      for (const int r : writers) fs::remove(written_marker(staging, r));
       publish(staging, name, step, epoch, global_batch, tensors);
       done();
     } catch (...) {

@@ -105,6 +105,10 @@ class Communicator {
   /// where the backend cannot.
   virtual CommunicatorPtr regroup(const std::vector<int>& world_ranks, const std::string& key,
                                   const std::string& name);
+  /// False for a group that never formed: a replacement replica's world (--fault-tolerance
+  /// replicas) and the groups new_group cuts from it, whose collectives fail naming why (only
+  /// groups formed with regroup() carry its traffic).
+  virtual bool formed() const { return true; }
 
   /// Total bytes this rank has sent through point-to-point ops (ring algorithms included).
   int64_t bytes_sent() const { return bytes_sent_.load(); }

@@ -52,6 +52,11 @@ struct LaunchOptions {
   /// rank, as a replacement (DTRAIN_FT_REPLACEMENT=K in its environment) that joins the ranks
   /// still running: --fault-tolerance replicas admits it at a step's end and sends it the state.
   int max_replacements = 0;
+  /// With tolerate_failures: ranks fail and are started again in replicas of this many
+  /// consecutive ranks (a tensor-parallel group, on one node): when one fails, its launcher ends
+  /// the replica's other ranks too; ranks 0..replica_size-1 failing stops the job.
+  /// DTRAIN_REPLICA_SIZE in the ranks' environment.
+  int replica_size = 1;
   /// Restarts of the whole job after a failure (torchrun's --max-restarts).
   int max_restarts = 0;
   /// Seconds every node may take to join an attempt (and to connect to the store).

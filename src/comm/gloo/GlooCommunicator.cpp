@@ -319,9 +319,12 @@ CommunicatorPtr GlooCommunicator::new_group(const std::vector<int>& ranks,
     global.push_back(global_ranks()[ranks[i]]);
   }
   if (my_rank < 0) return nullptr;
+  // Cut from a group that never formed (a replacement's world): it does not form either, unless
+  // it is this rank alone.
   auto group = std::make_shared<GlooCommunicator>(
       root_store_, concat(store_prefix_, "/", index), my_rank, static_cast<int>(ranks.size()),
-      name.empty() ? concat("group", index) : name, global, timeout(), device_, threads_);
+      name.empty() ? concat("group", index) : name, global, timeout(), device_, threads_,
+      formed() || ranks.size() == 1);
   group->share_wire_count(*this);
   return group;
 }

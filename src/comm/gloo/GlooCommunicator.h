@@ -24,6 +24,7 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<KeyValue> key_value() const override;
   CommunicatorPtr regroup(const std::vector<int>& world_ranks, const std::string& key,
                           const std::string& name) override;
+  bool formed() const override { return group_ != nullptr; }
   /// The store this group's rendezvous used (another backend's groups can rendezvous there).
   const c10::intrusive_ptr<c10d::Store>& store() const { return root_store_; }
   const std::string& store_prefix() const { return store_prefix_; }

@@ -59,9 +59,9 @@ OptionGroup fault_tolerance_options() {
 void check_fault_tolerance_layout(const StrategyOptions& options, const Layout& layout) {
   if (!options.of<FaultToleranceOptions>().replicas()) return;
   DTRAIN_CHECK_INPUT(
-      layout.pipeline_parallel == 1 && layout.tensor_parallel == 1 && layout.stage_replicas.empty(),
-      "--fault-tolerance replicas: each replica is one rank for now (ddp without "
-      "--pipeline-parallel, --stage-replicas or --tensor-parallel)");
+      layout.pipeline_parallel == 1 && layout.stage_replicas.empty(),
+      "--fault-tolerance replicas: a replica is one rank or one tensor-parallel group for now "
+      "(ddp without --pipeline-parallel or --stage-replicas)");
   DTRAIN_CHECK_INPUT(
       !layout.defer_eval,
       "--fault-tolerance replicas evaluates on rank 0 alone: leave out --defer-eval");
@@ -82,13 +82,23 @@ FaultTolerantDdp::FaultTolerantDdp(StrategyOptions options)
 void FaultTolerantDdp::setup(Model model, const optim::OptimizerFactory& make_optimizer,
                              std::shared_ptr<comm::ProcessGrid> grid) {
   DdpStrategy::setup(std::move(model), make_optimizer, std::move(grid));
-  DTRAIN_CHECK_INPUT(grid_->tp_size() == 1 && grid_->pp_size() == 1,
-                     "--fault-tolerance replicas: each replica is one rank for now");
-  // Under a launcher that stops every rank when one fails, nothing would be left to go on.
-  DTRAIN_CHECK_INPUT(std::getenv("DTRAIN_AGENT_STORE") == nullptr ||
-                         std::getenv("DTRAIN_TOLERATE_FAILURES") != nullptr,
-                     "--fault-tolerance replicas under dtrain launch needs the launcher's "
-                     "--tolerate-failures (dtrain train --nproc sets it)");
+  DTRAIN_CHECK_INPUT(grid_->pp_size() == 1 && !grid_->replicated_stages(),
+                     "--fault-tolerance replicas: a replica is one rank or one tensor-parallel "
+                     "group for now (no pipeline)");
+  // Under a launcher that stops every rank when one fails, nothing would be left to go on; one
+  // that does not know a replica's ranks would start one of them alone.
+  if (std::getenv("DTRAIN_AGENT_STORE") != nullptr) {
+    DTRAIN_CHECK_INPUT(std::getenv("DTRAIN_TOLERATE_FAILURES") != nullptr,
+                       "--fault-tolerance replicas under dtrain launch needs the launcher's "
+                       "--tolerate-failures (dtrain train --nproc sets it)");
+    const char* size = std::getenv("DTRAIN_REPLICA_SIZE");
+    const int launched = size == nullptr ? 1 : std::atoi(size);
+    DTRAIN_CHECK_INPUT(launched == grid_->tp_size(),
+                       "--fault-tolerance replicas with --tensor-parallel ", grid_->tp_size(),
+                       ": each replica is ", grid_->tp_size(),
+                       " ranks, but the launcher's --replica-size is ", launched,
+                       " (dtrain train --nproc sets it)");
+  }
   if (!replacement_) return;
   // (broadcast_initial_state left the state to the admission.)
   const auto started = std::chrono::steady_clock::now();
@@ -107,8 +117,9 @@ void FaultTolerantDdp::setup(Model model, const optim::OptimizerFactory& make_op
                "dtrain: replica group: world rank %d joined after step %lld, its state (%.1f MB) "
                "from world rank %d in %.0f ms (%.0f ms after it started to wait)\n",
                grid_->world()->rank(), static_cast<long long>(joined_at_),
-               static_cast<double>(state_bytes_) / 1e6, manager_->members()[admission->root],
-               ms_since(admitted), ms_since(started));
+               static_cast<double>(state_bytes_) / 1e6,
+               manager_->world_rank_of(manager_->members()[admission->root]), ms_since(admitted),
+               ms_since(started));
   std::fflush(stderr);
 }
 
@@ -118,7 +129,7 @@ void FaultTolerantDdp::broadcast_initial_state() {
       grid_->world(),
       std::chrono::milliseconds(static_cast<int64_t>(
           std::lround(options_.of<FaultToleranceOptions>().heartbeat_timeout_s * 1000))),
-      replacement_);
+      replacement_, grid_->tp_size());
   if (!replacement_) DdpStrategy::broadcast_initial_state();
 }
 
@@ -277,6 +288,9 @@ StepResult FaultTolerantDdp::train_step(const std::vector<data::Batch>& micro_ba
       }
       offset += p.numel();
     }
+    // Sequence parallelism: what each TP rank holds of a replicated parameter's gradient is a
+    // part; the replica's TP group sums them (as ddp does after its reduction).
+    tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
     result.loss = flat[-2].item<double>();
     result.metrics["replicas"] = replicas;
     result.metrics["regroupings"] = static_cast<double>(manager_->regroupings());

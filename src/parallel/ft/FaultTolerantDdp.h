@@ -1,4 +1,5 @@
-// DDP whose replicas outlive each other (--fault-tolerance replicas): each step's gradients,
+// DDP whose replicas outlive each other (--fault-tolerance replicas; a replica is one rank or
+// one tensor-parallel group, which fails and is replaced as one): each step's gradients,
 // with the replica's loss and a one that counts it, are summed by the ReplicaManager over the
 // replicas present and divided by their number. A replica that dies takes its share of the
 // data with it from the step that failed on: the survivors' step is the mean over their own
@@ -51,8 +52,7 @@ class FaultTolerantDdp : public ddp::DdpStrategy, public ReplaceableReplicas {
 
 /// --fault-tolerance's flags and checks.
 OptionGroup fault_tolerance_options();
-/// InputError unless the layout is replicas of one rank each (no pipeline, no tensor
-/// parallelism).
+/// InputError unless each replica is one rank or one tensor-parallel group (no pipeline).
 void check_fault_tolerance_layout(const StrategyOptions& options, const Layout& layout);
 
 }  // namespace dtrain::parallel::ft

@@ -53,10 +53,12 @@ std::string admit_key(int world_rank) { return concat("ft/admit/", world_rank); 
 }  // namespace
 
 ReplicaManager::ReplicaManager(comm::CommunicatorPtr world,
-                               std::chrono::milliseconds heartbeat_timeout, bool replacement)
+                               std::chrono::milliseconds heartbeat_timeout, bool replacement,
+                               int replica_size)
     : world_(std::move(world)),
       group_(world_),
       store_(world_->key_value()),
+      replica_size_(replica_size),
       replacement_(replacement),
       heartbeat_timeout_(heartbeat_timeout),
       beat_every_(std::clamp(heartbeat_timeout / 10, std::chrono::milliseconds(10),
@@ -65,12 +67,17 @@ ReplicaManager::ReplicaManager(comm::CommunicatorPtr world,
                      "--fault-tolerance replicas needs a backend that meets through a store "
                      "(gloo); group '",
                      world_->name(), "' (", world_->backend_name(), ") has none");
-  members_ = world_->global_ranks();
+  DTRAIN_CHECK(replica_size_ >= 1 && world_->size() % replica_size_ == 0,
+               "replica group: world of ", world_->size(), " ranks in replicas of ", replica_size_);
+  me_ = world_->global_ranks()[world_->rank()];
+  replica_ = me_ / replica_size_;
+  position_ = me_ % replica_size_;
+  for (int r = 0; r < world_->size() / replica_size_; ++r) members_.push_back(r);
   deaths_seen_ = store_->add(kDeathsKey, 0);
   // A group of its own, not the world (which lives as long as the process): the group a
   // failure leaves behind is destroyed once its collective ended (drop_abandoned).
-  if (!replacement_) group_ = world_->regroup(members_, "ft/g0", "replicas");
-  const int me = world_->global_ranks()[world_->rank()];
+  if (!replacement_) group_ = form_group();
+  const int me = me_;
   // (The store serializes its calls: a beat waits at most for one of the training thread's.)
   heartbeat_ = std::thread([this, me, store = world_->key_value()] {
     std::unique_lock<std::mutex> lock(heartbeat_mutex_);
@@ -97,13 +104,32 @@ ReplicaManager::~ReplicaManager() {
   if (heartbeat_.joinable()) heartbeat_.join();
 }
 
+std::vector<int> ReplicaManager::all_ranks_of(const std::vector<int>& replicas) const {
+  std::vector<int> ranks;
+  for (const int m : replicas) {
+    for (int p = 0; p < replica_size_; ++p) ranks.push_back(m * replica_size_ + p);
+  }
+  return ranks;
+}
+
+std::vector<int> ReplicaManager::ranks_of(const std::vector<int>& replicas) const {
+  std::vector<int> ranks;
+  for (const int m : replicas) ranks.push_back(world_rank_of(m));
+  return ranks;
+}
+
+comm::CommunicatorPtr ReplicaManager::form_group() {
+  return world_->regroup(ranks_of(members_), concat("ft/g", generation_, "/p", position_),
+                         "replicas");
+}
+
 bool ReplicaManager::declare_silent() {
   const auto now = Clock::now();
   if (now < next_beat_look_) return false;
   next_beat_look_ = now + beat_every_;
-  const int me = world_->global_ranks()[world_->rank()];
+  const int me = me_;
   bool declared = false;
-  for (const int r : members_) {
+  for (const int r : all_ranks_of(members_)) {
     if (r == me) continue;
     const int64_t beat = store_->add(heartbeat_key(r), 0);
     auto seen = beats_.find(r);
@@ -135,8 +161,13 @@ bool ReplicaManager::death_reported() {
 
 std::vector<int> ReplicaManager::dead_members() {
   std::vector<int> dead;
-  for (const int r : members_) {
-    if (store_->read(dead_key(r))) dead.push_back(r);
+  for (const int m : members_) {
+    for (const int r : all_ranks_of({m})) {
+      if (store_->read(dead_key(r))) {
+        dead.push_back(m);
+        break;
+      }
+    }
   }
   return dead;
 }
@@ -166,12 +197,12 @@ void ReplicaManager::forget(int64_t step) {
   const std::string base = concat("ft/g", generation_, "/t", step, "/");
   store_->remove(base + "decision");
   store_->remove(base + "summed");
-  for (const int r : members_) store_->remove(concat(base, "summed/", r));
+  for (const int r : all_ranks_of(members_)) store_->remove(concat(base, "summed/", r));
 }
 
 std::string ReplicaManager::decide(bool summed) {
   const std::string base = concat("ft/g", generation_, "/t", step_, "/");
-  const int me = world_->global_ranks()[world_->rank()];
+  const int me = me_;
   if (summed) {
     store_->set(concat(base, "summed/", me), "1");
     store_->add(base + "summed", 1);
@@ -179,7 +210,7 @@ std::string ReplicaManager::decide(bool summed) {
   const auto deadline = Clock::now() + world_->timeout();
   while (true) {
     if (auto decision = store_->read(base + "decision")) return *decision;
-    if (store_->add(base + "summed", 0) == static_cast<int64_t>(members_.size())) {
+    if (store_->add(base + "summed", 0) == static_cast<int64_t>(members_.size()) * replica_size_) {
       // Replacements waiting are admitted at this step's end: the decision names them, so
       // every member takes them in at the same step.
       const std::vector<int> joining =
@@ -200,13 +231,14 @@ std::string ReplicaManager::decide(bool summed) {
     }
     if (Clock::now() >= deadline) {
       std::vector<int> missing;
-      for (const int r : members_) {
+      for (const int r : all_ranks_of(members_)) {
         if (!store_->read(concat(base, "summed/", r))) missing.push_back(r);
       }
       DTRAIN_THROW(CommError, "replica group: step ", step_ + 1,
                    "'s gradient sum did not finish on ", "world rank(s) ", joined(missing),
                    " within ", world_->timeout().count(),
-                   " ms, and none of them was reported dead (members ", joined(members_), ")");
+                   " ms, and none of them was reported dead (members: world ranks ",
+                   joined(all_ranks_of(members_)), ")");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
@@ -236,7 +268,7 @@ int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tens
                " began before the replacements the previous step admitted were taken in "
                "(admit)");
   const at::Tensor mine = refill ? at::Tensor() : flat.clone();
-  const int me = world_->global_ranks()[world_->rank()];
+  const int me = me_;
   while (true) {
     bool summed = true;
     comm::WorkPtr work;
@@ -253,15 +285,17 @@ int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tens
       admitting_ = decision.size() > 6 ? parsed(decision.substr(7)) : std::vector<int>{};
       // Every member has passed the previous step's decision (each summed this one): its keys
       // go, so the store holds a few keys per member whatever the run's length.
-      if (me == members_.front() && step_ > 0) forget(step_ - 1);
+      if (me == world_rank_of(members_.front()) && position_ == 0 && step_ > 0) {
+        forget(step_ - 1);
+      }
       ++step_;
       return static_cast<int>(members_.size());
     }
     const auto started = Clock::now();
     const std::vector<int> survivors = parsed(decision.substr(decision.find(':') + 1));
-    DTRAIN_CHECK(std::find(survivors.begin(), survivors.end(), me) != survivors.end(),
+    DTRAIN_CHECK(std::find(survivors.begin(), survivors.end(), replica_) != survivors.end(),
                  "replica group: world rank ", me, " was left out at step ", step_ + 1,
-                 " (the others go on as ", joined(survivors), ")");
+                 " (the others go on as world ranks ", joined(all_ranks_of(survivors)), ")");
     std::vector<int> lost;
     for (const int r : members_) {
       if (std::find(survivors.begin(), survivors.end(), r) == survivors.end()) lost.push_back(r);
@@ -270,17 +304,18 @@ int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tens
     members_ = survivors;
     ++generation_;
     deaths_seen_ = store_->add(kDeathsKey, 0);
-    group_ = world_->regroup(members_, concat("ft/g", generation_), "replicas");
+    group_ = form_group();
     if (refill) {
       refill(flat);
     } else {
       flat.copy_(mine);
     }
-    if (me == members_.front()) {
+    if (me == world_rank_of(members_.front()) && position_ == 0) {
       std::fprintf(stderr,
                    "dtrain: replica group: world rank(s) %s left at step %lld; %zu replica(s) go "
                    "on (regrouped in %.0f ms)\n",
-                   joined(lost).c_str(), static_cast<long long>(step_ + 1), members_.size(),
+                   joined(all_ranks_of(lost)).c_str(), static_cast<long long>(step_ + 1),
+                   members_.size(),
                    std::chrono::duration<double, std::milli>(Clock::now() - started).count());
       std::fflush(stderr);
     }
@@ -288,31 +323,35 @@ int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tens
 }
 
 std::vector<int> ReplicaManager::waiting() {
-  std::vector<int> ranks;
-  for (int r = 0; r < world_->size(); ++r) {
-    if (std::find(members_.begin(), members_.end(), r) != members_.end()) continue;
+  std::vector<int> replicas;
+  for (int m = 0; m < world_->size() / replica_size_; ++m) {
+    if (std::find(members_.begin(), members_.end(), m) != members_.end()) continue;
     // (A replacement that announced itself before the members left its predecessor out waits
-    // for a later step.)
-    if (store_->read(join_key(r))) ranks.push_back(r);
+    // for a later step; so does a replica until all its ranks have.)
+    bool all = true;
+    for (const int r : all_ranks_of({m})) all = all && store_->read(join_key(r)).has_value();
+    if (all) replicas.push_back(m);
   }
-  return ranks;
+  return replicas;
 }
 
 int ReplicaManager::admit(int64_t steps) {
   DTRAIN_CHECK(!admitting_.empty(), "replica group: admit() without replacements to admit");
   const auto started = Clock::now();
-  const int me = world_->global_ranks()[world_->rank()];
   const int sender = members_.front();
+  // One member writes the admissions (the others form the group with what they know).
+  const bool writes = replica_ == sender && position_ == 0;
   std::vector<int> next = members_;
   next.insert(next.end(), admitting_.begin(), admitting_.end());
   std::sort(next.begin(), next.end());
   ++generation_;
-  if (me == sender) {
+  if (writes) {
     // Its predecessor's death mark goes first (the launcher fences a marked process), then the
-    // admission it waits for: generation, step key, the caller's steps, the sender, the members.
+    // admission it waits for: generation, step key, the caller's steps, the sender, the members
+    // (replicas).
     const std::string admission =
         concat(generation_, " ", step_, " ", steps, " ", sender, " ", joined(next));
-    for (const int r : admitting_) {
+    for (const int r : all_ranks_of(admitting_)) {
       store_->remove(dead_key(r));
       store_->remove(join_key(r));
       store_->add(kJoinsKey, -1);
@@ -324,12 +363,13 @@ int ReplicaManager::admit(int64_t steps) {
   members_ = next;
   deaths_seen_ = store_->add(kDeathsKey, 0);
   // (The previous group finished its last collective: it can go.)
-  group_ = world_->regroup(members_, concat("ft/g", generation_), "replicas");
-  if (me == sender) {
+  group_ = form_group();
+  if (writes) {
     std::fprintf(stderr,
                  "dtrain: replica group: world rank(s) %s joined after step %lld; %zu replica(s) "
                  "(regrouped in %.0f ms)\n",
-                 joined(admitted).c_str(), static_cast<long long>(steps), members_.size(),
+                 joined(all_ranks_of(admitted)).c_str(), static_cast<long long>(steps),
+                 members_.size(),
                  std::chrono::duration<double, std::milli>(Clock::now() - started).count());
     std::fflush(stderr);
   }
@@ -338,7 +378,7 @@ int ReplicaManager::admit(int64_t steps) {
 
 std::optional<ReplicaManager::Admission> ReplicaManager::join() {
   DTRAIN_CHECK(replacement_, "replica group: join() on a replica that is not a replacement");
-  const int me = world_->global_ranks()[world_->rank()];
+  const int me = me_;
   store_->set(join_key(me), "1");
   store_->add(kJoinsKey, 1);
   const auto deadline = Clock::now() + world_->timeout();
@@ -365,10 +405,11 @@ std::optional<ReplicaManager::Admission> ReplicaManager::join() {
   std::string members;
   in >> generation_ >> step_ >> steps >> sender >> members;
   members_ = parsed(members);
-  DTRAIN_CHECK(!in.fail() && std::find(members_.begin(), members_.end(), me) != members_.end(),
-               "replica group: world rank ", me, " got a malformed admission '", admission, "'");
+  DTRAIN_CHECK(
+      !in.fail() && std::find(members_.begin(), members_.end(), replica_) != members_.end(),
+      "replica group: world rank ", me, " got a malformed admission '", admission, "'");
   deaths_seen_ = store_->add(kDeathsKey, 0);
-  group_ = world_->regroup(members_, concat("ft/g", generation_), "replicas");
+  group_ = form_group();
   replacement_ = false;
   Admission result;
   result.root =

@@ -1,13 +1,19 @@
 // A data-parallel group that outlives its members (torchft's Manager, for replicas of one rank
-// each): every step the replicas present sum their gradients, and the step commits only once
-// each of them has the sum. When a replica dies, its launcher writes so in the rendezvous store
-// (dead_key); the survivors' pending collective is abandoned, they agree in the store on who is
-// left (one key per step and group, set once: "commit", or "abort" with the survivors), regroup
-// without the dead under a fresh store key and sum again from their own gradients. The store
-// decides, so every survivor takes the same way through a failure. A replica that stops without
-// dying (SIGSTOP, a machine that hangs) stops its heartbeat in the store: the others declare it
-// dead once it has been silent for the heartbeat timeout, and its launcher, seeing that, kills
-// it (fencing: it must not come back into a group that went on without it).
+// or one tensor-parallel group each): every step the replicas present sum their gradients, and the
+// step commits only once each of them has the sum. When a replica dies, its launcher writes so in
+// the rendezvous store (dead_key); the survivors' pending collective is abandoned, they agree in
+// the store on who is left (one key per step and group, set once: "commit", or "abort" with the
+// survivors), regroup without the dead under a fresh store key and sum again from their own
+// gradients. The store decides, so every survivor takes the same way through a failure. A replica
+// that stops without dying (SIGSTOP, a machine that hangs) stops its heartbeat in the store: the
+// others declare it dead once it has been silent for the heartbeat timeout, and its launcher,
+// seeing that, kills it (fencing: it must not come back into a group that went on without it).
+//
+// A replica may be several ranks (its tensor-parallel group: replica_size consecutive world
+// ranks): each position in it sums with the same position of the other replicas (a group per
+// position), and one decision per step covers every position. A rank that dies or falls
+// silent takes its whole replica out; its launcher ends the replica's other ranks and starts
+// them all again, and they are admitted together.
 //
 // Live recovery: a process that replaces a failed member (its launcher starts it again)
 // announces itself in the store (join_key) and waits. The decision of the next step that
@@ -47,12 +53,12 @@ inline constexpr const char* kClosedKey = "ft/closed";
 
 class ReplicaManager {
  public:
-  /// Every rank of `world` is a replica (its backend must regroup: gloo). A member whose
-  /// heartbeat is silent for `heartbeat_timeout` counts as dead.
+  /// The world's ranks in replicas of `replica_size` consecutive ranks (its backend must
+  /// regroup: gloo). A member whose heartbeat is silent for `heartbeat_timeout` counts as dead.
   /// `replacement`: this process replaces a failed member; call join() first.
   explicit ReplicaManager(comm::CommunicatorPtr world,
                           std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(2),
-                          bool replacement = false);
+                          bool replacement = false, int replica_size = 1);
   ~ReplicaManager();
   ReplicaManager(const ReplicaManager&) = delete;
   ReplicaManager& operator=(const ReplicaManager&) = delete;
@@ -74,26 +80,36 @@ class ReplicaManager {
   };
   std::optional<Admission> join();
 
-  /// The replacements that the last committed step admits (empty unless one waited).
+  /// The replicas that the last committed step admits (empty unless one waited).
   const std::vector<int>& admitting() const { return admitting_; }
   /// Every member, after the update of a step whose allreduce returned admitting() non-empty:
-  /// forms the group with them; returns the group rank of the member that sends them the state.
+  /// forms the group with them; returns the group rank of the member that sends them the state
+  /// (the first replica present, at this rank's position).
   /// `steps` is handed to them (join()).
   int admit(int64_t steps);
   /// When training ends (rank 0): replacements that still wait give up (join() returns nullopt).
   void close();
 
-  /// The world ranks present, in order; the group over them.
+  /// The replicas present, in order; the group over them at this rank's position (world rank
+  /// replica * replica_size + position).
   const std::vector<int>& members() const { return members_; }
   const comm::CommunicatorPtr& group() const { return group_; }
+  /// The world rank at this rank's position in `replica`.
+  int world_rank_of(int replica) const { return replica * replica_size_ + position_; }
   /// Times the group was formed again without a member.
   int64_t regroupings() const { return generation_; }
 
  private:
   /// Waits for `work`; false when it failed or a member died meanwhile (it is then abandoned).
   bool finished(const comm::WorkPtr& work);
-  /// The members reported dead.
+  /// The members with a rank reported dead.
   std::vector<int> dead_members();
+  /// Every world rank of `replicas`, in order.
+  std::vector<int> all_ranks_of(const std::vector<int>& replicas) const;
+  /// The world ranks at this rank's position in `replicas`.
+  std::vector<int> ranks_of(const std::vector<int>& replicas) const;
+  /// The group at this rank's position over `members_`, under a fresh key.
+  comm::CommunicatorPtr form_group();
   /// Declares dead the members whose heartbeat has been silent for the timeout (at most every
   /// 100 ms); true when it declared one.
   bool declare_silent();
@@ -107,12 +123,16 @@ class ReplicaManager {
   /// (drop_abandoned); destroying it before would wait for it.
   void abandon(comm::CommunicatorPtr group, comm::WorkPtr work);
   void drop_abandoned();
-  /// The replacements waiting to join (world ranks that are not members), in order.
+  /// The replicas waiting to join (not members, every rank announced), in order.
   std::vector<int> waiting();
 
   comm::CommunicatorPtr world_;
   comm::CommunicatorPtr group_;
   std::shared_ptr<comm::KeyValue> store_;
+  int replica_size_ = 1;
+  int me_ = 0;        // world rank
+  int replica_ = 0;   // me_ / replica_size_
+  int position_ = 0;  // me_ % replica_size_
   std::vector<int> members_;
   std::vector<int> admitting_;
   std::vector<std::pair<comm::CommunicatorPtr, comm::WorkPtr>> abandoned_;

@@ -90,7 +90,8 @@ void StepRunner::run(Run& run) {
     return async ? run.start_step + async->global_steps() / run.dp_size : local;
   };
   // Replicas that outlive each other: the strategy's loss is already the mean over the replicas
-  // present, and rank 0 evaluates and checkpoints alone (no collective a failure could break).
+  // present, and rank 0's replica (its tensor-parallel group) evaluates and checkpoints alone
+  // (no collective a failure could break).
   const bool outlive = run.strategy.survives_replica_failures();
   parallel::ft::ReplaceableReplicas* const replicas = parallel::ft::replaceable(run.strategy);
   const bool alone = async != nullptr || outlive;
@@ -170,7 +171,7 @@ void StepRunner::run(Run& run) {
     const bool halting = async ? done : step + 1 == run.last_step;
     const bool eval_due = o.eval_every > 0 && (step + 1) % o.eval_every == 0;
     // Asynchronous: rank 0 alone evaluates and checkpoints; the final ones come after the loop.
-    const bool here = async ? run.leader && !halting : !outlive || run.leader;
+    const bool here = async ? run.leader && !halting : !outlive || run.dp_rank == 0;
     if ((epoch_end || eval_due) && run.validation != nullptr) {
       if (o.defer_eval) {
         if (run.leader && (!async || !halting)) run.snapshot(reached, epoch);
