@@ -22,6 +22,12 @@ After the kill the replicas side trains 2 ranks on the 2 cores the 3 shared: its
 faster (and on 2/3 of the data); the first two figures are the failure's own cost.
 
   bench/ft/run_replica_failure.py --rounds 2 [--markdown FILE]
+
+--job gpt-tp2: replicas of two tensor-parallel ranks instead (a failure inside a replica's
+model-parallel group): a GPT of 4 blocks, width 256, context 64 on the fortunes text, tensor
+parallel 2 with sequence parallelism, 3 replicas (6 ranks of 1 thread); world rank 5 (replica
+2's second rank) is killed or stopped, and its launcher ends rank 4 with it. Sides none,
+tolerant, replicas, stopped, restart (torchft's replica groups of several ranks are not run).
 """
 import os
 import sys
@@ -84,6 +90,15 @@ def run_torchft(args, workdir):
             "discarded_steps": len(steps) - len(committed)}
 
 
+JOBS = {
+    "mlp": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
+             "--batch-size", "32", "--nproc", "3"], 2),
+    "gpt-tp2": (["--model", "gpt", "--dataset", "text", "--layers", "4", "--width", "256",
+                 "--heads", "4", "--context", "64", "--tensor-parallel", "2",
+                 "--sequence-parallel", "--batch-size", "8", "--nproc", "6"], 5),
+}
+
+
 def run_side(dtrain, side, args, workdir):
     if side == "torchft":
         return run_torchft(args, workdir)
@@ -92,22 +107,23 @@ def run_side(dtrain, side, args, workdir):
     shutil.rmtree(checkpoints, ignore_errors=True)
     if os.path.exists(metrics):
         os.remove(metrics)
-    command = [dtrain, "train", "--model", "mlp", "--hidden", "1792", "1792", "--optimizer",
-               "adam", "--batch-size", "32", "--max-steps", str(args.steps), "--nproc", "3",
-               "--threads", "1", "--log-every", "1", "--metrics", metrics, "--no-progress"]
+    job, victim = JOBS[args.job]
+    command = [dtrain, "train"] + job + [
+        "--max-steps", str(args.steps), "--threads", "1", "--log-every", "1", "--metrics",
+        metrics, "--no-progress"]
     env = dict(os.environ)
     if side == "tolerant":  # what fault tolerance costs when nothing fails
         command += ["--fault-tolerance", "replicas"]
     elif side == "replicas":
         command += ["--fault-tolerance", "replicas"]
-        env["DTRAIN_SIMULATE_FAILURE"] = f"2:{args.kill_at}"
+        env["DTRAIN_SIMULATE_FAILURE"] = f"{victim}:{args.kill_at}"
     elif side == "stopped":  # SIGSTOP: counted as dead after 2 s of heartbeat silence, fenced
         command += ["--fault-tolerance", "replicas"]
-        env["DTRAIN_SIMULATE_FAILURE"] = f"2:{args.kill_at}:stop"
+        env["DTRAIN_SIMULATE_FAILURE"] = f"{victim}:{args.kill_at}:stop"
     elif side == "restart":
         command += ["--max-restarts", "1", "--checkpoint-dir", checkpoints, "--checkpoint-every",
                     str(args.every)]
-        env["DTRAIN_SIMULATE_FAILURE"] = f"2:{args.kill_at}:1"
+        env["DTRAIN_SIMULATE_FAILURE"] = f"{victim}:{args.kill_at}:1"
     started = time.time()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.time() - started
@@ -136,15 +152,17 @@ def main():
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--kill-at", type=int, default=50)
     parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--job", choices=sorted(JOBS), default="mlp")
     parser.add_argument("--markdown")
     parser.add_argument("--records", default=os.path.join(report.ROOT, "bench", "results", "ft",
                                                           "replica-failure.jsonl"))
     args = parser.parse_args()
     dtrain = os.path.join(args.build, "dtrain")
+    sides = SIDES if args.job == "mlp" else tuple(s for s in SIDES if s != "torchft")
     with report.Records(args.records, "a", dtrain) as records, \
             tempfile.TemporaryDirectory(prefix="dtrain-ft-") as workdir:
         rounds = report.alternated_rounds(
-            SIDES, args.rounds, lambda side: run_side(dtrain, side, args, workdir), records,
+            sides, args.rounds, lambda side: run_side(dtrain, side, args, workdir), records,
             lambda r: f"wall {r['wall_s']:.1f} s, step {r['median_step_ms']:.0f} ms, kill to "
                       f"commit {r.get('kill_to_commit_s', 0):.3f} s, steps again "
                       f"{r.get('steps_again', 0)}")
@@ -152,7 +170,10 @@ def main():
     def med(side, field):
         return statistics.median(r[side][field] for r in rounds)
 
-    lines = [f"3 ranks x 1 thread, {args.steps} steps, rank 2 killed after step {args.kill_at}; "
+    job, victim = JOBS[args.job]
+    shape = ("3 ranks x 1 thread" if args.job == "mlp" else
+             "3 replicas x tensor-parallel 2 (6 ranks x 1 thread), GPT 4 x 256")
+    lines = [f"{shape}, {args.steps} steps, rank {victim} killed after step {args.kill_at}; "
              f"medians of {args.rounds} rounds:",
              "",
              "| side | kill to the next committed step (s) | steps trained again | job wall time (s) | "
@@ -165,6 +186,8 @@ def main():
                         ("stopped", "--fault-tolerance replicas, the rank SIGSTOPped"),
                         ("restart", f"restart from a checkpoint every {args.every} steps"),
                         ("torchft", "torchft 0.2 (PyTorch 2.12), heartbeat timeout 2 s")):
+        if side not in sides:
+            continue
         extra = statistics.median(r[side]["wall_s"] - r["none"]["wall_s"] for r in rounds)
         lines.append(f"| {label} | {med(side, 'kill_to_commit_s'):.3f} | "
                      f"{med(side, 'steps_again'):.0f} | {med(side, 'wall_s'):.1f} | "
