@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 
 #include "comm/C10dWork.h"
 #include "dtrain/common/Error.h"
@@ -105,6 +106,18 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_group(
   }
 }
 
+// A key's value without blocking, atomically: compare-and-set with a value no key holds
+// returns the key's value, or that value when the key is absent (and sets nothing). A check
+// then a get would block for the store's whole timeout when another rank deletes the key in
+// between (the fault-tolerant replicas remove join and decision keys while others read them).
+std::optional<std::string> read_key(c10d::Store& store, const std::string& key) {
+  static const std::vector<uint8_t> kAbsent = {0,   'd', 't', 'r', 'a', 'i', 'n', '-',
+                                               'a', 'b', 's', 'e', 'n', 't', 0};
+  const std::vector<uint8_t> bytes = store.compareSet(key, kAbsent, kAbsent);
+  if (bytes == kAbsent) return std::nullopt;
+  return std::string(bytes.begin(), bytes.end());
+}
+
 // The progress board in the rendezvous store.
 class StoreBoard : public ProgressBoard {
  public:
@@ -113,9 +126,7 @@ class StoreBoard : public ProgressBoard {
     store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
   }
   std::optional<std::string> read(const std::string& key) override {
-    if (!store_->check({key})) return std::nullopt;
-    const auto bytes = store_->get(key);
-    return std::string(bytes.begin(), bytes.end());
+    return read_key(*store_, key);
   }
 
  private:
@@ -131,11 +142,7 @@ class StoreKeyValue : public KeyValue {
   }
   std::optional<std::string> read(const std::string& key) override {
     std::optional<std::string> value;
-    guard("read", key, [&] {
-      if (!store_->check({key})) return;
-      const auto bytes = store_->get(key);
-      value = std::string(bytes.begin(), bytes.end());
-    });
+    guard("read", key, [&] { value = read_key(*store_, key); });
     return value;
   }
   int64_t add(const std::string& key, int64_t delta) override {
