@@ -46,6 +46,10 @@ class LaunchCommand final : public Command {
         "consecutive ranks (--fault-tolerance replicas with --tensor-parallel K: K); a replica's "
         "ranks are on one node")
         ->capture_default_str();
+    app_->add_flag("--replace-first-replica", launch_.replace_first_replica,
+                   "With --tolerate-failures: rank 0 (its replica) failing does not stop the job "
+                   "either; it is left out and started again like the others (--fault-tolerance "
+                   "replicas, where the next replica present leads)");
     add(*app_, "--rdzv-timeout", launch_.rendezvous_timeout_seconds,
         "Seconds for every node to join (and to reach the store)")
         ->capture_default_str();

@@ -348,14 +348,15 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
     // A replica (its tensor-parallel group) fails and is started again as one.
     if (fault_tolerance.replicas()) {
       launch.max_replacements = fault_tolerance.max_replacements;
-      launch.replica_size = job.trainer.tensor_parallel;
+      launch.replica_size = job.trainer.tensor_parallel * fault_tolerance.replica_shards;
+      launch.replace_first_replica = true;  // the next replica present leads
     }
     launch.command.push_back(dtrain::launch::self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     return dtrain::launch::launch(launch);
   }
   const auto result = dtrain::train::run_job(job);
-  if (result.rank == 0) std::printf("%s", dtrain::train::summary(job, result).c_str());
+  if (result.fit.leader) std::printf("%s", dtrain::train::summary(job, result).c_str());
   return 0;
 }
 

@@ -88,17 +88,19 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --precision fp8", "unknown precision 'fp8'"},
       {" train --checkpointing lots", "--checkpointing must be none, sqrt or a segment count"},
       {" train --model mlp --checkpointing selective", "gpt and llama models only"},
-      {" train --strategy zero1 --fault-tolerance replicas",
-       "--fault-tolerance replicas is built for --strategy ddp, not zero1"},
+      {" train --strategy zero3 --fault-tolerance replicas",
+       "--fault-tolerance replicas is built for --strategy ddp, zero1 or zero2, not zero3"},
       {" train --fault-tolerance sometimes", "--fault-tolerance must be none or replicas"},
       // Another strategy's flag would change nothing: refused, naming whose it is.
-      {" train --outer-lr 0.5", "--outer-lr is --strategy diloco's option; this run (ddp) would "
-                                "not use it: leave it out"},
+      {" train --outer-lr 0.5",
+       "--outer-lr is --strategy diloco's option; this run (ddp) would "
+       "not use it: leave it out"},
       {" train --strategy zero1 --zero3-min-unit-params 5",
        "--zero3-min-unit-params is --strategy zero3's option; this run (zero1)"},
       {" train --schedule gpipe", "--schedule is a pipeline's (--pipeline-parallel > 1) option"},
       {" train --max-replacements 3",
-       "--max-replacements and --replica-heartbeat-timeout apply with --fault-tolerance replicas"},
+       "--max-replacements, --replica-heartbeat-timeout and --replica-shards apply with "
+       "--fault-tolerance replicas"},
       {" train --fault-tolerance replicas --replica-heartbeat-timeout 0.01",
        "--replica-heartbeat-timeout must be in [0.1, 3600] seconds, got 0.01"},
       {" train --model gpt --dataset text --tp-comm-overlap",
@@ -106,7 +108,7 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --strategy zero3 --overlap-param-gather",
        "use --strategy zero1 or zero2 (with or without a pipeline), not zero3"},
       {" train --fault-tolerance replicas --pipeline-parallel 2 --nproc 2",
-       "a replica is one rank or one tensor-parallel group for now"},
+       "a replica is one rank, one tensor-parallel group or --replica-shards ranks for now"},
       {" train --loss-scaling maybe", "unknown loss scaling 'maybe'"},
       {" train --global-batch 64 --accumulation 2", "not both"},
       {" train --dataset synthetic --global-batch 100 --batch-size 32",

@@ -11,10 +11,12 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "CliRuns.h"
+#include "FaultToleranceRuns.h"
 #include "RankThreads.h"
 #include "SmallModels.h"
 #include "TempDir.h"
@@ -77,7 +79,9 @@ at::Tensor cross_entropy(const at::Tensor& output, const at::Tensor& targets) {
 std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int dies_before,
                                        std::vector<double>* replicas_seen = nullptr,
                                        bool stalls = false, bool replaced = false,
-                                       std::vector<at::Tensor>* replacement_weights = nullptr) {
+                                       std::vector<at::Tensor>* replacement_weights = nullptr,
+                                       int victim = 2, std::vector<int>* leaders = nullptr) {
+  const int watcher = victim == 0 ? 1 : 0;  // the rank whose weights and records are returned
   const Data data;
   std::vector<Model> models;
   for (int r = 0; r < 3; ++r) models.push_back(initial_model());
@@ -92,7 +96,7 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
         strategy->setup(models[world->rank()], optim::optimizer_factory(adam()),
                         std::make_shared<comm::ProcessGrid>(world));
         for (int step = 0; step < kSteps; ++step) {
-          if (world->rank() == 2 && step == dies_before && stalls) {
+          if (world->rank() == victim && step == dies_before && stalls) {
             strategy.reset();  // its heartbeat stops; its world's connections stay open
             const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
             while (!finished && std::chrono::steady_clock::now() < deadline) {
@@ -100,9 +104,9 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
             }
             return;
           }
-          if (world->rank() == 2 && step == dies_before) {
+          if (world->rank() == victim && step == dies_before) {
             auto store = world->key_value();
-            store->set(parallel::ft::dead_key(2), "1");
+            store->set(parallel::ft::dead_key(victim), "1");
             store->add(parallel::ft::kDeathsKey, 1);
             if (!replaced) return;  // its communicator goes with it
             // (Its replacement announces itself once the others committed this step without it.)
@@ -124,7 +128,7 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
             step = static_cast<int>(joined);
             if (step >= kSteps) break;
           }
-          if (replaced && world->rank() != 2 && step == dies_before + 1) {
+          if (replaced && world->rank() != victim && step == dies_before + 1) {
             auto store = world->key_value();
             while (store->add(parallel::ft::kJoinsKey, 0) == 0) {
               std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -135,21 +139,28 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
           if (auto* replicas = parallel::ft::replaceable(*strategy)) {
             replicas->admit_waiting(step + 1);
           }
-          if (replaced && world->rank() == 0 && step == dies_before) {
+          if (replaced && world->rank() == watcher && step == dies_before) {
             world->key_value()->set("test/left", "1");
           }
-          if (world->rank() == 0 && replicas_seen != nullptr) {
+          if (world->rank() == watcher && replicas_seen != nullptr) {
             replicas_seen->push_back(result.metrics.count("replicas")
                                          ? result.metrics.at("replicas")
                                          : static_cast<double>(world->size()));
           }
         }
-        if (world->rank() == 2 && replacement_weights != nullptr) {
+        if (auto* replicas = parallel::ft::replaceable(*strategy); replicas && leaders) {
+          if (replicas->leads()) {
+            static std::mutex mutex;
+            std::lock_guard<std::mutex> lock(mutex);
+            leaders->push_back(world->rank());
+          }
+        }
+        if (world->rank() == victim && replacement_weights != nullptr) {
           for (const auto& p : strategy->model().module->parameters()) {
             replacement_weights->push_back(p.detach().clone());
           }
         }
-        if (world->rank() == 0) {
+        if (world->rank() == watcher) {
           for (const auto& p : strategy->model().module->parameters()) {
             weights.push_back(p.detach().clone());
           }
@@ -168,16 +179,17 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
   return weights;
 }
 
-// One process on the global batch of the replicas present at each step: replica 2's rows are
-// left out from step `dies_before` until step `joins` (its replacement's first).
-std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps) {
+// One process on the global batch of the replicas present at each step: replica `victim`'s
+// rows are left out from step `dies_before` until step `joins` (its replacement's first).
+std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps, int victim = 2) {
   const Data data;
   Model model = initial_model();
   auto optimizer = optim::make_optimizer(model.module->parameters(), adam());
   for (int step = 0; step < kSteps; ++step) {
-    const int present = dies_before >= 0 && step >= dies_before && step < joins ? 2 : 3;
+    const bool missing = dies_before >= 0 && step >= dies_before && step < joins;
     std::vector<at::Tensor> inputs, targets;
-    for (int r = 0; r < present; ++r) {
+    for (int r = 0; r < 3; ++r) {
+      if (missing && r == victim) continue;
       inputs.push_back(data.batch(step, r).inputs);
       targets.push_back(data.batch(step, r).targets);
     }
@@ -237,6 +249,23 @@ TEST(FaultTolerance, AReplacementJoinsWithAMembersStateAndTheThreeTrainOn) {
   EXPECT_GT(max_difference(members, train_one_process(2, 3)), 1e-6);
 }
 
+// Rank 0 fails too without stopping the job: the next replica present leads (evaluates,
+// checkpoints, writes the outputs, sends the state) and rank 0's replacement joins as any
+// replica; the weights are one process's without replica 0's rows at the steps it missed.
+TEST(FaultTolerance, Rank0FailsAndItsReplacementJoinsWhileReplica1Leads) {
+  at::set_num_threads(1);
+  std::vector<double> replicas;
+  std::vector<at::Tensor> replacement;
+  std::vector<int> leaders;
+  const auto members =
+      train_replicas("replicas", 2, &replicas, false, true, &replacement, /*victim=*/0, &leaders);
+  EXPECT_EQ(replicas, (std::vector<double>{3, 3, 2, 2, 3, 3}));
+  EXPECT_LT(max_difference(members, train_one_process(2, 4, 0)), 1e-12);
+  EXPECT_GT(max_difference(members, train_one_process(2, 4, 2)), 1e-6);
+  EXPECT_EQ(max_difference(members, replacement), 0.0);
+  EXPECT_EQ(leaders, (std::vector<int>{1}));
+}
+
 // A replica that hangs (no death to report) is counted as dead once its heartbeat has been
 // silent for 2 s: the others commit the step without it, with the same weights as if it had died.
 TEST(FaultTolerance, ASilentReplicaIsCountedAsDeadAndTheOthersGoOn) {
@@ -257,15 +286,8 @@ namespace {
 
 // Rank 0's step records: three replicas up to step `failed`, two after, `steps` in all.
 void expect_two_replicas_after(const std::string& metrics, int64_t failed, int64_t steps) {
-  std::ifstream in(metrics);
-  std::string line;
-  int64_t last = 0;
-  while (std::getline(in, line)) {
-    const auto record = nlohmann::json::parse(line);
-    if (record.at("event") != "step") continue;
-    last = record.at("step").get<int64_t>();
-    EXPECT_EQ(record.at("replicas").get<double>(), last <= failed ? 3.0 : 2.0) << line;
-  }
+  const auto [changes, last] = test::replica_changes(metrics);
+  EXPECT_EQ(changes, (std::vector<std::pair<int64_t, double>>{{1, 3.0}, {failed + 1, 2.0}}));
   EXPECT_EQ(last, steps);
 }
 
@@ -307,6 +329,50 @@ TEST(FaultTolerance, AStoppedReplicaIsFencedAndTheOthersFinish) {
   EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;
   expect_two_replicas_after(metrics, 12, 30);
 }
+// Rank 0 killed at step 12 through the launcher: rank 1's replica leads from step 13 on (it
+// appends to the metrics file, evaluates, checkpoints and prints the summary), rank 0's
+// replacement joins as any replica, and the checkpoint it wrote (with rank 1's random state)
+// resumes a run of three plain ranks.
+TEST(FaultTolerance, Rank0KilledTheNextReplicaLeadsAndTheJobFinishes) {
+  test::TempDir dir;
+  const std::string metrics = dir / "metrics.jsonl";
+  const std::string flags =
+      " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --log-every 1 "
+      "--no-progress --eval-every 30 --checkpoint-every 20 --checkpoint-dir " +
+      (dir / "ckpt");
+  const auto out = test::cli::run(
+      "DTRAIN_SIMULATE_SLOW_STEP_MS=40 DTRAIN_SIMULATE_FAILURE=0:12 " + test::cli::kDtrain + flags +
+      " --max-steps 60 --fault-tolerance replicas --metrics " + metrics);
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "rank 0 kills itself at step 12")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "started rank 0 again (replacement 1")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 0 left at step 13")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 0 joined after step")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "from world rank 1 in")) << out.text;
+  EXPECT_TRUE(test::cli::has(out, "[rank 1] trained 60 steps")) << out.text;
+  EXPECT_FALSE(test::cli::has(out, "[rank 0] trained")) << out.text;
+  // One record per step, in order, by rank 0 and then rank 1; evaluations at 30 and 60.
+  std::ifstream in(metrics);
+  std::string line;
+  std::vector<int64_t> steps, evals;
+  while (std::getline(in, line)) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.at("event") == "step") steps.push_back(record.at("step").get<int64_t>());
+    if (record.at("event") == "eval") evals.push_back(record.at("step").get<int64_t>());
+  }
+  std::vector<int64_t> expected(60);
+  for (int64_t i = 0; i < 60; ++i) expected[i] = i + 1;
+  EXPECT_EQ(steps, expected);
+  EXPECT_EQ(evals, (std::vector<int64_t>{30, 60}));
+  const auto verified = test::cli::run(test::cli::kDtrain + " ckpt verify " + (dir / "ckpt"));
+  EXPECT_EQ(verified.code, 0) << verified.text;
+  EXPECT_TRUE(test::cli::has(verified, "ok       " + (dir / "ckpt/step-00000060")))
+      << verified.text;
+  const auto resumed = test::cli::run(test::cli::kDtrain + flags + " --max-steps 62");
+  ASSERT_EQ(resumed.code, 0) << resumed.text;
+  EXPECT_TRUE(test::cli::has(resumed, "resumed from step 60")) << resumed.text;
+}
+
 // Live recovery through the launcher: rank 2 is killed at step 12 (then, stopped, at step 12 of
 // another run: counted as dead after --replica-heartbeat-timeout 0.4 s and fenced first); its
 // launcher starts it again, the replacement joins the others at a step's end and the job ends with
@@ -335,17 +401,7 @@ TEST(FaultTolerance, TheLauncherReplacesAFailedReplicaAndItJoinsTheOthers) {
     EXPECT_TRUE(test::cli::has(out, "from world rank 0 in")) << out.text;
     EXPECT_FALSE(test::cli::has(out, "restart")) << out.text;
     // Three replicas up to step 12, two for a while, three again to the end.
-    std::ifstream in(metrics);
-    std::string line;
-    std::vector<std::pair<int64_t, double>> changes;
-    int64_t last = 0;
-    while (std::getline(in, line)) {
-      const auto record = nlohmann::json::parse(line);
-      if (record.at("event") != "step") continue;
-      last = record.at("step").get<int64_t>();
-      const double replicas = record.at("replicas").get<double>();
-      if (changes.empty() || changes.back().second != replicas) changes.push_back({last, replicas});
-    }
+    const auto [changes, last] = test::replica_changes(metrics);
     EXPECT_EQ(last, 100);
     ASSERT_EQ(changes.size(), 3u) << out.text;
     EXPECT_EQ(changes[0], (std::pair<int64_t, double>{1, 3.0}));

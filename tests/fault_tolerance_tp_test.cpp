@@ -23,6 +23,7 @@
 #include "parallel/ft/ReplicaManager.h"
 #ifdef DTRAIN_CLI_PATH
 #include "CliRuns.h"
+#include "FaultToleranceRuns.h"
 #include "TempDir.h"
 #endif
 
@@ -254,17 +255,7 @@ TEST(FaultToleranceTensorParallel, TheLauncherReplacesAReplicasRanksTogether) {
     EXPECT_TRUE(test::cli::has(out, "from world rank 0 in")) << out.text;
     EXPECT_TRUE(test::cli::has(out, "from world rank 1 in")) << out.text;
     EXPECT_FALSE(test::cli::has(out, "restart")) << out.text;
-    std::ifstream in(metrics);
-    std::string line;
-    std::vector<std::pair<int64_t, double>> changes;
-    int64_t last = 0;
-    while (std::getline(in, line)) {
-      const auto record = nlohmann::json::parse(line);
-      if (record.at("event") != "step") continue;
-      last = record.at("step").get<int64_t>();
-      const double replicas = record.at("replicas").get<double>();
-      if (changes.empty() || changes.back().second != replicas) changes.push_back({last, replicas});
-    }
+    const auto [changes, last] = test::replica_changes(metrics);
     EXPECT_EQ(last, 60);
     ASSERT_EQ(changes.size(), 3u) << out.text;
     EXPECT_EQ(changes[0], (std::pair<int64_t, double>{1, 2.0}));

@@ -23,6 +23,10 @@ faster (and on 2/3 of the data); the first two figures are the failure's own cos
 
   bench/ft/run_replica_failure.py --rounds 2 [--markdown FILE]
 
+--job zero2-hybrid: zero2 with --replica-shards 2 (hybrid sharding), the MLP job on 4 ranks: 2
+replicas of 2 ranks sharding Adam's state and the gradients; world rank 3 fails, its launcher
+ends rank 2 with it. Sides as for gpt-tp2.
+
 --job gpt-tp2: replicas of two tensor-parallel ranks instead (a failure inside a replica's
 model-parallel group): a GPT of 4 blocks, width 256, context 64 on the fortunes text, tensor
 parallel 2 with sequence parallelism, 3 replicas (6 ranks of 1 thread); world rank 5 (replica
@@ -90,12 +94,16 @@ def run_torchft(args, workdir):
             "discarded_steps": len(steps) - len(committed)}
 
 
+# The job's flags, the rank that fails, and what --fault-tolerance replicas adds.
 JOBS = {
     "mlp": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
-             "--batch-size", "32", "--nproc", "3"], 2),
+             "--batch-size", "32", "--nproc", "3"], 2, []),
     "gpt-tp2": (["--model", "gpt", "--dataset", "text", "--layers", "4", "--width", "256",
                  "--heads", "4", "--context", "64", "--tensor-parallel", "2",
-                 "--sequence-parallel", "--batch-size", "8", "--nproc", "6"], 5),
+                 "--sequence-parallel", "--batch-size", "8", "--nproc", "6"], 5, []),
+    "zero2-hybrid": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
+                      "--batch-size", "32", "--nproc", "4", "--strategy", "zero2"], 3,
+                     ["--replica-shards", "2"]),
 }
 
 
@@ -107,18 +115,18 @@ def run_side(dtrain, side, args, workdir):
     shutil.rmtree(checkpoints, ignore_errors=True)
     if os.path.exists(metrics):
         os.remove(metrics)
-    job, victim = JOBS[args.job]
+    job, victim, tolerant = JOBS[args.job]
     command = [dtrain, "train"] + job + [
         "--max-steps", str(args.steps), "--threads", "1", "--log-every", "1", "--metrics",
         metrics, "--no-progress"]
     env = dict(os.environ)
     if side == "tolerant":  # what fault tolerance costs when nothing fails
-        command += ["--fault-tolerance", "replicas"]
+        command += ["--fault-tolerance", "replicas"] + tolerant
     elif side == "replicas":
-        command += ["--fault-tolerance", "replicas"]
+        command += ["--fault-tolerance", "replicas"] + tolerant
         env["DTRAIN_SIMULATE_FAILURE"] = f"{victim}:{args.kill_at}"
     elif side == "stopped":  # SIGSTOP: counted as dead after 2 s of heartbeat silence, fenced
-        command += ["--fault-tolerance", "replicas"]
+        command += ["--fault-tolerance", "replicas"] + tolerant
         env["DTRAIN_SIMULATE_FAILURE"] = f"{victim}:{args.kill_at}:stop"
     elif side == "restart":
         command += ["--max-restarts", "1", "--checkpoint-dir", checkpoints, "--checkpoint-every",
@@ -170,9 +178,10 @@ def main():
     def med(side, field):
         return statistics.median(r[side][field] for r in rounds)
 
-    job, victim = JOBS[args.job]
-    shape = ("3 ranks x 1 thread" if args.job == "mlp" else
-             "3 replicas x tensor-parallel 2 (6 ranks x 1 thread), GPT 4 x 256")
+    job, victim, _ = JOBS[args.job]
+    shape = {"mlp": "3 ranks x 1 thread",
+             "gpt-tp2": "3 replicas x tensor-parallel 2 (6 ranks x 1 thread), GPT 4 x 256",
+             "zero2-hybrid": "zero2, 2 replicas x 2 shards (4 ranks x 1 thread)"}[args.job]
     lines = [f"{shape}, {args.steps} steps, rank {victim} killed after step {args.kill_at}; "
              f"medians of {args.rounds} rounds:",
              "",
@@ -192,7 +201,8 @@ def main():
         lines.append(f"| {label} | {med(side, 'kill_to_commit_s'):.3f} | "
                      f"{med(side, 'steps_again'):.0f} | {med(side, 'wall_s'):.1f} | "
                      f"{extra:+.1f} |")
-    lines += ["", f"Without a failure, --fault-tolerance replicas' median step / plain ddp's: "
+    lines += ["", f"Without a failure, --fault-tolerance replicas' median step / the same job's "
+                  f"without it: "
                   f"{step_ratio:.3f} ({med('tolerant', 'median_step_ms'):.1f} ms against "
                   f"{med('none', 'median_step_ms'):.1f} ms)."]
     report.table(lines, args.markdown)

@@ -304,7 +304,10 @@ Outcome Attempt::run() {
         r.running = false;
         r.status = status;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && !stopping_ && o_.tolerate_failures && r.rank >= o_.replica_size) {
+        // Exit code 2 is bad input (dtrain's, argparse's): the same again in a replacement.
+        const bool bad_input = WIFEXITED(status) && WEXITSTATUS(status) == 2;
+        if (!ok && !stopping_ && o_.tolerate_failures && !bad_input &&
+            (r.rank >= o_.replica_size || o_.replace_first_replica)) {
           std::fprintf(stderr, "dtrain launch: rank %d (pid %d) %s; the other ranks go on\n",
                        r.rank, static_cast<int>(r.pid), describe_status(status).c_str());
           // A replica of several ranks (a tensor-parallel group) fails as one: its other ranks

@@ -81,6 +81,8 @@ void validate(const LaunchOptions& o) {
   DTRAIN_CHECK_INPUT(o.replica_size >= 1 && o.nproc_per_node % o.replica_size == 0,
                      "--replica-size must be >= 1 and divide --nproc-per-node ", o.nproc_per_node,
                      " (a replica's ranks are on one node), got ", o.replica_size);
+  DTRAIN_CHECK_INPUT(!o.replace_first_replica || o.tolerate_failures,
+                     "--replace-first-replica needs --tolerate-failures");
   DTRAIN_CHECK_INPUT(o.replica_size == 1 || o.tolerate_failures,
                      "--replica-size groups the ranks that fail together: it needs "
                      "--tolerate-failures");

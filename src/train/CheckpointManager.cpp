@@ -21,6 +21,7 @@
 #include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/nn/tensor/Split.h"
+#include "dtrain/parallel/ft/Replicas.h"
 #include "dtrain/train/Checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -126,13 +127,17 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
   const std::string root = options_.checkpoint_dir;
   const std::string name = checkpoint_name(step);
   const std::string staging = root + "/" + name + ".tmp";
-  const bool leader = world_.rank() == 0;
+  // Alone (one replica saves while the others train on: rank 0's, or the replica that leads
+  // after it failed): this rank's replica (an asynchronous strategy's: its TP group, rank 0
+  // alone), whose first rank publishes.
+  comm::CommunicatorPtr replica = grid_.tp();
+  if (auto* replicas = parallel::ft::replaceable(strategy_)) replica = replicas->replica_group();
+  comm::Communicator& savers = alone ? *replica : world_;
+  const bool leader = savers.rank() == 0;
   if (leader) {
     fs::remove_all(staging);
     fs::create_directories(staging);
   }
-  // Alone (rank 0's replica saves while the others train on): rank 0's tensor-parallel group.
-  comm::Communicator& savers = alone ? *grid_.tp() : world_;
   if (savers.size() > 1) savers.barrier()->wait();
   const std::string rng = concat(staging, "/rng-rank", world_.rank(), ".pt");
   const std::vector<TensorInfo> tensors = leader ? model_tensors() : std::vector<TensorInfo>{};
@@ -279,7 +284,13 @@ int64_t CheckpointManager::restore(int64_t global_batch) {
                      " would change the data order (match the batch or disable resume)");
   strategy_.load(directory);
   std::string rng = concat(directory, "/rng-rank", world_.rank(), ".pt");
-  if (!fs::exists(rng)) rng = directory + "/rng-rank0.pt";  // world grew: reuse rank 0's
+  if (!fs::exists(rng)) {
+    // The world grew, or one replica saved alone (--fault-tolerance replicas: the leading one,
+    // rank 0's only until it failed): the lowest rank's that saved.
+    for (int r = 0; r < meta.world_size && !fs::exists(rng); ++r) {
+      rng = concat(directory, "/rng-rank", r, ".pt");
+    }
+  }
   at::Tensor state;
   try {
     torch::load(state, rng);

@@ -310,6 +310,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   checkpoints.wait();  // the last checkpoint is complete (and rank 0's published) when fit returns
 
   FitResult& result = run.result;
+  result.leader = run.leader;
   result.seconds = runners::seconds_since(run.start);
   run.evaluate_snapshots();
   if (!options_.trace_file.empty()) write_trace();

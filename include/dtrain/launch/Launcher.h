@@ -46,7 +46,8 @@ struct LaunchOptions {
   /// A rank other than 0 failing does not stop the others (asynchronous workers such as
   /// Downpour's are independent; --fault-tolerance replicas): it is reported, written into the
   /// store for the others (ft/dead/RANK under the ranks' prefix) and the job goes on; rank 0
-  /// failing still stops the job.
+  /// failing still stops the job (unless replace_first_replica), and so does a rank that exits
+  /// with code 2 (bad input: a replacement would fail the same way).
   bool tolerate_failures = false;
   /// With tolerate_failures: a failed rank (not 0) is started again, up to this many times per
   /// rank, as a replacement (DTRAIN_FT_REPLACEMENT=K in its environment) that joins the ranks
@@ -57,6 +58,10 @@ struct LaunchOptions {
   /// the replica's other ranks too; ranks 0..replica_size-1 failing stops the job.
   /// DTRAIN_REPLICA_SIZE in the ranks' environment.
   int replica_size = 1;
+  /// With tolerate_failures: ranks 0..replica_size-1 failing do not stop the job either (they
+  /// are left out and started again like the others: --fault-tolerance replicas, where the
+  /// next replica present takes the lead).
+  bool replace_first_replica = false;
   /// Restarts of the whole job after a failure (torchrun's --max-restarts).
   int max_restarts = 0;
   /// Seconds every node may take to join an attempt (and to connect to the store).

@@ -30,8 +30,8 @@ class CheckpointManager {
   /// Writes step `step`'s checkpoint (every rank's strategy state and random-generator state;
   /// rank 0 the metadata with each file's digest, read back from disk), renames it into place,
   /// points `latest` at it and prunes the oldest. Collective unless `alone` (an asynchronous
-  /// strategy's rank 0, or --fault-tolerance replicas' first replica, saving by itself:
-  /// collective over rank 0's tensor-parallel group).
+  /// strategy's rank 0, or --fault-tolerance replicas' leading replica, saving by itself:
+  /// collective over this rank's tensor-parallel group, whose first rank publishes).
   ///
   /// options.async_checkpoint: waits for the previous checkpoint's background write, then
   /// copies the state into host memory (PyTorch's async DCP staging) and returns; a thread

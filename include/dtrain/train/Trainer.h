@@ -131,6 +131,9 @@ struct FitResult {
   double samples_per_second = 0.0;
   int64_t global_batch = 0;
   double learning_rate = 0.0;
+  /// This rank wrote the run's outputs at the end (rank 0; --fault-tolerance replicas: the
+  /// leading replica's first rank): it prints the summary.
+  bool leader = false;
 };
 
 /// How a step's examples divide over `dp` data-parallel replicas: each rank's micro-batch

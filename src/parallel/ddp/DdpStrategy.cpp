@@ -47,7 +47,7 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
                         std::shared_ptr<comm::ProcessGrid> grid) {
   model_ = std::move(model);
   grid_ = std::move(grid);
-  comm_ = grid_->dp();
+  comm_ = data_parallel_group();
   if (precision_ == precision::Precision::Bf16) model_.module->to(at::kBFloat16);
   for (const auto& item : model_.module->named_parameters()) {
     if (!item.value().requires_grad()) continue;
@@ -125,6 +125,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     trace::Span span("sync", "gradient reduction");
     sync_engine.finalize();
     tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
+    after_gradient_sync(result);
   }
   const auto& stats = sync_engine.stats();
   if (!stats.unused_parameters.empty() && !warned_unused_ && comm_->rank() == 0) {
@@ -241,7 +242,7 @@ NamedTensors DdpStrategy::named_buffers() const {
 void DdpStrategy::save(const std::string& directory) {
   // One file per TP rank of each DP rank that writes; buffers and replicated parameters come
   // from TP rank 0.
-  const bool leader = comm_->rank() == 0;
+  const bool leader = writes_replicated_state();
   const NamedTensors buffers = leader && tp_.rank == 0 ? named_buffers() : NamedTensors{};
   if (state_sharded()) {
     write_state_shard(directory, tp_.rank * comm_->size() + comm_->rank(), comm_->size() * tp_.size,

@@ -81,6 +81,15 @@ class DdpStrategy : public Strategy {
     return whole_pieces(names_, master_.empty() ? parameters_ : master_);
   }
   virtual bool state_sharded() const { return false; }
+  /// Unsharded state: whether this rank's replica writes it (the first data-parallel replica;
+  /// --fault-tolerance replicas: whichever replica saves, as only the leading one does).
+  virtual bool writes_replicated_state() const { return comm_->rank() == 0; }
+  /// The group the gradients are reduced over and the state sharded over (the grid's
+  /// data-parallel group; --fault-tolerance replicas with --replica-shards: a replica's ranks).
+  virtual comm::CommunicatorPtr data_parallel_group() { return grid_->dp(); }
+  /// After the step's gradient reduction, before clipping and the update (--fault-tolerance
+  /// replicas' sum over the replicas present); `result` holds this rank's loss.
+  virtual void after_gradient_sync(StepResult& result) { (void)result; }
   virtual std::vector<PieceRef> value_pieces() const;
   /// Every parameter, whole, as checkpoint pieces.
   NamedTensors named_buffers() const;

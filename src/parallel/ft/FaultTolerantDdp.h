@@ -15,39 +15,29 @@
 
 #include "dtrain/parallel/ft/Replicas.h"
 #include "parallel/ddp/DdpStrategy.h"
-#include "parallel/ft/ReplicaManager.h"
+#include "parallel/ft/ReplicaMember.h"
 
 namespace dtrain::parallel::ft {
 
-class FaultTolerantDdp : public ddp::DdpStrategy, public ReplaceableReplicas {
+class FaultTolerantDdp : public ddp::DdpStrategy, public ReplicaMemberStrategy {
  public:
   explicit FaultTolerantDdp(StrategyOptions options);
   void setup(Model model, const optim::OptimizerFactory& make_optimizer,
              std::shared_ptr<comm::ProcessGrid> grid) override;
   StepResult train_step(const std::vector<data::Batch>& micro_batches, const LossFn& loss) override;
   bool survives_replica_failures() const override { return true; }
-  comm::CommunicatorPtr step_group() const override { return manager_->group(); }
-
-  int64_t joined_at_step() const override { return joined_at_; }
-  void admit_waiting(int64_t steps) override;
-  void close_admissions() override { manager_->close(); }
+  comm::CommunicatorPtr step_group() const override { return member_->manager().group(); }
+  comm::CommunicatorPtr replica_group() const override { return grid_->tp(); }
 
  protected:
   /// No Reducer: the manager sums the gradients once backward is done.
   void build_gradient_sync(const std::vector<std::string>&) override {}
   /// A replacement takes the state from a replica present when it is admitted, not from rank 0.
   void broadcast_initial_state() override;
-
- private:
-  /// Over the replica group: the parameters, optimizer state and buffers of group rank `root`
-  /// to the group ranks `to` (replacements), and root's `steps`; returns them. Root and `to`
-  /// take part; the others return at once.
-  int64_t send_state(int root, const std::vector<int>& to, int64_t steps);
-
-  std::unique_ptr<ReplicaManager> manager_;
-  bool replacement_ = false;
-  int64_t joined_at_ = -1;
-  int64_t state_bytes_ = 0;  // of the last state sent or received
+  /// Only the leading replica saves (alone), whichever it is.
+  bool writes_replicated_state() const override { return true; }
+  /// What a replacement receives: the parameters and buffers, the parameters' optimizer state.
+  ReplicaState replica_state() override;
 };
 
 /// --fault-tolerance's flags and checks.

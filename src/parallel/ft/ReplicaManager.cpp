@@ -341,9 +341,10 @@ int ReplicaManager::admit(int64_t steps) {
   const int sender = members_.front();
   // One member writes the admissions (the others form the group with what they know).
   const bool writes = replica_ == sender && position_ == 0;
+  // The admitted go last: the first member stays the longest present (it leads: evaluates,
+  // checkpoints and writes the run's outputs, and sends the state).
   std::vector<int> next = members_;
   next.insert(next.end(), admitting_.begin(), admitting_.end());
-  std::sort(next.begin(), next.end());
   ++generation_;
   if (writes) {
     // Its predecessor's death mark goes first (the launcher fences a marked process), then the

@@ -94,6 +94,11 @@ class ReplicaManager {
   /// replica * replica_size + position).
   const std::vector<int>& members() const { return members_; }
   const comm::CommunicatorPtr& group() const { return group_; }
+  /// This rank's replica is the first present (rank 0's until it fails, then the longest
+  /// present); false on a replacement not admitted yet.
+  bool leads() const { return !replacement_ && members_.front() == replica_; }
+  /// This rank's position in its replica (its tensor-parallel rank).
+  int position() const { return position_; }
   /// The world rank at this rank's position in `replica`.
   int world_rank_of(int replica) const { return replica * replica_size_ + position_; }
   /// Times the group was formed again without a member.

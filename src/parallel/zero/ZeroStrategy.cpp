@@ -6,7 +6,10 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/optim/StateSize.h"
+#include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "parallel/StrategySupport.h"
+#include "parallel/ft/FaultTolerantDdp.h"
+#include "parallel/ft/FaultTolerantZero.h"
 
 namespace dtrain::parallel::zero {
 
@@ -57,9 +60,14 @@ StrategyInfo zero1_strategy() {
   info.name = "zero1";
   info.summary = "ZeRO stage 1: data parallelism with the optimizer state sharded";
   info.pipeline_stages = true;
-  info.options = {zero_overlap_options()};
+  info.options = {zero_overlap_options(), ft::fault_tolerance_options()};
   info.master_weights = true;
+  info.fault_tolerant = true;
+  info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    if (options.of<ft::FaultToleranceOptions>().replicas()) {
+      return std::make_unique<ft::FaultTolerantZero>(options, 1);
+    }
     return std::make_unique<ZeroStrategy>(options, 1);
   };
   return info;
@@ -76,12 +84,17 @@ StrategyInfo zero2_strategy() {
   StrategyInfo info;
   info.name = "zero2";
   info.summary = "ZeRO stage 2: optimizer state and gradients sharded (reduce-scatter)";
-  info.options = {zero_quantized_options(), zero_overlap_options()};
+  info.options = {zero_quantized_options(), zero_overlap_options(), ft::fault_tolerance_options()};
   info.master_weights = true;
-  info.check_layout = [](const StrategyOptions&, const Layout& layout) {
+  info.fault_tolerant = true;
+  info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
     check_no_sequence_parallel("zero2", layout);
+    ft::check_fault_tolerance_layout(options, layout);
   };
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    if (options.of<ft::FaultToleranceOptions>().replicas()) {
+      return std::make_unique<ft::FaultTolerantZero>(options, 2);
+    }
     return std::make_unique<ZeroStrategy>(options, 2);
   };
   return info;

@@ -45,6 +45,9 @@ class ZeroStrategy : public ddp::DdpStrategy {
   /// Checkpoints: each rank writes its shard's pieces; loads fill every (replicated) parameter.
   std::vector<PieceRef> state_pieces() const override;
   bool state_sharded() const override { return true; }
+  /// The gradient shard the Reducer reduce-scatters into (defined when it does: zero2, and
+  /// zero1 without tensor-parallel partial sums).
+  const at::Tensor& shard_gradient() const { return shard_grad_; }
 
  private:
   /// --overlap-param-gather: model_.forward runs the stages, each after waiting for the

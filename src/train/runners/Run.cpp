@@ -16,6 +16,7 @@
 
 #include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/parallel/ft/Replicas.h"
 
 namespace dtrain::train::runners {
 
@@ -53,6 +54,11 @@ std::string describe_eval_as(const EvalResult& eval, bool tokens) {
 ProgressReport::ProgressReport(const char* path, int64_t start) : start_(start) {
   if (path != nullptr && *path != '\0') fd_ = ::open(path, O_WRONLY | O_CLOEXEC);
   reached(start);
+}
+
+void ProgressReport::open(const char* path) {
+  if (fd_ >= 0 || path == nullptr || *path == '\0') return;
+  fd_ = ::open(path, O_WRONLY | O_CLOEXEC);
 }
 
 ProgressReport::~ProgressReport() {
@@ -96,7 +102,9 @@ void SimulatedFailure::maybe_fire(int64_t reached) const {
   if (slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
   if (armed && reached == step) {
     std::fprintf(stderr, "dtrain: DTRAIN_SIMULATE_FAILURE: rank %d %s at step %lld\n", rank,
-                 stop ? "stops itself" : node ? "kills its launcher and itself" : "kills itself",
+                 stop   ? "stops itself"
+                 : node ? "kills its launcher and itself"
+                        : "kills itself",
                  static_cast<long long>(step));
     std::fflush(stderr);
     if (stop) {
@@ -116,7 +124,11 @@ Run::Run(const TrainerOptions& options, parallel::Strategy& strategy, comm::Comm
       world(world),
       train(train),
       validation(validation),
-      leader(world.rank() == 0),
+      // (A replacement of rank 0 under --fault-tolerance replicas does not lead: the replica
+      // that led meanwhile goes on leading.)
+      leader(parallel::ft::replaceable(strategy) != nullptr
+                 ? parallel::ft::replaceable(strategy)->leads()
+                 : world.rank() == 0),
       start_step(start_step),
       steps_per_epoch(steps_per_epoch),
       report(leader ? std::getenv("DTRAIN_PROGRESS_FILE") : nullptr, start_step),
@@ -126,6 +138,13 @@ Run::Run(const TrainerOptions& options, parallel::Strategy& strategy, comm::Comm
                std::max<int64_t>(1, steps_per_epoch / 10)) {
   result.start_step = start_step;
   result.steps = start_step;
+}
+
+void Run::take_lead() {
+  if (leader) return;
+  leader = true;
+  metrics = MetricsWriter(options.metrics_file, true);
+  report.open(std::getenv("DTRAIN_PROGRESS_FILE"));
 }
 
 void Run::evaluate_and_record(int64_t step, std::optional<int64_t> epoch, bool alone) {

@@ -32,6 +32,8 @@ class ProgressReport {
   ProgressReport(const ProgressReport&) = delete;
   ProgressReport& operator=(const ProgressReport&) = delete;
   void reached(int64_t step);
+  /// Starts reporting to `path` (a rank that takes the lead mid-run).
+  void open(const char* path);
 
  private:
   int fd_ = -1;
@@ -72,7 +74,9 @@ struct Run {
   comm::Communicator& world;
   const data::TensorDataset& train;
   const data::TensorDataset* validation;
-  const bool leader;
+  /// This rank writes the run's outputs (rank 0; --fault-tolerance replicas: the leading
+  /// replica's first rank, which changes when that replica fails: take_lead()).
+  bool leader;
   /// The step this run resumed from, and where it ends: the schedule's length, the step it
   /// halts at (--stop-at-step) and the epochs' length.
   const int64_t start_step;
@@ -107,6 +111,9 @@ struct Run {
   std::function<EvalResult(bool alone)> evaluate;
   std::function<void(int64_t step, int64_t epoch, bool alone)> save;
 
+  /// This rank leads from now on (the replica that led failed): it appends to the metrics file
+  /// and reports progress to the launcher.
+  void take_lead();
   /// Evaluates (see `evaluate`) and records it in the metrics file (rank 0).
   void evaluate_and_record(int64_t step, std::optional<int64_t> epoch, bool alone);
   /// --defer-eval: rank 0 keeps a copy of the parameters (and buffers) for the end.

@@ -90,8 +90,8 @@ void StepRunner::run(Run& run) {
     return async ? run.start_step + async->global_steps() / run.dp_size : local;
   };
   // Replicas that outlive each other: the strategy's loss is already the mean over the replicas
-  // present, and rank 0's replica (its tensor-parallel group) evaluates and checkpoints alone
-  // (no collective a failure could break).
+  // present, and the leading replica (rank 0's until it fails; its tensor-parallel group)
+  // evaluates and checkpoints alone (no collective a failure could break).
   const bool outlive = run.strategy.survives_replica_failures();
   parallel::ft::ReplaceableReplicas* const replicas = parallel::ft::replaceable(run.strategy);
   const bool alone = async != nullptr || outlive;
@@ -117,6 +117,8 @@ void StepRunner::run(Run& run) {
     const auto step_start = Clock::now();
     const int64_t wire_before = run.world.wire_bytes();
     parallel::StepResult result = run.strategy.train_step(batches, run.loss);
+    // The replica that led failed in this step: this rank writes the outputs from now on.
+    if (outlive && replicas != nullptr && replicas->leads()) run.take_lead();
     if (!async && step + 1 == run.total_steps) run.strategy.finish_training(result);
     const int64_t wire_bytes = run.world.wire_bytes() - wire_before;
     // The loss every rank reports is the mean over the ranks of its step group (the world,
@@ -171,7 +173,9 @@ void StepRunner::run(Run& run) {
     const bool halting = async ? done : step + 1 == run.last_step;
     const bool eval_due = o.eval_every > 0 && (step + 1) % o.eval_every == 0;
     // Asynchronous: rank 0 alone evaluates and checkpoints; the final ones come after the loop.
-    const bool here = async ? run.leader && !halting : !outlive || run.dp_rank == 0;
+    const bool here = async      ? run.leader && !halting
+                      : !outlive ? true
+                                 : replicas != nullptr && replicas->in_leading_replica();
     if ((epoch_end || eval_due) && run.validation != nullptr) {
       if (o.defer_eval) {
         if (run.leader && (!async || !halting)) run.snapshot(reached, epoch);

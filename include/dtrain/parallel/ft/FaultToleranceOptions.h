@@ -18,6 +18,11 @@ struct FaultToleranceOptions {
   /// most 100 ms) stays silent this long is counted as dead (a hung process, a stopped machine):
   /// shorter finds a hang sooner, too short counts a slow but live replica out.
   double heartbeat_timeout_s = 2.0;
+  /// replicas with zero1/zero2 (--replica-shards S): each replica is S data-parallel ranks (x
+  /// --tensor-parallel) that shard its optimizer state (and zero2 its gradients) among
+  /// themselves, the replicas holding copies of it (hybrid sharding, torchft's HSDP); a rank that
+  /// fails takes its replica out. 1: each data-parallel rank is a replica.
+  int replica_shards = 1;
   /// This process replaces a failed replica (set from DTRAIN_FT_REPLACEMENT, which its launcher
   /// sets): setup waits to be admitted and takes the state from a replica that trains.
   bool replacement = false;

@@ -24,8 +24,19 @@ class ReplaceableReplicas {
   /// collective over the new group), a no-op when there are none.
   virtual void admit_waiting(int64_t steps) = 0;
 
-  /// Rank 0, after its last step: replacements still waiting are told that none will admit them.
+  /// The leader, after its last step: replacements still waiting are told that none will admit
+  /// them.
   virtual void close_admissions() = 0;
+
+  /// This rank's replica is the first present: it evaluates and checkpoints alone (collective
+  /// over its ranks). Rank 0's until it fails, then the longest present replica's.
+  virtual bool in_leading_replica() const = 0;
+  /// This rank writes the run's outputs (metrics, progress, the summary): the leading replica's
+  /// first rank.
+  virtual bool leads() const = 0;
+  /// Every rank of this rank's replica (its TP group, or the ranks that shard its state): the
+  /// group the leading replica checkpoints over.
+  virtual comm::CommunicatorPtr replica_group() const = 0;
 };
 
 /// The strategy's ReplaceableReplicas, or nullptr when it has none.

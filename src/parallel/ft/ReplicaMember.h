@@ -1,0 +1,93 @@
+// What a strategy whose replicas outlive each other does as a member of the replica group
+// (--fault-tolerance replicas; ReplicaManager.h): forms the group, joins it as a replacement
+// (its state from a member at its position), takes in replacements at a step's end and sends
+// them the state. Shared by FaultTolerantDdp (replicas of one rank or one TP group) and
+// FaultTolerantZero (replicas whose ranks shard the optimizer state: hybrid sharding).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "dtrain/parallel/Strategy.h"
+#include "dtrain/parallel/ft/Replicas.h"
+#include "parallel/ft/ReplicaManager.h"
+
+namespace dtrain::parallel::ft {
+
+/// The state one rank of a replica holds: `values` (its parameters' values and buffers, in
+/// place), `optimized` (the tensors its optimizer updates, whose state it keeps), `optimizer`.
+struct ReplicaState {
+  std::vector<at::Tensor> values;
+  std::vector<at::Tensor> optimized;
+  torch::optim::Optimizer* optimizer = nullptr;
+};
+
+class ReplicaMember {
+ public:
+  /// Forms the replica group over `world` (replicas of `replica_size` consecutive ranks);
+  /// `replacement`: this process replaces a failed member (DTRAIN_FT_REPLACEMENT or the option).
+  ReplicaMember(comm::CommunicatorPtr world, double heartbeat_timeout_s, bool replacement,
+                int replica_size);
+
+  ReplicaManager& manager() { return *manager_; }
+  const ReplicaManager& manager() const { return *manager_; }
+  bool replacement() const { return replacement_; }
+
+  /// A replacement, once its state exists (after setup): waits to be admitted and receives the
+  /// state of the member at its position; returns the steps that member had trained, or
+  /// ReplaceableReplicas::kFinished when the job ended first.
+  int64_t join(const ReplicaState& state);
+  /// Every member after a step: takes in the replacements that step admitted and sends them the
+  /// state (a no-op when there are none).
+  void admit_waiting(int64_t steps, const ReplicaState& state);
+
+ private:
+  /// Over the group: `state` of group rank `root` to the group ranks `to`, and root's `steps`;
+  /// returns them. Root and `to` take part; the others return at once.
+  int64_t send_state(int root, const std::vector<int>& to, int64_t steps,
+                     const ReplicaState& state);
+
+  std::unique_ptr<ReplicaManager> manager_;
+  bool replacement_ = false;
+  int64_t state_bytes_ = 0;  // of the last state sent or received
+};
+
+/// ReplaceableReplicas as both fault-tolerant strategies answer it, from their ReplicaMember.
+class ReplicaMemberStrategy : public ReplaceableReplicas {
+ public:
+  int64_t joined_at_step() const override { return joined_at_; }
+  void admit_waiting(int64_t steps) override { member_->admit_waiting(steps, replica_state()); }
+  void close_admissions() override { member_->manager().close(); }
+  bool in_leading_replica() const override { return member_->manager().leads(); }
+  bool leads() const override {
+    return member_->manager().leads() && member_->manager().position() == 0;
+  }
+
+ protected:
+  /// InputError for what neither sums over the replicas (`loss_scaled`: a loss scaler, the
+  /// hierarchical allreduce, gradient compression); reads whether this process is a replacement.
+  ReplicaMemberStrategy(const StrategyOptions& options, bool loss_scaled);
+  /// What a replacement receives.
+  virtual ReplicaState replica_state() = 0;
+  /// Forms the replica group over `world` in replicas of `replica_size` ranks (a replacement's
+  /// heartbeat runs while it waits to be admitted).
+  void form_replica_group(comm::CommunicatorPtr world, int replica_size);
+  /// After setup: under dtrain launch, InputError unless the launcher tolerates failures (else
+  /// nothing would be left to go on) and knows that a replica is `replica_size` ranks (else it
+  /// would start one of them alone); a replacement waits for its admission and its state.
+  void join_when_replacing(int replica_size);
+
+  std::unique_ptr<ReplicaMember> member_;
+  bool replacement_ = false;
+  int64_t joined_at_ = -1;
+
+ private:
+  double heartbeat_timeout_s_ = 2.0;
+};
+
+}  // namespace dtrain::parallel::ft
