@@ -5,7 +5,8 @@
 # the address it chose, and that a rank killed on one host stops the other host within seconds,
 # both launchers naming the failed node, rank and signal, and with --fault-tolerance replicas
 # that the other host's replica goes on without it (and, with --max-replacements, that its
-# replacement joins it); Downpour across the hosts against a
+# replacement joins it; a replica of two ranks sharding its state, zero2 --replica-shards 2,
+# replaced the same way); Downpour across the hosts against a
 # token-guarded parameter-server shard, surviving a worker killed on one host; Sandblaster
 # with its coordinator on one host and the shard on the other; federated learning with the
 # server on one host and clients on both; and a network partition mid-round (host b's link
@@ -123,8 +124,30 @@ grep -q "started rank 1 again (replacement 1 of at most 1" "$work/b2r.log" || fa
 grep -q "replica group: world rank(s) 1 joined after step" "$work/a2r.log" || fail "host a did not admit the replacement"
 grep -q "world rank 1 joined after step [0-9]*, its state (.* MB) from world rank 0" "$work/b2r.log" || fail "the replacement did not get rank 0's state"
 grep -q "trained 60 steps (global batch 64, 2 ranks, ddp)" "$work/a2r.log" || fail "host a did not finish"
-job=("${plain_job[@]}")
 echo "ok: a replica killed on host b was replaced and joined host a's (live recovery)"
+# 2d. Hybrid sharding across the hosts: a replica of 2 ranks on each host (zero2
+#     --replica-shards 2: they shard Adam's state and the gradients); rank 3 (host b) is killed:
+#     host b's launcher ends rank 2 too and starts both again, they join host a's replica with
+#     its two ranks' shards, and both hosts finish.
+hy_launch() {  # NODE NAMESPACE [ENV=VALUE...]
+  local node=$1 ns=$2
+  shift 2
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 2 \
+    --master-addr 10.231.0.1 --master-port $((port + 25)) --node-rank "$node" --tolerate-failures \
+    --replica-size 2 --max-replacements 1 \
+    -- "$dtrain" "${job[@]}" --strategy zero2 --fault-tolerance replicas --replica-shards 2
+}
+hy_launch 1 "$b" DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=3:3 > "$work/b2h.log" 2>&1 &
+other=$!
+hy_launch 0 "$a" DTRAIN_SIMULATE_SLOW_STEP_MS=100 > "$work/a2h.log" 2>&1 || fail "node 0 failed with hybrid sharding (exit $?)"
+wait $other || fail "node 1's launcher failed after replacing its hybrid replica"
+grep -q "ending rank 2 (pid [0-9]*) too: it is in rank 3's replica" "$work/b2h.log" || fail "host b did not end rank 3's replica mate"
+grep -q "replica group: world rank(s) 2,3 left at step 4" "$work/a2h.log" || fail "host a did not leave host b's replica out"
+grep -q "replica group: world rank(s) 2,3 joined after step" "$work/a2h.log" || fail "host a did not admit host b's replacements"
+grep -q "world rank 3 joined after step [0-9]*, its state (.* MB) from world rank 1" "$work/b2h.log" || fail "rank 3's replacement did not get rank 1's shard"
+grep -q "trained 60 steps (global batch 128, 4 ranks, zero2)" "$work/a2h.log" || fail "host a did not finish"
+job=("${plain_job[@]}")
+echo "ok: a hybrid-sharded replica killed on host b was replaced and joined host a's"
 # 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
 #    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
 printf 'multihost-token\n' > "$work/token"
