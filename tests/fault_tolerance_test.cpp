@@ -106,13 +106,10 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
           }
           if (world->rank() == victim && step == dies_before) {
             auto store = world->key_value();
-            store->set(parallel::ft::dead_key(victim), "1");
-            store->add(parallel::ft::kDeathsKey, 1);
+            test::report_death(*store, victim);
             if (!replaced) return;  // its communicator goes with it
             // (Its replacement announces itself once the others committed this step without it.)
-            while (!store->read("test/left")) {
-              std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            }
+            test::wait_for_key(*store, "test/left");
             // Its replacement (this thread's world stays, unused: a replacement meets the others
             // in the group that admits it): another model, which the admission overwrites.
             strategy.reset();
@@ -202,23 +199,14 @@ std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps, i
   return weights;
 }
 
-double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
-  }
-  return worst;
-}
-
 }  // namespace
 
 TEST(FaultTolerance, WithoutAFailureReplicasTrainAsDdp) {
   at::set_num_threads(1);
   const auto plain = train_replicas("none", -1);
   const auto tolerant = train_replicas("replicas", -1);
-  EXPECT_LT(max_difference(plain, tolerant), 1e-12);
-  EXPECT_LT(max_difference(tolerant, train_one_process(-1)), 1e-12);
+  EXPECT_LT(test::max_difference(plain, tolerant), 1e-12);
+  EXPECT_LT(test::max_difference(tolerant, train_one_process(-1)), 1e-12);
 }
 
 TEST(FaultTolerance, SurvivorsCommitTheStepWithoutTheDeadAndGoOn) {
@@ -226,9 +214,9 @@ TEST(FaultTolerance, SurvivorsCommitTheStepWithoutTheDeadAndGoOn) {
   std::vector<double> replicas;
   const auto survivors = train_replicas("replicas", 3, &replicas);
   EXPECT_EQ(replicas, (std::vector<double>{3, 3, 3, 2, 2, 2}));
-  EXPECT_LT(max_difference(survivors, train_one_process(3)), 1e-12);
+  EXPECT_LT(test::max_difference(survivors, train_one_process(3)), 1e-12);
   // The oracle tells the two apart: the dead replica's data counted at step 4 is another run.
-  EXPECT_GT(max_difference(survivors, train_one_process(4)), 1e-6);
+  EXPECT_GT(test::max_difference(survivors, train_one_process(4)), 1e-6);
 }
 
 // Live recovery: replica 2 dies before step 3 (index 2); its replacement, started with another
@@ -242,11 +230,11 @@ TEST(FaultTolerance, AReplacementJoinsWithAMembersStateAndTheThreeTrainOn) {
   std::vector<at::Tensor> replacement;
   const auto members = train_replicas("replicas", 2, &replicas, false, true, &replacement);
   EXPECT_EQ(replicas, (std::vector<double>{3, 3, 2, 2, 3, 3}));
-  EXPECT_LT(max_difference(members, train_one_process(2, 4)), 1e-12);
-  EXPECT_EQ(max_difference(members, replacement), 0.0);
+  EXPECT_LT(test::max_difference(members, train_one_process(2, 4)), 1e-12);
+  EXPECT_EQ(test::max_difference(members, replacement), 0.0);
   // The oracle tells the cases apart: without the replacement, or with it a step earlier.
-  EXPECT_GT(max_difference(members, train_one_process(2)), 1e-6);
-  EXPECT_GT(max_difference(members, train_one_process(2, 3)), 1e-6);
+  EXPECT_GT(test::max_difference(members, train_one_process(2)), 1e-6);
+  EXPECT_GT(test::max_difference(members, train_one_process(2, 3)), 1e-6);
 }
 
 // Rank 0 fails too without stopping the job: the next replica present leads (evaluates,
@@ -260,9 +248,9 @@ TEST(FaultTolerance, Rank0FailsAndItsReplacementJoinsWhileReplica1Leads) {
   const auto members =
       train_replicas("replicas", 2, &replicas, false, true, &replacement, /*victim=*/0, &leaders);
   EXPECT_EQ(replicas, (std::vector<double>{3, 3, 2, 2, 3, 3}));
-  EXPECT_LT(max_difference(members, train_one_process(2, 4, 0)), 1e-12);
-  EXPECT_GT(max_difference(members, train_one_process(2, 4, 2)), 1e-6);
-  EXPECT_EQ(max_difference(members, replacement), 0.0);
+  EXPECT_LT(test::max_difference(members, train_one_process(2, 4, 0)), 1e-12);
+  EXPECT_GT(test::max_difference(members, train_one_process(2, 4, 2)), 1e-6);
+  EXPECT_EQ(test::max_difference(members, replacement), 0.0);
   EXPECT_EQ(leaders, (std::vector<int>{1}));
 }
 
@@ -276,7 +264,7 @@ TEST(FaultTolerance, ASilentReplicaIsCountedAsDeadAndTheOthersGoOn) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   EXPECT_EQ(replicas, (std::vector<double>{3, 3, 3, 2, 2, 2}));
-  EXPECT_LT(max_difference(survivors, train_one_process(3)), 1e-12);
+  EXPECT_LT(test::max_difference(survivors, train_one_process(3)), 1e-12);
   EXPECT_GT(seconds, 2.0);  // the heartbeat timeout
   EXPECT_LT(seconds, 10.0);
 }

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "FaultToleranceRuns.h"
 #include "Oracle.h"
 #include "TensorParallelRuns.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
@@ -23,7 +24,6 @@
 #include "parallel/ft/ReplicaManager.h"
 #ifdef DTRAIN_CLI_PATH
 #include "CliRuns.h"
-#include "FaultToleranceRuns.h"
 #include "TempDir.h"
 #endif
 
@@ -97,13 +97,9 @@ Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool
         auto store = world->key_value();
         for (int step = 0; step < kSteps; ++step) {
           if (replica == 2 && step == dies_before) {
-            // The launcher's report of its ranks' deaths.
-            store->set(parallel::ft::dead_key(world->rank()), "1");
-            store->add(parallel::ft::kDeathsKey, 1);
+            test::report_death(*store, world->rank());  // as its launcher would
             if (!replaced) return;
-            while (!store->read("test/left")) {
-              std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            }
+            test::wait_for_key(*store, "test/left");
             strategy.reset();
             Model fresh;
             {

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "FaultToleranceRuns.h"
 #include "Oracle.h"
 #include "RankThreads.h"
 #include "SmallModels.h"
@@ -29,7 +30,6 @@
 #include "parallel/ft/ReplicaManager.h"
 #ifdef DTRAIN_CLI_PATH
 #include "CliRuns.h"
-#include "FaultToleranceRuns.h"
 #include "TempDir.h"
 #endif
 
@@ -99,12 +99,9 @@ Outcome train_replicas(const std::string& strategy_name, const std::string& faul
         auto store = world->key_value();
         for (int step = 0; step < kSteps; ++step) {
           if (replica == 2 && step == dies_before) {
-            store->set(parallel::ft::dead_key(world->rank()), "1");
-            store->add(parallel::ft::kDeathsKey, 1);
+            test::report_death(*store, world->rank());  // as its launcher would
             if (!replaced) return;
-            while (!store->read("test/left")) {
-              std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            }
+            test::wait_for_key(*store, "test/left");
             strategy.reset();
             ft.replacement = true;
             strategy = parallel::make_strategy(strategy_name, options);
@@ -163,19 +160,10 @@ std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps,
   return weights;
 }
 
-double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
-  }
-  return worst;
-}
-
 double worst_of(const Outcome& out, const std::vector<at::Tensor>& expected,
                 const std::vector<int>& ranks) {
   double worst = 0;
-  for (const int r : ranks) worst = std::max(worst, max_difference(out.weights[r], expected));
+  for (const int r : ranks) worst = std::max(worst, test::max_difference(out.weights[r], expected));
   return worst;
 }
 
@@ -217,8 +205,8 @@ TEST(FaultToleranceZero, AReplacementReplicaTakesEachShardsStateAndTheThreeTrain
   const Outcome out = train_replicas("zero2", "replicas", 2, /*replaced=*/true);
   EXPECT_EQ(out.replicas_seen, (std::vector<double>{3, 3, 2, 2, 3, 3}));
   EXPECT_LT(worst_of(out, train_one_process(2, 4), {0, 1, 2, 3, 4, 5}), 1e-12);
-  EXPECT_EQ(max_difference(out.weights[4], out.weights[0]), 0.0);
-  EXPECT_EQ(max_difference(out.weights[5], out.weights[1]), 0.0);
+  EXPECT_EQ(test::max_difference(out.weights[4], out.weights[0]), 0.0);
+  EXPECT_EQ(test::max_difference(out.weights[5], out.weights[1]), 0.0);
   EXPECT_GT(worst_of(out, train_one_process(2), {0}), 1e-6);
 }
 
