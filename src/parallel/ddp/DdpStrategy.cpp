@@ -113,6 +113,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     const at::Tensor value = micro_batch_loss(batch, loss, i);
     at::Tensor objective = micro_batches.size() == 1 ? value : value / count;
     if (scaler_) objective = scaler_->scale(objective);
+    before_backward(last);
     {
       trace::Span span("backward", concat("B", i));
       objective.backward();

@@ -90,6 +90,8 @@ class DdpStrategy : public Strategy {
   /// After the step's gradient reduction, before clipping and the update (--fault-tolerance
   /// replicas' sum over the replicas present); `result` holds this rank's loss.
   virtual void after_gradient_sync(StepResult& result) { (void)result; }
+  /// Before each micro-batch's backward; `last`: the step's last.
+  virtual void before_backward(bool last) { (void)last; }
   virtual std::vector<PieceRef> value_pieces() const;
   /// Every parameter, whole, as checkpoint pieces.
   NamedTensors named_buffers() const;

@@ -189,6 +189,14 @@ void Reducer::complete_sharded(Bucket& bucket) {
   bucket.wire.reset();
 }
 
+void Reducer::notify_completed_parts() {
+  if (!options_.on_shard_part) return;
+  while (notified_ < next_bucket_ && !buckets_[notified_].work) {
+    const Bucket& bucket = buckets_[notified_++];
+    if (bucket.part > 0) options_.on_shard_part(bucket.shard_offset, bucket.part);
+  }
+}
+
 void Reducer::alias_grad(size_t k, bool keep_values) {
   const auto [b, slot] = locator_[k];
   Bucket& bucket = buckets_[b];
@@ -305,6 +313,7 @@ void Reducer::mark_ready(size_t k) {
         --in_flight;
       }
     }
+    notify_completed_parts();
   }
 }
 
@@ -410,6 +419,7 @@ void Reducer::finalize() {
     if (local_) break;
     if (sharded()) {
       if (bucket.work) complete_sharded(bucket);
+      notify_completed_parts();
       continue;
     }
     if (bucket.work) bucket.work->wait();
@@ -429,6 +439,7 @@ void Reducer::finalize() {
     ready_.assign(parameters_.size(), false);
     for (auto& bucket : buckets_) bucket.pending = bucket.parameters.size();
     next_bucket_ = 0;
+    notified_ = 0;
     ++synced_steps_;
     if (options_.powersgd.rank > 0 && synced_steps_ == options_.powersgd.start_step) {
       stats_.bytes_per_step = 0;  // from the next step on, PowerSGD's

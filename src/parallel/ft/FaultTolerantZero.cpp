@@ -77,28 +77,50 @@ ReplicaState FaultTolerantZero::replica_state() {
   return state;
 }
 
+void FaultTolerantZero::configure_reducer(ddp::ReducerOptions& options) {
+  zero::ZeroStrategy::configure_reducer(options);
+  options.on_shard_part = [this](int64_t offset, int64_t length) { start_part(offset, length); };
+}
+
+void FaultTolerantZero::start_part(int64_t offset, int64_t length) {
+  if (!summing_) return;  // (zero2's earlier micro-batches: the shard still accumulates)
+  const at::Tensor& shard = shard_gradient();
+  if (!before_.defined()) before_ = at::empty_like(shard);
+  at::Tensor part = shard.narrow(0, offset, length);
+  before_.narrow(0, offset, length).copy_(part);
+  parts_.push_back(part);
+  part_works_.push_back(member_->manager().start(part));
+}
+
 void FaultTolerantZero::after_gradient_sync(StepResult& result) {
   trace::Span span("sync", "gradient shard sum over the replicas present");
   torch::NoGradGuard no_grad;
-  // The shard (the replica's mean over its ranks), then this rank's loss and a one: the sum
-  // counts the replicas in it. Filled from the shard, which stays as the Reducer left it until
-  // the sum commits (a sum taken again after a failure starts from it).
+  summing_ = false;
+  // Each part of the shard (the replica's mean over its ranks) is being summed with the other
+  // replicas' since the replica reduced it, during backward; then this rank's loss and a one:
+  // the sum counts the replicas in it. After a failure every part is summed again over the
+  // others from what the replica had reduced.
   const at::Tensor& shard = shard_gradient();
-  const int64_t n = shard.numel();
-  at::Tensor flat = at::empty({n + 2}, shard.options());
   const double local_loss = result.loss;
-  auto fill = [&shard, n, local_loss](at::Tensor& out) {
-    out.narrow(0, 0, n).copy_(shard);
-    out[-2].fill_(local_loss);
-    out[-1].fill_(1.0);
-  };
-  fill(flat);
-  member_->manager().allreduce(flat, fill);
-  const double replicas = flat[-1].item<double>();
-  shard.copy_(flat.narrow(0, 0, n).div_(replicas));
+  at::Tensor extra = at::tensor({local_loss, 1.0}, at::kDouble);
+  std::vector<at::Tensor> parts = std::move(parts_);
+  std::vector<comm::WorkPtr> works = std::move(part_works_);
+  parts_.clear();
+  part_works_.clear();
+  DTRAIN_CHECK(!parts.empty() || shard.numel() == 0, name(),
+               ": no part of the gradient shard was reduced this step");
+  parts.push_back(extra);
+  works.push_back(member_->manager().start(extra));
+  member_->manager().sum(parts, std::move(works), [&] {
+    shard.copy_(before_);
+    extra[0] = local_loss;
+    extra[1] = 1.0;
+  });
+  const double replicas = extra[1].item<double>();
+  shard.div_(replicas);
   // The loss: the mean over the replicas present at this position, then over the replica's
   // shards (their ranks trained on rows of their own).
-  at::Tensor loss = at::tensor({flat[-2].item<double>() / replicas}, at::kDouble);
+  at::Tensor loss = at::tensor({extra[0].item<double>() / replicas}, at::kDouble);
   comm_->allreduce(loss)->wait();
   result.loss = loss.item<double>() / comm_->size();
   result.metrics["replicas"] = replicas;

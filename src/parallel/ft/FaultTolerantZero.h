@@ -33,13 +33,23 @@ class FaultTolerantZero : public zero::ZeroStrategy, public ReplicaMemberStrateg
   void broadcast_initial_state() override;
   /// The shard's gradient summed over the replicas present, divided by their number.
   void after_gradient_sync(StepResult& result) override;
+  /// The step's last backward starts each part's sum as soon as the replica has reduced it.
+  void before_backward(bool last) override { summing_ = last; }
+  void configure_reducer(ddp::ReducerOptions& options) override;
   /// What a replacement receives: the parameters (whole) and buffers, the shard's optimizer
   /// state (the gathers in flight waited first).
   ReplicaState replica_state() override;
 
  private:
+  /// A part of the gradient shard reduced inside the replica: its sum over the replicas starts.
+  void start_part(int64_t offset, int64_t length);
+
   int shards_ = 1;
   comm::CommunicatorPtr replica_;
+  bool summing_ = false;
+  at::Tensor before_;              // the shard as the replica reduced it (a retry's start)
+  std::vector<at::Tensor> parts_;  // started this step, in order
+  std::vector<comm::WorkPtr> part_works_;
 };
 
 }  // namespace dtrain::parallel::ft

@@ -263,22 +263,39 @@ void ReplicaManager::drop_abandoned() {
 }
 
 int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tensor&)>& refill) {
+  const at::Tensor mine = refill ? at::Tensor() : flat.clone();
+  std::vector<comm::WorkPtr> works = {start(flat)};
+  return sum({flat}, std::move(works), [&] {
+    if (refill) {
+      refill(flat);
+    } else {
+      flat.copy_(mine);
+    }
+  });
+}
+
+comm::WorkPtr ReplicaManager::start(const at::Tensor& part) {
+  if (group_->size() == 1) return nullptr;
+  try {
+    return group_->allreduce(part);
+  } catch (const CommError&) {
+    issue_failed_ = true;  // a peer's connection broke: the decision says what happens
+    return nullptr;
+  }
+}
+
+int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::WorkPtr> works,
+                        const std::function<void()>& restore) {
   drop_abandoned();
   DTRAIN_CHECK(admitting_.empty(), "replica group: step ", step_ + 1,
                " began before the replacements the previous step admitted were taken in "
                "(admit)");
-  const at::Tensor mine = refill ? at::Tensor() : flat.clone();
   const int me = me_;
   while (true) {
-    bool summed = true;
-    comm::WorkPtr work;
-    if (group_->size() > 1) {
-      try {
-        work = group_->allreduce(flat);
-        summed = finished(work);
-      } catch (const CommError&) {
-        summed = false;
-      }
+    bool summed = !issue_failed_;
+    issue_failed_ = false;
+    for (const auto& work : works) {
+      if (summed && work) summed = finished(work);
     }
     const std::string decision = decide(summed);
     if (decision.rfind("commit", 0) == 0) {
@@ -300,16 +317,17 @@ int ReplicaManager::allreduce(at::Tensor flat, const std::function<void(at::Tens
     for (const int r : members_) {
       if (std::find(survivors.begin(), survivors.end(), r) == survivors.end()) lost.push_back(r);
     }
-    abandon(std::move(group_), std::move(work));
+    // (The group goes once each of its collectives ended.)
+    for (auto& work : works) abandon(group_, std::move(work));
+    if (works.empty()) abandon(group_, nullptr);
+    group_.reset();
     members_ = survivors;
     ++generation_;
     deaths_seen_ = store_->add(kDeathsKey, 0);
     group_ = form_group();
-    if (refill) {
-      refill(flat);
-    } else {
-      flat.copy_(mine);
-    }
+    restore();
+    works.clear();
+    for (const auto& part : parts) works.push_back(start(part));
     if (me == world_rank_of(members_.front()) && position_ == 0) {
       std::fprintf(stderr,
                    "dtrain: replica group: world rank(s) %s left at step %lld; %zu replica(s) go "

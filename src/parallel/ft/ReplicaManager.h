@@ -69,6 +69,14 @@ class ReplicaManager {
   /// of it is kept). Error when this rank has been left out; CommError after the world's timeout
   /// naming the members that neither finished nor were reported dead.
   int allreduce(at::Tensor flat, const std::function<void(at::Tensor&)>& refill = nullptr);
+  /// The same in parts issued ahead (hybrid sharding: each gradient part as soon as it is
+  /// reduced inside the replica): start() issues a part's sum over the replicas present, and
+  /// sum() waits for the parts started this step and commits the step; after a failure it calls
+  /// `restore` (every part as it was before its sum) and sums `parts` again over the others.
+  /// Returns how many replicas took part.
+  comm::WorkPtr start(const at::Tensor& part);
+  int sum(const std::vector<at::Tensor>& parts, std::vector<comm::WorkPtr> works,
+          const std::function<void()>& restore);
 
   /// A replacement: announces itself and waits, up to the world's timeout, until the replicas
   /// present admit it (at the end of a committed step); it is then a member of their group.
@@ -154,6 +162,7 @@ class ReplicaManager {
   std::mutex heartbeat_mutex_;
   std::condition_variable heartbeat_stop_;
   bool stopping_ = false;
+  bool issue_failed_ = false;  // a start() this step could not issue its part
 };
 
 }  // namespace dtrain::parallel::ft

@@ -67,6 +67,12 @@ struct ReducerOptions {
   /// .grad are released with them.
   int64_t shard_numel = 0;
   at::Tensor shard_grad;
+  /// Reduce-scatter mode: called in bucket order with each bucket's part of shard_grad
+  /// (offset, length; parts of none left out) once its reduction has been added in, as soon as
+  /// that is seen: from the hooks during backward, the rest in finalize() (every synchronized
+  /// backward). --fault-tolerance replicas' hybrid sharding starts each part's sum over the
+  /// replicas there.
+  std::function<void(int64_t offset, int64_t length)> on_shard_part;
   /// Reduce-scatter mode: int8 block-quantized (comm/Quantized.h) when enabled.
   comm::BlockQuantization quantization;
   /// > 0: buckets are allreduced hierarchically over hosts of this many ranks
@@ -221,6 +227,9 @@ class Reducer : public GradientSync {
   bool backward_ended_ = false;
   std::vector<bool> ready_;
   size_t next_bucket_ = 0;
+  /// Reduce-scatter mode: buckets whose on_shard_part was called (in order).
+  size_t notified_ = 0;
+  void notify_completed_parts();
   int64_t synced_steps_ = 0;
   std::chrono::steady_clock::time_point backward_end_time_;
   ReducerStats stats_;
