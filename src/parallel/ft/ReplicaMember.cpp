@@ -39,8 +39,7 @@ ReplicaMember::ReplicaMember(comm::CommunicatorPtr world, double heartbeat_timeo
     : manager_(std::make_unique<ReplicaManager>(
           std::move(world),
           std::chrono::milliseconds(static_cast<int64_t>(std::lround(heartbeat_timeout_s * 1000))),
-          replacement, replica_size)),
-      replacement_(replacement) {}
+          replacement, replica_size)) {}
 
 int64_t ReplicaMember::join(const ReplicaState& state) {
   const auto started = std::chrono::steady_clock::now();

@@ -36,7 +36,6 @@ class ReplicaMember {
 
   ReplicaManager& manager() { return *manager_; }
   const ReplicaManager& manager() const { return *manager_; }
-  bool replacement() const { return replacement_; }
 
   /// A replacement, once its state exists (after setup): waits to be admitted and receives the
   /// state of the member at its position; returns the steps that member had trained, or
@@ -53,7 +52,6 @@ class ReplicaMember {
                      const ReplicaState& state);
 
   std::unique_ptr<ReplicaManager> manager_;
-  bool replacement_ = false;
   int64_t state_bytes_ = 0;  // of the last state sent or received
 };
 
