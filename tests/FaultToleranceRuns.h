@@ -31,6 +31,14 @@ inline void wait_for_key(comm::KeyValue& store, const std::string& key) {
   while (!store.read(key)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
+// Waits until `ranks` replacement ranks announced themselves (so the step the members make next
+// admits them).
+inline void wait_for_joins(comm::KeyValue& store, int64_t ranks) {
+  while (store.add(parallel::ft::kJoinsKey, 0) < ranks) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 // The largest element-wise difference between two lists of weights.
 inline double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   EXPECT_EQ(a.size(), b.size());

@@ -126,10 +126,7 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
             if (step >= kSteps) break;
           }
           if (replaced && world->rank() != victim && step == dies_before + 1) {
-            auto store = world->key_value();
-            while (store->add(parallel::ft::kJoinsKey, 0) == 0) {
-              std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            }
+            test::wait_for_joins(*world->key_value(), 1);
           }
           const auto result =
               strategy->train_step({data.batch(step, world->rank())}, cross_entropy);

@@ -119,9 +119,7 @@ Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool
           }
           if (replaced && replica != 2 && step == dies_before + 1) {
             // Both of the replacement's ranks announce themselves before this step commits.
-            while (store->add(parallel::ft::kJoinsKey, 0) < kTp) {
-              std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            }
+            test::wait_for_joins(*store, kTp);
           }
           const auto result = strategy->train_step({rows.batch(step, replica)}, loss);
           if (auto* replicas = parallel::ft::replaceable(*strategy)) {

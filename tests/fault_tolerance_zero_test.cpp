@@ -112,9 +112,7 @@ Outcome train_replicas(const std::string& strategy_name, const std::string& faul
             if (step >= kSteps) break;
           }
           if (replaced && replica != 2 && step == dies_before + 1) {
-            while (store->add(parallel::ft::kJoinsKey, 0) < kShards) {
-              std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            }
+            test::wait_for_joins(*store, kShards);
           }
           const auto result =
               strategy->train_step({data.batch(step, world->rank())}, parallel::cross_entropy);
