@@ -344,11 +344,15 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
         job.trainer.strategy_options.of<dtrain::parallel::ft::FaultToleranceOptions>();
     launch.tolerate_failures =
         dtrain::train::uses_parameter_server(job) || fault_tolerance.replicas();
-    // A replica that fails is started again and joins the others (live recovery).
-    // A replica (its tensor-parallel group) fails and is started again as one.
+    // A replica that fails is started again and joins the others (live recovery); its ranks
+    // (a tensor-parallel group, hybrid shards, a DiLoCo island) fail and start again as one.
     if (fault_tolerance.replicas()) {
       launch.max_replacements = fault_tolerance.max_replacements;
-      launch.replica_size = job.trainer.tensor_parallel * fault_tolerance.replica_shards;
+      dtrain::parallel::Layout layout;
+      layout.strategy = job.trainer.strategy;
+      layout.ranks = job.nproc;
+      layout.tensor_parallel = job.trainer.tensor_parallel;
+      launch.replica_size = dtrain::parallel::replica_ranks(job.trainer.strategy_options, layout);
       launch.replace_first_replica = true;  // the next replica present leads
     }
     launch.command.push_back(dtrain::launch::self_executable());

@@ -89,7 +89,7 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --checkpointing lots", "--checkpointing must be none, sqrt or a segment count"},
       {" train --model mlp --checkpointing selective", "gpt and llama models only"},
       {" train --strategy zero3 --fault-tolerance replicas",
-       "--fault-tolerance replicas is built for --strategy ddp, zero1 or zero2, not zero3"},
+       "--fault-tolerance replicas is built for --strategy ddp, zero1, zero2 or diloco, not zero3"},
       {" train --fault-tolerance sometimes", "--fault-tolerance must be none or replicas"},
       // Another strategy's flag would change nothing: refused, naming whose it is.
       {" train --outer-lr 0.5",

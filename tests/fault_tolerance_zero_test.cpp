@@ -222,7 +222,7 @@ TEST(FaultToleranceZero, TheLauncherReplacesAHybridShardedReplica) {
       (dir / "ckpt");
   const auto out = test::cli::run(
       "DTRAIN_SIMULATE_SLOW_STEP_MS=40 DTRAIN_SIMULATE_FAILURE=3:12 " + test::cli::kDtrain + job +
-      " --nproc 4 --max-steps 60 --checkpoint-every 20 --fault-tolerance replicas "
+      " --nproc 4 --max-steps 150 --checkpoint-every 50 --fault-tolerance replicas "
       "--replica-shards 2 --metrics " +
       metrics);
   ASSERT_EQ(out.code, 0) << out.text;
@@ -233,15 +233,15 @@ TEST(FaultToleranceZero, TheLauncherReplacesAHybridShardedReplica) {
   EXPECT_TRUE(test::cli::has(out, "from world rank 0 in")) << out.text;
   EXPECT_TRUE(test::cli::has(out, "from world rank 1 in")) << out.text;
   const auto [changes, last] = test::replica_changes(metrics);
-  EXPECT_EQ(last, 60);
+  EXPECT_EQ(last, 150);
   ASSERT_EQ(changes.size(), 3u) << out.text;
   EXPECT_EQ(changes[1], (std::pair<int64_t, double>{13, 1.0}));
   EXPECT_EQ(changes[2].second, 2.0);
   const auto resumed = test::cli::run(test::cli::kDtrain + job +
                                       " --nproc 2 --batch-size 32 "
-                                      "--max-steps 62");
+                                      "--max-steps 152");
   ASSERT_EQ(resumed.code, 0) << resumed.text;
-  EXPECT_TRUE(test::cli::has(resumed, "resumed from step 60")) << resumed.text;
+  EXPECT_TRUE(test::cli::has(resumed, "resumed from step 150")) << resumed.text;
 }
 
 // What --replica-shards refuses, and bad input is not replaced.

@@ -27,6 +27,12 @@ faster (and on 2/3 of the data); the first two figures are the failure's own cos
 replicas of 2 ranks sharding Adam's state and the gradients; world rank 3 fails, its launcher
 ends rank 2 with it. Sides as for gpt-tp2.
 
+--job diloco-islands: DiLoCo (--strategy diloco --island-size 2 --outer-steps 10, inner ddp),
+the MLP job on 4 ranks: 2 islands of 2 ranks; world rank 3 is killed after step --kill-at (55:
+mid-round), its launcher ends rank 2 with it. The other island does not wait for it until the
+next outer step; reported also: the time from the kill to that outer step's commit, and that
+step's time against the outer steps without a failure. Sides as for gpt-tp2.
+
 --job gpt-tp2: replicas of two tensor-parallel ranks instead (a failure inside a replica's
 model-parallel group): a GPT of 4 blocks, width 256, context 64 on the fortunes text, tensor
 parallel 2 with sequence parallelism, 3 replicas (6 ranks of 1 thread); world rank 5 (replica
@@ -104,6 +110,9 @@ JOBS = {
     "zero2-hybrid": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
                       "--batch-size", "32", "--nproc", "4", "--strategy", "zero2"], 3,
                      ["--replica-shards", "2"]),
+    "diloco-islands": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
+                        "--batch-size", "32", "--nproc", "4", "--strategy", "diloco",
+                        "--island-size", "2", "--outer-steps", "10"], 3, []),
 }
 
 
@@ -148,6 +157,13 @@ def run_side(dtrain, side, args, workdir):
         result["steps_again"] = args.kill_at - (after["step"] - 1)
         result["first_step_after"] = after["step"]
         result["replicas_after"] = after.get("replicas")
+        outer = [r for r in steps if r["time"] > killed["time"] and r.get("outer_step", 0) >= 1]
+        if outer:  # DiLoCo: the first outer step after the kill, where the islands meet
+            result["kill_to_outer_s"] = outer[0]["time"] - killed["time"]
+            result["outer_step_after_ms"] = outer[0]["step_ms"]
+    if any(r.get("outer_step", 0) >= 1 for r in steps):
+        result["median_outer_step_ms"] = statistics.median(
+            r["step_ms"] for r in steps if r.get("outer_step", 0) >= 1)
     shutil.rmtree(checkpoints, ignore_errors=True)
     return result
 
@@ -181,7 +197,9 @@ def main():
     job, victim, _ = JOBS[args.job]
     shape = {"mlp": "3 ranks x 1 thread",
              "gpt-tp2": "3 replicas x tensor-parallel 2 (6 ranks x 1 thread), GPT 4 x 256",
-             "zero2-hybrid": "zero2, 2 replicas x 2 shards (4 ranks x 1 thread)"}[args.job]
+             "zero2-hybrid": "zero2, 2 replicas x 2 shards (4 ranks x 1 thread)",
+             "diloco-islands": "DiLoCo, 2 islands x 2 ranks (inner ddp, H = 10; 4 ranks x 1 "
+                               "thread)"}[args.job]
     lines = [f"{shape}, {args.steps} steps, rank {victim} killed after step {args.kill_at}; "
              f"medians of {args.rounds} rounds:",
              "",
@@ -205,6 +223,14 @@ def main():
                   f"without it: "
                   f"{step_ratio:.3f} ({med('tolerant', 'median_step_ms'):.1f} ms against "
                   f"{med('none', 'median_step_ms'):.1f} ms)."]
+    if args.job == "diloco-islands":
+        for side in ("replicas", "stopped"):
+            lines.append(
+                f"{side}: from the kill to the next outer step committed "
+                f"{med(side, 'kill_to_outer_s'):.3f} s; that outer step "
+                f"{med(side, 'outer_step_after_ms'):.0f} ms against "
+                f"{med('tolerant', 'median_outer_step_ms'):.0f} ms for an outer step without a "
+                f"failure.")
     report.table(lines, args.markdown)
 
 

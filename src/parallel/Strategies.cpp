@@ -118,6 +118,12 @@ void register_strategy(StrategyInfo info) {
   registry().add(std::move(info));
 }
 
+int replica_ranks(const StrategyOptions& options, const Layout& layout) {
+  const StrategyInfo& info = strategy_info(layout.strategy);
+  if (info.replica_ranks) return info.replica_ranks(options, layout);
+  return layout.tensor_parallel * options.of<ft::FaultToleranceOptions>().replica_shards;
+}
+
 StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options) {
   return strategy_info(name).make(options);
 }

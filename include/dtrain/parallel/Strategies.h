@@ -99,6 +99,9 @@ struct StrategyInfo {
   bool server_optimizer = false;
   /// Builds replicas that outlive each other with --fault-tolerance replicas.
   bool fault_tolerant = false;
+  /// With --fault-tolerance replicas: the ranks of one replica (what fails and is replaced as
+  /// one; consecutive world ranks). nullptr: --tensor-parallel x --replica-shards.
+  std::function<int(const StrategyOptions&, const Layout&)> replica_ranks;
   /// Trains with --precision bf16-master (a bf16 model, fp32 master weights in its optimizer).
   bool master_weights = false;
   /// Its options (groups shared with other strategies are declared once). A flag of a group
@@ -127,6 +130,10 @@ const StrategyInfo& strategy_info(const std::string& name);
 /// Adds a strategy (InputError when the name is taken); for code outside the library, before
 /// any run starts (the registry is read without a lock afterwards).
 void register_strategy(StrategyInfo info);
+
+/// With --fault-tolerance replicas: the ranks of one replica of `layout.strategy`
+/// (StrategyInfo::replica_ranks), what the launcher ends and starts again together.
+int replica_ranks(const StrategyOptions& options, const Layout& layout);
 
 /// Builds a registered strategy by name; InputError for unknown names.
 StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options);

@@ -31,9 +31,10 @@ constexpr const char* kFormat = "dtrain-diloco-1";
 void DilocoStrategy::save(const std::string& directory) {
   if (outer_in_model_) swap_in_outer();
   drain();
-  const bool leader = grid_->world()->rank() == 0;
+  const SaveRole role = save_role();
+  const bool leader = role.leader;
   // The outer parameters and their optimizer: rank 0's, or island 0's shards, one file each.
-  if (leader || (sharded_ && island_index_ == 0)) {
+  if (leader || (sharded_ && role.island == 0)) {
     NamedTensors buffers;
     for (const auto& item : inner_->model().module->named_buffers()) {
       if (leader) buffers.emplace_back(item.key(), item.value());
@@ -52,11 +53,11 @@ void DilocoStrategy::save(const std::string& directory) {
     state.insert("inner_steps", inner_done_);
     state.insert("last_sync", at::tensor(last_sync, at::kLong));
     state.insert("outer_steps", outer_done_);
-    state.insert("islands", static_cast<int64_t>(islands_));
+    state.insert("islands", static_cast<int64_t>(role.islands));
     state.insert("island_size", static_cast<int64_t>(island_->size()));
     save_pickled_dict(directory + "/" + kStateFile, state);
   }
-  const std::string mine = concat(directory, "/island-", island_index_);
+  const std::string mine = concat(directory, "/island-", role.island);
   std::error_code ignored;
   fs::create_directories(mine, ignored);
   inner_->save(mine);

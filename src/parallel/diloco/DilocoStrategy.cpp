@@ -11,6 +11,9 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Flags.h"
 #include "dtrain/parallel/StateShards.h"
+#include "dtrain/parallel/ft/FaultToleranceOptions.h"
+#include "parallel/ft/FaultTolerantDdp.h"
+#include "parallel/ft/FaultTolerantDiloco.h"
 
 namespace dtrain::parallel::diloco {
 
@@ -72,21 +75,6 @@ void check_layout(const DilocoOptions& o, const Layout& layout) {
                      " ranks");
 }
 
-// Ranks per island: the option, else this node's ranks (as dtrain launch tells them).
-int island_size_for(const DilocoOptions& o, int world) {
-  if (o.island_size > 0) {
-    DTRAIN_CHECK_INPUT(world % o.island_size == 0, "--island-size ", o.island_size,
-                       " does not divide the ", world, " ranks");
-    return o.island_size;
-  }
-  const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  const int size = local ? std::atoi(local) : world;
-  DTRAIN_CHECK_INPUT(size >= 1 && world % size == 0, "diloco: the ranks of one node (",
-                     "LOCAL_WORLD_SIZE=", size, ") do not divide the ", world,
-                     " ranks; give --island-size");
-  return size;
-}
-
 std::unique_ptr<torch::optim::Optimizer> make_outer_optimizer(const DilocoOptions& o,
                                                               const std::vector<at::Tensor>& p) {
   if (o.outer_optimizer == "adam") {
@@ -106,14 +94,25 @@ StrategyInfo diloco_strategy() {
       "DiLoCo: islands train alone for H steps, then average their change with an outer "
       "optimizer";
   info.whole_model_on_rank0 = false;  // rank 0 holds its island's parameters, not the outer ones
-  info.options = {option_group<DilocoOptions>("diloco", declare_flags, check_options)};
+  info.options = {option_group<DilocoOptions>("diloco", declare_flags, check_options),
+                  ft::fault_tolerance_options()};
+  info.fault_tolerant = true;
+  info.replica_ranks = [](const StrategyOptions& options, const Layout&) {
+    return options.of<DilocoOptions>().island_size;  // (fault tolerance needs it given)
+  };
   info.inner_strategy = [](const StrategyOptions& options) {
     return options.of<DilocoOptions>().inner_strategy;
   };
   info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
     check_layout(options.of<DilocoOptions>(), layout);
+    ft::check_fault_tolerance_layout(options, layout);
   };
-  info.make = make_from_options<DilocoStrategy>;
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    if (options.of<ft::FaultToleranceOptions>().replicas()) {
+      return std::make_unique<ft::FaultTolerantDiloco>(options);
+    }
+    return std::make_unique<DilocoStrategy>(options);
+  };
   return info;
 }
 
@@ -121,21 +120,32 @@ DilocoStrategy::DilocoStrategy(StrategyOptions options)
     : options_(std::move(options)), diloco_(options_.of<DilocoOptions>()) {
   check_options(diloco_);
   compression_ = comm::parse_compression(diloco_.outer_compression, "--outer-compression");
-  inner_ = make_strategy(diloco_.inner_strategy, options_);  // its own checks (precision, ...)
+  // The inner strategy trains one island: islands that outlive each other are DiLoCo's
+  // business (FaultTolerantDiloco), not the inner strategy's.
+  StrategyOptions inner = options_;
+  inner.of<ft::FaultToleranceOptions>() = ft::FaultToleranceOptions();
+  inner_ = make_strategy(diloco_.inner_strategy, inner);  // its own checks (precision, ...)
 }
 
-DilocoStrategy::~DilocoStrategy() = default;
+int DilocoStrategy::island_size_of(int world) const {
+  if (diloco_.island_size > 0) {
+    DTRAIN_CHECK_INPUT(world % diloco_.island_size == 0, "--island-size ", diloco_.island_size,
+                       " does not divide the ", world, " ranks");
+    return diloco_.island_size;
+  }
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const int size = local ? std::atoi(local) : world;
+  DTRAIN_CHECK_INPUT(size >= 1 && world % size == 0, "diloco: the ranks of one node (",
+                     "LOCAL_WORLD_SIZE=", size, ") do not divide the ", world,
+                     " ranks; give --island-size");
+  return size;
+}
 
-void DilocoStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
-                           std::shared_ptr<comm::ProcessGrid> grid) {
-  grid_ = std::move(grid);
-  DTRAIN_CHECK_INPUT(grid_->pp_size() == 1 && grid_->tp_size() == 1,
-                     "diloco's islands are data-parallel: --pipeline-parallel and "
-                     "--tensor-parallel must be 1");
+void DilocoStrategy::form_islands(Model& model) {
   const comm::CommunicatorPtr& all = grid_->dp();
   const int world = all->size();
   const int rank = all->rank();
-  const int size = island_size_for(diloco_, world);
+  const int size = island_size_of(world);
   islands_ = world / size;
   island_index_ = rank / size;
   island_ = islands_ == 1 ? all : all->split(island_index_, rank, "island");
@@ -148,6 +158,46 @@ void DilocoStrategy::setup(Model model, const optim::OptimizerFactory& make_opti
     for (auto& b : model.module->buffers()) works.push_back(across_->broadcast(b, {0}));
     comm::wait_all(works);
   }
+}
+
+comm::WorkPtr DilocoStrategy::average_over_islands(const at::Tensor& slice) {
+  return across_->allreduce(slice, {comm::ReduceOp::Avg});
+}
+
+DilocoStrategy::SaveRole DilocoStrategy::save_role() const {
+  SaveRole role;
+  role.leader = grid_->world()->rank() == 0;
+  role.island = island_index_;
+  role.islands = islands_;
+  return role;
+}
+
+at::Tensor DilocoStrategy::counters() const {
+  std::vector<int64_t> values = {inner_done_, outer_done_};
+  for (const auto& f : fragments_) values.push_back(f.last_sync);
+  return at::tensor(values, at::kLong);
+}
+
+void DilocoStrategy::set_counters(const at::Tensor& counters) {
+  DTRAIN_CHECK(counters.numel() == static_cast<int64_t>(2 + fragments_.size()),
+               "diloco: ", counters.numel(), " step counters for ", fragments_.size(),
+               " fragments");
+  const at::Tensor values = counters.to(at::kLong).contiguous();
+  const int64_t* v = values.data_ptr<int64_t>();
+  inner_done_ = v[0];
+  outer_done_ = v[1];
+  for (size_t p = 0; p < fragments_.size(); ++p) fragments_[p].last_sync = v[2 + p];
+}
+
+DilocoStrategy::~DilocoStrategy() = default;
+
+void DilocoStrategy::setup(Model model, const optim::OptimizerFactory& make_optimizer,
+                           std::shared_ptr<comm::ProcessGrid> grid) {
+  grid_ = std::move(grid);
+  DTRAIN_CHECK_INPUT(grid_->pp_size() == 1 && grid_->tp_size() == 1,
+                     "diloco's islands are data-parallel: --pipeline-parallel and "
+                     "--tensor-parallel must be 1");
+  form_islands(model);
   inner_->setup(std::move(model), make_optimizer, std::make_shared<comm::ProcessGrid>(island_));
   // ZeRO-3 islands: each rank's shards are its parameters; rank r of every island holds the same
   // slice, so the outer gradient is averaged shard by shard and never gathered in the island.
@@ -309,7 +359,7 @@ void DilocoStrategy::start_exchange(size_t index, int overlap) {
   Exchange exchange;
   exchange.fragment = index;
   exchange.due = inner_done_ + overlap;
-  if (across_) {
+  if (crosses_islands()) {
     // Each rank of an island carries one slice of it across (one model's bytes per island, not
     // one per rank), then the island gathers the averaged slices over its own links. Sharded
     // islands (zero3) hold their slices already: each rank's whole fragment is its own.
@@ -322,7 +372,7 @@ void DilocoStrategy::start_exchange(size_t index, int overlap) {
     if (compression_.kind != comm::CompressionSpec::None) {
       send_compressed(exchange, &fragment.residual);
     } else {
-      exchange.work = across_->allreduce(exchange.slice, {comm::ReduceOp::Avg});
+      exchange.work = average_over_islands(exchange.slice);
       outer_bytes_ += exchange.slice.numel() * exchange.slice.element_size();
     }
   }
@@ -337,7 +387,7 @@ void DilocoStrategy::finish_exchange(Exchange& exchange) {
   torch::NoGradGuard no_grad;
   const Fragment& fragment = fragments_[exchange.fragment];
   at::Tensor gradient = flat_grad_.narrow(0, fragment.offset, fragment.elements);
-  if (across_) {
+  if (crosses_islands()) {
     if (exchange.work) exchange.work->wait();
     if (exchange.gathered.defined()) receive_compressed(exchange);
     if (!sharded_ && island_->size() > 1) {

@@ -46,6 +46,34 @@ class DilocoStrategy : public Strategy {
   /// exchange makes one more: the run's last steps count.
   void finish_training(StepResult& last) override;
 
+ protected:
+  /// Forms island_ (and across_ when there are several islands) over the world and makes every
+  /// island start from the same `model` (island 0's); the inner strategy then spreads it.
+  virtual void form_islands(Model& model);
+  /// Collective over the islands: starts the mean of `slice` (this rank's share of an outer
+  /// gradient) over the ranks at its place in every island; nullptr when done in place.
+  virtual comm::WorkPtr average_over_islands(const at::Tensor& slice);
+  /// The outer gradient crosses islands (false: one island, nothing to average).
+  virtual bool crosses_islands() const { return across_ != nullptr; }
+  /// Who writes what of a checkpoint: `leader` the outer state and the counters, `island` the
+  /// folder its island's own state goes to, `islands` what the state file says it holds.
+  struct SaveRole {
+    bool leader = false;
+    int island = 0;
+    int islands = 1;
+  };
+  virtual SaveRole save_role() const;
+  /// Ranks per island: --island-size, else this node's ranks (LOCAL_WORLD_SIZE).
+  int island_size_of(int world) const;
+  /// The step counters (inner and outer steps, each fragment's last exchange) as one tensor,
+  /// and back: what a replacement island continues from.
+  at::Tensor counters() const;
+  void set_counters(const at::Tensor& counters);
+  /// The model holds this island's parameters (not the outer ones materialize() put in).
+  void island_in_model() {
+    if (outer_in_model_) swap_in_outer();
+  }
+
  private:
   /// Elements [lo, lo + length) of parameters_[tensor] flattened (the whole tensor unless a
   /// fragment boundary cuts it): what the outer optimizer steps. `outer` is a view of outer_'s
@@ -97,6 +125,7 @@ class DilocoStrategy : public Strategy {
   /// Swaps the model's parameters with the outer ones (in place; twice restores).
   void swap_in_outer();
 
+ protected:
   StrategyOptions options_;
   DilocoOptions diloco_;
   StrategyPtr inner_;
@@ -105,17 +134,19 @@ class DilocoStrategy : public Strategy {
   comm::CommunicatorPtr across_;  // the ranks at this rank's place in every island
   int island_index_ = 0;
   int islands_ = 1;
+  std::vector<at::Tensor> parameters_;  // the model's, or this rank's shards of them (zero3)
+  bool sharded_ = false;                // each rank of an island holds its own part of the model
+  std::vector<at::Tensor> outer_;       // the outer parameters (.grad: slices of flat_grad_)
+  std::unique_ptr<torch::optim::Optimizer> outer_optimizer_;
+
+ private:
   /// The outer parameters as checkpoint pieces (whole, or this rank's shards of them).
   std::vector<PieceRef> outer_pieces() const;
 
-  std::vector<at::Tensor> parameters_;  // the model's, or this rank's shards of them (zero3)
   std::vector<std::string> names_;
   std::vector<PieceRef> pieces_;   // zero3: the shards' places in the model's parameters
-  bool sharded_ = false;           // each rank of an island holds its own part of the model
-  std::vector<at::Tensor> outer_;  // the outer parameters (.grad: slices of flat_grad_)
   at::Tensor flat_grad_;           // the outer gradient, one buffer
   std::vector<at::Tensor> stash_;  // the island's parameters while the outer ones are in
-  std::unique_ptr<torch::optim::Optimizer> outer_optimizer_;
   comm::CompressionSpec compression_;
   std::vector<at::Tensor> grad_views_;  // outer_[i]'s gradient: its slice of flat_grad_
   std::vector<Run> runs_;

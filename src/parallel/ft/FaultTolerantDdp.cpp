@@ -13,10 +13,10 @@ namespace {
 
 void declare_flags(FlagSet& flags, FaultToleranceOptions& o) {
   flags.add("--fault-tolerance", o.mode,
-            "ddp: none (a failed rank stops the job; --max-restarts restarts every rank from "
-            "the newest checkpoint) or replicas (the other replicas go on without it at once, "
-            "its share of the data dropped until a replacement joins; --nproc or dtrain "
-            "launch)");
+            "ddp, zero1, zero2, diloco: none (a failed rank stops the job; --max-restarts "
+            "restarts every rank from the newest checkpoint) or replicas (the other replicas go "
+            "on without it at once, its share of the data dropped until a replacement joins; "
+            "diloco: a replica is an island; --nproc or dtrain launch)");
   flags.add("--max-replacements", o.max_replacements,
             "--fault-tolerance replicas with --nproc: start a failed replica again up to this "
             "many times; it joins the others at a step's end with the state of one of them");
@@ -101,8 +101,7 @@ ReplicaState FaultTolerantDdp::replica_state() {
   ReplicaState state;
   state.values = parameters_;
   for (const auto& b : model_.module->buffers()) state.values.push_back(b);
-  state.optimized = parameters_;
-  state.optimizer = optimizer_.get();
+  state.optimizers.push_back({optimizer_.get(), parameters_});
   return state;
 }
 

@@ -70,10 +70,7 @@ ReplicaState FaultTolerantZero::replica_state() {
   ReplicaState state;
   state.values = parameters_;
   for (const auto& b : model_.module->buffers()) state.values.push_back(b);
-  for (const auto& group : optimizer_->param_groups()) {
-    for (const auto& p : group.params()) state.optimized.push_back(p);
-  }
-  state.optimizer = optimizer_.get();
+  state.add_optimizer(*optimizer_);
   return state;
 }
 

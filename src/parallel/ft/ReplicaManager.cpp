@@ -234,9 +234,9 @@ std::string ReplicaManager::decide(bool summed) {
       for (const int r : all_ranks_of(members_)) {
         if (!store_->read(concat(base, "summed/", r))) missing.push_back(r);
       }
-      DTRAIN_THROW(CommError, "replica group: step ", step_ + 1,
-                   "'s gradient sum did not finish on ", "world rank(s) ", joined(missing),
-                   " within ", world_->timeout().count(),
+      DTRAIN_THROW(CommError, "replica group: ", sum_name_, " ", step_ + 1,
+                   "'s sum did not finish on ", "world rank(s) ", joined(missing), " within ",
+                   world_->timeout().count(),
                    " ms, and none of them was reported dead (members: world ranks ",
                    joined(all_ranks_of(members_)), ")");
     }
@@ -287,7 +287,7 @@ comm::WorkPtr ReplicaManager::start(const at::Tensor& part) {
 int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::WorkPtr> works,
                         const std::function<void()>& restore) {
   drop_abandoned();
-  DTRAIN_CHECK(admitting_.empty(), "replica group: step ", step_ + 1,
+  DTRAIN_CHECK(admitting_.empty(), "replica group: ", sum_name_, " ", step_ + 1,
                " began before the replacements the previous step admitted were taken in "
                "(admit)");
   const int me = me_;
@@ -311,7 +311,7 @@ int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::
     const auto started = Clock::now();
     const std::vector<int> survivors = parsed(decision.substr(decision.find(':') + 1));
     DTRAIN_CHECK(std::find(survivors.begin(), survivors.end(), replica_) != survivors.end(),
-                 "replica group: world rank ", me, " was left out at step ", step_ + 1,
+                 "replica group: world rank ", me, " was left out at ", sum_name_, " ", step_ + 1,
                  " (the others go on as world ranks ", joined(all_ranks_of(survivors)), ")");
     std::vector<int> lost;
     for (const int r : members_) {
@@ -330,10 +330,10 @@ int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::
     for (const auto& part : parts) works.push_back(start(part));
     if (me == world_rank_of(members_.front()) && position_ == 0) {
       std::fprintf(stderr,
-                   "dtrain: replica group: world rank(s) %s left at step %lld; %zu replica(s) go "
+                   "dtrain: replica group: world rank(s) %s left at %s %lld; %zu replica(s) go "
                    "on (regrouped in %.0f ms)\n",
-                   joined(all_ranks_of(lost)).c_str(), static_cast<long long>(step_ + 1),
-                   members_.size(),
+                   joined(all_ranks_of(lost)).c_str(), sum_name_.c_str(),
+                   static_cast<long long>(step_ + 1), members_.size(),
                    std::chrono::duration<double, std::milli>(Clock::now() - started).count());
       std::fflush(stderr);
     }

@@ -111,6 +111,8 @@ class ReplicaManager {
   int world_rank_of(int replica) const { return replica * replica_size_ + position_; }
   /// Times the group was formed again without a member.
   int64_t regroupings() const { return generation_; }
+  /// What each sum is in messages: "step" (a training step's gradients), DiLoCo's "outer step".
+  void name_sums(std::string name) { sum_name_ = std::move(name); }
 
  private:
   /// Waits for `work`; false when it failed or a member died meanwhile (it is then abandoned).
@@ -152,6 +154,7 @@ class ReplicaManager {
   bool replacement_ = false;
   int generation_ = 0;
   int64_t step_ = 0;
+  std::string sum_name_ = "step";
   int64_t deaths_seen_ = 0;
   std::chrono::milliseconds heartbeat_timeout_;
   std::chrono::milliseconds beat_every_;  // the heartbeat's period, and how often members look

@@ -27,12 +27,22 @@ void check_launcher(int replica_size) {
   const int launched = size == nullptr ? 1 : std::atoi(size);
   DTRAIN_CHECK_INPUT(launched == replica_size, "--fault-tolerance replicas: each replica is ",
                      replica_size,
-                     " ranks (--tensor-parallel x --replica-shards), but the "
+                     " ranks (--tensor-parallel x --replica-shards; diloco: --island-size), but "
+                     "the "
                      "launcher's --replica-size is ",
                      launched, " (dtrain train --nproc sets it)");
 }
 
 }  // namespace
+
+void ReplicaState::add_optimizer(torch::optim::Optimizer& optimizer) {
+  Optimized set;
+  set.optimizer = &optimizer;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) set.tensors.push_back(p);
+  }
+  optimizers.push_back(std::move(set));
+}
 
 ReplicaMember::ReplicaMember(comm::CommunicatorPtr world, double heartbeat_timeout_s,
                              bool replacement, int replica_size)
@@ -81,25 +91,26 @@ int64_t ReplicaMember::send_state(int root, const std::vector<int>& to, int64_t 
   const comm::CommunicatorPtr& group = manager_->group();
   const bool sending = group->rank() == root;
   if (!sending && std::find(to.begin(), to.end(), group->rank()) == to.end()) return steps;
-  DTRAIN_CHECK(state.optimizer != nullptr, "replica group: no optimizer to send the state of");
-  torch::optim::Optimizer& optimizer = *state.optimizer;
   // What the receiver cannot know (the optimizer state's keys and shapes: it has none yet) in a
   // small pickled header; then every tensor point to point, from where it lies into where it
   // goes (no staging copy), to each replacement (the other members hold the state already).
-  // Order: the values, then each optimized tensor's state in key order.
+  // Order: the values, then each optimizer's tensors' state in key order.
   std::vector<at::Tensor> tensors;
   std::vector<char> header;
   if (sending) {
     for (const auto& v : state.values) tensors.push_back(v.detach());
     c10::impl::GenericList layout(c10::AnyType::get());
-    for (const auto& p : state.optimized) {
-      c10::impl::GenericList keys(c10::AnyType::get());
-      for (const auto& [key, value] : optim::get_param_state(optimizer, p)) {
-        tensors.push_back(value);
-        keys.push_back(c10::ivalue::Tuple::create(
-            {key, static_cast<int64_t>(value.scalar_type()), c10::List<int64_t>(value.sizes())}));
+    for (const auto& set : state.optimizers) {
+      DTRAIN_CHECK(set.optimizer != nullptr, "replica group: no optimizer to send the state of");
+      for (const auto& p : set.tensors) {
+        c10::impl::GenericList keys(c10::AnyType::get());
+        for (const auto& [key, value] : optim::get_param_state(*set.optimizer, p)) {
+          tensors.push_back(value);
+          keys.push_back(c10::ivalue::Tuple::create(
+              {key, static_cast<int64_t>(value.scalar_type()), c10::List<int64_t>(value.sizes())}));
+        }
+        layout.push_back(keys);
       }
-      layout.push_back(keys);
     }
     c10::impl::GenericDict header_state(c10::StringType::get(), c10::AnyType::get());
     header_state.insert("steps", steps);
@@ -135,48 +146,54 @@ int64_t ReplicaMember::send_state(int root, const std::vector<int>& to, int64_t 
   const c10::impl::GenericDict received =
       torch::pickle_load(std::vector<char>(data, data + head.numel())).toGenericDict();
   const c10::List<c10::IValue> layout = received.at("layout").toList();
+  std::vector<std::pair<torch::optim::Optimizer*, at::Tensor>> optimized;
+  for (const auto& set : state.optimizers) {
+    for (const auto& p : set.tensors) optimized.emplace_back(set.optimizer, p);
+  }
   DTRAIN_CHECK(received.at("values").toInt() == static_cast<int64_t>(state.values.size()) &&
-                   layout.size() == state.optimized.size(),
+                   layout.size() == optimized.size(),
                "replica group: the state sent has ", received.at("values").toInt(), " values and ",
                layout.size(), " optimized tensors, this replica's ", state.values.size(), " and ",
-               state.optimized.size());
+               optimized.size());
   // Posted in the order sent; the values straight into place.
   std::vector<comm::WorkPtr> works;
-  std::vector<optim::ParamState> param_states(state.optimized.size());
+  std::vector<optim::ParamState> param_states(optimized.size());
   auto receive = [&](at::Tensor into) {
     bytes += into.numel() * into.element_size();
     works.push_back(group->recv(into, root, tag));
   };
   for (const auto& v : state.values) receive(v.detach());
-  for (size_t i = 0; i < state.optimized.size(); ++i) {
+  for (size_t i = 0; i < optimized.size(); ++i) {
     for (const c10::IValue& item : layout.get(i).toList()) {
       const auto tuple = item.toTuple();
       const auto& entry = tuple->elements();
       at::Tensor value = at::empty(
           entry[2].toIntVector(),
-          state.optimized[i].options().dtype(static_cast<at::ScalarType>(entry[1].toInt())));
+          optimized[i].second.options().dtype(static_cast<at::ScalarType>(entry[1].toInt())));
       param_states[i][entry[0].toStringRef()] = value;
       receive(value);
     }
   }
   comm::wait_all(works);
-  for (size_t i = 0; i < state.optimized.size(); ++i) {
-    optim::adopt_param_state(optimizer, state.optimized[i], std::move(param_states[i]));
+  for (size_t i = 0; i < optimized.size(); ++i) {
+    optim::adopt_param_state(*optimized[i].first, optimized[i].second, std::move(param_states[i]));
   }
   state_bytes_ = bytes;
   return received.at("steps").toInt();
 }
 
-ReplicaMemberStrategy::ReplicaMemberStrategy(const StrategyOptions& options, bool loss_scaled)
+ReplicaMemberStrategy::ReplicaMemberStrategy(const StrategyOptions& options, bool loss_scaled,
+                                             bool sums_gradients)
     : replacement_(options.of<FaultToleranceOptions>().replacement ||
                    std::getenv("DTRAIN_FT_REPLACEMENT") != nullptr),
       heartbeat_timeout_s_(options.of<FaultToleranceOptions>().heartbeat_timeout_s) {
   DTRAIN_CHECK_INPUT(!loss_scaled,
                      "--fault-tolerance replicas with loss scaling (fp16-mixed) is not built: use "
                      "bf16-mixed or fp32, or --loss-scaling none");
-  DTRAIN_CHECK_INPUT(!options.hierarchical_allreduce && options.grad_compression == "none",
-                     "--fault-tolerance replicas sums full-precision gradients over one group: "
-                     "leave out --hierarchical-allreduce and --grad-compression");
+  DTRAIN_CHECK_INPUT(
+      !sums_gradients || (!options.hierarchical_allreduce && options.grad_compression == "none"),
+      "--fault-tolerance replicas sums full-precision gradients over one group: "
+      "leave out --hierarchical-allreduce and --grad-compression");
 }
 
 void ReplicaMemberStrategy::form_replica_group(comm::CommunicatorPtr world, int replica_size) {

@@ -20,11 +20,17 @@
 namespace dtrain::parallel::ft {
 
 /// The state one rank of a replica holds: `values` (its parameters' values and buffers, in
-/// place), `optimized` (the tensors its optimizer updates, whose state it keeps), `optimizer`.
+/// place), and for each of its optimizers (DiLoCo: the inner and the outer one) the tensors it
+/// updates, whose state it keeps.
 struct ReplicaState {
+  struct Optimized {
+    torch::optim::Optimizer* optimizer = nullptr;
+    std::vector<at::Tensor> tensors;
+  };
   std::vector<at::Tensor> values;
-  std::vector<at::Tensor> optimized;
-  torch::optim::Optimizer* optimizer = nullptr;
+  std::vector<Optimized> optimizers;
+  /// The tensors `optimizer` updates (every parameter of its groups).
+  void add_optimizer(torch::optim::Optimizer& optimizer);
 };
 
 class ReplicaMember {
@@ -59,7 +65,9 @@ class ReplicaMember {
 class ReplicaMemberStrategy : public ReplaceableReplicas {
  public:
   int64_t joined_at_step() const override { return joined_at_; }
-  void admit_waiting(int64_t steps) override { member_->admit_waiting(steps, replica_state()); }
+  void admit_waiting(int64_t steps) override {
+    if (!member_->manager().admitting().empty()) member_->admit_waiting(steps, replica_state());
+  }
   void close_admissions() override { member_->manager().close(); }
   bool in_leading_replica() const override { return member_->manager().leads(); }
   bool leads() const override {
@@ -67,9 +75,12 @@ class ReplicaMemberStrategy : public ReplaceableReplicas {
   }
 
  protected:
-  /// InputError for what neither sums over the replicas (`loss_scaled`: a loss scaler, the
-  /// hierarchical allreduce, gradient compression); reads whether this process is a replacement.
-  ReplicaMemberStrategy(const StrategyOptions& options, bool loss_scaled);
+  /// InputError for what the gradients' sum over the replicas cannot take (`loss_scaled`: a
+  /// loss scaler, the hierarchical allreduce, gradient compression; `sums_gradients` false: a
+  /// strategy whose replicas average something else, DiLoCo's outer gradient); reads whether
+  /// this process is a replacement.
+  ReplicaMemberStrategy(const StrategyOptions& options, bool loss_scaled,
+                        bool sums_gradients = true);
   /// What a replacement receives.
   virtual ReplicaState replica_state() = 0;
   /// Forms the replica group over `world` in replicas of `replica_size` ranks (a replacement's
