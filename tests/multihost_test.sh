@@ -146,8 +146,31 @@ grep -q "replica group: world rank(s) 2,3 left at step 4" "$work/a2h.log" || fai
 grep -q "replica group: world rank(s) 2,3 joined after step" "$work/a2h.log" || fail "host a did not admit host b's replacements"
 grep -q "world rank 3 joined after step [0-9]*, its state (.* MB) from world rank 1" "$work/b2h.log" || fail "rank 3's replacement did not get rank 1's shard"
 grep -q "trained 60 steps (global batch 128, 4 ranks, zero2)" "$work/a2h.log" || fail "host a did not finish"
-job=("${plain_job[@]}")
 echo "ok: a hybrid-sharded replica killed on host b was replaced and joined host a's"
+# 2e. DiLoCo with an island per host (--island-size 2, an outer step every 5 steps): rank 3
+#     (host b) is killed; host a's island goes on alone through the next outer step, host b's
+#     launcher starts both ranks again and they join at an outer step with host a's island's
+#     state; both hosts finish.
+di_launch() {  # NODE NAMESPACE [ENV=VALUE...]
+  local node=$1 ns=$2
+  shift 2
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 2 \
+    --master-addr 10.231.0.1 --master-port $((port + 30)) --node-rank "$node" --tolerate-failures \
+    --replica-size 2 --max-replacements 1 \
+    -- "$dtrain" "${job[@]}" --strategy diloco --island-size 2 --outer-steps 5 \
+    --fault-tolerance replicas
+}
+di_launch 1 "$b" DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=3:3 > "$work/b2d.log" 2>&1 &
+other=$!
+di_launch 0 "$a" DTRAIN_SIMULATE_SLOW_STEP_MS=100 > "$work/a2d.log" 2>&1 || fail "node 0 failed with DiLoCo islands (exit $?)"
+wait $other || fail "node 1's launcher failed after replacing its island"
+grep -q "ending rank 2 (pid [0-9]*) too: it is in rank 3's replica" "$work/b2d.log" || fail "host b did not end rank 3's island mate"
+grep -q "replica group: world rank(s) 2,3 left at outer step 1" "$work/a2d.log" || fail "host a did not leave host b's island out"
+grep -q "replica group: world rank(s) 2,3 joined after step" "$work/a2d.log" || fail "host a did not admit host b's island"
+grep -q "world rank 3 joined after step [0-9]*, its state (.* MB) from world rank 1" "$work/b2d.log" || fail "rank 3's replacement did not get rank 1's state"
+grep -q "trained 60 steps (global batch 128, 4 ranks, diloco)" "$work/a2d.log" || fail "host a did not finish"
+job=("${plain_job[@]}")
+echo "ok: a DiLoCo island killed on host b was replaced and joined host a's"
 # 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
 #    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
 printf 'multihost-token\n' > "$work/token"

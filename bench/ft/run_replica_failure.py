@@ -33,6 +33,10 @@ mid-round), its launcher ends rank 2 with it. The other island does not wait for
 next outer step; reported also: the time from the kill to that outer step's commit, and that
 step's time against the outer steps without a failure. Sides as for gpt-tp2.
 
+--job diloco: the same with islands of 1 rank, 3 ranks (world rank 2 killed), and the peer:
+torchft's DiLoCo (bench/ft/torchft_diloco.py), 3 replica groups of one rank, the same model,
+inner and outer optimizers and H.
+
 --job gpt-tp2: replicas of two tensor-parallel ranks instead (a failure inside a replica's
 model-parallel group): a GPT of 4 blocks, width 256, context 64 on the fortunes text, tensor
 parallel 2 with sequence parallelism, 3 replicas (6 ranks of 1 thread); world rank 5 (replica
@@ -72,13 +76,19 @@ def run_torchft(args, workdir):
     lighthouse and 3 replica groups of one rank (bench/ft/torchft_replica.py)."""
     port = 29610
     lighthouse = start_lighthouse(port)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_replica.py")
+    diloco = args.job == "diloco"
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "torchft_diloco.py" if diloco else "torchft_replica.py")
     logs = [os.path.join(workdir, f"torchft-{r}.jsonl") for r in range(3)]
+    for log in logs:
+        if os.path.exists(log):
+            os.remove(log)
     started = time.time()
     replicas = [subprocess.Popen([VENV_PYTHON, script, "--replica", str(r), "--store-port",
                                   str(port + 10 + r), "--lighthouse", f"http://127.0.0.1:{port}",
                                   "--steps", str(args.steps), "--kill-replica", "2", "--kill-at",
-                                  str(args.kill_at), "--log", logs[r]],
+                                  str(args.kill_at), "--log", logs[r]]
+                                 + (["--sync-every", "10"] if diloco else []),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 for r in range(3)]
     codes = [p.wait(timeout=300) for p in replicas]
@@ -88,6 +98,19 @@ def run_torchft(args, workdir):
     if codes[0] != 0 or codes[1] != 0:
         raise SystemExit(f"torchft replicas exited {codes}")
     steps = [json.loads(line) for line in open(logs[0])]
+    if diloco:  # every inner step is its own; the islands meet at the outer steps
+        killed = [r for r in steps if r["step"] == args.kill_at][0]
+        after = [r for r in steps if r["time"] > killed["time"]][0]
+        outer = [r for r in steps if r["time"] > killed["time"] and r["outer_step"]]
+        gaps = {b["step"]: b["time"] - a["time"] for a, b in zip(steps, steps[1:])}
+        return {"side": "torchft", "command": " ".join(replicas[0].args), "wall_s": wall,
+                "median_step_ms": 1e3 * statistics.median(gaps.values()),
+                "kill_to_commit_s": after["time"] - killed["time"], "steps_again": 0,
+                "first_step_after": after["step"], "replicas_after": outer[0]["replicas"],
+                "kill_to_outer_s": outer[0]["time"] - killed["time"],
+                "outer_step_after_ms": 1e3 * gaps[outer[0]["step"]],
+                "median_outer_step_ms": 1e3 * statistics.median(
+                    gaps[r["step"]] for r in steps if r["outer_step"] and r["step"] in gaps)}
     committed = [r for r in steps if r["committed"]]
     killed = [r for r in committed if r["step"] == args.kill_at][0]
     after = [r for r in committed if r["time"] > killed["time"]][0]
@@ -110,6 +133,9 @@ JOBS = {
     "zero2-hybrid": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
                       "--batch-size", "32", "--nproc", "4", "--strategy", "zero2"], 3,
                      ["--replica-shards", "2"]),
+    "diloco": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
+                "--batch-size", "32", "--nproc", "3", "--strategy", "diloco", "--island-size", "1",
+                "--outer-steps", "10"], 2, []),
     "diloco-islands": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
                         "--batch-size", "32", "--nproc", "4", "--strategy", "diloco",
                         "--island-size", "2", "--outer-steps", "10"], 3, []),
@@ -153,6 +179,13 @@ def run_side(dtrain, side, args, workdir):
     if side not in ("none", "tolerant"):
         killed = [r for r in steps if r["step"] == args.kill_at][0]
         after = [r for r in steps if r["time"] > killed["time"]][0]
+        if side == "restart":
+            # The first step of the restarted run (the step count goes back): DiLoCo's other
+            # island records steps of its own until the launcher ends it.
+            later = [r for r in steps if r["time"] > killed["time"]]
+            restarted = [b for a, b in zip(later, later[1:]) if b["step"] <= a["step"]]
+            if restarted:
+                after = restarted[0]
         result["kill_to_commit_s"] = after["time"] - killed["time"]
         result["steps_again"] = args.kill_at - (after["step"] - 1)
         result["first_step_after"] = after["step"]
@@ -182,7 +215,7 @@ def main():
                                                           "replica-failure.jsonl"))
     args = parser.parse_args()
     dtrain = os.path.join(args.build, "dtrain")
-    sides = SIDES if args.job == "mlp" else tuple(s for s in SIDES if s != "torchft")
+    sides = SIDES if args.job in ("mlp", "diloco") else tuple(s for s in SIDES if s != "torchft")
     with report.Records(args.records, "a", dtrain) as records, \
             tempfile.TemporaryDirectory(prefix="dtrain-ft-") as workdir:
         rounds = report.alternated_rounds(
@@ -196,6 +229,7 @@ def main():
 
     job, victim, _ = JOBS[args.job]
     shape = {"mlp": "3 ranks x 1 thread",
+             "diloco": "DiLoCo, 3 islands of 1 rank (H = 10; 3 ranks x 1 thread)",
              "gpt-tp2": "3 replicas x tensor-parallel 2 (6 ranks x 1 thread), GPT 4 x 256",
              "zero2-hybrid": "zero2, 2 replicas x 2 shards (4 ranks x 1 thread)",
              "diloco-islands": "DiLoCo, 2 islands x 2 ranks (inner ddp, H = 10; 4 ranks x 1 "
@@ -223,14 +257,14 @@ def main():
                   f"without it: "
                   f"{step_ratio:.3f} ({med('tolerant', 'median_step_ms'):.1f} ms against "
                   f"{med('none', 'median_step_ms'):.1f} ms)."]
-    if args.job == "diloco-islands":
-        for side in ("replicas", "stopped"):
+    if args.job.startswith("diloco"):
+        for side in ("replicas", "stopped") + (("torchft",) if "torchft" in sides else ()):
             lines.append(
                 f"{side}: from the kill to the next outer step committed "
                 f"{med(side, 'kill_to_outer_s'):.3f} s; that outer step "
                 f"{med(side, 'outer_step_after_ms'):.0f} ms against "
-                f"{med('tolerant', 'median_outer_step_ms'):.0f} ms for an outer step without a "
-                f"failure.")
+                f"{med('tolerant' if side != 'torchft' else side, 'median_outer_step_ms'):.0f}"
+                f" ms for its outer steps without a failure.")
     report.table(lines, args.markdown)
 
 
