@@ -1,5 +1,6 @@
-// What the fault-tolerance tests share (tests/fault_tolerance*_test.cpp): a failure reported as
-// the launcher reports it, weights compared, and a run's metrics file read.
+// What the fault-tolerance tests share (tests/fault_tolerance*_test.cpp): their float64 data and
+// model, a failure reported as the launcher reports it, weights compared, and a run's metrics
+// file read.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,16 +10,56 @@
 #include <chrono>
 #include <cstdint>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "SmallModels.h"
 #include "dtrain/comm/Communicator.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/Strategy.h"
 #include "parallel/ft/ReplicaManager.h"
 
 namespace dtrain::test {
+
+// Rank r's batch at step t: its own `batch` rows of one synthetic float64 data set (16
+// features, 4 classes) for `ranks` ranks and `steps` steps.
+struct RankRows {
+  at::Tensor inputs, targets;
+  int ranks = 1;
+  int64_t rows = 1;
+  RankRows(int steps, int ranks_, int64_t batch, uint64_t seed) : ranks(ranks_), rows(batch) {
+    at::Generator generator = at::detail::createCPUGenerator(seed);
+    inputs = at::randn({steps * ranks * rows, 16}, generator, at::kDouble);
+    targets = at::randint(4, {steps * ranks * rows}, generator, at::kLong);
+  }
+  data::Batch batch(int step, int rank) const {
+    const int64_t begin = (static_cast<int64_t>(step) * ranks + rank) * rows;
+    return {inputs.narrow(0, begin, rows), targets.narrow(0, begin, rows)};
+  }
+};
+
+// The tests' float64 MLP 16-32-4, its initial weights from `seed` (rank threads call it
+// together: the global generator is taken under a lock).
+inline Model double_mlp(int seed = 5) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(seed);
+  Model model = models::make_model(small_mlp(16, 32, 4));
+  model.module->to(at::kDouble);
+  return model;
+}
+
+// The model's parameters as the strategy ends with them (materialized), copied.
+inline std::vector<at::Tensor> values_of(parallel::Strategy& strategy) {
+  strategy.materialize();
+  std::vector<at::Tensor> out;
+  for (const auto& p : strategy.model().module->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
 
 // World rank `rank`'s death, written where its launcher writes it.
 inline void report_death(comm::KeyValue& store, int rank) {

@@ -10,14 +10,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <mutex>
-
 #include "FaultToleranceRuns.h"
 #include "Oracle.h"
 #include "RankThreads.h"
-#include "SmallModels.h"
 #include "dtrain/comm/ProcessGrid.h"
-#include "dtrain/models/Zoo.h"
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/Strategies.h"
@@ -42,34 +38,7 @@ constexpr int kOuterSteps = 2;  // H
 constexpr double kOuterLr = 0.7, kOuterMomentum = 0.9;
 
 // World rank r's batch at step t: its own rows of one synthetic float64 data set.
-struct Data {
-  at::Tensor inputs, targets;
-  Data() {
-    at::Generator generator = at::detail::createCPUGenerator(29);
-    inputs = at::randn({kSteps * kRanks * kBatch, 16}, generator, at::kDouble);
-    targets = at::randint(4, {kSteps * kRanks * kBatch}, generator, at::kLong);
-  }
-  data::Batch batch(int step, int rank) const {
-    const int64_t begin = (step * kRanks + rank) * kBatch;
-    return {inputs.narrow(0, begin, kBatch), targets.narrow(0, begin, kBatch)};
-  }
-};
-
-Model initial_model(int seed = 5) {
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  torch::manual_seed(seed);
-  Model model = models::make_model(test::small_mlp(16, 32, 4));
-  model.module->to(at::kDouble);
-  return model;
-}
-
-std::vector<at::Tensor> values_of(parallel::Strategy& strategy) {
-  strategy.materialize();
-  std::vector<at::Tensor> out;
-  for (const auto& p : strategy.model().module->parameters()) out.push_back(p.detach().clone());
-  return out;
-}
+test::RankRows rows() { return test::RankRows(kSteps, kRanks, kBatch, 29); }
 
 parallel::StrategyOptions diloco_options(const std::string& inner,
                                          const std::string& fault_tolerance) {
@@ -95,7 +64,7 @@ struct Outcome {
 // step after the failure without it, and is admitted at the end of the next outer step.
 Outcome train_islands(const std::string& inner, const std::string& fault_tolerance, int dies_before,
                       bool replaced = false) {
-  const Data data;
+  const test::RankRows data = rows();
   Outcome out;
   // The first outer step without island 2, and the step after which it may join.
   const int left = dies_before < 0 ? -1 : (dies_before / kOuterSteps + 1) * kOuterSteps - 1;
@@ -105,7 +74,7 @@ Outcome train_islands(const std::string& inner, const std::string& fault_toleran
         auto grid = std::make_shared<comm::ProcessGrid>(world);
         auto options = diloco_options(inner, fault_tolerance);
         auto strategy = parallel::make_strategy("diloco", options);
-        strategy->setup(initial_model(), optim::optimizer_factory(test::adam()), grid);
+        strategy->setup(test::double_mlp(), optim::optimizer_factory(test::adam()), grid);
         const int island = world->rank() / kIslandSize;
         auto store = world->key_value();
         for (int step = 0; step < kSteps; ++step) {
@@ -116,7 +85,7 @@ Outcome train_islands(const std::string& inner, const std::string& fault_toleran
             strategy.reset();
             options.of<parallel::ft::FaultToleranceOptions>().replacement = true;
             strategy = parallel::make_strategy("diloco", options);
-            strategy->setup(initial_model(99), optim::optimizer_factory(test::adam()), grid);
+            strategy->setup(test::double_mlp(99), optim::optimizer_factory(test::adam()), grid);
             const int64_t joined = parallel::ft::replaceable(*strategy)->joined_at_step();
             EXPECT_EQ(joined, left + 1 + kOuterSteps);
             step = static_cast<int>(joined);
@@ -138,7 +107,7 @@ Outcome train_islands(const std::string& inner, const std::string& fault_toleran
                                             : static_cast<double>(kIslands));
           }
         }
-        out.weights[world->rank()] = values_of(*strategy);
+        out.weights[world->rank()] = test::values_of(*strategy);
       },
       std::chrono::seconds(60));
   return out;
@@ -149,11 +118,11 @@ Outcome train_islands(const std::string& inner, const std::string& fault_toleran
 // Nesterov step, every island present from the outer parameters. Island 2 is absent from step
 // `dies_before` until step `joins`, where it takes island 0's parameters and Adam state.
 std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps) {
-  const Data data;
+  const test::RankRows data = rows();
   std::vector<Model> islands;
   std::vector<std::unique_ptr<torch::optim::Optimizer>> inner;
   for (int i = 0; i < kIslands; ++i) {
-    islands.push_back(initial_model());
+    islands.push_back(test::double_mlp());
     inner.push_back(optim::make_optimizer(islands.back().module->parameters(), test::adam()));
   }
   std::vector<at::Tensor> outer;

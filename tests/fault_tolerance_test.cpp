@@ -37,25 +37,7 @@ constexpr int64_t kBatch = 4;
 constexpr int kSteps = 6;
 
 // Replica r's batch at step t: its own rows of one synthetic float64 data set.
-struct Data {
-  at::Tensor inputs, targets;
-  Data() {
-    at::Generator generator = at::detail::createCPUGenerator(17);
-    inputs = at::randn({kSteps * 3 * kBatch, 16}, generator, at::kDouble);
-    targets = at::randint(4, {kSteps * 3 * kBatch}, generator, at::kLong);
-  }
-  data::Batch batch(int step, int replica) const {
-    const int64_t begin = (step * 3 + replica) * kBatch;
-    return {inputs.narrow(0, begin, kBatch), targets.narrow(0, begin, kBatch)};
-  }
-};
-
-Model initial_model() {
-  torch::manual_seed(5);
-  Model model = models::make_model(test::small_mlp(16, 32, 4));
-  model.module->to(at::kDouble);
-  return model;
-}
+test::RankRows rows() { return test::RankRows(kSteps, 3, kBatch, 17); }
 
 optim::OptimizerSpec adam() {
   optim::OptimizerSpec spec;
@@ -82,9 +64,9 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
                                        std::vector<at::Tensor>* replacement_weights = nullptr,
                                        int victim = 2, std::vector<int>* leaders = nullptr) {
   const int watcher = victim == 0 ? 1 : 0;  // the rank whose weights and records are returned
-  const Data data;
+  const test::RankRows data = rows();
   std::vector<Model> models;
-  for (int r = 0; r < 3; ++r) models.push_back(initial_model());
+  for (int r = 0; r < 3; ++r) models.push_back(test::double_mlp());
   std::vector<at::Tensor> weights;
   std::atomic<bool> finished{false};
   test::run_ranks(
@@ -176,8 +158,8 @@ std::vector<at::Tensor> train_replicas(const std::string& fault_tolerance, int d
 // One process on the global batch of the replicas present at each step: replica `victim`'s
 // rows are left out from step `dies_before` until step `joins` (its replacement's first).
 std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps, int victim = 2) {
-  const Data data;
-  Model model = initial_model();
+  const test::RankRows data = rows();
+  Model model = test::double_mlp();
   auto optimizer = optim::make_optimizer(model.module->parameters(), adam());
   for (int step = 0; step < kSteps; ++step) {
     const bool missing = dies_before >= 0 && step >= dies_before && step < joins;

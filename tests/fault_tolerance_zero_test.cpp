@@ -13,16 +13,13 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "FaultToleranceRuns.h"
 #include "Oracle.h"
 #include "RankThreads.h"
-#include "SmallModels.h"
 #include "dtrain/comm/ProcessGrid.h"
-#include "dtrain/models/Zoo.h"
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
@@ -43,34 +40,7 @@ constexpr int64_t kBatch = 4;
 constexpr int kSteps = 6;
 
 // World rank r's batch at step t: its own rows of one synthetic float64 data set.
-struct Data {
-  at::Tensor inputs, targets;
-  Data() {
-    at::Generator generator = at::detail::createCPUGenerator(23);
-    inputs = at::randn({kSteps * kRanks * kBatch, 16}, generator, at::kDouble);
-    targets = at::randint(4, {kSteps * kRanks * kBatch}, generator, at::kLong);
-  }
-  data::Batch batch(int step, int rank) const {
-    const int64_t begin = (step * kRanks + rank) * kBatch;
-    return {inputs.narrow(0, begin, kBatch), targets.narrow(0, begin, kBatch)};
-  }
-};
-
-Model initial_model(int seed = 5) {
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  torch::manual_seed(seed);
-  Model model = models::make_model(test::small_mlp(16, 32, 4));
-  model.module->to(at::kDouble);
-  return model;
-}
-
-std::vector<at::Tensor> values_of(parallel::Strategy& strategy) {
-  strategy.materialize();
-  std::vector<at::Tensor> out;
-  for (const auto& p : strategy.model().module->parameters()) out.push_back(p.detach().clone());
-  return out;
-}
+test::RankRows rows() { return test::RankRows(kSteps, kRanks, kBatch, 23); }
 
 struct Outcome {
   std::vector<std::vector<at::Tensor>> weights = std::vector<std::vector<at::Tensor>>(kRanks);
@@ -83,7 +53,7 @@ struct Outcome {
 // step without it, and is admitted at the end of the next.
 Outcome train_replicas(const std::string& strategy_name, const std::string& fault_tolerance,
                        int dies_before, bool replaced = false) {
-  const Data data;
+  const test::RankRows data = rows();
   Outcome out;
   test::run_ranks(
       kRanks,
@@ -94,7 +64,7 @@ Outcome train_replicas(const std::string& strategy_name, const std::string& faul
         ft.mode = fault_tolerance;
         if (ft.replicas()) ft.replica_shards = kShards;
         auto strategy = parallel::make_strategy(strategy_name, options);
-        strategy->setup(initial_model(), optim::optimizer_factory(test::adam()), grid);
+        strategy->setup(test::double_mlp(), optim::optimizer_factory(test::adam()), grid);
         const int replica = world->rank() / kShards;
         auto store = world->key_value();
         for (int step = 0; step < kSteps; ++step) {
@@ -105,7 +75,7 @@ Outcome train_replicas(const std::string& strategy_name, const std::string& faul
             strategy.reset();
             ft.replacement = true;
             strategy = parallel::make_strategy(strategy_name, options);
-            strategy->setup(initial_model(99), optim::optimizer_factory(test::adam()), grid);
+            strategy->setup(test::double_mlp(99), optim::optimizer_factory(test::adam()), grid);
             const int64_t joined = parallel::ft::replaceable(*strategy)->joined_at_step();
             EXPECT_EQ(joined, dies_before + 2);
             step = static_cast<int>(joined);
@@ -127,7 +97,7 @@ Outcome train_replicas(const std::string& strategy_name, const std::string& faul
             out.losses.push_back(result.loss);
           }
         }
-        out.weights[world->rank()] = values_of(*strategy);
+        out.weights[world->rank()] = test::values_of(*strategy);
       },
       std::chrono::seconds(60));
   return out;
@@ -137,8 +107,8 @@ Outcome train_replicas(const std::string& strategy_name, const std::string& faul
 // left out from step `dies_before` until step `joins`); its loss at each step in `losses`.
 std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps,
                                           std::vector<double>* losses = nullptr) {
-  const Data data;
-  Model model = initial_model();
+  const test::RankRows data = rows();
+  Model model = test::double_mlp();
   auto optimizer = optim::make_optimizer(model.module->parameters(), test::adam());
   for (int step = 0; step < kSteps; ++step) {
     const bool missing = dies_before >= 0 && step >= dies_before && step < joins;

@@ -32,13 +32,7 @@ void FaultTolerantDiloco::form_islands(Model& model) {
   island_index_ = me / size;
   std::vector<int> ranks;
   for (int r = 0; r < size; ++r) ranks.push_back(island_index_ * size + r);
-  // A replacement island's ranks, started again together, form their island among themselves
-  // under a key of their incarnation (the world never forms for them).
-  const char* incarnation = std::getenv("DTRAIN_FT_REPLACEMENT");
-  const std::string key = concat(incarnation != nullptr ? incarnation
-                                 : replacement_         ? "replacement"
-                                                        : "0",
-                                 "/", island_index_);
+  const std::string key = replica_key(island_index_);
   island_ = world->regroup(ranks, concat("ft/island/", key), concat("island ", island_index_));
   across_ = nullptr;
   form_replica_group(world, size);

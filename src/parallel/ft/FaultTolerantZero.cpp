@@ -30,13 +30,7 @@ comm::CommunicatorPtr FaultTolerantZero::data_parallel_group() {
   std::vector<int> shard_ranks, replica_ranks;
   for (int s = 0; s < shards_; ++s) shard_ranks.push_back(replica * size + s * tp + position);
   for (int r = 0; r < size; ++r) replica_ranks.push_back(replica * size + r);
-  // A replacement replica's ranks, started again together, form their groups among themselves
-  // under a key of their incarnation (the world never forms for them).
-  const char* incarnation = std::getenv("DTRAIN_FT_REPLACEMENT");
-  const std::string key = concat(incarnation != nullptr ? incarnation
-                                 : replacement_         ? "replacement"
-                                                        : "0",
-                                 "/", replica);
+  const std::string key = replica_key(replica);
   replica_ = world->regroup(replica_ranks, concat("ft/replica/", key), concat("replica ", replica));
   return world->regroup(shard_ranks, concat("ft/shards/", key, "/", position),
                         concat("shards[replica=", replica, ",tp=", position, "]"));

@@ -201,6 +201,14 @@ void ReplicaMemberStrategy::form_replica_group(comm::CommunicatorPtr world, int 
                                             replica_size);
 }
 
+std::string ReplicaMemberStrategy::replica_key(int replica) const {
+  const char* incarnation = std::getenv("DTRAIN_FT_REPLACEMENT");
+  return concat(incarnation != nullptr ? incarnation
+                : replacement_         ? "replacement"
+                                       : "0",
+                "/", replica);
+}
+
 void ReplicaMemberStrategy::join_when_replacing(int replica_size) {
   check_launcher(replica_size);
   if (replacement_) joined_at_ = member_->join(replica_state());

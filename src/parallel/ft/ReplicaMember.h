@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "dtrain/parallel/Strategy.h"
@@ -90,6 +91,10 @@ class ReplicaMemberStrategy : public ReplaceableReplicas {
   /// nothing would be left to go on) and knows that a replica is `replica_size` ranks (else it
   /// would start one of them alone); a replacement waits for its admission and its state.
   void join_when_replacing(int replica_size);
+  /// Where the groups inside replica `replica` form (regroup keys): a replacement replica's
+  /// ranks, started again together, form theirs among themselves under their incarnation (the
+  /// world never forms for them).
+  std::string replica_key(int replica) const;
 
   std::unique_ptr<ReplicaMember> member_;
   bool replacement_ = false;
