@@ -90,6 +90,14 @@ inline double max_difference(const std::vector<at::Tensor>& a, const std::vector
   return worst;
 }
 
+// The largest difference between `expected` and the weights of any of `ranks` (indexed by rank).
+inline double worst_of(const std::vector<std::vector<at::Tensor>>& weights,
+                       const std::vector<at::Tensor>& expected, const std::vector<int>& ranks) {
+  double worst = 0;
+  for (const int r : ranks) worst = std::max(worst, max_difference(weights[r], expected));
+  return worst;
+}
+
 // The leader's step records: the step at which each number of replicas present began (from
 // the first step), and the last step.
 struct ReplicaChanges {

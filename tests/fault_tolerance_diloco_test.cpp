@@ -173,13 +173,6 @@ std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps) {
   return outer;
 }
 
-double worst_of(const Outcome& out, const std::vector<at::Tensor>& expected,
-                const std::vector<int>& ranks) {
-  double worst = 0;
-  for (const int r : ranks) worst = std::max(worst, test::max_difference(out.weights[r], expected));
-  return worst;
-}
-
 }  // namespace
 
 // Without a failure: DiLoCo written out in one process, and plain DiLoCo, for inner ddp and zero2.
@@ -188,9 +181,10 @@ TEST(FaultToleranceDiloco, WithoutAFailureItIsDiloco) {
   const auto expected = train_one_process(-1);
   for (const std::string inner : {"ddp", "zero2"}) {
     const Outcome out = train_islands(inner, "replicas", -1);
-    EXPECT_LT(worst_of(out, expected, {0, 1, 2, 3, 4, 5}), 1e-12) << inner;
+    EXPECT_LT(test::worst_of(out.weights, expected, {0, 1, 2, 3, 4, 5}), 1e-12) << inner;
     EXPECT_EQ(out.replicas_seen, std::vector<double>(kSteps, 3.0)) << inner;
-    EXPECT_LT(worst_of(train_islands(inner, "none", -1), expected, {0, 3, 5}), 1e-12) << inner;
+    EXPECT_LT(test::worst_of(train_islands(inner, "none", -1).weights, expected, {0, 3, 5}), 1e-12)
+        << inner;
   }
 }
 
@@ -200,9 +194,9 @@ TEST(FaultToleranceDiloco, TheOtherIslandsMakeTheOuterStepWithoutAFailedIsland) 
   at::set_num_threads(1);
   const Outcome out = train_islands("ddp", "replicas", 2);
   EXPECT_EQ(out.replicas_seen, (std::vector<double>{3, 3, 3, 2, 2, 2, 2, 2}));
-  EXPECT_LT(worst_of(out, train_one_process(2), {0, 1, 2, 3}), 1e-12);
+  EXPECT_LT(test::worst_of(out.weights, train_one_process(2), {0, 1, 2, 3}), 1e-12);
   // (Island 2's change of the round counted would be another run.)
-  EXPECT_GT(worst_of(out, train_one_process(4), {0}), 1e-6);
+  EXPECT_GT(test::worst_of(out.weights, train_one_process(4), {0}), 1e-6);
 }
 
 // A replacement island joins at the end of the outer step after the one that left it out: each
@@ -213,10 +207,11 @@ TEST(FaultToleranceDiloco, AReplacementIslandTakesTheStateAndTheThreeTrainOn) {
   for (const std::string inner : {"ddp", "zero3"}) {
     const Outcome out = train_islands(inner, "replicas", 2, /*replaced=*/true);
     EXPECT_EQ(out.replicas_seen, (std::vector<double>{3, 3, 3, 2, 2, 2, 2, 3})) << inner;
-    EXPECT_LT(worst_of(out, train_one_process(2, 6), {0, 1, 2, 3, 4, 5}), 1e-12) << inner;
+    EXPECT_LT(test::worst_of(out.weights, train_one_process(2, 6), {0, 1, 2, 3, 4, 5}), 1e-12)
+        << inner;
     EXPECT_EQ(test::max_difference(out.weights[4], out.weights[0]), 0.0) << inner;
     EXPECT_EQ(test::max_difference(out.weights[5], out.weights[1]), 0.0) << inner;
-    EXPECT_GT(worst_of(out, train_one_process(2), {0}), 1e-6) << inner;
+    EXPECT_GT(test::worst_of(out.weights, train_one_process(2), {0}), 1e-6) << inner;
   }
 }
 

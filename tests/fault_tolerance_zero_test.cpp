@@ -128,13 +128,6 @@ std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps,
   return weights;
 }
 
-double worst_of(const Outcome& out, const std::vector<at::Tensor>& expected,
-                const std::vector<int>& ranks) {
-  double worst = 0;
-  for (const int r : ranks) worst = std::max(worst, test::max_difference(out.weights[r], expected));
-  return worst;
-}
-
 }  // namespace
 
 // Without a failure: one process on the global batch (zero1 and zero2), and the loss each step
@@ -145,11 +138,12 @@ TEST(FaultToleranceZero, WithoutAFailureHybridShardsTrainAsOneProcess) {
   const auto expected = train_one_process(-1, kSteps, &losses);
   for (const std::string strategy : {"zero1", "zero2"}) {
     const Outcome out = train_replicas(strategy, "replicas", -1);
-    EXPECT_LT(worst_of(out, expected, {0, 1, 2, 3, 4, 5}), 1e-12) << strategy;
+    EXPECT_LT(test::worst_of(out.weights, expected, {0, 1, 2, 3, 4, 5}), 1e-12) << strategy;
     ASSERT_EQ(out.losses.size(), losses.size());
     for (size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(out.losses[i], losses[i], 1e-12);
     // The same run without fault tolerance (ZeRO over all six ranks) agrees.
-    EXPECT_LT(worst_of(train_replicas(strategy, "none", -1), expected, {0, 3, 5}), 1e-12);
+    EXPECT_LT(test::worst_of(train_replicas(strategy, "none", -1).weights, expected, {0, 3, 5}),
+              1e-12);
   }
 }
 
@@ -160,8 +154,8 @@ TEST(FaultToleranceZero, TheOtherReplicasCommitTheStepWithoutAFailedReplica) {
   for (const std::string strategy : {"zero1", "zero2"}) {
     const Outcome out = train_replicas(strategy, "replicas", 3);
     EXPECT_EQ(out.replicas_seen, (std::vector<double>{3, 3, 3, 2, 2, 2})) << strategy;
-    EXPECT_LT(worst_of(out, train_one_process(3), {0, 1, 2, 3}), 1e-12) << strategy;
-    EXPECT_GT(worst_of(out, train_one_process(4), {0, 1, 2, 3}), 1e-6) << strategy;
+    EXPECT_LT(test::worst_of(out.weights, train_one_process(3), {0, 1, 2, 3}), 1e-12) << strategy;
+    EXPECT_GT(test::worst_of(out.weights, train_one_process(4), {0, 1, 2, 3}), 1e-6) << strategy;
   }
 }
 
@@ -172,10 +166,10 @@ TEST(FaultToleranceZero, AReplacementReplicaTakesEachShardsStateAndTheThreeTrain
   at::set_num_threads(1);
   const Outcome out = train_replicas("zero2", "replicas", 2, /*replaced=*/true);
   EXPECT_EQ(out.replicas_seen, (std::vector<double>{3, 3, 2, 2, 3, 3}));
-  EXPECT_LT(worst_of(out, train_one_process(2, 4), {0, 1, 2, 3, 4, 5}), 1e-12);
+  EXPECT_LT(test::worst_of(out.weights, train_one_process(2, 4), {0, 1, 2, 3, 4, 5}), 1e-12);
   EXPECT_EQ(test::max_difference(out.weights[4], out.weights[0]), 0.0);
   EXPECT_EQ(test::max_difference(out.weights[5], out.weights[1]), 0.0);
-  EXPECT_GT(worst_of(out, train_one_process(2), {0}), 1e-6);
+  EXPECT_GT(test::worst_of(out.weights, train_one_process(2), {0}), 1e-6);
 }
 
 #ifdef DTRAIN_CLI_PATH
