@@ -23,6 +23,9 @@ faster (and on 2/3 of the data); the first two figures are the failure's own cos
 
   bench/ft/run_replica_failure.py --rounds 2 [--markdown FILE]
 
+The torchft side needs torchft in the PyTorch 2.x venv (scripts/setup --torch pip makes it;
+torchft is a benchmark peer only): .venv-torch/bin/pip install torchft==0.2.0
+
 --job zero2-hybrid: zero2 with --replica-shards 2 (hybrid sharding), the MLP job on 4 ranks: 2
 replicas of 2 ranks sharding Adam's state and the gradients; world rank 3 fails, its launcher
 ends rank 2 with it. Sides as for gpt-tp2.
