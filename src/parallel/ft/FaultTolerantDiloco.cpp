@@ -59,12 +59,15 @@ comm::WorkPtr FaultTolerantDiloco::average_over_islands(const at::Tensor& slice)
   trace::Span span("sync", "outer gradient mean over the islands present");
   torch::NoGradGuard no_grad;
   // This rank's slice and a one: the sum counts the islands in it. The slice stays as it was
-  // until the sum commits (a sum taken again after a failure starts from a copy).
+  // until the sum commits, so a sum taken again after a failure refills from it (no copy kept).
   const int64_t n = slice.numel();
   at::Tensor flat = at::empty({n + 1}, slice.options());
-  flat.narrow(0, 0, n).copy_(slice);
-  flat[n].fill_(1.0);
-  member_->manager().allreduce(flat);
+  auto fill = [&slice, n](at::Tensor& out) {
+    out.narrow(0, 0, n).copy_(slice);
+    out[n].fill_(1.0);
+  };
+  fill(flat);
+  member_->manager().allreduce(flat, fill);
   present_ = flat[n].item<double>();
   slice.copy_(flat.narrow(0, 0, n).div_(present_));
   return nullptr;
