@@ -345,13 +345,15 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
     launch.tolerate_failures =
         dtrain::train::uses_parameter_server(job) || fault_tolerance.replicas();
     // A replica that fails is started again and joins the others (live recovery); its ranks
-    // (a tensor-parallel group, hybrid shards, a DiLoCo island) fail and start again as one.
+    // (a tensor-parallel group, a pipeline, hybrid shards, a DiLoCo island) fail and start
+    // again as one.
     if (fault_tolerance.replicas()) {
       launch.max_replacements = fault_tolerance.max_replacements;
       dtrain::parallel::Layout layout;
       layout.strategy = job.trainer.strategy;
       layout.ranks = job.nproc;
       layout.tensor_parallel = job.trainer.tensor_parallel;
+      layout.pipeline_parallel = job.trainer.pipeline_parallel;
       launch.replica_size = dtrain::parallel::replica_ranks(job.trainer.strategy_options, layout);
       launch.replace_first_replica = true;  // the next replica present leads
     }

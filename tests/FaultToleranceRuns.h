@@ -121,4 +121,23 @@ inline ReplicaChanges replica_changes(const std::string& metrics) {
   return out;
 }
 
+// A launcher's run of 2 replicas of 2 ranks (world ranks 2, 3 the second) in which one of the
+// second's ranks failed at step 12: the launcher ended rank 2 with it, the first replica went
+// on alone from step 13, the second's two ranks joined again with the first's state at each
+// position, and the job ended at `steps` with two replicas. `text`: the launcher's output.
+inline void expect_second_replica_replaced(const std::string& text, const std::string& metrics,
+                                           int64_t steps) {
+  for (const char* line : {"ending rank 2 (pid", "replica group: world rank(s) 2,3 left at step 13",
+                           "replica group: world rank(s) 2,3 joined after step",
+                           "from world rank 0 in", "from world rank 1 in"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << "no '" << line << "' in:\n" << text;
+  }
+  const auto [changes, last] = replica_changes(metrics);
+  EXPECT_EQ(last, steps);
+  ASSERT_EQ(changes.size(), 3u) << text;
+  EXPECT_EQ(changes[0], (std::pair<int64_t, double>{1, 2.0}));
+  EXPECT_EQ(changes[1], (std::pair<int64_t, double>{13, 1.0}));
+  EXPECT_EQ(changes[2].second, 2.0);
+}
+
 }  // namespace dtrain::test

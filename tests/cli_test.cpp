@@ -107,8 +107,9 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--tp-comm-overlap overlaps tensor parallelism's communication: it needs"},
       {" train --strategy zero3 --overlap-param-gather",
        "use --strategy zero1 or zero2 (with or without a pipeline), not zero3"},
-      {" train --fault-tolerance replicas --pipeline-parallel 2 --nproc 2",
-       "a replica is one rank, one tensor-parallel group or --replica-shards ranks for now"},
+      {" train --model mlp --fault-tolerance replicas --pipeline-parallel 2 --nproc 4 "
+       "--micro-batches 2 --pipeline-balance time",
+       "--pipeline-balance time measures on each replica"},
       {" train --loss-scaling maybe", "unknown loss scaling 'maybe'"},
       {" train --global-batch 64 --accumulation 2", "not both"},
       {" train --dataset synthetic --global-batch 100 --batch-size 32",

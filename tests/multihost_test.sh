@@ -6,7 +6,7 @@
 # both launchers naming the failed node, rank and signal, and with --fault-tolerance replicas
 # that the other host's replica goes on without it (and, with --max-replacements, that its
 # replacement joins it; a replica of two ranks sharding its state, zero2 --replica-shards 2,
-# replaced the same way); Downpour across the hosts against a
+# replaced the same way, and a pipeline of two stages too); Downpour across the hosts against a
 # token-guarded parameter-server shard, surviving a worker killed on one host; Sandblaster
 # with its coordinator on one host and the shard on the other; federated learning with the
 # server on one host and clients on both; and a network partition mid-round (host b's link
@@ -169,8 +169,30 @@ grep -q "replica group: world rank(s) 2,3 left at outer step 1" "$work/a2d.log" 
 grep -q "replica group: world rank(s) 2,3 joined after step" "$work/a2d.log" || fail "host a did not admit host b's island"
 grep -q "world rank 3 joined after step [0-9]*, its state (.* MB) from world rank 1" "$work/b2d.log" || fail "rank 3's replacement did not get rank 1's state"
 grep -q "trained 60 steps (global batch 128, 4 ranks, diloco)" "$work/a2d.log" || fail "host a did not finish"
-job=("${plain_job[@]}")
 echo "ok: a DiLoCo island killed on host b was replaced and joined host a's"
+# 2f. A pipeline per host (--pipeline-parallel 2: a replica is both stages, ranks laid out
+#     replica by replica): rank 3 (host b's last stage) is killed; host b's launcher ends rank 2
+#     too and starts both again, they join host a's pipeline with its stages' state, and both
+#     hosts finish.
+pp_launch() {  # NODE NAMESPACE [ENV=VALUE...]
+  local node=$1 ns=$2
+  shift 2
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 2 \
+    --master-addr 10.231.0.1 --master-port $((port + 35)) --node-rank "$node" --tolerate-failures \
+    --replica-size 2 --max-replacements 1 \
+    -- "$dtrain" "${job[@]}" --pipeline-parallel 2 --micro-batches 2 --fault-tolerance replicas
+}
+pp_launch 1 "$b" DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=3:3 > "$work/b2p.log" 2>&1 &
+other=$!
+pp_launch 0 "$a" DTRAIN_SIMULATE_SLOW_STEP_MS=100 > "$work/a2p.log" 2>&1 || fail "node 0 failed with pipeline replicas (exit $?)"
+wait $other || fail "node 1's launcher failed after replacing its pipeline"
+grep -q "ending rank 2 (pid [0-9]*) too: it is in rank 3's replica" "$work/b2p.log" || fail "host b did not end rank 3's other stage"
+grep -q "replica group: world rank(s) 2,3 left at step 4" "$work/a2p.log" || fail "host a did not leave host b's pipeline out"
+grep -q "replica group: world rank(s) 2,3 joined after step" "$work/a2p.log" || fail "host a did not admit host b's pipeline"
+grep -q "world rank 3 joined after step [0-9]*, its state (.* MB) from world rank 1" "$work/b2p.log" || fail "rank 3's replacement did not get rank 1's stage"
+grep -q "trained 60 steps" "$work/a2p.log" || fail "host a did not finish"
+job=("${plain_job[@]}")
+echo "ok: a pipeline killed on host b was replaced and joined host a's"
 # 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
 #    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
 printf 'multihost-token\n' > "$work/token"

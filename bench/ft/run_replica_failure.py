@@ -40,6 +40,11 @@ step's time against the outer steps without a failure. Sides as for gpt-tp2.
 torchft's DiLoCo (bench/ft/torchft_diloco.py), 3 replica groups of one rank, the same model,
 inner and outer optimizers and H.
 
+--job pipeline: replicas that are pipelines: the MLP job with --pipeline-parallel 2
+--micro-batches 2 (1F1B) on 6 ranks, 3 replicas of 2 stages (laid out replica by replica);
+world rank 5 (replica 2's last stage) is killed or stopped and its launcher ends rank 4 with it.
+Sides as for gpt-tp2.
+
 --job gpt-tp2: replicas of two tensor-parallel ranks instead (a failure inside a replica's
 model-parallel group): a GPT of 4 blocks, width 256, context 64 on the fortunes text, tensor
 parallel 2 with sequence parallelism, 3 replicas (6 ranks of 1 thread); world rank 5 (replica
@@ -136,6 +141,9 @@ JOBS = {
     "zero2-hybrid": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
                       "--batch-size", "32", "--nproc", "4", "--strategy", "zero2"], 3,
                      ["--replica-shards", "2"]),
+    "pipeline": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
+                  "--batch-size", "32", "--nproc", "6", "--pipeline-parallel", "2",
+                  "--micro-batches", "2"], 5, []),
     "diloco": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
                 "--batch-size", "32", "--nproc", "3", "--strategy", "diloco", "--island-size", "1",
                 "--outer-steps", "10"], 2, []),
@@ -234,6 +242,8 @@ def main():
     shape = {"mlp": "3 ranks x 1 thread",
              "diloco": "DiLoCo, 3 islands of 1 rank (H = 10; 3 ranks x 1 thread)",
              "gpt-tp2": "3 replicas x tensor-parallel 2 (6 ranks x 1 thread), GPT 4 x 256",
+             "pipeline": "3 replicas x a 2-stage pipeline (1F1B, 2 micro-batches of 32; 6 ranks "
+                         "x 1 thread)",
              "zero2-hybrid": "zero2, 2 replicas x 2 shards (4 ranks x 1 thread)",
              "diloco-islands": "DiLoCo, 2 islands x 2 ranks (inner ddp, H = 10; 4 ranks x 1 "
                                "thread)"}[args.job]

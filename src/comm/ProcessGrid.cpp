@@ -9,8 +9,12 @@
 
 namespace dtrain::comm {
 
-ProcessGrid::ProcessGrid(CommunicatorPtr world, int tensor_parallel, int pipeline_parallel)
-    : world_(std::move(world)), pp_size_(pipeline_parallel), tp_size_(tensor_parallel) {
+ProcessGrid::ProcessGrid(CommunicatorPtr world, int tensor_parallel, int pipeline_parallel,
+                         GridOrder order)
+    : world_(std::move(world)),
+      pp_size_(pipeline_parallel),
+      tp_size_(tensor_parallel),
+      order_(order) {
   DTRAIN_CHECK(world_, "ProcessGrid needs a world communicator");
   const int world_size = world_->size();
   DTRAIN_CHECK_INPUT(tp_size_ >= 1 && pp_size_ >= 1 && world_size % (tp_size_ * pp_size_) == 0,
@@ -26,22 +30,25 @@ ProcessGrid::ProcessGrid(CommunicatorPtr world, int tensor_parallel, int pipelin
   auto keep = [](CommunicatorPtr& slot, CommunicatorPtr group) {
     if (group) slot = std::move(group);
   };
-  // A replacement replica (--fault-tolerance replicas: a tensor-parallel group started again
-  // while the others train) never forms the world: its TP group forms among its own ranks,
-  // which its launcher started together, under a key of their incarnation.
+  // A replacement replica (--fault-tolerance replicas: a tensor-parallel group or a pipeline
+  // started again while the others train) never forms the world: the groups inside its replica
+  // (TP, and PP under GridOrder::kTpPpDp) form among its own ranks, which its launcher started
+  // together, under a key of their incarnation.
   const char* incarnation = std::getenv("DTRAIN_FT_REPLACEMENT");
   const bool replacement = !world_->formed() && incarnation != nullptr;
+  auto make_inside = [&](const std::vector<int>& ranks, const std::string& name) {
+    const bool mine = std::find(ranks.begin(), ranks.end(), world_->rank()) != ranks.end();
+    if (replacement && mine && ranks.size() > 1) {
+      return world_->regroup(ranks, concat("replacement/", incarnation, "/", name), name);
+    }
+    return make(ranks, name);
+  };
+  const bool pp_inside = order_ == GridOrder::kTpPpDp;
   for (int pp = 0; pp < pp_size_; ++pp) {
     for (int dp = 0; dp < dp_size_; ++dp) {
       std::vector<int> ranks;
       for (int tp = 0; tp < tp_size_; ++tp) ranks.push_back(world_rank_of({dp, pp, tp}));
-      const std::string name = concat("tp[pp=", pp, ",dp=", dp, "]");
-      const bool mine = std::find(ranks.begin(), ranks.end(), world_->rank()) != ranks.end();
-      if (replacement && mine && ranks.size() > 1) {
-        keep(tp_, world_->regroup(ranks, concat("replacement/", incarnation, "/", name), name));
-        continue;
-      }
-      keep(tp_, make(ranks, name));
+      keep(tp_, make_inside(ranks, concat("tp[pp=", pp, ",dp=", dp, "]")));
     }
   }
   for (int pp = 0; pp < pp_size_; ++pp) {
@@ -55,7 +62,8 @@ ProcessGrid::ProcessGrid(CommunicatorPtr world, int tensor_parallel, int pipelin
     for (int tp = 0; tp < tp_size_; ++tp) {
       std::vector<int> ranks;
       for (int pp = 0; pp < pp_size_; ++pp) ranks.push_back(world_rank_of({dp, pp, tp}));
-      keep(pp_, make(ranks, concat("pp[dp=", dp, ",tp=", tp, "]")));
+      const std::string name = concat("pp[dp=", dp, ",tp=", tp, "]");
+      keep(pp_, pp_inside ? make_inside(ranks, name) : make(ranks, name));
     }
   }
   DTRAIN_CHECK(dp_ && pp_ && tp_, "ProcessGrid: rank ", world_->rank(),
@@ -118,6 +126,7 @@ int ProcessGrid::pp_rank_of(int stage, int replica) const {
 
 int ProcessGrid::world_rank_of(const GridCoordinates& c) const {
   if (replicated_stages()) return (stage_offsets_[c.pp] + c.dp) * tp_size_ + c.tp;
+  if (order_ == GridOrder::kTpPpDp) return c.dp * (pp_size_ * tp_size_) + c.pp * tp_size_ + c.tp;
   return c.pp * (dp_size_ * tp_size_) + c.dp * tp_size_ + c.tp;
 }
 
@@ -128,6 +137,11 @@ GridCoordinates ProcessGrid::coordinates_of(int world_rank) const {
     const int slot = world_rank / tp_size_;
     while (c.pp + 1 < pp_size_ && stage_offsets_[c.pp + 1] <= slot) ++c.pp;
     c.dp = slot - stage_offsets_[c.pp];
+    return c;
+  }
+  if (order_ == GridOrder::kTpPpDp) {
+    c.pp = (world_rank / tp_size_) % pp_size_;
+    c.dp = world_rank / (tp_size_ * pp_size_);
     return c;
   }
   c.dp = (world_rank / tp_size_) % dp_size_;

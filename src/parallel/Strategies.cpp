@@ -121,7 +121,13 @@ void register_strategy(StrategyInfo info) {
 int replica_ranks(const StrategyOptions& options, const Layout& layout) {
   const StrategyInfo& info = strategy_info(layout.strategy);
   if (info.replica_ranks) return info.replica_ranks(options, layout);
-  return layout.tensor_parallel * options.of<ft::FaultToleranceOptions>().replica_shards;
+  return layout.tensor_parallel * layout.pipeline_parallel *
+         options.of<ft::FaultToleranceOptions>().replica_shards;
+}
+
+comm::GridOrder grid_order(const StrategyOptions& options) {
+  return options.of<ft::FaultToleranceOptions>().replicas() ? comm::GridOrder::kTpPpDp
+                                                            : comm::GridOrder::kTpDpPp;
 }
 
 StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -102,7 +103,8 @@ Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
   layout.defer_eval = options_.defer_eval;
   grid_ = options_.stage_replicas.empty()
               ? std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
-                                                    options_.pipeline_parallel)
+                                                    options_.pipeline_parallel,
+                                                    parallel::grid_order(options_.strategy_options))
               : std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
                                                     options_.stage_replicas);
   layout.micro_batches = plan_batches(options_, grid_->data_parallel_size()).micro_batches;
@@ -175,7 +177,20 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
     sums[2] += n;
   }
   at::Tensor totals = at::tensor({sums[0], sums[1], sums[2]}, at::kDouble);
-  if (!alone) world_->allreduce(totals)->wait();
+  if (!alone) {
+    world_->allreduce(totals)->wait();
+  } else if (auto* replicas = parallel::ft::replaceable(*strategy_)) {
+    // The leading replica alone (--fault-tolerance replicas): its ranks that counted (a
+    // pipeline's last stage; every rank of a replica that shards its state) saw the same
+    // examples; the mean over them.
+    const comm::CommunicatorPtr group = replicas->replica_group();
+    if (group && group->size() > 1) {
+      at::Tensor counted =
+          at::cat({totals, at::ones({1}, at::kDouble) * (sums[2] > 0 ? 1.0 : 0.0)});
+      group->allreduce(counted)->wait();
+      totals = counted.narrow(0, 0, 3) / std::max(1.0, counted[3].item<double>());
+    }
+  }
   EvalResult result;
   result.examples = static_cast<int64_t>(totals[2].item<double>());
   if (result.examples > 0) {

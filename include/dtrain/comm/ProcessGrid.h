@@ -14,13 +14,22 @@ struct GridCoordinates {
   int tp = 0;
 };
 
-/// Ranks are laid out tensor-parallel fastest, then data-parallel, then pipeline:
-/// world_rank = pp * (dp_size * tp_size) + dp * tp_size + tp, so a TP group is a run of
-/// neighbouring ranks (the ones that talk most).
+/// How world ranks map to coordinates (Megatron's orders; tensor-parallel always fastest, so a
+/// TP group is a run of neighbouring ranks, the ones that talk most).
+enum class GridOrder {
+  /// world_rank = pp * (dp_size * tp_size) + dp * tp_size + tp (Megatron's default).
+  kTpDpPp,
+  /// world_rank = dp * (pp_size * tp_size) + pp * tp_size + tp: each data-parallel replica
+  /// (every stage and TP rank of it) is a run of consecutive ranks, what --fault-tolerance
+  /// replicas fails and replaces as one (Megatron's --use-tp-pp-dp-mapping).
+  kTpPpDp,
+};
+
 class ProcessGrid {
  public:
   /// Collective over `world`. dp size = world size / (tp * pp), which must divide evenly.
-  ProcessGrid(CommunicatorPtr world, int tensor_parallel = 1, int pipeline_parallel = 1);
+  ProcessGrid(CommunicatorPtr world, int tensor_parallel = 1, int pipeline_parallel = 1,
+              GridOrder order = GridOrder::kTpDpPp);
   /// Collective over `world`: a pipeline whose stage s is replicated stage_replicas[s] times
   /// (PipeDream's layouts; the world holds their sum x tp ranks). Stage s's replicas are the
   /// world ranks after stage s - 1's, replica k of stage s at pp coordinate s and dp coordinate
@@ -47,6 +56,7 @@ class ProcessGrid {
   int pp_rank_of(int stage, int replica = 0) const;
   int pp_size() const { return pp_size_; }
   int tp_size() const { return tp_size_; }
+  GridOrder order() const { return order_; }
   const GridCoordinates& coordinates() const { return coordinates_; }
 
   bool is_first_stage() const { return coordinates_.pp == 0; }
@@ -63,6 +73,7 @@ class ProcessGrid {
   int dp_size_;
   int pp_size_;
   int tp_size_;
+  GridOrder order_ = GridOrder::kTpDpPp;
   std::vector<int> stage_replicas_;
   std::vector<int> stage_offsets_;  // replicated stages: stage s's first slot (rank / tp)
   GridCoordinates coordinates_;

@@ -135,6 +135,11 @@ void register_strategy(StrategyInfo info);
 /// (StrategyInfo::replica_ranks), what the launcher ends and starts again together.
 int replica_ranks(const StrategyOptions& options, const Layout& layout);
 
+/// How the run's ranks are laid out (ProcessGrid): with --fault-tolerance replicas each
+/// data-parallel replica's ranks are consecutive (a pipeline's stages inside its replica), else
+/// Megatron's default order.
+comm::GridOrder grid_order(const StrategyOptions& options);
+
 /// Builds a registered strategy by name; InputError for unknown names.
 StrategyPtr make_strategy(const std::string& name, const StrategyOptions& options);
 

@@ -63,16 +63,17 @@ void check_fault_tolerance_layout(const StrategyOptions& options, const Layout& 
       ": a replica's ranks shard the optimizer state with --strategy zero1 or "
       "zero2, not ",
       layout.strategy);
-  const int replica = o.replica_shards * layout.tensor_parallel;
-  DTRAIN_CHECK_INPUT(layout.ranks == 0 || layout.ranks % replica == 0,
-                     "--fault-tolerance "
-                     "replicas: ",
-                     layout.ranks, " ranks do not divide into replicas of ", o.replica_shards,
-                     " x --tensor-parallel ", layout.tensor_parallel);
+  DTRAIN_CHECK_INPUT(layout.stage_replicas.empty(),
+                     "--fault-tolerance replicas: a replica is a whole pipeline; --stage-replicas "
+                     "replicates stages inside one: leave it out");
+  const int replica = o.replica_shards * layout.tensor_parallel * layout.pipeline_parallel;
   DTRAIN_CHECK_INPUT(
-      layout.pipeline_parallel == 1 && layout.stage_replicas.empty(),
-      "--fault-tolerance replicas: a replica is one rank, one tensor-parallel group or "
-      "--replica-shards ranks for now (without --pipeline-parallel or --stage-replicas)");
+      layout.ranks == 0 || layout.ranks % replica == 0,
+      "--fault-tolerance replicas: ", layout.ranks, " ranks do not divide into replicas of ",
+      layout.pipeline_parallel > 1 ? concat("--pipeline-parallel ", layout.pipeline_parallel, " x ")
+                                   : std::string(),
+      o.replica_shards > 1 ? concat("--replica-shards ", o.replica_shards, " x ") : std::string(),
+      "--tensor-parallel ", layout.tensor_parallel);
   DTRAIN_CHECK_INPUT(!layout.defer_eval,
                      "--fault-tolerance replicas evaluates on the leading replica alone: leave out "
                      "--defer-eval");
@@ -84,9 +85,8 @@ FaultTolerantDdp::FaultTolerantDdp(StrategyOptions options)
 void FaultTolerantDdp::setup(Model model, const optim::OptimizerFactory& make_optimizer,
                              std::shared_ptr<comm::ProcessGrid> grid) {
   DdpStrategy::setup(std::move(model), make_optimizer, std::move(grid));
-  DTRAIN_CHECK_INPUT(grid_->pp_size() == 1 && !grid_->replicated_stages(),
-                     "--fault-tolerance replicas: a replica is one rank or one tensor-parallel "
-                     "group for now (no pipeline)");
+  DTRAIN_CHECK(grid_->pp_size() == 1 && !grid_->replicated_stages(),
+               "FaultTolerantDdp: a pipeline's replicas are FaultTolerantPipeline's");
   // (broadcast_initial_state left a replacement's state to the admission.)
   join_when_replacing(grid_->tp_size());
 }
@@ -126,46 +126,10 @@ StepResult FaultTolerantDdp::train_step(const std::vector<data::Batch>& micro_ba
   }
   {
     trace::Span span("sync", "gradient sum over the replicas present");
-    torch::NoGradGuard no_grad;
-    // Every gradient, then this replica's loss and a one: the sum counts the replicas in it.
-    // Filled from the gradients, which stay as backward left them until the sum commits (a sum
-    // taken again after a failure starts from them).
-    int64_t total = 0;
-    for (const auto& p : parameters_) total += p.numel();
-    at::Tensor flat = at::empty({total + 2}, parameters_.front().options());
-    const double local_loss = result.loss;
-    auto fill = [this, local_loss](at::Tensor& out) {
-      int64_t offset = 0;
-      for (const auto& p : parameters_) {
-        at::Tensor part = out.narrow(0, offset, p.numel());
-        if (p.grad().defined()) {
-          part.copy_(p.grad().reshape({-1}));
-        } else {
-          part.zero_();
-        }
-        offset += p.numel();
-      }
-      out[-2].fill_(local_loss);
-      out[-1].fill_(1.0);
-    };
-    fill(flat);
-    member_->manager().allreduce(flat, fill);
-    const double replicas = flat[-1].item<double>();
-    flat.div_(replicas);
-    int64_t offset = 0;
-    for (auto& p : parameters_) {
-      const at::Tensor mean = flat.narrow(0, offset, p.numel()).view(p.sizes());
-      if (p.grad().defined()) {
-        p.mutable_grad().copy_(mean);
-      } else {
-        p.mutable_grad() = mean.clone();
-      }
-      offset += p.numel();
-    }
+    const int replicas = mean_over_replicas(member_->manager(), parameters_, result.loss);
     // Sequence parallelism: what each TP rank holds of a replicated parameter's gradient is a
     // part; the replica's TP group sums them (as ddp does after its reduction).
     tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
-    result.loss = flat[-2].item<double>();
     result.metrics["replicas"] = replicas;
     result.metrics["regroupings"] = static_cast<double>(member_->manager().regroupings());
   }

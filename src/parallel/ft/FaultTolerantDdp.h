@@ -42,7 +42,8 @@ class FaultTolerantDdp : public ddp::DdpStrategy, public ReplicaMemberStrategy {
 
 /// --fault-tolerance's flags and checks.
 OptionGroup fault_tolerance_options();
-/// InputError unless each replica is one rank or one tensor-parallel group (no pipeline).
+/// InputError unless the ranks divide into replicas (pipeline stages x --replica-shards x
+/// tensor-parallel ranks each; no --stage-replicas).
 void check_fault_tolerance_layout(const StrategyOptions& options, const Layout& layout);
 
 }  // namespace dtrain::parallel::ft

@@ -35,6 +35,48 @@ void check_launcher(int replica_size) {
 
 }  // namespace
 
+int mean_over_replicas(ReplicaManager& manager, const std::vector<at::Tensor>& parameters,
+                       double& loss) {
+  torch::NoGradGuard no_grad;
+  // Every gradient, then this replica's loss and a one: the sum counts the replicas in it.
+  int64_t total = 0;
+  for (const auto& p : parameters) total += p.numel();
+  const auto options =
+      parameters.empty() ? at::TensorOptions(at::kDouble) : parameters.front().options();
+  at::Tensor flat = at::empty({total + 2}, options);
+  const double local_loss = loss;
+  auto fill = [&parameters, local_loss](at::Tensor& out) {
+    int64_t offset = 0;
+    for (const auto& p : parameters) {
+      at::Tensor part = out.narrow(0, offset, p.numel());
+      if (p.grad().defined()) {
+        part.copy_(p.grad().reshape({-1}));
+      } else {
+        part.zero_();
+      }
+      offset += p.numel();
+    }
+    out[-2].fill_(local_loss);
+    out[-1].fill_(1.0);
+  };
+  fill(flat);
+  manager.allreduce(flat, fill);
+  const double replicas = flat[-1].item<double>();
+  flat.div_(replicas);
+  int64_t offset = 0;
+  for (const auto& p : parameters) {
+    const at::Tensor mean = flat.narrow(0, offset, p.numel()).view(p.sizes());
+    if (p.grad().defined()) {
+      p.mutable_grad().copy_(mean);
+    } else {
+      p.mutable_grad() = mean.clone();
+    }
+    offset += p.numel();
+  }
+  loss = flat[-2].item<double>();
+  return static_cast<int>(std::lround(replicas));
+}
+
 void ReplicaState::add_optimizer(torch::optim::Optimizer& optimizer) {
   Optimized set;
   set.optimizer = &optimizer;

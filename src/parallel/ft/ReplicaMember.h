@@ -34,6 +34,14 @@ struct ReplicaState {
   void add_optimizer(torch::optim::Optimizer& optimizer);
 };
 
+/// The gradients of `parameters` (undefined ones as zeros) and this replica's `loss`, summed
+/// over the replicas present by `manager` (with a one that counts them) and divided by their
+/// number: the gradients become the mean over the replicas, `loss` the mean loss. Returns how
+/// many replicas took part. Filled from the gradients, which stay as backward left them until
+/// the sum commits (a sum taken again after a failure starts from them).
+int mean_over_replicas(ReplicaManager& manager, const std::vector<at::Tensor>& parameters,
+                       double& loss);
+
 class ReplicaMember {
  public:
   /// Forms the replica group over `world` (replicas of `replica_size` consecutive ranks);

@@ -42,6 +42,11 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     reducer->zero_grad();
     reducer->set_sync(false);
   }
+  if (!reduces_over_data_parallel()) {
+    for (auto& p : parameters_) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+  }
 
   StepResult result;
   gather_wait_s_ = 0.0;
@@ -166,6 +171,14 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     }
     tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
   }
+  {
+    // The loss lives on the last stage, the sample count on the first: every rank reports them.
+    at::Tensor reported = at::tensor({loss_sum, static_cast<double>(result.samples)}, at::kDouble);
+    grid_->pp()->allreduce(reported)->wait();
+    result.loss = reported[0].item<double>();
+    result.samples = static_cast<int64_t>(reported[1].item<double>());
+  }
+  reduce_over_replicas(result);
   bool skip = false;
   if (scaler_) {
     // Every stage and replica takes the same decision.
@@ -209,11 +222,6 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
   if (zero1_ && grid_->dp_size() > 1) {
     result.metrics["param_gather_wait_ms"] = gather_wait_s_ * 1e3;
   }
-  // The loss lives on the last stage, the sample count on the first: every rank reports them.
-  at::Tensor reported = at::tensor({loss_sum, static_cast<double>(result.samples)}, at::kDouble);
-  grid_->pp()->allreduce(reported)->wait();
-  result.loss = reported[0].item<double>();
-  result.samples = static_cast<int64_t>(reported[1].item<double>());
   return result;
 }
 

@@ -214,8 +214,9 @@ void PipelineStrategy::release_versions() {
   // version a micro-batch in flight computed on.
   for (auto it = versions_.begin(); it != versions_.end();) {
     const int64_t n = it->first;
-    const bool kept = n == newest_ || std::any_of(in_flight_.begin(), in_flight_.end(),
-                                                  [n](const InFlight& f) { return f.version == n; });
+    const bool kept =
+        n == newest_ || std::any_of(in_flight_.begin(), in_flight_.end(),
+                                    [n](const InFlight& f) { return f.version == n; });
     if (kept) {
       ++it;
     } else {
@@ -232,8 +233,7 @@ void PipelineStrategy::flush() {
   use_version(newest_);
 }
 
-void PipelineStrategy::save_pipedream_stash(const std::string& directory, int writer,
-                                            int writers) {
+void PipelineStrategy::save_pipedream_stash(const std::string& directory, int writer, int writers) {
   // After a flush the next batch computes on W(newest - 1) (kept: the one before the newest).
   const auto it = versions_.find(newest_ - 1);
   const auto& stash = it != versions_.end() ? it->second : versions_.at(newest_);

@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/parallel/ft/FaultToleranceOptions.h"
+#include "parallel/ft/FaultTolerantPipeline.h"
 #include "parallel/pipeline/PipelineStrategy.h"
 
 namespace dtrain::parallel::pipeline {
@@ -139,6 +141,9 @@ StrategyInfo pipeline_strategy() {
   info.options = {option_group<PipelineOptions>("pipeline", declare_flags, check_options)};
   info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
     check_layout(options.of<PipelineOptions>(), layout);
+    if (options.of<ft::FaultToleranceOptions>().replicas()) {
+      ft::check_pipeline_replicas(options.of<PipelineOptions>(), layout);
+    }
     // (The strategy checks the same; here they are named before any rank starts.)
     const std::string& sync = options.of<PipelineOptions>().sync;
     DTRAIN_CHECK_INPUT(sync == "flush" || options.max_grad_norm <= 0, "--pipeline-sync ", sync,
@@ -149,7 +154,13 @@ StrategyInfo pipeline_strategy() {
                        " updates each stage on its own: fp16's loss scaling needs a check over "
                        "every stage; use --precision fp32, bf16-mixed or bf16");
   };
-  info.make = make_from_options<PipelineStrategy>;
+  // --fault-tolerance replicas: each replica a whole pipeline (ft/FaultTolerantPipeline.h).
+  info.make = [](const StrategyOptions& options) -> StrategyPtr {
+    if (options.of<ft::FaultToleranceOptions>().replicas()) {
+      return std::make_unique<ft::FaultTolerantPipeline>(options);
+    }
+    return std::make_unique<PipelineStrategy>(options);
+  };
   return info;
 }
 

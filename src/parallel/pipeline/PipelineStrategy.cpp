@@ -82,6 +82,15 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
 
 PipelineStrategy::~PipelineStrategy() = default;
 
+void PipelineStrategy::broadcast_replica_state() {
+  if (grid_->dp_size() == 1) return;
+  torch::NoGradGuard no_grad;
+  std::vector<comm::WorkPtr> works;
+  for (auto& p : parameters_) works.push_back(grid_->dp()->broadcast(p, {0}));
+  for (auto& [name, b] : local_buffers()) works.push_back(grid_->dp()->broadcast(b, {0}));
+  comm::wait_all(works);
+}
+
 void PipelineStrategy::prepare(const data::Batch& example) { example_ = example; }
 
 std::vector<double> PipelineStrategy::stage_costs() {
@@ -99,7 +108,7 @@ std::vector<double> PipelineStrategy::stage_costs() {
       seconds = time_stages(model_.stages, input, 3);
     }
     at::Tensor agreed = at::tensor(seconds, at::kDouble);
-    grid_->world()->broadcast(agreed, {0})->wait();
+    agreement_group().broadcast(agreed, {0})->wait();
     return std::vector<double>(agreed.data_ptr<double>(),
                                agreed.data_ptr<double>() + agreed.numel());
   }
@@ -114,7 +123,7 @@ std::vector<double> PipelineStrategy::stage_costs() {
   // Tensor-parallel ranks can hold blocks of unequal size (a vocabulary that does not divide):
   // world rank 0's counts are used so every rank places the stages alike.
   at::Tensor agreed = at::tensor(costs, at::kDouble);
-  grid_->world()->broadcast(agreed, {0})->wait();
+  agreement_group().broadcast(agreed, {0})->wait();
   return std::vector<double>(agreed.data_ptr<double>(), agreed.data_ptr<double>() + agreed.numel());
 }
 
@@ -179,13 +188,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     for (auto& b : model_.module->buffers()) works.push_back(grid_->pp()->broadcast(b, {0}));
     comm::wait_all(works);
   }
-  if (grid_->dp_size() > 1) {
-    torch::NoGradGuard no_grad;
-    std::vector<comm::WorkPtr> works;
-    for (auto& p : parameters_) works.push_back(grid_->dp()->broadcast(p, {0}));
-    for (auto& [name, b] : local_buffers()) works.push_back(grid_->dp()->broadcast(b, {0}));
-    comm::wait_all(works);
-  }
+  broadcast_replica_state();
   // bf16-master: this rank's parameters keep their fp32 values as master weights; the model
   // computes in bf16 from here on.
   const std::vector<at::Tensor> initial_master =
@@ -244,9 +247,10 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
       options.shard_numel = last.shard_offset + last.part - first.shard_offset;
       options.shard_grad = shard_grad_.narrow(0, first.shard_offset, options.shard_numel);
     }
-    reducers_.push_back(params.empty() ? nullptr
-                                       : std::make_unique<parallel::ddp::Reducer>(
-                                             params, names, grid_->dp(), options));
+    reducers_.push_back(
+        params.empty() || !reduces_over_data_parallel()
+            ? nullptr
+            : std::make_unique<parallel::ddp::Reducer>(params, names, grid_->dp(), options));
   }
   std::vector<std::vector<int>> stage_ranks(virtual_stages);
   for (int s = 0; s < virtual_stages; ++s) {
@@ -447,7 +451,8 @@ void PipelineStrategy::save(const std::string& directory) {
   const int replica = grid_->coordinates().dp;
   const int writer = stage * tp_.size + tp_.rank;
   const int writers = grid_->pp_size() * tp_.size;
-  const NamedTensors buffers = replica == 0 && tp_.rank == 0 ? local_buffers() : NamedTensors{};
+  const NamedTensors buffers =
+      writes_stage_files() && tp_.rank == 0 ? local_buffers() : NamedTensors{};
   flush();  // 2bw, async: a checkpoint is a step boundary, the newest weights in the usual files
   if (flush_free_ && !async_ && replica == 0) save_pipedream_stash(directory, writer, writers);
   // Their optimizer state is keyed to the optimizer's own tensors: the files are written from
@@ -464,7 +469,7 @@ void PipelineStrategy::save(const std::string& directory) {
                           ? std::vector<PieceRef>{}
                           : tp_.for_writing(shards_.state_pieces(names_, parameters_)),
                       optimizer_.get(), buffers);
-  } else if (replica == 0) {
+  } else if (writes_stage_files()) {
     write_state_shard(directory, writer, writers, tp_.for_writing(whole_pieces(names_, trained)),
                       optimizer_.get(), buffers);
   }

@@ -88,7 +88,23 @@ class PipelineStrategy : public Strategy {
     version_observer_ = std::move(observer);
   }
 
- private:
+ protected:
+  // What --fault-tolerance replicas changes (ft/FaultTolerantPipeline.h: pipelines inside
+  // replicas that outlive each other).
+  /// Where the stage costs are agreed (every rank takes its rank 0's): the world.
+  virtual comm::Communicator& agreement_group() const { return *grid_->world(); }
+  /// At setup, after the pipeline's own broadcast: each stage's values from the first
+  /// data-parallel replica's (over the DP group).
+  virtual void broadcast_replica_state();
+  /// Each chunk's gradients averaged over the DP group by a Reducer during the step; false: the
+  /// gradients stay local, for reduce_over_replicas.
+  virtual bool reduces_over_data_parallel() const { return true; }
+  /// After the schedule and the loss's report over the pipeline (result.loss: the replica's),
+  /// before the update.
+  virtual void reduce_over_replicas(StepResult& /*result*/) {}
+  /// This rank writes its stage's files in a checkpoint: the first replica's ranks.
+  virtual bool writes_stage_files() const { return grid_->coordinates().dp == 0; }
+
   struct Chunk {
     int virtual_stage = 0;
     std::vector<Stage> stages;
