@@ -376,4 +376,36 @@ TEST(FaultTolerance, TheLauncherReplacesAFailedReplicaAndItJoinsTheOthers) {
     EXPECT_EQ(changes[2].second, 3.0);
   }
 }
+
+// Every replica failing at once (both ranks killed at step 12): no member is left to admit
+// the replacements or send them a state, so their launcher fails the attempt at once instead of
+// leaving them to wait for the job's timeout; with --max-restarts every rank restarts from the
+// newest checkpoint (step 10), without it the job fails naming why.
+TEST(FaultTolerance, EveryReplicaFailingAtOnceRestartsFromTheCheckpoint) {
+  for (const bool restarts : {true, false}) {
+    test::TempDir dir;
+    const auto out = test::cli::run(
+        "DTRAIN_SIMULATE_SLOW_STEP_MS=20 DTRAIN_SIMULATE_FAILURE='*:12:1' " + test::cli::kDtrain +
+        " train --model mlp --hidden 32 --nproc 2 --threads 1 --batch-size 16 --max-steps 30 "
+        "--log-every 1 --no-progress --fault-tolerance replicas --checkpoint-every 10 "
+        "--checkpoint-dir " +
+        (dir / "ckpt") + (restarts ? " --max-restarts 1" : ""));
+    EXPECT_TRUE(test::cli::has(out, "rank 0 kills itself at step 12")) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "rank 1 kills itself at step 12")) << out.text;
+    EXPECT_TRUE(test::cli::has(out,
+                               "every replica failed (world ranks 0,1): none is left to send "
+                               "the replacements its state"))
+        << out.text;
+    EXPECT_LT(out.seconds, 60) << out.text;  // not the job's timeout
+    if (restarts) {
+      EXPECT_EQ(out.code, 0) << out.text;
+      EXPECT_TRUE(
+          test::cli::has(out, "restart 1 (failure): stopped at step 12, resumed from step 10"))
+          << out.text;
+      EXPECT_TRUE(test::cli::has(out, "trained 30 steps")) << out.text;
+    } else {
+      EXPECT_NE(out.code, 0) << out.text;
+    }
+  }
+}
 #endif

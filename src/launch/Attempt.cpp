@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -150,6 +151,43 @@ void Attempt::begin_stop(int signal) {
       Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_seconds * 1e3));
 }
 
+// A fault-tolerant job whose every replica failed (each has a rank marked dead that no member
+// has admitted a replacement for): no replica is left to send its state, so the replacements
+// would wait for admission until the job's timeout. The attempt fails instead (restarting every
+// rank from the newest checkpoint while --max-restarts allows). Looked at only while none of
+// this launcher's ranks is a member (all dead or waiting for admission): the other nodes' marks
+// are read only then.
+std::optional<Outcome> Attempt::every_replica_failed() {
+  bool waiting = false;
+  for (const auto& r : ranks_) {
+    if (r.running && !r.awaiting_admission) return std::nullopt;  // a member is here
+    waiting = waiting || (r.running && r.awaiting_admission);
+  }
+  if (!waiting) return std::nullopt;
+  const int world = o_.nproc_per_node * nnodes_;
+  const int size = std::max(1, o_.replica_size);
+  std::vector<int> dead;
+  for (int replica = 0; replica < world / size; ++replica) {
+    bool down = false;
+    for (int k = 0; k < size; ++k) {
+      const int rank = replica * size + k;
+      if (store_.check(rank_key(attempt_, concat("ft/dead/", rank)))) {
+        dead.push_back(rank);
+        down = true;
+      }
+    }
+    if (!down) return std::nullopt;
+  }
+  std::string ranks;
+  for (const int rank : dead) ranks += concat(ranks.empty() ? "" : ",", rank);
+  Outcome gone;
+  gone.failed = true;
+  gone.code = 1;
+  gone.description = concat("every replica failed (world rank", dead.size() == 1 ? " " : "s ",
+                            ranks, "): none is left to send the replacements its state");
+  return gone;
+}
+
 // Twice a second: heartbeat, the job's failure, the other nodes' heartbeats.
 // A local rank's failure, or the silence of another node's launcher that came first (when a
 // node dies, its peers' ranks fail on broken connections before its heartbeat times out).
@@ -192,6 +230,13 @@ void Attempt::tick() {
           ::kill(-r.pid, SIGKILL);
           r.fenced = true;
         }
+      }
+    }
+    if (o_.tolerate_failures && !stopping_ && !outcome_.failed) {
+      if (auto gone = every_replica_failed()) {
+        outcome_ = publish(*gone);
+        begin_stop(SIGTERM);
+        return;
       }
     }
     if (!outcome_.failed && store_.check(attempt_key(attempt_, "failure"))) {

@@ -65,6 +65,7 @@ class Attempt {
   }
   void begin_stop(int signal);
   void tick();
+  std::optional<Outcome> every_replica_failed();
   Outcome blame(Clock::time_point now) const;
 
   const LaunchOptions& o_;

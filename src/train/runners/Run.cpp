@@ -84,12 +84,16 @@ SimulatedFailure SimulatedFailure::from_env(int my_rank) {
   const char* spec = std::getenv("DTRAIN_SIMULATE_FAILURE");
   if (spec == nullptr || *spec == '\0') return f;
   long long rank = -1, step = -1, attempts = -1;
-  const int fields = std::sscanf(spec, "%lld:%lld:%lld", &rank, &step, &attempts);
+  // RANK '*': every rank (every replica failing at once).
+  const bool every = spec[0] == '*';
+  const int fields = every ? 1 + std::sscanf(spec + 1, ":%lld:%lld", &step, &attempts)
+                           : std::sscanf(spec, "%lld:%lld:%lld", &rank, &step, &attempts);
+  if (every) rank = my_rank;
   const std::string text = spec;
   f.node = text.size() > 5 && text.compare(text.size() - 5, 5, ":node") == 0;
   f.stop = text.size() > 5 && text.compare(text.size() - 5, 5, ":stop") == 0;
   DTRAIN_CHECK_INPUT(fields >= 2 && rank >= 0 && step >= 1, "DTRAIN_SIMULATE_FAILURE='", spec,
-                     "' is not RANK:STEP[:ATTEMPTS][:node|:stop]");
+                     "' is not RANK:STEP[:ATTEMPTS][:node|:stop] (RANK * for every rank)");
   const char* restart = std::getenv("DTRAIN_RESTART_COUNT");
   const long long attempt = restart ? std::atoll(restart) : 0;
   f.rank = static_cast<int>(rank);
