@@ -249,19 +249,20 @@ TEST(FaultTolerancePipeline, WhatItDoesNotTakeIsNamed) {
 // Through the launcher, 2 replicas of a 2-stage pipeline: rank 3 (replica 1's last stage) is
 // killed at step 12; its launcher ends rank 2 too, replica 0 goes on alone (evaluating over its
 // two stages and checkpointing), both ranks are started again and join at a step's end, the job
-// ends with two replicas, nothing restarts, and the checkpoint resumes.
+// ends with two replicas (150 steps: time for the replacements to start on a loaded machine),
+// nothing restarts, and the checkpoint resumes.
 TEST(FaultTolerancePipeline, TheLauncherReplacesAPipelinesRanksTogether) {
   test::TempDir dir;
   const std::string metrics = dir / "metrics.jsonl";
   const std::string flags =
       " train --model mlp --hidden 32 --pipeline-parallel 2 --micro-batches 2 --nproc 4 "
       "--threads 1 --batch-size 8 --log-every 1 --no-progress --fault-tolerance replicas "
-      "--replica-heartbeat-timeout 0.4 --eval-every 30 --checkpoint-dir " +
-      (dir / "ckpt") + " --checkpoint-every 30 --metrics " + metrics;
+      "--replica-heartbeat-timeout 0.4 --eval-every 50 --checkpoint-dir " +
+      (dir / "ckpt") + " --checkpoint-every 50 --metrics " + metrics;
   const auto out = test::cli::run("DTRAIN_SIMULATE_SLOW_STEP_MS=40 DTRAIN_SIMULATE_FAILURE=3:12 " +
-                                  test::cli::kDtrain + flags + " --max-steps 60");
+                                  test::cli::kDtrain + flags + " --max-steps 150");
   ASSERT_EQ(out.code, 0) << out.text;
-  test::expect_second_replica_replaced(out.text, metrics, 60);
+  test::expect_second_replica_replaced(out.text, metrics, 150);
   EXPECT_TRUE(test::cli::has(out, "started rank 3 again (replacement 1 of at most 10")) << out.text;
   EXPECT_TRUE(test::cli::has(out, "started rank 2 again (replacement 1 of at most 10")) << out.text;
   EXPECT_FALSE(test::cli::has(out, "restart")) << out.text;
@@ -280,10 +281,10 @@ TEST(FaultTolerancePipeline, TheLauncherReplacesAPipelinesRanksTogether) {
   // The leading replica's stages wrote their files; the checkpoint verifies and resumes.
   const auto verified = test::cli::run(test::cli::kDtrain + " ckpt verify " + (dir / "ckpt"));
   EXPECT_EQ(verified.code, 0) << verified.text;
-  EXPECT_TRUE(test::cli::has(verified, "ok       " + (dir / "ckpt/step-00000060")))
+  EXPECT_TRUE(test::cli::has(verified, "ok       " + (dir / "ckpt/step-00000150")))
       << verified.text;
-  const auto resumed = test::cli::run(test::cli::kDtrain + flags + " --max-steps 62");
+  const auto resumed = test::cli::run(test::cli::kDtrain + flags + " --max-steps 152");
   ASSERT_EQ(resumed.code, 0) << resumed.text;
-  EXPECT_TRUE(test::cli::has(resumed, "resumed from step 60")) << resumed.text;
+  EXPECT_TRUE(test::cli::has(resumed, "resumed from step 150")) << resumed.text;
 }
 #endif
