@@ -90,9 +90,6 @@ struct SharedMemoryChannel::Ring {
   int64_t header_filled = 0;
   at::Tensor payload;
   int64_t payload_filled = 0;
-  // Where the next message with tag `into_tag` goes, when its size matches (recv_into).
-  at::Tensor into;
-  int64_t into_tag = 0;
 
   ~Ring() {
     if (base) ::munmap(base, map_bytes);
@@ -176,10 +173,7 @@ struct SharedMemoryChannel::Ring {
       header_filled += static_cast<int64_t>(got);
       if (header_filled == static_cast<int64_t>(sizeof(header))) {
         DTRAIN_CHECK(header.bytes >= 0, "shared-memory ring ", path, ": corrupt message header");
-        payload = into.defined() && header.tag == into_tag && into.numel() == header.bytes
-                      ? into
-                      : at::empty({header.bytes}, at::kByte);
-        into = at::Tensor();
+        payload = at::empty({header.bytes}, at::kByte);
         payload_filled = 0;
       }
     }
@@ -345,27 +339,6 @@ at::Tensor SharedMemoryChannel::take(int src, int64_t tag, const std::string& wh
     if (!progressed)
       wait_on(&in->control->data_seq, seen, deadline, kAliveCheck, pids_[src], where, timeout);
   }
-}
-
-void SharedMemoryChannel::recv_into(int src, int64_t tag, const at::Tensor& into,
-                                    const std::string& what) {
-  DTRAIN_CHECK(into.is_contiguous(), "shared-memory receive into a non-contiguous tensor");
-  const at::Tensor bytes =
-      into.numel() == 0 ? at::empty({0}, at::kByte)
-                        : at::from_blob(into.data_ptr(), {static_cast<int64_t>(into.nbytes())},
-                                        at::TensorOptions().dtype(at::kByte));
-  // The ring copies the payload into `bytes` if this message is the next one it starts; a
-  // message read ahead (stashed) or begun before comes as its own buffer and is copied.
-  Ring* in = ring(src, group_->rank());
-  if (in->header_filled == 0) {
-    in->into = bytes;
-    in->into_tag = tag;
-  }
-  at::Tensor got = take(src, tag, what);
-  in->into = at::Tensor();
-  DTRAIN_CHECK_T(CommError, got.numel() == bytes.numel(), describe(what, src), ": received ",
-                 got.numel(), " bytes, expected ", bytes.numel());
-  if (got.numel() > 0 && got.data_ptr() != bytes.data_ptr()) bytes.copy_(got);
 }
 
 at::Tensor SharedMemoryChannel::recv_bytes(int src, int64_t tag, const std::string& what) {

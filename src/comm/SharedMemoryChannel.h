@@ -47,9 +47,6 @@ class SharedMemoryChannel {
   /// The next message from `src` with `tag`, as `sizes`/`dtype` (its byte count must match).
   at::Tensor recv(int src, int64_t tag, at::IntArrayRef sizes, at::ScalarType dtype,
                   const std::string& what);
-  /// The next message from `src` with `tag`, copied straight out of the ring into `into`
-  /// (contiguous; its byte count must match).
-  void recv_into(int src, int64_t tag, const at::Tensor& into, const std::string& what);
   /// The next message from `src` with `tag`, as raw bytes (any length).
   at::Tensor recv_bytes(int src, int64_t tag, const std::string& what);
 

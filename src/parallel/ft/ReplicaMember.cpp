@@ -10,7 +10,6 @@
 #include <cstring>
 #include <optional>
 
-#include "comm/SharedMemoryChannel.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
@@ -133,12 +132,6 @@ int64_t ReplicaMember::send_state(int root, const std::vector<int>& to, int64_t 
   torch::NoGradGuard no_grad;
   const comm::CommunicatorPtr& group = manager_->group();
   const bool sending = group->rank() == root;
-  // A replacement on the sender's machine (its launcher started it again there) takes the
-  // tensors through shared memory: one copy at each end, no transport thread in between
-  // (collective over the group: every member is here); others through the group's backend.
-  std::vector<std::pair<int, int>> pairs;
-  for (const int r : to) pairs.emplace_back(root, r);
-  comm::SharedMemoryChannel shared(group, pairs, int64_t{4} << 20);
   if (!sending && std::find(to.begin(), to.end(), group->rank()) == to.end()) return steps;
   // What the receiver cannot know (the optimizer state's keys and shapes: it has none yet) in a
   // small pickled header; then every tensor point to point, from where it lies into where it
@@ -182,12 +175,7 @@ int64_t ReplicaMember::send_state(int root, const std::vector<int>& to, int64_t 
     for (const int r : to) {
       works.push_back(group->send(size, r, tag));
       works.push_back(group->send(head, r, tag));
-      if (shared.connected(root, r)) continue;
       for (const auto& t : tensors) works.push_back(group->send(t, r, tag));
-    }
-    for (const int r : to) {
-      if (!shared.connected(root, r)) continue;
-      for (const auto& t : tensors) shared.send(r, tag.tag, t, "replica state");
     }
     comm::wait_all(works);
     state_bytes_ = bytes;
@@ -212,18 +200,9 @@ int64_t ReplicaMember::send_state(int root, const std::vector<int>& to, int64_t 
   // Posted in the order sent; the values straight into place.
   std::vector<comm::WorkPtr> works;
   std::vector<optim::ParamState> param_states(optimized.size());
-  const bool through_memory = shared.connected(root, group->rank());
   auto receive = [&](at::Tensor into) {
     bytes += into.numel() * into.element_size();
-    if (!through_memory) {
-      works.push_back(group->recv(into, root, tag));
-    } else if (into.is_contiguous()) {
-      shared.recv_into(root, tag.tag, into, "replica state");
-    } else {
-      at::Tensor staged = at::empty_like(into, at::MemoryFormat::Contiguous);
-      shared.recv_into(root, tag.tag, staged, "replica state");
-      into.copy_(staged);
-    }
+    works.push_back(group->recv(into, root, tag));
   };
   for (const auto& v : state.values) receive(v.detach());
   for (size_t i = 0; i < optimized.size(); ++i) {
