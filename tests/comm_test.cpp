@@ -335,6 +335,35 @@ TEST(Comm, ProcessGridTwoByTwoByTwo) {
       60s);
 }
 
+// The replica-major order (--fault-tolerance replicas): world rank = dp x (pp x tp) + pp x tp +
+// tp, so each data-parallel replica (both stages, both TP ranks) is 4 consecutive ranks.
+TEST(Comm, ProcessGridReplicaByReplica) {
+  run_ranks(
+      8,
+      [](const CommunicatorPtr& world) {
+        comm::ProcessGrid grid(world, /*tp=*/2, /*pp=*/2, comm::GridOrder::kTpPpDp);
+        const int r = world->rank();
+        EXPECT_EQ(grid.order(), comm::GridOrder::kTpPpDp);
+        const auto c = grid.coordinates();
+        EXPECT_EQ(grid.world_rank_of(c), r);
+        EXPECT_EQ(c.tp, r % 2);
+        EXPECT_EQ(c.pp, (r / 2) % 2);
+        EXPECT_EQ(c.dp, r / 4);
+        auto sum_over = [&](const CommunicatorPtr& group) {
+          auto t = torch::full({1}, static_cast<float>(r));
+          group->allreduce(t)->wait();
+          return static_cast<int>(t.item<float>());
+        };
+        EXPECT_EQ(sum_over(grid.tp()), 2 * (r - r % 2) + 1);    // {r, r^1}
+        EXPECT_EQ(sum_over(grid.pp()), 2 * (r - (r & 2)) + 2);  // {r, r^2}
+        EXPECT_EQ(sum_over(grid.dp()), 2 * (r - (r & 4)) + 4);  // {r, r^4}
+        EXPECT_EQ(grid.next_stage_world_rank(), c.pp == 0 ? r + 2 : -1);
+        EXPECT_EQ(grid.prev_stage_world_rank(), c.pp == 1 ? r - 2 : -1);
+        EXPECT_EQ(grid.data_parallel_rank(), r / 4);
+      },
+      60s);
+}
+
 // PipeDream's layouts: stages replicated 2, 1 and 3 times on 6 ranks, stage by stage; dp() is
 // the stage's replicas, pp() the whole pipeline, and the data is one stream.
 TEST(Comm, ProcessGridOfReplicatedStages) {
