@@ -12,6 +12,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "FaultToleranceRuns.h"
@@ -46,10 +47,32 @@ optim::OptimizerSpec sgd() {
   return spec;
 }
 
-parallel::StrategyOptions pipeline_options(const std::string& fault_tolerance) {
+// The schedule each replica's pipeline runs, and the model's hidden layers (stages - 1).
+struct Schedule {
+  std::string name = "1f1b";
+  int virtual_stages = 1;
+  int hidden_layers = 1;
+};
+
+// The float64 MLP 16-32-...-4 with `schedule.hidden_layers` hidden layers, from `seed`.
+Model model_for(const Schedule& schedule, int seed = 5) {
+  if (schedule.hidden_layers == 1) return test::double_mlp(seed);
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(seed);
+  models::ModelSpec spec = test::small_mlp(16, 32, 4);
+  spec.hidden.assign(schedule.hidden_layers, 32);
+  Model model = models::make_model(spec);
+  model.module->to(at::kDouble);
+  return model;
+}
+
+parallel::StrategyOptions pipeline_options(const std::string& fault_tolerance,
+                                           const Schedule& schedule = {}) {
   parallel::StrategyOptions options;
   auto& p = options.of<parallel::pipeline::PipelineOptions>();
-  p.schedule = "1f1b";
+  p.schedule = schedule.name;
+  p.virtual_stages = schedule.virtual_stages;
   p.data_parallel = "ddp";
   options.of<parallel::ft::FaultToleranceOptions>().mode = fault_tolerance;
   return options;
@@ -70,7 +93,8 @@ struct Outcome {
 // Replica 2 (world ranks 4, 5 under --fault-tolerance replicas) fails before step `dies_before`
 // (-1: never); `replaced`: a replacement pipeline (another initial model) announces itself once
 // the others committed that step without it, and is admitted at the end of the next.
-Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool replaced = false) {
+Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool replaced = false,
+                       const Schedule& schedule = {}) {
   const test::RankRows data = rows();
   Outcome out;
   const auto order =
@@ -80,9 +104,9 @@ Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool
       [&](const comm::CommunicatorPtr& world) {
         auto grid = std::make_shared<comm::ProcessGrid>(world, 1, kStages, order);
         const int replica = grid->coordinates().dp;
-        parallel::StrategyOptions options = pipeline_options(fault_tolerance);
+        parallel::StrategyOptions options = pipeline_options(fault_tolerance, schedule);
         auto strategy = parallel::make_strategy("pipeline", options);
-        strategy->setup(test::double_mlp(), optim::optimizer_factory(sgd()), grid);
+        strategy->setup(model_for(schedule), optim::optimizer_factory(sgd()), grid);
         auto store = world->key_value();
         for (int step = 0; step < kSteps; ++step) {
           if (replica == 2 && step == dies_before) {
@@ -92,7 +116,7 @@ Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool
             strategy.reset();
             options.of<parallel::ft::FaultToleranceOptions>().replacement = true;
             strategy = parallel::make_strategy("pipeline", options);
-            strategy->setup(test::double_mlp(99), optim::optimizer_factory(sgd()), grid);
+            strategy->setup(model_for(schedule, 99), optim::optimizer_factory(sgd()), grid);
             const int64_t joined = parallel::ft::replaceable(*strategy)->joined_at_step();
             EXPECT_EQ(joined, dies_before + 2);
             step = static_cast<int>(joined);
@@ -128,9 +152,9 @@ struct Serial {
   std::vector<double> losses;
 };
 
-Serial train_one_process(int dies_before, int joins = kSteps) {
+Serial train_one_process(int dies_before, int joins = kSteps, const Schedule& schedule = {}) {
   const test::RankRows data = rows();
-  Model model = test::double_mlp();
+  Model model = model_for(schedule);
   auto optimizer = optim::make_optimizer(model.module->parameters(), sgd());
   Serial out;
   for (int step = 0; step < kSteps; ++step) {
@@ -186,6 +210,22 @@ TEST(FaultTolerancePipeline, TheOtherReplicasCommitTheStepWithoutAFailedPipeline
   EXPECT_LT(worst_loss_diff(out.losses, serial.losses), 1e-12);
   // The oracle tells the cases apart: replica 2's rows counted one step longer.
   EXPECT_GT(test::worst_of(out.weights, train_one_process(4).weights, {0, 1, 2, 3}), 1e-6);
+}
+
+// Every flushed schedule: GPipe, interleaved 1F1B (2 chunks per rank, 4 model stages) and zero
+// bubble H1 (backward split into input and weight gradients, the weight gradients into .grad at
+// W): replica 2 failing before step 4, the others' weights are one process's on their rows.
+TEST(FaultTolerancePipeline, EveryFlushedScheduleCommitsWithoutAFailedPipeline) {
+  at::set_num_threads(1);
+  for (const Schedule& schedule :
+       {Schedule{"gpipe", 1, 1}, Schedule{"interleaved", 2, 3}, Schedule{"zb-h1", 1, 1}}) {
+    const Outcome out = train_replicas("replicas", 3, false, schedule);
+    EXPECT_EQ(out.replicas_seen, (std::vector<double>{3, 3, 3, 2, 2, 2})) << schedule.name;
+    EXPECT_LT(
+        test::worst_of(out.weights, train_one_process(3, kSteps, schedule).weights, {0, 1, 2, 3}),
+        1e-10)
+        << schedule.name;
+  }
 }
 
 // A replacement pipeline (both stages) joins: each of its ranks takes the state of replica 0's

@@ -125,71 +125,53 @@ grep -q "replica group: world rank(s) 1 joined after step" "$work/a2r.log" || fa
 grep -q "world rank 1 joined after step [0-9]*, its state (.* MB) from world rank 0" "$work/b2r.log" || fail "the replacement did not get rank 0's state"
 grep -q "trained 60 steps (global batch 64, 2 ranks, ddp)" "$work/a2r.log" || fail "host a did not finish"
 echo "ok: a replica killed on host b was replaced and joined host a's (live recovery)"
-# 2d. Hybrid sharding across the hosts: a replica of 2 ranks on each host (zero2
-#     --replica-shards 2: they shard Adam's state and the gradients); rank 3 (host b) is killed:
-#     host b's launcher ends rank 2 too and starts both again, they join host a's replica with
-#     its two ranks' shards, and both hosts finish.
-hy_launch() {  # NODE NAMESPACE [ENV=VALUE...]
-  local node=$1 ns=$2
-  shift 2
-  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 2 \
-    --master-addr 10.231.0.1 --master-port $((port + 25)) --node-rank "$node" --tolerate-failures \
-    --replica-size 2 --max-replacements 1 \
-    -- "$dtrain" "${job[@]}" --strategy zero2 --fault-tolerance replicas --replica-shards 2
+# 2d-2f. Replicas of 2 ranks, one on each host; rank 3 (host b) is killed at step 3: host b's
+#     launcher ends rank 2 too and starts both again, they join host a's replica with the state
+#     of its rank at their position, and both hosts finish. replaced_pair TAG PORT_OFFSET WHAT
+#     FLAGS...: the two launchers (logs $work/a2TAG.log and b2TAG.log) and what every case checks.
+pair_launch() {  # NODE NAMESPACE PORT_OFFSET [ENV=VALUE...] -- [TRAINING FLAGS...]
+  local node=$1 ns=$2 offset=$3
+  shift 3
+  local env=()
+  while (($# > 0)) && [[ $1 != -- ]]; do env+=("$1"); shift; done
+  shift
+  ip netns exec "$ns" env "${env[@]}" timeout -s KILL 120 "$dtrain" launch --nnodes 2 \
+    --nproc-per-node 2 --master-addr 10.231.0.1 --master-port $((port + offset)) \
+    --node-rank "$node" --tolerate-failures --replica-size 2 --max-replacements 1 \
+    -- "$dtrain" "${job[@]}" --fault-tolerance replicas "$@"
 }
-hy_launch 1 "$b" DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=3:3 > "$work/b2h.log" 2>&1 &
-other=$!
-hy_launch 0 "$a" DTRAIN_SIMULATE_SLOW_STEP_MS=100 > "$work/a2h.log" 2>&1 || fail "node 0 failed with hybrid sharding (exit $?)"
-wait $other || fail "node 1's launcher failed after replacing its hybrid replica"
-grep -q "ending rank 2 (pid [0-9]*) too: it is in rank 3's replica" "$work/b2h.log" || fail "host b did not end rank 3's replica mate"
+replaced_pair() {
+  local tag=$1 offset=$2 what=$3
+  shift 3
+  pair_launch 1 "$b" "$offset" DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=3:3 -- "$@" \
+    > "$work/b2$tag.log" 2>&1 &
+  local other=$!
+  pair_launch 0 "$a" "$offset" DTRAIN_SIMULATE_SLOW_STEP_MS=100 -- "$@" > "$work/a2$tag.log" 2>&1 \
+    || fail "node 0 failed with $what (exit $?)"
+  wait $other || fail "node 1's launcher failed after replacing its $what replica"
+  grep -q "ending rank 2 (pid [0-9]*) too: it is in rank 3's replica" "$work/b2$tag.log" \
+    || fail "host b did not end rank 3's replica mate ($what)"
+  grep -q "replica group: world rank(s) 2,3 joined after step" "$work/a2$tag.log" \
+    || fail "host a did not admit host b's replacements ($what)"
+  grep -q "world rank 3 joined after step [0-9]*, its state (.* MB) from world rank 1" \
+    "$work/b2$tag.log" || fail "rank 3's replacement did not get rank 1's state ($what)"
+}
+# 2d. Hybrid sharding across the hosts (zero2 --replica-shards 2: a replica's two ranks shard
+#     Adam's state and the gradients).
+replaced_pair h 25 "hybrid sharding" --strategy zero2 --replica-shards 2
 grep -q "replica group: world rank(s) 2,3 left at step 4" "$work/a2h.log" || fail "host a did not leave host b's replica out"
-grep -q "replica group: world rank(s) 2,3 joined after step" "$work/a2h.log" || fail "host a did not admit host b's replacements"
-grep -q "world rank 3 joined after step [0-9]*, its state (.* MB) from world rank 1" "$work/b2h.log" || fail "rank 3's replacement did not get rank 1's shard"
 grep -q "trained 60 steps (global batch 128, 4 ranks, zero2)" "$work/a2h.log" || fail "host a did not finish"
 echo "ok: a hybrid-sharded replica killed on host b was replaced and joined host a's"
-# 2e. DiLoCo with an island per host (--island-size 2, an outer step every 5 steps): rank 3
-#     (host b) is killed; host a's island goes on alone through the next outer step, host b's
-#     launcher starts both ranks again and they join at an outer step with host a's island's
-#     state; both hosts finish.
-di_launch() {  # NODE NAMESPACE [ENV=VALUE...]
-  local node=$1 ns=$2
-  shift 2
-  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 2 \
-    --master-addr 10.231.0.1 --master-port $((port + 30)) --node-rank "$node" --tolerate-failures \
-    --replica-size 2 --max-replacements 1 \
-    -- "$dtrain" "${job[@]}" --strategy diloco --island-size 2 --outer-steps 5 \
-    --fault-tolerance replicas
-}
-di_launch 1 "$b" DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=3:3 > "$work/b2d.log" 2>&1 &
-other=$!
-di_launch 0 "$a" DTRAIN_SIMULATE_SLOW_STEP_MS=100 > "$work/a2d.log" 2>&1 || fail "node 0 failed with DiLoCo islands (exit $?)"
-wait $other || fail "node 1's launcher failed after replacing its island"
-grep -q "ending rank 2 (pid [0-9]*) too: it is in rank 3's replica" "$work/b2d.log" || fail "host b did not end rank 3's island mate"
+# 2e. DiLoCo with an island per host (--island-size 2, an outer step every 5 steps): host a's
+#     island goes on alone through the next outer step; host b's joins at an outer step.
+replaced_pair d 30 "DiLoCo islands" --strategy diloco --island-size 2 --outer-steps 5
 grep -q "replica group: world rank(s) 2,3 left at outer step 1" "$work/a2d.log" || fail "host a did not leave host b's island out"
-grep -q "replica group: world rank(s) 2,3 joined after step" "$work/a2d.log" || fail "host a did not admit host b's island"
-grep -q "world rank 3 joined after step [0-9]*, its state (.* MB) from world rank 1" "$work/b2d.log" || fail "rank 3's replacement did not get rank 1's state"
 grep -q "trained 60 steps (global batch 128, 4 ranks, diloco)" "$work/a2d.log" || fail "host a did not finish"
 echo "ok: a DiLoCo island killed on host b was replaced and joined host a's"
-# 2f. A pipeline per host (--pipeline-parallel 2: a replica is both stages, ranks laid out
-#     replica by replica): rank 3 (host b's last stage) is killed; host b's launcher ends rank 2
-#     too and starts both again, they join host a's pipeline with its stages' state, and both
-#     hosts finish.
-pp_launch() {  # NODE NAMESPACE [ENV=VALUE...]
-  local node=$1 ns=$2
-  shift 2
-  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 2 \
-    --master-addr 10.231.0.1 --master-port $((port + 35)) --node-rank "$node" --tolerate-failures \
-    --replica-size 2 --max-replacements 1 \
-    -- "$dtrain" "${job[@]}" --pipeline-parallel 2 --micro-batches 2 --fault-tolerance replicas
-}
-pp_launch 1 "$b" DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=3:3 > "$work/b2p.log" 2>&1 &
-other=$!
-pp_launch 0 "$a" DTRAIN_SIMULATE_SLOW_STEP_MS=100 > "$work/a2p.log" 2>&1 || fail "node 0 failed with pipeline replicas (exit $?)"
-wait $other || fail "node 1's launcher failed after replacing its pipeline"
-grep -q "ending rank 2 (pid [0-9]*) too: it is in rank 3's replica" "$work/b2p.log" || fail "host b did not end rank 3's other stage"
+# 2f. A pipeline per host (--pipeline-parallel 2: a replica is both stages, the ranks laid out
+#     replica by replica; rank 3 is host b's last stage).
+replaced_pair p 35 "pipeline replicas" --pipeline-parallel 2 --micro-batches 2
 grep -q "replica group: world rank(s) 2,3 left at step 4" "$work/a2p.log" || fail "host a did not leave host b's pipeline out"
-grep -q "replica group: world rank(s) 2,3 joined after step" "$work/a2p.log" || fail "host a did not admit host b's pipeline"
-grep -q "world rank 3 joined after step [0-9]*, its state (.* MB) from world rank 1" "$work/b2p.log" || fail "rank 3's replacement did not get rank 1's stage"
 grep -q "trained 60 steps" "$work/a2p.log" || fail "host a did not finish"
 job=("${plain_job[@]}")
 echo "ok: a pipeline killed on host b was replaced and joined host a's"
