@@ -35,7 +35,9 @@ class FaultTolerantPipeline : public pipeline::PipelineStrategy, public ReplicaM
   /// The replica group forms here; a replacement's state comes with its admission.
   void broadcast_replica_state() override;
   bool reduces_over_data_parallel() const override { return false; }
-  /// The stage's gradients and the replica's loss: the mean over the replicas present.
+  /// The stage's gradients and this rank's share of the loss: the mean over the replicas
+  /// present (each stage's sum starts when its own schedule ends; the pipeline's report of the
+  /// loss comes after).
   void reduce_over_replicas(StepResult& result) override;
   /// The leading replica's ranks, whichever replica leads.
   bool writes_stage_files() const override { return member_->manager().leads(); }

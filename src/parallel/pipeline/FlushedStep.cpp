@@ -171,13 +171,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     }
     tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
   }
-  {
-    // The loss lives on the last stage, the sample count on the first: every rank reports them.
-    at::Tensor reported = at::tensor({loss_sum, static_cast<double>(result.samples)}, at::kDouble);
-    grid_->pp()->allreduce(reported)->wait();
-    result.loss = reported[0].item<double>();
-    result.samples = static_cast<int64_t>(reported[1].item<double>());
-  }
+  result.loss = loss_sum;  // this rank's share of the replica's loss (the last stage's)
   reduce_over_replicas(result);
   bool skip = false;
   if (scaler_) {
@@ -222,6 +216,11 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
   if (zero1_ && grid_->dp_size() > 1) {
     result.metrics["param_gather_wait_ms"] = gather_wait_s_ * 1e3;
   }
+  // The loss lives on the last stage, the sample count on the first: every rank reports them.
+  at::Tensor reported = at::tensor({result.loss, static_cast<double>(result.samples)}, at::kDouble);
+  grid_->pp()->allreduce(reported)->wait();
+  result.loss = reported[0].item<double>();
+  result.samples = static_cast<int64_t>(reported[1].item<double>());
   return result;
 }
 

@@ -99,8 +99,8 @@ class PipelineStrategy : public Strategy {
   /// Each chunk's gradients averaged over the DP group by a Reducer during the step; false: the
   /// gradients stay local, for reduce_over_replicas.
   virtual bool reduces_over_data_parallel() const { return true; }
-  /// After the schedule and the loss's report over the pipeline (result.loss: the replica's),
-  /// before the update.
+  /// After the schedule, before the update and the loss's report over the pipeline (which sums
+  /// result.loss: on entry this rank's share of the replica's loss, the last stage's).
   virtual void reduce_over_replicas(StepResult& /*result*/) {}
   /// This rank writes its stage's files in a checkpoint: the first replica's ranks.
   virtual bool writes_stage_files() const { return grid_->coordinates().dp == 0; }
