@@ -8,10 +8,7 @@
 
 namespace dtrain::parallel::ft {
 
-void check_pipeline_replicas(const pipeline::PipelineOptions& o, const Layout& layout) {
-  DTRAIN_CHECK_INPUT(layout.stage_replicas.empty(),
-                     "--fault-tolerance replicas: a replica is a whole pipeline; --stage-replicas "
-                     "replicates stages inside one: leave it out");
+void check_pipeline_replicas(const pipeline::PipelineOptions& o) {
   DTRAIN_CHECK_INPUT(o.data_parallel == "ddp",
                      "--fault-tolerance replicas with --pipeline-parallel: the replicas are ddp's "
                      "(--strategy ddp), not ",
@@ -28,7 +25,7 @@ void check_pipeline_replicas(const pipeline::PipelineOptions& o, const Layout& l
 
 FaultTolerantPipeline::FaultTolerantPipeline(StrategyOptions options)
     : PipelineStrategy(std::move(options)), ReplicaMemberStrategy(options_, scaler_ != nullptr) {
-  check_pipeline_replicas(pipe_, Layout{});
+  check_pipeline_replicas(pipe_);
 }
 
 void FaultTolerantPipeline::setup(Model model, const optim::OptimizerFactory& make_optimizer,

@@ -49,7 +49,8 @@ class FaultTolerantPipeline : public pipeline::PipelineStrategy, public ReplicaM
 };
 
 /// With --fault-tolerance replicas: InputError naming what a pipeline inside replicas does not
-/// take (zero1 stages, --pipeline-sync 2bw/async, --pipeline-balance time, --stage-replicas).
-void check_pipeline_replicas(const pipeline::PipelineOptions& options, const Layout& layout);
+/// take (zero1 stages, --pipeline-sync 2bw/async, --pipeline-balance time; --stage-replicas is
+/// check_fault_tolerance_layout's).
+void check_pipeline_replicas(const pipeline::PipelineOptions& options);
 
 }  // namespace dtrain::parallel::ft

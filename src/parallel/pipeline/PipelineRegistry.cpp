@@ -142,7 +142,7 @@ StrategyInfo pipeline_strategy() {
   info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
     check_layout(options.of<PipelineOptions>(), layout);
     if (options.of<ft::FaultToleranceOptions>().replicas()) {
-      ft::check_pipeline_replicas(options.of<PipelineOptions>(), layout);
+      ft::check_pipeline_replicas(options.of<PipelineOptions>());
     }
     // (The strategy checks the same; here they are named before any rank starts.)
     const std::string& sync = options.of<PipelineOptions>().sync;
