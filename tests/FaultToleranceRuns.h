@@ -20,6 +20,7 @@
 #include "SmallModels.h"
 #include "dtrain/comm/Communicator.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Strategy.h"
 #include "parallel/ft/ReplicaManager.h"
 
@@ -42,15 +43,28 @@ struct RankRows {
   }
 };
 
-// The tests' float64 MLP 16-32-4, its initial weights from `seed` (rank threads call it
-// together: the global generator is taken under a lock).
-inline Model double_mlp(int seed = 5) {
+// The tests' float64 MLP 16-32-4 (`hidden_layers` hidden layers of 32: a pipeline's stages are
+// hidden_layers + 1), its initial weights from `seed` (rank threads call it together: the global
+// generator is taken under a lock).
+inline Model double_mlp(int seed = 5, int hidden_layers = 1) {
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
   torch::manual_seed(seed);
-  Model model = models::make_model(small_mlp(16, 32, 4));
+  models::ModelSpec spec = small_mlp(16, 32, 4);
+  spec.hidden.assign(hidden_layers, 32);
+  Model model = models::make_model(spec);
   model.module->to(at::kDouble);
   return model;
+}
+
+// SGD with momentum (its buffers are part of the state a replacement receives): Adam over a few
+// steps turns the last-bit differences of near-zero gradients (TP sums them in another order)
+// into 1e-7 (its update is g / (sqrt(v) + eps)), beyond any tight bound.
+inline optim::OptimizerSpec momentum_sgd() {
+  optim::OptimizerSpec spec;
+  spec.lr = 0.1;
+  spec.momentum = 0.9;
+  return spec;
 }
 
 // The model's parameters as the strategy ends with them (materialized), copied.

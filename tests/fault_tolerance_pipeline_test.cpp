@@ -12,7 +12,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "FaultToleranceRuns.h"
@@ -40,13 +39,6 @@ constexpr int64_t kMicro = 2;  // rows per micro-batch; two micro-batches per re
 // Replica r's rows at step t.
 test::RankRows rows() { return test::RankRows(kSteps, kReplicas, 2 * kMicro, 41); }
 
-optim::OptimizerSpec sgd() {
-  optim::OptimizerSpec spec;
-  spec.lr = 0.1;
-  spec.momentum = 0.9;
-  return spec;
-}
-
 // The schedule each replica's pipeline runs, and the model's hidden layers (stages - 1).
 struct Schedule {
   std::string name = "1f1b";
@@ -54,17 +46,8 @@ struct Schedule {
   int hidden_layers = 1;
 };
 
-// The float64 MLP 16-32-...-4 with `schedule.hidden_layers` hidden layers, from `seed`.
 Model model_for(const Schedule& schedule, int seed = 5) {
-  if (schedule.hidden_layers == 1) return test::double_mlp(seed);
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  torch::manual_seed(seed);
-  models::ModelSpec spec = test::small_mlp(16, 32, 4);
-  spec.hidden.assign(schedule.hidden_layers, 32);
-  Model model = models::make_model(spec);
-  model.module->to(at::kDouble);
-  return model;
+  return test::double_mlp(seed, schedule.hidden_layers);
 }
 
 parallel::StrategyOptions pipeline_options(const std::string& fault_tolerance,
@@ -106,7 +89,7 @@ Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool
         const int replica = grid->coordinates().dp;
         parallel::StrategyOptions options = pipeline_options(fault_tolerance, schedule);
         auto strategy = parallel::make_strategy("pipeline", options);
-        strategy->setup(model_for(schedule), optim::optimizer_factory(sgd()), grid);
+        strategy->setup(model_for(schedule), optim::optimizer_factory(test::momentum_sgd()), grid);
         auto store = world->key_value();
         for (int step = 0; step < kSteps; ++step) {
           if (replica == 2 && step == dies_before) {
@@ -116,7 +99,8 @@ Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool
             strategy.reset();
             options.of<parallel::ft::FaultToleranceOptions>().replacement = true;
             strategy = parallel::make_strategy("pipeline", options);
-            strategy->setup(model_for(schedule, 99), optim::optimizer_factory(sgd()), grid);
+            strategy->setup(model_for(schedule, 99), optim::optimizer_factory(test::momentum_sgd()),
+                            grid);
             const int64_t joined = parallel::ft::replaceable(*strategy)->joined_at_step();
             EXPECT_EQ(joined, dies_before + 2);
             step = static_cast<int>(joined);
@@ -155,7 +139,7 @@ struct Serial {
 Serial train_one_process(int dies_before, int joins = kSteps, const Schedule& schedule = {}) {
   const test::RankRows data = rows();
   Model model = model_for(schedule);
-  auto optimizer = optim::make_optimizer(model.module->parameters(), sgd());
+  auto optimizer = optim::make_optimizer(model.module->parameters(), test::momentum_sgd());
   Serial out;
   for (int step = 0; step < kSteps; ++step) {
     const int present = dies_before >= 0 && step >= dies_before && step < joins ? 2 : 3;

@@ -52,16 +52,6 @@ struct Rows {
   }
 };
 
-// SGD with momentum (its buffers are part of the state a replacement receives): Adam over six
-// steps turns the last-bit differences of near-zero gradients (TP sums them in another order)
-// into 1e-7 (its update is g / (sqrt(v) + eps)), beyond any tight bound.
-optim::OptimizerSpec sgd() {
-  optim::OptimizerSpec spec;
-  spec.lr = 0.1;
-  spec.momentum = 0.9;
-  return spec;
-}
-
 models::GptConfig config() {
   auto c = test::tiny_gpt();
   c.sequence_parallel = true;
@@ -93,7 +83,7 @@ Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool
         const parallel::LossFn loss =
             model.loss ? parallel::LossFn(model.loss) : parallel::LossFn(parallel::cross_entropy);
         auto strategy = parallel::make_strategy("ddp", options);
-        strategy->setup(model, optim::optimizer_factory(sgd()), grid);
+        strategy->setup(model, optim::optimizer_factory(test::momentum_sgd()), grid);
         auto store = world->key_value();
         for (int step = 0; step < kSteps; ++step) {
           if (replica == 2 && step == dies_before) {
@@ -111,7 +101,7 @@ Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool
             }
             options.of<parallel::ft::FaultToleranceOptions>().replacement = true;
             strategy = parallel::make_strategy("ddp", options);
-            strategy->setup(fresh, optim::optimizer_factory(sgd()), grid);
+            strategy->setup(fresh, optim::optimizer_factory(test::momentum_sgd()), grid);
             const int64_t joined = parallel::ft::replaceable(*strategy)->joined_at_step();
             EXPECT_EQ(joined, dies_before + 2);
             step = static_cast<int>(joined);
@@ -144,7 +134,7 @@ Outcome train_replicas(const std::string& fault_tolerance, int dies_before, bool
 test::Named train_one_process(int dies_before, int joins = kSteps) {
   const Rows rows;
   Model model = test::build_gpt(config(), nullptr);
-  auto optimizer = optim::make_optimizer(model.module->parameters(), sgd());
+  auto optimizer = optim::make_optimizer(model.module->parameters(), test::momentum_sgd());
   for (int step = 0; step < kSteps; ++step) {
     const int present = dies_before >= 0 && step >= dies_before && step < joins ? 2 : 3;
     std::vector<at::Tensor> inputs, targets;
