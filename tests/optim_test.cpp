@@ -72,6 +72,49 @@ TEST(Optimizers, EveryNameBuildsAndStepsAndLrIsSettable) {
   EXPECT_THROW(optim::make_optimizer({torch::ones({1}, torch::requires_grad())}, bad), InputError);
 }
 
+// What a replacement replica fills while it waits for its admission (param_state_to_fill) has the
+// keys, dtypes and sizes of the state each optimizer keeps after its first step (zeros before;
+// the state itself after), for every optimizer dtrain builds and Adam's amsgrad.
+TEST(Optimizers, TheStateToFillHasTheFormOfTheStateAfterAStep) {
+  auto form = [](const optim::ParamState& state) {
+    std::vector<std::string> out;
+    for (const auto& [key, t] : state) {
+      out.push_back(concat(key, " ", c10::toString(t.scalar_type()), " ", t.sizes()));
+    }
+    return out;
+  };
+  std::vector<std::pair<std::string, std::function<optim::OptimizerPtr(at::Tensor)>>> made;
+  for (const std::string name : {"sgd", "sgd-momentum", "adam", "adamw", "adagrad"}) {
+    made.emplace_back(name, [name](at::Tensor w) {
+      optim::OptimizerSpec spec;
+      spec.name = name == "sgd-momentum" ? "sgd" : name;
+      spec.momentum = name == "sgd-momentum" ? 0.9 : 0.0;
+      return optim::make_optimizer({w}, spec);
+    });
+  }
+  made.emplace_back("adam amsgrad", [](at::Tensor w) -> optim::OptimizerPtr {
+    return std::make_unique<torch::optim::Adam>(std::vector<at::Tensor>{w},
+                                                torch::optim::AdamOptions(0.1).amsgrad(true));
+  });
+  for (const auto& [name, make] : made) {
+    auto w = torch::ones({2, 3}, torch::requires_grad());
+    auto optimizer = make(w);
+    const optim::ParamState before = optim::param_state_to_fill(*optimizer, w);
+    for (const auto& [key, t] : before) {
+      EXPECT_EQ(t.abs().sum().item<double>(), 0.0) << name << " " << key;
+    }
+    (w * w).sum().backward();
+    optimizer->step();
+    const optim::ParamState after = optim::get_param_state(*optimizer, w);
+    EXPECT_EQ(form(before), form(after)) << name;
+    EXPECT_EQ(before.empty(), name == "sgd") << name;
+    const optim::ParamState held = optim::param_state_to_fill(*optimizer, w);
+    for (const auto& [key, t] : held) {  // (the step is a count, made into a tensor each time)
+      if (t.dim() > 0) EXPECT_EQ(t.data_ptr(), after.at(key).data_ptr()) << name << " " << key;
+    }
+  }
+}
+
 // --freeze-variance-after F (1-bit Adam's freeze step): Adam and AdamW are LibTorch's own for F
 // steps, then their second moment and its bias correction stay as they were after step F while
 // the first moment and the weights go on: checked against the rule written out, in float64; the

@@ -116,6 +116,41 @@ void adopt_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& par
   state.clear();
 }
 
+ParamState param_state_to_fill(const torch::optim::Optimizer& optimizer,
+                               const at::Tensor& parameter) {
+  ParamState state = get_param_state(optimizer, parameter);
+  if (!state.empty()) return state;
+  const torch::optim::OptimizerOptions* options = nullptr;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.unsafeGetTensorImpl() == parameter.unsafeGetTensorImpl()) options = &group.options();
+    }
+  }
+  if (options == nullptr) return state;
+  auto zeros = [&parameter] {
+    return at::zeros({parameter.numel()}, parameter.options().requires_grad(false));
+  };
+  if (const auto* sgd = dynamic_cast<const torch::optim::SGDOptions*>(options)) {
+    if (sgd->momentum() != 0) state["momentum_buffer"] = zeros();
+    return state;
+  }
+  auto adam = [&](bool amsgrad) {
+    state["step"] = step_tensor(0);
+    state["exp_avg"] = zeros();
+    state["exp_avg_sq"] = zeros();
+    if (amsgrad) state["max_exp_avg_sq"] = zeros();
+  };
+  if (const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(options)) {
+    adam(a->amsgrad());
+  } else if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(options)) {
+    adam(w->amsgrad());
+  } else if (dynamic_cast<const torch::optim::AdagradOptions*>(options) != nullptr) {
+    state["step"] = step_tensor(0);
+    state["sum"] = zeros();
+  }
+  return state;
+}
+
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
   int64_t total = 0;
   for (const auto& entry : optimizer.state()) {

@@ -25,5 +25,11 @@ void set_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& param
 /// like `parameter` when they have its dtype and device), for a caller that gives them up.
 void adopt_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
                        ParamState&& state);
+/// Tensors of the form get_param_state gives once `optimizer` has stepped `parameter` (SGD with
+/// momentum, Adam, AdamW with amsgrad or not, Adagrad), with their pages written: the state it
+/// holds, or zeros. For a caller that receives the state into them later (a replacement replica
+/// waiting for its admission), so the page faults of fresh memory fall in the wait.
+ParamState param_state_to_fill(const torch::optim::Optimizer& optimizer,
+                               const at::Tensor& parameter);
 
 }  // namespace dtrain::optim

@@ -175,8 +175,14 @@ std::vector<int> ReplicaManager::dead_members() {
 bool ReplicaManager::finished(const comm::WorkPtr& work) {
   const auto deadline = Clock::now() + world_->timeout();
   auto next_look = Clock::now() + std::chrono::milliseconds(10);
+  // Asleep between looks, from 50 us up to 1 ms: on a machine with more ranks than cores a rank
+  // that wakes often takes the core from the ranks still computing. (A timed wait on the work
+  // would throw at each slice, and building LibTorch's error records a backtrace: measured,
+  // the sum took 1.2 s a step so.)
+  auto pause = std::chrono::microseconds(50);
   while (!work->is_completed()) {
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
     const auto now = Clock::now();
     if (now >= deadline) return false;  // the decision's wait names who is missing
     if (now < next_look) continue;
@@ -203,14 +209,20 @@ void ReplicaManager::forget(int64_t step) {
 std::string ReplicaManager::decide(bool summed) {
   const std::string base = concat("ft/g", generation_, "/t", step_, "/");
   const int me = me_;
+  const int64_t everyone = static_cast<int64_t>(members_.size()) * replica_size_;
+  int64_t count = 0;
   if (summed) {
     store_->set(concat(base, "summed/", me), "1");
-    store_->add(base + "summed", 1);
+    count = store_->add(base + "summed", 1);
   }
   const auto deadline = Clock::now() + world_->timeout();
+  // The rank whose sum completes the count decides; the others read the decision, asleep
+  // between reads (from 100 us up to 1 ms: a store round trip per read), and look for deaths
+  // every 10 ms (each look costs a few round trips).
+  auto pause = std::chrono::microseconds(100);
+  auto next_look = Clock::now() + std::chrono::milliseconds(10);
   while (true) {
-    if (auto decision = store_->read(base + "decision")) return *decision;
-    if (store_->add(base + "summed", 0) == static_cast<int64_t>(members_.size()) * replica_size_) {
+    if (count == everyone) {
       // Replacements waiting are admitted at this step's end: the decision names them, so
       // every member takes them in at the same step.
       const std::vector<int> joining =
@@ -218,29 +230,37 @@ std::string ReplicaManager::decide(bool summed) {
       return store_->set_if_absent(base + "decision",
                                    joining.empty() ? "commit" : "commit+" + joined(joining));
     }
-    declare_silent();
-    if (store_->add(kDeathsKey, 0) > deaths_seen_) {
-      const std::vector<int> dead = dead_members();
-      if (!dead.empty()) {
-        std::vector<int> survivors;
-        for (const int r : members_) {
-          if (std::find(dead.begin(), dead.end(), r) == dead.end()) survivors.push_back(r);
+    if (auto decision = store_->read(base + "decision")) return *decision;
+    const auto now = Clock::now();
+    if (now >= next_look) {
+      next_look = now + std::chrono::milliseconds(10);
+      count = store_->add(base + "summed", 0);
+      if (count == everyone) continue;
+      declare_silent();
+      if (store_->add(kDeathsKey, 0) > deaths_seen_) {
+        const std::vector<int> dead = dead_members();
+        if (!dead.empty()) {
+          std::vector<int> survivors;
+          for (const int r : members_) {
+            if (std::find(dead.begin(), dead.end(), r) == dead.end()) survivors.push_back(r);
+          }
+          return store_->set_if_absent(base + "decision", "abort:" + joined(survivors));
         }
-        return store_->set_if_absent(base + "decision", "abort:" + joined(survivors));
+      }
+      if (now >= deadline) {
+        std::vector<int> missing;
+        for (const int r : all_ranks_of(members_)) {
+          if (!store_->read(concat(base, "summed/", r))) missing.push_back(r);
+        }
+        DTRAIN_THROW(CommError, "replica group: ", sum_name_, " ", step_ + 1,
+                     "'s sum did not finish on ", "world rank(s) ", joined(missing), " within ",
+                     world_->timeout().count(),
+                     " ms, and none of them was reported dead (members: world ranks ",
+                     joined(all_ranks_of(members_)), ")");
       }
     }
-    if (Clock::now() >= deadline) {
-      std::vector<int> missing;
-      for (const int r : all_ranks_of(members_)) {
-        if (!store_->read(concat(base, "summed/", r))) missing.push_back(r);
-      }
-      DTRAIN_THROW(CommError, "replica group: ", sum_name_, " ", step_ + 1,
-                   "'s sum did not finish on ", "world rank(s) ", joined(missing), " within ",
-                   world_->timeout().count(),
-                   " ms, and none of them was reported dead (members: world ranks ",
-                   joined(all_ranks_of(members_)), ")");
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
   }
 }
 
@@ -395,11 +415,13 @@ int ReplicaManager::admit(int64_t steps) {
   return static_cast<int>(std::find(members_.begin(), members_.end(), sender) - members_.begin());
 }
 
-std::optional<ReplicaManager::Admission> ReplicaManager::join() {
+std::optional<ReplicaManager::Admission> ReplicaManager::join(
+    const std::function<void()>& while_waiting) {
   DTRAIN_CHECK(replacement_, "replica group: join() on a replica that is not a replacement");
   const int me = me_;
   store_->set(join_key(me), "1");
   store_->add(kJoinsKey, 1);
+  if (while_waiting) while_waiting();
   const auto deadline = Clock::now() + world_->timeout();
   std::string admission;
   while (true) {

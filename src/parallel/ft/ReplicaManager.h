@@ -86,7 +86,8 @@ class ReplicaManager {
     int root = 0;
     int64_t steps = 0;
   };
-  std::optional<Admission> join();
+  /// `while_waiting` runs once, after the announcement (what the replacement can prepare).
+  std::optional<Admission> join(const std::function<void()>& while_waiting = nullptr);
 
   /// The replicas that the last committed step admits (empty unless one waited).
   const std::vector<int>& admitting() const { return admitting_; }

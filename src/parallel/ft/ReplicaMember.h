@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/parallel/ft/Replicas.h"
 #include "parallel/ft/ReplicaManager.h"
@@ -62,9 +63,11 @@ class ReplicaMember {
 
  private:
   /// Over the group: `state` of group rank `root` to the group ranks `to`, and root's `steps`;
-  /// returns them. Root and `to` take part; the others return at once.
+  /// returns them. Root and `to` take part; the others return at once. A receiver receives the
+  /// optimizer state into `ready` (param_state_to_fill's, one per optimized tensor in order)
+  /// where a tensor's key, dtype and size match, into fresh tensors otherwise.
   int64_t send_state(int root, const std::vector<int>& to, int64_t steps,
-                     const ReplicaState& state);
+                     const ReplicaState& state, std::vector<optim::ParamState> ready = {});
 
   std::unique_ptr<ReplicaManager> manager_;
   int64_t state_bytes_ = 0;  // of the last state sent or received
