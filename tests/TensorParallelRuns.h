@@ -135,6 +135,8 @@ struct GridRun {
   std::string precision = "fp32";
   /// When set: world rank 0's parameter values after training.
   Named* final_values = nullptr;
+  /// When set: the collectives world rank 0's data-parallel group ran (by op: how many).
+  std::map<std::string, int64_t>* dp_collectives = nullptr;
 };
 
 struct GptData {
@@ -243,6 +245,9 @@ inline double train_on_grid(const GptData& d, int steps, const GridRun& run, con
         strategy->materialize();
         const Named values = named_values(strategy->model());
         if (run.final_values && world->rank() == 0) *run.final_values = values;
+        if (run.dp_collectives && world->rank() == 0) {
+          for (const auto& [op, tally] : grid->dp()->tally()) (*run.dp_collectives)[op] = tally.count;
+        }
         Named compared;  // (in the serial model's dtype)
         for (const auto& [name, value] : values) compared[name] = value.to(at::kDouble);
         worst[world->rank()] =

@@ -123,9 +123,9 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--nproc 3 is not a multiple of --tensor-parallel 2"},
       {" train --model gpt --dataset text --sequence-parallel --nproc 2",
        "--sequence-parallel splits the sequence over the tensor-parallel ranks"},
-      {" train --model gpt --dataset text --tensor-parallel 2 --nproc 2 --strategy zero2 "
+      {" train --model gpt --dataset text --tensor-parallel 2 --nproc 2 --strategy zero3 "
        "--sequence-parallel",
-       "use --strategy ddp or zero1, not zero2"},
+       "use --strategy ddp, zero1 or zero2, not zero3"},
       {" train --model mlp --pipeline-parallel 4 --nproc 4 --schedule gpipe",
        "needs 4 model stages, but --model mlp has 3"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2",

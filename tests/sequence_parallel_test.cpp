@@ -2,7 +2,10 @@
 // the tensor-parallel group, the model equal to the serial one, the block's allreduces replaced by
 // allgathers and reduce-scatters, training equal to one process.
 #include <gtest/gtest.h>
+
 #include <torch/torch.h>
+
+#include <map>
 
 #include "TensorParallelRuns.h"
 #include "dtrain/parallel/StateShards.h"
@@ -97,8 +100,27 @@ TEST(TensorParallel, SequenceParallelTrainsLikeOneProcess) {
   GridRun run;
   run.world = 2, run.tp = 2, run.sequence_parallel = true;
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "TP 2";
+  // ZeRO: the LayerNorms' partial gradients are summed over the TP group as each is ready,
+  // before the data-parallel reduction, which then reduce-scatters into the shards (zero1 too).
   run.world = 4, run.strategy = "zero1";
+  std::map<std::string, int64_t> collectives;
+  run.dp_collectives = &collectives;
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 2, zero1";
+  EXPECT_GT(collectives["reduce_scatter"], 0) << "zero1 with sequence parallelism";
+  run.dp_collectives = nullptr;
+  run.strategy = "zero2", run.micro = 2;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 2, zero2";
+  run.tp_comm_overlap = true;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound)
+      << "DP 2 x TP 2, zero2, overlap";
+  run.tp_comm_overlap = false;
+  run.world = 8, run.pp = 2, run.strategy = "zero1";  // a pipeline's zero1 stages too
+  run.dp_collectives = &collectives;
+  collectives.clear();
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "PP 2 x DP 2 x TP 2, zero1";
+  EXPECT_GT(collectives["reduce_scatter"], 0) << "a pipeline's zero1 with sequence parallelism";
+  run.dp_collectives = nullptr;
+  run.pp = 1, run.micro = 1;
   run.world = 4, run.pp = 2, run.micro = 2, run.strategy = "ddp";
   EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "PP 2 x TP 2";
   // --tp-comm-overlap, and under a zero-bubble schedule (whose split backward keeps the separate
@@ -112,10 +134,19 @@ TEST(TensorParallel, SequenceParallelTrainsLikeOneProcess) {
   EXPECT_LT(train_on_grid(d, steps, run, train_serial(d, steps, 0.0, false, -1, true)),
             test::kTightBound)
       << "Llama TP 2, overlap";
-  // zero2 would shard the gradients before they are summed over the TP group: refused.
-  GridRun zero2;
-  zero2.world = 2, zero2.tp = 2, zero2.sequence_parallel = true, zero2.strategy = "zero2";
-  EXPECT_THROW(train_on_grid(d, steps, zero2, serial), std::runtime_error);
+}
+
+// Clipping under zero2 with sequence parallelism: the global norm over the shards counts each
+// LayerNorm once (whole sums, the same on every TP rank) and every split block.
+TEST(TensorParallel, SequenceParallelZero2ClipsLikeOneProcess) {
+  const int steps = 3;
+  const GptData d = gpt_data(steps);
+  const double max_norm = 0.05;
+  const Named serial = train_serial(d, steps, max_norm, false);
+  GridRun run;
+  run.world = 4, run.tp = 2, run.sequence_parallel = true, run.strategy = "zero2";
+  run.max_grad_norm = max_norm;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound);
 }
 
 // Llama's architecture under every split: grouped-query attention's key/value heads over 2 ranks,

@@ -117,13 +117,10 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                      "sequence parallelism needs tp > 1");
   DTRAIN_CHECK_INPUT(layout.strategy != "zero3" || layout.pp == 1,
                      "zero3 with pipeline parallelism: the planner models zero3 with pp = 1");
-  // As dtrain train refuses them: a pipeline's stages are data-parallel by ddp or zero1, and
-  // zero2 reduce-scatters before sequence parallelism's LayerNorm gradients are summed.
+  // As dtrain train refuses them: a pipeline's stages are data-parallel by ddp or zero1.
   DTRAIN_CHECK_INPUT(layout.strategy != "zero2" || layout.pp == 1,
                      "zero2 with pipeline parallelism: dtrain's pipeline stages are data-parallel "
                      "by ddp or zero1");
-  DTRAIN_CHECK_INPUT(layout.strategy != "zero2" || !layout.sequence_parallel,
-                     "zero2 with sequence parallelism: dtrain refuses it (use zero1)");
   DTRAIN_CHECK_INPUT(layout.strategy != "downpour" || (layout.pp == 1 && layout.tp == 1),
                      "downpour workers are whole replicas: pp and tp must be 1");
   const int virtual_stages = layout.pp * layout.chunks;

@@ -404,10 +404,9 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
             bucket_ready = std::max(bucket_ready, ready[partition.first(s) + k]);
           }
           double duration = 0;
-          // zero2, and zero1 unless sequence parallelism leaves partial sums to add whole
-          // afterwards (dtrain's zero1 then allreduces): a reduce-scatter.
-          if (layout.strategy == "zero2" ||
-              (layout.strategy == "zero1" && !(layout.sequence_parallel && layout.tp > 1))) {
+          // zero1 and zero2: a reduce-scatter (sequence parallelism's partial LayerNorm
+          // gradients are summed over the TP group before, as each is ready: tiny, not timed).
+          if (layout.strategy == "zero2" || layout.strategy == "zero1") {
             duration = ring_half(bucket_bytes, D, dp_link);
           } else if (layout.hierarchical_allreduce && D > cluster.per_node() / layout.tp) {
             const int inside = std::max(1, cluster.per_node() / layout.tp);

@@ -82,7 +82,6 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
           for (const std::string& strategy : options.strategies) {
             // dtrain's pipeline stages are data-parallel by ddp or zero1.
             if ((strategy == "zero3" || strategy == "zero2") && pp > 1) continue;
-            if (strategy == "zero2" && options.sequence_parallel && tp > 1) continue;
             if (dp == 1 && strategy != "ddp") continue;  // nothing to shard
             for (const std::string& sync : options.pipeline_syncs) {
               // PipeDream's flush-free steps: 1F1B with ddp replicas.

@@ -56,7 +56,7 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
   }
   DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters");
   tp_ = tensor_parallel_layout(*model_.module, *grid_);
-  DTRAIN_CHECK_INPUT(tp_.partial.empty() || !gradients_sharded(), name(),
+  DTRAIN_CHECK_INPUT(tp_.partial.empty() || !gradients_sharded() || sums_partial_first(), name(),
                      " shards the gradients that sequence parallelism sums over the "
                      "tensor-parallel group first; use ddp or zero1 (or leave out "
                      "--sequence-parallel)");
@@ -125,7 +125,9 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   {
     trace::Span span("sync", "gradient reduction");
     sync_engine.finalize();
-    tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
+    if (!sync_engine.sums_partial_gradients()) {
+      tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
+    }
     after_gradient_sync(result);
   }
   const auto& stats = sync_engine.stats();

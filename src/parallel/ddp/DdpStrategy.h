@@ -64,6 +64,9 @@ class DdpStrategy : public Strategy {
   std::vector<at::Tensor> initial_master_;
   /// Whether each rank holds only part of the gradients (the clipping norm is then allreduced).
   virtual bool gradients_sharded() const { return false; }
+  /// Whether the gradient sync sums sequence parallelism's partial gradients over the TP group
+  /// before it reduces them (ZeRO-1/2's Reducer), so the gradients may be sharded.
+  virtual bool sums_partial_first() const { return false; }
 
   void broadcast_buffers();
   /// setup(): rank 0's parameters and buffers to every replica (a replacement replica takes

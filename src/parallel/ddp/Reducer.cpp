@@ -115,6 +115,13 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, std::vector<std::string> na
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());
   ready_.assign(parameters_.size(), false);
+  DTRAIN_CHECK(options_.partial.empty() ||
+                   (options_.partial.size() == parameters_.size() && options_.partial_group),
+               "Reducer: ", options_.partial.size(), " partial-gradient flags for ",
+               parameters_.size(), " parameters (and a group to sum them over)");
+  DTRAIN_CHECK(options_.partial.empty() || options_.powersgd.rank == 0,
+               "Reducer: partial gradients are not summed ahead under PowerSGD");
+  partial_sums_.resize(parameters_.size());
   if (!sharded() && !local_) {
     for (size_t k = 0; k < parameters_.size(); ++k) alias_grad(k, /*keep_values=*/true);
   }
@@ -297,6 +304,7 @@ void Reducer::mark_ready(size_t k) {
   ready_[k] = true;
   if (local_) return;
   alias_grad(k, /*keep_values=*/true);  // usually a no-op: AccumulateGrad wrote into the bucket
+  start_partial_sum(k);
   Bucket& bucket = buckets_[locator_[k].first];
   if (--bucket.pending == 0) launch_ready_buckets();
   if (sharded()) {  // release full gradients as soon as their reduction is done
@@ -317,10 +325,24 @@ void Reducer::mark_ready(size_t k) {
   }
 }
 
+void Reducer::start_partial_sum(size_t k) {
+  if (options_.partial.empty() || !options_.partial[k]) return;
+  const auto [b, slot] = locator_[k];
+  Bucket& bucket = buckets_[b];
+  // (Every TP rank's backward makes these gradients in the same order: the sums match.)
+  partial_sums_[k] = options_.partial_group->allreduce(
+      bucket.flat.narrow(0, bucket.offsets[slot], parameters_[k].numel()));
+}
+
 void Reducer::launch_ready_buckets() {
   const int world = comm_->size();
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     Bucket& bucket = buckets_[next_bucket_++];
+    for (const size_t k : bucket.parameters) {
+      if (!partial_sums_[k]) continue;
+      partial_sums_[k]->wait();
+      partial_sums_[k].reset();
+    }
     // On a GPU the bucket's work leaves the backward's stream free: a side stream (PyTorch's
     // DDP relies on the backend's stream alone; the averaging and the cast move off too).
     std::optional<c10::StreamGuard> on_side;
@@ -399,6 +421,7 @@ void Reducer::on_backward_end() {
       continue;
     }
     alias_grad(k, /*keep_values=*/true);
+    start_partial_sum(k);
     --buckets_[locator_[k].first].pending;
   }
   if (!local_) launch_ready_buckets();

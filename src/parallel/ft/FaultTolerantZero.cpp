@@ -53,9 +53,9 @@ void FaultTolerantZero::setup(Model model, const optim::OptimizerFactory& make_o
   zero::ZeroStrategy::setup(std::move(model), make_optimizer, std::move(grid));
   DTRAIN_CHECK_INPUT(shard_gradient().defined(), name(),
                      " with --fault-tolerance replicas sums each replica's gradient shard with "
-                     "the other replicas': tensor parallelism's partial sums (--sequence-parallel, "
-                     "--kv-heads below --tensor-parallel) keep zero1 from reduce-scattering; use "
-                     "ddp or zero2 without them");
+                     "the other replicas': key/value heads that tensor-parallel ranks share "
+                     "(--kv-heads below --tensor-parallel) keep zero1 from reduce-scattering; use "
+                     "ddp, or a --tensor-parallel that divides --kv-heads");
   join_when_replacing(shards_ * grid_->tp_size());
 }
 

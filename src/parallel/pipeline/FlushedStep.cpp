@@ -169,7 +169,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     for (auto& reducer : reducers_) {
       if (reducer) reducer->finalize();
     }
-    tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
+    if (!partial_in_reducers_) tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
   }
   result.loss = loss_sum;  // this rank's share of the replica's loss (the last stage's)
   reduce_over_replicas(result);

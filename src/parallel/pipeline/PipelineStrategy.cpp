@@ -210,8 +210,9 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     overlap_gather_ = options_.of<parallel::zero::ZeroOverlapOptions>().param_gather;
     // Megatron's distributed optimizer: each chunk's buckets reduce-scattered into this rank's
     // gradient shard at the chunk's last backward (where that can be; else allreduced).
-    scatter_ = !flush_free_ && !grid_->replicated_stages() &&
-               parallel::zero::reduce_scatters_gradients(options_, tp_);
+    scatter_ = !flush_free_ && !grid_->replicated_stages() && reduces_over_data_parallel() &&
+               parallel::zero::reduce_scatters_gradients(options_, tp_,
+                                                         /*partial_summed_first=*/true);
     if (scatter_) {
       shard_grad_ =
           at::zeros({shards_.shard_numel()},
@@ -246,6 +247,16 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
       const auto& last = layout.buckets[layout.bucket_of[chunk.parameters.back()]];
       options.shard_numel = last.shard_offset + last.part - first.shard_offset;
       options.shard_grad = shard_grad_.narrow(0, first.shard_offset, options.shard_numel);
+      // Sequence parallelism's LayerNorm gradients: summed over the TP group before the
+      // reduce-scatter, as each is ready.
+      if (!tp_.partial.empty() && tp_.size > 1) {
+        for (const auto& name : names) {
+          options.partial.push_back(std::find(tp_.partial.begin(), tp_.partial.end(), name) !=
+                                    tp_.partial.end());
+        }
+        options.partial_group = tp_.group;
+        partial_in_reducers_ = true;
+      }
     }
     reducers_.push_back(
         params.empty() || !reduces_over_data_parallel()

@@ -211,6 +211,8 @@ class PipelineStrategy : public Strategy {
   mutable parallel::zero::FlatShards shards_;  // zero1 (its gathers may run into the next step)
   bool overlap_gather_ = false;                // zero1 --overlap-param-gather
   bool scatter_ = false;  // zero1: gradients reduce-scattered into shard_grad_ (not allreduced)
+  /// The Reducers sum sequence parallelism's partial gradients over the TP group (scatter_).
+  bool partial_in_reducers_ = false;
   at::Tensor shard_grad_;
   mutable double gather_wait_s_ = 0.0;  // this step's forwards waiting for them
   std::unique_ptr<torch::optim::Optimizer> optimizer_;

@@ -11,8 +11,9 @@
 
 namespace dtrain::parallel::zero {
 
-bool reduce_scatters_gradients(const StrategyOptions& options, const TensorParallelLayout& tp) {
-  return tp.partial.empty() && !tp.has_shared_blocks() &&
+bool reduce_scatters_gradients(const StrategyOptions& options, const TensorParallelLayout& tp,
+                               bool partial_summed_first) {
+  return (tp.partial.empty() || partial_summed_first) && !tp.has_shared_blocks() &&
          options.grad_compression.rfind("powersgd", 0) != 0 && !options.hierarchical_allreduce;
 }
 

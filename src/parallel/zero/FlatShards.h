@@ -23,9 +23,11 @@ namespace dtrain::parallel::zero {
 
 /// Whether ZeRO-1's gradients can be reduce-scattered into the shards (Megatron's distributed
 /// optimizer) rather than allreduced: not where tensor parallelism leaves partial sums to add
-/// whole after the reduction (sequence parallelism, shared key/value blocks), nor with PowerSGD
-/// or the hierarchical allreduce, which work on whole buckets.
-bool reduce_scatters_gradients(const StrategyOptions& options, const TensorParallelLayout& tp);
+/// whole after the reduction (shared key/value blocks; sequence parallelism's LayerNorms unless
+/// `partial_summed_first`: the Reducer sums them over the TP group before it reduces), nor with
+/// PowerSGD or the hierarchical allreduce, which work on whole buckets.
+bool reduce_scatters_gradients(const StrategyOptions& options, const TensorParallelLayout& tp,
+                               bool partial_summed_first = false);
 
 class FlatShards {
  public:

@@ -76,7 +76,8 @@ StrategyInfo zero1_strategy() {
 void check_no_sequence_parallel(const std::string& strategy, const Layout& layout) {
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel,
                      "--sequence-parallel sums LayerNorm gradients over the tensor-parallel "
-                     "ranks before the data-parallel update: use --strategy ddp or zero1, not ",
+                     "ranks before the data-parallel update: use --strategy ddp, zero1 or "
+                     "zero2, not ",
                      strategy);
 }
 
@@ -87,10 +88,7 @@ StrategyInfo zero2_strategy() {
   info.options = {zero_quantized_options(), zero_overlap_options(), ft::fault_tolerance_options()};
   info.master_weights = true;
   info.fault_tolerant = true;
-  info.check_layout = [](const StrategyOptions& options, const Layout& layout) {
-    check_no_sequence_parallel("zero2", layout);
-    ft::check_fault_tolerance_layout(options, layout);
-  };
+  info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
     if (options.of<ft::FaultToleranceOptions>().replicas()) {
       return std::make_unique<ft::FaultTolerantZero>(options, 2);
@@ -121,6 +119,15 @@ void ZeroStrategy::configure_reducer(ddp::ReducerOptions& options) {
   options.shard_numel = shards_.shard_numel();
   options.shard_grad = shard_grad_;
   options.quantization = block_quantization(options_);
+  // Sequence parallelism's LayerNorm gradients, summed over the TP group before the
+  // reduce-scatter (each bucket's shard then holds whole sums).
+  if (!tp_.partial.empty() && tp_.size > 1) {
+    for (const auto& name : names_) {
+      options.partial.push_back(std::find(tp_.partial.begin(), tp_.partial.end(), name) !=
+                                tp_.partial.end());
+    }
+    options.partial_group = tp_.group;
+  }
 }
 
 std::vector<at::Tensor> ZeroStrategy::gradient_holders() const {
@@ -136,7 +143,7 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
   // bf16-master: the optimizer updates an fp32 copy of this rank's shard (Megatron's
   // distributed optimizer); the buffer, hence the gathers, stay bf16.
   if (!initial_master_.empty()) shards_.make_master(at::kFloat, initial_master_);
-  scatter_ = stage_ >= 2 || reduce_scatters_gradients(options_, tp_);
+  scatter_ = stage_ >= 2 || reduce_scatters_gradients(options_, tp_, /*partial_summed_first=*/true);
   if (scatter_) {  // the gradient shard the Reducer reduce-scatters into (fp32 with a master)
     shard_grad_ =
         at::zeros({shards_.shard_numel()},

@@ -42,6 +42,7 @@ class ZeroStrategy : public ddp::DdpStrategy {
   bool reduce_every_micro_batch() const override { return stage_ >= 2; }
   std::vector<at::Tensor> gradient_holders() const override;
   bool gradients_sharded() const override { return stage_ >= 2 || scatter_; }
+  bool sums_partial_first() const override { return true; }
   /// Checkpoints: each rank writes its shard's pieces; loads fill every (replicated) parameter.
   std::vector<PieceRef> state_pieces() const override;
   bool state_sharded() const override { return true; }

@@ -89,6 +89,13 @@ struct ReducerOptions {
   /// stage's replicas each hold a share of the step's mean already: the last stage divides each
   /// micro-batch's loss by the step's micro-batch count). Plain allreduce only.
   bool average = true;
+  /// Parameters whose gradients are partial sums over `partial_group` (sequence parallelism's
+  /// replicated LayerNorms: each TP rank saw its part of the sequence), by index (empty: none):
+  /// each is summed over that group as soon as it is ready, before its bucket's reduction, so
+  /// the bucket can be reduce-scattered (ZeRO with --sequence-parallel; Megatron sums them
+  /// after, which needs every TP rank's flat layout to be the same). Not with a local Reducer.
+  std::vector<bool> partial;
+  comm::CommunicatorPtr partial_group;
 };
 
 struct ReducerStats {
@@ -123,6 +130,9 @@ class GradientSync {
   virtual void finalize() = 0;
   virtual void zero_grad() = 0;
   virtual const ReducerStats& stats() const = 0;
+  /// Whether the partial gradients (ReducerOptions::partial) were summed over their group
+  /// before the reduction (else the caller sums them after).
+  virtual bool sums_partial_gradients() const { return false; }
 };
 
 /// The buckets a Reducer with `options` makes of `parameters` (Buckets.h's rule over their
@@ -152,6 +162,7 @@ class Reducer : public GradientSync {
   /// Zeroes every gradient (the buckets) for the next step.
   void zero_grad() override;
   const ReducerStats& stats() const override { return stats_; }
+  bool sums_partial_gradients() const override { return !local_ && !options_.partial.empty(); }
   /// Parameter indices of each bucket (for tests and tools).
   std::vector<std::vector<size_t>> bucket_layout() const;
   /// The flat communication buffer of each bucket (for benchmarks that time the allreduces
@@ -205,6 +216,8 @@ class Reducer : public GradientSync {
   /// Points parameter k's .grad at its bucket slot (copying a replaced gradient in, or zeroing).
   void alias_grad(size_t k, bool keep_values);
   void mark_ready(size_t parameter);
+  /// Starts parameter k's sum over partial_group when it is a partial one (its slot, in place).
+  void start_partial_sum(size_t k);
   void on_backward_end();
   void launch_ready_buckets();
   /// On a GPU: the side stream the buckets' averaging, casts and collectives are issued on,
@@ -226,6 +239,7 @@ class Reducer : public GradientSync {
   bool in_backward_ = false;
   bool backward_ended_ = false;
   std::vector<bool> ready_;
+  std::vector<comm::WorkPtr> partial_sums_;  // by parameter, in flight until its bucket launches
   size_t next_bucket_ = 0;
   /// Reduce-scatter mode: buckets whose on_shard_part was called (in order).
   size_t notified_ = 0;
