@@ -155,6 +155,14 @@ std::vector<bool> TensorParallelLayout::counted(const std::vector<std::string>& 
   return flags;
 }
 
+std::vector<bool> TensorParallelLayout::partial_flags(const std::vector<std::string>& names) const {
+  std::vector<bool> flags;
+  for (const auto& name : names) {
+    flags.push_back(std::find(partial.begin(), partial.end(), name) != partial.end());
+  }
+  return flags;
+}
+
 void TensorParallelLayout::sum_partial_gradients(const std::vector<at::Tensor>& parameters,
                                                  const std::vector<std::string>& names) const {
   if (size == 1) return;

@@ -71,6 +71,8 @@ struct TensorParallelLayout {
   bool has_shared_blocks() const;
   /// Whether this rank counts each named parameter in a global norm.
   std::vector<bool> counted(const std::vector<std::string>& names) const;
+  /// Whether each named parameter is one of the `partial` ones (ReducerOptions::partial).
+  std::vector<bool> partial_flags(const std::vector<std::string>& names) const;
 };
 
 /// The layout of `module` on `grid`. InputError when the grid has a TP group of several ranks

@@ -250,10 +250,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
       // Sequence parallelism's LayerNorm gradients: summed over the TP group before the
       // reduce-scatter, as each is ready.
       if (!tp_.partial.empty() && tp_.size > 1) {
-        for (const auto& name : names) {
-          options.partial.push_back(std::find(tp_.partial.begin(), tp_.partial.end(), name) !=
-                                    tp_.partial.end());
-        }
+        options.partial = tp_.partial_flags(names);
         options.partial_group = tp_.group;
         partial_in_reducers_ = true;
       }

@@ -122,10 +122,7 @@ void ZeroStrategy::configure_reducer(ddp::ReducerOptions& options) {
   // Sequence parallelism's LayerNorm gradients, summed over the TP group before the
   // reduce-scatter (each bucket's shard then holds whole sums).
   if (!tp_.partial.empty() && tp_.size > 1) {
-    for (const auto& name : names_) {
-      options.partial.push_back(std::find(tp_.partial.begin(), tp_.partial.end(), name) !=
-                                tp_.partial.end());
-    }
+    options.partial = tp_.partial_flags(names_);
     options.partial_group = tp_.group;
   }
 }
