@@ -58,7 +58,7 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
   tp_ = tensor_parallel_layout(*model_.module, *grid_);
   DTRAIN_CHECK_INPUT(tp_.partial.empty() || !gradients_sharded() || sums_partial_first(), name(),
                      " shards the gradients that sequence parallelism sums over the "
-                     "tensor-parallel group first; use ddp or zero1 (or leave out "
+                     "tensor-parallel group first; use ddp, zero1 or zero2 (or leave out "
                      "--sequence-parallel)");
   DTRAIN_CHECK_INPUT(!tp_.has_shared_blocks() || !gradients_sharded(), name(),
                      " shards the gradients of key/value heads that tensor-parallel ranks share "
