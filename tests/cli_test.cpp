@@ -99,8 +99,8 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--zero3-min-unit-params is --strategy zero3's option; this run (zero1)"},
       {" train --schedule gpipe", "--schedule is a pipeline's (--pipeline-parallel > 1) option"},
       {" train --max-replacements 3",
-       "--max-replacements, --replica-heartbeat-timeout and --replica-shards apply with "
-       "--fault-tolerance replicas"},
+       "--max-replacements, --replica-heartbeat-timeout, --replica-shards and "
+       "--shard-across-replicas apply with --fault-tolerance replicas"},
       {" train --fault-tolerance replicas --replica-heartbeat-timeout 0.01",
        "--replica-heartbeat-timeout must be in [0.1, 3600] seconds, got 0.01"},
       {" train --model gpt --dataset text --tp-comm-overlap",

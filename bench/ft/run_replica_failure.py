@@ -30,6 +30,11 @@ torchft is a benchmark peer only): .venv-torch/bin/pip install torchft==0.2.0
 replicas of 2 ranks sharding Adam's state and the gradients; world rank 3 fails, its launcher
 ends rank 2 with it. Sides as for gpt-tp2.
 
+--job zero1-buddy: zero1 with --shard-across-replicas, the MLP job on 3 ranks: Adam's state
+sharded over the 3 replicas, each shard also kept by the next; world rank 1 fails, its buddy
+(rank 2) gives its shard out until the replacement takes it. The job without a failure is plain
+zero1 over the 3 ranks. Sides as for gpt-tp2.
+
 --job diloco-islands: DiLoCo (--strategy diloco --island-size 2 --outer-steps 10, inner ddp),
 the MLP job on 4 ranks: 2 islands of 2 ranks; world rank 3 is killed after step --kill-at (55:
 mid-round), its launcher ends rank 2 with it. The other island does not wait for it until the
@@ -141,6 +146,9 @@ JOBS = {
     "zero2-hybrid": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
                       "--batch-size", "32", "--nproc", "4", "--strategy", "zero2"], 3,
                      ["--replica-shards", "2"]),
+    "zero1-buddy": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
+                     "--batch-size", "32", "--nproc", "3", "--strategy", "zero1"], 1,
+                    ["--shard-across-replicas"]),
     "pipeline": (["--model", "mlp", "--hidden", "1792", "1792", "--optimizer", "adam",
                   "--batch-size", "32", "--nproc", "6", "--pipeline-parallel", "2",
                   "--micro-batches", "2"], 5, []),
@@ -183,10 +191,13 @@ def run_side(dtrain, side, args, workdir):
     wall = time.time() - started
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    steps = [json.loads(line) for line in open(metrics)]
-    steps = [r for r in steps if r["event"] == "step"]
+    records = [json.loads(line) for line in open(metrics)]
+    steps = [r for r in records if r["event"] == "step"]
     result = {"side": side, "command": " ".join(command), "wall_s": wall,
               "median_step_ms": statistics.median(r["step_ms"] for r in steps)}
+    summary = [r for r in records if r["event"] == "summary"]
+    if summary:  # the leading rank's model state as its strategy keeps it
+        result["optimizer_bytes"] = summary[-1].get("optimizer_bytes")
     if side not in ("none", "tolerant"):
         killed = [r for r in steps if r["step"] == args.kill_at][0]
         after = [r for r in steps if r["time"] > killed["time"]][0]
@@ -245,6 +256,8 @@ def main():
              "pipeline": "3 replicas x a 2-stage pipeline (1F1B, 2 micro-batches of 32; 6 ranks "
                          "x 1 thread)",
              "zero2-hybrid": "zero2, 2 replicas x 2 shards (4 ranks x 1 thread)",
+             "zero1-buddy": "zero1 sharded across 3 replicas, each shard also at its buddy "
+                            "(3 ranks x 1 thread)",
              "diloco-islands": "DiLoCo, 2 islands x 2 ranks (inner ddp, H = 10; 4 ranks x 1 "
                                "thread)"}[args.job]
     lines = [f"{shape}, {args.steps} steps, rank {victim} killed after step {args.kill_at}; "
@@ -270,6 +283,10 @@ def main():
                   f"without it: "
                   f"{step_ratio:.3f} ({med('tolerant', 'median_step_ms'):.1f} ms against "
                   f"{med('none', 'median_step_ms'):.1f} ms)."]
+    if args.job == "zero1-buddy":
+        lines.append(f"Optimizer state per rank: {med('tolerant', 'optimizer_bytes') / 1e6:.1f} MB "
+                     f"(its shard and its buddy's copy) against "
+                     f"{med('none', 'optimizer_bytes') / 1e6:.1f} MB for plain zero1's shard.")
     if args.job.startswith("diloco"):
         for side in ("replicas", "stopped") + (("torchft",) if "torchft" in sides else ()):
             lines.append(

@@ -131,7 +131,7 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
   // after it failed): this rank's replica (an asynchronous strategy's: its TP group, rank 0
   // alone), whose first rank publishes.
   comm::CommunicatorPtr replica = grid_.tp();
-  if (auto* replicas = parallel::ft::replaceable(strategy_)) replica = replicas->replica_group();
+  if (auto* replicas = parallel::ft::replaceable(strategy_)) replica = replicas->checkpoint_group();
   comm::Communicator& savers = alone ? *replica : world_;
   const bool leader = savers.rank() == 0;
   if (leader) {

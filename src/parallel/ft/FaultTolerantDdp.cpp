@@ -24,6 +24,11 @@ void declare_flags(FlagSet& flags, FaultToleranceOptions& o) {
             "--fault-tolerance replicas with zero1/zero2: each replica is this many data-parallel "
             "ranks (x --tensor-parallel) that shard its optimizer state among themselves, the "
             "replicas holding copies (hybrid sharding); a rank that fails takes its replica out");
+  flags.add("--shard-across-replicas", o.shard_across_replicas,
+            "--fault-tolerance replicas with zero1: shard the optimizer state over all the "
+            "replicas, each shard also kept by the next replica (a buddy copy, Gemini): 2/N of "
+            "the state per rank instead of a whole copy; a failed replica's shard is taken over "
+            "by its buddy and sent to its replacement");
   flags.add("--replica-heartbeat-timeout", o.heartbeat_timeout_s,
             "--fault-tolerance replicas: a replica whose heartbeat stays silent this many "
             "seconds is counted as dead (a hang, a stopped machine) and the others go on; too "
@@ -43,9 +48,14 @@ void check_flags(const FaultToleranceOptions& o) {
   const FaultToleranceOptions defaults;
   DTRAIN_CHECK_INPUT(o.replicas() || (o.max_replacements == defaults.max_replacements &&
                                       o.heartbeat_timeout_s == defaults.heartbeat_timeout_s &&
-                                      o.replica_shards == defaults.replica_shards),
-                     "--max-replacements, --replica-heartbeat-timeout and --replica-shards apply "
-                     "with --fault-tolerance replicas, which this run does not have");
+                                      o.replica_shards == defaults.replica_shards &&
+                                      !o.shard_across_replicas),
+                     "--max-replacements, --replica-heartbeat-timeout, --replica-shards and "
+                     "--shard-across-replicas apply with --fault-tolerance replicas, which this run "
+                     "does not have");
+  DTRAIN_CHECK_INPUT(!o.shard_across_replicas || o.replica_shards == 1,
+                     "--shard-across-replicas shards the state over every replica; "
+                     "--replica-shards shards it inside each: choose one");
 }
 
 }  // namespace
@@ -63,6 +73,14 @@ void check_fault_tolerance_layout(const StrategyOptions& options, const Layout& 
       ": a replica's ranks shard the optimizer state with --strategy zero1 or "
       "zero2, not ",
       layout.strategy);
+  DTRAIN_CHECK_INPUT(!o.shard_across_replicas || layout.strategy == "zero1",
+                     "--shard-across-replicas shards zero1's optimizer state over the replicas; "
+                     "it is built for --strategy zero1, not ",
+                     layout.strategy);
+  DTRAIN_CHECK_INPUT(!o.shard_across_replicas ||
+                         (layout.tensor_parallel == 1 && layout.pipeline_parallel == 1),
+                     "--shard-across-replicas is built for replicas of one rank: leave out "
+                     "--tensor-parallel and --pipeline-parallel (or use --replica-shards)");
   DTRAIN_CHECK_INPUT(layout.stage_replicas.empty(),
                      "--fault-tolerance replicas: a replica is a whole pipeline; --stage-replicas "
                      "replicates stages inside one: leave it out");

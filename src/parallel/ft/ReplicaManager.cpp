@@ -252,8 +252,8 @@ std::string ReplicaManager::decide(bool summed) {
         for (const int r : all_ranks_of(members_)) {
           if (!store_->read(concat(base, "summed/", r))) missing.push_back(r);
         }
-        DTRAIN_THROW(CommError, "replica group: ", sum_name_, " ", step_ + 1,
-                     "'s sum did not finish on ", "world rank(s) ", joined(missing), " within ",
+        DTRAIN_THROW(CommError, "replica group: ", doing_, gathering_ ? "" : "'s sum",
+                     " did not finish on ", "world rank(s) ", joined(missing), " within ",
                      world_->timeout().count(),
                      " ms, and none of them was reported dead (members: world ranks ",
                      joined(all_ranks_of(members_)), ")");
@@ -306,10 +306,39 @@ comm::WorkPtr ReplicaManager::start(const at::Tensor& part) {
 
 int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::WorkPtr> works,
                         const std::function<void()>& restore) {
-  drop_abandoned();
-  DTRAIN_CHECK(admitting_.empty(), "replica group: ", sum_name_, " ", step_ + 1,
+  DTRAIN_CHECK(admitting_.empty(), "replica group: ", sum_name_, " ", named_ + 1,
                " began before the replacements the previous step admitted were taken in "
                "(admit)");
+  doing_ = concat(sum_name_, " ", named_ + 1);
+  gathering_ = false;
+  const int replicas = settle(std::move(works), [&] {
+    restore();
+    std::vector<comm::WorkPtr> again;
+    for (const auto& part : parts) again.push_back(start(part));
+    return again;
+  });
+  ++named_;
+  return replicas;
+}
+
+int ReplicaManager::collective(const std::function<std::vector<comm::WorkPtr>()>& issue) {
+  // (Replacements the step's sum admitted are still to be taken in: this is the same step.)
+  doing_ = concat(sum_name_, " ", named_, "'s parameter gather");
+  gathering_ = true;
+  auto issued = [&]() -> std::vector<comm::WorkPtr> {
+    try {
+      return issue();
+    } catch (const CommError&) {
+      issue_failed_ = true;  // a peer's connection broke: the decision says what happens
+      return {};
+    }
+  };
+  return settle(issued(), issued);
+}
+
+int ReplicaManager::settle(std::vector<comm::WorkPtr> works,
+                           const std::function<std::vector<comm::WorkPtr>()>& again) {
+  drop_abandoned();
   const int me = me_;
   while (true) {
     bool summed = !issue_failed_;
@@ -331,7 +360,7 @@ int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::
     const auto started = Clock::now();
     const std::vector<int> survivors = parsed(decision.substr(decision.find(':') + 1));
     DTRAIN_CHECK(std::find(survivors.begin(), survivors.end(), replica_) != survivors.end(),
-                 "replica group: world rank ", me, " was left out at ", sum_name_, " ", step_ + 1,
+                 "replica group: world rank ", me, " was left out at ", doing_,
                  " (the others go on as world ranks ", joined(all_ranks_of(survivors)), ")");
     std::vector<int> lost;
     for (const int r : members_) {
@@ -345,15 +374,12 @@ int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::
     ++generation_;
     deaths_seen_ = store_->add(kDeathsKey, 0);
     group_ = form_group();
-    restore();
-    works.clear();
-    for (const auto& part : parts) works.push_back(start(part));
+    works = again();
     if (me == world_rank_of(members_.front()) && position_ == 0) {
       std::fprintf(stderr,
-                   "dtrain: replica group: world rank(s) %s left at %s %lld; %zu replica(s) go "
-                   "on (regrouped in %.0f ms)\n",
-                   joined(all_ranks_of(lost)).c_str(), sum_name_.c_str(),
-                   static_cast<long long>(step_ + 1), members_.size(),
+                   "dtrain: replica group: world rank(s) %s left at %s; %zu replica(s) go on "
+                   "(regrouped in %.0f ms)\n",
+                   joined(all_ranks_of(lost)).c_str(), doing_.c_str(), members_.size(),
                    std::chrono::duration<double, std::milli>(Clock::now() - started).count());
       std::fflush(stderr);
     }
@@ -387,9 +413,9 @@ int ReplicaManager::admit(int64_t steps) {
   if (writes) {
     // Its predecessor's death mark goes first (the launcher fences a marked process), then the
     // admission it waits for: generation, step key, the caller's steps, the sender, the members
-    // (replicas).
-    const std::string admission =
-        concat(generation_, " ", step_, " ", steps, " ", sender, " ", joined(next));
+    // (replicas), the sums committed, the replicas admitted together.
+    const std::string admission = concat(generation_, " ", step_, " ", steps, " ", sender, " ",
+                                         joined(next), " ", named_, " ", joined(admitting_));
     for (const int r : all_ranks_of(admitting_)) {
       store_->remove(dead_key(r));
       store_->remove(join_key(r));
@@ -443,8 +469,8 @@ std::optional<ReplicaManager::Admission> ReplicaManager::join(
   std::stringstream in(admission);
   int64_t steps = 0;
   int sender = 0;
-  std::string members;
-  in >> generation_ >> step_ >> steps >> sender >> members;
+  std::string members, admitted;
+  in >> generation_ >> step_ >> steps >> sender >> members >> named_ >> admitted;
   members_ = parsed(members);
   DTRAIN_CHECK(
       !in.fail() && std::find(members_.begin(), members_.end(), replica_) != members_.end(),
@@ -456,6 +482,7 @@ std::optional<ReplicaManager::Admission> ReplicaManager::join(
   result.root =
       static_cast<int>(std::find(members_.begin(), members_.end(), sender) - members_.begin());
   result.steps = steps;
+  result.admitted = parsed(admitted);
   return result;
 }
 

@@ -77,6 +77,12 @@ class ReplicaManager {
   comm::WorkPtr start(const at::Tensor& part);
   int sum(const std::vector<at::Tensor>& parts, std::vector<comm::WorkPtr> works,
           const std::function<void()>& restore);
+  /// After the step's sum committed, a collective of the same step over the replicas present
+  /// (the parameters' all-gather of replicas that shard the state between them): `issue()`
+  /// starts it over group(); when a member dies meanwhile the others regroup without it and
+  /// issue it again (reading members() anew). Committed as a sum is; returns how many replicas
+  /// took part. `issue` may return several works (one per bucket), or none alone.
+  int collective(const std::function<std::vector<comm::WorkPtr>()>& issue);
 
   /// A replacement: announces itself and waits, up to the world's timeout, until the replicas
   /// present admit it (at the end of a committed step); it is then a member of their group.
@@ -85,6 +91,8 @@ class ReplicaManager {
   struct Admission {
     int root = 0;
     int64_t steps = 0;
+    /// The replicas admitted with this one (itself among them), in order.
+    std::vector<int> admitted;
   };
   /// `while_waiting` runs once, after the announcement (what the replacement can prepare).
   std::optional<Admission> join(const std::function<void()>& while_waiting = nullptr);
@@ -133,6 +141,10 @@ class ReplicaManager {
   bool death_reported();
   /// The store's decision on this step and group: "commit" or "abort:R,R,...".
   std::string decide(bool summed);
+  /// Waits for `works` and the decision; after a failure regroups without the dead and waits
+  /// for what `again()` issues over the new group, until a decision commits.
+  int settle(std::vector<comm::WorkPtr> works,
+             const std::function<std::vector<comm::WorkPtr>()>& again);
   /// Deletes a decided step's keys (of this group).
   void forget(int64_t step);
   /// Keeps a group left behind after a failure until its collective `work` ends
@@ -154,8 +166,11 @@ class ReplicaManager {
   std::vector<std::pair<comm::CommunicatorPtr, comm::WorkPtr>> abandoned_;
   bool replacement_ = false;
   int generation_ = 0;
-  int64_t step_ = 0;
+  int64_t step_ = 0;   // collectives decided (the store's keys)
+  int64_t named_ = 0;  // sums committed (steps, in messages)
   std::string sum_name_ = "step";
+  std::string doing_;  // the collective in progress, for messages ("step 4")
+  bool gathering_ = false;
   int64_t deaths_seen_ = 0;
   std::chrono::milliseconds heartbeat_timeout_;
   std::chrono::milliseconds beat_every_;  // the heartbeat's period, and how often members look

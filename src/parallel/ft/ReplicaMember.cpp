@@ -108,6 +108,7 @@ int64_t ReplicaMember::join(const ReplicaState& state) {
     }
   });
   if (!admission) return ReplaceableReplicas::kFinished;
+  admitted_ = admission->admitted;
   const auto admitted = std::chrono::steady_clock::now();
   const int64_t joined_at = send_state(admission->root, {manager_->group()->rank()},
                                        admission->steps, state, std::move(ready));
@@ -129,6 +130,7 @@ int64_t ReplicaMember::join(const ReplicaState& state) {
 void ReplicaMember::admit_waiting(int64_t steps, const ReplicaState& state) {
   if (manager_->admitting().empty()) return;
   const std::vector<int> admitting = manager_->admitting();
+  admitted_ = admitting;
   const int root = manager_->admit(steps);
   std::vector<int> to;  // their ranks in the new group
   const auto& members = manager_->members();

@@ -60,6 +60,14 @@ class ReplicaMember {
   /// Every member after a step: takes in the replacements that step admitted and sends them the
   /// state (a no-op when there are none).
   void admit_waiting(int64_t steps, const ReplicaState& state);
+  /// The replicas the last admission took in (join()'s or admit_waiting()'s), in order.
+  const std::vector<int>& admitted() const { return admitted_; }
+  /// Over the group, after an admission: the optimizer state of `state`'s tensors from group
+  /// rank `root` to group ranks `to` (each into its own tensors of the same shapes, in the same
+  /// order); root and `to` take part, the others return at once.
+  void send_optimizer_state(int root, const std::vector<int>& to, const ReplicaState& state) {
+    send_state(root, to, 0, state);
+  }
 
  private:
   /// Over the group: `state` of group rank `root` to the group ranks `to`, and root's `steps`;
@@ -71,6 +79,7 @@ class ReplicaMember {
 
   std::unique_ptr<ReplicaManager> manager_;
   int64_t state_bytes_ = 0;  // of the last state sent or received
+  std::vector<int> admitted_;
 };
 
 /// ReplaceableReplicas as both fault-tolerant strategies answer it, from their ReplicaMember.

@@ -42,20 +42,43 @@ FlatShards::FlatShards(std::vector<at::Tensor>& parameters,
       p.set_(flat_.storage(), offset, p.sizes(), c10::contiguous_strides(p.sizes()));
     }
   }
+  numels_ = numels;
+  pieces_ = pieces_of(rank_);
+}
+
+std::vector<FlatShards::Piece> FlatShards::pieces_of(int rank) const {
   // One piece per parameter each part of the shard overlaps (each a leaf aliasing flat_):
   // optimizers loop over parameters, so their temporaries stay the size of one parameter
   // instead of the whole shard, and each piece's gradient can alias the Reducer's storage.
+  std::vector<Piece> pieces;
   for (const auto& bucket : layout_.buckets) {
-    const int64_t begin = bucket.flat_begin + rank_ * bucket.part;
+    const int64_t begin = bucket.flat_begin + rank * bucket.part;
     const int64_t end = std::min(begin + bucket.part, bucket.flat_begin + bucket.numel);
     for (size_t k : bucket.parameters) {
       const int64_t offset = layout_.parameter_offset[k];
       const int64_t lo = std::max(begin, offset);
-      const int64_t hi = std::min(end, offset + numels[k]);
+      const int64_t hi = std::min(end, offset + numels_[k]);
       if (lo >= hi) continue;
-      pieces_.push_back({k, lo - offset, bucket.shard_offset + (lo - begin),
-                         alias_storage(flat_, lo, {hi - lo}).requires_grad_(true)});
+      pieces.push_back({k, lo - offset, bucket.shard_offset + (lo - begin),
+                        alias_storage(flat_, lo, {hi - lo}).requires_grad_(true), at::Tensor()});
     }
+  }
+  return pieces;
+}
+
+void FlatShards::pack(int rank, at::Tensor out) const {
+  torch::NoGradGuard no_grad;
+  for (const auto& bucket : layout_.buckets) {
+    out.narrow(0, bucket.shard_offset, bucket.part)
+        .copy_(flat_.narrow(0, bucket.flat_begin + rank * bucket.part, bucket.part));
+  }
+}
+
+void FlatShards::unpack(int rank, const at::Tensor& in) {
+  torch::NoGradGuard no_grad;
+  for (const auto& bucket : layout_.buckets) {
+    flat_.narrow(0, bucket.flat_begin + rank * bucket.part, bucket.part)
+        .copy_(in.narrow(0, bucket.shard_offset, bucket.part));
   }
 }
 
@@ -102,8 +125,9 @@ int64_t FlatShards::padding_bytes() const {
   return flat_.defined() ? (flat_.numel() - total_numel_) * flat_.element_size() : 0;
 }
 
-void FlatShards::alias_parameter_gradients(const std::vector<at::Tensor>& gradients) {
-  for (auto& piece : pieces_) {
+void FlatShards::alias_parameter_gradients(std::vector<Piece>& pieces,
+                                           const std::vector<at::Tensor>& gradients) {
+  for (auto& piece : pieces) {
     const at::Tensor& grad = gradients.at(piece.parameter);
     DTRAIN_CHECK(grad.defined() && grad.is_contiguous(), "zero1: parameter ", piece.parameter,
                  " has no contiguous gradient after the reduction");
@@ -128,12 +152,18 @@ double FlatShards::allgather(const comm::CommunicatorPtr& comm) {
 
 void FlatShards::start_allgather(const comm::CommunicatorPtr& comm) {
   DTRAIN_CHECK(gathers_.empty(), "FlatShards: a gather started while the last is in flight");
+  gathers_ = issue_allgather(comm);
+  gathered_ = 0;
+}
+
+std::vector<comm::WorkPtr> FlatShards::issue_allgather(const comm::CommunicatorPtr& comm) {
   torch::NoGradGuard no_grad;
+  std::vector<comm::WorkPtr> works;
   for (const auto& bucket : layout_.buckets) {
     at::Tensor whole = flat_.narrow(0, bucket.flat_begin, bucket.part * comm->size());
-    gathers_.push_back(comm->allgather(whole, whole.narrow(0, rank_ * bucket.part, bucket.part)));
+    works.push_back(comm->allgather(whole, whole.narrow(0, rank_ * bucket.part, bucket.part)));
   }
-  gathered_ = 0;
+  return works;
 }
 
 double FlatShards::wait(int64_t bucket) {

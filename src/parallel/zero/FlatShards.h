@@ -57,6 +57,13 @@ class FlatShards {
              int ranks, int rank, const std::string& who);
 
   const std::vector<Piece>& pieces() const { return pieces_; }
+  /// The pieces of rank `rank`'s shard (fresh leaves aliasing the buffer): a rank that also
+  /// keeps another's shard (a buddy copy) updates them too.
+  std::vector<Piece> pieces_of(int rank) const;
+  /// Rank `rank`'s shard of the buffer (its part of every bucket) into `out` (shard_numel
+  /// elements), and back from `in`.
+  void pack(int rank, at::Tensor out) const;
+  void unpack(int rank, const at::Tensor& in);
   /// The tensors the optimizer updates (the pieces', or their master copies).
   std::vector<at::Tensor> piece_tensors() const;
   /// Master weights (--precision bf16-master): from here on the optimizer updates a copy of
@@ -77,7 +84,11 @@ class FlatShards {
 
   /// ZeRO-1: each piece's gradient becomes the matching slice of its parameter's (contiguous,
   /// averaged) gradient, `gradients[k]` for the constructor's parameter k: no copies.
-  void alias_parameter_gradients(const std::vector<at::Tensor>& gradients);
+  void alias_parameter_gradients(const std::vector<at::Tensor>& gradients) {
+    alias_parameter_gradients(pieces_, gradients);
+  }
+  static void alias_parameter_gradients(std::vector<Piece>& pieces,
+                                        const std::vector<at::Tensor>& gradients);
   /// The same with each parameter's own .grad.
   static std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& parameters);
   /// ZeRO-2: each piece's gradient aliases `shard_grad` (shard_numel elements).
@@ -88,6 +99,8 @@ class FlatShards {
   /// The same all-gathers, started in flat order (a model's first layers first) and left
   /// running: wait() before reading the parameters of the buckets concerned.
   void start_allgather(const comm::CommunicatorPtr& comm);
+  /// The same gathers, returned to the caller (who waits for them) instead of kept.
+  std::vector<comm::WorkPtr> issue_allgather(const comm::CommunicatorPtr& comm);
   /// Waits for the gathers of buckets 0..`bucket` (all: -1 or past the end); how long it waited
   /// in seconds. Nothing when none is in flight.
   double wait(int64_t bucket = -1);
@@ -105,6 +118,7 @@ class FlatShards {
 
  private:
   int rank_ = 0;
+  std::vector<int64_t> numels_;  // the parameters'
   at::Tensor flat_;
   at::Tensor master_;  // make_master(): shard_numel elements
   std::vector<Piece> pieces_;

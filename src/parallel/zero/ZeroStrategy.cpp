@@ -9,6 +9,7 @@
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "parallel/StrategySupport.h"
 #include "parallel/ft/FaultTolerantDdp.h"
+#include "parallel/ft/FaultTolerantShardedZero.h"
 #include "parallel/ft/FaultTolerantZero.h"
 
 namespace dtrain::parallel::zero {
@@ -65,9 +66,11 @@ StrategyInfo zero1_strategy() {
   info.fault_tolerant = true;
   info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
-    if (options.of<ft::FaultToleranceOptions>().replicas()) {
-      return std::make_unique<ft::FaultTolerantZero>(options, 1);
+    const auto& ft = options.of<ft::FaultToleranceOptions>();
+    if (ft.replicas() && ft.shard_across_replicas) {
+      return std::make_unique<ft::FaultTolerantShardedZero>(options);
     }
+    if (ft.replicas()) return std::make_unique<ft::FaultTolerantZero>(options, 1);
     return std::make_unique<ZeroStrategy>(options, 1);
   };
   return info;

@@ -91,7 +91,8 @@ void StepRunner::run(Run& run) {
   };
   // Replicas that outlive each other: the strategy's loss is already the mean over the replicas
   // present, and the leading replica (rank 0's until it fails; its tensor-parallel group)
-  // evaluates and checkpoints alone (no collective a failure could break).
+  // evaluates and checkpoints alone (no collective a failure could break); replicas that shard
+  // the state between them checkpoint together.
   const bool outlive = run.strategy.survives_replica_failures();
   parallel::ft::ReplaceableReplicas* const replicas = parallel::ft::replaceable(run.strategy);
   const bool alone = async != nullptr || outlive;
@@ -192,8 +193,9 @@ void StepRunner::run(Run& run) {
           run.result.validation ? describe_eval_as(*run.result.validation, o.token_loss) : "");
     }
     const bool periodic = o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0;
+    const bool saves = here || (replicas != nullptr && replicas->checkpoints_in_every_replica());
     if (!o.checkpoint_dir.empty() && (periodic || epoch_end || halting) &&
-        run.nonfinite_steps == 0 && here) {
+        run.nonfinite_steps == 0 && saves) {
       trace::Span checkpoint_span("checkpoint", concat("checkpoint ", reached));
       run.save(reached, epoch, alone);
     }

@@ -23,6 +23,12 @@ struct FaultToleranceOptions {
   /// themselves, the replicas holding copies of it (hybrid sharding, torchft's HSDP); a rank that
   /// fails takes its replica out. 1: each data-parallel rank is a replica.
   int replica_shards = 1;
+  /// replicas with zero1 (--shard-across-replicas): the optimizer state is sharded over all the
+  /// replicas (one rank each), and each shard is also kept by the next replica (its buddy,
+  /// Gemini's in-memory copy): 2/N of the state per rank. A failed replica's shard is taken over
+  /// by its buddy; a replacement takes its shard and its buddy copy from the replicas holding
+  /// them. Two neighbours failing before a replacement joins lose a shard: the job stops.
+  bool shard_across_replicas = false;
   /// This process replaces a failed replica (set from DTRAIN_FT_REPLACEMENT, which its launcher
   /// sets): setup waits to be admitted and takes the state from a replica that trains.
   bool replacement = false;

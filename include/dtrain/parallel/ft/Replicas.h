@@ -37,6 +37,11 @@ class ReplaceableReplicas {
   /// Every rank of this rank's replica (its TP group, or the ranks that shard its state): the
   /// group the leading replica checkpoints over.
   virtual comm::CommunicatorPtr replica_group() const = 0;
+  /// Whether every replica present takes part in a checkpoint (replicas that shard the state
+  /// between them: --shard-across-replicas), over checkpoint_group(); otherwise the leading
+  /// replica checkpoints alone, over replica_group().
+  virtual bool checkpoints_in_every_replica() const { return false; }
+  virtual comm::CommunicatorPtr checkpoint_group() const { return replica_group(); }
 };
 
 /// The strategy's ReplaceableReplicas, or nullptr when it has none.
