@@ -57,7 +57,7 @@ struct Outcome {
 // replica 2 (another initial model) announces itself once the others committed its failed step,
 // and is admitted at the end of the next.
 Outcome train_replicas(const std::vector<std::pair<int, int>>& dying, bool replaced = false,
-                       bool shard_across = true) {
+                       bool shard_across = true, double clip = 0.0) {
   const test::RankRows data = rows();
   Outcome out;
   test::run_ranks(
@@ -68,6 +68,7 @@ Outcome train_replicas(const std::vector<std::pair<int, int>>& dying, bool repla
         auto& ft = options.of<parallel::ft::FaultToleranceOptions>();
         ft.mode = "replicas";
         ft.shard_across_replicas = shard_across;
+        options.max_grad_norm = clip;
         auto strategy = parallel::make_strategy("zero1", options);
         strategy->setup(test::double_mlp(), optim::optimizer_factory(adam()), grid);
         const int me = world->rank();
@@ -152,6 +153,22 @@ TEST(FaultToleranceBuddy, WithoutAFailureShardsAcrossReplicasTrainAsOneProcess) 
     EXPECT_GT(out.optimizer_bytes[r], 0);
     EXPECT_LE(out.optimizer_bytes[r], whole.optimizer_bytes[r] * 0.55) << "replica " << r;
     EXPECT_GE(out.optimizer_bytes[r], whole.optimizer_bytes[r] * 0.45) << "replica " << r;
+  }
+}
+
+// With clipping (the norm of the whole mean gradient: the sum is then an allreduce, not the
+// reduce-scatter and the shard sent to the buddy): the same training as replicas that each keep
+// the whole state (without --shard-across-replicas), with and without a failure.
+TEST(FaultToleranceBuddy, ClippingTrainsAsReplicasKeepingTheWholeState) {
+  at::set_num_threads(1);
+  for (const int dies_before : {-1, 3}) {
+    std::vector<std::pair<int, int>> dying;
+    if (dies_before >= 0) dying.push_back({2, dies_before});
+    const Outcome out = train_replicas(dying, false, true, /*clip=*/0.05);
+    const Outcome whole = train_replicas(dying, false, false, /*clip=*/0.05);
+    EXPECT_LT(test::worst_of(out.weights, whole.weights[0], {0, 1, 3}), 1e-12) << dies_before;
+    // (The clipping bites: without it the weights differ.)
+    EXPECT_GT(test::worst_of(out.weights, train_replicas(dying).weights[0], {0}), 1e-6);
   }
 }
 

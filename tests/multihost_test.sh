@@ -6,7 +6,8 @@
 # both launchers naming the failed node, rank and signal, and with --fault-tolerance replicas
 # that the other host's replica goes on without it (and, with --max-replacements, that its
 # replacement joins it; a replica of two ranks sharding its state, zero2 --replica-shards 2,
-# replaced the same way, and a pipeline of two stages too); Downpour across the hosts against a
+# replaced the same way, a pipeline of two stages too, and a replica of zero1 sharded across the
+# replicas with buddy copies); Downpour across the hosts against a
 # token-guarded parameter-server shard, surviving a worker killed on one host; Sandblaster
 # with its coordinator on one host and the shard on the other; federated learning with the
 # server on one host and clients on both; and a network partition mid-round (host b's link
@@ -173,8 +174,34 @@ echo "ok: a DiLoCo island killed on host b was replaced and joined host a's"
 replaced_pair p 35 "pipeline replicas" --pipeline-parallel 2 --micro-batches 2
 grep -q "replica group: world rank(s) 2,3 left at step 4" "$work/a2p.log" || fail "host a did not leave host b's pipeline out"
 grep -q "trained 60 steps" "$work/a2p.log" || fail "host a did not finish"
-job=("${plain_job[@]}")
 echo "ok: a pipeline killed on host b was replaced and joined host a's"
+# 2g. ZeRO-1 sharded across four replicas of one rank, two per host, each shard also kept by the
+#     next replica (--shard-across-replicas): rank 3 (host b) is killed at step 3; its buddy,
+#     rank 0 on host a, gives its shard out; the replacement takes its shard from rank 0 and its
+#     copy of shard 2 from rank 2, across the hosts, and both hosts finish.
+buddy_launch() {  # NODE NAMESPACE [ENV=VALUE...]
+  local node=$1 ns=$2
+  shift 2
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 \
+    --nproc-per-node 2 --master-addr 10.231.0.1 --master-port $((port + 40)) \
+    --node-rank "$node" --tolerate-failures --max-replacements 1 \
+    -- "$dtrain" "${job[@]}" --fault-tolerance replicas --strategy zero1 --optimizer adam \
+    --lr 0.001 --shard-across-replicas
+}
+buddy_launch 1 "$b" DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=3:3 > "$work/b2z.log" 2>&1 &
+other=$!
+buddy_launch 0 "$a" DTRAIN_SIMULATE_SLOW_STEP_MS=100 > "$work/a2z.log" 2>&1 \
+  || fail "node 0 failed with replicas sharding the state across the hosts (exit $?)"
+wait $other || fail "node 1's launcher failed after replacing its sharded replica"
+grep -q "replica group: world rank(s) 3 left at step 4" "$work/a2z.log" || fail "host a did not leave rank 3 out"
+grep -q "replica group: world rank(s) 3 joined after step" "$work/a2z.log" || fail "host a did not admit rank 3's replacement"
+grep -q "world rank 3 took shard 3's optimizer state from world rank 0" "$work/b2z.log" \
+  || fail "rank 3's replacement did not take its shard from its buddy on host a"
+grep -q "world rank 3 took shard 2's optimizer state from world rank 2" "$work/b2z.log" \
+  || fail "rank 3's replacement did not take its copy of shard 2 from rank 2"
+grep -q "trained 60 steps (global batch 128, 4 ranks, zero1)" "$work/a2z.log" || fail "host a did not finish"
+job=("${plain_job[@]}")
+echo "ok: a replica sharding the state across the hosts (buddy copies) was killed on host b, replaced and joined"
 # 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
 #    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
 printf 'multihost-token\n' > "$work/token"

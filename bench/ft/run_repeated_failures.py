@@ -155,7 +155,7 @@ def run_side(dtrain, side, args, workdir):
     command = [dtrain, "train", "--model", "mlp", "--hidden", "1792", "1792", "--optimizer",
                "adam", "--batch-size", "32", "--epochs", "100", "--max-steps", str(args.steps),
                "--nproc", "3", "--threads", "1", "--log-every", "1", "--metrics", metrics,
-               "--no-progress"]
+               "--no-progress", "--seed", str(args.seed)]
     if side in ("kill", "stop"):
         command += ["--fault-tolerance", "replicas", "--max-replacements", "1000",
                     "--replica-heartbeat-timeout", str(args.heartbeat_timeout / 1000)]
@@ -224,6 +224,9 @@ def main():
     parser.add_argument("--every", type=int, default=200, help="restart: checkpoint interval")
     parser.add_argument("--sides", default="none,kill,stop,restart")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the job's seed (its model and data order): a run at another seed "
+                             "shows how far the final loss moves without a failure")
     parser.add_argument("--heartbeat-timeout", type=int, default=2000,
                         help="kill, stop: dtrain's --replica-heartbeat-timeout, in ms")
     parser.add_argument("--markdown")

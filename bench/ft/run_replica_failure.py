@@ -33,7 +33,8 @@ ends rank 2 with it. Sides as for gpt-tp2.
 --job zero1-buddy: zero1 with --shard-across-replicas, the MLP job on 3 ranks: Adam's state
 sharded over the 3 replicas, each shard also kept by the next; world rank 1 fails, its buddy
 (rank 2) gives its shard out until the replacement takes it. The job without a failure is plain
-zero1 over the 3 ranks. Sides as for gpt-tp2.
+zero1 over the 3 ranks; one more side, whole: --fault-tolerance replicas without
+--shard-across-replicas (each replica keeps the whole state). Sides as for gpt-tp2 otherwise.
 
 --job diloco-islands: DiLoCo (--strategy diloco --island-size 2 --outer-steps 10, inner ddp),
 the MLP job on 4 ranks: 2 islands of 2 ranks; world rank 3 is killed after step --kill-at (55:
@@ -176,6 +177,8 @@ def run_side(dtrain, side, args, workdir):
     env = dict(os.environ)
     if side == "tolerant":  # what fault tolerance costs when nothing fails
         command += ["--fault-tolerance", "replicas"] + tolerant
+    elif side == "whole":  # zero1-buddy: replicas that each keep the whole state instead
+        command += ["--fault-tolerance", "replicas"]
     elif side == "replicas":
         command += ["--fault-tolerance", "replicas"] + tolerant
         env["DTRAIN_SIMULATE_FAILURE"] = f"{victim}:{args.kill_at}"
@@ -198,7 +201,7 @@ def run_side(dtrain, side, args, workdir):
     summary = [r for r in records if r["event"] == "summary"]
     if summary:  # the leading rank's model state as its strategy keeps it
         result["optimizer_bytes"] = summary[-1].get("optimizer_bytes")
-    if side not in ("none", "tolerant"):
+    if side not in ("none", "tolerant", "whole"):
         killed = [r for r in steps if r["step"] == args.kill_at][0]
         after = [r for r in steps if r["time"] > killed["time"]][0]
         if side == "restart":
@@ -238,6 +241,8 @@ def main():
     args = parser.parse_args()
     dtrain = os.path.join(args.build, "dtrain")
     sides = SIDES if args.job in ("mlp", "diloco") else tuple(s for s in SIDES if s != "torchft")
+    if args.job == "zero1-buddy":
+        sides = ("none", "tolerant", "whole") + sides[2:]
     with report.Records(args.records, "a", dtrain) as records, \
             tempfile.TemporaryDirectory(prefix="dtrain-ft-") as workdir:
         rounds = report.alternated_rounds(
@@ -284,9 +289,15 @@ def main():
                   f"{step_ratio:.3f} ({med('tolerant', 'median_step_ms'):.1f} ms against "
                   f"{med('none', 'median_step_ms'):.1f} ms)."]
     if args.job == "zero1-buddy":
+        whole_ratio = statistics.median(r["tolerant"]["median_step_ms"] /
+                                        r["whole"]["median_step_ms"] for r in rounds)
+        lines.append(f"Against replicas that each keep the whole state (--fault-tolerance replicas "
+                     f"without --shard-across-replicas): {whole_ratio:.3f} "
+                     f"({med('whole', 'median_step_ms'):.1f} ms).")
         lines.append(f"Optimizer state per rank: {med('tolerant', 'optimizer_bytes') / 1e6:.1f} MB "
                      f"(its shard and its buddy's copy) against "
-                     f"{med('none', 'optimizer_bytes') / 1e6:.1f} MB for plain zero1's shard.")
+                     f"{med('whole', 'optimizer_bytes') / 1e6:.1f} MB (the whole state) and "
+                     f"{med('none', 'optimizer_bytes') / 1e6:.1f} MB (plain zero1's shard).")
     if args.job.startswith("diloco"):
         for side in ("replicas", "stopped") + (("torchft",) if "torchft" in sides else ()):
             lines.append(

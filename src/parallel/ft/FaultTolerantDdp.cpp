@@ -123,6 +123,14 @@ ReplicaState FaultTolerantDdp::replica_state() {
   return state;
 }
 
+void FaultTolerantDdp::sum_gradients(StepResult& result) {
+  const int replicas = mean_over_replicas(member_->manager(), parameters_, result.loss);
+  // Sequence parallelism: what each TP rank holds of a replicated parameter's gradient is a
+  // part; the replica's TP group sums them (as ddp does after its reduction).
+  tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
+  result.metrics["replicas"] = replicas;
+}
+
 StepResult FaultTolerantDdp::train_step(const std::vector<data::Batch>& micro_batches,
                                         const LossFn& loss) {
   DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
@@ -144,11 +152,7 @@ StepResult FaultTolerantDdp::train_step(const std::vector<data::Batch>& micro_ba
   }
   {
     trace::Span span("sync", "gradient sum over the replicas present");
-    const int replicas = mean_over_replicas(member_->manager(), parameters_, result.loss);
-    // Sequence parallelism: what each TP rank holds of a replicated parameter's gradient is a
-    // part; the replica's TP group sums them (as ddp does after its reduction).
-    tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
-    result.metrics["replicas"] = replicas;
+    sum_gradients(result);
     result.metrics["regroupings"] = static_cast<double>(member_->manager().regroupings());
   }
   trace::Span span("optimizer", "step");

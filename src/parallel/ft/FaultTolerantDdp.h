@@ -38,6 +38,9 @@ class FaultTolerantDdp : public ddp::DdpStrategy, public ReplicaMemberStrategy {
   bool writes_replicated_state() const override { return true; }
   /// What a replacement receives: the parameters and buffers, the parameters' optimizer state.
   ReplicaState replica_state() override;
+  /// After backward: the gradients (and `result.loss`) become the mean over the replicas
+  /// present; sets the "replicas" metric.
+  virtual void sum_gradients(StepResult& result);
 };
 
 /// --fault-tolerance's flags and checks.

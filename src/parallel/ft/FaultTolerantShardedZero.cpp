@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
+#include "dtrain/comm/Work.h"
 #include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/zero/ZeroOverlapOptions.h"
 
@@ -17,6 +19,35 @@ namespace {
 
 bool contains(const std::vector<int>& list, int value) {
   return std::find(list.begin(), list.end(), value) != list.end();
+}
+
+// `out` to group rank `to` and `in` from group rank `from`, on a thread of its own: a
+// point-to-point op's work completes only when waited, and the replica group looks at its works
+// while it waits for deaths. `send_first`: around a ring the even members send first and the
+// odd ones receive first (a group runs its point-to-point ops one after another).
+comm::WorkPtr exchange(const comm::CommunicatorPtr& group, const at::Tensor& out, int to,
+                       const at::Tensor& in, int from, bool send_first) {
+  auto work = std::make_shared<comm::PromiseWork>(
+      concat("gradient shard to rank ", to, ", from rank ", from, " on group '", group->name(),
+             "'"),
+      group->timeout());
+  std::thread([work, group, out, to, in, from, send_first] {
+    try {
+      comm::P2POptions tag;
+      tag.tag = 7302;
+      if (send_first) {
+        group->send(out, to, tag)->wait();
+        group->recv(in, from, tag)->wait();
+      } else {
+        group->recv(in, from, tag)->wait();
+        group->send(out, to, tag)->wait();
+      }
+      work->finish();
+    } catch (...) {
+      work->finish(std::current_exception());
+    }
+  }).detach();
+  return work;
 }
 
 int index_in(const std::vector<int>& list, int value) {
@@ -94,11 +125,108 @@ std::vector<std::vector<int>> FaultTolerantShardedZero::givers() const {
   return gives;
 }
 
-void FaultTolerantShardedZero::apply_update() {
-  // Every replica has the mean gradient of every parameter; each piece's gradient is the
-  // matching slice of it, and the optimizer updates both slots this rank holds.
+void FaultTolerantShardedZero::sum_gradients(StepResult& result) {
+  in_slots_ = false;
+  // Clipping takes the norm of the whole mean gradient: every replica has it from the sum.
+  if (options_.max_grad_norm > 0 || replicas_ == 1) return FaultTolerantDdp::sum_gradients(result);
+  torch::NoGradGuard no_grad;
+  ReplicaManager& manager = member_->manager();
+  const int64_t n = shards_.shard_numel();
+  const int64_t flat = shards_.layout().flat_numel;
+  if (!summed_.defined()) {
+    summed_ = at::empty({flat + 2}, parameters_.front().options());
+    for (size_t i = 0; i < held_.size(); ++i) slot_grads_.push_back(at::empty({n}, summed_.options()));
+  }
+  const double local_loss = result.loss;
   const std::vector<at::Tensor> gradients = zero::FlatShards::gradients_of(parameters_);
-  for (auto& pieces : pieces_) zero::FlatShards::alias_parameter_gradients(pieces, gradients);
+  at::Tensor extra = at::empty({2}, at::kDouble);
+  // Filled from the gradients backward left, at each try (after a failure, the others' sum).
+  auto fill = [&] {
+    shards_.lay_out(gradients, summed_);
+    summed_[flat] = local_loss;
+    summed_[flat + 1] = 1.0;
+    extra[0] = local_loss;
+    extra[1] = 1.0;
+  };
+
+  bool scattered = false;  // reduce-scattered (else allreduced whole)
+  auto allreduce_whole = [&]() -> std::vector<comm::WorkPtr> {
+    scattered = false;
+    fill();
+    if (manager.group()->size() == 1) return {};
+    return {manager.group()->allreduce(summed_)};
+  };
+  manager.reduce([&]() -> std::vector<comm::WorkPtr> {
+    const std::vector<int>& members = manager.members();
+    if (static_cast<int>(members.size()) != replicas_) return allreduce_whole();
+    scattered = true;
+    fill();
+    // Group rank g receives part g of each bucket's sum: its own slot, members[g] (after a
+    // replacement joined, the members are not in the slots' order: the parts are reordered).
+    bool in_order = true;
+    for (int g = 0; g < replicas_; ++g) in_order = in_order && members[g] == g;
+    at::Tensor input = summed_;
+    if (!in_order) {
+      if (!reordered_.defined()) reordered_ = at::empty({flat}, summed_.options());
+      shards_.reorder_parts(summed_, members, reordered_);
+      input = reordered_;
+    }
+    std::vector<comm::WorkPtr> works =
+        shards_.issue_reduce_scatter(manager.group(), input, slot_grads_[0]);
+    works.push_back(manager.group()->allreduce(extra));
+    return works;
+  });
+  if (scattered && held_.size() > 1) {
+    // Each rank's summed shard to its buddy, the next replica (the copy of the one before it
+    // from that one). A member that dies in this leaves the others to sum the step again,
+    // whole, over who is left.
+    bool first = true;
+    manager.collective(
+        [&]() -> std::vector<comm::WorkPtr> {
+          if (!first) {
+            // (The abandoned receive may still write into the old buffer.)
+            slot_grads_[1] = at::empty_like(slot_grads_[1]);
+            return allreduce_whole();
+          }
+          first = false;
+          const comm::CommunicatorPtr& group = manager.group();
+          const std::vector<int>& members = manager.members();
+          const int buddy = index_in(members, (replica_ + 1) % replicas_);
+          const int before = index_in(members, (replica_ + replicas_ - 1) % replicas_);
+          return {exchange(group, slot_grads_[0], buddy, slot_grads_[1], before,
+                           replica_ % 2 == 0)};
+        },
+        "gradient shard to its buddy");
+  }
+  double count = 0;
+  if (scattered) {
+    count = extra[1].item<double>();
+    result.loss = extra[0].item<double>() / count;
+    for (auto& g : slot_grads_) g.div_(count);
+  } else {
+    count = summed_[flat + 1].item<double>();
+    summed_.div_(count);
+    result.loss = summed_[flat].item<double>();
+    for (size_t i = 0; i < held_.size(); ++i) shards_.pack(summed_, held_[i], slot_grads_[i]);
+  }
+  in_slots_ = true;
+  result.metrics["replicas"] = count;
+}
+
+void FaultTolerantShardedZero::apply_update() {
+  // The mean gradient of the slots this rank holds (or every parameter's, with clipping): each
+  // piece's gradient is the matching slice of it, and the optimizer updates both slots.
+  if (in_slots_) {
+    for (size_t i = 0; i < held_.size(); ++i) {
+      for (auto& piece : pieces_[i]) {
+        piece.tensor.mutable_grad() =
+            slot_grads_[i].narrow(0, piece.shard_offset, piece.tensor.numel());
+      }
+    }
+  } else {
+    const std::vector<at::Tensor> gradients = zero::FlatShards::gradients_of(parameters_);
+    for (auto& pieces : pieces_) zero::FlatShards::alias_parameter_gradients(pieces, gradients);
+  }
   optimizer_->step();
   gather_parameters();
 }

@@ -42,6 +42,10 @@ class FaultTolerantShardedZero : public FaultTolerantDdp {
 
  protected:
   void build_optimizer(const optim::OptimizerFactory& make_optimizer) override;
+  /// With every replica present in order (and no clipping, which needs whole gradients): the
+  /// gradients reduce-scattered over the replicas, each rank's shard then sent to its buddy
+  /// (half an allreduce's bytes and a shard); otherwise allreduced whole.
+  void sum_gradients(StepResult& result) override;
   void apply_update() override;
   /// Loads fill both slots' optimizer state (any checkpoint layout).
   std::vector<PieceRef> state_pieces() const override;
@@ -71,6 +75,12 @@ class FaultTolerantShardedZero : public FaultTolerantDdp {
   std::vector<int> held_;                                     // slots_of(replica_)
   std::vector<std::vector<zero::FlatShards::Piece>> pieces_;  // of each held slot
   at::Tensor gather_in_, gather_out_;  // a gather's buffers while a replica is missing
+  /// The step's mean gradient of the slots held (held_'s order), which the pieces' gradients
+  /// alias; `summed_` the gradients laid out as the buffer (and the loss and a one).
+  std::vector<at::Tensor> slot_grads_;
+  at::Tensor summed_;
+  at::Tensor reordered_;  // summed_ with each bucket's parts in the members' order
+  bool in_slots_ = false;  // this step's mean gradient is in slot_grads_ (else the .grads)
 };
 
 }  // namespace dtrain::parallel::ft

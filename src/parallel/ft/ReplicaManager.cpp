@@ -321,10 +321,26 @@ int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::
   return replicas;
 }
 
-int ReplicaManager::collective(const std::function<std::vector<comm::WorkPtr>()>& issue) {
+int ReplicaManager::collective(const std::function<std::vector<comm::WorkPtr>()>& issue,
+                               const std::string& what) {
   // (Replacements the step's sum admitted are still to be taken in: this is the same step.)
-  doing_ = concat(sum_name_, " ", named_, "'s parameter gather");
+  doing_ = concat(sum_name_, " ", named_, "'s ", what);
   gathering_ = true;
+  return settle_issued(issue);
+}
+
+int ReplicaManager::reduce(const std::function<std::vector<comm::WorkPtr>()>& issue) {
+  DTRAIN_CHECK(admitting_.empty(), "replica group: ", sum_name_, " ", named_ + 1,
+               " began before the replacements the previous step admitted were taken in "
+               "(admit)");
+  doing_ = concat(sum_name_, " ", named_ + 1);
+  gathering_ = false;
+  const int replicas = settle_issued(issue);
+  ++named_;
+  return replicas;
+}
+
+int ReplicaManager::settle_issued(const std::function<std::vector<comm::WorkPtr>()>& issue) {
   auto issued = [&]() -> std::vector<comm::WorkPtr> {
     try {
       return issue();

@@ -82,7 +82,12 @@ class ReplicaManager {
   /// starts it over group(); when a member dies meanwhile the others regroup without it and
   /// issue it again (reading members() anew). Committed as a sum is; returns how many replicas
   /// took part. `issue` may return several works (one per bucket), or none alone.
-  int collective(const std::function<std::vector<comm::WorkPtr>()>& issue);
+  int collective(const std::function<std::vector<comm::WorkPtr>()>& issue,
+                 const std::string& what = "parameter gather");
+  /// The step's sum issued by the caller (a reduce-scatter, several collectives): as sum(),
+  /// but after a failure `issue()` is called again over the others (reading members() anew)
+  /// instead of the parts being summed again.
+  int reduce(const std::function<std::vector<comm::WorkPtr>()>& issue);
 
   /// A replacement: announces itself and waits, up to the world's timeout, until the replicas
   /// present admit it (at the end of a committed step); it is then a member of their group.
@@ -145,6 +150,8 @@ class ReplicaManager {
   /// for what `again()` issues over the new group, until a decision commits.
   int settle(std::vector<comm::WorkPtr> works,
              const std::function<std::vector<comm::WorkPtr>()>& again);
+  /// settle() over what `issue()` starts (a CommError while issuing: the decision says).
+  int settle_issued(const std::function<std::vector<comm::WorkPtr>()>& issue);
   /// Deletes a decided step's keys (of this group).
   void forget(int64_t step);
   /// Keeps a group left behind after a failure until its collective `work` ends

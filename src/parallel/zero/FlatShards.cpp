@@ -66,12 +66,55 @@ std::vector<FlatShards::Piece> FlatShards::pieces_of(int rank) const {
   return pieces;
 }
 
-void FlatShards::pack(int rank, at::Tensor out) const {
+void FlatShards::pack(const at::Tensor& source, int rank, at::Tensor out) const {
   torch::NoGradGuard no_grad;
   for (const auto& bucket : layout_.buckets) {
     out.narrow(0, bucket.shard_offset, bucket.part)
-        .copy_(flat_.narrow(0, bucket.flat_begin + rank * bucket.part, bucket.part));
+        .copy_(source.narrow(0, bucket.flat_begin + rank * bucket.part, bucket.part));
   }
+}
+
+void FlatShards::lay_out(const std::vector<at::Tensor>& tensors, at::Tensor out) const {
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    at::Tensor into = out.narrow(0, layout_.parameter_offset[k], numels_[k]);
+    if (tensors[k].defined()) {
+      into.copy_(tensors[k].reshape({-1}));
+    } else {
+      into.zero_();
+    }
+  }
+  // Each bucket's padding (after its parameters, up to the next bucket).
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const auto& bucket = layout_.buckets[b];
+    const int64_t end =
+        b + 1 < layout_.buckets.size() ? layout_.buckets[b + 1].flat_begin : layout_.flat_numel;
+    const int64_t begin = bucket.flat_begin + bucket.numel;
+    if (end > begin) out.narrow(0, begin, end - begin).zero_();
+  }
+}
+
+void FlatShards::reorder_parts(const at::Tensor& source, const std::vector<int>& order,
+                               at::Tensor out) const {
+  torch::NoGradGuard no_grad;
+  for (const auto& bucket : layout_.buckets) {
+    for (size_t g = 0; g < order.size(); ++g) {
+      out.narrow(0, bucket.flat_begin + static_cast<int64_t>(g) * bucket.part, bucket.part)
+          .copy_(source.narrow(0, bucket.flat_begin + order[g] * bucket.part, bucket.part));
+    }
+  }
+}
+
+std::vector<comm::WorkPtr> FlatShards::issue_reduce_scatter(const comm::CommunicatorPtr& comm,
+                                                            const at::Tensor& input,
+                                                            at::Tensor shard) const {
+  std::vector<comm::WorkPtr> works;
+  for (const auto& bucket : layout_.buckets) {
+    works.push_back(comm->reduce_scatter(shard.narrow(0, bucket.shard_offset, bucket.part),
+                                         input.narrow(0, bucket.flat_begin,
+                                                      bucket.part * comm->size())));
+  }
+  return works;
 }
 
 void FlatShards::unpack(int rank, const at::Tensor& in) {

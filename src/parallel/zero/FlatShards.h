@@ -62,7 +62,19 @@ class FlatShards {
   std::vector<Piece> pieces_of(int rank) const;
   /// Rank `rank`'s shard of the buffer (its part of every bucket) into `out` (shard_numel
   /// elements), and back from `in`.
-  void pack(int rank, at::Tensor out) const;
+  void pack(int rank, at::Tensor out) const { pack(flat_, rank, out); }
+  /// The same from `source`, a tensor laid out as the buffer (flat_numel elements or more).
+  void pack(const at::Tensor& source, int rank, at::Tensor out) const;
+  /// Each of `tensors` (one per parameter, as the constructor's; undefined: zeros) into `out`
+  /// where its parameter lies in the buffer (the padding zeroed).
+  void lay_out(const std::vector<at::Tensor>& tensors, at::Tensor out) const;
+  /// `source` (laid out as the buffer) into `out` with each bucket's parts reordered: part g of
+  /// `out` is part order[g] of `source`.
+  void reorder_parts(const at::Tensor& source, const std::vector<int>& order, at::Tensor out) const;
+  /// Reduce-scatters `input` (laid out as the buffer) over `comm`, bucket by bucket: this rank's
+  /// part of each bucket's sum into `shard` (shard_numel elements); returns the works.
+  std::vector<comm::WorkPtr> issue_reduce_scatter(const comm::CommunicatorPtr& comm,
+                                                  const at::Tensor& input, at::Tensor shard) const;
   void unpack(int rank, const at::Tensor& in);
   /// The tensors the optimizer updates (the pieces', or their master copies).
   std::vector<at::Tensor> piece_tensors() const;
