@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -43,6 +44,13 @@ struct RankRows {
   }
 };
 
+// One process trained `steps` steps with `spec` on the rows of the ranks present at each step
+// (`present(step, rank)`; RankRows' ranks): the oracle of a fault-tolerant run in which some
+// replicas' rows are missing for a while. Its loss at each step in `losses` when given.
+inline std::vector<at::Tensor> one_process_on_present_rows(
+    const RankRows& data, int steps, const optim::OptimizerSpec& spec,
+    const std::function<bool(int, int)>& present, std::vector<double>* losses = nullptr);
+
 // The tests' float64 MLP 16-32-4 (`hidden_layers` hidden layers of 32: a pipeline's stages are
 // hidden_layers + 1), its initial weights from `seed` (rank threads call it together: the global
 // generator is taken under a lock).
@@ -55,6 +63,29 @@ inline Model double_mlp(int seed = 5, int hidden_layers = 1) {
   Model model = models::make_model(spec);
   model.module->to(at::kDouble);
   return model;
+}
+
+inline std::vector<at::Tensor> one_process_on_present_rows(
+    const RankRows& data, int steps, const optim::OptimizerSpec& spec,
+    const std::function<bool(int, int)>& present, std::vector<double>* losses) {
+  Model model = double_mlp();
+  auto optimizer = optim::make_optimizer(model.module->parameters(), spec);
+  for (int step = 0; step < steps; ++step) {
+    std::vector<at::Tensor> inputs, targets;
+    for (int r = 0; r < data.ranks; ++r) {
+      if (!present(step, r)) continue;
+      inputs.push_back(data.batch(step, r).inputs);
+      targets.push_back(data.batch(step, r).targets);
+    }
+    optimizer->zero_grad();
+    const at::Tensor loss = at::cross_entropy_loss(model(at::cat(inputs)), at::cat(targets));
+    loss.backward();
+    optimizer->step();
+    if (losses) losses->push_back(loss.item<double>());
+  }
+  std::vector<at::Tensor> weights;
+  for (const auto& p : model.module->parameters()) weights.push_back(p.detach().clone());
+  return weights;
 }
 
 // SGD with momentum (its buffers are part of the state a replacement receives): Adam over a few
@@ -135,6 +166,19 @@ inline ReplicaChanges replica_changes(const std::string& metrics) {
   return out;
 }
 
+// A run's metrics in which `replicas` replicas trained up to step `failed`, one fewer from the
+// next step, and `replicas` again to the last step, `steps`.
+inline void expect_one_replica_out_and_back(const std::string& metrics, int64_t steps,
+                                            double replicas, int64_t failed,
+                                            const std::string& text) {
+  const auto [changes, last] = replica_changes(metrics);
+  EXPECT_EQ(last, steps);
+  ASSERT_EQ(changes.size(), 3u) << text;
+  EXPECT_EQ(changes[0], (std::pair<int64_t, double>{1, replicas}));
+  EXPECT_EQ(changes[1], (std::pair<int64_t, double>{failed + 1, replicas - 1}));
+  EXPECT_EQ(changes[2].second, replicas);
+}
+
 // A launcher's run of 2 replicas of 2 ranks (world ranks 2, 3 the second) in which one of the
 // second's ranks failed at step 12: the launcher ended rank 2 with it, the first replica went
 // on alone from step 13, the second's two ranks joined again with the first's state at each
@@ -146,12 +190,7 @@ inline void expect_second_replica_replaced(const std::string& text, const std::s
                            "from world rank 0 in", "from world rank 1 in"}) {
     EXPECT_NE(text.find(line), std::string::npos) << "no '" << line << "' in:\n" << text;
   }
-  const auto [changes, last] = replica_changes(metrics);
-  EXPECT_EQ(last, steps);
-  ASSERT_EQ(changes.size(), 3u) << text;
-  EXPECT_EQ(changes[0], (std::pair<int64_t, double>{1, 2.0}));
-  EXPECT_EQ(changes[1], (std::pair<int64_t, double>{13, 1.0}));
-  EXPECT_EQ(changes[2].second, 2.0);
+  expect_one_replica_out_and_back(metrics, steps, 2.0, 12, text);
 }
 
 }  // namespace dtrain::test

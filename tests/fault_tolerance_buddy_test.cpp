@@ -38,13 +38,6 @@ constexpr int kSteps = 6;
 
 test::RankRows rows() { return test::RankRows(kSteps, kReplicas, kBatch, 31); }
 
-optim::OptimizerSpec adam() {
-  optim::OptimizerSpec spec;
-  spec.name = "adam";
-  spec.lr = 0.01;
-  return spec;
-}
-
 struct Outcome {
   std::vector<std::vector<at::Tensor>> weights =
       std::vector<std::vector<at::Tensor>>(kReplicas);
@@ -70,7 +63,7 @@ Outcome train_replicas(const std::vector<std::pair<int, int>>& dying, bool repla
         ft.shard_across_replicas = shard_across;
         options.max_grad_norm = clip;
         auto strategy = parallel::make_strategy("zero1", options);
-        strategy->setup(test::double_mlp(), optim::optimizer_factory(adam()), grid);
+        strategy->setup(test::double_mlp(), optim::optimizer_factory(test::adam()), grid);
         const int me = world->rank();
         auto store = world->key_value();
         int dies_before = -1;
@@ -85,7 +78,7 @@ Outcome train_replicas(const std::vector<std::pair<int, int>>& dying, bool repla
             strategy.reset();
             ft.replacement = true;
             strategy = parallel::make_strategy("zero1", options);
-            strategy->setup(test::double_mlp(99), optim::optimizer_factory(adam()), grid);
+            strategy->setup(test::double_mlp(99), optim::optimizer_factory(test::adam()), grid);
             const int64_t joined = parallel::ft::replaceable(*strategy)->joined_at_step();
             EXPECT_EQ(joined, dies_before + 2);
             step = static_cast<int>(joined);
@@ -113,26 +106,12 @@ Outcome train_replicas(const std::vector<std::pair<int, int>>& dying, bool repla
 // step `dies_before` until step `joins`).
 std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps,
                                           std::vector<double>* losses = nullptr) {
-  const test::RankRows data = rows();
-  Model model = test::double_mlp();
-  auto optimizer = optim::make_optimizer(model.module->parameters(), adam());
-  for (int step = 0; step < kSteps; ++step) {
-    const bool missing = dies_before >= 0 && step >= dies_before && step < joins;
-    std::vector<at::Tensor> inputs, targets;
-    for (int r = 0; r < kReplicas; ++r) {
-      if (missing && r == 2) continue;
-      inputs.push_back(data.batch(step, r).inputs);
-      targets.push_back(data.batch(step, r).targets);
-    }
-    optimizer->zero_grad();
-    const at::Tensor loss = at::cross_entropy_loss(model(at::cat(inputs)), at::cat(targets));
-    loss.backward();
-    optimizer->step();
-    if (losses) losses->push_back(loss.item<double>());
-  }
-  std::vector<at::Tensor> weights;
-  for (const auto& p : model.module->parameters()) weights.push_back(p.detach().clone());
-  return weights;
+  return test::one_process_on_present_rows(
+      rows(), kSteps, test::adam(),
+      [&](int step, int rank) {
+        return rank != 2 || dies_before < 0 || step < dies_before || step >= joins;
+      },
+      losses);
 }
 
 }  // namespace
@@ -274,12 +253,7 @@ TEST(FaultToleranceBuddy, TheLauncherReplacesAReplicaThatShardsTheState) {
     EXPECT_TRUE(test::cli::has(out, line)) << "no '" << line << "' in:\n" << out.text;
   }
   EXPECT_FALSE(test::cli::has(out, "restart")) << out.text;
-  const auto [changes, last] = test::replica_changes(metrics);
-  EXPECT_EQ(last, 120);
-  ASSERT_EQ(changes.size(), 3u) << out.text;
-  EXPECT_EQ(changes[0], (std::pair<int64_t, double>{1, 3.0}));
-  EXPECT_EQ(changes[1], (std::pair<int64_t, double>{13, 2.0}));
-  EXPECT_EQ(changes[2].second, 3.0);
+  test::expect_one_replica_out_and_back(metrics, 120, 3.0, 12, out.text);
   const auto resumed =
       test::cli::run(test::cli::kDtrain + job + " --nproc 2 --batch-size 24 --max-steps 122");
   ASSERT_EQ(resumed.code, 0) << resumed.text;

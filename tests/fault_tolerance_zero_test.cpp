@@ -107,25 +107,12 @@ Outcome train_replicas(const std::string& strategy_name, const std::string& faul
 // left out from step `dies_before` until step `joins`); its loss at each step in `losses`.
 std::vector<at::Tensor> train_one_process(int dies_before, int joins = kSteps,
                                           std::vector<double>* losses = nullptr) {
-  const test::RankRows data = rows();
-  Model model = test::double_mlp();
-  auto optimizer = optim::make_optimizer(model.module->parameters(), test::adam());
-  for (int step = 0; step < kSteps; ++step) {
-    const bool missing = dies_before >= 0 && step >= dies_before && step < joins;
-    std::vector<at::Tensor> inputs, targets;
-    for (int r = 0; r < (missing ? kRanks - kShards : kRanks); ++r) {
-      inputs.push_back(data.batch(step, r).inputs);
-      targets.push_back(data.batch(step, r).targets);
-    }
-    optimizer->zero_grad();
-    const at::Tensor loss = at::cross_entropy_loss(model(at::cat(inputs)), at::cat(targets));
-    loss.backward();
-    optimizer->step();
-    if (losses) losses->push_back(loss.item<double>());
-  }
-  std::vector<at::Tensor> weights;
-  for (const auto& p : model.module->parameters()) weights.push_back(p.detach().clone());
-  return weights;
+  return test::one_process_on_present_rows(
+      rows(), kSteps, test::adam(),
+      [&](int step, int rank) {
+        return rank < kRanks - kShards || dies_before < 0 || step < dies_before || step >= joins;
+      },
+      losses);
 }
 
 }  // namespace
