@@ -10,7 +10,6 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/comm/Work.h"
-#include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/zero/ZeroOverlapOptions.h"
 
 namespace dtrain::parallel::ft {
@@ -218,10 +217,7 @@ void FaultTolerantShardedZero::apply_update() {
   // piece's gradient is the matching slice of it, and the optimizer updates both slots.
   if (in_slots_) {
     for (size_t i = 0; i < held_.size(); ++i) {
-      for (auto& piece : pieces_[i]) {
-        piece.tensor.mutable_grad() =
-            slot_grads_[i].narrow(0, piece.shard_offset, piece.tensor.numel());
-      }
+      zero::FlatShards::alias_shard_gradient(pieces_[i], slot_grads_[i]);
     }
   } else {
     const std::vector<at::Tensor> gradients = zero::FlatShards::gradients_of(parameters_);
@@ -320,20 +316,12 @@ ReplicaState FaultTolerantShardedZero::replica_state() {
   return state;
 }
 
-std::vector<PieceRef> FaultTolerantShardedZero::piece_refs(
-    const std::vector<zero::FlatShards::Piece>& pieces) const {
-  std::vector<PieceRef> refs;
-  for (const auto& piece : pieces) {
-    refs.push_back({names_[piece.parameter], piece.offset, piece.tensor,
-                    parameters_[piece.parameter].sizes().vec()});
-  }
-  return refs;
-}
-
 std::vector<PieceRef> FaultTolerantShardedZero::state_pieces() const {
   std::vector<PieceRef> refs;
   for (const auto& pieces : pieces_) {
-    for (auto& ref : piece_refs(pieces)) refs.push_back(std::move(ref));
+    for (auto& ref : zero::FlatShards::state_pieces(pieces, names_, parameters_)) {
+      refs.push_back(std::move(ref));
+    }
   }
   return refs;
 }
@@ -344,7 +332,9 @@ void FaultTolerantShardedZero::save(const std::string& directory) {
   const auto& mine = gives[member_->manager().group()->rank()];
   for (size_t i = 0; i < mine.size(); ++i) {
     const NamedTensors buffers = i == 0 && leads() ? named_buffers() : NamedTensors{};
-    write_state_shard(directory, mine[i], replicas_, piece_refs(pieces_[index_in(held_, mine[i])]),
+    write_state_shard(directory, mine[i], replicas_,
+                      zero::FlatShards::state_pieces(pieces_[index_in(held_, mine[i])], names_,
+                                                     parameters_),
                       optimizer_.get(), buffers);
   }
 }

@@ -66,7 +66,6 @@ class FaultTolerantShardedZero : public FaultTolerantDdp {
   /// The parameters' new values, each slot from the member that gives it out, over the replicas
   /// present (again over the others after a failure).
   void gather_parameters();
-  std::vector<PieceRef> piece_refs(const std::vector<zero::FlatShards::Piece>& pieces) const;
   std::vector<at::Tensor> tensors_of_slot(int slot) const;
 
   int replicas_ = 1;  // N: the slots

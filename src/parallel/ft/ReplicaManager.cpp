@@ -304,21 +304,27 @@ comm::WorkPtr ReplicaManager::start(const at::Tensor& part) {
   }
 }
 
-int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::WorkPtr> works,
-                        const std::function<void()>& restore) {
+int ReplicaManager::step_sum(const std::function<int()>& settled) {
   DTRAIN_CHECK(admitting_.empty(), "replica group: ", sum_name_, " ", named_ + 1,
                " began before the replacements the previous step admitted were taken in "
                "(admit)");
   doing_ = concat(sum_name_, " ", named_ + 1);
   gathering_ = false;
-  const int replicas = settle(std::move(works), [&] {
-    restore();
-    std::vector<comm::WorkPtr> again;
-    for (const auto& part : parts) again.push_back(start(part));
-    return again;
-  });
+  const int replicas = settled();
   ++named_;
   return replicas;
+}
+
+int ReplicaManager::sum(const std::vector<at::Tensor>& parts, std::vector<comm::WorkPtr> works,
+                        const std::function<void()>& restore) {
+  return step_sum([&] {
+    return settle(std::move(works), [&] {
+      restore();
+      std::vector<comm::WorkPtr> again;
+      for (const auto& part : parts) again.push_back(start(part));
+      return again;
+    });
+  });
 }
 
 int ReplicaManager::collective(const std::function<std::vector<comm::WorkPtr>()>& issue,
@@ -330,14 +336,7 @@ int ReplicaManager::collective(const std::function<std::vector<comm::WorkPtr>()>
 }
 
 int ReplicaManager::reduce(const std::function<std::vector<comm::WorkPtr>()>& issue) {
-  DTRAIN_CHECK(admitting_.empty(), "replica group: ", sum_name_, " ", named_ + 1,
-               " began before the replacements the previous step admitted were taken in "
-               "(admit)");
-  doing_ = concat(sum_name_, " ", named_ + 1);
-  gathering_ = false;
-  const int replicas = settle_issued(issue);
-  ++named_;
-  return replicas;
+  return step_sum([&] { return settle_issued(issue); });
 }
 
 int ReplicaManager::settle_issued(const std::function<std::vector<comm::WorkPtr>()>& issue) {

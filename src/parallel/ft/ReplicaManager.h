@@ -150,6 +150,9 @@ class ReplicaManager {
   /// for what `again()` issues over the new group, until a decision commits.
   int settle(std::vector<comm::WorkPtr> works,
              const std::function<std::vector<comm::WorkPtr>()>& again);
+  /// A step's sum (sum(), reduce()): checks the last admission was taken in, names the step in
+  /// messages, runs `settled` (a settle()) and counts the step.
+  int step_sum(const std::function<int()>& settled);
   /// settle() over what `issue()` starts (a CommError while issuing: the decision says).
   int settle_issued(const std::function<std::vector<comm::WorkPtr>()>& issue);
   /// Deletes a decided step's keys (of this group).

@@ -181,8 +181,8 @@ void FlatShards::alias_parameter_gradients(std::vector<Piece>& pieces,
   }
 }
 
-void FlatShards::alias_shard_gradient(const at::Tensor& shard_grad) {
-  for (auto& piece : pieces_) {
+void FlatShards::alias_shard_gradient(std::vector<Piece>& pieces, const at::Tensor& shard_grad) {
+  for (auto& piece : pieces) {
     piece.optimized().mutable_grad() =
         alias_storage(shard_grad, piece.shard_offset, {piece.tensor.numel()});
   }
@@ -245,14 +245,15 @@ std::vector<int64_t> FlatShards::buckets_needed(const std::vector<Stage>& stages
   return needed;
 }
 
-std::vector<PieceRef> FlatShards::state_pieces(const std::vector<std::string>& names,
-                                               const std::vector<at::Tensor>& parameters) const {
-  std::vector<PieceRef> pieces;
-  for (const auto& piece : pieces_) {
-    pieces.push_back({names[piece.parameter], piece.offset, piece.optimized(),
-                      parameters[piece.parameter].sizes().vec()});
+std::vector<PieceRef> FlatShards::state_pieces(const std::vector<Piece>& pieces,
+                                               const std::vector<std::string>& names,
+                                               const std::vector<at::Tensor>& parameters) {
+  std::vector<PieceRef> refs;
+  for (const auto& piece : pieces) {
+    refs.push_back({names[piece.parameter], piece.offset, piece.optimized(),
+                    parameters[piece.parameter].sizes().vec()});
   }
-  return pieces;
+  return refs;
 }
 
 }  // namespace dtrain::parallel::zero

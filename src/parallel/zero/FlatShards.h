@@ -104,7 +104,10 @@ class FlatShards {
   /// The same with each parameter's own .grad.
   static std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& parameters);
   /// ZeRO-2: each piece's gradient aliases `shard_grad` (shard_numel elements).
-  void alias_shard_gradient(const at::Tensor& shard_grad);
+  void alias_shard_gradient(const at::Tensor& shard_grad) {
+    alias_shard_gradient(pieces_, shard_grad);
+  }
+  static void alias_shard_gradient(std::vector<Piece>& pieces, const at::Tensor& shard_grad);
   /// Collective over `comm` (the group the shards were cut for): every rank's updated shard to
   /// every rank, bucket by bucket; waits for all (returns how long, in seconds).
   double allgather(const comm::CommunicatorPtr& comm);
@@ -126,7 +129,12 @@ class FlatShards {
                                       bool* all_named = nullptr) const;
   /// The pieces as checkpoint pieces (names and whole shapes from `names` / `parameters`).
   std::vector<PieceRef> state_pieces(const std::vector<std::string>& names,
-                                     const std::vector<at::Tensor>& parameters) const;
+                                     const std::vector<at::Tensor>& parameters) const {
+    return state_pieces(pieces_, names, parameters);
+  }
+  static std::vector<PieceRef> state_pieces(const std::vector<Piece>& pieces,
+                                            const std::vector<std::string>& names,
+                                            const std::vector<at::Tensor>& parameters);
 
  private:
   int rank_ = 0;
