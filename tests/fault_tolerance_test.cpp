@@ -281,6 +281,42 @@ TEST(FaultTolerance, AStoppedReplicaIsFencedAndTheOthersFinish) {
   EXPECT_TRUE(test::cli::has(out, "replica group: world rank(s) 2 left at step 13")) << out.text;
   expect_two_replicas_after(metrics, 12, 30);
 }
+// A replica that hangs after the last step (stopped once its step committed) is noticed by no
+// collective of the others, which end: its launcher kills it once training has ended and its
+// heartbeat stays silent, and the job's result stands. The leading replica hanging there ends
+// the job with an error instead (its evaluation and summary are missing). Either way the job
+// ends, instead of waiting for the stopped process forever.
+TEST(FaultTolerance, AReplicaThatHangsAfterTheLastStepIsEnded) {
+  for (const int hangs : {2, 0}) {
+    test::TempDir dir;
+    const std::string metrics = dir / "metrics.jsonl";
+    const auto out = test::cli::run(
+        "DTRAIN_SIMULATE_FAILURE=" + std::to_string(hangs) + ":20:stop " + test::cli::kDtrain +
+        " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --max-steps 20 "
+        "--log-every 1 --no-progress --fault-tolerance replicas --replica-heartbeat-timeout 0.4 "
+        "--metrics " +
+        metrics);
+    const std::string rank = "rank " + std::to_string(hangs);
+    EXPECT_TRUE(test::cli::has(out, rank + " stops itself at step 20")) << out.text;
+    EXPECT_TRUE(test::cli::has(out, rank + " (pid ")) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "still runs after training ended, its heartbeat silent for"))
+        << out.text;
+    EXPECT_LT(out.seconds, 30) << out.text;
+    if (hangs == 2) {
+      ASSERT_EQ(out.code, 0) << out.text;
+      EXPECT_TRUE(test::cli::has(out, "the job's result stands")) << out.text;
+      EXPECT_TRUE(test::cli::has(out, "[rank 0] trained 20 steps")) << out.text;
+      EXPECT_FALSE(test::cli::has(out, "started rank 2 again")) << out.text;
+    } else {
+      EXPECT_NE(out.code, 0) << out.text;
+      EXPECT_TRUE(test::cli::has(out, "hung after training ended, before its replica ended the "
+                                      "job (its final evaluation, checkpoint and summary)"))
+          << out.text;
+      EXPECT_FALSE(test::cli::has(out, "trained 20 steps")) << out.text;
+    }
+  }
+}
+
 // Rank 0 killed at step 12 through the launcher: rank 1's replica leads from step 13 on (it
 // appends to the metrics file, evaluates, checkpoints and prints the summary), rank 0's
 // replacement joins as any replica, and the checkpoint it wrote (with rank 1's random state)

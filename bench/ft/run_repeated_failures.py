@@ -157,8 +157,9 @@ def run_side(dtrain, side, args, workdir):
                "--nproc", "3", "--threads", "1", "--log-every", "1", "--metrics", metrics,
                "--no-progress", "--seed", str(args.seed), "--lr", str(args.lr)]
     if side in ("kill", "stop"):
-        command += ["--fault-tolerance", "replicas", "--max-replacements", "1000",
-                    "--replica-heartbeat-timeout", str(args.heartbeat_timeout / 1000)]
+        command += ["--fault-tolerance", "replicas", "--max-replacements", "1000"]
+        if side == "stop":  # a kill is an exit: the heartbeat timeout only times stops
+            command += ["--replica-heartbeat-timeout", str(args.heartbeat_timeout / 1000)]
     elif side == "restart":
         command += ["--max-restarts", "1000", "--checkpoint-dir", checkpoints,
                     "--checkpoint-every", str(args.every)]
@@ -203,7 +204,7 @@ def run_side(dtrain, side, args, workdir):
               "test_accuracy": evals[-1]["val_accuracy"] if evals else None,
               "final_train_loss_mean50": statistics.mean(r["loss"] for r in ordered[-50:])}
     if side in ("kill", "stop"):
-        result["heartbeat_timeout_ms"] = args.heartbeat_timeout
+        result["heartbeat_timeout_ms"] = args.heartbeat_timeout if side == "stop" else 2000
         result["failure_to_three_s"], result["steps_with_fewer"] = back_to_three(ordered,
                                                                                  failures)
         result["replaced"] = sum(1 for line in output if "started rank" in line and "again" in line)
@@ -233,7 +234,8 @@ def main():
                         help="the job's seed (its model and data order): a run at another seed "
                              "shows how far the final loss moves without a failure")
     parser.add_argument("--heartbeat-timeout", type=int, default=2000,
-                        help="kill, stop: dtrain's --replica-heartbeat-timeout, in ms")
+                        help="stop: dtrain's --replica-heartbeat-timeout, in ms (kill runs "
+                             "at its default, 2 s: a kill is seen as an exit)")
     parser.add_argument("--markdown")
     parser.add_argument("--records", default=os.path.join(report.ROOT, "bench", "results", "ft",
                                                           "repeated-failures.jsonl"))
@@ -261,8 +263,9 @@ def main():
     lines = [f"3 ranks x 1 thread, {args.steps} steps, a replica failing every {args.period:.0f} s; "
              f"medians of {args.rounds} round(s):", "",
              "| side | failures | job wall time (s) | samples/s | / no failure | test loss | "
-             "/ no failure | failure to 3 replicas again (s, median) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "/ no failure | training loss, last 50 steps | / no failure | "
+             "failure to 3 replicas again (s, median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     labels = {"none": "no failure", "kill": "`--fault-tolerance replicas`, SIGKILL",
               "stop": "`--fault-tolerance replicas`, SIGSTOP, heartbeat timeout "
                       f"{args.heartbeat_timeout} ms",
@@ -276,11 +279,15 @@ def main():
         loss = statistics.median(r[side]["test_loss"] / r[base]["test_loss"]
                                  for r in rounds) if base and rounds[0][side]["test_loss"] \
             else float("nan")
+        train = med(side, "final_train_loss_mean50")
+        train_ratio = statistics.median(
+            r[side]["final_train_loss_mean50"] / r[base]["final_train_loss_mean50"]
+            for r in rounds) if base and not side.startswith("torchft") else float("nan")
         test_loss = med(side, "test_loss") if rounds[0][side]["test_loss"] else float("nan")
         back = [t for r in rounds for t in r[side].get("failure_to_three_s", [])]
         lines.append(f"| {labels[side]} | {med(side, 'failures'):.0f} | {med(side, 'wall_s'):.0f} | "
                      f"{med(side, 'samples_per_s'):.0f} | {ratio:.3f} | "
-                     f"{test_loss:.4f} | {loss:.3f} | "
+                     f"{test_loss:.4f} | {loss:.3f} | {train:.4f} | {train_ratio:.3f} | "
                      f"{statistics.median(back) if back else float('nan'):.2f} |")
     report.table(lines, args.markdown)
 

@@ -206,6 +206,54 @@ Outcome Attempt::blame(Clock::time_point now) const {
   return blamed;
 }
 
+// Once training has ended (the leading replica closed the job, or a rank finished), every
+// rank still running finishes on its own (its final evaluation, checkpoint, summary) and beats
+// meanwhile; one whose heartbeat stays silent hung at the end (a machine stopped, a deadlock in
+// its exit), and no collective of the others is left to notice it: it is killed, or the job
+// would wait for it forever. 2 s on top of the timeout: from the end of its heartbeat (its
+// replica group's end) to its exit; 30 s more for a replacement not admitted yet (it may still
+// be starting: it beats once its replica group exists, then sees the job closed and exits).
+void Attempt::end_hung_ranks(Clock::time_point now) {
+  if (replica_heartbeat_s_ == 0) {
+    // parallel/ft/ReplicaManager.h's kHeartbeatTimeoutKey, under the ranks' prefix: the
+    // replicas beat (a parameter server's workers do not).
+    const std::string timeout = rank_key(attempt_, "ft/heartbeat_ms");
+    if (!store_.check(timeout)) return;
+    replica_heartbeat_s_ = std::max(0.001, std::atof(store_.get(timeout).c_str()) / 1000);
+  }
+  if (closed_by_ < 0) {
+    // "ft/closed" under the ranks' prefix: parallel/ft/ReplicaManager.h's kClosedKey.
+    const std::string closed = rank_key(attempt_, "ft/closed");
+    if (store_.check(closed)) {
+      closed_by_ = std::atoi(store_.get(closed).c_str());
+      training_ended_ = true;
+    }
+  }
+  if (!training_ended_) training_ended_ = store_.check(rank_key(attempt_, "ft/ended"));
+  if (!training_ended_) return;
+  for (auto& r : ranks_) {
+    if (!r.running || r.fenced) continue;
+    const int64_t beat = store_.add(rank_key(attempt_, concat("ft/beat/", r.rank)), 0);
+    if (r.beat_changed == Clock::time_point{} || beat != r.last_beat) {
+      r.last_beat = beat;
+      r.beat_changed = now;
+      continue;
+    }
+    if (now - r.beat_changed <
+        millis(replica_heartbeat_s_ + (r.awaiting_admission ? 32 : 2))) {
+      continue;
+    }
+    std::fprintf(stderr,
+                 "dtrain launch: rank %d (pid %d) still runs after training ended, its heartbeat "
+                 "silent for %.1f s (it hung); killing it\n",
+                 r.rank, static_cast<int>(r.pid),
+                 std::chrono::duration<double>(now - r.beat_changed).count());
+    ::kill(-r.pid, SIGKILL);
+    r.fenced = true;
+    r.silent_at_end = true;
+  }
+}
+
 // Twice a second: heartbeat, the job's failure, the other nodes' heartbeats.
 void Attempt::tick() {
   const auto now = Clock::now();
@@ -232,6 +280,7 @@ void Attempt::tick() {
         }
       }
     }
+    if (o_.tolerate_failures && !stopping_) end_hung_ranks(now);
     if (o_.tolerate_failures && !stopping_ && !outcome_.failed) {
       if (auto gone = every_replica_failed()) {
         outcome_ = publish(*gone);
@@ -351,8 +400,26 @@ Outcome Attempt::run() {
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
         // Exit code 2 is bad input (dtrain's, argparse's): the same again in a replacement.
         const bool bad_input = WIFEXITED(status) && WEXITSTATUS(status) == 2;
-        if (!ok && !stopping_ && o_.tolerate_failures && !bad_input &&
-            (r.rank >= o_.replica_size || o_.replace_first_replica)) {
+        // Killed for hanging after training ended: the job's result stands unless it is of the
+        // leading replica (or none closed the job yet), whose end is then missing.
+        const bool hung_at_end = !ok && r.silent_at_end;
+        const bool end_missing =
+            hung_at_end && (closed_by_ < 0 || r.rank / o_.replica_size ==
+                                                  closed_by_ / o_.replica_size);
+        if (ok && replica_heartbeat_s_ > 0 && !training_ended_) {
+          training_ended_ = true;  // a rank finished: so did training (told to the other nodes)
+          try {
+            store_.set(rank_key(attempt_, "ft/ended"), "1");
+          } catch (const CommError&) {
+          }
+        }
+        if (hung_at_end && !end_missing) {
+          std::fprintf(stderr,
+                       "dtrain launch: rank %d (pid %d) ended; the job's result stands (the "
+                       "leading replica finished it)\n",
+                       r.rank, static_cast<int>(r.pid));
+        } else if (!ok && !stopping_ && o_.tolerate_failures && !bad_input && !hung_at_end &&
+                   (r.rank >= o_.replica_size || o_.replace_first_replica)) {
           std::fprintf(stderr, "dtrain launch: rank %d (pid %d) %s; the other ranks go on\n",
                        r.rank, static_cast<int>(r.pid), describe_status(status).c_str());
           // A replica of several ranks (a tensor-parallel group) fails as one: its other ranks
@@ -384,7 +451,10 @@ Outcome Attempt::run() {
             std::fprintf(stderr, "dtrain launch: could not report rank %d's failure: %s\n", r.rank,
                          e.what());
           }
-          if (r.replacements < o_.max_replacements) {
+          if (training_ended_) {
+            std::fprintf(stderr, "dtrain launch: rank %d is not started again: training ended\n",
+                         r.rank);
+          } else if (r.replacements < o_.max_replacements) {
             // torchft's replica groups, restarted by their scheduler: a new process for the
             // rank, which fetches the state from a replica that is training.
             for (const bool is_err : {false, true}) {
@@ -418,8 +488,12 @@ Outcome Attempt::run() {
           mine.failed = true;
           mine.code = exit_code_of(status);
           if (mine.code == 0) mine.code = 1;
-          mine.description = concat(nnodes_ > 1 ? concat("node ", node_rank_, " ") : "", "rank ",
-                                    r.rank, " (pid ", r.pid, ") ", describe_status(status));
+          mine.description = concat(
+              nnodes_ > 1 ? concat("node ", node_rank_, " ") : "", "rank ", r.rank, " (pid ",
+              r.pid, ") ",
+              end_missing ? "hung after training ended, before its replica ended the job (its "
+                            "final evaluation, checkpoint and summary), and was killed"
+                          : describe_status(status));
           local_failure_ = mine;
           local_failure_at_ = Clock::now();
           std::fprintf(stderr, "dtrain launch: %s; stopping the other ranks\n",

@@ -33,6 +33,10 @@ struct Rank {
   // Ended by its launcher because another rank of its replica failed: its own end takes no
   // other rank with it (the others of its replica are being started again).
   bool ended_with_replica = false;
+  // Killed after training ended because its heartbeat stayed silent (hung at the end).
+  bool silent_at_end = false;
+  int64_t last_beat = -1;  // its ft/beat/RANK count as last seen, once training has ended
+  Clock::time_point beat_changed{};
   int status = 0;
 };
 
@@ -67,6 +71,8 @@ class Attempt {
   void tick();
   std::optional<Outcome> every_replica_failed();
   Outcome blame(Clock::time_point now) const;
+  // Once training has ended: kills the ranks whose heartbeat stays silent (tolerate_failures).
+  void end_hung_ranks(Clock::time_point now);
 
   const LaunchOptions& o_;
   comm::Store& store_;
@@ -84,6 +90,12 @@ class Attempt {
   std::optional<Outcome> local_failure_;  // published after a short settling time
   Clock::time_point local_failure_at_{};
   Clock::time_point next_tick_{};
+  // --fault-tolerance replicas: the ranks' heartbeat timeout, in seconds (0 until they
+  // publish it). Training has ended: ft/closed holds the leading world rank (-1 until it is
+  // there), or a rank finished.
+  double replica_heartbeat_s_ = 0;
+  bool training_ended_ = false;
+  int closed_by_ = -1;
   std::vector<int64_t> last_beat_;
   std::vector<Clock::time_point> last_beat_change_;
 };

@@ -74,6 +74,7 @@ ReplicaManager::ReplicaManager(comm::CommunicatorPtr world,
   position_ = me_ % replica_size_;
   for (int r = 0; r < world_->size() / replica_size_; ++r) members_.push_back(r);
   deaths_seen_ = store_->add(kDeathsKey, 0);
+  store_->set(kHeartbeatTimeoutKey, std::to_string(heartbeat_timeout_.count()));
   // A group of its own, not the world (which lives as long as the process): the group a
   // failure leaves behind is destroyed once its collective ended (drop_abandoned).
   if (!replacement_) group_ = form_group();
@@ -501,6 +502,6 @@ std::optional<ReplicaManager::Admission> ReplicaManager::join(
   return result;
 }
 
-void ReplicaManager::close() { store_->set(kClosedKey, "1"); }
+void ReplicaManager::close() { store_->set(kClosedKey, std::to_string(world_->rank())); }
 
 }  // namespace dtrain::parallel::ft

@@ -48,8 +48,12 @@ std::string heartbeat_key(int world_rank);
 /// Where a replacement announces itself, and how many wait.
 std::string join_key(int world_rank);
 inline constexpr const char* kJoinsKey = "ft/joins";
-/// Set by rank 0 when training ends: no replacement will be admitted.
+/// Set by the leading replica when training ends (to its world rank): no replacement will be
+/// admitted; the launcher then watches for ranks that hang at the end (launch/Attempt.cpp).
 inline constexpr const char* kClosedKey = "ft/closed";
+/// The heartbeat timeout in milliseconds (every member sets it): the launcher watches the
+/// heartbeats once training has ended.
+inline constexpr const char* kHeartbeatTimeoutKey = "ft/heartbeat_ms";
 
 class ReplicaManager {
  public:
