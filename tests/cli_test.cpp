@@ -688,4 +688,19 @@ TEST(Cli, EachModelTrainsWithItsRecipeAndFlagsOrConfigKeysWin) {
                          "--synthetic-examples 256 --max-steps 1 --no-progress");
   ASSERT_EQ(image.code, 0) << image.text;
   EXPECT_FALSE(has(image, "training recipe")) << image.text;
+  // Another optimizer than the recipe's trains at its own defaults (PyTorch's), not at the rate
+  // and decay of the recipe's SGD (Adam at 0.05 diverged); a rate given stays.
+  const std::string adam = kDtrain +
+                           " train --threads 1 --dataset synthetic --model mlp "
+                           "--synthetic-examples 256 --max-steps 1 --no-progress --optimizer adam";
+  const auto own = run(adam);
+  ASSERT_EQ(own.code, 0) << own.text;
+  EXPECT_TRUE(has(own,
+                  "--optimizer adam (model mlp's recipe trains with sgd): adam's own defaults, "
+                  "as PyTorch's, set --lr 0.001, --momentum 0, --weight-decay 0\n"))
+      << own.text;
+  const auto rate = run(adam + " --lr 0.003");
+  ASSERT_EQ(rate.code, 0) << rate.text;
+  EXPECT_TRUE(has(rate, "adam's own defaults, as PyTorch's, set --momentum 0, --weight-decay 0\n"))
+      << rate.text;
 }

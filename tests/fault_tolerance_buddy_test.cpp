@@ -260,6 +260,47 @@ TEST(FaultToleranceBuddy, TheLauncherReplacesAReplicaThatShardsTheState) {
   EXPECT_TRUE(test::cli::has(resumed, "resumed from step 120")) << resumed.text;
 }
 
+// A replica killed while step 20's checkpoint is written (its files written, or staged when
+// asynchronous, before the others hear of them): the others regroup without it and leave that
+// checkpoint unpublished (it may lack the failed replica's shards), the replacement joins and
+// the next checkpoint is complete; nothing restarts, and the checkpoints published resume.
+TEST(FaultToleranceBuddy, AReplicaFailingWhileACheckpointIsWrittenLeavesItUnpublished) {
+  for (const bool async : {false, true}) {
+    test::TempDir dir;
+    const std::string job =
+        " train --model mlp --hidden 32 --threads 1 --batch-size 16 --optimizer adam --lr 0.001 "
+        "--log-every 1 --no-progress --strategy zero1 --keep-checkpoints 10 --checkpoint-dir " +
+        (dir / "ckpt");
+    const auto out = test::cli::run(
+        "DTRAIN_SIMULATE_SLOW_STEP_MS=20 DTRAIN_SIMULATE_FAILURE=1:20:checkpoint " +
+        test::cli::kDtrain + job +
+        " --nproc 3 --max-steps 60 --checkpoint-every 10 --fault-tolerance replicas "
+        "--shard-across-replicas" +
+        (async ? " --async-checkpoint" : ""));
+    ASSERT_EQ(out.code, 0) << out.text;
+    for (const char* line : {"rank 1 kills itself in step 20's checkpoint",
+                             "checkpoint step-00000020 is not published: a replica failed while "
+                             "it was written",
+                             "replica group: world rank(s) 1 left at",
+                             "replica group: world rank(s) 1 joined after step"}) {
+      EXPECT_TRUE(test::cli::has(out, line)) << "no '" << line << "' in:\n" << out.text;
+    }
+    EXPECT_FALSE(test::cli::has(out, "restart")) << out.text;
+    const auto verified = test::cli::run(test::cli::kDtrain + " ckpt verify " + (dir / "ckpt"));
+    EXPECT_EQ(verified.code, 0) << verified.text;
+    for (const int step : {10, 30, 40, 50, 60}) {
+      EXPECT_TRUE(test::cli::has(verified, "ok       " + (dir / "ckpt/step-000000") +
+                                               std::to_string(step)))
+          << step << ": " << verified.text;
+    }
+    EXPECT_FALSE(test::cli::has(verified, "step-00000020")) << verified.text;
+    const auto resumed =
+        test::cli::run(test::cli::kDtrain + job + " --nproc 2 --batch-size 24 --max-steps 62");
+    ASSERT_EQ(resumed.code, 0) << resumed.text;
+    EXPECT_TRUE(test::cli::has(resumed, "resumed from step 60")) << resumed.text;
+  }
+}
+
 // What --shard-across-replicas refuses.
 TEST(FaultToleranceBuddy, BadLayoutsAreRefused) {
   const std::string base = test::cli::kDtrain + " train --model mlp --max-steps 1 --nproc 2 ";

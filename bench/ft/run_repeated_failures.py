@@ -155,7 +155,8 @@ def run_side(dtrain, side, args, workdir):
     command = [dtrain, "train", "--model", "mlp", "--hidden", "1792", "1792", "--optimizer",
                "adam", "--batch-size", "32", "--epochs", "100", "--max-steps", str(args.steps),
                "--nproc", "3", "--threads", "1", "--log-every", "1", "--metrics", metrics,
-               "--no-progress", "--seed", str(args.seed), "--lr", str(args.lr)]
+               "--no-progress", "--seed", str(args.seed), "--lr", str(args.lr),
+               "--weight-decay", str(args.weight_decay)]
     if side in ("kill", "stop"):
         command += ["--fault-tolerance", "replicas", "--max-replacements", "1000"]
         if side == "stop":  # a kill is an exit: the heartbeat timeout only times stops
@@ -230,6 +231,10 @@ def main():
                              "recorded runs used) is high for Adam: at --seed 1 the job diverged "
                              "to chance, and the final loss moves by several percent between "
                              "runs; 0.001 is Adam's usual rate")
+    parser.add_argument("--weight-decay", type=float, default=5e-4,
+                        help="the job's weight decay: 0.0005, the image recipe's, which the "
+                             "recorded runs trained with (since --optimizer adam no longer takes "
+                             "the SGD recipe's rates, it would be Adam's own 0)")
     parser.add_argument("--seed", type=int, default=0,
                         help="the job's seed (its model and data order): a run at another seed "
                              "shows how far the final loss moves without a failure")

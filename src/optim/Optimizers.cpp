@@ -108,6 +108,8 @@ struct Entry {
   const char* name;
   bool flat;
   OptimizerPtr (*make)(std::vector<at::Tensor> parameters, const OptimizerSpec& spec);
+  double lr;  // PyTorch's defaults (torch.optim, 2.x)
+  double weight_decay;
 };
 
 const Entry kOptimizers[] = {
@@ -119,17 +121,21 @@ const Entry kOptimizers[] = {
                                                                   .momentum(spec.momentum)
                                                                   .nesterov(spec.nesterov)
                                                                   .weight_decay(spec.weight_decay));
-     }},
+     },
+     1e-3, 0},
     {"adam", true,
-     make_adam<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>},
+     make_adam<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>,
+     1e-3, 0},
     {"adamw", false,
      make_adam<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState,
-               true>},
+               true>,
+     1e-3, 1e-2},
     {"adagrad", true,
      [](std::vector<at::Tensor> parameters, const OptimizerSpec& spec) -> OptimizerPtr {
        return std::make_unique<torch::optim::Adagrad>(
            parameters, torch::optim::AdagradOptions(spec.lr).weight_decay(spec.weight_decay));
-     }},
+     },
+     1e-2, 0},
 };
 
 std::string names_where(bool flat_only) {
@@ -142,6 +148,17 @@ std::string names_where(bool flat_only) {
 }
 
 }  // namespace
+
+OptimizerSpec optimizer_defaults(const std::string& name) {
+  OptimizerSpec spec;
+  spec.name = name;
+  for (const Entry& entry : kOptimizers) {
+    if (name != entry.name) continue;
+    spec.lr = entry.lr;
+    spec.weight_decay = entry.weight_decay;
+  }
+  return spec;
+}
 
 OptimizerPtr make_optimizer(std::vector<at::Tensor> parameters, const OptimizerSpec& spec) {
   DTRAIN_CHECK_INPUT(spec.lr > 0, "learning rate must be > 0, got ", spec.lr);

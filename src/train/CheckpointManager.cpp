@@ -122,6 +122,24 @@ void CheckpointManager::publish(const std::string& staging, const std::string& n
   prune_checkpoints(root, options_.keep_checkpoints, name);
 }
 
+namespace {
+
+// A checkpoint of replicas that shard the state, one of which failed while it was written: its
+// staging directory goes (what cannot be removed while a writer still writes stays, never read:
+// checkpoints are the directories without ".tmp").
+void leave_unpublished(const std::string& staging, const std::string& name,
+                       const std::string& why) {
+  std::error_code ignored;
+  fs::remove_all(staging, ignored);
+  std::fprintf(stderr,
+               "dtrain: warning: checkpoint %s is not published: %s; the newest complete "
+               "checkpoint stays `latest`, and training goes on\n",
+               name.c_str(), why.c_str());
+  std::fflush(stderr);
+}
+
+}  // namespace
+
 void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, bool alone) {
   wait();  // the previous asynchronous checkpoint is complete, or its error is thrown here
   const std::string root = options_.checkpoint_dir;
@@ -131,19 +149,43 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
   // after it failed): this rank's replica (an asynchronous strategy's: its TP group, rank 0
   // alone), whose first rank publishes.
   comm::CommunicatorPtr replica = grid_.tp();
-  if (auto* replicas = parallel::ft::replaceable(strategy_)) replica = replicas->checkpoint_group();
+  parallel::ft::ReplaceableReplicas* const replicas = parallel::ft::replaceable(strategy_);
+  if (replicas) replica = replicas->checkpoint_group();
+  // Replicas that shard the state save together, over barriers a member's failure does not
+  // break (it regroups them, as a step does); a checkpoint whose group changed meanwhile may
+  // lack the failed member's files: it is left unpublished, and training goes on.
+  const bool every_replica = alone && replicas && replicas->checkpoints_in_every_replica();
   comm::Communicator& savers = alone ? *replica : world_;
-  const bool leader = savers.rank() == 0;
+  bool leader = savers.rank() == 0;
   if (leader) {
     fs::remove_all(staging);
     fs::create_directories(staging);
   }
-  if (savers.size() > 1) savers.barrier()->wait();
+  int64_t formed = 0;
+  std::vector<int> writers = savers.global_ranks();
+  if (every_replica) {
+    formed = replicas->checkpoint_barrier();
+    fs::create_directories(staging);  // (in case the member that made it failed first)
+    leader = replicas->checkpoint_group()->rank() == 0;
+    writers = replicas->checkpoint_group()->global_ranks();
+  } else if (savers.size() > 1) {
+    savers.barrier()->wait();
+  }
   const std::string rng = concat(staging, "/rng-rank", world_.rank(), ".pt");
   const std::vector<TensorInfo> tensors = leader ? model_tensors() : std::vector<TensorInfo>{};
   if (!options_.async_checkpoint) {
     strategy_.save(staging);
     save_tensor_file(rng, at::detail::getDefaultCPUGenerator().get_state());
+    if (on_files) on_files(step);
+    if (every_replica) {
+      const bool whole = replicas->checkpoint_barrier() == formed;  // every rank's files are in
+      if (replicas->checkpoint_group()->rank() == 0) {
+        if (!whole) return leave_unpublished(staging, name, "a replica failed while it was written");
+        publish(staging, name, step, epoch, global_batch, tensors);
+      }
+      if (whole) replicas->checkpoint_barrier();
+      return;
+    }
     if (savers.size() > 1) savers.barrier()->wait();  // every rank's files are in place
     if (leader) publish(staging, name, step, epoch, global_batch, tensors);
     if (savers.size() > 1) savers.barrier()->wait();
@@ -157,12 +199,17 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
     strategy_.save(staging);
     save_tensor_file(rng, at::detail::getDefaultCPUGenerator().get_state());
   }
+  if (on_files) on_files(step);
   background_ = std::make_unique<Background>();
   background_->step = step;
   Background* background = background_.get();
   const int rank = world_.rank();
-  const std::vector<int> writers = savers.global_ranks();
   const auto timeout = world_.timeout();
+  // A failure reported after the state was staged may leave a writer's files missing: the
+  // checkpoint is then left unpublished instead of waited for.
+  const std::function<int64_t()> failures =
+      every_replica ? replicas->failure_count() : std::function<int64_t()>();
+  const int64_t failures_before = failures ? failures() : 0;
   background->thread = std::thread([=, this] {
     // The writer takes what the training threads leave (waits on peers, the data loader): on a
     // machine whose cores all train, an equal share would slow the steps while it writes.
@@ -188,6 +235,15 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
         if (missing.empty() || background->cancel || std::chrono::steady_clock::now() >= deadline) {
           break;
         }
+        if (failures && failures() > failures_before) {
+          std::string ranks;
+          for (const int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
+          leave_unpublished(staging, name,
+                            concat("a replica failed while it was written (world rank",
+                                   missing.size() == 1 ? " " : "s ", ranks, " did not write ",
+                                   missing.size() == 1 ? "its" : "their", " files)"));
+          return done();
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
       std::string ranks;
@@ -202,6 +258,9 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
       publish(staging, name, step, epoch, global_batch, tensors);
       done();
     } catch (...) {
+      // A writer whose checkpoint was left unpublished meanwhile (the publishing replica removed
+      // its staging directory): nothing to report.
+      if (every_replica && !fs::exists(staging)) return done();
       background->error = std::current_exception();
     }
   });

@@ -94,23 +94,37 @@ std::string apply_model_recipe(JobConfig& job, const std::vector<std::string>& g
   if (!contains(models::model_names(), job.model)) return "";  // validate_job names it
   const models::TrainingRecipe recipe = models::training_recipe(job.model);
   auto& t = job.trainer;
-  std::string set;
-  auto take = [&](const char* flag, auto& field, const auto& value) {
+  std::string set, own;
+  auto take = [&](const char* flag, auto& field, const auto& value, std::string& said) {
     if (contains(given, flag)) return;
-    if (field != value) set += concat(set.empty() ? "" : ", ", "--", flag, " ", value);
+    if (field != value) said += concat(said.empty() ? "" : ", ", "--", flag, " ", value);
     field = value;
   };
-  take("optimizer", t.optimizer.name, recipe.optimizer.name);
-  take("lr", t.optimizer.lr, recipe.optimizer.lr);
-  take("momentum", t.optimizer.momentum, recipe.optimizer.momentum);
-  take("weight-decay", t.optimizer.weight_decay, recipe.optimizer.weight_decay);
-  take("lr-decay", t.schedule.decay, recipe.schedule.decay);
-  take("warmup-steps", t.schedule.warmup_steps, recipe.schedule.warmup_steps);
-  take("batch-size", t.batch_size, recipe.batch_size);
-  take("max-grad-norm", t.strategy_options.max_grad_norm, recipe.max_grad_norm);
-  if (set.empty()) return "";
-  return concat("model ", job.model, ": its training recipe sets ", set,
-                " (a flag or config key overrides each)");
+  take("optimizer", t.optimizer.name, recipe.optimizer.name, set);
+  // Another optimizer than the recipe's trains at its own defaults (PyTorch's), not at a rate
+  // and decay chosen for the recipe's (Adam at SGD's 0.05 diverges).
+  const bool another = t.optimizer.name != recipe.optimizer.name;
+  const optim::OptimizerSpec rates =
+      another ? optim::optimizer_defaults(t.optimizer.name) : recipe.optimizer;
+  std::string& rates_said = another ? own : set;
+  take("lr", t.optimizer.lr, rates.lr, rates_said);
+  take("momentum", t.optimizer.momentum, rates.momentum, rates_said);
+  take("weight-decay", t.optimizer.weight_decay, rates.weight_decay, rates_said);
+  take("lr-decay", t.schedule.decay, recipe.schedule.decay, set);
+  take("warmup-steps", t.schedule.warmup_steps, recipe.schedule.warmup_steps, set);
+  take("batch-size", t.batch_size, recipe.batch_size, set);
+  take("max-grad-norm", t.strategy_options.max_grad_norm, recipe.max_grad_norm, set);
+  std::string said;
+  if (!set.empty()) {
+    said = concat("model ", job.model, ": its training recipe sets ", set,
+                  " (a flag or config key overrides each)");
+  }
+  if (!own.empty()) {
+    said += concat(said.empty() ? "" : "\n", "--optimizer ", t.optimizer.name, " (model ",
+                   job.model, "'s recipe trains with ", recipe.optimizer.name, "): ",
+                   t.optimizer.name, "'s own defaults, as PyTorch's, set ", own);
+  }
+  return said;
 }
 
 bool uses_parameter_server(const JobConfig& job) {

@@ -309,6 +309,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
           {{"event", std::string("checkpoint_written")}, {"step", step}, {"seconds", seconds}});
     }
   };
+  checkpoints.on_files = [&](int64_t step) { run.failure.maybe_fire_in_checkpoint(step); };
   run.save = [&](int64_t step, int64_t epoch, bool alone) {
     const auto started = runners::Clock::now();
     checkpoints.save(step, epoch, global_batch, alone);

@@ -21,4 +21,9 @@ struct OptimizerSpec {
   int64_t freeze_variance_after = 0;
 };
 
+/// The named optimizer's own defaults, as PyTorch's (a learning rate and weight decay for it,
+/// not for another optimizer): what a job that names an optimizer other than its model's
+/// recipe's trains at unless told. An unknown name keeps OptimizerSpec's (make_optimizer names it).
+OptimizerSpec optimizer_defaults(const std::string& name);
+
 }  // namespace dtrain::optim

@@ -33,6 +33,10 @@ class CheckpointManager {
   /// strategy's rank 0, or --fault-tolerance replicas' leading replica, saving by itself:
   /// collective over this rank's tensor-parallel group, whose first rank publishes).
   ///
+  /// Replicas that shard the state between them (--shard-across-replicas) save together, and a
+  /// member failing meanwhile does not stop the others: that checkpoint is left unpublished (a
+  /// warning says so; the newest complete one stays `latest`) and training goes on.
+  ///
   /// options.async_checkpoint: waits for the previous checkpoint's background write, then
   /// copies the state into host memory (PyTorch's async DCP staging) and returns; a thread
   /// writes the files, and rank 0's, once every rank has written its own (marker files in the
@@ -48,6 +52,9 @@ class CheckpointManager {
   /// Called on the training thread when wait() (or save()) finds an asynchronous checkpoint
   /// complete: its step and how long the background took to write (and, rank 0, publish) it.
   std::function<void(int64_t step, double seconds)> on_written;
+  /// Called once this rank's files of step `step`'s checkpoint are written (asynchronous:
+  /// staged), before the other ranks hear of them (failure injection: DTRAIN_SIMULATE_FAILURE).
+  std::function<void(int64_t step)> on_files;
 
   /// Collective. Loads the newest checkpoint that verifies into the strategy (resharded to this
   /// layout) and the random generators, and returns its step (0: none, or resume is off).

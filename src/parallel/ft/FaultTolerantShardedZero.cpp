@@ -339,6 +339,13 @@ void FaultTolerantShardedZero::save(const std::string& directory) {
   }
 }
 
+int64_t FaultTolerantShardedZero::checkpoint_barrier() {
+  ReplicaManager& manager = member_->manager();
+  manager.collective([&] { return std::vector<comm::WorkPtr>{manager.group()->barrier()}; },
+                     "checkpoint");
+  return manager.regroupings();
+}
+
 MemoryReport FaultTolerantShardedZero::memory_report() const {
   MemoryReport report = FaultTolerantDdp::memory_report();
   report.parameter_bytes += shards_.padding_bytes();

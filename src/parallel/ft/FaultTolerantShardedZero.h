@@ -39,6 +39,10 @@ class FaultTolerantShardedZero : public FaultTolerantDdp {
   comm::CommunicatorPtr replica_group() const override { return nullptr; }
   comm::CommunicatorPtr checkpoint_group() const override { return member_->manager().group(); }
   bool checkpoints_in_every_replica() const override { return true; }
+  int64_t checkpoint_barrier() override;
+  std::function<int64_t()> failure_count() const override {
+    return member_->manager().death_counter();
+  }
 
  protected:
   void build_optimizer(const optim::OptimizerFactory& make_optimizer) override;

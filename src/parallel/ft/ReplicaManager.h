@@ -127,8 +127,12 @@ class ReplicaManager {
   int position() const { return position_; }
   /// The world rank at this rank's position in `replica`.
   int world_rank_of(int replica) const { return replica * replica_size_ + position_; }
-  /// Times the group was formed again without a member.
+  /// Times the group was formed again (without a member, or with the replacements admitted).
   int64_t regroupings() const { return generation_; }
+  /// The count of deaths the launcher reported (kDeathsKey), read from any thread.
+  std::function<int64_t()> death_counter() const {
+    return [store = store_] { return store->add(kDeathsKey, 0); };
+  }
   /// What each sum is in messages: "step" (a training step's gradients), DiLoCo's "outer step".
   void name_sums(std::string name) { sum_name_ = std::move(name); }
 

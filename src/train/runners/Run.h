@@ -53,9 +53,13 @@ struct SimulatedFailure {
   bool armed = false;
   bool node = false;
   bool stop = false;
+  /// RANK:STEP:checkpoint: killed while step STEP's checkpoint is written (its files written,
+  /// or staged when asynchronous; before the other ranks hear of them).
+  bool in_checkpoint = false;
 
   static SimulatedFailure from_env(int my_rank);
   void maybe_fire(int64_t reached) const;
+  void maybe_fire_in_checkpoint(int64_t step) const;
 };
 
 /// The batch's tensors on `device` (dtrain/common/Device.h's to_device).

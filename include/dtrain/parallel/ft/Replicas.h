@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "dtrain/parallel/Strategy.h"
 
@@ -42,6 +43,14 @@ class ReplaceableReplicas {
   /// replica checkpoints alone, over replica_group().
   virtual bool checkpoints_in_every_replica() const { return false; }
   virtual comm::CommunicatorPtr checkpoint_group() const { return replica_group(); }
+  /// checkpoints_in_every_replica(): a barrier over the replicas present that a member's failure
+  /// does not break (the others regroup without it and go on, as in a step); returns how many
+  /// times their group has been formed so far: a change between two barriers says a member
+  /// failed while the checkpoint was written (its files may be missing).
+  virtual int64_t checkpoint_barrier() { return 0; }
+  /// How many failures of ranks the launcher has reported so far; callable from any thread (an
+  /// asynchronous checkpoint's writer watches it). nullptr: none are reported.
+  virtual std::function<int64_t()> failure_count() const { return nullptr; }
 };
 
 /// The strategy's ReplaceableReplicas, or nullptr when it has none.
