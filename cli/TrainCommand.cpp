@@ -39,8 +39,8 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "the text data set). Each trains with its own recipe unless flags say otherwise: the "
       "optimizer, lr, momentum, weight decay, lr decay, warmup, batch size and clipping shown "
       "here are the image models'; gpt's is adamw at 0.002, weight decay 0.1, batch 32, "
-      "clipping 1.0. --optimizer other than the recipe's: its own lr and weight decay "
-      "(PyTorch's: adam 0.001, adamw 0.001 and 0.01, sgd 0.001, adagrad 0.01) unless given",
+      "clipping 1.0. An optimizer other than the recipe's trains at its own lr and weight "
+      "decay (PyTorch's: adam 0.001, adamw 0.001 and 0.01, sgd 0.001, adagrad 0.01) unless given",
       "256 256");
   add(app, "--layers", job.gpt.layers, "gpt, llama: transformer blocks")->capture_default_str();
   add(app, "--heads", job.gpt.heads, "gpt, llama: attention (query) heads")->capture_default_str();
