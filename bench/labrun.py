@@ -18,12 +18,13 @@ GPT = ["--model", "gpt", "--dataset", "text", "--layers", "4", "--heads", "4", "
        "--max-grad-norm", "1.0"]
 
 
-def across_lab(profile, train, hosts=2):
-    """`train` (a dtrain train command) on `hosts` lab hosts x 1 rank under `profile`."""
+def across_lab(profile, train, hosts=2, per_host=1):
+    """`train` (a dtrain train command) on `hosts` lab hosts x `per_host` ranks under
+    `profile`."""
     return [os.path.join(ROOT, "scripts", "netlab"), "run", "--hosts", str(hosts), "--profile",
             profile, "--", DTRAIN, "launch", "--nnodes", str(hosts), "--node-rank", "{host}",
-            "--nproc-per-node", "1", "--master-addr", "{addr0}", "--master-port", "29500", "--",
-            *train]
+            "--nproc-per-node", str(per_host), "--master-addr", "{addr0}", "--master-port",
+            "29500", "--", *train]
 
 
 def run_and_read(command, metrics):

@@ -264,6 +264,7 @@ TEST(FaultToleranceBuddy, TheLauncherReplacesAReplicaThatShardsTheState) {
 // asynchronous, before the others hear of them): the others regroup without it and leave that
 // checkpoint unpublished (it may lack the failed replica's shards), the replacement joins and
 // the next checkpoint is complete; nothing restarts, and the checkpoints published resume.
+// Steps of 100 ms leave the replacement 4 s to join (its start takes 1-2 s on a busy machine).
 TEST(FaultToleranceBuddy, AReplicaFailingWhileACheckpointIsWrittenLeavesItUnpublished) {
   for (const bool async : {false, true}) {
     test::TempDir dir;
@@ -272,7 +273,7 @@ TEST(FaultToleranceBuddy, AReplicaFailingWhileACheckpointIsWrittenLeavesItUnpubl
         "--log-every 1 --no-progress --strategy zero1 --keep-checkpoints 10 --checkpoint-dir " +
         (dir / "ckpt");
     const auto out = test::cli::run(
-        "DTRAIN_SIMULATE_SLOW_STEP_MS=20 DTRAIN_SIMULATE_FAILURE=1:20:checkpoint " +
+        "DTRAIN_SIMULATE_SLOW_STEP_MS=100 DTRAIN_SIMULATE_FAILURE=1:20:checkpoint " +
         test::cli::kDtrain + job +
         " --nproc 3 --max-steps 60 --checkpoint-every 10 --fault-tolerance replicas "
         "--shard-across-replicas" +

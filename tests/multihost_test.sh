@@ -7,7 +7,8 @@
 # that the other host's replica goes on without it (and, with --max-replacements, that its
 # replacement joins it; a replica of two ranks sharding its state, zero2 --replica-shards 2,
 # replaced the same way, a pipeline of two stages too, and a replica of zero1 sharded across the
-# replicas with buddy copies); Downpour across the hosts against a
+# replicas with buddy copies; a replica that hangs after the last step ended by its host's
+# launcher); Downpour across the hosts against a
 # token-guarded parameter-server shard, surviving a worker killed on one host; Sandblaster
 # with its coordinator on one host and the shard on the other; federated learning with the
 # server on one host and clients on both; and a network partition mid-round (host b's link
@@ -200,8 +201,27 @@ grep -q "world rank 3 took shard 3's optimizer state from world rank 0" "$work/b
 grep -q "world rank 3 took shard 2's optimizer state from world rank 2" "$work/b2z.log" \
   || fail "rank 3's replacement did not take its copy of shard 2 from rank 2"
 grep -q "trained 60 steps (global batch 128, 4 ranks, zero1)" "$work/a2z.log" || fail "host a did not finish"
-job=("${plain_job[@]}")
 echo "ok: a replica sharding the state across the hosts (buddy copies) was killed on host b, replaced and joined"
+# 2h. Host b's replica hangs after the last step (SIGSTOPped once step 20 committed): host a's
+#     replica ends the job; host b's launcher, reading that from the store host a's launcher
+#     keeps, ends its silent rank and both launchers exit 0 (the job's result stands).
+job=(train --dataset synthetic --model mlp --hidden 32 --synthetic-examples 4096 --batch-size 32
+     --max-steps 20 --no-progress --threads 1 --comm-timeout 60000 --replica-heartbeat-timeout 0.4)
+ft_flags=(--master-port $((port + 50)))
+start=$(date +%s)
+ft_launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:20:stop > "$work/b2e.log" 2>&1 &
+other=$!
+ft_launch 0 "$a" > "$work/a2e.log" 2>&1 || fail "node 0 failed when host b's replica hung at the end (exit $?)"
+wait $other || fail "node 1's launcher failed after its replica hung at the end"
+seconds=$(( $(date +%s) - start ))
+grep -q "rank 1 stops itself at step 20" "$work/b2e.log" || fail "the replica on host b did not stop"
+grep -q "still runs after training ended, its heartbeat silent for" "$work/b2e.log" \
+  || fail "host b's launcher did not end its hung rank"
+grep -q "the job's result stands" "$work/b2e.log" || fail "host b's launcher did not keep the result"
+grep -q "trained 20 steps" "$work/a2e.log" || fail "host a did not finish"
+(( seconds < 60 )) || fail "took $seconds s to end after the hang"
+job=("${plain_job[@]}")
+echo "ok: a replica hung on host b after the last step was ended by its launcher in ${seconds} s"
 # 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
 #    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
 printf 'multihost-token\n' > "$work/token"

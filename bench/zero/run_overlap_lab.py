@@ -11,12 +11,18 @@ communication weighs, and small gradient buckets) run as
   overlap  this build with --overlap-param-gather: the all-gathers left running, the next
            forward waiting for each bucket where its layers begin,
 
-sides alternated over rounds. Per run: median step time after warm-up, the gradient reduction's
+sides alternated over rounds (--sides picks some). With --tensor-parallel T each host runs T ranks,
+a tensor-parallel group with sequence parallelism (TP inside a host, data parallelism across the
+link, as in a cluster); `before` is then the build of the commit before the reduce-scatter under
+sequence parallelism (22151ba: zero1 allreduced every gradient there), `layout` this build
+(reduce-scatter). Per run: median step time after warm-up, the gradient reduction's
 exposed time (exposed_comm_ms: from the end of backward until every bucket is reduced), the
 forward's waits for parameter gathers (param_gather_wait_ms, overlap only), the loss at the end.
 Records go to bench/results/zero/overlap-lab.jsonl (stamped). Root (scripts/netlab).
 
   bench/zero/run_overlap_lab.py --before /tmp/dtrain-old --strategy zero2 --rounds 3
+  bench/zero/run_overlap_lab.py --before /tmp/dtrain-22151ba --strategy zero1 --tensor-parallel 2 \
+      --sides before,layout --batch 32
 """
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -41,14 +47,16 @@ def job(binary, args, side, seed):
              "--seed", str(seed), "--metrics", metrics, "--log-every", "1"]
     if side == "overlap":
         train.append("--overlap-param-gather")
-    command = across_lab(args.profile, train, args.hosts)
+    if args.tensor_parallel > 1:
+        train += ["--tensor-parallel", str(args.tensor_parallel), "--sequence-parallel"]
+    command = across_lab(args.profile, train, args.hosts, args.tensor_parallel)
     # across_lab runs bench/labrun's DTRAIN: point it at this side's binary.
     command = [binary if c == DTRAIN else c for c in command]
     wall, summary, steps, _ = run_and_read(command, metrics)
     measured = steps[args.warmup:]
     tail = steps[-max(1, len(steps) // 10):]
     return {"side": side, "binary": binary, "profile": args.profile, "strategy": args.strategy,
-            "hosts": args.hosts, "batch_per_rank": args.batch, "bucket_cap_mb": args.bucket_mb,
+            "hosts": args.hosts, "tensor_parallel": args.tensor_parallel, "batch_per_rank": args.batch, "bucket_cap_mb": args.bucket_mb,
             "threads": args.threads, "steps": summary["steps"], "wall_seconds": wall,
             "median_step_ms": statistics.median(r["step_ms"] for r in measured),
             "exposed_comm_ms": statistics.median(r.get("exposed_comm_ms", 0) for r in measured),
@@ -65,7 +73,10 @@ def main():
     parser.add_argument("--after", default=DTRAIN)
     parser.add_argument("--strategy", default="zero2", choices=["zero1", "zero2"])
     parser.add_argument("--profile", default="lan")
-    parser.add_argument("--hosts", type=int, default=2, help="lab hosts, 1 rank each")
+    parser.add_argument("--hosts", type=int, default=2, help="lab hosts")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="ranks per host, one TP group with sequence parallelism")
+    parser.add_argument("--sides", default="before,layout,overlap")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8, help="windows per rank per step")
@@ -77,7 +88,9 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "zero",
                                                       "overlap-lab.jsonl"))
     args = parser.parse_args()
-    sides = ("before", "layout", "overlap")
+    sides = tuple(args.sides.split(","))
+    if "before" not in sides or not set(sides) <= {"before", "layout", "overlap"}:
+        parser.error("--sides: 'before' and any of 'layout', 'overlap'")
     binaries = {"before": args.before, "layout": args.after, "overlap": args.after}
     with Records(args.out, "a", args.after) as out:
         rounds = report.alternated_rounds(

@@ -227,6 +227,12 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
       // Every rank's files are in place when every rank's marker is.
       const auto deadline = std::chrono::steady_clock::now() + timeout;
       std::vector<int> missing;
+      const auto missing_ranks = [&] {  // "rank 2 ... its" or "ranks 1, 2 ... their"
+        std::string ranks;
+        for (const int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
+        return concat(missing.size() == 1 ? " " : "s ", ranks);
+      };
+      const auto their = [&] { return missing.size() == 1 ? "its" : "their"; };
       while (true) {
         missing.clear();
         for (const int r : writers) {
@@ -236,22 +242,16 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
           break;
         }
         if (failures && failures() > failures_before) {
-          std::string ranks;
-          for (const int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
           leave_unpublished(staging, name,
                             concat("a replica failed while it was written (world rank",
-                                   missing.size() == 1 ? " " : "s ", ranks, " did not write ",
-                                   missing.size() == 1 ? "its" : "their", " files)"));
+                                   missing_ranks(), " did not write ", their(), " files)"));
           return done();
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
-      std::string ranks;
-      for (const int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
       DTRAIN_CHECK(
-          missing.empty(), "asynchronous checkpoint ", staging, ": rank",
-          missing.size() == 1 ? " " : "s ", ranks, missing.size() == 1 ? " has" : " have",
-          " not written ", missing.size() == 1 ? "its" : "their", " files",
+          missing.empty(), "asynchronous checkpoint ", staging, ": rank", missing_ranks(),
+          missing.size() == 1 ? " has" : " have", " not written ", their(), " files",
           background->cancel ? " (training stopped)" : concat(" within ", timeout.count(), " ms"),
           "; the newest complete checkpoint stays `latest`");
       for (const int r : writers) fs::remove(written_marker(staging, r));
