@@ -60,8 +60,9 @@ def job(binary, args, side, seed):
             "threads": args.threads, "steps": summary["steps"], "wall_seconds": wall,
             "median_step_ms": statistics.median(r["step_ms"] for r in measured),
             "exposed_comm_ms": statistics.median(r.get("exposed_comm_ms", 0) for r in measured),
-            "param_gather_wait_ms": statistics.median(r.get("param_gather_wait_ms", 0)
-                                                      for r in measured),
+            # None: a binary from before the metric (9267685's did not gather bucket by bucket).
+            "param_gather_wait_ms": (statistics.median(r["param_gather_wait_ms"] for r in measured)
+                                     if "param_gather_wait_ms" in measured[0] else None),
             "wire_bytes_per_step": statistics.median(r["wire_bytes"] for r in measured),
             "final_loss": statistics.mean(r["loss"] for r in tail)}
 
@@ -97,17 +98,21 @@ def main():
             sides, args.rounds, lambda side: job(binaries[side], args, side, 1), out,
             lambda r: (f"step {r['median_step_ms']:.1f} ms, reduction exposed "
                        f"{r['exposed_comm_ms']:.1f} ms, gather waits "
-                       f"{r['param_gather_wait_ms']:.1f} ms, loss {r['final_loss']:.4f}"))
+                       f"{r['param_gather_wait_ms'] or 0:.1f} ms, loss {r['final_loss']:.4f}"))
     lines = [f"| side | step (ms) | step / before | gradient reduction exposed (ms) | "
              f"parameter gathers waited (ms) | loss at the end |",
              "|---|---|---|---|---|---|"]
+    def gathers(side):
+        waits = [r[side]["param_gather_wait_ms"] for r in rounds]
+        return "n/a" if None in waits else f"{statistics.median(waits):.1f}"
+
     for side in sides:
         ratio = statistics.median(r[side]["median_step_ms"] / r["before"]["median_step_ms"]
                                   for r in rounds)
         med = lambda key: statistics.median(r[side][key] for r in rounds)  # noqa: E731
         lines.append(f"| {side} | {med('median_step_ms'):.1f} | {ratio:.3f} | "
                      f"{med('exposed_comm_ms'):.1f} | "
-                     f"{'n/a' if side == 'before' else format(med('param_gather_wait_ms'), '.1f')} | "
+                     f"{gathers(side)} | "
                      f"{med('final_loss'):.4f} |")
     report.table(lines, args.markdown)
 
