@@ -293,7 +293,7 @@ def main():
         lines.append(f"| {labels[side]} | {med(side, 'failures'):.0f} | {med(side, 'wall_s'):.0f} | "
                      f"{med(side, 'samples_per_s'):.0f} | {ratio:.3f} | "
                      f"{test_loss:.4f} | {loss:.3f} | {train:.4f} | {train_ratio:.3f} | "
-                     f"{statistics.median(back) if back else float('nan'):.2f} |")
+                     f"{format(statistics.median(back), '.2f') if back else '-'} |")
     report.table(lines, args.markdown)
 
 

@@ -10,6 +10,7 @@ communication weighs, and small gradient buckets) run as
            all-gathers waited at once,
   overlap  this build with --overlap-param-gather: the all-gathers left running, the next
            forward waiting for each bucket where its layers begin,
+  before-overlap  the --before binary with --overlap-param-gather (where it has the flag),
 
 sides alternated over rounds (--sides picks some). With --tensor-parallel T each host runs T ranks,
 a tensor-parallel group with sequence parallelism (TP inside a host, data parallelism across the
@@ -45,7 +46,7 @@ def job(binary, args, side, seed):
              "--bucket-cap-mb", str(args.bucket_mb), "--max-steps", str(args.steps),
              "--eval-every", str(args.steps), "--threads", str(args.threads), "--no-progress",
              "--seed", str(seed), "--metrics", metrics, "--log-every", "1"]
-    if side == "overlap":
+    if side in ("overlap", "before-overlap"):
         train.append("--overlap-param-gather")
     if args.tensor_parallel > 1:
         train += ["--tensor-parallel", str(args.tensor_parallel), "--sequence-parallel"]
@@ -90,9 +91,10 @@ def main():
                                                       "overlap-lab.jsonl"))
     args = parser.parse_args()
     sides = tuple(args.sides.split(","))
-    if "before" not in sides or not set(sides) <= {"before", "layout", "overlap"}:
-        parser.error("--sides: 'before' and any of 'layout', 'overlap'")
-    binaries = {"before": args.before, "layout": args.after, "overlap": args.after}
+    if "before" not in sides or not set(sides) <= {"before", "before-overlap", "layout", "overlap"}:
+        parser.error("--sides: 'before' and any of 'before-overlap', 'layout', 'overlap'")
+    binaries = {"before": args.before, "before-overlap": args.before, "layout": args.after,
+                "overlap": args.after}
     with Records(args.out, "a", args.after) as out:
         rounds = report.alternated_rounds(
             sides, args.rounds, lambda side: job(binaries[side], args, side, 1), out,
