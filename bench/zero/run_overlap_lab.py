@@ -18,7 +18,8 @@ link, as in a cluster); `before` is then the build of the commit before the redu
 sequence parallelism (22151ba: zero1 allreduced every gradient there), `layout` this build
 (reduce-scatter). Per run: median step time after warm-up, the gradient reduction's
 exposed time (exposed_comm_ms: from the end of backward until every bucket is reduced), the
-forward's waits for parameter gathers (param_gather_wait_ms, overlap only), the loss at the end.
+waits for parameter gathers (param_gather_wait_ms: the forward's with the overlap, else the
+update's; none from a binary older than the metric), the loss at the end.
 Records go to bench/results/zero/overlap-lab.jsonl (stamped). Root (scripts/netlab).
 
   bench/zero/run_overlap_lab.py --before /tmp/dtrain-old --strategy zero2 --rounds 3
@@ -57,7 +58,8 @@ def job(binary, args, side, seed):
     measured = steps[args.warmup:]
     tail = steps[-max(1, len(steps) // 10):]
     return {"side": side, "binary": binary, "profile": args.profile, "strategy": args.strategy,
-            "hosts": args.hosts, "tensor_parallel": args.tensor_parallel, "batch_per_rank": args.batch, "bucket_cap_mb": args.bucket_mb,
+            "hosts": args.hosts, "tensor_parallel": args.tensor_parallel,
+            "batch_per_rank": args.batch, "bucket_cap_mb": args.bucket_mb,
             "threads": args.threads, "steps": summary["steps"], "wall_seconds": wall,
             "median_step_ms": statistics.median(r["step_ms"] for r in measured),
             "exposed_comm_ms": statistics.median(r.get("exposed_comm_ms", 0) for r in measured),

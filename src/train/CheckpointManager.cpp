@@ -227,7 +227,7 @@ void CheckpointManager::save(int64_t step, int64_t epoch, int64_t global_batch, 
       // Every rank's files are in place when every rank's marker is.
       const auto deadline = std::chrono::steady_clock::now() + timeout;
       std::vector<int> missing;
-      const auto missing_ranks = [&] {  // "rank 2 ... its" or "ranks 1, 2 ... their"
+      const auto missing_ranks = [&] {  // after "rank": " 2" or "s 1, 2"
         std::string ranks;
         for (const int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
         return concat(missing.size() == 1 ? " " : "s ", ranks);
