@@ -187,8 +187,9 @@ class DataCommand final : public Command {
     std::vector<std::string> texts;
     ProgressLine reading("reading");
     data::tokens::for_each_document(
-        train_source_, [&](const std::string&, std::string text, int64_t done) {
+        train_source_, [&](const std::string& origin, std::string text, int64_t done) {
           texts.push_back(std::move(text));
+          train_options_.origins.push_back(origin);
           reading.update(static_cast<double>(done), static_cast<double>(total), "MB", 1e6);
         });
     reading.done();

@@ -1,14 +1,18 @@
 // `dtrain train`: trains a reference model (the job's options are its flags, or a TOML file's
 // keys); with --nproc N it starts N local ranks of itself, with --ps-shards N the shards.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "Command.h"
 #include "CommonFlags.h"
 #include "ConfigFile.h"
 #include "NumericOptions.h"
 #include "dtrain/comm/TokenFile.h"
+#include "dtrain/common/Blas.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/launch/Launcher.h"
@@ -280,6 +284,8 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "size, a consolidated file (dtrain ckpt consolidate, dtrain fl --save-model), or "
       "safetensors (a file, or a folder as Hugging Face saves one: a Llama's config.json must "
       "agree with the model's flags; any tensor-parallel layout)");
+  app.add_flag("--allow-non-finite-weights", t.allow_non_finite_weights,
+               "Load --init-from's weights even where they hold NaN or Inf (refused otherwise)");
   add(app, "--metrics", t.metrics_file, "JSONL metrics file");
   app.add_flag("--defer-eval", t.defer_eval,
                "Evaluate after training, on copies of the parameters taken at each evaluation "
@@ -319,6 +325,27 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
               const std::string& recipe) {
   const bool worker = std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr ||
                       std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
+  // One process here (the launcher sets it for its ranks): started again with the OpenBLAS kernel
+  // the CPU's instructions guarantee where OpenBLAS chose its generic one (issue 77).
+  if (!worker && job.nproc <= 1) {
+    const std::string core = dtrain::openblas_core_to_set();
+    if (!core.empty()) {
+      std::fprintf(stderr,
+                   "dtrain: OpenBLAS chose its generic %s kernel on this CPU (%s); running with "
+                   "OPENBLAS_CORETYPE=%s (set OPENBLAS_CORETYPE to choose)\n",
+                   dtrain::blas_info().core.c_str(), dtrain::cpu_info().vector_summary().c_str(),
+                   core.c_str());
+      std::fflush(stderr);
+      ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+      const std::string self = dtrain::launch::self_executable();
+      std::vector<char*> argv{const_cast<char*>(self.c_str())};
+      for (auto& arg : args) argv.push_back(arg.data());
+      argv.push_back(nullptr);
+      ::execv(self.c_str(), argv.data());
+      std::fprintf(stderr, "dtrain: warning: could not start %s again (%s); going on\n",
+                   self.c_str(), std::strerror(errno));
+    }
+  }
   // Check everything once, before any rank starts; ranks (already checked by their launcher, or
   // started by Slurm / mpirun) get the same named errors from run_job itself.
   if (!worker) dtrain::train::validate_job(job);

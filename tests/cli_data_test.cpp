@@ -91,6 +91,13 @@ TEST(Cli, DataBadInputIsOneClearLineAndExitCode2) {
   std::ofstream(dir / "lines.jsonl") << "{\"text\": \"a\"}\n{\"body\": \"b\"}\n";
   std::ofstream(dir / "broken.jsonl") << "{\"text\": \"a\"}\nnot json\n";
   std::ofstream(dir / "latin1.txt") << "caf\xe9\n";
+  // A bad byte at offset 4 of the second file of a folder: the offset is the file's own (it was
+  // the batch's, 4 + the first file's size; for a file alone, an uninitialised read).
+  std::filesystem::create_directories(dir / "two");
+  std::ofstream(dir / "two/a.txt") << "hello world, a good file\n";
+  std::ofstream(dir / "two/b.txt") << "abc \x80 def";
+  std::ofstream(dir / "surrogate.jsonl") << "{\"text\": \"a\"}\n{\"text\": \"\\ud800\"}\n";
+  std::ofstream(dir / "bytes.jsonl") << "{\"text\": \"a\"}\n{\"text\": \"ab\xff\r\"}\n";
   std::ofstream(dir / "nul.txt") << std::string("a\0b", 3);
   const std::string prepare = " data prepare --tokenizer " + (dir / "tokenizer.json") +
                               " --output " + (dir / "out/x") + " ";
@@ -101,8 +108,18 @@ TEST(Cli, DataBadInputIsOneClearLineAndExitCode2) {
            (dir / "wordpiece.json"),
        "wordpiece.json: a WordPiece tokenizer; dtrain runs byte-level BPE"},
       {prepare + (dir / "lines.jsonl"), "lines.jsonl:2: no string field \"text\""},
-      {prepare + (dir / "broken.jsonl"), "broken.jsonl:2: not a JSON object"},
-      {prepare + (dir / "latin1.txt"), "latin1.txt: the text is not UTF-8"},
+      {prepare + (dir / "broken.jsonl"), "broken.jsonl:2: not valid JSON (parse error"},
+      {prepare + (dir / "surrogate.jsonl"),
+       "surrogate.jsonl:2: not valid JSON (parse error at line 1, column 17: syntax error while "
+       "parsing value - invalid string: surrogate U+D800..U+DBFF must be followed by "
+       "U+DC00..U+DFFF"},
+      {prepare + (dir / "bytes.jsonl"), "ill-formed UTF-8 byte; last read: '\"ab\\xFF'"},
+      {prepare + (dir / "latin1.txt"),
+       "latin1.txt: the text is not UTF-8: a malformed sequence at byte offset 3 (byte 0xE9)"},
+      {prepare + (dir / "latin1.txt") + " " + (dir / "corpus.txt"),
+       "latin1.txt: the text is not UTF-8: a malformed sequence at byte offset 3 (byte 0xE9)"},
+      {prepare + (dir / "two"),
+       "b.txt: the text is not UTF-8: a malformed sequence at byte offset 4 (byte 0x80)"},
       {prepare + (dir / "nul.txt"), "nul.txt: holds a NUL byte"},
       {prepare + (dir / "corpus.txt") + " --format arrow", "--format must be megatron or llmc"},
       {" data tokenizer train " + (dir / "corpus.txt") + " --vocab-size 100 --output t.json",
@@ -121,6 +138,14 @@ TEST(Cli, DataBadInputIsOneClearLineAndExitCode2) {
     EXPECT_LE(std::count(result.text.begin(), result.text.end(), '\n'), 1) << args << "\n"
                                                                            << result.text;
   }
+  // Tokenizer training names the file too (its progress lines come first).
+  const auto training = run(kDtrain + " data tokenizer train " + (dir / "two") +
+                            " --vocab-size 300 --output " + (dir / "t.json"));
+  EXPECT_EQ(training.code, 2) << training.text;
+  EXPECT_TRUE(has(training, "tokenizer training: " + (dir / "two/b.txt") +
+                                ": the text is not UTF-8: a malformed sequence at byte offset 4 "
+                                "(byte 0x80)\n"))
+      << training.text;
   // Nothing written where the input was refused.
   EXPECT_FALSE(std::filesystem::exists(dir / "out/x.bin"));
   EXPECT_FALSE(std::filesystem::exists(dir / "out/x.idx"));
@@ -205,6 +230,36 @@ TEST(Cli, ImagesExportShardAndTrain) {
             "--no-progress");
   EXPECT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(has(out, "left out 1 damaged training image")) << out.text;
+}
+
+// A JPEG cut inside its scan data (its header intact: start-up's check passes) is found by the
+// rank that draws it, mid-training: the job exits 2, and the launcher blames that rank with its
+// own message, not the rank whose collective then failed on the closed connection (it did, in
+// 4 of 4 runs: "failed: rank 0 ... exited with code 1").
+TEST(Cli, ADamagedImageFoundMidTrainingIsBlamedOnTheRankThatFoundIt) {
+  TempDir dir;
+  write_tiny_fashion_mnist(dir / "idx", 20);
+  auto out = run(kDtrain + " data export-fashion-mnist --data-dir " + (dir / "idx") + " --output " +
+                 (dir / "fm"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  const std::string victim = dir / "fm/train/1-trouser/00001.jpg";
+  std::string bytes;
+  {
+    std::ifstream in(victim, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_GT(bytes.size(), 400u);
+  std::ofstream(victim, std::ios::binary | std::ios::trunc) << bytes.substr(0, bytes.size() - 120);
+  for (int run_index = 0; run_index < 3; ++run_index) {
+    out = run(kDtrain +
+              " train --model mlp --threads 1 --image-size 32 --augment flip "
+              "--batch-size 1 --epochs 2 --no-progress --nproc 2 --dataset images:" +
+              (dir / "fm"));
+    EXPECT_EQ(out.code, 2) << out.text;
+    EXPECT_TRUE(has(out, "dtrain launch: failed: rank ")) << out.text;
+    EXPECT_TRUE(has(out, "exited with code 2: " + victim + ": a damaged JPEG")) << out.text;
+    EXPECT_FALSE(has(out, "exited with code 1")) << out.text;
+  }
 }
 #endif
 

@@ -4,6 +4,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+// clang-format off
+#include <cstdio>  // (jpeglib.h needs FILE first)
+#include <jpeglib.h>
+// clang-format on
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -113,6 +118,81 @@ TEST(Images, DecodeAndResizeAsPil) {
     }
   }
   EXPECT_LE(worst, 1);
+}
+
+namespace {
+
+// A JPEG of 4-channel ink (C, M, Y, K as stored: Adobe's inverted convention) encoded as CMYK or
+// as YCCK (libjpeg converts), with the Adobe marker libjpeg writes for both.
+std::string encode_cmyk_jpeg(int width, int height, bool ycck) {
+  jpeg_compress_struct cinfo;
+  jpeg_error_mgr errors;
+  cinfo.err = jpeg_std_error(&errors);
+  jpeg_create_compress(&cinfo);
+  unsigned char* buffer = nullptr;
+  unsigned long size = 0;
+  jpeg_mem_dest(&cinfo, &buffer, &size);
+  cinfo.image_width = static_cast<JDIMENSION>(width);
+  cinfo.image_height = static_cast<JDIMENSION>(height);
+  cinfo.input_components = 4;
+  cinfo.in_color_space = JCS_CMYK;
+  jpeg_set_defaults(&cinfo);
+  jpeg_set_colorspace(&cinfo, ycck ? JCS_YCCK : JCS_CMYK);
+  jpeg_set_quality(&cinfo, 90, TRUE);
+  jpeg_start_compress(&cinfo, TRUE);
+  std::vector<uint8_t> row(static_cast<size_t>(width) * 4);
+  while (cinfo.next_scanline < cinfo.image_height) {
+    const int y = static_cast<int>(cinfo.next_scanline);
+    for (int x = 0; x < width; ++x) {
+      row[4 * x + 0] = static_cast<uint8_t>(255 * x / width);
+      row[4 * x + 1] = static_cast<uint8_t>(255 * y / height);
+      row[4 * x + 2] = static_cast<uint8_t>((x * y) % 256);
+      row[4 * x + 3] = static_cast<uint8_t>(128 + 127 * ((x / 8 + y / 8) % 2));
+    }
+    JSAMPROW rows[1] = {row.data()};
+    jpeg_write_scanlines(&cinfo, rows, 1);
+  }
+  jpeg_finish_compress(&cinfo);
+  std::string out(reinterpret_cast<const char*>(buffer), size);
+  jpeg_destroy_compress(&cinfo);
+  std::free(buffer);
+  return out;
+}
+
+}  // namespace
+
+// CMYK and YCCK JPEGs (ImageNet's training set has some) decode to PIL's RGB pixels, exactly:
+// they were refused mid-training as "a damaged JPEG (Unsupported color conversion request)".
+TEST(Images, CmykAndYcckJpegsDecodeAsPil) {
+  if (!have_pil()) GTEST_SKIP() << "no PIL in " << DTRAIN_PYTHON;
+  TempDir dir;
+  for (const bool ycck : {false, true}) {
+    const std::string jpeg = encode_cmyk_jpeg(67, 45, ycck);
+    const std::string name = ycck ? "ycck.jpg" : "cmyk.jpg";
+    write_file(dir / name, jpeg);
+    const std::string command =
+        std::string(DTRAIN_PYTHON) +
+        " -c \"from PIL import Image; import sys; im = Image.open(sys.argv[1]); "
+        "assert im.mode == 'CMYK', im.mode; "
+        "open(sys.argv[2], 'wb').write(im.convert('RGB').tobytes())\" " +
+        (dir / name) + " " + (dir / "pil.rgb");
+    ASSERT_EQ(std::system(command.c_str()), 0) << command;
+    const Image decoded = decode_image(bytes_of(jpeg), jpeg.size(), name);
+    ASSERT_EQ(decoded.width, 67);
+    ASSERT_EQ(decoded.height, 45);
+    EXPECT_EQ(std::string(decoded.rgb.begin(), decoded.rgb.end()), read_file(dir / "pil.rgb"))
+        << name;
+    // The crop-only path converts the same rows.
+    Normalize identity;
+    for (int c = 0; c < 3; ++c) identity.mean[c] = 0, identity.std[c] = 1.0f / 255.0f;
+    std::vector<float> a(3 * 16 * 16), b(3 * 16 * 16);
+    crop_resize(decoded, {10, 5, 40, 30}, 16, false, identity, a.data());
+    decode_crop_resize(bytes_of(jpeg), jpeg.size(), name, {10, 5, 40, 30}, 16, false, identity,
+                       b.data());
+    double worst = 0;
+    for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, double(std::abs(a[i] - b[i])));
+    EXPECT_LE(worst, 1.0) << name;
+  }
 }
 
 TEST(Images, CropOnlyDecodingIsCloseToTheFullDecode) {
@@ -234,6 +314,68 @@ TEST(Images, BadImagesAreNamedAndUpToMaxBadLeftOut) {
   options.spec = dir / "nowhere";
   EXPECT_NE(error_of([&] { load_image_splits(options); }).find("is not a folder"),
             std::string::npos);
+}
+
+// Entries that cannot be read are damaged samples, named and counted with --max-bad-samples: a
+// symbolic link to itself (it ended the run with a filesystem error), one that leads nowhere (it
+// was dropped without a word), a tar member whose header fails its checksum (skipped silently).
+// Class ids of tar shards that leave gaps are warned about.
+TEST(Images, UnreadableEntriesAndDamagedTarHeadersAreCountedAndNamed) {
+  TempDir dir;
+  write_tree(dir / "tree");
+  fs::create_symlink("loop.jpg", dir / "tree/train/class0/loop.jpg");
+  fs::create_symlink(dir / "gone.jpg", dir / "tree/train/class1/dangling.jpg");
+  ImageSetOptions options;
+  options.spec = dir / "tree";
+  options.size = 32;
+  const std::string refused = error_of([&] { load_image_splits(options); });
+  EXPECT_NE(refused.find("2 damaged images in the training split, more than --max-bad-samples 0"),
+            std::string::npos)
+      << refused;
+  EXPECT_NE(refused.find("class0/loop.jpg: cannot be read (Too many levels of symbolic links)"),
+            std::string::npos)
+      << refused;
+  options.max_bad_samples = 2;
+  const ImageSplits splits = load_image_splits(options);
+  EXPECT_EQ(splits.train.size(), 12);
+  EXPECT_NE(splits.description.find("left out 2 damaged training images"), std::string::npos)
+      << splits.description;
+  fs::remove(dir / "tree/train/class0/loop.jpg");
+  fs::remove(dir / "tree/train/class1/dangling.jpg");
+
+  // Tar shards: one member's header damaged (a byte of its name changed), one .cls of 97.
+  for (const std::string split : {"train", "val"}) {
+    write_image_shards(dir / ("tree/" + split), dir / ("tars/" + split + "/s"), 1 << 30, 7);
+  }
+  const std::string shard = dir / "tars/train/s-000000.tar";
+  ASSERT_TRUE(fs::exists(shard)) << "write_image_shards names its shards otherwise";
+  std::string bytes = read_file(shard);
+  bytes[3] ^= 0x01;  // the first member's name
+  write_file(shard, bytes);
+  options.spec = dir / "tars";
+  options.max_bad_samples = 0;
+  const std::string tar_refused = error_of([&] { load_image_splits(options); });
+  EXPECT_NE(tar_refused.find("s-000000.tar: the tar member header at byte 0 is damaged (its "
+                             "checksum does not match)"),
+            std::string::npos)
+      << tar_refused;
+  options.max_bad_samples = 1;
+  const ImageSplits tars = load_image_splits(options);
+  EXPECT_NE(tars.description.find("left out 1 damaged training image"), std::string::npos)
+      << tars.description;
+  EXPECT_EQ(tars.description.find("not contiguous"), std::string::npos) << tars.description;
+  // A .cls of 9 among classes 0-2: 10 outputs, 6 of them without images.
+  bytes[3] ^= 0x01;
+  const size_t cls = bytes.find("000000001.cls");
+  ASSERT_NE(cls, std::string::npos);
+  bytes[cls + 512] = '9';
+  write_file(shard, bytes);
+  const ImageSplits gaps = load_image_splits(options);
+  EXPECT_EQ(gaps.classes.size(), 10u);
+  EXPECT_NE(gaps.description.find("warning: the .cls class ids are not contiguous (6 of 0-9 have "
+                                  "no images, the first 3): the model gets 10 outputs"),
+            std::string::npos)
+      << gaps.description;
 }
 
 TEST(Images, TheRegistryDescribesTheSetFromItsFolder) {

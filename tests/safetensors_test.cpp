@@ -161,6 +161,8 @@ TEST(SafeTensors, AHeaderThatLiesIsRefusedNamingTheTensor) {
       {R"({"a": {"dtype": "F32", "shape": [1]}})", 4, 0,
        "tensor 'a': needs dtype, shape and data_offsets"},
       {R"({"a": )", 4, 0, "the header is not JSON"},
+      // Raw bytes the parser quotes are printed escaped, not as they are.
+      {"{\"a\xff\": 1}", 0, 0, "last read: '\"a\\xFF'"},
       {R"({})", 0, 200'000'000, "over safetensors' limit"},
       {R"({})", 0, 4096, "runs past the end of the file"},
   };
@@ -168,5 +170,6 @@ TEST(SafeTensors, AHeaderThatLiesIsRefusedNamingTheTensor) {
     const std::string message = refused(header, data, claimed);
     EXPECT_NE(message.find(needle), std::string::npos) << header << "\n" << message;
     EXPECT_NE(message.find("bad.safetensors"), std::string::npos) << message;
+    for (const char c : message) EXPECT_TRUE(c >= 0x20 && c < 0x7F) << message;
   }
 }

@@ -41,7 +41,11 @@ CpuInfo parse_cpuinfo(const std::string& text) {
     }
   }
   info.avx2 = flags.count("avx2") > 0;
+  info.fma = flags.count("fma") > 0;
   info.avx512f = flags.count("avx512f") > 0;
+  info.avx512_skylake = info.avx512f && flags.count("avx512cd") > 0 &&
+                        flags.count("avx512bw") > 0 && flags.count("avx512dq") > 0 &&
+                        flags.count("avx512vl") > 0;
   info.avx512_bf16 = flags.count("avx512_bf16") > 0;
   info.amx_bf16 = flags.count("amx_bf16") > 0;
   info.arm_bf16 = flags.count("bf16") > 0 || flags.count("svebf16") > 0;

@@ -23,7 +23,14 @@ namespace {
 
 // Writes complete segments of `buffer` with a prefix. '\r' segments (progress bars) are redrawn
 // in place; '\n' segments are lines.
-void flush_lines(std::string& buffer, const std::string& prefix, std::FILE* out, bool all) {
+// `error_line` (for stderr): the last line that says "dtrain: error: ..." is kept there.
+void flush_lines(std::string& buffer, const std::string& prefix, std::FILE* out, bool all,
+                 std::string* error_line = nullptr) {
+  auto keep = [&](const std::string& line) {
+    static const std::string kError = "dtrain: error: ";
+    if (error_line != nullptr && line.compare(0, kError.size(), kError) == 0)
+      *error_line = line.substr(kError.size());
+  };
   size_t start = 0;
   for (size_t i = 0; i < buffer.size(); ++i) {
     if (buffer[i] != '\n' && buffer[i] != '\r') continue;
@@ -33,16 +40,22 @@ void flush_lines(std::string& buffer, const std::string& prefix, std::FILE* out,
       std::fputc('\r', out);
     } else {
       std::fprintf(out, "%s%s\n", prefix.c_str(), segment.c_str());
+      keep(segment);
     }
     start = i + 1;
   }
   buffer.erase(0, start);
   if (all && !buffer.empty()) {
     std::fprintf(out, "%s%s\n", prefix.c_str(), buffer.c_str());
+    keep(buffer);
     buffer.clear();
   }
   std::fflush(out);
 }
+
+// A failure of its own (a rank's bad input: exit code 2; killed by a signal), never a
+// consequence of another rank's (an exit after a broken connection).
+bool is_cause(const Outcome& o) { return o.code == 2 || o.code > 128; }
 
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return concat("exited with code ", WEXITSTATUS(status));
@@ -213,14 +226,20 @@ Outcome Attempt::blame(Clock::time_point now) const {
 // would wait for it forever. 2 s on top of the timeout: from the end of its heartbeat (its
 // replica group's end) to its exit; 30 s more for a replacement not admitted yet (it may still
 // be starting: it beats once its replica group exists, then sees the job closed and exits).
-void Attempt::end_hung_ranks(Clock::time_point now) {
+bool Attempt::replicas_beat() {
   if (replica_heartbeat_s_ == 0) {
     // parallel/ft/ReplicaManager.h's kHeartbeatTimeoutKey, under the ranks' prefix: the
-    // replicas beat (a parameter server's workers do not).
+    // replicas beat (a parameter server's workers do not). Every replica sets it before its
+    // first step, so it is there when any of them finishes.
     const std::string timeout = rank_key(attempt_, "ft/heartbeat_ms");
-    if (!store_.check(timeout)) return;
+    if (!store_.check(timeout)) return false;
     replica_heartbeat_s_ = std::max(0.001, std::atof(store_.get(timeout).c_str()) / 1000);
   }
+  return true;
+}
+
+void Attempt::end_hung_ranks(Clock::time_point now) {
+  if (!replicas_beat()) return;
   if (closed_by_ < 0) {
     // "ft/closed" under the ranks' prefix: parallel/ft/ReplicaManager.h's kClosedKey.
     const std::string closed = rank_key(attempt_, "ft/closed");
@@ -303,12 +322,20 @@ void Attempt::tick() {
       }
     }
     if (local_failure_) {
-      // A rank killed by a signal is a cause, never a consequence of another failure: it is
-      // published at once. Other failures (an exit after a broken connection) wait, so that
-      // the failure that caused them reaches the store first (first published wins).
-      const bool cause = local_failure_->code > 128;
-      if (nnodes_ == 1 || cause || now - local_failure_at_ >= kSettle)
+      // A rank killed by a signal, or one that exits 2 (its own bad input: data, flags, files),
+      // is a cause, never a consequence of another failure: it is published at once. Other
+      // failures (an exit after a broken connection) wait, so that the failure that caused them
+      // reaches the store first (first published wins), or, on this node, the rank that caused
+      // them exits meanwhile (it replaces them: the reap above); the other ranks run on until
+      // then, so that the cause's own exit is not cut short.
+      if (is_cause(*local_failure_) || now - local_failure_at_ >= kSettle) {
         outcome_ = publish(blame(now));
+        if (!stopping_) {
+          std::fprintf(stderr, "dtrain launch: %s; stopping the other ranks\n",
+                       outcome_.description.c_str());
+        }
+        begin_stop(SIGTERM);
+      }
       return;
     }
     if (o_.min_nodes > 0 && node_rank_ == 0 && nnodes_ < o_.nnodes &&
@@ -379,9 +406,9 @@ Outcome Attempt::run() {
       std::FILE* sink = is_err ? stderr : stdout;
       if (n > 0) {
         buffer.append(chunk, static_cast<size_t>(n));
-        flush_lines(buffer, prefix_of(r), sink, false);
+        flush_lines(buffer, prefix_of(r), sink, false, is_err ? &r.error_line : nullptr);
       } else {
-        flush_lines(buffer, prefix_of(r), sink, true);
+        flush_lines(buffer, prefix_of(r), sink, true, is_err ? &r.error_line : nullptr);
         ::close(fds[i].fd);
         (is_err ? r.err_fd : r.out_fd) = -1;
       }
@@ -406,8 +433,16 @@ Outcome Attempt::run() {
         const bool end_missing =
             hung_at_end && (closed_by_ < 0 || r.rank / o_.replica_size ==
                                                   closed_by_ / o_.replica_size);
-        if (ok && replica_heartbeat_s_ > 0 && !training_ended_) {
-          training_ended_ = true;  // a rank finished: so did training (told to the other nodes)
+        // A replica finished: so did training (told to the other nodes). Read from the store
+        // here, not only in tick(): the other replicas may finish before a tick has seen the
+        // heartbeat timeout, and a replica stopped at the end would then wait forever.
+        bool beats = false;
+        try {
+          beats = ok && o_.tolerate_failures && !training_ended_ && replicas_beat();
+        } catch (const CommError&) {
+        }
+        if (beats) {
+          training_ended_ = true;
           try {
             store_.set(rank_key(attempt_, "ft/ended"), "1");
           } catch (const CommError&) {
@@ -470,7 +505,8 @@ Outcome Attempt::run() {
                 ::close(fd);
                 fd = -1;
               }
-              flush_lines(buffer, prefix_of(r), is_err ? stderr : stdout, true);
+              flush_lines(buffer, prefix_of(r), is_err ? stderr : stdout, true,
+                          is_err ? &r.error_line : nullptr);
             }
             ++r.replacements;
             r.fenced = false;
@@ -483,22 +519,44 @@ Outcome Attempt::run() {
                          "pid %d); it joins the others\n",
                          r.rank, r.replacements, o_.max_replacements, static_cast<int>(r.pid));
           }
-        } else if (!ok && !stopping_ && !local_failure_) {
+        } else if (!ok && !stopping_) {
+          // Drain what it still wrote: its own error line names the cause.
+          for (const bool is_err : {false, true}) {
+            const int fd = is_err ? r.err_fd : r.out_fd;
+            if (fd < 0) continue;
+            pollfd ready{fd, POLLIN, 0};
+            char chunk[8192];
+            ssize_t n = 0;
+            std::string& buffer = is_err ? r.err_buffer : r.out_buffer;
+            while (::poll(&ready, 1, 0) > 0 && (n = ::read(fd, chunk, sizeof(chunk))) > 0) {
+              buffer.append(chunk, static_cast<size_t>(n));
+            }
+            flush_lines(buffer, prefix_of(r), is_err ? stderr : stdout, false,
+                        is_err ? &r.error_line : nullptr);
+          }
           Outcome mine;
           mine.failed = true;
           mine.code = exit_code_of(status);
           if (mine.code == 0) mine.code = 1;
           mine.description = concat(
-              nnodes_ > 1 ? concat("node ", node_rank_, " ") : "", "rank ", r.rank, " (pid ",
-              r.pid, ") ",
+              nnodes_ > 1 ? concat("node ", node_rank_, " ") : "", "rank ", r.rank, " (pid ", r.pid,
+              ") ",
               end_missing ? "hung after training ended, before its replica ended the job (its "
                             "final evaluation, checkpoint and summary), and was killed"
-                          : describe_status(status));
-          local_failure_ = mine;
-          local_failure_at_ = Clock::now();
-          std::fprintf(stderr, "dtrain launch: %s; stopping the other ranks\n",
-                       mine.description.c_str());
-          begin_stop(SIGTERM);
+                          : describe_status(status),
+              r.error_line.empty() ? "" : ": " + r.error_line);
+          // The first failure, unless it is a consequence (a broken connection) and a rank's
+          // own failure comes while it settles: that one is the cause to report.
+          if (!local_failure_ ||
+              (!outcome_.failed && !is_cause(*local_failure_) && is_cause(mine))) {
+            if (!local_failure_) local_failure_at_ = Clock::now();
+            local_failure_ = mine;
+            if (is_cause(mine)) {
+              std::fprintf(stderr, "dtrain launch: %s; stopping the other ranks\n",
+                           mine.description.c_str());
+              begin_stop(SIGTERM);
+            }
+          }
         }
       } else {
         any_running = true;

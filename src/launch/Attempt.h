@@ -35,6 +35,7 @@ struct Rank {
   bool ended_with_replica = false;
   // Killed after training ended because its heartbeat stayed silent (hung at the end).
   bool silent_at_end = false;
+  std::string error_line;  // its last "dtrain: error: ..." line: the cause, when it fails
   int64_t last_beat = -1;  // its ft/beat/RANK count as last seen, once training has ended
   Clock::time_point beat_changed{};
   int status = 0;
@@ -71,6 +72,9 @@ class Attempt {
   void tick();
   std::optional<Outcome> every_replica_failed();
   Outcome blame(Clock::time_point now) const;
+  // --fault-tolerance replicas: whether the ranks are replicas that beat (they published their
+  // heartbeat timeout, read into replica_heartbeat_s_); a parameter server's workers do not.
+  bool replicas_beat();
   // Once training has ended: kills the ranks whose heartbeat stays silent (tolerate_failures).
   void end_hung_ranks(Clock::time_point now);
 

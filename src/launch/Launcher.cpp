@@ -13,6 +13,7 @@
 #include <fstream>
 
 #include "dtrain/comm/Store.h"
+#include "dtrain/common/Blas.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
 #include "dtrain/launch/Environment.h"
@@ -145,8 +146,21 @@ Progress read_progress(const std::string& path) {
 
 }  // namespace
 
-int launch(const LaunchOptions& options) {
-  validate(options);
+int launch(const LaunchOptions& requested) {
+  validate(requested);
+  LaunchOptions options = requested;
+  // OpenBLAS's generic kernel on a CPU newer than it (issue 77: 7x slower matrix products on
+  // Sapphire Rapids): the ranks start with the kernel the CPU's instructions guarantee, unless
+  // the user chose one (OPENBLAS_CORETYPE set: it reaches the ranks as it is).
+  const std::string blas_core = openblas_core_to_set();
+  if (!blas_core.empty()) {
+    options.extra_env.push_back("OPENBLAS_CORETYPE=" + blas_core);
+    std::fprintf(stderr,
+                 "dtrain launch: OpenBLAS chose its generic %s kernel on this CPU (%s, %s); the "
+                 "ranks run with OPENBLAS_CORETYPE=%s (set OPENBLAS_CORETYPE to choose)\n",
+                 blas_info().core.c_str(), cpu_info().model.c_str(),
+                 cpu_info().vector_summary().c_str(), blas_core.c_str());
+  }
   const bool elastic = options.min_nodes > 0;
   const bool host = options.node_rank <= 0 && (elastic ? options.node_rank == 0 : true);
   const int port = options.master_port > 0 ? options.master_port : free_port();
@@ -263,7 +277,10 @@ int launch(const LaunchOptions& options) {
       return finish(outcome, 0);
     }
     const bool counted = !outcome.resize;
-    if (outcome.interrupted || (counted && restarts_used >= options.max_restarts)) {
+    // Exit code 2 is a rank's bad input (data, flags, files: dtrain's and argparse's): a restart
+    // would fail the same way.
+    const bool bad_input = outcome.code == 2 && !outcome.resize;
+    if (outcome.interrupted || bad_input || (counted && restarts_used >= options.max_restarts)) {
       std::fprintf(
           stderr, "dtrain launch: failed: %s%s\n", outcome.description.c_str(),
           restarts > 0

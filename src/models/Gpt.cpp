@@ -560,7 +560,8 @@ GptConfig gpt_config_from_json(const std::string& text, const std::string& origi
     c.mlp = json.value("mlp", c.mlp);
     c.bias = json.value("bias", c.bias);
   } catch (const nlohmann::json::exception& e) {
-    DTRAIN_THROW(InputError, origin, ": the GPT model description is incomplete: ", e.what());
+    DTRAIN_THROW(InputError, origin,
+                 ": the GPT model description is incomplete: ", json_error_text(e.what()));
   }
   validate(c);
   return c;

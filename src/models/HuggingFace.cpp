@@ -58,7 +58,7 @@ GptConfig llama_config_from_hf(const std::string& text, const std::string& origi
   try {
     j = json::parse(text);
   } catch (const json::exception& e) {
-    DTRAIN_THROW(InputError, origin, ": not JSON (", e.what(), ")");
+    DTRAIN_THROW(InputError, origin, ": not JSON (", json_error_text(e.what()), ")");
   }
   DTRAIN_CHECK_INPUT(j.is_object(), origin, ": not a JSON object");
   const std::string type = j.value("model_type", std::string());
@@ -99,7 +99,7 @@ GptConfig llama_config_from_hf(const std::string& text, const std::string& origi
                          ")");
     }
   } catch (const json::exception& e) {
-    DTRAIN_THROW(InputError, origin, ": ", e.what());
+    DTRAIN_THROW(InputError, origin, ": ", json_error_text(e.what()));
   }
   try {
     validate(c);

@@ -101,7 +101,7 @@ SafeTensorsFile SafeTensorsFile::open(const std::string& path) {
   try {
     header = json::parse(bytes + 8, bytes + 8 + header_bytes);
   } catch (const json::exception& e) {
-    DTRAIN_THROW(InputError, path, ": the header is not JSON (", e.what(), ")");
+    DTRAIN_THROW(InputError, path, ": the header is not JSON (", json_error_text(e.what()), ")");
   }
   DTRAIN_CHECK_INPUT(header.is_object(), path, ": the header is not a JSON object");
   const int64_t data_bytes = static_cast<int64_t>(size - 8 - header_bytes);
@@ -225,7 +225,7 @@ SafeTensorsSet SafeTensorsSet::open(const std::string& path) {
     try {
       index = json::parse(in);
     } catch (const json::exception& e) {
-      DTRAIN_THROW(InputError, index_path, ": not JSON (", e.what(), ")");
+      DTRAIN_THROW(InputError, index_path, ": not JSON (", json_error_text(e.what()), ")");
     }
     DTRAIN_CHECK_INPUT(
         index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),

@@ -137,7 +137,8 @@ CheckpointMeta read_meta(const std::string& directory) {
   try {
     in >> json;
   } catch (const nlohmann::json::exception& e) {
-    DTRAIN_THROW(InputError, "checkpoint metadata ", path, " is not valid JSON: ", e.what());
+    DTRAIN_THROW(InputError, "checkpoint metadata ", path,
+                 " is not valid JSON: ", json_error_text(e.what()));
   }
   CheckpointMeta meta;
   try {
@@ -186,7 +187,8 @@ CheckpointMeta read_meta(const std::string& directory) {
       }
     }
   } catch (const nlohmann::json::exception& e) {
-    DTRAIN_THROW(InputError, "checkpoint metadata ", path, " is incomplete: ", e.what());
+    DTRAIN_THROW(InputError, "checkpoint metadata ", path,
+                 " is incomplete: ", json_error_text(e.what()));
   }
   return meta;
 }

@@ -336,11 +336,14 @@ JobResult run_job(const JobConfig& job) {
     const models::WeightSource source = open_weights(spec, safetensors_init);
     if (parallel::strategy_info(options.strategy).shards_parameters) {
       // Each rank reads the rows of its shards once they are cut, nothing else of the file.
-      trainer.set_after_setup([source, origin](parallel::Strategy& strategy) {
+      const bool allow_non_finite = options.allow_non_finite_weights;
+      trainer.set_after_setup([source, origin, allow_non_finite](parallel::Strategy& strategy) {
         load_weight_pieces(strategy.parameter_pieces(), *strategy.model().module, source, origin);
+        if (!allow_non_finite) check_finite_weights(strategy.parameter_pieces(), origin);
       });
     } else {
       models::load_weights(*model.module, source, origin);
+      if (!options.allow_non_finite_weights) check_finite_weights(*model.module, origin);
     }
   }
   JobResult result;

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "common/Files.h"
+#include "dtrain/common/Blas.h"
 #include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Net.h"
@@ -24,6 +25,7 @@
 #include "dtrain/train/CheckpointManager.h"
 #include "dtrain/train/Metrics.h"
 #include "dtrain/train/Progress.h"
+#include "dtrain/train/Weights.h"
 #include "train/runners/Run.h"
 
 namespace dtrain::train {
@@ -83,6 +85,7 @@ BatchPlan plan_batches(const TrainerOptions& options, int64_t dp) {
 Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
     : options_(std::move(options)), world_(std::move(world)) {
   validate(options_);
+  warn_if_blas_slow();  // a generic OpenBLAS kernel: named once, with its fix (common/Blas.h)
   if (!options_.stage_replicas.empty()) {
     options_.pipeline_parallel = static_cast<int>(options_.stage_replicas.size());
   }
@@ -252,6 +255,9 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                        "--tensor-parallel each rank builds blocks of it: start the tensor-"
                        "parallel run from a checkpoint in --checkpoint-dir instead");
     load_model_from(*model.module, options_.init_from);
+    if (!options_.allow_non_finite_weights) {
+      check_finite_weights(*model.module, "--init-from " + options_.init_from);
+    }
   }
   model.module->to(device_);
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);

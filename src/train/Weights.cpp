@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -120,6 +121,41 @@ models::WeightSource open_weights(const models::ModelSpec& spec, const std::stri
 
 void init_from_safetensors(Model& model, const models::ModelSpec& spec, const std::string& path) {
   models::load_weights(*model.module, open_weights(spec, path), "--init-from " + path);
+}
+
+namespace {
+
+void check_finite_tensor(const std::string& name, const at::Tensor& tensor, int64_t offset,
+                         const std::string& origin) {
+  if (!tensor.defined() || !tensor.is_floating_point() || tensor.numel() == 0) return;
+  const at::Tensor bad = tensor.detach().reshape({-1}).isfinite().logical_not();
+  const int64_t count = bad.sum().item<int64_t>();
+  if (count == 0) return;
+  const int64_t first = bad.nonzero()[0][0].item<int64_t>();
+  const double value = tensor.detach().reshape({-1})[first].item<double>();
+  DTRAIN_THROW(InputError, origin, ": ", name, " holds ", std::isnan(value) ? "NaN" : "Inf", " (",
+               count, " of its values are not finite, the first at index ", offset + first,
+               "): training from it would diverge; pass --allow-non-finite-weights to load it "
+               "anyway");
+}
+
+}  // namespace
+
+void check_finite_weights(torch::nn::Module& module, const std::string& origin) {
+  torch::NoGradGuard no_grad;
+  for (const auto& item : module.named_parameters()) {
+    check_finite_tensor(item.key(), item.value(), 0, origin);
+  }
+  for (const auto& item : module.named_buffers()) {
+    check_finite_tensor(item.key(), item.value(), 0, origin);
+  }
+}
+
+void check_finite_weights(const std::vector<parallel::PieceRef>& pieces,
+                          const std::string& origin) {
+  torch::NoGradGuard no_grad;
+  for (const auto& piece : pieces)
+    check_finite_tensor(piece.name, piece.tensor, piece.offset, origin);
 }
 
 void load_weight_pieces(const std::vector<parallel::PieceRef>& pieces, torch::nn::Module& module,

@@ -12,7 +12,10 @@ struct CpuInfo {
   /// "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", or "unknown CPU".
   std::string model = "unknown CPU";
   bool avx2 = false;
+  bool fma = false;
   bool avx512f = false;
+  /// AVX-512 F, CD, BW, DQ and VL: what Skylake-SP's kernels (OpenBLAS's SkylakeX) use.
+  bool avx512_skylake = false;
   bool avx512_bf16 = false;
   bool amx_bf16 = false;
   /// Arm's BF16 dot products (SVE/NEON BFDOT, BFMMLA).

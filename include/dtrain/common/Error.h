@@ -61,6 +61,37 @@ inline std::string first_line(const std::string& text) {
   return end == std::string::npos ? text : text.substr(0, end);
 }
 
+/// `text` safe to print on one line: control bytes and bytes past ASCII (raw bytes of a damaged
+/// file, quoted by a parser) as \xNN, so that an error line shows them instead of the terminal
+/// acting on them.
+inline std::string printable(const std::string& text) {
+  static const char* kHex = "0123456789ABCDEF";
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7F) {
+      out += c;
+    } else {
+      out += "\\x";
+      out += kHex[byte >> 4];
+      out += kHex[byte & 0xF];
+    }
+  }
+  return out;
+}
+
+/// A JSON parser's error (nlohmann's what()) as an error line ends: without the library's tag
+/// ("[json.exception.parse_error.101] "), the bytes it quotes printable().
+inline std::string json_error_text(const std::string& what) {
+  std::string text = what;
+  if (text.rfind("[json.exception.", 0) == 0) {
+    const auto end = text.find("] ");
+    if (end != std::string::npos) text = text.substr(end + 2);
+  }
+  return printable(text);
+}
+
 }  // namespace dtrain
 
 /// Throws ErrorType(message) with file:line when `cond` is false.

@@ -56,6 +56,9 @@ struct TrainerOptions {
   /// Start from these weights (a checkpoint of any strategy and world size, or a consolidated
   /// file such as `dtrain fl --save-model` writes); a resumed checkpoint takes precedence.
   std::string init_from;
+  /// Load init_from's weights even where they hold NaN or Inf (refused otherwise, naming the
+  /// first such tensor).
+  bool allow_non_finite_weights = false;
   /// JSONL metrics file written by rank 0 ("" = none).
   std::string metrics_file;
   int64_t log_every = 10;

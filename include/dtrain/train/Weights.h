@@ -37,6 +37,14 @@ models::WeightSource open_weights(const models::ModelSpec& spec, const std::stri
 /// from the safetensors weights at `path` (open_weights).
 void init_from_safetensors(Model& model, const models::ModelSpec& spec, const std::string& path);
 
+/// InputError naming `origin` and the first parameter or buffer of `module` that holds NaN or
+/// Inf (how many values, the first one's index), unless every value is finite: weights that
+/// would make training diverge steps later are refused where they are loaded
+/// (--allow-non-finite-weights loads them anyway).
+void check_finite_weights(torch::nn::Module& module, const std::string& origin);
+/// The same over a ZeRO-3 rank's shards (their runs of elements: the index is the parameter's).
+void check_finite_weights(const std::vector<parallel::PieceRef>& pieces, const std::string& origin);
+
 /// Sets a ZeRO-3 rank's shards (Strategy::parameter_pieces(): runs of elements of `module`'s
 /// parameters, whose storage is freed) and `module`'s buffers from `source`, reading only the
 /// rows each run lies in: nothing of the full model is read, built or gathered on any rank.

@@ -59,6 +59,20 @@ struct JpegPart {
   int full_height = 0;
 };
 
+// A row of CMYK as libjpeg gives it to RGB, as PIL does: its JPEG reader takes every CMYK JPEG
+// as Adobe's (inverted: 255 is no ink), and its CMYK -> RGB is (255 - K) - C (255 - K) / 255
+// per channel, with its rounding (MULDIV255).
+void cmyk_to_rgb(const uint8_t* cmyk, uint8_t* rgb, int width) {
+  auto muldiv255 = [](int a, int b) {
+    const int t = a * b + 128;
+    return ((t >> 8) + t) >> 8;
+  };
+  for (int x = 0; x < width; ++x, cmyk += 4, rgb += 3) {
+    const int nk = cmyk[3];  // 255 - K after the inversion
+    for (int c = 0; c < 3; ++c) rgb[c] = static_cast<uint8_t>(nk - muldiv255(255 - cmyk[c], nk));
+  }
+}
+
 // Decodes the JPEG's rows [first, last) and columns [from, to) (in the scaled image; columns
 // widened to whole iMCUs) into `out`, or with `header_only` reads its size into part->full_*.
 // Returns false with `message` set on an error.
@@ -86,7 +100,10 @@ bool jpeg_decode(const uint8_t* data, size_t size, int scale, double from, doubl
     jpeg_destroy_decompress(&cinfo);
     return true;
   }
-  cinfo.out_color_space = JCS_RGB;
+  // CMYK and YCCK JPEGs (Photoshop's; ImageNet has some) come out as CMYK (libjpeg turns YCCK
+  // into it) and are converted below as PIL does.
+  const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+  cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
   cinfo.scale_num = 1;
   cinfo.scale_denom = static_cast<unsigned>(scale);
   cinfo.dct_method = JDCT_ISLOW;
@@ -111,10 +128,13 @@ bool jpeg_decode(const uint8_t* data, size_t size, int scale, double from, doubl
   part->top = static_cast<int>(cinfo.output_scanline);
   part->height = static_cast<int>(bottom - cinfo.output_scanline);
   out->resize(static_cast<size_t>(part->width) * part->height * 3);
+  std::vector<uint8_t> four(cmyk ? static_cast<size_t>(part->width) * 4 : 0);
   while (cinfo.output_scanline < bottom) {
-    JSAMPROW row =
+    uint8_t* rgb =
         out->data() + static_cast<size_t>(cinfo.output_scanline - part->top) * part->width * 3;
+    JSAMPROW row = cmyk ? four.data() : rgb;
     jpeg_read_scanlines(&cinfo, &row, 1);
+    if (cmyk) cmyk_to_rgb(four.data(), rgb, part->width);
   }
   if (cinfo.output_scanline < cinfo.output_height) {
     jpeg_abort_decompress(&cinfo);

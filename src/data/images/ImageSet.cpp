@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -69,7 +70,19 @@ struct Split {
   std::vector<std::shared_ptr<tokens::MappedFile>> tars;  // by file, null for plain files
   std::vector<Item> items;
   std::vector<std::string> classes;
+  // Samples found damaged while scanning (a tar member whose header fails its checksum, an
+  // entry that cannot be read): each named, counted with the damaged images (drop_bad).
+  std::vector<std::string> damaged;
+  // What the summary line adds ("; class ids ... are not contiguous").
+  std::string note;
 };
+
+// A tar header's checksum: the sum of its 512 bytes, the checksum field's 8 counted as spaces.
+bool tar_checksum_ok(const uint8_t* header, int64_t recorded) {
+  int64_t sum = 0;
+  for (int i = 0; i < 512; ++i) sum += (i >= 148 && i < 156) ? ' ' : header[i];
+  return recorded == sum;
+}
 
 int64_t tar_octal(const uint8_t* field, int length) {
   int64_t value = 0;
@@ -101,6 +114,14 @@ void read_tar(Split& split, const std::string& path) {
     const int64_t size = tar_octal(header + 124, 12);
     DTRAIN_CHECK_INPUT(size >= 0 && at + 512 + size <= tar->size(), path,
                        ": a damaged tar (the member at byte ", at, " runs past the end)");
+    if (!tar_checksum_ok(header, tar_octal(header + 148, 8))) {
+      // Its name, size or type may be wrong: the member is a damaged sample, and the next
+      // header is looked for where its size says (checked against the end above).
+      split.damaged.push_back(concat(path, ": the tar member header at byte ", at,
+                                     " is damaged (its checksum does not match)"));
+      at += 512 + (size + 511) / 512 * 512;
+      continue;
+    }
     const char type = static_cast<char>(header[156]);
     std::string name(reinterpret_cast<const char*>(header),
                      strnlen(reinterpret_cast<const char*>(header), 100));
@@ -152,10 +173,13 @@ Split scan_split(const std::string& path, const std::vector<std::string>* classe
   std::vector<std::string> folders;
   for (const auto& entry : fs::directory_iterator(path, error)) {
     const std::string name = entry.path().string();
-    if (entry.is_regular_file() && name.size() > 4 &&
-        name.compare(name.size() - 4, 4, ".tar") == 0) {
+    std::error_code status;
+    const bool file = entry.is_regular_file(status);
+    // (A symbolic link that loops or leads nowhere: what it is cannot be told.)
+    DTRAIN_CHECK_INPUT(!status, "images: ", name, " cannot be read (", status.message(), ")");
+    if (file && name.size() > 4 && name.compare(name.size() - 4, 4, ".tar") == 0) {
       tars.push_back(name);
-    } else if (entry.is_directory()) {
+    } else if (entry.is_directory(status)) {
       folders.push_back(entry.path().filename().string());
     }
   }
@@ -164,8 +188,30 @@ Split scan_split(const std::string& path, const std::vector<std::string>* classe
   if (!tars.empty()) {
     for (const auto& tar : tars) read_tar(split, tar);
     int32_t largest = 0;
-    for (const auto& item : split.items) largest = std::max(largest, item.label);
+    std::vector<bool> used;
+    for (const auto& item : split.items) {
+      largest = std::max(largest, item.label);
+      if (used.size() <= static_cast<size_t>(item.label)) used.resize(item.label + 1, false);
+      used[item.label] = true;
+    }
     for (int32_t c = 0; c <= largest; ++c) split.classes.push_back(std::to_string(c));
+    int64_t missing = 0;
+    int32_t first_missing = -1;
+    for (int32_t c = 0; c <= largest; ++c) {
+      if (used[c]) continue;
+      if (missing++ == 0) first_missing = c;
+    }
+    if (missing > 0 && classes == nullptr) {
+      // A .cls of 97 among classes 0-2 makes 98 outputs, 95 of them never trained: say so.
+      split.note = concat("; warning: the .cls class ids are not contiguous (", missing, " of 0-",
+                          largest, " have no images, the first ", first_missing,
+                          "): the model gets ", largest + 1, " outputs");
+      std::fprintf(stderr,
+                   "dtrain: warning: %s: the .cls class ids are not contiguous: %lld of "
+                   "0-%d have no images (the first: %d), yet the model gets %d outputs\n",
+                   path.c_str(), static_cast<long long>(missing), largest, first_missing,
+                   largest + 1);
+    }
     return split;
   }
   DTRAIN_CHECK_INPUT(!folders.empty(), "images: ", path,
@@ -178,12 +224,21 @@ Split scan_split(const std::string& path, const std::vector<std::string>* classe
     const int32_t label = static_cast<int32_t>(known - split.classes.begin());
     std::vector<std::string> files;
     for (const auto& entry : fs::directory_iterator(fs::path(path) / folder, error)) {
-      if (entry.is_regular_file() && image_name(entry.path().filename().string())) {
+      if (!image_name(entry.path().filename().string())) continue;
+      std::error_code status;
+      const bool file = entry.is_regular_file(status);
+      if (status) {
+        // A symbolic link that loops or leads nowhere, a file that cannot be looked at: a
+        // damaged sample, named and counted.
+        split.damaged.push_back(
+            concat(entry.path().string(), ": cannot be read (", status.message(), ")"));
+      } else if (file) {
         files.push_back(entry.path().string());
       }
     }
     DTRAIN_CHECK_INPUT(!files.empty(), "images: ", path, "/", folder,
-                       " is an empty class folder (no .jpg, .jpeg or .png files)");
+                       " is an empty class folder (no .jpg, .jpeg or .png files that can be "
+                       "read)");
     std::sort(files.begin(), files.end());
     for (auto& file : files) {
       split.items.push_back({static_cast<int32_t>(split.files.size()), 0, -1, label, file});
@@ -324,8 +379,8 @@ std::string drop_bad(Split& split, int64_t max_bad, const std::string& which) {
     }
   });
   std::vector<Item> kept;
-  int64_t bad = 0;
-  std::string first;
+  int64_t bad = static_cast<int64_t>(split.damaged.size());
+  std::string first = bad > 0 ? split.damaged.front() : std::string();
   for (int64_t i = 0; i < n; ++i) {
     if (problems[i].empty()) {
       kept.push_back(std::move(split.items[i]));
@@ -432,10 +487,10 @@ ImageSplits load_image_splits(const ImageSetOptions& options) {
   }
   ImageSplits splits;
   splits.classes = train->classes;
-  splits.description =
-      concat("images: ", train->items.size(), " for training (", train_path, "), ",
-             val->items.size(), " for validation (", val_path, "), ", train->classes.size(),
-             " classes, ", options.size, "x", options.size, ", --augment ", options.augment, notes);
+  splits.description = concat("images: ", train->items.size(), " for training (", train_path, "), ",
+                              val->items.size(), " for validation (", val_path, "), ",
+                              train->classes.size(), " classes, ", options.size, "x", options.size,
+                              ", --augment ", options.augment, train->note, notes);
   if (options.train) {
     splits.train = TensorDataset::from_source(
         std::make_shared<ImageSource>(train, true, options.size, options.seed, options.augment),

@@ -5,6 +5,7 @@
 #include "dtrain/data/tokenizer/BpeTokenizer.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -208,6 +209,52 @@ void encode_segment(const Model& model, BpeEncoder::State& s, std::string_view s
 
 }  // namespace
 
+namespace {
+
+// The offset of the first malformed UTF-8 sequence in `text` (npos: none).
+size_t first_malformed_utf8(std::string_view text) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char lead = bytes[i];
+    int length = 0;
+    char32_t cp = 0;
+    if (lead < 0x80) {
+      length = 1;
+      cp = lead;
+    } else if ((lead & 0xE0) == 0xC0) {
+      length = 2;
+      cp = lead & 0x1F;
+    } else if ((lead & 0xF0) == 0xE0) {
+      length = 3;
+      cp = lead & 0x0F;
+    } else if ((lead & 0xF8) == 0xF0) {
+      length = 4;
+      cp = lead & 0x07;
+    }
+    bool ok = length > 0 && i + length <= n;
+    for (int k = 1; ok && k < length; ++k) {
+      ok = (bytes[i + k] & 0xC0) == 0x80;
+      cp = (cp << 6) | (bytes[i + k] & 0x3F);
+    }
+    // Overlong forms, surrogates and values past U+10FFFF are malformed too.
+    static const char32_t kMinimum[] = {0, 0, 0x80, 0x800, 0x10000};
+    ok = ok && cp >= kMinimum[length] && cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF);
+    if (!ok) return i;
+    i += static_cast<size_t>(length);
+  }
+  return std::string_view::npos;
+}
+
+std::string malformed_utf8_message(std::string_view text, size_t offset) {
+  char hex[8];
+  std::snprintf(hex, sizeof(hex), "0x%02X", static_cast<unsigned char>(text[offset]));
+  return concat("the text is not UTF-8: a malformed sequence at byte offset ", offset, " (byte ",
+                hex, ")");
+}
+
+}  // namespace
+
 #if DTRAIN_HAVE_PCRE2
 void split_pieces(const Regex& regex, pcre2_match_data* match, std::string_view text,
                   bool check_utf, std::vector<std::string_view>& out) {
@@ -220,10 +267,13 @@ void split_pieces(const Regex& regex, pcre2_match_data* match, std::string_view 
     options = PCRE2_NO_UTF_CHECK;
     if (rc == PCRE2_ERROR_NOMATCH) break;
     if (rc < 0) {
+      // (PCRE2 leaves the match's offsets unset on a UTF error: the offset is our own scan's.)
+      const size_t bad = first_malformed_utf8(text);
+      DTRAIN_CHECK_INPUT(bad == std::string_view::npos, malformed_utf8_message(text, bad));
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(rc, message, sizeof(message));
-      DTRAIN_CHECK_INPUT(false, "the text is not UTF-8 (", reinterpret_cast<const char*>(message),
-                         ", at byte ", pcre2_get_ovector_pointer(match)[0], ")");
+      DTRAIN_CHECK_INPUT(false, "the tokenizer's pattern failed on the text (",
+                         reinterpret_cast<const char*>(message), ")");
     }
     const PCRE2_SIZE* range = pcre2_get_ovector_pointer(match);
     if (range[0] > kept) out.push_back(text.substr(kept, range[0] - kept));
@@ -264,6 +314,17 @@ BpeEncoder::BpeEncoder(const BpeTokenizer& tokenizer)
 BpeEncoder::~BpeEncoder() = default;
 
 void BpeEncoder::encode(std::string_view text, std::vector<int64_t>& out) {
+  try {
+    encode_checked(text, out);
+  } catch (const InputError&) {
+    // Malformed UTF-8 is found in a piece of the text: its offset is named in the whole text.
+    const size_t bad = first_malformed_utf8(text);
+    if (bad != std::string_view::npos) DTRAIN_THROW(InputError, malformed_utf8_message(text, bad));
+    throw;
+  }
+}
+
+void BpeEncoder::encode_checked(std::string_view text, std::vector<int64_t>& out) {
   const Model& model = *model_;
   size_t begin = 0;
   size_t i = 0;
@@ -400,7 +461,7 @@ BpeTokenizer BpeTokenizer::from_json(const std::string& text, const std::string&
   try {
     root = json::parse(text);
   } catch (const json::exception& e) {
-    DTRAIN_CHECK_INPUT(false, origin, ": not JSON (", e.what(), ")");
+    DTRAIN_CHECK_INPUT(false, origin, ": not JSON (", json_error_text(e.what()), ")");
   }
   check_kind(root, origin);
   auto model = std::make_shared<Model>();

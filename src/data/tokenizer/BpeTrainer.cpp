@@ -113,10 +113,21 @@ BpeTokenizer train_bpe(const std::vector<std::string>& texts, const BpeTrainOpti
           }
           for (size_t k = t; k < texts.size(); k += threads) {
             std::vector<std::string_view> out;
-            split_pieces(*model.splits[0], state.matches[0], texts[k], true, out);
+            try {
+              split_pieces(*model.splits[0], state.matches[0], texts[k], true, out);
+            } catch (const InputError& e) {
+              const std::string origin =
+                  k < options.origins.size() ? options.origins[k] : concat("document ", k + 1);
+              std::lock_guard<std::mutex> lock(error_mutex);
+              if (error.empty()) error = concat(origin, ": ", e.message());
+              break;
+            }
             for (std::string_view piece : out) ++counts[t][std::string(piece)];
           }
 #endif
+        } catch (const Error& e) {
+          std::lock_guard<std::mutex> lock(error_mutex);
+          error = e.message();
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(error_mutex);
           error = e.what();

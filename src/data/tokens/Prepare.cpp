@@ -104,8 +104,11 @@ void for_each_document(const TextSource& source,
       nlohmann::json record;
       try {
         record = nlohmann::json::parse(row);
-      } catch (const nlohmann::json::exception&) {
-        DTRAIN_CHECK_INPUT(false, file, ":", line, ": not a JSON object");
+      } catch (const nlohmann::json::exception& e) {
+        // The parser's own words name the fault (invalid UTF-8, a lone surrogate, a syntax
+        // error) and its column.
+        DTRAIN_CHECK_INPUT(false, file, ":", line, ": not valid JSON (", json_error_text(e.what()),
+                           ")");
       }
       DTRAIN_CHECK_INPUT(record.is_object() && record.contains(source.json_field) &&
                              record[source.json_field].is_string(),

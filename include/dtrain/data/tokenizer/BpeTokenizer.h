@@ -62,11 +62,13 @@ class BpeEncoder {
  public:
   explicit BpeEncoder(const BpeTokenizer& tokenizer);
   ~BpeEncoder();
+  /// Appends the ids of `text` to `out`; InputError naming the byte offset of malformed UTF-8.
   void encode(std::string_view text, std::vector<int64_t>& out);
 
   struct State;  ///< the cache and scratch space (BpeTokenizer.cpp)
 
  private:
+  void encode_checked(std::string_view text, std::vector<int64_t>& out);
   std::shared_ptr<const BpeTokenizer::Model> model_;
   std::unique_ptr<State> state_;
 };
@@ -77,6 +79,8 @@ struct BpeTrainOptions {
   /// Pairs seen fewer times are not merged (training may stop below vocab_size).
   int64_t min_frequency = 2;
   std::vector<std::string> special_tokens{"<|endoftext|>"};
+  /// Where each text came from ("FILE", "FILE:LINE"), for messages; may be empty.
+  std::vector<std::string> origins;
   /// Threads counting pieces (0: every core).
   int threads = 0;
   /// Called with (merges done, merges wanted) as training goes.
