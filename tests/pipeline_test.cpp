@@ -343,6 +343,7 @@ struct PipelineRun {
   std::string grad_compression = "none";
   std::vector<std::map<std::string, double>>* metrics = nullptr;  // each rank's last step's
   std::string sync = "flush";                                     // --pipeline-sync
+  std::string weight_prediction = "none";                         // --weight-prediction
   // 2bw, async: each rank's forwards and backwards with the weight version each computed on.
   std::vector<std::vector<std::pair<Action, int64_t>>>* versions = nullptr;
   // Non-empty: stage s on stage_replicas[s] ranks (pp and dp are then unused).
@@ -383,6 +384,8 @@ std::map<std::string, at::Tensor> train_pipeline(const Fixture& f, int steps,
         options.grad_compression = run.grad_compression;
         options.of<dtrain::parallel::pipeline::PipelineOptions>().transport = run.transport;
         options.of<dtrain::parallel::pipeline::PipelineOptions>().sync = run.sync;
+        options.of<dtrain::parallel::pipeline::PipelineOptions>().weight_prediction =
+            run.weight_prediction;
         options.of<dtrain::parallel::zero::ZeroOverlapOptions>().param_gather =
             run.overlap_param_gather;
         options.bucket_cap_bytes = run.bucket_cap_bytes;
@@ -646,11 +649,14 @@ TEST(Pipeline, ZeroBubbleVOnFourRanksTrainsToTheSingleProcessWeights) {
 namespace {
 
 // The rule in one process, each step's gradient summed over `micro` equal micro-batches (the
-// pipeline's: a model with batch norm normalizes each micro-batch on its own).
-std::vector<at::Tensor> train_2bw_rule(const Fixture& f, int steps, int micro = 1) {
+// pipeline's: a model with batch norm normalizes each micro-batch on its own). `predict`
+// (--weight-prediction extrapolate): batch t >= 2 computes on 2 W(t - 1) - W(t - 2) instead.
+std::vector<at::Tensor> train_2bw_rule(const Fixture& f, int steps, int micro = 1,
+                                       bool predict = false) {
   Model current = make_model_as(f.spec, f.dtype), previous = make_model_as(f.spec, f.dtype);
   restore(current, f.initial);
   restore(previous, f.initial);
+  std::vector<at::Tensor> before = f.initial;  // W(t - 1) at step t
   auto optimizer = optim::make_optimizer(current.module->parameters(), f.optimizer);
   auto order = data::DistributedSampler(f.dataset.size(), 1, 0, {true, 5, true}).indices();
   for (int step = 0; step < steps; ++step) {
@@ -669,7 +675,14 @@ std::vector<at::Tensor> train_2bw_rule(const Fixture& f, int steps, int micro = 
     auto from = previous.module->parameters();
     for (size_t k = 0; k < to.size(); ++k) to[k].mutable_grad() = from[k].grad().clone();
     optimizer->step();
-    restore(previous, now);
+    if (!predict || step == 0) {
+      restore(previous, now);
+    } else {
+      std::vector<at::Tensor> guess;
+      for (size_t k = 0; k < now.size(); ++k) guess.push_back(now[k] * 2 - before[k]);
+      restore(previous, guess);
+    }
+    before = now;
   }
   return snapshot(current);
 }
@@ -700,6 +713,20 @@ TEST(Pipeline, PipeDream2BWIsItsUpdateRuleWrittenOut) {
           EXPECT_LE(metrics[r].at("peak_live_micro_batches"), pp) << r;
         }
       }
+    }
+  }
+  {  // --weight-prediction extrapolate: its rule written out, and not 2bw's.
+    const auto predicted = train_2bw_rule(f, steps, 1, true);
+    ASSERT_GT(max_abs_diff(expected, predicted), 1e-6) << "the prediction should change the rule";
+    for (int pp : {2, 4}) {
+      SCOPED_TRACE(concat("2bw extrapolated P=", pp));
+      std::vector<std::map<std::string, double>> metrics(pp);
+      PipelineRun run{pp, 1, 2 * pp, "1f1b"};
+      run.sync = "2bw";
+      run.weight_prediction = "extrapolate";
+      run.metrics = &metrics;
+      EXPECT_LE(max_difference(f, predicted, train_pipeline(f, steps, run)), kTightBound);
+      for (int r = 0; r < pp; ++r) EXPECT_LE(metrics[r].at("weight_versions"), 4.0) << r;
     }
   }
   {  // Through the communicator alone (Gloo sends beside the loss broadcast in flight).

@@ -237,7 +237,7 @@ TEST(Trainer, PipelinedRunsEvaluateAndResumeAtOtherSizesAndStrategies) {
             static_cast<int64_t>(full.weights.size()));
 }
 
-void pipedream_resumes(const std::string& sync);
+void pipedream_resumes(const std::string& sync, const std::string& prediction = "none");
 
 // PipeDream through the Trainer (2bw and async): it evaluates its newest weights, and a run
 // stopped at a checkpoint resumes to the uninterrupted run's weights: under 2bw because the
@@ -249,9 +249,13 @@ TEST(Trainer, PipeDreamResumesFromItsWeightVersions) {
     SCOPED_TRACE(sync);
     pipedream_resumes(sync);
   }
+  // --weight-prediction extrapolate: the checkpoint holds the predictions for the next two
+  // batches (the one after the next was made at the last update).
+  SCOPED_TRACE("2bw, extrapolated");
+  pipedream_resumes("2bw", "extrapolate");
 }
 
-void pipedream_resumes(const std::string& sync) {
+void pipedream_resumes(const std::string& sync, const std::string& prediction) {
   at::set_num_threads(1);
   models::ModelSpec deep = mlp_spec();
   deep.hidden = {32, 24, 16};  // 4 stages
@@ -262,12 +266,16 @@ void pipedream_resumes(const std::string& sync) {
   options.accumulation_steps = 3;
   options.batch_size = 4;
   options.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().sync = sync;
+  options.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().weight_prediction =
+      prediction;
   const RunOutput full = run(2, options, 1, deep, true);
   ASSERT_TRUE(full.validation);
   EXPECT_EQ(full.validation->examples, 40);
   EXPECT_TRUE(std::isfinite(full.validation->loss));
   auto synchronous = options;
   synchronous.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().sync = "flush";
+  synchronous.strategy_options.of<dtrain::parallel::pipeline::PipelineOptions>().weight_prediction =
+      "none";
   const RunOutput flushed = run(2, synchronous, 1, deep);
   double apart = 0;
   for (size_t i = 0; i < full.weights.size(); ++i) {
@@ -282,6 +290,8 @@ void pipedream_resumes(const std::string& sync) {
   first.stop_at_step = 6;
   run(2, first, 1, deep);
   EXPECT_EQ(std::filesystem::exists(dir / "step-00000006/pipedream-2bw"), sync == "2bw");
+  EXPECT_EQ(std::filesystem::exists(dir / "step-00000006/pipedream-2bw-next"),
+            prediction != "none");
   const RunOutput resumed = run(2, options, 777, deep);
   EXPECT_EQ(resumed.start_step, 6);
   // Under async a checkpoint is a flush that changes the course (the next step's first

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "data/Utf8.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::data {
@@ -23,30 +24,9 @@ std::vector<char32_t> decode_utf8(const std::string& text, const std::string& or
     const unsigned char lead = bytes[i];
     DTRAIN_CHECK_INPUT(lead != 0, origin, " is not text: a NUL byte at offset ", i,
                        " (binary data?)");
-    int length = 0;
     char32_t cp = 0;
-    if (lead < 0x80) {
-      length = 1;
-      cp = lead;
-    } else if ((lead & 0xE0) == 0xC0) {
-      length = 2;
-      cp = lead & 0x1F;
-    } else if ((lead & 0xF0) == 0xE0) {
-      length = 3;
-      cp = lead & 0x0F;
-    } else if ((lead & 0xF8) == 0xF0) {
-      length = 4;
-      cp = lead & 0x07;
-    }
-    bool ok = length > 0 && i + length <= n;
-    for (int k = 1; ok && k < length; ++k) {
-      ok = (bytes[i + k] & 0xC0) == 0x80;
-      cp = (cp << 6) | (bytes[i + k] & 0x3F);
-    }
-    // Overlong forms, surrogates and values past U+10FFFF are malformed too.
-    static const char32_t kMinimum[] = {0, 0, 0x80, 0x800, 0x10000};
-    ok = ok && cp >= kMinimum[length] && cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF);
-    if (!ok) {
+    const int length = utf8_sequence(bytes, i, n, cp);
+    if (length == 0) {
       char hex[8];
       std::snprintf(hex, sizeof(hex), "0x%02X", lead);
       DTRAIN_THROW(InputError, origin, " is not UTF-8 text: malformed sequence at byte offset ", i,

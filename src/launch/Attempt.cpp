@@ -148,6 +148,7 @@ void Attempt::spawn_rank(Rank& r) {
     ::close(err_pipe[1]);
     ::setpgid(pid, pid);  // (also done in the child) so signals reach its whole group
     r.pid = pid;
+    r.error_line.clear();
     r.out_fd = out_pipe[0];
     r.err_fd = err_pipe[0];
     r.running = true;
@@ -374,13 +375,31 @@ void Attempt::tick() {
   }
 }
 
+void Attempt::drain(Rank& r, bool close) {
+  for (const bool is_err : {false, true}) {
+    int& fd = is_err ? r.err_fd : r.out_fd;
+    std::string& buffer = is_err ? r.err_buffer : r.out_buffer;
+    if (fd >= 0) {
+      pollfd ready{fd, POLLIN, 0};
+      char chunk[8192];
+      ssize_t n = 0;
+      while (::poll(&ready, 1, 0) > 0 && (n = ::read(fd, chunk, sizeof(chunk))) > 0) {
+        buffer.append(chunk, static_cast<size_t>(n));
+      }
+      if (close) {
+        ::close(fd);
+        fd = -1;
+      }
+    }
+    flush_lines(buffer, prefix(r), is_err ? stderr : stdout, close,
+                is_err ? &r.error_line : nullptr);
+  }
+}
+
 Outcome Attempt::run() {
   spawn();
   last_beat_.assign(nnodes_, -1);
   last_beat_change_.assign(nnodes_, Clock::now());
-  auto prefix_of = [&](const Rank& r) {
-    return o_.prefix_output ? concat("[rank ", r.rank, "] ") : std::string();
-  };
   for (;;) {
     // Drain output.
     std::vector<pollfd> fds;
@@ -406,9 +425,9 @@ Outcome Attempt::run() {
       std::FILE* sink = is_err ? stderr : stdout;
       if (n > 0) {
         buffer.append(chunk, static_cast<size_t>(n));
-        flush_lines(buffer, prefix_of(r), sink, false, is_err ? &r.error_line : nullptr);
+        flush_lines(buffer, prefix(r), sink, false, is_err ? &r.error_line : nullptr);
       } else {
-        flush_lines(buffer, prefix_of(r), sink, true, is_err ? &r.error_line : nullptr);
+        flush_lines(buffer, prefix(r), sink, true, is_err ? &r.error_line : nullptr);
         ::close(fds[i].fd);
         (is_err ? r.err_fd : r.out_fd) = -1;
       }
@@ -492,22 +511,7 @@ Outcome Attempt::run() {
           } else if (r.replacements < o_.max_replacements) {
             // torchft's replica groups, restarted by their scheduler: a new process for the
             // rank, which fetches the state from a replica that is training.
-            for (const bool is_err : {false, true}) {
-              int& fd = is_err ? r.err_fd : r.out_fd;
-              std::string& buffer = is_err ? r.err_buffer : r.out_buffer;
-              if (fd >= 0) {
-                pollfd ready{fd, POLLIN, 0};
-                char chunk[8192];
-                ssize_t n = 0;
-                while (::poll(&ready, 1, 0) > 0 && (n = ::read(fd, chunk, sizeof(chunk))) > 0) {
-                  buffer.append(chunk, static_cast<size_t>(n));
-                }
-                ::close(fd);
-                fd = -1;
-              }
-              flush_lines(buffer, prefix_of(r), is_err ? stderr : stdout, true,
-                          is_err ? &r.error_line : nullptr);
-            }
+            drain(r, true);
             ++r.replacements;
             r.fenced = false;
             r.ended_with_replica = false;
@@ -520,20 +524,7 @@ Outcome Attempt::run() {
                          r.rank, r.replacements, o_.max_replacements, static_cast<int>(r.pid));
           }
         } else if (!ok && !stopping_) {
-          // Drain what it still wrote: its own error line names the cause.
-          for (const bool is_err : {false, true}) {
-            const int fd = is_err ? r.err_fd : r.out_fd;
-            if (fd < 0) continue;
-            pollfd ready{fd, POLLIN, 0};
-            char chunk[8192];
-            ssize_t n = 0;
-            std::string& buffer = is_err ? r.err_buffer : r.out_buffer;
-            while (::poll(&ready, 1, 0) > 0 && (n = ::read(fd, chunk, sizeof(chunk))) > 0) {
-              buffer.append(chunk, static_cast<size_t>(n));
-            }
-            flush_lines(buffer, prefix_of(r), is_err ? stderr : stdout, false,
-                        is_err ? &r.error_line : nullptr);
-          }
+          drain(r, false);  // what it still wrote: its own error line names the cause
           Outcome mine;
           mine.failed = true;
           mine.code = exit_code_of(status);

@@ -69,6 +69,12 @@ class Attempt {
     }
   }
   void begin_stop(int signal);
+  // Reads what rank `r` wrote and has not been read yet (without waiting) and writes it out;
+  // `close`: its pipes too (it ended), the last partial lines with them.
+  void drain(Rank& r, bool close);
+  std::string prefix(const Rank& r) const {
+    return o_.prefix_output ? concat("[rank ", r.rank, "] ") : std::string();
+  }
   void tick();
   std::optional<Outcome> every_replica_failed();
   Outcome blame(Clock::time_point now) const;

@@ -3,7 +3,8 @@
 // the CPU's model number at load time; a CPU newer than the library (Sapphire Rapids for 0.3.21)
 // gets the generic "Prescott" kernel (SSE3), 3-7x slower than the AVX-512 one the CPU runs.
 // OPENBLAS_CORETYPE, read when OpenBLAS loads, forces a kernel: dtrain's launcher starts its
-// ranks with the one the CPU's instructions guarantee (docs/guide/performance.md).
+// ranks with the one the CPU's instructions guarantee (docs/guide/train.md, "The BLAS on a
+// CPU").
 #pragma once
 
 #include <string>

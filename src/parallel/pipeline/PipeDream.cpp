@@ -27,6 +27,8 @@ namespace dtrain::parallel::pipeline {
 
 namespace {
 constexpr const char* kStashFolder = "/pipedream-2bw";
+// --weight-prediction extrapolate: the prediction for the batch after the next, made already.
+constexpr const char* kNextStashFolder = "/pipedream-2bw-next";
 }
 
 void PipelineStrategy::setup_versions() {
@@ -45,6 +47,14 @@ void PipelineStrategy::setup_versions() {
   current_version_ = 0;
   batches_ = 0;
   in_flight_.clear();
+}
+
+int64_t PipelineStrategy::version_for(int64_t batch) const {
+  if (async_) return newest_;
+  // Batches 0 and 1 compute on W(0): no step was taken yet to extrapolate (nor after a
+  // checkpoint without the prediction: the version before the newest, as 2bw's rule).
+  if (predict_ && batch >= 2 && versions_.count(predicted(batch))) return predicted(batch);
+  return std::max<int64_t>(batch - 1, 0);
 }
 
 void PipelineStrategy::use_version(int64_t n) {
@@ -92,7 +102,7 @@ StepResult PipelineStrategy::train_step_pipedream(const std::vector<data::Batch>
     const data::Batch& data = micro_batches[i];
     InFlight f;
     f.batch = batch;
-    f.version = async_ ? newest_ : std::max<int64_t>(batch - 1, 0);
+    f.version = version_for(batch);
     f.micro_batch = i;
     f.count = count;
     f.link = static_cast<int>(batch % 2) * count + i;
@@ -205,6 +215,23 @@ void PipelineStrategy::update_pipedream(int64_t batch) {
   for (auto& reducer : reducers_) {
     if (reducer) reducer->zero_grad();
   }
+  if (predict_) {
+    // The next batch to start, newest + 2 (newest + 1's forwards run now), computes on
+    // W(newest + 1) moved on by the step just taken: 2 W(newest + 1) - W(newest), an estimate
+    // of W(newest + 2), the weights its gradient updates. Made now, while both are here.
+    std::vector<at::Tensor> guess;
+    if (!spare_.empty()) {
+      guess = std::move(spare_.back());
+      spare_.pop_back();
+    }
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < to.size(); ++k) {
+      if (guess.size() <= k) guess.push_back(at::empty_like(to[k]));
+      at::sub_out(guess[k], to[k], from[k]);
+      guess[k].add_(to[k]);
+    }
+    versions_[predicted(newest_ + 2)] = std::move(guess);
+  }
   versions_[++newest_] = std::move(to);
   if (async_) release_versions();  // the version before, if no micro-batch in flight reads it
 }
@@ -214,9 +241,10 @@ void PipelineStrategy::release_versions() {
   // version a micro-batch in flight computed on.
   for (auto it = versions_.begin(); it != versions_.end();) {
     const int64_t n = it->first;
-    const bool kept =
-        n == newest_ || std::any_of(in_flight_.begin(), in_flight_.end(),
-                                    [n](const InFlight& f) { return f.version == n; });
+    // (--weight-prediction: also the predictions for the batches not started yet.)
+    const bool kept = n == newest_ || (predict_ && n >= predicted(batches_)) ||
+                      std::any_of(in_flight_.begin(), in_flight_.end(),
+                                  [n](const InFlight& f) { return f.version == n; });
     if (kept) {
       ++it;
     } else {
@@ -234,13 +262,20 @@ void PipelineStrategy::flush() {
 }
 
 void PipelineStrategy::save_pipedream_stash(const std::string& directory, int writer, int writers) {
-  // After a flush the next batch computes on W(newest - 1) (kept: the one before the newest).
-  const auto it = versions_.find(newest_ - 1);
-  const auto& stash = it != versions_.end() ? it->second : versions_.at(newest_);
-  std::error_code ignored;
-  std::filesystem::create_directories(directory + kStashFolder, ignored);
-  write_state_shard(directory + kStashFolder, writer, writers,
-                    tp_.for_writing(whole_pieces(names_, stash)), nullptr, {});
+  // After a flush the next batch computes on W(newest - 1) (kept: the one before the newest),
+  // or under --weight-prediction on the prediction made for it; the one after it too.
+  auto save = [&](const char* folder, int64_t version) {
+    const auto it = versions_.find(version);
+    const auto& stash = it != versions_.end() ? it->second : versions_.at(newest_);
+    std::error_code ignored;
+    std::filesystem::create_directories(directory + folder, ignored);
+    write_state_shard(directory + folder, writer, writers,
+                      tp_.for_writing(whole_pieces(names_, stash)), nullptr, {});
+  };
+  save(kStashFolder, version_for(batches_));
+  if (predict_ && versions_.count(predicted(batches_ + 1))) {
+    save(kNextStashFolder, predicted(batches_ + 1));
+  }
 }
 
 void PipelineStrategy::load_pipedream_versions(const std::string& directory) {
@@ -267,6 +302,14 @@ void PipelineStrategy::load_pipedream_versions(const std::string& directory) {
     if (std::filesystem::exists(directory + kStashFolder)) {
       read_state_shards(directory + kStashFolder, tp_.for_reading(whole_pieces(names_, stash)),
                         nullptr, {}, nullptr);
+    }
+    if (predict_ && std::filesystem::exists(directory + kNextStashFolder)) {
+      // Batch 2 computes on the prediction the run had made for its batch after the next.
+      std::vector<at::Tensor> next;
+      for (const auto& t : newest) next.push_back(t.clone());
+      read_state_shards(directory + kNextStashFolder, tp_.for_reading(whole_pieces(names_, next)),
+                        nullptr, {}, nullptr);
+      versions_[predicted(2)] = std::move(next);
     }
     versions_[0] = std::move(stash);
     versions_[1] = std::move(newest);

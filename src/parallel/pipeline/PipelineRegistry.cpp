@@ -67,6 +67,11 @@ void declare_flags(FlagSet& flags, PipelineOptions& o) {
             "stale) or async (PipeDream: no flush, an update per micro-batch, each "
             "micro-batch's backward on its forward's weights); 2bw and async: 1f1b, ddp, no "
             "clipping or fp16");
+  flags.add("--weight-prediction", o.weight_prediction,
+            "--pipeline-sync 2bw: the weights each batch computes on: none (the version before "
+            "the newest: PipeDream-2BW's one-step-stale gradient) or extrapolate (that version "
+            "moved on by its last step: an estimate of the weights the gradient updates; one "
+            "more weight copy)");
   flags.add("--pipeline-transport", o.transport,
             "Pipeline activations and gradients travel through auto (shared memory between "
             "stages on the same machine, else the communicator) or comm (always the "
@@ -97,6 +102,11 @@ void check_options(const PipelineOptions& o) {
                      "unknown --pipeline-transport '", o.transport, "' (expected auto or comm)");
   DTRAIN_CHECK_INPUT(o.sync == "flush" || o.sync == "2bw" || o.sync == "async",
                      "unknown --pipeline-sync '", o.sync, "' (expected flush, 2bw or async)");
+  DTRAIN_CHECK_INPUT(o.weight_prediction == "none" || o.weight_prediction == "extrapolate",
+                     "unknown --weight-prediction '", o.weight_prediction,
+                     "' (expected none or extrapolate)");
+  DTRAIN_CHECK_INPUT(o.weight_prediction == "none" || o.sync == "2bw", "--weight-prediction ",
+                     o.weight_prediction, " is for --pipeline-sync 2bw, not ", o.sync);
   DTRAIN_CHECK_INPUT(o.sync == "flush" || kind == ScheduleKind::OneFOneB, "--pipeline-sync ",
                      o.sync, " runs 1F1B without a flush: use --schedule 1f1b, not ", o.schedule);
   DTRAIN_CHECK_INPUT(o.sync == "flush" || o.data_parallel == "ddp", "--pipeline-sync ", o.sync,

@@ -70,6 +70,7 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
                      "--pipeline-sync ",
                      pipe_.sync, "'s weight versions (use flush, or bf16-mixed)");
   async_ = pipe_.sync == "async";
+  predict_ = pipe_.sync == "2bw" && pipe_.weight_prediction == "extrapolate";
   // Each stage updates when its own backwards of a step are done, at a different time on each
   // stage: a check over all stages before an update would stall the pipeline it overlaps.
   DTRAIN_CHECK_INPUT(!flush_free_ || options_.max_grad_norm <= 0, "--pipeline-sync ", pipe_.sync,

@@ -176,8 +176,14 @@ class PipelineStrategy : public Strategy {
   /// strategy's, or async's) resumes with both versions equal.
   void save_pipedream_stash(const std::string& directory, int writer, int writers);
   void load_pipedream_versions(const std::string& directory);
+  /// The version batch `batch` computes on: the newest (async), the one before it (2bw), or
+  /// under --weight-prediction extrapolate the prediction made for it (predicted(batch)).
+  int64_t version_for(int64_t batch) const;
+  /// The number under which the prediction batch `batch` computes on is kept.
+  static int64_t predicted(int64_t batch) { return (int64_t{1} << 40) + batch; }
   bool flush_free_ = false;  // 2bw or async
   bool async_ = false;
+  bool predict_ = false;                                 // --weight-prediction extrapolate
   int64_t batches_ = 0;                                  // batches started since setup or load
   int64_t newest_ = 0;                                   // the newest version's number
   std::map<int64_t, std::vector<at::Tensor>> versions_;  // the versions kept, by number

@@ -32,6 +32,12 @@ struct PipelineOptions {
   /// grad f(W(t-1)); 1f1b only) or "async" (PipeDream: no flush, an update after each
   /// micro-batch's backward, which computes on the weights its forward used; 1f1b only).
   std::string sync = "flush";
+  /// 2bw: the weights each batch computes on. "none": the version before the newest, W(t - 1)
+  /// (PipeDream-2BW's rule: the gradient one step stale); "extrapolate": that version moved on
+  /// by the last step it took, 2 W(t - 1) - W(t - 2) (weight prediction, as SpecTrain: for SGD
+  /// with momentum, W(t - 1) - lr * its velocity), which estimates W(t), the weights the
+  /// gradient is applied to. One more weight copy per stage.
+  std::string weight_prediction = "none";
 };
 
 }  // namespace dtrain::parallel::pipeline
