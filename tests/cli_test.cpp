@@ -140,6 +140,10 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --schedule zb-v --virtual-stages 3", "--schedule zb-v runs 2 chunks per rank"},
       {" train --pipeline-sync sometimes", "unknown --pipeline-sync 'sometimes'"},
       {" train --pipeline-sync 2bw --schedule gpipe", "use --schedule 1f1b, not gpipe"},
+      {" train --pipeline-sync 2bw --weight-prediction guess",
+       "unknown --weight-prediction 'guess' (expected none or extrapolate)"},
+      {" train --weight-prediction extrapolate",
+       "--weight-prediction extrapolate is for --pipeline-sync 2bw, not flush"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --pipeline-sync "
        "2bw --max-grad-norm 1",
        "global-norm clipping (--max-grad-norm) needs every stage's gradients"},
