@@ -222,6 +222,23 @@ grep -q "trained 20 steps" "$work/a2e.log" || fail "host a did not finish"
 (( seconds < 60 )) || fail "took $seconds s to end after the hang"
 job=("${plain_job[@]}")
 echo "ok: a replica hung on host b after the last step was ended by its launcher in ${seconds} s"
+
+# 2i. A rank's own bad input on host b (exit 2 at step 3, as a damaged file found mid-training):
+#     host a's rank then fails on the closed connection (exit 1), yet both launchers report host
+#     b's rank with its own message and exit 2 (a cause is published at once; a consequence
+#     waits for it).
+launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3:input > "$work/b2i.log" 2>&1 &
+other=$!
+launch 0 "$a" > "$work/a2i.log" 2>&1
+code_a=$?
+wait $other
+code_b=$?
+[[ $code_a -eq 2 && $code_b -eq 2 ]] || fail "exit codes $code_a / $code_b after bad input, expected 2 on both"
+for log in a2i b2i; do
+  grep -q "failed: node 1 rank 1 (pid [0-9]*) exited with code 2: DTRAIN_SIMULATE_FAILURE: rank 1 met bad input at step 3" \
+    "$work/$log.log" || fail "$log: the failure named is not host b's rank with its own message"
+done
+echo "ok: a rank's bad input on host b named on both hosts with its message, exit 2"
 # 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
 #    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
 printf 'multihost-token\n' > "$work/token"

@@ -92,10 +92,11 @@ SimulatedFailure SimulatedFailure::from_env(int my_rank) {
   const std::string text = spec;
   f.node = text.size() > 5 && text.compare(text.size() - 5, 5, ":node") == 0;
   f.stop = text.size() > 5 && text.compare(text.size() - 5, 5, ":stop") == 0;
+  f.input = text.size() > 6 && text.compare(text.size() - 6, 6, ":input") == 0;
   f.in_checkpoint = text.size() > 11 && text.compare(text.size() - 11, 11, ":checkpoint") == 0;
   DTRAIN_CHECK_INPUT(fields >= 2 && rank >= 0 && step >= 1, "DTRAIN_SIMULATE_FAILURE='", spec,
-                     "' is not RANK:STEP[:ATTEMPTS][:node|:stop|:checkpoint] (RANK * for every "
-                     "rank)");
+                     "' is not RANK:STEP[:ATTEMPTS][:node|:stop|:checkpoint|:input] (RANK * "
+                     "for every rank)");
   const char* restart = std::getenv("DTRAIN_RESTART_COUNT");
   const long long attempt = restart ? std::atoll(restart) : 0;
   f.rank = static_cast<int>(rank);
@@ -114,6 +115,10 @@ void SimulatedFailure::maybe_fire_in_checkpoint(int64_t reached) const {
 
 void SimulatedFailure::maybe_fire(int64_t reached) const {
   if (slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+  if (armed && input && reached == step) {
+    DTRAIN_THROW(InputError, "DTRAIN_SIMULATE_FAILURE: rank ", rank, " met bad input at step ",
+                 step);
+  }
   if (armed && !in_checkpoint && reached == step) {
     std::fprintf(stderr, "dtrain: DTRAIN_SIMULATE_FAILURE: rank %d %s at step %lld\n", rank,
                  stop   ? "stops itself"

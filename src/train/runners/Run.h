@@ -44,8 +44,9 @@ class ProgressReport {
 /// it reaches STEP, in the first ATTEMPTS attempts of a launch (default all); with ":node" it
 /// kills its launcher first (a node lost; the rank follows through its parent-death signal);
 /// with ":stop" it stops itself instead (SIGSTOP: a hung machine): for testing restarts and
-/// fault tolerance the way machines fail. DTRAIN_SIMULATE_SLOW_STEP_MS=N: every rank
-/// sleeps N ms after each step (to give tests time to act on a running job).
+/// fault tolerance the way machines fail; with ":input" it stops with bad input instead (an
+/// InputError: exit 2, as a damaged file found mid-training). DTRAIN_SIMULATE_SLOW_STEP_MS=N:
+/// every rank sleeps N ms after each step (to give tests time to act on a running job).
 struct SimulatedFailure {
   int slow_ms = 0;
   int rank = -1;
@@ -53,6 +54,7 @@ struct SimulatedFailure {
   bool armed = false;
   bool node = false;
   bool stop = false;
+  bool input = false;
   /// RANK:STEP:checkpoint: killed while step STEP's checkpoint is written (its files written,
   /// or staged when asynchronous; before the other ranks hear of them).
   bool in_checkpoint = false;
