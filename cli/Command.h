@@ -14,6 +14,11 @@ namespace dtrain::cli {
 /// The exit code of bad input: a flag, a value, a file (one line on stderr names it).
 constexpr int kInputErrorExit = 2;
 
+/// The command dtrain was started with, each word shell-quoted where it needs to be: what a
+/// stopped run prints to resume it. Set once by main().
+const std::string& command_line();
+void set_command_line(int argc, char** argv);
+
 class Command {
  public:
   virtual ~Command() = default;

@@ -62,6 +62,11 @@ class LaunchCommand final : public Command {
     add(*app_, "--grace", launch_.grace_seconds,
         "Seconds between SIGTERM and SIGKILL when stopping ranks")
         ->capture_default_str();
+    add(*app_, "--stop-timeout", launch_.stop_timeout_seconds,
+        "On SIGINT, SIGTERM or SIGUSR1 (forwarded to the ranks: dtrain's finish their step and "
+        "save), seconds the ranks have to exit before they are killed; a second signal stops "
+        "them at once")
+        ->capture_default_str();
     app_->add_flag("!--no-prefix", launch_.prefix_output, "Do not prefix lines with the rank");
     app_->add_option("command", launch_.command, "-- PROGRAM [ARGS...]")->required();
   }

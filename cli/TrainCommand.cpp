@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +24,7 @@
 #include "dtrain/services/ps/LocalShards.h"
 #endif
 #include "dtrain/train/Job.h"
+#include "dtrain/train/Stop.h"
 
 namespace dtrain::cli {
 
@@ -321,6 +323,25 @@ std::vector<std::string> with_local_shards(const std::vector<std::string>& args,
 }
 #endif
 
+// After a stop on request: the command that resumes the run (the same one: a run resumes from
+// the newest checkpoint in its --checkpoint-dir).
+void print_resume(const dtrain::train::JobConfig& job) {
+  std::fflush(stdout);
+  if (job.trainer.checkpoint_dir.empty()) {
+    std::fprintf(stderr,
+                 "dtrain: stopped on request; nothing was saved (no --checkpoint-dir): give "
+                 "--checkpoint-dir to make a run that can stop and resume\n");
+  } else if (!job.trainer.resume) {
+    std::fprintf(stderr,
+                 "dtrain: stopped on request; to resume from its checkpoint in %s, run the same "
+                 "command without --no-resume\n",
+                 job.trainer.checkpoint_dir.c_str());
+  } else {
+    std::fprintf(stderr, "dtrain: stopped on request; resume with:\n  %s\n",
+                 command_line().c_str());
+  }
+}
+
 int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
               const std::string& recipe) {
   const bool worker = std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr ||
@@ -387,11 +408,20 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
     }
     launch.command.push_back(dtrain::launch::self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
-    return dtrain::launch::launch(launch);
+    launch.name = "dtrain train";
+    launch.stop_signal = SIGUSR2;  // a request the ranks never take for a second one
+    const int code = dtrain::launch::launch(launch);
+    if (dtrain::is_stopped_exit_code(code)) print_resume(job);
+    return code;
   }
+  // Ctrl-C, SIGTERM, SIGUSR1: the ranks finish their step and save a checkpoint; a second
+  // signal stops at once.
+  dtrain::train::stop_on_signals();
   const auto result = dtrain::train::run_job(job);
   if (result.fit.leader) std::printf("%s", dtrain::train::summary(job, result).c_str());
-  return 0;
+  if (result.fit.stopped_by == 0) return 0;
+  if (!worker) print_resume(job);
+  return dtrain::stopped_exit_code(result.fit.stopped_by);
 }
 
 class TrainCommand final : public Command {

@@ -34,7 +34,34 @@ std::string version_text() {
                         "\nCPU ", cpu.model, " (", cpu.vector_summary(), ")");
 }
 
+std::string g_command_line;
+
 }  // namespace
+
+namespace dtrain::cli {
+
+const std::string& command_line() { return g_command_line; }
+
+void set_command_line(int argc, char** argv) {
+  g_command_line.clear();
+  for (int i = 0; i < argc; ++i) {
+    const std::string word = argv[i];
+    const bool plain = !word.empty() && word.find_first_not_of(
+                                            "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                            "0123456789-_./=:,+@%") == std::string::npos;
+    if (i > 0) g_command_line += ' ';
+    if (plain) {
+      g_command_line += word;
+      continue;
+    }
+    g_command_line += '\'';
+    for (const char c : word)
+      g_command_line += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    g_command_line += '\'';
+  }
+}
+
+}  // namespace dtrain::cli
 
 int main(int argc, char** argv) {
   using dtrain::cli::kInputErrorExit;
@@ -57,6 +84,7 @@ int main(int argc, char** argv) {
   commands.push_back(dtrain::cli::federated_command(app));
 #endif
 
+  dtrain::cli::set_command_line(argc, argv);
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     for (const auto& command : commands) args = command->expand(args);

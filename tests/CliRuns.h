@@ -38,6 +38,38 @@ inline Output run(const std::string& command) {
   return out;
 }
 
+/// Starts `command` (its output to a file) in the background, waits for its metrics file to
+/// hold a step (an event; at most 120 s), then sends `signal` ("INT", "TERM", ...) to it, or,
+/// with `rank` >= 0, to its child process of that RANK (a launcher's rank); with `again`, a
+/// second one once the launcher said it asked the ranks to stop. Its output and exit code.
+inline Output run_and_signal(const std::string& command, const std::string& metrics,
+                             const std::string& signal, bool again = false, int rank = -1) {
+  const std::string log = metrics + ".out";
+  const std::string wait_for_step = "i=0; until grep -q '\"event\":\"step\"' " + metrics +
+                                    " 2>/dev/null; do sleep 0.05; i=$((i+1)); "
+                                    "[ $i -gt 2400 ] && break; done\n";
+  std::string script = command + " > " + log + " 2>&1 & pid=$!\n" + wait_for_step;
+  if (rank < 0) {
+    script += "kill -" + signal + " $pid\n";
+  } else {
+    script +=
+        "for p in $(pgrep -P $pid); do if tr '\\0' '\\n' < /proc/$p/environ | grep -qx "
+        "'RANK=" +
+        std::to_string(rank) + "'; then kill -" + signal + " $p; fi; done\n";
+  }
+  if (again) {
+    script += "i=0; until grep -q 'stopping on request' " + log +
+              "; do sleep 0.05; i=$((i+1)); [ $i -gt 2400 ] && break; done\nkill -" + signal +
+              " $pid\n";
+  }
+  script += "wait $pid; code=$?; cat " + log + "; exit $code\n";
+  const std::string file = metrics + ".sh";
+  std::FILE* out = std::fopen(file.c_str(), "w");
+  std::fputs(script.c_str(), out);
+  std::fclose(out);
+  return run("sh " + file);
+}
+
 #ifdef DTRAIN_CLI_PATH
 inline const std::string kDtrain = DTRAIN_CLI_PATH;
 #endif

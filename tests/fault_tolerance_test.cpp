@@ -444,10 +444,49 @@ TEST(FaultTolerance, EveryReplicaFailingAtOnceRestartsFromTheCheckpoint) {
       EXPECT_TRUE(
           test::cli::has(out, "restart 1 (failure): stopped at step 12, resumed from step 10"))
           << out.text;
-      EXPECT_TRUE(test::cli::has(out, "trained 30 steps")) << out.text;
+      EXPECT_TRUE(test::cli::has(out, "trained 20 steps (steps 11-30 of 30")) << out.text;
     } else {
       EXPECT_NE(out.code, 0) << out.text;
     }
   }
 }
 #endif
+
+// --fault-tolerance replicas and a stop on request: a replica told by itself (SIGTERM to its
+// rank, as a Kubernetes eviction of its pod) saves nothing of its own, leaves, and the others
+// go on to the end (exit 0); the leading replica told leaves after saving, and the next one
+// leads; the whole job told (SIGINT to the launcher) stops with a checkpoint, exit 130.
+TEST(FaultTolerance, AStopOnRequestEndsOnlyTheReplicaThatWasTold) {
+  test::TempDir dir;
+  auto job = [&](const std::string& name) {
+    return "DTRAIN_SIMULATE_SLOW_STEP_MS=30 " + test::cli::kDtrain +
+           " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --max-steps 60 "
+           "--log-every 1 --no-progress --fault-tolerance replicas --replica-heartbeat-timeout 2 "
+           "--checkpoint-dir " +
+           (dir / name) + " --metrics " + (dir / name) + ".jsonl";
+  };
+  const auto one = test::cli::run_and_signal(job("one"), dir / "one.jsonl", "TERM", false, 2);
+  ASSERT_EQ(one.code, 0) << one.text;
+  EXPECT_TRUE(test::cli::has(one, "rank 2 (pid "));
+  EXPECT_TRUE(test::cli::has(one,
+                             "stopped on request (SIGTERM); it is not started again, the "
+                             "other ranks go on"))
+      << one.text;
+  EXPECT_TRUE(test::cli::has(one, "[rank 0] trained 60 steps")) << one.text;
+
+  const auto leader =
+      test::cli::run_and_signal(job("leader"), dir / "leader.jsonl", "TERM", false, 0);
+  ASSERT_EQ(leader.code, 0) << leader.text;
+  EXPECT_TRUE(test::cli::has(leader, "[rank 0] stopped on request (SIGTERM) after step"))
+      << leader.text;
+  EXPECT_TRUE(test::cli::has(leader, "[rank 1] trained 60 steps")) << leader.text;
+
+  const auto all = test::cli::run_and_signal(job("all"), dir / "all.jsonl", "INT");
+  ASSERT_EQ(all.code, 130) << all.text;
+  EXPECT_TRUE(test::cli::has(all, "stopped on request (SIGINT): the ranks finished their step"))
+      << all.text;
+  EXPECT_TRUE(test::cli::has(all, "resume with:")) << all.text;
+  const auto saved = train::latest_checkpoint(dir / "all");
+  ASSERT_TRUE(saved.has_value()) << all.text;
+  EXPECT_LT(train::read_meta(*saved).step, 60) << all.text;
+}

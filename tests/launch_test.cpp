@@ -297,3 +297,60 @@ TEST_F(Discovery, TorchrunSlurmOpenMpiAndSingle) {
   ::setenv("RANK", "2", 1);
   EXPECT_THROW(dtrain::launch::discover_rank(), dtrain::InputError);
 }
+
+// Ctrl-C, SIGTERM and SIGUSR1 (Slurm's warning) stop a run after the step it is in, on one
+// process or on several ranks: a checkpoint is saved there, the exit code is 128 + the signal,
+// the command that resumes it is printed, and the resumed run ends with the uninterrupted run's
+// weights and optimizer state, byte for byte. A second signal stops the ranks at once.
+TEST(Launcher, AStopOnRequestSavesAndTheResumedRunEqualsAnUninterruptedOne) {
+  TempDir dir;
+  auto job = [&](int nproc, const std::string& name) {
+    return " train --nproc " + std::to_string(nproc) +
+           " --threads 1 --dataset synthetic --model mlp --hidden 32 --synthetic-examples 512 "
+           "--batch-size 16 --max-steps 40 --log-every 1 --no-progress --checkpoint-dir " +
+           (dir / name) + " --metrics " + (dir / name) + ".jsonl";
+  };
+  struct Case {
+    int nproc;
+    std::string signal;
+    int code;
+  };
+  for (const Case& c : {Case{1, "INT", 130}, Case{2, "TERM", 143}, Case{2, "USR1", 138}}) {
+    const std::string name = "n" + std::to_string(c.nproc) + c.signal;
+    const auto straight = run(kDtrain + job(c.nproc, name + "-straight"));
+    ASSERT_EQ(straight.code, 0) << straight.text;
+    const auto stopped =
+        run_and_signal("DTRAIN_SIMULATE_SLOW_STEP_MS=30 " + kDtrain + job(c.nproc, name),
+                       dir / name + ".jsonl", c.signal);
+    ASSERT_EQ(stopped.code, c.code) << name << ":\n" << stopped.text;
+    EXPECT_TRUE(has(stopped, "stopped on request")) << stopped.text;
+    EXPECT_TRUE(has(stopped, "checkpoint saved in " + (dir / name))) << stopped.text;
+    EXPECT_TRUE(has(stopped, "resume with:\n  " + kDtrain + job(c.nproc, name))) << stopped.text;
+    EXPECT_FALSE(has(stopped, "failed")) << stopped.text;
+    const auto saved = dtrain::train::latest_checkpoint(dir / name);
+    ASSERT_TRUE(saved.has_value()) << stopped.text;
+    const int64_t at = dtrain::train::read_meta(*saved).step;
+    ASSERT_GT(at, 0);
+    ASSERT_LT(at, 40) << "the run was not stopped";
+    const auto resumed = run(kDtrain + job(c.nproc, name));
+    ASSERT_EQ(resumed.code, 0) << resumed.text;
+    EXPECT_TRUE(has(resumed, "resumed from step " + std::to_string(at))) << resumed.text;
+    EXPECT_TRUE(has(resumed, "trained " + std::to_string(40 - at) + " steps (steps " +
+                                 std::to_string(at + 1) + "-40 of 40, resumed from step " +
+                                 std::to_string(at) + ")"))
+        << resumed.text;
+    const std::string final_state = "/step-00000040/state-0-of-1.pt";
+    const std::string expected = file_bytes(dir / (name + "-straight") + final_state);
+    ASSERT_FALSE(expected.empty());
+    EXPECT_TRUE(file_bytes(dir / name + final_state) == expected)
+        << name << ": the resumed run ended with other weights or optimizer state";
+  }
+  // A second Ctrl-C while the ranks finish a (10 s) step: they are stopped at once.
+  const auto twice =
+      run_and_signal("DTRAIN_SIMULATE_SLOW_STEP_MS=10000 " + kDtrain + job(2, "twice"),
+                     dir / "twice.jsonl", "INT", true);
+  EXPECT_EQ(twice.code, 130) << twice.text;
+  EXPECT_TRUE(has(twice, "interrupted again (SIGINT): the ranks were stopped at once"))
+      << twice.text;
+  EXPECT_LT(twice.seconds, 10) << twice.text;
+}

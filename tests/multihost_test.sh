@@ -15,7 +15,8 @@
 # down while its client trains: the round closes at its deadline without it, the client leaves
 # the round at the same deadline rather than waiting on its call, and rejoins once the link is
 # back); and asynchronous buffered aggregation (FedBuff) across the hosts with a client killed
-# while it trains. Exit 77 (skipped) where namespaces cannot be made.
+# while it trains; a stop on request (SIGTERM) on one host stops both, saved and resumable.
+# Exit 77 (skipped) where namespaces cannot be made.
 # Usage: multihost_test.sh PATH/TO/dtrain
 set -uo pipefail
 dtrain=$1
@@ -239,6 +240,52 @@ for log in a2i b2i; do
     "$work/$log.log" || fail "$log: the failure named is not host b's rank with its own message"
 done
 echo "ok: a rank's bad input on host b named on both hosts with its message, exit 2"
+# 2j. A stop on request across the hosts: SIGTERM to host b's launcher while the ranks train.
+#     Host b's rank is asked, both ranks agree on the step (the request rides on the step's
+#     allreduce), rank 0 on host a saves there, and both launchers exit 143, "stopped on
+#     request"; the run resumed on both hosts ends with the uninterrupted run's state, bytes.
+stop_job=(train --dataset synthetic --model mlp --hidden 32 --synthetic-examples 512 --batch-size 16
+          --max-steps 40 --log-every 1 --no-progress --threads 1 --comm-timeout 60000)
+stop_launch() {  # NODE NAMESPACE PORT CHECKPOINTS [ENV=VALUE...]
+  local node=$1 ns=$2 p=$3 dir=$4
+  shift 4
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 1 \
+    --master-addr 10.231.0.1 --master-port "$p" --node-rank "$node" --grace 2 -- "$dtrain" \
+    "${stop_job[@]}" --checkpoint-dir "$dir" --metrics "$dir.jsonl"
+}
+stop_launch 1 "$b" $((port + 40)) "$work/straight" > "$work/b2j0.log" 2>&1 &
+other=$!
+stop_launch 0 "$a" $((port + 40)) "$work/straight" > "$work/a2j0.log" 2>&1 || fail "the uninterrupted run failed"
+wait $other || fail "the uninterrupted run failed on host b"
+stop_launch 1 "$b" $((port + 41)) "$work/stopped" DTRAIN_SIMULATE_SLOW_STEP_MS=30 > "$work/b2j.log" 2>&1 &
+other=$!
+stop_launch 0 "$a" $((port + 41)) "$work/stopped" DTRAIN_SIMULATE_SLOW_STEP_MS=30 > "$work/a2j.log" 2>&1 &
+first=$!
+for _ in $(seq 2400); do grep -q '"event":"step"' "$work/stopped.jsonl" 2>/dev/null && break; sleep 0.05; done
+for pid in $(ip netns pids "$b"); do
+  grep -q "launch" "/proc/$pid/cmdline" 2>/dev/null && [[ $(tr '\0' ' ' < "/proc/$pid/cmdline") == *"dtrain launch"* ]] && kill -TERM "$pid"
+done
+wait $first
+code_a=$?
+wait $other
+code_b=$?
+[[ $code_a -eq 143 && $code_b -eq 143 ]] || fail "exit codes $code_a / $code_b after SIGTERM on host b, expected 143 on both"
+for log in a2j b2j; do
+  grep -q "stopped on request (SIGTERM): the ranks finished their step and saved" "$work/$log.log" ||
+    fail "$log: no 'stopped on request'"
+done
+grep -q "stopping on request (SIGTERM)" "$work/b2j.log" || fail "host b's launcher did not ask its rank to stop"
+stopped_at=$(sed -n 's/.*stopped on request (SIGTERM) after step \([0-9]*\) of 40.*/\1/p' "$work/a2j.log")
+[[ -n $stopped_at && $stopped_at -lt 40 ]] || fail "rank 0 did not say where it stopped"
+stop_launch 1 "$b" $((port + 42)) "$work/stopped" > "$work/b2jr.log" 2>&1 &
+other=$!
+stop_launch 0 "$a" $((port + 42)) "$work/stopped" > "$work/a2jr.log" 2>&1 || fail "the resumed run failed"
+wait $other || fail "the resumed run failed on host b"
+grep -q "resumed from step $stopped_at" "$work/a2jr.log" || fail "the run did not resume from step $stopped_at"
+cmp -s "$work/straight/step-00000040/state-0-of-1.pt" "$work/stopped/step-00000040/state-0-of-1.pt" ||
+  fail "the resumed run ended with other weights or optimizer state than the uninterrupted one"
+echo "ok: SIGTERM on host b stopped both hosts at step $stopped_at, saved; the resume equals the uninterrupted run"
+
 # 3. Downpour across the hosts: a parameter-server shard on host a that requires a token,
 #    workers on both hosts; the worker on host b is killed at its step 3 and the run completes.
 printf 'multihost-token\n' > "$work/token"

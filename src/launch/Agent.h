@@ -6,6 +6,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdarg>
 #include <string>
 
 #include "dtrain/common/Error.h"
@@ -20,6 +21,7 @@ struct Outcome {
   int code = 0;              // the exit code the launcher returns
   std::string description;   // "node 1 rank 1 (pid 4242) exited with code 3"
   bool interrupted = false;  // the user stopped the job: no restart
+  bool stopped = false;      // ... and its ranks stopped on request, their work saved
   bool resize = false;       // elastic: a node is waiting to join; restart at the new size
 };
 
@@ -59,8 +61,16 @@ inline std::chrono::milliseconds millis(double seconds) {
 // for its heartbeat to fall silent.
 constexpr std::chrono::milliseconds kSettle{1500};
 
-/// The signal (SIGINT, SIGTERM) the launcher caught, to forward to its ranks (0: none).
+/// The first signal (SIGINT, SIGTERM, SIGUSR1) the launcher caught (0: none): its ranks are
+/// asked to stop; and how many it caught (a second one stops them at once).
 extern volatile sig_atomic_t g_forward_signal;
+extern volatile sig_atomic_t g_signal_count;
+
+/// What the launcher's lines on stderr begin with: "dtrain launch", or "dtrain train" for the
+/// ranks `dtrain train --nproc` starts (LaunchOptions::name).
+extern std::string g_name;
+/// One line (or more) on stderr, after "NAME: " (printf's format).
+[[gnu::format(printf, 1, 2)]] void say(const char* format, ...);
 
 /// CommError naming what was being waited for once a signal was caught.
 void check_interrupt(const char* waiting_for);

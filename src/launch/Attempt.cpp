@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "dtrain/common/Net.h"
+#include "dtrain/common/Signals.h"
 #include "dtrain/launch/Environment.h"
 
 namespace dtrain::launch::agent {
@@ -141,7 +142,7 @@ void Attempt::spawn_rank(Rank& r) {
       for (const auto& arg : o_.command) argv.push_back(const_cast<char*>(arg.c_str()));
       argv.push_back(nullptr);
       ::execvp(argv[0], argv.data());
-      std::fprintf(stderr, "dtrain launch: cannot run %s: %s\n", argv[0], std::strerror(errno));
+      say("cannot run %s: %s\n", argv[0], std::strerror(errno));
       ::_exit(127);
     }
     ::close(out_pipe[1]);
@@ -163,6 +164,27 @@ void Attempt::begin_stop(int signal) {
   }
   stop_deadline_ =
       Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_seconds * 1e3));
+}
+
+void Attempt::ask_ranks_to_stop(int signal, bool told_here) {
+  if (stop_asked_ != 0 || stopping_) return;
+  stop_asked_ = signal;
+  if (told_here) {
+    // Another node's ranks learn it from their own (the ranks agree on the step to stop at);
+    // their launchers from the store (ranks that do not agree: asynchronous workers).
+    try {
+      store_.set(attempt_key(attempt_, "stop"), concat(signal));
+    } catch (const CommError&) {
+    }
+    say("stopping on request (%s): the ranks are asked to stop (dtrain's finish their step and "
+        "save); %s again stops them at once\n",
+        signal_name(signal).c_str(), signal_name(signal).c_str());
+  }
+  const int forwarded = o_.stop_signal > 0 ? o_.stop_signal : signal;
+  for (auto& r : ranks_) {
+    if (r.running && !r.fenced) ::kill(r.pid, forwarded);
+  }
+  stop_deadline_ = Clock::now() + millis(o_.stop_timeout_seconds);
 }
 
 // A fault-tolerant job whose every replica failed (each has a rank marked dead that no member
@@ -263,11 +285,10 @@ void Attempt::end_hung_ranks(Clock::time_point now) {
         millis(replica_heartbeat_s_ + (r.awaiting_admission ? 32 : 2))) {
       continue;
     }
-    std::fprintf(stderr,
-                 "dtrain launch: rank %d (pid %d) still runs after training ended, its heartbeat "
-                 "silent for %.1f s (it hung); killing it\n",
-                 r.rank, static_cast<int>(r.pid),
-                 std::chrono::duration<double>(now - r.beat_changed).count());
+    say("rank %d (pid %d) still runs after training ended, its heartbeat "
+        "silent for %.1f s (it hung); killing it\n",
+        r.rank, static_cast<int>(r.pid),
+        std::chrono::duration<double>(now - r.beat_changed).count());
     ::kill(-r.pid, SIGKILL);
     r.fenced = true;
     r.silent_at_end = true;
@@ -291,14 +312,16 @@ void Attempt::tick() {
           continue;
         }
         if (r.running && !r.fenced && marked) {
-          std::fprintf(stderr,
-                       "dtrain launch: rank %d (pid %d) was counted as dead by the other "
-                       "replicas (its heartbeat stopped); killing it\n",
-                       r.rank, static_cast<int>(r.pid));
+          say("rank %d (pid %d) was counted as dead by the other "
+              "replicas (its heartbeat stopped); killing it\n",
+              r.rank, static_cast<int>(r.pid));
           ::kill(-r.pid, SIGKILL);
           r.fenced = true;
         }
       }
+    }
+    if (stop_asked_ == 0 && !stopping_ && store_.check(attempt_key(attempt_, "stop"))) {
+      ask_ranks_to_stop(std::atoi(store_.get(attempt_key(attempt_, "stop")).c_str()), false);
     }
     if (o_.tolerate_failures && !stopping_) end_hung_ranks(now);
     if (o_.tolerate_failures && !stopping_ && !outcome_.failed) {
@@ -332,8 +355,7 @@ void Attempt::tick() {
       if (is_cause(*local_failure_) || now - local_failure_at_ >= kSettle) {
         outcome_ = publish(blame(now));
         if (!stopping_) {
-          std::fprintf(stderr, "dtrain launch: %s; stopping the other ranks\n",
-                       outcome_.description.c_str());
+          say("%s; stopping the other ranks\n", outcome_.description.c_str());
         }
         begin_stop(SIGTERM);
       }
@@ -397,6 +419,7 @@ void Attempt::drain(Rank& r, bool close) {
 }
 
 Outcome Attempt::run() {
+  Outcome stopped;  // the ranks stopped on request (Outcome::stopped)
   spawn();
   last_beat_.assign(nnodes_, -1);
   last_beat_change_.assign(nnodes_, Clock::now());
@@ -444,6 +467,32 @@ Outcome Attempt::run() {
         r.running = false;
         r.status = status;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        r.finished = ok;
+        // Stopped on request, its work saved: not a failure, and not started again. Under
+        // --fault-tolerance replicas a replica told by itself leaves and the others go on.
+        // A program of the user's own that ends on the signal it was forwarded stopped too.
+        const int forwarded = o_.stop_signal > 0 ? o_.stop_signal : stop_asked_;
+        const bool ended_on_request =
+            stop_asked_ != 0 && WIFSIGNALED(status) && WTERMSIG(status) == forwarded;
+        if (((WIFEXITED(status) && is_stopped_exit_code(WEXITSTATUS(status))) ||
+             ended_on_request) &&
+            !stopping_) {
+          r.stopped = true;
+          drain(r, false);
+          if (o_.tolerate_failures && stop_asked_ == 0) {
+            say("rank %d (pid %d) stopped on request (%s); it is not started again, the other "
+                "ranks go on\n",
+                r.rank, static_cast<int>(r.pid), signal_name(WEXITSTATUS(status) - 128).c_str());
+          }
+          if (o_.tolerate_failures && !training_ended_) {
+            try {
+              store_.set(rank_key(attempt_, concat("ft/dead/", r.rank)), "1");
+              store_.add(rank_key(attempt_, "ft/deaths"), 1);
+            } catch (const CommError&) {
+            }
+          }
+          continue;
+        }
         // Exit code 2 is bad input (dtrain's, argparse's): the same again in a replacement.
         const bool bad_input = WIFEXITED(status) && WEXITSTATUS(status) == 2;
         // Killed for hanging after training ended: the job's result stands unless it is of the
@@ -468,14 +517,13 @@ Outcome Attempt::run() {
           }
         }
         if (hung_at_end && !end_missing) {
-          std::fprintf(stderr,
-                       "dtrain launch: rank %d (pid %d) ended; the job's result stands (the "
-                       "leading replica finished it)\n",
-                       r.rank, static_cast<int>(r.pid));
+          say("rank %d (pid %d) ended; the job's result stands (the "
+              "leading replica finished it)\n",
+              r.rank, static_cast<int>(r.pid));
         } else if (!ok && !stopping_ && o_.tolerate_failures && !bad_input && !hung_at_end &&
                    (r.rank >= o_.replica_size || o_.replace_first_replica)) {
-          std::fprintf(stderr, "dtrain launch: rank %d (pid %d) %s; the other ranks go on\n",
-                       r.rank, static_cast<int>(r.pid), describe_status(status).c_str());
+          say("rank %d (pid %d) %s; the other ranks go on\n", r.rank, static_cast<int>(r.pid),
+              describe_status(status).c_str());
           // A replica of several ranks (a tensor-parallel group) fails as one: its other ranks
           // end now (they would wait on this one) and are started again with it.
           for (auto& mate : ranks_) {
@@ -484,10 +532,9 @@ Outcome Attempt::run() {
                 mate.rank / o_.replica_size != r.rank / o_.replica_size) {
               continue;
             }
-            std::fprintf(stderr,
-                         "dtrain launch: ending rank %d (pid %d) too: it is in rank %d's "
-                         "replica\n",
-                         mate.rank, static_cast<int>(mate.pid), r.rank);
+            say("ending rank %d (pid %d) too: it is in rank %d's "
+                "replica\n",
+                mate.rank, static_cast<int>(mate.pid), r.rank);
             ::kill(-mate.pid, SIGKILL);
             mate.fenced = true;
             mate.ended_with_replica = true;
@@ -502,12 +549,10 @@ Outcome Attempt::run() {
               store_.add(rank_key(attempt_, "ft/deaths"), 1);
             }
           } catch (const CommError& e) {
-            std::fprintf(stderr, "dtrain launch: could not report rank %d's failure: %s\n", r.rank,
-                         e.what());
+            say("could not report rank %d's failure: %s\n", r.rank, e.what());
           }
           if (training_ended_) {
-            std::fprintf(stderr, "dtrain launch: rank %d is not started again: training ended\n",
-                         r.rank);
+            say("rank %d is not started again: training ended\n", r.rank);
           } else if (r.replacements < o_.max_replacements) {
             // torchft's replica groups, restarted by their scheduler: a new process for the
             // rank, which fetches the state from a replica that is training.
@@ -518,10 +563,9 @@ Outcome Attempt::run() {
             r.awaiting_admission = true;
             spawn_rank(r);
             any_running = true;
-            std::fprintf(stderr,
-                         "dtrain launch: started rank %d again (replacement %d of at most %d, "
-                         "pid %d); it joins the others\n",
-                         r.rank, r.replacements, o_.max_replacements, static_cast<int>(r.pid));
+            say("started rank %d again (replacement %d of at most %d, "
+                "pid %d); it joins the others\n",
+                r.rank, r.replacements, o_.max_replacements, static_cast<int>(r.pid));
           }
         } else if (!ok && !stopping_) {
           drain(r, false);  // what it still wrote: its own error line names the cause
@@ -543,8 +587,7 @@ Outcome Attempt::run() {
             if (!local_failure_) local_failure_at_ = Clock::now();
             local_failure_ = mine;
             if (is_cause(mine)) {
-              std::fprintf(stderr, "dtrain launch: %s; stopping the other ranks\n",
-                           mine.description.c_str());
+              say("%s; stopping the other ranks\n", mine.description.c_str());
               begin_stop(SIGTERM);
             }
           }
@@ -553,15 +596,33 @@ Outcome Attempt::run() {
         any_running = true;
       }
     }
-    if (g_forward_signal != 0 && !stopping_) {
+    // The first signal asks the ranks to stop after their step and save; a second one (or a
+    // first that comes while they are being stopped for a failure) stops them at once.
+    if (g_forward_signal != 0 && stop_asked_ == 0 && !stopping_) {
+      ask_ranks_to_stop(g_forward_signal, true);
+    }
+    if (g_forward_signal != 0 && g_signal_count >= 2 && !stopping_) {
       Outcome interrupt;
       interrupt.failed = true;
       interrupt.interrupted = true;
       interrupt.code = 128 + g_forward_signal;
-      interrupt.description = concat("node ", node_rank_, "'s launcher was interrupted (signal ",
-                                     g_forward_signal, ")");
+      interrupt.description =
+          concat("node ", node_rank_, "'s launcher was interrupted again (",
+                 signal_name(g_forward_signal), "): the ranks were stopped at once");
       outcome_ = publish(interrupt);
-      begin_stop(g_forward_signal);
+      begin_stop(SIGTERM);
+    }
+    // Asked to stop, the ranks take too long to save: they are ended.
+    if (stop_asked_ != 0 && !stopping_ && any_running && Clock::now() > stop_deadline_) {
+      Outcome late;
+      late.failed = true;
+      late.interrupted = true;
+      late.code = 128 + stop_asked_;
+      late.description =
+          concat("the ranks did not stop within ", o_.stop_timeout_seconds,
+                 " s of the stop request (", signal_name(stop_asked_), "); they were ended");
+      outcome_ = publish(late);
+      begin_stop(SIGTERM);
     }
     tick();
     if (stopping_ && !killed_ && any_running && Clock::now() > stop_deadline_) {
@@ -583,6 +644,28 @@ Outcome Attempt::run() {
     }
     if (local_failure_ && !outcome_.failed) outcome_ = publish(blame(Clock::now()));
     if (outcome_.failed) return outcome_;
+    // Stopped on request (no rank trained to the end: one replica leaving alone is not the
+    // job's end): the job's result once every node is done.
+    bool any_stopped = false, any_finished = false;
+    for (const auto& r : ranks_) {
+      any_stopped = any_stopped || r.stopped;
+      any_finished = any_finished || r.finished;
+    }
+    if (any_stopped && !any_finished) {
+      int signal = stop_asked_;
+      bool saved = true;  // dtrain's ranks exit 128 + the signal once they saved
+      for (const auto& r : ranks_) {
+        if (signal == 0 && r.stopped) signal = WEXITSTATUS(r.status) - 128;
+        saved = saved && (!r.stopped || WIFEXITED(r.status));
+      }
+      stopped.failed = true;
+      stopped.interrupted = true;
+      stopped.stopped = true;
+      stopped.code = 128 + signal;
+      stopped.description = concat(
+          "stopped on request (", signal_name(signal),
+          "): ", saved ? "the ranks finished their step and saved" : "the ranks ended on it");
+    }
     break;
   }
 
@@ -594,7 +677,8 @@ Outcome Attempt::run() {
     while (node_rank_ == 0 && store_.add(attempt_key(attempt_, "done"), 0) < nnodes_) {
       tick();
       if (outcome_.failed) return outcome_;
-      if (g_forward_signal != 0) {
+      // A stop on request lets the other nodes save; a second signal does not wait.
+      if (g_forward_signal != 0 && (!stopped.stopped || g_signal_count >= 2)) {
         outcome_ = {true, 128 + g_forward_signal, "interrupted while waiting for other nodes",
                     true};
         return outcome_;
@@ -605,7 +689,7 @@ Outcome Attempt::run() {
     return {true, 1, concat("lost the rendezvous store at ", store_.address(), ": ", e.message()),
             false};
   }
-  return {};
+  return stopped.stopped ? stopped : Outcome{};
 }
 
 }  // namespace dtrain::launch::agent

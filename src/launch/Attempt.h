@@ -36,6 +36,8 @@ struct Rank {
   // Killed after training ended because its heartbeat stayed silent (hung at the end).
   bool silent_at_end = false;
   std::string error_line;  // its last "dtrain: error: ..." line: the cause, when it fails
+  bool stopped = false;    // it exited stopped on request (dtrain/common/Signals.h), work saved
+  bool finished = false;   // it exited 0
   int64_t last_beat = -1;  // its ft/beat/RANK count as last seen, once training has ended
   Clock::time_point beat_changed{};
   int status = 0;
@@ -69,6 +71,10 @@ class Attempt {
     }
   }
   void begin_stop(int signal);
+  // A stop on request (`signal`: the one this launcher or another node's caught): every local
+  // rank is asked to finish its step and save (LaunchOptions::stop_signal), and has
+  // stop_timeout_seconds to exit. `told_here`: this launcher caught it (it tells the others).
+  void ask_ranks_to_stop(int signal, bool told_here);
   // Reads what rank `r` wrote and has not been read yet (without waiting) and writes it out;
   // `close`: its pipes too (it ended), the last partial lines with them.
   void drain(Rank& r, bool close);
@@ -94,6 +100,7 @@ class Attempt {
   const std::string progress_file_;
   std::vector<Rank> ranks_;
   bool stopping_ = false;
+  int stop_asked_ = 0;  // the signal of a stop on request the ranks were asked for (0: none)
   bool killed_ = false;
   Clock::time_point stop_deadline_{};
   Outcome outcome_;

@@ -5,6 +5,7 @@
 
 #include <signal.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -27,7 +28,27 @@ using namespace agent;
 
 namespace {
 
-void on_signal(int signal) { g_forward_signal = signal; }
+// The first signal asks the ranks to stop; a second stops them at once. The same SIGTERM
+// delivered twice at once (GNU timeout sends it to its child and then to the child's process
+// group) is one request: a person's second Ctrl-C is not coalesced.
+int64_t g_first_signal_ns = 0;
+
+int64_t monotonic_ns() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
+  return static_cast<int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
+}
+
+void on_signal(int signal) {
+  if (g_forward_signal == 0) {
+    g_forward_signal = signal;
+    g_first_signal_ns = monotonic_ns();
+  } else if (signal == SIGTERM && g_forward_signal == SIGTERM &&
+             monotonic_ns() - g_first_signal_ns < 1000000000) {
+    return;
+  }
+  g_signal_count = g_signal_count + 1;
+}
 
 }  // namespace
 
@@ -102,6 +123,9 @@ void validate(const LaunchOptions& o) {
   DTRAIN_CHECK_INPUT(
       std::isfinite(o.grace_seconds) && o.grace_seconds >= 0 && o.grace_seconds <= 3600,
       "--grace must be between 0 and 3600 seconds, got ", o.grace_seconds);
+  DTRAIN_CHECK_INPUT(std::isfinite(o.stop_timeout_seconds) && o.stop_timeout_seconds > 0 &&
+                         o.stop_timeout_seconds <= 86400,
+                     "--stop-timeout must be in (0, 86400] seconds, got ", o.stop_timeout_seconds);
   DTRAIN_CHECK_INPUT(!o.command.empty(), "no program to launch (put it after --)");
   DTRAIN_CHECK_INPUT(!find_program(o.command.front()).empty(), "program '", o.command.front(), "' ",
                      o.command.front().find('/') == std::string::npos
@@ -149,17 +173,17 @@ Progress read_progress(const std::string& path) {
 int launch(const LaunchOptions& requested) {
   validate(requested);
   LaunchOptions options = requested;
+  g_name = options.name;
   // OpenBLAS's generic kernel on a CPU newer than it (issue 77: 7x slower matrix products on
   // Sapphire Rapids): the ranks start with the kernel the CPU's instructions guarantee, unless
   // the user chose one (OPENBLAS_CORETYPE set: it reaches the ranks as it is).
   const std::string blas_core = openblas_core_to_set();
   if (!blas_core.empty()) {
     options.extra_env.push_back("OPENBLAS_CORETYPE=" + blas_core);
-    std::fprintf(stderr,
-                 "dtrain launch: OpenBLAS chose its generic %s kernel on this CPU (%s, %s); the "
-                 "ranks run with OPENBLAS_CORETYPE=%s (set OPENBLAS_CORETYPE to choose)\n",
-                 blas_info().core.c_str(), cpu_info().model.c_str(),
-                 cpu_info().vector_summary().c_str(), blas_core.c_str());
+    say("OpenBLAS chose its generic %s kernel on this CPU (%s, %s); the "
+        "ranks run with OPENBLAS_CORETYPE=%s (set OPENBLAS_CORETYPE to choose)\n",
+        blas_info().core.c_str(), cpu_info().model.c_str(), cpu_info().vector_summary().c_str(),
+        blas_core.c_str());
   }
   const bool elastic = options.min_nodes > 0;
   const bool host = options.node_rank <= 0 && (elastic ? options.node_rank == 0 : true);
@@ -172,8 +196,7 @@ int launch(const LaunchOptions& requested) {
 
   struct sigaction action {};
   action.sa_handler = on_signal;
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
+  for (const int signal : {SIGINT, SIGTERM, SIGUSR1}) sigaction(signal, &action, nullptr);
 
   comm::Store::Options store_options;
   store_options.host = options.master_addr;
@@ -184,7 +207,7 @@ int launch(const LaunchOptions& requested) {
   try {
     store = std::make_unique<comm::Store>(store_options);
   } catch (const CommError& e) {
-    std::fprintf(stderr, "dtrain launch: %s: %s\n", me.c_str(), e.message().c_str());
+    say("%s: %s\n", me.c_str(), e.message().c_str());
     return 1;
   }
   // Rank 0 reports its step here, so restarts can say how many steps they cost.
@@ -242,20 +265,19 @@ int launch(const LaunchOptions& requested) {
         Outcome ended;
         const auto joined = elastic_join_rendezvous(options, *store, attempt, ended);
         if (!joined) {
-          std::fprintf(stderr, "dtrain launch: the job ended before this node could join it%s\n",
-                       ended.failed ? concat(" (", ended.description, ")").c_str() : "");
+          say("the job ended before this node could join it%s\n",
+              ended.failed ? concat(" (", ended.description, ")").c_str() : "");
           return ended.failed ? std::max(1, ended.code) : 0;
         }
         membership = *joined;
       }
     } catch (const CommError& e) {
-      std::fprintf(stderr, "dtrain launch: %s: failed: %s\n", me.c_str(), e.message().c_str());
+      say("%s: failed: %s\n", me.c_str(), e.message().c_str());
       Outcome failed{true, 1, e.message(), false};
       return finish(failed, 1);
     }
     if (elastic && (attempt > 0 || !host)) {
-      std::fprintf(stderr, "dtrain launch: attempt %d: node %d of %d\n", attempt,
-                   membership.node_rank, membership.nnodes);
+      say("attempt %d: node %d of %d\n", attempt, membership.node_rank, membership.nnodes);
     }
     restarts_used = membership.restarts_used;
     try {
@@ -266,12 +288,15 @@ int launch(const LaunchOptions& requested) {
       outcome = {true, 1, e.message(), false};
     }
     note_resume(membership.nnodes);
+    if (outcome.stopped) {
+      say("%s\n", outcome.description.c_str());
+      return finish(outcome, outcome.code);
+    }
     if (!outcome.failed) {
       if (restarts > 0) {
-        std::fprintf(stderr, "dtrain launch: the job succeeded after %d restart%s\n", restarts,
-                     restarts == 1 ? "" : "s");
+        say("the job succeeded after %d restart%s\n", restarts, restarts == 1 ? "" : "s");
         for (const auto& note : restart_notes) {
-          std::fprintf(stderr, "dtrain launch:   %s\n", note.c_str());
+          say("  %s\n", note.c_str());
         }
       }
       return finish(outcome, 0);
@@ -281,8 +306,7 @@ int launch(const LaunchOptions& requested) {
     // would fail the same way.
     const bool bad_input = outcome.code == 2 && !outcome.resize;
     if (outcome.interrupted || bad_input || (counted && restarts_used >= options.max_restarts)) {
-      std::fprintf(
-          stderr, "dtrain launch: failed: %s%s\n", outcome.description.c_str(),
+      say("failed: %s%s\n", outcome.description.c_str(),
           restarts > 0
               ? concat(" (after ", restarts, " restart", restarts == 1 ? "" : "s", ")").c_str()
               : "");
@@ -293,11 +317,10 @@ int launch(const LaunchOptions& requested) {
     if (!progress_file.empty()) reached_before_restart = read_progress(progress_file).step;
     restart_reason = counted ? "failure" : "resize";
     if (counted) {
-      std::fprintf(stderr, "dtrain launch: %s; restarting the job (restart %d of %d)\n",
-                   outcome.description.c_str(), restarts_used, options.max_restarts);
+      say("%s; restarting the job (restart %d of %d)\n", outcome.description.c_str(), restarts_used,
+          options.max_restarts);
     } else {
-      std::fprintf(stderr, "dtrain launch: %s; restarting the job at the new size\n",
-                   outcome.description.c_str());
+      say("%s; restarting the job at the new size\n", outcome.description.c_str());
     }
   }
 }

@@ -91,11 +91,10 @@ std::optional<Membership> elastic_join_rendezvous(const LaunchOptions& o, comm::
     const int nnodes = std::atoi(closed.c_str());
     const int restarts_used = std::atoi(closed.substr(closed.find('|') + 1).c_str());
     if (slot < nnodes) return Membership{slot, nnodes, restarts_used};
-    std::fprintf(stderr,
-                 "dtrain launch: the job is running on %d node%s; this node waits to join it "
-                 "at its next restart%s\n",
-                 nnodes, nnodes == 1 ? "" : "s",
-                 nnodes < o.nnodes ? " (asked for now: it runs below --nnodes MAX)" : "");
+    say("the job is running on %d node%s; this node waits to join it "
+        "at its next restart%s\n",
+        nnodes, nnodes == 1 ? "" : "s",
+        nnodes < o.nnodes ? " (asked for now: it runs below --nnodes MAX)" : "");
     said_waiting = true;
     store.add(attempt_key(attempt, "waiting"), 1);
     ++attempt;

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <csignal>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Printed.h"
@@ -15,6 +16,7 @@
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/Stop.h"
 #include "dtrain/train/Weights.h"
 
 namespace dtrain::train {
@@ -356,9 +358,15 @@ JobResult run_job(const JobConfig& job) {
 std::string summary(const JobConfig& job, const JobResult& result) {
   std::string out;
   const auto& fit = result.fit;
+  // A resumed run: the steps it made, and where they lie in the whole run.
+  const int64_t made = fit.steps - fit.start_step;
+  const std::string span =
+      fit.start_step > 0 ? concat(" (steps ", fit.start_step + 1, "-", fit.steps, " of ",
+                                  fit.total_steps, ", resumed from step ", fit.start_step, ")")
+                         : std::string();
   out +=
-      printed("trained %lld steps (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s\n",
-              static_cast<long long>(fit.steps), static_cast<long long>(fit.global_batch),
+      printed("trained %lld steps%s (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s\n",
+              static_cast<long long>(made), span.c_str(), static_cast<long long>(fit.global_batch),
               result.world_size, result.world_size == 1 ? "" : "s",
               concat(job.trainer.pipeline_parallel > 1
                          ? concat(job.trainer.pipeline_parallel, "-stage pipeline x ")
@@ -381,6 +389,16 @@ std::string summary(const JobConfig& job, const JobResult& result) {
     out += printed("test accuracy: %.2f%% (%lld examples), test loss %.4f\n",
                    fit.validation->accuracy * 100, static_cast<long long>(fit.validation->examples),
                    fit.validation->loss);
+  }
+  if (fit.stopped_by != 0) {
+    const std::string& dir = job.trainer.checkpoint_dir;
+    // SIGUSR2: the launcher's request, on a signal it names itself.
+    out += printed(
+        "stopped on request%s after step %lld of %lld: %s\n",
+        fit.stopped_by == SIGUSR2 ? "" : concat(" (", signal_name(fit.stopped_by), ")").c_str(),
+        static_cast<long long>(fit.steps), static_cast<long long>(fit.total_steps),
+        dir.empty() ? "nothing saved (no --checkpoint-dir; give one to resume a stopped run)"
+                    : concat("checkpoint saved in ", dir).c_str());
   }
   return out;
 }

@@ -295,6 +295,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
 
   runners::Run run(options_, *strategy_, *world_, train, validation, start_step, steps_per_epoch);
   run.total_steps = total_steps;
+  run.result.total_steps = total_steps;
   run.last_step =
       options_.stop_at_step > 0 ? std::min(total_steps, options_.stop_at_step) : total_steps;
   run.dp_size = dp_size;
@@ -352,6 +353,8 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     summary["gradient_bytes"] = memory.gradient_bytes;
     summary["optimizer_bytes"] = memory.optimizer_bytes;
     if (!result.losses.empty()) summary["final_loss"] = result.losses.back();
+    if (result.stopped_by != 0)
+      summary["stopped_by_signal"] = static_cast<int64_t>(result.stopped_by);
     if (result.validation) summary["val_accuracy"] = result.validation->accuracy;
     run.metrics.write(summary);
   }

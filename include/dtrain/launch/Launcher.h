@@ -34,6 +34,14 @@ struct LaunchOptions {
   int threads = 0;
   /// Seconds between SIGTERM and SIGKILL when stopping ranks.
   double grace_seconds = 3.0;
+  /// A stop on request (the launcher's first SIGINT, SIGTERM or SIGUSR1): the signal forwarded to
+  /// each rank (0: the one received; dtrain's own ranks get SIGUSR2, which they never take for
+  /// a second request), and the seconds the ranks have to finish their step, save their
+  /// checkpoint and exit before they are killed. A second signal stops them at once.
+  int stop_signal = 0;
+  double stop_timeout_seconds = 600;
+  /// What the launcher's lines begin with ("dtrain train" when `dtrain train --nproc` runs it).
+  std::string name = "dtrain launch";
   /// Prefix every output line with "[rank N] ".
   bool prefix_output = true;
   /// Program and arguments (PATH is searched).
@@ -78,6 +86,8 @@ void parse_nnodes(const std::string& text, LaunchOptions& options);
 
 /// Runs the ranks to completion. Returns 0 when all succeed; otherwise prints which rank failed
 /// (exit code or signal) to stderr and returns that rank's exit code (128 + signal for a signal).
+/// Stopped on request (SIGINT, SIGTERM, SIGUSR1; the ranks saved their work): 128 + the signal,
+/// with "stopped on request" on stderr (dtrain/common/Signals.h).
 int launch(const LaunchOptions& options);
 
 /// Validates options (InputError naming the offending option, or the program when it cannot be

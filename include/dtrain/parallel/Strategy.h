@@ -154,6 +154,10 @@ class Strategy {
   /// nullptr for the whole world. A strategy whose groups meet only now and then across a slow
   /// link (DiLoCo's islands) names its own group, so no step waits on that link.
   virtual comm::CommunicatorPtr step_group() const { return nullptr; }
+  /// With a step_group() smaller than the world: every this many steps the world agrees on
+  /// whether a stop was requested (dtrain/train/Stop.h), one small allreduce over the world.
+  /// DiLoCo's islands make it at their outer steps, where they meet anyway.
+  virtual int64_t stop_check_every() const { return 10; }
 
   /// Replicas may fail without stopping the others (--fault-tolerance replicas): train_step's
   /// loss is already the mean over the replicas present (the runner reduces nothing), and rank 0

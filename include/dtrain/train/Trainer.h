@@ -127,6 +127,8 @@ struct FitResult {
   /// Optimizer steps done in total, and the step this run started from (> 0 when resumed).
   int64_t steps = 0;
   int64_t start_step = 0;
+  /// The steps the run's schedule has (its epochs, or --max-steps).
+  int64_t total_steps = 0;
   /// This rank's loss at every step this run did.
   std::vector<double> losses;
   std::optional<EvalResult> validation;
@@ -137,6 +139,9 @@ struct FitResult {
   /// This rank wrote the run's outputs at the end (rank 0; --fault-tolerance replicas: the
   /// leading replica's first rank): it prints the summary.
   bool leader = false;
+  /// The signal of a stop on request (dtrain/train/Stop.h): the run stopped after step `steps`
+  /// (and saved a checkpoint there with a checkpoint folder); 0 when it ran to its end.
+  int stopped_by = 0;
 };
 
 /// How a step's examples divide over `dp` data-parallel replicas: each rank's micro-batch

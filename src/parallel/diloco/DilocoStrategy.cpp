@@ -116,6 +116,8 @@ StrategyInfo diloco_strategy() {
   return info;
 }
 
+int64_t DilocoStrategy::stop_check_every() const { return diloco_.outer_steps; }
+
 DilocoStrategy::DilocoStrategy(StrategyOptions options)
     : options_(std::move(options)), diloco_(options_.of<DilocoOptions>()) {
   check_options(diloco_);

@@ -40,6 +40,8 @@ class DilocoStrategy : public Strategy {
   /// Each step's loss is agreed within the island: no step waits on the link between islands.
   /// (A non-finite outer gradient stops every island at the next outer step.)
   comm::CommunicatorPtr step_group() const override { return island_; }
+  /// A stop request is agreed at the outer steps, where the islands meet anyway.
+  int64_t stop_check_every() const override;
   /// Makes the model hold the outer parameters (the run's result) until the next step.
   void materialize() override;
   /// The exchanges in flight complete, and every fragment with inner steps since its last

@@ -8,9 +8,12 @@
 // only when reading a step's batches takes longer than training it (a "data" span in --trace).
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <future>
+#include <iterator>
 
 #include "common/Straggler.h"
 #include "dtrain/common/Error.h"
@@ -19,11 +22,36 @@
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Loops.h"
 #include "dtrain/parallel/ft/Replicas.h"
+#include "dtrain/train/Stop.h"
 #include "train/runners/Run.h"
 
 namespace dtrain::train::runners {
 
 namespace {
+
+// The signals a stop is voted by, in precedence order: a rank's vote is a 1 at its signal's
+// place after the loss (element 0) in the tensor the ranks sum. Any other request (a library's
+// request_stop) counts as SIGTERM; SIGUSR2 is the launcher's forwarded request.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+constexpr int64_t kVoteSize = 1 + std::size(kStopSignals);
+
+void set_stop_vote(at::Tensor& agreed) {
+  const int signal = stop_requested();
+  if (signal == 0) return;
+  int64_t place = 2;  // SIGTERM
+  for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+    if (kStopSignals[i] == signal) place = 1 + static_cast<int64_t>(i);
+  }
+  agreed[place] = 1.0;
+}
+
+// The signal the ranks agreed to stop on, after the allreduce (a sum) of their votes; 0: none.
+int agreed_stop(const at::Tensor& agreed) {
+  for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+    if (agreed[1 + static_cast<int64_t>(i)].item<double>() > 0) return kStopSignals[i];
+  }
+  return 0;
+}
 
 class StepRunner : public Runner {
  public:
@@ -125,15 +153,36 @@ void StepRunner::run(Run& run) {
     // The loss every rank reports is the mean over the ranks of its step group (the world,
     // unless the strategy names a group); the sum is non-finite when any rank's is, so they
     // agree on stopping. (Asynchronous workers report their own.)
+    // A stop on request (dtrain/train/Stop.h) rides on the same allreduce when the step group
+    // is the world: every rank stops after the same step. A strategy whose steps agree within a
+    // smaller group (DiLoCo's islands, a flush-free pipeline's stage) asks the world every
+    // Strategy::stop_check_every() steps instead. Asynchronous workers and replicas that outlive
+    // each other stop by themselves (under --fault-tolerance replicas only the replica told stops).
+    int stop_signal = 0;
     if (!async && !outlive) {
       const comm::CommunicatorPtr step_group = run.strategy.step_group();
-      at::Tensor loss_sum = at::tensor({result.loss}, at::kDouble);
       comm::Communicator& group = step_group ? *step_group : run.world;
-      group.allreduce(loss_sum)->wait();
-      result.loss = loss_sum.item<double>() / group.size();
+      bool agree_here = &group == &run.world || group.size() == run.world.size();
+      at::Tensor agreed = at::zeros({kVoteSize}, at::kDouble);
+      agreed[0] = result.loss;
+      if (agree_here) set_stop_vote(agreed);
+      group.allreduce(agreed)->wait();
+      result.loss = agreed[0].item<double>() / group.size();
+      if (!agree_here && (step + 1) % std::max<int64_t>(1, run.strategy.stop_check_every()) == 0) {
+        agreed.zero_();
+        set_stop_vote(agreed);
+        run.world.allreduce(agreed)->wait();
+        agree_here = true;
+      }
+      if (agree_here) stop_signal = agreed_stop(agreed);
+    } else if (const int signal = stop_requested(); signal != 0) {
+      stop_signal = std::find(std::begin(kStopSignals), std::end(kStopSignals), signal) !=
+                            std::end(kStopSignals)
+                        ? signal
+                        : SIGTERM;
     }
     const int64_t reached = reached_step(step + 1);
-    const bool done = async && reached >= run.last_step;
+    const bool done = async && (reached >= run.last_step || stop_signal != 0);
     if (run.world.rank() == o.slowdown_rank && o.slowdown_factor > 1.0) {
       straggle((o.slowdown_factor - 1.0) * seconds_since(step_start), o.slowdown_spin);
     }
@@ -171,7 +220,7 @@ void StepRunner::run(Run& run) {
                           run.steps_per_epoch, result.loss, throughput, eta);
     }
     const bool epoch_end = in_epoch + 1 == run.steps_per_epoch || step + 1 == run.total_steps;
-    const bool halting = async ? done : step + 1 == run.last_step;
+    const bool halting = async ? done : step + 1 == run.last_step || stop_signal != 0;
     const bool eval_due = o.eval_every > 0 && (step + 1) % o.eval_every == 0;
     // Asynchronous: rank 0 alone evaluates and checkpoints; the final ones come after the loop.
     const bool here = async      ? run.leader && !halting
@@ -193,7 +242,9 @@ void StepRunner::run(Run& run) {
           run.result.validation ? describe_eval_as(*run.result.validation, o.token_loss) : "");
     }
     const bool periodic = o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0;
-    const bool saves = here || (replicas != nullptr && replicas->checkpoints_in_every_replica());
+    // Replicas that checkpoint together do not when one of them stops on request alone.
+    const bool saves = here || (replicas != nullptr && replicas->checkpoints_in_every_replica() &&
+                                !(outlive && stop_signal != 0));
     if (!o.checkpoint_dir.empty() && (periodic || epoch_end || halting) &&
         run.nonfinite_steps == 0 && saves) {
       trace::Span checkpoint_span("checkpoint", concat("checkpoint ", reached));
@@ -201,10 +252,15 @@ void StepRunner::run(Run& run) {
     }
     run.failure.maybe_fire(step + 1);
     // Replacements the step admitted take part from the next one (live recovery).
+    if (stop_signal != 0) {
+      run.result.stopped_by = stop_signal;
+      if (!async) break;
+    }
     if (replicas) replicas->admit_waiting(reached);
     if (done) break;
   }
-  if (replicas && run.leader) replicas->close_admissions();
+  // A replica stopped on request leaves; the others may go on.
+  if (replicas && run.leader && run.result.stopped_by == 0) replicas->close_admissions();
   finish(run);
 }
 
