@@ -3,6 +3,7 @@
 // against their checksums, or described.
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
 
 #include "Command.h"
 #include "dtrain/common/Error.h"
@@ -125,6 +126,22 @@ class CheckpointCommand final : public Command {
           static_cast<long long>(meta.step), static_cast<long long>(meta.epoch),
           static_cast<unsigned long long>(meta.seed), static_cast<long long>(meta.global_batch),
           meta.tensors.size(), static_cast<long long>(elements));
+      // How it was made (checkpoints of dtrain train since issue 78): the command, the options
+      // given, what the model's recipe set, and a language model's shape.
+      const auto extra = [&](const char* key) {
+        const auto found = meta.extras.find(key);
+        return found == meta.extras.end() ? std::string() : found->second;
+      };
+      if (!extra("model").empty()) std::printf("  model: %s\n", extra("model").c_str());
+      if (!extra("command").empty()) std::printf("  command: %s\n", extra("command").c_str());
+      if (!extra("recipe").empty()) std::printf("  recipe: %s\n", extra("recipe").c_str());
+      if (!extra("config").empty()) {
+        std::printf("  options given (config.toml):\n");
+        std::istringstream lines(extra("config"));
+        for (std::string line; std::getline(lines, line);) {
+          if (!line.empty()) std::printf("    %s\n", line.c_str());
+        }
+      }
       for (const auto& t : meta.tensors) {
         std::string shape;
         for (size_t i = 0; i < t.shape.size(); ++i)

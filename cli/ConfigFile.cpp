@@ -9,12 +9,32 @@
 
 namespace dtrain::cli {
 
-std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App& train) {
-  auto at = std::find(args.begin(), args.end(), "train");
-  if (at == args.end()) return args;
+void add_config_option(CLI::App& command) {
+  // A flag given twice (config file, then command line) keeps the last value.
+  for (CLI::Option* option : command.get_options()) {
+    if (option->get_expected_max() == 1 && option->get_items_expected_max() == 1) {
+      option->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    }
+  }
+  // Handled by expand_config() before parsing (CLI11 2.1 ignores configs of subcommands).
+  command.add_option("--config",
+                     "Read options from a TOML file (keys are long flag names, at the top level or "
+                     "in a table named after the command; flags on the command line win)");
+}
+
+std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App& command,
+                                       const std::vector<std::string>& words) {
+  // The command's words in order ("fl", "simulate"), before any "--" (a program's arguments).
+  const auto end = std::find(args.begin(), args.end(), "--");
+  auto at = std::search(args.begin(), end, words.begin(), words.end());
+  if (at == end) return args;
+  at += static_cast<std::ptrdiff_t>(words.size()) - 1;
   std::vector<std::string> rest(at + 1, args.end());
+  const auto rest_end = std::find(rest.begin(), rest.end(), "--") - rest.begin();
+  std::string name;
+  for (const std::string& word : words) name += (name.empty() ? "" : " ") + word;
   std::string path;
-  for (size_t i = 0; i < rest.size(); ++i) {
+  for (size_t i = 0; i < static_cast<size_t>(rest_end); ++i) {
     if (rest[i] == "--config" && i + 1 < rest.size()) {
       path = rest[i + 1];
       rest.erase(rest.begin() + i, rest.begin() + i + 2);
@@ -40,12 +60,16 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI
   std::vector<std::string> injected;
   for (const auto& item : items) {
     if (item.name == "++" || item.name == "--") continue;  // section markers
-    // Keys may stand at the top level or in a [train] table.
+    // Keys may stand at the top level or in a table named after the command ([train],
+    // [simulate] or [fl.simulate]).
     std::string key = item.parents.empty() ? item.name : item.fullname();
-    if (item.parents.size() == 1 && item.parents.front() == "train") key = item.name;
-    const CLI::Option* option = train.get_option_no_throw("--" + key);
+    if (item.parents == words ||
+        (item.parents.size() == 1 && item.parents.front() == words.back())) {
+      key = item.name;
+    }
+    const CLI::Option* option = command.get_option_no_throw("--" + key);
     DTRAIN_CHECK_INPUT(option != nullptr && key != "config", "config file ", path,
-                       ": unknown key '", key, "' (keys are `dtrain train` flag names)");
+                       ": unknown key '", key, "' (keys are `dtrain ", name, "` flag names)");
     if (option->get_expected_max() == 0) {  // a flag: key = true / false
       const std::string value = item.inputs.empty() ? "true" : item.inputs.front();
       DTRAIN_CHECK_INPUT(value == "true" || value == "false", "config file ", path, ": key '", key,

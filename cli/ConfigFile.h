@@ -10,9 +10,13 @@
 
 namespace dtrain::cli {
 
-/// Replaces `--config FILE` after the `train` subcommand by the flags the TOML file sets, placed
-/// before the other command-line flags so that those win. InputError naming the file and the
-/// key for a file that cannot be read, is not TOML, or names an unknown flag.
-std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App& train);
+/// Replaces `--config FILE` after the subcommand `words` ({"train"}, {"fl", "simulate"}) by the
+/// flags the TOML file sets, placed before the other command-line flags so that those win.
+/// InputError naming the file and the key for a file that cannot be read, is not TOML, or names
+/// an unknown flag of `command`.
+std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App& command,
+                                       const std::vector<std::string>& words);
+/// Adds --config to `command` (for --help; expand_config reads it).
+void add_config_option(CLI::App& command);
 
 }  // namespace dtrain::cli

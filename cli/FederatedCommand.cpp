@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "Command.h"
+#include "ConfigFile.h"
 #include "FederatedShared.h"
 
 namespace dtrain::cli {
@@ -18,6 +19,15 @@ class FederatedCommands final : public Command {
     subcommands_.push_back(fl::simulate_command(fl));
     subcommands_.push_back(fl::serve_command(fl));
     subcommands_.push_back(fl::client_command(fl));
+    for (CLI::App* sub : fl->get_subcommands({})) {
+      add_config_option(*sub);
+      apps_.push_back(sub);
+    }
+  }
+  std::vector<std::string> expand(const std::vector<std::string>& args) override {
+    std::vector<std::string> out = args;
+    for (CLI::App* sub : apps_) out = expand_config(out, *sub, {"fl", sub->get_name()});
+    return out;
   }
   bool parsed() const override {
     return std::any_of(subcommands_.begin(), subcommands_.end(),
@@ -32,6 +42,7 @@ class FederatedCommands final : public Command {
 
  private:
   std::vector<std::unique_ptr<Command>> subcommands_;
+  std::vector<CLI::App*> apps_;
 };
 
 }  // namespace

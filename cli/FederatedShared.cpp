@@ -47,7 +47,8 @@ void add_round_flags(CLI::App& c, int64_t& rounds, Shared& s, double& secagg_thr
       "from log up at which a round aborts with probability <= 0.001 at --secagg-dropout's "
       "rate) or an even degree K")
       ->capture_default_str();
-  add(c, "--metrics-file", metrics_file, "JSON Lines: one record per round");
+  // --metrics, as `dtrain train` names it; --metrics-file, its first name, still works.
+  add(c, "--metrics,--metrics-file", metrics_file, "JSON Lines metrics: one record per round");
 }
 
 void add_buffer_flags(CLI::App& c, Shared& s, std::string& staleness, const std::string& more) {

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "Command.h"
+#include "ConfigFile.h"
 #include "NumericOptions.h"
 #include "dtrain/train/Generate.h"
 
@@ -28,6 +29,13 @@ class GenerateCommand final : public Command {
         ->capture_default_str();
     add(*app_, "--seed", options_.seed, "Random seed")->capture_default_str();
     add(*app_, "--threads", options_.threads, "Threads (default: all cores)");
+    app_->add_flag("--ignore-eos", options_.ignore_eos,
+                   "Go on past the tokenizer's end-of-text token (sampling stops at it by "
+                   "default, as transformers' generate() at eos_token_id)");
+    add_config_option(*app_);
+  }
+  std::vector<std::string> expand(const std::vector<std::string>& args) override {
+    return expand_config(args, *app_, {"generate"});
   }
   bool parsed() const override { return app_->parsed(); }
   int run(const std::vector<std::string>&) override {

@@ -1,7 +1,9 @@
 // `dtrain launch`: starts ranks of any program with torchrun's environment (RANK, WORLD_SIZE,
 // MASTER_ADDR, ...), on one node or several, static or elastic, with restarts.
 #include "Command.h"
+#include "ConfigFile.h"
 #include "NumericOptions.h"
+#include "dtrain/common/Error.h"
 #include "dtrain/launch/Launcher.h"
 
 namespace dtrain::cli {
@@ -25,7 +27,10 @@ class LaunchCommand final : public Command {
         "--master-addr, left out elsewhere)");
     add(*app_, "--master-addr", launch_.master_addr, "Rendezvous address")->capture_default_str();
     add(*app_, "--master-port", launch_.master_port,
-        "Rendezvous port (default: a free port; required for --nnodes > 1)");
+        "Rendezvous port (default: a free port on one node; 29500 with several, as torchrun)");
+    app_->add_flag("--standalone", standalone_,
+                   "One node, its rendezvous on 127.0.0.1 at a free port (torchrun's "
+                   "--standalone; what one node does without it too)");
     add(*app_, "--threads", launch_.threads, "Threads per rank (default cores/ranks)");
     add(*app_, "--interface", launch_.interface,
         "Network interface for the ranks' traffic (default: the one that reaches --master-addr; "
@@ -69,10 +74,22 @@ class LaunchCommand final : public Command {
         ->capture_default_str();
     app_->add_flag("!--no-prefix", launch_.prefix_output, "Do not prefix lines with the rank");
     app_->add_option("command", launch_.command, "-- PROGRAM [ARGS...]")->required();
+    add_config_option(*app_);
+  }
+  std::vector<std::string> expand(const std::vector<std::string>& args) override {
+    return expand_config(args, *app_, {"launch"});
   }
   bool parsed() const override { return app_->parsed(); }
   int run(const std::vector<std::string>&) override {
     dtrain::launch::parse_nnodes(nnodes_, launch_);
+    if (standalone_) {
+      DTRAIN_CHECK_INPUT(launch_.nnodes == 1 && launch_.min_nodes == 0,
+                         "--standalone is one node; it cannot be given with --nnodes ", nnodes_);
+      launch_.master_addr = "127.0.0.1";
+      launch_.master_port = 0;
+    } else if ((launch_.nnodes > 1 || launch_.min_nodes > 0) && launch_.master_port == 0) {
+      launch_.master_port = kTorchrunPort;
+    }
     return dtrain::launch::launch(launch_);
   }
 
@@ -80,6 +97,8 @@ class LaunchCommand final : public Command {
   CLI::App* app_;
   dtrain::launch::LaunchOptions launch_;
   std::string nnodes_ = "1";
+  bool standalone_ = false;
+  static constexpr int kTorchrunPort = 29500;  // torchrun's default --master-port
 };
 
 }  // namespace

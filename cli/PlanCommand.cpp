@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "Command.h"
+#include "ConfigFile.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/plan/Calibrate.h"
 #include "dtrain/plan/Planner.h"
@@ -248,6 +249,10 @@ class PlanCommand final : public Command {
     calibrate_
         ->add_option("--probe-seconds", calibrate_options_.probe_seconds, "Time per measurement")
         ->capture_default_str();
+    add_config_option(*app_);
+  }
+  std::vector<std::string> expand(const std::vector<std::string>& args) override {
+    return expand_config(args, *app_, {"plan"});
   }
   bool parsed() const override { return app_->parsed(); }
 

@@ -7,16 +7,21 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
 
 #include "Command.h"
 #include "CommonFlags.h"
 #include "ConfigFile.h"
+#include "Help.h"
 #include "NumericOptions.h"
 #include "dtrain/comm/TokenFile.h"
 #include "dtrain/common/Blas.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/launch/Launcher.h"
+#include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "dtrain/parallel/ps/PsOptions.h"
@@ -35,18 +40,23 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   auto& t = job.trainer;
   // A flag given twice (config file, then command line) keeps the last value.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  // Handled by expand_config() before parsing (CLI11 2.1 ignores configs of subcommands).
-  app.add_option("--config",
-                 "Read options from a TOML file (keys are long flag names; flags on "
-                 "the command line win)");
+  add_config_option(app);
+  // From the registries, so that they cannot drift: the names, then (--help-all) each one's line.
+  std::string models, described;
+  for (const std::string& name : dtrain::models::model_names()) {
+    models += (models.empty() ? "" : ", ") + name;
+    described += "; " + name + ": " + dtrain::models::model_info(name).summary;
+  }
+  models += described;
   add_model_flags(
       app, job.model, job.hidden,
-      "mlp, linear, cnn, fedavg-cnn (McMahan et al.'s CNN), resnet, gpt (the language model, on "
-      "the text data set). Each trains with its own recipe unless flags say otherwise: the "
-      "optimizer, lr, momentum, weight decay, lr decay, warmup, batch size and clipping shown "
-      "here are the image models'; gpt's is adamw at 0.002, weight decay 0.1, batch 32, "
-      "clipping 1.0. An optimizer other than the recipe's trains at its own lr and weight "
-      "decay (PyTorch's: adam 0.001, adamw 0.001 and 0.01, sgd 0.001, adagrad 0.01) unless given",
+      models +
+          ". Each trains with its own recipe unless flags say otherwise: the "
+          "optimizer, lr, momentum, weight decay, lr decay, warmup, batch size and clipping shown "
+          "here are the image models'; gpt's is adamw at 0.002, weight decay 0.1, batch 32, "
+          "clipping 1.0. An optimizer other than the recipe's trains at its own lr and weight "
+          "decay (PyTorch's: adam 0.001, adamw 0.001 and 0.01, sgd 0.001, adagrad 0.01) unless "
+          "given. docs/guide/train.md describes each model",
       "256 256");
   add(app, "--layers", job.gpt.layers, "gpt, llama: transformer blocks")->capture_default_str();
   add(app, "--heads", job.gpt.heads, "gpt, llama: attention (query) heads")->capture_default_str();
@@ -77,8 +87,10 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
                "gpt, llama with --tensor-parallel: the column-parallel layers' backward overlaps "
                "the input gradient's allreduce (reduce-scatter) with the weight gradient "
                "(Megatron's asynchronous tensor-parallel communication)");
-  add_data_flags(app, job.dataset, job.data_dir, job.synthetic_examples,
-                 dtrain::data::dataset_names_where([](const auto&) { return true; }));
+  std::string datasets = dtrain::data::dataset_names_where([](const auto&) { return true; });
+  for (const auto& info : dtrain::data::datasets())
+    datasets += "; " + info.name + ": " + info.summary;
+  add_data_flags(app, job.dataset, job.data_dir, job.synthetic_examples, datasets);
   add(app, "--text-file", job.text_file,
       "--dataset text: a UTF-8 text file or a directory of them (default --data-dir, else "
       "Debian's fortunes in /usr/share/games/fortunes)");
@@ -289,6 +301,12 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   app.add_flag("--allow-non-finite-weights", t.allow_non_finite_weights,
                "Load --init-from's weights even where they hold NaN or Inf (refused otherwise)");
   add(app, "--metrics", t.metrics_file, "JSONL metrics file");
+  add(app, "--run-dir", job.run_dir,
+      "The run's folder: metrics.jsonl, config.toml (the options given), command.txt and "
+      "checkpoints/ (unless --metrics or --checkpoint-dir say otherwise). Without it, and "
+      "without --metrics or --checkpoint-dir, runs/MODEL-DATE-TIME gets the metrics, config and "
+      "command");
+  app.add_flag("--no-run-dir", job.no_run_dir, "No run folder by default");
   app.add_flag("--defer-eval", t.defer_eval,
                "Evaluate after training, on copies of the parameters taken at each evaluation "
                "point (recorded with their moment's clock: time to accuracy without the "
@@ -323,6 +341,71 @@ std::vector<std::string> with_local_shards(const std::vector<std::string>& args,
 }
 #endif
 
+// The run's folder (--run-dir DIR, or runs/MODEL-DATE-TIME when nothing says where the run's
+// outputs go): its metrics, the options given (config.toml: `--config` reads it back; the model's
+// recipe fills the rest as it did), the command line, and with --run-dir its checkpoints. The
+// ranks are told the paths (`args`).
+void open_run_folder(dtrain::train::JobConfig& job, std::vector<std::string>& args) {
+  auto& t = job.trainer;
+  const bool defaulted =
+      job.run_dir.empty() && t.metrics_file.empty() && t.checkpoint_dir.empty() && !job.no_run_dir;
+  std::error_code error;
+  if (defaulted) {
+    const std::time_t now = std::time(nullptr);
+    std::tm local{};
+    localtime_r(&now, &local);
+    char stamp[32];
+    std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", &local);
+    const std::string base = "runs/" + job.model + "-" + stamp;
+    std::filesystem::create_directories("runs", error);
+    for (int i = 1; i < 1000 && job.run_dir.empty(); ++i) {
+      const std::string dir = i == 1 ? base : base + "-" + std::to_string(i);
+      if (std::filesystem::create_directory(dir, error)) job.run_dir = dir;
+      if (error) break;
+    }
+    if (job.run_dir.empty()) {
+      std::fprintf(stderr,
+                   "dtrain: warning: no run folder under runs/ (%s); going on without one "
+                   "(--no-run-dir says so)\n",
+                   error ? error.message().c_str() : "taken");
+      return;
+    }
+  }
+  if (job.run_dir.empty()) return;
+  std::filesystem::create_directories(job.run_dir, error);
+  DTRAIN_CHECK_INPUT(!error, "--run-dir ", job.run_dir, ": cannot create it (", error.message(),
+                     ")");
+  if (t.metrics_file.empty()) {
+    t.metrics_file = job.run_dir + "/metrics.jsonl";
+    args.push_back("--metrics");
+    args.push_back(t.metrics_file);
+  }
+  if (!defaulted && t.checkpoint_dir.empty()) {
+    t.checkpoint_dir = job.run_dir + "/checkpoints";
+    args.push_back("--checkpoint-dir");
+    args.push_back(t.checkpoint_dir);
+  }
+  const auto extra = [&](const char* key) {
+    const auto found = t.checkpoint_extras.find(key);
+    return found == t.checkpoint_extras.end() ? std::string() : found->second;
+  };
+  std::ofstream(job.run_dir + "/command.txt") << command_line() << "\n";
+  std::ofstream config(job.run_dir + "/config.toml");
+  config << "# dtrain train's options as given (" << command_line() << ")\n";
+  if (!extra("recipe").empty()) config << "# " << extra("recipe") << "\n";
+  config << extra("config");
+}
+
+// At the end: where the run's outputs are.
+void print_run_folder(const dtrain::train::JobConfig& job) {
+  if (job.run_dir.empty()) return;
+  std::printf(
+      "run folder: %s (metrics.jsonl: draw it with scripts/plot-metrics; config.toml, "
+      "command.txt%s)\n",
+      job.run_dir.c_str(),
+      job.trainer.checkpoint_dir.rfind(job.run_dir, 0) == 0 ? ", checkpoints/" : "");
+}
+
 // After a stop on request: the command that resumes the run (the same one: a run resumes from
 // the newest checkpoint in its --checkpoint-dir).
 void print_resume(const dtrain::train::JobConfig& job) {
@@ -330,7 +413,8 @@ void print_resume(const dtrain::train::JobConfig& job) {
   if (job.trainer.checkpoint_dir.empty()) {
     std::fprintf(stderr,
                  "dtrain: stopped on request; nothing was saved (no --checkpoint-dir): give "
-                 "--checkpoint-dir to make a run that can stop and resume\n");
+                 "--run-dir DIR or --checkpoint-dir DIR to make a run that can stop and "
+                 "resume\n");
   } else if (!job.trainer.resume) {
     std::fprintf(stderr,
                  "dtrain: stopped on request; to resume from its checkpoint in %s, run the same "
@@ -341,6 +425,84 @@ void print_resume(const dtrain::train::JobConfig& job) {
                  command_line().c_str());
   }
 }
+
+// --help's groups, in order (flags of strategies registered elsewhere stay in "Options").
+const std::vector<std::pair<std::string, std::vector<std::string>>> kTrainGroups = {
+    {"Model",
+     {"--model", "--hidden", "--layers", "--heads", "--kv-heads", "--width", "--ffn-width",
+      "--context", "--rope-theta", "--norm-eps", "--dropout", "--tied-embeddings", "--init-from",
+      "--allow-non-finite-weights", "--seed"}},
+    {"Data",
+     {"--dataset", "--data-dir", "--synthetic-examples", "--text-file", "--validation-fraction",
+      "--vocab-size", "--image-size", "--augment", "--max-bad-samples", "--tokenizer"}},
+    {"Batch, optimizer and schedule",
+     {"--epochs",
+      "--batch-size",
+      "--accumulation",
+      "--global-batch",
+      "--micro-batches",
+      "--max-steps",
+      "--stop-at-step",
+      "--optimizer",
+      "--lr",
+      "--momentum",
+      "--weight-decay",
+      "--nesterov",
+      "--freeze-variance-after",
+      "--lr-decay",
+      "--warmup-steps",
+      "--lr-step-size",
+      "--lr-gamma",
+      "--reference-batch",
+      "--max-grad-norm",
+      "--max-nonfinite-steps"}},
+    {"Processes",
+     {"--nproc", "--threads", "--device", "--backend", "--interface", "--comm-timeout"}},
+    {"Parallelism",
+     {"--strategy",
+      "--pipeline-parallel",
+      "--stage-replicas",
+      "--tensor-parallel",
+      "--sequence-parallel",
+      "--tp-comm-overlap",
+      "--overlap-param-gather",
+      "--zero-quantized",
+      "--zero-quantized-block",
+      "--zero3-min-unit-params",
+      "--no-zero3-prefetch",
+      "--schedule",
+      "--virtual-stages",
+      "--pipeline-balance",
+      "--pipeline-sync",
+      "--weight-prediction",
+      "--pipeline-transport",
+      "--bucket-cap-mb",
+      "--grad-compression",
+      "--hierarchical-allreduce",
+      "--ranks-per-host",
+      "--error-on-unused-parameters",
+      "--sync-batchnorm",
+      "--check-collectives",
+      "--simulate-slowdown"}},
+    {"DiLoCo (--strategy diloco)",
+     {"--inner-strategy", "--island-size", "--outer-steps", "--outer-optimizer", "--outer-lr",
+      "--outer-momentum", "--outer-compression", "--streaming-fragments", "--overlap-steps",
+      "--merge-alpha"}},
+    {"Parameter server (--strategy downpour, sandblaster)",
+     {"--ps", "--ps-timeout-ms", "--ps-retry-ms", "--ps-tls", "--ps-tls-ca", "--n-fetch",
+      "--n-push", "--max-staleness", "--work-units", "--no-backup-tasks", "--work-unit-sizing",
+      "--lbfgs-history", "--ps-shards", "--ps-optimizer", "--ps-lr", "--ps-auth-token-file"}},
+    {"Precision and memory", {"--precision", "--loss-scaling", "--checkpointing"}},
+    {"Failures",
+     {"--max-restarts", "--fault-tolerance", "--max-replacements", "--replica-shards",
+      "--shard-across-replicas", "--replica-heartbeat-timeout"}},
+    {"Checkpoints",
+     {"--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints", "--async-checkpoint",
+      "--no-resume"}},
+    {"Output",
+     {"--run-dir", "--no-run-dir", "--metrics", "--log-every", "--eval-every", "--defer-eval",
+      "--no-progress", "--trace"}},
+};
 
 int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
               const std::string& recipe) {
@@ -370,6 +532,7 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
   // Check everything once, before any rank starts; ranks (already checked by their launcher, or
   // started by Slurm / mpirun) get the same named errors from run_job itself.
   if (!worker) dtrain::train::validate_job(job);
+  if (!worker) open_run_folder(job, args);
   if (!worker && !recipe.empty()) std::printf("%s\n", recipe.c_str());
 #ifdef DTRAIN_SERVICES
   if (!job.ps_auth_token_file.empty()) {
@@ -410,7 +573,16 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     launch.name = "dtrain train";
     launch.stop_signal = SIGUSR2;  // a request the ranks never take for a second one
+    launch.failure_hint =
+        job.trainer.checkpoint_dir.empty()
+            ? "to go on after a failure: --fault-tolerance replicas (the other replicas go on at "
+              "once), or --checkpoint-dir with --max-restarts N (a restart resumes from the "
+              "newest checkpoint)"
+            : "to go on after a failure: --max-restarts N (a restart resumes from the newest "
+              "checkpoint in --checkpoint-dir), or --fault-tolerance replicas (the other replicas "
+              "go on at once)";
     const int code = dtrain::launch::launch(launch);
+    if (code == 0 || dtrain::is_stopped_exit_code(code)) print_run_folder(job);
     if (dtrain::is_stopped_exit_code(code)) print_resume(job);
     return code;
   }
@@ -419,6 +591,7 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
   dtrain::train::stop_on_signals();
   const auto result = dtrain::train::run_job(job);
   if (result.fit.leader) std::printf("%s", dtrain::train::summary(job, result).c_str());
+  if (!worker) print_run_folder(job);
   if (result.fit.stopped_by == 0) return 0;
   if (!worker) print_resume(job);
   return dtrain::stopped_exit_code(result.fit.stopped_by);
@@ -429,9 +602,10 @@ class TrainCommand final : public Command {
   explicit TrainCommand(CLI::App& app)
       : app_(app.add_subcommand("train", "Train a model, on --nproc local ranks")) {
     add_train_options(*app_, job_, strategy_flags_);
+    group_options(*app_, kTrainGroups);
   }
   std::vector<std::string> expand(const std::vector<std::string>& args) override {
-    return expand_config(args, *app_);
+    return expand_config(args, *app_, {"train"});
   }
   bool parsed() const override { return app_->parsed(); }
   int run(const std::vector<std::string>& args) override {
@@ -442,6 +616,12 @@ class TrainCommand final : public Command {
       for (const std::string& name : option->get_lnames()) given.push_back(name);
     }
     const std::string recipe = dtrain::train::apply_model_recipe(job_, given);
+    // Every checkpoint says how it was made: the command line, the options given and what the
+    // model's recipe set (dtrain ckpt inspect shows them).
+    auto& extras = job_.trainer.checkpoint_extras;
+    extras["command"] = command_line();
+    extras["config"] = app_->config_to_str(false, false);
+    if (!recipe.empty()) extras["recipe"] = recipe;
     return run_train(job_, args, recipe);
   }
 

@@ -14,6 +14,8 @@
 #include <exception>
 
 #include "Command.h"
+#include "Help.h"
+#include "Suggest.h"
 #include "dtrain/common/Cpu.h"
 #include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
@@ -67,6 +69,7 @@ int main(int argc, char** argv) {
   using dtrain::cli::kInputErrorExit;
   CLI::App app{"dtrain: distributed training for LibTorch", "dtrain"};
   app.require_subcommand(1);
+  dtrain::cli::use_short_help(app);  // before the subcommands: they inherit it
   app.set_version_flag("--version", version_text(),
                        "Print dtrain's and LibTorch's versions and the CPU, then exit");
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
@@ -94,6 +97,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "dtrain: error: %s\n", e.message().c_str());
     return kInputErrorExit;
   } catch (const CLI::ParseError& e) {
+    // An unknown flag or command (CLI11: arguments not expected; a subcommand required when the
+    // command itself is unknown): named, with the nearest one there is.
+    const bool unknown = dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr ||
+                         (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr &&
+                          app.get_subcommands().empty() && !app.remaining().empty());
+    const std::string said = unknown ? dtrain::cli::explain_unexpected(app) : "";
+    if (!said.empty()) {
+      std::fprintf(stderr, "dtrain: error: %s\n", said.c_str());
+      return kInputErrorExit;
+    }
     const int code = app.exit(e);
     return code == 0 ? 0 : kInputErrorExit;
   }

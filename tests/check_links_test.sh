@@ -7,7 +7,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$root/scripts/check-links" --root "$root"
-cp -r "$root/README.md" "$root/BENCHMARKS.md" "$root/docs" "$work/"
+cp -r "$root/README.md" "$root/BENCHMARKS.md" "$root/docs" "$root/examples" "$work/"
 echo 'See [the guide](docs/guide/nowhere.md) and [its part](docs/guide/train.md#no-such-part).' \
   >> "$work/README.md"
 line=$(wc -l < "$work/README.md")

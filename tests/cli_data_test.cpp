@@ -210,6 +210,11 @@ TEST(Cli, ImagesExportShardAndTrain) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {train, "x-empty is an empty class folder"},
       {" train --model cnn --dataset images:" + (dir / "none"), "is not a folder"},
+      // The split given as the root: the form that fits, named.
+      {" train --model cnn --dataset images:" + (dir / "fm/train"),
+       "ROOT must hold train/ and val/ (in each a folder per class, or .tar shards), or give the "
+       "two folders as images:TRAIN,VAL (did you mean --dataset images:" +
+           (dir / "fm") + "?)"},
       {" train --model cnn --dataset images:", "--dataset images needs its folder"},
       {train + " --image-size 4", "--image-size must be in [8, 4096]"},
       {train + " --augment crop", "--augment must be imagenet, flip or none, got 'crop'"},
@@ -256,7 +261,7 @@ TEST(Cli, ADamagedImageFoundMidTrainingIsBlamedOnTheRankThatFoundIt) {
               "--batch-size 1 --epochs 2 --no-progress --nproc 2 --dataset images:" +
               (dir / "fm"));
     EXPECT_EQ(out.code, 2) << out.text;
-    EXPECT_TRUE(has(out, "dtrain launch: failed: rank ")) << out.text;
+    EXPECT_TRUE(has(out, "dtrain train: failed: rank ")) << out.text;
     EXPECT_TRUE(has(out, "exited with code 2: " + victim + ": a damaged JPEG")) << out.text;
     EXPECT_FALSE(has(out, "exited with code 1")) << out.text;
   }
@@ -288,10 +293,25 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   ASSERT_EQ(out.code, 0) << out.text;
   out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "hf"));
   ASSERT_EQ(out.code, 0) << out.text;
-  for (const char* file : {"config.json", "model.safetensors", "tokenizer.json"}) {
+  for (const char* file : {"config.json", "model.safetensors", "tokenizer.json",
+                           "tokenizer_config.json", "generation_config.json"}) {
     EXPECT_TRUE(std::filesystem::exists(dir / ("hf/" + std::string(file)))) << file << "\n"
                                                                             << out.text;
   }
+  // The end-of-text token dtrain puts between documents is transformers' eos (and bos): its
+  // generate() stops where dtrain's does.
+  const auto json_of = [&](const char* file) {
+    return nlohmann::json::parse(std::ifstream(dir / ("hf/" + std::string(file))));
+  };
+  const auto tokenizer = nlohmann::json::parse(std::ifstream(dir / "tok.json"));
+  int64_t eos = -1;
+  for (const auto& added : tokenizer.at("added_tokens")) {
+    if (added.at("content") == "<|endoftext|>") eos = added.at("id").get<int64_t>();
+  }
+  ASSERT_GE(eos, 0) << tokenizer.dump().substr(0, 400);
+  EXPECT_EQ(json_of("config.json").at("eos_token_id").get<int64_t>(), eos);
+  EXPECT_EQ(json_of("generation_config.json").at("eos_token_id").get<int64_t>(), eos);
+  EXPECT_EQ(json_of("tokenizer_config.json").at("eos_token").get<std::string>(), "<|endoftext|>");
   const std::string generate = " generate --prompt 'The cat' --tokens 12 --temperature 0";
   out = run(kDtrain + generate + " --checkpoint " + (dir / "ckpt"));
   ASSERT_EQ(out.code, 0) << out.text;

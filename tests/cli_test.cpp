@@ -177,7 +177,11 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" launch --nnodes 2 -- true", "--node-rank is required with --nnodes > 1"},
       {" launch --nnodes 1:2 --node-rank 1 --master-port 1234 -- true",
        "give --node-rank 0 on the node that hosts the rendezvous"},
-      {" launch --nnodes 1:2 -- true", "--master-port is required with several nodes"},
+      {" launch --standalone --nnodes 1:2 -- true", "--standalone is one node"},
+      // An unknown flag or command: named, with the nearest one there is.
+      {" train --max-step 5", "train: unknown flag --max-step (did you mean --max-steps?)"},
+      {" trian --epochs 1", "unknown command trian (did you mean train?)"},
+      {" fl simulate --round 3", "unknown flag --round (did you mean --rounds?)"},
       {" launch --rdzv-last-call -1 -- true", "--rdzv-last-call"},
       {" launch --nproc-per-node 2", "command is required"},
       {" ckpt consolidate " + dir.path() + "/none", "neither a checkpoint"},
@@ -707,4 +711,80 @@ TEST(Cli, EachModelTrainsWithItsRecipeAndFlagsOrConfigKeysWin) {
   ASSERT_EQ(rate.code, 0) << rate.text;
   EXPECT_TRUE(has(rate, "adam's own defaults, as PyTorch's, set --momentum 0, --weight-decay 0\n"))
       << rate.text;
+}
+
+// A run without --metrics or --checkpoint-dir leaves a folder of its own (runs/MODEL-DATE-TIME:
+// metrics, the options given, the command line); off a terminal it prints a line every
+// --log-every steps, counted toward --max-steps, with the learning rate, the throughput and the
+// peak memory; a warmup as long as the run is named; --run-dir keeps the checkpoints too, and
+// every checkpoint says how it was made (ckpt inspect); config.toml trains the run again.
+TEST(Cli, ARunLeavesItsFolderAndSaysHowItWasMade) {
+  TempDir dir;
+  const std::string flags =
+      " train --model mlp --hidden 16 --dataset synthetic --synthetic-examples 512 "
+      "--batch-size 32 --max-steps 12 --log-every 4 --threads 1";
+  const auto out = run("cd " + dir.path() + " && " + kDtrain + flags);
+  ASSERT_EQ(out.code, 0) << out.text;
+  for (const std::string line : {"step 4/12 | loss ", "step 8/12 | loss ", "step 12/12 | loss "}) {
+    EXPECT_TRUE(has(out, line)) << line << "\n" << out.text;
+  }
+  EXPECT_FALSE(has(out, "step 2/12")) << out.text;
+  EXPECT_TRUE(has(out, " | lr ")) << out.text;
+  EXPECT_TRUE(has(out, " samples/s | ")) << out.text;
+  EXPECT_TRUE(has(out, " | peak memory ")) << out.text;
+  EXPECT_TRUE(has(out, "the warmup (--warmup-steps 100) is not shorter than the run's 12 steps"))
+      << out.text;
+  EXPECT_TRUE(has(out, "run folder: runs/mlp-")) << out.text;
+  std::string folder;
+  for (const auto& entry : std::filesystem::directory_iterator(dir / "runs")) {
+    folder = entry.path().string();
+  }
+  ASSERT_FALSE(folder.empty());
+  for (const char* file : {"/metrics.jsonl", "/config.toml", "/command.txt"}) {
+    EXPECT_TRUE(std::filesystem::exists(folder + file)) << folder << file;
+  }
+  EXPECT_FALSE(std::filesystem::exists(folder + "/checkpoints"));
+  std::ifstream command_file(folder + "/command.txt");
+  std::string command;
+  std::getline(command_file, command);
+  EXPECT_EQ(command, kDtrain + flags);
+
+  // The options given, read back: the same run, now with a folder of its own for checkpoints.
+  const auto again = run(kDtrain + " train --config " + folder + "/config.toml --no-progress " +
+                         "--run-dir " + (dir / "again"));
+  ASSERT_EQ(again.code, 0) << again.text;
+  EXPECT_TRUE(has(again, "trained 12 steps (global batch 32, 1 rank, ddp)")) << again.text;
+  EXPECT_TRUE(has(again, "run folder: " + (dir / "again") + " (")) << again.text;
+  const auto inspected = run(kDtrain + " ckpt inspect " + (dir / "again/checkpoints"));
+  ASSERT_EQ(inspected.code, 0) << inspected.text;
+  EXPECT_TRUE(has(inspected, "command: " + kDtrain + " train --config " + folder))
+      << inspected.text;
+  EXPECT_TRUE(has(inspected, "options given (config.toml):")) << inspected.text;
+  EXPECT_TRUE(has(inspected, "max-steps=12")) << inspected.text;
+  EXPECT_TRUE(has(inspected, "hidden=")) << inspected.text;
+}
+
+// --config on every subcommand, with train's rules: keys are the command's long flag names, at
+// the top level or in a table named after the command; the command line wins; an unknown key is
+// named with the command whose flags it is not.
+TEST(Cli, EverySubcommandReadsAConfigFile) {
+  TempDir dir;
+  std::ofstream(dir / "launch.toml") << "[launch]\nnproc-per-node = 2\n";
+  auto out = run(kDtrain + " launch --config " + (dir / "launch.toml") +
+                 " -- sh -c 'echo world $WORLD_SIZE'");
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "[rank 1] world 2")) << out.text;
+  out = run(kDtrain + " launch --config " + (dir / "launch.toml") +
+            " --nproc-per-node 1 -- sh -c 'echo world $WORLD_SIZE'");
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "[rank 0] world 1")) << out.text;
+  std::ofstream(dir / "fl.toml") << "rounds = 2\nround = 3\n";
+  out = run(kDtrain + " fl simulate --config " + (dir / "fl.toml"));
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "unknown key 'round' (keys are `dtrain fl simulate` flag names)"))
+      << out.text;
+  std::ofstream(dir / "plan.toml") << "[plan]\nmodel = \"gpt-9\"\ncluster = \"a100-selene\"\n";
+  out = run(kDtrain + " plan --config " + (dir / "plan.toml"));
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "unknown --model 'gpt-9'")) << out.text;
 }

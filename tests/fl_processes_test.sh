@@ -31,7 +31,7 @@ port_of() {
 serve() {
   "$dtrain" fl serve --listen "127.0.0.1:$1" --rounds 4 --clients-per-round 3 --hidden 64 \
     --local-epochs 3 --local-batch 10 --compression topk:0.1 $data --checkpoint-dir "$work/ck" \
-    --metrics-file "$work/m.jsonl" --round-timeout 30 --no-progress >>"$work/server.log" 2>&1 &
+    --metrics "$work/m.jsonl" --round-timeout 30 --no-progress >>"$work/server.log" 2>&1 &
   server=$!
   pids+=("$server")
 }
@@ -67,7 +67,7 @@ tail -1 "$work/m.jsonl" | grep -q '"round":4,' || fail "the metrics do not end w
 
 # Secure aggregation across processes: 2 rounds of 3 clients, the server sees only sums.
 "$dtrain" fl serve --listen 127.0.0.1:0 --rounds 2 --clients-per-round 3 --hidden 32 $data \
-  --secure-aggregation --metrics-file "$work/secure.jsonl" --no-progress >"$work/secure-server.log" 2>&1 &
+  --secure-aggregation --metrics "$work/secure.jsonl" --no-progress >"$work/secure-server.log" 2>&1 &
 server=$!
 pids+=("$server")
 port=$(port_of "$work/secure-server.log")

@@ -112,9 +112,9 @@ TEST(Launcher, BadOptionsAreOneLineErrors) {
   auto out = run(kDtrain + " launch --nproc-per-node 0 -- true");
   EXPECT_EQ(out.code, 2);
   EXPECT_TRUE(has(out, "--nproc-per-node must be >= 1")) << out.text;
-  out = run(kDtrain + " launch --nnodes 2 --node-rank 0 -- true");
+  out = run(kDtrain + " launch --standalone --nnodes 2 --node-rank 0 -- true");
   EXPECT_EQ(out.code, 2);
-  EXPECT_TRUE(has(out, "--master-port is required")) << out.text;
+  EXPECT_TRUE(has(out, "--standalone is one node; it cannot be given with --nnodes 2")) << out.text;
   // A program that cannot run is one error before any rank starts, not one per rank.
   out = run(kDtrain + " launch --nproc-per-node 3 -- /nonexistent/program");
   EXPECT_EQ(out.code, 2) << out.text;

@@ -339,7 +339,7 @@ printf 'token-b\n' > "$work/token-b"
 fl=(--dataset synthetic --synthetic-examples 512 --seed 1)
 ip netns exec "$a" timeout -s KILL 120 "$dtrain" fl serve --listen 10.231.0.1:29751 --rounds 2 \
   --clients-per-round 2 --hidden 32 --secure-aggregation --client-tokens "$work/clients" \
-  --no-progress --metrics-file "$work/fl.jsonl" "${fl[@]}" > "$work/fl-server.log" 2>&1 &
+  --no-progress --metrics "$work/fl.jsonl" "${fl[@]}" > "$work/fl-server.log" 2>&1 &
 server=$!
 ip netns exec "$b" timeout -s KILL 120 "$dtrain" fl client --server 10.231.0.1:29751 --client-id cb \
   --auth-token-file "$work/token-b" --partition 1/2 --threads 1 --wait-ms 1000 "${fl[@]}" \
@@ -364,7 +364,7 @@ echo "ok: federated learning across two hosts, securely aggregated"
 fl=(--dataset synthetic --synthetic-examples 4000 --seed 1)
 ip netns exec "$a" timeout -s KILL 120 "$dtrain" fl serve --listen 10.231.0.1:29752 --rounds 8 \
   --clients-per-round 2 --min-clients 1 --round-timeout 5 --selection-timeout 10 \
-  --local-epochs 20 --hidden 32 --no-progress --metrics-file "$work/p.jsonl" "${fl[@]}" \
+  --local-epochs 20 --hidden 32 --no-progress --metrics "$work/p.jsonl" "${fl[@]}" \
   > "$work/p-server.log" 2>&1 &
 server=$!
 for side in a b; do
@@ -407,7 +407,7 @@ echo "ok: a partition of host b in round $cut_round: dropped at the deadline, re
 fl=(--dataset synthetic --synthetic-examples 3000 --seed 1)
 ip netns exec "$a" timeout -s KILL 120 "$dtrain" fl serve --listen 10.231.0.1:29753 --rounds 6 \
   --buffer-size 2 --concurrency 3 --round-timeout 4 --local-epochs 20 --hidden 32 --no-progress \
-  --metrics-file "$work/fb.jsonl" "${fl[@]}" > "$work/fb-server.log" 2>&1 &
+  --metrics "$work/fb.jsonl" "${fl[@]}" > "$work/fb-server.log" 2>&1 &
 server=$!
 fb_client() {  # ID NAMESPACE PARTITION
   ip netns exec "$2" timeout -s KILL 120 "$dtrain" fl client --server 10.231.0.1:29753 \

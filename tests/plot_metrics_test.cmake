@@ -33,4 +33,20 @@ file(READ ${WORK}/fl.png magic LIMIT 4 HEX)
 if(NOT rc EQUAL 0 OR NOT magic STREQUAL "89504e47")
   message(FATAL_ERROR "plot-metrics did not draw a federated run (${rc}): ${err}")
 endif()
-message(STATUS "PlotMetrics: 3 checks passed")
+# A language model's run, resumed into the same file: its validation loss and perplexity, not
+# an accuracy, and a title over the whole run.
+file(WRITE ${WORK}/lm.jsonl
+"{\"event\":\"step\",\"step\":10,\"loss\":4.1,\"lr\":0.01}
+{\"event\":\"eval\",\"step\":10,\"val_loss\":3.9,\"val_accuracy\":0.2,\"val_bits_per_token\":5.6}
+{\"event\":\"summary\",\"strategy\":\"ddp\",\"world_size\":2,\"global_batch\":32,\"start_step\":0}
+{\"event\":\"step\",\"step\":20,\"loss\":3.1,\"lr\":0.01}
+{\"event\":\"eval\",\"step\":20,\"val_loss\":3.0,\"val_accuracy\":0.3,\"val_bits_per_token\":4.3}
+{\"event\":\"summary\",\"strategy\":\"ddp\",\"world_size\":2,\"global_batch\":32,\"start_step\":10}
+")
+execute_process(COMMAND ${SCRIPT} ${WORK}/lm.jsonl -o ${WORK}/lm.png RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT out MATCHES "validation loss \\(nats/token\\)" OR
+   NOT out MATCHES "steps 10-20 \\(resumed from step 10\\)")
+  message(FATAL_ERROR "a language model's resumed run was not drawn as one (${rc}): ${out} ${err}")
+endif()
+message(STATUS "PlotMetrics: 4 checks passed")

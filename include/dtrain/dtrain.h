@@ -23,4 +23,5 @@
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/Strategy.h"
 #include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/Stop.h"
 #include "dtrain/train/Trainer.h"

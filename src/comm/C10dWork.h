@@ -15,13 +15,25 @@ namespace dtrain::comm {
 
 using dtrain::first_line;
 
+/// What a transport's error means in dtrain's words, ahead of it: a connection a peer closed
+/// is that peer's end (its own failure, or a stop), not this rank's fault.
+inline std::string in_our_words(const std::string& cause) {
+  const bool peer_gone = cause.find("closed by peer") != std::string::npos ||
+                         cause.find("reset by peer") != std::string::npos ||
+                         cause.find("Broken pipe") != std::string::npos;
+  return peer_gone ? "a peer rank is gone (it failed or was stopped first: the launcher names it "
+                     "and why): "
+                   : "";
+}
+
 /// Runs a c10d call that may throw synchronously (e.g. posting to a closed connection).
 template <typename Call>
 inline c10::intrusive_ptr<c10d::Work> issue(const std::string& description, Call&& call) {
   try {
     return call();
   } catch (const std::exception& e) {
-    DTRAIN_THROW(CommError, description, " failed: ", first_line(e.what()));
+    const std::string cause = first_line(e.what());
+    DTRAIN_THROW(CommError, in_our_words(cause), description, " failed: ", cause);
   }
 }
 
@@ -46,7 +58,7 @@ class C10dWork : public Work {
         DTRAIN_THROW(TimeoutError, "timed out after ", timeout.count(), " ms: ", description_, " (",
                      cause, ")", timeout_diagnosis());
       }
-      DTRAIN_THROW(CommError, description_, " failed: ", cause);
+      DTRAIN_THROW(CommError, in_our_words(cause), description_, " failed: ", cause);
     }
     std::call_once(then_once_, [this] {
       if (then_) then_();

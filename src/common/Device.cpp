@@ -1,5 +1,7 @@
 #include "dtrain/common/Device.h"
 
+#include <sys/resource.h>
+
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -29,6 +31,12 @@ bool built_with_cuda() {
 #else
   return false;
 #endif
+}
+
+int64_t peak_resident_bytes() {
+  rusage usage{};
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux: kilobytes
 }
 
 int cuda_device_count() { return at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0; }

@@ -75,6 +75,58 @@ int exit_code_of(int status) {
 
 }  // namespace
 
+namespace {
+
+constexpr std::chrono::seconds kWatchdogStall{3};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// Whether process `pid` is stopped (state T or t in /proc/PID/stat).
+bool is_stopped(pid_t pid) {
+  std::FILE* file = std::fopen(concat("/proc/", pid, "/stat").c_str(), "r");
+  if (file == nullptr) return false;
+  char line[512] = {};
+  const size_t n = std::fread(line, 1, sizeof(line) - 1, file);
+  std::fclose(file);
+  line[n] = '\0';
+  const char* close = std::strrchr(line, ')');  // the command may hold ')'
+  return close != nullptr && close[1] == ' ' && (close[2] == 'T' || close[2] == 't');
+}
+
+}  // namespace
+
+Attempt::~Attempt() {
+  watch_ends_ = true;
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+void Attempt::watch() {
+  while (!watch_ends_) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (now_ns() - loop_turn_ns_.load() < std::chrono::nanoseconds(kWatchdogStall).count()) {
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(watched_mutex_);
+    for (const pid_t pid : watched_pids_) {
+      if (pid <= 0 || killed_stopped_.count(pid) != 0 || !is_stopped(pid)) continue;
+      say("pid %d, a rank of this node, is stopped while the launcher has waited %lld s on the "
+          "rendezvous store, which a stopped process blocks when it stopped halfway through a "
+          "request; killing it\n",
+          static_cast<int>(pid), static_cast<long long>(kWatchdogStall.count()));
+      ::kill(pid, SIGKILL);
+      killed_stopped_.insert(pid);
+    }
+  }
+}
+
+bool Attempt::killed_while_stopped(pid_t pid) {
+  std::lock_guard<std::mutex> lock(watched_mutex_);
+  return killed_stopped_.count(pid) != 0;
+}
+
 void Attempt::spawn() {
   ranks_.assign(o_.nproc_per_node, Rank{});
   for (int local = 0; local < o_.nproc_per_node; ++local) {
@@ -149,6 +201,11 @@ void Attempt::spawn_rank(Rank& r) {
     ::close(err_pipe[1]);
     ::setpgid(pid, pid);  // (also done in the child) so signals reach its whole group
     r.pid = pid;
+    {
+      std::lock_guard<std::mutex> lock(watched_mutex_);
+      watched_pids_.resize(ranks_.size(), -1);
+      watched_pids_[static_cast<size_t>(r.local)] = pid;
+    }
     r.error_line.clear();
     r.out_fd = out_pipe[0];
     r.err_fd = err_pipe[0];
@@ -420,10 +477,13 @@ void Attempt::drain(Rank& r, bool close) {
 
 Outcome Attempt::run() {
   Outcome stopped;  // the ranks stopped on request (Outcome::stopped)
+  loop_turn_ns_ = now_ns();
   spawn();
+  watchdog_ = std::thread([this] { watch(); });
   last_beat_.assign(nnodes_, -1);
   last_beat_change_.assign(nnodes_, Clock::now());
   for (;;) {
+    loop_turn_ns_ = now_ns();
     // Drain output.
     std::vector<pollfd> fds;
     std::vector<std::pair<Rank*, bool>> owners;  // (rank, is_stderr)
@@ -457,145 +517,164 @@ Outcome Attempt::run() {
     }
     if (fds.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
 
-    // Reap.
+    // Reap; the ranks the watchdog killed last, so that whether the others finished (training
+    // ended) is known when they are judged.
     bool any_running = false;
-    for (auto& r : ranks_) {
-      if (!r.running) continue;
-      int status = 0;
-      const pid_t done = ::waitpid(r.pid, &status, WNOHANG);
-      if (done == r.pid) {
-        r.running = false;
-        r.status = status;
-        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        r.finished = ok;
-        // Stopped on request, its work saved: not a failure, and not started again. Under
-        // --fault-tolerance replicas a replica told by itself leaves and the others go on.
-        // A program of the user's own that ends on the signal it was forwarded stopped too.
-        const int forwarded = o_.stop_signal > 0 ? o_.stop_signal : stop_asked_;
-        const bool ended_on_request =
-            stop_asked_ != 0 && WIFSIGNALED(status) && WTERMSIG(status) == forwarded;
-        if (((WIFEXITED(status) && is_stopped_exit_code(WEXITSTATUS(status))) ||
-             ended_on_request) &&
-            !stopping_) {
-          r.stopped = true;
-          drain(r, false);
-          if (o_.tolerate_failures && stop_asked_ == 0) {
-            say("rank %d (pid %d) stopped on request (%s); it is not started again, the other "
-                "ranks go on\n",
-                r.rank, static_cast<int>(r.pid), signal_name(WEXITSTATUS(status) - 128).c_str());
+    for (int pass = 0; pass < 2; ++pass)
+      for (auto& r : ranks_) {
+        if (!r.running || killed_while_stopped(r.pid) != (pass == 1)) continue;
+        int status = 0;
+        const pid_t done = ::waitpid(r.pid, &status, WNOHANG);
+        if (done == r.pid) {
+          r.running = false;
+          r.status = status;
+          {
+            std::lock_guard<std::mutex> lock(watched_mutex_);
+            watched_pids_[static_cast<size_t>(r.local)] = -1;  // its pid may be another's now
           }
-          if (o_.tolerate_failures && !training_ended_) {
+          // Killed by the watchdog: stopped, as a rank whose heartbeat fell silent is.
+          if (killed_while_stopped(r.pid)) {
+            r.fenced = true;
+            if (!training_ended_ && o_.tolerate_failures) {
+              try {
+                training_ended_ =
+                    replicas_beat() && (store_.check(rank_key(attempt_, "ft/ended")) ||
+                                        store_.check(rank_key(attempt_, "ft/closed")));
+              } catch (const CommError&) {
+              }
+            }
+            r.silent_at_end = training_ended_;
+          }
+          const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+          r.finished = ok;
+          // Stopped on request, its work saved: not a failure, and not started again. Under
+          // --fault-tolerance replicas a replica told by itself leaves and the others go on.
+          // A program of the user's own that ends on the signal it was forwarded stopped too.
+          const int forwarded = o_.stop_signal > 0 ? o_.stop_signal : stop_asked_;
+          const bool ended_on_request =
+              stop_asked_ != 0 && WIFSIGNALED(status) && WTERMSIG(status) == forwarded;
+          if (((WIFEXITED(status) && is_stopped_exit_code(WEXITSTATUS(status))) ||
+               ended_on_request) &&
+              !stopping_) {
+            r.stopped = true;
+            drain(r, false);
+            if (o_.tolerate_failures && stop_asked_ == 0) {
+              say("rank %d (pid %d) stopped on request (%s); it is not started again, the other "
+                  "ranks go on\n",
+                  r.rank, static_cast<int>(r.pid), signal_name(WEXITSTATUS(status) - 128).c_str());
+            }
+            if (o_.tolerate_failures && !training_ended_) {
+              try {
+                store_.set(rank_key(attempt_, concat("ft/dead/", r.rank)), "1");
+                store_.add(rank_key(attempt_, "ft/deaths"), 1);
+              } catch (const CommError&) {
+              }
+            }
+            continue;
+          }
+          // Exit code 2 is bad input (dtrain's, argparse's): the same again in a replacement.
+          const bool bad_input = WIFEXITED(status) && WEXITSTATUS(status) == 2;
+          // Killed for hanging after training ended: the job's result stands unless it is of the
+          // leading replica (or none closed the job yet), whose end is then missing.
+          const bool hung_at_end = !ok && r.silent_at_end;
+          const bool end_missing =
+              hung_at_end &&
+              (closed_by_ < 0 || r.rank / o_.replica_size == closed_by_ / o_.replica_size);
+          // A replica finished: so did training (told to the other nodes). Read from the store
+          // here, not only in tick(): the other replicas may finish before a tick has seen the
+          // heartbeat timeout, and a replica stopped at the end would then wait forever.
+          bool beats = false;
+          try {
+            beats = ok && o_.tolerate_failures && !training_ended_ && replicas_beat();
+          } catch (const CommError&) {
+          }
+          if (beats) {
+            training_ended_ = true;
             try {
-              store_.set(rank_key(attempt_, concat("ft/dead/", r.rank)), "1");
-              store_.add(rank_key(attempt_, "ft/deaths"), 1);
+              store_.set(rank_key(attempt_, "ft/ended"), "1");
             } catch (const CommError&) {
             }
           }
-          continue;
-        }
-        // Exit code 2 is bad input (dtrain's, argparse's): the same again in a replacement.
-        const bool bad_input = WIFEXITED(status) && WEXITSTATUS(status) == 2;
-        // Killed for hanging after training ended: the job's result stands unless it is of the
-        // leading replica (or none closed the job yet), whose end is then missing.
-        const bool hung_at_end = !ok && r.silent_at_end;
-        const bool end_missing =
-            hung_at_end && (closed_by_ < 0 || r.rank / o_.replica_size ==
-                                                  closed_by_ / o_.replica_size);
-        // A replica finished: so did training (told to the other nodes). Read from the store
-        // here, not only in tick(): the other replicas may finish before a tick has seen the
-        // heartbeat timeout, and a replica stopped at the end would then wait forever.
-        bool beats = false;
-        try {
-          beats = ok && o_.tolerate_failures && !training_ended_ && replicas_beat();
-        } catch (const CommError&) {
-        }
-        if (beats) {
-          training_ended_ = true;
-          try {
-            store_.set(rank_key(attempt_, "ft/ended"), "1");
-          } catch (const CommError&) {
-          }
-        }
-        if (hung_at_end && !end_missing) {
-          say("rank %d (pid %d) ended; the job's result stands (the "
-              "leading replica finished it)\n",
-              r.rank, static_cast<int>(r.pid));
-        } else if (!ok && !stopping_ && o_.tolerate_failures && !bad_input && !hung_at_end &&
-                   (r.rank >= o_.replica_size || o_.replace_first_replica)) {
-          say("rank %d (pid %d) %s; the other ranks go on\n", r.rank, static_cast<int>(r.pid),
-              describe_status(status).c_str());
-          // A replica of several ranks (a tensor-parallel group) fails as one: its other ranks
-          // end now (they would wait on this one) and are started again with it.
-          for (auto& mate : ranks_) {
-            if (r.ended_with_replica) break;
-            if (&mate == &r || !mate.running || mate.fenced ||
-                mate.rank / o_.replica_size != r.rank / o_.replica_size) {
-              continue;
+          if (hung_at_end && !end_missing) {
+            say("rank %d (pid %d) ended; the job's result stands (the "
+                "leading replica finished it)\n",
+                r.rank, static_cast<int>(r.pid));
+          } else if (!ok && !stopping_ && o_.tolerate_failures && !bad_input && !hung_at_end &&
+                     (r.rank >= o_.replica_size || o_.replace_first_replica)) {
+            say("rank %d (pid %d) %s; the other ranks go on\n", r.rank, static_cast<int>(r.pid),
+                describe_status(status).c_str());
+            // A replica of several ranks (a tensor-parallel group) fails as one: its other ranks
+            // end now (they would wait on this one) and are started again with it.
+            for (auto& mate : ranks_) {
+              if (r.ended_with_replica) break;
+              if (&mate == &r || !mate.running || mate.fenced ||
+                  mate.rank / o_.replica_size != r.rank / o_.replica_size) {
+                continue;
+              }
+              say("ending rank %d (pid %d) too: it is in rank %d's "
+                  "replica\n",
+                  mate.rank, static_cast<int>(mate.pid), r.rank);
+              ::kill(-mate.pid, SIGKILL);
+              mate.fenced = true;
+              mate.ended_with_replica = true;
             }
-            say("ending rank %d (pid %d) too: it is in rank %d's "
-                "replica\n",
-                mate.rank, static_cast<int>(mate.pid), r.rank);
-            ::kill(-mate.pid, SIGKILL);
-            mate.fenced = true;
-            mate.ended_with_replica = true;
-          }
-          // What a fault-tolerant job's ranks watch for (parallel/ft/ReplicaManager.h): the
-          // dead rank first, then the count that tells them to look.
-          // A replacement that fails before it is admitted was never counted in (its
-          // predecessor's mark is still there): nothing new to report.
-          try {
-            if (!r.awaiting_admission) {
-              store_.set(rank_key(attempt_, concat("ft/dead/", r.rank)), "1");
-              store_.add(rank_key(attempt_, "ft/deaths"), 1);
+            // What a fault-tolerant job's ranks watch for (parallel/ft/ReplicaManager.h): the
+            // dead rank first, then the count that tells them to look.
+            // A replacement that fails before it is admitted was never counted in (its
+            // predecessor's mark is still there): nothing new to report.
+            try {
+              if (!r.awaiting_admission) {
+                store_.set(rank_key(attempt_, concat("ft/dead/", r.rank)), "1");
+                store_.add(rank_key(attempt_, "ft/deaths"), 1);
+              }
+            } catch (const CommError& e) {
+              say("could not report rank %d's failure: %s\n", r.rank, e.what());
             }
-          } catch (const CommError& e) {
-            say("could not report rank %d's failure: %s\n", r.rank, e.what());
-          }
-          if (training_ended_) {
-            say("rank %d is not started again: training ended\n", r.rank);
-          } else if (r.replacements < o_.max_replacements) {
-            // torchft's replica groups, restarted by their scheduler: a new process for the
-            // rank, which fetches the state from a replica that is training.
-            drain(r, true);
-            ++r.replacements;
-            r.fenced = false;
-            r.ended_with_replica = false;
-            r.awaiting_admission = true;
-            spawn_rank(r);
-            any_running = true;
-            say("started rank %d again (replacement %d of at most %d, "
-                "pid %d); it joins the others\n",
-                r.rank, r.replacements, o_.max_replacements, static_cast<int>(r.pid));
-          }
-        } else if (!ok && !stopping_) {
-          drain(r, false);  // what it still wrote: its own error line names the cause
-          Outcome mine;
-          mine.failed = true;
-          mine.code = exit_code_of(status);
-          if (mine.code == 0) mine.code = 1;
-          mine.description = concat(
-              nnodes_ > 1 ? concat("node ", node_rank_, " ") : "", "rank ", r.rank, " (pid ", r.pid,
-              ") ",
-              end_missing ? "hung after training ended, before its replica ended the job (its "
-                            "final evaluation, checkpoint and summary), and was killed"
-                          : describe_status(status),
-              r.error_line.empty() ? "" : ": " + r.error_line);
-          // The first failure, unless it is a consequence (a broken connection) and a rank's
-          // own failure comes while it settles: that one is the cause to report.
-          if (!local_failure_ ||
-              (!outcome_.failed && !is_cause(*local_failure_) && is_cause(mine))) {
-            if (!local_failure_) local_failure_at_ = Clock::now();
-            local_failure_ = mine;
-            if (is_cause(mine)) {
-              say("%s; stopping the other ranks\n", mine.description.c_str());
-              begin_stop(SIGTERM);
+            if (training_ended_) {
+              say("rank %d is not started again: training ended\n", r.rank);
+            } else if (r.replacements < o_.max_replacements) {
+              // torchft's replica groups, restarted by their scheduler: a new process for the
+              // rank, which fetches the state from a replica that is training.
+              drain(r, true);
+              ++r.replacements;
+              r.fenced = false;
+              r.ended_with_replica = false;
+              r.awaiting_admission = true;
+              spawn_rank(r);
+              any_running = true;
+              say("started rank %d again (replacement %d of at most %d, "
+                  "pid %d); it joins the others\n",
+                  r.rank, r.replacements, o_.max_replacements, static_cast<int>(r.pid));
+            }
+          } else if (!ok && !stopping_) {
+            drain(r, false);  // what it still wrote: its own error line names the cause
+            Outcome mine;
+            mine.failed = true;
+            mine.code = exit_code_of(status);
+            if (mine.code == 0) mine.code = 1;
+            mine.description = concat(
+                nnodes_ > 1 ? concat("node ", node_rank_, " ") : "", "rank ", r.rank, " (pid ",
+                r.pid, ") ",
+                end_missing ? "hung after training ended, before its replica ended the job (its "
+                              "final evaluation, checkpoint and summary), and was killed"
+                            : describe_status(status),
+                r.error_line.empty() ? "" : ": " + r.error_line);
+            // The first failure, unless it is a consequence (a broken connection) and a rank's
+            // own failure comes while it settles: that one is the cause to report.
+            if (!local_failure_ ||
+                (!outcome_.failed && !is_cause(*local_failure_) && is_cause(mine))) {
+              if (!local_failure_) local_failure_at_ = Clock::now();
+              local_failure_ = mine;
+              if (is_cause(mine)) {
+                say("%s; stopping the other ranks\n", mine.description.c_str());
+                begin_stop(SIGTERM);
+              }
             }
           }
+        } else {
+          any_running = true;
         }
-      } else {
-        any_running = true;
       }
-    }
     // The first signal asks the ranks to stop after their step and save; a second one (or a
     // first that comes while they are being stopped for a failure) stops them at once.
     if (g_forward_signal != 0 && stop_asked_ == 0 && !stopping_) {
@@ -675,6 +754,7 @@ Outcome Attempt::run() {
     store_.set(attempt_key(attempt_, concat("done/", node_rank_)), "1");
     store_.add(attempt_key(attempt_, "done"), 1);
     while (node_rank_ == 0 && store_.add(attempt_key(attempt_, "done"), 0) < nnodes_) {
+      loop_turn_ns_ = now_ns();
       tick();
       if (outcome_.failed) return outcome_;
       // A stop on request lets the other nodes save; a second signal does not wait.

@@ -5,9 +5,13 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtrain/comm/Store.h"
@@ -56,9 +60,17 @@ class Attempt {
         threads_(threads),
         progress_file_(progress_file) {}
 
+  ~Attempt();
   Outcome run();
 
  private:
+  // A rank stopped (SIGSTOP, a frozen machine) halfway through a request to the rendezvous
+  // store blocks c10d 1.13's store server, which reads each request to its end: this launcher
+  // (which hosts it on node 0) and every rank would wait on it for good. A thread of its own
+  // watches the main loop: stalled for kWatchdogStall while a local rank is stopped, it kills
+  // that rank (its connection closes and the server goes on).
+  void watch();
+  bool killed_while_stopped(pid_t pid);
   void spawn();
   // Starts local rank `r.local` (again: a replacement, when r.replacements > 0).
   void spawn_rank(Rank& r);
@@ -115,6 +127,14 @@ class Attempt {
   int closed_by_ = -1;
   std::vector<int64_t> last_beat_;
   std::vector<Clock::time_point> last_beat_change_;
+  // The watchdog (watch()): the main loop's last turn, the local ranks' pids (spawn_rank keeps
+  // them), the ones it killed, and its end.
+  std::atomic<int64_t> loop_turn_ns_{0};
+  std::mutex watched_mutex_;
+  std::vector<pid_t> watched_pids_;
+  std::set<pid_t> killed_stopped_;
+  std::atomic<bool> watch_ends_{false};
+  std::thread watchdog_;
 };
 
 }  // namespace dtrain::launch::agent

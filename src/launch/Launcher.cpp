@@ -310,6 +310,10 @@ int launch(const LaunchOptions& requested) {
           restarts > 0
               ? concat(" (after ", restarts, " restart", restarts == 1 ? "" : "s", ")").c_str()
               : "");
+      if (!outcome.interrupted && !bad_input && options.max_restarts == 0 &&
+          !options.tolerate_failures && !options.failure_hint.empty()) {
+        say("%s\n", options.failure_hint.c_str());
+      }
       return finish(outcome, outcome.code == 0 ? 1 : outcome.code);
     }
     if (counted) ++restarts_used;

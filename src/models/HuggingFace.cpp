@@ -109,9 +109,9 @@ GptConfig llama_config_from_hf(const std::string& text, const std::string& origi
   return c;
 }
 
-std::string llama_config_to_hf(const GptConfig& c, const std::string& dtype) {
+std::string llama_config_to_hf(const GptConfig& c, const std::string& dtype, int64_t eos_token_id) {
   check_llama(c);
-  const json j = {
+  json j = {
       {"architectures", {"LlamaForCausalLM"}},
       {"model_type", "llama"},
       {"vocab_size", c.vocab},
@@ -134,6 +134,10 @@ std::string llama_config_to_hf(const GptConfig& c, const std::string& dtype) {
       {"dtype", dtype},
       {"torch_dtype", dtype},
   };
+  if (eos_token_id >= 0) {
+    j["bos_token_id"] = eos_token_id;
+    j["eos_token_id"] = eos_token_id;
+  }
   return j.dump(2) + "\n";
 }
 

@@ -340,7 +340,9 @@ int64_t CheckpointManager::restore(int64_t global_batch) {
   DTRAIN_CHECK_INPUT(meta.global_batch == global_batch, "checkpoint ", directory,
                      " was trained with global batch ", meta.global_batch,
                      "; resuming with global batch ", global_batch,
-                     " would change the data order (match the batch or disable resume)");
+                     " would change the data order: give --global-batch ", meta.global_batch,
+                     " (the micro-batches then follow the world size), or --no-resume to start "
+                     "afresh");
   strategy_.load(directory);
   std::string rng = concat(directory, "/rng-rank", world_.rank(), ".pt");
   if (!fs::exists(rng)) {

@@ -40,12 +40,14 @@ std::string generate_text(const GenerateOptions& options,
   std::function<std::vector<int64_t>(const std::string&)> encode;
   std::function<std::string(const std::vector<int64_t>&)> decode;
   int64_t tokenizer_size = 0;
+  int64_t end_of_text = -1;
   if (bpe_it != meta.extras.end()) {
     const auto bpe = std::make_shared<data::tokenizer::BpeTokenizer>(
         data::tokenizer::BpeTokenizer::from_json(bpe_it->second, checkpoint + "/meta.json"));
     encode = [bpe](const std::string& text) { return bpe->encode(text); };
     decode = [bpe](const std::vector<int64_t>& ids) { return bpe->decode(ids); };
     tokenizer_size = bpe->vocab_size();
+    if (!options.ignore_eos) end_of_text = bpe->end_of_text();
     DTRAIN_CHECK_INPUT(tokenizer_size <= config.vocab, checkpoint, "/meta.json: a tokenizer of ",
                        tokenizer_size, " tokens for a model of ", config.vocab);
   } else {
@@ -111,6 +113,7 @@ std::string generate_text(const GenerateOptions& options,
       }
       next = at::multinomial(at::softmax(logits, 0), 1, false, generator).item<int64_t>();
     }
+    if (next == end_of_text) break;  // the document ends (transformers' eos_token_id)
     ids.push_back(next);
     generated.push_back(next);
     const std::string so_far = decode(generated);

@@ -349,10 +349,25 @@ JobResult run_job(const JobConfig& job) {
     }
   }
   JobResult result;
+  // The whole model's parameters: a decoder's from its shape (a tensor-parallel rank builds a
+  // block of it), any other model's counted.
+  if (models::model_info(job.model).language_model) {
+    result.parameters =
+        models::gpt_parameter_count(models::decoder_config(model_spec(job, vocabulary)));
+  } else {
+    for (const auto& parameter : model.module->parameters()) result.parameters += parameter.numel();
+  }
   result.fit = trainer.fit(std::move(model), data.train, &data.test);
   result.rank = trainer.grid()->world()->rank();
   result.world_size = trainer.grid()->world()->size();
   return result;
+}
+
+// 1234567 -> "1,234,567".
+std::string with_thousands(int64_t n) {
+  std::string digits = std::to_string(n);
+  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(i, ",");
+  return digits;
 }
 
 std::string summary(const JobConfig& job, const JobResult& result) {
@@ -364,19 +379,23 @@ std::string summary(const JobConfig& job, const JobResult& result) {
       fit.start_step > 0 ? concat(" (steps ", fit.start_step + 1, "-", fit.steps, " of ",
                                   fit.total_steps, ", resumed from step ", fit.start_step, ")")
                          : std::string();
-  out +=
-      printed("trained %lld steps%s (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s\n",
-              static_cast<long long>(made), span.c_str(), static_cast<long long>(fit.global_batch),
-              result.world_size, result.world_size == 1 ? "" : "s",
-              concat(job.trainer.pipeline_parallel > 1
-                         ? concat(job.trainer.pipeline_parallel, "-stage pipeline x ")
-                         : std::string(),
-                     job.trainer.strategy,
-                     job.trainer.tensor_parallel > 1
-                         ? concat(" x tensor-parallel ", job.trainer.tensor_parallel)
-                         : std::string())
-                  .c_str(),
-              fit.seconds, fit.samples_per_second);
+  out += printed(
+      "trained %lld steps%s (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s%s\n",
+      static_cast<long long>(made), span.c_str(), static_cast<long long>(fit.global_batch),
+      result.world_size, result.world_size == 1 ? "" : "s",
+      concat(job.trainer.pipeline_parallel > 1
+                 ? concat(job.trainer.pipeline_parallel, "-stage pipeline x ")
+                 : std::string(),
+             job.trainer.strategy,
+             job.trainer.tensor_parallel > 1
+                 ? concat(" x tensor-parallel ", job.trainer.tensor_parallel)
+                 : std::string())
+          .c_str(),
+      fit.seconds, fit.samples_per_second,
+      result.parameters > 0
+          ? concat("; ", job.model, " of ", with_thousands(result.parameters), " parameters")
+                .c_str()
+          : "");
   if (fit.validation && data::dataset_info(job.dataset).language) {
     const std::string& unit = data::dataset_info(job.dataset).token_unit;
     out += printed(

@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -33,34 +34,58 @@ std::string ProgressBar::format_duration(double seconds) {
   return text;
 }
 
-void ProgressBar::update(int64_t epoch, int64_t epochs, int64_t step_in_epoch,
-                         int64_t steps_per_epoch, double loss, double samples_per_second,
-                         double eta_seconds) {
-  const bool epoch_done = step_in_epoch == steps_per_epoch;
+namespace {
+
+std::string fixed(double value, int digits) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.*f", digits, value);
+  return text;
+}
+
+std::string bytes_text(int64_t bytes) {
+  const double mib = static_cast<double>(bytes) / (1024.0 * 1024.0);
+  return mib >= 10240 ? fixed(mib / 1024, 1) + " GiB" : fixed(mib, 0) + " MiB";
+}
+
+}  // namespace
+
+void ProgressBar::update(const ProgressLine& p) {
   const auto now = std::chrono::steady_clock::now();
   if (interactive_) {
-    if (!epoch_done && now - last_draw_ < std::chrono::milliseconds(100)) return;
-  } else if (step_in_epoch % plain_every_ != 0 && !epoch_done) {
+    if (!p.epoch_end && now - last_draw_ < std::chrono::milliseconds(100)) return;
+  } else if (p.done % plain_every_ != 0 && !p.epoch_end && p.done != p.total) {
     return;
   }
   last_draw_ = now;
-  constexpr int kWidth = 24;
-  const int filled =
-      static_cast<int>(kWidth * step_in_epoch / std::max<int64_t>(1, steps_per_epoch));
-  std::string bar(filled, '#');
-  bar.append(kWidth - filled, '.');
-  char line[256];
-  std::snprintf(line, sizeof(line),
-                "epoch %lld/%lld [%s] %lld/%lld loss %.4f %.0f samples/s ETA %s",
-                static_cast<long long>(epoch + 1), static_cast<long long>(epochs), bar.c_str(),
-                static_cast<long long>(step_in_epoch), static_cast<long long>(steps_per_epoch),
-                loss, samples_per_second, format_duration(eta_seconds).c_str());
-  last_line_ = line;
+  const std::string count =
+      std::string(p.unit) + " " + std::to_string(p.done) + "/" + std::to_string(p.total);
+  const std::string epoch =
+      p.epochs > 1 ? "epoch " + std::to_string(p.epoch + 1) + "/" + std::to_string(p.epochs) : "";
+  const std::string rate = p.tokens_per_s > 0 ? fixed(p.tokens_per_s, 0) + " tokens/s"
+                                              : fixed(p.samples_per_s, 0) + " samples/s";
+  std::string line;
   if (interactive_) {
-    std::fprintf(out_, "\r%s\033[K", line);
+    constexpr int kWidth = 24;
+    const int filled = static_cast<int>(kWidth * p.done / std::max<int64_t>(1, p.total));
+    std::string bar(std::clamp(filled, 0, kWidth), '#');
+    bar.append(kWidth - bar.size(), '.');
+    line = (epoch.empty() ? "" : epoch + " ") + "[" + bar + "] " + count + " loss " +
+           fixed(p.loss, 4) + " " + rate + " ETA " + format_duration(p.eta_s);
+    std::fprintf(out_, "\r%s\033[K", line.c_str());
   } else {
-    std::fprintf(out_, "%s\n", line);
+    line = count + (epoch.empty() ? "" : " | " + epoch) + " | loss " + fixed(p.loss, 4);
+    if (p.lr >= 0) {
+      char lr[32];
+      std::snprintf(lr, sizeof(lr), "%.4g", p.lr);
+      line += std::string(" | lr ") + lr;
+    }
+    line += " | " + rate;
+    if (p.step_ms > 0) line += " | " + fixed(p.step_ms, 1) + " ms/" + p.unit;
+    if (p.peak_bytes > 0) line += " | peak memory " + bytes_text(p.peak_bytes);
+    line += " | ETA " + format_duration(p.eta_s);
+    std::fprintf(out_, "%s\n", line.c_str());
   }
+  last_line_ = line;
   std::fflush(out_);
 }
 

@@ -238,6 +238,17 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   int64_t epoch_steps = steps_per_epoch * (train.presampled() ? 1 : options_.epochs);
   if (options_.max_steps > 0) epoch_steps = std::min(epoch_steps, options_.max_steps);
   const int64_t total_steps = runner->plan_steps(epoch_steps, options_);
+  // A warmup as long as the run: the learning rate never reaches --lr (the image models' 100
+  // warmup steps in a 50-step trial run).
+  if (world_->rank() == 0 && options_.schedule.warmup_steps >= total_steps && total_steps > 1) {
+    std::fprintf(stderr,
+                 "dtrain: warning: the warmup (--warmup-steps %lld) is not shorter than the run's "
+                 "%lld steps: the learning rate never reaches --lr %g; give --warmup-steps %lld "
+                 "or fewer\n",
+                 static_cast<long long>(options_.schedule.warmup_steps),
+                 static_cast<long long>(total_steps), options_.optimizer.lr,
+                 static_cast<long long>(std::max<int64_t>(1, total_steps / 10)));
+  }
 
   optim::OptimizerSpec spec = options_.optimizer;
   if (options_.reference_batch > 0) {
@@ -317,9 +328,13 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     }
   };
   checkpoints.on_files = [&](int64_t step) { run.failure.maybe_fire_in_checkpoint(step); };
+  run.callbacks = &callbacks_;
   run.save = [&](int64_t step, int64_t epoch, bool alone) {
     const auto started = runners::Clock::now();
     checkpoints.save(step, epoch, global_batch, alone);
+    if (callbacks_.on_checkpoint) {
+      callbacks_.on_checkpoint(step, options_.checkpoint_dir + "/" + checkpoint_name(step));
+    }
     // How long training stood still for it (asynchronous: the copy to host memory, and any wait
     // for the previous checkpoint's write).
     if (run.leader) {
@@ -359,6 +374,14 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     run.metrics.write(summary);
   }
   return std::move(run.result);
+}
+
+parallel::Strategy& Trainer::prepare(Model model, const data::Batch& example) {
+  strategy_->prepare(runners::to_device(example, device_));
+  model.module->to(device_);
+  strategy_->setup(std::move(model), optim::optimizer_factory(options_.optimizer), grid_);
+  if (after_setup_) after_setup_(*strategy_);
+  return *strategy_;
 }
 
 }  // namespace dtrain::train

@@ -15,6 +15,7 @@
 
 #include "common/Files.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/data/tokenizer/BpeTokenizer.h"
 #include "dtrain/models/Gpt.h"
 #include "dtrain/models/HuggingFace.h"
 #include "dtrain/nn/SafeTensors.h"
@@ -72,14 +73,40 @@ std::vector<std::string> export_safetensors(const std::string& checkpoint,
                                    : dtype == "Double"   ? "float64"
                                    : dtype == "BFloat16" ? "bfloat16"
                                                          : "float16";
-      write_text((fs::path(output) / "config.json").string(),
-                 models::llama_config_to_hf(config, hf_dtype));
-      written.push_back((fs::path(output) / "config.json").string());
+      // The tokenizer's end-of-text token (what dtrain puts between documents, and where
+      // dtrain generate stops): transformers' bos and eos, so that its generate() stops there.
       const auto tokenizer = meta.extras.find("tokenizer");
+      int64_t eos = -1;
+      std::string eos_text;
       if (tokenizer != meta.extras.end()) {
-        write_text((fs::path(output) / "tokenizer.json").string(), tokenizer->second);
-        written.push_back((fs::path(output) / "tokenizer.json").string());
+        const auto bpe =
+            data::tokenizer::BpeTokenizer::from_json(tokenizer->second, directory + "/meta.json");
+        eos = bpe.end_of_text();
+        if (eos >= 0) eos_text = bpe.decode({eos});
       }
+      auto write = [&](const char* name, const std::string& text) {
+        write_text((fs::path(output) / name).string(), text);
+        written.push_back((fs::path(output) / name).string());
+      };
+      write("config.json", models::llama_config_to_hf(config, hf_dtype, eos));
+      if (tokenizer != meta.extras.end()) {
+        write("tokenizer.json", tokenizer->second);
+        nlohmann::json tokenizer_config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                                           {"model_max_length", config.context},
+                                           {"clean_up_tokenization_spaces", false}};
+        if (eos >= 0) {
+          tokenizer_config["bos_token"] = eos_text;
+          tokenizer_config["eos_token"] = eos_text;
+        }
+        write("tokenizer_config.json", tokenizer_config.dump(2) + "\n");
+      }
+      nlohmann::json generation = {{"_from_model_config", true}};
+      if (eos >= 0) {
+        generation["bos_token_id"] = eos;
+        generation["eos_token_id"] = eos;
+        generation["pad_token_id"] = eos;
+      }
+      write("generation_config.json", generation.dump(2) + "\n");
       return written;
     }
   }

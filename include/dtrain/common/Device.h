@@ -24,6 +24,9 @@ bool built_with_cuda();
 /// CUDA devices visible to this process (0 in a build without CUDA).
 int cuda_device_count();
 
+/// This process's peak resident memory so far, in bytes (getrusage's maxrss; 0 if unknown).
+int64_t peak_resident_bytes();
+
 /// `tensor` on `device`: itself when it is there already; a CPU tensor headed for a GPU goes
 /// through pinned memory and its copy is asynchronous (ordered on the current stream).
 at::Tensor to_device(const at::Tensor& tensor, c10::Device device);

@@ -62,7 +62,7 @@ inline std::string first_line(const std::string& text) {
 }
 
 /// `text` safe to print on one line: control bytes and bytes past ASCII (raw bytes of a damaged
-/// file, quoted by a parser) as \xNN, so that an error line shows them instead of the terminal
+/// file, quoted by a parser) as `\xNN`, so that an error line shows them instead of the terminal
 /// acting on them.
 inline std::string printable(const std::string& text) {
   static const char* kHex = "0123456789ABCDEF";

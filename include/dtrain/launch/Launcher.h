@@ -42,6 +42,10 @@ struct LaunchOptions {
   double stop_timeout_seconds = 600;
   /// What the launcher's lines begin with ("dtrain train" when `dtrain train --nproc` runs it).
   std::string name = "dtrain launch";
+  /// Said after a failure the job did not survive (not bad input), when it had no restarts and
+  /// tolerated no failure: how it could have gone on.
+  std::string failure_hint =
+      "to go on after a failure, give --max-restarts N (each restart runs the ranks again)";
   /// Prefix every output line with "[rank N] ".
   bool prefix_output = true;
   /// Program and arguments (PATH is searched).

@@ -33,7 +33,9 @@ bool is_llama_architecture(const GptConfig& config);
 GptConfig llama_config_from_hf(const std::string& config_json, const std::string& origin);
 
 /// config.json for a Llama-architecture decoder (InputError for a GPT-2-architecture one).
-std::string llama_config_to_hf(const GptConfig& config, const std::string& dtype = "float32");
+/// `eos_token_id` >= 0: also bos_token_id and eos_token_id (the tokenizer's end-of-text token).
+std::string llama_config_to_hf(const GptConfig& config, const std::string& dtype = "float32",
+                               int64_t eos_token_id = -1);
 
 /// The full tensors under Hugging Face's names: qkv cut into q_proj, k_proj and v_proj, the
 /// SwiGLU fc1 into gate_proj and up_proj, lm_head left out when the embedding is tied.

@@ -17,6 +17,9 @@ struct GenerateOptions {
   int64_t top_k = 0;         ///< > 0: sample among the k most likely only
   uint64_t seed = 0;
   int threads = 0;  ///< 0 = all cores
+  /// Go on past the tokenizer's end-of-text token (by default sampling stops at it, as
+  /// transformers' generate() stops at eos_token_id: `dtrain ckpt export` writes it there).
+  bool ignore_eos = false;
 };
 
 /// The prompt followed by the sampled continuation; `on_token` (optional) sees the prompt once

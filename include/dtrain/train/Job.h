@@ -16,6 +16,10 @@ namespace dtrain::train {
 /// first command with no flags trains a good model.
 struct JobConfig {
   JobConfig();
+  /// The run's folder (`dtrain train --run-dir`; the command line's, which writes it), and
+  /// whether none is made by default (--no-run-dir).
+  std::string run_dir;
+  bool no_run_dir = false;
   /// "mlp", "cnn", "resnet" or "gpt" (with the text data set).
   std::string model = "cnn";
   /// GPT sizes (--layers --heads --width --context --dropout --tied-embeddings); the
@@ -90,6 +94,8 @@ struct JobResult {
   FitResult fit;
   int rank = 0;
   int world_size = 1;
+  /// The model's parameters (all of them, not this rank's share).
+  int64_t parameters = 0;
 };
 
 /// What the job's data set reads (its data flags, the GPT's context, the seed).

@@ -159,6 +159,36 @@ struct BatchPlan {
 /// is not a whole number of micro-batches of batch_size x dp.
 BatchPlan plan_batches(const TrainerOptions& options, int64_t dp);
 
+/// One step as the callbacks see it (TrainCallbacks::on_step).
+struct StepEvent {
+  /// Steps done in total (this one included), and the run's total.
+  int64_t step = 0;
+  int64_t total_steps = 0;
+  int64_t epoch = 0;
+  /// The step's loss: the mean over the ranks that agree on it (an asynchronous worker's own).
+  double loss = 0.0;
+  double lr = 0.0;
+  double seconds = 0.0;
+  /// Examples per second over the run so far (every rank's).
+  double samples_per_second = 0.0;
+  /// The step's result: grad_norm (< 0 when not computed) and the strategy's own metrics.
+  double grad_norm = -1.0;
+  std::map<std::string, double> metrics;
+};
+
+/// Hooks into fit(), called on every rank that does the thing (a step: every rank; an
+/// evaluation or a checkpoint: the ranks that take part, rank 0 alone for an asynchronous run).
+/// They run on the training thread between steps: keep them short. To stop the run from one
+/// (early stopping), call dtrain::train::request_stop(SIGTERM) (dtrain/train/Stop.h): the ranks
+/// agree to stop after the next step, save a checkpoint, and fit() returns with stopped_by set.
+struct TrainCallbacks {
+  std::function<void(const StepEvent&)> on_step;
+  /// After an evaluation at `step` (validation loss and accuracy).
+  std::function<void(int64_t step, const EvalResult&)> on_evaluation;
+  /// After a checkpoint at `step` was saved (or, with --async-checkpoint, handed to its writer).
+  std::function<void(int64_t step, const std::string& directory)> on_checkpoint;
+};
+
 class Trainer {
  public:
   /// `world` = nullptr: a 1-rank world. Seeds LibTorch's RNG with options.seed, so a model
@@ -178,6 +208,17 @@ class Trainer {
   void set_after_setup(std::function<void(parallel::Strategy&)> fn) {
     after_setup_ = std::move(fn);
   }
+
+  /// Hooks into the next fit() calls (TrainCallbacks).
+  void set_callbacks(TrainCallbacks callbacks) { callbacks_ = std::move(callbacks); }
+
+  /// Your own training loop with dtrain's strategy (as Hugging Face accelerate's prepare()):
+  /// moves `model` to the run's device and sets the strategy up with it and the options'
+  /// optimizer (`example`: one micro-batch, for strategies that trace shapes). Then call
+  /// strategy().train_step({batch}, loss) on each rank's share of the data (data/
+  /// DistributedSampler.h, at grid()->data_parallel_rank()); set the learning rate with
+  /// optim::set_learning_rate. Instead of fit(), not with it.
+  parallel::Strategy& prepare(Model model, const data::Batch& example);
 
   parallel::Strategy& strategy() { return *strategy_; }
   const std::shared_ptr<comm::ProcessGrid>& grid() const { return grid_; }
@@ -202,6 +243,7 @@ class Trainer {
   parallel::LossFn loss_ = parallel::cross_entropy;
   std::function<at::Tensor(const at::Tensor&)> predict_;
   std::function<void(parallel::Strategy&)> after_setup_;
+  TrainCallbacks callbacks_;
 };
 
 }  // namespace dtrain::train

@@ -405,7 +405,28 @@ std::pair<std::string, std::string> split_paths(const std::string& spec) {
   const auto parts = split_on_comma(spec);
   if (parts.size() == 2) return {parts[0], parts[1]};
   DTRAIN_CHECK_INPUT(parts.size() == 1, "--dataset images:", spec, ": give ROOT or TRAIN,VAL");
-  return {(fs::path(spec) / "train").string(), (fs::path(spec) / "val").string()};
+  fs::path root = fs::path(spec).lexically_normal();
+  if (!root.has_filename()) root = root.parent_path();  // "DIR/train/"
+  std::error_code error;
+  if (!fs::is_directory(root / "train", error)) {
+    // The split itself given as ROOT (images:DIR/train): say which form fits.
+    const fs::path parent = root.parent_path();
+    const std::string hint =
+        fs::is_directory(root, error) && root.filename() == "train" &&
+                fs::is_directory(parent / "val", error)
+            ? concat(" (did you mean --dataset images:", parent.string(), "?)")
+        : fs::is_directory(root, error)
+            ? concat(
+                  " (for a training folder of its own, give its validation folder too: "
+                  "--dataset images:",
+                  spec, ",VAL)")
+            : std::string();
+    DTRAIN_THROW(InputError, "--dataset images:", spec, ": ", (root / "train").string(),
+                 " is not a folder: ROOT must hold train/ and val/ (in each a folder per class, "
+                 "or .tar shards), or give the two folders as images:TRAIN,VAL",
+                 hint);
+  }
+  return {(root / "train").string(), (root / "val").string()};
 }
 
 LoadedData load_images(const DataSource& source) {

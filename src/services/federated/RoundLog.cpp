@@ -51,8 +51,15 @@ void RoundLog::report(const RoundRecord& record, int64_t done, int64_t min_clien
     const auto rounds_here = static_cast<double>(done - start_round_);
     const double eta =
         rounds_here > 0 ? elapsed / rounds_here * static_cast<double>(rounds_ - done) : NAN;
-    bar_.update(0, 1, done, rounds_, outcome.train_loss,
-                static_cast<double>(outcome.examples) / std::max(1e-9, record.seconds), eta);
+    train::ProgressLine line;
+    line.unit = "round";
+    line.done = done;
+    line.total = rounds_;
+    line.loss = outcome.train_loss;
+    line.samples_per_s = static_cast<double>(outcome.examples) / std::max(1e-9, record.seconds);
+    line.step_ms = record.seconds * 1e3;
+    line.eta_s = eta;
+    bar_.update(line);
     if (record.test_accuracy >= 0) {
       bar_.note(concat("round ", done, ": test accuracy ", record.test_accuracy, ", loss ",
                        record.test_loss, " (", outcome.finished, "/", outcome.selected,

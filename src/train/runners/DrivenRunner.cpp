@@ -64,10 +64,29 @@ class DrivenRunner : public Runner {
     if (iteration.grad_norm >= 0) record["grad_norm"] = iteration.grad_norm;
     for (const auto& [key, value] : iteration.metrics) record[key] = value;
     run.metrics.write(record);
+    if (run.callbacks != nullptr) {
+      StepEvent event;
+      event.step = reached;
+      event.total_steps = run.total_steps;
+      event.loss = iteration.loss;
+      event.seconds = iteration.seconds;
+      event.samples_per_second = throughput;
+      event.grad_norm = iteration.grad_norm;
+      event.metrics = iteration.metrics;
+      run.step_done(event);
+    }
     if (o.progress) {
       const double eta = (run.last_step - reached) * run.train_seconds /
                          std::max<int64_t>(1, reached - run.start_step);
-      run.progress.update(0, 1, reached, run.total_steps, iteration.loss, throughput, eta);
+      ProgressLine line;
+      line.unit = "iteration";
+      line.done = reached;
+      line.total = run.total_steps;
+      line.loss = iteration.loss;
+      line.samples_per_s = throughput;
+      line.step_ms = iteration.seconds * 1e3;
+      line.eta_s = eta;
+      run.progress.update(line);
     }
     const bool eval_due =
         run.validation != nullptr && o.eval_every > 0 && reached % o.eval_every == 0;

@@ -6,7 +6,9 @@
 #include <torch/torch.h>
 
 #include <fcntl.h>
+#include <netdb.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -92,11 +94,13 @@ SimulatedFailure SimulatedFailure::from_env(int my_rank) {
   const std::string text = spec;
   f.node = text.size() > 5 && text.compare(text.size() - 5, 5, ":node") == 0;
   f.stop = text.size() > 5 && text.compare(text.size() - 5, 5, ":stop") == 0;
+  f.stop_in_store = text.size() > 14 && text.compare(text.size() - 14, 14, ":stop-in-store") == 0;
+  f.stop = f.stop || f.stop_in_store;
   f.input = text.size() > 6 && text.compare(text.size() - 6, 6, ":input") == 0;
   f.in_checkpoint = text.size() > 11 && text.compare(text.size() - 11, 11, ":checkpoint") == 0;
   DTRAIN_CHECK_INPUT(fields >= 2 && rank >= 0 && step >= 1, "DTRAIN_SIMULATE_FAILURE='", spec,
-                     "' is not RANK:STEP[:ATTEMPTS][:node|:stop|:checkpoint|:input] (RANK * "
-                     "for every rank)");
+                     "' is not RANK:STEP[:ATTEMPTS][:node|:stop|:stop-in-store|:checkpoint|"
+                     ":input] (RANK * for every rank)");
   const char* restart = std::getenv("DTRAIN_RESTART_COUNT");
   const long long attempt = restart ? std::atoll(restart) : 0;
   f.rank = static_cast<int>(rank);
@@ -113,6 +117,23 @@ void SimulatedFailure::maybe_fire_in_checkpoint(int64_t reached) const {
   ::raise(SIGKILL);
 }
 
+void SimulatedFailure::begin_store_request() {
+  const char* host = std::getenv("MASTER_ADDR");
+  const char* port = std::getenv("MASTER_PORT");
+  if (host == nullptr || port == nullptr) return;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host, port, &hints, &found) != 0 || found == nullptr) return;
+  const int fd = ::socket(found->ai_family, found->ai_socktype, found->ai_protocol);
+  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
+    const unsigned char first = 0;  // a query's type, its key never following
+    (void)!::write(fd, &first, 1);  // the socket stays open: the process stops with it
+  }
+  ::freeaddrinfo(found);
+}
+
 void SimulatedFailure::maybe_fire(int64_t reached) const {
   if (slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
   if (armed && input && reached == step) {
@@ -127,6 +148,10 @@ void SimulatedFailure::maybe_fire(int64_t reached) const {
                  static_cast<long long>(step));
     std::fflush(stderr);
     if (stop) {
+      // :stop-in-store: it stops halfway through a request to the rendezvous store (the first
+      // byte of one sent, the rest never): what a machine that freezes while its heartbeat
+      // thread talks to the store leaves behind.
+      if (stop_in_store) begin_store_request();
       ::raise(SIGSTOP);
       return;  // continued: as a machine that hung for a while
     }
@@ -153,8 +178,7 @@ Run::Run(const TrainerOptions& options, parallel::Strategy& strategy, comm::Comm
       report(leader ? std::getenv("DTRAIN_PROGRESS_FILE") : nullptr, start_step),
       failure(SimulatedFailure::from_env(world.rank())),
       metrics(leader ? options.metrics_file : "", start_step > 0),
-      progress(stdout, ProgressBar::is_terminal(stdout),
-               std::max<int64_t>(1, steps_per_epoch / 10)) {
+      progress(stdout, ProgressBar::is_terminal(stdout), options.log_every) {
   result.start_step = start_step;
   result.steps = start_step;
 }
@@ -168,6 +192,9 @@ void Run::take_lead() {
 
 void Run::evaluate_and_record(int64_t step, std::optional<int64_t> epoch, bool alone) {
   result.validation = evaluate(alone);
+  if (callbacks != nullptr && callbacks->on_evaluation) {
+    callbacks->on_evaluation(step, *result.validation);
+  }
   if (!leader) return;
   MetricRecord record{
       {"event", std::string("eval")},        {"step", step},

@@ -43,7 +43,9 @@ class ProgressReport {
 /// DTRAIN_SIMULATE_FAILURE=RANK:STEP[:ATTEMPTS][:node|:stop]: RANK kills itself (SIGKILL) when
 /// it reaches STEP, in the first ATTEMPTS attempts of a launch (default all); with ":node" it
 /// kills its launcher first (a node lost; the rank follows through its parent-death signal);
-/// with ":stop" it stops itself instead (SIGSTOP: a hung machine): for testing restarts and
+/// with ":stop" it stops itself instead (SIGSTOP: a hung machine; ":stop-in-store" halfway
+/// through a request to the rendezvous store, as a machine frozen mid-heartbeat): for testing
+/// restarts and
 /// fault tolerance the way machines fail; with ":input" it stops with bad input instead (an
 /// InputError: exit 2, as a damaged file found mid-training). DTRAIN_SIMULATE_SLOW_STEP_MS=N:
 /// every rank sleeps N ms after each step (to give tests time to act on a running job).
@@ -54,6 +56,8 @@ struct SimulatedFailure {
   bool armed = false;
   bool node = false;
   bool stop = false;
+  /// RANK:STEP:stop-in-store: it stops halfway through a request to the rendezvous store.
+  bool stop_in_store = false;
   bool input = false;
   /// RANK:STEP:checkpoint: killed while step STEP's checkpoint is written (its files written,
   /// or staged when asynchronous; before the other ranks hear of them).
@@ -62,6 +66,8 @@ struct SimulatedFailure {
   static SimulatedFailure from_env(int my_rank);
   void maybe_fire(int64_t reached) const;
   void maybe_fire_in_checkpoint(int64_t step) const;
+  /// Connects to MASTER_ADDR:MASTER_PORT and sends the first byte of a request, no more.
+  static void begin_store_request();
 };
 
 /// The batch's tensors on `device` (dtrain/common/Device.h's to_device).
@@ -116,6 +122,12 @@ struct Run {
   /// itself, not collective) and a checkpoint (`alone`: rank 0 saving by itself).
   std::function<EvalResult(bool alone)> evaluate;
   std::function<void(int64_t step, int64_t epoch, bool alone)> save;
+  /// The user's hooks (Trainer::set_callbacks); nullptr: none.
+  const TrainCallbacks* callbacks = nullptr;
+  /// Calls callbacks->on_step when there is one.
+  void step_done(const StepEvent& event) const {
+    if (callbacks != nullptr && callbacks->on_step) callbacks->on_step(event);
+  }
 
   /// This rank leads from now on (the replica that led failed): it appends to the metrics file
   /// and reports progress to the launcher.

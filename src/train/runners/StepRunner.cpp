@@ -16,6 +16,7 @@
 #include <iterator>
 
 #include "common/Straggler.h"
+#include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/data/DistributedSampler.h"
@@ -194,6 +195,19 @@ void StepRunner::run(Run& run) {
     run.result.steps = reached;
     run.report.reached(reached);
     const double throughput = run.samples / std::max(run.train_seconds, 1e-9);
+    if (run.callbacks != nullptr) {
+      StepEvent event;
+      event.step = reached;
+      event.total_steps = run.total_steps;
+      event.epoch = epoch;
+      event.loss = result.loss;
+      event.lr = lr;
+      event.seconds = step_seconds;
+      event.samples_per_second = throughput;
+      event.grad_norm = result.grad_norm;
+      event.metrics = result.metrics;
+      run.step_done(event);
+    }
 
     // An asynchronous leader also records the step at which the servers' budget ran out (it
     // may make fewer steps than --log-every when the other workers are faster).
@@ -214,10 +228,27 @@ void StepRunner::run(Run& run) {
       run.metrics.write(record);
     }
     if (run.leader && o.progress) {
-      const double eta =
-          (run.total_steps - step - 1) * run.train_seconds / (step + 1 - run.start_step);
-      run.progress.update(epoch, run.train.presampled() ? 1 : o.epochs, in_epoch + 1,
-                          run.steps_per_epoch, result.loss, throughput, eta);
+      ProgressLine line;
+      line.done = reached;
+      line.total = run.total_steps;  // --max-steps when it cuts the epochs short
+      line.epoch = epoch;
+      line.epochs = run.train.presampled()
+                        ? 1
+                        : (run.total_steps + run.steps_per_epoch - 1) / run.steps_per_epoch;
+      line.epoch_end = in_epoch + 1 == run.steps_per_epoch;
+      line.loss = result.loss;
+      line.lr = lr;
+      line.samples_per_s = throughput;
+      if (o.token_loss && !batches.empty()) {
+        const at::Tensor& window =
+            batches[0].inputs.defined() ? batches[0].inputs : batches[0].targets;
+        if (window.defined() && window.dim() >= 1) line.tokens_per_s = throughput * window.size(-1);
+      }
+      line.step_ms = step_seconds * 1e3;
+      line.eta_s = (run.total_steps - reached) * run.train_seconds /
+                   std::max<int64_t>(1, reached - run.start_step);
+      line.peak_bytes = peak_resident_bytes();
+      run.progress.update(line);
     }
     const bool epoch_end = in_epoch + 1 == run.steps_per_epoch || step + 1 == run.total_steps;
     const bool halting = async ? done : step + 1 == run.last_step || stop_signal != 0;

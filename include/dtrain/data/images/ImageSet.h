@@ -47,7 +47,7 @@ std::vector<std::string> write_image_shards(const std::string& folder, const std
                                             int64_t shard_bytes, uint64_t seed);
 
 /// Fashion-MNIST's IDX files (`data_dir`, "" = the default location) as JPEG files in
-/// ImageNet's layout: OUT/train/<class>/NNNNN.jpg and OUT/val/<class>/NNNNN.jpg (grayscale,
+/// ImageNet's layout: `OUT/train/<class>/NNNNN.jpg` and `OUT/val/<class>/NNNNN.jpg` (grayscale,
 /// quality `quality`). Returns the images written.
 int64_t export_fashion_mnist_jpeg(const std::string& data_dir, const std::string& out, int quality);
 

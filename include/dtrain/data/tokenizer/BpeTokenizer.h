@@ -45,7 +45,7 @@ class BpeTokenizer {
   /// The id of a token's text (-1: none).
   int64_t token_id(const std::string& token) const;
   /// The end-of-document token dtrain puts between documents: an added special token named
-  /// like one (<|endoftext|>, </s>, <|end_of_text|>, <eos>), else -1.
+  /// like one (`<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>`), else -1.
   int64_t end_of_text() const;
 
   struct Model;
