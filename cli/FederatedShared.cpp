@@ -167,6 +167,15 @@ void save_final(const Shared& s, const models::ModelSpec& spec, const at::Tensor
 
 void add_data(CLI::App& c, Shared& s, const char* use) {
   add_data_flags(c, s.dataset, s.data_dir, s.synthetic_examples, federated_datasets() + ": " + use);
+  add(c, "--image-size", s.image_size,
+      "--dataset images: the side of the images the model sees (every party the same)")
+      ->capture_default_str();
+  add(c, "--augment", s.augment,
+      "--dataset images: imagenet, flip (the whole image resized, flipped half the time) or none")
+      ->capture_default_str();
+  add(c, "--max-bad-samples", s.max_bad_samples,
+      "--dataset images: damaged images to name and leave out (more stop it)")
+      ->capture_default_str();
   add_threads_flag(c, s.threads, "$DTRAIN_THREADS, else the cores");
 }
 
@@ -179,33 +188,46 @@ models::ModelSpec model_spec(const Shared& s, const std::string& name,
   models::ModelSpec spec;
   spec.name = name;
   spec.hidden = hidden;
-  const data::DatasetInfo& dataset = federated_dataset(s);
+  const data::DatasetInfo dataset = federated_dataset(s);
   spec.input_shape = dataset.input_shape;
   spec.classes = dataset.classes;
   return spec;
 }
 
+// Classification sets: the built-in ones partitioned over simulated clients, and a party's own
+// (images:ROOT, a folder per class or tar shards).
 std::string federated_datasets() {
-  return data::dataset_names_where([](const data::DatasetInfo& d) { return d.federated; });
+  return data::dataset_names_where([](const data::DatasetInfo& d) { return !d.language; });
 }
 
-const data::DatasetInfo& federated_dataset(const Shared& s) {
-  const data::DatasetInfo& dataset = data::dataset_info(s.dataset);
-  DTRAIN_CHECK_INPUT(dataset.federated, "--dataset '", s.dataset,
-                     "': federated learning partitions classification sets: expected ",
-                     federated_datasets());
-  return dataset;
+namespace {
+
+data::DataSource source_of(const Shared& s, bool train) {
+  data::DataSource source;
+  source.argument = data::dataset_argument(s.dataset);
+  source.data_dir = s.data_dir;
+  source.synthetic_examples = s.synthetic_examples;
+  source.image_size = s.image_size;
+  source.augment = s.augment;
+  source.max_bad_samples = s.max_bad_samples;
+  source.seed = s.round.seed + 1;
+  source.train = train;
+  source.test = !train;
+  return source;
+}
+
+}  // namespace
+
+data::DatasetInfo federated_dataset(const Shared& s) {
+  DTRAIN_CHECK_INPUT(!data::dataset_info(s.dataset).language, "--dataset '", s.dataset,
+                     "': federated learning trains classifiers: expected ", federated_datasets(),
+                     " (images:ROOT: a party's own image folders)");
+  return data::dataset_info_for(s.dataset, source_of(s, true));
 }
 
 // The set's training or test split.
 data::TensorDataset load(const Shared& s, bool train) {
-  data::DataSource source;
-  source.data_dir = s.data_dir;
-  source.synthetic_examples = s.synthetic_examples;
-  source.seed = s.round.seed + 1;
-  source.train = train;
-  source.test = !train;
-  data::LoadedData data = federated_dataset(s).load(source);
+  data::LoadedData data = data::load_dataset(s.dataset, source_of(s, train));
   return train ? std::move(data.train) : std::move(data.test);
 }
 

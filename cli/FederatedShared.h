@@ -35,6 +35,11 @@ struct Shared {
   std::string dataset = "fashion-mnist";
   std::string data_dir;
   int64_t synthetic_examples = 4000;
+  /// --dataset images:ROOT (a client's own folder): the side the model sees, the transforms,
+  /// damaged images left out.
+  int64_t image_size = 32;
+  std::string augment = "flip";
+  int64_t max_bad_samples = 0;
   int threads = 0;
 };
 
@@ -69,7 +74,9 @@ data::TensorDataset load(const Shared& s, bool train);
 /// The data sets federated learning can partition ("a or b"), and --dataset's entry (InputError
 /// naming them for another).
 std::string federated_datasets();
-const data::DatasetInfo& federated_dataset(const Shared& s);
+/// The set --dataset names, described for its source (an image folder's classes and size);
+/// InputError unless it is a classification set.
+data::DatasetInfo federated_dataset(const Shared& s);
 
 // Threads for tensor ops (--threads, else $DTRAIN_THREADS or the cores), and glibc malloc kept
 // from mmapping each large temporary (a FedSGD client's full-batch activations): without it a

@@ -203,6 +203,14 @@ TEST(Cli, ImagesExportShardAndTrain) {
     EXPECT_TRUE(has(out, "10 classes, 28x28, --augment " + augment)) << out.text;
     EXPECT_TRUE(has(out, "test accuracy")) << out.text;
   }
+  // A federated party's own image folders (issue 78): the simulation partitions them by their
+  // labels, read from the class folders without decoding a picture.
+  out = run(
+      kDtrain + " fl simulate --threads 1 --model cnn --dataset images:" + (dir / "fm") +
+      " --image-size 28 --clients 2 --client-examples 20 --fraction 1 --rounds 2 --local-batch 8 "
+      "--no-progress");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "2 rounds")) << out.text;
   // Bad image data: one line, exit 2, before training.
   std::ofstream(dir / "fm/train/3-dress/00003.jpg") << "truncated";
   std::filesystem::create_directories(dir / "fm/train/x-empty");

@@ -41,6 +41,7 @@ TensorDataset TensorDataset::from_source(std::shared_ptr<const SampleSource> sou
   TensorDataset dataset;
   dataset.source_ = std::move(source);
   dataset.presampled_ = presampled;
+  dataset.targets_ = dataset.source_->labels();  // undefined when the source has none
   return dataset;
 }
 
@@ -66,7 +67,7 @@ Batch TensorDataset::get(const std::vector<int64_t>& indices) const {
 }
 
 at::Tensor TensorDataset::get_targets(const std::vector<int64_t>& indices) const {
-  if (source_) return source_->get(indices).targets;
+  if (source_ && !targets_.defined()) return source_->get(indices).targets;
   at::Tensor index = at::tensor(indices, at::kLong);
   if (context_ > 0) return inputs_.index({window_index(index, 1)});
   return targets_.index_select(0, index);

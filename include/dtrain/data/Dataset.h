@@ -29,6 +29,9 @@ class SampleSource {
   virtual std::vector<int64_t> input_shape() const = 0;
   /// > 0 for token windows of that length.
   virtual int64_t context() const { return 0; }
+  /// Every example's label, read without the examples (an image folder's, from its class
+  /// folders): what samplers, partitions and a pipeline's last stage read; undefined: none.
+  virtual at::Tensor labels() const { return {}; }
   /// The epoch the next batches belong to (random augmentation draws from it, so a resumed run
   /// augments as the uninterrupted one).
   virtual void set_epoch(int64_t) const {}

@@ -281,6 +281,12 @@ class ImageSource : public SampleSource {
   int64_t size() const override { return static_cast<int64_t>(split_->items.size()); }
   std::vector<int64_t> input_shape() const override { return {3, size_, size_}; }
   void set_epoch(int64_t epoch) const override { epoch_ = epoch; }
+  at::Tensor labels() const override {
+    at::Tensor labels = at::empty({size()}, at::kLong);
+    int64_t* out = labels.data_ptr<int64_t>();
+    for (const Item& item : split_->items) *out++ = item.label;
+    return labels;
+  }
 
   Batch get(const std::vector<int64_t>& indices) const override {
     const int64_t n = static_cast<int64_t>(indices.size());
