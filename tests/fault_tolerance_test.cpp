@@ -7,6 +7,7 @@
 // joins them.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <atomic>
 #include <chrono>
@@ -348,8 +349,9 @@ TEST(FaultTolerance, AStoppedLeaderEndsTheJobEveryTime) {
 // server, which reads each request to its end, and with it the launcher and every rank: the
 // second, rarer hang of issue 77. The launcher's watchdog kills the stopped rank once its loop
 // stalls: the leader stopped after the last step ends the job as a hung leader does (exit 1,
-// named), a replica stopped mid-run is replaced and the job finishes (exit 0). Without the
-// watchdog both runs hang until `timeout` ends them.
+// named) or, when the others were still waiting on the store, as a failed replica (the next
+// leads to the end); a replica stopped mid-run is replaced and the job finishes (exit 0).
+// Without the watchdog both runs hang until `timeout` ends them.
 TEST(FaultTolerance, ARankStoppedHalfwayThroughAStoreRequestIsEnded) {
   const std::string job =
       " train --model mlp --hidden 32 --nproc 3 --threads 1 --batch-size 16 --log-every 1 "
@@ -357,17 +359,34 @@ TEST(FaultTolerance, ARankStoppedHalfwayThroughAStoreRequestIsEnded) {
   auto out = test::cli::run("DTRAIN_SIMULATE_FAILURE=0:20:stop-in-store timeout -k 5 60 " +
                             test::cli::kDtrain + job + " --max-steps 20");
   ASSERT_LT(out.seconds, 55) << "hung:\n" << out.text;
-  EXPECT_NE(out.code, 0) << out.text;
-  EXPECT_TRUE(test::cli::has(out, "is stopped while the launcher has waited")) << out.text;
-  EXPECT_TRUE(test::cli::has(out, "hung after training ended, before its replica ended the job"))
-      << out.text;
+  // LibTorch 2.x's store server (libuv) reads requests without blocking: there the rank is
+  // ended by its silent heartbeat instead, without the watchdog.
+  if (TORCH_VERSION_MAJOR < 2) {
+    EXPECT_TRUE(test::cli::has(out, "is stopped while the launcher has waited")) << out.text;
+  }
+  // Either the other replicas had finished (training ended) when the leader was ended: the job
+  // fails naming the leader that hung before ending it; or they were still waiting on the store
+  // (their last requests blocked too): the leader is a replica that failed, the next one leads
+  // and ends the job.
+  const bool hung_at_end =
+      test::cli::has(out, "hung after training ended, before its replica ended the job");
+  if (hung_at_end) {
+    EXPECT_NE(out.code, 0) << out.text;
+  } else {
+    EXPECT_EQ(out.code, 0) << out.text;
+    EXPECT_TRUE(test::cli::has(out, "[rank 1] trained 20 steps") ||
+                test::cli::has(out, "[rank 2] trained 20 steps"))
+        << out.text;
+  }
   out = test::cli::run(
       "DTRAIN_SIMULATE_SLOW_STEP_MS=20 DTRAIN_SIMULATE_FAILURE=2:5:stop-in-store "
       "timeout -k 5 90 " +
       test::cli::kDtrain + job + " --max-steps 60");
   ASSERT_LT(out.seconds, 85) << "hung:\n" << out.text;
   EXPECT_EQ(out.code, 0) << out.text;
-  EXPECT_TRUE(test::cli::has(out, "is stopped while the launcher has waited")) << out.text;
+  if (TORCH_VERSION_MAJOR < 2) {
+    EXPECT_TRUE(test::cli::has(out, "is stopped while the launcher has waited")) << out.text;
+  }
   EXPECT_TRUE(test::cli::has(out, "started rank 2 again")) << out.text;
   EXPECT_TRUE(test::cli::has(out, "[rank 0] trained 60 steps")) << out.text;
 }

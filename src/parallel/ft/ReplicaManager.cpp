@@ -130,12 +130,25 @@ bool ReplicaManager::declare_silent() {
   next_beat_look_ = now + beat_every_;
   const int me = me_;
   bool declared = false;
+  // Time this rank could not look is no evidence of another's silence: a store that stalled
+  // (a rank stopped halfway through a request blocks c10d 1.13's store server until its launcher
+  // ends it) held every heartbeat back. After such a gap, or a read that took half the timeout,
+  // each silence counts from now.
+  const auto stall = heartbeat_timeout_ / 2;
+  bool stalled =
+      last_look_ != Clock::time_point{} && now - last_look_ > std::max(stall, beat_every_ * 4);
+  std::vector<std::pair<int, int64_t>> read;
   for (const int r : all_ranks_of(members_)) {
     if (r == me) continue;
-    const int64_t beat = store_->add(heartbeat_key(r), 0);
+    const auto before = Clock::now();
+    read.emplace_back(r, store_->add(heartbeat_key(r), 0));
+    stalled = stalled || Clock::now() - before > stall;
+  }
+  last_look_ = Clock::now();
+  for (const auto& [r, beat] : read) {
     auto seen = beats_.find(r);
-    if (seen == beats_.end() || seen->second.first != beat) {
-      beats_[r] = {beat, now};
+    if (seen == beats_.end() || seen->second.first != beat || stalled) {
+      beats_[r] = {beat, stalled ? last_look_ : now};
       continue;
     }
     if (now - seen->second.second < heartbeat_timeout_) continue;

@@ -195,6 +195,8 @@ class ReplicaManager {
   /// Each member's heartbeat count and when this rank last saw it change.
   std::map<int, std::pair<int64_t, std::chrono::steady_clock::time_point>> beats_;
   std::chrono::steady_clock::time_point next_beat_look_{};
+  // When this rank's last look at the heartbeats ended (declare_silent).
+  std::chrono::steady_clock::time_point last_look_{};
   std::thread heartbeat_;
   std::mutex heartbeat_mutex_;
   std::condition_variable heartbeat_stop_;
