@@ -364,7 +364,7 @@ JobResult run_job(const JobConfig& job) {
 }
 
 // 1234567 -> "1,234,567".
-std::string with_thousands(int64_t n) {
+static std::string with_thousands(int64_t n) {
   std::string digits = std::to_string(n);
   for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(i, ",");
   return digits;

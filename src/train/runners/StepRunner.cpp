@@ -43,13 +43,13 @@ void set_stop_vote(at::Tensor& agreed) {
   for (size_t i = 0; i < std::size(kStopSignals); ++i) {
     if (kStopSignals[i] == signal) place = 1 + static_cast<int64_t>(i);
   }
-  agreed[place] = 1.0;
+  agreed.data_ptr<double>()[place] = 1.0;
 }
 
 // The signal the ranks agreed to stop on, after the allreduce (a sum) of their votes; 0: none.
 int agreed_stop(const at::Tensor& agreed) {
   for (size_t i = 0; i < std::size(kStopSignals); ++i) {
-    if (agreed[1 + static_cast<int64_t>(i)].item<double>() > 0) return kStopSignals[i];
+    if (agreed.data_ptr<double>()[1 + i] > 0) return kStopSignals[i];
   }
   return 0;
 }
@@ -165,10 +165,10 @@ void StepRunner::run(Run& run) {
       comm::Communicator& group = step_group ? *step_group : run.world;
       bool agree_here = &group == &run.world || group.size() == run.world.size();
       at::Tensor agreed = at::zeros({kVoteSize}, at::kDouble);
-      agreed[0] = result.loss;
+      agreed.data_ptr<double>()[0] = result.loss;
       if (agree_here) set_stop_vote(agreed);
       group.allreduce(agreed)->wait();
-      result.loss = agreed[0].item<double>() / group.size();
+      result.loss = agreed.data_ptr<double>()[0] / group.size();
       if (!agree_here && (step + 1) % std::max<int64_t>(1, run.strategy.stop_check_every()) == 0) {
         agreed.zero_();
         set_stop_vote(agreed);
