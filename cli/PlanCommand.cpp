@@ -188,7 +188,7 @@ class PlanCommand final : public Command {
     app_->add_option("--schedule", layout_.schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v")
         ->capture_default_str();
     app_->add_option("--pipeline-sync", layout_.pipeline_sync,
-                     "flush, 2bw or async (PipeDream's flush-free 1F1B, as dtrain train's)")
+                     "flush, 2bw, eager or async (PipeDream's flush-free 1F1B, as dtrain train's)")
         ->capture_default_str();
     app_->add_option("--stage-replicas", layout_.stage_replicas,
                      "PipeDream's layouts: stage s on R_s GPUs (R0,R1,...; sets --pp; one data "
@@ -354,7 +354,7 @@ class PlanCommand final : public Command {
     options.overlap_param_gather = layout_.overlap_param_gather;
     options.tp_comm_overlap = layout_.tp_comm_overlap;
     if (!strategies_.empty()) options.strategies = strategies_;
-    // --pipeline-sync 2bw|async with --search: those layouts compete beside the flushed ones.
+    // --pipeline-sync 2bw|eager|async with --search: those layouts compete beside the flushed ones.
     if (layout_.pipeline_sync != "flush") options.pipeline_syncs.push_back(layout_.pipeline_sync);
     options.replicated_stages = replicated_stages_;
     const plan::SearchResult result = plan::search(model, cluster, options);

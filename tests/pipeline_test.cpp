@@ -866,6 +866,98 @@ TEST(Pipeline, PipeDreamAsyncStashesEachMicroBatchsWeights) {
   }
 }
 
+namespace {
+
+// --pipeline-sync eager's rule in one process: every micro-batch of step t computes on W(t);
+// stage s (of P, cut as the strategy cuts them) takes W_s(t + 1) = W_s(t) - step(the gradients
+// of step t's first M - w micro-batches + those of step t - 1's last w), w = P - 1 - s: the
+// late micro-batches' gradients, backwarded after its update, join the next one. The last
+// step's late gradients are never applied.
+std::vector<at::Tensor> train_eager_rule(const Fixture& f, int steps, int stages, int micro) {
+  Model model = make_model_as(f.spec, f.dtype);
+  restore(model, f.initial);
+  std::vector<double> counts;
+  for (const auto& stage : model.stages) {
+    double n = 0;
+    for (const auto& module : stage.modules) {
+      for (const auto& p : module->parameters()) n += static_cast<double>(p.numel());
+    }
+    counts.push_back(n);
+  }
+  const Partition cut = balanced_partition(counts, stages);
+  std::vector<at::Tensor> params;
+  std::vector<int> late;  // each parameter's stage's w
+  for (int s = 0; s < stages; ++s) {
+    for (int i = cut.first(s); i < cut.end(s); ++i) {
+      for (const auto& module : model.stages[i].modules) {
+        for (const auto& p : module->parameters()) {
+          params.push_back(p);
+          late.push_back(stages - 1 - s);
+        }
+      }
+    }
+  }
+  std::vector<at::Tensor> pending, head, tail;
+  for (const auto& p : params) pending.push_back(at::zeros_like(p));
+  auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
+  auto order = data::DistributedSampler(f.dataset.size(), 1, 0, {true, 5, true}).indices();
+  const int64_t each = f.global_batch / micro;
+  for (int step = 0; step < steps; ++step) {
+    head.clear();
+    tail.clear();
+    for (const auto& p : params) {
+      head.push_back(at::zeros_like(p));
+      tail.push_back(at::zeros_like(p));
+    }
+    for (int i = 0; i < micro; ++i) {
+      const int64_t begin = step * f.global_batch + i * each;
+      auto batch =
+          f.dataset.get(std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each));
+      optimizer->zero_grad();
+      (parallel::cross_entropy(model(batch.inputs), batch.targets) / micro).backward();
+      for (size_t k = 0; k < params.size(); ++k) {
+        (i < micro - late[k] ? head : tail)[k].add_(params[k].grad());
+      }
+    }
+    for (size_t k = 0; k < params.size(); ++k) params[k].mutable_grad() = head[k] + pending[k];
+    optimizer->step();
+    pending = tail;
+  }
+  return snapshot(model);
+}
+
+}  // namespace
+
+// --pipeline-sync eager: the weights are those of its rule written out, at P = 2 and 4, M = P
+// and 2P, with and without ddp replicas; they differ from both synchronous training and 2bw,
+// and no stage holds more than two versions.
+TEST(Pipeline, PipeDreamEagerIsItsUpdateRuleWrittenOut) {
+  at::set_num_threads(1);
+  const int steps = 5;
+  auto f = make_fixture(deep_mlp(), adam(), steps);
+  for (int pp : {2, 4}) {
+    for (int micro : {pp, 2 * pp}) {
+      const auto expected = train_eager_rule(f, steps, pp, micro);
+      ASSERT_GT(max_abs_diff(expected, train_single(f, steps)), 1e-6)
+          << "the late gradients should change the course";
+      ASSERT_GT(max_abs_diff(expected, train_2bw_rule(f, steps, micro)), 1e-4);
+      for (int dp : {1, 2}) {
+        if (pp * dp > 4) continue;
+        SCOPED_TRACE(concat("eager P=", pp, " M=", micro, " DP=", dp));
+        std::vector<std::map<std::string, double>> metrics(pp * dp);
+        PipelineRun run{pp, dp, micro, "1f1b"};
+        run.sync = "eager";
+        run.metrics = &metrics;
+        EXPECT_LE(max_difference(f, expected, train_pipeline(f, steps, run)), kTightBound);
+        for (int r = 0; r < pp * dp; ++r) {
+          EXPECT_LE(metrics[r].at("weight_versions"), 2.0) << r;
+          EXPECT_EQ(metrics[r].at("in_flight_micro_batches"), 0.0) << "after finish, rank " << r;
+        }
+      }
+    }
+  }
+}
+
 // bf16-mixed: activations cross stages as bf16 and the pipeline computes what single-process
 // mixed-precision training does (float32 weights; a looser bound). A loss scale so large that
 // gradients overflow is skipped by every stage and replica alike.

@@ -132,9 +132,9 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                           layout.chunks};
     pp::validate(spec);  // the builder's own rules (1F1B: M >= P; interleaved: M % P == 0)
     DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" || layout.pipeline_sync == "2bw" ||
-                           layout.pipeline_sync == "async",
+                           layout.pipeline_sync == "eager" || layout.pipeline_sync == "async",
                        "unknown pipeline sync '", layout.pipeline_sync,
-                       "' (expected flush, 2bw or async)");
+                       "' (expected flush, 2bw, eager or async)");
     DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" ||
                            (spec.kind == pp::ScheduleKind::OneFOneB && layout.strategy == "ddp"),
                        "pipeline sync ", layout.pipeline_sync, " runs 1f1b with ddp");

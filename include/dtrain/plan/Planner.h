@@ -31,8 +31,9 @@ struct Layout {
   int micro_batches = 1;          ///< per optimizer step (gradient accumulation when pp = 1)
   std::string schedule = "1f1b";  ///< "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"
   int chunks = 1;                 ///< model chunks per pipeline rank (interleaved; zb-v: 2)
-  /// "flush", or PipeDream's flush-free steps: "2bw" (two weight versions, an update per step)
-  /// or "async" (an update per micro-batch, a version per micro-batch in flight); 1f1b only.
+  /// "flush", or PipeDream's flush-free steps: "2bw" or "eager" (two weight versions, an
+  /// update per step) or "async" (an update per micro-batch, a version per micro-batch in
+  /// flight); 1f1b only.
   std::string pipeline_sync = "flush";
   /// PipeDream's layouts (dtrain train --stage-replicas): stage s on stage_replicas[s] ranks,
   /// one data stream (dp 1), each stage's micro-batches dealt to its replicas in turn; single-
@@ -105,8 +106,8 @@ struct SearchOptions {
   bool allow_checkpointing = true;
   bool sequence_parallel = false;  ///< with tp > 1
   int max_micro_batch_size = 16;
-  /// Pipeline syncs to try with pp > 1 (1f1b, ddp): "flush" always; PipeDream's "2bw" or
-  /// "async" only when asked (they change the training's math: stale gradients).
+  /// Pipeline syncs to try with pp > 1 (1f1b, ddp): "flush" always; PipeDream's "2bw", "eager"
+  /// or "async" only when asked (they change the training's math: stale gradients).
   std::vector<std::string> pipeline_syncs = {"flush"};
   /// PipeDream's layouts too: a pipeline of 2 to 4 stages replicated unequally over the GPUs
   /// (every split of them that is not even: the even ones are dp x pp), 1f1b with ddp, tp 1;

@@ -3,7 +3,9 @@
 // weight version (weight stashing). --pipeline-sync async: the original PipeDream (Narayanan et
 // al., SOSP'19), an update after every micro-batch's backward; --pipeline-sync 2bw:
 // PipeDream-2BW (Narayanan et al., ICML'21), two versions per stage, W(t + 1) = W(t) - lr *
-// grad f(W(t - 1)).
+// grad f(W(t - 1)); --pipeline-sync eager: 2bw's pipeline with each stage's update taken where
+// its 1F1B schedule next needs the weights (so every micro-batch computes on the newest), only
+// the gradients of the step's micro-batches backwarded after it one step stale.
 //
 // How the versions are held: each parameter's tensor (the one the model's forward reads and
 // autograd saves) is pointed with set_data() at the buffer of the version the micro-batch at
@@ -29,12 +31,20 @@ namespace {
 constexpr const char* kStashFolder = "/pipedream-2bw";
 // --weight-prediction extrapolate: the prediction for the batch after the next, made already.
 constexpr const char* kNextStashFolder = "/pipedream-2bw-next";
+// eager: the gradients the next update takes that the last step's late micro-batches left.
+constexpr const char* kPendingFolder = "/pipedream-eager";
 }
 
 void PipelineStrategy::setup_versions() {
   DTRAIN_CHECK_INPUT(chunks_per_rank_ == 1, "--pipeline-sync ", pipe_.sync,
                      " runs one chunk per rank");
+  // A checkpoint holds the late gradients as each TP rank has them: not where they are partial
+  // sums the next update would add up over the TP group.
+  DTRAIN_CHECK_INPUT(!eager_ || (tp_.partial.empty() && !tp_.has_shared_blocks()),
+                     "--pipeline-sync eager with tensor parallelism: not with --sequence-parallel "
+                     "or key/value heads shared by several TP ranks (use 2bw)");
   versions_.clear();
+  restored_gradients_.clear();
   spare_.clear();
   optimized_.clear();
   std::vector<at::Tensor> first;
@@ -50,7 +60,7 @@ void PipelineStrategy::setup_versions() {
 }
 
 int64_t PipelineStrategy::version_for(int64_t batch) const {
-  if (async_) return newest_;
+  if (async_ || eager_) return newest_;
   // Batches 0 and 1 compute on W(0): no step was taken yet to extrapolate (nor after a
   // checkpoint without the prediction: the version before the newest, as 2bw's rule).
   if (predict_ && batch >= 2 && versions_.count(predicted(batch))) return predicted(batch);
@@ -84,6 +94,17 @@ StepResult PipelineStrategy::train_step_pipedream(const std::vector<data::Batch>
     for (auto& reducer : reducers_) {
       if (reducer) reducer->zero_grad();
     }
+    // eager, resumed: the late micro-batches' gradients the checkpoint held join this step's.
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < restored_gradients_.size(); ++k) {
+      at::Tensor& grad = parameters_[k].mutable_grad();
+      if (grad.defined()) {
+        grad.add_(restored_gradients_[k]);
+      } else {
+        grad = restored_gradients_[k].clone();
+      }
+    }
+    restored_gradients_.clear();
   }
   StepResult result;
   double loss_sum = 0;
@@ -159,8 +180,9 @@ void PipelineStrategy::backward_pipedream() {
   const Chunk& chunk = chunks_.front();
   const int s = chunk.virtual_stage;
   const std::string label = std::to_string(f.micro_batch);
-  // 2bw updates after a batch's last micro-batch, async after every one.
-  const bool updates = async_ || f.micro_batch == f.count - 1;
+  // 2bw updates after a batch's last micro-batch, async after every one, eager before the late
+  // ones' backwards (their gradients stay for the next update).
+  const bool updates = async_ || f.micro_batch == f.count - 1 - late_micro_batches();
   at::Tensor upstream;
   if (!last_virtual(chunk)) {
     trace::Span wait("recv", "gradient " + label);
@@ -236,6 +258,10 @@ void PipelineStrategy::update_pipedream(int64_t batch) {
   if (async_) release_versions();  // the version before, if no micro-batch in flight reads it
 }
 
+int PipelineStrategy::late_micro_batches() const {
+  return eager_ ? grid_->pp_size() - grid_->coordinates().pp - 1 : 0;
+}
+
 void PipelineStrategy::release_versions() {
   // Kept: the newest (under 2bw, the next batch's or the source of the next update) and every
   // version a micro-batch in flight computed on.
@@ -278,6 +304,30 @@ void PipelineStrategy::save_pipedream_stash(const std::string& directory, int wr
   }
 }
 
+void PipelineStrategy::save_pending_gradients(const std::string& directory, bool writes, int writer,
+                                              int writers) {
+  // After the flush the late micro-batches' gradients are in the gradient buffers (the last
+  // stage has none: it updates after its last backward). Each replica holds its own: their sum
+  // is what the next update's reduction would have summed.
+  std::vector<at::Tensor> pending;
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : parameters_) {
+      pending.push_back(p.grad().defined() ? p.grad().detach().clone() : at::zeros_like(p));
+    }
+  }
+  if (grid_->dp_size() > 1) {
+    std::vector<comm::WorkPtr> works;
+    for (auto& t : pending) works.push_back(grid_->dp()->allreduce(t));
+    comm::wait_all(works);
+  }
+  if (!writes) return;
+  std::error_code ignored;
+  std::filesystem::create_directories(directory + kPendingFolder, ignored);
+  write_state_shard(directory + kPendingFolder, writer, writers,
+                    tp_.for_writing(whole_pieces(names_, pending)), nullptr, {});
+}
+
 void PipelineStrategy::load_pipedream_versions(const std::string& directory) {
   // The loaded values are in the parameters' current buffers: they become the newest version.
   // Under 2bw the stash (or a copy of the newest) becomes the version before, and the next
@@ -293,10 +343,20 @@ void PipelineStrategy::load_pipedream_versions(const std::string& directory) {
   versions_.clear();
   spare_.clear();
   current_version_ = -1;
-  if (async_) {
+  restored_gradients_.clear();
+  if (async_ || eager_) {
     versions_[0] = std::move(newest);
     newest_ = 0;
     batches_ = 0;
+    // eager: the first replica of each stage adds the late gradients the checkpoint summed
+    // over the replicas to its first step's (a checkpoint without them: another sync's).
+    if (eager_ && grid_->coordinates().dp == 0 &&
+        std::filesystem::exists(directory + kPendingFolder)) {
+      for (const auto& t : versions_[0]) restored_gradients_.push_back(at::zeros_like(t));
+      read_state_shards(directory + kPendingFolder,
+                        tp_.for_reading(whole_pieces(names_, restored_gradients_)), nullptr, {},
+                        nullptr);
+    }
   } else {
     for (const auto& t : newest) stash.push_back(t.clone());
     if (std::filesystem::exists(directory + kStashFolder)) {

@@ -64,9 +64,11 @@ void declare_flags(FlagSet& flags, PipelineOptions& o) {
   flags.add("--pipeline-sync", o.sync,
             "Pipeline weight updates: flush (drain every step: the single-process step), 2bw "
             "(PipeDream-2BW: no flush, two weight versions per stage, gradients one step "
-            "stale) or async (PipeDream: no flush, an update per micro-batch, each "
-            "micro-batch's backward on its forward's weights); 2bw and async: 1f1b, ddp, no "
-            "clipping or fp16");
+            "stale), eager (2bw's pipeline, each stage updating as soon as its schedule next "
+            "needs the weights: only the last P - 1 - s of stage s's M micro-batch gradients "
+            "are a step stale; learns as flush does) or async (PipeDream: no flush, an update "
+            "per micro-batch, each micro-batch's backward on its forward's weights); 2bw, "
+            "eager and async: 1f1b, ddp, no clipping or fp16");
   flags.add("--weight-prediction", o.weight_prediction,
             "--pipeline-sync 2bw: the weights each batch computes on: none (the version before "
             "the newest: PipeDream-2BW's one-step-stale gradient) or extrapolate (that version "
@@ -100,8 +102,9 @@ void check_options(const PipelineOptions& o) {
                      "micro-batches accumulate)");
   DTRAIN_CHECK_INPUT(o.transport == "auto" || o.transport == "comm",
                      "unknown --pipeline-transport '", o.transport, "' (expected auto or comm)");
-  DTRAIN_CHECK_INPUT(o.sync == "flush" || o.sync == "2bw" || o.sync == "async",
-                     "unknown --pipeline-sync '", o.sync, "' (expected flush, 2bw or async)");
+  DTRAIN_CHECK_INPUT(o.sync == "flush" || o.sync == "2bw" || o.sync == "eager" || o.sync == "async",
+                     "unknown --pipeline-sync '", o.sync,
+                     "' (expected flush, 2bw, eager or async)");
   DTRAIN_CHECK_INPUT(o.weight_prediction == "none" || o.weight_prediction == "extrapolate",
                      "unknown --weight-prediction '", o.weight_prediction,
                      "' (expected none or extrapolate)");

@@ -64,12 +64,13 @@ PipelineStrategy::PipelineStrategy(StrategyOptions options)
   DTRAIN_CHECK_INPUT(!zero1_ || precision_ != precision::Precision::Bf16,
                      "zero1 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
   scaler_ = make_loss_scaler(options_, precision_);
-  flush_free_ = pipe_.sync == "2bw" || pipe_.sync == "async";
+  flush_free_ = pipe_.sync == "2bw" || pipe_.sync == "eager" || pipe_.sync == "async";
   DTRAIN_CHECK_INPUT(!precision::has_master_weights(precision_) || !flush_free_,
                      "--precision bf16-master keeps one fp32 master copy of the weights: not with "
                      "--pipeline-sync ",
                      pipe_.sync, "'s weight versions (use flush, or bf16-mixed)");
   async_ = pipe_.sync == "async";
+  eager_ = pipe_.sync == "eager";
   predict_ = pipe_.sync == "2bw" && pipe_.weight_prediction == "extrapolate";
   // Each stage updates when its own backwards of a step are done, at a different time on each
   // stage: a check over all stages before an update would stall the pipeline it overlaps.
@@ -411,7 +412,7 @@ double PipelineStrategy::clip_gradients() {
 }
 
 at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
-  flush();  // 2bw, async: every stage evaluates its newest weights
+  flush();  // 2bw, eager, async: every stage evaluates its newest weights
   // Replicated stages: the first replica of each stage evaluates.
   if (grid_->replicated_stages() && grid_->coordinates().dp > 0) return {};
   at::Tensor output;
@@ -462,8 +463,10 @@ void PipelineStrategy::save(const std::string& directory) {
   const int writers = grid_->pp_size() * tp_.size;
   const NamedTensors buffers =
       writes_stage_files() && tp_.rank == 0 ? local_buffers() : NamedTensors{};
-  flush();  // 2bw, async: a checkpoint is a step boundary, the newest weights in the usual files
-  if (flush_free_ && !async_ && replica == 0) save_pipedream_stash(directory, writer, writers);
+  flush();  // 2bw, eager, async: a checkpoint is a step boundary, the newest weights in the
+            // usual files
+  if (pipe_.sync == "2bw" && replica == 0) save_pipedream_stash(directory, writer, writers);
+  if (eager_) save_pending_gradients(directory, replica == 0, writer, writers);
   // Their optimizer state is keyed to the optimizer's own tensors: the files are written from
   // them, pointed at the newest version (where the parameters point after the flush).
   if (flush_free_) {

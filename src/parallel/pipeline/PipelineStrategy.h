@@ -4,7 +4,7 @@
 // gradients with its neighbours in the order a schedule gives (Schedule.h). Each chunk's
 // gradients are averaged over the DP group by a Reducer as the chunk's last backward of the
 // step runs; the optimizer covers this rank's parameters only (or, with zero1, its DP shard of
-// them). --pipeline-sync 2bw and async (PipeDream.cpp) run 1F1B without the flush between
+// them). --pipeline-sync 2bw, eager and async (PipeDream.cpp) run 1F1B without the flush between
 // steps.
 #pragma once
 
@@ -64,7 +64,7 @@ class PipelineStrategy : public Strategy {
   /// Collective over the pipeline: every rank's copy of the model gets each stage's current
   /// values from the rank that trains it.
   void materialize() override;
-  /// --pipeline-sync 2bw or async: runs what is still in flight (the last step's remaining
+  /// --pipeline-sync 2bw, eager or async: runs what is still in flight (the last step's remaining
   /// backwards and their update) so every stage holds the newest weights.
   void finish_training(StepResult& last) override;
   /// 2bw, async: each stage's data-parallel group agrees on the step's loss (every stage of a
@@ -82,7 +82,7 @@ class PipelineStrategy : public Strategy {
   void set_action_observer(std::function<void(const Action&)> observer) {
     observer_ = std::move(observer);
   }
-  /// --pipeline-sync 2bw or async: called after each forward and backward with the weight
+  /// --pipeline-sync 2bw, eager or async: called after each forward and backward with the weight
   /// version it computed on (for tests: a micro-batch's backward must see its forward's).
   void set_version_observer(std::function<void(const Action&, int64_t version)> observer) {
     version_observer_ = std::move(observer);
@@ -144,13 +144,17 @@ class PipelineStrategy : public Strategy {
   NamedTensors local_buffers() const;
   double clip_gradients();
 
-  // PipeDream (--pipeline-sync 2bw or async; PipeDream.cpp). Steps follow one another without
-  // a flush: rank r ends a step with its last P - r - 1 micro-batches forwarded and not yet
+  // PipeDream (--pipeline-sync 2bw, eager or async; PipeDream.cpp). Steps follow one another
+  // without a flush: rank r ends a step with its last P - r - 1 micro-batches forwarded and not yet
   // backwarded, and runs their backwards in the next step between that step's forwards. Each
   // micro-batch computes forward and backward on one weight version (weight stashing), kept
   // in a buffer of its own until no micro-batch in flight reads it:
   // - 2bw: batch b computes on W(max(b - 1, 0)); when this rank's last backward of batch b is
   //   done, W(b + 1) = W(b) - step(gradient of batch b). Two versions per stage.
+  // - eager: each micro-batch computes on the newest version at its forward; rank r updates
+  //   after its backward of micro-batch M - 1 - w (w = P - r - 1: the backwards its next
+  //   forward comes before), on the gradients summed so far; the step's last w micro-batches'
+  //   gradients, done after it, stay in the gradient buffers for the next update. Two versions.
   // - async: each micro-batch computes on the newest version at its forward; after each
   //   backward, W(n + 1) = W(n) - step(its gradient). Up to P - r + 1 versions on rank r.
   struct InFlight {
@@ -176,13 +180,22 @@ class PipelineStrategy : public Strategy {
   /// strategy's, or async's) resumes with both versions equal.
   void save_pipedream_stash(const std::string& directory, int writer, int writers);
   void load_pipedream_versions(const std::string& directory);
-  /// The version batch `batch` computes on: the newest (async), the one before it (2bw), or
+  /// Checkpoints (eager): the gradients of the last step's micro-batches that the next update
+  /// takes (summed over the stage's data-parallel replicas), in the subfolder pipedream-eager.
+  /// Collective over the stage's data-parallel group.
+  void save_pending_gradients(const std::string& directory, bool writes, int writer, int writers);
+  /// How many of a step's last micro-batches this rank runs backward after its update
+  /// (eager: P - r - 1; otherwise 0).
+  int late_micro_batches() const;
+  /// The version batch `batch` computes on: the newest (async, eager), the one before it (2bw), or
   /// under --weight-prediction extrapolate the prediction made for it (predicted(batch)).
   int64_t version_for(int64_t batch) const;
   /// The number under which the prediction batch `batch` computes on is kept.
   static int64_t predicted(int64_t batch) { return (int64_t{1} << 40) + batch; }
-  bool flush_free_ = false;  // 2bw or async
+  bool flush_free_ = false;  // 2bw, eager or async
   bool async_ = false;
+  bool eager_ = false;
+  std::vector<at::Tensor> restored_gradients_;  // eager: read from a checkpoint, for batch 0
   bool predict_ = false;                                 // --weight-prediction extrapolate
   int64_t batches_ = 0;                                  // batches started since setup or load
   int64_t newest_ = 0;                                   // the newest version's number

@@ -29,8 +29,14 @@ struct PipelineOptions {
   /// one synchronous update: exactly the single-process step) or "2bw" (PipeDream-2BW: no
   /// flush, each stage keeps two weight versions and applies a step's gradient, computed on the
   /// version before, when its own backwards of that step are done: W(t+1) = W(t) - lr *
-  /// grad f(W(t-1)); 1f1b only) or "async" (PipeDream: no flush, an update after each
-  /// micro-batch's backward, which computes on the weights its forward used; 1f1b only).
+  /// grad f(W(t-1)); 1f1b only) or "eager" (2bw's pipeline and two versions, but stage s
+  /// updates as soon as its 1F1B schedule next needs the weights, after the backward of its
+  /// micro-batch M - P + s of the step: every micro-batch computes on the newest weights, and
+  /// only the gradients of the step's last P - 1 - s micro-batches, whose backwards come after
+  /// that update, are one step stale (they join the next update): W_s(t+1) = W_s(t) - lr *
+  /// (head_s(t) + tail_s(t-1)), the last stage synchronous; 1f1b only) or "async" (PipeDream:
+  /// no flush, an update after each micro-batch's backward, which computes on the weights its
+  /// forward used; 1f1b only).
   std::string sync = "flush";
   /// 2bw: the weights each batch computes on. "none": the version before the newest, W(t - 1)
   /// (PipeDream-2BW's rule: the gradient one step stale); "extrapolate": that version moved on
