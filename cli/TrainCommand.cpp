@@ -314,7 +314,12 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   app.add_flag("--sync-batchnorm", t.sync_batchnorm,
                "BatchNorm statistics over the data-parallel ranks (as torch.nn.SyncBatchNorm: "
                "N ranks train as one process on the global batch; the ResNets)");
-  add(app, "--log-every", t.log_every, "Steps between metrics records")->capture_default_str();
+  add(app, "--log-every", t.log_every,
+      "Steps between metrics records (and progress lines off a terminal)")
+      ->capture_default_str();
+  add(app, "--peak-tflops", t.peak_tflops,
+      "One device's peak TFLOP/s at the run's precision (e.g. 989 for an H100 SXM in bf16): "
+      "language models then report their model FLOPs utilization (MFU) beside their FLOP/s");
 }
 
 #ifdef DTRAIN_SERVICES
@@ -500,8 +505,8 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kTrainGroups
      {"--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints", "--async-checkpoint",
       "--no-resume"}},
     {"Output",
-     {"--run-dir", "--no-run-dir", "--metrics", "--log-every", "--eval-every", "--defer-eval",
-      "--no-progress", "--trace"}},
+     {"--run-dir", "--no-run-dir", "--metrics", "--log-every", "--peak-tflops", "--eval-every",
+      "--defer-eval", "--no-progress", "--trace"}},
 };
 
 int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,

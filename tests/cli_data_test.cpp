@@ -368,3 +368,66 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   EXPECT_EQ(out.code, 2) << out.text;
   EXPECT_TRUE(has(out, "--format must be safetensors")) << out.text;
 }
+
+// Generation ends where the document does: a Llama trained on one-sentence documents (the
+// end-of-text token between them) stops `dtrain generate` at the end of the sentence (with
+// --ignore-eos it goes on into the next), and transformers' generate() on the exported folder,
+// with the generation_config.json the export wrote, stops at the same token (.venv-torch; that
+// part skipped without it).
+TEST(Cli, GenerationStopsAtTheEndOfTextAsTransformersDoes) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "docs");
+  int n = 0;
+  for (const char* who : {"The cat", "The dog", "A bird", "The fox", "My friend", "The child"}) {
+    for (const char* did : {"sat", "ran", "sang", "slept", "smiled", "jumped"}) {
+      for (const char* when : {"today.", "at noon.", "again.", "quietly."}) {
+        std::ofstream(dir / ("docs/d" + std::to_string(n++) + ".txt"))
+            << who << " " << did << " " << when << "\n";
+      }
+    }
+  }
+  auto out = run(kDtrain + " data tokenizer train " + (dir / "docs") +
+                 " --vocab-size 320 --output " + (dir / "tok.json"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " data prepare " + (dir / "docs") + " --tokenizer " + (dir / "tok.json") +
+            " --output " + (dir / "data/docs"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " train --config " + std::string(DTRAIN_SOURCE_DIR) +
+            "/configs/llama-tiny.toml --dataset tokens:" + (dir / "data/docs") +
+            " --context 16 --layers 2 --width 32 --heads 4 --kv-heads 2 --threads 1 --no-progress "
+            "--no-run-dir --batch-size 8 --warmup-steps 0 --max-steps 150 --lr 0.005 "
+            "--checkpoint-dir " +
+            (dir / "ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "hf"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  const std::string generate =
+      kDtrain + " generate --prompt 'The cat' --tokens 12 --temperature 0 --checkpoint " +
+      (dir / "ckpt");
+  const auto stopped = run(generate);
+  const auto on = run(generate + " --ignore-eos");
+  ASSERT_EQ(stopped.code, 0) << stopped.text;
+  ASSERT_EQ(on.code, 0) << on.text;
+  // "The cat slept again.\n" and, past the end of text, more.
+  EXPECT_EQ(stopped.text.rfind("The cat ", 0), 0u) << stopped.text;
+  ASSERT_LT(stopped.text.size(), on.text.size()) << stopped.text << "\n" << on.text;
+  EXPECT_EQ(on.text.rfind(stopped.text.substr(0, stopped.text.size() - 1), 0), 0u) << on.text;
+  EXPECT_TRUE(has(on, "<|endoftext|>")) << on.text;
+
+  const std::string python = std::string(DTRAIN_SOURCE_DIR) + "/.venv-torch/bin/python";
+  if (std::system((python + " -c 'import transformers' > /dev/null 2>&1").c_str()) != 0) return;
+  std::ofstream(dir / "greedy.py")
+      << "import sys, torch\n"
+         "from transformers import LlamaForCausalLM, PreTrainedTokenizerFast\n"
+         "model = LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+         "tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[1] + '/tokenizer.json')\n"
+         "ids = torch.tensor([tok.encode('The cat')])\n"
+         "out = model.generate(ids, max_new_tokens=12, do_sample=False)\n"
+         "assert out[0, -1].item() == model.generation_config.eos_token_id, out\n"
+         "open(sys.argv[2], 'w').write(tok.decode(out[0], skip_special_tokens=True) + '\\n')\n";
+  const auto theirs =
+      run(python + " " + (dir / "greedy.py") + " " + (dir / "hf") + " " + (dir / "greedy.txt"));
+  ASSERT_EQ(theirs.code, 0) << theirs.text;
+  std::ifstream in(dir / "greedy.txt");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), stopped.text);
+}

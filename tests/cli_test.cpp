@@ -98,6 +98,7 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --strategy zero1 --zero3-min-unit-params 5",
        "--zero3-min-unit-params is --strategy zero3's option; this run (zero1)"},
       {" train --schedule gpipe", "--schedule is a pipeline's (--pipeline-parallel > 1) option"},
+      {" train --peak-tflops -3", "--peak-tflops must be a positive number of TFLOP/s, got -3"},
       {" train --max-replacements 3",
        "--max-replacements, --replica-heartbeat-timeout, --replica-shards and "
        "--shard-across-replicas apply with --fault-tolerance replicas"},
@@ -718,6 +719,41 @@ TEST(Cli, EachModelTrainsWithItsRecipeAndFlagsOrConfigKeysWin) {
 // --log-every steps, counted toward --max-steps, with the learning rate, the throughput and the
 // peak memory; a warmup as long as the run is named; --run-dir keeps the checkpoints too, and
 // every checkpoint says how it was made (ckpt inspect); config.toml trains the run again.
+// A language model's lines and step records carry its model FLOP/s (the FLOPs per token of its
+// shape, models::gpt_training_flops_per_token, x tokens/s) and, given the device's peak, its MFU.
+TEST(Cli, ALanguageModelReportsItsFlopsAndUtilization) {
+  TempDir dir;
+  const auto out = run(kDtrain +
+                       " train --model gpt --dataset text --layers 1 --width 32 --heads 2 "
+                       "--context 32 --batch-size 4 --max-steps 4 --log-every 2 --threads 1 "
+                       "--no-run-dir --peak-tflops 0.05 --metrics " +
+                       (dir / "m.jsonl"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, " tokens/s | ")) << out.text;
+  EXPECT_TRUE(has(out, " GFLOP/s | MFU ")) << out.text;
+  std::ifstream in(dir / "m.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.value("event", "") != "step") continue;
+    ++steps;
+    const double tokens = record.at("tokens_per_s").get<double>();
+    EXPECT_NEAR(tokens, 32 * record.at("samples_per_s").get<double>(), 1e-6 * tokens);
+    const double tflops = record.at("model_tflops").get<double>();
+    EXPECT_GT(tflops, 0);
+    EXPECT_NEAR(record.at("mfu").get<double>(), tflops / 0.05, 1e-12);
+  }
+  EXPECT_EQ(steps, 2);
+  // Without the peak: the FLOP/s, no MFU.
+  const auto plain = run(kDtrain +
+                         " train --model gpt --dataset text --layers 1 --width 32 --heads 2 "
+                         "--context 32 --batch-size 4 --max-steps 2 --log-every 2 --threads 1 "
+                         "--no-run-dir");
+  ASSERT_EQ(plain.code, 0) << plain.text;
+  EXPECT_TRUE(has(plain, " GFLOP/s | ")) << plain.text;
+  EXPECT_FALSE(has(plain, "MFU")) << plain.text;
+}
+
 TEST(Cli, ARunLeavesItsFolderAndSaysHowItWasMade) {
   TempDir dir;
   const std::string flags =

@@ -166,6 +166,37 @@ TEST(Gpt, EachPositionSeesOnlyItsPast) {
             std::string::npos);
 }
 
+// The FLOPs per token MFU is computed from: 6 per weight of the matrices the built model
+// multiplies by (every 2-D parameter but the embeddings', and the tied head's once more) plus
+// attention's 12 x layers x width x context, for GPT's and Llama's architectures, tied or not.
+TEST(Gpt, TrainingFlopsPerTokenCountEveryMatrixTheModelMultipliesBy) {
+  for (bool llama : {false, true}) {
+    for (bool tied : {false, true}) {
+      auto config = tiny_gpt(13);
+      config.tied_embeddings = tied;
+      config.heads = 4;
+      if (llama) {
+        config.norm = "rmsnorm";
+        config.position = "rope";
+        config.mlp = "swiglu";
+        config.bias = false;
+        config.kv_heads = 2;
+      }
+      torch::manual_seed(3);
+      Model model = models::make_gpt(config);
+      double weights = tied ? static_cast<double>(config.vocab * config.width) : 0.0;
+      for (const auto& item : model.module->named_parameters()) {
+        if (item.value().dim() == 2 && item.key().rfind("embedding.", 0) != 0) {
+          weights += static_cast<double>(item.value().numel());
+        }
+      }
+      const double attention = 12.0 * config.layers * config.width * config.context;
+      EXPECT_DOUBLE_EQ(models::gpt_training_flops_per_token(config), 6 * weights + attention)
+          << "llama " << llama << " tied " << tied;
+    }
+  }
+}
+
 TEST(Gpt, StagesComposeToTheModelAndTyingSharesTheEmbedding) {
   for (bool tied : {false, true}) {
     auto config = tiny_gpt();

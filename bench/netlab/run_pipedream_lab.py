@@ -8,6 +8,8 @@ batch and recipe, rounds alternated:
   ddp        every rank a replica: the whole model's gradients all-reduced every step
   pp         a pipeline of one stage per host (1F1B, stages placed by measured time)
   pp-2bw     the same without a flush (PipeDream-2BW: gradients one step stale)
+  pp-eager   the same without a flush, each stage updating where its schedule next needs the
+             weights (--pipeline-sync eager: only its late micro-batches' gradients stale)
   replicated PipeDream's layout: the convolutions on hosts 0 and 1, the dense layers on host 2
              (--stage-replicas 2,1), 1F1B
 
@@ -43,9 +45,12 @@ def layout_flags(layout, hosts, global_batch, micro_batches):
         counts = [hosts - 1, 1]
         return ["--stage-replicas", ",".join(map(str, counts))] + micro
     flags = ["--pipeline-parallel", str(hosts)] + micro
-    if layout == "pp-2bw":
-        flags += ["--pipeline-sync", "2bw"]
-    return flags
+    return flags + sync_flags(layout)
+
+
+def sync_flags(layout):
+    """--pipeline-sync of the flush-free layouts (pp-2bw, pp-eager)."""
+    return ["--pipeline-sync", layout[3:]] if layout in ("pp-2bw", "pp-eager") else []
 
 
 def lab_profile(profile, directory):
@@ -69,7 +74,7 @@ def planned(profile, hosts, global_batch, micro_batches):
         common = [DTRAIN, "plan", "--model", "vgg-small", "--cluster", cluster, "--nodes",
                   str(hosts), "--precision", "fp32", "--optimizer", "momentum", "--json"]
         steps = {}
-        for layout in ("ddp", "pp", "pp-2bw", "replicated"):
+        for layout in ("ddp", "pp", "pp-2bw", "pp-eager", "replicated"):
             if layout == "ddp":
                 flags = ["--micro-batch-size", str(global_batch // hosts)]
             else:
@@ -77,8 +82,7 @@ def planned(profile, hosts, global_batch, micro_batches):
                          "--micro-batches", str(micro_batches), "--schedule", "1f1b"]
                 flags += (["--stage-replicas", f"{hosts - 1},1"] if layout == "replicated" else
                           ["--pp", str(hosts)])
-                if layout == "pp-2bw":
-                    flags += ["--pipeline-sync", "2bw"]
+                flags += sync_flags(layout)
             out = subprocess.run(common + flags, check=True, capture_output=True, text=True)
             steps[layout] = json.loads(out.stdout)["step_s"]
         search = subprocess.run(common + ["--search", "--replicated-stages", "--global-batch",
@@ -128,7 +132,7 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=6)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--target", type=float, default=0.85)
-    parser.add_argument("--layouts", default="ddp,pp,pp-2bw,replicated")
+    parser.add_argument("--layouts", default="ddp,pp,pp-2bw,pp-eager,replicated")
     parser.add_argument("--lr", type=float, default=0,
                         help="the recipe's learning rate unless given (vgg's: 0.05)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results/netlab/pipedream-lab.jsonl"))

@@ -579,4 +579,14 @@ int64_t gpt_parameter_count(const GptConfig& c) {
          (c.tied_embeddings ? 0 : w * c.vocab);
 }
 
+double gpt_training_flops_per_token(const GptConfig& c) {
+  const int64_t w = c.width, d = c.width / c.heads, f = ffn_width_of(c);
+  const int64_t qkv = (c.heads + 2 * kv_heads_of(c)) * d;
+  const int64_t mlp_in = (c.mlp == "swiglu" ? 2 : 1) * f;
+  const double matmul_weights =
+      static_cast<double>(c.layers) * static_cast<double>(w * qkv + w * w + w * mlp_in + f * w) +
+      static_cast<double>(w) * static_cast<double>(c.vocab);
+  return 6.0 * matmul_weights + 12.0 * static_cast<double>(c.layers * c.heads * d * c.context);
+}
+
 }  // namespace dtrain::models

@@ -307,6 +307,8 @@ JobResult run_job(const JobConfig& job) {
   if (data::dataset_info(job.dataset).language) {
     vocabulary = data.vocabulary;
     options.token_loss = true;
+    options.flops_per_token =
+        models::gpt_training_flops_per_token(models::decoder_config(model_spec(job, vocabulary)));
     options.checkpoint_extras["model"] =
         models::to_json(models::decoder_config(model_spec(job, vocabulary)));
     if (!data.tokenizer_json.empty()) {

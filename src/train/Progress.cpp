@@ -47,6 +47,12 @@ std::string bytes_text(int64_t bytes) {
   return mib >= 10240 ? fixed(mib / 1024, 1) + " GiB" : fixed(mib, 0) + " MiB";
 }
 
+// 2.5e12 -> "2.50 TFLOP/s", 3.1e10 -> "31.0 GFLOP/s".
+std::string flops_text(double flops_per_s) {
+  if (flops_per_s >= 1e12) return fixed(flops_per_s / 1e12, 2) + " TFLOP/s";
+  return fixed(flops_per_s / 1e9, 1) + " GFLOP/s";
+}
+
 }  // namespace
 
 void ProgressBar::update(const ProgressLine& p) {
@@ -80,6 +86,8 @@ void ProgressBar::update(const ProgressLine& p) {
       line += std::string(" | lr ") + lr;
     }
     line += " | " + rate;
+    if (p.model_flops_per_s > 0) line += " | " + flops_text(p.model_flops_per_s);
+    if (p.mfu >= 0) line += " | MFU " + fixed(100 * p.mfu, 1) + "%";
     if (p.step_ms > 0) line += " | " + fixed(p.step_ms, 1) + " ms/" + p.unit;
     if (p.peak_bytes > 0) line += " | peak memory " + bytes_text(p.peak_bytes);
     line += " | ETA " + format_duration(p.eta_s);

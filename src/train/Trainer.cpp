@@ -42,6 +42,8 @@ void validate(const TrainerOptions& o) {
   DTRAIN_CHECK_INPUT(o.checkpoint_every >= 0, "checkpoint interval must be >= 0, got ",
                      o.checkpoint_every);
   DTRAIN_CHECK_INPUT(o.log_every >= 1, "log interval must be >= 1, got ", o.log_every);
+  DTRAIN_CHECK_INPUT(o.peak_tflops >= 0 && std::isfinite(o.peak_tflops),
+                     "--peak-tflops must be a positive number of TFLOP/s, got ", o.peak_tflops);
   DTRAIN_CHECK_INPUT(o.max_steps >= 0, "max steps must be >= 0, got ", o.max_steps);
   DTRAIN_CHECK_INPUT(o.stop_at_step >= 0, "stop-at step must be >= 0, got ", o.stop_at_step);
   DTRAIN_CHECK_INPUT(o.eval_batch_size >= 1, "eval batch size must be >= 1");

@@ -90,4 +90,10 @@ GptConfig gpt_config_from_json(const std::string& json, const std::string& origi
 /// Parameter count of a config, without building it.
 int64_t gpt_parameter_count(const GptConfig& config);
 
+/// Training FLOPs per token of a config at its full context (forward and backward, as
+/// Megatron-LM, PaLM and torchtitan count them for MFU): 6 per weight of every matrix multiply
+/// (the blocks' projections and the output head; not the embeddings, norms or biases) plus 12
+/// x layers x heads x head width x context for attention's two products.
+double gpt_training_flops_per_token(const GptConfig& config);
+
 }  // namespace dtrain::models

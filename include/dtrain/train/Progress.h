@@ -24,6 +24,10 @@ struct ProgressLine {
   double samples_per_s = 0.0;
   /// A language model's tokens per second (0: not one).
   double tokens_per_s = 0.0;
+  /// The model's FLOPs per second over all ranks (0: not known).
+  double model_flops_per_s = 0.0;
+  /// Model FLOPs utilization, 0-1 (negative: not known).
+  double mfu = -1.0;
   double step_ms = 0.0;
   double eta_s = -1.0;
   /// The process's peak memory (its resident set on a CPU; 0: not known).
@@ -41,7 +45,8 @@ class ProgressBar {
 
   /// On a terminal: "epoch 2/5 [#####.......] step 120/470 loss 0.5123 1830 samples/s ETA 1:02";
   /// off one: "step 120/470 | epoch 2/5 | loss 0.5123 | lr 0.0495 | 1830 samples/s | 35.0
-  /// ms/step | peak memory 312 MiB | ETA 1:02".
+  /// ms/step | peak memory 312 MiB | ETA 1:02" (a language model: tokens/s, then its model
+  /// FLOP/s and MFU where known, "| 3.1 GFLOP/s | MFU 6.1%").
   void update(const ProgressLine& line);
   /// Ends the current line (epoch finished) with an optional note (e.g. validation accuracy).
   void finish_epoch(const std::string& note);

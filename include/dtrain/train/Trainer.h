@@ -94,6 +94,12 @@ struct TrainerOptions {
   /// The outputs are per-token predictions (a language model): validation loss is reported in
   /// nats and bits per token, accuracy as the share of next tokens predicted.
   bool token_loss = false;
+  /// A language model's training FLOPs per token (models::gpt_training_flops_per_token; 0 = not
+  /// known): the progress lines and step records then show the model FLOP/s, and with
+  /// peak_tflops the model FLOPs utilization (MFU).
+  double flops_per_token = 0.0;
+  /// One rank's device peak in TFLOP/s at the run's precision (0 = not known: no MFU).
+  double peak_tflops = 0.0;
   /// Written into every checkpoint's meta.json (CheckpointMeta::extras).
   std::map<std::string, std::string> checkpoint_extras;
   /// Stop with an error after this many consecutive steps whose loss (averaged over ranks) or

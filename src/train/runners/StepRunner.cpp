@@ -195,6 +195,18 @@ void StepRunner::run(Run& run) {
     run.result.steps = reached;
     run.report.reached(reached);
     const double throughput = run.samples / std::max(run.train_seconds, 1e-9);
+    // A language model's tokens per second, its model FLOP/s where its FLOPs per token are
+    // known, and its MFU where the device's peak is given too.
+    double tokens_per_s = 0, model_flops_per_s = 0, mfu = -1;
+    if (o.token_loss && !batches.empty()) {
+      const at::Tensor& window =
+          batches[0].inputs.defined() ? batches[0].inputs : batches[0].targets;
+      if (window.defined() && window.dim() >= 1) tokens_per_s = throughput * window.size(-1);
+      model_flops_per_s = tokens_per_s * o.flops_per_token;
+      if (model_flops_per_s > 0 && o.peak_tflops > 0) {
+        mfu = model_flops_per_s / (o.peak_tflops * 1e12 * run.world.size());
+      }
+    }
     if (run.callbacks != nullptr) {
       StepEvent event;
       event.step = reached;
@@ -221,6 +233,9 @@ void StepRunner::run(Run& run) {
           std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
               .count();
       if (result.grad_norm >= 0) record["grad_norm"] = result.grad_norm;
+      if (tokens_per_s > 0) record["tokens_per_s"] = tokens_per_s;
+      if (model_flops_per_s > 0) record["model_tflops"] = model_flops_per_s / 1e12;
+      if (mfu >= 0) record["mfu"] = mfu;
       if (async) record["worker_step"] = step + 1;
       // What this rank sent in the step's collectives (ring estimate; p2p as sent).
       if (run.world.size() > 1 && !async) record["wire_bytes"] = wire_bytes;
@@ -239,11 +254,9 @@ void StepRunner::run(Run& run) {
       line.loss = result.loss;
       line.lr = lr;
       line.samples_per_s = throughput;
-      if (o.token_loss && !batches.empty()) {
-        const at::Tensor& window =
-            batches[0].inputs.defined() ? batches[0].inputs : batches[0].targets;
-        if (window.defined() && window.dim() >= 1) line.tokens_per_s = throughput * window.size(-1);
-      }
+      line.tokens_per_s = tokens_per_s;
+      line.model_flops_per_s = model_flops_per_s;
+      line.mfu = mfu;
       line.step_ms = step_seconds * 1e3;
       line.eta_s = (run.total_steps - reached) * run.train_seconds /
                    std::max<int64_t>(1, reached - run.start_step);
