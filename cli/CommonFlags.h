@@ -24,6 +24,23 @@ inline void add_data_flags(CLI::App& app, std::string& dataset, std::string& dat
       ->capture_default_str();
 }
 
+/// --image-size, --augment, --max-bad-samples (--dataset images:...). `size_note`: what the
+/// size is in this command, appended to the shared first sentence.
+inline void add_image_flags(CLI::App& app, int64_t& image_size, std::string& augment,
+                            int64_t& max_bad_samples, const std::string& size_note) {
+  add(app, "--image-size", image_size,
+      "--dataset images: the side of the images the model sees" + size_note)
+      ->capture_default_str();
+  add(app, "--augment", augment,
+      "--dataset images: the transforms: imagenet (training: random-resized-crop and flip; "
+      "evaluation: resize to 256/224 of the size, center crop), flip (the whole image resized, "
+      "flipped half the time) or none (the whole image resized)")
+      ->capture_default_str();
+  add(app, "--max-bad-samples", max_bad_samples,
+      "--dataset images: damaged images to name and leave out before training (more stop it)")
+      ->capture_default_str();
+}
+
 /// --model (a name of the model registry) and --hidden (the MLP's widths).
 inline void add_model_flags(CLI::App& app, std::string& model, std::vector<int64_t>& hidden,
                             const std::string& models, const std::string& hidden_default) {

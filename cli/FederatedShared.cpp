@@ -167,15 +167,7 @@ void save_final(const Shared& s, const models::ModelSpec& spec, const at::Tensor
 
 void add_data(CLI::App& c, Shared& s, const char* use) {
   add_data_flags(c, s.dataset, s.data_dir, s.synthetic_examples, federated_datasets() + ": " + use);
-  add(c, "--image-size", s.image_size,
-      "--dataset images: the side of the images the model sees (every party the same)")
-      ->capture_default_str();
-  add(c, "--augment", s.augment,
-      "--dataset images: imagenet, flip (the whole image resized, flipped half the time) or none")
-      ->capture_default_str();
-  add(c, "--max-bad-samples", s.max_bad_samples,
-      "--dataset images: damaged images to name and leave out (more stop it)")
-      ->capture_default_str();
+  add_image_flags(c, s.image_size, s.augment, s.max_bad_samples, " (every party the same)");
   add_threads_flag(c, s.threads, "$DTRAIN_THREADS, else the cores");
 }
 

@@ -1,7 +1,9 @@
 // Short, grouped --help (Help.h).
 #include "Help.h"
 
+#include <algorithm>
 #include <map>
+#include <sstream>
 
 namespace dtrain::cli {
 
@@ -50,13 +52,40 @@ namespace {
 constexpr size_t kColumns = 100;
 constexpr size_t kNameColumn = 30;
 
+using Groups = std::vector<std::pair<std::string, std::vector<std::string>>>;
+
+// The groups group_options() gave each application, in their --help order.
+std::map<const CLI::App*, Groups>& help_orders() {
+  static std::map<const CLI::App*, Groups> orders;
+  return orders;
+}
+
+// Where an option goes in its group's list (its first long name found; unlisted: last).
+size_t rank_in(const std::vector<std::string>& flags, const CLI::Option* option) {
+  for (const std::string& name : option->get_lnames()) {
+    const auto it = std::find(flags.begin(), flags.end(), "--" + name);
+    if (it != flags.end()) return static_cast<size_t>(it - flags.begin());
+  }
+  return flags.size();
+}
+
 class ShortHelp : public CLI::Formatter {
  public:
   ShortHelp() { column_width(kNameColumn); }
   std::string make_help(const CLI::App* app, std::string name,
                         CLI::AppFormatMode mode) const override {
     all_ = mode == CLI::AppFormatMode::All;
-    return CLI::Formatter::make_help(app, std::move(name), mode);
+    const auto order = help_orders().find(app);
+    if (mode == CLI::AppFormatMode::Sub || order == help_orders().end()) {
+      return CLI::Formatter::make_help(app, std::move(name), mode);
+    }
+    // CLI11's own layout, its groups in the order given (CLI11 orders them, and the options in
+    // each, as they were added).
+    std::stringstream out;
+    out << make_description(app) << make_usage(app, std::move(name)) << make_positionals(app)
+        << ordered_groups(app, order->second) << make_subcommands(app, mode) << '\n'
+        << make_footer(app);
+    return out.str();
   }
   std::string make_option_desc(const CLI::Option* option) const override {
     const std::string& text = option->get_description();
@@ -72,6 +101,26 @@ class ShortHelp : public CLI::Formatter {
   }
 
  private:
+  std::string ordered_groups(const CLI::App* app, const Groups& groups) const {
+    std::vector<std::pair<std::string, std::vector<std::string>>> order{{"Options", {}}};
+    order.insert(order.end(), groups.begin(), groups.end());
+    for (const std::string& group : app->get_groups()) {  // any group not named: after
+      if (std::none_of(order.begin(), order.end(), [&](const auto& g) { return g.first == group; }))
+        order.push_back({group, {}});
+    }
+    std::string out;
+    for (const auto& [group, flags] : order) {
+      std::vector<const CLI::Option*> options = app->get_options(
+          [&](const CLI::Option* o) { return o->get_group() == group && o->nonpositional(); });
+      if (options.empty()) continue;
+      std::stable_sort(options.begin(), options.end(),
+                       [&](const CLI::Option* a, const CLI::Option* b) {
+                         return rank_in(flags, a) < rank_in(flags, b);
+                       });
+      out += make_group(group, false, options);
+    }
+    return out;
+  }
   mutable bool all_ = false;
 };
 
@@ -94,6 +143,7 @@ void group_options(CLI::App& app,
       if (found != group_of.end()) option->group(found->second);
     }
   }
+  help_orders()[&app] = groups;
 }
 
 }  // namespace dtrain::cli

@@ -101,18 +101,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add(app, "--vocab-size", job.vocab_size,
       "--dataset tokens: the vocabulary (every id must be below it; default: the largest id "
       "in the files + 1)");
-  add(app, "--image-size", job.image_size,
-      "--dataset images: the side of the crop the model sees (training: random-resized-crop "
-      "and flip; evaluation: resize to 256/224 of it, center crop)")
-      ->capture_default_str();
-  add(app, "--augment", job.augment,
-      "--dataset images: the transforms: imagenet (training: random-resized-crop and flip; "
-      "evaluation: resize, center crop), flip (the whole image resized, flipped half the time) "
-      "or none (the whole image resized)")
-      ->capture_default_str();
-  add(app, "--max-bad-samples", job.max_bad_samples,
-      "--dataset images: damaged images to name and leave out before training (more stop it)")
-      ->capture_default_str();
+  add_image_flags(app, job.image_size, job.augment, job.max_bad_samples, " (--augment's crop)");
   add(app, "--tokenizer", job.tokenizer,
       "--dataset tokens: the shards' tokenizer.json (default: the one beside them, as `dtrain "
       "data prepare` leaves it); a checkpoint keeps it for `dtrain generate`");
@@ -270,8 +259,9 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "cpu, cuda (this rank's GPU: LOCAL_RANK modulo the GPUs) or cuda:N")
       ->capture_default_str();
   add(app, "--precision", t.strategy_options.precision,
-      "fp32; bf16-mixed (autocast over fp32 weights); fp16-mixed (CUDA only); bf16 (everything, "
-      "the optimizer state too); bf16-master (ddp, zero1, zero2: a bf16 model, gradients "
+      "fp32, bf16-mixed, fp16-mixed, bf16 or bf16-master. bf16-mixed: autocast over fp32 "
+      "weights; fp16-mixed: the same in fp16 (CUDA only); bf16: everything, the optimizer state "
+      "too; bf16-master (ddp, zero1, zero2: a bf16 model, gradients "
       "accumulated and reduced in fp32, fp32 master weights in the (sharded) optimizer, "
       "checkpoints of the master weights: Megatron's layout)")
       ->capture_default_str();

@@ -47,7 +47,21 @@ TEST(Cli, HelpOnEverySubcommand) {
   EXPECT_TRUE(has(version, "dtrain ") && has(version, "\nLibTorch ") && has(version, "\nCPU "))
       << version.text;
   // The data sets --help offers are the registry's.
-  EXPECT_TRUE(has(run(kDtrain + " train --help"), "fashion-mnist, synthetic, text, tokens"));
+  const auto train = run(kDtrain + " train --help");
+  EXPECT_TRUE(has(train, "fashion-mnist, synthetic, text, tokens"));
+  // Its groups in the order a user sets a run up, each group's flags in the listed order (not
+  // the order they were added in): the model, its data, the batch and optimizer, ... output.
+  size_t at = 0;
+  for (const char* heading :
+       {"\nOptions:\n", "\nModel:\n  --model ", "\nData:\n  --dataset ",
+        "\nBatch, optimizer and schedule:\n  --epochs ", "\nProcesses:\n  --nproc ",
+        "\nParallelism:\n  --strategy ", "\nPrecision and memory:\n  --precision ",
+        "\nFailures:\n  --max-restarts ", "\nCheckpoints:\n  --checkpoint-dir ",
+        "\nOutput:\n  --run-dir "}) {
+    const size_t found = train.text.find(heading, at);
+    EXPECT_NE(found, std::string::npos) << heading << " after offset " << at << "\n" << train.text;
+    if (found != std::string::npos) at = found;
+  }
 }
 
 TEST(Cli, BadInputIsOneClearLineAndExitCode2) {

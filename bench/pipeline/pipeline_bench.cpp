@@ -83,7 +83,8 @@ int main(int argc, char** argv) {
   app.add_option("--trace", trace_path, "Write the last measured step's trace (Chrome JSON)");
   std::string sync = "flush";
   bool continuous = false;
-  app.add_option("--pipeline-sync", sync, "flush or 2bw (PipeDream-2BW)")->capture_default_str();
+  app.add_option("--pipeline-sync", sync, "flush, 2bw (PipeDream-2BW), eager or async")
+      ->capture_default_str();
   app.add_flag("--continuous", continuous,
                "Time the measured steps back to back (no barrier or collective between them: "
                "a pipeline without a flush overlaps one step with the next); the bubble and "

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""PipeDream (2BW and async) against 1F1B (issue 52): dtrain's pipeline on P = 2 ranks (1 thread
+"""PipeDream (2BW, eager and async) against 1F1B (issues 52, 77): dtrain's pipeline on P = 2 ranks (1 thread
 each, started by dtrain launch) over the MLP of bench/pipeline/pipeline_bench.cpp (8 equal
 Linear(2048, 2048) + ReLU layers, 4 per stage), at a FIXED global batch cut into M
-micro-batches, --pipeline-sync flush (1F1B: every step drains), 2bw and async (no flush). All
+micro-batches, --pipeline-sync flush (1F1B: every step drains), 2bw, eager and async (no flush). All
 run in the benchmark's --continuous mode: the measured steps back to back with nothing between
 them (a pipeline without a flush overlaps a step with the next; a barrier per step would undo
 it), throughput = the measured steps' wall time / steps, bubble = idle share of each rank's
@@ -25,7 +25,7 @@ from report import table
 from run_zero_bubble_bench import run  # the two-rank launch of pipeline_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SYNCS = ("flush", "2bw", "async")
+SYNCS = ("flush", "2bw", "eager", "async")
 
 
 def main():
