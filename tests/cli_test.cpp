@@ -749,6 +749,10 @@ TEST(Cli, ALanguageModelReportsItsFlopsAndUtilization) {
   int steps = 0;
   for (std::string line; std::getline(in, line);) {
     const auto record = nlohmann::json::parse(line);
+    if (record.value("event", "") == "summary") {  // the steps' time within the whole fit's
+      EXPECT_GT(record.at("train_seconds").get<double>(), 0.0);
+      EXPECT_LE(record.at("train_seconds").get<double>(), record.at("seconds").get<double>());
+    }
     if (record.value("event", "") != "step") continue;
     ++steps;
     const double tokens = record.at("tokens_per_s").get<double>();

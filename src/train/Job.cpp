@@ -381,8 +381,14 @@ std::string summary(const JobConfig& job, const JobResult& result) {
       fit.start_step > 0 ? concat(" (steps ", fit.start_step + 1, "-", fit.steps, " of ",
                                   fit.total_steps, ", resumed from step ", fit.start_step, ")")
                          : std::string();
+  // The steps' time; the whole fit's beside it where evaluations and checkpoints took a share.
+  const bool more = fit.train_seconds > 0 && fit.seconds > 1.2 * fit.train_seconds + 1.0;
+  const std::string took =
+      more ? concat(printed("%.1f s", fit.train_seconds), " (", printed("%.1f s", fit.seconds),
+                    " with evaluations and checkpoints)")
+           : printed("%.1f s", fit.seconds);
   out += printed(
-      "trained %lld steps%s (global batch %lld, %d rank%s, %s) in %.1f s, %.0f samples/s%s\n",
+      "trained %lld steps%s (global batch %lld, %d rank%s, %s) in %s, %.0f samples/s%s\n",
       static_cast<long long>(made), span.c_str(), static_cast<long long>(fit.global_batch),
       result.world_size, result.world_size == 1 ? "" : "s",
       concat(job.trainer.pipeline_parallel > 1
@@ -393,7 +399,7 @@ std::string summary(const JobConfig& job, const JobResult& result) {
                  ? concat(" x tensor-parallel ", job.trainer.tensor_parallel)
                  : std::string())
           .c_str(),
-      fit.seconds, fit.samples_per_second,
+      took.c_str(), fit.samples_per_second,
       result.parameters > 0
           ? concat("; ", job.model, " of ", with_thousands(result.parameters), " parameters")
                 .c_str()

@@ -354,12 +354,14 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   result.seconds = runners::seconds_since(run.start);
   run.evaluate_snapshots();
   if (!options_.trace_file.empty()) write_trace();
+  result.train_seconds = run.train_seconds;
   result.samples_per_second = run.samples / std::max(run.train_seconds, 1e-9);
   if (run.leader) {
     MetricRecord summary{{"event", std::string("summary")},
                          {"steps", result.steps},
                          {"start_step", start_step},
                          {"seconds", result.seconds},
+                         {"train_seconds", result.train_seconds},
                          {"samples_per_s", result.samples_per_second},
                          {"global_batch", result.global_batch},
                          {"world_size", static_cast<int64_t>(world_->size())},

@@ -138,7 +138,10 @@ struct FitResult {
   /// This rank's loss at every step this run did.
   std::vector<double> losses;
   std::optional<EvalResult> validation;
+  /// The whole fit, evaluations and checkpoints included.
   double seconds = 0.0;
+  /// The steps alone (what samples_per_second divides by).
+  double train_seconds = 0.0;
   double samples_per_second = 0.0;
   int64_t global_batch = 0;
   double learning_rate = 0.0;
