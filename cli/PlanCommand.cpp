@@ -54,6 +54,19 @@ nlohmann::json to_json(const plan::Memory& m) {
           {"activations", m.activations}, {"buffers", m.buffers},     {"total", m.total()}};
 }
 
+/// The share of a device's memory a prediction leaves free.
+double headroom(const Prediction& p, const plan::Cluster& cluster) {
+  return 1.0 - p.memory.total() / cluster.hardware.memory_bytes;
+}
+
+/// A layout that fits with less than kMinHeadroom of the device free: not a plan (the CUDA
+/// context, the communication libraries' buffers and the allocator's fragmentation take a few
+/// GiB the model does not count).
+constexpr double kMinHeadroom = 0.10;
+bool tight(const Prediction& p, const plan::Cluster& cluster) {
+  return p.fits && headroom(p, cluster) < kMinHeadroom;
+}
+
 nlohmann::json to_json(const Prediction& p, const plan::Cluster& cluster) {
   const Layout& l = p.layout;
   nlohmann::json stages = nlohmann::json::array();
@@ -83,7 +96,9 @@ nlohmann::json to_json(const Prediction& p, const plan::Cluster& cluster) {
           {"mfu", p.mfu},
           {"memory_bytes", to_json(p.memory)},
           {"memory_bytes_per_stage", stages},
-          {"fits", p.fits}};
+          {"fits", p.fits},
+          {"memory_headroom", headroom(p, cluster)},
+          {"tight", tight(p, cluster)}};
 }
 
 void print_prediction(const Prediction& p, const plan::Cluster& cluster) {
@@ -104,6 +119,13 @@ void print_prediction(const Prediction& p, const plan::Cluster& cluster) {
       m.total() / kGiB, cluster.hardware.memory_bytes / kGiB, m.parameters / kGiB,
       m.gradients / kGiB, m.optimizer / kGiB, m.activations / kGiB, m.buffers / kGiB,
       p.fits ? "" : "  DOES NOT FIT");
+  if (tight(p, cluster)) {
+    std::printf(
+        "                  TIGHT: %.1f%% of the device, less than %.0f%% left for the CUDA "
+        "context, communication buffers and the allocator's fragmentation (not a plan: more "
+        "ranks per stage, recomputation or a smaller micro-batch)\n",
+        100 * (1 - headroom(p, cluster)), 100 * kMinHeadroom);
+  }
 }
 
 /// A line chart as SVG: throughput (left axis) and scaling efficiency (right axis) against
@@ -389,14 +411,24 @@ class PlanCommand final : public Command {
                 "MFU", "bubble", "exposed", "GiB/rank");
     for (size_t i = 0; i < shown; ++i) {
       const Prediction& p = result.ranked[i];
-      std::printf("%3zu  %-52s %10s %11.1f %5.1f%% %6.1f%% %10s %9.1f\n", i + 1,
+      std::printf("%3zu  %-52s %10s %11.1f %5.1f%% %6.1f%% %10s %9.1f%s\n", i + 1,
                   p.layout.describe().c_str(), seconds(p.step_s).c_str(), p.samples_per_s,
                   100 * p.mfu, 100 * p.bubble, seconds(p.exposed_comm_s).c_str(),
-                  p.memory.total() / kGiB);
+                  p.memory.total() / kGiB, tight(p, cluster) ? "  tight" : "");
     }
-    std::printf(
-        "the best as dtrain train flags: %s\n",
-        result.ranked.front().layout.train_flags(static_cast<int>(model.layers.size())).c_str());
+    const int layers = static_cast<int>(model.layers.size());
+    std::printf("the best as dtrain train flags: %s\n",
+                result.ranked.front().layout.train_flags(layers).c_str());
+    if (tight(result.ranked.front(), cluster)) {
+      // "tight": under 10% of the device free; the best that leaves that much, too.
+      for (const Prediction& p : result.ranked) {
+        if (tight(p, cluster)) continue;
+        std::printf("(tight: under %.0f%% of the memory free) the best with room: %s: %s\n",
+                    100 * kMinHeadroom, p.layout.describe().c_str(),
+                    p.layout.train_flags(layers).c_str());
+        break;
+      }
+    }
     return 0;
   }
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -323,6 +324,30 @@ TEST(Cli, PlanPredictsSearchesAndDrawsScaling) {
   const auto record = nlohmann::json::parse(json.text);
   EXPECT_GT(record["step_s"].get<double>(), 0);
   EXPECT_EQ(record["global_batch"].get<int>(), 512);
+  EXPECT_FALSE(record["tight"].get<bool>());
+  // On a device with 5% of its memory left over, the same layout fits but is flagged: the CUDA
+  // context, communication buffers and fragmentation need more than the model counts.
+  {
+    const double total = record["memory_bytes"]["total"].get<double>();
+    EXPECT_NEAR(record["memory_headroom"].get<double>(), 1 - total / (80 * std::pow(2.0, 30)),
+                1e-9);
+    std::ifstream in(DTRAIN_SOURCE_DIR "/configs/hardware/a100-selene.toml");
+    const std::string profile((std::istreambuf_iterator<char>(in)),
+                              std::istreambuf_iterator<char>());
+    char gib[64];
+    std::snprintf(gib, sizeof(gib), "memory_gib = %.9f", total / 0.95 / std::pow(2.0, 30));
+    std::ofstream(dir / "tight.toml")
+        << std::regex_replace(profile, std::regex("memory_gib = [0-9.]+"), gib);
+    const std::string tight_plan = " plan --model gpt-1.7b --cluster " + (dir / "tight.toml") +
+                                   " --nodes 4 --global-batch 512 --micro-batch-size 4 "
+                                   "--checkpointing";
+    const auto flagged = run(kDtrain + tight_plan);
+    ASSERT_EQ(flagged.code, 0) << flagged.text;
+    EXPECT_TRUE(has(flagged, "TIGHT: 95.0% of the device")) << flagged.text;
+    const auto tight_json = nlohmann::json::parse(run(kDtrain + tight_plan + " --json").text);
+    EXPECT_TRUE(tight_json["tight"].get<bool>());
+    EXPECT_FALSE(has(text, "TIGHT")) << text.text;
+  }
   const auto search = run(kDtrain +
                           " plan --search --top 3 --model gpt-1.7b --cluster a100-selene "
                           "--global-batch 64");
