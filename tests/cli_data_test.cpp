@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -276,6 +277,39 @@ TEST(Cli, ADamagedImageFoundMidTrainingIsBlamedOnTheRankThatFoundIt) {
 }
 #endif
 
+namespace {
+
+// transformers' greedy decoding of "The cat" on the Hugging Face folder dir/hf, 12 new tokens at
+// most, as `dtrain generate` prints it; nullopt without .venv-torch's transformers (the check is
+// skipped). `stops_at_eos`: generate() as configured by the folder (it must end at the eos
+// token, left out of the text); otherwise exactly 12 tokens, special ones printed.
+std::optional<std::string> transformers_greedy(const TempDir& dir, bool stops_at_eos) {
+  const std::string python = std::string(DTRAIN_SOURCE_DIR) + "/.venv-torch/bin/python";
+  if (std::system((python + " -c 'import transformers' > /dev/null 2>&1").c_str()) != 0) {
+    return std::nullopt;
+  }
+  std::ofstream(dir / "greedy.py")
+      << "import sys, torch\n"
+         "from transformers import LlamaForCausalLM, PreTrainedTokenizerFast\n"
+         "model = LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+         "tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[1] + '/tokenizer.json')\n"
+         "ids = torch.tensor([tok.encode('The cat')])\n"
+      << (stops_at_eos
+              ? "out = model.generate(ids, max_new_tokens=12, do_sample=False)\n"
+                "assert out[0, -1].item() == model.generation_config.eos_token_id, out\n"
+                "text = tok.decode(out[0], skip_special_tokens=True)\n"
+              : "out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)\n"
+                "text = tok.decode(out[0])\n")
+      << "open(sys.argv[2], 'w').write(text + '\\n')\n";
+  const auto out =
+      run(python + " " + (dir / "greedy.py") + " " + (dir / "hf") + " " + (dir / "greedy.txt"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  std::ifstream in(dir / "greedy.txt");
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+}  // namespace
+
 // Weights out to the Python world and back in: a Llama trained on 2 ranks, exported as Hugging
 // Face's folder (config.json, model.safetensors, tokenizer.json), greedy-decoded by transformers
 // to the text `dtrain generate` gives (.venv-torch; that part skipped without it), then the
@@ -327,22 +361,8 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   EXPECT_EQ(ours.rfind("The cat", 0), 0u) << ours;
   EXPECT_GT(std::set<char>(ours.begin() + 7, ours.end()).size(), 3u) << ours;  // not one token
 
-  const std::string python = std::string(DTRAIN_SOURCE_DIR) + "/.venv-torch/bin/python";
-  if (std::system((python + " -c 'import transformers' > /dev/null 2>&1").c_str()) == 0) {
-    std::ofstream(dir / "greedy.py")
-        << "import sys, torch\n"
-           "from transformers import LlamaForCausalLM, PreTrainedTokenizerFast\n"
-           "model = LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
-           "tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[1] + '/tokenizer.json')\n"
-           "ids = torch.tensor([tok.encode('The cat')])\n"
-           "out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)\n"
-           "open(sys.argv[2], 'w').write(tok.decode(out[0]) + '\\n')\n";  // as dtrain prints
-    const auto theirs =
-        run(python + " " + (dir / "greedy.py") + " " + (dir / "hf") + " " + (dir / "greedy.txt"));
-    ASSERT_EQ(theirs.code, 0) << theirs.text;
-    std::ifstream in(dir / "greedy.txt");
-    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), ours);
-  }
+  const auto theirs = transformers_greedy(dir, /*stops_at_eos=*/false);
+  if (theirs) EXPECT_EQ(*theirs, ours);
 
   // The folder starts a run at another layout (2 tensor-parallel ranks); with a learning rate of
   // 1e-12 its checkpoint generates the same text.
@@ -414,20 +434,6 @@ TEST(Cli, GenerationStopsAtTheEndOfTextAsTransformersDoes) {
   EXPECT_EQ(on.text.rfind(stopped.text.substr(0, stopped.text.size() - 1), 0), 0u) << on.text;
   EXPECT_TRUE(has(on, "<|endoftext|>")) << on.text;
 
-  const std::string python = std::string(DTRAIN_SOURCE_DIR) + "/.venv-torch/bin/python";
-  if (std::system((python + " -c 'import transformers' > /dev/null 2>&1").c_str()) != 0) return;
-  std::ofstream(dir / "greedy.py")
-      << "import sys, torch\n"
-         "from transformers import LlamaForCausalLM, PreTrainedTokenizerFast\n"
-         "model = LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
-         "tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[1] + '/tokenizer.json')\n"
-         "ids = torch.tensor([tok.encode('The cat')])\n"
-         "out = model.generate(ids, max_new_tokens=12, do_sample=False)\n"
-         "assert out[0, -1].item() == model.generation_config.eos_token_id, out\n"
-         "open(sys.argv[2], 'w').write(tok.decode(out[0], skip_special_tokens=True) + '\\n')\n";
-  const auto theirs =
-      run(python + " " + (dir / "greedy.py") + " " + (dir / "hf") + " " + (dir / "greedy.txt"));
-  ASSERT_EQ(theirs.code, 0) << theirs.text;
-  std::ifstream in(dir / "greedy.txt");
-  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), stopped.text);
+  const auto theirs = transformers_greedy(dir, /*stops_at_eos=*/true);
+  if (theirs) EXPECT_EQ(*theirs, stopped.text);
 }

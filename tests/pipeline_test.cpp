@@ -754,14 +754,9 @@ TEST(Pipeline, PipeDream2BWIsItsUpdateRuleWrittenOut) {
 
 namespace {
 
-// PipeDream's asynchronous rule in one process: stage s (of P, model stages cut as the strategy
-// cuts them) computes micro-batch k, forward and backward, on its own version
-// W_s(max(0, k - (P - s - 1))) (1F1B without a flush: its k-th forward comes after k - w
-// backwards), and after micro-batch k, W_s(k + 1) = W_s(k) - step(its gradient); the loss of a
-// micro-batch is its share of the step's (divided by M).
-std::vector<at::Tensor> train_async_rule(const Fixture& f, int steps, int stages, int micro) {
-  Model model = make_model_as(f.spec, f.dtype);
-  restore(model, f.initial);
+// The parameters of each of `stages` pipeline stages, the model's stages cut as the strategy
+// cuts them (by parameter count).
+std::vector<std::vector<at::Tensor>> parameters_by_stage(const Model& model, int stages) {
   std::vector<double> counts;
   for (const auto& stage : model.stages) {
     double n = 0;
@@ -779,6 +774,18 @@ std::vector<at::Tensor> train_async_rule(const Fixture& f, int steps, int stages
       }
     }
   }
+  return params;
+}
+
+// PipeDream's asynchronous rule in one process: stage s (of P, model stages cut as the strategy
+// cuts them) computes micro-batch k, forward and backward, on its own version
+// W_s(max(0, k - (P - s - 1))) (1F1B without a flush: its k-th forward comes after k - w
+// backwards), and after micro-batch k, W_s(k + 1) = W_s(k) - step(its gradient); the loss of a
+// micro-batch is its share of the step's (divided by M).
+std::vector<at::Tensor> train_async_rule(const Fixture& f, int steps, int stages, int micro) {
+  Model model = make_model_as(f.spec, f.dtype);
+  restore(model, f.initial);
+  std::vector<std::vector<at::Tensor>> params = parameters_by_stage(model, stages);
   auto values = [](const std::vector<at::Tensor>& ps) {
     std::vector<at::Tensor> out;
     for (const auto& p : ps) out.push_back(p.detach().clone());
@@ -876,25 +883,13 @@ namespace {
 std::vector<at::Tensor> train_eager_rule(const Fixture& f, int steps, int stages, int micro) {
   Model model = make_model_as(f.spec, f.dtype);
   restore(model, f.initial);
-  std::vector<double> counts;
-  for (const auto& stage : model.stages) {
-    double n = 0;
-    for (const auto& module : stage.modules) {
-      for (const auto& p : module->parameters()) n += static_cast<double>(p.numel());
-    }
-    counts.push_back(n);
-  }
-  const Partition cut = balanced_partition(counts, stages);
   std::vector<at::Tensor> params;
   std::vector<int> late;  // each parameter's stage's w
+  const auto by_stage = parameters_by_stage(model, stages);
   for (int s = 0; s < stages; ++s) {
-    for (int i = cut.first(s); i < cut.end(s); ++i) {
-      for (const auto& module : model.stages[i].modules) {
-        for (const auto& p : module->parameters()) {
-          params.push_back(p);
-          late.push_back(stages - 1 - s);
-        }
-      }
+    for (const auto& p : by_stage[s]) {
+      params.push_back(p);
+      late.push_back(stages - 1 - s);
     }
   }
   std::vector<at::Tensor> pending, head, tail;
