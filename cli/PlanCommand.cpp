@@ -232,21 +232,25 @@ class PlanCommand final : public Command {
     app_->add_flag("--selective-recompute", layout_.selective_recompute,
                    "Selective recomputation: only attention's core recomputed in backward "
                    "(dtrain train --checkpointing selective)");
-    app_->add_flag("--sequence-parallel", layout_.sequence_parallel,
-                   "Megatron sequence parallelism");
+    step_flags_.push_back(app_->add_flag("--sequence-parallel,!--no-sequence-parallel",
+                                         layout_.sequence_parallel,
+                                         "Megatron sequence parallelism; --search tries it "
+                                         "wherever tp > 1 unless pinned on or off"));
     app_->add_option("--optimizer", layout_.optimizer, "adam, momentum, sgd")
         ->capture_default_str();
     app_->add_option("--bucket-mb", bucket_mb_, "Gradient bucket cap in MiB")
         ->capture_default_str();
     app_->add_flag("--hierarchical-allreduce", layout_.hierarchical_allreduce,
                    "Data-parallel buckets reduced inside nodes, then across");
-    app_->add_flag("--overlap-param-gather", layout_.overlap_param_gather,
-                   "zero1, zero2: the update's parameter all-gathers overlapped with the next "
-                   "forward (dtrain train --overlap-param-gather); with --search, for every "
-                   "zero1 and zero2 layout");
-    app_->add_flag("--tp-comm-overlap", layout_.tp_comm_overlap,
-                   "tp > 1: backward's input-gradient all-reduces beside the weight gradients "
-                   "(dtrain train --tp-comm-overlap); with --search, for every layout with tp > 1");
+    step_flags_.push_back(app_->add_flag(
+        "--overlap-param-gather,!--no-overlap-param-gather", layout_.overlap_param_gather,
+        "zero1, zero2: the update's parameter all-gathers overlapped with the next forward "
+        "(dtrain train --overlap-param-gather); --search tries it for every zero1 and zero2 "
+        "layout unless pinned on or off"));
+    step_flags_.push_back(app_->add_flag(
+        "--tp-comm-overlap,!--no-tp-comm-overlap", layout_.tp_comm_overlap,
+        "tp > 1: backward's input-gradient all-reduces beside the weight gradients (dtrain train "
+        "--tp-comm-overlap); --search tries it wherever tp > 1 unless pinned on or off"));
     app_->add_option("--ps-shards", layout_.ps_shards, "downpour: parameter-server shards")
         ->capture_default_str();
     app_->add_flag("--search", search_,
@@ -372,9 +376,13 @@ class PlanCommand final : public Command {
     options.global_batch = global_batch_;
     options.precision = layout_.precision;
     options.optimizer = layout_.optimizer;
-    options.sequence_parallel = layout_.sequence_parallel;
-    options.overlap_param_gather = layout_.overlap_param_gather;
-    options.tp_comm_overlap = layout_.tp_comm_overlap;
+    // The step options a flag pins (on, or off with --no-...); the others the search decides.
+    auto pinned = [](const CLI::Option* flag, bool value) {
+      return flag->count() > 0 ? std::optional<bool>(value) : std::nullopt;
+    };
+    options.sequence_parallel = pinned(step_flags_[0], layout_.sequence_parallel);
+    options.overlap_param_gather = pinned(step_flags_[1], layout_.overlap_param_gather);
+    options.tp_comm_overlap = pinned(step_flags_[2], layout_.tp_comm_overlap);
     if (!strategies_.empty()) options.strategies = strategies_;
     // --pipeline-sync 2bw|eager|async with --search: those layouts compete beside the flushed ones.
     if (layout_.pipeline_sync != "flush") options.pipeline_syncs.push_back(layout_.pipeline_sync);
@@ -396,6 +404,7 @@ class PlanCommand final : public Command {
         list.push_back(entry);
       }
       std::printf("%s\n", nlohmann::json{{"considered", result.considered},
+                                         {"step_option_variants", result.variants},
                                          {"fit", result.ranked.size()},
                                          {"best", list}}
                               .dump(2)
@@ -403,10 +412,11 @@ class PlanCommand final : public Command {
       return 0;
     }
     std::printf(
-        "dtrain plan --search: %s on %d x %s, global batch %lld: %d layouts considered, "
-        "%zu fit; the best %zu:\n",
+        "dtrain plan --search: %s on %d x %s, global batch %lld: %d layouts considered "
+        "(and %d step-option variants of the fastest), %zu fit; the best %zu:\n",
         model.name.c_str(), cluster.gpus(), cluster.hardware.device.c_str(),
-        static_cast<long long>(global_batch_), result.considered, result.ranked.size(), shown);
+        static_cast<long long>(global_batch_), result.considered, result.variants,
+        result.ranked.size(), shown);
     std::printf("%3s  %-52s %10s %11s %6s %7s %10s %9s\n", "#", "layout", "step", "samples/s",
                 "MFU", "bubble", "exposed", "GiB/rank");
     for (size_t i = 0; i < shown; ++i) {
@@ -480,6 +490,7 @@ class PlanCommand final : public Command {
   int nodes_ = 1, gpus_per_node_ = 0, dp_ = 0, micro_batches_ = 0, top_ = 10;
   int64_t global_batch_ = 0;
   double bucket_mb_ = 25;
+  std::vector<CLI::Option*> step_flags_;  ///< sequence parallel, the two overlaps
   Layout layout_;
   bool search_ = false, json_ = false, replicated_stages_ = false;
   std::vector<int> scaling_;

@@ -353,6 +353,27 @@ TEST(Cli, PlanPredictsSearchesAndDrawsScaling) {
                           "--global-batch 64");
   ASSERT_EQ(search.code, 0) << search.text;
   EXPECT_TRUE(has(search, "  3  ")) << search.text;
+  // The search decides sequence parallelism and the overlaps unless a flag pins them.
+  {
+    const std::string searched =
+        " plan --search --json --top 20 --model gpt-1.7b --cluster "
+        "a100-selene --global-batch 64";
+    auto count = [&](const std::string& flags, const std::string& key) {
+      const auto out = run(kDtrain + searched + flags);
+      EXPECT_EQ(out.code, 0) << out.text;
+      int on = 0;
+      const auto result = nlohmann::json::parse(out.text);
+      for (const auto& entry : result["best"]) {
+        on += entry["train_flags"].get<std::string>().find(key) != std::string::npos;
+      }
+      return on;
+    };
+    EXPECT_GT(count("", "--sequence-parallel"), 0);
+    EXPECT_EQ(count(" --no-sequence-parallel", "--sequence-parallel"), 0);
+    EXPECT_EQ(
+        count(" --sequence-parallel --strategies ddp --no-tp-comm-overlap", "--tp-comm-overlap"),
+        0);
+  }
   // PipeDream's layouts: a VGG on 3 ranks of a slow network; the layout the search picks is
   // printed as dtrain train flags, and dtrain train runs them.
   {

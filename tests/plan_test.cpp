@@ -538,6 +538,15 @@ TEST(Hardware, RefusesAMissingOrNonPhysicalField) {
       refusal("link_gb_s = 300", "link_gb_s = \"fast\"").find("'node.link_gb_s' must be a number"),
       std::string::npos);
   EXPECT_EQ(refusal("memory_gib = 80", "memory_gib = 80"), "accepted");
+  const std::string table = "[matmul_table]\nsource = \"test\"\nsizes = [256, 512]\n";
+  EXPECT_NE(refusal("[efficiency]", table + "bf16 = [1, 2, 3]\n[efficiency]")
+                .find("matmul_table.bf16 has 3 rates; 2 sizes need 8 (m, then n, then k)"),
+            std::string::npos);
+  EXPECT_NE(refusal("[efficiency]", table + "int8 = [1, 1, 1, 1, 1, 1, 1, 1]\n[efficiency]")
+                .find("matmul_table.int8 must be a list of rates for a dtype of"),
+            std::string::npos);
+  EXPECT_EQ(refusal("[efficiency]", table + "bf16 = [1, 1, 1, 1, 1, 1, 1, 1]\n[efficiency]"),
+            "accepted");
   try {
     load_hardware("a100-nowhere", profiles());
     FAIL() << "an unknown profile was accepted";

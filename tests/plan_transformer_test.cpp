@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "PlanClusters.h"
@@ -100,6 +101,104 @@ TEST(Planner, FlashAttentionKeepsNoScoresAndComputesTheCausalHalf) {
                           [](const Prediction& p) { return p.layout.chunks > 2; }));
 }
 
+// The h100-dgx profile's rates by shape are XLA's measured H100 table: at its sizes the figures
+// themselves, between them log-linear, above them held, below them a narrower product no faster.
+TEST(Hardware, MatmulRatesByShapeAreXlasH100Table) {
+  const Hardware hw = cluster_of("h100-dgx", 1).hardware;
+  const MatmulTable& table = hw.matmul_table;
+  ASSERT_TRUE(table.has("bf16"));
+  EXPECT_FALSE(table.has("fp16"));  // timed by efficiency.matmul
+  EXPECT_NE(table.source.find("openxla/xla"), std::string::npos);
+  // The quoted points of the table (bf16, m = n = k): 6.5, 40.7, 236.3, 632.0, 783.3.
+  const std::vector<std::pair<double, double>> cubes = {
+      {256, 6.5}, {512, 40.7}, {1024, 236.3}, {2048, 632.0}, {4096, 783.3}};
+  for (const auto& [n, tflops] : cubes) {
+    EXPECT_NEAR(table.rate("bf16", n, n, n), tflops * 1e12, 1e-9 * tflops * 1e12);
+  }
+  const double low = table.rate("bf16", 4096, 1024, 2048);
+  const double high = table.rate("bf16", 4096, 1024, 4096);
+  EXPECT_NEAR(table.rate("bf16", 4096, 1024, std::sqrt(2048.0 * 4096)), std::sqrt(low * high),
+              1e-6 * high);
+  EXPECT_DOUBLE_EQ(table.rate("bf16", 16384, 1024, 4096), high);
+  EXPECT_NEAR(table.rate("bf16", 4096, 1024, 128), table.rate("bf16", 4096, 1024, 256) / 2, 1);
+}
+
+// With rates by shape, tensor parallelism's narrower products run further from the peak: the
+// same block split 8 ways computes at a lower rate per GPU than whole, where one efficiency for
+// every size made the split free (and the search preferred narrow TP, unlike Megatron).
+TEST(Planner, TensorParallelSplitsRunAtTheirShapesRate) {
+  const ModelCost model = model_named(
+      "transformer:layers=24,hidden=2048,heads=16,seq=4096,vocab=131072,tied=0,flash=1");
+  Cluster measured = cluster_of("h100-dgx", 1);
+  Cluster flat = measured;
+  flat.hardware.matmul_table = MatmulTable{};
+  auto per_gpu_time = [&](const Cluster& cluster, int tp) {
+    Layout layout;
+    layout.tp = tp;
+    layout.dp = 8 / tp;
+    layout.precision = "bf16-master";
+    return predict(model, cluster, layout).compute_s * tp;
+  };
+  const double flat_ratio = per_gpu_time(flat, 8) / per_gpu_time(flat, 1);
+  const double measured_ratio = per_gpu_time(measured, 8) / per_gpu_time(measured, 1);
+  EXPECT_GT(measured_ratio, flat_ratio * 1.05) << measured_ratio << " vs " << flat_ratio;
+  // Large products reach the table's rate (about 0.75-0.8 of peak), as the flat profile says.
+  Layout whole;
+  whole.dp = 8;
+  whole.precision = "bf16-master";
+  EXPECT_NEAR(predict(model, measured, whole).compute_s / predict(model, flat, whole).compute_s,
+              1.0, 0.1);
+}
+
+// Unless the user pins them, the search decides sequence parallelism and the two overlaps: each
+// layout with them on wherever they apply, then the fastest layouts with every combination.
+// They usually help, but not always (they move the stages' balance and the pipeline's timing):
+// checked here over every layout of a small search, each predicted with them off and on.
+TEST(Planner, TheSearchDecidesTheStepOptionsUnlessPinned) {
+  const ModelCost model =
+      model_named("transformer:layers=8,hidden=2048,heads=16,seq=4096,vocab=131072,tied=0,flash=1");
+  SearchOptions options;
+  options.global_batch = 32;
+  options.precision = "bf16-master";
+  options.sequence_parallel = options.overlap_param_gather = options.tp_comm_overlap = false;
+  const Cluster cluster = cluster_of("h100-dgx", 2);
+  const SearchResult off = search(model, cluster, options);
+  ASSERT_GT(off.ranked.size(), 100u);
+  auto all_on = [](Layout layout) {
+    layout.sequence_parallel = layout.tp_comm_overlap = layout.tp > 1;
+    layout.overlap_param_gather = layout.strategy == "zero1" || layout.strategy == "zero2";
+    return layout;
+  };
+  int faster = 0, slower = 0;
+  for (const Prediction& p : off.ranked) {
+    EXPECT_FALSE(p.layout.sequence_parallel || p.layout.overlap_param_gather ||
+                 p.layout.tp_comm_overlap);
+    const Prediction q = predict(model, cluster, all_on(p.layout));
+    faster += q.step_s < p.step_s * (1 - 1e-9);
+    slower += q.step_s > p.step_s * (1 + 1e-9);
+  }
+  EXPECT_GT(faster, slower);
+  EXPECT_GT(slower, 0);  // why the search tries both
+  options.sequence_parallel = options.overlap_param_gather = options.tp_comm_overlap = std::nullopt;
+  options.refine = off.ranked.size();  // (a small search: every layout's variants)
+  const SearchResult searched = search(model, cluster, options);
+  EXPECT_EQ(searched.considered, off.considered);
+  EXPECT_GT(searched.variants, 0);
+  EXPECT_EQ(off.variants, 0);
+  EXPECT_LT(searched.ranked.front().step_s, off.ranked.front().step_s);
+  // Each layout is the fastest of its variants that fit: all on, all off.
+  for (size_t i = 0; i < searched.ranked.size(); ++i) {
+    Layout plain = searched.ranked[i].layout;
+    plain.sequence_parallel = plain.overlap_param_gather = plain.tp_comm_overlap = false;
+    for (const Layout& variant : {plain, all_on(plain)}) {
+      const Prediction v = predict(model, cluster, variant);
+      if (v.fits) {
+        EXPECT_LE(searched.ranked[i].step_s, v.step_s) << variant.describe();
+      }
+    }
+  }
+}
+
 // Two published results the planner must keep reproducing within 20% (BENCHMARKS.md has all).
 TEST(Published, NarayananTrillionParametersOn3072A100s) {
   // Narayanan et al. 2021, Table 1: 1008B parameters, TP 8 x PP 64 on 3072 A100s, batch 3072:
@@ -128,6 +227,7 @@ TEST(Published, SearchPicksMegatronsLayoutForTheTrillion) {
   options.global_batch = 3072;
   options.strategies = {"ddp"};
   options.precision = "fp16-master";
+  options.sequence_parallel = options.tp_comm_overlap = false;
   const SearchResult result =
       search(model_named("gpt-1t"), cluster_of("a100-selene", 384), options);
   ASSERT_FALSE(result.ranked.empty());

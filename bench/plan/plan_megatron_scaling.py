@@ -55,8 +55,11 @@ WEAK = [
 ]
 # The README's text: the 177B model, batch 1152, 96 -> 4608 GPUs, 47% -> 42% MFU.
 STRONG = [(96, 0.47), (4608, 0.42)]
-FLAGS = ["--cluster", "h100-dgx", "--overlap-param-gather"]  # + --precision (main)
-TP_FLAGS = ["--sequence-parallel", "--tp-comm-overlap"]  # where tp > 1
+FLAGS = ["--cluster", "h100-dgx"]  # + --cluster, --precision (main)
+# Megatron's own layouts: its distributed optimizer's overlapped gathers, and where tp > 1
+# sequence parallelism and the TP communication overlap.
+LAYOUT_FLAGS = ["--overlap-param-gather"]
+TP_FLAGS = ["--sequence-parallel", "--tp-comm-overlap"]
 
 
 def model(heads, hidden, layers):
@@ -86,7 +89,8 @@ def fits(p):
 
 def its_layout(dtrain, row):
     size, heads, hidden, layers, tp, pp, dp, gpus, batch, _, _ = row
-    base = ["--model", model(heads, hidden, layers), *FLAGS, *(TP_FLAGS if tp > 1 else []),
+    base = ["--model", model(heads, hidden, layers), *FLAGS, *LAYOUT_FLAGS,
+            *(TP_FLAGS if tp > 1 else []),
             "--nodes", gpus // 8, "--strategy",
             "zero1", "--tp", tp, "--pp", pp, "--dp", dp, "--global-batch", batch,
             "--micro-batch-size", 1]
@@ -104,17 +108,12 @@ def its_layout(dtrain, row):
 
 
 def search(dtrain, heads, hidden, layers, gpus, batch):
-    """The fastest of the searches with and without sequence parallelism (which needs tp > 1)."""
-    best = None
-    for extra in (["--tp-comm-overlap"], TP_FLAGS):
-        out = plan(dtrain, "--model", model(heads, hidden, layers), *FLAGS, *extra, "--nodes",
-                   gpus // 8, "--global-batch", batch, "--search", "--top", 1)
-        if out is None:
-            continue
-        layouts = out["best"]
-        if layouts and fits(layouts[0]) and (best is None or layouts[0]["step_s"] < best["step_s"]):
-            best = layouts[0]
-    return best
+    """`dtrain plan --search` with no step option pinned: it decides sequence parallelism and
+    both overlaps itself."""
+    out = plan(dtrain, "--model", model(heads, hidden, layers), *FLAGS, "--nodes", gpus // 8,
+               "--global-batch", batch, "--search", "--top", 1)
+    layouts = out["best"] if out is not None else []
+    return layouts[0] if layouts and fits(layouts[0]) else None
 
 
 def main():
@@ -126,7 +125,11 @@ def main():
     parser.add_argument("--markdown")
     parser.add_argument("--rows", help="weak-scaling rows to run (sizes, comma-separated)")
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--cluster", default="h100-dgx",
+                        help="the profile (a name or a .toml file: a copy without its "
+                             "[matmul_table] gives the single-efficiency predictions)")
     args = parser.parse_args()
+    FLAGS[1] = args.cluster
     FLAGS.extend(["--precision", args.precision])
 
     rows = []
@@ -138,7 +141,8 @@ def main():
             started = time.time()
             p = its_layout(args.dtrain, row) if kind == "its layout" else \
                 search(args.dtrain, heads, hidden, layers, gpus, batch)
-            record = {"table": "weak", "model": size, "precision": args.precision, "gpus": gpus, "batch": batch, "kind": kind,
+            record = {"table": "weak", "model": size, "precision": args.precision,
+                      "cluster": args.cluster, "gpus": gpus, "batch": batch, "kind": kind,
                       "published_mfu": mfu, "published_tflops_per_gpu": tflops,
                       "plan_s": time.time() - started}
             if p is not None:
@@ -151,7 +155,8 @@ def main():
         for gpus, mfu in STRONG:
             started = time.time()
             p = search(args.dtrain, 96, 12288, 96, gpus, 1152)
-            record = {"table": "strong", "model": "177B", "precision": args.precision, "gpus": gpus, "batch": 1152,
+            record = {"table": "strong", "model": "177B", "precision": args.precision,
+                      "cluster": args.cluster, "gpus": gpus, "batch": 1152,
                       "kind": "search", "published_mfu": mfu, "plan_s": time.time() - started}
             if p is not None:
                 record.update({"layout": p["layout"], "step_s": p["step_s"], "planner_mfu": p["mfu"],

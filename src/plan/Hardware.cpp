@@ -38,6 +38,44 @@ double Hardware::matmul_rate(const std::string& dtype, double dim) const {
   return table.back().second;
 }
 
+double MatmulTable::rate(const std::string& dtype, double m, double n, double k) const {
+  const std::vector<double>& table = flops.at(dtype);
+  const size_t count = sizes.size();
+  // Each dimension: the two sizes around it and the weight of the upper one (log scale), and
+  // the factor a dimension below the smallest size scales the rate by.
+  struct Axis {
+    size_t low = 0, high = 0;
+    double weight = 0, scale = 1;
+  };
+  auto axis = [&](double x) {
+    Axis a;
+    if (x <= sizes.front()) {
+      a.scale = x > 0 ? x / sizes.front() : 1;
+      return a;
+    }
+    if (x >= sizes.back()) {
+      a.low = a.high = count - 1;
+      return a;
+    }
+    a.high = static_cast<size_t>(std::upper_bound(sizes.begin(), sizes.end(), x) - sizes.begin());
+    a.low = a.high - 1;
+    a.weight = std::log(x / sizes[a.low]) / std::log(sizes[a.high] / sizes[a.low]);
+    return a;
+  };
+  const Axis am = axis(m), an = axis(n), ak = axis(k);
+  double log_rate = 0;
+  for (int corner = 0; corner < 8; ++corner) {
+    const bool hm = corner & 4, hn = corner & 2, hk = corner & 1;
+    const double w = (hm ? am.weight : 1 - am.weight) * (hn ? an.weight : 1 - an.weight) *
+                     (hk ? ak.weight : 1 - ak.weight);
+    if (w == 0) continue;
+    const size_t index = ((hm ? am.high : am.low) * count + (hn ? an.high : an.low)) * count +
+                         (hk ? ak.high : ak.low);
+    log_rate += w * std::log(table[index]);
+  }
+  return std::exp(log_rate) * am.scale * an.scale * ak.scale;
+}
+
 namespace {
 
 /// One profile's fields, each checked where it is read: present, a number, physical.
@@ -74,6 +112,42 @@ class Reader {
   const toml::table& table_;
   std::string file_;
 };
+
+/// [matmul_table]: source, sizes (ascending, positive) and per dtype of peak_tflops a list of
+/// sizes^3 positive rates in TFLOP/s.
+void read_matmul_table(const toml::table& table, const std::string& file, Hardware& hw) {
+  MatmulTable& out = hw.matmul_table;
+  const Reader read(table, file);
+  out.source = read.text("source");
+  const auto* sizes = table.get_as<toml::array>("sizes");
+  DTRAIN_CHECK_INPUT(sizes != nullptr && !sizes->empty(), file,
+                     ": matmul_table.sizes must be a list of sizes");
+  for (const auto& size : *sizes) {
+    const auto value = size.value<double>();
+    DTRAIN_CHECK_INPUT(value && *value > 0 && (out.sizes.empty() || *value > out.sizes.back()),
+                       file, ": matmul_table.sizes must be positive and ascending");
+    out.sizes.push_back(*value);
+  }
+  const size_t expected = out.sizes.size() * out.sizes.size() * out.sizes.size();
+  for (const auto& [key, node] : table) {
+    const std::string dtype(key.str());
+    if (dtype == "source" || dtype == "sizes") continue;
+    const auto* rates = node.as_array();
+    DTRAIN_CHECK_INPUT(hw.peak_flops.count(dtype) && rates != nullptr, file, ": matmul_table.",
+                       dtype, " must be a list of rates for a dtype of accelerator.peak_tflops");
+    DTRAIN_CHECK_INPUT(rates->size() == expected, file, ": matmul_table.", dtype, " has ",
+                       rates->size(), " rates; ", out.sizes.size(), " sizes need ", expected,
+                       " (m, then n, then k)");
+    std::vector<double>& flops = out.flops[dtype];
+    for (const auto& rate : *rates) {
+      const auto value = rate.value<double>();
+      DTRAIN_CHECK_INPUT(value && *value > 0, file, ": matmul_table.", dtype,
+                         " must hold positive TFLOP/s");
+      flops.push_back(*value * 1e12);
+    }
+  }
+  DTRAIN_CHECK_INPUT(!out.flops.empty(), file, ": matmul_table gives no dtype's rates");
+}
 
 }  // namespace
 
@@ -157,6 +231,9 @@ Hardware load_hardware(const std::string& name_or_path,
       }
       std::sort(hw.matmul_by_dim[dtype].begin(), hw.matmul_by_dim[dtype].end());
     }
+  }
+  if (const auto* measured = table.at_path("matmul_table").as_table()) {
+    read_matmul_table(*measured, file, hw);
   }
   hw.memory_bytes = read.positive("accelerator.memory_gib") * (1LL << 30);
   hw.memory_bandwidth_Bps = read.positive("accelerator.memory_bandwidth_gb_s") * 1e9;

@@ -138,6 +138,9 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
     DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" ||
                            (spec.kind == pp::ScheduleKind::OneFOneB && layout.strategy == "ddp"),
                        "pipeline sync ", layout.pipeline_sync, " runs 1f1b with ddp");
+    DTRAIN_CHECK_INPUT(layout.pipeline_sync != "eager" || !layout.sequence_parallel,
+                       "pipeline sync eager with sequence parallelism: dtrain train refuses it "
+                       "(its late gradients would be partial sums over the TP group)");
   } else {
     DTRAIN_CHECK_INPUT(layout.chunks == 1, "chunks > 1 needs an interleaved pipeline");
   }

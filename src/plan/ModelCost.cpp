@@ -66,6 +66,10 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
     block.parameters = static_cast<int64_t>(4 * h * h + 2 * h * f + 9 * h + f);
     block.matmul_flops = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h;
     block.matmul_dim = h;
+    block.gemms = {{s, 3 * h, h, Gemm::Columns},
+                   {s, h, h, Gemm::Inner},
+                   {s, f, h, Gemm::Columns},
+                   {s, h, f, Gemm::Inner}};
     // Attention's scores: fused scale-mask-softmax reads and writes them once (2 passes; the
     // 3 a s above counts the mask); written out, the scale (2), masked_fill (2 + its mask) and
     // softmax (2) pass over them three times.
@@ -115,6 +119,7 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
   head.parameters = static_cast<int64_t>(2 * h + (shape.tied ? 0 : v * h));
   head.matmul_flops = 2 * s * h * v;
   head.matmul_dim = std::min(h, v);
+  head.gemms = {{s, v, h, Gemm::Columns}};
   head.elementwise_elements = 4 * s * h + 8 * s * v;
   head.kernels = 10;
   head.saved_elements = 2 * s * h + 2 * s * v;

@@ -93,10 +93,110 @@ struct Placement {
   }
 };
 
+/// What one rank computes at: its compute dtype's matrix products, memory, the element-wise
+/// kernels and one operator's fixed cost (a CPU profile's ranks with their share of the cores).
+struct Rates {
+  const Hardware& hw;
+  std::string dtype;
+  double share, byte_rate, elementwise_rate, overhead;
+};
+
+/// A layer's matrix products on one TP rank for one micro-batch of `b` samples: forward,
+/// backward's input and weight gradients (of those, the column-parallel layers'), what backward
+/// computes beyond them (FlashAttention's scores), and attention's core (what selective
+/// recomputation runs again).
+struct MatmulTime {
+  double forward = 0, input_grad = 0, weight_grad = 0, column_weight_grad = 0;
+  double recomputed = 0, attention = 0;
+};
+
+MatmulTime matmul_time(const Layer& l, const Rates& r, double b, int tp) {
+  const double split = l.tensor_parallel ? tp : 1;
+  const double size_rate = r.hw.matmul_rate(r.dtype, l.matmul_dim / split) * r.share;
+  MatmulTime t;
+  t.recomputed = l.recomputed_backward_flops * b / split / size_rate;
+  t.attention = l.attention_flops * b / split / size_rate;
+  // (What the kernels compute: a causal FlashAttention kernel skips half the scores.)
+  const double computed = (l.matmul_flops - l.skipped_flops) * b / split;
+  if (l.gemms.empty() || !r.hw.matmul_table.has(r.dtype)) {
+    t.forward = t.input_grad = t.weight_grad = computed / size_rate;
+    t.column_weight_grad = l.column_parallel_flops * b / split / size_rate;
+    return t;
+  }
+  // By shape: each product at its own rate, and backward's two at theirs (dX = dY W is m x n by
+  // n x k, dW = dY^T X is n x m by m x k); the rest (attention's core) has no weights.
+  double by_shape = 0;
+  for (const Gemm& g : l.gemms) {
+    const double m = g.rows * b;
+    const double n = g.split == Gemm::Columns ? g.n / split : g.n;
+    const double k = g.split == Gemm::Inner ? g.k / split : g.k;
+    auto time = [&](double rows, double cols, double inner) {
+      return 2 * m * n * k / (r.hw.matmul_table.rate(r.dtype, rows, cols, inner) * r.share);
+    };
+    t.forward += time(m, n, k);
+    t.input_grad += time(m, k, n);
+    const double weight = time(n, k, m);
+    t.weight_grad += weight;
+    if (g.split == Gemm::Columns) t.column_weight_grad += weight;
+    by_shape += g.flops() * b / split;
+  }
+  const double rest = std::max(0.0, computed - by_shape) / size_rate;
+  t.forward += rest;
+  t.input_grad += 2 * rest;
+  return t;
+}
+
 struct LayerTime {
   double forward = 0, backward = 0;  // one micro-batch, this TP rank, TP all-reduces included
   double weight = 0;                 // the part of backward forming the weight gradients
 };
+
+/// Every layer's forward and backward on one TP rank, one micro-batch.
+std::vector<LayerTime> layer_times(const ModelCost& model, const Layout& layout, const Rates& rates,
+                                   const Bytes& bytes, const std::vector<double>& local_params,
+                                   const Link& tp_link, bool tree) {
+  const double b = layout.micro_batch_size;
+  const bool tp_overlap =
+      layout.tp_comm_overlap && layout.tp > 1 &&
+      !(layout.pp > 1 && pp::splits_backward(pp::schedule_kind_named(layout.schedule)));
+  std::vector<LayerTime> times(model.layers.size());
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const Layer& l = model.layers[i];
+    const double split = l.tensor_parallel ? layout.tp : 1;
+    const MatmulTime mm = matmul_time(l, rates, b, layout.tp);
+    const double replicated = layout.sequence_parallel
+                                  ? 0
+                                  : l.replicated_saved_elements / std::max(1.0, l.saved_elements);
+    const double elements = l.elementwise_elements * b * (replicated + (1 - replicated) / split);
+    const double elementwise = elements * bytes.activation / rates.elementwise_rate;
+    const double tp_comm = l.tp_allreduces * allreduce(l.output_elements * b * bytes.activation,
+                                                       layout.tp, tp_link, tree);
+    // dtrain's autocast: each micro-batch's forward casts the fp32 weights to 16 bits (read 4,
+    // write 2 bytes), backward turns the 16-bit weight gradients into fp32 and accumulates them
+    // (read 2, read and write 4).
+    const double casts_f = bytes.casts_per_micro_batch ? 6 * local_params[i] : 0;
+    const double casts_b = bytes.casts_per_micro_batch ? 10 * local_params[i] : 0;
+    LayerTime& t = times[i];
+    t.forward =
+        mm.forward + elementwise + casts_f / rates.byte_rate + l.kernels * rates.overhead + tp_comm;
+    // --tp-comm-overlap: each input-gradient all-reduce of backward runs beside the weight
+    // gradient of the column-parallel layer it follows (not under a split backward).
+    const double tp_comm_b = tp_overlap ? std::max(0.0, tp_comm - mm.column_weight_grad) : tp_comm;
+    t.backward = mm.input_grad + mm.weight_grad + mm.recomputed + 2 * elementwise +
+                 casts_b / rates.byte_rate + 2 * l.kernels * rates.overhead + tp_comm_b;
+    // dW = dY^T X and its fp32 accumulation; a recomputed layer computes it during B (dtrain
+    // defers nothing from inside a checkpoint), and so does autocast's (its weight is cast).
+    if (!layout.checkpointing && !bytes.casts_per_micro_batch) t.weight = mm.weight_grad;
+    if (layout.checkpointing) {
+      t.backward += t.forward;  // recomputed before its backward
+    } else if (layout.selective_recompute) {
+      t.backward += mm.attention +
+                    l.attention_elements * b / split * bytes.activation / rates.elementwise_rate +
+                    l.attention_kernels * rates.overhead;
+    }
+  }
+  return times;
+}
 
 }  // namespace
 
@@ -112,64 +212,27 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
       hw.shared_cores ? std::min(1.0, hw.gpus_per_node / static_cast<double>(cluster.per_node()))
                       : 1.0;
   const double byte_rate = hw.memory_bandwidth_Bps * hw.memory_efficiency * share;
-  const double elementwise_rate =
-      (hw.elementwise_Bps > 0 ? hw.elementwise_Bps
-                              : hw.memory_bandwidth_Bps * hw.memory_efficiency) *
-      share;
   const double overhead = hw.kernel_overhead_s / share;
+  const Rates rates{hw,
+                    bytes.compute_dtype,
+                    share,
+                    byte_rate,
+                    (hw.elementwise_Bps > 0 ? hw.elementwise_Bps
+                                            : hw.memory_bandwidth_Bps * hw.memory_efficiency) *
+                        share,
+                    overhead};
   const double b = layout.micro_batch_size;
   const Placement place{cluster, layout};
   const Link tp_link = place.group_link(1, layout.tp);
-
-  const bool tp_overlap =
-      layout.tp_comm_overlap && layout.tp > 1 &&
-      !(layout.pp > 1 && pp::splits_backward(pp::schedule_kind_named(layout.schedule)));
-  // --- Every layer's forward and backward on one TP rank, one micro-batch.
   const size_t n_layers = model.layers.size();
-  std::vector<LayerTime> times(n_layers);
   std::vector<double> local_params(n_layers);
   for (size_t i = 0; i < n_layers; ++i) {
     const Layer& l = model.layers[i];
     const double split = l.tensor_parallel ? layout.tp : 1;
     local_params[i] = (l.parameters - l.replicated_parameters) / split + l.replicated_parameters;
-    // (What the kernels compute: a causal FlashAttention kernel skips half the scores.)
-    const double flops = (l.matmul_flops - l.skipped_flops) * b / split;
-    const double flop_rate = hw.matmul_rate(bytes.compute_dtype, l.matmul_dim / split) * share;
-    const double replicated = layout.sequence_parallel
-                                  ? 0
-                                  : l.replicated_saved_elements / std::max(1.0, l.saved_elements);
-    const double elements = l.elementwise_elements * b * (replicated + (1 - replicated) / split);
-    const double tp_comm = l.tp_allreduces * allreduce(l.output_elements * b * bytes.activation,
-                                                       layout.tp, tp_link, tree);
-    // dtrain's autocast: each micro-batch's forward casts the fp32 weights to 16 bits (read 4,
-    // write 2 bytes), backward turns the 16-bit weight gradients into fp32 and accumulates them
-    // (read 2, read and write 4).
-    const double casts_f = bytes.casts_per_micro_batch ? 6 * local_params[i] : 0;
-    const double casts_b = bytes.casts_per_micro_batch ? 10 * local_params[i] : 0;
-    LayerTime& t = times[i];
-    t.forward = flops / flop_rate + elements * bytes.activation / elementwise_rate +
-                casts_f / byte_rate + l.kernels * overhead + tp_comm;
-    // --tp-comm-overlap: each input-gradient all-reduce of backward runs beside the weight
-    // gradient of the column-parallel layer it follows (not under a split backward).
-    const double tp_comm_b =
-        tp_overlap ? std::max(0.0, tp_comm - l.column_parallel_flops * b / split / flop_rate)
-                   : tp_comm;
-    t.backward = (2 * flops + l.recomputed_backward_flops * b / split) / flop_rate +
-                 2 * elements * bytes.activation / elementwise_rate + casts_b / byte_rate +
-                 2 * l.kernels * overhead + tp_comm_b;
-    // dW = dY^T X and its fp32 accumulation; a recomputed layer computes it during B (dtrain
-    // defers nothing from inside a checkpoint), and so does autocast's (its weight is cast).
-    if (!layout.checkpointing && !bytes.casts_per_micro_batch) {
-      t.weight = flops / flop_rate;
-    }
-    if (layout.checkpointing) {
-      t.backward += t.forward;  // recomputed before its backward
-    } else if (layout.selective_recompute) {
-      t.backward += l.attention_flops * b / split / flop_rate +
-                    l.attention_elements * b / split * bytes.activation / elementwise_rate +
-                    l.attention_kernels * overhead;
-    }
   }
+  const std::vector<LayerTime> times =
+      layer_times(model, layout, rates, bytes, local_params, tp_link, tree);
 
   // --- Layers onto virtual stages: dtrain's balanced partition, by forward + backward time.
   const int P = layout.pp, V = layout.chunks, stages = P * V;

@@ -21,6 +21,54 @@ std::vector<int> divisors(int64_t n, int64_t limit) {
   return out;
 }
 
+/// Every layout simulated on every core (an exception: a layout the enumeration should not
+/// have made).
+std::vector<Prediction> predict_all(const ModelCost& model, const Cluster& cluster,
+                                    const std::vector<Layout>& layouts) {
+  std::vector<Prediction> predictions(layouts.size());
+  std::atomic<size_t> next{0};
+  std::vector<std::exception_ptr> failures(layouts.size());
+  auto work = [&] {
+    for (size_t i = next++; i < layouts.size(); i = next++) {
+      try {
+        predictions[i] = predict(model, cluster, layouts[i]);
+      } catch (...) {
+        failures[i] = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  const unsigned count = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  for (unsigned t = 0; t < count; ++t) threads.emplace_back(work);
+  for (auto& thread : threads) thread.join();
+  for (const auto& failure : failures) {
+    if (failure) std::rethrow_exception(failure);
+  }
+  return predictions;
+}
+
+/// `base` with each step option that applies to it and is not pinned set both ways (every
+/// other combination than `base`'s own).
+std::vector<Layout> step_variants(const Layout& base, const SearchOptions& options) {
+  std::vector<bool Layout::*> open;
+  if (!options.sequence_parallel && base.tp > 1 && base.pipeline_sync != "eager") {
+    open.push_back(&Layout::sequence_parallel);
+  }
+  if (!options.tp_comm_overlap && base.tp > 1) open.push_back(&Layout::tp_comm_overlap);
+  if (!options.overlap_param_gather && (base.strategy == "zero1" || base.strategy == "zero2")) {
+    open.push_back(&Layout::overlap_param_gather);
+  }
+  std::vector<Layout> variants;
+  for (unsigned mask = 0; mask < (1u << open.size()); ++mask) {
+    Layout v = base;
+    for (size_t i = 0; i < open.size(); ++i) v.*open[i] = (mask >> i) & 1u;
+    bool same = true;
+    for (bool Layout::*field : open) same = same && v.*field == base.*field;
+    if (!same) variants.push_back(v);
+  }
+  return variants;
+}
+
 }  // namespace
 
 SearchResult search(const ModelCost& model, const Cluster& cluster, const SearchOptions& options) {
@@ -96,9 +144,11 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
                 layout.schedule = schedule;
                 layout.chunks = chunks;
                 layout.pipeline_sync = sync;
-                layout.sequence_parallel = options.sequence_parallel && tp > 1;
-                layout.overlap_param_gather = options.overlap_param_gather;
-                layout.tp_comm_overlap = options.tp_comm_overlap && tp > 1;
+                layout.sequence_parallel =
+                    options.sequence_parallel.value_or(true) && tp > 1 && sync != "eager";
+                layout.overlap_param_gather = options.overlap_param_gather.value_or(true) &&
+                                              (strategy == "zero1" || strategy == "zero2");
+                layout.tp_comm_overlap = options.tp_comm_overlap.value_or(true) && tp > 1;
               });
             }
           }
@@ -141,27 +191,9 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
       }
     }
   }
-  // Simulate them on every core.
+  // Simulate them on every core; rank those that fit.
   result.considered = static_cast<int>(layouts.size());
-  std::vector<Prediction> predictions(layouts.size());
-  std::atomic<size_t> next{0};
-  std::vector<std::exception_ptr> failures(layouts.size());
-  auto work = [&] {
-    for (size_t i = next++; i < layouts.size(); i = next++) {
-      try {
-        predictions[i] = predict(model, cluster, layouts[i]);
-      } catch (...) {
-        failures[i] = std::current_exception();
-      }
-    }
-  };
-  std::vector<std::thread> threads;
-  const unsigned count = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
-  for (unsigned t = 0; t < count; ++t) threads.emplace_back(work);
-  for (auto& thread : threads) thread.join();
-  for (const auto& failure : failures) {
-    if (failure) std::rethrow_exception(failure);  // a layout the enumeration should not make
-  }
+  const std::vector<Prediction> predictions = predict_all(model, cluster, layouts);
   result.smallest_memory = -1;
   for (const Prediction& p : predictions) {
     if (result.smallest_memory < 0 || p.memory.total() < result.smallest_memory) {
@@ -169,8 +201,27 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
     }
     if (p.fits) result.ranked.push_back(p);
   }
-  std::sort(result.ranked.begin(), result.ranked.end(),
-            [](const Prediction& a, const Prediction& b) { return a.step_s < b.step_s; });
+  auto faster = [](const Prediction& a, const Prediction& b) { return a.step_s < b.step_s; };
+  std::sort(result.ranked.begin(), result.ranked.end(), faster);
+  // The best layouts again with every combination of the step options the search decides (each
+  // usually helps, but it moves the stages' balance and the pipeline's timing, so not always):
+  // each keeps its fastest variant that fits.
+  const size_t refined = std::min(result.ranked.size(), options.refine);
+  std::vector<Layout> variants;
+  std::vector<size_t> owner;
+  for (size_t i = 0; i < refined; ++i) {
+    for (const Layout& v : step_variants(result.ranked[i].layout, options)) {
+      variants.push_back(v);
+      owner.push_back(i);
+    }
+  }
+  result.variants = static_cast<int>(variants.size());
+  const std::vector<Prediction> refinements = predict_all(model, cluster, variants);
+  for (size_t k = 0; k < refinements.size(); ++k) {
+    Prediction& kept = result.ranked[owner[k]];
+    if (refinements[k].fits && refinements[k].step_s < kept.step_s) kept = refinements[k];
+  }
+  std::sort(result.ranked.begin(), result.ranked.end(), faster);
   return result;
 }
 

@@ -16,6 +16,20 @@ struct Link {
   double bandwidth_Bps = 0;  ///< bytes per second, one direction
 };
 
+/// Measured matrix-product rates by shape (a profile's [matmul_table]): the flop/s of an
+/// (m x k) by (k x n) product for m, n and k each one of `sizes`, per dtype.
+struct MatmulTable {
+  std::string source;
+  std::vector<double> sizes;  ///< ascending
+  /// Per dtype: sizes^3 rates, m slowest, then n, then k.
+  std::map<std::string, std::vector<double>> flops;
+  bool has(const std::string& dtype) const { return flops.count(dtype) > 0; }
+  /// Interpolated log-linearly in log m, log n and log k between the sizes; above the largest
+  /// size held (the rate has saturated); below the smallest, the smallest's time (a narrower
+  /// product is no faster: its rate falls with the dimension).
+  double rate(const std::string& dtype, double m, double n, double k) const;
+};
+
 struct Hardware {
   std::string name;    ///< the profile's name (file stem)
   std::string device;  ///< "NVIDIA A100 80GB SXM4"
@@ -36,6 +50,9 @@ struct Hardware {
   /// Measured rates (calibrated profiles): matrix-product flop/s by dtype and size class n
   /// (n x n x n), sorted by n; empty: peak x matmul_efficiency for every size.
   std::map<std::string, std::vector<std::pair<double, double>>> matmul_by_dim;
+  /// Measured rates by shape (m, n, k): the planner times a layer's linear layers by them, for
+  /// the dtypes the table gives, and everything else by matmul_rate.
+  MatmulTable matmul_table;
   int gpus_per_node = 1;
   /// CPU profiles (node.cores given): accelerators are ranks sharing the node's cores, so a
   /// node running more ranks than `gpus_per_node` gives each a share of them.

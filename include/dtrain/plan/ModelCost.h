@@ -11,6 +11,17 @@
 
 namespace dtrain::plan {
 
+/// One matrix product of a layer's forward, per sample: `rows` x `k` by `k` x `n` (a linear
+/// layer applied to `rows` tokens, `k` inputs, `n` outputs), for the profiles that measure
+/// rates by shape (Hardware::matmul_table).
+struct Gemm {
+  double rows = 0, n = 0, k = 0;
+  /// What tensor parallelism splits: the outputs (column-parallel: Q, K, V, the MLP's first,
+  /// the vocabulary-parallel head), the inner dimension (row-parallel) or nothing.
+  enum Split { Whole, Columns, Inner } split = Whole;
+  double flops() const { return 2 * rows * n * k; }
+};
+
 struct Layer {
   std::string name;
   int64_t parameters = 0;  ///< elements
@@ -20,6 +31,9 @@ struct Layer {
   /// The size class of its matrix products (their smaller weight dimension before any TP
   /// split), for profiles that measure rates by size; 0: none.
   double matmul_dim = 0;
+  /// Of matmul_flops, the linear layers' products by shape (their flops sum to that part); the
+  /// rest (attention's scores and weighted sum, convolutions) runs at the size class's rate.
+  std::vector<Gemm> gemms;
   double elementwise_elements = 0;
   double kernels = 0;
   /// Per sample: activation elements kept for backward, and the layer's output (what a pipeline

@@ -6,6 +6,7 @@
 // docs/PLAN.md explains the model, its assumptions and its validation.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -104,7 +105,6 @@ struct SearchOptions {
   /// Layouts with activation checkpointing of every layer, and for models with attention,
   /// with selective recomputation, beside those without.
   bool allow_checkpointing = true;
-  bool sequence_parallel = false;  ///< with tp > 1
   int max_micro_batch_size = 16;
   /// Pipeline syncs to try with pp > 1 (1f1b, ddp): "flush" always; PipeDream's "2bw", "eager"
   /// or "async" only when asked (they change the training's math: stale gradients).
@@ -113,14 +113,18 @@ struct SearchOptions {
   /// (every split of them that is not even: the even ones are dp x pp), 1f1b with ddp, tp 1;
   /// at most 16 GPUs (the splits grow combinatorially).
   bool replicated_stages = false;
-  /// zero1 and zero2 layouts with their parameter all-gathers overlapped with the next forward.
-  bool overlap_param_gather = false;
-  /// Layouts with tp > 1 with --tp-comm-overlap.
-  bool tp_comm_overlap = false;
+  /// The step options: set, pinned on or off; unset, the search decides: every layout is
+  /// simulated with each of them on wherever it applies, and the `refine` fastest again with
+  /// every combination of them (each usually takes time away, but not always: it moves the
+  /// stages' balance and the pipeline's timing). Sequence parallelism (tp > 1; not with
+  /// PipeDream's eager sync), --overlap-param-gather (zero1, zero2), --tp-comm-overlap (tp > 1).
+  std::optional<bool> sequence_parallel, overlap_param_gather, tp_comm_overlap;
+  size_t refine = 64;
 };
 struct SearchResult {
   std::vector<Prediction> ranked;  ///< layouts that fit, fastest first
-  int considered = 0;
+  int considered = 0;              ///< layouts enumerated
+  int variants = 0;                ///< step-option variants of the fastest, simulated beside them
   double smallest_memory = 0;  ///< over every layout considered (for "needs at least")
 };
 /// Every valid layout of the cluster's GPUs at the global batch (DP x PP x TP, micro-batch size,
