@@ -1,4 +1,5 @@
-// Flags that mean the same thing in `dtrain train` and `dtrain fl ...`, declared once here:
+// Flags that mean the same thing in `dtrain train`, `dtrain fl ...` and `dtrain plan`, declared
+// once here:
 // each command binds them to its own fields and says what they are for in its help. (Two
 // names differ in meaning between the commands and keep their names, as flags do: --dropout
 // is the GPT's dropout in train, a client's chance to drop out in fl; --lr-decay is train's
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "NumericOptions.h"
+#include "dtrain/models/Gpt.h"
 
 namespace dtrain::cli {
 
@@ -22,6 +24,33 @@ inline void add_data_flags(CLI::App& app, std::string& dataset, std::string& dat
       "/usr/share/datasets/fashion-mnist)");
   add(app, "--synthetic-examples", synthetic_examples, "--dataset synthetic: training examples")
       ->capture_default_str();
+}
+
+/// The decoder's shape (--model gpt, llama): --layers, --heads, --kv-heads, --width,
+/// --ffn-width, --context, --rope-theta, --norm-eps, --dropout, --tied-embeddings: what
+/// `dtrain train` builds and `dtrain plan` predicts, from the same flags and config files.
+inline void add_decoder_flags(CLI::App& app, models::GptConfig& gpt) {
+  add(app, "--layers", gpt.layers, "gpt, llama: transformer blocks")->capture_default_str();
+  add(app, "--heads", gpt.heads, "gpt, llama: attention (query) heads")->capture_default_str();
+  add(app, "--kv-heads", gpt.kv_heads,
+      "gpt, llama: key/value heads, grouped-query attention (0 = --heads; must divide it)")
+      ->capture_default_str();
+  add(app, "--width", gpt.width, "gpt, llama: model width (a multiple of --heads)")
+      ->capture_default_str();
+  add(app, "--ffn-width", gpt.ffn_width,
+      "gpt, llama: the MLP's hidden width (0 = 4 x --width for gpt; llama: 8/3 x --width "
+      "rounded up to a multiple of 64)")
+      ->capture_default_str();
+  add(app, "--context", gpt.context, "gpt, llama: tokens per example (the attention window)")
+      ->capture_default_str();
+  add(app, "--rope-theta", gpt.rope_theta,
+      "llama: the rotary embeddings' base (Llama 2: 10000; Llama 3: 500000)")
+      ->capture_default_str();
+  add(app, "--norm-eps", gpt.norm_eps, "gpt, llama: LayerNorm's / RMSNorm's epsilon")
+      ->capture_default_str();
+  add(app, "--dropout", gpt.dropout, "gpt, llama: dropout probability")->capture_default_str();
+  app.add_flag("--tied-embeddings", gpt.tied_embeddings,
+               "gpt, llama: the output layer reuses the token embedding's weight");
 }
 
 /// --image-size, --augment, --max-bad-samples (--dataset images:...). `size_note`: what the

@@ -2,14 +2,17 @@
 // --search), from the planner's simulation (dtrain/plan/Planner.h, docs/PLAN.md).
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 
 #include "Command.h"
+#include "CommonFlags.h"
 #include "ConfigFile.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/models/Zoo.h"
 #include "dtrain/plan/Calibrate.h"
 #include "dtrain/plan/Planner.h"
 
@@ -188,10 +191,19 @@ class PlanCommand final : public Command {
         "Predict step time and memory of a layout on a cluster, or search the best layouts "
         "(a simulation of dtrain's schedules, buckets and shards: docs/PLAN.md)");
     app_->add_option("--model", model_,
-                     "resnet50, a paper's transformer (megatron-8.3b, gpt-1t, ...) or "
+                     "gpt or llama (dtrain train's decoders: their shape from the flags below "
+                     "or a config file, --config configs/llama-1b.toml, and --vocab), resnet50, "
+                     "a paper's transformer (megatron-8.3b, gpt-1t, ...) or "
                      "transformer:layers=L,hidden=H,heads=A,seq=S,vocab=V[,ffn=F,tied=0,"
                      "dropout=0,fused=0,flash=1] (flash=1: attention in one FlashAttention "
                      "kernel)");
+    add_decoder_flags(*app_, gpt_);
+    app_->add_option("--vocab", vocab_,
+                     "gpt, llama: the tokenizer's vocabulary (Llama 3's: 128256; GPT-2's: 50257)");
+    app_->add_flag("--flash-attention,!--no-flash-attention", flash_,
+                   "gpt, llama: attention in one fused kernel (LibTorch 2.x, GPUs; default), or "
+                   "written out as on LibTorch 1.13")
+        ->capture_default_str();
     app_->add_option("--cluster", cluster_,
                      "Hardware profile: a name (configs/hardware) or a .toml file");
     app_->add_option("--hardware-dir", hardware_dirs_, "More directories holding profiles");
@@ -297,7 +309,7 @@ class PlanCommand final : public Command {
     DTRAIN_CHECK_INPUT(!model_.empty(), "plan: --model is required");
     DTRAIN_CHECK_INPUT(!cluster_.empty(), "plan: --cluster is required (a profile: ",
                        "configs/hardware/*.toml, or `dtrain plan calibrate` for this machine)");
-    const plan::ModelCost model = plan::model_named(model_);
+    const plan::ModelCost model = model_cost();
     plan::Cluster cluster;
     cluster.hardware = plan::load_hardware(cluster_, hardware_dirs(hardware_dirs_));
     cluster.nodes = nodes_;
@@ -324,11 +336,29 @@ class PlanCommand final : public Command {
       print_prediction(p, cluster);
       std::printf("dtrain train      %s\n",
                   p.layout.train_flags(static_cast<int>(model.layers.size())).c_str());
+      std::printf("the command       %s\n", p.layout.command(model, cluster).c_str());
     }
     return 0;
   }
 
  private:
+  /// --model: a registered language model (gpt, llama) from the decoder flags, as dtrain train
+  /// builds it, or one of the planner's own.
+  plan::ModelCost model_cost() const {
+    const std::vector<std::string> names = models::model_names();
+    if (std::find(names.begin(), names.end(), model_) != names.end() &&
+        models::model_info(model_).language_model) {
+      DTRAIN_CHECK_INPUT(vocab_ > 0, "plan --model ", model_,
+                         " needs --vocab (the tokenizer's vocabulary, e.g. 128256 for Llama 3)");
+      models::GptConfig config = gpt_;
+      const models::ModelInfo& info = models::model_info(model_);
+      if (info.decoder_preset) info.decoder_preset(config);
+      config.vocab = vocab_;
+      return plan::decoder(config, model_, vocab_, flash_);
+    }
+    return plan::model_named(model_);
+  }
+
   Layout layout_for(const plan::Cluster& cluster) {
     Layout layout = layout_;
     if (!layout.stage_replicas.empty()) {  // one pipeline: dp 1, pp its stages
@@ -401,6 +431,7 @@ class PlanCommand final : public Command {
         nlohmann::json entry = to_json(result.ranked[i], cluster);
         entry["train_flags"] =
             result.ranked[i].layout.train_flags(static_cast<int>(model.layers.size()));
+        entry["command"] = result.ranked[i].layout.command(model, cluster);
         list.push_back(entry);
       }
       std::printf("%s\n", nlohmann::json{{"considered", result.considered},
@@ -429,6 +460,8 @@ class PlanCommand final : public Command {
     const int layers = static_cast<int>(model.layers.size());
     std::printf("the best as dtrain train flags: %s\n",
                 result.ranked.front().layout.train_flags(layers).c_str());
+    std::printf("the best as a command: %s\n",
+                result.ranked.front().layout.command(model, cluster).c_str());
     if (tight(result.ranked.front(), cluster)) {
       // "tight": under 10% of the device free; the best that leaves that much, too.
       for (const Prediction& p : result.ranked) {
@@ -486,6 +519,9 @@ class PlanCommand final : public Command {
   std::string calibrate_out_;
   plan::CalibrateOptions calibrate_options_;
   std::string model_, cluster_, plot_;
+  models::GptConfig gpt_;
+  int64_t vocab_ = 0;
+  bool flash_ = true;
   std::vector<std::string> hardware_dirs_, strategies_;
   int nodes_ = 1, gpus_per_node_ = 0, dp_ = 0, micro_batches_ = 0, top_ = 10;
   int64_t global_batch_ = 0;

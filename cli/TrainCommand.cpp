@@ -58,27 +58,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
           "decay (PyTorch's: adam 0.001, adamw 0.001 and 0.01, sgd 0.001, adagrad 0.01) unless "
           "given. docs/guide/train.md describes each model",
       "256 256");
-  add(app, "--layers", job.gpt.layers, "gpt, llama: transformer blocks")->capture_default_str();
-  add(app, "--heads", job.gpt.heads, "gpt, llama: attention (query) heads")->capture_default_str();
-  add(app, "--kv-heads", job.gpt.kv_heads,
-      "gpt, llama: key/value heads, grouped-query attention (0 = --heads; must divide it)")
-      ->capture_default_str();
-  add(app, "--width", job.gpt.width, "gpt, llama: model width (a multiple of --heads)")
-      ->capture_default_str();
-  add(app, "--ffn-width", job.gpt.ffn_width,
-      "gpt, llama: the MLP's hidden width (0 = 4 x --width for gpt; llama: 8/3 x --width "
-      "rounded up to a multiple of 64)")
-      ->capture_default_str();
-  add(app, "--context", job.gpt.context, "gpt, llama: tokens per example (the attention window)")
-      ->capture_default_str();
-  add(app, "--rope-theta", job.gpt.rope_theta,
-      "llama: the rotary embeddings' base (Llama 2: 10000; Llama 3: 500000)")
-      ->capture_default_str();
-  add(app, "--norm-eps", job.gpt.norm_eps, "gpt, llama: LayerNorm's / RMSNorm's epsilon")
-      ->capture_default_str();
-  add(app, "--dropout", job.gpt.dropout, "gpt, llama: dropout probability")->capture_default_str();
-  app.add_flag("--tied-embeddings", job.gpt.tied_embeddings,
-               "gpt, llama: the output layer reuses the token embedding's weight");
+  add_decoder_flags(app, job.gpt);
   app.add_flag("--sequence-parallel", job.gpt.sequence_parallel,
                "gpt, llama with --tensor-parallel: split norm, dropout and residual activations "
                "along the sequence too (Megatron's sequence parallelism; --context a multiple "

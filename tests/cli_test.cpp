@@ -353,6 +353,35 @@ TEST(Cli, PlanPredictsSearchesAndDrawsScaling) {
                           "--global-batch 64");
   ASSERT_EQ(search.code, 0) << search.text;
   EXPECT_TRUE(has(search, "  3  ")) << search.text;
+  // A Llama from a config file as dtrain train reads it, answered with the cluster's command;
+  // on this machine, the command trains.
+  {
+    const auto llama = run(kDtrain + " plan --config " DTRAIN_SOURCE_DIR
+                                     "/configs/llama-70b.toml --vocab 128256 --cluster h100-dgx "
+                                     "--nodes 64 --search --global-batch 1024 --top 1");
+    ASSERT_EQ(llama.code, 0) << llama.text;
+    EXPECT_TRUE(has(llama, "64 heads / 8 kv, context 8192, vocabulary 128256")) << llama.text;
+    EXPECT_TRUE(has(llama,
+                    "the best as a command: dtrain launch --nnodes 64 --nproc-per-node 8 "
+                    "--node-rank <0..63> --master-addr <node 0's address> -- dtrain train "
+                    "--model llama --layers 80 --width 8192 --heads 64 --kv-heads 8 "
+                    "--ffn-width 28672 --context 8192 --rope-theta 500000 --dataset <yours> "
+                    "--device cuda --backend nccl --strategy "))
+        << llama.text;
+    EXPECT_TRUE(has(llama, " --global-batch 1024 ")) << llama.text;
+    const auto tiny = run(kDtrain +
+                          " plan --model llama --layers 2 --width 64 --heads 4 --kv-heads 2 "
+                          "--context 32 --vocab 300 --cluster this-machine --global-batch 8 "
+                          "--search --json --top 1");
+    ASSERT_EQ(tiny.code, 0) << tiny.text;
+    const auto planned = nlohmann::json::parse(tiny.text);
+    std::string command = planned["best"][0]["command"].get<std::string>();
+    ASSERT_EQ(command.rfind("dtrain train --nproc 2 --model llama --layers 2", 0), 0) << command;
+    command.replace(command.find("<yours>"), 7, "text --max-steps 2 --no-progress");
+    const auto trained = run(kDtrain + command.substr(6) + " --run-dir " + (dir / "llama-run"));
+    EXPECT_EQ(trained.code, 0) << command << "\n" << trained.text;
+    EXPECT_TRUE(has(trained, "trained 2 steps (global batch 8, 2 ranks")) << trained.text;
+  }
   // The search decides sequence parallelism and the overlaps unless a flag pins them.
   {
     const std::string searched =

@@ -8,6 +8,7 @@
 
 #include "PlanClusters.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/models/Gpt.h"
 #include "dtrain/plan/Planner.h"
 
 namespace dtrain::plan {
@@ -197,6 +198,53 @@ TEST(Planner, TheSearchDecidesTheStepOptionsUnlessPinned) {
       }
     }
   }
+}
+
+// The planner's decoder is dtrain's: from the same flags (a config file's shape), its parameters
+// are what dtrain train builds and its flops what the trainer's MFU counts, for GPT-2's
+// architecture and Llama's (grouped-query attention, SwiGLU, RMSNorm, rotary, no biases).
+TEST(Planner, DecodersAreWhatDtrainTrainBuilds) {
+  models::GptConfig gpt;
+  gpt.layers = 6, gpt.width = 384, gpt.heads = 6, gpt.context = 256, gpt.vocab = 50257;
+  gpt.tied_embeddings = true;
+  gpt.dropout = 0.1;
+  models::GptConfig llama;  // configs/llama-1b.toml
+  llama.layers = 16, llama.width = 2048, llama.heads = 32, llama.kv_heads = 8;
+  llama.ffn_width = 8192, llama.context = 2048, llama.vocab = 128256;
+  llama.tied_embeddings = true, llama.rope_theta = 500000;
+  models::llama_preset(llama);
+  for (const models::GptConfig& config : {gpt, llama}) {
+    const ModelCost cost =
+        decoder(config, config.mlp == "swiglu" ? "llama" : "gpt", config.vocab, true);
+    EXPECT_EQ(cost.parameters(), models::gpt_parameter_count(config)) << cost.name;
+    EXPECT_NEAR(cost.model_flops_per_sample() / config.context,
+                models::gpt_training_flops_per_token(config),
+                1e-12 * models::gpt_training_flops_per_token(config))
+        << cost.name;
+  }
+  EXPECT_EQ(models::gpt_parameter_count(llama), 1235814400);  // Llama 3.2 1B: 1.24 B
+  const ModelCost cost = decoder(llama, "llama", llama.vocab, true);
+  EXPECT_EQ(cost.kv_heads, 8);
+  EXPECT_EQ(cost.train_flags,
+            "--model llama --layers 16 --width 2048 --heads 32 --kv-heads 8 --ffn-width 8192 "
+            "--context 2048 --tied-embeddings --rope-theta 500000");
+  // TP must divide the key/value heads or be a multiple of them, as dtrain train's: 6 ranks
+  // split 12 heads, not 4 key/value heads.
+  models::GptConfig grouped = llama;
+  grouped.heads = 12, grouped.kv_heads = 4, grouped.width = 768;
+  const ModelCost twelve = decoder(grouped, "llama", grouped.vocab, true);
+  Layout layout;
+  layout.tp = 6;
+  try {
+    predict(twelve, cluster_of("h100-dgx", 1, 6), layout);
+    ADD_FAILURE() << "tp 6 over 4 key/value heads was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(e.message().find("4 key/value heads: one must divide the other"), std::string::npos)
+        << e.message();
+  }
+  layout.tp = 2;
+  layout.dp = 3;
+  EXPECT_NO_THROW(predict(twelve, cluster_of("h100-dgx", 1, 6), layout));
 }
 
 // Two published results the planner must keep reproducing within 20% (BENCHMARKS.md has all).

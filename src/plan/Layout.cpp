@@ -54,32 +54,57 @@ std::string Layout::describe() const {
   return text;
 }
 
-std::string Layout::train_flags(int layers) const {
-  std::string text = concat("--nproc ", ranks(), " --strategy ", strategy);
-  if (tp > 1) text += concat(" --tensor-parallel ", tp);
-  if (!stage_replicas.empty()) {
-    text += concat(" --stage-replicas ", joined_counts(stage_replicas));
-  } else if (pp > 1) {
-    text += concat(" --pipeline-parallel ", pp);
+namespace {
+
+/// The flags of `l`'s parallelism after --strategy; `global`: the global batch instead of the
+/// micro-batches (the same step: --global-batch sets the micro-batches).
+std::string parallel_flags(const Layout& l, int layers, bool global) {
+  std::string text;
+  if (l.tp > 1) text += concat(" --tensor-parallel ", l.tp);
+  if (!l.stage_replicas.empty()) {
+    text += concat(" --stage-replicas ", joined_counts(l.stage_replicas));
+  } else if (l.pp > 1) {
+    text += concat(" --pipeline-parallel ", l.pp);
   }
-  if (pp > 1) {
-    text += concat(" --schedule ", schedule, " --pipeline-balance time");
-    if (schedule == "interleaved") text += concat(" --virtual-stages ", chunks);
-    if (pipeline_sync != "flush") text += concat(" --pipeline-sync ", pipeline_sync);
+  if (l.pp > 1) {
+    text += concat(" --schedule ", l.schedule, " --pipeline-balance time");
+    if (l.schedule == "interleaved") text += concat(" --virtual-stages ", l.chunks);
+    if (l.pipeline_sync != "flush") text += concat(" --pipeline-sync ", l.pipeline_sync);
   }
-  text += concat(" --batch-size ", micro_batch_size, " --micro-batches ", micro_batches,
-                 " --precision ", precision);
-  if (checkpointing) {
+  text += concat(" --batch-size ", l.micro_batch_size);
+  text += global && l.stage_replicas.empty() ? concat(" --global-batch ", l.global_batch())
+                                             : concat(" --micro-batches ", l.micro_batches);
+  text += concat(" --precision ", l.precision);
+  if (l.checkpointing) {
     text += concat(" --checkpointing ", layers);
-  } else if (selective_recompute) {
+  } else if (l.selective_recompute) {
     text += " --checkpointing selective";
   }
-  if (sequence_parallel) text += " --sequence-parallel";
-  if (overlap_param_gather && (strategy == "zero1" || strategy == "zero2")) {
+  if (l.sequence_parallel) text += " --sequence-parallel";
+  if (l.overlap_param_gather && (l.strategy == "zero1" || l.strategy == "zero2")) {
     text += " --overlap-param-gather";
   }
-  if (tp_comm_overlap && tp > 1) text += " --tp-comm-overlap";
+  if (l.tp_comm_overlap && l.tp > 1) text += " --tp-comm-overlap";
   return text;
+}
+
+}  // namespace
+
+std::string Layout::train_flags(int layers) const {
+  return concat("--nproc ", ranks(), " --strategy ", strategy,
+                parallel_flags(*this, layers, false));
+}
+
+std::string Layout::command(const ModelCost& model, const Cluster& cluster) const {
+  const std::string launch =
+      cluster.nodes > 1 ? concat("dtrain launch --nnodes ", cluster.nodes, " --nproc-per-node ",
+                                 cluster.per_node(), " --node-rank <0..", cluster.nodes - 1,
+                                 "> --master-addr <node 0's address> -- dtrain train")
+                        : concat("dtrain train --nproc ", cluster.per_node());
+  const bool gpus = !cluster.hardware.shared_cores;
+  return concat(launch, " ", model.train_flags.empty() ? "--model <yours>" : model.train_flags,
+                " --dataset <yours>", gpus ? " --device cuda --backend nccl" : "", " --strategy ",
+                strategy, parallel_flags(*this, static_cast<int>(model.layers.size()), true));
 }
 
 void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
@@ -104,6 +129,14 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
     DTRAIN_CHECK_INPUT(model.heads % layout.tp == 0, "tensor parallelism ", layout.tp,
                        " does not divide the model's ", model.heads, " attention heads");
   }
+  if (model.kv_heads > 0) {
+    DTRAIN_CHECK_INPUT(model.kv_heads % layout.tp == 0 || layout.tp % model.kv_heads == 0,
+                       "tensor parallelism ", layout.tp, " and the model's ", model.kv_heads,
+                       " key/value heads: one must divide the other");
+  }
+  DTRAIN_CHECK_INPUT(!layout.sequence_parallel || model.tokens_per_sample % layout.tp == 0,
+                     "sequence parallelism splits the ", model.tokens_per_sample,
+                     " tokens of a sample over tp ", layout.tp, ": it must divide them");
   const bool splits = std::any_of(model.layers.begin(), model.layers.end(),
                                   [](const Layer& l) { return l.tensor_parallel; });
   DTRAIN_CHECK_INPUT(layout.tp == 1 || splits, "model ", model.name,

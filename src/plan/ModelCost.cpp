@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/models/Gpt.h"
 
 namespace dtrain::plan {
 
@@ -28,56 +29,78 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
                      "a transformer needs layers, hidden, heads, seq and vocab > 0");
   DTRAIN_CHECK_INPUT(shape.hidden % shape.heads == 0, "transformer: hidden ", shape.hidden,
                      " is not divisible by heads ", shape.heads);
+  const int kv_heads = shape.kv_heads > 0 ? shape.kv_heads : shape.heads;
+  DTRAIN_CHECK_INPUT(shape.heads % kv_heads == 0, "transformer: kv heads ", kv_heads,
+                     " do not divide heads ", shape.heads);
+  // Grouped-query attention: K and V have g h columns each.
+  const double g = static_cast<double>(kv_heads) / shape.heads;
+  const double bias = shape.bias ? 1 : 0;
+  const double norm = shape.rmsnorm ? h : h * (1 + bias);  // one norm's parameters
+  const double mlp_in = shape.swiglu ? 2 * f : f;          // the MLP's first projection(s)
   ModelCost model;
   model.name = name;
   model.tokens_per_sample = shape.sequence;
   model.heads = shape.heads;
 
-  // Token and position embeddings (vocabulary-parallel under TP: one all-reduce of the output),
-  // then embedding dropout.
+  // Token and (learned) position embeddings (vocabulary-parallel under TP: one all-reduce of
+  // the output), then embedding dropout.
   Layer embedding;
   embedding.name = "embedding";
-  embedding.parameters = static_cast<int64_t>(v * h + s * h);
+  const double positions = shape.rope ? 0 : s * h;
+  embedding.parameters = static_cast<int64_t>(v * h + positions);
   const double drop = shape.dropout ? 1 : 0;
-  // gather, position add (read 2, write 1); dropout reads, writes and writes its mask
-  embedding.elementwise_elements = (3 + 3 * drop) * s * h;
-  embedding.kernels = 3 + 2 * drop;
+  // gather (read, write) and the position add (read 2, write 1: one more); dropout reads,
+  // writes and writes its mask
+  embedding.elementwise_elements = (2 + (shape.rope ? 0 : 1) + 3 * drop) * s * h;
+  embedding.kernels = (shape.rope ? 2 : 3) + 2 * drop;
   embedding.saved_elements = drop * s * h;  // the dropout mask; the indices are negligible
   embedding.replicated_saved_elements = drop * s * h;
   embedding.output_elements = s * h;
   embedding.tensor_parallel = true;
   embedding.tp_allreduces = 1;
-  embedding.replicated_parameters = static_cast<int64_t>(s * h);  // position embeddings
+  embedding.replicated_parameters = static_cast<int64_t>(positions);
   model.layers.push_back(embedding);
 
-  // A pre-norm block. Matrix products: Q, K, V and the output projection (4h^2 per token), the
-  // MLP (2hf), attention's scores and weighted sum (2 s h per token each way).
-  // Element-wise traffic per token, in elements: two layer norms (read + write, 4h), head
-  // split/merge copies (8h), two residual adds (6h) and with dropout two dropouts (6h), GELU
-  // (2f); per head and query, scale-mask-softmax over s keys (3 a s fused) and its dropout
-  // (2 a s).
-  // Saved for backward (Korthikanti et al. 2022, 34 s h + 5 a s^2 bytes at 16 bits, here in
-  // elements): 17 s h + 2.5 a s^2, of which 5 s h (layer-norm inputs, dropout masks,
-  // residuals) tensor parallelism does not split; without dropout its masks (2 s h + a s^2
-  // bytes) go and attention's dropout output is softmax's (2 a s^2 bytes).
+  // A pre-norm block. Matrix products: Q, K, V (h (1 + 2g) outputs) and the output projection,
+  // the MLP (h x mlp_in and f x h), attention's scores and weighted sum (2 s h per token each
+  // way, whatever g). Element-wise traffic per token, in elements: two norms (read + write,
+  // 4h), head split copies of Q, K, V and the merge of the output (2h (1 + 2g) + 2h), two
+  // residual adds (6h) and with dropout two dropouts (6h), GELU (2f) or SwiGLU's SiLU and
+  // product (5f), rotary positions on Q and K (read, read the table, write: 3h (1 + g)); per
+  // head and query, scale-mask-softmax over s keys (3 a s fused) and its dropout (2 a s).
+  // Saved for backward (Korthikanti et al. 2022, 34 s h + 5 a s^2 bytes at 16 bits for GPT-3's
+  // block, here in elements): the norms' inputs and outputs (4 s h), Q, K and V (s h (1 + 2g)),
+  // the projection's input (s h), the MLP's intermediates (GELU: its input and output, 2 s f;
+  // SwiGLU: gate, up and product, 3 s f), the dropout masks (s h, half an element each) and
+  // attention's core (2.5 a s^2); 5 s h (norm inputs and outputs, dropout masks) tensor
+  // parallelism does not split. Without dropout its masks (2 s h + a s^2 bytes) go and
+  // attention's dropout output is softmax's (2 a s^2 bytes).
+  const double mlp_elementwise = shape.swiglu ? 5 * f : 2 * f;
+  const double mlp_saved = shape.swiglu ? 3 * f : 2 * f;
+  const double rope_elementwise = shape.rope ? 3 * h * (1 + g) : 0;
   for (int i = 0; i < shape.layers; ++i) {
     Layer block;
     block.name = concat("block.", i);
-    block.parameters = static_cast<int64_t>(4 * h * h + 2 * h * f + 9 * h + f);
-    block.matmul_flops = 2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h;
+    const double qkv = h * (1 + 2 * g);
+    block.parameters = static_cast<int64_t>(2 * norm + (h + bias) * qkv + (h + bias) * h +
+                                            (h + bias) * mlp_in + (f + bias) * h);
+    block.matmul_flops = 2 * s * (h * qkv + h * h + h * mlp_in + f * h) + 4 * s * s * h;
     block.matmul_dim = h;
-    block.gemms = {{s, 3 * h, h, Gemm::Columns},
+    block.gemms = {{s, qkv, h, Gemm::Columns},
                    {s, h, h, Gemm::Inner},
-                   {s, f, h, Gemm::Columns},
+                   {s, mlp_in, h, Gemm::Columns},
                    {s, h, f, Gemm::Inner}};
     // Attention's scores: fused scale-mask-softmax reads and writes them once (2 passes; the
     // 3 a s above counts the mask); written out, the scale (2), masked_fill (2 + its mask) and
     // softmax (2) pass over them three times.
     const double score_passes = shape.fused_softmax ? 3 : 6;
     block.elementwise_elements =
-        s * (18 * h + 6 * drop * h + 2 * f) + (score_passes + 2 * drop) * a * s * s;
-    block.kernels = 18 + 4 * drop + (shape.fused_softmax ? 0 : 2);
-    block.saved_elements = (16 + drop) * s * h + (1 + 1.5 * drop) * a * s * s;
+        s * (10 * h + 2 * qkv + 2 * h + 6 * drop * h + mlp_elementwise + rope_elementwise) +
+        (score_passes + 2 * drop) * a * s * s;
+    block.kernels = 18 + 4 * drop + (shape.fused_softmax ? 0 : 2) + (shape.swiglu ? 1 : 0) +
+                    (shape.rope ? 2 : 0);
+    block.saved_elements =
+        s * (4 * h + qkv + h + mlp_saved) + drop * s * h + (1 + 1.5 * drop) * a * s * s;
     block.replicated_saved_elements = (4 + drop) * s * h;
     // Selective recomputation: softmax's output, the dropout mask and its output (a s^2 each,
     // the mask half an element) go; the scores and the weighted sum are computed again.
@@ -88,8 +111,9 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
     block.output_elements = s * h;
     block.tensor_parallel = true;
     block.tp_allreduces = 2;
-    block.column_parallel_flops = 2 * s * (3 * h * h + h * f);
-    block.replicated_parameters = static_cast<int64_t>(6 * h);  // 2 norms, 2 row-parallel biases
+    block.column_parallel_flops = 2 * s * (h * qkv + h * mlp_in);
+    // 2 norms, the row-parallel layers' biases
+    block.replicated_parameters = static_cast<int64_t>(2 * norm + 2 * bias * h);
     block.block = true;
     if (shape.flash) {
       // One kernel reads Q, K, V and writes the output (and its log-sum-exp per row, kept for
@@ -116,7 +140,7 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
   // vocabulary (kept in fp32: 2 elements each).
   Layer head;
   head.name = "head";
-  head.parameters = static_cast<int64_t>(2 * h + (shape.tied ? 0 : v * h));
+  head.parameters = static_cast<int64_t>(norm + (shape.tied ? 0 : v * h));
   head.matmul_flops = 2 * s * h * v;
   head.matmul_dim = std::min(h, v);
   head.gemms = {{s, v, h, Gemm::Columns}};
@@ -126,9 +150,48 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
   head.replicated_saved_elements = 2 * s * h;
   head.output_elements = 1;
   head.tensor_parallel = true;
-  head.replicated_parameters = static_cast<int64_t>(2 * h);  // the final norm
+  head.replicated_parameters = static_cast<int64_t>(norm);  // the final norm
   model.layers.push_back(head);
   return model;
+}
+
+ModelCost decoder(const models::GptConfig& config, const std::string& model, int64_t vocabulary,
+                  bool flash) {
+  models::validate(config);
+  TransformerShape shape;
+  shape.layers = static_cast<int>(config.layers);
+  shape.hidden = static_cast<int>(config.width);
+  shape.heads = static_cast<int>(config.heads);
+  shape.sequence = static_cast<int>(config.context);
+  shape.vocabulary = static_cast<int>(vocabulary);
+  shape.ffn = static_cast<int>(models::ffn_width_of(config));
+  shape.kv_heads = static_cast<int>(models::kv_heads_of(config));
+  shape.tied = config.tied_embeddings;
+  shape.dropout = config.dropout > 0;
+  shape.flash = flash;
+  shape.fused_softmax = flash;  // (written out, as dtrain's GPT on LibTorch 1.13)
+  shape.swiglu = config.mlp == "swiglu";
+  shape.rope = config.position == "rope";
+  shape.rmsnorm = config.norm == "rmsnorm";
+  shape.bias = config.bias;
+  ModelCost cost = transformer(
+      shape,
+      concat(model, " (", config.layers, " layers, width ", config.width, ", ", config.heads,
+             " heads",
+             shape.kv_heads != shape.heads ? concat(" / ", shape.kv_heads, " kv") : std::string(),
+             ", context ", config.context, ", vocabulary ", vocabulary, ")"));
+  cost.train_flags = concat(
+      "--model ", model, " --layers ", config.layers, " --width ", config.width, " --heads ",
+      config.heads, " --kv-heads ", shape.kv_heads, " --ffn-width ", shape.ffn, " --context ",
+      config.context, config.tied_embeddings ? " --tied-embeddings" : "",
+      config.dropout > 0 ? concat(" --dropout ", config.dropout) : std::string(),
+      shape.rope && config.rope_theta != models::GptConfig{}.rope_theta
+          ? concat(" --rope-theta ", config.rope_theta)
+          : std::string(),
+      config.norm_eps != models::GptConfig{}.norm_eps ? concat(" --norm-eps ", config.norm_eps)
+                                                      : std::string());
+  cost.kv_heads = shape.kv_heads;
+  return cost;
 }
 
 namespace {
@@ -309,6 +372,17 @@ TransformerShape parse_shape(const std::string& text) {
   return shape;
 }
 
+/// The papers' GPTs as dtrain's GPT: its flags for the shape (dropout 0.1 as Megatron's).
+ModelCost with_gpt_flags(ModelCost model, const TransformerShape& shape) {
+  model.train_flags =
+      concat("--model gpt --layers ", shape.layers, " --width ", shape.hidden, " --heads ",
+             shape.heads, " --context ", shape.sequence,
+             shape.ffn > 0 && shape.ffn != 4 * shape.hidden ? concat(" --ffn-width ", shape.ffn)
+                                                            : std::string(),
+             shape.tied ? " --tied-embeddings" : "", shape.dropout ? " --dropout 0.1" : "");
+  return model;
+}
+
 }  // namespace
 
 std::vector<std::string> known_models() {
@@ -321,16 +395,28 @@ std::vector<std::string> known_models() {
 }
 
 ModelCost model_named(const std::string& text) {
-  if (text == "resnet50") return resnet50();
+  if (text == "resnet50") {
+    ModelCost model = resnet50();
+    model.train_flags = "--model resnet50";
+    return model;
+  }
   if (text == "vgg16") {
     return vgg("vgg16", 3, 224, {{2, 64}, {2, 128}, {3, 256}, {3, 512}, {3, 512}},
                {4096, 4096, 1000}, 7);
   }
-  if (text == "vgg-small") return vgg("vgg-small", 1, 28, {{2, 32}, {2, 64}}, {1024, 1024, 10}, 7);
-  for (const auto& preset : kPresets) {
-    if (text == preset.name) return transformer(preset.shape, preset.name);
+  if (text == "vgg-small") {
+    ModelCost model = vgg("vgg-small", 1, 28, {{2, 32}, {2, 64}}, {1024, 1024, 10}, 7);
+    model.train_flags = "--model vgg";  // dtrain's VGG on 28 x 28 images
+    return model;
   }
-  if (text.rfind("transformer:", 0) == 0) return transformer(parse_shape(text), text);
+  for (const auto& preset : kPresets) {
+    if (text == preset.name)
+      return with_gpt_flags(transformer(preset.shape, preset.name), preset.shape);
+  }
+  if (text.rfind("transformer:", 0) == 0) {
+    const TransformerShape shape = parse_shape(text);
+    return with_gpt_flags(transformer(shape, text), shape);
+  }
   std::string known;
   for (const auto& name : known_models()) known += (known.empty() ? "" : ", ") + name;
   DTRAIN_THROW(InputError, "unknown --model '", text, "' (known: ", known, ")");

@@ -21,6 +21,12 @@ std::vector<int> divisors(int64_t n, int64_t limit) {
   return out;
 }
 
+/// Sequence parallelism applies: tp > 1 dividing a sample's tokens, not PipeDream's eager sync
+/// (dtrain train refuses it there).
+bool sequence_parallel_fits(const ModelCost& model, int tp, const std::string& sync) {
+  return tp > 1 && model.tokens_per_sample % tp == 0 && sync != "eager";
+}
+
 /// Every layout simulated on every core (an exception: a layout the enumeration should not
 /// have made).
 std::vector<Prediction> predict_all(const ModelCost& model, const Cluster& cluster,
@@ -49,9 +55,10 @@ std::vector<Prediction> predict_all(const ModelCost& model, const Cluster& clust
 
 /// `base` with each step option that applies to it and is not pinned set both ways (every
 /// other combination than `base`'s own).
-std::vector<Layout> step_variants(const Layout& base, const SearchOptions& options) {
+std::vector<Layout> step_variants(const ModelCost& model, const Layout& base,
+                                  const SearchOptions& options) {
   std::vector<bool Layout::*> open;
-  if (!options.sequence_parallel && base.tp > 1 && base.pipeline_sync != "eager") {
+  if (!options.sequence_parallel && sequence_parallel_fits(model, base.tp, base.pipeline_sync)) {
     open.push_back(&Layout::sequence_parallel);
   }
   if (!options.tp_comm_overlap && base.tp > 1) open.push_back(&Layout::tp_comm_overlap);
@@ -107,6 +114,7 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   // path: Narayanan et al.'s first takeaway).
   for (int tp : divisors(gpus, splits ? cluster.per_node() : 1)) {
     if (model.heads > 0 && model.heads % tp != 0) continue;
+    if (model.kv_heads > 0 && model.kv_heads % tp != 0 && tp % model.kv_heads != 0) continue;
     for (int pp : divisors(gpus / tp, layers)) {
       const int dp = gpus / (tp * pp);
       if (options.global_batch % dp != 0) continue;
@@ -144,8 +152,8 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
                 layout.schedule = schedule;
                 layout.chunks = chunks;
                 layout.pipeline_sync = sync;
-                layout.sequence_parallel =
-                    options.sequence_parallel.value_or(true) && tp > 1 && sync != "eager";
+                layout.sequence_parallel = options.sequence_parallel.value_or(true) &&
+                                           sequence_parallel_fits(model, tp, sync);
                 layout.overlap_param_gather = options.overlap_param_gather.value_or(true) &&
                                               (strategy == "zero1" || strategy == "zero2");
                 layout.tp_comm_overlap = options.tp_comm_overlap.value_or(true) && tp > 1;
@@ -210,7 +218,7 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   std::vector<Layout> variants;
   std::vector<size_t> owner;
   for (size_t i = 0; i < refined; ++i) {
-    for (const Layout& v : step_variants(result.ranked[i].layout, options)) {
+    for (const Layout& v : step_variants(model, result.ranked[i].layout, options)) {
       variants.push_back(v);
       owner.push_back(i);
     }

@@ -9,6 +9,10 @@
 #include <string>
 #include <vector>
 
+namespace dtrain::models {
+struct GptConfig;
+}
+
 namespace dtrain::plan {
 
 /// One matrix product of a layer's forward, per sample: `rows` x `k` by `k` x `n` (a linear
@@ -73,9 +77,14 @@ struct Layer {
 
 struct ModelCost {
   std::string name;
+  /// The dtrain train flags that build this model ("--model gpt --layers 24 ..."); empty where
+  /// dtrain has no such model.
+  std::string train_flags;
   std::vector<Layer> layers;
   int64_t tokens_per_sample = 1;  ///< sequence length (1 for images)
   int heads = 0;                  ///< attention heads (TP must divide them); 0 = no constraint
+  /// Key/value heads (TP must divide them or be a multiple of them); 0 = heads.
+  int kv_heads = 0;
   int64_t parameters() const;
   /// The flops one sample costs in forward and backward (3x forward's matrix products), the
   /// work MFU is counted against.
@@ -99,6 +108,14 @@ struct TransformerShape {
   /// again. dtrain's GPT on LibTorch 2.x without attention dropout (scaled_dot_product_attention)
   /// and Megatron-Core with Transformer Engine run it.
   bool flash = false;
+  /// Today's decoders (Llama's choices): key/value heads for grouped-query attention (0: heads),
+  /// a SwiGLU MLP (gate and up projections of width ffn, then down), rotary positions (no
+  /// position embedding), RMSNorm, and linear layers and norms without biases.
+  int kv_heads = 0;
+  bool swiglu = false;
+  bool rope = false;
+  bool rmsnorm = false;
+  bool bias = true;
 };
 /// A GPT-style decoder (Megatron's): token and position embeddings, `layers` pre-norm blocks
 /// (attention with Q/K/V and output projections, a GELU MLP), a final norm and the output
@@ -112,6 +129,14 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name = "
 /// on 2.x, unless --tied-embeddings / --dropout). InputError
 /// naming the text and the known names otherwise.
 ModelCost model_named(const std::string& text);
+
+/// The shape of dtrain's decoder as dtrain train builds it from its model flags (--model gpt or
+/// llama: layers, width, heads, kv-heads, ffn-width, context, dropout, tied embeddings, and
+/// llama's RMSNorm, rotary positions, SwiGLU and no biases) for a tokenizer of `vocabulary`
+/// tokens; `flash`: attention in one fused kernel (LibTorch 2.x, GPUs). The model's
+/// train_flags are those flags.
+ModelCost decoder(const models::GptConfig& config, const std::string& model, int64_t vocabulary,
+                  bool flash);
 std::vector<std::string> known_models();
 
 }  // namespace dtrain::plan

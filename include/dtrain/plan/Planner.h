@@ -66,6 +66,11 @@ struct Layout {
   /// micro-batches, batch size, checkpointing of each of the model's `layers`; stages balanced
   /// by measured time, as the planner places them).
   std::string train_flags(int layers) const;
+  /// The command that trains `model` in this layout on `cluster`: `dtrain train --nproc G` on
+  /// one node, `dtrain launch --nnodes N --nproc-per-node G ... -- dtrain train` on several;
+  /// the model's flags, the device and backend of the cluster's profile, this layout's flags
+  /// with its global batch.
+  std::string command(const ModelCost& model, const Cluster& cluster) const;
 };
 
 struct Memory {
