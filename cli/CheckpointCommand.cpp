@@ -135,6 +135,18 @@ class CheckpointCommand final : public Command {
       if (!extra("model").empty()) std::printf("  model: %s\n", extra("model").c_str());
       if (!extra("command").empty()) std::printf("  command: %s\n", extra("command").c_str());
       if (!extra("recipe").empty()) std::printf("  recipe: %s\n", extra("recipe").c_str());
+      if (!extra("plan").empty()) {
+        std::printf("  plan (dtrain train --print-plan; `--config` reads it back):\n");
+        std::istringstream lines(extra("plan"));
+        for (std::string line; std::getline(lines, line);) {
+          if (line.rfind("# ", 0) == 0 && line.rfind("# the plan", 0) != 0 &&
+              line.rfind("# batches", 0) != 0 && line.rfind("# data", 0) != 0 &&
+              line.rfind("# launch", 0) != 0) {
+            continue;  // (the options' own comments)
+          }
+          if (line.rfind("# ", 0) == 0) std::printf("    %s\n", line.c_str() + 2);
+        }
+      }
       if (!extra("config").empty()) {
         std::printf("  options given (config.toml):\n");
         std::istringstream lines(extra("config"));

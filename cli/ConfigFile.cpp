@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 
 #include "dtrain/common/Error.h"
@@ -83,6 +84,82 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI
   std::vector<std::string> out(args.begin(), at + 1);
   out.insert(out.end(), injected.begin(), injected.end());
   out.insert(out.end(), rest.begin(), rest.end());
+  return out;
+}
+
+namespace {
+
+/// A TOML value: a number or true/false as it is, anything else as a basic string.
+std::string toml_string(const std::string& text) {
+  if (text == "true" || text == "false") return text;
+  char* end = nullptr;
+  std::strtod(text.c_str(), &end);
+  if (!text.empty() && end == text.c_str() + text.size() &&
+      text.find_first_of("xXnN") == std::string::npos && text.front() != '.' &&
+      text.front() != '+') {
+    return text;
+  }
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+/// A default as an option shows it ("[256,256]", "256 256", "5"): its items.
+std::vector<std::string> default_items(const std::string& text) {
+  std::vector<std::string> items;
+  std::string item;
+  for (char c : text + " ") {
+    if (c == ' ' || c == ',' || c == '[' || c == ']') {
+      if (!item.empty()) items.push_back(item);
+      item.clear();
+    } else {
+      item += c;
+    }
+  }
+  return items;
+}
+
+}  // namespace
+
+std::string options_as_toml(const CLI::App& command,
+                            const std::vector<std::pair<std::string, std::string>>& derived,
+                            const std::vector<std::string>& skip, bool given_only) {
+  std::string out;
+  for (const CLI::Option* option : command.get_options()) {
+    const auto& names = option->get_lnames();
+    if (names.empty()) continue;  // positional
+    const std::string& key = names.front();
+    if (key == "help" || key == "help-all" || key == "config" ||
+        std::find(skip.begin(), skip.end(), key) != skip.end()) {
+      continue;
+    }
+    const bool given = option->count() > 0;
+    if (given_only && !given) continue;
+    const auto found = std::find_if(derived.begin(), derived.end(),
+                                    [&](const auto& entry) { return entry.first == key; });
+    if (!given && found != derived.end()) {
+      out += "# " + key + "=" + toml_string(found->second) + "\n";
+      continue;
+    }
+    if (option->get_expected_max() == 0) {  // a flag: given or not (a negated one too)
+      out += key + "=" + (given ? "true" : "false") + "\n";
+      continue;
+    }
+    std::vector<std::string> items =
+        given ? option->results() : default_items(option->get_default_str());
+    if (items.empty()) continue;  // no value shown: it keeps its default when read back
+    const bool list = option->get_expected_max() > 1 || option->get_items_expected_max() > 1;
+    if (!list) {
+      out += key + "=" + toml_string(items.back()) + "\n";
+      continue;
+    }
+    std::string joined;
+    for (const auto& item : items) joined += (joined.empty() ? "" : ", ") + toml_string(item);
+    out += key + "=[" + joined + "]\n";
+  }
   return out;
 }
 

@@ -16,6 +16,15 @@ namespace dtrain::cli {
 /// an unknown flag of `command`.
 std::vector<std::string> expand_config(const std::vector<std::string>& args, CLI::App& command,
                                        const std::vector<std::string>& words);
+/// Every option of `command` with its value, as TOML that expand_config reads back to the same
+/// values: the given ones as given, the others at their default where the option shows one
+/// (those without one are left out: read back, they keep it). Keys of `derived` that were not
+/// given are comments with the value shown (read back, they are derived again the same way, as
+/// a model's recipe is); `skip`: keys left out. `given_only`: the given options alone.
+std::string options_as_toml(const CLI::App& command,
+                            const std::vector<std::pair<std::string, std::string>>& derived,
+                            const std::vector<std::string>& skip, bool given_only = false);
+
 /// Adds --config to `command` (for --help; expand_config reads it).
 void add_config_option(CLI::App& command);
 

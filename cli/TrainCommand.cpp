@@ -10,6 +10,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "Command.h"
 #include "CommonFlags.h"
@@ -29,6 +30,7 @@
 #include "dtrain/services/ps/LocalShards.h"
 #endif
 #include "dtrain/train/Job.h"
+#include "dtrain/train/RunPlan.h"
 #include "dtrain/train/Stop.h"
 
 namespace dtrain::cli {
@@ -365,6 +367,7 @@ void open_run_folder(dtrain::train::JobConfig& job, std::vector<std::string>& ar
     return found == t.checkpoint_extras.end() ? std::string() : found->second;
   };
   std::ofstream(job.run_dir + "/command.txt") << command_line() << "\n";
+  std::ofstream(job.run_dir + "/plan.toml") << extra("plan");
   std::ofstream config(job.run_dir + "/config.toml");
   config << "# dtrain train's options as given (" << command_line() << ")\n";
   if (!extra("recipe").empty()) config << "# " << extra("recipe") << "\n";
@@ -376,7 +379,7 @@ void print_run_folder(const dtrain::train::JobConfig& job) {
   if (job.run_dir.empty()) return;
   std::printf(
       "run folder: %s (metrics.jsonl: draw it with scripts/plot-metrics; config.toml, "
-      "command.txt%s)\n",
+      "plan.toml, command.txt%s)\n",
       job.run_dir.c_str(),
       job.trainer.checkpoint_dir.rfind(job.run_dir, 0) == 0 ? ", checkpoints/" : "");
 }
@@ -476,11 +479,11 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kTrainGroups
       "--no-resume"}},
     {"Output",
      {"--run-dir", "--no-run-dir", "--metrics", "--log-every", "--peak-tflops", "--eval-every",
-      "--defer-eval", "--no-progress", "--trace"}},
+      "--defer-eval", "--no-progress", "--trace", "--print-plan"}},
 };
 
-int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
-              const std::string& recipe) {
+int run_train(dtrain::train::JobConfig job, const dtrain::train::RunPlan& plan,
+              std::vector<std::string> args, const std::string& recipe) {
   const bool worker = std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr ||
                       std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
   // One process here (the launcher sets it for its ranks): started again with the OpenBLAS kernel
@@ -504,9 +507,9 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
                    self.c_str(), std::strerror(errno));
     }
   }
-  // Check everything once, before any rank starts; ranks (already checked by their launcher, or
+  // The run checked once, before any rank starts; ranks (already checked by their launcher, or
   // started by Slurm / mpirun) get the same named errors from run_job itself.
-  if (!worker) dtrain::train::validate_job(job);
+  if (!worker) dtrain::train::validate_job(plan);
   if (!worker) open_run_folder(job, args);
   if (!worker && !recipe.empty()) std::printf("%s\n", recipe.c_str());
 #ifdef DTRAIN_SERVICES
@@ -520,30 +523,18 @@ int run_train(dtrain::train::JobConfig job, std::vector<std::string> args,
   if (!shards.servers.empty()) args = with_local_shards(args, shards.addresses);
 #endif
   if (job.nproc > 1 && !worker) {
+    // The plan's policy: parameter-server workers are independent (one that fails leaves the
+    // others running); a fault-tolerant replica that fails is started again and joins the
+    // others, its ranks failing and starting again as one.
     dtrain::launch::LaunchOptions launch;
-    launch.nproc_per_node = job.nproc;
+    launch.nproc_per_node = plan.launch.ranks;
     launch.threads = job.threads;
-    launch.max_restarts = job.max_restarts;
+    launch.max_restarts = plan.launch.max_restarts;
     launch.interface = job.interface;
-    // Parameter-server workers are independent: one that fails leaves the others running
-    // (Sandblaster hands its work units to the others).
-    const auto& fault_tolerance =
-        job.trainer.strategy_options.of<dtrain::parallel::ft::FaultToleranceOptions>();
-    launch.tolerate_failures =
-        dtrain::train::uses_parameter_server(job) || fault_tolerance.replicas();
-    // A replica that fails is started again and joins the others (live recovery); its ranks
-    // (a tensor-parallel group, a pipeline, hybrid shards, a DiLoCo island) fail and start
-    // again as one.
-    if (fault_tolerance.replicas()) {
-      launch.max_replacements = fault_tolerance.max_replacements;
-      dtrain::parallel::Layout layout;
-      layout.strategy = job.trainer.strategy;
-      layout.ranks = job.nproc;
-      layout.tensor_parallel = job.trainer.tensor_parallel;
-      layout.pipeline_parallel = job.trainer.pipeline_parallel;
-      launch.replica_size = dtrain::parallel::replica_ranks(job.trainer.strategy_options, layout);
-      launch.replace_first_replica = true;  // the next replica present leads
-    }
+    launch.tolerate_failures = plan.launch.tolerate_failures;
+    launch.max_replacements = plan.launch.max_replacements;
+    launch.replica_size = plan.launch.replica_size;
+    launch.replace_first_replica = plan.launch.replace_first_replica;
     launch.command.push_back(dtrain::launch::self_executable());
     launch.command.insert(launch.command.end(), args.begin(), args.end());
     launch.name = "dtrain train";
@@ -577,6 +568,11 @@ class TrainCommand final : public Command {
   explicit TrainCommand(CLI::App& app)
       : app_(app.add_subcommand("train", "Train a model, on --nproc local ranks")) {
     add_train_options(*app_, job_, strategy_flags_);
+    app_->add_flag("--print-plan", print_plan_,
+                   "Print the run's plan (every option's value, as TOML that --config reads "
+                   "back, and the layout, batches, data and launch worked out from them) and "
+                   "exit; every run folder keeps it as plan.toml and every checkpoint in its "
+                   "metadata");
     group_options(*app_, kTrainGroups);
   }
   std::vector<std::string> expand(const std::vector<std::string>& args) override {
@@ -595,14 +591,31 @@ class TrainCommand final : public Command {
     // model's recipe set (dtrain ckpt inspect shows them).
     auto& extras = job_.trainer.checkpoint_extras;
     extras["command"] = command_line();
-    extras["config"] = app_->config_to_str(false, false);
+    extras["config"] = options_as_toml(*app_, {}, {"print-plan"}, true);
     if (!recipe.empty()) extras["recipe"] = recipe;
-    return run_train(job_, args, recipe);
+    // The plan: every option's value (the defaults and the recipe's included) as TOML that
+    // --config reads back, and what the run makes of them.
+    const dtrain::train::RunPlan plan = dtrain::train::plan_run(job_, job_.nproc);
+    extras["plan"] = effective_options() + plan.describe();
+    if (print_plan_) {
+      dtrain::train::validate_job(plan);
+      std::printf("%s", extras["plan"].c_str());
+      return 0;
+    }
+    return run_train(job_, plan, args, recipe);
   }
 
  private:
+  /// Every option with its value, as `--config` reads it back (not --print-plan or --config).
+  std::string effective_options() const {
+    return "# dtrain train's options, each with its value (commented: what the model's recipe "
+           "sets): dtrain train --config FILE runs it again\n" +
+           options_as_toml(*app_, dtrain::train::recipe_values(job_), {"print-plan"});
+  }
+
   CLI::App* app_;
   dtrain::train::JobConfig job_;
+  bool print_plan_ = false;
   dtrain::FlagSet strategy_flags_;  // bound into job_.trainer.strategy_options
 };
 

@@ -869,7 +869,7 @@ TEST(Cli, ARunLeavesItsFolderAndSaysHowItWasMade) {
     folder = entry.path().string();
   }
   ASSERT_FALSE(folder.empty());
-  for (const char* file : {"/metrics.jsonl", "/config.toml", "/command.txt"}) {
+  for (const char* file : {"/metrics.jsonl", "/config.toml", "/plan.toml", "/command.txt"}) {
     EXPECT_TRUE(std::filesystem::exists(folder + file)) << folder << file;
   }
   EXPECT_FALSE(std::filesystem::exists(folder + "/checkpoints"));
@@ -891,6 +891,53 @@ TEST(Cli, ARunLeavesItsFolderAndSaysHowItWasMade) {
   EXPECT_TRUE(has(inspected, "options given (config.toml):")) << inspected.text;
   EXPECT_TRUE(has(inspected, "max-steps=12")) << inspected.text;
   EXPECT_TRUE(has(inspected, "hidden=")) << inspected.text;
+  EXPECT_TRUE(has(inspected, "the plan: 1 rank, strategy ddp, 1 data-parallel replica"))
+      << inspected.text;
+}
+
+// --print-plan: every option's value (what the model's recipe sets as comments) as TOML that
+// --config reads back to the same plan, and what the run makes of them; each run folder keeps
+// it, and the run it describes is the one that trains.
+TEST(Cli, PrintPlanIsTheRunAndConfigReadsItBack) {
+  TempDir dir;
+  const std::string flags =
+      " train --model gpt --dataset text --layers 1 --width 32 --heads 2 --context 16 "
+      "--nproc 2 --tensor-parallel 2 --sequence-parallel --micro-batches 2 --batch-size 4 "
+      "--max-steps 2 --no-progress --threads 1";
+  const auto printed = run("cd " + dir.path() + " && " + kDtrain + flags + " --print-plan");
+  ASSERT_EQ(printed.code, 0) << printed.text;
+  for (const std::string line :
+       {"# the plan: 2 ranks, strategy ddp, 1 data-parallel replica x tensor-parallel 2 "
+        "(sequence parallel)\n",
+        "# batches: 4 examples a micro-batch x 2 micro-batches a step = 8 a replica, 8 a step "
+        "(global batch), at most 2 steps\n",
+        "# launch: 2 local ranks\n", "\nsequence-parallel=true\n", "\nmicro-batches=2\n",
+        "\nno-progress=true\n", "\n# lr=0.002\n", "\nwidth=32\n", "\nepochs=5\n"}) {
+    EXPECT_TRUE(has(printed, line)) << line << "\n" << printed.text;
+  }
+  EXPECT_FALSE(has(printed, "print-plan")) << printed.text;
+  EXPECT_FALSE(std::filesystem::exists(dir / "runs"));  // (it trains nothing)
+  const std::string plan = (dir / "plan.toml");
+  std::ofstream(plan) << printed.text;
+  const auto again = run(kDtrain + " train --config " + plan + " --print-plan");
+  ASSERT_EQ(again.code, 0) << again.text;
+  EXPECT_EQ(again.text, printed.text);
+  // The plan trains, and its run folder keeps it.
+  const auto trained = run(kDtrain + " train --config " + plan + " --run-dir " + (dir / "run"));
+  ASSERT_EQ(trained.code, 0) << trained.text;
+  EXPECT_TRUE(has(trained, "trained 2 steps (global batch 8, 2 ranks, ddp x tensor-parallel 2)"))
+      << trained.text;
+  std::ifstream kept_file(dir / "run/plan.toml");
+  const std::string kept((std::istreambuf_iterator<char>(kept_file)),
+                         std::istreambuf_iterator<char>());
+  EXPECT_NE(kept.find("\nrun-dir=\"" + (dir / "run") + "\"\n"), std::string::npos) << kept;
+  EXPECT_NE(kept.find(printed.text.substr(printed.text.find("# the plan"))), std::string::npos)
+      << kept;
+  // Options that make no plan are named.
+  const auto bad = run(kDtrain + flags + " --global-batch 8 --print-plan");
+  EXPECT_EQ(bad.code, 2) << bad.text;
+  EXPECT_TRUE(has(bad, "give --micro-batches, --accumulation or --global-batch, not two of them"))
+      << bad.text;
 }
 
 // --config on every subcommand, with train's rules: keys are the command's long flag names, at

@@ -16,6 +16,7 @@
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ps/PsOptions.h"
 #include "dtrain/train/Checkpoint.h"
+#include "dtrain/train/RunPlan.h"
 #include "dtrain/train/Stop.h"
 #include "dtrain/train/Weights.h"
 
@@ -35,9 +36,9 @@ std::string joined(const std::vector<std::string>& names, const char* separator 
 
 // The model for the job's data set: a classifier of its examples into its classes, or a
 // language model over `vocabulary` tokens (known once the data is read).
-models::ModelSpec model_spec(const JobConfig& job, int64_t vocabulary = 2) {
-  const data::DatasetInfo dataset =
-      data::dataset_info_for(job.dataset, data_source(job, job.nproc));
+models::ModelSpec model_spec(const RunPlan& plan, int64_t vocabulary = 2) {
+  const JobConfig& job = plan.job;
+  const data::DatasetInfo dataset = data::dataset_info_for(job.dataset, plan.data);
   models::ModelSpec spec;
   spec.name = job.model;
   spec.gpt = job.gpt;
@@ -51,32 +52,14 @@ models::ModelSpec model_spec(const JobConfig& job, int64_t vocabulary = 2) {
   return spec;
 }
 
-// The job's data-parallel replicas: its ranks over the pipeline and tensor-parallel ones.
-int64_t data_parallel_ranks(const JobConfig& job, const TrainerOptions& trainer) {
-  if (!trainer.stage_replicas.empty()) return 1;  // one pipeline, its stages replicated
-  return std::max(1, job.nproc / (std::max(1, trainer.pipeline_parallel) *
-                                  std::max(1, trainer.tensor_parallel)));
-}
-
 // The strategy's rules against the job's layout (ranks, pipeline, tensor parallelism, the
 // model), named before any rank starts; the strategy's constructor checks the rest.
-void validate_strategy(const JobConfig& job, const TrainerOptions& trainer) {
-  parallel::Layout layout;
-  layout.strategy = trainer.strategy;
-  layout.ranks = job.nproc;
-  layout.pipeline_parallel = trainer.pipeline_parallel;
-  layout.tensor_parallel = trainer.tensor_parallel;
-  layout.stage_replicas = trainer.stage_replicas;
-  const bool language_model = models::model_info(job.model).language_model;
-  layout.sequence_parallel = language_model && job.gpt.sequence_parallel;
-  layout.tied_parameters = language_model && job.gpt.tied_embeddings;
-  layout.defer_eval = trainer.defer_eval;
-  layout.model = job.model;
-  layout.micro_batches = plan_batches(trainer, data_parallel_ranks(job, trainer)).micro_batches;
-  if (trainer.pipeline_parallel > 1) {
-    layout.model_stages = static_cast<int>(models::make_model(model_spec(job)).stages.size());
+void validate_strategy(const RunPlan& plan) {
+  parallel::Layout layout = plan.layout;
+  if (plan.trainer.pipeline_parallel > 1) {
+    layout.model_stages = static_cast<int>(models::make_model(model_spec(plan)).stages.size());
   }
-  auto options = trainer.strategy_options;
+  auto options = plan.trainer.strategy_options;
   parallel::make_strategy(parallel::resolve_strategy(layout, options), options);
 }
 
@@ -129,11 +112,26 @@ std::string apply_model_recipe(JobConfig& job, const std::vector<std::string>& g
   return said;
 }
 
+std::vector<std::pair<std::string, std::string>> recipe_values(const JobConfig& job) {
+  const auto& t = job.trainer;
+  return {{"optimizer", t.optimizer.name},
+          {"lr", concat(t.optimizer.lr)},
+          {"momentum", concat(t.optimizer.momentum)},
+          {"weight-decay", concat(t.optimizer.weight_decay)},
+          {"lr-decay", concat(t.schedule.decay)},
+          {"warmup-steps", concat(t.schedule.warmup_steps)},
+          {"batch-size", concat(t.batch_size)},
+          {"max-grad-norm", concat(t.strategy_options.max_grad_norm)}};
+}
+
 bool uses_parameter_server(const JobConfig& job) {
   return parallel::strategy_info(job.trainer.strategy).parameter_server;
 }
 
-void validate_job(const JobConfig& job) {
+void validate_job(const JobConfig& job) { validate_job(plan_run(job, job.nproc)); }
+
+void validate_job(const RunPlan& plan) {
+  const JobConfig& job = plan.job;
   DTRAIN_CHECK_INPUT(contains(models::model_names(), job.model), "--model: unknown model '",
                      job.model, "' (expected ", joined(models::model_names()), ")");
   const parallel::StrategyInfo& strategy = parallel::strategy_info(job.trainer.strategy);
@@ -197,7 +195,7 @@ void validate_job(const JobConfig& job) {
     layout.pipeline_parallel = std::max(job.trainer.pipeline_parallel,
                                         static_cast<int>(job.trainer.stage_replicas.size()));
     layout.sequence_parallel = job.gpt.sequence_parallel;
-    model.check_layout(model_spec(job), layout);
+    model.check_layout(model_spec(plan), layout);
   } else {
     DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel,
                        "--sequence-parallel is for models with "
@@ -218,72 +216,29 @@ void validate_job(const JobConfig& job) {
   for (auto width : job.hidden) DTRAIN_CHECK_INPUT(width >= 1, "--hidden widths must be >= 1");
   DTRAIN_CHECK_INPUT(job.bucket_cap_mb > 0 && job.bucket_cap_mb <= 1 << 20,
                      "--bucket-cap-mb must be in (0, 1048576], got ", job.bucket_cap_mb);
-  const TrainerOptions trainer = trainer_options(job);
-  validate(trainer);
+  validate(plan.trainer);
   // Selective recomputation is the transformers' (their attention's core); the others' models
   // refuse it with the usual message.
   if (job.checkpointing != "selective" || !models::model_info(job.model).language_model) {
     memory::parse_segments(job.checkpointing, 1);
   }
-  validate_strategy(job, trainer);
+  validate_strategy(plan);
   // Build throwaway objects to validate their options with their own messages.
   optim::LrSchedule(job.trainer.optimizer.lr, 1, job.trainer.schedule);
   optim::make_optimizer({torch::zeros({1}, torch::requires_grad())}, job.trainer.optimizer);
-  if (dataset.check) dataset.check(data_source(job, job.nproc));
+  if (dataset.check) dataset.check(plan.data);
   if (!job.trainer.checkpoint_dir.empty()) ensure_writable(job.trainer.checkpoint_dir);
 }
 
-data::DataSource data_source(const JobConfig& job, int ranks) {
-  data::DataSource source;
-  source.argument = data::dataset_argument(job.dataset);
-  source.epochs = job.trainer.epochs;
-  source.vocabulary = job.vocab_size;
-  source.tokenizer = job.tokenizer;
-  source.image_size = job.image_size;
-  source.max_bad_samples = job.max_bad_samples;
-  source.augment = job.augment;
-  if (job.trainer.max_steps > 0) {
-    JobConfig sized = job;
-    sized.nproc = ranks;
-    const TrainerOptions options = trainer_options(job);
-    source.train_samples = job.trainer.max_steps *
-                           plan_batches(options, data_parallel_ranks(sized, options)).global_batch;
-  }
-  source.data_dir = job.data_dir;
-  source.text_file = job.text_file;
-  source.synthetic_examples = job.synthetic_examples;
-  source.context = job.gpt.context;
-  source.validation_fraction = job.validation_fraction;
-  source.seed = job.trainer.seed;
-  return source;
-}
-
-TrainerOptions trainer_options(const JobConfig& job) {
-  TrainerOptions options = job.trainer;
-  DTRAIN_CHECK_INPUT(job.micro_batches >= 0, "--micro-batches must be >= 1, got ",
-                     job.micro_batches);
-  if (job.micro_batches > 0) {
-    DTRAIN_CHECK_INPUT(options.accumulation_steps == 1 && options.global_batch == 0,
-                       "give --micro-batches, --accumulation or --global-batch, not two of them "
-                       "(each sets the micro-batches per step)");
-    options.accumulation_steps = job.micro_batches;
-  }
-  if (!options.stage_replicas.empty() && options.pipeline_parallel == 1) {
-    options.pipeline_parallel = static_cast<int>(options.stage_replicas.size());
-  }
-  options.strategy_options.bucket_cap_bytes = static_cast<int64_t>(job.bucket_cap_mb * 1024 * 1024);
-  return options;
-}
-
 int64_t planned_steps(const JobConfig& job) {
-  const TrainerOptions options = trainer_options(job);
-  data::DataSource source = data_source(job, job.nproc);
+  const RunPlan plan = plan_run(job, job.nproc);
+  const TrainerOptions& options = plan.trainer;
+  data::DataSource source = plan.data;
   source.test = false;  // only the training examples are counted
   const data::TensorDataset train = data::load_dataset(job.dataset, source).train;
   const int64_t examples = train.size();
-  const int64_t dp = data_parallel_ranks(job, options);
   const int64_t per_epoch =
-      std::max<int64_t>(1, examples / dp / plan_batches(options, dp).local_step_batch());
+      std::max<int64_t>(1, examples / plan.data_parallel / plan.batches.local_step_batch());
   // A presampled set (tokens) already holds every epoch.
   int64_t steps = per_epoch * (train.presampled() ? 1 : options.epochs);
   if (options.max_steps > 0) steps = std::min(steps, options.max_steps);
@@ -301,16 +256,17 @@ JobResult run_job(const JobConfig& job) {
   init.interface = job.interface;
   auto world = comm::init(init);
 
-  TrainerOptions options = trainer_options(job);
-  const data::LoadedData data = data::load_dataset(job.dataset, data_source(job, world->size()));
+  const RunPlan plan = plan_run(job, world->size());
+  TrainerOptions options = plan.trainer;
+  const data::LoadedData data = data::load_dataset(job.dataset, plan.data);
   int64_t vocabulary = 2;
   if (data::dataset_info(job.dataset).language) {
     vocabulary = data.vocabulary;
     options.token_loss = true;
     options.flops_per_token =
-        models::gpt_training_flops_per_token(models::decoder_config(model_spec(job, vocabulary)));
+        models::gpt_training_flops_per_token(models::decoder_config(model_spec(plan, vocabulary)));
     options.checkpoint_extras["model"] =
-        models::to_json(models::decoder_config(model_spec(job, vocabulary)));
+        models::to_json(models::decoder_config(model_spec(plan, vocabulary)));
     if (!data.tokenizer_json.empty()) {
       options.checkpoint_extras["tokenizer"] = data.tokenizer_json;
     } else {
@@ -322,7 +278,7 @@ JobResult run_job(const JobConfig& job) {
     if (models::model_info(job.model).language_model) {
       line +=
           concat("; ", job.model, " of ",
-                 models::gpt_parameter_count(models::decoder_config(model_spec(job, vocabulary))),
+                 models::gpt_parameter_count(models::decoder_config(model_spec(plan, vocabulary))),
                  " parameters");
     }
     std::printf("%s\n", line.c_str());
@@ -333,7 +289,7 @@ JobResult run_job(const JobConfig& job) {
       !options.init_from.empty() && is_safetensors(options.init_from) ? options.init_from : "";
   if (!safetensors_init.empty()) options.init_from.clear();
   Trainer trainer(options, world);
-  const models::ModelSpec spec = model_spec(job, vocabulary);
+  const models::ModelSpec spec = model_spec(plan, vocabulary);
   Model model = models::make_model(spec, trainer.grid()->tp());
   if (!safetensors_init.empty()) {
     const std::string origin = "--init-from " + safetensors_init;
@@ -355,7 +311,7 @@ JobResult run_job(const JobConfig& job) {
   // block of it), any other model's counted.
   if (models::model_info(job.model).language_model) {
     result.parameters =
-        models::gpt_parameter_count(models::decoder_config(model_spec(job, vocabulary)));
+        models::gpt_parameter_count(models::decoder_config(model_spec(plan, vocabulary)));
   } else {
     for (const auto& parameter : model.module->parameters()) result.parameters += parameter.numel();
   }

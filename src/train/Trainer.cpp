@@ -25,6 +25,7 @@
 #include "dtrain/train/CheckpointManager.h"
 #include "dtrain/train/Metrics.h"
 #include "dtrain/train/Progress.h"
+#include "dtrain/train/RunPlan.h"
 #include "dtrain/train/Weights.h"
 #include "train/runners/Run.h"
 
@@ -88,9 +89,7 @@ Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
     : options_(std::move(options)), world_(std::move(world)) {
   validate(options_);
   warn_if_blas_slow();  // a generic OpenBLAS kernel: named once, with its fix (common/Blas.h)
-  if (!options_.stage_replicas.empty()) {
-    options_.pipeline_parallel = static_cast<int>(options_.stage_replicas.size());
-  }
+  fold_stage_replicas(options_);
   loss_ = options_.loss;
   if (!world_) {
     comm::InitOptions single;
@@ -100,20 +99,14 @@ Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
   torch::manual_seed(options_.seed);
   // The strategy that runs (the pipeline wraps the one chosen for its stages' data
   // parallelism), checked against the layout.
-  parallel::Layout layout;
-  layout.strategy = options_.strategy;
-  layout.pipeline_parallel = options_.pipeline_parallel;
-  layout.tensor_parallel = options_.tensor_parallel;
-  layout.stage_replicas = options_.stage_replicas;
-  layout.defer_eval = options_.defer_eval;
   grid_ = options_.stage_replicas.empty()
               ? std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
                                                     options_.pipeline_parallel,
                                                     parallel::grid_order(options_.strategy_options))
               : std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
                                                     options_.stage_replicas);
-  layout.micro_batches = plan_batches(options_, grid_->data_parallel_size()).micro_batches;
-  options_.strategy = parallel::resolve_strategy(layout, options_.strategy_options);
+  options_.strategy = parallel::resolve_strategy(layout_of(options_, grid_->data_parallel_size()),
+                                                 options_.strategy_options);
   loop_ = parallel::strategy_info(options_.strategy).loop;
   // "cuda" becomes this rank's device (LOCAL_RANK under a launcher, as torchrun has it).
   const char* local_rank = std::getenv("LOCAL_RANK");

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/data/Datasets.h"
@@ -76,15 +77,23 @@ struct JobConfig {
 /// --strategy downpour or sandblaster: the job trains against parameter-server shards.
 bool uses_parameter_server(const JobConfig& job);
 
+struct RunPlan;
+
 /// Checks everything that can be checked before any rank starts: names, ranges, the data set's
-/// files, the checkpoint directory. InputError naming the flag or file.
+/// files, the checkpoint directory. InputError naming the flag or file. (The first: of the
+/// job's plan on its --nproc ranks.)
 void validate_job(const JobConfig& job);
+void validate_job(const RunPlan& plan);
 
 /// Sets every field of the job's model's training recipe (models::training_recipe: optimizer,
 /// learning rate, momentum, weight decay, schedule, warmup, batch size, clipping) whose flag
 /// is not in `given` (long flag names without dashes, e.g. "lr": what the command line or a
 /// config file set). Returns a line saying what it set ("" when nothing).
 std::string apply_model_recipe(JobConfig& job, const std::vector<std::string>& given);
+
+/// The flags a model's training recipe sets (optimizer, lr, momentum, weight-decay, lr-decay,
+/// warmup-steps, batch-size, max-grad-norm) with their values in `job`, as flag values.
+std::vector<std::pair<std::string, std::string>> recipe_values(const JobConfig& job);
 
 /// The optimizer steps the job will make (its epochs over the training set at its global batch,
 /// or --max-steps when fewer), as the Trainer counts them; loads the training set to count it.
@@ -97,12 +106,6 @@ struct JobResult {
   /// The model's parameters (all of them, not this rank's share).
   int64_t parameters = 0;
 };
-
-/// What the job's data set reads (its data flags, the GPT's context, the seed).
-data::DataSource data_source(const JobConfig& job, int ranks);
-
-/// The Trainer's options for `job` (micro_batches folded into the accumulation steps).
-TrainerOptions trainer_options(const JobConfig& job);
 
 /// Runs the job in this process as the rank the environment describes (see Environment.h).
 JobResult run_job(const JobConfig& job);
