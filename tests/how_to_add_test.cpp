@@ -15,6 +15,9 @@
 #include "dtrain/data/Datasets.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/Strategies.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
+#include "dtrain/parallel/pipeline/Schedule.h"
+#include "dtrain/plan/Planner.h"
 #include "dtrain/services/federated/RoundServer.h"
 #include "dtrain/services/federated/aggregation/Aggregator.h"
 #include "dtrain/services/federated/simulation/Simulation.h"
@@ -149,8 +152,9 @@ void register_plain_allreduce_once() {
   (void)registered;
 }
 
-// Final weights of a Trainer run on `world` rank threads (float64 model and data).
-std::vector<at::Tensor> train_with(const train::TrainerOptions& options, int world) {
+// Final weights of a Trainer run on `world` rank threads (float64 model and data), as rank
+// `rank` holds them (a pipeline rank: its stages' trained).
+std::vector<at::Tensor> train_with(const train::TrainerOptions& options, int world, int rank = 0) {
   const auto synthetic = data::make_synthetic(128, {12}, 3, 4);
   const data::TensorDataset dataset(synthetic.raw_inputs().to(at::kDouble), synthetic.targets());
   std::vector<Model> models;
@@ -165,7 +169,7 @@ std::vector<at::Tensor> train_with(const train::TrainerOptions& options, int wor
       [&](const comm::CommunicatorPtr& comm) {
         train::Trainer trainer(options, comm);
         trainer.fit(models[comm->rank()], dataset);
-        if (comm->rank() == 0) weights = test::snapshot(trainer.strategy().model());
+        if (comm->rank() == rank) weights = test::snapshot(trainer.strategy().model());
       },
       60s);
   return weights;
@@ -423,6 +427,109 @@ TEST(HowToAdd, AModelIsBuiltByNameCutIntoStagesAndRefusedWhereItCannotGo) {
   EXPECT_NE(refusal().find("--dataset text needs --model gpt or another language model"),
             std::string::npos)
       << refusal();
+}
+
+// ---- A pipeline schedule ------------------------------------------------------------------
+// GPipe with its backwards in reverse micro-batch order (the last forward's first, while its
+// activations are freshest): a builder of each rank's list and one register_schedule call (a
+// built-in schedule's is a line in src/parallel/pipeline/Schedules.cpp). The simulator checks
+// it, the pipeline runs it, the planner predicts it.
+std::vector<parallel::pipeline::Action> reversed_gpipe(const parallel::pipeline::ScheduleSpec& spec,
+                                                       int) {
+  using parallel::pipeline::Action;
+  std::vector<Action> actions;
+  for (int m = 0; m < spec.micro_batches; ++m) actions.push_back({Action::Forward, m, 0});
+  for (int m = spec.micro_batches; m-- > 0;) actions.push_back({Action::Backward, m, 0});
+  return actions;
+}
+
+void register_reversed_gpipe_once() {
+  static const bool registered = [] {
+    parallel::pipeline::ScheduleInfo info;
+    info.name = "gpipe-reversed";
+    info.summary = "all forwards, then the backwards last first";
+    info.build = reversed_gpipe;
+    parallel::pipeline::register_schedule(info);
+    // A list that cannot run: every rank's backwards before its forwards.
+    info.name = "backward-first";
+    info.build = [](const parallel::pipeline::ScheduleSpec& spec, int rank) {
+      auto actions = reversed_gpipe(spec, rank);
+      std::rotate(actions.begin(), actions.begin() + spec.micro_batches, actions.end());
+      return actions;
+    };
+    parallel::pipeline::register_schedule(info);
+    return true;
+  }();
+  (void)registered;
+}
+
+TEST(HowToAdd, APipelineScheduleIsOneBuilderTheSimulatorChecksAndTheStagesRun) {
+  namespace pp = parallel::pipeline;
+  register_reversed_gpipe_once();
+  const auto names = pp::schedule_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "gpipe-reversed"), names.end());
+  pp::ScheduleInfo taken;
+  taken.name = "gpipe-reversed";
+  taken.build = reversed_gpipe;
+  EXPECT_THROW(pp::register_schedule(taken), InputError);  // the name is taken
+  taken.name = "no-builder";
+  taken.build = nullptr;
+  EXPECT_THROW(pp::register_schedule(taken), InputError);
+
+  // The simulator runs every rank's list: GPipe's bubble and memory with equal stages.
+  const pp::ScheduleSpec spec{"gpipe-reversed", 3, 4, 1};
+  std::vector<std::vector<pp::Action>> lists;
+  for (int r = 0; r < 3; ++r) lists.push_back(pp::build_schedule(spec, r));
+  const pp::Simulation timeline = pp::simulate(spec, lists);
+  EXPECT_NEAR(timeline.bubble(), pp::bubble_formula(spec), 1e-12);
+  EXPECT_EQ(timeline.peak_live[0], 4);
+  // ... and names a list that cannot run.
+  const pp::ScheduleSpec stuck{"backward-first", 2, 2, 1};
+  std::vector<std::vector<pp::Action>> stuck_lists;
+  for (int r = 0; r < 2; ++r) stuck_lists.push_back(pp::build_schedule(stuck, r));
+  try {
+    pp::simulate(stuck, stuck_lists);
+    ADD_FAILURE() << "a deadlocking schedule was simulated";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("the backward-first schedule deadlocks"),
+              std::string::npos)
+        << e.what();
+  }
+
+  // The pipeline runs it by name: each stage's weights are GPipe's (whose equality with one
+  // process the pipeline tests check), and they trained.
+  train::TrainerOptions o;
+  o.batch_size = 4;
+  o.accumulation_steps = 4;
+  o.epochs = 2;
+  o.optimizer.name = "sgd";
+  o.optimizer.lr = 0.1;
+  o.progress = false;
+  o.seed = 3;
+  o.pipeline_parallel = 2;
+  train::TrainerOptions reversed = o;
+  reversed.strategy_options.of<pp::PipelineOptions>().schedule = "gpipe-reversed";
+  o.strategy_options.of<pp::PipelineOptions>().schedule = "gpipe";
+  for (int stage : {0, 1}) {
+    const auto expected = train_with(o, 2, stage);
+    EXPECT_LE(test::max_abs_diff(expected, train_with(reversed, 2, stage)), test::kTightBound);
+  }
+  train::TrainerOptions shorter = reversed;
+  shorter.epochs = 1;  // (an epoch more moves the last stage's weights)
+  EXPECT_GT(test::max_abs_diff(train_with(shorter, 2, 1), train_with(reversed, 2, 1)), 1e-3);
+
+  // The planner predicts it: GPipe's step with equal costs.
+  plan::Cluster cluster;
+  cluster.hardware = plan::load_hardware("a100-selene", {DTRAIN_SOURCE_DIR "/configs/hardware"});
+  cluster.gpus_per_node = 2;
+  plan::Layout layout;
+  layout.pp = 2;
+  layout.micro_batches = 4;
+  layout.schedule = "gpipe-reversed";
+  const plan::ModelCost model = plan::model_named("gpt-1.7b");
+  const double reversed_step = plan::predict(model, cluster, layout).step_s;
+  layout.schedule = "gpipe";
+  EXPECT_NEAR(reversed_step, plan::predict(model, cluster, layout).step_s, 1e-9 * reversed_step);
 }
 
 // ---- A data set ---------------------------------------------------------------------------

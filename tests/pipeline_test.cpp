@@ -35,14 +35,14 @@ std::vector<std::vector<Action>> all_ranks(const ScheduleSpec& spec) {
 }  // namespace
 
 TEST(Schedule, OrdersAreThoseOfThePapers) {
-  ScheduleSpec spec{ScheduleKind::OneFOneB, 2, 4, 1};
+  ScheduleSpec spec{"1f1b", 2, 4, 1};
   EXPECT_EQ(listing(build_schedule(spec, 0)), "F0 F1 B0 F2 B1 F3 B2 B3");
   EXPECT_EQ(listing(build_schedule(spec, 1)), "F0 B0 F1 B1 F2 B2 F3 B3");
-  spec.kind = ScheduleKind::GPipe;
+  spec.kind = "gpipe";
   EXPECT_EQ(listing(build_schedule(spec, 0)), "F0 F1 F2 F3 B0 B1 B2 B3");
   // Megatron's interleaved order, P = 2, V = 2, M = 4: groups of P micro-batches go through
   // chunk 0 then chunk 1; rank 0 warms up with (P - 1) * 2 + (V - 1) * P = 4 forwards.
-  spec = {ScheduleKind::Interleaved, 2, 4, 2};
+  spec = {"interleaved", 2, 4, 2};
   EXPECT_EQ(listing(build_schedule(spec, 0)),
             "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3");
   EXPECT_EQ(listing(build_schedule(spec, 1)),
@@ -52,22 +52,22 @@ TEST(Schedule, OrdersAreThoseOfThePapers) {
 // With equal stages every schedule's ideal idle share is the textbook (P-1)/(VM+P-1), none
 // deadlocks, and 1F1B keeps at most P - rank micro-batches alive where GPipe keeps all M.
 TEST(Schedule, IdealTimelinesMatchTheBubbleFormula) {
-  for (const auto kind : {ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved}) {
+  for (const std::string kind : {"gpipe", "1f1b", "interleaved"}) {
     for (int p : {1, 2, 3, 4}) {
       for (int m : {1, 2, 4, 8, 12, 16}) {
         for (int v : {1, 2, 3}) {
           const ScheduleSpec spec{kind, p, m, v};
-          if (v > 1 && kind != ScheduleKind::Interleaved) continue;
-          if (kind == ScheduleKind::OneFOneB && m < p) continue;
-          if (kind == ScheduleKind::Interleaved && m % p != 0) continue;
-          SCOPED_TRACE(dtrain::concat(to_string(kind), " P=", p, " M=", m, " V=", v));
+          if (v > 1 && kind != "interleaved") continue;
+          if (kind == "1f1b" && m < p) continue;
+          if (kind == "interleaved" && m % p != 0) continue;
+          SCOPED_TRACE(dtrain::concat(kind, " P=", p, " M=", m, " V=", v));
           const auto sim = simulate(spec, all_ranks(spec), 1.0, 2.0);
           for (double idle : sim.idle_share) EXPECT_NEAR(idle, bubble_formula(spec), 1e-9);
           for (int r = 0; r < p; ++r) {
-            if (kind == ScheduleKind::GPipe) {
+            if (kind == "gpipe") {
               EXPECT_EQ(sim.peak_live[r], m);
             }
-            if (kind == ScheduleKind::OneFOneB) {
+            if (kind == "1f1b") {
               EXPECT_EQ(sim.peak_live[r], std::min(m, p - r));
             }
           }
@@ -85,18 +85,18 @@ TEST(Schedule, IdealTimelinesMatchTheBubbleFormula) {
 // rank r. ZB-H2 warms up with 2(P - r) - 1 forwards under the same cap: at most 2P micro-batches
 // forwarded and not W'd on any rank (2x 1F1B's P).
 TEST(Schedule, ZeroBubbleSchedulesFillTheWaitsWithWeightGradients) {
-  ScheduleSpec spec{ScheduleKind::ZeroBubbleH1, 2, 4, 1};
+  ScheduleSpec spec{"zb-h1", 2, 4, 1};
   EXPECT_EQ(listing(build_schedule(spec, 0)), "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3");
   EXPECT_EQ(listing(build_schedule(spec, 1)), "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3");
-  spec.kind = ScheduleKind::ZeroBubbleH2;
+  spec.kind = "zb-h2";
   EXPECT_EQ(listing(build_schedule(spec, 0)), "F0 F1 F2 F3 B0 W0 B1 W1 B2 W2 B3 W3");
   EXPECT_EQ(listing(build_schedule(spec, 1)), "F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3");
   for (int p : {1, 2, 3, 4, 8}) {
     for (int m : {p, p + 1, 2 * p, 4 * p}) {
       SCOPED_TRACE(dtrain::concat("P=", p, " M=", m));
-      const ScheduleSpec one{ScheduleKind::OneFOneB, p, m, 1};
-      const ScheduleSpec h1{ScheduleKind::ZeroBubbleH1, p, m, 1};
-      const ScheduleSpec h2{ScheduleKind::ZeroBubbleH2, p, m, 1};
+      const ScheduleSpec one{"1f1b", p, m, 1};
+      const ScheduleSpec h1{"zb-h1", p, m, 1};
+      const ScheduleSpec h2{"zb-h2", p, m, 1};
       const auto base = simulate(one, all_ranks(one), 1.0, 2.0);
       const auto zb1 = simulate(h1, all_ranks(h1), 1.0, 2.0);
       const auto zb2 = simulate(h2, all_ranks(h2), 1.0, 2.0);
@@ -120,15 +120,13 @@ TEST(Schedule, ZeroBubbleSchedulesFillTheWaitsWithWeightGradients) {
       }
     }
   }
-  EXPECT_EQ(schedule_kind_named("zb-h1"), ScheduleKind::ZeroBubbleH1);
-  EXPECT_EQ(schedule_kind_named("zb-h2"), ScheduleKind::ZeroBubbleH2);
+  EXPECT_TRUE(schedule_info("zb-h1").splits_backward);
+  EXPECT_TRUE(schedule_info("zb-h2").splits_backward);
   // A W before its B, or a W in a schedule that does not split backward, is refused.
-  auto lists = all_ranks({ScheduleKind::ZeroBubbleH1, 2, 2, 1});
+  auto lists = all_ranks({"zb-h1", 2, 2, 1});
   std::swap(lists[1][1], lists[1].back());  // rank 1: F0 W1 ... B1
-  EXPECT_THROW(simulate({ScheduleKind::ZeroBubbleH1, 2, 2, 1}, lists), dtrain::InputError);
-  EXPECT_THROW(
-      simulate({ScheduleKind::OneFOneB, 2, 2, 1}, all_ranks({ScheduleKind::ZeroBubbleH1, 2, 2, 1})),
-      dtrain::InputError);
+  EXPECT_THROW(simulate({"zb-h1", 2, 2, 1}, lists), dtrain::InputError);
+  EXPECT_THROW(simulate({"1f1b", 2, 2, 1}, all_ranks({"zb-h1", 2, 2, 1})), dtrain::InputError);
 }
 
 // ZB-V: two chunks per rank in a V (rank r holds virtual stages r and 2P - 1 - r: rank 0 the
@@ -138,7 +136,7 @@ TEST(Schedule, ZeroBubbleSchedulesFillTheWaitsWithWeightGradients) {
 // 6M + 6(P - 1) and ZB-H1 6M + 2(P - 1). Each rank holds at most 2P chunk micro-batches (half a
 // stage each) until their W: 1F1B's stage-0 peak of P stage micro-batches.
 TEST(Schedule, ZeroBubbleVRunsTwoChunksPerRankInAVWithoutIdling) {
-  const ScheduleSpec v{ScheduleKind::ZeroBubbleV, 2, 4, 2};
+  const ScheduleSpec v{"zb-v", 2, 4, 2};
   EXPECT_EQ(listing(build_schedule(v, 0)),
             "F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F3 B0 W0 F2.1 B2.1 W2.1 B1 W1 F3.1 B3.1 W3.1 "
             "B2 W2 B3 W3");
@@ -146,7 +144,7 @@ TEST(Schedule, ZeroBubbleVRunsTwoChunksPerRankInAVWithoutIdling) {
             "F0 F0.1 F1 F1.1 B0.1 W0.1 F2 B0 W0 F2.1 B1.1 W1.1 F3 B1 W1 F3.1 B2.1 W2.1 B2 B3.1 B3 "
             "W2 W3.1 W3");
   for (int p : {1, 2, 3, 4, 8}) {
-    const ScheduleSpec placed{ScheduleKind::ZeroBubbleV, p, p, 2};
+    const ScheduleSpec placed{"zb-v", p, p, 2};
     for (int r = 0; r < p; ++r) {
       EXPECT_EQ(stage_of(placed, 0, r), r);
       EXPECT_EQ(stage_of(placed, 1, r), 2 * p - 1 - r);
@@ -157,9 +155,9 @@ TEST(Schedule, ZeroBubbleVRunsTwoChunksPerRankInAVWithoutIdling) {
     }
     for (int m : {p, 2 * p - 1, 2 * p, 3 * p, 4 * p}) {
       SCOPED_TRACE(dtrain::concat("P=", p, " M=", m));
-      const ScheduleSpec zbv{ScheduleKind::ZeroBubbleV, p, m, 2};
-      const ScheduleSpec one{ScheduleKind::OneFOneB, p, m, 1};
-      const ScheduleSpec h1{ScheduleKind::ZeroBubbleH1, p, m, 1};
+      const ScheduleSpec zbv{"zb-v", p, m, 2};
+      const ScheduleSpec one{"1f1b", p, m, 1};
+      const ScheduleSpec h1{"zb-h1", p, m, 1};
       // Per chunk (half a stage): F = B = W = 1.
       const auto sim = simulate(zbv, all_ranks(zbv), 2.0, 4.0);
       EXPECT_DOUBLE_EQ(simulate(one, all_ranks(one), 2.0, 4.0).makespan, 6.0 * m + 6.0 * (p - 1));
@@ -180,11 +178,11 @@ TEST(Schedule, ZeroBubbleVRunsTwoChunksPerRankInAVWithoutIdling) {
       }
     }
   }
-  EXPECT_EQ(schedule_kind_named("zb-v"), ScheduleKind::ZeroBubbleV);
-  EXPECT_EQ(chunks_of(ScheduleKind::ZeroBubbleV, 1), 2);
-  EXPECT_EQ(chunks_of(ScheduleKind::Interleaved, 3), 3);
+  EXPECT_EQ(schedule_info("zb-v").chunks, 2);
+  EXPECT_EQ(chunks_of("zb-v", 1), 2);
+  EXPECT_EQ(chunks_of("interleaved", 3), 3);
   // The looping placement of the other schedules: chunk c of rank r is stage c * P + r.
-  const ScheduleSpec looping{ScheduleKind::Interleaved, 4, 8, 3};
+  const ScheduleSpec looping{"interleaved", 4, 8, 3};
   EXPECT_EQ(stage_of(looping, 2, 1), 9);
   EXPECT_EQ(rank_of(looping, 9), 1);
   EXPECT_EQ(chunk_of(looping, 9), 2);
@@ -201,7 +199,7 @@ TEST(Schedule, ReplicatedStagesRunTheirShareWithoutDeadlock) {
       for (int m : {3, 4, 6, 8}) {
         const int stages = static_cast<int>(replicas.size());
         if (m < stages || m < *std::max_element(replicas.begin(), replicas.end())) continue;
-        ScheduleSpec spec{schedule_kind_named(kind), stages, m, 1, replicas};
+        ScheduleSpec spec{kind, stages, m, 1, replicas};
         SCOPED_TRACE(concat(kind, " replicas ", replicas[0], ",", replicas[1], " M=", m));
         std::vector<std::vector<Action>> lists;
         for (int slot = 0; slot < spec.slots(); ++slot) {
@@ -215,7 +213,7 @@ TEST(Schedule, ReplicatedStagesRunTheirShareWithoutDeadlock) {
       }
     }
   }
-  const ScheduleSpec spec{ScheduleKind::OneFOneB, 2, 6, 1, {2, 1}};
+  const ScheduleSpec spec{"1f1b", 2, 6, 1, {2, 1}};
   EXPECT_EQ(listing(build_slot_schedule(spec, 0)), "F0 F2 B0 F4 B2 B4");
   EXPECT_EQ(listing(build_slot_schedule(spec, 1)), "F1 F3 B1 F5 B3 B5");
   EXPECT_EQ(listing(build_slot_schedule(spec, 2)), "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5");
@@ -234,7 +232,7 @@ TEST(Schedule, ReplicatedStagesRunTheirShareWithoutDeadlock) {
   for (int slot = 0; slot < 3; ++slot) {
     const int stage = spec.stage_of_slot(slot);
     filtered.push_back({});
-    for (const auto& a : build_schedule({ScheduleKind::OneFOneB, 2, 6, 1}, stage)) {
+    for (const auto& a : build_schedule({"1f1b", 2, 6, 1}, stage)) {
       if (a.micro_batch % spec.replicas[stage] == slot - spec.slot_of(stage, 0)) {
         filtered.back().push_back(a);
       }
@@ -242,12 +240,12 @@ TEST(Schedule, ReplicatedStagesRunTheirShareWithoutDeadlock) {
   }
   EXPECT_DOUBLE_EQ(simulate(spec, lists, costs).makespan, 24.0);
   EXPECT_DOUBLE_EQ(simulate(spec, filtered, costs).makespan, 30.0);
-  EXPECT_THROW((build_slot_schedule({ScheduleKind::OneFOneB, 2, 2, 1, {3, 1}}, 0)), InputError);
-  EXPECT_THROW((build_slot_schedule({ScheduleKind::Interleaved, 2, 4, 2, {2, 1}}, 0)), InputError);
+  EXPECT_THROW((build_slot_schedule({"1f1b", 2, 2, 1, {3, 1}}, 0)), InputError);
+  EXPECT_THROW((build_slot_schedule({"interleaved", 2, 4, 2, {2, 1}}, 0)), InputError);
 }
 
 TEST(Schedule, ADeadlockOrAMissingActionIsNamed) {
-  const ScheduleSpec spec{ScheduleKind::OneFOneB, 2, 2, 1};
+  const ScheduleSpec spec{"1f1b", 2, 2, 1};
   auto lists = all_ranks(spec);
   std::swap(lists[1][0], lists[1][1]);  // rank 1 runs B0 before F0
   try {
@@ -275,23 +273,16 @@ TEST(Schedule, BadSpecsAreNamed) {
     }
     return std::string();
   };
-  EXPECT_NE(message({ScheduleKind::OneFOneB, 4, 2, 1}).find("at least as many micro-batches"),
-            std::string::npos);
-  EXPECT_NE(message({ScheduleKind::ZeroBubbleH1, 4, 2, 1}).find("zb-h1 schedule needs at least"),
-            std::string::npos);
-  EXPECT_NE(message({ScheduleKind::ZeroBubbleH2, 2, 4, 2}).find("need the interleaved schedule"),
-            std::string::npos);
-  EXPECT_NE(message({ScheduleKind::ZeroBubbleV, 2, 4, 1}).find("zb-v schedule runs 2 chunks"),
-            std::string::npos);
-  EXPECT_NE(message({ScheduleKind::ZeroBubbleV, 4, 3, 2}).find("zb-v schedule needs at least"),
-            std::string::npos);
-  EXPECT_NE(message({ScheduleKind::Interleaved, 2, 3, 2}).find("multiple of the pipeline"),
-            std::string::npos);
-  EXPECT_NE(message({ScheduleKind::GPipe, 2, 4, 2}).find("need the interleaved schedule"),
-            std::string::npos);
-  EXPECT_NE(message({ScheduleKind::GPipe, 0, 4, 1}).find("stages must be >= 1"), std::string::npos);
-  EXPECT_THROW(schedule_kind_named("zigzag"), dtrain::InputError);
-  EXPECT_THROW(build_schedule({ScheduleKind::GPipe, 2, 4, 1}, 2), dtrain::InputError);
+  EXPECT_NE(message({"1f1b", 4, 2, 1}).find("at least as many micro-batches"), std::string::npos);
+  EXPECT_NE(message({"zb-h1", 4, 2, 1}).find("zb-h1 schedule needs at least"), std::string::npos);
+  EXPECT_NE(message({"zb-h2", 2, 4, 2}).find("need the interleaved schedule"), std::string::npos);
+  EXPECT_NE(message({"zb-v", 2, 4, 1}).find("zb-v schedule runs 2 chunks"), std::string::npos);
+  EXPECT_NE(message({"zb-v", 4, 3, 2}).find("zb-v schedule needs at least"), std::string::npos);
+  EXPECT_NE(message({"interleaved", 2, 3, 2}).find("multiple of the pipeline"), std::string::npos);
+  EXPECT_NE(message({"gpipe", 2, 4, 2}).find("need the interleaved schedule"), std::string::npos);
+  EXPECT_NE(message({"gpipe", 0, 4, 1}).find("stages must be >= 1"), std::string::npos);
+  EXPECT_THROW(schedule_info("zigzag"), dtrain::InputError);
+  EXPECT_THROW(build_schedule({"gpipe", 2, 4, 1}, 2), dtrain::InputError);
 }
 
 // PipeDream's partition: a stage replicated r times carries r times the work.

@@ -50,7 +50,7 @@ TEST(PlanBuckets, ReverseOrderCapsAndTheFirstLayersOwnBucket) {
 
 TEST(PlanSchedule, CostsPerStageAndTransfersBetweenRanks) {
   // GPipe, 2 stages, 1 micro-batch: F0 (1), send (0.5), F1 (2), B1 (4), send (0.5), B0 (3).
-  const pp::ScheduleSpec spec{pp::ScheduleKind::GPipe, 2, 1, 1};
+  const pp::ScheduleSpec spec{"gpipe", 2, 1, 1};
   const std::vector<std::vector<pp::Action>> lists = {pp::build_schedule(spec, 0),
                                                       pp::build_schedule(spec, 1)};
   pp::ActionCosts costs;
@@ -64,7 +64,7 @@ TEST(PlanSchedule, CostsPerStageAndTransfersBetweenRanks) {
   EXPECT_DOUBLE_EQ(sim.ends[0][1], 11.0);
 
   // With equal costs and no transfers it is the fixed-cost simulation.
-  const pp::ScheduleSpec one{pp::ScheduleKind::OneFOneB, 4, 8, 1};
+  const pp::ScheduleSpec one{"1f1b", 4, 8, 1};
   std::vector<std::vector<pp::Action>> four;
   for (int r = 0; r < 4; ++r) four.push_back(pp::build_schedule(one, r));
   pp::ActionCosts equal;
@@ -110,7 +110,7 @@ TEST(Planner, EqualStagesGiveTheTextbookBubble) {
     layout.chunks = chunks;
     layout.optimizer = "sgd";
     const Prediction p = predict(model, ideal_cluster(4), layout);
-    const double formula = pp::bubble_formula({pp::schedule_kind_named(schedule), 4, 8, chunks});
+    const double formula = pp::bubble_formula({schedule, 4, 8, chunks});
     EXPECT_NEAR(p.bubble, formula, 1e-9) << schedule;
   }
 }

@@ -253,9 +253,8 @@ int main(int argc, char** argv) {
     }
     // The ideal timeline's bubble (equal stages, backward = 2 forwards; split: B = W = F):
     // (P-1)/(VM+P-1) for GPipe and the 1F1Bs, the simulated lists' for zero bubble.
-    const auto kind = parallel::pipeline::schedule_kind_named(schedule);
-    const parallel::pipeline::ScheduleSpec spec{kind, P, micro,
-                                                parallel::pipeline::chunks_of(kind, chunks)};
+    const parallel::pipeline::ScheduleSpec spec{schedule, P, micro,
+                                                parallel::pipeline::chunks_of(schedule, chunks)};
     std::vector<std::vector<parallel::pipeline::Action>> lists;
     for (int r = 0; r < P; ++r) lists.push_back(parallel::pipeline::build_schedule(spec, r));
     const double formula = parallel::pipeline::simulate(spec, lists).bubble();

@@ -161,16 +161,15 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                      " has ", model.layers.size(),
                      " layers, fewer than pp x chunks = ", virtual_stages, " stages");
   if (layout.pp > 1) {
-    pp::ScheduleSpec spec{pp::schedule_kind_named(layout.schedule), layout.pp, layout.micro_batches,
-                          layout.chunks};
+    pp::ScheduleSpec spec{layout.schedule, layout.pp, layout.micro_batches, layout.chunks};
     pp::validate(spec);  // the builder's own rules (1F1B: M >= P; interleaved: M % P == 0)
     DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" || layout.pipeline_sync == "2bw" ||
                            layout.pipeline_sync == "eager" || layout.pipeline_sync == "async",
                        "unknown pipeline sync '", layout.pipeline_sync,
                        "' (expected flush, 2bw, eager or async)");
-    DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" ||
-                           (spec.kind == pp::ScheduleKind::OneFOneB && layout.strategy == "ddp"),
-                       "pipeline sync ", layout.pipeline_sync, " runs 1f1b with ddp");
+    DTRAIN_CHECK_INPUT(
+        layout.pipeline_sync == "flush" || (spec.info().flush_free && layout.strategy == "ddp"),
+        "pipeline sync ", layout.pipeline_sync, " runs 1f1b with ddp");
     DTRAIN_CHECK_INPUT(layout.pipeline_sync != "eager" || !layout.sequence_parallel,
                        "pipeline sync eager with sequence parallelism: dtrain train refuses it "
                        "(its late gradients would be partial sums over the TP group)");
@@ -183,8 +182,8 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
     DTRAIN_CHECK_INPUT(layout.dp == 1 && layout.tp == 1 && layout.strategy == "ddp" &&
                            layout.chunks == 1 && layout.pipeline_sync == "flush",
                        "replicated stages run ddp, dp 1, tp 1, one chunk and a flushed schedule");
-    pp::ScheduleSpec spec{pp::schedule_kind_named(layout.schedule), layout.pp, layout.micro_batches,
-                          1, layout.stage_replicas};
+    pp::ScheduleSpec spec{layout.schedule, layout.pp, layout.micro_batches, 1,
+                          layout.stage_replicas};
     pp::validate(spec);  // a micro-batch per replica at least
   }
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include "dtrain/comm/Communicator.h"
@@ -156,9 +157,8 @@ std::vector<LayerTime> layer_times(const ModelCost& model, const Layout& layout,
                                    const Bytes& bytes, const std::vector<double>& local_params,
                                    const Link& tp_link, bool tree) {
   const double b = layout.micro_batch_size;
-  const bool tp_overlap =
-      layout.tp_comm_overlap && layout.tp > 1 &&
-      !(layout.pp > 1 && pp::splits_backward(pp::schedule_kind_named(layout.schedule)));
+  const bool tp_overlap = layout.tp_comm_overlap && layout.tp > 1 &&
+                          !(layout.pp > 1 && pp::splits_backward(layout.schedule));
   std::vector<LayerTime> times(model.layers.size());
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const Layer& l = model.layers[i];
@@ -196,6 +196,78 @@ std::vector<LayerTime> layer_times(const ModelCost& model, const Layout& layout,
     }
   }
   return times;
+}
+
+/// Where the layers sit: the partition over virtual stages, and for each slot (a pipeline rank,
+/// or a replica of a replicated stage) the virtual stage of its chunk and its data-parallel group.
+struct Placed {
+  const pp::Partition& partition;
+  std::function<int(int chunk, int slot)> vstage;
+  std::function<int(int slot)> replicas;
+  int slots;
+};
+
+/// Each slot's memory: its layers' parameters, gradients and optimizer state as the strategy
+/// shards them, the activations of its micro-batches in flight (the schedule's peak), ZeRO's
+/// buffers.
+std::vector<Memory> slot_memory(const ModelCost& model, const Layout& layout, const Bytes& bytes,
+                                const std::vector<double>& local_params, const Placed& placed,
+                                const pp::Simulation& timeline, bool flush_free) {
+  const int P = layout.pp, V = layout.chunks;
+  const double b = layout.micro_batch_size;
+  std::vector<Memory> memory;
+  for (int r = 0; r < placed.slots; ++r) {
+    Memory m;
+    double params = 0, saved = 0, boundary = 0, largest_saved = 0, largest_layer = 0;
+    for (int c = 0; c < V; ++c) {
+      const int s = placed.vstage(c, r);
+      for (int i = placed.partition.first(s); i < placed.partition.end(s); ++i) {
+        const Layer& l = model.layers[i];
+        const double split = l.tensor_parallel ? layout.tp : 1;
+        params += local_params[i];
+        const double replicated = layout.sequence_parallel ? l.replicated_saved_elements / split
+                                                           : l.replicated_saved_elements;
+        const double dropped = layout.selective_recompute ? l.attention_saved_elements : 0;
+        const double layer_saved =
+            (l.saved_elements - l.replicated_saved_elements - dropped) / split + replicated;
+        saved += layer_saved;
+        boundary += l.output_elements / (layout.sequence_parallel ? split : 1);
+        largest_saved = std::max(largest_saved, layer_saved);
+        largest_layer = std::max(largest_layer, local_params[i]);
+      }
+    }
+    // A pipeline's last stage keeps its own copy of the tied embedding.
+    if (P > 1 && placed.vstage(0, r) == P - 1 && model.layers.front().name == "embedding" &&
+        model.layers.back().name == "head") {
+      params += local_params.front();
+    }
+    const double in_flight =
+        P > 1 ? std::max(1.0, timeline.peak_live[r] / static_cast<double>(V)) : 1.0;
+    const bool z1 =
+        layout.strategy == "zero1" || layout.strategy == "zero2" || layout.strategy == "zero3";
+    const double sharded = placed.replicas(r);  // ZeRO's shards: 1/DP of what they shard
+    m.parameters = params * bytes.parameter / (layout.strategy == "zero3" ? sharded : 1.0);
+    // PipeDream's weight versions: 2bw two, async up to one per micro-batch in flight and one.
+    if (flush_free) m.parameters *= layout.pipeline_sync == "async" ? P - r + 1 : 2;
+    m.gradients = params * bytes.gradient /
+                  (layout.strategy == "zero2" || layout.strategy == "zero3" ? sharded : 1.0);
+    m.optimizer = params * bytes.optimizer / (z1 ? sharded : 1.0);
+    if (layout.strategy == "downpour") {
+      // A Downpour worker: the model and the landing buffer of pulls; .grad, the accumulation
+      // and the push in flight; the optimizer lives on the shards.
+      m.parameters = 2 * params * bytes.parameter;
+      m.gradients = 3 * params * bytes.gradient;
+      m.optimizer = 0;
+    }
+    m.activations =
+        b * bytes.activation *
+        (layout.checkpointing ? in_flight * boundary + largest_saved : in_flight * saved);
+    if (layout.strategy == "zero3")
+      m.buffers = 2 * largest_layer * bytes.parameter;  // gathered + prefetched
+    if (layout.strategy == "zero2") m.buffers = 2.0 * layout.bucket_cap_bytes;
+    memory.push_back(m);
+  }
+  return memory;
 }
 
 }  // namespace
@@ -256,9 +328,8 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   // --- The pipeline (or, with pp = 1, the micro-batches one after another), through the
   // schedule builder's lists and its simulator, with each stage's costs and the time an
   // activation or a gradient takes to reach the next stage.
-  const pp::ScheduleSpec spec{
-      P > 1 ? pp::schedule_kind_named(layout.schedule) : pp::ScheduleKind::GPipe, P,
-      layout.micro_batches, V, layout.stage_replicas};
+  const pp::ScheduleSpec spec{P > 1 ? layout.schedule : "gpipe", P, layout.micro_batches, V,
+                              layout.stage_replicas};
   // The ranks that run the schedule: P, or every replica of every stage (slots).
   const int slots = spec.slots();
   auto vstage = [&](int chunk, int rank) {
@@ -565,57 +636,10 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   out.optimizer_s = worst_opt;
   out.bubble = worst_bubble;
 
-  // --- Memory of the rank that needs the most.
-  for (int r = 0; r < slots; ++r) {
-    Memory m;
-    double params = 0, saved = 0, boundary = 0, largest_saved = 0, largest_layer = 0;
-    for (int c = 0; c < V; ++c) {
-      const int s = vstage(c, r);
-      for (int i = partition.first(s); i < partition.end(s); ++i) {
-        const Layer& l = model.layers[i];
-        const double split = l.tensor_parallel ? layout.tp : 1;
-        params += local_params[i];
-        const double replicated = layout.sequence_parallel ? l.replicated_saved_elements / split
-                                                           : l.replicated_saved_elements;
-        const double dropped = layout.selective_recompute ? l.attention_saved_elements : 0;
-        const double layer_saved =
-            (l.saved_elements - l.replicated_saved_elements - dropped) / split + replicated;
-        saved += layer_saved;
-        boundary += l.output_elements / (layout.sequence_parallel ? split : 1);
-        largest_saved = std::max(largest_saved, layer_saved);
-        largest_layer = std::max(largest_layer, local_params[i]);
-      }
-    }
-    // A pipeline's last stage keeps its own copy of the tied embedding.
-    if (P > 1 && vstage(0, r) == P - 1 && model.layers.front().name == "embedding" &&
-        model.layers.back().name == "head") {
-      params += local_params.front();
-    }
-    const double in_flight =
-        P > 1 ? std::max(1.0, timeline.peak_live[r] / static_cast<double>(V)) : 1.0;
-    const bool z1 =
-        layout.strategy == "zero1" || layout.strategy == "zero2" || layout.strategy == "zero3";
-    const double sharded = replicas_of(r);  // ZeRO's shards: 1/DP of what they shard
-    m.parameters = params * bytes.parameter / (layout.strategy == "zero3" ? sharded : 1.0);
-    // PipeDream's weight versions: 2bw two, async up to one per micro-batch in flight and one.
-    if (flush_free) m.parameters *= layout.pipeline_sync == "async" ? P - r + 1 : 2;
-    m.gradients = params * bytes.gradient /
-                  (layout.strategy == "zero2" || layout.strategy == "zero3" ? sharded : 1.0);
-    m.optimizer = params * bytes.optimizer / (z1 ? sharded : 1.0);
-    if (layout.strategy == "downpour") {
-      // A Downpour worker: the model and the landing buffer of pulls; .grad, the accumulation
-      // and the push in flight; the optimizer lives on the shards.
-      m.parameters = 2 * params * bytes.parameter;
-      m.gradients = 3 * params * bytes.gradient;
-      m.optimizer = 0;
-    }
-    m.activations =
-        b * bytes.activation *
-        (layout.checkpointing ? in_flight * boundary + largest_saved : in_flight * saved);
-    if (layout.strategy == "zero3")
-      m.buffers = 2 * largest_layer * bytes.parameter;  // gathered + prefetched
-    if (layout.strategy == "zero2") m.buffers = 2.0 * layout.bucket_cap_bytes;
-    out.stage_memory.push_back(m);
+  // --- Memory of every rank, and of the rank that needs the most.
+  out.stage_memory = slot_memory(model, layout, bytes, local_params,
+                                 {partition, vstage, replicas_of, slots}, timeline, flush_free);
+  for (const Memory& m : out.stage_memory) {
     if (m.total() > out.memory.total()) out.memory = m;
   }
   out.fits = out.memory.total() <= hw.memory_bytes;

@@ -13,6 +13,7 @@
 #include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "parallel/StrategySupport.h"
+#include "parallel/ft/FaultToleranceFlags.h"
 #include "parallel/ft/FaultTolerantDdp.h"
 
 namespace dtrain::parallel::ddp {

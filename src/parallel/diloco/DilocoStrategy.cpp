@@ -12,6 +12,7 @@
 #include "dtrain/common/Flags.h"
 #include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
+#include "parallel/ft/FaultToleranceFlags.h"
 #include "parallel/ft/FaultTolerantDdp.h"
 #include "parallel/ft/FaultTolerantDiloco.h"
 

@@ -43,10 +43,4 @@ class FaultTolerantDdp : public ddp::DdpStrategy, public ReplicaMemberStrategy {
   virtual void sum_gradients(StepResult& result);
 };
 
-/// --fault-tolerance's flags and checks.
-OptionGroup fault_tolerance_options();
-/// InputError unless the ranks divide into replicas (pipeline stages x --replica-shards x
-/// tensor-parallel ranks each; no --stage-replicas).
-void check_fault_tolerance_layout(const StrategyOptions& options, const Layout& layout);
-
 }  // namespace dtrain::parallel::ft

@@ -31,9 +31,9 @@ void check_layout(const PipelineOptions& o, const Layout& layout) {
       " does not divide the ", layout.ranks,
       " ranks of --nproc (ranks = pipeline "
       "stages x data-parallel replicas)");
-  const ScheduleKind kind = schedule_kind_named(o.schedule);
-  const int chunks = chunks_of(kind, o.virtual_stages);
-  validate({kind, pp, static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), chunks});
+  const ScheduleInfo& schedule = schedule_info(o.schedule);
+  const int chunks = chunks_of(o.schedule, o.virtual_stages);
+  validate({o.schedule, pp, static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), chunks});
   DTRAIN_CHECK_INPUT(!layout.tied_parameters,
                      "--tied-embeddings shares one weight between the first and the last "
                      "pipeline stage, which the pipeline does not support: leave it out");
@@ -41,9 +41,9 @@ void check_layout(const PipelineOptions& o, const Layout& layout) {
   const int virtual_stages = pp * chunks;
   DTRAIN_CHECK_INPUT(
       layout.model_stages >= virtual_stages, "--pipeline-parallel ", pp,
-      kind == ScheduleKind::ZeroBubbleV ? std::string(" x 2 chunks of --schedule zb-v")
-      : chunks > 1                      ? concat(" x --virtual-stages ", chunks)
-                                        : std::string(),
+      schedule.chunks > 1 ? concat(" x ", chunks, " chunks of --schedule ", o.schedule)
+      : chunks > 1        ? concat(" x --virtual-stages ", chunks)
+                          : std::string(),
       " needs ", virtual_stages, " model stages, but --model ", layout.model, " has ",
       layout.model_stages, " (an MLP has one per hidden layer plus the output)");
   if (o.balance != "params" && o.balance != "time") {
@@ -55,7 +55,7 @@ void declare_flags(FlagSet& flags, PipelineOptions& o) {
   flags.add("--schedule", o.schedule,
             "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v (zero bubble: "
             "backward split into input and weight gradients; zb-v runs two chunks per rank in a "
-            "V)");
+            "V), or one registered with register_schedule");
   flags.add("--virtual-stages", o.virtual_stages,
             "Interleaved schedule: model chunks per pipeline rank");
   flags.add("--pipeline-balance", o.balance,
@@ -83,19 +83,19 @@ void declare_flags(FlagSet& flags, PipelineOptions& o) {
 }  // namespace
 
 void check_options(const PipelineOptions& o) {
-  const ScheduleKind kind = schedule_kind_named(o.schedule);
+  const ScheduleInfo& schedule = schedule_info(o.schedule);
   DTRAIN_CHECK_INPUT(o.virtual_stages >= 1, "virtual stages per pipeline rank must be >= 1, got ",
                      o.virtual_stages);
-  DTRAIN_CHECK_INPUT(kind != ScheduleKind::ZeroBubbleV || o.virtual_stages <= 2,
-                     "--schedule zb-v runs 2 chunks per rank: leave --virtual-stages out (or "
-                     "give 2), not ",
-                     o.virtual_stages);
-  DTRAIN_CHECK_INPUT(o.virtual_stages == 1 || kind == ScheduleKind::Interleaved ||
-                         kind == ScheduleKind::ZeroBubbleV,
-                     "--virtual-stages ", o.virtual_stages,
-                     " needs --schedule interleaved (gpipe and 1f1b run one chunk per rank)");
-  DTRAIN_CHECK_INPUT(kind != ScheduleKind::Interleaved || o.virtual_stages >= 2,
-                     "the interleaved schedule needs --virtual-stages >= 2 (with 1 it is 1f1b)");
+  DTRAIN_CHECK_INPUT(
+      schedule.chunks == 0 || o.virtual_stages == 1 || o.virtual_stages == schedule.chunks,
+      "--schedule ", o.schedule, " runs ", schedule.chunks,
+      " chunks per rank: leave --virtual-stages out (or give ", schedule.chunks, "), not ",
+      o.virtual_stages);
+  DTRAIN_CHECK_INPUT(o.virtual_stages == 1 || schedule.interleaves || schedule.chunks > 0,
+                     "--virtual-stages ", o.virtual_stages, " needs --schedule interleaved (",
+                     o.schedule, " runs one chunk per rank)");
+  DTRAIN_CHECK_INPUT(!schedule.interleaves || o.virtual_stages >= 2, "the ", o.schedule,
+                     " schedule needs --virtual-stages >= 2 (with 1 it is 1f1b)");
   DTRAIN_CHECK_INPUT(o.data_parallel == "ddp" || o.data_parallel == "zero1",
                      "pipeline stages are data-parallel by ddp or zero1, not '", o.data_parallel,
                      "' (zero2 and zero3 shard the gradients and parameters that the "
@@ -110,8 +110,8 @@ void check_options(const PipelineOptions& o) {
                      "' (expected none or extrapolate)");
   DTRAIN_CHECK_INPUT(o.weight_prediction == "none" || o.sync == "2bw", "--weight-prediction ",
                      o.weight_prediction, " is for --pipeline-sync 2bw, not ", o.sync);
-  DTRAIN_CHECK_INPUT(o.sync == "flush" || kind == ScheduleKind::OneFOneB, "--pipeline-sync ",
-                     o.sync, " runs 1F1B without a flush: use --schedule 1f1b, not ", o.schedule);
+  DTRAIN_CHECK_INPUT(o.sync == "flush" || schedule.flush_free, "--pipeline-sync ", o.sync,
+                     " runs 1F1B without a flush: use --schedule 1f1b, not ", o.schedule);
   DTRAIN_CHECK_INPUT(o.sync == "flush" || o.data_parallel == "ddp", "--pipeline-sync ", o.sync,
                      " replicates stages with ddp, not ", o.data_parallel);
   const std::string& balance = o.balance;
@@ -124,8 +124,8 @@ void check_options(const PipelineOptions& o) {
 
 void check_stage_replicas(const PipelineOptions& o, const std::vector<int>& replicas,
                           int tensor_parallel, int64_t micro_batches) {
-  const ScheduleKind kind = schedule_kind_named(o.schedule);
-  DTRAIN_CHECK_INPUT(chunks_of(kind, o.virtual_stages) == 1, "--stage-replicas runs one chunk per ",
+  DTRAIN_CHECK_INPUT(chunks_of(o.schedule, o.virtual_stages) == 1,
+                     "--stage-replicas runs one chunk per ",
                      "stage: --schedule gpipe, 1f1b, zb-h1 or zb-h2, not ", o.schedule);
   DTRAIN_CHECK_INPUT(o.sync == "flush", "--stage-replicas runs with --pipeline-sync flush, not ",
                      o.sync, " (its replicas take turns at the micro-batches of a flushed step)");

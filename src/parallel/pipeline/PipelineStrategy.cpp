@@ -53,7 +53,7 @@ std::vector<double> time_stages(const std::vector<Stage>& stages, at::Tensor inp
 PipelineStrategy::PipelineStrategy(StrategyOptions options)
     : options_(std::move(options)),
       pipe_(options_.of<PipelineOptions>()),
-      kind_(schedule_kind_named(pipe_.schedule)),
+      kind_(schedule_info(pipe_.schedule).name),
       chunks_per_rank_(chunks_of(kind_, pipe_.virtual_stages)) {
   check_options(pipe_);
   zero1_ = pipe_.data_parallel == "zero1";
@@ -142,8 +142,8 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     check_stage_replicas(pipe_, grid_->stage_replicas(), grid_->tp_size(), 0);
   }
   const int n = static_cast<int>(model_.stages.size());
-  DTRAIN_CHECK_INPUT(kind_ != ScheduleKind::Interleaved || ranks >= 2,
-                     "the interleaved schedule needs at least 2 pipeline ranks");
+  DTRAIN_CHECK_INPUT(!schedule_info(kind_).interleaves || ranks >= 2, "the ", kind_,
+                     " schedule needs at least 2 pipeline ranks");
   DTRAIN_CHECK_INPUT(n >= virtual_stages, "the model has ", n, " stage", n == 1 ? "" : "s",
                      ", fewer than the ", virtual_stages, chunks_per_rank_ > 1 ? " virtual" : "",
                      " pipeline stages asked for (", ranks, " ranks",
@@ -297,7 +297,7 @@ std::string PipelineStrategy::layout() const {
     text += concat(" x ", grid_->dp_size(), " ", pipe_.data_parallel, " replica",
                    grid_->dp_size() == 1 ? "" : "s", ", schedule ");
   }
-  text += concat(to_string(kind_), "; split by ",
+  text += concat(kind_, "; split by ",
                  timed                       ? "measured time"
                  : pipe_.balance == "params" ? "parameters"
                                              : "hand",

@@ -208,7 +208,7 @@ class PipelineStrategy : public Strategy {
 
   StrategyOptions options_;
   PipelineOptions pipe_;
-  ScheduleKind kind_;
+  std::string kind_;  ///< the schedule's name
   int chunks_per_rank_;
   precision::Precision precision_;
   c10::Device device_{c10::DeviceType::CPU};

@@ -11,60 +11,23 @@
 #include <tuple>
 
 #include "dtrain/common/Error.h"
+#include "parallel/pipeline/ScheduleBuilders.h"
 
 namespace dtrain::parallel::pipeline {
 
-ScheduleKind schedule_kind_named(const std::string& name) {
-  if (name == "gpipe") return ScheduleKind::GPipe;
-  if (name == "1f1b") return ScheduleKind::OneFOneB;
-  if (name == "interleaved") return ScheduleKind::Interleaved;
-  if (name == "zb-h1") return ScheduleKind::ZeroBubbleH1;
-  if (name == "zb-h2") return ScheduleKind::ZeroBubbleH2;
-  if (name == "zb-v") return ScheduleKind::ZeroBubbleV;
-  DTRAIN_THROW(InputError, "unknown pipeline schedule '", name,
-               "' (choose gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v)");
-}
-
-bool splits_backward(ScheduleKind kind) {
-  return kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleH2 ||
-         kind == ScheduleKind::ZeroBubbleV;
-}
-
-int chunks_of(ScheduleKind kind, int virtual_stages) {
-  return kind == ScheduleKind::ZeroBubbleV ? 2 : virtual_stages;
-}
-
 int stage_of(const ScheduleSpec& spec, int chunk, int rank) {
-  if (spec.kind == ScheduleKind::ZeroBubbleV && chunk == 1) return 2 * spec.stages - 1 - rank;
+  if (chunk == 1 && spec.info().v_shape) return 2 * spec.stages - 1 - rank;
   return chunk * spec.stages + rank;
 }
 
 int rank_of(const ScheduleSpec& spec, int stage) {
-  if (spec.kind == ScheduleKind::ZeroBubbleV && stage >= spec.stages) {
+  if (stage >= spec.stages && spec.info().v_shape) {
     return 2 * spec.stages - 1 - stage;
   }
   return stage % spec.stages;
 }
 
 int chunk_of(const ScheduleSpec& spec, int stage) { return stage / spec.stages; }
-
-const char* to_string(ScheduleKind kind) {
-  switch (kind) {
-    case ScheduleKind::GPipe:
-      return "gpipe";
-    case ScheduleKind::OneFOneB:
-      return "1f1b";
-    case ScheduleKind::Interleaved:
-      return "interleaved";
-    case ScheduleKind::ZeroBubbleH1:
-      return "zb-h1";
-    case ScheduleKind::ZeroBubbleH2:
-      return "zb-h2";
-    case ScheduleKind::ZeroBubbleV:
-      return "zb-v";
-  }
-  return "?";
-}
 
 std::string to_string(const Action& action) {
   const char* letter = action.kind == Action::Forward    ? "F"
@@ -79,24 +42,21 @@ void validate(const ScheduleSpec& spec) {
   DTRAIN_CHECK_INPUT(spec.micro_batches >= 1, "micro-batches must be >= 1, got ",
                      spec.micro_batches);
   DTRAIN_CHECK_INPUT(spec.chunks >= 1, "virtual stages per rank must be >= 1, got ", spec.chunks);
-  if (spec.kind == ScheduleKind::ZeroBubbleV) {
-    DTRAIN_CHECK_INPUT(spec.chunks == 2, "the zb-v schedule runs 2 chunks per rank, not ",
-                       spec.chunks);
+  const ScheduleInfo& info = spec.info();
+  if (info.chunks > 0) {
+    DTRAIN_CHECK_INPUT(spec.chunks == info.chunks, "the ", info.name, " schedule runs ",
+                       info.chunks, " chunks per rank, not ", spec.chunks);
   } else {
-    DTRAIN_CHECK_INPUT(spec.chunks == 1 || spec.kind == ScheduleKind::Interleaved,
-                       "virtual stages (", spec.chunks, ") need the interleaved schedule, not ",
-                       to_string(spec.kind));
+    DTRAIN_CHECK_INPUT(spec.chunks == 1 || info.interleaves, "virtual stages (", spec.chunks,
+                       ") need the interleaved schedule, not ", info.name);
   }
-  DTRAIN_CHECK_INPUT((spec.kind != ScheduleKind::OneFOneB && !splits_backward(spec.kind)) ||
-                         spec.micro_batches >= spec.stages,
-                     "the ", to_string(spec.kind),
+  DTRAIN_CHECK_INPUT(!info.fills_pipe || spec.micro_batches >= spec.stages, "the ", info.name,
                      " schedule needs at least as many micro-batches as pipeline stages (got ",
                      spec.micro_batches, " micro-batches for ", spec.stages,
                      " stages): use more micro-batches or --schedule gpipe");
-  DTRAIN_CHECK_INPUT(
-      spec.kind != ScheduleKind::Interleaved || spec.micro_batches % spec.stages == 0,
-      "the interleaved schedule needs micro-batches (", spec.micro_batches,
-      ") to be a multiple of the pipeline stages (", spec.stages, ")");
+  DTRAIN_CHECK_INPUT(!info.groups_of_stages || spec.micro_batches % spec.stages == 0, "the ",
+                     info.name, " schedule needs micro-batches (", spec.micro_batches,
+                     ") to be a multiple of the pipeline stages (", spec.stages, ")");
   if (spec.replicas.empty()) return;
   DTRAIN_CHECK_INPUT(static_cast<int>(spec.replicas.size()) == spec.stages, "replica counts for ",
                      spec.replicas.size(), " stages, the pipeline has ", spec.stages);
@@ -159,9 +119,8 @@ std::vector<Action> one_f_one_b(int m, int warmup) {
 // its W's (in micro-batch order) in the time it would otherwise wait for a neighbour, or when
 // more than its cap of them are pending. The ranks are run together on unit costs, each rank's
 // next action taken at the earliest time it can start.
-std::vector<std::vector<Action>> zero_bubble(const ScheduleSpec& spec) {
+std::vector<std::vector<Action>> zero_bubble(const ScheduleSpec& spec, bool h1) {
   const int p = spec.stages, m = spec.micro_batches;
-  const bool h1 = spec.kind == ScheduleKind::ZeroBubbleH1;
   std::vector<std::vector<Action>> order(p), lists(p);
   std::vector<int> cap(p);
   for (int r = 0; r < p; ++r) {
@@ -216,7 +175,7 @@ std::vector<std::vector<Action>> zero_bubble(const ScheduleSpec& spec) {
         best_action = a;
       }
     }
-    DTRAIN_CHECK(best >= 0, "the ", to_string(spec.kind), " construction stalled");
+    DTRAIN_CHECK(best >= 0, "the ", spec.kind, " construction stalled");
     const double finish = best_start + 1.0;
     at(best_action.kind, best_action.micro_batch, best) = finish;
     free_at[best] = finish;
@@ -284,51 +243,64 @@ std::vector<Action> zero_bubble_v(const ScheduleSpec& spec, int rank) {
   return actions;
 }
 
+// The looping 1F1B of one rank: P - r - 1 warm-up forwards, or interleaved (Megatron's
+// schedules.py) over the rank's chunks.
+std::vector<Action> looping_one_f_one_b(const ScheduleSpec& spec, int rank, bool interleaved) {
+  const int p = spec.stages, m = spec.micro_batches;
+  const int total = m * spec.chunks;
+  int warmup = interleaved ? (p - rank - 1) * 2 + (spec.chunks - 1) * p : p - rank - 1;
+  if (interleaved && m == p) warmup = total;  // Megatron: one group fills the pipe
+  warmup = std::min(warmup, total);
+  auto forward = [&](int k) {
+    return interleaved ? interleaved_action(spec, k, true) : Action{Action::Forward, k, 0};
+  };
+  auto backward = [&](int k) {
+    return interleaved ? interleaved_action(spec, k, false) : Action{Action::Backward, k, 0};
+  };
+  std::vector<Action> actions;
+  for (int k = 0; k < warmup; ++k) actions.push_back(forward(k));
+  for (int k = 0; k < total - warmup; ++k) {
+    actions.push_back(forward(warmup + k));
+    actions.push_back(backward(k));
+  }
+  for (int k = total - warmup; k < total; ++k) actions.push_back(backward(k));
+  return actions;
+}
+
 }  // namespace
+
+std::vector<Action> gpipe_schedule(const ScheduleSpec& spec, int) {
+  std::vector<Action> actions;
+  for (int i = 0; i < spec.micro_batches; ++i) actions.push_back({Action::Forward, i, 0});
+  for (int i = 0; i < spec.micro_batches; ++i) actions.push_back({Action::Backward, i, 0});
+  return actions;
+}
+
+std::vector<Action> one_f_one_b_schedule(const ScheduleSpec& spec, int rank) {
+  return looping_one_f_one_b(spec, rank, false);
+}
+
+std::vector<Action> interleaved_schedule(const ScheduleSpec& spec, int rank) {
+  return looping_one_f_one_b(spec, rank, true);
+}
+
+std::vector<Action> zero_bubble_h1_schedule(const ScheduleSpec& spec, int rank) {
+  return zero_bubble(spec, true)[rank];
+}
+
+std::vector<Action> zero_bubble_h2_schedule(const ScheduleSpec& spec, int rank) {
+  return zero_bubble(spec, false)[rank];
+}
+
+std::vector<Action> zero_bubble_v_schedule(const ScheduleSpec& spec, int rank) {
+  return zero_bubble_v(spec, rank);
+}
 
 std::vector<Action> build_schedule(const ScheduleSpec& spec, int rank) {
   validate(spec);
   DTRAIN_CHECK_INPUT(rank >= 0 && rank < spec.stages, "pipeline rank ", rank, " is outside 0..",
                      spec.stages - 1);
-  const int p = spec.stages;
-  const int m = spec.micro_batches;
-  std::vector<Action> actions;
-  switch (spec.kind) {
-    case ScheduleKind::GPipe: {
-      for (int i = 0; i < m; ++i) actions.push_back({Action::Forward, i, 0});
-      for (int i = 0; i < m; ++i) actions.push_back({Action::Backward, i, 0});
-      break;
-    }
-    case ScheduleKind::OneFOneB:
-    case ScheduleKind::Interleaved: {
-      const bool interleaved = spec.kind == ScheduleKind::Interleaved;
-      const int total = m * spec.chunks;
-      int warmup = interleaved ? (p - rank - 1) * 2 + (spec.chunks - 1) * p : p - rank - 1;
-      if (interleaved && m == p) warmup = total;  // Megatron: one group fills the pipe
-      warmup = std::min(warmup, total);
-      auto forward = [&](int k) {
-        return interleaved ? interleaved_action(spec, k, true) : Action{Action::Forward, k, 0};
-      };
-      auto backward = [&](int k) {
-        return interleaved ? interleaved_action(spec, k, false) : Action{Action::Backward, k, 0};
-      };
-      for (int k = 0; k < warmup; ++k) actions.push_back(forward(k));
-      for (int k = 0; k < total - warmup; ++k) {
-        actions.push_back(forward(warmup + k));
-        actions.push_back(backward(k));
-      }
-      for (int k = total - warmup; k < total; ++k) actions.push_back(backward(k));
-      break;
-    }
-    case ScheduleKind::ZeroBubbleH1:
-    case ScheduleKind::ZeroBubbleH2:
-      actions = zero_bubble(spec)[rank];
-      break;
-    case ScheduleKind::ZeroBubbleV:
-      actions = zero_bubble_v(spec, rank);
-      break;
-  }
-  return actions;
+  return spec.info().build(spec, rank);
 }
 
 double Simulation::bubble() const {
@@ -340,7 +312,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
                     double forward_cost, double backward_cost) {
   // Costs are per chunk: a rank's V chunks together cost what one stage costs.
   const double f_cost = forward_cost / spec.chunks;
-  const double b_cost = backward_cost / spec.chunks / (splits_backward(spec.kind) ? 2 : 1);
+  const double b_cost = backward_cost / spec.chunks / (spec.info().splits_backward ? 2 : 1);
   ActionCosts costs;
   costs.duration = [=](int, const Action& a) {
     return a.kind == Action::Forward ? f_cost : b_cost;
@@ -368,7 +340,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
   };
   // Every (kind, micro-batch, virtual stage) exactly once, on its rank.
   const int m = spec.micro_batches;
-  const bool split = splits_backward(spec.kind);
+  const bool split = spec.info().splits_backward;
   const int kinds = split ? 3 : 2;
   auto key = [&](int kind, int micro_batch, int vstage) {
     return (static_cast<size_t>(kind) * m + micro_batch) * stages * v + vstage;
@@ -444,7 +416,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
         where += concat(r ? "; " : "", "rank ", r, " at ",
                         next[r] < per_rank[r].size() ? to_string(per_rank[r][next[r]]) : "end");
       }
-      DTRAIN_THROW(InputError, "the ", to_string(spec.kind), " schedule deadlocks: ", where);
+      DTRAIN_THROW(InputError, "the ", spec.kind, " schedule deadlocks: ", where);
     }
     const Action& a = per_rank[best][next[best]];
     const double cost = costs.duration(best, a);
@@ -504,6 +476,19 @@ std::vector<Action> replicated_one_f_one_b(const ScheduleSpec& spec, int slot) {
 
 }  // namespace
 
+std::vector<std::vector<Action>> replicated_one_f_one_b_lists(const ScheduleSpec& spec) {
+  // Replicated 1F1B where the ranks' lists run to the end together (the simulator on unit
+  // costs); empty otherwise (the filtered stage order then).
+  std::vector<std::vector<Action>> lists;
+  for (int r = 0; r < spec.slots(); ++r) lists.push_back(replicated_one_f_one_b(spec, r));
+  try {
+    simulate(spec, lists);
+    return lists;
+  } catch (const InputError&) {
+    return {};
+  }
+}
+
 std::vector<std::vector<Action>> build_slot_schedules(const ScheduleSpec& spec) {
   std::vector<std::vector<Action>> lists;
   if (spec.replicas.empty()) {
@@ -511,16 +496,9 @@ std::vector<std::vector<Action>> build_slot_schedules(const ScheduleSpec& spec) 
     return lists;
   }
   validate(spec);
-  if (spec.kind == ScheduleKind::OneFOneB) {
-    // Replicated 1F1B where the ranks' lists run to the end together (the simulator on unit
-    // costs), else the filtered stage order.
-    for (int r = 0; r < spec.slots(); ++r) lists.push_back(replicated_one_f_one_b(spec, r));
-    try {
-      simulate(spec, lists);
-      return lists;
-    } catch (const InputError&) {
-      lists.clear();
-    }
+  if (spec.info().build_replicated) {
+    lists = spec.info().build_replicated(spec);
+    if (!lists.empty()) return lists;
   }
   for (int r = 0; r < spec.slots(); ++r) lists.push_back(filtered_slot_schedule(spec, r));
   return lists;

@@ -8,6 +8,7 @@
 #include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
 #include "parallel/StrategySupport.h"
+#include "parallel/ft/FaultToleranceFlags.h"
 #include "parallel/ft/FaultTolerantDdp.h"
 #include "parallel/ft/FaultTolerantShardedZero.h"
 #include "parallel/ft/FaultTolerantZero.h"

@@ -14,38 +14,6 @@
 
 namespace dtrain::parallel::pipeline {
 
-enum class ScheduleKind {
-  GPipe,        ///< all forwards, then all backwards
-  OneFOneB,     ///< PipeDream-flush: warm-up forwards, one forward / one backward, cool-down
-  Interleaved,  ///< Megatron's interleaved 1F1B over V model chunks per rank
-  /// Zero bubble (Qi et al., ICLR'24), backward split into B and W: 1F1B's forwards and B's,
-  /// each rank's W's deferred to fill the time it would wait, at most `rank` of them pending
-  /// as it starts a forward or a B (one more just after a B)
-  /// (rank r holds P - r micro-batches' activations under 1F1B, stage 0 the most, so the peak
-  /// stays 1F1B's): each rank idles (P - 1)(T_F + T_B - T_W) of the step instead of 1F1B's
-  /// (P - 1)(T_F + T_B + T_W), a third of it when the three cost the same.
-  ZeroBubbleH1,
-  /// ZB-H2: 2 (P - r) - 1 forwards of warm-up and the same cap on pending W's (forwarded and
-  /// not W'd micro-batches up to 2P on any rank: memory up to 2x 1F1B's). Its last bubble
-  /// (the last stage's (P - 1) T_F before its first forward) goes only when a step overlaps
-  /// the next, which dtrain's synchronous optimizer step does not: equal stages give H1's time.
-  ZeroBubbleH2,
-  /// ZB-V: two chunks per rank placed in a V (rank r holds virtual stages r and 2P - 1 - r, so
-  /// rank 0 runs the first and the last, and the turn from P - 1 to P stays on rank P - 1),
-  /// the order of Qi et al.'s ZB-V (section 6): chunk 0's forwards warm up, each rank then runs
-  /// F, B and W of both chunks in turn. With T_F = T_B = T_W per chunk every rank idles only
-  /// at the step's two ends, and each holds at most 2P chunk micro-batches of activations: P
-  /// whole-stage micro-batches, rank 0's 1F1B peak, now on every rank.
-  ZeroBubbleV,
-};
-/// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" (InputError naming the choices
-/// otherwise).
-ScheduleKind schedule_kind_named(const std::string& name);
-const char* to_string(ScheduleKind kind);
-
-/// Whether the schedule splits backward into B (input gradient) and W (weight gradients).
-bool splits_backward(ScheduleKind kind);
-
 struct Action {
   /// Backward: the whole backward, or only the input gradient when the schedule splits it;
   /// Weight: the weight gradients of a split backward (after the micro-batch's B).
@@ -60,8 +28,10 @@ struct Action {
 };
 std::string to_string(const Action& action);  // "F3" / "B3" / "W3", "F3.1" with a chunk
 
+struct ScheduleInfo;
+
 struct ScheduleSpec {
-  ScheduleKind kind = ScheduleKind::OneFOneB;
+  std::string kind = "1f1b";  ///< the schedule's name (schedule_info)
   int stages = 1;         ///< P, pipeline ranks
   int micro_batches = 1;  ///< M per optimizer step
   int chunks = 1;         ///< V, model chunks per rank (interleaved; zb-v: 2)
@@ -75,16 +45,59 @@ struct ScheduleSpec {
   /// The stage and replica of `slot`, and the slot of a stage's replica.
   int stage_of_slot(int slot) const;
   int slot_of(int stage, int replica) const;
+  /// The schedule `kind` names (InputError for an unknown name); looked up once per spec.
+  const ScheduleInfo& info() const;
+  /// (info()'s cache: leave it out of a spec's braces.)
+  mutable const ScheduleInfo* cached_info = nullptr;
 };
 
-/// Chunks per rank a schedule runs: 2 for zb-v (whatever `virtual_stages` says), else
-/// `virtual_stages`.
-int chunks_of(ScheduleKind kind, int virtual_stages);
+/// A pipeline schedule: a builder of each rank's list and what the builder needs. The library's
+/// own are GPipe, 1F1B, Megatron's interleaved 1F1B, and the zero-bubble ZB-H1, ZB-H2 and ZB-V
+/// (Schedules.cpp: one line each); register_schedule adds one (how_to_add_test.cpp shows it).
+struct ScheduleInfo {
+  std::string name;     ///< what --schedule names ("1f1b")
+  std::string summary;  ///< one line
+  /// The ordered actions of pipeline rank `rank` of a checked spec.
+  std::function<std::vector<Action>(const ScheduleSpec& spec, int rank)> build;
+  /// Backward split into B (the input gradient) and W (the weight gradients).
+  bool splits_backward = false;
+  /// Model chunks per rank: this many always (zb-v: 2), or 0: --virtual-stages, which must
+  /// then be 1 unless `interleaves`.
+  int chunks = 0;
+  bool interleaves = false;
+  /// Where the chunks live: looping (chunk c of rank r is virtual stage c P + r), or a V (chunk
+  /// 1 of rank r is virtual stage 2P - 1 - r: zb-v).
+  bool v_shape = false;
+  /// Needs M >= P (its warm-up fills the pipe), and M a multiple of P (micro-batches go round
+  /// in groups of P: Megatron's interleaving).
+  bool fills_pipe = false;
+  bool groups_of_stages = false;
+  /// PipeDream's flush-free syncs (2bw, eager, async) run it.
+  bool flush_free = false;
+  /// Replicated stages (ScheduleSpec::replicas): the lists of every slot, where the schedule
+  /// has its own (1F1B's dealt micro-batches); null, or an empty result: each stage's list
+  /// filtered to its replica's micro-batches.
+  std::function<std::vector<std::vector<Action>>(const ScheduleSpec& spec)> build_replicated;
+};
 
-/// Checks a spec (InputError naming what is wrong): P >= 1, M >= 1, V >= 1; V > 1 only when
-/// interleaved, V = 2 for zb-v; 1F1B needs M >= P (fewer micro-batches cannot fill its
-/// warm-up); interleaved needs M to be a multiple of P (Megatron's rule: micro-batches go round
-/// in groups of P); the zero-bubble schedules too need M >= P (zb-v fills its pipe from 2P - 1).
+/// The schedule named `name` (InputError "unknown pipeline schedule" naming the registered
+/// ones); the registered names, built-in first; a schedule of your own (InputError when the name
+/// is taken or it has no builder).
+const ScheduleInfo& schedule_info(const std::string& name);
+std::vector<std::string> schedule_names();
+void register_schedule(ScheduleInfo info);
+
+/// Whether schedule `name` splits backward into B (input gradient) and W (weight gradients).
+bool splits_backward(const std::string& name);
+
+/// Chunks per rank a schedule runs: its own count (zb-v: 2, whatever `virtual_stages` says),
+/// else `virtual_stages`.
+int chunks_of(const std::string& kind, int virtual_stages);
+
+/// Checks a spec (InputError naming what is wrong): a registered schedule, P >= 1, M >= 1,
+/// V >= 1; V its fixed chunks (zb-v: 2), else V > 1 only when it interleaves; M >= P where its
+/// warm-up fills the pipe (1F1B, the zero-bubble ones), M a multiple of P where micro-batches go
+/// round in groups of P (interleaved: Megatron's rule).
 void validate(const ScheduleSpec& spec);
 
 /// The ordered actions of pipeline rank `rank` (validates the spec).
