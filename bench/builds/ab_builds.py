@@ -45,6 +45,13 @@ def configs(build):
                                               "synthetic", "--synthetic-examples", "8192",
                                               "--epochs", "1", "--max-steps", "60", "--nproc",
                                               "2", "--no-progress", "--eval-every", "0"]),
+        # A 2-stage pipeline (1F1B, 4 micro-batches): the schedule's lists and the executor.
+        "train mlp pp2 (s/sample)": ("train", [dtrain, "train", "--model", "mlp", "--dataset",
+                                               "synthetic", "--synthetic-examples", "8192",
+                                               "--epochs", "1", "--max-steps", "60", "--nproc",
+                                               "2", "--pipeline-parallel", "2",
+                                               "--micro-batches", "4", "--no-progress",
+                                               "--eval-every", "0"]),
         # The quick start's job (configs/fashion-mnist-ddp.toml), its first 150 steps.
         "quick start cnn x2 (s/sample)": ("train", [dtrain, "train", "--config",
                                                     os.path.join(ROOT, "configs",
