@@ -72,19 +72,20 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   std::string datasets = dtrain::data::dataset_names_where([](const auto&) { return true; });
   for (const auto& info : dtrain::data::datasets())
     datasets += "; " + info.name + ": " + info.summary;
-  add_data_flags(app, job.dataset, job.data_dir, job.synthetic_examples, datasets);
-  add(app, "--text-file", job.text_file,
+  add_data_flags(app, job.dataset, job.data.data_dir, job.data.synthetic_examples, datasets);
+  add(app, "--text-file", job.data.text_file,
       "--dataset text: a UTF-8 text file or a directory of them (default --data-dir, else "
       "Debian's fortunes in /usr/share/games/fortunes)");
-  add(app, "--validation-fraction", job.validation_fraction,
+  add(app, "--validation-fraction", job.data.validation_fraction,
       "--dataset text: share of the text (its end) held out for validation; tokens: share of "
       "each corpus's documents (its last ones)")
       ->capture_default_str();
-  add(app, "--vocab-size", job.vocab_size,
+  add(app, "--vocab-size", job.data.vocabulary,
       "--dataset tokens: the vocabulary (every id must be below it; default: the largest id "
       "in the files + 1)");
-  add_image_flags(app, job.image_size, job.augment, job.max_bad_samples, " (--augment's crop)");
-  add(app, "--tokenizer", job.tokenizer,
+  add_image_flags(app, job.data.image_size, job.data.augment, job.data.max_bad_samples,
+                  " (--augment's crop)");
+  add(app, "--tokenizer", job.data.tokenizer,
       "--dataset tokens: the shards' tokenizer.json (default: the one beside them, as `dtrain "
       "data prepare` leaves it); a checkpoint keeps it for `dtrain generate`");
   std::string strategies;

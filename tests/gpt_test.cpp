@@ -292,7 +292,7 @@ TEST(Gpt, TrainsOnTextCheckpointsItsVocabularyAndGenerates) {
   train::JobConfig job;
   job.model = "gpt";
   job.dataset = "text";
-  job.text_file = dir + "/corpus.txt";
+  job.data.text_file = dir + "/corpus.txt";
   job.gpt.layers = 1;
   job.gpt.heads = 2;
   job.gpt.width = 16;

@@ -596,7 +596,7 @@ TEST(HowToAdd, ADataSetIsOneRegistryEntryTheJobBuildsTheModelForAndTrainsOn) {
   job.dataset = "clusters";
   job.model = "mlp";
   job.hidden = {16};
-  job.synthetic_examples = 600;
+  job.data.synthetic_examples = 600;
   job.threads = 1;
   job.trainer.batch_size = 20;
   job.trainer.epochs = 3;
@@ -604,11 +604,11 @@ TEST(HowToAdd, ADataSetIsOneRegistryEntryTheJobBuildsTheModelForAndTrainsOn) {
   auto refusal = [&] { return job_refusal(job); };
   EXPECT_EQ(refusal(), "accepted");
   // Its own check runs before any rank starts; a language model is refused by name.
-  job.synthetic_examples = 10;
+  job.data.synthetic_examples = 10;
   EXPECT_NE(refusal().find("clusters: --synthetic-examples must be >= 30, got 10"),
             std::string::npos)
       << refusal();
-  job.synthetic_examples = 600;
+  job.data.synthetic_examples = 600;
   job.model = "gpt";
   EXPECT_NE(refusal().find("--model gpt is a language model: use it with --dataset text"),
             std::string::npos)

@@ -31,21 +31,12 @@ TrainerOptions trainer_options(const JobConfig& job) {
 /// What the job's data set reads: its flags, the decoder's context, the seed, and with
 /// --max-steps the examples those steps take.
 data::DataSource data_source(const JobConfig& job, const BatchPlan& batches) {
-  data::DataSource source;
+  data::DataSource source = job.data;
   source.argument = data::dataset_argument(job.dataset);
   source.epochs = job.trainer.epochs;
-  source.vocabulary = job.vocab_size;
-  source.tokenizer = job.tokenizer;
-  source.image_size = job.image_size;
-  source.max_bad_samples = job.max_bad_samples;
-  source.augment = job.augment;
   if (job.trainer.max_steps > 0)
     source.train_samples = job.trainer.max_steps * batches.global_batch;
-  source.data_dir = job.data_dir;
-  source.text_file = job.text_file;
-  source.synthetic_examples = job.synthetic_examples;
   source.context = job.gpt.context;
-  source.validation_fraction = job.validation_fraction;
   source.seed = job.trainer.seed;
   return source;
 }

@@ -26,7 +26,7 @@ struct DataSource {
   /// --text-file: a language set's corpus (before --data-dir).
   std::string text_file;
   /// --synthetic-examples: a generated set's training examples.
-  int64_t synthetic_examples = 60000;
+  int64_t synthetic_examples = 8192;
   /// A language set's window length (the model's context).
   int64_t context = 0;
   /// A language set's share held out for validation (its end).

@@ -31,22 +31,12 @@ struct JobConfig {
   std::string checkpointing = "none";
   /// A data set of the registry (data/Datasets.h): "fashion-mnist", "synthetic", "text", ...
   std::string dataset = "fashion-mnist";
-  std::string data_dir;
-  /// --dataset text: a UTF-8 file or a directory of them ("" = --data-dir, else Debian's
-  /// fortunes).
-  std::string text_file;
-  /// --dataset text: the share of the stream held out for validation (its end).
-  double validation_fraction = 0.1;
-  int64_t synthetic_examples = 8192;
-  /// --vocab-size: a token set's vocabulary (0: its tokenizer's, else its largest id + 1).
-  int64_t vocab_size = 0;
-  /// --tokenizer: a token set's tokenizer.json ("": the one beside the shards).
-  std::string tokenizer;
-  /// --image-size, --max-bad-samples: an image set's crop side and damaged images tolerated.
-  int64_t image_size = 224;
-  int64_t max_bad_samples = 0;
-  /// --augment: an image set's training transforms ("imagenet", "flip" or "none").
-  std::string augment = "imagenet";
+  /// What the data set reads, as the data flags set it (--data-dir, --text-file,
+  /// --validation-fraction, --synthetic-examples, --vocab-size, --tokenizer, --image-size,
+  /// --max-bad-samples, --augment), each default written once, in data::DataSource; plan_run
+  /// adds what the run decides (the set's argument, epochs, the decoder's context, the seed,
+  /// --max-steps' examples).
+  data::DataSource data;
   TrainerOptions trainer;
   /// > 0: micro-batches per step (the pipeline's M); sets trainer.accumulation_steps.
   int64_t micro_batches = 0;
