@@ -41,7 +41,7 @@ void set_threads(int threads);
 /// glibc malloc, tuned for a training loop: blocks under 32 MiB come from the heap and freed
 /// memory up to 512 MiB is kept for reuse, instead of every large temporary (an optimizer's,
 /// a gradient bucket) being mmapped, page-faulted in and unmapped again each step (measured:
-/// LibTorch's Adam step on 100M parameters 535 -> 180 ms; docs/DESIGN-notes.md). Not applied
+/// LibTorch's Adam step on 100M parameters 535 -> 180 ms; docs/design/launch.md). Not applied
 /// when MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ are set (the user chose) or
 /// DTRAIN_NO_MALLOC_TUNING is; returns whether it was applied (false off glibc).
 bool tune_allocator();
