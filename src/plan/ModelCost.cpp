@@ -419,7 +419,9 @@ ModelCost model_named(const std::string& text) {
   }
   std::string known;
   for (const auto& name : known_models()) known += (known.empty() ? "" : ", ") + name;
-  DTRAIN_THROW(InputError, "unknown --model '", text, "' (known: ", known, ")");
+  DTRAIN_THROW(InputError, "unknown --model '", text, "' (known: ", known,
+               "; and dtrain train's decoders, gpt and llama, with their shape flags or a config "
+               "file and --vocab)");
 }
 
 }  // namespace dtrain::plan
