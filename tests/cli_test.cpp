@@ -933,6 +933,16 @@ TEST(Cli, PrintPlanIsTheRunAndConfigReadsItBack) {
   EXPECT_NE(kept.find("\nrun-dir=\"" + (dir / "run") + "\"\n"), std::string::npos) << kept;
   EXPECT_NE(kept.find(printed.text.substr(printed.text.find("# the plan"))), std::string::npos)
       << kept;
+  // Ranks started by a launcher plan for the world they find: the checkpoints say so.
+  const auto launched =
+      run(kDtrain + " launch --nproc-per-node 2 -- " + kDtrain +
+          " train --model mlp --hidden 16 --dataset synthetic --synthetic-examples 256 "
+          "--max-steps 2 --no-progress --threads 1 --checkpoint-dir " +
+          (dir / "launched"));
+  ASSERT_EQ(launched.code, 0) << launched.text;
+  const auto inspected = run(kDtrain + " ckpt inspect " + (dir / "launched"));
+  EXPECT_TRUE(has(inspected, "the plan: 2 ranks, strategy ddp, 2 data-parallel replicas"))
+      << inspected.text;
   // Options that make no plan are named.
   const auto bad = run(kDtrain + flags + " --global-batch 8 --print-plan");
   EXPECT_EQ(bad.code, 2) << bad.text;

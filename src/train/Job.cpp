@@ -258,6 +258,12 @@ JobResult run_job(const JobConfig& job) {
 
   const RunPlan plan = plan_run(job, world->size());
   TrainerOptions options = plan.trainer;
+  // The checkpoints' plan is this world's (a rank started by Slurm or an operator knows it; the
+  // command line's --nproc may not).
+  auto kept = options.checkpoint_extras.find("plan");
+  if (kept != options.checkpoint_extras.end()) {
+    kept->second = kept->second.substr(0, kept->second.find("# the plan: ")) + plan.describe();
+  }
   const data::LoadedData data = data::load_dataset(job.dataset, plan.data);
   int64_t vocabulary = 2;
   if (data::dataset_info(job.dataset).language) {
