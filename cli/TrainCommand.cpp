@@ -323,7 +323,8 @@ std::vector<std::string> with_local_shards(const std::vector<std::string>& args,
 // outputs go): its metrics, the options given (config.toml: `--config` reads it back; the model's
 // recipe fills the rest as it did), the command line, and with --run-dir its checkpoints. The
 // ranks are told the paths (`args`).
-void open_run_folder(dtrain::train::JobConfig& job, std::vector<std::string>& args) {
+void open_run_folder(dtrain::train::JobConfig& job, const dtrain::train::RunPlan& plan,
+                     std::vector<std::string>& args) {
   auto& t = job.trainer;
   const bool defaulted =
       job.run_dir.empty() && t.metrics_file.empty() && t.checkpoint_dir.empty() && !job.no_run_dir;
@@ -368,7 +369,7 @@ void open_run_folder(dtrain::train::JobConfig& job, std::vector<std::string>& ar
     return found == t.checkpoint_extras.end() ? std::string() : found->second;
   };
   std::ofstream(job.run_dir + "/command.txt") << command_line() << "\n";
-  std::ofstream(job.run_dir + "/plan.toml") << extra("plan");
+  std::ofstream(job.run_dir + "/plan.toml") << extra("plan") << plan.describe();
   std::ofstream config(job.run_dir + "/config.toml");
   config << "# dtrain train's options as given (" << command_line() << ")\n";
   if (!extra("recipe").empty()) config << "# " << extra("recipe") << "\n";
@@ -511,7 +512,7 @@ int run_train(dtrain::train::JobConfig job, const dtrain::train::RunPlan& plan,
   // The run checked once, before any rank starts; ranks (already checked by their launcher, or
   // started by Slurm / mpirun) get the same named errors from run_job itself.
   if (!worker) dtrain::train::validate_job(plan);
-  if (!worker) open_run_folder(job, args);
+  if (!worker) open_run_folder(job, plan, args);
   if (!worker && !recipe.empty()) std::printf("%s\n", recipe.c_str());
 #ifdef DTRAIN_SERVICES
   if (!job.ps_auth_token_file.empty()) {
@@ -597,10 +598,11 @@ class TrainCommand final : public Command {
     // The plan: every option's value (the defaults and the recipe's included) as TOML that
     // --config reads back, and what the run makes of them.
     const dtrain::train::RunPlan plan = dtrain::train::plan_run(job_, job_.nproc);
-    extras["plan"] = effective_options() + plan.describe();
+    // (run_job adds the plan its world makes to what its checkpoints keep.)
+    extras["plan"] = effective_options();
     if (print_plan_) {
       dtrain::train::validate_job(plan);
-      std::printf("%s", extras["plan"].c_str());
+      std::printf("%s%s", extras["plan"].c_str(), plan.describe().c_str());
       return 0;
     }
     return run_train(job_, plan, args, recipe);

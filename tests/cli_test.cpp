@@ -287,6 +287,10 @@ TEST(Cli, PlanBadInputIsOneClearLineAndExitCode2) {
       {plan + " --model transformer:layers=2,hidden=100,heads=3,seq=8,vocab=10",
        "hidden 100 is not divisible by heads 3"},
       {plan + " --model transformer:layers=2,hidden=96,heads=3,seq=8", "missing vocab="},
+      {plan + " --model llama --layers 2", "plan --model llama needs --vocab (the tokenizer's"},
+      {plan + " --model llama --layers 2 --width 768 --heads 12 --kv-heads 4 --vocab 100 --tp 6 "
+              "--gpus-per-node 6",
+       "tensor parallelism 6 and the model's 4 key/value heads: one must divide the other"},
       {" plan --cluster nowhere --model gpt-1.7b", "unknown hardware profile 'nowhere' (known: "},
       {" plan --cluster " + dir.path() + "/broken.toml --model gpt-1.7b",
        "broken.toml: missing table 'accelerator.peak_tflops'"},

@@ -76,6 +76,27 @@ std::vector<Layout> step_variants(const ModelCost& model, const Layout& base,
   return variants;
 }
 
+/// The `options.refine` fastest of `ranked` again with every combination of the step options the
+/// search decides (each usually helps, but it moves the stages' balance and the pipeline's
+/// timing, so not always): each keeps its fastest variant that fits. Returns the variants run.
+int refine(const ModelCost& model, const Cluster& cluster, const SearchOptions& options,
+           std::vector<Prediction>& ranked) {
+  std::vector<Layout> variants;
+  std::vector<size_t> owner;
+  for (size_t i = 0; i < std::min(ranked.size(), options.refine); ++i) {
+    for (const Layout& v : step_variants(model, ranked[i].layout, options)) {
+      variants.push_back(v);
+      owner.push_back(i);
+    }
+  }
+  const std::vector<Prediction> refinements = predict_all(model, cluster, variants);
+  for (size_t k = 0; k < refinements.size(); ++k) {
+    Prediction& kept = ranked[owner[k]];
+    if (refinements[k].fits && refinements[k].step_s < kept.step_s) kept = refinements[k];
+  }
+  return static_cast<int>(variants.size());
+}
+
 }  // namespace
 
 SearchResult search(const ModelCost& model, const Cluster& cluster, const SearchOptions& options) {
@@ -211,24 +232,7 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   }
   auto faster = [](const Prediction& a, const Prediction& b) { return a.step_s < b.step_s; };
   std::sort(result.ranked.begin(), result.ranked.end(), faster);
-  // The best layouts again with every combination of the step options the search decides (each
-  // usually helps, but it moves the stages' balance and the pipeline's timing, so not always):
-  // each keeps its fastest variant that fits.
-  const size_t refined = std::min(result.ranked.size(), options.refine);
-  std::vector<Layout> variants;
-  std::vector<size_t> owner;
-  for (size_t i = 0; i < refined; ++i) {
-    for (const Layout& v : step_variants(model, result.ranked[i].layout, options)) {
-      variants.push_back(v);
-      owner.push_back(i);
-    }
-  }
-  result.variants = static_cast<int>(variants.size());
-  const std::vector<Prediction> refinements = predict_all(model, cluster, variants);
-  for (size_t k = 0; k < refinements.size(); ++k) {
-    Prediction& kept = result.ranked[owner[k]];
-    if (refinements[k].fits && refinements[k].step_s < kept.step_s) kept = refinements[k];
-  }
+  result.variants = refine(model, cluster, options, result.ranked);
   std::sort(result.ranked.begin(), result.ranked.end(), faster);
   return result;
 }

@@ -192,8 +192,7 @@ void validate_job(const RunPlan& plan) {
   if (model.check_layout) {
     models::ModelLayout layout;
     layout.tensor_parallel = tp;
-    layout.pipeline_parallel = std::max(job.trainer.pipeline_parallel,
-                                        static_cast<int>(job.trainer.stage_replicas.size()));
+    layout.pipeline_parallel = plan.trainer.pipeline_parallel;
     layout.sequence_parallel = job.gpt.sequence_parallel;
     model.check_layout(model_spec(plan), layout);
   } else {
@@ -258,12 +257,10 @@ JobResult run_job(const JobConfig& job) {
 
   const RunPlan plan = plan_run(job, world->size());
   TrainerOptions options = plan.trainer;
-  // The checkpoints' plan is this world's (a rank started by Slurm or an operator knows it; the
-  // command line's --nproc may not).
+  // The checkpoints keep the options (the CLI's, when it gave them) and the plan of this world
+  // (a rank started by Slurm or an operator knows it; the command line's --nproc may not).
   auto kept = options.checkpoint_extras.find("plan");
-  if (kept != options.checkpoint_extras.end()) {
-    kept->second = kept->second.substr(0, kept->second.find("# the plan: ")) + plan.describe();
-  }
+  if (kept != options.checkpoint_extras.end()) kept->second += plan.describe();
   const data::LoadedData data = data::load_dataset(job.dataset, plan.data);
   int64_t vocabulary = 2;
   if (data::dataset_info(job.dataset).language) {
