@@ -13,6 +13,7 @@
 #include "ConfigFile.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/plan/Calibrate.h"
 #include "dtrain/plan/Planner.h"
 
@@ -32,6 +33,13 @@ std::vector<std::string> hardware_dirs(const std::vector<std::string>& extra) {
   dirs.push_back(DTRAIN_HARDWARE_DIR);
 #endif
   return dirs;
+}
+
+/// "a, b, c" (for a flag's help).
+std::string joined(const std::vector<std::string>& names) {
+  std::string text;
+  for (const std::string& name : names) text += (text.empty() ? "" : ", ") + name;
+  return text;
 }
 
 std::string gib(double bytes) {
@@ -209,7 +217,7 @@ class PlanCommand final : public Command {
     app_->add_option("--hardware-dir", hardware_dirs_, "More directories holding profiles");
     app_->add_option("--nodes", nodes_, "Nodes")->capture_default_str();
     app_->add_option("--gpus-per-node", gpus_per_node_, "GPUs per node (default: the profile's)");
-    app_->add_option("--strategy", layout_.strategy, "ddp, zero1, zero2, zero3, downpour")
+    app_->add_option("--strategy", layout_.strategy, joined(plan::planned_strategies()))
         ->capture_default_str();
     app_->add_option("--dp", dp_, "Data-parallel size (default: the GPUs left by pp x tp)");
     app_->add_option("--pp", layout_.pp, "Pipeline stages")->capture_default_str();
@@ -219,7 +227,7 @@ class PlanCommand final : public Command {
     app_->add_option("--micro-batches", micro_batches_, "Micro-batches per step");
     app_->add_option("--global-batch", global_batch_,
                      "Samples per step (sets --micro-batches; required by --search)");
-    app_->add_option("--schedule", layout_.schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v")
+    app_->add_option("--schedule", layout_.schedule, joined(parallel::pipeline::schedule_names()))
         ->capture_default_str();
     app_->add_option("--pipeline-sync", layout_.pipeline_sync,
                      "flush, 2bw, eager or async (PipeDream's flush-free 1F1B, as dtrain train's)")
@@ -269,7 +277,11 @@ class PlanCommand final : public Command {
                    "Rank every valid layout that fits, by predicted step time");
     app_->add_option("--top", top_, "--search: layouts to print")->capture_default_str();
     app_->add_option("--strategies", strategies_,
-                     "--search: the strategies to consider (default all)")
+                     "--search: the strategies to consider (default every synchronous one the "
+                     "planner models)")
+        ->delimiter(',');
+    app_->add_option("--schedules", schedules_,
+                     "--search: the pipeline schedules to consider (default all)")
         ->delimiter(',');
     app_->add_option("--scaling", scaling_,
                      "Node counts: the layout at each, data parallelism filling the GPUs (weak "
@@ -385,8 +397,9 @@ class PlanCommand final : public Command {
                        "pp x tp = ", model_parallel, " does not divide the cluster's ",
                        cluster.gpus(), " GPUs");
     layout.dp = dp_ > 0 ? dp_ : cluster.gpus() / model_parallel;
-    // zb-v's two chunks per rank go without saying, as in dtrain train.
-    if (layout.schedule == "zb-v" && layout.pp > 1 && layout.chunks == 1) layout.chunks = 2;
+    // A schedule's fixed chunks per rank (zb-v's two) go without saying, as in dtrain train.
+    const int fixed = parallel::pipeline::schedule_info(layout.schedule).chunks;
+    if (fixed > 0 && layout.pp > 1 && layout.chunks == 1) layout.chunks = fixed;
     if (global_batch_ > 0) {
       const int64_t per_step = static_cast<int64_t>(layout.dp) * layout.micro_batch_size;
       DTRAIN_CHECK_INPUT(global_batch_ % per_step == 0, "--global-batch ", global_batch_,
@@ -413,7 +426,8 @@ class PlanCommand final : public Command {
     options.sequence_parallel = pinned(step_flags_[0], layout_.sequence_parallel);
     options.overlap_param_gather = pinned(step_flags_[1], layout_.overlap_param_gather);
     options.tp_comm_overlap = pinned(step_flags_[2], layout_.tp_comm_overlap);
-    if (!strategies_.empty()) options.strategies = strategies_;
+    options.strategies = strategies_;
+    options.schedules = schedules_;
     // --pipeline-sync 2bw|eager|async with --search: those layouts compete beside the flushed ones.
     if (layout_.pipeline_sync != "flush") options.pipeline_syncs.push_back(layout_.pipeline_sync);
     options.replicated_stages = replicated_stages_;
@@ -522,7 +536,7 @@ class PlanCommand final : public Command {
   models::GptConfig gpt_;
   int64_t vocab_ = 0;
   bool flash_ = true;
-  std::vector<std::string> hardware_dirs_, strategies_;
+  std::vector<std::string> hardware_dirs_, strategies_, schedules_;
   int nodes_ = 1, gpus_per_node_ = 0, dp_ = 0, micro_batches_ = 0, top_ = 10;
   int64_t global_batch_ = 0;
   double bucket_mb_ = 25;

@@ -407,8 +407,11 @@ TEST(Cli, PlanPredictsSearchesAndDrawsScaling) {
         count(" --sequence-parallel --strategies ddp --no-tp-comm-overlap", "--tp-comm-overlap"),
         0);
   }
-  // PipeDream's layouts: a VGG on 3 ranks of a slow network; the layout the search picks is
-  // printed as dtrain train flags, and dtrain train runs them.
+  // PipeDream's layouts: a VGG on 3 ranks of a slow network; among 1F1B's pipelines (--schedules
+  // 1f1b: PipeDream's schedule) the search picks stages replicated unequally, printed as dtrain
+  // train flags, and dtrain train runs them. Every registered schedule competes without
+  // --schedules: there GPipe's, whose forwards stream while 1F1B's wait on each round trip of
+  // these slow links, is faster still.
   {
     std::ifstream in(DTRAIN_SOURCE_DIR "/configs/hardware/this-machine.toml");
     const std::string profile((std::istreambuf_iterator<char>(in)),
@@ -418,13 +421,19 @@ TEST(Cli, PlanPredictsSearchesAndDrawsScaling) {
         std::regex_replace(profile, std::regex("node_gbit_s = [0-9.]+"), "node_gbit_s = 0.1"),
         std::regex("\\[node\\]\\s*gpus = [0-9]+"), "[node]\ngpus = 1");
   }
-  const auto picked = run(kDtrain +
-                          " plan --search --replicated-stages --top 3 --model vgg-small "
-                          "--cluster " +
-                          (dir / "slow.toml") +
-                          " --nodes 3 --global-batch 24 --strategies ddp --precision fp32 "
-                          "--optimizer momentum");
+  const std::string pipedream = kDtrain +
+                                " plan --search --replicated-stages --top 3 --model vgg-small "
+                                "--cluster " +
+                                (dir / "slow.toml") +
+                                " --nodes 3 --global-batch 24 --strategies ddp --precision fp32 "
+                                "--optimizer momentum";
+  const auto picked = run(pipedream + " --schedules 1f1b");
   ASSERT_EQ(picked.code, 0) << picked.text;
+  const auto any_schedule = run(pipedream);
+  EXPECT_TRUE(has(any_schedule,
+                  "the best as dtrain train flags: --nproc 3 --strategy ddp "
+                  "--pipeline-parallel 3 --schedule gpipe"))
+      << any_schedule.text;
   const std::string marker = "the best as dtrain train flags: ";
   const size_t at = picked.text.find(marker);
   ASSERT_NE(at, std::string::npos) << picked.text;

@@ -122,6 +122,19 @@ TEST(Schedule, ZeroBubbleSchedulesFillTheWaitsWithWeightGradients) {
   }
   EXPECT_TRUE(schedule_info("zb-h1").splits_backward);
   EXPECT_TRUE(schedule_info("zb-h2").splits_backward);
+  // Their lists are made together (ScheduleInfo::build_all: one run of the pipeline instead of
+  // one per rank, what the planner's search builds for thousands of layouts): every rank's list
+  // is the one its rank builds alone.
+  for (const char* kind : {"zb-h1", "zb-h2"}) {
+    for (const ScheduleSpec& spec : {ScheduleSpec{kind, 4, 8, 1}, ScheduleSpec{kind, 8, 13, 1}}) {
+      ASSERT_TRUE(schedule_info(kind).build_all);
+      const auto together = build_slot_schedules(spec);
+      ASSERT_EQ(together.size(), static_cast<size_t>(spec.stages));
+      for (int r = 0; r < spec.stages; ++r) {
+        EXPECT_EQ(listing(together[r]), listing(build_schedule(spec, r))) << kind << " rank " << r;
+      }
+    }
+  }
   // A W before its B, or a W in a schedule that does not split backward, is refused.
   auto lists = all_ranks({"zb-h1", 2, 2, 1});
   std::swap(lists[1][1], lists[1].back());  // rank 1: F0 W1 ... B1

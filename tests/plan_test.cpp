@@ -506,7 +506,24 @@ TEST(Planner, RefusesLayoutsNamingWhatIsWrong) {
   l.micro_batches = 4;
   EXPECT_NE(refusal(l).find("zero3 with pipeline"), std::string::npos);
   l.strategy = "zero4";
-  EXPECT_NE(refusal(l).find("unknown strategy 'zero4'"), std::string::npos);
+  EXPECT_NE(refusal(l).find("unknown strategy 'zero4' (it models ddp, zero1, zero2, zero3, "
+                            "downpour)"),
+            std::string::npos)
+      << refusal(l);
+  // What the registry declares: strategies without a cost model, and each strategy's own rules
+  // as dtrain train checks them (zero3 takes no sequence parallelism; a PS worker no pp).
+  l.strategy = "sandblaster";
+  EXPECT_NE(refusal(l).find("the planner does not model strategy 'sandblaster'"),
+            std::string::npos);
+  l.strategy = "zero3";
+  l.pp = 1;
+  l.dp = 4;
+  l.sequence_parallel = true;
+  EXPECT_NE(refusal(l).find("--sequence-parallel sums LayerNorm gradients"), std::string::npos);
+  l.sequence_parallel = false;
+  EXPECT_EQ(refusal(l), "accepted");
+  l.strategy = "downpour";
+  EXPECT_NE(refusal(l).find("workers are replicas of the whole model"), std::string::npos);
 }
 
 TEST(Hardware, RefusesAMissingOrNonPhysicalField) {

@@ -47,6 +47,10 @@ struct Rank {
   int status = 0;
 };
 
+/// A failure of its own (a rank's bad input: exit code 2; killed by a signal), never a
+/// consequence of another rank's (an exit after a broken connection).
+bool is_cause(const Outcome& o);
+
 class Attempt {
  public:
   Attempt(const LaunchOptions& options, comm::Store& store, int attempt, Membership membership,
@@ -94,6 +98,21 @@ class Attempt {
     return o_.prefix_output ? concat("[rank ", r.rank, "] ") : std::string();
   }
   void tick();
+  // The main loop's turn, in parts: what the ranks wrote, written out (waits up to 50 ms for
+  // it); the local ranks that ended, judged (whether any still runs); a stop on request
+  // followed (a second signal, a stop past its timeout).
+  void drain_output();
+  bool reap();
+  void follow_stop_requests(bool any_running);
+  // Rank `r` ended with `status` (AttemptExits.cpp): whether it runs again (a replacement).
+  bool judge_exit(Rank& r, int status);
+  void stopped_on_request(Rank& r, int status);
+  bool replace_failed(Rank& r, int status);
+  void record_failure(Rank& r, int status, bool end_missing);
+  // Once every local rank ended: the job's result when it was stopped on request (no rank
+  // finished), else a default Outcome; node 0 then waits for every node (it hosts the store).
+  Outcome stopped_outcome() const;
+  Outcome wait_for_nodes(const Outcome& stopped);
   std::optional<Outcome> every_replica_failed();
   Outcome blame(Clock::time_point now) const;
   // --fault-tolerance replicas: whether the ranks are replicas that beat (they published their

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 
 #include "dtrain/comm/Store.h"
 #include "dtrain/common/Blas.h"
@@ -170,21 +171,47 @@ Progress read_progress(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+/// OpenBLAS's generic kernel on a CPU newer than it (issue 77: 7x slower matrix products on
+/// Sapphire Rapids): the ranks start with the kernel the CPU's instructions guarantee, unless
+/// the user chose one (OPENBLAS_CORETYPE set: it reaches the ranks as it is).
+void choose_blas_kernel(LaunchOptions& options) {
+  const std::string blas_core = openblas_core_to_set();
+  if (blas_core.empty()) return;
+  options.extra_env.push_back("OPENBLAS_CORETYPE=" + blas_core);
+  say("OpenBLAS chose its generic %s kernel on this CPU (%s, %s); the "
+      "ranks run with OPENBLAS_CORETYPE=%s (set OPENBLAS_CORETYPE to choose)\n",
+      blas_info().core.c_str(), cpu_info().model.c_str(), cpu_info().vector_summary().c_str(),
+      blas_core.c_str());
+}
+
+/// An empty temporary file rank 0 reports its step in ("" when none can be made).
+std::string make_progress_file() {
+  char name[] = "/tmp/dtrain-progress-XXXXXX";
+  const int fd = ::mkstemp(name);
+  if (fd < 0) return "";
+  ::close(fd);
+  return name;
+}
+
+/// This node's place in attempt `attempt`: a fixed job's, an elastic job's host's (it decides
+/// the nodes) or a joining node's (which sets `attempt` to the one it joined); nullopt when the
+/// job ended before this node could join it (`ended`: how). CommError when the rendezvous fails.
+std::optional<Membership> rendezvous(const LaunchOptions& options, comm::Store& store,
+                                     int& attempt, int restarts_used, bool host, Outcome& ended) {
+  if (options.min_nodes <= 0) return fixed_rendezvous(options, store, attempt, restarts_used);
+  if (host) return elastic_host_rendezvous(options, store, attempt, restarts_used);
+  return elastic_join_rendezvous(options, store, attempt, ended);
+}
+
+}  // namespace
+
 int launch(const LaunchOptions& requested) {
   validate(requested);
   LaunchOptions options = requested;
   g_name = options.name;
-  // OpenBLAS's generic kernel on a CPU newer than it (issue 77: 7x slower matrix products on
-  // Sapphire Rapids): the ranks start with the kernel the CPU's instructions guarantee, unless
-  // the user chose one (OPENBLAS_CORETYPE set: it reaches the ranks as it is).
-  const std::string blas_core = openblas_core_to_set();
-  if (!blas_core.empty()) {
-    options.extra_env.push_back("OPENBLAS_CORETYPE=" + blas_core);
-    say("OpenBLAS chose its generic %s kernel on this CPU (%s, %s); the "
-        "ranks run with OPENBLAS_CORETYPE=%s (set OPENBLAS_CORETYPE to choose)\n",
-        blas_info().core.c_str(), cpu_info().model.c_str(), cpu_info().vector_summary().c_str(),
-        blas_core.c_str());
-  }
+  choose_blas_kernel(options);
   const bool elastic = options.min_nodes > 0;
   const bool host = options.node_rank <= 0 && (elastic ? options.node_rank == 0 : true);
   const int port = options.master_port > 0 ? options.master_port : free_port();
@@ -211,15 +238,7 @@ int launch(const LaunchOptions& requested) {
     return 1;
   }
   // Rank 0 reports its step here, so restarts can say how many steps they cost.
-  std::string progress_file;
-  if (host) {
-    char name[] = "/tmp/dtrain-progress-XXXXXX";
-    const int fd = ::mkstemp(name);
-    if (fd >= 0) {
-      ::close(fd);
-      progress_file = name;
-    }
-  }
+  const std::string progress_file = host ? make_progress_file() : std::string();
   struct Cleanup {
     std::string path;
     ~Cleanup() {
@@ -257,20 +276,15 @@ int launch(const LaunchOptions& requested) {
     Outcome outcome;
     Membership membership;
     try {
-      if (!elastic) {
-        membership = fixed_rendezvous(options, *store, attempt, restarts_used);
-      } else if (host) {
-        membership = elastic_host_rendezvous(options, *store, attempt, restarts_used);
-      } else {
-        Outcome ended;
-        const auto joined = elastic_join_rendezvous(options, *store, attempt, ended);
-        if (!joined) {
-          say("the job ended before this node could join it%s\n",
-              ended.failed ? concat(" (", ended.description, ")").c_str() : "");
-          return ended.failed ? std::max(1, ended.code) : 0;
-        }
-        membership = *joined;
+      Outcome ended;
+      const std::optional<Membership> joined =
+          rendezvous(options, *store, attempt, restarts_used, host, ended);
+      if (!joined) {
+        say("the job ended before this node could join it%s\n",
+            ended.failed ? concat(" (", ended.description, ")").c_str() : "");
+        return ended.failed ? std::max(1, ended.code) : 0;
       }
+      membership = *joined;
     } catch (const CommError& e) {
       say("%s: failed: %s\n", me.c_str(), e.message().c_str());
       Outcome failed{true, 1, e.message(), false};

@@ -80,21 +80,27 @@ std::string number(double value) {
   return out.str();
 }
 
-}  // namespace
+/// What `dtrain plan calibrate` measured of this machine.
+struct Measured {
+  /// The [accelerator.matmul_tflops_by_dim] table's lines, and the best rate of each dtype.
+  std::string by_dim;
+  double best_fp32 = 0, best_bf16 = 0;
+  double memory_Bps = 0, elementwise_Bps = 0, operator_s = 0;
+  /// Gloo on loopback: the all-reduce's latency and bandwidth, point-to-point by size.
+  double latency_s = 0, link_Bps = 0;
+  std::vector<int64_t> p2p_elements;
+  std::vector<double> p2p_seconds;
+};
 
-std::string calibrate(const CalibrateOptions& options,
-                      const std::function<void(const std::string&)>& progress) {
-  DTRAIN_CHECK_INPUT(options.threads >= 1, "calibrate: --threads must be >= 1");
-  at::set_num_threads(options.threads);
-  const double t = options.probe_seconds;
+using Progress = std::function<void(const std::string&)>;
 
+void measure_matmuls(double t, const Progress& progress, Measured& out) {
   // Matrix products as a linear layer makes them, forward and backward: 2048 rows (a batch's
   // tokens) and an n x n weight, per dtype; the rate by the weight's size n is what the planner
   // looks up by a layer's width.
   const std::vector<int64_t> dims = {32, 64, 128, 256, 512, 1024};
   const int64_t rows = 2048;
   std::ostringstream by_dim;
-  double best_fp32 = 0, best_bf16 = 0;
   for (const auto& [dtype, name] :
        {std::pair<at::ScalarType, const char*>{at::kFloat, "fp32"}, {at::kBFloat16, "bf16"}}) {
     by_dim << name << " = { ";
@@ -107,7 +113,7 @@ std::string calibrate(const CalibrateOptions& options,
                         median_seconds(t, [&] { (void)at::mm(x.t(), x); })) /
                        3;
       const double tflops = 2.0 * rows * n * n / s / 1e12;
-      double& best = dtype == at::kFloat ? best_fp32 : best_bf16;
+      double& best = dtype == at::kFloat ? out.best_fp32 : out.best_bf16;
       best = std::max(best, tflops);
       by_dim << (i ? ", " : "") << '"' << n << "\" = " << number(tflops);
       progress(concat("matmul ", name, " ", rows, " x ", n, " x ", n, ": ", number(tflops * 1e3),
@@ -115,16 +121,24 @@ std::string calibrate(const CalibrateOptions& options,
     }
     by_dim << " }\n";
   }
+  out.by_dim = by_dim.str();
+}
 
+/// The 64 MiB tensors of the memory and loopback measurements, in elements.
+constexpr int64_t kLargeElements = 16 << 20;
+
+void measure_memory(double t, const Progress& progress, Measured& out) {
   // Memory bandwidth as simple element-wise arithmetic sees it (the optimizer's, the casts'):
   // c = a + b over 64 MiB tensors (read 2, write 1).
-  const int64_t elements = 16 << 20;
+  const int64_t elements = kLargeElements;
   const auto big_a = at::randn({elements}), big_b = at::randn({elements});
   auto big_c = at::empty({elements});
   const double add_s = median_seconds(t, [&] { at::add_out(big_c, big_a, big_b); });
-  const double memory = 3.0 * elements * 4 / add_s;
-  progress(concat("memory bandwidth: ", number(memory / 1e9), " GB/s"));
+  out.memory_Bps = 3.0 * elements * 4 / add_s;
+  progress(concat("memory bandwidth: ", number(out.memory_Bps / 1e9), " GB/s"));
+}
 
+void measure_kernels(double t, const Progress& progress, Measured& out) {
   // Activations' element-wise throughput, in bytes of the elements each kernel reads and
   // writes per second: the mean time of the kernels a layer runs (an add, GELU, softmax, layer
   // norm) over 2M elements. On a GPU these are bound by memory bandwidth; on a CPU thread the
@@ -139,15 +153,18 @@ std::string calibrate(const CalibrateOptions& options,
        median_seconds(t, [&] { (void)at::layer_norm(u, {256}, gamma, beta); })) /
       4;
   // Elements touched: add reads 2 and writes 1, the others read 1 and write 1.
-  const double bandwidth = (3.0 + 2 + 2 + 2) / 4 * mixed * 4 / kernel_s;
-  progress(concat("activation kernels: ", number(bandwidth / 1e9), " GB/s"));
+  out.elementwise_Bps = (3.0 + 2 + 2 + 2) / 4 * mixed * 4 / kernel_s;
+  progress(concat("activation kernels: ", number(out.elementwise_Bps / 1e9), " GB/s"));
 
   // One operator's fixed cost as training pays it: a one-element multiply that autograd
   // records (dispatch, the graph node), as every layer's operators are.
   const auto x = at::ones({1}).set_requires_grad(true), y = at::ones({1});
-  const double op_s = median_seconds(t, [&] { (void)at::mul(x, y); });
-  progress(concat("one operator: ", number(op_s * 1e6), " us"));
+  out.operator_s = median_seconds(t, [&] { (void)at::mul(x, y); });
+  progress(concat("one operator: ", number(out.operator_s * 1e6), " us"));
+}
 
+void measure_gloo(const Progress& progress, Measured& out) {
+  const int64_t elements = kLargeElements;
   // Gloo on loopback: two ranks as threads of this process (the same TCP path as two
   // processes); latency from a 1-element all-reduce (2 (n-1) = 2 messages), bandwidth from
   // 64 MiB (each rank sends and receives 2 (n-1)/n = 1 of the bytes).
@@ -203,19 +220,31 @@ std::string calibrate(const CalibrateOptions& options,
   }
   progress(concat("gloo all-reduce on loopback: latency ", number(latency * 1e6), " us, ",
                   number(link / 1e9), " GB/s"));
+  for (size_t i = 0; i < p2p_sizes.size(); ++i) {
+    progress(concat("gloo send/recv ", p2p_sizes[i] * 4, " bytes: ", number(p2p_seconds[i] * 1e6),
+                    " us"));
+  }
+  out.latency_s = latency;
+  out.link_Bps = link;
+  out.p2p_elements = p2p_sizes;
+  out.p2p_seconds = p2p_seconds;
+}
+
+/// The hardware profile (TOML) of what was measured.
+std::string profile_of(const CalibrateOptions& options, const Measured& m) {
+  const std::vector<int64_t>& p2p_sizes = m.p2p_elements;
+  const std::vector<double>& p2p_seconds = m.p2p_seconds;
+  const double latency = m.latency_s, link = m.link_Bps;
   // alpha: the faster of the two smallest messages; beta: the slope between the two largest.
   std::ostringstream p2p_table;
   for (size_t i = 0; i < p2p_sizes.size(); ++i) {
     p2p_table << (i ? ", " : "") << p2p_sizes[i] * 4 << " B " << number(p2p_seconds[i] * 1e6)
               << " us";
-    progress(concat("gloo send/recv ", p2p_sizes[i] * 4, " bytes: ", number(p2p_seconds[i] * 1e6),
-                    " us"));
   }
   const size_t last = p2p_sizes.size() - 1;
   const double p2p_latency = std::min(p2p_seconds[0], p2p_seconds[1]);
   const double p2p_bandwidth = (p2p_sizes[last] - p2p_sizes[last - 1]) * 4.0 /
                                std::max(1e-9, p2p_seconds[last] - p2p_seconds[last - 1]);
-
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
@@ -232,16 +261,16 @@ std::string calibrate(const CalibrateOptions& options,
        << "device = \"" << (options.name.empty() ? cpu_model() : options.name) << ", "
        << options.threads << " thread(s) per rank\"\n"
        << "memory_gib = " << number(memory_gib()) << "\n"
-       << "memory_bandwidth_gb_s = " << number(memory / 1e9) << "\n"
+       << "memory_bandwidth_gb_s = " << number(m.memory_Bps / 1e9) << "\n"
        << "# activations' element-wise kernels (add, GELU, softmax, layer norm)\n"
-       << "elementwise_gb_s = " << number(bandwidth / 1e9) << "\n"
-       << "peak_tflops = { fp32 = " << number(best_fp32) << ", bf16 = " << number(best_bf16)
+       << "elementwise_gb_s = " << number(m.elementwise_Bps / 1e9) << "\n"
+       << "peak_tflops = { fp32 = " << number(m.best_fp32) << ", bf16 = " << number(m.best_bf16)
        << " }\n\n"
        << "# Measured matrix-product rates (TFLOP/s): 2048 rows times an n x n weight, by n.\n"
        << "[accelerator.matmul_tflops_by_dim]\n"
-       << by_dim.str() << "\n"
+       << m.by_dim << "\n"
        << "[efficiency]\nmatmul = 1\nmemory = 1\nlink = 1\nkernel_overhead_us = "
-       << number(op_s * 1e6) << "\n\n"
+       << number(m.operator_s * 1e6) << "\n\n"
        << "[node]\n"
        << "# Gloo send/recv on loopback, one way: " << p2p_table.str() << ";\n"
        << "# that is about " << number(p2p_latency * 1e6) << " us + bytes / "
@@ -255,6 +284,19 @@ std::string calibrate(const CalibrateOptions& options,
        << "node_gbit_s = " << number(link * 8 / 1e9 * std::max(1u, cores / options.threads))
        << "\nlatency_us = " << number(latency * 1e6) << "\n";
   return toml.str();
+}
+
+}  // namespace
+
+std::string calibrate(const CalibrateOptions& options, const Progress& progress) {
+  DTRAIN_CHECK_INPUT(options.threads >= 1, "calibrate: --threads must be >= 1");
+  at::set_num_threads(options.threads);
+  Measured measured;
+  measure_matmuls(options.probe_seconds, progress, measured);
+  measure_memory(options.probe_seconds, progress, measured);
+  measure_kernels(options.probe_seconds, progress, measured);
+  measure_gloo(progress, measured);
+  return profile_of(options, measured);
 }
 
 }  // namespace dtrain::plan

@@ -8,10 +8,38 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/plan/Planner.h"
+#include "plan/PlannedStrategies.h"
 
 namespace dtrain::plan {
 
 namespace pp = parallel::pipeline;
+
+const parallel::StrategyInfo& planned_strategy(const std::string& name) {
+  const std::vector<std::string> modelled = planned_strategies(false);
+  const auto named = [&] {
+    std::string text;
+    for (const std::string& m : modelled) text += concat(text.empty() ? "" : ", ", m);
+    return text;
+  };
+  if (std::find(modelled.begin(), modelled.end(), name) == modelled.end()) {
+    const std::vector<std::string> known = parallel::strategy_names();
+    const bool registered = std::find(known.begin(), known.end(), name) != known.end();
+    DTRAIN_THROW(InputError,
+                 registered ? "the planner does not model strategy '" : "unknown strategy '", name,
+                 "' (it models ", named(), ")");
+  }
+  return parallel::strategy_info(name);
+}
+
+std::vector<std::string> planned_strategies(bool synchronous) {
+  std::vector<std::string> names;
+  for (const parallel::StrategyInfo& info : parallel::strategies()) {
+    if (!info.cost.modelled()) continue;
+    if (synchronous && info.cost.traffic == parallel::StepCost::Traffic::kParameterServer) continue;
+    names.push_back(info.name);
+  }
+  return names;
+}
 
 int Layout::ranks() const {
   if (stage_replicas.empty()) return dp * pp * tp;
@@ -49,7 +77,9 @@ std::string Layout::describe() const {
     text += " selective";
   }
   if (sequence_parallel) text += " sp";
-  if (overlap_param_gather && (strategy == "zero1" || strategy == "zero2")) text += " ovl";
+  if (overlap_param_gather && planned_strategy(strategy).cost.gathers_updated_shards()) {
+    text += " ovl";
+  }
   if (tp_comm_overlap && tp > 1) text += " tpo";
   return text;
 }
@@ -68,7 +98,7 @@ std::string parallel_flags(const Layout& l, int layers, bool global) {
   }
   if (l.pp > 1) {
     text += concat(" --schedule ", l.schedule, " --pipeline-balance time");
-    if (l.schedule == "interleaved") text += concat(" --virtual-stages ", l.chunks);
+    if (pp::schedule_info(l.schedule).interleaves) text += concat(" --virtual-stages ", l.chunks);
     if (l.pipeline_sync != "flush") text += concat(" --pipeline-sync ", l.pipeline_sync);
   }
   text += concat(" --batch-size ", l.micro_batch_size);
@@ -81,7 +111,7 @@ std::string parallel_flags(const Layout& l, int layers, bool global) {
     text += " --checkpointing selective";
   }
   if (l.sequence_parallel) text += " --sequence-parallel";
-  if (l.overlap_param_gather && (l.strategy == "zero1" || l.strategy == "zero2")) {
+  if (l.overlap_param_gather && planned_strategy(l.strategy).cost.gathers_updated_shards()) {
     text += " --overlap-param-gather";
   }
   if (l.tp_comm_overlap && l.tp > 1) text += " --tp-comm-overlap";
@@ -107,10 +137,47 @@ std::string Layout::command(const ModelCost& model, const Cluster& cluster) cons
                 strategy, parallel_flags(*this, static_cast<int>(model.layers.size()), true));
 }
 
+namespace {
+
+/// The strategies that can be the data parallelism of PipeDream's stages ("ddp").
+std::string pipedream_strategies() {
+  std::string text;
+  for (const parallel::StrategyInfo& info : parallel::strategies()) {
+    if (info.cost.pipedream_stages) text += concat(text.empty() ? "" : " or ", info.name);
+  }
+  return text;
+}
+
+/// What dtrain train refuses of the layout's strategy, asked of the registry: the strategy's own
+/// rules (zero3 without sequence parallelism, parameter-server workers without pp or tp) and
+/// which strategies make a pipeline's stages data-parallel.
+void check_as_train_does(const parallel::StrategyInfo& strategy, const Layout& layout) {
+  if (layout.pp > 1) {
+    std::string stages;
+    for (const parallel::StrategyInfo& info : parallel::strategies()) {
+      if (info.pipeline_stages) stages += concat(stages.empty() ? "" : " or ", info.name);
+    }
+    DTRAIN_CHECK_INPUT(strategy.pipeline_stages, strategy.name,
+                       " with pipeline parallelism: dtrain's pipeline stages are data-parallel by ",
+                       stages);
+  }
+  if (strategy.check_layout) {
+    parallel::Layout run;
+    run.strategy = strategy.name;
+    run.ranks = layout.ranks();
+    run.pipeline_parallel = layout.pp;
+    run.tensor_parallel = layout.tp;
+    run.stage_replicas = layout.stage_replicas;
+    run.sequence_parallel = layout.sequence_parallel;
+    run.micro_batches = layout.micro_batches;
+    strategy.check_layout(parallel::StrategyOptions{}, run);
+  }
+}
+
+}  // namespace
+
 void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
-  DTRAIN_CHECK_INPUT(is_one_of(layout.strategy, {"ddp", "zero1", "zero2", "zero3", "downpour"}),
-                     "unknown strategy '", layout.strategy,
-                     "' (the planner knows ddp, zero1, zero2, zero3, downpour)");
+  const parallel::StrategyInfo& strategy = planned_strategy(layout.strategy);
   DTRAIN_CHECK_INPUT(is_one_of(layout.precision, {"fp32", "bf16-mixed", "fp16-mixed", "bf16",
                                                   "bf16-master", "fp16-master"}),
                      "unknown precision '", layout.precision,
@@ -148,14 +215,7 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                      " has no attention");
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel || layout.tp > 1,
                      "sequence parallelism needs tp > 1");
-  DTRAIN_CHECK_INPUT(layout.strategy != "zero3" || layout.pp == 1,
-                     "zero3 with pipeline parallelism: the planner models zero3 with pp = 1");
-  // As dtrain train refuses them: a pipeline's stages are data-parallel by ddp or zero1.
-  DTRAIN_CHECK_INPUT(layout.strategy != "zero2" || layout.pp == 1,
-                     "zero2 with pipeline parallelism: dtrain's pipeline stages are data-parallel "
-                     "by ddp or zero1");
-  DTRAIN_CHECK_INPUT(layout.strategy != "downpour" || (layout.pp == 1 && layout.tp == 1),
-                     "downpour workers are whole replicas: pp and tp must be 1");
+  check_as_train_does(strategy, layout);
   const int virtual_stages = layout.pp * layout.chunks;
   DTRAIN_CHECK_INPUT(static_cast<int>(model.layers.size()) >= virtual_stages, "model ", model.name,
                      " has ", model.layers.size(),
@@ -167,9 +227,11 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                            layout.pipeline_sync == "eager" || layout.pipeline_sync == "async",
                        "unknown pipeline sync '", layout.pipeline_sync,
                        "' (expected flush, 2bw, eager or async)");
-    DTRAIN_CHECK_INPUT(
-        layout.pipeline_sync == "flush" || (spec.info().flush_free && layout.strategy == "ddp"),
-        "pipeline sync ", layout.pipeline_sync, " runs 1f1b with ddp");
+    DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" ||
+                           (spec.info().flush_free && strategy.cost.pipedream_stages),
+                       "pipeline sync ", layout.pipeline_sync,
+                       " runs a schedule without a flush (1f1b) with ", "stages data-parallel by ",
+                       pipedream_strategies());
     DTRAIN_CHECK_INPUT(layout.pipeline_sync != "eager" || !layout.sequence_parallel,
                        "pipeline sync eager with sequence parallelism: dtrain train refuses it "
                        "(its late gradients would be partial sums over the TP group)");
@@ -179,9 +241,10 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
   if (!layout.stage_replicas.empty()) {
     DTRAIN_CHECK_INPUT(static_cast<int>(layout.stage_replicas.size()) == layout.pp && layout.pp > 1,
                        "layout ", layout.describe(), ": one replica count per stage, pp > 1");
-    DTRAIN_CHECK_INPUT(layout.dp == 1 && layout.tp == 1 && layout.strategy == "ddp" &&
+    DTRAIN_CHECK_INPUT(layout.dp == 1 && layout.tp == 1 && strategy.cost.pipedream_stages &&
                            layout.chunks == 1 && layout.pipeline_sync == "flush",
-                       "replicated stages run ddp, dp 1, tp 1, one chunk and a flushed schedule");
+                       "replicated stages run ", pipedream_strategies(),
+                       ", dp 1, tp 1, one chunk and a flushed schedule");
     pp::ScheduleSpec spec{layout.schedule, layout.pp, layout.micro_batches, 1,
                           layout.stage_replicas};
     pp::validate(spec);  // a micro-batch per replica at least

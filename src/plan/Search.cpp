@@ -7,9 +7,13 @@
 #include <thread>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/plan/Planner.h"
+#include "plan/PlannedStrategies.h"
 
 namespace dtrain::plan {
+
+namespace pp = parallel::pipeline;
 
 namespace {
 
@@ -21,10 +25,54 @@ std::vector<int> divisors(int64_t n, int64_t limit) {
   return out;
 }
 
-/// Sequence parallelism applies: tp > 1 dividing a sample's tokens, not PipeDream's eager sync
-/// (dtrain train refuses it there).
-bool sequence_parallel_fits(const ModelCost& model, int tp, const std::string& sync) {
-  return tp > 1 && model.tokens_per_sample % tp == 0 && sync != "eager";
+/// The layout passes the planner's checks (dtrain train's rules for its strategy and schedule).
+bool accepted(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
+  try {
+    check_layout(model, cluster, layout);
+    return true;
+  } catch (const InputError&) {
+    return false;
+  }
+}
+
+/// Sequence parallelism applies to `layout`: tp > 1 dividing a sample's tokens, and dtrain train
+/// takes it there (not with PipeDream's eager sync, not with zero3: check_layout says).
+bool sequence_parallel_fits(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
+  Layout with = layout;
+  with.sequence_parallel = true;
+  return accepted(model, cluster, with);
+}
+
+/// The pipeline schedules (and chunks per rank) to try with `pp` stages and `micro_batches`:
+/// each of `names` as the registry describes it (interleaved ones at 2 chunks where the layers
+/// allow and every deeper count the blocks divide into evenly, Megatron's rule blocks %
+/// (pp x chunks) == 0; fixed-chunk ones at their count), those the builder accepts. With one
+/// stage, one entry (the schedule does not matter).
+std::vector<std::pair<std::string, int>> pipeline_schedules(const std::vector<std::string>& names,
+                                                            int pp, int micro_batches, int layers,
+                                                            int blocks) {
+  if (pp == 1) return {{Layout{}.schedule, 1}};
+  std::vector<std::pair<std::string, int>> out;
+  auto add = [&](const std::string& name, int chunks) {
+    if (chunks * pp > layers) return;
+    try {
+      pp::validate(pp::ScheduleSpec{name, pp, micro_batches, chunks});
+      out.emplace_back(name, chunks);
+    } catch (const InputError&) {
+      // the builder's own rule (1F1B: M >= P; interleaved: M % P == 0)
+    }
+  };
+  for (const std::string& name : names) {
+    const pp::ScheduleInfo& info = pp::schedule_info(name);
+    if (info.interleaves) {
+      for (int chunks = 2; chunks * pp <= layers; ++chunks) {
+        if (chunks == 2 || (blocks > 0 && blocks % (pp * chunks) == 0)) add(name, chunks);
+      }
+    } else {
+      add(name, std::max(1, info.chunks));
+    }
+  }
+  return out;
 }
 
 /// Every layout simulated on every core (an exception: a layout the enumeration should not
@@ -55,14 +103,15 @@ std::vector<Prediction> predict_all(const ModelCost& model, const Cluster& clust
 
 /// `base` with each step option that applies to it and is not pinned set both ways (every
 /// other combination than `base`'s own).
-std::vector<Layout> step_variants(const ModelCost& model, const Layout& base,
-                                  const SearchOptions& options) {
+std::vector<Layout> step_variants(const ModelCost& model, const Cluster& cluster,
+                                  const Layout& base, const SearchOptions& options) {
   std::vector<bool Layout::*> open;
-  if (!options.sequence_parallel && sequence_parallel_fits(model, base.tp, base.pipeline_sync)) {
+  if (!options.sequence_parallel && sequence_parallel_fits(model, cluster, base)) {
     open.push_back(&Layout::sequence_parallel);
   }
   if (!options.tp_comm_overlap && base.tp > 1) open.push_back(&Layout::tp_comm_overlap);
-  if (!options.overlap_param_gather && (base.strategy == "zero1" || base.strategy == "zero2")) {
+  if (!options.overlap_param_gather &&
+      planned_strategy(base.strategy).cost.gathers_updated_shards()) {
     open.push_back(&Layout::overlap_param_gather);
   }
   std::vector<Layout> variants;
@@ -84,7 +133,7 @@ int refine(const ModelCost& model, const Cluster& cluster, const SearchOptions& 
   std::vector<Layout> variants;
   std::vector<size_t> owner;
   for (size_t i = 0; i < std::min(ranked.size(), options.refine); ++i) {
-    for (const Layout& v : step_variants(model, ranked[i].layout, options)) {
+    for (const Layout& v : step_variants(model, cluster, ranked[i].layout, options)) {
       variants.push_back(v);
       owner.push_back(i);
     }
@@ -103,6 +152,12 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   DTRAIN_CHECK_INPUT(options.global_batch > 0, "--search needs a global batch > 0");
   SearchResult result;
   std::vector<Layout> layouts;
+  const std::vector<std::string> strategies =
+      options.strategies.empty() ? planned_strategies(true) : options.strategies;
+  for (const std::string& name : strategies) planned_strategy(name);  // InputError: unknown
+  const std::vector<std::string> schedules =
+      options.schedules.empty() ? pp::schedule_names() : options.schedules;
+  for (const std::string& name : schedules) pp::schedule_info(name);  // InputError: unknown
   const int gpus = cluster.gpus();
   const int layers = static_cast<int>(model.layers.size());
   const bool splits = std::any_of(model.layers.begin(), model.layers.end(),
@@ -142,27 +197,19 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
       const int64_t per_replica = options.global_batch / dp;
       for (int mbs : divisors(per_replica, options.max_micro_batch_size)) {
         const int micro_batches = static_cast<int>(per_replica / mbs);
-        std::vector<std::pair<std::string, int>> schedules = {{"1f1b", 1}};
-        if (pp > 1) {
-          if (micro_batches < pp) continue;  // 1F1B cannot fill its warm-up
-          // Interleaved: 2 chunks per rank where the layers allow, and every deeper count the
-          // blocks divide into evenly (Megatron's rule: blocks % (pp x chunks) == 0).
-          if (micro_batches % pp == 0) {
-            for (int chunks = 2; chunks * pp <= layers; ++chunks) {
-              if (chunks == 2 || (blocks > 0 && blocks % (pp * chunks) == 0)) {
-                schedules.push_back({"interleaved", chunks});
-              }
-            }
-          }
-        }
-        for (const auto& [schedule, chunks] : schedules) {
-          for (const std::string& strategy : options.strategies) {
-            // dtrain's pipeline stages are data-parallel by ddp or zero1.
-            if ((strategy == "zero3" || strategy == "zero2") && pp > 1) continue;
-            if (dp == 1 && strategy != "ddp") continue;  // nothing to shard
+        if (pp > 1 && micro_batches < pp) continue;  // stages idle through a whole step
+        for (const auto& [schedule, chunks] :
+             pipeline_schedules(schedules, pp, micro_batches, layers, blocks)) {
+          for (const std::string& strategy : strategies) {
+            const parallel::StrategyInfo& info = planned_strategy(strategy);
+            if (pp > 1 && !info.pipeline_stages) continue;
+            // At one replica every strategy's step is the all-reducing one's: try that once.
+            if (dp == 1 && info.cost.traffic != parallel::StepCost::Traffic::kAllReduce) continue;
             for (const std::string& sync : options.pipeline_syncs) {
-              // PipeDream's flush-free steps: 1F1B with ddp replicas.
-              if (sync != "flush" && (pp == 1 || schedule != "1f1b" || strategy != "ddp")) {
+              // PipeDream's flush-free steps: a schedule without a flush, stages that keep
+              // weight versions.
+              if (sync != "flush" && (pp == 1 || !pp::schedule_info(schedule).flush_free ||
+                                      !info.cost.pipedream_stages)) {
                 continue;
               }
               add(mbs, micro_batches, [&](Layout& layout) {
@@ -174,9 +221,9 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
                 layout.chunks = chunks;
                 layout.pipeline_sync = sync;
                 layout.sequence_parallel = options.sequence_parallel.value_or(true) &&
-                                           sequence_parallel_fits(model, tp, sync);
+                                           sequence_parallel_fits(model, cluster, layout);
                 layout.overlap_param_gather = options.overlap_param_gather.value_or(true) &&
-                                              (strategy == "zero1" || strategy == "zero2");
+                                              info.cost.gathers_updated_shards();
                 layout.tp_comm_overlap = options.tp_comm_overlap.value_or(true) && tp > 1;
               });
             }
@@ -187,9 +234,14 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   }
   // PipeDream's layouts: P stages over the GPUs replicated unequally (the even splits are the
   // dp x pp grid's above), one data stream, 1F1B with ddp.
-  if (options.replicated_stages && gpus <= 16 &&
-      options.strategies.end() !=
-          std::find(options.strategies.begin(), options.strategies.end(), "ddp")) {
+  const auto pipedream = std::find_if(strategies.begin(), strategies.end(), [](const auto& name) {
+    return planned_strategy(name).cost.pipedream_stages;
+  });
+  const auto replicable = std::find_if(schedules.begin(), schedules.end(), [](const auto& name) {
+    return pp::schedule_info(name).build_replicated != nullptr;
+  });
+  if (options.replicated_stages && gpus <= 16 && pipedream != strategies.end() &&
+      replicable != schedules.end()) {
     for (int stages = 2; stages <= std::min({4, layers, gpus}); ++stages) {
       std::vector<int> counts(stages, 1);
       counts.back() = gpus - (stages - 1);
@@ -202,6 +254,8 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
           const int64_t micro_batches = options.global_batch / mbs;
           if (even || micro_batches < std::max(stages, most)) continue;
           add(mbs, micro_batches, [&](Layout& layout) {
+            layout.strategy = *pipedream;
+            layout.schedule = *replicable;
             layout.pp = stages;
             layout.stage_replicas = counts;
           });

@@ -213,6 +213,76 @@ void Trainer::write_trace() {
   write_file_atomically(options_.trace_file, text.data(), text.size());
 }
 
+namespace {
+
+/// The run's last metrics record (rank 0): its steps, time, throughput, this rank's model state
+/// as its strategy keeps it (what `dtrain plan` predicts), the final loss and accuracy.
+void write_summary(runners::Run& run, int64_t start_step, int world_size,
+                   const parallel::Strategy& strategy) {
+  const FitResult& result = run.result;
+  MetricRecord summary{{"event", std::string("summary")},
+                       {"steps", result.steps},
+                       {"start_step", start_step},
+                       {"seconds", result.seconds},
+                       {"train_seconds", result.train_seconds},
+                       {"samples_per_s", result.samples_per_second},
+                       {"global_batch", result.global_batch},
+                       {"world_size", static_cast<int64_t>(world_size)},
+                       {"strategy", strategy.name()}};
+  // This rank's model state, as its strategy keeps it (what `dtrain plan` predicts).
+  const parallel::MemoryReport memory = strategy.memory_report();
+  summary["parameter_bytes"] = memory.parameter_bytes;
+  summary["gradient_bytes"] = memory.gradient_bytes;
+  summary["optimizer_bytes"] = memory.optimizer_bytes;
+  if (!result.losses.empty()) summary["final_loss"] = result.losses.back();
+  if (result.stopped_by != 0)
+    summary["stopped_by_signal"] = static_cast<int64_t>(result.stopped_by);
+  if (result.validation) summary["val_accuracy"] = result.validation->accuracy;
+  run.metrics.write(summary);
+}
+
+}  // namespace
+
+void Trainer::set_up(Model model, const data::TensorDataset& train,
+                     const optim::OptimizerSpec& spec) {
+  // The model's own loss when it has one (a tensor-parallel model's vocab-parallel loss).
+  loss_ = model.loss ? parallel::LossFn(model.loss) : options_.loss;
+  predict_ = model.predict;
+  strategy_->prepare(runners::to_device(
+      train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
+  if (!options_.init_from.empty()) {
+    DTRAIN_CHECK_INPUT(options_.tensor_parallel == 1,
+                       "--init-from loads the full model; with "
+                       "--tensor-parallel each rank builds blocks of it: start the tensor-"
+                       "parallel run from a checkpoint in --checkpoint-dir instead");
+    load_model_from(*model.module, options_.init_from);
+    if (!options_.allow_non_finite_weights) {
+      check_finite_weights(*model.module, "--init-from " + options_.init_from);
+    }
+  }
+  model.module->to(device_);
+  strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
+  if (after_setup_) after_setup_(*strategy_);
+  if (options_.sync_batchnorm) {
+    DTRAIN_CHECK_INPUT(loop_ == parallel::Loop::kSteps, "--sync-batchnorm: strategy ",
+                       options_.strategy, " has no data-parallel group that steps together");
+    DTRAIN_CHECK_INPUT(!strategy_->survives_replica_failures(),
+                       "--sync-batchnorm with --fault-tolerance replicas: the statistics would be "
+                       "a collective no failure may break; leave one out");
+    // DiLoCo's islands step together; other strategies' data-parallel ranks do.
+    const comm::CommunicatorPtr step_group = strategy_->step_group();
+    DTRAIN_CHECK_INPUT(
+        nn::set_sync_batchnorm(*strategy_->model().module, step_group ? step_group : grid_->dp()) >
+            0,
+        "--sync-batchnorm: the model has no SyncBatchNorm layers (dtrain::nn::SyncBatchNorm2d: "
+        "dtrain's ResNets have them)");
+  }
+  if (world_->rank() == 0 && options_.progress) {
+    const std::string layout = strategy_->layout();
+    if (!layout.empty()) std::printf("%s\n", layout.c_str());
+  }
+}
+
 FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                        const data::TensorDataset* validation) {
   const int rank = world_->rank();
@@ -250,42 +320,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
     spec.lr = optim::linear_scaled_lr(spec.lr, global_batch, options_.reference_batch);
   }
   if (!options_.trace_file.empty()) trace::start();
-  // The model's own loss when it has one (a tensor-parallel model's vocab-parallel loss).
-  loss_ = model.loss ? parallel::LossFn(model.loss) : options_.loss;
-  predict_ = model.predict;
-  strategy_->prepare(runners::to_device(
-      train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
-  if (!options_.init_from.empty()) {
-    DTRAIN_CHECK_INPUT(options_.tensor_parallel == 1,
-                       "--init-from loads the full model; with "
-                       "--tensor-parallel each rank builds blocks of it: start the tensor-"
-                       "parallel run from a checkpoint in --checkpoint-dir instead");
-    load_model_from(*model.module, options_.init_from);
-    if (!options_.allow_non_finite_weights) {
-      check_finite_weights(*model.module, "--init-from " + options_.init_from);
-    }
-  }
-  model.module->to(device_);
-  strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
-  if (after_setup_) after_setup_(*strategy_);
-  if (options_.sync_batchnorm) {
-    DTRAIN_CHECK_INPUT(loop_ == parallel::Loop::kSteps, "--sync-batchnorm: strategy ",
-                       options_.strategy, " has no data-parallel group that steps together");
-    DTRAIN_CHECK_INPUT(!strategy_->survives_replica_failures(),
-                       "--sync-batchnorm with --fault-tolerance replicas: the statistics would be "
-                       "a collective no failure may break; leave one out");
-    // DiLoCo's islands step together; other strategies' data-parallel ranks do.
-    const comm::CommunicatorPtr step_group = strategy_->step_group();
-    DTRAIN_CHECK_INPUT(
-        nn::set_sync_batchnorm(*strategy_->model().module, step_group ? step_group : grid_->dp()) >
-            0,
-        "--sync-batchnorm: the model has no SyncBatchNorm layers (dtrain::nn::SyncBatchNorm2d: "
-        "dtrain's ResNets have them)");
-  }
-  if (rank == 0 && options_.progress) {
-    const std::string layout = strategy_->layout();
-    if (!layout.empty()) std::printf("%s\n", layout.c_str());
-  }
+  set_up(std::move(model), train, spec);
   torch::manual_seed(options_.seed + 1000003ULL * static_cast<uint64_t>(rank + 1));
   CheckpointManager checkpoints(options_, *world_, *grid_, *strategy_);
   // A replacement replica has its state from a replica that trains, and starts where it is.
@@ -349,27 +384,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   if (!options_.trace_file.empty()) write_trace();
   result.train_seconds = run.train_seconds;
   result.samples_per_second = run.samples / std::max(run.train_seconds, 1e-9);
-  if (run.leader) {
-    MetricRecord summary{{"event", std::string("summary")},
-                         {"steps", result.steps},
-                         {"start_step", start_step},
-                         {"seconds", result.seconds},
-                         {"train_seconds", result.train_seconds},
-                         {"samples_per_s", result.samples_per_second},
-                         {"global_batch", result.global_batch},
-                         {"world_size", static_cast<int64_t>(world_->size())},
-                         {"strategy", strategy_->name()}};
-    // This rank's model state, as its strategy keeps it (what `dtrain plan` predicts).
-    const parallel::MemoryReport memory = strategy_->memory_report();
-    summary["parameter_bytes"] = memory.parameter_bytes;
-    summary["gradient_bytes"] = memory.gradient_bytes;
-    summary["optimizer_bytes"] = memory.optimizer_bytes;
-    if (!result.losses.empty()) summary["final_loss"] = result.losses.back();
-    if (result.stopped_by != 0)
-      summary["stopped_by_signal"] = static_cast<int64_t>(result.stopped_by);
-    if (result.validation) summary["val_accuracy"] = result.validation->accuracy;
-    run.metrics.write(summary);
-  }
+  if (run.leader) write_summary(run, start_step, world_->size(), *strategy_);
   return std::move(run.result);
 }
 

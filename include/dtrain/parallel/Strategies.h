@@ -77,6 +77,47 @@ OptionGroup option_group(std::string name, void (*declare)(FlagSet&, T&),
   return group;
 }
 
+/// What `dtrain plan` needs to know of a strategy to predict its step and its memory, declared
+/// beside the strategy: src/plan composes these declarations and compares no strategy's name.
+struct StepCost {
+  /// How a step's gradients and parameters travel between the data-parallel ranks.
+  enum class Traffic {
+    /// dtrain plan does not model the strategy (it says which it models).
+    kNotModelled,
+    /// The reducer's buckets all-reduced as backward produces them (ddp).
+    kAllReduce,
+    /// The buckets reduce-scattered into each rank's shard; after the sharded update the
+    /// shards all-gathered, or with --overlap-param-gather into the next forward (zero1, 2).
+    kReduceScatterGather,
+    /// Each layer all-gathered before its forward and again before its backward (the next
+    /// one prefetched), its gradients reduce-scattered as they are produced (zero3).
+    kGatherEachLayer,
+    /// Asynchronous workers push gradients to parameter-server shards and pull the parameters
+    /// every step; the shards' optimizer updates (downpour).
+    kParameterServer,
+  };
+  Traffic traffic = Traffic::kNotModelled;
+  /// Each of D data-parallel ranks keeps 1/D of these (the parameters:
+  /// StrategyInfo::shards_parameters).
+  bool shards_gradients = false;
+  bool shards_optimizer = false;
+  /// Copies of the parameters and gradients a rank keeps (a Downpour worker: the model and the
+  /// pulls' landing buffer; .grad, the accumulation and the push in flight).
+  int parameter_copies = 1;
+  int gradient_copies = 1;
+  /// Buffers beside the model's state: of a bucket's size (zero2's reduce-scatter) and of the
+  /// largest layer's parameters (zero3: the gathered one and the prefetched next).
+  int bucket_buffers = 0;
+  int layer_buffers = 0;
+  /// Can be the data parallelism of PipeDream's stages: flush-free steps (--pipeline-sync 2bw,
+  /// eager, async) and stages replicated unequally (--stage-replicas).
+  bool pipedream_stages = false;
+
+  bool modelled() const { return traffic != Traffic::kNotModelled; }
+  /// The updated shards are all-gathered after the update (--overlap-param-gather applies).
+  bool gathers_updated_shards() const { return traffic == Traffic::kReduceScatterGather; }
+};
+
 struct StrategyInfo {
   std::string name;
   /// One line for --help.
@@ -102,6 +143,8 @@ struct StrategyInfo {
   /// With --fault-tolerance replicas: the ranks of one replica (what fails and is replaced as
   /// one; consecutive world ranks). nullptr: --tensor-parallel x --replica-shards.
   std::function<int(const StrategyOptions&, const Layout&)> replica_ranks;
+  /// What dtrain plan models of its step (default: not modelled).
+  StepCost cost;
   /// Trains with --precision bf16-master (a bf16 model, fp32 master weights in its optimizer).
   bool master_weights = false;
   /// Its options (groups shared with other strategies are declared once). A flag of a group

@@ -93,6 +93,11 @@ struct Prediction {
   bool fits = true;  ///< memory.total() <= the accelerator's memory
 };
 
+/// The strategies the planner models (each declares its StepCost beside its code), in the
+/// registry's order; `synchronous`: only those whose step is the single-process step (not the
+/// parameter server's asynchronous workers).
+std::vector<std::string> planned_strategies(bool synchronous = false);
+
 /// InputError naming what is wrong: ranks != the cluster's GPUs, a divisibility (layers over
 /// pp x chunks, heads or hidden over tp), an unknown strategy, schedule or precision, a
 /// schedule the builder refuses (1F1B with fewer micro-batches than stages, ...).
@@ -104,7 +109,11 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
 
 struct SearchOptions {
   int64_t global_batch = 0;  ///< samples per step, fixed
-  std::vector<std::string> strategies = {"ddp", "zero1", "zero2", "zero3"};
+  /// The strategies to try (empty: every synchronous strategy the planner models, as the
+  /// registry declares them: ddp, zero1, zero2, zero3).
+  std::vector<std::string> strategies;
+  /// The pipeline schedules to try with pp > 1 (empty: every registered one).
+  std::vector<std::string> schedules;
   std::string precision = "bf16-mixed";
   std::string optimizer = "adam";
   /// Layouts with activation checkpointing of every layer, and for models with attention,
@@ -133,7 +142,8 @@ struct SearchResult {
   double smallest_memory = 0;  ///< over every layout considered (for "needs at least")
 };
 /// Every valid layout of the cluster's GPUs at the global batch (DP x PP x TP, micro-batch size,
-/// schedule, checkpointing, strategy), simulated, those that fit ranked by step time.
+/// schedule and chunks, recomputation, strategy, the step options), simulated, those that fit
+/// ranked by step time.
 SearchResult search(const ModelCost& model, const Cluster& cluster, const SearchOptions& options);
 
 }  // namespace dtrain::plan

@@ -238,6 +238,10 @@ class Trainer {
   EvalResult evaluate_on(const data::TensorDataset& dataset, bool alone);
   /// Collective. Gathers every rank's trace spans; rank 0 writes options.trace_file.
   void write_trace();
+  /// fit()'s setup: the model's loss, its initial weights (--init-from), the strategy set up
+  /// with it and the optimizer `spec` (`train`'s first micro-batch for strategies that trace
+  /// shapes), SyncBatchNorm's group, the layout line.
+  void set_up(Model model, const data::TensorDataset& train, const optim::OptimizerSpec& spec);
 
   TrainerOptions options_;
   comm::CommunicatorPtr world_;

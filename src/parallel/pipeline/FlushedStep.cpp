@@ -16,27 +16,43 @@
 
 namespace dtrain::parallel::pipeline {
 
+/// What a flushed step's actions share: its micro-batches and loss, the deferred weight
+/// gradients of a split backward, each (chunk, micro-batch)'s kept input and output (or loss),
+/// the peaks the step reports, and its result.
+struct PipelineStrategy::FlushedStep {
+  const std::vector<data::Batch>& micro_batches;
+  const LossFn& loss;
+  int count = 0;
+  bool split = false;
+  /// Per chunk: the index of its last backward (or W) among the actions.
+  std::vector<size_t> last_backward;
+  std::map<std::pair<int, int>, nn::DeferredWeightGrads> deferred;
+  int64_t peak_deferred_bytes = 0, deferred_bytes = 0;
+  size_t peak_pending = 0;
+  std::map<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>> kept;
+  size_t peak_kept = 0;
+  double loss_sum = 0;
+  StepResult result;
+};
+
 StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_batches,
                                         const LossFn& loss) {
   DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
   if (flush_free_) return train_step_pipedream(micro_batches, loss);
   model_.module->train();
-  const int count = static_cast<int>(micro_batches.size());
-  const auto actions = my_actions(count);
+  FlushedStep step{micro_batches, loss, static_cast<int>(micro_batches.size())};
+  const auto actions = my_actions(step.count);
   // Split backward (zero bubble): B computes the chunk input's gradient (and the gradients of
   // parameters outside nn::linear layers, kept until W), W the linear layers' weight gradients,
   // from the inputs and output gradients B left (nn/WeightGrad.h), accumulating all of the
   // micro-batch's parameter gradients into .grad at once.
-  const bool split = splits_backward(kind_);
+  step.split = splits_backward(kind_);
   // Each chunk's gradients are reduced over DP during its last backward (or W) of the step.
-  const Action::Kind accumulates = split ? Action::Weight : Action::Backward;
-  std::vector<size_t> last_backward(chunks_.size(), actions.size());
+  const Action::Kind accumulates = step.split ? Action::Weight : Action::Backward;
+  step.last_backward.assign(chunks_.size(), actions.size());
   for (size_t i = 0; i < actions.size(); ++i) {
-    if (actions[i].kind == accumulates) last_backward[actions[i].chunk] = i;
+    if (actions[i].kind == accumulates) step.last_backward[actions[i].chunk] = i;
   }
-  std::map<std::pair<int, int>, nn::DeferredWeightGrads> deferred;
-  int64_t peak_deferred_bytes = 0, deferred_bytes = 0;
-  size_t peak_pending = 0;
   for (auto& reducer : reducers_) {
     if (!reducer) continue;
     reducer->zero_grad();
@@ -47,13 +63,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
   }
-
-  StepResult result;
   gather_wait_s_ = 0.0;
-  // Per (chunk, micro-batch): the chunk's input (for its gradient) and output (or the loss).
-  std::map<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>> kept;
-  size_t peak_kept = 0;
-  double loss_sum = 0;
   // Receives are posted ahead of the actions that need them, so that Gloo moves the bytes while
   // this rank computes: one action ahead under GPipe and 1F1B (each posted buffer is memory the
   // stage holds, and 1F1B's point is to hold little); 2V actions ahead when interleaved, whose
@@ -75,94 +85,119 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       post_ahead(actions[k]);
     }
     const Action& a = actions[i];
-    const Chunk& chunk = chunks_[a.chunk];
-    const int s = chunk.virtual_stage;
-    const data::Batch& batch = micro_batches[a.micro_batch];
-    // Spans cover compute only; waiting for a neighbour is its own "recv" span.
-    const std::string label =
-        concat(a.micro_batch, chunks_per_rank_ > 1 ? concat(".", a.chunk) : "");
     if (a.kind == Action::Forward) {
-      at::Tensor x;
-      if (first_virtual(chunk)) {
-        x = model_input(batch.inputs);
-      } else {
-        trace::Span wait("recv", "activation " + label);
-        x = link_->recv(StageLink::Activation, s - 1, a.micro_batch);
-        x.requires_grad_(true);
-      }
-      trace::Span span("forward", "F" + label);
-      if (first_virtual(chunk)) result.samples += x.size(0);
-      at::Tensor y;
-      {
-        precision::AutocastScope autocast(precision_, device_.type());
-        nn::DeferredWeightGrads* store = split ? &deferred[{a.chunk, a.micro_batch}] : nullptr;
-        nn::WeightGradDeferral defer(store);
-        y = run_chunk(chunk, x);
-        if (last_virtual(chunk)) {
-          // bf16-master: the loss in fp32 from bf16 outputs.
-          if (precision::has_master_weights(precision_) && y.scalar_type() == at::kBFloat16)
-            y = y.to(at::kFloat);
-          y = loss(y, batch.targets) / count;
-        }
-      }
-      if (last_virtual(chunk)) {
-        loss_sum += y.item<double>();
-        kept[{a.chunk, a.micro_batch}] = {x, scaler_ ? scaler_->scale(y) : y};
-      } else {
-        trace::Span send("send", "activation " + label);
-        link_->send(StageLink::Activation, s, a.micro_batch, y.detach());
-        kept[{a.chunk, a.micro_batch}] = {x, y};
-      }
-      peak_kept = std::max(peak_kept, kept.size());
+      run_forward(step, a);
     } else if (a.kind == Action::Weight) {
-      trace::Span span("weight", "W" + label);
-      auto node = deferred.extract({a.chunk, a.micro_batch});
-      DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": W of micro-batch ", a.micro_batch,
-                   " before its forward");
-      parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
-      if (reducer && i == last_backward[a.chunk]) {
-        reducer->set_sync(true);
-        reducer->prepare_for_backward();
-      }
-      deferred_bytes -= node.mapped().bytes();
-      node.mapped().compute();
+      run_weight(step, a, i);
     } else {
-      at::Tensor upstream;
-      if (!last_virtual(chunk)) {
-        trace::Span wait("recv", "gradient " + label);
-        upstream = link_->recv(StageLink::Gradient, s, a.micro_batch);
-      }
-      trace::Span span("backward", "B" + label);
-      auto node = kept.extract({a.chunk, a.micro_batch});
-      DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": backward of micro-batch ", a.micro_batch,
-                   " before its forward");
-      auto [x, y] = node.mapped();
-      parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
-      if (reducer && i == last_backward[a.chunk]) {
-        reducer->set_sync(true);
-        reducer->prepare_for_backward();
-      }
-      if (split) {
-        // B: the input's gradient now; the weights' (and the other parameters') wait for W.
-        nn::DeferredWeightGrads& w = deferred.at({a.chunk, a.micro_batch});
-        std::vector<at::Tensor> params;
-        for (size_t k : chunk.parameters) params.push_back(parameters_[k]);
-        at::Tensor g =
-            w.backward_input(y, upstream, first_virtual(chunk) ? at::Tensor() : x, params);
-        deferred_bytes += w.bytes();
-        peak_deferred_bytes = std::max(peak_deferred_bytes, deferred_bytes);
-        peak_pending = std::max(peak_pending, deferred.size() - kept.size());
-        if (!first_virtual(chunk)) {
-          if (!g.defined()) g = at::zeros_like(x);
-          trace::Span send("send", "gradient " + label);
-          link_->send(StageLink::Gradient, s - 1, a.micro_batch, g);
-        }
-      } else {
-        backward_and_send(chunk, x, y, upstream, a.micro_batch, label);
-      }
+      run_backward(step, a, i);
     }
     if (observer_) observer_(a);
   }
+  return finish_flushed_step(step);
+}
+
+std::string PipelineStrategy::action_label(const Action& a) const {
+  return concat(a.micro_batch, chunks_per_rank_ > 1 ? concat(".", a.chunk) : "");
+}
+
+void PipelineStrategy::run_forward(FlushedStep& step, const Action& a) {
+  const Chunk& chunk = chunks_[a.chunk];
+  const int s = chunk.virtual_stage;
+  const std::string label = action_label(a);
+  const data::Batch& batch = step.micro_batches[a.micro_batch];
+  at::Tensor x;
+  if (first_virtual(chunk)) {
+    x = model_input(batch.inputs);
+  } else {
+    trace::Span wait("recv", "activation " + label);
+    x = link_->recv(StageLink::Activation, s - 1, a.micro_batch);
+    x.requires_grad_(true);
+  }
+  trace::Span span("forward", "F" + label);
+  if (first_virtual(chunk)) step.result.samples += x.size(0);
+  at::Tensor y;
+  {
+    precision::AutocastScope autocast(precision_, device_.type());
+    nn::DeferredWeightGrads* store =
+        step.split ? &step.deferred[{a.chunk, a.micro_batch}] : nullptr;
+    nn::WeightGradDeferral defer(store);
+    y = run_chunk(chunk, x);
+    if (last_virtual(chunk)) {
+      // bf16-master: the loss in fp32 from bf16 outputs.
+      if (precision::has_master_weights(precision_) && y.scalar_type() == at::kBFloat16)
+        y = y.to(at::kFloat);
+      y = step.loss(y, batch.targets) / step.count;
+    }
+  }
+  if (last_virtual(chunk)) {
+    step.loss_sum += y.item<double>();
+    step.kept[{a.chunk, a.micro_batch}] = {x, scaler_ ? scaler_->scale(y) : y};
+  } else {
+    trace::Span send("send", "activation " + label);
+    link_->send(StageLink::Activation, s, a.micro_batch, y.detach());
+    step.kept[{a.chunk, a.micro_batch}] = {x, y};
+  }
+  step.peak_kept = std::max(step.peak_kept, step.kept.size());
+}
+
+void PipelineStrategy::run_weight(FlushedStep& step, const Action& a, size_t i) {
+  const Chunk& chunk = chunks_[a.chunk];
+  const int s = chunk.virtual_stage;
+  const std::string label = action_label(a);
+  trace::Span span("weight", "W" + label);
+  auto node = step.deferred.extract({a.chunk, a.micro_batch});
+  DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": W of micro-batch ", a.micro_batch,
+               " before its forward");
+  parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
+  if (reducer && i == step.last_backward[a.chunk]) {
+    reducer->set_sync(true);
+    reducer->prepare_for_backward();
+  }
+  step.deferred_bytes -= node.mapped().bytes();
+  node.mapped().compute();
+}
+
+void PipelineStrategy::run_backward(FlushedStep& step, const Action& a, size_t i) {
+  const Chunk& chunk = chunks_[a.chunk];
+  const int s = chunk.virtual_stage;
+  const std::string label = action_label(a);
+  at::Tensor upstream;
+  if (!last_virtual(chunk)) {
+    trace::Span wait("recv", "gradient " + label);
+    upstream = link_->recv(StageLink::Gradient, s, a.micro_batch);
+  }
+  trace::Span span("backward", "B" + label);
+  auto node = step.kept.extract({a.chunk, a.micro_batch});
+  DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": backward of micro-batch ", a.micro_batch,
+               " before its forward");
+  auto [x, y] = node.mapped();
+  parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
+  if (reducer && i == step.last_backward[a.chunk]) {
+    reducer->set_sync(true);
+    reducer->prepare_for_backward();
+  }
+  if (step.split) {
+    // B: the input's gradient now; the weights' (and the other parameters') wait for W.
+    nn::DeferredWeightGrads& w = step.deferred.at({a.chunk, a.micro_batch});
+    std::vector<at::Tensor> params;
+    for (size_t k : chunk.parameters) params.push_back(parameters_[k]);
+    at::Tensor g = w.backward_input(y, upstream, first_virtual(chunk) ? at::Tensor() : x, params);
+    step.deferred_bytes += w.bytes();
+    step.peak_deferred_bytes = std::max(step.peak_deferred_bytes, step.deferred_bytes);
+    step.peak_pending = std::max(step.peak_pending, step.deferred.size() - step.kept.size());
+    if (!first_virtual(chunk)) {
+      if (!g.defined()) g = at::zeros_like(x);
+      trace::Span send("send", "gradient " + label);
+      link_->send(StageLink::Gradient, s - 1, a.micro_batch, g);
+    }
+  } else {
+    backward_and_send(chunk, x, y, upstream, a.micro_batch, label);
+  }
+}
+
+StepResult PipelineStrategy::finish_flushed_step(FlushedStep& step) {
+  StepResult& result = step.result;
   {
     trace::Span span("sync", "sends and gradient reduction");
     link_->finish_sends();
@@ -171,7 +206,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     }
     if (!partial_in_reducers_) tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
   }
-  result.loss = loss_sum;  // this rank's share of the replica's loss (the last stage's)
+  result.loss = step.loss_sum;  // this rank's share of the replica's loss (the last stage's)
   reduce_over_replicas(result);
   bool skip = false;
   if (scaler_) {
@@ -183,10 +218,10 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
     result.metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
   }
   result.metrics["step_skipped"] = skip ? 1.0 : 0.0;
-  result.metrics["peak_live_micro_batches"] = static_cast<double>(peak_kept);
-  if (split) {
-    result.metrics["peak_pending_weight_grads"] = static_cast<double>(peak_pending);
-    result.metrics["peak_deferred_mb"] = static_cast<double>(peak_deferred_bytes) / (1 << 20);
+  result.metrics["peak_live_micro_batches"] = static_cast<double>(step.peak_kept);
+  if (step.split) {
+    result.metrics["peak_pending_weight_grads"] = static_cast<double>(step.peak_pending);
+    result.metrics["peak_deferred_mb"] = static_cast<double>(step.peak_deferred_bytes) / (1 << 20);
   }
   if (!skip) {
     trace::Span span("optimizer", "step");

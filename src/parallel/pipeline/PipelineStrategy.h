@@ -144,6 +144,17 @@ class PipelineStrategy : public Strategy {
   NamedTensors local_buffers() const;
   double clip_gradients();
 
+  // The flushed step (FlushedStep.cpp): this rank's actions in order, each a function of its
+  // own, then the reduction, loss scaling and the update.
+  struct FlushedStep;
+  void run_forward(FlushedStep& step, const Action& a);
+  /// (`i`: the action's index: the chunk's last backward or W starts its gradients' reduction.)
+  void run_weight(FlushedStep& step, const Action& a, size_t i);
+  void run_backward(FlushedStep& step, const Action& a, size_t i);
+  StepResult finish_flushed_step(FlushedStep& step);
+  /// "m" or "m.chunk": an action's micro-batch (and chunk) in trace spans.
+  std::string action_label(const Action& a) const;
+
   // PipeDream (--pipeline-sync 2bw, eager or async; PipeDream.cpp). Steps follow one another
   // without a flush: rank r ends a step with its last P - r - 1 micro-batches forwarded and not yet
   // backwarded, and runs their backwards in the next step between that step's forwards. Each

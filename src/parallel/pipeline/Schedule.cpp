@@ -292,6 +292,14 @@ std::vector<Action> zero_bubble_h2_schedule(const ScheduleSpec& spec, int rank) 
   return zero_bubble(spec, false)[rank];
 }
 
+std::vector<std::vector<Action>> zero_bubble_h1_lists(const ScheduleSpec& spec) {
+  return zero_bubble(spec, true);
+}
+
+std::vector<std::vector<Action>> zero_bubble_h2_lists(const ScheduleSpec& spec) {
+  return zero_bubble(spec, false);
+}
+
 std::vector<Action> zero_bubble_v_schedule(const ScheduleSpec& spec, int rank) {
   return zero_bubble_v(spec, rank);
 }
@@ -492,6 +500,10 @@ std::vector<std::vector<Action>> replicated_one_f_one_b_lists(const ScheduleSpec
 std::vector<std::vector<Action>> build_slot_schedules(const ScheduleSpec& spec) {
   std::vector<std::vector<Action>> lists;
   if (spec.replicas.empty()) {
+    if (spec.info().build_all) {
+      validate(spec);
+      return spec.info().build_all(spec);
+    }
     for (int r = 0; r < spec.stages; ++r) lists.push_back(build_schedule(spec, r));
     return lists;
   }

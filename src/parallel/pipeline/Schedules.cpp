@@ -20,9 +20,13 @@ ScheduleInfo schedule(std::string name, std::string summary,
   return info;
 }
 
-/// `info` with its backward split into B and W, in `chunks` fixed chunks per rank (0: one).
-ScheduleInfo zero_bubble(ScheduleInfo info, int chunks = 0, bool v_shape = false) {
+/// `info` with its backward split into B and W, every rank's list made at once by `all` (null:
+/// rank by rank), in `chunks` fixed chunks per rank (0: one).
+ScheduleInfo zero_bubble(ScheduleInfo info,
+                         std::vector<std::vector<Action>> (*all)(const ScheduleSpec&) = nullptr,
+                         int chunks = 0, bool v_shape = false) {
   info.splits_backward = true;
+  if (all != nullptr) info.build_all = all;
   info.fills_pipe = true;
   info.chunks = chunks;
   info.v_shape = v_shape;
@@ -47,12 +51,14 @@ std::vector<ScheduleInfo> built_in() {
       one_f_one_b,
       interleaved,
       zero_bubble(schedule("zb-h1", "zero bubble H1: 1F1B's memory, W's fill the waits",
-                           zero_bubble_h1_schedule)),
+                           zero_bubble_h1_schedule),
+                  zero_bubble_h1_lists),
       zero_bubble(schedule("zb-h2", "zero bubble H2: a longer warm-up, up to 2x 1F1B's memory",
-                           zero_bubble_h2_schedule)),
+                           zero_bubble_h2_schedule),
+                  zero_bubble_h2_lists),
       zero_bubble(
-          schedule("zb-v", "zero bubble V: two chunks per rank in a V", zero_bubble_v_schedule), 2,
-          true),
+          schedule("zb-v", "zero bubble V: two chunks per rank in a V", zero_bubble_v_schedule),
+          nullptr, 2, true),
   };
 }
 

@@ -66,6 +66,9 @@ StrategyInfo downpour_strategy() {
       Loop::kAsynchronous, option_group<DownpourOptions>("downpour", declare_flags, check_options),
       make_from_options<DownpourStrategy>);
   info.server_optimizer = true;  // the shards apply the updates
+  info.cost.traffic = StepCost::Traffic::kParameterServer;
+  info.cost.parameter_copies = 2;  // the model and the pulls' landing buffer
+  info.cost.gradient_copies = 3;   // .grad, the accumulation and the push in flight
   return info;
 }
 

@@ -47,6 +47,10 @@ StrategyInfo zero3_strategy() {
   info.summary = "ZeRO stage 3 (FSDP): parameters sharded too, gathered unit by unit";
   info.whole_model_on_rank0 = false;
   info.shards_parameters = true;
+  info.cost.traffic = StepCost::Traffic::kGatherEachLayer;
+  info.cost.shards_optimizer = true;
+  info.cost.shards_gradients = true;
+  info.cost.layer_buffers = 2;  // the gathered layer and the prefetched next
   info.options = {option_group<Zero3Options>("zero3", declare_flags, check_options),
                   zero_quantized_options()};
   info.check_layout = [](const StrategyOptions&, const Layout& layout) {

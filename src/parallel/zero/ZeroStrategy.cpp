@@ -62,6 +62,8 @@ StrategyInfo zero1_strategy() {
   info.name = "zero1";
   info.summary = "ZeRO stage 1: data parallelism with the optimizer state sharded";
   info.pipeline_stages = true;
+  info.cost.traffic = StepCost::Traffic::kReduceScatterGather;
+  info.cost.shards_optimizer = true;
   info.options = {zero_overlap_options(), ft::fault_tolerance_options()};
   info.master_weights = true;
   info.fault_tolerant = true;
@@ -90,6 +92,10 @@ StrategyInfo zero2_strategy() {
   info.name = "zero2";
   info.summary = "ZeRO stage 2: optimizer state and gradients sharded (reduce-scatter)";
   info.options = {zero_quantized_options(), zero_overlap_options(), ft::fault_tolerance_options()};
+  info.cost.traffic = StepCost::Traffic::kReduceScatterGather;
+  info.cost.shards_optimizer = true;
+  info.cost.shards_gradients = true;
+  info.cost.bucket_buffers = 2;  // the reduce-scatter's
   info.master_weights = true;
   info.fault_tolerant = true;
   info.check_layout = ft::check_fault_tolerance_layout;

@@ -54,6 +54,114 @@ int agreed_stop(const at::Tensor& agreed) {
   return 0;
 }
 
+/// After a synchronous step: the loss every rank reports and the stop on request the ranks
+/// agree on (0: none). `async` or `outlive`: this rank's own loss and stop.
+int agree_after_step(Run& run, parallel::StepResult& result, int64_t step, bool async,
+                     bool outlive) {
+  // The loss every rank reports is the mean over the ranks of its step group (the world,
+  // unless the strategy names a group); the sum is non-finite when any rank's is, so they
+  // agree on stopping. (Asynchronous workers report their own.)
+  // A stop on request (dtrain/train/Stop.h) rides on the same allreduce when the step group
+  // is the world: every rank stops after the same step. A strategy whose steps agree within a
+  // smaller group (DiLoCo's islands, a flush-free pipeline's stage) asks the world every
+  // Strategy::stop_check_every() steps instead. Asynchronous workers and replicas that outlive
+  // each other stop by themselves (under --fault-tolerance replicas only the replica told stops).
+  int stop_signal = 0;
+  if (!async && !outlive) {
+    const comm::CommunicatorPtr step_group = run.strategy.step_group();
+    comm::Communicator& group = step_group ? *step_group : run.world;
+    bool agree_here = &group == &run.world || group.size() == run.world.size();
+    at::Tensor agreed = at::zeros({kVoteSize}, at::kDouble);
+    agreed.data_ptr<double>()[0] = result.loss;
+    if (agree_here) set_stop_vote(agreed);
+    group.allreduce(agreed)->wait();
+    result.loss = agreed.data_ptr<double>()[0] / group.size();
+    if (!agree_here && (step + 1) % std::max<int64_t>(1, run.strategy.stop_check_every()) == 0) {
+      agreed.zero_();
+      set_stop_vote(agreed);
+      run.world.allreduce(agreed)->wait();
+      agree_here = true;
+    }
+    if (agree_here) stop_signal = agreed_stop(agreed);
+  } else if (const int signal = stop_requested(); signal != 0) {
+    stop_signal = std::find(std::begin(kStopSignals), std::end(kStopSignals), signal) !=
+                          std::end(kStopSignals)
+                      ? signal
+                      : SIGTERM;
+  }
+  return stop_signal;
+}
+
+/// What a step's metrics record and progress line say of it.
+struct StepFigures {
+  int64_t step = 0, reached = 0, epoch = 0, in_epoch = 0, wire_bytes = 0;
+  double lr = 0, seconds = 0, throughput = 0;
+  double tokens_per_s = 0, model_flops_per_s = 0, mfu = -1;
+  bool async = false, done = false;
+};
+
+void language_rates(const TrainerOptions& o, const std::vector<data::Batch>& batches,
+                    int world_size, StepFigures& f) {
+  // A language model's tokens per second, its model FLOP/s where its FLOPs per token are
+  // known, and its MFU where the device's peak is given too.
+  if (o.token_loss && !batches.empty()) {
+    const at::Tensor& window = batches[0].inputs.defined() ? batches[0].inputs : batches[0].targets;
+    if (window.defined() && window.dim() >= 1) f.tokens_per_s = f.throughput * window.size(-1);
+    f.model_flops_per_s = f.tokens_per_s * o.flops_per_token;
+    if (f.model_flops_per_s > 0 && o.peak_tflops > 0) {
+      f.mfu = f.model_flops_per_s / (o.peak_tflops * 1e12 * world_size);
+    }
+  }
+}
+
+/// The leader's record of a step in the metrics file (every --log-every steps, the last, and an
+/// asynchronous worker's step at which the servers' budget ran out) and its progress line.
+void write_step(Run& run, const parallel::StepResult& result, const StepFigures& f) {
+  const TrainerOptions& o = run.options;
+  // An asynchronous leader also records the step at which the servers' budget ran out (it
+  // may make fewer steps than --log-every when the other workers are faster).
+  const int64_t step = f.step;
+  if ((step + 1) % o.log_every == 0 || step + 1 == run.total_steps || f.done) {
+    MetricRecord record{
+        {"event", std::string("step")}, {"step", f.reached}, {"epoch", f.epoch},
+        {"loss", result.loss},          {"lr", f.lr},        {"step_ms", f.seconds * 1e3},
+        {"samples_per_s", f.throughput}};
+    // Wall-clock time (Unix seconds): when the step ended, comparable across restarts.
+    record["time"] =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    if (result.grad_norm >= 0) record["grad_norm"] = result.grad_norm;
+    if (f.tokens_per_s > 0) record["tokens_per_s"] = f.tokens_per_s;
+    if (f.model_flops_per_s > 0) record["model_tflops"] = f.model_flops_per_s / 1e12;
+    if (f.mfu >= 0) record["mfu"] = f.mfu;
+    if (f.async) record["worker_step"] = step + 1;
+    // What this rank sent in the step's collectives (ring estimate; p2p as sent).
+    if (run.world.size() > 1 && !f.async) record["wire_bytes"] = f.wire_bytes;
+    for (const auto& [key, value] : result.metrics) record[key] = value;
+    run.metrics.write(record);
+  }
+  if (o.progress) {
+    ProgressLine line;
+    line.done = f.reached;
+    line.total = run.total_steps;  // --max-steps when it cuts the epochs short
+    line.epoch = f.epoch;
+    line.epochs = run.train.presampled()
+                      ? 1
+                      : (run.total_steps + run.steps_per_epoch - 1) / run.steps_per_epoch;
+    line.epoch_end = f.in_epoch + 1 == run.steps_per_epoch;
+    line.loss = result.loss;
+    line.lr = f.lr;
+    line.samples_per_s = f.throughput;
+    line.tokens_per_s = f.tokens_per_s;
+    line.model_flops_per_s = f.model_flops_per_s;
+    line.mfu = f.mfu;
+    line.step_ms = f.seconds * 1e3;
+    line.eta_s = (run.total_steps - f.reached) * run.train_seconds /
+                 std::max<int64_t>(1, f.reached - run.start_step);
+    line.peak_bytes = peak_resident_bytes();
+    run.progress.update(line);
+  }
+}
+
 class StepRunner : public Runner {
  public:
   void run(Run& run) override;
@@ -151,37 +259,7 @@ void StepRunner::run(Run& run) {
     if (outlive && replicas != nullptr && replicas->leads()) run.take_lead();
     if (!async && step + 1 == run.total_steps) run.strategy.finish_training(result);
     const int64_t wire_bytes = run.world.wire_bytes() - wire_before;
-    // The loss every rank reports is the mean over the ranks of its step group (the world,
-    // unless the strategy names a group); the sum is non-finite when any rank's is, so they
-    // agree on stopping. (Asynchronous workers report their own.)
-    // A stop on request (dtrain/train/Stop.h) rides on the same allreduce when the step group
-    // is the world: every rank stops after the same step. A strategy whose steps agree within a
-    // smaller group (DiLoCo's islands, a flush-free pipeline's stage) asks the world every
-    // Strategy::stop_check_every() steps instead. Asynchronous workers and replicas that outlive
-    // each other stop by themselves (under --fault-tolerance replicas only the replica told stops).
-    int stop_signal = 0;
-    if (!async && !outlive) {
-      const comm::CommunicatorPtr step_group = run.strategy.step_group();
-      comm::Communicator& group = step_group ? *step_group : run.world;
-      bool agree_here = &group == &run.world || group.size() == run.world.size();
-      at::Tensor agreed = at::zeros({kVoteSize}, at::kDouble);
-      agreed.data_ptr<double>()[0] = result.loss;
-      if (agree_here) set_stop_vote(agreed);
-      group.allreduce(agreed)->wait();
-      result.loss = agreed.data_ptr<double>()[0] / group.size();
-      if (!agree_here && (step + 1) % std::max<int64_t>(1, run.strategy.stop_check_every()) == 0) {
-        agreed.zero_();
-        set_stop_vote(agreed);
-        run.world.allreduce(agreed)->wait();
-        agree_here = true;
-      }
-      if (agree_here) stop_signal = agreed_stop(agreed);
-    } else if (const int signal = stop_requested(); signal != 0) {
-      stop_signal = std::find(std::begin(kStopSignals), std::end(kStopSignals), signal) !=
-                            std::end(kStopSignals)
-                        ? signal
-                        : SIGTERM;
-    }
+    const int stop_signal = agree_after_step(run, result, step, async != nullptr, outlive);
     const int64_t reached = reached_step(step + 1);
     const bool done = async && (reached >= run.last_step || stop_signal != 0);
     if (run.world.rank() == o.slowdown_rank && o.slowdown_factor > 1.0) {
@@ -195,18 +273,11 @@ void StepRunner::run(Run& run) {
     run.result.steps = reached;
     run.report.reached(reached);
     const double throughput = run.samples / std::max(run.train_seconds, 1e-9);
-    // A language model's tokens per second, its model FLOP/s where its FLOPs per token are
-    // known, and its MFU where the device's peak is given too.
-    double tokens_per_s = 0, model_flops_per_s = 0, mfu = -1;
-    if (o.token_loss && !batches.empty()) {
-      const at::Tensor& window =
-          batches[0].inputs.defined() ? batches[0].inputs : batches[0].targets;
-      if (window.defined() && window.dim() >= 1) tokens_per_s = throughput * window.size(-1);
-      model_flops_per_s = tokens_per_s * o.flops_per_token;
-      if (model_flops_per_s > 0 && o.peak_tflops > 0) {
-        mfu = model_flops_per_s / (o.peak_tflops * 1e12 * run.world.size());
-      }
-    }
+    StepFigures f;
+    f.step = step, f.reached = reached, f.epoch = epoch, f.in_epoch = in_epoch;
+    f.lr = lr, f.seconds = step_seconds, f.throughput = throughput, f.wire_bytes = wire_bytes;
+    f.async = async != nullptr, f.done = done;
+    language_rates(o, batches, run.world.size(), f);
     if (run.callbacks != nullptr) {
       StepEvent event;
       event.step = reached;
@@ -221,48 +292,7 @@ void StepRunner::run(Run& run) {
       run.step_done(event);
     }
 
-    // An asynchronous leader also records the step at which the servers' budget ran out (it
-    // may make fewer steps than --log-every when the other workers are faster).
-    if (run.leader && ((step + 1) % o.log_every == 0 || step + 1 == run.total_steps || done)) {
-      MetricRecord record{
-          {"event", std::string("step")}, {"step", reached}, {"epoch", epoch},
-          {"loss", result.loss},          {"lr", lr},        {"step_ms", step_seconds * 1e3},
-          {"samples_per_s", throughput}};
-      // Wall-clock time (Unix seconds): when the step ended, comparable across restarts.
-      record["time"] =
-          std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-              .count();
-      if (result.grad_norm >= 0) record["grad_norm"] = result.grad_norm;
-      if (tokens_per_s > 0) record["tokens_per_s"] = tokens_per_s;
-      if (model_flops_per_s > 0) record["model_tflops"] = model_flops_per_s / 1e12;
-      if (mfu >= 0) record["mfu"] = mfu;
-      if (async) record["worker_step"] = step + 1;
-      // What this rank sent in the step's collectives (ring estimate; p2p as sent).
-      if (run.world.size() > 1 && !async) record["wire_bytes"] = wire_bytes;
-      for (const auto& [key, value] : result.metrics) record[key] = value;
-      run.metrics.write(record);
-    }
-    if (run.leader && o.progress) {
-      ProgressLine line;
-      line.done = reached;
-      line.total = run.total_steps;  // --max-steps when it cuts the epochs short
-      line.epoch = epoch;
-      line.epochs = run.train.presampled()
-                        ? 1
-                        : (run.total_steps + run.steps_per_epoch - 1) / run.steps_per_epoch;
-      line.epoch_end = in_epoch + 1 == run.steps_per_epoch;
-      line.loss = result.loss;
-      line.lr = lr;
-      line.samples_per_s = throughput;
-      line.tokens_per_s = tokens_per_s;
-      line.model_flops_per_s = model_flops_per_s;
-      line.mfu = mfu;
-      line.step_ms = step_seconds * 1e3;
-      line.eta_s = (run.total_steps - reached) * run.train_seconds /
-                   std::max<int64_t>(1, reached - run.start_step);
-      line.peak_bytes = peak_resident_bytes();
-      run.progress.update(line);
-    }
+    if (run.leader) write_step(run, result, f);
     const bool epoch_end = in_epoch + 1 == run.steps_per_epoch || step + 1 == run.total_steps;
     const bool halting = async ? done : step + 1 == run.last_step || stop_signal != 0;
     const bool eval_due = o.eval_every > 0 && (step + 1) % o.eval_every == 0;

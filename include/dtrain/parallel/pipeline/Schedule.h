@@ -59,6 +59,10 @@ struct ScheduleInfo {
   std::string summary;  ///< one line
   /// The ordered actions of pipeline rank `rank` of a checked spec.
   std::function<std::vector<Action>(const ScheduleSpec& spec, int rank)> build;
+  /// Every rank's list at once, where the schedule makes them together (the zero-bubble ones
+  /// run the whole pipeline to place each rank's W's: per rank, that is P times the work; the
+  /// planner builds every rank's list of thousands of layouts). Null: `build`, rank by rank.
+  std::function<std::vector<std::vector<Action>>(const ScheduleSpec& spec)> build_all;
   /// Backward split into B (the input gradient) and W (the weight gradients).
   bool splits_backward = false;
   /// Model chunks per rank: this many always (zb-v: 2), or 0: --virtual-stages, which must

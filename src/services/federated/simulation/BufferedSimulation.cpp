@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <future>
 #include <map>
 #include <random>
@@ -123,6 +124,86 @@ std::map<std::string, at::Tensor> buffered_state(SimulatedClients& clients, cons
 
 }  // namespace
 
+using TrainAhead =
+    std::function<std::shared_future<ClientResult>(int64_t, const Flight&, const LocalTraining&)>;
+
+/// A resumed run: the clients that were training when it was saved go on from the models they
+/// started from (a checkpoint without them, from an older dtrain: they leave), as `events`.
+void resume_flights(SimulatedClients& clients, Events& events, const TrainAhead& train_ahead,
+                    const std::function<at::Tensor(int64_t)>& residual_now) {
+  const SimulationOptions& options = clients.options;
+  RoundServer& server = clients.server;
+  const std::string saved = options.checkpoint_dir + "/server.pt";
+  const auto& extra = server.loaded_extra();
+  const auto training = server.training_steps();
+  if (!training.empty() && extra.count("flight/ints") == 0) {
+    for (const auto& entry : training) server.leave(entry.first);
+  } else if (!training.empty()) {
+    const at::Tensor ints = extra.at("flight/ints"), ends = extra.at("flight/ends"),
+                     clips = extra.at("flight/clips");
+    const int64_t n = ints.size(0);
+    DTRAIN_CHECK_INPUT(ints.dim() == 2 && ints.size(1) == 4 && ends.numel() == n &&
+                           clips.numel() == n && n == static_cast<int64_t>(training.size()),
+                       saved, ": its ", n, " clients in flight do not match the server's ",
+                       training.size(), " training ones");
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t c = ints[i][0].item<int64_t>();
+      Flight flight;
+      flight.finishes = ints[i][1].item<int64_t>() != 0;
+      flight.version = ints[i][2].item<int64_t>();
+      flight.seed = static_cast<uint64_t>(ints[i][3].item<int64_t>());
+      flight.clip = clips[i].item<double>();
+      DTRAIN_CHECK_INPUT(c >= 0 && c < options.clients, saved, ": client ", c,
+                         " is in flight, and this run has ", options.clients, " clients");
+      DTRAIN_CHECK_INPUT(training.count(std::to_string(c)) == 1, saved, ": client ", c,
+                         " is in flight but not training at the server");
+      if (flight.finishes) {
+        const std::string global = "flight/global/" + std::to_string(flight.version);
+        DTRAIN_CHECK_INPUT(extra.count(global) == 1 && extra.at(global).numel() == clients.numel,
+                           saved, ": no model version ", flight.version, " for client ", c);
+        flight.global = extra.at(global);
+        flight.residual = residual_now(c);
+        flight.result = train_ahead(c, flight, server.plan_at(flight.version));
+      }
+      events.emplace(std::make_pair(ends[i].item<double>(), c), std::move(flight));
+    }
+  }
+}
+
+/// What a buffered step's record sums over its clients.
+struct StepSums {
+  int64_t uplink = 0, server_ns = 0, encoding_ns = 0, training_ns = 0, trained = 0, started = 0,
+          attackers = 0, diverged = 0;
+};
+
+/// The buffer is full: the server applies it; the step's record (its sums start again).
+RoundRecord close_step(SimulatedClients& clients, StepSums& sums, int64_t download, double now) {
+  const SimulationOptions& options = clients.options;
+  RoundServer& server = clients.server;
+  RoundRecord record;
+  if (options.byzantine.enabled()) record.faulty = sums.attackers;
+  const auto closing = std::chrono::steady_clock::now();
+  record.outcome = server.close();
+  record.server_aggregation_s =
+      static_cast<double>(sums.server_ns + nanoseconds_since(closing)) * 1e-9;
+  record.client_aggregation_s =
+      static_cast<double>(sums.encoding_ns) * 1e-9 / static_cast<double>(record.outcome.finished);
+  record.client_training_s = static_cast<double>(sums.training_ns) * 1e-9 /
+                             static_cast<double>(std::max<int64_t>(1, sums.trained));
+  record.uplink_bytes = sums.uplink;
+  record.downlink_bytes = sums.started * download;
+  record.sim_minutes = now;
+  server.set_clock(now);
+  if (sums.diverged > 0) {
+    std::fprintf(stderr,
+                 "step %lld: the local training of %lld client(s) diverged (NaN/Inf); they "
+                 "left (a smaller --lr?)\n",
+                 static_cast<long long>(server.round()), static_cast<long long>(sums.diverged));
+  }
+  sums = StepSums{};
+  return record;
+}
+
 void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, Model& global_model,
                        const data::TensorDataset& test, RoundLog& log, SimulationResult& result) {
   const SimulationOptions& options = clients.options;
@@ -163,46 +244,9 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
     if (it != clients.residuals.end()) residual = it->second;
     return residual;
   };
-  // A resumed run: the clients that were training when it was saved go on from the models
-  // they started from (a checkpoint without them, from an older dtrain: they leave).
-  const std::string saved = options.checkpoint_dir + "/server.pt";
-  const auto& extra = server.loaded_extra();
-  const auto training = server.training_steps();
-  if (!training.empty() && extra.count("flight/ints") == 0) {
-    for (const auto& entry : training) server.leave(entry.first);
-  } else if (!training.empty()) {
-    const at::Tensor ints = extra.at("flight/ints"), ends = extra.at("flight/ends"),
-                     clips = extra.at("flight/clips");
-    const int64_t n = ints.size(0);
-    DTRAIN_CHECK_INPUT(ints.dim() == 2 && ints.size(1) == 4 && ends.numel() == n &&
-                           clips.numel() == n && n == static_cast<int64_t>(training.size()),
-                       saved, ": its ", n, " clients in flight do not match the server's ",
-                       training.size(), " training ones");
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t c = ints[i][0].item<int64_t>();
-      Flight flight;
-      flight.finishes = ints[i][1].item<int64_t>() != 0;
-      flight.version = ints[i][2].item<int64_t>();
-      flight.seed = static_cast<uint64_t>(ints[i][3].item<int64_t>());
-      flight.clip = clips[i].item<double>();
-      DTRAIN_CHECK_INPUT(c >= 0 && c < options.clients, saved, ": client ", c,
-                         " is in flight, and this run has ", options.clients, " clients");
-      DTRAIN_CHECK_INPUT(training.count(std::to_string(c)) == 1, saved, ": client ", c,
-                         " is in flight but not training at the server");
-      if (flight.finishes) {
-        const std::string global = "flight/global/" + std::to_string(flight.version);
-        DTRAIN_CHECK_INPUT(extra.count(global) == 1 && extra.at(global).numel() == clients.numel,
-                           saved, ": no model version ", flight.version, " for client ", c);
-        flight.global = extra.at(global);
-        flight.residual = residual_now(c);
-        flight.result = train_ahead(c, flight, server.plan_at(flight.version));
-      }
-      events.emplace(std::make_pair(ends[i].item<double>(), c), std::move(flight));
-    }
-  }
+  resume_flights(clients, events, train_ahead, residual_now);
   // What a step's record sums.
-  int64_t uplink = 0, server_ns = 0, encoding_ns = 0, training_ns = 0, trained = 0, started = 0,
-          attackers = 0, diverged = 0;
+  StepSums sums;
   int64_t version = -1;
   at::Tensor global;
   LocalTraining plan;
@@ -265,7 +309,7 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
       flight.residual = residual_now(c);
       flight.result = train_ahead(c, flight, plan);
     }
-    ++started;
+    ++sums.started;
     events.emplace(std::make_pair(ends, c), std::move(flight));
     return true;
   };
@@ -294,38 +338,18 @@ void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, 
       continue;
     }
     const ClientResult& done = flight.result.get();
-    training_ns += done.training_ns;
-    ++trained;
-    if (done.attacked) ++attackers;
+    sums.training_ns += done.training_ns;
+    ++sums.trained;
+    if (done.attacked) ++sums.attackers;
     if (done.diverged) {
-      ++diverged;
+      ++sums.diverged;
       server.leave(id);
       continue;
     }
-    encoding_ns += done.encoding_ns;
-    uplink += deliver(clients, done, id, &server_ns);
+    sums.encoding_ns += done.encoding_ns;
+    sums.uplink += deliver(clients, done, id, &sums.server_ns);
     if (!server.buffer_full()) continue;
-    RoundRecord record;
-    if (options.byzantine.enabled()) record.faulty = attackers;
-    const auto closing = std::chrono::steady_clock::now();
-    record.outcome = server.close();
-    record.server_aggregation_s =
-        static_cast<double>(server_ns + nanoseconds_since(closing)) * 1e-9;
-    record.client_aggregation_s =
-        static_cast<double>(encoding_ns) * 1e-9 / static_cast<double>(record.outcome.finished);
-    record.client_training_s = static_cast<double>(training_ns) * 1e-9 /
-                               static_cast<double>(std::max<int64_t>(1, trained));
-    record.uplink_bytes = uplink;
-    record.downlink_bytes = started * download;
-    record.sim_minutes = now;
-    server.set_clock(now);
-    if (diverged > 0) {
-      std::fprintf(stderr,
-                   "step %lld: the local training of %lld client(s) diverged (NaN/Inf); they "
-                   "left (a smaller --lr?)\n",
-                   static_cast<long long>(server.round()), static_cast<long long>(diverged));
-    }
-    uplink = server_ns = encoding_ns = training_ns = trained = started = attackers = diverged = 0;
+    RoundRecord record = close_step(clients, sums, download, now);
     record.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     step_start = std::chrono::steady_clock::now();

@@ -94,12 +94,155 @@ namespace {
 // Synchronous rounds: K selected among the available, trained on the pool's threads; a round
 // takes --round-minutes of simulated time, or on the virtual clock until its slowest selected
 // client is done or has left (at most --round-deadline).
+/// Who of the selected clients takes part in the round: a dropout or an availability window
+/// that closes first leaves it (on the virtual clock at the moment it leaves), as does a client
+/// the deadline would pass. `round_end`: on the virtual clock, when the last one is done.
+std::vector<char> who_takes_part(SimulatedClients& clients,
+                                 const std::vector<std::string>& selected,
+                                 const LocalTraining& round_plan, int64_t round, uint64_t attempt,
+                                 double minute, double& round_end) {
+  const SimulationOptions& options = clients.options;
+  const bool clock = options.speed.enabled();
+  std::vector<char> takes_part(selected.size(), 1);
+  for (size_t i = 0; i < selected.size(); ++i) {
+    const int64_t c = std::stoll(selected[i]);
+    // A retried round draws its dropouts anew.
+    std::mt19937_64 draw(mix(options.round.seed + attempt * 0x9E3779B97F4A7C15ULL,
+                             static_cast<uint64_t>(round) * 2 + 1, static_cast<uint64_t>(c)));
+    const bool drops =
+        options.dropout > 0 && std::uniform_real_distribution<double>(0, 1)(draw) < options.dropout;
+    if (!clock) {
+      takes_part[i] =
+          !drops && options.availability.available(c, minute + options.availability.round_minutes,
+                                                   options.round.seed);
+      continue;
+    }
+    const int64_t examples = static_cast<int64_t>(clients.population.client(c).train.size());
+    const double needs =
+        options.speed.minutes(c, local_steps(round_plan, examples), options.round.seed);
+    double ends = minute + needs;
+    if (drops) {
+      ends = minute + std::uniform_real_distribution<double>(0, 1)(draw) * needs;
+      takes_part[i] = 0;
+    }
+    const double left = options.availability.minutes_left(c, minute, options.round.seed);
+    if (left < ends - minute) {
+      ends = minute + left;
+      takes_part[i] = 0;
+    }
+    if (options.round_deadline > 0 && ends - minute > options.round_deadline) {
+      ends = minute + options.round_deadline;
+      takes_part[i] = 0;
+    }
+    round_end = std::max(round_end, ends);
+  }
+  return takes_part;
+}
+
+/// Secure aggregation's round: keys and shares before anyone trains (`degree_out`: SecAgg+'s
+/// graph degree, 0 for the full graph).
+std::unique_ptr<SecureRound> secure_round(SimulatedClients& clients,
+                                          const std::vector<std::string>& selected, int64_t round,
+                                          uint64_t attempt, int& degree_out) {
+  const SimulationOptions& options = clients.options;
+  const int64_t numel = clients.numel;
+  std::vector<int64_t> examples;
+  for (const auto& id : selected) {
+    examples.push_back(
+        static_cast<int64_t>(clients.population.client(std::stoll(id)).train.size()));
+  }
+  const auto k = static_cast<int>(selected.size());
+  // SecAgg+: a round smaller than the degree needs (fewer available) uses the full graph.
+  const int degree = options.secagg_graph > 0 && options.secagg_graph >= k - 1
+                         ? 0
+                         : secagg::round_degree(options.secagg_graph, k, options.secagg_threshold,
+                                                secagg_dropout(options));
+  degree_out = degree;
+  const int threshold =
+      secagg::secagg_threshold(options.secagg_threshold, degree > 0 ? degree + 1 : k);
+  // With differential privacy every client counts once.
+  if (options.round.dp.enabled()) std::fill(examples.begin(), examples.end(), 1);
+  return std::make_unique<SecureRound>(
+      selected, examples, numel, threshold, options.secagg_frac_bits, degree,
+      mix(options.round.seed ^ 0x5EC6A7ULL, static_cast<uint64_t>(round), attempt));
+}
+
+/// What the round's clients did, counted from every training thread.
+struct RoundWork {
+  std::atomic<int64_t> uplink{0};
+  std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0}, training_ns{0}, trained{0};
+  std::atomic<int64_t> diverged{0}, attackers{0};
+};
+
+/// The clients that take part train on `replicas.size()` threads, each delivering its update
+/// to the server (or, under secure aggregation, its masked input).
+void train_clients(SimulatedClients& clients, std::vector<Model>& replicas,
+                   const std::vector<std::string>& selected, const std::vector<char>& takes_part,
+                   int64_t round, const at::Tensor& global, const LocalTraining& round_plan,
+                   SecureRound* secure, RoundWork& work) {
+  const SimulationOptions& options = clients.options;
+  const int threads = static_cast<int>(replicas.size());
+  const at::Tensor control = clients.server.client_control();
+  const double clip = clients.server.dp_clip();
+  std::atomic<size_t> next{0};
+  std::vector<std::exception_ptr> errors(threads);
+  auto train = [&](int t) {
+    try {
+      if (threads > 1) at::set_num_threads(1);
+      for (size_t i = next++; i < selected.size(); i = next++) {
+        if (!takes_part[i]) continue;  // it leaves before it sends anything
+        const int64_t c = std::stoll(selected[i]);
+        ClientWork job;
+        job.client = c;
+        job.version = round;
+        job.seed = mix(options.round.seed, static_cast<uint64_t>(round) * 2, c);
+        job.global = global;
+        job.control = control;
+        job.plan = round_plan;
+        job.clip = clip;
+        job.secure = secure;
+        job.secure_index = i;
+        const ClientResult done = run_client(clients, replicas[t], job);
+        work.training_ns += done.training_ns;
+        ++work.trained;
+        if (done.attacked) ++work.attackers;
+        if (done.diverged) {
+          ++work.diverged;
+          continue;
+        }
+        if (done.masked) continue;
+        work.client_ns += done.encoding_ns;
+        ++work.senders;
+        int64_t ns = 0;
+        work.uplink += deliver(clients, done, selected[i], &ns);
+        work.server_ns += ns;
+      }
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
+  };
+  if (threads == 1) {
+    // One client thread trains with one intra-op thread too, as each of several does: the
+    // process's setting (often the cores, for evaluation) would run batch-10 steps on
+    // several OpenMP threads, 10-40x slower where the cores are busy or shared.
+    const int saved = at::get_num_threads();
+    at::set_num_threads(1);
+    train(0);
+    at::set_num_threads(saved);
+  } else {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) pool.emplace_back(train, t);
+    for (auto& th : pool) th.join();
+  }
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
 void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Model& global_model,
                      const data::TensorDataset& test, RoundLog& log, SimulationResult& result) {
   const SimulationOptions& options = clients.options;
   RoundServer& server = clients.server;
-  const int threads = static_cast<int>(replicas.size());
-  const int64_t numel = clients.numel;
   const bool clock = options.speed.enabled();
   uint64_t attempt = 0;  // retries of the current round
   // Rounds tried since the (simulated) start, as a checkpoint saved them (retries count).
@@ -123,156 +266,49 @@ void simulate_rounds(SimulatedClients& clients, std::vector<Model>& replicas, Mo
         &available);
     const at::Tensor global = server.global();
     const LocalTraining round_plan = server.plan();
-    // Who takes part: a dropout or a window that closes first leaves the round (on the virtual
-    // clock at the moment it leaves), as does a client the deadline would pass.
-    std::vector<char> takes_part(selected.size(), 1);
+    // Who takes part (and, on the virtual clock, when the round ends).
     double round_end = minute;
-    for (size_t i = 0; i < selected.size(); ++i) {
-      const int64_t c = std::stoll(selected[i]);
-      // A retried round draws its dropouts anew.
-      std::mt19937_64 draw(mix(options.round.seed + attempt * 0x9E3779B97F4A7C15ULL,
-                               static_cast<uint64_t>(round) * 2 + 1, static_cast<uint64_t>(c)));
-      const bool drops = options.dropout > 0 &&
-                         std::uniform_real_distribution<double>(0, 1)(draw) < options.dropout;
-      if (!clock) {
-        takes_part[i] =
-            !drops && options.availability.available(c, minute + options.availability.round_minutes,
-                                                     options.round.seed);
-        continue;
-      }
-      const int64_t examples = static_cast<int64_t>(clients.population.client(c).train.size());
-      const double needs =
-          options.speed.minutes(c, local_steps(round_plan, examples), options.round.seed);
-      double ends = minute + needs;
-      if (drops) {
-        ends = minute + std::uniform_real_distribution<double>(0, 1)(draw) * needs;
-        takes_part[i] = 0;
-      }
-      const double left = options.availability.minutes_left(c, minute, options.round.seed);
-      if (left < ends - minute) {
-        ends = minute + left;
-        takes_part[i] = 0;
-      }
-      if (options.round_deadline > 0 && ends - minute > options.round_deadline) {
-        ends = minute + options.round_deadline;
-        takes_part[i] = 0;
-      }
-      round_end = std::max(round_end, ends);
-    }
-    const at::Tensor control = server.client_control();
-    const double clip = server.dp_clip();
-    std::atomic<size_t> next{0};
-    std::atomic<int64_t> uplink{0};
-    std::atomic<int64_t> client_ns{0}, server_ns{0}, senders{0}, training_ns{0}, trained{0};
-    std::atomic<int64_t> diverged{0}, attackers{0};
-    // Secure aggregation: keys and shares before anyone trains.
-    std::unique_ptr<SecureRound> secure;
+    const std::vector<char> takes_part =
+        who_takes_part(clients, selected, round_plan, round, attempt, minute, round_end);
+    RoundWork work;
     int secagg_degree = -1;
-    if (options.round.secure_aggregation) {
-      std::vector<int64_t> examples;
-      for (const auto& id : selected) {
-        examples.push_back(
-            static_cast<int64_t>(clients.population.client(std::stoll(id)).train.size()));
-      }
-      const auto k = static_cast<int>(selected.size());
-      // SecAgg+: a round smaller than the degree needs (fewer available) uses the full graph.
-      const int degree =
-          options.secagg_graph > 0 && options.secagg_graph >= k - 1
-              ? 0
-              : secagg::round_degree(options.secagg_graph, k, options.secagg_threshold,
-                                     secagg_dropout(options));
-      secagg_degree = degree;
-      const int threshold =
-          secagg::secagg_threshold(options.secagg_threshold, degree > 0 ? degree + 1 : k);
-      // With differential privacy every client counts once.
-      if (options.round.dp.enabled()) std::fill(examples.begin(), examples.end(), 1);
-      secure = std::make_unique<SecureRound>(
-          selected, examples, numel, threshold, options.secagg_frac_bits, degree,
-          mix(options.round.seed ^ 0x5EC6A7ULL, static_cast<uint64_t>(round), attempt));
-    }
-    std::vector<std::exception_ptr> errors(threads);
-    auto work = [&](int t) {
-      try {
-        if (threads > 1) at::set_num_threads(1);
-        for (size_t i = next++; i < selected.size(); i = next++) {
-          if (!takes_part[i]) continue;  // it leaves before it sends anything
-          const int64_t c = std::stoll(selected[i]);
-          ClientWork job;
-          job.client = c;
-          job.version = round;
-          job.seed = mix(options.round.seed, static_cast<uint64_t>(round) * 2, c);
-          job.global = global;
-          job.control = control;
-          job.plan = round_plan;
-          job.clip = clip;
-          job.secure = secure.get();
-          job.secure_index = i;
-          const ClientResult done = run_client(clients, replicas[t], job);
-          training_ns += done.training_ns;
-          ++trained;
-          if (done.attacked) ++attackers;
-          if (done.diverged) {
-            ++diverged;
-            continue;
-          }
-          if (done.masked) continue;
-          client_ns += done.encoding_ns;
-          ++senders;
-          int64_t ns = 0;
-          uplink += deliver(clients, done, selected[i], &ns);
-          server_ns += ns;
-        }
-      } catch (...) {
-        errors[t] = std::current_exception();
-      }
-    };
-    if (threads == 1) {
-      // One client thread trains with one intra-op thread too, as each of several does: the
-      // process's setting (often the cores, for evaluation) would run batch-10 steps on
-      // several OpenMP threads, 10-40x slower where the cores are busy or shared.
-      const int saved = at::get_num_threads();
-      at::set_num_threads(1);
-      work(0);
-      at::set_num_threads(saved);
-    } else {
-      std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t) pool.emplace_back(work, t);
-      for (auto& th : pool) th.join();
-    }
-    for (const auto& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
-    if (diverged > 0) {
+    std::unique_ptr<SecureRound> secure =
+        options.round.secure_aggregation
+            ? secure_round(clients, selected, round, attempt, secagg_degree)
+            : nullptr;
+    train_clients(clients, replicas, selected, takes_part, round, global, round_plan, secure.get(),
+                  work);
+    if (work.diverged > 0) {
       std::fprintf(stderr,
                    "round %lld: the local training of %lld client(s) diverged (NaN/Inf); "
                    "they left the round (a smaller --lr?)\n",
-                   static_cast<long long>(round + 1), static_cast<long long>(diverged.load()));
+                   static_cast<long long>(round + 1), static_cast<long long>(work.diverged.load()));
     }
     RoundRecord record;
     record.available = available;
-    if (options.byzantine.enabled()) record.faulty = attackers.load();
+    if (options.byzantine.enabled()) record.faulty = work.attackers.load();
     if (secure) {
       const std::string why = secure->finish(server);
       // Too few clients left for the masks to come off: the round has no updates (retried).
       if (!why.empty() && options.progress)
         std::fprintf(stderr, "round %lld: %s\n", static_cast<long long>(round + 1), why.c_str());
-      uplink += secure->uplink_bytes();
+      work.uplink += secure->uplink_bytes();
       record.server_aggregation_s = secure->server_seconds();
       record.client_aggregation_s = secure->client_seconds();
       record.server_masks = secure->server_masks();
       record.secagg_degree = secagg_degree;
       record.client_masks = secure->client_masks();
     } else {
-      record.server_aggregation_s = static_cast<double>(server_ns.load()) * 1e-9;
-      record.client_aggregation_s = static_cast<double>(client_ns.load()) * 1e-9 /
-                                    static_cast<double>(std::max<int64_t>(1, senders));
+      record.server_aggregation_s = static_cast<double>(work.server_ns.load()) * 1e-9;
+      record.client_aggregation_s = static_cast<double>(work.client_ns.load()) * 1e-9 /
+                                    static_cast<double>(std::max<int64_t>(1, work.senders));
     }
     const auto closing = std::chrono::steady_clock::now();
     record.outcome = server.close();
     record.server_aggregation_s += static_cast<double>(nanoseconds_since(closing)) * 1e-9;
-    record.uplink_bytes = uplink.load();
-    record.client_training_s = static_cast<double>(training_ns.load()) * 1e-9 /
-                               static_cast<double>(std::max<int64_t>(1, trained));
+    record.uplink_bytes = work.uplink.load();
+    record.client_training_s = static_cast<double>(work.training_ns.load()) * 1e-9 /
+                               static_cast<double>(std::max<int64_t>(1, work.trained));
     record.downlink_bytes = static_cast<int64_t>(selected.size()) * download_bytes(global);
     attempt = record.outcome.applied ? 0 : attempt + 1;
     if (clock) {

@@ -1,0 +1,68 @@
+// The planner's memory part: what each slot (a pipeline rank, or a replica of a replicated
+// stage) keeps during a step, as its strategy declares it shards and copies the model's state.
+#include <algorithm>
+#include <vector>
+
+#include "plan/StepModel.h"
+
+namespace dtrain::plan {
+
+std::vector<Memory> slot_memory(const Step& step, const Timeline& timeline) {
+  const ModelCost& model = step.model;
+  const Layout& layout = step.layout;
+  const int P = layout.pp, V = layout.chunks;
+  const double b = layout.micro_batch_size;
+  const parallel::StrategyInfo& strategy = step.strategy;
+  const parallel::StepCost& cost = strategy.cost;
+  std::vector<Memory> memory;
+  for (int r = 0; r < step.slots; ++r) {
+    Memory m;
+    double params = 0, saved = 0, boundary = 0, largest_saved = 0, largest_layer = 0;
+    for (int c = 0; c < V; ++c) {
+      const int s = step.vstage(c, r);
+      for (int i = step.partition.first(s); i < step.partition.end(s); ++i) {
+        const Layer& l = model.layers[i];
+        const double split = l.tensor_parallel ? layout.tp : 1;
+        params += step.local_params[i];
+        const double replicated = layout.sequence_parallel ? l.replicated_saved_elements / split
+                                                           : l.replicated_saved_elements;
+        const double dropped = layout.selective_recompute ? l.attention_saved_elements : 0;
+        const double layer_saved =
+            (l.saved_elements - l.replicated_saved_elements - dropped) / split + replicated;
+        saved += layer_saved;
+        boundary += l.output_elements / (layout.sequence_parallel ? split : 1);
+        largest_saved = std::max(largest_saved, layer_saved);
+        largest_layer = std::max(largest_layer, step.local_params[i]);
+      }
+    }
+    // A pipeline's last stage keeps its own copy of the tied embedding.
+    if (P > 1 && step.vstage(0, r) == P - 1 && model.layers.front().name == "embedding" &&
+        model.layers.back().name == "head") {
+      params += step.local_params.front();
+    }
+    const double in_flight =
+        P > 1 ? std::max(1.0, timeline.simulation.peak_live[r] / static_cast<double>(V)) : 1.0;
+    // What the strategy shards keeps 1/DP of it; its copies as it declares them.
+    const double sharded = step.replicas_of(r);
+    const auto share = [&](bool shards) { return shards ? sharded : 1.0; };
+    m.parameters =
+        cost.parameter_copies * params * step.bytes.parameter / share(strategy.shards_parameters);
+    // PipeDream's weight versions: 2bw two, async up to one per micro-batch in flight and one.
+    if (step.flush_free) m.parameters *= layout.pipeline_sync == "async" ? P - r + 1 : 2;
+    m.gradients =
+        cost.gradient_copies * params * step.bytes.gradient / share(cost.shards_gradients);
+    // (The parameter server's optimizer lives on its shards.)
+    m.optimizer = strategy.server_optimizer
+                      ? 0.0
+                      : params * step.bytes.optimizer / share(cost.shards_optimizer);
+    m.activations =
+        b * step.bytes.activation *
+        (layout.checkpointing ? in_flight * boundary + largest_saved : in_flight * saved);
+    m.buffers = cost.layer_buffers * largest_layer * step.bytes.parameter +
+                cost.bucket_buffers * static_cast<double>(layout.bucket_cap_bytes);
+    memory.push_back(m);
+  }
+  return memory;
+}
+
+}  // namespace dtrain::plan
