@@ -175,6 +175,34 @@ TEST(Planner, PipeDreamStepsWithoutAFlushHaveNoBubbleAndHoldWeightVersions) {
 
 // --search tries PipeDream's flush-free steps only when asked, beside the flushed layouts: on
 // equal stages with free links a 2bw pipeline beats its flushed twin.
+// The search's answer does not depend on the order it makes layouts in: equally fast ones rank
+// by memory (zero2 keeps less than zero1), then by their description.
+TEST(Planner, SearchRanksEquallyFastLayoutsTheSameWhateverTheirOrder) {
+  const ModelCost model = uniform_model(16);
+  SearchOptions options;
+  options.global_batch = 32;
+  options.optimizer = "sgd";
+  options.precision = "fp32";
+  options.allow_checkpointing = false;
+  options.strategies = {"zero1", "zero2", "ddp"};
+  options.schedules = {"1f1b", "gpipe"};
+  const SearchResult one = search(model, ideal_cluster(4), options);
+  options.strategies = {"ddp", "zero2", "zero1"};
+  options.schedules = {"gpipe", "1f1b"};
+  const SearchResult other = search(model, ideal_cluster(4), options);
+  ASSERT_EQ(one.ranked.size(), other.ranked.size());
+  int ties = 0;
+  for (size_t i = 0; i < one.ranked.size(); ++i) {
+    EXPECT_EQ(one.ranked[i].layout.describe(), other.ranked[i].layout.describe()) << i;
+    if (i > 0 && std::llround(one.ranked[i].step_s * 1e9) ==
+                     std::llround(one.ranked[i - 1].step_s * 1e9)) {
+      ++ties;
+      EXPECT_LE(one.ranked[i - 1].memory.total(), one.ranked[i].memory.total());
+    }
+  }
+  EXPECT_GT(ties, 0);  // (what the rule is for)
+}
+
 TEST(Planner, SearchTriesPipeDreamOnlyWhenAsked) {
   const ModelCost model = uniform_model(16);
   SearchOptions options;
