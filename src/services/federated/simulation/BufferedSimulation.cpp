@@ -124,6 +124,8 @@ std::map<std::string, at::Tensor> buffered_state(SimulatedClients& clients, cons
 
 }  // namespace
 
+namespace {
+
 using TrainAhead =
     std::function<std::shared_future<ClientResult>(int64_t, const Flight&, const LocalTraining&)>;
 
@@ -203,6 +205,8 @@ RoundRecord close_step(SimulatedClients& clients, StepSums& sums, int64_t downlo
   sums = StepSums{};
   return record;
 }
+
+}  // namespace
 
 void simulate_buffered(SimulatedClients& clients, std::vector<Model>& replicas, Model& global_model,
                        const data::TensorDataset& test, RoundLog& log, SimulationResult& result) {
