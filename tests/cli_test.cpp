@@ -279,11 +279,12 @@ TEST(Cli, PlanBadInputIsOneClearLineAndExitCode2) {
   const std::string plan = " plan --cluster a100-selene";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {plan + " --model gpt-9", "unknown --model 'gpt-9' (known: resnet50, vgg16, vgg-small"},
+      // (The planner refuses what dtrain train refuses, in train's words: the registry's.)
       {plan + " --model vgg16 --gpus-per-node 3 --stage-replicas 2,1 --strategy zero1",
-       "replicated stages run ddp, dp 1, tp 1, one chunk and a flushed schedule"},
+       "--stage-replicas replicates stages with ddp, not zero1"},
       {plan + " --model vgg16 --gpus-per-node 3 --stage-replicas 2,1 --micro-batches 1 "
               "--schedule gpipe",
-       "stage 0 has 2 replicas for 1 micro-batches"},
+       "gives a stage 2 replicas but a step has 1 micro-batches"},
       {plan + " --model transformer:layers=2,hidden=100,heads=3,seq=8,vocab=10",
        "hidden 100 is not divisible by heads 3"},
       {plan + " --model transformer:layers=2,hidden=96,heads=3,seq=8", "missing vocab="},

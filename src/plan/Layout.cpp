@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
 #include "dtrain/plan/Planner.h"
 #include "plan/PlannedStrategies.h"
@@ -139,45 +140,33 @@ std::string Layout::command(const ModelCost& model, const Cluster& cluster) cons
 
 namespace {
 
-/// The strategies that can be the data parallelism of PipeDream's stages ("ddp").
-std::string pipedream_strategies() {
-  std::string text;
-  for (const parallel::StrategyInfo& info : parallel::strategies()) {
-    if (info.cost.pipedream_stages) text += concat(text.empty() ? "" : " or ", info.name);
-  }
-  return text;
-}
-
-/// What dtrain train refuses of the layout's strategy, asked of the registry: the strategy's own
-/// rules (zero3 without sequence parallelism, parameter-server workers without pp or tp) and
-/// which strategies make a pipeline's stages data-parallel.
-void check_as_train_does(const parallel::StrategyInfo& strategy, const Layout& layout) {
-  if (layout.pp > 1) {
-    std::string stages;
-    for (const parallel::StrategyInfo& info : parallel::strategies()) {
-      if (info.pipeline_stages) stages += concat(stages.empty() ? "" : " or ", info.name);
-    }
-    DTRAIN_CHECK_INPUT(strategy.pipeline_stages, strategy.name,
-                       " with pipeline parallelism: dtrain's pipeline stages are data-parallel by ",
-                       stages);
-  }
-  if (strategy.check_layout) {
-    parallel::Layout run;
-    run.strategy = strategy.name;
-    run.ranks = layout.ranks();
-    run.pipeline_parallel = layout.pp;
-    run.tensor_parallel = layout.tp;
-    run.stage_replicas = layout.stage_replicas;
-    run.sequence_parallel = layout.sequence_parallel;
-    run.micro_batches = layout.micro_batches;
-    strategy.check_layout(parallel::StrategyOptions{}, run);
-  }
+/// What dtrain train refuses of the layout, asked of the strategy registry as train asks it
+/// (parallel::resolve_strategy): the strategy's own rules (zero3 without sequence parallelism,
+/// parameter-server workers without pp or tp, bf16-master only where master weights are kept)
+/// and the pipeline's (which strategies make its stages data-parallel, the schedules and syncs
+/// they run, replicated stages).
+void check_as_train_does(const Layout& layout) {
+  parallel::Layout run;
+  run.strategy = layout.strategy;
+  run.ranks = layout.ranks();
+  run.pipeline_parallel = layout.pp;
+  run.tensor_parallel = layout.tp;
+  run.stage_replicas = layout.stage_replicas;
+  run.sequence_parallel = layout.sequence_parallel;
+  run.micro_batches = layout.micro_batches;
+  parallel::StrategyOptions options;
+  options.precision = layout.precision;
+  auto& pipeline = options.of<pp::PipelineOptions>();
+  pipeline.schedule = layout.schedule;
+  pipeline.virtual_stages = layout.chunks;
+  pipeline.sync = layout.pipeline_sync;
+  parallel::resolve_strategy(run, options);
 }
 
 }  // namespace
 
 void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
-  const parallel::StrategyInfo& strategy = planned_strategy(layout.strategy);
+  planned_strategy(layout.strategy);  // (InputError: one the planner does not model)
   DTRAIN_CHECK_INPUT(is_one_of(layout.precision, {"fp32", "bf16-mixed", "fp16-mixed", "bf16",
                                                   "bf16-master", "fp16-master"}),
                      "unknown precision '", layout.precision,
@@ -215,7 +204,7 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                      " has no attention");
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel || layout.tp > 1,
                      "sequence parallelism needs tp > 1");
-  check_as_train_does(strategy, layout);
+  check_as_train_does(layout);
   const int virtual_stages = layout.pp * layout.chunks;
   DTRAIN_CHECK_INPUT(static_cast<int>(model.layers.size()) >= virtual_stages, "model ", model.name,
                      " has ", model.layers.size(),
@@ -223,15 +212,6 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
   if (layout.pp > 1) {
     pp::ScheduleSpec spec{layout.schedule, layout.pp, layout.micro_batches, layout.chunks};
     pp::validate(spec);  // the builder's own rules (1F1B: M >= P; interleaved: M % P == 0)
-    DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" || layout.pipeline_sync == "2bw" ||
-                           layout.pipeline_sync == "eager" || layout.pipeline_sync == "async",
-                       "unknown pipeline sync '", layout.pipeline_sync,
-                       "' (expected flush, 2bw, eager or async)");
-    DTRAIN_CHECK_INPUT(layout.pipeline_sync == "flush" ||
-                           (spec.info().flush_free && strategy.cost.pipedream_stages),
-                       "pipeline sync ", layout.pipeline_sync,
-                       " runs a schedule without a flush (1f1b) with ", "stages data-parallel by ",
-                       pipedream_strategies());
     DTRAIN_CHECK_INPUT(layout.pipeline_sync != "eager" || !layout.sequence_parallel,
                        "pipeline sync eager with sequence parallelism: dtrain train refuses it "
                        "(its late gradients would be partial sums over the TP group)");
@@ -241,10 +221,8 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
   if (!layout.stage_replicas.empty()) {
     DTRAIN_CHECK_INPUT(static_cast<int>(layout.stage_replicas.size()) == layout.pp && layout.pp > 1,
                        "layout ", layout.describe(), ": one replica count per stage, pp > 1");
-    DTRAIN_CHECK_INPUT(layout.dp == 1 && layout.tp == 1 && strategy.cost.pipedream_stages &&
-                           layout.chunks == 1 && layout.pipeline_sync == "flush",
-                       "replicated stages run ", pipedream_strategies(),
-                       ", dp 1, tp 1, one chunk and a flushed schedule");
+    // (Which strategy, schedule and sync replicated stages run: check_as_train_does.)
+    DTRAIN_CHECK_INPUT(layout.dp == 1, "replicated stages run one data stream: dp 1");
     pp::ScheduleSpec spec{layout.schedule, layout.pp, layout.micro_batches, 1,
                           layout.stage_replicas};
     pp::validate(spec);  // a micro-batch per replica at least

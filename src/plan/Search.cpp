@@ -184,7 +184,9 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
       layout.checkpointing = recompute == kFull;
       layout.selective_recompute = recompute == kSelective;
       set(layout);
-      layouts.push_back(layout);
+      // Only what the planner accepts: dtrain train's rules for the strategy, the schedule and
+      // the sync (check_layout asks the registry), e.g. no zero2 stages, no flush-free zero1.
+      if (accepted(model, cluster, layout)) layouts.push_back(layout);
     }
   };
   // Tensor parallelism stays inside a node (its all-reduces are on every layer's critical
@@ -203,16 +205,10 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
              pipeline_schedules(schedules, pp, micro_batches, layers, blocks)) {
           for (const std::string& strategy : strategies) {
             const parallel::StrategyInfo& info = planned_strategy(strategy);
-            if (pp > 1 && !info.pipeline_stages) continue;
             // At one replica every strategy's step is the all-reducing one's: try that once.
             if (dp == 1 && info.cost.traffic != parallel::StepCost::Traffic::kAllReduce) continue;
             for (const std::string& sync : options.pipeline_syncs) {
-              // PipeDream's flush-free steps: a schedule without a flush, stages that keep
-              // weight versions.
-              if (sync != "flush" && (pp == 1 || !pp::schedule_info(schedule).flush_free ||
-                                      !info.cost.pipedream_stages)) {
-                continue;
-              }
+              if (sync != "flush" && pp == 1) continue;  // (a sync of pipeline stages)
               add(mbs, micro_batches, [&](Layout& layout) {
                 layout.strategy = strategy;
                 layout.dp = dp;
@@ -234,15 +230,12 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
     }
   }
   // PipeDream's layouts: P stages over the GPUs replicated unequally (the even splits are the
-  // dp x pp grid's above), one data stream, 1F1B with ddp.
-  const auto pipedream = std::find_if(strategies.begin(), strategies.end(), [](const auto& name) {
-    return planned_strategy(name).cost.pipedream_stages;
-  });
+  // dp x pp grid's above), one data stream, a schedule that deals micro-batches to replicas
+  // (1F1B), each strategy dtrain train replicates stages with (ddp).
   const auto replicable = std::find_if(schedules.begin(), schedules.end(), [](const auto& name) {
     return pp::schedule_info(name).build_replicated != nullptr;
   });
-  if (options.replicated_stages && gpus <= 16 && pipedream != strategies.end() &&
-      replicable != schedules.end()) {
+  if (options.replicated_stages && gpus <= 16 && replicable != schedules.end()) {
     for (int stages = 2; stages <= std::min({4, layers, gpus}); ++stages) {
       std::vector<int> counts(stages, 1);
       counts.back() = gpus - (stages - 1);
@@ -254,12 +247,14 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
         for (int mbs : divisors(options.global_batch, options.max_micro_batch_size)) {
           const int64_t micro_batches = options.global_batch / mbs;
           if (even || micro_batches < std::max(stages, most)) continue;
-          add(mbs, micro_batches, [&](Layout& layout) {
-            layout.strategy = *pipedream;
-            layout.schedule = *replicable;
-            layout.pp = stages;
-            layout.stage_replicas = counts;
-          });
+          for (const std::string& strategy : strategies) {
+            add(mbs, micro_batches, [&](Layout& layout) {
+              layout.strategy = strategy;
+              layout.schedule = *replicable;
+              layout.pp = stages;
+              layout.stage_replicas = counts;
+            });
+          }
         }
         // The next composition: move one from the last count into the one before the rightmost
         // count that can give (all but the last are >= 1 and grow; the last takes the rest).

@@ -109,9 +109,6 @@ struct StepCost {
   /// largest layer's parameters (zero3: the gathered one and the prefetched next).
   int bucket_buffers = 0;
   int layer_buffers = 0;
-  /// Can be the data parallelism of PipeDream's stages: flush-free steps (--pipeline-sync 2bw,
-  /// eager, async) and stages replicated unequally (--stage-replicas).
-  bool pipedream_stages = false;
 
   bool modelled() const { return traffic != Traffic::kNotModelled; }
   /// The updated shards are all-gathered after the update (--overlap-param-gather applies).

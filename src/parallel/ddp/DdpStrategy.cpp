@@ -24,7 +24,6 @@ StrategyInfo ddp_strategy() {
   info.summary = "data parallelism: bucketed gradient all-reduce overlapped with backward";
   info.pipeline_stages = true;
   info.cost.traffic = StepCost::Traffic::kAllReduce;
-  info.cost.pipedream_stages = true;
   info.options = {ft::fault_tolerance_options()};
   info.fault_tolerant = true;
   info.master_weights = true;
