@@ -1,5 +1,5 @@
 // Flags that mean the same thing in `dtrain train`, `dtrain fl ...` and `dtrain plan`, declared
-// once here:
+// once here or, for the data sets' and models' own, by the registries (bound here):
 // each command binds them to its own fields and says what they are for in its help. (Two
 // names differ in meaning between the commands and keep their names, as flags do: --dropout
 // is the GPT's dropout in train, a client's chance to drop out in fl; --lr-decay is train's
@@ -7,76 +7,47 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "NumericOptions.h"
-#include "dtrain/models/Gpt.h"
+#include "dtrain/data/Datasets.h"
+#include "dtrain/models/Zoo.h"
 
 namespace dtrain::cli {
 
-/// --dataset, --data-dir, --synthetic-examples.
-inline void add_data_flags(CLI::App& app, std::string& dataset, std::string& data_dir,
-                           int64_t& synthetic_examples, const std::string& datasets) {
+/// --dataset (a name of the data-set registry), then the flags of the sets `keep` admits, as
+/// the sets declare them (data::DatasetInfo::flags), bound to `source`; `amend` may add to
+/// their help what they mean in this command.
+inline void add_data_flags(CLI::App& app, std::string& dataset, data::DataSource& source,
+                           const std::string& datasets,
+                           const std::function<bool(const data::DatasetInfo&)>& keep,
+                           const std::function<void(FlagSet&)>& amend = nullptr) {
   add(app, "--dataset", dataset, "Data set: " + datasets)->capture_default_str();
-  add(app, "--data-dir", data_dir,
-      "Fashion-MNIST IDX files (default: $DTRAIN_DATA_DIR, else Debian's "
-      "/usr/share/datasets/fashion-mnist)");
-  add(app, "--synthetic-examples", synthetic_examples, "--dataset synthetic: training examples")
-      ->capture_default_str();
+  FlagSet flags;
+  data::declare_data_flags(flags, source, keep);
+  if (amend) amend(flags);
+  add_flags(app, flags);
 }
 
-/// The decoder's shape (--model gpt, llama): --layers, --heads, --kv-heads, --width,
-/// --ffn-width, --context, --rope-theta, --norm-eps, --dropout, --tied-embeddings: what
-/// `dtrain train` builds and `dtrain plan` predicts, from the same flags and config files.
-inline void add_decoder_flags(CLI::App& app, models::GptConfig& gpt) {
-  add(app, "--layers", gpt.layers, "gpt, llama: transformer blocks")->capture_default_str();
-  add(app, "--heads", gpt.heads, "gpt, llama: attention (query) heads")->capture_default_str();
-  add(app, "--kv-heads", gpt.kv_heads,
-      "gpt, llama: key/value heads, grouped-query attention (0 = --heads; must divide it)")
-      ->capture_default_str();
-  add(app, "--width", gpt.width, "gpt, llama: model width (a multiple of --heads)")
-      ->capture_default_str();
-  add(app, "--ffn-width", gpt.ffn_width,
-      "gpt, llama: the MLP's hidden width (0 = 4 x --width for gpt; llama: 8/3 x --width "
-      "rounded up to a multiple of 64)")
-      ->capture_default_str();
-  add(app, "--context", gpt.context, "gpt, llama: tokens per example (the attention window)")
-      ->capture_default_str();
-  add(app, "--rope-theta", gpt.rope_theta,
-      "llama: the rotary embeddings' base (Llama 2: 10000; Llama 3: 500000)")
-      ->capture_default_str();
-  add(app, "--norm-eps", gpt.norm_eps, "gpt, llama: LayerNorm's / RMSNorm's epsilon")
-      ->capture_default_str();
-  add(app, "--dropout", gpt.dropout, "gpt, llama: dropout probability")->capture_default_str();
-  app.add_flag("--tied-embeddings", gpt.tied_embeddings,
-               "gpt, llama: the output layer reuses the token embedding's weight");
+/// --model (a name of the model registry), then the hyper-parameters' flags of the models
+/// `keep` admits, as the models declare them (models::ModelInfo::flags: the MLP's --hidden, the
+/// decoder's shape), bound to `spec`; `amend` as above.
+inline void add_model_flags(CLI::App& app, models::ModelSpec& spec, const std::string& models,
+                            const std::function<bool(const models::ModelInfo&)>& keep,
+                            const std::function<void(FlagSet&)>& amend = nullptr) {
+  add(app, "--model", spec.name, "Model: " + models)->capture_default_str();
+  FlagSet flags;
+  models::declare_model_flags(flags, spec, keep);
+  if (amend) amend(flags);
+  add_flags(app, flags);
 }
 
-/// --image-size, --augment, --max-bad-samples (--dataset images:...). `size_note`: what the
-/// size is in this command, appended to the shared first sentence.
-inline void add_image_flags(CLI::App& app, int64_t& image_size, std::string& augment,
-                            int64_t& max_bad_samples, const std::string& size_note) {
-  add(app, "--image-size", image_size,
-      "--dataset images: the side of the images the model sees" + size_note)
-      ->capture_default_str();
-  add(app, "--augment", augment,
-      "--dataset images: the transforms: imagenet (training: random-resized-crop and flip; "
-      "evaluation: resize to 256/224 of the size, center crop), flip (the whole image resized, "
-      "flipped half the time) or none (the whole image resized)")
-      ->capture_default_str();
-  add(app, "--max-bad-samples", max_bad_samples,
-      "--dataset images: damaged images to name and leave out before training (more stop it)")
-      ->capture_default_str();
-}
-
-/// --model (a name of the model registry) and --hidden (the MLP's widths).
-inline void add_model_flags(CLI::App& app, std::string& model, std::vector<int64_t>& hidden,
-                            const std::string& models, const std::string& hidden_default) {
-  add(app, "--model", model, "Model: " + models)->capture_default_str();
-  add(app, "--hidden", hidden, "MLP hidden layer widths (" + hidden_default + ")")
-      ->capture_default_str()
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+/// Appends `note` to the help of `flags`' flag `name` (when declared: a build may leave its
+/// data set out).
+inline void add_to_help(FlagSet& flags, const std::string& name, const std::string& note) {
+  if (Flag* flag = flags.find(name)) flag->help += note;
 }
 
 /// --lr, --momentum, --weight-decay of an optimizer (`whose`: "" for the trainer's, "Local"

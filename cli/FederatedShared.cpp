@@ -135,11 +135,13 @@ void add_plan(CLI::App& c, Shared& s) {
       "Adaptive clipping: the noise on the count of updates within the clip (0 = the round's "
       "clients / 20); it takes its share of --dp-noise")
       ->capture_default_str();
-  add_model_flags(c, s.model, s.hidden,
-                  federated_models() +
-                      " (fedavg-cnn: McMahan et al.'s CNN, 5x5 convolutions "
-                      "and a 512-unit layer)",
-                  "McMahan et al.'s 2NN: 200 200");
+  add_model_flags(
+      c, s.model,
+      federated_models() +
+          " (fedavg-cnn: McMahan et al.'s CNN, 5x5 convolutions "
+          "and a 512-unit layer)",
+      [](const models::ModelInfo& info) { return !info.language_model && info.parameters_only; },
+      [](FlagSet& flags) { add_to_help(flags, "--hidden", " (McMahan et al.'s 2NN)"); });
   add_seed_flag(c, s.round.seed, "model, selection, local order");
   add(c, "--init-from", s.init_from,
       "Start the global model from these weights: a training checkpoint (directory or root) of "
@@ -166,8 +168,10 @@ void save_final(const Shared& s, const models::ModelSpec& spec, const at::Tensor
 }
 
 void add_data(CLI::App& c, Shared& s, const char* use) {
-  add_data_flags(c, s.dataset, s.data_dir, s.synthetic_examples, federated_datasets() + ": " + use);
-  add_image_flags(c, s.image_size, s.augment, s.max_bad_samples, " (every party the same)");
+  add_data_flags(
+      c, s.dataset, s.data, federated_datasets() + ": " + use,
+      [](const data::DatasetInfo& info) { return !info.language; },
+      [](FlagSet& flags) { add_to_help(flags, "--image-size", " (every party the same)"); });
   add_threads_flag(c, s.threads, "$DTRAIN_THREADS, else the cores");
 }
 
@@ -195,13 +199,8 @@ std::string federated_datasets() {
 namespace {
 
 data::DataSource source_of(const Shared& s, bool train) {
-  data::DataSource source;
+  data::DataSource source = s.data;
   source.argument = data::dataset_argument(s.dataset);
-  source.data_dir = s.data_dir;
-  source.synthetic_examples = s.synthetic_examples;
-  source.image_size = s.image_size;
-  source.augment = s.augment;
-  source.max_bad_samples = s.max_bad_samples;
   source.seed = s.round.seed + 1;
   source.train = train;
   source.test = !train;

@@ -30,16 +30,24 @@ struct Shared {
   std::string init_from, save_model;
   std::string compression = "none";
   std::string secagg_graph = "full";
-  std::string model = "mlp";
-  std::vector<int64_t> hidden{200, 200};
+  /// The model (--model, its flags) and the data (--dataset, the sets' flags). Federated
+  /// learning's own defaults, where they differ from dtrain train's (models::ModelSpec,
+  /// data::DataSource): McMahan et al.'s 2NN, a small synthetic set, small images with flips
+  /// (a client's own folder is small).
+  models::ModelSpec model = [] {
+    models::ModelSpec spec;
+    spec.name = "mlp";
+    spec.hidden = {200, 200};
+    return spec;
+  }();
   std::string dataset = "fashion-mnist";
-  std::string data_dir;
-  int64_t synthetic_examples = 4000;
-  /// --dataset images:ROOT (a client's own folder): the side the model sees, the transforms,
-  /// damaged images left out.
-  int64_t image_size = 32;
-  std::string augment = "flip";
-  int64_t max_bad_samples = 0;
+  data::DataSource data = [] {
+    data::DataSource source;
+    source.synthetic_examples = 4000;
+    source.image_size = 32;
+    source.augment = "flip";
+    return source;
+  }();
   int threads = 0;
 };
 

@@ -89,12 +89,12 @@ int ServeCommand::run(const std::vector<std::string>&) {
   v.compression = comm::parse_compression(sh.compression);
   v.secagg_graph = services::federated::secagg::parse_secagg_graph(sh.secagg_graph);
   v.round.buffer.staleness = services::federated::parse_staleness(o.serve_staleness);
-  v.model = sh.model;
-  v.hidden = sh.hidden;
+  v.model = sh.model.name;
+  v.hidden = sh.model.hidden;
   if (!o.server_token_file.empty()) v.token = comm::rpc::read_token_file(o.server_token_file);
   if (!o.client_tokens_file.empty())
     v.client_tokens = services::federated::read_client_tokens(o.client_tokens_file);
-  const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
+  const models::ModelSpec spec = model_spec(sh, sh.model.name, sh.model.hidden);
   set_up_process(sh.threads);
   const data::TensorDataset test = load(sh, false);
   Model model = initial_model(sh, spec);

@@ -130,7 +130,7 @@ int SimulateCommand::run(const std::vector<std::string>&) {
   s.compression = comm::parse_compression(sh.compression);
   s.compression.error_feedback = o.error_feedback;
   s.secagg_graph = services::federated::secagg::parse_secagg_graph(sh.secagg_graph);
-  const models::ModelSpec spec = model_spec(sh, sh.model, sh.hidden);
+  const models::ModelSpec spec = model_spec(sh, sh.model.name, sh.model.hidden);
   set_up_process(sh.threads);  // evaluation (--threads, or the cores); client threads use one each
   const data::TensorDataset train = load(sh, true), test = load(sh, false);
   if (!sh.init_from.empty())

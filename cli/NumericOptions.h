@@ -83,6 +83,9 @@ inline void add_flags(CLI::App& app, const FlagSet& flags) {
           }
         },
         flag.target);
+    if (std::holds_alternative<std::vector<int64_t>*>(flag.target)) {
+      option->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);  // --hidden 256 256
+    }
     if (flag.delimiter != 0) option->delimiter(flag.delimiter);
     if (flag.show_default) option->capture_default_str();
   }

@@ -205,7 +205,11 @@ class PlanCommand final : public Command {
                      "transformer:layers=L,hidden=H,heads=A,seq=S,vocab=V[,ffn=F,tied=0,"
                      "dropout=0,fused=0,flash=1] (flash=1: attention in one FlashAttention "
                      "kernel)");
-    add_decoder_flags(*app_, gpt_);
+    // The decoders' shape flags, as the models declare them (those of dtrain train).
+    FlagSet decoder;
+    models::declare_model_flags(decoder, spec_,
+                                [](const models::ModelInfo& info) { return info.language_model; });
+    add_flags(*app_, decoder);
     app_->add_option("--vocab", vocab_,
                      "gpt, llama: the tokenizer's vocabulary (Llama 3's: 128256; GPT-2's: 50257)");
     app_->add_flag("--flash-attention,!--no-flash-attention", flash_,
@@ -362,7 +366,7 @@ class PlanCommand final : public Command {
         models::model_info(model_).language_model) {
       DTRAIN_CHECK_INPUT(vocab_ > 0, "plan --model ", model_,
                          " needs --vocab (the tokenizer's vocabulary, e.g. 128256 for Llama 3)");
-      models::GptConfig config = gpt_;
+      models::GptConfig config = spec_.gpt;
       const models::ModelInfo& info = models::model_info(model_);
       if (info.decoder_preset) info.decoder_preset(config);
       config.vocab = vocab_;
@@ -533,7 +537,7 @@ class PlanCommand final : public Command {
   std::string calibrate_out_;
   plan::CalibrateOptions calibrate_options_;
   std::string model_, cluster_, plot_;
-  models::GptConfig gpt_;
+  models::ModelSpec spec_;
   int64_t vocab_ = 0;
   bool flash_ = true;
   std::vector<std::string> hardware_dirs_, strategies_, schedules_;

@@ -78,7 +78,7 @@ void open_run_folder(dtrain::train::JobConfig& job, const dtrain::train::RunPlan
     localtime_r(&now, &local);
     char stamp[32];
     std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", &local);
-    const std::string base = "runs/" + job.model + "-" + stamp;
+    const std::string base = "runs/" + job.model.name + "-" + stamp;
     std::filesystem::create_directories("runs", error);
     for (int i = 1; i < 1000 && job.run_dir.empty(); ++i) {
       const std::string dir = i == 1 ? base : base + "-" + std::to_string(i);

@@ -29,7 +29,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   }
   models += described;
   add_model_flags(
-      app, job.model, job.hidden,
+      app, job.model,
       models +
           ". Each trains with its own recipe unless flags say otherwise: the "
           "optimizer, lr, momentum, weight decay, lr decay, warmup, batch size and clipping shown "
@@ -37,35 +37,21 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
           "clipping 1.0. An optimizer other than the recipe's trains at its own lr and weight "
           "decay (PyTorch's: adam 0.001, adamw 0.001 and 0.01, sgd 0.001, adagrad 0.01) unless "
           "given. docs/guide/train.md describes each model",
-      "256 256");
-  add_decoder_flags(app, job.gpt);
-  app.add_flag("--sequence-parallel", job.gpt.sequence_parallel,
+      [](const dtrain::models::ModelInfo&) { return true; });
+  app.add_flag("--sequence-parallel", job.model.gpt.sequence_parallel,
                "gpt, llama with --tensor-parallel: split norm, dropout and residual activations "
                "along the sequence too (Megatron's sequence parallelism; --context a multiple "
                "of T)");
-  app.add_flag("--tp-comm-overlap", job.gpt.tp_comm_overlap,
+  app.add_flag("--tp-comm-overlap", job.model.gpt.tp_comm_overlap,
                "gpt, llama with --tensor-parallel: the column-parallel layers' backward overlaps "
                "the input gradient's allreduce (reduce-scatter) with the weight gradient "
                "(Megatron's asynchronous tensor-parallel communication)");
   std::string datasets = dtrain::data::dataset_names_where([](const auto&) { return true; });
   for (const auto& info : dtrain::data::datasets())
     datasets += "; " + info.name + ": " + info.summary;
-  add_data_flags(app, job.dataset, job.data.data_dir, job.data.synthetic_examples, datasets);
-  add(app, "--text-file", job.data.text_file,
-      "--dataset text: a UTF-8 text file or a directory of them (default --data-dir, else "
-      "Debian's fortunes in /usr/share/games/fortunes)");
-  add(app, "--validation-fraction", job.data.validation_fraction,
-      "--dataset text: share of the text (its end) held out for validation; tokens: share of "
-      "each corpus's documents (its last ones)")
-      ->capture_default_str();
-  add(app, "--vocab-size", job.data.vocabulary,
-      "--dataset tokens: the vocabulary (every id must be below it; default: the largest id "
-      "in the files + 1)");
-  add_image_flags(app, job.data.image_size, job.data.augment, job.data.max_bad_samples,
-                  " (--augment's crop)");
-  add(app, "--tokenizer", job.data.tokenizer,
-      "--dataset tokens: the shards' tokenizer.json (default: the one beside them, as `dtrain "
-      "data prepare` leaves it); a checkpoint keeps it for `dtrain generate`");
+  add_data_flags(
+      app, job.dataset, job.data, datasets, [](const dtrain::data::DatasetInfo&) { return true; },
+      [](FlagSet& flags) { add_to_help(flags, "--image-size", " (--augment's crop)"); });
   std::string strategies;
   for (const auto& name : dtrain::parallel::strategy_names()) {
     strategies += (strategies.empty() ? "" : ", ") + name;
@@ -229,7 +215,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add(app, "--loss-scaling", t.strategy_options.loss_scaling,
       "auto (dynamic for fp16-mixed), dynamic, none")
       ->capture_default_str();
-  add(app, "--checkpointing", job.checkpointing,
+  add(app, "--checkpointing", job.model.checkpointing,
       "Activation checkpointing: none, sqrt, a segment count, or selective (gpt, llama: "
       "recompute only attention's core, keeping the rest)")
       ->capture_default_str();

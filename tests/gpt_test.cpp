@@ -290,13 +290,13 @@ TEST(Gpt, TrainsOnTextCheckpointsItsVocabularyAndGenerates) {
   for (int i = 0; i < 40; ++i) text += "the cat sat on the mat. ";
   write(dir + "/corpus.txt", text);
   train::JobConfig job;
-  job.model = "gpt";
+  job.model.name = "gpt";
   job.dataset = "text";
   job.data.text_file = dir + "/corpus.txt";
-  job.gpt.layers = 1;
-  job.gpt.heads = 2;
-  job.gpt.width = 16;
-  job.gpt.context = 8;
+  job.model.gpt.layers = 1;
+  job.model.gpt.heads = 2;
+  job.model.gpt.width = 16;
+  job.model.gpt.context = 8;
   job.trainer.optimizer.name = "adam";
   job.trainer.optimizer.lr = 1e-2;
   job.trainer.optimizer.momentum = 0;
@@ -385,11 +385,11 @@ TEST(Gpt, TrainsOnTextCheckpointsItsVocabularyAndGenerates) {
             }).find("--model gpt is a language model: use it with --dataset text"),
             std::string::npos);
   bad = job;
-  bad.model = "mlp";
+  bad.model.name = "mlp";
   EXPECT_NE(input_error([&] { train::validate_job(bad); }).find("--dataset text needs --model gpt"),
             std::string::npos);
   bad = job;
-  bad.gpt.context = 4000;
+  bad.model.gpt.context = 4000;
   EXPECT_NE(input_error([&] { train::validate_job(bad); }).find("too short"), std::string::npos);
 }
 

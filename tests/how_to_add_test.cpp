@@ -334,6 +334,11 @@ TEST(HowToAdd, AFederatedAggregatorGetsEachUpdateAndIsRefusedWhereOnlySumsAreSee
 
 namespace {
 
+// Its own hyper-parameter, set by its own flag (declared with the model).
+struct TwoLayerOptions {
+  int64_t width = 24;
+};
+
 models::ModelInfo two_layer() {
   models::ModelInfo info;
   info.name = "two-layer";
@@ -341,10 +346,15 @@ models::ModelInfo two_layer() {
   info.build = [](const models::ModelSpec& spec, const comm::CommunicatorPtr&) {
     int64_t inputs = 1;
     for (int64_t d : spec.input_shape) inputs *= d;
-    return sequential_model(torch::nn::Sequential(torch::nn::Flatten(),
-                                                  torch::nn::Linear(inputs, 24), torch::nn::Tanh(),
-                                                  torch::nn::Linear(24, spec.classes)));
+    const int64_t width = spec.own.of<TwoLayerOptions>().width;
+    return sequential_model(
+        torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(inputs, width),
+                              torch::nn::Tanh(), torch::nn::Linear(width, spec.classes)));
   };
+  info.flags = {{"two-layer", [](FlagSet& flags, models::ModelSpec& spec) {
+                   flags.add("--two-layer-width", spec.own.of<TwoLayerOptions>().width,
+                             "--model two-layer: the hidden layer's width");
+                 }}};
   info.recipe.optimizer.name = "adam";
   info.recipe.optimizer.lr = 0.02;
   info.recipe.batch_size = 16;
@@ -374,6 +384,20 @@ TEST(HowToAdd, AModelIsBuiltByNameCutIntoStagesAndRefusedWhereItCannotGo) {
   spec.input_shape = {12};
   spec.classes = 3;
   EXPECT_EQ(models::make_model(spec).stages.size(), 4u);  // flatten, linear, tanh, linear
+
+  // Its flag is declared with the other models' (once), and sets the width it builds.
+  {
+    models::ModelSpec wide = spec;
+    FlagSet flags;
+    models::declare_model_flags(flags, wide, [](const models::ModelInfo&) { return true; });
+    Flag* width = flags.find("--two-layer-width");
+    ASSERT_NE(width, nullptr);
+    EXPECT_NE(flags.find("--hidden"), nullptr);  // the MLP's, declared beside it
+    *std::get<int64_t*>(width->target) = 40;     // what the parser does with the flag
+    const Model built = models::make_model(wide);
+    EXPECT_EQ(built.module->parameters()[0].size(0), 40);
+    EXPECT_EQ(models::make_model(spec).module->parameters()[0].size(0), 24);
+  }
 
   // zero3 gathers it unit by unit (its stages) and still equals single-process training.
   train::TrainerOptions o;
@@ -412,7 +436,7 @@ TEST(HowToAdd, AModelIsBuiltByNameCutIntoStagesAndRefusedWhereItCannotGo) {
 
   // It has no tensor-parallel layers and is no language model: the job says so by name.
   train::JobConfig job;
-  job.model = "two-layer";
+  job.model.name = "two-layer";
   job.dataset = "synthetic";
   job.nproc = 2;
   auto refusal = [&] { return job_refusal(job); };
@@ -539,23 +563,36 @@ TEST(HowToAdd, APipelineScheduleIsOneBuilderTheSimulatorChecksAndTheStagesRun) {
 
 namespace {
 
+// Its own option, set by its own flag (declared with the set: dtrain train and dtrain fl then
+// have it, and a config file's key of the same name).
+struct ClusterOptions {
+  double separation = 4;
+};
+
 data::DatasetInfo clusters() {
   data::DatasetInfo info;
   info.name = "clusters";
   info.summary = "three Gaussian clusters in 6 dimensions";
   info.input_shape = {6};
   info.classes = 3;
+  info.flags = {{"clusters", [](FlagSet& flags, data::DataSource& source) {
+                   flags.add("--cluster-separation", source.own.of<ClusterOptions>().separation,
+                             "--dataset clusters: the distance of each centre from the origin");
+                 }}};
   info.check = [](const data::DataSource& source) {
     DTRAIN_CHECK_INPUT(source.synthetic_examples >= 30,
                        "clusters: --synthetic-examples must be "
                        ">= 30, got ",
                        source.synthetic_examples);
+    DTRAIN_CHECK_INPUT(source.own.of<ClusterOptions>().separation >= 0,
+                       "clusters: --cluster-separation must be >= 0");
   };
   info.load = [](const data::DataSource& source) {
-    auto make = [](int64_t n, uint64_t seed) {
+    auto make = [separation = source.own.of<ClusterOptions>().separation](int64_t n,
+                                                                          uint64_t seed) {
       at::Generator generator = at::detail::createCPUGenerator(seed);
       at::Tensor targets = at::arange(n, at::kLong).remainder(3);
-      at::Tensor centres = at::eye(3, 6, at::kFloat) * 4;
+      at::Tensor centres = at::eye(3, 6, at::kFloat) * separation;
       at::Tensor inputs = centres.index_select(0, targets) +
                           at::randn({n, 6}, generator, at::TensorOptions(at::kFloat));
       return data::TensorDataset(inputs, targets);
@@ -594,8 +631,8 @@ TEST(HowToAdd, ADataSetIsOneRegistryEntryTheJobBuildsTheModelForAndTrainsOn) {
 
   train::JobConfig job;
   job.dataset = "clusters";
-  job.model = "mlp";
-  job.hidden = {16};
+  job.model.name = "mlp";
+  job.model.hidden = {16};
   job.data.synthetic_examples = 600;
   job.threads = 1;
   job.trainer.batch_size = 20;
@@ -603,17 +640,38 @@ TEST(HowToAdd, ADataSetIsOneRegistryEntryTheJobBuildsTheModelForAndTrainsOn) {
   job.trainer.progress = false;
   auto refusal = [&] { return job_refusal(job); };
   EXPECT_EQ(refusal(), "accepted");
+  // Its flag is declared with the data flags, once, bound into its own options.
+  FlagSet flags;
+  data::declare_data_flags(flags, job.data, [](const data::DatasetInfo&) { return true; });
+  int declared = 0;
+  for (const Flag& flag : flags.flags()) declared += flag.name == "--cluster-separation";
+  EXPECT_EQ(declared, 1);
+  Flag* separation = flags.find("--cluster-separation");
+  ASSERT_NE(separation, nullptr);
+  *std::get<double*>(separation->target) = -1;  // what the parser does with the flag
+  EXPECT_NE(refusal().find("clusters: --cluster-separation must be >= 0"), std::string::npos)
+      << refusal();
+  *std::get<double*>(separation->target) = 0;  // no separation: the classes are noise
+  data::DataSource source = job.data;
+  source.test = false;
+  at::Tensor inputs = data::load_dataset("clusters", source).train.raw_inputs();
+  EXPECT_LT(inputs.mean().item<double>(), 0.2);
+  *std::get<double*>(separation->target) = 4;
+  source = job.data;
+  source.test = false;
+  EXPECT_GT(data::load_dataset("clusters", source).train.raw_inputs().mean().item<double>(),
+            4.0 / 6 - 0.2);  // each point's centre adds 4 to one of its 6 features
   // Its own check runs before any rank starts; a language model is refused by name.
   job.data.synthetic_examples = 10;
   EXPECT_NE(refusal().find("clusters: --synthetic-examples must be >= 30, got 10"),
             std::string::npos)
       << refusal();
   job.data.synthetic_examples = 600;
-  job.model = "gpt";
+  job.model.name = "gpt";
   EXPECT_NE(refusal().find("--model gpt is a language model: use it with --dataset text"),
             std::string::npos)
       << refusal();
-  job.model = "mlp";
+  job.model.name = "mlp";
 
   // Trained by name: the MLP was built for 6 inputs and 3 classes, and it separates them.
   const auto result = train::run_job(job);

@@ -16,6 +16,62 @@ namespace {
 
 constexpr int64_t kImageClasses = 10;
 
+// The flags of the built-in sets, by the fields they set (the image sets' are in images/);
+// functions, as registration may run before this file's statics are made.
+FlagGroup<DataSource> data_dir_flags() {
+  return {"data-dir", [](FlagSet& flags, DataSource& source) {
+            flags
+                .add("--data-dir", source.data_dir,
+                     "Fashion-MNIST IDX files (default: $DTRAIN_DATA_DIR, else Debian's "
+                     "/usr/share/datasets/fashion-mnist)")
+                .show_default = false;
+          }};
+}
+
+FlagGroup<DataSource> synthetic_flags() {
+  return {"synthetic", [](FlagSet& flags, DataSource& source) {
+            flags.add("--synthetic-examples", source.synthetic_examples,
+                      "--dataset synthetic: training examples");
+          }};
+}
+
+FlagGroup<DataSource> text_file_flags() {
+  return {"text", [](FlagSet& flags, DataSource& source) {
+            flags
+                .add("--text-file", source.text_file,
+                     "--dataset text: a UTF-8 text file or a directory of them (default "
+                     "--data-dir, else "
+                     "Debian's fortunes in /usr/share/games/fortunes)")
+                .show_default = false;
+          }};
+}
+
+FlagGroup<DataSource> validation_flags() {
+  return {"validation", [](FlagSet& flags, DataSource& source) {
+            flags.add(
+                "--validation-fraction", source.validation_fraction,
+                "--dataset text: share of the text (its end) held out for validation; tokens: "
+                "share of each corpus's documents (its last ones)");
+          }};
+}
+
+FlagGroup<DataSource> token_flags() {
+  return {
+      "tokens", [](FlagSet& flags, DataSource& source) {
+        flags
+            .add(
+                "--vocab-size", source.vocabulary,
+                "--dataset tokens: the vocabulary (every id must be below it; default: the largest "
+                "id in the files + 1)")
+            .show_default = false;
+        flags
+            .add("--tokenizer", source.tokenizer,
+                 "--dataset tokens: the shards' tokenizer.json (default: the one beside them, as "
+                 "`dtrain data prepare` leaves it); a checkpoint keeps it for `dtrain generate`")
+            .show_default = false;
+      }};
+}
+
 DatasetInfo fashion_mnist() {
   DatasetInfo info;
   info.name = "fashion-mnist";
@@ -23,6 +79,7 @@ DatasetInfo fashion_mnist() {
   info.input_shape = {1, 28, 28};
   info.classes = kImageClasses;
   info.federated = true;
+  info.flags = {data_dir_flags()};
   info.check = [](const DataSource& source) {
     load_fashion_mnist(source.data_dir, Split::Test);  // the smaller split: checks the files
   };
@@ -49,6 +106,7 @@ DatasetInfo synthetic() {
   info.input_shape = {1, 28, 28};
   info.classes = kImageClasses;
   info.federated = true;
+  info.flags = {synthetic_flags()};
   info.check = check_synthetic;
   info.load = [shape = info.input_shape](const DataSource& source) {
     check_synthetic(source);
@@ -96,6 +154,7 @@ DatasetInfo text() {
       "fortunes), one token per character";
   info.language = true;
   info.token_unit = "char";
+  info.flags = {data_dir_flags(), text_file_flags(), validation_flags()};
   info.check = [](const DataSource& source) { load_text_set(source); };
   info.load = load_text_set;
   return info;
@@ -128,6 +187,7 @@ DatasetInfo token_shards() {
       "token shards (Megatron .bin/.idx or llm.c .bin; tokens:PATH[,PATH...] or a blend "
       "tokens:PATH:WEIGHT,...), packed into --context windows in Megatron's GPTDataset order";
   info.language = true;
+  info.flags = {validation_flags(), token_flags()};
   info.check = [](const DataSource& source) { load_token_set(source); };
   info.load = load_token_set;
   return info;
@@ -155,6 +215,11 @@ Registry<DatasetInfo>& registry() {
 const std::deque<DatasetInfo>& datasets() { return registry().all(); }
 
 std::vector<std::string> dataset_names() { return registry().names(); }
+
+void declare_data_flags(FlagSet& flags, DataSource& source,
+                        const std::function<bool(const DatasetInfo&)>& keep) {
+  declare_flag_groups(flags, source, datasets(), keep);
+}
 
 std::string dataset_name(const std::string& flag) { return flag.substr(0, flag.find(':')); }
 

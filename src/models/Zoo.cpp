@@ -327,6 +327,39 @@ Model build_gpt(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_paral
   return make_gpt(config, tensor_parallel);
 }
 
+// The flags of the built-in models: the MLP's widths, the decoder's shape (what `dtrain train`
+// builds and `dtrain plan` predicts, from the same flags and config files).
+FlagGroup<ModelSpec> mlp_flags() {
+  return {"mlp", [](FlagSet& flags, ModelSpec& spec) {
+            flags.add("--hidden", spec.hidden, "MLP hidden layer widths");
+          }};
+}
+
+FlagGroup<ModelSpec> decoder_flags() {
+  return {"decoder", [](FlagSet& flags, ModelSpec& spec) {
+            GptConfig& gpt = spec.gpt;
+            flags.add("--layers", gpt.layers, "gpt, llama: transformer blocks");
+            flags.add("--heads", gpt.heads, "gpt, llama: attention (query) heads");
+            flags.add("--kv-heads", gpt.kv_heads,
+                      "gpt, llama: key/value heads, grouped-query attention (0 = --heads; must "
+                      "divide it)");
+            flags.add("--width", gpt.width, "gpt, llama: model width (a multiple of --heads)");
+            flags.add("--ffn-width", gpt.ffn_width,
+                      "gpt, llama: the MLP's hidden width (0 = 4 x --width for gpt; llama: 8/3 "
+                      "x --width rounded up to a multiple of 64)");
+            flags.add("--context", gpt.context,
+                      "gpt, llama: tokens per example (the attention window)");
+            flags.add("--rope-theta", gpt.rope_theta,
+                      "llama: the rotary embeddings' base (Llama 2: 10000; Llama 3: 500000)");
+            flags.add("--norm-eps", gpt.norm_eps, "gpt, llama: LayerNorm's / RMSNorm's epsilon");
+            flags.add("--dropout", gpt.dropout, "gpt, llama: dropout probability");
+            flags
+                .add("--tied-embeddings", gpt.tied_embeddings,
+                     "gpt, llama: the output layer reuses the token embedding's weight")
+                .show_default = false;
+          }};
+}
+
 // Every model by name: how it is built, what it can do, its recipe. Adding a model: a builder
 // and one line here (or register_model from outside the library).
 std::vector<ModelInfo> built_in() {
@@ -352,6 +385,7 @@ std::vector<ModelInfo> built_in() {
                  build_vgg),
       classifier("resnet", "a ResNet-style CNN (BatchNorm)", build_resnet),
   };
+  all.front().flags = {mlp_flags()};
   all.back().parameters_only = false;  // BatchNorm's running statistics
   all.push_back(classifier("resnet18",
                            "torchvision's ResNet-18 (its names: weights load both ways)",
@@ -368,6 +402,7 @@ std::vector<ModelInfo> built_in() {
   gpt.recipe = gpt_recipe();
   gpt.build = build_gpt;
   gpt.check_layout = check_gpt_layout;
+  gpt.flags = {decoder_flags()};
   all.push_back(gpt);
   ModelInfo llama = gpt;
   llama.name = "llama";
@@ -387,6 +422,11 @@ Registry<ModelInfo>& registry() {
 }  // namespace
 
 std::vector<std::string> model_names() { return registry().names(); }
+
+void declare_model_flags(FlagSet& flags, ModelSpec& spec,
+                         const std::function<bool(const ModelInfo&)>& keep) {
+  declare_flag_groups(flags, spec, registry().all(), keep);
+}
 
 const ModelInfo& model_info(const std::string& name) { return registry().at(name); }
 

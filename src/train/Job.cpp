@@ -39,12 +39,8 @@ std::string joined(const std::vector<std::string>& names, const char* separator 
 models::ModelSpec model_spec(const RunPlan& plan, int64_t vocabulary = 2) {
   const JobConfig& job = plan.job;
   const data::DatasetInfo dataset = data::dataset_info_for(job.dataset, plan.data);
-  models::ModelSpec spec;
-  spec.name = job.model;
-  spec.gpt = job.gpt;
+  models::ModelSpec spec = job.model;
   spec.gpt.vocab = vocabulary;
-  spec.hidden = job.hidden;
-  spec.checkpointing = job.checkpointing;
   if (!dataset.language) {
     spec.input_shape = dataset.input_shape;
     spec.classes = dataset.classes;
@@ -68,7 +64,7 @@ void validate_strategy(const RunPlan& plan) {
 JobConfig::JobConfig() {
   trainer.epochs = 5;
   // The default model's recipe (the main job: configs/fashion-mnist-ddp.toml).
-  const models::TrainingRecipe recipe = models::training_recipe(model);
+  const models::TrainingRecipe recipe = models::training_recipe(model.name);
   trainer.optimizer = recipe.optimizer;
   trainer.schedule = recipe.schedule;
   trainer.batch_size = recipe.batch_size;
@@ -76,8 +72,8 @@ JobConfig::JobConfig() {
 }
 
 std::string apply_model_recipe(JobConfig& job, const std::vector<std::string>& given) {
-  if (!contains(models::model_names(), job.model)) return "";  // validate_job names it
-  const models::TrainingRecipe recipe = models::training_recipe(job.model);
+  if (!contains(models::model_names(), job.model.name)) return "";  // validate_job names it
+  const models::TrainingRecipe recipe = models::training_recipe(job.model.name);
   auto& t = job.trainer;
   std::string set, own;
   auto take = [&](const char* flag, auto& field, const auto& value, std::string& said) {
@@ -101,13 +97,13 @@ std::string apply_model_recipe(JobConfig& job, const std::vector<std::string>& g
   take("max-grad-norm", t.strategy_options.max_grad_norm, recipe.max_grad_norm, set);
   std::string said;
   if (!set.empty()) {
-    said = concat("model ", job.model, ": its training recipe sets ", set,
+    said = concat("model ", job.model.name, ": its training recipe sets ", set,
                   " (a flag or config key overrides each)");
   }
   if (!own.empty()) {
     said += concat(said.empty() ? "" : "\n", "--optimizer ", t.optimizer.name, " (model ",
-                   job.model, "'s recipe trains with ", recipe.optimizer.name, "): ",
-                   t.optimizer.name, "'s own defaults, as PyTorch's, set ", own);
+                   job.model.name, "'s recipe trains with ", recipe.optimizer.name,
+                   "): ", t.optimizer.name, "'s own defaults, as PyTorch's, set ", own);
   }
   return said;
 }
@@ -132,8 +128,8 @@ void validate_job(const JobConfig& job) { validate_job(plan_run(job, job.nproc))
 
 void validate_job(const RunPlan& plan) {
   const JobConfig& job = plan.job;
-  DTRAIN_CHECK_INPUT(contains(models::model_names(), job.model), "--model: unknown model '",
-                     job.model, "' (expected ", joined(models::model_names()), ")");
+  DTRAIN_CHECK_INPUT(contains(models::model_names(), job.model.name), "--model: unknown model '",
+                     job.model.name, "' (expected ", joined(models::model_names()), ")");
   const parallel::StrategyInfo& strategy = parallel::strategy_info(job.trainer.strategy);
   const auto& addresses = job.trainer.strategy_options.of<parallel::ps::PsOptions>().addresses;
   if (strategy.parameter_server) {
@@ -163,14 +159,14 @@ void validate_job(const RunPlan& plan) {
                      "--simulate-slowdown: rank ", job.trainer.slowdown_rank, " is not one of the ",
                      std::max(1, job.nproc), " ranks");
   const data::DatasetInfo& dataset = data::dataset_info(job.dataset);
-  const models::ModelInfo& model = models::model_info(job.model);
+  const models::ModelInfo& model = models::model_info(job.model.name);
   if (model.language_model) {
-    DTRAIN_CHECK_INPUT(dataset.language, "--model ", job.model,
+    DTRAIN_CHECK_INPUT(dataset.language, "--model ", job.model.name,
                        " is a language model: use it with --dataset ",
                        data::dataset_names_where([](const auto& d) { return d.language; }));
   } else {
     DTRAIN_CHECK_INPUT(!dataset.language, "--dataset ", job.dataset,
-                       " needs --model gpt or another language model (not ", job.model, ")");
+                       " needs --model gpt or another language model (not ", job.model.name, ")");
   }
   DTRAIN_CHECK_INPUT(job.nproc >= 1, "--nproc must be >= 1, got ", job.nproc);
   if (job.trainer.sync_batchnorm) {
@@ -179,7 +175,7 @@ void validate_job(const RunPlan& plan) {
     for (const auto& name : models::model_names()) {
       if (!models::model_info(name).parameters_only) with.push_back(name);
     }
-    DTRAIN_CHECK_INPUT(!model.parameters_only, "--sync-batchnorm: model ", job.model,
+    DTRAIN_CHECK_INPUT(!model.parameters_only, "--sync-batchnorm: model ", job.model.name,
                        " has no BatchNorm layers (", joined(with), " have)");
     DTRAIN_CHECK_INPUT(strategy.loop == parallel::Loop::kSteps, "--sync-batchnorm: strategy ",
                        strategy.name, " has no data-parallel group that steps together");
@@ -188,20 +184,20 @@ void validate_job(const RunPlan& plan) {
   DTRAIN_CHECK_INPUT(tp >= 1, "--tensor-parallel must be >= 1, got ", tp);
   DTRAIN_CHECK_INPUT(tp == 1 || model.tensor_parallel, "--tensor-parallel ", tp,
                      " needs --model gpt or another model with tensor-parallel layers, not ",
-                     job.model);
+                     job.model.name);
   if (model.check_layout) {
     models::ModelLayout layout;
     layout.tensor_parallel = tp;
     layout.pipeline_parallel = plan.trainer.pipeline_parallel;
-    layout.sequence_parallel = job.gpt.sequence_parallel;
+    layout.sequence_parallel = job.model.gpt.sequence_parallel;
     model.check_layout(model_spec(plan), layout);
   } else {
-    DTRAIN_CHECK_INPUT(!job.gpt.sequence_parallel,
+    DTRAIN_CHECK_INPUT(!job.model.gpt.sequence_parallel,
                        "--sequence-parallel is for models with "
                        "tensor-parallel layers and a sequence (--model gpt), not ",
-                       job.model);
+                       job.model.name);
   }
-  DTRAIN_CHECK_INPUT(!job.gpt.tp_comm_overlap || (tp > 1 && model.tensor_parallel),
+  DTRAIN_CHECK_INPUT(!job.model.gpt.tp_comm_overlap || (tp > 1 && model.tensor_parallel),
                      "--tp-comm-overlap overlaps tensor parallelism's communication: it needs "
                      "--tensor-parallel > 1 and a model with tensor-parallel layers (gpt, llama)");
   if (tp > 1 && job.trainer.stage_replicas.empty()) {
@@ -212,14 +208,16 @@ void validate_job(const RunPlan& plan) {
   }
   DTRAIN_CHECK_INPUT(job.threads >= 0, "--threads must be >= 1, got ", job.threads);
   DTRAIN_CHECK_INPUT(job.comm_timeout_ms > 0, "--comm-timeout must be > 0");
-  for (auto width : job.hidden) DTRAIN_CHECK_INPUT(width >= 1, "--hidden widths must be >= 1");
+  for (auto width : job.model.hidden)
+    DTRAIN_CHECK_INPUT(width >= 1, "--hidden widths must be >= 1");
   DTRAIN_CHECK_INPUT(job.bucket_cap_mb > 0 && job.bucket_cap_mb <= 1 << 20,
                      "--bucket-cap-mb must be in (0, 1048576], got ", job.bucket_cap_mb);
   validate(plan.trainer);
   // Selective recomputation is the transformers' (their attention's core); the others' models
   // refuse it with the usual message.
-  if (job.checkpointing != "selective" || !models::model_info(job.model).language_model) {
-    memory::parse_segments(job.checkpointing, 1);
+  if (job.model.checkpointing != "selective" ||
+      !models::model_info(job.model.name).language_model) {
+    memory::parse_segments(job.model.checkpointing, 1);
   }
   validate_strategy(plan);
   // Build throwaway objects to validate their options with their own messages.
@@ -278,9 +276,9 @@ JobResult run_job(const JobConfig& job) {
   }
   if (world->rank() == 0 && !data.description.empty()) {
     std::string line = data.description;
-    if (models::model_info(job.model).language_model) {
+    if (models::model_info(job.model.name).language_model) {
       line +=
-          concat("; ", job.model, " of ",
+          concat("; ", job.model.name, " of ",
                  models::gpt_parameter_count(models::decoder_config(model_spec(plan, vocabulary))),
                  " parameters");
     }
@@ -312,7 +310,7 @@ JobResult run_job(const JobConfig& job) {
   JobResult result;
   // The whole model's parameters: a decoder's from its shape (a tensor-parallel rank builds a
   // block of it), any other model's counted.
-  if (models::model_info(job.model).language_model) {
+  if (models::model_info(job.model.name).language_model) {
     result.parameters =
         models::gpt_parameter_count(models::decoder_config(model_spec(plan, vocabulary)));
   } else {
@@ -360,7 +358,7 @@ std::string summary(const JobConfig& job, const JobResult& result) {
           .c_str(),
       took.c_str(), fit.samples_per_second,
       result.parameters > 0
-          ? concat("; ", job.model, " of ", with_thousands(result.parameters), " parameters")
+          ? concat("; ", job.model.name, " of ", with_thousands(result.parameters), " parameters")
                 .c_str()
           : "");
   if (fit.validation && data::dataset_info(job.dataset).language) {

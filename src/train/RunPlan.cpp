@@ -36,7 +36,7 @@ data::DataSource data_source(const JobConfig& job, const BatchPlan& batches) {
   source.epochs = job.trainer.epochs;
   if (job.trainer.max_steps > 0)
     source.train_samples = job.trainer.max_steps * batches.global_batch;
-  source.context = job.gpt.context;
+  source.context = job.model.gpt.context;
   source.seed = job.trainer.seed;
   return source;
 }
@@ -92,11 +92,12 @@ RunPlan plan_run(const JobConfig& job, int ranks) {
   plan.layout = layout_of(t, plan.data_parallel);
   plan.layout.ranks = ranks;
   const std::vector<std::string> names = models::model_names();
-  const bool language_model = std::find(names.begin(), names.end(), job.model) != names.end() &&
-                              models::model_info(job.model).language_model;
-  plan.layout.sequence_parallel = language_model && job.gpt.sequence_parallel;
-  plan.layout.tied_parameters = language_model && job.gpt.tied_embeddings;
-  plan.layout.model = job.model;
+  const bool language_model =
+      std::find(names.begin(), names.end(), job.model.name) != names.end() &&
+      models::model_info(job.model.name).language_model;
+  plan.layout.sequence_parallel = language_model && job.model.gpt.sequence_parallel;
+  plan.layout.tied_parameters = language_model && job.model.gpt.tied_embeddings;
+  plan.layout.model = job.model.name;
   plan.data = data_source(job, plan.batches);
   plan.launch = launch_policy(job, t, plan.layout);
   return plan;

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/common/Flags.h"
+#include "dtrain/common/OwnOptions.h"
 #include "dtrain/data/Dataset.h"
 
 namespace dtrain::data {
@@ -53,6 +55,8 @@ struct DataSource {
   /// The splits to load (a federated client needs one): a split not asked for stays empty.
   bool train = true;
   bool test = true;
+  /// A registered set's own options (own.of<ItsOptions>()), set by its flags.
+  OwnOptions own{};
 };
 
 /// A loaded data set.
@@ -92,7 +96,16 @@ struct DatasetInfo {
   std::function<void(const DataSource&)> check;
   /// Loads the splits asked for; refuses what check() refuses (it is called without it).
   std::function<LoadedData(const DataSource&)> load;
+  /// The flags that set what it reads, as groups of DataSource's fields (sets that read the
+  /// same fields list the same group: every language set's --validation-fraction). `dtrain
+  /// train` and `dtrain fl` declare the groups of their sets from here.
+  std::vector<FlagGroup<DataSource>> flags;
 };
+
+/// Declares the flag groups of the registered sets for which `keep` holds (each group once, in
+/// the registry's order), bound to `source`'s fields.
+void declare_data_flags(FlagSet& flags, DataSource& source,
+                        const std::function<bool(const DatasetInfo&)>& keep);
 
 /// NAME of --dataset NAME[:ARGUMENT], and the ARGUMENT ("" without one).
 std::string dataset_name(const std::string& flag);

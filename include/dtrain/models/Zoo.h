@@ -9,7 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/common/Flags.h"
 #include "dtrain/common/Model.h"
+#include "dtrain/common/OwnOptions.h"
 #include "dtrain/models/Gpt.h"
 #include "dtrain/optim/LrSchedule.h"
 #include "dtrain/optim/OptimizerSpec.h"
@@ -29,6 +31,8 @@ struct ModelSpec {
   std::string checkpointing = "none";
   /// The GPT model's sizes (its vocabulary from the data; checkpointing from above).
   GptConfig gpt;
+  /// A registered model's own hyper-parameters (own.of<ItsOptions>()), set by its flags.
+  OwnOptions own{};
 };
 
 /// Builds the named model with freshly initialized parameters (uses the global torch RNG),
@@ -82,7 +86,16 @@ struct ModelInfo {
   /// (a GPT's heads that --tensor-parallel does not divide); checked before any rank starts.
   /// nullptr: any layout its capabilities allow.
   std::function<void(const ModelSpec& spec, const ModelLayout& layout)> check_layout;
+  /// Its hyper-parameters' flags, as groups of ModelSpec's fields (models that read the same
+  /// fields list the same group: gpt's and llama's decoder shape). `dtrain train`, `dtrain fl`
+  /// and `dtrain plan` declare the groups of their models from here.
+  std::vector<FlagGroup<ModelSpec>> flags;
 };
+
+/// Declares the flag groups of the registered models for which `keep` holds (each group once,
+/// in the registry's order), bound to `spec`'s fields.
+void declare_model_flags(FlagSet& flags, ModelSpec& spec,
+                         const std::function<bool(const ModelInfo&)>& keep);
 
 /// A language model's decoder: spec.gpt with the registry entry's architecture applied (what
 /// it builds, what a checkpoint records for `dtrain generate`).

@@ -6,16 +6,15 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <any>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
-#include <typeindex>
 #include <vector>
 
 #include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/common/Model.h"
+#include "dtrain/common/OwnOptions.h"
 #include "dtrain/data/Dataset.h"
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/StateShards.h"
@@ -79,24 +78,20 @@ struct StrategyOptions {
   double loss_scale_init = 65536.0;
   int64_t loss_scale_growth_interval = 2000;
 
-  /// A strategy's own options struct (default-constructed on first use).
+  /// A strategy's own options struct (default-constructed on first use; its defaults when
+  /// never set).
   template <typename T>
   T& of() {
-    std::any& slot = own[std::type_index(typeid(T))];
-    if (!slot.has_value()) slot = T{};
-    return std::any_cast<T&>(slot);
+    return own.of<T>();
   }
-  /// Its defaults when never set.
   template <typename T>
   const T& of() const {
-    static const T defaults{};
-    const auto found = own.find(std::type_index(typeid(T)));
-    return found == own.end() ? defaults : std::any_cast<const T&>(found->second);
+    return own.of<T>();
   }
 
   /// Where of<T>() keeps them (public only so that the struct stays an aggregate: tests write
   /// `DdpStrategy({.precision = "bf16"})`); use of<T>().
-  std::map<std::type_index, std::any> own{};
+  OwnOptions own{};
 };
 
 /// What of each micro-batch a rank reads (a pipeline's middle stages read neither; the first

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "dtrain/data/Datasets.h"
-#include "dtrain/models/Gpt.h"
+#include "dtrain/models/Zoo.h"
 #include "dtrain/train/Trainer.h"
 
 namespace dtrain::train {
@@ -21,14 +21,11 @@ struct JobConfig {
   /// whether none is made by default (--no-run-dir).
   std::string run_dir;
   bool no_run_dir = false;
-  /// "mlp", "cnn", "resnet" or "gpt" (with the text data set).
-  std::string model = "cnn";
-  /// GPT sizes (--layers --heads --width --context --dropout --tied-embeddings); the
-  /// vocabulary comes from the text.
-  models::GptConfig gpt;
-  std::vector<int64_t> hidden{256, 256};
-  /// Activation checkpointing: "none", "sqrt" or a segment count.
-  std::string checkpointing = "none";
+  /// The model: its name (a model of the registry, models/Zoo.h), its hyper-parameters as its
+  /// flags set them (the MLP's --hidden, the decoder's --layers ...; each default written once,
+  /// in models::ModelSpec) and --checkpointing; plan_run adds what the data decides (the
+  /// examples' shape, the classes, the vocabulary).
+  models::ModelSpec model;
   /// A data set of the registry (data/Datasets.h): "fashion-mnist", "synthetic", "text", ...
   std::string dataset = "fashion-mnist";
   /// What the data set reads, as the data flags set it (--data-dir, --text-file,

@@ -451,6 +451,21 @@ LoadedData load_images(const DataSource& source) {
   return data;
 }
 
+FlagGroup<DataSource> image_flags() {
+  return {
+      "images", [](FlagSet& flags, DataSource& source) {
+        flags.add("--image-size", source.image_size,
+                  "--dataset images: the side of the images the model sees");
+        flags.add("--augment", source.augment,
+                  "--dataset images: the transforms: imagenet (training: random-resized-crop and "
+                  "flip; evaluation: resize to 256/224 of the size, center crop), flip (the whole "
+                  "image resized, flipped half the time) or none (the whole image resized)");
+        flags.add("--max-bad-samples", source.max_bad_samples,
+                  "--dataset images: damaged images to name and leave out before training (more "
+                  "stop it)");
+      }};
+}
+
 DatasetInfo images_info() {
   DatasetInfo info;
   info.name = "images";
@@ -463,6 +478,7 @@ DatasetInfo images_info() {
     described.input_shape = {3, source.image_size, source.image_size};
     described.classes = static_cast<int64_t>(image_classes(source.argument).size());
   };
+  info.flags = {image_flags()};
   info.check = [](const DataSource& source) { load_images(source); };
   info.load = load_images;
   return info;
