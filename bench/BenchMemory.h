@@ -64,17 +64,27 @@ class CountingAllocator : public compat::Allocator {
     void* block = nullptr;
     if (posix_memalign(&block, kHeader, n + kHeader) != 0) throw std::bad_alloc();
     *static_cast<size_t*>(block) = n;
-    in_use() += static_cast<int64_t>(n);
+    const int64_t now = in_use() += static_cast<int64_t>(n);
+    int64_t high = peak().load();
+    while (now > high && !peak().compare_exchange_weak(high, now)) {
+    }
     void* data = static_cast<char*>(block) + kHeader;
     return {data, data, &release, at::Device(at::kCPU)};
   }
   at::DeleterFnPtr raw_deleter() const override { return &release; }
   /// Bytes of live tensors now.
   static int64_t bytes_in_use() { return in_use().load(); }
+  /// The most bytes live at once since the last reset_peak().
+  static int64_t peak_bytes() { return peak().load(); }
+  static void reset_peak() { peak() = in_use().load(); }
 
  private:
   static constexpr size_t kHeader = 64;
   static std::atomic<int64_t>& in_use() {
+    static std::atomic<int64_t> bytes{0};
+    return bytes;
+  }
+  static std::atomic<int64_t>& peak() {
     static std::atomic<int64_t> bytes{0};
     return bytes;
   }

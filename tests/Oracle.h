@@ -16,6 +16,7 @@
 #include "RankThreads.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/parallel/Strategy.h"
 
 namespace dtrain::test {
@@ -66,7 +67,11 @@ constexpr double kTightBound = 1e-10;
 /// Builds the spec's model in `dtype` (parameters and buffers).
 inline Model make_model_as(const models::ModelSpec& spec, at::ScalarType dtype) {
   Model model = models::make_model(spec);
-  model.module->to(dtype);
+  if (model.deferred && model.deferred->pending()) {  // placeholders (spec.deferred)
+    model.deferred->to(at::TensorOptions().dtype(dtype));
+  } else {
+    model.module->to(dtype);
+  }
   return model;
 }
 
@@ -127,13 +132,16 @@ inline std::vector<at::Tensor> train_single(const Fixture& f, int steps) {
 inline std::vector<at::Tensor> train_distributed(
     const Fixture& f, int world, int steps, const std::function<parallel::StrategyPtr()>& make,
     int micro = 1,
-    const std::function<parallel::LossFn(const comm::CommunicatorPtr&)>& loss_for = nullptr) {
+    const std::function<parallel::LossFn(const comm::CommunicatorPtr&)>& loss_for = nullptr,
+    const std::function<Model()>& build = nullptr) {
   std::vector<at::Tensor> result;
-  // Rank threads share LibTorch's RNG: build the replicas before they start.
+  // Rank threads share LibTorch's RNG: build the replicas before they start. `build` (optional)
+  // builds each rank's own (a model of placeholders each rank draws its part of); else rank 0
+  // starts from f.initial and the others get it by broadcast.
   std::vector<Model> replicas;
   for (int r = 0; r < world; ++r) {
-    replicas.push_back(make_model_as(f.spec, f.dtype));
-    if (r == 0) restore(replicas.back(), f.initial);  // the others get it by broadcast
+    replicas.push_back(build ? build() : make_model_as(f.spec, f.dtype));
+    if (r == 0 && !build) restore(replicas.back(), f.initial);
   }
   run_ranks(
       world,

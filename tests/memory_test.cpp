@@ -1,12 +1,18 @@
-// Activation memory measured with a counting allocator (every CPU tensor of this binary goes
-// through it): what a GPT block keeps for backward without recomputation and with selective
-// recomputation of attention's core, against Korthikanti et al. 2022's accounting.
+// Memory measured with a counting allocator (every CPU tensor of this binary goes through it):
+// what a GPT block keeps for backward without recomputation and with selective recomputation of
+// attention's core, against Korthikanti et al. 2022's accounting; what ZeRO-3's setup holds.
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "../bench/BenchMemory.h"
+#include "Oracle.h"
+#include "RankThreads.h"
+#include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/models/Gpt.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/nn/DeferredInit.h"
+#include "parallel/zero/Zero3Strategy.h"
 
 using namespace dtrain;
 
@@ -77,4 +83,60 @@ TEST(ActivationMemory, SelectiveRecomputationKeepsKorthikantisShare) {
   EXPECT_NEAR((none - selective) / kept_attention, 1.0, 0.03);
   // Whole blocks recomputed (3 segments of 1 block) keep only each block's input.
   EXPECT_LT(full, 2 * 4 * s * b * h);
+}
+
+// ZeRO-3's setup (model built, shards cut, on 2 rank threads: the allocator counts both). Built
+// whole, each rank holds the whole model before it keeps its shards; built as placeholders
+// (Model::deferred), each rank draws only its shards: the setup's peak is what the ranks keep
+// afterwards (their parameter and gradient shards) plus at most a parameter each, +10%.
+TEST(SetupMemory, Zero3BuiltAsPlaceholdersNeverHoldsTheWholeModel) {
+  at::set_num_threads(1);
+  ASSERT_TRUE(installed);
+  models::ModelSpec spec;
+  spec.name = "llama";
+  spec.gpt.vocab = 512;
+  spec.gpt.layers = 4;
+  spec.gpt.heads = 4;
+  spec.gpt.width = 64;
+  spec.gpt.context = 16;
+  const int world = 2;
+  int64_t model_bytes = 0, largest_bytes = 0;
+  auto setup = [&](bool deferred, int64_t& kept, int64_t& peak) {
+    std::vector<parallel::StrategyPtr> strategies(world);
+    const int64_t before = bench::CountingAllocator::bytes_in_use();
+    bench::CountingAllocator::reset_peak();
+    std::vector<Model> models;
+    spec.deferred = deferred;
+    for (int r = 0; r < world; ++r) {
+      torch::manual_seed(4);
+      models.push_back(models::make_model(spec));
+    }
+    largest_bytes = 0;
+    for (const auto& p : models[0].module->parameters()) {
+      largest_bytes = std::max<int64_t>(largest_bytes, p.numel() * 4);
+    }
+    test::run_ranks(world, [&](const comm::CommunicatorPtr& comm) {
+      strategies[comm->rank()] =
+          std::make_unique<parallel::zero::Zero3Strategy>(parallel::StrategyOptions{});
+      strategies[comm->rank()]->setup(models[comm->rank()], optim::optimizer_factory(test::adam()),
+                                      std::make_shared<comm::ProcessGrid>(comm));
+    });
+    models.clear();
+    kept = bench::CountingAllocator::bytes_in_use() - before;
+    peak = bench::CountingAllocator::peak_bytes() - before;
+  };
+  int64_t eager_kept = 0, eager_peak = 0, kept = 0, peak = 0;
+  setup(false, eager_kept, eager_peak);
+  setup(true, kept, peak);
+  model_bytes = models::gpt_parameter_count(models::decoder_config(spec)) * 4;
+  std::printf(
+      "zero3 setup on %d ranks: model %lld bytes, largest parameter %lld; built whole: "
+      "peak %lld, kept %lld; as placeholders: peak %lld, kept %lld\n",
+      world, static_cast<long long>(model_bytes), static_cast<long long>(largest_bytes),
+      static_cast<long long>(eager_peak), static_cast<long long>(eager_kept),
+      static_cast<long long>(peak), static_cast<long long>(kept));
+  EXPECT_GE(eager_peak, world * model_bytes);  // the measure sees every whole model
+  EXPECT_NEAR(static_cast<double>(kept), static_cast<double>(eager_kept), 0.02 * eager_kept);
+  EXPECT_LE(peak, 1.1 * (kept + world * largest_bytes));
+  EXPECT_LT(peak, eager_peak);
 }

@@ -16,6 +16,7 @@
 #include "common/TorchCompat.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/WeightGrad.h"
 #include "dtrain/nn/tensor/CrossEntropy.h"
 #include "dtrain/nn/tensor/Layers.h"
@@ -53,8 +54,10 @@ struct Shared {
 // inputs normalized in float32). Parameters "weight" and "bias", as torch::nn::LayerNorm's.
 struct NormImpl : torch::nn::Module {
   NormImpl(const GptConfig& c) : width(c.width), rms(c.norm == "rmsnorm"), eps(c.norm_eps) {
-    weight = register_parameter("weight", at::ones({width}));
-    if (!rms && c.bias) bias = register_parameter("bias", at::zeros({width}));
+    weight = register_parameter("weight", nn::new_parameter({width}, nn::InitRule::constant(1)));
+    if (!rms && c.bias) {
+      bias = register_parameter("bias", nn::new_parameter({width}, nn::InitRule::constant(0)));
+    }
   }
   at::Tensor forward(const at::Tensor& x) {
     if (!rms) return at::layer_norm(x, {width}, weight, bias, eps);
@@ -120,9 +123,11 @@ struct GptEmbeddingImpl : torch::nn::Module {
         shared(std::move(shared)) {
     register_module("token", token);
     if (c.position == "learned") {
-      position = register_module("position", torch::nn::Embedding(c.context, c.width));
-      torch::NoGradGuard no_grad;
-      position->weight.normal_(0.0, 0.02);
+      position = register_module(
+          "position",
+          torch::nn::Embedding(
+              torch::nn::EmbeddingOptions(c.context, c.width)
+                  ._weight(nn::new_parameter({c.context, c.width}, nn::InitRule::normal(0.02)))));
     }
     context = c.context;
   }
@@ -477,7 +482,7 @@ int64_t ffn_width_of(const GptConfig& c) {
   return (8 * c.width / 3 + 63) / 64 * 64;
 }
 
-Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
+Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, bool deferred) {
   validate(config);
   Shared shared;
   shared.group = tensor_parallel && tensor_parallel->size() > 1 ? tensor_parallel : nullptr;
@@ -494,17 +499,32 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel) {
                      "shares one with --tensor-parallel / --kv-heads ranks)");
   DTRAIN_CHECK_INPUT(config.vocab >= ranks, "a vocabulary of ", config.vocab,
                      " cannot be split over ", ranks, " tensor-parallel ranks");
+  // The same on every rank built from the same seed.
   uint64_t dropout_seed = 0;
+  uint64_t init_seed = 0;
   {
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
-    // The same on every rank built from the same seed.
     dropout_seed = generator.get<at::CPUGeneratorImpl>()->random64();
+    // Every parameter's values are drawn from this seed and its name (nn/DeferredInit.h): the
+    // same on every rank, whatever part of them a rank keeps.
+    init_seed = generator.get<at::CPUGeneratorImpl>()->random64();
   }
   shared.rng =
       std::make_shared<tp::RngTracker>(dropout_seed, shared.group ? shared.group->rank() : 0);
-  auto module = std::make_shared<GptImpl>(config, shared);
+  auto init = std::make_shared<nn::DeferredInit>(init_seed);
+  std::shared_ptr<GptImpl> module;
+  {
+    nn::InitScope scope(*init);
+    module = std::make_shared<GptImpl>(config, shared);
+  }
+  init->bind(*module);
   Model model(module);
+  if (deferred) {
+    model.deferred = init;  // placeholders: the strategy draws what the rank keeps
+  } else {
+    init->materialize_all();
+  }
   model.stages = module->stages();
   if (shared.group) {
     const int64_t start = module->head->vocab_start();

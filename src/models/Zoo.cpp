@@ -324,7 +324,7 @@ Model build_torchvision_resnet(const ModelSpec& spec) {
 Model build_gpt(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
   GptConfig config = decoder_config(spec);
   config.checkpointing = spec.checkpointing;
-  return make_gpt(config, tensor_parallel);
+  return make_gpt(config, tensor_parallel, spec.deferred);
 }
 
 // The flags of the built-in models: the MLP's widths, the decoder's shape (what `dtrain train`

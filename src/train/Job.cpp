@@ -53,7 +53,9 @@ models::ModelSpec model_spec(const RunPlan& plan, int64_t vocabulary = 2) {
 void validate_strategy(const RunPlan& plan) {
   parallel::Layout layout = plan.layout;
   if (plan.trainer.pipeline_parallel > 1) {
-    layout.model_stages = static_cast<int>(models::make_model(model_spec(plan)).stages.size());
+    models::ModelSpec spec = model_spec(plan);
+    spec.deferred = true;  // its stages are what counts, not its values
+    layout.model_stages = static_cast<int>(models::make_model(spec).stages.size());
   }
   auto options = plan.trainer.strategy_options;
   parallel::make_strategy(parallel::resolve_strategy(layout, options), options);
@@ -290,7 +292,10 @@ JobResult run_job(const JobConfig& job) {
       !options.init_from.empty() && is_safetensors(options.init_from) ? options.init_from : "";
   if (!safetensors_init.empty()) options.init_from.clear();
   Trainer trainer(options, world);
-  const models::ModelSpec spec = model_spec(plan, vocabulary);
+  models::ModelSpec spec = model_spec(plan, vocabulary);
+  // A strategy that keeps part of each parameter draws only that part (the Trainer gives the
+  // others the whole model).
+  spec.deferred = parallel::strategy_info(options.strategy).draws_deferred;
   Model model = models::make_model(spec, trainer.grid()->tp());
   if (!safetensors_init.empty()) {
     const std::string origin = "--init-from " + safetensors_init;

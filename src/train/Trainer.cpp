@@ -18,6 +18,7 @@
 #include "dtrain/common/Net.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/data/DistributedSampler.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/SyncBatchNorm.h"
 #include "dtrain/parallel/ft/Replicas.h"
 #include "dtrain/precision/Precision.h"
@@ -218,7 +219,7 @@ namespace {
 /// The run's last metrics record (rank 0): its steps, time, throughput, this rank's model state
 /// as its strategy keeps it (what `dtrain plan` predicts), the final loss and accuracy.
 void write_summary(runners::Run& run, int64_t start_step, int world_size,
-                   const parallel::Strategy& strategy) {
+                   const parallel::Strategy& strategy, int64_t setup_peak_bytes) {
   const FitResult& result = run.result;
   MetricRecord summary{{"event", std::string("summary")},
                        {"steps", result.steps},
@@ -234,6 +235,9 @@ void write_summary(runners::Run& run, int64_t start_step, int world_size,
   summary["parameter_bytes"] = memory.parameter_bytes;
   summary["gradient_bytes"] = memory.gradient_bytes;
   summary["optimizer_bytes"] = memory.optimizer_bytes;
+  // This process's peak resident memory once the model was built and set up, before step 1
+  // (the data set's included).
+  if (setup_peak_bytes > 0) summary["setup_peak_resident_bytes"] = setup_peak_bytes;
   if (!result.losses.empty()) summary["final_loss"] = result.losses.back();
   if (result.stopped_by != 0)
     summary["stopped_by_signal"] = static_cast<int64_t>(result.stopped_by);
@@ -250,6 +254,17 @@ void Trainer::set_up(Model model, const data::TensorDataset& train,
   predict_ = model.predict;
   strategy_->prepare(runners::to_device(
       train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
+  // A model of placeholders (Model::deferred) stays so only for a strategy that draws its own
+  // parts of it; the others, and --init-from's whole-model files, get it whole here.
+  if (model.deferred && model.deferred->pending()) {
+    const parallel::StrategyInfo& info = parallel::strategy_info(options_.strategy);
+    if (info.draws_deferred && options_.pipeline_parallel == 1 && options_.init_from.empty() &&
+        !strategy_->survives_replica_failures()) {
+      model.deferred->to(at::TensorOptions().device(device_));
+    } else {
+      model.deferred->materialize_all();
+    }
+  }
   if (!options_.init_from.empty()) {
     DTRAIN_CHECK_INPUT(options_.tensor_parallel == 1,
                        "--init-from loads the full model; with "
@@ -260,7 +275,7 @@ void Trainer::set_up(Model model, const data::TensorDataset& train,
       check_finite_weights(*model.module, "--init-from " + options_.init_from);
     }
   }
-  model.module->to(device_);
+  if (!model.deferred || !model.deferred->pending()) model.module->to(device_);
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
   if (after_setup_) after_setup_(*strategy_);
   if (options_.sync_batchnorm) {
@@ -321,6 +336,7 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   }
   if (!options_.trace_file.empty()) trace::start();
   set_up(std::move(model), train, spec);
+  const int64_t setup_peak_bytes = peak_resident_bytes();
   torch::manual_seed(options_.seed + 1000003ULL * static_cast<uint64_t>(rank + 1));
   CheckpointManager checkpoints(options_, *world_, *grid_, *strategy_);
   // A replacement replica has its state from a replica that trains, and starts where it is.
@@ -384,13 +400,13 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   if (!options_.trace_file.empty()) write_trace();
   result.train_seconds = run.train_seconds;
   result.samples_per_second = run.samples / std::max(run.train_seconds, 1e-9);
-  if (run.leader) write_summary(run, start_step, world_->size(), *strategy_);
+  if (run.leader) write_summary(run, start_step, world_->size(), *strategy_, setup_peak_bytes);
   return std::move(run.result);
 }
 
 parallel::Strategy& Trainer::prepare(Model model, const data::Batch& example) {
   strategy_->prepare(runners::to_device(example, device_));
-  model.module->to(device_);
+  if (!model.deferred || !model.deferred->pending()) model.module->to(device_);
   strategy_->setup(std::move(model), optim::optimizer_factory(options_.optimizer), grid_);
   if (after_setup_) after_setup_(*strategy_);
   return *strategy_;

@@ -18,6 +18,10 @@ class Sequential;
 
 namespace dtrain {
 
+namespace nn {
+class DeferredInit;
+}
+
 /// One step of a model's sequential decomposition (what ZeRO-3 gathers as a unit, what a
 /// pipeline would place on a stage): `forward` uses only the parameters of `modules`.
 struct Stage {
@@ -44,6 +48,10 @@ struct Model {
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
   /// Optional: predicted classes from the output (default: argmax over the last dimension).
   std::function<at::Tensor(const at::Tensor&)> predict;
+  /// Set when the parameters are placeholders without memory whose values this draws
+  /// (nn/DeferredInit.h: a model built for a strategy that keeps part of each parameter). A
+  /// strategy that does not draw its parts calls materialize_all() first (the Trainer does).
+  std::shared_ptr<nn::DeferredInit> deferred;
 
   Model() = default;
   Model(std::shared_ptr<torch::nn::Module> m, std::function<at::Tensor(const at::Tensor&)> f)

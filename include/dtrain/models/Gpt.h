@@ -75,12 +75,15 @@ int64_t ffn_width_of(const GptConfig& config);
 /// (ProcessGrid::tp()), attention heads (T must divide the query heads, and divide or be a
 /// multiple of the key/value heads: then T / KV ranks share each key/value head, their
 /// gradients summed by the strategies), MLP columns
-/// and the vocabulary are split over it (nn/tensor/Layers.h): every rank draws the full
-/// initialization and keeps its block, so the model equals the serial one built from the same
-/// seed; its output is then this rank's block of the logits, and Model::loss / Model::predict
-/// are the vocab-parallel cross-entropy and argmax. Dropout draws from the model's own
-/// generators (nn/tensor/Random.h), seeded from the global one.
-Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel = nullptr);
+/// and the vocabulary are split over it (nn/tensor/Layers.h); its output is then this rank's
+/// block of the logits, and Model::loss / Model::predict are the vocab-parallel cross-entropy and
+/// argmax. Each parameter's initial values are drawn from a seed taken from the global generator
+/// and its name (nn/DeferredInit.h), each rank drawing only its block, so the model equals the
+/// serial one built from the same seed. `deferred`: the parameters are placeholders without
+/// memory and Model::deferred draws them, for a strategy that keeps only part of each (zero3).
+/// Dropout draws from the model's own generators (nn/tensor/Random.h), seeded from the global one.
+Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel = nullptr,
+               bool deferred = false);
 
 /// The sizes as JSON (what a checkpoint records), and back (InputError naming a missing or bad
 /// field, with `origin`).

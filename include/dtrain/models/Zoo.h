@@ -33,6 +33,9 @@ struct ModelSpec {
   GptConfig gpt;
   /// A registered model's own hyper-parameters (own.of<ItsOptions>()), set by its flags.
   OwnOptions own{};
+  /// Build placeholders for the strategy to draw (Model::deferred), where the builder can (the
+  /// decoder's); a builder that cannot builds the model whole.
+  bool deferred = false;
 };
 
 /// Builds the named model with freshly initialized parameters (uses the global torch RNG),

@@ -131,6 +131,9 @@ struct StrategyInfo {
   /// Keeps only shards of the parameters once set up (Strategy::parameter_pieces()): initial
   /// weights from a file go into the shards after setup, each rank reading its own.
   bool shards_parameters = false;
+  /// Takes a model whose parameters are placeholders (Model::deferred) and draws only the
+  /// parts it keeps; the Trainer materializes such a model whole for the others.
+  bool draws_deferred = false;
   /// Trains against parameter-server shards (--ps, or --ps-shards started by dtrain train).
   bool parameter_server = false;
   /// The shards apply the updates with their optimizer (their schedule runs by version).

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/WeightGrad.h"
 #include "dtrain/nn/tensor/Mappings.h"
 
@@ -35,6 +36,14 @@ std::pair<at::Tensor, at::Tensor> full_linear(int64_t in, int64_t out, bool with
   return {weight, bias};
 }
 
+// Inside an InitScope (a model whose values are drawn by name): a linear layer's rules, the
+// same distributions as full_linear's.
+std::pair<InitRule, InitRule> linear_rules(int64_t in, double init_std) {
+  if (init_std > 0) return {InitRule::normal(init_std), InitRule::constant(0.0)};
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a = √5)
+  return {InitRule::uniform(bound), InitRule::uniform(bound)};
+}
+
 void check_full(const at::Tensor& given, at::IntArrayRef expected, const char* what) {
   DTRAIN_CHECK_INPUT(given.sizes() == expected, what, " of shape ", given.sizes(),
                      " given where the layer's full tensor is ", expected);
@@ -56,6 +65,12 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ColumnParallelLinearOpt
                      options.out_features(), " features cannot be split over ", blocks, " ranks");
   std::tie(start_, length_) =
       split_range(options.out_features(), blocks, rank_of(group) / replicas);
+  if (current_init() != nullptr) {  // this rank's rows, drawn later by name
+    const auto [w, b] = linear_rules(options.in_features(), options.init_std());
+    weight = register_parameter("weight", new_parameter({length_, options.in_features()}, w));
+    if (options.bias()) bias = register_parameter("bias", new_parameter({length_}, b));
+    return;
+  }
   auto [w, b] = full_linear(options.in_features(), options.out_features(), options.bias(),
                             options.init_std());
   weight = register_parameter("weight", w.narrow(0, start_, length_).clone());
@@ -103,6 +118,13 @@ RowParallelLinearImpl::RowParallelLinearImpl(const RowParallelLinearOptions& opt
                      options.out_features(), " features cannot be split over ", size_of(group),
                      " ranks");
   std::tie(start_, length_) = split_range(options.in_features(), size_of(group), rank_of(group));
+  if (current_init() != nullptr) {  // this rank's columns, drawn later by name
+    const auto [w, b] = linear_rules(options.in_features(), options.init_std());
+    weight = register_parameter("weight", new_parameter({options.out_features(), length_}, w));
+    if (options.bias())
+      bias = register_parameter("bias", new_parameter({options.out_features()}, b));
+    return;
+  }
   auto [w, b] = full_linear(options.in_features(), options.out_features(), options.bias(),
                             options.init_std());
   weight = register_parameter("weight", w.narrow(1, start_, length_).contiguous());
@@ -139,6 +161,13 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(
                      "an embedding of ", options.num_embeddings(), " x ", options.embedding_dim(),
                      " cannot be split over ", size_of(group), " ranks");
   std::tie(start_, length_) = split_range(options.num_embeddings(), size_of(group), rank_of(group));
+  if (current_init() != nullptr) {  // this rank's rows, drawn later by name
+    weight = register_parameter(
+        "weight",
+        new_parameter({length_, options.embedding_dim()},
+                      InitRule::normal(options.init_std() > 0 ? options.init_std() : 1.0)));
+    return;
+  }
   at::Tensor full = at::empty({options.num_embeddings(), options.embedding_dim()});
   {
     torch::NoGradGuard no_grad;

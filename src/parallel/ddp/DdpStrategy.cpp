@@ -9,6 +9,7 @@
 #include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/StateShards.h"
 #include "dtrain/parallel/ft/FaultToleranceOptions.h"
@@ -77,7 +78,10 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
 void DdpStrategy::broadcast_initial_state() {
   torch::NoGradGuard no_grad;
   std::vector<comm::WorkPtr> works;
-  for (auto& p : parameters_) works.push_back(comm_->broadcast(p, {0}));
+  // Placeholders (Model::deferred) are drawn from their names, the same on every rank.
+  if (!model_.deferred || !model_.deferred->pending()) {
+    for (auto& p : parameters_) works.push_back(comm_->broadcast(p, {0}));
+  }
   for (auto& b : model_.module->buffers()) works.push_back(comm_->broadcast(b, {0}));
   comm::wait_all(works);
 }

@@ -8,6 +8,7 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "parallel/Alias.h"
 
 namespace dtrain::parallel::zero {
@@ -70,7 +71,7 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
                                    std::vector<std::string> names, std::vector<ShardUnit> units,
                                    comm::CommunicatorPtr comm, bool prefetch,
                                    bool error_on_unused_parameters,
-                                   comm::BlockQuantization quantization)
+                                   comm::BlockQuantization quantization, const Fill& fill)
     : parameters_(std::move(parameters)),
       names_(std::move(names)),
       comm_(std::move(comm)),
@@ -118,21 +119,41 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
   shard_grad_ = at::zeros({total_shard}, options);
   torch::NoGradGuard no_grad;
   for (auto& unit : units_) {
-    unit.full = at::zeros({unit.shard * world}, options);
-    for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
-      at::Tensor& p = parameters_[unit.spec.parameters[slot]];
-      unit.full.narrow(0, unit.offsets[slot], p.numel()).copy_(p.reshape({-1}));
-      p.set_(unit.full.storage(), unit.offsets[slot], p.sizes(),
-             c10::contiguous_strides(p.sizes()));
-    }
-    shard_params_.narrow(0, unit.base, unit.shard)
-        .copy_(unit.full.narrow(0, rank * unit.shard, unit.shard));
-    c10::Storage storage = unit.full.storage();  // from now on its memory comes from pool_
-    storage.set_data_ptr_noswap(at::DataPtr(nullptr, storage.device()));
-    storage.set_nbytes(0);
-    // The optimizer's pieces: each parameter's run inside this rank's part of the unit.
     const int64_t begin = rank * unit.shard;
     const int64_t end = begin + unit.shard;
+    if (fill) {
+      // Placeholders: the unit's buffer and its parameters stay without memory; the shard is
+      // drawn piece by piece.
+      unit.full = nn::placeholder({unit.shard * world}, options);
+      for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
+        const size_t k = unit.spec.parameters[slot];
+        at::TensorImpl* impl = parameters_[k].unsafeGetTensorImpl();
+        const std::vector<int64_t> sizes = parameters_[k].sizes().vec();
+        impl->set_storage_keep_dtype(unit.full.storage());
+        impl->set_storage_offset(unit.offsets[slot]);
+        impl->set_sizes_contiguous(sizes);
+        const int64_t lo = std::max(begin, unit.offsets[slot]);
+        const int64_t hi = std::min(end, unit.offsets[slot] + parameters_[k].numel());
+        if (lo < hi) {
+          fill(k, lo - unit.offsets[slot],
+               shard_params_.narrow(0, unit.base + lo - begin, hi - lo));
+        }
+      }
+    } else {
+      unit.full = at::zeros({unit.shard * world}, options);
+      for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
+        at::Tensor& p = parameters_[unit.spec.parameters[slot]];
+        unit.full.narrow(0, unit.offsets[slot], p.numel()).copy_(p.reshape({-1}));
+        p.set_(unit.full.storage(), unit.offsets[slot], p.sizes(),
+               c10::contiguous_strides(p.sizes()));
+      }
+      shard_params_.narrow(0, unit.base, unit.shard)
+          .copy_(unit.full.narrow(0, rank * unit.shard, unit.shard));
+      c10::Storage storage = unit.full.storage();  // from now on its memory comes from pool_
+      storage.set_data_ptr_noswap(at::DataPtr(nullptr, storage.device()));
+      storage.set_nbytes(0);
+    }
+    // The optimizer's pieces: each parameter's run inside this rank's part of the unit.
     for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
       const size_t k = unit.spec.parameters[slot];
       const int64_t lo = std::max(begin, unit.offsets[slot]);

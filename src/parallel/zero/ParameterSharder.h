@@ -79,9 +79,14 @@ class ParameterSharder : public ddp::GradientSync {
   /// frees their storage. With `quantization` on, forward and backward gather int8 blocks of the
   /// shards and gradients are reduce-scattered as int8 blocks (ZeRO++'s qwZ and qgZ); the
   /// shards, the optimizer's, stay exact.
+  /// Writes elements [begin, begin + out.numel()) of parameter k's values into `out`.
+  using Fill = std::function<void(size_t k, int64_t begin, at::Tensor out)>;
+  /// With `fill`, the parameters are placeholders without memory (nn/DeferredInit.h): each
+  /// rank's shard is drawn by `fill`, and no rank ever holds a whole parameter.
   ParameterSharder(std::vector<at::Tensor> parameters, std::vector<std::string> names,
                    std::vector<ShardUnit> units, comm::CommunicatorPtr comm, bool prefetch,
-                   bool error_on_unused_parameters, comm::BlockQuantization quantization = {});
+                   bool error_on_unused_parameters, comm::BlockQuantization quantization = {},
+                   const Fill& fill = nullptr);
   ~ParameterSharder() override;
   ParameterSharder(const ParameterSharder&) = delete;
   ParameterSharder& operator=(const ParameterSharder&) = delete;

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/optim/StateSize.h"
 #include "parallel/zero/ZeroStrategy.h"
 
@@ -47,6 +48,7 @@ StrategyInfo zero3_strategy() {
   info.summary = "ZeRO stage 3 (FSDP): parameters sharded too, gathered unit by unit";
   info.whole_model_on_rank0 = false;
   info.shards_parameters = true;
+  info.draws_deferred = true;
   info.cost.traffic = StepCost::Traffic::kGatherEachLayer;
   info.cost.shards_optimizer = true;
   info.cost.shards_gradients = true;
@@ -132,9 +134,16 @@ std::vector<ShardUnit> Zero3Strategy::make_units() const {
 }
 
 void Zero3Strategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
+  // A model of placeholders: each rank draws its shard of each parameter, nothing else.
+  ParameterSharder::Fill fill;
+  if (model_.deferred && model_.deferred->pending()) {
+    fill = [init = model_.deferred, names = names_](size_t k, int64_t begin, at::Tensor out) {
+      init->fill(names[k], begin, std::move(out));
+    };
+  }
   sharder_ = std::make_unique<ParameterSharder>(
       parameters_, names_, make_units(), comm_, zero3_.prefetch,
-      options_.error_on_unused_parameters, block_quantization(options_));
+      options_.error_on_unused_parameters, block_quantization(options_), std::move(fill));
   model_.forward = [sharder = sharder_.get()](const at::Tensor& x) { return sharder->run(x); };
   std::vector<at::Tensor> shard;
   for (const auto& piece : sharder_->pieces()) shard.push_back(piece.tensor);

@@ -4,7 +4,9 @@
 // (columns), a vocab-parallel embedding a block of the vocabulary. Paired, as in a transformer's
 // MLP (column -> GeLU -> row) or attention (QKV by heads -> row), they cost one allreduce in
 // forward and one in backward. Every rank draws the full weight from the global generator and
-// keeps its block, so a model built from these layers equals the serial one with the same seed.
+// keeps its block, so a model built from these layers equals the serial one with the same seed;
+// inside an nn::InitScope (nn/DeferredInit.h) each rank's block is a placeholder drawn later by
+// the parameter's name, element by element, with the same distributions.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Setup memory of ZeRO-3 per rank (issue 80): a Llama of llama-1b's shape (fewer layers by
+default, so that N whole models fit in this machine's memory) built whole on every rank, as
+before, or as placeholders each rank draws only its shards of (nn/DeferredInit.h), then cut into
+ZeRO-3 shards. Each rank is a process started by `dtrain launch`; its peak resident memory during
+build and setup is counted from its resident memory just before (VmHWM reset). Sides alternate
+round by round; the table shows per-rank medians and the ratio of the placeholders' peak to
+what they keep afterwards (their parameter and gradient shards) plus the largest parameter,
+the target being at most 1.1.
+
+    bench/zero/run_setup_memory.py --worlds 2 4 --layers 2 --rounds 2 \\
+        --records bench/results/zero/setup-memory.jsonl --markdown /tmp/setup.md
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import report  # noqa: E402
+
+
+def run_once(build, mode, world, layers):
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "rank")
+        threads = max(1, (os.cpu_count() or 1) // world)
+        command = [os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node",
+                   str(world), "--threads", str(threads), "--",
+                   os.path.join(build, "bench", "setup_memory_bench"), "--mode", mode,
+                   "--layers", str(layers), "--threads", str(threads), "--out", out]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            sys.exit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
+        ranks = []
+        for rank in range(world):
+            with open(f"{out}.{rank}") as f:
+                ranks.append(json.loads(f.readline()))
+    return {"mode": mode, "world": world, "layers": layers, "ranks": ranks,
+            "peak_mb": max(r["peak_mb"] for r in ranks),
+            "kept_mb": max(r["kept_mb"] for r in ranks),
+            "setup_s": max(r["setup_s"] for r in ranks),
+            "model_mb": ranks[0]["model_mb"],
+            "largest_parameter_mb": ranks[0]["largest_parameter_mb"],
+            "shard_mb": ranks[0]["shard_mb"], "command": " ".join(command)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", default=report.default_build())
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--records", default=os.path.join(report.ROOT, "bench", "results", "zero",
+                                                          "setup-memory.jsonl"))
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+    lines = ["| ranks | model | largest parameter | built whole: peak per rank | as placeholders: "
+             "peak per rank | kept (shards of parameters and gradients) | placeholders' peak / "
+             "(kept + largest) | setup time whole / placeholders |",
+             "|---|---|---|---|---|---|---|---|"]
+    with report.Records(args.records, dtrain=os.path.join(args.build, "dtrain")) as records:
+        for world in args.worlds:
+            rounds = report.alternated_rounds(
+                ("whole", "placeholders"), args.rounds,
+                lambda mode: run_once(args.build, mode, world, args.layers), records,
+                lambda r: f"peak {r['peak_mb']:.0f} MB, kept {r['kept_mb']:.0f} MB, "
+                          f"{r['setup_s']:.1f} s")
+            whole = statistics.median(r["whole"]["peak_mb"] for r in rounds)
+            placeholders = statistics.median(r["placeholders"]["peak_mb"] for r in rounds)
+            kept = statistics.median(r["placeholders"]["kept_mb"] for r in rounds)
+            ratio = statistics.median(
+                r["placeholders"]["peak_mb"] /
+                (r["placeholders"]["kept_mb"] + r["placeholders"]["largest_parameter_mb"])
+                for r in rounds)
+            first = rounds[0]["placeholders"]
+            lines.append(
+                f"| {world} | {first['model_mb'] / 1024:.2f} GiB | "
+                f"{first['largest_parameter_mb']:.0f} MiB | {whole / 1024:.2f} GiB | "
+                f"{placeholders / 1024:.2f} GiB | {kept / 1024:.2f} GiB | {ratio:.3f} | "
+                f"{statistics.median(r['whole']['setup_s'] for r in rounds):.1f} s / "
+                f"{statistics.median(r['placeholders']['setup_s'] for r in rounds):.1f} s |")
+    report.table(lines, args.markdown)
+
+
+if __name__ == "__main__":
+    main()

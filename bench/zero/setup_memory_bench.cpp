@@ -1,0 +1,92 @@
+// One rank of the setup-memory benchmark (start it with `dtrain launch`): builds a decoder whole
+// or as placeholders (nn/DeferredInit.h), sets ZeRO-3 up over the ranks, and writes this rank's
+// peak resident memory during the build and setup (from the resident memory just before it), what
+// it keeps afterwards, and the model's, the largest parameter's and the shard's sizes, as one JSON
+// line to --out.RANK. bench/zero/run_setup_memory.py runs it.
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "BenchMemory.h"
+#include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/launch/Environment.h"
+#include "dtrain/models/Gpt.h"
+#include "dtrain/models/Zoo.h"
+#include "dtrain/nn/DeferredInit.h"
+#include "dtrain/optim/Optimizers.h"
+#include "dtrain/parallel/Strategy.h"
+#include "parallel/zero/Zero3Strategy.h"
+
+using namespace dtrain;
+using namespace dtrain::bench;
+
+int main(int argc, char** argv) {
+  CLI::App app{"dtrain setup-memory benchmark (one rank; start with dtrain launch)"};
+  models::ModelSpec spec;
+  spec.name = "llama";
+  // llama-1b's shape (configs/llama-1b.toml) unless told.
+  spec.gpt.vocab = 128256;
+  spec.gpt.width = 2048;
+  spec.gpt.layers = 16;
+  spec.gpt.heads = 32;
+  spec.gpt.kv_heads = 8;
+  spec.gpt.ffn_width = 8192;
+  spec.gpt.context = 2048;
+  std::string mode = "placeholders", out;
+  int threads = 1;
+  app.add_option("--mode", mode, "whole (every rank builds the model) or placeholders")
+      ->check(CLI::IsMember({"whole", "placeholders"}));
+  app.add_option("--layers", spec.gpt.layers)->capture_default_str();
+  app.add_option("--width", spec.gpt.width)->capture_default_str();
+  app.add_option("--heads", spec.gpt.heads)->capture_default_str();
+  app.add_option("--kv-heads", spec.gpt.kv_heads)->capture_default_str();
+  app.add_option("--ffn-width", spec.gpt.ffn_width)->capture_default_str();
+  app.add_option("--vocab", spec.gpt.vocab)->capture_default_str();
+  app.add_option("--threads", threads)->capture_default_str();
+  app.add_option("--out", out, "Write this rank's JSON line to OUT.RANK")->required();
+  CLI11_PARSE(app, argc, argv);
+  at::set_num_threads(threads);
+
+  auto world = launch::init_from_env();
+  const auto grid = std::make_shared<comm::ProcessGrid>(world);
+  spec.deferred = mode == "placeholders";
+  world->barrier()->wait();
+  reset_peak();
+  const double before_mb = rss_mb();
+  const auto started = std::chrono::steady_clock::now();
+  torch::manual_seed(1);
+  Model model = models::make_model(spec);
+  const int64_t largest = model.deferred ? model.deferred->largest_numel() : [&] {
+    int64_t most = 0;
+    for (const auto& p : model.module->parameters()) most = std::max(most, p.numel());
+    return most;
+  }();
+  parallel::zero::Zero3Strategy strategy(parallel::StrategyOptions{});
+  optim::OptimizerSpec adam;
+  adam.name = "adam";
+  strategy.setup(std::move(model), optim::optimizer_factory(adam), grid);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const double peak_mb = status_mb("VmHWM:") - before_mb;
+  const double kept_mb = rss_mb() - before_mb;
+  const parallel::MemoryReport memory = strategy.memory_report();
+  const double model_mb =
+      static_cast<double>(models::gpt_parameter_count(models::decoder_config(spec))) * 4 / 1048576;
+  std::ofstream file(out + "." + std::to_string(world->rank()));
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "{\"rank\": %d, \"world\": %d, \"mode\": \"%s\", \"layers\": %lld, \"setup_s\": "
+                "%.2f, \"peak_mb\": %.1f, \"kept_mb\": %.1f, \"model_mb\": %.1f, "
+                "\"largest_parameter_mb\": %.1f, \"shard_mb\": %.1f, \"gradient_shard_mb\": "
+                "%.1f}\n",
+                world->rank(), world->size(), mode.c_str(), static_cast<long long>(spec.gpt.layers),
+                seconds, peak_mb, kept_mb, model_mb, static_cast<double>(largest) * 4 / 1048576,
+                memory.parameter_bytes / 1048576.0, memory.gradient_bytes / 1048576.0);
+  file << line;
+  world->barrier()->wait();
+  return 0;
+}
