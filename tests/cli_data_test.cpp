@@ -43,7 +43,7 @@ TEST(Cli, DataPrepareTrainAndGenerateOnYourOwnText) {
   out = run(kDtrain +
             " train --nproc 2 --threads 1 --model gpt --dataset tokens:" + (dir / "data/fortunes") +
             " --context 32 --layers 1 --width 32 --heads 2 --batch-size 8 --global-batch 16 "
-            "--lr 0.01 --warmup-steps 0 --max-steps 60 --eval-every 10 --no-progress --metrics " +
+            "--lr 0.01 --warmup-steps 0 --max-steps 80 --eval-every 10 --no-progress --metrics " +
             (dir / "m.jsonl") + " --checkpoint-dir " + (dir / "ckpt"));
   ASSERT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(has(out, "vocabulary of 1024 (" + (dir / "data/tokenizer.json") + ")")) << out.text;

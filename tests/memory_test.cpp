@@ -88,7 +88,8 @@ TEST(ActivationMemory, SelectiveRecomputationKeepsKorthikantisShare) {
 // ZeRO-3's setup (model built, shards cut, on 2 rank threads: the allocator counts both). Built
 // whole, each rank holds the whole model before it keeps its shards; built as placeholders
 // (Model::deferred), each rank draws only its shards: the setup's peak is what the ranks keep
-// afterwards (their parameter and gradient shards) plus at most a parameter each, +10%.
+// afterwards (their parameter shards; a gradient shard gets its memory at the first step) plus
+// at most a parameter each, +10%.
 TEST(SetupMemory, Zero3BuiltAsPlaceholdersNeverHoldsTheWholeModel) {
   at::set_num_threads(1);
   ASSERT_TRUE(installed);

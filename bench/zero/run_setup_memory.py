@@ -5,8 +5,11 @@ before, or as placeholders each rank draws only its shards of (nn/DeferredInit.h
 ZeRO-3 shards. Each rank is a process started by `dtrain launch`; its peak resident memory during
 build and setup is counted from its resident memory just before (VmHWM reset). Sides alternate
 round by round; the table shows per-rank medians and the ratio of the placeholders' peak to
-what they keep afterwards (their parameter and gradient shards) plus the largest parameter,
-the target being at most 1.1.
+what they keep afterwards (their parameter shard; the gradient shard gets its memory at the
+first step, as FSDP's) plus the largest parameter, the target being at most 1.1. With
+.venv-torch (scripts/setup --torch pip), PyTorch FSDP2 runs beside them
+(setup_memory_fsdp2.py: meta-device construction, fully_shard, to_empty, init on the shards):
+the target is a ratio of at most 1.0.
 
     bench/zero/run_setup_memory.py --worlds 2 4 --layers 2 --rounds 2 \\
         --records bench/results/zero/setup-memory.jsonl --markdown /tmp/setup.md
@@ -23,14 +26,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import report  # noqa: E402
 
 
+VENV_PYTHON = os.path.join(report.ROOT, ".venv-torch", "bin", "python")
+
+
 def run_once(build, mode, world, layers):
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rank")
         threads = max(1, (os.cpu_count() or 1) // world)
-        command = [os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node",
-                   str(world), "--threads", str(threads), "--",
-                   os.path.join(build, "bench", "setup_memory_bench"), "--mode", mode,
-                   "--layers", str(layers), "--threads", str(threads), "--out", out]
+        if mode == "fsdp2":
+            command = [VENV_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                       "--master-port", str(29500 + world),
+                       os.path.join(report.ROOT, "bench", "zero", "setup_memory_fsdp2.py"),
+                       "--layers", str(layers), "--threads", str(threads), "--out", out]
+        else:
+            command = [os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node",
+                       str(world), "--threads", str(threads), "--",
+                       os.path.join(build, "bench", "setup_memory_bench"), "--mode", mode,
+                       "--layers", str(layers), "--threads", str(threads), "--out", out]
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             sys.exit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
@@ -58,14 +70,16 @@ def main():
                                                           "setup-memory.jsonl"))
     parser.add_argument("--markdown")
     args = parser.parse_args()
+    sides = ("whole", "placeholders") + (("fsdp2",) if os.access(VENV_PYTHON, os.X_OK) else ())
     lines = ["| ranks | model | largest parameter | built whole: peak per rank | as placeholders: "
-             "peak per rank | kept (shards of parameters and gradients) | placeholders' peak / "
-             "(kept + largest) | setup time whole / placeholders |",
-             "|---|---|---|---|---|---|---|---|"]
+             "peak per rank | kept (the parameter shard) | placeholders' peak / (kept + largest) "
+             "| FSDP2: peak per rank | placeholders' peak / FSDP2's | setup time whole / "
+             "placeholders / FSDP2 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     with report.Records(args.records, dtrain=os.path.join(args.build, "dtrain")) as records:
         for world in args.worlds:
             rounds = report.alternated_rounds(
-                ("whole", "placeholders"), args.rounds,
+                sides, args.rounds,
                 lambda mode: run_once(args.build, mode, world, args.layers), records,
                 lambda r: f"peak {r['peak_mb']:.0f} MB, kept {r['kept_mb']:.0f} MB, "
                           f"{r['setup_s']:.1f} s")
@@ -77,12 +91,17 @@ def main():
                 (r["placeholders"]["kept_mb"] + r["placeholders"]["largest_parameter_mb"])
                 for r in rounds)
             first = rounds[0]["placeholders"]
+            times = " / ".join(f"{statistics.median(r[side]['setup_s'] for r in rounds):.1f} s"
+                               for side in sides)
+            fsdp2, versus = "-", "-"
+            if "fsdp2" in sides:
+                fsdp2 = f"{statistics.median(r['fsdp2']['peak_mb'] for r in rounds) / 1024:.2f} GiB"
+                versus = f"{statistics.median(r['placeholders']['peak_mb'] / r['fsdp2']['peak_mb'] for r in rounds):.3f}"
             lines.append(
                 f"| {world} | {first['model_mb'] / 1024:.2f} GiB | "
                 f"{first['largest_parameter_mb']:.0f} MiB | {whole / 1024:.2f} GiB | "
                 f"{placeholders / 1024:.2f} GiB | {kept / 1024:.2f} GiB | {ratio:.3f} | "
-                f"{statistics.median(r['whole']['setup_s'] for r in rounds):.1f} s / "
-                f"{statistics.median(r['placeholders']['setup_s'] for r in rounds):.1f} s |")
+                f"{fsdp2} | {versus} | {times} |")
     report.table(lines, args.markdown)
 
 

@@ -25,23 +25,42 @@ uint64_t mix(uint64_t z) {
 // [0, 1) from a word's top 53 bits.
 double unit(uint64_t bits) { return static_cast<double>(bits >> 11) * 0x1.0p-53; }
 
-// Element `index` of the full tensor, as float32 (what a float32 parameter holds).
-float value_at(const InitRule& rule, uint64_t key, int64_t index) {
-  const auto i = static_cast<uint64_t>(index);
-  switch (rule.kind) {
-    case InitRule::Kind::kNormal: {
-      const double u1 = 1.0 - unit(mix(key + (2 * i + 1) * kGamma));  // (0, 1]
-      const double u2 = unit(mix(key + (2 * i + 2) * kGamma));
-      const double normal = std::sqrt(-2.0 * std::log(u1)) * std::cos(kTwoPi * u2);
-      return static_cast<float>(rule.a + rule.b * normal);
+// Draws elements of the full tensor, as float32 (what a float32 parameter holds). Normal values
+// come in pairs (Box-Muller's cosine and sine of one pair of uniforms): elements 2m and 2m + 1
+// share pair m, computed once when both are drawn in a row.
+class Drawer {
+ public:
+  Drawer(const InitRule& rule, uint64_t key) : rule_(rule), key_(key) {}
+  float operator()(int64_t index) {
+    const auto i = static_cast<uint64_t>(index);
+    switch (rule_.kind) {
+      case InitRule::Kind::kNormal: {
+        const uint64_t pair = i >> 1;
+        if (pair != pair_) {
+          const double u1 = 1.0 - unit(mix(key_ + (2 * pair + 1) * kGamma));  // (0, 1]
+          const double u2 = unit(mix(key_ + (2 * pair + 2) * kGamma));
+          radius_ = std::sqrt(-2.0 * std::log(u1));
+          angle_ = kTwoPi * u2;
+          pair_ = pair;
+        }
+        const double normal = radius_ * ((i & 1) != 0 ? std::sin(angle_) : std::cos(angle_));
+        return static_cast<float>(rule_.a + rule_.b * normal);
+      }
+      case InitRule::Kind::kUniform:
+        return static_cast<float>(rule_.a +
+                                  (rule_.b - rule_.a) * unit(mix(key_ + (i + 1) * kGamma)));
+      case InitRule::Kind::kConstant:
+        return static_cast<float>(rule_.a);
     }
-    case InitRule::Kind::kUniform:
-      return static_cast<float>(rule.a + (rule.b - rule.a) * unit(mix(key + (i + 1) * kGamma)));
-    case InitRule::Kind::kConstant:
-      return static_cast<float>(rule.a);
+    return 0.0f;
   }
-  return 0.0f;
-}
+
+ private:
+  InitRule rule_;
+  uint64_t key_;
+  uint64_t pair_ = ~uint64_t{0};
+  double radius_ = 0.0, angle_ = 0.0;
+};
 
 thread_local DeferredInit* current = nullptr;
 
@@ -75,10 +94,11 @@ void fill_keyed(at::Tensor out, const InitRule& rule, uint64_t key,
   const int64_t n = out.numel();
   auto draw = [&](float* data, int64_t first, int64_t count) {
     at::parallel_for(0, count, 1 << 14, [&](int64_t lo, int64_t hi) {
+      Drawer value(rule, key);
       for (int64_t e = lo; e < hi; ++e) {
         const int64_t j = first + e;
         const int64_t full = block == 0 ? 0 : (j / block) * full_block + offset + j % block;
-        data[e] = value_at(rule, key, full);
+        data[e] = value(full);
       }
     });
   };

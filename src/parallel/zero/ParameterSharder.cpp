@@ -116,7 +116,9 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
   }
   const auto options = parameters_.front().options().requires_grad(false);
   shard_params_ = at::zeros({total_shard}, options);
-  shard_grad_ = at::zeros({total_shard}, options);
+  // The gradient shard gets its memory at the first zero_grad() or reduction, as FSDP's
+  // gradients do at the first backward: it is no part of the setup's peak.
+  shard_grad_ = nn::placeholder({total_shard}, options);
   torch::NoGradGuard no_grad;
   for (auto& unit : units_) {
     const int64_t begin = rank * unit.shard;
@@ -162,7 +164,8 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
       Piece piece{
           k, lo - unit.offsets[slot],
           alias_storage(shard_params_, unit.base + lo - begin, {hi - lo}).requires_grad_(true)};
-      piece.tensor.mutable_grad() = alias_storage(shard_grad_, unit.base + lo - begin, {hi - lo});
+      piece.tensor.mutable_grad() =
+          alias_unallocated(shard_grad_, unit.base + lo - begin, {hi - lo});
       pieces_.push_back(std::move(piece));
     }
     stats_.bytes_per_step += unit.shard * world * unit.full.element_size();
@@ -309,6 +312,7 @@ void ParameterSharder::launch_reduction(Unit& unit) {
 void ParameterSharder::complete_reduction(Unit& unit) {
   unit.reduce_work->wait();
   unit.reduce_work.reset();
+  allocate_gradients();
   shard_grad_.narrow(0, unit.base, unit.shard).add_(unit.received);
   pool_.detach(unit.received);
   pool_.detach(unit.grad_flat);
@@ -358,7 +362,17 @@ void ParameterSharder::finalize() {
   }
 }
 
+void ParameterSharder::allocate_gradients() {
+  c10::Storage storage = shard_grad_.storage();
+  if (storage.nbytes() > 0 || shard_grad_.numel() == 0) return;
+  const size_t nbytes = static_cast<size_t>(shard_grad_.numel()) * shard_grad_.element_size();
+  storage.set_data_ptr_noswap(c10::GetAllocator(shard_grad_.device().type())->allocate(nbytes));
+  storage.set_nbytes(nbytes);
+  shard_grad_.zero_();
+}
+
 void ParameterSharder::zero_grad() {
+  allocate_gradients();
   shard_grad_.zero_();
   for (auto& p : parameters_) p.mutable_grad().reset();
   pool_.reset_peak();

@@ -130,6 +130,8 @@ class ParameterSharder : public ddp::GradientSync {
     comm::WorkPtr reduce_work;
   };
 
+  /// Gives the gradient shard its memory (zeroed) the first time it is needed.
+  void allocate_gradients();
   /// Starts the allgather (no-op when gathered or in flight); quantized unless `exact`.
   void gather(Unit& unit, bool exact = false);
   void wait_gathered(Unit& unit);
