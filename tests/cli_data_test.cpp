@@ -379,6 +379,14 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   ASSERT_EQ(out.code, 0) << out.text;
   out = run(kDtrain + generate + " --checkpoint " + (dir / "zero3"));
   EXPECT_EQ(out.text, ours);
+  // And ZeRO-3 from the training checkpoint itself: each rank reads its shards of it into a
+  // model it never builds whole.
+  out = run(kDtrain + " train --nproc 2 --strategy zero3" + shape +
+            "--max-steps 1 --lr 1e-12 --init-from " + (dir / "ckpt") + " --checkpoint-dir " +
+            (dir / "zero3-ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + generate + " --checkpoint " + (dir / "zero3-ckpt"));
+  EXPECT_EQ(out.text, ours);
   // Flags that disagree with config.json: named, exit 2.
   out = run(kDtrain + " train" + shape + "--max-steps 1 --kv-heads 4 --init-from " + (dir / "hf"));
   EXPECT_EQ(out.code, 2) << out.text;

@@ -9,7 +9,8 @@ what they keep afterwards (their parameter shard; the gradient shard gets its me
 first step, as FSDP's) plus the largest parameter, the target being at most 1.1. With
 .venv-torch (scripts/setup --torch pip), PyTorch FSDP2 runs beside them
 (setup_memory_fsdp2.py: meta-device construction, fully_shard, to_empty, init on the shards):
-the target is a ratio of at most 1.0.
+the target is a ratio of at most 1.0. Then each side runs one Adam step on 128 tokens and
+reports its peak from the same starting point (the whole-model side too).
 
     bench/zero/run_setup_memory.py --worlds 2 4 --layers 2 --rounds 2 \\
         --records bench/results/zero/setup-memory.jsonl --markdown /tmp/setup.md
@@ -73,16 +74,16 @@ def main():
     sides = ("whole", "placeholders") + (("fsdp2",) if os.access(VENV_PYTHON, os.X_OK) else ())
     lines = ["| ranks | model | largest parameter | built whole: peak per rank | as placeholders: "
              "peak per rank | kept (the parameter shard) | placeholders' peak / (kept + largest) "
-             "| FSDP2: peak per rank | placeholders' peak / FSDP2's | setup time whole / "
-             "placeholders / FSDP2 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| FSDP2: peak per rank | placeholders' peak / FSDP2's | one Adam step's peak: "
+             "dtrain / FSDP2 (ratio) | setup time whole / placeholders / FSDP2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     with report.Records(args.records, dtrain=os.path.join(args.build, "dtrain")) as records:
         for world in args.worlds:
             rounds = report.alternated_rounds(
                 sides, args.rounds,
                 lambda mode: run_once(args.build, mode, world, args.layers), records,
                 lambda r: f"peak {r['peak_mb']:.0f} MB, kept {r['kept_mb']:.0f} MB, "
-                          f"{r['setup_s']:.1f} s")
+                          f"{r['setup_s']:.1f} s, step peak {r.get('step_peak_mb', 0):.0f} MB")
             whole = statistics.median(r["whole"]["peak_mb"] for r in rounds)
             placeholders = statistics.median(r["placeholders"]["peak_mb"] for r in rounds)
             kept = statistics.median(r["placeholders"]["kept_mb"] for r in rounds)
@@ -94,14 +95,20 @@ def main():
             times = " / ".join(f"{statistics.median(r[side]['setup_s'] for r in rounds):.1f} s"
                                for side in sides)
             fsdp2, versus = "-", "-"
+            ours_step = statistics.median(r["placeholders"]["step_peak_mb"] for r in rounds)
+            step = f"{ours_step / 1024:.2f} GiB / -"
             if "fsdp2" in sides:
                 fsdp2 = f"{statistics.median(r['fsdp2']['peak_mb'] for r in rounds) / 1024:.2f} GiB"
                 versus = f"{statistics.median(r['placeholders']['peak_mb'] / r['fsdp2']['peak_mb'] for r in rounds):.3f}"
+                theirs = statistics.median(r["fsdp2"]["step_peak_mb"] for r in rounds)
+                ratio_step = statistics.median(r["placeholders"]["step_peak_mb"] /
+                                               r["fsdp2"]["step_peak_mb"] for r in rounds)
+                step = f"{ours_step / 1024:.2f} / {theirs / 1024:.2f} GiB ({ratio_step:.3f})"
             lines.append(
                 f"| {world} | {first['model_mb'] / 1024:.2f} GiB | "
                 f"{first['largest_parameter_mb']:.0f} MiB | {whole / 1024:.2f} GiB | "
                 f"{placeholders / 1024:.2f} GiB | {kept / 1024:.2f} GiB | {ratio:.3f} | "
-                f"{fsdp2} | {versus} | {times} |")
+                f"{fsdp2} | {versus} | {step} | {times} |")
     report.table(lines, args.markdown)
 
 

@@ -18,6 +18,7 @@
 #include "dtrain/models/Zoo.h"
 #include "dtrain/nn/DeferredInit.h"
 #include "dtrain/optim/Optimizers.h"
+#include "dtrain/data/Dataset.h"
 #include "dtrain/parallel/Strategy.h"
 #include "parallel/zero/Zero3Strategy.h"
 
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
   spec.gpt.context = 2048;
   std::string mode = "placeholders", out;
   int threads = 1;
+  int64_t step_tokens = 128;
   app.add_option("--mode", mode, "whole (every rank builds the model) or placeholders")
       ->check(CLI::IsMember({"whole", "placeholders"}));
   app.add_option("--layers", spec.gpt.layers)->capture_default_str();
@@ -47,6 +49,9 @@ int main(int argc, char** argv) {
   app.add_option("--ffn-width", spec.gpt.ffn_width)->capture_default_str();
   app.add_option("--vocab", spec.gpt.vocab)->capture_default_str();
   app.add_option("--threads", threads)->capture_default_str();
+  app.add_option("--step-tokens", step_tokens,
+                 "Then one Adam step on a sequence of this many tokens (0: none)")
+      ->capture_default_str();
   app.add_option("--out", out, "Write this rank's JSON line to OUT.RANK")->required();
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(threads);
@@ -73,6 +78,18 @@ int main(int argc, char** argv) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   const double peak_mb = status_mb("VmHWM:") - before_mb;
   const double kept_mb = rss_mb() - before_mb;
+  // One training step (Adam's state appears; gradients get their memory): its peak, from the
+  // same starting point.
+  double step_peak_mb = 0;
+  if (step_tokens > 0) {
+    reset_peak();
+    at::Generator generator = at::detail::createCPUGenerator(world->rank() + 1);
+    const at::Tensor ids =
+        at::randint(spec.gpt.vocab, {1, step_tokens + 1}, generator, at::kLong);
+    const data::Batch batch{ids.narrow(1, 0, step_tokens), ids.narrow(1, 1, step_tokens)};
+    strategy.train_step({batch}, parallel::cross_entropy);
+    step_peak_mb = status_mb("VmHWM:") - before_mb;
+  }
   const parallel::MemoryReport memory = strategy.memory_report();
   const double model_mb =
       static_cast<double>(models::gpt_parameter_count(models::decoder_config(spec))) * 4 / 1048576;
@@ -82,10 +99,10 @@ int main(int argc, char** argv) {
                 "{\"rank\": %d, \"world\": %d, \"mode\": \"%s\", \"layers\": %lld, \"setup_s\": "
                 "%.2f, \"peak_mb\": %.1f, \"kept_mb\": %.1f, \"model_mb\": %.1f, "
                 "\"largest_parameter_mb\": %.1f, \"shard_mb\": %.1f, \"gradient_shard_mb\": "
-                "%.1f}\n",
+                "%.1f, \"step_peak_mb\": %.1f}\n",
                 world->rank(), world->size(), mode.c_str(), static_cast<long long>(spec.gpt.layers),
                 seconds, peak_mb, kept_mb, model_mb, static_cast<double>(largest) * 4 / 1048576,
-                memory.parameter_bytes / 1048576.0, memory.gradient_bytes / 1048576.0);
+                memory.parameter_bytes / 1048576.0, memory.gradient_bytes / 1048576.0, step_peak_mb);
   file << line;
   world->barrier()->wait();
   return 0;

@@ -4,7 +4,8 @@ grouped-query attention, SwiGLU, untied head) built on the meta device, each blo
 root sharded with fully_shard over gloo, materialized with to_empty and initialised on each
 rank's shards (torchtitan's init_weights), as FSDP2's documentation recommends. Writes this
 rank's peak resident memory during build and setup (from its resident memory just before), what
-it keeps afterwards and its shard's size, as one JSON line to --out.RANK, as setup_memory_bench.
+it keeps afterwards, the peak of one Adam step after it (from the same point) and its shard's
+size, as one JSON line to --out.RANK, as setup_memory_bench.
 """
 import argparse
 import json
@@ -24,9 +25,20 @@ def status_mb(key):
     return 0.0
 
 
+def rotary(x, theta=10000.0):
+    """Hugging Face Llama's rotary embeddings on [b, heads, t, d] (each head's halves)."""
+    t, d = x.shape[2], x.shape[3]
+    inverse = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.outer(torch.arange(t, dtype=torch.float64), inverse).repeat(1, 2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    turned = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * cos + turned * sin
+
+
 class Block(nn.Module):
     def __init__(self, width, heads, kv_heads, ffn):
         super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
         head = width // heads
         self.ln1 = nn.RMSNorm(width)
         self.q = nn.Linear(width, width, bias=False)
@@ -38,6 +50,20 @@ class Block(nn.Module):
         self.up = nn.Linear(width, ffn, bias=False)
         self.down = nn.Linear(ffn, width, bias=False)
 
+    def forward(self, x):
+        b, t, w = x.shape
+        d = w // self.heads
+        y = self.ln1(x)
+        q = rotary(self.q(y).view(b, t, self.heads, d).transpose(1, 2))
+        k = rotary(self.k(y).view(b, t, self.kv_heads, d).transpose(1, 2))
+        v = self.v(y).view(b, t, self.kv_heads, d).transpose(1, 2)
+        repeat = self.heads // self.kv_heads
+        a = nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, w))
+        y = self.ln2(x)
+        return x + self.down(nn.functional.silu(self.gate(y)) * self.up(y))
+
 
 class Llama(nn.Module):
     def __init__(self, vocab, width, layers, heads, kv_heads, ffn):
@@ -46,6 +72,12 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(width, heads, kv_heads, ffn) for _ in range(layers))
         self.ln = nn.RMSNorm(width)
         self.out = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embedding(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(self.ln(h))
 
     def init_weights(self):
         with torch.no_grad():
@@ -65,6 +97,7 @@ def main():
     parser.add_argument("--ffn-width", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--step-tokens", type=int, default=128)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,13 +122,25 @@ def main():
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     model.init_weights()
-    torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     seconds = time.perf_counter() - started
+    peak = status_mb("VmHWM:") - before
+    kept = status_mb("VmRSS:") - before
+    step_peak = 0.0
+    if args.step_tokens > 0:  # one Adam step, its peak from the same starting point
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        generator = torch.Generator().manual_seed(rank + 1)
+        ids = torch.randint(args.vocab, (1, args.step_tokens + 1), generator=generator)
+        logits = model(ids[:, :-1])
+        nn.functional.cross_entropy(logits.reshape(-1, args.vocab), ids[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        step_peak = status_mb("VmHWM:") - before
     shard = sum(p.to_local().numel() for p in model.parameters())
     line = {"rank": rank, "world": world, "mode": "fsdp2", "layers": args.layers,
             "setup_s": round(seconds, 2),
-            "peak_mb": round(status_mb("VmHWM:") - before, 1),
-            "kept_mb": round(status_mb("VmRSS:") - before, 1),
+            "peak_mb": round(peak, 1), "kept_mb": round(kept, 1),
+            "step_peak_mb": round(step_peak, 1),
             "model_mb": round(parameters * 4 / 2**20, 1),
             "largest_parameter_mb": round(largest * 4 / 2**20, 1),
             "shard_mb": round(shard * 4 / 2**20, 1), "gradient_shard_mb": 0.0,

@@ -32,4 +32,9 @@ DrivenLoop& as_driven(Strategy& strategy) {
   return *loop;
 }
 
+void Strategy::load_values(const std::string& directory) {
+  DTRAIN_THROW(InputError, "strategy ", name(), " cannot set its values from ", directory,
+               " alone; --init-from loads the whole model for it");
+}
+
 }  // namespace dtrain::parallel

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 
 #include "common/Files.h"
 #include "dtrain/common/Blas.h"
@@ -255,17 +256,23 @@ void Trainer::set_up(Model model, const data::TensorDataset& train,
   strategy_->prepare(runners::to_device(
       train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
   // A model of placeholders (Model::deferred) stays so only for a strategy that draws its own
-  // parts of it; the others, and --init-from's whole-model files, get it whole here.
+  // parts of it, which then also reads only its parts of an --init-from checkpoint; the others,
+  // and --init-from's whole-model files, get it whole here.
+  bool init_from_pieces = false;
   if (model.deferred && model.deferred->pending()) {
     const parallel::StrategyInfo& info = parallel::strategy_info(options_.strategy);
-    if (info.draws_deferred && options_.pipeline_parallel == 1 && options_.init_from.empty() &&
+    const bool checkpoint =
+        !options_.init_from.empty() && std::filesystem::is_directory(options_.init_from);
+    if (info.draws_deferred && options_.pipeline_parallel == 1 &&
+        (options_.init_from.empty() || (checkpoint && options_.tensor_parallel == 1)) &&
         !strategy_->survives_replica_failures()) {
       model.deferred->to(at::TensorOptions().device(device_));
+      init_from_pieces = checkpoint;
     } else {
       model.deferred->materialize_all();
     }
   }
-  if (!options_.init_from.empty()) {
+  if (!options_.init_from.empty() && !init_from_pieces) {
     DTRAIN_CHECK_INPUT(options_.tensor_parallel == 1,
                        "--init-from loads the full model; with "
                        "--tensor-parallel each rank builds blocks of it: start the tensor-"
@@ -277,6 +284,12 @@ void Trainer::set_up(Model model, const data::TensorDataset& train,
   }
   if (!model.deferred || !model.deferred->pending()) model.module->to(device_);
   strategy_->setup(std::move(model), optim::optimizer_factory(spec), grid_);
+  if (init_from_pieces) {
+    strategy_->load_values(resolve_checkpoint(options_.init_from));
+    if (!options_.allow_non_finite_weights) {
+      check_finite_weights(strategy_->parameter_pieces(), "--init-from " + options_.init_from);
+    }
+  }
   if (after_setup_) after_setup_(*strategy_);
   if (options_.sync_batchnorm) {
     DTRAIN_CHECK_INPUT(loop_ == parallel::Loop::kSteps, "--sync-batchnorm: strategy ",

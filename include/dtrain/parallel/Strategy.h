@@ -125,6 +125,10 @@ class Strategy {
   virtual void save(const std::string& directory) = 0;
   /// Collective. Restores state written by save().
   virtual void load(const std::string& directory) = 0;
+  /// Collective. Sets the parameters' values (and buffers) from a checkpoint save() wrote, by
+  /// any strategy at any world size, reading only what this rank keeps; the optimizer stays
+  /// fresh (`--init-from CHECKPOINT` for a strategy that draws placeholders: zero3's shards).
+  virtual void load_values(const std::string& directory);
 
   /// Bytes of parameters, gradients and optimizer state this rank holds.
   virtual MemoryReport memory_report() const = 0;

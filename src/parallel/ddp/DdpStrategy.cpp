@@ -270,6 +270,11 @@ void DdpStrategy::load(const std::string& directory) {
   if (scaler_) load_loss_scaler(*scaler_, directory);
 }
 
+void DdpStrategy::load_values(const std::string& directory) {
+  const NamedTensors buffers = named_buffers();
+  read_state_shards(directory, tp_.for_reading(value_pieces()), nullptr, {}, &buffers);
+}
+
 MemoryReport DdpStrategy::memory_report() const {
   MemoryReport report;
   for (const auto& p : parameters_) {

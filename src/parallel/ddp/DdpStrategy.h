@@ -26,6 +26,7 @@ class DdpStrategy : public Strategy {
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
   void save(const std::string& directory) override;
   void load(const std::string& directory) override;
+  void load_values(const std::string& directory) override;
   MemoryReport memory_report() const override;
   /// A 16-bit model (bf16, bf16-master) takes floating inputs in its dtype.
   at::Tensor evaluate_forward(const at::Tensor& inputs) override;
