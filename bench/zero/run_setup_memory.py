@@ -55,6 +55,7 @@ def run_once(build, mode, world, layers):
             "peak_mb": max(r["peak_mb"] for r in ranks),
             "kept_mb": max(r["kept_mb"] for r in ranks),
             "setup_s": max(r["setup_s"] for r in ranks),
+            "step_peak_mb": max(r.get("step_peak_mb", 0.0) for r in ranks),
             "model_mb": ranks[0]["model_mb"],
             "largest_parameter_mb": ranks[0]["largest_parameter_mb"],
             "shard_mb": ranks[0]["shard_mb"], "command": " ".join(command)}
