@@ -383,10 +383,25 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   // model it never builds whole.
   out = run(kDtrain + " train --nproc 2 --strategy zero3" + shape +
             "--max-steps 1 --lr 1e-12 --init-from " + (dir / "ckpt") + " --checkpoint-dir " +
-            (dir / "zero3-ckpt"));
+            (dir / "zero3-ckpt") + " --metrics " + (dir / "zero3.jsonl"));
   ASSERT_EQ(out.code, 0) << out.text;
   out = run(kDtrain + generate + " --checkpoint " + (dir / "zero3-ckpt"));
   EXPECT_EQ(out.text, ours);
+  int64_t setup_peak = 0;  // the run's summary says what setup took
+  std::ifstream summary(dir / "zero3.jsonl");
+  for (std::string line; std::getline(summary, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.value("event", "") == "summary")
+      setup_peak = record.value("setup_peak_resident_bytes", int64_t{0});
+  }
+  EXPECT_GT(setup_peak, 0);
+  // A checkpoint of another shape: one line naming the parameter, exit 2, nothing written.
+  out = run(kDtrain + " train --nproc 2 --strategy zero3" + shape +
+            "--ffn-width 96 --max-steps 1 --init-from " + (dir / "ckpt") + " --checkpoint-dir " +
+            (dir / "zero3-other"));
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "does not match the model: 'blocks.0.fc1.weight' has shape")) << out.text;
+  EXPECT_FALSE(std::filesystem::exists(dir / "zero3-other/latest")) << out.text;
   // Flags that disagree with config.json: named, exit 2.
   out = run(kDtrain + " train" + shape + "--max-steps 1 --kv-heads 4 --init-from " + (dir / "hf"));
   EXPECT_EQ(out.code, 2) << out.text;

@@ -10,6 +10,7 @@
 #include "dtrain/models/Gpt.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/nn/DeferredInit.h"
+#include "dtrain/train/Trainer.h"
 #include "parallel/zero/Zero3Strategy.h"
 
 using namespace dtrain;
@@ -136,4 +137,33 @@ TEST(DeferredInit, Zero3DrawsItsShardsAndTrainsLikeOneProcessInFloat64) {
         test::max_abs_diff(single, test::train_distributed(f, 2, steps, zero3, 1, nullptr, other)),
         1e-3);
   }
+}
+
+// Trainer::prepare (your own loop) with a model of placeholders and a strategy that does not
+// draw its parts (ddp): the strategy gets the whole model, equal to one built whole.
+TEST(DeferredInit, AStrategyThatDoesNotDrawThemGetsTheWholeModel) {
+  models::GptConfig config;
+  config.vocab = 11;
+  config.layers = 1;
+  config.heads = 2;
+  config.width = 8;
+  config.context = 6;
+  torch::manual_seed(5);
+  const Model whole = models::make_gpt(config);
+  torch::manual_seed(5);
+  Model deferred = models::make_gpt(config, nullptr, /*deferred=*/true);
+  train::TrainerOptions options;
+  options.strategy = "ddp";
+  options.progress = false;
+  train::Trainer trainer(options);
+  const at::Tensor ids = at::randint(11, {2, 7}, at::kLong);
+  parallel::Strategy& strategy =
+      trainer.prepare(deferred, {ids.narrow(1, 0, 6), ids.narrow(1, 1, 6)});
+  const auto a = whole.module->named_parameters();
+  const auto b = strategy.model().module->named_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::equal(a[i].value(), b[i].value())) << a[i].key();
+  }
+  strategy.train_step({{ids.narrow(1, 0, 6), ids.narrow(1, 1, 6)}}, parallel::cross_entropy);
 }

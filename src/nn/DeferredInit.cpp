@@ -187,24 +187,11 @@ InitScope::~InitScope() { current = previous_; }
 DeferredInit* current_init() { return current; }
 
 at::Tensor new_parameter(const std::vector<int64_t>& shape, const InitRule& rule) {
-  if (current != nullptr) {
-    at::Tensor t = placeholder(shape, at::TensorOptions(at::kFloat));
-    current->record(t, rule);
-    return t;
-  }
-  torch::NoGradGuard no_grad;
-  at::Tensor t = at::empty(shape, at::kFloat);
-  switch (rule.kind) {
-    case InitRule::Kind::kNormal:
-      t.normal_(rule.a, rule.b);
-      break;
-    case InitRule::Kind::kUniform:
-      t.uniform_(rule.a, rule.b);
-      break;
-    case InitRule::Kind::kConstant:
-      t.fill_(rule.a);
-      break;
-  }
+  DTRAIN_CHECK(
+      current != nullptr,
+      "nn::new_parameter is for layers built inside an nn::InitScope (make_gpt opens one)");
+  at::Tensor t = placeholder(shape, at::TensorOptions(at::kFloat));
+  current->record(t, rule);
   return t;
 }
 

@@ -255,23 +255,7 @@ void Trainer::set_up(Model model, const data::TensorDataset& train,
   predict_ = model.predict;
   strategy_->prepare(runners::to_device(
       train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
-  // A model of placeholders (Model::deferred) stays so only for a strategy that draws its own
-  // parts of it, which then also reads only its parts of an --init-from checkpoint; the others,
-  // and --init-from's whole-model files, get it whole here.
-  bool init_from_pieces = false;
-  if (model.deferred && model.deferred->pending()) {
-    const parallel::StrategyInfo& info = parallel::strategy_info(options_.strategy);
-    const bool checkpoint =
-        !options_.init_from.empty() && std::filesystem::is_directory(options_.init_from);
-    if (info.draws_deferred && options_.pipeline_parallel == 1 &&
-        (options_.init_from.empty() || (checkpoint && options_.tensor_parallel == 1)) &&
-        !strategy_->survives_replica_failures()) {
-      model.deferred->to(at::TensorOptions().device(device_));
-      init_from_pieces = checkpoint;
-    } else {
-      model.deferred->materialize_all();
-    }
-  }
+  const bool init_from_pieces = keep_placeholders(model, options_.init_from);
   if (!options_.init_from.empty() && !init_from_pieces) {
     DTRAIN_CHECK_INPUT(options_.tensor_parallel == 1,
                        "--init-from loads the full model; with "
@@ -417,8 +401,23 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   return std::move(run.result);
 }
 
+bool Trainer::keep_placeholders(Model& model, const std::string& init_from) {
+  if (!model.deferred || !model.deferred->pending()) return false;
+  const parallel::StrategyInfo& info = parallel::strategy_info(options_.strategy);
+  const bool checkpoint = !init_from.empty() && std::filesystem::is_directory(init_from);
+  if (info.draws_deferred && options_.pipeline_parallel == 1 &&
+      (init_from.empty() || (checkpoint && options_.tensor_parallel == 1)) &&
+      !strategy_->survives_replica_failures()) {
+    model.deferred->to(at::TensorOptions().device(device_));
+    return checkpoint;
+  }
+  model.deferred->materialize_all();
+  return false;
+}
+
 parallel::Strategy& Trainer::prepare(Model model, const data::Batch& example) {
   strategy_->prepare(runners::to_device(example, device_));
+  keep_placeholders(model, "");
   if (!model.deferred || !model.deferred->pending()) model.module->to(device_);
   strategy_->setup(std::move(model), optim::optimizer_factory(options_.optimizer), grid_);
   if (after_setup_) after_setup_(*strategy_);

@@ -103,9 +103,8 @@ class InitScope {
 /// The DeferredInit of the innermost InitScope on this thread (nullptr: none).
 DeferredInit* current_init();
 
-/// A parameter of `shape` (float32, CPU) drawn by `rule`: inside an InitScope a placeholder of
-/// that shape recorded there; outside, allocated and drawn from the global generator now
-/// (normal_ / uniform_ / fill_, as LibTorch's layers do).
+/// A parameter of `shape` (float32, CPU) drawn by `rule`: a placeholder of that shape recorded
+/// in the current InitScope's DeferredInit (an Error outside one).
 at::Tensor new_parameter(const std::vector<int64_t>& shape, const InitRule& rule);
 
 /// A tensor of `shape` and `options` without memory (its storage empty), for parameters that

@@ -242,6 +242,11 @@ class Trainer {
   /// with it and the optimizer `spec` (`train`'s first micro-batch for strategies that trace
   /// shapes), SyncBatchNorm's group, the layout line.
   void set_up(Model model, const data::TensorDataset& train, const optim::OptimizerSpec& spec);
+  /// A model of placeholders (Model::deferred) stays so only for a strategy that draws its own
+  /// parts of it (moved to the run's device); any other gets it whole. Returns true when the
+  /// strategy is to read its parts of the checkpoint directory `init_from` after setup ("":
+  /// none; a file or another layout gets the whole model here, for init_from to load).
+  bool keep_placeholders(Model& model, const std::string& init_from);
 
   TrainerOptions options_;
   comm::CommunicatorPtr world_;

@@ -129,11 +129,7 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
       unit.full = nn::placeholder({unit.shard * world}, options);
       for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
         const size_t k = unit.spec.parameters[slot];
-        at::TensorImpl* impl = parameters_[k].unsafeGetTensorImpl();
-        const std::vector<int64_t> sizes = parameters_[k].sizes().vec();
-        impl->set_storage_keep_dtype(unit.full.storage());
-        impl->set_storage_offset(unit.offsets[slot]);
-        impl->set_sizes_contiguous(sizes);
+        point_into(parameters_[k], unit.full, unit.offsets[slot]);
         const int64_t lo = std::max(begin, unit.offsets[slot]);
         const int64_t hi = std::min(end, unit.offsets[slot] + parameters_[k].numel());
         if (lo < hi) {
