@@ -168,6 +168,16 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "mismatch is an error naming the group, the ranks and each one's call, not a hang or "
       "wrong numbers (as TORCH_DISTRIBUTED_DEBUG=DETAIL; Gloo; costs a small allgather per "
       "collective). Or set DTRAIN_CHECK_COLLECTIVES=1");
+  add(app, "--offload", t.optimizer.offload,
+      "Where the optimizer's state lives: none; optimizer (host memory: with parameters on a "
+      "GPU, host master copies and the step on the CPU, as ZeRO-Offload); optimizer:DIR (a "
+      "file under DIR read and written bucket by bucket, as ZeRO-Infinity: for a model whose "
+      "state does not fit in memory)")
+      ->capture_default_str();
+  add(app, "--offload-bucket-mb", t.optimizer.offload_bucket_mb,
+      "--offload: parameters per bucket, in MiB of float32 (the state in memory during the "
+      "step is about three buckets')")
+      ->capture_default_str();
   add(app, "--freeze-variance-after", t.optimizer.freeze_variance_after,
       "adam, adamw: keep the second moment as it is after this many steps (1-bit Adam's "
       "freeze step: the rule turns linear in the gradients; 0 = never)")

@@ -40,6 +40,9 @@ int main(int argc, char** argv) {
   std::string mode = "placeholders", out;
   int threads = 1;
   int64_t step_tokens = 128;
+  int steps = 1;
+  std::string offload = "none";
+  int64_t offload_bucket_mb = 64;
   app.add_option("--mode", mode, "whole (every rank builds the model) or placeholders")
       ->check(CLI::IsMember({"whole", "placeholders"}));
   app.add_option("--layers", spec.gpt.layers)->capture_default_str();
@@ -52,6 +55,10 @@ int main(int argc, char** argv) {
   app.add_option("--step-tokens", step_tokens,
                  "Then one Adam step on a sequence of this many tokens (0: none)")
       ->capture_default_str();
+  app.add_option("--steps", steps, "Adam steps (the peak covers them all)")->capture_default_str();
+  app.add_option("--offload", offload, "none, optimizer or optimizer:DIR (dtrain train's flag)")
+      ->capture_default_str();
+  app.add_option("--offload-bucket-mb", offload_bucket_mb)->capture_default_str();
   app.add_option("--out", out, "Write this rank's JSON line to OUT.RANK")->required();
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(threads);
@@ -73,6 +80,8 @@ int main(int argc, char** argv) {
   parallel::zero::Zero3Strategy strategy(parallel::StrategyOptions{});
   optim::OptimizerSpec adam;
   adam.name = "adam";
+  adam.offload = offload;
+  adam.offload_bucket_mb = offload_bucket_mb;
   strategy.setup(std::move(model), optim::optimizer_factory(adam), grid);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -81,29 +90,44 @@ int main(int argc, char** argv) {
   // One training step (Adam's state appears; gradients get their memory): its peak, from the
   // same starting point.
   double step_peak_mb = 0;
+  std::string losses, step_seconds;
   if (step_tokens > 0) {
     reset_peak();
     at::Generator generator = at::detail::createCPUGenerator(world->rank() + 1);
-    const at::Tensor ids =
-        at::randint(spec.gpt.vocab, {1, step_tokens + 1}, generator, at::kLong);
-    const data::Batch batch{ids.narrow(1, 0, step_tokens), ids.narrow(1, 1, step_tokens)};
-    strategy.train_step({batch}, parallel::cross_entropy);
+    for (int step = 0; step < steps; ++step) {
+      const at::Tensor ids =
+          at::randint(spec.gpt.vocab, {1, step_tokens + 1}, generator, at::kLong);
+      const data::Batch batch{ids.narrow(1, 0, step_tokens), ids.narrow(1, 1, step_tokens)};
+      const auto begun = std::chrono::steady_clock::now();
+      const parallel::StepResult result = strategy.train_step({batch}, parallel::cross_entropy);
+      char value[64];
+      std::snprintf(value, sizeof value, "%s%.9g", losses.empty() ? "" : ", ", result.loss);
+      losses += value;
+      std::snprintf(
+          value, sizeof value, "%s%.3f", step_seconds.empty() ? "" : ", ",
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count());
+      step_seconds += value;
+    }
     step_peak_mb = status_mb("VmHWM:") - before_mb;
   }
   const parallel::MemoryReport memory = strategy.memory_report();
   const double model_mb =
       static_cast<double>(models::gpt_parameter_count(models::decoder_config(spec))) * 4 / 1048576;
   std::ofstream file(out + "." + std::to_string(world->rank()));
-  char line[512];
+  char line[1024];
   std::snprintf(line, sizeof line,
                 "{\"rank\": %d, \"world\": %d, \"mode\": \"%s\", \"layers\": %lld, \"setup_s\": "
                 "%.2f, \"peak_mb\": %.1f, \"kept_mb\": %.1f, \"model_mb\": %.1f, "
                 "\"largest_parameter_mb\": %.1f, \"shard_mb\": %.1f, \"gradient_shard_mb\": "
-                "%.1f, \"step_peak_mb\": %.1f}\n",
+                "%.1f, \"step_peak_mb\": %.1f, \"offload\": \"%s\", \"width\": %lld, "
+                "\"parameters\": %lld, \"optimizer_resident_mb\": %.1f",
                 world->rank(), world->size(), mode.c_str(), static_cast<long long>(spec.gpt.layers),
                 seconds, peak_mb, kept_mb, model_mb, static_cast<double>(largest) * 4 / 1048576,
-                memory.parameter_bytes / 1048576.0, memory.gradient_bytes / 1048576.0, step_peak_mb);
-  file << line;
+                memory.parameter_bytes / 1048576.0, memory.gradient_bytes / 1048576.0, step_peak_mb,
+                offload.c_str(), static_cast<long long>(spec.gpt.width),
+                static_cast<long long>(models::gpt_parameter_count(models::decoder_config(spec))),
+                memory.optimizer_bytes / 1048576.0);
+  file << line << ", \"losses\": [" << losses << "], \"step_s\": [" << step_seconds << "]}\n";
   world->barrier()->wait();
   return 0;
 }

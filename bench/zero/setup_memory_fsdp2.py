@@ -98,6 +98,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--step-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -127,14 +128,22 @@ def main():
     peak = status_mb("VmHWM:") - before
     kept = status_mb("VmRSS:") - before
     step_peak = 0.0
-    if args.step_tokens > 0:  # one Adam step, its peak from the same starting point
+    losses, step_seconds = [], []
+    if args.step_tokens > 0:  # Adam steps, their peak from the same starting point
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         generator = torch.Generator().manual_seed(rank + 1)
-        ids = torch.randint(args.vocab, (1, args.step_tokens + 1), generator=generator)
-        logits = model(ids[:, :-1])
-        nn.functional.cross_entropy(logits.reshape(-1, args.vocab), ids[:, 1:].reshape(-1)).backward()
-        optimizer.step()
+        for _ in range(args.steps):
+            ids = torch.randint(args.vocab, (1, args.step_tokens + 1), generator=generator)
+            begun = time.perf_counter()
+            logits = model(ids[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab),
+                                               ids[:, 1:].reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            step_seconds.append(round(time.perf_counter() - begun, 3))
         step_peak = status_mb("VmHWM:") - before
     shard = sum(p.to_local().numel() for p in model.parameters())
     line = {"rank": rank, "world": world, "mode": "fsdp2", "layers": args.layers,
@@ -144,7 +153,8 @@ def main():
             "model_mb": round(parameters * 4 / 2**20, 1),
             "largest_parameter_mb": round(largest * 4 / 2**20, 1),
             "shard_mb": round(shard * 4 / 2**20, 1), "gradient_shard_mb": 0.0,
-            "torch": torch.__version__}
+            "width": args.width, "parameters": parameters,
+            "losses": losses, "step_s": step_seconds, "torch": torch.__version__}
     with open(f"{args.out}.{rank}", "w") as f:
         f.write(json.dumps(line) + "\n")
     dist.barrier()

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/optim/Offload.h"
 #include "optim/StateKey.h"
 
 namespace dtrain::optim {
@@ -186,9 +187,12 @@ bool has_flat_rule(const std::string& name) {
 std::string flat_rule_names() { return names_where(true); }
 
 OptimizerFactory optimizer_factory(OptimizerSpec spec) {
-  return [spec](std::vector<at::Tensor> parameters) {
-    return make_optimizer(std::move(parameters), spec);
-  };
+  const OffloadSpec offload = parse_offload(spec.offload, spec.offload_bucket_mb);
+  return offloaded_factory(
+      [spec](std::vector<at::Tensor> parameters) {
+        return make_optimizer(std::move(parameters), spec);
+      },
+      offload);
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {

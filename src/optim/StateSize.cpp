@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/optim/Offload.h"
 #include "optim/StateKey.h"
 
 namespace dtrain::optim {
@@ -60,6 +61,10 @@ std::unique_ptr<S> make_adam(const ParamState& state, const at::Tensor& paramete
 
 void install(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
              const ParamState& state, bool copy) {
+  if (auto* offloaded = dynamic_cast<OffloadedOptimizer*>(&optimizer)) {
+    offloaded->set_state_of(parameter, state);
+    return;
+  }
   const StateKey key = key_of(parameter);
   optimizer.state().erase(key);
   if (state.empty()) return;
@@ -86,6 +91,9 @@ void install(torch::optim::Optimizer& optimizer, const at::Tensor& parameter,
 }  // namespace
 
 ParamState get_param_state(const torch::optim::Optimizer& optimizer, const at::Tensor& parameter) {
+  if (const auto* offloaded = dynamic_cast<const OffloadedOptimizer*>(&optimizer)) {
+    return offloaded->state_of(parameter);
+  }
   ParamState out;
   auto it = optimizer.state().find(key_of(parameter));
   if (it == optimizer.state().end()) return out;
@@ -118,6 +126,9 @@ void adopt_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& par
 
 ParamState param_state_to_fill(const torch::optim::Optimizer& optimizer,
                                const at::Tensor& parameter) {
+  if (const auto* offloaded = dynamic_cast<const OffloadedOptimizer*>(&optimizer)) {
+    return offloaded->state_to_fill(parameter);
+  }
   ParamState state = get_param_state(optimizer, parameter);
   if (!state.empty()) return state;
   const torch::optim::OptimizerOptions* options = nullptr;
@@ -152,6 +163,9 @@ ParamState param_state_to_fill(const torch::optim::Optimizer& optimizer,
 }
 
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
+  if (const auto* offloaded = dynamic_cast<const OffloadedOptimizer*>(&optimizer)) {
+    return offloaded->resident_state_bytes();
+  }
   int64_t total = 0;
   for (const auto& entry : optimizer.state()) {
     const auto* state = entry.second.get();

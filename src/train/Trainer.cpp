@@ -21,6 +21,7 @@
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/SyncBatchNorm.h"
+#include "dtrain/optim/Offload.h"
 #include "dtrain/parallel/ft/Replicas.h"
 #include "dtrain/precision/Precision.h"
 #include "dtrain/train/Checkpoint.h"
@@ -220,7 +221,7 @@ namespace {
 /// The run's last metrics record (rank 0): its steps, time, throughput, this rank's model state
 /// as its strategy keeps it (what `dtrain plan` predicts), the final loss and accuracy.
 void write_summary(runners::Run& run, int64_t start_step, int world_size,
-                   const parallel::Strategy& strategy, int64_t setup_peak_bytes) {
+                   parallel::Strategy& strategy, int64_t setup_peak_bytes) {
   const FitResult& result = run.result;
   MetricRecord summary{{"event", std::string("summary")},
                        {"steps", result.steps},
@@ -235,7 +236,11 @@ void write_summary(runners::Run& run, int64_t start_step, int world_size,
   const parallel::MemoryReport memory = strategy.memory_report();
   summary["parameter_bytes"] = memory.parameter_bytes;
   summary["gradient_bytes"] = memory.gradient_bytes;
-  summary["optimizer_bytes"] = memory.optimizer_bytes;
+  summary["optimizer_bytes"] = memory.optimizer_bytes;  // in memory
+  if (const auto* offloaded = dynamic_cast<const optim::OffloadedOptimizer*>(&strategy.optimizer());
+      offloaded != nullptr && offloaded->file_bytes() > 0) {
+    summary["optimizer_file_bytes"] = offloaded->file_bytes();
+  }
   // This process's peak resident memory once the model was built and set up, before step 1
   // (the data set's included).
   if (setup_peak_bytes > 0) summary["setup_peak_resident_bytes"] = setup_peak_bytes;

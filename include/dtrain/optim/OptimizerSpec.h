@@ -19,6 +19,10 @@ struct OptimizerSpec {
   double eps = 1e-8;  // adam, adamw; adagrad uses 1e-10 unless set
   /// adam, adamw: the second moment stays as it is after this many steps (0 = never).
   int64_t freeze_variance_after = 0;
+  /// Where the state lives (Offload.h): "none", "optimizer" (host memory: for parameters on a
+  /// GPU) or "optimizer:DIR" (a file under DIR, bucket by bucket), and the bucket's size.
+  std::string offload = "none";
+  int64_t offload_bucket_mb = 64;
 };
 
 /// The named optimizer's own defaults, as PyTorch's (a learning rate and weight decay for it,
