@@ -61,13 +61,21 @@ std::string seconds(double s) {
 }
 
 nlohmann::json to_json(const plan::Memory& m) {
-  return {{"parameters", m.parameters},   {"gradients", m.gradients}, {"optimizer", m.optimizer},
-          {"activations", m.activations}, {"buffers", m.buffers},     {"total", m.total()}};
+  return {{"parameters", m.parameters},
+          {"gradients", m.gradients},
+          {"optimizer", m.optimizer},
+          {"activations", m.activations},
+          {"buffers", m.buffers},
+          {"total", m.total()},
+          {"setup", m.setup},
+          {"peak", m.peak()},
+          {"host", m.host},
+          {"disk", m.disk}};
 }
 
-/// The share of a device's memory a prediction leaves free.
+/// The share of a rank's memory a prediction leaves free.
 double headroom(const Prediction& p, const plan::Cluster& cluster) {
-  return 1.0 - p.memory.total() / cluster.hardware.memory_bytes;
+  return 1.0 - p.memory.total() / plan::rank_memory_bytes(cluster);
 }
 
 /// A layout that fits with less than kMinHeadroom of the device free: not a plan (the CUDA
@@ -108,6 +116,7 @@ nlohmann::json to_json(const Prediction& p, const plan::Cluster& cluster) {
           {"memory_bytes", to_json(p.memory)},
           {"memory_bytes_per_stage", stages},
           {"fits", p.fits},
+          {"setup_fits", p.setup_fits},
           {"memory_headroom", headroom(p, cluster)},
           {"tight", tight(p, cluster)}};
 }
@@ -125,11 +134,18 @@ void print_prediction(const Prediction& p, const plan::Cluster& cluster) {
   std::printf("model flops       %.1f TFLOP/s per GPU, MFU %.1f%%\n",
               p.model_flops_per_step / p.step_s / cluster.gpus() / 1e12, 100 * p.mfu);
   std::printf(
-      "memory per rank   %.2f GiB of %.0f  (parameters %.2f, gradients %.2f, optimizer "
+      "memory per rank   %.2f GiB of %.2f  (parameters %.2f, gradients %.2f, optimizer "
       "%.2f, activations %.2f, buffers %.2f)%s\n",
-      m.total() / kGiB, cluster.hardware.memory_bytes / kGiB, m.parameters / kGiB,
+      m.total() / kGiB, plan::rank_memory_bytes(cluster) / kGiB, m.parameters / kGiB,
       m.gradients / kGiB, m.optimizer / kGiB, m.activations / kGiB, m.buffers / kGiB,
       p.fits ? "" : "  DOES NOT FIT");
+  std::printf("setup per rank    %.2f GiB  (building the model and cutting its shards)%s\n",
+              m.setup / kGiB,
+              p.setup_fits ? ""
+                           : "  MORE THAN A RANK HAS: a pipeline rank builds every stage today "
+                             "(issue 80); zero3 without a pipeline draws only its shard");
+  if (m.host > 0) std::printf("host memory       %.2f GiB per rank (offloaded)\n", m.host / kGiB);
+  if (m.disk > 0) std::printf("disk              %.2f GiB per rank (offloaded)\n", m.disk / kGiB);
   if (tight(p, cluster)) {
     std::printf(
         "                  TIGHT: %.1f%% of the device, less than %.0f%% left for the CUDA "
@@ -277,6 +293,12 @@ class PlanCommand final : public Command {
         "--tp-comm-overlap); --search tries it wherever tp > 1 unless pinned on or off"));
     app_->add_option("--ps-shards", layout_.ps_shards, "downpour: parameter-server shards")
         ->capture_default_str();
+    app_->add_option("--offload", layout_.offload,
+                     "Where the optimizer's state lives (dtrain train --offload): none, host "
+                     "(with fp32 master weights; the step on the CPU), disk (files read and "
+                     "written every step); --search tries host and disk for layouts that do not "
+                     "fit, where the profile gives the rates (node.host_*, node.disk_*)")
+        ->capture_default_str();
     app_->add_flag("--search", search_,
                    "Rank every valid layout that fits, by predicted step time");
     app_->add_option("--top", top_, "--search: layouts to print")->capture_default_str();
@@ -303,6 +325,9 @@ class PlanCommand final : public Command {
     calibrate_
         ->add_option("--probe-seconds", calibrate_options_.probe_seconds, "Time per measurement")
         ->capture_default_str();
+    calibrate_->add_option("--disk-dir", calibrate_options_.disk_dir,
+                           "Also measure the disk under this folder (512 MiB written and read "
+                           "with O_DIRECT), for --offload disk's predictions");
     add_config_option(*app_);
   }
   std::vector<std::string> expand(const std::vector<std::string>& args) override {
@@ -341,10 +366,15 @@ class PlanCommand final : public Command {
     if (json_) std::printf("%s\n", to_json(p, cluster).dump(2).c_str());
     const plan::Memory& m = p.memory;
     DTRAIN_CHECK_INPUT(p.fits, "layout ", p.layout.describe(), " does not fit: it needs ",
-                       gib(m.total()), " GiB per rank (parameters ", gib(m.parameters),
+                       gib(m.total()), " GiB per rank to step (parameters ", gib(m.parameters),
                        ", gradients ", gib(m.gradients), ", optimizer ", gib(m.optimizer),
-                       ", activations ", gib(m.activations), "), the ", cluster.hardware.device,
-                       " has ", gib(cluster.hardware.memory_bytes));
+                       ", activations ", gib(m.activations), ")",
+                       m.host > 0 ? concat(", ", gib(m.host * cluster.per_node()),
+                                           " GiB of host memory per node (it has ",
+                                           gib(cluster.hardware.host_memory_bytes), ")")
+                                  : std::string(),
+                       "; a rank of the ", cluster.hardware.device, " has ",
+                       gib(plan::rank_memory_bytes(cluster)));
     if (!json_) {
       std::printf("dtrain plan: %s (%.2fB parameters) on %s: %d nodes x %d GPUs (%s)\n",
                   model.name.c_str(), model.parameters() / 1e9, cluster.hardware.name.c_str(),
@@ -438,9 +468,10 @@ class PlanCommand final : public Command {
     const plan::SearchResult result = plan::search(model, cluster, options);
     if (result.ranked.empty()) {
       DTRAIN_THROW(InputError, "no layout of ", model.name, " fits ", cluster.gpus(), " x ",
-                   cluster.hardware.device, " (", cluster.hardware.memory_bytes / kGiB,
-                   " GiB) at global batch ", global_batch_, ": the smallest of ", result.considered,
-                   " layouts needs ", gib(result.smallest_memory), " GiB per rank");
+                   cluster.hardware.device, " (", gib(plan::rank_memory_bytes(cluster)),
+                   " GiB per rank) at global batch ", global_batch_, ": the smallest of ",
+                   result.considered, " layouts needs ", gib(result.smallest_memory),
+                   " GiB per rank");
     }
     const size_t shown = std::min<size_t>(top_, result.ranked.size());
     if (json_) {

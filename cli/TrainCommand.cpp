@@ -15,6 +15,7 @@
 #include "Command.h"
 #include "CommonFlags.h"
 #include "ConfigFile.h"
+#include "DryRun.h"
 #include "Help.h"
 #include "NumericOptions.h"
 #include "TrainFlags.h"
@@ -172,6 +173,8 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kTrainGroups
       "--weight-decay",
       "--nesterov",
       "--freeze-variance-after",
+      "--offload",
+      "--offload-bucket-mb",
       "--lr-decay",
       "--warmup-steps",
       "--lr-step-size",
@@ -224,7 +227,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kTrainGroups
       "--no-resume"}},
     {"Output",
      {"--run-dir", "--no-run-dir", "--metrics", "--log-every", "--peak-tflops", "--eval-every",
-      "--defer-eval", "--no-progress", "--trace", "--print-plan"}},
+      "--defer-eval", "--no-progress", "--trace", "--print-plan", "--dry-run"}},
 };
 
 int run_train(dtrain::train::JobConfig job, const dtrain::train::RunPlan& plan,
@@ -318,6 +321,10 @@ class TrainCommand final : public Command {
                    "back, and the layout, batches, data and launch worked out from them) and "
                    "exit; every run folder keeps it as plan.toml and every checkpoint in its "
                    "metadata");
+    app_->add_flag("--dry-run", dry_run_,
+                   "Work the run out and print each rank's memory (setup, step, what --offload "
+                   "moves out) against this machine's, without building the model; exit 2 when "
+                   "it does not fit");
     group_options(*app_, kTrainGroups);
   }
   std::vector<std::string> expand(const std::vector<std::string>& args) override {
@@ -336,7 +343,7 @@ class TrainCommand final : public Command {
     // model's recipe set (dtrain ckpt inspect shows them).
     auto& extras = job_.trainer.checkpoint_extras;
     extras["command"] = command_line();
-    extras["config"] = options_as_toml(*app_, {}, {"print-plan"}, true);
+    extras["config"] = options_as_toml(*app_, {}, {"print-plan", "dry-run"}, true);
     if (!recipe.empty()) extras["recipe"] = recipe;
     // The plan: every option's value (the defaults and the recipe's included) as TOML that
     // --config reads back, and what the run makes of them.
@@ -348,6 +355,10 @@ class TrainCommand final : public Command {
       std::printf("%s%s", extras["plan"].c_str(), plan.describe().c_str());
       return 0;
     }
+    if (dry_run_) {
+      dtrain::train::validate_job(plan);
+      return dtrain::cli::dry_run(plan);
+    }
     return run_train(job_, plan, args, recipe);
   }
 
@@ -356,12 +367,13 @@ class TrainCommand final : public Command {
   std::string effective_options() const {
     return "# dtrain train's options, each with its value (commented: what the model's recipe "
            "sets): dtrain train --config FILE runs it again\n" +
-           options_as_toml(*app_, dtrain::train::recipe_values(job_), {"print-plan"});
+           options_as_toml(*app_, dtrain::train::recipe_values(job_), {"print-plan", "dry-run"});
   }
 
   CLI::App* app_;
   dtrain::train::JobConfig job_;
   bool print_plan_ = false;
+  bool dry_run_ = false;
   dtrain::FlagSet strategy_flags_;  // bound into job_.trainer.strategy_options
 };
 

@@ -302,7 +302,8 @@ TEST(Cli, PlanBadInputIsOneClearLineAndExitCode2) {
        "the 1f1b schedule needs at least as many micro-batches as pipeline stages"},
       {plan + " --model gpt-1t", "does not fit: it needs "},
       {plan + " --model gpt-1t --search --global-batch 8",
-       "no layout of gpt-1t fits 8 x NVIDIA A100 SXM4 80GB (80 GiB) at global batch 8: the "
+       "no layout of gpt-1t fits 8 x NVIDIA A100 SXM4 80GB (80.00 GiB per rank) at global batch 8: "
+       "the "
        "smallest of "},
       {plan + " --model gpt-1.7b --search", "--search needs --global-batch"},
   };

@@ -216,3 +216,28 @@ TEST(Offload, Zero3RunsEqualWithTheStateInFiles) {
   EXPECT_EQ(max_difference(final_parameters(dir / "plain"), final_parameters(dir / "resumed")),
             0.0);
 }
+
+// --dry-run: the run's memory per rank against this machine's, before anything is built: Llama
+// 3.1 8B's shape on two ranks does not fit (exit 2, both figures named, in a few seconds and
+// little memory); a small model fits.
+TEST(Offload, DryRunSaysWhetherTheRunFitsBeforeBuildingIt) {
+  using namespace dtrain::test::cli;
+  TempDir dir;
+  auto out = run("/usr/bin/time -f 'peak %M KiB' " + kDtrain +
+                 " train --config " DTRAIN_SOURCE_DIR
+                 "/configs/llama-8b.toml --dataset text "
+                 "--nproc 2 --strategy ddp --dry-run --no-run-dir");
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "does not fit: each rank needs")) << out.text;
+  EXPECT_TRUE(has(out, "GiB per rank")) << out.text;
+  const auto peak = out.text.find("peak ");
+  ASSERT_NE(peak, std::string::npos) << out.text;
+  EXPECT_LT(std::stod(out.text.substr(peak + 5)), 2.0 * 1024 * 1024) << out.text;  // < 2 GiB
+  out = run(kDtrain +
+            " train --dataset synthetic --nproc 2 --strategy zero3 --optimizer adam "
+            "--offload optimizer:" +
+            (dir / "swap") + " --dry-run --no-run-dir");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "fits              yes")) << out.text;
+  EXPECT_TRUE(has(out, "offloaded")) << out.text;
+}

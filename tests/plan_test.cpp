@@ -347,6 +347,120 @@ TEST(Planner, Bf16MasterKeepsFp32GradientsAsMegatronsDistributedOptimizer) {
   });
 }
 
+// A GPT of `layers` x 2048 on 128-token samples (GPT-2's vocabulary).
+ModelCost short_gpt(int layers) {
+  TransformerShape shape;
+  shape.layers = layers;
+  shape.hidden = 2048;
+  shape.heads = 16;
+  shape.sequence = 128;
+  shape.vocabulary = 50257;
+  return transformer(shape, concat("gpt-", layers, "x2048"));
+}
+
+TEST(Planner, SetupBuildsTheWholeModelButForZero3sShardAndTensorParallelSlices) {
+  // Issue 80: zero3 draws only its shard (bounded by the largest layer, here the embedding);
+  // ddp, zero1/2 and pipelines build every parameter in fp32; TP only its slices.
+  const ModelCost model = model_named("gpt-7.5b");
+  const Cluster cluster = cluster_of("a100-selene", 8);
+  double largest = 0;
+  for (const Layer& l : model.layers) largest = std::max<double>(largest, l.parameters);
+  const double whole = 4.0 * model.parameters();
+  Layout layout;
+  layout.dp = 64;
+  for (const std::string strategy : {"ddp", "zero1", "zero2"}) {
+    layout.strategy = strategy;
+    EXPECT_NEAR(predict(model, cluster, layout).memory.setup / whole, 1.0, 1e-9) << strategy;
+  }
+  layout.strategy = "zero3";
+  const Memory zero3 = predict(model, cluster, layout).memory;
+  EXPECT_NEAR(zero3.setup, whole / 64 + 4 * largest, 1e-6 * whole);
+  layout.strategy = "ddp";
+  layout.dp = 8;
+  layout.tp = 8;
+  const double tp_setup = predict(model, cluster, layout).memory.setup;
+  EXPECT_LT(tp_setup, whole / 7);  // most of the model is split 8 ways
+  EXPECT_GT(tp_setup, whole / 8);  // the embedding and norms are not all split
+}
+
+TEST(Planner, OffloadMovesTheOptimizersStateOutAndCostsItsTraffic) {
+  const ModelCost model = short_gpt(16);
+  // This machine: two ranks share its memory; the disk's rates from the profile.
+  Cluster cpu = cluster_of("this-machine", 1, 2);
+  EXPECT_NEAR(rank_memory_bytes(cpu), cpu.hardware.memory_bytes / 2, 1);
+  Layout layout;
+  layout.strategy = "zero3";
+  layout.dp = 2;
+  layout.precision = "fp32";
+  const Prediction plain = predict(model, cpu, layout);
+  layout.offload = "disk";
+  const Prediction disk = predict(model, cpu, layout);
+  EXPECT_EQ(disk.memory.optimizer, 0);
+  EXPECT_NEAR(disk.memory.disk, plain.memory.optimizer, 1);
+  EXPECT_NEAR(plain.memory.total() - disk.memory.total(), plain.memory.optimizer, 1);
+  // Two ranks read and write their state through the one disk every step.
+  const double state = 2 * plain.memory.optimizer;
+  EXPECT_NEAR(disk.optimizer_s,
+              std::max(plain.optimizer_s,
+                       state / cpu.hardware.disk_read_Bps + state / cpu.hardware.disk_write_Bps),
+              1e-9);
+  layout.offload = "host";  // the ranks' memory is the host's already
+  EXPECT_THROW(predict(model, cpu, layout), InputError);
+  // A GPU profile without the host's rates cannot predict offload: refused, naming the fields.
+  layout.offload = "host";
+  try {
+    predict(model, cluster_of("a100-selene", 1, 2), layout);
+    ADD_FAILURE() << "no error";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("node.host_link_gb_s"), std::string::npos) << e.what();
+  }
+  // With them: the state and fp32 master weights in host memory, the step over PCIe.
+  Cluster gpu = cluster_of("a100-selene", 1, 2);
+  gpu.hardware.host_memory_bytes = 1e12;
+  gpu.hardware.host_memory_bandwidth_Bps = 1e11;
+  gpu.hardware.host_link_Bps = 2.5e10;
+  layout.offload = "none";
+  const Prediction device = predict(model, gpu, layout);
+  layout.offload = "host";
+  const Prediction host = predict(model, gpu, layout);
+  EXPECT_EQ(host.memory.optimizer, 0);
+  EXPECT_NEAR(host.memory.host, device.memory.optimizer + 4.0 * model.parameters() / 2, 1);
+  EXPECT_GT(host.optimizer_s, device.optimizer_s);
+  gpu.hardware.host_memory_bytes = host.memory.host;  // one rank's: two do not fit
+  EXPECT_FALSE(predict(model, gpu, layout).fits);
+}
+
+TEST(Planner, SearchOffloadsOnlyWhatDoesNotFitOtherwise) {
+  // On two ranks of this machine: 0.9B parameters fit with zero3 (and with ddp only offloaded);
+  // 2B fit only with the Adam state on disk.
+  SearchOptions options;
+  options.global_batch = 2;
+  options.precision = "fp32";
+  options.allow_checkpointing = false;
+  const Cluster cpu = cluster_of("this-machine", 1, 2);
+  const ModelCost small = short_gpt(16);
+  const SearchResult some = search(small, cpu, options);
+  ASSERT_FALSE(some.ranked.empty());
+  bool device = false;
+  for (const Prediction& p : some.ranked) {
+    if (p.layout.offload == "none") {
+      device = true;
+      continue;
+    }
+    Layout on_device = p.layout;
+    on_device.offload = "none";
+    EXPECT_FALSE(predict(small, cpu, on_device).fits) << p.layout.describe() << " fits without";
+  }
+  EXPECT_TRUE(device);
+  const ModelCost big = short_gpt(40);
+  const SearchResult only = search(big, cpu, options);
+  ASSERT_FALSE(only.ranked.empty());
+  for (const Prediction& p : only.ranked)
+    EXPECT_EQ(p.layout.offload, "disk") << p.layout.describe();
+  options.allow_offload = false;
+  EXPECT_TRUE(search(big, cpu, options).ranked.empty());
+}
+
 TEST(Planner, TensorParallelAllReducesAreOnTheCriticalPath) {
   // One replica, tp 2: slowing the node's links by 2x adds exactly the all-reduces' extra time:
   // per micro-batch, 2 per block and 1 for the embedding, in forward and again in backward.

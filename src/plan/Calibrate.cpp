@@ -2,7 +2,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 
 #include <algorithm>
 #include <chrono>
@@ -90,6 +95,7 @@ struct Measured {
   double latency_s = 0, link_Bps = 0;
   std::vector<int64_t> p2p_elements;
   std::vector<double> p2p_seconds;
+  double disk_read_Bps = 0, disk_write_Bps = 0;  // 0: not measured
 };
 
 using Progress = std::function<void(const std::string&)>;
@@ -231,6 +237,42 @@ void measure_gloo(const Progress& progress, Measured& out) {
 }
 
 /// The hardware profile (TOML) of what was measured.
+// The disk as offload sees it: a 512 MiB file written in 64 MiB blocks and read back, both
+// with O_DIRECT (past the page cache), the file removed after.
+void measure_disk(const std::string& dir, const Progress& progress, Measured& out) {
+  constexpr size_t kBlock = 64 << 20;
+  constexpr int kBlocks = 8;
+  const std::string path = dir + "/dtrain-calibrate-disk";
+  void* buffer = nullptr;
+  DTRAIN_CHECK(::posix_memalign(&buffer, 4096, kBlock) == 0, "calibrate: no memory for the disk");
+  std::memset(buffer, 1, kBlock);
+  const auto timed = [&](int flags, bool write) {
+    const int fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
+    DTRAIN_CHECK_INPUT(fd >= 0, "calibrate: --disk-dir ", dir, ": cannot ",
+                       write ? "write" : "read", " ", path, " (", std::strerror(errno), ")");
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kBlocks; ++i) {
+      const ssize_t n = write ? ::write(fd, buffer, kBlock) : ::read(fd, buffer, kBlock);
+      if (n != static_cast<ssize_t>(kBlock)) {
+        ::close(fd);
+        ::unlink(path.c_str());
+        DTRAIN_THROW(InputError, "calibrate: --disk-dir ", dir, ": ", write ? "writing" : "reading",
+                     " ", path, " failed (", std::strerror(errno), ")");
+      }
+    }
+    if (write) ::fsync(fd);
+    ::close(fd);
+    return kBlock * kBlocks /
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  out.disk_write_Bps = timed(O_WRONLY | O_CREAT | O_TRUNC, true);
+  out.disk_read_Bps = timed(O_RDONLY, false);
+  ::unlink(path.c_str());
+  std::free(buffer);
+  progress(concat("disk under ", dir, ": write ", number(out.disk_write_Bps / 1e9), " GB/s, read ",
+                  number(out.disk_read_Bps / 1e9), " GB/s"));
+}
+
 std::string profile_of(const CalibrateOptions& options, const Measured& m) {
   const std::vector<int64_t>& p2p_sizes = m.p2p_elements;
   const std::vector<double>& p2p_seconds = m.p2p_seconds;
@@ -278,7 +320,13 @@ std::string profile_of(const CalibrateOptions& options, const Measured& m) {
        << "gpus = " << std::max(1u, cores / options.threads) << "\n"
        << "cores = " << cores << "\n"
        << "link_gb_s = " << number(link / 1e9) << "\n"
-       << "link_latency_us = " << number(latency * 1e6) << "\n\n"
+       << "link_latency_us = " << number(latency * 1e6) << "\n";
+  if (m.disk_read_Bps > 0) {
+    toml << "# The disk under " << options.disk_dir << " (O_DIRECT, 64 MiB blocks): offload's\n"
+         << "disk_read_gb_s = " << number(m.disk_read_Bps / 1e9) << "\n"
+         << "disk_write_gb_s = " << number(m.disk_write_Bps / 1e9) << "\n";
+  }
+  toml << "\n"
        << "# One machine: \"across nodes\" is the same loopback.\n"
        << "[network]\n"
        << "node_gbit_s = " << number(link * 8 / 1e9 * std::max(1u, cores / options.threads))
@@ -296,6 +344,7 @@ std::string calibrate(const CalibrateOptions& options, const Progress& progress)
   measure_memory(options.probe_seconds, progress, measured);
   measure_kernels(options.probe_seconds, progress, measured);
   measure_gloo(progress, measured);
+  if (!options.disk_dir.empty()) measure_disk(options.disk_dir, progress, measured);
   return profile_of(options, measured);
 }
 

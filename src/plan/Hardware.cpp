@@ -249,6 +249,14 @@ Hardware load_hardware(const std::string& name_or_path,
   hw.gpus_per_node = static_cast<int>(gpus);
   hw.shared_cores = static_cast<bool>(table.at_path("node.cores"));
   if (hw.shared_cores) read.positive("node.cores");
+  const auto optional_rate = [&](const char* path, double scale) {
+    return table.at_path(path) ? read.positive(path) * scale : 0.0;
+  };
+  hw.host_memory_bytes = optional_rate("node.host_memory_gib", 1LL << 30);
+  hw.host_memory_bandwidth_Bps = optional_rate("node.host_memory_bandwidth_gb_s", 1e9);
+  hw.host_link_Bps = optional_rate("node.host_link_gb_s", 1e9);
+  hw.disk_read_Bps = optional_rate("node.disk_read_gb_s", 1e9);
+  hw.disk_write_Bps = optional_rate("node.disk_write_gb_s", 1e9);
   // Links as collectives see them: the rate times the share NCCL's rings reach.
   const double link = read.positive("efficiency.link", 0, 1);
   hw.intra_node = {read.non_negative("node.link_latency_us") * 1e-6,

@@ -82,6 +82,7 @@ std::string Layout::describe() const {
     text += " ovl";
   }
   if (tp_comm_overlap && tp > 1) text += " tpo";
+  if (offload != "none") text += " offload-" + offload;
   return text;
 }
 
@@ -116,6 +117,8 @@ std::string parallel_flags(const Layout& l, int layers, bool global) {
     text += " --overlap-param-gather";
   }
   if (l.tp_comm_overlap && l.tp > 1) text += " --tp-comm-overlap";
+  if (l.offload == "host") text += " --offload optimizer";
+  if (l.offload == "disk") text += " --offload optimizer:<a folder on the local disk>";
   return text;
 }
 
@@ -173,6 +176,21 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                      "' (fp32, bf16-mixed, fp16-mixed, bf16, bf16-master, fp16-master)");
   DTRAIN_CHECK_INPUT(is_one_of(layout.optimizer, {"adam", "sgd", "momentum"}),
                      "unknown optimizer '", layout.optimizer, "' (adam, sgd, momentum)");
+  const Hardware& hw = cluster.hardware;
+  DTRAIN_CHECK_INPUT(is_one_of(layout.offload, {"none", "host", "disk"}), "unknown offload '",
+                     layout.offload, "' (none, host, disk)");
+  DTRAIN_CHECK_INPUT(layout.offload != "host" || !hw.shared_cores, "offload host: on ", hw.name,
+                     " the ranks' memory is the host's already "
+                     "(offload disk moves the optimizer's state out of it)");
+  DTRAIN_CHECK_INPUT(
+      layout.offload == "none" || hw.shared_cores ||
+          (hw.host_memory_bandwidth_Bps > 0 && hw.host_link_Bps > 0 && hw.host_memory_bytes > 0),
+      "offload ", layout.offload, ": profile ", hw.name,
+      " gives no node.host_memory_gib, node.host_memory_bandwidth_gb_s and "
+      "node.host_link_gb_s to predict it by");
+  DTRAIN_CHECK_INPUT(layout.offload != "disk" || (hw.disk_read_Bps > 0 && hw.disk_write_Bps > 0),
+                     "offload disk: profile ", hw.name,
+                     " gives no node.disk_read_gb_s and node.disk_write_gb_s to predict it by");
   DTRAIN_CHECK_INPUT(layout.dp >= 1 && layout.pp >= 1 && layout.tp >= 1,
                      "dp, pp and tp must be >= 1");
   DTRAIN_CHECK_INPUT(layout.micro_batch_size >= 1 && layout.micro_batches >= 1,

@@ -261,6 +261,11 @@ double Step::slot_params(int slot) const {
   return params;
 }
 
+double rank_memory_bytes(const Cluster& cluster) {
+  const Hardware& hw = cluster.hardware;
+  return hw.shared_cores ? hw.memory_bytes / cluster.per_node() : hw.memory_bytes;
+}
+
 Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
   check_layout(model, cluster, layout);
   const Step step(model, cluster, layout);
@@ -296,7 +301,16 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
   for (const Memory& m : out.stage_memory) {
     if (m.total() > out.memory.total()) out.memory = m;
   }
-  out.fits = out.memory.total() <= cluster.hardware.memory_bytes;
+  for (const Memory& m : out.stage_memory) {
+    if (m.setup > out.memory.setup) out.memory.setup = m.setup;
+  }
+  // The node's host memory holds its ranks' offloaded state (a GPU profile's; a CPU profile's
+  // ranks share it, so it is their device memory already).
+  double host = 0;
+  for (const Memory& m : out.stage_memory) host = std::max(host, m.host);
+  out.fits = out.memory.total() <= rank_memory_bytes(cluster) &&
+             (host == 0 || host * cluster.per_node() <= cluster.hardware.host_memory_bytes);
+  out.setup_fits = out.memory.setup <= rank_memory_bytes(cluster);
   out.samples_per_s = layout.global_batch() / out.step_s;
   out.model_flops_per_step = model.model_flops_per_sample() * layout.global_batch();
   out.mfu = out.model_flops_per_step / out.step_s /

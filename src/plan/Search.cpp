@@ -274,12 +274,32 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
   result.considered = static_cast<int>(layouts.size());
   const std::vector<Prediction> predictions = predict_all(model, cluster, layouts);
   result.smallest_memory = -1;
+  std::vector<Layout> offloaded;  // layouts that do not fit, with the optimizer's state moved out
+  const Hardware& hw = cluster.hardware;
+  const bool host = options.allow_offload && !hw.shared_cores && hw.host_link_Bps > 0 &&
+                    hw.host_memory_bandwidth_Bps > 0 && hw.host_memory_bytes > 0;
+  const bool disk = options.allow_offload && hw.disk_read_Bps > 0 && hw.disk_write_Bps > 0 &&
+                    (hw.shared_cores || host);
   for (const Prediction& p : predictions) {
     if (result.smallest_memory < 0 || p.memory.total() < result.smallest_memory) {
       result.smallest_memory = p.memory.total();
     }
+    if (p.fits) {
+      result.ranked.push_back(p);
+      continue;
+    }
+    if (planned_strategy(p.layout.strategy).server_optimizer) continue;
+    for (const char* where : {"host", "disk"}) {
+      if ((where[0] == 'h' && !host) || (where[0] == 'd' && !disk)) continue;
+      Layout moved = p.layout;
+      moved.offload = where;
+      offloaded.push_back(moved);
+    }
+  }
+  for (const Prediction& p : predict_all(model, cluster, offloaded)) {
     if (p.fits) result.ranked.push_back(p);
   }
+  result.considered += static_cast<int>(offloaded.size());
   // Fastest first (to the nanosecond); of layouts as fast (zero1 and zero2 often are, but for
   // rounding), the one that needs less memory, then the first by its description: the same
   // answer whatever order they were made in.

@@ -60,6 +60,26 @@ std::vector<Memory> slot_memory(const Step& step, const Timeline& timeline) {
         (layout.checkpointing ? in_flight * boundary + largest_saved : in_flight * saved);
     m.buffers = cost.layer_buffers * largest_layer * step.bytes.parameter +
                 cost.bucket_buffers * static_cast<double>(layout.bucket_cap_bytes);
+    // Setup, in fp32: zero3 draws only its shard (and one parameter at a time: bounded by the
+    // largest layer's); every other layout builds each parameter it holds a part of, a
+    // pipeline rank every stage (its stages are cut from the whole model).
+    constexpr double kBuilt = 4;
+    if (strategy.draws_deferred && P == 1) {
+      m.setup = params * kBuilt / sharded + largest_layer * kBuilt;
+    } else {
+      double built = 0;
+      for (size_t i = 0; i < model.layers.size(); ++i) built += step.local_params[i];
+      m.setup = built * kBuilt;
+    }
+    // Offload: the optimizer's state leaves the device; ZeRO-Offload keeps fp32 master weights
+    // beside it in host memory.
+    if (layout.offload == "host") {
+      m.host = m.optimizer + params * kBuilt / share(cost.shards_optimizer);
+      m.optimizer = 0;
+    } else if (layout.offload == "disk") {
+      m.disk = m.optimizer;
+      m.optimizer = 0;
+    }
     memory.push_back(m);
   }
   return memory;

@@ -173,8 +173,23 @@ double optimizer_time(const Step& step, int slot) {
   const double updates = layout.pipeline_sync == "async" && step.P > 1 ? layout.micro_batches : 1;
   const double version_copy =
       step.flush_free ? 2 * params * bytes.parameter / step.rates.byte_rate : 0;
-  return updates * (params / shard * per_parameter / step.rates.byte_rate +
-                    step.slot_layers(slot) * 4 * step.rates.overhead + version_copy);
+  const double on_device =
+      updates * (params / shard * per_parameter / step.rates.byte_rate +
+                 step.slot_layers(slot) * 4 * step.rates.overhead + version_copy);
+  if (layout.offload == "none") return on_device;
+  // Offload. On a GPU the step runs on the CPU over host copies: the gradients come over the
+  // host link and the parameters go back; on a CPU profile the device is the host. With the
+  // state on disk, the node's ranks read and write theirs every step through its one disk,
+  // overlapped with the update (the next bucket read, the last written, during a bucket's).
+  const Hardware& hw = step.hw;
+  const double local = params / shard;
+  const double update = hw.shared_cores
+                            ? on_device
+                            : local * per_parameter / hw.host_memory_bandwidth_Bps +
+                                  local * (bytes.gradient + bytes.parameter) / hw.host_link_Bps;
+  if (layout.offload == "host") return update;
+  const double state = local * bytes.optimizer * step.cluster.per_node();
+  return std::max(update, state / hw.disk_read_Bps + state / hw.disk_write_Bps);
 }
 
 double parameter_server_step(const Step& step, double worker_s) {

@@ -48,6 +48,18 @@ models::ModelSpec model_spec(const RunPlan& plan, int64_t vocabulary = 2) {
   return spec;
 }
 
+}  // namespace
+
+models::ModelSpec run_model_spec(const RunPlan& plan) {
+  int64_t vocabulary = 2;
+  if (data::dataset_info(plan.job.dataset).language) {
+    vocabulary = data::load_dataset(plan.job.dataset, plan.data).vocabulary;
+  }
+  return model_spec(plan, vocabulary);
+}
+
+namespace {
+
 // The strategy's rules against the job's layout (ranks, pipeline, tensor parallelism, the
 // model), named before any rank starts; the strategy's constructor checks the rest.
 void validate_strategy(const RunPlan& plan) {

@@ -14,6 +14,9 @@ struct CalibrateOptions {
   int threads = 1;  ///< LibTorch threads of one rank (each rank of a run here uses this many)
   double probe_seconds = 0.3;  ///< per measurement
   std::string name;            ///< the profile's device description (default: the CPU's model)
+  /// Also the disk under this folder (512 MiB written and read past the page cache), for
+  /// offload's predictions; empty: not measured.
+  std::string disk_dir;
 };
 
 /// The profile as TOML text; `progress` hears one line per measurement.

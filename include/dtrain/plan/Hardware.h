@@ -57,6 +57,13 @@ struct Hardware {
   /// CPU profiles (node.cores given): accelerators are ranks sharing the node's cores, so a
   /// node running more ranks than `gpus_per_node` gives each a share of them.
   bool shared_cores = false;
+  /// Offload (optional; 0: not given, and layouts offloading there are refused): the node's
+  /// host memory, its bandwidth (the CPU's optimizer step), each accelerator's link to it
+  /// (PCIe), and the node's disk.
+  double host_memory_bytes = 0;
+  double host_memory_bandwidth_Bps = 0;
+  double host_link_Bps = 0;
+  double disk_read_Bps = 0, disk_write_Bps = 0;
   Link intra_node;  ///< per accelerator, to the others of its node (NVLink, PCIe, loopback)
   Link inter_node;  ///< per node, to the network (all its NICs together)
   /// Peak flop/s in `dtype` (InputError naming the profile when it has none).

@@ -6,6 +6,7 @@
 // docs/PLAN.md explains the model, its assumptions and its validation.
 #pragma once
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -57,6 +58,10 @@ struct Layout {
   /// zero-bubble backward, whose weight gradients wait for W).
   bool tp_comm_overlap = false;
   int ps_shards = 1;  ///< downpour: parameter-server shards (one per node)
+  /// Where the optimizer's state lives (dtrain train --offload): "none" (on the device),
+  /// "host" (with fp32 master weights in host memory, the step on the CPU: ZeRO-Offload) or
+  /// "disk" (in files read and written every step: ZeRO-Infinity's NVMe tier).
+  std::string offload = "none";
   int64_t global_batch() const {
     return static_cast<int64_t>(dp) * micro_batch_size * micro_batches;
   }
@@ -75,8 +80,22 @@ struct Layout {
 
 struct Memory {
   double parameters = 0, gradients = 0, optimizer = 0, activations = 0, buffers = 0;
+  /// The peak while the model is built and sharded, before step 1: the rank's shard plus the
+  /// largest parameter where the strategy draws only its shard (zero3 without a pipeline),
+  /// else every parameter the rank builds (the whole model but for its tensor-parallel
+  /// slices), in fp32.
+  double setup = 0;
+  /// Offloaded: bytes in host memory and on disk (not on the device).
+  double host = 0, disk = 0;
+  /// On the device during a step.
   double total() const { return parameters + gradients + optimizer + activations + buffers; }
+  /// The most the device holds at any time: the step's or the setup's.
+  double peak() const { return std::max(total(), setup); }
 };
+
+/// The device memory one rank has: the accelerator's, or on a CPU profile (the ranks share a
+/// node's memory) the node's over the ranks it runs.
+double rank_memory_bytes(const Cluster& cluster);
 
 struct Prediction {
   Layout layout;
@@ -90,7 +109,13 @@ struct Prediction {
   double samples_per_s = 0;
   double model_flops_per_step = 0;
   double mfu = 0;    ///< model flop/s over the GPUs' peak in the compute dtype
-  bool fits = true;  ///< memory.total() <= the accelerator's memory
+  /// The step's memory.total() <= rank_memory_bytes(), and the host memory holds what is
+  /// offloaded.
+  bool fits = true;
+  /// memory.setup <= rank_memory_bytes(): false for most pipelines of a model larger than a
+  /// rank, whose ranks build every stage today (issue 80). The search ranks by `fits` (the
+  /// layouts the anchors run), `dtrain train --dry-run` refuses a run where either is false.
+  bool setup_fits = true;
 };
 
 /// The strategies the planner models (each declares its StepCost beside its code), in the
@@ -119,6 +144,9 @@ struct SearchOptions {
   /// Layouts with activation checkpointing of every layer, and for models with attention,
   /// with selective recomputation, beside those without.
   bool allow_checkpointing = true;
+  /// Layouts that do not fit, tried again with the optimizer's state in host memory or on
+  /// disk where the profile gives the rates to predict them by (dtrain train --offload).
+  bool allow_offload = true;
   int max_micro_batch_size = 16;
   /// Pipeline syncs to try with pp > 1 (1f1b, ddp): "flush" always; PipeDream's "2bw", "eager"
   /// or "async" only when asked (they change the training's math: stale gradients).

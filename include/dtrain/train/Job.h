@@ -71,6 +71,9 @@ struct RunPlan;
 /// job's plan on its --nproc ranks.)
 void validate_job(const JobConfig& job);
 void validate_job(const RunPlan& plan);
+/// The model the run builds: the job's, with the data set's examples' shape and classes, or a
+/// language data set's vocabulary (which reads the data set).
+models::ModelSpec run_model_spec(const RunPlan& plan);
 
 /// Sets every field of the job's model's training recipe (models::training_recipe: optimizer,
 /// learning rate, momentum, weight decay, schedule, warmup, batch size, clipping) whose flag
