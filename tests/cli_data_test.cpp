@@ -364,29 +364,25 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   const auto theirs = transformers_greedy(dir, /*stops_at_eos=*/false);
   if (theirs) EXPECT_EQ(*theirs, ours);
 
-  // The folder starts a run at another layout (2 tensor-parallel ranks); with a learning rate of
-  // 1e-12 its checkpoint generates the same text.
-  out = run(kDtrain + " train --nproc 2 --tensor-parallel 2" + shape +
-            "--max-steps 1 --lr 1e-12 --init-from " + (dir / "hf") + " --checkpoint-dir " +
-            (dir / "again"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  out = run(kDtrain + generate + " --checkpoint " + (dir / "again"));
-  EXPECT_EQ(out.text, ours);
-  // And ZeRO-3, each rank cutting its shards from the file.
-  out = run(kDtrain + " train --nproc 2 --strategy zero3" + shape +
-            "--max-steps 1 --lr 1e-12 --init-from " + (dir / "hf") + " --checkpoint-dir " +
-            (dir / "zero3"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  out = run(kDtrain + generate + " --checkpoint " + (dir / "zero3"));
-  EXPECT_EQ(out.text, ours);
-  // And ZeRO-3 from the training checkpoint itself: each rank reads its shards of it into a
-  // model it never builds whole.
-  out = run(kDtrain + " train --nproc 2 --strategy zero3" + shape +
-            "--max-steps 1 --lr 1e-12 --init-from " + (dir / "ckpt") + " --checkpoint-dir " +
-            (dir / "zero3-ckpt") + " --metrics " + (dir / "zero3.jsonl"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  out = run(kDtrain + generate + " --checkpoint " + (dir / "zero3-ckpt"));
-  EXPECT_EQ(out.text, ours);
+  // A run at another layout started from `from` with a learning rate of 1e-12: its checkpoint
+  // (in `folder`) generates the same text.
+  const auto starts_from = [&](const std::string& layout, const std::string& from,
+                               const std::string& folder, const std::string& extra = "") {
+    auto trained = run(kDtrain + " train --nproc 2 " + layout + shape +
+                       "--max-steps 1 --lr 1e-12 --init-from " + from + " --checkpoint-dir " +
+                       (dir / folder) + extra);
+    ASSERT_EQ(trained.code, 0) << layout << " from " << from << "\n" << trained.text;
+    EXPECT_EQ(run(kDtrain + generate + " --checkpoint " + (dir / folder)).text, ours)
+        << layout << " from " << from;
+  };
+  // The folder, at 2 tensor-parallel ranks; and with ZeRO-3, each rank cutting its shards from
+  // the file.
+  starts_from("--tensor-parallel 2", dir / "hf", "again");
+  starts_from("--strategy zero3", dir / "hf", "zero3");
+  // The training checkpoint itself: ZeRO-3's ranks read their shards of it into a model they
+  // never build whole; tensor-parallel ranks their blocks of it.
+  starts_from("--strategy zero3", dir / "ckpt", "zero3-ckpt",
+              " --metrics " + (dir / "zero3.jsonl"));
   int64_t setup_peak = 0;  // the run's summary says what setup took
   std::ifstream summary(dir / "zero3.jsonl");
   for (std::string line; std::getline(summary, line);) {
@@ -395,6 +391,7 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
       setup_peak = record.value("setup_peak_resident_bytes", int64_t{0});
   }
   EXPECT_GT(setup_peak, 0);
+  starts_from("--tensor-parallel 2", dir / "ckpt", "tp-ckpt");
   // A checkpoint of another shape: one line naming the parameter, exit 2, nothing written.
   out = run(kDtrain + " train --nproc 2 --strategy zero3" + shape +
             "--ffn-width 96 --max-steps 1 --init-from " + (dir / "ckpt") + " --checkpoint-dir " +

@@ -112,7 +112,11 @@ class StateFile {
   StateFile(const StateFile&) = delete;
   StateFile& operator=(const StateFile&) = delete;
 
+  // Reads and writes leave nothing in the page cache (written through, then dropped): the
+  // state streams from and to the disk and its pages never compete with the model's memory
+  // (dirty pages charged to a memory-limited job can end it before they are written back).
   void read(int64_t offset, void* data, int64_t bytes) const {
+    const int64_t start = offset, length = bytes;
     auto* out = static_cast<char*>(data);
     while (bytes > 0) {
       const ssize_t n = ::pread(fd_, out, static_cast<size_t>(bytes), offset);
@@ -123,8 +127,10 @@ class StateFile {
       offset += n;
       bytes -= n;
     }
+    ::posix_fadvise(fd_, start, length, POSIX_FADV_DONTNEED);
   }
   void write(int64_t offset, const void* data, int64_t bytes) const {
+    const int64_t start = offset, length = bytes;
     const auto* in = static_cast<const char*>(data);
     while (bytes > 0) {
       const ssize_t n = ::pwrite(fd_, in, static_cast<size_t>(bytes), offset);
@@ -135,6 +141,12 @@ class StateFile {
       offset += n;
       bytes -= n;
     }
+    DTRAIN_CHECK(::sync_file_range(fd_, start, length,
+                                   SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+                                       SYNC_FILE_RANGE_WAIT_AFTER) == 0,
+                 "--offload optimizer:", dir_, ": writing the optimizer state failed (",
+                 std::strerror(errno), ")");
+    ::posix_fadvise(fd_, start, length, POSIX_FADV_DONTNEED);
   }
 
  private:

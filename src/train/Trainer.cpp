@@ -260,12 +260,15 @@ void Trainer::set_up(Model model, const data::TensorDataset& train,
   predict_ = model.predict;
   strategy_->prepare(runners::to_device(
       train.slice(0, std::min<int64_t>(options_.batch_size, train.size())), device_));
-  const bool init_from_pieces = keep_placeholders(model, options_.init_from);
+  // A checkpoint's pieces, each rank reading only what it keeps: into zero3's placeholders, or
+  // into a tensor-parallel rank's blocks (any strategy that reads a checkpoint's values).
+  const bool init_from_pieces = keep_placeholders(model, options_.init_from) ||
+                                (options_.tensor_parallel > 1 && options_.pipeline_parallel == 1 &&
+                                 std::filesystem::is_directory(options_.init_from));
   if (!options_.init_from.empty() && !init_from_pieces) {
-    DTRAIN_CHECK_INPUT(options_.tensor_parallel == 1,
-                       "--init-from loads the full model; with "
-                       "--tensor-parallel each rank builds blocks of it: start the tensor-"
-                       "parallel run from a checkpoint in --checkpoint-dir instead");
+    DTRAIN_CHECK_INPUT(options_.tensor_parallel == 1, "--init-from ", options_.init_from,
+                       ": a whole-model file; with --tensor-parallel each rank builds blocks of "
+                       "the model: give a checkpoint folder (each rank reads its blocks of it)");
     load_model_from(*model.module, options_.init_from);
     if (!options_.allow_non_finite_weights) {
       check_finite_weights(*model.module, "--init-from " + options_.init_from);
