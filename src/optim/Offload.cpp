@@ -209,7 +209,10 @@ OffloadedOptimizer::OffloadedOptimizer(std::vector<at::Tensor> parameters,
     for (size_t c : bucket) views.push_back(chunks_[c].view);
     optimizers_.push_back(make(std::move(views)));
     // An optimizer that makes its state at once (Adagrad's sums) puts it in the file now.
-    if (file_) start_evict(optimizers_.size() - 1)->io.get();
+    if (file_) {
+      auto pending = start_evict(optimizers_.size() - 1);
+      if (pending->io.valid()) pending->io.get();
+    }
   }
 }
 
@@ -276,6 +279,7 @@ std::unique_ptr<OffloadedOptimizer::Pending> OffloadedOptimizer::start_load(size
     }
     pending->states.emplace_back(c, std::move(state));
   }
+  if (reads.empty()) return pending;
   pending->io = std::async(std::launch::async, [this, reads, offsets] {
     for (size_t i = 0; i < reads.size(); ++i)
       file_->read(offsets[i], reads[i].first, reads[i].second);
@@ -284,7 +288,7 @@ std::unique_ptr<OffloadedOptimizer::Pending> OffloadedOptimizer::start_load(size
 }
 
 void OffloadedOptimizer::finish_load(Pending& pending) {
-  pending.io.get();
+  if (pending.io.valid()) pending.io.get();
   for (auto& [c, state] : pending.states) {
     const Chunk& chunk = chunks_[c];
     for (const auto& [name, value] : chunk.scalars) state[name] = value.clone();
@@ -322,6 +326,7 @@ std::unique_ptr<OffloadedOptimizer::Pending> OffloadedOptimizer::start_evict(siz
     set_param_state(optimizer, chunk.view, {});  // out of memory once written
     pending->states.emplace_back(c, std::move(elementwise));
   }
+  if (writes.empty()) return pending;  // nothing to write (no thread for it)
   pending->io = std::async(std::launch::async, [this, writes, offsets] {
     for (size_t i = 0; i < writes.size(); ++i) {
       file_->write(offsets[i], writes[i].first, writes[i].second);
@@ -383,14 +388,16 @@ at::Tensor OffloadedOptimizer::step(LossClosure closure) {
     if (file_) {
       // At most one bucket written behind the step: the state in memory stays three buckets'.
       if (!writing.empty()) {
-        writing.back()->io.get();
+        if (writing.back()->io.valid()) writing.back()->io.get();
         writing.clear();
       }
       writing.push_back(start_evict(b));
       loading = std::move(next);
     }
   }
-  for (auto& pending : writing) pending->io.get();
+  for (auto& pending : writing) {
+    if (pending->io.valid()) pending->io.get();
+  }
   return loss;
 }
 

@@ -248,6 +248,7 @@ void measure_disk(const std::string& dir, const Progress& progress, Measured& ou
   std::memset(buffer, 1, kBlock);
   const auto timed = [&](int flags, bool write) {
     const int fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
+    if (fd < 0) std::free(buffer);
     DTRAIN_CHECK_INPUT(fd >= 0, "calibrate: --disk-dir ", dir, ": cannot ",
                        write ? "write" : "read", " ", path, " (", std::strerror(errno), ")");
     const auto start = std::chrono::steady_clock::now();
@@ -256,6 +257,7 @@ void measure_disk(const std::string& dir, const Progress& progress, Measured& ou
       if (n != static_cast<ssize_t>(kBlock)) {
         ::close(fd);
         ::unlink(path.c_str());
+        std::free(buffer);
         DTRAIN_THROW(InputError, "calibrate: --disk-dir ", dir, ": ", write ? "writing" : "reading",
                      " ", path, " failed (", std::strerror(errno), ")");
       }
