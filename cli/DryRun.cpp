@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string>
 
+#include "Units.h"
 #include "dtrain/common/Cpu.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
@@ -21,14 +22,6 @@
 namespace dtrain::cli {
 
 namespace {
-
-constexpr double kGiB = 1024.0 * 1024 * 1024;
-
-std::string gib(double bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2f", bytes / kGiB);
-  return text;
-}
 
 double memory_total_bytes() {
   std::ifstream meminfo("/proc/meminfo");

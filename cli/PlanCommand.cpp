@@ -11,6 +11,7 @@
 #include "Command.h"
 #include "CommonFlags.h"
 #include "ConfigFile.h"
+#include "Units.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/parallel/pipeline/Schedule.h"
@@ -23,8 +24,6 @@ namespace {
 
 using plan::Layout;
 using plan::Prediction;
-
-constexpr double kGiB = 1024.0 * 1024 * 1024;
 
 std::vector<std::string> hardware_dirs(const std::vector<std::string>& extra) {
   std::vector<std::string> dirs = extra;
@@ -39,12 +38,6 @@ std::vector<std::string> hardware_dirs(const std::vector<std::string>& extra) {
 std::string joined(const std::vector<std::string>& names) {
   std::string text;
   for (const std::string& name : names) text += (text.empty() ? "" : ", ") + name;
-  return text;
-}
-
-std::string gib(double bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2f", bytes / kGiB);
   return text;
 }
 
