@@ -19,6 +19,7 @@
 #include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/data/DistributedSampler.h"
 #include "dtrain/models/Gpt.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/tensor/Split.h"
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Strategies.h"
@@ -49,13 +50,24 @@ inline models::GptConfig tiny_gpt(bool tied = false, bool llama = false) {
 }
 
 // Rank threads share LibTorch's global generator: each builds its model alone, from one seed.
-inline Model build_gpt(const models::GptConfig& config, const comm::CommunicatorPtr& group) {
+// `deferred`: as placeholders (nn/DeferredInit.h), the strategy draws what the rank keeps.
+inline Model build_gpt(const models::GptConfig& config, const comm::CommunicatorPtr& group,
+                       bool deferred = false) {
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
   torch::manual_seed(11);
-  Model model = models::make_gpt(config, group);
-  model.module->to(at::kDouble);
+  Model model = models::make_gpt(config, group, deferred);
+  nn::module_to(*model.module, at::TensorOptions().dtype(at::kDouble));
   return model;
+}
+
+// The bytes of a model's parameters that have memory (placeholders have none).
+inline int64_t built_parameter_bytes(const Model& model) {
+  int64_t bytes = 0;
+  for (const auto& p : model.module->parameters()) {
+    if (!nn::is_placeholder(p)) bytes += p.numel() * p.element_size();
+  }
+  return bytes;
 }
 
 inline Named named_parameters(const Model& model) {
@@ -137,6 +149,11 @@ struct GridRun {
   Named* final_values = nullptr;
   /// When set: the collectives world rank 0's data-parallel group ran (by op: how many).
   std::map<std::string, int64_t>* dp_collectives = nullptr;
+  /// Each rank builds its model as placeholders (a pipeline rank draws only its stages).
+  bool deferred = false;
+  /// When set: each world rank's parameter bytes with memory once set up, and the bytes of the
+  /// parameters it trains (Strategy::memory_report), by world rank.
+  std::vector<std::pair<int64_t, int64_t>>* built = nullptr;
 };
 
 struct GptData {
@@ -196,7 +213,7 @@ inline double train_on_grid(const GptData& d, int steps, const GridRun& run, con
         auto config = tiny_gpt(run.tied, run.llama);
         config.sequence_parallel = run.sequence_parallel;
         config.tp_comm_overlap = run.tp_comm_overlap;
-        Model model = build_gpt(config, grid->tp());
+        Model model = build_gpt(config, grid->tp(), run.deferred);
         parallel::LossFn loss = model.loss ? parallel::LossFn(model.loss) : parallel::cross_entropy;
         if (run.drop_tp_rank_gradient && grid->coordinates().tp == 1) {
           loss = [inner = loss](const at::Tensor& o, const at::Tensor& t) {
@@ -218,6 +235,10 @@ inline double train_on_grid(const GptData& d, int steps, const GridRun& run, con
         }
         auto strategy = make_strategy(run);
         strategy->setup(model, optim::optimizer_factory(test::adam()), grid);
+        if (run.built) {
+          (*run.built)[world->rank()] = {built_parameter_bytes(strategy->model()),
+                                         strategy->memory_report().parameter_bytes};
+        }
         if (!run.load_from.empty()) strategy->load(run.load_from);
         const int dp = grid->dp_size();
         auto order =

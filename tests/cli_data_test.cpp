@@ -392,6 +392,10 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   }
   EXPECT_GT(setup_peak, 0);
   starts_from("--tensor-parallel 2", dir / "ckpt", "tp-ckpt");
+  // Pipeline ranks: each builds and reads only its stages of the checkpoint; from the
+  // safetensors folder, the model filled whole.
+  starts_from("--pipeline-parallel 2 --micro-batches 2", dir / "ckpt", "pp-ckpt");
+  starts_from("--pipeline-parallel 2 --micro-batches 2", dir / "hf", "pp-hf");
   // A checkpoint of another shape: one line naming the parameter, exit 2, nothing written.
   out = run(kDtrain + " train --nproc 2 --strategy zero3" + shape +
             "--ffn-width 96 --max-steps 1 --init-from " + (dir / "ckpt") + " --checkpoint-dir " +

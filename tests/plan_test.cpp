@@ -358,9 +358,10 @@ ModelCost short_gpt(int layers) {
   return transformer(shape, concat("gpt-", layers, "x2048"));
 }
 
-TEST(Planner, SetupBuildsTheWholeModelButForZero3sShardAndTensorParallelSlices) {
+TEST(Planner, SetupBuildsTheWholeModelButForZero3sShardTensorParallelSlicesAndStages) {
   // Issue 80: zero3 draws only its shard (bounded by the largest layer, here the embedding);
-  // ddp, zero1/2 and pipelines build every parameter in fp32; TP only its slices.
+  // ddp, zero1/2 build every parameter in fp32; TP only its slices; a pipeline rank only its
+  // stages.
   const ModelCost model = model_named("gpt-7.5b");
   const Cluster cluster = cluster_of("a100-selene", 8);
   double largest = 0;
@@ -381,6 +382,14 @@ TEST(Planner, SetupBuildsTheWholeModelButForZero3sShardAndTensorParallelSlices) 
   const double tp_setup = predict(model, cluster, layout).memory.setup;
   EXPECT_LT(tp_setup, whole / 7);  // most of the model is split 8 ways
   EXPECT_GT(tp_setup, whole / 8);  // the embedding and norms are not all split
+  layout.tp = 1;
+  layout.pp = 4;
+  layout.dp = 16;
+  layout.micro_batches = 8;
+  layout.precision = "fp32";
+  const Prediction piped = predict(model, cluster, layout);
+  EXPECT_LT(piped.memory.setup, whole / 3);                                // about a quarter each
+  EXPECT_NEAR(piped.memory.setup, piped.memory.parameters, 1e-3 * whole);  // its stages
 }
 
 TEST(Planner, OffloadMovesTheOptimizersStateOutAndCostsItsTraffic) {

@@ -59,7 +59,14 @@ void save_tensor_file(const std::string& path, const at::Tensor& tensor);
 /// The dictionary pickled in `path`. InputError naming the file and `what` it should be ("a
 /// parameter-server shard checkpoint") when it cannot be read, does not unpickle (damaged?), is
 /// no dictionary, or - with a `format` - does not say that format under "format".
+/// Its tensors are views of the file mapped into memory (copy-on-write): nothing of a tensor is
+/// read before it is used.
 c10::impl::GenericDict load_pickled_dict(const std::string& path, const std::string& what,
                                          const std::string& format = "");
+
+/// For a tensor of a dictionary load_pickled_dict returned, once copied out: its pages of the file
+/// leave this process's memory (read again from the file if used again), so a reader going
+/// through a checkpoint holds one tensor of it at a time. Does nothing for any other tensor.
+void release_file_pages(const at::Tensor& t);
 
 }  // namespace dtrain

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <unordered_set>
 
 #include "dtrain/common/Error.h"
 
@@ -108,10 +109,11 @@ void fill_keyed(at::Tensor out, const InitRule& rule, uint64_t key,
     return;
   }
   at::Tensor staging = at::empty({std::min(n, kChunk)}, at::kFloat);
+  const at::Tensor flat = out.view({-1});  // (a whole parameter's values: any shape)
   for (int64_t done = 0; done < n; done += kChunk) {
     const int64_t count = std::min(kChunk, n - done);
     draw(staging.data_ptr<float>(), begin + done, count);
-    out.narrow(0, done, count).copy_(staging.narrow(0, 0, count));
+    flat.narrow(0, done, count).copy_(staging.narrow(0, 0, count));
   }
 }
 
@@ -119,6 +121,25 @@ at::Tensor placeholder(const std::vector<int64_t>& shape, const at::TensorOption
   at::Tensor t = at::empty({0}, options);
   t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
   return t;
+}
+
+bool is_placeholder(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 && t.has_storage() && t.storage().nbytes() == 0;
+}
+
+void module_to(torch::nn::Module& module, const at::TensorOptions& options) {
+  torch::NoGradGuard no_grad;
+  auto convert = [&](const at::Tensor& t) {
+    if (!t.defined()) return;
+    at::TensorOptions target = t.options();
+    if (options.has_device()) target = target.device(options.device());
+    if (options.has_dtype() && t.is_floating_point()) target = target.dtype(options.dtype());
+    if (target.device() == t.device() && target.dtype() == t.dtype()) return;
+    at::Tensor moved = t;  // the same TensorImpl as the module's
+    moved.set_data(is_placeholder(t) ? placeholder(t.sizes().vec(), target) : t.to(target));
+  };
+  for (const auto& p : module.parameters()) convert(p);
+  for (const auto& b : module.buffers()) convert(b);
 }
 
 void DeferredInit::record(const at::Tensor& parameter, InitRule rule) {
@@ -153,20 +174,40 @@ void DeferredInit::fill(const std::string& name, int64_t begin, at::Tensor out) 
              entry.split ? &entry.range : nullptr, begin);
 }
 
-void DeferredInit::materialize_all() {
+void DeferredInit::materialize_all(bool draw) {
   if (!pending_) return;
   for (const auto& [name, k] : by_name_) {
     at::Tensor& parameter = entries_[k].parameter;
+    if (!is_placeholder(parameter)) continue;
     at::Tensor values = at::empty(parameter.sizes(), parameter.options().requires_grad(false));
-    fill(name, 0, values);
+    if (draw) fill(name, 0, values);
     parameter.set_data(values);
   }
   pending_ = false;
 }
 
+void DeferredInit::materialize(const std::vector<at::Tensor>& parameters) {
+  std::unordered_set<const void*> wanted;
+  for (const auto& p : parameters) wanted.insert(p.unsafeGetTensorImpl());
+  bool left = false;
+  for (const auto& [name, k] : by_name_) {
+    at::Tensor& parameter = entries_[k].parameter;
+    if (!is_placeholder(parameter)) continue;
+    if (wanted.count(parameter.unsafeGetTensorImpl()) == 0) {
+      left = true;
+      continue;
+    }
+    at::Tensor values = at::empty(parameter.sizes(), parameter.options().requires_grad(false));
+    fill(name, 0, values);
+    parameter.set_data(values);
+  }
+  pending_ = left;
+}
+
 void DeferredInit::to(const at::TensorOptions& options) {
   DTRAIN_CHECK(pending_, "DeferredInit::to: the parameters have their values already");
   for (Entry& entry : entries_) {
+    if (!is_placeholder(entry.parameter)) continue;
     at::TensorOptions moved = entry.parameter.options();
     if (options.has_dtype()) moved = moved.dtype(options.dtype());
     if (options.has_device()) moved = moved.device(options.device());

@@ -202,6 +202,13 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
           const bool same_block =
               want.split_dim == split_dim && (split_dim < 0 || (want.split_start == split_start &&
                                                                 want.split_length == split_length));
+          // Blocks of the same dimension that do not meet (another tensor-parallel rank's, as
+          // every file but a rank's own has when the layout is the same): nothing, without the
+          // positions of every element.
+          const bool apart = split_dim >= 0 && want.split_dim == split_dim &&
+                             (want.split_start + want.split_length <= split_start ||
+                              split_start + split_length <= want.split_start);
+          if (apart) return transfer;
           if (same_block) {
             transfer.lo = std::max(offset, want.offset);
             transfer.hi = std::min(offset + numel, want.offset + want.tensor.numel());
@@ -241,6 +248,10 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
           copy(transfer, param, want.tensor, want.offset);
           value_covered[it->second] += transfer.count();
         }
+        // Copied where it goes: its pages of the file leave this process's memory (below, each
+        // state's too), so reading a checkpoint holds one tensor of it at a time beside what the
+        // rank keeps.
+        release_file_pages(param);
         range = state_index.equal_range(name);
         for (auto it = range.first; it != range.second; ++it) {
           const PieceRef& want = states[it->second];
@@ -251,8 +262,8 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
             const std::string key = kv.key().toStringRef();
             if (key == "param") continue;
             const at::Tensor t = kv.value().toTensor();
-            if (t.dim() == 0) {  // a scalar such as Adam's step
-              state[key] = t.to(want.tensor.device());
+            if (t.dim() == 0) {  // a scalar such as Adam's step (a copy: not the file's)
+              state[key] = t.to(want.tensor.device(), /*non_blocking=*/false, /*copy=*/true);
               continue;
             }
             DTRAIN_CHECK_INPUT(t.numel() == numel, path, ": state '", key, "' of '", name, "' has ",
@@ -265,9 +276,11 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
                          .first;
             }
             copy(transfer, t, slot->second, want.offset);
+            release_file_pages(t);
           }
           state_covered[it->second] += transfer.count();
         }
+        for (const auto& kv : tensors) release_file_pages(kv.value().toTensor());
       }
       if (buffers) {
         const auto saved = file.at("buffers").toGenericDict();
@@ -297,7 +310,9 @@ void read_state_shards(const std::string& directory, const std::vector<PieceRef>
                        directory, " has optimizer state for only ", state_covered[i],
                        " of elements [", states[i].offset, ", ",
                        states[i].offset + states[i].tensor.numel(), ") of '", states[i].name, "'");
-    optim::set_param_state(*optimizer, states[i].tensor, assembled[i]);
+    // Adopted, not copied: the optimizer's state is what was assembled (a copy would hold
+    // the state twice).
+    optim::adopt_param_state(*optimizer, states[i].tensor, std::move(assembled[i]));
   }
   for (size_t i = 0; i < buffer_found.size(); ++i) {
     DTRAIN_CHECK_INPUT(buffer_found[i], "checkpoint ", directory, " lacks buffer '",

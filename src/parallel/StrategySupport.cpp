@@ -10,6 +10,7 @@
 
 #include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "parallel/ddp/PowerSgd.h"
 
 namespace dtrain::parallel {
@@ -66,7 +67,8 @@ std::vector<at::Tensor> keep_master_weights(torch::nn::Module& module,
   for (const auto& p : parameters) {
     master.push_back(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
   }
-  module.to(precision::parameter_dtype(precision));
+  // A pipeline rank's other stages are placeholders (nn/DeferredInit.h): they stay so.
+  nn::module_to(module, at::TensorOptions().dtype(precision::parameter_dtype(precision)));
   return master;
 }
 

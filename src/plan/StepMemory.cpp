@@ -61,11 +61,14 @@ std::vector<Memory> slot_memory(const Step& step, const Timeline& timeline) {
     m.buffers = cost.layer_buffers * largest_layer * step.bytes.parameter +
                 cost.bucket_buffers * static_cast<double>(layout.bucket_cap_bytes);
     // Setup, in fp32: zero3 draws only its shard (and one parameter at a time: bounded by the
-    // largest layer's); every other layout builds each parameter it holds a part of, a
-    // pipeline rank every stage (its stages are cut from the whole model).
+    // largest layer's); a pipeline rank of a decoder (drawn by parameter name) only its own
+    // stages; every other layout builds each parameter it holds a part of (a pipeline rank of
+    // another model every stage: its stages are cut from the whole model).
     constexpr double kBuilt = 4;
     if (strategy.draws_deferred && P == 1) {
       m.setup = params * kBuilt / sharded + largest_layer * kBuilt;
+    } else if (P > 1 && model.heads > 0) {
+      m.setup = params * kBuilt;
     } else {
       double built = 0;
       for (size_t i = 0; i < model.layers.size(); ++i) built += step.local_params[i];

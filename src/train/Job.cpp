@@ -12,6 +12,7 @@
 #include "dtrain/launch/Environment.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/models/Zoo.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/ps/PsOptions.h"
@@ -305,9 +306,10 @@ JobResult run_job(const JobConfig& job) {
   if (!safetensors_init.empty()) options.init_from.clear();
   Trainer trainer(options, world);
   models::ModelSpec spec = model_spec(plan, vocabulary);
-  // A strategy that keeps part of each parameter draws only that part (the Trainer gives the
-  // others the whole model).
-  spec.deferred = parallel::strategy_info(options.strategy).draws_deferred;
+  // A strategy that keeps part of the model draws only that part (ZeRO-3 its shards, a pipeline
+  // rank its stages; the Trainer gives the others the whole model). The strategy that runs: the
+  // pipeline where --pipeline-parallel wraps --strategy.
+  spec.deferred = parallel::strategy_info(trainer.options().strategy).draws_deferred;
   Model model = models::make_model(spec, trainer.grid()->tp());
   if (!safetensors_init.empty()) {
     const std::string origin = "--init-from " + safetensors_init;
@@ -320,6 +322,7 @@ JobResult run_job(const JobConfig& job) {
         if (!allow_non_finite) check_finite_weights(strategy.parameter_pieces(), origin);
       });
     } else {
+      if (model.deferred) model.deferred->materialize_all();  // the file fills the whole model
       models::load_weights(*model.module, source, origin);
       if (!options.allow_non_finite_weights) check_finite_weights(*model.module, origin);
     }

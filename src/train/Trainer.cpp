@@ -413,10 +413,12 @@ bool Trainer::keep_placeholders(Model& model, const std::string& init_from) {
   if (!model.deferred || !model.deferred->pending()) return false;
   const parallel::StrategyInfo& info = parallel::strategy_info(options_.strategy);
   const bool checkpoint = !init_from.empty() && std::filesystem::is_directory(init_from);
-  if (info.draws_deferred && options_.pipeline_parallel == 1 &&
-      (init_from.empty() || (checkpoint && options_.tensor_parallel == 1)) &&
+  // ZeRO-3 draws its shards (its checkpoint reading without tensor parallelism), a pipeline rank
+  // its own stages (any layout's checkpoint).
+  if (info.draws_deferred &&
+      (init_from.empty() || (checkpoint && (options_.tensor_parallel == 1 || info.pipelines))) &&
       !strategy_->survives_replica_failures()) {
-    model.deferred->to(at::TensorOptions().device(device_));
+    nn::module_to(*model.module, at::TensorOptions().device(device_));
     return checkpoint;
   }
   model.deferred->materialize_all();

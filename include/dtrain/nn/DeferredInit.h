@@ -65,9 +65,14 @@ class DeferredInit {
   bool has(const std::string& name) const { return by_name_.count(name) > 0; }
   /// Elements [begin, begin + out.numel()) of that parameter's local values, into `out`.
   void fill(const std::string& name, int64_t begin, at::Tensor out) const;
-  /// Gives every placeholder its memory and its values (on the placeholders' device and dtype).
-  void materialize_all();
-  /// Placeholders of this device and dtype from now on (still no memory).
+  /// Gives every placeholder its memory and its values (on the placeholders' device and dtype);
+  /// with `draw` false only its memory (for values about to be overwritten).
+  void materialize_all(bool draw = true);
+  /// Gives these parameters of the model (placeholders or not) their memory and values; the
+  /// others stay placeholders (a pipeline rank's stages: it builds only what it keeps).
+  void materialize(const std::vector<at::Tensor>& parameters);
+  /// Placeholders of this device and dtype from now on (still no memory; parameters that have
+  /// their values are left as they are).
   void to(const at::TensorOptions& options);
   /// The largest parameter's elements (what materializing one at a time holds at most).
   int64_t largest_numel() const;
@@ -110,5 +115,13 @@ at::Tensor new_parameter(const std::vector<int64_t>& shape, const InitRule& rule
 /// A tensor of `shape` and `options` without memory (its storage empty), for parameters that
 /// are given memory later.
 at::Tensor placeholder(const std::vector<int64_t>& shape, const at::TensorOptions& options);
+
+/// Whether `t` is a placeholder: elements but no memory.
+bool is_placeholder(const at::Tensor& t);
+
+/// Module::to for a model whose parameters may be placeholders: those stay without memory (of
+/// the new device and dtype), the other parameters and the buffers are converted (a dtype only
+/// where they are floating point, as Module::to does).
+void module_to(torch::nn::Module& module, const at::TensorOptions& options);
 
 }  // namespace dtrain::nn

@@ -148,6 +148,7 @@ StrategyInfo pipeline_strategy() {
       "data-parallel";
   info.pipelines = true;
   info.whole_model_on_rank0 = false;
+  info.draws_deferred = true;  // each rank draws its own stages' parameters
   info.set_stage_strategy = [](StrategyOptions& options, const std::string& stage_strategy) {
     options.of<PipelineOptions>().data_parallel = stage_strategy;
   };

@@ -11,6 +11,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/WeightGrad.h"
 #include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/zero/ZeroOverlapOptions.h"
@@ -149,7 +150,15 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                      " pipeline stages asked for (", ranks, " ranks",
                      chunks_per_rank_ > 1 ? concat(" x ", chunks_per_rank_, " chunks") : "",
                      "; each needs at least one)");
-  if (precision_ == precision::Precision::Bf16) model_.module->to(at::kBFloat16);
+  // A model of placeholders (nn/DeferredInit.h): this rank draws only its own stages' parameters
+  // below, the others stay without memory. Timing the stages runs the whole model: built whole.
+  if (model_.deferred && model_.deferred->pending() && pipe_.balance == "time") {
+    model_.deferred->materialize_all();
+  }
+  const bool built_alone = model_.deferred && model_.deferred->pending();
+  if (precision_ == precision::Precision::Bf16) {
+    nn::module_to(*model_.module, at::TensorOptions().dtype(at::kBFloat16));
+  }
   tp_ = tensor_parallel_layout(*model_.module, *grid_);
   costs_ = stage_costs();
   const std::string& balance = pipe_.balance;
@@ -182,8 +191,10 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     chunks_.push_back(std::move(chunk));
   }
   // Every stage starts from world rank 0's model, as DDP's replicas do (the first pipeline
-  // rank's copy, then each stage's first replica's).
-  if (grid_->pp_size() > 1) {
+  // rank's copy, then each stage's first replica's). Drawn from their names and the seed, the
+  // stages' values are the same on every rank already: each rank draws its own.
+  if (built_alone) model_.deferred->materialize(parameters_);
+  if (grid_->pp_size() > 1 && !built_alone) {
     torch::NoGradGuard no_grad;
     std::vector<comm::WorkPtr> works;
     for (auto& p : model_.module->parameters()) works.push_back(grid_->pp()->broadcast(p, {0}));
@@ -508,10 +519,30 @@ void PipelineStrategy::load(const std::string& directory) {
   if (flush_free_) load_pipedream_versions(directory);
 }
 
+void PipelineStrategy::load_values(const std::string& directory) {
+  shards_.wait();
+  const NamedTensors buffers = local_buffers();
+  if (flush_free_) {
+    for (size_t k = 0; k < parameters_.size(); ++k) optimized_[k].set_data(parameters_[k].data());
+  }
+  std::vector<PieceRef> filled =
+      tp_.for_reading(whole_pieces(names_, flush_free_ ? optimized_ : parameters_));
+  if (precision::has_master_weights(precision_)) {  // the master weights too, from the same file
+    const std::vector<PieceRef> master =
+        zero1_ && !parameters_.empty() ? tp_.for_reading(shards_.state_pieces(names_, parameters_))
+                                       : tp_.for_reading(whole_pieces(names_, master_));
+    filled.insert(filled.end(), master.begin(), master.end());
+  }
+  read_state_shards(directory, filled, nullptr, {}, &buffers);
+}
+
 void PipelineStrategy::materialize() {
   shards_.wait();
   flush();
   torch::NoGradGuard no_grad;
+  // Stages built alone: the other stages' parameters get their memory here, their values from
+  // the stages' owners below.
+  if (model_.deferred && model_.deferred->pending()) model_.deferred->materialize_all(false);
   std::unordered_set<const void*> seen;
   std::vector<comm::WorkPtr> works;
   auto share = [&](const at::Tensor& t, int owner) {

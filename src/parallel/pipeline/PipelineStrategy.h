@@ -64,6 +64,7 @@ class PipelineStrategy : public Strategy {
   /// Collective over the pipeline: every rank's copy of the model gets each stage's current
   /// values from the rank that trains it.
   void materialize() override;
+  void load_values(const std::string& directory) override;
   /// --pipeline-sync 2bw, eager or async: runs what is still in flight (the last step's remaining
   /// backwards and their update) so every stage holds the newest weights.
   void finish_training(StepResult& last) override;
