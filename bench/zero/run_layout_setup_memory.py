@@ -17,16 +17,15 @@ alternate round by round; medians per rank, the table shows the worst rank's.
         --records bench/results/zero/layout-setup-memory.jsonl --markdown /tmp/layouts.md
 """
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import report  # noqa: E402
+from zero.run_setup_memory import run_ranks  # noqa: E402
 
 # name: (world size, bench flags)
 LAYOUTS = {
@@ -54,13 +53,7 @@ def run_once(build, layout, mode, phase, layers, checkpoint, extra=()):
             command += ["--step-tokens", "0", "--load", checkpoint, "--load-how",
                         "resume" if phase == "resume" else "init"]
         command += list(extra)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            sys.exit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
-        ranks = []
-        for rank in range(world):
-            with open(f"{out}.{rank}") as f:
-                ranks.append(json.loads(f.readline()))
+        ranks = run_ranks(command, out, world)
     for r in ranks:
         r["ratio"] = r["peak_mb"] / (r["kept_mb"] + r["largest_parameter_mb"])
     return {"layout": layout, "mode": mode, "phase": phase, "world": world, "layers": layers,

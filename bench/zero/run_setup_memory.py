@@ -30,6 +30,19 @@ import report  # noqa: E402
 VENV_PYTHON = os.path.join(report.ROOT, ".venv-torch", "bin", "python")
 
 
+def run_ranks(command, out, world):
+    """Runs `command` (every rank writes its JSON line to OUT.RANK); exits naming it if it
+    fails. Returns the ranks' records."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
+    ranks = []
+    for rank in range(world):
+        with open(f"{out}.{rank}") as f:
+            ranks.append(json.loads(f.readline()))
+    return ranks
+
+
 def run_once(build, mode, world, layers):
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rank")
@@ -44,13 +57,7 @@ def run_once(build, mode, world, layers):
                        str(world), "--threads", str(threads), "--",
                        os.path.join(build, "bench", "setup_memory_bench"), "--mode", mode,
                        "--layers", str(layers), "--threads", str(threads), "--out", out]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            sys.exit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
-        ranks = []
-        for rank in range(world):
-            with open(f"{out}.{rank}") as f:
-                ranks.append(json.loads(f.readline()))
+        ranks = run_ranks(command, out, world)
     return {"mode": mode, "world": world, "layers": layers, "ranks": ranks,
             "peak_mb": max(r["peak_mb"] for r in ranks),
             "kept_mb": max(r["kept_mb"] for r in ranks),

@@ -279,7 +279,15 @@ void Trainer::set_up(Model model, const data::TensorDataset& train,
   if (init_from_pieces) {
     strategy_->load_values(resolve_checkpoint(options_.init_from));
     if (!options_.allow_non_finite_weights) {
-      check_finite_weights(strategy_->parameter_pieces(), "--init-from " + options_.init_from);
+      // Shards where the strategy keeps them; else the model's parameters that have memory (a
+      // tensor-parallel rank's blocks, a pipeline rank's stages).
+      const std::vector<parallel::PieceRef> pieces = strategy_->parameter_pieces();
+      const std::string origin = "--init-from " + options_.init_from;
+      if (pieces.empty()) {
+        check_finite_weights(*strategy_->model().module, origin);
+      } else {
+        check_finite_weights(pieces, origin);
+      }
     }
   }
   if (after_setup_) after_setup_(*strategy_);
