@@ -19,6 +19,7 @@
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/pipeline/PipelineStrategy.h"
+#include "parallel/zero/Zero3Strategy.h"
 #include "parallel/zero/ZeroStrategy.h"
 
 using namespace dtrain;
@@ -37,8 +38,8 @@ models::ModelSpec odd_mlp() {  // 144*7 + 7 + 7*5 + 5 + 5*10 + 10 = 1115 paramet
   return spec;
 }
 
-// "ddp", "zero1", "zero2", or "pipeline-ddp" / "pipeline-zero1" (two stages, each data-parallel
-// by ddp or zero1; "pipeline-ddp-zb": ddp stages under the zb-h1 schedule).
+// "ddp", "zero1", "zero2", "zero3", or "pipeline-ddp" / "pipeline-zero1" (two stages, each
+// data-parallel by ddp or zero1; "pipeline-ddp-zb": ddp stages under the zb-h1 schedule).
 parallel::StrategyPtr make(const std::string& strategy, parallel::StrategyOptions options = {}) {
   options.precision = "bf16-master";
   if (strategy == "ddp") return std::make_unique<parallel::ddp::DdpStrategy>(options);
@@ -52,6 +53,7 @@ parallel::StrategyPtr make(const std::string& strategy, parallel::StrategyOption
     pipe.data_parallel = data_parallel;
     return std::make_unique<parallel::pipeline::PipelineStrategy>(options);
   }
+  if (strategy == "zero3") return std::make_unique<parallel::zero::Zero3Strategy>(options);
   return std::make_unique<parallel::zero::ZeroStrategy>(options, strategy == "zero1" ? 1 : 2);
 }
 bool pipelined(const std::string& strategy) { return strategy.rfind("pipeline-", 0) == 0; }
@@ -194,14 +196,16 @@ double most_apart(const std::vector<at::Tensor>& a, const std::vector<at::Tensor
 
 }  // namespace
 
-TEST(MasterWeights, Bf16MasterIsItsDefinitionUnderDdpZero1AndZero2) {
+TEST(MasterWeights, Bf16MasterIsItsDefinitionUnderDdpZero1Zero2AndZero3) {
   at::set_num_threads(1);
   torch::manual_seed(5);
   const std::vector<at::Tensor> initial = snapshot(models::make_model(odd_mlp()));
-  for (const std::string strategy : {"ddp", "zero1", "zero2"}) {
+  // zero3 gathers bf16 parameters, reduce-scatters fp32 gradients every micro-batch (as zero2)
+  // and updates its shard's fp32 master.
+  for (const std::string strategy : {"ddp", "zero1", "zero2", "zero3"}) {
     SCOPED_TRACE(strategy);
     const Batches batches = make_batches(2);  // two micro-batches: fp32 accumulation counts
-    const auto expected = by_hand(initial, batches, strategy == "zero2");
+    const auto expected = by_hand(initial, batches, strategy == "zero2" || strategy == "zero3");
     const Trained got = train_run(strategy, initial, batches, strategy);
     for (int step = 0; step < kSteps; ++step) {
       // The same fp32 operations in the same order: equal to the last bit.
@@ -258,6 +262,13 @@ TEST(MasterWeights, MemoryIsTwoBytesOfModelFourOfGradientAndTheShardsMaster) {
   const auto zero2 = train_run("zero2", initial, batches, "memory-zero2").memory;
   EXPECT_LE(zero2.optimizer_bytes, ddp.optimizer_bytes / 2 + 12 * 64);  // half, plus padding
   EXPECT_LE(zero2.gradient_bytes, 4 * (n / 2 + 64));
+  // zero3: the bf16 shard, its fp32 gradient and master, Adam's moments: 2 + 4 + 12 bytes each.
+  const auto zero3 = train_run("zero3", initial, batches, "memory-zero3").memory;
+  EXPECT_LE(zero3.parameter_bytes, 2 * (n / 2 + 64));
+  EXPECT_GE(zero3.parameter_bytes, 2 * (n / 2));
+  EXPECT_LE(zero3.gradient_bytes, 4 * (n / 2 + 64));
+  EXPECT_LE(zero3.optimizer_bytes, ddp.optimizer_bytes / 2 + 12 * 64);
+  EXPECT_GE(zero3.optimizer_bytes, 12 * (n / 2));
 }
 
 TEST(MasterWeights, ACheckpointResumesExactlyAndLoadsIntoAnotherStrategyOrFp32) {
@@ -336,10 +347,9 @@ TEST(MasterWeights, WhatItIsNotBuiltForIsRefusedByName) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  refused("zero3", 1, "not for zero3");
   refused("diloco", 1, "not for diloco");
   refused("ddp", 1, "--fault-tolerance replicas", true);
-  for (const std::string ok : {"ddp", "zero1", "zero2"}) {
+  for (const std::string ok : {"ddp", "zero1", "zero2", "zero3"}) {
     parallel::StrategyOptions options;
     options.precision = "bf16-master";
     parallel::Layout layout;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -108,6 +109,39 @@ TEST(Offload, StepsBitForBitAsTheOptimizerItWraps) {
   EXPECT_TRUE(std::filesystem::is_empty(dir / "state"));
 }
 
+// Master weights in the file (zero3 with bf16-master): the parameters' values live in the file
+// between steps, the update is the optimizer's own, and each bucket's values are copied, rounded,
+// into the model's lower-precision tensors.
+TEST(Offload, ParametersKeptInTheFileStepAsTheOptimizerAndRoundIntoTheModel) {
+  TempDir dir;
+  for (const optim::OptimizerSpec& spec : specs()) {
+    std::vector<at::Tensor> theirs = parameters(), ours = parameters();
+    std::vector<at::Tensor> rounded;
+    for (const auto& p : ours) rounded.push_back(at::zeros(p.sizes(), at::kFloat));
+    auto reference = optim::make_optimizer(theirs, spec);
+    optim::OffloadSpec offload;
+    offload.enabled = true;
+    offload.bucket_elements = 8;
+    offload.dir = dir / "state";
+    optim::OffloadedOptimizer offloaded(ours, optim::optimizer_factory(spec), offload);
+    const int64_t state_bytes = offloaded.file_bytes();
+    offloaded.keep_parameters_in_file(rounded);
+    EXPECT_EQ(offloaded.file_bytes(), state_bytes + 8 * (35 + 11 + 9)) << spec.name;
+    {
+      at::NoGradGuard no_grad;
+      for (auto& p : ours) p.fill_(std::nan(""));  // the file's values are the ones stepped
+    }
+    train_six_steps(*reference, theirs);
+    train_six_steps(offloaded, ours);
+    for (size_t k = 0; k < ours.size(); ++k) {
+      EXPECT_TRUE(torch::equal(rounded[k], theirs[k].to(at::kFloat))) << spec.name << " " << k;
+    }
+    offloaded.read_parameters();
+    expect_same_state(offloaded, ours, *reference, theirs, spec.name + " (values in the file)");
+    EXPECT_EQ(optim::optimizer_state_bytes(offloaded), 0) << spec.name;
+  }
+}
+
 TEST(Offload, StateSetFromACheckpointAndParametersChangedOutsideCarryOn) {
   TempDir dir;
   optim::OptimizerSpec spec = optim::optimizer_defaults("adam");
@@ -175,46 +209,58 @@ TEST(Offload, AFolderThatCannotHoldTheStateIsOneClearError) {
 }
 
 // A user's run: ZeRO-3 on two ranks with Adam, its state in files, ends where the same run
-// without offload ends, also when stopped and resumed halfway.
+// without offload ends, also when stopped and resumed halfway. With --precision bf16-master the
+// fp32 master weights live in the file too: the model's bf16 shard, its fp32 gradient and nothing
+// of the optimizer stay in memory between steps.
 TEST(Offload, Zero3RunsEqualWithTheStateInFiles) {
   using namespace dtrain::test::cli;
-  TempDir dir;
-  const std::string job =
-      " train --nproc 2 --strategy zero3 --dataset synthetic --threads 1 "
-      "--no-progress --optimizer adam --lr 0.01 --batch-size 16 "
-      "--max-steps 6 ";
-  auto out = run(kDtrain + job + "--checkpoint-dir " + (dir / "plain"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  const std::string offload = "--offload optimizer:" + (dir / "swap") + " --offload-bucket-mb 1 ";
-  out = run(kDtrain + job + offload + "--checkpoint-dir " + (dir / "offloaded") + " --metrics " +
-            (dir / "offloaded.jsonl"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  // The summary: no optimizer state in memory, the file's size (Adam: twice the rank's shard).
-  std::ifstream metrics(dir / "offloaded.jsonl");
-  nlohmann::json summary;
-  for (std::string line; std::getline(metrics, line);) {
-    const auto record = nlohmann::json::parse(line);
-    if (record.value("event", "") == "summary") summary = record;
+  for (const std::string precision : {"fp32", "bf16-master"}) {
+    SCOPED_TRACE(precision);
+    TempDir dir;
+    const std::string job =
+        " train --nproc 2 --strategy zero3 --dataset synthetic --threads 1 "
+        "--no-progress --optimizer adam --lr 0.01 --batch-size 16 --max-steps 6 --precision " +
+        precision + " ";
+    auto out = run(kDtrain + job + "--checkpoint-dir " + (dir / "plain"));
+    ASSERT_EQ(out.code, 0) << out.text;
+    const std::string offload = "--offload optimizer:" + (dir / "swap") + " --offload-bucket-mb 1 ";
+    out = run(kDtrain + job + offload + "--checkpoint-dir " + (dir / "offloaded") + " --metrics " +
+              (dir / "offloaded.jsonl"));
+    ASSERT_EQ(out.code, 0) << out.text;
+    // The summary: no optimizer state in memory, the file's size (Adam: twice the rank's shard;
+    // with master weights, three times its elements in fp32: six times its bf16 bytes).
+    std::ifstream metrics(dir / "offloaded.jsonl");
+    nlohmann::json summary;
+    for (std::string line; std::getline(metrics, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.value("event", "") == "summary") summary = record;
+    }
+    ASSERT_FALSE(summary.is_null());
+    EXPECT_EQ(summary["optimizer_bytes"], 0);
+    EXPECT_EQ(summary["optimizer_file_bytes"].get<int64_t>(),
+              (precision == "fp32" ? 2 : 6) * summary["parameter_bytes"].get<int64_t>());
+    const auto plain = final_parameters(dir / "plain");
+    EXPECT_EQ(max_difference(plain, final_parameters(dir / "offloaded")), 0.0);
+    out = run(kDtrain + job + offload + "--stop-at-step 3 --checkpoint-dir " + (dir / "resumed"));
+    ASSERT_EQ(out.code, 0) << out.text;
+    out = run(kDtrain + job + offload + "--checkpoint-dir " + (dir / "resumed"));
+    ASSERT_EQ(out.code, 0) << out.text;
+    EXPECT_EQ(max_difference(plain, final_parameters(dir / "resumed")), 0.0);
+    if (precision != "fp32") {  // the checkpoint holds the fp32 master, not its bf16 rounding
+      double unrounded = 0;
+      for (const auto& [name, value] : plain) {
+        unrounded += value.ne(value.to(at::kBFloat16).to(at::kFloat)).sum().item<double>();
+      }
+      EXPECT_GT(unrounded, 0);
+      continue;
+    }
+    // An unwritable folder: one line naming it, exit 2, the checkpoints as they were.
+    out = run(kDtrain + job + "--offload optimizer:/proc/dtrain --checkpoint-dir " +
+              (dir / "resumed"));
+    EXPECT_EQ(out.code, 2) << out.text;
+    EXPECT_TRUE(has(out, "--offload optimizer:/proc/dtrain")) << out.text;
+    EXPECT_EQ(max_difference(plain, final_parameters(dir / "resumed")), 0.0);
   }
-  ASSERT_FALSE(summary.is_null());
-  EXPECT_EQ(summary["optimizer_bytes"], 0);
-  EXPECT_EQ(summary["optimizer_file_bytes"].get<int64_t>(),
-            2 * summary["parameter_bytes"].get<int64_t>());
-  EXPECT_EQ(max_difference(final_parameters(dir / "plain"), final_parameters(dir / "offloaded")),
-            0.0);
-  out = run(kDtrain + job + offload + "--stop-at-step 3 --checkpoint-dir " + (dir / "resumed"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  out = run(kDtrain + job + offload + "--checkpoint-dir " + (dir / "resumed"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  EXPECT_EQ(max_difference(final_parameters(dir / "plain"), final_parameters(dir / "resumed")),
-            0.0);
-  // An unwritable folder: one line naming it, exit 2, the checkpoints as they were.
-  out =
-      run(kDtrain + job + "--offload optimizer:/proc/dtrain --checkpoint-dir " + (dir / "resumed"));
-  EXPECT_EQ(out.code, 2) << out.text;
-  EXPECT_TRUE(has(out, "--offload optimizer:/proc/dtrain")) << out.text;
-  EXPECT_EQ(max_difference(final_parameters(dir / "plain"), final_parameters(dir / "resumed")),
-            0.0);
 }
 
 // --dry-run: the run's memory per rank against this machine's, before anything is built: Llama

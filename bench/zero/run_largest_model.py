@@ -48,6 +48,7 @@ def make_cgroup(limit_bytes):
 
 
 OFFLOAD_BUCKET_MB = 64
+OFFLOAD_PRECISION = "fp32"
 
 
 def probe(build, side, width, layers, steps, swap_dir, threads=1):
@@ -70,7 +71,8 @@ def probe(build, side, width, layers, steps, swap_dir, threads=1):
                        "placeholders"] + sizes
             if side == "dtrain-offload":
                 command += ["--offload", "optimizer:" + swap_dir,
-                            "--offload-bucket-mb", str(OFFLOAD_BUCKET_MB)]
+                            "--offload-bucket-mb", str(OFFLOAD_BUCKET_MB),
+                            "--precision", OFFLOAD_PRECISION]
         # The job in the memory cgroup: the shell moves itself in, then runs it.
         wrapped = ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$@"', "sh"] + command
         started = time.time()
@@ -150,6 +152,9 @@ def main():
                         help="depth of the offload run (0: the least with at least twice the "
                              "parameters of dtrain's largest)")
     parser.add_argument("--offload-bucket-mb", type=int, default=16)
+    parser.add_argument("--offload-precision", default="fp32",
+                        help="--precision of the offloaded run: fp32 (Adam's state in the file) "
+                        "or bf16-master (a bf16 model; its fp32 master weights in the file too)")
     parser.add_argument("--known-largest", type=int, default=0,
                         help="dtrain's largest depth from an earlier search (its records): no "
                              "search, only the offload run")
@@ -158,8 +163,9 @@ def main():
                                                           "largest-model.jsonl"))
     parser.add_argument("--markdown")
     args = parser.parse_args()
-    global OFFLOAD_BUCKET_MB
+    global OFFLOAD_BUCKET_MB, OFFLOAD_PRECISION
     OFFLOAD_BUCKET_MB = args.offload_bucket_mb
+    OFFLOAD_PRECISION = args.offload_precision
     make_cgroup(int(args.memory_gib * 2**30))
     os.makedirs(args.swap, exist_ok=True)
     lines = ["| width | side | deepest that trains | parameters | dtrain / FSDP2 |",
@@ -194,6 +200,7 @@ def main():
             ranks, info = probe(args.build, "dtrain-offload", width, layers, args.offload_steps,
                                 args.swap)
             records.write({"kind": "offload", "width": width, "layers": layers,
+                           "precision": args.offload_precision,
                            "parameters": parameters(width, layers),
                            "times_dtrain_largest": parameters(width, layers) /
                            parameters(width, found["dtrain"]),
@@ -201,7 +208,8 @@ def main():
             if ranks:
                 step_s = sorted(ranks[0]["step_s"][1:])
                 median = step_s[len(step_s) // 2]
-                lines.append(f"| {width} | dtrain, --offload optimizer:DIR | {layers} layers, "
+                lines.append(f"| {width} | dtrain, --offload optimizer:DIR, --precision "
+                             f"{args.offload_precision} | {layers} layers, "
                              f"{args.offload_steps} steps, median step {median:.1f} s | "
                              f"{parameters(width, layers) / 1e9:.2f} B | "
                              f"{parameters(width, layers) / parameters(width, found['dtrain']):.2f}"

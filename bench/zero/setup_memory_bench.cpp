@@ -62,6 +62,9 @@ int main(int argc, char** argv) {
   app.add_option("--offload", offload, "none, optimizer or optimizer:DIR (dtrain train's flag)")
       ->capture_default_str();
   app.add_option("--offload-bucket-mb", offload_bucket_mb)->capture_default_str();
+  std::string precision = "fp32";
+  app.add_option("--precision", precision, "dtrain train's --precision (fp32, bf16-master, ...)")
+      ->capture_default_str();
   int tp = 1, pp = 1;
   std::string strategy_name = "zero3", load, load_how = "resume", save;
   app.add_option("--tp", tp, "Tensor-parallel ranks")->capture_default_str();
@@ -82,6 +85,7 @@ int main(int argc, char** argv) {
   auto world = launch::init_from_env();
   const auto grid = std::make_shared<comm::ProcessGrid>(world, tp, pp);
   parallel::StrategyOptions options;
+  options.precision = precision;
   if (pp > 1) {
     options.of<parallel::pipeline::PipelineOptions>().data_parallel = strategy_name;
     // (one micro-batch per step: the step is not what is measured here)
@@ -162,14 +166,14 @@ int main(int argc, char** argv) {
                 "\"largest_parameter_mb\": %.1f, \"shard_mb\": %.1f, \"gradient_shard_mb\": "
                 "%.1f, \"step_peak_mb\": %.1f, \"offload\": \"%s\", \"width\": %lld, "
                 "\"parameters\": %lld, \"optimizer_resident_mb\": %.1f, \"tp\": %d, \"pp\": "
-                "%d, \"strategy\": \"%s\", \"load\": \"%s\"",
+                "%d, \"strategy\": \"%s\", \"load\": \"%s\", \"precision\": \"%s\"",
                 world->rank(), world->size(), mode.c_str(), static_cast<long long>(spec.gpt.layers),
                 seconds, peak_mb, kept_mb, model_mb, static_cast<double>(largest) * 4 / 1048576,
                 memory.parameter_bytes / 1048576.0, memory.gradient_bytes / 1048576.0, step_peak_mb,
                 offload.c_str(), static_cast<long long>(spec.gpt.width),
                 static_cast<long long>(models::gpt_parameter_count(models::decoder_config(spec))),
                 memory.optimizer_bytes / 1048576.0, tp, pp, strategy_name.c_str(),
-                load.empty() ? "" : load_how.c_str());
+                load.empty() ? "" : load_how.c_str(), precision.c_str());
   file << line << ", \"losses\": [" << losses << "], \"step_s\": [" << step_seconds << "]}\n";
   world->barrier()->wait();
   return 0;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
 
 #include <cerrno>
 #include <cstring>
@@ -53,6 +54,28 @@ Probe probe(const OptimizerFactory& make, const std::vector<at::Tensor>& paramet
   return out;
 }
 
+// A tensor of `numel` elements whose storage has no memory yet (given by attach()).
+at::Tensor without_memory(int64_t numel, const at::TensorOptions& options) {
+  at::Tensor t = at::empty({0}, options);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
+  return t;
+}
+
+void attach(const at::Tensor& t) {
+  c10::Storage storage = t.storage();
+  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
+  storage.set_data_ptr_noswap(c10::GetAllocator(t.device().type())->allocate(nbytes));
+  storage.set_nbytes(nbytes);
+}
+
+// Takes the memory out of `t`'s storage (freed with the returned pointer).
+at::DataPtr detach_memory(const at::Tensor& t) {
+  c10::Storage storage = t.storage();
+  at::DataPtr ptr = storage.set_data_ptr(at::DataPtr(nullptr, storage.device()));
+  storage.set_nbytes(0);
+  return ptr;
+}
+
 std::vector<torch::optim::OptimizerParamGroup> one_group(const std::vector<at::Tensor>& params) {
   return {torch::optim::OptimizerParamGroup(params)};
 }
@@ -92,14 +115,22 @@ class StateFile {
     DTRAIN_CHECK_INPUT(fd_ >= 0, "--offload optimizer:", dir, ": cannot write a file there (",
                        std::strerror(errno), ")");
     ::unlink(name.c_str());
+    try {
+      reserve(0, bytes);
+    } catch (...) {
+      ::close(fd_);  // a constructor that throws runs no destructor
+      throw;
+    }
+  }
+  // Room for `bytes` more from `offset`: reserved now, so a full device fails here, naming it.
+  void reserve(int64_t offset, int64_t bytes) {
     if (bytes == 0) return;
-    const int failed = ::posix_fallocate(fd_, 0, bytes);
+    const int failed = ::posix_fallocate(fd_, offset, bytes);
     if (failed != 0) {
-      ::close(fd_);
-      fd_ = -1;
-      const auto space = std::filesystem::space(dir, error);
+      std::error_code error;
+      const auto space = std::filesystem::space(dir_, error);
       DTRAIN_THROW(
-          InputError, "--offload optimizer:", dir, ": cannot reserve ", gib(bytes),
+          InputError, "--offload optimizer:", dir_, ": cannot reserve ", gib(bytes),
           " GiB for the optimizer state (", std::strerror(failed),
           error ? std::string()
                 : "; the folder's device has " + std::to_string(gib(space.available)) + " GiB free",
@@ -159,6 +190,7 @@ class StateFile {
 struct OffloadedOptimizer::Pending {
   size_t bucket;
   std::vector<std::pair<size_t, ParamState>> states;  // chunk, its element-wise state
+  std::vector<at::DataPtr> values;  // parameters kept in the file: their memory, until written
   std::future<void> io;
 };
 
@@ -166,7 +198,8 @@ OffloadedOptimizer::OffloadedOptimizer(std::vector<at::Tensor> parameters,
                                        const OptimizerFactory& make, OffloadSpec spec)
     : torch::optim::Optimizer(one_group(parameters), probe(make, parameters).defaults),
       parameters_(std::move(parameters)),
-      spec_(std::move(spec)) {
+      spec_(std::move(spec)),
+      make_(make) {
   DTRAIN_CHECK_INPUT(spec_.bucket_elements > 0, "offload buckets must hold elements");
   const Probe kept = probe(make, parameters_);
   names_ = kept.elementwise;
@@ -184,7 +217,7 @@ OffloadedOptimizer::OffloadedOptimizer(std::vector<at::Tensor> parameters,
       }
       const int64_t numel = std::min(room, p.numel() - offset);
       buckets_.back().push_back(chunks_.size());
-      chunks_.push_back({k, offset, numel, buckets_.size() - 1, {}, file_bytes_, false, {}});
+      chunks_.push_back({k, offset, numel, buckets_.size() - 1, {}, file_bytes_, -1, false, {}});
       file_bytes_ +=
           static_cast<int64_t>(names_.size()) * numel * static_cast<int64_t>(p.element_size());
       offset += numel;
@@ -266,6 +299,12 @@ std::unique_ptr<OffloadedOptimizer::Pending> OffloadedOptimizer::start_load(size
   std::vector<int64_t> offsets;
   for (size_t c : buckets_[bucket]) {
     const Chunk& chunk = chunks_[c];
+    if (paged_) {  // the values first: the optimizer steps them
+      attach(chunk.view);
+      reads.emplace_back(chunk.view.data_ptr(),
+                         chunk.numel * static_cast<int64_t>(chunk.view.element_size()));
+      offsets.push_back(chunk.value_base);
+    }
     if (!chunk.present) continue;
     ParamState state;
     int64_t offset = chunk.file_base;
@@ -304,6 +343,12 @@ std::unique_ptr<OffloadedOptimizer::Pending> OffloadedOptimizer::start_evict(siz
   torch::optim::Optimizer& optimizer = *optimizers_[bucket];
   for (size_t c : buckets_[bucket]) {
     Chunk& chunk = chunks_[c];
+    if (paged_) {  // the values, then the view's memory goes with the write
+      writes.emplace_back(chunk.view.data_ptr(),
+                          chunk.numel * static_cast<int64_t>(chunk.view.element_size()));
+      offsets.push_back(chunk.value_base);
+      pending->values.push_back(detach_memory(chunk.view));
+    }
     ParamState state = get_param_state(optimizer, chunk.view);
     if (state.empty()) continue;
     chunk.present = true;
@@ -379,6 +424,7 @@ at::Tensor OffloadedOptimizer::step(LossClosure closure) {
       if (copy_ && chunk.view.grad().defined()) {
         slice(parameter_of(chunk), chunk).copy_(chunk.view);
       }
+      if (paged_) slice(rounded_into_[chunk.parameter], chunk).copy_(chunk.view);
       chunk.view.mutable_grad().reset();
     }
     if (copy_) {
@@ -399,6 +445,62 @@ at::Tensor OffloadedOptimizer::step(LossClosure closure) {
     if (pending->io.valid()) pending->io.get();
   }
   return loss;
+}
+
+void OffloadedOptimizer::keep_parameters_in_file(std::vector<at::Tensor> rounded_into) {
+  DTRAIN_CHECK(file_, "offload: parameters are kept in the file of --offload optimizer:DIR only");
+  DTRAIN_CHECK(!copy_ && !paged_, "offload: the parameters are copies or in the file already");
+  DTRAIN_CHECK(rounded_into.size() == parameters_.size(), "offload: ", rounded_into.size(),
+               " tensors to round into for ", parameters_.size(), " parameters");
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    DTRAIN_CHECK(
+        rounded_into[k].numel() == parameters_[k].numel() && rounded_into[k].is_contiguous(),
+        "offload: parameter ", k, " rounds into a tensor of another size");
+  }
+  int64_t bytes = 0;
+  for (Chunk& chunk : chunks_) {
+    chunk.value_base = file_bytes_ + bytes;
+    bytes += chunk.numel * static_cast<int64_t>(parameter_of(chunk).element_size());
+  }
+  file_->reserve(file_bytes_, bytes);
+  file_bytes_ += bytes;
+  rounded_into_ = std::move(rounded_into);
+  paged_ = true;
+  write_parameters();
+  // Each chunk becomes a tensor of its own, with memory only during its bucket's step; the
+  // buckets' optimizers are built again over them (their state is in the file, none in memory).
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    std::vector<at::Tensor> views;
+    for (size_t c : buckets_[b]) {
+      Chunk& chunk = chunks_[c];
+      chunk.view = without_memory(chunk.numel, parameter_of(chunk).options().requires_grad(false));
+      views.push_back(chunk.view);
+    }
+    optimizers_[b] = make_(views);
+    for (const at::Tensor& view : views) set_param_state(*optimizers_[b], view, {});
+  }
+}
+
+void OffloadedOptimizer::read_parameters() const {
+  DTRAIN_CHECK(paged_, "offload: the parameters are not kept in the file");
+  for (const Chunk& chunk : chunks_) {
+    at::Tensor values = slice(parameter_of(chunk), chunk);
+    DTRAIN_CHECK(values.storage().nbytes() > 0, "offload: parameter ", chunk.parameter,
+                 " has no memory to read its values into");
+    file_->read(chunk.value_base, values.data_ptr(),
+                chunk.numel * static_cast<int64_t>(values.element_size()));
+  }
+}
+
+void OffloadedOptimizer::write_parameters() {
+  DTRAIN_CHECK(paged_, "offload: the parameters are not kept in the file");
+  at::NoGradGuard no_grad;
+  for (const Chunk& chunk : chunks_) {
+    const at::Tensor values = slice(parameter_of(chunk), chunk).contiguous();
+    file_->write(chunk.value_base, values.data_ptr(),
+                 chunk.numel * static_cast<int64_t>(values.element_size()));
+    slice(rounded_into_[chunk.parameter], chunk).copy_(values);
+  }
 }
 
 ParamState OffloadedOptimizer::state_of(const at::Tensor& parameter) const {

@@ -65,7 +65,10 @@ std::vector<at::Tensor> keep_master_weights(torch::nn::Module& module,
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> master;
   for (const auto& p : parameters) {
-    master.push_back(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    // A placeholder has no values yet: a strategy that draws it (zero3) draws its master too.
+    master.push_back(nn::is_placeholder(p) ? at::Tensor()
+                                           : p.detach().to(at::kFloat, /*non_blocking=*/false,
+                                                           /*copy=*/true));
   }
   // A pipeline rank's other stages are placeholders (nn/DeferredInit.h): they stay so.
   nn::module_to(module, at::TensorOptions().dtype(precision::parameter_dtype(precision)));

@@ -50,6 +50,18 @@ class OffloadedOptimizer final : public torch::optim::Optimizer {
   ParamState state_of(const at::Tensor& parameter) const;
   void set_state_of(const at::Tensor& parameter, const ParamState& state);
   ParamState state_to_fill(const at::Tensor& parameter) const;
+  /// Master weights in the file too (ZeRO-Infinity keeps the fp32 copy on NVMe with the state):
+  /// the parameters' values move into the folder's file, and between steps none of them is in
+  /// the optimizer's memory (a bucket's values are read with its state and written back after its
+  /// step), so the caller may free the parameters' memory. After each bucket's step its values are
+  /// also copied, rounded, into `rounded_into` (one tensor per parameter with as many elements:
+  /// the 16-bit shard a model computes with). Needs a folder; call before the first step.
+  void keep_parameters_in_file(std::vector<at::Tensor> rounded_into);
+  bool parameters_in_file() const { return paged_; }
+  /// Parameters kept in the file: its values into the parameters (which must have memory again),
+  /// and the parameters' values into the file and `rounded_into` (checkpoints save and load).
+  void read_parameters() const;
+  void write_parameters();
   /// Bytes of state in memory now (host memory mode: all of it; a folder: none between steps).
   int64_t resident_state_bytes() const;
   /// Bytes of state in the file (0 without a folder).
@@ -63,6 +75,7 @@ class OffloadedOptimizer final : public torch::optim::Optimizer {
     size_t bucket;
     at::Tensor view;       // what the bucket's optimizer steps: the parameter's elements, or a copy
     int64_t file_base;     // of its state in the file
+    int64_t value_base;    // of its values in the file (parameters kept there), else -1
     bool present = false;  // its state exists (in the optimizer or the file)
     ParamState scalars;    // 0-dim state ("step"), kept in memory
   };
@@ -90,6 +103,9 @@ class OffloadedOptimizer final : public torch::optim::Optimizer {
   std::vector<Chunk> chunks_;
   std::vector<std::vector<size_t>> buckets_;  // chunk indices
   std::vector<OptimizerPtr> optimizers_;      // one per bucket
+  OptimizerFactory make_;
+  bool paged_ = false;                    // parameters kept in the file
+  std::vector<at::Tensor> rounded_into_;  // and copied into these after each step
   std::unique_ptr<StateFile> file_;
   int64_t file_bytes_ = 0;
 };

@@ -71,7 +71,8 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
                                    std::vector<std::string> names, std::vector<ShardUnit> units,
                                    comm::CommunicatorPtr comm, bool prefetch,
                                    bool error_on_unused_parameters,
-                                   comm::BlockQuantization quantization, const Fill& fill)
+                                   comm::BlockQuantization quantization, const Fill& fill,
+                                   at::ScalarType gradient_dtype)
     : parameters_(std::move(parameters)),
       names_(std::move(names)),
       comm_(std::move(comm)),
@@ -118,7 +119,9 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
   shard_params_ = at::zeros({total_shard}, options);
   // The gradient shard gets its memory at the first zero_grad() or reduction, as FSDP's
   // gradients do at the first backward: it is no part of the setup's peak.
-  shard_grad_ = nn::placeholder({total_shard}, options);
+  shard_grad_ = nn::placeholder({total_shard}, gradient_dtype == at::ScalarType::Undefined
+                                                   ? options
+                                                   : options.dtype(gradient_dtype));
   torch::NoGradGuard no_grad;
   for (auto& unit : units_) {
     const int64_t begin = rank * unit.shard;

@@ -83,10 +83,13 @@ class ParameterSharder : public ddp::GradientSync {
   using Fill = std::function<void(size_t k, int64_t begin, at::Tensor out)>;
   /// With `fill`, the parameters are placeholders without memory (nn/DeferredInit.h): each
   /// rank's shard is drawn by `fill`, and no rank ever holds a whole parameter.
+  /// `gradient_dtype` (default: the parameters'): the dtype gradients are reduced and kept in
+  /// (float32 for a bf16 model with master weights, as FSDP2's reduce_dtype).
   ParameterSharder(std::vector<at::Tensor> parameters, std::vector<std::string> names,
                    std::vector<ShardUnit> units, comm::CommunicatorPtr comm, bool prefetch,
                    bool error_on_unused_parameters, comm::BlockQuantization quantization = {},
-                   const Fill& fill = nullptr);
+                   const Fill& fill = nullptr,
+                   at::ScalarType gradient_dtype = at::ScalarType::Undefined);
   ~ParameterSharder() override;
   ParameterSharder(const ParameterSharder&) = delete;
   ParameterSharder& operator=(const ParameterSharder&) = delete;

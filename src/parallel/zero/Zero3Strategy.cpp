@@ -9,7 +9,9 @@
 
 #include "dtrain/common/Error.h"
 #include "dtrain/nn/DeferredInit.h"
+#include "dtrain/optim/Offload.h"
 #include "dtrain/optim/StateSize.h"
+#include "parallel/Alias.h"
 #include "parallel/zero/ZeroStrategy.h"
 
 namespace dtrain::parallel::zero {
@@ -49,6 +51,7 @@ StrategyInfo zero3_strategy() {
   info.whole_model_on_rank0 = false;
   info.shards_parameters = true;
   info.draws_deferred = true;
+  info.master_weights = true;
   info.cost.traffic = StepCost::Traffic::kGatherEachLayer;
   info.cost.shards_optimizer = true;
   info.cost.shards_gradients = true;
@@ -70,9 +73,6 @@ Zero3Strategy::Zero3Strategy(StrategyOptions options)
   check_options(zero3_);
   DTRAIN_CHECK_INPUT(precision_ != precision::Precision::Bf16,
                      "zero3 keeps fp32 master weights; use --precision bf16-mixed, not bf16");
-  DTRAIN_CHECK_INPUT(!precision::has_master_weights(precision_),
-                     "--precision bf16-master is built for ddp, zero1 and zero2, not zero3 (use "
-                     "bf16-mixed)");
   DTRAIN_CHECK_INPUT(options_.grad_compression == "none",
                      "zero3 reduce-scatters gradients in "
                      "their own dtype; --grad-compression ",
@@ -134,34 +134,169 @@ std::vector<ShardUnit> Zero3Strategy::make_units() const {
 }
 
 void Zero3Strategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
-  // A model of placeholders: each rank draws its shard of each parameter, nothing else.
+  const bool master = precision::has_master_weights(precision_);
+  const bool deferred = model_.deferred && model_.deferred->pending();
+  // A model of placeholders: each rank draws its shard of each parameter, nothing else (with
+  // master weights, into the fp32 master, which the bf16 shard is rounded from).
   ParameterSharder::Fill fill;
-  if (model_.deferred && model_.deferred->pending()) {
+  if (deferred && master) {
+    fill = [](size_t, int64_t, const at::Tensor&) {};
+  } else if (deferred) {
     fill = [init = model_.deferred, names = names_](size_t k, int64_t begin, at::Tensor out) {
       init->fill(names[k], begin, std::move(out));
     };
   }
   sharder_ = std::make_unique<ParameterSharder>(
       parameters_, names_, make_units(), comm_, zero3_.prefetch,
-      options_.error_on_unused_parameters, block_quantization(options_), std::move(fill));
+      options_.error_on_unused_parameters, block_quantization(options_), std::move(fill),
+      master ? at::kFloat : at::ScalarType::Undefined);
   model_.forward = [sharder = sharder_.get()](const at::Tensor& x) { return sharder->run(x); };
   std::vector<at::Tensor> shard;
   for (const auto& piece : sharder_->pieces()) shard.push_back(piece.tensor);
+  if (master) {
+    make_master(deferred);
+    shard = master_pieces_;
+  }
   optimizer_ = make_optimizer(shard);
 }
 
+void Zero3Strategy::make_master(bool deferred) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor& flat = sharder_->shard_parameters();
+  master_flat_ = at::empty({flat.numel()}, flat.options().dtype(at::kFloat));
+  for (const auto& piece : sharder_->pieces()) {
+    const int64_t numel = piece.tensor.numel();
+    at::Tensor m =
+        alias_storage(master_flat_, piece.tensor.storage_offset() - flat.storage_offset(), {numel});
+    if (deferred) {
+      model_.deferred->fill(names_[piece.parameter], piece.offset, m);
+    } else {
+      m.copy_(initial_master_.at(piece.parameter).reshape({-1}).narrow(0, piece.offset, numel));
+    }
+    piece.tensor.copy_(m);
+    m.requires_grad_(true);
+    m.mutable_grad() = piece.tensor.grad();
+    master_grads_.push_back(piece.tensor.grad());
+    master_pieces_.push_back(m);
+  }
+}
+
+void Zero3Strategy::prepare_master() {
+  if (master_pieces_.empty()) return;
+  if (!master_synced_ && !master_in_file_) {
+    torch::NoGradGuard no_grad;
+    const auto& pieces = sharder_->pieces();
+    for (size_t i = 0; i < pieces.size(); ++i) pieces[i].tensor.copy_(master_pieces_[i]);
+  }
+  master_synced_ = true;
+  auto* offloaded = dynamic_cast<optim::OffloadedOptimizer*>(optimizer_.get());
+  if (master_in_file_ || offloaded == nullptr || offloaded->spec().dir.empty()) return;
+  std::vector<at::Tensor> rounded;
+  for (const auto& piece : sharder_->pieces()) rounded.push_back(piece.tensor);
+  offloaded->keep_parameters_in_file(std::move(rounded));
+  master_in_file_ = true;
+  master_out_of_memory();
+}
+
+void Zero3Strategy::master_to_memory(bool read) {
+  c10::Storage storage = master_flat_.storage();
+  const size_t nbytes = static_cast<size_t>(master_flat_.numel()) * sizeof(float);
+  storage.set_data_ptr_noswap(c10::GetAllocator(master_flat_.device().type())->allocate(nbytes));
+  storage.set_nbytes(nbytes);
+  if (read) dynamic_cast<optim::OffloadedOptimizer&>(*optimizer_).read_parameters();
+}
+
+void Zero3Strategy::master_out_of_memory() {
+  c10::Storage storage = master_flat_.storage();
+  storage.set_data_ptr_noswap(at::DataPtr(nullptr, storage.device()));
+  storage.set_nbytes(0);
+}
+
+template <typename Body>
+void Zero3Strategy::with_master_in_memory(bool read, Body&& body) {
+  if (!master_in_file_) {
+    body();
+    return;
+  }
+  master_to_memory(read);
+  try {
+    body();
+  } catch (...) {
+    master_out_of_memory();
+    throw;
+  }
+  master_out_of_memory();
+}
+
+StepResult Zero3Strategy::train_step(const std::vector<data::Batch>& micro_batches,
+                                     const LossFn& loss) {
+  prepare_master();
+  return ddp::DdpStrategy::train_step(micro_batches, loss);
+}
+
+void Zero3Strategy::apply_update() {
+  if (master_pieces_.empty()) {
+    ddp::DdpStrategy::apply_update();
+    return;
+  }
+  gradient_holders();  // the master's gradients point at the fp32 shard again
+  optimizer_->step();
+  if (master_in_file_) return;  // each bucket's update was rounded into the shard
+  torch::NoGradGuard no_grad;
+  const auto& pieces = sharder_->pieces();
+  for (size_t i = 0; i < pieces.size(); ++i) pieces[i].tensor.copy_(master_pieces_[i]);
+}
+
+at::Tensor Zero3Strategy::evaluate_forward(const at::Tensor& inputs) {
+  prepare_master();
+  return ddp::DdpStrategy::evaluate_forward(inputs);
+}
+
+void Zero3Strategy::save(const std::string& directory) {
+  with_master_in_memory(/*read=*/true, [&] { ddp::DdpStrategy::save(directory); });
+}
+
+void Zero3Strategy::load(const std::string& directory) {
+  with_master_in_memory(/*read=*/false, [&] {
+    ddp::DdpStrategy::load(directory);
+    if (master_in_file_) dynamic_cast<optim::OffloadedOptimizer&>(*optimizer_).write_parameters();
+  });
+  master_synced_ = master_in_file_;
+}
+
+void Zero3Strategy::load_values(const std::string& directory) {
+  with_master_in_memory(/*read=*/false, [&] {
+    ddp::DdpStrategy::load_values(directory);
+    if (master_in_file_) dynamic_cast<optim::OffloadedOptimizer&>(*optimizer_).write_parameters();
+  });
+  master_synced_ = master_in_file_;
+}
+
 std::vector<at::Tensor> Zero3Strategy::gradient_holders() const {
+  if (!master_pieces_.empty()) {
+    // An optimizer's zero_grad may have reset them.
+    for (size_t i = 0; i < master_pieces_.size(); ++i) {
+      master_pieces_[i].mutable_grad() = master_grads_[i];
+    }
+    return master_pieces_;
+  }
   std::vector<at::Tensor> holders;
   for (const auto& piece : sharder_->pieces()) holders.push_back(piece.tensor);
   return holders;
 }
 
-void Zero3Strategy::materialize() { sharder_->gather_all(); }
+void Zero3Strategy::materialize() {
+  prepare_master();
+  sharder_->gather_all();
+}
 
 std::vector<PieceRef> Zero3Strategy::state_pieces() const {
   std::vector<PieceRef> pieces;
-  for (const auto& piece : sharder_->pieces()) {
-    pieces.push_back({names_[piece.parameter], piece.offset, piece.tensor,
+  const auto& shard = sharder_->pieces();
+  for (size_t i = 0; i < shard.size(); ++i) {
+    const auto& piece = shard[i];
+    pieces.push_back({names_[piece.parameter], piece.offset,
+                      master_pieces_.empty() ? piece.tensor : master_pieces_[i],
                       parameters_[piece.parameter].sizes().vec()});
   }
   return pieces;
@@ -174,6 +309,9 @@ MemoryReport Zero3Strategy::memory_report() const {
   report.gradient_bytes = sharder_->shard_gradients().numel() *
                           static_cast<int64_t>(sharder_->shard_gradients().element_size());
   report.optimizer_bytes = optim::optimizer_state_bytes(*optimizer_);
+  if (master_flat_.defined() && !master_in_file_) {
+    report.optimizer_bytes += master_flat_.numel() * static_cast<int64_t>(sizeof(float));
+  }
   return report;
 }
 

@@ -18,12 +18,23 @@ class Zero3Strategy : public ddp::DdpStrategy {
   std::string name() const override { return "zero3"; }
   MemoryReport memory_report() const override;
   void materialize() override;
-  std::vector<PieceRef> parameter_pieces() const override { return state_pieces(); }
+  /// The pieces this rank's optimizer updates (with master weights, their fp32 copies): whoever
+  /// asks may write them (--init-from), so the bf16 shard takes them again before it is used.
+  std::vector<PieceRef> parameter_pieces() const override {
+    master_synced_ = false;
+    return state_pieces();
+  }
+  StepResult train_step(const std::vector<data::Batch>& micro_batches, const LossFn& loss) override;
+  at::Tensor evaluate_forward(const at::Tensor& inputs) override;
+  void save(const std::string& directory) override;
+  void load(const std::string& directory) override;
+  void load_values(const std::string& directory) override;
   /// The sharder (for tests and benchmarks).
   const ParameterSharder& sharder() const { return *sharder_; }
 
  protected:
   void build_optimizer(const optim::OptimizerFactory& make_optimizer) override;
+  void apply_update() override;
   void build_gradient_sync(const std::vector<std::string>& names) override {}
   ddp::GradientSync& gradient_sync() override { return *sharder_; }
   bool reduce_every_micro_batch() const override { return true; }
@@ -39,8 +50,29 @@ class Zero3Strategy : public ddp::DdpStrategy {
   /// (the whole model when it has no stages).
   std::vector<ShardUnit> make_units() const;
 
+  /// --precision bf16-master: this rank's fp32 copy of its shard (drawn, or taken from the fp32
+  /// model before it was cast), whose pieces the optimizer updates.
+  void make_master(bool deferred);
+  /// The bf16 shard from the master (after something wrote the master), and, with the optimizer's
+  /// state in a file, the master moved there (at the first step: --init-from writes it first).
+  void prepare_master();
+  /// The master's memory given back to it (and the file's values read into it) / freed again.
+  void master_to_memory(bool read);
+  void master_out_of_memory();
+  /// Runs `body` with the master in memory when it lives in the file.
+  template <typename Body>
+  void with_master_in_memory(bool read, Body&& body);
+
   Zero3Options zero3_;
   std::unique_ptr<ParameterSharder> sharder_;
+  /// bf16-master (Megatron's distributed optimizer, DeepSpeed's bf16 ZeRO-3): the parameters
+  /// and their gathers are bf16, gradients are reduced and kept in fp32, and the optimizer
+  /// updates fp32 master pieces (views of master_flat_) whose gradients alias the fp32 shard.
+  /// With --offload optimizer:DIR the master lives in the state's file between steps.
+  at::Tensor master_flat_;
+  std::vector<at::Tensor> master_pieces_, master_grads_;
+  mutable bool master_synced_ = true;
+  bool master_in_file_ = false;
 };
 
 }  // namespace dtrain::parallel::zero
