@@ -218,7 +218,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add(app, "--precision", t.strategy_options.precision,
       "fp32, bf16-mixed, fp16-mixed, bf16 or bf16-master. bf16-mixed: autocast over fp32 "
       "weights; fp16-mixed: the same in fp16 (CUDA only); bf16: everything, the optimizer state "
-      "too; bf16-master (ddp, zero1, zero2: a bf16 model, gradients "
+      "too; bf16-master (ddp, zero1, zero2, zero3: a bf16 model, gradients "
       "accumulated and reduced in fp32, fp32 master weights in the (sharded) optimizer, "
       "checkpoints of the master weights: Megatron's layout)")
       ->capture_default_str();

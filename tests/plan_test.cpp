@@ -376,6 +376,12 @@ TEST(Planner, SetupBuildsTheWholeModelButForZero3sShardTensorParallelSlicesAndSt
   layout.strategy = "zero3";
   const Memory zero3 = predict(model, cluster, layout).memory;
   EXPECT_NEAR(zero3.setup, whole / 64 + 4 * largest, 1e-6 * whole);
+  // bf16-master: the bf16 shard beside its fp32 master, 6 bytes a parameter.
+  const std::string precision = layout.precision;
+  layout.precision = "bf16-master";
+  EXPECT_NEAR(predict(model, cluster, layout).memory.setup, 1.5 * whole / 64 + 4 * largest,
+              1e-6 * whole);
+  layout.precision = precision;
   layout.strategy = "ddp";
   layout.dp = 8;
   layout.tp = 8;

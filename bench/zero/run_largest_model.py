@@ -68,7 +68,7 @@ def probe(build, side, width, layers, steps, swap_dir, threads=1):
             command = [os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node",
                        "2", "--threads", str(threads), "--",
                        os.path.join(build, "bench", "setup_memory_bench"), "--mode",
-                       "placeholders"] + sizes
+                       "whole" if side == "dtrain-whole" else "placeholders"] + sizes
             if side == "dtrain-offload":
                 command += ["--offload", "optimizer:" + swap_dir,
                             "--offload-bucket-mb", str(OFFLOAD_BUCKET_MB),
@@ -155,6 +155,10 @@ def main():
     parser.add_argument("--offload-precision", default="fp32",
                         help="--precision of the offloaded run: fp32 (Adam's state in the file) "
                         "or bf16-master (a bf16 model; its fp32 master weights in the file too)")
+    parser.add_argument("--compare-whole", type=int, default=0, metavar="LAYERS",
+                        help="also train LAYERS blocks --steps steps built whole (every rank the "
+                        "whole model, then its shards) and as placeholders: the losses must be "
+                        "equal to the bit (float32, same seed)")
     parser.add_argument("--known-largest", type=int, default=0,
                         help="dtrain's largest depth from an earlier search (its records): no "
                              "search, only the offload run")
@@ -192,6 +196,26 @@ def main():
                     ratio = f"{parameters(width, layers) / parameters(width, found['fsdp2']):.3f}"
                 lines.append(f"| {width} | {side} | {layers} layers | "
                              f"{parameters(width, layers) / 1e9:.2f} B | {ratio} |")
+            if args.compare_whole:
+                losses = {}
+                for side in ("dtrain-whole", "dtrain"):
+                    ranks, info = probe(args.build, side, width, args.compare_whole, args.steps,
+                                        args.swap)
+                    losses[side] = [r["losses"] for r in ranks] if ranks else None
+                    records.write({"kind": "construction", "side": side, "width": width,
+                                   "layers": args.compare_whole,
+                                   "parameters": parameters(width, args.compare_whole),
+                                   "trained": ranks is not None, "ranks": ranks or [], **info})
+                equal = None not in losses.values() and losses["dtrain-whole"] == losses["dtrain"]
+                records.write({"kind": "construction-losses", "width": width,
+                               "layers": args.compare_whole, "whole": losses["dtrain-whole"],
+                               "placeholders": losses["dtrain"], "equal": equal})
+                print(f"  losses built whole {losses['dtrain-whole']}, as placeholders "
+                      f"{losses['dtrain']}: {'equal' if equal else 'NOT equal'}", flush=True)
+                lines.append(f"| {width} | dtrain built whole vs as placeholders | "
+                             f"{args.compare_whole} layers, {args.steps} steps | "
+                             f"{parameters(width, args.compare_whole) / 1e9:.2f} B | losses "
+                             f"{'equal' if equal else 'differ'} |")
             if "dtrain" not in found or args.offload_steps == 0:
                 continue
             target = 2 * parameters(width, found["dtrain"])

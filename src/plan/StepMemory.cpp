@@ -63,10 +63,14 @@ std::vector<Memory> slot_memory(const Step& step, const Timeline& timeline) {
     // Setup, in fp32: zero3 draws only its shard (and one parameter at a time: bounded by the
     // largest layer's); a pipeline rank of a decoder (drawn by parameter name) only its own
     // stages; every other layout builds each parameter it holds a part of (a pipeline rank of
-    // another model every stage: its stages are cut from the whole model).
+    // another model every stage: its stages are cut from the whole model). zero3 with master
+    // weights holds its 16-bit shard beside the fp32 master it was rounded from (until the first
+    // step moves the master into an offload file).
     constexpr double kBuilt = 4;
+    const bool master = layout.precision == "bf16-master" || layout.precision == "fp16-master";
     if (strategy.draws_deferred && P == 1) {
-      m.setup = params * kBuilt / sharded + largest_layer * kBuilt;
+      m.setup = params * (kBuilt + (master ? step.bytes.parameter : 0)) / sharded +
+                largest_layer * kBuilt;
     } else if (P > 1 && model.heads > 0) {
       m.setup = params * kBuilt;
     } else {
