@@ -16,6 +16,7 @@
 
 #include "CliRuns.h"
 #include "TempDir.h"
+#include "dtrain/nn/SafeTensors.h"
 
 using dtrain::test::TempDir;
 using namespace dtrain::test::cli;
@@ -403,6 +404,39 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   EXPECT_EQ(out.code, 2) << out.text;
   EXPECT_TRUE(has(out, "does not match the model: 'blocks.0.fc1.weight' has shape")) << out.text;
   EXPECT_FALSE(std::filesystem::exists(dir / "zero3-other/latest")) << out.text;
+  // A checkpoint holding NaN (saved by a run told to load it): every layout refuses it by name,
+  // exit 2, whether its ranks keep shards (zero3), blocks (TP: the row is the second rank's) or
+  // whole stages (a pipeline: only the first stage's rank reads the embedding).
+  {
+    const auto file = dtrain::nn::SafeTensorsFile::open(dir / "hf/model.safetensors");
+    dtrain::nn::NamedTensors tensors;
+    for (const auto& name : file.names()) {
+      at::Tensor t = file.get(name).clone();
+      // The last token's row: no batch of the one step below holds it, so the step is finite
+      // (a run writes no checkpoint after a non-finite one) and the row stays NaN.
+      if (name == "model.embed_tokens.weight") t[t.size(0) - 1][3] = NAN;
+      tensors.emplace_back(name, t);
+    }
+    std::filesystem::create_directories(dir / "nan-hf");
+    for (const auto& entry : std::filesystem::directory_iterator(dir / "hf")) {
+      if (entry.path().filename() != "model.safetensors")
+        std::filesystem::copy(entry.path(), dir / "nan-hf" / entry.path().filename());
+    }
+    dtrain::nn::save_safetensors(dir / "nan-hf/model.safetensors", tensors);
+  }
+  out = run(kDtrain + " train" + shape + "--max-steps 1 --init-from " + (dir / "nan-hf") +
+            " --allow-non-finite-weights --checkpoint-dir " + (dir / "nan-ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  ASSERT_TRUE(std::filesystem::exists(dir / "nan-ckpt/latest")) << out.text;
+  for (const std::string layout :
+       {"--strategy zero3", "--tensor-parallel 2", "--pipeline-parallel 2 --micro-batches 2"}) {
+    out = run(kDtrain + " train --nproc 2 " + layout + shape + "--max-steps 1 --init-from " +
+              (dir / "nan-ckpt") + " --checkpoint-dir " + (dir / "nan-run"));
+    EXPECT_EQ(out.code, 2) << layout << "\n" << out.text;
+    EXPECT_TRUE(has(out, "--init-from " + (dir / "nan-ckpt"))) << layout << "\n" << out.text;
+    EXPECT_TRUE(has(out, " holds NaN (")) << layout << "\n" << out.text;
+    EXPECT_FALSE(std::filesystem::exists(dir / "nan-run/latest")) << layout;
+  }
   // Flags that disagree with config.json: named, exit 2.
   out = run(kDtrain + " train" + shape + "--max-steps 1 --kv-heads 4 --init-from " + (dir / "hf"));
   EXPECT_EQ(out.code, 2) << out.text;
