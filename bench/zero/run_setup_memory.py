@@ -43,7 +43,7 @@ def run_ranks(command, out, world):
     return ranks
 
 
-def run_once(build, mode, world, layers):
+def run_once(build, mode, world, layers, steps):
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rank")
         threads = max(1, (os.cpu_count() or 1) // world)
@@ -51,14 +51,16 @@ def run_once(build, mode, world, layers):
             command = [VENV_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                        "--master-port", str(29500 + world),
                        os.path.join(report.ROOT, "bench", "zero", "setup_memory_fsdp2.py"),
-                       "--layers", str(layers), "--threads", str(threads), "--out", out]
+                       "--layers", str(layers), "--threads", str(threads), "--steps", str(steps),
+                       "--out", out]
         else:
             command = [os.path.join(build, "dtrain"), "launch", "--no-prefix", "--nproc-per-node",
                        str(world), "--threads", str(threads), "--",
                        os.path.join(build, "bench", "setup_memory_bench"), "--mode", mode,
-                       "--layers", str(layers), "--threads", str(threads), "--out", out]
+                       "--layers", str(layers), "--threads", str(threads), "--steps", str(steps),
+                       "--out", out]
         ranks = run_ranks(command, out, world)
-    return {"mode": mode, "world": world, "layers": layers, "ranks": ranks,
+    return {"mode": mode, "world": world, "layers": layers, "steps": steps, "ranks": ranks,
             "peak_mb": max(r["peak_mb"] for r in ranks),
             "kept_mb": max(r["kept_mb"] for r in ranks),
             "setup_s": max(r["setup_s"] for r in ranks),
@@ -75,11 +77,16 @@ def main():
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1,
+                        help="Adam steps after the setup (the step peak covers them all)")
+    parser.add_argument("--sides", nargs="+", default=["whole", "placeholders", "fsdp2"],
+                        help="whole, placeholders, fsdp2 (placeholders is needed)")
     parser.add_argument("--records", default=os.path.join(report.ROOT, "bench", "results", "zero",
                                                           "setup-memory.jsonl"))
     parser.add_argument("--markdown")
     args = parser.parse_args()
-    sides = ("whole", "placeholders") + (("fsdp2",) if os.access(VENV_PYTHON, os.X_OK) else ())
+    sides = tuple(side for side in args.sides
+                  if side != "fsdp2" or os.access(VENV_PYTHON, os.X_OK))
     lines = ["| ranks | model | largest parameter | built whole: peak per rank | as placeholders: "
              "peak per rank | kept (the parameter shard) | placeholders' peak / (kept + largest) "
              "| FSDP2: peak per rank | placeholders' peak / FSDP2's | one Adam step's peak: "
@@ -89,10 +96,11 @@ def main():
         for world in args.worlds:
             rounds = report.alternated_rounds(
                 sides, args.rounds,
-                lambda mode: run_once(args.build, mode, world, args.layers), records,
+                lambda mode: run_once(args.build, mode, world, args.layers, args.steps), records,
                 lambda r: f"peak {r['peak_mb']:.0f} MB, kept {r['kept_mb']:.0f} MB, "
                           f"{r['setup_s']:.1f} s, step peak {r.get('step_peak_mb', 0):.0f} MB")
-            whole = statistics.median(r["whole"]["peak_mb"] for r in rounds)
+            whole = (statistics.median(r["whole"]["peak_mb"] for r in rounds)
+                     if "whole" in sides else float("nan"))
             placeholders = statistics.median(r["placeholders"]["peak_mb"] for r in rounds)
             kept = statistics.median(r["placeholders"]["kept_mb"] for r in rounds)
             ratio = statistics.median(
