@@ -247,6 +247,21 @@ TEST(Planner, DecodersAreWhatDtrainTrainBuilds) {
   layout.tp = 2;
   layout.dp = 3;
   EXPECT_NO_THROW(predict(twelve, cluster_of("h100-dgx", 1, 6), layout));
+  // Its tied embedding under zero3 is refused by name, as dtrain train refuses it (the planner
+  // printed such a command once); untied, zero3 plans.
+  Layout sharded;
+  sharded.strategy = "zero3";
+  sharded.dp = 8;
+  try {
+    predict(cost, cluster_of("h100-dgx", 1), sharded);
+    ADD_FAILURE() << "zero3 with a tied embedding was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(e.message().find("--tied-embeddings with zero3"), std::string::npos) << e.message();
+  }
+  models::GptConfig untied = llama;
+  untied.tied_embeddings = false;
+  EXPECT_NO_THROW(
+      predict(decoder(untied, "llama", untied.vocab, true), cluster_of("h100-dgx", 1), sharded));
 }
 
 // Two published results the planner must keep reproducing within 20% (BENCHMARKS.md has all).

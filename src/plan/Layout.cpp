@@ -148,8 +148,9 @@ namespace {
 /// parameter-server workers without pp or tp, bf16-master only where master weights are kept)
 /// and the pipeline's (which strategies make its stages data-parallel, the schedules and syncs
 /// they run, replicated stages).
-void check_as_train_does(const Layout& layout) {
+void check_as_train_does(const ModelCost& model, const Layout& layout) {
   parallel::Layout run;
+  run.tied_parameters = model.tied_embeddings;
   run.strategy = layout.strategy;
   run.ranks = layout.ranks();
   run.pipeline_parallel = layout.pp;
@@ -222,7 +223,7 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
                      " has no attention");
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel || layout.tp > 1,
                      "sequence parallelism needs tp > 1");
-  check_as_train_does(layout);
+  check_as_train_does(model, layout);
   const int virtual_stages = layout.pp * layout.chunks;
   DTRAIN_CHECK_INPUT(static_cast<int>(model.layers.size()) >= virtual_stages, "model ", model.name,
                      " has ", model.layers.size(),

@@ -191,6 +191,7 @@ ModelCost decoder(const models::GptConfig& config, const std::string& model, int
       config.norm_eps != models::GptConfig{}.norm_eps ? concat(" --norm-eps ", config.norm_eps)
                                                       : std::string());
   cost.kv_heads = shape.kv_heads;
+  cost.tied_embeddings = config.tied_embeddings;
   return cost;
 }
 

@@ -85,6 +85,10 @@ struct ModelCost {
   int heads = 0;                  ///< attention heads (TP must divide them); 0 = no constraint
   /// Key/value heads (TP must divide them or be a multiple of them); 0 = heads.
   int kv_heads = 0;
+  /// A model dtrain builds (train_flags) whose output projection is the token embedding
+  /// (--tied-embeddings): layouts are checked for it as dtrain train checks them (zero3 refuses
+  /// it). Models of published runs only are not.
+  bool tied_embeddings = false;
   int64_t parameters() const;
   /// The flops one sample costs in forward and backward (3x forward's matrix products), the
   /// work MFU is counted against.
