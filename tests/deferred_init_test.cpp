@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "Oracle.h"
 #include "dtrain/models/Gpt.h"
+#include "dtrain/models/HuggingFace.h"
 #include "dtrain/models/Zoo.h"
 #include "dtrain/nn/DeferredInit.h"
 #include "dtrain/train/Trainer.h"
@@ -25,6 +27,19 @@ at::Tensor drawn(const nn::InitRule& rule, uint64_t key, const std::vector<int64
   at::Tensor out = at::empty({count < 0 ? numel - begin : count}, dtype);
   nn::fill_keyed(out, rule, key, shape, split, begin);
   return out;
+}
+
+// A Llama of two blocks, vocabulary 40, width 16 (4 heads, 2 key/value heads), context 8.
+models::GptConfig tiny_llama() {
+  models::GptConfig config;
+  config.vocab = 40;
+  config.layers = 2;
+  config.heads = 4;
+  config.kv_heads = 2;
+  config.width = 16;
+  config.context = 8;
+  models::llama_preset(config);
+  return config;
 }
 
 }  // namespace
@@ -67,14 +82,7 @@ TEST(DeferredInit, TheRulesDrawTheirDistributions) {
 // Built as placeholders and drawn whole, a Llama equals the one built whole from the same seed;
 // the placeholders hold no memory until then.
 TEST(DeferredInit, ADecoderBuiltAsPlaceholdersEqualsTheOneBuiltWhole) {
-  models::GptConfig config;
-  config.vocab = 40;
-  config.layers = 2;
-  config.heads = 4;
-  config.kv_heads = 2;
-  config.width = 16;
-  config.context = 8;
-  models::llama_preset(config);
+  const models::GptConfig config = tiny_llama();
   torch::manual_seed(5);
   const Model whole = models::make_gpt(config);
   torch::manual_seed(5);
@@ -90,6 +98,55 @@ TEST(DeferredInit, ADecoderBuiltAsPlaceholdersEqualsTheOneBuiltWhole) {
   }
   const at::Tensor ids = at::randint(40, {2, 8}, at::kLong);
   EXPECT_TRUE(at::equal(whole(ids), deferred(ids)));
+}
+
+// Started from a weights file, a model of placeholders takes each parameter's values from the
+// file as it is built, and only then (a pipeline rank builds its stages alone): the file's names
+// and shapes are checked first, placeholders are not read, and the built parameters equal the
+// file's.
+TEST(DeferredInit, PlaceholdersBuiltFromAWeightsFileReadOnlyWhatIsBuilt) {
+  const models::GptConfig config = tiny_llama();
+  torch::manual_seed(9);
+  const Model other = models::make_gpt(config);  // the file's values: another seed's model
+  models::FullTensors file;
+  for (const auto& item : other.module->named_parameters()) file[item.key()] = item.value();
+  for (const auto& item : other.module->named_buffers()) file[item.key()] = item.value();
+  const models::WeightSource source = models::WeightSource::in_memory(file);
+  torch::manual_seed(5);
+  Model model = models::make_gpt(config, nullptr, /*deferred=*/true);
+  models::load_weights(*model.module, source, "weights");  // checks; reads no placeholder
+  std::vector<std::string> read;
+  auto from_file = models::weights_source(*model.module, source, "weights");
+  model.deferred->set_source([&](const std::string& name, at::Tensor out) {
+    read.push_back(name);
+    from_file(name, std::move(out));
+  });
+  std::vector<at::Tensor> stage;  // the second block's parameters, as a pipeline rank's
+  std::vector<std::string> names;
+  for (const auto& item : model.module->named_parameters()) {
+    if (item.key().rfind("blocks.1.", 0) != 0) continue;
+    stage.push_back(item.value());
+    names.push_back(item.key());
+  }
+  ASSERT_FALSE(stage.empty());
+  model.deferred->materialize(stage);
+  std::sort(read.begin(), read.end());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(read, names);
+  for (const auto& item : model.module->named_parameters()) {
+    if (item.key().rfind("blocks.1.", 0) == 0) {
+      EXPECT_TRUE(at::equal(item.value(), file.at(item.key()))) << item.key();
+    } else {
+      EXPECT_TRUE(nn::is_placeholder(item.value())) << item.key();
+    }
+  }
+  // A file with a tensor of another shape is refused before anything is built.
+  models::FullTensors wrong = file;
+  wrong.at(names.front()) = at::zeros({3});
+  torch::manual_seed(5);
+  Model again = models::make_gpt(config, nullptr, /*deferred=*/true);
+  EXPECT_THROW(models::load_weights(*again.module, models::WeightSource::in_memory(wrong), "w"),
+               InputError);
 }
 
 // ZeRO-3 given a model of placeholders draws each rank's shard of each parameter (the others

@@ -13,6 +13,7 @@
 #include <set>
 
 #include "dtrain/common/Error.h"
+#include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/tensor/Split.h"
 
 namespace dtrain::models {
@@ -318,35 +319,56 @@ FullTensors from_hf_llama(const nn::SafeTensorsSet& weights, const GptConfig& c)
   return ours;
 }
 
+namespace {
+
+// Checks `name` against the source and, unless `target` is a placeholder, copies its local values.
+void load_one(const nn::tensor::ParameterSplits& splits, const WeightSource& source,
+              const std::string& origin, const std::string& name, at::Tensor target) {
+  DTRAIN_CHECK_INPUT(source.contains(name), origin, ": no tensor for the model's ", name);
+  const auto split = splits.find(name);
+  const std::vector<int64_t>& shape = source.shape(name);
+  const std::vector<int64_t> expected =
+      split != splits.end() ? split->second.full_shape : target.sizes().vec();
+  DTRAIN_CHECK_INPUT(shape == expected, origin, ": ", name, " has shape ", at::IntArrayRef(shape),
+                     " where the model's is ", at::IntArrayRef(expected));
+  if (nn::is_placeholder(target)) return;
+  torch::NoGradGuard no_grad;
+  if (split == splits.end()) {
+    target.copy_(source.full(name));
+  } else if (split->second.dim == 0) {
+    target.copy_(
+        source.rows(name, split->second.start, split->second.start + split->second.length));
+  } else {
+    target.copy_(
+        source.full(name).narrow(split->second.dim, split->second.start, split->second.length));
+  }
+}
+
+}  // namespace
+
 void load_weights(torch::nn::Module& module, const WeightSource& source,
                   const std::string& origin) {
   const auto splits = nn::tensor::parameter_splits(module);
   std::set<std::string> seen;
-  torch::NoGradGuard no_grad;
-  auto load = [&](const std::string& name, at::Tensor target) {
-    DTRAIN_CHECK_INPUT(source.contains(name), origin, ": no tensor for the model's ", name);
-    seen.insert(name);
-    const auto split = splits.find(name);
-    const std::vector<int64_t>& shape = source.shape(name);
-    const std::vector<int64_t> expected =
-        split != splits.end() ? split->second.full_shape : target.sizes().vec();
-    DTRAIN_CHECK_INPUT(shape == expected, origin, ": ", name, " has shape ", at::IntArrayRef(shape),
-                       " where the model's is ", at::IntArrayRef(expected));
-    if (split == splits.end()) {
-      target.copy_(source.full(name));
-    } else if (split->second.dim == 0) {
-      target.copy_(
-          source.rows(name, split->second.start, split->second.start + split->second.length));
-    } else {
-      target.copy_(
-          source.full(name).narrow(split->second.dim, split->second.start, split->second.length));
-    }
-  };
-  for (const auto& item : module.named_parameters()) load(item.key(), item.value());
-  for (const auto& item : module.named_buffers()) load(item.key(), item.value());
+  for (const auto& item : module.named_parameters()) {
+    seen.insert(item.key());
+    load_one(splits, source, origin, item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers()) {
+    seen.insert(item.key());
+    load_one(splits, source, origin, item.key(), item.value());
+  }
   for (const auto& name : source.names()) {
     DTRAIN_CHECK_INPUT(seen.count(name), origin, ": ", name, " is not a tensor of the model");
   }
+}
+
+std::function<void(const std::string& name, at::Tensor out)> weights_source(
+    const torch::nn::Module& module, WeightSource source, std::string origin) {
+  return [splits = nn::tensor::parameter_splits(module), source = std::move(source),
+          origin = std::move(origin)](const std::string& name, at::Tensor out) {
+    load_one(splits, source, origin, name, std::move(out));
+  };
 }
 
 void load_full_tensors(torch::nn::Module& module, const FullTensors& full,

@@ -180,7 +180,11 @@ void DeferredInit::materialize_all(bool draw) {
     at::Tensor& parameter = entries_[k].parameter;
     if (!is_placeholder(parameter)) continue;
     at::Tensor values = at::empty(parameter.sizes(), parameter.options().requires_grad(false));
-    if (draw) fill(name, 0, values);
+    if (draw && source_) {
+      source_(name, values);
+    } else if (draw) {
+      fill(name, 0, values);
+    }
     parameter.set_data(values);
   }
   pending_ = false;
@@ -198,7 +202,11 @@ void DeferredInit::materialize(const std::vector<at::Tensor>& parameters) {
       continue;
     }
     at::Tensor values = at::empty(parameter.sizes(), parameter.options().requires_grad(false));
-    fill(name, 0, values);
+    if (source_) {
+      source_(name, values);
+    } else {
+      fill(name, 0, values);
+    }
     parameter.set_data(values);
   }
   pending_ = left;

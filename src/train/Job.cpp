@@ -321,8 +321,18 @@ JobResult run_job(const JobConfig& job) {
         load_weight_pieces(strategy.parameter_pieces(), *strategy.model().module, source, origin);
         if (!allow_non_finite) check_finite_weights(strategy.parameter_pieces(), origin);
       });
+    } else if (model.deferred) {
+      // A pipeline rank builds only its stages: each parameter takes its values from the file
+      // as the rank builds it, and nothing else of the file is read (its names and shapes are
+      // checked now, before any rank starts training).
+      models::load_weights(*model.module, source, origin);
+      model.deferred->set_source(models::weights_source(*model.module, source, origin));
+      if (!options.allow_non_finite_weights) {
+        trainer.set_after_setup([origin](parallel::Strategy& strategy) {
+          check_finite_weights(*strategy.model().module, origin);
+        });
+      }
     } else {
-      if (model.deferred) model.deferred->materialize_all();  // the file fills the whole model
       models::load_weights(*model.module, source, origin);
       if (!options.allow_non_finite_weights) check_finite_weights(*model.module, origin);
     }

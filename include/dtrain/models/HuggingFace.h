@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -94,8 +95,14 @@ FullTensors from_hf_llama(const nn::SafeTensorsSet& weights, const GptConfig& co
 
 /// Sets a module's parameters and buffers from a source, each rank reading the block of each it
 /// holds (nn/tensor's splits): InputError naming a tensor missing, misshapen or left over.
-/// `origin` starts the messages.
+/// `origin` starts the messages. Placeholders (nn/DeferredInit.h) are checked, not read: a
+/// model built later takes them through weights_source().
 void load_weights(torch::nn::Module& module, const WeightSource& source, const std::string& origin);
+
+/// One parameter's local values (its tensor-parallel block) from `source`, for
+/// nn::DeferredInit::set_source: the parameters a pipeline rank builds come from the file.
+std::function<void(const std::string& name, at::Tensor out)> weights_source(
+    const torch::nn::Module& module, WeightSource source, std::string origin);
 
 /// Sets a module's parameters and buffers from full tensors: a tensor-parallel rank takes its
 /// block (nn/tensor's splits); every one must be given with its full shape (InputError naming

@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -76,6 +77,11 @@ class DeferredInit {
   void to(const at::TensorOptions& options);
   /// The largest parameter's elements (what materializing one at a time holds at most).
   int64_t largest_numel() const;
+  /// Where materialize() and materialize_all() take whole parameters' values from instead of
+  /// the seed: `source(name, out)` fills that parameter's local values (a weights file: a
+  /// pipeline rank started from one reads only the stages it builds). fill() still draws.
+  using Source = std::function<void(const std::string& name, at::Tensor out)>;
+  void set_source(Source source) { source_ = std::move(source); }
 
  private:
   struct Entry {
@@ -90,6 +96,7 @@ class DeferredInit {
   std::map<const void*, InitRule> rules_;  // TensorImpl -> rule, until bind()
   std::vector<Entry> entries_;
   std::map<std::string, size_t> by_name_;
+  Source source_;
 };
 
 /// While alive, parameters made by new_parameter on this thread are placeholders recorded in
