@@ -1,0 +1,215 @@
+// The mixture-of-experts layer (issue 81) against its definition written out token by token in
+// float64: outputs and every gradient, softmax and sigmoid scores, shared experts, the capacity's
+// dropped assignments, the balance losses, and the auxiliary-loss-free bias that steers the
+// choice and never the weights.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "dtrain/common/Error.h"
+#include "dtrain/nn/DeferredInit.h"
+#include "dtrain/nn/Moe.h"
+
+using namespace dtrain;
+
+namespace {
+
+nn::Moe make_moe(const nn::MoeOptions& options, uint64_t seed = 3) {
+  nn::DeferredInit init(seed);
+  std::shared_ptr<nn::MoeImpl> moe;
+  {
+    nn::InitScope scope(init);
+    moe = std::make_shared<nn::MoeImpl>(options);
+  }
+  init.bind(*moe);
+  init.materialize_all();
+  moe->to(at::kDouble);
+  return nn::Moe(moe);
+}
+
+nn::MoeOptions small(int64_t experts = 6, int64_t top_k = 2) {
+  nn::MoeOptions o;
+  o.width = 8;
+  o.ffn_width = 5;
+  o.experts = experts;
+  o.top_k = top_k;
+  o.init_std = 0.5;  // scores far enough apart that the choice is the same for both sides
+  return o;
+}
+
+at::Tensor mlp(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
+               const at::Tensor& down) {
+  return at::matmul(down, at::silu(at::matmul(gate, x)) * at::matmul(up, x)).t();  // [1, W]
+}
+
+// The definition, one token at a time: scores, the top-k of the scores plus the bias, the chosen
+// scores (normalized), each chosen expert's SwiGLU weighted, the shared experts added. An
+// assignment is kept when fewer than `capacity` earlier ones (token order, then slot order) went
+// to its expert.
+at::Tensor by_hand(const nn::MoeImpl& m, const at::Tensor& x, int64_t capacity, int64_t* dropped) {
+  const auto& o = m.options;
+  std::vector<int64_t> taken(o.experts, 0);
+  std::vector<at::Tensor> rows;
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    const at::Tensor xt = x[t];
+    const at::Tensor logits = at::matmul(m.router, xt);
+    const at::Tensor scores = o.score == "softmax" ? logits.softmax(0) : logits.sigmoid();
+    const at::Tensor chosen = std::get<1>((scores.detach() + m.expert_bias).topk(o.top_k));
+    at::Tensor weights = scores.index_select(0, chosen);
+    if (o.normalize) weights = weights / weights.sum();
+    at::Tensor y = at::zeros({o.width}, x.options());
+    for (int64_t j = 0; j < o.top_k; ++j) {
+      const int64_t e = chosen[j].item<int64_t>();
+      if (taken[e]++ >= capacity) {
+        ++*dropped;
+        continue;
+      }
+      y = y + weights[j] * mlp(xt.unsqueeze(1), m.gate[e], m.up[e], m.down[e]).squeeze(0);
+    }
+    if (o.shared_experts > 0) {
+      y = y + mlp(xt.unsqueeze(1), m.shared_gate, m.shared_up, m.shared_down).squeeze(0);
+    }
+    rows.push_back(y);
+  }
+  return at::stack(rows);
+}
+
+double apart(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>();
+}
+
+// Forward and backward of the layer and of the definition on the same tokens: the largest
+// difference over the outputs and every gradient (parameters and input).
+double layer_against_definition(nn::Moe& moe, int64_t capacity, int64_t* dropped_by_hand) {
+  torch::manual_seed(21);
+  const at::Tensor x = torch::randn({3, 7, moe->options.width}, at::kDouble);
+  const at::Tensor probe = torch::randn({3, 7, moe->options.width}, at::kDouble);
+  auto run = [&](bool layer, std::vector<at::Tensor>& grads) {
+    at::Tensor input = x.clone().requires_grad_(true);
+    for (auto& p : moe->parameters()) p.mutable_grad().reset();
+    const at::Tensor out =
+        layer ? moe(input)
+              : by_hand(*moe, input.reshape({-1, moe->options.width}), capacity, dropped_by_hand)
+                    .reshape(x.sizes());
+    (out * probe).sum().backward();
+    grads = {out.detach(), input.grad()};
+    for (auto& p : moe->parameters()) {
+      grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+    }
+  };
+  std::vector<at::Tensor> ours, theirs;
+  run(true, ours);
+  run(false, theirs);
+  double most = 0;
+  for (size_t i = 0; i < ours.size(); ++i) most = std::max(most, apart(ours[i], theirs[i]));
+  return most;
+}
+
+}  // namespace
+
+TEST(Moe, DroplessRoutingIsItsDefinitionInFloat64) {
+  for (const std::string score : {"softmax", "sigmoid"}) {
+    for (const int64_t shared : {0, 1}) {
+      for (const bool normalize : {true, false}) {
+        SCOPED_TRACE(score + " shared " + std::to_string(shared) +
+                     (normalize ? " normalized" : ""));
+        nn::MoeOptions o = small();
+        o.score = score;
+        o.shared_experts = shared;
+        o.normalize = normalize;
+        nn::Moe moe = make_moe(o);
+        int64_t dropped = 0;
+        EXPECT_LT(layer_against_definition(moe, 1 << 30, &dropped), 1e-12);
+        EXPECT_EQ(moe->stats().dropped, 0);
+        EXPECT_EQ(dropped, 0);
+        int64_t assignments = 0;
+        for (int64_t l : moe->stats().load) assignments += l;
+        EXPECT_EQ(assignments, 21 * o.top_k);
+      }
+    }
+  }
+}
+
+TEST(Moe, CapacityDropsTheLaterAssignmentsAndCountsThem) {
+  nn::MoeOptions o = small(4, 2);
+  o.capacity_factor = 0.5;  // ceil(0.5 x 21 x 2 / 4) = 6 per expert: 24 of the 42 at most
+  nn::Moe moe = make_moe(o);
+  int64_t dropped = 0;
+  EXPECT_LT(layer_against_definition(moe, 6, &dropped), 1e-12);
+  int64_t expected = 0;
+  for (int64_t l : moe->stats().load) expected += std::max<int64_t>(0, l - 6);
+  EXPECT_GE(expected, 42 - 24);
+  EXPECT_EQ(moe->stats().dropped, expected);
+  EXPECT_EQ(dropped, expected);
+}
+
+TEST(Moe, BalanceLossesAreTheirFormulas) {
+  nn::Moe moe = make_moe(small());
+  torch::manual_seed(4);
+  const at::Tensor x = torch::randn({30, 8}, at::kDouble);
+  moe(x);
+  const auto& stats = moe->stats();
+  const at::Tensor logits = at::matmul(x, moe->router.t());
+  const at::Tensor scores = logits.softmax(-1);
+  double aux = 0;
+  for (int64_t e = 0; e < 6; ++e) {
+    aux +=
+        static_cast<double>(stats.load[e]) / (30 * 2) * scores.select(1, e).mean().item<double>();
+  }
+  EXPECT_NEAR(stats.aux_loss.item<double>(), 6 * aux, 1e-12);
+  EXPECT_NEAR(stats.z_loss.item<double>(), logits.logsumexp(-1).pow(2).mean().item<double>(),
+              1e-12);
+  EXPECT_TRUE(stats.aux_loss.requires_grad());
+  EXPECT_GE(stats.imbalance(), 1.0);
+}
+
+// DeepSeek-V3's bias: it moves the choice towards the least-loaded experts and leaves the
+// weights the scores; repeated updates bring a skewed router's load towards balance.
+TEST(Moe, TheAuxiliaryLossFreeBiasSteersTheChoiceOnly) {
+  nn::MoeOptions o = small(8, 2);  // (no balance: up to 8 x 64 / 128 = 4 times the mean)
+  o.score = "sigmoid";             // DeepSeek-V3's: sigmoid scores, the chosen two normalized
+  nn::Moe moe = make_moe(o);
+  {
+    torch::NoGradGuard no_grad;
+    moe->router.select(0, 0).add_(1.0);  // expert 0 favoured by most tokens
+  }
+  torch::manual_seed(5);
+  const at::Tensor x = torch::randn({64, 8}, at::kDouble).abs();
+  moe(x);
+  const double before = moe->stats().imbalance();
+  EXPECT_GT(before, 2.0);
+  for (int step = 0; step < 200; ++step) {
+    moe->update_bias(moe->stats().load, 0.01);
+    moe(x);
+  }
+  EXPECT_LT(moe->stats().imbalance(), 1.3) << "from " << before;
+  // With a bias, the layer is still its definition (the weights from the unbiased scores).
+  int64_t dropped = 0;
+  EXPECT_LT(layer_against_definition(moe, 1 << 30, &dropped), 1e-12);
+}
+
+TEST(Moe, OptionsThatCannotMakeTheLayerAreRefusedByName) {
+  auto refused = [](nn::MoeOptions o, const std::string& needle) {
+    try {
+      nn::validate(o);
+      ADD_FAILURE() << needle << " accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  nn::MoeOptions o = small();
+  o.top_k = 7;
+  refused(o, "--moe-top-k");
+  o = small();
+  o.score = "relu";
+  refused(o, "--moe-score");
+  o = small();
+  o.capacity_factor = -1;
+  refused(o, "--moe-capacity");
+  o = small();
+  o.experts = 0;
+  refused(o, "--moe-experts");
+}
