@@ -152,10 +152,15 @@ void print_resume(const dtrain::train::JobConfig& job) {
 
 // --help's groups, in order (flags of strategies registered elsewhere stay in "Options").
 const std::vector<std::pair<std::string, std::vector<std::string>>> kTrainGroups = {
-    {"Model",
-     {"--model", "--hidden", "--layers", "--heads", "--kv-heads", "--width", "--ffn-width",
-      "--context", "--rope-theta", "--norm-eps", "--dropout", "--tied-embeddings", "--init-from",
-      "--allow-non-finite-weights", "--seed"}},
+    {"Model", {"--model",       "--hidden",          "--layers",
+               "--heads",       "--kv-heads",        "--width",
+               "--ffn-width",   "--context",         "--rope-theta",
+               "--norm-eps",    "--dropout",         "--tied-embeddings",
+               "--moe-experts", "--moe-top-k",       "--moe-shared-experts",
+               "--moe-every",   "--moe-first-dense", "--moe-capacity",
+               "--moe-score",   "--moe-ffn-width",   "--moe-aux-loss",
+               "--moe-z-loss",  "--init-from",       "--allow-non-finite-weights",
+               "--seed"}},
     {"Data",
      {"--dataset", "--data-dir", "--synthetic-examples", "--text-file", "--validation-fraction",
       "--vocab-size", "--image-size", "--augment", "--max-bad-samples", "--tokenizer"}},

@@ -139,6 +139,14 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--nproc 3 is not a multiple of --tensor-parallel 2"},
       {" train --model gpt --dataset text --sequence-parallel --nproc 2",
        "--sequence-parallel splits the sequence over the tensor-parallel ranks"},
+      {" train --model gpt --dataset text --moe-experts 4",
+       "--moe-experts: the experts are SwiGLU MLPs: use --model llama"},
+      {" train --model llama --dataset text --moe-experts 4 --moe-top-k 5",
+       "--moe-top-k must be in [1, 4]"},
+      {" train --model llama --dataset text --moe-experts 4 --checkpointing 2",
+       "--moe-aux-loss / --moe-z-loss with --checkpointing 2"},
+      {" train --model llama --dataset text --moe-experts 4 --tensor-parallel 2 --nproc 2",
+       "--moe-experts with --tensor-parallel or --pipeline-parallel: not built yet"},
       {" train --model gpt --dataset text --tensor-parallel 2 --nproc 2 --strategy zero3 "
        "--sequence-parallel",
        "use --strategy ddp, zero1 or zero2, not zero3"},
@@ -988,4 +996,34 @@ TEST(Cli, EverySubcommandReadsAConfigFile) {
   out = run(kDtrain + " plan --config " + (dir / "plan.toml"));
   EXPECT_EQ(out.code, 2) << out.text;
   EXPECT_TRUE(has(out, "unknown --model 'gpt-9'")) << out.text;
+}
+
+// A Llama with experts (issue 81's first part) from the command line: two ranks under zero3
+// train it (the validation loss falls), its checkpoint rebuilds it for `dtrain generate`, and
+// Hugging Face's names, which it does not have yet, are refused by name.
+TEST(Cli, AMixtureOfExpertsLlamaTrainsCheckpointsAndGenerates) {
+  using namespace dtrain::test::cli;
+  dtrain::test::TempDir dir;
+  auto out = run(kDtrain +
+                 " train --model llama --dataset text --layers 2 --width 32 --heads 4 --context "
+                 "32 --moe-experts 4 --moe-shared-experts 1 --moe-first-dense 1 --max-steps 40 "
+                 "--warmup-steps 0 --eval-every 20 --nproc 2 --strategy zero3 --threads 1 "
+                 "--no-progress --checkpoint-dir " +
+                 (dir / "ckpt") + " --metrics " + (dir / "m.jsonl"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  std::vector<double> validation;
+  std::ifstream metrics(dir / "m.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.value("event", "") == "eval") validation.push_back(record["val_loss"].get<double>());
+  }
+  ASSERT_GE(validation.size(), 2u) << out.text;
+  EXPECT_LT(validation.back(), validation.front());
+  out = run(kDtrain + " generate --checkpoint " + (dir / "ckpt") +
+            " --prompt 'The cat' --tokens 10 --seed 3");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_EQ(out.text.rfind("The cat", 0), 0u) << out.text;
+  out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "hf"));
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "a mixture of experts in Hugging Face's names")) << out.text;
 }

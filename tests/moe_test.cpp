@@ -9,9 +9,15 @@
 #include <memory>
 #include <vector>
 
+#include "Oracle.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/models/Gpt.h"
+#include "dtrain/models/Zoo.h"
 #include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/Moe.h"
+#include "parallel/ddp/DdpStrategy.h"
+#include "parallel/zero/Zero3Strategy.h"
+#include "parallel/zero/ZeroStrategy.h"
 
 using namespace dtrain;
 
@@ -212,4 +218,96 @@ TEST(Moe, OptionsThatCannotMakeTheLayerAreRefusedByName) {
   o = small();
   o.experts = 0;
   refused(o, "--moe-experts");
+}
+
+// --model llama with experts: a dense first block, then MoE blocks with a shared expert; dropless
+// and without the balance losses (a per-rank auxiliary loss is not the global batch's), ddp,
+// zero1 and zero3 on 2 ranks train to the weights of one process on the global batch, in
+// float64. The parameter count the planner and the summary use is the module's.
+TEST(Moe, ALlamaWithExpertsTrainsAsOneProcessUnderDdpZero1AndZero3InFloat64) {
+  test::Fixture f;
+  f.spec.name = "llama";
+  models::GptConfig& c = f.spec.gpt;
+  c.vocab = 11;
+  c.layers = 3;
+  c.heads = 2;
+  c.width = 8;
+  c.context = 6;
+  c.moe_experts = 4;
+  c.moe_top_k = 2;
+  c.moe_shared_experts = 1;
+  c.moe_first_dense = 1;
+  c.moe_ffn_width = 6;
+  c.moe_aux_loss = 0;
+  f.optimizer = test::adam();
+  f.global_batch = 8;
+  const int steps = 3;
+  at::Generator generator = at::detail::createCPUGenerator(5);
+  const at::Tensor tokens = at::randint(11, {f.global_batch * steps + 8}, generator, at::kLong);
+  f.dataset = data::TensorDataset::windows(tokens, 6, 1);
+  torch::manual_seed(11);
+  const Model built = test::make_model_as(f.spec, f.dtype);
+  f.initial = test::snapshot(built);
+  int64_t count = 0, experts = 0;
+  for (const auto& item : built.module->named_parameters()) {
+    count += item.value().numel();
+    if (item.key().find(".moe.") != std::string::npos) ++experts;
+  }
+  models::GptConfig resolved = models::decoder_config(f.spec);
+  EXPECT_EQ(count, models::gpt_parameter_count(resolved));
+  EXPECT_EQ(experts, 2 * 7);  // two MoE blocks: router, gate, up, down and three shared
+  const auto single = test::train_single(f, steps);
+  EXPECT_GT(test::max_abs_diff(single, f.initial), 1e-3);  // it trained
+  const std::vector<std::pair<std::string, std::function<parallel::StrategyPtr()>>> strategies = {
+      {"ddp",
+       [] { return std::make_unique<parallel::ddp::DdpStrategy>(parallel::StrategyOptions{}); }},
+      {"zero1",
+       [] {
+         return std::make_unique<parallel::zero::ZeroStrategy>(parallel::StrategyOptions{}, 1);
+       }},
+      {"zero3",
+       [] { return std::make_unique<parallel::zero::Zero3Strategy>(parallel::StrategyOptions{}); }},
+  };
+  for (const auto& [name, make] : strategies) {
+    EXPECT_LT(test::max_abs_diff(single, test::train_distributed(f, 2, steps, make)),
+              test::kTightBound)
+        << name;
+  }
+}
+
+// The balance losses reach the router: with --moe-aux-loss the model's loss is the language
+// model's plus the coefficient times the blocks' auxiliary losses, and its router gradient moves.
+TEST(Moe, TheBalanceLossesAreAddedToTheModelsLoss) {
+  models::ModelSpec spec;
+  spec.name = "llama";
+  spec.gpt.vocab = 11;
+  spec.gpt.layers = 2;
+  spec.gpt.heads = 2;
+  spec.gpt.width = 8;
+  spec.gpt.context = 6;
+  spec.gpt.moe_experts = 4;
+  spec.gpt.moe_aux_loss = 0.5;
+  spec.gpt.moe_z_loss = 0.25;
+  torch::manual_seed(3);
+  Model model = test::make_model_as(spec, at::kDouble);
+  ASSERT_TRUE(model.loss);
+  const at::Tensor ids = at::randint(11, {4, 6}, at::kLong);
+  const at::Tensor logits = model(ids);
+  const at::Tensor targets = at::randint(11, {4, 6}, at::kLong);
+  double balance = 0;
+  for (const auto& item : model.module->named_modules()) {
+    if (auto* moe = dynamic_cast<nn::MoeImpl*>(item.value().get())) {
+      balance +=
+          0.5 * moe->stats().aux_loss.item<double>() + 0.25 * moe->stats().z_loss.item<double>();
+    }
+  }
+  EXPECT_GT(balance, 0);
+  const double ce = parallel::cross_entropy(logits, targets).item<double>();
+  EXPECT_NEAR(model.loss(logits, targets).item<double>(), ce + balance, 1e-12);
+  // A model whose blocks are recomputed whole would lose the losses' gradients: refused.
+  spec.checkpointing = "2";
+  EXPECT_THROW(models::make_model(spec), InputError);
+  spec.gpt.moe_aux_loss = 0;
+  spec.gpt.moe_z_loss = 0;
+  EXPECT_NO_THROW(models::make_model(spec));
 }

@@ -17,6 +17,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/nn/DeferredInit.h"
+#include "dtrain/nn/Moe.h"
 #include "dtrain/nn/WeightGrad.h"
 #include "dtrain/nn/tensor/CrossEntropy.h"
 #include "dtrain/nn/tensor/Layers.h"
@@ -28,6 +29,18 @@ namespace dtrain::models {
 namespace {
 
 namespace tp = nn::tensor;
+
+dtrain::nn::MoeOptions moe_options(const GptConfig& c) {
+  dtrain::nn::MoeOptions o;
+  o.width = c.width;
+  o.ffn_width = c.moe_ffn_width > 0 ? c.moe_ffn_width : ffn_width_of(c);
+  o.experts = c.moe_experts;
+  o.top_k = c.moe_top_k;
+  o.shared_experts = c.moe_shared_experts;
+  o.score = c.moe_score;
+  o.capacity_factor = c.moe_capacity;
+  return o;
+}
 
 struct Shared {
   comm::CommunicatorPtr group;  // the tensor-parallel group (null: serial)
@@ -167,7 +180,7 @@ TORCH_MODULE(GptEmbedding);
 // with the key/value head that serves it. A SwiGLU fc1 interleaves gate and up rows so a block
 // holds both halves.
 struct GptBlockImpl : torch::nn::Module {
-  GptBlockImpl(const GptConfig& c, Shared shared_)
+  GptBlockImpl(const GptConfig& c, Shared shared_, bool moe_block = false)
       : separate(kv_heads_of(c) < c.heads),
         local_heads(c.heads / shared_.size()),
         local_groups(std::max<int64_t>(1, kv_heads_of(c) / shared_.size())),
@@ -198,17 +211,22 @@ struct GptBlockImpl : torch::nn::Module {
                  .sequence_parallel(shared_.sequence_parallel),
              shared_.group),
         ln2(c),
-        fc1(tp::ColumnParallelLinearOptions(c.width, (swiglu ? 2 : 1) * ffn_width_of(c))
-                .bias(c.bias)
-                .init_std(0.02)
-                .sequence_parallel(shared_.sequence_parallel)
-                .overlap_comm(shared_.tp_comm_overlap),
-            shared_.group),
-        fc2(tp::RowParallelLinearOptions(ffn_width_of(c), c.width)
-                .bias(c.bias)
-                .init_std(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)))
-                .sequence_parallel(shared_.sequence_parallel),
-            shared_.group),
+        fc1(moe_block ? nullptr
+                      : tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(
+                                                     c.width, (swiglu ? 2 : 1) * ffn_width_of(c))
+                                                     .bias(c.bias)
+                                                     .init_std(0.02)
+                                                     .sequence_parallel(shared_.sequence_parallel)
+                                                     .overlap_comm(shared_.tp_comm_overlap),
+                                                 shared_.group)),
+        fc2(moe_block ? nullptr
+                      : tp::RowParallelLinear(
+                            tp::RowParallelLinearOptions(ffn_width_of(c), c.width)
+                                .bias(c.bias)
+                                .init_std(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)))
+                                .sequence_parallel(shared_.sequence_parallel),
+                            shared_.group)),
+        moe(moe_block ? dtrain::nn::Moe(moe_options(c)) : nullptr),
         shared(std::move(shared_)) {
     register_module("ln1", ln1);
     if (separate) {
@@ -220,8 +238,12 @@ struct GptBlockImpl : torch::nn::Module {
     }
     register_module("proj", proj);
     register_module("ln2", ln2);
-    register_module("fc1", fc1);
-    register_module("fc2", fc2);
+    if (moe) {
+      register_module("moe", moe);
+    } else {
+      register_module("fc1", fc1);
+      register_module("fc2", fc2);
+    }
   }
 
   // Ranks holding each key/value head: 1 when the group divides them.
@@ -303,6 +325,7 @@ struct GptBlockImpl : torch::nn::Module {
     return tp::dropout(proj(y), shared.dropout, is_training(), shared.outer_rng());
   }
   at::Tensor mlp(const at::Tensor& x) {
+    if (moe) return tp::dropout(moe(x), shared.dropout, is_training(), shared.outer_rng());
     at::Tensor h = fc1(x);
     if (swiglu) {
       h = InterleavedSwiGlu::apply(h);
@@ -330,6 +353,7 @@ struct GptBlockImpl : torch::nn::Module {
   Norm ln2;
   tp::ColumnParallelLinear fc1;
   tp::RowParallelLinear fc2;
+  dtrain::nn::Moe moe{nullptr};
   Shared shared;
 };
 TORCH_MODULE(GptBlock);
@@ -369,7 +393,9 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
   GptImpl(const GptConfig& c, const Shared& shared)
       : embedding(c, shared), head(nullptr), sequence_parallel(shared.sequence_parallel) {
     register_module("embedding", embedding);
-    for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(GptBlock(c, shared));
+    for (int64_t i = 0; i < c.layers; ++i) {
+      blocks->push_back(GptBlock(c, shared, is_moe_block(c, i)));
+    }
     register_module("blocks", blocks);
     head = register_module("head", GptHead(c, embedding, shared));
     segments = shared.selective ? 0 : memory::parse_segments(c.checkpointing, c.layers);
@@ -465,6 +491,33 @@ void validate(const GptConfig& c) {
   DTRAIN_CHECK_INPUT(c.rope_theta > 0, "--rope-theta must be > 0, got ", c.rope_theta);
   DTRAIN_CHECK_INPUT(c.mlp == "gelu" || c.mlp == "swiglu", "the MLP must be gelu or swiglu, got '",
                      c.mlp, "'");
+  DTRAIN_CHECK_INPUT(c.moe_experts >= 0, "--moe-experts must be >= 0 (0: dense), got ",
+                     c.moe_experts);
+  if (c.moe_experts == 0) return;
+  DTRAIN_CHECK_INPUT(c.mlp == "swiglu",
+                     "--moe-experts: the experts are SwiGLU MLPs: use --model llama");
+  DTRAIN_CHECK_INPUT(c.moe_every >= 1, "--moe-every must be >= 1, got ", c.moe_every);
+  DTRAIN_CHECK_INPUT(c.moe_first_dense >= 0 && c.moe_first_dense < c.layers,
+                     "--moe-first-dense must be in [0, --layers ", c.layers, "), got ",
+                     c.moe_first_dense);
+  DTRAIN_CHECK_INPUT(c.moe_ffn_width >= 0, "--moe-ffn-width must be >= 0, got ", c.moe_ffn_width);
+  DTRAIN_CHECK_INPUT(c.moe_aux_loss >= 0 && c.moe_z_loss >= 0,
+                     "--moe-aux-loss and --moe-z-loss must be >= 0, got ", c.moe_aux_loss, " and ",
+                     c.moe_z_loss);
+  // Whole blocks recomputed run their first forward without autograd: the balance losses taken
+  // from it would have no gradient.
+  DTRAIN_CHECK_INPUT(
+      (c.moe_aux_loss == 0 && c.moe_z_loss == 0) || c.checkpointing == "none" ||
+          c.checkpointing == "selective",
+      "--moe-aux-loss / --moe-z-loss with --checkpointing ", c.checkpointing,
+      ": a recomputed block's balance losses would get no gradient; use --checkpointing "
+      "selective, or set both to 0 (the auxiliary-loss-free bias needs no loss)");
+  dtrain::nn::validate(moe_options(c));
+}
+
+bool is_moe_block(const GptConfig& c, int64_t index) {
+  return c.moe_experts > 0 && index >= c.moe_first_dense &&
+         (index - c.moe_first_dense) % c.moe_every == 0;
 }
 
 void llama_preset(GptConfig& c) {
@@ -536,27 +589,59 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, b
       return tp::vocab_parallel_argmax(logits, group, start);
     };
   }
+  if (config.moe_experts > 0 && (config.moe_aux_loss > 0 || config.moe_z_loss > 0)) {
+    DTRAIN_CHECK_INPUT(!shared.group, "--moe-experts with --tensor-parallel: not built yet");
+    // The language model's loss plus the MoE blocks' balance losses of the forward just run.
+    std::vector<std::shared_ptr<dtrain::nn::MoeImpl>> layers;
+    for (size_t i = 0; i < module->blocks->size(); ++i) {
+      auto block = module->blocks->ptr<GptBlockImpl>(i);
+      if (block->moe) layers.push_back(block->moe.ptr());
+    }
+    model.loss = [layers, aux = config.moe_aux_loss, z = config.moe_z_loss](
+                     const at::Tensor& logits, const at::Tensor& targets) {
+      at::Tensor loss =
+          torch::nn::functional::cross_entropy(logits.flatten(0, -2), targets.reshape({-1}));
+      for (const auto& layer : layers) {
+        const auto& stats = layer->stats();
+        if (aux > 0 && stats.aux_loss.defined()) loss = loss + aux * stats.aux_loss;
+        if (z > 0 && stats.z_loss.defined()) loss = loss + z * stats.z_loss;
+      }
+      return loss;
+    };
+  }
   return model;
 }
 
 std::string to_json(const GptConfig& c) {
-  return nlohmann::json{{"model", "gpt"},
-                        {"vocab", c.vocab},
-                        {"layers", c.layers},
-                        {"heads", c.heads},
-                        {"width", c.width},
-                        {"context", c.context},
-                        {"dropout", c.dropout},
-                        {"tied_embeddings", c.tied_embeddings},
-                        {"kv_heads", kv_heads_of(c)},
-                        {"ffn_width", ffn_width_of(c)},
-                        {"norm", c.norm},
-                        {"norm_eps", c.norm_eps},
-                        {"position", c.position},
-                        {"rope_theta", c.rope_theta},
-                        {"mlp", c.mlp},
-                        {"bias", c.bias}}
-      .dump();
+  nlohmann::json json{{"model", "gpt"},
+                      {"vocab", c.vocab},
+                      {"layers", c.layers},
+                      {"heads", c.heads},
+                      {"width", c.width},
+                      {"context", c.context},
+                      {"dropout", c.dropout},
+                      {"tied_embeddings", c.tied_embeddings},
+                      {"kv_heads", kv_heads_of(c)},
+                      {"ffn_width", ffn_width_of(c)},
+                      {"norm", c.norm},
+                      {"norm_eps", c.norm_eps},
+                      {"position", c.position},
+                      {"rope_theta", c.rope_theta},
+                      {"mlp", c.mlp},
+                      {"bias", c.bias}};
+  if (c.moe_experts > 0) {
+    json["moe"] = {{"experts", c.moe_experts},
+                   {"top_k", c.moe_top_k},
+                   {"shared", c.moe_shared_experts},
+                   {"every", c.moe_every},
+                   {"first_dense", c.moe_first_dense},
+                   {"capacity", c.moe_capacity},
+                   {"score", c.moe_score},
+                   {"ffn_width", c.moe_ffn_width},
+                   {"aux_loss", c.moe_aux_loss},
+                   {"z_loss", c.moe_z_loss}};
+  }
+  return json.dump();
 }
 
 GptConfig gpt_config_from_json(const std::string& text, const std::string& origin) {
@@ -579,6 +664,19 @@ GptConfig gpt_config_from_json(const std::string& text, const std::string& origi
     c.rope_theta = json.value("rope_theta", c.rope_theta);
     c.mlp = json.value("mlp", c.mlp);
     c.bias = json.value("bias", c.bias);
+    if (json.contains("moe")) {
+      const auto& moe = json.at("moe");
+      c.moe_experts = moe.at("experts").get<int64_t>();
+      c.moe_top_k = moe.at("top_k").get<int64_t>();
+      c.moe_shared_experts = moe.at("shared").get<int64_t>();
+      c.moe_every = moe.at("every").get<int64_t>();
+      c.moe_first_dense = moe.at("first_dense").get<int64_t>();
+      c.moe_capacity = moe.at("capacity").get<double>();
+      c.moe_score = moe.at("score").get<std::string>();
+      c.moe_ffn_width = moe.at("ffn_width").get<int64_t>();
+      c.moe_aux_loss = moe.at("aux_loss").get<double>();
+      c.moe_z_loss = moe.at("z_loss").get<double>();
+    }
   } catch (const nlohmann::json::exception& e) {
     DTRAIN_THROW(InputError, origin,
                  ": the GPT model description is incomplete: ", json_error_text(e.what()));
@@ -595,7 +693,16 @@ int64_t gpt_parameter_count(const GptConfig& c) {
   const int64_t norm = c.norm == "layernorm" ? w * (1 + b) : w;
   const int64_t block = 2 * norm + (w * qkv + b * qkv) + (w * w + b * w) +
                         (w * mlp_in + b * mlp_in) + (f * w + b * w);
-  return c.vocab * w + (c.position == "learned" ? c.context * w : 0) + c.layers * block + norm +
+  int64_t blocks = c.layers * block;
+  if (c.moe_experts > 0) {  // an MoE block: the router, E experts and the shared ones
+    const int64_t fe = c.moe_ffn_width > 0 ? c.moe_ffn_width : f;
+    const int64_t dense = (w * mlp_in + b * mlp_in) + (f * w + b * w);
+    const int64_t moe = c.moe_experts * w + 3 * (c.moe_experts + c.moe_shared_experts) * fe * w;
+    for (int64_t i = 0; i < c.layers; ++i) {
+      if (is_moe_block(c, i)) blocks += moe - dense;
+    }
+  }
+  return c.vocab * w + (c.position == "learned" ? c.context * w : 0) + blocks + norm +
          (c.tied_embeddings ? 0 : w * c.vocab);
 }
 
@@ -603,9 +710,17 @@ double gpt_training_flops_per_token(const GptConfig& c) {
   const int64_t w = c.width, d = c.width / c.heads, f = ffn_width_of(c);
   const int64_t qkv = (c.heads + 2 * kv_heads_of(c)) * d;
   const int64_t mlp_in = (c.mlp == "swiglu" ? 2 : 1) * f;
-  const double matmul_weights =
+  double matmul_weights =
       static_cast<double>(c.layers) * static_cast<double>(w * qkv + w * w + w * mlp_in + f * w) +
       static_cast<double>(w) * static_cast<double>(c.vocab);
+  if (c.moe_experts > 0) {  // the active weights: the router, top-k experts and the shared ones
+    const int64_t fe = c.moe_ffn_width > 0 ? c.moe_ffn_width : f;
+    const double active =
+        static_cast<double>(c.moe_experts * w + 3 * (c.moe_top_k + c.moe_shared_experts) * fe * w);
+    for (int64_t i = 0; i < c.layers; ++i) {
+      if (is_moe_block(c, i)) matmul_weights += active - static_cast<double>(w * mlp_in + f * w);
+    }
+  }
   return 6.0 * matmul_weights + 12.0 * static_cast<double>(c.layers * c.heads * d * c.context);
 }
 

@@ -297,11 +297,15 @@ Model build_resnet(const ModelSpec& spec) {
 void check_gpt_layout(const ModelSpec& spec, const ModelLayout& layout) {
   GptConfig config = decoder_config(spec);
   config.vocab = std::max<int64_t>(config.vocab, 2);
+  config.checkpointing = spec.checkpointing;
   validate(config);
   const int tp = layout.tensor_parallel;
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel || tp > 1,
                      "--sequence-parallel splits the sequence over the tensor-parallel ranks: "
                      "it needs --tensor-parallel 2 or more");
+  DTRAIN_CHECK_INPUT(config.moe_experts == 0 || (tp <= 1 && layout.pipeline_parallel <= 1),
+                     "--moe-experts with --tensor-parallel or --pipeline-parallel: not built yet "
+                     "(data parallelism and ZeRO 1/2/3 are)");
   if (tp <= 1) return;
   DTRAIN_CHECK_INPUT(config.heads % tp == 0, "--tensor-parallel ", tp, " must divide --heads (",
                      config.heads, "): each rank takes whole heads");
@@ -357,6 +361,26 @@ FlagGroup<ModelSpec> decoder_flags() {
                 .add("--tied-embeddings", gpt.tied_embeddings,
                      "gpt, llama: the output layer reuses the token embedding's weight")
                 .show_default = false;
+            flags.add("--moe-experts", gpt.moe_experts,
+                      "llama: routed experts of each mixture-of-experts block (0 = dense MLPs)");
+            flags.add("--moe-top-k", gpt.moe_top_k, "llama: experts each token is routed to");
+            flags.add("--moe-shared-experts", gpt.moe_shared_experts,
+                      "llama: experts every token goes through (DeepSeek's shared experts)");
+            flags.add("--moe-every", gpt.moe_every,
+                      "llama: a mixture-of-experts block every N blocks (after the dense ones)");
+            flags.add("--moe-first-dense", gpt.moe_first_dense,
+                      "llama: the first K blocks keep a dense MLP (DeepSeek's layout)");
+            flags.add("--moe-capacity", gpt.moe_capacity,
+                      "llama: capacity factor: each expert takes at most ceil(F x tokens x top-k "
+                      "/ experts) tokens, the rest dropped and counted (0 = dropless)");
+            flags.add("--moe-score", gpt.moe_score,
+                      "llama: the router's scores: softmax (Mixtral, Qwen3-MoE) or sigmoid "
+                      "(DeepSeek-V3)");
+            flags.add("--moe-ffn-width", gpt.moe_ffn_width,
+                      "llama: each expert's hidden width (0 = --ffn-width's)");
+            flags.add("--moe-aux-loss", gpt.moe_aux_loss,
+                      "llama: coefficient of the Switch/GShard load-balancing loss");
+            flags.add("--moe-z-loss", gpt.moe_z_loss, "llama: coefficient of the router z-loss");
           }};
 }
 

@@ -158,6 +158,9 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
 ModelCost decoder(const models::GptConfig& config, const std::string& model, int64_t vocabulary,
                   bool flash) {
   models::validate(config);
+  DTRAIN_CHECK_INPUT(config.moe_experts == 0,
+                     "the planner does not model mixtures of experts yet (issue 81): leave out "
+                     "--moe-experts");
   TransformerShape shape;
   shape.layers = static_cast<int>(config.layers);
   shape.hidden = static_cast<int>(config.width);

@@ -53,7 +53,25 @@ struct GptConfig {
   /// gradient's allreduce (reduce-scatter with sequence parallelism) with the weight gradient
   /// (Megatron's asynchronous TP communication). A layout choice: not in to_json.
   bool tp_comm_overlap = false;
+  /// Mixture of experts (nn/Moe.h, issue 81): 0 = every block's MLP dense. With E > 0 (SwiGLU
+  /// only), block i is an MoE block when i >= moe_first_dense and (i - moe_first_dense) is a
+  /// multiple of moe_every (DeepSeek's layout: the first blocks dense).
+  int64_t moe_experts = 0;
+  int64_t moe_top_k = 2;
+  int64_t moe_shared_experts = 0;
+  int64_t moe_every = 1;
+  int64_t moe_first_dense = 0;
+  double moe_capacity = 0.0;          ///< 0: dropless
+  std::string moe_score = "softmax";  ///< or "sigmoid" (DeepSeek-V3)
+  int64_t moe_ffn_width = 0;          ///< each expert's hidden width (0: the dense MLP's)
+  /// Coefficients of the Switch/GShard auxiliary loss and the router z-loss, summed over the MoE
+  /// blocks and added to the training loss (Model::loss).
+  double moe_aux_loss = 0.01;
+  double moe_z_loss = 0.0;
 };
+
+/// Whether block `index` of `config` is a mixture of experts.
+bool is_moe_block(const GptConfig& config, int64_t index);
 
 /// InputError naming the field for sizes that cannot make a model.
 void validate(const GptConfig& config);
