@@ -8,6 +8,7 @@
 #include <cmath>
 #include <unordered_set>
 
+#include "common/StorageMemory.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::nn {
@@ -118,9 +119,7 @@ void fill_keyed(at::Tensor out, const InitRule& rule, uint64_t key,
 }
 
 at::Tensor placeholder(const std::vector<int64_t>& shape, const at::TensorOptions& options) {
-  at::Tensor t = at::empty({0}, options);
-  t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
-  return t;
+  return tensor_without_memory(shape, options);
 }
 
 bool is_placeholder(const at::Tensor& t) {
@@ -174,17 +173,21 @@ void DeferredInit::fill(const std::string& name, int64_t begin, at::Tensor out) 
              entry.split ? &entry.range : nullptr, begin);
 }
 
+void DeferredInit::values_into(const std::string& name, const at::Tensor& out) const {
+  if (source_) {
+    source_(name, out);
+  } else {
+    fill(name, 0, out);
+  }
+}
+
 void DeferredInit::materialize_all(bool draw) {
   if (!pending_) return;
   for (const auto& [name, k] : by_name_) {
     at::Tensor& parameter = entries_[k].parameter;
     if (!is_placeholder(parameter)) continue;
     at::Tensor values = at::empty(parameter.sizes(), parameter.options().requires_grad(false));
-    if (draw && source_) {
-      source_(name, values);
-    } else if (draw) {
-      fill(name, 0, values);
-    }
+    if (draw) values_into(name, values);
     parameter.set_data(values);
   }
   pending_ = false;
@@ -202,11 +205,7 @@ void DeferredInit::materialize(const std::vector<at::Tensor>& parameters) {
       continue;
     }
     at::Tensor values = at::empty(parameter.sizes(), parameter.options().requires_grad(false));
-    if (source_) {
-      source_(name, values);
-    } else {
-      fill(name, 0, values);
-    }
+    values_into(name, values);
     parameter.set_data(values);
   }
   pending_ = left;

@@ -80,11 +80,11 @@ at::Tensor MoeImpl::forward(const at::Tensor& input) {
 
   // Balance statistics.
   const at::Tensor flat_expert = chosen.reshape({-1});  // assignments, token-major
-  const at::Tensor counts = at::bincount(flat_expert, {}, E);
+  const at::Tensor counts = at::bincount(flat_expert, {}, E).cpu();  // (the loop's offsets)
   stats_ = MoeStats{};
   stats_.tokens = N;
   stats_.load.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + E);
-  const at::Tensor share = counts.to(scores.dtype()) / static_cast<double>(N * K);
+  const at::Tensor share = counts.to(scores.options()) / static_cast<double>(N * K);
   const at::Tensor per_token =
       options.score == "softmax" ? scores : scores / scores.sum(-1, /*keepdim=*/true);
   stats_.aux_loss = static_cast<double>(E) * (share * per_token.mean(0)).sum();

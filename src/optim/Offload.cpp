@@ -8,7 +8,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <c10/core/Allocator.h>
 
 #include <cerrno>
 #include <cstring>
@@ -17,6 +16,7 @@
 #include <system_error>
 #include <utility>
 
+#include "common/StorageMemory.h"
 #include "dtrain/common/Error.h"
 
 namespace dtrain::optim {
@@ -53,28 +53,6 @@ Probe probe(const OptimizerFactory& make, const std::vector<at::Tensor>& paramet
     }
   }
   return out;
-}
-
-// A tensor of `numel` elements whose storage has no memory yet (given by attach()).
-at::Tensor without_memory(int64_t numel, const at::TensorOptions& options) {
-  at::Tensor t = at::empty({0}, options);
-  t.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
-  return t;
-}
-
-void attach(const at::Tensor& t) {
-  c10::Storage storage = t.storage();
-  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
-  storage.set_data_ptr_noswap(c10::GetAllocator(t.device().type())->allocate(nbytes));
-  storage.set_nbytes(nbytes);
-}
-
-// Takes the memory out of `t`'s storage (freed with the returned pointer).
-at::DataPtr detach_memory(const at::Tensor& t) {
-  c10::Storage storage = t.storage();
-  at::DataPtr ptr = storage.set_data_ptr(at::DataPtr(nullptr, storage.device()));
-  storage.set_nbytes(0);
-  return ptr;
 }
 
 std::vector<torch::optim::OptimizerParamGroup> one_group(const std::vector<at::Tensor>& params) {
@@ -301,7 +279,7 @@ std::unique_ptr<OffloadedOptimizer::Pending> OffloadedOptimizer::start_load(size
   for (size_t c : buckets_[bucket]) {
     const Chunk& chunk = chunks_[c];
     if (paged_) {  // the values first: the optimizer steps them
-      attach(chunk.view);
+      give_memory(chunk.view);
       reads.emplace_back(chunk.view.data_ptr(),
                          chunk.numel * static_cast<int64_t>(chunk.view.element_size()));
       offsets.push_back(chunk.value_base);
@@ -348,7 +326,7 @@ std::unique_ptr<OffloadedOptimizer::Pending> OffloadedOptimizer::start_evict(siz
       writes.emplace_back(chunk.view.data_ptr(),
                           chunk.numel * static_cast<int64_t>(chunk.view.element_size()));
       offsets.push_back(chunk.value_base);
-      pending->values.push_back(detach_memory(chunk.view));
+      pending->values.push_back(take_memory(chunk.view));
     }
     ParamState state = get_param_state(optimizer, chunk.view);
     if (state.empty()) continue;
@@ -474,7 +452,8 @@ void OffloadedOptimizer::keep_parameters_in_file(std::vector<at::Tensor> rounded
     std::vector<at::Tensor> views;
     for (size_t c : buckets_[b]) {
       Chunk& chunk = chunks_[c];
-      chunk.view = without_memory(chunk.numel, parameter_of(chunk).options().requires_grad(false));
+      chunk.view =
+          tensor_without_memory({chunk.numel}, parameter_of(chunk).options().requires_grad(false));
       views.push_back(chunk.view);
     }
     optimizers_[b] = make_(views);

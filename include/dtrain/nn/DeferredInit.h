@@ -97,6 +97,9 @@ class DeferredInit {
   std::vector<Entry> entries_;
   std::map<std::string, size_t> by_name_;
   Source source_;
+
+  /// A whole parameter's local values: from the source when there is one, else drawn.
+  void values_into(const std::string& name, const at::Tensor& out) const;
 };
 
 /// While alive, parameters made by new_parameter on this thread are placeholders recorded in

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "common/StorageMemory.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/nn/DeferredInit.h"
@@ -150,9 +151,7 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
       }
       shard_params_.narrow(0, unit.base, unit.shard)
           .copy_(unit.full.narrow(0, rank * unit.shard, unit.shard));
-      c10::Storage storage = unit.full.storage();  // from now on its memory comes from pool_
-      storage.set_data_ptr_noswap(at::DataPtr(nullptr, storage.device()));
-      storage.set_nbytes(0);
+      take_memory(unit.full);  // from now on its memory comes from pool_
     }
     // The optimizer's pieces: each parameter's run inside this rank's part of the unit.
     for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
@@ -362,11 +361,8 @@ void ParameterSharder::finalize() {
 }
 
 void ParameterSharder::allocate_gradients() {
-  c10::Storage storage = shard_grad_.storage();
-  if (storage.nbytes() > 0 || shard_grad_.numel() == 0) return;
-  const size_t nbytes = static_cast<size_t>(shard_grad_.numel()) * shard_grad_.element_size();
-  storage.set_data_ptr_noswap(c10::GetAllocator(shard_grad_.device().type())->allocate(nbytes));
-  storage.set_nbytes(nbytes);
+  if (shard_grad_.storage().nbytes() > 0 || shard_grad_.numel() == 0) return;
+  give_memory(shard_grad_);
   shard_grad_.zero_();
 }
 

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <unordered_map>
 
+#include "common/StorageMemory.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/nn/DeferredInit.h"
 #include "dtrain/optim/Offload.h"
@@ -183,11 +184,7 @@ void Zero3Strategy::make_master(bool deferred) {
 
 void Zero3Strategy::prepare_master() {
   if (master_pieces_.empty()) return;
-  if (!master_synced_ && !master_in_file_) {
-    torch::NoGradGuard no_grad;
-    const auto& pieces = sharder_->pieces();
-    for (size_t i = 0; i < pieces.size(); ++i) pieces[i].tensor.copy_(master_pieces_[i]);
-  }
+  if (!master_synced_ && !master_in_file_) round_master_into_shard();
   master_synced_ = true;
   auto* offloaded = dynamic_cast<optim::OffloadedOptimizer*>(optimizer_.get());
   if (master_in_file_ || offloaded == nullptr || offloaded->spec().dir.empty()) return;
@@ -195,21 +192,7 @@ void Zero3Strategy::prepare_master() {
   for (const auto& piece : sharder_->pieces()) rounded.push_back(piece.tensor);
   offloaded->keep_parameters_in_file(std::move(rounded));
   master_in_file_ = true;
-  master_out_of_memory();
-}
-
-void Zero3Strategy::master_to_memory(bool read) {
-  c10::Storage storage = master_flat_.storage();
-  const size_t nbytes = static_cast<size_t>(master_flat_.numel()) * sizeof(float);
-  storage.set_data_ptr_noswap(c10::GetAllocator(master_flat_.device().type())->allocate(nbytes));
-  storage.set_nbytes(nbytes);
-  if (read) dynamic_cast<optim::OffloadedOptimizer&>(*optimizer_).read_parameters();
-}
-
-void Zero3Strategy::master_out_of_memory() {
-  c10::Storage storage = master_flat_.storage();
-  storage.set_data_ptr_noswap(at::DataPtr(nullptr, storage.device()));
-  storage.set_nbytes(0);
+  take_memory(master_flat_);
 }
 
 template <typename Body>
@@ -218,14 +201,21 @@ void Zero3Strategy::with_master_in_memory(bool read, Body&& body) {
     body();
     return;
   }
-  master_to_memory(read);
+  give_memory(master_flat_);
   try {
+    if (read) dynamic_cast<optim::OffloadedOptimizer&>(*optimizer_).read_parameters();
     body();
   } catch (...) {
-    master_out_of_memory();
+    take_memory(master_flat_);
     throw;
   }
-  master_out_of_memory();
+  take_memory(master_flat_);
+}
+
+void Zero3Strategy::round_master_into_shard() {
+  torch::NoGradGuard no_grad;
+  const auto& pieces = sharder_->pieces();
+  for (size_t i = 0; i < pieces.size(); ++i) pieces[i].tensor.copy_(master_pieces_[i]);
 }
 
 StepResult Zero3Strategy::train_step(const std::vector<data::Batch>& micro_batches,
@@ -241,10 +231,7 @@ void Zero3Strategy::apply_update() {
   }
   gradient_holders();  // the master's gradients point at the fp32 shard again
   optimizer_->step();
-  if (master_in_file_) return;  // each bucket's update was rounded into the shard
-  torch::NoGradGuard no_grad;
-  const auto& pieces = sharder_->pieces();
-  for (size_t i = 0; i < pieces.size(); ++i) pieces[i].tensor.copy_(master_pieces_[i]);
+  if (!master_in_file_) round_master_into_shard();  // (in the file: each bucket's was rounded)
 }
 
 at::Tensor Zero3Strategy::evaluate_forward(const at::Tensor& inputs) {

@@ -56,10 +56,10 @@ class Zero3Strategy : public ddp::DdpStrategy {
   /// The bf16 shard from the master (after something wrote the master), and, with the optimizer's
   /// state in a file, the master moved there (at the first step: --init-from writes it first).
   void prepare_master();
-  /// The master's memory given back to it (and the file's values read into it) / freed again.
-  void master_to_memory(bool read);
-  void master_out_of_memory();
-  /// Runs `body` with the master in memory when it lives in the file.
+  /// The bf16 shard takes the master's values, rounded.
+  void round_master_into_shard();
+  /// Runs `body` with the master in memory (read from the file when `read`) when it lives in
+  /// the file, and frees it again after.
   template <typename Body>
   void with_master_in_memory(bool read, Body&& body);
 
