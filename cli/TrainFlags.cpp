@@ -87,6 +87,16 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "Tensor-parallel ranks: each layer's matrices are split over this many ranks (Megatron-"
       "style; --model gpt). With --pipeline-parallel P the world is DP x P x T")
       ->capture_default_str();
+  add(app, "--expert-parallel", t.expert_parallel,
+      "Expert-parallel ranks: a mixture of experts' experts (--moe-experts) are split over this "
+      "many data-parallel ranks, tokens sent to their experts' ranks and back by all-to-all; it "
+      "must divide the data-parallel size and --moe-experts (--strategy ddp)")
+      ->capture_default_str();
+  add(app, "--moe-bias-rate", t.moe_bias_rate,
+      "A mixture of experts' auxiliary-loss-free balancing (DeepSeek-V3's, which used 0.001): "
+      "after each step every MoE layer's expert bias moves by this towards the experts the "
+      "step's tokens (summed over the data-parallel ranks) chose least (0: off)")
+      ->capture_default_str();
   // Each strategy's own flags (Registry.h): --ps, --n-fetch, --schedule, --zero3-..., ...
   dtrain::parallel::declare_strategy_flags(strategy_flags, t.strategy_options);
   add_flags(app, strategy_flags);

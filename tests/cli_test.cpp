@@ -147,6 +147,19 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--moe-aux-loss / --moe-z-loss with --checkpointing 2"},
       {" train --model llama --dataset text --moe-experts 4 --tensor-parallel 2 --nproc 2",
        "--moe-experts with --tensor-parallel or --pipeline-parallel: not built yet"},
+      {" train --model llama --dataset text --moe-bias-rate 0.001",
+       "--moe-bias-rate balances a mixture of experts: it needs --moe-experts"},
+      {" train --model llama --dataset text --moe-experts 4 --moe-bias-rate -1",
+       "--moe-bias-rate must be >= 0, got -1"},
+      {" train --model llama --dataset text --expert-parallel 2 --nproc 2",
+       "--expert-parallel 2 splits a mixture of experts: it needs --model llama --moe-experts E"},
+      {" train --model llama --dataset text --moe-experts 3 --expert-parallel 2 --nproc 2",
+       "--moe-experts (3) must be a multiple of --expert-parallel (2)"},
+      {" train --model llama --dataset text --moe-experts 4 --expert-parallel 4 --nproc 2",
+       "--expert-parallel 4 must divide the data-parallel size 2 (--nproc 2)"},
+      {" train --model llama --dataset text --moe-experts 4 --expert-parallel 2 --nproc 2 "
+       "--strategy zero1",
+       "--expert-parallel is built for --strategy ddp so far, not zero1"},
       {" train --model gpt --dataset text --tensor-parallel 2 --nproc 2 --strategy zero3 "
        "--sequence-parallel",
        "use --strategy ddp, zero1 or zero2, not zero3"},
@@ -1001,6 +1014,42 @@ TEST(Cli, EverySubcommandReadsAConfigFile) {
 // A Llama with experts (issue 81's first part) from the command line: two ranks under zero3
 // train it (the validation loss falls), its checkpoint rebuilds it for `dtrain generate`, and
 // Hugging Face's names, which it does not have yet, are refused by name.
+// --expert-parallel: the experts split over the two ranks train a llama that learns, its
+// checkpoint (one file per expert rank) resumes without expert parallelism and generates.
+TEST(Cli, ExpertsSplitOverRanksTrainResumeAndGenerate) {
+  using namespace dtrain::test::cli;
+  dtrain::test::TempDir dir;
+  const std::string common =
+      " train --model llama --dataset text --layers 2 --width 32 --heads 4 --context 32 "
+      "--moe-experts 4 --moe-first-dense 1 --warmup-steps 0 --eval-every 15 --nproc 2 "
+      "--threads 1 --no-progress --checkpoint-dir " +
+      (dir / "ckpt") + " --metrics " + (dir / "m.jsonl");
+  auto out = run(kDtrain + common + " --max-steps 30 --expert-parallel 2 --moe-bias-rate 0.01");
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "2 ranks, ddp, experts over 2 ranks)")) << out.text;
+  std::vector<double> validation, imbalance;
+  std::ifstream metrics(dir / "m.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.value("event", "") == "eval") validation.push_back(record["val_loss"].get<double>());
+    if (record.value("event", "") == "step") {
+      imbalance.push_back(record.at("moe_imbalance.blocks.1").get<double>());
+      EXPECT_EQ(record.at("moe_dropped").get<double>(), 0.0);  // dropless
+    }
+  }
+  ASSERT_GE(imbalance.size(), 3u) << out.text;  // a step record every 10 steps
+  EXPECT_GE(*std::min_element(imbalance.begin(), imbalance.end()), 1.0);
+  ASSERT_GE(validation.size(), 2u) << out.text;
+  EXPECT_LT(validation.back(), validation.front());
+  out = run(kDtrain + common + " --max-steps 35");
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "resumed from step 30")) << out.text;
+  out = run(kDtrain + " generate --checkpoint " + (dir / "ckpt") +
+            " --prompt 'The cat' --tokens 10 --seed 3");
+  EXPECT_EQ(out.code, 0) << out.text;
+  EXPECT_EQ(out.text.rfind("The cat", 0), 0u) << out.text;
+}
+
 TEST(Cli, AMixtureOfExpertsLlamaTrainsCheckpointsAndGenerates) {
   using namespace dtrain::test::cli;
   dtrain::test::TempDir dir;

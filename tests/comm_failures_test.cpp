@@ -78,6 +78,29 @@ TEST(Comm, MismatchedCollectivesAreNamed) {
   EXPECT_NE(timed_out.find("the collective check before allreduce(sum, 4 x Float)"),
             std::string::npos)
       << timed_out;
+  // An all-to-all whose counts disagree: each rank names who sends what against what it expects.
+  {
+    std::array<std::string, 2> errors;
+    run_ranks(2, [&](const CommunicatorPtr& comm) {
+      comm::AllToAllOptions options;
+      options.send_counts = {1, comm->rank() == 0 ? 3 : 1};
+      options.recv_counts = {1, 1};
+      if (comm->rank() == 1) options.recv_counts = {2, 1};
+      const int64_t in = options.send_counts[0] + options.send_counts[1];
+      const int64_t out = options.recv_counts[0] + options.recv_counts[1];
+      try {
+        comm->all_to_all(torch::empty({out}), torch::ones({in}), options)->wait();
+      } catch (const CommError& e) {
+        errors[comm->rank()] = e.what();
+      }
+    });
+    for (const auto& error : errors) {
+      EXPECT_NE(error.find("all_to_all counts differ on group 'world'"), std::string::npos)
+          << error;
+      EXPECT_NE(error.find("rank 0 sends 3 elements, rank 1 expects 2"), std::string::npos)
+          << error;
+    }
+  }
   // Matching collectives: the same results.
   run_ranks(3, [](const CommunicatorPtr& comm) {
     auto t = torch::full({5}, static_cast<float>(comm->rank()));

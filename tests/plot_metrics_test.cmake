@@ -49,4 +49,15 @@ if(NOT rc EQUAL 0 OR NOT out MATCHES "validation loss \\(nats/token\\)" OR
    NOT out MATCHES "steps 10-20 \\(resumed from step 10\\)")
   message(FATAL_ERROR "a language model's resumed run was not drawn as one (${rc}): ${out} ${err}")
 endif()
-message(STATUS "PlotMetrics: 4 checks passed")
+# A mixture of experts: a third panel of each layer's max / mean expert load.
+file(WRITE ${WORK}/moe.jsonl
+"{\"event\":\"step\",\"step\":1,\"loss\":4.1,\"lr\":0.01,\"moe_imbalance\":2.5,\"moe_imbalance.blocks.1\":2.5,\"moe_imbalance.blocks.2\":1.9,\"moe_dropped\":0.1}
+{\"event\":\"step\",\"step\":2,\"loss\":3.9,\"lr\":0.01,\"moe_imbalance\":1.4,\"moe_imbalance.blocks.1\":1.4,\"moe_imbalance.blocks.2\":1.2,\"moe_dropped\":0.02}
+{\"event\":\"eval\",\"step\":2,\"val_loss\":3.8,\"val_accuracy\":0.2,\"val_bits_per_token\":5.5}
+")
+execute_process(COMMAND ${SCRIPT} ${WORK}/moe.jsonl -o ${WORK}/moe.png RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT out MATCHES "expert load max / mean of 2 layers")
+  message(FATAL_ERROR "a mixture of experts' loads were not drawn (${rc}): ${out} ${err}")
+endif()
+message(STATUS "PlotMetrics: 5 checks passed")

@@ -193,9 +193,10 @@ int64_t ring_wire_bytes(const std::string& op, int64_t bytes, int ranks) {
   return op == "allreduce" ? 2 * share : share;
 }
 
-void Communicator::count_collective(const char* op, int64_t elements, int64_t element_size) {
+void Communicator::count_collective(const char* op, int64_t elements, int64_t element_size,
+                                    int64_t wire_bytes) {
   const int64_t bytes = elements * element_size;
-  const int64_t wire = ring_wire_bytes(op, bytes, size_);
+  const int64_t wire = wire_bytes >= 0 ? wire_bytes : ring_wire_bytes(op, bytes, size_);
   *wire_family_ += wire;
   std::lock_guard<std::mutex> lock(tally_mutex_);
   Tally& entry = tally_[op];
@@ -419,15 +420,20 @@ void Communicator::ring_allgather(const at::Tensor& output, const at::Tensor& in
   if (!output.is_contiguous()) output.copy_(flat.view(output.sizes()));
 }
 
+void Communicator::check_gather(const at::Tensor& output, const at::Tensor& input,
+                                std::vector<int64_t> counts, const std::string& label) {
+  const int64_t sequence = next_sequence();
+  run_async(describe(label), timeout_, [=, this] {
+    ring_allgather(output, input, counts, sequence, timeout_, label);
+  })->wait();
+}
+
 void Communicator::check_matching(const std::string& what) {
   if (!check_collectives_ || size_ <= 1) return;
   const int64_t index = checked_++;
   const std::string label = concat("the collective check before ", what);
   auto gather = [&](const at::Tensor& out, const at::Tensor& in, std::vector<int64_t> counts) {
-    const int64_t sequence = next_sequence();
-    run_async(describe(label), timeout_, [=, this] {
-      ring_allgather(out, in, counts, sequence, timeout_, label);
-    })->wait();
+    check_gather(out, in, std::move(counts), label);
   };
   const at::Tensor mine = at::tensor({index, static_cast<int64_t>(fnv1a(what))}, at::kLong);
   const at::Tensor all = at::empty({2 * size_}, at::kLong);
@@ -537,6 +543,126 @@ WorkPtr Communicator::ring_allreduce(at::Tensor tensor, ReduceOp op, Millisecond
                    /*step_base=*/size_);
     if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
   });
+}
+
+Communicator::AllToAllCounts Communicator::prepare_all_to_all(const at::Tensor& output,
+                                                              const at::Tensor& input,
+                                                              const AllToAllOptions& options,
+                                                              const std::string& what) {
+  auto resolve_counts = [&](std::vector<int64_t> counts, const at::Tensor& t, const char* side) {
+    if (counts.empty()) {
+      DTRAIN_CHECK(t.numel() % size_ == 0, describe(what), ": ", side, " of ", t.numel(),
+                   " elements does not split evenly over ", size_, " ranks; pass options.", side,
+                   "_counts");
+      counts.assign(size_, t.numel() / size_);
+    }
+    DTRAIN_CHECK(static_cast<int>(counts.size()) == size_, describe(what), ": ", side,
+                 "_counts has ", counts.size(), " entries for ", size_, " ranks");
+    for (int64_t c : counts) {
+      DTRAIN_CHECK(c >= 0, describe(what), ": ", side, "_counts holds ", c);
+    }
+    DTRAIN_CHECK(t.numel() == offsets_of(counts).back(), describe(what), ": ", side, " has ",
+                 t.numel(), " elements but ", side, "_counts add up to ",
+                 offsets_of(counts).back());
+    return counts;
+  };
+  AllToAllCounts counts{resolve_counts(options.send_counts, input, "send"),
+                        resolve_counts(options.recv_counts, output, "recv")};
+  DTRAIN_CHECK(output.scalar_type() == input.scalar_type(), describe(what), ": output dtype ",
+               output.scalar_type(), " != input dtype ", input.scalar_type());
+  DTRAIN_CHECK(counts.send[rank_] == counts.recv[rank_], describe(what), ": sends ",
+               counts.send[rank_], " elements to itself but receives ", counts.recv[rank_]);
+  check_matching(what);
+  if (check_collectives_ && size_ > 1) {
+    // Every rank's sends and receives, so that all see any pair that disagrees (and all stop).
+    std::vector<int64_t> both = counts.send;
+    both.insert(both.end(), counts.recv.begin(), counts.recv.end());
+    const at::Tensor mine = at::tensor(both, at::kLong);
+    const at::Tensor all = at::empty({2 * size_ * size_}, at::kLong);
+    check_gather(all, mine, std::vector<int64_t>(size_, 2 * size_),
+                 concat("the collective check before ", what));
+    const int64_t* seen = all.data_ptr<int64_t>();
+    std::string differ;
+    for (int from = 0; from < size_; ++from) {
+      for (int to = 0; to < size_; ++to) {
+        const int64_t sends = seen[from * 2 * size_ + to];
+        const int64_t expects = seen[to * 2 * size_ + size_ + from];
+        if (sends != expects) {
+          differ += concat(differ.empty() ? "" : "; ", "rank ", from, " sends ", sends,
+                           " elements, rank ", to, " expects ", expects);
+        }
+      }
+    }
+    DTRAIN_CHECK_T(CommError, differ.empty(), "all_to_all counts differ on group '", name_,
+                   "' (DTRAIN_CHECK_COLLECTIVES): ", differ);
+  }
+  if (size_ > 1) {
+    count_collective("all_to_all", input.numel(), input.element_size(),
+                     (input.numel() - counts.send[rank_]) * input.element_size());
+  }
+  return counts;
+}
+
+WorkPtr Communicator::all_to_all(at::Tensor output, at::Tensor input,
+                                 const AllToAllOptions& options) {
+  const std::string what = concat("all_to_all(", input.scalar_type(), ")");
+  const AllToAllCounts counts = prepare_all_to_all(output, input, options, what);
+  const auto timeout = resolve(options.timeout);
+  const int64_t sequence = next_sequence();
+  // Detached: the op thread must never hold the last reference to an autograd graph.
+  return run_async(
+      describe(what), timeout, [=, input = input.detach(), output = output.detach(), this] {
+        const at::Tensor in = input.reshape({-1}).contiguous();
+        at::Tensor out = output.is_contiguous() ? output.view({-1})
+                                                : at::empty({output.numel()}, output.options());
+        const auto send_at = offsets_of(counts.send), recv_at = offsets_of(counts.recv);
+        out.narrow(0, recv_at[rank_], counts.recv[rank_])
+            .copy_(in.narrow(0, send_at[rank_], counts.send[rank_]));
+        const int64_t span = INT_MAX - kMaxUserTag;
+        const int tag = kMaxUserTag + static_cast<int>((sequence * 2 * size_) % span);
+        // Every receive and send posted at once, the s-th peer up and down the ring in turn.
+        std::vector<std::pair<WorkPtr, int>> receives, sends;
+        auto fail = [&](const char* direction, int peer, const std::exception& e) {
+          DTRAIN_THROW(CommError, describe(what), ": ", direction, " rank ", peer, " (world rank ",
+                       global_ranks_[peer], ") failed: ", e.what());
+        };
+        for (int s = 1; s < size_; ++s) {
+          const int from = (rank_ - s + size_) % size_, to = (rank_ + s) % size_;
+          try {
+            if (counts.recv[from] > 0) {
+              receives.emplace_back(
+                  recv_tagged(out.narrow(0, recv_at[from], counts.recv[from]), from, tag, timeout),
+                  from);
+            }
+          } catch (const std::exception& e) {
+            fail("receiving from", from, e);
+          }
+          try {
+            if (counts.send[to] > 0) {
+              sends.emplace_back(
+                  send_tagged(in.narrow(0, send_at[to], counts.send[to]), to, tag, timeout), to);
+              count_sent(counts.send[to] * in.element_size());
+            }
+          } catch (const std::exception& e) {
+            fail("sending to", to, e);
+          }
+        }
+        for (auto& [work, peer] : receives) {
+          try {
+            work->wait(timeout);
+          } catch (const std::exception& e) {
+            fail("receiving from", peer, e);
+          }
+        }
+        for (auto& [work, peer] : sends) {
+          try {
+            work->wait(timeout);
+          } catch (const std::exception& e) {
+            fail("sending to", peer, e);
+          }
+        }
+        if (!output.is_contiguous()) output.copy_(out.view(output.sizes()));
+      });
 }
 
 WorkPtr Communicator::send(at::Tensor tensor, int dst, const P2POptions& options) {

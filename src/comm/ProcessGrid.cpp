@@ -168,4 +168,35 @@ int ProcessGrid::next_stage_world_rank() const {
   return world_rank_of({coordinates_.dp, coordinates_.pp + 1, coordinates_.tp});
 }
 
+void ProcessGrid::split_experts(int ranks) {
+  if (ranks == 1) return;
+  DTRAIN_CHECK_INPUT(ranks >= 1 && dp_size_ % ranks == 0, "--expert-parallel ", ranks,
+                     " must divide the data-parallel size ", dp_size_);
+  DTRAIN_CHECK_INPUT(!replicated_stages(), "--expert-parallel with --stage-replicas: not built");
+  const int groups = dp_size_ / ranks;
+  auto make = [&](const std::vector<int>& members, const std::string& name) {
+    return static_cast<int>(members.size()) == world_->size() ? world_
+                                                              : world_->new_group(members, name);
+  };
+  for (int pp = 0; pp < pp_size_; ++pp) {
+    for (int tp = 0; tp < tp_size_; ++tp) {
+      for (int g = 0; g < groups; ++g) {
+        std::vector<int> members;
+        for (int e = 0; e < ranks; ++e) members.push_back(world_rank_of({g * ranks + e, pp, tp}));
+        if (auto group = make(members, concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "]"))) {
+          ep_ = group;
+        }
+      }
+      for (int e = 0; e < ranks; ++e) {
+        std::vector<int> members;
+        for (int g = 0; g < groups; ++g) members.push_back(world_rank_of({g * ranks + e, pp, tp}));
+        if (auto group = make(members, concat("edp[pp=", pp, ",tp=", tp, ",e=", e, "]"))) {
+          edp_ = group;
+        }
+      }
+    }
+  }
+  DTRAIN_CHECK(ep_ && edp_, "ProcessGrid: rank ", world_->rank(), " has no expert groups");
+}
+
 }  // namespace dtrain::comm

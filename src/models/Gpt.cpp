@@ -44,6 +44,7 @@ dtrain::nn::MoeOptions moe_options(const GptConfig& c) {
 
 struct Shared {
   comm::CommunicatorPtr group;  // the tensor-parallel group (null: serial)
+  comm::CommunicatorPtr experts;  // the expert-parallel group (null: every expert here)
   std::shared_ptr<tp::RngTracker> rng;
   double dropout = 0.0;
   // Sequence parallelism: outside attention and the MLP, activations are [b, t / T, h], each
@@ -226,7 +227,7 @@ struct GptBlockImpl : torch::nn::Module {
                                 .init_std(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)))
                                 .sequence_parallel(shared_.sequence_parallel),
                             shared_.group)),
-        moe(moe_block ? dtrain::nn::Moe(moe_options(c)) : nullptr),
+        moe(moe_block ? dtrain::nn::Moe(moe_options(c), shared_.experts) : nullptr),
         shared(std::move(shared_)) {
     register_module("ln1", ln1);
     if (separate) {
@@ -535,9 +536,18 @@ int64_t ffn_width_of(const GptConfig& c) {
   return (8 * c.width / 3 + 63) / 64 * 64;
 }
 
-Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, bool deferred) {
+Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, bool deferred,
+               comm::CommunicatorPtr expert_parallel) {
   validate(config);
   Shared shared;
+  if (expert_parallel && expert_parallel->size() > 1) {
+    DTRAIN_CHECK_INPUT(config.moe_experts > 0, "--expert-parallel ", expert_parallel->size(),
+                       " splits a mixture of experts: give the model --moe-experts");
+    DTRAIN_CHECK_INPUT(config.moe_experts % expert_parallel->size() == 0, "--moe-experts (",
+                       config.moe_experts, ") must be a multiple of --expert-parallel (",
+                       expert_parallel->size(), ")");
+    shared.experts = expert_parallel;
+  }
   shared.group = tensor_parallel && tensor_parallel->size() > 1 ? tensor_parallel : nullptr;
   shared.dropout = config.dropout;
   shared.sequence_parallel = config.sequence_parallel && shared.group;

@@ -328,7 +328,7 @@ Model build_torchvision_resnet(const ModelSpec& spec) {
 Model build_gpt(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
   GptConfig config = decoder_config(spec);
   config.checkpointing = spec.checkpointing;
-  return make_gpt(config, tensor_parallel, spec.deferred);
+  return make_gpt(config, tensor_parallel, spec.deferred, spec.expert_parallel);
 }
 
 // The flags of the built-in models: the MLP's widths, the decoder's shape (what `dtrain train`
@@ -474,6 +474,11 @@ Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_para
                      "--model ", spec.name, " has no tensor-parallel layers; --tensor-parallel ",
                      tensor_parallel ? tensor_parallel->size() : 1,
                      " needs --model gpt (or a model built from nn/tensor/Layers.h)");
+  DTRAIN_CHECK_INPUT(
+      info.language_model || !spec.expert_parallel || spec.expert_parallel->size() == 1, "--model ",
+      spec.name,
+      " has no experts; --expert-parallel needs --model llama "
+      "with --moe-experts");
   DTRAIN_CHECK_INPUT(info.language_model || spec.classes >= 2,
                      "model needs at least 2 classes, got ", spec.classes);
   return info.build(spec, tensor_parallel);

@@ -150,6 +150,29 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
   DTRAIN_CHECK_INPUT(layout.tensor_parallel >= 1, "--tensor-parallel must be >= 1, got ",
                      layout.tensor_parallel);
   if (named.check_layout) named.check_layout(options, layout);
+  DTRAIN_CHECK_INPUT(layout.expert_parallel >= 1, "--expert-parallel must be >= 1, got ",
+                     layout.expert_parallel);
+  if (layout.expert_parallel > 1) {
+    std::vector<std::string> splitting;
+    for (const auto& info : strategies()) {
+      if (info.expert_parallel) splitting.push_back(info.name);
+    }
+    DTRAIN_CHECK_INPUT(named.expert_parallel, "--expert-parallel is built for --strategy ",
+                       joined(splitting, " or "), " so far, not ", named.name);
+    DTRAIN_CHECK_INPUT(layout.pipeline_parallel == 1 && layout.tensor_parallel == 1,
+                       "--expert-parallel with --pipeline-parallel or --tensor-parallel: not "
+                       "built yet");
+    DTRAIN_CHECK_INPUT(!options.of<ft::FaultToleranceOptions>().replicas(),
+                       "--expert-parallel with --fault-tolerance replicas: not built (a "
+                       "replacement replica would have to take its experts from its expert "
+                       "data-parallel group)");
+    DTRAIN_CHECK_INPUT(!layout.defer_eval,
+                       "--defer-eval evaluates on rank 0 alone: with --expert-parallel every "
+                       "rank of an expert group takes part in each forward");
+    DTRAIN_CHECK_INPUT(options.precision != "bf16-master",
+                       "--expert-parallel with --precision bf16-master: not built yet (use "
+                       "bf16-mixed)");
+  }
   if (options.of<ft::FaultToleranceOptions>().replicas() && !named.fault_tolerant) {
     std::vector<std::string> tolerant;
     for (const auto& info : strategies()) {

@@ -221,6 +221,20 @@ void validate_job(const RunPlan& plan) {
                        " x --pipeline-parallel ", job.trainer.pipeline_parallel,
                        " (ranks = data-parallel x pipeline x tensor-parallel)");
   }
+  DTRAIN_CHECK_INPUT(job.trainer.moe_bias_rate == 0 || job.model.gpt.moe_experts > 0,
+                     "--moe-bias-rate balances a mixture of experts: it needs --moe-experts");
+  const int ep = job.trainer.expert_parallel;
+  DTRAIN_CHECK_INPUT(ep >= 1, "--expert-parallel must be >= 1, got ", ep);
+  if (ep > 1) {
+    DTRAIN_CHECK_INPUT(model.language_model && job.model.gpt.moe_experts > 0, "--expert-parallel ",
+                       ep, " splits a mixture of experts: it needs --model llama --moe-experts E");
+    DTRAIN_CHECK_INPUT(job.model.gpt.moe_experts % ep == 0, "--moe-experts (",
+                       job.model.gpt.moe_experts, ") must be a multiple of --expert-parallel (", ep,
+                       ")");
+    DTRAIN_CHECK_INPUT(plan.data_parallel % ep == 0, "--expert-parallel ", ep,
+                       " must divide the data-parallel size ", plan.data_parallel, " (--nproc ",
+                       job.nproc, ")");
+  }
   DTRAIN_CHECK_INPUT(job.threads >= 0, "--threads must be >= 1, got ", job.threads);
   DTRAIN_CHECK_INPUT(job.comm_timeout_ms > 0, "--comm-timeout must be > 0");
   for (auto width : job.model.hidden)
@@ -310,6 +324,7 @@ JobResult run_job(const JobConfig& job) {
   // rank its stages; the Trainer gives the others the whole model). The strategy that runs: the
   // pipeline where --pipeline-parallel wraps --strategy.
   spec.deferred = parallel::strategy_info(trainer.options().strategy).draws_deferred;
+  spec.expert_parallel = trainer.grid()->ep();
   Model model = models::make_model(spec, trainer.grid()->tp());
   if (!safetensors_init.empty()) {
     const std::string origin = "--init-from " + safetensors_init;
@@ -384,6 +399,9 @@ std::string summary(const JobConfig& job, const JobResult& result) {
              job.trainer.strategy,
              job.trainer.tensor_parallel > 1
                  ? concat(" x tensor-parallel ", job.trainer.tensor_parallel)
+                 : std::string(),
+             job.trainer.expert_parallel > 1
+                 ? concat(", experts over ", job.trainer.expert_parallel, " ranks")
                  : std::string())
           .c_str(),
       took.c_str(), fit.samples_per_second,

@@ -71,6 +71,7 @@ parallel::Layout layout_of(const TrainerOptions& options, int64_t data_parallel)
   layout.strategy = options.strategy;
   layout.pipeline_parallel = options.pipeline_parallel;
   layout.tensor_parallel = options.tensor_parallel;
+  layout.expert_parallel = options.expert_parallel;
   layout.stage_replicas = options.stage_replicas;
   layout.defer_eval = options.defer_eval;
   layout.micro_batches = plan_batches(options, data_parallel).micro_batches;
@@ -118,6 +119,9 @@ std::string RunPlan::describe() const {
   if (l.tensor_parallel > 1) {
     text += concat(" x tensor-parallel ", l.tensor_parallel,
                    l.sequence_parallel ? " (sequence parallel)" : "");
+  }
+  if (l.expert_parallel > 1) {
+    text += concat(" (experts split over ", l.expert_parallel, " of them)");
   }
   text += concat("\n# batches: ", batches.micro_batch, " examples a micro-batch x ",
                  batches.micro_batches, " micro-batches a step = ", batches.local_step_batch(),

@@ -40,6 +40,8 @@ void validate(const TrainerOptions& o) {
   DTRAIN_CHECK_INPUT(o.accumulation_steps >= 1, "accumulation steps must be >= 1, got ",
                      o.accumulation_steps);
   DTRAIN_CHECK_INPUT(o.global_batch >= 0, "global batch must be >= 0, got ", o.global_batch);
+  DTRAIN_CHECK_INPUT(o.moe_bias_rate >= 0 && std::isfinite(o.moe_bias_rate),
+                     "--moe-bias-rate must be >= 0, got ", o.moe_bias_rate);
   DTRAIN_CHECK_INPUT(o.global_batch == 0 || o.accumulation_steps == 1,
                      "give the global batch or the accumulation steps, not both (the global "
                      "batch sets the accumulation steps)");
@@ -110,6 +112,7 @@ Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
                                                     options_.stage_replicas);
   options_.strategy = parallel::resolve_strategy(layout_of(options_, grid_->data_parallel_size()),
                                                  options_.strategy_options);
+  grid_->split_experts(options_.expert_parallel);
   loop_ = parallel::strategy_info(options_.strategy).loop;
   // "cuda" becomes this rank's device (LOCAL_RANK under a launcher, as torchrun has it).
   const char* local_rank = std::getenv("LOCAL_RANK");
@@ -380,6 +383,16 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   run.result.global_batch = global_batch;
   run.result.learning_rate = spec.lr;
   run.evaluate = [&](bool alone) { return evaluate_on(*validation, alone); };
+  // A mixture of experts: its step's loads summed over the data-parallel ranks (synchronous
+  // loops whose groups outlive no failure; else each rank's own), metrics and the bias.
+  const bool steps_together =
+      loop_ == parallel::Loop::kSteps && !strategy_->survives_replica_failures();
+  DTRAIN_CHECK_INPUT(options_.moe_bias_rate <= 0 || steps_together,
+                     "--moe-bias-rate moves every rank's bias by the step's load summed over the "
+                     "data-parallel ranks: it needs a strategy whose ranks step together (not ",
+                     options_.strategy, ")");
+  run.experts = ExpertBalance::find(*strategy_->model().module,
+                                    steps_together ? grid_->dp() : nullptr, options_.moe_bias_rate);
   checkpoints.on_written = [&](int64_t step, double seconds) {
     if (run.leader) {
       run.metrics.write(

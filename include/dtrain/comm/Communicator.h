@@ -86,6 +86,12 @@ class Communicator {
   /// algorithm: each rank sends (size-1)/size of the input, as a ring reduce-scatter does).
   virtual WorkPtr reduce_scatter(at::Tensor output, at::Tensor input,
                                  const ReduceScatterOptions& options = {});
+  /// Every rank sends a part of `input` to every rank and receives one from each into `output`
+  /// (AllToAllOptions; the expert dispatch of a mixture of experts). Each rank posts all its
+  /// sends and receives at once (the pairwise exchange of gloo's alltoallv), so each sends
+  /// exactly what leaves it.
+  virtual WorkPtr all_to_all(at::Tensor output, at::Tensor input,
+                             const AllToAllOptions& options = {});
   virtual WorkPtr send(at::Tensor tensor, int dst, const P2POptions& options = {});
   virtual WorkPtr recv(at::Tensor tensor, int src, const P2POptions& options = {});
   virtual WorkPtr barrier(const BarrierOptions& options = {}) = 0;
@@ -119,14 +125,15 @@ class Communicator {
   int64_t wire_bytes() const { return wire_family_->load(); }
 
   /// Collectives this rank issued on this group of more than one rank, by op ("allreduce",
-  /// "broadcast", "allgather", "reduce_scatter"): how many, and their elements (the tensor's
-  /// for allreduce and broadcast, the gathered output's or the scattered input's for the
-  /// others). For tests and reports of what a strategy communicates.
+  /// "broadcast", "allgather", "reduce_scatter", "all_to_all"): how many, and their elements
+  /// (the tensor's for allreduce and broadcast, the gathered output's or the scattered input's,
+  /// the input's for all_to_all). For tests and reports of what a strategy communicates.
   struct Tally {
     int64_t count = 0;
     int64_t elements = 0;
     /// Those elements' bytes, and what a bandwidth-optimal (ring) algorithm sends of them from
-    /// each rank: 2 (n-1)/n of the bytes for allreduce, (n-1)/n for the others.
+    /// each rank: 2 (n-1)/n of the bytes for allreduce, (n-1)/n for the others; for all_to_all
+    /// the bytes sent to the other ranks.
     int64_t bytes = 0;
     int64_t wire_bytes = 0;
   };
@@ -167,6 +174,9 @@ class Communicator {
   /// others in this check: its timeout names the op and the ranks that did not arrive. A no-op
   /// without the variable. Backends call it first in each collective of more than one rank.
   void check_matching(const std::string& op_and_args);
+  /// The check's own allgather (a ring over point-to-point), waited for.
+  void check_gather(const at::Tensor& output, const at::Tensor& input, std::vector<int64_t> counts,
+                    const std::string& label);
 
   Milliseconds resolve(Milliseconds timeout) const;
   /// "allreduce(sum, 4 x Float) on group 'world' (world ranks [0,1]) at rank 0".
@@ -177,7 +187,17 @@ class Communicator {
   void share_wire_count(const Communicator& parent) { wire_family_ = parent.wire_family_; }
   /// Counts a collective of `elements` x `element_size` bytes in the tally and in
   /// wire_bytes().
-  void count_collective(const char* op, int64_t elements, int64_t element_size);
+  /// `wire_bytes` >= 0: what leaves this rank, where ring_wire_bytes does not say (all_to_all).
+  void count_collective(const char* op, int64_t elements, int64_t element_size,
+                        int64_t wire_bytes = -1);
+  /// The checks and counts of an all_to_all, before the backend starts it: the counts resolved
+  /// (even shares where empty), checked against the tensors, matched across ranks under
+  /// DTRAIN_CHECK_COLLECTIVES (each rank's sends against its peers' receives), tallied.
+  struct AllToAllCounts {
+    std::vector<int64_t> send, recv;
+  };
+  AllToAllCounts prepare_all_to_all(const at::Tensor& output, const at::Tensor& input,
+                                    const AllToAllOptions& options, const std::string& what);
 
  private:
   void op_thread_main();

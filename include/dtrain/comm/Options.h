@@ -39,6 +39,17 @@ struct ReduceScatterOptions {
   bool input_is_scratch = false;
 };
 
+/// All-to-all of one flat input into one flat output with variable splits (MPI_Alltoallv, torch's
+/// all_to_all_single): the input holds send_counts[j] elements for rank j, in rank order; the
+/// output receives recv_counts[i] elements from rank i, in rank order. Empty counts: equal shares
+/// of the input (output) over the ranks. Rank i's send_counts[j] must equal rank j's
+/// recv_counts[i] (checked by name under DTRAIN_CHECK_COLLECTIVES).
+struct AllToAllOptions {
+  std::vector<int64_t> send_counts;
+  std::vector<int64_t> recv_counts;
+  std::chrono::milliseconds timeout{0};
+};
+
 /// Point-to-point. User tags must be in [0, kMaxUserTag).
 struct P2POptions {
   int tag = 0;

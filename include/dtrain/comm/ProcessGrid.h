@@ -44,6 +44,19 @@ class ProcessGrid {
   const CommunicatorPtr& pp() const { return pp_; }
   const CommunicatorPtr& tp() const { return tp_; }
 
+  /// Collective over the world: expert parallelism over `ranks` data-parallel ranks (a mixture
+  /// of experts' experts split over them, issue 81). The data-parallel group is cut into expert
+  /// groups of `ranks` consecutive dp coordinates (ep()) and, across them, the expert
+  /// data-parallel groups of the ranks holding the same experts (edp(): torchtitan's mesh rule,
+  /// dp = edp x ep). InputError when `ranks` does not divide the data-parallel size.
+  void split_experts(int ranks);
+  /// The expert-parallel group (this rank's; size 1 without split_experts) and the expert
+  /// data-parallel group (the dp group without split_experts).
+  const CommunicatorPtr& ep() const { return ep_; }
+  const CommunicatorPtr& edp() const { return edp_ ? edp_ : dp_; }
+  int ep_size() const { return ep_ ? ep_->size() : 1; }
+  int ep_rank() const { return ep_ ? ep_->rank() : 0; }
+
   int dp_size() const { return dp_size_; }
   /// How many shares the data is cut into, and this rank's share (the data sampler's view):
   /// dp_size() and the dp coordinate, or 1 and 0 when stages are replicated.
@@ -80,6 +93,8 @@ class ProcessGrid {
   CommunicatorPtr dp_;
   CommunicatorPtr pp_;
   CommunicatorPtr tp_;
+  CommunicatorPtr ep_;
+  CommunicatorPtr edp_;
 };
 
 }  // namespace dtrain::comm

@@ -100,8 +100,9 @@ int64_t ffn_width_of(const GptConfig& config);
 /// serial one built from the same seed. `deferred`: the parameters are placeholders without
 /// memory and Model::deferred draws them, for a strategy that keeps only part of each (zero3).
 /// Dropout draws from the model's own generators (nn/tensor/Random.h), seeded from the global one.
+/// `expert_parallel` (ProcessGrid::ep()): the MoE blocks' experts split over it (nn/Moe.h).
 Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel = nullptr,
-               bool deferred = false);
+               bool deferred = false, comm::CommunicatorPtr expert_parallel = nullptr);
 
 /// The sizes as JSON (what a checkpoint records), and back (InputError naming a missing or bad
 /// field, with `origin`).

@@ -36,6 +36,9 @@ struct ModelSpec {
   /// Build placeholders for the strategy to draw (Model::deferred), where the builder can (the
   /// decoder's); a builder that cannot builds the model whole.
   bool deferred = false;
+  /// The group a mixture of experts' experts are split over (ProcessGrid::ep(); null or one
+  /// rank: none). Only the decoder has experts: InputError for the others.
+  comm::CommunicatorPtr expert_parallel;
 };
 
 /// Builds the named model with freshly initialized parameters (uses the global torch RNG),

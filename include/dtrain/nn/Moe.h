@@ -14,9 +14,15 @@
 // update_bias() moves it after a step from the loads the step saw (not in forward: activation
 // checkpointing recomputes forward and must route the same tokens the same way).
 //
-// The experts' weights are stacked ([E, ...]) so that expert parallelism can split them along
-// their first dimension. Built inside an nn::InitScope (its parameters are placeholders drawn by
-// name, nn/DeferredInit.h).
+// The experts' weights are stacked ([E, ...]). Expert parallelism splits them along their first
+// dimension over a group of P ranks (GShard, DeepSeek-V3, torchtitan): rank p holds experts
+// [p E/P, (p + 1) E/P). Each rank routes its own tokens, sends each assignment's row to the rank
+// of its expert by an all-to-all with variable splits, computes its experts on the rows it
+// received (an expert's rows from every rank, in rank order), and the results come back by the
+// reverse all-to-all to be weighted and summed at their tokens. A capacity then bounds what each
+// rank sends to an expert (from its own tokens, as Megatron-Core drops). Built inside an
+// nn::InitScope (its parameters are placeholders drawn by name, nn/DeferredInit.h), so a rank
+// draws only its experts and they equal one process's.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,6 +32,9 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "dtrain/comm/Communicator.h"
+#include "dtrain/nn/tensor/Split.h"
 
 namespace dtrain::nn {
 
@@ -63,19 +72,43 @@ struct MoeStats {
   double imbalance() const;
 };
 
-class MoeImpl : public torch::nn::Module {
+/// Max / mean of per-expert loads (1 = balanced; 1 when none).
+double load_imbalance(const std::vector<int64_t>& load);
+
+/// What the training forwards routed since the last MoeImpl::take_step_counts(): loads and drops
+/// summed over them (a step's micro-batches), and the sum of their auxiliary losses' values.
+struct MoeStepCounts {
+  std::vector<int64_t> load;
+  int64_t dropped = 0;
+  int64_t tokens = 0;
+  int64_t forwards = 0;
+  double aux_loss = 0.0;
+};
+
+class MoeImpl : public torch::nn::Module, public tensor::TensorParallelModule {
  public:
-  explicit MoeImpl(MoeOptions options);
+  /// `expert_parallel`: the group the experts are split over (null or one rank: all here).
+  explicit MoeImpl(MoeOptions options, comm::CommunicatorPtr expert_parallel = nullptr);
   /// [..., width] -> [..., width].
   at::Tensor forward(const at::Tensor& input);
   const MoeStats& stats() const { return stats_; }
+  /// The counts of the forwards run with autograd on since the last call (a step's micro-batches;
+  /// not evaluation, nor whole-block checkpointing's first forward, which runs again), and zero
+  /// them.
+  MoeStepCounts take_step_counts();
   /// DeepSeek-V3's auxiliary-loss-free balancing: bias_e += rate x sign(mean load - load_e), from
   /// `load` (per expert: the last forward's, or a step's summed over micro-batches and ranks).
   void update_bias(const std::vector<int64_t>& load, double rate);
+  /// The experts this rank holds: [first_expert(), first_expert() + local_experts()).
+  int64_t local_experts() const { return options.experts / expert_ranks_; }
+  int64_t first_expert() const { return local_experts() * expert_rank_; }
+  const comm::CommunicatorPtr& expert_parallel() const { return expert_parallel_; }
+  /// With expert parallelism: gate, up and down are blocks of dim 0 (marked `expert`).
+  tensor::ParameterSplits local_splits() const override;
 
   MoeOptions options;
   at::Tensor router;       ///< [E, width]
-  at::Tensor gate, up;     ///< [E, ffn, width]
+  at::Tensor gate, up;     ///< [E, ffn, width] (this rank's experts: E / P of them)
   at::Tensor down;         ///< [E, width, ffn]
   at::Tensor shared_gate;  ///< [S x ffn, width] (S = shared_experts > 0; else undefined)
   at::Tensor shared_up;    ///< [S x ffn, width]
@@ -84,10 +117,14 @@ class MoeImpl : public torch::nn::Module {
 
  private:
   MoeStats stats_;
+  MoeStepCounts step_;
+  comm::CommunicatorPtr expert_parallel_;
+  int expert_ranks_ = 1;
+  int expert_rank_ = 0;
 };
 TORCH_MODULE(Moe);
 
-/// InputError naming the field for options that cannot make the layer.
-void validate(const MoeOptions& options);
+/// InputError naming the field for options that cannot make the layer (over `expert_ranks`).
+void validate(const MoeOptions& options, int expert_ranks = 1);
 
 }  // namespace dtrain::nn

@@ -38,6 +38,8 @@ struct Layout {
   int ranks = 0;
   int pipeline_parallel = 1;
   int tensor_parallel = 1;
+  /// --expert-parallel: a mixture of experts' experts split over this many data-parallel ranks.
+  int expert_parallel = 1;
   /// --stage-replicas (empty: every stage on dp ranks alike).
   std::vector<int> stage_replicas;
   /// --sequence-parallel, --tied-embeddings, --defer-eval.
@@ -147,6 +149,9 @@ struct StrategyInfo {
   StepCost cost;
   /// Trains with --precision bf16-master (a bf16 model, fp32 master weights in its optimizer).
   bool master_weights = false;
+  /// Trains a model whose experts are split over data-parallel ranks (--expert-parallel): the
+  /// experts' gradients reduced over the expert data-parallel group, checkpoints by expert.
+  bool expert_parallel = false;
   /// Its options (groups shared with other strategies are declared once). A flag of a group
   /// that no strategy of the run lists, moved from its default, is refused naming the
   /// strategies that list it.

@@ -107,6 +107,12 @@ struct TrainerOptions {
   /// checkpoint is written while the latest step was non-finite.
   int64_t max_nonfinite_steps = 3;
   int tensor_parallel = 1;
+  /// A mixture of experts: DeepSeek-V3's auxiliary-loss-free balancing, each layer's bias moved
+  /// by this after every step from the step's load summed over the data-parallel ranks (0: off).
+  double moe_bias_rate = 0.0;
+  /// > 1: a mixture of experts' experts split over this many data-parallel ranks
+  /// (ProcessGrid::split_experts; the model built over grid()->ep()).
+  int expert_parallel = 1;
   /// > 1: pipeline parallelism over this many ranks (the "pipeline" strategy, its stages made
   /// data-parallel by `strategy`: ddp or zero1); the accumulation steps are its micro-batches.
   int pipeline_parallel = 1;

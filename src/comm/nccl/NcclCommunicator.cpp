@@ -110,6 +110,23 @@ class NcclCommunicator : public Communicator {
     note_collective(what, *result);
     return result;
   }
+  WorkPtr all_to_all(at::Tensor output, at::Tensor input, const AllToAllOptions& options) override {
+    if (!input.is_cuda()) return cpu_->all_to_all(output, input, options);
+    const std::string op = concat("all_to_all(", input.scalar_type(), ")");
+    const AllToAllCounts counts = prepare_all_to_all(output, input, options, op);
+    const auto what = describe(op);
+    const bool direct = output.is_contiguous();
+    at::Tensor out = direct ? output.view({-1}) : at::empty({output.numel()}, output.options());
+    at::Tensor in = input.reshape({-1}).contiguous();
+    c10d::AllToAllOptions o;
+    std::vector<int64_t> recv = counts.recv, send = counts.send;  // (c10d takes them by reference)
+    auto work = group_->alltoall_base(out, in, recv, send, o);
+    auto result = std::make_shared<C10dWork>(work, what, resolve(options.timeout), [=]() mutable {
+      if (!direct) output.copy_(out.view(output.sizes()));
+    });
+    note_collective(what, *result);
+    return result;
+  }
   WorkPtr barrier(const BarrierOptions& options) override { return cpu_->barrier(options); }
   CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& name) override {
     auto cpu = std::dynamic_pointer_cast<gloo::GlooCommunicator>(cpu_->new_group(ranks, name));

@@ -165,6 +165,45 @@ struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequen
   }
 };
 
+// Rows of `x` to every rank and back: send_rows[j] rows to rank j, recv_rows[i] from rank i.
+at::Tensor all_to_all_rows_now(const at::Tensor& x, const comm::CommunicatorPtr& group,
+                               const std::vector<int64_t>& send_rows,
+                               const std::vector<int64_t>& recv_rows) {
+  trace::Span span("comm", "all_to_all");
+  // (detached: the exchange runs on the group's thread, which must not end up holding the last
+  // reference to an autograd graph, and so to the group)
+  const at::Tensor in = x.detach().contiguous();
+  int64_t row = 1;
+  for (int64_t d = 1; d < in.dim(); ++d) row *= in.size(d);
+  int64_t received = 0;
+  comm::AllToAllOptions options;
+  for (size_t r = 0; r < send_rows.size(); ++r) {
+    options.send_counts.push_back(send_rows[r] * row);
+    options.recv_counts.push_back(recv_rows[r] * row);
+    received += recv_rows[r];
+  }
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape[0] = received;
+  at::Tensor output = at::empty(shape, in.options());
+  group->all_to_all(output, in, options)->wait();
+  return output;
+}
+
+struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::CommunicatorPtr g,
+                            std::vector<int64_t> send_rows, std::vector<int64_t> recv_rows) {
+    keep_group(ctx, g);
+    ctx->saved_data["send"] = send_rows;
+    ctx->saved_data["recv"] = recv_rows;
+    return all_to_all_rows_now(x, g, send_rows, recv_rows);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_to_all_rows_now(grads[0], group_of(ctx), ctx->saved_data["recv"].toIntVector(),
+                                ctx->saved_data["send"].toIntVector()),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 // Megatron's LinearWithGradAccumulationAndAsyncCommunication, for a column-parallel layer. (An
 // autograd function takes no undefined tensors: without a bias, ColumnParallelLinearNoBias.)
 struct ColumnParallelLinearFn : torch::autograd::Function<ColumnParallelLinearFn> {
@@ -266,6 +305,17 @@ at::Tensor gather_from_sequence(const at::Tensor& x, const comm::CommunicatorPtr
 
 at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const comm::CommunicatorPtr& group) {
   return trivial(group) ? x : ReduceScatterToSequence::apply(x, group);
+}
+
+at::Tensor all_to_all_rows(const at::Tensor& x, const comm::CommunicatorPtr& group,
+                           const std::vector<int64_t>& send_rows,
+                           const std::vector<int64_t>& recv_rows) {
+  if (trivial(group)) return x;
+  DTRAIN_CHECK(static_cast<int>(send_rows.size()) == group->size() &&
+                   static_cast<int>(recv_rows.size()) == group->size(),
+               "all_to_all_rows over group '", group->name(), "': ", send_rows.size(), " and ",
+               recv_rows.size(), " row counts for ", group->size(), " ranks");
+  return AllToAllRows::apply(x, group, send_rows, recv_rows);
 }
 
 }  // namespace dtrain::nn::tensor

@@ -28,6 +28,7 @@ StrategyInfo ddp_strategy() {
   info.options = {ft::fault_tolerance_options()};
   info.fault_tolerant = true;
   info.master_weights = true;
+  info.expert_parallel = true;
   info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
     if (options.of<ft::FaultToleranceOptions>().replicas()) {
@@ -59,6 +60,14 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
   }
   DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters");
   tp_ = tensor_parallel_layout(*model_.module, *grid_);
+  // Expert parallelism: this rank's experts are blocks no other rank of its expert group holds.
+  for (const auto& name : names_) {
+    const auto split = tp_.splits.find(name);
+    expert_.push_back(split != tp_.splits.end() && split->second.expert);
+  }
+  DTRAIN_CHECK(!has_experts() || grid_->ep_size() > 1,
+               "the model's experts are split over ranks but the grid has no expert groups "
+               "(ProcessGrid::split_experts)");
   DTRAIN_CHECK_INPUT(tp_.partial.empty() || !gradients_sharded() || sums_partial_first(), name(),
                      " shards the gradients that sequence parallelism sums over the "
                      "tensor-parallel group first; use ddp, zero1 or zero2 (or leave out "
@@ -80,7 +89,12 @@ void DdpStrategy::broadcast_initial_state() {
   std::vector<comm::WorkPtr> works;
   // Placeholders (Model::deferred) are drawn from their names, the same on every rank.
   if (!model_.deferred || !model_.deferred->pending()) {
-    for (auto& p : parameters_) works.push_back(comm_->broadcast(p, {0}));
+    // An expert block goes to the ranks holding the same experts (its expert data-parallel
+    // group), everything else to every replica.
+    for (size_t k = 0; k < parameters_.size(); ++k) {
+      const comm::CommunicatorPtr& group = is_expert(k) ? grid_->edp() : comm_;
+      if (group->size() > 1) works.push_back(group->broadcast(parameters_[k], {0}));
+    }
   }
   for (auto& b : model_.module->buffers()) works.push_back(comm_->broadcast(b, {0}));
   comm::wait_all(works);
@@ -91,7 +105,57 @@ void DdpStrategy::build_gradient_sync(const std::vector<std::string>& names) {
   // bf16-master: gradients accumulate and are reduced in fp32 (Megatron's default for bf16).
   if (precision::has_master_weights(precision_)) reducer_options.grad_dtype = at::kFloat;
   configure_reducer(reducer_options);
-  reducer_ = std::make_unique<Reducer>(parameters_, names, comm_, reducer_options);
+  if (!has_experts()) {
+    reducer_ = std::make_unique<Reducer>(parameters_, names, comm_, reducer_options);
+    return;
+  }
+  // The experts' gradients are reduced over their own group after backward
+  // (reduce_expert_gradients); the Reducer takes the rest.
+  std::vector<at::Tensor> dense;
+  std::vector<std::string> dense_names;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    if (is_expert(k)) continue;
+    dense.push_back(parameters_[k]);
+    dense_names.push_back(names[k]);
+  }
+  reducer_ = std::make_unique<Reducer>(dense, dense_names, comm_, reducer_options);
+}
+
+bool DdpStrategy::has_experts() const {
+  return std::find(expert_.begin(), expert_.end(), true) != expert_.end();
+}
+
+void DdpStrategy::zero_expert_gradients() {
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    if (is_expert(k)) parameters_[k].mutable_grad().reset();
+  }
+}
+
+void DdpStrategy::reduce_expert_gradients() {
+  if (!has_experts()) return;
+  trace::Span span("sync", "expert gradients");
+  torch::NoGradGuard no_grad;
+  // Each expert's gradient here is the sum over its expert group's tokens of each rank's mean
+  // loss; the step's is the mean over every data-parallel rank: summed over the ranks holding
+  // the same experts, divided by the data-parallel size.
+  std::vector<at::Tensor> grads;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    if (!is_expert(k)) continue;
+    if (!parameters_[k].grad().defined()) {
+      parameters_[k].mutable_grad() = at::zeros_like(parameters_[k]);
+    }
+    grads.push_back(parameters_[k].grad());
+  }
+  std::vector<at::Tensor> flats;
+  for (const auto& g : grads) flats.push_back(g.reshape({-1}));
+  at::Tensor flat = at::cat(flats);
+  if (grid_->edp()->size() > 1) grid_->edp()->allreduce(flat)->wait();
+  flat.div_(static_cast<double>(comm_->size()));
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+    offset += g.numel();
+  }
 }
 
 void DdpStrategy::broadcast_buffers() {
@@ -107,6 +171,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   model_.module->train();
   GradientSync& sync_engine = gradient_sync();
   sync_engine.zero_grad();
+  zero_expert_gradients();
   if (options_.broadcast_buffers && comm_->size() > 1) broadcast_buffers();
   StepResult result;
   const auto count = static_cast<double>(micro_batches.size());
@@ -134,6 +199,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     if (!sync_engine.sums_partial_gradients()) {
       tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
     }
+    reduce_expert_gradients();
     after_gradient_sync(result);
   }
   const auto& stats = sync_engine.stats();
@@ -221,8 +287,18 @@ double DdpStrategy::clip_gradients(double max_norm) {
   } else {
     names = names_;
   }
-  return clip_by_global_norm(holders, {gradients_sharded() ? comm_ : nullptr, grid_->tp()},
-                             max_norm, tp_.counted(names));
+  std::vector<bool> counted = tp_.counted(names);
+  if (has_experts()) {
+    // Each expert group's ranks hold disjoint experts: their squares are summed over the group,
+    // the rest counted by its first rank.
+    for (size_t k = 0; k < counted.size(); ++k) {
+      counted[k] = counted[k] && (is_expert(k) || grid_->ep_rank() == 0);
+    }
+  }
+  return clip_by_global_norm(
+      holders,
+      {gradients_sharded() ? comm_ : nullptr, grid_->tp(), has_experts() ? grid_->ep() : nullptr},
+      max_norm, counted);
 }
 
 void DdpStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
@@ -256,6 +332,21 @@ void DdpStrategy::save(const std::string& directory) {
   if (state_sharded()) {
     write_state_shard(directory, tp_.rank * comm_->size() + comm_->rank(), comm_->size() * tp_.size,
                       tp_.for_writing(state_pieces()), optimizer_.get(), buffers);
+  } else if (has_experts()) {
+    // The first expert group writes: one file per expert rank, its experts in each, the rest
+    // (and the buffers) in its first rank's.
+    if (grid_->edp()->rank() == 0) {
+      const int ep = grid_->ep_size(), rank = grid_->ep_rank();
+      std::vector<PieceRef> pieces;
+      for (auto& piece : tp_.for_writing(state_pieces())) {
+        const auto split = tp_.splits.find(piece.name);
+        if (rank == 0 || (split != tp_.splits.end() && split->second.expert)) {
+          pieces.push_back(std::move(piece));
+        }
+      }
+      write_state_shard(directory, rank, ep, pieces, optimizer_.get(),
+                        rank == 0 ? named_buffers() : NamedTensors{});
+    }
   } else if (leader) {  // replicas are identical; DP rank 0 writes them
     write_state_shard(directory, tp_.rank, tp_.size, tp_.for_writing(state_pieces()),
                       optimizer_.get(), buffers);

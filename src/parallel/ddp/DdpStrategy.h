@@ -120,6 +120,14 @@ class DdpStrategy : public Strategy {
   /// Tensor parallelism: each TP rank holds blocks of the split parameters; gradients are
   /// reduced over the DP group only.
   TensorParallelLayout tp_;
+  /// Expert parallelism (--expert-parallel): whether each of parameters_ is a block of this
+  /// rank's experts. Their gradients bypass the Reducer: reduced over grid_->edp() after
+  /// backward; checkpoints are written by the first expert group, one file per expert rank.
+  std::vector<bool> expert_;
+  bool is_expert(size_t k) const { return k < expert_.size() && expert_[k]; }
+  bool has_experts() const;
+  void zero_expert_gradients();
+  void reduce_expert_gradients();
   bool warned_unused_ = false;
 };
 

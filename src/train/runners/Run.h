@@ -17,6 +17,7 @@
 #include "dtrain/train/Metrics.h"
 #include "dtrain/train/Progress.h"
 #include "dtrain/train/Trainer.h"
+#include "train/ExpertBalance.h"
 
 namespace dtrain::train::runners {
 
@@ -103,6 +104,8 @@ struct Run {
   double weight_decay = 0.0;
   parallel::LossFn loss;
   parallel::DataNeeds needs;
+  /// A mixture of experts' loads, bias and metrics after each step (null: no MoE layers).
+  std::unique_ptr<ExpertBalance> experts;
   /// Where batches go (the model's device).
   c10::Device device{c10::DeviceType::CPU};
 

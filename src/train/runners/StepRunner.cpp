@@ -255,6 +255,7 @@ void StepRunner::run(Run& run) {
     const auto step_start = Clock::now();
     const int64_t wire_before = run.world.wire_bytes();
     parallel::StepResult result = run.strategy.train_step(batches, run.loss);
+    if (run.experts) run.experts->after_step(result.metrics);
     // The replica that led failed in this step: this rank writes the outputs from now on.
     if (outlive && replicas != nullptr && replicas->leads()) run.take_lead();
     if (!async && step + 1 == run.total_steps) run.strategy.finish_training(result);

@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 #include "dtrain/comm/Communicator.h"
 
 namespace dtrain::nn::tensor {
@@ -48,6 +50,13 @@ at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const comm::Communica
 at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
                                   const at::Tensor& bias, const comm::CommunicatorPtr& group,
                                   bool sequence_parallel);
+
+/// Forward: all-to-all of rows (dim 0) over `group`: send_rows[j] rows of `x`, in order, to
+/// rank j; the result holds recv_rows[i] rows from each rank i, in rank order. Backward: the
+/// same exchange reversed. A mixture of experts' dispatch and combine (expert parallelism).
+at::Tensor all_to_all_rows(const at::Tensor& x, const comm::CommunicatorPtr& group,
+                           const std::vector<int64_t>& send_rows,
+                           const std::vector<int64_t>& recv_rows);
 
 /// Sequence parallelism: forward: this rank's part of dim 1; backward: allgather along dim 1.
 inline at::Tensor scatter_to_sequence(const at::Tensor& x, const comm::CommunicatorPtr& group) {

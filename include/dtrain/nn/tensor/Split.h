@@ -31,6 +31,9 @@ struct ParameterSplit {
   /// it once in the gradient norm, and the first holder writes it to checkpoints.
   int replicas = 1;
   int replica = 0;
+  /// Split over the expert-parallel group (a mixture of experts' stacked experts), not the
+  /// tensor-parallel one.
+  bool expert = false;
 };
 
 /// Parameter name (as in Module::named_parameters) -> its split.

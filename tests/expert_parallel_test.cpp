@@ -1,0 +1,402 @@
+// Expert parallelism (issue 81): a mixture-of-experts layer whose experts are split over P ranks,
+// tokens dispatched and combined by all-to-all with variable splits, against the same layer in one
+// process on every rank's tokens together, in float64: outputs, input gradients, each rank's
+// experts' gradients (all their tokens' contributions) and the replicated router's and shared
+// experts' (partial sums over the ranks). Then a Llama with experts trained by ddp with
+// --expert-parallel against one process on the global batch, and its checkpoints across layouts.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+#include <mutex>
+
+#include "Oracle.h"
+#include "RankThreads.h"
+#include "TempDir.h"
+#include "dtrain/comm/Communicator.h"
+#include "dtrain/comm/ProcessGrid.h"
+#include "dtrain/common/Error.h"
+#include "dtrain/models/Gpt.h"
+#include "dtrain/nn/DeferredInit.h"
+#include "dtrain/nn/Moe.h"
+#include "parallel/ddp/DdpStrategy.h"
+#include "train/ExpertBalance.h"
+
+using namespace dtrain;
+using comm::CommunicatorPtr;
+
+namespace {
+
+nn::Moe make_moe(const nn::MoeOptions& options, const CommunicatorPtr& group = nullptr) {
+  nn::DeferredInit init(3);
+  std::shared_ptr<nn::MoeImpl> moe;
+  {
+    nn::InitScope scope(init);
+    moe = std::make_shared<nn::MoeImpl>(options, group);
+  }
+  init.bind(*moe);
+  init.materialize_all();
+  moe->to(at::kDouble);
+  return nn::Moe(moe);
+}
+
+nn::MoeOptions options_for(int64_t experts, int64_t shared, const std::string& score) {
+  nn::MoeOptions o;
+  o.width = 8;
+  o.ffn_width = 5;
+  o.experts = experts;
+  o.top_k = 2;
+  o.shared_experts = shared;
+  o.score = score;
+  o.init_std = 0.5;
+  return o;
+}
+
+// Rank r's tokens: 3 + 2r of them (uneven), the same values every rank can draw.
+at::Tensor tokens_of(int rank, int64_t width, int salt) {
+  at::Generator g = at::detail::createCPUGenerator(100 * salt + rank);
+  return at::randn({3 + 2 * rank, width}, g, at::kDouble);
+}
+
+double apart(const at::Tensor& a, const at::Tensor& b) {
+  EXPECT_EQ(a.sizes(), b.sizes());
+  return (a - b).abs().max().item<double>();
+}
+
+// Every rank's result against one process's on all tokens. `salt` varies the tokens.
+void expect_one_process(int ranks, const nn::MoeOptions& o, int salt) {
+  std::vector<at::Tensor> xs, probes;
+  for (int r = 0; r < ranks; ++r) {
+    xs.push_back(tokens_of(r, o.width, salt));
+    probes.push_back(tokens_of(r, o.width, salt + 7));
+  }
+  nn::Moe whole = make_moe(o);
+  const at::Tensor x_all = at::cat(xs).requires_grad_(true);
+  const at::Tensor out_all = whole(x_all);
+  (out_all * at::cat(probes)).sum().backward();
+  std::vector<int64_t> sent(ranks, 0);
+  test::run_ranks(ranks, [&](const CommunicatorPtr& world) {
+    const int r = world->rank();
+    nn::Moe moe = make_moe(o, world);
+    ASSERT_EQ(moe->local_experts(), o.experts / ranks);
+    const int64_t first = moe->first_expert(), L = moe->local_experts();
+    EXPECT_EQ(apart(moe->gate, whole->gate.narrow(0, first, L).detach()), 0.0);  // drawn alike
+    const at::Tensor x = xs[r].clone().requires_grad_(true);
+    const at::Tensor out = moe(x);
+    (out * probes[r]).sum().backward();
+    int64_t offset = 0;
+    for (int i = 0; i < r; ++i) offset += xs[i].size(0);
+    const int64_t n = xs[r].size(0);
+    EXPECT_LT(apart(out, out_all.narrow(0, offset, n)), 1e-12) << "rank " << r;
+    EXPECT_LT(apart(x.grad(), x_all.grad().narrow(0, offset, n)), 1e-12) << "rank " << r;
+    for (const char* name : {"gate", "up", "down"}) {
+      const at::Tensor mine = moe->named_parameters()[name].grad();
+      const at::Tensor theirs = whole->named_parameters()[name].grad().narrow(0, first, L);
+      EXPECT_LT(apart(mine, theirs), 1e-12) << name << " rank " << r;
+    }
+    std::vector<std::string> replicated = {"router"};
+    if (o.shared_experts > 0) replicated.insert(replicated.end(), {"shared_gate", "shared_down"});
+    for (const auto& name : replicated) {
+      at::Tensor sum = moe->named_parameters()[name].grad().clone();
+      world->allreduce(sum)->wait();
+      EXPECT_LT(apart(sum, whole->named_parameters()[name].grad()), 1e-12) << name;
+    }
+    sent[r] = world->tally().at("all_to_all").count;
+  });
+  for (int r = 0; r < ranks; ++r) EXPECT_EQ(sent[r], 5) << r;  // counts; rows there, back, twice
+}
+
+}  // namespace
+
+TEST(ExpertParallel, TheLayerOverTwoAndFourRanksIsOneProcessInFloat64) {
+  for (const int ranks : {2, 4}) {
+    SCOPED_TRACE(ranks);
+    expect_one_process(ranks, options_for(8, 0, "softmax"), 1);
+    expect_one_process(ranks, options_for(4, 1, "sigmoid"), 2);
+  }
+  // One expert per rank and few tokens: some ranks send nothing to some experts.
+  nn::MoeOptions sparse = options_for(4, 0, "softmax");
+  sparse.top_k = 1;
+  expect_one_process(4, sparse, 3);
+}
+
+// A rank none of whose tokens go to another rank's experts still takes part in both exchanges
+// and their backward (its peers wait for it): skewed routing sends every token to expert 0.
+TEST(ExpertParallel, ARankWithNothingToComputeStillExchanges) {
+  nn::MoeOptions o = options_for(4, 0, "softmax");
+  o.top_k = 1;
+  std::vector<at::Tensor> grads(2);
+  test::run_ranks(2, [&](const CommunicatorPtr& world) {
+    nn::Moe moe = make_moe(o, world);
+    {
+      torch::NoGradGuard no_grad;
+      moe->router.zero_();
+      moe->router.select(1, 0).fill_(0);
+      moe->expert_bias.select(0, 0).fill_(10.0);  // every token to expert 0 (rank 0's)
+    }
+    const at::Tensor x = tokens_of(world->rank(), o.width, 4).requires_grad_(true);
+    moe(x).sum().backward();
+    EXPECT_EQ(moe->stats().load[0], x.size(0));
+    grads[world->rank()] = moe->gate.grad().clone();
+  });
+  EXPECT_GT(grads[0].abs().sum().item<double>(), 0.0);  // rank 0 computed every token
+  EXPECT_EQ(grads[1].abs().sum().item<double>(), 0.0);  // rank 1's experts saw none
+}
+
+TEST(ExpertParallel, ExpertsThatDoNotSplitOverTheRanksAreRefused) {
+  test::run_ranks(2, [](const CommunicatorPtr& world) {
+    nn::MoeOptions o = options_for(3, 0, "softmax");
+    try {
+      make_moe(o, world);
+      ADD_FAILURE() << "3 experts over 2 ranks were accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("--moe-experts (3) must be a multiple of "
+                                           "--expert-parallel (2)"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+namespace {
+
+test::Fixture llama_with_experts() {
+  test::Fixture f;
+  f.spec.name = "llama";
+  models::GptConfig& c = f.spec.gpt;
+  c.vocab = 11;
+  c.layers = 3;
+  c.heads = 2;
+  c.width = 8;
+  c.context = 6;
+  c.moe_experts = 4;
+  c.moe_top_k = 2;
+  c.moe_shared_experts = 1;
+  c.moe_first_dense = 1;
+  c.moe_ffn_width = 6;
+  c.moe_aux_loss = 0;
+  f.optimizer = test::adam();
+  f.global_batch = 8;
+  at::Generator generator = at::detail::createCPUGenerator(5);
+  const at::Tensor tokens = at::randint(11, {f.global_batch * 3 + 8}, generator, at::kLong);
+  f.dataset = data::TensorDataset::windows(tokens, 6, 1);
+  return f;
+}
+
+// The same model on every rank (its seed drawn from the global generator, which rank threads
+// share): built one rank at a time.
+Model build_on(const test::Fixture& f, const comm::CommunicatorPtr& experts) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  models::ModelSpec spec = f.spec;
+  spec.expert_parallel = experts;
+  torch::manual_seed(11);
+  return test::make_model_as(spec, f.dtype);
+}
+
+// Rank `rank`'s part of one process's named values: its experts' blocks, the rest whole.
+std::map<std::string, at::Tensor> expected_part(const std::map<std::string, at::Tensor>& whole,
+                                                const Model& mine) {
+  std::map<std::string, at::Tensor> part;
+  const auto splits = nn::tensor::parameter_splits(*mine.module);
+  for (const auto& item : mine.module->named_parameters()) {
+    at::Tensor value = whole.at(item.key());
+    const auto split = splits.find(item.key());
+    if (split != splits.end()) {
+      value = value.narrow(split->second.dim, split->second.start, split->second.length);
+    }
+    part[item.key()] = value;
+  }
+  return part;
+}
+
+struct ExpertRun {
+  int world = 2;
+  int experts = 2;  // --expert-parallel
+  int steps = 3;
+  int first_step = 0;
+  int micro = 1;
+  double max_grad_norm = 0;
+  std::string save_to, load_from;
+};
+
+// Trains `run` and returns the largest difference over ranks and parameters from `whole` (one
+// process's values by name).
+double expert_parallel_apart(const test::Fixture& f, const ExpertRun& run,
+                             const std::map<std::string, at::Tensor>& whole) {
+  std::vector<double> most(run.world, 0.0);
+  test::run_ranks(
+      run.world,
+      [&](const CommunicatorPtr& world) {
+        auto grid = std::make_shared<comm::ProcessGrid>(world);
+        grid->split_experts(run.experts);
+        Model model = build_on(f, grid->ep());
+        parallel::StrategyOptions options;
+        options.max_grad_norm = run.max_grad_norm;
+        parallel::ddp::DdpStrategy strategy(options);
+        strategy.setup(model, optim::optimizer_factory(f.optimizer), grid);
+        if (!run.load_from.empty()) strategy.load(run.load_from);
+        auto order =
+            data::DistributedSampler(f.dataset.size(), run.world, world->rank(), {true, 5, true})
+                .indices();
+        const int64_t local = f.global_batch / run.world;
+        for (int step = run.first_step; step < run.first_step + run.steps; ++step) {
+          std::vector<data::Batch> micro_batches;
+          for (int m = 0; m < run.micro; ++m) {
+            const int64_t begin = step * local + m * (local / run.micro);
+            micro_batches.push_back(f.dataset.get(std::vector<int64_t>(
+                order.begin() + begin, order.begin() + begin + local / run.micro)));
+          }
+          strategy.train_step(micro_batches, parallel::cross_entropy);
+        }
+        if (!run.save_to.empty()) strategy.save(run.save_to);
+        const auto expected = expected_part(whole, strategy.model());
+        for (const auto& item : strategy.model().module->named_parameters()) {
+          most[world->rank()] =
+              std::max(most[world->rank()],
+                       (item.value() - expected.at(item.key())).abs().max().item<double>());
+        }
+      },
+      std::chrono::seconds(60));
+  return *std::max_element(most.begin(), most.end());
+}
+
+std::map<std::string, at::Tensor> trained_whole(test::Fixture& f, int steps,
+                                                double max_grad_norm = 0) {
+  Model model = build_on(f, nullptr);
+  f.initial = test::snapshot(model);
+  std::map<std::string, at::Tensor> named;
+  if (max_grad_norm > 0) {
+    // One process with clipping, as the strategies clip.
+    auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
+    auto order = data::DistributedSampler(f.dataset.size(), 1, 0, {true, 5, true}).indices();
+    for (int step = 0; step < steps; ++step) {
+      auto batch = f.dataset.get(std::vector<int64_t>(order.begin() + step * f.global_batch,
+                                                      order.begin() + (step + 1) * f.global_batch));
+      optimizer->zero_grad();
+      parallel::cross_entropy(model(batch.inputs), batch.targets).backward();
+      torch::nn::utils::clip_grad_norm_(model.module->parameters(), max_grad_norm);
+      optimizer->step();
+    }
+  } else {
+    const auto values = test::train_single(f, steps);
+    size_t i = 0;
+    for (auto& p : model.module->parameters()) p.detach().copy_(values[i++]);
+  }
+  for (const auto& item : model.module->named_parameters()) {
+    named[item.key()] = item.value().detach().clone();
+  }
+  return named;
+}
+
+}  // namespace
+
+// ddp with --expert-parallel 2 over 2 ranks, 2 over 4 (two expert groups, each expert's
+// gradient summed over its expert data-parallel pair) and 4 over 4: every rank's parameters
+// equal one process's on the global batch (its experts' blocks), also with gradient
+// accumulation and with clipping (the experts' squares summed over the expert group).
+TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
+  test::Fixture f = llama_with_experts();
+  const auto whole = trained_whole(f, 3);
+  {
+    const Model serial = build_on(f, nullptr);
+    EXPECT_GT(
+        (serial.module->named_parameters()["blocks.1.moe.gate"] - whole.at("blocks.1.moe.gate"))
+            .abs()
+            .max()
+            .item<double>(),
+        1e-3);  // it trained
+  }
+  for (const auto& [world, experts] : std::vector<std::pair<int, int>>{{2, 2}, {4, 2}, {4, 4}}) {
+    ExpertRun run;
+    run.world = world;
+    run.experts = experts;
+    EXPECT_LT(expert_parallel_apart(f, run, whole), test::kTightBound)
+        << world << " ranks, --expert-parallel " << experts;
+  }
+  ExpertRun accumulate;
+  accumulate.micro = 2;
+  EXPECT_LT(expert_parallel_apart(f, accumulate, whole), test::kTightBound) << "accumulation";
+  test::Fixture clipped = llama_with_experts();
+  const auto whole_clipped = trained_whole(clipped, 3, 0.05);
+  ExpertRun clip;
+  clip.world = 4;
+  clip.max_grad_norm = 0.05;
+  EXPECT_LT(expert_parallel_apart(clipped, clip, whole_clipped), test::kTightBound) << "clipping";
+}
+
+// A checkpoint written with the experts split over 2 ranks resumes at --expert-parallel 2, at 4
+// over 4 ranks, and without expert parallelism: the values are one process's after two steps,
+// and a third step (Adam's moments and count restored) is one process's third.
+TEST(ExpertParallel, CheckpointsReshardAcrossExpertLayouts) {
+  test::Fixture f = llama_with_experts();
+  const auto two_steps = trained_whole(f, 2);
+  const auto three_steps = trained_whole(f, 3);
+  test::TempDir dir;
+  ExpertRun first;
+  first.steps = 2;
+  first.save_to = dir.path();
+  ASSERT_LT(expert_parallel_apart(f, first, two_steps), test::kTightBound);
+  for (const auto& [world, experts] : std::vector<std::pair<int, int>>{{2, 2}, {4, 4}, {2, 1}}) {
+    ExpertRun again;
+    again.world = world;
+    again.experts = experts;
+    again.load_from = dir.path();
+    again.steps = 0;
+    EXPECT_LT(expert_parallel_apart(f, again, two_steps), test::kTightBound)
+        << "loaded at " << world << " ranks, --expert-parallel " << experts;
+    again.first_step = 2;
+    again.steps = 1;
+    EXPECT_LT(expert_parallel_apart(f, again, three_steps), test::kTightBound)
+        << "resumed at " << world << " ranks, --expert-parallel " << experts;
+  }
+}
+
+// After a step: each layer's loads over the step's training forwards (two micro-batches here;
+// an evaluation forward does not count) summed over the data-parallel ranks, its max / mean in
+// the metrics, and the auxiliary-loss-free bias moved by the rate towards the experts chosen
+// least, the same on every rank.
+TEST(ExpertParallel, TheStepsLoadIsSummedOverRanksAndMovesTheBiasAlike) {
+  nn::MoeOptions o = options_for(4, 0, "softmax");
+  o.top_k = 1;
+  std::vector<at::Tensor> biases(2);
+  std::vector<std::map<std::string, double>> metrics(2);
+  std::vector<std::vector<int64_t>> loads(2, std::vector<int64_t>(4, 0));
+  test::run_ranks(2, [&](const CommunicatorPtr& world) {
+    const int r = world->rank();
+    auto root = std::make_shared<torch::nn::Module>();
+    nn::Moe moe = make_moe(o);
+    {
+      torch::NoGradGuard no_grad;
+      moe->router.select(0, 0).add_(0.5);  // skewed towards expert 0
+    }
+    root->register_module("moe", moe.ptr());
+    auto balance = train::ExpertBalance::find(*root, world, 0.25);
+    ASSERT_TRUE(balance);
+    for (int micro = 0; micro < 2; ++micro) {
+      moe(tokens_of(r, o.width, 10 + micro));
+      for (int64_t e = 0; e < 4; ++e) loads[r][e] += moe->stats().load[e];
+    }
+    {
+      torch::NoGradGuard evaluation;
+      moe(tokens_of(r, o.width, 20));
+    }
+    balance->after_step(metrics[r]);
+    biases[r] = moe->expert_bias.clone();
+  });
+  std::vector<int64_t> total(4);
+  for (int64_t e = 0; e < 4; ++e) total[e] = loads[0][e] + loads[1][e];
+  EXPECT_EQ(metrics[0].at("moe_imbalance.moe"), nn::load_imbalance(total));
+  EXPECT_GT(metrics[0].at("moe_imbalance"), 1.0);
+  EXPECT_EQ(metrics[0], metrics[1]);
+  EXPECT_EQ(metrics[0].at("moe_dropped"), 0.0);
+  double mean = 0;
+  for (int64_t l : total) mean += static_cast<double>(l) / 4;
+  for (int64_t e = 0; e < 4; ++e) {
+    const double expected = total[e] < mean ? 0.25 : total[e] > mean ? -0.25 : 0.0;
+    EXPECT_DOUBLE_EQ(biases[0][e].item<double>(), expected) << e;
+  }
+  EXPECT_TRUE(at::equal(biases[0], biases[1]));
+}
