@@ -90,7 +90,7 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add(app, "--expert-parallel", t.expert_parallel,
       "Expert-parallel ranks: a mixture of experts' experts (--moe-experts) are split over this "
       "many data-parallel ranks, tokens sent to their experts' ranks and back by all-to-all; it "
-      "must divide the data-parallel size and --moe-experts (--strategy ddp)")
+      "must divide the data-parallel size and --moe-experts (--strategy ddp, zero1 or zero2)")
       ->capture_default_str();
   add(app, "--moe-bias-rate", t.moe_bias_rate,
       "A mixture of experts' auxiliary-loss-free balancing (DeepSeek-V3's, which used 0.001): "

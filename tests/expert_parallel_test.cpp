@@ -22,6 +22,7 @@
 #include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/Moe.h"
 #include "parallel/ddp/DdpStrategy.h"
+#include "parallel/zero/ZeroStrategy.h"
 #include "train/ExpertBalance.h"
 
 using namespace dtrain;
@@ -219,6 +220,7 @@ struct ExpertRun {
   int first_step = 0;
   int micro = 1;
   double max_grad_norm = 0;
+  std::string strategy = "ddp";  // or zero1, zero2
   std::string save_to, load_from;
 };
 
@@ -235,7 +237,14 @@ double expert_parallel_apart(const test::Fixture& f, const ExpertRun& run,
         Model model = build_on(f, grid->ep());
         parallel::StrategyOptions options;
         options.max_grad_norm = run.max_grad_norm;
-        parallel::ddp::DdpStrategy strategy(options);
+        std::unique_ptr<parallel::ddp::DdpStrategy> made;
+        if (run.strategy == "ddp") {
+          made = std::make_unique<parallel::ddp::DdpStrategy>(options);
+        } else {
+          made = std::make_unique<parallel::zero::ZeroStrategy>(options,
+                                                                run.strategy == "zero1" ? 1 : 2);
+        }
+        parallel::ddp::DdpStrategy& strategy = *made;
         strategy.setup(model, optim::optimizer_factory(f.optimizer), grid);
         if (!run.load_from.empty()) strategy.load(run.load_from);
         auto order =
@@ -296,7 +305,8 @@ std::map<std::string, at::Tensor> trained_whole(test::Fixture& f, int steps,
 // ddp with --expert-parallel 2 over 2 ranks, 2 over 4 (two expert groups, each expert's
 // gradient summed over its expert data-parallel pair) and 4 over 4: every rank's parameters
 // equal one process's on the global batch (its experts' blocks), also with gradient
-// accumulation and with clipping (the experts' squares summed over the expert group).
+// accumulation and with clipping (the experts' squares summed over the expert group); zero1 and
+// zero2 alike.
 TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
   test::Fixture f = llama_with_experts();
   const auto whole = trained_whole(f, 3);
@@ -319,12 +329,25 @@ TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
   ExpertRun accumulate;
   accumulate.micro = 2;
   EXPECT_LT(expert_parallel_apart(f, accumulate, whole), test::kTightBound) << "accumulation";
+  // ZeRO-1 and 2: the dense state sharded over the data-parallel ranks, the experts' over the
+  // ranks holding the same experts.
+  for (const std::string strategy : {"zero1", "zero2"}) {
+    ExpertRun zero;
+    zero.world = 4;
+    zero.strategy = strategy;
+    zero.micro = 2;
+    EXPECT_LT(expert_parallel_apart(f, zero, whole), test::kTightBound) << strategy;
+  }
   test::Fixture clipped = llama_with_experts();
   const auto whole_clipped = trained_whole(clipped, 3, 0.05);
-  ExpertRun clip;
-  clip.world = 4;
-  clip.max_grad_norm = 0.05;
-  EXPECT_LT(expert_parallel_apart(clipped, clip, whole_clipped), test::kTightBound) << "clipping";
+  for (const std::string strategy : {"ddp", "zero1", "zero2"}) {
+    ExpertRun clip;
+    clip.world = 4;
+    clip.max_grad_norm = 0.05;
+    clip.strategy = strategy;
+    EXPECT_LT(expert_parallel_apart(clipped, clip, whole_clipped), test::kTightBound)
+        << "clipping, " << strategy;
+  }
 }
 
 // A checkpoint written with the experts split over 2 ranks resumes at --expert-parallel 2, at 4
@@ -339,6 +362,19 @@ TEST(ExpertParallel, CheckpointsReshardAcrossExpertLayouts) {
   first.steps = 2;
   first.save_to = dir.path();
   ASSERT_LT(expert_parallel_apart(f, first, two_steps), test::kTightBound);
+  // Written by zero1 over 4 ranks (every rank a file of its shards), read at P = 2 by ddp.
+  test::TempDir sharded;
+  ExpertRun zero;
+  zero.world = 4;
+  zero.strategy = "zero1";
+  zero.steps = 2;
+  zero.save_to = sharded.path();
+  ASSERT_LT(expert_parallel_apart(f, zero, two_steps), test::kTightBound);
+  ExpertRun from_zero;
+  from_zero.load_from = sharded.path();
+  from_zero.first_step = 2;
+  from_zero.steps = 1;
+  EXPECT_LT(expert_parallel_apart(f, from_zero, three_steps), test::kTightBound) << "from zero1";
   for (const auto& [world, experts] : std::vector<std::pair<int, int>>{{2, 2}, {4, 4}, {2, 1}}) {
     ExpertRun again;
     again.world = world;

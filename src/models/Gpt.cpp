@@ -716,6 +716,17 @@ int64_t gpt_parameter_count(const GptConfig& c) {
          (c.tied_embeddings ? 0 : w * c.vocab);
 }
 
+int64_t gpt_active_parameter_count(const GptConfig& c) {
+  int64_t active = gpt_parameter_count(c);
+  if (c.moe_experts > 0) {
+    const int64_t fe = c.moe_ffn_width > 0 ? c.moe_ffn_width : ffn_width_of(c);
+    for (int64_t i = 0; i < c.layers; ++i) {
+      if (is_moe_block(c, i)) active -= 3 * (c.moe_experts - c.moe_top_k) * fe * c.width;
+    }
+  }
+  return active;
+}
+
 double gpt_training_flops_per_token(const GptConfig& c) {
   const int64_t w = c.width, d = c.width / c.heads, f = ffn_width_of(c);
   const int64_t qkv = (c.heads + 2 * kv_heads_of(c)) * d;

@@ -166,6 +166,8 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
                        "--expert-parallel with --fault-tolerance replicas: not built (a "
                        "replacement replica would have to take its experts from its expert "
                        "data-parallel group)");
+    DTRAIN_CHECK_INPUT(!options.of<zero::ZeroOverlapOptions>().param_gather,
+                       "--overlap-param-gather with --expert-parallel: not built yet");
     DTRAIN_CHECK_INPUT(!layout.defer_eval,
                        "--defer-eval evaluates on rank 0 alone: with --expert-parallel every "
                        "rank of an expert group takes part in each forward");

@@ -111,6 +111,9 @@ GptConfig gpt_config_from_json(const std::string& json, const std::string& origi
 
 /// Parameter count of a config, without building it.
 int64_t gpt_parameter_count(const GptConfig& config);
+/// The parameters one token uses: all of them, less each MoE block's routed experts beyond its
+/// top-k (the figure published as a mixture of experts' "active" parameters).
+int64_t gpt_active_parameter_count(const GptConfig& config);
 
 /// Training FLOPs per token of a config at its full context (forward and backward, as
 /// Megatron-LM, PaLM and torchtitan count them for MFU): 6 per weight of every matrix multiply

@@ -288,7 +288,10 @@ double DdpStrategy::clip_gradients(double max_norm) {
     names = names_;
   }
   std::vector<bool> counted = tp_.counted(names);
-  if (has_experts()) {
+  // (Sharded: every data-parallel rank holds its own part of the experts as of the rest, all
+  // summed over the data-parallel group.)
+  const bool experts_apart = has_experts() && !gradients_sharded();
+  if (experts_apart) {
     // Each expert group's ranks hold disjoint experts: their squares are summed over the group,
     // the rest counted by its first rank.
     for (size_t k = 0; k < counted.size(); ++k) {
@@ -297,7 +300,7 @@ double DdpStrategy::clip_gradients(double max_norm) {
   }
   return clip_by_global_norm(
       holders,
-      {gradients_sharded() ? comm_ : nullptr, grid_->tp(), has_experts() ? grid_->ep() : nullptr},
+      {gradients_sharded() ? comm_ : nullptr, grid_->tp(), experts_apart ? grid_->ep() : nullptr},
       max_norm, counted);
 }
 

@@ -66,6 +66,7 @@ StrategyInfo zero1_strategy() {
   info.cost.shards_optimizer = true;
   info.options = {zero_overlap_options(), ft::fault_tolerance_options()};
   info.master_weights = true;
+  info.expert_parallel = true;
   info.fault_tolerant = true;
   info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
@@ -97,6 +98,7 @@ StrategyInfo zero2_strategy() {
   info.cost.shards_gradients = true;
   info.cost.bucket_buffers = 2;  // the reduce-scatter's
   info.master_weights = true;
+  info.expert_parallel = true;
   info.fault_tolerant = true;
   info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
@@ -138,15 +140,34 @@ void ZeroStrategy::configure_reducer(ddp::ReducerOptions& options) {
 }
 
 std::vector<at::Tensor> ZeroStrategy::gradient_holders() const {
-  return scatter_ ? shards_.piece_tensors() : reduced_gradient_holders();
+  if (!scatter_) return reduced_gradient_holders();
+  std::vector<at::Tensor> holders = shards_.piece_tensors();
+  for (auto& piece : expert_shards_.piece_tensors()) holders.push_back(piece);
+  return holders;
+}
+
+void ZeroStrategy::after_gradient_sync(StepResult& result) {
+  if (has_experts()) expert_shards_.alias_parameter_gradients(FlatShards::gradients_of(experts_));
+  ddp::DdpStrategy::after_gradient_sync(result);
 }
 
 void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer) {
   // The shards follow the Reducer's buckets: each bucket's reduce-scatter (zero2) and all-gather
   // is balanced and runs on its own.
   ddp::ReducerOptions reducer_options = reducer_options_from(options_);
-  shards_ = FlatShards(parameters_, ddp::bucket_groups(parameters_, names_, reducer_options),
+  // Expert parallelism: the dense parameters over the data-parallel group (as the Reducer takes
+  // them), the experts over the ranks that hold the same ones.
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    (is_expert(k) ? experts_ : dense_).push_back(parameters_[k]);
+    (is_expert(k) ? expert_names_ : dense_names_).push_back(names_[k]);
+  }
+  shards_ = FlatShards(dense_, ddp::bucket_groups(dense_, dense_names_, reducer_options),
                        comm_->size(), comm_->rank(), name());
+  if (has_experts()) {
+    expert_shards_ =
+        FlatShards(experts_, ddp::bucket_groups(experts_, expert_names_, reducer_options),
+                   grid_->edp()->size(), grid_->edp()->rank(), name());
+  }
   // bf16-master: the optimizer updates an fp32 copy of this rank's shard (Megatron's
   // distributed optimizer); the buffer, hence the gathers, stay bf16.
   if (!initial_master_.empty()) shards_.make_master(at::kFloat, initial_master_);
@@ -158,7 +179,9 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
                       shards_.has_master() ? at::kFloat : parameters_.front().scalar_type()));
     shards_.alias_shard_gradient(shard_grad_);
   }
-  optimizer_ = make_optimizer(shards_.piece_tensors());
+  std::vector<at::Tensor> pieces = shards_.piece_tensors();
+  for (auto& piece : expert_shards_.piece_tensors()) pieces.push_back(piece);
+  optimizer_ = make_optimizer(pieces);
   if (options_.of<ZeroOverlapOptions>().param_gather) overlap_forward();
 }
 
@@ -225,10 +248,16 @@ void ZeroStrategy::apply_update() {
   // gradient (which lives in the Reducer's buckets): no copies.
   shards_.wait();  // (the forward waited for every bucket already)
   if (!scatter_) {
-    shards_.alias_parameter_gradients(FlatShards::gradients_of(reduced_gradient_holders()));
+    std::vector<at::Tensor> dense;
+    const std::vector<at::Tensor> holders = reduced_gradient_holders();
+    for (size_t k = 0; k < holders.size(); ++k) {
+      if (!is_expert(k)) dense.push_back(holders[k]);
+    }
+    shards_.alias_parameter_gradients(FlatShards::gradients_of(dense));
   }
   optimizer_->step();
   if (shards_.has_master()) shards_.publish_master();
+  if (has_experts()) gather_wait_s_ += expert_shards_.allgather(grid_->edp());
   if (options_.of<ZeroOverlapOptions>().param_gather) {
     shards_.start_allgather(comm_);
   } else {
@@ -237,7 +266,11 @@ void ZeroStrategy::apply_update() {
 }
 
 std::vector<PieceRef> ZeroStrategy::state_pieces() const {
-  return shards_.state_pieces(names_, parameters_);
+  std::vector<PieceRef> pieces = shards_.state_pieces(dense_names_, dense_);
+  for (auto& piece : expert_shards_.state_pieces(expert_names_, experts_)) {
+    pieces.push_back(std::move(piece));
+  }
+  return pieces;
 }
 
 MemoryReport ZeroStrategy::memory_report() const {

@@ -46,6 +46,9 @@ class ZeroStrategy : public ddp::DdpStrategy {
   /// Checkpoints: each rank writes its shard's pieces; loads fill every (replicated) parameter.
   std::vector<PieceRef> state_pieces() const override;
   bool state_sharded() const override { return true; }
+  /// Expert parallelism: the experts' shards' gradients alias their reduced gradients before the
+  /// clipping and the update see them.
+  void after_gradient_sync(StepResult& result) override;
   /// The gradient shard the Reducer reduce-scatters into (defined when it does: zero2, and
   /// zero1 without tensor-parallel partial sums).
   const at::Tensor& shard_gradient() const { return shard_grad_; }
@@ -63,6 +66,13 @@ class ZeroStrategy : public ddp::DdpStrategy {
   /// after the reduction: then zero1 allreduces.
   bool scatter_ = false;
   FlatShards shards_;
+  /// Expert parallelism (--expert-parallel): shards_ holds the dense parameters (sharded over
+  /// the data-parallel group); the experts are sharded over their expert data-parallel group
+  /// (the ranks holding the same experts), their gradients reduced whole (reduce_expert_gradients)
+  /// and aliased into their pieces.
+  FlatShards expert_shards_;
+  std::vector<at::Tensor> dense_, experts_;
+  std::vector<std::string> dense_names_, expert_names_;
   double gather_wait_s_ = 0.0;  // this step's forward waiting for parameter gathers
   at::Tensor shard_grad_;       // scatter_: this rank's gradient shard (the pieces' grads alias it)
 };
