@@ -110,8 +110,9 @@ inline Fixture make_fixture(const models::ModelSpec& spec, const optim::Optimize
   return f;
 }
 
-/// Single-process training on the global batches.
-inline std::vector<at::Tensor> train_single(const Fixture& f, int steps) {
+/// Single-process training on the global batches (`max_grad_norm` > 0: clipped as
+/// torch.nn.utils.clip_grad_norm_).
+inline std::vector<at::Tensor> train_single(const Fixture& f, int steps, double max_grad_norm = 0) {
   Model model = make_model_as(f.spec, f.dtype);
   restore(model, f.initial);
   auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
@@ -121,9 +122,37 @@ inline std::vector<at::Tensor> train_single(const Fixture& f, int steps) {
                                                     order.begin() + (step + 1) * f.global_batch));
     optimizer->zero_grad();
     parallel::cross_entropy(model(batch.inputs), batch.targets).backward();
+    if (max_grad_norm > 0)
+      torch::nn::utils::clip_grad_norm_(model.module->parameters(), max_grad_norm);
     optimizer->step();
   }
   return snapshot(model);
+}
+
+/// A Llama of 3 blocks, the first dense, the others 4 experts (top-2) and a shared one, in
+/// float64 with Adam, on random tokens (vocabulary 11, windows of 6) for 3 steps of 8: the
+/// mixture-of-experts oracles' model (f.initial left to the caller).
+inline Fixture llama_with_experts() {
+  Fixture f;
+  f.spec.name = "llama";
+  models::GptConfig& c = f.spec.gpt;
+  c.vocab = 11;
+  c.layers = 3;
+  c.heads = 2;
+  c.width = 8;
+  c.context = 6;
+  c.moe_experts = 4;
+  c.moe_top_k = 2;
+  c.moe_shared_experts = 1;
+  c.moe_first_dense = 1;
+  c.moe_ffn_width = 6;
+  c.moe_aux_loss = 0;
+  f.optimizer = adam();
+  f.global_batch = 8;
+  at::Generator generator = at::detail::createCPUGenerator(5);
+  const at::Tensor tokens = at::randint(11, {f.global_batch * 3 + 8}, generator, at::kLong);
+  f.dataset = data::TensorDataset::windows(tokens, 6, 1);
+  return f;
 }
 
 /// The same on `world` rank threads with the strategy `make` builds, `micro` micro-batches per

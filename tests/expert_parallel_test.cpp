@@ -163,29 +163,6 @@ TEST(ExpertParallel, ExpertsThatDoNotSplitOverTheRanksAreRefused) {
 
 namespace {
 
-test::Fixture llama_with_experts() {
-  test::Fixture f;
-  f.spec.name = "llama";
-  models::GptConfig& c = f.spec.gpt;
-  c.vocab = 11;
-  c.layers = 3;
-  c.heads = 2;
-  c.width = 8;
-  c.context = 6;
-  c.moe_experts = 4;
-  c.moe_top_k = 2;
-  c.moe_shared_experts = 1;
-  c.moe_first_dense = 1;
-  c.moe_ffn_width = 6;
-  c.moe_aux_loss = 0;
-  f.optimizer = test::adam();
-  f.global_batch = 8;
-  at::Generator generator = at::detail::createCPUGenerator(5);
-  const at::Tensor tokens = at::randint(11, {f.global_batch * 3 + 8}, generator, at::kLong);
-  f.dataset = data::TensorDataset::windows(tokens, 6, 1);
-  return f;
-}
-
 // The same model on every rank (its seed drawn from the global generator, which rank threads
 // share): built one rank at a time.
 Model build_on(const test::Fixture& f, const comm::CommunicatorPtr& experts) {
@@ -276,27 +253,10 @@ std::map<std::string, at::Tensor> trained_whole(test::Fixture& f, int steps,
                                                 double max_grad_norm = 0) {
   Model model = build_on(f, nullptr);
   f.initial = test::snapshot(model);
+  const auto values = test::train_single(f, steps, max_grad_norm);
   std::map<std::string, at::Tensor> named;
-  if (max_grad_norm > 0) {
-    // One process with clipping, as the strategies clip.
-    auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
-    auto order = data::DistributedSampler(f.dataset.size(), 1, 0, {true, 5, true}).indices();
-    for (int step = 0; step < steps; ++step) {
-      auto batch = f.dataset.get(std::vector<int64_t>(order.begin() + step * f.global_batch,
-                                                      order.begin() + (step + 1) * f.global_batch));
-      optimizer->zero_grad();
-      parallel::cross_entropy(model(batch.inputs), batch.targets).backward();
-      torch::nn::utils::clip_grad_norm_(model.module->parameters(), max_grad_norm);
-      optimizer->step();
-    }
-  } else {
-    const auto values = test::train_single(f, steps);
-    size_t i = 0;
-    for (auto& p : model.module->parameters()) p.detach().copy_(values[i++]);
-  }
-  for (const auto& item : model.module->named_parameters()) {
-    named[item.key()] = item.value().detach().clone();
-  }
+  size_t i = 0;
+  for (const auto& item : model.module->named_parameters()) named[item.key()] = values[i++];
   return named;
 }
 
@@ -308,7 +268,7 @@ std::map<std::string, at::Tensor> trained_whole(test::Fixture& f, int steps,
 // accumulation and with clipping (the experts' squares summed over the expert group); zero1 and
 // zero2 alike.
 TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
-  test::Fixture f = llama_with_experts();
+  test::Fixture f = test::llama_with_experts();
   const auto whole = trained_whole(f, 3);
   {
     const Model serial = build_on(f, nullptr);
@@ -338,7 +298,7 @@ TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
     zero.micro = 2;
     EXPECT_LT(expert_parallel_apart(f, zero, whole), test::kTightBound) << strategy;
   }
-  test::Fixture clipped = llama_with_experts();
+  test::Fixture clipped = test::llama_with_experts();
   const auto whole_clipped = trained_whole(clipped, 3, 0.05);
   for (const std::string strategy : {"ddp", "zero1", "zero2"}) {
     ExpertRun clip;
@@ -354,7 +314,7 @@ TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
 // over 4 ranks, and without expert parallelism: the values are one process's after two steps,
 // and a third step (Adam's moments and count restored) is one process's third.
 TEST(ExpertParallel, CheckpointsReshardAcrossExpertLayouts) {
-  test::Fixture f = llama_with_experts();
+  test::Fixture f = test::llama_with_experts();
   const auto two_steps = trained_whole(f, 2);
   const auto three_steps = trained_whole(f, 3);
   test::TempDir dir;

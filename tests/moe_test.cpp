@@ -228,26 +228,8 @@ TEST(Moe, OptionsThatCannotMakeTheLayerAreRefusedByName) {
 // zero1 and zero3 on 2 ranks train to the weights of one process on the global batch, in
 // float64. The parameter count the planner and the summary use is the module's.
 TEST(Moe, ALlamaWithExpertsTrainsAsOneProcessUnderDdpZero1AndZero3InFloat64) {
-  test::Fixture f;
-  f.spec.name = "llama";
-  models::GptConfig& c = f.spec.gpt;
-  c.vocab = 11;
-  c.layers = 3;
-  c.heads = 2;
-  c.width = 8;
-  c.context = 6;
-  c.moe_experts = 4;
-  c.moe_top_k = 2;
-  c.moe_shared_experts = 1;
-  c.moe_first_dense = 1;
-  c.moe_ffn_width = 6;
-  c.moe_aux_loss = 0;
-  f.optimizer = test::adam();
-  f.global_batch = 8;
+  test::Fixture f = test::llama_with_experts();
   const int steps = 3;
-  at::Generator generator = at::detail::createCPUGenerator(5);
-  const at::Tensor tokens = at::randint(11, {f.global_batch * steps + 8}, generator, at::kLong);
-  f.dataset = data::TensorDataset::windows(tokens, 6, 1);
   torch::manual_seed(11);
   const Model built = test::make_model_as(f.spec, f.dtype);
   f.initial = test::snapshot(built);

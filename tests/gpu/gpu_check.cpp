@@ -84,6 +84,28 @@ std::string check_communicator(int rank, int size, int port) {
   scatter.counts = counts;
   world->reduce_scatter(mine, at::full({total}, rank + 1.0, options), scatter)->wait();
   CHECK_THAT(mine.eq(n * (n + 1) / 2).all().item<bool>(), "reduce_scatter");
+  // all-to-all with variable splits (a mixture of experts' dispatch): rank r sends r + j + 1
+  // elements of value 100 r + j to rank j
+  comm::AllToAllOptions exchange;
+  int64_t sent = 0, received = 0;
+  for (int j = 0; j < size; ++j) {
+    exchange.send_counts.push_back(rank + j + 1);
+    exchange.recv_counts.push_back(j + rank + 1);
+    sent += rank + j + 1;
+    received += j + rank + 1;
+  }
+  std::vector<at::Tensor> parts;
+  for (int j = 0; j < size; ++j)
+    parts.push_back(at::full({rank + j + 1}, 100.0 * rank + j, options));
+  at::Tensor arrived = at::zeros({received}, options);
+  world->all_to_all(arrived, at::cat(parts), exchange)->wait();
+  offset = 0;
+  for (int i = 0; i < size; ++i) {
+    CHECK_THAT(arrived.narrow(0, offset, i + rank + 1).eq(100.0 * i + rank).all().item<bool>(),
+               "all_to_all from rank ", i);
+    offset += i + rank + 1;
+  }
+  (void)sent;
   // a CPU tensor on the same communicator (a step's loss): its Gloo side
   at::Tensor loss = at::full({1}, rank + 1.0, at::kDouble);
   world->allreduce(loss)->wait();
