@@ -120,9 +120,10 @@ class CheckpointCommand final : public Command {
         elements += n;
       }
       std::printf(
-          "%s\n  strategy %s, world %d (dp %d x pp %d x tp %d), step %lld, epoch %lld, "
+          "%s\n  strategy %s, world %d (dp %d x pp %d x tp %d%s), step %lld, epoch %lld, "
           "seed %llu, global batch %lld\n  %zu tensors, %lld elements\n",
           checkpoint.c_str(), meta.strategy.c_str(), meta.world_size, meta.dp, meta.pp, meta.tp,
+          meta.ep > 1 ? concat(", experts over ", meta.ep).c_str() : "",
           static_cast<long long>(meta.step), static_cast<long long>(meta.epoch),
           static_cast<unsigned long long>(meta.seed), static_cast<long long>(meta.global_batch),
           meta.tensors.size(), static_cast<long long>(elements));

@@ -1044,6 +1044,10 @@ TEST(Cli, ExpertsSplitOverRanksTrainResumeAndGenerate) {
   out = run(kDtrain + common + " --max-steps 35");
   ASSERT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(has(out, "resumed from step 30")) << out.text;
+  EXPECT_TRUE(has(out,
+                  "(DP 2 x PP 1 x TP 1, experts over 2); now ddp on 2 ranks (DP 2 x PP 1 x "
+                  "TP 1)"))
+      << out.text;
   out = run(kDtrain + " generate --checkpoint " + (dir / "ckpt") +
             " --prompt 'The cat' --tokens 10 --seed 3");
   EXPECT_EQ(out.code, 0) << out.text;

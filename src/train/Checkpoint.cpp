@@ -119,6 +119,7 @@ void write_meta(const std::string& directory, const CheckpointMeta& meta) {
       {"global_batch", meta.global_batch},
       {"tensors", tensors},
   };
+  if (meta.ep > 1) json["layout"]["ep"] = meta.ep;
   nlohmann::json files = nlohmann::json::object();
   for (const auto& [name, digest] : meta.files) {
     files[name] = {{"bytes", digest.bytes}, {"crc32", digest.crc32}};
@@ -161,6 +162,7 @@ CheckpointMeta read_meta(const std::string& directory) {
     meta.dp = json.at("layout").at("dp").get<int>();
     meta.pp = json.at("layout").at("pp").get<int>();
     meta.tp = json.at("layout").at("tp").get<int>();
+    meta.ep = json.at("layout").value("ep", 1);
     meta.step = json.at("step").get<int64_t>();
     meta.epoch = json.at("epoch").get<int64_t>();
     meta.seed = json.at("seed").get<uint64_t>();

@@ -30,10 +30,11 @@ namespace dtrain::train {
 
 namespace {
 
-// "4 ranks (DP 2 x PP 2 x TP 1)": how a run or a checkpoint is laid out.
-std::string describe_layout(int world, int dp, int pp, int tp) {
+// "4 ranks (DP 2 x PP 2 x TP 1)": how a run or a checkpoint is laid out (", experts over 2"
+// with expert parallelism).
+std::string describe_layout(int world, int dp, int pp, int tp, int ep) {
   return concat(world, world == 1 ? " rank" : " ranks", " (DP ", dp, " x PP ", pp, " x TP ", tp,
-                ")");
+                ep > 1 ? concat(", experts over ", ep) : std::string(), ")");
 }
 
 std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
@@ -105,6 +106,7 @@ void CheckpointManager::publish(const std::string& staging, const std::string& n
   meta.dp = grid_.dp_size();
   meta.pp = grid_.pp_size();
   meta.tp = grid_.tp_size();
+  meta.ep = grid_.ep_size();
   meta.step = step;
   meta.epoch = epoch;
   meta.seed = options_.seed;
@@ -368,9 +370,11 @@ int64_t CheckpointManager::restore(int64_t global_batch) {
         "dtrain: resumed from step %lld of %s (saved by %s on %s; now %s on %s; verified and "
         "read in %.0f ms)\n",
         static_cast<long long>(meta.step), directory.c_str(), meta.strategy.c_str(),
-        describe_layout(meta.world_size, meta.dp, meta.pp, meta.tp).c_str(),
+        describe_layout(meta.world_size, meta.dp, meta.pp, meta.tp, meta.ep).c_str(),
         strategy_.name().c_str(),
-        describe_layout(world_.size(), grid_.dp_size(), grid_.pp_size(), grid_.tp_size()).c_str(),
+        describe_layout(world_.size(), grid_.dp_size(), grid_.pp_size(), grid_.tp_size(),
+                        grid_.ep_size())
+            .c_str(),
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
             .count());
     std::fflush(stdout);

@@ -39,6 +39,8 @@ struct CheckpointMeta {
   std::string strategy;
   int world_size = 1;
   int dp = 1, pp = 1, tp = 1;
+  /// The data-parallel ranks a mixture of experts' experts were split over (--expert-parallel).
+  int ep = 1;
   int64_t step = 0;
   int64_t epoch = 0;
   uint64_t seed = 0;
