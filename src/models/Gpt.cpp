@@ -543,9 +543,6 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, b
   if (expert_parallel && expert_parallel->size() > 1) {
     DTRAIN_CHECK_INPUT(config.moe_experts > 0, "--expert-parallel ", expert_parallel->size(),
                        " splits a mixture of experts: give the model --moe-experts");
-    DTRAIN_CHECK_INPUT(config.moe_experts % expert_parallel->size() == 0, "--moe-experts (",
-                       config.moe_experts, ") must be a multiple of --expert-parallel (",
-                       expert_parallel->size(), ")");
     shared.experts = expert_parallel;
   }
   shared.group = tensor_parallel && tensor_parallel->size() > 1 ? tensor_parallel : nullptr;

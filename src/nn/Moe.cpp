@@ -143,9 +143,25 @@ at::Tensor MoeImpl::forward(const at::Tensor& input) {
   const at::Tensor slot_weight = weights.reshape({-1}).index_select(0, slots);
   const at::Tensor sent = x.index_select(0, token_of);  // [M, W], by expert
 
-  // Each rank's experts compute the rows sent to them (all here without expert parallelism).
+  const at::Tensor returned = compute_experts(sent, taken);
+  at::Tensor out = at::zeros_like(x).index_add(0, token_of, returned * slot_weight.unsqueeze(1));
+  if (at::GradMode::is_enabled()) {
+    if (step_.load.empty()) step_.load.assign(E, 0);
+    for (int64_t e = 0; e < E; ++e) step_.load[e] += stats_.load[e];
+    step_.dropped += stats_.dropped;
+    step_.tokens += N;
+    step_.forwards += 1;
+    step_.aux_loss += stats_.aux_loss.item<double>();
+  }
+  if (options.shared_experts > 0) out = out + expert_swiglu(x, shared_gate, shared_up, shared_down);
+  return out.reshape(input.sizes());
+}
+
+// The rows `sent` (sorted by expert, taken[e] for expert e, from this rank's tokens) through
+// their experts, on the experts' ranks: the results in the same order.
+at::Tensor MoeImpl::compute_experts(const at::Tensor& sent, const std::vector<int64_t>& taken) {
   const int P = expert_ranks_;
-  const int64_t L = local_experts();
+  const int64_t E = options.experts, L = local_experts();
   std::vector<int64_t> send_rows(P, 0), recv_rows(P, 0);
   std::vector<int64_t> local_counts = taken;  // [source rank][local expert]: rows received
   for (int64_t e = 0; e < E; ++e) send_rows[e / L] += taken[e];
@@ -161,14 +177,16 @@ at::Tensor MoeImpl::forward(const at::Tensor& input) {
   const at::Tensor received = tensor::all_to_all_rows(sent, expert_parallel_, send_rows, recv_rows);
   // The received rows come by source rank, each source's by expert: regroup them by expert
   // (each expert's rows from every rank in rank order: one process's token order).
-  std::vector<int64_t> grouped_order, expert_rows(L, 0);
+  std::vector<int64_t> expert_rows = taken;
+  at::Tensor grouped_index;
   if (P > 1) {
-    std::vector<int64_t> source_at(P * L);
+    std::vector<int64_t> source_at(P * L), grouped_order;
     int64_t offset = 0;
     for (int64_t i = 0; i < P * L; ++i) {
       source_at[i] = offset;
       offset += local_counts[i];
     }
+    expert_rows.assign(L, 0);
     for (int64_t l = 0; l < L; ++l) {
       for (int r = 0; r < P; ++r) {
         for (int64_t j = 0; j < local_counts[r * L + l]; ++j)
@@ -176,10 +194,8 @@ at::Tensor MoeImpl::forward(const at::Tensor& input) {
         expert_rows[l] += local_counts[r * L + l];
       }
     }
-  } else {
-    expert_rows = taken;
+    grouped_index = at::tensor(grouped_order, at::kLong).to(sent.device());
   }
-  const at::Tensor grouped_index = at::tensor(grouped_order, at::kLong).to(x.device());
   const at::Tensor grouped = P > 1 ? received.index_select(0, grouped_index) : received;
   std::vector<at::Tensor> computed;
   int64_t row = 0;
@@ -202,19 +218,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& input) {
                          at::arange(grouped_index.numel(), grouped_index.options()));
     result = result.index_select(0, back);  // by source rank again
   }
-  const at::Tensor returned =
-      tensor::all_to_all_rows(result, expert_parallel_, recv_rows, send_rows);
-  at::Tensor out = at::zeros_like(x).index_add(0, token_of, returned * slot_weight.unsqueeze(1));
-  if (at::GradMode::is_enabled()) {
-    if (step_.load.empty()) step_.load.assign(E, 0);
-    for (int64_t e = 0; e < E; ++e) step_.load[e] += stats_.load[e];
-    step_.dropped += stats_.dropped;
-    step_.tokens += N;
-    step_.forwards += 1;
-    step_.aux_loss += stats_.aux_loss.item<double>();
-  }
-  if (options.shared_experts > 0) out = out + expert_swiglu(x, shared_gate, shared_up, shared_down);
-  return out.reshape(input.sizes());
+  return tensor::all_to_all_rows(result, expert_parallel_, recv_rows, send_rows);
 }
 
 MoeStepCounts MoeImpl::take_step_counts() {

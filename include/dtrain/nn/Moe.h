@@ -116,6 +116,10 @@ class MoeImpl : public torch::nn::Module, public tensor::TensorParallelModule {
   at::Tensor expert_bias;  ///< [E] buffer: shifts the choice only (0 unless update_bias runs)
 
  private:
+  /// The rows sent to each expert (sorted by expert, taken[e] for expert e) through it, on its
+  /// rank (an all-to-all there and back with expert parallelism): the results in their order.
+  at::Tensor compute_experts(const at::Tensor& sent, const std::vector<int64_t>& taken);
+
   MoeStats stats_;
   MoeStepCounts step_;
   comm::CommunicatorPtr expert_parallel_;
