@@ -291,8 +291,8 @@ std::optional<std::string> transformers_greedy(const TempDir& dir, bool stops_at
   }
   std::ofstream(dir / "greedy.py")
       << "import sys, torch\n"
-         "from transformers import LlamaForCausalLM, PreTrainedTokenizerFast\n"
-         "model = LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+         "from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast\n"
+         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
          "tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[1] + '/tokenizer.json')\n"
          "ids = torch.tensor([tok.encode('The cat')])\n"
       << (stops_at_eos
@@ -309,6 +309,18 @@ std::optional<std::string> transformers_greedy(const TempDir& dir, bool stops_at
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
+// A BPE tokenizer of 512 tokens trained on fortunes (dir/tok.json) and fortunes as its token
+// shards (dir/data/fortunes).
+void prepare_fortunes(const TempDir& dir) {
+  const std::string fortunes = "/usr/share/games/fortunes";
+  auto out = run(kDtrain + " data tokenizer train " + fortunes + " --vocab-size 512 --output " +
+                 (dir / "tok.json"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " data prepare " + fortunes + " --tokenizer " + (dir / "tok.json") +
+            " --output " + (dir / "data/fortunes"));
+  ASSERT_EQ(out.code, 0) << out.text;
+}
+
 }  // namespace
 
 // Weights out to the Python world and back in: a Llama trained on 2 ranks, exported as Hugging
@@ -318,13 +330,8 @@ std::optional<std::string> transformers_greedy(const TempDir& dir, bool stops_at
 // with the flags is named.
 TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   TempDir dir;
-  const std::string fortunes = "/usr/share/games/fortunes";
-  auto out = run(kDtrain + " data tokenizer train " + fortunes + " --vocab-size 512 --output " +
-                 (dir / "tok.json"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  out = run(kDtrain + " data prepare " + fortunes + " --tokenizer " + (dir / "tok.json") +
-            " --output " + (dir / "data/fortunes"));
-  ASSERT_EQ(out.code, 0) << out.text;
+  prepare_fortunes(dir);
+  Output out;
   // The named tiny shape, its width and context narrowed by flags (the command line wins).
   const std::string shape =
       " --config " + std::string(DTRAIN_SOURCE_DIR) +
@@ -445,6 +452,78 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "x") + " --format onnx");
   EXPECT_EQ(out.code, 2) << out.text;
   EXPECT_TRUE(has(out, "--format must be safetensors")) << out.text;
+}
+
+// A mixture of experts out to transformers and back in: trained with its experts over 2 ranks,
+// exported as Mixtral's folder, greedy-decoded by transformers' MixtralForCausalLM to the text
+// `dtrain generate` gives; the folder starts runs with the experts over 2 ranks (each reading its
+// own) and over none, which generate the same. A layout Mixtral has no names for is exported in
+// dtrain's names, and starts a run from them.
+TEST(Cli, MixtralExportsToTransformersAndStartsFromItsWeights) {
+  TempDir dir;
+  prepare_fortunes(dir);
+  Output out;
+  const std::string shape =
+      " --config " + std::string(DTRAIN_SOURCE_DIR) +
+      "/configs/moe-tiny.toml --moe-shared-experts 0 --moe-first-dense 0 --moe-experts 4"
+      " --dataset tokens:" +
+      (dir / "data/fortunes") +
+      " --context 16 --layers 2 --width 32 --heads 4 --kv-heads 2 --moe-ffn-width 32 --threads 1"
+      " --no-progress --batch-size 8 --warmup-steps 0 ";
+  out = run(kDtrain + " train --nproc 2 --expert-parallel 2" + shape +
+            "--max-steps 300 --lr 0.005 --checkpoint-dir " + (dir / "ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "hf"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  const auto config = nlohmann::json::parse(std::ifstream(dir / "hf/config.json"));
+  EXPECT_EQ(config.at("model_type"), "mixtral");
+  EXPECT_EQ(config.at("num_local_experts"), 4);
+  EXPECT_EQ(config.at("intermediate_size"), 32);
+  EXPECT_TRUE(dtrain::nn::SafeTensorsFile::open(dir / "hf/model.safetensors")
+                  .contains("model.layers.1.block_sparse_moe.experts.3.w2.weight"));
+  const std::string generate = " generate --prompt 'The cat' --tokens 12 --temperature 0";
+  out = run(kDtrain + generate + " --checkpoint " + (dir / "ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  const std::string ours = out.text;
+  EXPECT_EQ(ours.rfind("The cat", 0), 0u) << ours;
+  EXPECT_GT(std::set<char>(ours.begin() + 7, ours.end()).size(), 3u) << ours;  // not one token
+  const auto theirs = transformers_greedy(dir, /*stops_at_eos=*/false);
+  if (theirs) EXPECT_EQ(*theirs, ours);
+
+  const auto starts_from = [&](const std::string& layout, const std::string& extra_shape,
+                               const std::string& from, const std::string& folder) {
+    auto trained =
+        run(kDtrain + " train --nproc 2 " + layout + shape + extra_shape +
+            "--max-steps 1 --lr 1e-12 --init-from " + from + " --checkpoint-dir " + (dir / folder));
+    ASSERT_EQ(trained.code, 0) << layout << " from " << from << "\n" << trained.text;
+    EXPECT_EQ(run(kDtrain + generate + " --checkpoint " + (dir / folder)).text, ours)
+        << layout << " from " << from;
+  };
+  starts_from("--expert-parallel 2", "", dir / "hf", "ep");
+  starts_from("", "", dir / "hf", "ddp");
+  // Flags that do not match the folder's config.json: named, exit 2.
+  out = run(kDtrain + " train --nproc 1" + shape + "--moe-top-k 1 --max-steps 1 --init-from " +
+            (dir / "hf") + " --checkpoint-dir " + (dir / "other"));
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out, "num_experts_per_tok is 2, the model's --moe-top-k is 1")) << out.text;
+
+  // A shared expert: no Mixtral names for it, so dtrain's names, which start a run as they are.
+  const std::string with_shared = "--moe-shared-experts 1 ";
+  out = run(kDtrain + " train --nproc 2 --expert-parallel 2" + shape + with_shared +
+            "--max-steps 20 --lr 0.005 --checkpoint-dir " + (dir / "shared"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " ckpt export " + (dir / "shared") + " -o " + (dir / "shared-st"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_FALSE(std::filesystem::exists(dir / "shared-st/config.json"));
+  EXPECT_TRUE(dtrain::nn::SafeTensorsFile::open(dir / "shared-st/model.safetensors")
+                  .contains("blocks.1.moe.shared_gate"));
+  const std::string shared_text =
+      run(kDtrain + generate + " --checkpoint " + (dir / "shared")).text;
+  auto trained = run(kDtrain + " train --nproc 2 " + shape + with_shared +
+                     "--max-steps 1 --lr 1e-12 --init-from " + (dir / "shared-st") +
+                     " --checkpoint-dir " + (dir / "shared-again"));
+  ASSERT_EQ(trained.code, 0) << trained.text;
+  EXPECT_EQ(run(kDtrain + generate + " --checkpoint " + (dir / "shared-again")).text, shared_text);
 }
 
 // Generation ends where the document does: a Llama trained on one-sentence documents (the

@@ -7,8 +7,10 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "InputErrors.h"
 #include "Oracle.h"
@@ -105,6 +107,146 @@ TEST(Llama, LogitsEqualTransformersInFloat32AndFloat64) {
   }
 }
 
+// Mixtral (transformers' MixtralForCausalLM, its experts one by one as save_pretrained writes
+// them): the same logits within 1e-5 in float32 and 1e-10 in float64, its layout both ways bit for
+// bit, transformers 5's stacked experts read alike, and an expert-parallel rank reading only its
+// experts' rows of the file, its forward (the all-to-all there and back) still transformers'.
+TEST(Llama, MixtralLogitsEqualTransformersAndEachExpertRankReadsItsExperts) {
+  if (!have_transformers()) GTEST_SKIP() << "no transformers in " << kPeerPython;
+  TempDir dir;
+  const std::string command =
+      kPeerPython + " " + kOracle + " " + dir.path() + " --mixtral > " + (dir / "log") + " 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << read_text(dir / "log");
+  const models::GptConfig config =
+      models::llama_config_from_hf(read_text(dir / "model/config.json"), "config.json");
+  EXPECT_EQ(config.moe_experts, 4);
+  EXPECT_EQ(config.moe_top_k, 2);
+  EXPECT_EQ(config.moe_ffn_width, 48);
+  EXPECT_EQ(config.moe_score, "softmax");
+  // Our config.json reads back as the same sizes.
+  EXPECT_EQ(models::to_json(models::llama_config_from_hf(models::llama_config_to_hf(config), "c")),
+            models::to_json(config));
+  const auto weights = nn::SafeTensorsSet::open(dir / "model");
+  const models::FullTensors full = models::from_hf_llama(weights, config);
+  EXPECT_EQ(full.at("blocks.1.moe.down").sizes(), at::IntArrayRef({4, 32, 48}));
+  const nn::NamedTensors back = models::to_hf_llama(full, config);
+  EXPECT_EQ(back.size(), weights.names().size());
+  for (const auto& [name, tensor] : back) EXPECT_TRUE(at::equal(tensor, weights.get(name))) << name;
+
+  const auto expected = nn::SafeTensorsFile::open(dir / "expected.safetensors");
+  const at::Tensor ids = expected.get("ids");
+  {
+    Model model = models::make_gpt(config);
+    models::load_full_tensors(*model.module, full, "model");
+    model.module->eval();
+    torch::NoGradGuard no_grad;
+    EXPECT_LT((model(ids) - expected.get("logits32")).abs().max().item<double>(), 1e-5);
+    model.module->to(at::kDouble);
+    EXPECT_LT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-10);
+    // The check can fail: the experts' weights changed move the logits.
+    model.module->named_parameters()["blocks.0.moe.up"].mul_(1.01);
+    EXPECT_GT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-6);
+  }
+
+  // transformers 5's own layout: experts.gate_up_proj [E, 2F, W] (gate first), experts.down_proj,
+  // under mlp.
+  nn::NamedTensors stacked;
+  for (const auto& [name, tensor] : back) {
+    if (name.find(".experts.") != std::string::npos) continue;
+    std::string renamed = name;
+    const auto at = renamed.find("block_sparse_moe.");
+    if (at != std::string::npos) renamed.replace(at, 17, "mlp.");
+    stacked.push_back({renamed, tensor});
+  }
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string b = "blocks." + std::to_string(layer) + ".moe.";
+    const std::string l = "model.layers." + std::to_string(layer) + ".mlp.experts.";
+    stacked.push_back({l + "gate_up_proj", at::cat({full.at(b + "gate"), full.at(b + "up")}, 1)});
+    stacked.push_back({l + "down_proj", full.at(b + "down")});
+  }
+  nn::save_safetensors(dir / "stacked.safetensors", stacked);
+  const models::FullTensors from_stacked =
+      models::from_hf_llama(nn::SafeTensorsSet::open(dir / "stacked.safetensors"), config);
+  ASSERT_EQ(from_stacked.size(), full.size());
+  for (const auto& [name, tensor] : full)
+    EXPECT_TRUE(at::equal(from_stacked.at(name), tensor)) << name;
+
+  int64_t file_bytes = 0;
+  for (const auto& name : weights.names()) file_bytes += weights.get(name).nbytes();
+  int64_t expert_bytes = 0;
+  for (const auto& [name, tensor] : full) {
+    for (const char* stacked_name : {".moe.gate", ".moe.up", ".moe.down"}) {
+      if (name.size() > std::strlen(stacked_name) &&
+          name.compare(name.size() - std::strlen(stacked_name), std::string::npos, stacked_name) ==
+              0)
+        expert_bytes += tensor.nbytes();
+    }
+  }
+  test::run_ranks(2, [&](const comm::CommunicatorPtr& world) {
+    auto grid = std::make_shared<comm::ProcessGrid>(world, 1, 1);
+    grid->split_experts(2);
+    Model model = models::make_gpt(config, nullptr, false, grid->ep());
+    const models::WeightSource source = models::WeightSource::hf_llama(
+        std::make_shared<const nn::SafeTensorsSet>(nn::SafeTensorsSet::open(dir / "model")),
+        config);
+    models::load_weights(*model.module, source, "model");
+    const auto local = model.module->named_parameters();
+    EXPECT_TRUE(local["blocks.1.moe.gate"].equal(
+        full.at("blocks.1.moe.gate").narrow(0, 2 * world->rank(), 2)));
+    // The rest of the file, and half the experts.
+    EXPECT_EQ(source.bytes_read(), file_bytes - expert_bytes / 2) << "rank " << world->rank();
+    model.module->eval();
+    torch::NoGradGuard no_grad;
+    EXPECT_LT((model(ids) - expected.get("logits32")).abs().max().item<double>(), 1e-5)
+        << "rank " << world->rank();
+  });
+}
+
+// A mixture of experts in Mixtral's names: a missing expert is named, a routing bias Mixtral
+// cannot hold and a layout it has no names for (sigmoid scores, shared experts, dense first
+// blocks) are refused, as is a sliding window shorter than the context.
+TEST(Llama, MixtralFilesAndModelsThatDoNotFitAreNamed) {
+  models::GptConfig config = small_llama();
+  config.moe_experts = 4;
+  config.moe_ffn_width = 8;
+  torch::manual_seed(3);
+  models::FullTensors full = full_parameters(models::make_gpt(config));
+  const nn::NamedTensors hf = models::to_hf_llama(full, config);
+  TempDir dir;
+  nn::NamedTensors missing;
+  for (const auto& named : hf) {
+    if (named.first != "model.layers.1.block_sparse_moe.experts.3.w2.weight")
+      missing.push_back(named);
+  }
+  nn::save_safetensors(dir / "missing.safetensors", missing);
+  EXPECT_NE(error_of([&] {
+              models::from_hf_llama(nn::SafeTensorsSet::open(dir / "missing.safetensors"), config);
+            }).find("tensor 'model.layers.1.block_sparse_moe.experts.3.w2.weight' is missing"),
+            std::string::npos);
+  full["blocks.0.moe.expert_bias"] = at::tensor({0.0, 0.01, 0.0, -0.01});
+  EXPECT_NE(error_of([&] {
+              models::to_hf_llama(full, config);
+            }).find("blocks.0.moe.expert_bias is not zero"),
+            std::string::npos);
+  for (const auto& change : std::vector<std::function<void(models::GptConfig&)>>{
+           [](models::GptConfig& c) { c.moe_score = "sigmoid"; },
+           [](models::GptConfig& c) { c.moe_shared_experts = 1; },
+           [](models::GptConfig& c) { c.moe_first_dense = 1; }}) {
+    models::GptConfig other = config;
+    change(other);
+    EXPECT_FALSE(models::has_hugging_face_layout(other));
+    EXPECT_NE(error_of([&] { models::llama_config_to_hf(other); }).find("is Mixtral's"),
+              std::string::npos);
+  }
+  const std::string windowed = R"({"model_type": "mixtral", "vocab_size": 10, "hidden_size": 16,
+      "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+      "max_position_embeddings": 32, "num_local_experts": 4, "sliding_window": 16})";
+  EXPECT_NE(error_of([&] {
+              models::llama_config_from_hf(windowed, "c.json");
+            }).find("sliding_window 16 is shorter than max_position_embeddings 32"),
+            std::string::npos);
+}
+
 TEST(Llama, HuggingFaceConfigsAndWeightFilesThatDoNotFitAreNamed) {
   TempDir dir;
   const models::GptConfig config = small_llama();
@@ -145,6 +287,7 @@ TEST(Llama, HuggingFaceConfigsAndWeightFilesThatDoNotFitAreNamed) {
             std::string::npos);
   const std::vector<std::pair<std::string, std::string>> configs = {
       {R"({"model_type": "mistral"})", "model_type 'mistral'"},
+      {R"({"model_type": "mixtral", "vocab_size": 10})", "num_local_experts"},
       {R"({"model_type": "llama", "vocab_size": 10})", "hidden_size"},
       {R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3,

@@ -2,7 +2,9 @@
 // dtrain's q, k and v are transformers' q_proj, k_proj and v_proj as they are (query head i
 // served by key/value head i / (heads / kv_heads) in both, as transformers' repeat_kv). With as
 // many key/value heads as query heads dtrain packs them as qkv, rows ordered
-// [head, (query, key, value), head dim].
+// [head, (query, key, value), head dim]. A mixture of experts is Mixtral's: the router is
+// block_sparse_moe.gate, dtrain's stacked experts ([E, ...]) are experts.J.w1 (gate), w3 (up) and
+// w2 (down), one tensor per expert.
 #include "dtrain/models/HuggingFace.h"
 
 #include <ATen/ATen.h>
@@ -11,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <set>
+#include <sstream>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/nn/DeferredInit.h"
@@ -23,7 +26,7 @@ using json = nlohmann::json;
 namespace {
 
 struct Shapes {
-  int64_t width, heads, groups, rep, head_dim, ffn;
+  int64_t width, heads, groups, rep, head_dim, ffn, experts, expert_ffn;
 };
 
 Shapes shapes_of(const GptConfig& c) {
@@ -34,18 +37,14 @@ Shapes shapes_of(const GptConfig& c) {
   s.rep = c.heads / s.groups;
   s.head_dim = c.width / c.heads;
   s.ffn = ffn_width_of(c);
+  s.experts = c.moe_experts;
+  s.expert_ffn = c.moe_ffn_width > 0 ? c.moe_ffn_width : s.ffn;
   return s;
 }
 
 void check_llama(const GptConfig& c) {
-  DTRAIN_CHECK_INPUT(c.moe_experts == 0,
-                     "a mixture of experts in Hugging Face's names (Mixtral, Qwen3-MoE) is not "
-                     "read or written yet (issue 81); the checkpoint itself holds every expert");
-  DTRAIN_CHECK_INPUT(is_llama_architecture(c),
-                     "Hugging Face's Llama layout needs the Llama architecture (--model llama): "
-                     "this decoder has ",
-                     c.norm, ", ", c.position, " positions, a ", c.mlp, " MLP",
-                     c.bias ? " and biases" : "");
+  std::string why;
+  DTRAIN_CHECK_INPUT(has_hugging_face_layout(c, &why), why);
 }
 
 std::string layer(int64_t i) { return "model.layers." + std::to_string(i) + "."; }
@@ -57,6 +56,23 @@ bool is_llama_architecture(const GptConfig& c) {
   return c.norm == "rmsnorm" && c.position == "rope" && c.mlp == "swiglu" && !c.bias;
 }
 
+bool has_hugging_face_layout(const GptConfig& c, std::string* why) {
+  std::ostringstream out;
+  if (!is_llama_architecture(c)) {
+    out << "Hugging Face's Llama layout needs the Llama architecture (--model llama): this "
+        << "decoder has " << c.norm << ", " << c.position << " positions, a " << c.mlp << " MLP"
+        << (c.bias ? " and biases" : "");
+  } else if (c.moe_experts > 0 && (c.moe_score != "softmax" || c.moe_shared_experts > 0 ||
+                                   c.moe_every != 1 || c.moe_first_dense != 0)) {
+    out << "Hugging Face's layout for a mixture of experts is Mixtral's (every block routed, "
+        << "softmax scores, no shared experts): this model has --moe-score " << c.moe_score
+        << ", --moe-shared-experts " << c.moe_shared_experts << ", --moe-every " << c.moe_every
+        << ", --moe-first-dense " << c.moe_first_dense;
+  }
+  if (why) *why = out.str();
+  return out.str().empty();
+}
+
 GptConfig llama_config_from_hf(const std::string& text, const std::string& origin) {
   json j;
   try {
@@ -66,11 +82,26 @@ GptConfig llama_config_from_hf(const std::string& text, const std::string& origi
   }
   DTRAIN_CHECK_INPUT(j.is_object(), origin, ": not a JSON object");
   const std::string type = j.value("model_type", std::string());
-  DTRAIN_CHECK_INPUT(type == "llama", origin, ": model_type '", type,
-                     "'; dtrain reads Llama configs (model_type llama)");
+  DTRAIN_CHECK_INPUT(type == "llama" || type == "mixtral", origin, ": model_type '", type,
+                     "'; dtrain reads Llama and Mixtral configs (model_type llama, mixtral)");
   GptConfig c;
   llama_preset(c);
   try {
+    if (type == "mixtral") {
+      c.moe_experts = j.at("num_local_experts").get<int64_t>();
+      c.moe_top_k = j.value("num_experts_per_tok", int64_t{2});
+      c.moe_ffn_width = j.at("intermediate_size").get<int64_t>();
+      c.moe_aux_loss = j.value("router_aux_loss_coef", 0.001);
+      // Mixtral's own default (transformers' MixtralConfig.default_theta).
+      c.rope_theta = 1000000.0;
+      const int64_t context = j.at("max_position_embeddings").get<int64_t>();
+      if (j.contains("sliding_window") && !j["sliding_window"].is_null()) {
+        const int64_t window = j["sliding_window"].get<int64_t>();
+        DTRAIN_CHECK_INPUT(window >= context, origin, ": sliding_window ", window,
+                           " is shorter than max_position_embeddings ", context,
+                           " (dtrain's attention sees the whole context)");
+      }
+    }
     c.vocab = j.at("vocab_size").get<int64_t>();
     c.width = j.at("hidden_size").get<int64_t>();
     c.ffn_width = j.at("intermediate_size").get<int64_t>();
@@ -80,7 +111,7 @@ GptConfig llama_config_from_hf(const std::string& text, const std::string& origi
     c.context = j.at("max_position_embeddings").get<int64_t>();
     c.norm_eps = j.value("rms_norm_eps", 1e-6);
     c.tied_embeddings = j.value("tie_word_embeddings", false);
-    c.rope_theta = j.value("rope_theta", 10000.0);
+    c.rope_theta = j.value("rope_theta", type == "mixtral" ? c.rope_theta : 10000.0);
     if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
       const auto& rope = j["rope_parameters"];
       c.rope_theta = rope.value("rope_theta", c.rope_theta);
@@ -115,12 +146,14 @@ GptConfig llama_config_from_hf(const std::string& text, const std::string& origi
 
 std::string llama_config_to_hf(const GptConfig& c, const std::string& dtype, int64_t eos_token_id) {
   check_llama(c);
+  const Shapes s = shapes_of(c);
+  const bool moe = c.moe_experts > 0;
   json j = {
-      {"architectures", {"LlamaForCausalLM"}},
-      {"model_type", "llama"},
+      {"architectures", {moe ? "MixtralForCausalLM" : "LlamaForCausalLM"}},
+      {"model_type", moe ? "mixtral" : "llama"},
       {"vocab_size", c.vocab},
       {"hidden_size", c.width},
-      {"intermediate_size", ffn_width_of(c)},
+      {"intermediate_size", moe ? s.expert_ffn : s.ffn},
       {"num_hidden_layers", c.layers},
       {"num_attention_heads", c.heads},
       {"num_key_value_heads", kv_heads_of(c)},
@@ -138,6 +171,14 @@ std::string llama_config_to_hf(const GptConfig& c, const std::string& dtype, int
       {"dtype", dtype},
       {"torch_dtype", dtype},
   };
+  if (moe) {
+    j["num_local_experts"] = c.moe_experts;
+    j["num_experts_per_tok"] = c.moe_top_k;
+    j["router_aux_loss_coef"] = c.moe_aux_loss;
+    j["output_router_logits"] = false;
+    j["router_jitter_noise"] = 0.0;
+    j["sliding_window"] = nullptr;
+  }
   if (eos_token_id >= 0) {
     j["bos_token_id"] = eos_token_id;
     j["eos_token_id"] = eos_token_id;
@@ -168,10 +209,27 @@ nn::NamedTensors to_hf_llama(const FullTensors& ours, const GptConfig& c) {
       }
     }
     out.push_back({layer(i) + "self_attn.o_proj.weight", get(block(i) + "proj.weight")});
-    const at::Tensor fc1 = get(block(i) + "fc1.weight").view({s.ffn, 2, s.width});
-    out.push_back({layer(i) + "mlp.gate_proj.weight", fc1.select(1, 0)});
-    out.push_back({layer(i) + "mlp.up_proj.weight", fc1.select(1, 1)});
-    out.push_back({layer(i) + "mlp.down_proj.weight", get(block(i) + "fc2.weight")});
+    if (s.experts > 0) {
+      const std::string m = layer(i) + "block_sparse_moe.", b = block(i) + "moe.";
+      const auto bias = ours.find(b + "expert_bias");
+      DTRAIN_CHECK_INPUT(bias == ours.end() || !bias->second.ne(0).any().item<bool>(), b,
+                         "expert_bias is not zero (--moe-bias-rate moved it): Mixtral's layout "
+                         "has no routing bias, and without it the tokens would go to other "
+                         "experts; export the checkpoint in dtrain's names instead");
+      out.push_back({m + "gate.weight", get(b + "router")});
+      const at::Tensor gate = get(b + "gate"), up = get(b + "up"), down = get(b + "down");
+      for (int64_t e = 0; e < s.experts; ++e) {
+        const std::string x = m + "experts." + std::to_string(e) + ".";
+        out.push_back({x + "w1.weight", gate[e]});
+        out.push_back({x + "w2.weight", down[e]});
+        out.push_back({x + "w3.weight", up[e]});
+      }
+    } else {
+      const at::Tensor fc1 = get(block(i) + "fc1.weight").view({s.ffn, 2, s.width});
+      out.push_back({layer(i) + "mlp.gate_proj.weight", fc1.select(1, 0)});
+      out.push_back({layer(i) + "mlp.up_proj.weight", fc1.select(1, 1)});
+      out.push_back({layer(i) + "mlp.down_proj.weight", get(block(i) + "fc2.weight")});
+    }
     out.push_back({layer(i) + "input_layernorm.weight", get(block(i) + "ln1.weight")});
     out.push_back({layer(i) + "post_attention_layernorm.weight", get(block(i) + "ln2.weight")});
   }
@@ -188,6 +246,56 @@ WeightSource WeightSource::direct(std::shared_ptr<const nn::SafeTensorsSet> weig
   }
   source.weights_ = std::move(weights);
   return source;
+}
+
+// A block's experts (`ours`: "blocks.N.moe.") from Mixtral's names under `l` ("model.layers.N."):
+// the router, and the experts one by one (the Hub's, save_pretrained's) or stacked as transformers
+// 5 holds them (experts.gate_up_proj [E, 2F, W], gate first; experts.down_proj [E, W, F]), under
+// block_sparse_moe. or mlp.
+template <typename Entries, typename Check>
+void moe_entries(Entries& e, const std::string& l, const std::string& ours, const Shapes& s,
+                 const nn::SafeTensorsSet& w, Check& check) {
+  using Read = WeightSource::Read;
+  const int64_t E = s.experts, F = s.expert_ffn, W = s.width;
+  const std::string m = l + (w.contains(l + "mlp.gate.weight") ? "mlp." : "block_sparse_moe.");
+  e[ours + "router"] = {{E, W}, {check(m + "gate.weight", {E, W})}, 1};
+  e[ours + "expert_bias"] = {{E}, {}, 1, at::zeros({E})};  // (none in Mixtral's layout)
+  if (w.contains(m + "experts.gate_up_proj")) {
+    const std::string gate_up = check(m + "experts.gate_up_proj", {E, 2 * F, W});
+    for (int64_t half = 0; half < 2; ++half) {
+      auto& entry = e[ours + (half == 0 ? "gate" : "up")];
+      entry = {{E, F, W}, {gate_up}, 1};
+      entry.compose = [gate_up, half, F](const Read& read, int64_t begin, int64_t end) {
+        return read(gate_up, begin, end - begin).narrow(1, half * F, F);
+      };
+    }
+    e[ours + "down"] = {{E, W, F}, {check(m + "experts.down_proj", {E, W, F})}, 1};
+    return;
+  }
+  // One tensor per expert: the entry's row j is expert j's whole tensor.
+  auto per_expert = [&](const char* ours_name, const char* theirs, std::vector<int64_t> shape) {
+    std::vector<std::string> parts;
+    for (int64_t j = 0; j < E; ++j) {
+      parts.push_back(check(m + "experts." + std::to_string(j) + "." + theirs, shape));
+    }
+    auto& entry = e[ours + ours_name];
+    std::vector<int64_t> stacked{E};
+    stacked.insert(stacked.end(), shape.begin(), shape.end());
+    entry = {stacked, parts, 1};
+    entry.compose = [parts, shape](const Read& read, int64_t begin, int64_t end) {
+      std::vector<at::Tensor> experts;
+      for (int64_t j = begin; j < end; ++j) experts.push_back(read(parts[j], 0, shape[0]));
+      if (experts.empty()) {
+        std::vector<int64_t> none{0};
+        none.insert(none.end(), shape.begin(), shape.end());
+        return at::empty(none, read(parts[0], 0, 0).options());
+      }
+      return at::stack(experts);
+    };
+  };
+  per_expert("gate", "w1.weight", {F, W});
+  per_expert("up", "w3.weight", {F, W});
+  per_expert("down", "w2.weight", {W, F});
 }
 
 WeightSource WeightSource::hf_llama(std::shared_ptr<const nn::SafeTensorsSet> weights,
@@ -225,13 +333,17 @@ WeightSource WeightSource::hf_llama(std::shared_ptr<const nn::SafeTensorsSet> we
     }
     e[b + "proj.weight"] = {
         {s.width, s.width}, {check(l + "self_attn.o_proj.weight", {s.width, s.width})}, 1};
-    // fc1's rows: gate 0, up 0, gate 1, ...
-    e[b + "fc1.weight"] = {{2 * s.ffn, s.width},
-                           {check(l + "mlp.gate_proj.weight", {s.ffn, s.width}),
-                            check(l + "mlp.up_proj.weight", {s.ffn, s.width})},
-                           1};
-    e[b + "fc2.weight"] = {
-        {s.width, s.ffn}, {check(l + "mlp.down_proj.weight", {s.width, s.ffn})}, 1};
+    if (s.experts > 0) {
+      moe_entries(e, l, b + "moe.", s, w, check);
+    } else {
+      // fc1's rows: gate 0, up 0, gate 1, ...
+      e[b + "fc1.weight"] = {{2 * s.ffn, s.width},
+                             {check(l + "mlp.gate_proj.weight", {s.ffn, s.width}),
+                              check(l + "mlp.up_proj.weight", {s.ffn, s.width})},
+                             1};
+      e[b + "fc2.weight"] = {
+          {s.width, s.ffn}, {check(l + "mlp.down_proj.weight", {s.width, s.ffn})}, 1};
+    }
     e[b + "ln1.weight"] = {{s.width}, {check(l + "input_layernorm.weight", {s.width})}, 1};
     e[b + "ln2.weight"] = {{s.width}, {check(l + "post_attention_layernorm.weight", {s.width})}, 1};
   }
@@ -283,11 +395,12 @@ at::Tensor WeightSource::rows(const std::string& name, int64_t begin, int64_t en
                "WeightSource: rows [", begin, ", ", end, ") of ", name, " of shape ",
                at::IntArrayRef(entry.shape));
   if (entry.tensor.defined()) return entry.tensor.narrow(0, begin, end - begin);
-  auto read = [&](const std::string& part, int64_t first, int64_t count) {
+  const Read read = [this](const std::string& part, int64_t first, int64_t count) {
     at::Tensor t = weights_->slice(part, 0, first, count);
     *bytes_read_ += static_cast<int64_t>(t.nbytes());
     return t;
   };
+  if (entry.compose) return entry.compose(read, begin, end);
   const int64_t parts = static_cast<int64_t>(entry.parts.size());
   if (parts == 1) return read(entry.parts[0], begin, end - begin);
   // Whole groups (one block of every part) covering the rows, then the rows asked for.

@@ -42,7 +42,17 @@ void check_against_flags(const models::GptConfig& file, const models::GptConfig&
   };
   same("vocab_size", "vocabulary (--vocab-size, or the data's)", file.vocab, model.vocab);
   same("hidden_size", "--width", file.width, model.width);
-  same("intermediate_size", "--ffn-width", models::ffn_width_of(file), models::ffn_width_of(model));
+  same("num_local_experts", "--moe-experts", file.moe_experts, model.moe_experts);
+  if (model.moe_experts > 0) {  // Mixtral: every block routed, intermediate_size each expert's
+    const auto expert_ffn = [](const models::GptConfig& c) {
+      return c.moe_ffn_width > 0 ? c.moe_ffn_width : models::ffn_width_of(c);
+    };
+    same("intermediate_size", "--moe-ffn-width", expert_ffn(file), expert_ffn(model));
+    same("num_experts_per_tok", "--moe-top-k", file.moe_top_k, model.moe_top_k);
+  } else {
+    same("intermediate_size", "--ffn-width", models::ffn_width_of(file),
+         models::ffn_width_of(model));
+  }
   same("num_hidden_layers", "--layers", file.layers, model.layers);
   same("num_attention_heads", "--heads", file.heads, model.heads);
   same("num_key_value_heads", "--kv-heads", models::kv_heads_of(file), models::kv_heads_of(model));
@@ -64,7 +74,8 @@ std::vector<std::string> export_safetensors(const std::string& checkpoint,
   if (model_it != meta.extras.end()) {
     const models::GptConfig config =
         models::gpt_config_from_json(model_it->second, directory + "/meta.json");
-    if (models::is_llama_architecture(config)) {
+    // (a mixture of experts Mixtral's names cannot hold is written in dtrain's)
+    if (models::has_hugging_face_layout(config)) {
       models::FullTensors full;
       for (const auto& t : tensors) full[t.name] = t.value;
       const std::string dtype = c10::toString(tensors.front().value.scalar_type());
@@ -135,6 +146,9 @@ models::WeightSource open_weights(const models::ModelSpec& spec, const std::stri
   DTRAIN_CHECK_INPUT(models::is_llama_architecture(config), "--init-from ", path,
                      " holds Hugging Face Llama weights; --model ", spec.name,
                      " is not a Llama-architecture decoder (--model llama)");
+  std::string why;
+  DTRAIN_CHECK_INPUT(models::has_hugging_face_layout(config, &why), "--init-from ", path,
+                     " holds Hugging Face weights: ", why);
   const fs::path folder = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
   const fs::path config_path = folder / "config.json";
   std::error_code error;

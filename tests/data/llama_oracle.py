@@ -1,19 +1,25 @@
-"""transformers' LlamaForCausalLM as the oracle for dtrain's Llama model (tests/llama_test.cpp).
+"""transformers' LlamaForCausalLM and MixtralForCausalLM as the oracles for dtrain's Llama model
+and its mixture of experts (tests/llama_test.cpp).
 
-  python llama_oracle.py OUT [--tied]
+  python llama_oracle.py OUT [--tied] [--mixtral]
 writes OUT/model (save_pretrained: config.json + model.safetensors) of a small random Llama with
-grouped-query attention (its norms' weights drawn too, so they count), and OUT/expected.safetensors:
+grouped-query attention (its norms' weights drawn too, so they count), or with --mixtral a Mixtral
+of 4 experts, top-2 (save_pretrained writes its experts one by one, as the Hub's checkpoints:
+block_sparse_moe.experts.J.w1/w2/w3), and OUT/expected.safetensors:
 "ids" [2, 12] and the logits on them in float32 ("logits32", transformers as it is) and in float64
 ("logits64"). In float64 transformers' own float32 islands (LlamaRMSNorm and the rotary tables
 compute in float32 whatever the model's dtype) are replaced by the same formulas in the input's
 dtype, and attention is its "sdpa" implementation (its "eager" one takes the softmax in float32);
-the rest is transformers' code."""
+Mixtral's router, which takes its softmax in float32, keeps the input's dtype too, and its experts
+are the loop over experts (torch's grouped_mm has no float64). The rest is
+transformers' code."""
 import sys
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from transformers.models.llama import modeling_llama
+from transformers.models.mixtral import modeling_mixtral
 
 
 def rms_norm_in_dtype(self, hidden_states):
@@ -31,15 +37,29 @@ def rotary_in_dtype(self, x, position_ids):
         (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
+def router_in_dtype(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    router_probs = router_logits.softmax(dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    return router_logits, router_top_value, router_indices
+
+
 def main():
     out = sys.argv[1]
     tied = "--tied" in sys.argv
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tied)
+    mixtral = "--mixtral" in sys.argv
+    sizes = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tied)
+    if mixtral:
+        config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **sizes)
+    else:
+        config = LlamaConfig(**sizes)
     config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config).eval()
+    model = (MixtralForCausalLM if mixtral else LlamaForCausalLM)(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -52,6 +72,10 @@ def main():
         logits32 = model(ids).logits
         modeling_llama.LlamaRMSNorm.forward = rms_norm_in_dtype
         modeling_llama.LlamaRotaryEmbedding.forward = rotary_in_dtype
+        modeling_mixtral.MixtralRMSNorm.forward = rms_norm_in_dtype
+        modeling_mixtral.MixtralRotaryEmbedding.forward = rotary_in_dtype
+        modeling_mixtral.MixtralTopKRouter.forward = router_in_dtype
+        model.config._experts_implementation = "eager"  # (grouped_mm has no float64)
         model.config._attn_implementation = "sdpa"
         logits64 = model.double()(ids).logits
     save_file({"ids": ids, "logits32": logits32.contiguous(), "logits64": logits64.contiguous()},

@@ -1,6 +1,10 @@
 // The decoder's weights as Hugging Face's transformers names and lays them out (LlamaForCausalLM:
 // model.layers.N.self_attn.q_proj.weight, ...; config.json), both ways: a Llama saved by Python
-// tools starts a dtrain run, a dtrain run's weights load into transformers.
+// tools starts a dtrain run, a dtrain run's weights load into transformers. A mixture of experts
+// is Mixtral's (MixtralForCausalLM: model.layers.N.block_sparse_moe.gate.weight, the experts one
+// by one as experts.J.w1 (gate), w3 (up) and w2 (down), as the Hub's checkpoints and
+// transformers' save_pretrained write them; transformers 5's stacked experts.gate_up_proj and
+// experts.down_proj are read too).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,34 +28,46 @@ namespace dtrain::models {
 /// dtrain's parameter names -> the full (unsplit) tensors.
 using FullTensors = std::map<std::string, at::Tensor>;
 
-/// The decoder has Llama's architecture (llama_preset's choices): Hugging Face's layout applies.
+/// The decoder has Llama's architecture (llama_preset's choices).
 bool is_llama_architecture(const GptConfig& config);
 
-/// A Llama config.json (transformers 4.x's rope_theta or 5.x's rope_parameters) as the decoder's
-/// sizes; InputError naming the field and `origin` for one dtrain's Llama does not have (another
-/// model_type, biases, rope scaling, an activation other than silu, a head_dim that is not
-/// hidden_size / num_attention_heads). `context` overrides max_position_embeddings when > 0.
+/// Hugging Face's layout holds the decoder: Llama's architecture, and a mixture of experts (if
+/// any) that Mixtral's names hold (every block routed, softmax scores normalized over the top k,
+/// no shared experts). Else why not, in `why` when given.
+bool has_hugging_face_layout(const GptConfig& config, std::string* why = nullptr);
+
+/// A Llama or Mixtral config.json (transformers 4.x's rope_theta or 5.x's rope_parameters) as the
+/// decoder's sizes; InputError naming the field and `origin` for one dtrain's Llama does not have
+/// (another model_type, biases, rope scaling, an activation other than silu, a head_dim that is
+/// not hidden_size / num_attention_heads, Mixtral's sliding window shorter than the context).
 GptConfig llama_config_from_hf(const std::string& config_json, const std::string& origin);
 
-/// config.json for a Llama-architecture decoder (InputError for a GPT-2-architecture one).
+/// config.json for a decoder in Hugging Face's layout (LlamaForCausalLM, or MixtralForCausalLM
+/// for a mixture of experts; InputError for another).
 /// `eos_token_id` >= 0: also bos_token_id and eos_token_id (the tokenizer's end-of-text token).
 std::string llama_config_to_hf(const GptConfig& config, const std::string& dtype = "float32",
                                int64_t eos_token_id = -1);
 
 /// The full tensors under Hugging Face's names: qkv cut into q_proj, k_proj and v_proj, the
-/// SwiGLU fc1 into gate_proj and up_proj, lm_head left out when the embedding is tied.
+/// SwiGLU fc1 into gate_proj and up_proj, the stacked experts into Mixtral's one by one, lm_head
+/// left out when the embedding is tied. InputError for a routing bias that is not zero
+/// (--moe-bias-rate's): Mixtral's layout has no place for it, and without it the routing differs.
 nn::NamedTensors to_hf_llama(const FullTensors& ours, const GptConfig& config);
 
 /// A model's full tensors under dtrain's names, read from safetensors on demand, a range of
 /// rows at a time: a tensor-parallel rank reads its block, a ZeRO-3 rank its shard, not the file.
 class WeightSource {
  public:
+  /// Reads `count` rows of a file's tensor from `first` (counting the bytes read).
+  using Read = std::function<at::Tensor(const std::string& part, int64_t first, int64_t count)>;
+
   /// dtrain's names as they are in the file (`dtrain ckpt export` of a non-Llama model,
   /// torchvision's ResNets).
   static WeightSource direct(std::shared_ptr<const nn::SafeTensorsSet> weights);
-  /// Hugging Face's Llama layout for `config`: every tensor the model needs, of the shape the
-  /// config gives, none left over (InputError naming the tensor and the problem; checked from
-  /// the headers, before anything is read).
+  /// Hugging Face's Llama (or Mixtral) layout for `config`: every tensor the model needs, of the
+  /// shape the config gives, none left over (InputError naming the tensor and the problem;
+  /// checked from the headers, before anything is read). An expert-parallel rank's rows of the
+  /// stacked experts are its experts: it reads only theirs.
   static WeightSource hf_llama(std::shared_ptr<const nn::SafeTensorsSet> weights,
                                const GptConfig& config);
   /// Tensors already in memory (a torchvision state dict in a test).
@@ -70,7 +86,8 @@ class WeightSource {
 
  private:
   // The tensor is `parts` in the file, their rows interleaved `block` at a time (part 0's
-  // first block, part 1's, ..., part 0's second block); one part: the file's tensor as it is.
+  // first block, part 1's, ..., part 0's second block); one part: the file's tensor as it is;
+  // `compose` set: rows [begin, end) as it makes them (stacked experts).
   struct Entry {
     Entry() = default;
     Entry(std::vector<int64_t> shape_, std::vector<std::string> parts_, int64_t block_ = 1,
@@ -83,6 +100,7 @@ class WeightSource {
     std::vector<std::string> parts;
     int64_t block = 1;
     at::Tensor tensor;  // in_memory's
+    std::function<at::Tensor(const Read& read, int64_t begin, int64_t end)> compose;
   };
   std::shared_ptr<const nn::SafeTensorsSet> weights_;
   std::map<std::string, Entry> entries_;
