@@ -131,6 +131,36 @@ def open_log(path, mode="w", dtrain=None):
     return log
 
 
+def dtrain_steps(command, metrics, steps):
+    """Runs a `dtrain train` command that writes `metrics` (--metrics, --log-every 1) until it has
+    logged `steps` step records, then stops it: the evaluation that follows training is not timed.
+    Returns the step records (SystemExit with the run's output if it ends first). The run is a
+    process group of its own, stopped whole: with --nproc the ranks are the launcher's children,
+    and would go on writing `metrics` into the next round."""
+    import signal
+    import time
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    seen = []
+    try:
+        while len(seen) < steps:
+            time.sleep(0.5)
+            if os.path.exists(metrics):
+                seen = [json.loads(line) for line in open(metrics) if line.endswith("\n")]
+                seen = [r for r in seen if r.get("event") == "step"]
+            if process.poll() is not None and len(seen) < steps:
+                raise SystemExit(f"dtrain failed:\n{process.stdout.read()[-3000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    return seen[:steps]
+
+
 _runs = None
 
 

@@ -52,6 +52,31 @@ models::FullTensors full_parameters(const Model& model) {
   return out;
 }
 
+// The mean next-token cross-entropy's gradients on `ids` against transformers' (llama_oracle.py's
+// "grad." tensors, under Hugging Face's names): the largest difference over every tensor, each
+// relative to its largest value.
+double next_token_gradients(Model& model, const models::GptConfig& config, const at::Tensor& ids,
+                            const nn::SafeTensorsFile& expected) {
+  for (auto& p : model.module->parameters()) p.mutable_grad().reset();
+  const at::Tensor logits = model(ids);
+  const at::Tensor loss = at::cross_entropy_loss(
+      logits.narrow(1, 0, ids.size(1) - 1).reshape({-1, logits.size(-1)}),
+      ids.narrow(1, 1, ids.size(1) - 1).reshape({-1}));
+  EXPECT_NEAR(loss.item<double>(), expected.get("loss64").item<double>(), 1e-12);
+  loss.backward();
+  models::FullTensors grads;
+  for (const auto& item : model.module->named_parameters()) grads[item.key()] = item.value().grad();
+  double worst = 0;
+  for (const auto& [name, grad] : models::to_hf_llama(grads, config)) {
+    const at::Tensor theirs = expected.get("grad." + name);
+    const double scale = std::max(theirs.abs().max().item<double>(), 1e-30);
+    const double difference = (grad - theirs).abs().max().item<double>() / scale;
+    EXPECT_LT(difference, 1e-10) << name;
+    worst = std::max(worst, difference);
+  }
+  return worst;
+}
+
 models::GptConfig small_llama() {
   models::GptConfig c;
   models::llama_preset(c);
@@ -143,6 +168,11 @@ TEST(Llama, MixtralLogitsEqualTransformersAndEachExpertRankReadsItsExperts) {
     EXPECT_LT((model(ids) - expected.get("logits32")).abs().max().item<double>(), 1e-5);
     model.module->to(at::kDouble);
     EXPECT_LT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-10);
+    {
+      // The loss's gradients, the router's and every expert's among them.
+      torch::AutoGradMode grad(true);
+      EXPECT_NEAR(next_token_gradients(model, config, ids, expected), 0.0, 1e-10);
+    }
     // The check can fail: the experts' weights changed move the logits.
     model.module->named_parameters()["blocks.0.moe.up"].mul_(1.01);
     EXPECT_GT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-6);

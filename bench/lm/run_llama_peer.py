@@ -32,7 +32,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from report import ROOT, Records, table  # noqa: E402
+from report import ROOT, Records, dtrain_steps, table  # noqa: E402
 
 CORPUS = "/usr/share/doc/python3.11/html"
 SHAPE = dict(hidden=768, heads=12, kv_heads=4, ffn=2048, layers=2, vocab=8192, context=128)
@@ -108,8 +108,6 @@ def peer_round(initial, samples, steps, threads, precision="fp32"):
 
 def dtrain_round(dtrain, prefix, initial, steps, threads, work, precision="fp32"):
     metrics = os.path.join(work, "metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
     command = [dtrain, "train", "--model", "llama", "--dataset", "tokens:" + prefix,
                "--validation-fraction", "0.01", "--init-from", initial,
                "--layers", str(SHAPE["layers"]), "--width", str(SHAPE["hidden"]),
@@ -125,17 +123,7 @@ def dtrain_round(dtrain, prefix, initial, steps, threads, work, precision="fp32"
     # The round ends when the last step is logged: the evaluation over the validation split
     # that follows training (minutes here) is not compared, and would set the rounds far apart
     # on a machine whose speed drifts.
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    steps_seen = []
-    while len(steps_seen) < steps:
-        time.sleep(0.5)
-        if os.path.exists(metrics):
-            steps_seen = [json.loads(line) for line in open(metrics) if line.endswith("\n")]
-            steps_seen = [r for r in steps_seen if r.get("event") == "step"]
-        if process.poll() is not None and len(steps_seen) < steps:
-            sys.exit(f"dtrain failed:\n{process.stdout.read()[-3000:]}")
-    process.kill()
-    process.wait()
+    steps_seen = dtrain_steps(command, metrics, steps)
     return [r["loss"] for r in steps_seen], [r["step_ms"] for r in steps_seen], command
 
 

@@ -7,8 +7,9 @@ grouped-query attention (its norms' weights drawn too, so they count), or with -
 of 4 experts, top-2 (save_pretrained writes its experts one by one, as the Hub's checkpoints:
 block_sparse_moe.experts.J.w1/w2/w3), and OUT/expected.safetensors:
 "ids" [2, 12] and the logits on them in float32 ("logits32", transformers as it is) and in float64
-("logits64"). In float64 transformers' own float32 islands (LlamaRMSNorm and the rotary tables
-compute in float32 whatever the model's dtype) are replaced by the same formulas in the input's
+("logits64"), and in float64 the mean next-token cross-entropy ("loss64") and its gradients
+("grad." and the file's tensor names). In float64 transformers' own float32 islands (LlamaRMSNorm
+and the rotary tables compute in float32 whatever the model's dtype) are replaced by the same formulas in the input's
 dtype, and attention is its "sdpa" implementation (its "eager" one takes the softmax in float32);
 Mixtral's router, which takes its softmax in float32, keeps the input's dtype too, and its experts
 are the loop over experts (torch's grouped_mm has no float64). The rest is
@@ -77,9 +78,29 @@ def main():
         modeling_mixtral.MixtralTopKRouter.forward = router_in_dtype
         model.config._experts_implementation = "eager"  # (grouped_mm has no float64)
         model.config._attn_implementation = "sdpa"
-        logits64 = model.double()(ids).logits
-    save_file({"ids": ids, "logits32": logits32.contiguous(), "logits64": logits64.contiguous()},
-              out + "/expected.safetensors")
+    model.double()
+    logits64 = model(ids).logits
+    # The mean next-token cross-entropy's gradients, under the file's names.
+    loss = torch.nn.functional.cross_entropy(logits64[:, :-1].reshape(-1, logits64.shape[-1]),
+                                             ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {}
+    for name, parameter in model.named_parameters():
+        if name.endswith("experts.gate_up_proj"):  # transformers 5 stacks what the file splits
+            prefix = name[:-len("mlp.experts.gate_up_proj")] + "block_sparse_moe.experts."
+            gate, up = parameter.grad.chunk(2, dim=1)
+            for j in range(gate.shape[0]):
+                grads[f"{prefix}{j}.w1.weight"] = gate[j]
+                grads[f"{prefix}{j}.w3.weight"] = up[j]
+        elif name.endswith("experts.down_proj"):
+            prefix = name[:-len("mlp.experts.down_proj")] + "block_sparse_moe.experts."
+            for j in range(parameter.shape[0]):
+                grads[f"{prefix}{j}.w2.weight"] = parameter.grad[j]
+        else:
+            grads[name.replace("mlp.gate.", "block_sparse_moe.gate.")] = parameter.grad
+    tensors = {"ids": ids, "logits32": logits32, "logits64": logits64.detach(), "loss64": loss.detach()}
+    tensors.update({"grad." + name: g for name, g in grads.items()})
+    save_file({name: t.contiguous() for name, t in tensors.items()}, out + "/expected.safetensors")
 
 
 if __name__ == "__main__":
