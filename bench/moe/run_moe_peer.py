@@ -181,9 +181,13 @@ def peer_worker(rank, initial, samples, steps, port, queue):
         reported = loss.detach().clone()
         dist.all_reduce(reported)
         losses.append(reported.item() / RANKS)
+    dist.barrier()
     if rank == 0:
         queue.put((losses, times))
-    dist.destroy_process_group()
+        queue.close()
+        queue.join_thread()
+    # (no destroy_process_group: its gloo teardown hung once after a round's last step)
+    os._exit(0)
 
 
 def peer_round(initial, samples, steps):
