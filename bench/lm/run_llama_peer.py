@@ -52,6 +52,32 @@ def save_initial(folder):
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
+def prepare_data(dtrain, data_bench, work, vocab, context, steps):
+    """A BPE of `vocab` tokens trained on CORPUS, CORPUS as its token shards (WORK/pydoc) and the
+    training samples a run of `steps` steps reads, in its order (WORK/samples.npy, data_bench's):
+    (prefix, samples)."""
+    tokenizer = os.path.join(work, "tokenizer.json")
+    subprocess.run([dtrain, "data", "tokenizer", "train", CORPUS, "--vocab-size", str(vocab),
+                    "--output", tokenizer], check=True, capture_output=True)
+    prefix = os.path.join(work, "pydoc")
+    subprocess.run([dtrain, "data", "prepare", CORPUS, "--tokenizer", tokenizer, "--output",
+                    prefix], check=True, capture_output=True)
+    samples = os.path.join(work, "samples.npy")
+    subprocess.run([data_bench, "samples", "--data", prefix, "--context", str(context),
+                    "--samples", str(steps * RECIPE["batch"]), "--seed", str(RECIPE["seed"]),
+                    "--validation-fraction", "0.01", "--out", samples], check=True)
+    return prefix, samples
+
+
+def recipe_flags(steps, metrics):
+    """RECIPE as `dtrain train` flags, logging every step to `metrics`."""
+    return ["--max-steps", str(steps), "--optimizer", "adamw", "--lr", str(RECIPE["lr"]),
+            "--weight-decay", str(RECIPE["weight_decay"]), "--lr-decay", "cosine",
+            "--warmup-steps", str(RECIPE["warmup"]), "--max-grad-norm", str(RECIPE["clip"]),
+            "--seed", str(RECIPE["seed"]), "--no-progress", "--log-every", "1",
+            "--metrics", metrics]
+
+
 def lr_at(step, steps):
     import math
     if step < RECIPE["warmup"]:
@@ -114,12 +140,8 @@ def dtrain_round(dtrain, prefix, initial, steps, threads, work, precision="fp32"
                "--heads", str(SHAPE["heads"]), "--kv-heads", str(SHAPE["kv_heads"]),
                "--ffn-width", str(SHAPE["ffn"]), "--context", str(SHAPE["context"]),
                "--norm-eps", "1e-5", "--nproc", "1", "--threads", str(threads),
-               "--batch-size", str(RECIPE["batch"]), "--max-steps", str(steps),
-               "--optimizer", "adamw", "--lr", str(RECIPE["lr"]),
-               "--weight-decay", str(RECIPE["weight_decay"]), "--lr-decay", "cosine",
-               "--warmup-steps", str(RECIPE["warmup"]), "--max-grad-norm", str(RECIPE["clip"]),
-               "--seed", str(RECIPE["seed"]), "--no-progress", "--log-every", "1",
-               "--metrics", metrics, "--precision", precision]
+               "--batch-size", str(RECIPE["batch"]), "--precision", precision] + \
+        recipe_flags(steps, metrics)
     # The round ends when the last step is logged: the evaluation over the validation split
     # that follows training (minutes here) is not compared, and would set the rounds far apart
     # on a machine whose speed drifts.
@@ -139,19 +161,10 @@ def main():
     parser.add_argument("--markdown")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="dtrain-llama-peer-")
-    tokenizer = os.path.join(work, "tokenizer.json")
-    subprocess.run([args.dtrain, "data", "tokenizer", "train", CORPUS, "--vocab-size",
-                    str(SHAPE["vocab"]), "--output", tokenizer], check=True, capture_output=True)
-    prefix = os.path.join(work, "pydoc")
-    subprocess.run([args.dtrain, "data", "prepare", CORPUS, "--tokenizer", tokenizer, "--output",
-                    prefix], check=True, capture_output=True)
+    prefix, samples = prepare_data(args.dtrain, args.data_bench, work, SHAPE["vocab"],
+                                   SHAPE["context"], args.steps)
     initial = os.path.join(work, "initial")
     save_initial(initial)
-    samples = os.path.join(work, "samples.npy")
-    subprocess.run([args.data_bench, "samples", "--data", prefix, "--context",
-                    str(SHAPE["context"]), "--samples", str(args.steps * RECIPE["batch"]),
-                    "--seed", str(RECIPE["seed"]), "--validation-fraction", "0.01", "--out",
-                    samples], check=True)
     worst, ratios, ours_ms, theirs_ms = [], [], [], []
     with Records(os.path.join(ROOT, "bench", "results", "lm", "llama_peer.jsonl"), "a",
                  args.dtrain) as records:

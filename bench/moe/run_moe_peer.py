@@ -35,18 +35,16 @@ import argparse
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from report import ROOT, Records, dtrain_steps, table  # noqa: E402
+from report import ROOT, Records, alternated_rounds, dtrain_steps, table  # noqa: E402
+from lm.run_llama_peer import RECIPE, lr_at, prepare_data, recipe_flags  # noqa: E402  (the same recipe, data)
 
-CORPUS = "/usr/share/doc/python3.11/html"
 SHAPE = dict(hidden=256, heads=8, kv_heads=4, experts=8, top_k=2, expert_ffn=512, layers=2,
              vocab=8192, context=128)
-RECIPE = dict(lr=3e-4, weight_decay=0.1, warmup=10, clip=1.0, batch=8, seed=1)
 RANKS = 2
 
 
@@ -63,14 +61,6 @@ def save_initial(folder):
                            max_position_embeddings=SHAPE["context"], rms_norm_eps=1e-5,
                            rope_theta=10000.0, tie_word_embeddings=False)
     MixtralForCausalLM(config).save_pretrained(folder)
-
-
-def lr_at(step, steps):
-    import math
-    if step < RECIPE["warmup"]:
-        return RECIPE["lr"] * (step + 1) / RECIPE["warmup"]
-    progress = min(1.0, (step - RECIPE["warmup"]) / max(steps - RECIPE["warmup"], 1))
-    return RECIPE["lr"] * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def expert_parallel_moe(block, rank, ranks):
@@ -219,12 +209,8 @@ def dtrain_round(dtrain, prefix, initial, steps, work):
                "--moe-ffn-width", str(SHAPE["expert_ffn"]), "--moe-aux-loss", "0",
                "--context", str(SHAPE["context"]), "--norm-eps", "1e-5",
                "--nproc", str(RANKS), "--expert-parallel", str(RANKS), "--threads", "1",
-               "--batch-size", str(RECIPE["batch"] // RANKS), "--max-steps", str(steps),
-               "--optimizer", "adamw", "--lr", str(RECIPE["lr"]),
-               "--weight-decay", str(RECIPE["weight_decay"]), "--lr-decay", "cosine",
-               "--warmup-steps", str(RECIPE["warmup"]), "--max-grad-norm", str(RECIPE["clip"]),
-               "--seed", str(RECIPE["seed"]), "--no-progress", "--log-every", "1",
-               "--metrics", metrics, "--no-run-dir"]
+               "--batch-size", str(RECIPE["batch"] // RANKS), "--no-run-dir"] + \
+        recipe_flags(steps, metrics)
     records = dtrain_steps(command, metrics, steps)
     return [r["loss"] for r in records], [r["step_ms"] for r in records], command
 
@@ -239,47 +225,35 @@ def main():
     parser.add_argument("--markdown")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="dtrain-moe-peer-")
-    tokenizer = os.path.join(work, "tokenizer.json")
-    subprocess.run([args.dtrain, "data", "tokenizer", "train", CORPUS, "--vocab-size",
-                    str(SHAPE["vocab"]), "--output", tokenizer], check=True, capture_output=True)
-    prefix = os.path.join(work, "pydoc")
-    subprocess.run([args.dtrain, "data", "prepare", CORPUS, "--tokenizer", tokenizer, "--output",
-                    prefix], check=True, capture_output=True)
+    prefix, samples = prepare_data(args.dtrain, args.data_bench, work, SHAPE["vocab"],
+                                   SHAPE["context"], args.steps)
     initial = os.path.join(work, "initial")
     save_initial(initial)
-    samples = os.path.join(work, "samples.npy")
-    subprocess.run([args.data_bench, "samples", "--data", prefix, "--context",
-                    str(SHAPE["context"]), "--samples", str(args.steps * RECIPE["batch"]),
-                    "--seed", str(RECIPE["seed"]), "--validation-fraction", "0.01", "--out",
-                    samples], check=True)
-    worst, ratios, ours_ms, theirs_ms = [], [], [], []
+
+    def run_one(side):
+        if side == "dtrain":
+            losses, times, _ = dtrain_round(args.dtrain, prefix, initial, args.steps, work)
+        else:
+            losses, times = peer_round(initial, samples, args.steps)
+        return {"bench": "moe_peer", "side": side, "shape": SHAPE, "recipe": RECIPE,
+                "ranks": RANKS, "expert_parallel": RANKS, "steps": args.steps,
+                "threads_per_rank": 1, "dtype": "float32", "losses": losses, "step_ms": times,
+                "median_step_ms": statistics.median(times[1:])}
+
+    def describe(result):
+        return (f"losses {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, "
+                f"step {result['median_step_ms']:.1f} ms")
+
     with Records(os.path.join(ROOT, "bench", "results", "moe", "peer.jsonl"), "a",
                  args.dtrain) as records:
-        for r in range(args.rounds):
-            sides = ["dtrain", "peer"] if r % 2 == 0 else ["peer", "dtrain"]
-            result = {}
-            for side in sides:
-                if side == "dtrain":
-                    result[side] = dtrain_round(args.dtrain, prefix, initial, args.steps,
-                                                work)[:2]
-                else:
-                    result[side] = peer_round(initial, samples, args.steps)
-            (l_ours, t_ours), (l_peer, t_peer) = result["dtrain"], result["peer"]
-            worst.append(max(abs(a - b) for a, b in zip(l_ours, l_peer)))
-            m_ours, m_peer = statistics.median(t_ours[1:]), statistics.median(t_peer[1:])
-            ours_ms.append(m_ours)
-            theirs_ms.append(m_peer)
-            ratios.append(m_ours / m_peer)
-            records.write({"bench": "moe_peer", "round": r, "shape": SHAPE, "recipe": RECIPE,
-                           "ranks": RANKS, "expert_parallel": RANKS, "steps": args.steps,
-                           "threads_per_rank": 1, "dtype": "float32",
-                           "dtrain_losses": l_ours, "peer_losses": l_peer,
-                           "dtrain_step_ms": t_ours, "peer_step_ms": t_peer,
-                           "max_loss_difference": worst[-1], "step_time_ratio": ratios[-1]})
-            print(f"round {r}: losses {l_ours[0]:.4f} -> {l_ours[-1]:.4f} (dtrain), "
-                  f"{l_peer[0]:.4f} -> {l_peer[-1]:.4f} (PyTorch), largest difference "
-                  f"{worst[-1]:.2e}; step {m_ours:.1f} ms vs {m_peer:.1f} ms "
-                  f"({ratios[-1]:.3f}x)", flush=True)
+        rounds = alternated_rounds(("dtrain", "peer"), args.rounds, run_one, records, describe)
+    worst = [max(abs(a - b) for a, b in zip(r["dtrain"]["losses"], r["peer"]["losses"]))
+             for r in rounds]
+    ours_ms = [r["dtrain"]["median_step_ms"] for r in rounds]
+    theirs_ms = [r["peer"]["median_step_ms"] for r in rounds]
+    ratios = [a / b for a, b in zip(ours_ms, theirs_ms)]
+    print("rounds' largest loss differences " + ", ".join(f"{w:.2e}" for w in worst) +
+          "; step time ratios " + ", ".join(f"{x:.3f}" for x in ratios))
     table(["| Mixtral-shaped, 2 x (256, 8 heads, 4 kv, 8 experts x 512, top-2), vocab 8192, "
            "context 128, global batch 8, float32, 2 ranks x 1 thread, EP 2 | dtrain | "
            "PyTorch 2.12 (all_to_all_single, gloo, DDP) | |",
