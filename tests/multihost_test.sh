@@ -80,6 +80,32 @@ grep -q "trained 3 steps (global batch 32, 2 ranks, ddp)" "$work/a1s.log" || fai
 job=("${plain_job[@]}")
 echo "ok: BatchNorm statistics synchronized across two hosts"
 
+# 1c. Experts over the two hosts (--expert-parallel 2: each MoE block's tokens go to their
+#     experts' host and back by all-to-all, variable splits), then host b's rank killed at step 3
+#     in the middle of those exchanges: host a stops within seconds, naming it.
+job=(train --config "$(dirname "$0")/../configs/moe-tiny.toml" --dataset text --expert-parallel 2
+     --batch-size 4 --max-steps 6 --no-progress --no-run-dir --threads 1 --comm-timeout 60000)
+launch 1 "$b" > "$work/b1e.log" 2>&1 &
+other=$!
+launch 0 "$a" > "$work/a1e.log" 2>&1 || fail "node 0 did not train with --expert-parallel 2 (exit $?)"
+wait $other || fail "node 1 did not train with --expert-parallel 2"
+grep -q "trained 6 steps (global batch 8, 2 ranks, ddp, experts over 2 ranks)" "$work/a1e.log" ||
+  fail "no --expert-parallel summary: $(tail -3 "$work/a1e.log")"
+start=$(date +%s)
+launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b1k.log" 2>&1 &
+other=$!
+launch 0 "$a" > "$work/a1k.log" 2>&1
+code_a=$?
+wait $other
+code_b=$?
+seconds=$(( $(date +%s) - start ))
+[[ $code_a -eq 137 && $code_b -eq 137 ]] || fail "experts: exit codes $code_a / $code_b, expected 137 on both"
+grep -q "failed: node 1 rank 1 (pid [0-9]*) was killed by signal 9" "$work/a1k.log" ||
+  fail "experts: node 0 did not name the failed rank"
+(( seconds < 30 )) || fail "experts: took $seconds s to stop"
+job=("${plain_job[@]}")
+echo "ok: experts over two hosts trained; a rank killed on host b stopped host a in ${seconds} s"
+
 # 2. A rank killed on host b (SIGKILL at step 3): host a stops within seconds, naming it.
 start=$(date +%s)
 launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b2.log" 2>&1 &
