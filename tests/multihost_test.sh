@@ -58,6 +58,25 @@ launch() {  # NODE NAMESPACE [ENV=VALUE...]
     --master-addr 10.231.0.1 --master-port $port --node-rank "$node" --grace 2 -- "$dtrain" "${job[@]}"
 }
 
+# `job` with host b's rank SIGKILLed at its step 3 (logs $work/{a,b}TAG.log): both launchers
+# exit 137, host a's names the rank, within 30 s (in `seconds`). TAG [WHAT: prefix of failures]
+killed_on_b() {
+  local tag=$1 what=${2:-} start other code_a code_b
+  start=$(date +%s)
+  launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b$tag.log" 2>&1 &
+  other=$!
+  launch 0 "$a" > "$work/a$tag.log" 2>&1
+  code_a=$?
+  wait $other
+  code_b=$?
+  seconds=$(( $(date +%s) - start ))
+  [[ $code_a -eq 137 && $code_b -eq 137 ]] ||
+    fail "${what}exit codes $code_a / $code_b, expected 137 (signal 9) on both"
+  grep -q "failed: node 1 rank 1 (pid [0-9]*) was killed by signal 9" "$work/a$tag.log" ||
+    fail "${what}node 0 did not name the failed rank"
+  (( seconds < 30 )) || fail "${what}took $seconds s to stop"
+}
+
 # 1. Training across the two hosts, no interface given.
 launch 1 "$b" > "$work/b1.log" 2>&1 &
 other=$!
@@ -91,33 +110,12 @@ launch 0 "$a" > "$work/a1e.log" 2>&1 || fail "node 0 did not train with --expert
 wait $other || fail "node 1 did not train with --expert-parallel 2"
 grep -q "trained 6 steps (global batch 8, 2 ranks, ddp, experts over 2 ranks)" "$work/a1e.log" ||
   fail "no --expert-parallel summary: $(tail -3 "$work/a1e.log")"
-start=$(date +%s)
-launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b1k.log" 2>&1 &
-other=$!
-launch 0 "$a" > "$work/a1k.log" 2>&1
-code_a=$?
-wait $other
-code_b=$?
-seconds=$(( $(date +%s) - start ))
-[[ $code_a -eq 137 && $code_b -eq 137 ]] || fail "experts: exit codes $code_a / $code_b, expected 137 on both"
-grep -q "failed: node 1 rank 1 (pid [0-9]*) was killed by signal 9" "$work/a1k.log" ||
-  fail "experts: node 0 did not name the failed rank"
-(( seconds < 30 )) || fail "experts: took $seconds s to stop"
+killed_on_b 1k "experts: "
 job=("${plain_job[@]}")
 echo "ok: experts over two hosts trained; a rank killed on host b stopped host a in ${seconds} s"
 
 # 2. A rank killed on host b (SIGKILL at step 3): host a stops within seconds, naming it.
-start=$(date +%s)
-launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b2.log" 2>&1 &
-other=$!
-launch 0 "$a" > "$work/a2.log" 2>&1
-code_a=$?
-wait $other
-code_b=$?
-seconds=$(( $(date +%s) - start ))
-[[ $code_a -eq 137 && $code_b -eq 137 ]] || fail "exit codes $code_a / $code_b, expected 137 (signal 9) on both"
-grep -q "failed: node 1 rank 1 (pid [0-9]*) was killed by signal 9" "$work/a2.log" || fail "node 0 did not name the failed rank"
-(( seconds < 30 )) || fail "took $seconds s to stop"
+killed_on_b 2
 echo "ok: a rank killed on host b stopped host a in ${seconds} s"
 
 # 2b. The same kill with --fault-tolerance replicas (and the launchers' --tolerate-failures):

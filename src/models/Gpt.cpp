@@ -33,7 +33,7 @@ namespace tp = nn::tensor;
 dtrain::nn::MoeOptions moe_options(const GptConfig& c) {
   dtrain::nn::MoeOptions o;
   o.width = c.width;
-  o.ffn_width = c.moe_ffn_width > 0 ? c.moe_ffn_width : ffn_width_of(c);
+  o.ffn_width = expert_ffn_width_of(c);
   o.experts = c.moe_experts;
   o.top_k = c.moe_top_k;
   o.shared_experts = c.moe_shared_experts;
@@ -536,6 +536,10 @@ int64_t ffn_width_of(const GptConfig& c) {
   return (8 * c.width / 3 + 63) / 64 * 64;
 }
 
+int64_t expert_ffn_width_of(const GptConfig& c) {
+  return c.moe_ffn_width > 0 ? c.moe_ffn_width : ffn_width_of(c);
+}
+
 Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, bool deferred,
                comm::CommunicatorPtr expert_parallel) {
   validate(config);
@@ -702,7 +706,7 @@ int64_t gpt_parameter_count(const GptConfig& c) {
                         (w * mlp_in + b * mlp_in) + (f * w + b * w);
   int64_t blocks = c.layers * block;
   if (c.moe_experts > 0) {  // an MoE block: the router, E experts and the shared ones
-    const int64_t fe = c.moe_ffn_width > 0 ? c.moe_ffn_width : f;
+    const int64_t fe = expert_ffn_width_of(c);
     const int64_t dense = (w * mlp_in + b * mlp_in) + (f * w + b * w);
     const int64_t moe = c.moe_experts * w + 3 * (c.moe_experts + c.moe_shared_experts) * fe * w;
     for (int64_t i = 0; i < c.layers; ++i) {
@@ -716,7 +720,7 @@ int64_t gpt_parameter_count(const GptConfig& c) {
 int64_t gpt_active_parameter_count(const GptConfig& c) {
   int64_t active = gpt_parameter_count(c);
   if (c.moe_experts > 0) {
-    const int64_t fe = c.moe_ffn_width > 0 ? c.moe_ffn_width : ffn_width_of(c);
+    const int64_t fe = expert_ffn_width_of(c);
     for (int64_t i = 0; i < c.layers; ++i) {
       if (is_moe_block(c, i)) active -= 3 * (c.moe_experts - c.moe_top_k) * fe * c.width;
     }
@@ -732,7 +736,7 @@ double gpt_training_flops_per_token(const GptConfig& c) {
       static_cast<double>(c.layers) * static_cast<double>(w * qkv + w * w + w * mlp_in + f * w) +
       static_cast<double>(w) * static_cast<double>(c.vocab);
   if (c.moe_experts > 0) {  // the active weights: the router, top-k experts and the shared ones
-    const int64_t fe = c.moe_ffn_width > 0 ? c.moe_ffn_width : f;
+    const int64_t fe = expert_ffn_width_of(c);
     const double active =
         static_cast<double>(c.moe_experts * w + 3 * (c.moe_top_k + c.moe_shared_experts) * fe * w);
     for (int64_t i = 0; i < c.layers; ++i) {

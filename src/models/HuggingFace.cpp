@@ -38,7 +38,7 @@ Shapes shapes_of(const GptConfig& c) {
   s.head_dim = c.width / c.heads;
   s.ffn = ffn_width_of(c);
   s.experts = c.moe_experts;
-  s.expert_ffn = c.moe_ffn_width > 0 ? c.moe_ffn_width : s.ffn;
+  s.expert_ffn = expert_ffn_width_of(c);
   return s;
 }
 

@@ -106,13 +106,7 @@ double clip_by_global_norm(const std::vector<at::Tensor>& holders,
   // float32 norm of one long tensor accumulates its error along it (PyTorch's too: 3e-5 of a
   // 2 M-element gradient, 1.4e-4 of a 10 M-parameter model's global norm), a row's stays small.
   constexpr int64_t kChunk = 16384;
-  std::vector<at::Tensor> squares_of;
-  auto add = [&](const at::Tensor& part, c10::optional<at::ScalarType> dtype, bool rows) {
-    const at::Tensor norms =
-        rows ? at::linalg_vector_norm(part, 2, at::IntArrayRef{1}, false, dtype)
-             : at::linalg_vector_norm(part, 2, c10::nullopt, false, dtype).reshape({1});
-    squares_of.push_back(norms.to(at::kDouble).pow(2).sum().reshape({1}));
-  };
+  std::vector<at::Tensor> norms;  // of rows and tails, squared and summed in float64 at the end
   for (size_t i = 0; i < holders.size(); ++i) {
     const at::Tensor& t = holders[i];
     if (!t.grad().defined() || !(counted.empty() || counted[i])) continue;
@@ -121,14 +115,22 @@ double clip_by_global_norm(const std::vector<at::Tensor>& holders,
         at::elementSize(flat.scalar_type()) < 4 ? c10::optional<at::ScalarType>(at::kFloat)
                                                 : c10::nullopt;
     const int64_t n = flat.numel(), whole = n / kChunk * kChunk;
-    if (whole > 0) add(flat.narrow(0, 0, whole).view({whole / kChunk, kChunk}), dtype, true);
-    if (n > whole) add(flat.narrow(0, whole, n - whole), dtype, false);
+    if (whole > 0) {
+      norms.push_back(
+          at::linalg_vector_norm(flat.narrow(0, 0, whole).view({whole / kChunk, kChunk}), 2,
+                                 at::IntArrayRef{1}, false, dtype));
+    }
+    if (n > whole) {
+      norms.push_back(
+          at::linalg_vector_norm(flat.narrow(0, whole, n - whole), 2, c10::nullopt, false, dtype)
+              .reshape({1}));
+    }
   }
   at::Tensor squares =
-      squares_of.empty()
+      norms.empty()
           ? at::zeros({1}, at::TensorOptions(at::kDouble)
                                .device(where == holders.end() ? at::kCPU : where->grad().device()))
-          : at::cat(squares_of).sum().reshape({1});
+          : at::cat(norms).to(at::kDouble).pow(2).sum().reshape({1});
   for (const auto& group : sum_over) {
     if (group && group->size() > 1) group->allreduce(squares)->wait();
   }

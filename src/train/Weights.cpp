@@ -44,10 +44,8 @@ void check_against_flags(const models::GptConfig& file, const models::GptConfig&
   same("hidden_size", "--width", file.width, model.width);
   same("num_local_experts", "--moe-experts", file.moe_experts, model.moe_experts);
   if (model.moe_experts > 0) {  // Mixtral: every block routed, intermediate_size each expert's
-    const auto expert_ffn = [](const models::GptConfig& c) {
-      return c.moe_ffn_width > 0 ? c.moe_ffn_width : models::ffn_width_of(c);
-    };
-    same("intermediate_size", "--moe-ffn-width", expert_ffn(file), expert_ffn(model));
+    same("intermediate_size", "--moe-ffn-width", models::expert_ffn_width_of(file),
+         models::expert_ffn_width_of(model));
     same("num_experts_per_tok", "--moe-top-k", file.moe_top_k, model.moe_top_k);
   } else {
     same("intermediate_size", "--ffn-width", models::ffn_width_of(file),

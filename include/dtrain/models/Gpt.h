@@ -82,6 +82,8 @@ void llama_preset(GptConfig& config);
 /// The key/value heads and the MLP width with their defaults resolved.
 int64_t kv_heads_of(const GptConfig& config);
 int64_t ffn_width_of(const GptConfig& config);
+/// Each routed expert's hidden width: --moe-ffn-width, else the dense MLP's.
+int64_t expert_ffn_width_of(const GptConfig& config);
 
 /// The model, initialized as GPT-2 (normal(0, 0.02) weights, residual projections scaled by
 /// 1/sqrt(2 x layers), zero biases) from the global LibTorch generator. With as many key/value
