@@ -83,15 +83,11 @@ int dry_run(const train::RunPlan& run) {
   if (models::model_info(spec.name).language_model && spec.gpt.moe_experts > 0) {
     const models::GptConfig config = models::decoder_config(spec);
     std::printf(
-        "model             %.3f B parameters, %.3f B active per token (%lld experts, "
+        "experts           %.3f B parameters active per token of %.3f B (%lld experts, "
         "top-%lld)\n",
-        static_cast<double>(models::gpt_parameter_count(config)) / 1e9,
         static_cast<double>(models::gpt_active_parameter_count(config)) / 1e9,
+        static_cast<double>(models::gpt_parameter_count(config)) / 1e9,
         static_cast<long long>(config.moe_experts), static_cast<long long>(config.moe_top_k));
-    std::printf(
-        "memory            not counted: the planner does not model mixtures of experts "
-        "yet (issue 81)\n");
-    return 0;
   }
   bool activations = false;
   const plan::ModelCost model = model_cost(run, &activations);
@@ -113,6 +109,7 @@ int dry_run(const train::RunPlan& run) {
   layout.strategy = strategy;
   layout.pp = t.pipeline_parallel;
   layout.tp = t.tensor_parallel;
+  layout.ep = t.expert_parallel;
   layout.dp = static_cast<int>(run.data_parallel);
   layout.micro_batch_size = static_cast<int>(t.batch_size);
   layout.micro_batches = static_cast<int>(run.batches.micro_batches);

@@ -88,6 +88,7 @@ nlohmann::json to_json(const Prediction& p, const plan::Cluster& cluster) {
           {"dp", l.dp},
           {"pp", l.pp},
           {"tp", l.tp},
+          {"ep", l.ep},
           {"micro_batch_size", l.micro_batch_size},
           {"micro_batches", l.micro_batches},
           {"global_batch", l.global_batch()},
@@ -235,6 +236,10 @@ class PlanCommand final : public Command {
     app_->add_option("--dp", dp_, "Data-parallel size (default: the GPUs left by pp x tp)");
     app_->add_option("--pp", layout_.pp, "Pipeline stages")->capture_default_str();
     app_->add_option("--tp", layout_.tp, "Tensor-parallel size")->capture_default_str();
+    app_->add_option("--ep", layout_.ep,
+                     "Expert-parallel size: a mixture of experts' experts split over this many "
+                     "data-parallel ranks")
+        ->capture_default_str();
     app_->add_option("--micro-batch-size", layout_.micro_batch_size, "Samples per micro-batch")
         ->capture_default_str();
     app_->add_option("--micro-batches", micro_batches_, "Micro-batches per step");

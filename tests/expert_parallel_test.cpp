@@ -21,7 +21,9 @@
 #include "dtrain/models/Gpt.h"
 #include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/Moe.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "parallel/ddp/DdpStrategy.h"
+#include "parallel/pipeline/PipelineStrategy.h"
 #include "parallel/zero/ZeroStrategy.h"
 #include "train/ExpertBalance.h"
 
@@ -165,13 +167,18 @@ namespace {
 
 // The same model on every rank (its seed drawn from the global generator, which rank threads
 // share): built one rank at a time.
-Model build_on(const test::Fixture& f, const comm::CommunicatorPtr& experts) {
+Model build_on(const test::Fixture& f, const comm::CommunicatorPtr& experts,
+               const comm::CommunicatorPtr& tensor_parallel = nullptr,
+               bool sequence_parallel = false) {
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
   models::ModelSpec spec = f.spec;
   spec.expert_parallel = experts;
+  spec.gpt.sequence_parallel = sequence_parallel;
   torch::manual_seed(11);
-  return test::make_model_as(spec, f.dtype);
+  Model model = models::make_model(spec, tensor_parallel);
+  model.module->to(f.dtype);
+  return model;
 }
 
 // Rank `rank`'s part of one process's named values: its experts' blocks, the rest whole.
@@ -197,7 +204,14 @@ struct ExpertRun {
   int first_step = 0;
   int micro = 1;
   double max_grad_norm = 0;
-  std::string strategy = "ddp";  // or zero1, zero2
+  std::string strategy = "ddp";  // or zero1, zero2, pipeline
+  int pp = 1;                    // pipeline: its ranks (world = pp x tp x data-parallel)
+  int tp = 1;                    // tensor parallelism (the model's loss: vocabulary-parallel)
+  bool sequence_parallel = false;
+  std::string schedule = "1f1b";
+  int chunks = 1;
+  std::string stage_strategy = "ddp";  // a pipeline's data parallelism: ddp or zero1
+  bool model_loss = false;  // the model's loss (with its balance losses), not cross-entropy
   std::string save_to, load_from;
 };
 
@@ -209,25 +223,35 @@ double expert_parallel_apart(const test::Fixture& f, const ExpertRun& run,
   test::run_ranks(
       run.world,
       [&](const CommunicatorPtr& world) {
-        auto grid = std::make_shared<comm::ProcessGrid>(world);
+        auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
         grid->split_experts(run.experts);
-        Model model = build_on(f, grid->ep());
+        Model model = build_on(f, grid->ep(), grid->tp(), run.sequence_parallel);
         parallel::StrategyOptions options;
         options.max_grad_norm = run.max_grad_norm;
-        std::unique_ptr<parallel::ddp::DdpStrategy> made;
+        std::unique_ptr<parallel::Strategy> made;
         if (run.strategy == "ddp") {
           made = std::make_unique<parallel::ddp::DdpStrategy>(options);
+        } else if (run.strategy == "pipeline") {
+          auto& pipe = options.of<parallel::pipeline::PipelineOptions>();
+          pipe.schedule = run.schedule;
+          pipe.virtual_stages = run.chunks;
+          pipe.data_parallel = run.stage_strategy;
+          made = std::make_unique<parallel::pipeline::PipelineStrategy>(options);
         } else {
           made = std::make_unique<parallel::zero::ZeroStrategy>(options,
                                                                 run.strategy == "zero1" ? 1 : 2);
         }
-        parallel::ddp::DdpStrategy& strategy = *made;
+        parallel::Strategy& strategy = *made;
+        const parallel::LossFn loss = run.model_loss || run.tp > 1
+                                          ? parallel::LossFn(model.loss)
+                                          : parallel::LossFn(parallel::cross_entropy);
         strategy.setup(model, optim::optimizer_factory(f.optimizer), grid);
         if (!run.load_from.empty()) strategy.load(run.load_from);
-        auto order =
-            data::DistributedSampler(f.dataset.size(), run.world, world->rank(), {true, 5, true})
-                .indices();
-        const int64_t local = f.global_batch / run.world;
+        const int shares = grid->dp_size();
+        auto order = data::DistributedSampler(f.dataset.size(), shares, grid->coordinates().dp,
+                                              {true, 5, true})
+                         .indices();
+        const int64_t local = f.global_batch / shares;
         for (int step = run.first_step; step < run.first_step + run.steps; ++step) {
           std::vector<data::Batch> micro_batches;
           for (int m = 0; m < run.micro; ++m) {
@@ -235,14 +259,25 @@ double expert_parallel_apart(const test::Fixture& f, const ExpertRun& run,
             micro_batches.push_back(f.dataset.get(std::vector<int64_t>(
                 order.begin() + begin, order.begin() + begin + local / run.micro)));
           }
-          strategy.train_step(micro_batches, parallel::cross_entropy);
+          strategy.train_step(micro_batches, loss);
         }
         if (!run.save_to.empty()) strategy.save(run.save_to);
         const auto expected = expected_part(whole, strategy.model());
-        for (const auto& item : strategy.model().module->named_parameters()) {
+        // (A pipeline's rank compares the stages it trains.)
+        std::vector<std::pair<std::string, at::Tensor>> trained;
+        if (auto* pipeline = dynamic_cast<parallel::pipeline::PipelineStrategy*>(&strategy)) {
+          for (size_t k = 0; k < pipeline->local_parameters().size(); ++k) {
+            trained.emplace_back(pipeline->local_parameter_names()[k],
+                                 pipeline->local_parameters()[k]);
+          }
+        } else {
+          for (const auto& item : strategy.model().module->named_parameters()) {
+            trained.emplace_back(item.key(), item.value());
+          }
+        }
+        for (const auto& [name, value] : trained) {
           most[world->rank()] =
-              std::max(most[world->rank()],
-                       (item.value() - expected.at(item.key())).abs().max().item<double>());
+              std::max(most[world->rank()], (value - expected.at(name)).abs().max().item<double>());
         }
       },
       std::chrono::seconds(60));
@@ -308,6 +343,251 @@ TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
     EXPECT_LT(expert_parallel_apart(clipped, clip, whole_clipped), test::kTightBound)
         << "clipping, " << strategy;
   }
+}
+
+namespace {
+
+// One process's values after `steps` steps whose loss is the mean over `shares` data-parallel
+// shares and `micro` micro-batches of the model's loss on each (its balance losses computed per
+// micro-batch, as a data-parallel rank computes them).
+std::map<std::string, at::Tensor> trained_in_pieces(test::Fixture& f, int steps, int shares,
+                                                    int micro) {
+  Model model = build_on(f, nullptr);
+  auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
+  const int64_t local = f.global_batch / shares, each = local / micro;
+  for (int step = 0; step < steps; ++step) {
+    optimizer->zero_grad();
+    for (int r = 0; r < shares; ++r) {
+      auto order = data::DistributedSampler(f.dataset.size(), shares, r, {true, 5, true}).indices();
+      for (int m = 0; m < micro; ++m) {
+        const int64_t begin = step * local + m * each;
+        const auto batch = f.dataset.get(
+            std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each));
+        const at::Tensor output = model(batch.inputs);
+        const at::Tensor loss = model.loss ? model.loss(output, batch.targets)
+                                           : parallel::cross_entropy(output, batch.targets);
+        (loss / static_cast<double>(shares * micro)).backward();
+      }
+    }
+    optimizer->step();
+  }
+  std::map<std::string, at::Tensor> named;
+  for (const auto& item : model.module->named_parameters()) named[item.key()] = item.value();
+  return named;
+}
+
+}  // namespace
+
+// Pipelines with a mixture of experts (DeepSeek-V3 trained PP x EP): the experts split over the
+// data-parallel ranks of each stage, each stage's all-to-alls among its own ranks, the experts'
+// gradients reduced over their expert data-parallel group after the schedule. 1F1B, GPipe,
+// interleaved and zero bubble, with accumulation and clipping, equal one process on the global
+// batch. The balance losses of layers on every stage reach the gradients through each layer's
+// backward (the loss lives on the last stage): equal to one process adding them per micro-batch.
+TEST(ExpertParallel, PipelinesWithExpertsAreOneProcessInFloat64) {
+  test::Fixture f = test::llama_with_experts();
+  const auto whole = trained_whole(f, 3);
+  struct Case {
+    int world, pp, experts, micro;
+    std::string schedule;
+    int chunks;
+  };
+  for (const Case& c : std::vector<Case>{{2, 2, 1, 2, "1f1b", 1},
+                                         {4, 2, 2, 2, "1f1b", 1},
+                                         {4, 2, 2, 1, "gpipe", 1},
+                                         {4, 2, 2, 2, "interleaved", 2},
+                                         {4, 2, 2, 2, "zb-h1", 1},
+                                         {8, 2, 4, 2, "1f1b", 1},
+                                         {8, 2, 2, 2, "1f1b", 1}}) {
+    ExpertRun run;
+    run.strategy = "pipeline";
+    run.world = c.world;
+    run.pp = c.pp;
+    run.experts = c.experts;
+    run.micro = c.micro;
+    run.schedule = c.schedule;
+    run.chunks = c.chunks;
+    EXPECT_LT(expert_parallel_apart(f, run, whole), test::kTightBound)
+        << c.world << " ranks, " << c.pp << " stages, --expert-parallel " << c.experts << ", "
+        << c.schedule << ", " << c.micro << " micro-batches";
+  }
+  // DeepSeek-V3's PP x EP x ZeRO-1: the experts' optimizer state sharded over the ranks holding
+  // the same experts, the rest's over the stage's data-parallel ranks.
+  for (const auto& [world, experts] : std::vector<std::pair<int, int>>{{4, 2}, {8, 2}}) {
+    ExpertRun zero;
+    zero.strategy = "pipeline";
+    zero.stage_strategy = "zero1";
+    zero.world = world;
+    zero.pp = 2;
+    zero.experts = experts;
+    zero.micro = 2;
+    EXPECT_LT(expert_parallel_apart(f, zero, whole), test::kTightBound)
+        << "zero1, " << world << " ranks, --expert-parallel " << experts;
+  }
+  test::Fixture clipped = test::llama_with_experts();
+  const auto whole_clipped = trained_whole(clipped, 3, 0.05);
+  for (const std::string stage_strategy : {"ddp", "zero1"}) {
+    ExpertRun clip;
+    clip.strategy = "pipeline";
+    clip.stage_strategy = stage_strategy;
+    clip.world = 4;
+    clip.pp = 2;
+    clip.micro = 2;
+    clip.max_grad_norm = 0.05;
+    EXPECT_LT(expert_parallel_apart(clipped, clip, whole_clipped), test::kTightBound)
+        << "clipping, " << stage_strategy;
+  }
+
+  test::Fixture balanced = test::llama_with_experts();
+  balanced.spec.gpt.moe_aux_loss = 0.05;
+  balanced.spec.gpt.moe_z_loss = 0.01;
+  balanced.spec.gpt.moe_first_dense = 0;  // MoE layers on both stages
+  test::Fixture unbalanced = balanced;
+  unbalanced.spec.gpt.moe_aux_loss = unbalanced.spec.gpt.moe_z_loss = 0;
+  for (const auto& [world, experts] : std::vector<std::pair<int, int>>{{2, 1}, {4, 2}}) {
+    const int shares = world / 2;
+    const auto oracle = trained_in_pieces(balanced, 3, shares, 2);
+    const auto without = trained_in_pieces(unbalanced, 3, shares, 2);
+    EXPECT_GT((oracle.at("blocks.1.moe.router") - without.at("blocks.1.moe.router"))
+                  .abs()
+                  .max()
+                  .item<double>(),
+              1e-4);  // the balance losses move the router
+    ExpertRun run;
+    run.strategy = "pipeline";
+    run.world = world;
+    run.pp = 2;
+    run.experts = experts;
+    run.micro = 2;
+    run.model_loss = true;
+    EXPECT_LT(expert_parallel_apart(balanced, run, oracle), test::kTightBound)
+        << "balance losses, " << world << " ranks, --expert-parallel " << experts;
+  }
+}
+
+// A checkpoint written by a pipeline with its experts split resumes under ddp at another expert
+// layout, and one written by ddp resumes in the pipeline: one process's values.
+TEST(ExpertParallel, PipelineCheckpointsReshardAcrossExpertLayouts) {
+  test::Fixture f = test::llama_with_experts();
+  const auto two_steps = trained_whole(f, 2);
+  const auto three_steps = trained_whole(f, 3);
+  test::TempDir piped, flat;
+  ExpertRun pipeline;
+  pipeline.strategy = "pipeline";
+  pipeline.world = 4;
+  pipeline.pp = 2;
+  pipeline.micro = 2;
+  pipeline.steps = 2;
+  pipeline.save_to = piped.path();
+  ASSERT_LT(expert_parallel_apart(f, pipeline, two_steps), test::kTightBound);
+  ExpertRun ddp;
+  ddp.world = 4;
+  ddp.experts = 4;
+  ddp.load_from = piped.path();
+  ddp.first_step = 2;
+  ddp.steps = 1;
+  EXPECT_LT(expert_parallel_apart(f, ddp, three_steps), test::kTightBound) << "pipeline -> ddp";
+  test::TempDir sharded;  // a pipeline's zero1: every rank a file of its shards
+  ExpertRun zero = pipeline;
+  zero.stage_strategy = "zero1";
+  zero.save_to = sharded.path();
+  ASSERT_LT(expert_parallel_apart(f, zero, two_steps), test::kTightBound);
+  ddp.load_from = sharded.path();
+  EXPECT_LT(expert_parallel_apart(f, ddp, three_steps), test::kTightBound)
+      << "pipeline zero1 -> ddp";
+  ExpertRun zero_again = zero;
+  zero_again.save_to.clear();
+  zero_again.load_from = sharded.path();
+  zero_again.first_step = 2;
+  zero_again.steps = 1;
+  EXPECT_LT(expert_parallel_apart(f, zero_again, three_steps), test::kTightBound)
+      << "pipeline zero1 -> pipeline zero1";
+  ExpertRun written;
+  written.steps = 2;
+  written.save_to = flat.path();
+  ASSERT_LT(expert_parallel_apart(f, written, two_steps), test::kTightBound);
+  ExpertRun resumed = pipeline;
+  resumed.save_to.clear();
+  resumed.load_from = flat.path();
+  resumed.first_step = 2;
+  resumed.steps = 1;
+  resumed.experts = 1;
+  EXPECT_LT(expert_parallel_apart(f, resumed, three_steps), test::kTightBound) << "ddp -> pipeline";
+  resumed.experts = 2;
+  EXPECT_LT(expert_parallel_apart(f, resumed, three_steps), test::kTightBound)
+      << "ddp -> pipeline, --expert-parallel 2";
+}
+
+// Tensor parallelism with a mixture of experts (Megatron's expert tensor parallelism of 1): the
+// experts are replicated over the TP group (split over the expert group as before). Without
+// sequence parallelism every TP rank routes the same tokens alike; with it each its part of the
+// sequence, the layer's gradients summed over the TP group as sequence parallelism's norms are.
+// DP x TP x EP under ddp and zero1, and PP x TP x EP, equal one process; the balance losses
+// without sequence parallelism too; a checkpoint written at TP 2 x EP 2 resumes under ddp alone.
+TEST(ExpertParallel, TensorParallelWithExpertsIsOneProcessInFloat64) {
+  test::Fixture f = test::llama_with_experts();
+  const auto whole = trained_whole(f, 3);
+  struct Case {
+    int world, tp, pp, experts;
+    bool sequence_parallel;
+    std::string strategy;
+  };
+  for (const Case& c : std::vector<Case>{{2, 2, 1, 1, false, "ddp"},
+                                         {4, 2, 1, 2, false, "ddp"},
+                                         {4, 2, 1, 2, true, "ddp"},
+                                         {4, 2, 1, 2, true, "zero1"},
+                                         {8, 2, 2, 2, false, "pipeline"},
+                                         {8, 2, 2, 2, true, "pipeline"},
+                                         {8, 2, 2, 2, true, "pipeline zero1"}}) {
+    ExpertRun run;
+    run.world = c.world;
+    run.tp = c.tp;
+    run.pp = c.pp;
+    run.experts = c.experts;
+    run.sequence_parallel = c.sequence_parallel;
+    run.strategy = c.strategy == "pipeline zero1" ? "pipeline" : c.strategy;
+    run.stage_strategy = c.strategy == "pipeline zero1" ? "zero1" : "ddp";
+    run.micro = 2;
+    EXPECT_LT(expert_parallel_apart(f, run, whole), test::kTightBound)
+        << c.world << " ranks, TP " << c.tp << ", PP " << c.pp << ", --expert-parallel "
+        << c.experts << (c.sequence_parallel ? ", sequence-parallel, " : ", ") << c.strategy;
+  }
+  test::Fixture clipped = test::llama_with_experts();
+  const auto whole_clipped = trained_whole(clipped, 3, 0.05);
+  ExpertRun clip;
+  clip.world = 4;
+  clip.tp = 2;
+  clip.sequence_parallel = true;
+  clip.max_grad_norm = 0.05;
+  EXPECT_LT(expert_parallel_apart(clipped, clip, whole_clipped), test::kTightBound) << "clipping";
+
+  test::Fixture balanced = test::llama_with_experts();
+  balanced.spec.gpt.moe_aux_loss = 0.05;
+  balanced.spec.gpt.moe_z_loss = 0.01;
+  const auto oracle = trained_in_pieces(balanced, 3, 2, 2);
+  ExpertRun run;
+  run.world = 4;
+  run.tp = 2;
+  run.micro = 2;
+  run.model_loss = true;
+  EXPECT_LT(expert_parallel_apart(balanced, run, oracle), test::kTightBound) << "balance losses";
+
+  const auto two_steps = trained_whole(f, 2);
+  const auto three_steps = trained_whole(f, 3);
+  test::TempDir dir;
+  ExpertRun written;
+  written.world = 4;
+  written.tp = 2;
+  written.steps = 2;
+  written.save_to = dir.path();
+  ASSERT_LT(expert_parallel_apart(f, written, two_steps), test::kTightBound);
+  ExpertRun resumed;
+  resumed.world = 2;
+  resumed.experts = 1;
+  resumed.load_from = dir.path();
+  resumed.first_step = 2;
+  resumed.steps = 1;
+  EXPECT_LT(expert_parallel_apart(f, resumed, three_steps), test::kTightBound) << "resumed";
 }
 
 // A checkpoint written with the experts split over 2 ranks resumes at --expert-parallel 2, at 4

@@ -264,6 +264,92 @@ TEST(Planner, DecodersAreWhatDtrainTrainBuilds) {
       predict(decoder(untied, "llama", untied.vocab, true), cluster_of("h100-dgx", 1), sharded));
 }
 
+// A mixture of experts in the planner (issue 81), Mixtral 8x7B's shape: the decoder counts every
+// expert's parameters and the active ones' flops, as dtrain train builds and counts them. Expert
+// parallelism over ep ranks keeps 1/ep of the experts on a rank (and zero1 their optimizer state
+// over the dp / ep ranks holding the same experts), and each MoE block's forward and backward
+// exchange its tokens' k copies twice each way. The search tries every ep dividing the experts
+// and the data-parallel ranks, and prints dtrain train's --expert-parallel.
+TEST(Planner, MixturesOfExpertsCountActiveFlopsAndSplitTheirExperts) {
+  models::GptConfig mixtral;  // configs/mixtral-8x7b.toml
+  mixtral.layers = 32, mixtral.width = 4096, mixtral.heads = 32, mixtral.kv_heads = 8;
+  mixtral.ffn_width = 14336, mixtral.context = 4096, mixtral.vocab = 32000;
+  mixtral.rope_theta = 1e6, mixtral.moe_experts = 8, mixtral.moe_top_k = 2;
+  models::llama_preset(mixtral);
+  const ModelCost cost = decoder(mixtral, "llama", mixtral.vocab, true);
+  EXPECT_EQ(cost.parameters(), models::gpt_parameter_count(mixtral));
+  EXPECT_NEAR(cost.model_flops_per_sample() / mixtral.context,
+              models::gpt_training_flops_per_token(mixtral),
+              1e-12 * models::gpt_training_flops_per_token(mixtral));
+  EXPECT_EQ(cost.experts, 8);
+  EXPECT_NE(cost.train_flags.find("--moe-experts 8 --moe-top-k 2 --moe-ffn-width 14336"),
+            std::string::npos)
+      << cost.train_flags;
+  double experts = 0;
+  int moe_blocks = 0;
+  for (const Layer& l : cost.layers) {
+    experts += static_cast<double>(l.expert_parameters);
+    moe_blocks += l.alltoall_elements > 0 ? 1 : 0;
+  }
+  EXPECT_EQ(moe_blocks, 32);
+  const Cluster node = cluster_of("h100-dgx", 1);
+  Layout whole;
+  whole.strategy = "zero1";
+  whole.dp = 8;
+  whole.micro_batches = 2;
+  Layout split = whole;
+  split.ep = 8;
+  const Prediction p1 = predict(cost, node, whole), p8 = predict(cost, node, split);
+  const double total = static_cast<double>(cost.parameters());
+  EXPECT_NEAR(p1.memory.parameters, total * 4, 1e-6 * total);  // fp32 weights (bf16-mixed)
+  EXPECT_NEAR(p8.memory.parameters, (total - experts + experts / 8) * 4, 1e-6 * total);
+  // zero1's Adam state: the dense part over 8 ranks, each rank's experts over 8 / 8 = 1.
+  EXPECT_NEAR(p8.memory.optimizer, ((total - experts) / 8 + experts / 8) * 8, 1e-6 * total);
+  // The all-to-alls: 4 per MoE block and micro-batch, each (n-1)/n of the rank's tokens x k x
+  // hidden in bf16 over NVLink. (In bf16, where no cast of the rank's weights changes with it.)
+  Layout bf16 = whole;
+  bf16.strategy = "ddp";
+  bf16.precision = "bf16";
+  Layout bf16_split = bf16;
+  bf16_split.ep = 8;
+  const Link& nvlink = node.hardware.intra_node;
+  const double bytes = 4096.0 * 2 * 4096 * 2;
+  const double exchange = bytes * 7 / 8 / nvlink.bandwidth_Bps + 7 * nvlink.latency_s;
+  const double with = predict(cost, node, bf16_split).compute_s;
+  EXPECT_NEAR(with - predict(cost, node, bf16).compute_s, 2 * 32 * 4 * exchange, 1e-6 * with);
+  try {
+    Layout odd = whole;
+    odd.ep = 3;
+    predict(cost, cluster_of("h100-dgx", 1, 6), odd);
+    ADD_FAILURE() << "ep 3 over 8 experts was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(e.message().find("does not divide the model's 8 experts"), std::string::npos)
+        << e.message();
+  }
+  // The search, on a smaller mixture (8 experts of width 1024) over 8 GPUs: layouts with the
+  // experts split are among those ranked, each a split dtrain train accepts.
+  models::GptConfig small = mixtral;
+  small.layers = 4, small.width = 1024, small.heads = 8, small.kv_heads = 8, small.ffn_width = 1024;
+  small.context = 1024;
+  SearchOptions options;
+  options.global_batch = 16;
+  options.allow_checkpointing = false;
+  options.allow_offload = false;
+  options.refine = 4;
+  const SearchResult result =
+      search(decoder(small, "llama", small.vocab, true), cluster_of("h100-dgx", 1), options);
+  int with_experts_split = 0;
+  for (const Prediction& p : result.ranked) {
+    if (p.layout.ep == 1) continue;
+    ++with_experts_split;
+    EXPECT_EQ(p.layout.dp % p.layout.ep, 0);
+    EXPECT_EQ(8 % p.layout.ep, 0);
+    EXPECT_NE(p.layout.command(cost, node).find(concat("--expert-parallel ", p.layout.ep)),
+              std::string::npos);
+  }
+  EXPECT_GT(with_experts_split, 0);
+}
+
 // Two published results the planner must keep reproducing within 20% (BENCHMARKS.md has all).
 TEST(Published, NarayananTrillionParametersOn3072A100s) {
   // Narayanan et al. 2021, Table 1: 1008B parameters, TP 8 x PP 64 on 3072 A100s, batch 3072:

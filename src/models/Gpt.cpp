@@ -39,6 +39,8 @@ dtrain::nn::MoeOptions moe_options(const GptConfig& c) {
   o.shared_experts = c.moe_shared_experts;
   o.score = c.moe_score;
   o.capacity_factor = c.moe_capacity;
+  o.aux_loss = c.moe_aux_loss;
+  o.z_loss = c.moe_z_loss;
   return o;
 }
 
@@ -449,6 +451,12 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
            {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias"}) {
         wanted.push_back(b + p);
       }
+      // A mixture of experts routes each rank's tokens through experts replicated over the
+      // group (Megatron's expert tensor parallelism of 1).
+      for (const char* p : {"moe.router", "moe.gate", "moe.up", "moe.down", "moe.shared_gate",
+                            "moe.shared_up", "moe.shared_down"}) {
+        wanted.push_back(b + p);
+      }
     }
     std::vector<std::string> names;  // those the architecture has
     const auto present = named_parameters();
@@ -513,6 +521,11 @@ void validate(const GptConfig& c) {
       "--moe-aux-loss / --moe-z-loss with --checkpointing ", c.checkpointing,
       ": a recomputed block's balance losses would get no gradient; use --checkpointing "
       "selective, or set both to 0 (the auxiliary-loss-free bias needs no loss)");
+  // Under sequence parallelism each rank's layers route its part of the sequence only.
+  DTRAIN_CHECK_INPUT((c.moe_aux_loss == 0 && c.moe_z_loss == 0) || !c.sequence_parallel,
+                     "--moe-aux-loss / --moe-z-loss with --sequence-parallel: not built yet "
+                     "(each rank's balance losses would see its part of the sequence only); set "
+                     "both to 0 (--moe-bias-rate balances without a loss)");
   dtrain::nn::validate(moe_options(c));
 }
 
@@ -601,19 +614,22 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, b
     };
   }
   if (config.moe_experts > 0 && (config.moe_aux_loss > 0 || config.moe_z_loss > 0)) {
-    DTRAIN_CHECK_INPUT(!shared.group, "--moe-experts with --tensor-parallel: not built yet");
-    // The language model's loss plus the MoE blocks' balance losses of the forward just run.
+    // The language model's loss (vocabulary-parallel under tensor parallelism) plus the MoE
+    // blocks' balance losses of the forward just run (those of layers that add them in their
+    // own backward left out: a pipeline's stages).
     std::vector<std::shared_ptr<dtrain::nn::MoeImpl>> layers;
     for (size_t i = 0; i < module->blocks->size(); ++i) {
       auto block = module->blocks->ptr<GptBlockImpl>(i);
       if (block->moe) layers.push_back(block->moe.ptr());
     }
-    model.loss = [layers, aux = config.moe_aux_loss, z = config.moe_z_loss](
-                     const at::Tensor& logits, const at::Tensor& targets) {
+    model.loss = [layers, base = model.loss](const at::Tensor& logits, const at::Tensor& targets) {
       at::Tensor loss =
-          torch::nn::functional::cross_entropy(logits.flatten(0, -2), targets.reshape({-1}));
+          base ? base(logits, targets)
+               : torch::nn::functional::cross_entropy(logits.flatten(0, -2), targets.reshape({-1}));
       for (const auto& layer : layers) {
+        if (layer->losses_in_backward()) continue;
         const auto& stats = layer->stats();
+        const double aux = layer->options.aux_loss, z = layer->options.z_loss;
         if (aux > 0 && stats.aux_loss.defined()) loss = loss + aux * stats.aux_loss;
         if (z > 0 && stats.z_loss.defined()) loss = loss + z * stats.z_loss;
       }

@@ -298,14 +298,12 @@ void check_gpt_layout(const ModelSpec& spec, const ModelLayout& layout) {
   GptConfig config = decoder_config(spec);
   config.vocab = std::max<int64_t>(config.vocab, 2);
   config.checkpointing = spec.checkpointing;
+  config.sequence_parallel = layout.sequence_parallel && layout.tensor_parallel > 1;
   validate(config);
   const int tp = layout.tensor_parallel;
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel || tp > 1,
                      "--sequence-parallel splits the sequence over the tensor-parallel ranks: "
                      "it needs --tensor-parallel 2 or more");
-  DTRAIN_CHECK_INPUT(config.moe_experts == 0 || (tp <= 1 && layout.pipeline_parallel <= 1),
-                     "--moe-experts with --tensor-parallel or --pipeline-parallel: not built yet "
-                     "(data parallelism and ZeRO 1/2/3 are)");
   if (tp <= 1) return;
   DTRAIN_CHECK_INPUT(config.heads % tp == 0, "--tensor-parallel ", tp, " must divide --heads (",
                      config.heads, "): each rank takes whole heads");

@@ -19,6 +19,24 @@ at::Tensor expert_swiglu(const at::Tensor& x, const at::Tensor& gate, const at::
   return at::matmul(at::silu(at::matmul(x, gate.t())) * at::matmul(x, up.t()), down.t());
 }
 
+// Identity on `out` whose backward also gives `loss` (a scalar the forward computed alongside)
+// the gradient `scale`: the loss joins the backward of whatever uses `out` (Megatron-Core's
+// MoEAuxLossAutoScaler).
+struct AddLossInBackward : torch::autograd::Function<AddLossInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& out,
+                            const at::Tensor& loss, double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["loss_options"] = loss.options().dtype().toScalarType();
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto dtype = ctx->saved_data["loss_options"].toScalarType();
+    return {grads[0], at::full({}, scale, grads[0].options().dtype(dtype)), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 void validate(const MoeOptions& o, int expert_ranks) {
@@ -35,6 +53,12 @@ void validate(const MoeOptions& o, int expert_ranks) {
                      o.capacity_factor);
   DTRAIN_CHECK_INPUT(expert_ranks >= 1 && o.experts % expert_ranks == 0, "--moe-experts (",
                      o.experts, ") must be a multiple of --expert-parallel (", expert_ranks, ")");
+}
+
+double MoeImpl::take_losses_in_backward() {
+  const double taken = taken_in_backward_;
+  taken_in_backward_ = 0.0;
+  return taken;
 }
 
 double MoeStats::imbalance() const { return load_imbalance(load); }
@@ -154,6 +178,14 @@ at::Tensor MoeImpl::forward(const at::Tensor& input) {
     step_.aux_loss += stats_.aux_loss.item<double>();
   }
   if (options.shared_experts > 0) out = out + expert_swiglu(x, shared_gate, shared_up, shared_down);
+  if (backward_scale_ > 0 && at::GradMode::is_enabled() &&
+      (options.aux_loss > 0 || options.z_loss > 0)) {
+    at::Tensor side = at::zeros({}, stats_.aux_loss.options());
+    if (options.aux_loss > 0) side = side + options.aux_loss * stats_.aux_loss;
+    if (options.z_loss > 0) side = side + options.z_loss * stats_.z_loss;
+    taken_in_backward_ += side.item<double>();
+    out = AddLossInBackward::apply(out, side, backward_scale_);
+  }
   return out.reshape(input.sizes());
 }
 

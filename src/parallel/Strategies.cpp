@@ -159,9 +159,6 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
     }
     DTRAIN_CHECK_INPUT(named.expert_parallel, "--expert-parallel is built for --strategy ",
                        joined(splitting, " or "), " so far, not ", named.name);
-    DTRAIN_CHECK_INPUT(layout.pipeline_parallel == 1 && layout.tensor_parallel == 1,
-                       "--expert-parallel with --pipeline-parallel or --tensor-parallel: not "
-                       "built yet");
     DTRAIN_CHECK_INPUT(!options.of<ft::FaultToleranceOptions>().replicas(),
                        "--expert-parallel with --fault-tolerance replicas: not built (a "
                        "replacement replica would have to take its experts from its expert "

@@ -10,6 +10,7 @@
 
 #include "common/PickledFile.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Trace.h"
 #include "dtrain/nn/DeferredInit.h"
 #include "parallel/ddp/PowerSgd.h"
 
@@ -149,7 +150,10 @@ std::vector<PieceRef> TensorParallelLayout::for_writing(std::vector<PieceRef> pi
   pieces.erase(std::remove_if(pieces.begin(), pieces.end(),
                               [this](const PieceRef& piece) {
                                 const auto it = splits.find(piece.name);
-                                return it != splits.end() && it->second.replica != 0;
+                                // (Experts are split over the expert group and replicated
+                                // over the tensor-parallel one: TP rank 0 writes them.)
+                                return it != splits.end() &&
+                                       (it->second.expert ? rank != 0 : it->second.replica != 0);
                               }),
                pieces.end());
   return with_splits(std::move(pieces), splits, /*keep_replicated=*/rank == 0);
@@ -168,7 +172,7 @@ std::vector<bool> TensorParallelLayout::counted(const std::vector<std::string>& 
   std::vector<bool> flags;
   for (const auto& name : names) {
     const auto it = splits.find(name);
-    flags.push_back(it == splits.end() ? rank == 0 : it->second.replica == 0);
+    flags.push_back(it == splits.end() || it->second.expert ? rank == 0 : it->second.replica == 0);
   }
   return flags;
 }
@@ -179,6 +183,36 @@ std::vector<bool> TensorParallelLayout::partial_flags(const std::vector<std::str
     flags.push_back(std::find(partial.begin(), partial.end(), name) != partial.end());
   }
   return flags;
+}
+
+std::vector<bool> TensorParallelLayout::expert_flags(const std::vector<std::string>& names) const {
+  std::vector<bool> flags;
+  for (const auto& name : names) {
+    const auto split = splits.find(name);
+    flags.push_back(split != splits.end() && split->second.expert);
+  }
+  return flags;
+}
+
+void reduce_expert_gradients(const std::vector<at::Tensor>& experts,
+                             const comm::CommunicatorPtr& edp, int data_parallel) {
+  if (experts.empty()) return;
+  trace::Span span("sync", "expert gradients");
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads, flats;
+  for (auto p : experts) {
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    grads.push_back(p.grad());
+    flats.push_back(p.grad().reshape({-1}));
+  }
+  at::Tensor flat = at::cat(flats);
+  if (edp && edp->size() > 1) edp->allreduce(flat)->wait();
+  flat.div_(static_cast<double>(data_parallel));
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+    offset += g.numel();
+  }
 }
 
 void TensorParallelLayout::sum_partial_gradients(const std::vector<at::Tensor>& parameters,

@@ -73,7 +73,17 @@ struct TensorParallelLayout {
   std::vector<bool> counted(const std::vector<std::string>& names) const;
   /// Whether each named parameter is one of the `partial` ones (ReducerOptions::partial).
   std::vector<bool> partial_flags(const std::vector<std::string>& names) const;
+  /// Whether each named parameter is a block of experts (expert parallelism: a block no other
+  /// rank of its expert group holds).
+  std::vector<bool> expert_flags(const std::vector<std::string>& names) const;
 };
+
+/// Expert parallelism: each expert's gradient here is the sum over its expert group's tokens of
+/// each rank's mean loss, and the step's is the mean over every data-parallel rank: `experts`'
+/// gradients (zero where none) summed over `edp` (the ranks holding the same experts), divided
+/// by `data_parallel`. Collective over edp.
+void reduce_expert_gradients(const std::vector<at::Tensor>& experts,
+                             const comm::CommunicatorPtr& edp, int data_parallel);
 
 /// The layout of `module` on `grid`. InputError when the grid has a TP group of several ranks
 /// but the model has no tensor-parallel layers (it was not built over grid.tp()).

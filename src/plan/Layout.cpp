@@ -69,6 +69,7 @@ std::string Layout::describe() const {
   if (!stage_replicas.empty()) {
     text = concat(strategy, " pp", pp, " replicas ", joined_counts(stage_replicas), " tp", tp);
   }
+  if (ep > 1) text += concat(" ep", ep);
   if (pp > 1) text += concat(" ", schedule, chunks > 1 ? concat("x", chunks) : std::string());
   if (pp > 1 && pipeline_sync != "flush") text += concat(" ", pipeline_sync);
   text += concat(" mb", micro_batch_size, "x", micro_batches, " ", precision);
@@ -93,6 +94,7 @@ namespace {
 std::string parallel_flags(const Layout& l, int layers, bool global) {
   std::string text;
   if (l.tp > 1) text += concat(" --tensor-parallel ", l.tp);
+  if (l.ep > 1) text += concat(" --expert-parallel ", l.ep);
   if (!l.stage_replicas.empty()) {
     text += concat(" --stage-replicas ", joined_counts(l.stage_replicas));
   } else if (l.pp > 1) {
@@ -155,6 +157,7 @@ void check_as_train_does(const ModelCost& model, const Layout& layout) {
   run.ranks = layout.ranks();
   run.pipeline_parallel = layout.pp;
   run.tensor_parallel = layout.tp;
+  run.expert_parallel = layout.ep;
   run.stage_replicas = layout.stage_replicas;
   run.sequence_parallel = layout.sequence_parallel;
   run.micro_batches = layout.micro_batches;
@@ -192,8 +195,21 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
   DTRAIN_CHECK_INPUT(layout.offload != "disk" || (hw.disk_read_Bps > 0 && hw.disk_write_Bps > 0),
                      "offload disk: profile ", hw.name,
                      " gives no node.disk_read_gb_s and node.disk_write_gb_s to predict it by");
-  DTRAIN_CHECK_INPUT(layout.dp >= 1 && layout.pp >= 1 && layout.tp >= 1,
-                     "dp, pp and tp must be >= 1");
+  DTRAIN_CHECK_INPUT(layout.dp >= 1 && layout.pp >= 1 && layout.tp >= 1 && layout.ep >= 1,
+                     "dp, pp, tp and ep must be >= 1");
+  if (layout.ep > 1) {
+    DTRAIN_CHECK_INPUT(model.experts > 0, "expert parallelism ", layout.ep, ": model ", model.name,
+                       " has no mixture of experts");
+    DTRAIN_CHECK_INPUT(model.experts % layout.ep == 0, "expert parallelism ", layout.ep,
+                       " does not divide the model's ", model.experts, " experts");
+    DTRAIN_CHECK_INPUT(layout.dp % layout.ep == 0 && layout.stage_replicas.empty(),
+                       "expert parallelism ", layout.ep, " must divide the data-parallel size ",
+                       layout.dp, " (the experts are split over data-parallel ranks)");
+    DTRAIN_CHECK_INPUT(!layout.overlap_param_gather ||
+                           !planned_strategy(layout.strategy).cost.gathers_updated_shards(),
+                       "overlap-param-gather with expert parallelism: dtrain train does not "
+                       "overlap them yet");
+  }
   DTRAIN_CHECK_INPUT(layout.micro_batch_size >= 1 && layout.micro_batches >= 1,
                      "micro-batch size and micro-batches must be >= 1");
   DTRAIN_CHECK_INPUT(layout.ranks() == cluster.gpus(), "layout ", layout.describe(),

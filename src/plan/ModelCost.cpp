@@ -21,6 +21,57 @@ double ModelCost::model_flops_per_sample() const {
   return 3 * forward;  // backward: the gradients of inputs and of weights, each as forward
 }
 
+namespace {
+
+/// A block whose MLP is a mixture of experts (nn/Moe.h): the dense MLP's terms (`mlp_elementwise`,
+/// `mlp_saved` per token) replaced by a linear router over E experts, each token's top-k SwiGLU
+/// experts of width F (the rank's tokens x k rows through them: timed as one grouped product, as
+/// Megatron-Core's grouped GEMM runs them; dtrain's loop over experts launches 5 operators per
+/// expert), and S shared experts on every token. The layer is replicated over the TP group
+/// (only attention's output is all-reduced); each all-to-all moves the tokens' k copies.
+void mixture_of_experts(Layer& block, const TransformerShape& shape, double mlp_elementwise,
+                        double mlp_saved) {
+  const double h = shape.hidden, s = shape.sequence, E = shape.experts, k = shape.top_k;
+  const double f = shape.ffn > 0 ? shape.ffn : 4 * h, bias = shape.bias ? 1 : 0;
+  const double F = shape.expert_ffn > 0 ? shape.expert_ffn : f, S = shape.shared_experts;
+  const double mlp_in = shape.swiglu ? 2 * f : f;
+  // Out: the dense MLP.
+  block.parameters -= static_cast<int64_t>((h + bias) * mlp_in + (f + bias) * h);
+  block.matmul_flops -= 2 * s * (h * mlp_in + f * h);
+  block.gemms.resize(2);
+  block.column_parallel_flops -= 2 * s * h * mlp_in;
+  block.elementwise_elements -= s * mlp_elementwise;
+  block.saved_elements -= s * mlp_saved;
+  block.kernels -= shape.swiglu ? 5 : 4;
+  block.tp_allreduces = 1;
+  // In: the router, the routed experts (gate, up, down) and the shared ones.
+  const double router = E * h, experts = E * 3 * h * F, shared = S * 3 * h * F;
+  block.parameters += static_cast<int64_t>(router + experts + shared);
+  block.expert_parameters = static_cast<int64_t>(experts);
+  block.replicated_parameters += static_cast<int64_t>(router + shared);
+  block.matmul_flops += 2 * s * (h * E + k * 3 * h * F + S * 3 * h * F);
+  block.gemms.push_back({s, E, h, Gemm::Whole});
+  block.gemms.push_back({s * k, 2 * F, h, Gemm::Whole});
+  block.gemms.push_back({s * k, h, F, Gemm::Whole});
+  if (S > 0) {
+    block.gemms.push_back({s, 2 * S * F, h, Gemm::Whole});
+    block.gemms.push_back({s, h, S * F, Gemm::Whole});
+  }
+  // Routing (softmax and top-k over E scores: 4 passes), the rows gathered by expert and the
+  // results weighted and added back (2 + 3 passes over tokens x k x h), SwiGLU on each expert's
+  // rows (5 per hidden unit) and on the shared experts'.
+  block.elementwise_elements += s * (4 * E + 5 * k * h + 5 * k * F + 5 * S * F);
+  block.kernels += 12 + 5 * E + (S > 0 ? 5 : 0);
+  // Kept for backward: the router's scores, the rows sent (k x h per token), each expert's
+  // gate, up and product (3 k F), the shared experts' (3 S F); none of it split by TP.
+  const double moe_saved = s * (E + k * h + 3 * k * F + 3 * S * F);
+  block.saved_elements += moe_saved;
+  block.replicated_saved_elements += moe_saved;
+  block.alltoall_elements = s * k * h;
+}
+
+}  // namespace
+
 ModelCost transformer(const TransformerShape& shape, const std::string& name) {
   const double h = shape.hidden, s = shape.sequence, a = shape.heads, v = shape.vocabulary;
   const double f = shape.ffn > 0 ? shape.ffn : 4 * h;
@@ -78,6 +129,7 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
   const double mlp_elementwise = shape.swiglu ? 5 * f : 2 * f;
   const double mlp_saved = shape.swiglu ? 3 * f : 2 * f;
   const double rope_elementwise = shape.rope ? 3 * h * (1 + g) : 0;
+  model.experts = shape.experts;
   for (int i = 0; i < shape.layers; ++i) {
     Layer block;
     block.name = concat("block.", i);
@@ -90,6 +142,8 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
                    {s, h, h, Gemm::Inner},
                    {s, mlp_in, h, Gemm::Columns},
                    {s, h, f, Gemm::Inner}};
+    const bool moe = shape.experts > 0 && i >= shape.moe_first_dense &&
+                     (i - shape.moe_first_dense) % std::max(1, shape.moe_every) == 0;
     // Attention's scores: fused scale-mask-softmax reads and writes them once (2 passes; the
     // 3 a s above counts the mask); written out, the scale (2), masked_fill (2 + its mask) and
     // softmax (2) pass over them three times.
@@ -132,6 +186,7 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
       block.attention_elements = 0;
       block.attention_kernels = 0;
     }
+    if (moe) mixture_of_experts(block, shape, mlp_elementwise, mlp_saved);
     model.layers.push_back(block);
   }
 
@@ -158,10 +213,14 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
 ModelCost decoder(const models::GptConfig& config, const std::string& model, int64_t vocabulary,
                   bool flash) {
   models::validate(config);
-  DTRAIN_CHECK_INPUT(config.moe_experts == 0,
-                     "the planner does not model mixtures of experts yet (issue 81): leave out "
-                     "--moe-experts");
   TransformerShape shape;
+  shape.experts = static_cast<int>(config.moe_experts);
+  shape.top_k = static_cast<int>(config.moe_top_k);
+  shape.expert_ffn =
+      config.moe_experts > 0 ? static_cast<int>(models::expert_ffn_width_of(config)) : 0;
+  shape.shared_experts = static_cast<int>(config.moe_shared_experts);
+  shape.moe_every = static_cast<int>(config.moe_every);
+  shape.moe_first_dense = static_cast<int>(config.moe_first_dense);
   shape.layers = static_cast<int>(config.layers);
   shape.hidden = static_cast<int>(config.width);
   shape.heads = static_cast<int>(config.heads);
@@ -192,7 +251,13 @@ ModelCost decoder(const models::GptConfig& config, const std::string& model, int
           ? concat(" --rope-theta ", config.rope_theta)
           : std::string(),
       config.norm_eps != models::GptConfig{}.norm_eps ? concat(" --norm-eps ", config.norm_eps)
-                                                      : std::string());
+                                                      : std::string(),
+      config.moe_experts > 0
+          ? concat(" --moe-experts ", config.moe_experts, " --moe-top-k ", config.moe_top_k,
+                   " --moe-ffn-width ", shape.expert_ffn, " --moe-shared-experts ",
+                   config.moe_shared_experts, " --moe-every ", config.moe_every,
+                   " --moe-first-dense ", config.moe_first_dense)
+          : std::string());
   cost.kv_heads = shape.kv_heads;
   cost.tied_embeddings = config.tied_embeddings;
   return cost;

@@ -45,6 +45,11 @@ double allreduce(double bytes, int ranks, const Link& link, bool tree) {
       2 * bytes / link.bandwidth_Bps + 2 * std::ceil(std::log2(n)) * link.latency_s;
   return std::min(ring, trees);
 }
+double all_to_all(double bytes, int ranks, const Link& link) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  const double n = ranks;
+  return bytes * (n - 1) / n / link.bandwidth_Bps + (n - 1) * link.latency_s;
+}
 double ring_half(double bytes, int ranks, const Link& link) {
   if (ranks <= 1 || bytes <= 0) return 0;
   return comm::ring_wire_bytes("reduce_scatter", static_cast<int64_t>(bytes), ranks) /
@@ -120,7 +125,7 @@ MatmulTime matmul_time(const Layer& l, const Rates& r, double b, int tp) {
 /// Every layer's forward and backward on one TP rank, one micro-batch.
 std::vector<LayerTime> layer_times(const ModelCost& model, const Layout& layout, const Rates& rates,
                                    const Bytes& bytes, const std::vector<double>& local_params,
-                                   const Link& tp_link, bool tree) {
+                                   const Link& tp_link, const Link& ep_link, bool tree) {
   const double b = layout.micro_batch_size;
   const bool tp_overlap = layout.tp_comm_overlap && layout.tp > 1 &&
                           !(layout.pp > 1 && pp::splits_backward(layout.schedule));
@@ -134,8 +139,10 @@ std::vector<LayerTime> layer_times(const ModelCost& model, const Layout& layout,
                                   : l.replicated_saved_elements / std::max(1.0, l.saved_elements);
     const double elements = l.elementwise_elements * b * (replicated + (1 - replicated) / split);
     const double elementwise = elements * bytes.activation / rates.elementwise_rate;
-    const double tp_comm = l.tp_allreduces * allreduce(l.output_elements * b * bytes.activation,
-                                                       layout.tp, tp_link, tree);
+    const double tp_comm =
+        l.tp_allreduces *
+            allreduce(l.output_elements * b * bytes.activation, layout.tp, tp_link, tree) +
+        2 * all_to_all(l.alltoall_elements * b * bytes.activation, layout.ep, ep_link);
     // dtrain's autocast: each micro-batch's forward casts the fp32 weights to 16 bits (read 4,
     // write 2 bytes), backward turns the 16-bit weight gradients into fp32 and accumulates them
     // (read 2, read and write 4).
@@ -198,13 +205,19 @@ Step::Step(const ModelCost& model_, const Cluster& cluster_, const Layout& layou
       replicated(!layout_.stage_replicas.empty()) {
   const size_t n = model.layers.size();
   local_params.resize(n);
+  local_expert_params.resize(n);
   for (size_t i = 0; i < n; ++i) {
     const Layer& l = model.layers[i];
     const double split = l.tensor_parallel ? layout.tp : 1;
-    local_params[i] = (l.parameters - l.replicated_parameters) / split + l.replicated_parameters;
+    // (Experts: split over the expert group, whole on every TP rank.)
+    local_expert_params[i] = static_cast<double>(l.expert_parameters) / layout.ep;
+    local_params[i] =
+        static_cast<double>(l.parameters - l.replicated_parameters - l.expert_parameters) / split +
+        l.replicated_parameters + local_expert_params[i];
   }
-  times =
-      layer_times(model, layout, rates, bytes, local_params, place.group_link(1, layout.tp), tree);
+  // The expert group: ep consecutive data-parallel ranks (stride tp).
+  times = layer_times(model, layout, rates, bytes, local_params, place.group_link(1, layout.tp),
+                      place.group_link(layout.tp, layout.ep), tree);
   // Layers onto virtual stages: dtrain's balanced partition, by forward + backward time
   // (replicated stages: a stage's work is shared by its replicas, PipeDream's partition).
   std::vector<double> costs(n);
@@ -259,6 +272,20 @@ double Step::slot_params(int slot) const {
   double params = 0;
   for (int c = 0; c < V; ++c) params += stage_params[vstage(c, slot)];
   return params;
+}
+
+double Step::slot_expert_params(int slot) const {
+  double params = 0;
+  for (int c = 0; c < V; ++c) {
+    const int s = vstage(c, slot);
+    for (int i = partition.first(s); i < partition.end(s); ++i) params += local_expert_params[i];
+  }
+  return params;
+}
+
+double Step::sharded_share(double params, double experts, int slot) const {
+  const double ranks = replicas_of(slot);
+  return (params - experts) / ranks + experts / std::max(1.0, ranks / layout.ep);
 }
 
 double rank_memory_bytes(const Cluster& cluster) {

@@ -111,7 +111,7 @@ std::vector<Layout> step_variants(const ModelCost& model, const Cluster& cluster
     open.push_back(&Layout::sequence_parallel);
   }
   if (!options.tp_comm_overlap && base.tp > 1) open.push_back(&Layout::tp_comm_overlap);
-  if (!options.overlap_param_gather &&
+  if (!options.overlap_param_gather && base.ep == 1 &&
       planned_strategy(base.strategy).cost.gathers_updated_shards()) {
     open.push_back(&Layout::overlap_param_gather);
   }
@@ -209,20 +209,27 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
             if (dp == 1 && info.cost.traffic != parallel::StepCost::Traffic::kAllReduce) continue;
             for (const std::string& sync : options.pipeline_syncs) {
               if (sync != "flush" && pp == 1) continue;  // (a sync of pipeline stages)
-              add(mbs, micro_batches, [&](Layout& layout) {
-                layout.strategy = strategy;
-                layout.dp = dp;
-                layout.pp = pp;
-                layout.tp = tp;
-                layout.schedule = schedule;
-                layout.chunks = chunks;
-                layout.pipeline_sync = sync;
-                layout.sequence_parallel = options.sequence_parallel.value_or(true) &&
-                                           sequence_parallel_fits(model, cluster, layout);
-                layout.overlap_param_gather = options.overlap_param_gather.value_or(true) &&
-                                              info.cost.gathers_updated_shards();
-                layout.tp_comm_overlap = options.tp_comm_overlap.value_or(true) && tp > 1;
-              });
+              // A mixture of experts' experts over every split of the data-parallel ranks
+              // that divides them (torchtitan's and Megatron's rule: EP inside DP).
+              for (int ep : divisors(dp, std::max(1, model.experts))) {
+                if (model.experts > 0 && model.experts % ep != 0) continue;
+                add(mbs, micro_batches, [&](Layout& layout) {
+                  layout.strategy = strategy;
+                  layout.dp = dp;
+                  layout.pp = pp;
+                  layout.tp = tp;
+                  layout.ep = ep;
+                  layout.schedule = schedule;
+                  layout.chunks = chunks;
+                  layout.pipeline_sync = sync;
+                  layout.sequence_parallel = options.sequence_parallel.value_or(true) &&
+                                             sequence_parallel_fits(model, cluster, layout);
+                  // (dtrain train overlaps no parameter gathers with experts split yet.)
+                  layout.overlap_param_gather = options.overlap_param_gather.value_or(true) &&
+                                                info.cost.gathers_updated_shards() && ep == 1;
+                  layout.tp_comm_overlap = options.tp_comm_overlap.value_or(true) && tp > 1;
+                });
+              }
             }
           }
         }

@@ -17,13 +17,14 @@ std::vector<Memory> slot_memory(const Step& step, const Timeline& timeline) {
   std::vector<Memory> memory;
   for (int r = 0; r < step.slots; ++r) {
     Memory m;
-    double params = 0, saved = 0, boundary = 0, largest_saved = 0, largest_layer = 0;
+    double params = 0, experts = 0, saved = 0, boundary = 0, largest_saved = 0, largest_layer = 0;
     for (int c = 0; c < V; ++c) {
       const int s = step.vstage(c, r);
       for (int i = step.partition.first(s); i < step.partition.end(s); ++i) {
         const Layer& l = model.layers[i];
         const double split = l.tensor_parallel ? layout.tp : 1;
         params += step.local_params[i];
+        experts += step.local_expert_params[i];
         const double replicated = layout.sequence_parallel ? l.replicated_saved_elements / split
                                                            : l.replicated_saved_elements;
         const double dropped = layout.selective_recompute ? l.attention_saved_elements : 0;
@@ -42,19 +43,19 @@ std::vector<Memory> slot_memory(const Step& step, const Timeline& timeline) {
     }
     const double in_flight =
         P > 1 ? std::max(1.0, timeline.simulation.peak_live[r] / static_cast<double>(V)) : 1.0;
-    // What the strategy shards keeps 1/DP of it; its copies as it declares them.
+    // What the strategy shards keeps 1/DP of it (a mixture of experts' experts 1 / (DP / EP):
+    // their shards span the ranks holding the same experts); its copies as it declares them.
     const double sharded = step.replicas_of(r);
-    const auto share = [&](bool shards) { return shards ? sharded : 1.0; };
-    m.parameters =
-        cost.parameter_copies * params * step.bytes.parameter / share(strategy.shards_parameters);
+    const auto kept = [&](bool shards) {
+      return shards ? step.sharded_share(params, experts, r) : params;
+    };
+    m.parameters = cost.parameter_copies * kept(strategy.shards_parameters) * step.bytes.parameter;
     // PipeDream's weight versions: 2bw two, async up to one per micro-batch in flight and one.
     if (step.flush_free) m.parameters *= layout.pipeline_sync == "async" ? P - r + 1 : 2;
-    m.gradients =
-        cost.gradient_copies * params * step.bytes.gradient / share(cost.shards_gradients);
+    m.gradients = cost.gradient_copies * kept(cost.shards_gradients) * step.bytes.gradient;
     // (The parameter server's optimizer lives on its shards.)
-    m.optimizer = strategy.server_optimizer
-                      ? 0.0
-                      : params * step.bytes.optimizer / share(cost.shards_optimizer);
+    m.optimizer =
+        strategy.server_optimizer ? 0.0 : kept(cost.shards_optimizer) * step.bytes.optimizer;
     m.activations =
         b * step.bytes.activation *
         (layout.checkpointing ? in_flight * boundary + largest_saved : in_flight * saved);
@@ -81,7 +82,7 @@ std::vector<Memory> slot_memory(const Step& step, const Timeline& timeline) {
     // Offload: the optimizer's state leaves the device; ZeRO-Offload keeps fp32 master weights
     // beside it in host memory.
     if (layout.offload == "host") {
-      m.host = m.optimizer + params * kBuilt / share(cost.shards_optimizer);
+      m.host = m.optimizer + kept(cost.shards_optimizer) * kBuilt;
       m.optimizer = 0;
     } else if (layout.offload == "disk") {
       m.disk = m.optimizer;

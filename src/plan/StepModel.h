@@ -37,6 +37,9 @@ Bytes bytes_of(const Layout& layout);
 double allreduce(double bytes, int ranks, const Link& link, bool tree);
 /// Reduce-scatter or all-gather: half a ring all-reduce.
 double ring_half(double bytes, int ranks, const Link& link);
+/// All-to-all of `bytes` per rank over `ranks` (a mixture of experts' dispatch or combine): each
+/// rank sends (n-1)/n of them, to every peer at once.
+double all_to_all(double bytes, int ranks, const Link& link);
 
 /// Where a rank of the grid sits: ranks are laid out as dtrain's ProcessGrid does, tensor-
 /// parallel fastest, then data-parallel, then pipeline; consecutive ranks fill a node.
@@ -82,8 +85,9 @@ struct Step {
   const bool tree;
   const Rates rates;
   const Placement place;
-  /// Per layer: its parameters on one TP rank, and its times.
-  std::vector<double> local_params;
+  /// Per layer: its parameters on one TP rank (of them, its experts' on one expert-parallel
+  /// rank), and its times.
+  std::vector<double> local_params, local_expert_params;
   std::vector<LayerTime> times;
   int P, V, stages;
   /// PipeDream's replicated stages: a stage's work shared by its replicas.
@@ -108,6 +112,10 @@ struct Step {
   /// The layers of a slot's chunks.
   int slot_layers(int slot) const;
   double slot_params(int slot) const;
+  double slot_expert_params(int slot) const;
+  /// What a strategy that shards over the slot's data-parallel group keeps of `params` (of them
+  /// `experts`, sharded over the ranks holding the same experts: dp / ep).
+  double sharded_share(double params, double experts, int slot) const;
 };
 
 /// The pipeline's step (or, with pp = 1, the micro-batches one after another) through the

@@ -76,6 +76,15 @@ double bucket_time(const Step& step, double bytes, int D, const Link& dp_link) {
   return allreduce(bytes, D, dp_link, step.tree);
 }
 
+/// A collective `time(step, bytes, ranks, link)` over the ranks holding the same experts (every
+/// ep-th data-parallel rank of D).
+template <typename Time>
+double expert_time(const Step& step, double bytes, int D, Time time) {
+  if (bytes <= 0) return 0;
+  const int ep = step.layout.ep, ranks = std::max(1, D / ep);
+  return time(step, bytes, ranks, step.place.group_link(step.layout.tp * ep, ranks));
+}
+
 /// The reducer's buckets over the slot's layers (one reducer per chunk), each leaving when the
 /// last micro-batch's backward has produced all its gradients, one after another on the
 /// slot's link (free from `link_free` on). Returns when the last one is done.
@@ -104,12 +113,16 @@ double bucket_stream(const Step& step, const Timeline& timeline, int r, int D,
       ready[i] = t;
     }
     for (const auto& bucket : step.buckets[s]) {
-      double bucket_bytes = 0, bucket_ready = 0;
+      double bucket_bytes = 0, expert_bytes = 0, bucket_ready = 0;
       for (size_t k : bucket) {
         bucket_bytes += step.local_params[first + k] * step.bytes.gradient;
+        expert_bytes += step.local_expert_params[first + k] * step.bytes.gradient;
         bucket_ready = std::max(bucket_ready, ready[first + k]);
       }
-      link_free = std::max(link_free, bucket_ready) + bucket_time(step, bucket_bytes, D, dp_link);
+      // (A mixture of experts' experts: over the dp / ep ranks holding the same ones.)
+      link_free = std::max(link_free, bucket_ready) +
+                  bucket_time(step, bucket_bytes - expert_bytes, D, dp_link) +
+                  expert_time(step, expert_bytes, D, bucket_time);
     }
   }
   return link_free;
@@ -122,9 +135,16 @@ double updated_shard_gathers(const Step& step, int r, int D, const Link& dp_link
   for (int c = 0; c < step.V; ++c) {
     const int s = step.vstage(c, r);
     for (const auto& bucket : step.buckets[s]) {
-      double bucket_params = 0;
-      for (size_t k : bucket) bucket_params += step.local_params[step.partition.first(s) + k];
-      total += ring_half(bucket_params * step.bytes.parameter, D, dp_link);
+      double bucket_params = 0, experts = 0;
+      for (size_t k : bucket) {
+        bucket_params += step.local_params[step.partition.first(s) + k];
+        experts += step.local_expert_params[step.partition.first(s) + k];
+      }
+      total += ring_half((bucket_params - experts) * step.bytes.parameter, D, dp_link) +
+               expert_time(step, experts * step.bytes.parameter, D,
+                           [](const Step&, double bytes, int ranks, const Link& link) {
+                             return ring_half(bytes, ranks, link);
+                           });
     }
   }
   return total;
@@ -159,7 +179,7 @@ double optimizer_time(const Step& step, int slot) {
   // moments and writing weight, master and moments. Every step also zeroes the gradients (one
   // write) and clips their norm (a read for the norm, a read and a write to scale): 4 more
   // passes over them.
-  const double shard = step.strategy.cost.shards_optimizer ? step.replicas_of(slot) : 1.0;
+  const bool shards = step.strategy.cost.shards_optimizer;
   const bool fused = layout.precision.size() > 7 &&
                      layout.precision.compare(layout.precision.size() - 7, 7, "-master") == 0;
   const double passes = layout.optimizer == "adam" ? 22 : layout.optimizer == "momentum" ? 8 : 3;
@@ -168,13 +188,16 @@ double optimizer_time(const Step& step, int slot) {
                                       : passes * state_element) +
                                4 * bytes.gradient;
   const double params = step.slot_params(slot);
+  // (Sharded: its part of the dense parameters over dp ranks, of the experts over dp / ep.)
+  const double local =
+      shards ? step.sharded_share(params, step.slot_expert_params(slot), slot) : params;
   // PipeDream: each update also copies the newest version into a buffer of its own (a read
   // and a write of the weights); async updates after every micro-batch.
   const double updates = layout.pipeline_sync == "async" && step.P > 1 ? layout.micro_batches : 1;
   const double version_copy =
       step.flush_free ? 2 * params * bytes.parameter / step.rates.byte_rate : 0;
   const double on_device =
-      updates * (params / shard * per_parameter / step.rates.byte_rate +
+      updates * (local * per_parameter / step.rates.byte_rate +
                  step.slot_layers(slot) * 4 * step.rates.overhead + version_copy);
   if (layout.offload == "none") return on_device;
   // Offload. On a GPU the step runs on the CPU over host copies: the gradients come over the
@@ -182,7 +205,6 @@ double optimizer_time(const Step& step, int slot) {
   // state on disk, the node's ranks read and write theirs every step through its one disk,
   // overlapped with the update (the next bucket read, the last written, during a bucket's).
   const Hardware& hw = step.hw;
-  const double local = params / shard;
   const double update = hw.shared_cores
                             ? on_device
                             : local * per_parameter / hw.host_memory_bandwidth_Bps +

@@ -391,8 +391,13 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
                      "--moe-bias-rate moves every rank's bias by the step's load summed over the "
                      "data-parallel ranks: it needs a strategy whose ranks step together (not ",
                      options_.strategy, ")");
-  run.experts = ExpertBalance::find(*strategy_->model().module,
-                                    steps_together ? grid_->dp() : nullptr, options_.moe_bias_rate);
+  // Summed over the world: a pipeline's ranks route through their own stages' layers (each
+  // layer's loads come from its stage's ranks), sequence parallelism's through their part of the
+  // sequence, and tensor-parallel ranks without it route the same tokens alike (every figure
+  // is a ratio, and the bias moves by a sign: counted T times, they are the same).
+  run.experts =
+      ExpertBalance::find(*strategy_->model().module, steps_together ? grid_->world() : nullptr,
+                          options_.moe_bias_rate);
   checkpoints.on_written = [&](int64_t step, double seconds) {
     if (run.leader) {
       run.metrics.write(

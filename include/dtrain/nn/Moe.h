@@ -53,6 +53,9 @@ struct MoeOptions {
   double capacity_factor = 0.0;
   /// Standard deviation of the router's and experts' initial weights (normal, mean 0).
   double init_std = 0.02;
+  /// Coefficients of the balance losses in the training loss (stats().aux_loss, z_loss): the
+  /// model's loss adds them, or the layer's own backward (losses_in_backward).
+  double aux_loss = 0.0, z_loss = 0.0;
 };
 
 /// What the last forward routed.
@@ -99,6 +102,15 @@ class MoeImpl : public torch::nn::Module, public tensor::TensorParallelModule {
   /// DeepSeek-V3's auxiliary-loss-free balancing: bias_e += rate x sign(mean load - load_e), from
   /// `load` (per expert: the last forward's, or a step's summed over micro-batches and ranks).
   void update_bias(const std::vector<int64_t>& load, double rate);
+  /// Balance losses without the loss (Megatron-Core's MoEAuxLossAutoScaler): with `scale` > 0,
+  /// each training forward's aux_loss x stats().aux_loss + z_loss x stats().z_loss gets the
+  /// gradient `scale` (the loss's factor: 1 / micro-batches, times a loss scale) from the backward
+  /// of the layer's output, and the model's loss leaves it out. A pipeline needs this: its loss
+  /// lives on the last stage, the layers on every stage. 0: off (the default).
+  void set_losses_in_backward(double scale) { backward_scale_ = scale; }
+  bool losses_in_backward() const { return backward_scale_ > 0; }
+  /// The sum of the balance losses' values so taken since the last call (unscaled), and zeroes it.
+  double take_losses_in_backward();
   /// The experts this rank holds: [first_expert(), first_expert() + local_experts()).
   int64_t local_experts() const { return options.experts / expert_ranks_; }
   int64_t first_expert() const { return local_experts() * expert_rank_; }
@@ -122,6 +134,7 @@ class MoeImpl : public torch::nn::Module, public tensor::TensorParallelModule {
 
   MoeStats stats_;
   MoeStepCounts step_;
+  double backward_scale_ = 0.0, taken_in_backward_ = 0.0;
   comm::CommunicatorPtr expert_parallel_;
   int expert_ranks_ = 1;
   int expert_rank_ = 0;

@@ -73,6 +73,12 @@ struct Layer {
   double recomputed_backward_flops = 0;
   /// A transformer block (what a search's deeper interleaving divides evenly).
   bool block = false;
+  /// A mixture of experts' block: of `parameters`, the routed experts' (split over the
+  /// expert-parallel group, replicated over the tensor-parallel one: dtrain's expert tensor
+  /// parallelism of 1), and per sample, forward, the elements each of its two all-to-alls
+  /// (dispatch and combine) moves: tokens x top-k x hidden. 0: none.
+  int64_t expert_parameters = 0;
+  double alltoall_elements = 0;
 };
 
 struct ModelCost {
@@ -89,6 +95,9 @@ struct ModelCost {
   /// (--tied-embeddings): layouts are checked for it as dtrain train checks them (zero3 refuses
   /// it). Models of published runs only are not.
   bool tied_embeddings = false;
+  /// A mixture of experts' routed experts per MoE block (--expert-parallel must divide them);
+  /// 0: dense.
+  int experts = 0;
   int64_t parameters() const;
   /// The flops one sample costs in forward and backward (3x forward's matrix products), the
   /// work MFU is counted against.
@@ -120,6 +129,16 @@ struct TransformerShape {
   bool rope = false;
   bool rmsnorm = false;
   bool bias = true;
+  /// A mixture of experts (dtrain's --moe-* flags): `experts` routed SwiGLU experts of width
+  /// `expert_ffn` (0: ffn) in block i when i >= moe_first_dense and (i - moe_first_dense) is a
+  /// multiple of moe_every, each token to `top_k` of them, and `shared_experts` seeing every
+  /// token; a linear router. 0 experts: dense.
+  int experts = 0;
+  int top_k = 1;
+  int expert_ffn = 0;
+  int shared_experts = 0;
+  int moe_every = 1;
+  int moe_first_dense = 0;
 };
 /// A GPT-style decoder (Megatron's): token and position embeddings, `layers` pre-norm blocks
 /// (attention with Q/K/V and output projections, a GELU MLP), a final norm and the output

@@ -29,6 +29,9 @@ struct Layout {
   /// "downpour" (asynchronous workers pushing to and pulling from parameter-server shards).
   std::string strategy = "ddp";
   int dp = 1, pp = 1, tp = 1;
+  /// A mixture of experts' experts split over this many data-parallel ranks (dtrain train
+  /// --expert-parallel; the experts' gradients reduced over the dp / ep ranks holding the same).
+  int ep = 1;
   int micro_batch_size = 1;       ///< samples per micro-batch on one replica
   int micro_batches = 1;          ///< per optimizer step (gradient accumulation when pp = 1)
   std::string schedule = "1f1b";  ///< "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"

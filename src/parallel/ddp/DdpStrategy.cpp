@@ -61,10 +61,7 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
   DTRAIN_CHECK_INPUT(!parameters_.empty(), "model has no trainable parameters");
   tp_ = tensor_parallel_layout(*model_.module, *grid_);
   // Expert parallelism: this rank's experts are blocks no other rank of its expert group holds.
-  for (const auto& name : names_) {
-    const auto split = tp_.splits.find(name);
-    expert_.push_back(split != tp_.splits.end() && split->second.expert);
-  }
+  expert_ = tp_.expert_flags(names_);
   DTRAIN_CHECK(!has_experts() || grid_->ep_size() > 1,
                "the model's experts are split over ranks but the grid has no expert groups "
                "(ProcessGrid::split_experts)");
@@ -131,31 +128,18 @@ void DdpStrategy::zero_expert_gradients() {
   }
 }
 
-void DdpStrategy::reduce_expert_gradients() {
-  if (!has_experts()) return;
-  trace::Span span("sync", "expert gradients");
-  torch::NoGradGuard no_grad;
-  // Each expert's gradient here is the sum over its expert group's tokens of each rank's mean
-  // loss; the step's is the mean over every data-parallel rank: summed over the ranks holding
-  // the same experts, divided by the data-parallel size.
-  std::vector<at::Tensor> grads;
+void DdpStrategy::reduce_expert_gradients(bool sum_partial) {
+  std::vector<at::Tensor> experts;
+  std::vector<std::string> names;
   for (size_t k = 0; k < parameters_.size(); ++k) {
     if (!is_expert(k)) continue;
-    if (!parameters_[k].grad().defined()) {
-      parameters_[k].mutable_grad() = at::zeros_like(parameters_[k]);
-    }
-    grads.push_back(parameters_[k].grad());
+    experts.push_back(parameters_[k]);
+    names.push_back(names_[k]);
   }
-  std::vector<at::Tensor> flats;
-  for (const auto& g : grads) flats.push_back(g.reshape({-1}));
-  at::Tensor flat = at::cat(flats);
-  if (grid_->edp()->size() > 1) grid_->edp()->allreduce(flat)->wait();
-  flat.div_(static_cast<double>(comm_->size()));
-  int64_t offset = 0;
-  for (auto& g : grads) {
-    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
-    offset += g.numel();
-  }
+  // (Sequence parallelism: the Reducer summed the dense parameters' partial gradients over the
+  // TP group; the experts bypass it.)
+  if (sum_partial && !experts.empty()) tp_.sum_partial_gradients(experts, names);
+  parallel::reduce_expert_gradients(experts, grid_->edp(), comm_->size());
 }
 
 void DdpStrategy::broadcast_buffers() {
@@ -199,7 +183,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     if (!sync_engine.sums_partial_gradients()) {
       tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
     }
-    reduce_expert_gradients();
+    reduce_expert_gradients(sync_engine.sums_partial_gradients());
     after_gradient_sync(result);
   }
   const auto& stats = sync_engine.stats();
@@ -336,8 +320,8 @@ void DdpStrategy::save(const std::string& directory) {
     write_state_shard(directory, tp_.rank * comm_->size() + comm_->rank(), comm_->size() * tp_.size,
                       tp_.for_writing(state_pieces()), optimizer_.get(), buffers);
   } else if (has_experts()) {
-    // The first expert group writes: one file per expert rank, its experts in each, the rest
-    // (and the buffers) in its first rank's.
+    // The first expert group writes: one file per expert rank (and tensor-parallel rank), its
+    // experts in each (from TP rank 0), the rest (and the buffers) in its first rank's.
     if (grid_->edp()->rank() == 0) {
       const int ep = grid_->ep_size(), rank = grid_->ep_rank();
       std::vector<PieceRef> pieces;
@@ -347,8 +331,8 @@ void DdpStrategy::save(const std::string& directory) {
           pieces.push_back(std::move(piece));
         }
       }
-      write_state_shard(directory, rank, ep, pieces, optimizer_.get(),
-                        rank == 0 ? named_buffers() : NamedTensors{});
+      write_state_shard(directory, tp_.rank * ep + rank, tp_.size * ep, pieces, optimizer_.get(),
+                        rank == 0 ? buffers : NamedTensors{});
     }
   } else if (leader) {  // replicas are identical; DP rank 0 writes them
     write_state_shard(directory, tp_.rank, tp_.size, tp_.for_writing(state_pieces()),

@@ -127,7 +127,9 @@ class DdpStrategy : public Strategy {
   bool is_expert(size_t k) const { return k < expert_.size() && expert_[k]; }
   bool has_experts() const;
   void zero_expert_gradients();
-  void reduce_expert_gradients();
+  /// `sum_partial`: the experts' partial gradients (sequence parallelism) are summed over the
+  /// TP group here (the Reducer summed the rest's).
+  void reduce_expert_gradients(bool sum_partial);
   bool warned_unused_ = false;
 };
 

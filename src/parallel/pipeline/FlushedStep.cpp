@@ -32,6 +32,8 @@ struct PipelineStrategy::FlushedStep {
   std::map<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>> kept;
   size_t peak_kept = 0;
   double loss_sum = 0;
+  /// A mixture of experts' balance losses: the gradient each layer gives them (the loss's).
+  double moe_scale = 0;
   StepResult result;
 };
 
@@ -63,6 +65,12 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
   }
+  for (auto& p : experts()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+  // The balance losses of the MoE layers on this rank's stages, scaled as the loss is.
+  step.moe_scale = (scaler_ ? scaler_->scale_value() : 1.0) / step.count;
+  scale_moe_losses(step.moe_scale);
   gather_wait_s_ = 0.0;
   // Receives are posted ahead of the actions that need them, so that Gloo moves the bytes while
   // this rank computes: one action ahead under GPipe and 1F1B (each posted buffer is memory the
@@ -204,15 +212,24 @@ StepResult PipelineStrategy::finish_flushed_step(FlushedStep& step) {
     for (auto& reducer : reducers_) {
       if (reducer) reducer->finalize();
     }
-    if (!partial_in_reducers_) tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
+    if (!partial_in_reducers_) {
+      tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
+    } else if (!expert_params_.empty()) {  // (the Reducers summed the dense parameters')
+      tp_.sum_partial_gradients(expert_params_, expert_names_);
+    }
+    reduce_expert_gradients(experts(), grid_->edp(), grid_->dp_size());
+    // zero1: the experts' shard pieces take their part of the reduced gradients.
+    if (!expert_params_.empty()) {
+      expert_shards_.alias_parameter_gradients(zero::FlatShards::gradients_of(expert_params_));
+    }
   }
-  result.loss = step.loss_sum;  // this rank's share of the replica's loss (the last stage's)
+  // This rank's share of the replica's loss: the last stage's, and each stage's balance losses.
+  result.loss = step.loss_sum + scale_moe_losses(step.moe_scale) / step.count;
   reduce_over_replicas(result);
   bool skip = false;
   if (scaler_) {
     // Every stage and replica takes the same decision.
-    skip = scaler_->unscale_and_check(scatter_ ? shards_.piece_tensors() : parameters_,
-                                      grid_->world());
+    skip = scaler_->unscale_and_check(scatter_ ? shard_pieces() : parameters_, grid_->world());
     scaler_->update(skip);
     result.metrics["loss_scale"] = scaler_->scale_value();
     result.metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
@@ -229,8 +246,12 @@ StepResult PipelineStrategy::finish_flushed_step(FlushedStep& step) {
     if (zero1_ && !parameters_.empty()) {
       shards_.wait();  // (every chunk's forward waited for its buckets already)
       if (!scatter_) {
-        shards_.alias_parameter_gradients(
-            zero::FlatShards::gradients_of(reduced_gradient_holders()));
+        std::vector<at::Tensor> dense;  // the holders of dense_'s reduced gradients
+        const std::vector<at::Tensor> holders = reduced_gradient_holders();
+        for (size_t k = 0; k < holders.size(); ++k) {
+          if (!expert_[k]) dense.push_back(holders[k]);
+        }
+        shards_.alias_parameter_gradients(zero::FlatShards::gradients_of(dense));
       }
       optimizer_->step();
       update_model_from_master();
@@ -239,6 +260,7 @@ StepResult PipelineStrategy::finish_flushed_step(FlushedStep& step) {
       } else {
         gather_wait_s_ += shards_.allgather(grid_->dp());
       }
+      if (!expert_params_.empty()) gather_wait_s_ += expert_shards_.allgather(grid_->edp());
     } else {
       if (!master_.empty()) reduced_gradient_holders();  // points the master gradients
       optimizer_->step();

@@ -12,6 +12,7 @@
 #include "dtrain/common/Trace.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/nn/DeferredInit.h"
+#include "dtrain/nn/Moe.h"
 #include "dtrain/nn/WeightGrad.h"
 #include "dtrain/optim/StateSize.h"
 #include "dtrain/parallel/zero/ZeroOverlapOptions.h"
@@ -89,7 +90,11 @@ void PipelineStrategy::broadcast_replica_state() {
   if (grid_->dp_size() == 1) return;
   torch::NoGradGuard no_grad;
   std::vector<comm::WorkPtr> works;
-  for (auto& p : parameters_) works.push_back(grid_->dp()->broadcast(p, {0}));
+  // A block of experts goes to the ranks holding the same experts.
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    const comm::CommunicatorPtr& group = expert_[k] ? grid_->edp() : grid_->dp();
+    if (group->size() > 1) works.push_back(group->broadcast(parameters_[k], {0}));
+  }
   for (auto& [name, b] : local_buffers()) works.push_back(grid_->dp()->broadcast(b, {0}));
   comm::wait_all(works);
 }
@@ -160,6 +165,17 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     nn::module_to(*model_.module, at::TensorOptions().dtype(at::kBFloat16));
   }
   tp_ = tensor_parallel_layout(*model_.module, *grid_);
+  for (const auto& module : model_.module->modules()) {
+    if (auto* layer = dynamic_cast<nn::MoeImpl*>(module.get())) moe_layers_.push_back(layer);
+  }
+  DTRAIN_CHECK_INPUT(moe_layers_.empty() || !flush_free_, "--pipeline-sync ", pipe_.sync,
+                     " with a mixture of experts: not built yet (use flush)");
+  DTRAIN_CHECK_INPUT(grid_->ep_size() == 1 || !flush_free_,
+                     "--expert-parallel with --pipeline-sync ", pipe_.sync,
+                     ": not built yet (use flush)");
+  // The last stage's loss cannot add the balance losses of layers on other stages: each layer
+  // adds its own in its backward.
+  for (auto* layer : moe_layers_) layer->set_losses_in_backward(1.0);
   costs_ = stage_costs();
   const std::string& balance = pipe_.balance;
   partition_ = balance == "params" || balance == "time"
@@ -190,6 +206,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     }
     chunks_.push_back(std::move(chunk));
   }
+  expert_ = tp_.expert_flags(names_);
   // Every stage starts from world rank 0's model, as DDP's replicas do (the first pipeline
   // rank's copy, then each stage's first replica's). Drawn from their names and the seed, the
   // stages' values are the same on every rank already: each rank draws its own.
@@ -207,18 +224,38 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   const std::vector<at::Tensor> initial_master =
       keep_master_weights(*model_.module, parameters_, precision_);
   if (zero1_ && !parameters_.empty()) {
-    // The shards follow each chunk's Reducer's buckets (each bucket's all-gather balanced).
+    // The shards follow each chunk's Reducer's buckets (each bucket's all-gather balanced); the
+    // experts get shards of their own over the ranks holding the same experts.
     const parallel::ddp::ReducerOptions bucketing = reducer_options_from(options_);
+    std::vector<size_t> dense_index(parameters_.size(), 0);
+    for (size_t k = 0; k < parameters_.size(); ++k) {
+      if (expert_[k]) {
+        expert_params_.push_back(parameters_[k]);
+        expert_names_.push_back(names_[k]);
+      } else {
+        dense_index[k] = dense_.size();
+        dense_.push_back(parameters_[k]);
+        dense_names_.push_back(names_[k]);
+      }
+    }
     std::vector<std::vector<size_t>> buckets;
-    for (const auto& chunk : chunks_) {
-      const auto [params, names] = chunk_parameters(chunk);
+    for (auto& chunk : chunks_) {
+      for (size_t k : chunk.parameters) {
+        if (!expert_[k]) chunk.dense.push_back(dense_index[k]);
+      }
+      const auto [params, names] = chunk_parameters(chunk, /*dense=*/true);
       for (auto group : parallel::ddp::bucket_groups(params, names, bucketing)) {
-        for (size_t& k : group) k = chunk.parameters[k];
+        for (size_t& k : group) k = chunk.dense[k];
         buckets.push_back(std::move(group));
       }
     }
-    shards_ = parallel::zero::FlatShards(parameters_, buckets, grid_->dp_size(),
-                                         grid_->coordinates().dp, "pipeline zero1");
+    shards_ = parallel::zero::FlatShards(dense_, buckets, grid_->dp_size(), grid_->coordinates().dp,
+                                         "pipeline zero1");
+    if (!expert_params_.empty()) {
+      expert_shards_ = parallel::zero::FlatShards(
+          expert_params_, parallel::ddp::bucket_groups(expert_params_, expert_names_, bucketing),
+          grid_->edp()->size(), grid_->edp()->rank(), "pipeline zero1 (experts)");
+    }
     if (!initial_master.empty()) shards_.make_master(at::kFloat, initial_master);
     overlap_gather_ = options_.of<parallel::zero::ZeroOverlapOptions>().param_gather;
     // Megatron's distributed optimizer: each chunk's buckets reduce-scattered into this rank's
@@ -233,9 +270,8 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
                         shards_.has_master() ? at::kFloat : parameters_.front().scalar_type()));
       shards_.alias_shard_gradient(shard_grad_);
     }
-    for (auto& chunk : chunks_)
-      chunk.gather_until = shards_.buckets_needed(chunk.stages, parameters_);
-    optimizer_ = make_optimizer(shards_.piece_tensors());
+    for (auto& chunk : chunks_) chunk.gather_until = shards_.buckets_needed(chunk.stages, dense_);
+    optimizer_ = make_optimizer(shard_pieces());
   } else if (flush_free_) {
     setup_versions();
     optimizer_ = make_optimizer(optimized_);
@@ -252,12 +288,13 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   // Replicated stages: each replica's gradients are its micro-batches' share of the step's mean.
   reducer_options.average = !grid_->replicated_stages();
   for (const auto& chunk : chunks_) {
-    const auto [params, names] = chunk_parameters(chunk);
+    // (Experts' gradients are reduced over their own group after the schedule.)
+    const auto [params, names] = chunk_parameters(chunk, /*dense=*/true);
     parallel::ddp::ReducerOptions options = reducer_options;
     if (scatter_ && !params.empty()) {  // the chunk's buckets are a run of the shard layout's
       const auto& layout = shards_.layout();
-      const auto& first = layout.buckets[layout.bucket_of[chunk.parameters.front()]];
-      const auto& last = layout.buckets[layout.bucket_of[chunk.parameters.back()]];
+      const auto& first = layout.buckets[layout.bucket_of[chunk.dense.front()]];
+      const auto& last = layout.buckets[layout.bucket_of[chunk.dense.back()]];
       options.shard_numel = last.shard_offset + last.part - first.shard_offset;
       options.shard_grad = shard_grad_.narrow(0, first.shard_offset, options.shard_numel);
       // Sequence parallelism's LayerNorm gradients: summed over the TP group before the
@@ -374,13 +411,47 @@ void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x
 }
 
 std::pair<std::vector<at::Tensor>, std::vector<std::string>> PipelineStrategy::chunk_parameters(
-    const Chunk& chunk) const {
+    const Chunk& chunk, bool dense) const {
   std::pair<std::vector<at::Tensor>, std::vector<std::string>> out;
   for (size_t k : chunk.parameters) {
+    if (dense && expert_[k]) continue;
     out.first.push_back(parameters_[k]);
     out.second.push_back(names_[k]);
   }
   return out;
+}
+
+std::vector<at::Tensor> PipelineStrategy::shard_pieces() const {
+  std::vector<at::Tensor> pieces = shards_.piece_tensors();
+  for (auto& piece : expert_shards_.piece_tensors()) pieces.push_back(piece);
+  return pieces;
+}
+
+std::vector<PieceRef> PipelineStrategy::shard_state_pieces() const {
+  std::vector<PieceRef> pieces;
+  if (parameters_.empty()) return pieces;
+  pieces = shards_.state_pieces(dense_names_, dense_);
+  for (auto& piece : expert_shards_.state_pieces(expert_names_, expert_params_)) {
+    pieces.push_back(std::move(piece));
+  }
+  return pieces;
+}
+
+std::vector<at::Tensor> PipelineStrategy::experts() const {
+  std::vector<at::Tensor> experts;
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    if (expert_[k]) experts.push_back(parameters_[k]);
+  }
+  return experts;
+}
+
+double PipelineStrategy::scale_moe_losses(double scale) {
+  double taken = 0.0;
+  for (auto* layer : moe_layers_) {
+    layer->set_losses_in_backward(scale);
+    taken += layer->take_losses_in_backward();
+  }
+  return taken;
 }
 
 at::Tensor PipelineStrategy::run_chunk(const Chunk& chunk, const at::Tensor& input) const {
@@ -412,14 +483,26 @@ double PipelineStrategy::clip_gradients() {
   if (grid_->coordinates().dp > 0 && grid_->replicated_stages()) {
     counted.assign(parameters_.size(), false);  // pp() holds every replica: count the first
   }
-  if (scatter_) {  // each DP rank holds its shard of the stage's gradients: its pieces
+  if (scatter_) {  // each DP rank holds its shard of the stage's gradients (and of its experts')
     std::vector<std::string> names;
-    for (const auto& piece : shards_.pieces()) names.push_back(names_[piece.parameter]);
-    return clip_by_global_norm(shards_.piece_tensors(), {grid_->pp(), grid_->tp(), grid_->dp()},
+    for (const auto& piece : shards_.pieces()) names.push_back(dense_names_[piece.parameter]);
+    for (const auto& piece : expert_shards_.pieces()) {
+      names.push_back(expert_names_[piece.parameter]);
+    }
+    return clip_by_global_norm(shard_pieces(), {grid_->pp(), grid_->tp(), grid_->dp()},
                                options_.max_grad_norm, tp_.counted(names));
   }
-  return clip_by_global_norm(reduced_gradient_holders(), {grid_->pp(), grid_->tp()},
-                             options_.max_grad_norm, counted);
+  std::vector<comm::CommunicatorPtr> groups{grid_->pp(), grid_->tp()};
+  if (grid_->ep_size() > 1) {
+    // An expert group's ranks hold disjoint experts (in every stage: every rank sums over its
+    // expert group, the stages' sums included) and the same dense parameters: those counted by
+    // its first rank.
+    for (size_t k = 0; k < counted.size(); ++k) {
+      counted[k] = counted[k] && (expert_[k] || grid_->ep_rank() == 0);
+    }
+    groups.push_back(grid_->ep());
+  }
+  return clip_by_global_norm(reduced_gradient_holders(), groups, options_.max_grad_norm, counted);
 }
 
 at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
@@ -488,10 +571,23 @@ void PipelineStrategy::save(const std::string& directory) {
                                                              : master_;
   if (zero1_) {
     write_state_shard(directory, writer * grid_->dp_size() + replica, writers * grid_->dp_size(),
-                      parameters_.empty()
-                          ? std::vector<PieceRef>{}
-                          : tp_.for_writing(shards_.state_pieces(names_, parameters_)),
-                      optimizer_.get(), buffers);
+                      tp_.for_writing(shard_state_pieces()), optimizer_.get(), buffers);
+  } else if (grid_->ep_size() > 1) {
+    // The stage's first expert group writes: a file per expert rank, its experts in each, the
+    // rest (and the buffers) in its first rank's.
+    if (grid_->edp()->rank() == 0) {
+      const int ep = grid_->ep_size(), e = grid_->ep_rank();
+      std::vector<PieceRef> pieces;
+      const std::vector<PieceRef> all = tp_.for_writing(whole_pieces(names_, trained));
+      for (size_t k = 0; k < all.size(); ++k) {
+        const auto split = tp_.splits.find(all[k].name);
+        if (e == 0 || (split != tp_.splits.end() && split->second.expert)) {
+          pieces.push_back(all[k]);
+        }
+      }
+      write_state_shard(directory, writer * ep + e, writers * ep, pieces, optimizer_.get(),
+                        e == 0 ? buffers : NamedTensors{});
+    }
   } else if (writes_stage_files()) {
     write_state_shard(directory, writer, writers, tp_.for_writing(whole_pieces(names_, trained)),
                       optimizer_.get(), buffers);
@@ -508,7 +604,7 @@ void PipelineStrategy::load(const std::string& directory) {
   const std::vector<PieceRef> values =
       tp_.for_reading(whole_pieces(names_, flush_free_ ? optimized_ : parameters_));
   const std::vector<PieceRef> states =
-      zero1_ && !parameters_.empty() ? tp_.for_reading(shards_.state_pieces(names_, parameters_))
+      zero1_ && !parameters_.empty() ? tp_.for_reading(shard_state_pieces())
       : !master_.empty()             ? tp_.for_reading(whole_pieces(names_, master_))
                                      : values;
   std::vector<PieceRef> filled = values;  // bf16-master: the master weights too
@@ -528,9 +624,9 @@ void PipelineStrategy::load_values(const std::string& directory) {
   std::vector<PieceRef> filled =
       tp_.for_reading(whole_pieces(names_, flush_free_ ? optimized_ : parameters_));
   if (precision::has_master_weights(precision_)) {  // the master weights too, from the same file
-    const std::vector<PieceRef> master =
-        zero1_ && !parameters_.empty() ? tp_.for_reading(shards_.state_pieces(names_, parameters_))
-                                       : tp_.for_reading(whole_pieces(names_, master_));
+    const std::vector<PieceRef> master = zero1_ && !parameters_.empty()
+                                             ? tp_.for_reading(shard_state_pieces())
+                                             : tp_.for_reading(whole_pieces(names_, master_));
     filled.insert(filled.end(), master.begin(), master.end());
   }
   read_state_shards(directory, filled, nullptr, {}, &buffers);
@@ -568,7 +664,7 @@ MemoryReport PipelineStrategy::memory_report() const {
     report.parameter_bytes += p.numel() * p.element_size();
     report.gradient_bytes += p.numel() * gradient_element_size(p, precision_);
   }
-  report.parameter_bytes += shards_.padding_bytes();
+  report.parameter_bytes += shards_.padding_bytes() + expert_shards_.padding_bytes();
   for (const auto& m : master_) report.optimizer_bytes += m.numel() * m.element_size();
   report.optimizer_bytes += shards_.master_bytes();
   // PipeDream's weight versions beside the newest.

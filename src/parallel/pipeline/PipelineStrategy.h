@@ -26,6 +26,9 @@
 namespace dtrain::parallel::ddp {
 class Reducer;
 }
+namespace dtrain::nn {
+class MoeImpl;
+}
 
 namespace dtrain::parallel::pipeline {
 
@@ -110,6 +113,8 @@ class PipelineStrategy : public Strategy {
     int virtual_stage = 0;
     std::vector<Stage> stages;
     std::vector<size_t> parameters;  // indices into parameters_
+    /// zero1: its parameters other than experts, as indices into dense_.
+    std::vector<size_t> dense;
     /// zero1 --overlap-param-gather: before each stage, the last shard bucket it needs.
     std::vector<int64_t> gather_until;
   };
@@ -122,9 +127,9 @@ class PipelineStrategy : public Strategy {
     return {kind_, grid_->pp_size(), micro_batches, chunks_per_rank_};
   }
   at::Tensor run_chunk(const Chunk& chunk, const at::Tensor& x) const;
-  /// The chunk's parameters and their names.
+  /// The chunk's parameters and their names (`dense`: without blocks of experts).
   std::pair<std::vector<at::Tensor>, std::vector<std::string>> chunk_parameters(
-      const Chunk& chunk) const;
+      const Chunk& chunk, bool dense = false) const;
   /// The first stage's input as the model takes it (bf16 weights: cast).
   at::Tensor model_input(const at::Tensor& inputs) const;
   /// One tensor per parameter whose .grad is its whole reduced gradient: the parameters, or
@@ -238,8 +243,28 @@ class PipelineStrategy : public Strategy {
   /// keeps its shard's in shards_).
   std::vector<at::Tensor> master_;
   std::vector<std::string> names_;
+  /// A mixture of experts: its layers (their balance losses taken in each layer's backward,
+  /// scaled for the step's micro-batches), and whether each of parameters_ is a block of this
+  /// rank's experts (--expert-parallel: its gradient bypasses the Reducers and is reduced over
+  /// grid_->edp() after the schedule; checkpoints are written by the stage's first expert group).
+  std::vector<nn::MoeImpl*> moe_layers_;
+  std::vector<bool> expert_;
+  std::vector<at::Tensor> experts() const;
+  /// The step's scale for the layers' balance losses; returns the sum of those taken since the
+  /// last call.
+  double scale_moe_losses(double scale);
   std::vector<std::unique_ptr<parallel::ddp::Reducer>> reducers_;  // one per chunk
   mutable parallel::zero::FlatShards shards_;  // zero1 (its gathers may run into the next step)
+  /// zero1: what shards_ holds (parameters_ but the experts) and their names; with
+  /// --expert-parallel the experts' own shards, over the stage's expert data-parallel group
+  /// (each rank of it updates its part of the experts it holds).
+  std::vector<at::Tensor> dense_, expert_params_;
+  std::vector<std::string> dense_names_, expert_names_;
+  parallel::zero::FlatShards expert_shards_;
+  /// zero1: the optimizer's pieces (the dense shard's, then the experts').
+  std::vector<at::Tensor> shard_pieces() const;
+  /// zero1: the checkpoint pieces of both shards.
+  std::vector<PieceRef> shard_state_pieces() const;
   bool overlap_gather_ = false;                // zero1 --overlap-param-gather
   bool scatter_ = false;  // zero1: gradients reduce-scattered into shard_grad_ (not allreduced)
   /// The Reducers sum sequence parallelism's partial gradients over the TP group (scatter_).

@@ -134,7 +134,7 @@ void ZeroStrategy::configure_reducer(ddp::ReducerOptions& options) {
   // Sequence parallelism's LayerNorm gradients, summed over the TP group before the
   // reduce-scatter (each bucket's shard then holds whole sums).
   if (!tp_.partial.empty() && tp_.size > 1) {
-    options.partial = tp_.partial_flags(names_);
+    options.partial = tp_.partial_flags(has_experts() ? dense_names_ : names_);
     options.partial_group = tp_.group;
   }
 }
