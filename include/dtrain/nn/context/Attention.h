@@ -1,0 +1,56 @@
+// Context parallelism's attention (issue 82): the sequence of a batch is split over a group of C
+// ranks, each holding the queries, keys and values of its own tokens, and causal attention over
+// the whole sequence is computed without any rank holding all of it at once (ring) or holding
+// all of it only for the keys and values of one layer (all-gather), or by trading the sequence
+// split for a head split (Ulysses). Every method is differentiable end to end: its
+// communication is made of autograd functions whose backward is the reverse exchange, so the
+// gradients of each rank's queries, keys and values are those of one process on the whole
+// sequence.
+//
+// Which tokens a rank holds is given by their global positions (`positions`), so any split works;
+// causal masking compares positions. `split_positions` gives the two usual ones: contiguous
+// chunks, and the zigzag of Megatron's CP and torch's context_parallel (the sequence cut into 2C
+// chunks, rank r holding chunks r and 2C - 1 - r), under which every rank does the same causal
+// work.
+//
+// A building block: the model and the trainer do not use it yet (no --context-parallel).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+#include "dtrain/comm/Communicator.h"
+
+namespace dtrain::nn::context {
+
+/// The global positions rank `rank` of `ranks` holds of a sequence of `tokens` (ascending):
+/// contiguous chunks, or (zigzag) chunks rank and 2 ranks - 1 - rank of 2 ranks. InputError
+/// naming the numbers when they do not divide.
+at::Tensor split_positions(int64_t tokens, int ranks, int rank, bool zigzag);
+
+/// Causal attention of this rank's queries over every rank's keys and values: q, k, v
+/// [batch, heads, local tokens, head dim] (the same heads on every rank), `positions` the
+/// local tokens' global positions [local tokens] (int64), the same count on every rank.
+/// `method`: "allgather" (the keys and values gathered once), "ring" (passed around the ring
+/// C - 1 times, partial results merged by log-sum-exp), "ulysses" (an all-to-all from the
+/// sequence split to a head split and back; heads must be a multiple of C). Returns
+/// [batch, heads, local tokens, head dim]. Collective over `group` (null or one rank: local
+/// causal attention).
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& positions, const comm::CommunicatorPtr& group,
+                            const std::string& method);
+
+/// Attention of queries at `q_positions` over keys at `k_positions` (a key is seen by the
+/// queries at or after its position), with the log-sum-exp of each query's scores: `out`
+/// [batch, heads, q tokens, head dim], `lse` [batch, heads, q tokens, 1]. A query that sees no
+/// key gets zeros and a log-sum-exp of about -1e30, which merge() weighs as nothing.
+struct Partial {
+  at::Tensor out, lse;
+};
+Partial block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& q_positions, const at::Tensor& k_positions);
+/// The attention over the union of two partials' keys.
+Partial merge(const Partial& a, const Partial& b);
+
+}  // namespace dtrain::nn::context
