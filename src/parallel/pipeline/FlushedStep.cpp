@@ -20,6 +20,8 @@ namespace dtrain::parallel::pipeline {
 /// gradients of a split backward, each (chunk, micro-batch)'s kept input and output (or loss),
 /// the peaks the step reports, and its result.
 struct PipelineStrategy::FlushedStep {
+  FlushedStep(const std::vector<data::Batch>& batches, const LossFn& loss_fn)
+      : micro_batches(batches), loss(loss_fn), count(static_cast<int>(batches.size())) {}
   const std::vector<data::Batch>& micro_batches;
   const LossFn& loss;
   int count = 0;
@@ -42,7 +44,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
   DTRAIN_CHECK(!micro_batches.empty(), "train_step needs at least one micro-batch");
   if (flush_free_) return train_step_pipedream(micro_batches, loss);
   model_.module->train();
-  FlushedStep step{micro_batches, loss, static_cast<int>(micro_batches.size())};
+  FlushedStep step(micro_batches, loss);
   const auto actions = my_actions(step.count);
   // Split backward (zero bubble): B computes the chunk input's gradient (and the gradients of
   // parameters outside nn::linear layers, kept until W), W the linear layers' weight gradients,
