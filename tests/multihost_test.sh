@@ -54,16 +54,18 @@ job=(train --dataset synthetic --model mlp --hidden 32 --synthetic-examples 512 
 launch() {  # NODE NAMESPACE [ENV=VALUE...]
   local node=$1 ns=$2
   shift 2
-  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 1 \
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 \
+    --nproc-per-node "${per_node:-1}" \
     --master-addr 10.231.0.1 --master-port $port --node-rank "$node" --grace 2 -- "$dtrain" "${job[@]}"
 }
 
-# `job` with host b's rank SIGKILLed at its step 3 (logs $work/{a,b}TAG.log): both launchers
-# exit 137, host a's names the rank, within 30 s (in `seconds`). TAG [WHAT: prefix of failures]
+# `job` with host b's rank RANK (default 1) SIGKILLed at its step 3 (logs $work/{a,b}TAG.log):
+# both launchers exit 137, host a's names the rank, within 30 s (in `seconds`).
+# TAG [WHAT: prefix of failures] [RANK]
 killed_on_b() {
-  local tag=$1 what=${2:-} start other code_a code_b
+  local tag=$1 what=${2:-} rank=${3:-1} start other code_a code_b
   start=$(date +%s)
-  launch 1 "$b" DTRAIN_SIMULATE_FAILURE=1:3 > "$work/b$tag.log" 2>&1 &
+  launch 1 "$b" DTRAIN_SIMULATE_FAILURE=$rank:3 > "$work/b$tag.log" 2>&1 &
   other=$!
   launch 0 "$a" > "$work/a$tag.log" 2>&1
   code_a=$?
@@ -72,7 +74,7 @@ killed_on_b() {
   seconds=$(( $(date +%s) - start ))
   [[ $code_a -eq 137 && $code_b -eq 137 ]] ||
     fail "${what}exit codes $code_a / $code_b, expected 137 (signal 9) on both"
-  grep -q "failed: node 1 rank 1 (pid [0-9]*) was killed by signal 9" "$work/a$tag.log" ||
+  grep -q "failed: node 1 rank $rank (pid [0-9]*) was killed by signal 9" "$work/a$tag.log" ||
     fail "${what}node 0 did not name the failed rank"
   (( seconds < 30 )) || fail "${what}took $seconds s to stop"
 }
@@ -111,8 +113,25 @@ wait $other || fail "node 1 did not train with --expert-parallel 2"
 grep -q "trained 6 steps (global batch 8, 2 ranks, ddp, experts over 2 ranks)" "$work/a1e.log" ||
   fail "no --expert-parallel summary: $(tail -3 "$work/a1e.log")"
 killed_on_b 1k "experts: "
-job=("${plain_job[@]}")
 echo "ok: experts over two hosts trained; a rank killed on host b stopped host a in ${seconds} s"
+
+# 1d. A pipeline of two stages, one per host, each stage's experts over its host's two ranks
+#     (PP x EP: the activations cross the hosts, the all-to-alls stay inside each), then host
+#     b's rank 3 killed at step 3: host a stops within seconds, naming it.
+job=(train --config "$(dirname "$0")/../configs/moe-tiny.toml" --dataset text --expert-parallel 2
+     --pipeline-parallel 2 --micro-batches 2 --batch-size 4 --max-steps 6 --no-progress
+     --no-run-dir --threads 1 --comm-timeout 60000)
+per_node=2
+launch 1 "$b" > "$work/b1p.log" 2>&1 &
+other=$!
+launch 0 "$a" > "$work/a1p.log" 2>&1 || fail "node 0 did not train a pipeline with experts (exit $?)"
+wait $other || fail "node 1 did not train a pipeline with experts"
+grep -q "trained 6 steps (global batch 16, 4 ranks, 2-stage pipeline x ddp, experts over 2 ranks)" \
+  "$work/a1p.log" || fail "no pipeline-with-experts summary: $(tail -3 "$work/a1p.log")"
+killed_on_b 1pk "pipeline with experts: " 3
+per_node=1
+job=("${plain_job[@]}")
+echo "ok: a pipeline with experts over two hosts trained; rank 3 killed on host b stopped host a in ${seconds} s"
 
 # 2. A rank killed on host b (SIGKILL at step 3): host a stops within seconds, naming it.
 killed_on_b 2
@@ -124,7 +143,8 @@ ft_flags=(--master-port $((port + 10)))
 ft_launch() {  # NODE NAMESPACE [ENV=VALUE...]; the launchers' flags in ft_flags
   local node=$1 ns=$2
   shift 2
-  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 1 \
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 \
+    --nproc-per-node "${per_node:-1}" \
     --master-addr 10.231.0.1 "${ft_flags[@]}" --node-rank "$node" --tolerate-failures \
     -- "$dtrain" "${job[@]}" --fault-tolerance replicas
 }
@@ -273,7 +293,8 @@ stop_job=(train --dataset synthetic --model mlp --hidden 32 --synthetic-examples
 stop_launch() {  # NODE NAMESPACE PORT CHECKPOINTS [ENV=VALUE...]
   local node=$1 ns=$2 p=$3 dir=$4
   shift 4
-  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 1 \
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 \
+    --nproc-per-node "${per_node:-1}" \
     --master-addr 10.231.0.1 --master-port "$p" --node-rank "$node" --grace 2 -- "$dtrain" \
     "${stop_job[@]}" --checkpoint-dir "$dir" --metrics "$dir.jsonl"
 }
@@ -322,7 +343,8 @@ job=(train --strategy downpour --ps 10.231.0.1:29741 --ps-auth-token-file "$work
 ps_launch() {  # NODE NAMESPACE [ENV=VALUE...]
   local node=$1 ns=$2
   shift 2
-  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 --nproc-per-node 1 \
+  ip netns exec "$ns" env "$@" timeout -s KILL 120 "$dtrain" launch --nnodes 2 \
+    --nproc-per-node "${per_node:-1}" \
     --master-addr 10.231.0.1 --master-port $((port + 1)) --node-rank "$node" --tolerate-failures \
     -- "$dtrain" "${job[@]}"
 }
