@@ -194,6 +194,18 @@ std::vector<bool> TensorParallelLayout::expert_flags(const std::vector<std::stri
   return flags;
 }
 
+std::vector<PieceRef> TensorParallelLayout::for_expert_rank(std::vector<PieceRef> pieces,
+                                                            int ep_rank) const {
+  if (ep_rank == 0) return pieces;
+  pieces.erase(std::remove_if(pieces.begin(), pieces.end(),
+                              [this](const PieceRef& piece) {
+                                const auto it = splits.find(piece.name);
+                                return it == splits.end() || !it->second.expert;
+                              }),
+               pieces.end());
+  return pieces;
+}
+
 void reduce_expert_gradients(const std::vector<at::Tensor>& experts,
                              const comm::CommunicatorPtr& edp, int data_parallel) {
   if (experts.empty()) return;

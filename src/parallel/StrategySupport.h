@@ -76,6 +76,10 @@ struct TensorParallelLayout {
   /// Whether each named parameter is a block of experts (expert parallelism: a block no other
   /// rank of its expert group holds).
   std::vector<bool> expert_flags(const std::vector<std::string>& names) const;
+  /// Expert parallelism's checkpoint files, one per rank of the first expert group: of `pieces`,
+  /// what expert rank `ep_rank` writes (everything at the first, only the experts' blocks at
+  /// the others: the dense parameters once).
+  std::vector<PieceRef> for_expert_rank(std::vector<PieceRef> pieces, int ep_rank) const;
 };
 
 /// Expert parallelism: each expert's gradient here is the sum over its expert group's tokens of

@@ -324,15 +324,9 @@ void DdpStrategy::save(const std::string& directory) {
     // experts in each (from TP rank 0), the rest (and the buffers) in its first rank's.
     if (grid_->edp()->rank() == 0) {
       const int ep = grid_->ep_size(), rank = grid_->ep_rank();
-      std::vector<PieceRef> pieces;
-      for (auto& piece : tp_.for_writing(state_pieces())) {
-        const auto split = tp_.splits.find(piece.name);
-        if (rank == 0 || (split != tp_.splits.end() && split->second.expert)) {
-          pieces.push_back(std::move(piece));
-        }
-      }
-      write_state_shard(directory, tp_.rank * ep + rank, tp_.size * ep, pieces, optimizer_.get(),
-                        rank == 0 ? buffers : NamedTensors{});
+      write_state_shard(directory, tp_.rank * ep + rank, tp_.size * ep,
+                        tp_.for_expert_rank(tp_.for_writing(state_pieces()), rank),
+                        optimizer_.get(), rank == 0 ? buffers : NamedTensors{});
     }
   } else if (leader) {  // replicas are identical; DP rank 0 writes them
     write_state_shard(directory, tp_.rank, tp_.size, tp_.for_writing(state_pieces()),

@@ -67,7 +67,7 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
   }
-  for (auto& p : experts()) {
+  for (auto& p : expert_params_) {
     if (p.grad().defined()) p.mutable_grad().zero_();
   }
   // The balance losses of the MoE layers on this rank's stages, scaled as the loss is.
@@ -219,9 +219,9 @@ StepResult PipelineStrategy::finish_flushed_step(FlushedStep& step) {
     } else if (!expert_params_.empty()) {  // (the Reducers summed the dense parameters')
       tp_.sum_partial_gradients(expert_params_, expert_names_);
     }
-    reduce_expert_gradients(experts(), grid_->edp(), grid_->dp_size());
+    reduce_expert_gradients(expert_params_, grid_->edp(), grid_->dp_size());
     // zero1: the experts' shard pieces take their part of the reduced gradients.
-    if (!expert_params_.empty()) {
+    if (zero1_ && !expert_params_.empty()) {
       expert_shards_.alias_parameter_gradients(zero::FlatShards::gradients_of(expert_params_));
     }
   }

@@ -170,9 +170,6 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   }
   DTRAIN_CHECK_INPUT(moe_layers_.empty() || !flush_free_, "--pipeline-sync ", pipe_.sync,
                      " with a mixture of experts: not built yet (use flush)");
-  DTRAIN_CHECK_INPUT(grid_->ep_size() == 1 || !flush_free_,
-                     "--expert-parallel with --pipeline-sync ", pipe_.sync,
-                     ": not built yet (use flush)");
   // The last stage's loss cannot add the balance losses of layers on other stages: each layer
   // adds its own in its backward.
   for (auto* layer : moe_layers_) layer->set_losses_in_backward(1.0);
@@ -207,6 +204,10 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     chunks_.push_back(std::move(chunk));
   }
   expert_ = tp_.expert_flags(names_);
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    (expert_[k] ? expert_params_ : dense_).push_back(parameters_[k]);
+    (expert_[k] ? expert_names_ : dense_names_).push_back(names_[k]);
+  }
   // Every stage starts from world rank 0's model, as DDP's replicas do (the first pipeline
   // rank's copy, then each stage's first replica's). Drawn from their names and the seed, the
   // stages' values are the same on every rank already: each rank draws its own.
@@ -227,16 +228,9 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
     // The shards follow each chunk's Reducer's buckets (each bucket's all-gather balanced); the
     // experts get shards of their own over the ranks holding the same experts.
     const parallel::ddp::ReducerOptions bucketing = reducer_options_from(options_);
-    std::vector<size_t> dense_index(parameters_.size(), 0);
-    for (size_t k = 0; k < parameters_.size(); ++k) {
-      if (expert_[k]) {
-        expert_params_.push_back(parameters_[k]);
-        expert_names_.push_back(names_[k]);
-      } else {
-        dense_index[k] = dense_.size();
-        dense_.push_back(parameters_[k]);
-        dense_names_.push_back(names_[k]);
-      }
+    std::vector<size_t> dense_index(parameters_.size(), 0);  // into dense_
+    for (size_t k = 0, dense = 0; k < parameters_.size(); ++k) {
+      if (!expert_[k]) dense_index[k] = dense++;
     }
     std::vector<std::vector<size_t>> buckets;
     for (auto& chunk : chunks_) {
@@ -437,14 +431,6 @@ std::vector<PieceRef> PipelineStrategy::shard_state_pieces() const {
   return pieces;
 }
 
-std::vector<at::Tensor> PipelineStrategy::experts() const {
-  std::vector<at::Tensor> experts;
-  for (size_t k = 0; k < parameters_.size(); ++k) {
-    if (expert_[k]) experts.push_back(parameters_[k]);
-  }
-  return experts;
-}
-
 double PipelineStrategy::scale_moe_losses(double scale) {
   double taken = 0.0;
   for (auto* layer : moe_layers_) {
@@ -577,16 +563,9 @@ void PipelineStrategy::save(const std::string& directory) {
     // rest (and the buffers) in its first rank's.
     if (grid_->edp()->rank() == 0) {
       const int ep = grid_->ep_size(), e = grid_->ep_rank();
-      std::vector<PieceRef> pieces;
-      const std::vector<PieceRef> all = tp_.for_writing(whole_pieces(names_, trained));
-      for (size_t k = 0; k < all.size(); ++k) {
-        const auto split = tp_.splits.find(all[k].name);
-        if (e == 0 || (split != tp_.splits.end() && split->second.expert)) {
-          pieces.push_back(all[k]);
-        }
-      }
-      write_state_shard(directory, writer * ep + e, writers * ep, pieces, optimizer_.get(),
-                        e == 0 ? buffers : NamedTensors{});
+      write_state_shard(directory, writer * ep + e, writers * ep,
+                        tp_.for_expert_rank(tp_.for_writing(whole_pieces(names_, trained)), e),
+                        optimizer_.get(), e == 0 ? buffers : NamedTensors{});
     }
   } else if (writes_stage_files()) {
     write_state_shard(directory, writer, writers, tp_.for_writing(whole_pieces(names_, trained)),

@@ -249,15 +249,15 @@ class PipelineStrategy : public Strategy {
   /// grid_->edp() after the schedule; checkpoints are written by the stage's first expert group).
   std::vector<nn::MoeImpl*> moe_layers_;
   std::vector<bool> expert_;
-  std::vector<at::Tensor> experts() const;
   /// The step's scale for the layers' balance losses; returns the sum of those taken since the
   /// last call.
   double scale_moe_losses(double scale);
   std::vector<std::unique_ptr<parallel::ddp::Reducer>> reducers_;  // one per chunk
   mutable parallel::zero::FlatShards shards_;  // zero1 (its gathers may run into the next step)
-  /// zero1: what shards_ holds (parameters_ but the experts) and their names; with
-  /// --expert-parallel the experts' own shards, over the stage's expert data-parallel group
-  /// (each rank of it updates its part of the experts it holds).
+  /// parameters_ (and names_) split: the dense ones (what zero1's shards_ holds) and the
+  /// experts; zero1 with --expert-parallel gives the experts shards of their own, over the
+  /// stage's expert data-parallel group (each rank of it updates its part of the experts it
+  /// holds).
   std::vector<at::Tensor> dense_, expert_params_;
   std::vector<std::string> dense_names_, expert_names_;
   parallel::zero::FlatShards expert_shards_;
