@@ -92,6 +92,36 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
       "many data-parallel ranks, tokens sent to their experts' ranks and back by all-to-all; it "
       "must divide the data-parallel size and --moe-experts (--strategy ddp, zero1 or zero2)")
       ->capture_default_str();
+  add(app, "--context-parallel", t.context_parallel,
+      "Context-parallel ranks: each sequence split over this many data-parallel ranks, which "
+      "read the same examples, attention spanning the whole sequence by --cp-method (gpt, "
+      "llama; --context a multiple of 2 x this; --strategy ddp, zero1, zero2, zero3 or a "
+      "pipeline's)")
+      ->capture_default_str();
+  add(app, "--cp-method", job.model.gpt.cp_method,
+      "--context-parallel: ring (keys and values passed around the ranks, partial results "
+      "merged by log-sum-exp), allgather (gathered once a layer, as Llama 3 trained) or "
+      "ulysses (an all-to-all from the sequence split to a head split; the heads of a rank "
+      "must be a multiple of --context-parallel)")
+      ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--cp-split",
+         [&job](const std::string& text) {
+           DTRAIN_CHECK_INPUT(text == "zigzag" || text == "contiguous",
+                              "--cp-split must be zigzag or contiguous, got '", text, "'");
+           job.model.gpt.cp_zigzag = text == "zigzag";
+         },
+         "--context-parallel: zigzag (each rank two mirrored chunks of 2 x C, the same causal "
+         "work everywhere; the default) or contiguous (chunk r on rank r)")
+      ->type_name("zigzag|contiguous");
+  app.add_flag("--reset-attention-mask", job.reset_attention_mask,
+               "gpt, llama: packed sequences: attention stays inside each document of a window "
+               "and positions restart after each end-of-document token (Megatron's "
+               "--reset-attention-mask and --reset-position-ids; the token: --eod-token, else "
+               "the tokenizer's end of text)");
+  add(app, "--eod-token", job.eod_token,
+      "--reset-attention-mask: the end-of-document token's id (-1: the data's tokenizer's)")
+      ->capture_default_str();
   add(app, "--moe-bias-rate", t.moe_bias_rate,
       "A mixture of experts' auxiliary-loss-free balancing (DeepSeek-V3's, which used 0.001): "
       "after each step every MoE layer's expert bias moves by this towards the experts the "

@@ -164,6 +164,35 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" train --model llama --dataset text --moe-experts 4 --expert-parallel 2 --nproc 2 "
        "--strategy zero3",
        "--expert-parallel is built for --strategy ddp, zero1, zero2 or pipeline so far, not zero3"},
+      {" train --model llama --dataset text --eod-token 3",
+       "--eod-token is --reset-attention-mask's end-of-document token: give both"},
+      {" train --model mlp --reset-attention-mask --eod-token 3",
+       "--reset-attention-mask packs documents into a language model's sequences, not mlp's"},
+      {" train --model llama --dataset text --reset-attention-mask --eod-token 3 --nproc 2 "
+       "--pipeline-parallel 2 --micro-batches 2",
+       "--reset-attention-mask with --pipeline-parallel: not built yet"},
+      {" train --model llama --dataset text --context-parallel 3 --nproc 4",
+       "--context-parallel 3 must divide the data-parallel size 4"},
+      {" train --model llama --dataset text --context 60 --context-parallel 4 --nproc 4",
+       "--context-parallel 4 cuts the --context of 60 tokens into 8 chunks (two mirrored ones a "
+       "rank: --cp-split zigzag): it must be a multiple of 8"},
+      {" train --model llama --dataset text --heads 2 --width 64 --context-parallel 4 --nproc 4 "
+       "--cp-method ulysses",
+       "--cp-method ulysses hands the 2 attention heads of a rank out over --context-parallel 4"},
+      {" train --model llama --dataset text --context-parallel 2 --nproc 2 --cp-method striped",
+       "--cp-method must be ring, allgather or ulysses, got 'striped'"},
+      {" train --model llama --dataset text --cp-split diagonal",
+       "--cp-split must be zigzag or contiguous, got 'diagonal'"},
+      {" train --model mlp --context-parallel 2 --nproc 2",
+       "--context-parallel 2 splits each sequence: mlp has no sequence to split"},
+      {" train --model gpt --dataset text --context-parallel 2 --nproc 2 --dropout 0.1",
+       "--dropout with --context-parallel: not built yet"},
+      {" train --model llama --dataset text --context-parallel 2 --nproc 2 --strategy diloco",
+       "--context-parallel is built for --strategy ddp, zero1, zero2, zero3 or pipeline so far, "
+       "not diloco"},
+      {" train --model llama --dataset text --context-parallel 2 --nproc 4 --pipeline-parallel 2 "
+       "--micro-batches 2 --pipeline-sync 2bw --max-grad-norm 0",
+       "--pipeline-sync 2bw with --context-parallel: not built yet (use flush)"},
       {" train --model gpt --dataset text --tensor-parallel 2 --nproc 2 --strategy zero3 "
        "--sequence-parallel",
        "use --strategy ddp, zero1 or zero2, not zero3"},
@@ -1100,6 +1129,94 @@ TEST(Cli, APipelineWithExpertsSplitTrainsAndResumesUnderDdp) {
             " --prompt 'The cat' --tokens 10 --seed 3");
   EXPECT_EQ(out.code, 0) << out.text;
   EXPECT_EQ(out.text.rfind("The cat", 0), 0u) << out.text;
+}
+
+// --context-parallel 2 over 4 ranks (2 data-parallel x 2 context): the same losses as the
+// whole sequences on 2 ranks (float32, ring attention), the same evaluation (loss and accuracy
+// counted once); its checkpoint resumes without the split, and the finished run equals
+// the uninterrupted one.
+TEST(Cli, AContextSplitTrainsAsTheWholeSequenceAndResumesWithoutIt) {
+  using namespace dtrain::test::cli;
+  dtrain::test::TempDir dir;
+  const std::string common =
+      " train --model llama --dataset text --layers 2 --width 32 --heads 4 --kv-heads 2 "
+      "--context 32 --warmup-steps 0 --eval-every 6 --log-every 1 --threads 1 --no-progress "
+      "--max-steps 12 --global-batch 16 --batch-size 8";
+  auto records = [](const std::string& path, const std::string& event, const std::string& key) {
+    std::vector<double> values;
+    std::ifstream metrics(path);
+    for (std::string line; std::getline(metrics, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.value("event", "") == event) values.push_back(record[key].get<double>());
+    }
+    return values;
+  };
+  auto out = run(kDtrain + common + " --nproc 2 --metrics " + (dir / "whole.jsonl"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  const std::vector<double> losses = records(dir / "whole.jsonl", "step", "loss");
+  const std::vector<double> evaluated = records(dir / "whole.jsonl", "eval", "val_loss");
+  const std::vector<double> accuracy = records(dir / "whole.jsonl", "eval", "val_accuracy");
+  ASSERT_EQ(losses.size(), 12u) << out.text;
+  ASSERT_EQ(evaluated.size(), 2u) << out.text;
+  out =
+      run(kDtrain + common + " --nproc 4 --context-parallel 2 --stop-at-step 6 --metrics " +
+          (dir / "split.jsonl") + " --checkpoint-dir " + (dir / "ckpt") + " --checkpoint-every 6");
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "x context-parallel 2")) << out.text;
+  const std::vector<double> split = records(dir / "split.jsonl", "step", "loss");
+  ASSERT_EQ(split.size(), 6u) << out.text;
+  for (size_t i = 0; i < split.size(); ++i) EXPECT_NEAR(split[i], losses[i], 1e-4) << "step " << i;
+  const std::vector<double> split_eval = records(dir / "split.jsonl", "eval", "val_loss");
+  ASSERT_EQ(split_eval.size(), 1u) << out.text;
+  EXPECT_NEAR(split_eval[0], evaluated[0], 1e-4);
+  EXPECT_NEAR(records(dir / "split.jsonl", "eval", "val_accuracy")[0], accuracy[0], 1e-6);
+  out = run(kDtrain + common + " --nproc 2 --metrics " + (dir / "resumed.jsonl") +
+            " --checkpoint-dir " + (dir / "ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(has(out, "resumed from step 6")) << out.text;
+  const std::vector<double> resumed = records(dir / "resumed.jsonl", "step", "loss");
+  ASSERT_EQ(resumed.size(), 6u) << out.text;
+  EXPECT_NEAR(resumed.back(), losses.back(), 1e-4);
+  EXPECT_NEAR(records(dir / "resumed.jsonl", "eval", "val_loss").back(), evaluated.back(), 1e-4);
+}
+
+// Packed sequences: with --reset-attention-mask and the newline (token 0 of a text of lines
+// without tabs) as the end of each document, a llama trains (2 context-parallel ranks) to other
+// losses than without the mask; without a token that ends documents the flag is refused.
+TEST(Cli, PackedDocumentsTrainWithTheirOwnMask) {
+  using namespace dtrain::test::cli;
+  dtrain::test::TempDir dir;
+  {
+    std::ofstream text(dir / "lines.txt");
+    for (int i = 0; i < 600; ++i) text << "line " << i % 17 << " of a short text " << i % 5 << "\n";
+  }
+  auto refused = run(kDtrain + " train --model llama --dataset text --text-file " +
+                     (dir / "lines.txt") + " --reset-attention-mask --max-steps 1");
+  EXPECT_EQ(refused.code, 2) << refused.text;
+  EXPECT_TRUE(has(refused,
+                  "--reset-attention-mask needs the end-of-document token: the data's "
+                  "tokenizer names none; give --eod-token ID"))
+      << refused.text;
+  const std::string common =
+      " train --model llama --dataset text --text-file " + (dir / "lines.txt") +
+      " --layers 2 --width 32 --heads 4 --context 32 "
+      "--warmup-steps 0 --log-every 1 --threads 1 --no-progress --max-steps 4 --global-batch 8 "
+      "--batch-size 4 --nproc 2 --context-parallel 2";
+  auto out = run(kDtrain + common + " --metrics " + (dir / "plain.jsonl"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + common + " --reset-attention-mask --eod-token 0 --metrics " +
+            (dir / "packed.jsonl"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  auto last_loss = [](const std::string& path) {
+    double loss = 0;
+    std::ifstream metrics(path);
+    for (std::string line; std::getline(metrics, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.value("event", "") == "step") loss = record["loss"].get<double>();
+    }
+    return loss;
+  };
+  EXPECT_GT(std::abs(last_loss(dir / "packed.jsonl") - last_loss(dir / "plain.jsonl")), 1e-4);
 }
 
 // The named mixture-of-experts sizes of configs/: a dry run counts Mixtral 8x7B's shape (total

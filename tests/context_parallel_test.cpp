@@ -1,8 +1,10 @@
-// Context parallelism's attention (issue 82, its first piece): the sequence split over C ranks,
-// causal attention by all-gather, ring and Ulysses against one process's attention over the whole
-// sequence in float64 (outputs and the gradients of every rank's queries, keys and values), for
-// contiguous and zigzag splits at C = 2 and 4; the block-and-merge arithmetic against plain
-// masked softmax attention.
+// Context parallelism (issue 82): the sequence split over C ranks, causal attention by
+// all-gather, ring and Ulysses against one process's attention over the whole sequence in
+// float64 (outputs and the gradients of every rank's queries, keys and values), for contiguous
+// and zigzag splits at C = 2 and 4; the block-and-merge arithmetic against plain masked softmax
+// attention. Then the decoders (gpt's learned positions, llama's rotary ones) split over a
+// context group, and trained by ddp, ZeRO-1/2/3, tensor parallelism and pipelines with it,
+// against one process on the global batch; checkpoints across context layouts.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,11 +14,22 @@
 #include <string>
 #include <vector>
 
+#include "Oracle.h"
 #include "RankThreads.h"
+#include "TempDir.h"
+#include "dtrain/comm/ProcessGrid.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/models/Gpt.h"
 #include "dtrain/nn/context/Attention.h"
+#include "dtrain/nn/tensor/Layers.h"
+#include "dtrain/parallel/pipeline/PipelineOptions.h"
+#include "parallel/ddp/DdpStrategy.h"
+#include "parallel/pipeline/PipelineStrategy.h"
+#include "parallel/zero/Zero3Strategy.h"
+#include "parallel/zero/ZeroStrategy.h"
 
 using namespace dtrain;
+using comm::CommunicatorPtr;
 namespace cp = dtrain::nn::context;
 
 namespace {
@@ -126,4 +139,421 @@ TEST(ContextParallel, SplitsThatCannotWorkAreNamed) {
     }
     EXPECT_THROW(cp::causal_attention(q, q, q, positions, group, "striped"), InputError);
   });
+}
+
+namespace {
+
+// A small decoder on random tokens in float64 (windows of 8: zigzag over 4 ranks), trained with
+// Adam, or SGD with momentum, which carries a difference in the gradients into the weights
+// without amplifying it (Adam divides by the root of tiny second moments: plain data
+// parallelism over 4 ranks is 2e-12 from one process after 3 of its steps on gpt).
+test::Fixture decoder(const std::string& name, bool sgd = false) {
+  test::Fixture f;
+  f.spec.name = name;
+  models::GptConfig& c = f.spec.gpt;
+  c.vocab = 13;
+  c.layers = 2;
+  c.heads = 4;
+  c.kv_heads = name == "llama" ? 2 : 0;
+  c.width = 16;
+  c.context = 8;
+  f.optimizer = test::adam();
+  if (sgd) {
+    f.optimizer.name = "sgd";
+    f.optimizer.lr = 0.5;
+    f.optimizer.momentum = 0.9;
+  }
+  f.global_batch = 8;
+  at::Generator generator = at::detail::createCPUGenerator(5);
+  const at::Tensor tokens = at::randint(13, {f.global_batch * 3 + 8}, generator, at::kLong);
+  f.dataset = data::TensorDataset::windows(tokens, 8, 1);
+  torch::manual_seed(11);
+  f.initial = test::snapshot(test::make_model_as(f.spec, f.dtype));
+  return f;
+}
+
+// The same model on every rank (its seed drawn from the global generator, which rank threads
+// share): built one rank at a time.
+Model build_on(const models::ModelSpec& base, const comm::CommunicatorPtr& context,
+               const comm::CommunicatorPtr& tensor_parallel = nullptr) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  models::ModelSpec spec = base;
+  spec.context_parallel = context;
+  torch::manual_seed(11);
+  Model model = models::make_model(spec, tensor_parallel);
+  model.module->to(at::kDouble);
+  return model;
+}
+
+std::map<std::string, at::Tensor> named(const Model& model) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model.module->named_parameters()) out[item.key()] = item.value();
+  return out;
+}
+
+// One process's loss and gradients on a batch, and the largest difference from them of the
+// mean of `ranks` context-parallel ranks' losses and of their gradients averaged (as data
+// parallelism averages them).
+double decoder_apart(const test::Fixture& f, int ranks, const std::string& method, bool zigzag,
+                     const std::string& checkpointing = "none", int64_t document_end = -1) {
+  models::ModelSpec spec = f.spec;
+  spec.gpt.document_end = document_end;
+  spec.checkpointing = checkpointing;
+  spec.gpt.cp_method = method;
+  spec.gpt.cp_zigzag = zigzag;
+  const data::Batch batch = f.dataset.slice(0, 4);
+  Model whole = build_on(spec, nullptr);
+  const at::Tensor expected_loss = parallel::cross_entropy(whole(batch.inputs), batch.targets);
+  expected_loss.backward();
+  std::map<std::string, at::Tensor> expected;
+  for (const auto& item : whole.module->named_parameters())
+    expected[item.key()] = item.value().grad();
+  std::vector<double> most(ranks, 0.0);
+  test::run_ranks(
+      ranks,
+      [&](const comm::CommunicatorPtr& group) {
+        Model model = build_on(spec, group);
+        const at::Tensor logits = model(batch.inputs);
+        EXPECT_EQ(logits.size(1), batch.inputs.size(1) / ranks);
+        const at::Tensor loss = model.loss(logits, batch.targets);
+        loss.backward();
+        at::Tensor mean = loss.detach().clone();
+        group->allreduce(mean)->wait();
+        double worst = std::abs(mean.item<double>() / ranks - expected_loss.item<double>());
+        for (const auto& item : model.module->named_parameters()) {
+          at::Tensor grad = item.value().grad().clone();
+          group->allreduce(grad)->wait();
+          worst =
+              std::max(worst, (grad / ranks - expected.at(item.key())).abs().max().item<double>());
+        }
+        // The predictions of the whole sequence, every rank's in its place.
+        const at::Tensor predicted = model.predict(logits);
+        EXPECT_TRUE(predicted.equal(whole(batch.inputs).argmax(-1)));
+        most[group->rank()] = worst;
+      },
+      std::chrono::seconds(60));
+  return *std::max_element(most.begin(), most.end());
+}
+
+}  // namespace
+
+// The decoders split over 2 and 4 ranks, by each method and split, with selective recomputation
+// and packed documents (token 12 ends one: about one in 13 of the random tokens) too: the mean of
+// the ranks' losses is one process's loss on the whole sequences, their gradients averaged its
+// gradients, within 1e-12 (gpt's learned position embeddings and llama's rotary ones at the global
+// positions, llama's grouped-query heads), and the predictions are the whole sequence's.
+TEST(ContextParallel, TheDecodersSplitOverAContextGroupAreOneProcessInFloat64) {
+  for (const std::string name : {"llama", "gpt"}) {
+    const test::Fixture f = decoder(name);
+    for (const std::string method : {"ring", "allgather", "ulysses"}) {
+      for (int ranks : {2, 4}) {
+        for (bool zigzag : {true, false}) {
+          EXPECT_LT(decoder_apart(f, ranks, method, zigzag), 1e-12)
+              << name << ", " << method << ", " << ranks << " ranks" << (zigzag ? ", zigzag" : "");
+        }
+      }
+    }
+    EXPECT_LT(decoder_apart(f, 2, "ring", true, "selective"), 1e-12) << name << ", selective";
+    for (const std::string method : {"ring", "allgather", "ulysses"}) {
+      EXPECT_LT(decoder_apart(f, 4, method, true, "none", 12), 1e-12)
+          << name << ", packed, " << method;
+    }
+  }
+}
+
+// Packed sequences (--reset-attention-mask): documents packed into one window see only
+// themselves, their positions restarting after each end-of-document token: the logits of each
+// document in the window equal those of the document alone, for gpt's learned positions and
+// llama's rotary ones, split over 2 context-parallel ranks too; without the mask the later
+// documents' logits change (attention across a boundary changes what the model sees), and so
+// does the loss.
+TEST(ContextParallel, PackedDocumentsSeeOnlyThemselves) {
+  for (const std::string name : {"llama", "gpt"}) {
+    test::Fixture f = decoder(name);
+    f.spec.gpt.context = 16;
+    const int64_t end = 12;
+    // Documents of 5, 6 and 5 tokens (the first two ended by the token), and one of 16.
+    at::Generator generator = at::detail::createCPUGenerator(9);
+    at::Tensor ids = at::randint(12, {2, 16}, generator, at::kLong);
+    ids[0][4] = end;
+    ids[0][10] = end;
+    const std::vector<std::pair<int64_t, int64_t>> documents{{0, 5}, {5, 6}, {11, 5}};
+    models::ModelSpec packed = f.spec;
+    packed.gpt.document_end = end;
+    const Model model = build_on(packed, nullptr);
+    const Model plain = build_on(f.spec, nullptr);
+    const at::Tensor logits = model(ids);
+    const at::Tensor unmasked = plain(ids);
+    for (const auto& [begin, length] : documents) {
+      const at::Tensor alone = plain(ids.narrow(0, 0, 1).narrow(1, begin, length));
+      EXPECT_LT(
+          (logits.narrow(0, 0, 1).narrow(1, begin, length) - alone).abs().max().item<double>(),
+          1e-12)
+          << name << ", document at " << begin;
+      if (begin > 0) {
+        EXPECT_GT(
+            (unmasked.narrow(0, 0, 1).narrow(1, begin, length) - alone).abs().max().item<double>(),
+            1e-3)
+            << name << ": without the mask the document at " << begin << " sees the ones before";
+      }
+    }
+    // A window without the token is one document: the same as without the mask.
+    EXPECT_LT((logits[1] - unmasked[1]).abs().max().item<double>(), 1e-12) << name;
+    const at::Tensor targets = at::randint(13, {2, 16}, generator, at::kLong);
+    EXPECT_GT(std::abs(parallel::cross_entropy(logits, targets).item<double>() -
+                       parallel::cross_entropy(unmasked, targets).item<double>()),
+              1e-4)
+        << name;
+    // Split over a context group: each rank's logits are its positions' of the packed model's.
+    test::run_ranks(2, [&](const comm::CommunicatorPtr& group) {
+      models::ModelSpec spec = packed;
+      Model split = build_on(spec, group);
+      const at::Tensor positions = nn::context::split_positions(16, 2, group->rank(), true);
+      EXPECT_LT((split(ids) - logits.index_select(1, positions)).abs().max().item<double>(), 1e-12)
+          << name << ", rank " << group->rank();
+    });
+  }
+}
+
+// Where the end-of-document token is found: each document's index (the token belongs to the
+// document it ends) and its positions restarting after it.
+TEST(ContextParallel, DocumentIndexAndPositionsRestartAfterEachEnd) {
+  const at::Tensor ids = at::tensor({5, 7, 0, 3, 0, 0, 4, 1}, at::kLong).view({1, 8});
+  const nn::context::Documents d = nn::context::document_index(ids, 0);
+  EXPECT_TRUE(d.index.equal(at::tensor({0, 0, 0, 1, 1, 2, 3, 3}, at::kLong).view({1, 8})))
+      << d.index;
+  EXPECT_TRUE(d.positions.equal(at::tensor({0, 1, 2, 0, 1, 0, 0, 1}, at::kLong).view({1, 8})))
+      << d.positions;
+}
+
+namespace {
+
+struct ContextRun {
+  int world = 2;
+  int context = 2;  // --context-parallel
+  std::string method = "ring";
+  bool zigzag = true;
+  int steps = 3;
+  int first_step = 0;
+  int micro = 1;
+  double max_grad_norm = 0;
+  std::string strategy = "ddp";  // zero1, zero2, zero3 or pipeline
+  int pp = 1;
+  int tp = 1;
+  bool sequence_parallel = false;
+  std::string stage_strategy = "ddp";
+  std::string save_to, load_from;
+};
+
+// Trains `run` and returns the largest difference over ranks and parameters from `whole` (one
+// process's values by name; a tensor-parallel rank's blocks of them).
+double context_parallel_apart(const test::Fixture& f, const ContextRun& run,
+                              const std::map<std::string, at::Tensor>& whole) {
+  std::vector<double> most(run.world, 0.0);
+  models::ModelSpec spec = f.spec;
+  spec.gpt.cp_method = run.method;
+  spec.gpt.cp_zigzag = run.zigzag;
+  spec.gpt.sequence_parallel = run.sequence_parallel;
+  test::run_ranks(
+      run.world,
+      [&](const CommunicatorPtr& world) {
+        auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
+        grid->split_context(run.context);
+        EXPECT_EQ(grid->cp_size(), run.context);
+        Model model = build_on(spec, grid->cp(), grid->tp());
+        parallel::StrategyOptions options;
+        options.max_grad_norm = run.max_grad_norm;
+        std::unique_ptr<parallel::Strategy> made;
+        if (run.strategy == "ddp") {
+          made = std::make_unique<parallel::ddp::DdpStrategy>(options);
+        } else if (run.strategy == "zero3") {
+          made = std::make_unique<parallel::zero::Zero3Strategy>(options);
+        } else if (run.strategy == "pipeline") {
+          auto& pipe = options.of<parallel::pipeline::PipelineOptions>();
+          pipe.schedule = "1f1b";
+          pipe.data_parallel = run.stage_strategy;
+          made = std::make_unique<parallel::pipeline::PipelineStrategy>(options);
+        } else {
+          made = std::make_unique<parallel::zero::ZeroStrategy>(options,
+                                                                run.strategy == "zero1" ? 1 : 2);
+        }
+        parallel::Strategy& strategy = *made;
+        const parallel::LossFn loss =
+            model.loss ? parallel::LossFn(model.loss) : parallel::LossFn(parallel::cross_entropy);
+        strategy.setup(model, optim::optimizer_factory(f.optimizer), grid);
+        if (!run.load_from.empty()) strategy.load(run.load_from);
+        // The context group's ranks read the same examples.
+        const int shares = grid->data_parallel_size();
+        auto order = data::DistributedSampler(f.dataset.size(), shares, grid->data_parallel_rank(),
+                                              {true, 5, true})
+                         .indices();
+        const int64_t local = f.global_batch / shares;
+        for (int step = run.first_step; step < run.first_step + run.steps; ++step) {
+          std::vector<data::Batch> micro_batches;
+          for (int m = 0; m < run.micro; ++m) {
+            const int64_t begin = step * local + m * (local / run.micro);
+            micro_batches.push_back(f.dataset.get(std::vector<int64_t>(
+                order.begin() + begin, order.begin() + begin + local / run.micro)));
+          }
+          strategy.train_step(micro_batches, loss);
+        }
+        if (!run.save_to.empty()) strategy.save(run.save_to);
+        strategy.materialize();  // ZeRO-3: the whole parameters
+        std::vector<std::pair<std::string, at::Tensor>> trained;
+        if (auto* pipeline = dynamic_cast<parallel::pipeline::PipelineStrategy*>(&strategy)) {
+          for (size_t k = 0; k < pipeline->local_parameters().size(); ++k) {
+            trained.emplace_back(pipeline->local_parameter_names()[k],
+                                 pipeline->local_parameters()[k]);
+          }
+        } else {
+          for (const auto& item : strategy.model().module->named_parameters()) {
+            trained.emplace_back(item.key(), item.value());
+          }
+        }
+        const auto splits = nn::tensor::parameter_splits(*strategy.model().module);
+        for (const auto& [name, value] : trained) {
+          at::Tensor expected = whole.at(name);
+          const auto split = splits.find(name);
+          if (split != splits.end()) {
+            expected =
+                expected.narrow(split->second.dim, split->second.start, split->second.length);
+          }
+          most[world->rank()] =
+              std::max(most[world->rank()], (value - expected).abs().max().item<double>());
+        }
+      },
+      std::chrono::seconds(90));
+  return *std::max_element(most.begin(), most.end());
+}
+
+std::map<std::string, at::Tensor> trained_whole(const test::Fixture& f, int steps,
+                                                double max_grad_norm = 0) {
+  Model model = build_on(f.spec, nullptr);
+  const auto values = test::train_single(f, steps, max_grad_norm);
+  std::map<std::string, at::Tensor> out;
+  size_t i = 0;
+  for (const auto& item : model.module->named_parameters()) out[item.key()] = values[i++];
+  return out;
+}
+
+}  // namespace
+
+// Context parallelism folded into data parallelism (Megatron's rule for the weights): the
+// context group's ranks read the same examples, each its share of every sequence's positions,
+// and the gradients are averaged over data-parallel x context ranks. ddp, ZeRO-1, 2 and 3, with
+// accumulation and clipping, tensor parallelism with and without sequence parallelism, and
+// pipelines (stages data-parallel by ddp and zero1) each equal one process on the global batch
+// within 1e-12 after 3 Adam steps, every method among them.
+TEST(ContextParallel, TrainingWithAContextGroupIsOneProcessInFloat64) {
+  const test::Fixture llama = decoder("llama", true);
+  const auto whole = trained_whole(llama, 3);
+  {
+    const Model initial = build_on(llama.spec, nullptr);
+    EXPECT_GT((named(initial).at("blocks.0.q.weight") - whole.at("blocks.0.q.weight"))
+                  .abs()
+                  .max()
+                  .item<double>(),
+              1e-4);  // it trained
+  }
+  struct Case {
+    int world, context, tp, pp;
+    std::string strategy, method;
+    bool sequence_parallel;
+    int micro;
+  };
+  auto run_of = [](const Case& c) {
+    ContextRun run;
+    run.world = c.world;
+    run.context = c.context;
+    run.tp = c.tp;
+    run.pp = c.pp;
+    run.method = c.method;
+    run.sequence_parallel = c.sequence_parallel;
+    run.strategy = c.strategy == "pipeline zero1" ? "pipeline" : c.strategy;
+    run.stage_strategy = c.strategy == "pipeline zero1" ? "zero1" : "ddp";
+    run.micro = c.micro;
+    return run;
+  };
+  auto said = [](const Case& c) {
+    return concat(c.world, " ranks, CP ", c.context, " (", c.method, "), TP ", c.tp,
+                  c.sequence_parallel ? " (SP)" : "", ", PP ", c.pp, ", ", c.strategy, ", ",
+                  c.micro, " micro-batches");
+  };
+  for (const Case& c : std::vector<Case>{{2, 2, 1, 1, "ddp", "ring", false, 1},
+                                         {4, 2, 1, 1, "ddp", "allgather", false, 2},
+                                         {4, 4, 1, 1, "ddp", "ulysses", false, 1},
+                                         {4, 2, 1, 1, "zero1", "ring", false, 2},
+                                         {4, 4, 1, 1, "zero2", "allgather", false, 1},
+                                         {4, 2, 1, 1, "zero3", "ring", false, 1},
+                                         {4, 2, 1, 1, "zero3", "ulysses", false, 2},
+                                         {4, 2, 2, 1, "ddp", "ring", false, 1},
+                                         {4, 2, 2, 1, "ddp", "ulysses", true, 1},
+                                         {8, 2, 2, 1, "zero1", "allgather", true, 2},
+                                         {4, 2, 1, 2, "pipeline", "ring", false, 2},
+                                         {8, 2, 1, 2, "pipeline zero1", "allgather", false, 2},
+                                         {8, 2, 2, 2, "pipeline", "ring", true, 2}}) {
+    EXPECT_LT(context_parallel_apart(llama, run_of(c), whole), 1e-12) << said(c);
+  }
+  const auto whole_clipped = trained_whole(llama, 3, 0.05);
+  for (const std::string strategy : {"ddp", "zero1"}) {
+    ContextRun clip;
+    clip.world = 4;
+    clip.strategy = strategy;
+    clip.max_grad_norm = 0.05;
+    EXPECT_LT(context_parallel_apart(llama, clip, whole_clipped), 1e-12)
+        << "clipping, " << strategy;
+  }
+  // Packed documents (token 12 ends one): ddp, zero3 and TP x SP, each split over its ranks.
+  test::Fixture packed = decoder("llama", true);
+  packed.spec.gpt.document_end = 12;
+  torch::manual_seed(11);
+  packed.initial = test::snapshot(test::make_model_as(packed.spec, packed.dtype));
+  const auto whole_packed = trained_whole(packed, 3);
+  EXPECT_GT((whole_packed.at("blocks.0.q.weight") - whole.at("blocks.0.q.weight"))
+                .abs()
+                .max()
+                .item<double>(),
+            1e-6);  // the mask changed the training
+  for (const Case& c : std::vector<Case>{{4, 2, 1, 1, "ddp", "ring", false, 1},
+                                         {4, 2, 1, 1, "zero3", "allgather", false, 2},
+                                         {4, 2, 2, 1, "ddp", "ulysses", true, 1}}) {
+    EXPECT_LT(context_parallel_apart(packed, run_of(c), whole_packed), 1e-12)
+        << "packed, " << said(c);
+  }
+  const test::Fixture gpt = decoder("gpt", true);
+  ContextRun learned;
+  learned.world = 4;
+  learned.context = 4;
+  learned.zigzag = false;
+  EXPECT_LT(context_parallel_apart(gpt, learned, trained_whole(gpt, 3)), 1e-12) << "gpt";
+}
+
+// Checkpoints know nothing of the context split: written at CP 2 (ddp, and zero1's shards over
+// data-parallel x context ranks) they resume at CP 1 and at CP 4, and the third step is one
+// process's third.
+TEST(ContextParallel, CheckpointsResumeAtAnyContextSplit) {
+  const test::Fixture f = decoder("llama");
+  const auto two_steps = trained_whole(f, 2);
+  const auto three_steps = trained_whole(f, 3);
+  for (const std::string strategy : {"ddp", "zero1"}) {
+    test::TempDir dir;
+    ContextRun written;
+    written.world = 4;
+    written.strategy = strategy;
+    written.steps = 2;
+    written.save_to = dir.path();
+    ASSERT_LT(context_parallel_apart(f, written, two_steps), 1e-12) << strategy;
+    for (const auto& [world, context] : std::vector<std::pair<int, int>>{{2, 1}, {4, 4}}) {
+      ContextRun resumed;
+      resumed.world = world;
+      resumed.context = context;
+      resumed.strategy = strategy;
+      resumed.load_from = dir.path();
+      resumed.first_step = 2;
+      resumed.steps = 1;
+      EXPECT_LT(context_parallel_apart(f, resumed, three_steps), 1e-12)
+          << strategy << " resumed on " << world << " ranks at CP " << context;
+    }
+  }
 }

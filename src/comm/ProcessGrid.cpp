@@ -168,6 +168,28 @@ int ProcessGrid::next_stage_world_rank() const {
   return world_rank_of({coordinates_.dp, coordinates_.pp + 1, coordinates_.tp});
 }
 
+void ProcessGrid::split_context(int ranks) {
+  if (ranks == 1) return;
+  DTRAIN_CHECK_INPUT(ranks >= 1 && dp_size_ % ranks == 0, "--context-parallel ", ranks,
+                     " must divide the data-parallel size ", dp_size_);
+  DTRAIN_CHECK_INPUT(!replicated_stages(), "--context-parallel with --stage-replicas: not built");
+  DTRAIN_CHECK(!cp_ && !ep_, "ProcessGrid::split_context: split once, before split_experts");
+  for (int pp = 0; pp < pp_size_; ++pp) {
+    for (int tp = 0; tp < tp_size_; ++tp) {
+      for (int g = 0; g < dp_size_ / ranks; ++g) {
+        std::vector<int> members;
+        for (int c = 0; c < ranks; ++c) members.push_back(world_rank_of({g * ranks + c, pp, tp}));
+        auto group =
+            static_cast<int>(members.size()) == world_->size()
+                ? world_
+                : world_->new_group(members, concat("cp[pp=", pp, ",tp=", tp, ",g=", g, "]"));
+        if (group) cp_ = group;
+      }
+    }
+  }
+  DTRAIN_CHECK(cp_, "ProcessGrid: rank ", world_->rank(), " has no context group");
+}
+
 void ProcessGrid::split_experts(int ranks) {
   if (ranks == 1) return;
   DTRAIN_CHECK_INPUT(ranks >= 1 && dp_size_ % ranks == 0, "--expert-parallel ", ranks,

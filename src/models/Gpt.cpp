@@ -19,6 +19,7 @@
 #include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/Moe.h"
 #include "dtrain/nn/WeightGrad.h"
+#include "dtrain/nn/context/Attention.h"
 #include "dtrain/nn/tensor/CrossEntropy.h"
 #include "dtrain/nn/tensor/Layers.h"
 #include "dtrain/nn/tensor/Mappings.h"
@@ -57,8 +58,29 @@ struct Shared {
   // --checkpointing selective (Korthikanti et al. 2022): attention's core (scores, softmax,
   // dropout, weighted values) is recomputed in backward from its queries, keys and values.
   bool selective = false;
+  // Context parallelism (issue 82): each sequence split over this group (null: whole here), its
+  // attention by `cp_method`, the split the zigzag or contiguous chunks.
+  comm::CommunicatorPtr context;
+  std::string cp_method = "ring";
+  bool cp_zigzag = true;
+  // Packed sequences: the end-of-document token (-1: none) and the documents of the batch the
+  // embedding saw last, whole sequences (what every block's attention of that forward reads; a
+  // recomputation runs before the next batch's forward).
+  int64_t document_end = -1;
+  std::shared_ptr<nn::context::Documents> packed;
   int size() const { return group ? group->size() : 1; }
   int rank() const { return group ? group->rank() : 0; }
+  // The global positions of this rank's share of a sequence of `tokens`: all of them without
+  // context parallelism.
+  at::Tensor positions(int64_t tokens) const {
+    if (!context) return at::arange(tokens, at::kLong);
+    return nn::context::split_positions(tokens, context->size(), context->rank(), cp_zigzag);
+  }
+  // This rank's share of `local` tokens' positions: the inverse of the split, from the count a
+  // rank holds.
+  at::Tensor local_positions(int64_t local) const {
+    return positions(context ? local * context->size() : local);
+  }
   // Dropout outside the split layers: replicated activations share a mask; sequence parts are
   // different positions, so they get their own.
   at::Generator& outer_rng() const {
@@ -90,12 +112,16 @@ struct NormImpl : torch::nn::Module {
 TORCH_MODULE(Norm);
 
 // Rotary position embeddings on [b, heads, t, d] (Hugging Face's Llama: each head's two halves
-// rotated together, angles position x theta^(-2i/d), computed in float64).
-at::Tensor rotary(const at::Tensor& x, double theta) {
-  const int64_t t = x.size(2), d = x.size(3);
+// rotated together, angles position x theta^(-2i/d), computed in float64) for tokens at
+// `positions` [t] (their global positions under context parallelism), or [b, t] (each
+// sequence's own: packed documents' positions restart).
+at::Tensor rotary(const at::Tensor& x, double theta, const at::Tensor& positions) {
+  const int64_t d = x.size(3);
   const at::Tensor inverse =
       at::pow(theta, at::arange(0, d, 2, at::kDouble) / static_cast<double>(d)).reciprocal();
-  const at::Tensor angles = at::outer(at::arange(t, at::kDouble), inverse).repeat({1, 2});
+  at::Tensor angles = positions.to(at::kCPU, at::kDouble).unsqueeze(-1) * inverse;
+  angles = at::cat({angles, angles}, -1);
+  if (angles.dim() == 3) angles = angles.unsqueeze(1);  // [b, 1, t, d]
   const auto options = x.options();
   const at::Tensor cos = angles.cos().to(options), sin = angles.sin().to(options);
   const at::Tensor turned = at::cat({-x.narrow(-1, d / 2, d / 2), x.narrow(-1, 0, d / 2)}, -1);
@@ -151,9 +177,15 @@ struct GptEmbeddingImpl : torch::nn::Module {
     DTRAIN_CHECK_INPUT(ids.dim() == 2 && ids.scalar_type() == at::kLong,
                        "the GPT model takes token ids [batch, time] as int64, got ", ids.sizes(),
                        " ", ids.scalar_type());
-    const int64_t t = ids.size(1);
+    int64_t t = ids.size(1);
     DTRAIN_CHECK_INPUT(t <= context, "a sequence of ", t,
                        " tokens is longer than the model's context of ", context);
+    // Packed sequences: the documents of the whole sequences, for every block's attention.
+    if (shared.packed) *shared.packed = nn::context::document_index(ids, shared.document_end);
+    // Context parallelism: this rank's positions of the sequence.
+    const at::Tensor positions = shared.positions(t);
+    const at::Tensor mine = shared.context ? ids.index_select(1, positions.to(ids.device())) : ids;
+    t = mine.size(1);
     int64_t first = 0, count = t;
     if (shared.sequence_parallel) {
       DTRAIN_CHECK_INPUT(t % shared.size() == 0, "sequence parallelism splits a sequence of ", t,
@@ -162,8 +194,13 @@ struct GptEmbeddingImpl : torch::nn::Module {
       count = t / shared.size();
       first = shared.rank() * count;
     }
-    at::Tensor h = token(ids);
-    if (position) h = h + position(at::arange(first, first + count, ids.options())).unsqueeze(0);
+    at::Tensor h = token(mine);
+    if (position && shared.packed) {  // each token's position within its document
+      h = h + position(shared.packed->positions.index_select(1, positions.to(ids.device()))
+                           .narrow(1, first, count));
+    } else if (position) {
+      h = h + position(positions.narrow(0, first, count).to(ids.device())).unsqueeze(0);
+    }
     return tp::dropout(h, shared.dropout, is_training(), shared.outer_rng());
   }
   tp::VocabParallelEmbedding token;
@@ -287,14 +324,26 @@ struct GptBlockImpl : torch::nn::Module {
   // query: [b, local heads, t, d]; key, value: [b, local groups, t, d].
   at::Tensor attend(at::Tensor query, at::Tensor key, at::Tensor value) {
     const int64_t b = query.size(0), t = query.size(2), d = head_dim, heads = local_heads;
+    // The tokens' global positions (this rank's share under context parallelism).
+    const at::Tensor positions = shared.local_positions(t);
+    // Packed sequences: the whole sequences' documents, and rotary angles from the positions
+    // within them.
+    at::Tensor documents, rope_positions = positions;
+    if (shared.packed) {
+      DTRAIN_CHECK(shared.packed->index.defined() && shared.packed->index.size(0) == b,
+                   "packed sequences: a block ran without its batch's documents (a pipeline's "
+                   "later stage: not built)");
+      documents = shared.packed->index;
+      rope_positions = shared.packed->positions.index_select(1, positions.to(documents.device()));
+    }
     if (rope) {
-      query = rotary(query, rope_theta);
-      key = rotary(key, rope_theta);
+      query = rotary(query, rope_theta, rope_positions);
+      key = rotary(key, rope_theta, rope_positions);
     }
     const bool training = is_training();
     const bool attention_dropout = shared.dropout > 0 && training;
-    auto core = [this, b, t, d, heads, training,
-                 attention_dropout](const std::vector<at::Tensor>& qkv) {
+    auto core = [this, b, t, d, heads, training, attention_dropout, positions,
+                 documents](const std::vector<at::Tensor>& qkv) {
       const at::Tensor& q = qkv[0];
       at::Tensor k = qkv[1], v = qkv[2];
       if (group_heads > 1) {  // each key/value head serves its group's query heads
@@ -302,6 +351,11 @@ struct GptBlockImpl : torch::nn::Module {
         v = v.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
       }
       at::Tensor out;
+      // Over the whole sequence split over the group, or within each packed document.
+      if (shared.context || documents.defined()) {
+        return nn::context::causal_attention(q, k, v, positions.to(q.device()), shared.context,
+                                             shared.cp_method, documents);
+      }
 #if DTRAIN_TORCH_AT_LEAST(2, 0)
       if (!attention_dropout) out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
 #else
@@ -553,10 +607,55 @@ int64_t expert_ffn_width_of(const GptConfig& c) {
   return c.moe_ffn_width > 0 ? c.moe_ffn_width : ffn_width_of(c);
 }
 
+void check_context_parallel(const GptConfig& c, int cp, int tp) {
+  DTRAIN_CHECK_INPUT(cp >= 1, "--context-parallel must be >= 1, got ", cp);
+  DTRAIN_CHECK_INPUT(
+      c.cp_method == "ring" || c.cp_method == "allgather" || c.cp_method == "ulysses",
+      "--cp-method must be ring, allgather or ulysses, got '", c.cp_method, "'");
+  if (cp == 1) return;
+  const int64_t chunks = c.cp_zigzag ? 2 * cp : cp;
+  DTRAIN_CHECK_INPUT(c.context % chunks == 0, "--context-parallel ", cp, " cuts the --context of ",
+                     c.context, " tokens into ", chunks, " chunks",
+                     c.cp_zigzag ? " (two mirrored ones a rank: --cp-split zigzag)" : "",
+                     ": it must be a multiple of ", chunks);
+  DTRAIN_CHECK_INPUT(!c.sequence_parallel || tp <= 1 || (c.context / cp) % tp == 0,
+                     "--sequence-parallel splits each rank's ", c.context / cp,
+                     " tokens (--context ", c.context, " / --context-parallel ", cp,
+                     ") over --tensor-parallel ", tp, ": it must be a multiple of it");
+  const int64_t heads = c.heads / std::max(1, tp);
+  DTRAIN_CHECK_INPUT(c.cp_method != "ulysses" || heads % cp == 0, "--cp-method ulysses hands the ",
+                     heads, " attention heads of a rank",
+                     tp > 1 ? " (--heads / --tensor-parallel)" : "",
+                     " out over --context-parallel ", cp, ": it must divide them");
+  DTRAIN_CHECK_INPUT(c.dropout == 0,
+                     "--dropout with --context-parallel: not built yet (attention's dropout over a "
+                     "split sequence); use --dropout 0");
+  DTRAIN_CHECK_INPUT(c.moe_experts == 0 || (c.moe_aux_loss == 0 && c.moe_z_loss == 0),
+                     "--moe-aux-loss / --moe-z-loss with --context-parallel: not built yet (each "
+                     "rank's balance losses would see its part of the sequence only); set both to "
+                     "0 (--moe-bias-rate balances without a loss)");
+}
+
 Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, bool deferred,
-               comm::CommunicatorPtr expert_parallel) {
+               comm::CommunicatorPtr expert_parallel, comm::CommunicatorPtr context_parallel) {
   validate(config);
   Shared shared;
+  if (context_parallel && context_parallel->size() > 1) {
+    check_context_parallel(config, context_parallel->size(),
+                           tensor_parallel ? tensor_parallel->size() : 1);
+    shared.context = context_parallel;
+    shared.cp_method = config.cp_method;
+    shared.cp_zigzag = config.cp_zigzag;
+  }
+  if (config.document_end >= 0) {
+    DTRAIN_CHECK_INPUT(config.document_end < config.vocab, "the end-of-document token ",
+                       config.document_end, " is not in the vocabulary of ", config.vocab);
+    DTRAIN_CHECK_INPUT(config.dropout == 0,
+                       "packed sequences (--reset-attention-mask) with --dropout: not built yet "
+                       "(attention's dropout within documents); use --dropout 0");
+    shared.document_end = config.document_end;
+    shared.packed = std::make_shared<nn::context::Documents>();
+  }
   if (expert_parallel && expert_parallel->size() > 1) {
     DTRAIN_CHECK_INPUT(config.moe_experts > 0, "--expert-parallel ", expert_parallel->size(),
                        " splits a mixture of experts: give the model --moe-experts");
@@ -611,6 +710,31 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, b
     };
     model.predict = [group = shared.group, start](const at::Tensor& logits) {
       return tp::vocab_parallel_argmax(logits, group, start);
+    };
+  }
+  if (shared.context) {
+    // The targets of this rank's positions; the predictions of every rank's, in order.
+    model.loss = [shared, base = model.loss](const at::Tensor& logits, const at::Tensor& targets) {
+      const at::Tensor mine =
+          targets.index_select(1, shared.positions(targets.size(1)).to(targets.device()));
+      return base ? base(logits, mine)
+                  : torch::nn::functional::cross_entropy(logits.flatten(0, -2), mine.reshape({-1}));
+    };
+    model.predict = [shared, base = model.predict](const at::Tensor& logits) {
+      const at::Tensor local = (base ? base(logits) : logits.argmax(-1)).contiguous();  // [b, t]
+      const int ranks = shared.context->size();
+      const int64_t t = local.size(1);
+      at::Tensor all = at::empty({ranks * local.size(0), t}, local.options());
+      shared.context->allgather(all, local)->wait();
+      std::vector<at::Tensor> positions;
+      for (int r = 0; r < ranks; ++r) {
+        positions.push_back(nn::context::split_positions(t * ranks, ranks, r, shared.cp_zigzag));
+      }
+      at::Tensor whole = at::empty({local.size(0), t * ranks}, local.options());
+      whole.index_copy_(
+          1, at::cat(positions).to(local.device()),
+          all.view({ranks, local.size(0), t}).permute({1, 0, 2}).reshape({local.size(0), -1}));
+      return whole;
     };
   }
   if (config.moe_experts > 0 && (config.moe_aux_loss > 0 || config.moe_z_loss > 0)) {

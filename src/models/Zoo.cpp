@@ -304,6 +304,7 @@ void check_gpt_layout(const ModelSpec& spec, const ModelLayout& layout) {
   DTRAIN_CHECK_INPUT(!layout.sequence_parallel || tp > 1,
                      "--sequence-parallel splits the sequence over the tensor-parallel ranks: "
                      "it needs --tensor-parallel 2 or more");
+  check_context_parallel(config, layout.context_parallel, tp);
   if (tp <= 1) return;
   DTRAIN_CHECK_INPUT(config.heads % tp == 0, "--tensor-parallel ", tp, " must divide --heads (",
                      config.heads, "): each rank takes whole heads");
@@ -326,7 +327,8 @@ Model build_torchvision_resnet(const ModelSpec& spec) {
 Model build_gpt(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_parallel) {
   GptConfig config = decoder_config(spec);
   config.checkpointing = spec.checkpointing;
-  return make_gpt(config, tensor_parallel, spec.deferred, spec.expert_parallel);
+  return make_gpt(config, tensor_parallel, spec.deferred, spec.expert_parallel,
+                  spec.context_parallel);
 }
 
 // The flags of the built-in models: the MLP's widths, the decoder's shape (what `dtrain train`
@@ -477,6 +479,11 @@ Model make_model(const ModelSpec& spec, const comm::CommunicatorPtr& tensor_para
       spec.name,
       " has no experts; --expert-parallel needs --model llama "
       "with --moe-experts");
+  DTRAIN_CHECK_INPUT(
+      info.language_model || !spec.context_parallel || spec.context_parallel->size() == 1,
+      "--model ", spec.name,
+      " has no sequence to split; --context-parallel needs a model with attention over a "
+      "sequence (--model gpt or llama)");
   DTRAIN_CHECK_INPUT(info.language_model || spec.classes >= 2,
                      "model needs at least 2 classes, got ", spec.classes);
   return info.build(spec, tensor_parallel);

@@ -172,6 +172,24 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
                        "--expert-parallel with --precision bf16-master: not built yet (use "
                        "bf16-mixed)");
   }
+  DTRAIN_CHECK_INPUT(layout.context_parallel >= 1, "--context-parallel must be >= 1, got ",
+                     layout.context_parallel);
+  if (layout.context_parallel > 1) {
+    std::vector<std::string> splitting;
+    for (const auto& info : strategies()) {
+      if (info.context_parallel) splitting.push_back(info.name);
+    }
+    DTRAIN_CHECK_INPUT(named.context_parallel, "--context-parallel is built for --strategy ",
+                       joined(splitting, " or "), " so far, not ", named.name);
+    DTRAIN_CHECK_INPUT(!options.of<ft::FaultToleranceOptions>().replicas(),
+                       "--context-parallel with --fault-tolerance replicas: not built (every "
+                       "forward is collective over the context group)");
+    DTRAIN_CHECK_INPUT(!layout.defer_eval,
+                       "--defer-eval evaluates on rank 0 alone: with --context-parallel every "
+                       "rank of a context group takes part in each forward");
+    DTRAIN_CHECK_INPUT(layout.stage_replicas.empty(),
+                       "--context-parallel with --stage-replicas: not built");
+  }
   if (options.of<ft::FaultToleranceOptions>().replicas() && !named.fault_tolerant) {
     std::vector<std::string> tolerant;
     for (const auto& info : strategies()) {

@@ -9,6 +9,7 @@
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Printed.h"
 #include "dtrain/data/Datasets.h"
+#include "dtrain/data/tokenizer/BpeTokenizer.h"
 #include "dtrain/launch/Environment.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
 #include "dtrain/models/Zoo.h"
@@ -200,11 +201,27 @@ void validate_job(const RunPlan& plan) {
   DTRAIN_CHECK_INPUT(tp == 1 || model.tensor_parallel, "--tensor-parallel ", tp,
                      " needs --model gpt or another model with tensor-parallel layers, not ",
                      job.model.name);
+  const int cp = job.trainer.context_parallel;
+  DTRAIN_CHECK_INPUT(cp >= 1, "--context-parallel must be >= 1, got ", cp);
+  if (cp > 1) {
+    DTRAIN_CHECK_INPUT(model.language_model, "--context-parallel ", cp,
+                       " splits each sequence: ", job.model.name,
+                       " has no sequence to split (use a model with attention: --model gpt or "
+                       "llama)");
+    const int stages = std::max(1, job.trainer.pipeline_parallel) * std::max(1, tp);
+    DTRAIN_CHECK_INPUT(job.trainer.stage_replicas.empty(),
+                       "--context-parallel with --stage-replicas: not built");
+    DTRAIN_CHECK_INPUT(job.nproc % (stages * cp) == 0, "--context-parallel ", cp,
+                       " must divide the data-parallel size ", job.nproc / stages, " (--nproc ",
+                       job.nproc, " / --tensor-parallel ", tp, " / --pipeline-parallel ",
+                       job.trainer.pipeline_parallel, ")");
+  }
   if (model.check_layout) {
     models::ModelLayout layout;
     layout.tensor_parallel = tp;
     layout.pipeline_parallel = plan.trainer.pipeline_parallel;
     layout.sequence_parallel = job.model.gpt.sequence_parallel;
+    layout.context_parallel = job.trainer.context_parallel;
     model.check_layout(model_spec(plan), layout);
   } else {
     DTRAIN_CHECK_INPUT(!job.model.gpt.sequence_parallel,
@@ -234,6 +251,18 @@ void validate_job(const RunPlan& plan) {
     DTRAIN_CHECK_INPUT(plan.data_parallel % ep == 0, "--expert-parallel ", ep,
                        " must divide the data-parallel size ", plan.data_parallel, " (--nproc ",
                        job.nproc, ")");
+  }
+  if (job.reset_attention_mask || job.eod_token >= 0) {
+    DTRAIN_CHECK_INPUT(model.language_model,
+                       "--reset-attention-mask packs documents into a "
+                       "language model's sequences, not ",
+                       job.model.name, "'s examples");
+    DTRAIN_CHECK_INPUT(job.reset_attention_mask,
+                       "--eod-token is --reset-attention-mask's "
+                       "end-of-document token: give both");
+    DTRAIN_CHECK_INPUT(job.trainer.pipeline_parallel == 1,
+                       "--reset-attention-mask with --pipeline-parallel: not built yet (a later "
+                       "stage does not see the tokens)");
   }
   DTRAIN_CHECK_INPUT(job.threads >= 0, "--threads must be >= 1, got ", job.threads);
   DTRAIN_CHECK_INPUT(job.comm_timeout_ms > 0, "--comm-timeout must be > 0");
@@ -320,11 +349,23 @@ JobResult run_job(const JobConfig& job) {
   if (!safetensors_init.empty()) options.init_from.clear();
   Trainer trainer(options, world);
   models::ModelSpec spec = model_spec(plan, vocabulary);
+  if (job.reset_attention_mask) {
+    int64_t end = job.eod_token;
+    if (end < 0 && !data.tokenizer_json.empty()) {
+      end = data::tokenizer::BpeTokenizer::from_json(data.tokenizer_json, job.dataset + " data")
+                .end_of_text();
+    }
+    DTRAIN_CHECK_INPUT(end >= 0,
+                       "--reset-attention-mask needs the end-of-document token: the data's "
+                       "tokenizer names none; give --eod-token ID");
+    spec.gpt.document_end = end;
+  }
   // A strategy that keeps part of the model draws only that part (ZeRO-3 its shards, a pipeline
   // rank its stages; the Trainer gives the others the whole model). The strategy that runs: the
   // pipeline where --pipeline-parallel wraps --strategy.
   spec.deferred = parallel::strategy_info(trainer.options().strategy).draws_deferred;
   spec.expert_parallel = trainer.grid()->ep();
+  spec.context_parallel = trainer.grid()->cp();
   Model model = models::make_model(spec, trainer.grid()->tp());
   if (!safetensors_init.empty()) {
     const std::string origin = "--init-from " + safetensors_init;
@@ -399,6 +440,9 @@ std::string summary(const JobConfig& job, const JobResult& result) {
              job.trainer.strategy,
              job.trainer.tensor_parallel > 1
                  ? concat(" x tensor-parallel ", job.trainer.tensor_parallel)
+                 : std::string(),
+             job.trainer.context_parallel > 1
+                 ? concat(" x context-parallel ", job.trainer.context_parallel)
                  : std::string(),
              job.trainer.expert_parallel > 1
                  ? concat(", experts over ", job.trainer.expert_parallel, " ranks")

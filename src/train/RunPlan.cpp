@@ -72,6 +72,7 @@ parallel::Layout layout_of(const TrainerOptions& options, int64_t data_parallel)
   layout.pipeline_parallel = options.pipeline_parallel;
   layout.tensor_parallel = options.tensor_parallel;
   layout.expert_parallel = options.expert_parallel;
+  layout.context_parallel = options.context_parallel;
   layout.stage_replicas = options.stage_replicas;
   layout.defer_eval = options.defer_eval;
   layout.micro_batches = plan_batches(options, data_parallel).micro_batches;
@@ -85,10 +86,12 @@ RunPlan plan_run(const JobConfig& job, int ranks) {
   plan.trainer = trainer_options(job);
   const TrainerOptions& t = plan.trainer;
   // One pipeline whose stages are replicated, or dp replicas of pipeline x tensor parallelism.
-  plan.data_parallel = !t.stage_replicas.empty()
-                           ? 1
-                           : std::max(1, ranks / (std::max(1, t.pipeline_parallel) *
-                                                  std::max(1, t.tensor_parallel)));
+  // A context-parallel group's ranks read the same examples.
+  plan.data_parallel =
+      !t.stage_replicas.empty()
+          ? 1
+          : std::max(1, ranks / (std::max(1, t.pipeline_parallel) * std::max(1, t.tensor_parallel) *
+                                 std::max(1, t.context_parallel)));
   plan.batches = plan_batches(t, plan.data_parallel);
   plan.layout = layout_of(t, plan.data_parallel);
   plan.layout.ranks = ranks;
@@ -119,6 +122,10 @@ std::string RunPlan::describe() const {
   if (l.tensor_parallel > 1) {
     text += concat(" x tensor-parallel ", l.tensor_parallel,
                    l.sequence_parallel ? " (sequence parallel)" : "");
+  }
+  if (l.context_parallel > 1) {
+    text += concat(" x context-parallel ", l.context_parallel, " (each sequence split over ",
+                   l.context_parallel, " ranks)");
   }
   if (l.expert_parallel > 1) {
     text += concat(" (experts split over ", l.expert_parallel, " of them)");

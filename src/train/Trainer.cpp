@@ -110,6 +110,7 @@ Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
                                                     parallel::grid_order(options_.strategy_options))
               : std::make_shared<comm::ProcessGrid>(world_, options_.tensor_parallel,
                                                     options_.stage_replicas);
+  grid_->split_context(options_.context_parallel);
   options_.strategy = parallel::resolve_strategy(layout_of(options_, grid_->data_parallel_size()),
                                                  options_.strategy_options);
   grid_->split_experts(options_.expert_parallel);
@@ -154,7 +155,10 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
   const int replica = alone ? 0 : grid_->data_parallel_rank();
   const int replicas = alone ? 1 : grid_->data_parallel_size();
   const bool counts = grid_->coordinates().tp == 0;  // TP ranks compute the same values
-  double sums[3] = {0, 0, 0};                        // loss * n, correct, n
+  // A context-parallel group's ranks each count the loss of their share of the positions (the
+  // same count) and the accuracy of the whole sequence's predictions: each a 1/C share.
+  const double share = 1.0 / grid_->cp_size();
+  double sums[3] = {0, 0, 0};  // loss * n, correct, n
   for (int64_t begin = 0; begin < dataset.size(); begin += options_.eval_batch_size * replicas) {
     const int64_t mine = begin + replica * options_.eval_batch_size;
     const int64_t end = std::min(mine + options_.eval_batch_size, dataset.size());
@@ -170,14 +174,15 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
     // (each example's accuracy is then its share of tokens predicted).
     const at::Tensor predicted = predict_ ? predict_(output) : output.argmax(-1);
     if (!counts) continue;
-    const auto n = static_cast<double>(end - mine);
+    const auto n = static_cast<double>(end - mine) * share;
     sums[0] += loss * n;
     sums[1] += predicted.eq(batch.targets)
                    .to(at::kDouble)
                    .reshape({output.size(0), -1})
                    .mean(1)
                    .sum()
-                   .item<double>();
+                   .item<double>() *
+               share;
     sums[2] += n;
   }
   at::Tensor totals = at::tensor({sums[0], sums[1], sums[2]}, at::kDouble);
@@ -196,7 +201,7 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
     }
   }
   EvalResult result;
-  result.examples = static_cast<int64_t>(totals[2].item<double>());
+  result.examples = static_cast<int64_t>(std::llround(totals[2].item<double>()));
   if (result.examples > 0) {
     result.loss = totals[0].item<double>() / result.examples;
     result.accuracy = totals[1].item<double>() / result.examples;

@@ -1,5 +1,6 @@
-// ProcessGrid: the DP x PP x TP decomposition of the world (Megatron's parallel_state). Every
-// strategy takes its communicators from here; a 1-rank world is a valid 1x1x1 grid.
+// ProcessGrid: the DP x PP x TP decomposition (with context and expert groups inside DP) of the
+// world (Megatron's parallel_state). Every strategy takes its communicators from here; a 1-rank
+// world is a valid 1x1x1 grid.
 #pragma once
 
 #include <vector>
@@ -57,11 +58,24 @@ class ProcessGrid {
   int ep_size() const { return ep_ ? ep_->size() : 1; }
   int ep_rank() const { return ep_ ? ep_->rank() : 0; }
 
+  /// Collective over the world: context parallelism over `ranks` data-parallel ranks (issue 82:
+  /// each sequence of a batch split over them, nn/context/Attention.h). The data-parallel group
+  /// is cut into context groups of `ranks` consecutive dp coordinates (cp()), which read the
+  /// same examples (data_parallel_size() is dp_size() / ranks); the gradients are still
+  /// averaged over the whole dp() group (Megatron folds CP into data parallelism for the
+  /// weights). Call before split_experts. InputError when `ranks` does not divide the
+  /// data-parallel size.
+  void split_context(int ranks);
+  /// The context-parallel group (null without split_context) and its size.
+  const CommunicatorPtr& cp() const { return cp_; }
+  int cp_size() const { return cp_ ? cp_->size() : 1; }
+
   int dp_size() const { return dp_size_; }
   /// How many shares the data is cut into, and this rank's share (the data sampler's view):
-  /// dp_size() and the dp coordinate, or 1 and 0 when stages are replicated.
-  int data_parallel_size() const { return replicated_stages() ? 1 : dp_size_; }
-  int data_parallel_rank() const { return replicated_stages() ? 0 : coordinates_.dp; }
+  /// dp_size() and the dp coordinate (over the context-parallel size), or 1 and 0 when stages
+  /// are replicated.
+  int data_parallel_size() const { return replicated_stages() ? 1 : dp_size_ / cp_size(); }
+  int data_parallel_rank() const { return replicated_stages() ? 0 : coordinates_.dp / cp_size(); }
   /// Replicas of each pipeline stage (empty: a regular DP x PP x TP grid).
   const std::vector<int>& stage_replicas() const { return stage_replicas_; }
   bool replicated_stages() const { return !stage_replicas_.empty(); }
@@ -95,6 +109,7 @@ class ProcessGrid {
   CommunicatorPtr tp_;
   CommunicatorPtr ep_;
   CommunicatorPtr edp_;
+  CommunicatorPtr cp_;
 };
 
 }  // namespace dtrain::comm

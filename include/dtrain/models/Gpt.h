@@ -53,6 +53,17 @@ struct GptConfig {
   /// gradient's allreduce (reduce-scatter with sequence parallelism) with the weight gradient
   /// (Megatron's asynchronous TP communication). A layout choice: not in to_json.
   bool tp_comm_overlap = false;
+  /// With a context-parallel group (issue 82): how attention spans the sequence split over it,
+  /// "ring" (keys and values passed around the group), "allgather" or "ulysses"
+  /// (nn/context/Attention.h); and the split: the zigzag (each rank two mirrored chunks, the
+  /// same causal work everywhere) or contiguous chunks. Layout choices: not in to_json.
+  std::string cp_method = "ring";
+  bool cp_zigzag = true;
+  /// Packed sequences (>= 0): the end-of-document token; attention stays inside each document
+  /// and positions restart after each end (Megatron's --reset-attention-mask and
+  /// --reset-position-ids; nn/context/Attention.h's document_index). -1: a sequence is one
+  /// text. A choice of how the data is read: not in to_json.
+  int64_t document_end = -1;
   /// Mixture of experts (nn/Moe.h, issue 81): 0 = every block's MLP dense. With E > 0 (SwiGLU
   /// only), block i is an MoE block when i >= moe_first_dense and (i - moe_first_dense) is a
   /// multiple of moe_every (DeepSeek's layout: the first blocks dense).
@@ -75,6 +86,11 @@ bool is_moe_block(const GptConfig& config, int64_t index);
 
 /// InputError naming the field for sizes that cannot make a model.
 void validate(const GptConfig& config);
+
+/// InputError naming the flags when `config` cannot be split over `context_parallel` ranks
+/// (each holding `tensor_parallel` ranks' heads): a --context that C (2C for the zigzag) does
+/// not divide, Ulysses' heads, dropout, balance losses, an unknown --cp-method.
+void check_context_parallel(const GptConfig& config, int context_parallel, int tensor_parallel);
 
 /// Llama's choices on `config`'s sizes: RMSNorm, rotary embeddings, SwiGLU, no biases.
 void llama_preset(GptConfig& config);
@@ -103,8 +119,15 @@ int64_t expert_ffn_width_of(const GptConfig& config);
 /// memory and Model::deferred draws them, for a strategy that keeps only part of each (zero3).
 /// Dropout draws from the model's own generators (nn/tensor/Random.h), seeded from the global one.
 /// `expert_parallel` (ProcessGrid::ep()): the MoE blocks' experts split over it (nn/Moe.h).
+/// `context_parallel` (ProcessGrid::cp()) of C > 1 ranks: every rank takes the whole
+/// sequence's token ids [B, T] and keeps its share of the positions (config.cp_zigzag: T a
+/// multiple of 2C, else of C), its attention spanning the whole sequence by config.cp_method;
+/// the output is the logits of its positions [B, T / C, V], Model::loss takes the whole
+/// targets [B, T] (and picks its positions'), Model::predict returns the whole sequence's
+/// predictions (gathered from the group).
 Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel = nullptr,
-               bool deferred = false, comm::CommunicatorPtr expert_parallel = nullptr);
+               bool deferred = false, comm::CommunicatorPtr expert_parallel = nullptr,
+               comm::CommunicatorPtr context_parallel = nullptr);
 
 /// The sizes as JSON (what a checkpoint records), and back (InputError naming a missing or bad
 /// field, with `origin`).

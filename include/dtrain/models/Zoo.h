@@ -39,6 +39,9 @@ struct ModelSpec {
   /// The group a mixture of experts' experts are split over (ProcessGrid::ep(); null or one
   /// rank: none). Only the decoder has experts: InputError for the others.
   comm::CommunicatorPtr expert_parallel;
+  /// The group each sequence is split over (ProcessGrid::cp(); null or one rank: none). Only
+  /// the decoder has a sequence: InputError for the others.
+  comm::CommunicatorPtr context_parallel;
 };
 
 /// Builds the named model with freshly initialized parameters (uses the global torch RNG),
@@ -67,6 +70,8 @@ struct ModelLayout {
   int pipeline_parallel = 1;
   /// --sequence-parallel.
   bool sequence_parallel = false;
+  /// --context-parallel.
+  int context_parallel = 1;
 };
 
 /// A registered model: how it is built, what it can do, how it trains by default.

@@ -40,6 +40,8 @@ struct Layout {
   int tensor_parallel = 1;
   /// --expert-parallel: a mixture of experts' experts split over this many data-parallel ranks.
   int expert_parallel = 1;
+  /// --context-parallel: each sequence split over this many data-parallel ranks.
+  int context_parallel = 1;
   /// --stage-replicas (empty: every stage on dp ranks alike).
   std::vector<int> stage_replicas;
   /// --sequence-parallel, --tied-embeddings, --defer-eval.
@@ -152,6 +154,10 @@ struct StrategyInfo {
   /// Trains a model whose experts are split over data-parallel ranks (--expert-parallel): the
   /// experts' gradients reduced over the expert data-parallel group, checkpoints by expert.
   bool expert_parallel = false;
+  /// Trains a model whose sequences are split over data-parallel ranks (--context-parallel):
+  /// its gradients averaged over the whole data-parallel group, context groups included, and
+  /// every forward collective over the context group.
+  bool context_parallel = false;
   /// Its options (groups shared with other strategies are declared once). A flag of a group
   /// that no strategy of the run lists, moved from its default, is refused naming the
   /// strategies that list it.

@@ -37,6 +37,11 @@ struct JobConfig {
   TrainerOptions trainer;
   /// > 0: micro-batches per step (the pipeline's M); sets trainer.accumulation_steps.
   int64_t micro_batches = 0;
+  /// Packed sequences (--reset-attention-mask): a language model's attention kept inside each
+  /// document of a window, positions restarting after each end-of-document token: --eod-token,
+  /// else the data's tokenizer's end-of-text token (models::GptConfig::document_end).
+  bool reset_attention_mask = false;
+  int64_t eod_token = -1;
   /// Gradient bucket size (sets trainer.strategy_options.bucket_cap_bytes in run_job).
   double bucket_cap_mb = 25;
   /// Local ranks to launch (1 = run in this process).

@@ -113,6 +113,10 @@ struct TrainerOptions {
   /// > 1: a mixture of experts' experts split over this many data-parallel ranks
   /// (ProcessGrid::split_experts; the model built over grid()->ep()).
   int expert_parallel = 1;
+  /// > 1: each sequence split over this many data-parallel ranks (context parallelism,
+  /// ProcessGrid::split_context; the model built over grid()->cp()), which read the same
+  /// examples: the data is cut into data-parallel size / this shares.
+  int context_parallel = 1;
   /// > 1: pipeline parallelism over this many ranks (the "pipeline" strategy, its stages made
   /// data-parallel by `strategy`: ddp or zero1); the accumulation steps are its micro-batches.
   int pipeline_parallel = 1;

@@ -48,12 +48,36 @@ at::Tensor split_positions(int64_t tokens, int ranks, int rank, bool zigzag) {
                   at::arange((chunks - 1 - rank) * chunk, (chunks - rank) * chunk, at::kLong)});
 }
 
+Documents document_index(const at::Tensor& ids, int64_t document_end) {
+  DTRAIN_CHECK_INPUT(ids.dim() == 2, "packed sequences: token ids [batch, tokens], got ",
+                     ids.sizes());
+  const at::Tensor ends = ids.eq(document_end).to(at::kLong);
+  Documents d;
+  d.index = ends.cumsum(1) - ends;
+  // Where each document begins (the first token, and each token after an end), carried forward.
+  const int64_t t = ids.size(1);
+  const at::Tensor along = at::arange(t, ids.options().dtype(at::kLong)).expand_as(ends);
+  at::Tensor begins = at::zeros_like(ends);
+  begins.select(1, 0).fill_(1);
+  if (t > 1) begins.narrow(1, 1, t - 1).copy_(ends.narrow(1, 0, t - 1));
+  const at::Tensor start = std::get<0>((along * begins).cummax(1));
+  d.positions = along - start;
+  return d;
+}
+
 Partial block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& q_positions, const at::Tensor& k_positions) {
+                        const at::Tensor& q_positions, const at::Tensor& k_positions,
+                        const at::Tensor& q_documents, const at::Tensor& k_documents) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  // [q tokens, k tokens]: a key after the query is masked.
-  const at::Tensor future =
+  // [q tokens, k tokens]: a key after the query is masked; with documents [batch, 1, q, k], a
+  // key of another document too.
+  at::Tensor future =
       k_positions.to(q.device()).unsqueeze(0) > q_positions.to(q.device()).unsqueeze(1);
+  if (q_documents.defined()) {
+    future = (future.unsqueeze(0) |
+              q_documents.to(q.device()).unsqueeze(2).ne(k_documents.to(q.device()).unsqueeze(1)))
+                 .unsqueeze(1);
+  }
   const at::Tensor scores =
       (at::matmul(q, k.transpose(-2, -1)) * scale).masked_fill(future, kNothing);
   const at::Tensor lse = scores.logsumexp(-1, /*keepdim=*/true);
@@ -70,37 +94,49 @@ Partial merge(const Partial& a, const Partial& b) {
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& positions, const comm::CommunicatorPtr& group,
-                            const std::string& method) {
+                            const std::string& method, const at::Tensor& documents) {
   DTRAIN_CHECK_INPUT(method == "allgather" || method == "ring" || method == "ulysses",
                      "--cp-method must be ring, allgather or ulysses, got '", method, "'");
   DTRAIN_CHECK_INPUT(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes() &&
                          positions.dim() == 1 && positions.size(0) == q.size(2),
                      "context attention: q, k, v [batch, heads, tokens, head dim] alike and one "
                      "position per token");
-  if (!group || group->size() == 1) return block_attention(q, k, v, positions, positions).out;
+  // The documents of the tokens at some positions (undefined: one document).
+  auto documents_at = [&](const at::Tensor& at) {
+    return documents.defined() ? documents.index_select(1, at.to(documents.device()))
+                               : at::Tensor();
+  };
+  const at::Tensor mine = documents_at(positions);
+  if (!group || group->size() == 1) {
+    return block_attention(q, k, v, positions, positions, mine, mine).out;
+  }
   const int ranks = group->size();
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+  DTRAIN_CHECK_INPUT(
+      !documents.defined() || (documents.dim() == 2 && documents.size(1) == ranks * t),
+      "context attention: the documents of the whole sequence [batch, ", ranks * t, " tokens]");
   if (method == "allgather") {
     // Every rank's keys and values along the sequence ([b, t, h, d]: dim 1); backward sums
     // each rank's queries' gradients into them (a reduce-scatter).
     auto gathered = [&](const at::Tensor& x) {
       return tensor::gather_from_sequence(x.transpose(1, 2).contiguous(), group).transpose(1, 2);
     };
-    return block_attention(q, gathered(k), gathered(v), positions,
-                           gather_positions(positions, group))
+    const at::Tensor all = gather_positions(positions, group);
+    return block_attention(q, gathered(k), gathered(v), positions, all, mine, documents_at(all))
         .out;
   }
   if (method == "ring") {
     // This rank's block first; then, C - 1 times, the keys and values of the rank before
     // (stacked to travel as one message), each partial merged in.
-    Partial result = block_attention(q, k, v, positions, positions);
+    Partial result = block_attention(q, k, v, positions, positions, mine, mine);
     at::Tensor kv = at::stack({k, v});  // [2, b, h, t, d]
     const at::Tensor all = gather_positions(positions, group);
     for (int step = 1; step < ranks; ++step) {
       kv = pass_on(kv, group);  // now rank - step's
       const int64_t from = (group->rank() - step + ranks) % ranks;
-      result =
-          merge(result, block_attention(q, kv[0], kv[1], positions, all.narrow(0, from * t, t)));
+      const at::Tensor theirs = all.narrow(0, from * t, t);
+      result = merge(
+          result, block_attention(q, kv[0], kv[1], positions, theirs, mine, documents_at(theirs)));
     }
     return result.out;
   }
@@ -118,7 +154,9 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
         .reshape({b, local, ranks * t, d});
   };
   const at::Tensor all = gather_positions(positions, group);
-  const at::Tensor out = block_attention(to_heads(q), to_heads(k), to_heads(v), all, all).out;
+  const at::Tensor every = documents_at(all);
+  const at::Tensor out =
+      block_attention(to_heads(q), to_heads(k), to_heads(v), all, all, every, every).out;
   // Back: [b, h/C, C t, d] -> rows [C, h/C, b, t, d] by source rank -> [b, h, t, d].
   const at::Tensor by_rank =
       out.view({b, local, ranks, t, d}).permute({2, 1, 0, 3, 4}).reshape({ranks * local, b, t, d});

@@ -29,6 +29,7 @@ StrategyInfo ddp_strategy() {
   info.fault_tolerant = true;
   info.master_weights = true;
   info.expert_parallel = true;
+  info.context_parallel = true;
   info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
     if (options.of<ft::FaultToleranceOptions>().replicas()) {

@@ -150,6 +150,7 @@ StrategyInfo pipeline_strategy() {
   info.whole_model_on_rank0 = false;
   info.draws_deferred = true;  // each rank draws its own stages' parameters
   info.expert_parallel = true;
+  info.context_parallel = true;
   info.set_stage_strategy = [](StrategyOptions& options, const std::string& stage_strategy) {
     options.of<PipelineOptions>().data_parallel = stage_strategy;
   };
@@ -170,6 +171,8 @@ StrategyInfo pipeline_strategy() {
                        "every stage; use --precision fp32, bf16-mixed or bf16");
     DTRAIN_CHECK_INPUT(sync == "flush" || layout.expert_parallel == 1, "--pipeline-sync ", sync,
                        " with --expert-parallel: not built yet (use flush)");
+    DTRAIN_CHECK_INPUT(sync == "flush" || layout.context_parallel == 1, "--pipeline-sync ", sync,
+                       " with --context-parallel: not built yet (use flush)");
   };
   // --fault-tolerance replicas: each replica a whole pipeline (ft/FaultTolerantPipeline.h).
   info.make = [](const StrategyOptions& options) -> StrategyPtr {

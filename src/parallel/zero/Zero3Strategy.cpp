@@ -52,6 +52,7 @@ StrategyInfo zero3_strategy() {
   info.whole_model_on_rank0 = false;
   info.shards_parameters = true;
   info.draws_deferred = true;
+  info.context_parallel = true;
   info.master_weights = true;
   info.cost.traffic = StepCost::Traffic::kGatherEachLayer;
   info.cost.shards_optimizer = true;

@@ -67,6 +67,7 @@ StrategyInfo zero1_strategy() {
   info.options = {zero_overlap_options(), ft::fault_tolerance_options()};
   info.master_weights = true;
   info.expert_parallel = true;
+  info.context_parallel = true;
   info.fault_tolerant = true;
   info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {
@@ -99,6 +100,7 @@ StrategyInfo zero2_strategy() {
   info.cost.bucket_buffers = 2;  // the reduce-scatter's
   info.master_weights = true;
   info.expert_parallel = true;
+  info.context_parallel = true;
   info.fault_tolerant = true;
   info.check_layout = ft::check_fault_tolerance_layout;
   info.make = [](const StrategyOptions& options) -> StrategyPtr {

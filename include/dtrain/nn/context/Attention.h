@@ -13,7 +13,11 @@
 // chunks, rank r holding chunks r and 2C - 1 - r), under which every rank does the same causal
 // work.
 //
-// A building block: the model and the trainer do not use it yet (no --context-parallel).
+// Packed sequences (documents packed into one sequence, Megatron's --reset-attention-mask): a
+// whole sequence's document index [batch, tokens] keeps each query's attention inside its own
+// document (document_index gives it from the tokens and the end-of-document token).
+//
+// The decoders use it with --context-parallel and --reset-attention-mask (models/Gpt.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -29,9 +33,21 @@ namespace dtrain::nn::context {
 /// naming the numbers when they do not divide.
 at::Tensor split_positions(int64_t tokens, int ranks, int rank, bool zigzag);
 
+/// Packed sequences: for token ids [batch, tokens] and the end-of-document token, each token's
+/// document (0, 1, ... along the sequence; the end-of-document token belongs to the document it
+/// ends) and its position within it (0 after each end), both [batch, tokens] int64
+/// (Megatron's get_ltor_masks_and_position_ids with reset_position_ids and
+/// reset_attention_mask).
+struct Documents {
+  at::Tensor index, positions;
+};
+Documents document_index(const at::Tensor& ids, int64_t document_end);
+
 /// Causal attention of this rank's queries over every rank's keys and values: q, k, v
 /// [batch, heads, local tokens, head dim] (the same heads on every rank), `positions` the
 /// local tokens' global positions [local tokens] (int64), the same count on every rank.
+/// `documents` (optional): the whole sequence's document index [batch, tokens] (every rank's
+/// positions; Documents::index), a query then seeing only the keys of its own document.
 /// `method`: "allgather" (the keys and values gathered once), "ring" (passed around the ring
 /// C - 1 times, partial results merged by log-sum-exp), "ulysses" (an all-to-all from the
 /// sequence split to a head split and back; heads must be a multiple of C). Returns
@@ -39,17 +55,20 @@ at::Tensor split_positions(int64_t tokens, int ranks, int rank, bool zigzag);
 /// causal attention).
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& positions, const comm::CommunicatorPtr& group,
-                            const std::string& method);
+                            const std::string& method, const at::Tensor& documents = {});
 
 /// Attention of queries at `q_positions` over keys at `k_positions` (a key is seen by the
 /// queries at or after its position), with the log-sum-exp of each query's scores: `out`
 /// [batch, heads, q tokens, head dim], `lse` [batch, heads, q tokens, 1]. A query that sees no
-/// key gets zeros and a log-sum-exp of about -1e30, which merge() weighs as nothing.
+/// key gets zeros and a log-sum-exp of about -1e30, which merge() weighs as nothing. With
+/// `q_documents` [batch, q tokens] and `k_documents` [batch, k tokens], a key is also seen only
+/// by the queries of its document.
 struct Partial {
   at::Tensor out, lse;
 };
 Partial block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& q_positions, const at::Tensor& k_positions);
+                        const at::Tensor& q_positions, const at::Tensor& k_positions,
+                        const at::Tensor& q_documents = {}, const at::Tensor& k_documents = {});
 /// The attention over the union of two partials' keys.
 Partial merge(const Partial& a, const Partial& b);
 
