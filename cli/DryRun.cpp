@@ -110,6 +110,8 @@ int dry_run(const train::RunPlan& run) {
   layout.pp = t.pipeline_parallel;
   layout.tp = t.tensor_parallel;
   layout.ep = t.expert_parallel;
+  layout.cp = t.context_parallel;
+  layout.cp_method = run.job.model.gpt.cp_method;
   layout.dp = static_cast<int>(run.data_parallel);
   layout.micro_batch_size = static_cast<int>(t.batch_size);
   layout.micro_batches = static_cast<int>(run.batches.micro_batches);

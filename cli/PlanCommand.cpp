@@ -89,6 +89,8 @@ nlohmann::json to_json(const Prediction& p, const plan::Cluster& cluster) {
           {"pp", l.pp},
           {"tp", l.tp},
           {"ep", l.ep},
+          {"cp", l.cp},
+          {"cp_method", l.cp > 1 ? l.cp_method : "none"},
           {"micro_batch_size", l.micro_batch_size},
           {"micro_batches", l.micro_batches},
           {"global_batch", l.global_batch()},
@@ -240,6 +242,15 @@ class PlanCommand final : public Command {
                      "Expert-parallel size: a mixture of experts' experts split over this many "
                      "data-parallel ranks")
         ->capture_default_str();
+    app_->add_option("--cp", layout_.cp,
+                     "Context-parallel size: each sample's sequence split over this many "
+                     "data-parallel ranks (dtrain train --context-parallel; --search tries 2 to "
+                     "16 for sequences of 8192 tokens and more)")
+        ->capture_default_str();
+    app_->add_option("--cp-method", layout_.cp_method,
+                     "--cp: ring (transfers hidden behind each block's attention where they can "
+                     "be), allgather or ulysses")
+        ->capture_default_str();
     app_->add_option("--micro-batch-size", layout_.micro_batch_size, "Samples per micro-batch")
         ->capture_default_str();
     app_->add_option("--micro-batches", micro_batches_, "Micro-batches per step");
@@ -361,7 +372,10 @@ class PlanCommand final : public Command {
     if (!scaling_.empty()) return run_scaling(model, cluster);
     const Prediction p = plan::predict(model, cluster, layout_for(cluster));
     // --json prints the prediction even when it does not fit (the memory is the answer).
-    if (json_) std::printf("%s\n", to_json(p, cluster).dump(2).c_str());
+    if (json_) {
+      std::printf("%s\n", to_json(p, cluster).dump(2).c_str());
+      std::fflush(stdout);  // (the refusal below ends the process without flushing a pipe)
+    }
     const plan::Memory& m = p.memory;
     DTRAIN_CHECK_INPUT(p.fits, "layout ", p.layout.describe(), " does not fit: it needs ",
                        gib(m.total()), " GiB per rank to step (parameters ", gib(m.parameters),
@@ -424,9 +438,9 @@ class PlanCommand final : public Command {
       }
       return layout;
     }
-    const int model_parallel = layout.pp * layout.tp;
+    const int model_parallel = layout.pp * layout.tp * layout.cp;
     DTRAIN_CHECK_INPUT(model_parallel >= 1 && cluster.gpus() % model_parallel == 0,
-                       "pp x tp = ", model_parallel, " does not divide the cluster's ",
+                       "pp x tp x cp = ", model_parallel, " does not divide the cluster's ",
                        cluster.gpus(), " GPUs");
     layout.dp = dp_ > 0 ? dp_ : cluster.gpus() / model_parallel;
     // A schedule's fixed chunks per rank (zb-v's two) go without saying, as in dtrain train.
@@ -463,6 +477,7 @@ class PlanCommand final : public Command {
     // --pipeline-sync 2bw|eager|async with --search: those layouts compete beside the flushed ones.
     if (layout_.pipeline_sync != "flush") options.pipeline_syncs.push_back(layout_.pipeline_sync);
     options.replicated_stages = replicated_stages_;
+    if (layout_.cp > 1) options.context_parallel = {layout_.cp};
     const plan::SearchResult result = plan::search(model, cluster, options);
     if (result.ranked.empty()) {
       DTRAIN_THROW(InputError, "no layout of ", model.name, " fits ", cluster.gpus(), " x ",

@@ -651,7 +651,7 @@ TEST(Planner, RefusesLayoutsNamingWhatIsWrong) {
   l.pp = 1;
   EXPECT_NE(refusal(l).find("does not divide the model's 12 attention heads"), std::string::npos);
   l.tp = 4;
-  EXPECT_NE(refusal(l).find("uses dp x pp x tp = 4 ranks, the cluster has 8 GPUs"),
+  EXPECT_NE(refusal(l).find("uses dp x cp x pp x tp = 4 ranks, the cluster has 8 GPUs"),
             std::string::npos);
   l.dp = 1;
   l.tp = 2;

@@ -389,5 +389,63 @@ TEST(Published, SearchPicksMegatronsLayoutForTheTrillion) {
   EXPECT_EQ(best.pp, 64);
 }
 
+// Context parallelism in the planner (issue 82): a rank of a context group of C computes and
+// keeps 1/C of each sample (its activations 1/C of one rank's without the split, at the same
+// samples per replica), the gradients reduced over dp x cp; the ring's transfers hide behind a
+// block of attention where it is long enough (Llama 3 8B at 131072 tokens: the same step as the
+// compute alone), the all-gather and Ulysses' all-to-alls add their time; the search splits a
+// long sequence that does not fit one rank, and the refusals are named.
+TEST(Planner, ContextParallelismSplitsTheSequenceAndHidesTheRing) {
+  models::GptConfig llama;  // Llama 3 8B
+  llama.layers = 32, llama.width = 4096, llama.heads = 32, llama.kv_heads = 8;
+  llama.ffn_width = 14336, llama.context = 131072, llama.vocab = 128256, llama.rope_theta = 5e5;
+  models::llama_preset(llama);
+  const ModelCost cost = decoder(llama, "llama", llama.vocab, true);
+  Layout one;
+  one.strategy = "zero1";
+  one.precision = "bf16";
+  one.tp = 8;
+  one.sequence_parallel = true;
+  one.micro_batches = 2;
+  Layout split = one;
+  split.cp = 4;
+  const Prediction p1 = predict(cost, cluster_of("h100-dgx", 1), one);
+  const Prediction p4 = predict(cost, cluster_of("h100-dgx", 4), split);
+  EXPECT_EQ(split.ranks(), 32);
+  EXPECT_NEAR(p4.memory.activations, p1.memory.activations / 4, 1e-9 * p1.memory.activations);
+  EXPECT_EQ(p4.layout.describe(), "zero1 dp1 pp1 tp8 cp4 mb1x2 bf16 sp");
+  EXPECT_EQ(p4.samples_per_s * p4.step_s, 2);  // the global batch: samples, not their shares
+  // zero1's shards over the 4 context ranks: a quarter of the optimizer's state.
+  EXPECT_NEAR(p4.memory.optimizer, p1.memory.optimizer / 4, 1e-9 * p1.memory.optimizer);
+  // The ring hidden: the step is the work of a quarter of each sample (and the optimizer's
+  // shard and the gradient reduction over 4 ranks), about a quarter of one rank's step.
+  EXPECT_LT(p4.step_s, 0.3 * p1.step_s);
+  Layout gathered = split, ulysses = split;
+  gathered.cp_method = "allgather";
+  ulysses.cp_method = "ulysses";
+  EXPECT_GT(predict(cost, cluster_of("h100-dgx", 4), gathered).compute_s, p4.compute_s);
+  EXPECT_GT(predict(cost, cluster_of("h100-dgx", 4), ulysses).compute_s, p4.compute_s);
+  EXPECT_NE(split.train_flags(34).find("--context-parallel 4"), std::string::npos);
+  // The search at 131072 tokens on 32 GPUs: a layout that fits splits the sequence.
+  SearchOptions options;
+  options.global_batch = 4;
+  options.strategies = {"zero1"};
+  const SearchResult found = search(cost, cluster_of("h100-dgx", 4), options);
+  ASSERT_FALSE(found.ranked.empty());
+  EXPECT_GT(found.ranked.front().layout.cp, 1) << found.ranked.front().layout.describe();
+  Layout odd = split;
+  odd.cp = 3;
+  odd.tp = 1;
+  odd.sequence_parallel = false;
+  try {
+    predict(cost, cluster_of("h100-dgx", 1, 3), odd);
+    ADD_FAILURE() << "cp 3 was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(e.message().find("cuts the 131072 tokens of a sample into 6 chunks"),
+              std::string::npos)
+        << e.message();
+  }
+}
+
 }  // namespace
 }  // namespace dtrain::plan

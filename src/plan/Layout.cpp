@@ -43,7 +43,7 @@ std::vector<std::string> planned_strategies(bool synchronous) {
 }
 
 int Layout::ranks() const {
-  if (stage_replicas.empty()) return dp * pp * tp;
+  if (stage_replicas.empty()) return dp * cp * pp * tp;
   int slots = 0;
   for (int r : stage_replicas) slots += r;
   return slots * tp;
@@ -70,6 +70,7 @@ std::string Layout::describe() const {
     text = concat(strategy, " pp", pp, " replicas ", joined_counts(stage_replicas), " tp", tp);
   }
   if (ep > 1) text += concat(" ep", ep);
+  if (cp > 1) text += concat(" cp", cp, cp_method == "ring" ? "" : " " + cp_method);
   if (pp > 1) text += concat(" ", schedule, chunks > 1 ? concat("x", chunks) : std::string());
   if (pp > 1 && pipeline_sync != "flush") text += concat(" ", pipeline_sync);
   text += concat(" mb", micro_batch_size, "x", micro_batches, " ", precision);
@@ -95,6 +96,10 @@ std::string parallel_flags(const Layout& l, int layers, bool global) {
   std::string text;
   if (l.tp > 1) text += concat(" --tensor-parallel ", l.tp);
   if (l.ep > 1) text += concat(" --expert-parallel ", l.ep);
+  if (l.cp > 1) {
+    text += concat(" --context-parallel ", l.cp);
+    if (l.cp_method != "ring") text += concat(" --cp-method ", l.cp_method);
+  }
   if (!l.stage_replicas.empty()) {
     text += concat(" --stage-replicas ", joined_counts(l.stage_replicas));
   } else if (l.pp > 1) {
@@ -158,6 +163,7 @@ void check_as_train_does(const ModelCost& model, const Layout& layout) {
   run.pipeline_parallel = layout.pp;
   run.tensor_parallel = layout.tp;
   run.expert_parallel = layout.ep;
+  run.context_parallel = layout.cp;
   run.stage_replicas = layout.stage_replicas;
   run.sequence_parallel = layout.sequence_parallel;
   run.micro_batches = layout.micro_batches;
@@ -195,8 +201,29 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
   DTRAIN_CHECK_INPUT(layout.offload != "disk" || (hw.disk_read_Bps > 0 && hw.disk_write_Bps > 0),
                      "offload disk: profile ", hw.name,
                      " gives no node.disk_read_gb_s and node.disk_write_gb_s to predict it by");
-  DTRAIN_CHECK_INPUT(layout.dp >= 1 && layout.pp >= 1 && layout.tp >= 1 && layout.ep >= 1,
-                     "dp, pp, tp and ep must be >= 1");
+  DTRAIN_CHECK_INPUT(
+      layout.dp >= 1 && layout.pp >= 1 && layout.tp >= 1 && layout.ep >= 1 && layout.cp >= 1,
+      "dp, pp, tp, ep and cp must be >= 1");
+  if (layout.cp > 1) {
+    DTRAIN_CHECK_INPUT(model.heads > 0, "context parallelism ", layout.cp, ": model ", model.name,
+                       " has no attention over a sequence");
+    DTRAIN_CHECK_INPUT(model.tokens_per_sample % (2 * layout.cp) == 0, "context parallelism ",
+                       layout.cp, " cuts the ", model.tokens_per_sample,
+                       " tokens of a sample into ", 2 * layout.cp,
+                       " chunks (the zigzag): they must divide them");
+    DTRAIN_CHECK_INPUT(is_one_of(layout.cp_method, {"ring", "allgather", "ulysses"}),
+                       "unknown context-parallel method '", layout.cp_method,
+                       "' (ring, allgather, ulysses)");
+    DTRAIN_CHECK_INPUT(layout.cp_method != "ulysses" || (model.heads / layout.tp) % layout.cp == 0,
+                       "ulysses hands the ", model.heads / layout.tp,
+                       " attention heads of a tensor-parallel rank out over cp ", layout.cp,
+                       ": it must divide them");
+    DTRAIN_CHECK_INPUT(
+        !layout.sequence_parallel || (model.tokens_per_sample / layout.cp) % layout.tp == 0,
+        "sequence parallelism splits a context-parallel rank's ",
+        model.tokens_per_sample / layout.cp, " tokens over tp ", layout.tp,
+        ": it must divide them");
+  }
   if (layout.ep > 1) {
     DTRAIN_CHECK_INPUT(model.experts > 0, "expert parallelism ", layout.ep, ": model ", model.name,
                        " has no mixture of experts");
@@ -213,7 +240,7 @@ void check_layout(const ModelCost& model, const Cluster& cluster, const Layout& 
   DTRAIN_CHECK_INPUT(layout.micro_batch_size >= 1 && layout.micro_batches >= 1,
                      "micro-batch size and micro-batches must be >= 1");
   DTRAIN_CHECK_INPUT(layout.ranks() == cluster.gpus(), "layout ", layout.describe(),
-                     " uses dp x pp x tp = ", layout.ranks(), " ranks, the cluster has ",
+                     " uses dp x cp x pp x tp = ", layout.ranks(), " ranks, the cluster has ",
                      cluster.gpus(), " GPUs (", cluster.nodes, " nodes x ", cluster.per_node(),
                      ")");
   if (model.heads > 0) {

@@ -169,6 +169,9 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
     // 2 norms, the row-parallel layers' biases
     block.replicated_parameters = static_cast<int64_t>(2 * norm + 2 * bias * h);
     block.block = true;
+    block.kv_elements = 2 * g * s * h;
+    block.qkvo_elements = (2 + 2 * g) * s * h;
+    block.core_flops = (shape.flash ? 2 : 4) * s * s * h;
     if (shape.flash) {
       // One kernel reads Q, K, V and writes the output (and its log-sum-exp per row, kept for
       // backward, in fp32); no score or mask tensor exists; of the 4 s^2 h flops only the

@@ -122,10 +122,38 @@ MatmulTime matmul_time(const Layer& l, const Rates& r, double b, int tp) {
   return t;
 }
 
+/// Context parallelism's exchange of one attention layer on a TP rank, one micro-batch of `b`
+/// samples (the layer's figures a rank's share of the sequence): forward and backward. The
+/// ring's C - 1 steps each pass a block of keys and values (backward: their gradients too)
+/// while the block before is computed, exposing only what the block's share of the core does not
+/// hide; the all-gather gathers them once (backward: reduce-scatters their gradients); Ulysses'
+/// four all-to-alls (queries, keys, values; the output) each way.
+std::pair<double, double> context_exchange(const Layer& l, const Rates& rates, const Bytes& bytes,
+                                           double b, int tp, const Link& link) {
+  const int c = l.context_ranks;
+  if (c <= 1 || l.kv_elements <= 0) return {0.0, 0.0};
+  const double split = l.tensor_parallel ? tp : 1;
+  const double kv = l.kv_elements * b / split * bytes.activation;
+  if (l.context_method == "ulysses") {
+    const double each = all_to_all(l.qkvo_elements * b / split * bytes.activation, c, link);
+    return {each, each};
+  }
+  if (l.context_method == "allgather") {
+    const double gather = ring_half(kv * c, c, link);
+    return {gather, gather};
+  }
+  const double block = l.core_flops * b / split / c /
+                       (rates.hw.matmul_rate(rates.dtype, l.matmul_dim / split) * rates.share);
+  const double transfer = kv / link.bandwidth_Bps + link.latency_s;
+  return {(c - 1) * std::max(0.0, transfer - block),
+          (c - 1) * std::max(0.0, 2 * transfer - 2 * block)};
+}
+
 /// Every layer's forward and backward on one TP rank, one micro-batch.
 std::vector<LayerTime> layer_times(const ModelCost& model, const Layout& layout, const Rates& rates,
                                    const Bytes& bytes, const std::vector<double>& local_params,
-                                   const Link& tp_link, const Link& ep_link, bool tree) {
+                                   const Link& tp_link, const Link& ep_link, const Link& cp_link,
+                                   bool tree) {
   const double b = layout.micro_batch_size;
   const bool tp_overlap = layout.tp_comm_overlap && layout.tp > 1 &&
                           !(layout.pp > 1 && pp::splits_backward(layout.schedule));
@@ -148,14 +176,15 @@ std::vector<LayerTime> layer_times(const ModelCost& model, const Layout& layout,
     // (read 2, read and write 4).
     const double casts_f = bytes.casts_per_micro_batch ? 6 * local_params[i] : 0;
     const double casts_b = bytes.casts_per_micro_batch ? 10 * local_params[i] : 0;
+    const auto [cp_f, cp_b] = context_exchange(l, rates, bytes, b, layout.tp, cp_link);
     LayerTime& t = times[i];
-    t.forward =
-        mm.forward + elementwise + casts_f / rates.byte_rate + l.kernels * rates.overhead + tp_comm;
+    t.forward = mm.forward + elementwise + casts_f / rates.byte_rate + l.kernels * rates.overhead +
+                tp_comm + cp_f;
     // --tp-comm-overlap: each input-gradient all-reduce of backward runs beside the weight
     // gradient of the column-parallel layer it follows (not under a split backward).
     const double tp_comm_b = tp_overlap ? std::max(0.0, tp_comm - mm.column_weight_grad) : tp_comm;
     t.backward = mm.input_grad + mm.weight_grad + mm.recomputed + 2 * elementwise +
-                 casts_b / rates.byte_rate + 2 * l.kernels * rates.overhead + tp_comm_b;
+                 casts_b / rates.byte_rate + 2 * l.kernels * rates.overhead + tp_comm_b + cp_b;
     // dW = dY^T X and its fp32 accumulation; a recomputed layer computes it during B (dtrain
     // defers nothing from inside a checkpoint), and so does autocast's (its weight is cast).
     if (!layout.checkpointing && !bytes.casts_per_micro_batch) t.weight = mm.weight_grad;
@@ -215,9 +244,13 @@ Step::Step(const ModelCost& model_, const Cluster& cluster_, const Layout& layou
         static_cast<double>(l.parameters - l.replicated_parameters - l.expert_parameters) / split +
         l.replicated_parameters + local_expert_params[i];
   }
-  // The expert group: ep consecutive data-parallel ranks (stride tp).
+  // The expert group: ep consecutive data-parallel ranks (stride tp); the context group likewise
+  // (a layout with context parallelism is simulated with it folded into dp: predict).
+  int context_ranks = 1;
+  for (const Layer& l : model.layers) context_ranks = std::max(context_ranks, l.context_ranks);
   times = layer_times(model, layout, rates, bytes, local_params, place.group_link(1, layout.tp),
-                      place.group_link(layout.tp, layout.ep), tree);
+                      place.group_link(layout.tp, layout.ep),
+                      place.group_link(layout.tp, context_ranks), tree);
   // Layers onto virtual stages: dtrain's balanced partition, by forward + backward time
   // (replicated stages: a stage's work is shared by its replicas, PipeDream's partition).
   std::vector<double> costs(n);
@@ -293,8 +326,64 @@ double rank_memory_bytes(const Cluster& cluster) {
   return hw.shared_cores ? hw.memory_bytes / cluster.per_node() : hw.memory_bytes;
 }
 
+namespace {
+
+/// What a rank of a context group of `cp` computes and keeps of each sample: every per-sample
+/// figure over cp (its share of the tokens, and of attention's causal work: the zigzag balances
+/// it), its attention exchanging with the group by `method`.
+ModelCost context_share(const ModelCost& model, int cp, const std::string& method) {
+  ModelCost share = model;
+  const double c = cp;
+  share.tokens_per_sample = model.tokens_per_sample / cp;
+  for (Layer& l : share.layers) {
+    l.matmul_flops /= c;
+    for (Gemm& g : l.gemms) g.rows /= c;
+    l.elementwise_elements /= c;
+    l.saved_elements /= c;
+    l.output_elements /= c;
+    l.column_parallel_flops /= c;
+    l.replicated_saved_elements /= c;
+    l.attention_saved_elements /= c;
+    l.attention_flops /= c;
+    l.attention_elements /= c;
+    l.skipped_flops /= c;
+    l.recomputed_backward_flops /= c;
+    l.alltoall_elements /= c;
+    l.kv_elements /= c;
+    l.qkvo_elements /= c;
+    l.core_flops /= c;
+    l.context_ranks = cp;
+    l.context_method = method;
+  }
+  return share;
+}
+
+Prediction predict_step(const ModelCost& model, const Cluster& cluster, const Layout& layout);
+
+}  // namespace
+
 Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
   check_layout(model, cluster, layout);
+  if (layout.cp == 1) return predict_step(model, cluster, layout);
+  // Context parallelism folded into data parallelism (as dtrain's grid folds it: the context
+  // group's ranks consecutive inside dp, the gradients reduced and ZeRO's shards cut over
+  // dp x cp), each rank computing its share of a sample: the step of dp x cp replicas of the
+  // shared model, whose samples are cp times fewer.
+  Layout folded = layout;
+  folded.dp = layout.dp * layout.cp;
+  folded.cp = 1;
+  Prediction out = predict_step(context_share(model, layout.cp, layout.cp_method), cluster, folded);
+  const double shared_flops = out.model_flops_per_step;
+  out.layout = layout;
+  out.samples_per_s = layout.global_batch() / out.step_s;
+  out.model_flops_per_step = model.model_flops_per_sample() * layout.global_batch();
+  out.mfu *= out.model_flops_per_step / shared_flops;
+  return out;
+}
+
+namespace {
+
+Prediction predict_step(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
   const Step step(model, cluster, layout);
   const Timeline timeline = simulate_pipeline(step);
   Prediction out;
@@ -344,5 +433,7 @@ Prediction predict(const ModelCost& model, const Cluster& cluster, const Layout&
             (cluster.gpus() * cluster.hardware.peak(step.bytes.compute_dtype) * step.rates.share);
   return out;
 }
+
+}  // namespace
 
 }  // namespace dtrain::plan

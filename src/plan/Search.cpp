@@ -189,46 +189,61 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
       if (accepted(model, cluster, layout)) layouts.push_back(layout);
     }
   };
+  // Context parallelism for long sequences (each size whose zigzag divides the sequence): the
+  // ring, inside the data-parallel ranks.
+  std::vector<int> context_sizes{1};
+  std::vector<int> tried = options.context_parallel;
+  if (tried.empty() && model.heads > 0 && model.tokens_per_sample >= 8192) tried = {2, 4, 8, 16};
+  for (int cp : tried) {
+    if (cp > 1 && model.heads > 0 && model.tokens_per_sample % (2 * cp) == 0) {
+      context_sizes.push_back(cp);
+    }
+  }
   // Tensor parallelism stays inside a node (its all-reduces are on every layer's critical
   // path: Narayanan et al.'s first takeaway).
   for (int tp : divisors(gpus, splits ? cluster.per_node() : 1)) {
     if (model.heads > 0 && model.heads % tp != 0) continue;
     if (model.kv_heads > 0 && model.kv_heads % tp != 0 && tp % model.kv_heads != 0) continue;
     for (int pp : divisors(gpus / tp, layers)) {
-      const int dp = gpus / (tp * pp);
-      if (options.global_batch % dp != 0) continue;
-      const int64_t per_replica = options.global_batch / dp;
-      for (int mbs : divisors(per_replica, options.max_micro_batch_size)) {
-        const int micro_batches = static_cast<int>(per_replica / mbs);
-        if (pp > 1 && micro_batches < pp) continue;  // stages idle through a whole step
-        for (const auto& [schedule, chunks] :
-             pipeline_schedules(schedules, pp, micro_batches, layers, blocks)) {
-          for (const std::string& strategy : strategies) {
-            const parallel::StrategyInfo& info = planned_strategy(strategy);
-            // At one replica every strategy's step is the all-reducing one's: try that once.
-            if (dp == 1 && info.cost.traffic != parallel::StepCost::Traffic::kAllReduce) continue;
-            for (const std::string& sync : options.pipeline_syncs) {
-              if (sync != "flush" && pp == 1) continue;  // (a sync of pipeline stages)
-              // A mixture of experts' experts over every split of the data-parallel ranks
-              // that divides them (torchtitan's and Megatron's rule: EP inside DP).
-              for (int ep : divisors(dp, std::max(1, model.experts))) {
-                if (model.experts > 0 && model.experts % ep != 0) continue;
-                add(mbs, micro_batches, [&](Layout& layout) {
-                  layout.strategy = strategy;
-                  layout.dp = dp;
-                  layout.pp = pp;
-                  layout.tp = tp;
-                  layout.ep = ep;
-                  layout.schedule = schedule;
-                  layout.chunks = chunks;
-                  layout.pipeline_sync = sync;
-                  layout.sequence_parallel = options.sequence_parallel.value_or(true) &&
-                                             sequence_parallel_fits(model, cluster, layout);
-                  // (dtrain train overlaps no parameter gathers with experts split yet.)
-                  layout.overlap_param_gather = options.overlap_param_gather.value_or(true) &&
-                                                info.cost.gathers_updated_shards() && ep == 1;
-                  layout.tp_comm_overlap = options.tp_comm_overlap.value_or(true) && tp > 1;
-                });
+      for (int cp : context_sizes) {
+        if ((gpus / (tp * pp)) % cp != 0) continue;
+        const int dp = gpus / (tp * pp * cp);
+        if (options.global_batch % dp != 0) continue;
+        const int64_t per_replica = options.global_batch / dp;
+        for (int mbs : divisors(per_replica, options.max_micro_batch_size)) {
+          const int micro_batches = static_cast<int>(per_replica / mbs);
+          if (pp > 1 && micro_batches < pp) continue;  // stages idle through a whole step
+          for (const auto& [schedule, chunks] :
+               pipeline_schedules(schedules, pp, micro_batches, layers, blocks)) {
+            for (const std::string& strategy : strategies) {
+              const parallel::StrategyInfo& info = planned_strategy(strategy);
+              // At one replica every strategy's step is the all-reducing one's: try that once.
+              if (dp == 1 && info.cost.traffic != parallel::StepCost::Traffic::kAllReduce) continue;
+              for (const std::string& sync : options.pipeline_syncs) {
+                if (sync != "flush" && pp == 1) continue;  // (a sync of pipeline stages)
+                // A mixture of experts' experts over every split of the data-parallel ranks
+                // that divides them (torchtitan's and Megatron's rule: EP inside DP).
+                for (int ep : divisors(dp, std::max(1, model.experts))) {
+                  if (model.experts > 0 && model.experts % ep != 0) continue;
+                  if (ep > 1 && cp > 1) continue;  // (not searched together yet)
+                  add(mbs, micro_batches, [&](Layout& layout) {
+                    layout.strategy = strategy;
+                    layout.dp = dp;
+                    layout.pp = pp;
+                    layout.tp = tp;
+                    layout.ep = ep;
+                    layout.cp = cp;
+                    layout.schedule = schedule;
+                    layout.chunks = chunks;
+                    layout.pipeline_sync = sync;
+                    layout.sequence_parallel = options.sequence_parallel.value_or(true) &&
+                                               sequence_parallel_fits(model, cluster, layout);
+                    // (dtrain train overlaps no parameter gathers with experts split yet.)
+                    layout.overlap_param_gather = options.overlap_param_gather.value_or(true) &&
+                                                  info.cost.gathers_updated_shards() && ep == 1;
+                    layout.tp_comm_overlap = options.tp_comm_overlap.value_or(true) && tp > 1;
+                  });
+                }
               }
             }
           }

@@ -79,6 +79,15 @@ struct Layer {
   /// (dispatch and combine) moves: tokens x top-k x hidden. 0: none.
   int64_t expert_parameters = 0;
   double alltoall_elements = 0;
+  /// Attention, per sample: its keys and values (what context parallelism's ring passes
+  /// around, or its all-gather gathers), its queries, keys, values and output (what Ulysses'
+  /// all-to-alls move), and the flops its core computes (the causal blocks a kernel runs; a
+  /// ring step's share of it hides that step's transfer). 0: no attention.
+  double kv_elements = 0, qkvo_elements = 0, core_flops = 0;
+  /// Set by the planner for a layout with context parallelism (the per-sample figures are then
+  /// a rank's share of the sequence): the context group's ranks and method.
+  int context_ranks = 1;
+  std::string context_method;
 };
 
 struct ModelCost {

@@ -32,6 +32,13 @@ struct Layout {
   /// A mixture of experts' experts split over this many data-parallel ranks (dtrain train
   /// --expert-parallel; the experts' gradients reduced over the dp / ep ranks holding the same).
   int ep = 1;
+  /// Context parallelism (dtrain train --context-parallel): each sample's sequence split over
+  /// this many ranks inside the data-parallel group (ranks = dp x cp x pp x tp; the gradients
+  /// reduced over dp x cp, ZeRO's shards over them), attention by `cp_method`: "ring" (keys and
+  /// values passed around, each transfer hidden behind a block's computation where it can be),
+  /// "allgather" or "ulysses".
+  int cp = 1;
+  std::string cp_method = "ring";
   int micro_batch_size = 1;       ///< samples per micro-batch on one replica
   int micro_batches = 1;          ///< per optimizer step (gradient accumulation when pp = 1)
   std::string schedule = "1f1b";  ///< "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"
@@ -158,6 +165,10 @@ struct SearchOptions {
   /// (every split of them that is not even: the even ones are dp x pp), 1f1b with ddp, tp 1;
   /// at most 16 GPUs (the splits grow combinatorially).
   bool replicated_stages = false;
+  /// Context-parallel sizes to try beside cp 1 (each that divides the data-parallel ranks and
+  /// whose 2 cp divides the sequence), with the ring. Empty: 2, 4, ... up to 16 for sequences of
+  /// 8192 tokens and more, none below.
+  std::vector<int> context_parallel;
   /// The step options: set, pinned on or off; unset, the search decides: every layout is
   /// simulated with each of them on wherever it applies, and the `refine` fastest again with
   /// every combination of them (each usually takes time away, but not always: it moves the
