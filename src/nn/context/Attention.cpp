@@ -23,15 +23,130 @@ at::Tensor gather_positions(const at::Tensor& positions, const comm::Communicato
   return all;
 }
 
-// x [rows, ...] to the next rank of the ring (rank + 1), the previous rank's in return; the
-// backward passes the gradient the other way.
-at::Tensor pass_on(const at::Tensor& x, const comm::CommunicatorPtr& group) {
-  const int ranks = group->size(), rank = group->rank();
-  std::vector<int64_t> send(ranks, 0), recv(ranks, 0);
-  send[(rank + 1) % ranks] = x.size(0);
-  recv[(rank + ranks - 1) % ranks] = x.size(0);
-  return tensor::all_to_all_rows(x, group, send, recv);
+// The keys each query does not see: later ones, and with documents, another document's
+// ([q, k], or [batch, 1, q, k] with documents).
+at::Tensor hidden_keys(const at::Tensor& q_positions, const at::Tensor& k_positions,
+                       const at::Tensor& q_documents, const at::Tensor& k_documents,
+                       const at::Device& device) {
+  at::Tensor hidden = k_positions.to(device).unsqueeze(0) > q_positions.to(device).unsqueeze(1);
+  if (q_documents.defined()) {
+    hidden = (hidden.unsqueeze(0) |
+              q_documents.to(device).unsqueeze(2).ne(k_documents.to(device).unsqueeze(1)))
+                 .unsqueeze(1);
+  }
+  return hidden;
 }
+
+// x to the next rank of the ring and the previous rank's x in return, started (both waited by
+// the caller): the transfer runs on the group's backend while this thread computes.
+struct Passing {
+  at::Tensor received;
+  comm::WorkPtr sent, arrived;
+  at::Tensor wait() {
+    sent->wait();
+    arrived->wait();
+    return received;
+  }
+};
+Passing start_passing(const at::Tensor& x, const comm::CommunicatorPtr& group, int tag) {
+  const int ranks = group->size(), rank = group->rank();
+  Passing p;
+  p.received = at::empty_like(x);
+  comm::P2POptions options;
+  options.tag = tag;
+  p.arrived = group->recv(p.received, (rank + ranks - 1) % ranks, options);
+  p.sent = group->send(x, (rank + 1) % ranks, options);
+  return p;
+}
+
+struct GroupHolder : torch::CustomClassHolder {
+  comm::CommunicatorPtr group;
+};
+
+constexpr int kKeysTag = 7001, kGradientsTag = 7002;
+
+// Ring attention as one autograd function, so that each transfer overlaps a block's computation
+// (what autograd's ops in sequence cannot): forward passes the keys and values on while the
+// block in hand is computed and merged; backward recomputes each block's probabilities from the
+// saved log-sum-exp (FlashAttention's backward, block by block), passes the keys and values on
+// while it computes, and passes each block's accumulated key and value gradients on with them,
+// so that after C transfers every block's gradients are back at their owner. Inputs: q, k, v
+// [b, h, t, d]; every rank's positions in rank order [C t]; the whole sequence's documents
+// [b, C t] or an empty tensor; the group.
+struct RingAttention : torch::autograd::Function<RingAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& all,
+                            const at::Tensor& documents, comm::CommunicatorPtr group) {
+    const int ranks = group->size(), rank = group->rank();
+    const int64_t t = q.size(2);
+    auto positions_of = [&](int r) { return all.narrow(0, r * t, t); };
+    auto documents_at = [&](const at::Tensor& at) {  // (none: an empty tensor)
+      return documents.numel() > 0 ? documents.index_select(1, at.to(documents.device()))
+                                   : at::Tensor();
+    };
+    const at::Tensor mine = positions_of(rank), my_documents = documents_at(mine);
+    at::Tensor kv = at::stack({k, v}).contiguous();
+    Partial result;
+    for (int step = 0; step < ranks; ++step) {
+      Passing passing;
+      if (step + 1 < ranks) passing = start_passing(kv, group, kKeysTag);
+      const at::Tensor theirs = positions_of((rank - step + ranks) % ranks);
+      const Partial block =
+          block_attention(q, kv[0], kv[1], mine, theirs, my_documents, documents_at(theirs));
+      result = step == 0 ? block : merge(result, block);
+      if (step + 1 < ranks) kv = passing.wait();
+    }
+    auto holder = c10::make_intrusive<GroupHolder>();
+    holder->group = std::move(group);
+    ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(holder));
+    ctx->save_for_backward({q, k, v, all, documents, result.out, result.lse});
+    return result.out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &all = saved[3],
+                     &documents = saved[4], &out = saved[5], &lse = saved[6];
+    const comm::CommunicatorPtr group =
+        c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())
+            ->group;
+    const int ranks = group->size(), rank = group->rank();
+    const int64_t t = q.size(2);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+    auto positions_of = [&](int r) { return all.narrow(0, r * t, t); };
+    auto documents_at = [&](const at::Tensor& at) {  // (none: an empty tensor)
+      return documents.numel() > 0 ? documents.index_select(1, at.to(documents.device()))
+                                   : at::Tensor();
+    };
+    const at::Tensor mine = positions_of(rank), my_documents = documents_at(mine);
+    const at::Tensor d_out = grads[0].contiguous();
+    const at::Tensor delta = (d_out * out).sum(-1, /*keepdim=*/true);  // [b, h, t, 1]
+    at::Tensor d_q = at::zeros_like(q);
+    at::Tensor kv = at::stack({k, v}).contiguous();
+    at::Tensor d_kv = at::zeros_like(kv);  // the gradients of the block in hand so far
+    for (int step = 0; step < ranks; ++step) {
+      Passing keys;
+      if (step + 1 < ranks) keys = start_passing(kv, group, kKeysTag);
+      const at::Tensor theirs = positions_of((rank - step + ranks) % ranks);
+      const at::Tensor hidden =
+          hidden_keys(mine, theirs, my_documents, documents_at(theirs), q.device());
+      const at::Tensor scores =
+          (at::matmul(q, kv[0].transpose(-2, -1)) * scale).masked_fill(hidden, kNothing);
+      const at::Tensor p = at::exp(scores - lse);
+      const at::Tensor d_p = at::matmul(d_out, kv[1].transpose(-2, -1));
+      const at::Tensor d_s = p * (d_p - delta) * scale;
+      d_q += at::matmul(d_s, kv[0]);
+      d_kv[0] += at::matmul(d_s.transpose(-2, -1), q);
+      d_kv[1] += at::matmul(p.transpose(-2, -1), d_out);
+      // The block's gradients go on with it; after the last block, back to its owner.
+      Passing gradients = start_passing(d_kv, group, kGradientsTag);
+      if (step + 1 < ranks) kv = keys.wait();
+      d_kv = gradients.wait();
+    }
+    return {d_q, d_kv[0], d_kv[1], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -71,13 +186,8 @@ Partial block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   // [q tokens, k tokens]: a key after the query is masked; with documents [batch, 1, q, k], a
   // key of another document too.
-  at::Tensor future =
-      k_positions.to(q.device()).unsqueeze(0) > q_positions.to(q.device()).unsqueeze(1);
-  if (q_documents.defined()) {
-    future = (future.unsqueeze(0) |
-              q_documents.to(q.device()).unsqueeze(2).ne(k_documents.to(q.device()).unsqueeze(1)))
-                 .unsqueeze(1);
-  }
+  const at::Tensor future =
+      hidden_keys(q_positions, k_positions, q_documents, k_documents, q.device());
   const at::Tensor scores =
       (at::matmul(q, k.transpose(-2, -1)) * scale).masked_fill(future, kNothing);
   const at::Tensor lse = scores.logsumexp(-1, /*keepdim=*/true);
@@ -127,18 +237,11 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   if (method == "ring") {
     // This rank's block first; then, C - 1 times, the keys and values of the rank before
-    // (stacked to travel as one message), each partial merged in.
-    Partial result = block_attention(q, k, v, positions, positions, mine, mine);
-    at::Tensor kv = at::stack({k, v});  // [2, b, h, t, d]
-    const at::Tensor all = gather_positions(positions, group);
-    for (int step = 1; step < ranks; ++step) {
-      kv = pass_on(kv, group);  // now rank - step's
-      const int64_t from = (group->rank() - step + ranks) % ranks;
-      const at::Tensor theirs = all.narrow(0, from * t, t);
-      result = merge(
-          result, block_attention(q, kv[0], kv[1], positions, theirs, mine, documents_at(theirs)));
-    }
-    return result.out;
+    // (stacked to travel as one message, the next transfer running while a block is computed),
+    // each partial merged in.
+    return RingAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                gather_positions(positions, group),
+                                documents.defined() ? documents : at::empty({0}, at::kLong), group);
   }
   // Ulysses: heads to the ranks (h / C each), every rank's tokens to each: [h, b, t, d] rows
   // by head, h / C to each rank; what comes back is, for this rank's heads, every rank's tokens.
