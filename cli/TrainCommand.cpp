@@ -237,7 +237,8 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kTrainGroups
       "--no-resume"}},
     {"Output",
      {"--run-dir", "--no-run-dir", "--metrics", "--log-every", "--peak-tflops", "--eval-every",
-      "--defer-eval", "--no-progress", "--trace", "--print-plan", "--dry-run"}},
+      "--eval-batch-size", "--defer-eval", "--no-progress", "--trace", "--print-plan",
+      "--dry-run"}},
 };
 
 int run_train(dtrain::train::JobConfig job, const dtrain::train::RunPlan& plan,

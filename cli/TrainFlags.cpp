@@ -272,6 +272,10 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   add_seed_flag(app, t.seed, "model, data order");
   add_run_flags(app, t.checkpoint_dir, t.eval_every, t.progress, "Directory for checkpoints",
                 "steps (0 = epoch ends only)");
+  add(app, "--eval-batch-size", t.eval_batch_size,
+      "Examples per evaluation forward (0 = 256, or for token windows as many as hold 16384 "
+      "tokens, at least --batch-size)")
+      ->capture_default_str();
   add(app, "--checkpoint-every", t.checkpoint_every,
       "Also checkpoint every N steps (0 = epoch ends only)")
       ->capture_default_str();

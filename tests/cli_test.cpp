@@ -183,6 +183,8 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--cp-method must be ring, allgather or ulysses, got 'striped'"},
       {" train --model llama --dataset text --cp-split diagonal",
        "--cp-split must be zigzag or contiguous, got 'diagonal'"},
+      {" train --model mlp --eval-batch-size -1",
+       "--eval-batch-size must be >= 1 (or 0: by the examples' size), got -1"},
       {" train --model mlp --context-parallel 2 --nproc 2",
        "--context-parallel 2 splits each sequence: mlp has no sequence to split"},
       {" train --model gpt --dataset text --context-parallel 2 --nproc 2 --dropout 0.1",

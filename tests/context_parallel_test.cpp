@@ -48,14 +48,22 @@ struct Whole {
   at::Tensor q, k, v, upstream, out, dq, dk, dv;
 };
 
-Whole whole_sequence(int64_t heads, int64_t tokens) {
+// q [2, heads, tokens, 8]; k and v with `kv_heads` heads (grouped-query: each serving
+// heads / kv_heads consecutive query heads), 0: `heads`.
+Whole whole_sequence(int64_t heads, int64_t tokens, int64_t kv_heads = 0) {
+  if (kv_heads == 0) kv_heads = heads;
   at::Generator g = at::detail::createCPUGenerator(7);
   Whole w;
-  auto draw = [&] { return at::randn({2, heads, tokens, 8}, g, at::kDouble); };
-  w.q = draw(), w.k = draw(), w.v = draw(), w.upstream = draw();
+  auto draw = [&](int64_t h) { return at::randn({2, h, tokens, 8}, g, at::kDouble); };
+  w.q = draw(heads), w.k = draw(kv_heads), w.v = draw(kv_heads), w.upstream = draw(heads);
   const at::Tensor q = w.q.clone().requires_grad_(true), k = w.k.clone().requires_grad_(true),
                    v = w.v.clone().requires_grad_(true);
-  w.out = plain_attention(q, k, v);
+  auto expand = [&](const at::Tensor& x) {
+    return x.unsqueeze(2)
+        .expand({2, kv_heads, heads / kv_heads, tokens, 8})
+        .reshape({2, heads, tokens, 8});
+  };
+  w.out = plain_attention(q, expand(k), expand(v));
   w.out.backward(w.upstream);
   w.dq = q.grad(), w.dk = k.grad(), w.dv = v.grad();
   w.out = w.out.detach();
@@ -112,6 +120,19 @@ TEST(ContextParallel, AllGatherRingAndUlyssesAreOneProcessInFloat64) {
         EXPECT_LT(context_apart(w, ranks, zigzag, method), 1e-12)
             << method << ", " << ranks << " ranks" << (zigzag ? ", zigzag" : "");
       }
+    }
+  }
+}
+
+// Grouped-query attention's key/value heads given as they are (4 query heads, 2 key/value
+// heads: the ring and the all-gather send half the bytes): every method equals one process over
+// the expanded heads, the key/value gradients summed over each group, within 1e-12.
+TEST(ContextParallel, GroupedQueryKeysAndValuesTravelUnexpanded) {
+  const Whole w = whole_sequence(4, 16, 2);
+  for (const std::string method : {"allgather", "ring", "ulysses"}) {
+    for (int ranks : {2, 4}) {
+      EXPECT_LT(context_apart(w, ranks, /*zigzag=*/true, method), 1e-12)
+          << method << ", " << ranks << " ranks";
     }
   }
 }

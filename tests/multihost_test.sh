@@ -3,7 +3,8 @@
 # 10.231.0.2), a `dtrain launch` in each. Checks that training across them works with no
 # interface given (the host name resolves to loopback here, as on Debian), that each node prints
 # the address it chose, and that a rank killed on one host stops the other host within seconds,
-# both launchers naming the failed node, rank and signal, and with --fault-tolerance replicas
+# both launchers naming the failed node, rank and signal (also with experts and with each
+# sequence split over the hosts, --context-parallel 2), and with --fault-tolerance replicas
 # that the other host's replica goes on without it (and, with --max-replacements, that its
 # replacement joins it; a replica of two ranks sharding its state, zero2 --replica-shards 2,
 # replaced the same way, a pipeline of two stages too, and a replica of zero1 sharded across the
@@ -79,6 +80,17 @@ killed_on_b() {
   (( seconds < 30 )) || fail "${what}took $seconds s to stop"
 }
 
+# `job` on both hosts (logs $work/{a,b}TAG.log): both exit 0 and host a's summary holds SUMMARY.
+# TAG WHAT SUMMARY
+trains_across() {
+  local tag=$1 what=$2 summary=$3 other
+  launch 1 "$b" > "$work/b$tag.log" 2>&1 &
+  other=$!
+  launch 0 "$a" > "$work/a$tag.log" 2>&1 || fail "node 0 did not train $what (exit $?)"
+  wait $other || fail "node 1 did not train $what"
+  grep -qF "$summary" "$work/a$tag.log" || fail "no summary $what: $(tail -3 "$work/a$tag.log")"
+}
+
 # 1. Training across the two hosts, no interface given.
 launch 1 "$b" > "$work/b1.log" 2>&1 &
 other=$!
@@ -106,12 +118,8 @@ echo "ok: BatchNorm statistics synchronized across two hosts"
 #     in the middle of those exchanges: host a stops within seconds, naming it.
 job=(train --config "$(dirname "$0")/../configs/moe-tiny.toml" --dataset text --expert-parallel 2
      --batch-size 4 --max-steps 6 --no-progress --no-run-dir --threads 1 --comm-timeout 60000)
-launch 1 "$b" > "$work/b1e.log" 2>&1 &
-other=$!
-launch 0 "$a" > "$work/a1e.log" 2>&1 || fail "node 0 did not train with --expert-parallel 2 (exit $?)"
-wait $other || fail "node 1 did not train with --expert-parallel 2"
-grep -q "trained 6 steps (global batch 8, 2 ranks, ddp, experts over 2 ranks)" "$work/a1e.log" ||
-  fail "no --expert-parallel summary: $(tail -3 "$work/a1e.log")"
+trains_across 1e "with --expert-parallel 2" \
+  "trained 6 steps (global batch 8, 2 ranks, ddp, experts over 2 ranks)"
 killed_on_b 1k "experts: "
 echo "ok: experts over two hosts trained; a rank killed on host b stopped host a in ${seconds} s"
 
@@ -122,16 +130,25 @@ job=(train --config "$(dirname "$0")/../configs/moe-tiny.toml" --dataset text --
      --pipeline-parallel 2 --micro-batches 2 --batch-size 4 --max-steps 6 --no-progress
      --no-run-dir --threads 1 --comm-timeout 60000)
 per_node=2
-launch 1 "$b" > "$work/b1p.log" 2>&1 &
-other=$!
-launch 0 "$a" > "$work/a1p.log" 2>&1 || fail "node 0 did not train a pipeline with experts (exit $?)"
-wait $other || fail "node 1 did not train a pipeline with experts"
-grep -q "trained 6 steps (global batch 16, 4 ranks, 2-stage pipeline x ddp, experts over 2 ranks)" \
-  "$work/a1p.log" || fail "no pipeline-with-experts summary: $(tail -3 "$work/a1p.log")"
+trains_across 1p "a pipeline with experts" \
+  "trained 6 steps (global batch 16, 4 ranks, 2-stage pipeline x ddp, experts over 2 ranks)"
 killed_on_b 1pk "pipeline with experts: " 3
 per_node=1
 job=("${plain_job[@]}")
 echo "ok: a pipeline with experts over two hosts trained; rank 3 killed on host b stopped host a in ${seconds} s"
+
+# 1e. Each sequence split over the two hosts (--context-parallel 2, the ring: every layer's keys
+#     and values cross the hosts by send/recv while a block is computed, both ways in backward),
+#     then host b's rank killed at step 3 in the middle of those transfers: host a stops within
+#     seconds, naming it.
+job=(train --model llama --dataset text --context 64 --layers 2 --width 32 --heads 4
+     --context-parallel 2 --cp-method ring --batch-size 4 --max-steps 6 --no-progress --no-run-dir
+     --threads 1 --comm-timeout 60000)
+trains_across 1c "with --context-parallel 2" \
+  "trained 6 steps (global batch 4, 2 ranks, ddp x context-parallel 2)"
+killed_on_b 1ck "context parallel: "
+job=("${plain_job[@]}")
+echo "ok: sequences split over two hosts trained; a rank killed on host b stopped host a in ${seconds} s"
 
 # 2. A rank killed on host b (SIGKILL at step 3): host a stops within seconds, naming it.
 killed_on_b 2

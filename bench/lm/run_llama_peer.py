@@ -23,7 +23,6 @@ The two do not round alike (bf16 kernels), so the loss difference is a closeness
 Raw records: bench/results/lm/llama_peer.jsonl (stamped).
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -39,23 +38,24 @@ SHAPE = dict(hidden=768, heads=12, kv_heads=4, ffn=2048, layers=2, vocab=8192, c
 RECIPE = dict(lr=3e-4, weight_decay=0.1, warmup=10, clip=1.0, batch=8, seed=1)
 
 
-def save_initial(folder):
+def save_initial(folder, shape=SHAPE):
+    """transformers' random initialisation of a Llama of `shape` (SHAPE's keys), saved."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"],
-                         intermediate_size=SHAPE["ffn"], num_hidden_layers=SHAPE["layers"],
-                         num_attention_heads=SHAPE["heads"],
-                         num_key_value_heads=SHAPE["kv_heads"],
-                         max_position_embeddings=SHAPE["context"], rms_norm_eps=1e-5,
+    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                         intermediate_size=shape["ffn"], num_hidden_layers=shape["layers"],
+                         num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"],
+                         max_position_embeddings=shape["context"], rms_norm_eps=1e-5,
                          rope_theta=10000.0, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def prepare_data(dtrain, data_bench, work, vocab, context, steps):
+def prepare_data(dtrain, data_bench, work, vocab, context, steps, batch=RECIPE["batch"]):
     """A BPE of `vocab` tokens trained on CORPUS, CORPUS as its token shards (WORK/pydoc) and the
-    training samples a run of `steps` steps reads, in its order (WORK/samples.npy, data_bench's):
-    (prefix, samples)."""
+    training samples a run of `steps` steps of `batch` reads, in its order (WORK/samples.npy,
+    data_bench's): (prefix, samples)."""
     tokenizer = os.path.join(work, "tokenizer.json")
     subprocess.run([dtrain, "data", "tokenizer", "train", CORPUS, "--vocab-size", str(vocab),
                     "--output", tokenizer], check=True, capture_output=True)
@@ -64,7 +64,7 @@ def prepare_data(dtrain, data_bench, work, vocab, context, steps):
                     prefix], check=True, capture_output=True)
     samples = os.path.join(work, "samples.npy")
     subprocess.run([data_bench, "samples", "--data", prefix, "--context", str(context),
-                    "--samples", str(steps * RECIPE["batch"]), "--seed", str(RECIPE["seed"]),
+                    "--samples", str(steps * batch), "--seed", str(RECIPE["seed"]),
                     "--validation-fraction", "0.01", "--out", samples], check=True)
     return prefix, samples
 
@@ -78,12 +78,12 @@ def recipe_flags(steps, metrics):
             "--metrics", metrics]
 
 
-def lr_at(step, steps):
+def lr_at(step, steps, recipe=RECIPE):
     import math
-    if step < RECIPE["warmup"]:
-        return RECIPE["lr"] * (step + 1) / RECIPE["warmup"]
-    progress = min(1.0, (step - RECIPE["warmup"]) / max(steps - RECIPE["warmup"], 1))
-    return RECIPE["lr"] * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if step < recipe["warmup"]:
+        return recipe["lr"] * (step + 1) / recipe["warmup"]
+    progress = min(1.0, (step - recipe["warmup"]) / max(steps - recipe["warmup"], 1))
+    return recipe["lr"] * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def peer_round(initial, samples, steps, threads, precision="fp32"):
@@ -130,6 +130,17 @@ def peer_round(initial, samples, steps, threads, precision="fp32"):
         times.append((time.perf_counter() - start) * 1e3)
         losses.append(loss.item())
     return losses, times
+
+
+def compare(ours, peer):
+    """One round's (losses, step ms) of dtrain and of the peer: the largest relative loss
+    difference over the steps, each side's median step after the first, and their ratio."""
+    (l_ours, t_ours), (l_peer, t_peer) = ours, peer
+    if len(l_ours) != len(l_peer):
+        sys.exit(f"dtrain logged {len(l_ours)} steps, the peer {len(l_peer)}")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(l_ours, l_peer))
+    m_ours, m_peer = statistics.median(t_ours[1:]), statistics.median(t_peer[1:])
+    return worst, m_ours, m_peer, m_ours / m_peer
 
 
 def dtrain_round(dtrain, prefix, initial, steps, threads, work, precision="fp32"):
@@ -179,14 +190,10 @@ def main():
                     result[side] = peer_round(initial, samples, args.steps, args.threads,
                                               args.precision)
             (l_ours, t_ours), (l_peer, t_peer) = result["dtrain"], result["peer"]
-            if len(l_ours) != len(l_peer):
-                sys.exit(f"dtrain logged {len(l_ours)} steps, the peer {len(l_peer)}")
-            relative = [abs(a - b) / abs(b) for a, b in zip(l_ours, l_peer)]
-            worst.append(max(relative))
-            m_ours, m_peer = statistics.median(t_ours[1:]), statistics.median(t_peer[1:])
-            ours_ms.append(m_ours)
-            theirs_ms.append(m_peer)
-            ratios.append(m_ours / m_peer)
+            compared = compare(result["dtrain"], result["peer"])
+            for seen, value in zip((worst, ours_ms, theirs_ms, ratios), compared):
+                seen.append(value)
+            m_ours, m_peer = ours_ms[-1], theirs_ms[-1]
             records.write({"bench": "llama_peer", "round": r, "shape": SHAPE, "recipe": RECIPE,
                            "steps": args.steps, "threads": args.threads,
                            "dtype": "float32" if args.precision == "fp32" else args.precision,

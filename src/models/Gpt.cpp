@@ -346,16 +346,17 @@ struct GptBlockImpl : torch::nn::Module {
                  documents](const std::vector<at::Tensor>& qkv) {
       const at::Tensor& q = qkv[0];
       at::Tensor k = qkv[1], v = qkv[2];
+      // Over the whole sequence split over the group, or within each packed document (the
+      // key/value heads as they are: the ring and the all-gather send them unexpanded).
+      if (shared.context || documents.defined()) {
+        return nn::context::causal_attention(q, k, v, positions.to(q.device()), shared.context,
+                                             shared.cp_method, documents);
+      }
       if (group_heads > 1) {  // each key/value head serves its group's query heads
         k = k.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
         v = v.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
       }
       at::Tensor out;
-      // Over the whole sequence split over the group, or within each packed document.
-      if (shared.context || documents.defined()) {
-        return nn::context::causal_attention(q, k, v, positions.to(q.device()), shared.context,
-                                             shared.cp_method, documents);
-      }
 #if DTRAIN_TORCH_AT_LEAST(2, 0)
       if (!attention_dropout) out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
 #else

@@ -52,7 +52,9 @@ void validate(const TrainerOptions& o) {
                      "--peak-tflops must be a positive number of TFLOP/s, got ", o.peak_tflops);
   DTRAIN_CHECK_INPUT(o.max_steps >= 0, "max steps must be >= 0, got ", o.max_steps);
   DTRAIN_CHECK_INPUT(o.stop_at_step >= 0, "stop-at step must be >= 0, got ", o.stop_at_step);
-  DTRAIN_CHECK_INPUT(o.eval_batch_size >= 1, "eval batch size must be >= 1");
+  DTRAIN_CHECK_INPUT(o.eval_batch_size >= 0,
+                     "--eval-batch-size must be >= 1 (or 0: by the examples' size), got ",
+                     o.eval_batch_size);
   DTRAIN_CHECK_INPUT(o.eval_every >= 0, "--eval-every must be >= 0, got ", o.eval_every);
   DTRAIN_CHECK_INPUT(o.max_nonfinite_steps >= 0, "max non-finite steps must be >= 0, got ",
                      o.max_nonfinite_steps);
@@ -141,6 +143,20 @@ Trainer::Trainer(TrainerOptions options, comm::CommunicatorPtr world)
 
 Trainer::~Trainer() = default;
 
+namespace {
+
+// Examples per evaluation forward: --eval-batch-size, else 256, or for token windows as many as
+// hold 16384 tokens, at least --batch-size (what a training step already holds) and at most 256.
+int64_t eval_batch(const TrainerOptions& o, const data::TensorDataset& dataset) {
+  if (o.eval_batch_size > 0) return o.eval_batch_size;
+  constexpr int64_t kExamples = 256, kTokens = 16384;
+  const int64_t context = dataset.context();
+  if (context <= 0) return kExamples;
+  return std::min(kExamples, std::max({int64_t{1}, o.batch_size, kTokens / context}));
+}
+
+}  // namespace
+
 EvalResult Trainer::evaluate(const data::TensorDataset& dataset) {
   return evaluate_on(dataset, false);
 }
@@ -159,9 +175,10 @@ EvalResult Trainer::evaluate_on(const data::TensorDataset& dataset, bool alone) 
   // same count) and the accuracy of the whole sequence's predictions: each a 1/C share.
   const double share = 1.0 / grid_->cp_size();
   double sums[3] = {0, 0, 0};  // loss * n, correct, n
-  for (int64_t begin = 0; begin < dataset.size(); begin += options_.eval_batch_size * replicas) {
-    const int64_t mine = begin + replica * options_.eval_batch_size;
-    const int64_t end = std::min(mine + options_.eval_batch_size, dataset.size());
+  const int64_t batch = eval_batch(options_, dataset);
+  for (int64_t begin = 0; begin < dataset.size(); begin += batch * replicas) {
+    const int64_t mine = begin + replica * batch;
+    const int64_t end = std::min(mine + batch, dataset.size());
     // A forward can be collective (ZeRO-3 gathers parameters, a pipeline passes activations):
     // every rank runs as many, a replica without examples left on one example.
     auto batch =

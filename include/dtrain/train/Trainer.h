@@ -76,10 +76,13 @@ struct TrainerOptions {
   int slowdown_rank = -1;
   double slowdown_factor = 1.0;
   bool slowdown_spin = false;
-  /// Examples per evaluation forward. 256 keeps the CNN's activations (~25 MB a layer) under
-  /// the 32 MB mmap threshold the ranks set: at 1000 every batch's 100 MB activations were
-  /// fresh mappings, page-faulted in, and evaluating the test set took 7x longer.
-  int64_t eval_batch_size = 256;
+  /// Examples per evaluation forward (--eval-batch-size); 0: 256, or for token windows as many
+  /// as hold 16384 tokens, at least `batch_size` (attention's scores grow with the square of the
+  /// window: 256 windows of 4096 tokens were a 64 GiB product). 256 keeps the CNN's activations
+  /// (~25 MB a layer) under the 32 MB mmap threshold the ranks set: at 1000 every batch's 100 MB
+  /// activations were fresh mappings, page-faulted in, and evaluating the test set took 7x
+  /// longer.
+  int64_t eval_batch_size = 0;
   /// > 0: also evaluate every N steps (else at epoch ends only).
   int64_t eval_every = 0;
   /// Evaluate after training instead: rank 0 copies the parameters at each evaluation point

@@ -4,9 +4,12 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
+#include "common/TorchCompat.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Trace.h"
 #include "dtrain/nn/tensor/Mappings.h"
 
 namespace dtrain::nn::context {
@@ -37,25 +40,53 @@ at::Tensor hidden_keys(const at::Tensor& q_positions, const at::Tensor& k_positi
   return hidden;
 }
 
+// Grouped-query attention's key/value heads [b, kv heads, t, d] expanded to the query heads,
+// each serving `heads` / kv heads consecutive ones (as the decoders expand them); and a gradient
+// over the query heads folded back (summed over each group).
+at::Tensor expand_heads(const at::Tensor& x, int64_t heads) {
+  const int64_t kv = x.size(1), groups = heads / kv;
+  if (groups == 1) return x;
+  return x.unsqueeze(2)
+      .expand({x.size(0), kv, groups, x.size(2), x.size(3)})
+      .reshape({x.size(0), heads, x.size(2), x.size(3)});
+}
+at::Tensor fold_heads(const at::Tensor& x, int64_t kv) {
+  const int64_t groups = x.size(1) / kv;
+  if (groups == 1) return x;
+  return x.reshape({x.size(0), kv, groups, x.size(2), x.size(3)}).sum(2);
+}
+
 // x to the next rank of the ring and the previous rank's x in return, started (both waited by
 // the caller): the transfer runs on the group's backend while this thread computes.
+// With --trace, the time a rank waits for it ("ring wait": what the block's computation did not
+// hide) is a span. DTRAIN_CP_SERIAL_RING=1 (benchmarks only) waits for every transfer before the
+// block is computed: its "ring wait" spans are then the transfers' whole time, against which
+// bench/cp/run_ring_lab.py measures the share hidden.
 struct Passing {
-  at::Tensor received;
+  at::Tensor sending, received;
   comm::WorkPtr sent, arrived;
   at::Tensor wait() {
+    if (!arrived) return received;  // (waited at the start)
+    trace::Span span("comm", "ring wait");
     sent->wait();
     arrived->wait();
+    sent.reset();
+    arrived.reset();
+    sending = at::Tensor();
     return received;
   }
 };
 Passing start_passing(const at::Tensor& x, const comm::CommunicatorPtr& group, int tag) {
+  static const bool serial = std::getenv("DTRAIN_CP_SERIAL_RING") != nullptr;
   const int ranks = group->size(), rank = group->rank();
   Passing p;
+  p.sending = x;
   p.received = at::empty_like(x);
   comm::P2POptions options;
   options.tag = tag;
   p.arrived = group->recv(p.received, (rank + ranks - 1) % ranks, options);
   p.sent = group->send(x, (rank + 1) % ranks, options);
+  if (serial) p.wait();
   return p;
 }
 
@@ -65,42 +96,133 @@ struct GroupHolder : torch::CustomClassHolder {
 
 constexpr int kKeysTag = 7001, kGradientsTag = 7002;
 
+// A part of a rank's tokens that the ring computes as one piece: a tile pair whose keys all come
+// after all its queries is skipped (under causal attention about half the pairs), and one pair's
+// scores are all that is held at a time.
+struct Tile {
+  int64_t start = 0, length = 0;  // along the rank's tokens
+  int64_t first = 0, last = 0;    // its lowest and highest position
+  at::Tensor positions, documents;
+  at::Tensor of(const at::Tensor& x) const { return x.narrow(2, start, length); }  // [b, h, t, d]
+  bool run() const { return last - first + 1 == length; }  // consecutive positions (ascending)
+};
+
+// How a query tile sees a key tile: not at all (every key after every query), wholly (every key
+// at or before every query), causally (the same consecutive positions: the diagonal), or
+// otherwise (a mask of its own).
+enum class Sight { kNone, kAll, kCausal, kMasked };
+Sight sight(const Tile& queries, const Tile& keys) {
+  if (keys.first > queries.last) return Sight::kNone;
+  if (queries.documents.defined()) return Sight::kMasked;
+  if (keys.last <= queries.first) return Sight::kAll;
+  if (keys.run() && queries.run() && keys.first == queries.first && keys.length == queries.length) {
+    return Sight::kCausal;
+  }
+  return Sight::kMasked;
+}
+
+// Whether a tile pair is computed by LibTorch's fused attention (FlashAttention's CPU kernels,
+// which return the log-sum-exp and take it back in backward, as torch's own ring does on CUDA):
+// LibTorch 2.x on a CPU, a pair without a mask of its own. Else written out (scores, mask, exp).
+bool fused(Sight s, const at::Tensor& q) {
+#if DTRAIN_TORCH_AT_LEAST(2, 3)
+  return (s == Sight::kAll || s == Sight::kCausal) && q.device().is_cpu();
+#else
+  (void)s;
+  (void)q;
+  return false;
+#endif
+}
+
+// Every rank's tiles: the two halves of its tokens (under the zigzag split, its two chunks), or
+// its tokens whole where they are odd in number.
+struct Ring {
+  std::vector<std::vector<Tile>> tiles;
+  Ring(const at::Tensor& all, const at::Tensor& documents, int64_t t, int ranks) {
+    const at::Tensor where = all.to(at::kCPU);
+    const int pieces = t % 2 == 0 ? 2 : 1;
+    for (int r = 0; r < ranks; ++r) {
+      std::vector<Tile> of_rank;
+      for (int piece = 0; piece < pieces; ++piece) {
+        Tile tile;
+        tile.length = t / pieces;
+        tile.start = piece * tile.length;
+        tile.positions = all.narrow(0, r * t + tile.start, tile.length);
+        const at::Tensor here = where.narrow(0, r * t + tile.start, tile.length);
+        tile.first = here.min().item<int64_t>();
+        tile.last = here.max().item<int64_t>();
+        if (documents.numel() > 0) {
+          tile.documents = documents.index_select(1, tile.positions.to(documents.device()));
+        }
+        of_rank.push_back(std::move(tile));
+      }
+      tiles.push_back(std::move(of_rank));
+    }
+  }
+};
+
 // Ring attention as one autograd function, so that each transfer overlaps a block's computation
 // (what autograd's ops in sequence cannot): forward passes the keys and values on while the
 // block in hand is computed and merged; backward recomputes each block's probabilities from the
 // saved log-sum-exp (FlashAttention's backward, block by block), passes the keys and values on
 // while it computes, and passes each block's accumulated key and value gradients on with them,
-// so that after C transfers every block's gradients are back at their owner. Inputs: q, k, v
-// [b, h, t, d]; every rank's positions in rank order [C t]; the whole sequence's documents
-// [b, C t] or an empty tensor; the group.
+// so that after C transfers every block's gradients are back at their owner (each transfer but
+// the last overlapping the next block's computation). Each block is computed tile pair by tile
+// pair (Tile): the zigzag's chunk pairs, as Megatron's and torch's rings do; where the causal
+// mask hides a whole pair it is skipped. Inputs: q, k, v [b, h, t, d] (k and v may hold fewer
+// key/value heads: they travel so, expanded where a pair is computed); every rank's positions in
+// rank order [C t]; the whole sequence's documents [b, C t] or an empty tensor; the group.
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& all,
                             const at::Tensor& documents, comm::CommunicatorPtr group) {
     const int ranks = group->size(), rank = group->rank();
-    const int64_t t = q.size(2);
-    auto positions_of = [&](int r) { return all.narrow(0, r * t, t); };
-    auto documents_at = [&](const at::Tensor& at) {  // (none: an empty tensor)
-      return documents.numel() > 0 ? documents.index_select(1, at.to(documents.device()))
-                                   : at::Tensor();
-    };
-    const at::Tensor mine = positions_of(rank), my_documents = documents_at(mine);
-    at::Tensor kv = at::stack({k, v}).contiguous();
-    Partial result;
+    const Ring ring(all, documents, q.size(2), ranks);
+    const std::vector<Tile>& mine = ring.tiles[rank];
+    const int64_t h = q.size(1);
+    at::Tensor kv = at::stack({k, v}).contiguous();  // (grouped-query: the key/value heads only)
+    std::vector<Partial> results(mine.size());
     for (int step = 0; step < ranks; ++step) {
       Passing passing;
       if (step + 1 < ranks) passing = start_passing(kv, group, kKeysTag);
-      const at::Tensor theirs = positions_of((rank - step + ranks) % ranks);
-      const Partial block =
-          block_attention(q, kv[0], kv[1], mine, theirs, my_documents, documents_at(theirs));
-      result = step == 0 ? block : merge(result, block);
+      const std::vector<Tile>& theirs = ring.tiles[(rank - step + ranks) % ranks];
+      for (size_t i = 0; i < mine.size(); ++i) {
+        trace::Span span("forward", "ring block");
+        for (const Tile& keys : theirs) {
+          const Sight s = sight(mine[i], keys);
+          if (s == Sight::kNone) continue;
+          Partial block;
+#if DTRAIN_TORCH_AT_LEAST(2, 3)
+          if (fused(s, q)) {
+            auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+                mine[i].of(q).contiguous(), expand_heads(keys.of(kv[0]), h).contiguous(),
+                expand_heads(keys.of(kv[1]), h).contiguous(), 0.0, s == Sight::kCausal);
+            block = {out, lse.unsqueeze(-1)};
+          }
+#endif
+          if (!block.out.defined()) {
+            block = block_attention(mine[i].of(q), expand_heads(keys.of(kv[0]), h),
+                                    expand_heads(keys.of(kv[1]), h), mine[i].positions,
+                                    keys.positions, mine[i].documents, keys.documents);
+          }
+          results[i] = results[i].out.defined() ? merge(results[i], block) : block;
+        }
+      }
       if (step + 1 < ranks) kv = passing.wait();
     }
+    // Every query tile saw at least its own keys (its tile's diagonal at step 0).
+    std::vector<at::Tensor> outs, lses;
+    for (const Partial& p : results) {
+      outs.push_back(p.out);
+      lses.push_back(p.lse);
+    }
+    // (The fused kernels' log-sum-exp is float32 under bfloat16: the output keeps q's type.)
+    const at::Tensor out = at::cat(outs, 2).to(q.scalar_type()), lse = at::cat(lses, 2);
     auto holder = c10::make_intrusive<GroupHolder>();
     holder->group = std::move(group);
     ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(holder));
-    ctx->save_for_backward({q, k, v, all, documents, result.out, result.lse});
-    return result.out;
+    ctx->save_for_backward({q, k, v, all, documents, out, lse});
+    return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -112,38 +234,60 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
         c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())
             ->group;
     const int ranks = group->size(), rank = group->rank();
-    const int64_t t = q.size(2);
+    const Ring ring(all, documents, q.size(2), ranks);
+    const std::vector<Tile>& mine = ring.tiles[rank];
+    const int64_t h = q.size(1), kv_heads = k.size(1);
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-    auto positions_of = [&](int r) { return all.narrow(0, r * t, t); };
-    auto documents_at = [&](const at::Tensor& at) {  // (none: an empty tensor)
-      return documents.numel() > 0 ? documents.index_select(1, at.to(documents.device()))
-                                   : at::Tensor();
-    };
-    const at::Tensor mine = positions_of(rank), my_documents = documents_at(mine);
     const at::Tensor d_out = grads[0].contiguous();
     const at::Tensor delta = (d_out * out).sum(-1, /*keepdim=*/true);  // [b, h, t, 1]
     at::Tensor d_q = at::zeros_like(q);
     at::Tensor kv = at::stack({k, v}).contiguous();
-    at::Tensor d_kv = at::zeros_like(kv);  // the gradients of the block in hand so far
+    Passing gradients;  // the block in hand's gradients accumulated by its earlier holders
     for (int step = 0; step < ranks; ++step) {
       Passing keys;
       if (step + 1 < ranks) keys = start_passing(kv, group, kKeysTag);
-      const at::Tensor theirs = positions_of((rank - step + ranks) % ranks);
-      const at::Tensor hidden =
-          hidden_keys(mine, theirs, my_documents, documents_at(theirs), q.device());
-      const at::Tensor scores =
-          (at::matmul(q, kv[0].transpose(-2, -1)) * scale).masked_fill(hidden, kNothing);
-      const at::Tensor p = at::exp(scores - lse);
-      const at::Tensor d_p = at::matmul(d_out, kv[1].transpose(-2, -1));
-      const at::Tensor d_s = p * (d_p - delta) * scale;
-      d_q += at::matmul(d_s, kv[0]);
-      d_kv[0] += at::matmul(d_s.transpose(-2, -1), q);
-      d_kv[1] += at::matmul(p.transpose(-2, -1), d_out);
-      // The block's gradients go on with it; after the last block, back to its owner.
-      Passing gradients = start_passing(d_kv, group, kGradientsTag);
+      at::Tensor d_kv = at::zeros_like(kv);  // this rank's share of the block's gradients
+      const std::vector<Tile>& theirs = ring.tiles[(rank - step + ranks) % ranks];
+      for (const Tile& queries : mine) {
+        trace::Span span("backward", "ring block");
+        const at::Tensor q_t = queries.of(q), d_out_t = queries.of(d_out);
+        for (const Tile& block : theirs) {
+          const Sight s = sight(queries, block);
+          if (s == Sight::kNone) continue;
+#if DTRAIN_TORCH_AT_LEAST(2, 3)
+          if (fused(s, q)) {
+            auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+                d_out_t.contiguous(), q_t.contiguous(),
+                expand_heads(block.of(kv[0]), h).contiguous(),
+                expand_heads(block.of(kv[1]), h).contiguous(), queries.of(out).contiguous(),
+                queries.of(lse).squeeze(-1).contiguous(), 0.0, s == Sight::kCausal);
+            queries.of(d_q) += dq;
+            block.of(d_kv[0]) += fold_heads(dk, kv_heads);
+            block.of(d_kv[1]) += fold_heads(dv, kv_heads);
+            continue;
+          }
+#endif
+          const at::Tensor hidden = hidden_keys(queries.positions, block.positions,
+                                                queries.documents, block.documents, q.device());
+          const at::Tensor k_t = expand_heads(block.of(kv[0]), h),
+                           v_t = expand_heads(block.of(kv[1]), h);
+          const at::Tensor scores =
+              (at::matmul(q_t, k_t.transpose(-2, -1)) * scale).masked_fill(hidden, kNothing);
+          const at::Tensor p = at::exp(scores - queries.of(lse));
+          const at::Tensor d_p = at::matmul(d_out_t, v_t.transpose(-2, -1));
+          const at::Tensor d_s = p * (d_p - queries.of(delta)) * scale;
+          queries.of(d_q) += at::matmul(d_s, k_t);
+          block.of(d_kv[0]) += fold_heads(at::matmul(d_s.transpose(-2, -1), q_t), kv_heads);
+          block.of(d_kv[1]) += fold_heads(at::matmul(p.transpose(-2, -1), d_out_t), kv_heads);
+        }
+      }
+      // The earlier holders' share, sent at the end of their step, arrived while this rank
+      // computed; the block's gradients go on with it, after the last block back to its owner.
+      if (step > 0) d_kv += gradients.wait();
+      gradients = start_passing(d_kv, group, kGradientsTag);
       if (step + 1 < ranks) kv = keys.wait();
-      d_kv = gradients.wait();
     }
+    const at::Tensor d_kv = gradients.wait();  // this rank's own keys' and values'
     return {d_q, d_kv[0], d_kv[1], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -207,18 +351,23 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::string& method, const at::Tensor& documents) {
   DTRAIN_CHECK_INPUT(method == "allgather" || method == "ring" || method == "ulysses",
                      "--cp-method must be ring, allgather or ulysses, got '", method, "'");
-  DTRAIN_CHECK_INPUT(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes() &&
+  DTRAIN_CHECK_INPUT(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() &&
+                         k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
+                         k.size(3) == q.size(3) && k.size(1) >= 1 && q.size(1) % k.size(1) == 0 &&
                          positions.dim() == 1 && positions.size(0) == q.size(2),
-                     "context attention: q, k, v [batch, heads, tokens, head dim] alike and one "
-                     "position per token");
+                     "context attention: q [batch, heads, tokens, head dim], k and v alike with "
+                     "heads or key/value heads that divide them, and one position per token");
   // The documents of the tokens at some positions (undefined: one document).
   auto documents_at = [&](const at::Tensor& at) {
     return documents.defined() ? documents.index_select(1, at.to(documents.device()))
                                : at::Tensor();
   };
   const at::Tensor mine = documents_at(positions);
+  const int64_t heads = q.size(1);
   if (!group || group->size() == 1) {
-    return block_attention(q, k, v, positions, positions, mine, mine).out;
+    return block_attention(q, expand_heads(k, heads), expand_heads(v, heads), positions, positions,
+                           mine, mine)
+        .out;
   }
   const int ranks = group->size();
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
@@ -232,7 +381,8 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
       return tensor::gather_from_sequence(x.transpose(1, 2).contiguous(), group).transpose(1, 2);
     };
     const at::Tensor all = gather_positions(positions, group);
-    return block_attention(q, gathered(k), gathered(v), positions, all, mine, documents_at(all))
+    return block_attention(q, expand_heads(gathered(k), heads), expand_heads(gathered(v), heads),
+                           positions, all, mine, documents_at(all))
         .out;
   }
   if (method == "ring") {
@@ -258,8 +408,9 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   };
   const at::Tensor all = gather_positions(positions, group);
   const at::Tensor every = documents_at(all);
-  const at::Tensor out =
-      block_attention(to_heads(q), to_heads(k), to_heads(v), all, all, every, every).out;
+  const at::Tensor out = block_attention(to_heads(q), to_heads(expand_heads(k, heads)),
+                                         to_heads(expand_heads(v, heads)), all, all, every, every)
+                             .out;
   // Back: [b, h/C, C t, d] -> rows [C, h/C, b, t, d] by source rank -> [b, h, t, d].
   const at::Tensor by_rank =
       out.view({b, local, ranks, t, d}).permute({2, 1, 0, 3, 4}).reshape({ranks * local, b, t, d});

@@ -26,7 +26,7 @@ class DrivenRunner : public Runner {
     context.train = &run.train;
     context.loss = run.loss;
     context.max_iterations = std::max<int64_t>(0, run.last_step - run.start_step);
-    context.chunk = o.eval_batch_size;
+    context.chunk = o.eval_batch_size > 0 ? o.eval_batch_size : 256;
     context.slowdown = run.world.rank() == o.slowdown_rank ? o.slowdown_factor : 1.0;
     context.slowdown_spin = o.slowdown_spin;
     context.weight_decay = run.weight_decay;

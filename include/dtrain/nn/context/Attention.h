@@ -44,7 +44,9 @@ struct Documents {
 Documents document_index(const at::Tensor& ids, int64_t document_end);
 
 /// Causal attention of this rank's queries over every rank's keys and values: q, k, v
-/// [batch, heads, local tokens, head dim] (the same heads on every rank), `positions` the
+/// [batch, heads, local tokens, head dim] (the same heads on every rank; k and v may have fewer
+/// heads that divide q's, grouped-query attention's key/value heads, each serving that many
+/// consecutive query heads: the ring and the all-gather send them so), `positions` the
 /// local tokens' global positions [local tokens] (int64), the same count on every rank.
 /// `documents` (optional): the whole sequence's document index [batch, tokens] (every rank's
 /// positions; Documents::index), a query then seeing only the keys of its own document.
