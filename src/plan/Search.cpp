@@ -38,6 +38,18 @@ bool accepted(const ModelCost& model, const Cluster& cluster, const Layout& layo
 
 /// Sequence parallelism applies to `layout`: tp > 1 dividing a sample's tokens, and dtrain train
 /// takes it there (not with PipeDream's eager sync, not with zero3: check_layout says).
+/// The context-parallel sizes to try: 1, and for long sequences (or those --cp names) each size
+/// whose zigzag divides the sequence (the ring, inside the data-parallel ranks).
+std::vector<int> context_parallel_sizes(const ModelCost& model, const SearchOptions& options) {
+  std::vector<int> sizes{1};
+  std::vector<int> tried = options.context_parallel;
+  if (tried.empty() && model.heads > 0 && model.tokens_per_sample >= 8192) tried = {2, 4, 8, 16};
+  for (int cp : tried) {
+    if (cp > 1 && model.heads > 0 && model.tokens_per_sample % (2 * cp) == 0) sizes.push_back(cp);
+  }
+  return sizes;
+}
+
 bool sequence_parallel_fits(const ModelCost& model, const Cluster& cluster, const Layout& layout) {
   Layout with = layout;
   with.sequence_parallel = true;
@@ -189,16 +201,7 @@ SearchResult search(const ModelCost& model, const Cluster& cluster, const Search
       if (accepted(model, cluster, layout)) layouts.push_back(layout);
     }
   };
-  // Context parallelism for long sequences (each size whose zigzag divides the sequence): the
-  // ring, inside the data-parallel ranks.
-  std::vector<int> context_sizes{1};
-  std::vector<int> tried = options.context_parallel;
-  if (tried.empty() && model.heads > 0 && model.tokens_per_sample >= 8192) tried = {2, 4, 8, 16};
-  for (int cp : tried) {
-    if (cp > 1 && model.heads > 0 && model.tokens_per_sample % (2 * cp) == 0) {
-      context_sizes.push_back(cp);
-    }
-  }
+  const std::vector<int> context_sizes = context_parallel_sizes(model, options);
   // Tensor parallelism stays inside a node (its all-reduces are on every layer's critical
   // path: Narayanan et al.'s first takeaway).
   for (int tp : divisors(gpus, splits ? cluster.per_node() : 1)) {
