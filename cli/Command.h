@@ -37,6 +37,7 @@ std::unique_ptr<Command> checkpoint_command(CLI::App& app);
 std::unique_ptr<Command> generate_command(CLI::App& app);
 std::unique_ptr<Command> data_command(CLI::App& app);
 std::unique_ptr<Command> plan_command(CLI::App& app);
+std::unique_ptr<Command> status_command(CLI::App& app);
 std::unique_ptr<Command> ps_command(CLI::App& app);
 std::unique_ptr<Command> federated_command(CLI::App& app);
 

@@ -1,9 +1,13 @@
 // `dtrain launch`: starts ranks of any program with torchrun's environment (RANK, WORLD_SIZE,
 // MASTER_ADDR, ...), on one node or several, static or elastic, with restarts.
+#include <cstdio>
+#include <sstream>
+
 #include "Command.h"
 #include "ConfigFile.h"
 #include "NumericOptions.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/launch/Environment.h"
 #include "dtrain/launch/Launcher.h"
 
 namespace dtrain::cli {
@@ -16,7 +20,8 @@ class LaunchCommand final : public Command {
       : app_(app.add_subcommand(
             "launch",
             "Start ranks of a program with torchrun's environment (RANK, WORLD_SIZE, ...)")) {
-    add(*app_, "--nproc-per-node", launch_.nproc_per_node, "Ranks on this node")
+    app_->add_option("--nproc-per-node", nproc_,
+                     "Ranks on this node: N, auto (the CUDA devices, else the cores), cpu or gpu")
         ->capture_default_str();
     app_->add_option("--nnodes", nnodes_,
                      "Nodes: N, or MIN:MAX for an elastic job (it starts with MIN..MAX nodes and "
@@ -81,6 +86,8 @@ class LaunchCommand final : public Command {
   }
   bool parsed() const override { return app_->parsed(); }
   int run(const std::vector<std::string>&) override {
+    from_scheduler();
+    launch_.nproc_per_node = dtrain::launch::parse_nproc_per_node(nproc_, "--nproc-per-node");
     dtrain::launch::parse_nnodes(nnodes_, launch_);
     if (standalone_) {
       DTRAIN_CHECK_INPUT(launch_.nnodes == 1 && launch_.min_nodes == 0,
@@ -94,8 +101,32 @@ class LaunchCommand final : public Command {
   }
 
  private:
+  // The flags not given, from what Kubernetes' operators or Slurm set (torchrun's PET_*
+  // variables first; dtrain/launch/Environment.h), said in one line.
+  void from_scheduler() {
+    const auto env = dtrain::launch::launch_environment();
+    if (env.source.empty()) return;
+    std::string took;
+    const auto fill = [&](const char* flag, const auto& value, auto& target) {
+      if (!value || app_->count(flag) > 0) return;
+      target = *value;
+      std::ostringstream line;
+      line << " " << flag << " " << *value;
+      took += line.str();
+    };
+    fill("--nnodes", env.nnodes, nnodes_);
+    fill("--nproc-per-node", env.nproc_per_node, nproc_);
+    fill("--node-rank", env.node_rank, launch_.node_rank);
+    fill("--master-addr", env.master_addr, launch_.master_addr);
+    fill("--master-port", env.master_port, launch_.master_port);
+    fill("--max-restarts", env.max_restarts, launch_.max_restarts);
+    if (!took.empty())
+      std::fprintf(stderr, "dtrain launch: from %s:%s\n", env.source.c_str(), took.c_str());
+  }
+
   CLI::App* app_;
   dtrain::launch::LaunchOptions launch_;
+  std::string nproc_ = "1";
   std::string nnodes_ = "1";
   bool standalone_ = false;
   static constexpr int kTorchrunPort = 29500;  // torchrun's default --master-port

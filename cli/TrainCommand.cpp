@@ -63,6 +63,8 @@ std::vector<std::string> with_local_shards(const std::vector<std::string>& args,
 }
 #endif
 
+void write_run_files(const dtrain::train::JobConfig& job, const dtrain::train::RunPlan& plan);
+
 // The run's folder (--run-dir DIR, or runs/MODEL-DATE-TIME when nothing says where the run's
 // outputs go): its metrics, the options given (config.toml: `--config` reads it back; the model's
 // recipe fills the rest as it did), the command line, and with --run-dir its checkpoints. The
@@ -108,6 +110,31 @@ void open_run_folder(dtrain::train::JobConfig& job, const dtrain::train::RunPlan
     args.push_back("--checkpoint-dir");
     args.push_back(t.checkpoint_dir);
   }
+  write_run_files(job, plan);
+}
+
+// A rank started by a launcher (srun, `dtrain launch`, a Kubernetes operator, torchrun) with
+// --run-dir: the run folder's paths, unless given (`dtrain train --nproc` gives them); rank 0
+// writes its files where no one has.
+void adopt_run_folder(dtrain::train::JobConfig& job, const dtrain::train::RunPlan& plan) {
+  if (job.run_dir.empty()) return;
+  std::error_code error;
+  std::filesystem::create_directories(job.run_dir, error);
+  DTRAIN_CHECK_INPUT(!error, "--run-dir ", job.run_dir, ": cannot create it (", error.message(),
+                     ")");
+  auto& t = job.trainer;
+  if (t.metrics_file.empty()) t.metrics_file = job.run_dir + "/metrics.jsonl";
+  if (t.checkpoint_dir.empty()) t.checkpoint_dir = job.run_dir + "/checkpoints";
+  const char* rank = std::getenv("RANK") ? std::getenv("RANK") : std::getenv("SLURM_PROCID");
+  if (rank != nullptr && std::string(rank) == "0" &&
+      !std::filesystem::exists(job.run_dir + "/command.txt")) {
+    write_run_files(job, plan);
+  }
+}
+
+// command.txt, plan.toml and config.toml in the run folder.
+void write_run_files(const dtrain::train::JobConfig& job, const dtrain::train::RunPlan& plan) {
+  const auto& t = job.trainer;
   const auto extra = [&](const char* key) {
     const auto found = t.checkpoint_extras.find(key);
     return found == t.checkpoint_extras.end() ? std::string() : found->second;
@@ -118,6 +145,20 @@ void open_run_folder(dtrain::train::JobConfig& job, const dtrain::train::RunPlan
   config << "# dtrain train's options as given (" << command_line() << ")\n";
   if (!extra("recipe").empty()) config << "# " << extra("recipe") << "\n";
   config << extra("config");
+}
+
+// --tensorboard DIR: made and written to once before any rank starts (a folder it cannot write
+// is one error here, not rank 0's alone mid-start), and the command that shows it.
+void check_tensorboard_folder(const std::string& dir) {
+  if (dir.empty()) return;
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  DTRAIN_CHECK_INPUT(!error, "--tensorboard ", dir, ": cannot create it (", error.message(), ")");
+  const std::string probe = dir + "/.dtrain-write-test";
+  const bool writable = static_cast<bool>(std::ofstream(probe) << "");
+  std::filesystem::remove(probe, error);
+  DTRAIN_CHECK_INPUT(writable, "--tensorboard ", dir, ": cannot write in it");
+  std::printf("TensorBoard: tensorboard --logdir %s\n", dir.c_str());
 }
 
 // At the end: where the run's outputs are.
@@ -237,13 +278,13 @@ const std::vector<std::pair<std::string, std::vector<std::string>>> kTrainGroups
       "--no-resume"}},
     {"Output",
      {"--run-dir", "--no-run-dir", "--metrics", "--log-every", "--peak-tflops", "--eval-every",
-      "--eval-batch-size", "--defer-eval", "--no-progress", "--trace", "--print-plan",
-      "--dry-run"}},
+      "--eval-batch-size", "--tensorboard", "--defer-eval", "--no-progress", "--trace",
+      "--print-plan", "--dry-run"}},
 };
 
 int run_train(dtrain::train::JobConfig job, const dtrain::train::RunPlan& plan,
               std::vector<std::string> args, const std::string& recipe) {
-  const bool worker = std::getenv("RANK") != nullptr || std::getenv("SLURM_PROCID") != nullptr ||
+  const bool worker = std::getenv("RANK") != nullptr || std::getenv("SLURM_STEP_ID") != nullptr ||
                       std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
   // One process here (the launcher sets it for its ranks): started again with the OpenBLAS kernel
   // the CPU's instructions guarantee where OpenBLAS chose its generic one (issue 77).
@@ -269,7 +310,12 @@ int run_train(dtrain::train::JobConfig job, const dtrain::train::RunPlan& plan,
   // The run checked once, before any rank starts; ranks (already checked by their launcher, or
   // started by Slurm / mpirun) get the same named errors from run_job itself.
   if (!worker) dtrain::train::validate_job(plan);
-  if (!worker) open_run_folder(job, plan, args);
+  if (!worker) check_tensorboard_folder(job.trainer.tensorboard_dir);
+  if (!worker) {
+    open_run_folder(job, plan, args);
+  } else {
+    adopt_run_folder(job, plan);
+  }
   if (!worker && !recipe.empty()) std::printf("%s\n", recipe.c_str());
 #ifdef DTRAIN_SERVICES
   if (!job.ps_auth_token_file.empty()) {

@@ -292,6 +292,9 @@ void add_train_options(CLI::App& app, dtrain::train::JobConfig& job,
   app.add_flag("--allow-non-finite-weights", t.allow_non_finite_weights,
                "Load --init-from's weights even where they hold NaN or Inf (refused otherwise)");
   add(app, "--metrics", t.metrics_file, "JSONL metrics file");
+  add(app, "--tensorboard", t.tensorboard_dir,
+      "Also write TensorBoard event files in DIR: every number of the metrics file (train/loss, "
+      "train/lr, eval/val_loss, ...) and the configuration as text (tensorboard --logdir DIR)");
   add(app, "--run-dir", job.run_dir,
       "The run's folder: metrics.jsonl, config.toml (the options given), command.txt and "
       "checkpoints/ (unless --metrics or --checkpoint-dir say otherwise). Without it, and "

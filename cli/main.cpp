@@ -82,6 +82,7 @@ int main(int argc, char** argv) {
   commands.push_back(dtrain::cli::generate_command(app));
   commands.push_back(dtrain::cli::data_command(app));
   commands.push_back(dtrain::cli::plan_command(app));
+  commands.push_back(dtrain::cli::status_command(app));
 #ifdef DTRAIN_SERVICES  // -DDTRAIN_SERVICES=OFF: the training core without gRPC
   commands.push_back(dtrain::cli::ps_command(app));
   commands.push_back(dtrain::cli::federated_command(app));

@@ -250,6 +250,12 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
       {" launch --nnodes 1:2 --node-rank 1 --master-port 1234 -- true",
        "give --node-rank 0 on the node that hosts the rendezvous"},
       {" launch --standalone --nnodes 1:2 -- true", "--standalone is one node"},
+      {" launch --nproc-per-node many -- true",
+       "--nproc-per-node: expects a number of ranks >= 1, auto, cpu or gpu; got 'many'"},
+      {" train --model mlp --tensorboard /proc/dtrain-tensorboard",
+       "--tensorboard /proc/dtrain-tensorboard: cannot create it"},
+      {" status " + dir.path() + "/no-run", "no such folder or file"},
+      {" status " + dir.path(), "no metrics.jsonl in it"},
       // An unknown flag or command: named, with the nearest one there is.
       {" train --max-step 5", "train: unknown flag --max-step (did you mean --max-steps?)"},
       {" trian --epochs 1", "unknown command trian (did you mean train?)"},

@@ -239,6 +239,17 @@ TEST(Launcher, AFailureOnOneNodeStopsEveryNode) {
   EXPECT_TRUE(has(first, "node 1 did not join within 2 s")) << first.text;
 }
 
+// `run` throws an InputError whose message holds `fragment`.
+template <typename Fn>
+void expect_input_error(Fn run, const std::string& fragment) {
+  try {
+    run();
+    ADD_FAILURE() << "no error for " << fragment;
+  } catch (const dtrain::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
 // Rank discovery reads the process environment: each case sets it, checks, and clears it.
 class Discovery : public ::testing::Test {
  protected:
@@ -246,8 +257,9 @@ class Discovery : public ::testing::Test {
     for (const char* name :
          {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
           "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_JOB_NODELIST",
-          "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
+          "SLURM_JOB_ID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_NODELIST", "SLURM_STEP_ID",
+          "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+          "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
       ::unsetenv(name);
     }
   }
@@ -264,14 +276,35 @@ TEST_F(Discovery, TorchrunSlurmOpenMpiAndSingle) {
   ::setenv("SLURM_NNODES", "2", 1);
   ::setenv("SLURM_JOB_NODELIST", "gpu[07-08]", 1);
   ::setenv("SLURM_JOB_ID", "123", 1);
+  // The batch script itself (no step): refused, naming srun.
+  expect_input_error([] { dtrain::launch::discover_rank(); }, "start them with srun");
+  ::setenv("SLURM_STEP_ID", "0", 1);
+  // Over two nodes without --ntasks-per-node: refused, naming the option.
+  expect_input_error([] { dtrain::launch::discover_rank(); }, "--ntasks-per-node");
+  ::setenv("SLURM_NTASKS_PER_NODE", "4", 1);
+  // The first node's name resolves nowhere and no scontrol knows it: named, with the way out.
+  expect_input_error([] { dtrain::launch::discover_rank(); },
+                     "first node gpu07 (of SLURM_JOB_NODELIST=gpu[07-08]) does not resolve");
+  // One that resolves to loopback would have the head listen where node 2 cannot reach.
+  ::setenv("SLURM_STEP_NODELIST", "localhost,gpu08", 1);
+  expect_input_error([] { dtrain::launch::discover_rank(); }, "resolves to a loopback address");
+  ::setenv("MASTER_ADDR", "10.0.0.9", 1);
   info = dtrain::launch::discover_rank();
   EXPECT_EQ(info.source, "slurm");
   EXPECT_EQ(info.rank, 5);
   EXPECT_EQ(info.world_size, 8);
   EXPECT_EQ(info.local_rank, 1);
   EXPECT_EQ(info.local_world_size, 4);
-  EXPECT_EQ(info.master_addr, "gpu07");
+  EXPECT_EQ(info.master_addr, "10.0.0.9");
   EXPECT_EQ(info.master_port, 20123);
+  ::setenv("SLURM_NTASKS_PER_NODE", "3", 1);
+  expect_input_error([] { dtrain::launch::discover_rank(); }, "SLURM_NTASKS=8 is not");
+  // One node: its own name (loopback) is where its ranks meet.
+  ::unsetenv("MASTER_ADDR");
+  ::setenv("SLURM_NNODES", "1", 1);
+  ::setenv("SLURM_NTASKS_PER_NODE", "8", 1);
+  ::setenv("SLURM_STEP_NODELIST", "localhost", 1);
+  EXPECT_EQ(dtrain::launch::discover_rank().master_addr, "localhost");
   TearDown();
 
   ::setenv("OMPI_COMM_WORLD_RANK", "2", 1);

@@ -30,24 +30,13 @@ id=$$
 a=dtrain-a-$id
 b=dtrain-b-$id
 work=$(mktemp -d)
+source "$(dirname "$0")/two_hosts.sh"
 cleanup() {
-  ip netns pids "$a" 2>/dev/null | xargs -r kill -9 2>/dev/null
-  ip netns pids "$b" 2>/dev/null | xargs -r kill -9 2>/dev/null
-  ip netns del "$a" 2>/dev/null
-  ip netns del "$b" 2>/dev/null
+  remove_two_hosts "$a" "$b"
   rm -rf "$work"
 }
 trap cleanup EXIT
-ip netns add "$a" 2>/dev/null || skip "cannot create network namespaces here"
-ip netns add "$b" || skip "cannot create a second network namespace"
-ip link add "va$id" type veth peer name "vb$id" || skip "cannot create a veth pair"
-ip link set "va$id" netns "$a"
-ip link set "vb$id" netns "$b"
-ip -n "$a" addr add 10.231.0.1/24 dev "va$id"
-ip -n "$b" addr add 10.231.0.2/24 dev "vb$id"
-for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
-ip -n "$a" link set "va$id" up
-ip -n "$b" link set "vb$id" up
+two_hosts "$a" "$b" "v$id" 10.231.0
 
 port=29731
 job=(train --dataset synthetic --model mlp --hidden 32 --synthetic-examples 512 --batch-size 32
@@ -96,7 +85,7 @@ launch 1 "$b" > "$work/b1.log" 2>&1 &
 other=$!
 launch 0 "$a" > "$work/a1.log" 2>&1 || fail "node 0 did not train (exit $?)"
 wait $other || fail "node 1 did not train"
-grep -q "reaches 10.231.0.1 from 10.231.0.2 on vb$id" "$work/b1.log" || fail "node 1 did not name its address"
+grep -q "reaches 10.231.0.1 from 10.231.0.2 on v${id}b" "$work/b1.log" || fail "node 1 did not name its address"
 grep -q "trained 8 steps (global batch 64, 2 ranks, ddp)" "$work/a1.log" || fail "no training summary"
 echo "ok: trained across two hosts"
 
@@ -441,10 +430,10 @@ cut_round=
 for r in 2 3 4; do
   for _ in $(seq 1500); do grep -q "round $r: selected" "$work/p-b.log" && break; sleep 0.02; done
   grep -q "round $r: selected" "$work/p-b.log" || fail "the client on host b was not selected for round $r"
-  ip -n "$b" link set "vb$id" down
+  ip -n "$b" link set "v${id}b" down
   for _ in $(seq 300); do grep -q "\"round\":$r," "$work/p.jsonl" && break; sleep 0.1; done
   sleep 1
-  ip -n "$b" link set "vb$id" up
+  ip -n "$b" link set "v${id}b" up
   grep "\"round\":$r," "$work/p.jsonl" | grep -q '"dropped":1' && { cut_round=$r; break; }
 done
 [[ -n $cut_round ]] || fail "no round dropped the partitioned client (its uploads got out first)"

@@ -25,6 +25,9 @@
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "dtrain/train/Checkpoint.h"
 #include "dtrain/train/CheckpointManager.h"
+#include "dtrain/train/Metrics.h"
+#include "dtrain/train/RunStatus.h"
+#include "dtrain/train/TensorBoard.h"
 #include "dtrain/train/Trainer.h"
 
 using namespace dtrain;
@@ -532,6 +535,117 @@ TEST(Trainer, MetricsAreJsonLinesWithASummary) {
   EXPECT_EQ(steps, 4);
   EXPECT_EQ(evals, 1);  // the epoch end (an epoch is 20 steps)
   EXPECT_EQ(summaries, 1);
+}
+
+// The events file's framing, byte by byte: TFRecords whose length and payload carry masked
+// CRC-32Cs (the check value of "123456789" is 0xE3069283); what TensorBoard's reader makes of the
+// payloads is tests/tensorboard_test.py's (TensorBoard.ReaderGetsEveryNumberOfTheMetricsExactly).
+TEST(TensorBoard, EventsAreTFRecordsWithMaskedCrc32c) {
+  EXPECT_EQ(train::crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(train::tensorboard_tag("step", "loss"), "train/loss");
+  EXPECT_EQ(train::tensorboard_tag("eval", "val_loss"), "eval/val_loss");
+  EXPECT_EQ(train::tensorboard_tag("step", "time"), "");
+  TempDir dir;
+#ifdef DTRAIN_SERVICES
+  std::string path;
+  {
+    train::TensorBoardWriter writer(dir / "tb");
+    writer.scalar("train/loss", 3, 0.1, 1.0);
+    writer.text("config", 3, "model = mlp", 1.0);
+    path = writer.path();
+  }
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto u32 = [&](size_t at) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= uint32_t(static_cast<unsigned char>(bytes[at + i])) << (8 * i);
+    return v;
+  };
+  size_t at = 0;
+  int records = 0;
+  while (at < bytes.size()) {
+    ASSERT_LE(at + 12, bytes.size());
+    uint64_t length = u32(at) | (uint64_t(u32(at + 4)) << 32);
+    EXPECT_EQ(u32(at + 8), train::masked_crc32c(bytes.data() + at, 8));
+    ASSERT_LE(at + 12 + length + 4, bytes.size());
+    EXPECT_EQ(u32(at + 12 + length), train::masked_crc32c(bytes.data() + at + 12, length));
+    at += 12 + length + 4;
+    ++records;
+  }
+  EXPECT_EQ(records, 3);  // the file version, the scalar, the text
+  EXPECT_NE(bytes.find("brain.Event:2"), std::string::npos);
+  EXPECT_NE(bytes.find("train/loss"), std::string::npos);
+#else
+  EXPECT_THROW(train::TensorBoardWriter(dir / "tb"), InputError);
+#endif
+}
+
+// `dtrain status`'s reading of a run folder: the step, the rate and the ETA from this attempt's
+// records (a resumed run's earlier attempt left out), the layout, the newest checkpoint; a
+// finished run; a run stopped on request; one whose file went quiet; no metrics file.
+TEST(RunStatus, StepEtaRanksAndCheckpointFromTheRunFolder) {
+  TempDir dir;
+  const std::string run = dir / "run";
+  std::filesystem::create_directories(run + "/checkpoints/step-00000020");
+  std::ofstream(run + "/checkpoints/latest") << "step-00000020";
+  {
+    std::ofstream metrics(run + "/metrics.jsonl");
+    metrics
+        << R"({"event":"start","step":0,"total_steps":100,"world_size":4,"data_parallel":2,)"
+        << R"("pipeline_parallel":1,"tensor_parallel":2,"strategy":"ddp","time":1000})"
+        << "\n"
+        << R"({"event":"step","step":10,"loss":3.0,"lr":0.1,"time":1010})"
+        << "\n"
+        // The run resumed at step 20 (a second attempt, slower): only its steps count.
+        << R"({"event":"start","step":20,"total_steps":100,"world_size":4,"data_parallel":2,)"
+        << R"("pipeline_parallel":1,"tensor_parallel":2,"context_parallel":2,"strategy":"ddp"})"
+        << "\n"
+        << R"({"event":"step","step":30,"epoch":1,"loss":2.5,"lr":0.1,"samples_per_s":64,"time":2000})"
+        << "\n"
+        << R"({"event":"eval","step":30,"val_loss":2.75})"
+        << "\n"
+        << R"({"event":"step","step":40,"epoch":1,"loss":2.0,"lr":0.1,"samples_per_s":64,"time":2020})"
+        << "\n";
+  }
+  auto status = train::read_run_status(run);
+  EXPECT_EQ(status.state, "training");
+  EXPECT_EQ(status.step, 40);
+  EXPECT_EQ(status.start_step, 20);
+  EXPECT_EQ(status.total_steps, 100);
+  EXPECT_DOUBLE_EQ(*status.seconds_per_step, 2.0);
+  EXPECT_DOUBLE_EQ(*status.eta_seconds, 120.0);
+  EXPECT_DOUBLE_EQ(*status.loss, 2.0);
+  EXPECT_DOUBLE_EQ(*status.val_loss, 2.75);
+  EXPECT_EQ(status.world_size, 4);
+  EXPECT_EQ(status.layout, "DP 2 x PP 1 x TP 2 x CP 2");
+  EXPECT_EQ(status.checkpoint_step, 20);
+  const std::string text = train::describe(status);
+  EXPECT_NE(text.find("training, step 40 of 100 (40%), epoch 1, resumed from step 20"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("ETA 2 min 00 s"), std::string::npos) << text;
+  EXPECT_NE(text.find("ranks: 4 (DP 2 x PP 1 x TP 2 x CP 2, ddp)"), std::string::npos) << text;
+  EXPECT_NE(text.find("last checkpoint: step 20"), std::string::npos) << text;
+
+  // Quiet for 10 minutes (20 steps would take 40 s): silent.
+  std::filesystem::last_write_time(
+      run + "/metrics.jsonl",
+      std::filesystem::file_time_type::clock::now() - std::chrono::minutes(10));
+  EXPECT_EQ(train::read_run_status(run).state, "silent");
+  // Stopped on request (SIGUSR1), then finished.
+  std::ofstream(run + "/metrics.jsonl", std::ios::app)
+      << R"({"event":"summary","steps":40,"stopped_by_signal":10})"
+      << "\n";
+  status = train::read_run_status(run);
+  EXPECT_EQ(status.state, "stopped");
+  EXPECT_NE(train::describe(status).find("stopped on request (signal 10; resumable)"),
+            std::string::npos);
+  std::ofstream(run + "/metrics.jsonl", std::ios::app) << R"({"event":"summary","steps":100})"
+                                                       << "\n";
+  EXPECT_EQ(train::read_run_status(run).state, "finished");
+  EXPECT_FALSE(train::read_run_status(run).eta_seconds.has_value());
+  EXPECT_THROW(train::read_run_status(dir / "nothing"), InputError);
+  EXPECT_THROW(train::read_run_status(dir / "run/checkpoints"), InputError);
 }
 
 TEST(Trainer, LinearScalingRuleAndAccumulation) {

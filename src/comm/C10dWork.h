@@ -21,8 +21,8 @@ inline std::string in_our_words(const std::string& cause) {
   const bool peer_gone = cause.find("closed by peer") != std::string::npos ||
                          cause.find("reset by peer") != std::string::npos ||
                          cause.find("Broken pipe") != std::string::npos;
-  return peer_gone ? "a peer rank is gone (it failed or was stopped first: the launcher names it "
-                     "and why): "
+  return peer_gone ? "a peer rank is gone (it failed or was stopped first: its launcher, or srun, "
+                     "names it and why): "
                    : "";
 }
 

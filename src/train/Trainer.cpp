@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -404,6 +405,21 @@ FitResult Trainer::fit(Model model, const data::TensorDataset& train,
   run.device = device_;
   run.result.global_batch = global_batch;
   run.result.learning_rate = spec.lr;
+  // Where the run starts and what it is, for whoever watches its files (`dtrain status`).
+  run.metrics.write(
+      {{"event", std::string("start")},
+       {"step", start_step},
+       {"total_steps", total_steps},
+       {"global_batch", global_batch},
+       {"world_size", static_cast<int64_t>(world_->size())},
+       {"data_parallel", static_cast<int64_t>(dp_size)},
+       {"pipeline_parallel", static_cast<int64_t>(options_.pipeline_parallel)},
+       {"tensor_parallel", static_cast<int64_t>(options_.tensor_parallel)},
+       {"context_parallel", static_cast<int64_t>(options_.context_parallel)},
+       {"expert_parallel", static_cast<int64_t>(options_.expert_parallel)},
+       {"strategy", strategy_->name()},
+       {"time", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+                    .count()}});
   run.evaluate = [&](bool alone) { return evaluate_on(*validation, alone); };
   // A mixture of experts: its step's loads summed over the data-parallel ranks (synchronous
   // loops whose groups outlive no failure; else each rank's own), metrics and the bias.

@@ -2,6 +2,7 @@
 // joining the world it describes.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "dtrain/comm/Communicator.h"
@@ -31,6 +32,31 @@ comm::InitOptions init_options(const RankInfo& info);
 /// to SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/... and OMPI_COMM_WORLD_*. Malformed values are
 /// InputErrors naming the variable.
 RankInfo discover_rank();
+
+/// What a scheduler tells `dtrain launch` about its node, for the flags not given (each unset
+/// when nothing says): torchrun's PET_<FLAG> variables (Kubeflow's PyTorchJob with an elastic
+/// policy or nprocPerNode, Trainer v2's TrainJob: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+/// PET_MASTER_ADDR, PET_MASTER_PORT, PET_MAX_RESTARTS, PET_RDZV_ENDPOINT), else PyTorchJob's
+/// MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE counting its pods, else a Slurm step of one task
+/// per node (`srun --ntasks-per-node=1 dtrain launch`: SLURM_NNODES, SLURM_NODEID, the first
+/// node's address). An elastic rendezvous endpoint hosted by this node's host name makes it node 0.
+/// InputError for malformed values, naming the variable.
+struct LaunchEnvironment {
+  /// Where they came from: "kubernetes (PET_*)", "kubernetes (PyTorchJob)", "slurm" or "".
+  std::string source;
+  std::optional<std::string> nnodes;
+  std::optional<std::string> nproc_per_node;
+  std::optional<int> node_rank;
+  std::optional<std::string> master_addr;
+  std::optional<int> master_port;
+  std::optional<int> max_restarts;
+};
+LaunchEnvironment launch_environment();
+
+/// torchrun's --nproc-per-node: N, "gpu" (this machine's CUDA devices; InputError without
+/// one), "cpu" (its cores) or "auto" (the CUDA devices, else the cores). `where` names the
+/// flag or variable in errors.
+int parse_nproc_per_node(const std::string& text, const std::string& where);
 
 /// Threads for this rank's tensor ops: $DTRAIN_THREADS, else cores / local ranks (at least 1).
 int default_threads(int local_world_size);

@@ -61,6 +61,9 @@ struct TrainerOptions {
   bool allow_non_finite_weights = false;
   /// JSONL metrics file written by rank 0 ("" = none).
   std::string metrics_file;
+  /// TensorBoard events written by rank 0 in this folder ("" = none): metrics_file's numbers,
+  /// exactly, and the run's configuration as text (checkpoint_extras' "config" and "plan").
+  std::string tensorboard_dir;
   int64_t log_every = 10;
   /// Progress bar on rank 0.
   bool progress = true;

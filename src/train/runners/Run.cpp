@@ -177,16 +177,24 @@ Run::Run(const TrainerOptions& options, parallel::Strategy& strategy, comm::Comm
       steps_per_epoch(steps_per_epoch),
       report(leader ? std::getenv("DTRAIN_PROGRESS_FILE") : nullptr, start_step),
       failure(SimulatedFailure::from_env(world.rank())),
-      metrics(leader ? options.metrics_file : "", start_step > 0),
+      metrics(leader ? options.metrics_file : "", start_step > 0,
+              leader ? options.tensorboard_dir : ""),
       progress(stdout, ProgressBar::is_terminal(stdout), options.log_every) {
   result.start_step = start_step;
   result.steps = start_step;
+  // The run's configuration for TensorBoard's text plugin (what `dtrain train` recorded).
+  for (const char* key : {"config", "plan"}) {
+    const auto found = options.checkpoint_extras.find(key);
+    if (found != options.checkpoint_extras.end() && !found->second.empty()) {
+      metrics.text(key, "```\n" + found->second + "\n```");
+    }
+  }
 }
 
 void Run::take_lead() {
   if (leader) return;
   leader = true;
-  metrics = MetricsWriter(options.metrics_file, true);
+  metrics = MetricsWriter(options.metrics_file, true, options.tensorboard_dir);
   report.open(std::getenv("DTRAIN_PROGRESS_FILE"));
 }
 
