@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
 
 #include "RankThreads.h"
 #include "dtrain/data/DistributedSampler.h"
@@ -127,6 +128,34 @@ inline std::vector<at::Tensor> train_single(const Fixture& f, int steps, double 
     optimizer->step();
   }
   return snapshot(model);
+}
+
+/// `model`'s values by name after `steps` steps of f's data whose loss is the mean over `shares`
+/// data-parallel shares and `micro` micro-batches of the model's loss on each (a mixture of
+/// experts' balance losses computed per micro-batch, as a data-parallel rank computes them).
+inline std::map<std::string, at::Tensor> trained_in_pieces(const Fixture& f, Model model, int steps,
+                                                           int shares, int micro) {
+  auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
+  const int64_t local = f.global_batch / shares, each = local / micro;
+  for (int step = 0; step < steps; ++step) {
+    optimizer->zero_grad();
+    for (int r = 0; r < shares; ++r) {
+      auto order = data::DistributedSampler(f.dataset.size(), shares, r, {true, 5, true}).indices();
+      for (int m = 0; m < micro; ++m) {
+        const int64_t begin = step * local + m * each;
+        const auto batch = f.dataset.get(
+            std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each));
+        const at::Tensor output = model(batch.inputs);
+        const at::Tensor loss = model.loss ? model.loss(output, batch.targets)
+                                           : parallel::cross_entropy(output, batch.targets);
+        (loss / static_cast<double>(shares * micro)).backward();
+      }
+    }
+    optimizer->step();
+  }
+  std::map<std::string, at::Tensor> named;
+  for (const auto& item : model.module->named_parameters()) named[item.key()] = item.value();
+  return named;
 }
 
 /// A Llama of 3 blocks, the first dense, the others 4 experts (top-2) and a shared one, in

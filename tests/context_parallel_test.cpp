@@ -225,11 +225,18 @@ double decoder_apart(const test::Fixture& f, int ranks, const std::string& metho
   spec.gpt.cp_zigzag = zigzag;
   const data::Batch batch = f.dataset.slice(0, 4);
   Model whole = build_on(spec, nullptr);
-  const at::Tensor expected_loss = parallel::cross_entropy(whole(batch.inputs), batch.targets);
+  const at::Tensor whole_logits = whole(batch.inputs);
+  // (The model's loss where it has one: a mixture of experts' adds its balance losses.)
+  const at::Tensor expected_loss = whole.loss
+                                       ? whole.loss(whole_logits, batch.targets)
+                                       : parallel::cross_entropy(whole_logits, batch.targets);
   expected_loss.backward();
   std::map<std::string, at::Tensor> expected;
   for (const auto& item : whole.module->named_parameters())
     expected[item.key()] = item.value().grad();
+  // (Once, here: the rank threads may not share a forward of one model, a mixture of experts
+  // keeps what it routed.)
+  const at::Tensor whole_predicted = whole_logits.argmax(-1);
   std::vector<double> most(ranks, 0.0);
   test::run_ranks(
       ranks,
@@ -250,7 +257,7 @@ double decoder_apart(const test::Fixture& f, int ranks, const std::string& metho
         }
         // The predictions of the whole sequence, every rank's in its place.
         const at::Tensor predicted = model.predict(logits);
-        EXPECT_TRUE(predicted.equal(whole(batch.inputs).argmax(-1)));
+        EXPECT_TRUE(predicted.equal(whole_predicted));
         most[group->rank()] = worst;
       },
       std::chrono::seconds(60));
@@ -548,6 +555,59 @@ TEST(ContextParallel, TrainingWithAContextGroupIsOneProcessInFloat64) {
   learned.context = 4;
   learned.zigzag = false;
   EXPECT_LT(context_parallel_apart(gpt, learned, trained_whole(gpt, 3)), 1e-12) << "gpt";
+}
+
+// A mixture of experts' balance losses over a split sequence: each rank's auxiliary loss counts
+// the assignments of every part of the sequences (f_e allreduced over the context group), its
+// P_e and z-loss are its part's means, so the ranks' mean is the whole sequences' loss. The loss
+// and gradients of one forward (2 and 4 ranks, every method), then training under ddp with
+// accumulation, zero1, TP x CP and a pipeline (the layers' losses taken in their backward): one
+// process adding each micro-batch's balance losses, within 1e-12.
+TEST(ContextParallel, BalanceLossesSeeTheWholeSequences) {
+  test::Fixture f = decoder("llama", true);
+  models::GptConfig& c = f.spec.gpt;
+  c.moe_experts = 4;
+  c.moe_top_k = 2;
+  c.moe_ffn_width = 8;
+  c.moe_aux_loss = 0.05;
+  c.moe_z_loss = 0.01;
+  for (const auto& [ranks, method] : std::vector<std::pair<int, std::string>>{
+           {2, "ring"}, {2, "allgather"}, {4, "ring"}, {4, "ulysses"}}) {
+    EXPECT_LT(decoder_apart(f, ranks, method, true), 1e-12) << ranks << " ranks, " << method;
+  }
+  test::Fixture unbalanced = f;
+  unbalanced.spec.gpt.moe_aux_loss = unbalanced.spec.gpt.moe_z_loss = 0;
+  struct Case {
+    int world, context, tp, pp;
+    std::string strategy, method;
+    int micro;
+  };
+  for (const Case& k : std::vector<Case>{{2, 2, 1, 1, "ddp", "ring", 1},
+                                         {4, 2, 1, 1, "ddp", "allgather", 2},
+                                         {4, 4, 1, 1, "zero1", "ring", 1},
+                                         {4, 2, 2, 1, "ddp", "ring", 1},
+                                         {4, 2, 1, 2, "pipeline", "ring", 2}}) {
+    const int shares = k.world / (k.context * k.tp * k.pp);
+    const auto oracle = test::trained_in_pieces(f, build_on(f.spec, nullptr), 3, shares, k.micro);
+    const auto without =
+        test::trained_in_pieces(unbalanced, build_on(unbalanced.spec, nullptr), 3, shares, k.micro);
+    EXPECT_GT((oracle.at("blocks.0.moe.router") - without.at("blocks.0.moe.router"))
+                  .abs()
+                  .max()
+                  .item<double>(),
+              1e-6);  // the balance losses move the router
+    ContextRun run;
+    run.world = k.world;
+    run.context = k.context;
+    run.tp = k.tp;
+    run.pp = k.pp;
+    run.strategy = k.strategy;
+    run.method = k.method;
+    run.micro = k.micro;
+    EXPECT_LT(context_parallel_apart(f, run, oracle), 1e-12)
+        << k.world << " ranks, CP " << k.context << ", TP " << k.tp << ", PP " << k.pp << ", "
+        << k.strategy << ", " << k.micro << " micro-batches";
+  }
 }
 
 // Checkpoints know nothing of the context split: written at CP 2 (ddp, and zero1's shards over

@@ -345,39 +345,6 @@ TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
   }
 }
 
-namespace {
-
-// One process's values after `steps` steps whose loss is the mean over `shares` data-parallel
-// shares and `micro` micro-batches of the model's loss on each (its balance losses computed per
-// micro-batch, as a data-parallel rank computes them).
-std::map<std::string, at::Tensor> trained_in_pieces(test::Fixture& f, int steps, int shares,
-                                                    int micro) {
-  Model model = build_on(f, nullptr);
-  auto optimizer = optim::make_optimizer(model.module->parameters(), f.optimizer);
-  const int64_t local = f.global_batch / shares, each = local / micro;
-  for (int step = 0; step < steps; ++step) {
-    optimizer->zero_grad();
-    for (int r = 0; r < shares; ++r) {
-      auto order = data::DistributedSampler(f.dataset.size(), shares, r, {true, 5, true}).indices();
-      for (int m = 0; m < micro; ++m) {
-        const int64_t begin = step * local + m * each;
-        const auto batch = f.dataset.get(
-            std::vector<int64_t>(order.begin() + begin, order.begin() + begin + each));
-        const at::Tensor output = model(batch.inputs);
-        const at::Tensor loss = model.loss ? model.loss(output, batch.targets)
-                                           : parallel::cross_entropy(output, batch.targets);
-        (loss / static_cast<double>(shares * micro)).backward();
-      }
-    }
-    optimizer->step();
-  }
-  std::map<std::string, at::Tensor> named;
-  for (const auto& item : model.module->named_parameters()) named[item.key()] = item.value();
-  return named;
-}
-
-}  // namespace
-
 // Pipelines with a mixture of experts (DeepSeek-V3 trained PP x EP): the experts split over the
 // data-parallel ranks of each stage, each stage's all-to-alls among its own ranks, the experts'
 // gradients reduced over their expert data-parallel group after the schedule. 1F1B, GPipe,
@@ -446,8 +413,10 @@ TEST(ExpertParallel, PipelinesWithExpertsAreOneProcessInFloat64) {
   unbalanced.spec.gpt.moe_aux_loss = unbalanced.spec.gpt.moe_z_loss = 0;
   for (const auto& [world, experts] : std::vector<std::pair<int, int>>{{2, 1}, {4, 2}}) {
     const int shares = world / 2;
-    const auto oracle = trained_in_pieces(balanced, 3, shares, 2);
-    const auto without = trained_in_pieces(unbalanced, 3, shares, 2);
+    const auto oracle =
+        test::trained_in_pieces(balanced, build_on(balanced, nullptr), 3, shares, 2);
+    const auto without =
+        test::trained_in_pieces(unbalanced, build_on(unbalanced, nullptr), 3, shares, 2);
     EXPECT_GT((oracle.at("blocks.1.moe.router") - without.at("blocks.1.moe.router"))
                   .abs()
                   .max()
@@ -564,7 +533,7 @@ TEST(ExpertParallel, TensorParallelWithExpertsIsOneProcessInFloat64) {
   test::Fixture balanced = test::llama_with_experts();
   balanced.spec.gpt.moe_aux_loss = 0.05;
   balanced.spec.gpt.moe_z_loss = 0.01;
-  const auto oracle = trained_in_pieces(balanced, 3, 2, 2);
+  const auto oracle = test::trained_in_pieces(balanced, build_on(balanced, nullptr), 3, 2, 2);
   ExpertRun run;
   run.world = 4;
   run.tp = 2;

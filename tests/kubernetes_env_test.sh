@@ -6,9 +6,10 @@
 #   1. Kubeflow's PyTorchJob v1 (master + worker): MASTER_ADDR=<job>-master-0, MASTER_PORT,
 #      WORLD_SIZE and RANK counting pods; the container runs `dtrain train`: the float32 losses
 #      of the same job under `dtrain launch` on one host.
-#   2. The same with nprocPerNode: 2 (PET_NPROC_PER_NODE=2, PET_NNODES): `dtrain train` as the
+#   2. The same with nprocPerNode: 2 (PET_NPROC_PER_NODE=2; WORLD_SIZE counting pods before
+#      operator 1.8, pods x 2 since, with PET_NNODES and PET_NODE_RANK): `dtrain train` as the
 #      container's command is refused on both pods, exit 2, naming it; `dtrain launch -- dtrain
-#      train` runs two ranks per pod (node rank from RANK).
+#      train` runs two ranks per pod (node rank from PET_NODE_RANK, or RANK).
 #   3. PyTorchJob with an elastic policy: PET_RDZV_ENDPOINT=<job>-worker-0:PORT,
 #      PET_NNODES=MIN:MAX, PET_MAX_RESTARTS: the pod the endpoint names hosts the rendezvous.
 #   4. Trainer v2's TrainJob (JobSet): PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
@@ -79,26 +80,37 @@ for l in open('$1'):
 "$dtrain" launch --nproc-per-node 2 -- "$dtrain" train "${job[@]}" --metrics "$work/reference.jsonl" \
   > "$work/reference.log" 2>&1 || fail "the reference run failed"
 
-# 1. PyTorchJob v1: one rank per pod, `dtrain train` as the command.
+# 1. PyTorchJob v1: one rank per pod, `dtrain train` as the command (the operator since 1.8 adds
+#    PET_NNODES and PET_NODE_RANK, which dtrain train leaves to a launcher).
 host_a=ptj-master-0 host_b=ptj-worker-0
-ptj="MASTER_ADDR=ptj-master-0 MASTER_PORT=23456 WORLD_SIZE=2 PYTHONUNBUFFERED=0"
-pods 1 0 "$ptj RANK=0" "$ptj RANK=1" "$dtrain" train "${job[@]}" --metrics "$work/ptj.jsonl"
+ptj="MASTER_ADDR=ptj-master-0 MASTER_PORT=23456 WORLD_SIZE=2 PYTHONUNBUFFERED=1 PET_NNODES=2"
+pods 1 0 "$ptj RANK=0 PET_NODE_RANK=0" "$ptj RANK=1 PET_NODE_RANK=1" "$dtrain" train "${job[@]}" \
+  --metrics "$work/ptj.jsonl"
 grep -q "trained 8 steps (global batch 64, 2 ranks, ddp)" "$work/a1.log" || fail "1: no summary"
 diff <(losses "$work/ptj.jsonl") <(losses "$work/reference.jsonl") > /dev/null ||
   fail "1: the PyTorchJob's losses differ from dtrain launch's"
 echo "ok: PyTorchJob (master + worker, RANK/WORLD_SIZE counting pods): losses equal dtrain launch's"
 
-# 2. nprocPerNode: 2: dtrain train alone is refused; dtrain launch runs two ranks in each pod.
-ptj2="$ptj PET_NPROC_PER_NODE=2 PET_NNODES=2"
-pods 2r 2 "$ptj2 RANK=0" "$ptj2 RANK=1" "$dtrain" train "${job[@]}" --no-run-dir
-for log in a2r b2r; do
-  grep -q "count pods while PET_NPROC_PER_NODE=2" "$work/$log.log" || fail "2: $log did not say why"
+# 2. nprocPerNode: 2, as the operator before 1.8 wrote it (WORLD_SIZE counting pods, no
+#    PET_NODE_RANK) and as it does since (WORLD_SIZE = pods x nprocPerNode, PET_NODE_RANK): dtrain
+#    train alone is refused in both pods; dtrain launch runs two ranks in each.
+old_ptj="MASTER_ADDR=ptj-master-0 MASTER_PORT=23456 WORLD_SIZE=2 PET_NPROC_PER_NODE=2"
+new_ptj="MASTER_ADDR=ptj-master-0 MASTER_PORT=23456 WORLD_SIZE=4 PET_NPROC_PER_NODE=2 PET_NNODES=2"
+for operator in old new; do
+  if [[ $operator == old ]]; then va="$old_ptj RANK=0" vb="$old_ptj RANK=1"
+  else va="$new_ptj RANK=0 PET_NODE_RANK=0" vb="$new_ptj RANK=1 PET_NODE_RANK=1"; fi
+  pods 2r$operator 2 "$va" "$vb" "$dtrain" train "${job[@]}" --no-run-dir
+  for log in a2r$operator b2r$operator; do
+    grep -q "numbers a PyTorchJob's pods while PET_NPROC_PER_NODE=2 asks for that many ranks" \
+      "$work/$log.log" || fail "2 ($operator operator): $log did not say why"
+  done
+  pods 2$operator 0 "$va" "$vb" "$dtrain" launch -- "$dtrain" train "${job[@]}" --no-run-dir
+  grep -q "from kubernetes (PET_\*): --nnodes 2 --nproc-per-node 2 --node-rank 1 --master-addr ptj-master-0 --master-port 23456" \
+    "$work/b2$operator.log" || fail "2 ($operator operator): dtrain launch did not take the pod's node"
+  grep -q "trained 8 steps (global batch 128, 4 ranks, ddp)" "$work/a2$operator.log" ||
+    fail "2 ($operator operator): no summary"
 done
-pods 2 0 "$ptj2 RANK=0" "$ptj2 RANK=1" "$dtrain" launch -- "$dtrain" train "${job[@]}" --no-run-dir
-grep -q "from kubernetes (PET_\*): --nnodes 2 --nproc-per-node 2 --node-rank 1 --master-addr ptj-master-0 --master-port 23456" \
-  "$work/b2.log" || fail "2: dtrain launch did not take the pod's node from the environment"
-grep -q "trained 8 steps (global batch 128, 4 ranks, ddp)" "$work/a2.log" || fail "2: no summary"
-echo "ok: PyTorchJob with nprocPerNode 2: dtrain train refused in both pods (exit 2); dtrain launch ran 4 ranks"
+echo "ok: PyTorchJob with nprocPerNode 2 (before and since operator 1.8): dtrain train refused in both pods (exit 2); dtrain launch ran 4 ranks"
 
 # 3. Elastic PyTorchJob: the rendezvous on the pod PET_RDZV_ENDPOINT names.
 host_a=elastic-worker-0 host_b=elastic-worker-1

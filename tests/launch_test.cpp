@@ -111,7 +111,9 @@ TEST(Launcher, AKilledRankIsReportedWithItsSignal) {
 TEST(Launcher, BadOptionsAreOneLineErrors) {
   auto out = run(kDtrain + " launch --nproc-per-node 0 -- true");
   EXPECT_EQ(out.code, 2);
-  EXPECT_TRUE(has(out, "--nproc-per-node must be >= 1")) << out.text;
+  EXPECT_TRUE(
+      has(out, "--nproc-per-node: expects a number of ranks >= 1, auto, cpu or gpu; got '0'"))
+      << out.text;
   out = run(kDtrain + " launch --standalone --nnodes 2 --node-rank 0 -- true");
   EXPECT_EQ(out.code, 2);
   EXPECT_TRUE(has(out, "--standalone is one node; it cannot be given with --nnodes 2")) << out.text;

@@ -151,15 +151,16 @@ RankInfo discover_rank() {
   if (const char* addr = env("MASTER_ADDR")) info.master_addr = addr;
   info.store_hosted_by_launcher = env("DTRAIN_AGENT_STORE") != nullptr;
   // A PyTorchJob's pod started as one rank while the operator asked for several per pod: its
-  // WORLD_SIZE and RANK count pods (a launcher in the pod numbers the ranks, and says so in
-  // LOCAL_WORLD_SIZE / DTRAIN_AGENT_STORE).
+  // RANK is the pod's index (and WORLD_SIZE the pods, or by a later operator the pods times
+  // nprocPerNode); a launcher in the pod numbers the ranks, and says so in LOCAL_WORLD_SIZE /
+  // DTRAIN_AGENT_STORE.
   if (info.source == "env" && env("PET_NPROC_PER_NODE") && !env("LOCAL_WORLD_SIZE") &&
       !info.store_hosted_by_launcher) {
     const std::string per_pod = env("PET_NPROC_PER_NODE");
     DTRAIN_CHECK_INPUT(per_pod.find_first_not_of("0123456789") != std::string::npos ||
                            std::atoi(per_pod.c_str()) <= 1,
-                       "WORLD_SIZE=", info.world_size, " and RANK=", info.rank,
-                       " count pods while PET_NPROC_PER_NODE=", per_pod,
+                       "RANK=", info.rank, " (of WORLD_SIZE=", info.world_size,
+                       ") numbers a PyTorchJob's pods while PET_NPROC_PER_NODE=", per_pod,
                        " asks for that many ranks in each: run `dtrain launch -- dtrain train ...` "
                        "as the container's command (it reads PET_*), or set nprocPerNode: 1");
   }

@@ -280,6 +280,8 @@ struct GptBlockImpl : torch::nn::Module {
     register_module("ln2", ln2);
     if (moe) {
       register_module("moe", moe);
+      // Context parallelism: the balance losses over whole sequences.
+      if (shared.context) moe->set_sequence_group(shared.context);
     } else {
       register_module("fc1", fc1);
       register_module("fc2", fc2);
@@ -631,10 +633,6 @@ void check_context_parallel(const GptConfig& c, int cp, int tp) {
   DTRAIN_CHECK_INPUT(c.dropout == 0,
                      "--dropout with --context-parallel: not built yet (attention's dropout over a "
                      "split sequence); use --dropout 0");
-  DTRAIN_CHECK_INPUT(c.moe_experts == 0 || (c.moe_aux_loss == 0 && c.moe_z_loss == 0),
-                     "--moe-aux-loss / --moe-z-loss with --context-parallel: not built yet (each "
-                     "rank's balance losses would see its part of the sequence only); set both to "
-                     "0 (--moe-bias-rate balances without a loss)");
 }
 
 Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, bool deferred,

@@ -137,7 +137,13 @@ at::Tensor MoeImpl::forward(const at::Tensor& input) {
   stats_ = MoeStats{};
   stats_.tokens = N;
   stats_.load.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + E);
-  const at::Tensor share = counts.to(scores.options()) / static_cast<double>(N * K);
+  at::Tensor share = counts.to(scores.options()) / static_cast<double>(N * K);
+  if (sequence_group_ && sequence_group_->size() > 1 && options.aux_loss > 0) {
+    // f_e over the whole sequences: every part's assignments (the parts are equal).
+    at::Tensor total = counts.to(scores.device(), at::kDouble);
+    sequence_group_->allreduce(total)->wait();
+    share = total.to(scores.options()) / static_cast<double>(N * K * sequence_group_->size());
+  }
   const at::Tensor per_token =
       options.score == "softmax" ? scores : scores / scores.sum(-1, /*keepdim=*/true);
   stats_.aux_loss = static_cast<double>(E) * (share * per_token.mean(0)).sum();

@@ -111,6 +111,11 @@ class MoeImpl : public torch::nn::Module, public tensor::TensorParallelModule {
   bool losses_in_backward() const { return backward_scale_ > 0; }
   /// The sum of the balance losses' values so taken since the last call (unscaled), and zeroes it.
   double take_losses_in_backward();
+  /// The ranks holding the other parts of the same sequences (context parallelism; null or one
+  /// rank: none): the auxiliary loss's f_e then counts their assignments too (an allreduce of E
+  /// counts a forward), so that the mean over the group of each rank's loss is the whole
+  /// sequences' (P_e, and the z-loss, are means over equal parts).
+  void set_sequence_group(comm::CommunicatorPtr group) { sequence_group_ = std::move(group); }
   /// The experts this rank holds: [first_expert(), first_expert() + local_experts()).
   int64_t local_experts() const { return options.experts / expert_ranks_; }
   int64_t first_expert() const { return local_experts() * expert_rank_; }
@@ -136,6 +141,7 @@ class MoeImpl : public torch::nn::Module, public tensor::TensorParallelModule {
   MoeStepCounts step_;
   double backward_scale_ = 0.0, taken_in_backward_ = 0.0;
   comm::CommunicatorPtr expert_parallel_;
+  comm::CommunicatorPtr sequence_group_;
   int expert_ranks_ = 1;
   int expert_rank_ = 0;
 };
