@@ -256,12 +256,26 @@ void expect_input_error(Fn run, const std::string& fragment) {
 class Discovery : public ::testing::Test {
  protected:
   void TearDown() override {
-    for (const char* name :
-         {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-          "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_JOB_NODELIST",
-          "SLURM_JOB_ID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_NODELIST", "SLURM_STEP_ID",
-          "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-          "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
+    for (const char* name : {"RANK",
+                             "WORLD_SIZE",
+                             "LOCAL_RANK",
+                             "LOCAL_WORLD_SIZE",
+                             "MASTER_ADDR",
+                             "MASTER_PORT",
+                             "SLURM_PROCID",
+                             "SLURM_NTASKS",
+                             "SLURM_LOCALID",
+                             "SLURM_NNODES",
+                             "SLURM_JOB_NODELIST",
+                             "SLURM_JOB_ID",
+                             "SLURM_NTASKS_PER_NODE",
+                             "SLURM_STEP_NODELIST",
+                             "SLURM_STEP_ID",
+                             "SLURM_STEP_TASKS_PER_NODE",
+                             "OMPI_COMM_WORLD_RANK",
+                             "OMPI_COMM_WORLD_SIZE",
+                             "OMPI_COMM_WORLD_LOCAL_RANK",
+                             "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
       ::unsetenv(name);
     }
   }
@@ -301,6 +315,15 @@ TEST_F(Discovery, TorchrunSlurmOpenMpiAndSingle) {
   EXPECT_EQ(info.master_port, 20123);
   ::setenv("SLURM_NTASKS_PER_NODE", "3", 1);
   expect_input_error([] { dtrain::launch::discover_rank(); }, "SLURM_NTASKS=8 is not");
+  // A step's own count wins over the batch script's (a step of fewer tasks inherits it)...
+  ::setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2)", 1);
+  EXPECT_EQ(dtrain::launch::discover_rank().local_world_size, 4);
+  // ... and nodes with different counts are refused, naming them.
+  ::setenv("SLURM_STEP_TASKS_PER_NODE", "5,3", 1);
+  expect_input_error([] { dtrain::launch::discover_rank(); }, "the step runs 5,3 tasks");
+  ::setenv("SLURM_STEP_TASKS_PER_NODE", "4(y2)", 1);
+  expect_input_error([] { dtrain::launch::discover_rank(); }, "is not N, N(xM) or a list");
+  ::unsetenv("SLURM_STEP_TASKS_PER_NODE");
   // One node: its own name (loopback) is where its ranks meet.
   ::unsetenv("MASTER_ADDR");
   ::setenv("SLURM_NNODES", "1", 1);

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
+#include <vector>
 
 #include "dtrain/common/Device.h"
 #include "dtrain/common/Error.h"
@@ -95,6 +96,37 @@ std::string slurm_head_address(const std::string& nodelist, int nodes) {
   return chosen;
 }
 
+// Slurm's tasks per node ("2(x3)", "2,2", "4"): the count when every node has the same, else an
+// InputError naming them.
+int even_tasks_per_node(const std::string& text) {
+  std::vector<long> counts;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    char* end = nullptr;
+    const long count = std::strtol(item.c_str(), &end, 10);
+    long repeat = 1;
+    bool well_formed = end != nullptr && end != item.c_str();
+    if (well_formed && *end == '(') {  // N(xM): N on M nodes
+      well_formed = end[1] == 'x';
+      repeat = std::strtol(end + 2, &end, 10);
+      well_formed = well_formed && *end == ')';
+      ++end;
+    }
+    DTRAIN_CHECK_INPUT(well_formed && count >= 1 && repeat >= 1 && *end == '\0',
+                       "Slurm: SLURM_STEP_TASKS_PER_NODE='", text, "' is not N, N(xM) or a list");
+    counts.insert(counts.end(), static_cast<size_t>(repeat), count);
+    at = comma + 1;
+  }
+  for (const long count : counts) {
+    DTRAIN_CHECK_INPUT(count == counts.front(), "Slurm: the step runs ", text,
+                       " tasks on its nodes (SLURM_STEP_TASKS_PER_NODE): every node needs the "
+                       "same number of ranks; give srun --ntasks-per-node N");
+  }
+  return static_cast<int>(counts.front());
+}
+
 // A Slurm job's rendezvous port when MASTER_PORT is not set: one per job, the same on every node
 // and after a requeue.
 int slurm_port() {
@@ -129,8 +161,14 @@ RankInfo discover_rank() {
                        " nodes without --ntasks-per-node (SLURM_TASKS_PER_NODE=",
                        env("SLURM_TASKS_PER_NODE") ? env("SLURM_TASKS_PER_NODE") : "?",
                        "): give sbatch or srun --ntasks-per-node N so each node runs N ranks");
-    info.local_world_size = env("SLURM_NTASKS_PER_NODE") ? env_int("SLURM_NTASKS_PER_NODE", 1)
-                                                         : std::max(1, info.world_size / nodes);
+    // The step's own count (srun's, "2(x3)" or "2,1") before the job's (a batch script's
+    // SLURM_NTASKS_PER_NODE reaches a step of fewer tasks too).
+    if (const char* step = env("SLURM_STEP_TASKS_PER_NODE")) {
+      info.local_world_size = even_tasks_per_node(step);
+    } else {
+      info.local_world_size = env("SLURM_NTASKS_PER_NODE") ? env_int("SLURM_NTASKS_PER_NODE", 1)
+                                                           : std::max(1, info.world_size / nodes);
+    }
     DTRAIN_CHECK_INPUT(
         info.local_world_size >= 1 && info.local_world_size * nodes == info.world_size,
         "Slurm: SLURM_NTASKS=", info.world_size, " is not SLURM_NNODES=", nodes,
