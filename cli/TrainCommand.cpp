@@ -147,18 +147,19 @@ void write_run_files(const dtrain::train::JobConfig& job, const dtrain::train::R
   config << extra("config");
 }
 
-// --tensorboard DIR: made and written to once before any rank starts (a folder it cannot write
-// is one error here, not rank 0's alone mid-start), and the command that shows it.
-void check_tensorboard_folder(const std::string& dir) {
+// --tensorboard DIR: made and written to before this process joins the world (a folder it
+// cannot write is one error on every rank a scheduler started, exit 2, not rank 0's alone
+// mid-start while the others wait); `say`: print the command that shows it.
+void check_tensorboard_folder(const std::string& dir, bool say) {
   if (dir.empty()) return;
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   DTRAIN_CHECK_INPUT(!error, "--tensorboard ", dir, ": cannot create it (", error.message(), ")");
-  const std::string probe = dir + "/.dtrain-write-test";
+  const std::string probe = dir + "/.dtrain-write-test." + std::to_string(::getpid());
   const bool writable = static_cast<bool>(std::ofstream(probe) << "");
   std::filesystem::remove(probe, error);
   DTRAIN_CHECK_INPUT(writable, "--tensorboard ", dir, ": cannot write in it");
-  std::printf("TensorBoard: tensorboard --logdir %s\n", dir.c_str());
+  if (say) std::printf("TensorBoard: tensorboard --logdir %s\n", dir.c_str());
 }
 
 // At the end: where the run's outputs are.
@@ -310,7 +311,7 @@ int run_train(dtrain::train::JobConfig job, const dtrain::train::RunPlan& plan,
   // The run checked once, before any rank starts; ranks (already checked by their launcher, or
   // started by Slurm / mpirun) get the same named errors from run_job itself.
   if (!worker) dtrain::train::validate_job(plan);
-  if (!worker) check_tensorboard_folder(job.trainer.tensorboard_dir);
+  check_tensorboard_folder(job.trainer.tensorboard_dir, /*say=*/!worker);
   if (!worker) {
     open_run_folder(job, plan, args);
   } else {

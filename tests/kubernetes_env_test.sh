@@ -121,7 +121,13 @@ grep -q -- "--node-rank 0 --master-addr elastic-worker-0 --master-port 23457 --m
 grep -q -- "--node-rank" "$work/b3.log" && fail "3: the other pod took a node rank of its own"
 grep -q "trained 8 steps (global batch 64, 2 ranks, ddp)" "$work/a3.log" "$work/b3.log" ||
   fail "3: no summary"
-echo "ok: elastic PyTorchJob: the endpoint's pod hosted the rendezvous, 2 ranks trained"
+# ... and an endpoint given as an address: the pod holding that address hosts it.
+el_ip="PET_RDZV_ENDPOINT=10.235.0.1:23459 PET_NNODES=2:2 PET_NPROC_PER_NODE=1"
+pods 3ip 0 "$el_ip" "$el_ip" "$dtrain" launch -- "$dtrain" train "${job[@]}" --no-run-dir
+grep -q -- "--node-rank 0 --master-addr 10.235.0.1 --master-port 23459" "$work/a3ip.log" ||
+  fail "3: the pod holding the endpoint's address did not host the rendezvous"
+grep -q -- "--node-rank" "$work/b3ip.log" && fail "3: the other pod took a node rank (address)"
+echo "ok: elastic PyTorchJob: the endpoint's pod (by name, and by address) hosted the rendezvous, 2 ranks trained"
 
 # 4. TrainJob (Trainer v2 on JobSet).
 host_a=tj-node-0-0 host_b=tj-node-1-0

@@ -11,7 +11,8 @@
 #   4. stop cleanly on `scancel` (SIGTERM): a checkpoint at the step it stopped, which
 #      `dtrain status` reads from the run folder;
 #   5. fail as on the launcher when n2's rank is killed: named, the job FAILED;
-#   6. refuse a job step without --ntasks-per-node, naming it, exit 2 on every rank.
+#   6. refuse a job step without --ntasks-per-node, naming it, exit 2 on every rank;
+#   7. the same for a --tensorboard folder that cannot be made.
 # The daemons are stopped by their pids and the namespaces removed at the end.
 # Exit 77 (skipped) where Slurm is not installed or namespaces cannot be made.
 # Usage: slurm_test.sh PATH/TO/dtrain PATH/TO/examples/slurm/train.sbatch
@@ -234,3 +235,11 @@ id6=$(on "$a" sbatch --parsable --chdir="$work" --output="$work/uneven.out" --no
   fail "not every rank named --ntasks-per-node"
 on "$a" scontrol show job "$id6" | grep -q "ExitCode=2:0" || fail "the job's exit code is not 2"
 echo "ok: a step without --ntasks-per-node refused by every rank, exit 2"
+
+# 7. A TensorBoard folder that cannot be made: every rank says so before joining, exit 2.
+id7=$(submit board -- "${job[@]}" --tensorboard /proc/dtrain-tensorboard) || fail "sbatch refused"
+[[ $(wait_job "$id7") == FAILED ]] || fail "a bad --tensorboard did not fail the job"
+[[ $(grep -c -- "--tensorboard /proc/dtrain-tensorboard: cannot create it" "$work/board.out") -eq 2 ]] ||
+  fail "not every rank named the --tensorboard folder"
+on "$a" scontrol show job "$id7" | grep -q "ExitCode=2:0" || fail "the job's exit code is not 2"
+echo "ok: a --tensorboard folder that cannot be made refused by every rank, exit 2"

@@ -550,7 +550,7 @@ TEST(TensorBoard, EventsAreTFRecordsWithMaskedCrc32c) {
   std::string path;
   {
     train::TensorBoardWriter writer(dir / "tb");
-    writer.scalar("train/loss", 3, 0.1, 1.0);
+    writer.scalars(3, 1.0, {{"train/loss", 0.1}, {"train/lr", 0.01}});
     writer.text("config", 3, "model = mlp", 1.0);
     path = writer.path();
   }
@@ -572,7 +572,7 @@ TEST(TensorBoard, EventsAreTFRecordsWithMaskedCrc32c) {
     at += 12 + length + 4;
     ++records;
   }
-  EXPECT_EQ(records, 3);  // the file version, the scalar, the text
+  EXPECT_EQ(records, 3);  // the file version, the scalars (one event), the text
   EXPECT_NE(bytes.find("brain.Event:2"), std::string::npos);
   EXPECT_NE(bytes.find("train/loss"), std::string::npos);
 #else

@@ -56,6 +56,14 @@ bool is_loopback(const std::string& host) {
   return (ntohl(address.sin_addr.s_addr) >> 24) == 127;
 }
 
+bool is_local_address(const std::string& host) {
+  if (is_loopback(host)) return false;
+  const sockaddr_in address = resolve(host);
+  char text[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &address.sin_addr, text, sizeof(text));
+  return route_to(host).address == text;
+}
+
 LocalRoute route_to(const std::string& host) {
   sockaddr_in remote = resolve(host);
   remote.sin_port = htons(9);  // connect() on UDP sends nothing: it only picks the route

@@ -1,9 +1,6 @@
 // Environment-variable rank discovery for torchrun-style, Slurm and Open MPI launches.
 #include "dtrain/launch/Environment.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
 #if defined(__GLIBC__)
 #include <unistd.h>
 
@@ -227,8 +224,8 @@ std::pair<std::string, int> split_endpoint(const std::string& text, const char* 
   return {text.substr(0, colon), port};
 }
 
-// Whether `host` is this machine: its host name (or that name's first label), or an address
-// this machine sends from to reach it (a local address) other than loopback.
+// Whether `host` is this machine: its host name (or that name's first label), or one of its own
+// addresses other than loopback.
 bool names_this_host(const std::string& host) {
   char name[256] = {};
   if (::gethostname(name, sizeof(name) - 1) == 0 && name[0] != '\0') {
@@ -236,17 +233,7 @@ bool names_this_host(const std::string& host) {
     if (host == self || host.rfind(self + ".", 0) == 0) return true;
   }
   try {
-    if (is_loopback(host)) return false;
-    // A local address is its own route's source.
-    addrinfo hints{};
-    hints.ai_family = AF_INET;
-    addrinfo* found = nullptr;
-    if (::getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return false;
-    char text[INET_ADDRSTRLEN] = {};
-    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(found->ai_addr)->sin_addr, text,
-                sizeof(text));
-    ::freeaddrinfo(found);
-    return route_to(host).address == text;
+    return is_local_address(host);
   } catch (const Error&) {
     return false;  // does not resolve (yet): the launcher names it when it connects
   }

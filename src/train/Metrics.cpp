@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <utility>
+#include <vector>
 
 #include "dtrain/common/Error.h"
 #include "dtrain/train/TensorBoard.h"
@@ -75,11 +77,13 @@ void MetricsWriter::write(const MetricRecord& record) {
         event != record.end() && std::holds_alternative<std::string>(event->second)
             ? std::get<std::string>(event->second)
             : std::string("metrics");
+    std::vector<std::pair<std::string, double>> values;
     for (const auto& [key, value] : record) {
       if (std::holds_alternative<std::string>(value)) continue;
       const std::string tag = tensorboard_tag(kind, key);
-      if (!tag.empty()) tensorboard_->scalar(tag, last_step_, number(value), wall);
+      if (!tag.empty()) values.emplace_back(tag, number(value));
     }
+    tensorboard_->scalars(last_step_, wall, values);  // one event (and one write) a record
   }
   if (!out_.is_open()) return;
   out_ << to_json_line(record) << '\n';

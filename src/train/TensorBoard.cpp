@@ -107,36 +107,40 @@ TensorBoardWriter::~TensorBoardWriter() = default;
 
 namespace {
 
-// An event holding one summary value for `plugin`: its tensor, to be filled.
-tb::TensorProto* summary_tensor(tb::Event& event, const std::string& tag, int64_t step,
-                                double wall_time, const char* plugin, tb::DataClass data_class,
-                                tb::DataType dtype) {
-  event.set_wall_time(wall_time);
-  event.set_step(step);
+// A summary value of `event` for `plugin`: its tensor (a scalar: no dimensions), to be filled.
+tb::TensorProto* summary_tensor(tb::Event& event, const std::string& tag, const char* plugin,
+                                tb::DataClass data_class, tb::DataType dtype) {
   tb::Summary::Value* summary = event.mutable_summary()->add_value();
   summary->set_tag(tag);
   summary->mutable_metadata()->mutable_plugin_data()->set_plugin_name(plugin);
   summary->mutable_metadata()->set_data_class(data_class);
   tb::TensorProto* tensor = summary->mutable_tensor();
   tensor->set_dtype(dtype);
-  tensor->mutable_tensor_shape();  // a scalar: no dimensions
+  tensor->mutable_tensor_shape();
   return tensor;
 }
 
 }  // namespace
 
-void TensorBoardWriter::scalar(const std::string& tag, int64_t step, double value,
-                               double wall_time) {
+void TensorBoardWriter::scalars(int64_t step, double wall_time,
+                                const std::vector<std::pair<std::string, double>>& values) {
+  if (values.empty()) return;
   tb::Event event;
-  summary_tensor(event, tag, step, wall_time, "scalars", tb::DATA_CLASS_SCALAR, tb::DT_DOUBLE)
-      ->add_double_val(value);
+  event.set_wall_time(wall_time);
+  event.set_step(step);
+  for (const auto& [tag, value] : values) {
+    summary_tensor(event, tag, "scalars", tb::DATA_CLASS_SCALAR, tb::DT_DOUBLE)
+        ->add_double_val(value);
+  }
   impl_->record(serialized(event));
 }
 
 void TensorBoardWriter::text(const std::string& tag, int64_t step, const std::string& markdown,
                              double wall_time) {
   tb::Event event;
-  summary_tensor(event, tag, step, wall_time, "text", tb::DATA_CLASS_TENSOR, tb::DT_STRING)
+  event.set_wall_time(wall_time);
+  event.set_step(step);
+  summary_tensor(event, tag, "text", tb::DATA_CLASS_TENSOR, tb::DT_STRING)
       ->add_string_val(markdown);
   impl_->record(serialized(event));
 }
@@ -148,7 +152,8 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
                ": this build has no protobuf (built with DTRAIN_SERVICES=OFF)");
 }
 TensorBoardWriter::~TensorBoardWriter() = default;
-void TensorBoardWriter::scalar(const std::string&, int64_t, double, double) {}
+void TensorBoardWriter::scalars(int64_t, double,
+                                const std::vector<std::pair<std::string, double>>&) {}
 void TensorBoardWriter::text(const std::string&, int64_t, const std::string&, double) {}
 
 #endif

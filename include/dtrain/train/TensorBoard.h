@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace dtrain::train {
 
@@ -23,7 +25,9 @@ class TensorBoardWriter {
   TensorBoardWriter(const TensorBoardWriter&) = delete;
   TensorBoardWriter& operator=(const TensorBoardWriter&) = delete;
 
-  void scalar(const std::string& tag, int64_t step, double value, double wall_time);
+  /// One event at `step` holding every (tag, value) of `values` (a metrics record's numbers).
+  void scalars(int64_t step, double wall_time,
+               const std::vector<std::pair<std::string, double>>& values);
   void text(const std::string& tag, int64_t step, const std::string& markdown, double wall_time);
   /// The events file's path.
   const std::string& path() const;
