@@ -32,8 +32,9 @@ namespace tp = dtrain::nn::tensor;
 using Named = std::map<std::string, at::Tensor>;
 
 // `llama`: Llama's architecture with grouped-query attention (2 key/value heads for 4 query
-// heads) and a SwiGLU MLP of 24.
-inline models::GptConfig tiny_gpt(bool tied = false, bool llama = false) {
+// heads) and a SwiGLU MLP of 24; `qwen`: and Qwen3's per-head query/key norms, heads 6 wide
+// (not width / heads).
+inline models::GptConfig tiny_gpt(bool tied = false, bool llama = false, bool qwen = false) {
   models::GptConfig c;
   c.vocab = 11;  // not a multiple of 2 or 4: uneven vocabulary blocks
   c.layers = 2;
@@ -45,6 +46,10 @@ inline models::GptConfig tiny_gpt(bool tied = false, bool llama = false) {
     models::llama_preset(c);
     c.kv_heads = 2;
     c.ffn_width = 24;
+  }
+  if (qwen) {
+    c.qk_norm = true;
+    c.head_dim = 6;
   }
   return c;
 }
@@ -137,6 +142,7 @@ struct GridRun {
   bool sequence_parallel = false;
   bool tp_comm_overlap = false;
   bool llama = false;  // tiny_gpt's Llama
+  bool qwen = false;   // and its Qwen3 attention
   /// With a dynamic loss scaler: one element of every split parameter's gradient on TP rank 1
   /// is set to inf in this step (-1 = never), an overflow only that rank sees.
   int overflow_step = -1;
@@ -171,8 +177,8 @@ inline GptData gpt_data(int steps) {
 // Plain single-process training of the serial model (Adam, optional clipping); the optimizer
 // step of `skipped_step` is left out (its batch is still consumed).
 inline Named train_serial(const GptData& d, int steps, double max_grad_norm, bool tied,
-                          int skipped_step = -1, bool llama = false) {
-  Model model = build_gpt(tiny_gpt(tied, llama), nullptr);
+                          int skipped_step = -1, bool llama = false, bool qwen = false) {
+  Model model = build_gpt(tiny_gpt(tied, llama, qwen), nullptr);
   auto optimizer = optim::make_optimizer(model.module->parameters(), test::adam());
   auto order = data::DistributedSampler(d.dataset.size(), 1, 0, {true, 5, true}).indices();
   for (int step = 0; step < steps; ++step) {
@@ -210,7 +216,7 @@ inline double train_on_grid(const GptData& d, int steps, const GridRun& run, con
       run.world,
       [&](const comm::CommunicatorPtr& world) {
         auto grid = std::make_shared<comm::ProcessGrid>(world, run.tp, run.pp);
-        auto config = tiny_gpt(run.tied, run.llama);
+        auto config = tiny_gpt(run.tied, run.llama, run.qwen);
         config.sequence_parallel = run.sequence_parallel;
         config.tp_comm_overlap = run.tp_comm_overlap;
         Model model = build_gpt(config, grid->tp(), run.deferred);

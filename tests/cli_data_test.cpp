@@ -526,6 +526,66 @@ TEST(Cli, MixtralExportsToTransformersAndStartsFromItsWeights) {
   EXPECT_EQ(run(kDtrain + generate + " --checkpoint " + (dir / "shared-again")).text, shared_text);
 }
 
+// Qwen3-MoE out to transformers and back in: a mixture of experts with per-head query/key norms,
+// heads wider than width / heads and a dense first block (the oracle test in llama_test.cpp
+// covers norm_topk_prob false), trained
+// with its experts over 2 ranks, exported as Qwen3-MoE's folder, greedy-decoded by transformers'
+// Qwen3MoeForCausalLM to the text `dtrain generate` gives; the folder starts runs over 2 tensor-
+// parallel ranks and with the experts over 2 ranks, which generate the same. Flags that leave out
+// the head norms are named.
+TEST(Cli, Qwen3MoeExportsToTransformersAndStartsFromItsWeights) {
+  TempDir dir;
+  prepare_fortunes(dir);
+  Output out;
+  const std::string shape =
+      " --config " + std::string(DTRAIN_SOURCE_DIR) +
+      "/configs/moe-tiny.toml --moe-shared-experts 0 --moe-first-dense 1 --moe-experts 4"
+      " --dataset tokens:" +
+      (dir / "data/fortunes") +
+      " --context 16 --layers 2 --width 32 --heads 4 --kv-heads 2 --moe-ffn-width 32 --threads 1"
+      " --head-dim 12 --no-progress --batch-size 8 --warmup-steps 0 ";
+  out = run(kDtrain + " train --nproc 2 --expert-parallel 2" + shape +
+            "--qk-norm --max-steps 300 --lr 0.005 --checkpoint-dir " + (dir / "ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "hf"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  const auto config = nlohmann::json::parse(std::ifstream(dir / "hf/config.json"));
+  EXPECT_EQ(config.at("model_type"), "qwen3_moe");
+  EXPECT_EQ(config.at("num_experts"), 4);
+  EXPECT_EQ(config.at("head_dim"), 12);
+  EXPECT_EQ(config.at("norm_topk_prob"), true);
+  EXPECT_EQ(config.at("mlp_only_layers"), nlohmann::json::array({0}));
+  const auto file = dtrain::nn::SafeTensorsFile::open(dir / "hf/model.safetensors");
+  EXPECT_TRUE(file.contains("model.layers.1.mlp.experts.3.down_proj.weight"));
+  EXPECT_TRUE(file.contains("model.layers.0.mlp.up_proj.weight"));  // the dense block
+  EXPECT_TRUE(file.contains("model.layers.0.self_attn.q_norm.weight"));
+  const std::string generate = " generate --prompt 'The cat' --tokens 12 --temperature 0";
+  out = run(kDtrain + generate + " --checkpoint " + (dir / "ckpt"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  const std::string ours = out.text;
+  EXPECT_EQ(ours.rfind("The cat", 0), 0u) << ours;
+  EXPECT_GT(std::set<char>(ours.begin() + 7, ours.end()).size(), 3u) << ours;  // not one token
+  const auto theirs = transformers_greedy(dir, /*stops_at_eos=*/false);
+  if (theirs) EXPECT_EQ(*theirs, ours);
+
+  for (const char* layout : {"--tensor-parallel 2", "--expert-parallel 2"}) {
+    const std::string folder = std::string("from-") + (layout[2] == 't' ? "tp" : "ep");
+    auto trained = run(kDtrain + " train --nproc 2 " + layout + shape +
+                       "--qk-norm --max-steps 1 --lr 1e-12 --init-from " + (dir / "hf") +
+                       " --checkpoint-dir " + (dir / folder));
+    ASSERT_EQ(trained.code, 0) << layout << "\n" << trained.text;
+    EXPECT_EQ(run(kDtrain + generate + " --checkpoint " + (dir / folder)).text, ours) << layout;
+  }
+  // Flags that leave out the head norms: named, exit 2.
+  out = run(kDtrain + " train --nproc 1" + shape + "--max-steps 1 --init-from " + (dir / "hf") +
+            " --checkpoint-dir " + (dir / "other"));
+  EXPECT_EQ(out.code, 2) << out.text;
+  EXPECT_TRUE(has(out,
+                  "self_attn.q_norm/k_norm (model_type qwen3, qwen3_moe) is on, the "
+                  "model's --qk-norm is off"))
+      << out.text;
+}
+
 // Generation ends where the document does: a Llama trained on one-sentence documents (the
 // end-of-text token between them) stops `dtrain generate` at the end of the sentence (with
 // --ignore-eos it goes on into the next), and transformers' generate() on the exported folder,

@@ -232,6 +232,153 @@ TEST(Llama, MixtralLogitsEqualTransformersAndEachExpertRankReadsItsExperts) {
   });
 }
 
+// Qwen3 and Qwen3-MoE (transformers' Qwen3ForCausalLM, Qwen3MoeForCausalLM): per-head query and
+// key norms, heads 12 wide where hidden_size / heads is 8, and the mixture of experts' first layer
+// dense (mlp_only_layers), its chosen scores not renormalized (norm_topk_prob false). The config
+// and weights read and written back bit for bit; logits within 1e-5 in float32 and 1e-10 in
+// float64, the loss's gradients within 1e-10; over 2 tensor-parallel ranks (each its heads,
+// the head norms' gradients summed over them) and with the experts over 2 ranks, the logits
+// still transformers'.
+TEST(Llama, Qwen3AndQwen3MoeEqualTransformers) {
+  if (!have_transformers()) GTEST_SKIP() << "no transformers in " << kPeerPython;
+  for (const bool moe : {false, true}) {
+    SCOPED_TRACE(moe ? "qwen3_moe" : "qwen3");
+    TempDir dir;
+    const std::string command = kPeerPython + " " + kOracle + " " + dir.path() +
+                                (moe ? " --qwen3-moe" : " --qwen3") + " > " + (dir / "log") +
+                                " 2>&1";
+    ASSERT_EQ(std::system(command.c_str()), 0) << read_text(dir / "log");
+    const models::GptConfig config =
+        models::llama_config_from_hf(read_text(dir / "model/config.json"), "config.json");
+    EXPECT_TRUE(config.qk_norm);
+    EXPECT_EQ(config.head_dim, 12);
+    EXPECT_EQ(config.kv_heads, 2);
+    if (moe) {
+      EXPECT_EQ(config.moe_experts, 4);
+      EXPECT_EQ(config.moe_top_k, 2);
+      EXPECT_EQ(config.moe_ffn_width, 24);
+      EXPECT_EQ(config.ffn_width, 48);
+      EXPECT_EQ(config.moe_first_dense, 1);
+      EXPECT_FALSE(config.moe_normalize);
+    }
+    // Our config.json reads back as the same sizes, and names the same architecture.
+    const std::string ours_json = models::llama_config_to_hf(config);
+    EXPECT_EQ(models::to_json(models::llama_config_from_hf(ours_json, "c")),
+              models::to_json(config));
+    EXPECT_NE(ours_json.find(moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"), std::string::npos);
+    const auto weights = nn::SafeTensorsSet::open(dir / "model");
+    const models::FullTensors full = models::from_hf_llama(weights, config);
+    EXPECT_EQ(full.at("blocks.0.q.weight").sizes(), at::IntArrayRef({48, 32}));
+    EXPECT_EQ(full.at("blocks.0.proj.weight").sizes(), at::IntArrayRef({32, 48}));
+    const nn::NamedTensors back = models::to_hf_llama(full, config);
+    EXPECT_EQ(back.size(), weights.names().size());
+    for (const auto& [name, tensor] : back) {
+      EXPECT_TRUE(at::equal(tensor, weights.get(name))) << name;
+    }
+    EXPECT_EQ(models::gpt_parameter_count(config), [&] {
+      int64_t n = 0;
+      for (const auto& name : weights.names()) n += weights.get(name).numel();
+      return n;
+    }());
+
+    const auto expected = nn::SafeTensorsFile::open(dir / "expected.safetensors");
+    const at::Tensor ids = expected.get("ids");
+    {
+      Model model = models::make_gpt(config);
+      models::load_full_tensors(*model.module, full, "model");
+      model.module->eval();
+      torch::NoGradGuard no_grad;
+      EXPECT_LT((model(ids) - expected.get("logits32")).abs().max().item<double>(), 1e-5);
+      model.module->to(at::kDouble);
+      EXPECT_LT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-10);
+      {
+        torch::AutoGradMode grad(true);
+        EXPECT_NEAR(next_token_gradients(model, config, ids, expected), 0.0, 1e-10);
+      }
+      // The check can fail: the head norms' weights move the logits.
+      model.module->named_parameters()["blocks.1.k_norm.weight"].mul_(1.01);
+      EXPECT_GT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-6);
+    }
+    // Over 2 ranks: tensor-parallel heads (a key/value head each), or the experts split.
+    for (const bool experts : {false, true}) {
+      if (experts && !moe) continue;
+      test::run_ranks(2, [&](const comm::CommunicatorPtr& world) {
+        auto grid = std::make_shared<comm::ProcessGrid>(world, experts ? 1 : 2, 1);
+        if (experts) grid->split_experts(2);
+        Model model = models::make_gpt(config, experts ? nullptr : grid->tp(), false,
+                                       experts ? grid->ep() : nullptr);
+        models::load_weights(
+            *model.module,
+            models::WeightSource::hf_llama(
+                std::make_shared<const nn::SafeTensorsSet>(nn::SafeTensorsSet::open(dir / "model")),
+                config),
+            "model");
+        model.module->eval();
+        torch::NoGradGuard no_grad;
+        at::Tensor logits = model(ids);
+        if (!experts) {  // this rank's block of the vocabulary
+          const auto& head = tp::parameter_splits(*model.module).at("head.out.weight");
+          EXPECT_LT((logits - expected.get("logits32").narrow(-1, head.start, head.length))
+                        .abs()
+                        .max()
+                        .item<double>(),
+                    1e-5)
+              << "rank " << world->rank();
+          EXPECT_EQ(parallel::tensor_parallel_layout(*model.module, *grid).partial.size(), 4u);
+        } else {
+          EXPECT_LT((logits - expected.get("logits32")).abs().max().item<double>(), 1e-5)
+              << "rank " << world->rank();
+        }
+      });
+    }
+  }
+}
+
+// Qwen3's attention (per-head query/key norms, heads wider than width / heads) under tensor
+// parallelism: each rank's head norms see only its heads, their gradients summed over the group
+// (a partial gradient, as sequence parallelism's norms); the model equals the serial one and
+// trains like one process in float64 over TP, DP x PP x TP and TP with sequence parallelism.
+TEST(Llama, Qwen3HeadNormsUnderTensorParallelismTrainLikeOneProcess) {
+  const at::Tensor ids = random_tokens(3, 6, 21);
+  const at::Tensor targets = random_tokens(3, 6, 22);
+  const SerialPass pass = serial_pass(tiny_gpt(false, true, true), ids, targets);
+  EXPECT_EQ(pass.grads.at("blocks.0.q_norm.weight").numel(), 6);
+  EXPECT_EQ(pass.grads.at("blocks.0.q.weight").sizes(), at::IntArrayRef({24, 16}));
+  test::run_ranks(2, [&](const comm::CommunicatorPtr& world) {
+    auto grid = std::make_shared<comm::ProcessGrid>(world, 2, 1);
+    Model model = build_gpt(tiny_gpt(false, true, true), grid->tp());
+    const auto splits = tp::parameter_splits(*model.module);
+    const auto& head = splits.at("head.out.weight");
+    const at::Tensor block = model(ids);
+    EXPECT_LT((block - pass.logits.narrow(-1, head.start, head.length)).abs().max().item<double>(),
+              1e-12);
+    model.loss(block, targets).backward();
+    parallel::TensorParallelLayout layout = parallel::tensor_parallel_layout(*model.module, *grid);
+    EXPECT_EQ(layout.partial.size(), 4u);  // q_norm and k_norm of 2 blocks
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    for (const auto& [name, p] : named_parameters(model)) {
+      params.push_back(p);
+      names.push_back(name);
+    }
+    layout.sum_partial_gradients(params, names);
+    Named grads;
+    for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
+    EXPECT_LT(max_block_diff(grads, pass.grads, splits), 1e-12);
+  });
+  const int steps = 3;
+  const GptData d = gpt_data(steps);
+  const Named serial = train_serial(d, steps, 0.0, false, -1, true, true);
+  GridRun run;
+  run.llama = run.qwen = true;
+  run.world = 2, run.tp = 2;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "TP 2";
+  run.world = 8, run.pp = 2, run.micro = 2, run.strategy = "zero1";
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x PP 2 x TP 2";
+  run.world = 4, run.pp = 1, run.micro = 1, run.strategy = "ddp", run.sequence_parallel = true;
+  EXPECT_LT(train_on_grid(d, steps, run, serial), test::kTightBound) << "DP 2 x TP 2, SP";
+}
+
 // A mixture of experts in Mixtral's names: a missing expert is named, a routing bias Mixtral
 // cannot hold and a layout it has no names for (sigmoid scores, shared experts, dense first
 // blocks) are refused, as is a sliding window shorter than the context.
@@ -261,13 +408,51 @@ TEST(Llama, MixtralFilesAndModelsThatDoNotFitAreNamed) {
   for (const auto& change : std::vector<std::function<void(models::GptConfig&)>>{
            [](models::GptConfig& c) { c.moe_score = "sigmoid"; },
            [](models::GptConfig& c) { c.moe_shared_experts = 1; },
-           [](models::GptConfig& c) { c.moe_first_dense = 1; }}) {
+           [](models::GptConfig& c) { c.moe_first_dense = 1; },
+           [](models::GptConfig& c) { c.moe_normalize = false; }}) {
     models::GptConfig other = config;
     change(other);
     EXPECT_FALSE(models::has_hugging_face_layout(other));
     EXPECT_NE(error_of([&] { models::llama_config_to_hf(other); }).find("is Mixtral's"),
               std::string::npos);
+    // With the head norms, dense first blocks and unnormalized scores are Qwen3-MoE's; sigmoid
+    // scores and shared experts are nobody's.
+    other.qk_norm = true;
+    EXPECT_EQ(models::has_hugging_face_layout(other),
+              other.moe_score == "softmax" && other.moe_shared_experts == 0);
   }
+  // Qwen3-MoE's configs dtrain does not build: named by their fields.
+  const std::string qwen = R"({"model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 16,
+      "intermediate_size": 8, "num_hidden_layers": 4, "num_attention_heads": 4,
+      "max_position_embeddings": 32, "num_experts_per_tok": 2, "num_experts": 4, )";
+  for (const auto& [fields, needle] : std::vector<std::pair<std::string, std::string>>{
+           {R"("mlp_only_layers": [2]})",
+            "mlp_only_layers [2] with decoder_sparse_step 1 make layer 2 dense"},
+           {R"("mlp_only_layers": [0, 1, 2, 3]})", "leave no mixture-of-experts layer of 4"},
+           {R"("use_sliding_window": true, "sliding_window": 16})",
+            "use_sliding_window with sliding_window 16 shorter than max_position_embeddings 32"},
+           {R"("num_experts": 0})", "num_experts 0"},
+           {R"("num_experts_per_tok": 5})", "num_experts_per_tok 5 is not in [1, num_experts 4]"},
+           {R"("head_dim": 7})", "rotary embeddings need an even head width: --head-dim 7"}}) {
+    const std::string text =
+        fields.rfind("\"num_experts\"", 0) == 0
+            ? std::string(qwen).replace(qwen.find("\"num_experts\": 4, "), 19, "") + fields
+            : qwen + fields;
+    const std::string message = error_of([&] { models::llama_config_from_hf(text, "c.json"); });
+    EXPECT_NE(message.find(needle), std::string::npos) << text << "\n" << message;
+  }
+  // ... and what it does: a sparse layer every 2 after a dense one; Qwen3's head width of 128
+  // when none is given.
+  const models::GptConfig every_other = models::llama_config_from_hf(
+      qwen + R"("mlp_only_layers": [0], "decoder_sparse_step": 2})", "c.json");
+  EXPECT_EQ(every_other.moe_first_dense, 1);
+  EXPECT_EQ(every_other.moe_every, 2);
+  EXPECT_EQ(models::head_dim_of(models::llama_config_from_hf(
+                R"({"model_type": "qwen3", "vocab_size": 10, "hidden_size": 16,
+                    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+                    "max_position_embeddings": 32})",
+                "c.json")),
+            128);
   const std::string windowed = R"({"model_type": "mixtral", "vocab_size": 10, "hidden_size": 16,
       "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
       "max_position_embeddings": 32, "num_local_experts": 4, "sliding_window": 16})";

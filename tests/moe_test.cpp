@@ -301,7 +301,9 @@ TEST(Moe, TheBalanceLossesAreAddedToTheModelsLoss) {
 // flags), counted without building it, against the published figures: Mixtral 8x7B's 46.7 B
 // parameters and 12.9 B active per token (46,702,792,704 exactly, with its 32,000-token
 // vocabulary), and DeepSeek-V3's 671 B and 37 B, which dtrain's plain multi-head attention (not
-// its latent attention, MLA) and its missing multi-token prediction put 0.2% and 4.5% above.
+// its latent attention, MLA) and its missing multi-token prediction put 0.2% and 4.5% above, and
+// Qwen3-30B-A3B's 30.5 B and 3.3 B (its heads 128 wide, its per-head query/key norms; 3.35 B
+// active by the count).
 TEST(Moe, TheNamedSizesCountAsPublished) {
   auto read = [](const std::string& name, int64_t vocab) {
     std::ifstream in(std::string(DTRAIN_SOURCE_DIR) + "/configs/" + name);
@@ -319,6 +321,7 @@ TEST(Moe, TheNamedSizesCountAsPublished) {
                                                     {"width", &c.width},
                                                     {"heads", &c.heads},
                                                     {"kv-heads", &c.kv_heads},
+                                                    {"head-dim", &c.head_dim},
                                                     {"ffn-width", &c.ffn_width},
                                                     {"context", &c.context},
                                                     {"moe-experts", &c.moe_experts},
@@ -330,6 +333,10 @@ TEST(Moe, TheNamedSizesCountAsPublished) {
         *ints.at(key) = std::stoll(value);
       } else if (key == "moe-score") {
         c.moe_score = value;
+      } else if (key == "qk-norm") {
+        c.qk_norm = value == "true";
+      } else if (key == "moe-aux-loss") {
+        c.moe_aux_loss = std::stod(value);
       } else if (key == "rope-theta") {
         c.rope_theta = std::stod(value);
       } else if (key == "norm-eps") {
@@ -350,6 +357,12 @@ TEST(Moe, TheNamedSizesCountAsPublished) {
   EXPECT_NEAR(models::gpt_active_parameter_count(deepseek) / 37e9, 1.0, 0.05);
   EXPECT_EQ(deepseek.moe_experts, 256);
   EXPECT_EQ(deepseek.moe_first_dense, 3);
+  const models::GptConfig qwen = read("qwen3-30b-a3b.toml", 151936);
+  EXPECT_NEAR(models::gpt_parameter_count(qwen) / 1e9, 30.5, 0.05);
+  // (3.353 B counted: the model card's 3.3 B keeps one decimal, cut rather than rounded)
+  EXPECT_NEAR(models::gpt_active_parameter_count(qwen) / 3.3e9, 1.0, 0.02);
+  EXPECT_EQ(models::head_dim_of(qwen), 128);
+  EXPECT_TRUE(qwen.qk_norm);
   const models::GptConfig tiny = read("moe-tiny.toml", 100);
   EXPECT_LT(models::gpt_active_parameter_count(tiny), models::gpt_parameter_count(tiny));
 }

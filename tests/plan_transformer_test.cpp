@@ -264,6 +264,32 @@ TEST(Planner, DecodersAreWhatDtrainTrainBuilds) {
       predict(decoder(untied, "llama", untied.vocab, true), cluster_of("h100-dgx", 1), sharded));
 }
 
+// Qwen3-30B-A3B's shape (configs/qwen3-30b-a3b.toml): heads 128 wide where width / heads is 64,
+// per-head query/key norms. The planner counts the parameters and flops dtrain train builds and
+// counts (the query and output projections heads x 128 wide), and prints the flags that build it.
+TEST(Planner, HeadsWiderThanWidthOverHeadsCountAsBuilt) {
+  models::GptConfig qwen;
+  qwen.layers = 48, qwen.width = 2048, qwen.heads = 32, qwen.kv_heads = 4, qwen.head_dim = 128;
+  qwen.qk_norm = true, qwen.context = 4096, qwen.vocab = 151936, qwen.moe_experts = 128;
+  qwen.moe_top_k = 8, qwen.moe_ffn_width = 768;
+  models::llama_preset(qwen);
+  for (const bool flash : {false, true}) {
+    const ModelCost cost = decoder(qwen, "llama", qwen.vocab, flash);
+    EXPECT_EQ(cost.parameters(), models::gpt_parameter_count(qwen));
+    EXPECT_NEAR(cost.model_flops_per_sample() / qwen.context,
+                models::gpt_training_flops_per_token(qwen),
+                1e-12 * models::gpt_training_flops_per_token(qwen));
+    EXPECT_NE(cost.train_flags.find("--head-dim 128 --qk-norm"), std::string::npos)
+        << cost.train_flags;
+    // Attention's products on 32 x 128 columns, not 2048.
+    models::GptConfig narrow = qwen;
+    narrow.head_dim = 0;
+    const ModelCost narrower = decoder(narrow, "llama", qwen.vocab, flash);
+    EXPECT_GT(cost.model_flops_per_sample(), narrower.model_flops_per_sample());
+    EXPECT_EQ(cost.layers[1].kv_elements, 2.0 * 4 * 128 * 4096);
+  }
+}
+
 // A mixture of experts in the planner (issue 81), Mixtral 8x7B's shape: the decoder counts every
 // expert's parameters and the active ones' flops, as dtrain train builds and counts them. Expert
 // parallelism over ep ranks keeps 1/ep of the experts on a rank (and zero1 their optimizer state

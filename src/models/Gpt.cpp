@@ -42,6 +42,7 @@ dtrain::nn::MoeOptions moe_options(const GptConfig& c) {
   o.capacity_factor = c.moe_capacity;
   o.aux_loss = c.moe_aux_loss;
   o.z_loss = c.moe_z_loss;
+  o.normalize = c.moe_normalize;
   return o;
 }
 
@@ -89,9 +90,12 @@ struct Shared {
 };
 
 // LayerNorm (with or without its bias) or RMSNorm (as Hugging Face's LlamaRMSNorm: half-precision
-// inputs normalized in float32). Parameters "weight" and "bias", as torch::nn::LayerNorm's.
+// inputs normalized in float32) over the last `width` features: the model's, or with `width`
+// given each head's RMSNorm (qk_norm). Parameters "weight" and "bias", as torch::nn::LayerNorm's.
 struct NormImpl : torch::nn::Module {
-  NormImpl(const GptConfig& c) : width(c.width), rms(c.norm == "rmsnorm"), eps(c.norm_eps) {
+  explicit NormImpl(const GptConfig& c) : NormImpl(c, c.width, c.norm == "rmsnorm") {}
+  NormImpl(const GptConfig& c, int64_t width_, bool rms_)
+      : width(width_), rms(rms_), eps(c.norm_eps) {
     weight = register_parameter("weight", nn::new_parameter({width}, nn::InitRule::constant(1)));
     if (!rms && c.bias) {
       bias = register_parameter("bias", nn::new_parameter({width}, nn::InitRule::constant(0)));
@@ -225,27 +229,29 @@ struct GptBlockImpl : torch::nn::Module {
         local_heads(c.heads / shared_.size()),
         local_groups(std::max<int64_t>(1, kv_heads_of(c) / shared_.size())),
         group_heads(local_heads / local_groups),
-        head_dim(c.width / c.heads),
+        head_dim(head_dim_of(c)),
         rope(c.position == "rope"),
         rope_theta(c.rope_theta),
         swiglu(c.mlp == "swiglu"),
         ln1(c),
-        qkv(separate
-                ? nullptr
-                : tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.width, 3 * c.width)
-                                               .bias(c.bias)
-                                               .init_std(0.02)
-                                               .sequence_parallel(shared_.sequence_parallel)
-                                               .overlap_comm(shared_.tp_comm_overlap),
-                                           shared_.group)),
-        q(separate ? projection(c, c.width, 1, shared_) : nullptr),
+        qkv(separate ? nullptr
+                     : tp::ColumnParallelLinear(
+                           tp::ColumnParallelLinearOptions(c.width, 3 * c.heads * head_dim_of(c))
+                               .bias(c.bias)
+                               .init_std(0.02)
+                               .sequence_parallel(shared_.sequence_parallel)
+                               .overlap_comm(shared_.tp_comm_overlap),
+                           shared_.group)),
+        q(separate ? projection(c, c.heads * head_dim, 1, shared_) : nullptr),
         k(separate
               ? projection(c, kv_heads_of(c) * head_dim, key_value_replicas(c, shared_), shared_)
               : nullptr),
         v(separate
               ? projection(c, kv_heads_of(c) * head_dim, key_value_replicas(c, shared_), shared_)
               : nullptr),
-        proj(tp::RowParallelLinearOptions(c.width, c.width)
+        q_norm(c.qk_norm ? Norm(c, head_dim, true) : nullptr),
+        k_norm(c.qk_norm ? Norm(c, head_dim, true) : nullptr),
+        proj(tp::RowParallelLinearOptions(c.heads * head_dim, c.width)
                  .bias(c.bias)
                  .init_std(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)))
                  .sequence_parallel(shared_.sequence_parallel),
@@ -275,6 +281,10 @@ struct GptBlockImpl : torch::nn::Module {
       register_module("v", v);
     } else {
       register_module("qkv", qkv);
+    }
+    if (q_norm) {
+      register_module("q_norm", q_norm);
+      register_module("k_norm", k_norm);
     }
     register_module("proj", proj);
     register_module("ln2", ln2);
@@ -337,6 +347,10 @@ struct GptBlockImpl : torch::nn::Module {
                    "later stage: not built)");
       documents = shared.packed->index;
       rope_positions = shared.packed->positions.index_select(1, positions.to(documents.device()));
+    }
+    if (q_norm) {  // each head's queries and keys, before their rotation (Qwen3)
+      query = q_norm(query);
+      key = k_norm(key);
     }
     if (rope) {
       query = rotary(query, rope_theta, rope_positions);
@@ -409,6 +423,7 @@ struct GptBlockImpl : torch::nn::Module {
   bool swiglu;
   Norm ln1;
   tp::ColumnParallelLinear qkv, q, k, v;
+  Norm q_norm, k_norm;  // qk_norm's (null: none)
   tp::RowParallelLinear proj;
   Norm ln2;
   tp::ColumnParallelLinear fc1;
@@ -451,7 +466,10 @@ TORCH_MODULE(GptHead);
 
 struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
   GptImpl(const GptConfig& c, const Shared& shared)
-      : embedding(c, shared), head(nullptr), sequence_parallel(shared.sequence_parallel) {
+      : embedding(c, shared),
+        head(nullptr),
+        sequence_parallel(shared.sequence_parallel),
+        split_heads_norms(c.qk_norm && shared.group) {
     register_module("embedding", embedding);
     for (int64_t i = 0; i < c.layers; ++i) {
       blocks->push_back(GptBlock(c, shared, is_moe_block(c, i)));
@@ -498,11 +516,21 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
 
   tp::ParameterSplits local_splits() const override { return {}; }
   // Under sequence parallelism each rank's LayerNorms, position embeddings and the biases
-  // added after a reduce-scatter see only its part of the sequence.
+  // added after a reduce-scatter see only its part of the sequence. Under tensor parallelism
+  // each rank's heads' norms (qk_norm's weights, shared by the heads) see only its heads.
   std::vector<std::string> partial_gradients() const override {
-    if (!sequence_parallel) return {};
-    std::vector<std::string> wanted{"embedding.position.weight", "head.ln.weight", "head.ln.bias"};
-    for (size_t i = 0; i < blocks->size(); ++i) {
+    std::vector<std::string> wanted;
+    for (size_t i = 0; split_heads_norms && i < blocks->size(); ++i) {
+      const std::string b = "blocks." + std::to_string(i) + ".";
+      wanted.push_back(b + "q_norm.weight");
+      wanted.push_back(b + "k_norm.weight");
+    }
+    if (sequence_parallel) {
+      for (const char* p : {"embedding.position.weight", "head.ln.weight", "head.ln.bias"}) {
+        wanted.push_back(p);
+      }
+    }
+    for (size_t i = 0; sequence_parallel && i < blocks->size(); ++i) {
       const std::string b = "blocks." + std::to_string(i) + ".";
       for (const char* p :
            {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias"}) {
@@ -530,6 +558,7 @@ struct GptImpl : torch::nn::Module, tp::TensorParallelModule {
   // The dropout generators (replayed when a segment is recomputed).
   std::vector<at::Generator> generators;
   bool sequence_parallel = false;
+  bool split_heads_norms = false;  // qk_norm over a tensor-parallel group
 };
 
 }  // namespace
@@ -538,8 +567,11 @@ void validate(const GptConfig& c) {
   DTRAIN_CHECK_INPUT(c.vocab >= 2, "the GPT model needs a vocabulary of at least 2, got ", c.vocab);
   DTRAIN_CHECK_INPUT(c.layers >= 1, "--layers must be >= 1, got ", c.layers);
   DTRAIN_CHECK_INPUT(c.heads >= 1, "--heads must be >= 1, got ", c.heads);
-  DTRAIN_CHECK_INPUT(c.width >= 1 && c.width % c.heads == 0, "--width (", c.width,
-                     ") must be a positive multiple of --heads (", c.heads, ")");
+  DTRAIN_CHECK_INPUT(c.head_dim >= 0, "--head-dim must be >= 0 (0: --width / --heads), got ",
+                     c.head_dim);
+  DTRAIN_CHECK_INPUT(c.width >= 1 && (c.head_dim > 0 || c.width % c.heads == 0), "--width (",
+                     c.width, ") must be a positive multiple of --heads (", c.heads,
+                     "), or give each head's width (--head-dim)");
   DTRAIN_CHECK_INPUT(c.context >= 1, "--context must be >= 1, got ", c.context);
   DTRAIN_CHECK_INPUT(c.dropout >= 0 && c.dropout < 1, "--dropout must be in [0, 1), got ",
                      c.dropout);
@@ -551,9 +583,11 @@ void validate(const GptConfig& c) {
   DTRAIN_CHECK_INPUT(c.norm_eps > 0, "--norm-eps must be > 0, got ", c.norm_eps);
   DTRAIN_CHECK_INPUT(c.position == "learned" || c.position == "rope",
                      "the position embedding must be learned or rope, got '", c.position, "'");
-  DTRAIN_CHECK_INPUT(c.position != "rope" || (c.width / c.heads) % 2 == 0,
-                     "rotary embeddings need an even head width: --width ", c.width, " / --heads ",
-                     c.heads, " is ", c.width / c.heads);
+  DTRAIN_CHECK_INPUT(
+      c.position != "rope" || head_dim_of(c) % 2 == 0,
+      "rotary embeddings need an even head width: ",
+      c.head_dim > 0 ? "--head-dim " : concat("--width ", c.width, " / --heads ", c.heads, " is "),
+      head_dim_of(c));
   DTRAIN_CHECK_INPUT(c.rope_theta > 0, "--rope-theta must be > 0, got ", c.rope_theta);
   DTRAIN_CHECK_INPUT(c.mlp == "gelu" || c.mlp == "swiglu", "the MLP must be gelu or swiglu, got '",
                      c.mlp, "'");
@@ -599,6 +633,10 @@ void llama_preset(GptConfig& c) {
 }
 
 int64_t kv_heads_of(const GptConfig& c) { return c.kv_heads > 0 ? c.kv_heads : c.heads; }
+
+int64_t head_dim_of(const GptConfig& c) {
+  return c.head_dim > 0 ? c.head_dim : c.width / std::max<int64_t>(c.heads, 1);
+}
 
 int64_t ffn_width_of(const GptConfig& c) {
   if (c.ffn_width > 0) return c.ffn_width;
@@ -779,6 +817,9 @@ std::string to_json(const GptConfig& c) {
                       {"rope_theta", c.rope_theta},
                       {"mlp", c.mlp},
                       {"bias", c.bias}};
+  // (written where they differ from the defaults: earlier readers take the file as it was)
+  if (c.head_dim > 0) json["head_dim"] = c.head_dim;
+  if (c.qk_norm) json["qk_norm"] = true;
   if (c.moe_experts > 0) {
     json["moe"] = {{"experts", c.moe_experts},
                    {"top_k", c.moe_top_k},
@@ -790,6 +831,7 @@ std::string to_json(const GptConfig& c) {
                    {"ffn_width", c.moe_ffn_width},
                    {"aux_loss", c.moe_aux_loss},
                    {"z_loss", c.moe_z_loss}};
+    if (!c.moe_normalize) json["moe"]["normalize"] = false;
   }
   return json.dump();
 }
@@ -814,6 +856,8 @@ GptConfig gpt_config_from_json(const std::string& text, const std::string& origi
     c.rope_theta = json.value("rope_theta", c.rope_theta);
     c.mlp = json.value("mlp", c.mlp);
     c.bias = json.value("bias", c.bias);
+    c.head_dim = json.value("head_dim", c.head_dim);
+    c.qk_norm = json.value("qk_norm", c.qk_norm);
     if (json.contains("moe")) {
       const auto& moe = json.at("moe");
       c.moe_experts = moe.at("experts").get<int64_t>();
@@ -826,6 +870,7 @@ GptConfig gpt_config_from_json(const std::string& text, const std::string& origi
       c.moe_ffn_width = moe.at("ffn_width").get<int64_t>();
       c.moe_aux_loss = moe.at("aux_loss").get<double>();
       c.moe_z_loss = moe.at("z_loss").get<double>();
+      c.moe_normalize = moe.value("normalize", c.moe_normalize);
     }
   } catch (const nlohmann::json::exception& e) {
     DTRAIN_THROW(InputError, origin,
@@ -836,12 +881,12 @@ GptConfig gpt_config_from_json(const std::string& text, const std::string& origi
 }
 
 int64_t gpt_parameter_count(const GptConfig& c) {
-  const int64_t w = c.width, d = c.width / c.heads, f = ffn_width_of(c);
+  const int64_t w = c.width, d = head_dim_of(c), f = ffn_width_of(c);
   const int64_t b = c.bias ? 1 : 0;
-  const int64_t qkv = (c.heads + 2 * kv_heads_of(c)) * d;
+  const int64_t qkv = (c.heads + 2 * kv_heads_of(c)) * d, a = c.heads * d;
   const int64_t mlp_in = (c.mlp == "swiglu" ? 2 : 1) * f;
   const int64_t norm = c.norm == "layernorm" ? w * (1 + b) : w;
-  const int64_t block = 2 * norm + (w * qkv + b * qkv) + (w * w + b * w) +
+  const int64_t block = 2 * norm + (c.qk_norm ? 2 * d : 0) + (w * qkv + b * qkv) + (a * w + b * w) +
                         (w * mlp_in + b * mlp_in) + (f * w + b * w);
   int64_t blocks = c.layers * block;
   if (c.moe_experts > 0) {  // an MoE block: the router, E experts and the shared ones
@@ -868,11 +913,11 @@ int64_t gpt_active_parameter_count(const GptConfig& c) {
 }
 
 double gpt_training_flops_per_token(const GptConfig& c) {
-  const int64_t w = c.width, d = c.width / c.heads, f = ffn_width_of(c);
-  const int64_t qkv = (c.heads + 2 * kv_heads_of(c)) * d;
+  const int64_t w = c.width, d = head_dim_of(c), f = ffn_width_of(c);
+  const int64_t qkv = (c.heads + 2 * kv_heads_of(c)) * d, a = c.heads * d;
   const int64_t mlp_in = (c.mlp == "swiglu" ? 2 : 1) * f;
   double matmul_weights =
-      static_cast<double>(c.layers) * static_cast<double>(w * qkv + w * w + w * mlp_in + f * w) +
+      static_cast<double>(c.layers) * static_cast<double>(w * qkv + a * w + w * mlp_in + f * w) +
       static_cast<double>(w) * static_cast<double>(c.vocab);
   if (c.moe_experts > 0) {  // the active weights: the router, top-k experts and the shared ones
     const int64_t fe = expert_ffn_width_of(c);

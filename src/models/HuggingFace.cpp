@@ -4,7 +4,9 @@
 // many key/value heads as query heads dtrain packs them as qkv, rows ordered
 // [head, (query, key, value), head dim]. A mixture of experts is Mixtral's: the router is
 // block_sparse_moe.gate, dtrain's stacked experts ([E, ...]) are experts.J.w1 (gate), w3 (up) and
-// w2 (down), one tensor per expert.
+// w2 (down), one tensor per expert. With per-head query/key norms (qk_norm) the decoder is
+// Qwen3's (self_attn.q_norm, k_norm), its mixture of experts Qwen3-MoE's: mlp.gate, and
+// mlp.experts.J.gate_proj, up_proj and down_proj; its dense blocks are mlp_only_layers.
 #include "dtrain/models/HuggingFace.h"
 
 #include <ATen/ATen.h>
@@ -12,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <set>
 #include <sstream>
 
@@ -27,6 +30,8 @@ namespace {
 
 struct Shapes {
   int64_t width, heads, groups, rep, head_dim, ffn, experts, expert_ffn;
+  int64_t attention;  // heads x head_dim: the query projection's outputs
+  bool qwen;          // Qwen3's names (q_norm and k_norm; Qwen3-MoE's experts)
 };
 
 Shapes shapes_of(const GptConfig& c) {
@@ -35,10 +40,12 @@ Shapes shapes_of(const GptConfig& c) {
   s.heads = c.heads;
   s.groups = kv_heads_of(c);
   s.rep = c.heads / s.groups;
-  s.head_dim = c.width / c.heads;
+  s.head_dim = head_dim_of(c);
   s.ffn = ffn_width_of(c);
   s.experts = c.moe_experts;
   s.expert_ffn = expert_ffn_width_of(c);
+  s.attention = c.heads * s.head_dim;
+  s.qwen = c.qk_norm;
   return s;
 }
 
@@ -62,16 +69,58 @@ bool has_hugging_face_layout(const GptConfig& c, std::string* why) {
     out << "Hugging Face's Llama layout needs the Llama architecture (--model llama): this "
         << "decoder has " << c.norm << ", " << c.position << " positions, a " << c.mlp << " MLP"
         << (c.bias ? " and biases" : "");
-  } else if (c.moe_experts > 0 && (c.moe_score != "softmax" || c.moe_shared_experts > 0 ||
-                                   c.moe_every != 1 || c.moe_first_dense != 0)) {
+  } else if (c.moe_experts > 0 && c.qk_norm &&
+             (c.moe_score != "softmax" || c.moe_shared_experts > 0)) {
+    out << "Hugging Face's layout for a mixture of experts with --qk-norm is Qwen3-MoE's "
+        << "(softmax scores, no shared experts): this model has --moe-score " << c.moe_score
+        << ", --moe-shared-experts " << c.moe_shared_experts;
+  } else if (c.moe_experts > 0 && !c.qk_norm &&
+             (c.moe_score != "softmax" || c.moe_shared_experts > 0 || c.moe_every != 1 ||
+              c.moe_first_dense != 0 || !c.moe_normalize)) {
     out << "Hugging Face's layout for a mixture of experts is Mixtral's (every block routed, "
-        << "softmax scores, no shared experts): this model has --moe-score " << c.moe_score
-        << ", --moe-shared-experts " << c.moe_shared_experts << ", --moe-every " << c.moe_every
-        << ", --moe-first-dense " << c.moe_first_dense;
+        << "softmax scores renormalized over the top k, no shared experts; Qwen3-MoE's with "
+        << "--qk-norm): this model has --moe-score " << c.moe_score << ", --moe-shared-experts "
+        << c.moe_shared_experts << ", --moe-every " << c.moe_every << ", --moe-first-dense "
+        << c.moe_first_dense << (c.moe_normalize ? "" : ", --no-moe-normalize");
   }
   if (why) *why = out.str();
   return out.str().empty();
 }
+
+namespace {
+
+// Qwen3-MoE's sparse layers (mlp_only_layers, decoder_sparse_step) as dtrain's first dense blocks
+// and a period: InputError naming the fields where no such pair gives them.
+void qwen3_moe_layout(const json& j, GptConfig& c, const std::string& origin) {
+  const int64_t step = j.value("decoder_sparse_step", int64_t{1});
+  DTRAIN_CHECK_INPUT(step >= 1, origin, ": decoder_sparse_step ", step, " (must be >= 1)");
+  std::set<int64_t> dense;
+  if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
+    for (const auto& index : j["mlp_only_layers"]) dense.insert(index.get<int64_t>());
+  }
+  std::vector<int64_t> sparse;
+  for (int64_t i = 0; i < c.layers; ++i) {
+    if (!dense.count(i) && (i + 1) % step == 0) sparse.push_back(i);
+  }
+  DTRAIN_CHECK_INPUT(!sparse.empty(), origin, ": mlp_only_layers and decoder_sparse_step ", step,
+                     " leave no mixture-of-experts layer of ", c.layers);
+  c.moe_first_dense = sparse.front();
+  c.moe_every = sparse.size() > 1 ? sparse[1] - sparse[0] : 1;
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const bool ours = is_moe_block(c, i);
+    const bool theirs = std::find(sparse.begin(), sparse.end(), i) != sparse.end();
+    DTRAIN_CHECK_INPUT(ours == theirs, origin, ": mlp_only_layers ",
+                       j.value("mlp_only_layers", json::array()).dump(),
+                       " with decoder_sparse_step ", step, " make layer ", i,
+                       theirs ? " sparse" : " dense",
+                       "; dtrain's layout is dense first blocks, then a mixture of experts every "
+                       "N blocks (--moe-first-dense ",
+                       c.moe_first_dense, " --moe-every ", c.moe_every, " would make it",
+                       ours ? " sparse)" : " dense)");
+  }
+}
+
+}  // namespace
 
 GptConfig llama_config_from_hf(const std::string& text, const std::string& origin) {
   json j;
@@ -82,19 +131,23 @@ GptConfig llama_config_from_hf(const std::string& text, const std::string& origi
   }
   DTRAIN_CHECK_INPUT(j.is_object(), origin, ": not a JSON object");
   const std::string type = j.value("model_type", std::string());
-  DTRAIN_CHECK_INPUT(type == "llama" || type == "mixtral", origin, ": model_type '", type,
-                     "'; dtrain reads Llama and Mixtral configs (model_type llama, mixtral)");
+  DTRAIN_CHECK_INPUT(type == "llama" || type == "mixtral" || type == "qwen3" || type == "qwen3_moe",
+                     origin, ": model_type '", type,
+                     "'; dtrain reads Llama, Mixtral, Qwen3 and Qwen3-MoE configs (model_type "
+                     "llama, mixtral, qwen3, qwen3_moe)");
+  const bool qwen = type == "qwen3" || type == "qwen3_moe";
   GptConfig c;
   llama_preset(c);
+  c.qk_norm = qwen;
   try {
     if (type == "mixtral") {
       c.moe_experts = j.at("num_local_experts").get<int64_t>();
+      const int64_t context = j.at("max_position_embeddings").get<int64_t>();
       c.moe_top_k = j.value("num_experts_per_tok", int64_t{2});
       c.moe_ffn_width = j.at("intermediate_size").get<int64_t>();
       c.moe_aux_loss = j.value("router_aux_loss_coef", 0.001);
       // Mixtral's own default (transformers' MixtralConfig.default_theta).
       c.rope_theta = 1000000.0;
-      const int64_t context = j.at("max_position_embeddings").get<int64_t>();
       if (j.contains("sliding_window") && !j["sliding_window"].is_null()) {
         const int64_t window = j["sliding_window"].get<int64_t>();
         DTRAIN_CHECK_INPUT(window >= context, origin, ": sliding_window ", window,
@@ -111,6 +164,28 @@ GptConfig llama_config_from_hf(const std::string& text, const std::string& origi
     c.context = j.at("max_position_embeddings").get<int64_t>();
     c.norm_eps = j.value("rms_norm_eps", 1e-6);
     c.tied_embeddings = j.value("tie_word_embeddings", false);
+    const int64_t context = c.context;
+    if (qwen && j.value("use_sliding_window", false) && j.contains("sliding_window") &&
+        !j["sliding_window"].is_null()) {
+      const int64_t window = j["sliding_window"].get<int64_t>();
+      DTRAIN_CHECK_INPUT(window >= context, origin, ": use_sliding_window with sliding_window ",
+                         window, " shorter than max_position_embeddings ", context,
+                         " (dtrain's attention sees the whole context)");
+    }
+    if (type == "qwen3_moe") {  // (num_local_experts: transformers' attribute name for it)
+      c.moe_experts = j.contains("num_experts") ? j.at("num_experts").get<int64_t>()
+                                                : j.at("num_local_experts").get<int64_t>();
+      c.moe_top_k = j.value("num_experts_per_tok", int64_t{8});
+      c.moe_ffn_width = j.value("moe_intermediate_size", int64_t{768});
+      c.moe_normalize = j.value("norm_topk_prob", false);
+      c.moe_aux_loss = j.value("router_aux_loss_coef", 0.001);
+      DTRAIN_CHECK_INPUT(c.moe_experts > 0, origin, ": num_experts ", c.moe_experts,
+                         " (a Qwen3-MoE without experts)");
+      DTRAIN_CHECK_INPUT(c.moe_top_k >= 1 && c.moe_top_k <= c.moe_experts, origin,
+                         ": num_experts_per_tok ", c.moe_top_k, " is not in [1, num_experts ",
+                         c.moe_experts, "]");
+      qwen3_moe_layout(j, c, origin);
+    }
     c.rope_theta = j.value("rope_theta", type == "mixtral" ? c.rope_theta : 10000.0);
     if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
       const auto& rope = j["rope_parameters"];
@@ -127,12 +202,12 @@ GptConfig llama_config_from_hf(const std::string& text, const std::string& origi
     DTRAIN_CHECK_INPUT(act == "silu", origin, ": hidden_act '", act, "' (dtrain's SwiGLU is silu)");
     DTRAIN_CHECK_INPUT(!j.value("attention_bias", false) && !j.value("mlp_bias", false), origin,
                        ": attention_bias or mlp_bias is set (dtrain's Llama has no biases)");
-    if (j.contains("head_dim") && !j["head_dim"].is_null() && c.heads > 0) {
-      const int64_t head_dim = j["head_dim"].get<int64_t>();
-      DTRAIN_CHECK_INPUT(head_dim * c.heads == c.width, origin, ": head_dim ", head_dim,
-                         " is not hidden_size / num_attention_heads (", c.width, " / ", c.heads,
-                         ")");
-    }
+    // Qwen3's head width is 128 unless given (transformers' Qwen3Config); the others' width /
+    // heads. Kept as 0 where it is that.
+    int64_t head_dim = type == "qwen3" ? 128 : 0;
+    if (j.contains("head_dim") && !j["head_dim"].is_null()) head_dim = j["head_dim"].get<int64_t>();
+    DTRAIN_CHECK_INPUT(head_dim >= 0, origin, ": head_dim ", head_dim, " (must be > 0)");
+    c.head_dim = c.heads > 0 && head_dim * c.heads == c.width ? 0 : head_dim;
   } catch (const json::exception& e) {
     DTRAIN_THROW(InputError, origin, ": ", json_error_text(e.what()));
   }
@@ -148,16 +223,20 @@ std::string llama_config_to_hf(const GptConfig& c, const std::string& dtype, int
   check_llama(c);
   const Shapes s = shapes_of(c);
   const bool moe = c.moe_experts > 0;
+  const char* architecture = s.qwen ? (moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM")
+                                    : (moe ? "MixtralForCausalLM" : "LlamaForCausalLM");
+  const char* type = s.qwen ? (moe ? "qwen3_moe" : "qwen3") : (moe ? "mixtral" : "llama");
   json j = {
-      {"architectures", {moe ? "MixtralForCausalLM" : "LlamaForCausalLM"}},
-      {"model_type", moe ? "mixtral" : "llama"},
+      {"architectures", {architecture}},
+      {"model_type", type},
       {"vocab_size", c.vocab},
       {"hidden_size", c.width},
-      {"intermediate_size", moe ? s.expert_ffn : s.ffn},
+      // (Mixtral's is each expert's; Qwen3-MoE's the dense blocks')
+      {"intermediate_size", moe && !s.qwen ? s.expert_ffn : s.ffn},
       {"num_hidden_layers", c.layers},
       {"num_attention_heads", c.heads},
       {"num_key_value_heads", kv_heads_of(c)},
-      {"head_dim", c.width / c.heads},
+      {"head_dim", s.head_dim},
       {"max_position_embeddings", c.context},
       {"rms_norm_eps", c.norm_eps},
       {"rope_theta", c.rope_theta},
@@ -171,7 +250,25 @@ std::string llama_config_to_hf(const GptConfig& c, const std::string& dtype, int
       {"dtype", dtype},
       {"torch_dtype", dtype},
   };
-  if (moe) {
+  if (s.qwen) {
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = nullptr;
+    j["max_window_layers"] = c.layers;
+  }
+  if (moe && s.qwen) {
+    j["num_experts"] = c.moe_experts;
+    j["num_experts_per_tok"] = c.moe_top_k;
+    j["moe_intermediate_size"] = s.expert_ffn;
+    j["norm_topk_prob"] = c.moe_normalize;
+    j["decoder_sparse_step"] = 1;
+    json dense = json::array();
+    for (int64_t i = 0; i < c.layers; ++i) {
+      if (!is_moe_block(c, i)) dense.push_back(i);
+    }
+    j["mlp_only_layers"] = dense;
+    j["router_aux_loss_coef"] = c.moe_aux_loss;
+    j["output_router_logits"] = false;
+  } else if (moe) {
     j["num_local_experts"] = c.moe_experts;
     j["num_experts_per_tok"] = c.moe_top_k;
     j["router_aux_loss_coef"] = c.moe_aux_loss;
@@ -208,21 +305,27 @@ nn::NamedTensors to_hf_llama(const FullTensors& ours, const GptConfig& c) {
                        qkv.select(1, part).reshape({s.heads * s.head_dim, s.width})});
       }
     }
+    if (s.qwen) {
+      out.push_back({layer(i) + "self_attn.q_norm.weight", get(block(i) + "q_norm.weight")});
+      out.push_back({layer(i) + "self_attn.k_norm.weight", get(block(i) + "k_norm.weight")});
+    }
     out.push_back({layer(i) + "self_attn.o_proj.weight", get(block(i) + "proj.weight")});
-    if (s.experts > 0) {
-      const std::string m = layer(i) + "block_sparse_moe.", b = block(i) + "moe.";
+    if (is_moe_block(c, i)) {
+      const std::string m = layer(i) + (s.qwen ? "mlp." : "block_sparse_moe."),
+                        b = block(i) + "moe.";
       const auto bias = ours.find(b + "expert_bias");
       DTRAIN_CHECK_INPUT(bias == ours.end() || !bias->second.ne(0).any().item<bool>(), b,
-                         "expert_bias is not zero (--moe-bias-rate moved it): Mixtral's layout "
-                         "has no routing bias, and without it the tokens would go to other "
-                         "experts; export the checkpoint in dtrain's names instead");
+                         "expert_bias is not zero (--moe-bias-rate moved it): ",
+                         s.qwen ? "Qwen3-MoE's" : "Mixtral's",
+                         " layout has no routing bias, and without it the tokens would go to "
+                         "other experts; export the checkpoint in dtrain's names instead");
       out.push_back({m + "gate.weight", get(b + "router")});
       const at::Tensor gate = get(b + "gate"), up = get(b + "up"), down = get(b + "down");
       for (int64_t e = 0; e < s.experts; ++e) {
         const std::string x = m + "experts." + std::to_string(e) + ".";
-        out.push_back({x + "w1.weight", gate[e]});
-        out.push_back({x + "w2.weight", down[e]});
-        out.push_back({x + "w3.weight", up[e]});
+        out.push_back({x + (s.qwen ? "gate_proj.weight" : "w1.weight"), gate[e]});
+        out.push_back({x + (s.qwen ? "down_proj.weight" : "w2.weight"), down[e]});
+        out.push_back({x + (s.qwen ? "up_proj.weight" : "w3.weight"), up[e]});
       }
     } else {
       const at::Tensor fc1 = get(block(i) + "fc1.weight").view({s.ffn, 2, s.width});
@@ -257,7 +360,8 @@ void moe_entries(Entries& e, const std::string& l, const std::string& ours, cons
                  const nn::SafeTensorsSet& w, Check& check) {
   using Read = WeightSource::Read;
   const int64_t E = s.experts, F = s.expert_ffn, W = s.width;
-  const std::string m = l + (w.contains(l + "mlp.gate.weight") ? "mlp." : "block_sparse_moe.");
+  const std::string m =
+      l + (s.qwen || w.contains(l + "mlp.gate.weight") ? "mlp." : "block_sparse_moe.");
   e[ours + "router"] = {{E, W}, {check(m + "gate.weight", {E, W})}, 1};
   e[ours + "expert_bias"] = {{E}, {}, 1, at::zeros({E})};  // (none in Mixtral's layout)
   if (w.contains(m + "experts.gate_up_proj")) {
@@ -293,9 +397,9 @@ void moe_entries(Entries& e, const std::string& l, const std::string& ours, cons
       return at::stack(experts);
     };
   };
-  per_expert("gate", "w1.weight", {F, W});
-  per_expert("up", "w3.weight", {F, W});
-  per_expert("down", "w2.weight", {W, F});
+  per_expert("gate", s.qwen ? "gate_proj.weight" : "w1.weight", {F, W});
+  per_expert("up", s.qwen ? "up_proj.weight" : "w3.weight", {F, W});
+  per_expert("down", s.qwen ? "down_proj.weight" : "w2.weight", {W, F});
 }
 
 WeightSource WeightSource::hf_llama(std::shared_ptr<const nn::SafeTensorsSet> weights,
@@ -321,19 +425,25 @@ WeightSource WeightSource::hf_llama(std::shared_ptr<const nn::SafeTensorsSet> we
       {c.vocab, s.width}, {check("model.embed_tokens.weight", {c.vocab, s.width})}, 1};
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string l = layer(i), b = block(i);
-    const std::string q = check(l + "self_attn.q_proj.weight", {s.heads * s.head_dim, s.width});
+    const std::string q = check(l + "self_attn.q_proj.weight", {s.attention, s.width});
     const std::string k = check(l + "self_attn.k_proj.weight", {s.groups * s.head_dim, s.width});
     const std::string v = check(l + "self_attn.v_proj.weight", {s.groups * s.head_dim, s.width});
     if (s.rep > 1) {
-      e[b + "q.weight"] = {{s.heads * s.head_dim, s.width}, {q}, 1};
+      e[b + "q.weight"] = {{s.attention, s.width}, {q}, 1};
       e[b + "k.weight"] = {{s.groups * s.head_dim, s.width}, {k}, 1};
       e[b + "v.weight"] = {{s.groups * s.head_dim, s.width}, {v}, 1};
     } else {  // [head, (query, key, value), head dim]
-      e[b + "qkv.weight"] = {{3 * s.heads * s.head_dim, s.width}, {q, k, v}, s.head_dim};
+      e[b + "qkv.weight"] = {{3 * s.attention, s.width}, {q, k, v}, s.head_dim};
+    }
+    if (s.qwen) {
+      e[b + "q_norm.weight"] = {
+          {s.head_dim}, {check(l + "self_attn.q_norm.weight", {s.head_dim})}, 1};
+      e[b + "k_norm.weight"] = {
+          {s.head_dim}, {check(l + "self_attn.k_norm.weight", {s.head_dim})}, 1};
     }
     e[b + "proj.weight"] = {
-        {s.width, s.width}, {check(l + "self_attn.o_proj.weight", {s.width, s.width})}, 1};
-    if (s.experts > 0) {
+        {s.width, s.attention}, {check(l + "self_attn.o_proj.weight", {s.width, s.attention})}, 1};
+    if (is_moe_block(c, i)) {
       moe_entries(e, l, b + "moe.", s, w, check);
     } else {
       // fc1's rows: gate 0, up 0, gate 1, ...

@@ -347,7 +347,16 @@ FlagGroup<ModelSpec> decoder_flags() {
             flags.add("--kv-heads", gpt.kv_heads,
                       "gpt, llama: key/value heads, grouped-query attention (0 = --heads; must "
                       "divide it)");
-            flags.add("--width", gpt.width, "gpt, llama: model width (a multiple of --heads)");
+            flags.add("--width", gpt.width,
+                      "gpt, llama: model width (a multiple of --heads unless --head-dim is given)");
+            flags.add("--head-dim", gpt.head_dim,
+                      "gpt, llama: each attention head's width (0 = --width / --heads; Qwen3's "
+                      "head_dim)");
+            flags
+                .add("--qk-norm", gpt.qk_norm,
+                     "gpt, llama: RMSNorm over each head's queries and keys before the rotary "
+                     "embeddings (Qwen3's q_norm and k_norm)")
+                .show_default = false;
             flags.add("--ffn-width", gpt.ffn_width,
                       "gpt, llama: the MLP's hidden width (0 = 4 x --width for gpt; llama: 8/3 "
                       "x --width rounded up to a multiple of 64)");
@@ -376,6 +385,9 @@ FlagGroup<ModelSpec> decoder_flags() {
             flags.add("--moe-score", gpt.moe_score,
                       "llama: the router's scores: softmax (Mixtral, Qwen3-MoE) or sigmoid "
                       "(DeepSeek-V3)");
+            flags.add_negated("--no-moe-normalize", gpt.moe_normalize,
+                              "llama: the top k's scores as they are, not divided by their sum "
+                              "(Qwen3-MoE's norm_topk_prob false)");
             flags.add("--moe-ffn-width", gpt.moe_ffn_width,
                       "llama: each expert's hidden width (0 = --ffn-width's)");
             flags.add("--moe-aux-loss", gpt.moe_aux_loss,

@@ -78,13 +78,20 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
   DTRAIN_CHECK_INPUT(shape.layers > 0 && shape.hidden > 0 && shape.heads > 0 &&
                          shape.sequence > 0 && shape.vocabulary > 0,
                      "a transformer needs layers, hidden, heads, seq and vocab > 0");
-  DTRAIN_CHECK_INPUT(shape.hidden % shape.heads == 0, "transformer: hidden ", shape.hidden,
-                     " is not divisible by heads ", shape.heads);
+  DTRAIN_CHECK_INPUT(shape.head_dim > 0 || shape.hidden % shape.heads == 0, "transformer: hidden ",
+                     shape.hidden, " is not divisible by heads ", shape.heads,
+                     " (give the head width)");
   const int kv_heads = shape.kv_heads > 0 ? shape.kv_heads : shape.heads;
   DTRAIN_CHECK_INPUT(shape.heads % kv_heads == 0, "transformer: kv heads ", kv_heads,
                      " do not divide heads ", shape.heads);
-  // Grouped-query attention: K and V have g h columns each.
+  // Grouped-query attention: K and V have g x ah columns each, where ah = heads x head width is
+  // the query's and the output projection's (h unless the head width is given).
   const double g = static_cast<double>(kv_heads) / shape.heads;
+  const double ah = shape.head_dim > 0 ? a * shape.head_dim : h;
+  // Qwen3's head norms: RMSNorm of the queries' and keys' ah (1 + g) elements, one weight of
+  // head_dim each, replicated over TP.
+  const double qk_norms = shape.qk_norm ? 2 * ah / a : 0;
+  const double qk_norm_elements = shape.qk_norm ? 2 * ah * (1 + g) : 0;
   const double bias = shape.bias ? 1 : 0;
   const double norm = shape.rmsnorm ? h : h * (1 + bias);  // one norm's parameters
   const double mlp_in = shape.swiglu ? 2 * f : f;          // the MLP's first projection(s)
@@ -128,18 +135,18 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
   // attention's dropout output is softmax's (2 a s^2 bytes).
   const double mlp_elementwise = shape.swiglu ? 5 * f : 2 * f;
   const double mlp_saved = shape.swiglu ? 3 * f : 2 * f;
-  const double rope_elementwise = shape.rope ? 3 * h * (1 + g) : 0;
+  const double rope_elementwise = shape.rope ? 3 * ah * (1 + g) : 0;
   model.experts = shape.experts;
   for (int i = 0; i < shape.layers; ++i) {
     Layer block;
     block.name = concat("block.", i);
-    const double qkv = h * (1 + 2 * g);
-    block.parameters = static_cast<int64_t>(2 * norm + (h + bias) * qkv + (h + bias) * h +
-                                            (h + bias) * mlp_in + (f + bias) * h);
-    block.matmul_flops = 2 * s * (h * qkv + h * h + h * mlp_in + f * h) + 4 * s * s * h;
+    const double qkv = ah * (1 + 2 * g);
+    block.parameters = static_cast<int64_t>(2 * norm + qk_norms + (h + bias) * qkv +
+                                            (ah + bias) * h + (h + bias) * mlp_in + (f + bias) * h);
+    block.matmul_flops = 2 * s * (h * qkv + ah * h + h * mlp_in + f * h) + 4 * s * s * ah;
     block.matmul_dim = h;
     block.gemms = {{s, qkv, h, Gemm::Columns},
-                   {s, h, h, Gemm::Inner},
+                   {s, h, ah, Gemm::Inner},
                    {s, mlp_in, h, Gemm::Columns},
                    {s, h, f, Gemm::Inner}};
     const bool moe = shape.experts > 0 && i >= shape.moe_first_dense &&
@@ -148,42 +155,42 @@ ModelCost transformer(const TransformerShape& shape, const std::string& name) {
     // 3 a s above counts the mask); written out, the scale (2), masked_fill (2 + its mask) and
     // softmax (2) pass over them three times.
     const double score_passes = shape.fused_softmax ? 3 : 6;
-    block.elementwise_elements =
-        s * (10 * h + 2 * qkv + 2 * h + 6 * drop * h + mlp_elementwise + rope_elementwise) +
-        (score_passes + 2 * drop) * a * s * s;
+    block.elementwise_elements = s * (10 * h + 2 * qkv + 2 * ah + 6 * drop * h + mlp_elementwise +
+                                      rope_elementwise + qk_norm_elements) +
+                                 (score_passes + 2 * drop) * a * s * s;
     block.kernels = 18 + 4 * drop + (shape.fused_softmax ? 0 : 2) + (shape.swiglu ? 1 : 0) +
-                    (shape.rope ? 2 : 0);
-    block.saved_elements =
-        s * (4 * h + qkv + h + mlp_saved) + drop * s * h + (1 + 1.5 * drop) * a * s * s;
+                    (shape.rope ? 2 : 0) + (shape.qk_norm ? 2 : 0);
+    block.saved_elements = s * (4 * h + qkv + ah + mlp_saved + qk_norm_elements / 2) +
+                           drop * s * h + (1 + 1.5 * drop) * a * s * s;
     block.replicated_saved_elements = (4 + drop) * s * h;
     // Selective recomputation: softmax's output, the dropout mask and its output (a s^2 each,
     // the mask half an element) go; the scores and the weighted sum are computed again.
     block.attention_saved_elements = (1 + 1.5 * drop) * a * s * s;
-    block.attention_flops = 4 * s * s * h;
+    block.attention_flops = 4 * s * s * ah;
     block.attention_elements = (score_passes + 2 * drop) * a * s * s;
     block.attention_kernels = (shape.fused_softmax ? 3 : 5) + 2 * drop;
     block.output_elements = s * h;
     block.tensor_parallel = true;
     block.tp_allreduces = 2;
     block.column_parallel_flops = 2 * s * (h * qkv + h * mlp_in);
-    // 2 norms, the row-parallel layers' biases
-    block.replicated_parameters = static_cast<int64_t>(2 * norm + 2 * bias * h);
+    // 2 norms (and the head norms), the row-parallel layers' biases
+    block.replicated_parameters = static_cast<int64_t>(2 * norm + qk_norms + 2 * bias * h);
     block.block = true;
-    block.kv_elements = 2 * g * s * h;
-    block.qkvo_elements = (2 + 2 * g) * s * h;
-    block.core_flops = (shape.flash ? 2 : 4) * s * s * h;
+    block.kv_elements = 2 * g * s * ah;
+    block.qkvo_elements = (2 + 2 * g) * s * ah;
+    block.core_flops = (shape.flash ? 2 : 4) * s * s * ah;
     if (shape.flash) {
       // One kernel reads Q, K, V and writes the output (and its log-sum-exp per row, kept for
       // backward, in fp32); no score or mask tensor exists; of the 4 s^2 h flops only the
       // blocks on and below the diagonal are computed (half), and backward computes the scores
       // (half of 2 s^2 h) again. Selective recomputation has nothing left to drop.
       block.elementwise_elements -= block.attention_elements;
-      block.elementwise_elements += 4 * s * h;
+      block.elementwise_elements += 4 * s * ah;
       block.saved_elements -= block.attention_saved_elements;
       block.saved_elements += 2 * a * s;
       block.kernels -= block.attention_kernels - 1;
-      block.skipped_flops = 2 * s * s * h;
-      block.recomputed_backward_flops = s * s * h;
+      block.skipped_flops = 2 * s * s * ah;
+      block.recomputed_backward_flops = s * s * ah;
       block.attention_saved_elements = 0;
       block.attention_flops = 0;
       block.attention_elements = 0;
@@ -239,6 +246,8 @@ ModelCost decoder(const models::GptConfig& config, const std::string& model, int
   shape.rope = config.position == "rope";
   shape.rmsnorm = config.norm == "rmsnorm";
   shape.bias = config.bias;
+  shape.head_dim = static_cast<int>(config.head_dim);
+  shape.qk_norm = config.qk_norm;
   ModelCost cost = transformer(
       shape,
       concat(model, " (", config.layers, " layers, width ", config.width, ", ", config.heads,
@@ -247,8 +256,10 @@ ModelCost decoder(const models::GptConfig& config, const std::string& model, int
              ", context ", config.context, ", vocabulary ", vocabulary, ")"));
   cost.train_flags = concat(
       "--model ", model, " --layers ", config.layers, " --width ", config.width, " --heads ",
-      config.heads, " --kv-heads ", shape.kv_heads, " --ffn-width ", shape.ffn, " --context ",
-      config.context, config.tied_embeddings ? " --tied-embeddings" : "",
+      config.heads, " --kv-heads ", shape.kv_heads,
+      config.head_dim > 0 ? concat(" --head-dim ", config.head_dim) : std::string(),
+      config.qk_norm ? " --qk-norm" : "", " --ffn-width ", shape.ffn, " --context ", config.context,
+      config.tied_embeddings ? " --tied-embeddings" : "",
       config.dropout > 0 ? concat(" --dropout ", config.dropout) : std::string(),
       shape.rope && config.rope_theta != models::GptConfig{}.rope_theta
           ? concat(" --rope-theta ", config.rope_theta)
@@ -259,7 +270,8 @@ ModelCost decoder(const models::GptConfig& config, const std::string& model, int
           ? concat(" --moe-experts ", config.moe_experts, " --moe-top-k ", config.moe_top_k,
                    " --moe-ffn-width ", shape.expert_ffn, " --moe-shared-experts ",
                    config.moe_shared_experts, " --moe-every ", config.moe_every,
-                   " --moe-first-dense ", config.moe_first_dense)
+                   " --moe-first-dense ", config.moe_first_dense,
+                   config.moe_normalize ? "" : " --no-moe-normalize")
           : std::string());
   cost.kv_heads = shape.kv_heads;
   cost.tied_embeddings = config.tied_embeddings;

@@ -42,8 +42,25 @@ void check_against_flags(const models::GptConfig& file, const models::GptConfig&
   };
   same("vocab_size", "vocabulary (--vocab-size, or the data's)", file.vocab, model.vocab);
   same("hidden_size", "--width", file.width, model.width);
-  same("num_local_experts", "--moe-experts", file.moe_experts, model.moe_experts);
-  if (model.moe_experts > 0) {  // Mixtral: every block routed, intermediate_size each expert's
+  auto on = [](bool value) { return value ? "on" : "off"; };
+  same("self_attn.q_norm/k_norm (model_type qwen3, qwen3_moe)", "--qk-norm", on(file.qk_norm),
+       on(model.qk_norm));
+  same("head_dim", "--head-dim", models::head_dim_of(file), models::head_dim_of(model));
+  same(file.qk_norm ? "num_experts" : "num_local_experts", "--moe-experts", file.moe_experts,
+       model.moe_experts);
+  if (model.moe_experts > 0 && model.qk_norm) {  // Qwen3-MoE: dense blocks possible
+    same("moe_intermediate_size", "--moe-ffn-width", models::expert_ffn_width_of(file),
+         models::expert_ffn_width_of(model));
+    same("intermediate_size", "--ffn-width", models::ffn_width_of(file),
+         models::ffn_width_of(model));
+    same("num_experts_per_tok", "--moe-top-k", file.moe_top_k, model.moe_top_k);
+    same("norm_topk_prob", "normalization (--no-moe-normalize turns it off)",
+         on(file.moe_normalize), on(model.moe_normalize));
+    same("mlp_only_layers' first sparse layer", "--moe-first-dense", file.moe_first_dense,
+         model.moe_first_dense);
+    same("mlp_only_layers' period", "--moe-every", file.moe_every, model.moe_every);
+  } else if (model.moe_experts > 0) {  // Mixtral: every block routed, intermediate_size each
+                                       // expert's
     same("intermediate_size", "--moe-ffn-width", models::expert_ffn_width_of(file),
          models::expert_ffn_width_of(model));
     same("num_experts_per_tok", "--moe-top-k", file.moe_top_k, model.moe_top_k);
@@ -144,9 +161,7 @@ models::WeightSource open_weights(const models::ModelSpec& spec, const std::stri
   DTRAIN_CHECK_INPUT(models::is_llama_architecture(config), "--init-from ", path,
                      " holds Hugging Face Llama weights; --model ", spec.name,
                      " is not a Llama-architecture decoder (--model llama)");
-  std::string why;
-  DTRAIN_CHECK_INPUT(models::has_hugging_face_layout(config, &why), "--init-from ", path,
-                     " holds Hugging Face weights: ", why);
+  // The folder's config.json first: a flag that differs is named before what it makes.
   const fs::path folder = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
   const fs::path config_path = folder / "config.json";
   std::error_code error;
@@ -156,6 +171,9 @@ models::WeightSource open_weights(const models::ModelSpec& spec, const std::stri
     check_against_flags(models::llama_config_from_hf(text, config_path.string()), config,
                         config_path.string());
   }
+  std::string why;
+  DTRAIN_CHECK_INPUT(models::has_hugging_face_layout(config, &why), "--init-from ", path,
+                     " holds Hugging Face weights: ", why);
   return models::WeightSource::hf_llama(std::move(weights), config);
 }
 

@@ -20,12 +20,18 @@ struct GptConfig {
   int64_t vocab = 0;
   int64_t layers = 4;
   int64_t heads = 4;
-  int64_t width = 256;    ///< model width (a multiple of heads)
+  int64_t width = 256;    ///< model width (a multiple of heads unless head_dim is given)
   int64_t context = 128;  ///< longest sequence (position embeddings)
   double dropout = 0.0;
   /// Key/value heads (grouped-query attention: each serves heads / kv_heads query heads;
   /// 0 = heads, plain multi-head attention).
   int64_t kv_heads = 0;
+  /// Each attention head's width (0: width / heads). Another width makes the query and
+  /// output projections heads x head_dim wide (Qwen3's, Gemma's head_dim).
+  int64_t head_dim = 0;
+  /// RMSNorm over each head's queries and keys before the rotary embeddings, one weight of
+  /// head_dim shared by the heads (Qwen3's q_norm and k_norm).
+  bool qk_norm = false;
   /// The MLP's hidden width (0: 4 x width for gelu; for swiglu Llama's 8/3 x width, rounded up
   /// to a multiple of 64).
   int64_t ffn_width = 0;
@@ -74,6 +80,9 @@ struct GptConfig {
   int64_t moe_first_dense = 0;
   double moe_capacity = 0.0;          ///< 0: dropless
   std::string moe_score = "softmax";  ///< or "sigmoid" (DeepSeek-V3)
+  /// The top k's scores divided by their sum (Mixtral, DeepSeek-V3; Qwen3-MoE's
+  /// norm_topk_prob), or taken as they are (Qwen1.5-MoE).
+  bool moe_normalize = true;
   int64_t moe_ffn_width = 0;          ///< each expert's hidden width (0: the dense MLP's)
   /// Coefficients of the Switch/GShard auxiliary loss and the router z-loss, summed over the MoE
   /// blocks and added to the training loss (Model::loss).
@@ -95,8 +104,9 @@ void check_context_parallel(const GptConfig& config, int context_parallel, int t
 /// Llama's choices on `config`'s sizes: RMSNorm, rotary embeddings, SwiGLU, no biases.
 void llama_preset(GptConfig& config);
 
-/// The key/value heads and the MLP width with their defaults resolved.
+/// The key/value heads, the head width and the MLP width with their defaults resolved.
 int64_t kv_heads_of(const GptConfig& config);
+int64_t head_dim_of(const GptConfig& config);
 int64_t ffn_width_of(const GptConfig& config);
 /// Each routed expert's hidden width: --moe-ffn-width, else the dense MLP's.
 int64_t expert_ffn_width_of(const GptConfig& config);

@@ -4,7 +4,10 @@
 // is Mixtral's (MixtralForCausalLM: model.layers.N.block_sparse_moe.gate.weight, the experts one
 // by one as experts.J.w1 (gate), w3 (up) and w2 (down), as the Hub's checkpoints and
 // transformers' save_pretrained write them; transformers 5's stacked experts.gate_up_proj and
-// experts.down_proj are read too).
+// experts.down_proj are read too). A decoder with per-head query/key norms (qk_norm) is Qwen3's
+// (Qwen3ForCausalLM: self_attn.q_norm.weight, k_norm.weight; its head_dim free), and its mixture
+// of experts Qwen3-MoE's (Qwen3MoeForCausalLM: mlp.gate.weight, mlp.experts.J.gate_proj, up_proj
+// and down_proj, the dense blocks listed in mlp_only_layers).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,24 +36,27 @@ bool is_llama_architecture(const GptConfig& config);
 
 /// Hugging Face's layout holds the decoder: Llama's architecture, and a mixture of experts (if
 /// any) that Mixtral's names hold (every block routed, softmax scores normalized over the top k,
-/// no shared experts). Else why not, in `why` when given.
+/// no shared experts) or, with qk_norm, Qwen3-MoE's (softmax scores, no shared experts). Else why
+/// not, in `why` when given.
 bool has_hugging_face_layout(const GptConfig& config, std::string* why = nullptr);
 
-/// A Llama or Mixtral config.json (transformers 4.x's rope_theta or 5.x's rope_parameters) as the
-/// decoder's sizes; InputError naming the field and `origin` for one dtrain's Llama does not have
-/// (another model_type, biases, rope scaling, an activation other than silu, a head_dim that is
-/// not hidden_size / num_attention_heads, Mixtral's sliding window shorter than the context).
+/// A Llama, Mixtral, Qwen3 or Qwen3-MoE config.json (transformers 4.x's rope_theta or 5.x's
+/// rope_parameters) as the decoder's sizes; InputError naming the field and `origin` for one
+/// dtrain's Llama does not have (another model_type, biases, rope scaling, an activation other
+/// than silu, a sliding window shorter than the context, Qwen3-MoE's mlp_only_layers other than
+/// dense first blocks and a period).
 GptConfig llama_config_from_hf(const std::string& config_json, const std::string& origin);
 
-/// config.json for a decoder in Hugging Face's layout (LlamaForCausalLM, or MixtralForCausalLM
-/// for a mixture of experts; InputError for another).
+/// config.json for a decoder in Hugging Face's layout (LlamaForCausalLM, MixtralForCausalLM for
+/// a mixture of experts; with qk_norm Qwen3ForCausalLM, Qwen3MoeForCausalLM; InputError for
+/// another).
 /// `eos_token_id` >= 0: also bos_token_id and eos_token_id (the tokenizer's end-of-text token).
 std::string llama_config_to_hf(const GptConfig& config, const std::string& dtype = "float32",
                                int64_t eos_token_id = -1);
 
 /// The full tensors under Hugging Face's names: qkv cut into q_proj, k_proj and v_proj, the
-/// SwiGLU fc1 into gate_proj and up_proj, the stacked experts into Mixtral's one by one, lm_head
-/// left out when the embedding is tied. InputError for a routing bias that is not zero
+/// SwiGLU fc1 into gate_proj and up_proj, the stacked experts into Mixtral's (Qwen3-MoE's) one by
+/// one, lm_head left out when the embedding is tied. InputError for a routing bias that is not zero
 /// (--moe-bias-rate's): Mixtral's layout has no place for it, and without it the routing differs.
 nn::NamedTensors to_hf_llama(const FullTensors& ours, const GptConfig& config);
 

@@ -138,6 +138,10 @@ struct TransformerShape {
   bool rope = false;
   bool rmsnorm = false;
   bool bias = true;
+  /// Each head's width (0: hidden / heads): attention's query and output projections are heads x
+  /// head_dim wide; and RMSNorm over each head's queries and keys (Qwen3's --head-dim, --qk-norm).
+  int head_dim = 0;
+  bool qk_norm = false;
   /// A mixture of experts (dtrain's --moe-* flags): `experts` routed SwiGLU experts of width
   /// `expert_ffn` (0: ffn) in block i when i >= moe_first_dense and (i - moe_first_dense) is a
   /// multiple of moe_every, each token to `top_k` of them, and `shared_experts` seeing every

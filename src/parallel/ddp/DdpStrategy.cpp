@@ -67,9 +67,9 @@ void DdpStrategy::setup(Model model, const optim::OptimizerFactory& make_optimiz
                "the model's experts are split over ranks but the grid has no expert groups "
                "(ProcessGrid::split_experts)");
   DTRAIN_CHECK_INPUT(tp_.partial.empty() || !gradients_sharded() || sums_partial_first(), name(),
-                     " shards the gradients that sequence parallelism sums over the "
-                     "tensor-parallel group first; use ddp, zero1 or zero2 (or leave out "
-                     "--sequence-parallel)");
+                     " shards the gradients that sequence parallelism (and --qk-norm's head "
+                     "norms) sum over the tensor-parallel group first; use ddp, zero1 or zero2 "
+                     "(or leave out --sequence-parallel)");
   DTRAIN_CHECK_INPUT(!tp_.has_shared_blocks() || !gradients_sharded(), name(),
                      " shards the gradients of key/value heads that tensor-parallel ranks share "
                      "(--kv-heads below --tensor-parallel) and sum first; use ddp or zero1, or "

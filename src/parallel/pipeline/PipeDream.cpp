@@ -41,8 +41,8 @@ void PipelineStrategy::setup_versions() {
   // A checkpoint holds the late gradients as each TP rank has them: not where they are partial
   // sums the next update would add up over the TP group.
   DTRAIN_CHECK_INPUT(!eager_ || (tp_.partial.empty() && !tp_.has_shared_blocks()),
-                     "--pipeline-sync eager with tensor parallelism: not with --sequence-parallel "
-                     "or key/value heads shared by several TP ranks (use 2bw)");
+                     "--pipeline-sync eager with tensor parallelism: not with --sequence-parallel, "
+                     "--qk-norm or key/value heads shared by several TP ranks (use 2bw)");
   versions_.clear();
   restored_gradients_.clear();
   spare_.clear();
