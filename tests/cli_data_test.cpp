@@ -321,6 +321,42 @@ void prepare_fortunes(const TempDir& dir) {
   ASSERT_EQ(out.code, 0) << out.text;
 }
 
+// A tiny mixture of experts on prepare_fortunes' shards: moe-tiny's blocks, 4 experts (no shared
+// one), 2 blocks of width 32, with `extra` flags (its first dense blocks, Qwen3's attention).
+std::string tiny_moe_shape(const TempDir& dir, const std::string& extra) {
+  return " --config " + std::string(DTRAIN_SOURCE_DIR) +
+         "/configs/moe-tiny.toml --moe-shared-experts 0 --moe-experts 4 --dataset tokens:" +
+         (dir / "data/fortunes") +
+         " --context 16 --layers 2 --width 32 --heads 4 --kv-heads 2 --moe-ffn-width 32 "
+         "--threads 1 --no-progress --batch-size 8 --warmup-steps 0 " +
+         extra + " ";
+}
+
+const std::string kGenerate = " generate --prompt 'The cat' --tokens 12 --temperature 0";
+
+// Trains `shape` 300 steps with its experts over 2 ranks (dir/ckpt), exports it (dir/hf) and
+// returns `dtrain generate`'s greedy text, which must be more than one token repeated and equal
+// transformers' greedy decoding of the folder (where .venv-torch has transformers).
+std::string trained_exported_generated(const TempDir& dir, const std::string& shape) {
+  auto out = run(kDtrain + " train --nproc 2 --expert-parallel 2" + shape +
+                 "--max-steps 300 --lr 0.005 --checkpoint-dir " + (dir / "ckpt"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "hf"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  out = run(kDtrain + kGenerate + " --checkpoint " + (dir / "ckpt"));
+  EXPECT_EQ(out.code, 0) << out.text;
+  const std::string ours = out.text;
+  EXPECT_EQ(ours.rfind("The cat", 0), 0u) << ours;
+  if (ours.size() > 7) {  // not one token
+    EXPECT_GT(std::set<char>(ours.begin() + 7, ours.end()).size(), 3u) << ours;
+  }
+  const auto theirs = transformers_greedy(dir, /*stops_at_eos=*/false);
+  if (theirs) {
+    EXPECT_EQ(*theirs, ours);
+  }
+  return ours;
+}
+
 }  // namespace
 
 // Weights out to the Python world and back in: a Llama trained on 2 ranks, exported as Hugging
@@ -362,7 +398,7 @@ TEST(Cli, LlamaExportsToTransformersAndStartsFromItsWeights) {
   EXPECT_EQ(json_of("config.json").at("eos_token_id").get<int64_t>(), eos);
   EXPECT_EQ(json_of("generation_config.json").at("eos_token_id").get<int64_t>(), eos);
   EXPECT_EQ(json_of("tokenizer_config.json").at("eos_token").get<std::string>(), "<|endoftext|>");
-  const std::string generate = " generate --prompt 'The cat' --tokens 12 --temperature 0";
+  const std::string& generate = kGenerate;
   out = run(kDtrain + generate + " --checkpoint " + (dir / "ckpt"));
   ASSERT_EQ(out.code, 0) << out.text;
   const std::string ours = out.text;
@@ -463,32 +499,15 @@ TEST(Cli, MixtralExportsToTransformersAndStartsFromItsWeights) {
   TempDir dir;
   prepare_fortunes(dir);
   Output out;
-  const std::string shape =
-      " --config " + std::string(DTRAIN_SOURCE_DIR) +
-      "/configs/moe-tiny.toml --moe-shared-experts 0 --moe-first-dense 0 --moe-experts 4"
-      " --dataset tokens:" +
-      (dir / "data/fortunes") +
-      " --context 16 --layers 2 --width 32 --heads 4 --kv-heads 2 --moe-ffn-width 32 --threads 1"
-      " --no-progress --batch-size 8 --warmup-steps 0 ";
-  out = run(kDtrain + " train --nproc 2 --expert-parallel 2" + shape +
-            "--max-steps 300 --lr 0.005 --checkpoint-dir " + (dir / "ckpt"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "hf"));
-  ASSERT_EQ(out.code, 0) << out.text;
+  const std::string shape = tiny_moe_shape(dir, "--moe-first-dense 0");
+  const std::string ours = trained_exported_generated(dir, shape);
   const auto config = nlohmann::json::parse(std::ifstream(dir / "hf/config.json"));
   EXPECT_EQ(config.at("model_type"), "mixtral");
   EXPECT_EQ(config.at("num_local_experts"), 4);
   EXPECT_EQ(config.at("intermediate_size"), 32);
   EXPECT_TRUE(dtrain::nn::SafeTensorsFile::open(dir / "hf/model.safetensors")
                   .contains("model.layers.1.block_sparse_moe.experts.3.w2.weight"));
-  const std::string generate = " generate --prompt 'The cat' --tokens 12 --temperature 0";
-  out = run(kDtrain + generate + " --checkpoint " + (dir / "ckpt"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  const std::string ours = out.text;
-  EXPECT_EQ(ours.rfind("The cat", 0), 0u) << ours;
-  EXPECT_GT(std::set<char>(ours.begin() + 7, ours.end()).size(), 3u) << ours;  // not one token
-  const auto theirs = transformers_greedy(dir, /*stops_at_eos=*/false);
-  if (theirs) EXPECT_EQ(*theirs, ours);
+  const std::string generate = kGenerate;
 
   const auto starts_from = [&](const std::string& layout, const std::string& extra_shape,
                                const std::string& from, const std::string& folder) {
@@ -537,18 +556,8 @@ TEST(Cli, Qwen3MoeExportsToTransformersAndStartsFromItsWeights) {
   TempDir dir;
   prepare_fortunes(dir);
   Output out;
-  const std::string shape =
-      " --config " + std::string(DTRAIN_SOURCE_DIR) +
-      "/configs/moe-tiny.toml --moe-shared-experts 0 --moe-first-dense 1 --moe-experts 4"
-      " --dataset tokens:" +
-      (dir / "data/fortunes") +
-      " --context 16 --layers 2 --width 32 --heads 4 --kv-heads 2 --moe-ffn-width 32 --threads 1"
-      " --head-dim 12 --no-progress --batch-size 8 --warmup-steps 0 ";
-  out = run(kDtrain + " train --nproc 2 --expert-parallel 2" + shape +
-            "--qk-norm --max-steps 300 --lr 0.005 --checkpoint-dir " + (dir / "ckpt"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  out = run(kDtrain + " ckpt export " + (dir / "ckpt") + " -o " + (dir / "hf"));
-  ASSERT_EQ(out.code, 0) << out.text;
+  const std::string shape = tiny_moe_shape(dir, "--moe-first-dense 1 --head-dim 12");
+  const std::string ours = trained_exported_generated(dir, shape + "--qk-norm ");
   const auto config = nlohmann::json::parse(std::ifstream(dir / "hf/config.json"));
   EXPECT_EQ(config.at("model_type"), "qwen3_moe");
   EXPECT_EQ(config.at("num_experts"), 4);
@@ -559,14 +568,7 @@ TEST(Cli, Qwen3MoeExportsToTransformersAndStartsFromItsWeights) {
   EXPECT_TRUE(file.contains("model.layers.1.mlp.experts.3.down_proj.weight"));
   EXPECT_TRUE(file.contains("model.layers.0.mlp.up_proj.weight"));  // the dense block
   EXPECT_TRUE(file.contains("model.layers.0.self_attn.q_norm.weight"));
-  const std::string generate = " generate --prompt 'The cat' --tokens 12 --temperature 0";
-  out = run(kDtrain + generate + " --checkpoint " + (dir / "ckpt"));
-  ASSERT_EQ(out.code, 0) << out.text;
-  const std::string ours = out.text;
-  EXPECT_EQ(ours.rfind("The cat", 0), 0u) << ours;
-  EXPECT_GT(std::set<char>(ours.begin() + 7, ours.end()).size(), 3u) << ours;  // not one token
-  const auto theirs = transformers_greedy(dir, /*stops_at_eos=*/false);
-  if (theirs) EXPECT_EQ(*theirs, ours);
+  const std::string& generate = kGenerate;
 
   for (const char* layout : {"--tensor-parallel 2", "--expert-parallel 2"}) {
     const std::string folder = std::string("from-") + (layout[2] == 't' ? "tp" : "ep");

@@ -24,6 +24,7 @@
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
 #include "parallel/ddp/DdpStrategy.h"
 #include "parallel/pipeline/PipelineStrategy.h"
+#include "parallel/zero/Zero3Strategy.h"
 #include "parallel/zero/ZeroStrategy.h"
 #include "train/ExpertBalance.h"
 
@@ -204,7 +205,7 @@ struct ExpertRun {
   int first_step = 0;
   int micro = 1;
   double max_grad_norm = 0;
-  std::string strategy = "ddp";  // or zero1, zero2, pipeline
+  std::string strategy = "ddp";  // or zero1, zero2, zero3, pipeline
   int pp = 1;                    // pipeline: its ranks (world = pp x tp x data-parallel)
   int tp = 1;                    // tensor parallelism (the model's loss: vocabulary-parallel)
   bool sequence_parallel = false;
@@ -237,6 +238,8 @@ double expert_parallel_apart(const test::Fixture& f, const ExpertRun& run,
           pipe.virtual_stages = run.chunks;
           pipe.data_parallel = run.stage_strategy;
           made = std::make_unique<parallel::pipeline::PipelineStrategy>(options);
+        } else if (run.strategy == "zero3") {
+          made = std::make_unique<parallel::zero::Zero3Strategy>(options);
         } else {
           made = std::make_unique<parallel::zero::ZeroStrategy>(options,
                                                                 run.strategy == "zero1" ? 1 : 2);
@@ -262,6 +265,7 @@ double expert_parallel_apart(const test::Fixture& f, const ExpertRun& run,
           strategy.train_step(micro_batches, loss);
         }
         if (!run.save_to.empty()) strategy.save(run.save_to);
+        strategy.materialize();  // ZeRO-3: the full (local) parameters again
         const auto expected = expected_part(whole, strategy.model());
         // (A pipeline's rank compares the stages it trains.)
         std::vector<std::pair<std::string, at::Tensor>> trained;
@@ -300,8 +304,9 @@ std::map<std::string, at::Tensor> trained_whole(test::Fixture& f, int steps,
 // ddp with --expert-parallel 2 over 2 ranks, 2 over 4 (two expert groups, each expert's
 // gradient summed over its expert data-parallel pair) and 4 over 4: every rank's parameters
 // equal one process's on the global batch (its experts' blocks), also with gradient
-// accumulation and with clipping (the experts' squares summed over the expert group); zero1 and
-// zero2 alike.
+// accumulation and with clipping (the experts' squares summed over the expert group); zero1,
+// zero2 and zero3 alike (zero3: each rank's experts sharded over the ranks holding the same ones,
+// gathered with their block and reduce-scattered over that group).
 TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
   test::Fixture f = test::llama_with_experts();
   const auto whole = trained_whole(f, 3);
@@ -326,16 +331,26 @@ TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
   EXPECT_LT(expert_parallel_apart(f, accumulate, whole), test::kTightBound) << "accumulation";
   // ZeRO-1 and 2: the dense state sharded over the data-parallel ranks, the experts' over the
   // ranks holding the same experts.
-  for (const std::string strategy : {"zero1", "zero2"}) {
+  for (const std::string strategy : {"zero1", "zero2", "zero3"}) {
     ExpertRun zero;
     zero.world = 4;
     zero.strategy = strategy;
     zero.micro = 2;
     EXPECT_LT(expert_parallel_apart(f, zero, whole), test::kTightBound) << strategy;
   }
+  // zero3 with an expert data-parallel group of one (each rank's experts its own alone), and of
+  // two with every rank's experts apart (P = 4 over 4: the expert units unsharded).
+  for (const auto& [world, experts] : std::vector<std::pair<int, int>>{{2, 2}, {4, 4}}) {
+    ExpertRun zero3;
+    zero3.world = world;
+    zero3.experts = experts;
+    zero3.strategy = "zero3";
+    EXPECT_LT(expert_parallel_apart(f, zero3, whole), test::kTightBound)
+        << "zero3, " << world << " ranks, --expert-parallel " << experts;
+  }
   test::Fixture clipped = test::llama_with_experts();
   const auto whole_clipped = trained_whole(clipped, 3, 0.05);
-  for (const std::string strategy : {"ddp", "zero1", "zero2"}) {
+  for (const std::string strategy : {"ddp", "zero1", "zero2", "zero3"}) {
     ExpertRun clip;
     clip.world = 4;
     clip.max_grad_norm = 0.05;
@@ -491,7 +506,7 @@ TEST(ExpertParallel, PipelineCheckpointsReshardAcrossExpertLayouts) {
 // experts are replicated over the TP group (split over the expert group as before). Without
 // sequence parallelism every TP rank routes the same tokens alike; with it each its part of the
 // sequence, the layer's gradients summed over the TP group as sequence parallelism's norms are.
-// DP x TP x EP under ddp and zero1, and PP x TP x EP, equal one process; the balance losses
+// DP x TP x EP under ddp, zero1 and zero3, and PP x TP x EP, equal one process; the balance losses
 // without sequence parallelism too; a checkpoint written at TP 2 x EP 2 resumes under ddp alone.
 TEST(ExpertParallel, TensorParallelWithExpertsIsOneProcessInFloat64) {
   test::Fixture f = test::llama_with_experts();
@@ -505,6 +520,7 @@ TEST(ExpertParallel, TensorParallelWithExpertsIsOneProcessInFloat64) {
                                          {4, 2, 1, 2, false, "ddp"},
                                          {4, 2, 1, 2, true, "ddp"},
                                          {4, 2, 1, 2, true, "zero1"},
+                                         {4, 2, 1, 2, false, "zero3"},
                                          {8, 2, 2, 2, false, "pipeline"},
                                          {8, 2, 2, 2, true, "pipeline"},
                                          {8, 2, 2, 2, true, "pipeline zero1"}}) {
@@ -584,6 +600,27 @@ TEST(ExpertParallel, CheckpointsReshardAcrossExpertLayouts) {
   from_zero.first_step = 2;
   from_zero.steps = 1;
   EXPECT_LT(expert_parallel_apart(f, from_zero, three_steps), test::kTightBound) << "from zero1";
+  // Written by zero3 over 4 ranks at P = 2 (every rank a file of its dense shard and its shard of
+  // its experts), read by ddp at P = 2 and by zero3 without expert parallelism; and zero3 at P = 2
+  // reading ddp's.
+  test::TempDir zero3_dir;
+  ExpertRun zero3 = zero;
+  zero3.strategy = "zero3";
+  zero3.save_to = zero3_dir.path();
+  ASSERT_LT(expert_parallel_apart(f, zero3, two_steps), test::kTightBound);
+  from_zero.load_from = zero3_dir.path();
+  EXPECT_LT(expert_parallel_apart(f, from_zero, three_steps), test::kTightBound) << "from zero3";
+  ExpertRun zero3_whole = from_zero;
+  zero3_whole.strategy = "zero3";
+  zero3_whole.experts = 1;
+  EXPECT_LT(expert_parallel_apart(f, zero3_whole, three_steps), test::kTightBound)
+      << "from zero3 to zero3 without expert parallelism";
+  ExpertRun zero3_from_ddp = from_zero;
+  zero3_from_ddp.strategy = "zero3";
+  zero3_from_ddp.world = 4;
+  zero3_from_ddp.load_from = dir.path();
+  EXPECT_LT(expert_parallel_apart(f, zero3_from_ddp, three_steps), test::kTightBound)
+      << "zero3 at P = 2 over 4 ranks from ddp's";
   for (const auto& [world, experts] : std::vector<std::pair<int, int>>{{2, 2}, {4, 4}, {2, 1}}) {
     ExpertRun again;
     again.world = world;

@@ -156,7 +156,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   model_.module->train();
   GradientSync& sync_engine = gradient_sync();
   sync_engine.zero_grad();
-  zero_expert_gradients();
+  if (!syncs_expert_gradients()) zero_expert_gradients();
   if (options_.broadcast_buffers && comm_->size() > 1) broadcast_buffers();
   StepResult result;
   const auto count = static_cast<double>(micro_batches.size());
@@ -184,7 +184,7 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     if (!sync_engine.sums_partial_gradients()) {
       tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
     }
-    reduce_expert_gradients(sync_engine.sums_partial_gradients());
+    if (!syncs_expert_gradients()) reduce_expert_gradients(sync_engine.sums_partial_gradients());
     after_gradient_sync(result);
   }
   const auto& stats = sync_engine.stats();

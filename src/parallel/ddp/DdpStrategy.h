@@ -126,6 +126,9 @@ class DdpStrategy : public Strategy {
   std::vector<bool> expert_;
   bool is_expert(size_t k) const { return k < expert_.size() && expert_[k]; }
   bool has_experts() const;
+  /// Whether the gradient sync reduces the experts' gradients itself (zero3 shards them over
+  /// their expert group), so the step leaves them alone.
+  virtual bool syncs_expert_gradients() const { return false; }
   void zero_expert_gradients();
   /// `sum_partial`: the experts' partial gradients (sequence parallelism) are summed over the
   /// TP group here (the Reducer summed the rest's).

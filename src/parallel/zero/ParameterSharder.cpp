@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
+
 #include "common/StorageMemory.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/memory/ActivationCheckpoint.h"
@@ -73,7 +75,8 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
                                    comm::CommunicatorPtr comm, bool prefetch,
                                    bool error_on_unused_parameters,
                                    comm::BlockQuantization quantization, const Fill& fill,
-                                   at::ScalarType gradient_dtype)
+                                   at::ScalarType gradient_dtype, const std::vector<bool>& expert,
+                                   comm::CommunicatorPtr expert_comm)
     : parameters_(std::move(parameters)),
       names_(std::move(names)),
       comm_(std::move(comm)),
@@ -89,13 +92,18 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
                        "dtype; ", names_[0], " is ", dtype, ", ", names_[k], " is ",
                        parameters_[k].scalar_type());
   }
-  const int world = comm_->size();
-  const int rank = comm_->rank();
+  const bool experts = std::find(expert.begin(), expert.end(), true) != expert.end();
+  DTRAIN_CHECK(expert.empty() || expert.size() == parameters_.size(),
+               "ParameterSharder: ", expert.size(), " expert flags for ", parameters_.size(),
+               " parameters");
+  DTRAIN_CHECK(!experts || expert_comm, "ParameterSharder: experts without an expert group");
+  auto is_expert = [&expert](size_t k) { return k < expert.size() && expert[k]; };
   locator_.assign(parameters_.size(), {SIZE_MAX, 0});
   int64_t total_shard = 0;
-  for (auto& spec : units) {
+  auto add = [&](ShardUnit spec, comm::CommunicatorPtr over) {
     Unit unit;
     unit.spec = std::move(spec);
+    unit.comm = std::move(over);
     for (size_t slot = 0; slot < unit.spec.parameters.size(); ++slot) {
       const size_t k = unit.spec.parameters[slot];
       DTRAIN_CHECK(k < parameters_.size(), "unit ", unit.spec.name, ": bad parameter index");
@@ -106,10 +114,26 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
       unit.offsets.push_back(unit.numel);
       unit.numel += parameters_[k].numel();
     }
+    const int world = unit.comm->size();
     unit.shard = (unit.numel + world - 1) / world;
     unit.base = total_shard;
     total_shard += unit.shard;
     units_.push_back(std::move(unit));
+    return units_.size() - 1;
+  };
+  for (auto& spec : units) {
+    ShardUnit experts{spec.name + " (experts)", {}, {}};
+    std::vector<size_t> dense;
+    for (size_t k : spec.parameters) (is_expert(k) ? experts.parameters : dense).push_back(k);
+    if (experts.parameters.empty() || dense.empty()) {  // one kind: one unit
+      stages_.push_back(
+          add(std::move(spec), dense.empty() && !experts.parameters.empty() ? expert_comm : comm_));
+      continue;
+    }
+    spec.parameters = std::move(dense);
+    const size_t stage = add(std::move(spec), comm_);
+    units_[stage].partner = add(std::move(experts), expert_comm);
+    stages_.push_back(stage);
   }
   for (size_t k = 0; k < parameters_.size(); ++k) {
     DTRAIN_CHECK_INPUT(locator_[k].first != SIZE_MAX, "zero3: parameter ", names_[k],
@@ -125,6 +149,8 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
                                                    : options.dtype(gradient_dtype));
   torch::NoGradGuard no_grad;
   for (auto& unit : units_) {
+    const int world = unit.comm->size();
+    const int rank = unit.comm->rank();
     const int64_t begin = rank * unit.shard;
     const int64_t end = begin + unit.shard;
     if (fill) {
@@ -191,8 +217,24 @@ void ParameterSharder::gather(Unit& unit, bool exact) {
   unit.gathered = true;  // once gather_work completes
   const at::Tensor shard = shard_params_.narrow(0, unit.base, unit.shard);
   unit.gather_work = quantization_.enabled() && !exact
-                         ? comm::quantized_allgather(*comm_, unit.full, shard, quantization_)
-                         : comm_->allgather(unit.full, shard);
+                         ? comm::quantized_allgather(*unit.comm, unit.full, shard, quantization_)
+                         : unit.comm->allgather(unit.full, shard);
+}
+
+void ParameterSharder::gather_stage(size_t u, bool unless_reduced) {
+  for (size_t v : {u, units_[u].partner}) {
+    if (v != SIZE_MAX && !(unless_reduced && units_[v].reduced)) gather(units_[v]);
+  }
+}
+
+void ParameterSharder::wait_stage(size_t u) {
+  wait_gathered(units_[u]);
+  if (units_[u].partner != SIZE_MAX) wait_gathered(units_[units_[u].partner]);
+}
+
+void ParameterSharder::release_stage(size_t u) {
+  release(units_[u]);
+  if (units_[u].partner != SIZE_MAX) release(units_[units_[u].partner]);
 }
 
 void ParameterSharder::wait_gathered(Unit& unit) {
@@ -211,11 +253,12 @@ void ParameterSharder::release(Unit& unit) {
 at::Tensor ParameterSharder::run(const at::Tensor& input) {
   const bool grad = torch::autograd::GradMode::is_enabled();
   at::Tensor h = input;
-  for (size_t u = 0; u < units_.size(); ++u) {
+  for (size_t i = 0; i < stages_.size(); ++i) {
+    const size_t u = stages_[i];
     Unit& unit = units_[u];
-    gather(unit);
-    wait_gathered(unit);
-    if (prefetch_ && u + 1 < units_.size()) gather(units_[u + 1]);
+    gather_stage(u);
+    wait_stage(u);
+    if (prefetch_ && i + 1 < stages_.size()) gather_stage(stages_[i + 1]);
     auto body = [&unit](const at::Tensor& x) {
       at::Tensor y = x;
       for (const auto& forward : unit.spec.forwards) y = forward(y);
@@ -224,15 +267,18 @@ at::Tensor ParameterSharder::run(const at::Tensor& input) {
     if (grad && unit.spec.checkpoint) {
       std::vector<at::Tensor> used;
       for (size_t k : unit.spec.parameters) used.push_back(parameters_[k]);
+      if (unit.partner != SIZE_MAX) {
+        for (size_t k : units_[unit.partner].spec.parameters) used.push_back(parameters_[k]);
+      }
       h = memory::checkpoint(body, h, used, unit.spec.generators);
     } else {
       h = body(h);
     }
     if (grad && h.requires_grad()) {
-      h.register_hook([this, u](const at::Tensor&) { pre_backward(u); });
+      h.register_hook([this, i](const at::Tensor&) { pre_backward(i); });
     }
     // The last unit's backward comes first: keep it gathered when backward follows.
-    if (!grad || u + 1 < units_.size()) release(unit);
+    if (!grad || i + 1 < stages_.size()) release_stage(u);
   }
   return h;
 }
@@ -260,15 +306,14 @@ void ParameterSharder::prepare_for_backward() {
   ready_.assign(parameters_.size(), false);
 }
 
-void ParameterSharder::pre_backward(size_t u) {
+void ParameterSharder::pre_backward(size_t i) {
   if (!in_backward_) {
     in_backward_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
   }
-  Unit& unit = units_[u];
-  gather(unit);
-  wait_gathered(unit);
-  if (prefetch_ && u > 0 && !units_[u - 1].reduced) gather(units_[u - 1]);
+  gather_stage(stages_[i]);
+  wait_stage(stages_[i]);
+  if (prefetch_ && i > 0) gather_stage(stages_[i - 1], /*unless_reduced=*/true);
 }
 
 void ParameterSharder::on_gradient(size_t k) {
@@ -295,14 +340,16 @@ void ParameterSharder::on_gradient(size_t k) {
 void ParameterSharder::launch_reduction(Unit& unit) {
   unit.reduced = true;
   release(unit);  // every use of its parameters in this backward is done
+  // (An expert unit's too: summed over its expert group, the mean over every data-parallel
+  // rank's examples.)
   unit.grad_flat.div_(comm_->size());
   unit.received = pool_.empty(unit.shard, shard_grad_.options());
   comm::ReduceScatterOptions options;
   options.input_is_scratch = true;
-  unit.reduce_work =
-      quantization_.enabled()
-          ? comm::quantized_reduce_scatter(*comm_, unit.received, unit.grad_flat, {}, quantization_)
-          : comm_->reduce_scatter(unit.received, unit.grad_flat, options);
+  unit.reduce_work = quantization_.enabled()
+                         ? comm::quantized_reduce_scatter(*unit.comm, unit.received, unit.grad_flat,
+                                                          {}, quantization_)
+                         : unit.comm->reduce_scatter(unit.received, unit.grad_flat, options);
   in_flight_.push_back(static_cast<size_t>(&unit - units_.data()));
   if (!backward_ended_) ++stats_.buckets_launched_during_backward;
 }

@@ -7,6 +7,10 @@
 // once every parameter of the unit has its gradient, the unit's gradient is reduce-scattered into
 // this rank's gradient shard and the parameters are freed again (PyTorch FSDP's
 // FULL_SHARD). LibTorch has no module hooks, so the units come from Model::stages.
+// With expert parallelism a unit's expert blocks (this rank's experts, which the other ranks of
+// its expert group do not hold) form a unit of their own, sharded over the ranks holding the same
+// experts (the expert data-parallel group, torchtitan's efsdp), gathered and freed with the
+// stage's unit and reduce-scattered over that group.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -85,11 +89,16 @@ class ParameterSharder : public ddp::GradientSync {
   /// rank's shard is drawn by `fill`, and no rank ever holds a whole parameter.
   /// `gradient_dtype` (default: the parameters'): the dtype gradients are reduced and kept in
   /// (float32 for a bf16 model with master weights, as FSDP2's reduce_dtype).
+  /// `expert` (one flag per parameter, or empty): the blocks of this rank's experts, sharded over
+  /// `expert_comm`; their gradients are summed over it and divided by `comm`'s size, as every
+  /// other gradient (one process's mean over the data-parallel ranks' examples).
   ParameterSharder(std::vector<at::Tensor> parameters, std::vector<std::string> names,
                    std::vector<ShardUnit> units, comm::CommunicatorPtr comm, bool prefetch,
                    bool error_on_unused_parameters, comm::BlockQuantization quantization = {},
                    const Fill& fill = nullptr,
-                   at::ScalarType gradient_dtype = at::ScalarType::Undefined);
+                   at::ScalarType gradient_dtype = at::ScalarType::Undefined,
+                   const std::vector<bool>& expert = {},
+                   comm::CommunicatorPtr expert_comm = nullptr);
   ~ParameterSharder() override;
   ParameterSharder(const ParameterSharder&) = delete;
   ParameterSharder& operator=(const ParameterSharder&) = delete;
@@ -110,6 +119,7 @@ class ParameterSharder : public ddp::GradientSync {
   const std::vector<Piece>& pieces() const { return pieces_; }
   const at::Tensor& shard_parameters() const { return shard_params_; }
   const at::Tensor& shard_gradients() const { return shard_grad_; }
+  /// Units, an expert unit counting apart from its stage's.
   size_t unit_count() const { return units_.size(); }
   /// Most bytes of gathered parameters and unsharded gradients held at once (including idle
   /// pooled buffers) since the last zero_grad().
@@ -118,6 +128,8 @@ class ParameterSharder : public ddp::GradientSync {
  private:
   struct Unit {
     ShardUnit spec;
+    comm::CommunicatorPtr comm;    // what it is sharded over
+    size_t partner = SIZE_MAX;     // a stage unit's expert unit, gathered and freed with it
     std::vector<int64_t> offsets;  // of each parameter in the unit's flat order
     int64_t numel = 0;             // unpadded
     int64_t shard = 0;             // elements per rank
@@ -139,7 +151,11 @@ class ParameterSharder : public ddp::GradientSync {
   void gather(Unit& unit, bool exact = false);
   void wait_gathered(Unit& unit);
   void release(Unit& unit);
-  void pre_backward(size_t u);
+  /// A stage's unit and its expert unit (if any) together.
+  void gather_stage(size_t u, bool unless_reduced = false);
+  void wait_stage(size_t u);
+  void release_stage(size_t u);
+  void pre_backward(size_t stage);  // (an index of stages_)
   void on_gradient(size_t k);
   void launch_reduction(Unit& unit);
   void complete_reduction(Unit& unit);
@@ -153,6 +169,7 @@ class ParameterSharder : public ddp::GradientSync {
   comm::BlockQuantization quantization_;
   BufferPool pool_;
   std::vector<Unit> units_;
+  std::vector<size_t> stages_;  // the units that run (an expert unit runs with its stage's)
   std::vector<std::pair<size_t, size_t>> locator_;  // parameter -> (unit, slot)
   at::Tensor shard_params_, shard_grad_;
   std::vector<Piece> pieces_;

@@ -53,6 +53,7 @@ StrategyInfo zero3_strategy() {
   info.shards_parameters = true;
   info.draws_deferred = true;
   info.context_parallel = true;
+  info.expert_parallel = true;
   info.master_weights = true;
   info.cost.traffic = StepCost::Traffic::kGatherEachLayer;
   info.cost.shards_optimizer = true;
@@ -151,7 +152,8 @@ void Zero3Strategy::build_optimizer(const optim::OptimizerFactory& make_optimize
   sharder_ = std::make_unique<ParameterSharder>(
       parameters_, names_, make_units(), comm_, zero3_.prefetch,
       options_.error_on_unused_parameters, block_quantization(options_), std::move(fill),
-      master ? at::kFloat : at::ScalarType::Undefined);
+      master ? at::kFloat : at::ScalarType::Undefined, expert_,
+      has_experts() ? grid_->edp() : nullptr);
   model_.forward = [sharder = sharder_.get()](const at::Tensor& x) { return sharder->run(x); };
   std::vector<at::Tensor> shard;
   for (const auto& piece : sharder_->pieces()) shard.push_back(piece.tensor);

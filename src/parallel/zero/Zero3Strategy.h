@@ -1,6 +1,7 @@
 // ZeRO-3 (FSDP's FULL_SHARD): parameters, gradients and optimizer state are all sharded; each
 // rank stores 1/N of each and gathers a unit's parameters only while that unit computes
-// (ParameterSharder). Everything else (loss scaling, clipping across shards, accumulation,
+// (ParameterSharder); with expert parallelism a rank's experts 1/N' over the N' ranks holding the
+// same experts. Everything else (loss scaling, clipping across shards, accumulation,
 // checkpoints) is DdpStrategy's step with the sharder as its gradient synchronizer.
 #pragma once
 
@@ -40,6 +41,9 @@ class Zero3Strategy : public ddp::DdpStrategy {
   bool reduce_every_micro_batch() const override { return true; }
   std::vector<at::Tensor> gradient_holders() const override;
   bool gradients_sharded() const override { return true; }
+  /// Expert parallelism: the experts' blocks are sharded over the expert data-parallel group and
+  /// reduce-scattered over it by the sharder.
+  bool syncs_expert_gradients() const override { return true; }
   /// Checkpoints: each rank writes and loads only its shard's pieces.
   std::vector<PieceRef> state_pieces() const override;
   bool state_sharded() const override { return true; }
