@@ -24,6 +24,7 @@
 #include "dtrain/optim/Optimizers.h"
 #include "dtrain/parallel/Strategies.h"
 #include "dtrain/parallel/pipeline/PipelineOptions.h"
+#include "parallel/StrategySupport.h"
 
 namespace dtrain::test {
 
@@ -111,6 +112,21 @@ inline double max_block_diff(const Named& local, const Named& serial,
 }
 
 // The serial model's logits on `ids`, and its gradients (of the loss on `targets`) and values.
+// This rank's gradients by name, those that are partial sums over the TP group (sequence
+// parallelism's norms, the head norms, shared key/value heads) summed over it first.
+inline Named summed_gradients(const Model& model, const parallel::TensorParallelLayout& layout) {
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  for (const auto& [name, p] : named_parameters(model)) {
+    params.push_back(p);
+    names.push_back(name);
+  }
+  layout.sum_partial_gradients(params, names);
+  Named grads;
+  for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
+  return grads;
+}
+
 struct SerialPass {
   at::Tensor logits;
   Named grads, values;

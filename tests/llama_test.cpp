@@ -77,6 +77,27 @@ double next_token_gradients(Model& model, const models::GptConfig& config, const
   return worst;
 }
 
+// One process's model of `full`: its logits on the oracle's ids equal transformers' within 1e-5
+// in float32 and 1e-10 in float64, the loss's gradients within 1e-10; and the check can fail: the
+// logits move once `mutated` is scaled by 1.01.
+void expect_transformers_numbers(const models::GptConfig& config, const models::FullTensors& full,
+                                 const nn::SafeTensorsFile& expected, const std::string& mutated) {
+  const at::Tensor ids = expected.get("ids");
+  Model model = models::make_gpt(config);
+  models::load_full_tensors(*model.module, full, "model");
+  model.module->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_LT((model(ids) - expected.get("logits32")).abs().max().item<double>(), 1e-5);
+  model.module->to(at::kDouble);
+  EXPECT_LT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-10);
+  {
+    torch::AutoGradMode grad(true);
+    EXPECT_NEAR(next_token_gradients(model, config, ids, expected), 0.0, 1e-10);
+  }
+  model.module->named_parameters()[mutated].mul_(1.01);
+  EXPECT_GT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-6) << mutated;
+}
+
 models::GptConfig small_llama() {
   models::GptConfig c;
   models::llama_preset(c);
@@ -160,23 +181,8 @@ TEST(Llama, MixtralLogitsEqualTransformersAndEachExpertRankReadsItsExperts) {
 
   const auto expected = nn::SafeTensorsFile::open(dir / "expected.safetensors");
   const at::Tensor ids = expected.get("ids");
-  {
-    Model model = models::make_gpt(config);
-    models::load_full_tensors(*model.module, full, "model");
-    model.module->eval();
-    torch::NoGradGuard no_grad;
-    EXPECT_LT((model(ids) - expected.get("logits32")).abs().max().item<double>(), 1e-5);
-    model.module->to(at::kDouble);
-    EXPECT_LT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-10);
-    {
-      // The loss's gradients, the router's and every expert's among them.
-      torch::AutoGradMode grad(true);
-      EXPECT_NEAR(next_token_gradients(model, config, ids, expected), 0.0, 1e-10);
-    }
-    // The check can fail: the experts' weights changed move the logits.
-    model.module->named_parameters()["blocks.0.moe.up"].mul_(1.01);
-    EXPECT_GT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-6);
-  }
+  // (the loss's gradients: the router's and every expert's among them)
+  expect_transformers_numbers(config, full, expected, "blocks.0.moe.up");
 
   // transformers 5's own layout: experts.gate_up_proj [E, 2F, W] (gate first), experts.down_proj,
   // under mlp.
@@ -283,22 +289,7 @@ TEST(Llama, Qwen3AndQwen3MoeEqualTransformers) {
 
     const auto expected = nn::SafeTensorsFile::open(dir / "expected.safetensors");
     const at::Tensor ids = expected.get("ids");
-    {
-      Model model = models::make_gpt(config);
-      models::load_full_tensors(*model.module, full, "model");
-      model.module->eval();
-      torch::NoGradGuard no_grad;
-      EXPECT_LT((model(ids) - expected.get("logits32")).abs().max().item<double>(), 1e-5);
-      model.module->to(at::kDouble);
-      EXPECT_LT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-10);
-      {
-        torch::AutoGradMode grad(true);
-        EXPECT_NEAR(next_token_gradients(model, config, ids, expected), 0.0, 1e-10);
-      }
-      // The check can fail: the head norms' weights move the logits.
-      model.module->named_parameters()["blocks.1.k_norm.weight"].mul_(1.01);
-      EXPECT_GT((model(ids) - expected.get("logits64")).abs().max().item<double>(), 1e-6);
-    }
+    expect_transformers_numbers(config, full, expected, "blocks.1.k_norm.weight");
     // Over 2 ranks: tensor-parallel heads (a key/value head each), or the experts split.
     for (const bool experts : {false, true}) {
       if (experts && !moe) continue;
@@ -355,16 +346,7 @@ TEST(Llama, Qwen3HeadNormsUnderTensorParallelismTrainLikeOneProcess) {
     model.loss(block, targets).backward();
     parallel::TensorParallelLayout layout = parallel::tensor_parallel_layout(*model.module, *grid);
     EXPECT_EQ(layout.partial.size(), 4u);  // q_norm and k_norm of 2 blocks
-    std::vector<at::Tensor> params;
-    std::vector<std::string> names;
-    for (const auto& [name, p] : named_parameters(model)) {
-      params.push_back(p);
-      names.push_back(name);
-    }
-    layout.sum_partial_gradients(params, names);
-    Named grads;
-    for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
-    EXPECT_LT(max_block_diff(grads, pass.grads, splits), 1e-12);
+    EXPECT_LT(max_block_diff(summed_gradients(model, layout), pass.grads, splits), 1e-12);
   });
   const int steps = 3;
   const GptData d = gpt_data(steps);
@@ -616,16 +598,8 @@ TEST(Llama, TensorAndSequenceParallelEqualTheSerialModelAndTrainLikeOneProcess) 
           parallel::tensor_parallel_layout(*model.module, *grid);
       // RMSNorm has no bias, the linear layers none: 2 norms per block and the final one.
       EXPECT_EQ(layout.partial.size(), sequence_parallel ? 1u + 2u * 2 : 0u);
-      std::vector<at::Tensor> params;
-      std::vector<std::string> names;
-      for (const auto& [name, p] : named_parameters(model)) {
-        params.push_back(p);
-        names.push_back(name);
-      }
-      layout.sum_partial_gradients(params, names);
-      Named grads;
-      for (size_t i = 0; i < params.size(); ++i) grads[names[i]] = params[i].grad();
-      EXPECT_LT(max_block_diff(grads, serial_grads, splits), 1e-12) << sequence_parallel;
+      EXPECT_LT(max_block_diff(summed_gradients(model, layout), serial_grads, splits), 1e-12)
+          << sequence_parallel;
     });
   }
   const int steps = 3;
