@@ -111,8 +111,10 @@ void DdpStrategy::build_gradient_sync(const std::vector<std::string>& names) {
   // (reduce_expert_gradients); the Reducer takes the rest.
   std::vector<at::Tensor> dense;
   std::vector<std::string> dense_names;
+  reducer_index_.assign(parameters_.size(), SIZE_MAX);
   for (size_t k = 0; k < parameters_.size(); ++k) {
     if (is_expert(k)) continue;
+    reducer_index_[k] = dense.size();
     dense.push_back(parameters_[k]);
     dense_names.push_back(names[k]);
   }
@@ -132,9 +134,19 @@ void DdpStrategy::zero_expert_gradients() {
 void DdpStrategy::reduce_expert_gradients(bool sum_partial) {
   std::vector<at::Tensor> experts;
   std::vector<std::string> names;
+  torch::NoGradGuard no_grad;
   for (size_t k = 0; k < parameters_.size(); ++k) {
     if (!is_expert(k)) continue;
-    experts.push_back(parameters_[k]);
+    if (master_.empty()) {
+      experts.push_back(parameters_[k]);
+    } else {
+      // bf16-master: the master's fp32 gradient, from the model's bf16 one (reduced in fp32, as
+      // the Reducer reduces the rest).
+      const at::Tensor& grad = parameters_[k].grad();
+      experts.push_back(gradient_holder(
+          master_[k], grad.defined() ? grad.to(at::kFloat) : at::zeros_like(master_[k])));
+      parameters_[k].mutable_grad().reset();
+    }
     names.push_back(names_[k]);
   }
   // (Sequence parallelism: the Reducer summed the dense parameters' partial gradients over the
@@ -181,10 +193,27 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
   {
     trace::Span span("sync", "gradient reduction");
     sync_engine.finalize();
+    // bf16-master: the experts' fp32 gradients are made (and their partial sums taken) by
+    // reduce_expert_gradients.
+    const bool experts_later = !master_.empty() && has_experts() && !syncs_expert_gradients();
     if (!sync_engine.sums_partial_gradients()) {
-      tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
+      std::vector<at::Tensor> holders = reduced_gradient_holders();
+      std::vector<std::string> names = names_;
+      if (experts_later) {
+        size_t kept = 0;
+        for (size_t k = 0; k < holders.size(); ++k) {
+          if (is_expert(k)) continue;
+          holders[kept] = holders[k];
+          names[kept++] = names[k];
+        }
+        holders.resize(kept);
+        names.resize(kept);
+      }
+      tp_.sum_partial_gradients(holders, names);
     }
-    if (!syncs_expert_gradients()) reduce_expert_gradients(sync_engine.sums_partial_gradients());
+    if (!syncs_expert_gradients()) {
+      reduce_expert_gradients(sync_engine.sums_partial_gradients() || experts_later);
+    }
     after_gradient_sync(result);
   }
   const auto& stats = sync_engine.stats();
@@ -247,8 +276,12 @@ std::vector<at::Tensor> DdpStrategy::reduced_gradient_holders() const {
   if (!converted) return parameters_;
   std::vector<at::Tensor> holders;
   for (size_t k = 0; k < parameters_.size(); ++k) {
-    holders.push_back(
-        gradient_holder(master_.empty() ? at::Tensor() : master_[k], reducer_->main_grad(k)));
+    if (is_expert(k)) {  // (reduce_expert_gradients gave the master its fp32 gradient)
+      holders.push_back(master_.empty() ? parameters_[k] : master_[k]);
+      continue;
+    }
+    holders.push_back(gradient_holder(master_.empty() ? at::Tensor() : master_[k],
+                                      reducer_->main_grad(reducer_index(k))));
   }
   return holders;
 }

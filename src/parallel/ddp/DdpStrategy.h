@@ -131,8 +131,12 @@ class DdpStrategy : public Strategy {
   virtual bool syncs_expert_gradients() const { return false; }
   void zero_expert_gradients();
   /// `sum_partial`: the experts' partial gradients (sequence parallelism) are summed over the
-  /// TP group here (the Reducer summed the rest's).
+  /// TP group here (the Reducer summed the rest's). bf16-master (ddp): reduced in fp32, as the
+  /// master weights' gradients (the model's bf16 ones taken once, then left).
   void reduce_expert_gradients(bool sum_partial);
+  /// Parameter k's index among the Reducer's (the dense parameters' when there are experts).
+  size_t reducer_index(size_t k) const { return k < reducer_index_.size() ? reducer_index_[k] : k; }
+  std::vector<size_t> reducer_index_;
   bool warned_unused_ = false;
 };
 
