@@ -1125,17 +1125,18 @@ TEST(Cli, ExpertsSplitOverRanksTrainResumeAndGenerate) {
 
 // --precision bf16-master with the experts split over 2 ranks, under zero3 (a bf16 shard of each
 // rank's experts, its fp32 master, fp32 gradients reduce-scattered over the ranks holding the same
-// experts) and ddp (fp32 masters of the rank's experts, their gradients reduced in fp32 over their
-// group): the losses and the final weights follow the same run with every expert on every rank to
-// bf16's rounding, and it learns. zero1 keeps refusing bf16-master with split experts, by name.
-TEST(Cli, SplitExpertsTrainInBf16MasterUnderZero3AndDdp) {
+// experts), ddp (fp32 masters of the rank's experts, their gradients reduced in fp32 over their
+// group), zero1 and zero2 (fp32 masters of the experts' shards): the losses and the final weights
+// follow the same run with every expert on every rank to bf16's rounding, and it learns.
+// Pipelines refuse bf16-master with split experts, by name.
+TEST(Cli, SplitExpertsTrainInBf16MasterUnderDdpAndZero) {
   using namespace dtrain::test::cli;
   dtrain::test::TempDir dir;
   const std::string common =
       " train --model llama --dataset text --layers 2 --width 32 --heads 4 --context 32 "
       "--moe-experts 4 --moe-first-dense 1 --warmup-steps 0 --log-every 1 --eval-every 20 "
       "--max-steps 20 --nproc 2 --threads 1 --no-progress --precision bf16-master --no-run-dir";
-  for (const std::string strategy : {"zero3", "ddp"}) {
+  for (const std::string strategy : {"zero3", "ddp", "zero1", "zero2"}) {
     const std::string flags = common + " --strategy " + strategy + " --metrics ";
     auto out = run(kDtrain + flags + (dir / (strategy + "-whole.jsonl")) + " --checkpoint-dir " +
                    (dir / (strategy + "-whole")));
@@ -1160,12 +1161,12 @@ TEST(Cli, SplitExpertsTrainInBf16MasterUnderZero3AndDdp) {
   }
   const auto out = run(kDtrain +
                        " train --model llama --dataset text --moe-experts 4 --expert-parallel 2 "
-                       "--nproc 2 --precision bf16-master --max-steps 1 --no-run-dir "
-                       "--strategy zero1");
+                       "--nproc 4 --pipeline-parallel 2 --micro-batches 2 --precision bf16-master "
+                       "--max-steps 1 --no-run-dir");
   EXPECT_EQ(out.code, 2) << out.text;
   EXPECT_TRUE(has(out,
-                  "--expert-parallel with --precision bf16-master: built for --strategy ddp "
-                  "and zero3 so far"))
+                  "--expert-parallel with --precision bf16-master: built for --strategy ddp, "
+                  "zero1, zero2 and zero3 so far, not pipelines"))
       << out.text;
 }
 

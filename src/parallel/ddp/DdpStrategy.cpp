@@ -135,18 +135,24 @@ void DdpStrategy::reduce_expert_gradients(bool sum_partial) {
   std::vector<at::Tensor> experts;
   std::vector<std::string> names;
   torch::NoGradGuard no_grad;
+  expert_gradients_.clear();
   for (size_t k = 0; k < parameters_.size(); ++k) {
     if (!is_expert(k)) continue;
-    if (master_.empty()) {
+    if (!precision::has_master_weights(precision_)) {
       experts.push_back(parameters_[k]);
     } else {
-      // bf16-master: the master's fp32 gradient, from the model's bf16 one (reduced in fp32, as
-      // the Reducer reduces the rest).
+      // bf16-master: the master's fp32 gradient (ddp's master_, or ZeRO's shards' master pieces,
+      // which take expert_gradients_), from the model's bf16 one, reduced in fp32 as the
+      // Reducer reduces the rest.
       const at::Tensor& grad = parameters_[k].grad();
       experts.push_back(gradient_holder(
-          master_[k], grad.defined() ? grad.to(at::kFloat) : at::zeros_like(master_[k])));
+          master_.empty() ? at::Tensor() : master_[k],
+          grad.defined()
+              ? grad.to(at::kFloat)
+              : at::zeros(parameters_[k].sizes(), parameters_[k].options().dtype(at::kFloat))));
       parameters_[k].mutable_grad().reset();
     }
+    expert_gradients_.push_back(experts.back().grad());
     names.push_back(names_[k]);
   }
   // (Sequence parallelism: the Reducer summed the dense parameters' partial gradients over the
@@ -195,7 +201,8 @@ StepResult DdpStrategy::train_step(const std::vector<data::Batch>& micro_batches
     sync_engine.finalize();
     // bf16-master: the experts' fp32 gradients are made (and their partial sums taken) by
     // reduce_expert_gradients.
-    const bool experts_later = !master_.empty() && has_experts() && !syncs_expert_gradients();
+    const bool experts_later =
+        precision::has_master_weights(precision_) && has_experts() && !syncs_expert_gradients();
     if (!sync_engine.sums_partial_gradients()) {
       std::vector<at::Tensor> holders = reduced_gradient_holders();
       std::vector<std::string> names = names_;

@@ -137,6 +137,8 @@ class DdpStrategy : public Strategy {
   /// Parameter k's index among the Reducer's (the dense parameters' when there are experts).
   size_t reducer_index(size_t k) const { return k < reducer_index_.size() ? reducer_index_[k] : k; }
   std::vector<size_t> reducer_index_;
+  /// The experts' reduced gradients of the step, in parameter order (fp32 with master weights).
+  std::vector<at::Tensor> expert_gradients_;
   bool warned_unused_ = false;
 };
 

@@ -149,7 +149,8 @@ std::vector<at::Tensor> ZeroStrategy::gradient_holders() const {
 }
 
 void ZeroStrategy::after_gradient_sync(StepResult& result) {
-  if (has_experts()) expert_shards_.alias_parameter_gradients(FlatShards::gradients_of(experts_));
+  // (bf16-master: the experts' fp32 gradients, which their shards' master pieces update from)
+  if (has_experts()) expert_shards_.alias_parameter_gradients(expert_gradients_);
   ddp::DdpStrategy::after_gradient_sync(result);
 }
 
@@ -172,8 +173,22 @@ void ZeroStrategy::build_optimizer(const optim::OptimizerFactory& make_optimizer
   }
   // bf16-master: the optimizer updates an fp32 copy of this rank's shard (Megatron's
   // distributed optimizer); the buffer, hence the gathers, stay bf16.
-  if (!initial_master_.empty()) shards_.make_master(at::kFloat, initial_master_);
   scatter_ = stage_ >= 2 || reduce_scatters_gradients(options_, tp_, /*partial_summed_first=*/true);
+  if (!initial_master_.empty()) {
+    std::vector<at::Tensor> dense, experts;
+    for (size_t k = 0; k < parameters_.size(); ++k) {
+      (is_expert(k) ? experts : dense).push_back(initial_master_[k]);
+    }
+    shards_.make_master(at::kFloat, dense);
+    if (has_experts()) {
+      // (Allreduced instead, the dense gradients' holders would not know the experts' fp32 ones.)
+      DTRAIN_CHECK_INPUT(scatter_, name(),
+                         " with --precision bf16-master and split experts reduce-scatters the "
+                         "gradients; not with --grad-compression powersgd, "
+                         "--hierarchical-allreduce or key/value heads shared by TP ranks");
+      expert_shards_.make_master(at::kFloat, experts);
+    }
+  }
   if (scatter_) {  // the gradient shard the Reducer reduce-scatters into (fp32 with a master)
     shard_grad_ =
         at::zeros({shards_.shard_numel()},
@@ -259,6 +274,7 @@ void ZeroStrategy::apply_update() {
   }
   optimizer_->step();
   if (shards_.has_master()) shards_.publish_master();
+  if (expert_shards_.has_master()) expert_shards_.publish_master();
   if (has_experts()) gather_wait_s_ += expert_shards_.allgather(grid_->edp());
   if (options_.of<ZeroOverlapOptions>().param_gather) {
     shards_.start_allgather(comm_);
@@ -283,7 +299,8 @@ MemoryReport ZeroStrategy::memory_report() const {
   }
   report.parameter_bytes += shards_.padding_bytes();
   if (stage_ >= 2) report.gradient_bytes = shard_grad_.numel() * shard_grad_.element_size();
-  report.optimizer_bytes = shards_.master_bytes() + optim::optimizer_state_bytes(*optimizer_);
+  report.optimizer_bytes = shards_.master_bytes() + expert_shards_.master_bytes() +
+                           optim::optimizer_state_bytes(*optimizer_);
   return report;
 }
 
