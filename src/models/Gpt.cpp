@@ -236,7 +236,7 @@ struct GptBlockImpl : torch::nn::Module {
         ln1(c),
         qkv(separate ? nullptr
                      : tp::ColumnParallelLinear(
-                           tp::ColumnParallelLinearOptions(c.width, 3 * c.heads * head_dim_of(c))
+                           tp::ColumnParallelLinearOptions(c.width, 3 * c.heads * head_dim)
                                .bias(c.bias)
                                .init_std(0.02)
                                .sequence_parallel(shared_.sequence_parallel)

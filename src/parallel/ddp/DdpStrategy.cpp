@@ -152,13 +152,14 @@ void DdpStrategy::reduce_expert_gradients(bool sum_partial) {
               : at::zeros(parameters_[k].sizes(), parameters_[k].options().dtype(at::kFloat))));
       parameters_[k].mutable_grad().reset();
     }
-    expert_gradients_.push_back(experts.back().grad());
     names.push_back(names_[k]);
   }
   // (Sequence parallelism: the Reducer summed the dense parameters' partial gradients over the
   // TP group; the experts bypass it.)
   if (sum_partial && !experts.empty()) tp_.sum_partial_gradients(experts, names);
   parallel::reduce_expert_gradients(experts, grid_->edp(), comm_->size());
+  // (after it: a gradient no token reached is made there)
+  for (const auto& e : experts) expert_gradients_.push_back(e.grad());
 }
 
 void DdpStrategy::broadcast_buffers() {

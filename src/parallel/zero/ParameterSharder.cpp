@@ -92,11 +92,11 @@ ParameterSharder::ParameterSharder(std::vector<at::Tensor> parameters,
                        "dtype; ", names_[0], " is ", dtype, ", ", names_[k], " is ",
                        parameters_[k].scalar_type());
   }
-  const bool experts = std::find(expert.begin(), expert.end(), true) != expert.end();
+  const bool any_expert = std::find(expert.begin(), expert.end(), true) != expert.end();
   DTRAIN_CHECK(expert.empty() || expert.size() == parameters_.size(),
                "ParameterSharder: ", expert.size(), " expert flags for ", parameters_.size(),
                " parameters");
-  DTRAIN_CHECK(!experts || expert_comm, "ParameterSharder: experts without an expert group");
+  DTRAIN_CHECK(!any_expert || expert_comm, "ParameterSharder: experts without an expert group");
   auto is_expert = [&expert](size_t k) { return k < expert.size() && expert[k]; };
   locator_.assign(parameters_.size(), {SIZE_MAX, 0});
   int64_t total_shard = 0;
