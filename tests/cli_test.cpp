@@ -238,6 +238,14 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "global-norm clipping (--max-grad-norm) needs every stage's gradients"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --schedule zb-v",
        "needs 4 model stages, but --model mlp has 3"},
+      {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 3 --schedule dualpipev",
+       "the dualpipev schedule needs at least twice as many micro-batches"},
+      {" train --model llama --dataset text --pipeline-parallel 2 --tensor-parallel 2 --nproc 4 "
+       "--micro-batches 4 --schedule dualpipev",
+       "--schedule dualpipev with --tensor-parallel 2: not built yet"},
+      {" train --model llama --dataset text --pipeline-parallel 2 --nproc 2 --micro-batches 4 "
+       "--schedule dualpipev --checkpointing selective",
+       "--schedule dualpipev with --checkpointing: not built yet"},
       {" train --micro-batches 4 --accumulation 2", "not two of them"},
       {" train --pipeline-balance 1,x", "unknown --pipeline-balance '1,x'"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --pipeline-balance "
@@ -1187,8 +1195,9 @@ TEST(Cli, SplitExpertsTrainInBf16MasterUnderDdpAndZero) {
 }
 
 // A pipeline of 2 stages whose experts are split over each stage's 2 data-parallel ranks (PP x
-// EP, as DeepSeek-V3 trained): it learns, every stage's MoE layers report their balance, and its
-// checkpoint resumes under ddp with tensor parallelism (TP x EP), then generates.
+// EP, as DeepSeek-V3 trained), under DualPipe-V (its pairs on two threads): it learns, every
+// stage's MoE layers report their balance, and its checkpoint resumes under ddp with tensor
+// parallelism (TP x EP), then generates.
 TEST(Cli, APipelineWithExpertsSplitTrainsAndResumesUnderDdp) {
   using namespace dtrain::test::cli;
   dtrain::test::TempDir dir;
@@ -1198,8 +1207,8 @@ TEST(Cli, APipelineWithExpertsSplitTrainsAndResumesUnderDdp) {
       "--no-progress --checkpoint-dir " +
       (dir / "ckpt") + " --metrics " + (dir / "m.jsonl");
   auto out = run(kDtrain + common +
-                 " --max-steps 20 --pipeline-parallel 2 --micro-batches 2 --nproc 4 "
-                 "--expert-parallel 2 --moe-bias-rate 0.01");
+                 " --max-steps 20 --pipeline-parallel 2 --micro-batches 4 --schedule dualpipev "
+                 "--nproc 4 --batch-size 16 --expert-parallel 2 --moe-bias-rate 0.01");
   ASSERT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(has(out, "experts over 2 ranks")) << out.text;
   std::vector<double> validation;

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <numeric>
+#include <optional>
 
 #include "RankThreads.h"
 #include "comm/PaddedShares.h"
@@ -295,6 +296,47 @@ TEST(Comm, AllToAllWithVariableAndEmptySplits) {
       }
     });
   }
+}
+
+// Lanes (DualPipe-V's two threads): the expert group's second lane is a group of the same ranks
+// whose ops are ordered apart from the first's. Rank 0 issues A on the expert group, then B on
+// its lane; rank 1 issues B first: each exchange meets its own (on one group they would meet the
+// other's, of another size). Outside a LaneScope on_lane gives the group itself.
+TEST(Comm, TheExpertGroupsSecondLaneOrdersItsOpsApart) {
+  run_ranks(2, [](const CommunicatorPtr& world) {
+    comm::ProcessGrid grid(world);
+    grid.split_experts(2);
+    ASSERT_FALSE(grid.ep_lane());
+    grid.add_expert_lane();
+    ASSERT_TRUE(grid.ep_lane());
+    EXPECT_NE(grid.ep_lane().get(), grid.ep().get());
+    EXPECT_EQ(grid.ep_lane()->size(), 2);
+    EXPECT_EQ(comm::on_lane(grid.ep()).get(), grid.ep().get());
+    const int me = world->rank();
+    auto exchange = [&](int64_t per_peer, bool on_lane) {
+      std::optional<comm::LaneScope> scope;
+      if (on_lane)
+        scope.emplace(std::vector<std::pair<const comm::Communicator*, CommunicatorPtr>>{
+            {grid.ep().get(), grid.ep_lane()}});
+      const torch::Tensor input = torch::full({2 * per_peer}, 10.0 * me + per_peer);
+      torch::Tensor output = torch::empty({2 * per_peer});
+      return std::make_pair(output, comm::on_lane(grid.ep())->all_to_all(output, input));
+    };
+    std::pair<torch::Tensor, comm::WorkPtr> a, b;
+    if (me == 0) {
+      a = exchange(3, false);
+      b = exchange(5, true);
+    } else {
+      b = exchange(5, true);
+      a = exchange(3, false);
+    }
+    a.second->wait();
+    b.second->wait();
+    for (int from = 0; from < 2; ++from) {
+      EXPECT_TRUE(torch::equal(a.first.narrow(0, 3 * from, 3), torch::full({3}, 10.0 * from + 3)));
+      EXPECT_TRUE(torch::equal(b.first.narrow(0, 5 * from, 5), torch::full({5}, 10.0 * from + 5)));
+    }
+  });
 }
 
 TEST(Comm, WireBytesCountEveryCollectiveOfTheWorldAndItsGroups) {

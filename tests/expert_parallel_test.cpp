@@ -363,9 +363,11 @@ TEST(ExpertParallel, DdpWithExpertsSplitIsOneProcessInFloat64) {
 // Pipelines with a mixture of experts (DeepSeek-V3 trained PP x EP): the experts split over the
 // data-parallel ranks of each stage, each stage's all-to-alls among its own ranks, the experts'
 // gradients reduced over their expert data-parallel group after the schedule. 1F1B, GPipe,
-// interleaved and zero bubble, with accumulation and clipping, equal one process on the global
-// batch. The balance losses of layers on every stage reach the gradients through each layer's
-// backward (the loss lives on the last stage): equal to one process adding them per micro-batch.
+// interleaved, zero bubble and DualPipe-V (its pairs on two threads, the backward's all-to-alls
+// on the second lane; one rank holding both arms of the V, and two), with accumulation and
+// clipping, equal one process on the global batch. The balance losses of layers on every stage
+// reach the gradients through each layer's backward (the loss lives on the last stage): equal to
+// one process adding them per micro-batch.
 TEST(ExpertParallel, PipelinesWithExpertsAreOneProcessInFloat64) {
   test::Fixture f = test::llama_with_experts();
   const auto whole = trained_whole(f, 3);
@@ -380,7 +382,10 @@ TEST(ExpertParallel, PipelinesWithExpertsAreOneProcessInFloat64) {
                                          {4, 2, 2, 2, "interleaved", 2},
                                          {4, 2, 2, 2, "zb-h1", 1},
                                          {8, 2, 4, 2, "1f1b", 1},
-                                         {8, 2, 2, 2, "1f1b", 1}}) {
+                                         {8, 2, 2, 2, "1f1b", 1},
+                                         {2, 1, 2, 2, "dualpipev", 2},
+                                         {2, 1, 2, 4, "dualpipev", 2},
+                                         {4, 2, 2, 4, "dualpipev", 2}}) {
     ExpertRun run;
     run.strategy = "pipeline";
     run.world = c.world;

@@ -5,6 +5,8 @@
 #include <map>
 #include <mutex>
 
+#include "CliRuns.h"
+#include "InputErrors.h"
 #include "Oracle.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/parallel/Strategies.h"
@@ -199,6 +201,82 @@ TEST(Schedule, ZeroBubbleVRunsTwoChunksPerRankInAVWithoutIdling) {
   EXPECT_EQ(stage_of(looping, 2, 1), 9);
   EXPECT_EQ(rank_of(looping, 9), 1);
   EXPECT_EQ(chunk_of(looping, 9), 2);
+}
+
+// DualPipe-V: ZB-V's placement with a steady state of pairs, one chunk's forward (marked &) and
+// the other chunk's backward of another micro-batch, which the executor runs together. Its
+// lists equal PyTorch 2.x's ScheduleDualPipeV's (tests/data/dualpipev_oracle.py; that part
+// skipped without .venv-torch); they run without deadlock as the executor runs pairs (both
+// inputs first, both results at the pair's end); every rank pairs 2(M - 2P + r + 1) + P - r - 1
+// forwards (one fewer on the last rank); and M < 2P is refused by name.
+TEST(Schedule, DualPipeVPairsOneChunksForwardWithTheOthersBackward) {
+  const std::string python = peer_python();
+  const std::string oracle = std::string(DTRAIN_SOURCE_DIR) + "/tests/data/dualpipev_oracle.py";
+  const bool have_torch =
+      std::system((python + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
+  std::vector<std::pair<int, int>> specs;
+  std::string arguments;
+  for (int p : {1, 2, 3, 4}) {
+    for (int m : {2 * p, 2 * p + 1, 3 * p, 4 * p + 1}) {
+      specs.emplace_back(p, m);
+      arguments += concat(" ", p, ":", m);
+    }
+  }
+  std::string expected;  // PyTorch's lists, every spec's in order
+  if (have_torch) {
+    const test::cli::Output out = test::cli::run(concat(python, " ", oracle, arguments));
+    ASSERT_EQ(out.code, 0) << out.text;
+    expected = out.text;
+  }
+  std::string mine;
+  for (const auto& [p, m] : specs) {
+    {
+      SCOPED_TRACE(concat("P=", p, " M=", m));
+      const ScheduleSpec spec{"dualpipev", p, m, 2};
+      const auto lists = all_ranks(spec);
+      for (const auto& list : lists) mine += listing(list) + "\n";
+      const Simulation sim = simulate(spec, lists, 2.0, 4.0);  // F = B = W = 1 per chunk
+      EXPECT_GE(sim.makespan, 6.0 * m);
+      for (int r = 0; r < p; ++r) {
+        int pairs = 0;
+        for (size_t i = 0; i < lists[r].size(); ++i) {
+          const Action& a = lists[r][i];
+          if (!a.overlapped) continue;
+          ++pairs;
+          ASSERT_EQ(a.kind, Action::Forward);
+          const Action& b = lists[r][i + 1];
+          EXPECT_EQ(b.kind, Action::Backward);
+          EXPECT_NE(b.chunk, a.chunk);
+        }
+        EXPECT_EQ(pairs, 2 * (m - 2 * p + r + 1) + p - r - 1 - (r == p - 1 ? 1 : 0)) << r;
+      }
+    }
+  }
+  if (have_torch) {
+    EXPECT_EQ(mine, expected);
+  }
+  // Paired, the two actions start once both inputs are in and their results leave at the
+  // pair's end: a backward paired with its own micro-batch's forward never starts.
+  const ScheduleSpec one{"dualpipev", 1, 2, 2};
+  const std::vector<Action> own = {
+      {Action::Forward, 0, 0},  {Action::Forward, 0, 1, true}, {Action::Backward, 0, 1},
+      {Action::Weight, 0, 1},   {Action::Forward, 1, 0},       {Action::Forward, 1, 1},
+      {Action::Backward, 1, 1}, {Action::Weight, 1, 1},        {Action::Backward, 0, 0},
+      {Action::Weight, 0, 0},   {Action::Backward, 1, 0},      {Action::Weight, 1, 0}};
+  EXPECT_NE(error_of([&] { simulate(one, {own}); }).find("deadlocks"), std::string::npos);
+  std::vector<Action> unpaired = own;
+  unpaired[1].overlapped = false;
+  EXPECT_NO_THROW(simulate(one, {unpaired}));
+  EXPECT_NE(error_of([&] {
+              build_schedule({"dualpipev", 3, 5, 2}, 0);
+            }).find("dualpipev schedule needs at least twice as many micro-batches"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              std::vector<std::vector<Action>> lists = all_ranks({"dualpipev", 1, 2, 2});
+              lists[0][0].overlapped = true;  // F0 followed by a forward
+              simulate({"dualpipev", 1, 2, 2}, lists);
+            }).find("is not a forward followed by a backward"),
+            std::string::npos);
 }
 
 // PipeDream's replicated stages: every slot's list runs (simulated) for each schedule, replica
@@ -478,10 +556,13 @@ TEST(Pipeline, TrainsToTheWeightsOfSingleProcessTraining) {
   // Zero bubble: B and W split (the MLP's linear layers defer their weight gradients to W).
   // zb-v at P = 2 runs the MLP's 4 stages as 2 x 2 chunks (rank 0 the first and the last), from
   // M = P (the construction's idle slots) up; its P = 4 is the next test's.
-  for (const std::string schedule : {"zb-h1", "zb-h2", "zb-v"}) {
+  // dualpipev: zb-v's V from M = 2P, its pairs on two threads.
+  for (const std::string schedule : {"zb-h1", "zb-h2", "zb-v", "dualpipev"}) {
     for (int pp : {2, 4}) {
       for (int micro : {2, 4, 8}) {
-        if (micro < pp || (micro == 2 && schedule != "zb-v") || (schedule == "zb-v" && pp == 4)) {
+        const bool v = schedule == "zb-v" || schedule == "dualpipev";
+        if (micro < pp || (micro == 2 && !v) || (v && pp == 4) ||
+            (schedule == "dualpipev" && micro < 2 * pp)) {
           continue;
         }
         SCOPED_TRACE(concat(schedule, " P=", pp, " M=", micro));

@@ -714,4 +714,22 @@ CommunicatorPtr Communicator::split(int color, int key, const std::string& name)
   return result;
 }
 
+namespace {
+thread_local std::vector<std::pair<const Communicator*, CommunicatorPtr>> g_lanes;
+}  // namespace
+
+LaneScope::LaneScope(std::vector<std::pair<const Communicator*, CommunicatorPtr>> substitutes)
+    : saved_(std::move(g_lanes)) {
+  g_lanes = std::move(substitutes);
+}
+
+LaneScope::~LaneScope() { g_lanes = std::move(saved_); }
+
+const CommunicatorPtr& on_lane(const CommunicatorPtr& group) {
+  for (const auto& [from, to] : g_lanes) {
+    if (from == group.get()) return to;
+  }
+  return group;
+}
+
 }  // namespace dtrain::comm

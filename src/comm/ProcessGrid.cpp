@@ -219,6 +219,25 @@ void ProcessGrid::split_experts(int ranks) {
     }
   }
   DTRAIN_CHECK(ep_ && edp_, "ProcessGrid: rank ", world_->rank(), " has no expert groups");
+  expert_ranks_ = ranks;
+}
+
+void ProcessGrid::add_expert_lane() {
+  if (!ep_ || ep_lane_) return;
+  const int ranks = expert_ranks_;
+  for (int pp = 0; pp < pp_size_; ++pp) {
+    for (int tp = 0; tp < tp_size_; ++tp) {
+      for (int g = 0; g < dp_size_ / ranks; ++g) {
+        std::vector<int> members;
+        for (int e = 0; e < ranks; ++e) members.push_back(world_rank_of({g * ranks + e, pp, tp}));
+        if (auto group = world_->new_group(
+                members, concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "] second lane"))) {
+          ep_lane_ = group;
+        }
+      }
+    }
+  }
+  DTRAIN_CHECK(ep_lane_, "ProcessGrid: rank ", world_->rank(), " has no second expert lane");
 }
 
 }  // namespace dtrain::comm

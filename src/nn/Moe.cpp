@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "dtrain/comm/Communicator.h"
 #include "dtrain/common/Error.h"
+#include "dtrain/common/Trace.h"
 #include "dtrain/nn/DeferredInit.h"
 #include "dtrain/nn/tensor/Mappings.h"
 
@@ -206,7 +208,8 @@ at::Tensor MoeImpl::compute_experts(const at::Tensor& sent, const std::vector<in
   if (P > 1) {
     const at::Tensor mine = at::tensor(taken, at::kLong);
     const at::Tensor theirs = at::empty({P * L}, at::kLong);
-    expert_parallel_->all_to_all(theirs, mine)->wait();
+    trace::Span span("comm", "all_to_all counts");
+    comm::on_lane(expert_parallel_)->all_to_all(theirs, mine)->wait();
     local_counts.assign(theirs.data_ptr<int64_t>(), theirs.data_ptr<int64_t>() + P * L);
   }
   for (int r = 0; r < P; ++r) {

@@ -101,6 +101,7 @@ RunPlan plan_run(const JobConfig& job, int ranks) {
       models::model_info(job.model.name).language_model;
   plan.layout.sequence_parallel = language_model && job.model.gpt.sequence_parallel;
   plan.layout.tied_parameters = language_model && job.model.gpt.tied_embeddings;
+  plan.layout.recomputes = !job.model.checkpointing.empty() && job.model.checkpointing != "none";
   plan.layout.model = job.model.name;
   plan.data = data_source(job, plan.batches);
   plan.launch = launch_policy(job, t, plan.layout);

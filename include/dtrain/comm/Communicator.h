@@ -261,4 +261,22 @@ std::string shape_string(const at::Tensor& tensor);
 /// padded bytes). For small reports such as trace fragments, not for bulk data.
 std::vector<std::string> allgather_strings(Communicator& comm, const std::string& text);
 
+/// Lanes. While a LaneScope lives on a thread, on_lane(group) gives that thread's substitute for
+/// `group` (a group of the same ranks made for the purpose), else `group` itself. Two threads of
+/// a rank that issue collectives at once must not share a group: its ops would meet their peers'
+/// in another order. DualPipe-V's backward thread issues its all-to-alls on the expert group's
+/// second lane (ProcessGrid::add_expert_lane), so that each lane sees its ops in one order on
+/// every rank while both threads run.
+class LaneScope {
+ public:
+  explicit LaneScope(std::vector<std::pair<const Communicator*, CommunicatorPtr>> substitutes);
+  ~LaneScope();
+  LaneScope(const LaneScope&) = delete;
+  LaneScope& operator=(const LaneScope&) = delete;
+
+ private:
+  std::vector<std::pair<const Communicator*, CommunicatorPtr>> saved_;
+};
+const CommunicatorPtr& on_lane(const CommunicatorPtr& group);
+
 }  // namespace dtrain::comm

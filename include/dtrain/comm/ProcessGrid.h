@@ -56,6 +56,11 @@ class ProcessGrid {
   const CommunicatorPtr& ep() const { return ep_; }
   const CommunicatorPtr& edp() const { return edp_ ? edp_ : dp_; }
   int ep_size() const { return ep_ ? ep_->size() : 1; }
+  /// Collective over the world, after split_experts: a second group of each expert group's
+  /// ranks, for a second thread's all-to-alls (comm::LaneScope; DualPipe-V's pairs). Null
+  /// before, or without expert groups.
+  void add_expert_lane();
+  const CommunicatorPtr& ep_lane() const { return ep_lane_; }
   int ep_rank() const { return ep_ ? ep_->rank() : 0; }
 
   /// Collective over the world: context parallelism over `ranks` data-parallel ranks (issue 82:
@@ -109,6 +114,8 @@ class ProcessGrid {
   CommunicatorPtr tp_;
   CommunicatorPtr ep_;
   CommunicatorPtr edp_;
+  CommunicatorPtr ep_lane_;
+  int expert_ranks_ = 1;
   CommunicatorPtr cp_;
 };
 

@@ -17,6 +17,7 @@ struct Event {
   std::string name;      // shown on the span, e.g. "F3"
   int64_t start_us = 0;  // wall clock (system_clock), so ranks on other hosts line up
   int64_t duration_us = 0;
+  int tid = 0;  // the rank's track: 0 its training thread, 1 a helper (DualPipe-V's backward)
 };
 
 /// Starts recording this thread's spans (clearing earlier ones); at most `max_events` are kept
@@ -27,6 +28,24 @@ bool enabled();
 /// The recorded events, and how many did not fit.
 std::vector<Event> events();
 int64_t dropped();
+
+/// A thread's recording, for a helper thread to add its spans to (current(): this thread's).
+struct Recorder;
+Recorder* current();
+/// While alive, this thread's spans go to `recorder` on track `tid` (recorded when the thread
+/// that owns it records): a helper thread's work shows on its rank's timeline.
+class Adopt {
+ public:
+  Adopt(Recorder* recorder, int tid);
+  ~Adopt();
+  Adopt(const Adopt&) = delete;
+  Adopt& operator=(const Adopt&) = delete;
+
+ private:
+  Recorder* saved_;
+  int saved_tid_;
+  bool saved_enabled_;
+};
 
 /// Records [construction, destruction) as one event when tracing is on.
 class Span {

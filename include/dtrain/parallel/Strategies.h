@@ -48,6 +48,8 @@ struct Layout {
   bool sequence_parallel = false;
   bool tied_parameters = false;
   bool defer_eval = false;
+  /// --checkpointing other than none: backward runs forwards again.
+  bool recomputes = false;
   /// Micro-batches per step (a pipeline's M).
   int64_t micro_batches = 1;
   /// The model's name and stage count (0 = not known).

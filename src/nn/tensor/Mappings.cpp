@@ -185,7 +185,7 @@ at::Tensor all_to_all_rows_now(const at::Tensor& x, const comm::CommunicatorPtr&
   std::vector<int64_t> shape = in.sizes().vec();
   shape[0] = received;
   at::Tensor output = at::empty(shape, in.options());
-  group->all_to_all(output, in, options)->wait();
+  comm::on_lane(group)->all_to_all(output, in, options)->wait();
   return output;
 }
 

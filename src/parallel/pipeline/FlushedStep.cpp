@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <map>
+#include <mutex>
+#include <thread>
 
+#include "dtrain/comm/Communicator.h"
 #include "dtrain/common/Error.h"
 #include "dtrain/common/Trace.h"
 #include "dtrain/nn/WeightGrad.h"
@@ -37,6 +40,8 @@ struct PipelineStrategy::FlushedStep {
   /// A mixture of experts' balance losses: the gradient each layer gives them (the loss's).
   double moe_scale = 0;
   StepResult result;
+  /// Guards the maps above while an overlapped pair's two threads run (DualPipe-V).
+  std::mutex mutex;
 };
 
 StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_batches,
@@ -95,6 +100,14 @@ StepResult PipelineStrategy::train_step(const std::vector<data::Batch>& micro_ba
       post_ahead(actions[k]);
     }
     const Action& a = actions[i];
+    if (a.overlapped) {
+      const size_t group = run_pair(step, actions, i);
+      for (size_t k = i; k < i + group; ++k) {
+        if (observer_) observer_(actions[k]);
+      }
+      i += group - 1;
+      continue;
+    }
     if (a.kind == Action::Forward) {
       run_forward(step, a);
     } else if (a.kind == Action::Weight) {
@@ -112,25 +125,33 @@ std::string PipelineStrategy::action_label(const Action& a) const {
 }
 
 void PipelineStrategy::run_forward(FlushedStep& step, const Action& a) {
+  const at::Tensor y = compute_forward(step, a, forward_input(a, step.micro_batches));
+  if (y.defined()) send_forward(a, y);
+}
+
+at::Tensor PipelineStrategy::forward_input(const Action& a,
+                                           const std::vector<data::Batch>& micro_batches) {
   const Chunk& chunk = chunks_[a.chunk];
-  const int s = chunk.virtual_stage;
-  const std::string label = action_label(a);
+  if (first_virtual(chunk)) return model_input(micro_batches[a.micro_batch].inputs);
+  trace::Span wait("recv", "activation " + action_label(a));
+  at::Tensor x = link_->recv(StageLink::Activation, chunk.virtual_stage - 1, a.micro_batch);
+  x.requires_grad_(true);
+  return x;
+}
+
+at::Tensor PipelineStrategy::compute_forward(FlushedStep& step, const Action& a,
+                                             const at::Tensor& x) {
+  const Chunk& chunk = chunks_[a.chunk];
   const data::Batch& batch = step.micro_batches[a.micro_batch];
-  at::Tensor x;
-  if (first_virtual(chunk)) {
-    x = model_input(batch.inputs);
-  } else {
-    trace::Span wait("recv", "activation " + label);
-    x = link_->recv(StageLink::Activation, s - 1, a.micro_batch);
-    x.requires_grad_(true);
-  }
-  trace::Span span("forward", "F" + label);
-  if (first_virtual(chunk)) step.result.samples += x.size(0);
+  trace::Span span("forward", "F" + action_label(a));
   at::Tensor y;
   {
     precision::AutocastScope autocast(precision_, device_.type());
-    nn::DeferredWeightGrads* store =
-        step.split ? &step.deferred[{a.chunk, a.micro_batch}] : nullptr;
+    nn::DeferredWeightGrads* store = nullptr;
+    if (step.split) {
+      std::lock_guard<std::mutex> lock(step.mutex);
+      store = &step.deferred[{a.chunk, a.micro_batch}];  // (a map's elements stay put)
+    }
     nn::WeightGradDeferral defer(store);
     y = run_chunk(chunk, x);
     if (last_virtual(chunk)) {
@@ -140,15 +161,23 @@ void PipelineStrategy::run_forward(FlushedStep& step, const Action& a) {
       y = step.loss(y, batch.targets) / step.count;
     }
   }
+  std::lock_guard<std::mutex> lock(step.mutex);
+  if (first_virtual(chunk)) step.result.samples += x.size(0);
   if (last_virtual(chunk)) {
     step.loss_sum += y.item<double>();
     step.kept[{a.chunk, a.micro_batch}] = {x, scaler_ ? scaler_->scale(y) : y};
+    y = at::Tensor();  // nothing to send
   } else {
-    trace::Span send("send", "activation " + label);
-    link_->send(StageLink::Activation, s, a.micro_batch, y.detach());
     step.kept[{a.chunk, a.micro_batch}] = {x, y};
+    y = y.detach();
   }
   step.peak_kept = std::max(step.peak_kept, step.kept.size());
+  return y;
+}
+
+void PipelineStrategy::send_forward(const Action& a, const at::Tensor& y) {
+  trace::Span send("send", "activation " + action_label(a));
+  link_->send(StageLink::Activation, chunks_[a.chunk].virtual_stage, a.micro_batch, y);
 }
 
 void PipelineStrategy::run_weight(FlushedStep& step, const Action& a, size_t i) {
@@ -156,7 +185,10 @@ void PipelineStrategy::run_weight(FlushedStep& step, const Action& a, size_t i) 
   const int s = chunk.virtual_stage;
   const std::string label = action_label(a);
   trace::Span span("weight", "W" + label);
+  std::unique_lock<std::mutex> lock(step.mutex);
   auto node = step.deferred.extract({a.chunk, a.micro_batch});
+  step.deferred_bytes -= node.empty() ? 0 : node.mapped().bytes();
+  lock.unlock();
   DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": W of micro-batch ", a.micro_batch,
                " before its forward");
   parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
@@ -164,46 +196,102 @@ void PipelineStrategy::run_weight(FlushedStep& step, const Action& a, size_t i) 
     reducer->set_sync(true);
     reducer->prepare_for_backward();
   }
-  step.deferred_bytes -= node.mapped().bytes();
   node.mapped().compute();
 }
 
 void PipelineStrategy::run_backward(FlushedStep& step, const Action& a, size_t i) {
+  const at::Tensor g = compute_backward(step, a, i, backward_input(a));
+  if (g.defined()) send_backward(a, g);
+}
+
+at::Tensor PipelineStrategy::backward_input(const Action& a) {
+  const Chunk& chunk = chunks_[a.chunk];
+  if (last_virtual(chunk)) return at::Tensor();
+  trace::Span wait("recv", "gradient " + action_label(a));
+  return link_->recv(StageLink::Gradient, chunk.virtual_stage, a.micro_batch);
+}
+
+at::Tensor PipelineStrategy::compute_backward(FlushedStep& step, const Action& a, size_t i,
+                                              const at::Tensor& upstream) {
   const Chunk& chunk = chunks_[a.chunk];
   const int s = chunk.virtual_stage;
-  const std::string label = action_label(a);
-  at::Tensor upstream;
-  if (!last_virtual(chunk)) {
-    trace::Span wait("recv", "gradient " + label);
-    upstream = link_->recv(StageLink::Gradient, s, a.micro_batch);
-  }
-  trace::Span span("backward", "B" + label);
+  trace::Span span("backward", "B" + action_label(a));
+  std::unique_lock<std::mutex> lock(step.mutex);
   auto node = step.kept.extract({a.chunk, a.micro_batch});
   DTRAIN_CHECK(!node.empty(), "pipeline stage ", s, ": backward of micro-batch ", a.micro_batch,
                " before its forward");
+  nn::DeferredWeightGrads* w = step.split ? &step.deferred.at({a.chunk, a.micro_batch}) : nullptr;
+  lock.unlock();
   auto [x, y] = node.mapped();
   parallel::ddp::Reducer* reducer = reducers_[a.chunk].get();
   if (reducer && i == step.last_backward[a.chunk]) {
     reducer->set_sync(true);
     reducer->prepare_for_backward();
   }
+  at::Tensor g;
   if (step.split) {
     // B: the input's gradient now; the weights' (and the other parameters') wait for W.
-    nn::DeferredWeightGrads& w = step.deferred.at({a.chunk, a.micro_batch});
     std::vector<at::Tensor> params;
     for (size_t k : chunk.parameters) params.push_back(parameters_[k]);
-    at::Tensor g = w.backward_input(y, upstream, first_virtual(chunk) ? at::Tensor() : x, params);
-    step.deferred_bytes += w.bytes();
+    g = w->backward_input(y, upstream, first_virtual(chunk) ? at::Tensor() : x, params);
+    lock.lock();
+    step.deferred_bytes += w->bytes();
     step.peak_deferred_bytes = std::max(step.peak_deferred_bytes, step.deferred_bytes);
     step.peak_pending = std::max(step.peak_pending, step.deferred.size() - step.kept.size());
-    if (!first_virtual(chunk)) {
-      if (!g.defined()) g = at::zeros_like(x);
-      trace::Span send("send", "gradient " + label);
-      link_->send(StageLink::Gradient, s - 1, a.micro_batch, g);
-    }
+    lock.unlock();
   } else {
-    backward_and_send(chunk, x, y, upstream, a.micro_batch, label);
+    backward_chunk(chunk, y, upstream);
+    if (!first_virtual(chunk)) g = x.grad();
   }
+  if (first_virtual(chunk)) return at::Tensor();
+  return g.defined() ? g : at::zeros_like(x);
+}
+
+void PipelineStrategy::send_backward(const Action& a, const at::Tensor& g) {
+  trace::Span send("send", "gradient " + action_label(a));
+  link_->send(StageLink::Gradient, chunks_[a.chunk].virtual_stage - 1, a.micro_batch, g);
+}
+
+size_t PipelineStrategy::run_pair(FlushedStep& step, const std::vector<Action>& actions, size_t i) {
+  const Action& f = actions[i];
+  DTRAIN_CHECK(i + 1 < actions.size() && actions[i + 1].kind == Action::Backward,
+               "an overlapped forward ", to_string(f), " without a backward after it");
+  const Action& b = actions[i + 1];
+  const bool with_w =
+      step.split && i + 2 < actions.size() && actions[i + 2].kind == Action::Weight &&
+      actions[i + 2].micro_batch == b.micro_batch && actions[i + 2].chunk == b.chunk;
+  // Both inputs first (the peers send them before their own pairs), then the forward here and
+  // the backward on a helper thread, whose all-to-alls take the expert group's second lane;
+  // then both results.
+  const at::Tensor x = forward_input(f, step.micro_batches);
+  const at::Tensor upstream = backward_input(b);
+  at::Tensor g;
+  std::exception_ptr failed;
+  trace::Recorder* recorder = trace::current();
+  std::vector<std::pair<const comm::Communicator*, comm::CommunicatorPtr>> lanes;
+  if (grid_->ep_lane()) lanes.emplace_back(grid_->ep().get(), grid_->ep_lane());
+  std::thread helper([&] {
+    trace::Adopt adopt(recorder, 1);
+    comm::LaneScope lane(lanes);
+    try {
+      g = compute_backward(step, b, i + 1, upstream);
+      if (with_w) run_weight(step, actions[i + 2], i + 2);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  });
+  at::Tensor y;
+  try {
+    y = compute_forward(step, f, x);
+  } catch (...) {
+    helper.join();
+    throw;
+  }
+  helper.join();
+  if (failed) std::rethrow_exception(failed);
+  if (y.defined()) send_forward(f, y);
+  if (g.defined()) send_backward(b, g);
+  return with_w ? 3 : 2;
 }
 
 StepResult PipelineStrategy::finish_flushed_step(FlushedStep& step) {

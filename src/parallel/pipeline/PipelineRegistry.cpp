@@ -34,6 +34,20 @@ void check_layout(const PipelineOptions& o, const Layout& layout) {
   const ScheduleInfo& schedule = schedule_info(o.schedule);
   const int chunks = chunks_of(o.schedule, o.virtual_stages);
   validate({o.schedule, pp, static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), chunks});
+  // DualPipe-V's pairs run two chunks on two threads at once: only the expert group has a lane
+  // per thread, and a recomputation would reset the random state the other thread draws from.
+  if (schedule.overlaps) {
+    DTRAIN_CHECK_INPUT(tp == 1, "--schedule ", o.schedule, " with --tensor-parallel ", tp,
+                       ": not built yet (its pairs run on two threads; the tensor-parallel "
+                       "group has one lane)");
+    DTRAIN_CHECK_INPUT(layout.context_parallel == 1, "--schedule ", o.schedule,
+                       " with --context-parallel ", layout.context_parallel,
+                       ": not built yet (its pairs run on two threads; the context group has "
+                       "one lane)");
+    DTRAIN_CHECK_INPUT(!layout.recomputes, "--schedule ", o.schedule,
+                       " with --checkpointing: not built yet (a recomputation in one thread of "
+                       "a pair would reset the random state the other draws from)");
+  }
   DTRAIN_CHECK_INPUT(!layout.tied_parameters,
                      "--tied-embeddings shares one weight between the first and the last "
                      "pipeline stage, which the pipeline does not support: leave it out");
@@ -53,9 +67,10 @@ void check_layout(const PipelineOptions& o, const Layout& layout) {
 
 void declare_flags(FlagSet& flags, PipelineOptions& o) {
   flags.add("--schedule", o.schedule,
-            "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-v (zero bubble: "
+            "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v (zero bubble: "
             "backward split into input and weight gradients; zb-v runs two chunks per rank in a "
-            "V), or one registered with register_schedule");
+            "V) or dualpipev (zb-v's V, one chunk's forward run with the other's backward on two "
+            "threads; M >= 2P), or one registered with register_schedule");
   flags.add("--virtual-stages", o.virtual_stages,
             "Interleaved schedule: model chunks per pipeline rank");
   flags.add("--pipeline-balance", o.balance,
@@ -144,7 +159,7 @@ StrategyInfo pipeline_strategy() {
   info.name = "pipeline";
   info.master_weights = true;
   info.summary =
-      "pipeline parallelism (GPipe, 1F1B, interleaved, zero bubble H1/H2/V), stages "
+      "pipeline parallelism (GPipe, 1F1B, interleaved, zero bubble H1/H2/V, DualPipe-V), stages "
       "data-parallel";
   info.pipelines = true;
   info.whole_model_on_rank0 = false;

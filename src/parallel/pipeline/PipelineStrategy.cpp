@@ -173,6 +173,8 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   // The last stage's loss cannot add the balance losses of layers on other stages: each layer
   // adds its own in its backward.
   for (auto* layer : moe_layers_) layer->set_losses_in_backward(1.0);
+  // DualPipe-V's pairs: the backward thread's all-to-alls on a group of their own.
+  if (schedule_info(kind_).overlaps) grid_->add_expert_lane();
   costs_ = stage_costs();
   const std::string& balance = pipe_.balance;
   partition_ = balance == "params" || balance == "time"
@@ -387,9 +389,8 @@ void PipelineStrategy::update_model_from_master() {
   copy_weights(master_, parameters_);
 }
 
-void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x,
-                                         const at::Tensor& y, const at::Tensor& upstream, int link,
-                                         const std::string& label) {
+void PipelineStrategy::backward_chunk(const Chunk& chunk, const at::Tensor& y,
+                                      const at::Tensor& upstream) {
   if (!y.requires_grad()) {
     // Nothing before this point needs a gradient (a first stage without parameters).
   } else if (last_virtual(chunk)) {
@@ -397,6 +398,12 @@ void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x
   } else {
     y.backward(upstream);
   }
+}
+
+void PipelineStrategy::backward_and_send(const Chunk& chunk, const at::Tensor& x,
+                                         const at::Tensor& y, const at::Tensor& upstream, int link,
+                                         const std::string& label) {
+  backward_chunk(chunk, y, upstream);
   if (first_virtual(chunk)) return;
   at::Tensor g = x.grad();
   if (!g.defined()) g = at::zeros_like(x);

@@ -140,7 +140,9 @@ class PipelineStrategy : public Strategy {
   /// into the bf16 model.
   void update_model_from_master();
   /// A whole backward of `chunk` from its output `y` (the loss on the last stage, else with
-  /// `upstream`), then its input's gradient sent on over the StageLink as micro-batch `link`.
+  /// `upstream`); backward_and_send then sends its input's gradient on over the StageLink as
+  /// micro-batch `link`.
+  void backward_chunk(const Chunk& chunk, const at::Tensor& y, const at::Tensor& upstream);
   void backward_and_send(const Chunk& chunk, const at::Tensor& x, const at::Tensor& y,
                          const at::Tensor& upstream, int link, const std::string& label);
   bool first_virtual(const Chunk& chunk) const { return chunk.virtual_stage == 0; }
@@ -157,6 +159,22 @@ class PipelineStrategy : public Strategy {
   /// (`i`: the action's index: the chunk's last backward or W starts its gradients' reduction.)
   void run_weight(FlushedStep& step, const Action& a, size_t i);
   void run_backward(FlushedStep& step, const Action& a, size_t i);
+  // Each in three parts, so that an overlapped pair can receive both inputs, compute both at
+  // once and then send both results: the input (received, or the batch's), the computation
+  // (returns what goes on: the activation, undefined after the loss; the input's gradient,
+  // undefined on the first stage), the send.
+  at::Tensor forward_input(const Action& a, const std::vector<data::Batch>& micro_batches);
+  at::Tensor compute_forward(FlushedStep& step, const Action& a, const at::Tensor& x);
+  void send_forward(const Action& a, const at::Tensor& y);
+  at::Tensor backward_input(const Action& a);
+  at::Tensor compute_backward(FlushedStep& step, const Action& a, size_t i,
+                              const at::Tensor& upstream);
+  void send_backward(const Action& a, const at::Tensor& g);
+  /// DualPipe-V's pair at `i` (an overlapped forward, the backward after it and that backward's
+  /// W where it comes next): the forward on this thread, the rest on a helper thread whose
+  /// all-to-alls take the expert group's second lane and whose spans are the rank's track 1.
+  /// Returns how many actions it ran.
+  size_t run_pair(FlushedStep& step, const std::vector<Action>& actions, size_t i);
   StepResult finish_flushed_step(FlushedStep& step);
   /// "m" or "m.chunk": an action's micro-batch (and chunk) in trace spans.
   std::string action_label(const Action& a) const;

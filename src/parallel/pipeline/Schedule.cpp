@@ -34,7 +34,8 @@ std::string to_string(const Action& action) {
                        : action.kind == Action::Backward ? "B"
                                                          : "W";
   return concat(letter, action.micro_batch,
-                action.chunk > 0 ? concat(".", action.chunk) : std::string());
+                action.chunk > 0 ? concat(".", action.chunk) : std::string(),
+                action.overlapped ? "&" : "");
 }
 
 void validate(const ScheduleSpec& spec) {
@@ -54,6 +55,10 @@ void validate(const ScheduleSpec& spec) {
                      " schedule needs at least as many micro-batches as pipeline stages (got ",
                      spec.micro_batches, " micro-batches for ", spec.stages,
                      " stages): use more micro-batches or --schedule gpipe");
+  DTRAIN_CHECK_INPUT(
+      !info.fills_v || spec.micro_batches >= 2 * spec.stages, "the ", info.name,
+      " schedule needs at least twice as many micro-batches as pipeline stages (got ",
+      spec.micro_batches, " micro-batches for ", spec.stages, " stages)");
   DTRAIN_CHECK_INPUT(!info.groups_of_stages || spec.micro_batches % spec.stages == 0, "the ",
                      info.name, " schedule needs micro-batches (", spec.micro_batches,
                      ") to be a multiple of the pipeline stages (", spec.stages, ")");
@@ -384,34 +389,53 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
   result.ends.resize(p);
   size_t remaining = 0;
   for (const auto& list : per_rank) remaining += list.size();
+  // An overlapped forward runs with the backward after it (and that backward's W where it comes
+  // next): how many actions a rank's group at `i` holds.
+  auto group_size = [&](int r, size_t i) -> size_t {
+    const auto& list = per_rank[r];
+    if (!list[i].overlapped) return 1;
+    DTRAIN_CHECK_INPUT(list[i].kind == Action::Forward && i + 1 < list.size() &&
+                           list[i + 1].kind == Action::Backward,
+                       "rank ", r, "'s overlapped ", to_string(list[i]),
+                       " is not a forward followed by a backward");
+    const Action& b = list[i + 1];
+    const bool with_w = i + 2 < list.size() && list[i + 2].kind == Action::Weight &&
+                        list[i + 2].micro_batch == b.micro_batch && list[i + 2].chunk == b.chunk;
+    return with_w ? 3 : 2;
+  };
   while (remaining > 0) {
-    // Start, among the ranks whose next action is ready, the one that can start earliest.
+    // Start, among the ranks whose next action (or pair) is ready, the one that can start
+    // earliest.
     int best = -1;
     double best_start = 0;
     for (int r = 0; r < p; ++r) {
       if (next[r] >= per_rank[r].size()) continue;
-      const Action& a = per_rank[r][next[r]];
-      const int stage = vstage_of(a.chunk, r);
       double ready = free_at[r];
-      if (costs.release) ready = std::max(ready, costs.release(r, a));
       bool ok = true;
-      auto needs = [&](int kind, int vstage) {
-        const double done = finished[key(kind, a.micro_batch, vstage)];
-        if (done < 0) {
-          ok = false;
+      const size_t group = group_size(r, next[r]);
+      // (A pair's W needs the pair's own B: nothing outside the pair.)
+      for (size_t g = 0; g < std::min<size_t>(group, 2); ++g) {
+        const Action& a = per_rank[r][next[r] + g];
+        const int stage = vstage_of(a.chunk, r);
+        if (costs.release) ready = std::max(ready, costs.release(r, a));
+        auto needs = [&](int kind, int vstage) {
+          const double done = finished[key(kind, a.micro_batch, vstage)];
+          if (done < 0) {
+            ok = false;
+          } else {
+            const int from = slot_running(vstage, a.micro_batch);
+            const double delay = from != r && costs.transfer ? costs.transfer(from, r, a) : 0.0;
+            ready = std::max(ready, done + delay);
+          }
+        };
+        if (a.kind == Action::Forward) {
+          if (stage > 0) needs(Action::Forward, stage - 1);
+        } else if (a.kind == Action::Backward) {
+          needs(Action::Forward, stage);
+          if (stage < last_stage) needs(Action::Backward, stage + 1);
         } else {
-          const int from = slot_running(vstage, a.micro_batch);
-          const double delay = from != r && costs.transfer ? costs.transfer(from, r, a) : 0.0;
-          ready = std::max(ready, done + delay);
+          needs(Action::Backward, stage);
         }
-      };
-      if (a.kind == Action::Forward) {
-        if (stage > 0) needs(Action::Forward, stage - 1);
-      } else if (a.kind == Action::Backward) {
-        needs(Action::Forward, stage);
-        if (stage < last_stage) needs(Action::Backward, stage + 1);
-      } else {
-        needs(Action::Backward, stage);
       }
       if (ok && (best < 0 || ready < best_start)) {
         best = r;
@@ -426,25 +450,34 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
       }
       DTRAIN_THROW(InputError, "the ", spec.kind, " schedule deadlocks: ", where);
     }
-    const Action& a = per_rank[best][next[best]];
-    const double cost = costs.duration(best, a);
-    const double end = best_start + cost;
-    result.starts[best].push_back(best_start);
-    result.ends[best].push_back(end);
-    finished[key(a.kind, a.micro_batch, vstage_of(a.chunk, best))] = end;
-    free_at[best] = end;
-    busy[best] += cost;
-    if (a.kind == Action::Weight) {
-      --pending[best];
-    } else {
-      live[best] += a.kind == Action::Forward ? 1 : -1;
-      if (split && a.kind == Action::Backward) ++pending[best];
+    const size_t group = group_size(best, next[best]);
+    double end = best_start;
+    for (size_t g = 0; g < group; ++g) {
+      const Action& a = per_rank[best][next[best] + g];
+      const double cost = costs.duration(best, a);
+      result.starts[best].push_back(end);
+      end += cost;
+      result.ends[best].push_back(end);
+      busy[best] += cost;
+      if (a.kind == Action::Weight) {
+        --pending[best];
+      } else {
+        live[best] += a.kind == Action::Forward ? 1 : -1;
+        if (split && a.kind == Action::Backward) ++pending[best];
+      }
+      result.peak_live[best] = std::max(result.peak_live[best], live[best]);
+      result.peak_pending_weights[best] =
+          std::max(result.peak_pending_weights[best], pending[best]);
     }
-    result.peak_live[best] = std::max(result.peak_live[best], live[best]);
-    result.peak_pending_weights[best] = std::max(result.peak_pending_weights[best], pending[best]);
+    // A pair's results leave together, at its end.
+    for (size_t g = 0; g < group; ++g) {
+      const Action& a = per_rank[best][next[best] + g];
+      finished[key(a.kind, a.micro_batch, vstage_of(a.chunk, best))] = end;
+    }
+    free_at[best] = end;
     result.makespan = std::max(result.makespan, end);
-    ++next[best];
-    --remaining;
+    next[best] += group;
+    remaining -= group;
   }
   for (int r = 0; r < p; ++r) result.idle_share.push_back(1.0 - busy[r] / result.makespan);
   return result;

@@ -14,6 +14,7 @@ std::vector<Action> interleaved_schedule(const ScheduleSpec& spec, int rank);
 std::vector<Action> zero_bubble_h1_schedule(const ScheduleSpec& spec, int rank);
 std::vector<Action> zero_bubble_h2_schedule(const ScheduleSpec& spec, int rank);
 std::vector<Action> zero_bubble_v_schedule(const ScheduleSpec& spec, int rank);
+std::vector<Action> dual_pipe_v_schedule(const ScheduleSpec& spec, int rank);  // DualPipeV.cpp
 /// ZB-H1's and ZB-H2's lists of every rank (they are made together).
 std::vector<std::vector<Action>> zero_bubble_h1_lists(const ScheduleSpec& spec);
 std::vector<std::vector<Action>> zero_bubble_h2_lists(const ScheduleSpec& spec);

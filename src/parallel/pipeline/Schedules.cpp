@@ -46,6 +46,14 @@ std::vector<ScheduleInfo> built_in() {
   interleaved.interleaves = true;
   interleaved.fills_pipe = true;
   interleaved.groups_of_stages = true;
+  ScheduleInfo dual_pipe_v = zero_bubble(
+      schedule("dualpipev",
+               "DualPipe-V: zb-v's V with one chunk's forward and the other's backward run "
+               "together (a mixture of experts' all-to-alls hidden behind compute)",
+               dual_pipe_v_schedule),
+      nullptr, 2, true);
+  dual_pipe_v.fills_v = true;
+  dual_pipe_v.overlaps = true;
   return {
       schedule("gpipe", "all forwards, then all backwards", gpipe_schedule),
       one_f_one_b,
@@ -59,6 +67,7 @@ std::vector<ScheduleInfo> built_in() {
       zero_bubble(
           schedule("zb-v", "zero bubble V: two chunks per rank in a V", zero_bubble_v_schedule),
           nullptr, 2, true),
+      dual_pipe_v,
   };
 }
 

@@ -1,8 +1,9 @@
 // Pipeline schedules: which forward and backward passes each pipeline rank runs, in order, for
 // one optimizer step of M micro-batches. One function builds every schedule (GPipe, 1F1B,
 // interleaved 1F1B, the zero-bubble ZB-H1, ZB-H2 and ZB-V whose backward is split into B, the
-// input gradient, and W, the weight gradients); the executor runs any list, deriving the sends
-// and receives from it (and where each virtual stage lives from stage_of / rank_of). A
+// input gradient, and W, the weight gradients; DualPipe-V, ZB-V's placement with pairs of one
+// micro-batch's forward and another's backward run together); the executor runs any list, deriving
+// the sends and receives from it (and where each virtual stage lives from stage_of / rank_of). A
 // small event simulator gives a schedule's ideal timeline (bubble, peak activations) and proves
 // that the ranks' lists cannot deadlock, for tests and for the benchmark's "formula" column.
 #pragma once
@@ -22,11 +23,19 @@ struct Action {
   /// Which of this rank's model chunks (0 unless interleaved or zb-v); stage_of() says which
   /// virtual stage it is.
   int chunk = 0;
+  /// A forward run alongside the backward that follows it in the list (another chunk's, another
+  /// micro-batch's; with the W of that backward when one comes right after it): DualPipe-V's
+  /// overlapped pair. The executor receives both inputs first, then runs the forward on this
+  /// thread and the backward on another, so that one's all-to-alls wait while the other
+  /// computes, then sends both results.
+  bool overlapped = false;
   bool operator==(const Action& other) const {
-    return kind == other.kind && micro_batch == other.micro_batch && chunk == other.chunk;
+    return kind == other.kind && micro_batch == other.micro_batch && chunk == other.chunk &&
+           overlapped == other.overlapped;
   }
 };
-std::string to_string(const Action& action);  // "F3" / "B3" / "W3", "F3.1" with a chunk
+/// "F3" / "B3" / "W3", "F3.1" with a chunk, "F3.1&" for an overlapped forward.
+std::string to_string(const Action& action);
 
 struct ScheduleInfo;
 
@@ -52,8 +61,9 @@ struct ScheduleSpec {
 };
 
 /// A pipeline schedule: a builder of each rank's list and what the builder needs. The library's
-/// own are GPipe, 1F1B, Megatron's interleaved 1F1B, and the zero-bubble ZB-H1, ZB-H2 and ZB-V
-/// (Schedules.cpp: one line each); register_schedule adds one (how_to_add_test.cpp shows it).
+/// own are GPipe, 1F1B, Megatron's interleaved 1F1B, the zero-bubble ZB-H1, ZB-H2 and ZB-V, and
+/// DeepSeek's DualPipe-V (Schedules.cpp: one line each); register_schedule adds one
+/// (how_to_add_test.cpp shows it).
 struct ScheduleInfo {
   std::string name;     ///< what --schedule names ("1f1b")
   std::string summary;  ///< one line
@@ -76,6 +86,11 @@ struct ScheduleInfo {
   /// in groups of P: Megatron's interleaving).
   bool fills_pipe = false;
   bool groups_of_stages = false;
+  /// Needs M >= 2P (both arms of the V full before the pairs start: DualPipe-V).
+  bool fills_v = false;
+  /// Its lists hold overlapped pairs (Action::overlapped), which run on two threads: the
+  /// layout's groups used inside a chunk's computation need a lane per thread.
+  bool overlaps = false;
   /// PipeDream's flush-free syncs (2bw, eager, async) run it.
   bool flush_free = false;
   /// Replicated stages (ScheduleSpec::replicas): the lists of every slot, where the schedule
@@ -148,7 +163,10 @@ struct ActionCosts {
 /// forward of its micro-batch, a backward the next virtual stage's backward, and its own
 /// forward, a W its own B). InputError when the lists cannot all finish (a deadlock), naming
 /// where each rank is stuck, or when an action is missing or repeated. `backward_cost` is the
-/// whole backward's; a split one costs half of it in B and half in W.
+/// whole backward's; a split one costs half of it in B and half in W. An overlapped pair runs as
+/// the executor runs it: it starts once both inputs are in, its actions take their costs one
+/// after the other (the compute is not faster for being paired), and both results leave at
+/// its end.
 Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& per_rank,
                     double forward_cost = 1.0, double backward_cost = 2.0);
 
