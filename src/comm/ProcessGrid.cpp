@@ -203,9 +203,8 @@ void ProcessGrid::split_experts(int ranks) {
   for (int pp = 0; pp < pp_size_; ++pp) {
     for (int tp = 0; tp < tp_size_; ++tp) {
       for (int g = 0; g < groups; ++g) {
-        std::vector<int> members;
-        for (int e = 0; e < ranks; ++e) members.push_back(world_rank_of({g * ranks + e, pp, tp}));
-        if (auto group = make(members, concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "]"))) {
+        if (auto group = make(expert_group(ranks, g, pp, tp),
+                              concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "]"))) {
           ep_ = group;
         }
       }
@@ -219,25 +218,29 @@ void ProcessGrid::split_experts(int ranks) {
     }
   }
   DTRAIN_CHECK(ep_ && edp_, "ProcessGrid: rank ", world_->rank(), " has no expert groups");
-  expert_ranks_ = ranks;
 }
 
 void ProcessGrid::add_expert_lane() {
   if (!ep_ || ep_lane_) return;
-  const int ranks = expert_ranks_;
+  const int ranks = ep_->size();
   for (int pp = 0; pp < pp_size_; ++pp) {
     for (int tp = 0; tp < tp_size_; ++tp) {
       for (int g = 0; g < dp_size_ / ranks; ++g) {
-        std::vector<int> members;
-        for (int e = 0; e < ranks; ++e) members.push_back(world_rank_of({g * ranks + e, pp, tp}));
-        if (auto group = world_->new_group(
-                members, concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "] second lane"))) {
+        if (auto group =
+                world_->new_group(expert_group(ranks, g, pp, tp),
+                                  concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "] lane 2"))) {
           ep_lane_ = group;
         }
       }
     }
   }
   DTRAIN_CHECK(ep_lane_, "ProcessGrid: rank ", world_->rank(), " has no second expert lane");
+}
+
+std::vector<int> ProcessGrid::expert_group(int ranks, int g, int pp, int tp) const {
+  std::vector<int> members;
+  for (int e = 0; e < ranks; ++e) members.push_back(world_rank_of({g * ranks + e, pp, tp}));
+  return members;
 }
 
 }  // namespace dtrain::comm

@@ -101,6 +101,8 @@ class ProcessGrid {
   GridCoordinates coordinates_of(int world_rank) const;
 
  private:
+  /// World ranks of expert group `g` of `ranks` at (pp, tp): split_experts' and the lane's.
+  std::vector<int> expert_group(int ranks, int g, int pp, int tp) const;
   CommunicatorPtr world_;
   int dp_size_;
   int pp_size_;
@@ -115,7 +117,6 @@ class ProcessGrid {
   CommunicatorPtr ep_;
   CommunicatorPtr edp_;
   CommunicatorPtr ep_lane_;
-  int expert_ranks_ = 1;
   CommunicatorPtr cp_;
 };
 

@@ -253,13 +253,9 @@ void PipelineStrategy::send_backward(const Action& a, const at::Tensor& g) {
 }
 
 size_t PipelineStrategy::run_pair(FlushedStep& step, const std::vector<Action>& actions, size_t i) {
+  const size_t extent = pair_extent(actions, i);
   const Action& f = actions[i];
-  DTRAIN_CHECK(i + 1 < actions.size() && actions[i + 1].kind == Action::Backward,
-               "an overlapped forward ", to_string(f), " without a backward after it");
   const Action& b = actions[i + 1];
-  const bool with_w =
-      step.split && i + 2 < actions.size() && actions[i + 2].kind == Action::Weight &&
-      actions[i + 2].micro_batch == b.micro_batch && actions[i + 2].chunk == b.chunk;
   // Both inputs first (the peers send them before their own pairs), then the forward here and
   // the backward on a helper thread, whose all-to-alls take the expert group's second lane;
   // then both results.
@@ -275,7 +271,7 @@ size_t PipelineStrategy::run_pair(FlushedStep& step, const std::vector<Action>& 
     comm::LaneScope lane(lanes);
     try {
       g = compute_backward(step, b, i + 1, upstream);
-      if (with_w) run_weight(step, actions[i + 2], i + 2);
+      if (extent == 3) run_weight(step, actions[i + 2], i + 2);
     } catch (...) {
       failed = std::current_exception();
     }
@@ -291,7 +287,7 @@ size_t PipelineStrategy::run_pair(FlushedStep& step, const std::vector<Action>& 
   if (failed) std::rethrow_exception(failed);
   if (y.defined()) send_forward(f, y);
   if (g.defined()) send_backward(b, g);
-  return with_w ? 3 : 2;
+  return extent;
 }
 
 StepResult PipelineStrategy::finish_flushed_step(FlushedStep& step) {

@@ -38,6 +38,18 @@ std::string to_string(const Action& action) {
                 action.overlapped ? "&" : "");
 }
 
+size_t pair_extent(const std::vector<Action>& list, size_t i) {
+  if (!list[i].overlapped) return 1;
+  DTRAIN_CHECK_INPUT(list[i].kind == Action::Forward && i + 1 < list.size() &&
+                         list[i + 1].kind == Action::Backward,
+                     "the overlapped ", to_string(list[i]),
+                     " is not a forward followed by a backward");
+  const Action& b = list[i + 1];
+  const bool with_w = i + 2 < list.size() && list[i + 2].kind == Action::Weight &&
+                      list[i + 2].micro_batch == b.micro_batch && list[i + 2].chunk == b.chunk;
+  return with_w ? 3 : 2;
+}
+
 void validate(const ScheduleSpec& spec) {
   DTRAIN_CHECK_INPUT(spec.stages >= 1, "pipeline stages must be >= 1, got ", spec.stages);
   DTRAIN_CHECK_INPUT(spec.micro_batches >= 1, "micro-batches must be >= 1, got ",
@@ -389,20 +401,6 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
   result.ends.resize(p);
   size_t remaining = 0;
   for (const auto& list : per_rank) remaining += list.size();
-  // An overlapped forward runs with the backward after it (and that backward's W where it comes
-  // next): how many actions a rank's group at `i` holds.
-  auto group_size = [&](int r, size_t i) -> size_t {
-    const auto& list = per_rank[r];
-    if (!list[i].overlapped) return 1;
-    DTRAIN_CHECK_INPUT(list[i].kind == Action::Forward && i + 1 < list.size() &&
-                           list[i + 1].kind == Action::Backward,
-                       "rank ", r, "'s overlapped ", to_string(list[i]),
-                       " is not a forward followed by a backward");
-    const Action& b = list[i + 1];
-    const bool with_w = i + 2 < list.size() && list[i + 2].kind == Action::Weight &&
-                        list[i + 2].micro_batch == b.micro_batch && list[i + 2].chunk == b.chunk;
-    return with_w ? 3 : 2;
-  };
   while (remaining > 0) {
     // Start, among the ranks whose next action (or pair) is ready, the one that can start
     // earliest.
@@ -412,7 +410,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
       if (next[r] >= per_rank[r].size()) continue;
       double ready = free_at[r];
       bool ok = true;
-      const size_t group = group_size(r, next[r]);
+      const size_t group = pair_extent(per_rank[r], next[r]);
       // (A pair's W needs the pair's own B: nothing outside the pair.)
       for (size_t g = 0; g < std::min<size_t>(group, 2); ++g) {
         const Action& a = per_rank[r][next[r] + g];
@@ -450,7 +448,7 @@ Simulation simulate(const ScheduleSpec& spec, const std::vector<std::vector<Acti
       }
       DTRAIN_THROW(InputError, "the ", spec.kind, " schedule deadlocks: ", where);
     }
-    const size_t group = group_size(best, next[best]);
+    const size_t group = pair_extent(per_rank[best], next[best]);
     double end = best_start;
     for (size_t g = 0; g < group; ++g) {
       const Action& a = per_rank[best][next[best] + g];

@@ -20,8 +20,8 @@ struct Action {
   /// Weight: the weight gradients of a split backward (after the micro-batch's B).
   enum Kind { Forward, Backward, Weight } kind = Forward;
   int micro_batch = 0;
-  /// Which of this rank's model chunks (0 unless interleaved or zb-v); stage_of() says which
-  /// virtual stage it is.
+  /// Which of this rank's model chunks (0 unless interleaved, zb-v or dualpipev); stage_of() says
+  /// which virtual stage it is.
   int chunk = 0;
   /// A forward run alongside the backward that follows it in the list (another chunk's, another
   /// micro-batch's; with the W of that backward when one comes right after it): DualPipe-V's
@@ -36,6 +36,10 @@ struct Action {
 };
 /// "F3" / "B3" / "W3", "F3.1" with a chunk, "F3.1&" for an overlapped forward.
 std::string to_string(const Action& action);
+/// How many actions of `list` from `i` run as one: 1, or an overlapped pair's 2 (its forward and
+/// backward) or 3 (with that backward's W right after it). InputError when an overlapped
+/// action is not a forward followed by a backward. The simulator and the executor both ask.
+size_t pair_extent(const std::vector<Action>& list, size_t i);
 
 struct ScheduleInfo;
 
