@@ -185,9 +185,6 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--eod-token is --reset-attention-mask's end-of-document token: give both"},
       {" train --model mlp --reset-attention-mask --eod-token 3",
        "--reset-attention-mask packs documents into a language model's sequences, not mlp's"},
-      {" train --model llama --dataset text --reset-attention-mask --eod-token 3 --nproc 2 "
-       "--pipeline-parallel 2 --micro-batches 2",
-       "--reset-attention-mask with --pipeline-parallel: not built yet"},
       {" train --model llama --dataset text --context-parallel 3 --nproc 4",
        "--context-parallel 3 must divide the data-parallel size 4"},
       {" train --model llama --dataset text --context 60 --context-parallel 4 --nproc 4",
@@ -204,8 +201,6 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "--eval-batch-size must be >= 1 (or 0: by the examples' size), got -1"},
       {" train --model mlp --context-parallel 2 --nproc 2",
        "--context-parallel 2 splits each sequence: mlp has no sequence to split"},
-      {" train --model gpt --dataset text --context-parallel 2 --nproc 2 --dropout 0.1",
-       "--dropout with --context-parallel: not built yet"},
       {" train --model llama --dataset text --context-parallel 2 --nproc 2 --strategy diloco",
        "--context-parallel is built for --strategy ddp, zero1, zero2, zero3 or pipeline so far, "
        "not diloco"},
@@ -1282,7 +1277,9 @@ TEST(Cli, AContextSplitTrainsAsTheWholeSequenceAndResumesWithoutIt) {
 
 // Packed sequences: with --reset-attention-mask and the newline (token 0 of a text of lines
 // without tabs) as the end of each document, a llama trains (2 context-parallel ranks) to other
-// losses than without the mask; without a token that ends documents the flag is refused.
+// losses than without the mask, and split into 2 pipeline stages instead (the second stage
+// learns the documents from the micro-batch's tokens) to the same ones, and with dropout; without
+// a token that ends documents the flag is refused.
 TEST(Cli, PackedDocumentsTrainWithTheirOwnMask) {
   using namespace dtrain::test::cli;
   dtrain::test::TempDir dir;
@@ -1317,6 +1314,19 @@ TEST(Cli, PackedDocumentsTrainWithTheirOwnMask) {
     return loss;
   };
   EXPECT_GT(std::abs(last_loss(dir / "packed.jsonl") - last_loss(dir / "plain.jsonl")), 1e-4);
+  std::string piped = common;
+  piped.replace(piped.find("--context-parallel 2"), std::string("--context-parallel 2").size(),
+                "--pipeline-parallel 2 --checkpointing 2");
+  out = run(kDtrain + piped + " --reset-attention-mask --eod-token 0 --metrics " +
+            (dir / "piped.jsonl"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_NEAR(last_loss(dir / "piped.jsonl"), last_loss(dir / "packed.jsonl"), 1e-4);
+  // With dropout, split over the context group: it trains, to other losses.
+  out = run(kDtrain + common + " --reset-attention-mask --eod-token 0 --dropout 0.2 --metrics " +
+            (dir / "dropped.jsonl"));
+  ASSERT_EQ(out.code, 0) << out.text;
+  EXPECT_TRUE(std::isfinite(last_loss(dir / "dropped.jsonl")));
+  EXPECT_GT(std::abs(last_loss(dir / "dropped.jsonl") - last_loss(dir / "packed.jsonl")), 1e-4);
 }
 
 // The named mixture-of-experts sizes of configs/: a dry run counts Mixtral 8x7B's shape (total

@@ -137,6 +137,64 @@ TEST(ContextParallel, GroupedQueryKeysAndValuesTravelUnexpanded) {
   }
 }
 
+// Attention dropout drawn as FlashAttention draws it (a hash of the seed and each weight's batch
+// row, head, query and key position): every method over 2 and 4 ranks, contiguous and zigzag,
+// with grouped-query heads, keeps the very weights one process keeps, its outputs and gradients
+// (the ring's written-out backward regenerating the mask) within 1e-12. The mask keeps 1 - p of
+// the weights, changes with the seed, and changes the output.
+TEST(ContextParallel, AttentionDropoutKeepsOneProcesssWeightsOnEveryRank) {
+  cp::Dropout drop;
+  drop.p = 0.3;
+  drop.seed = 0x1234567890abLL;
+  const int64_t tokens = 16;
+  const at::Tensor all = at::arange(tokens, at::kLong);
+  for (int64_t kv_heads : {4, 2}) {
+    const Whole w = whole_sequence(4, tokens, kv_heads);
+    const at::Tensor q = w.q.clone().requires_grad_(true), k = w.k.clone().requires_grad_(true),
+                     v = w.v.clone().requires_grad_(true);
+    const at::Tensor out = cp::causal_attention(q, k, v, all, nullptr, "ring", {}, drop);
+    EXPECT_GT(apart(out, cp::causal_attention(w.q, w.k, w.v, all, nullptr, "ring")), 1e-3);
+    out.backward(w.upstream);
+    for (const std::string method : {"allgather", "ring", "ulysses"}) {
+      for (int ranks : {2, 4}) {
+        for (bool zigzag : {false, true}) {
+          std::vector<double> most(ranks, 0.0);
+          test::run_ranks(
+              ranks,
+              [&](const comm::CommunicatorPtr& group) {
+                const at::Tensor positions =
+                    cp::split_positions(tokens, ranks, group->rank(), zigzag);
+                auto mine = [&](const at::Tensor& x) { return x.index_select(2, positions); };
+                const at::Tensor mq = mine(w.q).requires_grad_(true),
+                                 mk = mine(w.k).requires_grad_(true),
+                                 mv = mine(w.v).requires_grad_(true);
+                const at::Tensor mout =
+                    cp::causal_attention(mq, mk, mv, positions, group, method, {}, drop);
+                mout.backward(mine(w.upstream));
+                most[group->rank()] =
+                    std::max({apart(mout, mine(out)), apart(mq.grad(), mine(q.grad())),
+                              apart(mk.grad(), mine(k.grad())), apart(mv.grad(), mine(v.grad()))});
+              },
+              std::chrono::seconds(60));
+          EXPECT_LT(*std::max_element(most.begin(), most.end()), 1e-12)
+              << method << ", " << ranks << " ranks" << (zigzag ? ", zigzag" : "") << ", "
+              << kv_heads << " key/value heads";
+        }
+      }
+    }
+  }
+  const at::Tensor wide = at::arange(512, at::kLong);
+  const at::Tensor scale = cp::dropout_scale(drop, 2, 4, wide, wide, at::kDouble);
+  const double kept = scale.gt(0).to(at::kDouble).mean().item<double>();
+  EXPECT_NEAR(kept, 0.7, 0.005);
+  EXPECT_NEAR(scale.max().item<double>(), 1 / 0.7, 1e-12);
+  cp::Dropout other = drop;
+  other.seed += 1;
+  const at::Tensor same =
+      scale.gt(0).eq(cp::dropout_scale(other, 2, 4, wide, wide, at::kDouble).gt(0));
+  EXPECT_NEAR(same.to(at::kDouble).mean().item<double>(), 0.7 * 0.7 + 0.3 * 0.3, 0.01);
+}
+
 // What cannot split is named: a sequence the chunks do not divide, heads Ulysses cannot share
 // out, an unknown method.
 TEST(ContextParallel, SplitsThatCannotWorkAreNamed) {
@@ -217,8 +275,10 @@ std::map<std::string, at::Tensor> named(const Model& model) {
 // mean of `ranks` context-parallel ranks' losses and of their gradients averaged (as data
 // parallelism averages them).
 double decoder_apart(const test::Fixture& f, int ranks, const std::string& method, bool zigzag,
-                     const std::string& checkpointing = "none", int64_t document_end = -1) {
+                     const std::string& checkpointing = "none", int64_t document_end = -1,
+                     double dropout = 0) {
   models::ModelSpec spec = f.spec;
+  spec.gpt.dropout = dropout;
   spec.gpt.document_end = document_end;
   spec.checkpointing = checkpointing;
   spec.gpt.cp_method = method;
@@ -286,7 +346,15 @@ TEST(ContextParallel, TheDecodersSplitOverAContextGroupAreOneProcessInFloat64) {
     for (const std::string method : {"ring", "allgather", "ulysses"}) {
       EXPECT_LT(decoder_apart(f, 4, method, true, "none", 12), 1e-12)
           << name << ", packed, " << method;
+      // Dropout (attention's weights and the activations', each rank drawing the masks of the
+      // whole sequence's), packed too, and with the core recomputed.
+      EXPECT_LT(decoder_apart(f, 4, method, true, "none", -1, 0.2), 1e-12)
+          << name << ", dropout, " << method;
     }
+    EXPECT_LT(decoder_apart(f, 2, "ring", false, "none", 12, 0.2), 1e-12)
+        << name << ", packed, dropout";
+    EXPECT_LT(decoder_apart(f, 2, "ring", true, "selective", -1, 0.2), 1e-12)
+        << name << ", selective, dropout";
   }
 }
 
@@ -458,6 +526,7 @@ double context_parallel_apart(const test::Fixture& f, const ContextRun& run,
 std::map<std::string, at::Tensor> trained_whole(const test::Fixture& f, int steps,
                                                 double max_grad_norm = 0) {
   Model model = build_on(f.spec, nullptr);
+  torch::manual_seed(11);  // the seeds of its dropout as build_on's (the values are f.initial)
   const auto values = test::train_single(f, steps, max_grad_norm);
   std::map<std::string, at::Tensor> out;
   size_t i = 0;
@@ -532,7 +601,10 @@ TEST(ContextParallel, TrainingWithAContextGroupIsOneProcessInFloat64) {
     EXPECT_LT(context_parallel_apart(llama, clip, whole_clipped), 1e-12)
         << "clipping, " << strategy;
   }
-  // Packed documents (token 12 ends one): ddp, zero3 and TP x SP, each split over its ranks.
+  // Packed documents (token 12 ends one): ddp, zero3 and TP x SP, each split over its ranks,
+  // and pipelines, whose second stage learns the documents from the micro-batch's tokens: with
+  // and without CP, and with the blocks recomputed in backward (1F1B runs the next micro-batch's
+  // forward first: the recomputation must see its own micro-batch's documents again).
   test::Fixture packed = decoder("llama", true);
   packed.spec.gpt.document_end = 12;
   torch::manual_seed(11);
@@ -545,9 +617,32 @@ TEST(ContextParallel, TrainingWithAContextGroupIsOneProcessInFloat64) {
             1e-6);  // the mask changed the training
   for (const Case& c : std::vector<Case>{{4, 2, 1, 1, "ddp", "ring", false, 1},
                                          {4, 2, 1, 1, "zero3", "allgather", false, 2},
-                                         {4, 2, 2, 1, "ddp", "ulysses", true, 1}}) {
+                                         {4, 2, 2, 1, "ddp", "ulysses", true, 1},
+                                         {2, 1, 1, 2, "pipeline", "ring", false, 2},
+                                         {4, 2, 1, 2, "pipeline", "allgather", false, 2}}) {
     EXPECT_LT(context_parallel_apart(packed, run_of(c), whole_packed), 1e-12)
         << "packed, " << said(c);
+  }
+  test::Fixture recomputed = packed;
+  recomputed.spec.checkpointing = "2";
+  EXPECT_LT(context_parallel_apart(recomputed, run_of({2, 1, 1, 2, "pipeline", "ring", false, 2}),
+                                   whole_packed),
+            1e-12)
+      << "packed, recomputed, pipeline";
+  // Dropout: every rank of a context group draws the masks one process draws (one group: the
+  // data-parallel ranks' masks are their own samples', not one process's).
+  test::Fixture dropped = decoder("llama", true);
+  dropped.spec.gpt.dropout = 0.1;
+  const auto whole_dropped = trained_whole(dropped, 3);
+  EXPECT_GT((whole_dropped.at("blocks.0.q.weight") - whole.at("blocks.0.q.weight"))
+                .abs()
+                .max()
+                .item<double>(),
+            1e-6);  // the masks changed the training
+  for (const Case& c : std::vector<Case>{{2, 2, 1, 1, "ddp", "ring", false, 1},
+                                         {4, 4, 1, 1, "zero1", "ulysses", false, 1}}) {
+    EXPECT_LT(context_parallel_apart(dropped, run_of(c), whole_dropped), 1e-12)
+        << "dropout, " << said(c);
   }
   const test::Fixture gpt = decoder("gpt", true);
   ContextRun learned;

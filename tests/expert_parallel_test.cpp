@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include <condition_variable>
 #include <mutex>
 
 #include "Oracle.h"
@@ -452,6 +453,67 @@ TEST(ExpertParallel, PipelinesWithExpertsAreOneProcessInFloat64) {
     EXPECT_LT(expert_parallel_apart(balanced, run, oracle), test::kTightBound)
         << "balance losses, " << world << " ranks, --expert-parallel " << experts;
   }
+}
+
+// A peer that stops in the middle of DualPipe-V's pairs (rank 1 hangs after the first pair of
+// its second step, as a frozen machine would): rank 0's two threads each wait in an exchange
+// with it, each wait times out naming its op and group, both threads are joined and the step
+// throws that error; nothing hangs. Rank 1, let go, finds rank 0 gone the same way.
+TEST(ExpertParallel, APeerLostInTheMiddleOfDualPipeVsPairsIsNamed) {
+  test::Fixture f = test::llama_with_experts();
+  Model initial = build_on(f, nullptr);
+  f.initial = test::snapshot(initial);
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool hung = false, let_go = false;
+  std::string error;
+  double waited_s = 0;
+  test::run_ranks(
+      2,
+      [&](const CommunicatorPtr& world) {
+        auto grid = std::make_shared<comm::ProcessGrid>(world, 1, 1);
+        grid->split_experts(2);
+        Model model = build_on(f, grid->ep(), nullptr, false);
+        parallel::StrategyOptions options;
+        auto& pipe = options.of<parallel::pipeline::PipelineOptions>();
+        pipe.schedule = "dualpipev";
+        pipe.virtual_stages = 2;
+        parallel::pipeline::PipelineStrategy strategy(options);
+        strategy.setup(model, optim::optimizer_factory(f.optimizer), grid);
+        int step = 0;
+        if (world->rank() == 1) {
+          strategy.set_action_observer([&](const parallel::pipeline::Action& a) {
+            if (step != 1 || !a.overlapped) return;
+            std::unique_lock<std::mutex> lock(mutex);
+            hung = true;
+            changed.notify_all();
+            changed.wait(lock, [&] { return let_go; });
+            throw std::runtime_error("rank 1 let go");
+          });
+        }
+        std::vector<data::Batch> micro_batches;
+        for (int m = 0; m < 4; ++m) micro_batches.push_back(f.dataset.slice(2 * m, 2 * m + 2));
+        for (; step < 2; ++step) {
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            strategy.train_step(micro_batches, parallel::cross_entropy);
+          } catch (const std::exception& e) {
+            if (world->rank() == 1) return;
+            std::lock_guard<std::mutex> lock(mutex);
+            error = e.what();
+            waited_s =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            let_go = true;
+            changed.notify_all();
+            return;
+          }
+        }
+      },
+      std::chrono::seconds(10));
+  EXPECT_TRUE(hung);
+  EXPECT_NE(error.find("timed out after 10000 ms"), std::string::npos) << error;
+  EXPECT_NE(error.find(" on group '"), std::string::npos) << error;
+  EXPECT_LT(waited_s, 60) << error;
 }
 
 // A checkpoint written by a pipeline with its experts split resumes under ddp at another expert

@@ -3,8 +3,8 @@
 # 10.231.0.2), a `dtrain launch` in each. Checks that training across them works with no
 # interface given (the host name resolves to loopback here, as on Debian), that each node prints
 # the address it chose, and that a rank killed on one host stops the other host within seconds,
-# both launchers naming the failed node, rank and signal (also with experts and with each
-# sequence split over the hosts, --context-parallel 2), and with --fault-tolerance replicas
+# both launchers naming the failed node, rank and signal (also with experts, with DualPipe-V's
+# pairs, and with each sequence split over the hosts, --context-parallel 2), and with --fault-tolerance replicas
 # that the other host's replica goes on without it (and, with --max-replacements, that its
 # replacement joins it; a replica of two ranks sharding its state, zero2 --replica-shards 2,
 # replaced the same way, a pipeline of two stages too, and a replica of zero1 sharded across the
@@ -125,6 +125,18 @@ killed_on_b 1pk "pipeline with experts: " 3
 per_node=1
 job=("${plain_job[@]}")
 echo "ok: a pipeline with experts over two hosts trained; rank 3 killed on host b stopped host a in ${seconds} s"
+
+# 1d2. DualPipe-V across the two hosts: one pipeline rank each holding both chunks of the V, the
+#      experts split over the hosts (each pair's forward and backward on two threads, their
+#      all-to-alls crossing the hosts on the expert group's two lanes), then host b's rank
+#      killed at step 3: host a stops within seconds, naming it.
+job=(train --config "$(dirname "$0")/../configs/moe-tiny.toml" --dataset text --expert-parallel 2
+     --strategy pipeline --pipeline-parallel 1 --schedule dualpipev --micro-batches 4
+     --batch-size 2 --max-steps 6 --no-progress --no-run-dir --threads 1 --comm-timeout 60000)
+trains_across 1v "DualPipe-V with experts" "trained 6 steps (global batch 16, 2 ranks"
+killed_on_b 1vk "DualPipe-V: "
+job=("${plain_job[@]}")
+echo "ok: DualPipe-V with experts over two hosts trained; a rank killed on host b stopped host a in ${seconds} s"
 
 # 1e. Each sequence split over the two hosts (--context-parallel 2, the ring: every layer's keys
 #     and values cross the hosts by send/recv while a block is computed, both ways in backward),

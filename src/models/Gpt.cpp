@@ -87,6 +87,31 @@ struct Shared {
   at::Generator& outer_rng() const {
     return sequence_parallel ? rng->parallel() : rng->replicated();
   }
+  // That dropout on activations [b, local tokens, ...]. Under context parallelism a rank draws
+  // the mask of the whole sequence, as one process does, and keeps its positions' (its part of
+  // the ranks' parts under sequence parallelism, whose masks are each rank's own anyway).
+  at::Tensor drop(const at::Tensor& x, bool training) const {
+    if (!training || dropout == 0 || !context) {
+      return tp::dropout(x, dropout, training, outer_rng());
+    }
+    const int ranks = context->size();
+    const int64_t local = x.size(1);
+    std::vector<int64_t> whole = x.sizes().vec();
+    whole[1] = local * ranks;
+    const at::Tensor scale = tp::dropout(at::ones(whole, x.options()), dropout, true, outer_rng());
+    return x * (sequence_parallel ? scale.narrow(1, context->rank() * local, local)
+                                  : scale.index_select(1, positions(local * ranks).to(x.device())));
+  }
+  // Attention dropout's seed for one layer's forward (nn/context/Attention.h: the mask is a
+  // hash of it and each weight's place): drawn from the rank's own generator, its heads' own.
+  nn::context::Dropout attention_dropout(bool training) const {
+    nn::context::Dropout d;
+    if (!training || dropout == 0) return d;
+    d.p = dropout;
+    d.seed = at::randint(0, std::numeric_limits<int64_t>::max(), {1}, rng->parallel(), at::kLong)
+                 .item<int64_t>();
+    return d;
+  }
 };
 
 // LayerNorm (with or without its bias) or RMSNorm (as Hugging Face's LlamaRMSNorm: half-precision
@@ -205,7 +230,7 @@ struct GptEmbeddingImpl : torch::nn::Module {
     } else if (position) {
       h = h + position(positions.narrow(0, first, count).to(ids.device())).unsqueeze(0);
     }
-    return tp::dropout(h, shared.dropout, is_training(), shared.outer_rng());
+    return shared.drop(h, is_training());
   }
   tp::VocabParallelEmbedding token;
   torch::nn::Embedding position{nullptr};
@@ -343,8 +368,8 @@ struct GptBlockImpl : torch::nn::Module {
     at::Tensor documents, rope_positions = positions;
     if (shared.packed) {
       DTRAIN_CHECK(shared.packed->index.defined() && shared.packed->index.size(0) == b,
-                   "packed sequences: a block ran without its batch's documents (a pipeline's "
-                   "later stage: not built)");
+                   "packed sequences: a block ran without its batch's documents (a strategy "
+                   "that runs the stages apart must call Model::see_inputs)");
       documents = shared.packed->index;
       rope_positions = shared.packed->positions.index_select(1, positions.to(documents.device()));
     }
@@ -357,16 +382,18 @@ struct GptBlockImpl : torch::nn::Module {
       key = rotary(key, rope_theta, rope_positions);
     }
     const bool training = is_training();
-    const bool attention_dropout = shared.dropout > 0 && training;
-    auto core = [this, b, t, d, heads, training, attention_dropout, positions,
+    // (Drawn here, not in the core: a recomputation of the core keeps the same mask.)
+    const nn::context::Dropout dropout = shared.attention_dropout(training);
+    auto core = [this, b, t, d, heads, dropout, positions,
                  documents](const std::vector<at::Tensor>& qkv) {
       const at::Tensor& q = qkv[0];
       at::Tensor k = qkv[1], v = qkv[2];
-      // Over the whole sequence split over the group, or within each packed document (the
-      // key/value heads as they are: the ring and the all-gather send them unexpanded).
-      if (shared.context || documents.defined()) {
+      // Over the whole sequence split over the group, within each packed document, or with
+      // attention dropout (the key/value heads as they are: the ring and the all-gather send
+      // them unexpanded).
+      if (shared.context || documents.defined() || dropout.active()) {
         return nn::context::causal_attention(q, k, v, positions.to(q.device()), shared.context,
-                                             shared.cp_method, documents);
+                                             shared.cp_method, documents, dropout);
       }
       if (group_heads > 1) {  // each key/value head serves its group's query heads
         k = k.unsqueeze(2).expand({b, local_groups, group_heads, t, d}).reshape({b, heads, t, d});
@@ -374,20 +401,14 @@ struct GptBlockImpl : torch::nn::Module {
       }
       at::Tensor out;
 #if DTRAIN_TORCH_AT_LEAST(2, 0)
-      if (!attention_dropout) out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+      out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
 #else
-      (void)attention_dropout;
+      at::Tensor scores =
+          at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
+      at::Tensor future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
+      scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+      out = at::matmul(at::softmax(scores, -1), v);
 #endif
-      if (!out.defined()) {
-        at::Tensor scores =
-            at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
-        at::Tensor future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
-        scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-        // Each rank's heads are its own: their dropout masks differ across the group.
-        at::Tensor weights =
-            tp::dropout(at::softmax(scores, -1), shared.dropout, training, shared.rng->parallel());
-        out = at::matmul(weights, v);
-      }
       return out;
     };
     // Selective recomputation keeps only the queries, keys and values (the key/value heads
@@ -396,17 +417,17 @@ struct GptBlockImpl : torch::nn::Module {
                        ? memory::checkpoint(core, {query, key, value}, {}, {shared.rng->parallel()})
                        : core({query, key, value});
     y = y.transpose(1, 2).reshape({b, t, heads * d});
-    return tp::dropout(proj(y), shared.dropout, is_training(), shared.outer_rng());
+    return shared.drop(proj(y), is_training());
   }
   at::Tensor mlp(const at::Tensor& x) {
-    if (moe) return tp::dropout(moe(x), shared.dropout, is_training(), shared.outer_rng());
+    if (moe) return shared.drop(moe(x), is_training());
     at::Tensor h = fc1(x);
     if (swiglu) {
       h = InterleavedSwiGlu::apply(h);
     } else {
       h = at::gelu(h);
     }
-    return tp::dropout(fc2(h), shared.dropout, is_training(), shared.outer_rng());
+    return shared.drop(fc2(h), is_training());
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = x + attention(ln1(x));
@@ -668,9 +689,6 @@ void check_context_parallel(const GptConfig& c, int cp, int tp) {
                      heads, " attention heads of a rank",
                      tp > 1 ? " (--heads / --tensor-parallel)" : "",
                      " out over --context-parallel ", cp, ": it must divide them");
-  DTRAIN_CHECK_INPUT(c.dropout == 0,
-                     "--dropout with --context-parallel: not built yet (attention's dropout over a "
-                     "split sequence); use --dropout 0");
 }
 
 Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, bool deferred,
@@ -687,9 +705,6 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, b
   if (config.document_end >= 0) {
     DTRAIN_CHECK_INPUT(config.document_end < config.vocab, "the end-of-document token ",
                        config.document_end, " is not in the vocabulary of ", config.vocab);
-    DTRAIN_CHECK_INPUT(config.dropout == 0,
-                       "packed sequences (--reset-attention-mask) with --dropout: not built yet "
-                       "(attention's dropout within documents); use --dropout 0");
     shared.document_end = config.document_end;
     shared.packed = std::make_shared<nn::context::Documents>();
   }
@@ -739,6 +754,12 @@ Model make_gpt(const GptConfig& config, comm::CommunicatorPtr tensor_parallel, b
     init->materialize_all();
   }
   model.stages = module->stages();
+  if (shared.packed) {
+    // A pipeline's later stages: the documents of the micro-batch they run, from its tokens.
+    model.see_inputs = [packed = shared.packed, end = shared.document_end](const at::Tensor& ids) {
+      *packed = nn::context::document_index(ids, end);
+    };
+  }
   if (shared.group) {
     const int64_t start = module->head->vocab_start();
     model.loss = [group = shared.group, start](const at::Tensor& logits,

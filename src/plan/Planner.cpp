@@ -167,10 +167,11 @@ std::vector<LayerTime> layer_times(const ModelCost& model, const Layout& layout,
                                   : l.replicated_saved_elements / std::max(1.0, l.saved_elements);
     const double elements = l.elementwise_elements * b * (replicated + (1 - replicated) / split);
     const double elementwise = elements * bytes.activation / rates.elementwise_rate;
-    const double tp_comm =
-        l.tp_allreduces *
-            allreduce(l.output_elements * b * bytes.activation, layout.tp, tp_link, tree) +
+    const double alltoall =
         2 * all_to_all(l.alltoall_elements * b * bytes.activation, layout.ep, ep_link);
+    const double tp_comm = l.tp_allreduces * allreduce(l.output_elements * b * bytes.activation,
+                                                       layout.tp, tp_link, tree) +
+                           alltoall;
     // dtrain's autocast: each micro-batch's forward casts the fp32 weights to 16 bits (read 4,
     // write 2 bytes), backward turns the 16-bit weight gradients into fp32 and accumulates them
     // (read 2, read and write 4).
@@ -178,6 +179,7 @@ std::vector<LayerTime> layer_times(const ModelCost& model, const Layout& layout,
     const double casts_b = bytes.casts_per_micro_batch ? 10 * local_params[i] : 0;
     const auto [cp_f, cp_b] = context_exchange(l, rates, bytes, b, layout.tp, cp_link);
     LayerTime& t = times[i];
+    t.alltoall = alltoall;
     t.forward = mm.forward + elementwise + casts_f / rates.byte_rate + l.kernels * rates.overhead +
                 tp_comm + cp_f;
     // --tp-comm-overlap: each input-gradient all-reduce of backward runs beside the weight
@@ -264,8 +266,9 @@ Step::Step(const ModelCost& model_, const Cluster& cluster_, const Layout& layou
   split = pp::splits_backward(spec.kind);
   flush_free = P > 1 && layout.pipeline_sync != "flush";
   for (int s = 0; s < stages; ++s) {
-    double f = 0, b = 0, w = 0, params = 0;
+    double f = 0, b = 0, w = 0, params = 0, alltoall = 0;
     for (int i = partition.first(s); i < partition.end(s); ++i) {
+      alltoall += times[i].alltoall;
       f += times[i].forward;
       b += times[i].backward;
       w += times[i].weight;
@@ -275,6 +278,7 @@ Step::Step(const ModelCost& model_, const Cluster& cluster_, const Layout& layou
     stage_b.push_back(b);
     stage_w.push_back(split ? w : 0.0);
     stage_params.push_back(params);
+    stage_alltoall.push_back(alltoall);
     std::vector<parallel::ddp::BucketedParameter> described;
     for (int i = partition.first(s); i < partition.end(s); ++i) {
       described.push_back(

@@ -65,6 +65,7 @@ struct Rates {
 struct LayerTime {
   double forward = 0, backward = 0;  // one micro-batch, this TP rank, TP all-reduces included
   double weight = 0;                 // the part of backward forming the weight gradients
+  double alltoall = 0;  // the part of forward, and again of backward, exchanging with experts
 };
 
 /// What every part of the step reads: the layout's rates and placement, each layer's time on
@@ -95,6 +96,8 @@ struct Step {
   parallel::pipeline::Partition partition;
   /// Per virtual stage: forward, backward (W included) and W time of a micro-batch; parameters.
   std::vector<double> stage_f, stage_b, stage_w, stage_params;
+  /// Per virtual stage: its all-to-alls' share of forward (and again of backward).
+  std::vector<double> stage_alltoall;
   parallel::pipeline::ScheduleSpec spec;
   int slots;
   std::vector<std::vector<parallel::pipeline::Action>> lists;

@@ -13,11 +13,27 @@ namespace pp = parallel::pipeline;
 
 namespace {
 
+/// DualPipe-V's pair of a forward on virtual stage `f` and a backward (with its W) on `b`, on two
+/// threads: each one's expert all-to-alls run while the other computes (DeepSeek-V3's overlap of
+/// one micro-batch's exchange with another's compute), hidden as far as that compute lasts. The
+/// time the pair saves against running the two one after the other.
+double pair_hidden(const Step& step, int f, int b) {
+  const double f_exchange = step.stage_alltoall[f], b_exchange = step.stage_alltoall[b];
+  const double f_compute = step.stage_f[f] - f_exchange, b_compute = step.stage_b[b] - b_exchange;
+  return std::min(f_exchange, b_compute) + std::min(b_exchange, f_compute);
+}
+
 /// What each action costs on its stage, and what its result takes to reach the next rank.
 pp::ActionCosts stage_costs(const Step& step) {
   pp::ActionCosts costs;
   costs.duration = [&step](int rank, const pp::Action& a) {
     const int s = step.vstage(a.chunk, rank);
+    // (A pair is a forward of one of the rank's two chunks with a backward of the other; the
+    // simulator runs it as one piece, the sum of its actions' durations: the forward's carries
+    // what the pair hides.)
+    if (a.kind == pp::Action::Forward && a.overlapped) {
+      return step.stage_f[s] - pair_hidden(step, s, step.vstage(1 - a.chunk, rank));
+    }
     if (a.kind == pp::Action::Forward) return step.stage_f[s];
     if (a.kind == pp::Action::Weight) return step.stage_w[s];
     return step.stage_b[s] - step.stage_w[s];

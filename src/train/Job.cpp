@@ -260,9 +260,6 @@ void validate_job(const RunPlan& plan) {
     DTRAIN_CHECK_INPUT(job.reset_attention_mask,
                        "--eod-token is --reset-attention-mask's "
                        "end-of-document token: give both");
-    DTRAIN_CHECK_INPUT(job.trainer.pipeline_parallel == 1,
-                       "--reset-attention-mask with --pipeline-parallel: not built yet (a later "
-                       "stage does not see the tokens)");
   }
   DTRAIN_CHECK_INPUT(job.threads >= 0, "--threads must be >= 1, got ", job.threads);
   DTRAIN_CHECK_INPUT(job.comm_timeout_ms > 0, "--comm-timeout must be > 0");

@@ -48,6 +48,12 @@ struct Model {
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
   /// Optional: predicted classes from the output (default: argmax over the last dimension).
   std::function<at::Tensor(const at::Tensor&)> predict;
+  /// Optional: what the model's later stages take from a batch's inputs besides the activation
+  /// they receive (packed sequences' documents, which the embedding works out from the token
+  /// ids). A strategy that runs the stages apart (a pipeline) calls it with a micro-batch's
+  /// inputs before a stage without the model's first runs that micro-batch's forward, or a
+  /// backward that recomputes it; forward() calls it itself.
+  std::function<void(const at::Tensor&)> see_inputs;
   /// Set when the parameters are placeholders without memory whose values this draws
   /// (nn/DeferredInit.h: a model built for a strategy that keeps part of each parameter). A
   /// strategy that does not draw its parts calls materialize_all() first (the Trainer does).

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <vector>
 
 #include "common/TorchCompat.h"
@@ -17,6 +18,63 @@ namespace dtrain::nn::context {
 namespace {
 
 constexpr double kNothing = -1e30;  // a masked score: exp() of it against any real one is 0
+
+// A 32-bit integer hash (two multiply-xorshift rounds, Thomas Mueller's constant) over int64
+// tensors holding 32-bit values: each product stays below 2^59.
+at::Tensor mix32(const at::Tensor& x) {
+  constexpr int64_t kMultiplier = 0x45d9f3b, kLow32 = 0xffffffffLL;
+  at::Tensor h = at::bitwise_xor(x, x.__rshift__(16));
+  h = (h * kMultiplier).bitwise_and(kLow32);
+  h = at::bitwise_xor(h, h.__rshift__(16));
+  h = (h * kMultiplier).bitwise_and(kLow32);
+  return at::bitwise_xor(h, h.__rshift__(16));
+}
+
+// The weights attention dropout keeps [b, h, q, k] (bool: what a masked_fill keeps for backward,
+// a byte a weight).
+at::Tensor dropout_kept(const Dropout& dropout, int64_t batch, int64_t heads,
+                        const at::Tensor& q_positions, const at::Tensor& k_positions,
+                        const at::Device& device) {
+  DTRAIN_CHECK_INPUT(dropout.p >= 0 && dropout.p < 1, "attention dropout must be in [0, 1), got ",
+                     dropout.p);
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+  constexpr int64_t kLow32 = 0xffffffffLL;
+  const int64_t low = dropout.seed & kLow32, high = (dropout.seed >> 32) & kLow32;
+  // One key per (batch row, head) from the seed, then one per query from it and the query's
+  // position, then one per weight from that and the key's position: [b, h, q, k].
+  const at::Tensor rows = (at::arange(batch, longs).unsqueeze(1) * 65536 +
+                           (at::arange(heads, longs) + dropout.head_offset).unsqueeze(0))
+                              .bitwise_and(kLow32);
+  const at::Tensor per_row = mix32(at::bitwise_xor(mix32(at::bitwise_xor(rows, low)), high));
+  const at::Tensor per_query =
+      mix32(at::bitwise_xor(per_row.unsqueeze(-1), q_positions.to(longs).view({1, 1, -1})));
+  const at::Tensor bits =
+      mix32(at::bitwise_xor(per_query.unsqueeze(-1), k_positions.to(longs).view({1, 1, 1, -1})));
+  // 24 of its bits as a uniform draw: kept where at or above p.
+  constexpr int64_t kUnits = int64_t{1} << 24;
+  return bits.bitwise_and(kUnits - 1).ge(static_cast<int64_t>(std::llround(dropout.p * kUnits)));
+}
+
+// Dropped weights zeroed, kept ones scaled by 1 / (1 - p).
+at::Tensor apply_dropout(const at::Tensor& weights, const Dropout& dropout,
+                         const at::Tensor& q_positions, const at::Tensor& k_positions) {
+  const at::Tensor kept = dropout_kept(dropout, weights.size(0), weights.size(1), q_positions,
+                                       k_positions, weights.device());
+  return weights.masked_fill(kept.logical_not(), 0) * (1.0 / (1.0 - dropout.p));
+}
+
+// Attention where every query sees at least one of the keys (its own position among them: one
+// process, the all-gather's and Ulysses' whole sequences): softmax over the scores with the
+// hidden ones at -inf, then dropout. What backward keeps of it: softmax's output, the dropout
+// mask (a byte a weight) and the weights (block_attention's log-sum-exp form keeps more).
+at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& q_positions, const at::Tensor& k_positions,
+                             const at::Tensor& q_documents, const at::Tensor& k_documents,
+                             const Dropout& dropout);
+
+struct DropoutHolder : torch::CustomClassHolder {
+  Dropout dropout;
+};
 
 // Every rank's positions, in rank order (not differentiable: integers).
 at::Tensor gather_positions(const at::Tensor& positions, const comm::CommunicatorPtr& group) {
@@ -124,7 +182,7 @@ Sight sight(const Tile& queries, const Tile& keys) {
 // Whether a tile pair is computed by LibTorch's fused attention (FlashAttention's CPU kernels,
 // which return the log-sum-exp and take it back in backward, as torch's own ring does on CUDA):
 // LibTorch 2.x on a CPU, a pair without a mask of its own. Else written out (scores, mask, exp).
-bool fused(Sight s, const at::Tensor& q) {
+[[maybe_unused]] bool fused(Sight s, const at::Tensor& q) {
 #if DTRAIN_TORCH_AT_LEAST(2, 3)
   return (s == Sight::kAll || s == Sight::kCausal) && q.device().is_cpu();
 #else
@@ -175,7 +233,8 @@ struct Ring {
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& all,
-                            const at::Tensor& documents, comm::CommunicatorPtr group) {
+                            const at::Tensor& documents, comm::CommunicatorPtr group,
+                            const Dropout& dropout) {
     const int ranks = group->size(), rank = group->rank();
     const Ring ring(all, documents, q.size(2), ranks);
     const std::vector<Tile>& mine = ring.tiles[rank];
@@ -193,7 +252,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           if (s == Sight::kNone) continue;
           Partial block;
 #if DTRAIN_TORCH_AT_LEAST(2, 3)
-          if (fused(s, q)) {
+          if (fused(s, q) && !dropout.active()) {
             auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
                 mine[i].of(q).contiguous(), expand_heads(keys.of(kv[0]), h).contiguous(),
                 expand_heads(keys.of(kv[1]), h).contiguous(), 0.0, s == Sight::kCausal);
@@ -203,7 +262,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           if (!block.out.defined()) {
             block = block_attention(mine[i].of(q), expand_heads(keys.of(kv[0]), h),
                                     expand_heads(keys.of(kv[1]), h), mine[i].positions,
-                                    keys.positions, mine[i].documents, keys.documents);
+                                    keys.positions, mine[i].documents, keys.documents, dropout);
           }
           results[i] = results[i].out.defined() ? merge(results[i], block) : block;
         }
@@ -221,6 +280,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     auto holder = c10::make_intrusive<GroupHolder>();
     holder->group = std::move(group);
     ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(holder));
+    auto kept = c10::make_intrusive<DropoutHolder>();
+    kept->dropout = dropout;
+    ctx->saved_data["dropout"] = c10::IValue::make_capsule(std::move(kept));
     ctx->save_for_backward({q, k, v, all, documents, out, lse});
     return out;
   }
@@ -233,6 +295,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const comm::CommunicatorPtr group =
         c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())
             ->group;
+    const Dropout dropout =
+        c10::static_intrusive_pointer_cast<DropoutHolder>(ctx->saved_data["dropout"].toCapsule())
+            ->dropout;
     const int ranks = group->size(), rank = group->rank();
     const Ring ring(all, documents, q.size(2), ranks);
     const std::vector<Tile>& mine = ring.tiles[rank];
@@ -255,7 +320,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           const Sight s = sight(queries, block);
           if (s == Sight::kNone) continue;
 #if DTRAIN_TORCH_AT_LEAST(2, 3)
-          if (fused(s, q)) {
+          if (fused(s, q) && !dropout.active()) {
             auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
                 d_out_t.contiguous(), q_t.contiguous(),
                 expand_heads(block.of(kv[0]), h).contiguous(),
@@ -274,11 +339,17 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           const at::Tensor scores =
               (at::matmul(q_t, k_t.transpose(-2, -1)) * scale).masked_fill(hidden, kNothing);
           const at::Tensor p = at::exp(scores - queries.of(lse));
-          const at::Tensor d_p = at::matmul(d_out_t, v_t.transpose(-2, -1));
+          at::Tensor d_p = at::matmul(d_out_t, v_t.transpose(-2, -1));
+          at::Tensor kept = p;  // the weights the output summed: dropped ones out (FlashAttention's
+                                // backward with dropout; delta, from the output, already is)
+          if (dropout.active()) {
+            d_p = apply_dropout(d_p, dropout, queries.positions, block.positions);
+            kept = apply_dropout(p, dropout, queries.positions, block.positions);
+          }
           const at::Tensor d_s = p * (d_p - queries.of(delta)) * scale;
           queries.of(d_q) += at::matmul(d_s, k_t);
           block.of(d_kv[0]) += fold_heads(at::matmul(d_s.transpose(-2, -1), q_t), kv_heads);
-          block.of(d_kv[1]) += fold_heads(at::matmul(p.transpose(-2, -1), d_out_t), kv_heads);
+          block.of(d_kv[1]) += fold_heads(at::matmul(kept.transpose(-2, -1), d_out_t), kv_heads);
         }
       }
       // The earlier holders' share, sent at the end of their step, arrived while this rank
@@ -288,7 +359,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       if (step + 1 < ranks) kv = keys.wait();
     }
     const at::Tensor d_kv = gradients.wait();  // this rank's own keys' and values'
-    return {d_q, d_kv[0], d_kv[1], at::Tensor(), at::Tensor(), at::Tensor()};
+    return {d_q, d_kv[0], d_kv[1], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -324,9 +395,18 @@ Documents document_index(const at::Tensor& ids, int64_t document_end) {
   return d;
 }
 
+at::Tensor dropout_scale(const Dropout& dropout, int64_t batch, int64_t heads,
+                         const at::Tensor& q_positions, const at::Tensor& k_positions,
+                         const at::TensorOptions& options) {
+  return dropout_kept(dropout, batch, heads, q_positions, k_positions, options.device())
+             .to(options.dtype()) *
+         (1.0 / (1.0 - dropout.p));
+}
+
 Partial block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& q_positions, const at::Tensor& k_positions,
-                        const at::Tensor& q_documents, const at::Tensor& k_documents) {
+                        const at::Tensor& q_documents, const at::Tensor& k_documents,
+                        const Dropout& dropout) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   // [q tokens, k tokens]: a key after the query is masked; with documents [batch, 1, q, k], a
   // key of another document too.
@@ -338,8 +418,29 @@ Partial block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
   // A query that sees none of these keys: its scores are all kNothing, softmax would spread it
   // evenly; its weights are zeroed so its output is 0 (and its lse, about -1e30, weighs nothing).
   const at::Tensor sees = (~future).any(-1).unsqueeze(-1).to(q.scalar_type());
-  return {at::matmul(at::exp(scores - lse) * sees, v), lse};
+  at::Tensor weights = at::exp(scores - lse) * sees;
+  if (dropout.active()) weights = apply_dropout(weights, dropout, q_positions, k_positions);
+  return {at::matmul(weights, v), lse};
 }
+
+namespace {
+
+at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& q_positions, const at::Tensor& k_positions,
+                             const at::Tensor& q_documents, const at::Tensor& k_documents,
+                             const Dropout& dropout) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const at::Tensor hidden =
+      hidden_keys(q_positions, k_positions, q_documents, k_documents, q.device());
+  at::Tensor weights =
+      at::softmax((at::matmul(q, k.transpose(-2, -1)) * scale)
+                      .masked_fill(hidden, -std::numeric_limits<double>::infinity()),
+                  -1);
+  if (dropout.active()) weights = apply_dropout(weights, dropout, q_positions, k_positions);
+  return at::matmul(weights, v);
+}
+
+}  // namespace
 
 Partial merge(const Partial& a, const Partial& b) {
   const at::Tensor lse = at::logaddexp(a.lse, b.lse);
@@ -348,7 +449,8 @@ Partial merge(const Partial& a, const Partial& b) {
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& positions, const comm::CommunicatorPtr& group,
-                            const std::string& method, const at::Tensor& documents) {
+                            const std::string& method, const at::Tensor& documents,
+                            const Dropout& dropout) {
   DTRAIN_CHECK_INPUT(method == "allgather" || method == "ring" || method == "ulysses",
                      "--cp-method must be ring, allgather or ulysses, got '", method, "'");
   DTRAIN_CHECK_INPUT(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() &&
@@ -365,9 +467,8 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const at::Tensor mine = documents_at(positions);
   const int64_t heads = q.size(1);
   if (!group || group->size() == 1) {
-    return block_attention(q, expand_heads(k, heads), expand_heads(v, heads), positions, positions,
-                           mine, mine)
-        .out;
+    return softmax_attention(q, expand_heads(k, heads), expand_heads(v, heads), positions,
+                             positions, mine, mine, dropout);
   }
   const int ranks = group->size();
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
@@ -381,17 +482,16 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
       return tensor::gather_from_sequence(x.transpose(1, 2).contiguous(), group).transpose(1, 2);
     };
     const at::Tensor all = gather_positions(positions, group);
-    return block_attention(q, expand_heads(gathered(k), heads), expand_heads(gathered(v), heads),
-                           positions, all, mine, documents_at(all))
-        .out;
+    return softmax_attention(q, expand_heads(gathered(k), heads), expand_heads(gathered(v), heads),
+                             positions, all, mine, documents_at(all), dropout);
   }
   if (method == "ring") {
     // This rank's block first; then, C - 1 times, the keys and values of the rank before
     // (stacked to travel as one message, the next transfer running while a block is computed),
     // each partial merged in.
-    return RingAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                gather_positions(positions, group),
-                                documents.defined() ? documents : at::empty({0}, at::kLong), group);
+    return RingAttention::apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), gather_positions(positions, group),
+        documents.defined() ? documents : at::empty({0}, at::kLong), group, dropout);
   }
   // Ulysses: heads to the ranks (h / C each), every rank's tokens to each: [h, b, t, d] rows
   // by head, h / C to each rank; what comes back is, for this rank's heads, every rank's tokens.
@@ -408,9 +508,11 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   };
   const at::Tensor all = gather_positions(positions, group);
   const at::Tensor every = documents_at(all);
-  const at::Tensor out = block_attention(to_heads(q), to_heads(expand_heads(k, heads)),
-                                         to_heads(expand_heads(v, heads)), all, all, every, every)
-                             .out;
+  Dropout mine_of_heads = dropout;  // this rank's heads are the group's h / C from rank x h / C
+  mine_of_heads.head_offset += group->rank() * local;
+  const at::Tensor out =
+      softmax_attention(to_heads(q), to_heads(expand_heads(k, heads)),
+                        to_heads(expand_heads(v, heads)), all, all, every, every, mine_of_heads);
   // Back: [b, h/C, C t, d] -> rows [C, h/C, b, t, d] by source rank -> [b, h, t, d].
   const at::Tensor by_rank =
       out.view({b, local, ranks, t, d}).permute({2, 1, 0, 3, 4}).reshape({ranks * local, b, t, d});

@@ -153,6 +153,7 @@ at::Tensor PipelineStrategy::compute_forward(FlushedStep& step, const Action& a,
       store = &step.deferred[{a.chunk, a.micro_batch}];  // (a map's elements stay put)
     }
     nn::WeightGradDeferral defer(store);
+    show_inputs(chunk, batch.inputs, false);
     y = run_chunk(chunk, x);
     if (last_virtual(chunk)) {
       // bf16-master: the loss in fp32 from bf16 outputs.
@@ -228,6 +229,7 @@ at::Tensor PipelineStrategy::compute_backward(FlushedStep& step, const Action& a
     reducer->set_sync(true);
     reducer->prepare_for_backward();
   }
+  show_inputs(chunk, step.micro_batches[a.micro_batch].inputs, true);
   at::Tensor g;
   if (step.split) {
     // B: the input's gradient now; the weights' (and the other parameters') wait for W.

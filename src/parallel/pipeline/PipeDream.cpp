@@ -126,6 +126,7 @@ StepResult PipelineStrategy::train_step_pipedream(const std::vector<data::Batch>
     f.version = version_for(batch);
     f.micro_batch = i;
     f.count = count;
+    f.inputs = data.inputs;
     f.link = static_cast<int>(batch % 2) * count + i;
     const std::string label = std::to_string(i);
     if (first_virtual(chunk)) {
@@ -141,6 +142,7 @@ StepResult PipelineStrategy::train_step_pipedream(const std::vector<data::Batch>
       use_version(f.version);
       {
         precision::AutocastScope autocast(precision_, device_.type());
+        show_inputs(chunk, data.inputs, false);
         f.y = run_chunk(chunk, f.x);
         if (last_virtual(chunk)) f.y = loss(f.y, data.targets) / count;
       }
@@ -196,6 +198,7 @@ void PipelineStrategy::backward_pipedream() {
       reducer->set_sync(updates);
       if (updates) reducer->prepare_for_backward();
     }
+    show_inputs(chunk, f.inputs, true);
     backward_and_send(chunk, f.x, f.y, upstream, f.link, label);
   }
   if (version_observer_) version_observer_({Action::Backward, f.micro_batch, 0}, f.version);

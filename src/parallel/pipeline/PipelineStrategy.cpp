@@ -317,7 +317,8 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
 }
 
 DataNeeds PipelineStrategy::data_needs() const {
-  DataNeeds needs{false, false};
+  // (Every stage's where the model's stages see the inputs: packed sequences' documents.)
+  DataNeeds needs{static_cast<bool>(model_.see_inputs), false};
   for (const auto& chunk : chunks_) {
     needs.inputs = needs.inputs || first_virtual(chunk);
     needs.targets = needs.targets || last_virtual(chunk);
@@ -367,6 +368,17 @@ std::string PipelineStrategy::layout() const {
 at::Tensor PipelineStrategy::model_input(const at::Tensor& inputs) const {
   const auto dtype = precision::parameter_dtype(precision_);
   return dtype != at::kFloat && inputs.is_floating_point() ? inputs.to(dtype) : inputs;
+}
+
+void PipelineStrategy::show_inputs(const Chunk& chunk, const at::Tensor& inputs,
+                                   bool backward) const {
+  if (!model_.see_inputs) return;
+  if (backward ? std::none_of(chunk.stages.begin(), chunk.stages.end(),
+                              [](const Stage& stage) { return stage.checkpoint; })
+               : first_virtual(chunk)) {
+    return;  // nothing recomputed; the embedding works them out itself
+  }
+  model_.see_inputs(model_input(inputs));
 }
 
 std::vector<at::Tensor> PipelineStrategy::reduced_gradient_holders() const {
@@ -511,6 +523,7 @@ at::Tensor PipelineStrategy::evaluate_forward(const at::Tensor& inputs) {
     } else {
       x = link_->recv_any(s - 1);
     }
+    show_inputs(chunk, inputs, false);
     at::Tensor y = run_chunk(chunk, x);
     if (last_virtual(chunk)) {
       // A bf16 model's output in fp32 for the loss and accuracy, as a DDP-family run's.

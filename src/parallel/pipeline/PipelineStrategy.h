@@ -132,6 +132,10 @@ class PipelineStrategy : public Strategy {
       const Chunk& chunk, bool dense = false) const;
   /// The first stage's input as the model takes it (bf16 weights: cast).
   at::Tensor model_input(const at::Tensor& inputs) const;
+  /// Packed sequences: the model's view of a micro-batch's `inputs` (Model::see_inputs) before
+  /// `chunk` runs its forward (where the chunk does not start the model), or a `backward` that
+  /// recomputes a checkpointed stage of it.
+  void show_inputs(const Chunk& chunk, const at::Tensor& inputs, bool backward) const;
   /// One tensor per parameter whose .grad is its whole reduced gradient: the parameters, or
   /// with bf16-master (not reduce-scattered) the master weights or holders of the Reducers'
   /// fp32 gradients.
@@ -194,6 +198,7 @@ class PipelineStrategy : public Strategy {
   //   backward, W(n + 1) = W(n) - step(its gradient). Up to P - r + 1 versions on rank r.
   struct InFlight {
     at::Tensor x, y;
+    at::Tensor inputs;  // the micro-batch's (a recomputing backward's show_inputs)
     int64_t batch = 0, version = 0;
     int micro_batch = 0, count = 0, link = 0;  // link: its index on the StageLink
   };

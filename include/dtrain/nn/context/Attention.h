@@ -43,6 +43,24 @@ struct Documents {
 };
 Documents document_index(const at::Tensor& ids, int64_t document_end);
 
+/// Attention dropout (`--dropout` on attention's weights), drawn as FlashAttention draws it: the
+/// weight of the query at position i on the key at position j, in head h of batch row b, is kept
+/// or dropped by a hash of (seed, b, h, i, j) alone. Any rank computing any block of the
+/// attention, in any split or order, keeps the same weights as one process on the whole
+/// sequence, and backward works the mask out again instead of keeping it. `head_offset`: the
+/// first head of the block among the heads the seed covers (Ulysses' rank holds later ones).
+struct Dropout {
+  double p = 0.0;
+  int64_t seed = 0;
+  int64_t head_offset = 0;
+  bool active() const { return p > 0.0; }
+};
+/// The factor of each weight [batch, heads, q tokens, k tokens] of queries at `q_positions` on
+/// keys at `k_positions`: 0 (dropped) or 1 / (1 - p) (kept, scaled as inverted dropout).
+at::Tensor dropout_scale(const Dropout& dropout, int64_t batch, int64_t heads,
+                         const at::Tensor& q_positions, const at::Tensor& k_positions,
+                         const at::TensorOptions& options);
+
 /// Causal attention of this rank's queries over every rank's keys and values: q, k, v
 /// [batch, heads, local tokens, head dim] (the same heads on every rank; k and v may have fewer
 /// heads that divide q's, grouped-query attention's key/value heads, each serving that many
@@ -54,23 +72,26 @@ Documents document_index(const at::Tensor& ids, int64_t document_end);
 /// C - 1 times, partial results merged by log-sum-exp), "ulysses" (an all-to-all from the
 /// sequence split to a head split and back; heads must be a multiple of C). Returns
 /// [batch, heads, local tokens, head dim]. Collective over `group` (null or one rank: local
-/// causal attention).
+/// causal attention). `dropout`: attention dropout, the same weights kept by every method.
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& positions, const comm::CommunicatorPtr& group,
-                            const std::string& method, const at::Tensor& documents = {});
+                            const std::string& method, const at::Tensor& documents = {},
+                            const Dropout& dropout = {});
 
 /// Attention of queries at `q_positions` over keys at `k_positions` (a key is seen by the
 /// queries at or after its position), with the log-sum-exp of each query's scores: `out`
 /// [batch, heads, q tokens, head dim], `lse` [batch, heads, q tokens, 1]. A query that sees no
 /// key gets zeros and a log-sum-exp of about -1e30, which merge() weighs as nothing. With
 /// `q_documents` [batch, q tokens] and `k_documents` [batch, k tokens], a key is also seen only
-/// by the queries of its document.
+/// by the queries of its document. With `dropout`, `out` sums the kept weights only (scaled),
+/// `lse` stays that of all the scores: merged blocks are then the dropped attention.
 struct Partial {
   at::Tensor out, lse;
 };
 Partial block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& q_positions, const at::Tensor& k_positions,
-                        const at::Tensor& q_documents = {}, const at::Tensor& k_documents = {});
+                        const at::Tensor& q_documents = {}, const at::Tensor& k_documents = {},
+                        const Dropout& dropout = {});
 /// The attention over the union of two partials' keys.
 Partial merge(const Partial& a, const Partial& b);
 
