@@ -235,12 +235,10 @@ TEST(Cli, BadInputIsOneClearLineAndExitCode2) {
        "needs 4 model stages, but --model mlp has 3"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 3 --schedule dualpipev",
        "the dualpipev schedule needs at least twice as many micro-batches"},
-      {" train --model llama --dataset text --pipeline-parallel 2 --tensor-parallel 2 --nproc 4 "
-       "--micro-batches 4 --schedule dualpipev",
-       "--schedule dualpipev with --tensor-parallel 2: not built yet"},
       {" train --model llama --dataset text --pipeline-parallel 2 --nproc 2 --micro-batches 4 "
-       "--schedule dualpipev --checkpointing selective",
-       "--schedule dualpipev with --checkpointing: not built yet"},
+       "--schedule dualpipev --checkpointing 2 --dropout 0.1",
+       "--schedule dualpipev with --checkpointing of whole blocks and --dropout or "
+       "--reset-attention-mask: not built yet"},
       {" train --micro-batches 4 --accumulation 2", "not two of them"},
       {" train --pipeline-balance 1,x", "unknown --pipeline-balance '1,x'"},
       {" train --model mlp --pipeline-parallel 2 --nproc 2 --micro-batches 2 --pipeline-balance "
@@ -1203,7 +1201,8 @@ TEST(Cli, APipelineWithExpertsSplitTrainsAndResumesUnderDdp) {
       (dir / "ckpt") + " --metrics " + (dir / "m.jsonl");
   auto out = run(kDtrain + common +
                  " --max-steps 20 --pipeline-parallel 2 --micro-batches 4 --schedule dualpipev "
-                 "--nproc 4 --batch-size 16 --expert-parallel 2 --moe-bias-rate 0.01");
+                 "--nproc 4 --batch-size 16 --expert-parallel 2 --moe-bias-rate 0.01 "
+                 "--checkpointing selective");
   ASSERT_EQ(out.code, 0) << out.text;
   EXPECT_TRUE(has(out, "experts over 2 ranks")) << out.text;
   std::vector<double> validation;

@@ -307,7 +307,7 @@ TEST(Comm, TheExpertGroupsSecondLaneOrdersItsOpsApart) {
     comm::ProcessGrid grid(world);
     grid.split_experts(2);
     ASSERT_FALSE(grid.ep_lane());
-    grid.add_expert_lane();
+    grid.add_lanes();
     ASSERT_TRUE(grid.ep_lane());
     EXPECT_NE(grid.ep_lane().get(), grid.ep().get());
     EXPECT_EQ(grid.ep_lane()->size(), 2);

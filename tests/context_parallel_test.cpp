@@ -439,6 +439,8 @@ struct ContextRun {
   int tp = 1;
   bool sequence_parallel = false;
   std::string stage_strategy = "ddp";
+  std::string schedule = "1f1b";  // a pipeline's
+  int chunks = 1;
   std::string save_to, load_from;
 };
 
@@ -467,7 +469,8 @@ double context_parallel_apart(const test::Fixture& f, const ContextRun& run,
           made = std::make_unique<parallel::zero::Zero3Strategy>(options);
         } else if (run.strategy == "pipeline") {
           auto& pipe = options.of<parallel::pipeline::PipelineOptions>();
-          pipe.schedule = "1f1b";
+          pipe.schedule = run.schedule;
+          pipe.virtual_stages = run.chunks;
           pipe.data_parallel = run.stage_strategy;
           made = std::make_unique<parallel::pipeline::PipelineStrategy>(options);
         } else {
@@ -591,6 +594,14 @@ TEST(ContextParallel, TrainingWithAContextGroupIsOneProcessInFloat64) {
                                          {8, 2, 1, 2, "pipeline zero1", "allgather", false, 2},
                                          {8, 2, 2, 2, "pipeline", "ring", true, 2}}) {
     EXPECT_LT(context_parallel_apart(llama, run_of(c), whole), 1e-12) << said(c);
+  }
+  // DualPipe-V (one pipeline rank holding both chunks of the V; CP 2, and CP 2 x PP 2): a pair's
+  // backward thread passes the ring's keys and values on the context group's second lane.
+  for (const int pp : {1, 2}) {
+    ContextRun dual = run_of({2 * pp, 2, 1, pp, "pipeline", "ring", false, 4});
+    dual.schedule = "dualpipev";
+    dual.chunks = 2;
+    EXPECT_LT(context_parallel_apart(llama, dual, whole), 1e-12) << "dualpipev, CP 2, PP " << pp;
   }
   const auto whole_clipped = trained_whole(llama, 3, 0.05);
   for (const std::string strategy : {"ddp", "zero1"}) {

@@ -399,6 +399,35 @@ TEST(ExpertParallel, PipelinesWithExpertsAreOneProcessInFloat64) {
         << c.world << " ranks, " << c.pp << " stages, --expert-parallel " << c.experts << ", "
         << c.schedule << ", " << c.micro << " micro-batches";
   }
+  // DualPipe-V with recomputation (whole blocks and attention's core, recomputed in a pair's
+  // backward thread while its forward thread runs the other chunk), and with tensor parallelism
+  // (TP 2 x EP 2, with and without sequence parallelism: the backward thread's tensor-parallel
+  // collectives on the TP group's second lane).
+  auto dualpipev = [&](const test::Fixture& fixture, int world, int pp, int tp, bool sp) {
+    ExpertRun run;
+    run.strategy = "pipeline";
+    run.world = world;
+    run.pp = pp;
+    run.tp = tp;
+    run.sequence_parallel = sp;
+    run.experts = 2;
+    run.micro = 4;
+    run.schedule = "dualpipev";
+    run.chunks = 2;
+    return expert_parallel_apart(fixture, run, whole);
+  };
+  for (const std::string checkpointing : {"2", "selective"}) {
+    test::Fixture recomputed = f;
+    recomputed.spec.checkpointing = checkpointing;
+    for (const auto& [world, pp] : std::vector<std::pair<int, int>>{{2, 1}, {4, 2}}) {
+      EXPECT_LT(dualpipev(recomputed, world, pp, 1, false), test::kTightBound)
+          << "dualpipev, --checkpointing " << checkpointing << ", " << world << " ranks";
+    }
+  }
+  for (const bool sp : {false, true}) {
+    EXPECT_LT(dualpipev(f, 4, 1, 2, sp), test::kTightBound)
+        << "dualpipev, TP 2" << (sp ? " (SP)" : "") << " x EP 2";
+  }
   // DeepSeek-V3's PP x EP x ZeRO-1: the experts' optimizer state sharded over the ranks holding
   // the same experts, the rest's over the stage's data-parallel ranks.
   for (const auto& [world, experts] : std::vector<std::pair<int, int>>{{4, 2}, {8, 2}}) {

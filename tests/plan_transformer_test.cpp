@@ -16,6 +16,16 @@ namespace {
 
 using test::cluster_of;
 
+// Mixtral 8x7B's shape (configs/mixtral-8x7b.toml).
+models::GptConfig mixtral_8x7b() {
+  models::GptConfig mixtral;
+  mixtral.layers = 32, mixtral.width = 4096, mixtral.heads = 32, mixtral.kv_heads = 8;
+  mixtral.ffn_width = 14336, mixtral.context = 4096, mixtral.vocab = 32000;
+  mixtral.rope_theta = 1e6, mixtral.moe_experts = 8, mixtral.moe_top_k = 2;
+  models::llama_preset(mixtral);
+  return mixtral;
+}
+
 // Selective recomputation (Korthikanti et al. 2022): a GPT-3 block keeps s b h (34 + 5 a s / h)
 // bytes at 16 bits, 34 s b h with attention's core recomputed; the recomputation costs a few
 // percent of the step's compute (their 2-4%), whole-layer recomputation about a third more.
@@ -297,11 +307,7 @@ TEST(Planner, HeadsWiderThanWidthOverHeadsCountAsBuilt) {
 // exchange its tokens' k copies twice each way. The search tries every ep dividing the experts
 // and the data-parallel ranks, and prints dtrain train's --expert-parallel.
 TEST(Planner, MixturesOfExpertsCountActiveFlopsAndSplitTheirExperts) {
-  models::GptConfig mixtral;  // configs/mixtral-8x7b.toml
-  mixtral.layers = 32, mixtral.width = 4096, mixtral.heads = 32, mixtral.kv_heads = 8;
-  mixtral.ffn_width = 14336, mixtral.context = 4096, mixtral.vocab = 32000;
-  mixtral.rope_theta = 1e6, mixtral.moe_experts = 8, mixtral.moe_top_k = 2;
-  models::llama_preset(mixtral);
+  const models::GptConfig mixtral = mixtral_8x7b();
   const ModelCost cost = decoder(mixtral, "llama", mixtral.vocab, true);
   EXPECT_EQ(cost.parameters(), models::gpt_parameter_count(mixtral));
   EXPECT_NEAR(cost.model_flops_per_sample() / mixtral.context,
@@ -384,11 +390,7 @@ TEST(Planner, MixturesOfExpertsCountActiveFlopsAndSplitTheirExperts) {
 // both-inputs-first rule costs; on one node's NVLink the exchanges are too short for the pairs
 // to win it back: docs/benchmarks/moe.md.)
 TEST(Planner, DualPipeVsPairsHideTheirAllToAlls) {
-  models::GptConfig mixtral;  // configs/mixtral-8x7b.toml
-  mixtral.layers = 32, mixtral.width = 4096, mixtral.heads = 32, mixtral.kv_heads = 8;
-  mixtral.ffn_width = 14336, mixtral.context = 4096, mixtral.vocab = 32000;
-  mixtral.rope_theta = 1e6, mixtral.moe_experts = 8, mixtral.moe_top_k = 2;
-  models::llama_preset(mixtral);
+  const models::GptConfig mixtral = mixtral_8x7b();
   const ModelCost cost = decoder(mixtral, "llama", mixtral.vocab, true);
   const Cluster nodes = cluster_of("h100-dgx", 4);
   Layout layout;

@@ -220,21 +220,61 @@ void ProcessGrid::split_experts(int ranks) {
   DTRAIN_CHECK(ep_ && edp_, "ProcessGrid: rank ", world_->rank(), " has no expert groups");
 }
 
-void ProcessGrid::add_expert_lane() {
-  if (!ep_ || ep_lane_) return;
-  const int ranks = ep_->size();
-  for (int pp = 0; pp < pp_size_; ++pp) {
-    for (int tp = 0; tp < tp_size_; ++tp) {
-      for (int g = 0; g < dp_size_ / ranks; ++g) {
-        if (auto group =
-                world_->new_group(expert_group(ranks, g, pp, tp),
-                                  concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "] lane 2"))) {
-          ep_lane_ = group;
+void ProcessGrid::add_lanes() {
+  if (ep_lane_ || tp_lane_ || cp_lane_) return;
+  // (Every rank makes every group, in one order.)
+  if (ep_) {
+    const int ranks = ep_->size();
+    for (int pp = 0; pp < pp_size_; ++pp) {
+      for (int tp = 0; tp < tp_size_; ++tp) {
+        for (int g = 0; g < dp_size_ / ranks; ++g) {
+          if (auto group =
+                  world_->new_group(expert_group(ranks, g, pp, tp),
+                                    concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "] lane 2"))) {
+            ep_lane_ = group;
+          }
         }
       }
     }
+    DTRAIN_CHECK(ep_lane_, "ProcessGrid: rank ", world_->rank(), " has no second expert lane");
   }
-  DTRAIN_CHECK(ep_lane_, "ProcessGrid: rank ", world_->rank(), " has no second expert lane");
+  if (tp_size_ > 1) {
+    for (int pp = 0; pp < pp_size_; ++pp) {
+      for (int dp = 0; dp < dp_size_; ++dp) {
+        std::vector<int> ranks;
+        for (int tp = 0; tp < tp_size_; ++tp) ranks.push_back(world_rank_of({dp, pp, tp}));
+        if (auto group = world_->new_group(ranks, concat("tp[pp=", pp, ",dp=", dp, "] lane 2"))) {
+          tp_lane_ = group;
+        }
+      }
+    }
+    DTRAIN_CHECK(tp_lane_, "ProcessGrid: rank ", world_->rank(),
+                 " has no second tensor-parallel lane");
+  }
+  if (cp_) {
+    const int ranks = cp_->size();
+    for (int pp = 0; pp < pp_size_; ++pp) {
+      for (int tp = 0; tp < tp_size_; ++tp) {
+        for (int g = 0; g < dp_size_ / ranks; ++g) {
+          std::vector<int> members;
+          for (int c = 0; c < ranks; ++c) members.push_back(world_rank_of({g * ranks + c, pp, tp}));
+          if (auto group = world_->new_group(
+                  members, concat("cp[pp=", pp, ",tp=", tp, ",g=", g, "] lane 2"))) {
+            cp_lane_ = group;
+          }
+        }
+      }
+    }
+    DTRAIN_CHECK(cp_lane_, "ProcessGrid: rank ", world_->rank(), " has no second context lane");
+  }
+}
+
+std::vector<std::pair<const Communicator*, CommunicatorPtr>> ProcessGrid::lanes() const {
+  std::vector<std::pair<const Communicator*, CommunicatorPtr>> out;
+  if (ep_lane_) out.emplace_back(ep_.get(), ep_lane_);
+  if (tp_lane_) out.emplace_back(tp_.get(), tp_lane_);
+  if (cp_lane_) out.emplace_back(cp_.get(), cp_lane_);
+  return out;
 }
 
 std::vector<int> ProcessGrid::expert_group(int ranks, int g, int pp, int tp) const {

@@ -412,10 +412,11 @@ struct GptBlockImpl : torch::nn::Module {
       return out;
     };
     // Selective recomputation keeps only the queries, keys and values (the key/value heads
-    // before their expansion to the query heads) of the core's activations.
-    at::Tensor y = shared.selective && training
-                       ? memory::checkpoint(core, {query, key, value}, {}, {shared.rng->parallel()})
-                       : core({query, key, value});
+    // before their expansion to the query heads) of the core's activations. (The core draws
+    // nothing: its dropout's seed is drawn above, so no generator is replayed, and a DualPipe-V
+    // pair's other thread may draw meanwhile.)
+    at::Tensor y = shared.selective && training ? memory::checkpoint(core, {query, key, value}, {})
+                                                : core({query, key, value});
     y = y.transpose(1, 2).reshape({b, t, heads * d});
     return shared.drop(proj(y), is_training());
   }

@@ -143,7 +143,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& input) {
   if (sequence_group_ && sequence_group_->size() > 1 && options.aux_loss > 0) {
     // f_e over the whole sequences: every part's assignments (the parts are equal).
     at::Tensor total = counts.to(scores.device(), at::kDouble);
-    sequence_group_->allreduce(total)->wait();
+    comm::on_lane(sequence_group_)->allreduce(total)->wait();
     share = total.to(scores.options()) / static_cast<double>(N * K * sequence_group_->size());
   }
   const at::Tensor per_token =

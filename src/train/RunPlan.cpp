@@ -101,7 +101,10 @@ RunPlan plan_run(const JobConfig& job, int ranks) {
       models::model_info(job.model.name).language_model;
   plan.layout.sequence_parallel = language_model && job.model.gpt.sequence_parallel;
   plan.layout.tied_parameters = language_model && job.model.gpt.tied_embeddings;
-  plan.layout.recomputes = !job.model.checkpointing.empty() && job.model.checkpointing != "none";
+  const bool whole_blocks = !job.model.checkpointing.empty() && job.model.checkpointing != "none" &&
+                            job.model.checkpointing != "selective";
+  plan.layout.recomputes_forward_state =
+      whole_blocks && ((language_model && job.model.gpt.dropout > 0) || job.reset_attention_mask);
   plan.layout.model = job.model.name;
   plan.data = data_source(job, plan.batches);
   plan.launch = launch_policy(job, t, plan.layout);

@@ -56,11 +56,15 @@ class ProcessGrid {
   const CommunicatorPtr& ep() const { return ep_; }
   const CommunicatorPtr& edp() const { return edp_ ? edp_ : dp_; }
   int ep_size() const { return ep_ ? ep_->size() : 1; }
-  /// Collective over the world, after split_experts: a second group of each expert group's
-  /// ranks, for a second thread's all-to-alls (comm::LaneScope; DualPipe-V's pairs). Null
-  /// before, or without expert groups.
-  void add_expert_lane();
+  /// Collective over the world, after split_experts and split_context: a second group of the
+  /// ranks of each expert, tensor-parallel and context group (those of more than one rank), for
+  /// a second thread's collectives (comm::LaneScope; DualPipe-V's pairs). Null before, or
+  /// without such groups. lanes(): the substitutions for that thread.
+  void add_lanes();
   const CommunicatorPtr& ep_lane() const { return ep_lane_; }
+  const CommunicatorPtr& tp_lane() const { return tp_lane_; }
+  const CommunicatorPtr& cp_lane() const { return cp_lane_; }
+  std::vector<std::pair<const Communicator*, CommunicatorPtr>> lanes() const;
   int ep_rank() const { return ep_ ? ep_->rank() : 0; }
 
   /// Collective over the world: context parallelism over `ranks` data-parallel ranks (issue 82:
@@ -116,7 +120,7 @@ class ProcessGrid {
   CommunicatorPtr tp_;
   CommunicatorPtr ep_;
   CommunicatorPtr edp_;
-  CommunicatorPtr ep_lane_;
+  CommunicatorPtr ep_lane_, tp_lane_, cp_lane_;
   CommunicatorPtr cp_;
 };
 

@@ -48,8 +48,10 @@ struct Layout {
   bool sequence_parallel = false;
   bool tied_parameters = false;
   bool defer_eval = false;
-  /// --checkpointing other than none: backward runs forwards again.
-  bool recomputes = false;
+  /// --checkpointing of whole blocks with state the forward reads besides its input (random
+  /// masks: --dropout; packed documents: --reset-attention-mask): a recomputation in backward
+  /// sets that state again.
+  bool recomputes_forward_state = false;
   /// Micro-batches per step (a pipeline's M).
   int64_t micro_batches = 1;
   /// The model's name and stage count (0 = not known).

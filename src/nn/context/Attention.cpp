@@ -80,7 +80,7 @@ struct DropoutHolder : torch::CustomClassHolder {
 at::Tensor gather_positions(const at::Tensor& positions, const comm::CommunicatorPtr& group) {
   const int ranks = group->size();
   at::Tensor all = at::empty({ranks * positions.size(0)}, positions.options());
-  group->allgather(all, positions.contiguous())->wait();
+  comm::on_lane(group)->allgather(all, positions.contiguous())->wait();
   return all;
 }
 
@@ -142,8 +142,10 @@ Passing start_passing(const at::Tensor& x, const comm::CommunicatorPtr& group, i
   p.received = at::empty_like(x);
   comm::P2POptions options;
   options.tag = tag;
-  p.arrived = group->recv(p.received, (rank + ranks - 1) % ranks, options);
-  p.sent = group->send(x, (rank + 1) % ranks, options);
+  // (A DualPipe-V pair's backward thread passes on the context group's second lane.)
+  const comm::CommunicatorPtr& lane = comm::on_lane(group);
+  p.arrived = lane->recv(p.received, (rank + ranks - 1) % ranks, options);
+  p.sent = lane->send(x, (rank + 1) % ranks, options);
   if (serial) p.wait();
   return p;
 }

@@ -16,7 +16,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 void allreduce(const at::Tensor& t, const comm::CommunicatorPtr& group, comm::ReduceOp op) {
-  if (group && group->size() > 1) group->allreduce(t, {op})->wait();
+  if (group && group->size() > 1) comm::on_lane(group)->allreduce(t, {op})->wait();
 }
 
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
@@ -77,8 +77,8 @@ at::Tensor vocab_parallel_argmax(const at::Tensor& logits, const comm::Communica
   const at::Tensor mine_ids = (indices + vocab_start).reshape({-1}).contiguous();
   at::Tensor all_values = at::empty({ranks, mine_values.numel()}, mine_values.options());
   at::Tensor all_ids = at::empty({ranks, mine_ids.numel()}, mine_ids.options());
-  group->allgather(all_values.view({-1}), mine_values)->wait();
-  group->allgather(all_ids.view({-1}), mine_ids)->wait();
+  comm::on_lane(group)->allgather(all_values.view({-1}), mine_values)->wait();
+  comm::on_lane(group)->allgather(all_ids.view({-1}), mine_ids)->wait();
   // Ranks hold increasing blocks, so the first rank with the maximum has the lowest id.
   const at::Tensor best_rank = all_values.argmax(0);
   return all_ids.gather(0, best_rank.unsqueeze(0)).squeeze(0).view(values.sizes());

@@ -43,7 +43,7 @@ int64_t normalize(const at::Tensor& x, int64_t dim) {
 at::Tensor allreduce_sum(const at::Tensor& x, const comm::CommunicatorPtr& group) {
   trace::Span span("comm", "tp allreduce");
   at::Tensor out = x.contiguous().clone();
-  group->allreduce(out)->wait();
+  comm::on_lane(group)->allreduce(out)->wait();
   return out;
 }
 
@@ -71,7 +71,7 @@ at::Tensor allgather_along(const at::Tensor& x, const comm::CommunicatorPtr& gro
   at::Tensor output = at::empty(shape, moved.options());
   comm::AllgatherOptions options;
   options.counts = counts;
-  group->allgather(output.view({-1}), moved.view({-1}), options)->wait();
+  comm::on_lane(group)->allgather(output.view({-1}), moved.view({-1}), options)->wait();
   return output.movedim(0, dim);
 }
 
@@ -89,7 +89,7 @@ comm::WorkPtr start_reduce_scatter_along(const at::Tensor& x, const comm::Commun
   output = flat.movedim(0, dim);
   comm::ReduceScatterOptions options;
   options.input_is_scratch = scratch;
-  return group->reduce_scatter(flat.view({-1}), moved.view({-1}), options);
+  return comm::on_lane(group)->reduce_scatter(flat.view({-1}), moved.view({-1}), options);
 }
 
 at::Tensor reduce_scatter_along(const at::Tensor& x, const comm::CommunicatorPtr& group,
@@ -239,7 +239,7 @@ struct ColumnParallelLinearFn : torch::autograd::Function<ColumnParallelLinearFn
         reduction = start_reduce_scatter_along(dtotal, group, 1, /*scratch=*/true, dx);
       } else {
         dx = dtotal.contiguous();
-        reduction = group->allreduce(dx);
+        reduction = comm::on_lane(group)->allreduce(dx);
       }
     }
     at::Tensor dweight, dbias;

@@ -259,15 +259,14 @@ size_t PipelineStrategy::run_pair(FlushedStep& step, const std::vector<Action>& 
   const Action& f = actions[i];
   const Action& b = actions[i + 1];
   // Both inputs first (the peers send them before their own pairs), then the forward here and
-  // the backward on a helper thread, whose all-to-alls take the expert group's second lane;
-  // then both results.
+  // the backward on a helper thread, whose collectives take the second lanes of the expert,
+  // tensor-parallel and context groups; then both results.
   const at::Tensor x = forward_input(f, step.micro_batches);
   const at::Tensor upstream = backward_input(b);
   at::Tensor g;
   std::exception_ptr failed;
   trace::Recorder* recorder = trace::current();
-  std::vector<std::pair<const comm::Communicator*, comm::CommunicatorPtr>> lanes;
-  if (grid_->ep_lane()) lanes.emplace_back(grid_->ep().get(), grid_->ep_lane());
+  const auto lanes = grid_->lanes();
   std::thread helper([&] {
     trace::Adopt adopt(recorder, 1);
     comm::LaneScope lane(lanes);

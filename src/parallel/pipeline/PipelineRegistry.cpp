@@ -34,19 +34,14 @@ void check_layout(const PipelineOptions& o, const Layout& layout) {
   const ScheduleInfo& schedule = schedule_info(o.schedule);
   const int chunks = chunks_of(o.schedule, o.virtual_stages);
   validate({o.schedule, pp, static_cast<int>(std::max<int64_t>(layout.micro_batches, 1)), chunks});
-  // DualPipe-V's pairs run two chunks on two threads at once: only the expert group has a lane
-  // per thread, and a recomputation would reset the random state the other thread draws from.
+  // DualPipe-V's pairs run two chunks on two threads at once (each thread's collectives on a
+  // lane of its own): a recomputation in one would set the state the other's forward reads.
   if (schedule.overlaps) {
-    DTRAIN_CHECK_INPUT(tp == 1, "--schedule ", o.schedule, " with --tensor-parallel ", tp,
-                       ": not built yet (its pairs run on two threads; the tensor-parallel "
-                       "group has one lane)");
-    DTRAIN_CHECK_INPUT(layout.context_parallel == 1, "--schedule ", o.schedule,
-                       " with --context-parallel ", layout.context_parallel,
-                       ": not built yet (its pairs run on two threads; the context group has "
-                       "one lane)");
-    DTRAIN_CHECK_INPUT(!layout.recomputes, "--schedule ", o.schedule,
-                       " with --checkpointing: not built yet (a recomputation in one thread of "
-                       "a pair would reset the random state the other draws from)");
+    DTRAIN_CHECK_INPUT(!layout.recomputes_forward_state, "--schedule ", o.schedule,
+                       " with --checkpointing of whole blocks and --dropout or "
+                       "--reset-attention-mask: not built yet (a recomputation in one thread of a "
+                       "pair would set the random generators or the documents the other's "
+                       "forward reads; --checkpointing selective works)");
   }
   DTRAIN_CHECK_INPUT(!layout.tied_parameters,
                      "--tied-embeddings shares one weight between the first and the last "

@@ -174,7 +174,7 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
   // adds its own in its backward.
   for (auto* layer : moe_layers_) layer->set_losses_in_backward(1.0);
   // DualPipe-V's pairs: the backward thread's all-to-alls on a group of their own.
-  if (schedule_info(kind_).overlaps) grid_->add_expert_lane();
+  if (schedule_info(kind_).overlaps) grid_->add_lanes();
   costs_ = stage_costs();
   const std::string& balance = pipe_.balance;
   partition_ = balance == "params" || balance == "time"
