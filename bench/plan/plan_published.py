@@ -181,14 +181,14 @@ def main():
     # Mixtral 8X7B bf16 training"; its reference mapping: 64 H100, TP 1, EP 8, PP 4, VP 8, MBS 1,
     # GBS 256, sequence 4096, all-to-all dispatcher, dropless). Their flops formula
     # (num_floating_point_operations: the routed experts' top-k, SwiGLU's 3/2). Megatron ran bf16
-    # with fp32 master weights in the distributed optimizer; dtrain train takes --expert-parallel
-    # with bf16-mixed only (fp32 weights cast per micro-batch), which the planner predicts.
+    # with fp32 master weights in the distributed optimizer: bf16-master over zero1, which dtrain
+    # train takes with --expert-parallel in pipelines since 41ff3df's successor.
     mixtral = ["--model", "llama", "--layers", 32, "--width", 4096, "--heads", 32, "--kv-heads", 8,
                "--ffn-width", 14336, "--context", 4096, "--rope-theta", 1000000, "--moe-experts", 8,
                "--moe-top-k", 2, "--vocab", 32000, "--flash-attention", "--cluster", "h100-dgx",
                "--nodes", 8, "--strategy", "zero1", "--pp", 4, "--ep", 8, "--schedule", "interleaved",
                "--chunks", 8, "--micro-batch-size", 1, "--global-batch", 256,
-               "--precision", "bf16-mixed"]
+               "--precision", "bf16-master"]
     p = plan(args.dtrain, *mixtral)
     seq, layers, hidden = 4096, 32, 4096
     mixtral_flops = 12 * 256 * seq * layers * hidden ** 2 * (

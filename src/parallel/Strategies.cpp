@@ -168,11 +168,6 @@ std::string resolve_strategy(const Layout& layout, StrategyOptions& options) {
     DTRAIN_CHECK_INPUT(!layout.defer_eval,
                        "--defer-eval evaluates on rank 0 alone: with --expert-parallel every "
                        "rank of an expert group takes part in each forward");
-    // (ddp's master is a copy of every parameter, ZeRO's its shards', the experts' among them.)
-    DTRAIN_CHECK_INPUT(options.precision != "bf16-master" ||
-                           (named.name != "pipeline" && layout.pipeline_parallel == 1),
-                       "--expert-parallel with --precision bf16-master: built for --strategy ddp, "
-                       "zero1, zero2 and zero3 so far, not pipelines (use bf16-mixed)");
   }
   DTRAIN_CHECK_INPUT(layout.context_parallel >= 1, "--context-parallel must be >= 1, got ",
                      layout.context_parallel);

@@ -299,15 +299,21 @@ StepResult PipelineStrategy::finish_flushed_step(FlushedStep& step) {
     for (auto& reducer : reducers_) {
       if (reducer) reducer->finalize();
     }
+    // bf16-master: the experts' gradients in fp32 on their master weights (the model's bf16 ones
+    // converted, as ddp converts them), summed and reduced in fp32 as the Reducers do the rest.
+    const std::vector<at::Tensor> experts =
+        !precision::has_master_weights(precision_) || expert_params_.empty()
+            ? expert_params_
+            : expert_master_gradients();
     if (!partial_in_reducers_) {
       tp_.sum_partial_gradients(reduced_gradient_holders(), names_);
-    } else if (!expert_params_.empty()) {  // (the Reducers summed the dense parameters')
-      tp_.sum_partial_gradients(expert_params_, expert_names_);
+    } else if (!experts.empty()) {  // (the Reducers summed the dense parameters')
+      tp_.sum_partial_gradients(experts, expert_names_);
     }
-    reduce_expert_gradients(expert_params_, grid_->edp(), grid_->dp_size());
+    reduce_expert_gradients(experts, grid_->edp(), grid_->dp_size());
     // zero1: the experts' shard pieces take their part of the reduced gradients.
-    if (zero1_ && !expert_params_.empty()) {
-      expert_shards_.alias_parameter_gradients(zero::FlatShards::gradients_of(expert_params_));
+    if (zero1_ && !experts.empty()) {
+      expert_shards_.alias_parameter_gradients(zero::FlatShards::gradients_of(experts));
     }
   }
   // This rank's share of the replica's loss: the last stage's, and each stage's balance losses.

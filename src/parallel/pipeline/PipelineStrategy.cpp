@@ -252,7 +252,14 @@ void PipelineStrategy::setup(Model model, const optim::OptimizerFactory& make_op
           expert_params_, parallel::ddp::bucket_groups(expert_params_, expert_names_, bucketing),
           grid_->edp()->size(), grid_->edp()->rank(), "pipeline zero1 (experts)");
     }
-    if (!initial_master.empty()) shards_.make_master(at::kFloat, initial_master);
+    if (!initial_master.empty()) {  // (the experts' masters in their own shards)
+      std::vector<at::Tensor> dense_master, expert_master;
+      for (size_t k = 0; k < parameters_.size(); ++k) {
+        (expert_[k] ? expert_master : dense_master).push_back(initial_master[k]);
+      }
+      shards_.make_master(at::kFloat, dense_master);
+      if (!expert_params_.empty()) expert_shards_.make_master(at::kFloat, expert_master);
+    }
     overlap_gather_ = options_.of<parallel::zero::ZeroOverlapOptions>().param_gather;
     // Megatron's distributed optimizer: each chunk's buckets reduce-scattered into this rank's
     // gradient shard at the chunk's last backward (where that can be; else allreduced).
@@ -381,16 +388,37 @@ void PipelineStrategy::show_inputs(const Chunk& chunk, const at::Tensor& inputs,
   model_.see_inputs(model_input(inputs));
 }
 
+const std::vector<at::Tensor>& PipelineStrategy::expert_master_gradients() {
+  torch::NoGradGuard no_grad;
+  expert_holders_.clear();
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    if (!expert_[k]) continue;
+    at::Tensor& p = parameters_[k];
+    const at::Tensor& grad = p.grad();
+    expert_holders_.push_back(
+        gradient_holder(master_.empty() ? at::Tensor() : master_[k],
+                        grad.defined() ? grad.to(at::kFloat)
+                                       : at::zeros(p.sizes(), p.options().dtype(at::kFloat))));
+    p.mutable_grad().reset();
+  }
+  return expert_holders_;
+}
+
 std::vector<at::Tensor> PipelineStrategy::reduced_gradient_holders() const {
   if (!precision::has_master_weights(precision_) || scatter_) return parameters_;
   std::vector<at::Tensor> holders(parameters_.size());
+  // (The experts' fp32 gradients: expert_master_gradients'.)
+  for (size_t k = 0, e = 0; k < parameters_.size() && !expert_holders_.empty(); ++k) {
+    if (expert_[k]) holders[k] = expert_holders_[e++];
+  }
   for (size_t c = 0; c < chunks_.size(); ++c) {
     if (!reducers_[c]) continue;
-    const auto& indices = chunks_[c].parameters;
-    for (size_t j = 0; j < indices.size(); ++j) {
-      const size_t k = indices[j];
-      holders[k] =
-          gradient_holder(master_.empty() ? at::Tensor() : master_[k], reducers_[c]->main_grad(j));
+    // (The chunk's Reducer holds its dense parameters, in the chunk's order.)
+    size_t j = 0;
+    for (const size_t k : chunks_[c].parameters) {
+      if (expert_[k]) continue;
+      holders[k] = gradient_holder(master_.empty() ? at::Tensor() : master_[k],
+                                   reducers_[c]->main_grad(j++));
     }
   }
   return holders;
@@ -398,6 +426,7 @@ std::vector<at::Tensor> PipelineStrategy::reduced_gradient_holders() const {
 
 void PipelineStrategy::update_model_from_master() {
   if (shards_.has_master()) shards_.publish_master();
+  if (expert_shards_.has_master()) expert_shards_.publish_master();
   copy_weights(master_, parameters_);
 }
 

@@ -132,6 +132,11 @@ class PipelineStrategy : public Strategy {
       const Chunk& chunk, bool dense = false) const;
   /// The first stage's input as the model takes it (bf16 weights: cast).
   at::Tensor model_input(const at::Tensor& inputs) const;
+  /// bf16-master: each expert's gradient in fp32 (the model's bf16 one converted, then dropped)
+  /// on its master weight (ddp stages) or a holder of its own (zero1's expert shards take it),
+  /// in expert_params_' order; kept for reduced_gradient_holders.
+  const std::vector<at::Tensor>& expert_master_gradients();
+  std::vector<at::Tensor> expert_holders_;
   /// Packed sequences: the model's view of a micro-batch's `inputs` (Model::see_inputs) before
   /// `chunk` runs its forward (where the chunk does not start the model), or a `backward` that
   /// recomputes a checkpointed stage of it.
