@@ -46,9 +46,7 @@ ProcessGrid::ProcessGrid(CommunicatorPtr world, int tensor_parallel, int pipelin
   const bool pp_inside = order_ == GridOrder::kTpPpDp;
   for (int pp = 0; pp < pp_size_; ++pp) {
     for (int dp = 0; dp < dp_size_; ++dp) {
-      std::vector<int> ranks;
-      for (int tp = 0; tp < tp_size_; ++tp) ranks.push_back(world_rank_of({dp, pp, tp}));
-      keep(tp_, make_inside(ranks, concat("tp[pp=", pp, ",dp=", dp, "]")));
+      keep(tp_, make_inside(tp_members(dp, pp), concat("tp[pp=", pp, ",dp=", dp, "]")));
     }
   }
   for (int pp = 0; pp < pp_size_; ++pp) {
@@ -177,8 +175,7 @@ void ProcessGrid::split_context(int ranks) {
   for (int pp = 0; pp < pp_size_; ++pp) {
     for (int tp = 0; tp < tp_size_; ++tp) {
       for (int g = 0; g < dp_size_ / ranks; ++g) {
-        std::vector<int> members;
-        for (int c = 0; c < ranks; ++c) members.push_back(world_rank_of({g * ranks + c, pp, tp}));
+        const std::vector<int> members = dp_block(ranks, g, pp, tp);
         auto group =
             static_cast<int>(members.size()) == world_->size()
                 ? world_
@@ -203,8 +200,8 @@ void ProcessGrid::split_experts(int ranks) {
   for (int pp = 0; pp < pp_size_; ++pp) {
     for (int tp = 0; tp < tp_size_; ++tp) {
       for (int g = 0; g < groups; ++g) {
-        if (auto group = make(expert_group(ranks, g, pp, tp),
-                              concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "]"))) {
+        if (auto group =
+                make(dp_block(ranks, g, pp, tp), concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "]"))) {
           ep_ = group;
         }
       }
@@ -222,50 +219,34 @@ void ProcessGrid::split_experts(int ranks) {
 
 void ProcessGrid::add_lanes() {
   if (ep_lane_ || tp_lane_ || cp_lane_) return;
-  // (Every rank makes every group, in one order.)
-  if (ep_) {
-    const int ranks = ep_->size();
+  // (Every rank makes every group, in one order: the groups' own, as split_experts,
+  // split_context and the constructor list them.)
+  auto over_blocks = [&](CommunicatorPtr& lane, int ranks, const char* prefix) {
     for (int pp = 0; pp < pp_size_; ++pp) {
       for (int tp = 0; tp < tp_size_; ++tp) {
         for (int g = 0; g < dp_size_ / ranks; ++g) {
           if (auto group =
-                  world_->new_group(expert_group(ranks, g, pp, tp),
-                                    concat("ep[pp=", pp, ",tp=", tp, ",g=", g, "] lane 2"))) {
-            ep_lane_ = group;
+                  world_->new_group(dp_block(ranks, g, pp, tp),
+                                    concat(prefix, "[pp=", pp, ",tp=", tp, ",g=", g, "] lane 2"))) {
+            lane = group;
           }
         }
       }
     }
-    DTRAIN_CHECK(ep_lane_, "ProcessGrid: rank ", world_->rank(), " has no second expert lane");
-  }
+    DTRAIN_CHECK(lane, "ProcessGrid: rank ", world_->rank(), " has no second ", prefix, " lane");
+  };
+  if (ep_) over_blocks(ep_lane_, ep_->size(), "ep");
+  if (cp_) over_blocks(cp_lane_, cp_->size(), "cp");
   if (tp_size_ > 1) {
     for (int pp = 0; pp < pp_size_; ++pp) {
       for (int dp = 0; dp < dp_size_; ++dp) {
-        std::vector<int> ranks;
-        for (int tp = 0; tp < tp_size_; ++tp) ranks.push_back(world_rank_of({dp, pp, tp}));
-        if (auto group = world_->new_group(ranks, concat("tp[pp=", pp, ",dp=", dp, "] lane 2"))) {
+        if (auto group = world_->new_group(tp_members(dp, pp),
+                                           concat("tp[pp=", pp, ",dp=", dp, "] lane 2"))) {
           tp_lane_ = group;
         }
       }
     }
-    DTRAIN_CHECK(tp_lane_, "ProcessGrid: rank ", world_->rank(),
-                 " has no second tensor-parallel lane");
-  }
-  if (cp_) {
-    const int ranks = cp_->size();
-    for (int pp = 0; pp < pp_size_; ++pp) {
-      for (int tp = 0; tp < tp_size_; ++tp) {
-        for (int g = 0; g < dp_size_ / ranks; ++g) {
-          std::vector<int> members;
-          for (int c = 0; c < ranks; ++c) members.push_back(world_rank_of({g * ranks + c, pp, tp}));
-          if (auto group = world_->new_group(
-                  members, concat("cp[pp=", pp, ",tp=", tp, ",g=", g, "] lane 2"))) {
-            cp_lane_ = group;
-          }
-        }
-      }
-    }
-    DTRAIN_CHECK(cp_lane_, "ProcessGrid: rank ", world_->rank(), " has no second context lane");
+    DTRAIN_CHECK(tp_lane_, "ProcessGrid: rank ", world_->rank(), " has no second tp lane");
   }
 }
 
@@ -277,9 +258,15 @@ std::vector<std::pair<const Communicator*, CommunicatorPtr>> ProcessGrid::lanes(
   return out;
 }
 
-std::vector<int> ProcessGrid::expert_group(int ranks, int g, int pp, int tp) const {
+std::vector<int> ProcessGrid::dp_block(int ranks, int g, int pp, int tp) const {
   std::vector<int> members;
   for (int e = 0; e < ranks; ++e) members.push_back(world_rank_of({g * ranks + e, pp, tp}));
+  return members;
+}
+
+std::vector<int> ProcessGrid::tp_members(int dp, int pp) const {
+  std::vector<int> members;
+  for (int tp = 0; tp < tp_size_; ++tp) members.push_back(world_rank_of({dp, pp, tp}));
   return members;
 }
 

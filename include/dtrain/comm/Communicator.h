@@ -264,9 +264,11 @@ std::vector<std::string> allgather_strings(Communicator& comm, const std::string
 /// Lanes. While a LaneScope lives on a thread, on_lane(group) gives that thread's substitute for
 /// `group` (a group of the same ranks made for the purpose), else `group` itself. Two threads of
 /// a rank that issue collectives at once must not share a group: its ops would meet their peers'
-/// in another order. DualPipe-V's backward thread issues its all-to-alls on the expert group's
-/// second lane (ProcessGrid::add_expert_lane), so that each lane sees its ops in one order on
-/// every rank while both threads run.
+/// in another order. DualPipe-V's backward thread issues its collectives on the second lanes of
+/// the expert, tensor-parallel and context groups (ProcessGrid::add_lanes), so that each lane
+/// sees its ops in one order on every rank while both threads run. Every op issued inside a
+/// pair's computation asks on_lane for its group (nn/tensor/Mappings.cpp, the context attention,
+/// the MoE layer, the vocabulary-parallel loss).
 class LaneScope {
  public:
   explicit LaneScope(std::vector<std::pair<const Communicator*, CommunicatorPtr>> substitutes);

@@ -105,8 +105,11 @@ class ProcessGrid {
   GridCoordinates coordinates_of(int world_rank) const;
 
  private:
-  /// World ranks of expert group `g` of `ranks` at (pp, tp): split_experts' and the lane's.
-  std::vector<int> expert_group(int ranks, int g, int pp, int tp) const;
+  /// World ranks of block `g` of `ranks` consecutive data-parallel coordinates at (pp, tp): an
+  /// expert or context group (and its lane).
+  std::vector<int> dp_block(int ranks, int g, int pp, int tp) const;
+  /// World ranks of the tensor-parallel group at (dp, pp) (and its lane).
+  std::vector<int> tp_members(int dp, int pp) const;
   CommunicatorPtr world_;
   int dp_size_;
   int pp_size_;

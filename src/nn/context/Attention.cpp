@@ -63,15 +63,6 @@ at::Tensor apply_dropout(const at::Tensor& weights, const Dropout& dropout,
   return weights.masked_fill(kept.logical_not(), 0) * (1.0 / (1.0 - dropout.p));
 }
 
-// Attention where every query sees at least one of the keys (its own position among them: one
-// process, the all-gather's and Ulysses' whole sequences): softmax over the scores with the
-// hidden ones at -inf, then dropout. What backward keeps of it: softmax's output, the dropout
-// mask (a byte a weight) and the weights (block_attention's log-sum-exp form keeps more).
-at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& q_positions, const at::Tensor& k_positions,
-                             const at::Tensor& q_documents, const at::Tensor& k_documents,
-                             const Dropout& dropout);
-
 struct DropoutHolder : torch::CustomClassHolder {
   Dropout dropout;
 };
@@ -96,6 +87,25 @@ at::Tensor hidden_keys(const at::Tensor& q_positions, const at::Tensor& k_positi
                  .unsqueeze(1);
   }
   return hidden;
+}
+
+// Attention where every query sees at least one of the keys (its own position among them: one
+// process, the all-gather's and Ulysses' whole sequences): softmax over the scores with the
+// hidden ones at -inf, then dropout. What backward keeps of it: softmax's output, the dropout
+// mask (a byte a weight) and the weights (block_attention's log-sum-exp form keeps more).
+at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& q_positions, const at::Tensor& k_positions,
+                             const at::Tensor& q_documents, const at::Tensor& k_documents,
+                             const Dropout& dropout) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const at::Tensor hidden =
+      hidden_keys(q_positions, k_positions, q_documents, k_documents, q.device());
+  at::Tensor weights =
+      at::softmax((at::matmul(q, k.transpose(-2, -1)) * scale)
+                      .masked_fill(hidden, -std::numeric_limits<double>::infinity()),
+                  -1);
+  if (dropout.active()) weights = apply_dropout(weights, dropout, q_positions, k_positions);
+  return at::matmul(weights, v);
 }
 
 // Grouped-query attention's key/value heads [b, kv heads, t, d] expanded to the query heads,
@@ -424,25 +434,6 @@ Partial block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (dropout.active()) weights = apply_dropout(weights, dropout, q_positions, k_positions);
   return {at::matmul(weights, v), lse};
 }
-
-namespace {
-
-at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& q_positions, const at::Tensor& k_positions,
-                             const at::Tensor& q_documents, const at::Tensor& k_documents,
-                             const Dropout& dropout) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  const at::Tensor hidden =
-      hidden_keys(q_positions, k_positions, q_documents, k_documents, q.device());
-  at::Tensor weights =
-      at::softmax((at::matmul(q, k.transpose(-2, -1)) * scale)
-                      .masked_fill(hidden, -std::numeric_limits<double>::infinity()),
-                  -1);
-  if (dropout.active()) weights = apply_dropout(weights, dropout, q_positions, k_positions);
-  return at::matmul(weights, v);
-}
-
-}  // namespace
 
 Partial merge(const Partial& a, const Partial& b) {
   const at::Tensor lse = at::logaddexp(a.lse, b.lse);
